@@ -1,0 +1,370 @@
+//! The CUDA backend, through cudarc with the driver loaded at run time.
+//!
+//! Creating it never panics on a machine without CUDA: it checks that the driver library loads
+//! (`is_culib_present`) and that a device exists before touching the driver, and returns
+//! [`Error::BackendUnavailable`] otherwise. Device buffers are cudarc slices (whose stream-ordered
+//! free waits for work still using them); pinned host memory is allocated without the
+//! write-combined flag, because the CPU optimizer reads it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::{
+    result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
+    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
+use parking_lot::Mutex;
+
+use super::{Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream};
+use crate::error::{Error, Result};
+use crate::kernels;
+
+struct CudaMem {
+    /// `None` for zero-length buffers (nothing allocated).
+    slice: Mutex<Option<CudaSlice<u8>>>,
+}
+
+/// A CUDA GPU. See the [module docs](self).
+pub struct CudaBackend {
+    id: DeviceId,
+    ctx: Arc<CudaContext>,
+    arch: (i32, i32),
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("id", &self.id)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+fn unavailable(reason: impl Into<String>) -> Error {
+    Error::BackendUnavailable {
+        kind: BackendKind::Cuda,
+        reason: reason.into(),
+    }
+}
+
+/// Whether a CUDA driver library can be loaded on this machine (no driver call is made).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to dlopen the driver library.
+    unsafe { sys::is_culib_present() }
+}
+
+/// Number of CUDA devices, or 0 when there is no driver or the driver fails to initialise.
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    if cu::init().is_err() {
+        return 0;
+    }
+    cu::device::get_count().map(|n| n.max(0) as usize).unwrap_or(0)
+}
+
+impl CudaBackend {
+    /// Opens CUDA device `ordinal`.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        if !driver_present() {
+            return Err(unavailable("the CUDA driver library (libcuda) is not installed"));
+        }
+        cu::init().map_err(|e| unavailable(format!("cuInit failed: {e}")))?;
+        let count = cu::device::get_count().map_err(|e| unavailable(format!("cuDeviceGetCount failed: {e}")))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(unavailable(format!(
+                "device {ordinal} requested, {count} CUDA device(s) present"
+            )));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::cuda("creating a context", e))?;
+        let arch = ctx
+            .compute_capability()
+            .map_err(|e| Error::cuda("reading the compute capability", e))?;
+        Ok(CudaBackend {
+            id: DeviceId::new(BackendKind::Cuda, ordinal),
+            ctx,
+            arch,
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The cudarc context (for code that launches its own kernels).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.arch
+    }
+
+    /// Loads (compiling on first use, then cached per device) the module of kernel source
+    /// `name` and returns function `func` from it.
+    pub fn function(&self, name: &'static str, func: &str) -> Result<CudaFunction> {
+        let module = {
+            let mut modules = self.modules.lock();
+            match modules.get(name) {
+                Some(m) => m.clone(),
+                None => {
+                    let src = kernels::source(name)?;
+                    let arch = format!("sm_{}{}", self.arch.0, self.arch.1);
+                    let image = kernels::compile(src, kernels::Target::Cubin(arch))?;
+                    let m = self
+                        .ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))
+                        .map_err(|e| Error::cuda("loading a kernel module", e))?;
+                    modules.insert(name, m.clone());
+                    m
+                }
+            }
+        };
+        module
+            .load_function(func)
+            .map_err(|e| Error::cuda("loading a kernel function", e))
+    }
+}
+
+fn mem(raw: &RawBuffer) -> Result<&CudaMem> {
+    raw.downcast_ref::<CudaMem>()
+        .ok_or_else(|| Error::InvalidArgument("buffer was not allocated by a CUDA device".into()))
+}
+
+fn stream(raw: &RawStream) -> Result<&Arc<CudaStream>> {
+    raw.downcast_ref::<Arc<CudaStream>>()
+        .ok_or_else(|| Error::InvalidArgument("stream was not created by a CUDA device".into()))
+}
+
+fn event(raw: &RawEvent) -> Result<&CudaEvent> {
+    raw.downcast_ref::<CudaEvent>()
+        .ok_or_else(|| Error::InvalidArgument("event was not created by a CUDA device".into()))
+}
+
+const BLOCK: u32 = 256;
+
+impl Backend for CudaBackend {
+    fn id(&self) -> DeviceId {
+        self.id
+    }
+
+    fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "CUDA device".into())
+    }
+
+    fn mem_info(&self) -> Result<MemInfo> {
+        let (free, total) = self
+            .ctx
+            .mem_get_info()
+            .map_err(|e| Error::cuda("querying memory", e))?;
+        Ok(MemInfo { free, total })
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<RawBuffer> {
+        if bytes == 0 {
+            return Ok(Box::new(CudaMem {
+                slice: Mutex::new(None),
+            }));
+        }
+        let s = self.ctx.default_stream();
+        // SAFETY: the memory is uninitialised device memory; it is only read through copies the
+        // user enqueues, never exposed to Rust as a typed value.
+        match unsafe { s.alloc::<u8>(bytes) } {
+            Ok(slice) => Ok(Box::new(CudaMem {
+                slice: Mutex::new(Some(slice)),
+            })),
+            Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+                let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
+                Err(Error::OutOfMemory {
+                    device: self.id,
+                    requested: bytes,
+                    free: info.free,
+                    capacity: info.total,
+                })
+            }
+            Err(e) => Err(Error::cuda("allocating device memory", e)),
+        }
+    }
+
+    fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {
+        HostBuffer::pinned(&self.ctx, bytes)
+    }
+
+    fn new_stream(&self) -> Result<RawStream> {
+        let s = self
+            .ctx
+            .new_stream()
+            .map_err(|e| Error::cuda("creating a stream", e))?;
+        Ok(Box::new(s))
+    }
+
+    fn new_event(&self) -> Result<RawEvent> {
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| Error::cuda("creating an event", e))?;
+        Ok(Box::new(e))
+    }
+
+    unsafe fn enqueue(&self, s: &RawStream, op: Op<'_>) -> Result<()> {
+        let s = stream(s)?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("binding the context", e))?;
+        let cs = s.cu_stream();
+        let err = |during| move |e| Error::cuda(during, e);
+        match op {
+            Op::HostToDevice {
+                src,
+                dst,
+                dst_offset,
+                len,
+            } => {
+                let mut d = mem(dst)?.slice.lock();
+                if let (Some(d), true) = (d.as_mut(), len > 0) {
+                    let (ptr, _rec) = d.device_ptr_mut(s);
+                    // SAFETY: bounds checked by `Device`; `src` valid for `len` bytes until the
+                    // event recorded after this op completes (enqueue contract).
+                    let host = std::slice::from_raw_parts(src, len);
+                    cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs).map_err(err("a host-to-device copy"))?;
+                }
+            }
+            Op::DeviceToHost {
+                src,
+                src_offset,
+                dst,
+                len,
+            } => {
+                let sl = mem(src)?.slice.lock();
+                if let (Some(sl), true) = (sl.as_ref(), len > 0) {
+                    let (ptr, _rec) = sl.device_ptr(s);
+                    // SAFETY: as above; `dst` is exclusively owned by the pending copy.
+                    let host = std::slice::from_raw_parts_mut(dst, len);
+                    cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs).map_err(err("a device-to-host copy"))?;
+                }
+            }
+            Op::DeviceToDevice {
+                src,
+                src_offset,
+                dst,
+                dst_offset,
+                len,
+            } => {
+                if len == 0 {
+                    return Ok(());
+                }
+                let (sm, dm) = (mem(src)?, mem(dst)?);
+                if std::ptr::eq(sm, dm) {
+                    let mut g = dm.slice.lock();
+                    let sl = g.as_mut().ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
+                    let (ptr, _rec) = sl.device_ptr_mut(s);
+                    cu::memcpy_dtod_async(ptr + dst_offset as u64, ptr + src_offset as u64, len, cs)
+                        .map_err(err("a device-to-device copy"))?;
+                } else {
+                    let sg = sm.slice.lock();
+                    let mut dg = dm.slice.lock();
+                    if let (Some(a), Some(b)) = (sg.as_ref(), dg.as_mut()) {
+                        let (sp, _r1) = a.device_ptr(s);
+                        let (dp, _r2) = b.device_ptr_mut(s);
+                        cu::memcpy_dtod_async(dp + dst_offset as u64, sp + src_offset as u64, len, cs)
+                            .map_err(err("a device-to-device copy"))?;
+                    }
+                }
+            }
+            Op::Fill {
+                dst,
+                offset,
+                len,
+                value,
+            } => {
+                let mut d = mem(dst)?.slice.lock();
+                if let (Some(d), true) = (d.as_mut(), len > 0) {
+                    let (ptr, _rec) = d.device_ptr_mut(s);
+                    cu::memset_d8_async(ptr + offset as u64, value, len, cs).map_err(err("a memset"))?;
+                }
+            }
+            Op::Cast {
+                src,
+                src_offset,
+                from,
+                dst,
+                dst_offset,
+                to,
+                count,
+            } => {
+                if count == 0 {
+                    return Ok(());
+                }
+                crate::ops::cast::check_supported(from, to)?;
+                let f = self.function("convert.cu", &format!("cast_{}_{}", from.name(), to.name()))?;
+                let (sm, dm) = (mem(src)?, mem(dst)?);
+                let n = count as u64;
+                let launch = |sp: u64, dp: u64| -> Result<()> {
+                    let mut b = s.launch_builder(&f);
+                    b.arg(&sp).arg(&dp).arg(&n);
+                    // SAFETY: the kernel reads `count` elements at `sp` and writes `count` at
+                    // `dp`, both inside their buffers and disjoint (checked by `Device::cast`).
+                    unsafe { b.launch(cfg(grid_for(count))) }
+                        .map(|_| ())
+                        .map_err(err("launching a cast kernel"))
+                };
+                let empty = || Error::InvalidArgument("cast on an empty buffer".into());
+                if std::ptr::eq(sm, dm) {
+                    let mut g = dm.slice.lock();
+                    let (p, _rec) = g.as_mut().ok_or_else(empty)?.device_ptr_mut(s);
+                    launch(p + src_offset as u64, p + dst_offset as u64)?;
+                } else {
+                    let sg = sm.slice.lock();
+                    let mut dg = dm.slice.lock();
+                    let (sp, _r1) = sg.as_ref().ok_or_else(empty)?.device_ptr(s);
+                    let (dp, _r2) = dg.as_mut().ok_or_else(empty)?.device_ptr_mut(s);
+                    launch(sp + src_offset as u64, dp + dst_offset as u64)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn record(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
+        event(e)?
+            .record(stream(s)?)
+            .map_err(|e| Error::cuda("recording an event", e))
+    }
+
+    fn wait(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
+        stream(s)?
+            .wait(event(e)?)
+            .map_err(|e| Error::cuda("making a stream wait", e))
+    }
+
+    fn sync_event(&self, e: &RawEvent) -> Result<()> {
+        event(e)?
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronising an event", e))
+    }
+
+    fn query_event(&self, e: &RawEvent) -> Result<bool> {
+        event(e)?
+            .try_is_complete()
+            .map_err(|e| Error::cuda("querying an event", e))
+    }
+
+    fn sync_stream(&self, s: &RawStream) -> Result<()> {
+        stream(s)?
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronising a stream", e))
+    }
+}
+
+fn grid_for(count: usize) -> u32 {
+    // Grid-stride kernels: cap the grid, every thread loops.
+    (count.div_ceil(BLOCK as usize)).clamp(1, 65_535) as u32
+}
+
+fn cfg(grid: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (grid, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}

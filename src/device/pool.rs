@@ -1,0 +1,272 @@
+//! A caching allocator for non-model data (activations, workspaces).
+//!
+//! Freed blocks go back to a per-size cache instead of the device, so the steady state of a
+//! training loop allocates nothing from the backend. It reports the bytes in use and the bytes
+//! reserved from the device, each with a peak that [`CachingAllocator::reset_peak`] restarts: the
+//! tide tracer reads the peak of every period between two moments.
+//!
+//! Sizes are rounded up to 512 bytes (below 1 MiB) or to 128 KiB (above), and a cached block is
+//! reused for a request when it is at most 25% larger, which bounds the waste per block. When the
+//! device is full the cache is emptied and the allocation retried once before
+//! [`Error::OutOfMemory`] is returned.
+
+use std::collections::BTreeMap;
+use std::ops::Deref;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+
+const SMALL: usize = 1 << 20;
+const SMALL_ROUND: usize = 512;
+const LARGE_ROUND: usize = 128 << 10;
+
+/// Rounds a request up to the size class the allocator serves it from.
+pub fn round_size(bytes: usize) -> usize {
+    let r = if bytes < SMALL { SMALL_ROUND } else { LARGE_ROUND };
+    bytes.max(1).div_ceil(r) * r
+}
+
+/// Counters of a [`CachingAllocator`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// Bytes in live blocks (rounded sizes).
+    pub allocated: usize,
+    /// Highest `allocated` since creation or the last [`CachingAllocator::reset_peak`].
+    pub peak_allocated: usize,
+    /// Bytes held from the device: live blocks plus the cache.
+    pub reserved: usize,
+    /// Highest `reserved` since creation or the last reset.
+    pub peak_reserved: usize,
+    /// Allocations served from the cache.
+    pub cache_hits: u64,
+    /// Allocations that went to the device.
+    pub device_allocs: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    free: BTreeMap<usize, Vec<DeviceBuffer>>,
+    stats: PoolStats,
+}
+
+#[derive(Debug)]
+struct Shared {
+    device: Device,
+    state: Mutex<State>,
+}
+
+/// The caching allocator. Cheap to clone; clones share one cache.
+///
+/// ```
+/// use tidemem::device::{CachingAllocator, Device, SimConfig};
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(16 << 20))?;
+/// let pool = CachingAllocator::new(dev);
+/// let a = pool.alloc(3000)?;            // rounded to 3072 bytes
+/// assert_eq!(pool.stats().allocated, 3072);
+/// drop(a);                              // back to the cache, not the device
+/// assert_eq!(pool.stats().reserved, 3072);
+/// let _b = pool.alloc(2900)?;           // served from the cache
+/// assert_eq!(pool.stats().cache_hits, 1);
+/// pool.reset_peak();
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct CachingAllocator {
+    shared: Arc<Shared>,
+}
+
+/// A block of device memory from a [`CachingAllocator`]; returns to the cache on drop.
+/// Dereferences to its [`DeviceBuffer`] (whose length is the rounded size; [`Block::requested`]
+/// is what was asked for).
+#[derive(Debug)]
+pub struct Block {
+    buf: Option<DeviceBuffer>,
+    requested: usize,
+    shared: Arc<Shared>,
+}
+
+impl Block {
+    /// Bytes asked for (the buffer may be larger).
+    pub fn requested(&self) -> usize {
+        self.requested
+    }
+}
+
+impl Deref for Block {
+    type Target = DeviceBuffer;
+    fn deref(&self) -> &DeviceBuffer {
+        self.buf.as_ref().expect("block holds its buffer until dropped")
+    }
+}
+
+impl Drop for Block {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            let mut st = self.shared.state.lock();
+            st.stats.allocated -= buf.len();
+            st.free.entry(buf.len()).or_default().push(buf);
+        }
+    }
+}
+
+impl CachingAllocator {
+    /// An allocator over `device`.
+    pub fn new(device: Device) -> Self {
+        CachingAllocator {
+            shared: Arc::new(Shared {
+                device,
+                state: Mutex::new(State::default()),
+            }),
+        }
+    }
+
+    /// The device blocks come from.
+    pub fn device(&self) -> &Device {
+        &self.shared.device
+    }
+
+    /// A block of at least `bytes` bytes.
+    pub fn alloc(&self, bytes: usize) -> Result<Block> {
+        let size = round_size(bytes);
+        let mut st = self.shared.state.lock();
+        let hit = st
+            .free
+            .range(size..=size + size / 4)
+            .next()
+            .map(|(&k, _)| k);
+        let buf = match hit {
+            Some(k) => {
+                let list = st.free.get_mut(&k).expect("key just found");
+                let b = list.pop().expect("lists in the map are non-empty");
+                if list.is_empty() {
+                    st.free.remove(&k);
+                }
+                st.stats.cache_hits += 1;
+                b
+            }
+            None => {
+                let b = match self.shared.device.alloc(size) {
+                    Ok(b) => b,
+                    Err(Error::OutOfMemory { .. }) if !st.free.is_empty() => {
+                        let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
+                        st.free.clear();
+                        st.stats.reserved -= cached;
+                        self.shared.device.alloc(size)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                st.stats.device_allocs += 1;
+                st.stats.reserved += size;
+                st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
+                b
+            }
+        };
+        st.stats.allocated += buf.len();
+        st.stats.peak_allocated = st.stats.peak_allocated.max(st.stats.allocated);
+        drop(st);
+        Ok(Block {
+            buf: Some(buf),
+            requested: bytes,
+            shared: self.shared.clone(),
+        })
+    }
+
+    /// Current counters.
+    pub fn stats(&self) -> PoolStats {
+        self.shared.state.lock().stats
+    }
+
+    /// Restarts both peaks at the current values (call at each moment of the tide).
+    pub fn reset_peak(&self) {
+        let mut st = self.shared.state.lock();
+        st.stats.peak_allocated = st.stats.allocated;
+        st.stats.peak_reserved = st.stats.reserved;
+    }
+
+    /// Returns every cached block to the device; returns the bytes released.
+    pub fn empty_cache(&self) -> usize {
+        let mut st = self.shared.state.lock();
+        let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
+        st.free.clear();
+        st.stats.reserved -= cached;
+        cached
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimConfig;
+
+    fn pool(cap: usize) -> CachingAllocator {
+        CachingAllocator::new(Device::sim(SimConfig::with_capacity(cap)).unwrap())
+    }
+
+    #[test]
+    fn rounding() {
+        assert_eq!(round_size(0), 512);
+        assert_eq!(round_size(512), 512);
+        assert_eq!(round_size(513), 1024);
+        assert_eq!(round_size(SMALL), SMALL);
+        assert_eq!(round_size(SMALL + 1), SMALL + LARGE_ROUND);
+    }
+
+    #[test]
+    fn peak_tracks_and_resets() {
+        let p = pool(64 << 20);
+        let a = p.alloc(4 << 20).unwrap();
+        let b = p.alloc(2 << 20).unwrap();
+        drop(a);
+        let s = p.stats();
+        assert_eq!(s.allocated, 2 << 20);
+        assert_eq!(s.peak_allocated, 6 << 20);
+        assert_eq!(s.reserved, 6 << 20);
+        p.reset_peak();
+        assert_eq!(p.stats().peak_allocated, 2 << 20);
+        drop(b);
+        assert_eq!(p.stats().peak_allocated, 2 << 20);
+        assert_eq!(p.stats().allocated, 0);
+    }
+
+    #[test]
+    fn reuses_only_close_sizes() {
+        let p = pool(64 << 20);
+        drop(p.alloc(8 << 20).unwrap());
+        let _small = p.alloc(1 << 20).unwrap(); // 8 MiB block is far too big: new allocation
+        assert_eq!(p.stats().cache_hits, 0);
+        let _big = p.alloc(7 << 20).unwrap(); // within 25%: reused
+        assert_eq!(p.stats().cache_hits, 1);
+        assert_eq!(p.stats().device_allocs, 2);
+    }
+
+    #[test]
+    fn oom_empties_cache_then_errors() {
+        let p = pool(10 << 20);
+        drop(p.alloc(7 << 20).unwrap());
+        // 7 MiB cached (too big to reuse) + 4 MiB new does not fit: the cache is released and
+        // the retry succeeds.
+        let b = p.alloc(4 << 20).unwrap();
+        assert_eq!(p.stats().reserved, 4 << 20);
+        let e = p.alloc(7 << 20).unwrap_err();
+        match e {
+            Error::OutOfMemory {
+                requested,
+                free,
+                capacity,
+                ..
+            } => {
+                assert_eq!(requested, 7 << 20);
+                assert_eq!(free, 6 << 20);
+                assert_eq!(capacity, 10 << 20);
+            }
+            other => panic!("unexpected {other}"),
+        }
+        drop(b);
+        assert_eq!(p.empty_cache(), 4 << 20);
+        assert_eq!(p.device().mem_info().unwrap().free, 10 << 20);
+    }
+}

@@ -1,0 +1,168 @@
+//! Typed errors for every fallible operation of the crate.
+//!
+//! The public API never panics on bad input: it returns one of these variants, each of which
+//! names the numbers a user needs to understand what went wrong.
+
+use crate::device::{BackendKind, DeviceId};
+use crate::dtype::DType;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `tidemem`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A device allocation did not fit.
+    #[error(
+        "out of device memory on {device}: requested {requested} bytes, {free} bytes free of {capacity}"
+    )]
+    OutOfMemory {
+        /// The device that refused the allocation.
+        device: DeviceId,
+        /// Bytes asked for.
+        requested: usize,
+        /// Bytes free on the device when the request was made.
+        free: usize,
+        /// Total capacity of the device.
+        capacity: usize,
+    },
+
+    /// A host allocation (pinned, paged or file-backed) failed.
+    #[error("host allocation of {requested} bytes ({tier}) failed: {reason}")]
+    HostAlloc {
+        /// Bytes asked for.
+        requested: usize,
+        /// Which host tier was asked.
+        tier: &'static str,
+        /// What the allocator said.
+        reason: String,
+    },
+
+    /// Source and destination of a copy have different lengths.
+    #[error("copy size mismatch: source is {src} bytes, destination is {dst} bytes")]
+    SizeMismatch {
+        /// Source length in bytes.
+        src: usize,
+        /// Destination length in bytes.
+        dst: usize,
+    },
+
+    /// A byte range does not lie inside its buffer.
+    #[error("range {offset}..{offset}+{len} is out of bounds for a buffer of {buffer_len} bytes")]
+    OutOfBounds {
+        /// Start of the range in bytes.
+        offset: usize,
+        /// Length of the range in bytes.
+        len: usize,
+        /// Length of the buffer.
+        buffer_len: usize,
+    },
+
+    /// A handle (buffer, stream, event) was used with a device that did not create it.
+    #[error("{what} belongs to {found}, but the operation runs on {expected}")]
+    WrongDevice {
+        /// What kind of handle was wrong.
+        what: &'static str,
+        /// The device the operation runs on.
+        expected: DeviceId,
+        /// The device that owns the handle.
+        found: DeviceId,
+    },
+
+    /// An access to a device buffer is not ordered after a conflicting access on another stream.
+    ///
+    /// On a GPU this is a data race that silently reads stale or half-written bytes; the device
+    /// layer refuses to enqueue it. Order the accesses with [`crate::device::Device::record`] +
+    /// [`crate::device::Device::wait_event`], or synchronize on the host first.
+    #[error(
+        "unordered access to device buffer #{buffer}: {access} on stream {stream} is not ordered after \
+         the {earlier} enqueued on stream {other_stream}; make the stream wait on an event recorded after it"
+    )]
+    UnorderedAccess {
+        /// Buffer id.
+        buffer: u64,
+        /// "read" or "write": the access being enqueued.
+        access: &'static str,
+        /// Stream of the access being enqueued.
+        stream: usize,
+        /// "read" or "write": the earlier conflicting access.
+        earlier: &'static str,
+        /// Stream of the earlier access.
+        other_stream: usize,
+    },
+
+    /// Offsets or lengths that are not a multiple of the element size of a typed operation.
+    #[error("misaligned {what}: {value} is not a multiple of {align}")]
+    Misaligned {
+        /// Which argument.
+        what: &'static str,
+        /// The offending value.
+        value: usize,
+        /// Required multiple.
+        align: usize,
+    },
+
+    /// A conversion between element types that is not supported.
+    #[error("unsupported conversion {from} -> {to}")]
+    UnsupportedCast {
+        /// Source element type.
+        from: DType,
+        /// Destination element type.
+        to: DType,
+    },
+
+    /// The requested backend is not available on this machine.
+    #[error("{kind} backend unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend that was asked for.
+        kind: BackendKind,
+        /// Why it cannot be used.
+        reason: String,
+    },
+
+    /// An error reported by the CUDA driver.
+    #[error("CUDA driver error during {during}: {message}")]
+    Cuda {
+        /// What the device layer was doing.
+        during: &'static str,
+        /// The driver's description.
+        message: String,
+    },
+
+    /// NVRTC is missing or a kernel failed to compile.
+    #[error("kernel compilation of {kernel} failed: {message}")]
+    Compile {
+        /// The kernel source name (e.g. `convert.cu`).
+        kernel: String,
+        /// Compiler log or reason.
+        message: String,
+    },
+
+    /// The simulated device's copy engine failed or shut down.
+    #[error("simulated device: {0}")]
+    Sim(String),
+
+    /// An invalid argument that has no more specific variant.
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// An I/O error from the file-backed tier.
+    #[error("I/O error in {during}: {source}")]
+    Io {
+        /// What the host tier was doing.
+        during: &'static str,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Error {
+    pub(crate) fn cuda(during: &'static str, e: impl std::fmt::Display) -> Self {
+        Error::Cuda {
+            during,
+            message: e.to_string(),
+        }
+    }
+}

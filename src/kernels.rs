@@ -1,0 +1,163 @@
+//! CUDA kernels: the sources in `kernels/*.cu`, embedded in the crate and compiled at run time
+//! with NVRTC, cached per source and target (and, by the CUDA backend, per device).
+//!
+//! NVRTC and the headers it needs (`cuda_fp16.h`, `cuda_bf16.h`) need not come from a CUDA
+//! toolkit: the PyPI wheels `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` provide them, and NVRTC
+//! loads on a machine with no GPU. The library is found through the dynamic loader
+//! (`LD_LIBRARY_PATH`); headers through [`include_dirs`].
+
+use std::collections::HashMap;
+use std::ffi::{CStr, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+
+/// One embedded kernel source file.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSource {
+    /// File name under `kernels/`.
+    pub name: &'static str,
+    /// The CUDA C++ source.
+    pub code: &'static str,
+}
+
+/// Every kernel source of the crate.
+pub const SOURCES: &[KernelSource] = &[KernelSource {
+    name: "convert.cu",
+    code: include_str!("../kernels/convert.cu"),
+}];
+
+/// The source named `name`.
+pub fn source(name: &str) -> Result<&'static KernelSource> {
+    SOURCES.iter().find(|s| s.name == name).ok_or_else(|| Error::Compile {
+        kernel: name.into(),
+        message: "no such kernel source".into(),
+    })
+}
+
+/// What to compile to.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Target {
+    /// PTX for a virtual architecture, e.g. `compute_90`.
+    Ptx(String),
+    /// A cubin for a real architecture, e.g. `sm_90`.
+    Cubin(String),
+}
+
+/// Whether the NVRTC library can be loaded.
+pub fn nvrtc_available() -> bool {
+    static PRESENT: OnceLock<bool> = OnceLock::new();
+    // SAFETY: only tries to dlopen the library.
+    *PRESENT.get_or_init(|| unsafe { cudarc::nvrtc::sys::is_culib_present() })
+}
+
+/// Directories searched for CUDA headers, in order: the entries of `TIDEMEM_CUDA_INCLUDE`
+/// (a `:`-separated list), then `$CUDA_HOME/include`, `$CUDA_PATH/include` and
+/// `/usr/local/cuda/include` where they exist.
+pub fn include_dirs() -> Vec<PathBuf> {
+    let mut dirs: Vec<PathBuf> = std::env::var_os("TIDEMEM_CUDA_INCLUDE")
+        .map(|v| std::env::split_paths(&v).collect())
+        .unwrap_or_default();
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(v) = std::env::var_os(var) {
+            dirs.push(PathBuf::from(v).join("include"));
+        }
+    }
+    dirs.push(PathBuf::from("/usr/local/cuda/include"));
+    dirs.retain(|d| d.is_dir());
+    dirs
+}
+
+type Cache = Mutex<HashMap<(&'static str, Target), Arc<Vec<u8>>>>;
+
+fn cache() -> &'static Cache {
+    static CACHE: OnceLock<Cache> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// Compiles `src` for `target` (once per source and target; later calls return the cached
+/// image). PTX images end with a NUL byte, as `cuModuleLoadData` expects.
+pub fn compile(src: &'static KernelSource, target: Target) -> Result<Arc<Vec<u8>>> {
+    let key = (src.name, target);
+    if let Some(img) = cache().lock().get(&key) {
+        return Ok(img.clone());
+    }
+    let img = Arc::new(compile_uncached(src, &key.1)?);
+    cache().lock().insert(key, img.clone());
+    Ok(img)
+}
+
+fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result as rtc, sys};
+    let fail = |message: String| Error::Compile {
+        kernel: src.name.into(),
+        message,
+    };
+    if !nvrtc_available() {
+        return Err(fail(
+            "NVRTC (libnvrtc) is not installed; install the nvidia-cuda-nvrtc wheel and add its lib \
+             directory to LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let arch = match target {
+        Target::Ptx(a) | Target::Cubin(a) => a,
+    };
+    let mut opts = vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--use_fast_math=false".to_string(),
+    ];
+    opts.retain(|o| !o.starts_with("--use_fast_math"));
+    for d in include_dirs() {
+        opts.push(format!("--include-path={}", d.display()));
+    }
+    let code = CString::new(src.code).map_err(|_| fail("source contains a NUL byte".into()))?;
+    let name = CString::new(src.name).map_err(|_| fail("name contains a NUL byte".into()))?;
+    let prog = rtc::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    struct Prog(sys::nvrtcProgram);
+    impl Drop for Prog {
+        fn drop(&mut self) {
+            // SAFETY: created above and destroyed once.
+            let _ = unsafe { cudarc::nvrtc::result::destroy_program(self.0) };
+        }
+    }
+    let prog = Prog(prog);
+    // SAFETY: `prog` is a live program; the options are valid C strings.
+    if let Err(e) = unsafe { rtc::compile_program(prog.0, &opts) } {
+        // SAFETY: as above.
+        let log = unsafe { rtc::get_program_log(prog.0) }
+            .map(|l| {
+                // SAFETY: NVRTC returns a NUL-terminated log.
+                unsafe { CStr::from_ptr(l.as_ptr()) }.to_string_lossy().into_owned()
+            })
+            .unwrap_or_default();
+        return Err(fail(format!("{e:?} with options {opts:?}:\n{log}")));
+    }
+    match target {
+        Target::Ptx(_) => {
+            // SAFETY: compiled program.
+            let ptx = unsafe { rtc::get_ptx(prog.0) }.map_err(|e| fail(format!("{e:?}")))?;
+            Ok(ptx.into_iter().map(|c| c as u8).collect())
+        }
+        Target::Cubin(_) => {
+            let mut size = 0usize;
+            // SAFETY: compiled program; `size` receives the cubin size.
+            unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }
+                .result()
+                .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
+            if size == 0 {
+                return Err(fail(format!("no cubin produced for {arch} (a virtual architecture?)")));
+            }
+            let mut buf = vec![0u8; size];
+            // SAFETY: `buf` has room for `size` bytes.
+            unsafe { sys::nvrtcGetCUBIN(prog.0, buf.as_mut_ptr() as *mut _) }
+                .result()
+                .map_err(|e| fail(format!("nvrtcGetCUBIN: {e:?}")))?;
+            Ok(buf)
+        }
+    }
+}

@@ -1,0 +1,40 @@
+//! # tidemem
+//!
+//! A heterogeneous CPU–GPU memory manager for training models larger than device memory, in the
+//! style of PatrickStar and ZeRO: model data lives in chunks that move between pinned host
+//! memory, device memory and a file-backed tier, placed by a scheduler that knows the "tide" of
+//! non-model memory at every moment of an iteration.
+//!
+//! This release holds the ground floor, the [`device`] layer: two backends behind one
+//! [`device::Backend`] trait ([`device::SimBackend`], a simulated accelerator that runs anywhere,
+//! and [`device::CudaBackend`]), asynchronous stream-ordered copies with events, host memory
+//! tiers, a caching allocator for non-model data, and run-time compiled CUDA [`kernels`] with
+//! CPU twins in [`ops`].
+//!
+//! ```
+//! use tidemem::device::{Device, SimConfig};
+//! use tidemem::DType;
+//! # fn main() -> tidemem::Result<()> {
+//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+//! let s = dev.new_stream()?;
+//! let x: Vec<f32> = vec![0.1, 1.5, -3.0, 65504.0];
+//! let src = dev.upload(&s, bytemuck::cast_slice(&x))?;
+//! let dst = dev.alloc(x.len() * 2)?;
+//! dev.cast(&s, &src, DType::F32, &dst, DType::F16)?;
+//! let h: Vec<u8> = dev.download(&s, &dst)?;
+//! let h: &[half::f16] = bytemuck::cast_slice(&h);
+//! assert_eq!(h[1].to_f32(), 1.5);
+//! # Ok(()) }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod device;
+pub mod dtype;
+pub mod error;
+pub mod kernels;
+pub mod ops;
+pub mod units;
+
+pub use dtype::DType;
+pub use error::{Error, Result};

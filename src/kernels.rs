@@ -32,10 +32,13 @@ pub const SOURCES: &[KernelSource] = &[KernelSource {
 
 /// The source named `name`.
 pub fn source(name: &str) -> Result<&'static KernelSource> {
-    SOURCES.iter().find(|s| s.name == name).ok_or_else(|| Error::Compile {
-        kernel: name.into(),
-        message: "no such kernel source".into(),
-    })
+    SOURCES
+        .iter()
+        .find(|s| s.name == name)
+        .ok_or_else(|| Error::Compile {
+            kernel: name.into(),
+            message: "no such kernel source".into(),
+        })
 }
 
 /// What to compile to.
@@ -132,7 +135,9 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
         let log = unsafe { rtc::get_program_log(prog.0) }
             .map(|l| {
                 // SAFETY: NVRTC returns a NUL-terminated log.
-                unsafe { CStr::from_ptr(l.as_ptr()) }.to_string_lossy().into_owned()
+                unsafe { CStr::from_ptr(l.as_ptr()) }
+                    .to_string_lossy()
+                    .into_owned()
             })
             .unwrap_or_default();
         return Err(fail(format!("{e:?} with options {opts:?}:\n{log}")));
@@ -150,7 +155,9 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
                 .result()
                 .map_err(|e| fail(format!("nvrtcGetCUBINSize: {e:?}")))?;
             if size == 0 {
-                return Err(fail(format!("no cubin produced for {arch} (a virtual architecture?)")));
+                return Err(fail(format!(
+                    "no cubin produced for {arch} (a virtual architecture?)"
+                )));
             }
             let mut buf = vec![0u8; size];
             // SAFETY: `buf` has room for `size` bytes.

@@ -15,7 +15,9 @@ use cudarc::driver::{
 };
 use parking_lot::Mutex;
 
-use super::{Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream};
+use super::{
+    Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
+};
 use crate::error::{Error, Result};
 use crate::kernels;
 
@@ -62,17 +64,22 @@ pub fn device_count() -> usize {
     if cu::init().is_err() {
         return 0;
     }
-    cu::device::get_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    cu::device::get_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
 }
 
 impl CudaBackend {
     /// Opens CUDA device `ordinal`.
     pub fn new(ordinal: usize) -> Result<Self> {
         if !driver_present() {
-            return Err(unavailable("the CUDA driver library (libcuda) is not installed"));
+            return Err(unavailable(
+                "the CUDA driver library (libcuda) is not installed",
+            ));
         }
         cu::init().map_err(|e| unavailable(format!("cuInit failed: {e}")))?;
-        let count = cu::device::get_count().map_err(|e| unavailable(format!("cuDeviceGetCount failed: {e}")))?;
+        let count = cu::device::get_count()
+            .map_err(|e| unavailable(format!("cuDeviceGetCount failed: {e}")))?;
         if ordinal >= count.max(0) as usize {
             return Err(unavailable(format!(
                 "device {ordinal} requested, {count} CUDA device(s) present"
@@ -226,7 +233,8 @@ impl Backend for CudaBackend {
                     // SAFETY: bounds checked by `Device`; `src` valid for `len` bytes until the
                     // event recorded after this op completes (enqueue contract).
                     let host = std::slice::from_raw_parts(src, len);
-                    cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs).map_err(err("a host-to-device copy"))?;
+                    cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs)
+                        .map_err(err("a host-to-device copy"))?;
                 }
             }
             Op::DeviceToHost {
@@ -240,7 +248,8 @@ impl Backend for CudaBackend {
                     let (ptr, _rec) = sl.device_ptr(s);
                     // SAFETY: as above; `dst` is exclusively owned by the pending copy.
                     let host = std::slice::from_raw_parts_mut(dst, len);
-                    cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs).map_err(err("a device-to-host copy"))?;
+                    cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs)
+                        .map_err(err("a device-to-host copy"))?;
                 }
             }
             Op::DeviceToDevice {
@@ -256,18 +265,30 @@ impl Backend for CudaBackend {
                 let (sm, dm) = (mem(src)?, mem(dst)?);
                 if std::ptr::eq(sm, dm) {
                     let mut g = dm.slice.lock();
-                    let sl = g.as_mut().ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
+                    let sl = g
+                        .as_mut()
+                        .ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
                     let (ptr, _rec) = sl.device_ptr_mut(s);
-                    cu::memcpy_dtod_async(ptr + dst_offset as u64, ptr + src_offset as u64, len, cs)
-                        .map_err(err("a device-to-device copy"))?;
+                    cu::memcpy_dtod_async(
+                        ptr + dst_offset as u64,
+                        ptr + src_offset as u64,
+                        len,
+                        cs,
+                    )
+                    .map_err(err("a device-to-device copy"))?;
                 } else {
                     let sg = sm.slice.lock();
                     let mut dg = dm.slice.lock();
                     if let (Some(a), Some(b)) = (sg.as_ref(), dg.as_mut()) {
                         let (sp, _r1) = a.device_ptr(s);
                         let (dp, _r2) = b.device_ptr_mut(s);
-                        cu::memcpy_dtod_async(dp + dst_offset as u64, sp + src_offset as u64, len, cs)
-                            .map_err(err("a device-to-device copy"))?;
+                        cu::memcpy_dtod_async(
+                            dp + dst_offset as u64,
+                            sp + src_offset as u64,
+                            len,
+                            cs,
+                        )
+                        .map_err(err("a device-to-device copy"))?;
                     }
                 }
             }
@@ -280,7 +301,8 @@ impl Backend for CudaBackend {
                 let mut d = mem(dst)?.slice.lock();
                 if let (Some(d), true) = (d.as_mut(), len > 0) {
                     let (ptr, _rec) = d.device_ptr_mut(s);
-                    cu::memset_d8_async(ptr + offset as u64, value, len, cs).map_err(err("a memset"))?;
+                    cu::memset_d8_async(ptr + offset as u64, value, len, cs)
+                        .map_err(err("a memset"))?;
                 }
             }
             Op::Cast {
@@ -296,7 +318,8 @@ impl Backend for CudaBackend {
                     return Ok(());
                 }
                 crate::ops::cast::check_supported(from, to)?;
-                let f = self.function("convert.cu", &format!("cast_{}_{}", from.name(), to.name()))?;
+                let f =
+                    self.function("convert.cu", &format!("cast_{}_{}", from.name(), to.name()))?;
                 let (sm, dm) = (mem(src)?, mem(dst)?);
                 let n = count as u64;
                 let launch = |sp: u64, dp: u64| -> Result<()> {

@@ -215,7 +215,8 @@ impl Drop for HostBuffer {
                 // A failure here leaks the pinned pages rather than panicking in drop.
                 if ctx.bind_to_thread().is_ok() {
                     // SAFETY: allocated by `malloc_host` and freed once, here.
-                    let _ = unsafe { cudarc::driver::result::free_host(self.ptr.as_ptr() as *mut _) };
+                    let _ =
+                        unsafe { cudarc::driver::result::free_host(self.ptr.as_ptr() as *mut _) };
                 }
             }
             Owner::Mapped { store, .. } => {
@@ -286,10 +287,12 @@ impl FileStore {
         }
         let io = |during| move |source| Error::Io { during, source };
         let file = tempfile::tempfile_in(&self.dir).map_err(io("creating a file-tier file"))?;
-        file.set_len(len as u64).map_err(io("sizing a file-tier file"))?;
+        file.set_len(len as u64)
+            .map_err(io("sizing a file-tier file"))?;
         // SAFETY: the file is unlinked and private to this mapping, so no other process or
         // handle can truncate or modify it while it is mapped.
-        let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io("mapping a file-tier file"))?;
+        let mut map =
+            unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io("mapping a file-tier file"))?;
         let ptr = NonNull::new(map.as_mut_ptr()).ok_or_else(|| Error::HostAlloc {
             requested: len,
             tier: "mapped",

@@ -38,7 +38,9 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-pub use cuda::{device_count as cuda_device_count, driver_present as cuda_driver_present, CudaBackend};
+pub use cuda::{
+    device_count as cuda_device_count, driver_present as cuda_driver_present, CudaBackend,
+};
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
 pub use pool::{Block, CachingAllocator, PoolStats};
 pub use sim::{LinkModel, SimBackend, SimConfig};
@@ -258,7 +260,9 @@ pub struct Device {
 
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Device").field("id", &self.inner.id).finish()
+        f.debug_struct("Device")
+            .field("id", &self.inner.id)
+            .finish()
     }
 }
 
@@ -307,7 +311,11 @@ impl DeviceBuffer {
                 buffer_len: self.len,
             });
         }
-        Ok(DeviceView { buf: self, offset, len })
+        Ok(DeviceView {
+            buf: self,
+            offset,
+            len,
+        })
     }
     /// The backend's handle (for backend implementors and kernels).
     pub fn raw(&self) -> &RawBuffer {
@@ -389,7 +397,9 @@ pub struct Event {
 
 impl fmt::Debug for Event {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Event").field("device", &self.device).finish()
+        f.debug_struct("Event")
+            .field("device", &self.device)
+            .finish()
     }
 }
 
@@ -406,7 +416,9 @@ pub struct Pending<T> {
 
 impl<T> fmt::Debug for Pending<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pending").field("device", &self.device.id()).finish()
+        f.debug_struct("Pending")
+            .field("device", &self.device.id())
+            .finish()
     }
 }
 
@@ -599,7 +611,12 @@ impl Device {
 
     /// Stamps and enqueues an op touching `accesses` under the clock lock, so the stamp order
     /// equals the enqueue order.
-    fn submit(&self, stream: &Stream, accesses: &[(&DeviceBuffer, Access)], op: Op<'_>) -> Result<Clock> {
+    fn submit(
+        &self,
+        stream: &Stream,
+        accesses: &[(&DeviceBuffer, Access)],
+        op: Op<'_>,
+    ) -> Result<Clock> {
         self.check("stream", stream.device)?;
         for (b, _) in accesses {
             self.check("buffer", b.device)?;
@@ -732,7 +749,11 @@ impl Device {
             dst_offset: dst.offset,
             len: src.len,
         };
-        self.submit(stream, &[(src.buf, Access::Read), (dst.buf, Access::Write)], op)?;
+        self.submit(
+            stream,
+            &[(src.buf, Access::Read), (dst.buf, Access::Write)],
+            op,
+        )?;
         let c = &self.inner.counters;
         c.d2d_bytes.fetch_add(src.len as u64, Ordering::Relaxed);
         c.d2d_copies.fetch_add(1, Ordering::Relaxed);
@@ -740,7 +761,12 @@ impl Device {
     }
 
     /// Sets every byte of `dst` to `value` on `stream`.
-    pub fn memset<'a>(&self, stream: &Stream, dst: impl Into<DeviceView<'a>>, value: u8) -> Result<()> {
+    pub fn memset<'a>(
+        &self,
+        stream: &Stream,
+        dst: impl Into<DeviceView<'a>>,
+        value: u8,
+    ) -> Result<()> {
         let dst = dst.into();
         let op = Op::Fill {
             dst: &dst.buf.raw,
@@ -748,7 +774,8 @@ impl Device {
             len: dst.len,
             value,
         };
-        self.submit(stream, &[(dst.buf, Access::Write)], op).map(|_| ())
+        self.submit(stream, &[(dst.buf, Access::Write)], op)
+            .map(|_| ())
     }
 
     /// Converts the elements of `src` (type `from`) into `dst` (type `to`) on `stream`, with
@@ -800,8 +827,12 @@ impl Device {
             to,
             count,
         };
-        self.submit(stream, &[(src.buf, Access::Read), (dst.buf, Access::Write)], op)
-            .map(|_| ())
+        self.submit(
+            stream,
+            &[(src.buf, Access::Read), (dst.buf, Access::Write)],
+            op,
+        )
+        .map(|_| ())
     }
 
     /// Records `event` on `stream`: it completes when all work enqueued on `stream` so far does.

@@ -78,10 +78,17 @@ impl Clocks {
     }
 
     fn ordered(&self, stream: usize, s: Stamp) -> bool {
-        s.stream == stream || get(&self.known[stream], s.stream) >= s.seq || get(&self.host, s.stream) >= s.seq
+        s.stream == stream
+            || get(&self.known[stream], s.stream) >= s.seq
+            || get(&self.host, s.stream) >= s.seq
     }
 
-    fn conflict(&self, stream: usize, rec: &AccessRecord, access: Access) -> Option<(Stamp, Access)> {
+    fn conflict(
+        &self,
+        stream: usize,
+        rec: &AccessRecord,
+        access: Access,
+    ) -> Option<(Stamp, Access)> {
         if let Some(w) = rec.write {
             if !self.ordered(stream, w) {
                 return Some((w, Access::Write));
@@ -97,7 +104,11 @@ impl Clocks {
 
     /// Checks that every access is ordered, then stamps a new operation on `stream` and records
     /// the accesses. On a conflict nothing is recorded.
-    pub fn stamp(&mut self, stream: usize, accesses: &mut [(&mut AccessRecord, u64, Access)]) -> Result<Stamp> {
+    pub fn stamp(
+        &mut self,
+        stream: usize,
+        accesses: &mut [(&mut AccessRecord, u64, Access)],
+    ) -> Result<Stamp> {
         for (rec, id, access) in accesses.iter() {
             if let Some((earlier, kind)) = self.conflict(stream, rec, *access) {
                 return Err(Error::UnorderedAccess {
@@ -190,7 +201,10 @@ mod tests {
         let mut r = AccessRecord::default();
         c.stamp(a, &mut [(&mut r, 7, Access::Write)]).unwrap();
         let err = c.stamp(b, &mut [(&mut r, 7, Access::Read)]).unwrap_err();
-        assert!(matches!(err, Error::UnorderedAccess { buffer: 7, .. }), "{err}");
+        assert!(
+            matches!(err, Error::UnorderedAccess { buffer: 7, .. }),
+            "{err}"
+        );
         // An event recorded on `a` after the write and waited on by `b` orders the read.
         let ev = c.snapshot(a);
         c.wait(b, &ev);
@@ -225,7 +239,10 @@ mod tests {
         let mut r2 = AccessRecord::default();
         c.stamp(a, &mut [(&mut r1, 1, Access::Write)]).unwrap();
         assert!(c
-            .stamp(b, &mut [(&mut r2, 2, Access::Write), (&mut r1, 1, Access::Read)])
+            .stamp(
+                b,
+                &mut [(&mut r2, 2, Access::Write), (&mut r1, 1, Access::Read)]
+            )
             .is_err());
         assert!(r2.write.is_none());
         // stream b's sequence did not advance

@@ -25,7 +25,11 @@ const LARGE_ROUND: usize = 128 << 10;
 
 /// Rounds a request up to the size class the allocator serves it from.
 pub fn round_size(bytes: usize) -> usize {
-    let r = if bytes < SMALL { SMALL_ROUND } else { LARGE_ROUND };
+    let r = if bytes < SMALL {
+        SMALL_ROUND
+    } else {
+        LARGE_ROUND
+    };
     bytes.max(1).div_ceil(r) * r
 }
 
@@ -99,7 +103,9 @@ impl Block {
 impl Deref for Block {
     type Target = DeviceBuffer;
     fn deref(&self) -> &DeviceBuffer {
-        self.buf.as_ref().expect("block holds its buffer until dropped")
+        self.buf
+            .as_ref()
+            .expect("block holds its buffer until dropped")
     }
 }
 

@@ -17,7 +17,9 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{unbounded, Sender};
 use parking_lot::{Condvar, Mutex};
 
-use super::{Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream};
+use super::{
+    Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -244,7 +246,12 @@ fn run(work: Work, link: Option<LinkModel>) {
             unsafe { std::ptr::copy(src.at(soff), dst.at(doff), len) };
             link.map(|l| l.duration(len, l.d2d_gbps))
         }
-        Work::Fill { dst, off, len, value } => {
+        Work::Fill {
+            dst,
+            off,
+            len,
+            value,
+        } => {
             unsafe { std::ptr::write_bytes(dst.at(off), value, len) };
             None
         }

@@ -36,7 +36,10 @@ fn typed_mut<'a, T: bytemuck::Pod>(b: &'a mut [u8], what: &'static str) -> Resul
 /// Converts the elements in `src` (of type `from`) into `dst` (of type `to`). Both slices must
 /// be aligned for their element types and hold the same number of elements.
 pub fn cast_bytes(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> Result<()> {
-    if src.len() % from.size() != 0 || dst.len() % to.size() != 0 || src.len() / from.size() != dst.len() / to.size() {
+    if src.len() % from.size() != 0
+        || dst.len() % to.size() != 0
+        || src.len() / from.size() != dst.len() / to.size()
+    {
         return Err(Error::SizeMismatch {
             src: src.len(),
             dst: dst.len(),
@@ -45,17 +48,29 @@ pub fn cast_bytes(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> Result<
     const S: &str = "source pointer";
     const D: &str = "destination pointer";
     match (from, to) {
-        (DType::F32, DType::F16) => typed_mut::<f16>(dst, D)?.convert_from_f32_slice(typed(src, S)?),
-        (DType::F32, DType::BF16) => typed_mut::<bf16>(dst, D)?.convert_from_f32_slice(typed(src, S)?),
+        (DType::F32, DType::F16) => {
+            typed_mut::<f16>(dst, D)?.convert_from_f32_slice(typed(src, S)?)
+        }
+        (DType::F32, DType::BF16) => {
+            typed_mut::<bf16>(dst, D)?.convert_from_f32_slice(typed(src, S)?)
+        }
         (DType::F16, DType::F32) => typed::<f16>(src, S)?.convert_to_f32_slice(typed_mut(dst, D)?),
-        (DType::BF16, DType::F32) => typed::<bf16>(src, S)?.convert_to_f32_slice(typed_mut(dst, D)?),
+        (DType::BF16, DType::F32) => {
+            typed::<bf16>(src, S)?.convert_to_f32_slice(typed_mut(dst, D)?)
+        }
         (DType::F16, DType::BF16) => {
-            for (d, s) in typed_mut::<bf16>(dst, D)?.iter_mut().zip(typed::<f16>(src, S)?) {
+            for (d, s) in typed_mut::<bf16>(dst, D)?
+                .iter_mut()
+                .zip(typed::<f16>(src, S)?)
+            {
                 *d = bf16::from_f32(s.to_f32());
             }
         }
         (DType::BF16, DType::F16) => {
-            for (d, s) in typed_mut::<f16>(dst, D)?.iter_mut().zip(typed::<bf16>(src, S)?) {
+            for (d, s) in typed_mut::<f16>(dst, D)?
+                .iter_mut()
+                .zip(typed::<bf16>(src, S)?)
+            {
                 *d = f16::from_f32(s.to_f32());
             }
         }
@@ -71,7 +86,13 @@ mod tests {
     #[test]
     fn round_to_nearest_even() {
         // 1 + 2^-11 lies exactly between two f16 values: ties to even (1.0).
-        let x = [1.0f32 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), 65504.0, 1e-8, -2.5];
+        let x = [
+            1.0f32 + 2f32.powi(-11),
+            1.0 + 3.0 * 2f32.powi(-11),
+            65504.0,
+            1e-8,
+            -2.5,
+        ];
         let mut out = [0u8; 10];
         cast_bytes(bytemuck::cast_slice(&x), DType::F32, &mut out, DType::F16).unwrap();
         let h: &[f16] = bytemuck::cast_slice(&out);
@@ -86,9 +107,21 @@ mod tests {
         let bits: Vec<u16> = (0..=u16::MAX).step_by(7).collect();
         for (t, wide) in [(DType::F16, DType::F32), (DType::BF16, DType::F32)] {
             let mut f = vec![0f32; bits.len()];
-            cast_bytes(bytemuck::cast_slice(&bits), t, bytemuck::cast_slice_mut(&mut f), wide).unwrap();
+            cast_bytes(
+                bytemuck::cast_slice(&bits),
+                t,
+                bytemuck::cast_slice_mut(&mut f),
+                wide,
+            )
+            .unwrap();
             let mut back = vec![0u16; bits.len()];
-            cast_bytes(bytemuck::cast_slice(&f), wide, bytemuck::cast_slice_mut(&mut back), t).unwrap();
+            cast_bytes(
+                bytemuck::cast_slice(&f),
+                wide,
+                bytemuck::cast_slice_mut(&mut back),
+                t,
+            )
+            .unwrap();
             for (a, b) in bits.iter().zip(&back) {
                 let nan = f[bits.iter().position(|x| x == a).unwrap()].is_nan();
                 assert!(nan || a == b, "{t}: {a:#x} -> {b:#x}");

@@ -1,0 +1,103 @@
+//! Every `kernels/*.cu` compiles with NVRTC to PTX and to an sm_90 cubin.
+//!
+//! NVRTC loads without a GPU, so this runs wherever the `nvidia-cuda-nvrtc` wheel (or a CUDA
+//! toolkit) is installed. Without NVRTC it skips with a printed reason, unless
+//! `TIDEMEM_REQUIRE_NVRTC=1` (set by CI), where it fails.
+
+use tidemem::kernels::{self, Target};
+
+fn nvrtc_or_skip() -> bool {
+    if kernels::nvrtc_available() {
+        return true;
+    }
+    let required = std::env::var("TIDEMEM_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    assert!(
+        !required,
+        "TIDEMEM_REQUIRE_NVRTC=1 but libnvrtc cannot be loaded: install nvidia-cuda-nvrtc==13.0.* \
+         and add its lib directory to LD_LIBRARY_PATH"
+    );
+    eprintln!(
+        "skipping: NVRTC is not installed (set TIDEMEM_REQUIRE_NVRTC=1 to make this an error)"
+    );
+    false
+}
+
+#[test]
+fn every_kernel_file_is_embedded() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let mut on_disk: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".cu"))
+        .collect();
+    on_disk.sort();
+    let mut embedded: Vec<String> = kernels::SOURCES
+        .iter()
+        .map(|s| s.name.to_string())
+        .collect();
+    embedded.sort();
+    assert_eq!(
+        on_disk, embedded,
+        "kernels/*.cu and kernels::SOURCES differ"
+    );
+}
+
+#[test]
+fn every_kernel_compiles_to_ptx_and_sm90_cubin() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    for src in kernels::SOURCES {
+        let ptx = kernels::compile(src, Target::Ptx("compute_90".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let text = String::from_utf8_lossy(&ptx);
+        assert!(
+            text.contains(".target sm_90"),
+            "{}: PTX targets {:?}",
+            src.name,
+            text.lines().find(|l| l.contains(".target"))
+        );
+        // Every extern "C" kernel in the source appears as an entry in the PTX.
+        for line in src.code.lines().filter(|l| l.contains("__global__")) {
+            let name = line
+                .split("void")
+                .nth(1)
+                .and_then(|r| r.split('(').next())
+                .map(str::trim)
+                .unwrap();
+            assert!(
+                text.contains(&format!(".entry {name}(")),
+                "{}: {name} missing from PTX",
+                src.name
+            );
+        }
+        let cubin =
+            kernels::compile(src, Target::Cubin("sm_90".into())).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            &cubin[..4],
+            b"\x7fELF",
+            "{}: a cubin is an ELF image",
+            src.name
+        );
+        // Cached: the second call returns the same image.
+        let again = kernels::compile(src, Target::Cubin("sm_90".into())).unwrap();
+        assert!(std::sync::Arc::ptr_eq(&cubin, &again));
+    }
+}
+
+#[test]
+fn a_broken_kernel_reports_the_compiler_log() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    static BAD: kernels::KernelSource = kernels::KernelSource {
+        name: "broken.cu",
+        code: "extern \"C\" __global__ void k(float* x) { x[0] = undefined_symbol; }",
+    };
+    let err = kernels::compile(&BAD, Target::Ptx("compute_90".into())).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("broken.cu") && msg.contains("undefined_symbol"),
+        "{msg}"
+    );
+}

@@ -25,11 +25,11 @@
 //! # Ok(()) }
 //! ```
 
-mod cuda;
-mod host;
+pub mod cuda;
+pub mod host;
 pub mod order;
-mod pool;
-mod sim;
+pub mod pool;
+pub mod sim;
 
 use std::any::Any;
 use std::fmt;

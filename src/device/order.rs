@@ -1,13 +1,13 @@
 //! Stream ordering: vector clocks that decide whether an access to a device buffer is ordered
 //! after every conflicting earlier access.
 //!
-//! Every stream of a device has a slot. Each enqueued operation gets a [`Stamp`] `(stream, seq)`.
+//! Every stream of a device has a slot. Each enqueued operation gets a stamp `(stream, seq)`.
 //! A stream *knows* the stamps it is ordered after: its own earlier operations, those covered by
 //! events it waited on, and those the host has observed complete (host synchronisation orders
 //! everything enqueued afterwards). An access is legal when every conflicting earlier access
 //! (write–read, read–write, write–write) is known to its stream. This is exactly the ordering a
 //! GPU guarantees; anything else is a race, which the device layer reports as
-//! [`Error::UnorderedAccess`](crate::Error::UnorderedAccess) instead of enqueuing.
+//! [`crate::Error::UnorderedAccess`] instead of enqueuing.
 
 use crate::error::{Error, Result};
 

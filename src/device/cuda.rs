@@ -24,6 +24,50 @@ use crate::kernels;
 struct CudaMem {
     /// `None` for zero-length buffers (nothing allocated).
     slice: Mutex<Option<CudaSlice<u8>>>,
+    /// An event after the latest use on each stream that touched the buffer. cudarc tracks one
+    /// read event per slice, but two streams may read a buffer concurrently; the free must wait
+    /// for both.
+    uses: Mutex<Vec<(Arc<CudaStream>, CudaEvent)>>,
+}
+
+impl CudaMem {
+    fn new(slice: Option<CudaSlice<u8>>) -> Self {
+        CudaMem {
+            slice: Mutex::new(slice),
+            uses: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Records that work just enqueued on `s` uses this buffer.
+    fn used_on(&self, s: &Arc<CudaStream>) -> Result<()> {
+        let mut uses = self.uses.lock();
+        let rec = |e: &CudaEvent| {
+            e.record(s)
+                .map_err(|e| Error::cuda("recording a buffer use", e))
+        };
+        if let Some((_, e)) = uses.iter().find(|(st, _)| Arc::ptr_eq(st, s)) {
+            return rec(e);
+        }
+        let e = s
+            .context()
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
+            .map_err(|e| Error::cuda("creating an event", e))?;
+        rec(&e)?;
+        uses.push((s.clone(), e));
+        Ok(())
+    }
+}
+
+impl Drop for CudaMem {
+    fn drop(&mut self) {
+        if let Some(slice) = self.slice.get_mut().take() {
+            // The stream-ordered free runs on the slice's stream: make it wait for every use.
+            for (_, e) in self.uses.get_mut().iter() {
+                let _ = slice.stream().wait(e);
+            }
+            drop(slice);
+        }
+    }
 }
 
 /// A CUDA GPU. See the [module docs](self).
@@ -169,17 +213,13 @@ impl Backend for CudaBackend {
 
     fn alloc(&self, bytes: usize) -> Result<RawBuffer> {
         if bytes == 0 {
-            return Ok(Box::new(CudaMem {
-                slice: Mutex::new(None),
-            }));
+            return Ok(Box::new(CudaMem::new(None)));
         }
         let s = self.ctx.default_stream();
         // SAFETY: the memory is uninitialised device memory; it is only read through copies the
         // user enqueues, never exposed to Rust as a typed value.
         match unsafe { s.alloc::<u8>(bytes) } {
-            Ok(slice) => Ok(Box::new(CudaMem {
-                slice: Mutex::new(Some(slice)),
-            })),
+            Ok(slice) => Ok(Box::new(CudaMem::new(Some(slice)))),
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
                 Err(Error::OutOfMemory {
@@ -219,7 +259,61 @@ impl Backend for CudaBackend {
             .bind_to_thread()
             .map_err(|e| Error::cuda("binding the context", e))?;
         let cs = s.cu_stream();
-        let err = |during| move |e| Error::cuda(during, e);
+        let touched: Vec<&CudaMem> = match &op {
+            Op::HostToDevice { dst, .. } | Op::Fill { dst, .. } => vec![mem(dst)?],
+            Op::DeviceToHost { src, .. } => vec![mem(src)?],
+            Op::DeviceToDevice { src, dst, .. } | Op::Cast { src, dst, .. } => {
+                vec![mem(src)?, mem(dst)?]
+            }
+        };
+        // SAFETY: forwarded from this function's contract.
+        unsafe { self.enqueue_op(s, cs, op)? };
+        for m in touched {
+            m.used_on(s)?;
+        }
+        // cudarc records errors of its own event bookkeeping in the context: surface them.
+        self.ctx
+            .check_err()
+            .map_err(err("stream-ordering bookkeeping"))
+    }
+
+    fn record(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
+        event(e)?
+            .record(stream(s)?)
+            .map_err(|e| Error::cuda("recording an event", e))
+    }
+
+    fn wait(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
+        stream(s)?
+            .wait(event(e)?)
+            .map_err(|e| Error::cuda("making a stream wait", e))
+    }
+
+    fn sync_event(&self, e: &RawEvent) -> Result<()> {
+        event(e)?
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronising an event", e))
+    }
+
+    fn query_event(&self, e: &RawEvent) -> Result<bool> {
+        event(e)?
+            .try_is_complete()
+            .map_err(|e| Error::cuda("querying an event", e))
+    }
+
+    fn sync_stream(&self, s: &RawStream) -> Result<()> {
+        stream(s)?
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronising a stream", e))
+    }
+}
+
+impl CudaBackend {
+    /// Issues one validated op on `s` (the context is bound).
+    ///
+    /// # Safety
+    /// As [`Backend::enqueue`].
+    unsafe fn enqueue_op(&self, s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
         match op {
             Op::HostToDevice {
                 src,
@@ -347,36 +441,10 @@ impl Backend for CudaBackend {
         }
         Ok(())
     }
+}
 
-    fn record(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
-        event(e)?
-            .record(stream(s)?)
-            .map_err(|e| Error::cuda("recording an event", e))
-    }
-
-    fn wait(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
-        stream(s)?
-            .wait(event(e)?)
-            .map_err(|e| Error::cuda("making a stream wait", e))
-    }
-
-    fn sync_event(&self, e: &RawEvent) -> Result<()> {
-        event(e)?
-            .synchronize()
-            .map_err(|e| Error::cuda("synchronising an event", e))
-    }
-
-    fn query_event(&self, e: &RawEvent) -> Result<bool> {
-        event(e)?
-            .try_is_complete()
-            .map_err(|e| Error::cuda("querying an event", e))
-    }
-
-    fn sync_stream(&self, s: &RawStream) -> Result<()> {
-        stream(s)?
-            .synchronize()
-            .map_err(|e| Error::cuda("synchronising a stream", e))
-    }
+fn err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::cuda(during, e)
 }
 
 fn grid_for(count: usize) -> u32 {

@@ -43,6 +43,25 @@ fn interleaved(reps: usize, mut a: impl FnMut(), mut b: impl FnMut()) -> (f64, f
     (med(&mut ta), med(&mut tb))
 }
 
+/// One row per size: (MiB, bytes, baseline s, h2d s, baseline s, d2h s).
+type Row = (usize, usize, f64, f64, f64, f64);
+
+fn print_summary(title: &str, rows: &[Row]) {
+    println!("\n{title}");
+    for &(mib, bytes, base, h2d, base2, d2h) in rows {
+        let gbs = |t: f64| bytes as f64 / t / 1e9;
+        println!(
+            "  {mib:>4} MiB  h2d {:6.2} GB/s (baseline {:6.2}) ratio {:.3} | d2h {:6.2} GB/s (baseline {:6.2}) ratio {:.3}",
+            gbs(h2d),
+            gbs(base),
+            base / h2d,
+            gbs(d2h),
+            gbs(base2),
+            base2 / d2h
+        );
+    }
+}
+
 fn reps_for(bytes: usize) -> usize {
     ((2usize << 30) / bytes).clamp(5, 100)
 }
@@ -130,18 +149,10 @@ fn sim(c: &mut Criterion) {
         summary.push((mib, bytes, base, h2d, base2, d2h));
     }
     g.finish();
-    println!("\ntransfer/sim: ratio = copy_from_slice time / device-layer time (target >= 0.8)");
-    for (mib, bytes, base, h2d, base2, d2h) in summary {
-        let gbs = |t: f64| bytes as f64 / t / 1e9;
-        println!(
-            "  {mib:>4} MiB  h2d {:6.2} GB/s ratio {:.3} | d2h {:6.2} GB/s ratio {:.3} | copy_from_slice {:6.2} GB/s",
-            gbs(h2d),
-            base / h2d,
-            gbs(d2h),
-            base2 / d2h,
-            gbs(base)
-        );
-    }
+    print_summary(
+        "transfer/sim: ratio = copy_from_slice time / device-layer time (target >= 0.8)",
+        &summary,
+    );
 }
 
 fn cuda(c: &mut Criterion) {
@@ -197,19 +208,10 @@ fn cuda(c: &mut Criterion) {
         summary.push((mib, bytes, base, h2d, base2, d2h));
     }
     g.finish();
-    println!("\ntransfer/cuda: ratio = raw pinned cudarc time / device-layer time (target >= 0.9)");
-    for (mib, bytes, base, h2d, base2, d2h) in summary {
-        let gbs = |t: f64| bytes as f64 / t / 1e9;
-        println!(
-            "  {mib:>4} MiB  h2d {:6.2} GB/s (raw {:6.2}) ratio {:.3} | d2h {:6.2} GB/s (raw {:6.2}) ratio {:.3}",
-            gbs(h2d),
-            gbs(base),
-            base / h2d,
-            gbs(d2h),
-            gbs(base2),
-            base2 / d2h
-        );
-    }
+    print_summary(
+        "transfer/cuda: ratio = raw pinned cudarc time / device-layer time (target >= 0.9)",
+        &summary,
+    );
 }
 
 criterion_group!(benches, sim, cuda);

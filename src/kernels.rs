@@ -112,9 +112,7 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
     let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
-        "--use_fast_math=false".to_string(),
     ];
-    opts.retain(|o| !o.starts_with("--use_fast_math"));
     for d in include_dirs() {
         opts.push(format!("--include-path={}", d.display()));
     }

@@ -143,6 +143,40 @@ pub enum Error {
     #[error("simulated device: {0}")]
     Sim(String),
 
+    /// A training event that the tensor state machine does not allow from the tensor's state.
+    #[error("illegal transition of tensor '{tensor}' ({list}): {event} from state {state}")]
+    IllegalTransition {
+        /// Name of the tensor.
+        tensor: String,
+        /// Which chunk list (e.g. `param`, `master`).
+        list: &'static str,
+        /// Its state when the event arrived.
+        state: crate::tensor::TensorState,
+        /// The event that was refused.
+        event: crate::tensor::TrainEvent,
+    },
+
+    /// The chunks needed at a moment cannot fit in the device budget, whatever is evicted.
+    #[error(
+        "chunk budget exceeded at moment {moment}: {requested} bytes of chunks needed, budget {budget} \
+         bytes (device {capacity} bytes, non-model peak {non_model_peak} bytes); {unevictable} bytes are \
+         held by chunks in use"
+    )]
+    BudgetExceeded {
+        /// Moment of the iteration.
+        moment: usize,
+        /// Bytes of chunks that must be on the device at once.
+        requested: u64,
+        /// Device bytes available for chunks at that moment.
+        budget: u64,
+        /// Device capacity assumed by the scheduler.
+        capacity: u64,
+        /// Peak non-model bytes the budget reserves room for.
+        non_model_peak: u64,
+        /// Bytes on the device that cannot be evicted (chunks in COMPUTE or pinned).
+        unevictable: u64,
+    },
+
     /// An invalid argument that has no more specific variant.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

@@ -29,11 +29,14 @@
 
 #![warn(missing_docs)]
 
+pub mod chunk;
 pub mod device;
 pub mod dtype;
 pub mod error;
 pub mod kernels;
 pub mod ops;
+pub mod tensor;
+pub mod tide;
 pub mod units;
 
 pub use dtype::DType;

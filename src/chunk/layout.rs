@@ -1,0 +1,310 @@
+//! Packing tensors into chunks, and the chunk-size search.
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+
+/// The four chunk lists. Chunk `i` of every list holds the same tensors at the same offsets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub enum ChunkKind {
+    /// fp16/bf16 parameters; after a tensor's last backward use its gradient replaces it.
+    Param,
+    /// fp32 master parameters.
+    Master,
+    /// Adam first moment (fp32).
+    Momentum,
+    /// Adam second moment (fp32).
+    Variance,
+}
+
+impl ChunkKind {
+    /// All kinds, in list order.
+    pub const ALL: [ChunkKind; 4] = [
+        ChunkKind::Param,
+        ChunkKind::Master,
+        ChunkKind::Momentum,
+        ChunkKind::Variance,
+    ];
+
+    /// Position in [`ChunkKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short name (`param`, `master`, `momentum`, `variance`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ChunkKind::Param => "param",
+            ChunkKind::Master => "master",
+            ChunkKind::Momentum => "momentum",
+            ChunkKind::Variance => "variance",
+        }
+    }
+
+    /// Order in which chunks leave host memory for the file tier when host memory is short:
+    /// optimizer state first, parameters last.
+    pub fn spill_rank(self) -> u8 {
+        match self {
+            ChunkKind::Variance => 0,
+            ChunkKind::Momentum => 1,
+            ChunkKind::Master => 2,
+            ChunkKind::Param => 3,
+        }
+    }
+}
+
+/// Where a tensor lives inside its chunk group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Slot {
+    /// Chunk group index (chunk `group` of every list).
+    pub group: u32,
+    /// Offset in elements from the start of the chunk.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+/// The packing of tensors into chunk groups.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Layout {
+    /// Element capacity of an ordinary chunk.
+    pub chunk_elems: usize,
+    /// Element capacity of every group (a tensor larger than `chunk_elems` gets a group of its own,
+    /// exactly its size).
+    pub group_elems: Vec<usize>,
+    /// Elements used in every group.
+    pub group_used: Vec<usize>,
+    /// Tensors of every group, in packing order.
+    pub group_tensors: Vec<Vec<u32>>,
+    /// Slot of every tensor, indexed by tensor number.
+    pub slots: Vec<Slot>,
+    open: Option<u32>,
+}
+
+impl Layout {
+    /// An empty layout with chunks of `chunk_elems` elements.
+    pub fn new(chunk_elems: usize) -> Result<Self> {
+        if chunk_elems == 0 {
+            return Err(Error::InvalidArgument("chunk size must be positive".into()));
+        }
+        Ok(Layout {
+            chunk_elems,
+            ..Default::default()
+        })
+    }
+
+    /// Packs the next tensor (registration order) and returns its slot. Tensors never span
+    /// chunks: one that does not fit in the open chunk opens a new one; one larger than a chunk
+    /// gets a group of its own and leaves the open chunk open for the tensors after it.
+    pub fn push(&mut self, numel: usize) -> Result<Slot> {
+        if numel == 0 {
+            return Err(Error::InvalidArgument(
+                "a tensor must have at least one element".into(),
+            ));
+        }
+        let tensor = self.slots.len() as u32;
+        let group = if numel > self.chunk_elems {
+            self.new_group(numel)
+        } else {
+            match self.open {
+                Some(g) if self.group_used[g as usize] + numel <= self.chunk_elems => g,
+                _ => {
+                    let g = self.new_group(self.chunk_elems);
+                    self.open = Some(g);
+                    g
+                }
+            }
+        };
+        let g = group as usize;
+        let slot = Slot {
+            group,
+            offset: self.group_used[g],
+            numel,
+        };
+        self.group_used[g] += numel;
+        self.group_tensors[g].push(tensor);
+        self.slots.push(slot);
+        Ok(slot)
+    }
+
+    fn new_group(&mut self, elems: usize) -> u32 {
+        self.group_elems.push(elems);
+        self.group_used.push(0);
+        self.group_tensors.push(Vec::new());
+        (self.group_elems.len() - 1) as u32
+    }
+
+    /// Number of chunk groups.
+    pub fn groups(&self) -> usize {
+        self.group_elems.len()
+    }
+
+    /// Total element capacity over all groups.
+    pub fn capacity_elems(&self) -> usize {
+        self.group_elems.iter().sum()
+    }
+
+    /// Elements of padding (capacity not used by any tensor).
+    pub fn waste_elems(&self) -> usize {
+        self.capacity_elems() - self.group_used.iter().sum::<usize>()
+    }
+
+    /// Packs `numels` in order with chunks of `chunk_elems`.
+    pub fn pack(chunk_elems: usize, numels: &[usize]) -> Result<Self> {
+        let mut l = Layout::new(chunk_elems)?;
+        for &n in numels {
+            l.push(n)?;
+        }
+        Ok(l)
+    }
+}
+
+/// Parameters of the chunk-size search.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct SizeSearch {
+    /// Smallest size tried, in elements.
+    pub start: usize,
+    /// Sizes tried span `start ..= start + range`.
+    pub range: usize,
+    /// Step between sizes tried (e.g. the hidden size).
+    pub interval: usize,
+    /// The chosen size is rounded up to a multiple of this (the data-parallel size).
+    pub multiple_of: usize,
+}
+
+/// Result of [`search_chunk_size`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct SizeChoice {
+    /// Chosen chunk size in elements.
+    pub chunk_elems: usize,
+    /// Padding elements with that size (over the tensors that count, see [`search_chunk_size`]).
+    pub waste_elems: usize,
+    /// `waste_elems` / capacity.
+    pub waste_fraction: f64,
+}
+
+/// Chooses the chunk size with the least padding waste over `start ..= start + range` in steps of
+/// `interval`. Outlier tensors (more than mean + 3σ elements, e.g. a vocabulary embedding) are left
+/// out of the statistics: they get chunks of their own whatever the size. The smallest size wins a
+/// tie. The result is rounded up to a multiple of `multiple_of`.
+///
+/// ```
+/// use tidemem::chunk::{search_chunk_size, SizeSearch};
+/// // 12 tensors of 300 elements: 900 (3 per chunk) wastes nothing, 1000 wastes 100 per chunk.
+/// let numels = vec![300; 12];
+/// let s = SizeSearch { start: 800, range: 400, interval: 100, multiple_of: 1 };
+/// let c = search_chunk_size(&numels, s).unwrap();
+/// assert_eq!(c.chunk_elems, 900);
+/// assert_eq!(c.waste_elems, 0);
+/// ```
+pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> {
+    if s.start == 0 || s.interval == 0 || s.multiple_of == 0 {
+        return Err(Error::InvalidArgument(
+            "chunk-size search needs a positive start, interval and multiple".into(),
+        ));
+    }
+    if numels.is_empty() {
+        return Err(Error::InvalidArgument(
+            "chunk-size search over no tensors".into(),
+        ));
+    }
+    let n = numels.len() as f64;
+    let mean = numels.iter().map(|&x| x as f64).sum::<f64>() / n;
+    let var = numels
+        .iter()
+        .map(|&x| (x as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let cut = mean + 3.0 * var.sqrt();
+    let kept: Vec<usize> = numels
+        .iter()
+        .copied()
+        .filter(|&x| x as f64 <= cut)
+        .collect();
+    let mut best: Option<SizeChoice> = None;
+    let mut size = s.start;
+    while size <= s.start + s.range {
+        let size_r = size.div_ceil(s.multiple_of) * s.multiple_of;
+        // Tensors larger than the size get their own chunks: count only the rest.
+        let fits: Vec<usize> = kept.iter().copied().filter(|&x| x <= size_r).collect();
+        let l = Layout::pack(size_r, &fits)?;
+        let cap = l.capacity_elems().max(1);
+        let c = SizeChoice {
+            chunk_elems: size_r,
+            waste_elems: l.waste_elems(),
+            waste_fraction: l.waste_elems() as f64 / cap as f64,
+        };
+        if best.is_none_or(|b| c.waste_elems < b.waste_elems) {
+            best = Some(c);
+        }
+        size += s.interval;
+    }
+    best.ok_or_else(|| Error::InvalidArgument("empty chunk-size range".into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packing_never_spans_and_oversized_gets_own_group() {
+        let l = Layout::pack(10, &[4, 4, 4, 25, 2, 10]).unwrap();
+        // [4,4] [4,2] [25] [10]
+        assert_eq!(l.group_elems, vec![10, 10, 25, 10]);
+        assert_eq!(
+            l.slots[2],
+            Slot {
+                group: 1,
+                offset: 0,
+                numel: 4
+            }
+        );
+        assert_eq!(
+            l.slots[3],
+            Slot {
+                group: 2,
+                offset: 0,
+                numel: 25
+            }
+        );
+        assert_eq!(
+            l.slots[4],
+            Slot {
+                group: 1,
+                offset: 4,
+                numel: 2
+            }
+        );
+        assert_eq!(l.waste_elems(), 2 + 4);
+        for s in &l.slots {
+            assert!(s.offset + s.numel <= l.group_elems[s.group as usize]);
+        }
+        assert!(Layout::pack(0, &[1]).is_err());
+        assert!(Layout::pack(4, &[0]).is_err());
+    }
+
+    #[test]
+    fn search_ignores_outliers_and_rounds() {
+        let mut numels = vec![300; 40];
+        numels.push(1_000_000);
+        let s = SizeSearch {
+            start: 500,
+            range: 600,
+            interval: 100,
+            multiple_of: 4,
+        };
+        let c = search_chunk_size(&numels, s).unwrap();
+        // 600 holds two tensors exactly; the outlier is not counted.
+        assert_eq!((c.chunk_elems, c.waste_elems), (600, 0));
+        let c = search_chunk_size(
+            &numels,
+            SizeSearch {
+                multiple_of: 7,
+                ..s
+            },
+        )
+        .unwrap();
+        assert_eq!((c.chunk_elems, c.waste_elems), (602, 40));
+        assert!(search_chunk_size(&[], s).is_err());
+    }
+}

@@ -1,0 +1,6 @@
+//! Chunks: fixed-size containers of tensors in four lists, and the [`ChunkManager`] that
+//! places them.
+
+mod layout;
+
+pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};

@@ -49,6 +49,32 @@ pub fn lower_bound(trace: &Trace, chunks: &[ChunkDesc], cfg: &SchedulerConfig) -
                 .saturating_sub(cfg.reserve);
             let now = (it * n + m) as u64;
             let here: Vec<usize> = moment.accesses.iter().map(|a| a.chunk as usize).collect();
+            let mut pending = 0u64; // bytes the moment still has to load
+            for a in &moment.accesses {
+                let i = a.chunk as usize;
+                if i < chunks.len() && a.target == Target::Device && !resident[i] {
+                    pending += chunks[i].bytes;
+                }
+            }
+            // The budget holds at every moment (non-model data needs the room), so evict down to
+            // it even when nothing is missing.
+            while used + pending > budget {
+                let victim = (0..chunks.len())
+                    .filter(|&j| resident[j] && !here.contains(&j))
+                    .max_by_key(|&j| (index.distance(j as u32, now), std::cmp::Reverse(j)));
+                let Some(j) = victim else {
+                    return Err(Error::BudgetExceeded {
+                        moment: m,
+                        requested: pending,
+                        budget,
+                        capacity: cfg.capacity,
+                        non_model_peak: trace.reserve_at(m),
+                        unevictable: used,
+                    });
+                };
+                resident[j] = false;
+                used -= chunks[j].bytes;
+            }
             for a in &moment.accesses {
                 let i = a.chunk as usize;
                 if i >= chunks.len() {
@@ -71,25 +97,6 @@ pub fn lower_bound(trace: &Trace, chunks: &[ChunkDesc], cfg: &SchedulerConfig) -
                         }
                         if !resident[i] {
                             let need = chunks[i].bytes;
-                            while used + need > budget {
-                                let victim = (0..chunks.len())
-                                    .filter(|&j| resident[j] && !here.contains(&j))
-                                    .max_by_key(|&j| {
-                                        (index.distance(j as u32, now), std::cmp::Reverse(j))
-                                    });
-                                let Some(j) = victim else {
-                                    return Err(Error::BudgetExceeded {
-                                        moment: m,
-                                        requested: need,
-                                        budget,
-                                        capacity: cfg.capacity,
-                                        non_model_peak: trace.reserve_at(m),
-                                        unevictable: used,
-                                    });
-                                };
-                                resident[j] = false;
-                                used -= chunks[j].bytes;
-                            }
                             resident[i] = true;
                             used += need;
                             b.h2d_bytes += need;

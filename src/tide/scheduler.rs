@@ -648,8 +648,8 @@ impl Scheduler {
         Ok(())
     }
 
-    /// Loads ahead: the chunks next used on the device, in trace order, while each fits within the
-    /// budget of every moment until its use (evicting only clean chunks used later than it), with
+    /// Loads ahead: the chunks next used on the device, in trace order, while each fits in the free
+    /// room of the budget of every moment until its use (a prefetch never evicts), with
     /// at most `max_prefetch` loaded and not yet used. Only [`Policy::Tide`] prefetches.
     pub fn prefetch(&mut self) -> Vec<Move> {
         let mut moves = Vec::new();
@@ -688,24 +688,9 @@ impl Scheduler {
                 break;
             }
             let b = self.bytes(i);
-            let d = self.distance(i);
             if self.device_used + b > limit {
-                let mut c: Vec<usize> = self
-                    .candidates(&[])
-                    .into_iter()
-                    .filter(|&j| !self.st[j].dirty() && self.distance(j) > d)
-                    .collect();
-                self.order_victims(&mut c);
-                let free: u64 = c.iter().map(|&j| self.bytes(j)).sum();
-                if self.device_used + b > limit + free {
-                    break;
-                }
-                for j in c {
-                    if self.device_used + b <= limit {
-                        break;
-                    }
-                    self.evict(j, &mut moves);
-                }
+                // Only free room: a prefetch never evicts, so it cannot add a transfer.
+                break;
             }
             self.load(i, true, &mut moves);
             in_flight += 1;

@@ -231,7 +231,7 @@ mod tests {
         assert_eq!(ix.distance(2, 2), 5); // next iteration
         assert_eq!(ix.distance(0, 4), 1);
         assert_eq!(ix.distance(3, 0), NEVER);
-        assert_eq!(ix.distance(1, 5 + 0), 1, "iterations repeat");
+        assert_eq!(ix.distance(1, 5), 1, "iterations repeat");
         assert_eq!(t.reserve_at(1), 20);
         assert_eq!(t.reserve_at(4), 40);
         assert_eq!(t.reserve_at(3), 40);

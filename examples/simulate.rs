@@ -1,0 +1,244 @@
+//! Replays a GPT-like model's training trace through every placement policy, without allocating
+//! its memory, and prints bytes moved per iteration against the offline lower bound.
+//!
+//! ```sh
+//! cargo run --release --example simulate -- --model gpt2-1.5b --device-mem 8GiB --host-mem 64GiB --json
+//! cargo run --release --example simulate -- --layers 24 --hidden 2048 --heads 16 --device-mem 4GiB
+//! ```
+//!
+//! JSON output (keys are stable):
+//! - `model`: `name`, `layers`, `hidden`, `heads`, `vocab`, `seq`, `batch`, `params`
+//! - `device_mem`, `host_mem`: bytes
+//! - `chunk_elems`, `groups`, `model_data_bytes`, `param_chunk_bytes`, `file_bytes`,
+//!   `peak_non_model`, `min_budget`, `moments`
+//! - `bound`: `{ h2d_bytes, d2h_bytes }`, the offline lower bound per steady iteration
+//! - `policies`: list of `{ policy, h2d_bytes, d2h_bytes, total_bytes, ratio_to_bound,
+//!   warmup_h2d_bytes, warmup_d2h_bytes, loads, write_backs, clean_drops, prefetches }` for the
+//!   last steady iteration (or `{ policy, error }` when a policy cannot run)
+//! - `largest`: `{ layers, params, model_data_bytes }` of the largest model of the same width that
+//!   fits the device and host under `tide` (`null` if none or not searched)
+//! - `largest_searched`: false with `--no-largest`
+
+use clap::Parser;
+use serde_json::{json, Value};
+use tidemem::device::fmt_bytes;
+use tidemem::simulate::{gpt, largest_fitting, simulate, GptConfig, SimOptions};
+use tidemem::tide::Policy;
+use tidemem::units::parse_bytes;
+
+#[derive(Parser, Debug)]
+#[command(about = "Simulate chunk placement policies on a GPT-like model")]
+struct Args {
+    /// Preset model (gpt2-small, gpt2-medium, gpt2-large, gpt2-1.5b, gpt3-2.7b, gpt3-6.7b, gpt3-13b).
+    #[arg(long, default_value = "gpt2-1.5b")]
+    model: String,
+    /// Override: transformer layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Override: hidden size.
+    #[arg(long)]
+    hidden: Option<usize>,
+    /// Override: attention heads.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Override: vocabulary size.
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Override: sequence length.
+    #[arg(long)]
+    seq: Option<usize>,
+    /// Override: micro-batch size.
+    #[arg(long)]
+    batch: Option<usize>,
+    /// Device memory (e.g. 8GiB).
+    #[arg(long, default_value = "8GiB")]
+    device_mem: String,
+    /// Host memory for model data (e.g. 64GiB); beyond it chunks spill to the file tier.
+    #[arg(long, default_value = "64GiB")]
+    host_mem: String,
+    /// File tier size used when searching the largest model.
+    #[arg(long, default_value = "0")]
+    file_mem: String,
+    /// Chunk size in elements (default: least-waste search).
+    #[arg(long)]
+    chunk_elems: Option<usize>,
+    /// Policies, comma-separated (tide, patrickstar, lru, static:F).
+    #[arg(long, default_value = "tide,patrickstar,lru,static")]
+    policies: String,
+    /// Share of device memory the scheduler plans with.
+    #[arg(long, default_value_t = 0.9)]
+    overall_fraction: f64,
+    /// Most chunks loaded ahead of use (tide).
+    #[arg(long, default_value_t = 2)]
+    max_prefetch: usize,
+    /// Skip the largest-model search.
+    #[arg(long)]
+    no_largest: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("simulate: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> tidemem::Result<()> {
+    let a = Args::parse();
+    let mut c = GptConfig::preset(&a.model).ok_or_else(|| {
+        tidemem::Error::InvalidArgument(format!(
+            "unknown model '{}' (known: {})",
+            a.model,
+            GptConfig::PRESETS.join(", ")
+        ))
+    })?;
+    c.layers = a.layers.unwrap_or(c.layers);
+    c.hidden = a.hidden.unwrap_or(c.hidden);
+    c.heads = a.heads.unwrap_or(c.heads);
+    c.vocab = a.vocab.unwrap_or(c.vocab);
+    c.seq = a.seq.unwrap_or(c.seq);
+    c.batch = a.batch.unwrap_or(c.batch);
+    let device_mem = parse_bytes(&a.device_mem)? as u64;
+    let host_mem = parse_bytes(&a.host_mem)? as u64;
+    let file_mem = parse_bytes(&a.file_mem)? as u64;
+    let spec = gpt(&c)?;
+    let mut opts = SimOptions::new(device_mem, host_mem);
+    opts.chunk_elems = a.chunk_elems;
+    opts.scheduler.overall_fraction = a.overall_fraction;
+    opts.scheduler.max_prefetch = a.max_prefetch;
+    let policies: Vec<Policy> = a
+        .policies
+        .split(',')
+        .map(Policy::parse)
+        .collect::<tidemem::Result<_>>()?;
+
+    let mut rows = Vec::new();
+    let mut common: Option<Value> = None;
+    for p in &policies {
+        match simulate(&spec, *p, &opts) {
+            Ok(r) => {
+                if common.is_none() {
+                    common = Some(json!({
+                        "chunk_elems": r.chunk_elems,
+                        "groups": r.groups,
+                        "model_data_bytes": r.model_data_bytes,
+                        "param_chunk_bytes": r.param_chunk_bytes,
+                        "file_bytes": r.file_bytes,
+                        "peak_non_model": r.peak_non_model,
+                        "min_budget": r.min_budget,
+                        "moments": r.moments,
+                        "bound": { "h2d_bytes": r.bound.h2d_bytes, "d2h_bytes": r.bound.d2h_bytes },
+                    }));
+                }
+                let total = r.steady.h2d_bytes + r.steady.d2h_bytes;
+                rows.push(json!({
+                    "policy": r.policy,
+                    "h2d_bytes": r.steady.h2d_bytes,
+                    "d2h_bytes": r.steady.d2h_bytes,
+                    "total_bytes": total,
+                    "ratio_to_bound": total as f64 / r.bound.total().max(1) as f64,
+                    "warmup_h2d_bytes": r.warmup.h2d_bytes,
+                    "warmup_d2h_bytes": r.warmup.d2h_bytes,
+                    "loads": r.steady.loads,
+                    "write_backs": r.steady.write_backs,
+                    "clean_drops": r.steady.clean_drops,
+                    "prefetches": r.steady.prefetches,
+                }));
+            }
+            Err(e) => rows.push(json!({ "policy": p.name(), "error": e.to_string() })),
+        }
+    }
+    let largest = if a.no_largest {
+        Value::Null
+    } else {
+        match largest_fitting(&c, Policy::Tide, &opts, file_mem)? {
+            Some((lc, r)) => json!({
+                "layers": lc.layers,
+                "params": gpt(&lc)?.params(),
+                "model_data_bytes": r.model_data_bytes,
+            }),
+            None => Value::Null,
+        }
+    };
+    let mut out = json!({
+        "model": {
+            "name": c.name, "layers": c.layers, "hidden": c.hidden, "heads": c.heads,
+            "vocab": c.vocab, "seq": c.seq, "batch": c.batch, "params": spec.params(),
+        },
+        "device_mem": device_mem,
+        "host_mem": host_mem,
+        "policies": rows,
+        "largest": largest,
+        "largest_searched": !a.no_largest,
+    });
+    if let (Some(Value::Object(m)), Value::Object(o)) = (common, &mut out) {
+        o.extend(m);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
+        return Ok(());
+    }
+    print_table(&out);
+    Ok(())
+}
+
+fn print_table(v: &Value) {
+    let b = |k: &str| fmt_bytes(v[k].as_u64().unwrap_or(0));
+    println!(
+        "{} ({:.2}B params), device {}, host {}",
+        v["model"]["name"].as_str().unwrap_or("?"),
+        v["model"]["params"].as_u64().unwrap_or(0) as f64 / 1e9,
+        b("device_mem"),
+        b("host_mem")
+    );
+    println!(
+        "chunks: {} groups of {} elements; model data {} (param list {}), peak non-model {}, smallest chunk budget {}",
+        v["groups"],
+        v["chunk_elems"],
+        b("model_data_bytes"),
+        b("param_chunk_bytes"),
+        b("peak_non_model"),
+        b("min_budget")
+    );
+    println!(
+        "{:<14} {:>12} {:>12} {:>12} {:>9}",
+        "policy", "h2d/iter", "d2h/iter", "total", "÷bound"
+    );
+    let bh = v["bound"]["h2d_bytes"].as_u64().unwrap_or(0);
+    let bd = v["bound"]["d2h_bytes"].as_u64().unwrap_or(0);
+    println!(
+        "{:<14} {:>12} {:>12} {:>12} {:>9}",
+        "lower bound",
+        fmt_bytes(bh),
+        fmt_bytes(bd),
+        fmt_bytes(bh + bd),
+        "1.00"
+    );
+    for r in v["policies"].as_array().into_iter().flatten() {
+        if let Some(e) = r["error"].as_str() {
+            println!("{:<14} error: {e}", r["policy"].as_str().unwrap_or("?"));
+            continue;
+        }
+        println!(
+            "{:<14} {:>12} {:>12} {:>12} {:>9.2}",
+            r["policy"].as_str().unwrap_or("?"),
+            fmt_bytes(r["h2d_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(r["d2h_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(r["total_bytes"].as_u64().unwrap_or(0)),
+            r["ratio_to_bound"].as_f64().unwrap_or(0.0)
+        );
+    }
+    match &v["largest"] {
+        Value::Null if v["largest_searched"].as_bool() == Some(false) => {}
+        Value::Null => println!("largest model: none fits"),
+        l => println!(
+            "largest model of this width under tide: {} layers, {:.2}B params, model data {}",
+            l["layers"],
+            l["params"].as_u64().unwrap_or(0) as f64 / 1e9,
+            fmt_bytes(l["model_data_bytes"].as_u64().unwrap_or(0))
+        ),
+    }
+}

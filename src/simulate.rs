@@ -1,0 +1,601 @@
+//! Replays a model's training trace through the placement policies without allocating its memory.
+//!
+//! A [`ModelSpec`] lists parameter tensors and the ops of the forward pass (which tensors each op
+//! uses and how much non-model memory it needs); backward runs the ops in reverse. [`simulate`]
+//! packs the tensors into chunks exactly as the chunk manager does, produces the accesses the
+//! manager would make (one moment per op; the optimizer steps every chunk group on the host), and
+//! feeds them to the same [`Scheduler`]: warm-up iteration first, then steady iterations under the
+//! recorded tide. [`gpt`] builds the spec of a GPT-like model.
+//!
+//! ```
+//! use tidemem::simulate::{gpt, simulate, GptConfig, SimOptions};
+//! use tidemem::tide::Policy;
+//! # fn main() -> tidemem::Result<()> {
+//! let model = gpt(&GptConfig::preset("gpt2-small").unwrap())?;
+//! let opts = SimOptions::new(4 << 30, 64 << 30);
+//! let r = simulate(&model, Policy::Tide, &opts)?;
+//! assert!(r.steady.h2d_bytes >= r.bound.h2d_bytes);
+//! # Ok(()) }
+//! ```
+
+use serde::Serialize;
+
+use crate::chunk::{search_chunk_size, ChunkKind, Layout, SizeSearch};
+use crate::error::{Error, Result};
+use crate::tensor::Stage;
+use crate::tide::{
+    lower_bound, spill_to_file, Access, Bound, ChunkDesc, ChunkNo, MoveStats, Policy, Scheduler,
+    SchedulerConfig, Target, Trace, Tracer,
+};
+
+/// One op of the forward pass.
+#[derive(Clone, Debug, Serialize)]
+pub struct OpSpec {
+    /// Name (for traces).
+    pub name: String,
+    /// Parameter tensors it uses (indices into [`ModelSpec::tensors`]).
+    pub tensors: Vec<usize>,
+    /// Non-model device bytes (activations, workspace) at its forward moment.
+    pub fwd_non_model: u64,
+    /// Non-model device bytes at its backward moment.
+    pub bwd_non_model: u64,
+}
+
+/// A model as the memory manager sees it.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelSpec {
+    /// Name.
+    pub name: String,
+    /// Parameter tensors: name and element count, in registration order.
+    pub tensors: Vec<(String, usize)>,
+    /// Forward ops in order; backward is the reverse.
+    pub ops: Vec<OpSpec>,
+}
+
+impl ModelSpec {
+    /// Number of parameters.
+    pub fn params(&self) -> u64 {
+        self.tensors.iter().map(|t| t.1 as u64).sum()
+    }
+
+    /// Forward uses of every tensor.
+    pub fn uses(&self) -> Vec<u32> {
+        let mut u = vec![0u32; self.tensors.len()];
+        for op in &self.ops {
+            for &t in &op.tensors {
+                if let Some(x) = u.get_mut(t) {
+                    *x += 1;
+                }
+            }
+        }
+        u
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.tensors.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "model '{}' has no tensor",
+                self.name
+            )));
+        }
+        for op in &self.ops {
+            if let Some(&t) = op.tensors.iter().find(|&&t| t >= self.tensors.len()) {
+                return Err(Error::InvalidArgument(format!(
+                    "op '{}' uses unknown tensor {t}",
+                    op.name
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Shape of a GPT-like decoder.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct GptConfig {
+    /// Name.
+    pub name: String,
+    /// Transformer layers.
+    pub layers: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Attention heads.
+    pub heads: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Sequence length.
+    pub seq: usize,
+    /// Micro-batch size.
+    pub batch: usize,
+    /// Activation checkpointing per layer (as PatrickStar runs).
+    pub checkpoint: bool,
+}
+
+impl GptConfig {
+    /// Known shapes: `gpt2-small`, `gpt2-medium`, `gpt2-large`, `gpt2-1.5b` (= `gpt2-xl`),
+    /// `gpt3-2.7b`, `gpt3-6.7b`, `gpt3-13b`; sequence 1024, batch 8, checkpointing on.
+    pub fn preset(name: &str) -> Option<GptConfig> {
+        let (layers, hidden, heads) = match name {
+            "gpt2-small" => (12, 768, 12),
+            "gpt2-medium" => (24, 1024, 16),
+            "gpt2-large" => (36, 1280, 20),
+            "gpt2-1.5b" | "gpt2-xl" => (48, 1600, 25),
+            "gpt3-2.7b" => (32, 2560, 32),
+            "gpt3-6.7b" => (32, 4096, 32),
+            "gpt3-13b" => (40, 5120, 40),
+            _ => return None,
+        };
+        Some(GptConfig {
+            name: name.to_string(),
+            layers,
+            hidden,
+            heads,
+            vocab: 50257,
+            seq: 1024,
+            batch: 8,
+            checkpoint: true,
+        })
+    }
+
+    /// Names accepted by [`GptConfig::preset`].
+    pub const PRESETS: [&'static str; 7] = [
+        "gpt2-small",
+        "gpt2-medium",
+        "gpt2-large",
+        "gpt2-1.5b",
+        "gpt3-2.7b",
+        "gpt3-6.7b",
+        "gpt3-13b",
+    ];
+}
+
+/// The spec of a GPT-like model: token and position embeddings, `layers` blocks of
+/// (LayerNorm, attention, LayerNorm, MLP), a final LayerNorm and an LM head tied to the token
+/// embedding (a shared parameter: two forward uses).
+///
+/// Non-model bytes follow the fp16 activation sizes of a transformer layer,
+/// `s·b·h·(34 + 5·a·s/h)` bytes while a layer computes, plus `2·s·b·h` per checkpointed layer
+/// input kept until backward, plus fp16 and fp32 logits at the head.
+pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
+    if c.layers == 0 || c.hidden == 0 || c.heads == 0 || c.vocab == 0 || c.seq == 0 || c.batch == 0
+    {
+        return Err(Error::InvalidArgument(format!(
+            "GPT shape {c:?} has a zero dimension"
+        )));
+    }
+    let (h, s, b, a, v) = (
+        c.hidden as u64,
+        c.seq as u64,
+        c.batch as u64,
+        c.heads as u64,
+        c.vocab as u64,
+    );
+    let sbh = s * b * h;
+    let layer_act = sbh * 34 + 5 * a * s * s * b;
+    let ckpt = 2 * sbh;
+    let logits = s * b * v * 6;
+    let mut tensors: Vec<(String, usize)> = Vec::new();
+    let mut add = |name: String, n: usize| {
+        tensors.push((name, n));
+        tensors.len() - 1
+    };
+    let wte = add("wte".into(), c.vocab * c.hidden);
+    let wpe = add("wpe".into(), c.seq * c.hidden);
+    let mut ops = vec![OpSpec {
+        name: "embed".into(),
+        tensors: vec![wte, wpe],
+        fwd_non_model: 2 * sbh,
+        bwd_non_model: 4 * sbh,
+    }];
+    let hd = c.hidden;
+    for l in 0..c.layers {
+        let kept = if c.checkpoint {
+            (l as u64 + 1) * ckpt
+        } else {
+            l as u64 * layer_act
+        };
+        let work = layer_act;
+        let mut op = |name: &str, ts: Vec<(String, usize)>, frac: f64| {
+            let ids = ts
+                .into_iter()
+                .map(|(n, k)| add(format!("h{l}.{name}.{n}"), k))
+                .collect();
+            ops.push(OpSpec {
+                name: format!("h{l}.{name}"),
+                tensors: ids,
+                fwd_non_model: kept + (work as f64 * frac) as u64,
+                bwd_non_model: kept + work + (work as f64 * frac) as u64 / 2 + 2 * sbh,
+            });
+        };
+        op("ln_1", vec![("w".into(), hd), ("b".into(), hd)], 0.1);
+        op(
+            "attn",
+            vec![
+                ("qkv.w".into(), 3 * hd * hd),
+                ("qkv.b".into(), 3 * hd),
+                ("proj.w".into(), hd * hd),
+                ("proj.b".into(), hd),
+            ],
+            0.6,
+        );
+        op("ln_2", vec![("w".into(), hd), ("b".into(), hd)], 0.7);
+        op(
+            "mlp",
+            vec![
+                ("fc.w".into(), 4 * hd * hd),
+                ("fc.b".into(), 4 * hd),
+                ("proj.w".into(), 4 * hd * hd),
+                ("proj.b".into(), hd),
+            ],
+            1.0,
+        );
+    }
+    let kept = if c.checkpoint {
+        c.layers as u64 * ckpt
+    } else {
+        c.layers as u64 * layer_act
+    };
+    let lnf_w = add("ln_f.w".into(), hd);
+    let lnf_b = add("ln_f.b".into(), hd);
+    ops.push(OpSpec {
+        name: "ln_f".into(),
+        tensors: vec![lnf_w, lnf_b],
+        fwd_non_model: kept + 2 * sbh,
+        bwd_non_model: kept + 4 * sbh,
+    });
+    ops.push(OpSpec {
+        name: "lm_head".into(),
+        tensors: vec![wte],
+        fwd_non_model: kept + logits,
+        bwd_non_model: kept + logits + 2 * sbh,
+    });
+    Ok(ModelSpec {
+        name: c.name.clone(),
+        tensors,
+        ops,
+    })
+}
+
+/// How the chunks of a model are laid out.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkPlan {
+    /// The packing.
+    pub layout: Layout,
+    /// Schedulable chunks, `group * 4 + kind`.
+    pub chunks: Vec<ChunkDesc>,
+    /// Bytes of one parameter element (2 for fp16/bf16, 4 for fp32).
+    pub param_bytes: u64,
+}
+
+impl ChunkPlan {
+    /// Packs `spec` with chunks of `chunk_elems` elements and parameters of `param_bytes` bytes.
+    pub fn new(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
+        let layout = Layout::pack(
+            chunk_elems,
+            &spec.tensors.iter().map(|t| t.1).collect::<Vec<_>>(),
+        )?;
+        let chunks = plan_chunks(&layout, param_bytes);
+        Ok(ChunkPlan {
+            layout,
+            chunks,
+            param_bytes,
+        })
+    }
+
+    /// Schedulable number of chunk `kind` of `group`.
+    pub fn chunk_no(group: u32, kind: ChunkKind) -> ChunkNo {
+        group * 4 + kind.index() as u32
+    }
+
+    /// Bytes of all chunks of one kind.
+    pub fn kind_bytes(&self, kind: ChunkKind) -> u64 {
+        self.chunks
+            .iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| c.bytes)
+            .sum()
+    }
+
+    /// Bytes of all chunks (model data with padding).
+    pub fn total_bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.bytes).sum()
+    }
+}
+
+/// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
+/// chunks (numbered `group * 4 + kind`).
+pub fn plan_chunks(layout: &Layout, param_bytes: u64) -> Vec<ChunkDesc> {
+    let mut chunks = Vec::with_capacity(layout.groups() * 4);
+    for (g, &elems) in layout.group_elems.iter().enumerate() {
+        for kind in ChunkKind::ALL {
+            let per = if kind == ChunkKind::Param {
+                param_bytes
+            } else {
+                4
+            };
+            chunks.push(ChunkDesc {
+                bytes: elems as u64 * per,
+                kind,
+                group: g as u32,
+            });
+        }
+    }
+    chunks
+}
+
+/// The accesses of one iteration, moment by moment, as the chunk manager makes them: a forward
+/// moment per op (param chunks on the device, read), a backward moment per op in reverse (param
+/// chunks on the device, written where a tensor's last backward use writes its gradient), and an
+/// optimizer moment per chunk group (all four chunks on the host, written).
+pub fn iteration_accesses(spec: &ModelSpec, layout: &Layout) -> Vec<(Stage, Vec<Access>, u64)> {
+    let group_of = |t: usize| layout.slots[t].group;
+    let uses = spec.uses();
+    let mut left = uses.clone();
+    let mut out = Vec::with_capacity(spec.ops.len() * 2 + layout.groups());
+    for op in &spec.ops {
+        let mut acc: Vec<Access> = Vec::new();
+        for &t in &op.tensors {
+            push_access(
+                &mut acc,
+                ChunkPlan::chunk_no(group_of(t), ChunkKind::Param),
+                Target::Device,
+                false,
+            );
+        }
+        out.push((Stage::Forward, acc, op.fwd_non_model));
+    }
+    for op in spec.ops.iter().rev() {
+        let mut acc: Vec<Access> = Vec::new();
+        for &t in &op.tensors {
+            left[t] -= 1;
+            let last = left[t] == 0;
+            push_access(
+                &mut acc,
+                ChunkPlan::chunk_no(group_of(t), ChunkKind::Param),
+                Target::Device,
+                last,
+            );
+        }
+        out.push((Stage::Backward, acc, op.bwd_non_model));
+    }
+    for g in 0..layout.groups() as u32 {
+        let acc = ChunkKind::ALL
+            .iter()
+            .map(|&k| Access {
+                chunk: ChunkPlan::chunk_no(g, k),
+                target: Target::Host,
+                write: true,
+            })
+            .collect();
+        out.push((Stage::Optimizer, acc, 0));
+    }
+    out
+}
+
+/// Adds an access, merging with one to the same chunk.
+pub fn push_access(acc: &mut Vec<Access>, chunk: ChunkNo, target: Target, write: bool) {
+    match acc.iter_mut().find(|a| a.chunk == chunk) {
+        Some(a) => a.write |= write,
+        None => acc.push(Access {
+            chunk,
+            target,
+            write,
+        }),
+    }
+}
+
+/// Options of a simulation.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimOptions {
+    /// Device bytes.
+    pub device_mem: u64,
+    /// Host bytes for model data; chunks beyond it spill to the file tier.
+    pub host_mem: u64,
+    /// Chunk size in elements; `None` searches the size with least padding.
+    pub chunk_elems: Option<usize>,
+    /// Bytes per parameter element in the param list.
+    pub param_bytes: u64,
+    /// Scheduler settings (its `capacity` is overwritten with `device_mem`).
+    pub scheduler: SchedulerConfig,
+    /// Steady iterations after warm-up; the last is reported.
+    pub iterations: usize,
+}
+
+impl SimOptions {
+    /// Defaults for a device and host of the given sizes.
+    pub fn new(device_mem: u64, host_mem: u64) -> SimOptions {
+        SimOptions {
+            device_mem,
+            host_mem,
+            chunk_elems: None,
+            param_bytes: 2,
+            scheduler: SchedulerConfig::new(device_mem),
+            iterations: 2,
+        }
+    }
+}
+
+/// What one policy did on one model.
+#[derive(Clone, Debug, Serialize)]
+pub struct SimReport {
+    /// Policy name.
+    pub policy: String,
+    /// Moves of the warm-up iteration.
+    pub warmup: MoveStats,
+    /// Moves of the last steady iteration.
+    pub steady: MoveStats,
+    /// Offline lower bound for a steady iteration.
+    pub bound: Bound,
+    /// Chunk size used, in elements.
+    pub chunk_elems: usize,
+    /// Number of chunk groups.
+    pub groups: usize,
+    /// Model data bytes (all four lists, with padding).
+    pub model_data_bytes: u64,
+    /// Parameter-list bytes (what visits the device).
+    pub param_chunk_bytes: u64,
+    /// Bytes spilled to the file tier.
+    pub file_bytes: u64,
+    /// Peak non-model bytes of the iteration.
+    pub peak_non_model: u64,
+    /// Smallest chunk budget over the moments of an iteration.
+    pub min_budget: u64,
+    /// Peak chunk bytes on the device.
+    pub device_peak: u64,
+    /// Moments per iteration.
+    pub moments: usize,
+}
+
+/// Chunk size used for `spec` under `opts`.
+pub fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
+    match opts.chunk_elems {
+        Some(c) => Ok(c),
+        None => {
+            let numels: Vec<usize> = spec.tensors.iter().map(|t| t.1).collect();
+            let biggest_common = numels.iter().copied().max().unwrap_or(1);
+            let start = (16usize << 20).min(biggest_common.max(1 << 16));
+            Ok(search_chunk_size(
+                &numels,
+                SizeSearch {
+                    start,
+                    range: start * 3,
+                    interval: (start / 16).max(1),
+                    multiple_of: 1024,
+                },
+            )?
+            .chunk_elems)
+        }
+    }
+}
+
+/// Runs warm-up and steady iterations of `spec` under `policy`.
+pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<SimReport> {
+    spec.validate()?;
+    let chunk_elems = chunk_size_for(spec, opts)?;
+    let plan = ChunkPlan::new(spec, chunk_elems, opts.param_bytes)?;
+    let mut cfg = opts.scheduler;
+    cfg.capacity = opts.device_mem;
+    let file = spill_to_file(&plan.chunks, Some(opts.host_mem));
+    let file_bytes = plan
+        .chunks
+        .iter()
+        .zip(&file)
+        .filter(|(_, f)| **f)
+        .map(|(c, _)| c.bytes)
+        .sum();
+    let mut sched = Scheduler::new(policy, cfg, plan.chunks.clone())?;
+    let iter = iteration_accesses(spec, &plan.layout);
+    let mut tracer = Tracer::new();
+    let mut warmup = MoveStats::default();
+    let mut steady = MoveStats::default();
+    for it in 0..=opts.iterations.max(1) {
+        let before = sched.stats();
+        sched.start_iteration();
+        for (stage, acc, nm) in &iter {
+            sched.tick();
+            if it == 0 {
+                tracer.tick(*stage, acc.clone(), *nm);
+            }
+            sched.fetch(acc)?;
+            sched.prefetch();
+            let chunks: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
+            sched.release(&chunks)?;
+        }
+        let d = sched.stats().since(&before);
+        if it == 0 {
+            warmup = d;
+            let trace = tracer
+                .finish()
+                .ok_or_else(|| Error::InvalidArgument("model has no forward op".into()))?;
+            sched.install_trace(trace);
+        } else {
+            steady = d;
+        }
+    }
+    let trace: Trace = sched.trace().cloned().unwrap_or_default();
+    let bound = lower_bound(&trace, &plan.chunks, &cfg)?;
+    let min_budget = (0..trace.len())
+        .map(|m| sched.budget_at(m))
+        .min()
+        .unwrap_or(0);
+    Ok(SimReport {
+        policy: policy.name(),
+        warmup,
+        steady,
+        bound,
+        chunk_elems,
+        groups: plan.layout.groups(),
+        model_data_bytes: plan.total_bytes(),
+        param_chunk_bytes: plan.kind_bytes(ChunkKind::Param),
+        file_bytes,
+        peak_non_model: trace.peak_non_model(),
+        min_budget,
+        device_peak: sched.device_peak(),
+        moments: trace.len(),
+    })
+}
+
+/// The largest model of the shape of `base` (same hidden size, heads, sequence, batch; more or
+/// fewer layers) whose model data fits in host memory (plus `file_mem` on the file tier) and whose
+/// every moment fits on the device under `policy`. Returns its config and report, or `None` if
+/// not even one layer fits.
+pub fn largest_fitting(
+    base: &GptConfig,
+    policy: Policy,
+    opts: &SimOptions,
+    file_mem: u64,
+) -> Result<Option<(GptConfig, SimReport)>> {
+    let fits = |layers: usize| -> Result<Option<SimReport>> {
+        let c = GptConfig {
+            layers,
+            name: format!("{}-L{layers}", base.name),
+            ..base.clone()
+        };
+        let spec = gpt(&c)?;
+        let mut o = opts.clone();
+        o.iterations = 1;
+        let chunk_elems = chunk_size_for(&spec, &o)?;
+        o.chunk_elems = Some(chunk_elems);
+        let plan = ChunkPlan::new(&spec, chunk_elems, o.param_bytes)?;
+        if plan.total_bytes() > opts.host_mem + file_mem {
+            return Ok(None);
+        }
+        o.host_mem = opts.host_mem;
+        match simulate(&spec, policy, &o) {
+            Ok(r) => Ok(Some(r)),
+            Err(Error::BudgetExceeded { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    };
+    let mut lo = 0usize; // fits (0 = sentinel)
+    let mut best = None;
+    let mut hi = 1usize;
+    // grow until it does not fit
+    while let Some(r) = fits(hi)? {
+        lo = hi;
+        best = Some(r);
+        if hi >= 1 << 16 {
+            break;
+        }
+        hi *= 2;
+    }
+    if lo == 0 {
+        return Ok(None);
+    }
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        match fits(mid)? {
+            Some(r) => {
+                lo = mid;
+                best = Some(r);
+            }
+            None => hi = mid,
+        }
+    }
+    let c = GptConfig {
+        layers: lo,
+        name: format!("{}-L{lo}", base.name),
+        ..base.clone()
+    };
+    Ok(best.map(|r| (c, r)))
+}

@@ -35,6 +35,7 @@ pub mod dtype;
 pub mod error;
 pub mod kernels;
 pub mod ops;
+pub mod profile;
 pub mod simulate;
 pub mod tensor;
 pub mod tide;

@@ -4,3 +4,10 @@
 mod layout;
 
 pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
+
+mod manager;
+
+pub use manager::{
+    decode, encode, ChunkManager, GroupSlices, LogEntry, ManagerConfig, TensorView, TideSample,
+    Usage,
+};

@@ -1,0 +1,1161 @@
+//! The chunk manager: the API a trainer links against.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use half::{bf16, f16};
+use serde::Serialize;
+
+use super::layout::{ChunkKind, Layout, Slot};
+use crate::device::{
+    CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore, HostBuffer, Pending,
+    Stream,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::simulate::{plan_chunks, push_access, ChunkPlan};
+use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
+use crate::tide::{
+    spill_to_file, Access, ChunkNo, Move, MoveStats, Policy, Scheduler, SchedulerConfig, Target,
+    Trace, Tracer,
+};
+
+/// Settings of a [`ChunkManager`].
+#[derive(Clone, Debug)]
+pub struct ManagerConfig {
+    /// Elements per chunk.
+    pub chunk_elems: usize,
+    /// Element type of the parameter list (F16, BF16 or F32).
+    pub param_dtype: DType,
+    /// Placement policy.
+    pub policy: Policy,
+    /// Scheduler settings; `capacity` 0 means the device's total memory.
+    pub scheduler: SchedulerConfig,
+    /// Host bytes for chunks; beyond it, chunks live on the file tier (`None`: unlimited).
+    pub host_budget: Option<u64>,
+    /// Directory of the file tier (default: the system temporary directory).
+    pub file_dir: Option<PathBuf>,
+}
+
+impl ManagerConfig {
+    /// Chunks of `chunk_elems` fp16 elements under `policy`, sized for the whole device.
+    pub fn new(chunk_elems: usize, policy: Policy) -> Self {
+        ManagerConfig {
+            chunk_elems,
+            param_dtype: DType::F16,
+            policy,
+            scheduler: SchedulerConfig::new(0),
+            host_budget: None,
+            file_dir: None,
+        }
+    }
+}
+
+/// Memory of a fetched tensor on the device: valid until the tensor is released.
+#[derive(Clone, Debug)]
+pub struct TensorView {
+    /// The tensor.
+    pub id: TensorId,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements.
+    pub numel: usize,
+    buf: Arc<DeviceBuffer>,
+    offset: usize,
+}
+
+impl TensorView {
+    /// The device memory of the tensor, for copies and kernels.
+    pub fn view(&self) -> DeviceView<'_> {
+        // in range by construction: the slot lies inside its chunk
+        self.buf
+            .view(self.offset, self.numel * self.dtype.size())
+            .expect("tensor slot inside its chunk")
+    }
+}
+
+/// The four chunks of one group on the host, for an optimizer step.
+pub struct GroupSlices<'a> {
+    /// Group index.
+    pub group: usize,
+    /// Tensors of the group: id, offset and length in elements, and whether a gradient was written
+    /// into its parameter slot this iteration.
+    pub tensors: Vec<(TensorId, usize, usize, bool)>,
+    /// Parameter chunk (gradients where written), raw bytes of the parameter dtype.
+    pub param: &'a mut [u8],
+    /// Parameter dtype.
+    pub param_dtype: DType,
+    /// fp32 masters.
+    pub master: &'a mut [f32],
+    /// Momentum.
+    pub momentum: &'a mut [f32],
+    /// Variance.
+    pub variance: &'a mut [f32],
+}
+
+impl GroupSlices<'_> {
+    /// The parameter chunk decoded to f32 (gradients where written).
+    pub fn param_f32(&self) -> Vec<f32> {
+        decode(self.param, self.param_dtype)
+    }
+
+    /// Writes the masters, rounded to the parameter dtype, into the parameter chunk (the last
+    /// thing an optimizer step does).
+    pub fn store_params(&mut self) {
+        let es = self.param_dtype.size();
+        for (i, x) in self.master.iter().enumerate() {
+            let b = encode(std::slice::from_ref(x), self.param_dtype);
+            self.param[i * es..(i + 1) * es].copy_from_slice(&b);
+        }
+    }
+}
+
+/// Chunk bytes per kind (index [`ChunkKind::index`]) on each tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Device bytes.
+    pub device: [u64; 4],
+    /// Host memory bytes.
+    pub host: [u64; 4],
+    /// File-tier bytes.
+    pub file: [u64; 4],
+}
+
+impl Usage {
+    /// Total over kinds for one tier.
+    pub fn total(tier: &[u64; 4]) -> u64 {
+        tier.iter().sum()
+    }
+}
+
+/// One entry of the manager's event log (for Chrome traces).
+#[derive(Clone, Debug, Serialize)]
+pub struct LogEntry {
+    /// Microseconds since the manager was created.
+    pub t_us: f64,
+    /// Duration in microseconds (0 for instants).
+    pub dur_us: f64,
+    /// What happened (`moment`, `fetch`, `load`, `prefetch`, `write-back`, `drop`, ...).
+    pub what: &'static str,
+    /// Chunk number, or the moment index for `moment`.
+    pub n: u64,
+    /// Bytes involved.
+    pub bytes: u64,
+    /// Chunk bytes on the device after it, and the budget at the moment.
+    pub device_chunks: u64,
+    /// Budget at the moment.
+    pub budget: u64,
+}
+
+/// Device memory at one moment of the last complete iteration (for the tide plot).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct TideSample {
+    /// Non-model bytes (peak over the moment).
+    pub non_model: u64,
+    /// Chunk bytes on the device.
+    pub chunks: u64,
+    /// Chunk budget (`None` during warm-up).
+    pub budget: Option<u64>,
+}
+
+struct TensorMeta {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+    slot: Slot,
+    state: [TensorState; 4],
+    fwd_uses: u32,
+    bwd_uses: u32,
+    grad: bool,
+}
+
+#[derive(Default)]
+enum HostSlot {
+    #[default]
+    None,
+    Ready(HostBuffer),
+    InFlight(Pending<HostBuffer>),
+}
+
+#[derive(Default)]
+struct Payload {
+    host: HostSlot,
+    device: Option<Arc<DeviceBuffer>>,
+    ready: Option<Event>,
+}
+
+/// The chunk manager: registers parameters, packs them into chunks, and moves chunks between
+/// device, host and file tiers as the trainer fetches and releases tensors.
+///
+/// ```
+/// use tidemem::chunk::{ChunkManager, ManagerConfig};
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::tensor::{Init, Stage};
+/// use tidemem::tide::Policy;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))?;
+/// let w = m.register("w", &[16, 16], Init::Constant(0.5))?;
+/// m.fetch(&[w], Stage::Forward)?;
+/// assert_eq!(m.read(w)?[0], 0.5);
+/// m.release(&[w], Stage::Forward)?;
+/// m.end_forward()?;
+/// m.fetch(&[w], Stage::Backward)?;
+/// m.write_grad(w, &[1.0; 256])?;
+/// m.release(&[w], Stage::Backward)?;
+/// m.end_backward()?;
+/// m.step_host(|mut g| {
+///     let grad = g.param_f32();
+///     for (x, dx) in g.master.iter_mut().zip(grad) {
+///         *x -= 0.1 * dx; // plain SGD on the fp32 masters
+///     }
+///     g.store_params();
+///     Ok(())
+/// })?;
+/// m.end_step()?;
+/// assert_eq!(m.master(w)?[0], 0.4);
+/// assert_eq!(m.read(w)?[0], half::f16::from_f32(0.4).to_f32());
+/// # Ok(()) }
+/// ```
+pub struct ChunkManager {
+    device: Device,
+    copy: Stream,
+    compute: Stream,
+    cfg: ManagerConfig,
+    tensors: Vec<TensorMeta>,
+    layout: Layout,
+    sched: Option<Scheduler>,
+    payload: Vec<Payload>,
+    file_tier: Vec<bool>,
+    file: Option<FileStore>,
+    tracer: Tracer,
+    warm: bool,
+    stage: Option<Stage>,
+    non_model: Option<CachingAllocator>,
+    retiring: Vec<Pending<HostBuffer>>,
+    iter_start: MoveStats,
+    last_iter: MoveStats,
+    iterations: u64,
+    log: Option<Vec<LogEntry>>,
+    epoch: Instant,
+    samples: Vec<TideSample>,
+    last_samples: Vec<TideSample>,
+}
+
+impl std::fmt::Debug for ChunkManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChunkManager")
+            .field("device", &self.device.id())
+            .field("tensors", &self.tensors.len())
+            .field("groups", &self.layout.groups())
+            .field("policy", &self.cfg.policy)
+            .finish()
+    }
+}
+
+const LISTS: [ChunkKind; 4] = ChunkKind::ALL;
+
+impl ChunkManager {
+    /// A manager on `device`.
+    pub fn new(device: Device, mut cfg: ManagerConfig) -> Result<Self> {
+        if !matches!(cfg.param_dtype, DType::F16 | DType::BF16 | DType::F32) {
+            return Err(Error::InvalidArgument(format!(
+                "unsupported parameter dtype {}",
+                cfg.param_dtype.name()
+            )));
+        }
+        if cfg.scheduler.capacity == 0 {
+            cfg.scheduler.capacity = device.mem_info()?.total as u64;
+        }
+        let layout = Layout::new(cfg.chunk_elems)?;
+        let copy = device.new_stream()?;
+        let compute = device.new_stream()?;
+        Ok(ChunkManager {
+            device,
+            copy,
+            compute,
+            cfg,
+            tensors: Vec::new(),
+            layout,
+            sched: None,
+            payload: Vec::new(),
+            file_tier: Vec::new(),
+            file: None,
+            tracer: Tracer::new(),
+            warm: true,
+            stage: None,
+            non_model: None,
+            retiring: Vec::new(),
+            iter_start: MoveStats::default(),
+            last_iter: MoveStats::default(),
+            iterations: 0,
+            log: None,
+            epoch: Instant::now(),
+            samples: Vec::new(),
+            last_samples: Vec::new(),
+        })
+    }
+
+    /// Tracks non-model device memory through `pool`: its peak over every moment feeds the tide.
+    pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
+        self.non_model = Some(pool);
+    }
+
+    /// Starts logging moments and moves (see [`ChunkManager::log`]).
+    pub fn enable_log(&mut self) {
+        self.log = Some(Vec::new());
+    }
+
+    /// The event log (empty unless [`ChunkManager::enable_log`] was called).
+    pub fn log(&self) -> &[LogEntry] {
+        self.log.as_deref().unwrap_or(&[])
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The stream a trainer runs its device work on; fetched chunks are ready on it.
+    pub fn compute_stream(&self) -> &Stream {
+        &self.compute
+    }
+
+    /// The chunk layout (grows while parameters are registered).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Parameter element type.
+    pub fn param_dtype(&self) -> DType {
+        self.cfg.param_dtype
+    }
+
+    /// Registers a parameter; it is packed after the previous one. Registration closes at the
+    /// first fetch.
+    pub fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        if self.sched.is_some() {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register '{name}': registration closed at the first fetch"
+            )));
+        }
+        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let numel = match numel {
+            Some(n) if n > 0 => n,
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor '{name}' has shape {shape:?} with no elements or too many"
+                )))
+            }
+        };
+        let slot = self.layout.push(numel)?;
+        self.tensors.push(TensorMeta {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            init,
+            slot,
+            state: [TensorState::Free; 4],
+            fwd_uses: 0,
+            bwd_uses: 0,
+            grad: false,
+        });
+        Ok(TensorId(self.tensors.len() as u32 - 1))
+    }
+
+    /// Name, shape and slot of a tensor.
+    pub fn tensor_info(&self, id: TensorId) -> Result<(&str, &[usize], Slot)> {
+        let t = self.meta(id)?;
+        Ok((&t.name, &t.shape, t.slot))
+    }
+
+    /// State of a tensor in one list.
+    pub fn state(&self, id: TensorId, kind: ChunkKind) -> Result<TensorState> {
+        Ok(self.meta(id)?.state[kind.index()])
+    }
+
+    /// Number of registered tensors.
+    pub fn num_tensors(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// State of a chunk: the highest-priority state of its tensors, `None` for RELEASED (no
+    /// payload anywhere).
+    pub fn chunk_state(&self, group: usize, kind: ChunkKind) -> Option<TensorState> {
+        let c = ChunkPlan::chunk_no(group as u32, kind) as usize;
+        let p = self.payload.get(c)?;
+        if matches!(p.host, HostSlot::None) && p.device.is_none() {
+            return None;
+        }
+        self.layout.group_tensors.get(group).map(|ts| {
+            ts.iter()
+                .map(|&t| self.tensors[t as usize].state[kind.index()])
+                .max_by_key(|s| s.priority())
+                .unwrap_or(TensorState::Free)
+        })
+    }
+
+    fn meta(&self, id: TensorId) -> Result<&TensorMeta> {
+        self.tensors
+            .get(id.index())
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))
+    }
+
+    fn chunk_of(&self, id: TensorId, kind: ChunkKind) -> ChunkNo {
+        ChunkPlan::chunk_no(self.tensors[id.index()].slot.group, kind)
+    }
+
+    fn elem_bytes(&self, kind: ChunkKind) -> usize {
+        if kind == ChunkKind::Param {
+            self.cfg.param_dtype.size()
+        } else {
+            4
+        }
+    }
+
+    fn chunk_bytes(&self, c: usize) -> usize {
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        self.layout.group_elems[g] * self.elem_bytes(k)
+    }
+
+    /// Closes registration: builds the scheduler and the tiers.
+    fn close(&mut self) -> Result<()> {
+        if self.sched.is_some() {
+            return Ok(());
+        }
+        if self.tensors.is_empty() {
+            return Err(Error::InvalidArgument("no tensor registered".into()));
+        }
+        let chunks = plan_chunks(&self.layout, self.cfg.param_dtype.size() as u64);
+        self.file_tier = spill_to_file(&chunks, self.cfg.host_budget);
+        if self.file_tier.iter().any(|&f| f) {
+            let dir = self.cfg.file_dir.clone().unwrap_or_else(std::env::temp_dir);
+            self.file = Some(FileStore::new(dir)?);
+        }
+        self.payload = (0..chunks.len()).map(|_| Payload::default()).collect();
+        self.sched = Some(Scheduler::new(self.cfg.policy, self.cfg.scheduler, chunks)?);
+        Ok(())
+    }
+
+    fn sched(&mut self) -> &mut Scheduler {
+        self.sched.as_mut().expect("scheduler exists after close")
+    }
+
+    fn check_transition(&self, ids: &[TensorId], kind: ChunkKind, ev: TrainEvent) -> Result<()> {
+        for &id in ids {
+            let t = self.meta(id)?;
+            let s = t.state[kind.index()];
+            if next_state(s, ev).is_none() {
+                return Err(Error::IllegalTransition {
+                    tensor: t.name.clone(),
+                    list: kind.name(),
+                    state: s,
+                    event: ev,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, id: TensorId, kind: ChunkKind, ev: TrainEvent) {
+        let t = &mut self.tensors[id.index()];
+        let s = &mut t.state[kind.index()];
+        *s = next_state(*s, ev).expect("transition checked before");
+    }
+
+    fn now_us(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    fn note(&mut self, what: &'static str, n: u64, bytes: u64, t0: f64) {
+        if self.log.is_some() {
+            let t = self.now_us();
+            let (dc, b) = self
+                .sched
+                .as_ref()
+                .map_or((0, 0), |s| (s.device_used(), s.budget()));
+            if let Some(l) = self.log.as_mut() {
+                l.push(LogEntry {
+                    t_us: t0,
+                    dur_us: t - t0,
+                    what,
+                    n,
+                    bytes,
+                    device_chunks: dc,
+                    budget: b,
+                });
+            }
+        }
+    }
+
+    /// Opens a moment: folds the non-model peak into the tracer and ticks the scheduler.
+    fn tick(&mut self, stage: Stage, accesses: &[Access]) -> usize {
+        let (peak, now) = match &self.non_model {
+            Some(p) => {
+                let s = p.stats();
+                p.reset_peak();
+                (s.peak_reserved as u64, s.reserved as u64)
+            }
+            None => (0, 0),
+        };
+        if let Some(last) = self.samples.last_mut() {
+            last.non_model = last.non_model.max(peak);
+        }
+        if self.warm {
+            self.tracer.non_model(peak);
+            self.tracer.tick(stage, accesses.to_vec(), now);
+        }
+        let m = self.sched().tick();
+        let t = self.now_us();
+        self.note("moment", m as u64, 0, t);
+        m
+    }
+
+    fn sample(&mut self) {
+        let s = self.sched.as_ref().expect("scheduler");
+        let budget = s.trace().map(|_| s.budget());
+        let chunks = s.device_used();
+        let non_model = self.non_model.as_ref().map_or(0, |p| p.stats().reserved as u64);
+        self.samples.push(TideSample {
+            non_model,
+            chunks,
+            budget,
+        });
+    }
+
+    /// Fetches tensors for an op of `stage` (forward or backward) on the device and returns views
+    /// of their memory, ready on [`ChunkManager::compute_stream`]. Their chunks will not move
+    /// until [`ChunkManager::release`].
+    pub fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        let t0 = self.now_us();
+        let ev = match stage {
+            Stage::Forward => TrainEvent::BeforeFwdOp,
+            Stage::Backward => TrainEvent::BeforeBwdOp,
+            Stage::Optimizer => {
+                return Err(Error::InvalidArgument(
+                    "fetch is for forward and backward; the optimizer uses step_host".into(),
+                ))
+            }
+        };
+        self.check_stage(stage)?;
+        check_distinct(ids)?;
+        self.check_transition(ids, ChunkKind::Param, ev)?;
+        self.close()?;
+        let mut acc = Vec::new();
+        for &id in ids {
+            let t = &self.tensors[id.index()];
+            let last = stage == Stage::Backward && t.bwd_uses + 1 >= t.fwd_uses;
+            push_access(&mut acc, self.chunk_of(id, ChunkKind::Param), Target::Device, last);
+        }
+        self.tick(stage, &acc);
+        let moves = match self.sched().fetch(&acc) {
+            Ok(m) => m,
+            Err(e) => {
+                // the moment did not happen
+                if self.warm {
+                    self.tracer.discard();
+                    self.warm_restart();
+                }
+                return Err(e);
+            }
+        };
+        self.execute(&moves)?;
+        self.stage = Some(stage);
+        for &id in ids {
+            self.apply(id, ChunkKind::Param, ev);
+            let t = &mut self.tensors[id.index()];
+            match stage {
+                Stage::Forward => t.fwd_uses += 1,
+                _ => t.bwd_uses += 1,
+            }
+        }
+        // Compute waits for the loads of its chunks.
+        let mut views = Vec::with_capacity(ids.len());
+        for a in &acc {
+            if let Some(ev) = self.payload[a.chunk as usize].ready.take() {
+                self.device.wait_event(&self.compute, &ev)?;
+            }
+        }
+        for &id in ids {
+            let c = self.chunk_of(id, ChunkKind::Param) as usize;
+            let t = &self.tensors[id.index()];
+            let buf = self.payload[c]
+                .device
+                .clone()
+                .ok_or_else(|| Error::InvalidArgument("fetched chunk has no device copy".into()))?;
+            views.push(TensorView {
+                id,
+                dtype: self.cfg.param_dtype,
+                numel: t.slot.numel,
+                buf,
+                offset: t.slot.offset * self.cfg.param_dtype.size(),
+            });
+        }
+        let pre = self.sched().prefetch();
+        self.execute(&pre)?;
+        self.sample();
+        self.note("fetch", ids.len() as u64, 0, t0);
+        Ok(views)
+    }
+
+    fn warm_restart(&mut self) {
+        self.samples.clear();
+    }
+
+    fn check_stage(&self, stage: Stage) -> Result<()> {
+        let ok = match (self.stage, stage) {
+            (None, _) => true,
+            (Some(Stage::Forward), Stage::Forward) => true,
+            (Some(Stage::Forward), Stage::Backward) => false, // end_forward first
+            (Some(Stage::Backward), Stage::Backward) => true,
+            (Some(Stage::Optimizer), Stage::Forward) => false,
+            (Some(a), b) => a == b,
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "a {stage} access during the {} stage: call end_forward / end_backward / end_step first",
+                self.stage.map_or("?", |s| s.name())
+            )))
+        }
+    }
+
+    /// Ends the use of tensors fetched for an op of `stage`. In backward, a tensor's last use
+    /// (as many backward uses as forward uses) takes it to HOLD_AFTER_BWD.
+    pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        check_distinct(ids)?;
+        let mut events = Vec::with_capacity(ids.len());
+        for &id in ids {
+            let t = self.meta(id)?;
+            let ev = match stage {
+                Stage::Forward => TrainEvent::AfterFwdOp,
+                Stage::Backward if t.bwd_uses >= t.fwd_uses => TrainEvent::AfterLastBwdOp,
+                Stage::Backward => TrainEvent::AfterBwdOp,
+                Stage::Optimizer => TrainEvent::AfterOptim,
+            };
+            if self.stage != Some(stage) {
+                return Err(Error::IllegalTransition {
+                    tensor: t.name.clone(),
+                    list: ChunkKind::Param.name(),
+                    state: t.state[0],
+                    event: ev,
+                });
+            }
+            self.check_transition(&[id], ChunkKind::Param, ev)?;
+            events.push(ev);
+        }
+        let mut chunks: Vec<ChunkNo> = Vec::new();
+        for (&id, &ev) in ids.iter().zip(&events) {
+            self.apply(id, ChunkKind::Param, ev);
+            let c = self.chunk_of(id, ChunkKind::Param);
+            if !chunks.contains(&c) {
+                chunks.push(c);
+            }
+        }
+        for &c in &chunks {
+            let p = &self.payload[c as usize];
+            if let Some(buf) = &p.device {
+                // views handed out must be gone before the chunk may move
+                if Arc::strong_count(buf) > 1 && self.chunk_idle_after_release(c) {
+                    return Err(Error::InvalidArgument(format!(
+                        "a view of chunk {c} is still alive at release; drop views before releasing"
+                    )));
+                }
+            }
+        }
+        let moves = self.sched().release(&chunks)?;
+        self.execute(&moves)
+    }
+
+    fn chunk_idle_after_release(&self, c: ChunkNo) -> bool {
+        self.sched
+            .as_ref()
+            .and_then(|s| s.status(c))
+            .is_some_and(|s| s.in_use <= 1)
+    }
+
+    /// Writes the gradient of a tensor into its parameter slot (converted to the parameter dtype).
+    /// Allowed only while the tensor is fetched for its last backward use: a shared parameter gets
+    /// its gradient once, after all its uses.
+    pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        let t = self.meta(id)?;
+        if t.state[0] != TensorState::Compute || self.stage != Some(Stage::Backward) {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state[0]
+            )));
+        }
+        if t.bwd_uses < t.fwd_uses {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
+                t.name, t.bwd_uses, t.fwd_uses
+            )));
+        }
+        if grad.len() != t.slot.numel {
+            return Err(Error::SizeMismatch {
+                src: grad.len(),
+                dst: t.slot.numel,
+            });
+        }
+        let bytes = encode(grad, self.cfg.param_dtype);
+        let c = self.chunk_of(id, ChunkKind::Param) as usize;
+        let off = t.slot.offset * self.cfg.param_dtype.size();
+        let buf = self.payload[c]
+            .device
+            .clone()
+            .ok_or_else(|| Error::InvalidArgument("fetched chunk has no device copy".into()))?;
+        let mut h = HostBuffer::paged(bytes.len())?;
+        h.copy_from_slice(&bytes);
+        self.device
+            .copy_h2d(&self.compute, h, buf.view(off, bytes.len())?)?
+            .wait()?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+
+    /// Values of a tensor's parameter slot as f32, from wherever the chunk is (a gradient after
+    /// the tensor's last backward use). Reads from the device run on the compute stream.
+    pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        let t = self.meta(id)?;
+        let (slot, init_needed) = (t.slot, self.sched.is_none());
+        if init_needed || self.chunk_state(slot.group as usize, ChunkKind::Param).is_none() {
+            let mut v = vec![0.0; slot.numel];
+            t.init.fill(&mut v);
+            return Ok(decode(&encode(&v, self.cfg.param_dtype), self.cfg.param_dtype));
+        }
+        let c = self.chunk_of(id, ChunkKind::Param) as usize;
+        let es = self.cfg.param_dtype.size();
+        let (off, len) = (slot.offset * es, slot.numel * es);
+        if let Some(buf) = self.payload[c].device.clone() {
+            if let Some(ev) = self.payload[c].ready.take() {
+                self.device.wait_event(&self.compute, &ev)?;
+            }
+            let bytes = self.device.download(&self.compute, buf.view(off, len)?)?;
+            return Ok(decode(&bytes, self.cfg.param_dtype));
+        }
+        let dt = self.cfg.param_dtype;
+        let h = self.host_ready(c)?;
+        Ok(decode(&h[off..off + len], dt))
+    }
+
+    /// The fp32 master values of a tensor (its initial values before the first step).
+    pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        let t = self.meta(id)?;
+        let slot = t.slot;
+        let c = self.chunk_of(id, ChunkKind::Master) as usize;
+        if self.sched.is_none() || self.chunk_state(slot.group as usize, ChunkKind::Master).is_none() {
+            let mut v = vec![0.0; slot.numel];
+            t.init.fill(&mut v);
+            return Ok(v);
+        }
+        let moves = self.sched().sync_host(c as ChunkNo, false)?;
+        self.execute(&moves)?;
+        let h = self.host_ready(c)?;
+        let f: &[f32] = bytemuck::cast_slice(&h[slot.offset * 4..(slot.offset + slot.numel) * 4]);
+        Ok(f.to_vec())
+    }
+
+    /// Ends the forward pass: every tensor used in it goes HOLD_AFTER_FWD → HOLD.
+    pub fn end_forward(&mut self) -> Result<()> {
+        if self.stage != Some(Stage::Forward) {
+            return Err(Error::InvalidArgument("end_forward outside the forward pass".into()));
+        }
+        let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
+        self.check_transition(&all, ChunkKind::Param, TrainEvent::EndForward)?;
+        for id in all {
+            self.apply(id, ChunkKind::Param, TrainEvent::EndForward);
+        }
+        self.stage = Some(Stage::Backward);
+        Ok(())
+    }
+
+    /// Ends the backward pass. Fails if a tensor is still fetched.
+    pub fn end_backward(&mut self) -> Result<()> {
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::InvalidArgument("end_backward outside the backward pass".into()));
+        }
+        if let Some(t) = self.tensors.iter().find(|t| t.state[0] == TensorState::Compute) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' is still fetched at the end of backward",
+                t.name
+            )));
+        }
+        self.stage = Some(Stage::Optimizer);
+        Ok(())
+    }
+
+    /// Runs an optimizer over every chunk group on the host: the group's four chunks are brought
+    /// to host memory (dirty device copies written back, stale ones dropped) and handed to `f`,
+    /// which updates masters and optimizer state and must leave the new parameter values in the
+    /// parameter chunk. One moment per group.
+    pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
+        if self.stage != Some(Stage::Optimizer) {
+            return Err(Error::InvalidArgument("step_host before end_backward".into()));
+        }
+        for g in 0..self.layout.groups() {
+            let t0 = self.now_us();
+            let ids: Vec<TensorId> = self.layout.group_tensors[g].iter().map(|&t| TensorId(t)).collect();
+            for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+                self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
+            }
+            let acc: Vec<Access> = LISTS
+                .iter()
+                .map(|&k| Access {
+                    chunk: ChunkPlan::chunk_no(g as u32, k),
+                    target: Target::Host,
+                    write: true,
+                })
+                .collect();
+            self.tick(Stage::Optimizer, &acc);
+            let moves = self.sched().fetch(&acc)?;
+            self.execute(&moves)?;
+            for &id in &ids {
+                for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+                    self.apply(id, k, TrainEvent::BeforeOptim);
+                }
+            }
+            let mut bufs = Vec::with_capacity(4);
+            for &k in &LISTS {
+                let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+                self.host_ready(c)?;
+                match std::mem::take(&mut self.payload[c].host) {
+                    HostSlot::Ready(b) => bufs.push(b),
+                    _ => unreachable!("host_ready leaves the slot ready"),
+                }
+            }
+            let tensors = ids
+                .iter()
+                .map(|&id| {
+                    let t = &self.tensors[id.index()];
+                    (id, t.slot.offset, t.slot.numel, t.grad)
+                })
+                .collect();
+            let result = {
+                let [p, ma, mo, va] = &mut bufs[..] else {
+                    unreachable!("four lists")
+                };
+                match (
+                    bytemuck::try_cast_slice_mut::<u8, f32>(ma),
+                    bytemuck::try_cast_slice_mut::<u8, f32>(mo),
+                    bytemuck::try_cast_slice_mut::<u8, f32>(va),
+                ) {
+                    (Ok(master), Ok(momentum), Ok(variance)) => f(GroupSlices {
+                        group: g,
+                        tensors,
+                        param: p,
+                        param_dtype: self.cfg.param_dtype,
+                        master,
+                        momentum,
+                        variance,
+                    }),
+                    _ => Err(Error::Misaligned {
+                        what: "host chunk",
+                        value: 0,
+                        align: 4,
+                    }),
+                }
+            };
+            for (i, b) in bufs.into_iter().enumerate() {
+                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host = HostSlot::Ready(b);
+            }
+            for &id in &ids {
+                for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+                    self.apply(id, k, TrainEvent::AfterOptim);
+                }
+            }
+            let chunks: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
+            let moves = self.sched().release(&chunks)?;
+            self.execute(&moves)?;
+            self.sample();
+            self.note("optimizer", g as u64, 0, t0);
+            result?;
+        }
+        Ok(())
+    }
+
+    /// Ends the step: parameters go back to HOLD, use counts restart, and the warm-up trace (if
+    /// this was the first complete iteration) is installed.
+    pub fn end_step(&mut self) -> Result<()> {
+        self.finish_iteration(false)
+    }
+
+    /// Ends an iteration whose step was skipped (e.g. a gradient overflow): like
+    /// [`ChunkManager::end_step`], but a warm-up iteration is discarded and warm-up runs again.
+    pub fn skip_step(&mut self) -> Result<()> {
+        self.finish_iteration(true)
+    }
+
+    fn finish_iteration(&mut self, skipped: bool) -> Result<()> {
+        if let Some(t) = self.tensors.iter().find(|t| t.state[0] == TensorState::Compute) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' is still fetched at the end of the step",
+                t.name
+            )));
+        }
+        let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
+        self.check_transition(&all, ChunkKind::Param, TrainEvent::EndStep)?;
+        for id in all {
+            self.apply(id, ChunkKind::Param, TrainEvent::EndStep);
+            let t = &mut self.tensors[id.index()];
+            t.fwd_uses = 0;
+            t.bwd_uses = 0;
+            t.grad = false;
+        }
+        self.stage = None;
+        let Some(s) = self.sched.as_mut() else {
+            return Ok(());
+        };
+        if let Some(p) = &self.non_model {
+            let st = p.stats();
+            p.reset_peak();
+            self.tracer.non_model(st.peak_reserved as u64);
+            if let Some(l) = self.samples.last_mut() {
+                l.non_model = l.non_model.max(st.peak_reserved as u64);
+            }
+        }
+        if self.warm {
+            if skipped {
+                self.tracer.discard();
+            } else if let Some(trace) = self.tracer.finish() {
+                s.install_trace(trace);
+                self.warm = false;
+            }
+        }
+        s.start_iteration();
+        let now = s.stats();
+        self.last_iter = now.since(&self.iter_start);
+        self.iter_start = now;
+        self.iterations += 1;
+        self.last_samples = std::mem::take(&mut self.samples);
+        Ok(())
+    }
+
+    /// Whether warm-up is over (a trace is installed).
+    pub fn is_steady(&self) -> bool {
+        !self.warm
+    }
+
+    /// The installed trace.
+    pub fn trace(&self) -> Option<&Trace> {
+        self.sched.as_ref().and_then(|s| s.trace())
+    }
+
+    /// Moves ordered since the manager was created.
+    pub fn stats(&self) -> MoveStats {
+        self.sched.as_ref().map_or_else(MoveStats::default, |s| s.stats())
+    }
+
+    /// Moves of the last complete iteration.
+    pub fn last_iteration(&self) -> MoveStats {
+        self.last_iter
+    }
+
+    /// Device memory at every moment of the last complete iteration.
+    pub fn tide_samples(&self) -> &[TideSample] {
+        &self.last_samples
+    }
+
+    /// The scheduler (after the first fetch).
+    pub fn scheduler(&self) -> Option<&Scheduler> {
+        self.sched.as_ref()
+    }
+
+    /// Exact chunk bytes per kind on every tier, from the payloads that exist.
+    pub fn usage(&self) -> Usage {
+        let mut u = Usage::default();
+        for (c, p) in self.payload.iter().enumerate() {
+            let k = c % 4;
+            let b = self.chunk_bytes(c) as u64;
+            if p.device.is_some() {
+                u.device[k] += b;
+            }
+            if !matches!(p.host, HostSlot::None) {
+                if self.file_tier[c] {
+                    u.file[k] += b;
+                } else {
+                    u.host[k] += b;
+                }
+            }
+        }
+        u
+    }
+
+    /// Waits for every copy in flight.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.device.sync_stream(&self.copy)?;
+        self.device.sync_stream(&self.compute)?;
+        for c in 0..self.payload.len() {
+            if matches!(self.payload[c].host, HostSlot::InFlight(_)) {
+                self.host_ready(c)?;
+            }
+        }
+        for p in self.retiring.drain(..) {
+            p.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Makes the host slot of chunk `c` ready (waiting for a copy in flight) and returns it.
+    fn host_ready(&mut self, c: usize) -> Result<&mut HostBuffer> {
+        if let HostSlot::InFlight(_) = &self.payload[c].host {
+            let HostSlot::InFlight(p) = std::mem::take(&mut self.payload[c].host) else {
+                unreachable!()
+            };
+            self.payload[c].host = HostSlot::Ready(p.wait()?);
+        }
+        match &mut self.payload[c].host {
+            HostSlot::Ready(b) => Ok(b),
+            _ => Err(Error::InvalidArgument(format!("chunk {c} has no host copy"))),
+        }
+    }
+
+    fn alloc_host(&mut self, c: usize) -> Result<HostBuffer> {
+        let bytes = self.chunk_bytes(c);
+        if self.file_tier[c] {
+            if let Some(f) = &self.file {
+                return f.alloc(bytes);
+            }
+        }
+        self.device.alloc_host(bytes)
+    }
+
+    fn materialize(&mut self, c: usize) -> Result<()> {
+        let mut h = self.alloc_host(c)?;
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        match k {
+            ChunkKind::Momentum | ChunkKind::Variance => h.fill(0),
+            _ => {
+                h.fill(0);
+                let es = self.elem_bytes(k);
+                for &t in &self.layout.group_tensors[g] {
+                    let t = &self.tensors[t as usize];
+                    let mut v = vec![0.0f32; t.slot.numel];
+                    t.init.fill(&mut v);
+                    let dt = if k == ChunkKind::Param { self.cfg.param_dtype } else { DType::F32 };
+                    let bytes = encode(&v, dt);
+                    h[t.slot.offset * es..t.slot.offset * es + bytes.len()].copy_from_slice(&bytes);
+                }
+            }
+        }
+        self.payload[c].host = HostSlot::Ready(h);
+        Ok(())
+    }
+
+    fn execute(&mut self, moves: &[Move]) -> Result<()> {
+        // retire finished host frees
+        self.retiring.retain(|p| !p.is_ready().unwrap_or(false));
+        for mv in moves {
+            let t0 = self.now_us();
+            match *mv {
+                Move::Materialize { chunk } => {
+                    self.materialize(chunk as usize)?;
+                    self.note("materialize", chunk as u64, 0, t0);
+                }
+                Move::Load { chunk, prefetch } => {
+                    let c = chunk as usize;
+                    let bytes = self.chunk_bytes(c);
+                    let buf = self.alloc_device(bytes)?;
+                    self.host_ready(c)?;
+                    let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
+                        unreachable!()
+                    };
+                    let pending = self.device.copy_h2d(&self.copy, h, &buf)?;
+                    let ev = self.device.new_event()?;
+                    self.device.record(&self.copy, &ev)?;
+                    self.payload[c].host = HostSlot::InFlight(pending);
+                    self.payload[c].device = Some(Arc::new(buf));
+                    self.payload[c].ready = Some(ev);
+                    self.note(if prefetch { "prefetch" } else { "load" }, chunk as u64, bytes as u64, t0);
+                }
+                Move::WriteBack { chunk } => {
+                    let c = chunk as usize;
+                    let buf = self.payload[c]
+                        .device
+                        .clone()
+                        .ok_or_else(|| Error::InvalidArgument(format!("write-back of chunk {c} without a device copy")))?;
+                    let h = match std::mem::take(&mut self.payload[c].host) {
+                        HostSlot::Ready(h) => h,
+                        HostSlot::InFlight(p) => p.wait()?,
+                        HostSlot::None => self.alloc_host(c)?,
+                    };
+                    // the copy engine reads the chunk after everything compute did to it
+                    let ev = self.device.new_event()?;
+                    self.device.record(&self.compute, &ev)?;
+                    self.device.wait_event(&self.copy, &ev)?;
+                    if let Some(r) = self.payload[c].ready.take() {
+                        self.device.wait_event(&self.copy, &r)?;
+                    }
+                    let p = self.device.copy_d2h(&self.copy, &*buf, h)?;
+                    self.payload[c].host = HostSlot::InFlight(p);
+                    self.note("write-back", chunk as u64, buf.len() as u64, t0);
+                }
+                Move::Drop { chunk } => {
+                    let c = chunk as usize;
+                    if let Some(buf) = self.payload[c].device.take() {
+                        if Arc::strong_count(&buf) > 1 {
+                            return Err(Error::InvalidArgument(format!(
+                                "chunk {c} evicted while a view of it is alive"
+                            )));
+                        }
+                    }
+                    self.payload[c].ready = None;
+                    self.note("drop", chunk as u64, 0, t0);
+                }
+                Move::FreeHost { chunk } => {
+                    let c = chunk as usize;
+                    match std::mem::take(&mut self.payload[c].host) {
+                        HostSlot::InFlight(p) => self.retiring.push(p),
+                        HostSlot::Ready(_) | HostSlot::None => {}
+                    }
+                    self.note("free-host", chunk as u64, 0, t0);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Allocates a chunk's device copy; if the device is full because freed chunks are still
+    /// waiting for their copies, waits for the copy stream and tries once more.
+    fn alloc_device(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        match self.device.alloc(bytes) {
+            Ok(b) => Ok(b),
+            Err(Error::OutOfMemory { .. }) => {
+                self.device.sync_stream(&self.copy)?;
+                self.device.sync_stream(&self.compute)?;
+                self.device.alloc(bytes)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn check_distinct(ids: &[TensorId]) -> Result<()> {
+    for (i, a) in ids.iter().enumerate() {
+        if ids[i + 1..].contains(a) {
+            return Err(Error::InvalidArgument(format!("tensor {a} listed twice in one access")));
+        }
+    }
+    Ok(())
+}
+
+/// Encodes f32 values as `dtype` little-endian bytes.
+pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F32 => bytemuck::cast_slice(v).to_vec(),
+        DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
+        DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+    }
+}
+
+/// Decodes `dtype` little-endian bytes to f32.
+pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+    }
+}

@@ -39,6 +39,7 @@ pub mod profile;
 pub mod simulate;
 pub mod tensor;
 pub mod tide;
+pub mod toy;
 pub mod units;
 
 pub use dtype::DType;

@@ -297,7 +297,9 @@ impl ChunkManager {
         })
     }
 
-    /// Tracks non-model device memory through `pool`: its peak over every moment feeds the tide.
+    /// Tracks non-model device memory through `pool`: its peak of live bytes over every moment
+    /// feeds the tide. Blocks it caches are not counted: when a chunk does not fit, the manager
+    /// empties the pool's cache before giving up.
     pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
         self.non_model = Some(pool);
     }
@@ -494,7 +496,7 @@ impl ChunkManager {
             Some(p) => {
                 let s = p.stats();
                 p.reset_peak();
-                (s.peak_reserved as u64, s.reserved as u64)
+                (s.peak_allocated as u64, s.allocated as u64)
             }
             None => (0, 0),
         };
@@ -515,7 +517,10 @@ impl ChunkManager {
         let s = self.sched.as_ref().expect("scheduler");
         let budget = s.trace().map(|_| s.budget());
         let chunks = s.device_used();
-        let non_model = self.non_model.as_ref().map_or(0, |p| p.stats().reserved as u64);
+        let non_model = self
+            .non_model
+            .as_ref()
+            .map_or(0, |p| p.stats().allocated as u64);
         self.samples.push(TideSample {
             non_model,
             chunks,
@@ -545,7 +550,12 @@ impl ChunkManager {
         for &id in ids {
             let t = &self.tensors[id.index()];
             let last = stage == Stage::Backward && t.bwd_uses + 1 >= t.fwd_uses;
-            push_access(&mut acc, self.chunk_of(id, ChunkKind::Param), Target::Device, last);
+            push_access(
+                &mut acc,
+                self.chunk_of(id, ChunkKind::Param),
+                Target::Device,
+                last,
+            );
         }
         self.tick(stage, &acc);
         let moves = match self.sched().fetch(&acc) {
@@ -646,8 +656,7 @@ impl ChunkManager {
             events.push(ev);
         }
         let mut chunks: Vec<ChunkNo> = Vec::new();
-        for (&id, &ev) in ids.iter().zip(&events) {
-            self.apply(id, ChunkKind::Param, ev);
+        for &id in ids {
             let c = self.chunk_of(id, ChunkKind::Param);
             if !chunks.contains(&c) {
                 chunks.push(c);
@@ -663,6 +672,9 @@ impl ChunkManager {
                     )));
                 }
             }
+        }
+        for (&id, &ev) in ids.iter().zip(&events) {
+            self.apply(id, ChunkKind::Param, ev);
         }
         let moves = self.sched().release(&chunks)?;
         self.execute(&moves)
@@ -719,10 +731,17 @@ impl ChunkManager {
     pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
         let t = self.meta(id)?;
         let (slot, init_needed) = (t.slot, self.sched.is_none());
-        if init_needed || self.chunk_state(slot.group as usize, ChunkKind::Param).is_none() {
+        if init_needed
+            || self
+                .chunk_state(slot.group as usize, ChunkKind::Param)
+                .is_none()
+        {
             let mut v = vec![0.0; slot.numel];
             t.init.fill(&mut v);
-            return Ok(decode(&encode(&v, self.cfg.param_dtype), self.cfg.param_dtype));
+            return Ok(decode(
+                &encode(&v, self.cfg.param_dtype),
+                self.cfg.param_dtype,
+            ));
         }
         let c = self.chunk_of(id, ChunkKind::Param) as usize;
         let es = self.cfg.param_dtype.size();
@@ -744,7 +763,11 @@ impl ChunkManager {
         let t = self.meta(id)?;
         let slot = t.slot;
         let c = self.chunk_of(id, ChunkKind::Master) as usize;
-        if self.sched.is_none() || self.chunk_state(slot.group as usize, ChunkKind::Master).is_none() {
+        if self.sched.is_none()
+            || self
+                .chunk_state(slot.group as usize, ChunkKind::Master)
+                .is_none()
+        {
             let mut v = vec![0.0; slot.numel];
             t.init.fill(&mut v);
             return Ok(v);
@@ -759,7 +782,9 @@ impl ChunkManager {
     /// Ends the forward pass: every tensor used in it goes HOLD_AFTER_FWD → HOLD.
     pub fn end_forward(&mut self) -> Result<()> {
         if self.stage != Some(Stage::Forward) {
-            return Err(Error::InvalidArgument("end_forward outside the forward pass".into()));
+            return Err(Error::InvalidArgument(
+                "end_forward outside the forward pass".into(),
+            ));
         }
         let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
         self.check_transition(&all, ChunkKind::Param, TrainEvent::EndForward)?;
@@ -773,9 +798,15 @@ impl ChunkManager {
     /// Ends the backward pass. Fails if a tensor is still fetched.
     pub fn end_backward(&mut self) -> Result<()> {
         if self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument("end_backward outside the backward pass".into()));
+            return Err(Error::InvalidArgument(
+                "end_backward outside the backward pass".into(),
+            ));
         }
-        if let Some(t) = self.tensors.iter().find(|t| t.state[0] == TensorState::Compute) {
+        if let Some(t) = self
+            .tensors
+            .iter()
+            .find(|t| t.state[0] == TensorState::Compute)
+        {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{}' is still fetched at the end of backward",
                 t.name
@@ -791,11 +822,16 @@ impl ChunkManager {
     /// parameter chunk. One moment per group.
     pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
         if self.stage != Some(Stage::Optimizer) {
-            return Err(Error::InvalidArgument("step_host before end_backward".into()));
+            return Err(Error::InvalidArgument(
+                "step_host before end_backward".into(),
+            ));
         }
         for g in 0..self.layout.groups() {
             let t0 = self.now_us();
-            let ids: Vec<TensorId> = self.layout.group_tensors[g].iter().map(|&t| TensorId(t)).collect();
+            let ids: Vec<TensorId> = self.layout.group_tensors[g]
+                .iter()
+                .map(|&t| TensorId(t))
+                .collect();
             for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
                 self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
             }
@@ -857,7 +893,8 @@ impl ChunkManager {
                 }
             };
             for (i, b) in bufs.into_iter().enumerate() {
-                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host = HostSlot::Ready(b);
+                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host =
+                    HostSlot::Ready(b);
             }
             for &id in &ids {
                 for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
@@ -887,7 +924,11 @@ impl ChunkManager {
     }
 
     fn finish_iteration(&mut self, skipped: bool) -> Result<()> {
-        if let Some(t) = self.tensors.iter().find(|t| t.state[0] == TensorState::Compute) {
+        if let Some(t) = self
+            .tensors
+            .iter()
+            .find(|t| t.state[0] == TensorState::Compute)
+        {
             return Err(Error::InvalidArgument(format!(
                 "tensor '{}' is still fetched at the end of the step",
                 t.name
@@ -909,9 +950,9 @@ impl ChunkManager {
         if let Some(p) = &self.non_model {
             let st = p.stats();
             p.reset_peak();
-            self.tracer.non_model(st.peak_reserved as u64);
+            self.tracer.non_model(st.peak_allocated as u64);
             if let Some(l) = self.samples.last_mut() {
-                l.non_model = l.non_model.max(st.peak_reserved as u64);
+                l.non_model = l.non_model.max(st.peak_allocated as u64);
             }
         }
         if self.warm {
@@ -931,6 +972,11 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// Iterations completed (`end_step` or `skip_step` calls).
+    pub fn iterations_done(&self) -> u64 {
+        self.iterations
+    }
+
     /// Whether warm-up is over (a trace is installed).
     pub fn is_steady(&self) -> bool {
         !self.warm
@@ -943,7 +989,9 @@ impl ChunkManager {
 
     /// Moves ordered since the manager was created.
     pub fn stats(&self) -> MoveStats {
-        self.sched.as_ref().map_or_else(MoveStats::default, |s| s.stats())
+        self.sched
+            .as_ref()
+            .map_or_else(MoveStats::default, |s| s.stats())
     }
 
     /// Moves of the last complete iteration.
@@ -1006,7 +1054,9 @@ impl ChunkManager {
         }
         match &mut self.payload[c].host {
             HostSlot::Ready(b) => Ok(b),
-            _ => Err(Error::InvalidArgument(format!("chunk {c} has no host copy"))),
+            _ => Err(Error::InvalidArgument(format!(
+                "chunk {c} has no host copy"
+            ))),
         }
     }
 
@@ -1032,7 +1082,11 @@ impl ChunkManager {
                     let t = &self.tensors[t as usize];
                     let mut v = vec![0.0f32; t.slot.numel];
                     t.init.fill(&mut v);
-                    let dt = if k == ChunkKind::Param { self.cfg.param_dtype } else { DType::F32 };
+                    let dt = if k == ChunkKind::Param {
+                        self.cfg.param_dtype
+                    } else {
+                        DType::F32
+                    };
                     let bytes = encode(&v, dt);
                     h[t.slot.offset * es..t.slot.offset * es + bytes.len()].copy_from_slice(&bytes);
                 }
@@ -1066,14 +1120,20 @@ impl ChunkManager {
                     self.payload[c].host = HostSlot::InFlight(pending);
                     self.payload[c].device = Some(Arc::new(buf));
                     self.payload[c].ready = Some(ev);
-                    self.note(if prefetch { "prefetch" } else { "load" }, chunk as u64, bytes as u64, t0);
+                    self.note(
+                        if prefetch { "prefetch" } else { "load" },
+                        chunk as u64,
+                        bytes as u64,
+                        t0,
+                    );
                 }
                 Move::WriteBack { chunk } => {
                     let c = chunk as usize;
-                    let buf = self.payload[c]
-                        .device
-                        .clone()
-                        .ok_or_else(|| Error::InvalidArgument(format!("write-back of chunk {c} without a device copy")))?;
+                    let buf = self.payload[c].device.clone().ok_or_else(|| {
+                        Error::InvalidArgument(format!(
+                            "write-back of chunk {c} without a device copy"
+                        ))
+                    })?;
                     let h = match std::mem::take(&mut self.payload[c].host) {
                         HostSlot::Ready(h) => h,
                         HostSlot::InFlight(p) => p.wait()?,
@@ -1116,13 +1176,17 @@ impl ChunkManager {
     }
 
     /// Allocates a chunk's device copy; if the device is full because freed chunks are still
-    /// waiting for their copies, waits for the copy stream and tries once more.
+    /// waiting for their copies or the non-model pool caches free blocks, waits for the streams,
+    /// empties the cache and tries once more.
     fn alloc_device(&mut self, bytes: usize) -> Result<DeviceBuffer> {
         match self.device.alloc(bytes) {
             Ok(b) => Ok(b),
             Err(Error::OutOfMemory { .. }) => {
                 self.device.sync_stream(&self.copy)?;
                 self.device.sync_stream(&self.compute)?;
+                if let Some(p) = &self.non_model {
+                    p.empty_cache();
+                }
                 self.device.alloc(bytes)
             }
             Err(e) => Err(e),
@@ -1133,7 +1197,9 @@ impl ChunkManager {
 fn check_distinct(ids: &[TensorId]) -> Result<()> {
     for (i, a) in ids.iter().enumerate() {
         if ids[i + 1..].contains(a) {
-            return Err(Error::InvalidArgument(format!("tensor {a} listed twice in one access")));
+            return Err(Error::InvalidArgument(format!(
+                "tensor {a} listed twice in one access"
+            )));
         }
     }
     Ok(())
@@ -1143,8 +1209,14 @@ fn check_distinct(ids: &[TensorId]) -> Result<()> {
 pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     match dtype {
         DType::F32 => bytemuck::cast_slice(v).to_vec(),
-        DType::F16 => v.iter().flat_map(|&x| f16::from_f32(x).to_le_bytes()).collect(),
-        DType::BF16 => v.iter().flat_map(|&x| bf16::from_f32(x).to_le_bytes()).collect(),
+        DType::F16 => v
+            .iter()
+            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+            .collect(),
+        DType::BF16 => v
+            .iter()
+            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+            .collect(),
     }
 }
 
@@ -1155,7 +1227,13 @@ pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
             .chunks_exact(4)
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
-        DType::F16 => b.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-        DType::BF16 => b.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
+        DType::F16 => b
+            .chunks_exact(2)
+            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
     }
 }

@@ -1,0 +1,337 @@
+//! The chunk manager end to end on the simulated device: placement never changes the arithmetic,
+//! the simulator predicts the manager's moves, and misuse is a typed error.
+
+use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
+use tidemem::device::{CachingAllocator, Device, SimConfig};
+use tidemem::simulate::{simulate, SimOptions};
+use tidemem::tensor::{Init, Stage, TensorState};
+use tidemem::tide::{Policy, Scheduler};
+use tidemem::toy::{ToyIds, ToyMlp};
+use tidemem::Error;
+
+const TOY: ToyMlp = ToyMlp {
+    layers: 6,
+    width: 16,
+    batch: 8,
+    tied: true,
+    lr: 1e-2,
+};
+
+/// A manager for the toy on a Sim device of `capacity` bytes.
+fn setup(
+    policy: Policy,
+    capacity: usize,
+    host_budget: Option<u64>,
+) -> (ChunkManager, CachingAllocator, ToyIds) {
+    let dev = Device::sim(SimConfig::with_capacity(capacity)).unwrap();
+    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 0.3;
+    cfg.host_budget = host_budget;
+    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+    let pool = CachingAllocator::new(dev);
+    m.set_non_model_allocator(pool.clone());
+    let ids = TOY.register(&mut m).unwrap();
+    (m, pool, ids)
+}
+
+/// Trains `steps` iterations; returns losses, then every tensor's fp16 parameter bits and fp32
+/// master bits.
+fn train(
+    m: &mut ChunkManager,
+    pool: &CachingAllocator,
+    ids: &ToyIds,
+    steps: u64,
+) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        losses.push(TOY.step(m, pool, ids, s).unwrap().to_bits());
+    }
+    let mut params = Vec::new();
+    let mut masters = Vec::new();
+    for t in 0..m.num_tensors() as u32 {
+        let id = tidemem::tensor::TensorId(t);
+        params.extend(m.read(id).unwrap().iter().map(|x| x.to_bits()));
+        masters.extend(m.master(id).unwrap().iter().map(|x| x.to_bits()));
+    }
+    (losses, params, masters)
+}
+
+const BIG: usize = 1 << 20;
+/// Peak activations are 6 × 512 B; this leaves room for about three 544-byte chunks there.
+const SMALL: usize = 5000;
+
+#[test]
+fn placement_never_changes_the_arithmetic() {
+    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
+    let reference = train(&mut m, &pool, &ids, 5);
+    // everything stays resident; only the parameters rewritten by the host step are reloaded,
+    // once each (six groups of 272 fp16 elements)
+    assert_eq!(m.last_iteration().h2d_bytes, 6 * 272 * 2);
+    assert_eq!(
+        m.last_iteration().d2h_bytes,
+        6 * 272 * 2,
+        "gradients go to the host once"
+    );
+    let param_bytes = Usage::total(&m.usage().host);
+    for policy in [
+        Policy::Tide,
+        Policy::PatrickStar,
+        Policy::Lru,
+        Policy::Static {
+            device_fraction: 0.0,
+        },
+        Policy::Static {
+            device_fraction: 0.15,
+        },
+    ] {
+        let (mut m, pool, ids) = setup(policy, SMALL, None);
+        let got = train(&mut m, &pool, &ids, 5);
+        assert_eq!(got.0, reference.0, "{policy:?}: losses differ");
+        assert_eq!(got.1, reference.1, "{policy:?}: fp16 parameters differ");
+        assert_eq!(got.2, reference.2, "{policy:?}: fp32 masters differ");
+        let st = m.stats();
+        assert!(
+            st.h2d_bytes > param_bytes / 4,
+            "{policy:?}: the small device should force moves ({st:?})"
+        );
+        assert!(m.scheduler().unwrap().device_peak() <= m.scheduler().unwrap().config().capacity);
+    }
+}
+
+#[test]
+fn spilled_optimizer_state_gives_the_same_result() {
+    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
+    let reference = train(&mut m, &pool, &ids, 3);
+    // host memory for about half the model data: optimizer state goes to the file tier
+    let total: u64 = {
+        let u = m.usage();
+        Usage::total(&u.host) + Usage::total(&u.file)
+    };
+    let (mut m, pool, ids) = setup(Policy::Tide, SMALL, Some(total / 2));
+    let got = train(&mut m, &pool, &ids, 3);
+    assert_eq!(got, reference);
+    let u = m.usage();
+    assert!(Usage::total(&u.file) >= total / 2 - 1100 * 4, "{u:?}");
+    assert_eq!(
+        u.file[ChunkKind::Param.index()],
+        0,
+        "parameters stay in host memory: {u:?}"
+    );
+    assert!(
+        u.file[ChunkKind::Variance.index()] > 0,
+        "variance spills first: {u:?}"
+    );
+}
+
+#[test]
+fn simulator_agrees_with_the_manager() {
+    for policy in Policy::all() {
+        let (mut m, pool, ids) = setup(policy, SMALL, None);
+        for s in 0..3 {
+            TOY.step(&mut m, &pool, &ids, s).unwrap();
+        }
+        let got = m.last_iteration();
+        let mut opts = SimOptions::new(SMALL as u64, u64::MAX / 4);
+        opts.chunk_elems = Some(TOY.chunk_elems());
+        opts.scheduler = *m.scheduler().unwrap().config();
+        opts.param_bytes = 2;
+        let spec = TOY.spec();
+        let sim = simulate(&spec, policy, &opts).unwrap();
+        assert_eq!(
+            (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
+            (
+                sim.steady.h2d_bytes,
+                sim.steady.d2h_bytes,
+                sim.steady.loads,
+                sim.steady.write_backs
+            ),
+            "{policy:?}"
+        );
+        // the recorded tide is the one the model predicts
+        let trace = m.trace().unwrap();
+        let fwd: Vec<u64> = trace
+            .moments
+            .iter()
+            .take(TOY.layers)
+            .map(|x| x.non_model)
+            .collect();
+        let want: Vec<u64> = spec.ops.iter().map(|o| o.fwd_non_model).collect();
+        assert_eq!(fwd, want, "{policy:?}");
+        if policy == Policy::Tide {
+            assert!(got.h2d_bytes >= sim.bound.h2d_bytes);
+            assert!(got.d2h_bytes >= sim.bound.d2h_bytes);
+        }
+    }
+}
+
+#[test]
+fn tide_keeps_host_copies_and_evicts_clean_chunks_for_free() {
+    let (mut m, pool, ids) = setup(Policy::Tide, SMALL, None);
+    for s in 0..3 {
+        TOY.step(&mut m, &pool, &ids, s).unwrap();
+    }
+    let tide = m.last_iteration();
+    let (mut m, pool, ids) = setup(Policy::PatrickStar, SMALL, None);
+    for s in 0..3 {
+        TOY.step(&mut m, &pool, &ids, s).unwrap();
+    }
+    let ps = m.last_iteration();
+    assert!(tide.clean_drops > 0);
+    assert_eq!(tide.h2d_bytes, ps.h2d_bytes, "same victims");
+    assert!(
+        tide.d2h_bytes < ps.d2h_bytes,
+        "tide {tide:?} vs patrickstar {ps:?}"
+    );
+}
+
+#[test]
+fn misuse_is_a_typed_error() {
+    let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(64, Policy::Tide)).unwrap();
+    let a = m.register("a", &[8, 4], Init::Zeros).unwrap();
+    let b = m.register("b", &[4], Init::Zeros).unwrap();
+    assert!(matches!(
+        m.register("empty", &[0, 3], Init::Zeros),
+        Err(Error::InvalidArgument(_))
+    ));
+    // backward before forward: FREE has no backward edge
+    match m.fetch(&[a], Stage::Backward) {
+        Err(Error::IllegalTransition { tensor, state, .. }) => {
+            assert_eq!(tensor, "a");
+            assert_eq!(state, TensorState::Free);
+        }
+        other => panic!("{other:?}"),
+    }
+    let v: Vec<TensorView> = m.fetch(&[a, b], Stage::Forward).unwrap();
+    assert_eq!(m.state(a, ChunkKind::Param).unwrap(), TensorState::Compute);
+    assert_eq!(
+        m.chunk_state(0, ChunkKind::Param),
+        Some(TensorState::Compute)
+    );
+    assert_eq!(v[0].view().len(), 64);
+    // a view still alive at release is refused; the chunk stays COMPUTE
+    assert!(matches!(
+        m.release(&[a, b], Stage::Forward),
+        Err(Error::InvalidArgument(_))
+    ));
+    drop(v);
+    // using a tensor twice at once is illegal
+    assert!(matches!(
+        m.fetch(&[a], Stage::Forward),
+        Err(Error::IllegalTransition { .. })
+    ));
+    assert!(matches!(
+        m.fetch(&[a, a], Stage::Forward),
+        Err(Error::InvalidArgument(_))
+    ));
+    m.release(&[a, b], Stage::Forward).unwrap();
+    assert!(matches!(
+        m.release(&[a], Stage::Forward),
+        Err(Error::IllegalTransition { .. })
+    ));
+    assert!(matches!(
+        m.write_grad(a, &[0.0; 32]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(
+        m.register("late", &[2], Init::Zeros).is_err(),
+        "registration is closed"
+    );
+    m.fetch(&[a], Stage::Forward).unwrap(); // second forward use: shared
+    m.release(&[a], Stage::Forward).unwrap();
+    m.end_forward().unwrap();
+    assert_eq!(m.state(a, ChunkKind::Param).unwrap(), TensorState::Hold);
+    m.fetch(&[a], Stage::Backward).unwrap();
+    // first of two backward uses: no gradient yet
+    assert!(matches!(
+        m.write_grad(a, &[1.0; 32]),
+        Err(Error::InvalidArgument(_))
+    ));
+    m.release(&[a], Stage::Backward).unwrap();
+    assert_eq!(m.state(a, ChunkKind::Param).unwrap(), TensorState::Hold);
+    m.fetch(&[a], Stage::Backward).unwrap();
+    assert!(matches!(
+        m.write_grad(a, &[1.0; 3]),
+        Err(Error::SizeMismatch { .. })
+    ));
+    m.write_grad(a, &[1.0; 32]).unwrap();
+    m.release(&[a], Stage::Backward).unwrap();
+    assert_eq!(
+        m.state(a, ChunkKind::Param).unwrap(),
+        TensorState::HoldAfterBwd
+    );
+    // b was used in forward but got no backward: an unused gradient is not an error
+    m.end_backward().unwrap();
+    m.step_host(|g| {
+        assert_eq!(g.tensors.len(), 2);
+        assert!(g.tensors[0].3 && !g.tensors[1].3);
+        Ok(())
+    })
+    .unwrap();
+    m.end_step().unwrap();
+    assert!(m.is_steady());
+    assert_eq!(m.state(a, ChunkKind::Param).unwrap(), TensorState::Hold);
+    assert_eq!(m.state(a, ChunkKind::Master).unwrap(), TensorState::Hold);
+}
+
+#[test]
+fn a_chunk_larger_than_the_budget_is_a_budget_error() {
+    let dev = Device::sim(SimConfig::with_capacity(4096)).unwrap();
+    let mut cfg = ManagerConfig::new(256, Policy::Tide);
+    cfg.scheduler.warmup_chunk_fraction = 0.5;
+    let mut m = ChunkManager::new(dev, cfg).unwrap();
+    let big = m.register("big", &[2048], Init::Zeros).unwrap(); // 4 KiB of fp16: its own chunk
+    match m.fetch(&[big], Stage::Forward) {
+        Err(Error::BudgetExceeded {
+            requested,
+            budget,
+            capacity,
+            ..
+        }) => {
+            assert_eq!(requested, 4096);
+            assert!(budget < requested);
+            assert_eq!(capacity, 4096);
+        }
+        other => panic!("{other:?}"),
+    }
+    // nothing changed: the tensor is still FREE and the device holds no chunk
+    assert_eq!(m.state(big, ChunkKind::Param).unwrap(), TensorState::Free);
+    assert_eq!(m.scheduler().unwrap().device_used(), 0);
+}
+
+#[test]
+fn skipped_warmup_is_discarded() {
+    let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(64, Policy::Tide)).unwrap();
+    let a = m.register("a", &[16], Init::Zeros).unwrap();
+    let run = |m: &mut ChunkManager, skip: bool| {
+        m.fetch(&[a], Stage::Forward).unwrap();
+        m.release(&[a], Stage::Forward).unwrap();
+        m.end_forward().unwrap();
+        m.fetch(&[a], Stage::Backward).unwrap();
+        m.write_grad(a, &[0.5; 16]).unwrap();
+        m.release(&[a], Stage::Backward).unwrap();
+        m.end_backward().unwrap();
+        if skip {
+            m.skip_step().unwrap();
+        } else {
+            m.step_host(|_| Ok(())).unwrap();
+            m.end_step().unwrap();
+        }
+    };
+    run(&mut m, true);
+    assert!(!m.is_steady(), "a skipped step does not finish warm-up");
+    run(&mut m, false);
+    assert!(m.is_steady());
+    assert_eq!(m.trace().unwrap().len(), 3);
+}
+
+#[test]
+fn public_types_are_send_and_sync() {
+    fn check<T: Send + Sync>() {}
+    check::<ChunkManager>();
+    check::<TensorView>();
+    check::<Scheduler>();
+    check::<tidemem::tide::Trace>();
+}

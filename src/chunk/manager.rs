@@ -397,6 +397,13 @@ impl ChunkManager {
         })
     }
 
+    /// Id of the device buffer holding chunk `kind` of `group`, if it is on the device (a chunk
+    /// that moves gets a new buffer).
+    pub fn device_buffer_id(&self, group: usize, kind: ChunkKind) -> Option<u64> {
+        let c = ChunkPlan::chunk_no(group as u32, kind) as usize;
+        self.payload.get(c)?.device.as_ref().map(|b| b.id())
+    }
+
     fn meta(&self, id: TensorId) -> Result<&TensorMeta> {
         self.tensors
             .get(id.index())
@@ -1195,6 +1202,9 @@ impl ChunkManager {
 }
 
 fn check_distinct(ids: &[TensorId]) -> Result<()> {
+    if ids.is_empty() {
+        return Err(Error::InvalidArgument("an access names no tensor".into()));
+    }
     for (i, a) in ids.iter().enumerate() {
         if ids[i + 1..].contains(a) {
             return Err(Error::InvalidArgument(format!(

@@ -56,6 +56,10 @@ struct Args {
     /// Host memory for model data (e.g. 64GiB); beyond it chunks spill to the file tier.
     #[arg(long, default_value = "64GiB")]
     host_mem: String,
+    /// Size the device so that the smallest chunk budget of the iteration is this fraction of the
+    /// parameter chunk bytes (overrides --device-mem).
+    #[arg(long)]
+    budget_fraction: Option<f64>,
     /// File tier size used when searching the largest model.
     #[arg(long, default_value = "0")]
     file_mem: String,
@@ -101,10 +105,13 @@ fn run() -> tidemem::Result<()> {
     c.vocab = a.vocab.unwrap_or(c.vocab);
     c.seq = a.seq.unwrap_or(c.seq);
     c.batch = a.batch.unwrap_or(c.batch);
-    let device_mem = parse_bytes(&a.device_mem)? as u64;
+    let mut device_mem = parse_bytes(&a.device_mem)? as u64;
     let host_mem = parse_bytes(&a.host_mem)? as u64;
     let file_mem = parse_bytes(&a.file_mem)? as u64;
     let spec = gpt(&c)?;
+    if let Some(f) = a.budget_fraction {
+        device_mem = device_for_budget(&spec, f, a.overall_fraction, a.chunk_elems)?;
+    }
     let mut opts = SimOptions::new(device_mem, host_mem);
     opts.chunk_elems = a.chunk_elems;
     opts.scheduler.overall_fraction = a.overall_fraction;
@@ -183,6 +190,20 @@ fn run() -> tidemem::Result<()> {
     }
     print_table(&out);
     Ok(())
+}
+
+/// Device bytes whose smallest chunk budget is `f` × the parameter chunk bytes.
+fn device_for_budget(
+    spec: &tidemem::simulate::ModelSpec,
+    f: f64,
+    overall: f64,
+    chunk_elems: Option<usize>,
+) -> tidemem::Result<u64> {
+    let mut probe = SimOptions::new(1 << 50, 1 << 50);
+    probe.chunk_elems = chunk_elems;
+    probe.iterations = 1;
+    let r = simulate(spec, Policy::Tide, &probe)?;
+    Ok(((r.peak_non_model as f64 + f * r.param_chunk_bytes as f64) / overall).ceil() as u64)
 }
 
 fn print_table(v: &Value) {

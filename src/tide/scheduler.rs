@@ -11,6 +11,9 @@ use super::trace::{Access, ChunkDesc, ChunkNo, Target, Trace, UseIndex};
 use crate::chunk::ChunkKind;
 use crate::error::{Error, Result};
 
+/// Moments the prefetcher looks ahead at most.
+const PREFETCH_WINDOW: usize = 16;
+
 /// Eviction and placement policy.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub enum Policy {
@@ -409,12 +412,14 @@ impl Scheduler {
     fn order_victims(&self, c: &mut [usize]) {
         let warm = self.trace.is_none();
         match self.policy {
-            Policy::Lru => c.sort_by_key(|&i| (self.last_use[i], i)),
+            Policy::Lru => c.sort_unstable_by_key(|&i| (self.last_use[i], i)),
             _ if warm => c.sort_unstable(),
-            Policy::Tide => {
-                c.sort_by_key(|&i| (std::cmp::Reverse(self.distance(i)), self.st[i].dirty(), i))
+            Policy::Tide => c.sort_by_cached_key(|&i| {
+                (std::cmp::Reverse(self.distance(i)), self.st[i].dirty(), i)
+            }),
+            Policy::PatrickStar => {
+                c.sort_by_cached_key(|&i| (std::cmp::Reverse(self.distance(i)), i))
             }
-            Policy::PatrickStar => c.sort_by_key(|&i| (std::cmp::Reverse(self.distance(i)), i)),
             Policy::Static { .. } => c.sort_unstable(),
         }
     }
@@ -537,9 +542,14 @@ impl Scheduler {
             .filter(|a| a.target == Target::Device && !self.st[a.chunk as usize].on_device)
             .map(|a| self.bytes(a.chunk as usize))
             .sum();
-        let mut cands = self.candidates(&here);
-        let evictable: u64 = cands.iter().map(|&i| self.bytes(i)).sum();
         let after = self.device_used - freed_by_host;
+        // Candidates are only needed when something must go.
+        let mut cands = if self.device_used + need > budget {
+            self.candidates(&here)
+        } else {
+            Vec::new()
+        };
+        let evictable: u64 = cands.iter().map(|&i| self.bytes(i)).sum();
         if after + need > budget && after + need - evictable > budget {
             let unevictable = after - evictable;
             return Err(Error::BudgetExceeded {
@@ -663,10 +673,12 @@ impl Scheduler {
         if n == 0 || m + 1 >= n {
             return moves;
         }
-        let mut in_flight = self.st.iter().filter(|s| s.prefetched).count();
         let mut min_budget = self.budget_at(m);
         let mut wanted: Vec<(usize, u64)> = Vec::new();
-        for u in m + 1..n {
+        // Look a bounded number of moments ahead: prefetching is about the next few chunks, and
+        // the scan runs at every fetch.
+        let window = PREFETCH_WINDOW.max(4 * self.cfg.max_prefetch);
+        for u in m + 1..n.min(m + 1 + window) {
             min_budget = min_budget.min(self.budget_at(u));
             for a in &trace.moments[u].accesses {
                 let i = a.chunk as usize;
@@ -679,10 +691,14 @@ impl Scheduler {
                     wanted.push((i, min_budget));
                 }
             }
-            if wanted.len() + in_flight >= self.cfg.max_prefetch.max(1) * 4 {
+            if wanted.len() >= self.cfg.max_prefetch {
                 break;
             }
         }
+        if wanted.is_empty() {
+            return moves;
+        }
+        let mut in_flight = self.st.iter().filter(|s| s.prefetched).count();
         for (i, limit) in wanted {
             if in_flight >= self.cfg.max_prefetch {
                 break;

@@ -698,18 +698,14 @@ impl Scheduler {
         if wanted.is_empty() {
             return moves;
         }
-        let mut in_flight = self.st.iter().filter(|s| s.prefetched).count();
-        for (i, limit) in wanted {
-            if in_flight >= self.cfg.max_prefetch {
-                break;
-            }
-            let b = self.bytes(i);
-            if self.device_used + b > limit {
+        let in_flight = self.st.iter().filter(|s| s.prefetched).count();
+        let room = self.cfg.max_prefetch.saturating_sub(in_flight);
+        for (i, limit) in wanted.into_iter().take(room) {
+            if self.device_used + self.bytes(i) > limit {
                 // Only free room: a prefetch never evicts, so it cannot add a transfer.
                 break;
             }
             self.load(i, true, &mut moves);
-            in_flight += 1;
         }
         moves
     }

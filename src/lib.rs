@@ -5,11 +5,12 @@
 //! memory, device memory and a file-backed tier, placed by a scheduler that knows the "tide" of
 //! non-model memory at every moment of an iteration.
 //!
-//! This release holds the ground floor, the [`device`] layer: two backends behind one
-//! [`device::Backend`] trait ([`device::SimBackend`], a simulated accelerator that runs anywhere,
-//! and [`device::CudaBackend`]), asynchronous stream-ordered copies with events, host memory
-//! tiers, a caching allocator for non-model data, and run-time compiled CUDA [`kernels`] with
-//! CPU twins in [`ops`].
+//! The crate holds the [`device`] layer (two backends behind one [`device::Backend`] trait,
+//! asynchronous stream-ordered copies, host memory tiers, a caching allocator for non-model data,
+//! run-time compiled CUDA [`kernels`] with CPU twins in [`ops`]) and the memory layer on top:
+//! stateful [`tensor`]s, [`chunk`]s and the [`chunk::ChunkManager`], the [`tide`] tracer and
+//! placement policies, and a [`simulate`]or that replays a model's trace through the same
+//! policies. [`toy`] is a small reference trainer; [`profile`] writes Chrome traces and tide plots.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};

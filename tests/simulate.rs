@@ -40,8 +40,8 @@ fn gpt2_1_5b_at_a_quarter_of_the_parameter_chunks() {
         total(&tide),
         bound
     );
-    // With the optimizer on the host every gradient must come back and every updated parameter
-    // go up again, so no policy can do better than 0.75 × PatrickStar here (see the README).
+    // PatrickStar moves 2L for L bytes of loads; any schedule moves at least L + P (gradients come
+    // back) and L <= 2P here, so no policy can beat 0.75 × PatrickStar on this trace (README).
     let ratio = total(&tide) as f64 / total(&ps) as f64;
     assert!(ratio <= 0.8, "tide / patrickstar = {ratio}");
     assert_eq!(

@@ -335,3 +335,30 @@ fn public_types_are_send_and_sync() {
     check::<Scheduler>();
     check::<tidemem::tide::Trace>();
 }
+
+#[test]
+fn a_chunk_stays_put_until_its_last_fetched_tensor_is_released() {
+    // Tensors 1 and 2 share a chunk; releasing one of them must not make the chunk evictable.
+    let dev = Device::sim(SimConfig::with_capacity(80)).unwrap();
+    let mut cfg = ManagerConfig::new(16, Policy::Tide);
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 1.0;
+    let mut m = ChunkManager::new(dev, cfg).unwrap();
+    let big = m.register("big", &[29], Init::Zeros).unwrap(); // own chunk, 58 bytes
+    let a = m.register("a", &[2], Init::Zeros).unwrap();
+    let b = m.register("b", &[1], Init::Zeros).unwrap();
+    m.fetch(&[a, b], Stage::Forward).unwrap();
+    let before = m.device_buffer_id(1, ChunkKind::Param);
+    m.release(&[b], Stage::Forward).unwrap();
+    // 32 + 58 bytes do not fit in 80 without evicting the shared chunk, which holds a in COMPUTE
+    let r = m.fetch(&[big], Stage::Forward);
+    assert!(matches!(r, Err(Error::BudgetExceeded { .. })), "{r:?}");
+    assert_eq!(m.device_buffer_id(1, ChunkKind::Param), before);
+    m.release(&[a], Stage::Forward).unwrap();
+    m.fetch(&[big], Stage::Forward).unwrap();
+    assert_eq!(
+        m.device_buffer_id(1, ChunkKind::Param),
+        None,
+        "now it may go"
+    );
+}

@@ -156,7 +156,7 @@ fn legal_path(from: TensorState, to: TensorState, evs: &[TrainEvent]) -> bool {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(48), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
     fn random_event_sequences_keep_every_invariant(

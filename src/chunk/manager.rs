@@ -553,19 +553,23 @@ impl ChunkManager {
         check_distinct(ids)?;
         self.check_transition(ids, ChunkKind::Param, ev)?;
         self.close()?;
+        // One access per tensor (a chunk stays in use until each of its tensors is released);
+        // the trace records one per chunk.
+        let mut uses = Vec::with_capacity(ids.len());
         let mut acc = Vec::new();
         for &id in ids {
             let t = &self.tensors[id.index()];
             let last = stage == Stage::Backward && t.bwd_uses + 1 >= t.fwd_uses;
-            push_access(
-                &mut acc,
-                self.chunk_of(id, ChunkKind::Param),
-                Target::Device,
-                last,
-            );
+            let chunk = self.chunk_of(id, ChunkKind::Param);
+            uses.push(Access {
+                chunk,
+                target: Target::Device,
+                write: last,
+            });
+            push_access(&mut acc, chunk, Target::Device, last);
         }
         self.tick(stage, &acc);
-        let moves = match self.sched().fetch(&acc) {
+        let moves = match self.sched().fetch(&uses) {
             Ok(m) => m,
             Err(e) => {
                 // the moment did not happen
@@ -662,18 +666,21 @@ impl ChunkManager {
             self.check_transition(&[id], ChunkKind::Param, ev)?;
             events.push(ev);
         }
-        let mut chunks: Vec<ChunkNo> = Vec::new();
-        for &id in ids {
-            let c = self.chunk_of(id, ChunkKind::Param);
-            if !chunks.contains(&c) {
-                chunks.push(c);
-            }
-        }
+        // one release per tensor, matching the one use per tensor of the fetch
+        let chunks: Vec<ChunkNo> = ids
+            .iter()
+            .map(|&id| self.chunk_of(id, ChunkKind::Param))
+            .collect();
         for &c in &chunks {
-            let p = &self.payload[c as usize];
-            if let Some(buf) = &p.device {
+            let times = chunks.iter().filter(|&&d| d == c).count() as u32;
+            let idle = self
+                .sched
+                .as_ref()
+                .and_then(|s| s.status(c))
+                .is_some_and(|s| s.in_use <= times);
+            if let Some(buf) = &self.payload[c as usize].device {
                 // views handed out must be gone before the chunk may move
-                if Arc::strong_count(buf) > 1 && self.chunk_idle_after_release(c) {
+                if idle && Arc::strong_count(buf) > 1 {
                     return Err(Error::InvalidArgument(format!(
                         "a view of chunk {c} is still alive at release; drop views before releasing"
                     )));
@@ -685,13 +692,6 @@ impl ChunkManager {
         }
         let moves = self.sched().release(&chunks)?;
         self.execute(&moves)
-    }
-
-    fn chunk_idle_after_release(&self, c: ChunkNo) -> bool {
-        self.sched
-            .as_ref()
-            .and_then(|s| s.status(c))
-            .is_some_and(|s| s.in_use <= 1)
     }
 
     /// Writes the gradient of a tensor into its parameter slot (converted to the parameter dtype).

@@ -495,7 +495,8 @@ impl Scheduler {
     }
 
     /// Serves one moment's accesses: returns the moves that put every chunk where it is needed,
-    /// and marks the chunks in use until [`Scheduler::release`]. Nothing changes when it fails: if
+    /// and marks the chunks in use until [`Scheduler::release`]. A chunk may be named more than
+    /// once (one access per tensor); it then stays in use until released as many times. Nothing changes when it fails: if
     /// the device chunks cannot fit in the budget whatever is evicted, it returns
     /// [`Error::BudgetExceeded`] with the numbers.
     pub fn fetch(&mut self, accesses: &[Access]) -> Result<Vec<Move>> {
@@ -616,7 +617,9 @@ impl Scheduler {
                 self.st[i].host_valid = false;
             }
         }
-        for a in &acc {
+        // One use per access as given: a chunk named twice (two tensors of one op) needs two
+        // releases before it may move.
+        for a in accesses {
             let i = a.chunk as usize;
             self.st[i].in_use += 1;
             self.last_use[i] = self.clock;
@@ -629,9 +632,11 @@ impl Scheduler {
     pub fn release(&mut self, chunks: &[ChunkNo]) -> Result<Vec<Move>> {
         for &c in chunks {
             let i = self.check(c)?;
-            if self.st[i].in_use == 0 {
+            let times = chunks.iter().filter(|&&d| d == c).count();
+            if (self.st[i].in_use as usize) < times {
                 return Err(Error::InvalidArgument(format!(
-                    "chunk {c} released but not in use"
+                    "chunk {c} released {times} times but in use {} times",
+                    self.st[i].in_use
                 )));
             }
         }

@@ -24,7 +24,7 @@ use criterion::{
 };
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::device::{Device, SimConfig};
-use tidemem::simulate::ChunkPlan;
+use tidemem::simulate::{optimizer_accesses, ChunkPlan};
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::{
     Access, ChunkDesc, ChunkNo, MoveStats, Policy, Scheduler, SchedulerConfig, Target, Tracer,
@@ -234,15 +234,7 @@ fn synthetic(total: usize) -> Synthetic {
         moments.push((Stage::Backward, vec![dev(g, true)], nm(g + 1)));
     }
     for g in 0..groups {
-        let acc = ChunkKind::ALL
-            .iter()
-            .map(|&k| Access {
-                chunk: ChunkPlan::chunk_no(g, k),
-                target: Target::Host,
-                write: true,
-            })
-            .collect();
-        moments.push((Stage::Optimizer, acc, 0));
+        moments.push((Stage::Optimizer, optimizer_accesses(g), 0));
     }
     let mut cfg = SchedulerConfig::new(param_bytes / 4 + peak);
     cfg.overall_fraction = 1.0;

@@ -359,17 +359,22 @@ pub fn iteration_accesses(spec: &ModelSpec, layout: &Layout) -> Vec<(Stage, Vec<
         out.push((Stage::Backward, acc, op.bwd_non_model));
     }
     for g in 0..layout.groups() as u32 {
-        let acc = ChunkKind::ALL
-            .iter()
-            .map(|&k| Access {
-                chunk: ChunkPlan::chunk_no(g, k),
-                target: Target::Host,
-                write: true,
-            })
-            .collect();
-        out.push((Stage::Optimizer, acc, 0));
+        out.push((Stage::Optimizer, optimizer_accesses(g), 0));
     }
     out
+}
+
+/// The accesses of the host optimizer step of chunk group `group`: all four chunks on the host,
+/// written.
+pub fn optimizer_accesses(group: u32) -> Vec<Access> {
+    ChunkKind::ALL
+        .iter()
+        .map(|&k| Access {
+            chunk: ChunkPlan::chunk_no(group, k),
+            target: Target::Host,
+            write: true,
+        })
+        .collect()
 }
 
 /// Adds an access, merging with one to the same chunk.

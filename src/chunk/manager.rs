@@ -14,7 +14,7 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::simulate::{plan_chunks, push_access, ChunkPlan};
+use crate::simulate::{optimizer_accesses, plan_chunks, push_access, ChunkPlan};
 use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
 use crate::tide::{
     spill_to_file, Access, ChunkNo, Move, MoveStats, Policy, Scheduler, SchedulerConfig, Target,
@@ -809,16 +809,7 @@ impl ChunkManager {
                 "end_backward outside the backward pass".into(),
             ));
         }
-        if let Some(t) = self
-            .tensors
-            .iter()
-            .find(|t| t.state[0] == TensorState::Compute)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "tensor '{}' is still fetched at the end of backward",
-                t.name
-            )));
-        }
+        self.check_nothing_fetched("backward")?;
         self.stage = Some(Stage::Optimizer);
         Ok(())
     }
@@ -842,14 +833,7 @@ impl ChunkManager {
             for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
                 self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
             }
-            let acc: Vec<Access> = LISTS
-                .iter()
-                .map(|&k| Access {
-                    chunk: ChunkPlan::chunk_no(g as u32, k),
-                    target: Target::Host,
-                    write: true,
-                })
-                .collect();
+            let acc = optimizer_accesses(g as u32);
             self.tick(Stage::Optimizer, &acc);
             let moves = self.sched().fetch(&acc)?;
             self.execute(&moves)?;
@@ -930,17 +914,22 @@ impl ChunkManager {
         self.finish_iteration(true)
     }
 
-    fn finish_iteration(&mut self, skipped: bool) -> Result<()> {
-        if let Some(t) = self
+    fn check_nothing_fetched(&self, end_of: &str) -> Result<()> {
+        match self
             .tensors
             .iter()
             .find(|t| t.state[0] == TensorState::Compute)
         {
-            return Err(Error::InvalidArgument(format!(
-                "tensor '{}' is still fetched at the end of the step",
+            Some(t) => Err(Error::InvalidArgument(format!(
+                "tensor '{}' is still fetched at the end of {end_of}",
                 t.name
-            )));
+            ))),
+            None => Ok(()),
         }
+    }
+
+    fn finish_iteration(&mut self, skipped: bool) -> Result<()> {
+        self.check_nothing_fetched("the step")?;
         let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
         self.check_transition(&all, ChunkKind::Param, TrainEvent::EndStep)?;
         for id in all {

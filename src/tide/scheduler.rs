@@ -529,13 +529,13 @@ impl Scheduler {
         let budget = self.budget_at(m);
         let here: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
         // Feasibility first, so a refusal changes nothing.
+        // A host write (or move semantics) ends the device copy of a host access.
+        let ends_device_copy = |a: &Access| a.write || !self.policy.keeps_host_copy();
         let freed_by_host: u64 = acc
             .iter()
-            .filter(|a| a.target == Target::Host)
+            .filter(|a| a.target == Target::Host && ends_device_copy(a))
             .map(|a| a.chunk as usize)
-            .filter(|&i| {
-                self.st[i].on_device && (a_writes(&acc, i) || !self.policy.keeps_host_copy())
-            })
+            .filter(|&i| self.st[i].on_device)
             .map(|i| self.bytes(i))
             .sum();
         let need: u64 = acc
@@ -577,24 +577,17 @@ impl Scheduler {
                 self.materialize(i, &mut moves);
             }
         }
-        // Host accesses: bring dirty copies back; a host write (or move semantics) ends the
-        // device copy.
+        // Host accesses: bring dirty copies back, and end the device copy where the host writes
+        // (or under move semantics).
         for a in acc.iter().filter(|a| a.target == Target::Host) {
             let i = a.chunk as usize;
-            let s = self.st[i];
-            if s.on_device {
-                if s.dirty() {
-                    self.write_back(i, &mut moves);
-                }
-                if a.write || !self.policy.keeps_host_copy() {
-                    if !s.dirty() {
-                        self.stats.clean_drops += 1;
-                    }
-                    moves.push(Move::Drop { chunk: a.chunk });
-                    self.st[i].on_device = false;
-                    self.st[i].prefetched = false;
-                    self.device_used -= self.bytes(i);
-                }
+            if !self.st[i].on_device {
+                continue;
+            }
+            if a.write || !self.policy.keeps_host_copy() {
+                self.evict(i, &mut moves);
+            } else if self.st[i].dirty() {
+                self.write_back(i, &mut moves);
             }
         }
         // Device accesses: make room, then load.
@@ -730,24 +723,15 @@ impl Scheduler {
             )));
         }
         if s.on_device {
-            if drop_device {
+            // a chunk lives in one place under move semantics
+            if drop_device || !self.policy.keeps_host_copy() {
                 self.evict(i, &mut moves);
             } else if s.dirty() {
                 self.write_back(i, &mut moves);
-                if !self.policy.keeps_host_copy() {
-                    // a chunk lives in one place under move semantics
-                    moves.push(Move::Drop { chunk });
-                    self.st[i].on_device = false;
-                    self.device_used -= self.bytes(i);
-                }
             }
         }
         Ok(moves)
     }
-}
-
-fn a_writes(acc: &[Access], i: usize) -> bool {
-    acc.iter().any(|a| a.chunk as usize == i && a.write)
 }
 
 /// Home tier of every chunk for a host budget: chunks go to host memory until it is full, then to

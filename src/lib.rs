@@ -36,6 +36,7 @@ pub mod dtype;
 pub mod error;
 pub mod kernels;
 pub mod ops;
+pub mod optim;
 pub mod profile;
 pub mod simulate;
 pub mod tensor;

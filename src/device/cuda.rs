@@ -265,6 +265,26 @@ impl Backend for CudaBackend {
             Op::DeviceToDevice { src, dst, .. } | Op::Cast { src, dst, .. } => {
                 vec![mem(src)?, mem(dst)?]
             }
+            Op::GradStats { src, out, .. } => vec![mem(src)?, mem(out)?],
+            Op::Adam {
+                params,
+                momentum,
+                variance,
+                grad,
+                copy,
+                ..
+            } => {
+                let mut v = vec![
+                    mem(params.0)?,
+                    mem(momentum.0)?,
+                    mem(variance.0)?,
+                    mem(grad.0)?,
+                ];
+                if let Some(c) = copy {
+                    v.push(mem(c.0)?);
+                }
+                v
+            }
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { self.enqueue_op(s, cs, op)? };
@@ -437,6 +457,11 @@ impl CudaBackend {
                     let (dp, _r2) = dg.as_mut().ok_or_else(empty)?.device_ptr_mut(s);
                     launch(sp + src_offset as u64, dp + dst_offset as u64)?;
                 }
+            }
+            Op::Adam { .. } | Op::GradStats { .. } => {
+                return Err(Error::InvalidArgument(
+                    "the CUDA Adam kernels are not wired yet".into(),
+                ))
             }
         }
         Ok(())

@@ -47,6 +47,7 @@ pub use sim::{LinkModel, SimBackend, SimConfig};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::AdamScalars;
 use order::{Access, AccessRecord, Clock, Clocks};
 
 /// Which implementation runs a device.
@@ -180,6 +181,82 @@ pub enum Op<'a> {
         /// Number of elements.
         count: usize,
     },
+    /// One Adam step over `count` elements (see [`crate::optim::adam`] for the arithmetic).
+    /// `params`, `momentum` and `variance` are f32; the copy, when present, is F16 or BF16 and
+    /// either is exactly the gradient range (read, then overwritten) or overlaps nothing.
+    Adam {
+        /// fp32 parameters (read and written).
+        params: (&'a RawBuffer, usize),
+        /// Momentum (read and written).
+        momentum: (&'a RawBuffer, usize),
+        /// Variance (read and written).
+        variance: (&'a RawBuffer, usize),
+        /// Gradient buffer, offset and element type.
+        grad: (&'a RawBuffer, usize, DType),
+        /// Where the low-precision copy of the new parameters goes.
+        copy: Option<(&'a RawBuffer, usize, DType)>,
+        /// Number of elements.
+        count: usize,
+        /// The step's scalars.
+        scalars: AdamScalars,
+    },
+    /// Gradient statistics of `count` elements of `dtype` at `src[src_offset..]`: writes the sum
+    /// of squares as an f64 at `out[out_offset..]` and 1.0 or 0.0 (an element was infinite or
+    /// NaN) as an f64 right after it. `out` has room for [`GRAD_STATS_BYTES`] bytes, the rest
+    /// being scratch space for partial sums.
+    GradStats {
+        /// Source buffer.
+        src: &'a RawBuffer,
+        /// Byte offset in `src`.
+        src_offset: usize,
+        /// Element type.
+        dtype: DType,
+        /// Number of elements.
+        count: usize,
+        /// Output buffer.
+        out: &'a RawBuffer,
+        /// Byte offset in `out`.
+        out_offset: usize,
+    },
+}
+
+/// Partial sums a device may use in a [`Op::GradStats`] (one per block of the CUDA kernel).
+pub const GRAD_STATS_PARTIALS: usize = 256;
+/// Bytes of the output range of [`Device::grad_stats`]: the result (two f64) and room for
+/// [`GRAD_STATS_PARTIALS`] partial results.
+pub const GRAD_STATS_BYTES: usize = 16 * (1 + GRAD_STATS_PARTIALS);
+
+/// The operands of [`Device::adam`].
+#[derive(Debug)]
+pub struct AdamOperands<'a> {
+    /// fp32 parameters.
+    pub params: DeviceView<'a>,
+    /// fp32 momentum.
+    pub momentum: DeviceView<'a>,
+    /// fp32 variance.
+    pub variance: DeviceView<'a>,
+    /// The gradient.
+    pub grad: DeviceView<'a>,
+    /// The gradient's element type.
+    pub grad_dtype: DType,
+    /// The low-precision (F16/BF16) copy of the new parameters: the gradient's own range (the
+    /// gradient is replaced), a range that overlaps no operand, or `None`.
+    pub copy: Option<(DeviceView<'a>, DType)>,
+}
+
+/// Decodes the result of [`Device::grad_stats`] from the first 16 downloaded bytes.
+pub fn read_grad_stats(bytes: &[u8]) -> Result<crate::optim::GradStats> {
+    if bytes.len() < 16 {
+        return Err(Error::InvalidArgument(format!(
+            "gradient statistics are 16 bytes, got {}",
+            bytes.len()
+        )));
+    }
+    let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
+    Ok(crate::optim::GradStats {
+        sum_sq: f(0),
+        nonfinite: f(8) != 0.0,
+    })
 }
 
 /// The interface a device implements. Users hold a [`Device`], which validates arguments and
@@ -830,6 +907,140 @@ impl Device {
         self.submit(
             stream,
             &[(src.buf, Access::Read), (dst.buf, Access::Write)],
+            op,
+        )
+        .map(|_| ())
+    }
+
+    /// One Adam step on `stream` over the operands (see [`crate::optim::adam`] for the
+    /// arithmetic). The CUDA backend runs `kernels/adam.cu`; the simulated device runs the CPU
+    /// kernel, [`crate::optim::CpuAdam`], so both placements of a step give the same bits there.
+    pub fn adam(&self, stream: &Stream, s: &AdamScalars, ops: AdamOperands<'_>) -> Result<()> {
+        let count = ops.params.len / 4;
+        let mut ranges: Vec<(&'static str, &DeviceView<'_>, usize)> = vec![
+            ("parameters", &ops.params, 4),
+            ("momentum", &ops.momentum, 4),
+            ("variance", &ops.variance, 4),
+            ("gradient", &ops.grad, ops.grad_dtype.size()),
+        ];
+        if let Some((c, dt)) = &ops.copy {
+            if *dt == DType::F32 {
+                return Err(Error::InvalidArgument(
+                    "the parameter copy of an Adam step must be F16 or BF16".into(),
+                ));
+            }
+            let in_place = std::ptr::eq(c.buf, ops.grad.buf)
+                && c.offset == ops.grad.offset
+                && c.len == ops.grad.len;
+            if in_place && *dt != ops.grad_dtype {
+                return Err(Error::InvalidArgument(
+                    "an Adam copy in place of the gradient must have the gradient's type".into(),
+                ));
+            }
+            if !in_place {
+                ranges.push(("parameter copy", c, dt.size()));
+            }
+        }
+        for (i, &(what, v, es)) in ranges.iter().enumerate() {
+            if v.offset % es != 0 || v.len % es != 0 {
+                return Err(Error::Misaligned {
+                    what,
+                    value: v.offset,
+                    align: es,
+                });
+            }
+            if v.len / es != count {
+                return Err(Error::InvalidArgument(format!(
+                    "Adam {what} holds {} elements, the parameters {count}",
+                    v.len / es
+                )));
+            }
+            for &(other, o, _) in &ranges[..i] {
+                if std::ptr::eq(v.buf, o.buf)
+                    && v.offset < o.offset + o.len
+                    && o.offset < v.offset + v.len
+                {
+                    return Err(Error::InvalidArgument(format!(
+                        "Adam {what} overlaps the {other}"
+                    )));
+                }
+            }
+        }
+        let op = Op::Adam {
+            params: (&ops.params.buf.raw, ops.params.offset),
+            momentum: (&ops.momentum.buf.raw, ops.momentum.offset),
+            variance: (&ops.variance.buf.raw, ops.variance.offset),
+            grad: (&ops.grad.buf.raw, ops.grad.offset, ops.grad_dtype),
+            copy: ops
+                .copy
+                .as_ref()
+                .map(|(c, dt)| (&c.buf.raw, c.offset, *dt)),
+            count,
+            scalars: *s,
+        };
+        let mut acc = vec![
+            (ops.params.buf, Access::Write),
+            (ops.momentum.buf, Access::Write),
+            (ops.variance.buf, Access::Write),
+            (ops.grad.buf, Access::Read),
+        ];
+        if let Some((c, _)) = &ops.copy {
+            acc.push((c.buf, Access::Write));
+        }
+        self.submit(stream, &acc, op).map(|_| ())
+    }
+
+    /// Gradient statistics of `src` (elements of `dtype`) on `stream`: the sum of squares and
+    /// whether an element is infinite or NaN, written as two f64 at the start of `out`, which
+    /// must hold [`GRAD_STATS_BYTES`] bytes (the rest is scratch) at an 8-byte aligned offset.
+    /// Read them with [`Device::download`] and [`read_grad_stats`].
+    pub fn grad_stats<'a, 'b>(
+        &self,
+        stream: &Stream,
+        src: impl Into<DeviceView<'a>>,
+        dtype: DType,
+        out: impl Into<DeviceView<'b>>,
+    ) -> Result<()> {
+        let (src, out) = (src.into(), out.into());
+        if src.offset % dtype.size() != 0 || src.len % dtype.size() != 0 {
+            return Err(Error::Misaligned {
+                what: "gradient statistics source",
+                value: src.offset,
+                align: dtype.size(),
+            });
+        }
+        if out.offset % 8 != 0 {
+            return Err(Error::Misaligned {
+                what: "gradient statistics output",
+                value: out.offset,
+                align: 8,
+            });
+        }
+        if out.len < GRAD_STATS_BYTES {
+            return Err(Error::InvalidArgument(format!(
+                "gradient statistics need {GRAD_STATS_BYTES} output bytes, got {}",
+                out.len
+            )));
+        }
+        if std::ptr::eq(src.buf, out.buf)
+            && src.offset < out.offset + GRAD_STATS_BYTES
+            && out.offset < src.offset + src.len
+        {
+            return Err(Error::InvalidArgument(
+                "gradient statistics output overlaps the source".into(),
+            ));
+        }
+        let op = Op::GradStats {
+            src: &src.buf.raw,
+            src_offset: src.offset,
+            dtype,
+            count: src.len / dtype.size(),
+            out: &out.buf.raw,
+            out_offset: out.offset,
+        };
+        self.submit(
+            stream,
+            &[(src.buf, Access::Read), (out.buf, Access::Write)],
             op,
         )
         .map(|_| ())

@@ -22,6 +22,9 @@ use super::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::optim::adam::AdamScalars;
+use crate::optim::cpu_adam::{grad_stats_raw, RawKind, RawStep};
+use crate::optim::CpuAdam;
 
 /// Alignment of simulated device allocations: one page. `cudaMalloc` guarantees 256 bytes, but a
 /// page keeps host and device copies of a chunk at the same offset modulo 4 KiB, which avoids
@@ -227,6 +230,23 @@ enum Work {
         to: DType,
         count: usize,
     },
+    Adam {
+        p: (Arc<SimMem>, usize),
+        m: (Arc<SimMem>, usize),
+        v: (Arc<SimMem>, usize),
+        g: (Arc<SimMem>, usize, DType),
+        copy: Option<(Arc<SimMem>, usize, DType)>,
+        count: usize,
+        scalars: AdamScalars,
+    },
+    GradStats {
+        src: Arc<SimMem>,
+        soff: usize,
+        dtype: DType,
+        count: usize,
+        out: Arc<SimMem>,
+        ooff: usize,
+    },
 }
 
 struct SendPtr(*mut u8);
@@ -298,6 +318,44 @@ fn run(work: Work, link: Option<LinkModel>) {
             let d = unsafe { std::slice::from_raw_parts_mut(dst.at(doff), count * to.size()) };
             // Lengths and types were validated by `Device::cast`.
             let _ = crate::ops::cast::cast_bytes(s, from, d, to);
+            None
+        }
+        Work::Adam {
+            p,
+            m,
+            v,
+            g,
+            copy,
+            count,
+            scalars,
+        } => {
+            let raw = RawStep {
+                n: count,
+                p: p.0.at(p.1).cast(),
+                m: m.0.at(m.1).cast(),
+                v: v.0.at(v.1).cast(),
+                grad: (RawKind::of(g.2), g.0.at(g.1) as *const u8),
+                copy: copy.as_ref().map(|c| (RawKind::of(c.2), c.0.at(c.1))),
+            };
+            // In range and aligned, the copy either equal to the gradient or disjoint from every
+            // operand (checked by `Device::adam`); the same kernel as the host path, so a step
+            // gives the same bits on either side.
+            unsafe { CpuAdam::new().run(&scalars, raw) };
+            None
+        }
+        Work::GradStats {
+            src,
+            soff,
+            dtype,
+            count,
+            out,
+            ooff,
+        } => {
+            let st = unsafe { grad_stats_raw(RawKind::of(dtype), src.at(soff), count) };
+            let mut b = [0u8; 16];
+            b[..8].copy_from_slice(&st.sum_sq.to_le_bytes());
+            b[8..].copy_from_slice(&(st.nonfinite as u8 as f64).to_le_bytes());
+            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out.at(ooff), 16) };
             None
         }
     };
@@ -514,6 +572,41 @@ impl Backend for SimBackend {
                     count,
                 }
             }
+            Op::Adam {
+                params,
+                momentum,
+                variance,
+                grad,
+                copy,
+                count,
+                scalars,
+            } => Work::Adam {
+                p: (mem(params.0)?, params.1),
+                m: (mem(momentum.0)?, momentum.1),
+                v: (mem(variance.0)?, variance.1),
+                g: (mem(grad.0)?, grad.1, grad.2),
+                copy: match copy {
+                    Some(c) => Some((mem(c.0)?, c.1, c.2)),
+                    None => None,
+                },
+                count,
+                scalars,
+            },
+            Op::GradStats {
+                src,
+                src_offset,
+                dtype,
+                count,
+                out,
+                out_offset,
+            } => Work::GradStats {
+                src: mem(src)?,
+                soff: src_offset,
+                dtype,
+                count,
+                out: mem(out)?,
+                ooff: out_offset,
+            },
         };
         stream(s)?.send(Task::Copy(work))
     }

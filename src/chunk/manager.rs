@@ -1,5 +1,6 @@
 //! The chunk manager: the API a trainer links against.
 
+use std::ops::Range;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -9,12 +10,14 @@ use serde::Serialize;
 
 use super::layout::{ChunkKind, Layout, Slot};
 use crate::device::{
-    CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore, HostBuffer, Pending,
-    Stream,
+    read_grad_stats, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore,
+    HostBuffer, Pending, Stream, GRAD_STATS_BYTES,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::simulate::{optimizer_accesses, plan_chunks, push_access, ChunkPlan};
+use crate::optim::cpu_adam::{grad_stats_raw, RawKind};
+use crate::optim::GradStats;
+use crate::simulate::{plan_chunks, push_access, ChunkPlan};
 use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
 use crate::tide::{
     spill_to_file, Access, ChunkNo, Move, MoveStats, Policy, Scheduler, SchedulerConfig, Target,
@@ -109,6 +112,74 @@ impl GroupSlices<'_> {
             self.param[i * es..(i + 1) * es].copy_from_slice(&b);
         }
     }
+}
+
+/// The chunks of one group as an optimizer pass sees them (see
+/// [`ChunkManager::visit_groups`]).
+pub struct GroupVisit<'a> {
+    /// Group index.
+    pub group: usize,
+    /// Tensors of the group: id, offset and length in elements, and whether a gradient was written
+    /// into its parameter slot this iteration.
+    pub tensors: Vec<(TensorId, usize, usize, bool)>,
+    /// Element ranges of the chunk that hold gradients: runs of consecutive tensors with a
+    /// gradient (padding between them included; padding is zero in every list).
+    pub ranges: Vec<Range<usize>>,
+    /// Parameter dtype.
+    pub param_dtype: DType,
+    /// The chunks, where they are.
+    pub chunks: GroupChunks<'a>,
+}
+
+/// The chunks of a visited group, on the host or on the device; the lists not asked for are
+/// `None`.
+pub enum GroupChunks<'a> {
+    /// Host memory.
+    Host {
+        /// Parameter chunk (gradients where written), raw bytes of the parameter dtype.
+        param: &'a mut [u8],
+        /// fp32 masters.
+        master: Option<&'a mut [f32]>,
+        /// Momentum.
+        momentum: Option<&'a mut [f32]>,
+        /// Variance.
+        variance: Option<&'a mut [f32]>,
+    },
+    /// Device memory: enqueue work on `stream`.
+    Device {
+        /// The device.
+        device: &'a Device,
+        /// The stream to enqueue on (the manager's compute stream).
+        stream: &'a Stream,
+        /// Parameter chunk.
+        param: &'a DeviceBuffer,
+        /// fp32 masters.
+        master: Option<&'a DeviceBuffer>,
+        /// Momentum.
+        momentum: Option<&'a DeviceBuffer>,
+        /// Variance.
+        variance: Option<&'a DeviceBuffer>,
+    },
+}
+
+/// Runs of consecutive tensors (by offset) that hold a gradient, as element ranges.
+fn grad_ranges(tensors: &[(TensorId, usize, usize, bool)]) -> Vec<Range<usize>> {
+    let mut by_offset: Vec<&(TensorId, usize, usize, bool)> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| t.1);
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let mut open = false;
+    for &&(_, off, n, has) in &by_offset {
+        if !has {
+            open = false;
+            continue;
+        }
+        match out.last_mut() {
+            Some(r) if open => r.end = off + n,
+            _ => out.push(off..off + n),
+        }
+        open = true;
+    }
+    out
 }
 
 /// Chunk bytes per kind (index [`ChunkKind::index`]) on each tier.
@@ -819,76 +890,91 @@ impl ChunkManager {
     /// which updates masters and optimizer state and must leave the new parameter values in the
     /// parameter chunk. One moment per group.
     pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
+        self.visit_groups(
+            &ChunkKind::ALL,
+            |_| Target::Host,
+            |v| match v.chunks {
+                GroupChunks::Host {
+                    param,
+                    master: Some(master),
+                    momentum: Some(momentum),
+                    variance: Some(variance),
+                } => f(GroupSlices {
+                    group: v.group,
+                    tensors: v.tensors,
+                    param,
+                    param_dtype: v.param_dtype,
+                    master,
+                    momentum,
+                    variance,
+                }),
+                _ => unreachable!("four host chunks were asked for"),
+            },
+        )
+    }
+
+    /// Visits every chunk group once, in order, during the optimizer stage (after
+    /// [`ChunkManager::end_backward`]): the chunks of `kinds` (the parameter chunk is always
+    /// included) are brought to the tier `place(group)` names and handed to `f`. One moment per
+    /// group; every chunk visited counts as written. On the device, `f` enqueues its work on
+    /// the stream it is given, which runs after the loads of the group's chunks; later moves of
+    /// those chunks run after it.
+    pub fn visit_groups(
+        &mut self,
+        kinds: &[ChunkKind],
+        mut place: impl FnMut(usize) -> Target,
+        mut f: impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
         if self.stage != Some(Stage::Optimizer) {
             return Err(Error::InvalidArgument(
-                "step_host before end_backward".into(),
+                "optimizer passes run between end_backward and end_step".into(),
             ));
         }
+        let mut lists = vec![ChunkKind::Param];
+        lists.extend(kinds.iter().copied().filter(|&k| k != ChunkKind::Param));
+        lists.sort_by_key(|k| k.index());
+        lists.dedup();
+        let opt: Vec<ChunkKind> = lists[1..].to_vec();
         for g in 0..self.layout.groups() {
             let t0 = self.now_us();
+            let target = place(g);
             let ids: Vec<TensorId> = self.layout.group_tensors[g]
                 .iter()
                 .map(|&t| TensorId(t))
                 .collect();
-            for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+            for &k in &opt {
                 self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
             }
-            let acc = optimizer_accesses(g as u32);
+            let acc: Vec<Access> = lists
+                .iter()
+                .map(|&k| Access {
+                    chunk: ChunkPlan::chunk_no(g as u32, k),
+                    target,
+                    write: true,
+                })
+                .collect();
             self.tick(Stage::Optimizer, &acc);
             let moves = self.sched().fetch(&acc)?;
             self.execute(&moves)?;
             for &id in &ids {
-                for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+                for &k in &opt {
                     self.apply(id, k, TrainEvent::BeforeOptim);
                 }
             }
-            let mut bufs = Vec::with_capacity(4);
-            for &k in &LISTS {
-                let c = ChunkPlan::chunk_no(g as u32, k) as usize;
-                self.host_ready(c)?;
-                match std::mem::take(&mut self.payload[c].host) {
-                    HostSlot::Ready(b) => bufs.push(b),
-                    _ => unreachable!("host_ready leaves the slot ready"),
-                }
-            }
-            let tensors = ids
+            let tensors: Vec<(TensorId, usize, usize, bool)> = ids
                 .iter()
                 .map(|&id| {
                     let t = &self.tensors[id.index()];
                     (id, t.slot.offset, t.slot.numel, t.grad)
                 })
                 .collect();
-            let result = {
-                let [p, ma, mo, va] = &mut bufs[..] else {
-                    unreachable!("four lists")
-                };
-                match (
-                    bytemuck::try_cast_slice_mut::<u8, f32>(ma),
-                    bytemuck::try_cast_slice_mut::<u8, f32>(mo),
-                    bytemuck::try_cast_slice_mut::<u8, f32>(va),
-                ) {
-                    (Ok(master), Ok(momentum), Ok(variance)) => f(GroupSlices {
-                        group: g,
-                        tensors,
-                        param: p,
-                        param_dtype: self.cfg.param_dtype,
-                        master,
-                        momentum,
-                        variance,
-                    }),
-                    _ => Err(Error::Misaligned {
-                        what: "host chunk",
-                        value: 0,
-                        align: 4,
-                    }),
-                }
+            let ranges = grad_ranges(&tensors);
+            let result = match target {
+                Target::Host => self.visit_host(g, &lists, tensors, ranges, &mut f),
+                Target::Device => self.visit_device(g, &lists, tensors, ranges, &mut f),
             };
-            for (i, b) in bufs.into_iter().enumerate() {
-                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host =
-                    HostSlot::Ready(b);
-            }
             for &id in &ids {
-                for k in [ChunkKind::Master, ChunkKind::Momentum, ChunkKind::Variance] {
+                for &k in &opt {
                     self.apply(id, k, TrainEvent::AfterOptim);
                 }
             }
@@ -900,6 +986,189 @@ impl ChunkManager {
             result?;
         }
         Ok(())
+    }
+
+    fn visit_host(
+        &mut self,
+        g: usize,
+        lists: &[ChunkKind],
+        tensors: Vec<(TensorId, usize, usize, bool)>,
+        ranges: Vec<Range<usize>>,
+        f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut bufs: [Option<HostBuffer>; 4] = Default::default();
+        for &k in lists {
+            let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+            self.host_ready(c)?;
+            match std::mem::take(&mut self.payload[c].host) {
+                HostSlot::Ready(b) => bufs[k.index()] = Some(b),
+                _ => unreachable!("host_ready leaves the slot ready"),
+            }
+        }
+        let result = {
+            let [p, ma, mo, va] = &mut bufs;
+            fn f32s(b: &mut Option<HostBuffer>) -> Result<Option<&mut [f32]>> {
+                match b {
+                    None => Ok(None),
+                    Some(b) => bytemuck::try_cast_slice_mut::<u8, f32>(b)
+                        .map(Some)
+                        .map_err(|_| Error::Misaligned {
+                            what: "host chunk",
+                            value: 0,
+                            align: 4,
+                        }),
+                }
+            }
+            match (f32s(ma), f32s(mo), f32s(va)) {
+                (Ok(master), Ok(momentum), Ok(variance)) => f(GroupVisit {
+                    group: g,
+                    tensors,
+                    ranges,
+                    param_dtype: self.cfg.param_dtype,
+                    chunks: GroupChunks::Host {
+                        param: p.as_mut().expect("the parameter chunk is always visited"),
+                        master,
+                        momentum,
+                        variance,
+                    },
+                }),
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
+            }
+        };
+        for (i, b) in bufs.into_iter().enumerate() {
+            if let Some(b) = b {
+                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host =
+                    HostSlot::Ready(b);
+            }
+        }
+        result
+    }
+
+    fn visit_device(
+        &mut self,
+        g: usize,
+        lists: &[ChunkKind],
+        tensors: Vec<(TensorId, usize, usize, bool)>,
+        ranges: Vec<Range<usize>>,
+        f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut bufs: [Option<Arc<DeviceBuffer>>; 4] = Default::default();
+        for &k in lists {
+            let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+            if let Some(ev) = self.payload[c].ready.take() {
+                self.device.wait_event(&self.compute, &ev)?;
+            }
+            bufs[k.index()] = Some(self.payload[c].device.clone().ok_or_else(|| {
+                Error::InvalidArgument(format!("chunk {c} was fetched but has no device copy"))
+            })?);
+        }
+        let [p, ma, mo, va] = &bufs;
+        f(GroupVisit {
+            group: g,
+            tensors,
+            ranges,
+            param_dtype: self.cfg.param_dtype,
+            chunks: GroupChunks::Device {
+                device: &self.device,
+                stream: &self.compute,
+                param: p.as_deref().expect("the parameter chunk is always visited"),
+                master: ma.as_deref(),
+                momentum: mo.as_deref(),
+                variance: va.as_deref(),
+            },
+        })
+    }
+
+    /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
+    /// iteration, computed where each parameter chunk is, without moving it: on the device with
+    /// [`Device::grad_stats`], on the host with the CPU kernel. Ranges are combined in group
+    /// order, so the result does not depend on placement where both sides run the same code
+    /// (the simulated device).
+    pub fn grad_stats(&mut self) -> Result<GradStats> {
+        let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
+        let mut parts: Vec<Option<GradStats>> = Vec::new();
+        let es = self.cfg.param_dtype.size();
+        let kind = RawKind::of(self.cfg.param_dtype);
+        for g in 0..self.layout.groups() {
+            let tensors: Vec<(TensorId, usize, usize, bool)> = self.layout.group_tensors[g]
+                .iter()
+                .map(|&t| {
+                    let m = &self.tensors[t as usize];
+                    (TensorId(t), m.slot.offset, m.slot.numel, m.grad)
+                })
+                .collect();
+            let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+            for r in grad_ranges(&tensors) {
+                if self.payload[c].device.is_some() {
+                    on_device.push((c, r));
+                    parts.push(None);
+                } else {
+                    let h = self.host_ready(c)?;
+                    let bytes = &h[r.start * es..r.end * es];
+                    // SAFETY: `bytes` holds `r.len()` elements of the parameter dtype.
+                    parts.push(Some(unsafe { grad_stats_raw(kind, bytes.as_ptr(), r.len()) }));
+                }
+            }
+        }
+        if !on_device.is_empty() {
+            let out = self.alloc_device(on_device.len() * GRAD_STATS_BYTES)?;
+            for (i, (c, r)) in on_device.iter().enumerate() {
+                if let Some(ev) = self.payload[*c].ready.take() {
+                    self.device.wait_event(&self.compute, &ev)?;
+                }
+                let buf = self.payload[*c].device.clone().expect("checked above");
+                self.device.grad_stats(
+                    &self.compute,
+                    buf.view(r.start * es, r.len() * es)?,
+                    self.cfg.param_dtype,
+                    out.view(i * GRAD_STATS_BYTES, GRAD_STATS_BYTES)?,
+                )?;
+            }
+            let bytes = self.device.download(&self.compute, &out)?;
+            let mut k = 0;
+            for p in parts.iter_mut().filter(|p| p.is_none()) {
+                *p = Some(read_grad_stats(&bytes[k * GRAD_STATS_BYTES..])?);
+                k += 1;
+            }
+        }
+        Ok(parts
+            .into_iter()
+            .flatten()
+            .fold(GradStats::default(), GradStats::merge))
+    }
+
+    /// The highest non-model device memory seen at any moment of this iteration or the last
+    /// complete one (0 without a non-model allocator).
+    pub fn non_model_peak(&self) -> u64 {
+        self.samples
+            .iter()
+            .chain(&self.last_samples)
+            .map(|s| s.non_model)
+            .max()
+            .unwrap_or(0)
+            .max(self.non_model.as_ref().map_or(0, |p| p.stats().peak_allocated as u64))
+    }
+
+    /// Bytes of every parameter chunk (the fp16/bf16 footprint).
+    pub fn param_footprint(&self) -> u64 {
+        (0..self.layout.groups())
+            .map(|g| self.chunk_bytes(ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize) as u64)
+            .sum()
+    }
+
+    /// The scheduler's device capacity for chunks and non-model data.
+    pub fn capacity(&self) -> u64 {
+        self.cfg.scheduler.capacity
+    }
+
+    /// The manager's settings.
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+
+    /// Number of chunk groups.
+    pub fn groups(&self) -> usize {
+        self.layout.groups()
     }
 
     /// Ends the step: parameters go back to HOLD, use counts restart, and the warm-up trace (if

@@ -8,6 +8,6 @@ pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, S
 mod manager;
 
 pub use manager::{
-    decode, encode, ChunkManager, GroupSlices, LogEntry, ManagerConfig, TensorView, TideSample,
+    decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig, TensorView, TideSample,
     Usage,
 };

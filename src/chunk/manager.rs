@@ -163,7 +163,7 @@ pub enum GroupChunks<'a> {
 }
 
 /// Runs of consecutive tensors (by offset) that hold a gradient, as element ranges.
-fn grad_ranges(tensors: &[(TensorId, usize, usize, bool)]) -> Vec<Range<usize>> {
+pub(crate) fn grad_ranges(tensors: &[(TensorId, usize, usize, bool)]) -> Vec<Range<usize>> {
     let mut by_offset: Vec<&(TensorId, usize, usize, bool)> = tensors.iter().collect();
     by_offset.sort_by_key(|t| t.1);
     let mut out: Vec<Range<usize>> = Vec::new();

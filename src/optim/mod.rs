@@ -4,6 +4,11 @@
 
 pub mod adam;
 pub mod cpu_adam;
+pub mod hybrid;
+pub mod scaler;
+pub mod stream;
 
 pub use adam::{AdamConfig, AdamScalars, WeightDecay};
 pub use cpu_adam::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
+pub use hybrid::{DevicePlacement, HybridAdam, HybridConfig, StepOutcome, StepReport};
+pub use scaler::{LossScaler, ScaleUpdate, ScalerConfig};

@@ -1,0 +1,583 @@
+//! [`HybridAdam`]: mixed-precision Adam over the chunks of a [`ChunkManager`], each chunk group
+//! stepped where it is cheapest.
+//!
+//! After backward, every parameter chunk holds its gradients (fp16/bf16, under the loss scale).
+//! One step:
+//!
+//! 1. **Statistics.** The squared norm and any infinite or NaN element of every gradient, computed
+//!    where each parameter chunk already is ([`ChunkManager::grad_stats`]).
+//! 2. **Overflow.** An infinite or NaN gradient skips the step: the parameters the gradients
+//!    overwrote are restored from the fp32 masters, the loss scaler backs off, and the iteration
+//!    ends with [`ChunkManager::skip_step`].
+//! 3. **Step.** Gradients are unscaled and clipped by the global norm through one factor folded
+//!    into the kernel. The first `K` chunk groups step on the device (their fp32 master,
+//!    momentum and variance chunks are brought there; on the simulated device this runs the same
+//!    CPU kernel, so placement never changes a bit); the rest step on the host with the SIMD
+//!    CPU Adam, which reads the fp16 gradient and writes the fp16 parameter in the same pass.
+//!
+//! `K` follows the device margin after warm-up, as in PatrickStar: with `capacity` the
+//! scheduler's share of the device, `margin = capacity − peak non-model − fp16 footprint`, and
+//! `K = ⌊margin · fraction / (12 · chunk_elems)⌋` (12 bytes per element of fp32 master,
+//! momentum and variance).
+//!
+//! **Gradient accumulation** over `N` micro-batches: after each of the first `N − 1` backward
+//! passes, [`HybridAdam::step`] folds the unscaled gradients into fp32 accumulators (host
+//! memory, 4 bytes per parameter element) and restores the parameters; after the `N`-th it steps
+//! with the mean gradient. With accumulation every group steps on the host, where the
+//! accumulators are.
+//!
+//! The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
+
+use serde::Serialize;
+
+use super::adam::{AdamConfig, AdamScalars};
+use super::cpu_adam::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
+use super::scaler::{LossScaler, ScaleUpdate, ScalerConfig};
+use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, GroupVisit};
+use crate::device::AdamOperands;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ops::cast::cast_bytes;
+use crate::tensor::TensorId;
+use crate::tide::Target;
+
+/// How many chunk groups step on the device.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub enum DevicePlacement {
+    /// Every group on the host.
+    HostOnly,
+    /// The first `n` groups on the device.
+    Groups(usize),
+    /// From the device margin (see the module docs), scaled by `fraction` (PatrickStar: 0.8).
+    Auto {
+        /// Share of the margin used.
+        fraction: f64,
+    },
+}
+
+/// Settings of a [`HybridAdam`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct HybridConfig {
+    /// Adam / AdamW settings.
+    pub adam: AdamConfig,
+    /// Threads of the CPU kernel (0: one per core).
+    pub threads: usize,
+    /// Instruction-set path of the CPU kernel (`None`: the fastest this CPU runs).
+    pub isa: Option<Isa>,
+    /// Which groups step on the device.
+    pub placement: DevicePlacement,
+    /// Dynamic loss scaling (`None`: a scale of 1; overflowing steps are still skipped).
+    pub loss_scale: Option<ScalerConfig>,
+    /// Clip gradients to this global L2 norm.
+    pub max_grad_norm: Option<f32>,
+    /// Micro-batches per step (≥ 1).
+    pub accumulation_steps: u32,
+}
+
+impl HybridConfig {
+    /// `adam` with automatic placement (fraction 0.8), no loss scaling, no clipping, no
+    /// accumulation.
+    pub fn new(adam: AdamConfig) -> Self {
+        HybridConfig {
+            adam,
+            threads: 0,
+            isa: None,
+            placement: DevicePlacement::Auto { fraction: 0.8 },
+            loss_scale: None,
+            max_grad_norm: None,
+            accumulation_steps: 1,
+        }
+    }
+}
+
+/// What [`HybridAdam::step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum StepOutcome {
+    /// The parameters were updated.
+    Stepped,
+    /// Gradients were folded into the accumulators (not the last micro-batch).
+    Accumulated,
+    /// A gradient overflowed: nothing was updated and the parameters were restored.
+    Skipped,
+}
+
+/// The report of one [`HybridAdam::step`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct StepReport {
+    /// What happened.
+    pub outcome: StepOutcome,
+    /// Optimizer steps taken so far.
+    pub steps: u64,
+    /// The loss scale the gradients were computed under.
+    pub loss_scale: f32,
+    /// Global L2 norm of the (unscaled, averaged) gradients before clipping; 0 for an
+    /// accumulated micro-batch, not finite on an overflow.
+    pub grad_norm: f64,
+    /// Clipping coefficient applied (1 without clipping).
+    pub clip_coef: f32,
+    /// Chunk groups stepped on the device.
+    pub device_groups: usize,
+    /// What the loss scaler did (`None` without one, or for an accumulated micro-batch).
+    pub scale_update: Option<ScaleUpdate>,
+}
+
+/// Mixed-precision Adam over a [`ChunkManager`] (see the module docs).
+///
+/// ```
+/// use tidemem::chunk::{ChunkManager, ManagerConfig};
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, StepOutcome};
+/// use tidemem::tensor::{Init, Stage};
+/// use tidemem::tide::Policy;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))?;
+/// let w = m.register("w", &[256], Init::Constant(0.5))?;
+/// let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;
+/// for _ in 0..2 {
+///     m.fetch(&[w], Stage::Forward)?;
+///     m.release(&[w], Stage::Forward)?;
+///     m.end_forward()?;
+///     m.fetch(&[w], Stage::Backward)?;
+///     m.write_grad(w, &[opt.loss_scale(); 256])?; // d(loss · scale)/dw = scale
+///     m.release(&[w], Stage::Backward)?;
+///     m.end_backward()?;
+///     assert_eq!(opt.step(&mut m)?.outcome, StepOutcome::Stepped);
+/// }
+/// assert!((m.master(w)?[0] - 0.3).abs() < 1e-5); // two Adam steps of lr 0.1
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct HybridAdam {
+    cfg: HybridConfig,
+    cpu: CpuAdam,
+    scaler: Option<LossScaler>,
+    steps: u64,
+    micro: u32,
+    acc: Vec<Vec<f32>>,
+    touched: Vec<bool>,
+}
+
+impl HybridAdam {
+    /// An optimizer with settings `cfg`.
+    pub fn new(cfg: HybridConfig) -> Result<Self> {
+        cfg.adam.validate()?;
+        if cfg.accumulation_steps == 0 {
+            return Err(Error::InvalidArgument(
+                "accumulation_steps must be at least 1".into(),
+            ));
+        }
+        if let Some(n) = cfg.max_grad_norm {
+            if !(n.is_finite() && n > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "max_grad_norm = {n} must be positive and finite"
+                )));
+            }
+        }
+        if let DevicePlacement::Auto { fraction } = cfg.placement {
+            if !(0.0..=1.0).contains(&fraction) {
+                return Err(Error::InvalidArgument(format!(
+                    "placement fraction {fraction} is outside [0, 1]"
+                )));
+            }
+        }
+        let mut cpu = CpuAdam::new();
+        if cfg.threads > 0 {
+            cpu = cpu.with_threads(cfg.threads);
+        }
+        if let Some(isa) = cfg.isa {
+            cpu = cpu.with_isa(isa)?;
+        }
+        Ok(HybridAdam {
+            cfg,
+            cpu,
+            scaler: cfg.loss_scale.map(LossScaler::new).transpose()?,
+            steps: 0,
+            micro: 0,
+            acc: Vec::new(),
+            touched: Vec::new(),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    /// The scale to multiply the loss by before backward.
+    pub fn loss_scale(&self) -> f32 {
+        self.scaler.as_ref().map_or(1.0, |s| s.scale())
+    }
+
+    /// The loss scaler, if any.
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// Optimizer steps taken (skipped steps and accumulated micro-batches do not count).
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// The CPU kernel in use.
+    pub fn cpu(&self) -> &CpuAdam {
+        &self.cpu
+    }
+
+    /// How many chunk groups of `m` step on the device now.
+    pub fn device_groups(&self, m: &ChunkManager) -> usize {
+        if self.cfg.accumulation_steps > 1 {
+            return 0;
+        }
+        let groups = m.groups();
+        match self.cfg.placement {
+            DevicePlacement::HostOnly => 0,
+            DevicePlacement::Groups(n) => n.min(groups),
+            DevicePlacement::Auto { fraction } => {
+                let cfg = m.config();
+                let capacity = (cfg.scheduler.capacity as f64 * cfg.scheduler.overall_fraction)
+                    .min(cfg.scheduler.capacity.saturating_sub(cfg.scheduler.reserve) as f64)
+                    as u64;
+                let margin = capacity
+                    .saturating_sub(m.non_model_peak())
+                    .saturating_sub(m.param_footprint());
+                let per_group = 12.0 * cfg.chunk_elems as f64;
+                ((margin as f64 * fraction / per_group).floor() as usize).min(groups)
+            }
+        }
+    }
+
+    /// Runs the optimizer for the iteration whose backward just ended (after
+    /// [`ChunkManager::end_backward`]) and ends it with [`ChunkManager::end_step`] (or
+    /// [`ChunkManager::skip_step`] on an overflow).
+    pub fn step(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
+        let scale = self.loss_scale();
+        if self.cfg.accumulation_steps > 1 {
+            return self.step_accumulated(m, scale);
+        }
+        let k = self.device_groups(m);
+        let place = move |g: usize| if g < k { Target::Device } else { Target::Host };
+        let st = m.grad_stats()?;
+        if st.nonfinite {
+            restore(m, place)?;
+            return self.skip(m, scale, k, st);
+        }
+        let norm = st.sum_sq.sqrt() / scale as f64;
+        let clip = self.clip_coef(norm);
+        let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
+        let cpu = self.cpu;
+        m.visit_groups(&ChunkKind::ALL, place, |v| adam_group(&cpu, &s, v, None))?;
+        self.finish(m, scale, k, norm, clip)
+    }
+
+    fn clip_coef(&self, norm: f64) -> f32 {
+        match self.cfg.max_grad_norm {
+            Some(max) if norm > max as f64 => (max as f64 / (norm + 1e-6)) as f32,
+            _ => 1.0,
+        }
+    }
+
+    fn finish(
+        &mut self,
+        m: &mut ChunkManager,
+        scale: f32,
+        k: usize,
+        norm: f64,
+        clip: f32,
+    ) -> Result<StepReport> {
+        self.steps += 1;
+        let scale_update = self.scaler.as_mut().map(|s| s.update(false));
+        m.end_step()?;
+        Ok(StepReport {
+            outcome: StepOutcome::Stepped,
+            steps: self.steps,
+            loss_scale: scale,
+            grad_norm: norm,
+            clip_coef: clip,
+            device_groups: k,
+            scale_update,
+        })
+    }
+
+    fn skip(
+        &mut self,
+        m: &mut ChunkManager,
+        scale: f32,
+        k: usize,
+        st: GradStats,
+    ) -> Result<StepReport> {
+        let scale_update = self.scaler.as_mut().map(|s| s.update(true));
+        m.skip_step()?;
+        Ok(StepReport {
+            outcome: StepOutcome::Skipped,
+            steps: self.steps,
+            loss_scale: scale,
+            grad_norm: if st.sum_sq.is_finite() {
+                f64::INFINITY
+            } else {
+                st.sum_sq
+            },
+            clip_coef: 1.0,
+            device_groups: k,
+            scale_update,
+        })
+    }
+
+    fn step_accumulated(&mut self, m: &mut ChunkManager, scale: f32) -> Result<StepReport> {
+        let n = self.cfg.accumulation_steps;
+        let groups = m.groups();
+        self.acc.resize_with(groups, Vec::new);
+        self.touched.resize(m.num_tensors(), false);
+        let inv = 1.0 / scale;
+        let (acc, touched) = (&mut self.acc, &mut self.touched);
+        // fold the gradients into the accumulators and give the parameters back their values
+        m.visit_groups(
+            &[ChunkKind::Param, ChunkKind::Master],
+            |_| Target::Host,
+            |v| {
+                let GroupChunks::Host {
+                    param,
+                    master: Some(master),
+                    ..
+                } = v.chunks
+                else {
+                    unreachable!("a host visit of the parameter and master chunks")
+                };
+                let es = v.param_dtype.size();
+                let a = &mut acc[v.group];
+                a.resize(param.len() / es, 0.0);
+                for &(id, _, _, has) in &v.tensors {
+                    touched[id.index()] |= has;
+                }
+                let mut g = Vec::new();
+                for r in &v.ranges {
+                    g.resize(r.len(), 0.0f32);
+                    let bytes = &mut param[r.start * es..r.end * es];
+                    to_f32(bytes, v.param_dtype, &mut g)?;
+                    for (x, &y) in a[r.clone()].iter_mut().zip(&g) {
+                        *x += y * inv;
+                    }
+                    from_f32(&master[r.clone()], bytes, v.param_dtype)?;
+                }
+                Ok(())
+            },
+        )?;
+        self.micro += 1;
+        if self.micro < n {
+            m.end_step()?;
+            return Ok(StepReport {
+                outcome: StepOutcome::Accumulated,
+                steps: self.steps,
+                loss_scale: scale,
+                grad_norm: 0.0,
+                clip_coef: 1.0,
+                device_groups: 0,
+                scale_update: None,
+            });
+        }
+        self.micro = 0;
+        let st = self
+            .acc
+            .iter()
+            .map(|a| grad_stats(Grad::F32(a)))
+            .fold(GradStats::default(), GradStats::merge);
+        if st.nonfinite {
+            self.clear_accumulators();
+            return self.skip(m, scale, 0, st);
+        }
+        let norm = st.sum_sq.sqrt() / n as f64;
+        let clip = self.clip_coef(norm);
+        let s = self.cfg.adam.scalars(self.steps + 1, clip / n as f32)?;
+        let (cpu, acc, touched) = (self.cpu, &self.acc, &self.touched);
+        m.visit_groups(
+            &ChunkKind::ALL,
+            |_| Target::Host,
+            |mut v| {
+                let flagged: Vec<(TensorId, usize, usize, bool)> = v
+                    .tensors
+                    .iter()
+                    .map(|&(id, off, len, _)| (id, off, len, touched[id.index()]))
+                    .collect();
+                v.ranges = grad_ranges(&flagged);
+                let g = v.group;
+                adam_group(&cpu, &s, v, Some(&acc[g]))
+            },
+        )?;
+        self.clear_accumulators();
+        self.finish(m, scale, 0, norm, clip)
+    }
+
+    fn clear_accumulators(&mut self) {
+        self.acc.iter_mut().for_each(|a| a.fill(0.0));
+        self.touched.fill(false);
+    }
+}
+
+/// Restores the parameters the gradients overwrote from the fp32 masters.
+fn restore(m: &mut ChunkManager, place: impl FnMut(usize) -> Target) -> Result<()> {
+    m.visit_groups(&[ChunkKind::Param, ChunkKind::Master], place, |v| {
+        let dt = v.param_dtype;
+        let es = dt.size();
+        match v.chunks {
+            GroupChunks::Host {
+                param,
+                master: Some(master),
+                ..
+            } => {
+                for r in &v.ranges {
+                    from_f32(&master[r.clone()], &mut param[r.start * es..r.end * es], dt)?;
+                }
+            }
+            GroupChunks::Device {
+                device,
+                stream,
+                param,
+                master: Some(master),
+                ..
+            } => {
+                for r in &v.ranges {
+                    device.cast(
+                        stream,
+                        master.view(r.start * 4, r.len() * 4)?,
+                        DType::F32,
+                        param.view(r.start * es, r.len() * es)?,
+                        dt,
+                    )?;
+                }
+            }
+            _ => unreachable!("the master chunk was asked for"),
+        }
+        Ok(())
+    })
+}
+
+/// Steps one group: on the device with [`crate::device::Device::adam`], on the host with the
+/// CPU kernel. `acc` replaces the gradients in the parameter chunk when given (accumulation).
+fn adam_group(
+    cpu: &CpuAdam,
+    s: &AdamScalars,
+    v: GroupVisit<'_>,
+    acc: Option<&[f32]>,
+) -> Result<()> {
+    let dt = v.param_dtype;
+    let es = dt.size();
+    match v.chunks {
+        GroupChunks::Host {
+            param,
+            master: Some(p),
+            momentum: Some(mo),
+            variance: Some(va),
+        } => {
+            for r in &v.ranges {
+                let (p, mo, va) = (&mut p[r.clone()], &mut mo[r.clone()], &mut va[r.clone()]);
+                let bytes = &mut param[r.start * es..r.end * es];
+                match (acc, dt) {
+                    (Some(a), DType::F32) => {
+                        cpu.step(s, p, mo, va, Grad::F32(&a[r.clone()]), ParamCopy::None)?;
+                        bytes.copy_from_slice(bytemuck::cast_slice(p));
+                    }
+                    (Some(a), DType::F16) => cpu.step(
+                        s,
+                        p,
+                        mo,
+                        va,
+                        Grad::F32(&a[r.clone()]),
+                        ParamCopy::F16(typed_mut(bytes)?),
+                    )?,
+                    (Some(a), DType::BF16) => cpu.step(
+                        s,
+                        p,
+                        mo,
+                        va,
+                        Grad::F32(&a[r.clone()]),
+                        ParamCopy::Bf16(typed_mut(bytes)?),
+                    )?,
+                    (None, DType::F32) => {
+                        cpu.step(s, p, mo, va, Grad::F32(typed_mut(bytes)?), ParamCopy::None)?;
+                        bytes.copy_from_slice(bytemuck::cast_slice(p));
+                    }
+                    (None, DType::F16) => {
+                        cpu.step_in_place(s, p, mo, va, GradInPlace::F16(typed_mut(bytes)?))?
+                    }
+                    (None, DType::BF16) => {
+                        cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(bytes)?))?
+                    }
+                }
+            }
+            Ok(())
+        }
+        GroupChunks::Device {
+            device,
+            stream,
+            param,
+            master: Some(p),
+            momentum: Some(mo),
+            variance: Some(va),
+        } => {
+            if acc.is_some() {
+                return Err(Error::InvalidArgument(
+                    "accumulated gradients live on the host".into(),
+                ));
+            }
+            for r in &v.ranges {
+                let f = |b| f32_span(b, r);
+                let grad = param.view(r.start * es, r.len() * es)?;
+                device.adam(
+                    stream,
+                    s,
+                    AdamOperands {
+                        params: f(p)?,
+                        momentum: f(mo)?,
+                        variance: f(va)?,
+                        grad,
+                        grad_dtype: dt,
+                        copy: (dt != DType::F32).then_some((grad, dt)),
+                    },
+                )?;
+                if dt == DType::F32 {
+                    device.copy_d2d(stream, f(p)?, grad)?;
+                }
+            }
+            Ok(())
+        }
+        _ => unreachable!("all four chunks were asked for"),
+    }
+}
+
+fn f32_span<'a>(
+    b: &'a crate::device::DeviceBuffer,
+    r: &std::ops::Range<usize>,
+) -> Result<crate::device::DeviceView<'a>> {
+    b.view(r.start * 4, r.len() * 4)
+}
+
+fn typed_mut<T: bytemuck::Pod>(b: &mut [u8]) -> Result<&mut [T]> {
+    let p = b.as_ptr() as usize;
+    bytemuck::try_cast_slice_mut(b).map_err(|_| Error::Misaligned {
+        what: "host chunk range",
+        value: p,
+        align: std::mem::align_of::<T>(),
+    })
+}
+
+/// Decodes `bytes` (elements of `dt`) into `out`.
+fn to_f32(bytes: &[u8], dt: DType, out: &mut [f32]) -> Result<()> {
+    if dt == DType::F32 {
+        out.copy_from_slice(bytemuck::try_cast_slice(bytes).map_err(|_| Error::Misaligned {
+            what: "host chunk range",
+            value: bytes.as_ptr() as usize,
+            align: 4,
+        })?);
+        return Ok(());
+    }
+    cast_bytes(bytes, dt, bytemuck::cast_slice_mut(out), DType::F32)
+}
+
+/// Encodes `src` into `bytes` (elements of `dt`), rounding to nearest even.
+fn from_f32(src: &[f32], bytes: &mut [u8], dt: DType) -> Result<()> {
+    if dt == DType::F32 {
+        bytes.copy_from_slice(bytemuck::cast_slice(src));
+        return Ok(());
+    }
+    cast_bytes(bytemuck::cast_slice(src), DType::F32, bytes, dt)
+}

@@ -25,10 +25,16 @@ pub struct KernelSource {
 }
 
 /// Every kernel source of the crate.
-pub const SOURCES: &[KernelSource] = &[KernelSource {
-    name: "convert.cu",
-    code: include_str!("../kernels/convert.cu"),
-}];
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "convert.cu",
+        code: include_str!("../kernels/convert.cu"),
+    },
+    KernelSource {
+        name: "adam.cu",
+        code: include_str!("../kernels/adam.cu"),
+    },
+];
 
 /// The source named `name`.
 pub fn source(name: &str) -> Result<&'static KernelSource> {

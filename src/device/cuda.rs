@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 
 use super::{
     Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
+    GRAD_STATS_PARTIALS,
 };
 use crate::error::{Error, Result};
 use crate::kernels;
@@ -458,14 +459,172 @@ impl CudaBackend {
                     launch(sp + src_offset as u64, dp + dst_offset as u64)?;
                 }
             }
-            Op::Adam { .. } | Op::GradStats { .. } => {
-                return Err(Error::InvalidArgument(
-                    "the CUDA Adam kernels are not wired yet".into(),
-                ))
+            Op::Adam {
+                params,
+                momentum,
+                variance,
+                grad,
+                copy,
+                count,
+                scalars: sc,
+            } => {
+                if count == 0 {
+                    return Ok(());
+                }
+                let name = format!(
+                    "adam_g{}_c{}",
+                    grad.2.name(),
+                    copy.map_or("none", |c| c.2.name())
+                );
+                let f = self.function("adam.cu", &name)?;
+                let mut operands = vec![
+                    (mem(params.0)?, params.1, true),
+                    (mem(momentum.0)?, momentum.1, true),
+                    (mem(variance.0)?, variance.1, true),
+                    (mem(grad.0)?, grad.1, false),
+                ];
+                if let Some(c) = copy {
+                    operands.push((mem(c.0)?, c.1, true));
+                }
+                let n = count as u64;
+                let scalars = [
+                    sc.grad_scale,
+                    sc.l2,
+                    sc.beta1,
+                    sc.one_minus_beta1,
+                    sc.beta2,
+                    sc.one_minus_beta2,
+                    sc.inv_sqrt_bc2,
+                    sc.eps,
+                    sc.decoupled,
+                    sc.step_size,
+                ];
+                with_ptrs(s, &operands, |ptrs| {
+                    let mut b = s.launch_builder(&f);
+                    for p in ptrs {
+                        b.arg(p);
+                    }
+                    b.arg(&n);
+                    for x in &scalars {
+                        b.arg(x);
+                    }
+                    // SAFETY: the kernel reads and writes `count` elements at each pointer, each
+                    // range inside its buffer, aligned to its element type, and disjoint from the
+                    // others except a copy that is exactly the gradient range, which the kernel
+                    // allows (checked by `Device::adam`). The arguments match the kernel's
+                    // parameters: four or five pointers, the count, then the ten scalars.
+                    unsafe { b.launch(cfg(grid_for(count))) }
+                        .map(|_| ())
+                        .map_err(err("launching an Adam kernel"))
+                })?;
+            }
+            Op::GradStats {
+                src,
+                src_offset,
+                dtype,
+                count,
+                out,
+                out_offset,
+            } => {
+                let operands = [
+                    (mem(src)?, src_offset, false),
+                    (mem(out)?, out_offset, true),
+                ];
+                if count == 0 {
+                    // The sum of no squares, no nonfinite element: two f64 zeros.
+                    return with_ptrs(s, &operands[1..], |ptrs| {
+                        cu::memset_d8_async(ptrs[0], 0, 16, cs).map_err(err("a memset"))
+                    });
+                }
+                let partial =
+                    self.function("adam.cu", &format!("grad_stats_partial_{}", dtype.name()))?;
+                let finish = self.function("adam.cu", "grad_stats_final")?;
+                let n = count as u64;
+                with_ptrs(s, &operands, |ptrs| {
+                    let (sp, op) = (ptrs[0], ptrs[1]);
+                    let mut b = s.launch_builder(&partial);
+                    b.arg(&sp).arg(&n).arg(&op);
+                    // SAFETY: the kernel reads `count` elements at `sp` and writes
+                    // 2 * GRAD_STATS_PARTIALS f64 after the first 16 bytes at `op`, all inside
+                    // `GRAD_STATS_BYTES` (checked by `Device::grad_stats`), which do not overlap
+                    // the source. The grid is fixed: one partial per block.
+                    unsafe {
+                        b.launch(LaunchConfig {
+                            grid_dim: (GRAD_STATS_PARTIALS as u32, 1, 1),
+                            block_dim: (GRAD_STATS_THREADS, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                    }
+                    .map_err(err("launching a gradient statistics kernel"))?;
+                    let mut b = s.launch_builder(&finish);
+                    b.arg(&op);
+                    // SAFETY: one block of GRAD_STATS_PARTIALS threads reads the partials the
+                    // kernel above wrote (same stream, so after it) and writes the first 16 bytes
+                    // at `op`, all inside the output range.
+                    unsafe {
+                        b.launch(LaunchConfig {
+                            grid_dim: (1, 1, 1),
+                            block_dim: (GRAD_STATS_PARTIALS as u32, 1, 1),
+                            shared_mem_bytes: 0,
+                        })
+                    }
+                    .map(|_| ())
+                    .map_err(err("launching a gradient statistics kernel"))
+                })?;
             }
         }
         Ok(())
     }
+}
+
+/// Threads per block of `grad_stats_partial_*` (`GS_THREADS` in `kernels/adam.cu`).
+const GRAD_STATS_THREADS: u32 = 1024;
+
+/// Calls `f` with the device address of each operand (`(buffer, byte offset, written)`), then
+/// records the uses. Operands may share a buffer: each distinct buffer is locked once (its mutex
+/// is not reentrant) and its base pointer taken once, for writing when any operand writes it.
+fn with_ptrs<R>(
+    s: &Arc<CudaStream>,
+    operands: &[(&CudaMem, usize, bool)],
+    f: impl FnOnce(&[u64]) -> Result<R>,
+) -> Result<R> {
+    let mut distinct: Vec<(&CudaMem, bool)> = Vec::with_capacity(operands.len());
+    let mut which = Vec::with_capacity(operands.len());
+    for &(m, _, write) in operands {
+        match distinct.iter().position(|(d, _)| std::ptr::eq(*d, m)) {
+            Some(k) => {
+                distinct[k].1 |= write;
+                which.push(k);
+            }
+            None => {
+                which.push(distinct.len());
+                distinct.push((m, write));
+            }
+        }
+    }
+    let mut guards: Vec<_> = distinct.iter().map(|(m, _)| m.slice.lock()).collect();
+    let mut bases = Vec::with_capacity(guards.len());
+    let mut records = Vec::with_capacity(guards.len());
+    for (g, &(_, write)) in guards.iter_mut().zip(&distinct) {
+        let sl = g
+            .as_mut()
+            .ok_or_else(|| Error::InvalidArgument("kernel operand in an empty buffer".into()))?;
+        let (p, rec) = if write {
+            sl.device_ptr_mut(s)
+        } else {
+            sl.device_ptr(s)
+        };
+        bases.push(p);
+        records.push(rec);
+    }
+    let ptrs: Vec<u64> = operands
+        .iter()
+        .zip(&which)
+        .map(|(&(_, off, _), &k)| bases[k] + off as u64)
+        .collect();
+    let r = f(&ptrs);
+    drop(records);
+    r
 }
 
 fn err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {

@@ -1,0 +1,306 @@
+//! Measures the CPU Adam against the memory ceiling of this machine and prints the figures as a
+//! table or as one JSON object.
+//!
+//! ```sh
+//! cargo run --release --example adam_bench -- --json
+//! cargo run --release --example adam_bench -- --sizes 10000000 --threads 1,2 --isa avx2 --reps 15
+//! ```
+//!
+//! The ceiling is `tidemem::optim::stream::stream_4r3w`, which reads four fp32 arrays and writes
+//! three with no real arithmetic: the bytes of an fp32 Adam step (28 per element), with the same
+//! vector width and thread split. All kernels run on one set of buffers, written before any
+//! timing (first touch); each kernel runs once before the repetitions, and every repetition runs
+//! each kernel once in turn (interleaved), so drift hits every kernel alike. Times are medians.
+//!
+//! JSON output (keys are stable):
+//! - `isa`: the instruction-set path (`avx512`, `avx2`, `scalar`)
+//! - `reps`: repetitions per size (`null` when chosen per size: see each result)
+//! - `results`: one object per size, thread count and kernel:
+//!   - `size`: elements; `threads`: threads; `reps`: repetitions
+//!   - `kernel`: one of
+//!     - `stream_4r3w`: the ceiling itself (28 B/elem; `fraction` is 1)
+//!     - `adam_f32`: Adam with fp32 gradients, no copy (28 B/elem)
+//!     - `adam_fused_f16`: Adam with fp16 gradients replaced in the same pass by the fp16
+//!       parameters (`step_in_place`; 28 B/elem)
+//!     - `adam_f16`: Adam with fp16 gradients, no copy (26 B/elem)
+//!     - `cast_f16`: fp32 parameters → fp16 with `half`'s slice conversion, split over the same
+//!       threads (6 B/elem)
+//!     - `adam_then_cast_f16`: `adam_f16` followed by `cast_f16`, the unfused equivalent of
+//!       `adam_fused_f16` (32 B/elem; time = median of the per-repetition sums)
+//!   - `bytes_per_elem`: bytes the kernel moves per element, as counted above
+//!   - `seconds`: median time of one pass
+//!   - `gbps`: `size · bytes_per_elem / seconds / 1e9`
+//!   - `ceiling_gbps`: `gbps` of `stream_4r3w` at the same size and thread count
+//!   - `fraction`: `gbps / ceiling_gbps` (target ≥ 0.9 for `adam_f32`)
+//!   - `speedup_vs_separate` (only on `adam_fused_f16`): `adam_then_cast_f16` seconds /
+//!     `adam_fused_f16` seconds (32/28 ≈ 1.14 from the bytes alone; higher where `cast_f16`
+//!     runs below the ceiling)
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use clap::Parser;
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use serde::Serialize;
+use tidemem::optim::stream::{stream_4r3w, BYTES_PER_ELEM};
+use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+
+#[derive(Parser, Debug)]
+#[command(about = "CPU Adam throughput against a 4-read/3-write memory ceiling")]
+struct Args {
+    /// Element counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "10000000,100000000")]
+    sizes: Vec<usize>,
+    /// Thread counts, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    threads: Vec<usize>,
+    /// Instruction-set path (avx512, avx2, scalar); the fastest supported one by default.
+    #[arg(long)]
+    isa: Option<String>,
+    /// Repetitions per size and thread count (by default about 6 GB of Adam traffic, 7 to 51).
+    #[arg(long)]
+    reps: Option<usize>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Stream,
+    AdamF32,
+    Fused,
+    AdamF16,
+    Cast,
+}
+
+const KERNELS: [Kernel; 5] = [
+    Kernel::Stream,
+    Kernel::AdamF32,
+    Kernel::Fused,
+    Kernel::AdamF16,
+    Kernel::Cast,
+];
+
+/// One set of operands, shared by every kernel.
+struct Bufs {
+    p: Vec<f32>,
+    g: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+    g16: Vec<f16>,
+}
+
+impl Bufs {
+    /// Non-zero fills, so every page is written (zeroed vectors would be mapped lazily).
+    fn new(n: usize) -> Self {
+        Bufs {
+            p: vec![1.0; n],
+            g: vec![1e-3; n],
+            m: vec![1e-4; n],
+            v: vec![1e-6; n],
+            g16: vec![f16::from_f32(1e-3); n],
+        }
+    }
+
+    fn run(&mut self, k: Kernel, adam: &CpuAdam, s: &AdamScalars) -> tidemem::Result<()> {
+        let b = self;
+        match k {
+            Kernel::Stream => stream_4r3w(
+                adam.isa(),
+                adam.threads(),
+                &mut b.p,
+                &b.g,
+                &mut b.m,
+                &mut b.v,
+            )?,
+            Kernel::AdamF32 => adam.step(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                Grad::F32(&b.g),
+                ParamCopy::None,
+            )?,
+            Kernel::Fused => adam.step_in_place(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                GradInPlace::F16(&mut b.g16),
+            )?,
+            Kernel::AdamF16 => adam.step(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                Grad::F16(&b.g16),
+                ParamCopy::None,
+            )?,
+            Kernel::Cast => cast(adam.threads(), &b.p, &mut b.g16),
+        }
+        black_box(&b.p);
+        Ok(())
+    }
+}
+
+/// `dst = f16(src)`, split over threads as the CPU Adam splits a step (parts aligned to 64
+/// elements, at least 65536 elements each, the first on this thread).
+fn cast(threads: usize, src: &[f32], dst: &mut [f16]) {
+    let n = src.len();
+    let parts = threads.min(n >> 16).max(1);
+    let per = n.div_ceil(parts).div_ceil(64) * 64;
+    if parts == 1 {
+        dst.convert_from_f32_slice(src);
+        return;
+    }
+    std::thread::scope(|scope| {
+        let mut pairs = src.chunks(per).zip(dst.chunks_mut(per));
+        let (s0, d0) = pairs.next().expect("n > 0 when parts > 1");
+        for (s, d) in pairs {
+            scope.spawn(move || d.convert_from_f32_slice(s));
+        }
+        d0.convert_from_f32_slice(s0);
+    });
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|x, y| x.total_cmp(y));
+    v[v.len() / 2]
+}
+
+#[derive(Serialize)]
+struct Record {
+    size: usize,
+    threads: usize,
+    reps: usize,
+    kernel: &'static str,
+    bytes_per_elem: usize,
+    seconds: f64,
+    gbps: f64,
+    ceiling_gbps: f64,
+    fraction: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speedup_vs_separate: Option<f64>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    isa: &'static str,
+    reps: Option<usize>,
+    results: Vec<Record>,
+}
+
+/// Interleaved repetitions of every kernel at one size and thread count.
+fn measure(
+    n: usize,
+    reps: usize,
+    adam: &CpuAdam,
+    s: &AdamScalars,
+    bufs: &mut Bufs,
+) -> tidemem::Result<Vec<Record>> {
+    let mut t = vec![Vec::with_capacity(reps); KERNELS.len()];
+    for k in KERNELS {
+        bufs.run(k, adam, s)?;
+    }
+    for _ in 0..reps {
+        for (i, k) in KERNELS.into_iter().enumerate() {
+            let t0 = Instant::now();
+            bufs.run(k, adam, s)?;
+            t[i].push(t0.elapsed().as_secs_f64());
+        }
+    }
+    let at = |k: Kernel| &t[KERNELS.iter().position(|&x| x == k).unwrap()];
+    let separate: Vec<f64> = at(Kernel::AdamF16)
+        .iter()
+        .zip(at(Kernel::Cast))
+        .map(|(a, c)| a + c)
+        .collect();
+    let gbps = |bytes: usize, secs: f64| (n * bytes) as f64 / secs / 1e9;
+    let ceiling = gbps(BYTES_PER_ELEM, median(at(Kernel::Stream)));
+    let fused = median(at(Kernel::Fused));
+    let separate = median(&separate);
+    let record = |kernel, bytes_per_elem, seconds: f64| Record {
+        size: n,
+        threads: adam.threads(),
+        reps,
+        kernel,
+        bytes_per_elem,
+        seconds,
+        gbps: gbps(bytes_per_elem, seconds),
+        ceiling_gbps: ceiling,
+        fraction: gbps(bytes_per_elem, seconds) / ceiling,
+        speedup_vs_separate: None,
+    };
+    Ok(vec![
+        record("stream_4r3w", BYTES_PER_ELEM, median(at(Kernel::Stream))),
+        record("adam_f32", BYTES_PER_ELEM, median(at(Kernel::AdamF32))),
+        Record {
+            speedup_vs_separate: Some(separate / fused),
+            ..record("adam_fused_f16", 28, fused)
+        },
+        record("adam_f16", 26, median(at(Kernel::AdamF16))),
+        record("cast_f16", 6, median(at(Kernel::Cast))),
+        record("adam_then_cast_f16", 32, separate),
+    ])
+}
+
+fn main() -> tidemem::Result<()> {
+    let args = Args::parse();
+    let mut base = CpuAdam::new();
+    if let Some(name) = &args.isa {
+        base = base.with_isa(Isa::parse(name)?)?;
+    }
+    let s = AdamConfig::adamw(1e-3, 0.01).scalars(1, 1.0)?;
+    let mut results = Vec::new();
+    for &n in &args.sizes {
+        let reps = args
+            .reps
+            .unwrap_or_else(|| (6_000_000_000 / (BYTES_PER_ELEM * n).max(1)).clamp(7, 51))
+            .max(1);
+        let mut bufs = Bufs::new(n);
+        for &threads in &args.threads {
+            let adam = base.with_threads(threads);
+            let rows = measure(n, reps, &adam, &s, &mut bufs)?;
+            if !args.json {
+                print_rows(&rows);
+            }
+            results.extend(rows);
+        }
+    }
+    if args.json {
+        let report = Report {
+            isa: base.isa().name(),
+            reps: args.reps,
+            results,
+        };
+        println!(
+            "{}",
+            serde_json::to_string(&report).expect("plain numbers and strings serialize")
+        );
+    }
+    Ok(())
+}
+
+fn print_rows(rows: &[Record]) {
+    let r0 = &rows[0];
+    println!(
+        "{} elements, {} thread(s), {} reps, ceiling {:.2} GB/s",
+        r0.size, r0.threads, r0.reps, r0.ceiling_gbps
+    );
+    for r in rows {
+        let extra = r
+            .speedup_vs_separate
+            .map_or(String::new(), |x| format!("  separate/fused {x:.3}"));
+        println!(
+            "  {:<20} {:>2} B/elem {:9.2} ms {:7.2} GB/s  fraction {:.3}{extra}",
+            r.kernel,
+            r.bytes_per_elem,
+            r.seconds * 1e3,
+            r.gbps,
+            r.fraction
+        );
+    }
+}

@@ -129,13 +129,18 @@ impl ToyMlp {
         }
     }
 
-    fn batch_data(&self, seed: u64) -> (Vec<f32>, Vec<f32>) {
-        let n = self.batch * self.width;
+    /// Samples `lo..hi` of batch `seed`: inputs and targets.
+    fn batch_data(&self, seed: u64, lo: usize, hi: usize) -> (Vec<f32>, Vec<f32>) {
+        let w = self.width;
         let u = |s: u64, i: usize| {
             (splitmix64(s ^ (i as u64).wrapping_mul(0x9E37)) >> 40) as f32 / (1u64 << 24) as f32
         };
-        let x = (0..n).map(|i| u(seed * 2 + 1, i) * 2.0 - 1.0).collect();
-        let y = (0..n).map(|i| (u(7, i % self.width) - 0.5) * 0.5).collect();
+        let x = (lo * w..hi * w)
+            .map(|i| u(seed * 2 + 1, i) * 2.0 - 1.0)
+            .collect();
+        let y = (lo * w..hi * w)
+            .map(|i| (u(7, i % w) - 0.5) * 0.5)
+            .collect();
         (x, y)
     }
 
@@ -148,8 +153,38 @@ impl ToyMlp {
         ids: &ToyIds,
         seed: u64,
     ) -> Result<f32> {
-        let (w, bsz) = (self.width, self.batch);
-        let (x, y) = self.batch_data(seed);
+        let loss = self.forward_backward(m, pool, ids, seed, 1.0, (0, 1))?;
+        let t = m.iterations_done() as i32 + 1;
+        m.step_host(|g| {
+            adam(g, self.lr, t);
+            Ok(())
+        })?;
+        m.end_step()?;
+        Ok(loss)
+    }
+
+    /// Forward and backward on micro-batch `part.0` of `part.1` of batch `seed` (an equal share
+    /// of its samples), through [`ChunkManager::end_backward`], with the gradients of the mean
+    /// loss over the micro-batch multiplied by `loss_scale`; returns the (unscaled) sum of
+    /// squared errors / 2. The optimizer step is the caller's.
+    pub fn forward_backward(
+        &self,
+        m: &mut ChunkManager,
+        pool: &CachingAllocator,
+        ids: &ToyIds,
+        seed: u64,
+        loss_scale: f32,
+        part: (usize, usize),
+    ) -> Result<f32> {
+        let (k, parts) = part;
+        if parts == 0 || k >= parts || self.batch % parts != 0 {
+            return Err(crate::Error::InvalidArgument(format!(
+                "micro-batch {k} of {parts} of a batch of {}",
+                self.batch
+            )));
+        }
+        let (w, bsz) = (self.width, self.batch / parts);
+        let (x, y) = self.batch_data(seed, k * bsz, (k + 1) * bsz);
         let mut acts = vec![x];
         let mut blocks = Vec::new();
         for &(wi, bi) in &ids.blocks {
@@ -179,7 +214,7 @@ impl ToyMlp {
             .zip(&y)
             .map(|(o, t)| {
                 loss += 0.5 * (o - t) * (o - t);
-                (o - t) / bsz as f32
+                (o - t) / bsz as f32 * loss_scale
             })
             .collect();
         let mut pending_shared: Option<Vec<f32>> = None;
@@ -223,12 +258,6 @@ impl ToyMlp {
             dh = dprev;
         }
         m.end_backward()?;
-        let t = m.iterations_done() as i32 + 1;
-        m.step_host(|g| {
-            adam(g, self.lr, t);
-            Ok(())
-        })?;
-        m.end_step()?;
         Ok(loss)
     }
 }

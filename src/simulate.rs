@@ -287,6 +287,11 @@ impl ChunkPlan {
         group * 4 + kind.index() as u32
     }
 
+    /// The group of schedulable chunk `chunk`.
+    pub fn group_of(chunk: ChunkNo) -> u32 {
+        chunk / 4
+    }
+
     /// Bytes of all chunks of one kind.
     pub fn kind_bytes(&self, kind: ChunkKind) -> u64 {
         self.chunks

@@ -177,7 +177,7 @@ impl ToyMlp {
         part: (usize, usize),
     ) -> Result<f32> {
         let (k, parts) = part;
-        if parts == 0 || k >= parts || self.batch % parts != 0 {
+        if parts == 0 || k >= parts || !self.batch.is_multiple_of(parts) {
             return Err(crate::Error::InvalidArgument(format!(
                 "micro-batch {k} of {parts} of a batch of {}",
                 self.batch

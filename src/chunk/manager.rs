@@ -291,8 +291,8 @@ struct Payload {
 /// ```
 pub struct ChunkManager {
     device: Device,
-    copy: Stream,
-    compute: Stream,
+    copy: Arc<Stream>,
+    compute: Arc<Stream>,
     cfg: ManagerConfig,
     tensors: Vec<TensorMeta>,
     layout: Layout,
@@ -340,8 +340,8 @@ impl ChunkManager {
             cfg.scheduler.capacity = device.mem_info()?.total as u64;
         }
         let layout = Layout::new(cfg.chunk_elems)?;
-        let copy = device.new_stream()?;
-        let compute = device.new_stream()?;
+        let copy = Arc::new(device.new_stream()?);
+        let compute = Arc::new(device.new_stream()?);
         Ok(ChunkManager {
             device,
             copy,
@@ -371,7 +371,20 @@ impl ChunkManager {
     /// Tracks non-model device memory through `pool`: its peak of live bytes over every moment
     /// feeds the tide. Blocks it caches are not counted: when a chunk does not fit, the manager
     /// empties the pool's cache before giving up.
+    ///
+    /// When the pool finds the device full it waits for the manager's streams, which may still
+    /// hold chunks evicted a moment ago (their memory is released once their copies finish).
     pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
+        let (dev, copy, compute) = (
+            self.device.clone(),
+            Arc::clone(&self.copy),
+            Arc::clone(&self.compute),
+        );
+        pool.set_reclaim(Some(Arc::new(move || {
+            // best effort: an error here resurfaces on the retried allocation
+            let _ = dev.sync_stream(&copy);
+            let _ = dev.sync_stream(&compute);
+        })));
         self.non_model = Some(pool);
     }
 
@@ -1079,6 +1092,29 @@ impl ChunkManager {
         })
     }
 
+    /// Tells the scheduler where the optimizer will run each group from now on: the installed
+    /// trace's optimizer moments are rewritten to `place(group)`, so next-use distances and
+    /// prefetching count the optimizer's device uses. Without an installed trace (during
+    /// warm-up) nothing changes.
+    pub fn plan_optimizer(&mut self, mut place: impl FnMut(usize) -> Target) {
+        let Some(s) = self.sched.as_mut() else {
+            return;
+        };
+        let Some(mut trace) = s.trace().cloned() else {
+            return;
+        };
+        for moment in trace
+            .moments
+            .iter_mut()
+            .filter(|m| m.stage == Stage::Optimizer)
+        {
+            for a in &mut moment.accesses {
+                a.target = place(ChunkPlan::group_of(a.chunk) as usize);
+            }
+        }
+        s.install_trace(trace);
+    }
+
     /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
     /// iteration, computed where each parameter chunk is, without moving it: on the device with
     /// [`Device::grad_stats`], on the host with the CPU kernel. Ranges are combined in group
@@ -1106,29 +1142,43 @@ impl ChunkManager {
                     let h = self.host_ready(c)?;
                     let bytes = &h[r.start * es..r.end * es];
                     // SAFETY: `bytes` holds `r.len()` elements of the parameter dtype.
-                    parts.push(Some(unsafe { grad_stats_raw(kind, bytes.as_ptr(), r.len()) }));
+                    parts.push(Some(unsafe {
+                        grad_stats_raw(kind, bytes.as_ptr(), r.len())
+                    }));
                 }
             }
         }
         if !on_device.is_empty() {
-            let out = self.alloc_device(on_device.len() * GRAD_STATS_BYTES)?;
-            for (i, (c, r)) in on_device.iter().enumerate() {
+            // one scratch range, reused; without room for it, the gradients are read back and
+            // summed on the host by the same code
+            let scratch = match self.alloc_device(GRAD_STATS_BYTES) {
+                Ok(b) => Some(b),
+                Err(Error::OutOfMemory { .. }) => None,
+                Err(e) => return Err(e),
+            };
+            let mut results = Vec::with_capacity(on_device.len());
+            for (c, r) in &on_device {
                 if let Some(ev) = self.payload[*c].ready.take() {
                     self.device.wait_event(&self.compute, &ev)?;
                 }
                 let buf = self.payload[*c].device.clone().expect("checked above");
-                self.device.grad_stats(
-                    &self.compute,
-                    buf.view(r.start * es, r.len() * es)?,
-                    self.cfg.param_dtype,
-                    out.view(i * GRAD_STATS_BYTES, GRAD_STATS_BYTES)?,
-                )?;
+                let src = buf.view(r.start * es, r.len() * es)?;
+                results.push(match &scratch {
+                    Some(out) => {
+                        self.device
+                            .grad_stats(&self.compute, src, self.cfg.param_dtype, out)?;
+                        read_grad_stats(&self.device.download(&self.compute, out.view(0, 16)?)?)?
+                    }
+                    None => {
+                        let bytes = self.device.download(&self.compute, src)?;
+                        // SAFETY: `bytes` holds `r.len()` elements of the parameter dtype.
+                        unsafe { grad_stats_raw(kind, bytes.as_ptr(), r.len()) }
+                    }
+                });
             }
-            let bytes = self.device.download(&self.compute, &out)?;
-            let mut k = 0;
+            let mut results = results.into_iter();
             for p in parts.iter_mut().filter(|p| p.is_none()) {
-                *p = Some(read_grad_stats(&bytes[k * GRAD_STATS_BYTES..])?);
-                k += 1;
+                *p = results.next();
             }
         }
         Ok(parts
@@ -1146,13 +1196,19 @@ impl ChunkManager {
             .map(|s| s.non_model)
             .max()
             .unwrap_or(0)
-            .max(self.non_model.as_ref().map_or(0, |p| p.stats().peak_allocated as u64))
+            .max(
+                self.non_model
+                    .as_ref()
+                    .map_or(0, |p| p.stats().peak_allocated as u64),
+            )
     }
 
     /// Bytes of every parameter chunk (the fp16/bf16 footprint).
     pub fn param_footprint(&self) -> u64 {
         (0..self.layout.groups())
-            .map(|g| self.chunk_bytes(ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize) as u64)
+            .map(|g| {
+                self.chunk_bytes(ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize) as u64
+            })
             .sum()
     }
 

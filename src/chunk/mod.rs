@@ -9,6 +9,6 @@ mod manager;
 pub(crate) use manager::grad_ranges;
 
 pub use manager::{
-    decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig, TensorView, TideSample,
-    Usage,
+    decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig,
+    TensorView, TideSample, Usage,
 };

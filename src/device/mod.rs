@@ -42,7 +42,7 @@ pub use cuda::{
     device_count as cuda_device_count, driver_present as cuda_driver_present, CudaBackend,
 };
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
-pub use pool::{Block, CachingAllocator, PoolStats};
+pub use pool::{Block, CachingAllocator, PoolStats, Reclaim};
 pub use sim::{LinkModel, SimBackend, SimConfig};
 
 use crate::dtype::DType;
@@ -971,10 +971,7 @@ impl Device {
             momentum: (&ops.momentum.buf.raw, ops.momentum.offset),
             variance: (&ops.variance.buf.raw, ops.variance.offset),
             grad: (&ops.grad.buf.raw, ops.grad.offset, ops.grad_dtype),
-            copy: ops
-                .copy
-                .as_ref()
-                .map(|(c, dt)| (&c.buf.raw, c.offset, *dt)),
+            copy: ops.copy.as_ref().map(|(c, dt)| (&c.buf.raw, c.offset, *dt)),
             count,
             scalars: *s,
         };

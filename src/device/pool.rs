@@ -56,10 +56,22 @@ struct State {
     stats: PoolStats,
 }
 
-#[derive(Debug)]
+/// Called when the device is full, to make memory that is being released available (e.g. by
+/// waiting for the copies that still hold evicted buffers).
+pub type Reclaim = Arc<dyn Fn() + Send + Sync>;
+
 struct Shared {
     device: Device,
     state: Mutex<State>,
+    reclaim: Mutex<Option<Reclaim>>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("device", &self.device)
+            .finish_non_exhaustive()
+    }
 }
 
 /// The caching allocator. Cheap to clone; clones share one cache.
@@ -126,8 +138,15 @@ impl CachingAllocator {
             shared: Arc::new(Shared {
                 device,
                 state: Mutex::new(State::default()),
+                reclaim: Mutex::new(None),
             }),
         }
+    }
+
+    /// Sets what runs when the device is full before the allocation is retried once (the
+    /// chunk manager waits for its streams, which may still hold evicted chunks).
+    pub fn set_reclaim(&self, reclaim: Option<Reclaim>) {
+        *self.shared.reclaim.lock() = reclaim;
     }
 
     /// The device blocks come from.
@@ -157,10 +176,16 @@ impl CachingAllocator {
             None => {
                 let b = match self.shared.device.alloc(size) {
                     Ok(b) => b,
-                    Err(Error::OutOfMemory { .. }) if !st.free.is_empty() => {
+                    Err(Error::OutOfMemory { .. }) => {
+                        // give back the cache, let the owner of the other device memory finish
+                        // releasing what it freed, and try once more
                         let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
                         st.free.clear();
                         st.stats.reserved -= cached;
+                        let reclaim = self.shared.reclaim.lock().clone();
+                        if let Some(r) = reclaim {
+                            r();
+                        }
                         self.shared.device.alloc(size)?
                     }
                     Err(e) => return Err(e),
@@ -274,5 +299,22 @@ mod tests {
         drop(b);
         assert_eq!(p.empty_cache(), 4 << 20);
         assert_eq!(p.device().mem_info().unwrap().free, 10 << 20);
+    }
+
+    #[test]
+    fn a_full_device_runs_the_reclaim_hook_and_retries() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let dev = Device::sim(crate::device::SimConfig::with_capacity(4096)).unwrap();
+        let pool = CachingAllocator::new(dev.clone());
+        let hog = Arc::new(parking_lot::Mutex::new(Some(dev.alloc(4096).unwrap())));
+        assert!(pool.alloc(1024).is_err(), "no hook: the device stays full");
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (h, c) = (hog.clone(), calls.clone());
+        pool.set_reclaim(Some(Arc::new(move || {
+            c.fetch_add(1, Ordering::Relaxed);
+            h.lock().take();
+        })));
+        assert!(pool.alloc(1024).is_ok(), "the hook released the memory");
+        assert_eq!(calls.load(Ordering::Relaxed), 1);
     }
 }

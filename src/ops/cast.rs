@@ -36,8 +36,8 @@ fn typed_mut<'a, T: bytemuck::Pod>(b: &'a mut [u8], what: &'static str) -> Resul
 /// Converts the elements in `src` (of type `from`) into `dst` (of type `to`). Both slices must
 /// be aligned for their element types and hold the same number of elements.
 pub fn cast_bytes(src: &[u8], from: DType, dst: &mut [u8], to: DType) -> Result<()> {
-    if src.len() % from.size() != 0
-        || dst.len() % to.size() != 0
+    if !src.len().is_multiple_of(from.size())
+        || !dst.len().is_multiple_of(to.size())
         || src.len() / from.size() != dst.len() / to.size()
     {
         return Err(Error::SizeMismatch {

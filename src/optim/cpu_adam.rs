@@ -396,9 +396,7 @@ unsafe fn adam_scalar(s: &AdamScalars, raw: RawStep) {
             *p -= s.decoupled * *p + s.step_size * (*m / d);
             match raw.copy {
                 Some((RawKind::F16, c)) => *c.cast::<u16>().add(i) = f16::from_f32(*p).to_bits(),
-                Some((RawKind::Bf16, c)) => {
-                    *c.cast::<u16>().add(i) = bf16::from_f32(*p).to_bits()
-                }
+                Some((RawKind::Bf16, c)) => *c.cast::<u16>().add(i) = bf16::from_f32(*p).to_bits(),
                 _ => {}
             }
         }
@@ -917,9 +915,16 @@ mod tests {
                     }
                     let rel = (num / den).sqrt();
                     worst = worst.max(rel);
-                    assert!(rel <= 1e-6, "{} n={n}: relative error {rel:e}", adam.isa().name());
+                    assert!(
+                        rel <= 1e-6,
+                        "{} n={n}: relative error {rel:e}",
+                        adam.isa().name()
+                    );
                 }
-                eprintln!("{}: worst norm-wise relative error {worst:.2e}", adam.isa().name());
+                eprintln!(
+                    "{}: worst norm-wise relative error {worst:.2e}",
+                    adam.isa().name()
+                );
             }
         }
     }
@@ -949,12 +954,24 @@ mod tests {
             // the same step through f32 gradients gives the same state
             let gw: Vec<f32> = g16.iter().map(|x| x.to_f32()).collect();
             let (mut q, mut qm, mut qv) = (p0.clone(), vec![0.1f32; n], vec![0.2f32; n]);
-            adam.step(&s, &mut q, &mut qm, &mut qv, Grad::F32(&gw), ParamCopy::None)
-                .unwrap();
+            adam.step(
+                &s,
+                &mut q,
+                &mut qm,
+                &mut qv,
+                Grad::F32(&gw),
+                ParamCopy::None,
+            )
+            .unwrap();
             assert_eq!(p, q);
             assert_eq!((&m, &v), (&qm, &qv));
             for i in 0..n {
-                assert_eq!(c16[i], f16::from_f32(p[i]), "{} f16 copy at {i}", adam.isa().name());
+                assert_eq!(
+                    c16[i],
+                    f16::from_f32(p[i]),
+                    "{} f16 copy at {i}",
+                    adam.isa().name()
+                );
             }
             let mut gb: Vec<bf16> = g32.iter().map(|&x| bf16::from_f32(x)).collect();
             let gbw: Vec<f32> = gb.iter().map(|x| x.to_f32()).collect();
@@ -962,11 +979,23 @@ mod tests {
             adam.step_in_place(&s, &mut p, &mut m, &mut v, GradInPlace::Bf16(&mut gb))
                 .unwrap();
             let (mut q, mut qm, mut qv) = (p0.clone(), vec![0.1f32; n], vec![0.2f32; n]);
-            adam.step(&s, &mut q, &mut qm, &mut qv, Grad::F32(&gbw), ParamCopy::None)
-                .unwrap();
+            adam.step(
+                &s,
+                &mut q,
+                &mut qm,
+                &mut qv,
+                Grad::F32(&gbw),
+                ParamCopy::None,
+            )
+            .unwrap();
             assert_eq!(p, q);
             for i in 0..n {
-                assert_eq!(gb[i], bf16::from_f32(p[i]), "{} bf16 copy at {i}", adam.isa().name());
+                assert_eq!(
+                    gb[i],
+                    bf16::from_f32(p[i]),
+                    "{} bf16 copy at {i}",
+                    adam.isa().name()
+                );
             }
         }
     }
@@ -1003,12 +1032,26 @@ mod tests {
         let (mut p, mut m, mut v) = (vec![0f32; 4], vec![0f32; 4], vec![0f32; 3]);
         let a = CpuAdam::new();
         assert!(a
-            .step(&s, &mut p, &mut m, &mut v, Grad::F32(&[0.0; 4]), ParamCopy::None)
+            .step(
+                &s,
+                &mut p,
+                &mut m,
+                &mut v,
+                Grad::F32(&[0.0; 4]),
+                ParamCopy::None
+            )
             .is_err());
         let mut v = vec![0f32; 4];
         let mut c = vec![f16::ZERO; 5];
         assert!(a
-            .step(&s, &mut p, &mut m, &mut v, Grad::F32(&[0.0; 4]), ParamCopy::F16(&mut c))
+            .step(
+                &s,
+                &mut p,
+                &mut m,
+                &mut v,
+                Grad::F32(&[0.0; 4]),
+                ParamCopy::F16(&mut c)
+            )
             .is_err());
         for i in Isa::ALL {
             assert_eq!(CpuAdam::new().with_isa(i).is_ok(), i.is_supported());

@@ -15,7 +15,9 @@
 //!    CPU kernel, so placement never changes a bit); the rest step on the host with the SIMD
 //!    CPU Adam, which reads the fp16 gradient and writes the fp16 parameter in the same pass.
 //!
-//! `K` follows the device margin after warm-up, as in PatrickStar: with `capacity` the
+//! During warm-up every group steps on the host. Afterwards `K` follows the device margin, as
+//! in PatrickStar, and the scheduler's trace is told where the optimizer runs
+//! ([`ChunkManager::plan_optimizer`]): with `capacity` the
 //! scheduler's share of the device, `margin = capacity − peak non-model − fp16 footprint`, and
 //! `K = ⌊margin · fraction / (12 · chunk_elems)⌋` (12 bytes per element of fp32 master,
 //! momentum and variance).
@@ -156,6 +158,7 @@ pub struct HybridAdam {
     micro: u32,
     acc: Vec<Vec<f32>>,
     touched: Vec<bool>,
+    planned: Option<usize>,
 }
 
 impl HybridAdam {
@@ -196,6 +199,7 @@ impl HybridAdam {
             micro: 0,
             acc: Vec::new(),
             touched: Vec::new(),
+            planned: None,
         })
     }
 
@@ -224,9 +228,10 @@ impl HybridAdam {
         &self.cpu
     }
 
-    /// How many chunk groups of `m` step on the device now.
+    /// How many chunk groups of `m` step on the device now: none during warm-up (the device
+    /// budget is not known yet) or with accumulation, else as the placement says.
     pub fn device_groups(&self, m: &ChunkManager) -> usize {
-        if self.cfg.accumulation_steps > 1 {
+        if self.cfg.accumulation_steps > 1 || !m.is_steady() {
             return 0;
         }
         let groups = m.groups();
@@ -257,6 +262,10 @@ impl HybridAdam {
         }
         let k = self.device_groups(m);
         let place = move |g: usize| if g < k { Target::Device } else { Target::Host };
+        if m.is_steady() && self.planned != Some(k) {
+            m.plan_optimizer(place);
+            self.planned = Some(k);
+        }
         let st = m.grad_stats()?;
         if st.nonfinite {
             restore(m, place)?;
@@ -563,11 +572,13 @@ fn typed_mut<T: bytemuck::Pod>(b: &mut [u8]) -> Result<&mut [T]> {
 /// Decodes `bytes` (elements of `dt`) into `out`.
 fn to_f32(bytes: &[u8], dt: DType, out: &mut [f32]) -> Result<()> {
     if dt == DType::F32 {
-        out.copy_from_slice(bytemuck::try_cast_slice(bytes).map_err(|_| Error::Misaligned {
-            what: "host chunk range",
-            value: bytes.as_ptr() as usize,
-            align: 4,
-        })?);
+        out.copy_from_slice(
+            bytemuck::try_cast_slice(bytes).map_err(|_| Error::Misaligned {
+                what: "host chunk range",
+                value: bytes.as_ptr() as usize,
+                align: 4,
+            })?,
+        );
         return Ok(());
     }
     cast_bytes(bytes, dt, bytemuck::cast_slice_mut(out), DType::F32)

@@ -1,0 +1,384 @@
+//! HybridAdam over the chunk manager on the simulated device: placement never changes a bit,
+//! steps equal the CPU kernel on flat arrays, overflow skips and restores, clipping and
+//! accumulation fold into the kernel's gradient scale, and optimizer state may live on the file
+//! tier.
+
+use half::f16;
+use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::device::{CachingAllocator, Device, SimConfig};
+use tidemem::optim::{
+    AdamConfig, CpuAdam, DevicePlacement, Grad, HybridAdam, HybridConfig, LossScaler, ParamCopy,
+    ScaleUpdate, ScalerConfig, StepOutcome, StepReport,
+};
+use tidemem::tensor::{Init, Stage, TensorId};
+use tidemem::tide::Policy;
+use tidemem::toy::{ToyIds, ToyMlp};
+
+const TOY: ToyMlp = ToyMlp {
+    layers: 6,
+    width: 16,
+    batch: 8,
+    tied: true,
+    lr: 1e-2,
+};
+
+fn setup(
+    policy: Policy,
+    capacity: usize,
+    host_budget: Option<u64>,
+) -> (ChunkManager, CachingAllocator, ToyIds) {
+    let dev = Device::sim(SimConfig::with_capacity(capacity)).unwrap();
+    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 0.3;
+    cfg.host_budget = host_budget;
+    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+    let pool = CachingAllocator::new(dev);
+    m.set_non_model_allocator(pool.clone());
+    let ids = TOY.register(&mut m).unwrap();
+    (m, pool, ids)
+}
+
+fn hybrid(placement: DevicePlacement) -> HybridAdam {
+    HybridAdam::new(HybridConfig {
+        placement,
+        loss_scale: Some(ScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 3,
+            ..ScalerConfig::default()
+        }),
+        max_grad_norm: Some(0.5),
+        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+    })
+    .unwrap()
+}
+
+/// Trains `steps` iterations; returns the reports, then every tensor's fp16 parameter bits
+/// and fp32 master bits.
+fn train(
+    m: &mut ChunkManager,
+    pool: &CachingAllocator,
+    ids: &ToyIds,
+    opt: &mut HybridAdam,
+    steps: u64,
+) -> (Vec<StepReport>, Vec<u16>, Vec<u32>) {
+    let mut reports = Vec::new();
+    for s in 0..steps {
+        TOY.forward_backward(m, pool, ids, s, opt.loss_scale(), (0, 1))
+            .unwrap();
+        reports.push(opt.step(m).unwrap());
+    }
+    let (mut params, mut masters) = (Vec::new(), Vec::new());
+    for t in 0..m.num_tensors() as u32 {
+        let id = TensorId(t);
+        params.extend(
+            m.read(id)
+                .unwrap()
+                .iter()
+                .map(|&x| f16::from_f32(x).to_bits()),
+        );
+        masters.extend(m.master(id).unwrap().iter().map(|x| x.to_bits()));
+    }
+    (reports, params, masters)
+}
+
+const BIG: usize = 1 << 20;
+/// Room for about three 544-byte parameter chunks beside the activations, and for one group's
+/// four chunks (3808 bytes) at an optimizer moment.
+const SMALL: usize = 5000;
+
+#[test]
+fn placement_never_changes_the_arithmetic() {
+    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
+    let mut opt = hybrid(DevicePlacement::Auto { fraction: 0.8 });
+    let (reports, params, masters) = train(&mut m, &pool, &ids, &mut opt, 6);
+    // warm-up steps on the host; then everything fits and every group steps on the device
+    assert_eq!(reports[0].device_groups, 0);
+    assert!(reports[1..].iter().all(|r| r.device_groups == m.groups()));
+    assert!(reports.iter().all(|r| r.outcome == StepOutcome::Stepped));
+    assert!(
+        reports.iter().any(|r| r.clip_coef < 1.0),
+        "clipping is exercised: {reports:?}"
+    );
+    assert!(reports
+        .iter()
+        .any(|r| r.scale_update == Some(ScaleUpdate::Grew)));
+    for (policy, capacity, placement, host_budget) in [
+        (
+            Policy::Tide,
+            SMALL,
+            DevicePlacement::Auto { fraction: 0.8 },
+            None,
+        ),
+        (Policy::Tide, SMALL, DevicePlacement::HostOnly, None),
+        (Policy::Tide, SMALL, DevicePlacement::Groups(2), None),
+        (Policy::PatrickStar, SMALL, DevicePlacement::Groups(1), None),
+        (Policy::Lru, SMALL, DevicePlacement::Groups(3), None),
+        (Policy::Tide, BIG, DevicePlacement::HostOnly, None),
+        // optimizer state spills to the file tier
+        (
+            Policy::Tide,
+            SMALL,
+            DevicePlacement::Groups(1),
+            Some(8 * 1024),
+        ),
+    ] {
+        let (mut m2, pool2, ids2) = setup(policy, capacity, host_budget);
+        let mut opt2 = hybrid(placement);
+        let (r2, p2, ma2) = train(&mut m2, &pool2, &ids2, &mut opt2, 6);
+        let what = format!("{policy:?} on {capacity} bytes, {placement:?}, host {host_budget:?}");
+        assert!(p2 == params, "fp16 parameters differ: {what}");
+        assert!(ma2 == masters, "fp32 masters differ: {what}");
+        let norms = |r: &[StepReport]| r.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
+        assert_eq!(norms(&r2), norms(&reports), "{what}");
+        if host_budget.is_some() {
+            let u = m2.usage();
+            let on_file = u.file[ChunkKind::Momentum.index()] + u.file[ChunkKind::Variance.index()];
+            assert!(on_file > 0, "optimizer state on the file tier: {u:?}");
+        }
+        if capacity == SMALL && placement == (DevicePlacement::Auto { fraction: 0.8 }) {
+            assert!(r2[5].device_groups < m2.groups(), "{:?}", r2[5]);
+        }
+    }
+}
+
+/// A manager with one tensor of `n` elements per group, on a Sim device of 1 MiB.
+fn single(n: usize, groups: usize) -> (ChunkManager, Vec<TensorId>) {
+    let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(n, Policy::Tide)).unwrap();
+    let ids = (0..groups)
+        .map(|g| {
+            m.register(
+                &format!("w{g}"),
+                &[n],
+                Init::Uniform {
+                    seed: g as u64,
+                    lo: -1.0,
+                    hi: 1.0,
+                },
+            )
+            .unwrap()
+        })
+        .collect();
+    (m, ids)
+}
+
+/// One iteration writing `grads[i]` into tensor `ids[i]`.
+fn iterate(m: &mut ChunkManager, ids: &[TensorId], grads: &[Vec<f32>]) {
+    for &id in ids {
+        m.fetch(&[id], Stage::Forward).unwrap();
+        m.release(&[id], Stage::Forward).unwrap();
+    }
+    m.end_forward().unwrap();
+    for (i, &id) in ids.iter().enumerate().rev() {
+        m.fetch(&[id], Stage::Backward).unwrap();
+        m.write_grad(id, &grads[i]).unwrap();
+        m.release(&[id], Stage::Backward).unwrap();
+    }
+    m.end_backward().unwrap();
+}
+
+fn grads(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            let h = tidemem::tensor::splitmix64(seed * 1_000_003 + i as u64);
+            // exactly representable in fp16 once scaled by a power of two
+            f16::from_f32(((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale).to_f32()
+        })
+        .collect()
+}
+
+#[test]
+fn steps_equal_the_cpu_kernel_on_flat_arrays_with_clipping_folded_in() {
+    let n = 1000;
+    for placement in [DevicePlacement::Groups(1), DevicePlacement::HostOnly] {
+        let (mut m, ids) = single(n, 2);
+        let adam = AdamConfig::adam(1e-2);
+        let mut opt = HybridAdam::new(HybridConfig {
+            placement,
+            loss_scale: Some(ScalerConfig::fixed(256.0)),
+            max_grad_norm: Some(1.0),
+            ..HybridConfig::new(adam)
+        })
+        .unwrap();
+        let mut p: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+        let mut mo = vec![vec![0f32; n]; 2];
+        let mut va = vec![vec![0f32; n]; 2];
+        for step in 1..=5u64 {
+            let g: Vec<Vec<f32>> = (0..2).map(|i| grads(step * 2 + i, n, 256.0)).collect();
+            iterate(&mut m, &ids, &g);
+            let r = opt.step(&mut m).unwrap();
+            assert_eq!(r.outcome, StepOutcome::Stepped);
+            let on_device = placement != DevicePlacement::HostOnly && step > 1;
+            assert_eq!(r.device_groups, usize::from(on_device), "step {step}");
+            // the same step on flat arrays
+            let sum: f64 = g.iter().flatten().map(|&x| (x as f64) * (x as f64)).sum();
+            let norm = sum.sqrt() / 256.0;
+            assert!(
+                (r.grad_norm - norm).abs() <= 1e-12 * norm,
+                "{} vs {norm}",
+                r.grad_norm
+            );
+            let clip = if norm > 1.0 {
+                (1.0 / (norm + 1e-6)) as f32
+            } else {
+                1.0
+            };
+            assert_eq!(r.clip_coef, clip);
+            assert!(clip < 1.0, "clipping is exercised");
+            let s = adam.scalars(step, clip / 256.0).unwrap();
+            for i in 0..2 {
+                let g16: Vec<f16> = g[i].iter().map(|&x| f16::from_f32(x)).collect();
+                let mut c = vec![f16::ZERO; n];
+                CpuAdam::new()
+                    .step(
+                        &s,
+                        &mut p[i],
+                        &mut mo[i],
+                        &mut va[i],
+                        Grad::F16(&g16),
+                        ParamCopy::F16(&mut c),
+                    )
+                    .unwrap();
+                assert_eq!(m.master(ids[i]).unwrap(), p[i], "{placement:?} step {step}");
+                let want: Vec<f32> = c.iter().map(|x| x.to_f32()).collect();
+                assert_eq!(m.read(ids[i]).unwrap(), want);
+            }
+        }
+    }
+}
+
+#[test]
+fn overflow_skips_the_step_restores_parameters_and_backs_off() {
+    let n = 300;
+    // group 0 steps on the device, group 1 on the host; the overflow is in each in turn
+    for bad in 0..2 {
+        let (mut m, ids) = single(n, 2);
+        let mut opt = HybridAdam::new(HybridConfig {
+            placement: DevicePlacement::Groups(1),
+            loss_scale: Some(ScalerConfig {
+                init_scale: 1024.0,
+                hysteresis: 1,
+                ..ScalerConfig::default()
+            }),
+            ..HybridConfig::new(AdamConfig::adam(1e-2))
+        })
+        .unwrap();
+        iterate(&mut m, &ids, &[grads(1, n, 64.0), grads(2, n, 64.0)]);
+        assert_eq!(opt.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+        let masters: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+        let params: Vec<Vec<f32>> = ids.iter().map(|&id| m.read(id).unwrap()).collect();
+        let mut g = vec![grads(3, n, 64.0), grads(4, n, 64.0)];
+        g[bad][17] = f32::INFINITY;
+        iterate(&mut m, &ids, &g);
+        let r = opt.step(&mut m).unwrap();
+        assert_eq!(r.outcome, StepOutcome::Skipped, "overflow in group {bad}");
+        assert_eq!(r.scale_update, Some(ScaleUpdate::BackedOff));
+        assert_eq!(opt.loss_scale(), 512.0);
+        assert_eq!(opt.steps(), 1);
+        for i in 0..2 {
+            assert_eq!(m.master(ids[i]).unwrap(), masters[i], "masters untouched");
+            assert_eq!(m.read(ids[i]).unwrap(), params[i], "parameters restored");
+        }
+        // training goes on, and the skipped step left no trace in the optimizer state: the next
+        // step equals a run that never saw the overflow
+        iterate(&mut m, &ids, &[grads(5, n, 32.0), grads(6, n, 32.0)]);
+        assert_eq!(opt.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+        let (mut m2, ids2) = single(n, 2);
+        let mut opt2 = HybridAdam::new(HybridConfig {
+            placement: DevicePlacement::Groups(1),
+            loss_scale: Some(ScalerConfig::fixed(1024.0)),
+            ..HybridConfig::new(AdamConfig::adam(1e-2))
+        })
+        .unwrap();
+        iterate(&mut m2, &ids2, &[grads(1, n, 64.0), grads(2, n, 64.0)]);
+        opt2.step(&mut m2).unwrap();
+        // the same unscaled gradients under the fixed scale
+        iterate(&mut m2, &ids2, &[grads(5, n, 64.0), grads(6, n, 64.0)]);
+        opt2.step(&mut m2).unwrap();
+        for i in 0..2 {
+            assert_eq!(m.master(ids[i]).unwrap(), m2.master(ids2[i]).unwrap());
+        }
+    }
+}
+
+#[test]
+fn accumulation_steps_with_the_mean_gradient() {
+    let n = 257;
+    // multiples of 1/64 in [-4, 4]: x ± y and their mean are exact in fp16
+    let grid = |seed: u64| -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let h = tidemem::tensor::splitmix64(seed * 7919 + i as u64);
+                ((h % 513) as f32 - 256.0) / 64.0
+            })
+            .collect()
+    };
+    let (x, y) = (grid(1), grid(2));
+    let g1: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    let g2: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a - b).collect();
+    let mean = x;
+    let cfg = HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    };
+    let (mut a, ida) = single(n, 1);
+    let mut acc = HybridAdam::new(HybridConfig {
+        accumulation_steps: 2,
+        ..cfg
+    })
+    .unwrap();
+    let before = a.read(ida[0]).unwrap();
+    iterate(&mut a, &ida, &[g1]);
+    assert_eq!(acc.step(&mut a).unwrap().outcome, StepOutcome::Accumulated);
+    assert_eq!(
+        a.read(ida[0]).unwrap(),
+        before,
+        "parameters restored between micro-batches"
+    );
+    iterate(&mut a, &ida, &[g2]);
+    assert_eq!(acc.step(&mut a).unwrap().outcome, StepOutcome::Stepped);
+    let (mut b, idb) = single(n, 1);
+    let mut one = HybridAdam::new(cfg).unwrap();
+    iterate(&mut b, &idb, &[mean]);
+    one.step(&mut b).unwrap();
+    assert_eq!(a.master(ida[0]).unwrap(), b.master(idb[0]).unwrap());
+    assert_eq!(a.read(ida[0]).unwrap(), b.read(idb[0]).unwrap());
+    assert_eq!((acc.steps(), one.steps()), (1, 1));
+}
+
+#[test]
+fn misuse_is_an_error_and_changes_nothing() {
+    let (mut m, ids) = single(64, 1);
+    let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).unwrap();
+    assert!(opt.step(&mut m).is_err(), "no backward has ended");
+    assert_eq!(opt.steps(), 0);
+    iterate(&mut m, &ids, &[vec![0.5; 64]]);
+    assert_eq!(opt.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+    for bad in [
+        HybridConfig {
+            accumulation_steps: 0,
+            ..HybridConfig::new(AdamConfig::adam(1e-3))
+        },
+        HybridConfig {
+            max_grad_norm: Some(-1.0),
+            ..HybridConfig::new(AdamConfig::adam(1e-3))
+        },
+        HybridConfig {
+            placement: DevicePlacement::Auto { fraction: 2.0 },
+            ..HybridConfig::new(AdamConfig::adam(1e-3))
+        },
+        HybridConfig::new(AdamConfig::adam(-1.0)),
+    ] {
+        assert!(HybridAdam::new(bad).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn optimizer_types_are_send_and_sync() {
+    fn both<T: Send + Sync>() {}
+    both::<HybridAdam>();
+    both::<CpuAdam>();
+    both::<LossScaler>();
+    both::<HybridConfig>();
+}

@@ -382,3 +382,29 @@ fn optimizer_types_are_send_and_sync() {
     both::<LossScaler>();
     both::<HybridConfig>();
 }
+
+#[test]
+fn automatic_placement_counts_the_size_of_oversized_groups() {
+    // a tensor sixteen times the chunk gets a group of its own; the margin must be charged for
+    // its real size, or its fp32 chunks would not fit on the device
+    let dev = Device::sim(SimConfig::with_capacity(128 << 10)).unwrap();
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide)).unwrap();
+    let ids = vec![
+        m.register("w0", &[1024], Init::Constant(0.5)).unwrap(),
+        m.register("w1", &[16384], Init::Constant(0.5)).unwrap(),
+    ];
+    let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
+    for _ in 0..3 {
+        iterate(&mut m, &ids, &[vec![1.0; 1024], vec![1.0; 16384]]);
+        let r = opt.step(&mut m).unwrap();
+        assert_eq!(r.outcome, StepOutcome::Stepped);
+        assert!(r.device_groups <= 1, "{r:?}");
+    }
+    for &id in &ids {
+        assert!(m
+            .master(id)
+            .unwrap()
+            .iter()
+            .all(|&x| (x - 0.2).abs() < 1e-5));
+    }
+}

@@ -967,7 +967,17 @@ impl ChunkManager {
                 })
                 .collect();
             self.tick(Stage::Optimizer, &acc);
-            let moves = self.sched().fetch(&acc)?;
+            let moves = match self.sched().fetch(&acc) {
+                Ok(m) => m,
+                Err(e) => {
+                    // the moment did not happen
+                    if self.warm {
+                        self.tracer.discard();
+                        self.warm_restart();
+                    }
+                    return Err(e);
+                }
+            };
             self.execute(&moves)?;
             for &id in &ids {
                 for &k in &opt {
@@ -1009,10 +1019,13 @@ impl ChunkManager {
         ranges: Vec<Range<usize>>,
         f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
     ) -> Result<()> {
+        // every copy in place first, so an error cannot leave a chunk taken out of its slot
+        for &k in lists {
+            self.host_ready(ChunkPlan::chunk_no(g as u32, k) as usize)?;
+        }
         let mut bufs: [Option<HostBuffer>; 4] = Default::default();
         for &k in lists {
             let c = ChunkPlan::chunk_no(g as u32, k) as usize;
-            self.host_ready(c)?;
             match std::mem::take(&mut self.payload[c].host) {
                 HostSlot::Ready(b) => bufs[k.index()] = Some(b),
                 _ => unreachable!("host_ready leaves the slot ready"),
@@ -1149,32 +1162,54 @@ impl ChunkManager {
             }
         }
         if !on_device.is_empty() {
-            // one scratch range, reused; without room for it, the gradients are read back and
-            // summed on the host by the same code
-            let scratch = match self.alloc_device(GRAD_STATS_BYTES) {
-                Ok(b) => Some(b),
-                Err(Error::OutOfMemory { .. }) => None,
-                Err(e) => return Err(e),
+            // one scratch range, reused, and the 16-byte results gathered on the device for one
+            // download; without room for them, the gradients are read back and summed on the
+            // host by the same code
+            let n = on_device.len();
+            let scratch = match (
+                self.alloc_device(GRAD_STATS_BYTES),
+                self.alloc_device(16 * n),
+            ) {
+                (Ok(s), Ok(r)) => Some((s, r)),
+                (Err(Error::OutOfMemory { .. }), _) | (_, Err(Error::OutOfMemory { .. })) => None,
+                (Err(e), _) | (_, Err(e)) => return Err(e),
             };
-            let mut results = Vec::with_capacity(on_device.len());
-            for (c, r) in &on_device {
+            let mut results = Vec::with_capacity(n);
+            for (i, (c, r)) in on_device.iter().enumerate() {
                 if let Some(ev) = self.payload[*c].ready.take() {
                     self.device.wait_event(&self.compute, &ev)?;
                 }
                 let buf = self.payload[*c].device.clone().expect("checked above");
                 let src = buf.view(r.start * es, r.len() * es)?;
-                results.push(match &scratch {
-                    Some(out) => {
+                match &scratch {
+                    Some((out, res)) => {
                         self.device
                             .grad_stats(&self.compute, src, self.cfg.param_dtype, out)?;
-                        read_grad_stats(&self.device.download(&self.compute, out.view(0, 16)?)?)?
+                        self.device.copy_d2d(
+                            &self.compute,
+                            out.view(0, 16)?,
+                            res.view(16 * i, 16)?,
+                        )?;
                     }
                     None => {
                         let bytes = self.device.download(&self.compute, src)?;
-                        // SAFETY: `bytes` holds `r.len()` elements of the parameter dtype.
-                        unsafe { grad_stats_raw(kind, bytes.as_ptr(), r.len()) }
+                        // an aligned copy for the typed reads
+                        let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
+                        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..bytes.len()]
+                            .copy_from_slice(&bytes);
+                        // SAFETY: `aligned` holds `r.len()` elements of the parameter dtype,
+                        // 8-byte aligned.
+                        results.push(unsafe {
+                            grad_stats_raw(kind, aligned.as_ptr().cast(), r.len())
+                        });
                     }
-                });
+                }
+            }
+            if let Some((_, res)) = &scratch {
+                let bytes = self.device.download(&self.compute, res)?;
+                for i in 0..n {
+                    results.push(read_grad_stats(&bytes[16 * i..])?);
+                }
             }
             let mut results = results.into_iter();
             for p in parts.iter_mut().filter(|p| p.is_none()) {
@@ -1220,6 +1255,11 @@ impl ChunkManager {
     /// The manager's settings.
     pub fn config(&self) -> &ManagerConfig {
         &self.cfg
+    }
+
+    /// The stage of the iteration in progress (`None` between iterations).
+    pub fn stage(&self) -> Option<Stage> {
+        self.stage
     }
 
     /// Number of chunk groups.

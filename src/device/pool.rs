@@ -178,13 +178,16 @@ impl CachingAllocator {
                     Ok(b) => b,
                     Err(Error::OutOfMemory { .. }) => {
                         // give back the cache, let the owner of the other device memory finish
-                        // releasing what it freed, and try once more
+                        // releasing what it freed (without the lock: the hook may free blocks),
+                        // and try once more
                         let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
                         st.free.clear();
                         st.stats.reserved -= cached;
                         let reclaim = self.shared.reclaim.lock().clone();
                         if let Some(r) = reclaim {
+                            drop(st);
                             r();
+                            st = self.shared.state.lock();
                         }
                         self.shared.device.alloc(size)?
                     }

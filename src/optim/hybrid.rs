@@ -40,7 +40,7 @@ use crate::device::AdamOperands;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::cast::cast_bytes;
-use crate::tensor::TensorId;
+use crate::tensor::{Stage, TensorId};
 use crate::tide::Target;
 
 /// How many chunk groups step on the device.
@@ -159,6 +159,7 @@ pub struct HybridAdam {
     acc: Vec<Vec<f32>>,
     touched: Vec<bool>,
     planned: Option<usize>,
+    broken: bool,
 }
 
 impl HybridAdam {
@@ -200,6 +201,7 @@ impl HybridAdam {
             acc: Vec::new(),
             touched: Vec::new(),
             planned: None,
+            broken: false,
         })
     }
 
@@ -239,15 +241,25 @@ impl HybridAdam {
             DevicePlacement::HostOnly => 0,
             DevicePlacement::Groups(n) => n.min(groups),
             DevicePlacement::Auto { fraction } => {
-                let cfg = m.config();
-                let capacity = (cfg.scheduler.capacity as f64 * cfg.scheduler.overall_fraction)
-                    .min(cfg.scheduler.capacity.saturating_sub(cfg.scheduler.reserve) as f64)
-                    as u64;
-                let margin = capacity
+                let sc = &m.config().scheduler;
+                let share =
+                    ((sc.capacity as f64 * sc.overall_fraction) as u64).saturating_sub(sc.reserve);
+                let margin = share
                     .saturating_sub(m.non_model_peak())
                     .saturating_sub(m.param_footprint());
-                let per_group = 12.0 * cfg.chunk_elems as f64;
-                ((margin as f64 * fraction / per_group).floor() as usize).min(groups)
+                // groups in order while their fp32 master, momentum and variance fit (a tensor
+                // larger than a chunk makes a larger group)
+                let mut room = (margin as f64 * fraction) as u64;
+                let mut k = 0;
+                for &elems in &m.layout().group_elems {
+                    let need = 12 * elems as u64;
+                    if need > room {
+                        break;
+                    }
+                    room -= need;
+                    k += 1;
+                }
+                k
             }
         }
     }
@@ -255,7 +267,30 @@ impl HybridAdam {
     /// Runs the optimizer for the iteration whose backward just ended (after
     /// [`ChunkManager::end_backward`]) and ends it with [`ChunkManager::end_step`] (or
     /// [`ChunkManager::skip_step`] on an overflow).
+    ///
+    /// An error before any group was touched (e.g. outside the optimizer stage) changes nothing.
+    /// An error partway through a pass (a device or budget failure on a later group) leaves
+    /// earlier groups stepped and later ones not; the optimizer then refuses further steps, since
+    /// stepping again would treat updated parameters as gradients: restore from a checkpoint.
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
+        if self.broken {
+            return Err(Error::InvalidArgument(
+                "a previous optimizer step failed partway; the chunk groups are out of step".into(),
+            ));
+        }
+        if m.stage() != Some(Stage::Optimizer) {
+            return Err(Error::InvalidArgument(
+                "HybridAdam::step runs after end_backward".into(),
+            ));
+        }
+        let r = self.step_inner(m);
+        if r.is_err() {
+            self.broken = true;
+        }
+        r
+    }
+
+    fn step_inner(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
         let scale = self.loss_scale();
         if self.cfg.accumulation_steps > 1 {
             return self.step_accumulated(m, scale);

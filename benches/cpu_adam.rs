@@ -20,16 +20,17 @@
 //! `TIDEMEM_BENCH_ADAM_ELEMS` overrides the sizes (comma-separated element counts) and
 //! `TIDEMEM_BENCH_ADAM_REPS` the repetitions. 100M elements hold 1.8 GB of buffers.
 
-use std::hint::black_box;
+#[path = "common/adam_kernels.rs"]
+mod adam_kernels;
+
 use std::time::{Duration, Instant};
 
+use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use half::f16;
-use half::slice::HalfFloatSliceExt;
-use tidemem::optim::stream::{stream_4r3w, BYTES_PER_ELEM};
-use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
+use tidemem::optim::stream::BYTES_PER_ELEM;
+use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam};
 
 fn env_list(name: &str) -> Option<Vec<usize>> {
     std::env::var(name).ok().map(|v| {
@@ -52,121 +53,6 @@ fn reps_for(n: usize) -> usize {
 
 const THREADS: [usize; 2] = [1, 2];
 
-/// Bytes per element of fp16-gradient Adam without a copy (p, m, v read and written; g read).
-const ADAM_F16_BYTES: usize = 26;
-/// Bytes per element of the cast pass (fp32 read, fp16 written).
-const CAST_BYTES: usize = 6;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
-    /// `stream_4r3w` over (p, g, m, v).
-    Stream,
-    /// Adam, fp32 gradients, no copy.
-    AdamF32,
-    /// Adam, fp16 gradients replaced by the fp16 parameters in the same pass.
-    Fused,
-    /// Adam, fp16 gradients, no copy.
-    AdamF16,
-    /// fp32 parameters → fp16 (into the gradient buffer, as the fused step does).
-    Cast,
-}
-
-const KERNELS: [Kernel; 5] = [
-    Kernel::Stream,
-    Kernel::AdamF32,
-    Kernel::Fused,
-    Kernel::AdamF16,
-    Kernel::Cast,
-];
-
-/// One set of operands, shared by every kernel.
-struct Bufs {
-    p: Vec<f32>,
-    g: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    g16: Vec<f16>,
-}
-
-impl Bufs {
-    /// Non-zero fills, so every page is written (zeroed vectors would be mapped lazily).
-    fn new(n: usize) -> Self {
-        Bufs {
-            p: vec![1.0; n],
-            g: vec![1e-3; n],
-            m: vec![1e-4; n],
-            v: vec![1e-6; n],
-            g16: vec![f16::from_f32(1e-3); n],
-        }
-    }
-
-    fn run(&mut self, k: Kernel, adam: &CpuAdam, s: &AdamScalars) {
-        let b = self;
-        match k {
-            Kernel::Stream => stream_4r3w(
-                adam.isa(),
-                adam.threads(),
-                &mut b.p,
-                &b.g,
-                &mut b.m,
-                &mut b.v,
-            )
-            .unwrap(),
-            Kernel::AdamF32 => adam
-                .step(
-                    s,
-                    &mut b.p,
-                    &mut b.m,
-                    &mut b.v,
-                    Grad::F32(&b.g),
-                    ParamCopy::None,
-                )
-                .unwrap(),
-            Kernel::Fused => adam
-                .step_in_place(
-                    s,
-                    &mut b.p,
-                    &mut b.m,
-                    &mut b.v,
-                    GradInPlace::F16(&mut b.g16),
-                )
-                .unwrap(),
-            Kernel::AdamF16 => adam
-                .step(
-                    s,
-                    &mut b.p,
-                    &mut b.m,
-                    &mut b.v,
-                    Grad::F16(&b.g16),
-                    ParamCopy::None,
-                )
-                .unwrap(),
-            Kernel::Cast => cast(adam.threads(), &b.p, &mut b.g16),
-        }
-        black_box(&b.p);
-    }
-}
-
-/// `dst = f16(src)`, split over threads as the CPU Adam splits a step (parts aligned to 64
-/// elements, at least 65536 elements each, the first on this thread).
-fn cast(threads: usize, src: &[f32], dst: &mut [f16]) {
-    let n = src.len();
-    let parts = threads.min(n >> 16).max(1);
-    let per = n.div_ceil(parts).div_ceil(64) * 64;
-    if parts == 1 {
-        dst.convert_from_f32_slice(src);
-        return;
-    }
-    std::thread::scope(|scope| {
-        let mut pairs = src.chunks(per).zip(dst.chunks_mut(per));
-        let (s0, d0) = pairs.next().unwrap();
-        for (s, d) in pairs {
-            scope.spawn(move || d.convert_from_f32_slice(s));
-        }
-        d0.convert_from_f32_slice(s0);
-    });
-}
-
 /// Seconds of each repetition of each kernel in `kernels`, interleaved.
 fn interleaved(reps: usize, kernels: &[Kernel], mut run: impl FnMut(Kernel)) -> Vec<Vec<f64>> {
     let mut t = vec![Vec::with_capacity(reps); kernels.len()];
@@ -183,12 +69,6 @@ fn interleaved(reps: usize, kernels: &[Kernel], mut run: impl FnMut(Kernel)) -> 
     t
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|x, y| x.partial_cmp(y).unwrap());
-    v[v.len() / 2]
-}
-
 /// Medians of one size and thread count.
 struct Row {
     n: usize,
@@ -203,7 +83,7 @@ struct Row {
 }
 
 fn measure(n: usize, reps: usize, adam: &CpuAdam, s: &AdamScalars, bufs: &mut Bufs) -> Row {
-    let t = interleaved(reps, &KERNELS, |k| bufs.run(k, adam, s));
+    let t = interleaved(reps, &KERNELS, |k| bufs.run(k, adam, s).unwrap());
     let at = |k: Kernel| &t[KERNELS.iter().position(|&x| x == k).unwrap()];
     let sums: Vec<f64> = at(Kernel::AdamF16)
         .iter()
@@ -278,15 +158,15 @@ fn cpu_adam(c: &mut Criterion) {
                 (Kernel::Fused, "adam_fused_f16", BYTES_PER_ELEM),
             ] {
                 g.throughput(Throughput::Bytes((n * bytes) as u64));
-                g.bench_function(id(name), |b| b.iter(|| bufs.run(k, &adam, &s)));
+                g.bench_function(id(name), |b| b.iter(|| bufs.run(k, &adam, &s).unwrap()));
             }
             g.throughput(Throughput::Bytes(
                 (n * (ADAM_F16_BYTES + CAST_BYTES)) as u64,
             ));
             g.bench_function(id("adam_then_cast_f16"), |b| {
                 b.iter(|| {
-                    bufs.run(Kernel::AdamF16, &adam, &s);
-                    bufs.run(Kernel::Cast, &adam, &s);
+                    bufs.run(Kernel::AdamF16, &adam, &s).unwrap();
+                    bufs.run(Kernel::Cast, &adam, &s).unwrap();
                 })
             });
             summary.push(measure(n, reps_for(n), &adam, &s, &mut bufs));

@@ -36,15 +36,16 @@
 //!     `adam_fused_f16` seconds (32/28 ≈ 1.14 from the bytes alone; higher where `cast_f16`
 //!     runs below the ceiling)
 
-use std::hint::black_box;
+#[path = "../benches/common/adam_kernels.rs"]
+mod adam_kernels;
+
 use std::time::Instant;
 
+use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use clap::Parser;
-use half::f16;
-use half::slice::HalfFloatSliceExt;
 use serde::Serialize;
-use tidemem::optim::stream::{stream_4r3w, BYTES_PER_ELEM};
-use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+use tidemem::optim::stream::BYTES_PER_ELEM;
+use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Isa};
 
 #[derive(Parser, Debug)]
 #[command(about = "CPU Adam throughput against a 4-read/3-write memory ceiling")]
@@ -64,111 +65,6 @@ struct Args {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
-    Stream,
-    AdamF32,
-    Fused,
-    AdamF16,
-    Cast,
-}
-
-const KERNELS: [Kernel; 5] = [
-    Kernel::Stream,
-    Kernel::AdamF32,
-    Kernel::Fused,
-    Kernel::AdamF16,
-    Kernel::Cast,
-];
-
-/// One set of operands, shared by every kernel.
-struct Bufs {
-    p: Vec<f32>,
-    g: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
-    g16: Vec<f16>,
-}
-
-impl Bufs {
-    /// Non-zero fills, so every page is written (zeroed vectors would be mapped lazily).
-    fn new(n: usize) -> Self {
-        Bufs {
-            p: vec![1.0; n],
-            g: vec![1e-3; n],
-            m: vec![1e-4; n],
-            v: vec![1e-6; n],
-            g16: vec![f16::from_f32(1e-3); n],
-        }
-    }
-
-    fn run(&mut self, k: Kernel, adam: &CpuAdam, s: &AdamScalars) -> tidemem::Result<()> {
-        let b = self;
-        match k {
-            Kernel::Stream => stream_4r3w(
-                adam.isa(),
-                adam.threads(),
-                &mut b.p,
-                &b.g,
-                &mut b.m,
-                &mut b.v,
-            )?,
-            Kernel::AdamF32 => adam.step(
-                s,
-                &mut b.p,
-                &mut b.m,
-                &mut b.v,
-                Grad::F32(&b.g),
-                ParamCopy::None,
-            )?,
-            Kernel::Fused => adam.step_in_place(
-                s,
-                &mut b.p,
-                &mut b.m,
-                &mut b.v,
-                GradInPlace::F16(&mut b.g16),
-            )?,
-            Kernel::AdamF16 => adam.step(
-                s,
-                &mut b.p,
-                &mut b.m,
-                &mut b.v,
-                Grad::F16(&b.g16),
-                ParamCopy::None,
-            )?,
-            Kernel::Cast => cast(adam.threads(), &b.p, &mut b.g16),
-        }
-        black_box(&b.p);
-        Ok(())
-    }
-}
-
-/// `dst = f16(src)`, split over threads as the CPU Adam splits a step (parts aligned to 64
-/// elements, at least 65536 elements each, the first on this thread).
-fn cast(threads: usize, src: &[f32], dst: &mut [f16]) {
-    let n = src.len();
-    let parts = threads.min(n >> 16).max(1);
-    let per = n.div_ceil(parts).div_ceil(64) * 64;
-    if parts == 1 {
-        dst.convert_from_f32_slice(src);
-        return;
-    }
-    std::thread::scope(|scope| {
-        let mut pairs = src.chunks(per).zip(dst.chunks_mut(per));
-        let (s0, d0) = pairs.next().expect("n > 0 when parts > 1");
-        for (s, d) in pairs {
-            scope.spawn(move || d.convert_from_f32_slice(s));
-        }
-        d0.convert_from_f32_slice(s0);
-    });
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|x, y| x.total_cmp(y));
-    v[v.len() / 2]
 }
 
 #[derive(Serialize)]
@@ -241,9 +137,9 @@ fn measure(
             speedup_vs_separate: Some(separate / fused),
             ..record("adam_fused_f16", 28, fused)
         },
-        record("adam_f16", 26, median(at(Kernel::AdamF16))),
-        record("cast_f16", 6, median(at(Kernel::Cast))),
-        record("adam_then_cast_f16", 32, separate),
+        record("adam_f16", ADAM_F16_BYTES, median(at(Kernel::AdamF16))),
+        record("cast_f16", CAST_BYTES, median(at(Kernel::Cast))),
+        record("adam_then_cast_f16", ADAM_F16_BYTES + CAST_BYTES, separate),
     ])
 }
 

@@ -653,17 +653,7 @@ impl ChunkManager {
             push_access(&mut acc, chunk, Target::Device, last);
         }
         self.tick(stage, &acc);
-        let moves = match self.sched().fetch(&uses) {
-            Ok(m) => m,
-            Err(e) => {
-                // the moment did not happen
-                if self.warm {
-                    self.tracer.discard();
-                    self.warm_restart();
-                }
-                return Err(e);
-            }
-        };
+        let moves = self.fetch_moment(&uses)?;
         self.execute(&moves)?;
         self.stage = Some(stage);
         for &id in ids {
@@ -701,6 +691,17 @@ impl ChunkManager {
         self.sample();
         self.note("fetch", ids.len() as u64, 0, t0);
         Ok(views)
+    }
+
+    /// The scheduler's moves for the accesses of the moment just ticked; if it refuses, the
+    /// moment did not happen and a warm-up in progress starts over.
+    fn fetch_moment(&mut self, accesses: &[Access]) -> Result<Vec<Move>> {
+        let r = self.sched().fetch(accesses);
+        if r.is_err() && self.warm {
+            self.tracer.discard();
+            self.warm_restart();
+        }
+        r
     }
 
     fn warm_restart(&mut self) {
@@ -967,17 +968,7 @@ impl ChunkManager {
                 })
                 .collect();
             self.tick(Stage::Optimizer, &acc);
-            let moves = match self.sched().fetch(&acc) {
-                Ok(m) => m,
-                Err(e) => {
-                    // the moment did not happen
-                    if self.warm {
-                        self.tracer.discard();
-                        self.warm_restart();
-                    }
-                    return Err(e);
-                }
-            };
+            let moves = self.fetch_moment(&acc)?;
             self.execute(&moves)?;
             for &id in &ids {
                 for &k in &opt {

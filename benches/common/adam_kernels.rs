@@ -1,0 +1,125 @@
+//! The kernels the CPU Adam bench and the `adam_bench` example time over one set of buffers
+//! (included by both with `#[path]`).
+
+use std::hint::black_box;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+use tidemem::optim::stream::stream_4r3w;
+use tidemem::optim::{AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
+
+/// Bytes per element of fp16-gradient Adam without a copy (p, m, v read and written; g read).
+pub const ADAM_F16_BYTES: usize = 26;
+/// Bytes per element of the cast pass (fp32 read, fp16 written).
+pub const CAST_BYTES: usize = 6;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kernel {
+    /// `stream_4r3w` over (p, g, m, v).
+    Stream,
+    /// Adam, fp32 gradients, no copy.
+    AdamF32,
+    /// Adam, fp16 gradients replaced by the fp16 parameters in the same pass.
+    Fused,
+    /// Adam, fp16 gradients, no copy.
+    AdamF16,
+    /// fp32 parameters → fp16 (into the gradient buffer, as the fused step does).
+    Cast,
+}
+
+pub const KERNELS: [Kernel; 5] = [
+    Kernel::Stream,
+    Kernel::AdamF32,
+    Kernel::Fused,
+    Kernel::AdamF16,
+    Kernel::Cast,
+];
+
+/// One set of operands, shared by every kernel.
+pub struct Bufs {
+    pub p: Vec<f32>,
+    pub g: Vec<f32>,
+    pub m: Vec<f32>,
+    pub v: Vec<f32>,
+    pub g16: Vec<f16>,
+}
+
+impl Bufs {
+    /// Non-zero fills, so every page is written (zeroed vectors would be mapped lazily).
+    pub fn new(n: usize) -> Self {
+        Bufs {
+            p: vec![1.0; n],
+            g: vec![1e-3; n],
+            m: vec![1e-4; n],
+            v: vec![1e-6; n],
+            g16: vec![f16::from_f32(1e-3); n],
+        }
+    }
+
+    pub fn run(&mut self, k: Kernel, adam: &CpuAdam, s: &AdamScalars) -> tidemem::Result<()> {
+        let b = self;
+        match k {
+            Kernel::Stream => stream_4r3w(
+                adam.isa(),
+                adam.threads(),
+                &mut b.p,
+                &b.g,
+                &mut b.m,
+                &mut b.v,
+            )?,
+            Kernel::AdamF32 => adam.step(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                Grad::F32(&b.g),
+                ParamCopy::None,
+            )?,
+            Kernel::Fused => adam.step_in_place(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                GradInPlace::F16(&mut b.g16),
+            )?,
+            Kernel::AdamF16 => adam.step(
+                s,
+                &mut b.p,
+                &mut b.m,
+                &mut b.v,
+                Grad::F16(&b.g16),
+                ParamCopy::None,
+            )?,
+            Kernel::Cast => cast(adam.threads(), &b.p, &mut b.g16),
+        }
+        black_box(&b.p);
+        Ok(())
+    }
+}
+
+/// `dst = f16(src)`, split over threads as the CPU Adam splits a step (parts aligned to 64
+/// elements, at least 65536 elements each, the first on this thread).
+pub fn cast(threads: usize, src: &[f32], dst: &mut [f16]) {
+    let n = src.len();
+    let parts = threads.min(n >> 16).max(1);
+    let per = n.div_ceil(parts).div_ceil(64) * 64;
+    if parts == 1 {
+        dst.convert_from_f32_slice(src);
+        return;
+    }
+    std::thread::scope(|scope| {
+        let mut pairs = src.chunks(per).zip(dst.chunks_mut(per));
+        let (s0, d0) = pairs.next().expect("n > 0 when parts > 1");
+        for (s, d) in pairs {
+            scope.spawn(move || d.convert_from_f32_slice(s));
+        }
+        d0.convert_from_f32_slice(s0);
+    });
+}
+
+/// Median of `v` (not empty).
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|x, y| x.total_cmp(y));
+    v[v.len() / 2]
+}

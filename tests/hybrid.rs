@@ -3,6 +3,8 @@
 //! accumulation fold into the kernel's gradient scale, and optimizer state may live on the file
 //! tier.
 
+mod common;
+
 use half::f16;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::device::{CachingAllocator, Device, SimConfig};
@@ -12,32 +14,9 @@ use tidemem::optim::{
 };
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
-use tidemem::toy::{ToyIds, ToyMlp};
+use tidemem::toy::ToyIds;
 
-const TOY: ToyMlp = ToyMlp {
-    layers: 6,
-    width: 16,
-    batch: 8,
-    tied: true,
-    lr: 1e-2,
-};
-
-fn setup(
-    policy: Policy,
-    capacity: usize,
-    host_budget: Option<u64>,
-) -> (ChunkManager, CachingAllocator, ToyIds) {
-    let dev = Device::sim(SimConfig::with_capacity(capacity)).unwrap();
-    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
-    cfg.scheduler.overall_fraction = 1.0;
-    cfg.scheduler.warmup_chunk_fraction = 0.3;
-    cfg.host_budget = host_budget;
-    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
-    let pool = CachingAllocator::new(dev);
-    m.set_non_model_allocator(pool.clone());
-    let ids = TOY.register(&mut m).unwrap();
-    (m, pool, ids)
-}
+use common::{toy_setup as setup, TOY};
 
 fn hybrid(placement: DevicePlacement) -> HybridAdam {
     HybridAdam::new(HybridConfig {

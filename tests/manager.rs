@@ -1,39 +1,17 @@
 //! The chunk manager end to end on the simulated device: placement never changes the arithmetic,
 //! the simulator predicts the manager's moves, and misuse is a typed error.
 
+mod common;
+
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
 use tidemem::device::{CachingAllocator, Device, SimConfig};
 use tidemem::simulate::{simulate, SimOptions};
 use tidemem::tensor::{Init, Stage, TensorState};
 use tidemem::tide::{Policy, Scheduler};
-use tidemem::toy::{ToyIds, ToyMlp};
+use tidemem::toy::ToyIds;
 use tidemem::Error;
 
-const TOY: ToyMlp = ToyMlp {
-    layers: 6,
-    width: 16,
-    batch: 8,
-    tied: true,
-    lr: 1e-2,
-};
-
-/// A manager for the toy on a Sim device of `capacity` bytes.
-fn setup(
-    policy: Policy,
-    capacity: usize,
-    host_budget: Option<u64>,
-) -> (ChunkManager, CachingAllocator, ToyIds) {
-    let dev = Device::sim(SimConfig::with_capacity(capacity)).unwrap();
-    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
-    cfg.scheduler.overall_fraction = 1.0;
-    cfg.scheduler.warmup_chunk_fraction = 0.3;
-    cfg.host_budget = host_budget;
-    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
-    let pool = CachingAllocator::new(dev);
-    m.set_non_model_allocator(pool.clone());
-    let ids = TOY.register(&mut m).unwrap();
-    (m, pool, ids)
-}
+use common::{toy_setup as setup, TOY};
 
 /// Trains `steps` iterations; returns losses, then every tensor's fp16 parameter bits and fp32
 /// master bits.

@@ -1,4 +1,5 @@
-//! Devices the shared suites run on: always a simulated device, plus CUDA device 0 when present.
+//! Devices the shared suites run on (always a simulated device, plus CUDA device 0 when
+//! present), and the toy model the manager and optimizer suites train.
 #![allow(dead_code)]
 
 use tidemem::device::{Device, LinkModel, SimConfig};
@@ -47,4 +48,37 @@ pub fn devices(test: &str) -> Vec<Device> {
     let mut v = vec![sim(256 << 20)];
     v.extend(cuda(test));
     v
+}
+
+/// The toy MLP the manager and optimizer suites train.
+pub const TOY: tidemem::toy::ToyMlp = tidemem::toy::ToyMlp {
+    layers: 6,
+    width: 16,
+    batch: 8,
+    tied: true,
+    lr: 1e-2,
+};
+
+/// A manager for [`TOY`] on a Sim device of `capacity` bytes, with its non-model pool.
+pub fn toy_setup(
+    policy: tidemem::tide::Policy,
+    capacity: usize,
+    host_budget: Option<u64>,
+) -> (
+    tidemem::chunk::ChunkManager,
+    tidemem::device::CachingAllocator,
+    tidemem::toy::ToyIds,
+) {
+    use tidemem::chunk::{ChunkManager, ManagerConfig};
+    use tidemem::device::CachingAllocator;
+    let dev = sim(capacity);
+    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 0.3;
+    cfg.host_budget = host_budget;
+    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+    let pool = CachingAllocator::new(dev);
+    m.set_non_model_allocator(pool.clone());
+    let ids = TOY.register(&mut m).unwrap();
+    (m, pool, ids)
 }

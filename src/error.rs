@@ -177,6 +177,44 @@ pub enum Error {
         unevictable: u64,
     },
 
+    /// Ranks of a communicator issued different collectives at the same point of their sequence
+    /// (or a send and a receive that do not match). The communicator refuses every later call.
+    #[error("collective mismatch at call #{seq}: {detail}")]
+    CommMismatch {
+        /// Sequence number of the collective on the communicator.
+        seq: u64,
+        /// What each side asked for.
+        detail: String,
+    },
+
+    /// A collective or receive waited longer than the communicator's timeout for other ranks.
+    #[error("{what} timed out after {waited_ms} ms waiting for ranks {missing:?}")]
+    CommTimeout {
+        /// The call that waited (kind and sequence number).
+        what: String,
+        /// How long it waited.
+        waited_ms: u64,
+        /// Ranks that had not arrived.
+        missing: Vec<usize>,
+    },
+
+    /// An error reported by NCCL.
+    #[error("NCCL error during {during}: {code_name} ({code}): {message}")]
+    Nccl {
+        /// What the communicator was doing.
+        during: &'static str,
+        /// NCCL's result code.
+        code: i32,
+        /// The code's name (`ncclUnhandledCudaError`, ...).
+        code_name: String,
+        /// NCCL's description (its last error message when it has one).
+        message: String,
+    },
+
+    /// Ranks could not meet: a bad launcher environment or an unreachable rank 0.
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
+
     /// An invalid argument that has no more specific variant.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),

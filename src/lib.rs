@@ -31,6 +31,7 @@
 #![warn(missing_docs)]
 
 pub mod chunk;
+pub mod comm;
 pub mod device;
 pub mod dtype;
 pub mod error;

@@ -254,6 +254,12 @@ impl Backend for CudaBackend {
         Ok(Box::new(e))
     }
 
+    fn bind_to_thread(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| Error::cuda("binding the context", e))
+    }
+
     unsafe fn enqueue(&self, s: &RawStream, op: Op<'_>) -> Result<()> {
         let s = stream(s)?;
         self.ctx
@@ -286,6 +292,10 @@ impl Backend for CudaBackend {
                 }
                 v
             }
+            Op::Foreign { operands, .. } => operands
+                .iter()
+                .map(|(b, _, _)| mem(b))
+                .collect::<Result<_>>()?,
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { self.enqueue_op(s, cs, op)? };
@@ -336,6 +346,13 @@ impl CudaBackend {
     /// As [`Backend::enqueue`].
     unsafe fn enqueue_op(&self, s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
         match op {
+            Op::Foreign { operands, run } => {
+                let ops: Vec<(&CudaMem, usize, bool)> = operands
+                    .iter()
+                    .map(|&(b, off, w)| mem(b).map(|m| (m, off, w)))
+                    .collect::<Result<_>>()?;
+                with_ptrs(s, &ops, |ptrs| (run.0)(ptrs, cs.cast()))?;
+            }
             Op::HostToDevice {
                 src,
                 dst,

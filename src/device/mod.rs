@@ -218,6 +218,25 @@ pub enum Op<'a> {
         /// Byte offset in `out`.
         out_offset: usize,
     },
+    /// Work of a library that takes raw device addresses on the backend's native stream (NCCL
+    /// collectives): `run` gets the address of every operand (base + offset, in order) and the
+    /// stream handle. Backends without device addresses (the simulated device) refuse it.
+    Foreign {
+        /// Buffer, byte offset, and whether the work writes it.
+        operands: &'a [(&'a RawBuffer, usize, bool)],
+        /// The work to enqueue.
+        run: ForeignCall<'a>,
+    },
+}
+
+/// The callback of an [`Op::Foreign`]: device addresses of the operands and the native stream
+/// handle (a `CUstream` on CUDA).
+pub struct ForeignCall<'a>(pub &'a mut dyn FnMut(&[u64], *mut std::ffi::c_void) -> Result<()>);
+
+impl fmt::Debug for ForeignCall<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("ForeignCall")
+    }
 }
 
 /// Partial sums a device may use in a [`Op::GradStats`] (one per block of the CUDA kernel).
@@ -292,6 +311,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn query_event(&self, event: &RawEvent) -> Result<bool>;
     /// Blocks until all work on `stream` completes.
     fn sync_stream(&self, stream: &RawStream) -> Result<()>;
+    /// Makes this device current on the calling thread, for libraries that act on the current
+    /// device (NCCL). Backends without such a notion do nothing.
+    fn bind_to_thread(&self) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// Bytes and operations moved by a device since it was created.
@@ -853,6 +877,30 @@ impl Device {
         };
         self.submit(stream, &[(dst.buf, Access::Write)], op)
             .map(|_| ())
+    }
+
+    /// Enqueues work of a library that takes raw device addresses (NCCL) on `stream`, ordered
+    /// like every other op: `run` gets the address of each view (in order) and the backend's
+    /// native stream handle. The simulated device has no device addresses and refuses it.
+    pub(crate) fn enqueue_foreign(
+        &self,
+        stream: &Stream,
+        views: &[(DeviceView<'_>, bool)],
+        run: &mut dyn FnMut(&[u64], *mut std::ffi::c_void) -> Result<()>,
+    ) -> Result<()> {
+        let operands: Vec<(&RawBuffer, usize, bool)> = views
+            .iter()
+            .map(|(v, w)| (&v.buf.raw, v.offset, *w))
+            .collect();
+        let accesses: Vec<(&DeviceBuffer, Access)> = views
+            .iter()
+            .map(|(v, w)| (v.buf, if *w { Access::Write } else { Access::Read }))
+            .collect();
+        let op = Op::Foreign {
+            operands: &operands,
+            run: ForeignCall(run),
+        };
+        self.submit(stream, &accesses, op).map(|_| ())
     }
 
     /// Converts the elements of `src` (type `from`) into `dst` (type `to`) on `stream`, with

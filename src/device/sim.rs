@@ -607,6 +607,11 @@ impl Backend for SimBackend {
                 out: mem(out)?,
                 ooff: out_offset,
             },
+            Op::Foreign { .. } => {
+                return Err(Error::InvalidArgument(
+                    "the simulated device has no device addresses for foreign work (NCCL)".into(),
+                ))
+            }
         };
         stream(s)?.send(Task::Copy(work))
     }

@@ -1,0 +1,276 @@
+//! How ranks started by a launcher find each other.
+//!
+//! A launcher (`torchrun`, `mpirun` with a wrapper, a job script) sets `RANK`, `WORLD_SIZE`,
+//! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in every process. Rank 0 listens on
+//! `MASTER_ADDR:MASTER_PORT` and serves the group's 128-byte NCCL unique id to each other rank:
+//! a client sends the magic `TIDEMEM1`, its rank and the world size (u32 little-endian each),
+//! and reads the 128 bytes back. Clients retry the connection until the timeout, so the ranks
+//! may start in any order.
+//!
+//! ```
+//! use std::time::Duration;
+//! use tidemem::comm::rendezvous::{exchange_id, LaunchEnv};
+//! # fn main() -> tidemem::Result<()> {
+//! let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+//! let env = |rank| LaunchEnv {
+//!     rank,
+//!     world_size: 2,
+//!     local_rank: rank,
+//!     master_addr: "127.0.0.1".into(),
+//!     master_port: port,
+//! };
+//! let t = std::thread::spawn(move || exchange_id(&env(1), None, Duration::from_secs(10)));
+//! let root = exchange_id(&env(0), Some([7u8; 128]), Duration::from_secs(10))?;
+//! assert_eq!(t.join().unwrap()?, root);
+//! # Ok(()) }
+//! ```
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 8] = b"TIDEMEM1";
+
+/// A rank's place in a launched job, from the launcher's environment.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// Global rank (`RANK`).
+    pub rank: usize,
+    /// Number of ranks (`WORLD_SIZE`).
+    pub world_size: usize,
+    /// Rank on this node, which picks the GPU (`LOCAL_RANK`, default: `RANK`).
+    pub local_rank: usize,
+    /// Host of rank 0 (`MASTER_ADDR`, default `127.0.0.1`).
+    pub master_addr: String,
+    /// Port rank 0 listens on (`MASTER_PORT`, default 29500).
+    pub master_port: u16,
+}
+
+impl LaunchEnv {
+    /// Reads the process environment; `Ok(None)` when `WORLD_SIZE` is not set (not launched).
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+
+    /// Reads the variables through `get`; `Ok(None)` when `WORLD_SIZE` is absent. Malformed or
+    /// inconsistent values are errors naming the variable.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        let Some(world) = get("WORLD_SIZE") else {
+            return Ok(None);
+        };
+        let num = |k: &str, v: String| -> Result<usize> {
+            v.trim()
+                .parse()
+                .map_err(|_| Error::Rendezvous(format!("{k}={v:?} is not a number")))
+        };
+        let world_size = num("WORLD_SIZE", world)?;
+        let rank = num(
+            "RANK",
+            get("RANK")
+                .ok_or_else(|| Error::Rendezvous("WORLD_SIZE is set but RANK is not".into()))?,
+        )?;
+        let local_rank = match get("LOCAL_RANK") {
+            Some(v) => num("LOCAL_RANK", v)?,
+            None => rank,
+        };
+        if world_size == 0 || rank >= world_size {
+            return Err(Error::Rendezvous(format!(
+                "RANK={rank} is not below WORLD_SIZE={world_size}"
+            )));
+        }
+        let master_port = match get("MASTER_PORT") {
+            Some(v) => {
+                let p = num("MASTER_PORT", v)?;
+                u16::try_from(p)
+                    .ok()
+                    .filter(|&p| p > 0)
+                    .ok_or_else(|| Error::Rendezvous(format!("MASTER_PORT={p} is not a port")))?
+            }
+            None => 29500,
+        };
+        Ok(Some(LaunchEnv {
+            rank,
+            world_size,
+            local_rank,
+            master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            master_port,
+        }))
+    }
+
+    fn addr(&self) -> Result<SocketAddr> {
+        (self.master_addr.as_str(), self.master_port)
+            .to_socket_addrs()
+            .map_err(|e| Error::Rendezvous(format!("MASTER_ADDR {}: {e}", self.master_addr)))?
+            .next()
+            .ok_or_else(|| {
+                Error::Rendezvous(format!("MASTER_ADDR {} has no address", self.master_addr))
+            })
+    }
+}
+
+impl From<std::io::Error> for Error {
+    fn from(e: std::io::Error) -> Self {
+        Error::Io {
+            during: "an I/O operation",
+            source: e,
+        }
+    }
+}
+
+fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
+    move |e| Error::Rendezvous(format!("{what}: {e}"))
+}
+
+/// Shares rank 0's `id` with every rank: rank 0 passes `Some(id)` and serves it until all other
+/// ranks have it; the others pass `None` and get it. Fails after `timeout` with the ranks that
+/// never came (rank 0) or the reason rank 0 could not be reached.
+pub fn exchange_id(env: &LaunchEnv, id: Option<[u8; 128]>, timeout: Duration) -> Result<[u8; 128]> {
+    let deadline = Instant::now() + timeout;
+    let addr = env.addr()?;
+    if env.rank == 0 {
+        let id = id.ok_or_else(|| Error::Rendezvous("rank 0 must provide the id".into()))?;
+        serve(env, addr, id, deadline)?;
+        return Ok(id);
+    }
+    let mut last = String::from("no attempt");
+    while Instant::now() < deadline {
+        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+            Ok(s) => return fetch(env, s, deadline),
+            Err(e) => last = e.to_string(),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Err(Error::Rendezvous(format!(
+        "rank {} could not reach rank 0 at {addr} within {} ms: {last}",
+        env.rank,
+        timeout.as_millis()
+    )))
+}
+
+fn fetch(env: &LaunchEnv, mut s: TcpStream, deadline: Instant) -> Result<[u8; 128]> {
+    let left = deadline
+        .saturating_duration_since(Instant::now())
+        .max(Duration::from_millis(1));
+    s.set_read_timeout(Some(left)).map_err(io("socket"))?;
+    let mut hello = MAGIC.to_vec();
+    hello.extend_from_slice(&(env.rank as u32).to_le_bytes());
+    hello.extend_from_slice(&(env.world_size as u32).to_le_bytes());
+    s.write_all(&hello).map_err(io("sending to rank 0"))?;
+    let mut id = [0u8; 128];
+    s.read_exact(&mut id)
+        .map_err(io("reading the id from rank 0"))?;
+    Ok(id)
+}
+
+fn serve(env: &LaunchEnv, addr: SocketAddr, id: [u8; 128], deadline: Instant) -> Result<()> {
+    let l = TcpListener::bind(addr).map_err(io("rank 0 listening"))?;
+    l.set_nonblocking(true).map_err(io("rank 0 listening"))?;
+    let mut seen = vec![false; env.world_size];
+    seen[0] = true;
+    while seen.iter().any(|s| !s) {
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (0..env.world_size).filter(|&r| !seen[r]).collect();
+            return Err(Error::Rendezvous(format!(
+                "rank 0 waited for ranks {missing:?} at {addr} until the timeout"
+            )));
+        }
+        match l.accept() {
+            Ok((mut s, _)) => {
+                s.set_nonblocking(false).map_err(io("socket"))?;
+                s.set_read_timeout(Some(Duration::from_secs(5)))
+                    .map_err(io("socket"))?;
+                let mut hello = [0u8; 16];
+                if s.read_exact(&mut hello).is_err() || &hello[..8] != MAGIC {
+                    continue; // not one of ours
+                }
+                let rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
+                let world = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes")) as usize;
+                if world != env.world_size || rank == 0 || rank >= world {
+                    return Err(Error::Rendezvous(format!(
+                        "a rank announced itself as {rank} of {world}; this job has WORLD_SIZE={}",
+                        env.world_size
+                    )));
+                }
+                s.write_all(&id).map_err(io("sending the id"))?;
+                seen[rank] = true;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(e) => return Err(io("accepting")(e)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vars<'a>(v: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| v.iter().find(|(a, _)| *a == k).map(|(_, b)| b.to_string())
+    }
+
+    #[test]
+    fn environment_is_parsed_and_checked() {
+        assert_eq!(LaunchEnv::from_vars(vars(&[])).unwrap(), None);
+        let e = LaunchEnv::from_vars(vars(&[("WORLD_SIZE", "4"), ("RANK", "2")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (e.rank, e.world_size, e.local_rank, e.master_port),
+            (2, 4, 2, 29500)
+        );
+        assert_eq!(e.master_addr, "127.0.0.1");
+        for bad in [
+            vec![("WORLD_SIZE", "4")],
+            vec![("WORLD_SIZE", "4"), ("RANK", "4")],
+            vec![("WORLD_SIZE", "x"), ("RANK", "0")],
+            vec![("WORLD_SIZE", "2"), ("RANK", "0"), ("MASTER_PORT", "70000")],
+            vec![("WORLD_SIZE", "0"), ("RANK", "0")],
+        ] {
+            assert!(
+                matches!(LaunchEnv::from_vars(vars(&bad)), Err(Error::Rendezvous(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn every_rank_gets_rank_zeros_id_and_a_missing_rank_times_out() {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let env = |rank, world| LaunchEnv {
+            rank,
+            world_size: world,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+        };
+        let id: [u8; 128] = std::array::from_fn(|i| i as u8);
+        let t = Duration::from_secs(20);
+        let got: Vec<[u8; 128]> = std::thread::scope(|s| {
+            // clients first: they retry until rank 0 listens
+            let hs: Vec<_> = (1..4)
+                .map(|r| s.spawn(move || exchange_id(&env(r, 4), None, t)))
+                .collect();
+            std::thread::sleep(Duration::from_millis(100));
+            let root = exchange_id(&env(0, 4), Some(id), t).unwrap();
+            let mut v = vec![root];
+            v.extend(hs.into_iter().map(|h| h.join().unwrap().unwrap()));
+            v
+        });
+        assert!(got.iter().all(|g| *g == id));
+        // rank 1 of 2 never comes
+        let e = exchange_id(&env(0, 2), Some(id), Duration::from_millis(200)).unwrap_err();
+        assert!(e.to_string().contains("[1]"), "{e}");
+        // nobody listens
+        let e = exchange_id(&env(1, 2), None, Duration::from_millis(200)).unwrap_err();
+        assert!(matches!(e, Error::Rendezvous(_)), "{e}");
+    }
+}

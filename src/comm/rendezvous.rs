@@ -12,7 +12,7 @@
 //! use tidemem::comm::rendezvous::{exchange_id, LaunchEnv};
 //! # fn main() -> tidemem::Result<()> {
 //! let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-//! let env = |rank| LaunchEnv {
+//! let env = move |rank| LaunchEnv {
 //!     rank,
 //!     world_size: 2,
 //!     local_rank: rank,

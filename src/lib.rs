@@ -44,6 +44,7 @@ pub mod tensor;
 pub mod tide;
 pub mod toy;
 pub mod units;
+pub mod zero;
 
 pub use dtype::DType;
 pub use error::{Error, Result};

@@ -29,7 +29,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::chunk::{ChunkManager, GroupSlices};
+use crate::chunk::{ChunkManager, GroupSlices, ParamStore};
 use crate::device::CachingAllocator;
 use crate::error::Result;
 use crate::simulate::{ModelSpec, OpSpec};
@@ -73,7 +73,7 @@ impl ToyMlp {
     }
 
     /// Registers the parameters in block order.
-    pub fn register(&self, m: &mut ChunkManager) -> Result<ToyIds> {
+    pub fn register(&self, m: &mut impl ParamStore) -> Result<ToyIds> {
         let w = self.width;
         let scale = 1.0 / (w as f32).sqrt();
         let mut blocks: Vec<(TensorId, TensorId)> = Vec::new();
@@ -169,7 +169,7 @@ impl ToyMlp {
     /// squared errors / 2. The optimizer step is the caller's.
     pub fn forward_backward(
         &self,
-        m: &mut ChunkManager,
+        m: &mut impl ParamStore,
         pool: &CachingAllocator,
         ids: &ToyIds,
         seed: u64,

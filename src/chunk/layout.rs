@@ -134,6 +134,11 @@ impl Layout {
         (self.group_elems.len() - 1) as u32
     }
 
+    /// Closes the open chunk: the next tensor starts a new group.
+    pub fn seal(&mut self) {
+        self.open = None;
+    }
+
     /// Number of chunk groups.
     pub fn groups(&self) -> usize {
         self.group_elems.len()

@@ -10,7 +10,7 @@ use serde::Serialize;
 
 use super::layout::{ChunkKind, Layout, Slot};
 use crate::device::{
-    read_grad_stats, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore,
+    read_grad_stats, Block, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore,
     HostBuffer, Pending, Stream, GRAD_STATS_BYTES,
 };
 use crate::dtype::DType;
@@ -64,16 +64,42 @@ pub struct TensorView {
     pub dtype: DType,
     /// Elements.
     pub numel: usize,
-    buf: Arc<DeviceBuffer>,
+    buf: ViewBuf,
     offset: usize,
 }
 
+/// What a view keeps alive: a chunk's device copy, or a pooled buffer (a ZeRO gather buffer).
+#[derive(Clone, Debug)]
+pub(crate) enum ViewBuf {
+    Chunk(Arc<DeviceBuffer>),
+    Pooled(Arc<Block>),
+}
+
 impl TensorView {
+    pub(crate) fn new(
+        id: TensorId,
+        dtype: DType,
+        numel: usize,
+        buf: ViewBuf,
+        offset: usize,
+    ) -> Self {
+        TensorView {
+            id,
+            dtype,
+            numel,
+            buf,
+            offset,
+        }
+    }
+
     /// The device memory of the tensor, for copies and kernels.
     pub fn view(&self) -> DeviceView<'_> {
+        let buf: &DeviceBuffer = match &self.buf {
+            ViewBuf::Chunk(b) => b,
+            ViewBuf::Pooled(b) => b,
+        };
         // in range by construction: the slot lies inside its chunk
-        self.buf
-            .view(self.offset, self.numel * self.dtype.size())
+        buf.view(self.offset, self.numel * self.dtype.size())
             .expect("tensor slot inside its chunk")
     }
 }
@@ -408,6 +434,10 @@ impl ChunkManager {
         &self.compute
     }
 
+    pub(crate) fn compute_arc(&self) -> Arc<Stream> {
+        Arc::clone(&self.compute)
+    }
+
     /// The chunk layout (grows while parameters are registered).
     pub fn layout(&self) -> &Layout {
         &self.layout
@@ -447,6 +477,18 @@ impl ChunkManager {
             grad: false,
         });
         Ok(TensorId(self.tensors.len() as u32 - 1))
+    }
+
+    /// Closes the open chunk: the next registered tensor starts a new chunk group (e.g. at a
+    /// module boundary).
+    pub fn seal_chunk(&mut self) -> Result<()> {
+        if self.sched.is_some() {
+            return Err(Error::InvalidArgument(
+                "cannot seal a chunk: registration closed at the first fetch".into(),
+            ));
+        }
+        self.layout.seal();
+        Ok(())
     }
 
     /// Name, shape and slot of a tensor.
@@ -512,7 +554,7 @@ impl ChunkManager {
     }
 
     /// Closes registration: builds the scheduler and the tiers.
-    fn close(&mut self) -> Result<()> {
+    pub(crate) fn close(&mut self) -> Result<()> {
         if self.sched.is_some() {
             return Ok(());
         }
@@ -682,7 +724,7 @@ impl ChunkManager {
                 id,
                 dtype: self.cfg.param_dtype,
                 numel: t.slot.numel,
-                buf,
+                buf: ViewBuf::Chunk(buf),
                 offset: t.slot.offset * self.cfg.param_dtype.size(),
             });
         }
@@ -783,6 +825,38 @@ impl ChunkManager {
     /// Allowed only while the tensor is fetched for its last backward use: a shared parameter gets
     /// its gradient once, after all its uses.
     pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        let (buf, off) = self.grad_slot(id, grad.len())?;
+        let bytes = encode(grad, self.cfg.param_dtype);
+        let mut h = HostBuffer::paged(bytes.len())?;
+        h.copy_from_slice(&bytes);
+        self.device
+            .copy_h2d(&self.compute, h, buf.view(off, bytes.len())?)?
+            .wait()?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+
+    /// Like [`ChunkManager::write_grad`], from device memory already in the parameter dtype
+    /// (`src` holds the tensor's elements; the copy runs on [`ChunkManager::compute_stream`]).
+    pub fn write_grad_device(&mut self, id: TensorId, src: DeviceView<'_>) -> Result<()> {
+        let es = self.cfg.param_dtype.size();
+        if !src.len().is_multiple_of(es) {
+            return Err(Error::Misaligned {
+                what: "gradient length",
+                value: src.len(),
+                align: es,
+            });
+        }
+        let (buf, off) = self.grad_slot(id, src.len() / es)?;
+        self.device
+            .copy_d2d(&self.compute, src, buf.view(off, src.len())?)?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+
+    /// The device chunk and byte offset a gradient of `len` elements of `id` goes to, after the
+    /// checks both gradient writes share.
+    fn grad_slot(&self, id: TensorId, len: usize) -> Result<(Arc<DeviceBuffer>, usize)> {
         let t = self.meta(id)?;
         if t.state[0] != TensorState::Compute || self.stage != Some(Stage::Backward) {
             return Err(Error::InvalidArgument(format!(
@@ -796,26 +870,18 @@ impl ChunkManager {
                 t.name, t.bwd_uses, t.fwd_uses
             )));
         }
-        if grad.len() != t.slot.numel {
+        if len != t.slot.numel {
             return Err(Error::SizeMismatch {
-                src: grad.len(),
+                src: len,
                 dst: t.slot.numel,
             });
         }
-        let bytes = encode(grad, self.cfg.param_dtype);
         let c = self.chunk_of(id, ChunkKind::Param) as usize;
-        let off = t.slot.offset * self.cfg.param_dtype.size();
         let buf = self.payload[c]
             .device
             .clone()
             .ok_or_else(|| Error::InvalidArgument("fetched chunk has no device copy".into()))?;
-        let mut h = HostBuffer::paged(bytes.len())?;
-        h.copy_from_slice(&bytes);
-        self.device
-            .copy_h2d(&self.compute, h, buf.view(off, bytes.len())?)?
-            .wait()?;
-        self.tensors[id.index()].grad = true;
-        Ok(())
+        Ok((buf, t.slot.offset * self.cfg.param_dtype.size()))
     }
 
     /// Values of a tensor's parameter slot as f32, from wherever the chunk is (a gradient after
@@ -872,12 +938,15 @@ impl ChunkManager {
     }
 
     /// Ends the forward pass: every tensor used in it goes HOLD_AFTER_FWD → HOLD.
+    /// An iteration that fetched nothing in forward may end its forward pass too.
     pub fn end_forward(&mut self) -> Result<()> {
-        if self.stage != Some(Stage::Forward) {
+        if !matches!(self.stage, None | Some(Stage::Forward)) {
             return Err(Error::InvalidArgument(
                 "end_forward outside the forward pass".into(),
             ));
         }
+        // the tiers and the scheduler exist from here on, even if nothing was fetched
+        self.close()?;
         let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
         self.check_transition(&all, ChunkKind::Param, TrainEvent::EndForward)?;
         for id in all {
@@ -1590,5 +1659,48 @@ pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
             .chunks_exact(2)
             .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
             .collect(),
+    }
+}
+
+/// What a trainer's forward and backward need from a parameter store, so one trainer runs on
+/// a [`ChunkManager`] or a data-parallel [`crate::zero::ZeroManager`] alike.
+pub trait ParamStore {
+    /// Registers a parameter (see [`ChunkManager::register`]).
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId>;
+    /// Fetches tensors for an op (see [`ChunkManager::fetch`]).
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>>;
+    /// Ends an op's use of tensors (see [`ChunkManager::release`]).
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()>;
+    /// A fetched tensor's values as f32 (see [`ChunkManager::read`]).
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
+    /// Writes a tensor's gradient at its last backward use (see [`ChunkManager::write_grad`]).
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()>;
+    /// Ends the forward pass.
+    fn end_forward(&mut self) -> Result<()>;
+    /// Ends the backward pass.
+    fn end_backward(&mut self) -> Result<()>;
+}
+
+impl ParamStore for ChunkManager {
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        ChunkManager::register(self, name, shape, init)
+    }
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        ChunkManager::fetch(self, ids, stage)
+    }
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        ChunkManager::release(self, ids, stage)
+    }
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        ChunkManager::read(self, id)
+    }
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        ChunkManager::write_grad(self, id, grad)
+    }
+    fn end_forward(&mut self) -> Result<()> {
+        ChunkManager::end_forward(self)
+    }
+    fn end_backward(&mut self) -> Result<()> {
+        ChunkManager::end_backward(self)
     }
 }

@@ -6,9 +6,9 @@ mod layout;
 pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
 
 mod manager;
-pub(crate) use manager::grad_ranges;
+pub(crate) use manager::{grad_ranges, ViewBuf};
 
 pub use manager::{
     decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig,
-    TensorView, TideSample, Usage,
+    ParamStore, TensorView, TideSample, Usage,
 };

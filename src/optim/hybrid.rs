@@ -273,6 +273,18 @@ impl HybridAdam {
     /// earlier groups stepped and later ones not; the optimizer then refuses further steps, since
     /// stepping again would treat updated parameters as gradients: restore from a checkpoint.
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
+        self.step_reducing(m, &mut Ok)
+    }
+
+    /// Like [`HybridAdam::step`], with the gradient statistics of this process's chunks passed
+    /// through `reduce` before they decide anything: data-parallel ranks that each hold a shard
+    /// all-reduce them (sum of squares summed, the overflow flag by MAX), so every rank skips
+    /// together and clips by the global norm. [`crate::zero::ZeroManager::step`] does this.
+    pub fn step_reducing(
+        &mut self,
+        m: &mut ChunkManager,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
         if self.broken {
             return Err(Error::InvalidArgument(
                 "a previous optimizer step failed partway; the chunk groups are out of step".into(),
@@ -283,17 +295,21 @@ impl HybridAdam {
                 "HybridAdam::step runs after end_backward".into(),
             ));
         }
-        let r = self.step_inner(m);
+        let r = self.step_inner(m, reduce);
         if r.is_err() {
             self.broken = true;
         }
         r
     }
 
-    fn step_inner(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
+    fn step_inner(
+        &mut self,
+        m: &mut ChunkManager,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
         let scale = self.loss_scale();
         if self.cfg.accumulation_steps > 1 {
-            return self.step_accumulated(m, scale);
+            return self.step_accumulated(m, scale, reduce);
         }
         let k = self.device_groups(m);
         let place = move |g: usize| if g < k { Target::Device } else { Target::Host };
@@ -301,7 +317,7 @@ impl HybridAdam {
             m.plan_optimizer(place);
             self.planned = Some(k);
         }
-        let st = m.grad_stats()?;
+        let st = reduce(m.grad_stats()?)?;
         if st.nonfinite {
             restore(m, place)?;
             return self.skip(m, scale, k, st);
@@ -367,7 +383,12 @@ impl HybridAdam {
         })
     }
 
-    fn step_accumulated(&mut self, m: &mut ChunkManager, scale: f32) -> Result<StepReport> {
+    fn step_accumulated(
+        &mut self,
+        m: &mut ChunkManager,
+        scale: f32,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
         let n = self.cfg.accumulation_steps;
         let groups = m.groups();
         self.acc.resize_with(groups, Vec::new);
@@ -420,11 +441,12 @@ impl HybridAdam {
             });
         }
         self.micro = 0;
-        let st = self
-            .acc
-            .iter()
-            .map(|a| grad_stats(Grad::F32(a)))
-            .fold(GradStats::default(), GradStats::merge);
+        let st = reduce(
+            self.acc
+                .iter()
+                .map(|a| grad_stats(Grad::F32(a)))
+                .fold(GradStats::default(), GradStats::merge),
+        )?;
         if st.nonfinite {
             self.clear_accumulators();
             return self.skip(m, scale, 0, st);

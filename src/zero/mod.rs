@@ -1,0 +1,806 @@
+//! ZeRO over chunks: data-parallel ranks that each hold a shard of the model data.
+//!
+//! # Sharding by chunk ownership
+//!
+//! Every rank packs the same tensors into the same chunk groups. Groups form *communication
+//! groups* of N consecutive groups (N = world size); in communication group `j`, group
+//! `j·N + r` is owned by rank `r`. A rank keeps, in its own [`ChunkManager`], only the groups it
+//! owns — all four lists (parameters/gradients, fp32 masters, momentum, variance) — so its model
+//! data is about 1/N of the whole, placed on device, host or file tier by the same tide-aware
+//! scheduler as without sharding. [`HybridAdam`] runs on that manager, so only owned chunks are
+//! stepped.
+//!
+//! Chunk ownership (PatrickStar's scheme) rather than N contiguous shards of every chunk
+//! (Gemini's) keeps every tensor whole inside one owned chunk: the optimizer, gradient
+//! statistics, checkpointing and the host/device/file tiers work on whole chunks unchanged, and
+//! a collective moves one chunk per rank, large messages that run at full bus bandwidth. The
+//! price: the group count is rounded up to a multiple of N (the last communication group may
+//! have ranks that own nothing, and contribute padding), and a rank's share is uneven when the
+//! number of groups is not a multiple of N or chunk sizes differ (a tensor larger than a chunk
+//! gets a group of its own). [`ZeroManager::shard_balance`] reports it.
+//!
+//! # One iteration
+//!
+//! - **Gather before use.** The first fetch of a tensor whose communication group is not
+//!   gathered allocates a gather buffer of N chunk slots from the non-model pool, copies the
+//!   owned chunk (fetched through the rank's manager) into this rank's slot and all-gathers the
+//!   group. Fetches return views into it. Gather buffers come from the pool the tide tracer
+//!   watches, so the scheduler's budget at every moment leaves room for them.
+//! - **Free after the stage.** In forward, when every tensor of the communication group has
+//!   finished its forward use (HOLD_AFTER_FWD), the buffer is freed; a later forward use (a
+//!   shared parameter) gathers again. The end of forward frees what is left.
+//! - **Reduce-scatter after backward.** When every tensor of the group that was used in forward
+//!   has had its last backward use (HOLD_AFTER_BWD), the gradients written into the buffer are
+//!   reduce-scattered with [`ReduceOp::Avg`] (each rank's gradient is the mean over its share of
+//!   the global batch, so the average is the gradient of the global batch) and the owner copies
+//!   its slot's gradients into its chunk. The owned chunk stays fetched from the backward gather
+//!   to this point.
+//! - **Step.** [`ZeroManager::step`] runs HybridAdam on the owned chunks with the gradient
+//!   statistics all-reduced: sums of squares summed, the overflow flag by MAX, so every rank
+//!   clips by the global norm and skips together.
+//!
+//! Every rank must make the same calls in the same order (the trainer code is the same on all
+//! ranks); the collectives check it on the in-process backend.
+
+use std::sync::Arc;
+
+use crate::chunk::{
+    encode, ChunkManager, Layout, ManagerConfig, ParamStore, Slot, TensorView, Usage, ViewBuf,
+};
+use crate::comm::{Communicator, Elem, ReduceOp};
+use crate::device::{Block, CachingAllocator, DeviceView, HostBuffer, Stream};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::optim::{GradStats, HybridAdam, StepReport};
+use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
+
+struct ZTensor {
+    name: String,
+    shape: Vec<usize>,
+    init: Init,
+    slot: Slot,
+    state: TensorState,
+    fwd_uses: u32,
+    bwd_uses: u32,
+    grad: bool,
+    /// Id in this rank's manager, for tensors of owned groups.
+    local: Option<TensorId>,
+}
+
+struct Gather {
+    buf: Arc<Block>,
+    /// Whether this rank's owned chunk is held fetched in the rank's manager (backward).
+    held: bool,
+}
+
+/// Collective work of a [`ZeroManager`] so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct ZeroStats {
+    /// Communication groups gathered.
+    pub gathers: u64,
+    /// Communication groups whose gradients were reduce-scattered.
+    pub reduce_scatters: u64,
+    /// Bytes of gather buffers all-gathered (N slots each).
+    pub gathered_bytes: u64,
+    /// Bytes of gather buffers reduce-scattered.
+    pub scattered_bytes: u64,
+}
+
+/// A data-parallel rank's view of a model sharded over chunks. See the [module docs](self).
+///
+/// ```
+/// use tidemem::chunk::ManagerConfig;
+/// use tidemem::comm::Communicator;
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig};
+/// use tidemem::tensor::{Init, Stage};
+/// use tidemem::tide::Policy;
+/// use tidemem::zero::ZeroManager;
+/// # fn main() -> tidemem::Result<()> {
+/// let devs = (0..2)
+///     .map(|_| Device::sim(SimConfig::with_capacity(1 << 20)))
+///     .collect::<tidemem::Result<Vec<_>>>()?;
+/// let comms = Communicator::local(devs)?;
+/// let masters = std::thread::scope(|s| {
+///     let hs: Vec<_> = comms
+///         .into_iter()
+///         .map(|c| {
+///             s.spawn(move || -> tidemem::Result<(bool, f32)> {
+///                 let mut z = ZeroManager::new(c, ManagerConfig::new(64, Policy::Tide))?;
+///                 let a = z.register("a", &[64], Init::Constant(1.0))?; // group 0: rank 0
+///                 let b = z.register("b", &[64], Init::Constant(2.0))?; // group 1: rank 1
+///                 let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;
+///                 z.fetch(&[a, b], Stage::Forward)?;
+///                 z.release(&[a, b], Stage::Forward)?;
+///                 z.end_forward()?;
+///                 z.fetch(&[a, b], Stage::Backward)?;
+///                 let g = z.comm().rank() as f32; // each rank's gradient: 0 and 1
+///                 z.write_grad(a, &[g; 64])?;
+///                 z.write_grad(b, &[g; 64])?;
+///                 z.release(&[a, b], Stage::Backward)?;
+///                 z.end_backward()?;
+///                 z.step(&mut adam)?;
+///                 let own = if z.owns(a) { a } else { b };
+///                 Ok((z.owns(a), z.master(own)?[0]))
+///             })
+///         })
+///         .collect();
+///     hs.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+/// });
+/// // the averaged gradient (0.5) moved both tensors down by lr on the first Adam step
+/// assert_eq!(masters[0].as_ref().unwrap(), &(true, 0.9));
+/// assert_eq!(masters[1].as_ref().unwrap(), &(false, 1.9));
+/// # Ok(()) }
+/// ```
+pub struct ZeroManager {
+    comm: Communicator,
+    local: ChunkManager,
+    pool: CachingAllocator,
+    stream: Arc<Stream>,
+    layout: Layout,
+    tensors: Vec<ZTensor>,
+    closed: bool,
+    gathers: Vec<Option<Gather>>,
+    stage: Option<Stage>,
+    stats: ZeroStats,
+}
+
+impl std::fmt::Debug for ZeroManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZeroManager")
+            .field("rank", &self.comm.rank())
+            .field("world", &self.comm.world())
+            .field("tensors", &self.tensors.len())
+            .field("groups", &self.layout.groups())
+            .finish()
+    }
+}
+
+impl ZeroManager {
+    /// Rank `comm.rank()` of a data-parallel group, with its shard in a [`ChunkManager`] on the
+    /// communicator's device configured by `cfg` (and a non-model pool the trainer shares, see
+    /// [`ZeroManager::pool`]).
+    pub fn new(comm: Communicator, cfg: ManagerConfig) -> Result<Self> {
+        let device = comm.device().clone();
+        let layout = Layout::new(cfg.chunk_elems)?;
+        let mut local = ChunkManager::new(device.clone(), cfg)?;
+        let pool = CachingAllocator::new(device);
+        local.set_non_model_allocator(pool.clone());
+        let stream = local.compute_arc();
+        Ok(ZeroManager {
+            comm,
+            local,
+            pool,
+            stream,
+            layout,
+            tensors: Vec::new(),
+            closed: false,
+            gathers: Vec::new(),
+            stage: None,
+            stats: ZeroStats::default(),
+        })
+    }
+
+    /// The communicator.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// This rank's manager, which holds the owned chunks.
+    pub fn local(&self) -> &ChunkManager {
+        &self.local
+    }
+
+    /// The non-model pool: gather buffers come from it, and so should the trainer's activations,
+    /// so that the tide sees both.
+    pub fn pool(&self) -> &CachingAllocator {
+        &self.pool
+    }
+
+    /// The stream every device operation of this rank runs on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The global chunk layout (the same on every rank).
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Collectives so far.
+    pub fn stats(&self) -> ZeroStats {
+        self.stats
+    }
+
+    /// Model-data bytes of every rank's shard (four lists), and the unsharded total:
+    /// `(per rank, total)`.
+    pub fn shard_balance(&self) -> (Vec<u64>, u64) {
+        let n = self.comm.world();
+        let per_elem = 3 * 4 + self.local.param_dtype().size() as u64;
+        let mut per = vec![0u64; n];
+        for (g, &e) in self.layout.group_elems.iter().enumerate() {
+            per[g % n] += e as u64 * per_elem;
+        }
+        let total = per.iter().sum();
+        (per, total)
+    }
+
+    /// Exact chunk bytes of this rank's shard on every tier.
+    pub fn usage(&self) -> Usage {
+        self.local.usage()
+    }
+
+    /// Registers a parameter on every rank (same calls, same order everywhere).
+    pub fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        if self.closed {
+            return Err(Error::InvalidArgument(format!(
+                "cannot register '{name}': registration closed at the first fetch"
+            )));
+        }
+        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        let Some(numel) = numel.filter(|&n| n > 0) else {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{name}' has shape {shape:?} with no elements or too many"
+            )));
+        };
+        let slot = self.layout.push(numel)?;
+        self.tensors.push(ZTensor {
+            name: name.to_string(),
+            shape: shape.to_vec(),
+            init,
+            slot,
+            state: TensorState::Free,
+            fwd_uses: 0,
+            bwd_uses: 0,
+            grad: false,
+            local: None,
+        });
+        Ok(TensorId(self.tensors.len() as u32 - 1))
+    }
+
+    /// Whether this rank owns the chunk of `id`.
+    pub fn owns(&self, id: TensorId) -> bool {
+        self.tensors
+            .get(id.index())
+            .is_some_and(|t| t.slot.group as usize % self.comm.world() == self.comm.rank())
+    }
+
+    fn world(&self) -> usize {
+        self.comm.world()
+    }
+
+    fn es(&self) -> usize {
+        self.local.param_dtype().size()
+    }
+
+    /// Closes registration: the owned groups go into this rank's manager, one chunk each, at the
+    /// same offsets as in the global layout.
+    fn close(&mut self) -> Result<()> {
+        if self.closed {
+            return Ok(());
+        }
+        let (n, r) = (self.world(), self.comm.rank());
+        let groups = self.layout.groups();
+        if groups < n {
+            return Err(Error::InvalidArgument(format!(
+                "the model packs into {groups} chunk groups, fewer than the {n} ranks: use smaller chunks"
+            )));
+        }
+        for g in (r..groups).step_by(n) {
+            self.local.seal_chunk()?;
+            for &t in &self.layout.group_tensors[g].clone() {
+                let zt = &self.tensors[t as usize];
+                let id = self.local.register(&zt.name, &zt.shape, zt.init.clone())?;
+                let (_, _, slot) = self.local.tensor_info(id)?;
+                if slot.offset != zt.slot.offset {
+                    return Err(Error::InvalidArgument(format!(
+                        "tensor '{}' packs at offset {} locally but {} globally",
+                        zt.name, slot.offset, zt.slot.offset
+                    )));
+                }
+                self.tensors[t as usize].local = Some(id);
+            }
+        }
+        self.local.close()?;
+        self.gathers = (0..groups.div_ceil(n)).map(|_| None).collect();
+        self.closed = true;
+        Ok(())
+    }
+
+    /// Elements of one rank's slot in communication group `j` (its largest chunk).
+    fn slot_elems(&self, j: usize) -> usize {
+        let n = self.world();
+        let end = ((j + 1) * n).min(self.layout.groups());
+        self.layout.group_elems[j * n..end]
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Tensors of communication group `j`.
+    fn comm_group_tensors(&self, j: usize) -> Vec<u32> {
+        let n = self.world();
+        let end = ((j + 1) * n).min(self.layout.groups());
+        (j * n..end)
+            .flat_map(|g| self.layout.group_tensors[g].iter().copied())
+            .collect()
+    }
+
+    /// Local ids of the tensors of the group this rank owns in communication group `j`.
+    fn owned_local(&self, j: usize) -> Vec<(u32, TensorId)> {
+        let g = j * self.world() + self.comm.rank();
+        if g >= self.layout.groups() {
+            return Vec::new();
+        }
+        self.layout.group_tensors[g]
+            .iter()
+            .map(|&t| (t, self.tensors[t as usize].local.expect("owned")))
+            .collect()
+    }
+
+    fn gather(&mut self, j: usize, stage: Stage) -> Result<()> {
+        let (n, r, es) = (self.world(), self.comm.rank(), self.es());
+        let slot = self.slot_elems(j) * es;
+        let owned = self.owned_local(j);
+        let ids: Vec<TensorId> = owned.iter().map(|&(_, id)| id).collect();
+        let already_fwd = !ids.is_empty()
+            && self.local.state(ids[0], crate::chunk::ChunkKind::Param)?
+                == TensorState::HoldAfterFwd;
+        let mut held = false;
+        let buf = Arc::new(self.pool.alloc(n * slot)?);
+        let dev = self.comm.device().clone();
+        let mine = buf.view(r * slot, slot)?;
+        dev.memset(&self.stream, mine, 0)?;
+        if stage == Stage::Forward && already_fwd {
+            // a second forward gather (a shared parameter): the chunk was fetched once this
+            // forward; its values are unchanged, read them without a second use
+            for &(t, id) in &owned {
+                let off = self.tensors[t as usize].slot.offset * es;
+                let bytes = encode(&self.local.read(id)?, self.local.param_dtype());
+                let h = HostBuffer::from_slice(&bytes)?;
+                dev.copy_h2d(&self.stream, h, buf.view(r * slot + off, bytes.len())?)?
+                    .wait()?;
+            }
+        } else if !ids.is_empty() {
+            let views = self.local.fetch(&ids, stage)?;
+            for (v, &(t, _)) in views.iter().zip(&owned) {
+                let off = self.tensors[t as usize].slot.offset * es;
+                dev.copy_d2d(
+                    &self.stream,
+                    v.view(),
+                    buf.view(r * slot + off, v.view().len())?,
+                )?;
+            }
+            drop(views);
+            if stage == Stage::Forward {
+                self.local.release(&ids, stage)?;
+            } else {
+                held = true;
+            }
+        }
+        let elem = Elem::from(self.local.param_dtype());
+        self.comm.all_gather(
+            &self.stream,
+            buf.view(r * slot, slot)?,
+            buf.view(0, n * slot)?,
+            elem,
+        )?;
+        self.stats.gathers += 1;
+        self.stats.gathered_bytes += (n * slot) as u64;
+        self.gathers[j] = Some(Gather { buf, held });
+        Ok(())
+    }
+
+    fn take_gather(&mut self, j: usize) -> Result<Gather> {
+        let g = self.gathers[j].take().expect("gathered");
+        if Arc::strong_count(&g.buf) > 1 {
+            self.gathers[j] = Some(g);
+            return Err(Error::InvalidArgument(format!(
+                "a view into communication group {j} is still alive; drop views before releasing"
+            )));
+        }
+        Ok(g)
+    }
+
+    /// Averages the gradients of communication group `j` into their owners' chunks and frees
+    /// the gather buffer.
+    fn reduce_scatter(&mut self, j: usize) -> Result<()> {
+        let g = self.take_gather(j)?;
+        let (n, r, es) = (self.world(), self.comm.rank(), self.es());
+        let slot = self.slot_elems(j) * es;
+        let elem = Elem::from(self.local.param_dtype());
+        self.comm.reduce_scatter(
+            &self.stream,
+            g.buf.view(0, n * slot)?,
+            g.buf.view(r * slot, slot)?,
+            elem,
+            ReduceOp::Avg,
+        )?;
+        if g.held {
+            let owned = self.owned_local(j);
+            for &(t, id) in &owned {
+                let zt = &self.tensors[t as usize];
+                if zt.grad {
+                    let src = g
+                        .buf
+                        .view(r * slot + zt.slot.offset * es, zt.slot.numel * es)?;
+                    self.local.write_grad_device(id, src)?;
+                }
+            }
+            let ids: Vec<TensorId> = owned.iter().map(|&(_, id)| id).collect();
+            self.local.release(&ids, Stage::Backward)?;
+        }
+        self.stats.reduce_scatters += 1;
+        self.stats.scattered_bytes += (n * slot) as u64;
+        Ok(())
+    }
+
+    fn check(&self, ids: &[TensorId], ev: TrainEvent) -> Result<()> {
+        for &id in ids {
+            let t = self
+                .tensors
+                .get(id.index())
+                .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))?;
+            if next_state(t.state, ev).is_none() {
+                return Err(Error::IllegalTransition {
+                    tensor: t.name.clone(),
+                    list: "param",
+                    state: t.state,
+                    event: ev,
+                });
+            }
+        }
+        for (i, a) in ids.iter().enumerate() {
+            if ids[i + 1..].contains(a) {
+                return Err(Error::InvalidArgument(format!(
+                    "tensor {a} listed twice in one access"
+                )));
+            }
+        }
+        if ids.is_empty() {
+            return Err(Error::InvalidArgument("an access names no tensor".into()));
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, id: TensorId, ev: TrainEvent) {
+        let t = &mut self.tensors[id.index()];
+        t.state = next_state(t.state, ev).expect("checked");
+    }
+
+    fn comm_group(&self, id: TensorId) -> usize {
+        self.tensors[id.index()].slot.group as usize / self.world()
+    }
+
+    fn view_of(&self, id: TensorId) -> Result<DeviceView<'_>> {
+        let t = &self.tensors[id.index()];
+        let (n, es) = (self.world(), self.es());
+        let j = t.slot.group as usize / n;
+        let q = t.slot.group as usize % n;
+        let g = self.gathers[j].as_ref().ok_or_else(|| {
+            Error::InvalidArgument(format!("tensor '{}' is not gathered on this rank", t.name))
+        })?;
+        let slot = self.slot_elems(j) * es;
+        g.buf.view(q * slot + t.slot.offset * es, t.slot.numel * es)
+    }
+
+    /// Fetches tensors for an op of `stage`, gathering their communication groups first; the
+    /// views point into the gather buffers and stay valid until [`ZeroManager::release`].
+    pub fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        let ev = match stage {
+            Stage::Forward => TrainEvent::BeforeFwdOp,
+            Stage::Backward => TrainEvent::BeforeBwdOp,
+            Stage::Optimizer => {
+                return Err(Error::InvalidArgument(
+                    "fetch is for forward and backward; the optimizer runs in step".into(),
+                ))
+            }
+        };
+        match (self.stage, stage) {
+            (None, Stage::Forward) | (Some(Stage::Forward), Stage::Forward) => {}
+            (Some(Stage::Backward), Stage::Backward) => {}
+            (s, _) => return Err(Error::InvalidArgument(format!(
+                "a {stage} fetch during the {} stage: call end_forward / end_backward / step first",
+                s.map_or("idle", |s| s.name())
+            ))),
+        }
+        self.check(ids, ev)?;
+        self.close()?;
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.dedup();
+        for j in groups {
+            if self.gathers[j].is_none() {
+                self.gather(j, stage)?;
+            }
+        }
+        self.stage = Some(stage);
+        for &id in ids {
+            self.apply(id, ev);
+            let t = &mut self.tensors[id.index()];
+            match stage {
+                Stage::Forward => t.fwd_uses += 1,
+                _ => t.bwd_uses += 1,
+            }
+        }
+        let (n, es, dt) = (self.world(), self.es(), self.local.param_dtype());
+        ids.iter()
+            .map(|&id| {
+                let t = &self.tensors[id.index()];
+                let j = t.slot.group as usize / n;
+                let q = t.slot.group as usize % n;
+                let g = self.gathers[j].as_ref().expect("gathered above");
+                let off = q * self.slot_elems(j) * es + t.slot.offset * es;
+                Ok(TensorView::new(
+                    id,
+                    dt,
+                    t.slot.numel,
+                    ViewBuf::Pooled(Arc::clone(&g.buf)),
+                    off,
+                ))
+            })
+            .collect()
+    }
+
+    /// Ends an op's use of tensors; frees or reduce-scatters communication groups that are done
+    /// with the stage.
+    pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        if self.stage != Some(stage) || stage == Stage::Optimizer {
+            return Err(Error::InvalidArgument(format!(
+                "release for {stage} outside that stage"
+            )));
+        }
+        let evs: Vec<TrainEvent> = ids
+            .iter()
+            .map(|&id| {
+                let t = self.tensors.get(id.index());
+                match (stage, t) {
+                    (Stage::Forward, _) => TrainEvent::AfterFwdOp,
+                    (_, Some(t)) if t.bwd_uses >= t.fwd_uses => TrainEvent::AfterLastBwdOp,
+                    _ => TrainEvent::AfterBwdOp,
+                }
+            })
+            .collect();
+        for (&id, &ev) in ids.iter().zip(&evs) {
+            self.check(&[id], ev)?;
+        }
+        // the groups this release completes, decided on the states it leads to, so that a
+        // refusal (a view still alive) changes nothing
+        let after = |t: u32| -> (TensorState, u32) {
+            let z = &self.tensors[t as usize];
+            match ids.iter().position(|id| id.0 == t) {
+                Some(k) => (next_state(z.state, evs[k]).expect("checked"), z.fwd_uses),
+                None => (z.state, z.fwd_uses),
+            }
+        };
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let mut done = Vec::new();
+        for j in groups {
+            let Some(g) = &self.gathers[j] else { continue };
+            let ts = self.comm_group_tensors(j);
+            let complete = match stage {
+                Stage::Forward => ts.iter().all(|&t| after(t).0 == TensorState::HoldAfterFwd),
+                _ => ts.iter().all(|&t| {
+                    let (s, fwd) = after(t);
+                    s == TensorState::HoldAfterBwd || (fwd == 0 && s != TensorState::Compute)
+                }),
+            };
+            if complete {
+                if Arc::strong_count(&g.buf) > 1 {
+                    return Err(Error::InvalidArgument(format!(
+                        "a view into communication group {j} is still alive at its release; drop views first"
+                    )));
+                }
+                done.push(j);
+            }
+        }
+        for (&id, &ev) in ids.iter().zip(&evs) {
+            self.apply(id, ev);
+        }
+        for j in done {
+            match stage {
+                Stage::Forward => drop(self.take_gather(j)?),
+                _ => self.reduce_scatter(j)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A fetched tensor's values as f32 (from the gather buffer), or an owned tensor's from this
+    /// rank's manager.
+    pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        if id.index() >= self.tensors.len() {
+            return Err(Error::InvalidArgument(format!("unknown tensor {id}")));
+        }
+        if self.closed && self.gathers[self.comm_group(id)].is_some() {
+            let dev = self.comm.device().clone();
+            let bytes = dev.download(&self.stream, self.view_of(id)?)?;
+            return Ok(crate::chunk::decode(&bytes, self.local.param_dtype()));
+        }
+        match self.tensors[id.index()].local {
+            Some(l) => self.local.read(l),
+            None => Err(Error::InvalidArgument(format!(
+                "tensor '{}' is neither gathered nor owned by rank {}",
+                self.tensors[id.index()].name,
+                self.comm.rank()
+            ))),
+        }
+    }
+
+    /// The fp32 master values of a tensor this rank owns.
+    pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        match self.tensors.get(id.index()).and_then(|t| t.local) {
+            Some(l) => self.local.master(l),
+            None => Err(Error::InvalidArgument(format!(
+                "rank {} does not own tensor {id}",
+                self.comm.rank()
+            ))),
+        }
+    }
+
+    /// Writes a tensor's local gradient (of this rank's share of the batch) at its last backward
+    /// use; it is averaged over ranks when its communication group is reduce-scattered.
+    pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        let t = self
+            .tensors
+            .get(id.index())
+            .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))?;
+        if t.state != TensorState::Compute || self.stage != Some(Stage::Backward) {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state
+            )));
+        }
+        if t.bwd_uses < t.fwd_uses {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
+                t.name, t.bwd_uses, t.fwd_uses
+            )));
+        }
+        if grad.len() != t.slot.numel {
+            return Err(Error::SizeMismatch {
+                src: grad.len(),
+                dst: t.slot.numel,
+            });
+        }
+        let bytes = encode(grad, self.local.param_dtype());
+        let h = HostBuffer::from_slice(&bytes)?;
+        let dev = self.comm.device().clone();
+        dev.copy_h2d(&self.stream, h, self.view_of(id)?)?.wait()?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+
+    /// Ends the forward pass; frees every gather buffer still held.
+    pub fn end_forward(&mut self) -> Result<()> {
+        if !matches!(self.stage, None | Some(Stage::Forward)) {
+            return Err(Error::InvalidArgument(
+                "end_forward outside the forward pass".into(),
+            ));
+        }
+        self.close()?;
+        let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
+        for &id in &all {
+            let t = &self.tensors[id.index()];
+            if next_state(t.state, TrainEvent::EndForward).is_none() {
+                return Err(Error::IllegalTransition {
+                    tensor: t.name.clone(),
+                    list: "param",
+                    state: t.state,
+                    event: TrainEvent::EndForward,
+                });
+            }
+        }
+        for j in 0..self.gathers.len() {
+            if self.gathers[j].is_some() {
+                drop(self.take_gather(j)?);
+            }
+        }
+        for id in all {
+            self.apply(id, TrainEvent::EndForward);
+        }
+        self.local.end_forward()?;
+        self.stage = Some(Stage::Backward);
+        Ok(())
+    }
+
+    /// Ends the backward pass: communication groups still gathered (tensors with forward uses
+    /// and fewer backward uses) are reduce-scattered now.
+    pub fn end_backward(&mut self) -> Result<()> {
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::InvalidArgument(
+                "end_backward outside the backward pass".into(),
+            ));
+        }
+        if let Some(t) = self
+            .tensors
+            .iter()
+            .find(|t| t.state == TensorState::Compute)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' is still fetched at the end of backward",
+                t.name
+            )));
+        }
+        for j in 0..self.gathers.len() {
+            if self.gathers[j].is_some() {
+                self.reduce_scatter(j)?;
+            }
+        }
+        self.local.end_backward()?;
+        self.stage = Some(Stage::Optimizer);
+        Ok(())
+    }
+
+    /// The optimizer step on this rank's chunks, with gradient statistics all-reduced so that
+    /// every rank clips by the global norm and skips an overflow together; ends the iteration.
+    pub fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
+        if self.stage != Some(Stage::Optimizer) {
+            return Err(Error::InvalidArgument(
+                "ZeroManager::step runs after end_backward".into(),
+            ));
+        }
+        let comm = &self.comm;
+        let report = adam.step_reducing(&mut self.local, &mut |st: GradStats| {
+            let mut sq = [st.sum_sq];
+            comm.all_reduce_host(&mut sq, ReduceOp::Sum)?;
+            let mut flag = [u8::from(st.nonfinite)];
+            comm.all_reduce_host(&mut flag, ReduceOp::Max)?;
+            Ok(GradStats {
+                sum_sq: sq[0],
+                nonfinite: flag[0] != 0,
+            })
+        })?;
+        for id in 0..self.tensors.len() {
+            let t = &mut self.tensors[id];
+            t.state = next_state(t.state, TrainEvent::EndStep).unwrap_or(t.state);
+            t.fwd_uses = 0;
+            t.bwd_uses = 0;
+            t.grad = false;
+        }
+        self.stage = None;
+        Ok(report)
+    }
+
+    /// The element type of parameters and gradients.
+    pub fn param_dtype(&self) -> DType {
+        self.local.param_dtype()
+    }
+}
+
+impl ParamStore for ZeroManager {
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        ZeroManager::register(self, name, shape, init)
+    }
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        ZeroManager::fetch(self, ids, stage)
+    }
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        ZeroManager::release(self, ids, stage)
+    }
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        ZeroManager::read(self, id)
+    }
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        ZeroManager::write_grad(self, id, grad)
+    }
+    fn end_forward(&mut self) -> Result<()> {
+        ZeroManager::end_forward(self)
+    }
+    fn end_backward(&mut self) -> Result<()> {
+        ZeroManager::end_backward(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_manager_crosses_threads() {
+        fn check<T: Send + Sync>() {}
+        check::<ZeroManager>();
+    }
+}

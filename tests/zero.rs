@@ -1,0 +1,391 @@
+//! ZeRO over chunks on in-process ranks: equivalence with single-process training, shard sizes,
+//! communication volume against its formula, overflow handling and misuse.
+
+mod common;
+
+use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::comm::Communicator;
+use tidemem::device::CachingAllocator;
+use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport};
+use tidemem::tensor::{Init, Stage, TensorId};
+use tidemem::tide::Policy;
+use tidemem::toy::ToyMlp;
+use tidemem::zero::ZeroManager;
+use tidemem::{DType, Error};
+
+use common::TOY;
+
+fn adam() -> HybridAdam {
+    HybridAdam::new(HybridConfig {
+        loss_scale: Some(ScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 2,
+            ..ScalerConfig::default()
+        }),
+        max_grad_norm: Some(0.5),
+        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+    })
+    .unwrap()
+}
+
+fn config(toy: &ToyMlp, dtype: DType) -> ManagerConfig {
+    let mut cfg = ManagerConfig::new(toy.chunk_elems(), Policy::Tide);
+    cfg.param_dtype = dtype;
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 0.3;
+    cfg
+}
+
+/// Masters of every tensor by name, and the step reports, after `steps` single-process steps.
+fn single(toy: &ToyMlp, dtype: DType, steps: u64) -> (Vec<(String, Vec<f32>)>, Vec<StepReport>) {
+    let dev = common::sim(1 << 20);
+    let mut m = ChunkManager::new(dev.clone(), config(toy, dtype)).unwrap();
+    let pool = CachingAllocator::new(dev);
+    m.set_non_model_allocator(pool.clone());
+    let ids = toy.register(&mut m).unwrap();
+    let mut opt = adam();
+    let mut reports = Vec::new();
+    for s in 0..steps {
+        toy.forward_backward(&mut m, &pool, &ids, s, opt.loss_scale(), (0, 1))
+            .unwrap();
+        reports.push(opt.step(&mut m).unwrap());
+    }
+    let masters = (0..m.num_tensors() as u32)
+        .map(|t| {
+            let id = TensorId(t);
+            (
+                m.tensor_info(id).unwrap().0.to_string(),
+                m.master(id).unwrap(),
+            )
+        })
+        .collect();
+    (masters, reports)
+}
+
+struct RankResult {
+    owned: Vec<(String, Vec<f32>)>,
+    reports: Vec<StepReport>,
+    zero: ZeroManager,
+}
+
+/// Trains `steps` steps on `world` in-process ranks, rank r on share r of every batch.
+fn zero(toy: &ToyMlp, dtype: DType, world: usize, capacity: usize, steps: u64) -> Vec<RankResult> {
+    let devs = (0..world).map(|_| common::sim(capacity)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let (r, n) = (c.rank(), c.world());
+                    let mut z = ZeroManager::new(c, config(toy, dtype)).unwrap();
+                    let ids = toy.register(&mut z).unwrap();
+                    let pool = z.pool().clone();
+                    let mut opt = adam();
+                    let mut reports = Vec::new();
+                    for step in 0..steps {
+                        toy.forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
+                            .unwrap();
+                        reports.push(z.step(&mut opt).unwrap());
+                    }
+                    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+                        .map(TensorId)
+                        .filter(|&id| z.owns(id))
+                        .collect();
+                    let owned = mine
+                        .into_iter()
+                        .map(|id| (id.0.to_string(), z.master(id).unwrap()))
+                        .collect();
+                    RankResult {
+                        owned,
+                        reports,
+                        zero: z,
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let d: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let n: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (d / n.max(1e-30)).sqrt()
+}
+
+/// Every rank's owned masters, by tensor number, against the single-process masters.
+fn compare(ranks: &[RankResult], reference: &[(String, Vec<f32>)], tol: f64) -> f64 {
+    let mut seen = vec![false; reference.len()];
+    let mut worst = 0.0f64;
+    for r in ranks {
+        for (t, m) in &r.owned {
+            let t: usize = t.parse().unwrap();
+            assert!(!seen[t], "tensor {t} owned twice");
+            seen[t] = true;
+            let e = rel_err(m, &reference[t].1);
+            assert!(
+                e <= tol,
+                "tensor {} off by {e:e} (tolerance {tol:e})",
+                reference[t].0
+            );
+            worst = worst.max(e);
+        }
+    }
+    assert!(seen.iter().all(|&s| s), "every tensor has an owner");
+    worst
+}
+
+/// The tolerance of the equivalence: a rank's gradient is the mean over its share of the batch,
+/// and the average over ranks rounds differently from the mean over the whole batch, so the fp32
+/// masters after 5 Adam steps agree to 1e-6 relative (norm-wise per tensor), not bitwise. One
+/// rank rounds exactly as the single process does, so there the match is bitwise.
+const TOL: f64 = 1e-6;
+
+#[test]
+fn zero_training_equals_single_process_training() {
+    let steps = 5;
+    let (reference, ref_reports) = single(&TOY, DType::F32, steps);
+    // clipping and loss-scale growth both happen in these 5 steps
+    assert!(ref_reports.iter().any(|r| r.clip_coef < 1.0));
+    assert!(ref_reports
+        .iter()
+        .any(|r| r.loss_scale != ref_reports[0].loss_scale));
+    for world in [1, 2, 4] {
+        let ranks = zero(&TOY, DType::F32, world, 1 << 20, steps);
+        let tol = if world == 1 { 0.0 } else { TOL };
+        let worst = compare(&ranks, &reference, tol);
+        eprintln!("world {world}: worst norm-wise relative error {worst:e}");
+        for r in &ranks {
+            for (a, b) in r.reports.iter().zip(&ref_reports) {
+                assert_eq!(a.outcome, b.outcome);
+                assert_eq!(a.loss_scale, b.loss_scale);
+                assert_eq!(a.clip_coef < 1.0, b.clip_coef < 1.0);
+                assert!((a.grad_norm - b.grad_norm).abs() <= 1e-5 * b.grad_norm);
+            }
+            // every rank sees the same global norm
+            assert_eq!(
+                r.reports
+                    .iter()
+                    .map(|x| x.grad_norm.to_bits())
+                    .collect::<Vec<_>>(),
+                ranks[0]
+                    .reports
+                    .iter()
+                    .map(|x| x.grad_norm.to_bits())
+                    .collect::<Vec<_>>()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_small_device_changes_nothing() {
+    // each rank's device holds a few chunks and a gather buffer beside the activations: the
+    // tide scheduler moves the shard between host and device, the result is the same bits
+    let big = zero(&TOY, DType::F16, 2, 1 << 20, 4);
+    let small = zero(&TOY, DType::F16, 2, 12_000, 4);
+    for (a, b) in big.iter().zip(&small) {
+        assert_eq!(a.owned, b.owned);
+        assert!(b.zero.local().stats().loads > 0 || b.zero.local().stats().h2d_bytes > 0);
+    }
+}
+
+const UNTIED: ToyMlp = ToyMlp {
+    layers: 8,
+    width: 16,
+    batch: 8,
+    tied: false,
+    lr: 1e-2,
+};
+
+#[test]
+fn each_rank_holds_its_share_of_the_model_data() {
+    let single_host = {
+        let dev = common::sim(1 << 20);
+        let mut m = ChunkManager::new(dev.clone(), config(&UNTIED, DType::F16)).unwrap();
+        let pool = CachingAllocator::new(dev);
+        m.set_non_model_allocator(pool.clone());
+        let ids = UNTIED.register(&mut m).unwrap();
+        let mut opt = adam();
+        UNTIED
+            .forward_backward(&mut m, &pool, &ids, 0, opt.loss_scale(), (0, 1))
+            .unwrap();
+        opt.step(&mut m).unwrap();
+        let u = m.usage();
+        u.host.iter().sum::<u64>() + u.file.iter().sum::<u64>()
+    };
+    assert!(single_host > 0);
+    for world in [2, 4] {
+        let ranks = zero(&UNTIED, DType::F16, world, 1 << 20, 1);
+        for r in &ranks {
+            let u = r.zero.usage();
+            let host = u.host.iter().sum::<u64>() + u.file.iter().sum::<u64>();
+            // 8 groups over 2 or 4 ranks: exactly 1/N of the model data per rank
+            assert_eq!(host * world as u64, single_host, "world {world}");
+            // fp32 masters, momentum and variance only for owned chunks
+            let k = |c: ChunkKind| u.host[c.index()] + u.file[c.index()];
+            assert_eq!(k(ChunkKind::Master), 2 * k(ChunkKind::Param));
+            assert_eq!(k(ChunkKind::Momentum), k(ChunkKind::Master));
+            assert_eq!(k(ChunkKind::Variance), k(ChunkKind::Master));
+            let (per, total) = r.zero.shard_balance();
+            assert_eq!(per, vec![total / world as u64; world]);
+        }
+    }
+}
+
+#[test]
+fn communication_volume_matches_the_formula() {
+    let world = 2;
+    let ranks = zero(&UNTIED, DType::F16, world, 1 << 20, 3);
+    // per step: params all-gathered once in forward and once in backward, gradients
+    // reduce-scattered once, two scalar all-reduces (norm, overflow flag)
+    let groups = UNTIED.layers; // one block per chunk
+    let comm_groups = groups.div_ceil(world);
+    let slot = UNTIED.chunk_elems() * 2; // fp16
+    let per_step_gather = (2 * comm_groups * world * slot) as u64;
+    let per_step_scatter = (comm_groups * world * slot) as u64;
+    for r in &ranks {
+        let st = r.zero.comm().stats();
+        assert_eq!(st.all_gather.calls, 3 * 2 * comm_groups as u64);
+        assert_eq!(st.all_gather.bytes, 3 * per_step_gather);
+        assert_eq!(st.reduce_scatter.calls, 3 * comm_groups as u64);
+        assert_eq!(st.reduce_scatter.bytes, 3 * per_step_scatter);
+        assert_eq!(st.all_reduce.calls, 3 * 2);
+        let z = r.zero.stats();
+        assert_eq!(z.gathered_bytes, 3 * per_step_gather);
+        assert_eq!(z.scattered_bytes, 3 * per_step_scatter);
+        // bus bytes per rank and step: (N-1)/N of 3 model copies of fp16, plus the scalars
+        let model_fp16 = (groups * UNTIED.chunk_elems() * 2) as f64;
+        let bus = st.bus_bytes(world) / 3.0;
+        let expect = 0.5 * 3.0 * model_fp16 + 2.0 * 0.5 * (8.0 + 1.0);
+        assert!((bus - expect).abs() < 1e-9, "{bus} vs {expect}");
+    }
+}
+
+/// A two-tensor model where rank `bad` writes an infinite gradient.
+fn overflow_run(world: usize, bad: usize) -> Vec<(StepOutcome, f32, f32)> {
+    let devs = (0..world).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank();
+                    let mut z = ZeroManager::new(c, ManagerConfig::new(32, Policy::Tide)).unwrap();
+                    let ids: Vec<TensorId> = (0..4)
+                        .map(|i| {
+                            z.register(&format!("t{i}"), &[32], Init::Constant(1.0))
+                                .unwrap()
+                        })
+                        .collect();
+                    let mut opt = HybridAdam::new(HybridConfig {
+                        loss_scale: Some(ScalerConfig::default()),
+                        ..HybridConfig::new(AdamConfig::adam(0.1))
+                    })
+                    .unwrap();
+                    z.fetch(&ids, Stage::Forward).unwrap();
+                    z.release(&ids, Stage::Forward).unwrap();
+                    z.end_forward().unwrap();
+                    z.fetch(&ids, Stage::Backward).unwrap();
+                    for &id in &ids {
+                        let g = if r == bad && id == ids[3] {
+                            f32::INFINITY
+                        } else {
+                            1.0
+                        };
+                        z.write_grad(id, &[g; 32]).unwrap();
+                    }
+                    z.release(&ids, Stage::Backward).unwrap();
+                    z.end_backward().unwrap();
+                    let rep = z.step(&mut opt).unwrap();
+                    let own = ids.iter().copied().find(|&id| z.owns(id)).unwrap();
+                    (rep.outcome, rep.loss_scale, z.master(own).unwrap()[0])
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+#[test]
+fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
+    for bad in [0, 1] {
+        let out = overflow_run(2, bad);
+        for (outcome, _, master) in out {
+            assert_eq!(outcome, StepOutcome::Skipped);
+            assert_eq!(master, 1.0, "a skipped step leaves the masters");
+        }
+    }
+    // without an overflow nobody skips
+    let out = overflow_run(2, 9);
+    assert!(out.iter().all(|o| o.0 == StepOutcome::Stepped && o.2 < 1.0));
+}
+
+#[test]
+fn misuse_is_an_error() {
+    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || {
+                let r = c.rank();
+                let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
+                let a = z.register("a", &[16], Init::Zeros).unwrap();
+                let b = z.register("b", &[16], Init::Zeros).unwrap();
+                assert!(z.register("bad", &[0], Init::Zeros).is_err());
+                // backward before forward, the optimizer stage, unknown and repeated tensors
+                assert!(z.fetch(&[a], Stage::Backward).is_err());
+                assert!(z.fetch(&[a], Stage::Optimizer).is_err());
+                assert!(z.fetch(&[TensorId(9)], Stage::Forward).is_err());
+                assert!(z.fetch(&[a, a], Stage::Forward).is_err());
+                // the remote tensor cannot be read before it is gathered
+                let remote = if r == 0 { b } else { a };
+                assert!(z.read(remote).is_err());
+                assert!(z.master(remote).is_err());
+                let v = z.fetch(&[a, b], Stage::Forward).unwrap();
+                assert!(
+                    z.write_grad(a, &[0.0; 16]).is_err(),
+                    "no gradient in forward"
+                );
+                assert!(z.register("late", &[4], Init::Zeros).is_err());
+                assert!(
+                    matches!(
+                        z.release(&[a, b], Stage::Forward),
+                        Err(Error::InvalidArgument(_))
+                    ),
+                    "views still alive"
+                );
+                drop(v);
+                z.release(&[a, b], Stage::Forward).unwrap();
+                assert!(z.end_backward().is_err());
+                z.end_forward().unwrap();
+                z.fetch(&[a, b], Stage::Backward).unwrap();
+                assert!(matches!(
+                    z.write_grad(a, &[0.0; 3]),
+                    Err(Error::SizeMismatch { .. })
+                ));
+                z.write_grad(a, &[0.5; 16]).unwrap();
+                z.write_grad(b, &[0.5; 16]).unwrap();
+                z.release(&[a, b], Stage::Backward).unwrap();
+                z.end_backward().unwrap();
+                let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
+                assert_eq!(z.step(&mut opt).unwrap().outcome, StepOutcome::Stepped);
+                assert!(z.step(&mut opt).is_err(), "a second step without backward");
+            });
+        }
+    });
+    // more ranks than chunk groups
+    let devs = (0..4).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        for c in comms {
+            s.spawn(move || {
+                let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
+                let a = z.register("a", &[16], Init::Zeros).unwrap();
+                assert!(z.fetch(&[a], Stage::Forward).is_err());
+            });
+        }
+    });
+}

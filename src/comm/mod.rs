@@ -695,6 +695,62 @@ impl Communicator {
     }
 }
 
+/// Runs a trainer written once on every rank of a job, however it was started:
+/// - with `WORLD_SIZE` set by a launcher (see [`LaunchEnv`]), this process is one NCCL rank on
+///   `device_for(LOCAL_RANK)`, meeting the others within `timeout`; the result holds its value;
+/// - otherwise `default_world` in-process ranks run on threads, rank `r` on `device_for(r)`; the
+///   result holds every rank's value in rank order (the first error wins).
+///
+/// ```
+/// use tidemem::comm::{launch, ReduceOp};
+/// use tidemem::device::{Device, SimConfig};
+/// # fn main() -> tidemem::Result<()> {
+/// # if std::env::var_os("WORLD_SIZE").is_some() { return Ok(()); }
+/// let out = launch(
+///     3,
+///     |_| Device::sim(SimConfig::with_capacity(1 << 20)),
+///     std::time::Duration::from_secs(60),
+///     |c| {
+///         let mut x = [1i32];
+///         c.all_reduce_host(&mut x, ReduceOp::Sum)?;
+///         Ok(x[0])
+///     },
+/// )?;
+/// assert_eq!(out, vec![3, 3, 3]);
+/// # Ok(()) }
+/// ```
+pub fn launch<R: Send>(
+    default_world: usize,
+    device_for: impl Fn(usize) -> Result<Device> + Sync,
+    timeout: Duration,
+    f: impl Fn(Communicator) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    if let Some(env) = LaunchEnv::from_env()? {
+        let device = device_for(env.local_rank)?;
+        let c = Communicator::nccl(device, &env, timeout)?;
+        return Ok(vec![f(c)?]);
+    }
+    let devices = (0..default_world)
+        .map(&device_for)
+        .collect::<Result<Vec<_>>>()?;
+    let comms = Communicator::local_with_timeout(devices, timeout)?;
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                s.spawn(move || f(c))
+            })
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
+            })
+            .collect()
+    })
+}
+
 /// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library.
 pub fn nccl_unique_id() -> Result<[u8; 128]> {
     nccl::unique_id()

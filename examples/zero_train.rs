@@ -1,0 +1,163 @@
+//! Data-parallel training with ZeRO over chunks: one trainer, launched as N in-process ranks
+//! (simulated devices, the default) or as one NCCL rank per process when a launcher sets
+//! `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (CUDA device
+//! `LOCAL_RANK`).
+//!
+//! ```sh
+//! cargo run --release --example zero_train
+//! cargo run --release --example zero_train -- --ranks 4 --layers 16 --width 64 --steps 6 --json
+//! # two processes on one node, one GPU each:
+//! WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train &
+//! WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train
+//! ```
+//!
+//! Rank r trains on share r of every global batch of the toy MLP. Prints per step the global
+//! loss, gradient norm and loss scale; at the end each rank's model-data bytes against the
+//! unsharded total, and the collective bytes per step against the formula (parameters
+//! all-gathered in forward and in backward, gradients reduce-scattered once). With `--json`,
+//! one object per rank with the keys `rank`, `world`, `backend`, `losses`, `host_bytes`,
+//! `model_bytes`, `all_gather_bytes_per_step`, `reduce_scatter_bytes_per_step`,
+//! `formula_bytes_per_step`, `bus_bytes_per_step`.
+
+use std::time::Duration;
+
+use clap::Parser;
+use serde_json::json;
+use tidemem::chunk::ManagerConfig;
+use tidemem::comm::{launch, CommStats, ReduceOp};
+use tidemem::device::{fmt_bytes, Device, SimConfig};
+use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
+use tidemem::tide::Policy;
+use tidemem::toy::ToyMlp;
+use tidemem::units::parse_bytes;
+use tidemem::zero::ZeroManager;
+
+#[derive(Parser, Debug)]
+#[command(about = "Train the toy MLP with ZeRO over chunks on N data-parallel ranks")]
+struct Args {
+    /// In-process ranks (ignored when WORLD_SIZE is set).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Blocks of the MLP (one chunk each).
+    #[arg(long, default_value_t = 16)]
+    layers: usize,
+    /// Width of every block.
+    #[arg(long, default_value_t = 64)]
+    width: usize,
+    /// Samples per global batch (a multiple of the world size).
+    #[arg(long, default_value_t = 32)]
+    batch: usize,
+    /// Training steps.
+    #[arg(long, default_value_t = 6)]
+    steps: u64,
+    /// Memory of each simulated device.
+    #[arg(long, default_value = "64MiB")]
+    device_mem: String,
+    /// Print JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("zero_train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> tidemem::Result<()> {
+    let args = Args::parse();
+    let mem = parse_bytes(&args.device_mem)?;
+    let toy = ToyMlp {
+        layers: args.layers,
+        width: args.width,
+        batch: args.batch,
+        tied: false,
+        lr: 1e-2,
+    };
+    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let device_for = |r: usize| {
+        if launched {
+            Device::cuda(r)
+        } else {
+            Device::sim(SimConfig::with_capacity(mem))
+        }
+    };
+    let quiet = args.json;
+    let steps = args.steps;
+    let results = launch(args.ranks, device_for, Duration::from_secs(120), |c| {
+        let (rank, world) = (c.rank(), c.world());
+        let mut z = ZeroManager::new(c, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
+        let ids = toy.register(&mut z)?;
+        let pool = z.pool().clone();
+        let mut adam = HybridAdam::new(HybridConfig {
+            loss_scale: Some(ScalerConfig::default()),
+            max_grad_norm: Some(1.0),
+            ..HybridConfig::new(AdamConfig::adamw(toy.lr, 0.01))
+        })?;
+        let mut losses = Vec::new();
+        let mut before = CommStats::default();
+        for s in 0..steps {
+            before = z.comm().stats();
+            let loss = toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
+            let rep = z.step(&mut adam)?;
+            let mut total = [loss as f64];
+            z.comm().all_reduce_host(&mut total, ReduceOp::Sum)?;
+            losses.push(total[0]);
+            if rank == 0 && !quiet {
+                println!(
+                    "step {s}: loss {:.5}  grad norm {:.4}  loss scale {}  {:?}",
+                    total[0], rep.grad_norm, rep.loss_scale, rep.outcome
+                );
+            }
+        }
+        let last = z.comm().stats().since(&before);
+        let (per, model) = z.shard_balance();
+        let u = z.usage();
+        let host: u64 = u.host.iter().chain(&u.file).sum();
+        // the formula: every communication group's N chunk slots gathered twice, scattered once
+        let es = z.param_dtype().size() as u64;
+        let groups = z.layout().groups();
+        let slots: u64 = (0..groups.div_ceil(world))
+            .map(|j| {
+                let end = ((j + 1) * world).min(groups);
+                *z.layout().group_elems[j * world..end].iter().max().unwrap_or(&0) as u64
+            })
+            .sum();
+        let formula = 3 * slots * world as u64 * es;
+        Ok(json!({
+            "rank": rank,
+            "world": world,
+            "backend": z.comm().backend_name(),
+            "losses": losses,
+            "host_bytes": host,
+            "shard_bytes": per[rank],
+            "model_bytes": model,
+            "all_gather_bytes_per_step": last.all_gather.bytes,
+            "reduce_scatter_bytes_per_step": last.reduce_scatter.bytes,
+            "formula_bytes_per_step": formula,
+            "bus_bytes_per_step": last.bus_bytes(world),
+        }))
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&results).expect("json"));
+        return Ok(());
+    }
+    for r in &results {
+        println!(
+            "rank {} of {} ({}): model data {} of {} unsharded; collectives per step {} (formula {}), bus {}",
+            r["rank"],
+            r["world"],
+            r["backend"].as_str().unwrap_or("?"),
+            fmt_bytes(r["host_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(r["model_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(
+                r["all_gather_bytes_per_step"].as_u64().unwrap_or(0)
+                    + r["reduce_scatter_bytes_per_step"].as_u64().unwrap_or(0)
+            ),
+            fmt_bytes(r["formula_bytes_per_step"].as_u64().unwrap_or(0)),
+            fmt_bytes(r["bus_bytes_per_step"].as_f64().unwrap_or(0.0) as u64),
+        );
+    }
+    Ok(())
+}

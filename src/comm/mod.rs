@@ -759,77 +759,95 @@ pub fn nccl_unique_id() -> Result<[u8; 128]> {
 /// Element-wise reduction of `parts` (equal lengths) in rank order, accumulating in f64 (floats)
 /// or i128 (integers) and rounding once.
 pub(crate) fn reduce(elem: Elem, op: ReduceOp, parts: &[&[u8]], world: usize) -> Vec<u8> {
-    let es = elem.size();
-    let n = parts.first().map_or(0, |p| p.len() / es);
-    let word = |p: &[u8], i: usize| -> [u8; 8] {
-        let mut w = [0u8; 8];
-        w[..es].copy_from_slice(&p[i * es..(i + 1) * es]);
-        w
+    let Some((first, rest)) = parts.split_first() else {
+        return Vec::new();
     };
-    let float = |p: &[u8], i: usize| -> f64 {
-        let w = word(p, i);
-        match elem {
-            Elem::F64 => f64::from_le_bytes(w),
-            Elem::F32 => f32::from_le_bytes([w[0], w[1], w[2], w[3]]) as f64,
-            Elem::F16 => f16::from_le_bytes([w[0], w[1]]).to_f64(),
-            _ => bf16::from_le_bytes([w[0], w[1]]).to_f64(),
-        }
-    };
-    let int = |p: &[u8], i: usize| -> i128 {
-        let w = word(p, i);
-        match elem {
-            Elem::U8 => w[0] as i128,
-            Elem::I32 => i32::from_le_bytes([w[0], w[1], w[2], w[3]]) as i128,
-            _ => i64::from_le_bytes(w) as i128,
-        }
-    };
-    let mut out = Vec::with_capacity(n * es);
-    for i in 0..n {
-        match elem {
-            Elem::F64 | Elem::F32 | Elem::F16 | Elem::BF16 => {
-                let mut acc = float(parts[0], i);
-                for p in &parts[1..] {
-                    let v = float(p, i);
-                    acc = match op {
-                        ReduceOp::Sum | ReduceOp::Avg => acc + v,
-                        _ if acc.is_nan() || v.is_nan() => f64::NAN,
-                        ReduceOp::Max => acc.max(v),
-                        ReduceOp::Min => acc.min(v),
-                    };
-                }
-                if op == ReduceOp::Avg {
-                    acc /= world as f64;
-                }
+    let w4 = |c: &[u8]| [c[0], c[1], c[2], c[3]];
+    let w8 = |c: &[u8]| [c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]];
+    match elem {
+        Elem::F64 | Elem::F32 | Elem::F16 | Elem::BF16 => {
+            let dec = |p: &[u8]| -> Vec<f64> {
                 match elem {
-                    Elem::F64 => out.extend_from_slice(&acc.to_le_bytes()),
-                    Elem::F32 => out.extend_from_slice(&(acc as f32).to_le_bytes()),
-                    Elem::F16 => out.extend_from_slice(&f16::from_f64(acc).to_le_bytes()),
-                    _ => out.extend_from_slice(&bf16::from_f64(acc).to_le_bytes()),
+                    Elem::F64 => p
+                        .chunks_exact(8)
+                        .map(|c| f64::from_le_bytes(w8(c)))
+                        .collect(),
+                    Elem::F32 => p
+                        .chunks_exact(4)
+                        .map(|c| f32::from_le_bytes(w4(c)) as f64)
+                        .collect(),
+                    Elem::F16 => p
+                        .chunks_exact(2)
+                        .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f64())
+                        .collect(),
+                    _ => p
+                        .chunks_exact(2)
+                        .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f64())
+                        .collect(),
+                }
+            };
+            let mut acc = dec(first);
+            for p in rest {
+                for (a, v) in acc.iter_mut().zip(dec(p)) {
+                    *a = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => *a + v,
+                        _ if a.is_nan() || v.is_nan() => f64::NAN,
+                        ReduceOp::Max => a.max(v),
+                        ReduceOp::Min => a.min(v),
+                    };
                 }
             }
-            Elem::U8 | Elem::I32 | Elem::I64 => {
-                let mut acc = int(parts[0], i);
-                for p in &parts[1..] {
-                    let v = int(p, i);
-                    acc = match op {
-                        ReduceOp::Sum | ReduceOp::Avg => acc + v,
-                        ReduceOp::Max => acc.max(v),
-                        ReduceOp::Min => acc.min(v),
+            if op == ReduceOp::Avg {
+                acc.iter_mut().for_each(|a| *a /= world as f64);
+            }
+            match elem {
+                Elem::F64 => acc.iter().flat_map(|a| a.to_le_bytes()).collect(),
+                Elem::F32 => acc.iter().flat_map(|&a| (a as f32).to_le_bytes()).collect(),
+                Elem::F16 => acc
+                    .iter()
+                    .flat_map(|&a| f16::from_f64(a).to_le_bytes())
+                    .collect(),
+                _ => acc
+                    .iter()
+                    .flat_map(|&a| bf16::from_f64(a).to_le_bytes())
+                    .collect(),
+            }
+        }
+        Elem::U8 | Elem::I32 | Elem::I64 => {
+            let dec = |p: &[u8]| -> Vec<i128> {
+                match elem {
+                    Elem::U8 => p.iter().map(|&b| b as i128).collect(),
+                    Elem::I32 => p
+                        .chunks_exact(4)
+                        .map(|c| i32::from_le_bytes(w4(c)) as i128)
+                        .collect(),
+                    _ => p
+                        .chunks_exact(8)
+                        .map(|c| i64::from_le_bytes(w8(c)) as i128)
+                        .collect(),
+                }
+            };
+            let mut acc = dec(first);
+            for p in rest {
+                for (a, v) in acc.iter_mut().zip(dec(p)) {
+                    *a = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => *a + v,
+                        ReduceOp::Max => (*a).max(v),
+                        ReduceOp::Min => (*a).min(v),
                     };
                 }
-                if op == ReduceOp::Avg {
-                    acc /= world as i128;
-                }
-                // integer sums wrap, as in NCCL
-                match elem {
-                    Elem::U8 => out.push(acc as u8),
-                    Elem::I32 => out.extend_from_slice(&(acc as i32).to_le_bytes()),
-                    _ => out.extend_from_slice(&(acc as i64).to_le_bytes()),
-                }
+            }
+            if op == ReduceOp::Avg {
+                acc.iter_mut().for_each(|a| *a /= world as i128);
+            }
+            // integer sums wrap, as in NCCL
+            match elem {
+                Elem::U8 => acc.iter().map(|&a| a as u8).collect(),
+                Elem::I32 => acc.iter().flat_map(|&a| (a as i32).to_le_bytes()).collect(),
+                _ => acc.iter().flat_map(|&a| (a as i64).to_le_bytes()).collect(),
             }
         }
     }
-    out
 }
 
 #[cfg(test)]

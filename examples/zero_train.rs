@@ -99,7 +99,8 @@ fn run() -> tidemem::Result<()> {
         let mut before = CommStats::default();
         for s in 0..steps {
             before = z.comm().stats();
-            let loss = toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
+            let loss =
+                toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
             let rep = z.step(&mut adam)?;
             let mut total = [loss as f64];
             z.comm().all_reduce_host(&mut total, ReduceOp::Sum)?;
@@ -121,7 +122,10 @@ fn run() -> tidemem::Result<()> {
         let slots: u64 = (0..groups.div_ceil(world))
             .map(|j| {
                 let end = ((j + 1) * world).min(groups);
-                *z.layout().group_elems[j * world..end].iter().max().unwrap_or(&0) as u64
+                *z.layout().group_elems[j * world..end]
+                    .iter()
+                    .max()
+                    .unwrap_or(&0) as u64
             })
             .sum();
         let formula = 3 * slots * world as u64 * es;

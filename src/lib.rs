@@ -10,7 +10,9 @@
 //! run-time compiled CUDA [`kernels`] with CPU twins in [`ops`]) and the memory layer on top:
 //! stateful [`tensor`]s, [`chunk`]s and the [`chunk::ChunkManager`], the [`tide`] tracer and
 //! placement policies, and a [`simulate`]or that replays a model's trace through the same
-//! policies. [`toy`] is a small reference trainer; [`profile`] writes Chrome traces and tide plots.
+//! policies. [`optim`] holds the CPU/CUDA Adam and `HybridAdam`; [`comm`] the collectives
+//! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`toy`] is a small reference
+//! trainer; [`profile`] writes Chrome traces and tide plots.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};

@@ -500,10 +500,12 @@ impl ZeroManager {
         match (self.stage, stage) {
             (None, Stage::Forward) | (Some(Stage::Forward), Stage::Forward) => {}
             (Some(Stage::Backward), Stage::Backward) => {}
-            (s, _) => return Err(Error::InvalidArgument(format!(
+            (s, _) => {
+                return Err(Error::InvalidArgument(format!(
                 "a {stage} fetch during the {} stage: call end_forward / end_backward / step first",
                 s.map_or("idle", |s| s.name())
-            ))),
+            )))
+            }
         }
         self.check(ids, ev)?;
         self.close()?;

@@ -389,3 +389,78 @@ fn misuse_is_an_error() {
         }
     });
 }
+
+#[test]
+fn gradient_accumulation_composes_with_zero() {
+    // 2 micro-batches per step: the single process takes halves of every batch, each of 2
+    // ranks takes quarters; both step on the mean gradient of the whole batch
+    let cfg = || config(&TOY, DType::F32);
+    let acc_adam = || {
+        HybridAdam::new(HybridConfig {
+            accumulation_steps: 2,
+            max_grad_norm: Some(0.5),
+            ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+        })
+        .unwrap()
+    };
+    let steps = 3u64;
+    let reference: Vec<Vec<f32>> = {
+        let dev = common::sim(1 << 20);
+        let mut m = ChunkManager::new(dev.clone(), cfg()).unwrap();
+        let pool = CachingAllocator::new(dev);
+        m.set_non_model_allocator(pool.clone());
+        let ids = TOY.register(&mut m).unwrap();
+        let mut opt = acc_adam();
+        for s in 0..steps {
+            for k in 0..2 {
+                TOY.forward_backward(&mut m, &pool, &ids, s, 1.0, (k, 2))
+                    .unwrap();
+                opt.step(&mut m).unwrap();
+            }
+        }
+        (0..m.num_tensors() as u32)
+            .map(|t| m.master(TensorId(t)).unwrap())
+            .collect()
+    };
+    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    let owned: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank();
+                    let mut z = ZeroManager::new(c, cfg()).unwrap();
+                    let ids = TOY.register(&mut z).unwrap();
+                    let pool = z.pool().clone();
+                    let mut opt = acc_adam();
+                    let mut outcomes = Vec::new();
+                    for s in 0..steps {
+                        for k in 0..2 {
+                            TOY.forward_backward(&mut z, &pool, &ids, s, 1.0, (2 * r + k, 4))
+                                .unwrap();
+                            outcomes.push(z.step(&mut opt).unwrap().outcome);
+                        }
+                    }
+                    assert_eq!(outcomes[0], StepOutcome::Accumulated);
+                    assert_eq!(outcomes[1], StepOutcome::Stepped);
+                    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+                        .map(TensorId)
+                        .filter(|&id| z.owns(id))
+                        .collect();
+                    mine.into_iter()
+                        .map(|id| (id.index(), z.master(id).unwrap()))
+                        .collect()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let mut n = 0;
+    for (t, m) in owned.into_iter().flatten() {
+        let e = rel_err(&m, &reference[t]);
+        assert!(e <= TOL, "tensor {t}: {e:e}");
+        n += 1;
+    }
+    assert_eq!(n, reference.len());
+}

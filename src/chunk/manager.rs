@@ -456,15 +456,7 @@ impl ChunkManager {
                 "cannot register '{name}': registration closed at the first fetch"
             )));
         }
-        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let numel = match numel {
-            Some(n) if n > 0 => n,
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor '{name}' has shape {shape:?} with no elements or too many"
-                )))
-            }
-        };
+        let numel = numel_of(name, shape)?;
         let slot = self.layout.push(numel)?;
         self.tensors.push(TensorMeta {
             name: name.to_string(),
@@ -1615,7 +1607,17 @@ impl ChunkManager {
     }
 }
 
-fn check_distinct(ids: &[TensorId]) -> Result<()> {
+/// Elements of a tensor of `shape`: an error for none or more than `usize` holds.
+pub(crate) fn numel_of(name: &str, shape: &[usize]) -> Result<usize> {
+    match shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
+        Some(n) if n > 0 => Ok(n),
+        _ => Err(Error::InvalidArgument(format!(
+            "tensor '{name}' has shape {shape:?} with no elements or too many"
+        ))),
+    }
+}
+
+pub(crate) fn check_distinct(ids: &[TensorId]) -> Result<()> {
     if ids.is_empty() {
         return Err(Error::InvalidArgument("an access names no tensor".into()));
     }

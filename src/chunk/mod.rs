@@ -6,7 +6,7 @@ mod layout;
 pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
 
 mod manager;
-pub(crate) use manager::{grad_ranges, ViewBuf};
+pub(crate) use manager::{check_distinct, grad_ranges, numel_of, ViewBuf};
 
 pub use manager::{
     decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig,

@@ -45,7 +45,8 @@
 use std::sync::Arc;
 
 use crate::chunk::{
-    encode, ChunkManager, Layout, ManagerConfig, ParamStore, Slot, TensorView, Usage, ViewBuf,
+    check_distinct, encode, numel_of, ChunkManager, Layout, ManagerConfig, ParamStore, Slot,
+    TensorView, Usage, ViewBuf,
 };
 use crate::comm::{Communicator, Elem, ReduceOp};
 use crate::device::{Block, CachingAllocator, DeviceView, HostBuffer, Stream};
@@ -237,12 +238,7 @@ impl ZeroManager {
                 "cannot register '{name}': registration closed at the first fetch"
             )));
         }
-        let numel = shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        let Some(numel) = numel.filter(|&n| n > 0) else {
-            return Err(Error::InvalidArgument(format!(
-                "tensor '{name}' has shape {shape:?} with no elements or too many"
-            )));
-        };
+        let numel = numel_of(name, shape)?;
         let slot = self.layout.push(numel)?;
         self.tensors.push(ZTensor {
             name: name.to_string(),
@@ -451,17 +447,7 @@ impl ZeroManager {
                 });
             }
         }
-        for (i, a) in ids.iter().enumerate() {
-            if ids[i + 1..].contains(a) {
-                return Err(Error::InvalidArgument(format!(
-                    "tensor {a} listed twice in one access"
-                )));
-            }
-        }
-        if ids.is_empty() {
-            return Err(Error::InvalidArgument("an access names no tensor".into()));
-        }
-        Ok(())
+        check_distinct(ids)
     }
 
     fn apply(&mut self, id: TensorId, ev: TrainEvent) {

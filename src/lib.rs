@@ -36,6 +36,7 @@ pub mod chunk;
 pub mod comm;
 pub mod device;
 pub mod dtype;
+pub mod embedding;
 pub mod error;
 pub mod kernels;
 pub mod ops;

@@ -1,0 +1,1 @@
+//! Synthetic Criteo-like data.

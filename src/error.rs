@@ -211,6 +211,18 @@ pub enum Error {
         message: String,
     },
 
+    /// A batch uses more distinct embedding rows than the cache has slots.
+    #[error(
+        "a batch uses {unique} distinct rows but the embedding cache holds {capacity}: use a \
+         larger cache or a smaller batch"
+    )]
+    CacheTooSmall {
+        /// Distinct rows of the batch.
+        unique: usize,
+        /// Slots of the cache.
+        capacity: usize,
+    },
+
     /// Ranks could not meet: a bad launcher environment or an unreachable rank 0.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),

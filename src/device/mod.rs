@@ -787,8 +787,33 @@ impl Device {
                 dst: dst.len,
             });
         }
+        self.copy_h2d_part(stream, src, 0, dst)
+    }
+
+    /// Copies `dst.len()` bytes of `src` starting at `src_offset` into `dst` asynchronously on
+    /// `stream`, for staging buffers filled only in part. The host buffer comes back from
+    /// [`Pending::wait`] once the copy is done.
+    pub fn copy_h2d_part<'a>(
+        &self,
+        stream: &Stream,
+        src: HostBuffer,
+        src_offset: usize,
+        dst: impl Into<DeviceView<'a>>,
+    ) -> Result<Pending<HostBuffer>> {
+        let dst = dst.into();
+        if src_offset
+            .checked_add(dst.len)
+            .is_none_or(|end| end > src.len())
+        {
+            return Err(Error::OutOfBounds {
+                offset: src_offset,
+                len: dst.len,
+                buffer_len: src.len(),
+            });
+        }
         let op = Op::HostToDevice {
-            src: src.as_ptr(),
+            // SAFETY: `src_offset + dst.len <= src.len()` was checked above.
+            src: unsafe { src.as_ptr().add(src_offset) },
             dst: &dst.buf.raw,
             dst_offset: dst.offset,
             len: dst.len,
@@ -806,7 +831,7 @@ impl Device {
         &self,
         stream: &Stream,
         src: impl Into<DeviceView<'a>>,
-        mut dst: HostBuffer,
+        dst: HostBuffer,
     ) -> Result<Pending<HostBuffer>> {
         let src = src.into();
         if src.len != dst.len() {
@@ -815,10 +840,34 @@ impl Device {
                 dst: dst.len(),
             });
         }
+        self.copy_d2h_part(stream, src, dst, 0)
+    }
+
+    /// Copies all of `src` into `dst[dst_offset..dst_offset + src.len()]` asynchronously on
+    /// `stream`. The host buffer comes back from [`Pending::wait`]; it cannot be read before.
+    pub fn copy_d2h_part<'a>(
+        &self,
+        stream: &Stream,
+        src: impl Into<DeviceView<'a>>,
+        mut dst: HostBuffer,
+        dst_offset: usize,
+    ) -> Result<Pending<HostBuffer>> {
+        let src = src.into();
+        if dst_offset
+            .checked_add(src.len)
+            .is_none_or(|end| end > dst.len())
+        {
+            return Err(Error::OutOfBounds {
+                offset: dst_offset,
+                len: src.len,
+                buffer_len: dst.len(),
+            });
+        }
         let op = Op::DeviceToHost {
             src: &src.buf.raw,
             src_offset: src.offset,
-            dst: dst.as_mut_ptr(),
+            // SAFETY: `dst_offset + src.len <= dst.len()` was checked above.
+            dst: unsafe { dst.as_mut_ptr().add(dst_offset) },
             len: src.len,
         };
         let clock = self.submit(stream, &[(src.buf, Access::Read)], op)?;
@@ -1177,6 +1226,40 @@ mod tests {
         assert_send_sync::<SimBackend>();
         assert_send_sync::<CudaBackend>();
         assert_send_sync::<Error>();
+    }
+
+    #[test]
+    fn partial_host_copies() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+        let s = dev.new_stream().unwrap();
+        let buf = dev.alloc(8).unwrap();
+        let host = HostBuffer::from_slice(&[9, 9, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9]).unwrap();
+        let host = dev
+            .copy_h2d_part(&s, host, 2, &buf)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(
+            dev.download(&s, &buf).unwrap(),
+            vec![1, 2, 3, 4, 5, 6, 7, 8]
+        );
+        let out = HostBuffer::paged(6).unwrap();
+        let out = dev
+            .copy_d2h_part(&s, buf.view(4, 4).unwrap(), out, 1)
+            .unwrap()
+            .wait()
+            .unwrap();
+        assert_eq!(&out[..], &[0, 5, 6, 7, 8, 0]);
+        assert!(matches!(
+            dev.copy_h2d_part(&s, host, 5, &buf),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert!(matches!(
+            dev.copy_d2h_part(&s, &buf, out, 1),
+            Err(Error::OutOfBounds { .. })
+        ));
+        assert_eq!(dev.stats().h2d_bytes, 8);
+        assert_eq!(dev.stats().d2h_bytes, 8 + 4);
     }
 
     #[test]

@@ -132,6 +132,12 @@ impl CacheIndex {
         &self.policy
     }
 
+    /// Replaces the policy of an empty cache (keys are set as rows are admitted).
+    pub(crate) fn set_policy(&mut self, policy: Policy) {
+        debug_assert_eq!(self.cached(), 0);
+        self.policy = policy;
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> IndexStats {
         self.stats

@@ -1,14 +1,30 @@
 //! Frequency-aware cached embedding bags for tables far larger than device memory.
 //!
-//! The full table lives in host memory; the hottest rows are cached on the device.
-//! [`CacheIndex`] holds the index maps and decides, per batch, which rows miss, which cached
-//! rows to evict (never one the batch uses) and which evicted rows are dirty and must be written
-//! back, under one of the [`Policy`] variants. [`data`] generates Criteo-like synthetic traces
-//! (Zipf ids over published table cardinalities) for tests, benches and the evaluation example.
+//! The full table lives in host memory (pageable, pinned or a memory-mapped file); the hottest
+//! rows are cached on the device.
+//!
+//! - [`CacheIndex`] holds the index maps (8 bytes per table row) and decides, per batch, which
+//!   rows miss, which cached rows to evict (never one the batch uses) and which evicted rows are
+//!   dirty and must be written back, under one of the [`Policy`] variants.
+//! - [`EmbeddingCache`] owns the memory and carries out those decisions through bounded staging
+//!   buffers; it reorders rows by frequency, warms up, flushes and checkpoints (safetensors, in
+//!   the user's id order).
+//! - [`CachedEmbeddingBag`] runs bags (sum, mean, per-sample weights), the sparse backward and
+//!   SGD, row-wise Adagrad or Adam on the cached rows, with each row's optimizer state stored in
+//!   the row so it travels with it. [`EmbeddingBag`] is the fully resident reference.
+//! - [`replay`] measures hit rates and bytes moved of a policy on an id trace; [`data`]
+//!   generates Criteo-like synthetic traces (Zipf ids over published table cardinalities).
 
+mod bag;
+mod cache;
+mod checkpoint;
 pub mod data;
 mod index;
 mod policy;
+mod replay;
 
+pub use bag::{CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer};
+pub use cache::{bincount, CacheConfig, EmbeddingCache, HostTier, MoveStats};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
 pub use policy::{OptimalTrace, Policy};
+pub use replay::{replay, ReplayConfig, ReplayStats};

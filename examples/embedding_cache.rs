@@ -1,0 +1,223 @@
+//! Evaluates the embedding cache's policies on a synthetic Criteo-like trace: per cache ratio
+//! and policy, the hit rate (per id occurrence), rows and bytes moved host→device and
+//! device→host per batch, and the id-preparation throughput, beside the offline optimum.
+//!
+//! ```sh
+//! cargo run --release --example embedding_cache -- --dataset criteo-kaggle --zipf 1.0 \
+//!     --batch 16384 --batches 200 --ratios 0.005,0.01,0.015,0.05 --json
+//! cargo run --release --example embedding_cache -- --scale 0.1 --batch 2048 --batches 100
+//! cargo run --release --example embedding_cache -- --drift-days 20 --drift-shift 0.001
+//! ```
+//!
+//! All tables are concatenated into one id space and share one cache of `ratio × rows` rows;
+//! ids are ordered by their frequency in the trace itself (dataset statistics), and every
+//! policy starts from the same warm-up (the hottest `warmup × capacity` rows). Training is
+//! emulated: every row a batch uses becomes dirty, so evicting it costs a write-back.
+//!
+//! JSON output (keys are stable):
+//! - `dataset`, `zipf`, `scale`, `seed`, `batch`, `batches`, `tables`, `rows`, `dim`,
+//!   `row_bytes`, `warmup`, `drift` (`null` or `{ batches_per_day, shift }`)
+//! - `generate_seconds`: time to generate the trace; `unique_per_batch`: distinct rows per batch
+//! - `results`: list of `{ ratio, capacity, policy, hit_rate, of_optimal, h2d_rows_per_batch,
+//!   h2d_bytes_per_batch, d2h_bytes_per_batch, ids_per_second }`; `of_optimal` is the hit rate
+//!   over the optimal policy's at the same ratio (`null` when the optimum was not run)
+
+use std::time::Instant;
+
+use clap::Parser;
+use serde_json::json;
+use tidemem::device::fmt_bytes;
+use tidemem::embedding::data::{Dataset, Drift, Synthetic, SyntheticConfig};
+use tidemem::embedding::{bincount, replay, OptimalTrace, Policy, ReplayConfig};
+
+#[derive(Parser, Debug)]
+#[command(about = "Hit rates and traffic of the embedding cache's policies on a Criteo-like trace")]
+struct Args {
+    /// criteo-kaggle, criteo-1tb or avazu.
+    #[arg(long, default_value = "criteo-kaggle")]
+    dataset: String,
+    /// Zipf exponent of id popularity.
+    #[arg(long, default_value_t = 1.0)]
+    zipf: f64,
+    /// Factor on every table's cardinality, in (0, 1].
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 16384)]
+    batch: usize,
+    /// Batches in the trace.
+    #[arg(long, default_value_t = 200)]
+    batches: usize,
+    /// Cache sizes as fractions of all rows.
+    #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.015,0.05")]
+    ratios: Vec<f64>,
+    /// Policies to run: frequency, lfu, lru, optimal.
+    #[arg(long, value_delimiter = ',', default_value = "frequency,lfu,lru,optimal")]
+    policies: Vec<String>,
+    /// Embedding width, for byte counts.
+    #[arg(long, default_value_t = 128)]
+    dim: usize,
+    /// Floats of optimizer state per row (0 for SGD, 1 for row-wise Adagrad, 2·dim for Adam).
+    #[arg(long, default_value_t = 0)]
+    state: usize,
+    /// Fraction of the cache preloaded with the hottest rows.
+    #[arg(long, default_value_t = 0.7)]
+    warmup: f64,
+    /// Seed of the synthetic data.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Drifting variant: batches per "day" (popularity shifts every day).
+    #[arg(long)]
+    drift_days: Option<u64>,
+    /// Drifting variant: fraction of each table's ranks the popularity rotates by per day.
+    #[arg(long, default_value_t = 0.001)]
+    drift_shift: f64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let args = Args::parse();
+    let dataset: Dataset = args.dataset.parse()?;
+    let mut config = SyntheticConfig::new(dataset)
+        .with_zipf(args.zipf)
+        .with_scale(args.scale)
+        .with_seed(args.seed);
+    let drift = args.drift_days.map(|d| Drift {
+        batches_per_day: d,
+        shift: args.drift_shift,
+    });
+    if let Some(d) = drift {
+        config = config.with_drift(d);
+    }
+    let gen = Synthetic::new(config)?;
+    let offsets = gen.table_offsets();
+    let rows = *offsets.last().expect("offsets") as usize;
+
+    let t = Instant::now();
+    let trace: Vec<Vec<u32>> = (0..args.batches as u64)
+        .map(|i| {
+            let b = gen.batch(i, args.batch);
+            let mut ids = Vec::with_capacity(b.size * b.ids.len());
+            for (t, col) in b.ids.iter().enumerate() {
+                ids.extend(col.iter().map(|&id| (offsets[t] + id as u64) as u32));
+            }
+            ids
+        })
+        .collect();
+    let generate_seconds = t.elapsed().as_secs_f64();
+    let counts = bincount(rows, trace.iter().map(|b| b.as_slice()))?;
+
+    let row_bytes = (args.dim + args.state) * 4;
+    let mut results = Vec::new();
+    let mut unique_per_batch = 0.0;
+    for &ratio in &args.ratios {
+        let capacity = ((ratio * rows as f64).ceil() as usize).max(1);
+        let rc = ReplayConfig {
+            rows,
+            capacity,
+            row_bytes,
+            warmup: args.warmup,
+            train: true,
+        };
+        let mut at_ratio = Vec::new();
+        for name in &args.policies {
+            let policy = match name.as_str() {
+                "frequency" => Policy::Frequency,
+                "lfu" => Policy::Lfu,
+                "lru" => Policy::Lru,
+                "optimal" => Policy::Optimal(OptimalTrace::new::<_, &[u32]>([])?),
+                other => return Err(format!("unknown policy '{other}'").into()),
+            };
+            match replay(&trace, &counts, policy, &rc) {
+                Ok(s) => {
+                    unique_per_batch = s.unique_per_batch;
+                    at_ratio.push((name.clone(), Some(s), None));
+                }
+                Err(e) => at_ratio.push((name.clone(), None, Some(e.to_string()))),
+            }
+        }
+        let optimal = at_ratio
+            .iter()
+            .find(|(n, s, _)| n == "optimal" && s.is_some())
+            .and_then(|(_, s, _)| s.map(|s| s.hit_rate));
+        for (name, s, err) in at_ratio {
+            results.push(match s {
+                Some(s) => json!({
+                    "ratio": ratio,
+                    "capacity": capacity,
+                    "policy": name,
+                    "hit_rate": s.hit_rate,
+                    "of_optimal": optimal.map(|o| s.hit_rate / o),
+                    "h2d_rows_per_batch": s.h2d_rows_per_batch,
+                    "h2d_bytes_per_batch": s.h2d_bytes_per_batch,
+                    "d2h_bytes_per_batch": s.d2h_bytes_per_batch,
+                    "ids_per_second": s.ids_per_second,
+                }),
+                None => json!({
+                    "ratio": ratio, "capacity": capacity, "policy": name, "error": err,
+                }),
+            });
+        }
+    }
+
+    if args.json {
+        let out = json!({
+            "dataset": dataset.name(),
+            "zipf": args.zipf,
+            "scale": args.scale,
+            "seed": args.seed,
+            "batch": args.batch,
+            "batches": args.batches,
+            "tables": gen.num_tables(),
+            "rows": rows,
+            "dim": args.dim,
+            "row_bytes": row_bytes,
+            "warmup": args.warmup,
+            "drift": drift.map(|d| json!({"batches_per_day": d.batches_per_day, "shift": d.shift})),
+            "generate_seconds": generate_seconds,
+            "unique_per_batch": unique_per_batch,
+            "results": results,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!(
+        "{} (zipf {}, scale {}): {} tables, {} rows, batch {} × {} batches, {:.0} distinct rows \
+         per batch, trace generated in {:.1} s",
+        dataset.name(),
+        args.zipf,
+        args.scale,
+        gen.num_tables(),
+        rows,
+        args.batch,
+        args.batches,
+        unique_per_batch,
+        generate_seconds
+    );
+    println!(
+        "{:>7} {:>10} {:>10} {:>9} {:>8} {:>12} {:>12} {:>12}",
+        "ratio", "slots", "policy", "hit rate", "of opt", "h2d/batch", "d2h/batch", "Mids/s"
+    );
+    for r in &results {
+        if let Some(e) = r.get("error") {
+            println!("{:>7} {:>10} {:>10} error: {e}", r["ratio"], r["capacity"], r["policy"]);
+            continue;
+        }
+        println!(
+            "{:>7} {:>10} {:>10} {:>9.4} {:>8} {:>12} {:>12} {:>12.1}",
+            r["ratio"].as_f64().unwrap_or(0.0),
+            r["capacity"].as_u64().unwrap_or(0),
+            r["policy"].as_str().unwrap_or(""),
+            r["hit_rate"].as_f64().unwrap_or(0.0),
+            r["of_optimal"]
+                .as_f64()
+                .map_or("-".to_string(), |x| format!("{x:.4}")),
+            fmt_bytes(r["h2d_bytes_per_batch"].as_f64().unwrap_or(0.0) as u64),
+            fmt_bytes(r["d2h_bytes_per_batch"].as_f64().unwrap_or(0.0) as u64),
+            r["ids_per_second"].as_f64().unwrap_or(0.0) / 1e6,
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,538 @@
+//! Embedding bags over a cached table ([`CachedEmbeddingBag`]) and over a fully resident host
+//! table ([`EmbeddingBag`], the reference the cached bag must equal).
+//!
+//! A batch is given PyTorch-style: `indices` (ids of every bag, concatenated), `offsets` (where
+//! each bag starts, with the total length appended: `bags + 1` entries) and optional
+//! per-sample weights. Forward sums (or averages) each bag's rows; backward produces one
+//! gradient per distinct row (sparse); the optimizer updates only those rows, each with the
+//! optimizer state stored in its own row, so the state moves with the row between host and
+//! device.
+
+use super::cache::{CacheConfig, EmbeddingCache};
+use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
+use crate::error::{Error, Result};
+use crate::ops::embedding::{
+    bag_backward, bag_forward, plan_backward, row_step, BagMode, RowOptimizer, SparseGradPlan,
+};
+
+/// An optimizer of embedding rows; state per row is [`EmbeddingOptimizer::state_len`] floats.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EmbeddingOptimizer {
+    /// `w -= lr · g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// Row-wise Adagrad: one accumulator per row of the mean squared gradient.
+    RowwiseAdagrad {
+        /// Learning rate.
+        lr: f32,
+        /// Added to the root of the accumulator.
+        eps: f32,
+    },
+    /// Adam with per-element moments, updated only for rows in the batch (sparse, "lazy"
+    /// Adam); bias correction uses the global step count.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the second moment.
+        eps: f32,
+    },
+}
+
+impl EmbeddingOptimizer {
+    /// Floats of optimizer state per row for embeddings of `dim` floats.
+    pub fn state_len(&self, dim: usize) -> usize {
+        self.at_step(1).state_len(dim)
+    }
+
+    /// The scalars of step `t` (1-based).
+    pub fn at_step(&self, t: u64) -> RowOptimizer {
+        match *self {
+            EmbeddingOptimizer::Sgd { lr } => RowOptimizer::Sgd { lr },
+            EmbeddingOptimizer::RowwiseAdagrad { lr, eps } => {
+                RowOptimizer::RowwiseAdagrad { lr, eps }
+            }
+            EmbeddingOptimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                let t = t.min(i32::MAX as u64) as i32;
+                RowOptimizer::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    bias1: (1.0 - (beta1 as f64).powi(t)) as f32,
+                    bias2: (1.0 - (beta2 as f64).powi(t)) as f32,
+                }
+            }
+        }
+    }
+}
+
+/// Checks a batch's shape before anything changes: offsets non-decreasing from 0 to
+/// `indices.len()`, one weight per index, weights only with sum mode.
+fn check_batch(indices: &[u32], offsets: &[u32], weights: Option<&[f32]>) -> Result<usize> {
+    if offsets.is_empty() {
+        return Err(Error::InvalidArgument(
+            "offsets need bags + 1 entries (the total length last), got none".into(),
+        ));
+    }
+    if offsets[0] != 0 || *offsets.last().expect("non-empty") as usize != indices.len() {
+        return Err(Error::InvalidArgument(format!(
+            "offsets must run from 0 to the number of indices ({}), got {} .. {}",
+            indices.len(),
+            offsets[0],
+            offsets.last().expect("non-empty")
+        )));
+    }
+    if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::InvalidArgument(format!(
+            "offsets must not decrease: offsets[{}] = {} > offsets[{}] = {}",
+            i,
+            offsets[i],
+            i + 1,
+            offsets[i + 1]
+        )));
+    }
+    if let Some(w) = weights {
+        if w.len() != indices.len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} per-sample weights for {} indices",
+                w.len(),
+                indices.len()
+            )));
+        }
+    }
+    Ok(offsets.len() - 1)
+}
+
+/// A bag over a fully resident host table: the reference for [`CachedEmbeddingBag`], and the
+/// "everything resident" baseline.
+#[derive(Clone, Debug)]
+pub struct EmbeddingBag {
+    table: Vec<f32>,
+    rows: usize,
+    dim: usize,
+    stride: usize,
+    mode: BagMode,
+    optimizer: EmbeddingOptimizer,
+    step: u64,
+    last: Option<(SparseGradPlan, usize)>,
+    grads: Vec<f32>,
+}
+
+impl EmbeddingBag {
+    /// A bag over `weights` (`rows × dim`, row-major by id).
+    pub fn new(
+        weights: &[f32],
+        dim: usize,
+        mode: BagMode,
+        optimizer: EmbeddingOptimizer,
+    ) -> Result<Self> {
+        if dim == 0 || weights.is_empty() || weights.len() % dim != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{} weights are not a table of rows of {dim} floats",
+                weights.len()
+            )));
+        }
+        let rows = weights.len() / dim;
+        let stride = dim + optimizer.state_len(dim);
+        let mut table = vec![0f32; rows * stride];
+        for (r, w) in table.chunks_exact_mut(stride).zip(weights.chunks_exact(dim)) {
+            r[..dim].copy_from_slice(w);
+        }
+        Ok(Self {
+            table,
+            rows,
+            dim,
+            stride,
+            mode,
+            optimizer,
+            step: 0,
+            last: None,
+            grads: Vec::new(),
+        })
+    }
+
+    /// Forward: `bags × dim` outputs.
+    pub fn forward(
+        &mut self,
+        indices: &[u32],
+        offsets: &[u32],
+        weights: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
+        let bags = check_batch(indices, offsets, weights)?;
+        if let Some((i, &id)) = indices
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as usize >= self.rows)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "id {id} at position {i} is out of range for a table of {} rows",
+                self.rows
+            )));
+        }
+        let mut out = vec![0f32; bags * self.dim];
+        bag_forward(
+            &self.table,
+            self.stride,
+            self.dim,
+            indices,
+            offsets,
+            weights,
+            self.mode,
+            &mut out,
+        )?;
+        self.last = Some((plan_backward(indices, offsets, weights, self.mode)?, bags));
+        Ok(out)
+    }
+
+    /// Backward of the last forward: the distinct ids (first-occurrence order) and their
+    /// gradients (`dim` floats each).
+    pub fn backward(&mut self, grad_out: &[f32]) -> Result<(Vec<u32>, Vec<f32>)> {
+        let (plan, bags) = self
+            .last
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?;
+        if grad_out.len() != bags * self.dim {
+            return Err(Error::InvalidArgument(format!(
+                "{} output gradients for {bags} bags of {}",
+                grad_out.len(),
+                self.dim
+            )));
+        }
+        self.grads = vec![0f32; plan.rows.len() * self.dim];
+        bag_backward(
+            grad_out,
+            self.dim,
+            &plan.row_ptr,
+            &plan.entries,
+            &plan.scale,
+            &mut self.grads,
+        )?;
+        Ok((plan.rows.clone(), self.grads.clone()))
+    }
+
+    /// Applies the optimizer to the rows of the last backward.
+    pub fn step(&mut self) -> Result<()> {
+        let (plan, _) = self
+            .last
+            .take()
+            .ok_or_else(|| Error::InvalidArgument("step needs a backward first".into()))?;
+        if self.grads.len() != plan.rows.len() * self.dim {
+            return Err(Error::InvalidArgument("step needs a backward first".into()));
+        }
+        self.step += 1;
+        let opt = self.optimizer.at_step(self.step);
+        row_step(
+            &mut self.table,
+            self.stride,
+            self.dim,
+            &plan.rows,
+            &self.grads,
+            &opt,
+        )?;
+        self.grads.clear();
+        Ok(())
+    }
+
+    /// The table in id order: `rows × dim` embeddings and `rows × state` optimizer state.
+    pub fn to_vecs(&self) -> (Vec<f32>, Vec<f32>) {
+        let mut w = Vec::with_capacity(self.rows * self.dim);
+        let mut s = Vec::new();
+        for r in self.table.chunks_exact(self.stride) {
+            w.extend_from_slice(&r[..self.dim]);
+            s.extend_from_slice(&r[self.dim..]);
+        }
+        (w, s)
+    }
+}
+
+/// A device buffer reused across batches, grown when a batch needs more.
+#[derive(Debug, Default)]
+struct Scratch {
+    buf: Option<DeviceBuffer>,
+}
+
+impl Scratch {
+    /// Copies `data` to the start of the buffer (growing it) and waits for the copy.
+    fn put(&mut self, device: &Device, stream: &Stream, data: &[u8]) -> Result<()> {
+        self.reserve(device, data.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let buf = self.buf.as_ref().expect("reserved");
+        device
+            .copy_h2d(stream, HostBuffer::from_slice(data)?, buf.view(0, data.len())?)?
+            .wait()?;
+        Ok(())
+    }
+
+    fn reserve(&mut self, device: &Device, bytes: usize) -> Result<()> {
+        let have = self.buf.as_ref().map_or(0, |b| b.len());
+        if have < bytes.max(4) {
+            self.buf = None;
+            self.buf = Some(device.alloc(bytes.max(4).next_power_of_two())?);
+        }
+        Ok(())
+    }
+
+    fn view(&self, bytes: usize) -> Result<crate::device::DeviceView<'_>> {
+        self.buf
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("scratch buffer not reserved".into()))?
+            .view(0, bytes)
+    }
+}
+
+/// What a forward leaves for its backward and step.
+#[derive(Debug)]
+struct Saved {
+    plan: SparseGradPlan,
+    bags: usize,
+    backward_done: bool,
+}
+
+/// An embedding bag whose table lives in host memory with its hottest rows cached on a device
+/// (see [`EmbeddingCache`]). Forward, backward and the optimizer run on the cache's device;
+/// rows updated by the optimizer are dirty and reach the host when evicted or flushed.
+///
+/// On the simulated device the results are bitwise those of [`EmbeddingBag`] over the whole
+/// table, for every optimizer (same kernels, same order of accumulation).
+#[derive(Debug)]
+pub struct CachedEmbeddingBag {
+    cache: EmbeddingCache,
+    mode: BagMode,
+    optimizer: EmbeddingOptimizer,
+    step: u64,
+    saved: Option<Saved>,
+    slots: Scratch,
+    offsets: Scratch,
+    weights: Scratch,
+    out: Scratch,
+    grad_out: Scratch,
+    row_ptr: Scratch,
+    entries: Scratch,
+    scale: Scratch,
+    unique: Scratch,
+    grads: Scratch,
+}
+
+impl CachedEmbeddingBag {
+    /// A bag on `device` over a table set by `init(id, row)`; `config.state` is set from the
+    /// optimizer.
+    pub fn new(
+        device: Device,
+        config: CacheConfig,
+        mode: BagMode,
+        optimizer: EmbeddingOptimizer,
+        init: impl FnMut(u32, &mut [f32]),
+    ) -> Result<Self> {
+        let state = optimizer.state_len(config.dim);
+        let cache = EmbeddingCache::new(device, config.state(state), init)?;
+        Ok(Self {
+            cache,
+            mode,
+            optimizer,
+            step: 0,
+            saved: None,
+            slots: Scratch::default(),
+            offsets: Scratch::default(),
+            weights: Scratch::default(),
+            out: Scratch::default(),
+            grad_out: Scratch::default(),
+            row_ptr: Scratch::default(),
+            entries: Scratch::default(),
+            scale: Scratch::default(),
+            unique: Scratch::default(),
+            grads: Scratch::default(),
+        })
+    }
+
+    /// The cache (index, moves, reorder, checkpoints).
+    pub fn cache(&self) -> &EmbeddingCache {
+        &self.cache
+    }
+
+    /// The cache, mutably. Reordering or clearing it between a forward and its step discards
+    /// the pending gradient.
+    pub fn cache_mut(&mut self) -> &mut EmbeddingCache {
+        self.saved = None;
+        &mut self.cache
+    }
+
+    /// Optimizer steps taken.
+    pub fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Forward on the device: makes the batch's rows resident, then reduces each bag into the
+    /// returned `bags × dim` floats. Bad input (ids out of range, offsets not monotonic,
+    /// mismatched lengths, more distinct rows than slots) fails and changes nothing.
+    pub fn forward(
+        &mut self,
+        indices: &[u32],
+        offsets: &[u32],
+        weights: Option<&[f32]>,
+    ) -> Result<Vec<f32>> {
+        let bags = self.forward_device(indices, offsets, weights)?;
+        let dim = self.cache.dim();
+        let bytes = self
+            .cache
+            .device()
+            .download(self.cache.stream(), self.out.view(bags * dim * 4)?)?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// [`CachedEmbeddingBag::forward`] leaving the output on the device
+    /// ([`CachedEmbeddingBag::output`]); returns the number of bags.
+    pub fn forward_device(
+        &mut self,
+        indices: &[u32],
+        offsets: &[u32],
+        weights: Option<&[f32]>,
+    ) -> Result<usize> {
+        let bags = check_batch(indices, offsets, weights)?;
+        self.saved = None;
+        let plan = self.cache.prepare(indices)?;
+        let grad_plan = plan_backward(&plan.slots, offsets, weights, self.mode)?;
+        let (dev, s) = (self.cache.device().clone(), self.cache.stream().clone());
+        let dim = self.cache.dim();
+        self.slots
+            .put(&dev, &s, bytemuck::cast_slice(&plan.slots))?;
+        self.offsets.put(&dev, &s, bytemuck::cast_slice(offsets))?;
+        if let Some(w) = weights {
+            self.weights.put(&dev, &s, bytemuck::cast_slice(w))?;
+        }
+        self.out.reserve(&dev, bags * dim * 4)?;
+        let table = self.cache.device_table();
+        dev.embedding_bag(
+            &s,
+            table.view(0, table.len())?,
+            self.cache.stride(),
+            dim,
+            self.slots.view(indices.len() * 4)?,
+            self.offsets.view(offsets.len() * 4)?,
+            match weights {
+                Some(w) => Some(self.weights.view(w.len() * 4)?),
+                None => None,
+            },
+            self.mode,
+            self.out.view(bags * dim * 4)?,
+        )?;
+        self.saved = Some(Saved {
+            plan: grad_plan,
+            bags,
+            backward_done: false,
+        });
+        Ok(bags)
+    }
+
+    /// The device output of the last forward (`bags × dim` f32).
+    pub fn output(&self) -> Result<crate::device::DeviceView<'_>> {
+        let bags = self
+            .saved
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("no forward to read".into()))?
+            .bags;
+        self.out.view(bags * self.cache.dim() * 4)
+    }
+
+    /// Backward of the last forward from the output gradient (`bags × dim`): computes one
+    /// gradient per distinct row on the device. Returns the number of distinct rows.
+    pub fn backward(&mut self, grad_out: &[f32]) -> Result<usize> {
+        let dim = self.cache.dim();
+        let saved = self
+            .saved
+            .as_mut()
+            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?;
+        if grad_out.len() != saved.bags * dim {
+            return Err(Error::InvalidArgument(format!(
+                "{} output gradients for {} bags of {dim}",
+                grad_out.len(),
+                saved.bags
+            )));
+        }
+        let (dev, s) = (self.cache.device().clone(), self.cache.stream().clone());
+        let p = &saved.plan;
+        let u = p.rows.len();
+        self.grad_out.put(&dev, &s, bytemuck::cast_slice(grad_out))?;
+        self.row_ptr.put(&dev, &s, bytemuck::cast_slice(&p.row_ptr))?;
+        self.entries.put(&dev, &s, bytemuck::cast_slice(&p.entries))?;
+        self.scale.put(&dev, &s, bytemuck::cast_slice(&p.scale))?;
+        self.unique.put(&dev, &s, bytemuck::cast_slice(&p.rows))?;
+        self.grads.reserve(&dev, u * dim * 4)?;
+        dev.embedding_backward(
+            &s,
+            self.grad_out.view(grad_out.len() * 4)?,
+            dim,
+            self.row_ptr.view(p.row_ptr.len() * 4)?,
+            self.entries.view(p.entries.len() * 4)?,
+            self.scale.view(p.scale.len() * 4)?,
+            self.grads.view(u * dim * 4)?,
+        )?;
+        saved.backward_done = true;
+        Ok(u)
+    }
+
+    /// The sparse gradient of the last backward, downloaded: the distinct ids in
+    /// first-occurrence order and `dim` floats for each.
+    pub fn sparse_grad(&self, indices: &[u32]) -> Result<(Vec<u32>, Vec<f32>)> {
+        let saved = self
+            .saved
+            .as_ref()
+            .filter(|s| s.backward_done)
+            .ok_or_else(|| Error::InvalidArgument("no backward to read".into()))?;
+        let mut ids = Vec::with_capacity(saved.plan.rows.len());
+        let mut seen = std::collections::HashSet::new();
+        for &id in indices {
+            if seen.insert(id) {
+                ids.push(id);
+            }
+        }
+        if ids.len() != saved.plan.rows.len() {
+            return Err(Error::InvalidArgument(
+                "the indices are not those of the last forward".into(),
+            ));
+        }
+        let bytes = self.cache.device().download(
+            self.cache.stream(),
+            self.grads.view(ids.len() * self.cache.dim() * 4)?,
+        )?;
+        Ok((ids, bytemuck::pod_collect_to_vec(&bytes)))
+    }
+
+    /// Applies the optimizer to the rows of the last backward, in their cache slots, and marks
+    /// them dirty.
+    pub fn step(&mut self) -> Result<()> {
+        let saved = self
+            .saved
+            .take()
+            .filter(|s| s.backward_done)
+            .ok_or_else(|| Error::InvalidArgument("step needs a backward first".into()))?;
+        self.step += 1;
+        let opt = self.optimizer.at_step(self.step);
+        let dim = self.cache.dim();
+        let u = saved.plan.rows.len();
+        let dev = self.cache.device().clone();
+        let table = self.cache.device_table();
+        dev.embedding_step(
+            self.cache.stream(),
+            table.view(0, table.len())?,
+            self.cache.stride(),
+            dim,
+            self.unique.view(u * 4)?,
+            self.grads.view(u * dim * 4)?,
+            &opt,
+        )?;
+        self.cache.mark_dirty(&saved.plan.rows)
+    }
+}

@@ -1,0 +1,534 @@
+//! The storage of the embedding cache: the full table in host memory, `capacity` rows on the
+//! device, and the moves a [`Plan`] orders between them through bounded staging buffers.
+//!
+//! A row is `stride = dim + state` f32: the embedding, then its optimizer state, so a row's
+//! state travels with it on eviction and admission. The host table is in host-row order (after
+//! [`EmbeddingCache::reorder`], row 0 is the hottest id); everything the user sees (reads,
+//! checkpoints) is in the original id order.
+
+use std::path::{Path, PathBuf};
+
+use super::index::{CacheIndex, IndexStats, Plan};
+use super::policy::Policy;
+use crate::device::{Device, DeviceBuffer, FileStore, HostBuffer, Stream};
+use crate::error::{Error, Result};
+
+/// Which host tier holds the full table.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostTier {
+    /// Ordinary pageable memory.
+    Paged,
+    /// Page-locked memory of the cache's device (pageable on the simulated device).
+    Pinned,
+    /// A memory-mapped file in this directory, for tables larger than RAM.
+    Mapped(PathBuf),
+}
+
+/// The shape and placement of an [`EmbeddingCache`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct CacheConfig {
+    /// Rows of the table (ids `0..rows`).
+    pub rows: usize,
+    /// Floats per embedding.
+    pub dim: usize,
+    /// Floats of optimizer state per row, stored after the embedding
+    /// ([`crate::ops::embedding::RowOptimizer::state_len`]).
+    pub state: usize,
+    /// Rows cached on the device.
+    pub capacity: usize,
+    /// Eviction policy.
+    pub policy: Policy,
+    /// Where the full table lives.
+    pub host: HostTier,
+    /// Rows per host↔device transfer: the staging buffers hold this many rows.
+    pub staging_rows: usize,
+}
+
+impl CacheConfig {
+    /// `rows × dim` with `capacity` cached rows, no optimizer state, the frequency policy, paged
+    /// host memory and 4,096 staging rows.
+    pub fn new(rows: usize, dim: usize, capacity: usize) -> Self {
+        Self {
+            rows,
+            dim,
+            state: 0,
+            capacity,
+            policy: Policy::Frequency,
+            host: HostTier::Paged,
+            staging_rows: 4096,
+        }
+    }
+
+    /// Sets the floats of optimizer state per row.
+    pub fn state(mut self, state: usize) -> Self {
+        self.state = state;
+        self
+    }
+
+    /// Sets the eviction policy.
+    pub fn policy(mut self, policy: Policy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Sets the host tier.
+    pub fn host(mut self, host: HostTier) -> Self {
+        self.host = host;
+        self
+    }
+
+    /// Sets the rows per transfer.
+    pub fn staging_rows(mut self, rows: usize) -> Self {
+        self.staging_rows = rows;
+        self
+    }
+}
+
+/// Rows and bytes moved by an [`EmbeddingCache`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct MoveStats {
+    /// Rows copied host → device.
+    pub h2d_rows: u64,
+    /// Rows copied device → host.
+    pub d2h_rows: u64,
+    /// Bytes of rows (embedding and optimizer state) copied host → device.
+    pub h2d_bytes: u64,
+    /// Bytes of rows copied device → host.
+    pub d2h_bytes: u64,
+}
+
+/// A table of `rows × dim` f32 (plus per-row optimizer state) in host memory with its hottest
+/// rows cached on a device.
+pub struct EmbeddingCache {
+    device: Device,
+    stream: Stream,
+    index: CacheIndex,
+    rows: usize,
+    dim: usize,
+    stride: usize,
+    staging_rows: usize,
+    host: HostBuffer,
+    _store: Option<FileStore>,
+    cache: DeviceBuffer,
+    stage: Option<HostBuffer>,
+    stage_idx: Option<HostBuffer>,
+    stage_dev: DeviceBuffer,
+    stage_idx_dev: DeviceBuffer,
+    moved: MoveStats,
+}
+
+impl std::fmt::Debug for EmbeddingCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EmbeddingCache")
+            .field("rows", &self.rows)
+            .field("dim", &self.dim)
+            .field("stride", &self.stride)
+            .field("capacity", &self.index.capacity())
+            .field("policy", &self.index.policy().name())
+            .finish()
+    }
+}
+
+/// Counts of every id in `0..rows`, for [`EmbeddingCache::reorder`]. Fails on an id out of
+/// range.
+pub fn bincount<'a>(rows: usize, batches: impl IntoIterator<Item = &'a [u32]>) -> Result<Vec<u64>> {
+    let mut counts = vec![0u64; rows];
+    for ids in batches {
+        for &id in ids {
+            *counts.get_mut(id as usize).ok_or_else(|| {
+                Error::InvalidArgument(format!("id {id} is out of range for {rows} rows"))
+            })? += 1;
+        }
+    }
+    Ok(counts)
+}
+
+impl EmbeddingCache {
+    /// A cache on `device`, every row's embedding set by `init(id, row)` and its optimizer
+    /// state zeroed.
+    pub fn new(
+        device: Device,
+        config: CacheConfig,
+        mut init: impl FnMut(u32, &mut [f32]),
+    ) -> Result<Self> {
+        let CacheConfig {
+            rows,
+            dim,
+            state,
+            capacity,
+            policy,
+            host,
+            staging_rows,
+        } = config;
+        if dim == 0 || staging_rows == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "an embedding cache needs dim ≥ 1 and staging rows ≥ 1, got dim {dim} and \
+                 {staging_rows} staging rows"
+            )));
+        }
+        let index = CacheIndex::new(rows, capacity, policy)?;
+        let stride = dim + state;
+        let row_bytes = stride * 4;
+        let table_bytes = rows.checked_mul(row_bytes).ok_or_else(|| {
+            Error::InvalidArgument(format!("a table of {rows} rows of {row_bytes} bytes overflows"))
+        })?;
+        let (mut host, store) = match host {
+            HostTier::Paged => (HostBuffer::paged(table_bytes)?, None),
+            HostTier::Pinned => (device.alloc_host(table_bytes)?, None),
+            HostTier::Mapped(dir) => {
+                let store = FileStore::new(dir)?;
+                (store.alloc(table_bytes)?, Some(store))
+            }
+        };
+        {
+            let t = host.typed_mut::<f32>()?;
+            for (id, row) in t.chunks_exact_mut(stride).enumerate() {
+                init(id as u32, &mut row[..dim]);
+                row[dim..].fill(0.0);
+            }
+        }
+        let staging_rows = staging_rows.min(index.capacity());
+        let stream = device.new_stream()?;
+        let cache = device.alloc(index.capacity() * row_bytes)?;
+        let stage_dev = device.alloc(staging_rows * row_bytes)?;
+        let stage_idx_dev = device.alloc(staging_rows * 4)?;
+        Ok(Self {
+            stage: Some(device.alloc_host(staging_rows * row_bytes)?),
+            stage_idx: Some(device.alloc_host(staging_rows * 4)?),
+            device,
+            stream,
+            index,
+            rows,
+            dim,
+            stride,
+            staging_rows,
+            host,
+            _store: store,
+            cache,
+            stage_dev,
+            stage_idx_dev,
+            moved: MoveStats::default(),
+        })
+    }
+
+    /// A cache over `weights` (`rows × dim`, row-major by id).
+    pub fn from_weights(device: Device, config: CacheConfig, weights: &[f32]) -> Result<Self> {
+        if weights.len() != config.rows * config.dim {
+            return Err(Error::InvalidArgument(format!(
+                "{} weights for a table of {} × {}",
+                weights.len(),
+                config.rows,
+                config.dim
+            )));
+        }
+        let dim = config.dim;
+        Self::new(device, config, |id, row| {
+            let o = id as usize * dim;
+            row.copy_from_slice(&weights[o..o + dim]);
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The stream every move and kernel of this cache runs on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// The index maps and policy.
+    pub fn index(&self) -> &CacheIndex {
+        &self.index
+    }
+
+    /// Rows of the table.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Floats per embedding.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Floats per row: embedding and optimizer state.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// Cached rows the device holds.
+    pub fn capacity(&self) -> usize {
+        self.index.capacity()
+    }
+
+    /// The device-side cache: `capacity × stride` f32, slot-major.
+    pub fn device_table(&self) -> &DeviceBuffer {
+        &self.cache
+    }
+
+    /// Rows and bytes moved so far.
+    pub fn moved(&self) -> MoveStats {
+        self.moved
+    }
+
+    /// Hit and move counters of the index.
+    pub fn stats(&self) -> IndexStats {
+        self.index.stats()
+    }
+
+    /// Bytes of host memory: the table, the index maps and the staging buffers.
+    pub fn host_bytes(&self) -> usize {
+        self.host.len() + self.index.map_bytes() + self.staging_rows * (self.stride * 4 + 4)
+    }
+
+    /// Bytes of device memory: the cached rows and the staging buffers.
+    pub fn device_bytes(&self) -> usize {
+        self.cache.len() + self.stage_dev.len() + self.stage_idx_dev.len()
+    }
+
+    /// Renumbers host rows by descending `counts[id]` (see [`bincount`]) so the hottest id is
+    /// host row 0, moving the table's rows to match. Writes back and empties the cache first.
+    pub fn reorder(&mut self, counts: &[u64]) -> Result<()> {
+        if counts.len() != self.rows {
+            return Err(Error::InvalidArgument(format!(
+                "frequency reorder needs a count per row: {} counts for {} rows",
+                counts.len(),
+                self.rows
+            )));
+        }
+        self.flush()?;
+        self.index.clear()?;
+        let old = self.index.permutation().to_vec();
+        let new = self.index.reorder(counts)?.to_vec();
+        // Host row `r` moves to `dest[r]`: follow each cycle once.
+        let mut dest = vec![0u32; self.rows];
+        for (id, &r) in old.iter().enumerate() {
+            dest[r as usize] = new[id];
+        }
+        let stride = self.stride;
+        let t = self.host.typed_mut::<f32>()?;
+        let mut tmp = vec![0f32; stride];
+        let mut done = vec![false; self.rows];
+        for start in 0..self.rows {
+            if done[start] || dest[start] as usize == start {
+                continue;
+            }
+            // Carry the row at `start` around its cycle.
+            tmp.copy_from_slice(&t[start * stride..(start + 1) * stride]);
+            let mut at = start;
+            loop {
+                let to = dest[at] as usize;
+                done[at] = true;
+                let next = &mut t[to * stride..(to + 1) * stride];
+                for (a, b) in next.iter_mut().zip(tmp.iter_mut()) {
+                    std::mem::swap(a, b);
+                }
+                at = to;
+                if at == start {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Admits the hottest `ceil(ratio × capacity)` host rows into free slots (after a
+    /// [`EmbeddingCache::reorder`], the most frequent ids).
+    pub fn warm_up(&mut self, ratio: f64) -> Result<usize> {
+        if !(0.0..=1.0).contains(&ratio) {
+            return Err(Error::InvalidArgument(format!(
+                "the warm-up ratio is in [0, 1], got {ratio}"
+            )));
+        }
+        let n = (ratio * self.capacity() as f64).ceil() as usize;
+        let admit = self.index.preload(n);
+        self.admit(&admit)?;
+        Ok(admit.len())
+    }
+
+    /// Makes every id of the batch resident and returns the plan, whose `slots` give each id's
+    /// row in [`EmbeddingCache::device_table`]. Evicted dirty rows are written back before
+    /// their slots are reused. On a bad id or a batch with more distinct rows than slots it
+    /// fails and changes nothing.
+    pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
+        let plan = self.index.prepare(ids)?;
+        self.write_back(&plan.write_back)?;
+        self.admit(&plan.admit)?;
+        Ok(plan)
+    }
+
+    /// Marks the rows in `slots` as changed on the device.
+    pub fn mark_dirty(&mut self, slots: &[u32]) -> Result<()> {
+        self.index.mark_dirty(slots)
+    }
+
+    /// Writes every dirty cached row back to the host table. Returns the rows written.
+    pub fn flush(&mut self) -> Result<usize> {
+        let dirty = self.index.take_dirty();
+        self.write_back(&dirty)?;
+        Ok(dirty.len())
+    }
+
+    /// Flushes and empties the cache: every slot becomes free.
+    pub fn clear(&mut self) -> Result<()> {
+        self.flush()?;
+        self.index.clear()
+    }
+
+    /// The current value of rows `ids` (embedding and state, `stride` floats each), from the
+    /// device for cached rows and the host table for the others.
+    pub fn read_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let rows = self.index.rows_of(ids)?;
+        let host = self.host.typed::<f32>()?;
+        let mut out = Vec::with_capacity(ids.len() * self.stride);
+        let rb = self.stride * 4;
+        for &row in &rows {
+            match self.index.slot_of_row(row) {
+                Some(slot) => {
+                    let bytes = self.device.download(
+                        &self.stream,
+                        self.cache.view(slot as usize * rb, rb)?,
+                    )?;
+                    out.extend_from_slice(bytemuck::cast_slice(&bytes));
+                }
+                None => {
+                    let o = row as usize * self.stride;
+                    out.extend_from_slice(&host[o..o + self.stride]);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Flushes, then returns the whole table in id order: `rows × dim` embeddings and
+    /// `rows × state` optimizer state.
+    pub fn to_vecs(&mut self) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.flush()?;
+        let (dim, stride) = (self.dim, self.stride);
+        let host = self.host.typed::<f32>()?;
+        let mut w = Vec::with_capacity(self.rows * dim);
+        let mut s = Vec::with_capacity(self.rows * (stride - dim));
+        for &row in self.index.permutation() {
+            let r = &host[row as usize * stride..(row as usize + 1) * stride];
+            w.extend_from_slice(&r[..dim]);
+            s.extend_from_slice(&r[dim..]);
+        }
+        Ok((w, s))
+    }
+
+    /// The host table in host-row order (stale for dirty cached rows until a flush).
+    pub fn host_table(&self) -> Result<&[f32]> {
+        self.host.typed::<f32>()
+    }
+
+    /// Saves the table in id order as safetensors (`weight`: `rows × dim`; `state`:
+    /// `rows × state` when the rows carry optimizer state), after a flush.
+    pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        self.flush()?;
+        let host = self.host.typed::<f32>()?;
+        super::checkpoint::save(
+            path.as_ref(),
+            host,
+            self.index.permutation(),
+            self.dim,
+            self.stride,
+        )
+    }
+
+    /// Loads a table saved by [`EmbeddingCache::save`] (same rows, dim and state), discarding
+    /// the cache's contents.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let (dim, stride) = (self.dim, self.stride);
+        // Read fully before changing anything.
+        let (w, s) = super::checkpoint::load(path.as_ref(), self.rows, dim, stride - dim)?;
+        let _ = self.index.take_dirty();
+        self.index.clear()?;
+        let perm = self.index.permutation().to_vec();
+        let host = self.host.typed_mut::<f32>()?;
+        for (id, &row) in perm.iter().enumerate() {
+            let r = &mut host[row as usize * stride..(row as usize + 1) * stride];
+            r[..dim].copy_from_slice(&w[id * dim..(id + 1) * dim]);
+            r[dim..].copy_from_slice(&s[id * (stride - dim)..(id + 1) * (stride - dim)]);
+        }
+        Ok(())
+    }
+
+    fn upload_index(&mut self, slots: impl Iterator<Item = u32>, k: usize) -> Result<()> {
+        let mut idx = self.stage_idx.take().expect("staging index buffer present");
+        for (d, s) in idx.typed_mut::<u32>()?.iter_mut().zip(slots) {
+            *d = s;
+        }
+        let dst = self.stage_idx_dev.view(0, k * 4)?;
+        let idx = self.device.copy_h2d_part(&self.stream, idx, 0, dst)?.wait()?;
+        self.stage_idx = Some(idx);
+        Ok(())
+    }
+
+    /// Copies the rows in `moves` (`(slot, host row)`) device → host.
+    fn write_back(&mut self, moves: &[(u32, u32)]) -> Result<()> {
+        let (stride, rb) = (self.stride, self.stride * 4);
+        for chunk in moves.chunks(self.staging_rows) {
+            let k = chunk.len();
+            self.upload_index(chunk.iter().map(|m| m.0), k)?;
+            self.device.gather_rows(
+                &self.stream,
+                self.cache.view(0, self.cache.len())?,
+                rb,
+                self.stage_idx_dev.view(0, k * 4)?,
+                self.stage_dev.view(0, k * rb)?,
+            )?;
+            let stage = self.stage.take().expect("staging buffer present");
+            let stage = self
+                .device
+                .copy_d2h_part(&self.stream, self.stage_dev.view(0, k * rb)?, stage, 0)?
+                .wait()?;
+            {
+                let src = stage.typed::<f32>()?;
+                let host = self.host.typed_mut::<f32>()?;
+                for (i, &(_, row)) in chunk.iter().enumerate() {
+                    let r = row as usize * stride;
+                    host[r..r + stride].copy_from_slice(&src[i * stride..(i + 1) * stride]);
+                }
+            }
+            self.stage = Some(stage);
+            self.moved.d2h_rows += k as u64;
+            self.moved.d2h_bytes += (k * rb) as u64;
+        }
+        Ok(())
+    }
+
+    /// Copies the rows in `moves` (`(slot, host row)`) host → device.
+    fn admit(&mut self, moves: &[(u32, u32)]) -> Result<()> {
+        let (stride, rb) = (self.stride, self.stride * 4);
+        for chunk in moves.chunks(self.staging_rows) {
+            let k = chunk.len();
+            let mut stage = self.stage.take().expect("staging buffer present");
+            {
+                let dst = stage.typed_mut::<f32>()?;
+                let host = self.host.typed::<f32>()?;
+                for (i, &(_, row)) in chunk.iter().enumerate() {
+                    let r = row as usize * stride;
+                    dst[i * stride..(i + 1) * stride].copy_from_slice(&host[r..r + stride]);
+                }
+            }
+            let stage = self
+                .device
+                .copy_h2d_part(&self.stream, stage, 0, self.stage_dev.view(0, k * rb)?)?
+                .wait()?;
+            self.stage = Some(stage);
+            self.upload_index(chunk.iter().map(|m| m.0), k)?;
+            self.device.scatter_rows(
+                &self.stream,
+                self.stage_dev.view(0, k * rb)?,
+                rb,
+                self.stage_idx_dev.view(0, k * 4)?,
+                self.cache.view(0, self.cache.len())?,
+            )?;
+            self.moved.h2d_rows += k as u64;
+            self.moved.h2d_bytes += (k * rb) as u64;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,335 @@
+//! The cached embedding bag against the fully resident reference, the cache's invariants under
+//! random id streams, reorder, flush, checkpoints and bad input.
+
+mod common;
+
+use proptest::prelude::*;
+use tidemem::embedding::{
+    bincount, CacheConfig, CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer, HostTier,
+    OptimalTrace, Policy,
+};
+use tidemem::ops::embedding::BagMode;
+use tidemem::Error;
+
+const ROWS: usize = 400;
+const DIM: usize = 8;
+
+fn init(id: u32, row: &mut [f32]) {
+    for (k, x) in row.iter_mut().enumerate() {
+        *x = ((id as f32 * 0.37 + k as f32 * 1.3).sin()) * 0.1;
+    }
+}
+
+fn weights() -> Vec<f32> {
+    let mut w = vec![0f32; ROWS * DIM];
+    for (id, r) in w.chunks_exact_mut(DIM).enumerate() {
+        init(id as u32, r);
+    }
+    w
+}
+
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u32 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) as u32
+    }
+    /// Skewed ids: the minimum of two uniforms, through a fixed shuffle.
+    fn id(&mut self) -> u32 {
+        let r = (self.next() % ROWS as u32).min(self.next() % ROWS as u32);
+        (r * 7919 + 13) % ROWS as u32
+    }
+}
+
+/// A batch of `bags` bags of 1..=4 ids, with weights when asked.
+fn batch(rng: &mut Lcg, bags: usize, weighted: bool) -> (Vec<u32>, Vec<u32>, Option<Vec<f32>>) {
+    let mut idx = Vec::new();
+    let mut off = vec![0u32];
+    for _ in 0..bags {
+        let n = 1 + rng.next() % 4;
+        for _ in 0..n {
+            idx.push(rng.id());
+        }
+        off.push(idx.len() as u32);
+    }
+    let w = weighted.then(|| {
+        (0..idx.len())
+            .map(|_| (rng.next() % 100) as f32 / 50.0 - 0.5)
+            .collect()
+    });
+    (idx, off, w)
+}
+
+fn grad_of(out: &[f32]) -> Vec<f32> {
+    out.iter()
+        .enumerate()
+        .map(|(i, &y)| y - ((i % 5) as f32 * 0.1 - 0.2))
+        .collect()
+}
+
+const OPTIMIZERS: [EmbeddingOptimizer; 3] = [
+    EmbeddingOptimizer::Sgd { lr: 0.5 },
+    EmbeddingOptimizer::RowwiseAdagrad { lr: 0.3, eps: 1e-8 },
+    EmbeddingOptimizer::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    },
+];
+
+/// Ten steps of the cached bag, with a cache of a few batches' worth of rows, equal the fully
+/// resident bag bit for bit: outputs every step, then the table and optimizer state after a
+/// flush, for every optimizer, mode and policy.
+#[test]
+fn cached_bag_equals_full_table_bitwise() {
+    let w = weights();
+    for opt in OPTIMIZERS {
+        for (mode, weighted) in [(BagMode::Sum, false), (BagMode::Mean, false), (BagMode::Sum, true)] {
+            for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+                let mut rng = Lcg(11);
+                let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
+                let mut full = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
+                let config = CacheConfig::new(ROWS, DIM, 96)
+                    .policy(policy.clone())
+                    .staging_rows(7);
+                let mut cached =
+                    CachedEmbeddingBag::new(common::sim(64 << 20), config, mode, opt, init)
+                        .unwrap();
+                let counts =
+                    bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
+                cached.cache_mut().reorder(&counts).unwrap();
+                cached.cache_mut().warm_up(0.7).unwrap();
+                for (idx, off, wt) in &batches {
+                    let a = full.forward(idx, off, wt.as_deref()).unwrap();
+                    let b = cached.forward(idx, off, wt.as_deref()).unwrap();
+                    assert_eq!(bits(&a), bits(&b), "{opt:?} {mode:?} {}", policy.name());
+                    let g = grad_of(&a);
+                    let (ids, ga) = full.backward(&g).unwrap();
+                    cached.backward(&g).unwrap();
+                    let (ids_b, gb) = cached.sparse_grad(idx).unwrap();
+                    assert_eq!(ids, ids_b);
+                    assert_eq!(bits(&ga), bits(&gb));
+                    full.step().unwrap();
+                    cached.step().unwrap();
+                }
+                let stats = cached.cache().stats();
+                assert!(stats.evicted > 0, "the cache must be too small to hold every row");
+                assert!(cached.cache().moved().d2h_rows > 0);
+                let (wa, sa) = full.to_vecs();
+                let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
+                assert_eq!(bits(&wa), bits(&wb), "{opt:?} {mode:?} {}", policy.name());
+                assert_eq!(bits(&sa), bits(&sb));
+                assert_eq!(sa.len(), ROWS * opt.state_len(DIM));
+            }
+        }
+    }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() {
+    let mut rng = Lcg(3);
+    let batches: Vec<_> = (0..20).map(|_| batch(&mut rng, 16, false)).collect();
+    let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
+    let hottest = (0..ROWS).max_by_key(|&i| (counts[i], std::cmp::Reverse(i))).unwrap();
+    let opt = EmbeddingOptimizer::Sgd { lr: 0.1 };
+    let config = CacheConfig::new(ROWS, DIM, 120);
+    let mut bag =
+        CachedEmbeddingBag::new(common::sim(64 << 20), config, BagMode::Sum, opt, init).unwrap();
+    bag.cache_mut().reorder(&counts).unwrap();
+    assert_eq!(bag.cache().index().row_of(hottest as u32), Some(0));
+    // The table moved with the permutation: id `hottest` still reads its own initial row.
+    let mut expect = vec![0f32; DIM];
+    init(hottest as u32, &mut expect);
+    assert_eq!(&bag.cache().read_rows(&[hottest as u32]).unwrap()[..DIM], &expect[..]);
+    assert_eq!(bag.cache().host_table().unwrap()[..DIM], expect[..]);
+    for (idx, off, _) in &batches {
+        let out = bag.forward(idx, off, None).unwrap();
+        bag.backward(&grad_of(&out)).unwrap();
+        bag.step().unwrap();
+    }
+    let written = bag.cache_mut().flush().unwrap();
+    assert!(written > 0);
+    assert_eq!(bag.cache_mut().flush().unwrap(), 0, "a second flush has nothing to write");
+    // After a flush the host table is exact: reading with the cache cleared gives the same.
+    let ids: Vec<u32> = (0..ROWS as u32).collect();
+    let before = bag.cache().read_rows(&ids).unwrap();
+    bag.cache_mut().clear().unwrap();
+    assert_eq!(bag.cache().index().cached(), 0);
+    assert_eq!(before, bag.cache().read_rows(&ids).unwrap());
+}
+
+#[test]
+fn checkpoint_round_trip_after_training_with_a_permutation() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("table.safetensors");
+    let mut rng = Lcg(5);
+    let batches: Vec<_> = (0..8).map(|_| batch(&mut rng, 16, false)).collect();
+    let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
+    let opt = OPTIMIZERS[2];
+    let config = CacheConfig::new(ROWS, DIM, 100);
+    let mut bag =
+        CachedEmbeddingBag::new(common::sim(64 << 20), config.clone(), BagMode::Mean, opt, init)
+            .unwrap();
+    bag.cache_mut().reorder(&counts).unwrap();
+    for (idx, off, _) in &batches {
+        let out = bag.forward(idx, off, None).unwrap();
+        bag.backward(&grad_of(&out)).unwrap();
+        bag.step().unwrap();
+    }
+    bag.cache_mut().save(&path).unwrap();
+    let (w, s) = bag.cache_mut().to_vecs().unwrap();
+    // A fresh bag in identity order loads the same table, in id order.
+    let mut other = CachedEmbeddingBag::new(
+        common::sim(64 << 20),
+        config.host(HostTier::Mapped(dir.path().to_path_buf())),
+        BagMode::Mean,
+        opt,
+        |_, r| r.fill(0.0),
+    )
+    .unwrap();
+    other.cache_mut().load(&path).unwrap();
+    let (w2, s2) = other.cache_mut().to_vecs().unwrap();
+    assert_eq!(bits(&w), bits(&w2));
+    assert_eq!(bits(&s), bits(&s2));
+    // And the trained bag reloads its own checkpoint unchanged, through its permutation.
+    bag.cache_mut().load(&path).unwrap();
+    assert_eq!(bits(&w), bits(&bag.cache_mut().to_vecs().unwrap().0));
+    // A checkpoint of another shape is refused.
+    let mut small = CachedEmbeddingBag::new(
+        common::sim(64 << 20),
+        CacheConfig::new(ROWS, DIM + 1, 10),
+        BagMode::Mean,
+        opt,
+        init,
+    )
+    .unwrap();
+    assert!(small.cache_mut().load(&path).is_err());
+}
+
+#[test]
+fn bad_input_is_refused_and_changes_nothing() {
+    let opt = EmbeddingOptimizer::Sgd { lr: 0.1 };
+    let mut bag = CachedEmbeddingBag::new(
+        common::sim(64 << 20),
+        CacheConfig::new(ROWS, DIM, 4),
+        BagMode::Sum,
+        opt,
+        init,
+    )
+    .unwrap();
+    bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
+    let stats = bag.cache().stats();
+    let moved = bag.cache().moved();
+    let bad: Vec<(Vec<u32>, Vec<u32>, Option<Vec<f32>>)> = vec![
+        (vec![1, ROWS as u32], vec![0, 2], None),  // id out of range
+        (vec![1, 2, 3], vec![0, 2, 1, 3], None),   // offsets decrease
+        (vec![1, 2], vec![0, 1], None),            // offsets do not end at the length
+        (vec![1, 2], vec![1, 2], None),            // offsets do not start at 0
+        (vec![1, 2], vec![], None),                // no offsets
+        (vec![1, 2], vec![0, 2], Some(vec![1.0])), // weights length
+        (vec![5, 6, 7, 8, 9], vec![0, 5], None),   // more distinct rows than slots
+    ];
+    for (idx, off, w) in &bad {
+        let e = bag.forward(idx, off, w.as_deref()).unwrap_err();
+        assert!(
+            matches!(e, Error::InvalidArgument(_) | Error::CacheTooSmall { .. }),
+            "{e}"
+        );
+        assert_eq!(bag.cache().stats(), stats);
+        assert_eq!(bag.cache().moved(), moved);
+    }
+    assert!(bag.backward(&[0.0; DIM]).is_err(), "no pending forward after a failed one");
+    bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
+    assert!(bag.backward(&[0.0; 3]).is_err());
+    assert!(bag.step().is_err(), "step before backward");
+    assert!(bincount(3, [&[0u32, 3][..]]).is_err());
+}
+
+#[test]
+fn optimal_policy_needs_its_trace_order() {
+    let trace = vec![vec![1u32, 2], vec![3]];
+    let config = CacheConfig::new(ROWS, DIM, 4)
+        .policy(Policy::Optimal(OptimalTrace::new(&trace).unwrap()));
+    let mut bag = CachedEmbeddingBag::new(
+        common::sim(1 << 20),
+        config,
+        BagMode::Sum,
+        EmbeddingOptimizer::Sgd { lr: 0.1 },
+        init,
+    )
+    .unwrap();
+    assert!(bag.forward(&[3], &[0, 1], None).is_err());
+    bag.forward(&[1, 2], &[0, 2], None).unwrap();
+    bag.forward(&[3], &[0, 1], None).unwrap();
+    assert!(bag.forward(&[3], &[0, 1], None).is_err(), "past the trace's end");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Under random id streams, cache sizes and policies: rows the batch uses are resident in
+    /// the slots the plan gives; every row not cached has its latest value on the host (so an
+    /// evicted dirty row was written back before its slot was reused); the cache never holds
+    /// more rows than slots.
+    #[test]
+    fn cache_never_loses_an_update(
+        seed in 0u64..1000,
+        capacity in 8usize..64,
+        policy in 0usize..3,
+        steps in 4usize..14,
+    ) {
+        let policy = [Policy::Frequency, Policy::Lfu, Policy::Lru][policy].clone();
+        let opt = EmbeddingOptimizer::Sgd { lr: 0.25 };
+        let w = weights();
+        let mut shadow = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
+        let config = CacheConfig::new(ROWS, DIM, capacity).policy(policy).staging_rows(3);
+        let mut bag =
+            CachedEmbeddingBag::new(common::sim(16 << 20), config, BagMode::Sum, opt, init)
+                .unwrap();
+        let mut rng = Lcg(seed);
+        for _ in 0..steps {
+            let (idx, off, _) = batch(&mut rng, 1 + (rng.next() % 3) as usize, false);
+            let b = match bag.forward(&idx, &off, None) {
+                Ok(b) => b,
+                Err(Error::CacheTooSmall { unique, capacity: c }) => {
+                    prop_assert!(unique > c);
+                    continue;
+                }
+                Err(e) => return Err(TestCaseError::fail(e.to_string())),
+            };
+            let a = shadow.forward(&idx, &off, None).unwrap();
+            prop_assert_eq!(bits(&a), bits(&b));
+            let ix = bag.cache().index();
+            prop_assert!(ix.cached() <= ix.capacity());
+            for &id in &idx {
+                let row = ix.row_of(id).unwrap();
+                let slot = ix.slot_of_row(row);
+                prop_assert!(slot.is_some(), "row of the batch not resident");
+                prop_assert_eq!(ix.row_in_slot(slot.unwrap()), Some(row));
+            }
+            let g = grad_of(&a);
+            shadow.backward(&g).unwrap();
+            bag.backward(&g).unwrap();
+            shadow.step().unwrap();
+            bag.step().unwrap();
+            let (sw, _) = shadow.to_vecs();
+            let ix = bag.cache().index();
+            let host = bag.cache().host_table().unwrap();
+            for id in 0..ROWS as u32 {
+                let row = ix.row_of(id).unwrap();
+                if ix.slot_of_row(row).is_none() {
+                    let h = &host[row as usize * DIM..(row as usize + 1) * DIM];
+                    prop_assert_eq!(bits(h), bits(&sw[id as usize * DIM..(id as usize + 1) * DIM]));
+                }
+            }
+        }
+    }
+}

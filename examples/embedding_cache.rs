@@ -52,7 +52,11 @@ struct Args {
     #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.015,0.05")]
     ratios: Vec<f64>,
     /// Policies to run: frequency, lfu, lru, optimal.
-    #[arg(long, value_delimiter = ',', default_value = "frequency,lfu,lru,optimal")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "frequency,lfu,lru,optimal"
+    )]
     policies: Vec<String>,
     /// Embedding width, for byte counts.
     #[arg(long, default_value_t = 128)]
@@ -202,7 +206,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     for r in &results {
         if let Some(e) = r.get("error") {
-            println!("{:>7} {:>10} {:>10} error: {e}", r["ratio"], r["capacity"], r["policy"]);
+            println!(
+                "{:>7} {:>10} {:>10} error: {e}",
+                r["ratio"], r["capacity"], r["policy"]
+            );
             continue;
         }
         println!(

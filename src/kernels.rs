@@ -34,6 +34,10 @@ pub const SOURCES: &[KernelSource] = &[
         name: "adam.cu",
         code: include_str!("../kernels/adam.cu"),
     },
+    KernelSource {
+        name: "embedding.cu",
+        code: include_str!("../kernels/embedding.cu"),
+    },
 ];
 
 /// The source named `name`.

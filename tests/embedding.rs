@@ -45,7 +45,7 @@ impl Lcg {
 }
 
 /// A batch of `bags` bags of 1..=4 ids, with weights when asked.
-fn batch(rng: &mut Lcg, bags: usize, weighted: bool) -> (Vec<u32>, Vec<u32>, Option<Vec<f32>>) {
+fn batch(rng: &mut Lcg, bags: usize, weighted: bool) -> Case {
     let mut idx = Vec::new();
     let mut off = vec![0u32];
     for _ in 0..bags {
@@ -88,7 +88,11 @@ const OPTIMIZERS: [EmbeddingOptimizer; 3] = [
 fn cached_bag_equals_full_table_bitwise() {
     let w = weights();
     for opt in OPTIMIZERS {
-        for (mode, weighted) in [(BagMode::Sum, false), (BagMode::Mean, false), (BagMode::Sum, true)] {
+        for (mode, weighted) in [
+            (BagMode::Sum, false),
+            (BagMode::Mean, false),
+            (BagMode::Sum, true),
+        ] {
             for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
                 let mut rng = Lcg(11);
                 let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
@@ -99,8 +103,7 @@ fn cached_bag_equals_full_table_bitwise() {
                 let mut cached =
                     CachedEmbeddingBag::new(common::sim(64 << 20), config, mode, opt, init)
                         .unwrap();
-                let counts =
-                    bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
+                let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
                 cached.cache_mut().reorder(&counts).unwrap();
                 cached.cache_mut().warm_up(0.7).unwrap();
                 for (idx, off, wt) in &batches {
@@ -117,7 +120,10 @@ fn cached_bag_equals_full_table_bitwise() {
                     cached.step().unwrap();
                 }
                 let stats = cached.cache().stats();
-                assert!(stats.evicted > 0, "the cache must be too small to hold every row");
+                assert!(
+                    stats.evicted > 0,
+                    "the cache must be too small to hold every row"
+                );
                 assert!(cached.cache().moved().d2h_rows > 0);
                 let (wa, sa) = full.to_vecs();
                 let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
@@ -138,7 +144,9 @@ fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() 
     let mut rng = Lcg(3);
     let batches: Vec<_> = (0..20).map(|_| batch(&mut rng, 16, false)).collect();
     let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
-    let hottest = (0..ROWS).max_by_key(|&i| (counts[i], std::cmp::Reverse(i))).unwrap();
+    let hottest = (0..ROWS)
+        .max_by_key(|&i| (counts[i], std::cmp::Reverse(i)))
+        .unwrap();
     let opt = EmbeddingOptimizer::Sgd { lr: 0.1 };
     let config = CacheConfig::new(ROWS, DIM, 120);
     let mut bag =
@@ -148,7 +156,10 @@ fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() 
     // The table moved with the permutation: id `hottest` still reads its own initial row.
     let mut expect = vec![0f32; DIM];
     init(hottest as u32, &mut expect);
-    assert_eq!(&bag.cache().read_rows(&[hottest as u32]).unwrap()[..DIM], &expect[..]);
+    assert_eq!(
+        &bag.cache().read_rows(&[hottest as u32]).unwrap()[..DIM],
+        &expect[..]
+    );
     assert_eq!(bag.cache().host_table().unwrap()[..DIM], expect[..]);
     for (idx, off, _) in &batches {
         let out = bag.forward(idx, off, None).unwrap();
@@ -157,7 +168,11 @@ fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() 
     }
     let written = bag.cache_mut().flush().unwrap();
     assert!(written > 0);
-    assert_eq!(bag.cache_mut().flush().unwrap(), 0, "a second flush has nothing to write");
+    assert_eq!(
+        bag.cache_mut().flush().unwrap(),
+        0,
+        "a second flush has nothing to write"
+    );
     // After a flush the host table is exact: reading with the cache cleared gives the same.
     let ids: Vec<u32> = (0..ROWS as u32).collect();
     let before = bag.cache().read_rows(&ids).unwrap();
@@ -175,9 +190,14 @@ fn checkpoint_round_trip_after_training_with_a_permutation() {
     let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
     let opt = OPTIMIZERS[2];
     let config = CacheConfig::new(ROWS, DIM, 100);
-    let mut bag =
-        CachedEmbeddingBag::new(common::sim(64 << 20), config.clone(), BagMode::Mean, opt, init)
-            .unwrap();
+    let mut bag = CachedEmbeddingBag::new(
+        common::sim(64 << 20),
+        config.clone(),
+        BagMode::Mean,
+        opt,
+        init,
+    )
+    .unwrap();
     bag.cache_mut().reorder(&counts).unwrap();
     for (idx, off, _) in &batches {
         let out = bag.forward(idx, off, None).unwrap();
@@ -214,6 +234,9 @@ fn checkpoint_round_trip_after_training_with_a_permutation() {
     assert!(small.cache_mut().load(&path).is_err());
 }
 
+/// Indices, offsets and weights of one batch.
+type Case = (Vec<u32>, Vec<u32>, Option<Vec<f32>>);
+
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let opt = EmbeddingOptimizer::Sgd { lr: 0.1 };
@@ -228,7 +251,7 @@ fn bad_input_is_refused_and_changes_nothing() {
     bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
     let stats = bag.cache().stats();
     let moved = bag.cache().moved();
-    let bad: Vec<(Vec<u32>, Vec<u32>, Option<Vec<f32>>)> = vec![
+    let bad: Vec<Case> = vec![
         (vec![1, ROWS as u32], vec![0, 2], None),  // id out of range
         (vec![1, 2, 3], vec![0, 2, 1, 3], None),   // offsets decrease
         (vec![1, 2], vec![0, 1], None),            // offsets do not end at the length
@@ -246,7 +269,10 @@ fn bad_input_is_refused_and_changes_nothing() {
         assert_eq!(bag.cache().stats(), stats);
         assert_eq!(bag.cache().moved(), moved);
     }
-    assert!(bag.backward(&[0.0; DIM]).is_err(), "no pending forward after a failed one");
+    assert!(
+        bag.backward(&[0.0; DIM]).is_err(),
+        "no pending forward after a failed one"
+    );
     bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
     assert!(bag.backward(&[0.0; 3]).is_err());
     assert!(bag.step().is_err(), "step before backward");
@@ -256,8 +282,8 @@ fn bad_input_is_refused_and_changes_nothing() {
 #[test]
 fn optimal_policy_needs_its_trace_order() {
     let trace = vec![vec![1u32, 2], vec![3]];
-    let config = CacheConfig::new(ROWS, DIM, 4)
-        .policy(Policy::Optimal(OptimalTrace::new(&trace).unwrap()));
+    let config =
+        CacheConfig::new(ROWS, DIM, 4).policy(Policy::Optimal(OptimalTrace::new(&trace).unwrap()));
     let mut bag = CachedEmbeddingBag::new(
         common::sim(1 << 20),
         config,
@@ -269,7 +295,10 @@ fn optimal_policy_needs_its_trace_order() {
     assert!(bag.forward(&[3], &[0, 1], None).is_err());
     bag.forward(&[1, 2], &[0, 2], None).unwrap();
     bag.forward(&[3], &[0, 1], None).unwrap();
-    assert!(bag.forward(&[3], &[0, 1], None).is_err(), "past the trace's end");
+    assert!(
+        bag.forward(&[3], &[0, 1], None).is_err(),
+        "past the trace's end"
+    );
 }
 
 proptest! {
@@ -296,7 +325,8 @@ proptest! {
                 .unwrap();
         let mut rng = Lcg(seed);
         for _ in 0..steps {
-            let (idx, off, _) = batch(&mut rng, 1 + (rng.next() % 3) as usize, false);
+            let bags = 1 + (rng.next() % 3) as usize;
+            let (idx, off, _) = batch(&mut rng, bags, false);
             let b = match bag.forward(&idx, &off, None) {
                 Ok(b) => b,
                 Err(Error::CacheTooSmall { unique, capacity: c }) => {

@@ -21,6 +21,7 @@ use super::{
 };
 use crate::error::{Error, Result};
 use crate::kernels;
+use crate::ops::embedding::{BagMode, EmbeddingKernel, RowOptimizer};
 
 struct CudaMem {
     /// `None` for zero-length buffers (nothing allocated).
@@ -296,6 +297,11 @@ impl Backend for CudaBackend {
                 .iter()
                 .map(|(b, _, _)| mem(b))
                 .collect::<Result<_>>()?,
+            Op::Embedding { reads, write, .. } => reads
+                .iter()
+                .map(|(b, _, _)| mem(b))
+                .chain(std::iter::once(mem(write.0)))
+                .collect::<Result<_>>()?,
         };
         // SAFETY: forwarded from this function's contract.
         unsafe { self.enqueue_op(s, cs, op)? };
@@ -346,6 +352,11 @@ impl CudaBackend {
     /// As [`Backend::enqueue`].
     unsafe fn enqueue_op(&self, s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
         match op {
+            Op::Embedding {
+                kernel,
+                reads,
+                write,
+            } => self.embedding(s, kernel, reads, write)?,
             Op::Foreign { operands, run } => {
                 let ops: Vec<(&CudaMem, usize, bool)> = operands
                     .iter()
@@ -593,6 +604,131 @@ impl CudaBackend {
         Ok(())
     }
 }
+
+impl CudaBackend {
+    /// Launches one embedding kernel of `kernels/embedding.cu` (operands validated by
+    /// `Device`: in bounds, 4-byte aligned, the written range disjoint from the read ones).
+    fn embedding(
+        &self,
+        s: &Arc<CudaStream>,
+        kernel: EmbeddingKernel,
+        reads: &[(&RawBuffer, usize, usize)],
+        write: (&RawBuffer, usize, usize),
+    ) -> Result<()> {
+        let mut operands: Vec<(&CudaMem, usize, bool)> = reads
+            .iter()
+            .map(|&(b, off, _)| mem(b).map(|m| (m, off, false)))
+            .collect::<Result<_>>()?;
+        operands.push((mem(write.0)?, write.1, true));
+        let len = |i: usize| if i < reads.len() { reads[i].2 } else { write.2 } as u64;
+        let (name, blocks) = match kernel {
+            EmbeddingKernel::Bag { .. } => ("emb_bag", (len(2) / 4).saturating_sub(1)),
+            EmbeddingKernel::Backward { .. } => ("emb_backward", (len(1) / 4).saturating_sub(1)),
+            EmbeddingKernel::Step { .. } => ("emb_step", len(0) / 4),
+            EmbeddingKernel::Gather { .. } => ("emb_gather", len(1) / 4),
+            EmbeddingKernel::Scatter { .. } => ("emb_scatter", len(1) / 4),
+        };
+        if blocks == 0 {
+            return Ok(());
+        }
+        let f = self.function("embedding.cu", name)?;
+        let config = LaunchConfig {
+            grid_dim: (blocks.min(65_535) as u32, 1, 1),
+            block_dim: (EMBEDDING_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let launch = |ptrs: &[u64]| -> Result<()> {
+            // Scalars live until the launch below.
+            let (mut us, mut fs, mut is): (Vec<u64>, Vec<f32>, Vec<i32>) = (vec![], vec![], vec![]);
+            let null = 0u64;
+            let mut b = s.launch_builder(&f);
+            match kernel {
+                EmbeddingKernel::Bag {
+                    stride,
+                    dim,
+                    mode,
+                    weighted,
+                } => {
+                    let rows = len(0) / 4 / stride as u64;
+                    us.extend([rows, stride as u64, dim as u64, len(1) / 4, blocks]);
+                    is.push((mode == BagMode::Mean) as i32);
+                    b.arg(&ptrs[0]).arg(&ptrs[1]).arg(&ptrs[2]);
+                    if weighted {
+                        b.arg(&ptrs[3]).arg(&ptrs[4]);
+                    } else {
+                        b.arg(&null).arg(&ptrs[3]);
+                    }
+                    for u in &us {
+                        b.arg(u);
+                    }
+                    b.arg(&is[0]);
+                }
+                EmbeddingKernel::Backward { dim } => {
+                    us.extend([blocks, dim as u64, len(0) / 4 / dim as u64, len(2) / 4]);
+                    for p in &ptrs[..5] {
+                        b.arg(p);
+                    }
+                    for u in &us {
+                        b.arg(u);
+                    }
+                }
+                EmbeddingKernel::Step { stride, dim, opt } => {
+                    let rows = len(2) / 4 / stride as u64;
+                    us.extend([rows, stride as u64, dim as u64, blocks]);
+                    let (kind, lr, eps, b1, b2, c1, c2) = match opt {
+                        RowOptimizer::Sgd { lr } => (0, lr, 0.0, 0.0, 0.0, 1.0, 1.0),
+                        RowOptimizer::RowwiseAdagrad { lr, eps } => {
+                            (1, lr, eps, 0.0, 0.0, 1.0, 1.0)
+                        }
+                        RowOptimizer::Adam {
+                            lr,
+                            beta1,
+                            beta2,
+                            eps,
+                            bias1,
+                            bias2,
+                        } => (2, lr, eps, beta1, beta2, bias1, bias2),
+                    };
+                    is.push(kind);
+                    fs.extend([lr, eps, b1, b2, c1, c2]);
+                    // table (the written operand), rows, grads.
+                    b.arg(&ptrs[2]).arg(&ptrs[0]).arg(&ptrs[1]);
+                    for u in &us {
+                        b.arg(u);
+                    }
+                    b.arg(&is[0]);
+                    for x in &fs {
+                        b.arg(x);
+                    }
+                }
+                EmbeddingKernel::Gather { row_bytes } | EmbeddingKernel::Scatter { row_bytes } => {
+                    let table = if matches!(kernel, EmbeddingKernel::Gather { .. }) {
+                        len(0)
+                    } else {
+                        len(2)
+                    };
+                    let words = row_bytes as u64 / 4;
+                    us.extend([table / row_bytes as u64, words, blocks]);
+                    b.arg(&ptrs[0]).arg(&ptrs[1]).arg(&ptrs[2]);
+                    for u in &us {
+                        b.arg(u);
+                    }
+                }
+            }
+            // SAFETY: the arguments match the kernel's parameters (pointers, then the u64
+            // sizes, then the int and float scalars, in the order of `kernels/embedding.cu`);
+            // every size is derived from the validated operand lengths, and the kernels clamp
+            // offsets and skip index values out of range, so no access leaves its operand.
+            unsafe { b.launch(config) }
+                .map(|_| ())
+                .map_err(err("launching an embedding kernel"))
+        };
+        with_ptrs(s, &operands, launch)
+    }
+}
+
+/// Threads per block of the embedding kernels.
+const EMBEDDING_THREADS: u32 = 128;
 
 /// Threads per block of `grad_stats_partial_*` (`GS_THREADS` in `kernels/adam.cu`).
 const GRAD_STATS_THREADS: u32 = 1024;

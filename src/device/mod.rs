@@ -47,6 +47,7 @@ pub use sim::{LinkModel, SimBackend, SimConfig};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::embedding::{BagMode, EmbeddingKernel, RowOptimizer};
 use crate::optim::AdamScalars;
 use order::{Access, AccessRecord, Clock, Clocks};
 
@@ -218,6 +219,16 @@ pub enum Op<'a> {
         /// Byte offset in `out`.
         out_offset: usize,
     },
+    /// An embedding kernel (see [`crate::ops::embedding`]): `reads` are `(buffer, byte offset,
+    /// byte length)` in the order the kernel lists, `write` the one range it writes.
+    Embedding {
+        /// Which kernel, with its scalars.
+        kernel: EmbeddingKernel,
+        /// Operands read.
+        reads: &'a [(&'a RawBuffer, usize, usize)],
+        /// The operand written.
+        write: (&'a RawBuffer, usize, usize),
+    },
     /// Work of a library that takes raw device addresses on the backend's native stream (NCCL
     /// collectives): `run` gets the address of every operand (base + offset, in order) and the
     /// stream handle. Backends without device addresses (the simulated device) refuse it.
@@ -261,6 +272,28 @@ pub struct AdamOperands<'a> {
     /// The low-precision (F16/BF16) copy of the new parameters: the gradient's own range (the
     /// gradient is replaced), a range that overlaps no operand, or `None`.
     pub copy: Option<(DeviceView<'a>, DType)>,
+}
+
+fn check_shape(stride: usize, dim: usize) -> Result<()> {
+    if dim == 0 || stride < dim {
+        return Err(Error::InvalidArgument(format!(
+            "embedding rows need 1 ≤ dim ≤ stride, got dim {dim} and stride {stride}"
+        )));
+    }
+    Ok(())
+}
+
+/// `packed` holds one row of `row_bytes` per index.
+fn check_rows(row_bytes: usize, index: &DeviceView<'_>, packed: &DeviceView<'_>) -> Result<()> {
+    if row_bytes == 0 || !row_bytes.is_multiple_of(4) || packed.len != index.len / 4 * row_bytes {
+        return Err(Error::InvalidArgument(format!(
+            "row moves need rows of a positive multiple of 4 bytes ({row_bytes}) and one packed \
+             row per index: {} bytes for {} indices",
+            packed.len,
+            index.len / 4
+        )));
+    }
+    Ok(())
 }
 
 /// Decodes the result of [`Device::grad_stats`] from the first 16 downloaded bytes.
@@ -1082,6 +1115,225 @@ impl Device {
             acc.push((c.buf, Access::Write));
         }
         self.submit(stream, &acc, op).map(|_| ())
+    }
+
+    /// Validates and enqueues an embedding kernel: every range 4-byte aligned, the written one
+    /// overlapping no read one.
+    fn embedding_op(
+        &self,
+        stream: &Stream,
+        kernel: EmbeddingKernel,
+        reads: &[(&'static str, &DeviceView<'_>)],
+        write: (&'static str, &DeviceView<'_>),
+    ) -> Result<()> {
+        for &(what, v) in reads.iter().chain(std::iter::once(&write)) {
+            if v.offset % 4 != 0 || v.len % 4 != 0 {
+                return Err(Error::Misaligned {
+                    what,
+                    value: if v.offset % 4 != 0 { v.offset } else { v.len },
+                    align: 4,
+                });
+            }
+        }
+        let (wn, w) = write;
+        for &(what, r) in reads {
+            if std::ptr::eq(r.buf, w.buf)
+                && r.offset < w.offset + w.len
+                && w.offset < r.offset + r.len
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "embedding {wn} overlaps the {what}"
+                )));
+            }
+        }
+        let raw: Vec<(&RawBuffer, usize, usize)> = reads
+            .iter()
+            .map(|(_, v)| (&v.buf.raw, v.offset, v.len))
+            .collect();
+        let op = Op::Embedding {
+            kernel,
+            reads: &raw,
+            write: (&w.buf.raw, w.offset, w.len),
+        };
+        let mut acc: Vec<(&DeviceBuffer, Access)> =
+            reads.iter().map(|(_, v)| (v.buf, Access::Read)).collect();
+        acc.push((w.buf, Access::Write));
+        self.submit(stream, &acc, op).map(|_| ())
+    }
+
+    /// Embedding bags on `stream`: bag `b` of `out` (`bags × dim` f32) reduces the rows
+    /// `indices[offsets[b]..offsets[b + 1]]` (u32) of `table` (f32 rows of `stride` floats,
+    /// the first `dim` the embedding), weighted by `weights` (f32 per index) when given.
+    /// `offsets` holds `bags + 1` u32 that must not decrease; index values out of range are
+    /// skipped. See [`crate::ops::embedding::bag_forward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_bag(
+        &self,
+        stream: &Stream,
+        table: DeviceView<'_>,
+        stride: usize,
+        dim: usize,
+        indices: DeviceView<'_>,
+        offsets: DeviceView<'_>,
+        weights: Option<DeviceView<'_>>,
+        mode: BagMode,
+        out: DeviceView<'_>,
+    ) -> Result<()> {
+        check_shape(stride, dim)?;
+        let bags = (offsets.len / 4).checked_sub(1).ok_or_else(|| {
+            Error::InvalidArgument("embedding bag offsets need bags + 1 entries".into())
+        })?;
+        if out.len != bags * dim * 4 {
+            return Err(Error::InvalidArgument(format!(
+                "embedding bag output of {} bytes for {bags} bags of {dim} f32",
+                out.len
+            )));
+        }
+        if let Some(w) = &weights {
+            if w.len != indices.len {
+                return Err(Error::InvalidArgument(format!(
+                    "{} bytes of weights for {} bytes of indices",
+                    w.len, indices.len
+                )));
+            }
+        }
+        let mut reads = vec![
+            ("table", &table),
+            ("indices", &indices),
+            ("offsets", &offsets),
+        ];
+        if let Some(w) = &weights {
+            reads.push(("weights", w));
+        }
+        let kernel = EmbeddingKernel::Bag {
+            stride,
+            dim,
+            mode,
+            weighted: weights.is_some(),
+        };
+        self.embedding_op(stream, kernel, &reads, ("output", &out))
+    }
+
+    /// Sparse embedding backward on `stream`: `grads` (`rows × dim` f32, `rows = row_ptr
+    /// entries - 1`) gets, for each distinct row, Σ `scale[e]·grad_out[entries[e]]` over its
+    /// entries (u32 bag indices, f32 scales). See [`crate::ops::embedding::bag_backward`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_backward(
+        &self,
+        stream: &Stream,
+        grad_out: DeviceView<'_>,
+        dim: usize,
+        row_ptr: DeviceView<'_>,
+        entries: DeviceView<'_>,
+        scale: DeviceView<'_>,
+        grads: DeviceView<'_>,
+    ) -> Result<()> {
+        check_shape(dim, dim)?;
+        let rows = (row_ptr.len / 4).checked_sub(1).ok_or_else(|| {
+            Error::InvalidArgument("embedding backward row starts need rows + 1 entries".into())
+        })?;
+        if grads.len != rows * dim * 4
+            || scale.len != entries.len
+            || !grad_out.len.is_multiple_of(dim * 4)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "embedding backward: {} bytes of gradients for {rows} rows of {dim} f32, {} bytes                  of scales for {} bytes of entries, {} bytes of output gradient",
+                grads.len, scale.len, entries.len, grad_out.len
+            )));
+        }
+        let reads = [
+            ("output gradient", &grad_out),
+            ("row starts", &row_ptr),
+            ("entries", &entries),
+            ("scales", &scale),
+        ];
+        self.embedding_op(
+            stream,
+            EmbeddingKernel::Backward { dim },
+            &reads,
+            ("gradients", &grads),
+        )
+    }
+
+    /// One optimizer step on the rows `rows` (u32, distinct) of `table` with gradients `grads`
+    /// (`rows × dim` f32), on `stream`. Each row's state is stored after its embedding, so
+    /// `stride ≥ dim + opt.state_len(dim)`. See [`crate::ops::embedding::row_step`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn embedding_step(
+        &self,
+        stream: &Stream,
+        table: DeviceView<'_>,
+        stride: usize,
+        dim: usize,
+        rows: DeviceView<'_>,
+        grads: DeviceView<'_>,
+        opt: &RowOptimizer,
+    ) -> Result<()> {
+        check_shape(stride, dim)?;
+        if stride < dim + opt.state_len(dim) {
+            return Err(Error::InvalidArgument(format!(
+                "rows of {stride} floats cannot hold {dim} weights and {} floats of optimizer state",
+                opt.state_len(dim)
+            )));
+        }
+        if grads.len != rows.len * dim {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes of gradients for {} rows of {dim} f32",
+                grads.len,
+                rows.len / 4
+            )));
+        }
+        let kernel = EmbeddingKernel::Step {
+            stride,
+            dim,
+            opt: *opt,
+        };
+        self.embedding_op(
+            stream,
+            kernel,
+            &[("rows", &rows), ("gradients", &grads)],
+            ("table", &table),
+        )
+    }
+
+    /// Row `i` of `dst` = row `index[i]` (u32) of `src`, rows of `row_bytes` (a multiple of 4),
+    /// on `stream`; index values out of range are skipped.
+    pub fn gather_rows(
+        &self,
+        stream: &Stream,
+        src: DeviceView<'_>,
+        row_bytes: usize,
+        index: DeviceView<'_>,
+        dst: DeviceView<'_>,
+    ) -> Result<()> {
+        check_rows(row_bytes, &index, &dst)?;
+        let kernel = EmbeddingKernel::Gather { row_bytes };
+        self.embedding_op(
+            stream,
+            kernel,
+            &[("source", &src), ("index", &index)],
+            ("destination", &dst),
+        )
+    }
+
+    /// Row `index[i]` (u32) of `dst` = row `i` of `src`, rows of `row_bytes` (a multiple of 4),
+    /// on `stream`; index values out of range are skipped; index values should be distinct.
+    pub fn scatter_rows(
+        &self,
+        stream: &Stream,
+        src: DeviceView<'_>,
+        row_bytes: usize,
+        index: DeviceView<'_>,
+        dst: DeviceView<'_>,
+    ) -> Result<()> {
+        check_rows(row_bytes, &index, &src)?;
+        let kernel = EmbeddingKernel::Scatter { row_bytes };
+        self.embedding_op(
+            stream,
+            kernel,
+            &[("source", &src), ("index", &index)],
+            ("destination", &dst),
+        )
     }
 
     /// Gradient statistics of `src` (elements of `dtype`) on `stream`: the sum of squares and

@@ -22,6 +22,7 @@ use super::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::embedding::EmbeddingKernel;
 use crate::optim::adam::AdamScalars;
 use crate::optim::cpu_adam::{grad_stats_raw, RawKind, RawStep};
 use crate::optim::CpuAdam;
@@ -247,6 +248,11 @@ enum Work {
         out: Arc<SimMem>,
         ooff: usize,
     },
+    Embedding {
+        kernel: EmbeddingKernel,
+        reads: Vec<(Arc<SimMem>, usize, usize)>,
+        write: (Arc<SimMem>, usize, usize),
+    },
 }
 
 struct SendPtr(*mut u8);
@@ -356,6 +362,22 @@ fn run(work: Work, link: Option<LinkModel>) {
             b[..8].copy_from_slice(&st.sum_sq.to_le_bytes());
             b[8..].copy_from_slice(&(st.nonfinite as u8 as f64).to_le_bytes());
             unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out.at(ooff), 16) };
+            None
+        }
+        Work::Embedding {
+            kernel,
+            reads,
+            write,
+        } => {
+            // The written range overlaps no read range (checked by `Device`), so the mutable
+            // slice aliases none of the shared ones; all are in bounds and 4-byte aligned.
+            let r: Vec<&[u8]> = reads
+                .iter()
+                .map(|(m, off, len)| unsafe { std::slice::from_raw_parts(m.at(*off), *len) })
+                .collect();
+            let w = unsafe { std::slice::from_raw_parts_mut(write.0.at(write.1), write.2) };
+            // Shapes were validated by `Device`; index values out of range are skipped.
+            let _ = crate::ops::embedding::execute(&kernel, &r, w);
             None
         }
     };
@@ -606,6 +628,18 @@ impl Backend for SimBackend {
                 count,
                 out: mem(out)?,
                 ooff: out_offset,
+            },
+            Op::Embedding {
+                kernel,
+                reads,
+                write,
+            } => Work::Embedding {
+                kernel,
+                reads: reads
+                    .iter()
+                    .map(|&(b, off, len)| Ok((mem(b)?, off, len)))
+                    .collect::<Result<_>>()?,
+                write: (mem(write.0)?, write.1, write.2),
             },
             Op::Foreign { .. } => {
                 return Err(Error::InvalidArgument(

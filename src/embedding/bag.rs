@@ -137,7 +137,7 @@ impl EmbeddingBag {
         mode: BagMode,
         optimizer: EmbeddingOptimizer,
     ) -> Result<Self> {
-        if dim == 0 || weights.is_empty() || weights.len() % dim != 0 {
+        if dim == 0 || weights.is_empty() || !weights.len().is_multiple_of(dim) {
             return Err(Error::InvalidArgument(format!(
                 "{} weights are not a table of rows of {dim} floats",
                 weights.len()
@@ -146,7 +146,10 @@ impl EmbeddingBag {
         let rows = weights.len() / dim;
         let stride = dim + optimizer.state_len(dim);
         let mut table = vec![0f32; rows * stride];
-        for (r, w) in table.chunks_exact_mut(stride).zip(weights.chunks_exact(dim)) {
+        for (r, w) in table
+            .chunks_exact_mut(stride)
+            .zip(weights.chunks_exact(dim))
+        {
             r[..dim].copy_from_slice(w);
         }
         Ok(Self {
@@ -271,7 +274,11 @@ impl Scratch {
         }
         let buf = self.buf.as_ref().expect("reserved");
         device
-            .copy_h2d(stream, HostBuffer::from_slice(data)?, buf.view(0, data.len())?)?
+            .copy_h2d(
+                stream,
+                HostBuffer::from_slice(data)?,
+                buf.view(0, data.len())?,
+            )?
             .wait()?;
         Ok(())
     }
@@ -404,18 +411,17 @@ impl CachedEmbeddingBag {
         self.saved = None;
         let plan = self.cache.prepare(indices)?;
         let grad_plan = plan_backward(&plan.slots, offsets, weights, self.mode)?;
-        let (dev, s) = (self.cache.device().clone(), self.cache.stream().clone());
+        let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let dim = self.cache.dim();
-        self.slots
-            .put(&dev, &s, bytemuck::cast_slice(&plan.slots))?;
-        self.offsets.put(&dev, &s, bytemuck::cast_slice(offsets))?;
+        self.slots.put(&dev, s, bytemuck::cast_slice(&plan.slots))?;
+        self.offsets.put(&dev, s, bytemuck::cast_slice(offsets))?;
         if let Some(w) = weights {
-            self.weights.put(&dev, &s, bytemuck::cast_slice(w))?;
+            self.weights.put(&dev, s, bytemuck::cast_slice(w))?;
         }
         self.out.reserve(&dev, bags * dim * 4)?;
         let table = self.cache.device_table();
         dev.embedding_bag(
-            &s,
+            s,
             table.view(0, table.len())?,
             self.cache.stride(),
             dim,
@@ -461,17 +467,19 @@ impl CachedEmbeddingBag {
                 saved.bags
             )));
         }
-        let (dev, s) = (self.cache.device().clone(), self.cache.stream().clone());
+        let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let p = &saved.plan;
         let u = p.rows.len();
-        self.grad_out.put(&dev, &s, bytemuck::cast_slice(grad_out))?;
-        self.row_ptr.put(&dev, &s, bytemuck::cast_slice(&p.row_ptr))?;
-        self.entries.put(&dev, &s, bytemuck::cast_slice(&p.entries))?;
-        self.scale.put(&dev, &s, bytemuck::cast_slice(&p.scale))?;
-        self.unique.put(&dev, &s, bytemuck::cast_slice(&p.rows))?;
+        self.grad_out.put(&dev, s, bytemuck::cast_slice(grad_out))?;
+        self.row_ptr
+            .put(&dev, s, bytemuck::cast_slice(&p.row_ptr))?;
+        self.entries
+            .put(&dev, s, bytemuck::cast_slice(&p.entries))?;
+        self.scale.put(&dev, s, bytemuck::cast_slice(&p.scale))?;
+        self.unique.put(&dev, s, bytemuck::cast_slice(&p.rows))?;
         self.grads.reserve(&dev, u * dim * 4)?;
         dev.embedding_backward(
-            &s,
+            s,
             self.grad_out.view(grad_out.len() * 4)?,
             dim,
             self.row_ptr.view(p.row_ptr.len() * 4)?,

@@ -170,7 +170,9 @@ impl EmbeddingCache {
         let stride = dim + state;
         let row_bytes = stride * 4;
         let table_bytes = rows.checked_mul(row_bytes).ok_or_else(|| {
-            Error::InvalidArgument(format!("a table of {rows} rows of {row_bytes} bytes overflows"))
+            Error::InvalidArgument(format!(
+                "a table of {rows} rows of {row_bytes} bytes overflows"
+            ))
         })?;
         let (mut host, store) = match host {
             HostTier::Paged => (HostBuffer::paged(table_bytes)?, None),
@@ -387,10 +389,9 @@ impl EmbeddingCache {
         for &row in &rows {
             match self.index.slot_of_row(row) {
                 Some(slot) => {
-                    let bytes = self.device.download(
-                        &self.stream,
-                        self.cache.view(slot as usize * rb, rb)?,
-                    )?;
+                    let bytes = self
+                        .device
+                        .download(&self.stream, self.cache.view(slot as usize * rb, rb)?)?;
                     out.extend_from_slice(bytemuck::cast_slice(&bytes));
                 }
                 None => {
@@ -461,7 +462,10 @@ impl EmbeddingCache {
             *d = s;
         }
         let dst = self.stage_idx_dev.view(0, k * 4)?;
-        let idx = self.device.copy_h2d_part(&self.stream, idx, 0, dst)?.wait()?;
+        let idx = self
+            .device
+            .copy_h2d_part(&self.stream, idx, 0, dst)?
+            .wait()?;
         self.stage_idx = Some(idx);
         Ok(())
     }

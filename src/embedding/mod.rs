@@ -12,6 +12,9 @@
 //! - [`CachedEmbeddingBag`] runs bags (sum, mean, per-sample weights), the sparse backward and
 //!   SGD, row-wise Adagrad or Adam on the cached rows, with each row's optimizer state stored in
 //!   the row so it travels with it. [`EmbeddingBag`] is the fully resident reference.
+//! - [`CachedEmbeddingCollection`] puts many tables behind one cache; [`ShardedEmbedding`]
+//!   places them over ranks, table-wise or column-wise, with the all-to-all that returns
+//!   batch-split outputs.
 //! - [`replay`] measures hit rates and bytes moved of a policy on an id trace; [`data`]
 //!   generates Criteo-like synthetic traces (Zipf ids over published table cardinalities).
 
@@ -22,9 +25,11 @@ pub mod data;
 mod index;
 mod policy;
 mod replay;
+mod tables;
 
 pub use bag::{CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer};
 pub use cache::{bincount, CacheConfig, EmbeddingCache, HostTier, MoveStats};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
 pub use policy::{OptimalTrace, Policy};
 pub use replay::{replay, ReplayConfig, ReplayStats};
+pub use tables::{batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch};

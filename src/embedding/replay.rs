@@ -136,8 +136,13 @@ mod tests {
             warmup: 0.7,
             train: true,
         };
-        let opt = replay(&trace, &counts, Policy::Optimal(OptimalTrace::new([[0u32]]).unwrap()), &config)
-            .unwrap();
+        let opt = replay(
+            &trace,
+            &counts,
+            Policy::Optimal(OptimalTrace::new([[0u32]]).unwrap()),
+            &config,
+        )
+        .unwrap();
         for p in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
             let s = replay(&trace, &counts, p, &config).unwrap();
             assert!(s.hit_rate <= opt.hit_rate + 1e-12);
@@ -146,8 +151,14 @@ mod tests {
             assert!(s.d2h_bytes_per_batch > 0.0);
         }
         assert_eq!(opt.warmup_rows, 56);
-        let ro = ReplayConfig { train: false, ..config };
+        let ro = ReplayConfig {
+            train: false,
+            ..config
+        };
         let s = replay(&trace, &counts, Policy::Lru, &ro).unwrap();
-        assert_eq!(s.d2h_bytes_per_batch, 0.0, "nothing is dirty without training");
+        assert_eq!(
+            s.d2h_bytes_per_batch, 0.0,
+            "nothing is dirty without training"
+        );
     }
 }

@@ -2,3 +2,4 @@
 //! and by tests that compare the two.
 
 pub mod cast;
+pub mod embedding;

@@ -1,0 +1,513 @@
+//! Many tables in one module, and their placement over data-parallel ranks.
+//!
+//! [`CachedEmbeddingCollection`] concatenates its tables into one id space (table `t`'s id `i`
+//! is row `offsets[t] + i`) sharing one cache, so hot rows of every table compete for the same
+//! slots, as in a DLRM with 26 Criteo tables.
+//!
+//! [`ShardedEmbedding`] places tables over the ranks of a [`Communicator`]:
+//! - [`Sharding::TableWise`]: each table lives on one rank (tables assigned greedily by rows,
+//!   largest first, to the least loaded rank);
+//! - [`Sharding::ColumnWise`]: every rank holds every table's columns `[c_r, c_{r+1})` of the
+//!   embedding width, so all ranks see the same ids and make identical cache decisions.
+//!
+//! Every rank is given the global batch (model-parallel input); the forward all-to-all returns
+//! to each rank the outputs of its slice of the samples (data-parallel output), and the backward
+//! sends gradients the other way.
+
+use super::bag::{CachedEmbeddingBag, EmbeddingOptimizer};
+use super::cache::CacheConfig;
+use crate::comm::{Communicator, Elem};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::ops::embedding::BagMode;
+
+/// One table's part of a batch: `indices` of every bag concatenated, `offsets` (bags + 1
+/// entries, from 0 to `indices.len()`) and optional per-sample weights.
+#[derive(Clone, Copy, Debug)]
+pub struct TableBatch<'a> {
+    /// Ids, `< rows` of the table.
+    pub indices: &'a [u32],
+    /// Start of each bag, with the total length appended.
+    pub offsets: &'a [u32],
+    /// Per-sample weights (one per index), or `None` for 1.0.
+    pub weights: Option<&'a [f32]>,
+}
+
+/// Tables sharing one cache; outputs are table-major: `[tables, bags, dim]`.
+#[derive(Debug)]
+pub struct CachedEmbeddingCollection {
+    offsets: Vec<u64>,
+    bag: CachedEmbeddingBag,
+    last_bags: Vec<usize>,
+}
+
+impl CachedEmbeddingCollection {
+    /// Tables of `rows[t]` rows of `dim` floats, `capacity` cached rows in all; `init(table,
+    /// id, row)` sets each row.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        device: Device,
+        rows: &[usize],
+        dim: usize,
+        capacity: usize,
+        mode: BagMode,
+        optimizer: EmbeddingOptimizer,
+        configure: impl FnOnce(CacheConfig) -> CacheConfig,
+        mut init: impl FnMut(usize, u32, &mut [f32]),
+    ) -> Result<Self> {
+        if rows.is_empty() || rows.contains(&0) {
+            return Err(Error::InvalidArgument(format!(
+                "a collection needs tables of at least one row, got {rows:?}"
+            )));
+        }
+        let mut offsets = vec![0u64];
+        for &r in rows {
+            offsets.push(offsets.last().expect("non-empty") + r as u64);
+        }
+        let total = *offsets.last().expect("non-empty") as usize;
+        let config = configure(CacheConfig::new(total, dim, capacity));
+        let offs = offsets.clone();
+        let bag = CachedEmbeddingBag::new(device, config, mode, optimizer, |g, row| {
+            let t = offs.partition_point(|&o| o <= g as u64) - 1;
+            init(t, (g as u64 - offs[t]) as u32, row)
+        })?;
+        Ok(Self {
+            offsets,
+            bag,
+            last_bags: Vec::new(),
+        })
+    }
+
+    /// Number of tables.
+    pub fn tables(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    /// Row offset of each table in the shared id space (tables + 1 entries).
+    pub fn table_offsets(&self) -> &[u64] {
+        &self.offsets
+    }
+
+    /// The shared bag and its cache.
+    pub fn bag(&self) -> &CachedEmbeddingBag {
+        &self.bag
+    }
+
+    /// The shared bag, mutably (reorder, warm-up, flush, checkpoints).
+    pub fn bag_mut(&mut self) -> &mut CachedEmbeddingBag {
+        &mut self.bag
+    }
+
+    /// The global ids of a batch of every table, in table order: what the cache sees (for
+    /// [`super::bincount`] and frequency reorder).
+    pub fn global_ids(&self, batch: &[TableBatch<'_>]) -> Result<Vec<u32>> {
+        Ok(self.concat(batch)?.0)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn concat(&self, batch: &[TableBatch<'_>]) -> Result<(Vec<u32>, Vec<u32>, Option<Vec<f32>>)> {
+        if batch.len() != self.tables() {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} tables for a collection of {}",
+                batch.len(),
+                self.tables()
+            )));
+        }
+        let mut ids = Vec::new();
+        let mut offs = vec![0u32];
+        let any_weights = batch.iter().any(|b| b.weights.is_some());
+        let mut weights = any_weights.then(Vec::new);
+        for (t, b) in batch.iter().enumerate() {
+            let rows = self.offsets[t + 1] - self.offsets[t];
+            if let Some((i, id)) = b
+                .indices
+                .iter()
+                .enumerate()
+                .find(|(_, &id)| id as u64 >= rows)
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "table {t}: id {id} at position {i} is out of range for {rows} rows"
+                )));
+            }
+            if b.offsets.first() != Some(&0)
+                || b.offsets.last().map(|&o| o as usize) != Some(b.indices.len())
+                || b.offsets.windows(2).any(|w| w[1] < w[0])
+            {
+                return Err(Error::InvalidArgument(format!(
+                    "table {t}: offsets must rise from 0 to the number of indices ({})",
+                    b.indices.len()
+                )));
+            }
+            if let (Some(w), Some(all)) = (b.weights, weights.as_mut()) {
+                if w.len() != b.indices.len() {
+                    return Err(Error::InvalidArgument(format!(
+                        "table {t}: {} weights for {} indices",
+                        w.len(),
+                        b.indices.len()
+                    )));
+                }
+                all.extend_from_slice(w);
+            } else if let Some(all) = weights.as_mut() {
+                all.extend(std::iter::repeat_n(1.0, b.indices.len()));
+            }
+            let base = ids.len() as u32;
+            ids.extend(
+                b.indices
+                    .iter()
+                    .map(|&i| (self.offsets[t] + i as u64) as u32),
+            );
+            offs.extend(b.offsets[1..].iter().map(|&o| base + o));
+        }
+        Ok((ids, offs, weights))
+    }
+
+    /// Forward of every table: `[tables, bags_t, dim]` floats, table-major.
+    pub fn forward(&mut self, batch: &[TableBatch<'_>]) -> Result<Vec<f32>> {
+        let (ids, offs, weights) = self.concat(batch)?;
+        let out = self.bag.forward(&ids, &offs, weights.as_deref())?;
+        self.last_bags = batch.iter().map(|b| b.offsets.len() - 1).collect();
+        Ok(out)
+    }
+
+    /// Backward of the last forward from the output gradient (same layout as the output).
+    pub fn backward(&mut self, grad_out: &[f32]) -> Result<usize> {
+        self.bag.backward(grad_out)
+    }
+
+    /// Applies the optimizer to the rows of the last backward.
+    pub fn step(&mut self) -> Result<()> {
+        self.bag.step()
+    }
+}
+
+/// How [`ShardedEmbedding`] splits tables over ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Sharding {
+    /// Whole tables per rank.
+    TableWise,
+    /// A slice of every table's columns per rank.
+    ColumnWise,
+}
+
+/// Samples `[start, end)` of rank `r` when `bags` samples are split over `world` ranks.
+pub fn batch_slice(bags: usize, world: usize, r: usize) -> (usize, usize) {
+    (bags * r / world, bags * (r + 1) / world)
+}
+
+/// Tables placed over the ranks of a communicator (see the [module docs](self)).
+#[derive(Debug)]
+pub struct ShardedEmbedding {
+    comm: Communicator,
+    sharding: Sharding,
+    dim: usize,
+    /// Owner of each table (table-wise).
+    owner: Vec<usize>,
+    /// Column range of each rank (column-wise).
+    cols: Vec<(usize, usize)>,
+    /// This rank's tables, in global table order.
+    local_tables: Vec<usize>,
+    local: Option<CachedEmbeddingCollection>,
+    bags: usize,
+}
+
+impl ShardedEmbedding {
+    /// This rank's part of tables of `rows[t]` rows of `dim` floats, with `capacity_per_rank`
+    /// cached rows on this rank's device. `init(table, id, row)` gets the full `dim` floats of
+    /// a row; column-wise ranks keep their columns. Every rank must make the same call.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        comm: Communicator,
+        sharding: Sharding,
+        rows: &[usize],
+        dim: usize,
+        capacity_per_rank: usize,
+        mode: BagMode,
+        optimizer: EmbeddingOptimizer,
+        mut init: impl FnMut(usize, u32, &mut [f32]),
+    ) -> Result<Self> {
+        let world = comm.world();
+        let rank = comm.rank();
+        if sharding == Sharding::ColumnWise && dim < world {
+            return Err(Error::InvalidArgument(format!(
+                "column-wise sharding of {dim} columns over {world} ranks leaves a rank none"
+            )));
+        }
+        let mut owner = vec![0usize; rows.len()];
+        let mut load = vec![0usize; world];
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by(|&a, &b| rows[b].cmp(&rows[a]).then(a.cmp(&b)));
+        for t in order {
+            let r = (0..world).min_by_key(|&r| (load[r], r)).expect("world ≥ 1");
+            owner[t] = r;
+            load[r] += rows[t];
+        }
+        let cols: Vec<(usize, usize)> = (0..world).map(|r| batch_slice(dim, world, r)).collect();
+        let (local_tables, local_dim, col0): (Vec<usize>, usize, usize) = match sharding {
+            Sharding::TableWise => (
+                (0..rows.len()).filter(|&t| owner[t] == rank).collect(),
+                dim,
+                0,
+            ),
+            Sharding::ColumnWise => (
+                (0..rows.len()).collect(),
+                cols[rank].1 - cols[rank].0,
+                cols[rank].0,
+            ),
+        };
+        let local = if local_tables.is_empty() {
+            None
+        } else {
+            let local_rows: Vec<usize> = local_tables.iter().map(|&t| rows[t]).collect();
+            let lt = local_tables.clone();
+            let mut full = vec![0f32; dim];
+            Some(CachedEmbeddingCollection::new(
+                comm.device().clone(),
+                &local_rows,
+                local_dim,
+                capacity_per_rank,
+                mode,
+                optimizer,
+                |c| c,
+                |t, id, row| {
+                    init(lt[t], id, &mut full);
+                    row.copy_from_slice(&full[col0..col0 + local_dim]);
+                },
+            )?)
+        };
+        Ok(Self {
+            comm,
+            sharding,
+            dim,
+            owner,
+            cols,
+            local_tables,
+            local,
+            bags: 0,
+        })
+    }
+
+    /// The tables this rank holds (all of them, column-wise).
+    pub fn local_tables(&self) -> &[usize] {
+        &self.local_tables
+    }
+
+    /// The rank holding each table (table-wise placement).
+    pub fn owners(&self) -> &[usize] {
+        &self.owner
+    }
+
+    /// This rank's collection, if it holds any table.
+    pub fn local(&self) -> Option<&CachedEmbeddingCollection> {
+        self.local.as_ref()
+    }
+
+    /// This rank's collection, mutably.
+    pub fn local_mut(&mut self) -> Option<&mut CachedEmbeddingCollection> {
+        self.local.as_mut()
+    }
+
+    /// Forward of the global batch (every table, the same number of bags in each; every rank
+    /// passes the same batch). Returns this rank's samples ([`batch_slice`]) of every table:
+    /// `[tables, my_bags, dim]`.
+    pub fn forward(&mut self, batch: &[TableBatch<'_>]) -> Result<Vec<f32>> {
+        let tables = self.owner.len();
+        if batch.len() != tables {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} tables for {tables} tables",
+                batch.len()
+            )));
+        }
+        let bags = batch[0].offsets.len().saturating_sub(1);
+        if let Some(t) = batch.iter().position(|b| b.offsets.len() != bags + 1) {
+            return Err(Error::InvalidArgument(format!(
+                "table {t} has {} bags, table 0 has {bags}: every table needs one bag per sample",
+                batch[t].offsets.len().saturating_sub(1)
+            )));
+        }
+        let out = match self.local.as_mut() {
+            Some(local) => {
+                let mine: Vec<TableBatch<'_>> =
+                    self.local_tables.iter().map(|&t| batch[t]).collect();
+                local.forward(&mine)?
+            }
+            None => Vec::new(),
+        };
+        self.bags = bags;
+        // Local output: [local tables, bags, local dim]. Send each rank its samples.
+        let sends = (0..self.comm.world())
+            .map(|q| self.pick(&out, q))
+            .collect::<Vec<_>>();
+        let recvs = self.exchange(sends, |me, p| me.part_len(p, me.comm.rank()))?;
+        Ok(self.assemble(&recvs))
+    }
+
+    /// Backward from the gradient of this rank's samples (the layout [`ShardedEmbedding::forward`]
+    /// returned): the gradients travel back to the ranks holding the rows, which compute their
+    /// sparse gradients. Every rank must call it.
+    pub fn backward(&mut self, grad: &[f32]) -> Result<()> {
+        let world = self.comm.world();
+        let me = self.comm.rank();
+        let (s0, s1) = batch_slice(self.bags, world, me);
+        let want = self.owner.len() * (s1 - s0) * self.dim;
+        if grad.len() != want {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradients for {} tables × {} samples × {}",
+                grad.len(),
+                self.owner.len(),
+                s1 - s0,
+                self.dim
+            )));
+        }
+        // Split this rank's gradient by the rank that computed each part.
+        let sends: Vec<Vec<f32>> = (0..world).map(|p| self.split(grad, p)).collect();
+        let recvs = self.exchange(sends, |me, p| me.part_len(me.comm.rank(), p))?;
+        if let Some(local) = self.local.as_mut() {
+            // Reassemble [local tables, bags, local dim] from every rank's samples.
+            let (lt, ld) = (self.local_tables.len(), local.bag().cache().dim());
+            let mut full = vec![0f32; lt * self.bags * ld];
+            for (p, part) in recvs.iter().enumerate() {
+                let (a, b) = batch_slice(self.bags, world, p);
+                let n = b - a;
+                for t in 0..lt {
+                    let dst = (t * self.bags + a) * ld;
+                    full[dst..dst + n * ld].copy_from_slice(&part[t * n * ld..(t + 1) * n * ld]);
+                }
+            }
+            local.backward(&full)?;
+        }
+        Ok(())
+    }
+
+    /// Applies the optimizer on every rank holding rows of the last backward.
+    pub fn step(&mut self) -> Result<()> {
+        match self.local.as_mut() {
+            Some(l) => l.step(),
+            None => Ok(()),
+        }
+    }
+
+    /// Floats rank `from` sends rank `to` in the forward: `from`'s local tables × `to`'s
+    /// samples × `from`'s local width.
+    fn part_len(&self, from: usize, to: usize) -> usize {
+        let (a, b) = batch_slice(self.bags, self.comm.world(), to);
+        let (tables, width) = match self.sharding {
+            Sharding::TableWise => (self.owner.iter().filter(|&&o| o == from).count(), self.dim),
+            Sharding::ColumnWise => (self.owner.len(), self.cols[from].1 - self.cols[from].0),
+        };
+        tables * (b - a) * width
+    }
+
+    /// The samples of rank `q` from the local output `[local tables, bags, local dim]`.
+    fn pick(&self, out: &[f32], q: usize) -> Vec<f32> {
+        let (a, b) = batch_slice(self.bags, self.comm.world(), q);
+        let lt = self.local_tables.len();
+        if lt == 0 {
+            return Vec::new();
+        }
+        let ld = out.len() / (lt * self.bags.max(1));
+        let mut v = Vec::with_capacity(lt * (b - a) * ld);
+        for t in 0..lt {
+            v.extend_from_slice(&out[(t * self.bags + a) * ld..(t * self.bags + b) * ld]);
+        }
+        v
+    }
+
+    /// This rank's `[tables, my_bags, dim]` from every rank's part.
+    fn assemble(&self, recvs: &[Vec<f32>]) -> Vec<f32> {
+        let world = self.comm.world();
+        let (a, b) = batch_slice(self.bags, world, self.comm.rank());
+        let n = b - a;
+        let tables = self.owner.len();
+        let mut out = vec![0f32; tables * n * self.dim];
+        for (p, part) in recvs.iter().enumerate() {
+            match self.sharding {
+                Sharding::TableWise => {
+                    let mine = (0..tables).filter(|&t| self.owner[t] == p);
+                    for (i, t) in mine.enumerate() {
+                        let src = &part[i * n * self.dim..(i + 1) * n * self.dim];
+                        out[t * n * self.dim..(t + 1) * n * self.dim].copy_from_slice(src);
+                    }
+                }
+                Sharding::ColumnWise => {
+                    let (c0, c1) = self.cols[p];
+                    let w = c1 - c0;
+                    for t in 0..tables {
+                        for s in 0..n {
+                            let src = &part[(t * n + s) * w..(t * n + s + 1) * w];
+                            let dst = (t * n + s) * self.dim + c0;
+                            out[dst..dst + w].copy_from_slice(src);
+                        }
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// The part of this rank's gradient `[tables, my_bags, dim]` that rank `p` computed.
+    fn split(&self, grad: &[f32], p: usize) -> Vec<f32> {
+        let (a, b) = batch_slice(self.bags, self.comm.world(), self.comm.rank());
+        let n = b - a;
+        let tables = self.owner.len();
+        let mut v = Vec::new();
+        match self.sharding {
+            Sharding::TableWise => {
+                for t in (0..tables).filter(|&t| self.owner[t] == p) {
+                    v.extend_from_slice(&grad[t * n * self.dim..(t + 1) * n * self.dim]);
+                }
+            }
+            Sharding::ColumnWise => {
+                let (c0, c1) = self.cols[p];
+                for t in 0..tables {
+                    for s in 0..n {
+                        let o = (t * n + s) * self.dim;
+                        v.extend_from_slice(&grad[o + c0..o + c1]);
+                    }
+                }
+            }
+        }
+        v
+    }
+
+    /// All-to-all of host vectors: `sends[q]` goes to rank `q`; the result's entry `p` came
+    /// from rank `p`, of `len(self, p)` floats. Pairs exchange in rank order (the lower rank
+    /// sends first), so blocking point-to-point backends cannot deadlock.
+    fn exchange(
+        &self,
+        mut sends: Vec<Vec<f32>>,
+        len: impl Fn(&Self, usize) -> usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let me = self.comm.rank();
+        let dev = self.comm.device().clone();
+        let stream = dev.new_stream()?;
+        let mut recvs = vec![Vec::new(); self.comm.world()];
+        recvs[me] = std::mem::take(&mut sends[me]);
+        for p in (0..self.comm.world()).filter(|&p| p != me) {
+            let n = len(self, p);
+            let send = |v: &[f32]| -> Result<()> {
+                if v.is_empty() {
+                    return Ok(());
+                }
+                let b = dev.upload(&stream, bytemuck::cast_slice(v))?;
+                self.comm.send(&stream, b.view(0, b.len())?, Elem::F32, p)?;
+                dev.sync_stream(&stream)
+            };
+            let recv = || -> Result<Vec<f32>> {
+                if n == 0 {
+                    return Ok(Vec::new());
+                }
+                let b = dev.alloc(n * 4)?;
+                self.comm.recv(&stream, b.view(0, b.len())?, Elem::F32, p)?;
+                Ok(bytemuck::pod_collect_to_vec(&dev.download(&stream, &b)?))
+            };
+            if me < p {
+                send(&sends[p])?;
+                recvs[p] = recv()?;
+            } else {
+                recvs[p] = recv()?;
+                send(&sends[p])?;
+            }
+        }
+        Ok(recvs)
+    }
+}

@@ -1,0 +1,583 @@
+//! Embedding-bag arithmetic on the CPU: the twins of `kernels/embedding.cu`, used by the
+//! simulated device and by the fully resident reference bag.
+//!
+//! A table is f32 rows of `stride` floats: the first `dim` are the embedding, the rest the row's
+//! optimizer state. Sums run from 0.0 in index order as separate multiply and add (no fused
+//! multiply-add), the order the CUDA kernels keep with `__fmul_rn`/`__fadd_rn`, so both give
+//! the same bits. Index values out of range are skipped by every function and kernel (the
+//! device cannot report them); the cache checks ids before they reach a device.
+
+use std::collections::HashMap;
+
+use crate::error::{Error, Result};
+
+/// How a bag reduces its rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BagMode {
+    /// Weighted sum.
+    Sum,
+    /// Weighted sum divided by the bag's length (an empty bag gives zeros).
+    Mean,
+}
+
+/// The scalars of one optimizer step on embedding rows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RowOptimizer {
+    /// `w = w - lr·g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// Row-wise Adagrad: `s = s + Σg²/dim; w = w - lr·g / (√s + eps)`, `s` at float `dim`.
+    RowwiseAdagrad {
+        /// Learning rate.
+        lr: f32,
+        /// Added to `√s`.
+        eps: f32,
+    },
+    /// Adam: `m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; w = w - lr·(m/bias1) / (√(v/bias2) + eps)`,
+    /// `m` at floats `dim..2·dim`, `v` at `2·dim..3·dim`.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the corrected second moment.
+        eps: f32,
+        /// `1 - β1^t`.
+        bias1: f32,
+        /// `1 - β2^t`.
+        bias2: f32,
+    },
+}
+
+impl RowOptimizer {
+    /// Floats of state per row: 0, 1 or `2·dim`.
+    pub fn state_len(&self, dim: usize) -> usize {
+        match self {
+            RowOptimizer::Sgd { .. } => 0,
+            RowOptimizer::RowwiseAdagrad { .. } => 1,
+            RowOptimizer::Adam { .. } => 2 * dim,
+        }
+    }
+}
+
+/// The backward of one batch in compressed-row form: for distinct row `rows[u]`, the bags that
+/// use it are `entries[row_ptr[u]..row_ptr[u + 1]]` (in occurrence order), each with the factor
+/// `scale[e]` (per-sample weight, divided by the bag length for [`BagMode::Mean`]).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SparseGradPlan {
+    /// Distinct index values in first-occurrence order.
+    pub rows: Vec<u32>,
+    /// `rows.len() + 1` starts into `entries`.
+    pub row_ptr: Vec<u32>,
+    /// Bag of each occurrence.
+    pub entries: Vec<u32>,
+    /// Factor of each occurrence.
+    pub scale: Vec<f32>,
+}
+
+fn check_offsets(n: usize, offsets: &[u32], weights: Option<&[f32]>) -> Result<usize> {
+    let bags = offsets
+        .len()
+        .checked_sub(1)
+        .ok_or_else(|| Error::InvalidArgument("offsets need bags + 1 entries, got none".into()))?;
+    if offsets.windows(2).any(|w| w[1] < w[0]) || offsets[bags] as usize > n {
+        return Err(Error::InvalidArgument(format!(
+            "offsets must not decrease and end at most at the {n} indices"
+        )));
+    }
+    if weights.is_some_and(|w| w.len() != n) {
+        return Err(Error::InvalidArgument(format!(
+            "{} weights for {n} indices",
+            weights.map_or(0, |w| w.len())
+        )));
+    }
+    Ok(bags)
+}
+
+/// The [`SparseGradPlan`] of a batch.
+pub fn plan_backward(
+    indices: &[u32],
+    offsets: &[u32],
+    weights: Option<&[f32]>,
+    mode: BagMode,
+) -> Result<SparseGradPlan> {
+    let bags = check_offsets(indices.len(), offsets, weights)?;
+    // Indices after the last offset belong to no bag.
+    let used = offsets[bags] as usize;
+    let (indices, weights) = (&indices[..used], weights.map(|w| &w[..used]));
+    let mut first: HashMap<u32, u32> = HashMap::with_capacity(indices.len());
+    let mut rows = Vec::new();
+    let mut count = Vec::new();
+    // Distinct rows in first-occurrence order, with their number of occurrences.
+    let mut which = vec![0u32; indices.len()];
+    for (i, &r) in indices.iter().enumerate() {
+        let u = *first.entry(r).or_insert_with(|| {
+            rows.push(r);
+            count.push(0u32);
+            (rows.len() - 1) as u32
+        });
+        count[u as usize] += 1;
+        which[i] = u;
+    }
+    let mut row_ptr = Vec::with_capacity(rows.len() + 1);
+    row_ptr.push(0u32);
+    for c in &count {
+        row_ptr.push(row_ptr.last().expect("non-empty") + c);
+    }
+    let mut fill: Vec<u32> = row_ptr[..rows.len()].to_vec();
+    let mut entries = vec![0u32; indices.len()];
+    let mut scale = vec![0f32; indices.len()];
+    for b in 0..bags {
+        let (s, e) = (offsets[b] as usize, offsets[b + 1] as usize);
+        for i in s..e {
+            let u = which[i] as usize;
+            let slot = fill[u] as usize;
+            fill[u] += 1;
+            entries[slot] = b as u32;
+            let w = weights.map_or(1.0, |w| w[i]);
+            scale[slot] = match mode {
+                BagMode::Sum => w,
+                BagMode::Mean => w / (e - s) as f32,
+            };
+        }
+    }
+    Ok(SparseGradPlan {
+        rows,
+        row_ptr,
+        entries,
+        scale,
+    })
+}
+
+/// Bag `b` of `out` (`bags × dim`) = Σ weight·row over `indices[offsets[b]..offsets[b + 1]]`,
+/// divided by the bag length for [`BagMode::Mean`].
+#[allow(clippy::too_many_arguments)]
+pub fn bag_forward(
+    table: &[f32],
+    stride: usize,
+    dim: usize,
+    indices: &[u32],
+    offsets: &[u32],
+    weights: Option<&[f32]>,
+    mode: BagMode,
+    out: &mut [f32],
+) -> Result<()> {
+    let bags = check_offsets(indices.len(), offsets, weights)?;
+    if dim == 0 || stride < dim || out.len() != bags * dim {
+        return Err(Error::InvalidArgument(format!(
+            "bag forward: stride {stride}, dim {dim}, {} outputs for {bags} bags",
+            out.len()
+        )));
+    }
+    let rows = table.len() / stride;
+    for (b, o) in out.chunks_exact_mut(dim).enumerate() {
+        o.fill(0.0);
+        let (s, e) = (offsets[b] as usize, offsets[b + 1] as usize);
+        for i in s..e {
+            let r = indices[i] as usize;
+            if r >= rows {
+                continue;
+            }
+            let w = weights.map_or(1.0, |w| w[i]);
+            let row = &table[r * stride..r * stride + dim];
+            for (acc, &x) in o.iter_mut().zip(row) {
+                *acc += w * x;
+            }
+        }
+        if mode == BagMode::Mean && e > s {
+            let n = (e - s) as f32;
+            for acc in o.iter_mut() {
+                *acc /= n;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `grads[u]` (`dim` floats per distinct row) = Σ `scale[e]·grad_out[entries[e]]` over the
+/// row's entries, in entry order.
+pub fn bag_backward(
+    grad_out: &[f32],
+    dim: usize,
+    row_ptr: &[u32],
+    entries: &[u32],
+    scale: &[f32],
+    grads: &mut [f32],
+) -> Result<()> {
+    let u = row_ptr.len().saturating_sub(1);
+    if dim == 0
+        || row_ptr.is_empty()
+        || grads.len() != u * dim
+        || scale.len() != entries.len()
+        || row_ptr.windows(2).any(|w| w[1] < w[0])
+        || row_ptr[u] as usize > entries.len()
+    {
+        return Err(Error::InvalidArgument(format!(
+            "bag backward: {} row starts, {} entries, {} scales, {} gradients of {dim}",
+            row_ptr.len(),
+            entries.len(),
+            scale.len(),
+            grads.len()
+        )));
+    }
+    let bags = grad_out.len() / dim;
+    for (r, g) in grads.chunks_exact_mut(dim).enumerate() {
+        g.fill(0.0);
+        for e in row_ptr[r] as usize..row_ptr[r + 1] as usize {
+            let b = entries[e] as usize;
+            if b >= bags {
+                continue;
+            }
+            let s = scale[e];
+            for (acc, &x) in g.iter_mut().zip(&grad_out[b * dim..(b + 1) * dim]) {
+                *acc += s * x;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Applies `opt` to row `rows[u]` with gradient `grads[u]` for every `u`. Rows should be
+/// distinct (a repeated row is updated twice).
+pub fn row_step(
+    table: &mut [f32],
+    stride: usize,
+    dim: usize,
+    rows: &[u32],
+    grads: &[f32],
+    opt: &RowOptimizer,
+) -> Result<()> {
+    if dim == 0 || stride < dim + opt.state_len(dim) || grads.len() != rows.len() * dim {
+        return Err(Error::InvalidArgument(format!(
+            "row step: stride {stride} for dim {dim} and {} state floats, {} gradients for {} rows",
+            opt.state_len(dim),
+            grads.len(),
+            rows.len()
+        )));
+    }
+    let n = table.len() / stride;
+    for (&r, g) in rows.iter().zip(grads.chunks_exact(dim)) {
+        let r = r as usize;
+        if r >= n {
+            continue;
+        }
+        let row = &mut table[r * stride..(r + 1) * stride];
+        step_one(row, dim, g, opt);
+    }
+    Ok(())
+}
+
+fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowOptimizer) {
+    match *opt {
+        RowOptimizer::Sgd { lr } => {
+            for (w, &g) in row[..dim].iter_mut().zip(g) {
+                *w -= lr * g;
+            }
+        }
+        RowOptimizer::RowwiseAdagrad { lr, eps } => {
+            let mut sq = 0f32;
+            for &x in g {
+                sq += x * x;
+            }
+            let s = row[dim] + sq / dim as f32;
+            row[dim] = s;
+            let denom = s.sqrt() + eps;
+            for (w, &g) in row[..dim].iter_mut().zip(g) {
+                *w -= lr * g / denom;
+            }
+        }
+        RowOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            bias1,
+            bias2,
+        } => {
+            let (w, state) = row.split_at_mut(dim);
+            let (m, v) = state.split_at_mut(dim);
+            for k in 0..dim {
+                let gk = g[k];
+                m[k] = beta1 * m[k] + (1.0 - beta1) * gk;
+                v[k] = beta2 * v[k] + (1.0 - beta2) * (gk * gk);
+                let mhat = m[k] / bias1;
+                let vhat = v[k] / bias2;
+                w[k] -= lr * mhat / (vhat.sqrt() + eps);
+            }
+        }
+    }
+}
+
+/// Row `i` of `dst` = row `index[i]` of `src` (rows of `row_bytes`; out-of-range rows skipped).
+pub fn gather_rows(src: &[u8], row_bytes: usize, index: &[u32], dst: &mut [u8]) {
+    if row_bytes == 0 {
+        return;
+    }
+    let n = src.len() / row_bytes;
+    for (d, &r) in dst.chunks_exact_mut(row_bytes).zip(index) {
+        if (r as usize) < n {
+            d.copy_from_slice(&src[r as usize * row_bytes..(r as usize + 1) * row_bytes]);
+        }
+    }
+}
+
+/// Row `index[i]` of `dst` = row `i` of `src` (out-of-range rows skipped).
+pub fn scatter_rows(src: &[u8], row_bytes: usize, index: &[u32], dst: &mut [u8]) {
+    if row_bytes == 0 {
+        return;
+    }
+    let n = dst.len() / row_bytes;
+    for (s, &r) in src.chunks_exact(row_bytes).zip(index) {
+        if (r as usize) < n {
+            dst[r as usize * row_bytes..(r as usize + 1) * row_bytes].copy_from_slice(s);
+        }
+    }
+}
+
+/// One embedding kernel with its scalar arguments; [`crate::device::Device`] validates the
+/// operands and a backend runs it (the simulated device through [`execute`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum EmbeddingKernel {
+    /// [`bag_forward`]. Reads: table, indices, offsets, weights (if `weighted`); writes: out.
+    Bag {
+        /// Floats per row.
+        stride: usize,
+        /// Floats per embedding.
+        dim: usize,
+        /// Reduction.
+        mode: BagMode,
+        /// Whether a weights operand is present.
+        weighted: bool,
+    },
+    /// [`bag_backward`]. Reads: grad_out, row_ptr, entries, scale; writes: grads.
+    Backward {
+        /// Floats per embedding.
+        dim: usize,
+    },
+    /// [`row_step`]. Reads: rows, grads; writes (and reads): table.
+    Step {
+        /// Floats per row.
+        stride: usize,
+        /// Floats per embedding.
+        dim: usize,
+        /// The step's scalars.
+        opt: RowOptimizer,
+    },
+    /// [`gather_rows`]. Reads: src, index; writes: dst.
+    Gather {
+        /// Bytes per row.
+        row_bytes: usize,
+    },
+    /// [`scatter_rows`]. Reads: src, index; writes: dst.
+    Scatter {
+        /// Bytes per row.
+        row_bytes: usize,
+    },
+}
+
+fn f32s(b: &[u8]) -> Result<&[f32]> {
+    bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("f32 operand: {e}")))
+}
+
+fn u32s(b: &[u8]) -> Result<&[u32]> {
+    bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("u32 operand: {e}")))
+}
+
+/// Runs `kernel` over byte operands: `reads` in the order [`EmbeddingKernel`] lists, `write`
+/// the written one.
+pub fn execute(kernel: &EmbeddingKernel, reads: &[&[u8]], write: &mut [u8]) -> Result<()> {
+    let need = match kernel {
+        EmbeddingKernel::Bag { weighted, .. } => 3 + *weighted as usize,
+        EmbeddingKernel::Backward { .. } => 4,
+        EmbeddingKernel::Step { .. } => 2,
+        EmbeddingKernel::Gather { .. } | EmbeddingKernel::Scatter { .. } => 2,
+    };
+    if reads.len() != need {
+        return Err(Error::InvalidArgument(format!(
+            "{kernel:?} takes {need} read operands, got {}",
+            reads.len()
+        )));
+    }
+    match *kernel {
+        EmbeddingKernel::Bag {
+            stride,
+            dim,
+            mode,
+            weighted,
+        } => {
+            let w = if weighted {
+                Some(f32s(reads[3])?)
+            } else {
+                None
+            };
+            let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
+                .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
+            bag_forward(
+                f32s(reads[0])?,
+                stride,
+                dim,
+                u32s(reads[1])?,
+                u32s(reads[2])?,
+                w,
+                mode,
+                out,
+            )
+        }
+        EmbeddingKernel::Backward { dim } => {
+            let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
+                .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
+            bag_backward(
+                f32s(reads[0])?,
+                dim,
+                u32s(reads[1])?,
+                u32s(reads[2])?,
+                f32s(reads[3])?,
+                out,
+            )
+        }
+        EmbeddingKernel::Step { stride, dim, opt } => {
+            let table: &mut [f32] = bytemuck::try_cast_slice_mut(write)
+                .map_err(|e| Error::InvalidArgument(format!("f32 table: {e}")))?;
+            row_step(table, stride, dim, u32s(reads[0])?, f32s(reads[1])?, &opt)
+        }
+        EmbeddingKernel::Gather { row_bytes } => {
+            gather_rows(reads[0], row_bytes, u32s(reads[1])?, write);
+            Ok(())
+        }
+        EmbeddingKernel::Scatter { row_bytes } => {
+            scatter_rows(reads[0], row_bytes, u32s(reads[1])?, write);
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Table of 3 rows, dim 2, stride 3.
+    const T: [f32; 9] = [1.0, 2.0, 9.0, 3.0, 4.0, 9.0, 5.0, 6.0, 9.0];
+
+    #[test]
+    fn forward_sum_mean_weights_empty_and_out_of_range() {
+        let mut out = [0f32; 6];
+        bag_forward(
+            &T,
+            3,
+            2,
+            &[0, 2, 1, 7],
+            &[0, 2, 2, 4],
+            None,
+            BagMode::Sum,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [6.0, 8.0, 0.0, 0.0, 3.0, 4.0]);
+        bag_forward(
+            &T,
+            3,
+            2,
+            &[0, 2, 1, 7],
+            &[0, 2, 2, 4],
+            None,
+            BagMode::Mean,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [3.0, 4.0, 0.0, 0.0, 1.5, 2.0]);
+        let w = [2.0, -1.0, 0.5, 1.0];
+        bag_forward(
+            &T,
+            3,
+            2,
+            &[0, 2, 1, 7],
+            &[0, 2, 2, 4],
+            Some(&w),
+            BagMode::Sum,
+            &mut out,
+        )
+        .unwrap();
+        assert_eq!(out, [-3.0, -2.0, 0.0, 0.0, 1.5, 2.0]);
+        assert!(bag_forward(&T, 3, 2, &[0], &[0, 2], None, BagMode::Sum, &mut out[..2]).is_err());
+        assert!(bag_forward(
+            &T,
+            3,
+            2,
+            &[0, 1],
+            &[1, 0],
+            None,
+            BagMode::Sum,
+            &mut out[..2]
+        )
+        .is_err());
+        assert!(bag_forward(&T, 1, 2, &[0], &[0, 1], None, BagMode::Sum, &mut out[..2]).is_err());
+    }
+
+    #[test]
+    fn backward_plan_orders_rows_and_entries_by_occurrence() {
+        let p = plan_backward(&[4, 2, 4, 4], &[0, 2, 4], None, BagMode::Mean).unwrap();
+        assert_eq!(p.rows, vec![4, 2]);
+        assert_eq!(p.row_ptr, vec![0, 3, 4]);
+        assert_eq!(p.entries, vec![0, 1, 1, 0]);
+        assert_eq!(p.scale, vec![0.5; 4]);
+        let go = [1.0, 2.0, 10.0, 20.0];
+        let mut g = [0f32; 4];
+        bag_backward(&go, 2, &p.row_ptr, &p.entries, &p.scale, &mut g).unwrap();
+        assert_eq!(g, [10.5, 21.0, 0.5, 1.0]);
+        let p = plan_backward(&[1, 1], &[0, 2], Some(&[2.0, 3.0]), BagMode::Sum).unwrap();
+        assert_eq!((p.rows, p.scale), (vec![1], vec![2.0, 3.0]));
+        assert!(plan_backward(&[1], &[], None, BagMode::Sum).is_err());
+        assert!(plan_backward(&[1], &[0, 1], Some(&[]), BagMode::Sum).is_err());
+        assert!(bag_backward(&go, 2, &[0, 5], &[0], &[1.0], &mut g[..2]).is_err());
+    }
+
+    #[test]
+    fn optimizer_steps_by_hand() {
+        let mut t = T;
+        row_step(
+            &mut t,
+            3,
+            2,
+            &[1, 9],
+            &[1.0, -2.0, 5.0, 5.0],
+            &RowOptimizer::Sgd { lr: 0.5 },
+        )
+        .unwrap();
+        assert_eq!(&t[3..5], &[2.5, 5.0]);
+        // Adagrad: s = 0 + (9 + 16)/2 = 12.5; w -= 1 * g / (√12.5 + 0).
+        let mut t = [1.0, 1.0, 0.0];
+        let opt = RowOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 };
+        row_step(&mut t, 3, 2, &[0], &[3.0, 4.0], &opt).unwrap();
+        assert_eq!(t[2], 12.5);
+        assert_eq!(t[0], 1.0 - 3.0 / 12.5f32.sqrt());
+        // Adam, first step: m = 0.1 g, v = 0.001 g², corrected m = g, v = g²: w -= lr·sign(g).
+        let mut t = [1.0, 0.0, 0.0];
+        let opt = RowOptimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 0.0,
+            bias1: 0.1,
+            bias2: 0.001,
+        };
+        row_step(&mut t, 3, 1, &[0], &[2.0], &opt).unwrap();
+        assert!((t[0] - 0.9).abs() < 1e-6, "{}", t[0]);
+        assert!((t[1] - 0.2).abs() < 1e-7 && (t[2] - 0.004).abs() < 1e-7);
+        assert!(row_step(&mut t, 2, 1, &[0], &[2.0], &opt).is_err());
+    }
+
+    #[test]
+    fn gather_scatter_rows() {
+        let src: Vec<u8> = (0..12).collect();
+        let mut dst = vec![0u8; 8];
+        gather_rows(&src, 4, &[2, 9], &mut dst);
+        assert_eq!(dst, [8, 9, 10, 11, 0, 0, 0, 0]);
+        let mut back = vec![0u8; 12];
+        scatter_rows(&dst, 4, &[1, 7], &mut back);
+        assert_eq!(back, [0, 0, 0, 0, 8, 9, 10, 11, 0, 0, 0, 0]);
+    }
+}

@@ -363,3 +363,163 @@ proptest! {
         }
     }
 }
+
+/// Tables of a few sizes, one id per sample per table (Criteo-style), `bags` samples.
+fn table_batch(rng: &mut Lcg, rows: &[usize], bags: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+    rows.iter()
+        .map(|&r| {
+            let ids: Vec<u32> = (0..bags).map(|_| rng.next() % r as u32).collect();
+            (ids, (0..=bags as u32).collect())
+        })
+        .collect()
+}
+
+fn table_init(t: usize, id: u32, row: &mut [f32]) {
+    for (k, x) in row.iter_mut().enumerate() {
+        *x = (t as f32 * 0.5 + id as f32 * 0.01 + k as f32 * 0.1).cos();
+    }
+}
+
+/// Table-wise and column-wise placement on 2 and 4 in-process ranks: after training steps,
+/// every rank's batch slice equals the single-rank collection's output bit for bit.
+#[test]
+fn sharded_outputs_equal_single_rank() {
+    use tidemem::comm::Communicator;
+    use tidemem::embedding::{
+        batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch,
+    };
+    const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
+    const D: usize = 6;
+    const BAGS: usize = 10;
+    let mut rng = Lcg(21);
+    let steps: Vec<_> = (0..4)
+        .map(|_| table_batch(&mut rng, &TROWS, BAGS))
+        .collect();
+    fn view(b: &[(Vec<u32>, Vec<u32>)]) -> Vec<TableBatch<'_>> {
+        b.iter()
+            .map(|(i, o)| TableBatch {
+                indices: i,
+                offsets: o,
+                weights: None,
+            })
+            .collect()
+    }
+    for (sharding, opt) in [
+        (
+            Sharding::TableWise,
+            EmbeddingOptimizer::RowwiseAdagrad { lr: 0.2, eps: 1e-8 },
+        ),
+        (Sharding::ColumnWise, OPTIMIZERS[2]),
+        (Sharding::ColumnWise, OPTIMIZERS[0]),
+    ] {
+        // Single rank: one collection of every table.
+        let mut single = CachedEmbeddingCollection::new(
+            common::sim(64 << 20),
+            &TROWS,
+            D,
+            60,
+            BagMode::Sum,
+            opt,
+            |c| c,
+            table_init,
+        )
+        .unwrap();
+        let mut expect = Vec::new();
+        for b in &steps {
+            let out = single.forward(&view(b)).unwrap();
+            single.backward(&grad_of(&out)).unwrap();
+            single.step().unwrap();
+            expect.push(out);
+        }
+        // [tables, bags, D] → the samples of rank r, in the same layout.
+        let slice = |out: &[f32], world: usize, r: usize| -> Vec<f32> {
+            let (a, b) = batch_slice(BAGS, world, r);
+            let mut v = Vec::new();
+            for t in 0..TROWS.len() {
+                v.extend_from_slice(&out[(t * BAGS + a) * D..(t * BAGS + b) * D]);
+            }
+            v
+        };
+        for world in [2usize, 4] {
+            {
+                let comms =
+                    Communicator::local((0..world).map(|_| common::sim(64 << 20)).collect())
+                        .unwrap();
+                let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+                    let handles: Vec<_> = comms
+                        .into_iter()
+                        .map(|comm| {
+                            let steps = &steps;
+                            s.spawn(move || {
+                                let r = comm.rank();
+                                let mut e = ShardedEmbedding::new(
+                                    comm,
+                                    sharding,
+                                    &TROWS,
+                                    D,
+                                    60,
+                                    BagMode::Sum,
+                                    opt,
+                                    table_init,
+                                )
+                                .unwrap();
+                                let mut outs = Vec::new();
+                                for b in steps {
+                                    let out = e.forward(&view(b)).unwrap();
+                                    // The gradient of this rank's samples, as the single rank
+                                    // computes it for the whole batch.
+                                    let full_like = grad_of_slice(&out, world, r);
+                                    e.backward(&full_like).unwrap();
+                                    e.step().unwrap();
+                                    outs.push(out);
+                                }
+                                outs
+                            })
+                        })
+                        .collect();
+                    handles.into_iter().map(|h| h.join().unwrap()).collect()
+                });
+                for (r, outs) in got.iter().enumerate() {
+                    for (step, out) in outs.iter().enumerate() {
+                        assert_eq!(
+                            bits(out),
+                            bits(&slice(&expect[step], world, r)),
+                            "{sharding:?} world {world} rank {r} step {step}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // Row-wise Adagrad cannot be split by columns.
+    let comms = Communicator::local(vec![common::sim(1 << 20), common::sim(1 << 20)]).unwrap();
+    let adagrad = EmbeddingOptimizer::RowwiseAdagrad { lr: 0.2, eps: 1e-8 };
+    for comm in comms {
+        let e = ShardedEmbedding::new(
+            comm,
+            Sharding::ColumnWise,
+            &TROWS,
+            D,
+            60,
+            BagMode::Sum,
+            adagrad,
+            table_init,
+        );
+        assert!(matches!(e, Err(Error::InvalidArgument(_))));
+    }
+
+    /// `grad_of` applied to a rank's slice gives the slice of `grad_of` of the full output
+    /// only if it depends on the element's position in the full output: recompute it there.
+    fn grad_of_slice(out: &[f32], world: usize, r: usize) -> Vec<f32> {
+        let (a, b) = batch_slice(BAGS, world, r);
+        let n = b - a;
+        out.iter()
+            .enumerate()
+            .map(|(i, &y)| {
+                let (t, rest) = (i / (n * D), i % (n * D));
+                let full = (t * BAGS + a) * D + rest;
+                y - ((full % 5) as f32 * 0.1 - 0.2)
+            })
+            .collect()
+    }
+}

@@ -8,7 +8,8 @@
 //! - [`Sharding::TableWise`]: each table lives on one rank (tables assigned greedily by rows,
 //!   largest first, to the least loaded rank);
 //! - [`Sharding::ColumnWise`]: every rank holds every table's columns `[c_r, c_{r+1})` of the
-//!   embedding width, so all ranks see the same ids and make identical cache decisions.
+//!   embedding width, so all ranks see the same ids and make identical cache decisions. The
+//!   optimizer must then be element-wise (SGD, Adam): row-wise Adagrad needs the whole row.
 //!
 //! Every rank is given the global batch (model-parallel input); the forward all-to-all returns
 //! to each rank the outputs of its slice of the samples (data-parallel output), and the backward
@@ -227,6 +228,15 @@ impl ShardedEmbedding {
     ) -> Result<Self> {
         let world = comm.world();
         let rank = comm.rank();
+        if sharding == Sharding::ColumnWise
+            && matches!(optimizer, EmbeddingOptimizer::RowwiseAdagrad { .. })
+        {
+            return Err(Error::InvalidArgument(
+                "row-wise Adagrad keeps one accumulator over a row's full width, which a \
+                 column-wise shard does not see: shard table-wise, or use SGD or Adam"
+                    .into(),
+            ));
+        }
         if sharding == Sharding::ColumnWise && dim < world {
             return Err(Error::InvalidArgument(format!(
                 "column-wise sharding of {dim} columns over {world} ranks leaves a rank none"

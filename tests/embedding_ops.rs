@@ -1,0 +1,279 @@
+//! The device embedding kernels on every backend present (the simulated device always, CUDA
+//! when a GPU is) against their CPU twins, bit for bit, and their argument checks.
+
+mod common;
+
+use tidemem::device::Device;
+use tidemem::ops::embedding::{
+    bag_backward, bag_forward, gather_rows, plan_backward, row_step, scatter_rows, BagMode,
+    RowOptimizer,
+};
+use tidemem::Error;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 16) as u32
+    }
+    fn f(&mut self) -> f32 {
+        (self.next() % 2000) as f32 / 1000.0 - 1.0
+    }
+}
+
+fn up(dev: &Device, s: &tidemem::device::Stream, v: &[u8]) -> tidemem::device::DeviceBuffer {
+    dev.upload(s, v).unwrap()
+}
+
+fn down(dev: &Device, s: &tidemem::device::Stream, b: &tidemem::device::DeviceBuffer) -> Vec<f32> {
+    bytemuck::pod_collect_to_vec(&dev.download(s, b).unwrap())
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn kernels_equal_cpu_twins_bitwise() {
+    let (rows, dim) = (37usize, 5usize);
+    for dev in common::devices("kernels_equal_cpu_twins_bitwise") {
+        let s = dev.new_stream().unwrap();
+        for (mode, weighted) in [
+            (BagMode::Sum, false),
+            (BagMode::Mean, false),
+            (BagMode::Sum, true),
+        ] {
+            for opt in [
+                RowOptimizer::Sgd { lr: 0.3 },
+                RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 },
+                RowOptimizer::Adam {
+                    lr: 0.01,
+                    beta1: 0.9,
+                    beta2: 0.99,
+                    eps: 1e-8,
+                    bias1: 0.19,
+                    bias2: 0.0199,
+                },
+            ] {
+                let stride = dim + opt.state_len(dim) + 1;
+                let mut rng = Rng(99);
+                let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
+                let mut idx = Vec::new();
+                let mut off = vec![0u32];
+                for b in 0..23 {
+                    // Bag 3 is empty; index 40 is out of range and skipped.
+                    let n = if b == 3 { 0 } else { 1 + rng.next() % 5 };
+                    for _ in 0..n {
+                        idx.push(rng.next() % (rows as u32 + 3));
+                    }
+                    off.push(idx.len() as u32);
+                }
+                let w: Vec<f32> = idx.iter().map(|_| rng.f()).collect();
+                let w = weighted.then_some(w);
+                let bags = off.len() - 1;
+                // Forward.
+                let mut out = vec![0f32; bags * dim];
+                bag_forward(
+                    &table,
+                    stride,
+                    dim,
+                    &idx,
+                    &off,
+                    w.as_deref(),
+                    mode,
+                    &mut out,
+                )
+                .unwrap();
+                let tb = up(&dev, &s, bytemuck::cast_slice(&table));
+                let ib = up(&dev, &s, bytemuck::cast_slice(&idx));
+                let ob = up(&dev, &s, bytemuck::cast_slice(&off));
+                let wb = w.as_ref().map(|w| up(&dev, &s, bytemuck::cast_slice(w)));
+                let outb = dev.alloc(bags * dim * 4).unwrap();
+                dev.embedding_bag(
+                    &s,
+                    tb.view(0, tb.len()).unwrap(),
+                    stride,
+                    dim,
+                    ib.view(0, ib.len()).unwrap(),
+                    ob.view(0, ob.len()).unwrap(),
+                    wb.as_ref().map(|b| b.view(0, b.len()).unwrap()),
+                    mode,
+                    outb.view(0, outb.len()).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&out),
+                    bits(&down(&dev, &s, &outb)),
+                    "{} forward {mode:?}",
+                    dev.name()
+                );
+                // Backward.
+                let p = plan_backward(&idx, &off, w.as_deref(), mode).unwrap();
+                let go: Vec<f32> = (0..bags * dim).map(|_| rng.f()).collect();
+                let mut g = vec![0f32; p.rows.len() * dim];
+                bag_backward(&go, dim, &p.row_ptr, &p.entries, &p.scale, &mut g).unwrap();
+                let gob = up(&dev, &s, bytemuck::cast_slice(&go));
+                let rpb = up(&dev, &s, bytemuck::cast_slice(&p.row_ptr));
+                let eb = up(&dev, &s, bytemuck::cast_slice(&p.entries));
+                let sb = up(&dev, &s, bytemuck::cast_slice(&p.scale));
+                let gb = dev.alloc(g.len() * 4).unwrap();
+                dev.embedding_backward(
+                    &s,
+                    gob.view(0, gob.len()).unwrap(),
+                    dim,
+                    rpb.view(0, rpb.len()).unwrap(),
+                    eb.view(0, eb.len()).unwrap(),
+                    sb.view(0, sb.len()).unwrap(),
+                    gb.view(0, gb.len()).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&g),
+                    bits(&down(&dev, &s, &gb)),
+                    "{} backward",
+                    dev.name()
+                );
+                // Step on the distinct rows (out-of-range ones skipped).
+                let mut t2 = table.clone();
+                row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
+                let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
+                dev.embedding_step(
+                    &s,
+                    tb.view(0, tb.len()).unwrap(),
+                    stride,
+                    dim,
+                    rb.view(0, rb.len()).unwrap(),
+                    gb.view(0, gb.len()).unwrap(),
+                    &opt,
+                )
+                .unwrap();
+                assert_eq!(
+                    bits(&t2),
+                    bits(&down(&dev, &s, &tb)),
+                    "{} step {opt:?}",
+                    dev.name()
+                );
+                // Row moves.
+                let rbytes = stride * 4;
+                let sel: Vec<u32> = vec![4, 0, 36, 90, 7];
+                let mut packed = vec![0u8; sel.len() * rbytes];
+                gather_rows(bytemuck::cast_slice(&t2), rbytes, &sel, &mut packed);
+                let selb = up(&dev, &s, bytemuck::cast_slice(&sel));
+                let pb = dev.alloc(packed.len()).unwrap();
+                dev.gather_rows(
+                    &s,
+                    tb.view(0, tb.len()).unwrap(),
+                    rbytes,
+                    selb.view(0, selb.len()).unwrap(),
+                    pb.view(0, pb.len()).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(packed, dev.download(&s, &pb).unwrap());
+                let mut t3 = vec![0u8; rows * rbytes];
+                scatter_rows(&packed, rbytes, &sel, &mut t3);
+                let t3b = dev.alloc(t3.len()).unwrap();
+                dev.scatter_rows(
+                    &s,
+                    pb.view(0, pb.len()).unwrap(),
+                    rbytes,
+                    selb.view(0, selb.len()).unwrap(),
+                    t3b.view(0, t3b.len()).unwrap(),
+                )
+                .unwrap();
+                assert_eq!(t3, dev.download(&s, &t3b).unwrap());
+            }
+        }
+    }
+}
+
+fn v(b: &tidemem::device::DeviceBuffer) -> tidemem::device::DeviceView<'_> {
+    b.view(0, b.len()).unwrap()
+}
+
+#[test]
+fn device_checks_embedding_arguments() {
+    let dev = common::sim(1 << 20);
+    let s = dev.new_stream().unwrap();
+    let t = dev.alloc(4 * 4 * 10).unwrap();
+    let i = dev.alloc(4 * 3).unwrap();
+    let o = dev.alloc(4 * 3).unwrap();
+    let out = dev.alloc(4 * 4 * 2).unwrap();
+    let ok = dev.embedding_bag(&s, v(&t), 4, 4, v(&i), v(&o), None, BagMode::Sum, v(&out));
+    assert!(ok.is_ok());
+    let bad = [
+        dev.embedding_bag(&s, v(&t), 3, 4, v(&i), v(&o), None, BagMode::Sum, v(&out)),
+        dev.embedding_bag(&s, v(&t), 4, 0, v(&i), v(&o), None, BagMode::Sum, v(&out)),
+        dev.embedding_bag(
+            &s,
+            v(&t),
+            4,
+            4,
+            v(&i),
+            v(&o),
+            None,
+            BagMode::Sum,
+            out.view(0, 16).unwrap(),
+        ),
+        dev.embedding_bag(
+            &s,
+            v(&t),
+            4,
+            4,
+            v(&i),
+            v(&o),
+            Some(o.view(0, 8).unwrap()),
+            BagMode::Sum,
+            v(&out),
+        ),
+        dev.embedding_bag(
+            &s,
+            v(&t),
+            4,
+            4,
+            v(&i),
+            v(&o),
+            None,
+            BagMode::Sum,
+            t.view(0, 32).unwrap(),
+        ),
+        dev.embedding_bag(
+            &s,
+            v(&t),
+            4,
+            4,
+            i.view(1, 8).unwrap(),
+            v(&o),
+            None,
+            BagMode::Sum,
+            v(&out),
+        ),
+        dev.gather_rows(&s, v(&t), 6, v(&i), out.view(0, 18).unwrap()),
+        dev.gather_rows(&s, v(&t), 8, v(&i), v(&out)),
+        dev.embedding_step(
+            &s,
+            v(&t),
+            4,
+            4,
+            v(&i),
+            out.view(0, 16).unwrap(),
+            &RowOptimizer::Sgd { lr: 1.0 },
+        ),
+        dev.embedding_step(
+            &s,
+            v(&t),
+            4,
+            4,
+            v(&i),
+            dev.alloc(48).unwrap().view(0, 48).unwrap(),
+            &RowOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 },
+        ),
+    ];
+    for (k, r) in bad.into_iter().enumerate() {
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(_) | Error::Misaligned { .. })),
+            "case {k}: {r:?}"
+        );
+    }
+}

@@ -101,3 +101,32 @@ fn a_broken_kernel_reports_the_compiler_log() {
         "{msg}"
     );
 }
+
+#[test]
+fn embedding_kernels_round_every_operation_like_the_cpu() {
+    if !nvrtc_or_skip() {
+        return;
+    }
+    // The CPU twins (src/ops/embedding.rs) round after every multiply, add, divide and square
+    // root; the PTX must do the same: no fused multiply-add, no approximate division or root.
+    let src = kernels::source("embedding.cu").unwrap();
+    let ptx = kernels::compile(src, Target::Ptx("compute_90".into())).unwrap();
+    let text = String::from_utf8_lossy(&ptx);
+    for line in text.lines().map(str::trim) {
+        let op = line.split_whitespace().next().unwrap_or("");
+        assert!(
+            !(op.starts_with("fma.") || (op.starts_with("mad.") && op.ends_with(".f32"))),
+            "a fused multiply-add in embedding.cu: {line}"
+        );
+        assert!(
+            !(op.contains(".approx") || op.starts_with("div.full")),
+            "an approximate operation in embedding.cu: {line}"
+        );
+    }
+    for needed in ["mul.rn.f32", "add.rn.f32", "div.rn.f32", "sqrt.rn.f32"] {
+        assert!(
+            text.contains(needed),
+            "embedding.cu: no {needed} in the PTX"
+        );
+    }
+}

@@ -195,7 +195,7 @@ pub fn batch_slice(bags: usize, world: usize, r: usize) -> (usize, usize) {
     (bags * r / world, bags * (r + 1) / world)
 }
 
-/// Tables placed over the ranks of a communicator (see the [module docs](self)).
+/// Tables placed over the ranks of a communicator (see the [module docs](crate::embedding) and [`Sharding`]).
 #[derive(Debug)]
 pub struct ShardedEmbedding {
     comm: Communicator,

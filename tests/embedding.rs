@@ -135,6 +135,61 @@ fn cached_bag_equals_full_table_bitwise() {
     }
 }
 
+/// Prefetching the union of the next two batches while a batch is in flight (between its
+/// forward and its step) makes every forward hit: all moves happen in the prefetches, the batch
+/// in flight keeps its rows, and training equals the fully resident bag bit for bit.
+#[test]
+fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
+    let w = weights();
+    for opt in OPTIMIZERS {
+        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+            let mut rng = Lcg(29);
+            let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, true)).collect();
+            let mut full = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
+            let config = CacheConfig::new(ROWS, DIM, 120)
+                .policy(policy.clone())
+                .staging_rows(16);
+            let mut cached =
+                CachedEmbeddingBag::new(common::sim(64 << 20), config, BagMode::Sum, opt, init)
+                    .unwrap();
+            cached.prefetch(&[&batches[0].0]).unwrap();
+            for (k, (idx, off, wt)) in batches.iter().enumerate() {
+                let moved = cached.cache().moved();
+                let a = full.forward(idx, off, wt.as_deref()).unwrap();
+                let b = cached.forward(idx, off, wt.as_deref()).unwrap();
+                assert_eq!(bits(&a), bits(&b), "{opt:?} {}", policy.name());
+                assert_eq!(
+                    cached.cache().moved(),
+                    moved,
+                    "a prefetched forward moves nothing"
+                );
+                if k % 2 == 0 {
+                    let next: Vec<&[u32]> = batches[k + 1..(k + 3).min(batches.len())]
+                        .iter()
+                        .map(|b| b.0.as_slice())
+                        .collect();
+                    cached.prefetch(&next).unwrap();
+                }
+                let moved = cached.cache().moved();
+                let g = grad_of(&a);
+                full.backward(&g).unwrap();
+                cached.backward(&g).unwrap();
+                full.step().unwrap();
+                cached.step().unwrap();
+                assert_eq!(cached.cache().moved(), moved);
+            }
+            let stats = cached.cache().stats();
+            assert_eq!(stats.misses, 0, "every id occurrence hits");
+            assert!(stats.evicted > 0 && stats.prefetched == stats.admitted);
+            assert!(cached.cache().moved().d2h_rows > 0);
+            let (wa, sa) = full.to_vecs();
+            let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
+            assert_eq!(bits(&wa), bits(&wb), "{opt:?} {}", policy.name());
+            assert_eq!(bits(&sa), bits(&sb));
+        }
+    }
+}
+
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }

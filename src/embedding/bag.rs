@@ -9,6 +9,7 @@
 //! device.
 
 use super::cache::{CacheConfig, EmbeddingCache};
+use super::index::Plan;
 use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::{
@@ -397,6 +398,16 @@ impl CachedEmbeddingBag {
             .device()
             .download(self.cache.stream(), self.out.view(bags * dim * 4)?)?;
         Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// Makes the rows of the next `batches` (their indices) resident at once, so that their
+    /// forwards, backwards and steps move nothing (provided no other batch runs in between).
+    /// May be called between a forward and its step: that batch's rows stay cached. The union
+    /// (with a batch in flight) must fit in the cache. Returns the union's plan (see
+    /// [`EmbeddingCache::prefetch`]).
+    pub fn prefetch(&mut self, batches: &[&[u32]]) -> Result<Plan> {
+        let keep = self.saved.as_ref().map_or(&[][..], |s| &s.plan.rows[..]);
+        self.cache.prefetch(batches, keep)
     }
 
     /// [`CachedEmbeddingBag::forward`] leaving the output on the device

@@ -361,6 +361,38 @@ impl EmbeddingCache {
         Ok(plan)
     }
 
+    /// Makes every id of the next `batches` resident in one decision (their union must fit),
+    /// so that [`EmbeddingCache::prepare`] of each of them afterwards hits on every id and
+    /// moves nothing, provided nothing else is prepared in between. The slots in `keep` (those
+    /// of a batch still being computed, e.g. its `plan.slots`) are not evicted. Returns the
+    /// union's plan (see [`CacheIndex::prefetch`]); on bad input it fails and changes nothing.
+    ///
+    /// ```
+    /// use tidemem::device::{Device, SimConfig};
+    /// use tidemem::embedding::{CacheConfig, EmbeddingCache};
+    ///
+    /// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    /// let mut cache = EmbeddingCache::new(dev, CacheConfig::new(1000, 8, 64), |id, row| {
+    ///     row.fill(id as f32)
+    /// })?;
+    /// let batches: [&[u32]; 3] = [&[1, 2, 3], &[3, 4, 900], &[5, 1]];
+    /// let union = cache.prefetch(&batches, &[])?;
+    /// assert_eq!(union.admit.len(), 6);
+    /// let before = cache.moved();
+    /// for b in batches {
+    ///     let plan = cache.prepare(b)?;
+    ///     assert_eq!(plan.misses, 0);
+    /// }
+    /// assert_eq!(cache.moved(), before);
+    /// # Ok::<(), tidemem::Error>(())
+    /// ```
+    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
+        let plan = self.index.prefetch(batches, keep)?;
+        self.write_back(&plan.write_back)?;
+        self.admit(&plan.admit)?;
+        Ok(plan)
+    }
+
     /// Marks the rows in `slots` as changed on the device.
     pub fn mark_dirty(&mut self, slots: &[u32]) -> Result<()> {
         self.index.mark_dirty(slots)

@@ -48,6 +48,8 @@ pub struct IndexStats {
     pub evicted: u64,
     /// Dirty rows written back (device → host), by eviction or flush.
     pub written_back: u64,
+    /// Rows admitted by [`CacheIndex::prefetch`] (also counted in `admitted`).
+    pub prefetched: u64,
 }
 
 impl IndexStats {
@@ -228,6 +230,48 @@ impl CacheIndex {
 
     /// [`CacheIndex::prepare`] for host rows already checked to be in range.
     pub(crate) fn prepare_rows(&mut self, rows: &[u32]) -> Result<Plan> {
+        self.decide(rows, &[], false)
+    }
+
+    /// Makes the union of `batches` resident in one decision, so that preparing each of them
+    /// afterwards hits on every id and moves nothing (as long as nothing else is prepared in
+    /// between). The slots in `keep` (a batch still in flight) are not evicted either.
+    ///
+    /// The plan's `hits` and `misses` count distinct rows of the union, `slots` is empty, and
+    /// the hit and miss counters are left to the batches' own prepares; admitted rows count in
+    /// [`IndexStats::prefetched`]. Not available with [`Policy::Optimal`], whose keys follow
+    /// its trace batch by batch. Fails, changing nothing, on an id out of range, a slot in
+    /// `keep` that holds no row, or a union (with `keep`) larger than the cache.
+    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
+        let mut rows = Vec::with_capacity(batches.iter().map(|b| b.len()).sum());
+        for b in batches {
+            rows.extend(self.rows_of(b)?);
+        }
+        self.prefetch_rows(&rows, keep)
+    }
+
+    /// [`CacheIndex::prefetch`] for host rows already checked to be in range.
+    pub(crate) fn prefetch_rows(&mut self, rows: &[u32], keep: &[u32]) -> Result<Plan> {
+        if matches!(self.policy, Policy::Optimal(_)) {
+            return Err(Error::InvalidArgument(
+                "prefetch is not available with the offline optimal policy, whose keys follow \
+                 its trace batch by batch"
+                    .into(),
+            ));
+        }
+        if let Some(&s) = keep.iter().find(|&&s| self.row_in_slot(s).is_none()) {
+            return Err(Error::InvalidArgument(format!(
+                "slot {s} holds no row and cannot be kept"
+            )));
+        }
+        let mut plan = self.decide(rows, keep, true)?;
+        plan.slots.clear();
+        Ok(plan)
+    }
+
+    /// One decision over `rows`: the slots of `keep` and of every cached row in `rows` are safe
+    /// from eviction; missed rows are admitted. A prefetch does not count uses.
+    fn decide(&mut self, rows: &[u32], keep: &[u32], prefetch: bool) -> Result<Plan> {
         if let Policy::Optimal(t) = &self.policy {
             t.check_current()?;
         }
@@ -256,23 +300,34 @@ impl CacheIndex {
             }
             plan.slots.push(slot);
         }
+        let mut kept = 0usize;
+        for &s in keep {
+            if self.stamp[s as usize] != epoch {
+                self.stamp[s as usize] = epoch;
+                kept += 1;
+            }
+        }
         plan.misses = missed.len();
         missed.sort_unstable();
         missed.dedup();
         plan.unique = hit_unique + missed.len();
-        if plan.unique > self.capacity() {
+        if kept + plan.unique > self.capacity() {
             // Stamps of this epoch are forgotten by the next one: nothing else changed.
             return Err(Error::CacheTooSmall {
-                unique: plan.unique,
+                unique: kept + plan.unique,
                 capacity: self.capacity(),
             });
+        }
+        if prefetch {
+            plan.hits = hit_unique;
+            plan.misses = missed.len();
         }
         if let Policy::Optimal(t) = &self.policy {
             for &r in &missed {
                 t.next_use(r)?;
             }
         }
-        // Victims: the occupied slots this batch does not use, smallest keys first.
+        // Victims: the occupied slots this decision does not use, smallest keys first.
         let need = missed.len().saturating_sub(self.free.len());
         if need > 0 {
             let mut cand: Vec<(u64, u32)> = (0..self.capacity() as u32)
@@ -309,6 +364,23 @@ impl CacheIndex {
             self.dirty[slot as usize] = false;
             plan.admit.push((slot, row));
         }
+        self.stats.admitted += plan.admit.len() as u64;
+        self.stats.evicted += plan.evicted as u64;
+        self.stats.written_back += plan.write_back.len() as u64;
+        if prefetch {
+            // Admitted rows get the key of a row not used yet; uses are counted by the
+            // batches' own prepares.
+            for &(slot, row) in &plan.admit {
+                let primary = if matches!(self.policy, Policy::Lru) {
+                    self.tick
+                } else {
+                    0
+                };
+                self.keys[slot as usize] = key(primary, row);
+            }
+            self.stats.prefetched += plan.admit.len() as u64;
+            return Ok(plan);
+        }
         for (s, &row) in plan.slots.iter_mut().zip(rows) {
             if *s == NONE {
                 *s = self.row_to_slot[row as usize];
@@ -320,9 +392,6 @@ impl CacheIndex {
         self.stats.batches += 1;
         self.stats.hits += plan.hits as u64;
         self.stats.misses += plan.misses as u64;
-        self.stats.admitted += plan.admit.len() as u64;
-        self.stats.evicted += plan.evicted as u64;
-        self.stats.written_back += plan.write_back.len() as u64;
         Ok(plan)
     }
 
@@ -456,6 +525,57 @@ mod tests {
         assert_eq!(p.slots, vec![1, 2]);
         assert_eq!(ix.stats().hits, 1);
         assert_eq!(ix.stats().misses, 4);
+        check_invariants(&ix);
+    }
+
+    #[test]
+    fn prefetch_makes_the_next_batches_hit_and_keeps_the_batch_in_flight() {
+        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+            let mut ix = CacheIndex::new(100, 6, policy).unwrap();
+            let inflight = ix.prepare(&[10, 11]).unwrap();
+            ix.mark_dirty(&inflight.slots).unwrap();
+            let other = ix.prepare(&[20, 21]).unwrap();
+            ix.mark_dirty(&other.slots).unwrap();
+            // Rows 10 and 11 are kept; one of 20 and 21 makes room and is written back.
+            let p = ix
+                .prefetch(&[&[1, 2, 10], &[2, 3]], &inflight.slots)
+                .unwrap();
+            assert_eq!((p.hits, p.misses, p.unique), (1, 3, 4));
+            assert_eq!(p.evicted, 1, "{}", ix.policy().name());
+            assert_eq!(p.write_back.len(), 1);
+            assert!(p.slots.is_empty());
+            assert!(ix.slot_of_row(10).is_some() && ix.slot_of_row(11).is_some());
+            assert_eq!(ix.stats().prefetched, 3);
+            let before = ix.stats();
+            for b in [&[1u32, 2, 10][..], &[2, 3]] {
+                let q = ix.prepare(b).unwrap();
+                assert_eq!((q.misses, q.evicted, q.admit.len()), (0, 0, 0));
+            }
+            assert_eq!(ix.stats().admitted, before.admitted);
+            assert_eq!(ix.stats().batches, before.batches + 2);
+            check_invariants(&ix);
+        }
+    }
+
+    #[test]
+    fn prefetch_refuses_bad_input_and_the_optimal_policy() {
+        let mut ix = CacheIndex::new(10, 3, Policy::Lru).unwrap();
+        let p = ix.prepare(&[1, 2]).unwrap();
+        let before = (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2));
+        // Two kept rows and two new ones do not fit in three slots.
+        assert!(matches!(
+            ix.prefetch(&[&[3], &[4]], &p.slots),
+            Err(Error::CacheTooSmall {
+                unique: 4,
+                capacity: 3
+            })
+        ));
+        assert!(ix.prefetch(&[&[3, 10]], &[]).is_err());
+        assert!(ix.prefetch(&[&[3]], &[2]).is_err(), "slot 2 is empty");
+        assert_eq!(before, (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2)));
+        let trace = OptimalTrace::new([vec![1u32]]).unwrap();
+        let mut opt = CacheIndex::new(10, 3, Policy::Optimal(trace)).unwrap();
+        assert!(opt.prefetch(&[&[1]], &[]).is_err());
         check_invariants(&ix);
     }
 

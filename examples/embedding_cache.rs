@@ -6,17 +6,20 @@
 //! cargo run --release --example embedding_cache -- --dataset criteo-kaggle --zipf 1.0 \
 //!     --batch 16384 --batches 200 --ratios 0.005,0.01,0.015,0.05 --json
 //! cargo run --release --example embedding_cache -- --scale 0.1 --batch 2048 --batches 100
-//! cargo run --release --example embedding_cache -- --drift-days 20 --drift-shift 0.001
+//! cargo run --release --example embedding_cache -- --drift-days 20 --drift-shift 0.001 \
+//!     --count-batches 20
 //! ```
 //!
 //! All tables are concatenated into one id space and share one cache of `ratio × rows` rows;
-//! ids are ordered by their frequency in the trace itself (dataset statistics), and every
+//! ids are ordered by their frequency in the trace itself (dataset statistics; with
+//! `--count-batches N`, in its first N batches only), and every
 //! policy starts from the same warm-up (the hottest `warmup × capacity` rows). Training is
 //! emulated: every row a batch uses becomes dirty, so evicting it costs a write-back.
 //!
 //! JSON output (keys are stable):
 //! - `dataset`, `zipf`, `scale`, `seed`, `batch`, `batches`, `tables`, `rows`, `dim`,
-//!   `row_bytes`, `warmup`, `drift` (`null` or `{ batches_per_day, shift }`)
+//!   `row_bytes`, `warmup`, `count_batches` (batches the frequency order was counted over),
+//!   `drift` (`null` or `{ batches_per_day, shift }`)
 //! - `generate_seconds`: time to generate the trace; `unique_per_batch`: distinct rows per batch
 //! - `results`: list of `{ ratio, capacity, policy, hit_rate, of_optimal, h2d_rows_per_batch,
 //!   h2d_bytes_per_batch, d2h_bytes_per_batch, ids_per_second }`; `of_optimal` is the hit rate
@@ -76,6 +79,10 @@ struct Args {
     /// Drifting variant: fraction of each table's ranks the popularity rotates by per day.
     #[arg(long, default_value_t = 0.001)]
     drift_shift: f64,
+    /// Frequency order from the counts of the first N batches only (default: the whole trace),
+    /// as a trainer's order comes from data it has already seen.
+    #[arg(long)]
+    count_batches: Option<usize>,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -111,7 +118,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         })
         .collect();
     let generate_seconds = t.elapsed().as_secs_f64();
-    let counts = bincount(rows, trace.iter().map(|b| b.as_slice()))?;
+    let count_batches = args.count_batches.unwrap_or(trace.len()).min(trace.len());
+    let counts = bincount(rows, trace[..count_batches].iter().map(|b| b.as_slice()))?;
 
     let row_bytes = (args.dim + args.state) * 4;
     let mut results = Vec::new();
@@ -179,6 +187,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "dim": args.dim,
             "row_bytes": row_bytes,
             "warmup": args.warmup,
+            "count_batches": count_batches,
             "drift": drift.map(|d| json!({"batches_per_day": d.batches_per_day, "shift": d.shift})),
             "generate_seconds": generate_seconds,
             "unique_per_batch": unique_per_batch,

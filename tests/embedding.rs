@@ -5,8 +5,8 @@ mod common;
 
 use proptest::prelude::*;
 use tidemem::embedding::{
-    bincount, CacheConfig, CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer, HostTier,
-    OptimalTrace, Policy,
+    bincount, CacheConfig, CachedEmbeddingBag, CachedEmbeddingCollection, EmbeddingBag,
+    EmbeddingCache, EmbeddingOptimizer, HostTier, OptimalTrace, Policy,
 };
 use tidemem::ops::embedding::BagMode;
 use tidemem::Error;
@@ -188,6 +188,84 @@ fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
             assert_eq!(bits(&sa), bits(&sb));
         }
     }
+}
+
+/// A prefetch leaves its transfers on the copy stream until the next call settles them: the
+/// host table cannot be read meanwhile, evicted dirty rows reach the host at the settle, and
+/// admitted rows are readable from the device after it. The simulated device refuses any
+/// access the two streams do not order.
+#[test]
+fn prefetch_transfers_stay_in_flight_until_settled() {
+    let w = weights();
+    let config = CacheConfig::new(ROWS, DIM, 6).staging_rows(64);
+    let mut cache = EmbeddingCache::from_weights(common::sim(16 << 20), config, &w).unwrap();
+    let first = cache.prepare(&[1, 2, 3, 4, 5, 6]).unwrap();
+    // Change the first three rows on the device and mark them dirty.
+    let rb = DIM * 4;
+    let dev = cache.device().clone();
+    for &slot in &first.slots[..3] {
+        let row = vec![7.5f32; DIM];
+        let buf = dev
+            .upload(cache.stream(), bytemuck::cast_slice(&row))
+            .unwrap();
+        dev.copy_d2d(
+            cache.stream(),
+            buf.view(0, rb).unwrap(),
+            cache.device_table().view(slot as usize * rb, rb).unwrap(),
+        )
+        .unwrap();
+    }
+    cache.mark_dirty(&first.slots[..3]).unwrap();
+    let kept = [first.slots[3]];
+    let p = cache.prefetch(&[&[10, 11], &[12, 13, 11]], &kept).unwrap();
+    // The frequency policy evicts the highest host rows (6, 5, 3, 2), two of them dirty; 1 stays.
+    assert_eq!((p.admit.len(), p.evicted, p.write_back.len()), (4, 4, 2));
+    assert!(cache.in_flight());
+    assert_eq!(cache.moved().h2d_rows, 6 + 4);
+    assert!(cache.host_table().is_err() && cache.read_rows(&[10]).is_err());
+    cache.settle().unwrap();
+    assert!(!cache.in_flight());
+    let host = cache.host_table().unwrap();
+    for id in 2..=3usize {
+        assert_eq!(
+            &host[id * DIM..(id + 1) * DIM],
+            &[7.5f32; DIM][..],
+            "id {id}"
+        );
+    }
+    assert_eq!(
+        &host[DIM..2 * DIM],
+        &w[DIM..2 * DIM],
+        "id 1 is still cached"
+    );
+    assert_eq!(cache.read_rows(&[1]).unwrap(), vec![7.5f32; DIM]);
+    assert_eq!(cache.read_rows(&[4]).unwrap(), w[4 * DIM..5 * DIM].to_vec());
+    let rows = cache.read_rows(&[13, 10]).unwrap();
+    assert_eq!(&rows[..DIM], &w[13 * DIM..14 * DIM]);
+    assert_eq!(&rows[DIM..], &w[10 * DIM..11 * DIM]);
+    let moved = cache.moved();
+    for b in [&[10u32, 11][..], &[12, 13, 11], &[4]] {
+        assert_eq!(cache.prepare(b).unwrap().misses, 0);
+    }
+    assert_eq!(cache.moved(), moved);
+    // A flush with a prefetch in flight settles it first.
+    cache.prefetch(&[&[20, 21]], &[]).unwrap();
+    assert!(cache.in_flight());
+    cache.flush().unwrap();
+    assert!(!cache.in_flight());
+    assert_eq!(cache.to_vecs().unwrap().0, {
+        let mut e = w.clone();
+        e[DIM..4 * DIM].fill(7.5);
+        e
+    });
+}
+
+#[test]
+fn caches_cross_threads() {
+    fn check<T: Send + Sync>() {}
+    check::<EmbeddingCache>();
+    check::<CachedEmbeddingBag>();
+    check::<CachedEmbeddingCollection>();
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use super::index::{CacheIndex, IndexStats, Plan};
 use super::policy::Policy;
-use crate::device::{Device, DeviceBuffer, FileStore, HostBuffer, Stream};
+use crate::device::{Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream};
 use crate::error::{Error, Result};
 
 /// Which host tier holds the full table.
@@ -100,8 +100,14 @@ pub struct MoveStats {
 /// A table of `rows × dim` f32 (plus per-row optimizer state) in host memory with its hottest
 /// rows cached on a device.
 pub struct EmbeddingCache {
+    // Dropped first: dropping a copy in flight waits for it.
+    write_back_in_flight: Option<WriteBackInFlight>,
+    admit_in_flight: Option<AdmitInFlight>,
     device: Device,
     stream: Stream,
+    copy: Stream,
+    on_compute: Event,
+    on_copy: Event,
     index: CacheIndex,
     rows: usize,
     dim: usize,
@@ -110,11 +116,66 @@ pub struct EmbeddingCache {
     host: HostBuffer,
     _store: Option<FileStore>,
     cache: DeviceBuffer,
-    stage: Option<HostBuffer>,
-    stage_idx: Option<HostBuffer>,
-    stage_dev: DeviceBuffer,
-    stage_idx_dev: DeviceBuffer,
+    out: Staging,
+    inn: Staging,
     moved: MoveStats,
+}
+
+/// Staging for one direction of transfers: `staging_rows` rows and their slot numbers, in
+/// pinned host memory and on the device. A host buffer is `None` while a copy holds it.
+struct Staging {
+    host: Option<HostBuffer>,
+    idx: Option<HostBuffer>,
+    dev: DeviceBuffer,
+    idx_dev: DeviceBuffer,
+}
+
+impl Staging {
+    fn new(device: &Device, rows: usize, row_bytes: usize) -> Result<Self> {
+        Ok(Self {
+            host: Some(device.alloc_host(rows * row_bytes)?),
+            idx: Some(device.alloc_host(rows * 4)?),
+            dev: device.alloc(rows * row_bytes)?,
+            idx_dev: device.alloc(rows * 4)?,
+        })
+    }
+
+    fn device_bytes(&self) -> usize {
+        self.dev.len() + self.idx_dev.len()
+    }
+
+    /// Writes `slots` into the host index buffer and returns it.
+    fn fill_slots(&mut self, slots: impl Iterator<Item = u32>) -> Result<HostBuffer> {
+        let mut idx = take(&mut self.idx)?;
+        for (d, s) in idx.typed_mut::<u32>()?.iter_mut().zip(slots) {
+            *d = s;
+        }
+        Ok(idx)
+    }
+}
+
+/// A staging buffer a failed copy kept (it is leaked rather than freed under the copy).
+fn take(buf: &mut Option<HostBuffer>) -> Result<HostBuffer> {
+    buf.take().ok_or_else(|| {
+        Error::InvalidArgument(
+            "a staging buffer was lost to an earlier device failure: the cache is unusable".into(),
+        )
+    })
+}
+
+/// The last write-backs of a prefetch: copying device → host on the copy stream.
+struct WriteBackInFlight {
+    rows: Vec<u32>,
+    data: Pending<HostBuffer>,
+    idx: Pending<HostBuffer>,
+}
+
+/// The last admissions of a prefetch: copying host → device on the copy stream; their scatter
+/// into the cache is enqueued by the next [`EmbeddingCache::settle`].
+struct AdmitInFlight {
+    rows: usize,
+    data: Pending<HostBuffer>,
+    idx: Pending<HostBuffer>,
 }
 
 impl std::fmt::Debug for EmbeddingCache {
@@ -190,15 +251,15 @@ impl EmbeddingCache {
             }
         }
         let staging_rows = staging_rows.min(index.capacity());
-        let stream = device.new_stream()?;
-        let cache = device.alloc(index.capacity() * row_bytes)?;
-        let stage_dev = device.alloc(staging_rows * row_bytes)?;
-        let stage_idx_dev = device.alloc(staging_rows * 4)?;
         Ok(Self {
-            stage: Some(device.alloc_host(staging_rows * row_bytes)?),
-            stage_idx: Some(device.alloc_host(staging_rows * 4)?),
+            stream: device.new_stream()?,
+            copy: device.new_stream()?,
+            on_compute: device.new_event()?,
+            on_copy: device.new_event()?,
+            cache: device.alloc(index.capacity() * row_bytes)?,
+            out: Staging::new(&device, staging_rows, row_bytes)?,
+            inn: Staging::new(&device, staging_rows, row_bytes)?,
             device,
-            stream,
             index,
             rows,
             dim,
@@ -206,9 +267,8 @@ impl EmbeddingCache {
             staging_rows,
             host,
             _store: store,
-            cache,
-            stage_dev,
-            stage_idx_dev,
+            write_back_in_flight: None,
+            admit_in_flight: None,
             moved: MoveStats::default(),
         })
     }
@@ -235,9 +295,16 @@ impl EmbeddingCache {
         &self.device
     }
 
-    /// The stream every move and kernel of this cache runs on.
+    /// The compute stream: the cache's kernels (row gathers and scatters) and the bag's run on
+    /// it, and so do the copies of [`EmbeddingCache::prepare`].
     pub fn stream(&self) -> &Stream {
         &self.stream
+    }
+
+    /// The copy stream, on which the transfers of [`EmbeddingCache::prefetch`] overlap the
+    /// work of the compute stream.
+    pub fn copy_stream(&self) -> &Stream {
+        &self.copy
     }
 
     /// The index maps and policy.
@@ -280,14 +347,29 @@ impl EmbeddingCache {
         self.index.stats()
     }
 
-    /// Bytes of host memory: the table, the index maps and the staging buffers.
+    /// Bytes of host memory: the table, the index maps and the two staging buffers (one per
+    /// direction).
     pub fn host_bytes(&self) -> usize {
-        self.host.len() + self.index.map_bytes() + self.staging_rows * (self.stride * 4 + 4)
+        self.host.len() + self.index.map_bytes() + 2 * self.staging_rows * (self.stride * 4 + 4)
     }
 
-    /// Bytes of device memory: the cached rows and the staging buffers.
+    /// Bytes of device memory: the cached rows and the two staging buffers.
     pub fn device_bytes(&self) -> usize {
-        self.cache.len() + self.stage_dev.len() + self.stage_idx_dev.len()
+        self.cache.len() + self.out.device_bytes() + self.inn.device_bytes()
+    }
+
+    /// Whether transfers of a [`EmbeddingCache::prefetch`] are still in flight.
+    pub fn in_flight(&self) -> bool {
+        self.write_back_in_flight.is_some() || self.admit_in_flight.is_some()
+    }
+
+    fn check_settled(&self, what: &str) -> Result<()> {
+        if self.in_flight() {
+            return Err(Error::InvalidArgument(format!(
+                "{what} needs the transfers of the last prefetch settled: call settle() first"
+            )));
+        }
+        Ok(())
     }
 
     /// Renumbers host rows by descending `counts[id]` (see [`bincount`]) so the hottest id is
@@ -344,6 +426,7 @@ impl EmbeddingCache {
                 "the warm-up ratio is in [0, 1], got {ratio}"
             )));
         }
+        self.settle()?;
         let n = (ratio * self.capacity() as f64).ceil() as usize;
         let admit = self.index.preload(n);
         self.admit(&admit)?;
@@ -355,6 +438,7 @@ impl EmbeddingCache {
     /// their slots are reused. On a bad id or a batch with more distinct rows than slots it
     /// fails and changes nothing.
     pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
+        self.settle()?;
         let plan = self.index.prepare(ids)?;
         self.write_back(&plan.write_back)?;
         self.admit(&plan.admit)?;
@@ -366,6 +450,14 @@ impl EmbeddingCache {
     /// moves nothing, provided nothing else is prepared in between. The slots in `keep` (those
     /// of a batch still being computed, e.g. its `plan.slots`) are not evicted. Returns the
     /// union's plan (see [`CacheIndex::prefetch`]); on bad input it fails and changes nothing.
+    ///
+    /// The last `staging_rows` write-backs and the last `staging_rows` admissions are left in
+    /// flight on the [copy stream](EmbeddingCache::copy_stream), overlapping whatever the
+    /// compute stream runs next (the backward and step of a batch in flight); the rest move
+    /// at once. The next call that needs them ([`EmbeddingCache::settle`], which `prepare`,
+    /// `prefetch`, `flush` and the other mutating calls run first) waits for them and
+    /// enqueues the admitted rows' scatter into the cache. A staging buffer as large as a
+    /// prefetch's moves keeps all of them in flight.
     ///
     /// ```
     /// use tidemem::device::{Device, SimConfig};
@@ -387,10 +479,134 @@ impl EmbeddingCache {
     /// # Ok::<(), tidemem::Error>(())
     /// ```
     pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
+        self.settle()?;
         let plan = self.index.prefetch(batches, keep)?;
-        self.write_back(&plan.write_back)?;
-        self.admit(&plan.admit)?;
+        // Every victim is gathered on the compute stream before any admission is scattered
+        // into its slot: write-backs first, then admissions.
+        let wb = plan.write_back.len().saturating_sub(self.staging_rows);
+        self.write_back(&plan.write_back[..wb])?;
+        if wb < plan.write_back.len() {
+            self.write_back_async(&plan.write_back[wb..])?;
+        }
+        let ad = plan.admit.len().saturating_sub(self.staging_rows);
+        self.admit(&plan.admit[..ad])?;
+        if ad < plan.admit.len() {
+            self.admit_async(&plan.admit[ad..])?;
+        }
         Ok(plan)
+    }
+
+    /// Waits for the transfers of the last [`EmbeddingCache::prefetch`]: written-back rows
+    /// reach the host table, and the scatter of admitted rows into the cache is enqueued on
+    /// the compute stream (ordered after their copy). Does nothing when none are in flight.
+    pub fn settle(&mut self) -> Result<()> {
+        let rb = self.stride * 4;
+        if let Some(a) = self.admit_in_flight.take() {
+            self.device.wait_event(&self.stream, &self.on_copy)?;
+            self.device.scatter_rows(
+                &self.stream,
+                self.inn.dev.view(0, a.rows * rb)?,
+                rb,
+                self.inn.idx_dev.view(0, a.rows * 4)?,
+                self.cache.view(0, self.cache.len())?,
+            )?;
+            self.inn.host = Some(a.data.wait()?);
+            self.inn.idx = Some(a.idx.wait()?);
+        }
+        if let Some(w) = self.write_back_in_flight.take() {
+            let data = w.data.wait()?;
+            self.unpack(&data, &w.rows)?;
+            self.out.host = Some(data);
+            self.out.idx = Some(w.idx.wait()?);
+        }
+        Ok(())
+    }
+
+    /// Orders the copy stream after everything enqueued on the compute stream so far.
+    fn copy_after_compute(&self) -> Result<()> {
+        self.device.record(&self.stream, &self.on_compute)?;
+        self.device.wait_event(&self.copy, &self.on_compute)
+    }
+
+    /// Copies staged rows into their host rows.
+    fn unpack(&mut self, stage: &HostBuffer, rows: &[u32]) -> Result<()> {
+        let stride = self.stride;
+        let src = stage.typed::<f32>()?;
+        let host = self.host.typed_mut::<f32>()?;
+        for (i, &row) in rows.iter().enumerate() {
+            let r = row as usize * stride;
+            host[r..r + stride].copy_from_slice(&src[i * stride..(i + 1) * stride]);
+        }
+        Ok(())
+    }
+
+    /// Copies host rows into a staging buffer.
+    fn pack(&self, stage: &mut HostBuffer, moves: &[(u32, u32)]) -> Result<()> {
+        let stride = self.stride;
+        let dst = stage.typed_mut::<f32>()?;
+        let host = self.host.typed::<f32>()?;
+        for (i, &(_, row)) in moves.iter().enumerate() {
+            let r = row as usize * stride;
+            dst[i * stride..(i + 1) * stride].copy_from_slice(&host[r..r + stride]);
+        }
+        Ok(())
+    }
+
+    /// Starts the write-back of at most `staging_rows` moves: their slots are uploaded on the
+    /// copy stream, gathered on the compute stream and copied to the host on the copy stream.
+    fn write_back_async(&mut self, moves: &[(u32, u32)]) -> Result<()> {
+        let (k, rb) = (moves.len(), self.stride * 4);
+        self.copy_after_compute()?;
+        let idx = self.out.fill_slots(moves.iter().map(|m| m.0))?;
+        let idx =
+            self.device
+                .copy_h2d_part(&self.copy, idx, 0, self.out.idx_dev.view(0, k * 4)?)?;
+        self.device.record(&self.copy, &self.on_copy)?;
+        self.device.wait_event(&self.stream, &self.on_copy)?;
+        self.device.gather_rows(
+            &self.stream,
+            self.cache.view(0, self.cache.len())?,
+            rb,
+            self.out.idx_dev.view(0, k * 4)?,
+            self.out.dev.view(0, k * rb)?,
+        )?;
+        self.copy_after_compute()?;
+        let host = take(&mut self.out.host)?;
+        let data = self
+            .device
+            .copy_d2h_part(&self.copy, self.out.dev.view(0, k * rb)?, host, 0)?;
+        self.write_back_in_flight = Some(WriteBackInFlight {
+            rows: moves.iter().map(|m| m.1).collect(),
+            data,
+            idx,
+        });
+        self.moved.d2h_rows += k as u64;
+        self.moved.d2h_bytes += (k * rb) as u64;
+        Ok(())
+    }
+
+    /// Starts the admission of at most `staging_rows` moves: rows and slots are copied to the
+    /// device on the copy stream; [`EmbeddingCache::settle`] scatters them.
+    fn admit_async(&mut self, moves: &[(u32, u32)]) -> Result<()> {
+        let (k, rb) = (moves.len(), self.stride * 4);
+        self.copy_after_compute()?;
+        let mut host = take(&mut self.inn.host)?;
+        if let Err(e) = self.pack(&mut host, moves) {
+            self.inn.host = Some(host);
+            return Err(e);
+        }
+        let data = self
+            .device
+            .copy_h2d_part(&self.copy, host, 0, self.inn.dev.view(0, k * rb)?)?;
+        let idx = self.inn.fill_slots(moves.iter().map(|m| m.0))?;
+        let idx =
+            self.device
+                .copy_h2d_part(&self.copy, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?;
+        self.device.record(&self.copy, &self.on_copy)?;
+        self.admit_in_flight = Some(AdmitInFlight { rows: k, data, idx });
+        self.moved.h2d_rows += k as u64;
+        self.moved.h2d_bytes += (k * rb) as u64;
+        Ok(())
     }
 
     /// Marks the rows in `slots` as changed on the device.
@@ -400,6 +616,7 @@ impl EmbeddingCache {
 
     /// Writes every dirty cached row back to the host table. Returns the rows written.
     pub fn flush(&mut self) -> Result<usize> {
+        self.settle()?;
         let dirty = self.index.take_dirty();
         self.write_back(&dirty)?;
         Ok(dirty.len())
@@ -414,6 +631,7 @@ impl EmbeddingCache {
     /// The current value of rows `ids` (embedding and state, `stride` floats each), from the
     /// device for cached rows and the host table for the others.
     pub fn read_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        self.check_settled("reading rows")?;
         let rows = self.index.rows_of(ids)?;
         let host = self.host.typed::<f32>()?;
         let mut out = Vec::with_capacity(ids.len() * self.stride);
@@ -451,8 +669,10 @@ impl EmbeddingCache {
         Ok((w, s))
     }
 
-    /// The host table in host-row order (stale for dirty cached rows until a flush).
+    /// The host table in host-row order (stale for dirty cached rows until a flush). Fails
+    /// while a prefetch's transfers are in flight.
     pub fn host_table(&self) -> Result<&[f32]> {
+        self.check_settled("reading the host table")?;
         self.host.typed::<f32>()
     }
 
@@ -476,6 +696,7 @@ impl EmbeddingCache {
         let (dim, stride) = (self.dim, self.stride);
         // Read fully before changing anything.
         let (w, s) = super::checkpoint::load(path.as_ref(), self.rows, dim, stride - dim)?;
+        self.settle()?;
         let _ = self.index.take_dirty();
         self.index.clear()?;
         let perm = self.index.permutation().to_vec();
@@ -488,78 +709,67 @@ impl EmbeddingCache {
         Ok(())
     }
 
-    fn upload_index(&mut self, slots: impl Iterator<Item = u32>, k: usize) -> Result<()> {
-        let mut idx = self.stage_idx.take().expect("staging index buffer present");
-        for (d, s) in idx.typed_mut::<u32>()?.iter_mut().zip(slots) {
-            *d = s;
-        }
-        let dst = self.stage_idx_dev.view(0, k * 4)?;
-        let idx = self
-            .device
-            .copy_h2d_part(&self.stream, idx, 0, dst)?
-            .wait()?;
-        self.stage_idx = Some(idx);
-        Ok(())
-    }
-
-    /// Copies the rows in `moves` (`(slot, host row)`) device → host.
+    /// Copies the rows in `moves` (`(slot, host row)`) device → host on the compute stream,
+    /// `staging_rows` at a time.
     fn write_back(&mut self, moves: &[(u32, u32)]) -> Result<()> {
-        let (stride, rb) = (self.stride, self.stride * 4);
+        let rb = self.stride * 4;
         for chunk in moves.chunks(self.staging_rows) {
             let k = chunk.len();
-            self.upload_index(chunk.iter().map(|m| m.0), k)?;
+            let idx = self.out.fill_slots(chunk.iter().map(|m| m.0))?;
+            let idx = self
+                .device
+                .copy_h2d_part(&self.stream, idx, 0, self.out.idx_dev.view(0, k * 4)?)?
+                .wait()?;
+            self.out.idx = Some(idx);
             self.device.gather_rows(
                 &self.stream,
                 self.cache.view(0, self.cache.len())?,
                 rb,
-                self.stage_idx_dev.view(0, k * 4)?,
-                self.stage_dev.view(0, k * rb)?,
+                self.out.idx_dev.view(0, k * 4)?,
+                self.out.dev.view(0, k * rb)?,
             )?;
-            let stage = self.stage.take().expect("staging buffer present");
-            let stage = self
+            let host = take(&mut self.out.host)?;
+            let host = self
                 .device
-                .copy_d2h_part(&self.stream, self.stage_dev.view(0, k * rb)?, stage, 0)?
+                .copy_d2h_part(&self.stream, self.out.dev.view(0, k * rb)?, host, 0)?
                 .wait()?;
-            {
-                let src = stage.typed::<f32>()?;
-                let host = self.host.typed_mut::<f32>()?;
-                for (i, &(_, row)) in chunk.iter().enumerate() {
-                    let r = row as usize * stride;
-                    host[r..r + stride].copy_from_slice(&src[i * stride..(i + 1) * stride]);
-                }
-            }
-            self.stage = Some(stage);
+            let rows: Vec<u32> = chunk.iter().map(|m| m.1).collect();
+            let unpacked = self.unpack(&host, &rows);
+            self.out.host = Some(host);
+            unpacked?;
             self.moved.d2h_rows += k as u64;
             self.moved.d2h_bytes += (k * rb) as u64;
         }
         Ok(())
     }
 
-    /// Copies the rows in `moves` (`(slot, host row)`) host → device.
+    /// Copies the rows in `moves` (`(slot, host row)`) host → device on the compute stream,
+    /// `staging_rows` at a time.
     fn admit(&mut self, moves: &[(u32, u32)]) -> Result<()> {
-        let (stride, rb) = (self.stride, self.stride * 4);
+        let rb = self.stride * 4;
         for chunk in moves.chunks(self.staging_rows) {
             let k = chunk.len();
-            let mut stage = self.stage.take().expect("staging buffer present");
-            {
-                let dst = stage.typed_mut::<f32>()?;
-                let host = self.host.typed::<f32>()?;
-                for (i, &(_, row)) in chunk.iter().enumerate() {
-                    let r = row as usize * stride;
-                    dst[i * stride..(i + 1) * stride].copy_from_slice(&host[r..r + stride]);
-                }
+            let mut host = take(&mut self.inn.host)?;
+            if let Err(e) = self.pack(&mut host, chunk) {
+                self.inn.host = Some(host);
+                return Err(e);
             }
-            let stage = self
+            let host = self
                 .device
-                .copy_h2d_part(&self.stream, stage, 0, self.stage_dev.view(0, k * rb)?)?
+                .copy_h2d_part(&self.stream, host, 0, self.inn.dev.view(0, k * rb)?)?
                 .wait()?;
-            self.stage = Some(stage);
-            self.upload_index(chunk.iter().map(|m| m.0), k)?;
+            self.inn.host = Some(host);
+            let idx = self.inn.fill_slots(chunk.iter().map(|m| m.0))?;
+            let idx = self
+                .device
+                .copy_h2d_part(&self.stream, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?
+                .wait()?;
+            self.inn.idx = Some(idx);
             self.device.scatter_rows(
                 &self.stream,
-                self.stage_dev.view(0, k * rb)?,
+                self.inn.dev.view(0, k * rb)?,
                 rb,
-                self.stage_idx_dev.view(0, k * 4)?,
+                self.inn.idx_dev.view(0, k * 4)?,
                 self.cache.view(0, self.cache.len())?,
             )?;
             self.moved.h2d_rows += k as u64;

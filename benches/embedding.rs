@@ -3,6 +3,12 @@
 //! cache of 1.5% of all rows); and, untimed, the frequency policy's hit rate against the
 //! offline optimum's on the same trace.
 //!
+//! `embedding_prefetch_overlap`: training steps of a cached bag on a simulated device whose
+//! link is slow enough that moving the next batch's rows takes about as long as a step,
+//! prefetching the next batch between each forward and backward; transfers left in flight
+//! on the copy stream (overlapped with the backward and step) against the same prefetch
+//! settled at once (baseline).
+//!
 //! ```sh
 //! cargo bench --bench embedding
 //! ```
@@ -11,8 +17,13 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::data::{Dataset, Synthetic, SyntheticConfig};
-use tidemem::embedding::{bincount, replay, CacheIndex, OptimalTrace, Policy, ReplayConfig};
+use tidemem::embedding::{
+    bincount, replay, CacheConfig, CacheIndex, CachedEmbeddingBag, EmbeddingOptimizer,
+    OptimalTrace, Policy, ReplayConfig,
+};
+use tidemem::ops::embedding::BagMode;
 
 const BATCH: usize = 2048;
 const BATCHES: u64 = 40;
@@ -87,6 +98,34 @@ impl HashMapRemap {
     }
 }
 
+/// Time per iteration over every call criterion makes (warm-up included), so two functions
+/// that ran different numbers of iterations compare fairly.
+#[derive(Default)]
+struct Mean {
+    total: Duration,
+    iters: u64,
+}
+
+impl Mean {
+    fn add(&mut self, t: Duration, iters: u64) -> Duration {
+        self.total += t;
+        self.iters += iters;
+        t
+    }
+
+    fn per_iter(&self) -> f64 {
+        self.total.as_secs_f64() / self.iters.max(1) as f64
+    }
+
+    /// Our time per iteration over the baseline's (NaN when either did not run).
+    fn ratio(&self, base: &Mean) -> f64 {
+        if self.iters == 0 || base.iters == 0 {
+            return f64::NAN;
+        }
+        self.per_iter() / base.per_iter()
+    }
+}
+
 fn bench(c: &mut Criterion) {
     let (rows, trace) = trace();
     let counts = bincount(rows, trace.iter().map(|b| b.as_slice())).expect("counts");
@@ -102,8 +141,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("embedding_prepare");
     g.sample_size(10);
     g.throughput(Throughput::Elements(ids as u64));
-    let mut ours = Duration::ZERO;
-    let mut base = Duration::ZERO;
+    let (mut ours, mut base) = (Mean::default(), Mean::default());
     g.bench_function("cache_index_frequency", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
@@ -116,8 +154,7 @@ fn bench(c: &mut Criterion) {
                 }
                 total += t.elapsed();
             }
-            ours += total;
-            total
+            ours.add(total, iters)
         })
     });
     g.bench_function("hashmap_remap_baseline", |b| {
@@ -131,8 +168,7 @@ fn bench(c: &mut Criterion) {
                 }
                 total += t.elapsed();
             }
-            base += total;
-            total
+            base.add(total, iters)
         })
     });
     g.finish();
@@ -157,7 +193,7 @@ fn bench(c: &mut Criterion) {
          ratio of times (ours / baseline, lower is better) {:.3}",
         ids,
         one.ids_per_second / 1e6,
-        ours.as_secs_f64() / base.as_secs_f64().max(1e-12)
+        ours.ratio(&base)
     );
     println!(
         "embedding_hit_rate (criteo-kaggle × 0.1, zipf 1.0, batch {BATCH}, {:.1}% cache): \
@@ -169,5 +205,101 @@ fn bench(c: &mut Criterion) {
     );
 }
 
-criterion_group!(benches, bench);
+const OV_ROWS: usize = 200_000;
+const OV_DIM: usize = 64;
+const OV_BAGS: usize = 1024;
+const OV_IDS_PER_BAG: usize = 8;
+const OV_BATCHES: usize = 12;
+
+/// Skewed ids (the cube of a uniform) for `OV_BATCHES` batches of `OV_BAGS` bags.
+fn overlap_batches() -> Vec<(Vec<u32>, Vec<u32>)> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    (0..OV_BATCHES)
+        .map(|_| {
+            let ids: Vec<u32> = (0..OV_BAGS * OV_IDS_PER_BAG)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                    ((u * u * u * OV_ROWS as f64) as u32).min(OV_ROWS as u32 - 1)
+                })
+                .collect();
+            let offsets = (0..=OV_BAGS).map(|b| (b * OV_IDS_PER_BAG) as u32).collect();
+            (ids, offsets)
+        })
+        .collect()
+}
+
+/// Runs every batch once; returns the time of the steady batches (all but the first) and the
+/// bytes moved over the link (both ways).
+fn overlap_run(batches: &[(Vec<u32>, Vec<u32>)], overlap: bool) -> (Duration, u64) {
+    let link = LinkModel {
+        h2d_gbps: 0.25,
+        d2h_gbps: 0.25,
+        d2d_gbps: 100.0,
+        latency: Duration::from_micros(10),
+    };
+    let dev = Device::sim(SimConfig::with_capacity(1 << 30).link(link)).expect("sim");
+    let config = CacheConfig::new(OV_ROWS, OV_DIM, 16_384).staging_rows(16_384);
+    let opt = EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 };
+    let mut bag = CachedEmbeddingBag::new(dev, config, BagMode::Sum, opt, |id, row| {
+        row.fill(id as f32 * 1e-6)
+    })
+    .expect("bag");
+    bag.prefetch(&[&batches[0].0]).expect("prefetch");
+    let mut start = Instant::now();
+    for (k, (ids, offsets)) in batches.iter().enumerate() {
+        if k == 1 {
+            start = Instant::now();
+        }
+        let out = bag.forward(ids, offsets, None).expect("forward");
+        if let Some(next) = batches.get(k + 1) {
+            bag.prefetch(&[&next.0]).expect("prefetch");
+            if !overlap {
+                bag.settle().expect("settle");
+            }
+        }
+        bag.backward(&out).expect("backward");
+        bag.step().expect("step");
+    }
+    bag.settle().expect("settle");
+    let m = bag.cache().moved();
+    (start.elapsed(), m.h2d_bytes + m.d2h_bytes)
+}
+
+fn overlap(c: &mut Criterion) {
+    let batches = overlap_batches();
+    let mut g = c.benchmark_group("embedding_prefetch_overlap");
+    g.sample_size(10);
+    let (mut ours, mut base) = (Mean::default(), Mean::default());
+    g.bench_function("copy_stream_in_flight", |b| {
+        b.iter_custom(|iters| {
+            let t: Duration = (0..iters).map(|_| overlap_run(&batches, true).0).sum();
+            ours.add(t, iters)
+        })
+    });
+    g.bench_function("settled_at_once_baseline", |b| {
+        b.iter_custom(|iters| {
+            let t: Duration = (0..iters).map(|_| overlap_run(&batches, false).0).sum();
+            base.add(t, iters)
+        })
+    });
+    g.finish();
+    let (_, bytes) = overlap_run(&batches, true);
+    let per_batch = bytes as f64 / OV_BATCHES as f64;
+    println!(
+        "embedding_prefetch_overlap: {:.2} MB over the link per batch ({:.1} ms at 0.25 GB/s)",
+        per_batch / 1e6,
+        per_batch / 0.25e9 * 1e3
+    );
+    println!(
+        "embedding_prefetch_overlap ({OV_ROWS} rows × {OV_DIM}, batch {OV_BAGS} × \
+         {OV_IDS_PER_BAG} ids, 0.25 GB/s simulated link): ratio of step times (in flight / \
+         settled at once, lower is better) {:.3}",
+        ours.ratio(&base)
+    );
+}
+
+criterion_group!(benches, bench, overlap);
 criterion_main!(benches);

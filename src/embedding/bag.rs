@@ -410,6 +410,12 @@ impl CachedEmbeddingBag {
         self.cache.prefetch(batches, keep)
     }
 
+    /// Waits for the transfers of the last prefetch (see [`EmbeddingCache::settle`]); the next
+    /// forward does it anyway. Keeps a batch in flight.
+    pub fn settle(&mut self) -> Result<()> {
+        self.cache.settle()
+    }
+
     /// [`CachedEmbeddingBag::forward`] leaving the output on the device
     /// ([`CachedEmbeddingBag::output`]); returns the number of bags.
     pub fn forward_device(
@@ -420,7 +426,7 @@ impl CachedEmbeddingBag {
     ) -> Result<usize> {
         let bags = check_batch(indices, offsets, weights)?;
         self.saved = None;
-        let plan = self.cache.prepare(indices)?;
+        let plan = self.cache.prepare_deferred(indices)?;
         let grad_plan = plan_backward(&plan.slots, offsets, weights, self.mode)?;
         let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let dim = self.cache.dim();
@@ -430,9 +436,12 @@ impl CachedEmbeddingBag {
             self.weights.put(&dev, s, bytemuck::cast_slice(w))?;
         }
         self.out.reserve(&dev, bags * dim * 4)?;
+        // Rows a prefetch is still copying reach their slots before the kernel reads them;
+        // the uploads above did not wait for them.
+        self.cache.enqueue_admitted()?;
         let table = self.cache.device_table();
         dev.embedding_bag(
-            s,
+            self.cache.stream(),
             table.view(0, table.len())?,
             self.cache.stride(),
             dim,

@@ -174,6 +174,7 @@ struct WriteBackInFlight {
 /// into the cache is enqueued by the next [`EmbeddingCache::settle`].
 struct AdmitInFlight {
     rows: usize,
+    scattered: bool,
     data: Pending<HostBuffer>,
     idx: Pending<HostBuffer>,
 }
@@ -438,10 +439,21 @@ impl EmbeddingCache {
     /// their slots are reused. On a bad id or a batch with more distinct rows than slots it
     /// fails and changes nothing.
     pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
-        self.settle()?;
+        let plan = self.prepare_deferred(ids)?;
+        self.enqueue_admitted()?;
+        Ok(plan)
+    }
+
+    /// [`EmbeddingCache::prepare`] that, when the batch needs no moves, leaves the scatter of
+    /// rows a prefetch has in flight to [`EmbeddingCache::enqueue_admitted`], so the host
+    /// does not wait for the copy stream.
+    pub(crate) fn prepare_deferred(&mut self, ids: &[u32]) -> Result<Plan> {
         let plan = self.index.prepare(ids)?;
-        self.write_back(&plan.write_back)?;
-        self.admit(&plan.admit)?;
+        if !plan.write_back.is_empty() || !plan.admit.is_empty() {
+            self.settle()?;
+            self.write_back(&plan.write_back)?;
+            self.admit(&plan.admit)?;
+        }
         Ok(plan)
     }
 
@@ -500,16 +512,8 @@ impl EmbeddingCache {
     /// reach the host table, and the scatter of admitted rows into the cache is enqueued on
     /// the compute stream (ordered after their copy). Does nothing when none are in flight.
     pub fn settle(&mut self) -> Result<()> {
-        let rb = self.stride * 4;
+        self.enqueue_admitted()?;
         if let Some(a) = self.admit_in_flight.take() {
-            self.device.wait_event(&self.stream, &self.on_copy)?;
-            self.device.scatter_rows(
-                &self.stream,
-                self.inn.dev.view(0, a.rows * rb)?,
-                rb,
-                self.inn.idx_dev.view(0, a.rows * 4)?,
-                self.cache.view(0, self.cache.len())?,
-            )?;
             self.inn.host = Some(a.data.wait()?);
             self.inn.idx = Some(a.idx.wait()?);
         }
@@ -519,6 +523,26 @@ impl EmbeddingCache {
             self.out.host = Some(data);
             self.out.idx = Some(w.idx.wait()?);
         }
+        Ok(())
+    }
+
+    /// Enqueues, once, the scatter of the rows a prefetch is copying on the copy stream into
+    /// their slots, on the compute stream after their copy: work enqueued on the compute
+    /// stream afterwards sees them, without the host waiting.
+    pub(crate) fn enqueue_admitted(&mut self) -> Result<()> {
+        let rb = self.stride * 4;
+        let Some(a) = self.admit_in_flight.as_mut().filter(|a| !a.scattered) else {
+            return Ok(());
+        };
+        self.device.wait_event(&self.stream, &self.on_copy)?;
+        self.device.scatter_rows(
+            &self.stream,
+            self.inn.dev.view(0, a.rows * rb)?,
+            rb,
+            self.inn.idx_dev.view(0, a.rows * 4)?,
+            self.cache.view(0, self.cache.len())?,
+        )?;
+        a.scattered = true;
         Ok(())
     }
 
@@ -603,7 +627,12 @@ impl EmbeddingCache {
             self.device
                 .copy_h2d_part(&self.copy, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?;
         self.device.record(&self.copy, &self.on_copy)?;
-        self.admit_in_flight = Some(AdmitInFlight { rows: k, data, idx });
+        self.admit_in_flight = Some(AdmitInFlight {
+            rows: k,
+            scattered: false,
+            data,
+            idx,
+        });
         self.moved.h2d_rows += k as u64;
         self.moved.h2d_bytes += (k * rb) as u64;
         Ok(())

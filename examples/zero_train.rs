@@ -6,6 +6,7 @@
 //! ```sh
 //! cargo run --release --example zero_train
 //! cargo run --release --example zero_train -- --ranks 4 --layers 16 --width 64 --steps 6 --json
+//! cargo run --release --example zero_train -- --prefetch 0   # gather on demand only
 //! # two processes on one node, one GPU each:
 //! WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train &
 //! WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train
@@ -53,6 +54,9 @@ struct Args {
     /// Memory of each simulated device.
     #[arg(long, default_value = "64MiB")]
     device_mem: String,
+    /// Communication groups gathered ahead of their use in forward (0: on demand only).
+    #[arg(long, default_value_t = 1)]
+    prefetch: usize,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -85,9 +89,11 @@ fn run() -> tidemem::Result<()> {
     };
     let quiet = args.json;
     let steps = args.steps;
+    let prefetch = args.prefetch;
     let results = launch(args.ranks, device_for, Duration::from_secs(120), |c| {
         let (rank, world) = (c.rank(), c.world());
         let mut z = ZeroManager::new(c, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
+        z.set_prefetch(prefetch)?;
         let ids = toy.register(&mut z)?;
         let pool = z.pool().clone();
         let mut adam = HybridAdam::new(HybridConfig {

@@ -70,6 +70,18 @@ struct RankResult {
 
 /// Trains `steps` steps on `world` in-process ranks, rank r on share r of every batch.
 fn zero(toy: &ToyMlp, dtype: DType, world: usize, capacity: usize, steps: u64) -> Vec<RankResult> {
+    zero_prefetch(toy, dtype, world, capacity, steps, 0)
+}
+
+/// [`zero`] gathering `prefetch` communication groups ahead in forward.
+fn zero_prefetch(
+    toy: &ToyMlp,
+    dtype: DType,
+    world: usize,
+    capacity: usize,
+    steps: u64,
+    prefetch: usize,
+) -> Vec<RankResult> {
     let devs = (0..world).map(|_| common::sim(capacity)).collect();
     let comms = Communicator::local(devs).unwrap();
     std::thread::scope(|s| {
@@ -79,6 +91,7 @@ fn zero(toy: &ToyMlp, dtype: DType, world: usize, capacity: usize, steps: u64) -
                 s.spawn(move || {
                     let (r, n) = (c.rank(), c.world());
                     let mut z = ZeroManager::new(c, config(toy, dtype)).unwrap();
+                    z.set_prefetch(prefetch).unwrap();
                     let ids = toy.register(&mut z).unwrap();
                     let pool = z.pool().clone();
                     let mut opt = adam();
@@ -188,6 +201,52 @@ fn a_small_device_changes_nothing() {
     for (a, b) in big.iter().zip(&small) {
         assert_eq!(a.owned, b.owned);
         assert!(b.zero.local().stats().loads > 0 || b.zero.local().stats().h2d_bytes > 0);
+    }
+}
+
+/// Gathering ahead in forward changes when groups are gathered, not what: the same bits, the
+/// same collective volume, on large and small devices; and it does happen after warm-up.
+#[test]
+fn forward_prefetch_changes_no_bit() {
+    for (world, capacity) in [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 16_000)] {
+        let plain = zero(&UNTIED, DType::F16, world, capacity, 4);
+        for depth in [1, 3] {
+            let ahead = zero_prefetch(&UNTIED, DType::F16, world, capacity, 4, depth);
+            for (a, b) in plain.iter().zip(&ahead) {
+                assert_eq!(a.owned, b.owned, "world {world}, depth {depth}");
+                let (sa, sb) = (a.zero.stats(), b.zero.stats());
+                assert_eq!(sa.gathered_bytes, sb.gathered_bytes);
+                assert_eq!(sa.scattered_bytes, sb.scattered_bytes);
+                assert_eq!(sa.prefetched, 0);
+                // 3 steady forwards of ceil(8 / N) groups; the first of each is on demand
+                let per_forward = (UNTIED.layers.div_ceil(world) - 1) as u64;
+                assert_eq!(
+                    sb.prefetched,
+                    3 * per_forward,
+                    "world {world}, depth {depth}"
+                );
+            }
+        }
+    }
+    // set before the first fetch only
+    let mut z = ZeroManager::new(
+        Communicator::local(vec![common::sim(1 << 20)])
+            .unwrap()
+            .remove(0),
+        config(&UNTIED, DType::F16),
+    )
+    .unwrap();
+    UNTIED.register(&mut z).unwrap();
+    z.fetch(&[TensorId(0)], Stage::Forward).unwrap();
+    assert!(matches!(z.set_prefetch(1), Err(Error::InvalidArgument(_))));
+    let tied = zero(&TOY, DType::F16, 2, 1 << 20, 3);
+    let tied_ahead = zero_prefetch(&TOY, DType::F16, 2, 1 << 20, 3, 2);
+    for (a, b) in tied.iter().zip(&tied_ahead) {
+        assert_eq!(
+            a.owned, b.owned,
+            "a shared parameter re-gathered in forward"
+        );
+        assert!(b.zero.stats().prefetched > 0);
     }
 }
 

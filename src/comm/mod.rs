@@ -9,8 +9,10 @@
 //!   [`Error::CommTimeout`] naming the ranks that never came. Either error breaks the
 //!   communicator for every rank, so no test hangs. Reductions run in rank order with f64 (or
 //!   128-bit integer) accumulation and one rounding, so results are deterministic and identical
-//!   on every rank. The calls are synchronous: a call returns once its output is in device
-//!   memory.
+//!   on every rank. A call returns once every rank has posted its input; the output's copy
+//!   into device memory is enqueued on the caller's stream and the host does not wait for it,
+//!   so, as with NCCL, work on another stream must wait for an event recorded after the call
+//!   (the simulated device reports the race otherwise).
 //! - **NCCL** ([`Communicator::nccl`]): one rank per GPU, in one process per GPU or one thread
 //!   per GPU. Calls are enqueued on the caller's stream and return at once, as in NCCL; the
 //!   buffers follow the device layer's stream-ordering rules. Ranks meet through
@@ -61,7 +63,7 @@ use half::{bf16, f16};
 use parking_lot::Mutex;
 use serde::Serialize;
 
-use crate::device::{Device, DeviceView, HostBuffer, Stream};
+use crate::device::{Device, DeviceView, HostBuffer, Pending, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -273,6 +275,8 @@ pub struct Communicator {
     device: Device,
     imp: Imp,
     stats: Mutex<CommStats>,
+    /// Output copies of in-process collectives not yet known complete (their staging buffers).
+    uploads: Mutex<Vec<Pending<HostBuffer>>>,
 }
 
 impl fmt::Debug for Communicator {
@@ -352,6 +356,7 @@ impl Communicator {
             device,
             imp,
             stats: Mutex::new(CommStats::default()),
+            uploads: Mutex::new(Vec::new()),
         }
     }
 
@@ -691,7 +696,20 @@ impl Communicator {
             return Ok(());
         }
         let h = HostBuffer::from_slice(data)?;
-        self.device.copy_h2d(stream, h, dst)?.wait().map(|_| ())
+        let copy = self.device.copy_h2d(stream, h, dst)?;
+        // Keep the copy in flight; free the staging of earlier ones that have completed.
+        let mut q = self.uploads.lock();
+        let mut still = Vec::with_capacity(q.len() + 1);
+        for p in q.drain(..) {
+            if p.is_ready()? {
+                p.wait()?;
+            } else {
+                still.push(p);
+            }
+        }
+        still.push(copy);
+        *q = still;
+        Ok(())
     }
 }
 

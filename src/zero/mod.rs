@@ -26,6 +26,19 @@
 //!   owned chunk (fetched through the rank's manager) into this rank's slot and all-gathers the
 //!   group. Fetches return views into it. Gather buffers come from the pool the tide tracer
 //!   watches, so the scheduler's budget at every moment leaves room for them.
+//! - **Prefetch in forward** (opt-in, [`ZeroManager::set_prefetch`]). The warm-up iteration
+//!   records the order in which forward first uses communication groups. Afterwards, each use
+//!   of the group the record expects next starts the gathers of the following `depth` groups:
+//!   the owned chunk is copied into the buffer on the compute stream and the all-gather runs on
+//!   a separate communication stream, overlapping the compute of the current group (with NCCL;
+//!   the in-process backend gathers on the host either way). The first fetch of a prefetched
+//!   group orders the compute stream after its all-gather through an event. If a forward leaves
+//!   the recorded order, prefetching stops until the next iteration; every rank makes the same
+//!   decision, since every rank runs the same code. During warm-up the pool holds a reserve of
+//!   `depth` gather buffers, so the tide the scheduler plans with has room for the prefetched
+//!   buffers. Backward gathers stay on demand: a backward gather holds the owned chunk fetched
+//!   until its gradient arrives, and gathering early would hold two chunks where the tide
+//!   planned one.
 //! - **Free after the stage.** In forward, when every tensor of the communication group has
 //!   finished its forward use (HOLD_AFTER_FWD), the buffer is freed; a later forward use (a
 //!   shared parameter) gathers again. The end of forward frees what is left.
@@ -49,7 +62,7 @@ use crate::chunk::{
     TensorView, Usage, ViewBuf,
 };
 use crate::comm::{Communicator, Elem, ReduceOp};
-use crate::device::{Block, CachingAllocator, DeviceView, HostBuffer, Stream};
+use crate::device::{Block, CachingAllocator, DeviceView, Event, HostBuffer, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::{GradStats, HybridAdam, StepReport};
@@ -72,6 +85,22 @@ struct Gather {
     buf: Arc<Block>,
     /// Whether this rank's owned chunk is held fetched in the rank's manager (backward).
     held: bool,
+    /// For a prefetched gather not used yet: recorded on the communication stream after its
+    /// all-gather; the compute stream waits for it before touching the buffer.
+    ready: Option<Event>,
+}
+
+/// Forward prefetch of gathers: the recorded order of first uses and where this forward is.
+#[derive(Default)]
+struct Prefetch {
+    depth: usize,
+    /// Communication groups in the order forward first used them during warm-up.
+    order: Vec<usize>,
+    recording: bool,
+    cursor: usize,
+    on_order: bool,
+    /// Room for `depth` gather buffers, held in the pool during warm-up.
+    reserve: Option<Block>,
 }
 
 /// Collective work of a [`ZeroManager`] so far.
@@ -85,6 +114,8 @@ pub struct ZeroStats {
     pub gathered_bytes: u64,
     /// Bytes of gather buffers reduce-scattered.
     pub scattered_bytes: u64,
+    /// Gathers started ahead of their first use (included in `gathers`).
+    pub prefetched: u64,
 }
 
 /// A data-parallel rank's view of a model sharded over chunks. See the [module docs](self).
@@ -138,10 +169,12 @@ pub struct ZeroManager {
     local: ChunkManager,
     pool: CachingAllocator,
     stream: Arc<Stream>,
+    comm_stream: Stream,
     layout: Layout,
     tensors: Vec<ZTensor>,
     closed: bool,
     gathers: Vec<Option<Gather>>,
+    prefetch: Prefetch,
     stage: Option<Stage>,
     stats: ZeroStats,
 }
@@ -165,6 +198,7 @@ impl ZeroManager {
         let device = comm.device().clone();
         let layout = Layout::new(cfg.chunk_elems)?;
         let mut local = ChunkManager::new(device.clone(), cfg)?;
+        let comm_stream = device.new_stream()?;
         let pool = CachingAllocator::new(device);
         local.set_non_model_allocator(pool.clone());
         let stream = local.compute_arc();
@@ -173,13 +207,33 @@ impl ZeroManager {
             local,
             pool,
             stream,
+            comm_stream,
             layout,
             tensors: Vec::new(),
             closed: false,
             gathers: Vec::new(),
+            prefetch: Prefetch::default(),
             stage: None,
             stats: ZeroStats::default(),
         })
+    }
+
+    /// Gathers up to `depth` communication groups ahead of their first use in forward, in the
+    /// order the warm-up iteration recorded (0, the default, gathers on demand only). Set it
+    /// before the first fetch, to the same value on every rank.
+    pub fn set_prefetch(&mut self, depth: usize) -> Result<()> {
+        if self.closed {
+            return Err(Error::InvalidArgument(
+                "set_prefetch must come before the first fetch".into(),
+            ));
+        }
+        self.prefetch.depth = depth;
+        Ok(())
+    }
+
+    /// The communication stream prefetched all-gathers run on.
+    pub fn comm_stream(&self) -> &Stream {
+        &self.comm_stream
     }
 
     /// The communicator.
@@ -299,6 +353,14 @@ impl ZeroManager {
         }
         self.local.close()?;
         self.gathers = (0..groups.div_ceil(n)).map(|_| None).collect();
+        if self.prefetch.depth > 0 {
+            let largest = (0..self.gathers.len())
+                .map(|j| n * self.slot_elems(j) * self.es())
+                .max()
+                .unwrap_or(0);
+            let depth = self.prefetch.depth.min(self.gathers.len());
+            self.prefetch.reserve = Some(self.pool.alloc(depth * largest)?);
+        }
         self.closed = true;
         Ok(())
     }
@@ -335,7 +397,9 @@ impl ZeroManager {
             .collect()
     }
 
-    fn gather(&mut self, j: usize, stage: Stage) -> Result<()> {
+    /// Gathers communication group `j`: this rank's owned chunk into its slot, then the
+    /// all-gather, on the compute stream, or on the communication stream when `ahead`.
+    fn gather(&mut self, j: usize, stage: Stage, ahead: bool) -> Result<()> {
         let (n, r, es) = (self.world(), self.comm.rank(), self.es());
         let slot = self.slot_elems(j) * es;
         let owned = self.owned_local(j);
@@ -376,27 +440,81 @@ impl ZeroManager {
             }
         }
         let elem = Elem::from(self.local.param_dtype());
-        self.comm.all_gather(
-            &self.stream,
-            buf.view(r * slot, slot)?,
-            buf.view(0, n * slot)?,
-            elem,
-        )?;
+        let mut ready = None;
+        if ahead {
+            let filled = dev.new_event()?;
+            dev.record(&self.stream, &filled)?;
+            dev.wait_event(&self.comm_stream, &filled)?;
+            self.comm.all_gather(
+                &self.comm_stream,
+                buf.view(r * slot, slot)?,
+                buf.view(0, n * slot)?,
+                elem,
+            )?;
+            let done = dev.new_event()?;
+            dev.record(&self.comm_stream, &done)?;
+            ready = Some(done);
+            self.stats.prefetched += 1;
+        } else {
+            self.comm.all_gather(
+                &self.stream,
+                buf.view(r * slot, slot)?,
+                buf.view(0, n * slot)?,
+                elem,
+            )?;
+        }
         self.stats.gathers += 1;
         self.stats.gathered_bytes += (n * slot) as u64;
-        self.gathers[j] = Some(Gather { buf, held });
+        self.gathers[j] = Some(Gather { buf, held, ready });
+        Ok(())
+    }
+
+    /// Orders the compute stream after the all-gather of a prefetched group `j`, once.
+    fn wait_ready(&mut self, j: usize) -> Result<bool> {
+        match self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
+            Some(ev) => {
+                self.comm.device().wait_event(&self.stream, &ev)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// A forward use of group `j`: recorded during warm-up; afterwards, if it is the use the
+    /// record expects, the next `depth` groups of the record are gathered ahead.
+    fn forward_use(&mut self, j: usize) -> Result<()> {
+        let p = &mut self.prefetch;
+        if p.depth == 0 {
+            return Ok(());
+        }
+        if p.recording {
+            p.order.push(j);
+            return Ok(());
+        }
+        if !p.on_order || p.order.get(p.cursor) != Some(&j) {
+            p.on_order = false;
+            return Ok(());
+        }
+        p.cursor += 1;
+        let next: Vec<usize> = p.order[p.cursor..(p.cursor + p.depth).min(p.order.len())].to_vec();
+        for k in next {
+            if self.gathers[k].is_none() {
+                self.gather(k, Stage::Forward, true)?;
+            }
+        }
         Ok(())
     }
 
     fn take_gather(&mut self, j: usize) -> Result<Gather> {
-        let g = self.gathers[j].take().expect("gathered");
+        let g = self.gathers[j].as_ref().expect("gathered");
         if Arc::strong_count(&g.buf) > 1 {
-            self.gathers[j] = Some(g);
             return Err(Error::InvalidArgument(format!(
                 "a view into communication group {j} is still alive; drop views before releasing"
             )));
         }
-        Ok(g)
+        // A prefetched buffer never used: the pool may hand it to the compute stream next.
+        self.wait_ready(j)?;
+        Ok(self.gathers[j].take().expect("gathered"))
     }
 
     /// Averages the gradients of communication group `j` into their owners' chunks and frees
@@ -495,11 +613,27 @@ impl ZeroManager {
         }
         self.check(ids, ev)?;
         self.close()?;
+        if self.stage.is_none() {
+            // a new iteration: record the forward order until the tide is steady
+            let p = &mut self.prefetch;
+            p.recording = p.depth > 0 && !self.local.is_steady();
+            if p.recording {
+                p.order.clear();
+            }
+            p.cursor = 0;
+            p.on_order = true;
+        }
         let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
         groups.dedup();
         for j in groups {
-            if self.gathers[j].is_none() {
-                self.gather(j, stage)?;
+            let first_use = if self.gathers[j].is_none() {
+                self.gather(j, stage, false)?;
+                true
+            } else {
+                self.wait_ready(j)?
+            };
+            if first_use && stage == Stage::Forward {
+                self.forward_use(j)?;
             }
         }
         self.stage = Some(stage);
@@ -603,6 +737,7 @@ impl ZeroManager {
             return Err(Error::InvalidArgument(format!("unknown tensor {id}")));
         }
         if self.closed && self.gathers[self.comm_group(id)].is_some() {
+            self.wait_ready(self.comm_group(id))?;
             let dev = self.comm.device().clone();
             let bytes = dev.download(&self.stream, self.view_of(id)?)?;
             return Ok(crate::chunk::decode(&bytes, self.local.param_dtype()));
@@ -741,6 +876,10 @@ impl ZeroManager {
                 nonfinite: flag[0] != 0,
             })
         })?;
+        if self.local.is_steady() {
+            // the tide has the reserve's room at every moment; prefetched buffers use it now
+            self.prefetch.reserve = None;
+        }
         for id in 0..self.tensors.len() {
             let t = &mut self.tensors[id];
             t.state = next_state(t.state, TrainEvent::EndStep).unwrap_or(t.state);

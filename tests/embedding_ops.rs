@@ -188,6 +188,105 @@ fn kernels_equal_cpu_twins_bitwise() {
     }
 }
 
+/// More bags, distinct rows and moved rows than one CUDA grid has blocks (65,535), and rows wider
+/// than a block has threads (128): the kernels' grid-stride and thread loops cover every one.
+/// Scattered rows land in a table filled with a pattern, whose other bytes must stay as they
+/// were, and the step leaves rows not in its list untouched.
+#[test]
+fn grid_stride_covers_large_batches_and_wide_rows() {
+    for (bags, rows, dim) in [(70_000usize, 300_000usize, 2usize), (300, 500, 131)] {
+        for dev in common::devices("grid_stride_covers_large_batches_and_wide_rows") {
+            let s = dev.new_stream().unwrap();
+            let opt = RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 };
+            let stride = dim + opt.state_len(dim);
+            let mut rng = Rng(7);
+            let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
+            let mut idx = Vec::new();
+            let mut off = vec![0u32];
+            for _ in 0..bags {
+                for _ in 0..1 + rng.next() % 2 {
+                    idx.push(rng.next() % rows as u32);
+                }
+                off.push(idx.len() as u32);
+            }
+            let mut out = vec![0f32; bags * dim];
+            bag_forward(
+                &table,
+                stride,
+                dim,
+                &idx,
+                &off,
+                None,
+                BagMode::Mean,
+                &mut out,
+            )
+            .unwrap();
+            let tb = up(&dev, &s, bytemuck::cast_slice(&table));
+            let ib = up(&dev, &s, bytemuck::cast_slice(&idx));
+            let ob = up(&dev, &s, bytemuck::cast_slice(&off));
+            let outb = dev.alloc(out.len() * 4).unwrap();
+            dev.embedding_bag(
+                &s,
+                v(&tb),
+                stride,
+                dim,
+                v(&ib),
+                v(&ob),
+                None,
+                BagMode::Mean,
+                v(&outb),
+            )
+            .unwrap();
+            assert_eq!(bits(&out), bits(&down(&dev, &s, &outb)), "{}", dev.name());
+            let p = plan_backward(&idx, &off, None, BagMode::Mean).unwrap();
+            assert!(
+                bags < 1000 || p.rows.len() > 65_535,
+                "more distinct rows than blocks"
+            );
+            let go: Vec<f32> = (0..bags * dim).map(|_| rng.f()).collect();
+            let mut g = vec![0f32; p.rows.len() * dim];
+            bag_backward(&go, dim, &p.row_ptr, &p.entries, &p.scale, &mut g).unwrap();
+            let gob = up(&dev, &s, bytemuck::cast_slice(&go));
+            let rpb = up(&dev, &s, bytemuck::cast_slice(&p.row_ptr));
+            let eb = up(&dev, &s, bytemuck::cast_slice(&p.entries));
+            let sb = up(&dev, &s, bytemuck::cast_slice(&p.scale));
+            let gb = dev.alloc(g.len() * 4).unwrap();
+            dev.embedding_backward(&s, v(&gob), dim, v(&rpb), v(&eb), v(&sb), v(&gb))
+                .unwrap();
+            assert_eq!(bits(&g), bits(&down(&dev, &s, &gb)), "{}", dev.name());
+            let mut t2 = table.clone();
+            row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
+            let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
+            dev.embedding_step(&s, v(&tb), stride, dim, v(&rb), v(&gb), &opt)
+                .unwrap();
+            assert_eq!(bits(&t2), bits(&down(&dev, &s, &tb)), "{}", dev.name());
+            // Gather every other row, scatter them into a patterned table in reverse order.
+            let rbytes = stride * 4;
+            let sel: Vec<u32> = (0..rows as u32).step_by(2).rev().collect();
+            let mut packed = vec![0u8; sel.len() * rbytes];
+            gather_rows(bytemuck::cast_slice(&t2), rbytes, &sel, &mut packed);
+            let selb = up(&dev, &s, bytemuck::cast_slice(&sel));
+            let pb = dev.alloc(packed.len()).unwrap();
+            dev.gather_rows(&s, v(&tb), rbytes, v(&selb), v(&pb))
+                .unwrap();
+            assert_eq!(packed, dev.download(&s, &pb).unwrap(), "{}", dev.name());
+            let pattern: Vec<u8> = (0..rows * rbytes).map(|i| (i % 251) as u8).collect();
+            let mut t3 = pattern.clone();
+            scatter_rows(&packed, rbytes, &sel, &mut t3);
+            let t3b = up(&dev, &s, &pattern);
+            dev.scatter_rows(&s, v(&pb), rbytes, v(&selb), v(&t3b))
+                .unwrap();
+            let got = dev.download(&s, &t3b).unwrap();
+            assert_eq!(t3, got, "{}", dev.name());
+            assert_eq!(
+                got[rbytes..2 * rbytes],
+                pattern[rbytes..2 * rbytes],
+                "odd rows keep their bytes"
+            );
+        }
+    }
+}
+
 fn v(b: &tidemem::device::DeviceBuffer) -> tidemem::device::DeviceView<'_> {
     b.view(0, b.len()).unwrap()
 }

@@ -476,21 +476,53 @@ impl CachedEmbeddingBag {
     /// gradient per distinct row on the device. Returns the number of distinct rows.
     pub fn backward(&mut self, grad_out: &[f32]) -> Result<usize> {
         let dim = self.cache.dim();
-        let saved = self
-            .saved
-            .as_mut()
-            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?;
-        if grad_out.len() != saved.bags * dim {
+        let bags = self.pending_bags()?;
+        if grad_out.len() != bags * dim {
             return Err(Error::InvalidArgument(format!(
-                "{} output gradients for {} bags of {dim}",
+                "{} output gradients for {bags} bags of {dim}",
                 grad_out.len(),
-                saved.bags
             )));
         }
+        let dev = self.cache.device().clone();
+        self.grad_out
+            .put(&dev, self.cache.stream(), bytemuck::cast_slice(grad_out))?;
+        self.backward_from_scratch(None)
+    }
+
+    /// [`CachedEmbeddingBag::backward`] from an output gradient already on the device
+    /// (`bags × dim` f32), e.g. written by the dense part of the model. It must be ordered
+    /// before work on the cache's stream (written on that stream, or behind an event it waits
+    /// for).
+    pub fn backward_device(&mut self, grad_out: crate::device::DeviceView<'_>) -> Result<usize> {
+        let dim = self.cache.dim();
+        let bags = self.pending_bags()?;
+        if grad_out.len() != bags * dim * 4 {
+            return Err(Error::InvalidArgument(format!(
+                "{} bytes of output gradient for {bags} bags of {dim} f32",
+                grad_out.len(),
+            )));
+        }
+        self.backward_from_scratch(Some(grad_out))
+    }
+
+    fn pending_bags(&self) -> Result<usize> {
+        Ok(self
+            .saved
+            .as_ref()
+            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?
+            .bags)
+    }
+
+    /// The backward kernel from `grad_out`, or from the scratch buffer it was uploaded to.
+    fn backward_from_scratch(
+        &mut self,
+        grad_out: Option<crate::device::DeviceView<'_>>,
+    ) -> Result<usize> {
+        let dim = self.cache.dim();
+        let saved = self.saved.as_mut().expect("checked by the caller");
         let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let p = &saved.plan;
         let u = p.rows.len();
-        self.grad_out.put(&dev, s, bytemuck::cast_slice(grad_out))?;
         self.row_ptr
             .put(&dev, s, bytemuck::cast_slice(&p.row_ptr))?;
         self.entries
@@ -498,9 +530,13 @@ impl CachedEmbeddingBag {
         self.scale.put(&dev, s, bytemuck::cast_slice(&p.scale))?;
         self.unique.put(&dev, s, bytemuck::cast_slice(&p.rows))?;
         self.grads.reserve(&dev, u * dim * 4)?;
+        let grad_out = match grad_out {
+            Some(g) => g,
+            None => self.grad_out.view(saved.bags * dim * 4)?,
+        };
         dev.embedding_backward(
             s,
-            self.grad_out.view(grad_out.len() * 4)?,
+            grad_out,
             dim,
             self.row_ptr.view(p.row_ptr.len() * 4)?,
             self.entries.view(p.entries.len() * 4)?,

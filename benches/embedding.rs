@@ -17,6 +17,10 @@ use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+
+#[path = "common/mean.rs"]
+mod mean;
+use mean::Mean;
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::data::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::embedding::{
@@ -95,34 +99,6 @@ impl HashMapRemap {
             self.id_in[s as usize] = id;
         }
         ids.iter().map(|id| self.slot_of[id]).collect()
-    }
-}
-
-/// Time per iteration over every call criterion makes (warm-up included), so two functions
-/// that ran different numbers of iterations compare fairly.
-#[derive(Default)]
-struct Mean {
-    total: Duration,
-    iters: u64,
-}
-
-impl Mean {
-    fn add(&mut self, t: Duration, iters: u64) -> Duration {
-        self.total += t;
-        self.iters += iters;
-        t
-    }
-
-    fn per_iter(&self) -> f64 {
-        self.total.as_secs_f64() / self.iters.max(1) as f64
-    }
-
-    /// Our time per iteration over the baseline's (NaN when either did not run).
-    fn ratio(&self, base: &Mean) -> f64 {
-        if self.iters == 0 || base.iters == 0 {
-            return f64::NAN;
-        }
-        self.per_iter() / base.per_iter()
     }
 }
 

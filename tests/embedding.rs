@@ -449,10 +449,11 @@ fn optimal_policy_needs_its_trace_order() {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
 
-    /// Under random id streams, cache sizes and policies: rows the batch uses are resident in
-    /// the slots the plan gives; every row not cached has its latest value on the host (so an
-    /// evicted dirty row was written back before its slot was reused); the cache never holds
-    /// more rows than slots.
+    /// Under random id streams, cache sizes and policies, with prefetches of the next batches
+    /// issued and settled at random points: rows the batch uses are resident in the slots the
+    /// plan gives; every row not cached has its latest value on the host once transfers are
+    /// settled (so an evicted dirty row was written back before its slot was reused); the
+    /// cache never holds more rows than slots.
     #[test]
     fn cache_never_loses_an_update(
         seed in 0u64..1000,
@@ -469,10 +470,14 @@ proptest! {
             CachedEmbeddingBag::new(common::sim(16 << 20), config, BagMode::Sum, opt, init)
                 .unwrap();
         let mut rng = Lcg(seed);
-        for _ in 0..steps {
-            let bags = 1 + (rng.next() % 3) as usize;
-            let (idx, off, _) = batch(&mut rng, bags, false);
-            let b = match bag.forward(&idx, &off, None) {
+        let batches: Vec<Case> = (0..steps)
+            .map(|_| {
+                let bags = 1 + (rng.next() % 3) as usize;
+                batch(&mut rng, bags, false)
+            })
+            .collect();
+        for (k, (idx, off, _)) in batches.iter().enumerate() {
+            let b = match bag.forward(idx, off, None) {
                 Ok(b) => b,
                 Err(Error::CacheTooSmall { unique, capacity: c }) => {
                     prop_assert!(unique > c);
@@ -484,17 +489,36 @@ proptest! {
             prop_assert_eq!(bits(&a), bits(&b));
             let ix = bag.cache().index();
             prop_assert!(ix.cached() <= ix.capacity());
-            for &id in &idx {
+            for &id in idx {
                 let row = ix.row_of(id).unwrap();
                 let slot = ix.slot_of_row(row);
                 prop_assert!(slot.is_some(), "row of the batch not resident");
                 prop_assert_eq!(ix.row_in_slot(slot.unwrap()), Some(row));
+            }
+            if rng.next() % 2 == 0 {
+                // prefetch the next one or two batches, with transfers left in flight
+                let n = 1 + (rng.next() % 2) as usize;
+                let next: Vec<&[u32]> = batches[k + 1..(k + 1 + n).min(steps)]
+                    .iter()
+                    .map(|b| b.0.as_slice())
+                    .collect();
+                match bag.prefetch(&next) {
+                    Ok(_) | Err(Error::CacheTooSmall { .. }) => {}
+                    Err(e) => return Err(TestCaseError::fail(e.to_string())),
+                }
             }
             let g = grad_of(&a);
             shadow.backward(&g).unwrap();
             bag.backward(&g).unwrap();
             shadow.step().unwrap();
             bag.step().unwrap();
+            if rng.next() % 2 == 0 {
+                bag.settle().unwrap();
+            }
+            if bag.cache().in_flight() {
+                prop_assert!(bag.cache().host_table().is_err());
+                continue;
+            }
             let (sw, _) = shadow.to_vecs();
             let ix = bag.cache().index();
             let host = bag.cache().host_table().unwrap();

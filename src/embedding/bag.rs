@@ -10,7 +10,7 @@
 
 use super::cache::{CacheConfig, EmbeddingCache};
 use super::index::Plan;
-use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
+use crate::device::{Device, DeviceBuffer, HostBuffer, Pending, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::{
     bag_backward, bag_forward, plan_backward, row_step, BagMode, RowOptimizer, SparseGradPlan,
@@ -260,27 +260,34 @@ impl EmbeddingBag {
     }
 }
 
-/// A device buffer reused across batches, grown when a batch needs more.
+/// A device buffer reused across batches, grown when a batch needs more, filled from a
+/// page-locked staging buffer whose copy is left in flight on the stream (work enqueued after
+/// it on the same stream sees the data; the host does not wait).
 #[derive(Debug, Default)]
 struct Scratch {
     buf: Option<DeviceBuffer>,
+    host: Option<HostBuffer>,
+    in_flight: Option<Pending<HostBuffer>>,
 }
 
 impl Scratch {
-    /// Copies `data` to the start of the buffer (growing it) and waits for the copy.
+    /// Copies `data` to the start of the buffer (growing it) on `stream`.
     fn put(&mut self, device: &Device, stream: &Stream, data: &[u8]) -> Result<()> {
+        // The last copy has long completed in the usual case: its staging comes back at once.
+        if let Some(p) = self.in_flight.take() {
+            self.host = Some(p.wait()?);
+        }
         self.reserve(device, data.len())?;
         if data.is_empty() {
             return Ok(());
         }
+        let mut host = match self.host.take() {
+            Some(h) if h.len() >= data.len() => h,
+            _ => device.alloc_host(data.len().next_power_of_two())?,
+        };
+        host.typed_mut::<u8>()?[..data.len()].copy_from_slice(data);
         let buf = self.buf.as_ref().expect("reserved");
-        device
-            .copy_h2d(
-                stream,
-                HostBuffer::from_slice(data)?,
-                buf.view(0, data.len())?,
-            )?
-            .wait()?;
+        self.in_flight = Some(device.copy_h2d_part(stream, host, 0, buf.view(0, data.len())?)?);
         Ok(())
     }
 

@@ -485,7 +485,7 @@ proptest! {
                 }
                 Err(e) => return Err(TestCaseError::fail(e.to_string())),
             };
-            let a = shadow.forward(&idx, &off, None).unwrap();
+            let a = shadow.forward(idx, off, None).unwrap();
             prop_assert_eq!(bits(&a), bits(&b));
             let ix = bag.cache().index();
             prop_assert!(ix.cached() <= ix.capacity());

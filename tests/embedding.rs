@@ -495,7 +495,7 @@ proptest! {
                 prop_assert!(slot.is_some(), "row of the batch not resident");
                 prop_assert_eq!(ix.row_in_slot(slot.unwrap()), Some(row));
             }
-            if rng.next() % 2 == 0 {
+            if rng.next().is_multiple_of(2) {
                 // prefetch the next one or two batches, with transfers left in flight
                 let n = 1 + (rng.next() % 2) as usize;
                 let next: Vec<&[u32]> = batches[k + 1..(k + 1 + n).min(steps)]
@@ -512,7 +512,7 @@ proptest! {
             bag.backward(&g).unwrap();
             shadow.step().unwrap();
             bag.step().unwrap();
-            if rng.next() % 2 == 0 {
+            if rng.next().is_multiple_of(2) {
                 bag.settle().unwrap();
             }
             if bag.cache().in_flight() {

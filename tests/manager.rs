@@ -340,3 +340,38 @@ fn a_chunk_stays_put_until_its_last_fetched_tensor_is_released() {
         "now it may go"
     );
 }
+
+/// `copy_param_into` copies a tensor's parameter bytes from wherever its chunk is (device copy,
+/// host copy, or its initializer before the first fetch) without a use or a move, and refuses
+/// a destination of the wrong size.
+#[test]
+fn copy_param_into_reads_without_a_use() {
+    let dev = common::sim(1 << 20);
+    let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(256, Policy::Tide)).unwrap();
+    let a = m.register("a", &[200], Init::Constant(0.75)).unwrap();
+    let b = m.register("b", &[200], Init::Constant(-2.0)).unwrap();
+    let dst = dev.alloc(200 * 2).unwrap();
+    let check = |m: &mut ChunkManager, id, want: f32| {
+        m.copy_param_into(id, dst.view(0, dst.len()).unwrap())
+            .unwrap();
+        let bytes = dev.download(m.compute_stream(), &dst).unwrap();
+        let got: Vec<f32> = bytemuck::cast_slice::<u8, half::f16>(&bytes)
+            .iter()
+            .map(|x| x.to_f32())
+            .collect();
+        assert_eq!(got, vec![want; 200]);
+    };
+    check(&mut m, a, 0.75);
+    m.fetch(&[a], Stage::Forward).unwrap();
+    m.release(&[a], Stage::Forward).unwrap();
+    let loads = m.stats().loads;
+    let state = m.state(a, ChunkKind::Param).unwrap();
+    check(&mut m, a, 0.75);
+    check(&mut m, b, -2.0);
+    assert_eq!(m.stats().loads, loads, "no move");
+    assert_eq!(m.state(a, ChunkKind::Param).unwrap(), state, "no use");
+    assert!(matches!(
+        m.copy_param_into(a, dst.view(0, 2).unwrap()),
+        Err(Error::SizeMismatch { .. })
+    ));
+}

@@ -908,6 +908,41 @@ impl ChunkManager {
         Ok(decode(&h[off..off + len], dt))
     }
 
+    /// Copies the parameter of `id` (in the parameter dtype) into `dst` on the compute stream,
+    /// from the device copy of its chunk when there is one, else from the host copy, without a
+    /// use: no state changes and no moves. For a second gather of a shared parameter whose
+    /// forward use is already counted.
+    pub fn copy_param_into(&mut self, id: TensorId, dst: DeviceView<'_>) -> Result<()> {
+        let t = self.meta(id)?;
+        let (slot, es) = (t.slot, self.cfg.param_dtype.size());
+        let (off, len) = (slot.offset * es, slot.numel * es);
+        if dst.len() != len {
+            return Err(Error::SizeMismatch {
+                src: len,
+                dst: dst.len(),
+            });
+        }
+        let c = self.chunk_of(id, ChunkKind::Param) as usize;
+        if self.sched.is_some()
+            && self
+                .chunk_state(slot.group as usize, ChunkKind::Param)
+                .is_some()
+        {
+            if let Some(buf) = self.payload[c].device.clone() {
+                if let Some(ev) = self.payload[c].ready.take() {
+                    self.device.wait_event(&self.compute, &ev)?;
+                }
+                return self
+                    .device
+                    .copy_d2d(&self.compute, buf.view(off, len)?, dst);
+            }
+        }
+        let bytes = encode(&self.read(id)?, self.cfg.param_dtype);
+        let h = HostBuffer::from_slice(&bytes)?;
+        self.device.copy_h2d(&self.compute, h, dst)?.wait()?;
+        Ok(())
+    }
+
     /// The fp32 master values of a tensor (its initial values before the first step).
     pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
         let t = self.meta(id)?;

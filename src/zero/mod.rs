@@ -414,13 +414,12 @@ impl ZeroManager {
         dev.memset(&self.stream, mine, 0)?;
         if stage == Stage::Forward && already_fwd {
             // a second forward gather (a shared parameter): the chunk was fetched once this
-            // forward; its values are unchanged, read them without a second use
+            // forward; its values are unchanged, copy them without a second use
             for &(t, id) in &owned {
-                let off = self.tensors[t as usize].slot.offset * es;
-                let bytes = encode(&self.local.read(id)?, self.local.param_dtype());
-                let h = HostBuffer::from_slice(&bytes)?;
-                dev.copy_h2d(&self.stream, h, buf.view(r * slot + off, bytes.len())?)?
-                    .wait()?;
+                let zt = &self.tensors[t as usize];
+                let (off, len) = (zt.slot.offset * es, zt.slot.numel * es);
+                self.local
+                    .copy_param_into(id, buf.view(r * slot + off, len)?)?;
             }
         } else if !ids.is_empty() {
             let views = self.local.fetch(&ids, stage)?;

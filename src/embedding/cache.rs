@@ -297,13 +297,13 @@ impl EmbeddingCache {
     }
 
     /// The compute stream: the cache's kernels (row gathers and scatters) and the bag's run on
-    /// it, and so do the copies of [`EmbeddingCache::prepare`].
+    /// it.
     pub fn stream(&self) -> &Stream {
         &self.stream
     }
 
-    /// The copy stream, on which the transfers of [`EmbeddingCache::prefetch`] overlap the
-    /// work of the compute stream.
+    /// The copy stream: every host↔device transfer of rows runs on it, and those a
+    /// [`EmbeddingCache::prefetch`] leaves in flight overlap the work of the compute stream.
     pub fn copy_stream(&self) -> &Stream {
         &self.copy
     }
@@ -513,15 +513,29 @@ impl EmbeddingCache {
     /// the compute stream (ordered after their copy). Does nothing when none are in flight.
     pub fn settle(&mut self) -> Result<()> {
         self.enqueue_admitted()?;
+        self.finish_admit()?;
+        self.finish_write_back()
+    }
+
+    /// Waits for the copies of the admission in flight (its scatter already enqueued) and
+    /// takes its staging back.
+    fn finish_admit(&mut self) -> Result<()> {
         if let Some(a) = self.admit_in_flight.take() {
+            debug_assert!(a.scattered);
             self.inn.host = Some(a.data.wait()?);
             self.inn.idx = Some(a.idx.wait()?);
         }
+        Ok(())
+    }
+
+    /// Waits for the write-back in flight and copies its rows into the host table.
+    fn finish_write_back(&mut self) -> Result<()> {
         if let Some(w) = self.write_back_in_flight.take() {
             let data = w.data.wait()?;
-            self.unpack(&data, &w.rows)?;
+            let unpacked = self.unpack(&data, &w.rows);
             self.out.host = Some(data);
             self.out.idx = Some(w.idx.wait()?);
+            unpacked?;
         }
         Ok(())
     }
@@ -738,71 +752,23 @@ impl EmbeddingCache {
         Ok(())
     }
 
-    /// Copies the rows in `moves` (`(slot, host row)`) device → host on the compute stream,
-    /// `staging_rows` at a time.
+    /// Copies the rows in `moves` (`(slot, host row)`) device → host, `staging_rows` at a
+    /// time, waiting for each.
     fn write_back(&mut self, moves: &[(u32, u32)]) -> Result<()> {
-        let rb = self.stride * 4;
         for chunk in moves.chunks(self.staging_rows) {
-            let k = chunk.len();
-            let idx = self.out.fill_slots(chunk.iter().map(|m| m.0))?;
-            let idx = self
-                .device
-                .copy_h2d_part(&self.stream, idx, 0, self.out.idx_dev.view(0, k * 4)?)?
-                .wait()?;
-            self.out.idx = Some(idx);
-            self.device.gather_rows(
-                &self.stream,
-                self.cache.view(0, self.cache.len())?,
-                rb,
-                self.out.idx_dev.view(0, k * 4)?,
-                self.out.dev.view(0, k * rb)?,
-            )?;
-            let host = take(&mut self.out.host)?;
-            let host = self
-                .device
-                .copy_d2h_part(&self.stream, self.out.dev.view(0, k * rb)?, host, 0)?
-                .wait()?;
-            let rows: Vec<u32> = chunk.iter().map(|m| m.1).collect();
-            let unpacked = self.unpack(&host, &rows);
-            self.out.host = Some(host);
-            unpacked?;
-            self.moved.d2h_rows += k as u64;
-            self.moved.d2h_bytes += (k * rb) as u64;
+            self.write_back_async(chunk)?;
+            self.finish_write_back()?;
         }
         Ok(())
     }
 
-    /// Copies the rows in `moves` (`(slot, host row)`) host → device on the compute stream,
-    /// `staging_rows` at a time.
+    /// Copies the rows in `moves` (`(slot, host row)`) host → device, `staging_rows` at a
+    /// time, waiting for each.
     fn admit(&mut self, moves: &[(u32, u32)]) -> Result<()> {
-        let rb = self.stride * 4;
         for chunk in moves.chunks(self.staging_rows) {
-            let k = chunk.len();
-            let mut host = take(&mut self.inn.host)?;
-            if let Err(e) = self.pack(&mut host, chunk) {
-                self.inn.host = Some(host);
-                return Err(e);
-            }
-            let host = self
-                .device
-                .copy_h2d_part(&self.stream, host, 0, self.inn.dev.view(0, k * rb)?)?
-                .wait()?;
-            self.inn.host = Some(host);
-            let idx = self.inn.fill_slots(chunk.iter().map(|m| m.0))?;
-            let idx = self
-                .device
-                .copy_h2d_part(&self.stream, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?
-                .wait()?;
-            self.inn.idx = Some(idx);
-            self.device.scatter_rows(
-                &self.stream,
-                self.inn.dev.view(0, k * rb)?,
-                rb,
-                self.inn.idx_dev.view(0, k * 4)?,
-                self.cache.view(0, self.cache.len())?,
-            )?;
-            self.moved.h2d_rows += k as u64;
-            self.moved.h2d_bytes += (k * rb) as u64;
+            self.admit_async(chunk)?;
+            self.enqueue_admitted()?;
+            self.finish_admit()?;
         }
         Ok(())
     }

@@ -444,23 +444,23 @@ impl ZeroManager {
             let filled = dev.new_event()?;
             dev.record(&self.stream, &filled)?;
             dev.wait_event(&self.comm_stream, &filled)?;
-            self.comm.all_gather(
-                &self.comm_stream,
-                buf.view(r * slot, slot)?,
-                buf.view(0, n * slot)?,
-                elem,
-            )?;
+        }
+        let stream = if ahead {
+            &self.comm_stream
+        } else {
+            &*self.stream
+        };
+        self.comm.all_gather(
+            stream,
+            buf.view(r * slot, slot)?,
+            buf.view(0, n * slot)?,
+            elem,
+        )?;
+        if ahead {
             let done = dev.new_event()?;
             dev.record(&self.comm_stream, &done)?;
             ready = Some(done);
             self.stats.prefetched += 1;
-        } else {
-            self.comm.all_gather(
-                &self.stream,
-                buf.view(r * slot, slot)?,
-                buf.view(0, n * slot)?,
-                elem,
-            )?;
         }
         self.stats.gathers += 1;
         self.stats.gathered_bytes += (n * slot) as u64;

@@ -4,7 +4,7 @@
 mod common;
 
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
-use tidemem::comm::Communicator;
+use tidemem::comm::{Communicator, ReduceOp};
 use tidemem::device::CachingAllocator;
 use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport};
 use tidemem::tensor::{Init, Stage, TensorId};
@@ -248,6 +248,58 @@ fn forward_prefetch_changes_no_bit() {
         );
         assert!(b.zero.stats().prefetched > 0);
     }
+}
+
+/// Reading a parameter whose group was gathered ahead, on one rank only (say, for logging),
+/// changes nothing about which collectives any rank issues: prefetching goes on alike on every
+/// rank, and a collective of the model's own in the middle of forward still matches.
+#[test]
+fn a_read_on_one_rank_keeps_prefetch_in_step() {
+    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    let out: Vec<(u64, u64)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let (r, n) = (c.rank(), c.world());
+                    let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
+                    z.set_prefetch(1).unwrap();
+                    let ids = UNTIED.register(&mut z).unwrap();
+                    let pool = z.pool().clone();
+                    let mut opt = adam();
+                    for step in 0..3 {
+                        UNTIED
+                            .forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
+                            .unwrap();
+                        z.step(&mut opt).unwrap();
+                    }
+                    assert!(z.local().is_steady());
+                    let before = z.stats().prefetched;
+                    for (l, &(w, b)) in ids.blocks.iter().enumerate() {
+                        z.fetch(&[w, b], Stage::Forward).unwrap();
+                        if l == 0 && r == 0 {
+                            // block 2 is in communication group 1, gathered ahead by now
+                            let v = z.read(ids.blocks[2].0).unwrap();
+                            assert_eq!(v.len(), UNTIED.width * UNTIED.width);
+                        }
+                        z.release(&[w, b], Stage::Forward).unwrap();
+                        if l == 2 {
+                            let mut x = [1.0f32];
+                            z.comm().all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
+                            assert_eq!(x[0], 2.0);
+                        }
+                    }
+                    z.end_forward().unwrap();
+                    (before, z.stats().prefetched)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(out[0], out[1]);
+    let per_forward = (UNTIED.layers.div_ceil(2) - 1) as u64;
+    assert_eq!(out[0].1 - out[0].0, per_forward);
 }
 
 const UNTIED: ToyMlp = ToyMlp {

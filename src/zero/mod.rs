@@ -85,9 +85,12 @@ struct Gather {
     buf: Arc<Block>,
     /// Whether this rank's owned chunk is held fetched in the rank's manager (backward).
     held: bool,
-    /// For a prefetched gather not used yet: recorded on the communication stream after its
-    /// all-gather; the compute stream waits for it before touching the buffer.
+    /// For a gather made ahead: recorded on the communication stream after its all-gather;
+    /// the compute stream waits for it before touching the buffer.
     ready: Option<Event>,
+    /// Whether a fetch has used the buffer (false for a gather made ahead until its first
+    /// fetch), which decides a forward's first uses the same way on every rank.
+    used: bool,
 }
 
 /// Forward prefetch of gathers: the recorded order of first uses and where this forward is.
@@ -100,7 +103,7 @@ struct Prefetch {
     cursor: usize,
     on_order: bool,
     /// Room for `depth` gather buffers, held in the pool during warm-up.
-    reserve: Option<Block>,
+    reserve: Vec<Block>,
 }
 
 /// Collective work of a [`ZeroManager`] so far.
@@ -336,6 +339,19 @@ impl ZeroManager {
                 "the model packs into {groups} chunk groups, fewer than the {n} ranks: use smaller chunks"
             )));
         }
+        if self.prefetch.depth > 0 && self.prefetch.reserve.is_empty() {
+            // Room for `depth` gather buffers during warm-up, one block each so that each can
+            // serve a gather later; allocated first, so a failure changes nothing.
+            let largest = (0..groups.div_ceil(n))
+                .map(|j| n * self.slot_elems(j) * self.es())
+                .max()
+                .unwrap_or(0);
+            let depth = self.prefetch.depth.min(groups.div_ceil(n));
+            let reserve = (0..depth)
+                .map(|_| self.pool.alloc(largest))
+                .collect::<Result<Vec<_>>>()?;
+            self.prefetch.reserve = reserve;
+        }
         for g in (r..groups).step_by(n) {
             self.local.seal_chunk()?;
             for &t in &self.layout.group_tensors[g].clone() {
@@ -353,14 +369,6 @@ impl ZeroManager {
         }
         self.local.close()?;
         self.gathers = (0..groups.div_ceil(n)).map(|_| None).collect();
-        if self.prefetch.depth > 0 {
-            let largest = (0..self.gathers.len())
-                .map(|j| n * self.slot_elems(j) * self.es())
-                .max()
-                .unwrap_or(0);
-            let depth = self.prefetch.depth.min(self.gathers.len());
-            self.prefetch.reserve = Some(self.pool.alloc(depth * largest)?);
-        }
         self.closed = true;
         Ok(())
     }
@@ -464,18 +472,20 @@ impl ZeroManager {
         }
         self.stats.gathers += 1;
         self.stats.gathered_bytes += (n * slot) as u64;
-        self.gathers[j] = Some(Gather { buf, held, ready });
+        self.gathers[j] = Some(Gather {
+            buf,
+            held,
+            used: !ahead,
+            ready,
+        });
         Ok(())
     }
 
-    /// Orders the compute stream after the all-gather of a prefetched group `j`, once.
-    fn wait_ready(&mut self, j: usize) -> Result<bool> {
-        match self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
-            Some(ev) => {
-                self.comm.device().wait_event(&self.stream, &ev)?;
-                Ok(true)
-            }
-            None => Ok(false),
+    /// Orders the compute stream after the all-gather of group `j` if it was made ahead.
+    fn wait_ready(&self, j: usize) -> Result<()> {
+        match self.gathers[j].as_ref().and_then(|g| g.ready.as_ref()) {
+            Some(ev) => self.comm.device().wait_event(&self.stream, ev),
+            None => Ok(()),
         }
     }
 
@@ -625,12 +635,16 @@ impl ZeroManager {
         let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
         groups.dedup();
         for j in groups {
-            let first_use = if self.gathers[j].is_none() {
-                self.gather(j, stage, false)?;
-                true
-            } else {
-                self.wait_ready(j)?
+            let first_use = match &mut self.gathers[j] {
+                None => {
+                    self.gather(j, stage, false)?;
+                    true
+                }
+                Some(g) => !std::mem::replace(&mut g.used, true),
             };
+            if let Some(ev) = self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
+                self.comm.device().wait_event(&self.stream, &ev)?;
+            }
             if first_use && stage == Stage::Forward {
                 self.forward_use(j)?;
             }
@@ -877,7 +891,7 @@ impl ZeroManager {
         })?;
         if self.local.is_steady() {
             // the tide has the reserve's room at every moment; prefetched buffers use it now
-            self.prefetch.reserve = None;
+            self.prefetch.reserve.clear();
         }
         for id in 0..self.tensors.len() {
             let t = &mut self.tensors[id];

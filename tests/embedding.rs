@@ -272,6 +272,41 @@ fn prefetch_transfers_stay_in_flight_until_settled() {
     });
 }
 
+/// A transfer that fails after the index has changed (here: a dirty row written on a stream
+/// the cache does not know, so gathering it for write-back is an unordered access) makes the
+/// cache refuse every later call that moves or reads rows.
+#[test]
+fn a_failed_transfer_makes_the_cache_unusable() {
+    let w = weights();
+    let config = CacheConfig::new(ROWS, DIM, 2).staging_rows(2);
+    let mut cache = EmbeddingCache::from_weights(common::sim(16 << 20), config, &w).unwrap();
+    let p = cache.prepare(&[1, 2]).unwrap();
+    let dev = cache.device().clone();
+    let other = dev.new_stream().unwrap();
+    let after = dev.new_event().unwrap();
+    dev.record(cache.stream(), &after).unwrap();
+    dev.wait_event(&other, &after).unwrap();
+    let row = dev.upload(&other, &[0u8; DIM * 4]).unwrap();
+    dev.copy_d2d(
+        &other,
+        row.view(0, DIM * 4).unwrap(),
+        cache.device_table().view(0, DIM * 4).unwrap(),
+    )
+    .unwrap();
+    cache.mark_dirty(&p.slots).unwrap();
+    let e = cache.prepare(&[3, 4]).unwrap_err();
+    assert!(matches!(e, Error::UnorderedAccess { .. }), "{e}");
+    for r in [
+        cache.prepare(&[1]).map(|_| ()),
+        cache.flush().map(|_| ()),
+        cache.settle(),
+        cache.read_rows(&[1]).map(|_| ()),
+    ] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("unusable"), "{e}");
+    }
+}
+
 #[test]
 fn caches_cross_threads() {
     fn check<T: Send + Sync>() {}

@@ -99,6 +99,10 @@ pub struct MoveStats {
 
 /// A table of `rows × dim` f32 (plus per-row optimizer state) in host memory with its hottest
 /// rows cached on a device.
+///
+/// Bad input fails and changes nothing. A device failure while rows move (after the index
+/// has decided the moves) leaves index and data out of step, so the cache then refuses every
+/// call that moves or reads rows, with an error naming the failure.
 pub struct EmbeddingCache {
     // Dropped first: dropping a copy in flight waits for it.
     write_back_in_flight: Option<WriteBackInFlight>,
@@ -119,6 +123,9 @@ pub struct EmbeddingCache {
     out: Staging,
     inn: Staging,
     moved: MoveStats,
+    /// Why the cache is unusable: a transfer failed after the index had changed, so the index
+    /// may name rows the device or host copy does not hold.
+    broken: Option<String>,
 }
 
 /// Staging for one direction of transfers: `staging_rows` rows and their slot numbers, in
@@ -271,6 +278,7 @@ impl EmbeddingCache {
             write_back_in_flight: None,
             admit_in_flight: None,
             moved: MoveStats::default(),
+            broken: None,
         })
     }
 
@@ -364,7 +372,52 @@ impl EmbeddingCache {
         self.write_back_in_flight.is_some() || self.admit_in_flight.is_some()
     }
 
+    /// Fails once a transfer has failed after the index changed.
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(Error::InvalidArgument(format!(
+                "the embedding cache is unusable: {why}"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Marks the cache unusable if `r` (moves ordered by an index change) failed.
+    fn poison<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.broken = Some(format!(
+                "a row transfer failed after the index changed: {e}"
+            ));
+        }
+        r
+    }
+
+    /// The moves of a plan: write-backs, then admissions; with `tail_in_flight`, the last
+    /// staging chunk of each is left in flight.
+    fn run_moves(
+        &mut self,
+        write_back: &[(u32, u32)],
+        admit: &[(u32, u32)],
+        tail_in_flight: bool,
+    ) -> Result<()> {
+        // Every victim is gathered on the compute stream before any admission is scattered
+        // into its slot: write-backs first, then admissions.
+        let tail = if tail_in_flight { self.staging_rows } else { 0 };
+        let wb = write_back.len().saturating_sub(tail);
+        self.write_back(&write_back[..wb])?;
+        if wb < write_back.len() {
+            self.write_back_async(&write_back[wb..])?;
+        }
+        let ad = admit.len().saturating_sub(tail);
+        self.admit(&admit[..ad])?;
+        if ad < admit.len() {
+            self.admit_async(&admit[ad..])?;
+        }
+        Ok(())
+    }
+
     fn check_settled(&self, what: &str) -> Result<()> {
+        self.usable()?;
         if self.in_flight() {
             return Err(Error::InvalidArgument(format!(
                 "{what} needs the transfers of the last prefetch settled: call settle() first"
@@ -430,7 +483,8 @@ impl EmbeddingCache {
         self.settle()?;
         let n = (ratio * self.capacity() as f64).ceil() as usize;
         let admit = self.index.preload(n);
-        self.admit(&admit)?;
+        let r = self.admit(&admit);
+        self.poison(r)?;
         Ok(admit.len())
     }
 
@@ -448,11 +502,13 @@ impl EmbeddingCache {
     /// rows a prefetch has in flight to [`EmbeddingCache::enqueue_admitted`], so the host
     /// does not wait for the copy stream.
     pub(crate) fn prepare_deferred(&mut self, ids: &[u32]) -> Result<Plan> {
+        self.usable()?;
         let plan = self.index.prepare(ids)?;
         if !plan.write_back.is_empty() || !plan.admit.is_empty() {
-            self.settle()?;
-            self.write_back(&plan.write_back)?;
-            self.admit(&plan.admit)?;
+            let r = self
+                .settle()
+                .and_then(|()| self.run_moves(&plan.write_back, &plan.admit, false));
+            self.poison(r)?;
         }
         Ok(plan)
     }
@@ -493,18 +549,8 @@ impl EmbeddingCache {
     pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
         self.settle()?;
         let plan = self.index.prefetch(batches, keep)?;
-        // Every victim is gathered on the compute stream before any admission is scattered
-        // into its slot: write-backs first, then admissions.
-        let wb = plan.write_back.len().saturating_sub(self.staging_rows);
-        self.write_back(&plan.write_back[..wb])?;
-        if wb < plan.write_back.len() {
-            self.write_back_async(&plan.write_back[wb..])?;
-        }
-        let ad = plan.admit.len().saturating_sub(self.staging_rows);
-        self.admit(&plan.admit[..ad])?;
-        if ad < plan.admit.len() {
-            self.admit_async(&plan.admit[ad..])?;
-        }
+        let r = self.run_moves(&plan.write_back, &plan.admit, true);
+        self.poison(r)?;
         Ok(plan)
     }
 
@@ -512,9 +558,12 @@ impl EmbeddingCache {
     /// reach the host table, and the scatter of admitted rows into the cache is enqueued on
     /// the compute stream (ordered after their copy). Does nothing when none are in flight.
     pub fn settle(&mut self) -> Result<()> {
-        self.enqueue_admitted()?;
-        self.finish_admit()?;
-        self.finish_write_back()
+        self.usable()?;
+        let r = self
+            .enqueue_admitted()
+            .and_then(|()| self.finish_admit())
+            .and_then(|()| self.finish_write_back());
+        self.poison(r)
     }
 
     /// Waits for the copies of the admission in flight (its scatter already enqueued) and
@@ -661,7 +710,8 @@ impl EmbeddingCache {
     pub fn flush(&mut self) -> Result<usize> {
         self.settle()?;
         let dirty = self.index.take_dirty();
-        self.write_back(&dirty)?;
+        let r = self.write_back(&dirty);
+        self.poison(r)?;
         Ok(dirty.len())
     }
 

@@ -109,9 +109,11 @@ pub struct EmbeddingCache {
     admit_in_flight: Option<AdmitInFlight>,
     device: Device,
     stream: Stream,
-    copy: Stream,
+    copy_in: Stream,
+    copy_out: Stream,
     on_compute: Event,
-    on_copy: Event,
+    on_copy_in: Event,
+    on_copy_out: Event,
     index: CacheIndex,
     rows: usize,
     dim: usize,
@@ -261,9 +263,11 @@ impl EmbeddingCache {
         let staging_rows = staging_rows.min(index.capacity());
         Ok(Self {
             stream: device.new_stream()?,
-            copy: device.new_stream()?,
+            copy_in: device.new_stream()?,
+            copy_out: device.new_stream()?,
             on_compute: device.new_event()?,
-            on_copy: device.new_event()?,
+            on_copy_in: device.new_event()?,
+            on_copy_out: device.new_event()?,
             cache: device.alloc(index.capacity() * row_bytes)?,
             out: Staging::new(&device, staging_rows, row_bytes)?,
             inn: Staging::new(&device, staging_rows, row_bytes)?,
@@ -310,10 +314,11 @@ impl EmbeddingCache {
         &self.stream
     }
 
-    /// The copy stream: every host↔device transfer of rows runs on it, and those a
-    /// [`EmbeddingCache::prefetch`] leaves in flight overlap the work of the compute stream.
-    pub fn copy_stream(&self) -> &Stream {
-        &self.copy
+    /// The copy streams, host → device and device → host: every transfer of rows runs on
+    /// them (the two directions at once), and those a [`EmbeddingCache::prefetch`] leaves in
+    /// flight overlap the work of the compute stream.
+    pub fn copy_streams(&self) -> (&Stream, &Stream) {
+        (&self.copy_in, &self.copy_out)
     }
 
     /// The index maps and policy.
@@ -520,7 +525,7 @@ impl EmbeddingCache {
     /// union's plan (see [`CacheIndex::prefetch`]); on bad input it fails and changes nothing.
     ///
     /// The last `staging_rows` write-backs and the last `staging_rows` admissions are left in
-    /// flight on the [copy stream](EmbeddingCache::copy_stream), overlapping whatever the
+    /// flight on the [copy streams](EmbeddingCache::copy_streams), overlapping whatever the
     /// compute stream runs next (the backward and step of a batch in flight); the rest move
     /// at once. The next call that needs them ([`EmbeddingCache::settle`], which `prepare`,
     /// `prefetch`, `flush` and the other mutating calls run first) waits for them and
@@ -597,7 +602,7 @@ impl EmbeddingCache {
         let Some(a) = self.admit_in_flight.as_mut().filter(|a| !a.scattered) else {
             return Ok(());
         };
-        self.device.wait_event(&self.stream, &self.on_copy)?;
+        self.device.wait_event(&self.stream, &self.on_copy_in)?;
         self.device.scatter_rows(
             &self.stream,
             self.inn.dev.view(0, a.rows * rb)?,
@@ -609,10 +614,10 @@ impl EmbeddingCache {
         Ok(())
     }
 
-    /// Orders the copy stream after everything enqueued on the compute stream so far.
-    fn copy_after_compute(&self) -> Result<()> {
+    /// Orders a copy stream after everything enqueued on the compute stream so far.
+    fn copy_after_compute(&self, copy: &Stream) -> Result<()> {
         self.device.record(&self.stream, &self.on_compute)?;
-        self.device.wait_event(&self.copy, &self.on_compute)
+        self.device.wait_event(copy, &self.on_compute)
     }
 
     /// Copies staged rows into their host rows.
@@ -640,16 +645,17 @@ impl EmbeddingCache {
     }
 
     /// Starts the write-back of at most `staging_rows` moves: their slots are uploaded on the
-    /// copy stream, gathered on the compute stream and copied to the host on the copy stream.
+    /// device → host copy stream, the rows gathered on the compute stream and copied to the
+    /// host on the copy stream.
     fn write_back_async(&mut self, moves: &[(u32, u32)]) -> Result<()> {
         let (k, rb) = (moves.len(), self.stride * 4);
-        self.copy_after_compute()?;
+        self.copy_after_compute(&self.copy_out)?;
         let idx = self.out.fill_slots(moves.iter().map(|m| m.0))?;
         let idx =
             self.device
-                .copy_h2d_part(&self.copy, idx, 0, self.out.idx_dev.view(0, k * 4)?)?;
-        self.device.record(&self.copy, &self.on_copy)?;
-        self.device.wait_event(&self.stream, &self.on_copy)?;
+                .copy_h2d_part(&self.copy_out, idx, 0, self.out.idx_dev.view(0, k * 4)?)?;
+        self.device.record(&self.copy_out, &self.on_copy_out)?;
+        self.device.wait_event(&self.stream, &self.on_copy_out)?;
         self.device.gather_rows(
             &self.stream,
             self.cache.view(0, self.cache.len())?,
@@ -657,11 +663,11 @@ impl EmbeddingCache {
             self.out.idx_dev.view(0, k * 4)?,
             self.out.dev.view(0, k * rb)?,
         )?;
-        self.copy_after_compute()?;
+        self.copy_after_compute(&self.copy_out)?;
         let host = take(&mut self.out.host)?;
-        let data = self
-            .device
-            .copy_d2h_part(&self.copy, self.out.dev.view(0, k * rb)?, host, 0)?;
+        let data =
+            self.device
+                .copy_d2h_part(&self.copy_out, self.out.dev.view(0, k * rb)?, host, 0)?;
         self.write_back_in_flight = Some(WriteBackInFlight {
             rows: moves.iter().map(|m| m.1).collect(),
             data,
@@ -673,23 +679,24 @@ impl EmbeddingCache {
     }
 
     /// Starts the admission of at most `staging_rows` moves: rows and slots are copied to the
-    /// device on the copy stream; [`EmbeddingCache::settle`] scatters them.
+    /// device on the host → device copy stream; [`EmbeddingCache::enqueue_admitted`] scatters
+    /// them.
     fn admit_async(&mut self, moves: &[(u32, u32)]) -> Result<()> {
         let (k, rb) = (moves.len(), self.stride * 4);
-        self.copy_after_compute()?;
+        self.copy_after_compute(&self.copy_in)?;
         let mut host = take(&mut self.inn.host)?;
         if let Err(e) = self.pack(&mut host, moves) {
             self.inn.host = Some(host);
             return Err(e);
         }
-        let data = self
-            .device
-            .copy_h2d_part(&self.copy, host, 0, self.inn.dev.view(0, k * rb)?)?;
+        let data =
+            self.device
+                .copy_h2d_part(&self.copy_in, host, 0, self.inn.dev.view(0, k * rb)?)?;
         let idx = self.inn.fill_slots(moves.iter().map(|m| m.0))?;
         let idx =
             self.device
-                .copy_h2d_part(&self.copy, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?;
-        self.device.record(&self.copy, &self.on_copy)?;
+                .copy_h2d_part(&self.copy_in, idx, 0, self.inn.idx_dev.view(0, k * 4)?)?;
+        self.device.record(&self.copy_in, &self.on_copy_in)?;
         self.admit_in_flight = Some(AdmitInFlight {
             rows: k,
             scattered: false,

@@ -190,6 +190,10 @@ fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
                 cached.step().unwrap();
                 assert_eq!(cached.cache().moved(), moved);
             }
+            // the batch buffers: at least indices, offsets, weights and the output
+            let extra = cached.device_bytes() - cached.cache().device_bytes();
+            let (idx, off, _) = &batches[0];
+            assert!(extra >= (2 * idx.len() + off.len() + (off.len() - 1) * DIM) * 4);
             let stats = cached.cache().stats();
             assert_eq!(stats.misses, 0, "every id occurrence hits");
             assert!(stats.evicted > 0 && stats.prefetched == stats.admitted);

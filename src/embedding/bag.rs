@@ -300,6 +300,10 @@ impl Scratch {
         Ok(())
     }
 
+    fn device_bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |b| b.len())
+    }
+
     fn view(&self, bytes: usize) -> Result<crate::device::DeviceView<'_>> {
         self.buf
             .as_ref()
@@ -370,6 +374,28 @@ impl CachedEmbeddingBag {
             unique: Scratch::default(),
             grads: Scratch::default(),
         })
+    }
+
+    /// Bytes of device memory the bag holds: the cache's rows and staging, and the buffers of
+    /// the last batch (indices, offsets, weights, output, output gradient, backward plan and
+    /// row gradients; grown to the largest batch so far).
+    pub fn device_bytes(&self) -> usize {
+        self.cache.device_bytes()
+            + [
+                &self.slots,
+                &self.offsets,
+                &self.weights,
+                &self.out,
+                &self.grad_out,
+                &self.row_ptr,
+                &self.entries,
+                &self.scale,
+                &self.unique,
+                &self.grads,
+            ]
+            .iter()
+            .map(|s| s.device_bytes())
+            .sum::<usize>()
     }
 
     /// The cache (index, moves, reorder, checkpoints).

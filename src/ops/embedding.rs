@@ -8,8 +8,29 @@
 //! device cannot report them); the cache checks ids before they reach a device.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
+
+/// A multiplicative hash for `u32` keys (ids are not adversarial here: they were checked
+/// against the table and come from the trainer).
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(5) ^ b as u64).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+    fn write_u32(&mut self, x: u32) {
+        self.0 = (x as u64 ^ 0x9e37_79b9_7f4a_7c15).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        self.0 ^= self.0 >> 29;
+    }
+}
 
 /// How a bag reduces its rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -109,19 +130,35 @@ pub fn plan_backward(
     // Indices after the last offset belong to no bag.
     let used = offsets[bags] as usize;
     let (indices, weights) = (&indices[..used], weights.map(|w| &w[..used]));
-    let mut first: HashMap<u32, u32> = HashMap::with_capacity(indices.len());
-    let mut rows = Vec::new();
-    let mut count = Vec::new();
-    // Distinct rows in first-occurrence order, with their number of occurrences.
+    // Distinct rows in first-occurrence order (`which[i]` numbers the row of index i), then
+    // their number of occurrences.
+    let mut rows: Vec<u32> = Vec::new();
     let mut which = vec![0u32; indices.len()];
-    for (i, &r) in indices.iter().enumerate() {
-        let u = *first.entry(r).or_insert_with(|| {
-            rows.push(r);
-            count.push(0u32);
-            (rows.len() - 1) as u32
-        });
+    let max = indices.iter().copied().max().unwrap_or(0) as usize;
+    if max < 4 * indices.len() + (1 << 16) {
+        // A small index space (cache slots): a dense map.
+        let mut first = vec![u32::MAX; max + 1];
+        for (w, &r) in which.iter_mut().zip(indices) {
+            let f = &mut first[r as usize];
+            if *f == u32::MAX {
+                *f = rows.len() as u32;
+                rows.push(r);
+            }
+            *w = *f;
+        }
+    } else {
+        let mut first: HashMap<u32, u32, BuildHasherDefault<IdHasher>> =
+            HashMap::with_capacity_and_hasher(indices.len(), Default::default());
+        for (w, &r) in which.iter_mut().zip(indices) {
+            *w = *first.entry(r).or_insert_with(|| {
+                rows.push(r);
+                (rows.len() - 1) as u32
+            });
+        }
+    }
+    let mut count = vec![0u32; rows.len()];
+    for &u in &which {
         count[u as usize] += 1;
-        which[i] = u;
     }
     let mut row_ptr = Vec::with_capacity(rows.len() + 1);
     row_ptr.push(0u32);
@@ -533,6 +570,24 @@ mod tests {
         assert!(plan_backward(&[1], &[], None, BagMode::Sum).is_err());
         assert!(plan_backward(&[1], &[0, 1], Some(&[]), BagMode::Sum).is_err());
         assert!(bag_backward(&go, 2, &[0, 5], &[0], &[1.0], &mut g[..2]).is_err());
+    }
+
+    #[test]
+    fn backward_plan_is_the_same_over_a_large_index_space() {
+        // Small indices take the dense map, the same indices spread over 2^32 the hash map.
+        let small: Vec<u32> = (0..300u32).map(|i| (i * 7919) % 97).collect();
+        let offsets: Vec<u32> = (0..=100u32).map(|b| b * 3).collect();
+        let large: Vec<u32> = small.iter().map(|&r| r * 40_000_003 + 11).collect();
+        for mode in [BagMode::Sum, BagMode::Mean] {
+            let a = plan_backward(&small, &offsets, None, mode).unwrap();
+            let b = plan_backward(&large, &offsets, None, mode).unwrap();
+            let mapped: Vec<u32> = a.rows.iter().map(|&r| r * 40_000_003 + 11).collect();
+            assert_eq!(mapped, b.rows);
+            assert_eq!(
+                (a.row_ptr, a.entries, a.scale),
+                (b.row_ptr, b.entries, b.scale)
+            );
+        }
     }
 
     #[test]

@@ -224,13 +224,59 @@ impl CacheIndex {
     /// Decides one batch: maps ids to slots, evicting and admitting as needed. Fails, changing
     /// nothing, on an id out of range or a batch with more distinct rows than slots.
     pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
-        let rows = self.rows_of(ids)?;
-        self.prepare_rows(&rows)
+        let (rows, slots) = self.lookup(ids, 0)?;
+        self.decide(&rows, &slots, &[], false)
     }
 
-    /// [`CacheIndex::prepare`] for host rows already checked to be in range.
-    pub(crate) fn prepare_rows(&mut self, rows: &[u32]) -> Result<Plan> {
-        self.decide(rows, &[], false)
+    /// Checks every id and maps it to its host row and current slot (or [`NONE`]). Large
+    /// batches are split over threads: the maps are read-only here, and their random reads
+    /// are most of a decision's time. An error names the first bad id, at `base` + its
+    /// position.
+    fn lookup(&self, ids: &[u32], base: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+        let n = ids.len();
+        let mut rows = vec![0u32; n];
+        let mut slots = vec![0u32; n];
+        let work = |ids: &[u32], rows: &mut [u32], slots: &mut [u32], at: usize| {
+            for (i, ((&id, r), s)) in ids.iter().zip(rows).zip(slots).enumerate() {
+                match self.id_to_row.get(id as usize) {
+                    Some(&row) => {
+                        *r = row;
+                        *s = self.row_to_slot[row as usize];
+                    }
+                    None => return Some((at + i, id)),
+                }
+            }
+            None
+        };
+        let threads = std::thread::available_parallelism()
+            .map_or(1, |t| t.get())
+            .min(8)
+            .min(n >> 15)
+            .max(1);
+        let bad = if threads == 1 {
+            work(ids, &mut rows, &mut slots, base)
+        } else {
+            let chunk = n.div_ceil(threads);
+            std::thread::scope(|sc| {
+                let hs: Vec<_> = ids
+                    .chunks(chunk)
+                    .zip(rows.chunks_mut(chunk))
+                    .zip(slots.chunks_mut(chunk))
+                    .enumerate()
+                    .map(|(k, ((i, r), s))| sc.spawn(move || work(i, r, s, base + k * chunk)))
+                    .collect();
+                hs.into_iter()
+                    .filter_map(|h| h.join().expect("a lookup thread does not panic"))
+                    .min()
+            })
+        };
+        match bad {
+            Some((i, id)) => Err(Error::InvalidArgument(format!(
+                "id {id} at position {i} is out of range for a table of {} rows",
+                self.rows()
+            ))),
+            None => Ok((rows, slots)),
+        }
     }
 
     /// Makes the union of `batches` resident in one decision, so that preparing each of them
@@ -243,15 +289,6 @@ impl CacheIndex {
     /// its trace batch by batch. Fails, changing nothing, on an id out of range, a slot in
     /// `keep` that holds no row, or a union (with `keep`) larger than the cache.
     pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
-        let mut rows = Vec::with_capacity(batches.iter().map(|b| b.len()).sum());
-        for b in batches {
-            rows.extend(self.rows_of(b)?);
-        }
-        self.prefetch_rows(&rows, keep)
-    }
-
-    /// [`CacheIndex::prefetch`] for host rows already checked to be in range.
-    pub(crate) fn prefetch_rows(&mut self, rows: &[u32], keep: &[u32]) -> Result<Plan> {
         if matches!(self.policy, Policy::Optimal(_)) {
             return Err(Error::InvalidArgument(
                 "prefetch is not available with the offline optimal policy, whose keys follow \
@@ -264,14 +301,28 @@ impl CacheIndex {
                 "slot {s} holds no row and cannot be kept"
             )));
         }
-        let mut plan = self.decide(rows, keep, true)?;
+        let total = batches.iter().map(|b| b.len()).sum();
+        let (mut rows, mut slots) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        for b in batches {
+            let (r, s) = self.lookup(b, rows.len())?;
+            rows.extend(r);
+            slots.extend(s);
+        }
+        let mut plan = self.decide(&rows, &slots, keep, true)?;
         plan.slots.clear();
         Ok(plan)
     }
 
-    /// One decision over `rows`: the slots of `keep` and of every cached row in `rows` are safe
-    /// from eviction; missed rows are admitted. A prefetch does not count uses.
-    fn decide(&mut self, rows: &[u32], keep: &[u32], prefetch: bool) -> Result<Plan> {
+    /// One decision over `rows` (whose current slots are `cached`): the slots of `keep` and of
+    /// every cached row in `rows` are safe from eviction; missed rows are admitted. A prefetch
+    /// does not count uses.
+    fn decide(
+        &mut self,
+        rows: &[u32],
+        cached: &[u32],
+        keep: &[u32],
+        prefetch: bool,
+    ) -> Result<Plan> {
         if let Policy::Optimal(t) = &self.policy {
             t.check_current()?;
         }
@@ -287,8 +338,7 @@ impl CacheIndex {
         };
         let mut missed: Vec<u32> = Vec::new();
         let mut hit_unique = 0usize;
-        for &row in rows {
-            let slot = self.row_to_slot[row as usize];
+        for (&row, &slot) in rows.iter().zip(cached) {
             if slot != NONE {
                 if self.stamp[slot as usize] != epoch {
                     self.stamp[slot as usize] = epoch;
@@ -576,6 +626,31 @@ mod tests {
         let trace = OptimalTrace::new([vec![1u32]]).unwrap();
         let mut opt = CacheIndex::new(10, 3, Policy::Optimal(trace)).unwrap();
         assert!(opt.prefetch(&[&[1]], &[]).is_err());
+        check_invariants(&ix);
+    }
+
+    #[test]
+    fn large_batches_are_looked_up_in_parallel_alike() {
+        let n = 100_000usize;
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 50_000).collect();
+        let mut ix = CacheIndex::new(60_000, 50_000, Policy::Lru).unwrap();
+        let p = ix.prepare(&ids).unwrap();
+        assert_eq!((p.unique, p.misses, p.admit.len()), (50_000, n, 50_000));
+        for (&id, &slot) in ids.iter().zip(&p.slots) {
+            assert_eq!(ix.slot_of_row(ix.row_of(id).unwrap()), Some(slot));
+        }
+        let mut bad = ids.clone();
+        bad[90_000] = 60_000;
+        bad[70_000] = 60_001;
+        let before = ix.stats();
+        let e = ix.prepare(&bad).unwrap_err().to_string();
+        assert!(e.contains("id 60001 at position 70000"), "{e}");
+        let e = ix
+            .prefetch(&[&ids[..10], &bad], &[])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("position 70010"), "{e}");
+        assert_eq!(ix.stats(), before);
         check_invariants(&ix);
     }
 

@@ -375,3 +375,26 @@ fn copy_param_into_reads_without_a_use() {
         Err(Error::SizeMismatch { .. })
     ));
 }
+
+/// A move the scheduler ordered that fails (here: the device is full of memory the manager
+/// does not know about) leaves the scheduler's view and the payloads apart, so the manager
+/// refuses every later call, naming the failure, instead of serving wrong data.
+#[test]
+fn a_failed_move_makes_the_manager_unusable() {
+    let dev = common::sim(1 << 20);
+    let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(256, Policy::Tide)).unwrap();
+    let a = m.register("a", &[200], Init::Constant(1.0)).unwrap();
+    let hog = dev.alloc((1 << 20) - 256).unwrap();
+    let e = m.fetch(&[a], Stage::Forward).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { .. }), "{e}");
+    for r in [
+        m.read(a).map(drop),
+        m.master(a).map(drop),
+        m.fetch(&[a], Stage::Forward).map(drop),
+        m.end_forward(),
+    ] {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("unusable") && e.contains("out of"), "{e}");
+    }
+    drop(hog);
+}

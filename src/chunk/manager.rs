@@ -338,6 +338,9 @@ pub struct ChunkManager {
     epoch: Instant,
     samples: Vec<TideSample>,
     last_samples: Vec<TideSample>,
+    /// Why the manager is unusable: moves the scheduler had ordered failed, so its view of
+    /// where chunks are may not match the payloads.
+    broken: Option<String>,
 }
 
 impl std::fmt::Debug for ChunkManager {
@@ -391,7 +394,18 @@ impl ChunkManager {
             epoch: Instant::now(),
             samples: Vec::new(),
             last_samples: Vec::new(),
+            broken: None,
         })
+    }
+
+    /// Fails once moves the scheduler ordered have failed.
+    fn usable(&self) -> Result<()> {
+        match &self.broken {
+            Some(why) => Err(Error::InvalidArgument(format!(
+                "the chunk manager is unusable: {why}"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Tracks non-model device memory through `pool`: its peak of live bytes over every moment
@@ -657,6 +671,7 @@ impl ChunkManager {
     /// of their memory, ready on [`ChunkManager::compute_stream`]. Their chunks will not move
     /// until [`ChunkManager::release`].
     pub fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        self.usable()?;
         let t0 = self.now_us();
         let ev = match stage {
             Stage::Forward => TrainEvent::BeforeFwdOp,
@@ -764,6 +779,7 @@ impl ChunkManager {
     /// Ends the use of tensors fetched for an op of `stage`. In backward, a tensor's last use
     /// (as many backward uses as forward uses) takes it to HOLD_AFTER_BWD.
     pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        self.usable()?;
         check_distinct(ids)?;
         let mut events = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -817,6 +833,7 @@ impl ChunkManager {
     /// Allowed only while the tensor is fetched for its last backward use: a shared parameter gets
     /// its gradient once, after all its uses.
     pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        self.usable()?;
         let (buf, off) = self.grad_slot(id, grad.len())?;
         let bytes = encode(grad, self.cfg.param_dtype);
         let mut h = HostBuffer::paged(bytes.len())?;
@@ -831,6 +848,7 @@ impl ChunkManager {
     /// Like [`ChunkManager::write_grad`], from device memory already in the parameter dtype
     /// (`src` holds the tensor's elements; the copy runs on [`ChunkManager::compute_stream`]).
     pub fn write_grad_device(&mut self, id: TensorId, src: DeviceView<'_>) -> Result<()> {
+        self.usable()?;
         let es = self.cfg.param_dtype.size();
         if !src.len().is_multiple_of(es) {
             return Err(Error::Misaligned {
@@ -879,6 +897,7 @@ impl ChunkManager {
     /// Values of a tensor's parameter slot as f32, from wherever the chunk is (a gradient after
     /// the tensor's last backward use). Reads from the device run on the compute stream.
     pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        self.usable()?;
         let t = self.meta(id)?;
         let (slot, init_needed) = (t.slot, self.sched.is_none());
         if init_needed
@@ -913,6 +932,7 @@ impl ChunkManager {
     /// use: no state changes and no moves. For a second gather of a shared parameter whose
     /// forward use is already counted.
     pub fn copy_param_into(&mut self, id: TensorId, dst: DeviceView<'_>) -> Result<()> {
+        self.usable()?;
         let t = self.meta(id)?;
         let (slot, es) = (t.slot, self.cfg.param_dtype.size());
         let (off, len) = (slot.offset * es, slot.numel * es);
@@ -945,6 +965,7 @@ impl ChunkManager {
 
     /// The fp32 master values of a tensor (its initial values before the first step).
     pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        self.usable()?;
         let t = self.meta(id)?;
         let slot = t.slot;
         let c = self.chunk_of(id, ChunkKind::Master) as usize;
@@ -967,6 +988,7 @@ impl ChunkManager {
     /// Ends the forward pass: every tensor used in it goes HOLD_AFTER_FWD → HOLD.
     /// An iteration that fetched nothing in forward may end its forward pass too.
     pub fn end_forward(&mut self) -> Result<()> {
+        self.usable()?;
         if !matches!(self.stage, None | Some(Stage::Forward)) {
             return Err(Error::InvalidArgument(
                 "end_forward outside the forward pass".into(),
@@ -985,6 +1007,7 @@ impl ChunkManager {
 
     /// Ends the backward pass. Fails if a tensor is still fetched.
     pub fn end_backward(&mut self) -> Result<()> {
+        self.usable()?;
         if self.stage != Some(Stage::Backward) {
             return Err(Error::InvalidArgument(
                 "end_backward outside the backward pass".into(),
@@ -1000,6 +1023,7 @@ impl ChunkManager {
     /// which updates masters and optimizer state and must leave the new parameter values in the
     /// parameter chunk. One moment per group.
     pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
+        self.usable()?;
         self.visit_groups(
             &ChunkKind::ALL,
             |_| Target::Host,
@@ -1035,6 +1059,7 @@ impl ChunkManager {
         mut place: impl FnMut(usize) -> Target,
         mut f: impl FnMut(GroupVisit<'_>) -> Result<()>,
     ) -> Result<()> {
+        self.usable()?;
         if self.stage != Some(Stage::Optimizer) {
             return Err(Error::InvalidArgument(
                 "optimizer passes run between end_backward and end_step".into(),
@@ -1221,6 +1246,7 @@ impl ChunkManager {
     /// order, so the result does not depend on placement where both sides run the same code
     /// (the simulated device).
     pub fn grad_stats(&mut self) -> Result<GradStats> {
+        self.usable()?;
         let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let es = self.cfg.param_dtype.size();
@@ -1357,12 +1383,14 @@ impl ChunkManager {
     /// Ends the step: parameters go back to HOLD, use counts restart, and the warm-up trace (if
     /// this was the first complete iteration) is installed.
     pub fn end_step(&mut self) -> Result<()> {
+        self.usable()?;
         self.finish_iteration(false)
     }
 
     /// Ends an iteration whose step was skipped (e.g. a gradient overflow): like
     /// [`ChunkManager::end_step`], but a warm-up iteration is discarded and warm-up runs again.
     pub fn skip_step(&mut self) -> Result<()> {
+        self.usable()?;
         self.finish_iteration(true)
     }
 
@@ -1479,6 +1507,7 @@ impl ChunkManager {
 
     /// Waits for every copy in flight.
     pub fn synchronize(&mut self) -> Result<()> {
+        self.usable()?;
         self.device.sync_stream(&self.copy)?;
         self.device.sync_stream(&self.compute)?;
         for c in 0..self.payload.len() {
@@ -1544,7 +1573,16 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// Carries out the scheduler's moves; a failure makes the manager unusable.
     fn execute(&mut self, moves: &[Move]) -> Result<()> {
+        let r = self.execute_moves(moves);
+        if let Err(e) = &r {
+            self.broken = Some(format!("a chunk move the scheduler ordered failed: {e}"));
+        }
+        r
+    }
+
+    fn execute_moves(&mut self, moves: &[Move]) -> Result<()> {
         // retire finished host frees
         self.retiring.retain(|p| !p.is_ready().unwrap_or(false));
         for mv in moves {

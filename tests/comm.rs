@@ -241,6 +241,28 @@ fn conformance(comms: &[Communicator]) {
                 );
             }
         }
+        // send_recv: to itself (every world size, NCCL included), then around the ring with
+        // every rank sending before it receives, which only a group makes safe on NCCL
+        for &(to, from) in &[(r, r), ((r + 1) % world, (r + world - 1) % world)] {
+            if world == 1 && to != r {
+                continue;
+            }
+            let m = up(d, &s, &enc(&[r as i64, 7, -3], Elem::I32));
+            let b = up(d, &s, &[0u8; 12]);
+            c.send_recv(&s, (&m).into(), to, (&b).into(), from, Elem::I32)
+                .unwrap();
+            assert_eq!(
+                d.download(&s, &b).unwrap(),
+                enc(&[from as i64, 7, -3], Elem::I32),
+                "send_recv to {to} from {from}"
+            );
+        }
+        if world > 1 {
+            let m = up(d, &s, &[0u8; 12]);
+            assert!(c
+                .send_recv(&s, (&m).into(), r, (&m).into(), (r + 1) % world, Elem::I32)
+                .is_err());
+        }
         c.barrier(&s).unwrap();
 
         // host helpers: the overflow flag (MAX) and a norm (SUM)
@@ -288,11 +310,16 @@ fn nccl_backend_conforms_at_world_size_one() {
     };
     let id = match tidemem::comm::nccl_unique_id() {
         Ok(id) => id,
-        Err(e) => {
+        Err(e @ Error::BackendUnavailable { .. }) => {
             eprintln!("nccl_backend_conforms_at_world_size_one: skipping, no NCCL: {e}");
             return;
         }
+        Err(e) => panic!("NCCL is present but fails: {e}"),
     };
+    eprintln!(
+        "nccl_backend_conforms_at_world_size_one: NCCL from {}",
+        tidemem::comm::nccl_library().unwrap()
+    );
     let c = Communicator::nccl_with_id(dev, &id, 0, 1).unwrap();
     assert_eq!(c.backend_name(), "nccl");
     conformance(&[c]);

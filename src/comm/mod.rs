@@ -621,6 +621,53 @@ impl Communicator {
         Ok(())
     }
 
+    /// Sends `send` to rank `to` and receives into `recv` the next message rank `from` sent to
+    /// this rank, as one NCCL group: a ring or all-to-all in which every rank sends before it
+    /// receives cannot deadlock, as it would with [`Communicator::send`] then
+    /// [`Communicator::recv`] on NCCL. `to` and `from` may both be this rank (the data is
+    /// copied); otherwise neither may be.
+    pub fn send_recv(
+        &self,
+        stream: &Stream,
+        send: DeviceView<'_>,
+        to: usize,
+        recv: DeviceView<'_>,
+        from: usize,
+        elem: Elem,
+    ) -> Result<()> {
+        let me = self.rank;
+        if to >= self.world || from >= self.world || ((to == me) != (from == me)) {
+            return Err(Error::InvalidArgument(format!(
+                "send_recv to {to} and from {from} on rank {me} of {}: peers are other ranks, \
+                 or both this rank",
+                self.world
+            )));
+        }
+        let n = self.count(&send, elem, "send_recv send length")?;
+        let m = self.count(&recv, elem, "send_recv recv length")?;
+        if to == me && n != m {
+            return Err(Error::SizeMismatch {
+                src: send.len(),
+                dst: recv.len(),
+            });
+        }
+        match &self.imp {
+            Imp::Local(_) if to == me => self.device.copy_d2d(stream, send, recv)?,
+            Imp::Local(l) => {
+                let data = self.device.download(stream, send)?;
+                l.send(to, elem, n, data)?;
+                let data = l.recv(from, elem, m)?;
+                self.upload(stream, &data, recv)?;
+            }
+            Imp::Nccl(c) => c.send_recv(&self.device, stream, send, n, to, recv, m, from, elem)?,
+        }
+        self.tally(|s| {
+            s.send.add(n * elem.size());
+            s.recv.add(m * elem.size());
+        });
+        Ok(())
+    }
+
     fn check_peer(&self, peer: usize) -> Result<()> {
         if peer >= self.world || peer == self.rank {
             return Err(Error::InvalidArgument(format!(
@@ -769,9 +816,17 @@ pub fn launch<R: Send>(
     })
 }
 
-/// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library.
+/// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library
+/// ([`Error::BackendUnavailable`]).
 pub fn nccl_unique_id() -> Result<[u8; 128]> {
     nccl::unique_id()
+}
+
+/// The NCCL library the backend loads: `TIDEMEM_NCCL_LIB` (a path) when set, else
+/// `libnccl.so.2` or `libnccl.so` on the loader's search path. [`Error::BackendUnavailable`]
+/// lists what was tried when none loads.
+pub fn nccl_library() -> Result<&'static str> {
+    nccl::library_path()
 }
 
 /// Element-wise reduction of `parts` (equal lengths) in rank order, accumulating in f64 (floats)

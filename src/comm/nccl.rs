@@ -1,10 +1,18 @@
-//! The NCCL backend, through cudarc's NCCL bindings loaded at run time.
+//! The NCCL backend: NCCL's C API (types from cudarc's bindings) loaded at run time.
+//!
+//! The library is found as `TIDEMEM_NCCL_LIB` (a path) when set, else as `libnccl.so.2` (NCCL's
+//! soname, the only name the `libnccl2` package and the `nvidia-nccl` wheels ship) or
+//! `libnccl.so` on the loader's search path (`LD_LIBRARY_PATH`). Functions newer NCCL releases
+//! added (`ncclGetLastError`, 2.13; `ncclCommSplit`, 2.18) are optional: without them errors
+//! carry NCCL's generic message and `split` is an error.
 //!
 //! Calls go through [`Device::enqueue_foreign`], so NCCL's reads and writes are ordered with the
 //! device layer's other work on the buffers. One communicator serves one thread at a time (NCCL
 //! does not allow concurrent calls on one communicator): calls are serialized by a lock.
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use cudarc::nccl::sys;
 use parking_lot::Mutex;
@@ -24,18 +32,134 @@ pub(crate) struct NcclComm {
     raw: Mutex<Raw>,
     rank: usize,
     world: usize,
+    /// A call failed: NCCL may have work that never completes, so drop aborts instead of
+    /// destroying (which waits for it).
+    failed: AtomicBool,
 }
 
-fn available() -> Result<()> {
-    // SAFETY: only tries to load the NCCL library.
-    if unsafe { sys::is_culib_present() } {
-        Ok(())
-    } else {
-        Err(Error::BackendUnavailable {
-            kind: BackendKind::Cuda,
-            reason: "the NCCL library (libnccl.so.2) cannot be loaded".into(),
-        })
+type R = sys::ncclResult_t;
+type Comm = sys::ncclComm_t;
+type Dt = sys::ncclDataType_t;
+type Op = sys::ncclRedOp_t;
+type St = sys::cudaStream_t;
+
+/// The NCCL functions this backend calls.
+struct Lib {
+    path: String,
+    get_unique_id: unsafe extern "C" fn(*mut sys::ncclUniqueId) -> R,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, sys::ncclUniqueId, c_int) -> R,
+    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, Dt, Comm, St) -> R,
+    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, Dt, Op, Comm, St) -> R,
+    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, Dt, Op, Comm, St) -> R,
+    broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, Dt, c_int, Comm, St) -> R,
+    reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, Dt, Op, c_int, Comm, St) -> R,
+    send: unsafe extern "C" fn(*const c_void, usize, Dt, c_int, Comm, St) -> R,
+    recv: unsafe extern "C" fn(*mut c_void, usize, Dt, c_int, Comm, St) -> R,
+    group_start: unsafe extern "C" fn() -> R,
+    group_end: unsafe extern "C" fn() -> R,
+    comm_user_rank: unsafe extern "C" fn(Comm, *mut c_int) -> R,
+    comm_count: unsafe extern "C" fn(Comm, *mut c_int) -> R,
+    comm_destroy: unsafe extern "C" fn(Comm) -> R,
+    comm_abort: unsafe extern "C" fn(Comm) -> R,
+    get_error_string: unsafe extern "C" fn(R) -> *const c_char,
+    get_last_error: Option<unsafe extern "C" fn(Comm) -> *const c_char>,
+    comm_split:
+        Option<unsafe extern "C" fn(Comm, c_int, c_int, *mut Comm, *mut sys::ncclConfig_t) -> R>,
+    // Last: the functions above point into it.
+    _lib: libloading::Library,
+}
+
+/// Loads NCCL from the first candidate that opens and resolves every required function.
+fn load() -> std::result::Result<Lib, String> {
+    let mut names: Vec<String> = Vec::new();
+    if let Some(p) = std::env::var_os("TIDEMEM_NCCL_LIB") {
+        names.push(p.to_string_lossy().into_owned());
     }
+    names.push("libnccl.so.2".into());
+    names.extend(cudarc::get_lib_name_candidates("nccl"));
+    let mut tried = Vec::new();
+    for name in &names {
+        // SAFETY: loading NCCL runs its initializers, which only set up its own state.
+        let lib = match unsafe { libloading::Library::new(name) } {
+            Ok(l) => l,
+            Err(e) => {
+                // the reason matters for an explicit path; for names, that none was found
+                tried.push(
+                    if tried.is_empty() && std::env::var_os("TIDEMEM_NCCL_LIB").is_some() {
+                        format!("{name} ({e})")
+                    } else {
+                        name.clone()
+                    },
+                );
+                continue;
+            }
+        };
+        match resolve(lib, name) {
+            Ok(l) => return Ok(l),
+            Err(e) => tried.push(e),
+        }
+    }
+    Err(format!(
+        "the NCCL library cannot be loaded (tried {}); set TIDEMEM_NCCL_LIB to the path of \
+         libnccl.so.2 (for a pip install: site-packages/nvidia/nccl/lib/libnccl.so.2) or add \
+         its directory to LD_LIBRARY_PATH",
+        tried.join(", ")
+    ))
+}
+
+/// Resolves every function from an opened library (the optional ones if present).
+fn resolve(lib: libloading::Library, name: &str) -> std::result::Result<Lib, String> {
+    macro_rules! f {
+        ($sym:literal) => {
+            // SAFETY: the symbol is declared with its C signature from nccl.h (as in cudarc's
+            // bindings); the pointer stays valid while the library is loaded, which is as long
+            // as the `Lib` that owns it.
+            unsafe { *lib.get($sym).map_err(|e| format!("{name}: {e}"))? }
+        };
+    }
+    macro_rules! opt {
+        ($sym:literal) => {
+            // SAFETY: as above.
+            unsafe { lib.get($sym).ok().map(|s| *s) }
+        };
+    }
+    Ok(Lib {
+        path: name.to_string(),
+        get_unique_id: f!(b"ncclGetUniqueId\0"),
+        comm_init_rank: f!(b"ncclCommInitRank\0"),
+        all_gather: f!(b"ncclAllGather\0"),
+        reduce_scatter: f!(b"ncclReduceScatter\0"),
+        all_reduce: f!(b"ncclAllReduce\0"),
+        broadcast: f!(b"ncclBroadcast\0"),
+        reduce: f!(b"ncclReduce\0"),
+        send: f!(b"ncclSend\0"),
+        recv: f!(b"ncclRecv\0"),
+        group_start: f!(b"ncclGroupStart\0"),
+        group_end: f!(b"ncclGroupEnd\0"),
+        comm_user_rank: f!(b"ncclCommUserRank\0"),
+        comm_count: f!(b"ncclCommCount\0"),
+        comm_destroy: f!(b"ncclCommDestroy\0"),
+        comm_abort: f!(b"ncclCommAbort\0"),
+        get_error_string: f!(b"ncclGetErrorString\0"),
+        get_last_error: opt!(b"ncclGetLastError\0"),
+        comm_split: opt!(b"ncclCommSplit\0"),
+        _lib: lib,
+    })
+}
+
+fn lib() -> Result<&'static Lib> {
+    static LIB: OnceLock<std::result::Result<Lib, String>> = OnceLock::new();
+    LIB.get_or_init(load)
+        .as_ref()
+        .map_err(|reason| Error::BackendUnavailable {
+            kind: BackendKind::Cuda,
+            reason: reason.clone(),
+        })
+}
+
+/// Where NCCL was loaded from.
+pub(crate) fn library_path() -> Result<&'static str> {
+    lib().map(|l| l.path.as_str())
 }
 
 fn check(during: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> Result<()> {
@@ -46,10 +170,16 @@ fn check(during: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_
             let text = |p: *const std::ffi::c_char| {
                 (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
             };
-            // SAFETY: a live communicator (or null, which NCCL accepts) and a result code.
-            let last = unsafe { text(sys::ncclGetLastError(comm.unwrap_or(std::ptr::null_mut()))) };
-            // SAFETY: as above.
-            let generic = unsafe { text(sys::ncclGetErrorString(r)) };
+            let (last, generic) = match lib() {
+                Ok(l) => (
+                    // SAFETY: a live communicator (or null, which NCCL accepts).
+                    l.get_last_error
+                        .and_then(|f| unsafe { text(f(comm.unwrap_or(std::ptr::null_mut()))) }),
+                    // SAFETY: any result code.
+                    unsafe { text((l.get_error_string)(r)) },
+                ),
+                Err(_) => (None, None),
+            };
             let message = match (last, generic) {
                 (Some(l), Some(g)) if !l.is_empty() => format!("{g}: {l}"),
                 (_, Some(g)) => g,
@@ -67,12 +197,12 @@ fn check(during: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_
 }
 
 pub(crate) fn unique_id() -> Result<[u8; 128]> {
-    available()?;
+    let l = lib()?;
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
     // SAFETY: `id` is a valid out-pointer.
     check(
         "ncclGetUniqueId",
-        unsafe { sys::ncclGetUniqueId(&mut id) },
+        unsafe { (l.get_unique_id)(&mut id) },
         None,
     )?;
     Ok(id.internal.map(|c| c as u8))
@@ -114,19 +244,20 @@ fn cuda_only(device: &Device) -> Result<()> {
 impl NcclComm {
     pub(crate) fn init(device: &Device, id: &[u8; 128], rank: usize, world: usize) -> Result<Self> {
         cuda_only(device)?;
-        available()?;
+        let l = lib()?;
         device.backend().bind_to_thread()?;
         let id = sys::ncclUniqueId {
             internal: id.map(|b| b as std::ffi::c_char),
         };
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: valid out-pointer; blocks until every rank of the id has joined.
-        let r = unsafe { sys::ncclCommInitRank(&mut comm, world as i32, id, rank as i32) };
+        let r = unsafe { (l.comm_init_rank)(&mut comm, world as i32, id, rank as i32) };
         check("ncclCommInitRank", r, None)?;
         Ok(NcclComm {
             raw: Mutex::new(Raw(comm)),
             rank,
             world,
+            failed: AtomicBool::new(false),
         })
     }
 
@@ -145,13 +276,18 @@ impl NcclComm {
         during: &'static str,
         stream: &Stream,
         views: &[(DeviceView<'_>, bool)],
-        f: impl Fn(sys::ncclComm_t, &[u64], sys::cudaStream_t) -> sys::ncclResult_t,
+        f: impl Fn(&Lib, Comm, &[u64], St) -> R,
     ) -> Result<()> {
+        let l = lib()?;
         let raw = self.raw.lock();
         let comm = raw.0;
-        device.enqueue_foreign(stream, views, &mut |ptrs: &[u64], s: *mut c_void| {
-            check(during, f(comm, ptrs, s.cast()), Some(comm))
-        })
+        let r = device.enqueue_foreign(stream, views, &mut |ptrs: &[u64], s: *mut c_void| {
+            check(during, f(l, comm, ptrs, s.cast()), Some(comm))
+        });
+        if r.is_err() {
+            self.failed.store(true, Ordering::Relaxed);
+        }
+        r
     }
 
     pub(crate) fn all_gather(
@@ -164,11 +300,11 @@ impl NcclComm {
         elem: Elem,
     ) -> Result<()> {
         let views = [(send, false), (recv, true)];
-        self.call(device, "ncclAllGather", stream, &views, |c, p, s| {
+        self.call(device, "ncclAllGather", stream, &views, |l, c, p, s| {
             // SAFETY: `p` are device addresses of ranges of the checked lengths (n and world·n
             // elements), ordered on `s` by the device layer.
             unsafe {
-                sys::ncclAllGather(
+                (l.all_gather)(
                     p[0] as *const c_void,
                     p[1] as *mut c_void,
                     n,
@@ -192,10 +328,10 @@ impl NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let views = [(send, false), (recv, true)];
-        self.call(device, "ncclReduceScatter", stream, &views, |c, p, s| {
+        self.call(device, "ncclReduceScatter", stream, &views, |l, c, p, s| {
             // SAFETY: device ranges of world·n and n elements, ordered on `s`.
             unsafe {
-                sys::ncclReduceScatter(
+                (l.reduce_scatter)(
                     p[0] as *const c_void,
                     p[1] as *mut c_void,
                     n,
@@ -220,10 +356,10 @@ impl NcclComm {
         op: ReduceOp,
     ) -> Result<()> {
         let views = [(send, false), (recv, true)];
-        self.call(device, "ncclAllReduce", stream, &views, |c, p, s| {
+        self.call(device, "ncclAllReduce", stream, &views, |l, c, p, s| {
             // SAFETY: two device ranges of n elements, ordered on `s`.
             unsafe {
-                sys::ncclAllReduce(
+                (l.all_reduce)(
                     p[0] as *const c_void,
                     p[1] as *mut c_void,
                     n,
@@ -246,10 +382,10 @@ impl NcclComm {
         root: usize,
     ) -> Result<()> {
         let views = [(buf, true)];
-        self.call(device, "ncclBroadcast", stream, &views, |c, p, s| {
+        self.call(device, "ncclBroadcast", stream, &views, |l, c, p, s| {
             // SAFETY: one device range of n elements (in place), ordered on `s`.
             unsafe {
-                sys::ncclBroadcast(
+                (l.broadcast)(
                     p[0] as *const c_void,
                     p[0] as *mut c_void,
                     n,
@@ -275,10 +411,10 @@ impl NcclComm {
         root: usize,
     ) -> Result<()> {
         let views = [(send, false), (recv, true)];
-        self.call(device, "ncclReduce", stream, &views, |c, p, s| {
+        self.call(device, "ncclReduce", stream, &views, |l, c, p, s| {
             // SAFETY: two device ranges of n elements, ordered on `s`.
             unsafe {
-                sys::ncclReduce(
+                (l.reduce)(
                     p[0] as *const c_void,
                     p[1] as *mut c_void,
                     n,
@@ -302,9 +438,9 @@ impl NcclComm {
         peer: usize,
     ) -> Result<()> {
         let views = [(buf, false)];
-        self.call(device, "ncclSend", stream, &views, |c, p, s| {
+        self.call(device, "ncclSend", stream, &views, |l, c, p, s| {
             // SAFETY: a device range of n elements, ordered on `s`.
-            unsafe { sys::ncclSend(p[0] as *const c_void, n, dtype(elem), peer as i32, c, s) }
+            unsafe { (l.send)(p[0] as *const c_void, n, dtype(elem), peer as i32, c, s) }
         })
     }
 
@@ -318,9 +454,43 @@ impl NcclComm {
         peer: usize,
     ) -> Result<()> {
         let views = [(buf, true)];
-        self.call(device, "ncclRecv", stream, &views, |c, p, s| {
+        self.call(device, "ncclRecv", stream, &views, |l, c, p, s| {
             // SAFETY: a device range of n elements, ordered on `s`.
-            unsafe { sys::ncclRecv(p[0] as *mut c_void, n, dtype(elem), peer as i32, c, s) }
+            unsafe { (l.recv)(p[0] as *mut c_void, n, dtype(elem), peer as i32, c, s) }
+        })
+    }
+
+    /// `ncclSend` and `ncclRecv` in one group.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn send_recv(
+        &self,
+        device: &Device,
+        stream: &Stream,
+        send: DeviceView<'_>,
+        n: usize,
+        to: usize,
+        recv: DeviceView<'_>,
+        m: usize,
+        from: usize,
+        elem: Elem,
+    ) -> Result<()> {
+        let views = [(send, false), (recv, true)];
+        self.call(device, "ncclSend/ncclRecv", stream, &views, |l, c, p, s| {
+            // SAFETY: device ranges of n and m elements, ordered on `s`; the group makes NCCL
+            // post both before waiting on either. Every started group is ended.
+            unsafe {
+                let r = (l.group_start)();
+                if r != sys::ncclResult_t::ncclSuccess {
+                    return r;
+                }
+                let a = (l.send)(p[0] as *const c_void, n, dtype(elem), to as c_int, c, s);
+                let b = (l.recv)(p[1] as *mut c_void, m, dtype(elem), from as c_int, c, s);
+                let e = (l.group_end)();
+                [a, b, e]
+                    .into_iter()
+                    .find(|r| *r != sys::ncclResult_t::ncclSuccess)
+                    .unwrap_or(e)
+            }
         })
     }
 
@@ -330,13 +500,29 @@ impl NcclComm {
         color: Option<u32>,
         key: u32,
     ) -> Result<Option<NcclComm>> {
+        let l = lib()?;
+        let split = l.comm_split.ok_or_else(|| Error::BackendUnavailable {
+            kind: BackendKind::Cuda,
+            reason: format!(
+                "{} has no ncclCommSplit (NCCL 2.18 or later needed)",
+                l.path
+            ),
+        })?;
+        let (c, key) = match (color.map(i32::try_from), i32::try_from(key)) {
+            (Some(Err(_)), _) | (_, Err(_)) => {
+                return Err(Error::InvalidArgument(format!(
+                    "NCCL takes colors and keys up to {}, got color {color:?} and key {key}",
+                    i32::MAX
+                )))
+            }
+            // NCCL_SPLIT_NOCOLOR is -1
+            (c, Ok(k)) => (c.map_or(Ok(-1), |c| c).unwrap_or(-1), k),
+        };
         device.backend().bind_to_thread()?;
         let raw = self.raw.lock();
-        // NCCL_SPLIT_NOCOLOR is -1
-        let c = color.map_or(-1, |c| c as i32);
         let mut out: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: a live communicator and a valid out-pointer; a null config means defaults.
-        let r = unsafe { sys::ncclCommSplit(raw.0, c, key as i32, &mut out, std::ptr::null_mut()) };
+        let r = unsafe { split(raw.0, c, key, &mut out, std::ptr::null_mut()) };
         check("ncclCommSplit", r, Some(raw.0))?;
         if out.is_null() {
             return Ok(None);
@@ -347,30 +533,37 @@ impl NcclComm {
         unsafe {
             check(
                 "ncclCommUserRank",
-                sys::ncclCommUserRank(out, &mut rank),
+                (l.comm_user_rank)(out, &mut rank),
                 Some(out),
             )?;
-            check(
-                "ncclCommCount",
-                sys::ncclCommCount(out, &mut world),
-                Some(out),
-            )?;
+            check("ncclCommCount", (l.comm_count)(out, &mut world), Some(out))?;
         }
         Ok(Some(NcclComm {
             raw: Mutex::new(Raw(out)),
             rank: rank as usize,
             world: world as usize,
+            failed: AtomicBool::new(false),
         }))
     }
 }
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
+        let abort = *self.failed.get_mut() || std::thread::panicking();
         let raw = self.raw.get_mut();
-        if !raw.0.is_null() {
-            // SAFETY: the communicator is live and no call is in flight (we own it mutably).
+        if raw.0.is_null() {
+            return;
+        }
+        if let Ok(l) = lib() {
+            // SAFETY: the communicator is live and no call is being enqueued (we own it
+            // mutably). Destroy waits for NCCL's outstanding work; after a failure (or while
+            // unwinding) that work may never finish, so abort instead.
             unsafe {
-                let _ = sys::ncclCommDestroy(raw.0);
+                let _ = if abort {
+                    (l.comm_abort)(raw.0)
+                } else {
+                    (l.comm_destroy)(raw.0)
+                };
             }
         }
     }

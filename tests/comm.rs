@@ -450,6 +450,38 @@ fn bad_arguments_are_errors_and_change_nothing() {
             c.reduce_scatter(&s, (&b4).into(), (&b4).into(), Elem::F32, ReduceOp::Sum),
             Err(Error::SizeMismatch { .. })
         ));
+        // overlapping views outside NCCL's in-place layout
+        let b16 = d.alloc(16).unwrap();
+        let wrong = (1 - c.rank()) * 8;
+        assert!(matches!(
+            c.all_gather(
+                &s,
+                b16.view(wrong, 8).unwrap(),
+                b16.view(0, 16).unwrap(),
+                Elem::F32
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            c.reduce_scatter(
+                &s,
+                b16.view(0, 16).unwrap(),
+                b16.view(wrong, 8).unwrap(),
+                Elem::F32,
+                ReduceOp::Sum
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            c.all_reduce(
+                &s,
+                b16.view(0, 8).unwrap(),
+                b16.view(4, 8).unwrap(),
+                Elem::F32,
+                ReduceOp::Sum
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
         assert!(c.broadcast(&s, (&b4).into(), Elem::F32, 2).is_err());
         assert!(c.send(&s, (&b4).into(), Elem::F32, c.rank()).is_err());
         assert!(c.split(Some(u32::MAX), 0).is_err());

@@ -272,8 +272,9 @@ enum Imp {
 pub struct Communicator {
     rank: usize,
     world: usize,
-    device: Device,
+    // Dropped before the device: an NCCL communicator is destroyed while its context lives.
     imp: Imp,
+    device: Device,
     stats: Mutex<CommStats>,
     /// Output copies of in-process collectives not yet known complete (their staging buffers).
     uploads: Mutex<Vec<Pending<HostBuffer>>>,
@@ -430,6 +431,12 @@ impl Communicator {
                 dst: recv.len(),
             });
         }
+        in_place(
+            "all_gather",
+            &send,
+            &recv,
+            recv.offset() + self.rank * send.len(),
+        )?;
         match &self.imp {
             Imp::Local(l) => {
                 let input = self.device.download(stream, send)?;
@@ -461,6 +468,12 @@ impl Communicator {
                 dst: recv.len() * self.world,
             });
         }
+        in_place(
+            "reduce_scatter",
+            &recv,
+            &send,
+            send.offset() + self.rank * recv.len(),
+        )?;
         match &self.imp {
             Imp::Local(l) => {
                 let input = self.device.download(stream, send)?;
@@ -497,6 +510,7 @@ impl Communicator {
                 dst: recv.len(),
             });
         }
+        in_place("all_reduce", &send, &recv, recv.offset())?;
         match &self.imp {
             Imp::Local(l) => {
                 let input = self.device.download(stream, send)?;
@@ -559,6 +573,7 @@ impl Communicator {
                 dst: recv.len(),
             });
         }
+        in_place("reduce", &send, &recv, recv.offset())?;
         match &self.imp {
             Imp::Local(l) => {
                 let input = self.device.download(stream, send)?;
@@ -814,6 +829,23 @@ pub fn launch<R: Send>(
             })
             .collect()
     })
+}
+
+/// NCCL runs a call in place only when the smaller view `part` sits exactly at byte `at` of the
+/// buffer of `whole`; any other overlap of the two would silently corrupt data there, so it is
+/// an error on every backend.
+fn in_place(call: &str, part: &DeviceView<'_>, whole: &DeviceView<'_>, at: usize) -> Result<()> {
+    let same = part.buffer().id() == whole.buffer().id();
+    let overlap =
+        part.offset() < whole.offset() + whole.len() && whole.offset() < part.offset() + part.len();
+    if same && overlap && part.offset() != at {
+        return Err(Error::InvalidArgument(format!(
+            "{call}: the views overlap but not in NCCL's in-place layout (the input at byte {at} \
+             of its buffer, found at {})",
+            part.offset()
+        )));
+    }
+    Ok(())
 }
 
 /// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library

@@ -278,6 +278,10 @@ impl NcclComm {
         views: &[(DeviceView<'_>, bool)],
         f: impl Fn(&Lib, Comm, &[u64], St) -> R,
     ) -> Result<()> {
+        if views.iter().all(|(v, _)| v.is_empty()) {
+            // NCCL does nothing for zero elements; empty buffers have no device address
+            return Ok(());
+        }
         let l = lib()?;
         let raw = self.raw.lock();
         let comm = raw.0;

@@ -2,10 +2,14 @@
 //!
 //! A launcher (`torchrun`, `mpirun` with a wrapper, a job script) sets `RANK`, `WORLD_SIZE`,
 //! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in every process. Rank 0 listens on
-//! `MASTER_ADDR:MASTER_PORT` and serves the group's 128-byte NCCL unique id to each other rank:
-//! a client sends the magic `TIDEMEM1`, its rank and the world size (u32 little-endian each),
-//! and reads the 128 bytes back. Clients retry the connection until the timeout, so the ranks
-//! may start in any order.
+//! `MASTER_PORT` (on every interface, so a `MASTER_ADDR` that names the node resolves to a
+//! reachable address even where the node's own name maps to loopback) and serves the group's
+//! 128-byte NCCL unique id to each other rank: a client sends the magic `TIDEMEM1`, its rank and
+//! the world size (u32 little-endian each), and reads the 128 bytes back. Clients resolve
+//! `MASTER_ADDR` again and try each of its addresses on every attempt until the timeout, so the
+//! ranks may start in any order and before the name resolves. `TIDEMEM_MASTER_PORT`, when set,
+//! replaces `MASTER_PORT` (for launchers whose own store holds `MASTER_PORT`, as `torchrun`'s
+//! agent does). A job of one rank exchanges nothing.
 //!
 //! ```
 //! use std::time::Duration;
@@ -44,7 +48,7 @@ pub struct LaunchEnv {
     pub local_rank: usize,
     /// Host of rank 0 (`MASTER_ADDR`, default `127.0.0.1`).
     pub master_addr: String,
-    /// Port rank 0 listens on (`MASTER_PORT`, default 29500).
+    /// Port rank 0 listens on (`TIDEMEM_MASTER_PORT`, else `MASTER_PORT`, default 29500).
     pub master_port: u16,
 }
 
@@ -80,13 +84,16 @@ impl LaunchEnv {
                 "RANK={rank} is not below WORLD_SIZE={world_size}"
             )));
         }
-        let master_port = match get("MASTER_PORT") {
-            Some(v) => {
-                let p = num("MASTER_PORT", v)?;
+        let port_var = ["TIDEMEM_MASTER_PORT", "MASTER_PORT"]
+            .into_iter()
+            .find_map(|k| get(k).map(|v| (k, v)));
+        let master_port = match port_var {
+            Some((k, v)) => {
+                let p = num(k, v)?;
                 u16::try_from(p)
                     .ok()
                     .filter(|&p| p > 0)
-                    .ok_or_else(|| Error::Rendezvous(format!("MASTER_PORT={p} is not a port")))?
+                    .ok_or_else(|| Error::Rendezvous(format!("{k}={p} is not a port")))?
             }
             None => 29500,
         };
@@ -99,14 +106,16 @@ impl LaunchEnv {
         }))
     }
 
-    fn addr(&self) -> Result<SocketAddr> {
-        (self.master_addr.as_str(), self.master_port)
+    /// Every address `MASTER_ADDR:port` resolves to now.
+    fn addrs(&self) -> std::result::Result<Vec<SocketAddr>, String> {
+        let v: Vec<SocketAddr> = (self.master_addr.as_str(), self.master_port)
             .to_socket_addrs()
-            .map_err(|e| Error::Rendezvous(format!("MASTER_ADDR {}: {e}", self.master_addr)))?
-            .next()
-            .ok_or_else(|| {
-                Error::Rendezvous(format!("MASTER_ADDR {} has no address", self.master_addr))
-            })
+            .map_err(|e| format!("MASTER_ADDR {}: {e}", self.master_addr))?
+            .collect();
+        if v.is_empty() {
+            return Err(format!("MASTER_ADDR {} has no address", self.master_addr));
+        }
+        Ok(v)
     }
 }
 
@@ -128,23 +137,33 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 /// never came (rank 0) or the reason rank 0 could not be reached.
 pub fn exchange_id(env: &LaunchEnv, id: Option<[u8; 128]>, timeout: Duration) -> Result<[u8; 128]> {
     let deadline = Instant::now() + timeout;
-    let addr = env.addr()?;
     if env.rank == 0 {
         let id = id.ok_or_else(|| Error::Rendezvous("rank 0 must provide the id".into()))?;
-        serve(env, addr, id, deadline)?;
+        if env.world_size > 1 {
+            serve(env, id, deadline)?;
+        }
         return Ok(id);
     }
     let mut last = String::from("no attempt");
     while Instant::now() < deadline {
-        match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
-            Ok(s) => return fetch(env, s, deadline),
-            Err(e) => last = e.to_string(),
+        match env.addrs() {
+            Ok(addrs) => {
+                for addr in addrs {
+                    match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
+                        Ok(s) => return fetch(env, s, deadline),
+                        Err(e) => last = format!("{addr}: {e}"),
+                    }
+                }
+            }
+            Err(e) => last = e,
         }
         std::thread::sleep(Duration::from_millis(50));
     }
     Err(Error::Rendezvous(format!(
-        "rank {} could not reach rank 0 at {addr} within {} ms: {last}",
+        "rank {} could not reach rank 0 at {}:{} within {} ms: {last}",
         env.rank,
+        env.master_addr,
+        env.master_port,
         timeout.as_millis()
     )))
 }
@@ -164,16 +183,38 @@ fn fetch(env: &LaunchEnv, mut s: TcpStream, deadline: Instant) -> Result<[u8; 12
     Ok(id)
 }
 
-fn serve(env: &LaunchEnv, addr: SocketAddr, id: [u8; 128], deadline: Instant) -> Result<()> {
+fn serve(env: &LaunchEnv, id: [u8; 128], deadline: Instant) -> Result<()> {
+    // Listen on every interface of the family MASTER_ADDR resolves to (IPv4 if it does not).
+    let v6 = env
+        .addrs()
+        .ok()
+        .and_then(|a| a.first().copied())
+        .is_some_and(|a| a.is_ipv6());
+    let any: std::net::IpAddr = if v6 {
+        std::net::Ipv6Addr::UNSPECIFIED.into()
+    } else {
+        std::net::Ipv4Addr::UNSPECIFIED.into()
+    };
+    let addr = SocketAddr::new(any, env.master_port);
     let l = TcpListener::bind(addr).map_err(io("rank 0 listening"))?;
     l.set_nonblocking(true).map_err(io("rank 0 listening"))?;
     let mut seen = vec![false; env.world_size];
     seen[0] = true;
+    let mut strangers = Vec::new();
     while seen.iter().any(|s| !s) {
         if Instant::now() >= deadline {
             let missing: Vec<usize> = (0..env.world_size).filter(|&r| !seen[r]).collect();
+            let also = if strangers.is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "; ignored clients announcing (rank, world) {strangers:?}, this job has \
+                     WORLD_SIZE={}",
+                    env.world_size
+                )
+            };
             return Err(Error::Rendezvous(format!(
-                "rank 0 waited for ranks {missing:?} at {addr} until the timeout"
+                "rank 0 waited for ranks {missing:?} at {addr} until the timeout{also}"
             )));
         }
         match l.accept() {
@@ -188,10 +229,9 @@ fn serve(env: &LaunchEnv, addr: SocketAddr, id: [u8; 128], deadline: Instant) ->
                 let rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
                 let world = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes")) as usize;
                 if world != env.world_size || rank == 0 || rank >= world {
-                    return Err(Error::Rendezvous(format!(
-                        "a rank announced itself as {rank} of {world}; this job has WORLD_SIZE={}",
-                        env.world_size
-                    )));
+                    // another job's rank, or a misconfigured one: named if ours never come
+                    strangers.push((rank, world));
+                    continue;
                 }
                 s.write_all(&id).map_err(io("sending the id"))?;
                 seen[rank] = true;
@@ -224,6 +264,15 @@ mod tests {
             (2, 4, 2, 29500)
         );
         assert_eq!(e.master_addr, "127.0.0.1");
+        let e = LaunchEnv::from_vars(vars(&[
+            ("WORLD_SIZE", "2"),
+            ("RANK", "1"),
+            ("MASTER_PORT", "29400"),
+            ("TIDEMEM_MASTER_PORT", "29411"),
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(e.master_port, 29411, "TIDEMEM_MASTER_PORT wins");
         for bad in [
             vec![("WORLD_SIZE", "4")],
             vec![("WORLD_SIZE", "4"), ("RANK", "4")],
@@ -245,7 +294,7 @@ mod tests {
             .local_addr()
             .unwrap()
             .port();
-        let env = |rank, world| LaunchEnv {
+        let env = move |rank, world| LaunchEnv {
             rank,
             world_size: world,
             local_rank: rank,
@@ -266,9 +315,19 @@ mod tests {
             v
         });
         assert!(got.iter().all(|g| *g == id));
-        // rank 1 of 2 never comes
-        let e = exchange_id(&env(0, 2), Some(id), Duration::from_millis(200)).unwrap_err();
+        // rank 1 of 2 never comes; a client of another job (world 3) is ignored and named
+        let stranger =
+            std::thread::spawn(move || exchange_id(&env(1, 3), None, Duration::from_millis(600)));
+        let e = exchange_id(&env(0, 2), Some(id), Duration::from_millis(400)).unwrap_err();
         assert!(e.to_string().contains("[1]"), "{e}");
+        assert!(e.to_string().contains("(1, 3)"), "{e}");
+        assert!(stranger.join().unwrap().is_err());
+        // one rank: nothing to exchange, nothing bound (the port may be taken)
+        let _taken = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        assert_eq!(
+            exchange_id(&env(0, 1), Some(id), Duration::from_millis(100)).unwrap(),
+            id
+        );
         // nobody listens
         let e = exchange_id(&env(1, 2), None, Duration::from_millis(200)).unwrap_err();
         assert!(matches!(e, Error::Rendezvous(_)), "{e}");

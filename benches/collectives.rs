@@ -6,8 +6,9 @@
 //!   stages through host memory; the ratio says what it costs.
 //! * NCCL at world size 1 on CUDA device 0 (when a GPU and NCCL are present): algorithm
 //!   bandwidth of all-gather and reduce-scatter against a device-to-device copy of the same
-//!   bytes. (With one GPU the bus bandwidth of a ring is zero; multi-GPU machines report
-//!   `bus = alg · (N−1)/N` from the same code.)
+//!   bytes (the gathered or reduced bytes over the time, nccl-tests' convention). With one GPU
+//!   the bus bandwidth of a ring is zero, so only algorithm bandwidth is printed; for N ranks
+//!   bus = alg · (N−1)/N, the factor `CommStats::bus_bytes` applies.
 //!
 //! `TIDEMEM_BENCH_SIZES_MIB` overrides the sizes (default `4,32`).
 

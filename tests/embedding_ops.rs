@@ -287,6 +287,63 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
     }
 }
 
+/// Offsets and row starts already on the device cannot be checked: every backend clamps them
+/// the same way (a bag's range to the indices, a row's to the entries), so a malformed batch
+/// gives the same bytes on the simulated device and on a GPU, and never reads out of bounds.
+#[test]
+fn malformed_offsets_are_clamped_alike_on_every_device() {
+    let dim = 2usize;
+    let table: Vec<f32> = vec![1.0, 2.0, 10.0, 20.0, 100.0, 200.0];
+    let idx: Vec<u32> = vec![0, 1, 2];
+    // bag 0: 0..3; bag 1: offsets fall to 1, empty; bag 2: 1..min(9, 3)
+    let off: Vec<u32> = vec![0, 3, 1, 9];
+    // row 0: entries 0..2; row 1: starts fall back, empty; row 2: 1..min(7, 3)
+    let row_ptr: Vec<u32> = vec![0, 2, 1, 7];
+    let entries: Vec<u32> = vec![0, 2, 1];
+    let scale: Vec<f32> = vec![1.0, 0.5, 2.0];
+    let gout: Vec<f32> = vec![1.0, 1.0, 3.0, 3.0, 8.0, 8.0];
+    for dev in common::devices("malformed_offsets_are_clamped_alike_on_every_device") {
+        let s = dev.new_stream().unwrap();
+        let tb = up(&dev, &s, bytemuck::cast_slice(&table));
+        let ib = up(&dev, &s, bytemuck::cast_slice(&idx));
+        let ob = up(&dev, &s, bytemuck::cast_slice(&off));
+        let out = dev.alloc(3 * dim * 4).unwrap();
+        dev.embedding_bag(
+            &s,
+            v(&tb),
+            dim,
+            dim,
+            v(&ib),
+            v(&ob),
+            None,
+            BagMode::Sum,
+            v(&out),
+        )
+        .unwrap();
+        assert_eq!(
+            down(&dev, &s, &out),
+            vec![111.0, 222.0, 0.0, 0.0, 110.0, 220.0],
+            "{}",
+            dev.name()
+        );
+        let g = dev.alloc(3 * dim * 4).unwrap();
+        let (gb, rb, eb, sb) = (
+            up(&dev, &s, bytemuck::cast_slice(&gout)),
+            up(&dev, &s, bytemuck::cast_slice(&row_ptr)),
+            up(&dev, &s, bytemuck::cast_slice(&entries)),
+            up(&dev, &s, bytemuck::cast_slice(&scale)),
+        );
+        dev.embedding_backward(&s, v(&gb), dim, v(&rb), v(&eb), v(&sb), v(&g))
+            .unwrap();
+        assert_eq!(
+            down(&dev, &s, &g),
+            vec![5.0, 5.0, 0.0, 0.0, 10.0, 10.0],
+            "{}",
+            dev.name()
+        );
+    }
+}
+
 fn v(b: &tidemem::device::DeviceBuffer) -> tidemem::device::DeviceView<'_> {
     b.view(0, b.len()).unwrap()
 }

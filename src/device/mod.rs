@@ -1255,7 +1255,8 @@ impl Device {
         )
     }
 
-    /// One optimizer step on the rows `rows` (u32, distinct) of `table` with gradients `grads`
+    /// One optimizer step on the rows `rows` (u32, distinct: on a GPU a repeated row races) of
+    /// `table` with gradients `grads`
     /// (`rows × dim` f32), on `stream`. Each row's state is stored after its embedding, so
     /// `stride ≥ dim + opt.state_len(dim)`. See [`crate::ops::embedding::row_step`].
     #[allow(clippy::too_many_arguments)]
@@ -1317,7 +1318,8 @@ impl Device {
     }
 
     /// Row `index[i]` (u32) of `dst` = row `i` of `src`, rows of `row_bytes` (a multiple of 4),
-    /// on `stream`; index values out of range are skipped; index values should be distinct.
+    /// on `stream`; index values out of range are skipped. Index values must be distinct: on a
+    /// GPU two writes of one row race.
     pub fn scatter_rows(
         &self,
         stream: &Stream,

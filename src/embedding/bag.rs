@@ -615,6 +615,14 @@ impl CachedEmbeddingBag {
             .take()
             .filter(|s| s.backward_done)
             .ok_or_else(|| Error::InvalidArgument("step needs a backward first".into()))?;
+        debug_assert!(
+            {
+                let mut r = saved.plan.rows.clone();
+                r.sort_unstable();
+                r.windows(2).all(|w| w[0] != w[1])
+            },
+            "the rows of a step are distinct"
+        );
         self.step += 1;
         let opt = self.optimizer.at_step(self.step);
         let dim = self.cache.dim();

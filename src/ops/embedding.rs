@@ -203,8 +203,32 @@ pub fn bag_forward(
     mode: BagMode,
     out: &mut [f32],
 ) -> Result<()> {
-    let bags = check_offsets(indices.len(), offsets, weights)?;
-    if dim == 0 || stride < dim || out.len() != bags * dim {
+    check_offsets(indices.len(), offsets, weights)?;
+    bag_forward_clamped(table, stride, dim, indices, offsets, weights, mode, out)
+}
+
+/// [`bag_forward`] as the kernel runs it on data it cannot check: each bag's range is clamped
+/// to the indices (`e = min(offsets[b + 1], n)`, `s = min(offsets[b], e)`). The same as
+/// `bag_forward` on valid offsets.
+#[allow(clippy::too_many_arguments)]
+fn bag_forward_clamped(
+    table: &[f32],
+    stride: usize,
+    dim: usize,
+    indices: &[u32],
+    offsets: &[u32],
+    weights: Option<&[f32]>,
+    mode: BagMode,
+    out: &mut [f32],
+) -> Result<()> {
+    let bags = offsets.len().saturating_sub(1);
+    let n = indices.len();
+    if offsets.is_empty()
+        || dim == 0
+        || stride < dim
+        || out.len() != bags * dim
+        || weights.is_some_and(|w| w.len() != n)
+    {
         return Err(Error::InvalidArgument(format!(
             "bag forward: stride {stride}, dim {dim}, {} outputs for {bags} bags",
             out.len()
@@ -213,7 +237,8 @@ pub fn bag_forward(
     let rows = table.len() / stride;
     for (b, o) in out.chunks_exact_mut(dim).enumerate() {
         o.fill(0.0);
-        let (s, e) = (offsets[b] as usize, offsets[b + 1] as usize);
+        let e = (offsets[b + 1] as usize).min(n);
+        let s = (offsets[b] as usize).min(e);
         for i in s..e {
             let r = indices[i] as usize;
             if r >= rows {
@@ -245,14 +270,29 @@ pub fn bag_backward(
     scale: &[f32],
     grads: &mut [f32],
 ) -> Result<()> {
-    let u = row_ptr.len().saturating_sub(1);
-    if dim == 0
-        || row_ptr.is_empty()
-        || grads.len() != u * dim
-        || scale.len() != entries.len()
-        || row_ptr.windows(2).any(|w| w[1] < w[0])
-        || row_ptr[u] as usize > entries.len()
+    if row_ptr.windows(2).any(|w| w[1] < w[0])
+        || row_ptr.last().is_some_and(|&l| l as usize > entries.len())
     {
+        return Err(Error::InvalidArgument(format!(
+            "bag backward: row starts must not decrease and end at most at the {} entries",
+            entries.len()
+        )));
+    }
+    bag_backward_clamped(grad_out, dim, row_ptr, entries, scale, grads)
+}
+
+/// [`bag_backward`] as the kernel runs it on data it cannot check: each row's entries are
+/// clamped (`e1 = min(row_ptr[u + 1], entries)`, `e0 = min(row_ptr[u], e1)`).
+fn bag_backward_clamped(
+    grad_out: &[f32],
+    dim: usize,
+    row_ptr: &[u32],
+    entries: &[u32],
+    scale: &[f32],
+    grads: &mut [f32],
+) -> Result<()> {
+    let u = row_ptr.len().saturating_sub(1);
+    if dim == 0 || row_ptr.is_empty() || grads.len() != u * dim || scale.len() != entries.len() {
         return Err(Error::InvalidArgument(format!(
             "bag backward: {} row starts, {} entries, {} scales, {} gradients of {dim}",
             row_ptr.len(),
@@ -264,7 +304,9 @@ pub fn bag_backward(
     let bags = grad_out.len() / dim;
     for (r, g) in grads.chunks_exact_mut(dim).enumerate() {
         g.fill(0.0);
-        for e in row_ptr[r] as usize..row_ptr[r + 1] as usize {
+        let e1 = (row_ptr[r + 1] as usize).min(entries.len());
+        let e0 = (row_ptr[r] as usize).min(e1);
+        for e in e0..e1 {
             let b = entries[e] as usize;
             if b >= bags {
                 continue;
@@ -278,8 +320,9 @@ pub fn bag_backward(
     Ok(())
 }
 
-/// Applies `opt` to row `rows[u]` with gradient `grads[u]` for every `u`. Rows should be
-/// distinct (a repeated row is updated twice).
+/// Applies `opt` to row `rows[u]` with gradient `grads[u]` for every `u`. Rows must be
+/// distinct: here a repeated row is updated twice in order, but on a GPU the two updates race
+/// (the callers pass the distinct rows of a [`SparseGradPlan`]).
 pub fn row_step(
     table: &mut [f32],
     stride: usize,
@@ -453,7 +496,7 @@ pub fn execute(kernel: &EmbeddingKernel, reads: &[&[u8]], write: &mut [u8]) -> R
             };
             let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
                 .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
-            bag_forward(
+            bag_forward_clamped(
                 f32s(reads[0])?,
                 stride,
                 dim,
@@ -467,7 +510,7 @@ pub fn execute(kernel: &EmbeddingKernel, reads: &[&[u8]], write: &mut [u8]) -> R
         EmbeddingKernel::Backward { dim } => {
             let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
                 .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
-            bag_backward(
+            bag_backward_clamped(
                 f32s(reads[0])?,
                 dim,
                 u32s(reads[1])?,

@@ -344,6 +344,32 @@ fn malformed_offsets_are_clamped_alike_on_every_device() {
     }
 }
 
+/// Bags that are all empty, with their (zero) indices in an empty buffer, give zeros on every
+/// device (an empty buffer has no device memory to point a kernel at).
+#[test]
+fn empty_bags_from_an_empty_index_buffer_give_zeros() {
+    for dev in common::devices("empty_bags_from_an_empty_index_buffer_give_zeros") {
+        let s = dev.new_stream().unwrap();
+        let table = up(&dev, &s, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0]));
+        let idx = dev.alloc(0).unwrap();
+        let off = up(&dev, &s, bytemuck::cast_slice(&[0u32, 0, 0]));
+        let out = up(&dev, &s, bytemuck::cast_slice(&[9.0f32; 4]));
+        dev.embedding_bag(
+            &s,
+            v(&table),
+            2,
+            2,
+            v(&idx),
+            v(&off),
+            None,
+            BagMode::Mean,
+            v(&out),
+        )
+        .unwrap();
+        assert_eq!(down(&dev, &s, &out), vec![0.0; 4], "{}", dev.name());
+    }
+}
+
 fn v(b: &tidemem::device::DeviceBuffer) -> tidemem::device::DeviceView<'_> {
     b.view(0, b.len()).unwrap()
 }

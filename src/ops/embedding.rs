@@ -459,11 +459,18 @@ pub enum EmbeddingKernel {
     },
 }
 
+// An empty operand may sit at an unaligned address (an empty allocation): it is no elements.
 fn f32s(b: &[u8]) -> Result<&[f32]> {
+    if b.is_empty() {
+        return Ok(&[]);
+    }
     bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("f32 operand: {e}")))
 }
 
 fn u32s(b: &[u8]) -> Result<&[u32]> {
+    if b.is_empty() {
+        return Ok(&[]);
+    }
     bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("u32 operand: {e}")))
 }
 

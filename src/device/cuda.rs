@@ -632,9 +632,18 @@ impl CudaBackend {
             return Ok(());
         }
         let f = self.function("embedding.cu", name)?;
+        // Threads loop over a row's columns (or 32-bit words): narrow rows take fewer warps.
+        let width = match kernel {
+            EmbeddingKernel::Bag { dim, .. }
+            | EmbeddingKernel::Backward { dim }
+            | EmbeddingKernel::Step { dim, .. } => dim,
+            EmbeddingKernel::Gather { row_bytes } | EmbeddingKernel::Scatter { row_bytes } => {
+                row_bytes / 4
+            }
+        };
         let config = LaunchConfig {
             grid_dim: (blocks.min(65_535) as u32, 1, 1),
-            block_dim: (EMBEDDING_THREADS, 1, 1),
+            block_dim: (embedding_threads(width), 1, 1),
             shared_mem_bytes: 0,
         };
         let launch = |ptrs: &[u64]| -> Result<()> {
@@ -730,6 +739,13 @@ impl CudaBackend {
 /// Threads per block of the embedding kernels.
 const EMBEDDING_THREADS: u32 = 128;
 
+/// Threads per block of an embedding kernel over rows of `width` columns: whole warps, at most
+/// [`EMBEDDING_THREADS`]. The result bits do not depend on it (each column is summed by one
+/// thread in a fixed order).
+fn embedding_threads(width: usize) -> u32 {
+    (width.div_ceil(32) * 32).clamp(32, EMBEDDING_THREADS as usize) as u32
+}
+
 /// Threads per block of `grad_stats_partial_*` (`GS_THREADS` in `kernels/adam.cu`).
 const GRAD_STATS_THREADS: u32 = 1024;
 
@@ -797,5 +813,20 @@ fn cfg(grid: u32) -> LaunchConfig {
         grid_dim: (grid, 1, 1),
         block_dim: (BLOCK, 1, 1),
         shared_mem_bytes: 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::embedding_threads;
+
+    #[test]
+    fn embedding_blocks_are_whole_warps_up_to_the_cap() {
+        assert_eq!(embedding_threads(1), 32);
+        assert_eq!(embedding_threads(16), 32);
+        assert_eq!(embedding_threads(33), 64);
+        assert_eq!(embedding_threads(128), 128);
+        assert_eq!(embedding_threads(131), 128);
+        assert_eq!(embedding_threads(0), 32);
     }
 }

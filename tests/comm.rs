@@ -482,6 +482,18 @@ fn bad_arguments_are_errors_and_change_nothing() {
             ),
             Err(Error::InvalidArgument(_))
         ));
+        let other = (c.rank() + 1) % 2;
+        assert!(matches!(
+            c.send_recv(
+                &s,
+                b16.view(0, 8).unwrap(),
+                other,
+                b16.view(4, 8).unwrap(),
+                other,
+                Elem::F32
+            ),
+            Err(Error::InvalidArgument(_))
+        ));
         assert!(c.broadcast(&s, (&b4).into(), Elem::F32, 2).is_err());
         assert!(c.send(&s, (&b4).into(), Elem::F32, c.rank()).is_err());
         assert!(c.split(Some(u32::MAX), 0).is_err());

@@ -25,6 +25,11 @@ fn nvrtc_or_skip() -> bool {
 #[test]
 fn every_kernel_file_is_embedded() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    if !dir.is_dir() && std::env::var_os("CARGO").is_none() {
+        // a test binary run outside its source tree (a GPU machine without Rust)
+        eprintln!("skipping: {} is not here", dir.display());
+        return;
+    }
     let mut on_disk: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

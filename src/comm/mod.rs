@@ -660,6 +660,14 @@ impl Communicator {
         }
         let n = self.count(&send, elem, "send_recv send length")?;
         let m = self.count(&recv, elem, "send_recv recv length")?;
+        if send.buffer().id() == recv.buffer().id()
+            && send.offset() < recv.offset() + recv.len()
+            && recv.offset() < send.offset() + send.len()
+        {
+            return Err(Error::InvalidArgument(
+                "send_recv: the send and receive views overlap".into(),
+            ));
+        }
         if to == me && n != m {
             return Err(Error::SizeMismatch {
                 src: send.len(),
@@ -943,7 +951,15 @@ pub(crate) fn reduce(elem: Elem, op: ReduceOp, parts: &[&[u8]], world: usize) ->
                 }
             }
             if op == ReduceOp::Avg {
-                acc.iter_mut().for_each(|a| *a /= world as i128);
+                // as NCCL: the sum wraps in the element type, then divides (toward zero)
+                for a in acc.iter_mut() {
+                    let sum = match elem {
+                        Elem::U8 => *a as u8 as i128,
+                        Elem::I32 => *a as i32 as i128,
+                        _ => *a as i64 as i128,
+                    };
+                    *a = sum / world as i128;
+                }
             }
             // integer sums wrap, as in NCCL
             match elem {
@@ -958,6 +974,21 @@ pub(crate) fn reduce(elem: Elem, op: ReduceOp, parts: &[&[u8]], world: usize) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn integer_average_wraps_the_sum_first_as_nccl_does() {
+        assert_eq!(
+            reduce(Elem::U8, ReduceOp::Avg, &[&[200], &[100]], 2),
+            vec![22]
+        );
+        let i = |v: i32| v.to_le_bytes();
+        let got = reduce(Elem::I32, ReduceOp::Avg, &[&i(i32::MAX), &i(3)], 2);
+        assert_eq!(got, i((i32::MAX).wrapping_add(3) / 2).to_vec());
+        assert_eq!(
+            reduce(Elem::I32, ReduceOp::Avg, &[&i(-7), &i(2)], 2),
+            i(-2).to_vec()
+        );
+    }
 
     #[test]
     fn reduce_is_exact_in_rank_order() {

@@ -1,6 +1,6 @@
 //! The NCCL backend: NCCL's C API (types from cudarc's bindings) loaded at run time.
 //!
-//! The library is found as `TIDEMEM_NCCL_LIB` (a path) when set, else as `libnccl.so.2` (NCCL's
+//! The library is `TIDEMEM_NCCL_LIB` (a path) when set, and then only that; else `libnccl.so.2` (NCCL's
 //! soname, the only name the `libnccl2` package and the `nvidia-nccl` wheels ship) or
 //! `libnccl.so` on the loader's search path (`LD_LIBRARY_PATH`). Functions newer NCCL releases
 //! added (`ncclGetLastError`, 2.13; `ncclCommSplit`, 2.18) are optional: without them errors
@@ -37,7 +37,11 @@ pub(crate) struct NcclComm {
     failed: AtomicBool,
 }
 
-type R = sys::ncclResult_t;
+/// `ncclResult_t` as the C ABI returns it: an `int`, since a newer NCCL may return codes a
+/// Rust enum does not hold.
+type R = c_int;
+const SUCCESS: R = 0;
+const IN_PROGRESS: R = 7;
 type Comm = sys::ncclComm_t;
 type Dt = sys::ncclDataType_t;
 type Op = sys::ncclRedOp_t;
@@ -71,28 +75,23 @@ struct Lib {
 
 /// Loads NCCL from the first candidate that opens and resolves every required function.
 fn load() -> std::result::Result<Lib, String> {
-    let mut names: Vec<String> = Vec::new();
     if let Some(p) = std::env::var_os("TIDEMEM_NCCL_LIB") {
-        names.push(p.to_string_lossy().into_owned());
+        // An explicit choice: that library or none.
+        let name = p.to_string_lossy().into_owned();
+        // SAFETY: loading NCCL runs its initializers, which only set up its own state.
+        return match unsafe { libloading::Library::new(&name) } {
+            Ok(lib) => resolve(lib, &name),
+            Err(e) => Err(format!("TIDEMEM_NCCL_LIB={name} cannot be loaded: {e}")),
+        };
     }
-    names.push("libnccl.so.2".into());
+    let mut names: Vec<String> = vec!["libnccl.so.2".into()];
     names.extend(cudarc::get_lib_name_candidates("nccl"));
     let mut tried = Vec::new();
     for name in &names {
         // SAFETY: loading NCCL runs its initializers, which only set up its own state.
-        let lib = match unsafe { libloading::Library::new(name) } {
-            Ok(l) => l,
-            Err(e) => {
-                // the reason matters for an explicit path; for names, that none was found
-                tried.push(
-                    if tried.is_empty() && std::env::var_os("TIDEMEM_NCCL_LIB").is_some() {
-                        format!("{name} ({e})")
-                    } else {
-                        name.clone()
-                    },
-                );
-                continue;
-            }
+        let Ok(lib) = (unsafe { libloading::Library::new(name) }) else {
+            tried.push(name.clone());
+            continue;
         };
         match resolve(lib, name) {
             Ok(l) => return Ok(l),
@@ -162,9 +161,25 @@ pub(crate) fn library_path() -> Result<&'static str> {
     lib().map(|l| l.path.as_str())
 }
 
-fn check(during: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_t>) -> Result<()> {
+/// NCCL's name for a result code.
+fn code_name(r: R) -> String {
+    let name = match r {
+        0 => "ncclSuccess",
+        1 => "ncclUnhandledCudaError",
+        2 => "ncclSystemError",
+        3 => "ncclInternalError",
+        4 => "ncclInvalidArgument",
+        5 => "ncclInvalidUsage",
+        6 => "ncclRemoteError",
+        7 => "ncclInProgress",
+        _ => return format!("ncclResult {r}"),
+    };
+    name.to_string()
+}
+
+fn check(during: &'static str, r: R, comm: Option<sys::ncclComm_t>) -> Result<()> {
     match r {
-        sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => Ok(()),
+        SUCCESS | IN_PROGRESS => Ok(()),
         _ => {
             // SAFETY: NCCL returns static NUL-terminated strings (or null).
             let text = |p: *const std::ffi::c_char| {
@@ -188,8 +203,8 @@ fn check(during: &'static str, r: sys::ncclResult_t, comm: Option<sys::ncclComm_
             };
             Err(Error::Nccl {
                 during,
-                code: r as i32,
-                code_name: format!("{r:?}"),
+                code: r,
+                code_name: code_name(r),
                 message,
             })
         }
@@ -484,16 +499,23 @@ impl NcclComm {
             // post both before waiting on either. Every started group is ended.
             unsafe {
                 let r = (l.group_start)();
-                if r != sys::ncclResult_t::ncclSuccess {
+                if r != SUCCESS {
                     return r;
                 }
-                let a = (l.send)(p[0] as *const c_void, n, dtype(elem), to as c_int, c, s);
-                let b = (l.recv)(p[1] as *mut c_void, m, dtype(elem), from as c_int, c, s);
+                // An empty side is left out on every rank alike (the two ends of a message
+                // have equal counts), as `send` and `recv` leave out empty messages.
+                let a = if n > 0 {
+                    (l.send)(p[0] as *const c_void, n, dtype(elem), to as c_int, c, s)
+                } else {
+                    SUCCESS
+                };
+                let b = if m > 0 {
+                    (l.recv)(p[1] as *mut c_void, m, dtype(elem), from as c_int, c, s)
+                } else {
+                    SUCCESS
+                };
                 let e = (l.group_end)();
-                [a, b, e]
-                    .into_iter()
-                    .find(|r| *r != sys::ncclResult_t::ncclSuccess)
-                    .unwrap_or(e)
+                [a, b, e].into_iter().find(|&r| r != SUCCESS).unwrap_or(e)
             }
         })
     }
@@ -527,12 +549,22 @@ impl NcclComm {
         let mut out: sys::ncclComm_t = std::ptr::null_mut();
         // SAFETY: a live communicator and a valid out-pointer; a null config means defaults.
         let r = unsafe { split(raw.0, c, key, &mut out, std::ptr::null_mut()) };
-        check("ncclCommSplit", r, Some(raw.0))?;
+        if let Err(e) = check("ncclCommSplit", r, Some(raw.0)) {
+            self.failed.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
         if out.is_null() {
             return Ok(None);
         }
-        let mut rank = 0i32;
-        let mut world = 0i32;
+        // Owned from here: a failure below aborts it on drop.
+        let mut sub = NcclComm {
+            raw: Mutex::new(Raw(out)),
+            rank: 0,
+            world: 0,
+            failed: AtomicBool::new(true),
+        };
+        let mut rank: c_int = 0;
+        let mut world: c_int = 0;
         // SAFETY: `out` is a live communicator; valid out-pointers.
         unsafe {
             check(
@@ -542,12 +574,10 @@ impl NcclComm {
             )?;
             check("ncclCommCount", (l.comm_count)(out, &mut world), Some(out))?;
         }
-        Ok(Some(NcclComm {
-            raw: Mutex::new(Raw(out)),
-            rank: rank as usize,
-            world: world as usize,
-            failed: AtomicBool::new(false),
-        }))
+        sub.rank = rank as usize;
+        sub.world = world as usize;
+        *sub.failed.get_mut() = false;
+        Ok(Some(sub))
     }
 }
 

@@ -149,8 +149,12 @@ pub fn exchange_id(env: &LaunchEnv, id: Option<[u8; 128]>, timeout: Duration) ->
         match env.addrs() {
             Ok(addrs) => {
                 for addr in addrs {
+                    // a failed exchange (rank 0 busy or restarting) is retried like a refusal
                     match TcpStream::connect_timeout(&addr, Duration::from_millis(500)) {
-                        Ok(s) => return fetch(env, s, deadline),
+                        Ok(s) => match fetch(env, s, deadline) {
+                            Ok(id) => return Ok(id),
+                            Err(e) => last = format!("{addr}: {e}"),
+                        },
                         Err(e) => last = format!("{addr}: {e}"),
                     }
                 }
@@ -228,13 +232,16 @@ fn serve(env: &LaunchEnv, id: [u8; 128], deadline: Instant) -> Result<()> {
                 }
                 let rank = u32::from_le_bytes(hello[8..12].try_into().expect("4 bytes")) as usize;
                 let world = u32::from_le_bytes(hello[12..16].try_into().expect("4 bytes")) as usize;
-                if world != env.world_size || rank == 0 || rank >= world {
-                    // another job's rank, or a misconfigured one: named if ours never come
+                if world != env.world_size || rank == 0 || rank >= world || seen[rank] {
+                    // another job's rank, a misconfigured one, or a second process with a
+                    // rank already served: named if ours never come
                     strangers.push((rank, world));
                     continue;
                 }
-                s.write_all(&id).map_err(io("sending the id"))?;
-                seen[rank] = true;
+                // a client that hangs up before reading is not served; it retries
+                if s.write_all(&id).is_ok() {
+                    seen[rank] = true;
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 std::thread::sleep(Duration::from_millis(5));

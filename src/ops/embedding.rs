@@ -4,8 +4,9 @@
 //! A table is f32 rows of `stride` floats: the first `dim` are the embedding, the rest the row's
 //! optimizer state. Sums run from 0.0 in index order as separate multiply and add (no fused
 //! multiply-add), the order the CUDA kernels keep with `__fmul_rn`/`__fadd_rn`, so both give
-//! the same bits. Index values out of range are skipped by every function and kernel (the
-//! device cannot report them); the cache checks ids before they reach a device.
+//! the same bits (NaN results excepted: a GPU writes the canonical NaN where the CPU may keep
+//! an input NaN's payload). Index values out of range are skipped by every function and kernel
+//! (the device cannot report them); the cache checks ids before they reach a device.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};

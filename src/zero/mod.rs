@@ -142,6 +142,7 @@ pub struct ZeroStats {
 ///         .map(|c| {
 ///             s.spawn(move || -> tidemem::Result<(bool, f32)> {
 ///                 let mut z = ZeroManager::new(c, ManagerConfig::new(64, Policy::Tide))?;
+///                 z.set_prefetch(1)?; // gather the next group ahead once warm
 ///                 let a = z.register("a", &[64], Init::Constant(1.0))?; // group 0: rank 0
 ///                 let b = z.register("b", &[64], Init::Constant(2.0))?; // group 1: rank 1
 ///                 let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;

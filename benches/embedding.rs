@@ -24,11 +24,12 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 
+#[path = "common/kaggle.rs"]
+mod kaggle;
 #[path = "common/mean.rs"]
 mod mean;
 use mean::Mean;
 use tidemem::device::{Device, LinkModel, SimConfig};
-use tidemem::embedding::data::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::embedding::{
     bincount, replay, CacheConfig, CacheIndex, CachedEmbeddingBag, EmbeddingOptimizer,
     OptimalTrace, Policy, ReplayConfig,
@@ -38,24 +39,6 @@ use tidemem::ops::embedding::{plan_backward, BagMode};
 const BATCH: usize = 2048;
 const BATCHES: u64 = 40;
 const RATIO: f64 = 0.015;
-
-fn trace() -> (usize, Vec<Vec<u32>>) {
-    let gen = Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(0.1))
-        .expect("synthetic data");
-    let offsets = gen.table_offsets();
-    let rows = *offsets.last().expect("offsets") as usize;
-    let trace = (0..BATCHES)
-        .map(|i| {
-            let b = gen.batch(i, BATCH);
-            let mut ids = Vec::with_capacity(b.size * b.ids.len());
-            for (t, col) in b.ids.iter().enumerate() {
-                ids.extend(col.iter().map(|&id| (offsets[t] + id as u64) as u32));
-            }
-            ids
-        })
-        .collect();
-    (rows, trace)
-}
 
 /// The straightforward cache a first version would write: `HashMap` id → slot, a `HashSet` per
 /// batch, victims the rarest cached ids not in the batch (the frequency policy's choice).
@@ -109,7 +92,7 @@ impl HashMapRemap {
 }
 
 fn bench(c: &mut Criterion) {
-    let (rows, trace) = trace();
+    let (rows, trace) = kaggle::trace(0.1, BATCH, BATCHES);
     let counts = bincount(rows, trace.iter().map(|b| b.as_slice())).expect("counts");
     let capacity = (rows as f64 * RATIO).ceil() as usize;
     let ids: usize = trace.iter().map(|b| b.len()).sum();
@@ -220,19 +203,7 @@ fn hashmap_plan(slots: &[u32]) -> (Vec<u32>, Vec<u32>) {
 }
 
 fn host_batch(c: &mut Criterion) {
-    let gen = Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle)).expect("synthetic data");
-    let offsets = gen.table_offsets();
-    let rows = *offsets.last().expect("offsets") as usize;
-    let trace: Vec<Vec<u32>> = (0..HOST_BATCHES)
-        .map(|i| {
-            let b = gen.batch(i, HOST_BATCH);
-            let mut ids = Vec::with_capacity(b.size * b.ids.len());
-            for (t, col) in b.ids.iter().enumerate() {
-                ids.extend(col.iter().map(|&id| (offsets[t] + id as u64) as u32));
-            }
-            ids
-        })
-        .collect();
+    let (rows, trace) = kaggle::trace(1.0, HOST_BATCH, HOST_BATCHES);
     let counts = bincount(rows, trace.iter().map(|b| b.as_slice())).expect("counts");
     let capacity = rows / 100;
     let mut ix = CacheIndex::new(rows, capacity, Policy::Frequency).expect("index");

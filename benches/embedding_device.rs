@@ -18,10 +18,11 @@ use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use tidemem::device::{Device, DeviceBuffer, HostBuffer, SimConfig, Stream};
-use tidemem::embedding::data::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::embedding::{bincount, CacheConfig, CachedEmbeddingBag, EmbeddingOptimizer};
 use tidemem::ops::embedding::{plan_backward, BagMode, RowOptimizer};
 
+#[path = "common/kaggle.rs"]
+mod kaggle;
 #[path = "common/mean.rs"]
 mod mean;
 use mean::Mean;
@@ -60,25 +61,6 @@ fn setup() -> Setup {
             }
         }
     }
-}
-
-/// Global ids (tables concatenated) of `BATCHES` batches, and the total rows.
-fn trace(scale: f64, batch: usize) -> (usize, Vec<Vec<u32>>) {
-    let gen = Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(scale))
-        .expect("synthetic data");
-    let offsets = gen.table_offsets();
-    let rows = *offsets.last().expect("offsets") as usize;
-    let batches = (0..BATCHES as u64)
-        .map(|i| {
-            let b = gen.batch(i, batch);
-            let mut ids = Vec::with_capacity(b.size * b.ids.len());
-            for (t, col) in b.ids.iter().enumerate() {
-                ids.extend(col.iter().map(|&id| (offsets[t] + id as u64) as u32));
-            }
-            ids
-        })
-        .collect();
-    (rows, batches)
 }
 
 /// A device buffer of at least `bytes`, reused across batches.
@@ -247,7 +229,7 @@ fn bench(c: &mut Criterion) {
         label,
     } = setup();
     let t = Instant::now();
-    let (rows, batches) = trace(scale, batch);
+    let (rows, batches) = kaggle::trace(scale, batch, BATCHES as u64);
     let bags = batches[0].len();
     let mut cached = Cached::new(&dev, rows, bags, &batches);
     let mut resident = Resident::new(&dev, rows, bags);

@@ -103,20 +103,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         config = config.with_drift(d);
     }
     let gen = Synthetic::new(config)?;
-    let offsets = gen.table_offsets();
-    let rows = *offsets.last().expect("offsets") as usize;
+    let rows = *gen.table_offsets().last().expect("offsets") as usize;
 
     let t = Instant::now();
     let trace: Vec<Vec<u32>> = (0..args.batches as u64)
-        .map(|i| {
-            let b = gen.batch(i, args.batch);
-            let mut ids = Vec::with_capacity(b.size * b.ids.len());
-            for (t, col) in b.ids.iter().enumerate() {
-                ids.extend(col.iter().map(|&id| (offsets[t] + id as u64) as u32));
-            }
-            ids
-        })
-        .collect();
+        .map(|i| gen.concat_ids(&gen.batch(i, args.batch)))
+        .collect::<tidemem::Result<_>>()?;
     let generate_seconds = t.elapsed().as_secs_f64();
     let count_batches = args.count_batches.unwrap_or(trace.len()).min(trace.len());
     let counts = bincount(rows, trace[..count_batches].iter().map(|b| b.as_slice()))?;

@@ -660,10 +660,7 @@ impl Communicator {
         }
         let n = self.count(&send, elem, "send_recv send length")?;
         let m = self.count(&recv, elem, "send_recv recv length")?;
-        if send.buffer().id() == recv.buffer().id()
-            && send.offset() < recv.offset() + recv.len()
-            && recv.offset() < send.offset() + send.len()
-        {
+        if overlap(&send, &recv) {
             return Err(Error::InvalidArgument(
                 "send_recv: the send and receive views overlap".into(),
             ));
@@ -839,14 +836,18 @@ pub fn launch<R: Send>(
     })
 }
 
+/// Whether two views share bytes of one buffer.
+fn overlap(a: &DeviceView<'_>, b: &DeviceView<'_>) -> bool {
+    a.buffer().id() == b.buffer().id()
+        && a.offset() < b.offset() + b.len()
+        && b.offset() < a.offset() + a.len()
+}
+
 /// NCCL runs a call in place only when the smaller view `part` sits exactly at byte `at` of the
 /// buffer of `whole`; any other overlap of the two would silently corrupt data there, so it is
 /// an error on every backend.
 fn in_place(call: &str, part: &DeviceView<'_>, whole: &DeviceView<'_>, at: usize) -> Result<()> {
-    let same = part.buffer().id() == whole.buffer().id();
-    let overlap =
-        part.offset() < whole.offset() + whole.len() && whole.offset() < part.offset() + part.len();
-    if same && overlap && part.offset() != at {
+    if overlap(part, whole) && part.offset() != at {
         return Err(Error::InvalidArgument(format!(
             "{call}: the views overlap but not in NCCL's in-place layout (the input at byte {at} \
              of its buffer, found at {})",

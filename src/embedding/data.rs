@@ -442,6 +442,25 @@ impl Synthetic {
         offsets
     }
 
+    /// The ids of `batch` in one id space over all tables, table-major (every sample of table
+    /// 0, then of table 1, ...): id `i` of table `t` becomes `table_offsets()[t] + i`, as a
+    /// cache over the concatenated tables takes them. Fails when the tables hold more rows than
+    /// a `u32` numbers.
+    pub fn concat_ids(&self, batch: &Batch) -> Result<Vec<u32>> {
+        let offsets = self.table_offsets();
+        let rows = *offsets.last().expect("at least the leading 0");
+        if rows > u32::MAX as u64 {
+            return Err(Error::InvalidArgument(format!(
+                "{rows} rows over all tables do not fit 32-bit ids"
+            )));
+        }
+        let mut ids = Vec::with_capacity(batch.size * batch.ids.len());
+        for (col, &o) in batch.ids.iter().zip(&offsets) {
+            ids.extend(col.iter().map(|&id| (o + id as u64) as u32));
+        }
+        Ok(ids)
+    }
+
     /// The drift day of batch `index`: `index / batches_per_day`, or 0 without drift.
     pub fn day(&self, index: u64) -> u64 {
         match self.config.drift {
@@ -1253,6 +1272,23 @@ mod tests {
         assert_eq!(rank_offset(4, 0.1, 3), 1); // floor(1.2)
         assert!(rank_offset(u64::MAX, 0.999, 48_937_457) < 48_937_457);
         assert_eq!(rank_offset(7, 0.5, 1), 0);
+    }
+
+    #[test]
+    fn concat_ids_offsets_each_table() {
+        let g =
+            Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(0.001)).unwrap();
+        let b = g.batch(3, 5);
+        let ids = g.concat_ids(&b).unwrap();
+        let offsets = g.table_offsets();
+        assert_eq!(ids.len(), 5 * g.num_tables());
+        for (t, col) in b.ids.iter().enumerate() {
+            for (s, &id) in col.iter().enumerate() {
+                let got = ids[t * 5 + s] as u64;
+                assert_eq!(got, offsets[t] + id as u64);
+                assert!(got < offsets[t + 1]);
+            }
+        }
     }
 
     #[test]

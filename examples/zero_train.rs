@@ -54,7 +54,8 @@ struct Args {
     /// Memory of each simulated device.
     #[arg(long, default_value = "64MiB")]
     device_mem: String,
-    /// Communication groups gathered ahead of their use in forward (0: on demand only).
+    /// Communication groups gathered ahead of their use in forward and backward (0: on demand
+    /// only).
     #[arg(long, default_value_t = 1)]
     prefetch: usize,
     /// Print JSON.

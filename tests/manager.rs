@@ -374,6 +374,33 @@ fn copy_param_into_reads_without_a_use() {
         m.copy_param_into(a, dst.view(0, 2).unwrap()),
         Err(Error::SizeMismatch { .. })
     ));
+
+    // from the host copy, on a slow link, after the chunk left the device; the host copy is
+    // back in place for the next load
+    let dev = common::slow_sim(512 + 512 + 400 + 64);
+    let mut cfg = ManagerConfig::new(256, Policy::Tide);
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 1.0;
+    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+    let a = m.register("a", &[200], Init::Constant(0.75)).unwrap();
+    let b = m.register("b", &[200], Init::Constant(-2.0)).unwrap();
+    let c = m.register("c", &[200], Init::Constant(3.0)).unwrap();
+    let dst = dev.alloc(200 * 2).unwrap();
+    for id in [a, b, c] {
+        m.fetch(&[id], Stage::Forward).unwrap();
+        m.release(&[id], Stage::Forward).unwrap();
+    }
+    assert_eq!(m.device_buffer_id(0, ChunkKind::Param), None, "a left");
+    let loads = m.stats().loads;
+    m.copy_param_into(a, dst.view(0, dst.len()).unwrap())
+        .unwrap();
+    let bytes = dev.download(m.compute_stream(), &dst).unwrap();
+    assert!(bytemuck::cast_slice::<u8, half::f16>(&bytes)
+        .iter()
+        .all(|x| x.to_f32() == 0.75));
+    assert_eq!(m.stats().loads, loads, "no move");
+    m.fetch(&[a], Stage::Forward).unwrap();
+    assert_eq!(m.read(a).unwrap(), vec![0.75; 200]);
 }
 
 /// A move the scheduler ordered that fails (here: the device is full of memory the manager

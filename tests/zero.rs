@@ -221,10 +221,11 @@ fn a_small_device_changes_nothing() {
     }
 }
 
-/// Gathering ahead in forward changes when groups are gathered, not what: the same bits, the
-/// same collective volume, on large and small devices; and it does happen after warm-up.
+/// Gathering ahead in forward and backward changes when groups are gathered, not what: the
+/// same bits, the same collective volume, on large and small devices; and it does happen after
+/// warm-up, in both stages.
 #[test]
-fn forward_prefetch_changes_no_bit() {
+fn prefetch_changes_no_bit() {
     for (world, capacity) in [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 16_000)] {
         let plain = zero(&UNTIED, DType::F16, world, capacity, 4);
         for depth in [1, 3] {
@@ -235,11 +236,18 @@ fn forward_prefetch_changes_no_bit() {
                 assert_eq!(sa.gathered_bytes, sb.gathered_bytes);
                 assert_eq!(sa.scattered_bytes, sb.scattered_bytes);
                 assert_eq!(sa.prefetched, 0);
-                // 3 steady forwards of ceil(8 / N) groups; the first of each is on demand
-                let per_forward = (UNTIED.layers.div_ceil(world) - 1) as u64;
+                // 3 steady forwards and backwards of ceil(8 / N) groups; the first of each
+                // stage is on demand
+                let per_stage = (UNTIED.layers.div_ceil(world) - 1) as u64;
                 assert_eq!(
                     sb.prefetched,
-                    3 * per_forward,
+                    3 * 2 * per_stage,
+                    "world {world}, depth {depth}"
+                );
+                // the rank's own chunks moved as without prefetch where the reserve of gather
+                // buffers leaves the chunk budget alone (on the small device it takes room)
+                assert!(
+                    capacity < 1 << 20 || a.zero.local().stats() == b.zero.local().stats(),
                     "world {world}, depth {depth}"
                 );
             }
@@ -265,6 +273,76 @@ fn forward_prefetch_changes_no_bit() {
         );
         assert!(b.zero.stats().prefetched > 0);
     }
+}
+
+/// One tensor per chunk group on 2 ranks (3 communication groups), trained with backward
+/// orders that leave the recorded one: groups used out of order, and a group gathered ahead
+/// that backward never uses. Returns every rank's owned masters and stats.
+fn off_order_backward(depth: usize) -> Vec<(Vec<Vec<f32>>, u64, u64)> {
+    // backward orders of communication groups per step: warm-up, steady, then off order
+    let orders: [&[usize]; 5] = [&[2, 1, 0], &[2, 1, 0], &[2, 0, 1], &[2, 0], &[2, 1, 0]];
+    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let r = c.rank();
+                    let mut z = ZeroManager::new(c, ManagerConfig::new(64, Policy::Tide)).unwrap();
+                    z.set_prefetch(depth).unwrap();
+                    let ids: Vec<TensorId> = (0..6)
+                        .map(|t| {
+                            z.register(&format!("t{t}"), &[64], Init::Constant(t as f32))
+                                .unwrap()
+                        })
+                        .collect();
+                    let mut opt =
+                        HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
+                    for (step, order) in orders.iter().enumerate() {
+                        for &id in &ids {
+                            z.fetch(&[id], Stage::Forward).unwrap();
+                            z.release(&[id], Stage::Forward).unwrap();
+                        }
+                        z.end_forward().unwrap();
+                        for &j in order.iter() {
+                            // a communication group's two tensors, the second one first
+                            for &id in [ids[2 * j + 1], ids[2 * j]].iter() {
+                                z.fetch(&[id], Stage::Backward).unwrap();
+                                let g = (step * 7 + id.0 as usize * 3 + r) as f32 * 0.01;
+                                z.write_grad(id, &[g; 64]).unwrap();
+                                z.release(&[id], Stage::Backward).unwrap();
+                            }
+                        }
+                        z.end_backward().unwrap();
+                        z.step(&mut opt).unwrap();
+                    }
+                    let mine: Vec<TensorId> = ids.into_iter().filter(|&id| z.owns(id)).collect();
+                    let owned = mine.iter().map(|&id| z.master(id).unwrap()).collect();
+                    (owned, z.stats().reduce_scatters, z.stats().prefetched)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A backward that leaves the recorded order gets the same bits and the same reduce-scatters
+/// as on-demand gathers: groups gathered ahead are used late or freed unused at the end of
+/// backward, on every rank alike.
+#[test]
+fn backward_off_the_recorded_order_changes_no_bit() {
+    let plain = off_order_backward(0);
+    let ahead = off_order_backward(1);
+    for (a, b) in plain.iter().zip(&ahead) {
+        assert_eq!(a.0, b.0);
+        assert_eq!(a.1, b.1, "reduce-scatters");
+        assert_eq!(a.2, 0);
+    }
+    // steps 1-4 prefetch in forward (2 each); backward: step 1 two, step 2 one (then off
+    // order), step 3 one (never used), step 4 two
+    assert_eq!(ahead[0].2, 4 * 2 + 2 + 1 + 1 + 2);
+    assert_eq!(ahead[0].2, ahead[1].2);
 }
 
 /// Reading a parameter whose group was gathered ahead, on one rank only (say, for logging),

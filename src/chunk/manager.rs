@@ -929,8 +929,9 @@ impl ChunkManager {
 
     /// Copies the parameter of `id` (in the parameter dtype) into `dst` on the compute stream,
     /// from the device copy of its chunk when there is one, else from the host copy, without a
-    /// use: no state changes and no moves. For a second gather of a shared parameter whose
-    /// forward use is already counted.
+    /// use: no state changes and no moves. The copy may still be in flight on return; work on
+    /// the compute stream is ordered after it. For gathers whose use is counted elsewhere (a
+    /// shared parameter's second forward gather, a gather made ahead in backward).
     pub fn copy_param_into(&mut self, id: TensorId, dst: DeviceView<'_>) -> Result<()> {
         self.usable()?;
         let t = self.meta(id)?;
@@ -956,6 +957,22 @@ impl ChunkManager {
                     .device
                     .copy_d2d(&self.compute, buf.view(off, len)?, dst);
             }
+            // no device copy: the host copy is current; the copy reads it in flight
+            self.host_ready(c)?;
+            let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
+                unreachable!("host_ready leaves the slot ready")
+            };
+            return match self.device.copy_h2d_part(&self.compute, h, off, dst) {
+                Ok(pending) => {
+                    self.payload[c].host = HostSlot::InFlight(pending);
+                    Ok(())
+                }
+                Err(e) => {
+                    // the host copy went with the failed copy: nothing is left to serve
+                    self.broken = Some(format!("a parameter copy out of chunk {c} failed: {e}"));
+                    Err(e)
+                }
+            };
         }
         let bytes = encode(&self.read(id)?, self.cfg.param_dtype);
         let h = HostBuffer::from_slice(&bytes)?;

@@ -26,19 +26,22 @@
 //!   owned chunk (fetched through the rank's manager) into this rank's slot and all-gathers the
 //!   group. Fetches return views into it. Gather buffers come from the pool the tide tracer
 //!   watches, so the scheduler's budget at every moment leaves room for them.
-//! - **Prefetch in forward** (opt-in, [`ZeroManager::set_prefetch`]). The warm-up iteration
-//!   records the order in which forward first uses communication groups. Afterwards, each use
+//! - **Prefetch** (opt-in, [`ZeroManager::set_prefetch`]). The warm-up iteration records the
+//!   order in which forward and backward first use communication groups. Afterwards, each use
 //!   of the group the record expects next starts the gathers of the following `depth` groups:
 //!   the owned chunk is copied into the buffer on the compute stream and the all-gather runs on
 //!   a separate communication stream, overlapping the compute of the current group (with NCCL;
 //!   the in-process backend gathers on the host either way). The first fetch of a prefetched
-//!   group orders the compute stream after its all-gather through an event. If a forward leaves
-//!   the recorded order, prefetching stops until the next iteration; every rank makes the same
+//!   group orders the compute stream after its all-gather through an event. If a stage leaves
+//!   the recorded order, prefetching stops until the next stage; every rank makes the same
 //!   decision, since every rank runs the same code. During warm-up the pool holds a reserve of
 //!   `depth` gather buffers, so the tide the scheduler plans with has room for the prefetched
-//!   buffers. Backward gathers stay on demand: a backward gather holds the owned chunk fetched
-//!   until its gradient arrives, and gathering early would hold two chunks where the tide
-//!   planned one.
+//!   buffers. A forward gather made ahead fetches the owned chunk then, as an on-demand one
+//!   does. A backward gather made ahead copies the owned chunk's parameters without a use
+//!   ([`ChunkManager::copy_param_into`]); the chunk is fetched and held for its gradients at
+//!   the group's first backward use, the moment the warm-up recorded, so the rank's manager
+//!   never holds more chunks than its tide planned for. A group gathered ahead that its stage
+//!   never uses is freed at the end of the stage, without a collective.
 //! - **Free after the stage.** In forward, when every tensor of the communication group has
 //!   finished its forward use (HOLD_AFTER_FWD), the buffer is freed; a later forward use (a
 //!   shared parameter) gathers again. The end of forward frees what is left.
@@ -46,8 +49,8 @@
 //!   has had its last backward use (HOLD_AFTER_BWD), the gradients written into the buffer are
 //!   reduce-scattered with [`ReduceOp::Avg`] (each rank's gradient is the mean over its share of
 //!   the global batch, so the average is the gradient of the global batch) and the owner copies
-//!   its slot's gradients into its chunk. The owned chunk stays fetched from the backward gather
-//!   to this point.
+//!   its slot's gradients into its chunk. The owned chunk stays fetched from the group's first
+//!   backward use to this point.
 //! - **Step.** [`ZeroManager::step`] runs HybridAdam on the owned chunks with the gradient
 //!   statistics all-reduced: sums of squares summed, the overflow flag by MAX, so every rank
 //!   clips by the global norm and skips together.
@@ -93,12 +96,13 @@ struct Gather {
     used: bool,
 }
 
-/// Forward prefetch of gathers: the recorded order of first uses and where this forward is.
+/// Prefetch of gathers: the recorded order of first uses and where this stage is in it.
 #[derive(Default)]
 struct Prefetch {
     depth: usize,
-    /// Communication groups in the order forward first used them during warm-up.
-    order: Vec<usize>,
+    /// Communication groups in the order forward (0) and backward (1) first used them during
+    /// warm-up.
+    order: [Vec<usize>; 2],
     recording: bool,
     cursor: usize,
     on_order: bool,
@@ -117,7 +121,8 @@ pub struct ZeroStats {
     pub gathered_bytes: u64,
     /// Bytes of gather buffers reduce-scattered.
     pub scattered_bytes: u64,
-    /// Gathers started ahead of their first use (included in `gathers`).
+    /// Gathers started ahead of their first use, in forward and backward (included in
+    /// `gathers`).
     pub prefetched: u64,
 }
 
@@ -222,8 +227,8 @@ impl ZeroManager {
         })
     }
 
-    /// Gathers up to `depth` communication groups ahead of their first use in forward, in the
-    /// order the warm-up iteration recorded (0, the default, gathers on demand only). Set it
+    /// Gathers up to `depth` communication groups ahead of their first use in forward and in
+    /// backward, in the order the warm-up iteration recorded (0, the default, gathers on demand only). Set it
     /// before the first fetch, to the same value on every rank.
     pub fn set_prefetch(&mut self, depth: usize) -> Result<()> {
         if self.closed {
@@ -421,9 +426,11 @@ impl ZeroManager {
         let dev = self.comm.device().clone();
         let mine = buf.view(r * slot, slot)?;
         dev.memset(&self.stream, mine, 0)?;
-        if stage == Stage::Forward && already_fwd {
-            // a second forward gather (a shared parameter): the chunk was fetched once this
-            // forward; its values are unchanged, copy them without a second use
+        if (stage == Stage::Forward && already_fwd) || (stage == Stage::Backward && ahead) {
+            // A second forward gather (a shared parameter): the chunk was fetched once this
+            // forward; its values are unchanged, copy them without a second use. A backward
+            // gather made ahead: copy the values without a use too; the owned chunk is fetched
+            // and held for its gradients at the group's first use, where the tide has it.
             for &(t, id) in &owned {
                 let zt = &self.tensors[t as usize];
                 let (off, len) = (zt.slot.offset * es, zt.slot.numel * es);
@@ -490,27 +497,42 @@ impl ZeroManager {
         }
     }
 
-    /// A forward use of group `j`: recorded during warm-up; afterwards, if it is the use the
-    /// record expects, the next `depth` groups of the record are gathered ahead.
-    fn forward_use(&mut self, j: usize) -> Result<()> {
+    /// The first use of group `j` in `stage`: recorded during warm-up; afterwards, if it is the
+    /// use the record expects, the next `depth` groups of the record are gathered ahead.
+    fn first_use(&mut self, j: usize, stage: Stage) -> Result<()> {
         let p = &mut self.prefetch;
         if p.depth == 0 {
             return Ok(());
         }
+        let order = &mut p.order[usize::from(stage == Stage::Backward)];
         if p.recording {
-            p.order.push(j);
+            order.push(j);
             return Ok(());
         }
-        if !p.on_order || p.order.get(p.cursor) != Some(&j) {
+        if !p.on_order || order.get(p.cursor) != Some(&j) {
             p.on_order = false;
             return Ok(());
         }
         p.cursor += 1;
-        let next: Vec<usize> = p.order[p.cursor..(p.cursor + p.depth).min(p.order.len())].to_vec();
+        let next: Vec<usize> = order[p.cursor..(p.cursor + p.depth).min(order.len())].to_vec();
         for k in next {
             if self.gathers[k].is_none() {
-                self.gather(k, Stage::Forward, true)?;
+                self.gather(k, stage, true)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Fetches and holds this rank's owned chunk of group `j` for its gradients, if a gather
+    /// made ahead in backward did not.
+    fn hold_owned(&mut self, j: usize) -> Result<()> {
+        if self.gathers[j].as_ref().is_none_or(|g| g.held) {
+            return Ok(());
+        }
+        let ids: Vec<TensorId> = self.owned_local(j).iter().map(|&(_, id)| id).collect();
+        if !ids.is_empty() {
+            drop(self.local.fetch(&ids, Stage::Backward)?);
+            self.gathers[j].as_mut().expect("gathered").held = true;
         }
         Ok(())
     }
@@ -628,7 +650,7 @@ impl ZeroManager {
             let p = &mut self.prefetch;
             p.recording = p.depth > 0 && !self.local.is_steady();
             if p.recording {
-                p.order.clear();
+                p.order.iter_mut().for_each(Vec::clear);
             }
             p.cursor = 0;
             p.on_order = true;
@@ -646,8 +668,11 @@ impl ZeroManager {
             if let Some(ev) = self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
                 self.comm.device().wait_event(&self.stream, &ev)?;
             }
-            if first_use && stage == Stage::Forward {
-                self.forward_use(j)?;
+            if first_use {
+                if stage == Stage::Backward {
+                    self.hold_owned(j)?;
+                }
+                self.first_use(j, stage)?;
             }
         }
         self.stage = Some(stage);
@@ -840,6 +865,8 @@ impl ZeroManager {
         }
         self.local.end_forward()?;
         self.stage = Some(Stage::Backward);
+        self.prefetch.cursor = 0;
+        self.prefetch.on_order = true;
         Ok(())
     }
 
@@ -862,8 +889,11 @@ impl ZeroManager {
             )));
         }
         for j in 0..self.gathers.len() {
-            if self.gathers[j].is_some() {
-                self.reduce_scatter(j)?;
+            match &self.gathers[j] {
+                // gathered ahead but not used: no rank has gradients for it
+                Some(g) if !g.used => drop(self.take_gather(j)?),
+                Some(_) => self.reduce_scatter(j)?,
+                None => {}
             }
         }
         self.local.end_backward()?;

@@ -5,14 +5,19 @@
 //! # Memory per row
 //! Two 32-bit maps over the table's `N` rows, **8 bytes per row**: `id → host row` (the frequency
 //! permutation) and `host row → slot`. Per cached slot: `slot → host row` (4 B), an eviction key
-//! (8 B), a batch stamp (4 B), a use count (4 B) and a dirty flag (1 B), 21 bytes per slot. For
-//! Criteo 1TB (177.9M rows, 1% cached) that is 1.46 GB against 2.85 GB for two 64-bit maps.
+//! (8 B), a use count (4 B), a dirty flag (1 B) and a bit marking the slots a decision uses, 17
+//! bytes and a bit per slot. For Criteo 1TB (177.9M rows, 1% cached) that is 1.45 GB against
+//! 2.85 GB for two 64-bit maps. The ids and rows of the last few prefetched batches are kept
+//! too (8 bytes per id, see [`CacheIndex::prefetch`]).
 
-use super::policy::{key, Policy};
+use super::policy::{key, row_of_key, Policy};
 use crate::error::{Error, Result};
 
 /// Marks an empty slot or an uncached row.
 pub const NONE: u32 = u32::MAX;
+
+/// Batches of recent prefetches whose rows the index keeps for their prepares, at least.
+const PREFETCHED_BATCHES: usize = 4;
 
 /// What preparing one batch decided. Moves must run in order: write back, then admit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -71,15 +76,18 @@ pub struct CacheIndex {
     row_to_slot: Vec<u32>,
     slot_to_row: Vec<u32>,
     keys: Vec<u64>,
-    stamp: Vec<u32>,
+    /// One bit per slot: the slot is used by (or kept for) the decision being made.
+    used: Vec<u64>,
     count: Vec<u32>,
     dirty: Vec<bool>,
     /// Free slots, lowest on top.
     free: Vec<u32>,
-    epoch: u32,
     tick: u32,
     policy: Policy,
     stats: IndexStats,
+    /// Ids and host rows of the batches of the last [`CacheIndex::prefetch`]: preparing one of
+    /// them reuses its rows instead of looking every id up again.
+    prefetched: Vec<(Vec<u32>, Vec<u32>)>,
 }
 
 impl CacheIndex {
@@ -103,14 +111,14 @@ impl CacheIndex {
             row_to_slot: vec![NONE; rows],
             slot_to_row: vec![NONE; capacity],
             keys: vec![0; capacity],
-            stamp: vec![0; capacity],
+            used: vec![0; capacity.div_ceil(64)],
             count: vec![0; capacity],
             dirty: vec![false; capacity],
             free: (0..capacity as u32).rev().collect(),
-            epoch: 0,
             tick: 0,
             policy,
             stats: IndexStats::default(),
+            prefetched: Vec::new(),
         })
     }
 
@@ -198,6 +206,7 @@ impl CacheIndex {
                 self.cached()
             )));
         }
+        self.prefetched.clear();
         let mut order: Vec<u32> = (0..self.rows() as u32).collect();
         order.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
         for (row, &id) in order.iter().enumerate() {
@@ -224,19 +233,37 @@ impl CacheIndex {
     /// Decides one batch: maps ids to slots, evicting and admitting as needed. Fails, changing
     /// nothing, on an id out of range or a batch with more distinct rows than slots.
     pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
-        let (rows, slots) = self.lookup(ids, 0)?;
-        self.decide(&rows, &slots, &[], false)
+        // a batch the last prefetch looked up: its rows are known (the ids were checked then)
+        let known = self
+            .prefetched
+            .iter()
+            .position(|(p, _)| p.as_slice() == ids)
+            .map(|k| self.prefetched.swap_remove(k).1);
+        let (rows, slots) = self.lookup(ids, 0, known)?;
+        self.decide(&rows, slots, &[], false)
     }
 
-    /// Checks every id and maps it to its host row and current slot (or [`NONE`]). Large
-    /// batches are split over threads: the maps are read-only here, and their random reads
-    /// are most of a decision's time. An error names the first bad id, at `base` + its
-    /// position.
-    fn lookup(&self, ids: &[u32], base: usize) -> Result<(Vec<u32>, Vec<u32>)> {
+    /// Checks every id and maps it to its host row and current slot (or [`NONE`]); with the
+    /// rows `known`, only to the slots. Large batches are split over threads: the maps are
+    /// read-only here, and their random reads are most of a decision's time. An error names
+    /// the first bad id, at `base` + its position.
+    fn lookup(
+        &self,
+        ids: &[u32],
+        base: usize,
+        known: Option<Vec<u32>>,
+    ) -> Result<(Vec<u32>, Vec<u32>)> {
         let n = ids.len();
-        let mut rows = vec![0u32; n];
+        let have_rows = known.is_some();
+        let mut rows = known.unwrap_or_else(|| vec![0u32; n]);
         let mut slots = vec![0u32; n];
         let work = |ids: &[u32], rows: &mut [u32], slots: &mut [u32], at: usize| {
+            if have_rows {
+                for (r, s) in rows.iter().zip(slots) {
+                    *s = self.row_to_slot[*r as usize];
+                }
+                return None;
+            }
             for (i, ((&id, r), s)) in ids.iter().zip(rows).zip(slots).enumerate() {
                 match self.id_to_row.get(id as usize) {
                     Some(&row) => {
@@ -283,6 +310,9 @@ impl CacheIndex {
     /// afterwards hits on every id and moves nothing (as long as nothing else is prepared in
     /// between). The slots in `keep` (a batch still in flight) are not evicted either.
     ///
+    /// The index keeps the ids and host rows of these batches (and of a few earlier prefetched
+    /// batches not prepared yet), so that preparing one of them skips the id → row lookup.
+    ///
     /// The plan's `hits` and `misses` count distinct rows of the union, `slots` is empty, and
     /// the hit and miss counters are left to the batches' own prepares; admitted rows count in
     /// [`IndexStats::prefetched`]. Not available with [`Policy::Optimal`], whose keys follow
@@ -303,12 +333,23 @@ impl CacheIndex {
         }
         let total = batches.iter().map(|b| b.len()).sum();
         let (mut rows, mut slots) = (Vec::with_capacity(total), Vec::with_capacity(total));
+        let mut looked_up = Vec::with_capacity(batches.len());
         for b in batches {
-            let (r, s) = self.lookup(b, rows.len())?;
-            rows.extend(r);
+            let (r, s) = self.lookup(b, rows.len(), None)?;
+            rows.extend_from_slice(&r);
             slots.extend(s);
+            looked_up.push((b.to_vec(), r));
         }
-        let mut plan = self.decide(&rows, &slots, keep, true)?;
+        // rows depend on the permutation only, so they stay right whatever this decides; the
+        // batches of earlier prefetches not prepared yet are kept too, up to a few
+        let keep_batches = batches.len().max(PREFETCHED_BATCHES);
+        let old = self
+            .prefetched
+            .len()
+            .saturating_sub(keep_batches - looked_up.len());
+        self.prefetched.drain(..old);
+        self.prefetched.extend(looked_up);
+        let mut plan = self.decide(&rows, slots, keep, true)?;
         plan.slots.clear();
         Ok(plan)
     }
@@ -319,50 +360,42 @@ impl CacheIndex {
     fn decide(
         &mut self,
         rows: &[u32],
-        cached: &[u32],
+        cached: Vec<u32>,
         keep: &[u32],
         prefetch: bool,
     ) -> Result<Plan> {
         if let Policy::Optimal(t) = &self.policy {
             t.check_current()?;
         }
-        self.epoch = self.epoch.wrapping_add(1);
-        if self.epoch == 0 {
-            self.stamp.fill(0);
-            self.epoch = 1;
-        }
-        let epoch = self.epoch;
-        let mut plan = Plan {
-            slots: Vec::with_capacity(rows.len()),
-            ..Plan::default()
+        // a bit per slot (the whole set stays in the first cache levels, unlike a stamp per
+        // slot), set without a branch on whether it was set
+        self.used.fill(0);
+        let used = &mut self.used;
+        let mut mark = |s: u32| -> usize {
+            let (w, b) = ((s >> 6) as usize, s & 63);
+            let was = (used[w] >> b) & 1;
+            used[w] |= 1 << b;
+            1 - was as usize
         };
+        let mut plan = Plan::default();
         let mut missed: Vec<u32> = Vec::new();
         let mut hit_unique = 0usize;
-        for (&row, &slot) in rows.iter().zip(cached) {
+        for (&row, &slot) in rows.iter().zip(&cached) {
             if slot != NONE {
-                if self.stamp[slot as usize] != epoch {
-                    self.stamp[slot as usize] = epoch;
-                    hit_unique += 1;
-                }
+                hit_unique += mark(slot);
                 plan.hits += 1;
             } else {
                 missed.push(row);
             }
-            plan.slots.push(slot);
         }
-        let mut kept = 0usize;
-        for &s in keep {
-            if self.stamp[s as usize] != epoch {
-                self.stamp[s as usize] = epoch;
-                kept += 1;
-            }
-        }
+        let kept: usize = keep.iter().map(|&s| mark(s)).sum();
+        plan.slots = cached;
         plan.misses = missed.len();
         missed.sort_unstable();
         missed.dedup();
         plan.unique = hit_unique + missed.len();
         if kept + plan.unique > self.capacity() {
-            // Stamps of this epoch are forgotten by the next one: nothing else changed.
+            // The next decision clears the used bits: nothing else changed.
             return Err(Error::CacheTooSmall {
                 unique: kept + plan.unique,
                 capacity: self.capacity(),
@@ -380,18 +413,27 @@ impl CacheIndex {
         // Victims: the occupied slots this decision does not use, smallest keys first.
         let need = missed.len().saturating_sub(self.free.len());
         if need > 0 {
-            let mut cand: Vec<(u64, u32)> = (0..self.capacity() as u32)
-                .filter(|&s| {
-                    self.slot_to_row[s as usize] != NONE && self.stamp[s as usize] != epoch
-                })
-                .map(|s| (self.keys[s as usize], s))
+            // keys alone (every key ends in its row, so its slot is found again), half the
+            // bytes to select over
+            let used = &self.used;
+            let mut cand: Vec<u64> = self
+                .slot_to_row
+                .iter()
+                .zip(&self.keys)
+                .enumerate()
+                .filter(|&(s, (&row, _))| row != NONE && (used[s >> 6] >> (s & 63)) & 1 == 0)
+                .map(|(_, (_, &k))| k)
                 .collect();
             if need < cand.len() {
                 cand.select_nth_unstable(need);
                 cand.truncate(need);
             }
-            cand.sort_unstable_by_key(|&(_, s)| s);
-            for (_, s) in cand {
+            let mut victims: Vec<u32> = cand
+                .iter()
+                .map(|&k| self.row_to_slot[row_of_key(k) as usize])
+                .collect();
+            victims.sort_unstable();
+            for s in victims {
                 let row = self.slot_to_row[s as usize];
                 if self.dirty[s as usize] {
                     plan.write_back.push((s, row));
@@ -409,7 +451,7 @@ impl CacheIndex {
             let slot = self.free.pop().expect("room was made above");
             self.row_to_slot[row as usize] = slot;
             self.slot_to_row[slot as usize] = row;
-            self.stamp[slot as usize] = epoch;
+            self.used[(slot >> 6) as usize] |= 1 << (slot & 63);
             self.count[slot as usize] = 0;
             self.dirty[slot as usize] = false;
             plan.admit.push((slot, row));
@@ -431,11 +473,18 @@ impl CacheIndex {
             self.stats.prefetched += plan.admit.len() as u64;
             return Ok(plan);
         }
-        for (s, &row) in plan.slots.iter_mut().zip(rows) {
-            if *s == NONE {
-                *s = self.row_to_slot[row as usize];
+        if plan.misses > 0 {
+            for (s, &row) in plan.slots.iter_mut().zip(rows) {
+                if *s == NONE {
+                    *s = self.row_to_slot[row as usize];
+                }
             }
-            self.count[*s as usize] = self.count[*s as usize].saturating_add(1);
+        }
+        if matches!(self.policy, Policy::Lfu) {
+            // uses counted for the only policy whose keys read them
+            for &s in &plan.slots {
+                self.count[s as usize] = self.count[s as usize].saturating_add(1);
+            }
         }
         self.tick = self.tick.saturating_add(1);
         self.update_keys(rows, &plan)?;
@@ -607,6 +656,56 @@ mod tests {
         }
     }
 
+    /// Preparing a prefetched batch reuses the rows the prefetch looked up, deciding exactly
+    /// what a fresh lookup would; a few earlier prefetched batches are kept, the oldest go first.
+    #[test]
+    fn prepare_reuses_the_rows_of_prefetched_batches() {
+        let batches: Vec<Vec<u32>> = (0..8u32)
+            .map(|b| (0..40).map(|i| (i * 7 + b * 13) % 97).collect())
+            .collect();
+        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+            let mut ix = CacheIndex::new(100, 60, policy).unwrap();
+            let counts: Vec<u64> = (0..100).map(|i| (i * 31 % 17) as u64).collect();
+            ix.reorder(&counts).unwrap();
+            for k in 0..batches.len() - 1 {
+                ix.prefetch(&[&batches[k + 1]], &[]).unwrap();
+                let mut fresh = ix.clone();
+                fresh.prefetched.clear();
+                let known = ix.prefetched.len();
+                let p = ix.prepare(&batches[k]).unwrap();
+                assert_eq!(p, fresh.prepare(&batches[k]).unwrap());
+                assert_eq!(ix.row_to_slot, fresh.row_to_slot);
+                assert_eq!(ix.keys, fresh.keys);
+                if k > 0 {
+                    assert_eq!(ix.prefetched.len(), known - 1, "batch {k} was known");
+                }
+            }
+            // at most PREFETCHED_BATCHES kept, the oldest dropped
+            for b in &batches {
+                ix.prefetch(&[b], &[]).unwrap();
+            }
+            assert_eq!(ix.prefetched.len(), PREFETCHED_BATCHES);
+            assert_eq!(
+                ix.prefetched[0].0,
+                batches[batches.len() - PREFETCHED_BATCHES]
+            );
+            let many: Vec<&[u32]> = batches.iter().take(6).map(|b| &b[..10]).collect();
+            ix.prefetch(&many, &[]).unwrap();
+            assert_eq!(
+                ix.prefetched.len(),
+                6,
+                "a larger prefetch keeps all of its batches"
+            );
+            ix.take_dirty();
+            ix.clear().unwrap();
+            ix.reorder(&vec![1; 100]).unwrap();
+            assert!(
+                ix.prefetched.is_empty(),
+                "a new permutation forgets the rows"
+            );
+        }
+    }
+
     #[test]
     fn prefetch_refuses_bad_input_and_the_optimal_policy() {
         let mut ix = CacheIndex::new(10, 3, Policy::Lru).unwrap();
@@ -671,7 +770,7 @@ mod tests {
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(before, (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2)));
-        // The failed batch's stamps do not protect its rows later.
+        // The failed batch's used bits do not protect its rows later.
         let p = ix.prepare(&[7, 8]).unwrap();
         assert_eq!(p.evicted, 2);
         check_invariants(&ix);

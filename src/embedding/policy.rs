@@ -135,6 +135,11 @@ pub(crate) fn key(primary: u32, row: u32) -> u64 {
     ((primary as u64) << 32) | (u32::MAX - row) as u64
 }
 
+/// The host row a [`key`] was made for.
+pub(crate) fn row_of_key(key: u64) -> u32 {
+    u32::MAX - key as u32
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -162,5 +167,6 @@ mod tests {
         assert!(key(1, 5) < key(2, 0));
         assert!(key(1, 9) < key(1, 5));
         assert_eq!(key(0, u32::MAX), 0);
+        assert_eq!(row_of_key(key(7, 12_345)), 12_345);
     }
 }

@@ -16,7 +16,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tidemem::comm::{nccl_unique_id, Communicator, Elem, ReduceOp};
+use tidemem::comm::{nccl_unique_id, Communicator, Elem, ReduceOp, DEFAULT_TIMEOUT};
 use tidemem::device::{Device, SimConfig};
 
 fn sizes() -> Vec<usize> {
@@ -129,7 +129,7 @@ fn bench_nccl(c: &mut Criterion) {
             return;
         }
     };
-    let comm = Communicator::nccl_with_id(dev.clone(), &id, 0, 1).unwrap();
+    let comm = Communicator::nccl_with_id(dev.clone(), &id, 0, 1, DEFAULT_TIMEOUT).unwrap();
     let st = dev.new_stream().unwrap();
     let mut g = c.benchmark_group("collectives/nccl-1");
     g.sample_size(20);

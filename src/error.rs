@@ -188,14 +188,22 @@ pub enum Error {
     },
 
     /// A collective or receive waited longer than the communicator's timeout for other ranks.
-    #[error("{what} timed out after {waited_ms} ms waiting for ranks {missing:?}")]
+    #[error("{what} timed out after {waited_ms} ms{}", waiting_for(.missing))]
     CommTimeout {
         /// The call that waited (kind and sequence number).
         what: String,
         /// How long it waited.
         waited_ms: u64,
-        /// Ranks that had not arrived.
+        /// Ranks that had not arrived (empty where the backend cannot tell, as with NCCL).
         missing: Vec<usize>,
+    },
+
+    /// An NCCL communicator was aborted after a timeout or an asynchronous error (a peer's
+    /// failure); it refuses every later call.
+    #[error("the communicator was aborted: {reason}")]
+    CommAborted {
+        /// The error that aborted it.
+        reason: String,
     },
 
     /// An error reported by NCCL.
@@ -248,5 +256,14 @@ impl Error {
             during,
             message: e.to_string(),
         }
+    }
+}
+
+/// The end of a [`Error::CommTimeout`] message: the ranks that did not come, when known.
+fn waiting_for(missing: &[usize]) -> String {
+    if missing.is_empty() {
+        String::new()
+    } else {
+        format!(" waiting for ranks {missing:?}")
     }
 }

@@ -6,7 +6,7 @@ mod common;
 
 use std::time::Duration;
 
-use tidemem::comm::{Communicator, Elem, ReduceOp};
+use tidemem::comm::{Communicator, Elem, ReduceOp, DEFAULT_TIMEOUT};
 use tidemem::device::{Device, Stream};
 use tidemem::Error;
 
@@ -320,14 +320,41 @@ fn nccl_backend_conforms_at_world_size_one() {
         "nccl_backend_conforms_at_world_size_one: NCCL from {}",
         tidemem::comm::nccl_library().unwrap()
     );
-    let c = Communicator::nccl_with_id(dev, &id, 0, 1).unwrap();
+    let c = Communicator::nccl_with_id(dev, &id, 0, 1, DEFAULT_TIMEOUT).unwrap();
     assert_eq!(c.backend_name(), "nccl");
     conformance(&[c]);
 }
 
+/// `wait` returns once the stream's collectives are done, and `check` finds no error on a
+/// healthy group, on both backends.
+#[test]
+fn wait_and_check_on_a_healthy_group() {
+    let run = |comms: &[Communicator]| {
+        on_ranks(comms, |c| {
+            let s = stream(c);
+            let b = c.device().alloc(4 * 1000).unwrap();
+            c.device().memset(&s, &b, 0).unwrap();
+            c.all_reduce(&s, (&b).into(), (&b).into(), Elem::F32, ReduceOp::Sum)
+                .unwrap();
+            c.wait(&s).unwrap();
+            c.check().unwrap();
+        });
+    };
+    run(&local(3));
+    let Some(dev) = common::cuda("wait_and_check_on_a_healthy_group") else {
+        return;
+    };
+    let Ok(id) = tidemem::comm::nccl_unique_id() else {
+        eprintln!("wait_and_check_on_a_healthy_group: skipping NCCL, none loads");
+        return;
+    };
+    run(&[Communicator::nccl_with_id(dev, &id, 0, 1, DEFAULT_TIMEOUT).unwrap()]);
+}
+
 #[test]
 fn nccl_needs_a_cuda_device() {
-    let e = Communicator::nccl_with_id(common::sim(1 << 20), &[0; 128], 0, 1).unwrap_err();
+    let e = Communicator::nccl_with_id(common::sim(1 << 20), &[0; 128], 0, 1, DEFAULT_TIMEOUT)
+        .unwrap_err();
     assert!(
         matches!(
             e,
@@ -335,7 +362,9 @@ fn nccl_needs_a_cuda_device() {
         ),
         "{e}"
     );
-    assert!(Communicator::nccl_with_id(common::sim(1 << 20), &[0; 128], 1, 1).is_err());
+    assert!(
+        Communicator::nccl_with_id(common::sim(1 << 20), &[0; 128], 1, 1, DEFAULT_TIMEOUT).is_err()
+    );
 }
 
 #[test]
@@ -352,16 +381,20 @@ fn mismatched_calls_fail_on_every_rank_without_hanging() {
             c.broadcast(&s, (&b).into(), Elem::F32, 0)
         };
         let again = c.barrier(&s);
-        (r, again)
+        (r, again, c.check())
     });
     assert!(t0.elapsed() < Duration::from_secs(30));
     let mut mismatches = 0;
-    for (r, again) in errs {
+    for (r, again, check) in errs {
         // a rank may have finished before the mismatch was seen only if all agreed: never here
         let e = r.unwrap_err();
         assert!(matches!(e, Error::CommMismatch { .. }), "{e}");
         mismatches += 1;
         assert!(again.is_err(), "a broken communicator refuses later calls");
+        assert!(
+            matches!(check, Err(Error::CommMismatch { .. })),
+            "check reports what broke it"
+        );
     }
     assert_eq!(mismatches, 3);
 

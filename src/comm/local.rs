@@ -152,6 +152,11 @@ impl Member {
         }
     }
 
+    /// The error that broke the group, if any.
+    pub(crate) fn check(&self) -> Result<()> {
+        Self::check_broken(&self.shared.state.lock())
+    }
+
     /// Posts this rank's part of the next collective and returns every rank's part, in rank
     /// order, once all have posted.
     pub(crate) fn exchange(&self, desc: Desc, data: Vec<u8>) -> Result<Vec<Arc<[u8]>>> {

@@ -322,7 +322,8 @@ impl Communicator {
     }
 
     /// The NCCL rank `env.rank` of `env.world_size` on `device` (a CUDA device), meeting the
-    /// others through [`rendezvous::exchange_id`] within `timeout`.
+    /// others through [`rendezvous::exchange_id`] within `timeout`. The same timeout bounds
+    /// NCCL's initialization and every [`Communicator::wait`].
     pub fn nccl(device: Device, env: &LaunchEnv, timeout: Duration) -> Result<Communicator> {
         let id = if env.rank == 0 {
             Some(nccl::unique_id()?)
@@ -330,23 +331,25 @@ impl Communicator {
             None
         };
         let id = rendezvous::exchange_id(env, id, timeout)?;
-        Self::nccl_with_id(device, &id, env.rank, env.world_size)
+        Self::nccl_with_id(device, &id, env.rank, env.world_size, timeout)
     }
 
     /// The NCCL rank `rank` of `world` on `device`, given the group's unique id (from
-    /// [`nccl_unique_id`] on one rank, shared by any means).
+    /// [`nccl_unique_id`] on one rank, shared by any means). `timeout` bounds the
+    /// initialization and every [`Communicator::wait`].
     pub fn nccl_with_id(
         device: Device,
         id: &[u8; 128],
         rank: usize,
         world: usize,
+        timeout: Duration,
     ) -> Result<Communicator> {
         if world == 0 || rank >= world {
             return Err(Error::InvalidArgument(format!(
                 "rank {rank} of a world of {world}"
             )));
         }
-        let c = nccl::NcclComm::init(&device, id, rank, world)?;
+        let c = nccl::NcclComm::init(&device, id, rank, world, timeout)?;
         Ok(Communicator::from_imp(rank, world, device, Imp::Nccl(c)))
     }
 
@@ -698,6 +701,28 @@ impl Communicator {
         Ok(())
     }
 
+    /// Waits for the work enqueued on `stream` so far, collectives included. On NCCL it watches
+    /// the communicator's asynchronous error meanwhile and gives up after the communicator's
+    /// timeout: a peer that failed or never comes is an error ([`Error::Nccl`] or
+    /// [`Error::CommTimeout`]) and the communicator is aborted, instead of a wait without end.
+    /// On the in-process backend the collectives themselves time out; this syncs the stream.
+    pub fn wait(&self, stream: &Stream) -> Result<()> {
+        match &self.imp {
+            Imp::Local(_) => self.device.sync_stream(stream),
+            Imp::Nccl(c) => c.wait(&self.device, stream),
+        }
+    }
+
+    /// An error some rank's failure left on the communicator, without waiting: NCCL's
+    /// asynchronous error (the communicator is aborted after one), or the in-process
+    /// communicator's mismatch or timeout. `Ok` while there is none; for a watchdog.
+    pub fn check(&self) -> Result<()> {
+        match &self.imp {
+            Imp::Local(l) => l.check(),
+            Imp::Nccl(c) => c.check_async(),
+        }
+    }
+
     /// Returns once every rank has called it (and, on NCCL, the stream's earlier work is done).
     pub fn barrier(&self, stream: &Stream) -> Result<()> {
         match &self.imp {
@@ -717,7 +742,7 @@ impl Communicator {
                     Elem::F32,
                     ReduceOp::Sum,
                 )?;
-                self.device.sync_stream(stream)?;
+                c.wait(&self.device, stream)?;
             }
         }
         self.tally(|s| s.barrier.add(0));
@@ -753,6 +778,7 @@ impl Communicator {
         }
         let b = self.device.upload(&s, bytes)?;
         self.all_reduce(&s, (&b).into(), (&b).into(), T::ELEM, op)?;
+        self.wait(&s)?;
         let out = self.device.download(&s, &b)?;
         bytemuck::cast_slice_mut::<T, u8>(data).copy_from_slice(&out);
         Ok(())
@@ -868,6 +894,12 @@ pub fn nccl_unique_id() -> Result<[u8; 128]> {
 /// lists what was tried when none loads.
 pub fn nccl_library() -> Result<&'static str> {
     nccl::library_path()
+}
+
+/// The version of the NCCL library the backend loads, `(major, minor, patch)`. Non-blocking
+/// communicators (initialization with a timeout) need 2.14, [`Communicator::split`] 2.18.
+pub fn nccl_version() -> Result<(u32, u32, u32)> {
+    nccl::version()
 }
 
 /// Element-wise reduction of `parts` (equal lengths) in rank order, accumulating in f64 (floats)

@@ -82,39 +82,50 @@ fn zero_prefetch(
     steps: u64,
     prefetch: usize,
 ) -> Vec<RankResult> {
+    on_ranks(world, capacity, |c| {
+        let (r, n) = (c.rank(), c.world());
+        let mut z = ZeroManager::new(c, config(toy, dtype)).unwrap();
+        z.set_prefetch(prefetch).unwrap();
+        let ids = toy.register(&mut z).unwrap();
+        let pool = z.pool().clone();
+        let mut opt = adam();
+        let mut reports = Vec::new();
+        for step in 0..steps {
+            toy.forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
+                .unwrap();
+            reports.push(z.step(&mut opt).unwrap());
+        }
+        let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+            .map(TensorId)
+            .filter(|&id| z.owns(id))
+            .collect();
+        let owned = mine
+            .into_iter()
+            .map(|id| (id.0.to_string(), z.master(id).unwrap()))
+            .collect();
+        RankResult {
+            owned,
+            reports,
+            zero: z,
+        }
+    })
+}
+
+/// Runs `f` on `world` in-process ranks, each on a simulated device of `capacity` bytes and a
+/// thread of its own; the results in rank order.
+fn on_ranks<R: Send>(
+    world: usize,
+    capacity: usize,
+    f: impl Fn(Communicator) -> R + Sync,
+) -> Vec<R> {
     let devs = (0..world).map(|_| common::sim(capacity)).collect();
     let comms = Communicator::local(devs).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
             .into_iter()
             .map(|c| {
-                s.spawn(move || {
-                    let (r, n) = (c.rank(), c.world());
-                    let mut z = ZeroManager::new(c, config(toy, dtype)).unwrap();
-                    z.set_prefetch(prefetch).unwrap();
-                    let ids = toy.register(&mut z).unwrap();
-                    let pool = z.pool().clone();
-                    let mut opt = adam();
-                    let mut reports = Vec::new();
-                    for step in 0..steps {
-                        toy.forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
-                            .unwrap();
-                        reports.push(z.step(&mut opt).unwrap());
-                    }
-                    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
-                        .map(TensorId)
-                        .filter(|&id| z.owns(id))
-                        .collect();
-                    let owned = mine
-                        .into_iter()
-                        .map(|id| (id.0.to_string(), z.master(id).unwrap()))
-                        .collect();
-                    RankResult {
-                        owned,
-                        reports,
-                        zero: z,
-                    }
-                })
+                let f = &f;
+                s.spawn(move || f(c))
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
@@ -281,49 +292,38 @@ fn prefetch_changes_no_bit() {
 fn off_order_backward(depth: usize) -> Vec<(Vec<Vec<f32>>, u64, u64)> {
     // backward orders of communication groups per step: warm-up, steady, then off order
     let orders: [&[usize]; 5] = [&[2, 1, 0], &[2, 1, 0], &[2, 0, 1], &[2, 0], &[2, 1, 0]];
-    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let r = c.rank();
-                    let mut z = ZeroManager::new(c, ManagerConfig::new(64, Policy::Tide)).unwrap();
-                    z.set_prefetch(depth).unwrap();
-                    let ids: Vec<TensorId> = (0..6)
-                        .map(|t| {
-                            z.register(&format!("t{t}"), &[64], Init::Constant(t as f32))
-                                .unwrap()
-                        })
-                        .collect();
-                    let mut opt =
-                        HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
-                    for (step, order) in orders.iter().enumerate() {
-                        for &id in &ids {
-                            z.fetch(&[id], Stage::Forward).unwrap();
-                            z.release(&[id], Stage::Forward).unwrap();
-                        }
-                        z.end_forward().unwrap();
-                        for &j in order.iter() {
-                            // a communication group's two tensors, the second one first
-                            for &id in [ids[2 * j + 1], ids[2 * j]].iter() {
-                                z.fetch(&[id], Stage::Backward).unwrap();
-                                let g = (step * 7 + id.0 as usize * 3 + r) as f32 * 0.01;
-                                z.write_grad(id, &[g; 64]).unwrap();
-                                z.release(&[id], Stage::Backward).unwrap();
-                            }
-                        }
-                        z.end_backward().unwrap();
-                        z.step(&mut opt).unwrap();
-                    }
-                    let mine: Vec<TensorId> = ids.into_iter().filter(|&id| z.owns(id)).collect();
-                    let owned = mine.iter().map(|&id| z.master(id).unwrap()).collect();
-                    (owned, z.stats().reduce_scatters, z.stats().prefetched)
-                })
+    on_ranks(2, 1 << 20, |c| {
+        let r = c.rank();
+        let mut z = ZeroManager::new(c, ManagerConfig::new(64, Policy::Tide)).unwrap();
+        z.set_prefetch(depth).unwrap();
+        let ids: Vec<TensorId> = (0..6)
+            .map(|t| {
+                z.register(&format!("t{t}"), &[64], Init::Constant(t as f32))
+                    .unwrap()
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
+        for (step, order) in orders.iter().enumerate() {
+            for &id in &ids {
+                z.fetch(&[id], Stage::Forward).unwrap();
+                z.release(&[id], Stage::Forward).unwrap();
+            }
+            z.end_forward().unwrap();
+            for &j in order.iter() {
+                // a communication group's two tensors, the second one first
+                for &id in [ids[2 * j + 1], ids[2 * j]].iter() {
+                    z.fetch(&[id], Stage::Backward).unwrap();
+                    let g = (step * 7 + id.0 as usize * 3 + r) as f32 * 0.01;
+                    z.write_grad(id, &[g; 64]).unwrap();
+                    z.release(&[id], Stage::Backward).unwrap();
+                }
+            }
+            z.end_backward().unwrap();
+            z.step(&mut opt).unwrap();
+        }
+        let mine: Vec<TensorId> = ids.into_iter().filter(|&id| z.owns(id)).collect();
+        let owned = mine.iter().map(|&id| z.master(id).unwrap()).collect();
+        (owned, z.stats().reduce_scatters, z.stats().prefetched)
     })
 }
 
@@ -350,47 +350,37 @@ fn backward_off_the_recorded_order_changes_no_bit() {
 /// rank, and a collective of the model's own in the middle of forward still matches.
 #[test]
 fn a_read_on_one_rank_keeps_prefetch_in_step() {
-    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    let out: Vec<(u64, u64)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let (r, n) = (c.rank(), c.world());
-                    let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
-                    z.set_prefetch(1).unwrap();
-                    let ids = UNTIED.register(&mut z).unwrap();
-                    let pool = z.pool().clone();
-                    let mut opt = adam();
-                    for step in 0..3 {
-                        UNTIED
-                            .forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
-                            .unwrap();
-                        z.step(&mut opt).unwrap();
-                    }
-                    assert!(z.local().is_steady());
-                    let before = z.stats().prefetched;
-                    for (l, &(w, b)) in ids.blocks.iter().enumerate() {
-                        z.fetch(&[w, b], Stage::Forward).unwrap();
-                        if l == 0 && r == 0 {
-                            // block 2 is in communication group 1, gathered ahead by now
-                            let v = z.read(ids.blocks[2].0).unwrap();
-                            assert_eq!(v.len(), UNTIED.width * UNTIED.width);
-                        }
-                        z.release(&[w, b], Stage::Forward).unwrap();
-                        if l == 2 {
-                            let mut x = [1.0f32];
-                            z.comm().all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
-                            assert_eq!(x[0], 2.0);
-                        }
-                    }
-                    z.end_forward().unwrap();
-                    (before, z.stats().prefetched)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let out: Vec<(u64, u64)> = on_ranks(2, 1 << 20, |c| {
+        let (r, n) = (c.rank(), c.world());
+        let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
+        z.set_prefetch(1).unwrap();
+        let ids = UNTIED.register(&mut z).unwrap();
+        let pool = z.pool().clone();
+        let mut opt = adam();
+        for step in 0..3 {
+            UNTIED
+                .forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
+                .unwrap();
+            z.step(&mut opt).unwrap();
+        }
+        assert!(z.local().is_steady());
+        let before = z.stats().prefetched;
+        for (l, &(w, b)) in ids.blocks.iter().enumerate() {
+            z.fetch(&[w, b], Stage::Forward).unwrap();
+            if l == 0 && r == 0 {
+                // block 2 is in communication group 1, gathered ahead by now
+                let v = z.read(ids.blocks[2].0).unwrap();
+                assert_eq!(v.len(), UNTIED.width * UNTIED.width);
+            }
+            z.release(&[w, b], Stage::Forward).unwrap();
+            if l == 2 {
+                let mut x = [1.0f32];
+                z.comm().all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
+                assert_eq!(x[0], 2.0);
+            }
+        }
+        z.end_forward().unwrap();
+        (before, z.stats().prefetched)
     });
     assert_eq!(out[0], out[1]);
     let per_forward = (UNTIED.layers.div_ceil(2) - 1) as u64;
@@ -471,47 +461,37 @@ fn communication_volume_matches_the_formula() {
 
 /// A two-tensor model where rank `bad` writes an infinite gradient.
 fn overflow_run(world: usize, bad: usize) -> Vec<(StepOutcome, f32, f32)> {
-    let devs = (0..world).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let r = c.rank();
-                    let mut z = ZeroManager::new(c, ManagerConfig::new(32, Policy::Tide)).unwrap();
-                    let ids: Vec<TensorId> = (0..4)
-                        .map(|i| {
-                            z.register(&format!("t{i}"), &[32], Init::Constant(1.0))
-                                .unwrap()
-                        })
-                        .collect();
-                    let mut opt = HybridAdam::new(HybridConfig {
-                        loss_scale: Some(ScalerConfig::default()),
-                        ..HybridConfig::new(AdamConfig::adam(0.1))
-                    })
-                    .unwrap();
-                    z.fetch(&ids, Stage::Forward).unwrap();
-                    z.release(&ids, Stage::Forward).unwrap();
-                    z.end_forward().unwrap();
-                    z.fetch(&ids, Stage::Backward).unwrap();
-                    for &id in &ids {
-                        let g = if r == bad && id == ids[3] {
-                            f32::INFINITY
-                        } else {
-                            1.0
-                        };
-                        z.write_grad(id, &[g; 32]).unwrap();
-                    }
-                    z.release(&ids, Stage::Backward).unwrap();
-                    z.end_backward().unwrap();
-                    let rep = z.step(&mut opt).unwrap();
-                    let own = ids.iter().copied().find(|&id| z.owns(id)).unwrap();
-                    (rep.outcome, rep.loss_scale, z.master(own).unwrap()[0])
-                })
+    on_ranks(world, 1 << 20, |c| {
+        let r = c.rank();
+        let mut z = ZeroManager::new(c, ManagerConfig::new(32, Policy::Tide)).unwrap();
+        let ids: Vec<TensorId> = (0..4)
+            .map(|i| {
+                z.register(&format!("t{i}"), &[32], Init::Constant(1.0))
+                    .unwrap()
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let mut opt = HybridAdam::new(HybridConfig {
+            loss_scale: Some(ScalerConfig::default()),
+            ..HybridConfig::new(AdamConfig::adam(0.1))
+        })
+        .unwrap();
+        z.fetch(&ids, Stage::Forward).unwrap();
+        z.release(&ids, Stage::Forward).unwrap();
+        z.end_forward().unwrap();
+        z.fetch(&ids, Stage::Backward).unwrap();
+        for &id in &ids {
+            let g = if r == bad && id == ids[3] {
+                f32::INFINITY
+            } else {
+                1.0
+            };
+            z.write_grad(id, &[g; 32]).unwrap();
+        }
+        z.release(&ids, Stage::Backward).unwrap();
+        z.end_backward().unwrap();
+        let rep = z.step(&mut opt).unwrap();
+        let own = ids.iter().copied().find(|&id| z.owns(id)).unwrap();
+        (rep.outcome, rep.loss_scale, z.master(own).unwrap()[0])
     })
 }
 
@@ -531,68 +511,56 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
 
 #[test]
 fn misuse_is_an_error() {
-    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    std::thread::scope(|s| {
-        for c in comms {
-            s.spawn(move || {
-                let r = c.rank();
-                let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
-                let a = z.register("a", &[16], Init::Zeros).unwrap();
-                let b = z.register("b", &[16], Init::Zeros).unwrap();
-                assert!(z.register("bad", &[0], Init::Zeros).is_err());
-                // backward before forward, the optimizer stage, unknown and repeated tensors
-                assert!(z.fetch(&[a], Stage::Backward).is_err());
-                assert!(z.fetch(&[a], Stage::Optimizer).is_err());
-                assert!(z.fetch(&[TensorId(9)], Stage::Forward).is_err());
-                assert!(z.fetch(&[a, a], Stage::Forward).is_err());
-                // the remote tensor cannot be read before it is gathered
-                let remote = if r == 0 { b } else { a };
-                assert!(z.read(remote).is_err());
-                assert!(z.master(remote).is_err());
-                let v = z.fetch(&[a, b], Stage::Forward).unwrap();
-                assert!(
-                    z.write_grad(a, &[0.0; 16]).is_err(),
-                    "no gradient in forward"
-                );
-                assert!(z.register("late", &[4], Init::Zeros).is_err());
-                assert!(
-                    matches!(
-                        z.release(&[a, b], Stage::Forward),
-                        Err(Error::InvalidArgument(_))
-                    ),
-                    "views still alive"
-                );
-                drop(v);
-                z.release(&[a, b], Stage::Forward).unwrap();
-                assert!(z.end_backward().is_err());
-                z.end_forward().unwrap();
-                z.fetch(&[a, b], Stage::Backward).unwrap();
-                assert!(matches!(
-                    z.write_grad(a, &[0.0; 3]),
-                    Err(Error::SizeMismatch { .. })
-                ));
-                z.write_grad(a, &[0.5; 16]).unwrap();
-                z.write_grad(b, &[0.5; 16]).unwrap();
-                z.release(&[a, b], Stage::Backward).unwrap();
-                z.end_backward().unwrap();
-                let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
-                assert_eq!(z.step(&mut opt).unwrap().outcome, StepOutcome::Stepped);
-                assert!(z.step(&mut opt).is_err(), "a second step without backward");
-            });
-        }
+    on_ranks(2, 1 << 20, |c| {
+        let r = c.rank();
+        let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
+        let a = z.register("a", &[16], Init::Zeros).unwrap();
+        let b = z.register("b", &[16], Init::Zeros).unwrap();
+        assert!(z.register("bad", &[0], Init::Zeros).is_err());
+        // backward before forward, the optimizer stage, unknown and repeated tensors
+        assert!(z.fetch(&[a], Stage::Backward).is_err());
+        assert!(z.fetch(&[a], Stage::Optimizer).is_err());
+        assert!(z.fetch(&[TensorId(9)], Stage::Forward).is_err());
+        assert!(z.fetch(&[a, a], Stage::Forward).is_err());
+        // the remote tensor cannot be read before it is gathered
+        let remote = if r == 0 { b } else { a };
+        assert!(z.read(remote).is_err());
+        assert!(z.master(remote).is_err());
+        let v = z.fetch(&[a, b], Stage::Forward).unwrap();
+        assert!(
+            z.write_grad(a, &[0.0; 16]).is_err(),
+            "no gradient in forward"
+        );
+        assert!(z.register("late", &[4], Init::Zeros).is_err());
+        assert!(
+            matches!(
+                z.release(&[a, b], Stage::Forward),
+                Err(Error::InvalidArgument(_))
+            ),
+            "views still alive"
+        );
+        drop(v);
+        z.release(&[a, b], Stage::Forward).unwrap();
+        assert!(z.end_backward().is_err());
+        z.end_forward().unwrap();
+        z.fetch(&[a, b], Stage::Backward).unwrap();
+        assert!(matches!(
+            z.write_grad(a, &[0.0; 3]),
+            Err(Error::SizeMismatch { .. })
+        ));
+        z.write_grad(a, &[0.5; 16]).unwrap();
+        z.write_grad(b, &[0.5; 16]).unwrap();
+        z.release(&[a, b], Stage::Backward).unwrap();
+        z.end_backward().unwrap();
+        let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
+        assert_eq!(z.step(&mut opt).unwrap().outcome, StepOutcome::Stepped);
+        assert!(z.step(&mut opt).is_err(), "a second step without backward");
     });
     // more ranks than chunk groups
-    let devs = (0..4).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    std::thread::scope(|s| {
-        for c in comms {
-            s.spawn(move || {
-                let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
-                let a = z.register("a", &[16], Init::Zeros).unwrap();
-                assert!(z.fetch(&[a], Stage::Forward).is_err());
-            });
-        }
+    on_ranks(4, 1 << 20, |c| {
+        let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
+        let a = z.register("a", &[16], Init::Zeros).unwrap();
+        assert!(z.fetch(&[a], Stage::Forward).is_err());
     });
 }
 
@@ -628,39 +596,29 @@ fn gradient_accumulation_composes_with_zero() {
             .map(|t| m.master(TensorId(t)).unwrap())
             .collect()
     };
-    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    let owned: Vec<Vec<(usize, Vec<f32>)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let r = c.rank();
-                    let mut z = ZeroManager::new(c, cfg()).unwrap();
-                    let ids = TOY.register(&mut z).unwrap();
-                    let pool = z.pool().clone();
-                    let mut opt = acc_adam();
-                    let mut outcomes = Vec::new();
-                    for s in 0..steps {
-                        for k in 0..2 {
-                            TOY.forward_backward(&mut z, &pool, &ids, s, 1.0, (2 * r + k, 4))
-                                .unwrap();
-                            outcomes.push(z.step(&mut opt).unwrap().outcome);
-                        }
-                    }
-                    assert_eq!(outcomes[0], StepOutcome::Accumulated);
-                    assert_eq!(outcomes[1], StepOutcome::Stepped);
-                    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
-                        .map(TensorId)
-                        .filter(|&id| z.owns(id))
-                        .collect();
-                    mine.into_iter()
-                        .map(|id| (id.index(), z.master(id).unwrap()))
-                        .collect()
-                })
-            })
+    let owned: Vec<Vec<(usize, Vec<f32>)>> = on_ranks(2, 1 << 20, |c| {
+        let r = c.rank();
+        let mut z = ZeroManager::new(c, cfg()).unwrap();
+        let ids = TOY.register(&mut z).unwrap();
+        let pool = z.pool().clone();
+        let mut opt = acc_adam();
+        let mut outcomes = Vec::new();
+        for s in 0..steps {
+            for k in 0..2 {
+                TOY.forward_backward(&mut z, &pool, &ids, s, 1.0, (2 * r + k, 4))
+                    .unwrap();
+                outcomes.push(z.step(&mut opt).unwrap().outcome);
+            }
+        }
+        assert_eq!(outcomes[0], StepOutcome::Accumulated);
+        assert_eq!(outcomes[1], StepOutcome::Stepped);
+        let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+            .map(TensorId)
+            .filter(|&id| z.owns(id))
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        mine.into_iter()
+            .map(|id| (id.index(), z.master(id).unwrap()))
+            .collect()
     });
     let mut n = 0;
     for (t, m) in owned.into_iter().flatten() {

@@ -703,8 +703,9 @@ impl Communicator {
 
     /// Waits for the work enqueued on `stream` so far, collectives included. On NCCL it watches
     /// the communicator's asynchronous error meanwhile and gives up after the communicator's
-    /// timeout: a peer that failed or never comes is an error ([`Error::Nccl`] or
-    /// [`Error::CommTimeout`]) and the communicator is aborted, instead of a wait without end.
+    /// timeout (which bounds all of the stream's earlier work, so call it often enough): a peer
+    /// that failed or never comes is an error ([`Error::Nccl`] or [`Error::CommTimeout`]) and
+    /// the communicator is aborted, instead of a wait without end.
     /// On the in-process backend the collectives themselves time out; this syncs the stream.
     pub fn wait(&self, stream: &Stream) -> Result<()> {
         match &self.imp {

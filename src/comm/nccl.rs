@@ -16,12 +16,15 @@
 //! With many ranks on many nodes, a rank that dies or never comes would leave the others blocked
 //! in NCCL. So, where the library has `ncclCommInitRankConfig` (NCCL 2.14), communicators are
 //! created *non-blocking*: initialization, and any call NCCL answers with `ncclInProgress`, are
-//! polled through `ncclCommGetAsyncError` up to the communicator's timeout. Waits for a stream
-//! ([`NcclComm::wait`]) poll the stream and the communicator's asynchronous error together. On a
-//! timeout or an asynchronous error the communicator is aborted at once (which also stops its
-//! kernels spinning on the device), and every later call fails with [`Error::CommAborted`].
-//! `TIDEMEM_NCCL_BLOCKING=1` (or an older NCCL) gives blocking communicators: the same calls, but
-//! initialization and NCCL's own enqueueing can block without a timeout.
+//! polled through `ncclCommGetAsyncError` up to the communicator's timeout (a collective's poll
+//! runs inside its enqueue, so the device layer records the buffers' use after NCCL's kernels).
+//! Waits for a stream ([`NcclComm::wait`]) poll the stream and the communicator's asynchronous
+//! error together. On a timeout or an asynchronous error the communicator is aborted at once
+//! (which also stops its kernels spinning on the device), and every later call fails with
+//! [`Error::CommAborted`]. The price: NCCL launches a non-blocking communicator's kernels from a
+//! thread of its own, some microseconds per collective, small against chunk-sized messages.
+//! `TIDEMEM_NCCL_BLOCKING=1` (or an NCCL older than 2.14) gives blocking communicators: the same
+//! calls, but initialization and NCCL's own enqueueing can block without a timeout.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,8 +53,6 @@ pub(crate) struct NcclComm {
     raw: Mutex<Raw>,
     rank: usize,
     world: usize,
-    /// Created non-blocking: calls answered `ncclInProgress` are polled to completion.
-    nonblocking: bool,
     /// The longest any poll waits.
     timeout: Duration,
     /// A call failed: NCCL may have work that never completes, so drop aborts instead of
@@ -59,33 +60,25 @@ pub(crate) struct NcclComm {
     failed: AtomicBool,
 }
 
-/// `ncclConfig_t` as NCCL 2.14 defines it. NCCL reads a config by its size, magic and version,
-/// so later releases accept it and keep their defaults for the fields added since.
+/// `ncclConfig_t` as NCCL 2.14 defines it (size, magic, version, blocking). NCCL reads a config
+/// by its size, magic and version, so later releases accept it and keep their defaults for the
+/// fields added since.
 #[repr(C)]
 struct Config {
     size: usize,
     magic: c_uint,
     version: c_uint,
     blocking: c_int,
-    cga_cluster_size: c_int,
-    min_ctas: c_int,
-    max_ctas: c_int,
-    net_name: *const c_char,
 }
 
 impl Config {
     /// `NCCL_CONFIG_INITIALIZER` of NCCL 2.14 with `blocking = 0`.
     fn nonblocking() -> Config {
-        const UNDEF: c_int = c_int::MIN; // NCCL_CONFIG_UNDEF_INT
         Config {
             size: std::mem::size_of::<Config>(),
             magic: 0xcafe_beef,
             version: 2 * 10_000 + 14 * 100, // NCCL_VERSION(2, 14, 0)
             blocking: 0,
-            cga_cluster_size: UNDEF,
-            min_ctas: UNDEF,
-            max_ctas: UNDEF,
-            net_name: std::ptr::null(),
         }
     }
 }
@@ -253,6 +246,7 @@ fn code_name(r: R) -> String {
         5 => "ncclInvalidUsage",
         6 => "ncclRemoteError",
         7 => "ncclInProgress",
+        8 => "ncclTimeout",
         _ => return format!("ncclResult {r}"),
     };
     name.to_string()
@@ -392,22 +386,34 @@ impl NcclComm {
             internal: id.map(|b| b as std::ffi::c_char),
         };
         let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-        let nonblocking = match (l.comm_init_rank_config, l.comm_get_async_error) {
+        let (nonblocking, r) = match (l.comm_init_rank_config, l.comm_get_async_error) {
             (Some(init), Some(_)) if !blocking_requested() => {
                 let mut config = Config::nonblocking();
                 // SAFETY: valid out-pointers; NCCL copies the config. Returns at once
                 // (ncclInProgress) and connects in the background.
                 let r = unsafe { init(&mut comm, world as i32, id, rank as i32, &mut config) };
-                check("ncclCommInitRankConfig", r, None)?;
-                true
+                (true, r)
             }
-            _ => {
-                // SAFETY: valid out-pointer; blocks until every rank of the id has joined.
-                let r = unsafe { (l.comm_init_rank)(&mut comm, world as i32, id, rank as i32) };
-                check("ncclCommInitRank", r, None)?;
-                false
-            }
+            // SAFETY: valid out-pointer; blocks until every rank of the id has joined (unless
+            // NCCL_COMM_BLOCKING=0 makes it non-blocking after all: polled below).
+            _ => (false, unsafe {
+                (l.comm_init_rank)(&mut comm, world as i32, id, rank as i32)
+            }),
         };
+        let during = if nonblocking {
+            "ncclCommInitRankConfig"
+        } else {
+            "ncclCommInitRank"
+        };
+        if let Err(e) = check(during, r, None) {
+            if !comm.is_null() {
+                // SAFETY: a communicator NCCL handed out before failing; nothing else holds it.
+                unsafe {
+                    let _ = (l.comm_abort)(comm);
+                }
+            }
+            return Err(e);
+        }
         // Owned from here: a failure below aborts it on drop.
         let c = NcclComm {
             raw: Mutex::new(Raw {
@@ -416,12 +422,11 @@ impl NcclComm {
             }),
             rank,
             world,
-            nonblocking,
             timeout,
             failed: AtomicBool::new(true),
         };
-        if nonblocking && !settle(l, comm, "ncclCommInitRankConfig", timeout)? {
-            return Err(c.timed_out("ncclCommInitRankConfig", timeout));
+        if r == IN_PROGRESS && !settle(l, comm, during, timeout)? {
+            return Err(c.timed_out(during, timeout));
         }
         c.failed.store(false, Ordering::Relaxed);
         Ok(c)
@@ -496,7 +501,8 @@ impl NcclComm {
             Ok(false)
         })?;
         if finished {
-            return Ok(());
+            // done already; tells the device layer the host has seen the stream's work finish
+            return device.sync_event(&done);
         }
         let e = self.timed_out("a wait for collectives", self.timeout);
         Err(self.abort_after(&mut self.raw.lock(), e))
@@ -526,19 +532,17 @@ impl NcclComm {
         let l = lib()?;
         let mut raw = self.raw.lock();
         let comm = Self::live(&raw)?;
-        let mut in_progress = false;
         let r = device.enqueue_foreign(stream, views, &mut |ptrs: &[u64], s: *mut c_void| {
             let r = f(l, comm, ptrs, s.cast());
-            in_progress = r == IN_PROGRESS;
-            check(during, r, Some(comm))
-        });
-        // A non-blocking communicator takes no other call before NCCL finishes enqueueing.
-        let r = r.and_then(|()| match in_progress && self.nonblocking {
-            false => Ok(()),
-            true => match settle(l, comm, during, self.timeout)? {
-                true => Ok(()),
-                false => Err(self.timed_out(during, self.timeout)),
-            },
+            check(during, r, Some(comm))?;
+            // "In progress": a non-blocking communicator launches the kernels from a thread of
+            // its own. Polled here, inside the enqueue, so that the device layer records the
+            // buffers' use after the kernels are on the stream, and so that the communicator
+            // takes no other call before.
+            if r == IN_PROGRESS && !settle(l, comm, during, self.timeout)? {
+                return Err(self.timed_out(during, self.timeout));
+            }
+            Ok(())
         });
         r.map_err(|e| match e {
             // NCCL failed or never finished: the communicator is of no further use
@@ -792,28 +796,28 @@ impl NcclComm {
         // SAFETY: a live communicator and a valid out-pointer, which outlives the split: a
         // non-blocking split is polled to its end below. A null config inherits the parent's.
         let r = unsafe { split(parent, c, key, &mut out, std::ptr::null_mut()) };
-        let in_progress = r == IN_PROGRESS;
+        // In progress: the split runs as a job of the parent, which writes the child at its end;
+        // the parent's state shows its progress.
         let done = check("ncclCommSplit", r, Some(parent)).and_then(|()| {
-            if !(in_progress && self.nonblocking) {
-                return Ok(true);
-            }
-            // the parent runs the split's exchange of colors, the child its connections
-            Ok(settle(l, parent, "ncclCommSplit", self.timeout)?
-                && (out.is_null() || settle(l, out, "ncclCommSplit", self.timeout)?))
+            Ok(r != IN_PROGRESS || settle(l, parent, "ncclCommSplit", self.timeout)?)
         });
-        let done = match done {
-            Ok(d) => d,
-            Err(e) => return Err(self.abort_after(&mut raw, e)),
+        let failed = match done {
+            Ok(true) => None,
+            Ok(false) => Some(self.timed_out("ncclCommSplit", self.timeout)),
+            Err(e) => Some(e),
         };
-        if !done {
-            if !out.is_null() {
-                // SAFETY: the child never became usable; nothing else holds it.
+        if let Some(e) = failed {
+            // aborting the parent waits for the job, which may still write a child
+            let e = self.abort_after(&mut raw, e);
+            // SAFETY: read after the job ended; a child it wrote is no one else's.
+            let child = unsafe { std::ptr::read_volatile(&out) };
+            if !child.is_null() {
+                // SAFETY: as above.
                 unsafe {
-                    let _ = (l.comm_abort)(out);
+                    let _ = (l.comm_abort)(child);
                 }
             }
-            let e = self.timed_out("ncclCommSplit", self.timeout);
-            return Err(self.abort_after(&mut raw, e));
+            return Err(e);
         }
         drop(raw);
         if out.is_null() {
@@ -827,7 +831,6 @@ impl NcclComm {
             }),
             rank: 0,
             world: 0,
-            nonblocking: self.nonblocking,
             timeout: self.timeout,
             failed: AtomicBool::new(true),
         };
@@ -852,19 +855,21 @@ impl NcclComm {
 impl Drop for NcclComm {
     fn drop(&mut self) {
         let mut abort = *self.failed.get_mut() || std::thread::panicking();
-        let (nonblocking, timeout) = (self.nonblocking, self.timeout);
+        let timeout = self.timeout;
         let raw = self.raw.get_mut();
         if raw.comm.is_null() {
             return;
         }
         let Ok(l) = lib() else { return };
-        if !abort && nonblocking {
+        if !abort {
             if let Some(finalize) = l.comm_finalize {
-                // SAFETY: a live communicator we own mutably. A non-blocking communicator
-                // flushes its work in the background; destroy follows once it is done.
+                // SAFETY: a live communicator we own mutably. Finalize flushes its work (in the
+                // background for a non-blocking one, polled up to the timeout); destroy then
+                // frees it without waiting.
                 let r = unsafe { finalize(raw.comm) };
                 abort = !matches!(r, SUCCESS | IN_PROGRESS)
-                    || !settle(l, raw.comm, "ncclCommFinalize", timeout).unwrap_or(false);
+                    || (r == IN_PROGRESS
+                        && !settle(l, raw.comm, "ncclCommFinalize", timeout).unwrap_or(false));
             }
         }
         // SAFETY: the communicator is live and no call is being enqueued (we own it mutably).
@@ -932,12 +937,13 @@ mod tests {
 
     #[test]
     fn the_config_is_ncclconfig_of_nccl_2_14() {
-        // size, magic, version, blocking, cgaClusterSize, minCTAs, maxCTAs, netName
-        assert_eq!(std::mem::size_of::<Config>(), 40);
+        // size, magic, version, blocking: the head of every later ncclConfig_t
+        assert_eq!(std::mem::size_of::<Config>(), 24);
         assert_eq!(std::mem::offset_of!(Config, blocking), 16);
-        assert_eq!(std::mem::offset_of!(Config, net_name), 32);
         let c = Config::nonblocking();
-        assert_eq!((c.magic, c.version, c.blocking), (0xcafe_beef, 21_400, 0));
-        assert_eq!(c.min_ctas, i32::MIN);
+        assert_eq!(
+            (c.size, c.magic, c.version, c.blocking),
+            (24, 0xcafe_beef, 21_400, 0)
+        );
     }
 }

@@ -32,6 +32,7 @@
 
 #![warn(missing_docs)]
 
+pub(crate) mod checkpoint;
 pub mod chunk;
 pub mod comm;
 pub mod device;

@@ -1566,27 +1566,80 @@ impl ChunkManager {
 
     fn materialize(&mut self, c: usize) -> Result<()> {
         let mut h = self.alloc_host(c)?;
-        let (g, k) = (c / 4, LISTS[c % 4]);
-        match k {
-            ChunkKind::Momentum | ChunkKind::Variance => h.fill(0),
-            _ => {
-                h.fill(0);
-                let es = self.elem_bytes(k);
-                for &t in &self.layout.group_tensors[g] {
-                    let t = &self.tensors[t as usize];
-                    let mut v = vec![0.0f32; t.slot.numel];
-                    t.init.fill(&mut v);
-                    let dt = if k == ChunkKind::Param {
-                        self.cfg.param_dtype
-                    } else {
-                        DType::F32
-                    };
-                    let bytes = encode(&v, dt);
-                    h[t.slot.offset * es..t.slot.offset * es + bytes.len()].copy_from_slice(&bytes);
-                }
-            }
-        }
+        self.fill_initial(c, &mut h);
         self.payload[c].host = HostSlot::Ready(h);
+        Ok(())
+    }
+
+    /// Chunk `c`'s bytes before any use: its tensors' initial values (zeros for the moments and
+    /// the padding).
+    fn fill_initial(&self, c: usize, h: &mut [u8]) {
+        h.fill(0);
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        if matches!(k, ChunkKind::Momentum | ChunkKind::Variance) {
+            return;
+        }
+        let (es, dt) = (self.elem_bytes(k), self.list_dtype(k));
+        for &t in &self.layout.group_tensors[g] {
+            let t = &self.tensors[t as usize];
+            let mut v = vec![0.0f32; t.slot.numel];
+            t.init.fill(&mut v);
+            let bytes = encode(&v, dt);
+            h[t.slot.offset * es..t.slot.offset * es + bytes.len()].copy_from_slice(&bytes);
+        }
+    }
+
+    /// The element type of a list: the parameter dtype, f32 for the optimizer lists.
+    pub(super) fn list_dtype(&self, kind: ChunkKind) -> DType {
+        if kind == ChunkKind::Param {
+            self.cfg.param_dtype
+        } else {
+            DType::F32
+        }
+    }
+
+    /// Refuses `what` (a checkpoint) unless the manager is between iterations: before the
+    /// first fetch or after `end_step`/`skip_step`, when parameter chunks hold parameters.
+    pub(super) fn check_idle(&self, what: &str) -> Result<()> {
+        self.usable()?;
+        match self.stage {
+            None => Ok(()),
+            Some(s) => Err(Error::InvalidArgument(format!(
+                "{what} runs between iterations (before the first fetch or after end_step), not \
+                 during the {} stage",
+                s.name()
+            ))),
+        }
+    }
+
+    /// Hands `f` chunk `c`'s current bytes on the host: a dirty device copy is written back
+    /// first (under move semantics the chunk moves to the host), and a chunk that never had a
+    /// payload shows its initial values. No moment passes.
+    pub(super) fn read_chunk_host(
+        &mut self,
+        c: usize,
+        f: impl FnOnce(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        if self.sched.is_none() || self.chunk_state(g, k).is_none() {
+            let mut h = vec![0u8; self.chunk_bytes(c)];
+            self.fill_initial(c, &mut h);
+            return f(&h);
+        }
+        let moves = self.sched().sync_host(c as ChunkNo, false)?;
+        self.execute(&moves)?;
+        f(self.host_ready(c)?)
+    }
+
+    /// Hands `f` chunk `c`'s host copy to overwrite, after which it is the chunk's only copy:
+    /// a chunk without a payload gets one, and a device copy is dropped (written back first if
+    /// dirty, as any eviction). Closes registration. No moment passes.
+    pub(super) fn write_chunk_host(&mut self, c: usize, f: impl FnOnce(&mut [u8])) -> Result<()> {
+        self.close()?;
+        let mut moves = self.sched().materialize_on_host(c as ChunkNo)?;
+        moves.extend(self.sched().sync_host(c as ChunkNo, true)?);
+        self.execute(&moves)?;
+        f(self.host_ready(c)?);
         Ok(())
     }
 

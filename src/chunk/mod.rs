@@ -5,6 +5,7 @@ mod layout;
 
 pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
 
+mod checkpoint;
 mod manager;
 pub(crate) use manager::{check_distinct, grad_ranges, numel_of, ViewBuf};
 

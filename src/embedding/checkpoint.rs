@@ -1,24 +1,16 @@
 //! Checkpoints of embedding tables in the safetensors format, in the user's id order whatever
 //! the cache's internal row permutation.
 //!
-//! The writer streams rows straight from the host table (a table may be larger than RAM), so it
-//! writes the format's header itself; the reader validates the file with the `safetensors`
-//! crate over a memory map.
+//! The writer streams rows straight from the host table (a table may be larger than RAM); see
+//! [`crate::checkpoint`] for the file.
 
-use std::io::{BufWriter, Write};
+use std::collections::BTreeMap;
 use std::path::Path;
 
-use safetensors::{Dtype, SafeTensors};
+use safetensors::Dtype;
 
-use crate::error::{Error, Result};
-
-fn io(during: &'static str) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { during, source }
-}
-
-fn bad(path: &Path, what: impl std::fmt::Display) -> Error {
-    Error::InvalidArgument(format!("checkpoint {}: {what}", path.display()))
-}
+use crate::checkpoint::{bad, io, Entry, Reader};
+use crate::error::Result;
 
 /// Writes `weight` (`rows × dim`) and, when `stride > dim`, `state` (`rows × (stride - dim)`)
 /// in id order: id `i` is host row `perm[i]` of `host` (rows of `stride` floats).
@@ -31,37 +23,32 @@ pub(crate) fn save(
 ) -> Result<()> {
     let rows = perm.len();
     let state = stride - dim;
-    let wbytes = rows * dim * 4;
-    let sbytes = rows * state * 4;
-    let mut header = serde_json::json!({
-        "__metadata__": { "format": "tidemem-embedding", "rows": rows.to_string() },
-        "weight": { "dtype": "F32", "shape": [rows, dim], "data_offsets": [0, wbytes] },
-    });
+    let meta = BTreeMap::from([
+        ("format".to_string(), "tidemem-embedding".to_string()),
+        ("rows".to_string(), rows.to_string()),
+    ]);
+    let mut entries = vec![Entry {
+        name: "weight".into(),
+        dtype: Dtype::F32,
+        shape: vec![rows, dim],
+    }];
     if state > 0 {
-        header["state"] = serde_json::json!({
-            "dtype": "F32", "shape": [rows, state], "data_offsets": [wbytes, wbytes + sbytes]
+        entries.push(Entry {
+            name: "state".into(),
+            dtype: Dtype::F32,
+            shape: vec![rows, state],
         });
     }
-    let mut header = serde_json::to_vec(&header).map_err(|e| bad(path, e))?;
-    // Pad the header with spaces so the data starts 8-byte aligned.
-    while header.len() % 8 != 0 {
-        header.push(b' ');
-    }
-    let file = std::fs::File::create(path).map_err(io("creating a checkpoint"))?;
-    let mut out = BufWriter::with_capacity(1 << 20, file);
-    let w = io("writing a checkpoint");
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .map_err(io("writing a checkpoint"))?;
-    out.write_all(&header).map_err(io("writing a checkpoint"))?;
-    for range in [0..dim, dim..stride] {
-        for &row in perm {
-            let r = &host[row as usize * stride..(row as usize + 1) * stride];
-            out.write_all(bytemuck::cast_slice(&r[range.clone()]))
-                .map_err(io("writing a checkpoint"))?;
+    crate::checkpoint::write(path, &meta, &entries, |out| {
+        for range in std::iter::once(0..dim).chain((state > 0).then_some(dim..stride)) {
+            for &row in perm {
+                let r = &host[row as usize * stride..(row as usize + 1) * stride];
+                out.write_all(bytemuck::cast_slice(&r[range.clone()]))
+                    .map_err(io("writing a checkpoint"))?;
+            }
         }
-    }
-    out.flush().map_err(w)?;
-    Ok(())
+        Ok(())
+    })
 }
 
 /// Reads a checkpoint written by [`save`] for a table of `rows × dim` with `state` floats of
@@ -72,11 +59,8 @@ pub(crate) fn load(
     dim: usize,
     state: usize,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
-    let file = std::fs::File::open(path).map_err(io("opening a checkpoint"))?;
-    // SAFETY: the map is read-only and dropped before returning; like every reader of a file,
-    // this assumes no other process truncates the checkpoint while it is being loaded.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io("mapping a checkpoint"))?;
-    let st = SafeTensors::deserialize(&map).map_err(|e| bad(path, e))?;
+    let file = Reader::open(path)?;
+    let st = file.tensors()?;
     let read = |name: &str, cols: usize| -> Result<Vec<f32>> {
         let t = st.tensor(name).map_err(|e| bad(path, e))?;
         if t.dtype() != Dtype::F32 || t.shape() != [rows, cols] {

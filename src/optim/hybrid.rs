@@ -30,6 +30,9 @@
 //!
 //! The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
 
+use std::collections::BTreeMap;
+use std::path::Path;
+
 use serde::Serialize;
 
 use super::adam::{AdamConfig, AdamScalars};
@@ -162,6 +165,19 @@ pub struct HybridAdam {
     broken: bool,
 }
 
+/// The counters of a [`HybridAdam`] a checkpoint holds: the step count and the loss scaler's
+/// scale, clean steps and allowance.
+struct Counters {
+    steps: u64,
+    scaler: Option<(f32, u32, u32)>,
+}
+
+/// Checkpoint metadata keys of [`HybridAdam`].
+const META_STEPS: &str = "adam.steps";
+const META_SCALE: &str = "loss_scaler.scale";
+const META_CLEAN: &str = "loss_scaler.clean_steps";
+const META_ALLOWANCE: &str = "loss_scaler.allowance";
+
 impl HybridAdam {
     /// An optimizer with settings `cfg`.
     pub fn new(cfg: HybridConfig) -> Result<Self> {
@@ -228,6 +244,95 @@ impl HybridAdam {
     /// The CPU kernel in use.
     pub fn cpu(&self) -> &CpuAdam {
         &self.cpu
+    }
+
+    /// The counters a checkpoint keeps beside the chunks, as file metadata: the step count
+    /// (Adam's bias correction) and the loss scaler's state. Refused in the middle of gradient
+    /// accumulation, whose accumulators a checkpoint does not hold.
+    pub(crate) fn checkpoint_metadata(&self) -> Result<BTreeMap<String, String>> {
+        if self.micro != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "a checkpoint after micro-batch {} of {} would lose the accumulated gradients: \
+                 save after the step",
+                self.micro, self.cfg.accumulation_steps
+            )));
+        }
+        let mut m = BTreeMap::from([(META_STEPS.to_string(), self.steps.to_string())]);
+        if let Some(sc) = &self.scaler {
+            // `{:?}` prints the shortest text that parses back to the same f32
+            m.insert(META_SCALE.into(), format!("{:?}", sc.scale()));
+            m.insert(META_CLEAN.into(), sc.clean_steps().to_string());
+            m.insert(META_ALLOWANCE.into(), sc.allowance().to_string());
+        }
+        Ok(m)
+    }
+
+    /// Checks a checkpoint's optimizer metadata against this optimizer and returns what
+    /// [`HybridAdam::restore_metadata`] applies: the step count and the scaler's state.
+    fn parse_metadata(&self, meta: &BTreeMap<String, String>) -> Result<Counters> {
+        fn get<T: std::str::FromStr>(meta: &BTreeMap<String, String>, key: &str) -> Result<T> {
+            meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "the checkpoint's metadata has no valid '{key}' (not saved by HybridAdam?)"
+                ))
+            })
+        }
+        let steps = get(meta, META_STEPS)?;
+        let scaler = match (&self.scaler, meta.contains_key(META_SCALE)) {
+            (Some(_), true) => Some((
+                get(meta, META_SCALE)?,
+                get(meta, META_CLEAN)?,
+                get(meta, META_ALLOWANCE)?,
+            )),
+            (None, false) => None,
+            (Some(_), false) => {
+                return Err(Error::InvalidArgument(
+                    "the checkpoint was saved without loss scaling, this optimizer has it".into(),
+                ))
+            }
+            (None, true) => {
+                return Err(Error::InvalidArgument(
+                    "the checkpoint was saved with loss scaling, this optimizer has none".into(),
+                ))
+            }
+        };
+        if let (Some(sc), Some((scale, _, _))) = (&self.scaler, scaler) {
+            // checked now, so that restoring cannot fail after the chunks were loaded
+            sc.clone().restore(scale, 0, 0)?;
+        }
+        Ok(Counters { steps, scaler })
+    }
+
+    /// Restores the counters of [`HybridAdam::checkpoint_metadata`]; fails, changing nothing,
+    /// on metadata that does not fit this optimizer.
+    pub(crate) fn restore_metadata(&mut self, meta: &BTreeMap<String, String>) -> Result<()> {
+        let Counters { steps, scaler } = self.parse_metadata(meta)?;
+        if let (Some(sc), Some((scale, clean, allowance))) = (&mut self.scaler, scaler) {
+            sc.restore(scale, clean, allowance)?;
+        }
+        self.steps = steps;
+        self.micro = 0;
+        self.acc.clear();
+        self.touched.clear();
+        Ok(())
+    }
+
+    /// Saves `m`'s chunks ([`ChunkManager::save_checkpoint`]) with this optimizer's step count
+    /// and loss scaler state in the file's metadata. Between iterations only, and not in the
+    /// middle of gradient accumulation.
+    pub fn save_checkpoint(&self, m: &mut ChunkManager, path: impl AsRef<Path>) -> Result<()> {
+        m.save_checkpoint(path, &self.checkpoint_metadata()?)
+    }
+
+    /// Loads a checkpoint of [`HybridAdam::save_checkpoint`] into `m` and this optimizer, so
+    /// that training goes on exactly as it would have from the save. Everything is checked
+    /// before anything changes (the chunks, and the optimizer's metadata: loss scaling on both
+    /// sides or neither).
+    pub fn load_checkpoint(&mut self, m: &mut ChunkManager, path: impl AsRef<Path>) -> Result<()> {
+        let meta = crate::checkpoint::Reader::open(path.as_ref())?.metadata()?;
+        self.parse_metadata(&meta)?;
+        let meta = m.load_checkpoint(path)?;
+        self.restore_metadata(&meta)
     }
 
     /// How many chunk groups of `m` step on the device now: none during warm-up (the device

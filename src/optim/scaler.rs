@@ -143,6 +143,22 @@ impl LossScaler {
         &self.cfg
     }
 
+    /// Puts the scaler back where a checkpoint found it: `scale`, clean steps and allowance
+    /// (as [`LossScaler::scale`], [`LossScaler::clean_steps`] and [`LossScaler::allowance`]
+    /// returned them). Fails, changing nothing, on a scale outside the configured range.
+    pub fn restore(&mut self, scale: f32, clean: u32, allowance: u32) -> Result<()> {
+        if !(scale >= self.cfg.min_scale && scale <= self.cfg.max_scale) {
+            return Err(Error::InvalidArgument(format!(
+                "loss scale {scale} is outside the configured range [{}, {}]",
+                self.cfg.min_scale, self.cfg.max_scale
+            )));
+        }
+        self.scale = scale;
+        self.clean = clean;
+        self.allowance = allowance;
+        Ok(())
+    }
+
     /// Takes the outcome of a step: `overflow` when a gradient was infinite or NaN.
     pub fn update(&mut self, overflow: bool) -> ScaleUpdate {
         if overflow {

@@ -708,6 +708,17 @@ impl Scheduler {
         moves
     }
 
+    /// Gives a chunk that never had a payload its host copy (initial values), outside any
+    /// moment: for a checkpoint load that overwrites it.
+    pub fn materialize_on_host(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
+        let i = self.check(chunk)?;
+        let mut moves = Vec::new();
+        if !self.st[i].materialized {
+            self.materialize(i, &mut moves);
+        }
+        Ok(moves)
+    }
+
     /// Makes the host copy of a chunk current (writing back a dirty device copy) without moving
     /// it; with `drop_device` the device copy is freed too. Refused for a chunk in use on the device.
     pub fn sync_host(&mut self, chunk: ChunkNo, drop_device: bool) -> Result<Vec<Move>> {

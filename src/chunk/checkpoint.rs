@@ -1,0 +1,216 @@
+//! Checkpoints of a [`ChunkManager`]: every tensor's parameter, fp32 master and Adam moments in
+//! one safetensors file, by tensor name, whatever the chunk size, tier or placement.
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::Path;
+
+use safetensors::tensor::TensorView as StView;
+
+use super::manager::ChunkManager;
+use super::{decode, encode, ChunkKind};
+use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader};
+use crate::error::{Error, Result};
+use crate::simulate::ChunkPlan;
+
+/// The metadata key naming the format, and its value.
+const FORMAT: (&str, &str) = ("format", "tidemem-chunks");
+
+/// The name of `tensor`'s entry in list `kind`.
+fn entry_name(kind: ChunkKind, tensor: &str) -> String {
+    format!("{}/{tensor}", kind.name())
+}
+
+impl ChunkManager {
+    /// Tensor names, which must be unique for a checkpoint to name them.
+    fn checkpoint_names(&self) -> Result<Vec<String>> {
+        let names: Vec<String> = (0..self.num_tensors() as u32)
+            .map(|t| {
+                self.tensor_info(crate::tensor::TensorId(t))
+                    .map(|i| i.0.to_string())
+            })
+            .collect::<Result<_>>()?;
+        let mut seen = HashSet::new();
+        if let Some(n) = names.iter().find(|n| !seen.insert(n.as_str())) {
+            return Err(Error::InvalidArgument(format!(
+                "two tensors are named '{n}': a checkpoint names tensors, so names must differ"
+            )));
+        }
+        Ok(names)
+    }
+
+    /// Writes every tensor's parameter, fp32 master and Adam moments to `path` in the
+    /// safetensors format, with `metadata` added to the file's.
+    ///
+    /// A tensor `w` is stored as `param/w` (in the parameter dtype), `master/w`, `momentum/w`
+    /// and `variance/w` (f32), each of the tensor's shape; the metadata also holds
+    /// `format = tidemem-chunks` and `param_dtype`. The file is written chunk by chunk (a model
+    /// on the file tier is never read into RAM whole) and replaces an earlier one at `path`
+    /// only once complete. Runs between iterations only: before the first fetch (initial
+    /// values) or after [`end_step`](ChunkManager::end_step). Dirty device copies are written
+    /// back to the host first (under a move-semantics policy such chunks move to the host); no
+    /// moment passes, so the tide and the schedule are unchanged.
+    ///
+    /// ```
+    /// use std::collections::BTreeMap;
+    /// use tidemem::chunk::{ChunkManager, ManagerConfig};
+    /// use tidemem::device::{Device, SimConfig};
+    /// use tidemem::tensor::Init;
+    /// use tidemem::tide::Policy;
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let path = dir.path().join("model.safetensors");
+    /// let new = || -> tidemem::Result<_> {
+    ///     let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    ///     ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))
+    /// };
+    /// let mut a = new()?;
+    /// let w = a.register("w", &[4, 4], Init::Constant(0.5))?;
+    /// a.save_checkpoint(&path, &BTreeMap::new())?;
+    /// let mut b = new()?;
+    /// let v = b.register("w", &[4, 4], Init::Zeros)?;
+    /// b.load_checkpoint(&path)?;
+    /// assert_eq!(b.master(v)?, a.master(w)?);
+    /// # Ok(()) }
+    /// ```
+    pub fn save_checkpoint(
+        &mut self,
+        path: impl AsRef<Path>,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        self.check_idle("save_checkpoint")?;
+        let names = self.checkpoint_names()?;
+        let layout = self.layout().clone();
+        let mut entries = Vec::new();
+        // (offset, numel) of every tensor of every group, in file order
+        let mut spans: Vec<Vec<(usize, usize)>> = Vec::new();
+        for g in 0..layout.groups() {
+            let ts = &layout.group_tensors[g];
+            for kind in ChunkKind::ALL {
+                for &t in ts {
+                    let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t))?;
+                    entries.push(Entry {
+                        name: entry_name(kind, &names[t as usize]),
+                        dtype: st_dtype(self.list_dtype(kind)),
+                        shape: shape.to_vec(),
+                    });
+                }
+            }
+            spans.push(
+                ts.iter()
+                    .map(|&t| {
+                        let s = layout.slots[t as usize];
+                        (s.offset, s.numel)
+                    })
+                    .collect(),
+            );
+        }
+        let mut meta = metadata.clone();
+        meta.insert(FORMAT.0.into(), FORMAT.1.into());
+        meta.insert("param_dtype".into(), self.param_dtype().name().into());
+        crate::checkpoint::write(path.as_ref(), &meta, &entries, |out| {
+            for (g, spans) in spans.iter().enumerate() {
+                for kind in ChunkKind::ALL {
+                    let es = self.list_dtype(kind).size();
+                    let c = ChunkPlan::chunk_no(g as u32, kind) as usize;
+                    self.read_chunk_host(c, |bytes| {
+                        for &(off, n) in spans {
+                            out.write_all(&bytes[off * es..(off + n) * es])
+                                .map_err(io("writing a checkpoint"))?;
+                        }
+                        Ok(())
+                    })?;
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Reads a checkpoint written by [`ChunkManager::save_checkpoint`] for the same tensors
+    /// (names and shapes; registration order and chunk size may differ) and returns the file's
+    /// metadata. Every tensor of the manager must be in the file and every tensor of the file in
+    /// the manager; a parameter saved in another float dtype is converted. The file is checked
+    /// whole before anything changes: on an error the manager is as it was. Runs between
+    /// iterations only; device copies are dropped (dirty ones written back first), so the next
+    /// iteration loads the restored chunks.
+    pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
+        self.check_idle("load_checkpoint")?;
+        let names = self.checkpoint_names()?;
+        let file = Reader::open(path.as_ref())?;
+        let meta = file.metadata()?;
+        if meta.get(FORMAT.0).map(String::as_str) != Some(FORMAT.1) {
+            return Err(file.bad(format!(
+                "not a chunk checkpoint (its metadata lacks {}={})",
+                FORMAT.0, FORMAT.1
+            )));
+        }
+        let st = file.tensors()?;
+        let mut views: Vec<[StView<'_>; 4]> = Vec::with_capacity(names.len());
+        let mut known = HashSet::new();
+        for (t, name) in names.iter().enumerate() {
+            let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t as u32))?;
+            let mut four = Vec::with_capacity(4);
+            for kind in ChunkKind::ALL {
+                let key = entry_name(kind, name);
+                let v = st
+                    .tensor(&key)
+                    .map_err(|_| file.bad(format!("it has no tensor '{key}'")))?;
+                let dtype_ok = match kind {
+                    ChunkKind::Param => from_st_dtype(v.dtype()).is_some(),
+                    _ => v.dtype() == safetensors::Dtype::F32,
+                };
+                if !dtype_ok || v.shape() != shape {
+                    return Err(file.bad(format!(
+                        "'{key}' is {:?} {:?}, expected {} {shape:?}",
+                        v.dtype(),
+                        v.shape(),
+                        self.list_dtype(kind).name()
+                    )));
+                }
+                known.insert(key);
+                four.push(v);
+            }
+            views.push(
+                four.try_into()
+                    .unwrap_or_else(|_| unreachable!("four lists")),
+            );
+        }
+        let mut extra: Vec<String> = st
+            .names()
+            .into_iter()
+            .filter(|n| !known.contains(*n))
+            .cloned()
+            .collect();
+        if !extra.is_empty() {
+            extra.sort();
+            extra.truncate(5);
+            return Err(file.bad(format!(
+                "it holds tensors this model does not have: {}",
+                extra.join(", ")
+            )));
+        }
+        let layout = self.layout().clone();
+        let pdt = self.param_dtype();
+        for g in 0..layout.groups() {
+            for kind in ChunkKind::ALL {
+                let es = self.list_dtype(kind).size();
+                let c = ChunkPlan::chunk_no(g as u32, kind) as usize;
+                let views = &views;
+                let group = &layout.group_tensors[g];
+                self.write_chunk_host(c, |h| {
+                    for &t in group {
+                        let slot = layout.slots[t as usize];
+                        let dst = &mut h[slot.offset * es..(slot.offset + slot.numel) * es];
+                        let v = &views[t as usize][kind.index()];
+                        match from_st_dtype(v.dtype()) {
+                            Some(d) if kind == ChunkKind::Param && d != pdt => {
+                                dst.copy_from_slice(&encode(&decode(v.data(), d), pdt));
+                            }
+                            _ => dst.copy_from_slice(v.data()),
+                        }
+                    }
+                })?;
+            }
+        }
+        Ok(meta)
+    }
+}

@@ -303,6 +303,11 @@ impl HybridAdam {
         Ok(Counters { steps, scaler })
     }
 
+    /// Checks that a checkpoint's metadata fits this optimizer, changing nothing.
+    pub(crate) fn check_metadata(&self, meta: &BTreeMap<String, String>) -> Result<()> {
+        self.parse_metadata(meta).map(drop)
+    }
+
     /// Restores the counters of [`HybridAdam::checkpoint_metadata`]; fails, changing nothing,
     /// on metadata that does not fit this optimizer.
     pub(crate) fn restore_metadata(&mut self, meta: &BTreeMap<String, String>) -> Result<()> {
@@ -330,7 +335,7 @@ impl HybridAdam {
     /// sides or neither).
     pub fn load_checkpoint(&mut self, m: &mut ChunkManager, path: impl AsRef<Path>) -> Result<()> {
         let meta = crate::checkpoint::Reader::open(path.as_ref())?.metadata()?;
-        self.parse_metadata(&meta)?;
+        self.check_metadata(&meta)?;
         let meta = m.load_checkpoint(path)?;
         self.restore_metadata(&meta)
     }

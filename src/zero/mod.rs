@@ -58,6 +58,7 @@
 //! Every rank must make the same calls in the same order (the trainer code is the same on all
 //! ranks); the collectives check it on the in-process backend.
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::chunk::{
@@ -939,7 +940,54 @@ impl ZeroManager {
     pub fn param_dtype(&self) -> DType {
         self.local.param_dtype()
     }
+
+    /// Saves this rank's shard (the tensors of the chunks it owns, by their global names) and
+    /// `adam`'s counters to `path`, as [`HybridAdam::save_checkpoint`] does, with the rank and
+    /// world size in the metadata: every rank saves its own file. Between iterations only.
+    pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
+        self.idle("save_checkpoint")?;
+        self.close()?;
+        let mut meta = adam.checkpoint_metadata()?;
+        meta.insert(META_RANK.into(), self.comm.rank().to_string());
+        meta.insert(META_WORLD.into(), self.world().to_string());
+        self.local.save_checkpoint(path, &meta)
+    }
+
+    /// Loads this rank's shard and `adam`'s counters from a file that
+    /// [`ZeroManager::save_checkpoint`] wrote on the same rank of a group of the same size;
+    /// everything is checked before anything changes. Between iterations only.
+    pub fn load_checkpoint(&mut self, adam: &mut HybridAdam, path: impl AsRef<Path>) -> Result<()> {
+        self.idle("load_checkpoint")?;
+        let meta = crate::checkpoint::Reader::open(path.as_ref())?.metadata()?;
+        let (r, n) = (self.comm.rank().to_string(), self.world().to_string());
+        if meta.get(META_RANK) != Some(&r) || meta.get(META_WORLD) != Some(&n) {
+            return Err(Error::InvalidArgument(format!(
+                "checkpoint {} was saved by rank {} of {}, this is rank {r} of {n}",
+                path.as_ref().display(),
+                meta.get(META_RANK).map_or("?", String::as_str),
+                meta.get(META_WORLD).map_or("?", String::as_str),
+            )));
+        }
+        adam.check_metadata(&meta)?;
+        self.close()?;
+        let meta = self.local.load_checkpoint(path)?;
+        adam.restore_metadata(&meta)
+    }
+
+    fn idle(&self, what: &str) -> Result<()> {
+        match self.stage {
+            None => Ok(()),
+            Some(s) => Err(Error::InvalidArgument(format!(
+                "{what} runs between iterations, not during the {} stage",
+                s.name()
+            ))),
+        }
+    }
 }
+
+/// Checkpoint metadata keys of a [`ZeroManager`] shard.
+const META_RANK: &str = "zero.rank";
+const META_WORLD: &str = "zero.world";
 
 impl ParamStore for ZeroManager {
     fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {

@@ -153,9 +153,14 @@ impl CacheIndex {
         self.stats
     }
 
-    /// Bytes of host memory the maps take.
+    /// Bytes of host memory the maps take (with the rows kept of prefetched batches).
     pub fn map_bytes(&self) -> usize {
-        8 * self.rows() + 21 * self.capacity()
+        let memo: usize = self
+            .prefetched
+            .iter()
+            .map(|(ids, rows)| 4 * (ids.len() + rows.len()))
+            .sum();
+        8 * self.rows() + 17 * self.capacity() + self.capacity().div_ceil(64) * 8 + memo
     }
 
     /// The host row of `id`.
@@ -238,7 +243,7 @@ impl CacheIndex {
             .prefetched
             .iter()
             .position(|(p, _)| p.as_slice() == ids)
-            .map(|k| self.prefetched.swap_remove(k).1);
+            .map(|k| self.prefetched.remove(k).1);
         let (rows, slots) = self.lookup(ids, 0, known)?;
         self.decide(&rows, slots, &[], false)
     }
@@ -340,8 +345,9 @@ impl CacheIndex {
             slots.extend(s);
             looked_up.push((b.to_vec(), r));
         }
-        // rows depend on the permutation only, so they stay right whatever this decides; the
-        // batches of earlier prefetches not prepared yet are kept too, up to a few
+        let mut plan = self.decide(&rows, slots, keep, true)?;
+        plan.slots.clear();
+        // the batches of earlier prefetches not prepared yet are kept too, up to a few
         let keep_batches = batches.len().max(PREFETCHED_BATCHES);
         let old = self
             .prefetched
@@ -349,8 +355,6 @@ impl CacheIndex {
             .saturating_sub(keep_batches - looked_up.len());
         self.prefetched.drain(..old);
         self.prefetched.extend(looked_up);
-        let mut plan = self.decide(&rows, slots, keep, true)?;
-        plan.slots.clear();
         Ok(plan)
     }
 
@@ -406,7 +410,8 @@ impl CacheIndex {
             plan.misses = missed.len();
         }
         if let Policy::Optimal(t) = &self.policy {
-            for &r in &missed {
+            // every row, hits too, before anything changes: the keys it sets after must not fail
+            for &r in rows {
                 t.next_use(r)?;
             }
         }
@@ -430,7 +435,11 @@ impl CacheIndex {
             }
             let mut victims: Vec<u32> = cand
                 .iter()
-                .map(|&k| self.row_to_slot[row_of_key(k) as usize])
+                .map(|&k| {
+                    let s = self.row_to_slot[row_of_key(k) as usize];
+                    debug_assert_eq!(self.slot_to_row[s as usize], row_of_key(k), "stale key");
+                    s
+                })
                 .collect();
             victims.sort_unstable();
             for s in victims {
@@ -454,6 +463,9 @@ impl CacheIndex {
             self.used[(slot >> 6) as usize] |= 1 << (slot & 63);
             self.count[slot as usize] = 0;
             self.dirty[slot as usize] = false;
+            // every occupied slot's key names its row (victims are found through it); the
+            // policy sets the real key below
+            self.keys[slot as usize] = key(0, row);
             plan.admit.push((slot, row));
         }
         self.stats.admitted += plan.admit.len() as u64;
@@ -839,6 +851,34 @@ mod tests {
     }
 
     /// Belady's MIN never loses to the online policies on the same trace.
+    /// A batch the optimal policy's trace does not hold (even one that only hits) fails before
+    /// anything changes, and the index goes on as if it had not been asked.
+    #[test]
+    fn an_optimal_trace_mismatch_changes_nothing() {
+        let trace = vec![vec![0, 1], vec![2, 3], vec![3]];
+        let mut ix =
+            CacheIndex::new(10, 2, Policy::Optimal(OptimalTrace::new(&trace).unwrap())).unwrap();
+        ix.prepare(&[0, 1]).unwrap();
+        let before = (
+            ix.row_to_slot.clone(),
+            ix.slot_to_row.clone(),
+            ix.keys.clone(),
+        );
+        // row 0 hits but is not in the trace's batch 1
+        assert!(ix.prepare(&[0, 2]).is_err());
+        assert_eq!(
+            (
+                ix.row_to_slot.clone(),
+                ix.slot_to_row.clone(),
+                ix.keys.clone()
+            ),
+            before
+        );
+        ix.prepare(&[2, 3]).unwrap();
+        ix.prepare(&[3]).unwrap();
+        check_invariants(&ix);
+    }
+
     #[test]
     fn optimal_beats_online_policies() {
         let mut seed = 7u64;

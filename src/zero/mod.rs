@@ -34,9 +34,11 @@
 //!   the in-process backend gathers on the host either way). The first fetch of a prefetched
 //!   group orders the compute stream after its all-gather through an event. If a stage leaves
 //!   the recorded order, prefetching stops until the next stage; every rank makes the same
-//!   decision, since every rank runs the same code. During warm-up the pool holds a reserve of
-//!   `depth` gather buffers, so the tide the scheduler plans with has room for the prefetched
-//!   buffers. A forward gather made ahead fetches the owned chunk then, as an on-demand one
+//!   decision, since every rank runs the same code. Prefetching starts once every rank's
+//!   manager has finished its warm-up, agreed by a one-byte all-reduce at the end of each
+//!   warm-up step, so no rank prefetches while another still records. During warm-up the pool
+//!   holds a reserve of `depth` gather buffers, so the tide the scheduler plans with has room
+//!   for the prefetched buffers. A forward gather made ahead fetches the owned chunk then, as an on-demand one
 //!   does. A backward gather made ahead copies the owned chunk's parameters without a use
 //!   ([`ChunkManager::copy_param_into`]); the chunk is fetched and held for its gradients at
 //!   the group's first backward use, the moment the warm-up recorded, so the rank's manager
@@ -109,6 +111,9 @@ struct Prefetch {
     on_order: bool,
     /// Room for `depth` gather buffers, held in the pool during warm-up.
     reserve: Vec<Block>,
+    /// Every rank's manager has finished its warm-up (agreed in `step`, so that every rank
+    /// records and prefetches alike).
+    all_steady: bool,
 }
 
 /// Collective work of a [`ZeroManager`] so far.
@@ -649,7 +654,7 @@ impl ZeroManager {
         if self.stage.is_none() {
             // a new iteration: record the forward order until the tide is steady
             let p = &mut self.prefetch;
-            p.recording = p.depth > 0 && !self.local.is_steady();
+            p.recording = p.depth > 0 && !p.all_steady;
             if p.recording {
                 p.order.iter_mut().for_each(Vec::clear);
             }
@@ -659,12 +664,12 @@ impl ZeroManager {
         let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
         groups.dedup();
         for j in groups {
-            let first_use = match &mut self.gathers[j] {
+            let first_use = match &self.gathers[j] {
                 None => {
                     self.gather(j, stage, false)?;
                     true
                 }
-                Some(g) => !std::mem::replace(&mut g.used, true),
+                Some(g) => !g.used,
             };
             if let Some(ev) = self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
                 self.comm.device().wait_event(&self.stream, &ev)?;
@@ -675,6 +680,8 @@ impl ZeroManager {
                 }
                 self.first_use(j, stage)?;
             }
+            // used only once the owned chunk is held: a failed fetch is a first use again
+            self.gathers[j].as_mut().expect("gathered above").used = true;
         }
         self.stage = Some(stage);
         for &id in ids {
@@ -921,9 +928,16 @@ impl ZeroManager {
                 nonfinite: flag[0] != 0,
             })
         })?;
-        if self.local.is_steady() {
-            // the tide has the reserve's room at every moment; prefetched buffers use it now
-            self.prefetch.reserve.clear();
+        if self.prefetch.depth > 0 && !self.prefetch.all_steady {
+            // A rank's manager may finish warm-up later than another's (say, one whose chunks
+            // had no backward use): prefetch starts when all have, on every rank alike.
+            let mut steady = [u8::from(self.local.is_steady())];
+            self.comm.all_reduce_host(&mut steady, ReduceOp::Min)?;
+            if steady[0] == 1 {
+                self.prefetch.all_steady = true;
+                // every tide has the reserve's room at every moment; prefetched buffers use it
+                self.prefetch.reserve.clear();
+            }
         }
         for id in 0..self.tensors.len() {
             let t = &mut self.tensors[id];

@@ -1,7 +1,8 @@
 //! Random event sequences, legal and illegal, on random models and budgets: every accepted event
 //! takes tensors along legal edges only, a refused one changes nothing, no byte of any tensor is
-//! lost or corrupted (checked against a shadow copy), the device never holds more chunk bytes
-//! than its capacity, and a chunk with a COMPUTE tensor never moves.
+//! lost or corrupted (checked against a shadow copy), not even through a checkpoint saved and
+//! loaded back, the device never holds more chunk bytes than its capacity, and a chunk with a
+//! COMPUTE tensor never moves.
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the shadow model element by element
 use proptest::prelude::*;
@@ -20,6 +21,8 @@ enum Op {
     EndBackward,
     Step,
     Skip,
+    /// Save a checkpoint and go on with a new manager that loads it (between iterations only).
+    Checkpoint,
 }
 
 fn op(n: usize) -> impl Strategy<Value = Op> {
@@ -34,6 +37,7 @@ fn op(n: usize) -> impl Strategy<Value = Op> {
         1 => Just(Op::EndBackward),
         1 => Just(Op::Step),
         1 => Just(Op::Skip),
+        1 => Just(Op::Checkpoint),
     ]
 }
 
@@ -55,6 +59,7 @@ impl Driver {
             .filter(|&i| i < n && !self.fetched.contains(&i))
             .collect();
         match self.stage {
+            0 if self.fwd.iter().all(|&f| f == 0) && c < 12 => vec![Op::Checkpoint],
             0 if !self.fetched.is_empty() && (c < 140 || free.is_empty()) => {
                 vec![Op::Release(Stage::Forward, self.fetched.clone())]
             }
@@ -108,7 +113,7 @@ impl Driver {
             Op::Step | Op::Skip => {
                 *self = Driver::default();
             }
-            Op::WriteGrad(..) => {}
+            Op::WriteGrad(..) | Op::Checkpoint => {}
         }
     }
 }
@@ -172,7 +177,15 @@ proptest! {
         let mut cfg = ManagerConfig::new(chunk_elems, pol);
         cfg.scheduler.overall_fraction = 1.0;
         cfg.scheduler.warmup_chunk_fraction = 1.0;
-        let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+        let new_manager = || {
+            let mut m = ChunkManager::new(dev.clone(), cfg.clone()).unwrap();
+            for (i, &s) in sizes.iter().enumerate() {
+                // initial values that a lost load would show
+                m.register(&format!("t{i}"), &[s], Init::Constant(7.0)).unwrap();
+            }
+            m
+        };
+        let mut m = ChunkManager::new(dev.clone(), cfg.clone()).unwrap();
         let mut master: Vec<Vec<f32>> = Vec::new();
         let mut param: Vec<Vec<f32>> = Vec::new();
         for (i, &s) in sizes.iter().enumerate() {
@@ -185,6 +198,7 @@ proptest! {
         }
         let mut grad = vec![false; n];
         let mut driver = Driver::default();
+        let file = tempfile::NamedTempFile::new().unwrap();
         for (kind, c, random, seed) in raw {
           // one step in ten is an arbitrary (mostly illegal) event
           let set: Vec<usize> = match &random { Op::Fetch(_, t) | Op::Release(_, t) => t.clone(), _ => vec![0] };
@@ -258,6 +272,11 @@ proptest! {
                     }
                     r
                 }
+                Op::Checkpoint => m.save_checkpoint(file.path(), &Default::default()).map(|()| {
+                    // the old manager's device memory goes back before the new one loads
+                    m = new_manager();
+                    m.load_checkpoint(file.path()).unwrap();
+                }),
             };
             if result.is_ok() {
                 driver.applied(&op, n);
@@ -268,7 +287,12 @@ proptest! {
             let evs = events(&op);
             for i in 0..n {
                 for k in 0..4 {
-                    if result.is_err() && !matches!(op, Op::Step) {
+                    if matches!(op, Op::Checkpoint) && result.is_ok() {
+                        // a loaded tensor has a payload: FREE ones are HOLD
+                        let held = before[i][k] == TensorState::Free && after[i][k] == TensorState::Hold;
+                        prop_assert!(before[i][k] == after[i][k] || held,
+                            "a checkpoint took t{} list {} {} -> {}", i, k, before[i][k], after[i][k]);
+                    } else if result.is_err() && !matches!(op, Op::Step) {
                         prop_assert_eq!(before[i][k], after[i][k], "refused {:?} changed t{} list {}", &op, i, k);
                     } else {
                         prop_assert!(legal_path(before[i][k], after[i][k], &evs),

@@ -131,7 +131,7 @@ impl ChunkManager {
     /// the manager; a parameter saved in another float dtype is converted. The file is checked
     /// whole before anything changes: on an error the manager is as it was. Runs between
     /// iterations only; device copies are dropped (dirty ones written back first), so the next
-    /// iteration loads the restored chunks.
+    /// iteration loads the restored chunks. Every tensor is HOLD afterwards (it has a payload).
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
         self.check_idle("load_checkpoint")?;
         let names = self.checkpoint_names()?;
@@ -211,6 +211,7 @@ impl ChunkManager {
                 })?;
             }
         }
+        self.hold_loaded();
         Ok(meta)
     }
 }

@@ -1631,6 +1631,17 @@ impl ChunkManager {
         f(self.host_ready(c)?)
     }
 
+    /// After a checkpoint load every tensor has a payload: FREE tensors become HOLD.
+    pub(super) fn hold_loaded(&mut self) {
+        for t in &mut self.tensors {
+            for s in &mut t.state {
+                if *s == TensorState::Free {
+                    *s = TensorState::Hold;
+                }
+            }
+        }
+    }
+
     /// Hands `f` chunk `c`'s host copy to overwrite, after which it is the chunk's only copy:
     /// a chunk without a payload gets one, and a device copy is dropped (written back first if
     /// dirty, as any eviction). Closes registration. No moment passes.

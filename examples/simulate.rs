@@ -10,7 +10,8 @@
 //! - `model`: `name`, `layers`, `hidden`, `heads`, `vocab`, `seq`, `batch`, `params`
 //! - `device_mem`, `host_mem`: bytes
 //! - `chunk_elems`, `groups`, `model_data_bytes`, `param_chunk_bytes`, `file_bytes`,
-//!   `peak_non_model`, `min_budget`, `moments`
+//!   `peak_non_model`, `min_budget`, `moments`, `device_adam_groups` (chunk groups Adam steps
+//!   on the device after warm-up; 0 without `--device-adam`)
 //! - `bound`: `{ h2d_bytes, d2h_bytes }`, the offline lower bound per steady iteration
 //! - `policies`: list of `{ policy, h2d_bytes, d2h_bytes, total_bytes, ratio_to_bound,
 //!   warmup_h2d_bytes, warmup_d2h_bytes, loads, write_backs, clean_drops, prefetches }` for the
@@ -22,6 +23,7 @@
 use clap::Parser;
 use serde_json::{json, Value};
 use tidemem::device::fmt_bytes;
+use tidemem::optim::DevicePlacement;
 use tidemem::simulate::{gpt, largest_fitting, simulate, GptConfig, SimOptions};
 use tidemem::tide::Policy;
 use tidemem::units::parse_bytes;
@@ -75,6 +77,10 @@ struct Args {
     /// Most chunks loaded ahead of use (tide).
     #[arg(long, default_value_t = 2)]
     max_prefetch: usize,
+    /// Step Adam on the device for the chunk groups that fit this fraction of the device margin
+    /// after warm-up (PatrickStar's rule: 0.8); host only when absent.
+    #[arg(long)]
+    device_adam: Option<f64>,
     /// Skip the largest-model search.
     #[arg(long)]
     no_largest: bool,
@@ -116,6 +122,14 @@ fn run() -> tidemem::Result<()> {
     opts.chunk_elems = a.chunk_elems;
     opts.scheduler.overall_fraction = a.overall_fraction;
     opts.scheduler.max_prefetch = a.max_prefetch;
+    if let Some(fraction) = a.device_adam {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(tidemem::Error::InvalidArgument(format!(
+                "--device-adam takes a fraction in (0, 1], got {fraction}"
+            )));
+        }
+        opts.optimizer = DevicePlacement::Auto { fraction };
+    }
     let policies: Vec<Policy> = a
         .policies
         .split(',')
@@ -137,6 +151,7 @@ fn run() -> tidemem::Result<()> {
                         "peak_non_model": r.peak_non_model,
                         "min_budget": r.min_budget,
                         "moments": r.moments,
+                        "device_adam_groups": r.device_adam_groups,
                         "bound": { "h2d_bytes": r.bound.h2d_bytes, "d2h_bytes": r.bound.d2h_bytes },
                     }));
                 }
@@ -224,6 +239,9 @@ fn print_table(v: &Value) {
         b("peak_non_model"),
         b("min_budget")
     );
+    if let Some(k) = v["device_adam_groups"].as_u64().filter(|&k| k > 0) {
+        println!("Adam steps {k} chunk groups on the device after warm-up");
+    }
     println!(
         "{:<14} {:>12} {:>12} {:>12} {:>9}",
         "policy", "h2d/iter", "d2h/iter", "total", "÷bound"

@@ -22,6 +22,7 @@ use serde::Serialize;
 
 use crate::chunk::{search_chunk_size, ChunkKind, Layout, SizeSearch};
 use crate::error::{Error, Result};
+use crate::optim::DevicePlacement;
 use crate::tensor::Stage;
 use crate::tide::{
     lower_bound, spill_to_file, Access, Bound, ChunkDesc, ChunkNo, MoveStats, Policy, Scheduler,
@@ -409,6 +410,10 @@ pub struct SimOptions {
     pub scheduler: SchedulerConfig,
     /// Steady iterations after warm-up; the last is reported.
     pub iterations: usize,
+    /// Where Adam steps each chunk group after warm-up, as [`crate::optim::HybridAdam`]
+    /// decides it (host only by default): device groups bring their fp32 master, momentum
+    /// and variance chunks to the device.
+    pub optimizer: DevicePlacement,
 }
 
 impl SimOptions {
@@ -421,6 +426,7 @@ impl SimOptions {
             param_bytes: 2,
             scheduler: SchedulerConfig::new(device_mem),
             iterations: 2,
+            optimizer: DevicePlacement::HostOnly,
         }
     }
 }
@@ -454,6 +460,8 @@ pub struct SimReport {
     pub device_peak: u64,
     /// Moments per iteration.
     pub moments: usize,
+    /// Chunk groups Adam steps on the device after warm-up.
+    pub device_adam_groups: usize,
 }
 
 /// Chunk size used for `spec` under `opts`.
@@ -494,7 +502,8 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
         .map(|(c, _)| c.bytes)
         .sum();
     let mut sched = Scheduler::new(policy, cfg, plan.chunks.clone())?;
-    let iter = iteration_accesses(spec, &plan.layout);
+    let mut iter = iteration_accesses(spec, &plan.layout);
+    let mut device_adam_groups = 0;
     let mut tracer = Tracer::new();
     let mut warmup = MoveStats::default();
     let mut steady = MoveStats::default();
@@ -514,9 +523,27 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
         let d = sched.stats().since(&before);
         if it == 0 {
             warmup = d;
-            let trace = tracer
+            let mut trace = tracer
                 .finish()
                 .ok_or_else(|| Error::InvalidArgument("model has no forward op".into()))?;
+            // the optimizer's placement once warm, decided and planned as HybridAdam does
+            let k = opts.optimizer.groups(
+                &cfg,
+                trace.peak_non_model(),
+                plan.kind_bytes(ChunkKind::Param),
+                &plan.layout.group_elems,
+            );
+            let place = |c: ChunkNo| match (ChunkPlan::group_of(c) as usize) < k {
+                true => Target::Device,
+                false => Target::Host,
+            };
+            trace.place_optimizer(place);
+            for (stage, acc, _) in &mut iter {
+                if *stage == Stage::Optimizer {
+                    acc.iter_mut().for_each(|a| a.target = place(a.chunk));
+                }
+            }
+            device_adam_groups = k;
             sched.install_trace(trace);
         } else {
             steady = d;
@@ -542,6 +569,7 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
         min_budget,
         device_peak: sched.device_peak(),
         moments: trace.len(),
+        device_adam_groups,
     })
 }
 

@@ -5,6 +5,7 @@ mod common;
 
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
 use tidemem::device::{CachingAllocator, Device, SimConfig};
+use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::simulate::{simulate, SimOptions};
 use tidemem::tensor::{Init, Stage, TensorState};
 use tidemem::tide::{Policy, Scheduler};
@@ -140,6 +141,51 @@ fn simulator_agrees_with_the_manager() {
             assert!(got.h2d_bytes >= sim.bound.h2d_bytes);
             assert!(got.d2h_bytes >= sim.bound.d2h_bytes);
         }
+    }
+}
+
+/// With HybridAdam stepping the first chunk groups on the device (PatrickStar's margin rule),
+/// the simulator picks the same groups and predicts the same moves.
+#[test]
+fn simulator_agrees_with_the_manager_on_device_adam() {
+    let placement = DevicePlacement::Auto { fraction: 0.8 };
+    let capacity = 16_000;
+    for policy in [Policy::Tide, Policy::PatrickStar, Policy::Lru] {
+        let (mut m, pool, ids) = setup(policy, capacity, None);
+        let mut opt = HybridAdam::new(HybridConfig {
+            placement,
+            ..HybridConfig::new(AdamConfig::adam(1e-3))
+        })
+        .unwrap();
+        for s in 0..4 {
+            TOY.forward_backward(&mut m, &pool, &ids, s, opt.loss_scale(), (0, 1))
+                .unwrap();
+            opt.step(&mut m).unwrap();
+        }
+        let k = opt.device_groups(&m);
+        assert!(k > 0 && k < m.groups(), "{k} of {} groups", m.groups());
+        let got = m.last_iteration();
+        let mut opts = SimOptions::new(capacity as u64, u64::MAX / 4);
+        opts.chunk_elems = Some(TOY.chunk_elems());
+        opts.scheduler = *m.scheduler().unwrap().config();
+        opts.optimizer = placement;
+        opts.iterations = 3;
+        let sim = simulate(&TOY.spec(), policy, &opts).unwrap();
+        assert_eq!(sim.device_adam_groups, k, "{policy:?}");
+        assert_eq!(
+            (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
+            (
+                sim.steady.h2d_bytes,
+                sim.steady.d2h_bytes,
+                sim.steady.loads,
+                sim.steady.write_backs
+            ),
+            "{policy:?}"
+        );
+        // which is not what the host-only optimizer moves
+        opts.optimizer = DevicePlacement::HostOnly;
+        let host = simulate(&TOY.spec(), policy, &opts).unwrap();
+        assert_ne!(host.steady, sim.steady, "{policy:?}");
     }
 }
 

@@ -1245,15 +1245,7 @@ impl ChunkManager {
         let Some(mut trace) = s.trace().cloned() else {
             return;
         };
-        for moment in trace
-            .moments
-            .iter_mut()
-            .filter(|m| m.stage == Stage::Optimizer)
-        {
-            for a in &mut moment.accesses {
-                a.target = place(ChunkPlan::group_of(a.chunk) as usize);
-            }
-        }
+        trace.place_optimizer(|c| place(ChunkPlan::group_of(c) as usize));
         s.install_trace(trace);
     }
 

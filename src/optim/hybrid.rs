@@ -44,7 +44,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::cast::cast_bytes;
 use crate::tensor::{Stage, TensorId};
-use crate::tide::Target;
+use crate::tide::{SchedulerConfig, Target};
 
 /// How many chunk groups step on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
@@ -58,6 +58,46 @@ pub enum DevicePlacement {
         /// Share of the margin used.
         fraction: f64,
     },
+}
+
+impl DevicePlacement {
+    /// How many chunk groups (of `group_elems` elements each, in order) step on the device
+    /// under scheduler settings `sc`, with `non_model_peak` bytes of non-model data at the
+    /// tightest moment and `param_footprint` bytes of parameter chunks: for
+    /// [`DevicePlacement::Auto`], the groups in order while their fp32 master, momentum and
+    /// variance (12 bytes per element) fit in `fraction` of the margin
+    /// `capacity · overall_fraction − reserve − non_model_peak − param_footprint`.
+    pub fn groups(
+        &self,
+        sc: &SchedulerConfig,
+        non_model_peak: u64,
+        param_footprint: u64,
+        group_elems: &[usize],
+    ) -> usize {
+        match *self {
+            DevicePlacement::HostOnly => 0,
+            DevicePlacement::Groups(n) => n.min(group_elems.len()),
+            DevicePlacement::Auto { fraction } => {
+                let share =
+                    ((sc.capacity as f64 * sc.overall_fraction) as u64).saturating_sub(sc.reserve);
+                let margin = share
+                    .saturating_sub(non_model_peak)
+                    .saturating_sub(param_footprint);
+                // a tensor larger than a chunk makes a larger group
+                let mut room = (margin as f64 * fraction) as u64;
+                let mut k = 0;
+                for &elems in group_elems {
+                    let need = 12 * elems as u64;
+                    if need > room {
+                        break;
+                    }
+                    room -= need;
+                    k += 1;
+                }
+                k
+            }
+        }
+    }
 }
 
 /// Settings of a [`HybridAdam`].
@@ -346,32 +386,12 @@ impl HybridAdam {
         if self.cfg.accumulation_steps > 1 || !m.is_steady() {
             return 0;
         }
-        let groups = m.groups();
-        match self.cfg.placement {
-            DevicePlacement::HostOnly => 0,
-            DevicePlacement::Groups(n) => n.min(groups),
-            DevicePlacement::Auto { fraction } => {
-                let sc = &m.config().scheduler;
-                let share =
-                    ((sc.capacity as f64 * sc.overall_fraction) as u64).saturating_sub(sc.reserve);
-                let margin = share
-                    .saturating_sub(m.non_model_peak())
-                    .saturating_sub(m.param_footprint());
-                // groups in order while their fp32 master, momentum and variance fit (a tensor
-                // larger than a chunk makes a larger group)
-                let mut room = (margin as f64 * fraction) as u64;
-                let mut k = 0;
-                for &elems in &m.layout().group_elems {
-                    let need = 12 * elems as u64;
-                    if need > room {
-                        break;
-                    }
-                    room -= need;
-                    k += 1;
-                }
-                k
-            }
-        }
+        self.cfg.placement.groups(
+            &m.config().scheduler,
+            m.non_model_peak(),
+            m.param_footprint(),
+            &m.layout().group_elems,
+        )
     }
 
     /// Runs the optimizer for the iteration whose backward just ended (after

@@ -50,6 +50,20 @@ pub struct Trace {
 pub const NEVER: u64 = u64::MAX;
 
 impl Trace {
+    /// Sets where every optimizer access runs: `place(chunk)` for each access of an optimizer
+    /// moment (device-side Adam for some chunk groups, host for the rest).
+    pub fn place_optimizer(&mut self, mut place: impl FnMut(ChunkNo) -> Target) {
+        for moment in self
+            .moments
+            .iter_mut()
+            .filter(|m| m.stage == Stage::Optimizer)
+        {
+            for a in &mut moment.accesses {
+                a.target = place(a.chunk);
+            }
+        }
+    }
+
     /// Number of moments.
     pub fn len(&self) -> usize {
         self.moments.len()

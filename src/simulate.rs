@@ -171,6 +171,22 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
         c.heads as u64,
         c.vocab as u64,
     );
+    // every byte count below fits in u64 with room to add them up, or the shape is refused
+    let fits = |xs: &[u64]| {
+        xs.iter()
+            .try_fold(1u64, |acc, &x| acc.checked_mul(x))
+            .is_some_and(|p| p < 1 << 56)
+    };
+    if !(fits(&[s, b, h, 64 * c.layers as u64])
+        && fits(&[a, s, s, b, 8])
+        && fits(&[s, b, v, 8])
+        && fits(&[v + s, h, 16])
+        && fits(&[h, h, 16, c.layers as u64]))
+    {
+        return Err(Error::InvalidArgument(format!(
+            "GPT shape {c:?} is too large to count its bytes"
+        )));
+    }
     let sbh = s * b * h;
     let layer_act = sbh * 34 + 5 * a * s * s * b;
     let ckpt = 2 * sbh;
@@ -271,6 +287,11 @@ pub struct ChunkPlan {
 impl ChunkPlan {
     /// Packs `spec` with chunks of `chunk_elems` elements and parameters of `param_bytes` bytes.
     pub fn new(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
+        if !(1..=8).contains(&param_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "parameters of {param_bytes} bytes: 1 to 8 bytes per element"
+            )));
+        }
         let layout = Layout::pack(
             chunk_elems,
             &spec.tensors.iter().map(|t| t.1).collect::<Vec<_>>(),

@@ -213,6 +213,16 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
             "chunk-size search over no tensors".into(),
         ));
     }
+    let end = s.start.checked_add(s.range);
+    if end.is_none_or(|e| e.checked_next_multiple_of(s.multiple_of).is_none())
+        || s.range / s.interval > 1_000_000
+    {
+        return Err(Error::InvalidArgument(format!(
+            "chunk-size search from {} over {} by {} (multiples of {}): too large or too many \
+             sizes to try",
+            s.start, s.range, s.interval, s.multiple_of
+        )));
+    }
     let n = numels.len() as f64;
     let mean = numels.iter().map(|&x| x as f64).sum::<f64>() / n;
     let var = numels
@@ -242,7 +252,10 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
         if best.is_none_or(|b| c.waste_elems < b.waste_elems) {
             best = Some(c);
         }
-        size += s.interval;
+        size = match size.checked_add(s.interval) {
+            Some(next) => next,
+            None => break,
+        };
     }
     best.ok_or_else(|| Error::InvalidArgument("empty chunk-size range".into()))
 }

@@ -516,6 +516,9 @@ impl ChunkManager {
     /// State of a chunk: the highest-priority state of its tensors, `None` for RELEASED (no
     /// payload anywhere).
     pub fn chunk_state(&self, group: usize, kind: ChunkKind) -> Option<TensorState> {
+        if group >= self.layout.groups() {
+            return None;
+        }
         let c = ChunkPlan::chunk_no(group as u32, kind) as usize;
         let p = self.payload.get(c)?;
         if matches!(p.host, HostSlot::None) && p.device.is_none() {
@@ -532,6 +535,9 @@ impl ChunkManager {
     /// Id of the device buffer holding chunk `kind` of `group`, if it is on the device (a chunk
     /// that moves gets a new buffer).
     pub fn device_buffer_id(&self, group: usize, kind: ChunkKind) -> Option<u64> {
+        if group >= self.layout.groups() {
+            return None;
+        }
         let c = ChunkPlan::chunk_no(group as u32, kind) as usize;
         self.payload.get(c)?.device.as_ref().map(|b| b.id())
     }
@@ -1755,8 +1761,9 @@ impl ChunkManager {
 
 /// Elements of a tensor of `shape`: an error for none or more than `usize` holds.
 pub(crate) fn numel_of(name: &str, shape: &[usize]) -> Result<usize> {
+    // every list's bytes (4 per element at most) must be addressable
     match shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
-        Some(n) if n > 0 => Ok(n),
+        Some(n) if n > 0 && n <= isize::MAX as usize / 4 => Ok(n),
         _ => Err(Error::InvalidArgument(format!(
             "tensor '{name}' has shape {shape:?} with no elements or too many"
         ))),

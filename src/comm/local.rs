@@ -91,6 +91,10 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    fn deadline(&self) -> Instant {
+        super::deadline_after(self.timeout)
+    }
+
     pub(crate) fn new(world: usize, timeout: Duration) -> Arc<Shared> {
         Arc::new(Shared {
             world,
@@ -183,7 +187,7 @@ impl Member {
         slot.desc[self.rank] = Some(desc);
         slot.data[self.rank] = Arc::from(data);
         self.shared.cv.notify_all();
-        let deadline = Instant::now() + self.shared.timeout;
+        let deadline = self.shared.deadline();
         loop {
             Self::check_broken(&st)?;
             let slot = st
@@ -230,7 +234,7 @@ impl Member {
 
     pub(crate) fn recv(&self, peer: usize, elem: Elem, count: usize) -> Result<Vec<u8>> {
         let mut st = self.shared.state.lock();
-        let deadline = Instant::now() + self.shared.timeout;
+        let deadline = self.shared.deadline();
         loop {
             Self::check_broken(&st)?;
             if let Some(m) = st

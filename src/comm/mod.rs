@@ -183,8 +183,8 @@ impl Tally {
 
     fn since(&self, o: &Tally) -> Tally {
         Tally {
-            calls: self.calls - o.calls,
-            bytes: self.bytes - o.bytes,
+            calls: self.calls.saturating_sub(o.calls),
+            bytes: self.bytes.saturating_sub(o.bytes),
         }
     }
 }
@@ -211,7 +211,7 @@ pub struct CommStats {
 }
 
 impl CommStats {
-    /// The calls and bytes since an earlier snapshot.
+    /// The calls and bytes since an earlier snapshot (0 where the snapshot is the later one).
     pub fn since(&self, o: &CommStats) -> CommStats {
         CommStats {
             all_gather: self.all_gather.since(&o.all_gather),
@@ -288,6 +288,15 @@ impl fmt::Debug for Communicator {
             .field("backend", &self.backend_name())
             .finish()
     }
+}
+
+/// The instant `timeout` from now; a timeout too long to add (say `Duration::MAX`) is a
+/// century, which no wait reaches.
+pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
+    let now = std::time::Instant::now();
+    now.checked_add(timeout)
+        .or_else(|| now.checked_add(Duration::from_secs(100 * 365 * 24 * 3600)))
+        .unwrap_or(now)
 }
 
 /// Default time an in-process rank waits for the others.

@@ -136,7 +136,7 @@ fn io(what: &str) -> impl Fn(std::io::Error) -> Error + '_ {
 /// ranks have it; the others pass `None` and get it. Fails after `timeout` with the ranks that
 /// never came (rank 0) or the reason rank 0 could not be reached.
 pub fn exchange_id(env: &LaunchEnv, id: Option<[u8; 128]>, timeout: Duration) -> Result<[u8; 128]> {
-    let deadline = Instant::now() + timeout;
+    let deadline = super::deadline_after(timeout);
     if env.rank == 0 {
         let id = id.ok_or_else(|| Error::Rendezvous("rank 0 must provide the id".into()))?;
         if env.world_size > 1 {

@@ -275,17 +275,24 @@ pub struct AdamOperands<'a> {
 }
 
 fn check_shape(stride: usize, dim: usize) -> Result<()> {
-    if dim == 0 || stride < dim {
+    if dim == 0 || stride < dim || stride > MAX_ROW_FLOATS {
         return Err(Error::InvalidArgument(format!(
-            "embedding rows need 1 ≤ dim ≤ stride, got dim {dim} and stride {stride}"
+            "embedding rows need 1 ≤ dim ≤ stride ≤ {MAX_ROW_FLOATS}, got dim {dim} and stride \
+             {stride}"
         )));
     }
     Ok(())
 }
 
+/// The widest embedding row, in floats (far beyond any table; keeps sizes from overflowing).
+const MAX_ROW_FLOATS: usize = 1 << 24;
+
 /// `packed` holds one row of `row_bytes` per index.
 fn check_rows(row_bytes: usize, index: &DeviceView<'_>, packed: &DeviceView<'_>) -> Result<()> {
-    if row_bytes == 0 || !row_bytes.is_multiple_of(4) || packed.len != index.len / 4 * row_bytes {
+    if row_bytes == 0
+        || !row_bytes.is_multiple_of(4)
+        || Some(packed.len) != (index.len / 4).checked_mul(row_bytes)
+    {
         return Err(Error::InvalidArgument(format!(
             "row moves need rows of a positive multiple of 4 bytes ({row_bytes}) and one packed \
              row per index: {} bytes for {} indices",
@@ -1183,7 +1190,7 @@ impl Device {
         let bags = (offsets.len / 4).checked_sub(1).ok_or_else(|| {
             Error::InvalidArgument("embedding bag offsets need bags + 1 entries".into())
         })?;
-        if out.len != bags * dim * 4 {
+        if Some(out.len) != bags.checked_mul(dim * 4) {
             return Err(Error::InvalidArgument(format!(
                 "embedding bag output of {} bytes for {bags} bags of {dim} f32",
                 out.len
@@ -1232,7 +1239,7 @@ impl Device {
         let rows = (row_ptr.len / 4).checked_sub(1).ok_or_else(|| {
             Error::InvalidArgument("embedding backward row starts need rows + 1 entries".into())
         })?;
-        if grads.len != rows * dim * 4
+        if Some(grads.len) != rows.checked_mul(dim * 4)
             || scale.len != entries.len
             || !grad_out.len.is_multiple_of(dim * 4)
         {
@@ -1277,7 +1284,7 @@ impl Device {
                 opt.state_len(dim)
             )));
         }
-        if grads.len != rows.len * dim {
+        if Some(grads.len) != rows.len.checked_mul(dim) {
             return Err(Error::InvalidArgument(format!(
                 "{} bytes of gradients for {} rows of {dim} f32",
                 grads.len,

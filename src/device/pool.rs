@@ -30,7 +30,7 @@ pub fn round_size(bytes: usize) -> usize {
     } else {
         LARGE_ROUND
     };
-    bytes.max(1).div_ceil(r) * r
+    bytes.max(1).div_ceil(r).saturating_mul(r)
 }
 
 /// Counters of a [`CachingAllocator`].
@@ -156,6 +156,11 @@ impl CachingAllocator {
 
     /// A block of at least `bytes` bytes.
     pub fn alloc(&self, bytes: usize) -> Result<Block> {
+        if bytes > isize::MAX as usize / 2 {
+            return Err(Error::InvalidArgument(format!(
+                "a request of {bytes} bytes is more than any device holds"
+            )));
+        }
         let size = round_size(bytes);
         let mut st = self.shared.state.lock();
         let hit = st

@@ -68,7 +68,32 @@ impl LinkModel {
     }
 
     fn duration(&self, bytes: usize, gbps: f64) -> Duration {
-        self.latency + Duration::from_secs_f64(bytes as f64 / (gbps * 1e9))
+        // rates and latency are checked when the device is made; saturate all the same, since
+        // a panic here would leave the caller waiting on the copy thread
+        let t = Duration::try_from_secs_f64(bytes as f64 / (gbps * 1e9)).unwrap_or(Duration::MAX);
+        self.latency.saturating_add(t)
+    }
+
+    /// Checks that every rate is finite and positive and the latency under an hour.
+    fn validate(&self) -> Result<()> {
+        for (what, r) in [
+            ("h2d_gbps", self.h2d_gbps),
+            ("d2h_gbps", self.d2h_gbps),
+            ("d2d_gbps", self.d2d_gbps),
+        ] {
+            if !(r.is_finite() && r > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "the simulated link's {what} must be finite and positive, got {r}"
+                )));
+            }
+        }
+        if self.latency > Duration::from_secs(3600) {
+            return Err(Error::InvalidArgument(format!(
+                "the simulated link's latency of {:?} is over an hour",
+                self.latency
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -399,6 +424,9 @@ pub struct SimBackend {
 impl SimBackend {
     /// A simulated device with the given configuration.
     pub fn new(config: SimConfig) -> Result<Self> {
+        if let Some(link) = &config.link {
+            link.validate()?;
+        }
         Ok(SimBackend {
             shared: Arc::new(Shared {
                 id: DeviceId::new(BackendKind::Sim, config.ordinal),

@@ -238,8 +238,13 @@ impl EmbeddingCache {
             )));
         }
         let index = CacheIndex::new(rows, capacity, policy)?;
+        let row_bytes = dim
+            .checked_add(state)
+            .and_then(|s| s.checked_mul(4))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("rows of {dim} + {state} floats overflow"))
+            })?;
         let stride = dim + state;
-        let row_bytes = stride * 4;
         let table_bytes = rows.checked_mul(row_bytes).ok_or_else(|| {
             Error::InvalidArgument(format!(
                 "a table of {rows} rows of {row_bytes} bytes overflows"
@@ -288,7 +293,7 @@ impl EmbeddingCache {
 
     /// A cache over `weights` (`rows × dim`, row-major by id).
     pub fn from_weights(device: Device, config: CacheConfig, weights: &[f32]) -> Result<Self> {
-        if weights.len() != config.rows * config.dim {
+        if Some(weights.len()) != config.rows.checked_mul(config.dim) {
             return Err(Error::InvalidArgument(format!(
                 "{} weights for a table of {} × {}",
                 weights.len(),

@@ -190,9 +190,14 @@ pub enum Sharding {
     ColumnWise,
 }
 
-/// Samples `[start, end)` of rank `r` when `bags` samples are split over `world` ranks.
+/// Samples `[start, end)` of rank `r` when `bags` samples are split over `world` ranks (empty
+/// for a rank beyond the world, or a world of none).
 pub fn batch_slice(bags: usize, world: usize, r: usize) -> (usize, usize) {
-    (bags * r / world, bags * (r + 1) / world)
+    if world == 0 {
+        return (0, 0);
+    }
+    let at = |k: usize| (bags as u128 * k.min(world) as u128 / world as u128) as usize;
+    (at(r), at(r.saturating_add(1)))
 }
 
 /// Tables placed over the ranks of a communicator (see the [module docs](crate::embedding) and [`Sharding`]).
@@ -228,6 +233,11 @@ impl ShardedEmbedding {
     ) -> Result<Self> {
         let world = comm.world();
         let rank = comm.rank();
+        if rows.is_empty() || rows.contains(&0) {
+            return Err(Error::InvalidArgument(format!(
+                "sharded tables need at least one table of at least one row, got {rows:?}"
+            )));
+        }
         if sharding == Sharding::ColumnWise
             && matches!(optimizer, EmbeddingOptimizer::RowwiseAdagrad { .. })
         {

@@ -336,9 +336,14 @@ impl HybridAdam {
                 ))
             }
         };
-        if let (Some(sc), Some((scale, _, _))) = (&self.scaler, scaler) {
+        if let (Some(sc), Some((scale, clean, allowance))) = (&self.scaler, scaler) {
             // checked now, so that restoring cannot fail after the chunks were loaded
-            sc.clone().restore(scale, 0, 0)?;
+            sc.clone().restore(scale, clean, allowance)?;
+        }
+        if steps == u64::MAX {
+            return Err(Error::InvalidArgument(
+                "the checkpoint's adam.steps is at its limit".into(),
+            ));
         }
         Ok(Counters { steps, scaler })
     }

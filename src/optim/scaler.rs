@@ -153,6 +153,13 @@ impl LossScaler {
                 self.cfg.min_scale, self.cfg.max_scale
             )));
         }
+        if clean >= self.cfg.growth_interval || allowance == 0 || allowance > self.cfg.hysteresis {
+            return Err(Error::InvalidArgument(format!(
+                "a loss scaler with growth interval {} and hysteresis {} cannot be at {clean} \
+                 clean steps with allowance {allowance}",
+                self.cfg.growth_interval, self.cfg.hysteresis
+            )));
+        }
         self.scale = scale;
         self.clean = clean;
         self.allowance = allowance;

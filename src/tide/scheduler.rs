@@ -179,16 +179,16 @@ pub struct MoveStats {
 }
 
 impl MoveStats {
-    /// Component-wise difference `self - earlier`.
+    /// Component-wise difference `self - earlier` (0 where `earlier` is the larger).
     pub fn since(&self, earlier: &MoveStats) -> MoveStats {
         MoveStats {
-            h2d_bytes: self.h2d_bytes - earlier.h2d_bytes,
-            d2h_bytes: self.d2h_bytes - earlier.d2h_bytes,
-            loads: self.loads - earlier.loads,
-            prefetches: self.prefetches - earlier.prefetches,
-            write_backs: self.write_backs - earlier.write_backs,
-            clean_drops: self.clean_drops - earlier.clean_drops,
-            materialized: self.materialized - earlier.materialized,
+            h2d_bytes: self.h2d_bytes.saturating_sub(earlier.h2d_bytes),
+            d2h_bytes: self.d2h_bytes.saturating_sub(earlier.d2h_bytes),
+            loads: self.loads.saturating_sub(earlier.loads),
+            prefetches: self.prefetches.saturating_sub(earlier.prefetches),
+            write_backs: self.write_backs.saturating_sub(earlier.write_backs),
+            clean_drops: self.clean_drops.saturating_sub(earlier.clean_drops),
+            materialized: self.materialized.saturating_sub(earlier.materialized),
         }
     }
 }

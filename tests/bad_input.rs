@@ -1,0 +1,144 @@
+//! Bad input to the public API is a typed error (or an empty answer), never a panic, a hang or a
+//! wrapped size.
+
+mod common;
+
+use std::time::Duration;
+
+use tidemem::chunk::{search_chunk_size, ChunkKind, ChunkManager, ManagerConfig, SizeSearch};
+use tidemem::comm::{Communicator, ReduceOp};
+use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
+use tidemem::embedding::{
+    batch_slice, CacheConfig, EmbeddingCache, EmbeddingOptimizer, ShardedEmbedding, Sharding,
+};
+use tidemem::ops::embedding::BagMode;
+use tidemem::optim::{LossScaler, ScalerConfig};
+use tidemem::simulate::{gpt, ChunkPlan, GptConfig};
+use tidemem::tensor::Init;
+use tidemem::tide::{MoveStats, Policy};
+use tidemem::Error;
+
+fn invalid<T: std::fmt::Debug>(r: tidemem::Result<T>) {
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+}
+
+#[test]
+fn a_simulated_link_without_bandwidth_is_refused() {
+    for rate in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+        let link = LinkModel {
+            h2d_gbps: rate,
+            ..LinkModel::pcie4()
+        };
+        invalid(Device::sim(SimConfig::with_capacity(1 << 20).link(link)));
+    }
+    let slow = LinkModel {
+        latency: Duration::MAX,
+        ..LinkModel::pcie4()
+    };
+    invalid(Device::sim(SimConfig::with_capacity(1 << 20).link(slow)));
+}
+
+#[test]
+fn an_endless_timeout_waits_like_any_other() {
+    let devs = (0..2).map(|_| common::sim(1 << 20)).collect();
+    let comms = Communicator::local_with_timeout(devs, Duration::MAX).unwrap();
+    std::thread::scope(|s| {
+        for c in &comms {
+            s.spawn(move || {
+                let mut x = [1.0f32];
+                c.all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
+                assert_eq!(x[0], 2.0);
+            });
+        }
+    });
+}
+
+#[test]
+fn sizes_that_overflow_are_refused() {
+    let pool = CachingAllocator::new(common::sim(1 << 20));
+    invalid(pool.alloc(usize::MAX));
+    let mut m =
+        ChunkManager::new(common::sim(1 << 20), ManagerConfig::new(64, Policy::Tide)).unwrap();
+    invalid(m.register("huge", &[1 << 62], Init::Zeros));
+    invalid(m.register("huge", &[1 << 31, 1 << 31], Init::Zeros));
+    invalid(gpt(&GptConfig {
+        hidden: 1 << 33,
+        vocab: 1 << 33,
+        ..GptConfig::preset("gpt2-small").unwrap()
+    }));
+    let spec = gpt(&GptConfig::preset("gpt2-small").unwrap()).unwrap();
+    invalid(ChunkPlan::new(&spec, 1 << 20, 0));
+    invalid(ChunkPlan::new(&spec, 1 << 20, u64::MAX));
+    invalid(search_chunk_size(
+        &[10, 20],
+        SizeSearch {
+            start: 1,
+            range: usize::MAX,
+            interval: 1,
+            multiple_of: 1,
+        },
+    ));
+    invalid(EmbeddingCache::new(
+        common::sim(1 << 20),
+        CacheConfig::new(10, 1 << 62, 4),
+        |_, _| {},
+    ));
+}
+
+#[test]
+fn out_of_range_questions_get_empty_answers() {
+    let mut m =
+        ChunkManager::new(common::sim(1 << 20), ManagerConfig::new(64, Policy::Tide)).unwrap();
+    m.register("w", &[8], Init::Zeros).unwrap();
+    assert_eq!(m.chunk_state(1 << 30, ChunkKind::Param), None);
+    assert_eq!(m.device_buffer_id(1 << 32, ChunkKind::Param), None);
+    assert_eq!(batch_slice(10, 0, 0), (0, 0));
+    assert_eq!(batch_slice(10, 3, 7), (10, 10));
+    assert_eq!(batch_slice(usize::MAX, 2, 1), (usize::MAX / 2, usize::MAX));
+    let later = MoveStats {
+        loads: 5,
+        ..MoveStats::default()
+    };
+    assert_eq!(MoveStats::default().since(&later), MoveStats::default());
+}
+
+#[test]
+fn a_loss_scaler_cannot_be_restored_to_a_state_it_never_has() {
+    let mut s = LossScaler::new(ScalerConfig {
+        growth_interval: 4,
+        hysteresis: 2,
+        ..ScalerConfig::default()
+    })
+    .unwrap();
+    let before = (s.scale(), s.clean_steps(), s.allowance());
+    for (scale, clean, allowance) in [
+        (f32::NAN, 0, 1),
+        (1e30, 0, 1),
+        (1.0, 4, 1),
+        (1.0, 0, 0),
+        (1.0, 0, 3),
+    ] {
+        invalid(s.restore(scale, clean, allowance));
+    }
+    assert_eq!((s.scale(), s.clean_steps(), s.allowance()), before);
+    s.restore(512.0, 3, 2).unwrap();
+    s.update(false);
+    assert_eq!(s.scale(), 1024.0);
+}
+
+#[test]
+fn sharded_tables_need_tables() {
+    let comm = Communicator::local(vec![common::sim(1 << 20)])
+        .unwrap()
+        .remove(0);
+    invalid(ShardedEmbedding::new(
+        comm,
+        Sharding::TableWise,
+        &[],
+        4,
+        8,
+        BagMode::Sum,
+        EmbeddingOptimizer::Sgd { lr: 0.1 },
+        |_, _, _| {},
+    ));
+}

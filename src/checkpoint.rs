@@ -105,11 +105,22 @@ pub(crate) fn write(
     while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
-    let tmp = partial_path(path);
-    let result = (|| {
-        let file = std::fs::File::create(&tmp).map_err(io("creating a checkpoint"))?;
+    // A file of its own beside the target (two saves to one path never share one), renamed
+    // over the target once complete and synced; removed on any error before that.
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let mut prefix = path.file_name().unwrap_or_default().to_os_string();
+    prefix.push(".");
+    let tmp = tempfile::Builder::new()
+        .prefix(&prefix)
+        .suffix(".partial")
+        .tempfile_in(&dir)
+        .map_err(io("creating a checkpoint"))?;
+    {
         let mut out = Counting {
-            inner: BufWriter::with_capacity(1 << 20, file),
+            inner: BufWriter::with_capacity(1 << 20, tmp.as_file()),
             written: 0,
         };
         out.write_all(&(header.len() as u64).to_le_bytes())
@@ -126,24 +137,19 @@ pub(crate) fn write(
                 ),
             ));
         }
-        let file = out.inner.into_inner().map_err(|e| Error::Io {
-            during: "writing a checkpoint",
-            source: e.into_error(),
-        })?;
-        file.sync_all().map_err(io("writing a checkpoint"))?;
-        std::fs::rename(&tmp, path).map_err(io("replacing a checkpoint"))
-    })();
-    if result.is_err() {
-        let _ = std::fs::remove_file(&tmp);
+        out.flush().map_err(io("writing a checkpoint"))?;
     }
-    result
-}
-
-/// The file a checkpoint is written to before it replaces `path`.
-fn partial_path(path: &Path) -> PathBuf {
-    let mut name = path.file_name().unwrap_or_default().to_os_string();
-    name.push(".partial");
-    path.with_file_name(name)
+    tmp.as_file()
+        .sync_all()
+        .map_err(io("writing a checkpoint"))?;
+    tmp.persist(path).map_err(|e| Error::Io {
+        during: "replacing a checkpoint",
+        source: e.error,
+    })?;
+    // the rename survives a crash once the directory is synced
+    std::fs::File::open(&dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io("syncing a checkpoint's directory"))
 }
 
 /// A checkpoint file mapped for reading.
@@ -245,7 +251,15 @@ mod tests {
         ];
         assert!(write(&p, &meta, &twice, |_| Ok(())).is_err());
         assert_eq!(std::fs::read(&p).unwrap(), before);
-        assert!(!partial_path(&p).exists());
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(
+            left,
+            vec![std::ffi::OsString::from("c.safetensors")],
+            "no partial file"
+        );
         std::fs::write(&p, b"not a checkpoint").unwrap();
         assert!(Reader::open(&p).unwrap().tensors().is_err());
     }

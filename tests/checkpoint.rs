@@ -37,7 +37,15 @@ fn manager(
     capacity: usize,
     host_budget: Option<(u64, &Path)>,
 ) -> (ChunkManager, CachingAllocator, ToyIds) {
-    let dev = common::sim(capacity);
+    manager_on(toy, policy, common::sim(capacity), host_budget)
+}
+
+fn manager_on(
+    toy: &ToyMlp,
+    policy: Policy,
+    dev: tidemem::device::Device,
+    host_budget: Option<(u64, &Path)>,
+) -> (ChunkManager, CachingAllocator, ToyIds) {
     let mut cfg = ManagerConfig::new(toy.chunk_elems(), policy);
     cfg.scheduler.overall_fraction = 1.0;
     cfg.scheduler.warmup_chunk_fraction = 0.3;
@@ -105,9 +113,14 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
     let path = dir.path().join("toy.safetensors");
     let capacity = 24_000;
     for policy in Policy::all() {
-        for file_tier in [false, true] {
+        for (file_tier, slow) in [(false, false), (true, false), (false, true)] {
             let budget = file_tier.then_some((20_000u64, dir.path()));
-            let (mut a, pool, ids) = manager(&TOY, policy, capacity, budget);
+            // a slow link: a read or write that did not wait for its copy shows
+            let dev = match slow {
+                true => common::slow_sim(capacity),
+                false => common::sim(capacity),
+            };
+            let (mut a, pool, ids) = manager_on(&TOY, policy, dev, budget);
             let mut opt = adam(true);
             train(&TOY, &mut a, &pool, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
@@ -118,7 +131,7 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
             opt_b.load_checkpoint(&mut b, &path).unwrap();
             assert_eq!(opt_b.steps(), 3);
             train(&TOY, &mut b, &pool_b, &ids_b, &mut opt_b, 3..6);
-            let what = format!("{}, file tier {file_tier}", policy.name());
+            let what = format!("{}, file tier {file_tier}, slow {slow}", policy.name());
             assert_eq!(masters(&mut a), masters(&mut b), "{what}");
             assert_eq!(everything(&mut a), everything(&mut b), "{what}");
             assert_eq!(opt.loss_scale(), opt_b.loss_scale(), "{what}");
@@ -321,4 +334,45 @@ fn checkpoints_run_between_iterations() {
     twins.register("x", &[4], Init::Zeros).unwrap();
     let e = twins.save_checkpoint(&p, &BTreeMap::new()).unwrap_err();
     assert!(e.to_string().contains("named 'x'"), "{e}");
+}
+
+/// A parameter chunk that may hold gradients is not saved as parameters: after a backward
+/// whose step was skipped without restoring the parameters the save is refused (a load is
+/// still allowed and restores them), while HybridAdam's own skip restores them first.
+#[test]
+fn gradients_are_never_saved_as_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("c.safetensors");
+    let mut m =
+        ChunkManager::new(common::sim(1 << 20), ManagerConfig::new(64, Policy::Tide)).unwrap();
+    let w = m.register("w", &[8], Init::Constant(0.5)).unwrap();
+    m.save_checkpoint(&p, &BTreeMap::new()).unwrap();
+    let backward = |m: &mut ChunkManager, g: f32| {
+        m.fetch(&[w], Stage::Forward).unwrap();
+        m.release(&[w], Stage::Forward).unwrap();
+        m.end_forward().unwrap();
+        m.fetch(&[w], Stage::Backward).unwrap();
+        m.write_grad(w, &[g; 8]).unwrap();
+        m.release(&[w], Stage::Backward).unwrap();
+        m.end_backward().unwrap();
+    };
+    backward(&mut m, 3.0);
+    m.skip_step().unwrap();
+    let e = m.save_checkpoint(&p, &BTreeMap::new()).unwrap_err();
+    assert!(e.to_string().contains("may hold gradients"), "{e}");
+    m.load_checkpoint(&p).unwrap();
+    assert_eq!(m.read(w).unwrap(), vec![0.5; 8]);
+    m.save_checkpoint(&p, &BTreeMap::new()).unwrap();
+    // HybridAdam skips an overflow by restoring the parameters from the masters
+    let mut opt = adam(true);
+    backward(&mut m, f32::INFINITY);
+    let r = opt.step(&mut m).unwrap();
+    assert_eq!(r.outcome, tidemem::optim::StepOutcome::Skipped);
+    opt.save_checkpoint(&mut m, &p).unwrap();
+    backward(&mut m, 1.0);
+    assert_eq!(
+        opt.step(&mut m).unwrap().outcome,
+        tidemem::optim::StepOutcome::Stepped
+    );
+    opt.save_checkpoint(&mut m, &p).unwrap();
 }

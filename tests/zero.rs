@@ -430,6 +430,37 @@ fn shard_checkpoints_resume_bitwise() {
     let straight = run(false);
     let resumed = run(true);
     assert_eq!(straight, resumed);
+    // files of different steps, or one rank's file missing: every rank fails, none loads
+    std::fs::copy(path(1), dir.join("rank1-step3.safetensors")).unwrap();
+    on_ranks(2, 1 << 20, |c| {
+        let (r, n) = (c.rank(), c.world());
+        let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
+        let ids = UNTIED.register(&mut z).unwrap();
+        let pool = z.pool().clone();
+        let mut opt = adam();
+        UNTIED
+            .forward_backward(&mut z, &pool, &ids, 0, opt.loss_scale(), (r, n))
+            .unwrap();
+        z.step(&mut opt).unwrap();
+        if r == 1 {
+            z.save_checkpoint(&opt, path(1)).unwrap(); // step 1, against rank 0's step 3
+        }
+        let own = (0..z.layout().slots.len() as u32)
+            .map(TensorId)
+            .find(|&id| z.owns(id))
+            .unwrap();
+        let before = z.master(own).unwrap();
+        let e = z.load_checkpoint(&mut opt, path(r)).unwrap_err();
+        assert!(e.to_string().contains("different steps"), "{e}");
+        let missing = dir.join(format!("absent{r}.safetensors"));
+        let p = if r == 0 { path(0) } else { missing };
+        let e = z.load_checkpoint(&mut opt, p).unwrap_err();
+        if r == 0 {
+            assert!(e.to_string().contains("another rank"), "{e}");
+        }
+        assert_eq!(z.master(own).unwrap(), before, "nothing loaded");
+        assert_eq!(opt.steps(), 1);
+    });
 }
 
 const UNTIED: ToyMlp = ToyMlp {

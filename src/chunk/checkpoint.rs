@@ -38,6 +38,78 @@ impl ChunkManager {
         Ok(names)
     }
 
+    /// Checks, changing nothing, that the checkpoint at `path` fits this manager as
+    /// [`ChunkManager::load_checkpoint`] would, and returns its metadata.
+    pub(crate) fn check_checkpoint(&self, path: &Path) -> Result<BTreeMap<String, String>> {
+        self.check_idle("load_checkpoint", false)?;
+        let file = Reader::open(path)?;
+        let meta = file.metadata()?;
+        self.checked_views(&file, &meta, &file.tensors()?)?;
+        Ok(meta)
+    }
+
+    /// The four entries of every tensor, in tensor order, after checking that the file is a
+    /// chunk checkpoint of exactly this manager's tensors (names, shapes, dtypes).
+    fn checked_views<'a>(
+        &self,
+        file: &Reader,
+        meta: &BTreeMap<String, String>,
+        st: &'a safetensors::SafeTensors<'a>,
+    ) -> Result<Vec<[StView<'a>; 4]>> {
+        if meta.get(FORMAT.0).map(String::as_str) != Some(FORMAT.1) {
+            return Err(file.bad(format!(
+                "not a chunk checkpoint (its metadata lacks {}={})",
+                FORMAT.0, FORMAT.1
+            )));
+        }
+        let names = self.checkpoint_names()?;
+        let mut views: Vec<[StView<'a>; 4]> = Vec::with_capacity(names.len());
+        let mut known = HashSet::new();
+        for (t, name) in names.iter().enumerate() {
+            let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t as u32))?;
+            let mut four = Vec::with_capacity(4);
+            for kind in ChunkKind::ALL {
+                let key = entry_name(kind, name);
+                let v = st
+                    .tensor(&key)
+                    .map_err(|_| file.bad(format!("it has no tensor '{key}'")))?;
+                let dtype_ok = match kind {
+                    ChunkKind::Param => from_st_dtype(v.dtype()).is_some(),
+                    _ => v.dtype() == safetensors::Dtype::F32,
+                };
+                if !dtype_ok || v.shape() != shape {
+                    return Err(file.bad(format!(
+                        "'{key}' is {:?} {:?}, expected {} {shape:?}",
+                        v.dtype(),
+                        v.shape(),
+                        self.list_dtype(kind).name()
+                    )));
+                }
+                known.insert(key);
+                four.push(v);
+            }
+            views.push(
+                four.try_into()
+                    .unwrap_or_else(|_| unreachable!("four lists")),
+            );
+        }
+        let mut extra: Vec<String> = st
+            .names()
+            .into_iter()
+            .filter(|n| !known.contains(*n))
+            .cloned()
+            .collect();
+        if !extra.is_empty() {
+            extra.sort();
+            extra.truncate(5);
+            return Err(file.bad(format!(
+                "it holds tensors this model does not have: {}",
+                extra.join(", ")
+            )));
+        }
+        Ok(views)
+    }
+
     /// Writes every tensor's parameter, fp32 master and Adam moments to `path` in the
     /// safetensors format, with `metadata` added to the file's.
     ///
@@ -46,9 +118,13 @@ impl ChunkManager {
     /// `format = tidemem-chunks` and `param_dtype`. The file is written chunk by chunk (a model
     /// on the file tier is never read into RAM whole) and replaces an earlier one at `path`
     /// only once complete. Runs between iterations only: before the first fetch (initial
-    /// values) or after [`end_step`](ChunkManager::end_step). Dirty device copies are written
-    /// back to the host first (under a move-semantics policy such chunks move to the host); no
-    /// moment passes, so the tide and the schedule are unchanged.
+    /// values) or after [`end_step`](ChunkManager::end_step), and is refused while a parameter
+    /// chunk may hold gradients (a step skipped without restoring the parameters; HybridAdam
+    /// restores them). Dirty device copies are written back to the host first; under a
+    /// move-semantics policy (PatrickStar, Static) every device chunk moves to the host, to be
+    /// loaded again when used. These moves count in the next iteration's
+    /// [`last_iteration`](ChunkManager::last_iteration); no moment passes, so the tide is
+    /// unchanged.
     ///
     /// ```
     /// use std::collections::BTreeMap;
@@ -77,7 +153,7 @@ impl ChunkManager {
         path: impl AsRef<Path>,
         metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
-        self.check_idle("save_checkpoint")?;
+        self.check_idle("save_checkpoint", true)?;
         let names = self.checkpoint_names()?;
         let layout = self.layout().clone();
         let mut entries = Vec::new();
@@ -133,61 +209,11 @@ impl ChunkManager {
     /// iterations only; device copies are dropped (dirty ones written back first), so the next
     /// iteration loads the restored chunks. Every tensor is HOLD afterwards (it has a payload).
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
-        self.check_idle("load_checkpoint")?;
-        let names = self.checkpoint_names()?;
+        self.check_idle("load_checkpoint", false)?;
         let file = Reader::open(path.as_ref())?;
         let meta = file.metadata()?;
-        if meta.get(FORMAT.0).map(String::as_str) != Some(FORMAT.1) {
-            return Err(file.bad(format!(
-                "not a chunk checkpoint (its metadata lacks {}={})",
-                FORMAT.0, FORMAT.1
-            )));
-        }
         let st = file.tensors()?;
-        let mut views: Vec<[StView<'_>; 4]> = Vec::with_capacity(names.len());
-        let mut known = HashSet::new();
-        for (t, name) in names.iter().enumerate() {
-            let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t as u32))?;
-            let mut four = Vec::with_capacity(4);
-            for kind in ChunkKind::ALL {
-                let key = entry_name(kind, name);
-                let v = st
-                    .tensor(&key)
-                    .map_err(|_| file.bad(format!("it has no tensor '{key}'")))?;
-                let dtype_ok = match kind {
-                    ChunkKind::Param => from_st_dtype(v.dtype()).is_some(),
-                    _ => v.dtype() == safetensors::Dtype::F32,
-                };
-                if !dtype_ok || v.shape() != shape {
-                    return Err(file.bad(format!(
-                        "'{key}' is {:?} {:?}, expected {} {shape:?}",
-                        v.dtype(),
-                        v.shape(),
-                        self.list_dtype(kind).name()
-                    )));
-                }
-                known.insert(key);
-                four.push(v);
-            }
-            views.push(
-                four.try_into()
-                    .unwrap_or_else(|_| unreachable!("four lists")),
-            );
-        }
-        let mut extra: Vec<String> = st
-            .names()
-            .into_iter()
-            .filter(|n| !known.contains(*n))
-            .cloned()
-            .collect();
-        if !extra.is_empty() {
-            extra.sort();
-            extra.truncate(5);
-            return Err(file.bad(format!(
-                "it holds tensors this model does not have: {}",
-                extra.join(", ")
-            )));
-        }
+        let views = self.checked_views(&file, &meta, &st)?;
         let layout = self.layout().clone();
         let pdt = self.param_dtype();
         for g in 0..layout.groups() {
@@ -212,6 +238,7 @@ impl ChunkManager {
             }
         }
         self.hold_loaded();
+        self.params_restored();
         Ok(meta)
     }
 }

@@ -341,6 +341,9 @@ pub struct ChunkManager {
     /// Why the manager is unusable: moves the scheduler had ordered failed, so its view of
     /// where chunks are may not match the payloads.
     broken: Option<String>,
+    /// Groups whose parameter chunk may hold gradients: fetched in backward, and not rewritten
+    /// by an optimizer pass since. A checkpoint would save gradients as parameters.
+    grads_in: Vec<bool>,
 }
 
 impl std::fmt::Debug for ChunkManager {
@@ -395,6 +398,7 @@ impl ChunkManager {
             samples: Vec::new(),
             last_samples: Vec::new(),
             broken: None,
+            grads_in: Vec::new(),
         })
     }
 
@@ -580,6 +584,7 @@ impl ChunkManager {
             self.file = Some(FileStore::new(dir)?);
         }
         self.payload = (0..chunks.len()).map(|_| Payload::default()).collect();
+        self.grads_in = vec![false; self.layout.groups()];
         self.sched = Some(Scheduler::new(self.cfg.policy, self.cfg.scheduler, chunks)?);
         Ok(())
     }
@@ -716,7 +721,11 @@ impl ChunkManager {
             let t = &mut self.tensors[id.index()];
             match stage {
                 Stage::Forward => t.fwd_uses += 1,
-                _ => t.bwd_uses += 1,
+                _ => {
+                    t.bwd_uses += 1;
+                    let g = t.slot.group as usize;
+                    self.grads_in[g] = true;
+                }
             }
         }
         // Compute waits for the loads of its chunks.
@@ -1142,6 +1151,8 @@ impl ChunkManager {
             self.sample();
             self.note("optimizer", g as u64, 0, t0);
             result?;
+            // the pass left parameters in the group's parameter chunk
+            self.grads_in[g] = false;
         }
         Ok(())
     }
@@ -1597,17 +1608,34 @@ impl ChunkManager {
     }
 
     /// Refuses `what` (a checkpoint) unless the manager is between iterations: before the
-    /// first fetch or after `end_step`/`skip_step`, when parameter chunks hold parameters.
-    pub(super) fn check_idle(&self, what: &str) -> Result<()> {
+    /// first fetch or after `end_step`/`skip_step`. With `params_only`, also while a parameter
+    /// chunk may hold gradients (fetched in backward and not rewritten by an optimizer pass
+    /// since, as after a `skip_step` that did not restore the parameters).
+    pub(super) fn check_idle(&self, what: &str, params_only: bool) -> Result<()> {
         self.usable()?;
-        match self.stage {
-            None => Ok(()),
-            Some(s) => Err(Error::InvalidArgument(format!(
+        if let Some(s) = self.stage {
+            return Err(Error::InvalidArgument(format!(
                 "{what} runs between iterations (before the first fetch or after end_step), not \
                  during the {} stage",
                 s.name()
-            ))),
+            )));
         }
+        let dirty: Vec<usize> = (0..self.grads_in.len())
+            .filter(|&g| self.grads_in[g])
+            .collect();
+        if params_only && !dirty.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: the parameter chunks of groups {dirty:?} may hold gradients (a step \
+                 skipped or ended without an optimizer pass restoring the parameters, as \
+                 HybridAdam does)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a checkpoint load every parameter chunk holds parameters.
+    pub(super) fn params_restored(&mut self) {
+        self.grads_in.iter_mut().for_each(|g| *g = false);
     }
 
     /// Hands `f` chunk `c`'s current bytes on the host: a dirty device copy is written back
@@ -1643,13 +1671,23 @@ impl ChunkManager {
     /// Hands `f` chunk `c`'s host copy to overwrite, after which it is the chunk's only copy:
     /// a chunk without a payload gets one, and a device copy is dropped (written back first if
     /// dirty, as any eviction). Closes registration. No moment passes.
+    /// A failure leaves the manager unusable: a load that stopped midway left some chunks
+    /// from the checkpoint and some not.
     pub(super) fn write_chunk_host(&mut self, c: usize, f: impl FnOnce(&mut [u8])) -> Result<()> {
-        self.close()?;
-        let mut moves = self.sched().materialize_on_host(c as ChunkNo)?;
-        moves.extend(self.sched().sync_host(c as ChunkNo, true)?);
-        self.execute(&moves)?;
-        f(self.host_ready(c)?);
-        Ok(())
+        let r = (|| {
+            self.close()?;
+            let mut moves = self.sched().materialize_on_host(c as ChunkNo)?;
+            moves.extend(self.sched().sync_host(c as ChunkNo, true)?);
+            self.execute(&moves)?;
+            f(self.host_ready(c)?);
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            if self.broken.is_none() {
+                self.broken = Some(format!("a checkpoint load failed midway: {e}"));
+            }
+        }
+        r
     }
 
     /// Carries out the scheduler's moves; a failure makes the manager unusable.

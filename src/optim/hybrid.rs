@@ -348,6 +348,11 @@ impl HybridAdam {
         Ok(Counters { steps, scaler })
     }
 
+    /// The step count a checkpoint's metadata holds.
+    pub(crate) fn checkpoint_steps(&self, meta: &BTreeMap<String, String>) -> Result<u64> {
+        self.parse_metadata(meta).map(|c| c.steps)
+    }
+
     /// Checks that a checkpoint's metadata fits this optimizer, changing nothing.
     pub(crate) fn check_metadata(&self, meta: &BTreeMap<String, String>) -> Result<()> {
         self.parse_metadata(meta).map(drop)
@@ -364,6 +369,10 @@ impl HybridAdam {
         self.micro = 0;
         self.acc.clear();
         self.touched.clear();
+        // a load is the way back after a failed step, and may come with a new manager whose
+        // trace does not know the device placement yet
+        self.broken = false;
+        self.planned = None;
         Ok(())
     }
 

@@ -60,6 +60,7 @@
 //! Every rank must make the same calls in the same order (the trainer code is the same on all
 //! ranks); the collectives check it on the in-process backend.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -957,7 +958,9 @@ impl ZeroManager {
 
     /// Saves this rank's shard (the tensors of the chunks it owns, by their global names) and
     /// `adam`'s counters to `path`, as [`HybridAdam::save_checkpoint`] does, with the rank and
-    /// world size in the metadata: every rank saves its own file. Between iterations only.
+    /// world size in the metadata: every rank saves its own file. Between iterations only;
+    /// closes registration. Ranks do not agree on saves: if one rank's save fails, the ranks'
+    /// files are from different steps, which [`ZeroManager::load_checkpoint`] refuses.
     pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
         self.idle("save_checkpoint")?;
         self.close()?;
@@ -968,24 +971,56 @@ impl ZeroManager {
     }
 
     /// Loads this rank's shard and `adam`'s counters from a file that
-    /// [`ZeroManager::save_checkpoint`] wrote on the same rank of a group of the same size;
-    /// everything is checked before anything changes. Between iterations only.
+    /// [`ZeroManager::save_checkpoint`] wrote on the same rank of a group of the same size.
+    /// Every rank must call it: each checks its file, the ranks agree (a one-byte all-reduce)
+    /// that every file fits and (two more) that all were saved at the same step, and only then
+    /// does any rank load; otherwise every rank fails and none changes. Between iterations
+    /// only; closes registration.
     pub fn load_checkpoint(&mut self, adam: &mut HybridAdam, path: impl AsRef<Path>) -> Result<()> {
         self.idle("load_checkpoint")?;
-        let meta = crate::checkpoint::Reader::open(path.as_ref())?.metadata()?;
+        self.close()?;
+        let path = path.as_ref();
+        let mine = self.check_shard(adam, path);
+        let mut ok = [u8::from(mine.is_ok())];
+        self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
+        let meta = match (mine, ok[0]) {
+            (Err(e), _) => return Err(e),
+            (Ok(_), 0) => {
+                return Err(Error::InvalidArgument(
+                    "another rank's checkpoint does not fit: no rank loads".into(),
+                ))
+            }
+            (Ok(m), _) => m,
+        };
+        let steps = adam.checkpoint_steps(&meta)? as f64;
+        let (mut lo, mut hi) = ([steps], [steps]);
+        self.comm.all_reduce_host(&mut lo, ReduceOp::Min)?;
+        self.comm.all_reduce_host(&mut hi, ReduceOp::Max)?;
+        if lo != hi {
+            return Err(Error::InvalidArgument(format!(
+                "the ranks' checkpoints were saved at different steps ({} to {}): no rank loads",
+                lo[0], hi[0]
+            )));
+        }
+        let meta = self.local.load_checkpoint(path)?;
+        adam.restore_metadata(&meta)
+    }
+
+    /// This rank's file fits: saved by this rank of this group, for this optimizer and these
+    /// tensors. Returns its metadata.
+    fn check_shard(&self, adam: &HybridAdam, path: &Path) -> Result<BTreeMap<String, String>> {
+        let meta = crate::checkpoint::Reader::open(path)?.metadata()?;
         let (r, n) = (self.comm.rank().to_string(), self.world().to_string());
         if meta.get(META_RANK) != Some(&r) || meta.get(META_WORLD) != Some(&n) {
             return Err(Error::InvalidArgument(format!(
                 "checkpoint {} was saved by rank {} of {}, this is rank {r} of {n}",
-                path.as_ref().display(),
+                path.display(),
                 meta.get(META_RANK).map_or("?", String::as_str),
                 meta.get(META_WORLD).map_or("?", String::as_str),
             )));
         }
         adam.check_metadata(&meta)?;
-        self.close()?;
-        let meta = self.local.load_checkpoint(path)?;
-        adam.restore_metadata(&meta)
+        self.local.check_checkpoint(path)
     }
 
     fn idle(&self, what: &str) -> Result<()> {

@@ -354,7 +354,10 @@ pub fn plan_chunks(layout: &Layout, param_bytes: u64) -> Vec<ChunkDesc> {
 /// moment per op (param chunks on the device, read), a backward moment per op in reverse (param
 /// chunks on the device, written where a tensor's last backward use writes its gradient), and an
 /// optimizer moment per chunk group (all four chunks on the host, written).
-pub fn iteration_accesses(spec: &ModelSpec, layout: &Layout) -> Vec<(Stage, Vec<Access>, u64)> {
+pub(crate) fn iteration_accesses(
+    spec: &ModelSpec,
+    layout: &Layout,
+) -> Vec<(Stage, Vec<Access>, u64)> {
     let group_of = |t: usize| layout.slots[t].group;
     let uses = spec.uses();
     let mut left = uses.clone();

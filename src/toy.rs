@@ -191,6 +191,12 @@ impl ToyMlp {
             m.fetch(&[wi, bi], Stage::Forward)?;
             let wv = m.read(wi)?;
             let bv = m.read(bi)?;
+            if wv.len() != w * w || bv.len() != w {
+                return Err(crate::Error::SizeMismatch {
+                    src: wv.len(),
+                    dst: w * w,
+                });
+            }
             blocks.push(pool.alloc(self.activation_bytes())?);
             let h = acts.last().expect("input");
             let mut out = vec![0.0f32; bsz * w];

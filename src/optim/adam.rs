@@ -165,7 +165,7 @@ pub struct AdamScalars {
 }
 
 /// Reference Adam in f64 over f64 state, following the formula of the module docs without
-/// rounding; the kernels are tested against it.
+/// rounding; the kernels are tested against it. The four slices must have one length.
 pub fn reference_step(
     cfg: &AdamConfig,
     step: u64,
@@ -174,7 +174,13 @@ pub fn reference_step(
     m: &mut [f64],
     v: &mut [f64],
     grad: &[f64],
-) {
+) -> Result<()> {
+    if m.len() != p.len() || v.len() != p.len() || grad.len() != p.len() {
+        return Err(Error::SizeMismatch {
+            src: grad.len(),
+            dst: p.len(),
+        });
+    }
     let t = step as i32;
     let (b1, b2) = (cfg.beta1 as f64, cfg.beta2 as f64);
     let (bc1, bc2) = if cfg.bias_correction {
@@ -198,6 +204,7 @@ pub fn reference_step(
         };
         p[i] -= decay + lr / bc1 * (m[i] / d);
     }
+    Ok(())
 }
 
 #[cfg(test)]

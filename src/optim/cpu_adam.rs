@@ -901,7 +901,8 @@ mod tests {
                         )
                         .unwrap();
                         let g64: Vec<f64> = g.iter().map(|&x| x as f64).collect();
-                        reference_step(&cfg, step, gs as f64, &mut rp, &mut rm, &mut rv, &g64);
+                        reference_step(&cfg, step, gs as f64, &mut rp, &mut rm, &mut rv, &g64)
+                            .unwrap();
                     }
                     // norm-wise relative error ≤ 1e-6; no element further than a few f32
                     // roundings per step (p is rounded once per step, 100 times)

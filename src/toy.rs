@@ -191,11 +191,13 @@ impl ToyMlp {
             m.fetch(&[wi, bi], Stage::Forward)?;
             let wv = m.read(wi)?;
             let bv = m.read(bi)?;
-            if wv.len() != w * w || bv.len() != w {
-                return Err(crate::Error::SizeMismatch {
-                    src: wv.len(),
-                    dst: w * w,
-                });
+            for (got, want) in [(wv.len(), w * w), (bv.len(), w)] {
+                if got != want {
+                    return Err(crate::Error::SizeMismatch {
+                        src: got,
+                        dst: want,
+                    });
+                }
             }
             blocks.push(pool.alloc(self.activation_bytes())?);
             let h = acts.last().expect("input");

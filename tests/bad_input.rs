@@ -45,6 +45,10 @@ fn an_endless_timeout_waits_like_any_other() {
     std::thread::scope(|s| {
         for c in &comms {
             s.spawn(move || {
+                if c.rank() == 1 {
+                    // the other rank waits for this one with no end to its deadline
+                    std::thread::sleep(Duration::from_millis(50));
+                }
                 let mut x = [1.0f32];
                 c.all_reduce_host(&mut x, ReduceOp::Sum).unwrap();
                 assert_eq!(x[0], 2.0);
@@ -100,6 +104,16 @@ fn out_of_range_questions_get_empty_answers() {
         ..MoveStats::default()
     };
     assert_eq!(MoveStats::default().since(&later), MoveStats::default());
+    let c = Communicator::local(vec![common::sim(1 << 20)])
+        .unwrap()
+        .remove(0);
+    let before = c.stats();
+    c.all_reduce_host(&mut [1.0f32], ReduceOp::Sum).unwrap();
+    assert_eq!(
+        before.since(&c.stats()),
+        tidemem::comm::CommStats::default()
+    );
+    assert_eq!(c.stats().since(&before).all_reduce.calls, 1);
 }
 
 #[test]

@@ -9,7 +9,7 @@ use std::path::Path;
 
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::device::CachingAllocator;
-use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
+use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
 use tidemem::toy::{ToyIds, ToyMlp};
@@ -18,16 +18,7 @@ use tidemem::{DType, Error};
 use common::TOY;
 
 fn adam(scaled: bool) -> HybridAdam {
-    HybridAdam::new(HybridConfig {
-        loss_scale: scaled.then(|| ScalerConfig {
-            init_scale: 1024.0,
-            growth_interval: 2,
-            ..ScalerConfig::default()
-        }),
-        max_grad_norm: Some(0.5),
-        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
-    })
-    .unwrap()
+    common::hybrid_adam(scaled, DevicePlacement::HostOnly)
 }
 
 /// A manager for the toy model: `capacity` bytes of device, the file tier when `host_budget`.
@@ -113,7 +104,13 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
     let path = dir.path().join("toy.safetensors");
     let capacity = 24_000;
     for policy in Policy::all() {
-        for (file_tier, slow) in [(false, false), (true, false), (false, true)] {
+        // with the file tier, on a slow link, and with two groups stepped on the device
+        for (file_tier, slow, device) in [
+            (false, false, 0),
+            (true, false, 0),
+            (false, true, 0),
+            (false, false, 2),
+        ] {
             let budget = file_tier.then_some((20_000u64, dir.path()));
             // a slow link: a read or write that did not wait for its copy shows
             let dev = match slow {
@@ -121,17 +118,22 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
                 false => common::sim(capacity),
             };
             let (mut a, pool, ids) = manager_on(&TOY, policy, dev, budget);
-            let mut opt = adam(true);
+            let placement = DevicePlacement::Groups(device);
+            let mut opt = common::hybrid_adam(true, placement);
             train(&TOY, &mut a, &pool, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
             train(&TOY, &mut a, &pool, &ids, &mut opt, 3..6);
 
             let (mut b, pool_b, ids_b) = manager(&TOY, policy, capacity, budget);
-            let mut opt_b = adam(true);
+            let mut opt_b = common::hybrid_adam(true, placement);
             opt_b.load_checkpoint(&mut b, &path).unwrap();
             assert_eq!(opt_b.steps(), 3);
             train(&TOY, &mut b, &pool_b, &ids_b, &mut opt_b, 3..6);
-            let what = format!("{}, file tier {file_tier}, slow {slow}", policy.name());
+            let what = format!(
+                "{}, file tier {file_tier}, slow {slow}, device groups {device}",
+                policy.name()
+            );
+            assert_eq!(opt_b.device_groups(&b), device.min(b.groups()), "{what}");
             assert_eq!(masters(&mut a), masters(&mut b), "{what}");
             assert_eq!(everything(&mut a), everything(&mut b), "{what}");
             assert_eq!(opt.loss_scale(), opt_b.loss_scale(), "{what}");

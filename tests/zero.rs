@@ -6,7 +6,9 @@ mod common;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::comm::{Communicator, ReduceOp};
 use tidemem::device::CachingAllocator;
-use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport};
+use tidemem::optim::{
+    AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport,
+};
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
 use tidemem::toy::ToyMlp;
@@ -16,16 +18,7 @@ use tidemem::{DType, Error};
 use common::TOY;
 
 fn adam() -> HybridAdam {
-    HybridAdam::new(HybridConfig {
-        loss_scale: Some(ScalerConfig {
-            init_scale: 1024.0,
-            growth_interval: 2,
-            ..ScalerConfig::default()
-        }),
-        max_grad_norm: Some(0.5),
-        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
-    })
-    .unwrap()
+    common::hybrid_adam(true, DevicePlacement::HostOnly)
 }
 
 fn config(toy: &ToyMlp, dtype: DType) -> ManagerConfig {
@@ -460,6 +453,16 @@ fn shard_checkpoints_resume_bitwise() {
         }
         assert_eq!(z.master(own).unwrap(), before, "nothing loaded");
         assert_eq!(opt.steps(), 1);
+    });
+    // a group of another size
+    on_ranks(1, 1 << 20, |c| {
+        let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
+        UNTIED.register(&mut z).unwrap();
+        let e = z.load_checkpoint(&mut adam(), path(0)).unwrap_err();
+        assert!(
+            e.to_string().contains("rank 0 of 2, this is rank 0 of 1"),
+            "{e}"
+        );
     });
 }
 

@@ -1084,7 +1084,10 @@ impl ChunkManager {
     /// included) are brought to the tier `place(group)` names and handed to `f`. One moment per
     /// group; every chunk visited counts as written. On the device, `f` enqueues its work on
     /// the stream it is given, which runs after the loads of the group's chunks; later moves of
-    /// those chunks run after it.
+    /// those chunks run after it. A pass that includes the masters must leave parameters in the
+    /// parameter chunk (an optimizer step, or a restore from the masters): afterwards the
+    /// group's parameter chunk counts as holding parameters again, not gradients, for
+    /// [`ChunkManager::save_checkpoint`].
     pub fn visit_groups(
         &mut self,
         kinds: &[ChunkKind],
@@ -1151,8 +1154,11 @@ impl ChunkManager {
             self.sample();
             self.note("optimizer", g as u64, 0, t0);
             result?;
-            // the pass left parameters in the group's parameter chunk
-            self.grads_in[g] = false;
+            if lists.contains(&ChunkKind::Master) {
+                // an optimizer pass (or a restore from the masters) leaves parameters in the
+                // parameter chunk
+                self.grads_in[g] = false;
+            }
         }
         Ok(())
     }

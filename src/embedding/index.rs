@@ -850,7 +850,6 @@ mod tests {
         assert!(ix.reorder(&[0; 4]).is_err());
     }
 
-    /// Belady's MIN never loses to the online policies on the same trace.
     /// A batch the optimal policy's trace does not hold (even one that only hits) fails before
     /// anything changes, and the index goes on as if it had not been asked.
     #[test]
@@ -879,6 +878,7 @@ mod tests {
         check_invariants(&ix);
     }
 
+    /// Belady's MIN never loses to the online policies on the same trace.
     #[test]
     fn optimal_beats_online_policies() {
         let mut seed = 7u64;

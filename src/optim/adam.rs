@@ -175,9 +175,12 @@ pub fn reference_step(
     v: &mut [f64],
     grad: &[f64],
 ) -> Result<()> {
-    if m.len() != p.len() || v.len() != p.len() || grad.len() != p.len() {
+    if let Some(&len) = [m.len(), v.len(), grad.len()]
+        .iter()
+        .find(|&&l| l != p.len())
+    {
         return Err(Error::SizeMismatch {
-            src: grad.len(),
+            src: len,
             dst: p.len(),
         });
     }

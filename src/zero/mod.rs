@@ -240,7 +240,9 @@ impl ZeroManager {
     pub fn set_prefetch(&mut self, depth: usize) -> Result<()> {
         if self.closed {
             return Err(Error::InvalidArgument(
-                "set_prefetch must come before the first fetch".into(),
+                "set_prefetch must come before registration closes (the first fetch, or a \
+                 checkpoint save or load)"
+                    .into(),
             ));
         }
         self.prefetch.depth = depth;
@@ -839,7 +841,11 @@ impl ZeroManager {
         let bytes = encode(grad, self.local.param_dtype());
         let h = HostBuffer::from_slice(&bytes)?;
         let dev = self.comm.device().clone();
-        dev.copy_h2d(&self.stream, h, self.view_of(id)?)?.wait()?;
+        let copy = dev.copy_h2d(&self.stream, h, self.view_of(id)?)?;
+        // the stream may hold collectives: wait through the communicator, which gives up on a
+        // peer that failed or never comes
+        self.comm.wait(&self.stream)?;
+        copy.wait()?;
         self.tensors[id.index()].grad = true;
         Ok(())
     }
@@ -905,6 +911,9 @@ impl ZeroManager {
                 None => {}
             }
         }
+        // the reduce-scatters finished (or a peer's failure is an error) before the step's host
+        // work reads their results
+        self.comm.wait(&self.stream)?;
         self.local.end_backward()?;
         self.stage = Some(Stage::Optimizer);
         Ok(())
@@ -912,6 +921,9 @@ impl ZeroManager {
 
     /// The optimizer step on this rank's chunks, with gradient statistics all-reduced so that
     /// every rank clips by the global norm and skips an overflow together; ends the iteration.
+    /// A step that fails on a collective (a peer failed or timed out) leaves the group of no
+    /// further use: start new communicators and managers and load the ranks' checkpoints
+    /// ([`ZeroManager::load_checkpoint`]).
     pub fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         if self.stage != Some(Stage::Optimizer) {
             return Err(Error::InvalidArgument(
@@ -929,6 +941,15 @@ impl ZeroManager {
                 nonfinite: flag[0] != 0,
             })
         })?;
+        // the iteration is over whatever follows (the rank's manager ended it)
+        for id in 0..self.tensors.len() {
+            let t = &mut self.tensors[id];
+            t.state = next_state(t.state, TrainEvent::EndStep).unwrap_or(t.state);
+            t.fwd_uses = 0;
+            t.bwd_uses = 0;
+            t.grad = false;
+        }
+        self.stage = None;
         if self.prefetch.depth > 0 && !self.prefetch.all_steady {
             // A rank's manager may finish warm-up later than another's (say, one whose chunks
             // had no backward use): prefetch starts when all have, on every rank alike.
@@ -940,14 +961,6 @@ impl ZeroManager {
                 self.prefetch.reserve.clear();
             }
         }
-        for id in 0..self.tensors.len() {
-            let t = &mut self.tensors[id];
-            t.state = next_state(t.state, TrainEvent::EndStep).unwrap_or(t.state);
-            t.fwd_uses = 0;
-            t.bwd_uses = 0;
-            t.grad = false;
-        }
-        self.stage = None;
         Ok(report)
     }
 
@@ -977,10 +990,13 @@ impl ZeroManager {
     /// does any rank load; otherwise every rank fails and none changes. Between iterations
     /// only; closes registration.
     pub fn load_checkpoint(&mut self, adam: &mut HybridAdam, path: impl AsRef<Path>) -> Result<()> {
-        self.idle("load_checkpoint")?;
-        self.close()?;
         let path = path.as_ref();
-        let mine = self.check_shard(adam, path);
+        // every local failure, closing registration included, goes into the agreement, so that
+        // no rank waits for one that returned early
+        let mine = self
+            .idle("load_checkpoint")
+            .and_then(|()| self.close())
+            .and_then(|()| self.check_shard(adam, path));
         let mut ok = [u8::from(mine.is_ok())];
         self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
         let meta = match (mine, ok[0]) {

@@ -82,3 +82,24 @@ pub fn toy_setup(
     let ids = TOY.register(&mut m).unwrap();
     (m, pool, ids)
 }
+
+/// AdamW (lr 1e-2, decay 0.01) with clipping at 0.5 and, when `scaled`, a loss scale that starts
+/// at 1024 and grows every 2 clean steps: the optimizer the ZeRO and checkpoint suites train
+/// with, stepping `placement`'s chunk groups on the device.
+pub fn hybrid_adam(
+    scaled: bool,
+    placement: tidemem::optim::DevicePlacement,
+) -> tidemem::optim::HybridAdam {
+    use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
+    HybridAdam::new(HybridConfig {
+        loss_scale: scaled.then(|| ScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 2,
+            ..ScalerConfig::default()
+        }),
+        max_grad_norm: Some(0.5),
+        placement,
+        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+    })
+    .unwrap()
+}

@@ -103,6 +103,20 @@ fn spilled_optimizer_state_gives_the_same_result() {
     );
 }
 
+/// The manager's moves of its last iteration equal the simulator's steady prediction.
+fn same_moves(got: &tidemem::tide::MoveStats, sim: &tidemem::simulate::SimReport, p: Policy) {
+    assert_eq!(
+        (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
+        (
+            sim.steady.h2d_bytes,
+            sim.steady.d2h_bytes,
+            sim.steady.loads,
+            sim.steady.write_backs
+        ),
+        "{p:?}"
+    );
+}
+
 #[test]
 fn simulator_agrees_with_the_manager() {
     for policy in Policy::all() {
@@ -117,16 +131,7 @@ fn simulator_agrees_with_the_manager() {
         opts.param_bytes = 2;
         let spec = TOY.spec();
         let sim = simulate(&spec, policy, &opts).unwrap();
-        assert_eq!(
-            (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
-            (
-                sim.steady.h2d_bytes,
-                sim.steady.d2h_bytes,
-                sim.steady.loads,
-                sim.steady.write_backs
-            ),
-            "{policy:?}"
-        );
+        same_moves(&got, &sim, policy);
         // the recorded tide is the one the model predicts
         let trace = m.trace().unwrap();
         let fwd: Vec<u64> = trace
@@ -172,16 +177,7 @@ fn simulator_agrees_with_the_manager_on_device_adam() {
         opts.iterations = 3;
         let sim = simulate(&TOY.spec(), policy, &opts).unwrap();
         assert_eq!(sim.device_adam_groups, k, "{policy:?}");
-        assert_eq!(
-            (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
-            (
-                sim.steady.h2d_bytes,
-                sim.steady.d2h_bytes,
-                sim.steady.loads,
-                sim.steady.write_backs
-            ),
-            "{policy:?}"
-        );
+        same_moves(&got, &sim, policy);
         // which is not what the host-only optimizer moves
         opts.optimizer = DevicePlacement::HostOnly;
         let host = simulate(&TOY.spec(), policy, &opts).unwrap();

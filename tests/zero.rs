@@ -11,7 +11,7 @@ use tidemem::optim::{
 };
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
-use tidemem::toy::ToyMlp;
+use tidemem::toy::{ToyIds, ToyMlp};
 use tidemem::zero::ZeroManager;
 use tidemem::{DType, Error};
 
@@ -338,6 +338,16 @@ fn backward_off_the_recorded_order_changes_no_bit() {
     assert_eq!(ahead[0].2, ahead[1].2);
 }
 
+/// A rank of the untied toy model in fp16 that prefetches one group ahead, its ids, its pool
+/// and its optimizer.
+fn prefetching_rank(c: Communicator) -> (ZeroManager, ToyIds, CachingAllocator, HybridAdam) {
+    let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
+    z.set_prefetch(1).unwrap();
+    let ids = UNTIED.register(&mut z).unwrap();
+    let pool = z.pool().clone();
+    (z, ids, pool, adam())
+}
+
 /// Reading a parameter whose group was gathered ahead, on one rank only (say, for logging),
 /// changes nothing about which collectives any rank issues: prefetching goes on alike on every
 /// rank, and a collective of the model's own in the middle of forward still matches.
@@ -345,11 +355,7 @@ fn backward_off_the_recorded_order_changes_no_bit() {
 fn a_read_on_one_rank_keeps_prefetch_in_step() {
     let out: Vec<(u64, u64)> = on_ranks(2, 1 << 20, |c| {
         let (r, n) = (c.rank(), c.world());
-        let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
-        z.set_prefetch(1).unwrap();
-        let ids = UNTIED.register(&mut z).unwrap();
-        let pool = z.pool().clone();
-        let mut opt = adam();
+        let (mut z, ids, pool, mut opt) = prefetching_rank(c);
         for step in 0..3 {
             UNTIED
                 .forward_backward(&mut z, &pool, &ids, step, opt.loss_scale(), (r, n))
@@ -390,11 +396,7 @@ fn shard_checkpoints_resume_bitwise() {
     let run = |load: bool| {
         on_ranks(2, 1 << 20, |c| {
             let (r, n) = (c.rank(), c.world());
-            let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
-            z.set_prefetch(1).unwrap();
-            let ids = UNTIED.register(&mut z).unwrap();
-            let pool = z.pool().clone();
-            let mut opt = adam();
+            let (mut z, ids, pool, mut opt) = prefetching_rank(c);
             let mut steps = 0..6;
             if load {
                 let wrong = z.load_checkpoint(&mut opt, path(1 - r)).unwrap_err();

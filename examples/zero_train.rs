@@ -7,6 +7,8 @@
 //! cargo run --release --example zero_train
 //! cargo run --release --example zero_train -- --ranks 4 --layers 16 --width 64 --steps 6 --json
 //! cargo run --release --example zero_train -- --prefetch 0   # gather on demand only
+//! cargo run --release --example zero_train -- --steps 3 --save target/ckpt
+//! cargo run --release --example zero_train -- --steps 3 --resume target/ckpt
 //! # two processes on one node, one GPU each:
 //! WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train &
 //! WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 cargo run --release --example zero_train
@@ -16,10 +18,12 @@
 //! loss, gradient norm and loss scale; at the end each rank's model-data bytes against the
 //! unsharded total, and the collective bytes per step against the formula (parameters
 //! all-gathered in forward and in backward, gradients reduce-scattered once). With `--json`,
-//! one object per rank with the keys `rank`, `world`, `backend`, `losses`, `host_bytes`,
+//! one object per rank with the keys `rank`, `world`, `backend`, `losses`, `steps_done`,
+//! `host_bytes`,
 //! `model_bytes`, `all_gather_bytes_per_step`, `reduce_scatter_bytes_per_step`,
 //! `formula_bytes_per_step`, `bus_bytes_per_step`.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
@@ -58,6 +62,13 @@ struct Args {
     /// only).
     #[arg(long, default_value_t = 1)]
     prefetch: usize,
+    /// Save every rank's shard to DIR/rank<r>.safetensors after the last step.
+    #[arg(long, value_name = "DIR")]
+    save: Option<PathBuf>,
+    /// Load every rank's shard from DIR (written by --save on as many ranks) before training;
+    /// the batches go on from the step the checkpoint holds.
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
     /// Print JSON.
     #[arg(long)]
     json: bool,
@@ -91,6 +102,13 @@ fn run() -> tidemem::Result<()> {
     let quiet = args.json;
     let steps = args.steps;
     let prefetch = args.prefetch;
+    let (save, resume) = (args.save.clone(), args.resume.clone());
+    if let Some(dir) = &save {
+        std::fs::create_dir_all(dir).map_err(|e| tidemem::Error::Io {
+            during: "creating the checkpoint directory",
+            source: e,
+        })?;
+    }
     let results = launch(args.ranks, device_for, Duration::from_secs(120), |c| {
         let (rank, world) = (c.rank(), c.world());
         let mut z = ZeroManager::new(c, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
@@ -102,9 +120,17 @@ fn run() -> tidemem::Result<()> {
             max_grad_norm: Some(1.0),
             ..HybridConfig::new(AdamConfig::adamw(toy.lr, 0.01))
         })?;
+        let shard = |dir: &PathBuf| dir.join(format!("rank{rank}.safetensors"));
+        if let Some(dir) = &resume {
+            z.load_checkpoint(&mut adam, shard(dir))?;
+            if rank == 0 && !quiet {
+                println!("resumed from {} at step {}", dir.display(), adam.steps());
+            }
+        }
+        let first = adam.steps();
         let mut losses = Vec::new();
         let mut before = CommStats::default();
-        for s in 0..steps {
+        for s in first..first + steps {
             before = z.comm().stats();
             let loss =
                 toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
@@ -117,6 +143,12 @@ fn run() -> tidemem::Result<()> {
                     "step {s}: loss {:.5}  grad norm {:.4}  loss scale {}  {:?}",
                     total[0], rep.grad_norm, rep.loss_scale, rep.outcome
                 );
+            }
+        }
+        if let Some(dir) = &save {
+            z.save_checkpoint(&adam, shard(dir))?;
+            if rank == 0 && !quiet {
+                println!("saved to {} at step {}", dir.display(), adam.steps());
             }
         }
         let last = z.comm().stats().since(&before);
@@ -141,6 +173,7 @@ fn run() -> tidemem::Result<()> {
             "world": world,
             "backend": z.comm().backend_name(),
             "losses": losses,
+            "steps_done": adam.steps(),
             "host_bytes": host,
             "shard_bytes": per[rank],
             "model_bytes": model,

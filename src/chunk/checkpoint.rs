@@ -40,11 +40,10 @@ impl ChunkManager {
 
     /// Checks, changing nothing, that the checkpoint at `path` fits this manager as
     /// [`ChunkManager::load_checkpoint`] would, and returns its metadata.
-    pub(crate) fn check_checkpoint(&self, path: &Path) -> Result<BTreeMap<String, String>> {
+    pub(crate) fn check_checkpoint(&self, file: &Reader) -> Result<BTreeMap<String, String>> {
         self.check_idle("load_checkpoint", false)?;
-        let file = Reader::open(path)?;
         let meta = file.metadata()?;
-        self.checked_views(&file, &meta, &file.tensors()?)?;
+        self.checked_views(file, &meta, &file.tensors()?)?;
         Ok(meta)
     }
 
@@ -210,10 +209,22 @@ impl ChunkManager {
     /// iteration loads the restored chunks. Every tensor is HOLD afterwards (it has a payload).
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {
         self.check_idle("load_checkpoint", false)?;
-        let file = Reader::open(path.as_ref())?;
+        self.load_checkpoint_file(&Reader::open(path.as_ref())?, |_| Ok(()))
+    }
+
+    /// [`ChunkManager::load_checkpoint`] from an open file, with `check` of its metadata run
+    /// after the file's own checks and before anything changes (one open file throughout, so a
+    /// checkpoint replaced meanwhile cannot mix two files).
+    pub(crate) fn load_checkpoint_file(
+        &mut self,
+        file: &Reader,
+        check: impl FnOnce(&BTreeMap<String, String>) -> Result<()>,
+    ) -> Result<BTreeMap<String, String>> {
+        self.check_idle("load_checkpoint", false)?;
         let meta = file.metadata()?;
         let st = file.tensors()?;
-        let views = self.checked_views(&file, &meta, &st)?;
+        let views = self.checked_views(file, &meta, &st)?;
+        check(&meta)?;
         let layout = self.layout().clone();
         let pdt = self.param_dtype();
         for g in 0..layout.groups() {

@@ -1617,7 +1617,7 @@ impl ChunkManager {
     /// first fetch or after `end_step`/`skip_step`. With `params_only`, also while a parameter
     /// chunk may hold gradients (fetched in backward and not rewritten by an optimizer pass
     /// since, as after a `skip_step` that did not restore the parameters).
-    pub(super) fn check_idle(&self, what: &str, params_only: bool) -> Result<()> {
+    pub(crate) fn check_idle(&self, what: &str, params_only: bool) -> Result<()> {
         self.usable()?;
         if let Some(s) = self.stage {
             return Err(Error::InvalidArgument(format!(

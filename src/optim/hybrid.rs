@@ -388,9 +388,9 @@ impl HybridAdam {
     /// before anything changes (the chunks, and the optimizer's metadata: loss scaling on both
     /// sides or neither).
     pub fn load_checkpoint(&mut self, m: &mut ChunkManager, path: impl AsRef<Path>) -> Result<()> {
-        let meta = crate::checkpoint::Reader::open(path.as_ref())?.metadata()?;
-        self.check_metadata(&meta)?;
-        let meta = m.load_checkpoint(path)?;
+        m.check_idle("load_checkpoint", false)?;
+        let file = crate::checkpoint::Reader::open(path.as_ref())?;
+        let meta = m.load_checkpoint_file(&file, |meta| self.check_metadata(meta))?;
         self.restore_metadata(&meta)
     }
 

@@ -64,6 +64,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::checkpoint::Reader;
 use crate::chunk::{
     check_distinct, encode, numel_of, ChunkManager, Layout, ManagerConfig, ParamStore, Slot,
     TensorView, Usage, ViewBuf,
@@ -992,14 +993,15 @@ impl ZeroManager {
     pub fn load_checkpoint(&mut self, adam: &mut HybridAdam, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         // every local failure, closing registration included, goes into the agreement, so that
-        // no rank waits for one that returned early
+        // no rank waits for one that returned early; the file stays open from check to load
         let mine = self
             .idle("load_checkpoint")
             .and_then(|()| self.close())
-            .and_then(|()| self.check_shard(adam, path));
+            .and_then(|()| Reader::open(path))
+            .and_then(|file| Ok((self.check_shard(adam, &file, path)?, file)));
         let mut ok = [u8::from(mine.is_ok())];
         self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
-        let meta = match (mine, ok[0]) {
+        let (meta, file) = match (mine, ok[0]) {
             (Err(e), _) => return Err(e),
             (Ok(_), 0) => {
                 return Err(Error::InvalidArgument(
@@ -1018,14 +1020,19 @@ impl ZeroManager {
                 lo[0], hi[0]
             )));
         }
-        let meta = self.local.load_checkpoint(path)?;
+        let meta = self.local.load_checkpoint_file(&file, |_| Ok(()))?;
         adam.restore_metadata(&meta)
     }
 
     /// This rank's file fits: saved by this rank of this group, for this optimizer and these
     /// tensors. Returns its metadata.
-    fn check_shard(&self, adam: &HybridAdam, path: &Path) -> Result<BTreeMap<String, String>> {
-        let meta = crate::checkpoint::Reader::open(path)?.metadata()?;
+    fn check_shard(
+        &self,
+        adam: &HybridAdam,
+        file: &Reader,
+        path: &Path,
+    ) -> Result<BTreeMap<String, String>> {
+        let meta = file.metadata()?;
         let (r, n) = (self.comm.rank().to_string(), self.world().to_string());
         if meta.get(META_RANK) != Some(&r) || meta.get(META_WORLD) != Some(&n) {
             return Err(Error::InvalidArgument(format!(
@@ -1036,7 +1043,7 @@ impl ZeroManager {
             )));
         }
         adam.check_metadata(&meta)?;
-        self.local.check_checkpoint(path)
+        self.local.check_checkpoint(file)
     }
 
     fn idle(&self, what: &str) -> Result<()> {

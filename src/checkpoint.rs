@@ -83,6 +83,38 @@ pub(crate) fn write(
     entries: &[Entry],
     data: impl FnOnce(&mut dyn Write) -> Result<()>,
 ) -> Result<()> {
+    write_unpersisted(path, metadata, entries, data)?.persist()
+}
+
+/// A complete checkpoint beside its target, not yet in its place: [`Written::persist`] renames
+/// it over the target; dropped, it is removed and the target stays as it was. Lets data-parallel
+/// ranks write all their files before any replaces an earlier one.
+pub(crate) struct Written {
+    tmp: tempfile::NamedTempFile,
+    path: PathBuf,
+    dir: PathBuf,
+}
+
+impl Written {
+    /// Renames the file over its target and syncs the directory, so the rename survives a crash.
+    pub(crate) fn persist(self) -> Result<()> {
+        self.tmp.persist(&self.path).map_err(|e| Error::Io {
+            during: "replacing a checkpoint",
+            source: e.error,
+        })?;
+        std::fs::File::open(&self.dir)
+            .and_then(|d| d.sync_all())
+            .map_err(io("syncing a checkpoint's directory"))
+    }
+}
+
+/// [`write`], short of putting the file in place.
+pub(crate) fn write_unpersisted(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    entries: &[Entry],
+    data: impl FnOnce(&mut dyn Write) -> Result<()>,
+) -> Result<Written> {
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
         header.insert("__metadata__".into(), serde_json::json!(metadata));
@@ -142,14 +174,11 @@ pub(crate) fn write(
     tmp.as_file()
         .sync_all()
         .map_err(io("writing a checkpoint"))?;
-    tmp.persist(path).map_err(|e| Error::Io {
-        during: "replacing a checkpoint",
-        source: e.error,
-    })?;
-    // the rename survives a crash once the directory is synced
-    std::fs::File::open(&dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io("syncing a checkpoint's directory"))
+    Ok(Written {
+        tmp,
+        path: path.to_path_buf(),
+        dir,
+    })
 }
 
 /// A checkpoint file mapped for reading.

@@ -426,7 +426,7 @@ fn shard_checkpoints_resume_bitwise() {
     let resumed = run(true);
     assert_eq!(straight, resumed);
     // files of different steps, or one rank's file missing: every rank fails, none loads
-    std::fs::copy(path(1), dir.join("rank1-step3.safetensors")).unwrap();
+    let step1 = |r: usize| dir.join(format!("step1-rank{r}.safetensors"));
     on_ranks(2, 1 << 20, |c| {
         let (r, n) = (c.rank(), c.world());
         let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();
@@ -437,15 +437,15 @@ fn shard_checkpoints_resume_bitwise() {
             .forward_backward(&mut z, &pool, &ids, 0, opt.loss_scale(), (r, n))
             .unwrap();
         z.step(&mut opt).unwrap();
-        if r == 1 {
-            z.save_checkpoint(&opt, path(1)).unwrap(); // step 1, against rank 0's step 3
-        }
+        z.save_checkpoint(&opt, step1(r)).unwrap();
         let own = (0..z.layout().slots.len() as u32)
             .map(TensorId)
             .find(|&id| z.owns(id))
             .unwrap();
         let before = z.master(own).unwrap();
-        let e = z.load_checkpoint(&mut opt, path(r)).unwrap_err();
+        // rank 0 at step 3, rank 1 at step 1
+        let mixed = if r == 0 { path(0) } else { step1(1) };
+        let e = z.load_checkpoint(&mut opt, mixed).unwrap_err();
         assert!(e.to_string().contains("different steps"), "{e}");
         let missing = dir.join(format!("absent{r}.safetensors"));
         let p = if r == 0 { path(0) } else { missing };
@@ -456,6 +456,25 @@ fn shard_checkpoints_resume_bitwise() {
         assert_eq!(z.master(own).unwrap(), before, "nothing loaded");
         assert_eq!(opt.steps(), 1);
     });
+    // a save that fails on one rank replaces no rank's earlier file
+    let earlier = std::fs::read(path(0)).unwrap();
+    on_ranks(2, 1 << 20, |c| {
+        let (r, n) = (c.rank(), c.world());
+        let (mut z, ids, pool, mut opt) = prefetching_rank(c);
+        UNTIED
+            .forward_backward(&mut z, &pool, &ids, 0, opt.loss_scale(), (r, n))
+            .unwrap();
+        z.step(&mut opt).unwrap();
+        let p = match r {
+            0 => path(0),
+            _ => dir.join("no such directory").join("rank1.safetensors"),
+        };
+        let e = z.save_checkpoint(&opt, p).unwrap_err();
+        if r == 0 {
+            assert!(e.to_string().contains("another rank's save failed"), "{e}");
+        }
+    });
+    assert_eq!(std::fs::read(path(0)).unwrap(), earlier);
     // a group of another size
     on_ranks(1, 1 << 20, |c| {
         let mut z = ZeroManager::new(c, config(&UNTIED, DType::F16)).unwrap();

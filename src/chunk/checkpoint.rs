@@ -8,7 +8,7 @@ use safetensors::tensor::TensorView as StView;
 
 use super::manager::ChunkManager;
 use super::{decode, encode, ChunkKind};
-use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader};
+use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
 use crate::error::{Error, Result};
 use crate::simulate::ChunkPlan;
 
@@ -152,6 +152,16 @@ impl ChunkManager {
         path: impl AsRef<Path>,
         metadata: &BTreeMap<String, String>,
     ) -> Result<()> {
+        self.save_checkpoint_unpersisted(path.as_ref(), metadata)?
+            .persist()
+    }
+
+    /// [`ChunkManager::save_checkpoint`], short of putting the file in place.
+    pub(crate) fn save_checkpoint_unpersisted(
+        &mut self,
+        path: &Path,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<Written> {
         self.check_idle("save_checkpoint", true)?;
         let names = self.checkpoint_names()?;
         let layout = self.layout().clone();
@@ -182,7 +192,7 @@ impl ChunkManager {
         let mut meta = metadata.clone();
         meta.insert(FORMAT.0.into(), FORMAT.1.into());
         meta.insert("param_dtype".into(), self.param_dtype().name().into());
-        crate::checkpoint::write(path.as_ref(), &meta, &entries, |out| {
+        crate::checkpoint::write_unpersisted(path, &meta, &entries, |out| {
             for (g, spans) in spans.iter().enumerate() {
                 for kind in ChunkKind::ALL {
                     let es = self.list_dtype(kind).size();

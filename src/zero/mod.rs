@@ -972,16 +972,31 @@ impl ZeroManager {
 
     /// Saves this rank's shard (the tensors of the chunks it owns, by their global names) and
     /// `adam`'s counters to `path`, as [`HybridAdam::save_checkpoint`] does, with the rank and
-    /// world size in the metadata: every rank saves its own file. Between iterations only;
-    /// closes registration. Ranks do not agree on saves: if one rank's save fails, the ranks'
-    /// files are from different steps, which [`ZeroManager::load_checkpoint`] refuses.
+    /// world size in the metadata: every rank saves its own file. Every rank must call it:
+    /// each writes its file beside its target, the ranks agree (a one-byte all-reduce) that all
+    /// did, and only then does any file replace an earlier one; otherwise every rank fails and
+    /// the earlier files stay, so the ranks' files are always from one step (short of a failed
+    /// rename itself, which [`ZeroManager::load_checkpoint`] would notice). Between iterations
+    /// only; closes registration.
     pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
-        self.idle("save_checkpoint")?;
-        self.close()?;
-        let mut meta = adam.checkpoint_metadata()?;
-        meta.insert(META_RANK.into(), self.comm.rank().to_string());
-        meta.insert(META_WORLD.into(), self.world().to_string());
-        self.local.save_checkpoint(path, &meta)
+        let mine = self
+            .idle("save_checkpoint")
+            .and_then(|()| self.close())
+            .and_then(|()| adam.checkpoint_metadata())
+            .and_then(|mut meta| {
+                meta.insert(META_RANK.into(), self.comm.rank().to_string());
+                meta.insert(META_WORLD.into(), self.world().to_string());
+                self.local.save_checkpoint_unpersisted(path.as_ref(), &meta)
+            });
+        let mut ok = [u8::from(mine.is_ok())];
+        self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
+        match (mine, ok[0]) {
+            (Err(e), _) => Err(e),
+            (Ok(_), 0) => Err(Error::InvalidArgument(
+                "another rank's save failed: no rank replaces its checkpoint".into(),
+            )),
+            (Ok(written), _) => written.persist(),
+        }
     }
 
     /// Loads this rank's shard and `adam`'s counters from a file that

@@ -421,6 +421,65 @@ fn checkpoint_round_trip_after_training_with_a_permutation() {
 /// Indices, offsets and weights of one batch.
 type Case = (Vec<u32>, Vec<u32>, Option<Vec<f32>>);
 
+/// A bag checkpoint holds the table, every row's optimizer state and the step count: training
+/// resumed from it equals training on, bit for bit, for every optimizer. A table saved without
+/// the bag's step count, or a save between a forward and its step, is refused.
+#[test]
+fn bag_checkpoints_resume_training_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bag.safetensors");
+    for opt in OPTIMIZERS {
+        let mut rng = Lcg(5);
+        let batches: Vec<_> = (0..8).map(|_| batch(&mut rng, 12, false)).collect();
+        let new_bag = || {
+            let config = CacheConfig::new(ROWS, DIM, 96).staging_rows(7);
+            CachedEmbeddingBag::new(common::sim(64 << 20), config, BagMode::Sum, opt, init).unwrap()
+        };
+        let train = |bag: &mut CachedEmbeddingBag, bs: &[Case]| {
+            for (idx, off, wt) in bs {
+                let out = bag.forward(idx, off, wt.as_deref()).unwrap();
+                bag.backward(&grad_of(&out)).unwrap();
+                bag.step().unwrap();
+            }
+        };
+        let mut a = new_bag();
+        train(&mut a, &batches[..4]);
+        let (idx, off, _) = &batches[4];
+        let out = a.forward(idx, off, None).unwrap();
+        assert!(
+            matches!(a.save(&path), Err(Error::InvalidArgument(_))),
+            "mid-step"
+        );
+        a.backward(&grad_of(&out)).unwrap();
+        a.step().unwrap();
+        a.save(&path).unwrap();
+        train(&mut a, &batches[5..]);
+
+        let mut b = new_bag();
+        b.load(&path).unwrap();
+        assert_eq!(b.steps(), 5, "{opt:?}");
+        train(&mut b, &batches[5..]);
+        a.cache_mut().flush().unwrap();
+        b.cache_mut().flush().unwrap();
+        assert_eq!(
+            bits(a.cache().host_table().unwrap()),
+            bits(b.cache().host_table().unwrap()),
+            "{opt:?}"
+        );
+        // a table without the bag's step count
+        let table = dir.path().join("table.safetensors");
+        a.cache_mut().save(&table).unwrap();
+        let before = bits(b.cache().host_table().unwrap());
+        let e = b.load(&table).unwrap_err();
+        assert!(e.to_string().contains("bag.steps"), "{e}");
+        assert_eq!(
+            bits(b.cache().host_table().unwrap()),
+            before,
+            "nothing changed"
+        );
+    }
+}
+
 #[test]
 fn bad_input_is_refused_and_changes_nothing() {
     let opt = EmbeddingOptimizer::Sgd { lr: 0.1 };

@@ -345,6 +345,9 @@ pub struct CachedEmbeddingBag {
     grads: Scratch,
 }
 
+/// The metadata key of a bag checkpoint's step count.
+const STEPS_KEY: &str = "bag.steps";
+
 impl CachedEmbeddingBag {
     /// A bag on `device` over a table set by `init(id, row)`; `config.state` is set from the
     /// optimizer.
@@ -408,6 +411,48 @@ impl CachedEmbeddingBag {
     pub fn cache_mut(&mut self) -> &mut EmbeddingCache {
         self.saved = None;
         &mut self.cache
+    }
+
+    /// Saves the table and every row's optimizer state in id order ([`EmbeddingCache::save`])
+    /// with the step count (row-wise Adam's bias correction) in the file's metadata, so that
+    /// [`CachedEmbeddingBag::load`] resumes training bit for bit. Between steps only: not
+    /// between a forward and its step.
+    pub fn save(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        if self.saved.is_some() {
+            return Err(Error::InvalidArgument(
+                "save runs between steps, not between a forward and its step".into(),
+            ));
+        }
+        let meta =
+            std::collections::BTreeMap::from([(STEPS_KEY.to_string(), self.step.to_string())]);
+        self.cache.save_with(path.as_ref(), &meta)
+    }
+
+    /// Loads a checkpoint of [`CachedEmbeddingBag::save`] (same rows, dim and optimizer state),
+    /// its step count included, discarding the cache's contents. Checked whole before anything
+    /// changes. Between steps only.
+    pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
+        if self.saved.is_some() {
+            return Err(Error::InvalidArgument(
+                "load runs between steps, not between a forward and its step".into(),
+            ));
+        }
+        let steps = |m: &std::collections::BTreeMap<String, String>| {
+            m.get(STEPS_KEY)
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                    "checkpoint {}: no '{STEPS_KEY}' (saved by EmbeddingCache::save rather than \
+                     the bag? load it through cache_mut())",
+                    path.as_ref().display()
+                ))
+                })
+        };
+        let meta = self
+            .cache
+            .load_with(path.as_ref(), |m| steps(m).map(drop))?;
+        self.step = steps(&meta)?;
+        Ok(())
     }
 
     /// Optimizer steps taken.

@@ -6,6 +6,7 @@
 //! [`EmbeddingCache::reorder`], row 0 is the hottest id); everything the user sees (reads,
 //! checkpoints) is in the original id order.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::index::{CacheIndex, IndexStats, Plan};
@@ -784,23 +785,44 @@ impl EmbeddingCache {
     /// Saves the table in id order as safetensors (`weight`: `rows × dim`; `state`:
     /// `rows × state` when the rows carry optimizer state), after a flush.
     pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        self.save_with(path.as_ref(), &BTreeMap::new())
+    }
+
+    /// [`EmbeddingCache::save`] with `metadata` added to the file's.
+    pub(crate) fn save_with(
+        &mut self,
+        path: &Path,
+        metadata: &BTreeMap<String, String>,
+    ) -> Result<()> {
         self.flush()?;
         let host = self.host.typed::<f32>()?;
         super::checkpoint::save(
-            path.as_ref(),
+            path,
             host,
             self.index.permutation(),
             self.dim,
             self.stride,
+            metadata,
         )
     }
 
     /// Loads a table saved by [`EmbeddingCache::save`] (same rows, dim and state), discarding
     /// the cache's contents.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        self.load_with(path.as_ref(), |_| Ok(())).map(drop)
+    }
+
+    /// [`EmbeddingCache::load`], with `check` of the file's metadata run before anything
+    /// changes; returns the metadata.
+    pub(crate) fn load_with(
+        &mut self,
+        path: &Path,
+        check: impl FnOnce(&BTreeMap<String, String>) -> Result<()>,
+    ) -> Result<BTreeMap<String, String>> {
         let (dim, stride) = (self.dim, self.stride);
         // Read fully before changing anything.
-        let (w, s) = super::checkpoint::load(path.as_ref(), self.rows, dim, stride - dim)?;
+        let (w, s, meta) = super::checkpoint::load(path, self.rows, dim, stride - dim)?;
+        check(&meta)?;
         self.settle()?;
         let _ = self.index.take_dirty();
         self.index.clear()?;
@@ -811,7 +833,7 @@ impl EmbeddingCache {
             r[..dim].copy_from_slice(&w[id * dim..(id + 1) * dim]);
             r[dim..].copy_from_slice(&s[id * (stride - dim)..(id + 1) * (stride - dim)]);
         }
-        Ok(())
+        Ok(meta)
     }
 
     /// Copies the rows in `moves` (`(slot, host row)`) device → host, `staging_rows` at a

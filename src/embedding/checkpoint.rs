@@ -20,13 +20,13 @@ pub(crate) fn save(
     perm: &[u32],
     dim: usize,
     stride: usize,
+    extra: &BTreeMap<String, String>,
 ) -> Result<()> {
     let rows = perm.len();
     let state = stride - dim;
-    let meta = BTreeMap::from([
-        ("format".to_string(), "tidemem-embedding".to_string()),
-        ("rows".to_string(), rows.to_string()),
-    ]);
+    let mut meta = extra.clone();
+    meta.insert("format".to_string(), "tidemem-embedding".to_string());
+    meta.insert("rows".to_string(), rows.to_string());
     let mut entries = vec![Entry {
         name: "weight".into(),
         dtype: Dtype::F32,
@@ -51,14 +51,12 @@ pub(crate) fn save(
     })
 }
 
+/// A table read back: weights and state in id order, and the file's metadata.
+pub(crate) type Loaded = (Vec<f32>, Vec<f32>, BTreeMap<String, String>);
+
 /// Reads a checkpoint written by [`save`] for a table of `rows × dim` with `state` floats of
-/// optimizer state per row: the weights and the state in id order.
-pub(crate) fn load(
-    path: &Path,
-    rows: usize,
-    dim: usize,
-    state: usize,
-) -> Result<(Vec<f32>, Vec<f32>)> {
+/// optimizer state per row: the weights and the state in id order, and the file's metadata.
+pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result<Loaded> {
     let file = Reader::open(path)?;
     let st = file.tensors()?;
     let read = |name: &str, cols: usize| -> Result<Vec<f32>> {
@@ -87,7 +85,7 @@ pub(crate) fn load(
         }
         Vec::new()
     };
-    Ok((w, s))
+    Ok((w, s, file.metadata()?))
 }
 
 #[cfg(test)]
@@ -101,8 +99,10 @@ mod tests {
         // 3 rows of stride 3 (dim 2, state 1); id i is host row perm[i].
         let host = [10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0];
         let perm = [2, 0, 1];
-        save(&p, &host, &perm, 2, 3).unwrap();
-        let (w, s) = load(&p, 3, 2, 1).unwrap();
+        let extra = BTreeMap::from([("k".to_string(), "v".to_string())]);
+        save(&p, &host, &perm, 2, 3, &extra).unwrap();
+        let (w, s, meta) = load(&p, 3, 2, 1).unwrap();
+        assert_eq!(meta.get("k").map(String::as_str), Some("v"));
         assert_eq!(w, vec![30.0, 31.0, 10.0, 11.0, 20.0, 21.0]);
         assert_eq!(s, vec![32.0, 12.0, 22.0]);
         assert!(load(&p, 3, 3, 1).is_err());

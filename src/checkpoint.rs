@@ -75,17 +75,6 @@ impl<W: Write> Write for Counting<W> {
     }
 }
 
-/// Writes a safetensors file at `path` holding `entries`, in that order, and `metadata`: `data`
-/// writes every tensor's little-endian bytes in the same order, exactly as many as declared.
-pub(crate) fn write(
-    path: &Path,
-    metadata: &BTreeMap<String, String>,
-    entries: &[Entry],
-    data: impl FnOnce(&mut dyn Write) -> Result<()>,
-) -> Result<()> {
-    write_unpersisted(path, metadata, entries, data)?.persist()
-}
-
 /// A complete checkpoint beside its target, not yet in its place: [`Written::persist`] renames
 /// it over the target; dropped, it is removed and the target stays as it was. Lets data-parallel
 /// ranks write all their files before any replaces an earlier one.
@@ -108,7 +97,9 @@ impl Written {
     }
 }
 
-/// [`write`], short of putting the file in place.
+/// Writes a safetensors file holding `entries`, in that order, and `metadata` beside `path`:
+/// `data` writes every tensor's little-endian bytes in the same order, exactly as many as
+/// declared. [`Written::persist`] puts it in place.
 pub(crate) fn write_unpersisted(
     path: &Path,
     metadata: &BTreeMap<String, String>,
@@ -224,6 +215,15 @@ impl Reader {
 mod tests {
     use super::*;
 
+    fn write(
+        path: &Path,
+        metadata: &BTreeMap<String, String>,
+        entries: &[Entry],
+        data: impl FnOnce(&mut dyn Write) -> Result<()>,
+    ) -> Result<()> {
+        write_unpersisted(path, metadata, entries, data)?.persist()
+    }
+
     #[test]
     fn writes_what_safetensors_reads_and_never_half_a_file() {
         let dir = tempfile::tempdir().unwrap();
@@ -247,6 +247,16 @@ mod tests {
             Ok(())
         })
         .unwrap();
+        // not in place until persisted
+        let other = dir.path().join("other.safetensors");
+        let w = write_unpersisted(&other, &meta, &entries[..1], |out| {
+            out.write_all(&[0; 8]).unwrap();
+            Ok(())
+        })
+        .unwrap();
+        assert!(!other.exists());
+        drop(w);
+        assert!(!other.exists(), "dropped, not persisted");
         let r = Reader::open(&p).unwrap();
         assert_eq!(r.metadata().unwrap(), meta);
         let st = r.tensors().unwrap();

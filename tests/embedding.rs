@@ -647,6 +647,107 @@ fn table_init(t: usize, id: u32, row: &mut [f32]) {
     }
 }
 
+/// Sharded tables saved by every rank after two steps and loaded by new ranks train the next
+/// two steps to the same bits as the ranks that went on; files from different steps, or from
+/// another placement, are refused on every rank.
+#[test]
+fn sharded_checkpoints_resume_bitwise() {
+    use tidemem::comm::Communicator;
+    use tidemem::embedding::{ShardedEmbedding, Sharding, TableBatch};
+    const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
+    const D: usize = 6;
+    const BAGS: usize = 10;
+    let mut rng = Lcg(23);
+    let steps: Vec<_> = (0..4)
+        .map(|_| table_batch(&mut rng, &TROWS, BAGS))
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let path = |tag: &str, r: usize| dir.path().join(format!("{tag}-rank{r}.safetensors"));
+    for (sharding, opt) in [
+        (
+            Sharding::TableWise,
+            EmbeddingOptimizer::RowwiseAdagrad { lr: 0.2, eps: 1e-8 },
+        ),
+        (Sharding::ColumnWise, OPTIMIZERS[2]),
+    ] {
+        let tag = format!("{sharding:?}");
+        // load: None trains 4 steps and saves after 2 (and after 1, for the mismatch below)
+        let run = |load: Option<&str>| {
+            let comms =
+                Communicator::local((0..2).map(|_| common::sim(64 << 20)).collect()).unwrap();
+            std::thread::scope(|s| {
+                let hs: Vec<_> = comms
+                    .into_iter()
+                    .map(|comm| {
+                        let (steps, tag) = (&steps, &tag);
+                        s.spawn(move || {
+                            let r = comm.rank();
+                            let mut e = ShardedEmbedding::new(
+                                comm,
+                                sharding,
+                                &TROWS,
+                                D,
+                                60,
+                                BagMode::Sum,
+                                opt,
+                                table_init,
+                            )
+                            .unwrap();
+                            let mut first = 0;
+                            if let Some(from) = load {
+                                e.load(path(from, r)).unwrap();
+                                first = 2;
+                            }
+                            let mut outs = Vec::new();
+                            for (k, b) in steps.iter().enumerate().skip(first) {
+                                let tb: Vec<TableBatch<'_>> = b
+                                    .iter()
+                                    .map(|(i, o)| TableBatch {
+                                        indices: i,
+                                        offsets: o,
+                                        weights: None,
+                                    })
+                                    .collect();
+                                let out = e.forward(&tb).unwrap();
+                                e.backward(&grad_of(&out)).unwrap();
+                                e.step().unwrap();
+                                if load.is_none() && k == 0 {
+                                    e.save(path(&format!("{tag}-step1"), r)).unwrap();
+                                }
+                                if load.is_none() && k == 1 {
+                                    e.save(path(tag, r)).unwrap();
+                                }
+                                if k >= 2 {
+                                    outs.push(bits(&out));
+                                }
+                            }
+                            if load.is_some() {
+                                // rank 0 at step 2, rank 1 at step 1: refused everywhere
+                                let mixed = match r {
+                                    0 => path(tag, 0),
+                                    _ => path(&format!("{tag}-step1"), 1),
+                                };
+                                let e2 = e.load(mixed).unwrap_err();
+                                assert!(e2.to_string().contains("different steps"), "{e2}");
+                                // the other rank's file: another placement
+                                let e3 = e.load(path(tag, 1 - r)).unwrap_err();
+                                assert!(e3.to_string().contains("sharded.rank"), "{e3}");
+                            }
+                            outs
+                        })
+                    })
+                    .collect();
+                hs.into_iter()
+                    .map(|h| h.join().unwrap())
+                    .collect::<Vec<_>>()
+            })
+        };
+        let straight = run(None);
+        let resumed = run(Some(&tag));
+        assert_eq!(straight, resumed, "{tag}");
+    }
+}
+
 /// Table-wise and column-wise placement on 2 and 4 in-process ranks: after training steps,
 /// every rank's batch slice equals the single-rank collection's output bit for bit.
 #[test]

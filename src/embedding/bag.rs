@@ -10,6 +10,7 @@
 
 use super::cache::{CacheConfig, EmbeddingCache};
 use super::index::Plan;
+use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, HostBuffer, Pending, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::{
@@ -348,6 +349,22 @@ pub struct CachedEmbeddingBag {
 /// The metadata key of a bag checkpoint's step count.
 const STEPS_KEY: &str = "bag.steps";
 
+/// A bag checkpoint read and checked, not yet in place.
+pub(crate) struct BagCheckpoint {
+    weights: Vec<f32>,
+    state: Vec<f32>,
+    steps: u64,
+    /// The file's metadata.
+    pub meta: std::collections::BTreeMap<String, String>,
+}
+
+impl BagCheckpoint {
+    /// The step count it holds.
+    pub(crate) fn steps(&self) -> u64 {
+        self.steps
+    }
+}
+
 impl CachedEmbeddingBag {
     /// A bag on `device` over a table set by `init(id, row)`; `config.state` is set from the
     /// optimizer.
@@ -418,41 +435,68 @@ impl CachedEmbeddingBag {
     /// [`CachedEmbeddingBag::load`] resumes training bit for bit. Between steps only: not
     /// between a forward and its step.
     pub fn save(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        if self.saved.is_some() {
-            return Err(Error::InvalidArgument(
-                "save runs between steps, not between a forward and its step".into(),
-            ));
-        }
-        let meta =
-            std::collections::BTreeMap::from([(STEPS_KEY.to_string(), self.step.to_string())]);
-        self.cache.save_with(path.as_ref(), &meta)
+        self.save_unpersisted(path.as_ref(), &Default::default())?
+            .persist()
+    }
+
+    /// [`CachedEmbeddingBag::save`] with `metadata` added, short of putting the file in place.
+    pub(crate) fn save_unpersisted(
+        &mut self,
+        path: &std::path::Path,
+        metadata: &std::collections::BTreeMap<String, String>,
+    ) -> Result<Written> {
+        self.between_steps("save")?;
+        let mut meta = metadata.clone();
+        meta.insert(STEPS_KEY.to_string(), self.step.to_string());
+        self.cache.save_with(path, &meta)
     }
 
     /// Loads a checkpoint of [`CachedEmbeddingBag::save`] (same rows, dim and optimizer state),
     /// its step count included, discarding the cache's contents. Checked whole before anything
     /// changes. Between steps only.
     pub fn load(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
-        if self.saved.is_some() {
-            return Err(Error::InvalidArgument(
-                "load runs between steps, not between a forward and its step".into(),
-            ));
-        }
-        let steps = |m: &std::collections::BTreeMap<String, String>| {
-            m.get(STEPS_KEY)
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or_else(|| {
-                    Error::InvalidArgument(format!(
+        let read = self.read_checkpoint(path.as_ref())?;
+        self.apply_checkpoint(read)
+    }
+
+    /// Reads and checks a checkpoint of [`CachedEmbeddingBag::save`] without changing
+    /// anything.
+    pub(crate) fn read_checkpoint(&self, path: &std::path::Path) -> Result<BagCheckpoint> {
+        self.between_steps("load")?;
+        let (weights, state, meta) = self.cache.read_table(path)?;
+        let steps = meta
+            .get(STEPS_KEY)
+            .and_then(|v| v.parse::<u64>().ok())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
                     "checkpoint {}: no '{STEPS_KEY}' (saved by EmbeddingCache::save rather than \
                      the bag? load it through cache_mut())",
-                    path.as_ref().display()
+                    path.display()
                 ))
-                })
-        };
-        let meta = self
-            .cache
-            .load_with(path.as_ref(), |m| steps(m).map(drop))?;
-        self.step = steps(&meta)?;
+            })?;
+        Ok(BagCheckpoint {
+            weights,
+            state,
+            steps,
+            meta,
+        })
+    }
+
+    /// Puts a checkpoint read by [`CachedEmbeddingBag::read_checkpoint`] in place.
+    pub(crate) fn apply_checkpoint(&mut self, c: BagCheckpoint) -> Result<()> {
+        self.between_steps("load")?;
+        self.cache.apply_table(&c.weights, &c.state)?;
+        self.step = c.steps;
         Ok(())
+    }
+
+    fn between_steps(&self, what: &str) -> Result<()> {
+        match self.saved {
+            Some(_) => Err(Error::InvalidArgument(format!(
+                "{what} runs between steps, not between a forward and its step"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// Optimizer steps taken.

@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use super::index::{CacheIndex, IndexStats, Plan};
 use super::policy::Policy;
+use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream};
 use crate::error::{Error, Result};
 
@@ -785,15 +786,16 @@ impl EmbeddingCache {
     /// Saves the table in id order as safetensors (`weight`: `rows × dim`; `state`:
     /// `rows × state` when the rows carry optimizer state), after a flush.
     pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
-        self.save_with(path.as_ref(), &BTreeMap::new())
+        self.save_with(path.as_ref(), &BTreeMap::new())?.persist()
     }
 
-    /// [`EmbeddingCache::save`] with `metadata` added to the file's.
+    /// [`EmbeddingCache::save`] with `metadata` added to the file's, short of putting the file
+    /// in place.
     pub(crate) fn save_with(
         &mut self,
         path: &Path,
         metadata: &BTreeMap<String, String>,
-    ) -> Result<()> {
+    ) -> Result<Written> {
         self.flush()?;
         let host = self.host.typed::<f32>()?;
         super::checkpoint::save(
@@ -819,10 +821,23 @@ impl EmbeddingCache {
         path: &Path,
         check: impl FnOnce(&BTreeMap<String, String>) -> Result<()>,
     ) -> Result<BTreeMap<String, String>> {
-        let (dim, stride) = (self.dim, self.stride);
         // Read fully before changing anything.
-        let (w, s, meta) = super::checkpoint::load(path, self.rows, dim, stride - dim)?;
+        let (w, s, meta) = self.read_table(path)?;
         check(&meta)?;
+        self.apply_table(&w, &s)?;
+        Ok(meta)
+    }
+
+    /// Reads and checks a table checkpoint for this cache (rows, dim, state) without changing
+    /// anything: weights and state in id order, and the file's metadata.
+    pub(crate) fn read_table(&self, path: &Path) -> Result<super::checkpoint::Loaded> {
+        super::checkpoint::load(path, self.rows, self.dim, self.stride - self.dim)
+    }
+
+    /// Puts weights and state read by [`EmbeddingCache::read_table`] in the host table, after
+    /// emptying the cache.
+    pub(crate) fn apply_table(&mut self, w: &[f32], s: &[f32]) -> Result<()> {
+        let (dim, stride) = (self.dim, self.stride);
         self.settle()?;
         let _ = self.index.take_dirty();
         self.index.clear()?;
@@ -833,7 +848,7 @@ impl EmbeddingCache {
             r[..dim].copy_from_slice(&w[id * dim..(id + 1) * dim]);
             r[dim..].copy_from_slice(&s[id * (stride - dim)..(id + 1) * (stride - dim)]);
         }
-        Ok(meta)
+        Ok(())
     }
 
     /// Copies the rows in `moves` (`(slot, host row)`) device → host, `staging_rows` at a

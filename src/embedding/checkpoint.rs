@@ -9,7 +9,7 @@ use std::path::Path;
 
 use safetensors::Dtype;
 
-use crate::checkpoint::{bad, io, Entry, Reader};
+use crate::checkpoint::{bad, io, Entry, Reader, Written};
 use crate::error::Result;
 
 /// Writes `weight` (`rows × dim`) and, when `stride > dim`, `state` (`rows × (stride - dim)`)
@@ -21,7 +21,7 @@ pub(crate) fn save(
     dim: usize,
     stride: usize,
     extra: &BTreeMap<String, String>,
-) -> Result<()> {
+) -> Result<Written> {
     let rows = perm.len();
     let state = stride - dim;
     let mut meta = extra.clone();
@@ -39,7 +39,7 @@ pub(crate) fn save(
             shape: vec![rows, state],
         });
     }
-    crate::checkpoint::write(path, &meta, &entries, |out| {
+    crate::checkpoint::write_unpersisted(path, &meta, &entries, |out| {
         for range in std::iter::once(0..dim).chain((state > 0).then_some(dim..stride)) {
             for &row in perm {
                 let r = &host[row as usize * stride..(row as usize + 1) * stride];
@@ -100,7 +100,10 @@ mod tests {
         let host = [10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0];
         let perm = [2, 0, 1];
         let extra = BTreeMap::from([("k".to_string(), "v".to_string())]);
-        save(&p, &host, &perm, 2, 3, &extra).unwrap();
+        save(&p, &host, &perm, 2, 3, &extra)
+            .unwrap()
+            .persist()
+            .unwrap();
         let (w, s, meta) = load(&p, 3, 2, 1).unwrap();
         assert_eq!(meta.get("k").map(String::as_str), Some("v"));
         assert_eq!(w, vec![30.0, 31.0, 10.0, 11.0, 20.0, 21.0]);

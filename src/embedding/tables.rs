@@ -17,7 +17,10 @@
 
 use super::bag::{CachedEmbeddingBag, EmbeddingOptimizer};
 use super::cache::CacheConfig;
-use crate::comm::{Communicator, Elem};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use crate::comm::{Communicator, Elem, ReduceOp};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::ops::embedding::BagMode;
@@ -324,6 +327,101 @@ impl ShardedEmbedding {
     /// This rank's collection, mutably.
     pub fn local_mut(&mut self) -> Option<&mut CachedEmbeddingCollection> {
         self.local.as_mut()
+    }
+
+    /// What this rank's checkpoint says about the placement, checked on load.
+    fn placement_meta(&self) -> BTreeMap<String, String> {
+        BTreeMap::from([
+            ("sharded.rank".to_string(), self.comm.rank().to_string()),
+            ("sharded.world".to_string(), self.comm.world().to_string()),
+            (
+                "sharded.sharding".to_string(),
+                format!("{:?}", self.sharding),
+            ),
+            (
+                "sharded.tables".to_string(),
+                format!("{:?}", self.local_tables),
+            ),
+        ])
+    }
+
+    /// Saves this rank's part (its tables or columns, with their optimizer state and step
+    /// count, as [`CachedEmbeddingBag::save`] does) to `path`, with the rank, world size and
+    /// placement in the metadata; a rank that holds no table writes nothing. Every rank must
+    /// call it: each writes its file beside its target, the ranks agree that all did, and only
+    /// then does any file replace an earlier one; otherwise every rank fails and the earlier
+    /// files stay. Between steps only.
+    pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let meta = self.placement_meta();
+        let mine = match self.local.as_mut() {
+            Some(l) => l.bag_mut().save_unpersisted(path.as_ref(), &meta).map(Some),
+            None => Ok(None),
+        };
+        self.agree(mine.is_ok())?;
+        match mine {
+            Err(e) => Err(e),
+            Ok(written) => written.map_or(Ok(()), |w| w.persist()),
+        }
+    }
+
+    /// Loads this rank's part from a file [`ShardedEmbedding::save`] wrote on the same rank of
+    /// the same placement (ranks, sharding, tables). Every rank must call it: each reads and
+    /// checks its file, the ranks agree that all fit and were saved at the same step, and only
+    /// then does any rank load; otherwise every rank fails and none changes. Between steps only.
+    pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let want = self.placement_meta();
+        let placed = |meta: &BTreeMap<String, String>| match want
+            .iter()
+            .find(|(k, v)| meta.get(*k) != Some(*v))
+        {
+            Some((k, v)) => Err(Error::InvalidArgument(format!(
+                "checkpoint {} has {k} = {:?}, this rank has {v:?}",
+                path.display(),
+                meta.get(k).map_or("nothing", String::as_str)
+            ))),
+            None => Ok(()),
+        };
+        let mine = match self.local.as_ref() {
+            None => Ok(None),
+            // the placement first (the clearest message for another rank's file), then the
+            // whole file, whose placement is checked again
+            Some(l) => crate::checkpoint::Reader::open(path)
+                .and_then(|f| f.metadata())
+                .and_then(|m| placed(&m))
+                .and_then(|()| l.bag().read_checkpoint(path))
+                .and_then(|c| placed(&c.meta).map(|()| Some(c))),
+        };
+        self.agree(mine.is_ok())?;
+        let mine = mine?;
+        // ranks without tables do not take part in the comparison of steps
+        let steps = mine.as_ref().map(|c| c.steps() as f64);
+        let mut lo = [steps.unwrap_or(f64::INFINITY)];
+        let mut hi = [steps.unwrap_or(f64::NEG_INFINITY)];
+        self.comm.all_reduce_host(&mut lo, ReduceOp::Min)?;
+        self.comm.all_reduce_host(&mut hi, ReduceOp::Max)?;
+        if lo[0].is_finite() && lo != hi {
+            return Err(Error::InvalidArgument(format!(
+                "the ranks' checkpoints were saved at different steps ({} to {}): no rank loads",
+                lo[0], hi[0]
+            )));
+        }
+        match (self.local.as_mut(), mine) {
+            (Some(l), Some(c)) => l.bag_mut().apply_checkpoint(c),
+            _ => Ok(()),
+        }
+    }
+
+    /// Every rank's `ok`, agreed (a one-byte all-reduce): an error on every rank unless all are.
+    fn agree(&self, ok: bool) -> Result<()> {
+        let mut flag = [u8::from(ok)];
+        self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
+        if ok && flag[0] == 0 {
+            return Err(Error::InvalidArgument(
+                "another rank's checkpoint failed: no rank changes anything".into(),
+            ));
+        }
+        Ok(())
     }
 
     /// Forward of the global batch (every table, the same number of bags in each; every rank

@@ -78,6 +78,7 @@ impl<W: Write> Write for Counting<W> {
 /// A complete checkpoint beside its target, not yet in its place: [`Written::persist`] renames
 /// it over the target; dropped, it is removed and the target stays as it was. Lets data-parallel
 /// ranks write all their files before any replaces an earlier one.
+#[must_use = "a written checkpoint is removed unless persisted"]
 pub(crate) struct Written {
     tmp: tempfile::NamedTempFile,
     path: PathBuf,

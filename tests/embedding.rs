@@ -422,8 +422,9 @@ fn checkpoint_round_trip_after_training_with_a_permutation() {
 type Case = (Vec<u32>, Vec<u32>, Option<Vec<f32>>);
 
 /// A bag checkpoint holds the table, every row's optimizer state and the step count: training
-/// resumed from it equals training on, bit for bit, for every optimizer. A table saved without
-/// the bag's step count, or a save between a forward and its step, is refused.
+/// resumed from it equals training on, bit for bit, for every optimizer. A save between a
+/// forward and its step holds the table before that step; a load there, or of a table saved
+/// without the bag's step count, is refused.
 #[test]
 fn bag_checkpoints_resume_training_bitwise() {
     let dir = tempfile::tempdir().unwrap();
@@ -446,12 +447,18 @@ fn bag_checkpoints_resume_training_bitwise() {
         train(&mut a, &batches[..4]);
         let (idx, off, _) = &batches[4];
         let out = a.forward(idx, off, None).unwrap();
+        // between a forward and its step: the table as it is before that step
+        let mid = dir.path().join("mid.safetensors");
+        a.save(&mid).unwrap();
         assert!(
-            matches!(a.save(&path), Err(Error::InvalidArgument(_))),
-            "mid-step"
+            matches!(a.load(&mid), Err(Error::InvalidArgument(_))),
+            "no load mid-step"
         );
         a.backward(&grad_of(&out)).unwrap();
         a.step().unwrap();
+        let mut m = new_bag();
+        m.load(&mid).unwrap();
+        assert_eq!(m.steps(), 4, "{opt:?}");
         a.save(&path).unwrap();
         train(&mut a, &batches[5..]);
 
@@ -661,8 +668,9 @@ fn sharded_checkpoints_resume_bitwise() {
     let steps: Vec<_> = (0..4)
         .map(|_| table_batch(&mut rng, &TROWS, BAGS))
         .collect();
-    let dir = tempfile::tempdir().unwrap();
-    let path = |tag: &str, r: usize| dir.path().join(format!("{tag}-rank{r}.safetensors"));
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path();
+    let path = |tag: &str, r: usize| dir.join(format!("{tag}-rank{r}.safetensors"));
     for (sharding, opt) in [
         (
             Sharding::TableWise,
@@ -732,6 +740,19 @@ fn sharded_checkpoints_resume_bitwise() {
                                 // the other rank's file: another placement
                                 let e3 = e.load(path(tag, 1 - r)).unwrap_err();
                                 assert!(e3.to_string().contains("sharded.rank"), "{e3}");
+                                // a save that fails on one rank fails on both, each with its
+                                // own error, and leaves the earlier file
+                                let before = std::fs::read(path(tag, 0)).unwrap();
+                                let to = match r {
+                                    0 => path(tag, 0),
+                                    _ => dir.join("missing").join("x.safetensors"),
+                                };
+                                let e4 = e.save(to).unwrap_err();
+                                match r {
+                                    0 => assert!(e4.to_string().contains("another rank"), "{e4}"),
+                                    _ => assert!(matches!(e4, Error::Io { .. }), "{e4}"),
+                                }
+                                assert_eq!(std::fs::read(path(tag, 0)).unwrap(), before);
                             }
                             outs
                         })

@@ -432,8 +432,8 @@ impl CachedEmbeddingBag {
 
     /// Saves the table and every row's optimizer state in id order ([`EmbeddingCache::save`])
     /// with the step count (row-wise Adam's bias correction) in the file's metadata, so that
-    /// [`CachedEmbeddingBag::load`] resumes training bit for bit. Between steps only: not
-    /// between a forward and its step.
+    /// [`CachedEmbeddingBag::load`] resumes training bit for bit. Between a forward and its
+    /// step (or after an evaluation forward) it saves the table as it is before that step.
     pub fn save(&mut self, path: impl AsRef<std::path::Path>) -> Result<()> {
         self.save_unpersisted(path.as_ref(), &Default::default())?
             .persist()
@@ -445,7 +445,6 @@ impl CachedEmbeddingBag {
         path: &std::path::Path,
         metadata: &std::collections::BTreeMap<String, String>,
     ) -> Result<Written> {
-        self.between_steps("save")?;
         let mut meta = metadata.clone();
         meta.insert(STEPS_KEY.to_string(), self.step.to_string());
         self.cache.save_with(path, &meta)
@@ -488,6 +487,13 @@ impl CachedEmbeddingBag {
         self.cache.apply_table(&c.weights, &c.state)?;
         self.step = c.steps;
         Ok(())
+    }
+
+    /// Ready for [`CachedEmbeddingBag::apply_checkpoint`] not to fail: between steps, and the
+    /// cache's transfers settled (which fails on a cache a transfer left unusable).
+    pub(crate) fn ready_to_load(&mut self) -> Result<()> {
+        self.between_steps("load")?;
+        self.cache.settle()
     }
 
     fn between_steps(&self, what: &str) -> Result<()> {

@@ -839,7 +839,7 @@ impl EmbeddingCache {
     pub(crate) fn apply_table(&mut self, w: &[f32], s: &[f32]) -> Result<()> {
         let (dim, stride) = (self.dim, self.stride);
         self.settle()?;
-        let _ = self.index.take_dirty();
+        self.index.forget_dirty();
         self.index.clear()?;
         let perm = self.index.permutation().to_vec();
         let host = self.host.typed_mut::<f32>()?;

@@ -583,6 +583,12 @@ impl CacheIndex {
         out
     }
 
+    /// Marks every row clean without writing anything back: the rows are about to be replaced
+    /// (a checkpoint load).
+    pub(crate) fn forget_dirty(&mut self) {
+        self.dirty.fill(false);
+    }
+
     /// Empties the cache. Dirty rows must have been written back ([`CacheIndex::take_dirty`]).
     pub fn clear(&mut self) -> Result<()> {
         if let Some(s) = self.dirty.iter().position(|&d| d) {

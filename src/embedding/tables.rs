@@ -217,6 +217,8 @@ pub struct ShardedEmbedding {
     local_tables: Vec<usize>,
     local: Option<CachedEmbeddingCollection>,
     bags: usize,
+    /// Rows of every table.
+    rows: Vec<usize>,
 }
 
 impl ShardedEmbedding {
@@ -306,6 +308,7 @@ impl ShardedEmbedding {
             local_tables,
             local,
             bags: 0,
+            rows: rows.to_vec(),
         })
     }
 
@@ -342,6 +345,8 @@ impl ShardedEmbedding {
                 "sharded.tables".to_string(),
                 format!("{:?}", self.local_tables),
             ),
+            ("sharded.rows".to_string(), format!("{:?}", self.rows)),
+            ("sharded.dim".to_string(), self.dim.to_string()),
         ])
     }
 
@@ -357,17 +362,20 @@ impl ShardedEmbedding {
             Some(l) => l.bag_mut().save_unpersisted(path.as_ref(), &meta).map(Some),
             None => Ok(None),
         };
+        // every rank leaves here alike (an error everywhere unless all wrote), and otherwise
+        // reaches the second agreement
         self.agree(mine.is_ok())?;
-        match mine {
-            Err(e) => Err(e),
-            Ok(written) => written.map_or(Ok(()), |w| w.persist()),
-        }
+        let done = mine?.map_or(Ok(()), |w| w.persist());
+        // a rename that failed on one rank after the agreement is reported on every rank
+        self.agree(done.is_ok())?;
+        done
     }
 
     /// Loads this rank's part from a file [`ShardedEmbedding::save`] wrote on the same rank of
-    /// the same placement (ranks, sharding, tables). Every rank must call it: each reads and
-    /// checks its file, the ranks agree that all fit and were saved at the same step, and only
-    /// then does any rank load; otherwise every rank fails and none changes. Between steps only.
+    /// the same placement (ranks, sharding, tables and their sizes). Every rank must call it:
+    /// each reads and checks its file, the ranks agree that all fit and were saved at the same
+    /// step, and only then does any rank load; otherwise every rank fails and none changes.
+    /// Between steps only.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let want = self.placement_meta();
@@ -382,11 +390,15 @@ impl ShardedEmbedding {
             ))),
             None => Ok(()),
         };
-        let mine = match self.local.as_ref() {
+        let mine = match self.local.as_mut() {
             None => Ok(None),
-            // the placement first (the clearest message for another rank's file), then the
-            // whole file, whose placement is checked again
-            Some(l) => crate::checkpoint::Reader::open(path)
+            // ready to load (so that putting it in place cannot fail), the placement (the
+            // clearest message for another rank's file), then the whole file, whose placement
+            // is checked again
+            Some(l) => l
+                .bag_mut()
+                .ready_to_load()
+                .and_then(|()| crate::checkpoint::Reader::open(path))
                 .and_then(|f| f.metadata())
                 .and_then(|m| placed(&m))
                 .and_then(|()| l.bag().read_checkpoint(path))
@@ -406,10 +418,12 @@ impl ShardedEmbedding {
                 lo[0], hi[0]
             )));
         }
-        match (self.local.as_mut(), mine) {
+        let done = match (self.local.as_mut(), mine) {
             (Some(l), Some(c)) => l.bag_mut().apply_checkpoint(c),
             _ => Ok(()),
-        }
+        };
+        self.agree(done.is_ok())?;
+        done
     }
 
     /// Every rank's `ok`, agreed (a one-byte all-reduce): an error on every rank unless all are.

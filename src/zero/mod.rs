@@ -976,8 +976,8 @@ impl ZeroManager {
     /// each writes its file beside its target, the ranks agree (a one-byte all-reduce) that all
     /// did, and only then does any file replace an earlier one; otherwise every rank fails and
     /// the earlier files stay, so the ranks' files are always from one step (short of a failed
-    /// rename itself, which [`ZeroManager::load_checkpoint`] would notice). Between iterations
-    /// only; closes registration.
+    /// rename itself, which every rank then reports and [`ZeroManager::load_checkpoint`] would
+    /// notice). Between iterations only; closes registration.
     pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
         let mine = self
             .idle("save_checkpoint")
@@ -988,15 +988,26 @@ impl ZeroManager {
                 meta.insert(META_WORLD.into(), self.world().to_string());
                 self.local.save_checkpoint_unpersisted(path.as_ref(), &meta)
             });
-        let mut ok = [u8::from(mine.is_ok())];
-        self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
-        match (mine, ok[0]) {
-            (Err(e), _) => Err(e),
-            (Ok(_), 0) => Err(Error::InvalidArgument(
-                "another rank's save failed: no rank replaces its checkpoint".into(),
-            )),
-            (Ok(written), _) => written.persist(),
+        // every rank leaves here alike (an error everywhere unless all wrote), and otherwise
+        // reaches the second agreement
+        self.agree(mine.is_ok())?;
+        let done = mine?.persist();
+        // a rename that failed on one rank after the agreement is reported on every rank
+        self.agree(done.is_ok())?;
+        done
+    }
+
+    /// Every rank's `ok`, agreed (a one-byte all-reduce): an error on every rank that was ok
+    /// unless all were (a rank that was not returns its own error).
+    fn agree(&self, ok: bool) -> Result<()> {
+        let mut flag = [u8::from(ok)];
+        self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
+        if ok && flag[0] == 0 {
+            return Err(Error::InvalidArgument(
+                "another rank's checkpoint failed: no rank goes on alone".into(),
+            ));
         }
+        Ok(())
     }
 
     /// Loads this rank's shard and `adam`'s counters from a file that
@@ -1014,17 +1025,8 @@ impl ZeroManager {
             .and_then(|()| self.close())
             .and_then(|()| Reader::open(path))
             .and_then(|file| Ok((self.check_shard(adam, &file, path)?, file)));
-        let mut ok = [u8::from(mine.is_ok())];
-        self.comm.all_reduce_host(&mut ok, ReduceOp::Min)?;
-        let (meta, file) = match (mine, ok[0]) {
-            (Err(e), _) => return Err(e),
-            (Ok(_), 0) => {
-                return Err(Error::InvalidArgument(
-                    "another rank's checkpoint does not fit: no rank loads".into(),
-                ))
-            }
-            (Ok(m), _) => m,
-        };
+        self.agree(mine.is_ok())?;
+        let (meta, file) = mine?;
         let steps = adam.checkpoint_steps(&meta)? as f64;
         let (mut lo, mut hi) = ([steps], [steps]);
         self.comm.all_reduce_host(&mut lo, ReduceOp::Min)?;
@@ -1035,8 +1037,13 @@ impl ZeroManager {
                 lo[0], hi[0]
             )));
         }
-        let meta = self.local.load_checkpoint_file(&file, |_| Ok(()))?;
-        adam.restore_metadata(&meta)
+        let done = self
+            .local
+            .load_checkpoint_file(&file, |_| Ok(()))
+            .and_then(|meta| adam.restore_metadata(&meta));
+        // a load that failed on one rank after the agreement is reported on every rank
+        self.agree(done.is_ok())?;
+        done
     }
 
     /// This rank's file fits: saved by this rank of this group, for this optimizer and these

@@ -432,7 +432,7 @@ impl ShardedEmbedding {
         self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
         if ok && flag[0] == 0 {
             return Err(Error::InvalidArgument(
-                "another rank's checkpoint failed: no rank changes anything".into(),
+                "another rank's checkpoint failed: every rank reports it".into(),
             ));
         }
         Ok(())

@@ -1004,7 +1004,7 @@ impl ZeroManager {
         self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
         if ok && flag[0] == 0 {
             return Err(Error::InvalidArgument(
-                "another rank's checkpoint failed: no rank goes on alone".into(),
+                "another rank's checkpoint failed: every rank reports it".into(),
             ));
         }
         Ok(())

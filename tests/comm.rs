@@ -542,3 +542,21 @@ fn communicators_cross_threads() {
     fn check<T: Send + Sync>() {}
     check::<Communicator>();
 }
+
+/// `agree` lets ranks fail together: every rank that was ok learns that another failed, and the
+/// one that failed goes on to return its own error; all ok is ok everywhere.
+#[test]
+fn ranks_agree_on_failure() {
+    let comms = local(3);
+    let got = on_ranks(&comms, |c| (c.agree(true).is_ok(), c.agree(c.rank() != 1)));
+    for (r, (all_ok, one_failed)) in got.into_iter().enumerate() {
+        assert!(all_ok);
+        match r {
+            1 => assert!(one_failed.is_ok(), "the failed rank returns its own error"),
+            _ => {
+                let e = one_failed.unwrap_err();
+                assert!(e.to_string().contains("another rank failed"), "{e}");
+            }
+        }
+    }
+}

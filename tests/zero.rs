@@ -471,10 +471,7 @@ fn shard_checkpoints_resume_bitwise() {
         };
         let e = z.save_checkpoint(&opt, p).unwrap_err();
         if r == 0 {
-            assert!(
-                e.to_string().contains("another rank's checkpoint failed"),
-                "{e}"
-            );
+            assert!(e.to_string().contains("another rank failed"), "{e}");
         } else {
             // its own error, not a wait for a collective the other rank never made
             assert!(matches!(e, Error::Io { .. }), "{e}");

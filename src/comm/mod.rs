@@ -778,6 +778,21 @@ impl Communicator {
         }
     }
 
+    /// Agrees on `ok` across the ranks (a one-byte all-reduce): `Ok` on every rank if all were
+    /// ok; otherwise a rank that was ok gets an error saying another rank failed (and one that
+    /// was not gets `Ok`, to return its own error). Every rank must call it: the step that lets
+    /// ranks fail together instead of going on apart.
+    pub fn agree(&self, ok: bool) -> Result<()> {
+        let mut flag = [u8::from(ok)];
+        self.all_reduce_host(&mut flag, ReduceOp::Min)?;
+        if ok && flag[0] == 0 {
+            return Err(Error::InvalidArgument(
+                "another rank failed: every rank reports it".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// All-reduces a host slice in place (through a device buffer on a private stream, waiting
     /// for the result): for flags and norms.
     pub fn all_reduce_host<T: HostElem>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {

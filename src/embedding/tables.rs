@@ -364,10 +364,10 @@ impl ShardedEmbedding {
         };
         // every rank leaves here alike (an error everywhere unless all wrote), and otherwise
         // reaches the second agreement
-        self.agree(mine.is_ok())?;
+        self.comm.agree(mine.is_ok())?;
         let done = mine?.map_or(Ok(()), |w| w.persist());
         // a rename that failed on one rank after the agreement is reported on every rank
-        self.agree(done.is_ok())?;
+        self.comm.agree(done.is_ok())?;
         done
     }
 
@@ -404,7 +404,7 @@ impl ShardedEmbedding {
                 .and_then(|()| l.bag().read_checkpoint(path))
                 .and_then(|c| placed(&c.meta).map(|()| Some(c))),
         };
-        self.agree(mine.is_ok())?;
+        self.comm.agree(mine.is_ok())?;
         let mine = mine?;
         // ranks without tables do not take part in the comparison of steps
         let steps = mine.as_ref().map(|c| c.steps() as f64);
@@ -422,20 +422,8 @@ impl ShardedEmbedding {
             (Some(l), Some(c)) => l.bag_mut().apply_checkpoint(c),
             _ => Ok(()),
         };
-        self.agree(done.is_ok())?;
+        self.comm.agree(done.is_ok())?;
         done
-    }
-
-    /// Every rank's `ok`, agreed (a one-byte all-reduce): an error on every rank unless all are.
-    fn agree(&self, ok: bool) -> Result<()> {
-        let mut flag = [u8::from(ok)];
-        self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
-        if ok && flag[0] == 0 {
-            return Err(Error::InvalidArgument(
-                "another rank's checkpoint failed: every rank reports it".into(),
-            ));
-        }
-        Ok(())
     }
 
     /// Forward of the global batch (every table, the same number of bags in each; every rank

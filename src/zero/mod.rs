@@ -990,24 +990,11 @@ impl ZeroManager {
             });
         // every rank leaves here alike (an error everywhere unless all wrote), and otherwise
         // reaches the second agreement
-        self.agree(mine.is_ok())?;
+        self.comm.agree(mine.is_ok())?;
         let done = mine?.persist();
         // a rename that failed on one rank after the agreement is reported on every rank
-        self.agree(done.is_ok())?;
+        self.comm.agree(done.is_ok())?;
         done
-    }
-
-    /// Every rank's `ok`, agreed (a one-byte all-reduce): an error on every rank that was ok
-    /// unless all were (a rank that was not returns its own error).
-    fn agree(&self, ok: bool) -> Result<()> {
-        let mut flag = [u8::from(ok)];
-        self.comm.all_reduce_host(&mut flag, ReduceOp::Min)?;
-        if ok && flag[0] == 0 {
-            return Err(Error::InvalidArgument(
-                "another rank's checkpoint failed: every rank reports it".into(),
-            ));
-        }
-        Ok(())
     }
 
     /// Loads this rank's shard and `adam`'s counters from a file that
@@ -1025,7 +1012,7 @@ impl ZeroManager {
             .and_then(|()| self.close())
             .and_then(|()| Reader::open(path))
             .and_then(|file| Ok((self.check_shard(adam, &file, path)?, file)));
-        self.agree(mine.is_ok())?;
+        self.comm.agree(mine.is_ok())?;
         let (meta, file) = mine?;
         let steps = adam.checkpoint_steps(&meta)? as f64;
         let (mut lo, mut hi) = ([steps], [steps]);
@@ -1042,7 +1029,7 @@ impl ZeroManager {
             .load_checkpoint_file(&file, |_| Ok(()))
             .and_then(|meta| adam.restore_metadata(&meta));
         // a load that failed on one rank after the agreement is reported on every rank
-        self.agree(done.is_ok())?;
+        self.comm.agree(done.is_ok())?;
         done
     }
 

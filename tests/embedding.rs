@@ -648,6 +648,39 @@ fn table_batch(rng: &mut Lcg, rows: &[usize], bags: usize) -> Vec<(Vec<u32>, Vec
         .collect()
 }
 
+/// Sum-bag tables of `rows` rows of `dim` floats placed over `comm`'s ranks, 60 cached rows
+/// per rank, set by [`table_init`].
+fn sharded(
+    comm: tidemem::comm::Communicator,
+    sharding: tidemem::embedding::Sharding,
+    rows: &[usize],
+    dim: usize,
+    opt: EmbeddingOptimizer,
+) -> tidemem::embedding::ShardedEmbedding {
+    tidemem::embedding::ShardedEmbedding::new(
+        comm,
+        sharding,
+        rows,
+        dim,
+        60,
+        BagMode::Sum,
+        opt,
+        table_init,
+    )
+    .unwrap()
+}
+
+/// Tables of every table's `(indices, offsets)` as the sharded and collection APIs take them.
+fn view(b: &[(Vec<u32>, Vec<u32>)]) -> Vec<tidemem::embedding::TableBatch<'_>> {
+    b.iter()
+        .map(|(i, o)| tidemem::embedding::TableBatch {
+            indices: i,
+            offsets: o,
+            weights: None,
+        })
+        .collect()
+}
+
 fn table_init(t: usize, id: u32, row: &mut [f32]) {
     for (k, x) in row.iter_mut().enumerate() {
         *x = (t as f32 * 0.5 + id as f32 * 0.01 + k as f32 * 0.1).cos();
@@ -660,7 +693,7 @@ fn table_init(t: usize, id: u32, row: &mut [f32]) {
 #[test]
 fn sharded_checkpoints_resume_bitwise() {
     use tidemem::comm::Communicator;
-    use tidemem::embedding::{ShardedEmbedding, Sharding, TableBatch};
+    use tidemem::embedding::Sharding;
     const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
     const D: usize = 6;
     const BAGS: usize = 10;
@@ -690,17 +723,7 @@ fn sharded_checkpoints_resume_bitwise() {
                         let (steps, tag) = (&steps, &tag);
                         s.spawn(move || {
                             let r = comm.rank();
-                            let mut e = ShardedEmbedding::new(
-                                comm,
-                                sharding,
-                                &TROWS,
-                                D,
-                                60,
-                                BagMode::Sum,
-                                opt,
-                                table_init,
-                            )
-                            .unwrap();
+                            let mut e = sharded(comm, sharding, &TROWS, D, opt);
                             let mut first = 0;
                             if let Some(from) = load {
                                 e.load(path(from, r)).unwrap();
@@ -708,15 +731,7 @@ fn sharded_checkpoints_resume_bitwise() {
                             }
                             let mut outs = Vec::new();
                             for (k, b) in steps.iter().enumerate().skip(first) {
-                                let tb: Vec<TableBatch<'_>> = b
-                                    .iter()
-                                    .map(|(i, o)| TableBatch {
-                                        indices: i,
-                                        offsets: o,
-                                        weights: None,
-                                    })
-                                    .collect();
-                                let out = e.forward(&tb).unwrap();
+                                let out = e.forward(&view(b)).unwrap();
                                 e.backward(&grad_of(&out)).unwrap();
                                 e.step().unwrap();
                                 if load.is_none() && k == 0 {
@@ -774,9 +789,7 @@ fn sharded_checkpoints_resume_bitwise() {
 #[test]
 fn sharded_outputs_equal_single_rank() {
     use tidemem::comm::Communicator;
-    use tidemem::embedding::{
-        batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch,
-    };
+    use tidemem::embedding::{batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding};
     const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
     const D: usize = 6;
     const BAGS: usize = 10;
@@ -784,15 +797,6 @@ fn sharded_outputs_equal_single_rank() {
     let steps: Vec<_> = (0..4)
         .map(|_| table_batch(&mut rng, &TROWS, BAGS))
         .collect();
-    fn view(b: &[(Vec<u32>, Vec<u32>)]) -> Vec<TableBatch<'_>> {
-        b.iter()
-            .map(|(i, o)| TableBatch {
-                indices: i,
-                offsets: o,
-                weights: None,
-            })
-            .collect()
-    }
     for (sharding, opt) in [
         (
             Sharding::TableWise,
@@ -841,17 +845,7 @@ fn sharded_outputs_equal_single_rank() {
                             let steps = &steps;
                             s.spawn(move || {
                                 let r = comm.rank();
-                                let mut e = ShardedEmbedding::new(
-                                    comm,
-                                    sharding,
-                                    &TROWS,
-                                    D,
-                                    60,
-                                    BagMode::Sum,
-                                    opt,
-                                    table_init,
-                                )
-                                .unwrap();
+                                let mut e = sharded(comm, sharding, &TROWS, D, opt);
                                 let mut outs = Vec::new();
                                 for b in steps {
                                     let out = e.forward(&view(b)).unwrap();

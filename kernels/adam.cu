@@ -135,7 +135,7 @@ __device__ __forceinline__ void block_reduce(double* sum, unsigned int* flag) {
     const unsigned int t = threadIdx.x;
     __syncthreads();
 #pragma unroll
-    for (int s = THREADS / 2; s > 0; s >>= 1) {
+    for (unsigned int s = THREADS / 2; s > 0; s >>= 1) {
         if (t < s) {
             sum[t] = __dadd_rn(sum[t], sum[t + s]);
             flag[t] |= flag[t + s];

@@ -1,0 +1,86 @@
+// The CUDA C++ dialect on the host, for running kernels/*.cu on the CPU.
+//
+// Every thread of a block runs as a fiber of one OS thread; __syncthreads() switches to the
+// next fiber of the block, so a block's threads meet at each barrier as on a GPU. Blocks run
+// one after another, so `__shared__` variables are function statics (one copy, reused by each
+// block). The explicitly rounded intrinsics are the plain IEEE operations of the host (the file
+// is compiled with -ffp-contract=off, so nothing is fused behind their back).
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+using std::isfinite;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static
+
+struct uint3 {
+    unsigned int x, y, z;
+};
+struct dim3 {
+    unsigned int x, y, z;
+};
+
+extern "C" {
+extern uint3 emu_thread_idx;
+extern uint3 emu_block_idx;
+extern dim3 emu_block_dim;
+extern dim3 emu_grid_dim;
+void emu_syncthreads(void);
+}
+
+#define threadIdx emu_thread_idx
+#define blockIdx emu_block_idx
+#define blockDim emu_block_dim
+#define gridDim emu_grid_dim
+
+inline void __syncthreads() { emu_syncthreads(); }
+
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline float __fsqrt_rn(float a) { return std::sqrt(a); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+
+// A kernel's entry: its name, how to call it with cuLaunchKernel's parameter array, and the
+// size of each parameter (the driver copies the values at launch, as CUDA does).
+struct EmuKernel {
+    const char* name;
+    void (*invoke)(void** params);
+    size_t nparams;
+    const size_t* param_sizes;
+};
+
+#include <type_traits>
+#include <utility>
+
+template <typename... A, size_t... I>
+inline void emu_call_impl(void (*f)(A...), void** p, std::index_sequence<I...>) {
+    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(p[I])...);
+}
+
+template <typename... A>
+inline void emu_call(void (*f)(A...), void** p) {
+    emu_call_impl(f, p, std::index_sequence_for<A...>{});
+}
+
+template <typename F>
+struct EmuSizes;
+template <typename... A>
+struct EmuSizes<void (*)(A...)> {
+    static constexpr size_t n = sizeof...(A);
+    static constexpr size_t sizes[sizeof...(A) + 1] = {sizeof(A)..., 0};
+};
+
+#define EMU_KERNEL(f)                                                              \
+    EmuKernel {                                                                    \
+        #f, [](void** p) { emu_call(&f, p); }, EmuSizes<decltype(&f)>::n,          \
+            EmuSizes<decltype(&f)>::sizes                                          \
+    }

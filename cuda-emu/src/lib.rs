@@ -1,0 +1,1279 @@
+//! A CUDA driver library that runs on the CPU, for testing tidemem's CUDA backend on machines
+//! without a GPU.
+//!
+//! Built as `libcuda.so` and found before the NVIDIA driver (`LD_LIBRARY_PATH`), it answers the
+//! driver calls cudarc makes: one device of compute capability 9.0 whose memory is host memory,
+//! non-blocking streams, events, stream-ordered allocation, pinned host memory, copies, memsets,
+//! and kernel launches. Modules are the cubins or PTX that NVRTC builds from `kernels/*.cu`; a
+//! function is looked up by name in the module's image and run from the same source compiled
+//! for the host (`build.rs`), one block after another, the threads of a block as fibers that
+//! meet at `__syncthreads()`.
+//!
+//! **Work runs late, never early.** Nothing enqueued on a stream runs until something waits for
+//! it: a stream or event synchronisation, a stream waiting on an event of another stream, a
+//! copy to pageable host memory (synchronous in CUDA too), or the second query of an event or
+//! stream (the first answers "not ready"). A program that reads a result without waiting for it
+//! reads stale data here, every time, where a GPU would make it a race that passes most runs.
+//! Copies from pageable host memory take their bytes at the call, as CUDA does; copies from and
+//! to pinned memory use the memory when they run.
+//!
+//! **Checks a GPU would not report.** Every copy and memset must lie inside one live
+//! allocation; a stream-ordered free that runs while a pending operation on another stream
+//! still refers to the memory (a copy's range or a kernel parameter pointing into it) is a
+//! fault; so is freeing pinned memory that a pending copy uses. A fault prints what happened
+//! and makes every later call fail with `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU
+//! poisons its context.
+//!
+//! Environment: `TIDEMEM_EMU_MEM_MIB` sets the device memory (default 4096 MiB; only what is
+//! allocated is used).
+#![allow(non_snake_case)]
+#![allow(clippy::missing_safety_doc)]
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
+use std::sync::{Mutex, MutexGuard};
+
+/// A kernel compiled for the host: its name, its caller and the sizes of its parameters.
+#[repr(C)]
+pub struct EmuKernel {
+    name: *const c_char,
+    invoke: unsafe extern "C" fn(*mut *mut c_void),
+    nparams: usize,
+    param_sizes: *const usize,
+}
+
+// SAFETY: the tables are immutable C++ constants.
+unsafe impl Sync for EmuKernel {}
+
+impl EmuKernel {
+    fn name(&self) -> &'static str {
+        // SAFETY: a string literal of the generated table.
+        unsafe { CStr::from_ptr(self.name) }.to_str().unwrap_or("")
+    }
+    fn sizes(&self) -> &'static [usize] {
+        // SAFETY: `nparams` entries, from the generated table.
+        unsafe { std::slice::from_raw_parts(self.param_sizes, self.nparams) }
+    }
+}
+
+extern "C" {
+    fn emu_launch(
+        k: *const EmuKernel,
+        grid: *const c_uint,
+        block: *const c_uint,
+        params: *mut *mut c_void,
+    ) -> c_int;
+}
+
+include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+
+/// The names of every kernel this library can run.
+pub fn kernel_names() -> Vec<&'static str> {
+    kernel_tables()
+        .into_iter()
+        .flat_map(|t| t.iter().map(|k| k.name()))
+        .collect()
+}
+
+fn find_kernel(name: &str) -> Option<&'static EmuKernel> {
+    kernel_tables()
+        .into_iter()
+        .flat_map(|t| t.iter())
+        .find(|k| k.name() == name)
+}
+
+type CUresult = c_int;
+const SUCCESS: CUresult = 0;
+const INVALID_VALUE: CUresult = 1;
+const OUT_OF_MEMORY: CUresult = 2;
+const NOT_INITIALIZED: CUresult = 3;
+const INVALID_DEVICE: CUresult = 101;
+const INVALID_IMAGE: CUresult = 200;
+const INVALID_CONTEXT: CUresult = 201;
+const INVALID_HANDLE: CUresult = 400;
+const NOT_FOUND: CUresult = 500;
+const NOT_READY: CUresult = 600;
+const ILLEGAL_ADDRESS: CUresult = 700;
+const LAUNCH_FAILED: CUresult = 719;
+const NOT_SUPPORTED: CUresult = 801;
+
+fn error_name(e: CUresult) -> &'static CStr {
+    match e {
+        SUCCESS => c"CUDA_SUCCESS",
+        INVALID_VALUE => c"CUDA_ERROR_INVALID_VALUE",
+        OUT_OF_MEMORY => c"CUDA_ERROR_OUT_OF_MEMORY",
+        NOT_INITIALIZED => c"CUDA_ERROR_NOT_INITIALIZED",
+        INVALID_DEVICE => c"CUDA_ERROR_INVALID_DEVICE",
+        INVALID_IMAGE => c"CUDA_ERROR_INVALID_IMAGE",
+        INVALID_CONTEXT => c"CUDA_ERROR_INVALID_CONTEXT",
+        INVALID_HANDLE => c"CUDA_ERROR_INVALID_HANDLE",
+        NOT_FOUND => c"CUDA_ERROR_NOT_FOUND",
+        NOT_READY => c"CUDA_ERROR_NOT_READY",
+        ILLEGAL_ADDRESS => c"CUDA_ERROR_ILLEGAL_ADDRESS",
+        LAUNCH_FAILED => c"CUDA_ERROR_LAUNCH_FAILED",
+        NOT_SUPPORTED => c"CUDA_ERROR_NOT_SUPPORTED",
+        _ => c"CUDA_ERROR_UNKNOWN",
+    }
+}
+
+fn error_string(e: CUresult) -> &'static CStr {
+    match e {
+        SUCCESS => c"no error",
+        INVALID_VALUE => c"invalid argument",
+        OUT_OF_MEMORY => c"out of memory",
+        NOT_INITIALIZED => c"initialization error",
+        INVALID_DEVICE => c"invalid device ordinal",
+        INVALID_IMAGE => c"device kernel image is invalid",
+        INVALID_CONTEXT => c"invalid device context",
+        INVALID_HANDLE => c"invalid resource handle",
+        NOT_FOUND => c"named symbol not found",
+        NOT_READY => c"device not ready",
+        ILLEGAL_ADDRESS => c"an illegal memory access was encountered (emulated)",
+        LAUNCH_FAILED => c"unspecified launch failure",
+        NOT_SUPPORTED => c"operation not supported by the CUDA emulator",
+        _ => c"unknown error",
+    }
+}
+
+const CTX: usize = 0xC0DE_0000;
+const ALIGN: usize = 256;
+
+/// Where a copy takes its bytes from.
+enum Src {
+    /// Device memory, or pinned host memory read when the copy runs.
+    Addr(usize),
+    /// Pageable host memory, taken at the call.
+    Owned(Vec<u8>),
+}
+
+enum Op {
+    Copy {
+        dst: usize,
+        src: Src,
+        len: usize,
+    },
+    Memset {
+        dst: usize,
+        value: u8,
+        len: usize,
+    },
+    Launch {
+        kernel: &'static EmuKernel,
+        grid: [c_uint; 3],
+        block: [c_uint; 3],
+        /// The parameter values, copied at the launch; `offsets[i]` is where parameter i starts.
+        values: Vec<u64>,
+        offsets: Vec<usize>,
+    },
+    /// Run the ops of `stream` up to `seq` first.
+    Wait {
+        stream: usize,
+        seq: u64,
+    },
+    Free {
+        ptr: usize,
+    },
+}
+
+impl Op {
+    /// Whether the op refers to memory in `[lo, hi)`.
+    fn touches(&self, lo: usize, hi: usize) -> bool {
+        let within = |a: usize, len: usize| a < hi && a.saturating_add(len.max(1)) > lo;
+        match self {
+            Op::Copy { dst, src, len } => {
+                within(*dst, *len) || matches!(src, Src::Addr(s) if within(*s, *len))
+            }
+            Op::Memset { dst, len, .. } => within(*dst, *len),
+            Op::Launch { values, .. } => values.iter().any(|&v| within(v as usize, 1)),
+            Op::Wait { .. } => false,
+            Op::Free { ptr } => within(*ptr, 1),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Stream {
+    queue: VecDeque<(u64, Op)>,
+    /// Sequence number of the latest op enqueued, and of the latest one run.
+    last: u64,
+    done: u64,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Event {
+    /// The stream and op the latest record marks (`None`: never recorded).
+    mark: Option<(usize, u64)>,
+    queried: bool,
+}
+
+struct Alloc {
+    size: usize,
+    /// A stream-ordered free is enqueued: no new op may use it.
+    freeing: bool,
+}
+
+struct State {
+    init: bool,
+    capacity: usize,
+    used: usize,
+    allocs: BTreeMap<usize, Alloc>,
+    pinned: BTreeMap<usize, usize>,
+    streams: HashMap<usize, Stream>,
+    events: HashMap<usize, Event>,
+    modules: HashMap<usize, Vec<u8>>,
+    next: usize,
+    fault: Option<String>,
+    stream_queried: HashMap<usize, u64>,
+}
+
+static STATE: Mutex<Option<State>> = Mutex::new(None);
+
+thread_local! {
+    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+fn state() -> MutexGuard<'static, Option<State>> {
+    STATE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Runs `f` on the initialised state; a fault poisons every later call.
+fn with<F: FnOnce(&mut State) -> CUresult>(f: F) -> CUresult {
+    let mut g = state();
+    let Some(st) = g.as_mut() else {
+        return NOT_INITIALIZED;
+    };
+    if !st.init {
+        return NOT_INITIALIZED;
+    }
+    if st.fault.is_some() {
+        return ILLEGAL_ADDRESS;
+    }
+    f(st)
+}
+
+fn layout(size: usize) -> std::alloc::Layout {
+    std::alloc::Layout::from_size_align(size.max(1), ALIGN).expect("allocation size")
+}
+
+impl State {
+    fn new() -> Self {
+        let mib = std::env::var("TIDEMEM_EMU_MEM_MIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(4096);
+        let mut streams = HashMap::new();
+        streams.insert(0, Stream::default());
+        State {
+            init: false,
+            capacity: mib << 20,
+            used: 0,
+            allocs: BTreeMap::new(),
+            pinned: BTreeMap::new(),
+            streams,
+            events: HashMap::new(),
+            modules: HashMap::new(),
+            next: 0x1000,
+            fault: None,
+            stream_queried: HashMap::new(),
+        }
+    }
+
+    fn id(&mut self) -> usize {
+        self.next += 16;
+        self.next
+    }
+
+    fn fault(&mut self, what: String) -> CUresult {
+        eprintln!("tidemem-cuda-emu: fault: {what}");
+        self.fault = Some(what);
+        ILLEGAL_ADDRESS
+    }
+
+    /// Whether `[p, p + len)` lies inside one live device allocation.
+    fn device_range(&self, p: usize, len: usize) -> bool {
+        match self.allocs.range(..=p).next_back() {
+            Some((&a, al)) => !al.freeing && p.checked_add(len).is_some_and(|e| e <= a + al.size),
+            None => false,
+        }
+    }
+
+    fn is_pinned(&self, p: usize, len: usize) -> bool {
+        match self.pinned.range(..=p).next_back() {
+            Some((&a, &size)) => p.checked_add(len).is_some_and(|e| e <= a + size),
+            None => false,
+        }
+    }
+
+    fn enqueue(&mut self, stream: usize, op: Op) -> CUresult {
+        let Some(s) = self.streams.get_mut(&stream) else {
+            return INVALID_HANDLE;
+        };
+        s.last += 1;
+        let seq = s.last;
+        s.queue.push_back((seq, op));
+        SUCCESS
+    }
+
+    /// Runs the ops of `stream` up to and including `seq`.
+    fn run_until(&mut self, stream: usize, seq: u64) -> CUresult {
+        loop {
+            if self.fault.is_some() {
+                return ILLEGAL_ADDRESS;
+            }
+            let Some(s) = self.streams.get_mut(&stream) else {
+                return SUCCESS; // destroyed streams were run to the end
+            };
+            if s.done >= seq {
+                return SUCCESS;
+            }
+            let Some((n, op)) = s.queue.pop_front() else {
+                s.done = s.last;
+                return SUCCESS;
+            };
+            let r = self.run(stream, op);
+            if let Some(s) = self.streams.get_mut(&stream) {
+                s.done = n;
+            }
+            if r != SUCCESS {
+                return r;
+            }
+        }
+    }
+
+    fn run_all(&mut self, stream: usize) -> CUresult {
+        let last = self.streams.get(&stream).map_or(0, |s| s.last);
+        self.run_until(stream, last)
+    }
+
+    fn run_everything(&mut self) -> CUresult {
+        let ids: Vec<usize> = self.streams.keys().copied().collect();
+        for s in ids {
+            let r = self.run_all(s);
+            if r != SUCCESS {
+                return r;
+            }
+        }
+        SUCCESS
+    }
+
+    fn run(&mut self, stream: usize, op: Op) -> CUresult {
+        match op {
+            Op::Copy { dst, src, len } => {
+                let from = match &src {
+                    Src::Addr(a) => *a as *const u8,
+                    Src::Owned(v) => v.as_ptr(),
+                };
+                // SAFETY: both ranges were checked at the call: device ranges inside a live
+                // allocation (frees are ordered by the program and checked when they run), host
+                // ranges given by the caller, who keeps pinned memory alive until the copy runs
+                // (freeing pinned memory a pending copy uses is a fault, below).
+                unsafe { std::ptr::copy(from, dst as *mut u8, len) };
+                SUCCESS
+            }
+            Op::Memset { dst, value, len } => {
+                // SAFETY: checked inside one live allocation at the call.
+                unsafe { std::ptr::write_bytes(dst as *mut u8, value, len) };
+                SUCCESS
+            }
+            Op::Launch {
+                kernel,
+                grid,
+                block,
+                mut values,
+                offsets,
+            } => {
+                let base = values.as_mut_ptr() as *mut u8;
+                let mut ptrs: Vec<*mut c_void> = offsets
+                    .iter()
+                    // SAFETY: each offset is inside `values` (computed from the sizes).
+                    .map(|&o| unsafe { base.add(o) } as *mut c_void)
+                    .collect();
+                // SAFETY: the kernel reads its parameters from `ptrs` (values of the sizes the
+                // kernel declares, 8-byte aligned) and the memory they point at is the program's
+                // responsibility, as on a GPU.
+                let r =
+                    unsafe { emu_launch(kernel, grid.as_ptr(), block.as_ptr(), ptrs.as_mut_ptr()) };
+                if r != 0 {
+                    return self.fault(format!(
+                        "kernel {} launched with grid {grid:?} and block {block:?}",
+                        kernel.name()
+                    ));
+                }
+                SUCCESS
+            }
+            Op::Wait { stream: other, seq } => self.run_until(other, seq),
+            Op::Free { ptr } => {
+                let Some(al) = self.allocs.get(&ptr) else {
+                    return self.fault(format!("free of {ptr:#x}, not an allocation"));
+                };
+                let hi = ptr + al.size;
+                for (&sid, s) in &self.streams {
+                    if sid != stream && s.queue.iter().any(|(_, op)| op.touches(ptr, hi)) {
+                        let what = format!(
+                            "device memory {ptr:#x} (+{} bytes) freed on stream {stream:#x} while \
+                             an operation pending on stream {sid:#x} uses it",
+                            al.size
+                        );
+                        return self.fault(what);
+                    }
+                }
+                let al = self.allocs.remove(&ptr).expect("checked above");
+                self.used -= al.size;
+                // SAFETY: allocated in `alloc` with this layout, and no longer referenced.
+                unsafe { std::alloc::dealloc(ptr as *mut u8, layout(al.size)) };
+                SUCCESS
+            }
+        }
+    }
+
+    fn alloc(&mut self, size: usize) -> Result<usize, CUresult> {
+        if size == 0 {
+            return Err(INVALID_VALUE);
+        }
+        let rounded = size.div_ceil(ALIGN) * ALIGN;
+        if self.used + rounded > self.capacity {
+            return Err(OUT_OF_MEMORY);
+        }
+        // SAFETY: non-zero size.
+        let p = unsafe { std::alloc::alloc(layout(rounded)) };
+        if p.is_null() {
+            return Err(OUT_OF_MEMORY);
+        }
+        // Device memory starts as garbage, not zeros: a kernel that reads memory nobody wrote
+        // sees NaN-like bytes.
+        if rounded <= 256 << 20 {
+            // SAFETY: `rounded` bytes were just allocated.
+            unsafe { std::ptr::write_bytes(p, 0xff, rounded) };
+        }
+        self.used += rounded;
+        self.allocs.insert(
+            p as usize,
+            Alloc {
+                size: rounded,
+                freeing: false,
+            },
+        );
+        Ok(p as usize)
+    }
+
+    fn free_now(&mut self, p: usize) -> CUresult {
+        let r = self.run_everything();
+        if r != SUCCESS {
+            return r;
+        }
+        match self.allocs.get_mut(&p) {
+            Some(al) if !al.freeing => {
+                al.freeing = true;
+                let s = 0;
+                self.enqueue(s, Op::Free { ptr: p });
+                self.run_all(s)
+            }
+            _ => INVALID_VALUE,
+        }
+    }
+
+    fn stream_id(&self, s: *mut c_void) -> Option<usize> {
+        let id = s as usize;
+        self.streams.contains_key(&id).then_some(id)
+    }
+
+    fn event_complete(&self, e: &Event) -> bool {
+        match e.mark {
+            None => true,
+            Some((s, seq)) => self.streams.get(&s).is_none_or(|st| st.done >= seq),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Initialisation, devices, contexts.
+
+#[no_mangle]
+pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
+    let mut g = state();
+    g.get_or_insert_with(State::new).init = true;
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
+    if v.is_null() {
+        return INVALID_VALUE;
+    }
+    *v = 13000;
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
+    with(|_| {
+        if n.is_null() {
+            return INVALID_VALUE;
+        }
+        *n = 1;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CUresult {
+    with(|_| {
+        if d.is_null() {
+            return INVALID_VALUE;
+        }
+        if ordinal != 0 {
+            return INVALID_DEVICE;
+        }
+        *d = 0;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_int) -> CUresult {
+    with(|_| {
+        if dev != 0 {
+            return INVALID_DEVICE;
+        }
+        if name.is_null() || len <= 0 {
+            return INVALID_VALUE;
+        }
+        let text = b"tidemem CUDA emulator (CPU)";
+        let n = text.len().min(len as usize - 1);
+        std::ptr::copy_nonoverlapping(text.as_ptr(), name as *mut u8, n);
+        *name.add(n) = 0;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: c_int) -> CUresult {
+    with(|_| {
+        if dev != 0 {
+            return INVALID_DEVICE;
+        }
+        if v.is_null() {
+            return INVALID_VALUE;
+        }
+        *v = match attr {
+            1 => 1024,      // max threads per block
+            2 | 3 => 1024,  // max block dims x, y
+            4 => 64,        // max block dim z
+            5 => i32::MAX,  // max grid dim x
+            6 | 7 => 65535, // max grid dims y, z
+            8 => 48 * 1024, // shared memory per block
+            10 => 32,       // warp size
+            16 => 132,      // multiprocessors
+            41 => 1,        // unified addressing
+            75 => 9,        // compute capability major
+            76 => 0,        // minor
+            115 => 1,       // memory pools supported
+            _ => 0,
+        };
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CUresult {
+    with(|st| {
+        if dev != 0 {
+            return INVALID_DEVICE;
+        }
+        if bytes.is_null() {
+            return INVALID_VALUE;
+        }
+        *bytes = st.capacity;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_int) -> CUresult {
+    with(|_| {
+        if dev != 0 {
+            return INVALID_DEVICE;
+        }
+        if ctx.is_null() {
+            return INVALID_VALUE;
+        }
+        *ctx = CTX as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
+    with(|_| if dev != 0 { INVALID_DEVICE } else { SUCCESS })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut *mut c_void) -> CUresult {
+    with(|_| {
+        if ctx.is_null() {
+            return INVALID_VALUE;
+        }
+        *ctx = CURRENT.with(|c| c.get()) as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSetCurrent(ctx: *mut c_void) -> CUresult {
+    with(|_| {
+        let c = ctx as usize;
+        if c != 0 && c != CTX {
+            return INVALID_CONTEXT;
+        }
+        CURRENT.with(|cur| cur.set(c));
+        SUCCESS
+    })
+}
+
+fn need_ctx() -> CUresult {
+    if CURRENT.with(|c| c.get()) == CTX {
+        SUCCESS
+    } else {
+        INVALID_CONTEXT
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn cuCtxSynchronize() -> CUresult {
+    with(|st| match need_ctx() {
+        SUCCESS => st.run_everything(),
+        e => e,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
+    with(|st| {
+        if free.is_null() || total.is_null() {
+            return INVALID_VALUE;
+        }
+        *free = st.capacity - st.used;
+        *total = st.capacity;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorName(e: CUresult, s: *mut *const c_char) -> CUresult {
+    if s.is_null() {
+        return INVALID_VALUE;
+    }
+    *s = error_name(e).as_ptr();
+    SUCCESS
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> CUresult {
+    if s.is_null() {
+        return INVALID_VALUE;
+    }
+    *s = error_string(e).as_ptr();
+    SUCCESS
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streams and events.
+
+const STREAM_NON_BLOCKING: c_uint = 1;
+
+#[no_mangle]
+pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, flags: c_uint) -> CUresult {
+    with(|st| {
+        if s.is_null() {
+            return INVALID_VALUE;
+        }
+        if flags & STREAM_NON_BLOCKING == 0 {
+            // Blocking streams synchronise with the legacy default stream; not emulated.
+            return NOT_SUPPORTED;
+        }
+        let id = st.id();
+        st.streams.insert(id, Stream::default());
+        *s = id as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s).filter(|&id| id != 0) else {
+            return INVALID_HANDLE;
+        };
+        // Work already enqueued completes before the stream's resources go.
+        let r = st.run_all(id);
+        st.streams.remove(&id);
+        r
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CUresult {
+    with(|st| match st.stream_id(s) {
+        Some(id) => st.run_all(id),
+        None => INVALID_HANDLE,
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamQuery(s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let stream = &st.streams[&id];
+        if stream.done >= stream.last {
+            return SUCCESS;
+        }
+        let last = stream.last;
+        if st.stream_queried.get(&id) != Some(&last) {
+            st.stream_queried.insert(id, last);
+            return NOT_READY;
+        }
+        st.run_all(id)
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventCreate(e: *mut *mut c_void, _flags: c_uint) -> CUresult {
+    with(|st| {
+        if e.is_null() {
+            return INVALID_VALUE;
+        }
+        let id = st.id();
+        st.events.insert(id, Event::default());
+        *e = id as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventDestroy_v2(e: *mut c_void) -> CUresult {
+    with(|st| match st.events.remove(&(e as usize)) {
+        Some(_) => SUCCESS,
+        None => INVALID_HANDLE,
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventRecord(e: *mut c_void, s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let last = st.streams[&id].last;
+        match st.events.get_mut(&(e as usize)) {
+            Some(ev) => {
+                ev.mark = Some((id, last));
+                ev.queried = false;
+                SUCCESS
+            }
+            None => INVALID_HANDLE,
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuStreamWaitEvent(s: *mut c_void, e: *mut c_void, _flags: c_uint) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let Some(ev) = st.events.get(&(e as usize)).copied() else {
+            return INVALID_HANDLE;
+        };
+        match ev.mark {
+            Some((other, seq)) if other != id && !st.event_complete(&ev) => {
+                st.enqueue(id, Op::Wait { stream: other, seq })
+            }
+            _ => SUCCESS,
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
+    with(|st| match st.events.get(&(e as usize)).copied() {
+        Some(Event {
+            mark: Some((s, seq)),
+            ..
+        }) => st.run_until(s, seq),
+        Some(_) => SUCCESS,
+        None => INVALID_HANDLE,
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuEventQuery(e: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(ev) = st.events.get(&(e as usize)).copied() else {
+            return INVALID_HANDLE;
+        };
+        if st.event_complete(&ev) {
+            return SUCCESS;
+        }
+        let (s, seq) = ev.mark.expect("incomplete events are recorded");
+        if !ev.queried {
+            st.events.get_mut(&(e as usize)).expect("present").queried = true;
+            return NOT_READY;
+        }
+        st.run_until(s, seq)
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Memory.
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, size: usize) -> CUresult {
+    with(|st| {
+        if p.is_null() {
+            return INVALID_VALUE;
+        }
+        match st.alloc(size) {
+            Ok(a) => {
+                *p = a as u64;
+                SUCCESS
+            }
+            Err(e) => e,
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, size: usize, s: *mut c_void) -> CUresult {
+    with(|st| {
+        if st.stream_id(s).is_none() {
+            return INVALID_HANDLE;
+        }
+        if p.is_null() {
+            return INVALID_VALUE;
+        }
+        match st.alloc(size) {
+            Ok(a) => {
+                *p = a as u64;
+                SUCCESS
+            }
+            Err(e) => e,
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFree_v2(p: u64) -> CUresult {
+    with(|st| st.free_now(p as usize))
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemFreeAsync(p: u64, s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        match st.allocs.get_mut(&(p as usize)) {
+            Some(al) if !al.freeing => {
+                al.freeing = true;
+                st.enqueue(id, Op::Free { ptr: p as usize })
+            }
+            _ => INVALID_VALUE,
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemHostAlloc(
+    p: *mut *mut c_void,
+    size: usize,
+    _flags: c_uint,
+) -> CUresult {
+    with(|st| {
+        if p.is_null() || size == 0 {
+            return INVALID_VALUE;
+        }
+        // SAFETY: non-zero size.
+        let a = std::alloc::alloc(layout(size));
+        if a.is_null() {
+            return OUT_OF_MEMORY;
+        }
+        st.pinned.insert(a as usize, size);
+        *p = a as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemAllocHost_v2(p: *mut *mut c_void, size: usize) -> CUresult {
+    cuMemHostAlloc(p, size, 0)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
+    with(|st| {
+        let a = p as usize;
+        let Some(&size) = st.pinned.get(&a) else {
+            return INVALID_VALUE;
+        };
+        for (&sid, s) in &st.streams {
+            if s.queue.iter().any(|(_, op)| op.touches(a, a + size)) {
+                let what = format!(
+                    "pinned memory {a:#x} (+{size} bytes) freed while an operation pending on \
+                     stream {sid:#x} uses it"
+                );
+                return st.fault(what);
+            }
+        }
+        st.pinned.remove(&a);
+        // SAFETY: allocated by cuMemHostAlloc with this layout; nothing pending uses it.
+        std::alloc::dealloc(a as *mut u8, layout(size));
+        SUCCESS
+    })
+}
+
+fn check_dev(st: &State, p: u64, len: usize, what: &str) -> CUresult {
+    if len == 0 || st.device_range(p as usize, len) {
+        SUCCESS
+    } else {
+        eprintln!(
+            "tidemem-cuda-emu: {what}: {len} bytes at {p:#x} are not inside one live allocation"
+        );
+        INVALID_VALUE
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
+    dst: u64,
+    src: *const c_void,
+    len: usize,
+    s: *mut c_void,
+) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let r = check_dev(st, dst, len, "host-to-device copy");
+        if r != SUCCESS || len == 0 {
+            return r;
+        }
+        if src.is_null() {
+            return INVALID_VALUE;
+        }
+        let from = if st.is_pinned(src as usize, len) {
+            Src::Addr(src as usize)
+        } else {
+            // SAFETY: the caller's `len` readable bytes at `src`.
+            Src::Owned(std::slice::from_raw_parts(src as *const u8, len).to_vec())
+        };
+        st.enqueue(
+            id,
+            Op::Copy {
+                dst: dst as usize,
+                src: from,
+                len,
+            },
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
+    dst: *mut c_void,
+    src: u64,
+    len: usize,
+    s: *mut c_void,
+) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let r = check_dev(st, src, len, "device-to-host copy");
+        if r != SUCCESS || len == 0 {
+            return r;
+        }
+        if dst.is_null() {
+            return INVALID_VALUE;
+        }
+        let op = Op::Copy {
+            dst: dst as usize,
+            src: Src::Addr(src as usize),
+            len,
+        };
+        let pinned = st.is_pinned(dst as usize, len);
+        let r = st.enqueue(id, op);
+        if r != SUCCESS || pinned {
+            return r;
+        }
+        // To pageable memory the copy is synchronous.
+        st.run_all(id)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        for (p, what) in [
+            (dst, "device-to-device copy (to)"),
+            (src, "device-to-device copy (from)"),
+        ] {
+            let r = check_dev(st, p, len, what);
+            if r != SUCCESS {
+                return r;
+            }
+        }
+        if len == 0 {
+            return SUCCESS;
+        }
+        st.enqueue(
+            id,
+            Op::Copy {
+                dst: dst as usize,
+                src: Src::Addr(src as usize),
+                len,
+            },
+        )
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuMemsetD8Async(dst: u64, value: u8, len: usize, s: *mut c_void) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let r = check_dev(st, dst, len, "memset");
+        if r != SUCCESS || len == 0 {
+            return r;
+        }
+        st.enqueue(
+            id,
+            Op::Memset {
+                dst: dst as usize,
+                value,
+                len,
+            },
+        )
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usize) -> CUresult {
+    let r = cuMemcpyHtoDAsync_v2(dst, src, len, std::ptr::null_mut());
+    if r != SUCCESS {
+        return r;
+    }
+    cuCtxSynchronize()
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
+    let r = with(|st| st.run_everything());
+    if r != SUCCESS {
+        return r;
+    }
+    let r = cuMemcpyDtoHAsync_v2(dst, src, len, std::ptr::null_mut());
+    if r != SUCCESS {
+        return r;
+    }
+    cuCtxSynchronize()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Modules and launches.
+
+/// The bytes of a module image: an ELF cubin (its length from the ELF header) or PTX text.
+unsafe fn image_bytes(p: *const u8) -> Option<Vec<u8>> {
+    if p.is_null() {
+        return None;
+    }
+    let head = std::slice::from_raw_parts(p, 4);
+    if head == b"\x7fELF" {
+        let h = std::slice::from_raw_parts(p, 64);
+        if h[4] != 2 {
+            return None; // 64-bit ELF only
+        }
+        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap()) as usize;
+        let u16_at = |o: usize| u16::from_le_bytes(h[o..o + 2].try_into().unwrap()) as usize;
+        let (phoff, shoff) = (u64_at(32), u64_at(40));
+        let (phsz, phn, shsz, shn) = (u16_at(54), u16_at(56), u16_at(58), u16_at(60));
+        let mut len = (shoff + shsz * shn).max(phoff + phsz * phn).max(64);
+        // Section contents may follow the headers: take the furthest section end.
+        let sh = std::slice::from_raw_parts(p.add(shoff), shsz * shn);
+        for i in 0..shn {
+            let e = &sh[i * shsz..(i + 1) * shsz];
+            let ty = u32::from_le_bytes(e[4..8].try_into().unwrap());
+            let off = u64::from_le_bytes(e[24..32].try_into().unwrap()) as usize;
+            let size = u64::from_le_bytes(e[32..40].try_into().unwrap()) as usize;
+            if ty != 8 {
+                len = len.max(off + size); // SHT_NOBITS occupies nothing
+            }
+        }
+        Some(std::slice::from_raw_parts(p, len).to_vec())
+    } else {
+        Some(CStr::from_ptr(p as *const c_char).to_bytes().to_vec())
+    }
+}
+
+/// Whether a cubin (in its string table) or PTX (as an `.entry`) defines `name`.
+fn image_defines(image: &[u8], name: &str) -> bool {
+    if image.starts_with(b"\x7fELF") {
+        let mut pat = vec![0u8];
+        pat.extend_from_slice(name.as_bytes());
+        pat.push(0);
+        image.windows(pat.len()).any(|w| w == pat.as_slice())
+    } else {
+        let text = String::from_utf8_lossy(image);
+        text.contains(&format!(".entry {name}("))
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, image: *const c_void) -> CUresult {
+    with(|st| {
+        if m.is_null() {
+            return INVALID_VALUE;
+        }
+        let Some(bytes) = image_bytes(image as *const u8) else {
+            return INVALID_IMAGE;
+        };
+        let elf = bytes.starts_with(b"\x7fELF");
+        if !elf && !String::from_utf8_lossy(&bytes).contains(".entry") {
+            return INVALID_IMAGE;
+        }
+        let id = st.id();
+        st.modules.insert(id, bytes);
+        *m = id as *mut c_void;
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn cuModuleUnload(m: *mut c_void) -> CUresult {
+    with(|st| match st.modules.remove(&(m as usize)) {
+        Some(_) => SUCCESS,
+        None => INVALID_HANDLE,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuModuleGetFunction(
+    f: *mut *const EmuKernel,
+    m: *mut c_void,
+    name: *const c_char,
+) -> CUresult {
+    with(|st| {
+        if f.is_null() || name.is_null() {
+            return INVALID_VALUE;
+        }
+        let Some(image) = st.modules.get(&(m as usize)) else {
+            return INVALID_HANDLE;
+        };
+        let Ok(name) = CStr::from_ptr(name).to_str() else {
+            return NOT_FOUND;
+        };
+        if !image_defines(image, name) {
+            return NOT_FOUND;
+        }
+        match find_kernel(name) {
+            Some(k) => {
+                *f = k;
+                SUCCESS
+            }
+            None => {
+                eprintln!("tidemem-cuda-emu: kernel {name} is in the image but not in kernels/");
+                NOT_FOUND
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuFuncGetAttribute(
+    v: *mut c_int,
+    attr: c_int,
+    _f: *const EmuKernel,
+) -> CUresult {
+    with(|_| {
+        if v.is_null() {
+            return INVALID_VALUE;
+        }
+        *v = match attr {
+            0 => 1024, // max threads per block
+            _ => 0,
+        };
+        SUCCESS
+    })
+}
+
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn cuLaunchKernel(
+    f: *const EmuKernel,
+    gx: c_uint,
+    gy: c_uint,
+    gz: c_uint,
+    bx: c_uint,
+    by: c_uint,
+    bz: c_uint,
+    shared: c_uint,
+    s: *mut c_void,
+    params: *mut *mut c_void,
+    extra: *mut *mut c_void,
+) -> CUresult {
+    with(|st| {
+        let Some(id) = st.stream_id(s) else {
+            return INVALID_HANDLE;
+        };
+        let Some(kernel) = kernel_tables()
+            .into_iter()
+            .flat_map(|t| t.iter())
+            .find(|k| std::ptr::eq(*k, f))
+        else {
+            return INVALID_HANDLE;
+        };
+        let threads = bx as u64 * by as u64 * bz as u64;
+        if [gx, gy, gz, bx, by, bz].contains(&0) || threads > 1024 || bz > 64 {
+            return INVALID_VALUE;
+        }
+        if shared != 0 || !extra.is_null() {
+            return NOT_SUPPORTED; // no kernel here uses dynamic shared memory or `extra`
+        }
+        let sizes = kernel.sizes();
+        if !sizes.is_empty() && params.is_null() {
+            return INVALID_VALUE;
+        }
+        // Copy every parameter's value now, as the driver does: the caller's storage may be
+        // gone by the time the kernel runs.
+        let mut offsets = Vec::with_capacity(sizes.len());
+        let mut words = 0usize;
+        for &sz in sizes {
+            offsets.push(words * 8);
+            words += sz.div_ceil(8).max(1);
+        }
+        let mut values = vec![0u64; words];
+        let base = values.as_mut_ptr() as *mut u8;
+        for (i, (&sz, &off)) in sizes.iter().zip(&offsets).enumerate() {
+            let p = *params.add(i);
+            if p.is_null() {
+                return INVALID_VALUE;
+            }
+            std::ptr::copy_nonoverlapping(p as *const u8, base.add(off), sz);
+        }
+        st.enqueue(
+            id,
+            Op::Launch {
+                kernel,
+                grid: [gx, gy, gz],
+                block: [bx, by, bz],
+                values,
+                offsets,
+            },
+        )
+    })
+}

@@ -305,7 +305,7 @@ fn local_backend_conforms_at_every_world_size() {
 
 #[test]
 fn nccl_backend_conforms_at_world_size_one() {
-    let Some(dev) = common::cuda("nccl_backend_conforms_at_world_size_one") else {
+    let Some(dev) = common::nccl_device("nccl_backend_conforms_at_world_size_one") else {
         return;
     };
     let id = match tidemem::comm::nccl_unique_id() {
@@ -341,7 +341,7 @@ fn wait_and_check_on_a_healthy_group() {
         });
     };
     run(&local(3));
-    let Some(dev) = common::cuda("wait_and_check_on_a_healthy_group") else {
+    let Some(dev) = common::nccl_device("wait_and_check_on_a_healthy_group") else {
         return;
     };
     let Ok(id) = tidemem::comm::nccl_unique_id() else {

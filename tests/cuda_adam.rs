@@ -25,6 +25,11 @@ fn sim() -> Device {
 
 /// CUDA device 0, or `None` after printing why the test is skipped.
 fn cuda(test: &str) -> Option<Device> {
+    let required = std::env::var("TIDEMEM_REQUIRE_CUDA").as_deref() == Ok("1");
+    assert!(
+        !required || (cuda_driver_present() && cuda_device_count() > 0),
+        "{test}: TIDEMEM_REQUIRE_CUDA=1 but there is no CUDA device"
+    );
     if !cuda_driver_present() {
         eprintln!("{test}: skipping: no CUDA driver library on this machine");
         return None;

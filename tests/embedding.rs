@@ -87,61 +87,62 @@ const OPTIMIZERS: [EmbeddingOptimizer; 3] = [
 #[test]
 fn cached_bag_equals_full_table_bitwise() {
     let w = weights();
-    for opt in OPTIMIZERS {
-        for (mode, weighted) in [
-            (BagMode::Sum, false),
-            (BagMode::Mean, false),
-            (BagMode::Sum, true),
-        ] {
-            for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
-                let mut rng = Lcg(11);
-                let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
-                let mut full = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
-                let config = CacheConfig::new(ROWS, DIM, 96)
-                    .policy(policy.clone())
-                    .staging_rows(7);
-                let mut cached =
-                    CachedEmbeddingBag::new(common::sim(64 << 20), config, mode, opt, init)
-                        .unwrap();
-                let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
-                cached.cache_mut().reorder(&counts).unwrap();
-                cached.cache_mut().warm_up(0.7).unwrap();
-                for (k, (idx, off, wt)) in batches.iter().enumerate() {
-                    let a = full.forward(idx, off, wt.as_deref()).unwrap();
-                    let b = cached.forward(idx, off, wt.as_deref()).unwrap();
-                    assert_eq!(bits(&a), bits(&b), "{opt:?} {mode:?} {}", policy.name());
-                    let g = grad_of(&a);
-                    let (ids, ga) = full.backward(&g).unwrap();
-                    if k % 2 == 0 {
-                        cached.backward(&g).unwrap();
-                    } else {
-                        // the output gradient already on the device
-                        let dev = cached.cache().device().clone();
-                        let gd = dev
-                            .upload(cached.cache().stream(), bytemuck::cast_slice(&g))
-                            .unwrap();
-                        assert!(cached.backward_device(gd.view(0, 4).unwrap()).is_err());
-                        cached
-                            .backward_device(gd.view(0, gd.len()).unwrap())
-                            .unwrap();
+    for dev in common::devices("cached_bag_equals_full_table_bitwise") {
+        for opt in OPTIMIZERS {
+            for (mode, weighted) in [
+                (BagMode::Sum, false),
+                (BagMode::Mean, false),
+                (BagMode::Sum, true),
+            ] {
+                for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+                    let mut rng = Lcg(11);
+                    let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
+                    let mut full = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
+                    let config = CacheConfig::new(ROWS, DIM, 96)
+                        .policy(policy.clone())
+                        .staging_rows(7);
+                    let mut cached =
+                        CachedEmbeddingBag::new(dev.clone(), config, mode, opt, init).unwrap();
+                    let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
+                    cached.cache_mut().reorder(&counts).unwrap();
+                    cached.cache_mut().warm_up(0.7).unwrap();
+                    for (k, (idx, off, wt)) in batches.iter().enumerate() {
+                        let a = full.forward(idx, off, wt.as_deref()).unwrap();
+                        let b = cached.forward(idx, off, wt.as_deref()).unwrap();
+                        assert_eq!(bits(&a), bits(&b), "{opt:?} {mode:?} {}", policy.name());
+                        let g = grad_of(&a);
+                        let (ids, ga) = full.backward(&g).unwrap();
+                        if k % 2 == 0 {
+                            cached.backward(&g).unwrap();
+                        } else {
+                            // the output gradient already on the device
+                            let dev = cached.cache().device().clone();
+                            let gd = dev
+                                .upload(cached.cache().stream(), bytemuck::cast_slice(&g))
+                                .unwrap();
+                            assert!(cached.backward_device(gd.view(0, 4).unwrap()).is_err());
+                            cached
+                                .backward_device(gd.view(0, gd.len()).unwrap())
+                                .unwrap();
+                        }
+                        let (ids_b, gb) = cached.sparse_grad(idx).unwrap();
+                        assert_eq!(ids, ids_b);
+                        assert_eq!(bits(&ga), bits(&gb));
+                        full.step().unwrap();
+                        cached.step().unwrap();
                     }
-                    let (ids_b, gb) = cached.sparse_grad(idx).unwrap();
-                    assert_eq!(ids, ids_b);
-                    assert_eq!(bits(&ga), bits(&gb));
-                    full.step().unwrap();
-                    cached.step().unwrap();
+                    let stats = cached.cache().stats();
+                    assert!(
+                        stats.evicted > 0,
+                        "the cache must be too small to hold every row"
+                    );
+                    assert!(cached.cache().moved().d2h_rows > 0);
+                    let (wa, sa) = full.to_vecs();
+                    let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
+                    assert_eq!(bits(&wa), bits(&wb), "{opt:?} {mode:?} {}", policy.name());
+                    assert_eq!(bits(&sa), bits(&sb));
+                    assert_eq!(sa.len(), ROWS * opt.state_len(DIM));
                 }
-                let stats = cached.cache().stats();
-                assert!(
-                    stats.evicted > 0,
-                    "the cache must be too small to hold every row"
-                );
-                assert!(cached.cache().moved().d2h_rows > 0);
-                let (wa, sa) = full.to_vecs();
-                let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
-                assert_eq!(bits(&wa), bits(&wb), "{opt:?} {mode:?} {}", policy.name());
-                assert_eq!(bits(&sa), bits(&sb));
-                assert_eq!(sa.len(), ROWS * opt.state_len(DIM));
             }
         }
     }
@@ -153,55 +154,56 @@ fn cached_bag_equals_full_table_bitwise() {
 #[test]
 fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
     let w = weights();
-    for opt in OPTIMIZERS {
-        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
-            let mut rng = Lcg(29);
-            let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, true)).collect();
-            let mut full = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
-            let config = CacheConfig::new(ROWS, DIM, 120)
-                .policy(policy.clone())
-                .staging_rows(16);
-            let mut cached =
-                CachedEmbeddingBag::new(common::sim(64 << 20), config, BagMode::Sum, opt, init)
-                    .unwrap();
-            cached.prefetch(&[&batches[0].0]).unwrap();
-            for (k, (idx, off, wt)) in batches.iter().enumerate() {
-                let moved = cached.cache().moved();
-                let a = full.forward(idx, off, wt.as_deref()).unwrap();
-                let b = cached.forward(idx, off, wt.as_deref()).unwrap();
-                assert_eq!(bits(&a), bits(&b), "{opt:?} {}", policy.name());
-                assert_eq!(
-                    cached.cache().moved(),
-                    moved,
-                    "a prefetched forward moves nothing"
-                );
-                if k % 2 == 0 {
-                    let next: Vec<&[u32]> = batches[k + 1..(k + 3).min(batches.len())]
-                        .iter()
-                        .map(|b| b.0.as_slice())
-                        .collect();
-                    cached.prefetch(&next).unwrap();
+    for dev in common::devices("prefetch_moves_everything_ahead_and_keeps_training_exact") {
+        for opt in OPTIMIZERS {
+            for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+                let mut rng = Lcg(29);
+                let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, true)).collect();
+                let mut full = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
+                let config = CacheConfig::new(ROWS, DIM, 120)
+                    .policy(policy.clone())
+                    .staging_rows(16);
+                let mut cached =
+                    CachedEmbeddingBag::new(dev.clone(), config, BagMode::Sum, opt, init).unwrap();
+                cached.prefetch(&[&batches[0].0]).unwrap();
+                for (k, (idx, off, wt)) in batches.iter().enumerate() {
+                    let moved = cached.cache().moved();
+                    let a = full.forward(idx, off, wt.as_deref()).unwrap();
+                    let b = cached.forward(idx, off, wt.as_deref()).unwrap();
+                    assert_eq!(bits(&a), bits(&b), "{opt:?} {}", policy.name());
+                    assert_eq!(
+                        cached.cache().moved(),
+                        moved,
+                        "a prefetched forward moves nothing"
+                    );
+                    if k % 2 == 0 {
+                        let next: Vec<&[u32]> = batches[k + 1..(k + 3).min(batches.len())]
+                            .iter()
+                            .map(|b| b.0.as_slice())
+                            .collect();
+                        cached.prefetch(&next).unwrap();
+                    }
+                    let moved = cached.cache().moved();
+                    let g = grad_of(&a);
+                    full.backward(&g).unwrap();
+                    cached.backward(&g).unwrap();
+                    full.step().unwrap();
+                    cached.step().unwrap();
+                    assert_eq!(cached.cache().moved(), moved);
                 }
-                let moved = cached.cache().moved();
-                let g = grad_of(&a);
-                full.backward(&g).unwrap();
-                cached.backward(&g).unwrap();
-                full.step().unwrap();
-                cached.step().unwrap();
-                assert_eq!(cached.cache().moved(), moved);
+                // the batch buffers: at least indices, offsets, weights and the output
+                let extra = cached.device_bytes() - cached.cache().device_bytes();
+                let (idx, off, _) = &batches[0];
+                assert!(extra >= (2 * idx.len() + off.len() + (off.len() - 1) * DIM) * 4);
+                let stats = cached.cache().stats();
+                assert_eq!(stats.misses, 0, "every id occurrence hits");
+                assert!(stats.evicted > 0 && stats.prefetched == stats.admitted);
+                assert!(cached.cache().moved().d2h_rows > 0);
+                let (wa, sa) = full.to_vecs();
+                let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
+                assert_eq!(bits(&wa), bits(&wb), "{opt:?} {}", policy.name());
+                assert_eq!(bits(&sa), bits(&sb));
             }
-            // the batch buffers: at least indices, offsets, weights and the output
-            let extra = cached.device_bytes() - cached.cache().device_bytes();
-            let (idx, off, _) = &batches[0];
-            assert!(extra >= (2 * idx.len() + off.len() + (off.len() - 1) * DIM) * 4);
-            let stats = cached.cache().stats();
-            assert_eq!(stats.misses, 0, "every id occurrence hits");
-            assert!(stats.evicted > 0 && stats.prefetched == stats.admitted);
-            assert!(cached.cache().moved().d2h_rows > 0);
-            let (wa, sa) = full.to_vecs();
-            let (wb, sb) = cached.cache_mut().to_vecs().unwrap();
-            assert_eq!(bits(&wa), bits(&wb), "{opt:?} {}", policy.name());
-            assert_eq!(bits(&sa), bits(&sb));
         }
     }
 }
@@ -833,11 +835,16 @@ fn sharded_outputs_equal_single_rank() {
             }
             v
         };
-        for world in [2usize, 4] {
+        // Every rank on its own Sim device, and (where there is one) every rank on the GPU.
+        let gpu = common::cuda("sharded_outputs_equal_single_rank");
+        let groups = [2usize, 4]
+            .into_iter()
+            .map(|w| (0..w).map(|_| common::sim(64 << 20)).collect::<Vec<_>>())
+            .chain(gpu.map(|g| vec![g; 2]));
+        for devs in groups {
+            let world = devs.len();
             {
-                let comms =
-                    Communicator::local((0..world).map(|_| common::sim(64 << 20)).collect())
-                        .unwrap();
+                let comms = Communicator::local(devs).unwrap();
                 let got: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
                     let handles: Vec<_> = comms
                         .into_iter()

@@ -121,6 +121,44 @@ fn placement_never_changes_the_arithmetic() {
     }
 }
 
+/// HybridAdam on CUDA: the groups placed on the device step with the CUDA kernels (Adam and the
+/// gradient statistics), the others on the host, and the result is the Sim device's, bit for
+/// bit, with the same reports.
+#[test]
+fn hybrid_adam_on_cuda_equals_the_sim_device() {
+    let Some(gpu) = common::cuda("hybrid_adam_on_cuda_equals_the_sim_device") else {
+        return;
+    };
+    for (policy, capacity, placement) in [
+        (Policy::Tide, BIG, DevicePlacement::Auto { fraction: 0.8 }),
+        (Policy::Tide, SMALL, DevicePlacement::Groups(2)),
+        (Policy::PatrickStar, SMALL, DevicePlacement::HostOnly),
+    ] {
+        let (mut m, pool, ids) = setup(policy, capacity, None);
+        let mut opt = hybrid(placement);
+        let reference = train(&mut m, &pool, &ids, &mut opt, 6);
+        let (mut g, gpool, gids) = common::toy_setup_on(gpu.clone(), policy, capacity, None);
+        let mut gopt = hybrid(placement);
+        let got = train(&mut g, &gpool, &gids, &mut gopt, 6);
+        let what = format!("{policy:?} on {capacity} bytes, {placement:?}");
+        assert!(got.1 == reference.1, "fp16 parameters differ: {what}");
+        assert!(got.2 == reference.2, "fp32 masters differ: {what}");
+        let key = |r: &[StepReport]| {
+            r.iter()
+                .map(|r| (r.grad_norm.to_bits(), r.outcome, r.device_groups))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(key(&got.0), key(&reference.0), "{what}");
+        if placement != DevicePlacement::HostOnly {
+            assert!(
+                got.0.iter().any(|r| r.device_groups > 0),
+                "{what}: {:?}",
+                got.0
+            );
+        }
+    }
+}
+
 /// A manager with one tensor of `n` elements per group, on a Sim device of 1 MiB.
 fn single(n: usize, groups: usize) -> (ChunkManager, Vec<TensorId>) {
     let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();

@@ -78,6 +78,37 @@ fn placement_never_changes_the_arithmetic() {
     }
 }
 
+/// The same training through the manager on CUDA (its memory, copies and events; the Sim
+/// device of the test above answers for the host arithmetic) gives the same bits and, with
+/// the same plan, the same moves under every policy.
+#[test]
+fn the_manager_on_cuda_trains_like_on_the_sim_device() {
+    let Some(gpu) = common::cuda("the_manager_on_cuda_trains_like_on_the_sim_device") else {
+        return;
+    };
+    for policy in [
+        Policy::Tide,
+        Policy::PatrickStar,
+        Policy::Lru,
+        Policy::Static {
+            device_fraction: 0.15,
+        },
+    ] {
+        let (mut m, pool, ids) = setup(policy, SMALL, None);
+        let reference = train(&mut m, &pool, &ids, 5);
+        let (mut g, gpool, gids) = common::toy_setup_on(gpu.clone(), policy, SMALL, None);
+        let got = train(&mut g, &gpool, &gids, 5);
+        assert_eq!(got, reference, "{policy:?} on {}", gpu.name());
+        let (a, b) = (m.stats(), g.stats());
+        assert_eq!(
+            (a.h2d_bytes, a.d2h_bytes),
+            (b.h2d_bytes, b.d2h_bytes),
+            "{policy:?}: moves differ"
+        );
+        assert!(g.scheduler().unwrap().device_peak() <= SMALL as u64);
+    }
+}
+
 #[test]
 fn spilled_optimizer_state_gives_the_same_result() {
     let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);

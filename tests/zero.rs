@@ -225,6 +225,79 @@ fn a_small_device_changes_nothing() {
     }
 }
 
+/// ZeRO on 2 in-process ranks that share the GPU (collectives through the host, chunks, gather
+/// buffers and the device-side Adam on CUDA) gives the same bits as on two Sim devices, with a
+/// roomy device and the optimizer on it, and with a small one that moves shards.
+#[test]
+fn zero_on_cuda_equals_the_sim_devices() {
+    let Some(gpu) = common::cuda("zero_on_cuda_equals_the_sim_devices") else {
+        return;
+    };
+    // Per rank: the owned masters' bits and the most groups stepped on the device in a step.
+    type Masters = Vec<(Vec<(String, Vec<u32>)>, usize)>;
+    let run = |devs: Vec<tidemem::device::Device>, capacity: u64, placement| -> Masters {
+        let comms = Communicator::local(devs).unwrap();
+        std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let (r, n) = (c.rank(), c.world());
+                        let mut cfg = config(&TOY, DType::F16);
+                        cfg.scheduler.capacity = capacity;
+                        let mut z = ZeroManager::new(c, cfg).unwrap();
+                        z.set_prefetch(2).unwrap();
+                        let ids = TOY.register(&mut z).unwrap();
+                        let pool = z.pool().clone();
+                        let mut opt = common::hybrid_adam(true, placement);
+                        let mut on_device = 0;
+                        for step in 0..4 {
+                            TOY.forward_backward(
+                                &mut z,
+                                &pool,
+                                &ids,
+                                step,
+                                opt.loss_scale(),
+                                (r, n),
+                            )
+                            .unwrap();
+                            on_device = on_device.max(z.step(&mut opt).unwrap().device_groups);
+                        }
+                        let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+                            .map(TensorId)
+                            .filter(|&id| z.owns(id))
+                            .collect();
+                        let masters = mine
+                            .into_iter()
+                            .map(|id| {
+                                let m = z.master(id).unwrap();
+                                (id.0.to_string(), m.iter().map(|x| x.to_bits()).collect())
+                            })
+                            .collect();
+                        (masters, on_device)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    for (capacity, placement) in [
+        (1u64 << 20, DevicePlacement::Auto { fraction: 0.8 }),
+        (12_000, DevicePlacement::HostOnly),
+    ] {
+        let sims = run(
+            vec![common::sim(1 << 20), common::sim(1 << 20)],
+            capacity,
+            placement,
+        );
+        let gpus = run(vec![gpu.clone(), gpu.clone()], capacity, placement);
+        assert!(sims == gpus, "{capacity} bytes, {placement:?}");
+        if placement != DevicePlacement::HostOnly {
+            assert!(gpus.iter().all(|r| r.1 > 0), "Adam ran on the GPU");
+        }
+    }
+}
+
 /// Gathering ahead in forward and backward changes when groups are gathered, not what: the
 /// same bits, the same collective volume, on large and small devices; and it does happen after
 /// warm-up, in both stages.

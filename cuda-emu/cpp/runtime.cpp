@@ -5,6 +5,9 @@
 // pointer), not swapcontext, which makes a system call per switch.
 #include <sys/mman.h>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
 #include <cstdio>
 #include <cstdlib>
 
@@ -135,3 +138,9 @@ extern "C" int emu_launch(const EmuKernel* k, const unsigned* grid, const unsign
     params = nullptr;
     return 0;
 }
+
+// The shims' conversions, for the emulator's own tests against the `half` crate.
+extern "C" unsigned short emu_f32_to_f16(float x) { return __float2half_rn(x).x; }
+extern "C" float emu_f16_to_f32(unsigned short x) { return __half2float(__half{x}); }
+extern "C" unsigned short emu_f32_to_bf16(float x) { return __float2bfloat16_rn(x).x; }
+extern "C" float emu_bf16_to_f32(unsigned short x) { return __bfloat162float(__nv_bfloat16{x}); }

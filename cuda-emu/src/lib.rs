@@ -486,6 +486,11 @@ impl State {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The driver's entry points. Each `unsafe extern "C"` one has the CUDA driver API's contract:
+// its pointer arguments are valid for the reads and writes the API documents (an out-parameter
+// for one value of its type, host ranges of the length given), which is what its body relies on
+// when it dereferences them. Device addresses are checked against the live allocations.
+
 // Initialisation, devices, contexts.
 
 #[no_mangle]
@@ -1276,4 +1281,35 @@ pub unsafe extern "C" fn cuLaunchKernel(
             },
         )
     })
+}
+
+extern "C" {
+    fn emu_f32_to_f16(x: f32) -> u16;
+    fn emu_f16_to_f32(x: u16) -> f32;
+    fn emu_f32_to_bf16(x: f32) -> u16;
+    fn emu_bf16_to_f32(x: u16) -> f32;
+}
+
+/// The host shim's fp32 → fp16 conversion (`shim/cuda_fp16.h`), exposed for tests.
+pub fn shim_f32_to_f16(x: f32) -> u16 {
+    // SAFETY: a pure function of its argument.
+    unsafe { emu_f32_to_f16(x) }
+}
+
+/// The host shim's fp16 → fp32 conversion.
+pub fn shim_f16_to_f32(x: u16) -> f32 {
+    // SAFETY: a pure function of its argument.
+    unsafe { emu_f16_to_f32(x) }
+}
+
+/// The host shim's fp32 → bf16 conversion (`shim/cuda_bf16.h`).
+pub fn shim_f32_to_bf16(x: f32) -> u16 {
+    // SAFETY: a pure function of its argument.
+    unsafe { emu_f32_to_bf16(x) }
+}
+
+/// The host shim's bf16 → fp32 conversion.
+pub fn shim_bf16_to_f32(x: u16) -> f32 {
+    // SAFETY: a pure function of its argument.
+    unsafe { emu_bf16_to_f32(x) }
 }

@@ -33,14 +33,35 @@ pub fn slow_sim(capacity: usize) -> Device {
 }
 
 /// CUDA device 0, or `None` after printing why the GPU half of a test is skipped.
+/// `TIDEMEM_REQUIRE_CUDA=1` makes a missing device a failure instead (the emulated-GPU run).
 pub fn cuda(test: &str) -> Option<Device> {
     match Device::cuda(0) {
         Ok(d) => Some(d),
         Err(e) => {
+            assert!(
+                std::env::var("TIDEMEM_REQUIRE_CUDA").as_deref() != Ok("1"),
+                "{test}: TIDEMEM_REQUIRE_CUDA=1 but there is no CUDA device: {e}"
+            );
             eprintln!("{test}: skipping the CUDA backend: {e}");
             None
         }
     }
+}
+
+/// Whether `dev` is the CPU stand-in for the CUDA driver (`cuda-emu`), which runs tidemem's
+/// kernels but not NCCL's.
+pub fn is_emulated(dev: &Device) -> bool {
+    dev.name().contains("CUDA emulator")
+}
+
+/// CUDA device 0 for a test of NCCL, or `None` after printing why it is skipped.
+pub fn nccl_device(test: &str) -> Option<Device> {
+    let dev = cuda(test)?;
+    if is_emulated(&dev) {
+        eprintln!("{test}: skipping NCCL: the CUDA device is the CPU emulator (NCCL needs a GPU)");
+        return None;
+    }
+    Some(dev)
 }
 
 /// Every backend available here, with a capacity-limited Sim first.
@@ -69,10 +90,24 @@ pub fn toy_setup(
     tidemem::device::CachingAllocator,
     tidemem::toy::ToyIds,
 ) {
+    toy_setup_on(sim(capacity), policy, capacity, host_budget)
+}
+
+/// A manager for [`TOY`] on `dev`, planning for `capacity` bytes of it, with its non-model pool.
+pub fn toy_setup_on(
+    dev: Device,
+    policy: tidemem::tide::Policy,
+    capacity: usize,
+    host_budget: Option<u64>,
+) -> (
+    tidemem::chunk::ChunkManager,
+    tidemem::device::CachingAllocator,
+    tidemem::toy::ToyIds,
+) {
     use tidemem::chunk::{ChunkManager, ManagerConfig};
     use tidemem::device::CachingAllocator;
-    let dev = sim(capacity);
     let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);
+    cfg.scheduler.capacity = capacity as u64;
     cfg.scheduler.overall_fraction = 1.0;
     cfg.scheduler.warmup_chunk_fraction = 0.3;
     cfg.host_budget = host_budget;

@@ -1,0 +1,256 @@
+//! The emulator's own checks: the fp16/bf16 shims against the `half` crate, and the driver's
+//! stream semantics (work runs only when waited for), range checks and faults.
+use std::ffi::c_void;
+use std::ptr::null_mut;
+
+use cuda::*;
+
+fn ok(r: i32) {
+    assert_eq!(r, 0, "driver call failed with {r}");
+}
+
+#[test]
+fn fp16_and_bf16_shims_round_like_the_gpu() {
+    let (to16, from16, tob, fromb) = (
+        shim_f32_to_f16,
+        shim_f16_to_f32,
+        shim_f32_to_bf16,
+        shim_bf16_to_f32,
+    );
+    for bits in 0..=u16::MAX {
+        let h = half::f16::from_bits(bits);
+        let f = from16(bits);
+        if h.is_nan() {
+            assert!(f.is_nan());
+        } else {
+            assert_eq!(f.to_bits(), h.to_f32().to_bits(), "f16 {bits:#06x}");
+        }
+        let b = half::bf16::from_bits(bits);
+        let f = fromb(bits);
+        if b.is_nan() {
+            assert!(f.is_nan());
+        } else {
+            assert_eq!(f.to_bits(), b.to_f32().to_bits(), "bf16 {bits:#06x}");
+        }
+    }
+    // Every 97th f32 bit pattern, plus the neighbourhoods of every f16 and bf16 rounding
+    // boundary region: round to nearest even, NaN to the canonical 0x7fff.
+    let check = |u: u32| {
+        let x = f32::from_bits(u);
+        if x.is_nan() {
+            assert_eq!(to16(x), 0x7fff);
+            assert_eq!(tob(x), 0x7fff);
+        } else {
+            assert_eq!(
+                to16(x),
+                half::f16::from_f32(x).to_bits(),
+                "f32 {u:#010x} to f16"
+            );
+            assert_eq!(
+                tob(x),
+                half::bf16::from_f32(x).to_bits(),
+                "f32 {u:#010x} to bf16"
+            );
+        }
+    };
+    for u in (0..=u32::MAX).step_by(97) {
+        check(u);
+    }
+    for hi in 0..=u16::MAX as u32 {
+        for lo in [
+            0u32, 1, 0x0fff, 0x1000, 0x1001, 0x7fff, 0x8000, 0x8001, 0xffff,
+        ] {
+            check((hi << 16) | lo);
+        }
+    }
+}
+
+/// Runs every test of the driver under one lock: they share the process's one device.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+struct Ctx {
+    stream: *mut c_void,
+    other: *mut c_void,
+}
+
+fn setup() -> Ctx {
+    ok(cuInit(0));
+    let mut ctx = null_mut();
+    unsafe {
+        ok(cuDevicePrimaryCtxRetain(&mut ctx, 0));
+    }
+    ok(cuCtxSetCurrent(ctx));
+    let (mut s, mut o) = (null_mut(), null_mut());
+    unsafe {
+        ok(cuStreamCreate(&mut s, 1));
+        ok(cuStreamCreate(&mut o, 1));
+    }
+    Ctx {
+        stream: s,
+        other: o,
+    }
+}
+
+fn pinned(len: usize) -> *mut u8 {
+    let mut p = null_mut();
+    unsafe { ok(cuMemHostAlloc(&mut p, len, 0)) };
+    p as *mut u8
+}
+
+#[test]
+fn work_runs_only_when_waited_for() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let c = setup();
+    unsafe {
+        let mut d = 0u64;
+        ok(cuMemAllocAsync(&mut d, 64, c.stream));
+        let host = [7u8; 64];
+        ok(cuMemcpyHtoDAsync_v2(
+            d,
+            host.as_ptr() as *const c_void,
+            64,
+            c.stream,
+        ));
+        let out = pinned(64);
+        std::ptr::write_bytes(out, 0, 64);
+        ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.stream));
+        // Not waited for: nothing has run.
+        assert_eq!(*out, 0);
+        let mut e = null_mut();
+        ok(cuEventCreate(&mut e, 2));
+        ok(cuEventRecord(e, c.stream));
+        assert_eq!(cuEventQuery(e), 600, "first query: not ready");
+        // A wait on another stream, then a sync of that stream, runs the first stream's work.
+        ok(cuStreamWaitEvent(c.other, e, 0));
+        ok(cuStreamSynchronize(c.other));
+        assert_eq!(*out, 7);
+        ok(cuEventQuery(e));
+        ok(cuMemFreeAsync(d, c.stream));
+        ok(cuStreamSynchronize(c.stream));
+        ok(cuEventDestroy_v2(e));
+        ok(cuMemFreeHost(out as *mut c_void));
+    }
+}
+
+#[test]
+fn copies_outside_an_allocation_are_refused() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let c = setup();
+    unsafe {
+        let mut d = 0u64;
+        ok(cuMemAllocAsync(&mut d, 100, c.stream));
+        let host = [0u8; 300];
+        // Allocations are rounded to 256 bytes; past that is outside.
+        assert_eq!(
+            cuMemcpyHtoDAsync_v2(d + 200, host.as_ptr() as *const c_void, 100, c.stream),
+            1
+        );
+        assert_eq!(cuMemsetD8Async(d + 1, 0, 256, c.stream), 1);
+        assert_eq!(cuMemcpyDtoDAsync_v2(d, d + 1000, 8, c.stream), 1);
+        ok(cuMemFreeAsync(d, c.stream));
+        // Freed (in stream order): no new work may use it.
+        assert_eq!(cuMemsetD8Async(d, 0, 8, c.stream), 1);
+        ok(cuStreamSynchronize(c.stream));
+    }
+}
+
+#[test]
+fn the_barrier_kernel_reduces_like_the_gpu() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let c = setup();
+    assert!(kernel_names().contains(&"grad_stats_final"));
+    unsafe {
+        // A PTX image naming the kernel stands in for NVRTC's output.
+        let ptx = c".version 8.0\n.target sm_90\n.visible .entry grad_stats_final(\n)\n";
+        let mut m = null_mut();
+        ok(cuModuleLoadData(&mut m, ptx.as_ptr() as *const c_void));
+        let mut f = std::ptr::null();
+        ok(cuModuleGetFunction(&mut f, m, c"grad_stats_final".as_ptr()));
+        let mut missing = std::ptr::null();
+        assert_eq!(
+            cuModuleGetFunction(&mut missing, m, c"cast_f32_f16".as_ptr()),
+            500
+        );
+        // 256 partial (sum, flag) pairs after two result slots; partial i sums to i.
+        let mut host = vec![0f64; 2 + 2 * 256];
+        for i in 0..256 {
+            host[2 + 2 * i] = i as f64;
+        }
+        host[3 + 2 * 77] = 1.0;
+        let bytes = host.len() * 8;
+        let mut d = 0u64;
+        ok(cuMemAllocAsync(&mut d, bytes, c.stream));
+        ok(cuMemcpyHtoDAsync_v2(
+            d,
+            host.as_ptr() as *const c_void,
+            bytes,
+            c.stream,
+        ));
+        let mut arg = d;
+        let mut params = [&mut arg as *mut u64 as *mut c_void];
+        ok(cuLaunchKernel(
+            f,
+            1,
+            1,
+            1,
+            256,
+            1,
+            1,
+            0,
+            c.stream,
+            params.as_mut_ptr(),
+            null_mut(),
+        ));
+        arg = 0; // the launch copied the value
+        let _ = arg;
+        let mut out = vec![0f64; 2];
+        ok(cuMemcpyDtoHAsync_v2(
+            out.as_mut_ptr() as *mut c_void,
+            d,
+            16,
+            c.stream,
+        ));
+        assert_eq!(out, vec![(255 * 256 / 2) as f64, 1.0]);
+        ok(cuMemFreeAsync(d, c.stream));
+        ok(cuStreamSynchronize(c.stream));
+        ok(cuModuleUnload(m));
+    }
+}
+
+/// Runs last in its own process state: a fault poisons the driver.
+#[test]
+fn freeing_memory_another_stream_still_uses_is_a_fault() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    // A separate process keeps the poisoned driver away from the other tests.
+    if std::env::var("EMU_FAULT_CHILD").is_err() {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::process::Command::new(exe)
+            .args([
+                "--exact",
+                "freeing_memory_another_stream_still_uses_is_a_fault",
+                "--nocapture",
+            ])
+            .env("EMU_FAULT_CHILD", "1")
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{err}");
+        assert!(err.contains("freed on stream"), "{err}");
+        return;
+    }
+    let c = setup();
+    unsafe {
+        let mut d = 0u64;
+        ok(cuMemAllocAsync(&mut d, 64, c.stream));
+        let out = pinned(64);
+        // Pending on `other`, with no ordering against the free on `stream`.
+        ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
+        ok(cuMemFreeAsync(d, c.stream));
+        assert_eq!(cuStreamSynchronize(c.stream), 700);
+        assert_eq!(
+            cuStreamSynchronize(c.other),
+            700,
+            "the fault poisons every call"
+        );
+    }
+}

@@ -42,6 +42,19 @@ struct Setup {
 
 fn setup() -> Setup {
     match Device::cuda(0) {
+        // The CPU stand-in for the driver (cuda-emu): the GPU path, at the simulated size.
+        Ok(dev) if dev.name().contains("CUDA emulator") => {
+            println!(
+                "embedding_device: CUDA emulator; cardinalities × 0.05 and batch 1,024 \
+                 (checks the GPU path, not a GPU's speed)"
+            );
+            Setup {
+                dev,
+                scale: 0.05,
+                batch: 1024,
+                label: "CUDA emulator",
+            }
+        }
         Ok(dev) => Setup {
             dev,
             scale: 1.0,

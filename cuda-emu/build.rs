@@ -19,6 +19,13 @@ fn kernel_names(src: &str) -> Vec<String> {
 }
 
 fn main() {
+    // The fibers switch with x86-64 System V assembly (cpp/runtime.cpp).
+    let arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+    let os = env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
+    assert!(
+        arch == "x86_64" && os == "linux",
+        "tidemem-cuda-emu runs kernels on x86-64 Linux only (target: {arch}-{os})"
+    );
     let here = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let kernels = here.join("..").join("kernels");
     let shim = here.join("shim");

@@ -119,9 +119,12 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
     let arch = match target {
         Target::Ptx(a) | Target::Cubin(a) => a,
     };
+    // No contraction of a * b + c into a fused multiply-add: the kernels' results must be the
+    // CPU twins' bits, and a fused operation rounds once where the twin rounds twice.
     let mut opts = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
+        "--fmad=false".to_string(),
     ];
     for d in include_dirs() {
         opts.push(format!("--include-path={}", d.display()));

@@ -10,6 +10,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 extern "C" {
 uint3 emu_thread_idx;
@@ -21,6 +22,7 @@ dim3 emu_grid_dim;
 namespace {
 
 constexpr size_t kStack = 64 * 1024;
+constexpr size_t kGuard = 4096;  // an inaccessible page below each stack
 constexpr unsigned kMaxThreads = 1024;
 
 struct Fiber {
@@ -89,7 +91,7 @@ extern "C" void emu_syncthreads(void) {
 // register slots (r12 carries the fiber) and the trampoline as the return address, placed so
 // that the trampoline starts with a 16-byte aligned stack.
 static void start_fiber(unsigned i) {
-    char* top = stacks + (size_t)(i + 1) * kStack;
+    char* top = stacks + (size_t)(i + 1) * (kStack + kGuard);
     void** sp = (void**)(top - 72);
     for (int k = 0; k < 6; ++k) sp[k] = nullptr;
     sp[3] = &fibers[i];  // r12
@@ -98,16 +100,25 @@ static void start_fiber(unsigned i) {
     fibers[i].done = false;
 }
 
-// Returns 0, or 1 when the launch shape is not one this runtime can run.
+// Bounds of the shared-memory section (emu_rt.h), defined by the linker.
+extern "C" char __start_emu_shared __attribute__((weak));
+extern "C" char __stop_emu_shared __attribute__((weak));
+
+// Returns 0; 1 when the launch shape is not one this runtime can run; 2 when the threads of a
+// block disagree on __syncthreads().
 extern "C" int emu_launch(const EmuKernel* k, const unsigned* grid, const unsigned* block,
                           void** kernel_params) {
     const unsigned long long threads = (unsigned long long)block[0] * block[1] * block[2];
     if (threads == 0 || threads > kMaxThreads || grid[0] == 0 || grid[1] == 0 || grid[2] == 0)
         return 1;
     if (stacks == nullptr) {
-        void* m = mmap(nullptr, kStack * kMaxThreads, PROT_READ | PROT_WRITE,
+        const size_t slot = kStack + kGuard;
+        void* m = mmap(nullptr, slot * kMaxThreads, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
         if (m == MAP_FAILED) return 1;
+        // Stack i is [i * slot + kGuard, (i + 1) * slot): an overflow faults on the guard.
+        for (unsigned i = 0; i < kMaxThreads; ++i)
+            if (mprotect((char*)m + (size_t)i * slot, kGuard, PROT_NONE) != 0) return 1;
         stacks = (char*)m;
     }
     kernel = k;
@@ -119,10 +130,19 @@ extern "C" int emu_launch(const EmuKernel* k, const unsigned* grid, const unsign
         for (unsigned by = 0; by < grid[1]; ++by)
             for (unsigned bx = 0; bx < grid[0]; ++bx) {
                 emu_block_idx = uint3{bx, by, bz};
+                if (&__stop_emu_shared > &__start_emu_shared)
+                    memset(&__start_emu_shared, 0xff, &__stop_emu_shared - &__start_emu_shared);
                 for (unsigned i = 0; i < n; ++i) start_fiber(i);
                 unsigned alive = n;
-                while (alive > 0) {
-                    for (unsigned i = 0; i < n; ++i) {
+                // Each phase runs every live thread to its next barrier or its end, in
+                // ascending order in even phases and descending in odd ones, so a thread that
+                // reads another's write without a barrier between sees it missing in one of
+                // them. In a phase, either every live thread reaches the barrier or every one
+                // ends: anything else is a __syncthreads() not reached by the whole block.
+                for (unsigned phase = 0; alive > 0; ++phase) {
+                    unsigned ended = 0;
+                    for (unsigned k = 0; k < n; ++k) {
+                        const unsigned i = (phase & 1) ? n - 1 - k : k;
                         Fiber& f = fibers[i];
                         if (f.done) continue;
                         emu_thread_idx = uint3{i % block[0], (i / block[0]) % block[1],
@@ -130,8 +150,15 @@ extern "C" int emu_launch(const EmuKernel* k, const unsigned* grid, const unsign
                         current = &f;
                         emu_switch(&sched_sp, f.sp);
                         current = nullptr;
-                        if (f.done) --alive;
+                        if (f.done) ++ended;
                     }
+                    if (ended != 0 && ended != alive) {
+                        // Abandon the waiting fibers (their stacks are reused).
+                        kernel = nullptr;
+                        params = nullptr;
+                        return 2;
+                    }
+                    alive -= ended;
                 }
             }
     kernel = nullptr;

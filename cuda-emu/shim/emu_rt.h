@@ -3,7 +3,7 @@
 // Every thread of a block runs as a fiber of one OS thread; __syncthreads() switches to the
 // next fiber of the block, so a block's threads meet at each barrier as on a GPU. Blocks run
 // one after another, so `__shared__` variables are function statics (one copy, reused by each
-// block). The explicitly rounded intrinsics are the plain IEEE operations of the host (the file
+// block, refilled with garbage before each). The explicitly rounded intrinsics are the plain IEEE operations of the host (the file
 // is compiled with -ffp-contract=off, so nothing is fused behind their back).
 #pragma once
 #include <cmath>
@@ -16,7 +16,10 @@ using std::isfinite;
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __shared__ static
+// Shared memory: statics in their own section, which the runtime fills with 0xff bytes before
+// every block (a GPU's shared memory starts as garbage, not zeros). GCC ignores the section of
+// a static in a function template: those keep a static's zeros and the last block's values.
+#define __shared__ static __attribute__((section("emu_shared")))
 
 struct uint3 {
     unsigned int x, y, z;
@@ -56,6 +59,7 @@ struct EmuKernel {
     void (*invoke)(void** params);
     size_t nparams;
     const size_t* param_sizes;
+    const unsigned char* param_is_ptr;
 };
 
 #include <type_traits>
@@ -75,12 +79,15 @@ template <typename F>
 struct EmuSizes;
 template <typename... A>
 struct EmuSizes<void (*)(A...)> {
+    static_assert(((alignof(A) <= 8) && ...), "a kernel parameter needs more than 8-byte alignment");
     static constexpr size_t n = sizeof...(A);
     static constexpr size_t sizes[sizeof...(A) + 1] = {sizeof(A)..., 0};
+    static constexpr unsigned char is_ptr[sizeof...(A) + 1] = {
+        (unsigned char)std::is_pointer<A>::value..., 0};
 };
 
 #define EMU_KERNEL(f)                                                              \
     EmuKernel {                                                                    \
         #f, [](void** p) { emu_call(&f, p); }, EmuSizes<decltype(&f)>::n,          \
-            EmuSizes<decltype(&f)>::sizes                                          \
+            EmuSizes<decltype(&f)>::sizes, EmuSizes<decltype(&f)>::is_ptr          \
     }

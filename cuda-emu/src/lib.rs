@@ -17,12 +17,22 @@
 //! Copies from pageable host memory take their bytes at the call, as CUDA does; copies from and
 //! to pinned memory use the memory when they run.
 //!
-//! **Checks a GPU would not report.** Every copy and memset must lie inside one live
-//! allocation; a stream-ordered free that runs while a pending operation on another stream
-//! still refers to the memory (a copy's range or a kernel parameter pointing into it) is a
-//! fault; so is freeing pinned memory that a pending copy uses. A fault prints what happened
-//! and makes every later call fail with `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU
-//! poisons its context.
+//! **Ordering checks a GPU would not report.** Each stream carries a vector clock (its own
+//! order, the events it waited for, and what the host had seen finish when the work was
+//! enqueued). Memory used on a stream before its stream-ordered allocation is ordered there, or
+//! freed on a stream before every use elsewhere is ordered before the free, is a fault, decided
+//! when the work is enqueued, whatever the program synchronises afterwards. Every copy and
+//! memset must lie inside one live allocation, every non-null pointer a kernel is given must
+//! point into one, and pinned memory may not be freed while a pending copy uses it.
+//!
+//! **Kernels.** Fresh device memory, and shared memory before each block (outside function
+//! templates, whose statics GCC keeps out of the section), is `0xff` bytes. The threads of a
+//! block run in ascending order to a barrier and in descending order to the next, so a read of
+//! another thread's write without a barrier between fails in one of them; a `__syncthreads()`
+//! that not every thread of the block reaches is a fault. Blocks run one after another.
+//!
+//! A fault prints what happened and makes every later call fail with
+//! `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU poisons its context.
 //!
 //! Environment: `TIDEMEM_EMU_MEM_MIB` sets the device memory (default 4096 MiB; only what is
 //! allocated is used).
@@ -40,6 +50,7 @@ pub struct EmuKernel {
     invoke: unsafe extern "C" fn(*mut *mut c_void),
     nparams: usize,
     param_sizes: *const usize,
+    param_is_ptr: *const u8,
 }
 
 // SAFETY: the tables are immutable C++ constants.
@@ -53,6 +64,10 @@ impl EmuKernel {
     fn sizes(&self) -> &'static [usize] {
         // SAFETY: `nparams` entries, from the generated table.
         unsafe { std::slice::from_raw_parts(self.param_sizes, self.nparams) }
+    }
+    fn is_ptr(&self) -> &'static [u8] {
+        // SAFETY: `nparams` entries, from the generated table.
+        unsafe { std::slice::from_raw_parts(self.param_is_ptr, self.nparams) }
     }
 }
 
@@ -176,19 +191,30 @@ enum Op {
 }
 
 impl Op {
-    /// Whether the op refers to memory in `[lo, hi)`.
+    /// Whether the op refers to host memory in `[lo, hi)` (pinned copies).
     fn touches(&self, lo: usize, hi: usize) -> bool {
         let within = |a: usize, len: usize| a < hi && a.saturating_add(len.max(1)) > lo;
         match self {
             Op::Copy { dst, src, len } => {
                 within(*dst, *len) || matches!(src, Src::Addr(s) if within(*s, *len))
             }
-            Op::Memset { dst, len, .. } => within(*dst, *len),
-            Op::Launch { values, .. } => values.iter().any(|&v| within(v as usize, 1)),
-            Op::Wait { .. } => false,
-            Op::Free { ptr } => within(*ptr, 1),
+            _ => false,
         }
     }
+}
+
+/// A vector clock: for each stream, the last of its ops known to come before.
+type Clock = BTreeMap<usize, u64>;
+
+fn merge(into: &mut Clock, from: &Clock) {
+    for (&s, &q) in from {
+        let e = into.entry(s).or_insert(0);
+        *e = (*e).max(q);
+    }
+}
+
+fn covers(c: &Clock, stream: usize, seq: u64) -> bool {
+    seq == 0 || c.get(&stream).is_some_and(|&q| q >= seq)
 }
 
 #[derive(Default)]
@@ -197,12 +223,18 @@ struct Stream {
     /// Sequence number of the latest op enqueued, and of the latest one run.
     last: u64,
     done: u64,
+    /// What comes before the next op enqueued here.
+    clock: Clock,
+    /// Destroyed by the program: no new work, but what it holds runs only when waited for.
+    destroyed: bool,
 }
 
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Default)]
 struct Event {
     /// The stream and op the latest record marks (`None`: never recorded).
     mark: Option<(usize, u64)>,
+    /// The recording stream's clock at the record.
+    clock: Clock,
     queried: bool,
 }
 
@@ -210,6 +242,10 @@ struct Alloc {
     size: usize,
     /// A stream-ordered free is enqueued: no new op may use it.
     freeing: bool,
+    /// The stream and op after which the allocation exists (stream-ordered allocation).
+    born: (usize, u64),
+    /// The latest op on each stream that uses the allocation.
+    uses: BTreeMap<usize, u64>,
 }
 
 struct State {
@@ -218,9 +254,12 @@ struct State {
     used: usize,
     allocs: BTreeMap<usize, Alloc>,
     pinned: BTreeMap<usize, usize>,
-    streams: HashMap<usize, Stream>,
+    streams: BTreeMap<usize, Stream>,
     events: HashMap<usize, Event>,
     modules: HashMap<usize, Vec<u8>>,
+    /// What the host has seen complete (synchronisations, successful queries): every op
+    /// enqueued afterwards comes after it.
+    host: Clock,
     next: usize,
     fault: Option<String>,
     stream_queried: HashMap<usize, u64>,
@@ -251,8 +290,16 @@ fn with<F: FnOnce(&mut State) -> CUresult>(f: F) -> CUresult {
     f(st)
 }
 
-fn layout(size: usize) -> std::alloc::Layout {
-    std::alloc::Layout::from_size_align(size.max(1), ALIGN).expect("allocation size")
+/// [`with`] for calls that need the context current on the calling thread.
+fn with_ctx<F: FnOnce(&mut State) -> CUresult>(f: F) -> CUresult {
+    with(|st| match need_ctx() {
+        SUCCESS => f(st),
+        e => e,
+    })
+}
+
+fn layout(size: usize) -> Option<std::alloc::Layout> {
+    std::alloc::Layout::from_size_align(size.max(1), ALIGN).ok()
 }
 
 impl State {
@@ -261,17 +308,18 @@ impl State {
             .ok()
             .and_then(|v| v.parse::<usize>().ok())
             .unwrap_or(4096);
-        let mut streams = HashMap::new();
+        let mut streams = BTreeMap::new();
         streams.insert(0, Stream::default());
         State {
             init: false,
-            capacity: mib << 20,
+            capacity: mib.saturating_mul(1 << 20),
             used: 0,
             allocs: BTreeMap::new(),
             pinned: BTreeMap::new(),
             streams,
             events: HashMap::new(),
             modules: HashMap::new(),
+            host: Clock::new(),
             next: 0x1000,
             fault: None,
             stream_queried: HashMap::new(),
@@ -289,12 +337,15 @@ impl State {
         ILLEGAL_ADDRESS
     }
 
-    /// Whether `[p, p + len)` lies inside one live device allocation.
+    /// The live allocation `[p, p + len)` lies in, if one does (`len` 0: `p` may be its end).
+    fn alloc_of(&self, p: usize, len: usize) -> Option<usize> {
+        let (&a, al) = self.allocs.range(..=p).next_back()?;
+        let end = p.checked_add(len)?;
+        (!al.freeing && end <= a + al.size).then_some(a)
+    }
+
     fn device_range(&self, p: usize, len: usize) -> bool {
-        match self.allocs.range(..=p).next_back() {
-            Some((&a, al)) => !al.freeing && p.checked_add(len).is_some_and(|e| e <= a + al.size),
-            None => false,
-        }
+        self.alloc_of(p, len).is_some()
     }
 
     fn is_pinned(&self, p: usize, len: usize) -> bool {
@@ -304,14 +355,77 @@ impl State {
         }
     }
 
-    fn enqueue(&mut self, stream: usize, op: Op) -> CUresult {
+    /// The host has seen everything before `clock` complete.
+    fn observe(&mut self, clock: &Clock) {
+        merge(&mut self.host, clock);
+    }
+
+    fn observe_stream(&mut self, s: usize) {
+        if let Some(c) = self.streams.get(&s).map(|st| st.clock.clone()) {
+            self.observe(&c);
+        }
+    }
+
+    /// Enqueues `op` on `stream`, which uses the device allocations starting at `uses`: each
+    /// must exist at this point of the stream's order, and a free must come after every use.
+    fn enqueue_using(&mut self, stream: usize, op: Op, uses: &[usize]) -> CUresult {
+        let host = self.host.clone();
         let Some(s) = self.streams.get_mut(&stream) else {
             return INVALID_HANDLE;
         };
+        merge(&mut s.clock, &host);
         s.last += 1;
         let seq = s.last;
+        s.clock.insert(stream, seq);
+        let clock = s.clock.clone();
+        for &a in uses {
+            let Some(al) = self.allocs.get(&a) else {
+                continue;
+            };
+            let (bs, bq) = al.born;
+            if bs != stream && !covers(&clock, bs, bq) {
+                let what = format!(
+                    "device memory {a:#x} used on stream {stream:#x} without waiting for its \
+                     allocation, ordered on stream {bs:#x}"
+                );
+                return self.fault(what);
+            }
+            if let Op::Free { .. } = op {
+                let late = al
+                    .uses
+                    .iter()
+                    .find(|&(&u, &q)| u != stream && !covers(&clock, u, q));
+                if let Some((&u, _)) = late {
+                    let what = format!(
+                        "device memory {a:#x} (+{} bytes) freed on stream {stream:#x} while \
+                         work on stream {u:#x} that uses it is not ordered before the free",
+                        al.size
+                    );
+                    return self.fault(what);
+                }
+            }
+            let al = self.allocs.get_mut(&a).expect("present");
+            al.uses.insert(stream, seq);
+        }
+        let s = self.streams.get_mut(&stream).expect("present");
         s.queue.push_back((seq, op));
         SUCCESS
+    }
+
+    fn enqueue(&mut self, stream: usize, op: Op) -> CUresult {
+        let uses: Vec<usize> = match &op {
+            Op::Copy { dst, src, len } => {
+                let mut v: Vec<usize> = self.alloc_of(*dst, *len).into_iter().collect();
+                if let Src::Addr(a) = src {
+                    v.extend(self.alloc_of(*a, *len));
+                }
+                v
+            }
+            Op::Memset { dst, len, .. } => self.alloc_of(*dst, *len).into_iter().collect(),
+            Op::Free { ptr } => vec![*ptr],
+            Op::Launch { .. } | Op::Wait { .. } => Vec::new(),
+        };
+        self.enqueue_using(stream, op, &uses)
     }
 
     /// Runs the ops of `stream` up to and including `seq`.
@@ -321,7 +435,7 @@ impl State {
                 return ILLEGAL_ADDRESS;
             }
             let Some(s) = self.streams.get_mut(&stream) else {
-                return SUCCESS; // destroyed streams were run to the end
+                return SUCCESS;
             };
             if s.done >= seq {
                 return SUCCESS;
@@ -330,7 +444,7 @@ impl State {
                 s.done = s.last;
                 return SUCCESS;
             };
-            let r = self.run(stream, op);
+            let r = self.run(op);
             if let Some(s) = self.streams.get_mut(&stream) {
                 s.done = n;
             }
@@ -356,7 +470,7 @@ impl State {
         SUCCESS
     }
 
-    fn run(&mut self, stream: usize, op: Op) -> CUresult {
+    fn run(&mut self, op: Op) -> CUresult {
         match op {
             Op::Copy { dst, src, len } => {
                 let from = match &src {
@@ -364,9 +478,9 @@ impl State {
                     Src::Owned(v) => v.as_ptr(),
                 };
                 // SAFETY: both ranges were checked at the call: device ranges inside a live
-                // allocation (frees are ordered by the program and checked when they run), host
-                // ranges given by the caller, who keeps pinned memory alive until the copy runs
-                // (freeing pinned memory a pending copy uses is a fault, below).
+                // allocation, whose free is ordered after this op (checked when the free was
+                // enqueued); host ranges given by the caller, who keeps pinned memory alive
+                // until the copy runs (freeing pinned memory a pending copy uses is a fault).
                 unsafe { std::ptr::copy(from, dst as *mut u8, len) };
                 SUCCESS
             }
@@ -389,68 +503,77 @@ impl State {
                     .map(|&o| unsafe { base.add(o) } as *mut c_void)
                     .collect();
                 // SAFETY: the kernel reads its parameters from `ptrs` (values of the sizes the
-                // kernel declares, 8-byte aligned) and the memory they point at is the program's
-                // responsibility, as on a GPU.
+                // kernel declares, 8-byte aligned); its pointer parameters were checked to point
+                // into live allocations at the launch; what it reads and writes beyond that is
+                // the program's responsibility, as on a GPU.
                 let r =
                     unsafe { emu_launch(kernel, grid.as_ptr(), block.as_ptr(), ptrs.as_mut_ptr()) };
-                if r != 0 {
-                    return self.fault(format!(
+                match r {
+                    0 => SUCCESS,
+                    2 => self.fault(format!(
+                        "kernel {}: the threads of a block did not all reach the same \
+                         __syncthreads()",
+                        kernel.name()
+                    )),
+                    _ => self.fault(format!(
                         "kernel {} launched with grid {grid:?} and block {block:?}",
                         kernel.name()
-                    ));
+                    )),
                 }
-                SUCCESS
             }
             Op::Wait { stream: other, seq } => self.run_until(other, seq),
             Op::Free { ptr } => {
-                let Some(al) = self.allocs.get(&ptr) else {
+                let Some(al) = self.allocs.remove(&ptr) else {
                     return self.fault(format!("free of {ptr:#x}, not an allocation"));
                 };
-                let hi = ptr + al.size;
-                for (&sid, s) in &self.streams {
-                    if sid != stream && s.queue.iter().any(|(_, op)| op.touches(ptr, hi)) {
-                        let what = format!(
-                            "device memory {ptr:#x} (+{} bytes) freed on stream {stream:#x} while \
-                             an operation pending on stream {sid:#x} uses it",
-                            al.size
-                        );
-                        return self.fault(what);
-                    }
-                }
-                let al = self.allocs.remove(&ptr).expect("checked above");
                 self.used -= al.size;
-                // SAFETY: allocated in `alloc` with this layout, and no longer referenced.
-                unsafe { std::alloc::dealloc(ptr as *mut u8, layout(al.size)) };
+                if let Some(l) = layout(al.size) {
+                    // SAFETY: allocated in `alloc` with this layout; the free is ordered after
+                    // every use (checked when it was enqueued).
+                    unsafe { std::alloc::dealloc(ptr as *mut u8, l) };
+                }
                 SUCCESS
             }
         }
     }
 
-    fn alloc(&mut self, size: usize) -> Result<usize, CUresult> {
+    /// Allocates `size` bytes that exist after the ops enqueued so far on `stream`.
+    fn alloc(&mut self, size: usize, stream: usize) -> Result<usize, CUresult> {
         if size == 0 {
             return Err(INVALID_VALUE);
         }
-        let rounded = size.div_ceil(ALIGN) * ALIGN;
-        if self.used + rounded > self.capacity {
-            return Err(OUT_OF_MEMORY);
+        let rounded = size.checked_next_multiple_of(ALIGN).ok_or(OUT_OF_MEMORY)?;
+        if self.used.saturating_add(rounded) > self.capacity {
+            // Pending frees give their memory back when they run.
+            let r = self.run_everything();
+            if r != SUCCESS {
+                return Err(r);
+            }
+            if self.used.saturating_add(rounded) > self.capacity {
+                return Err(OUT_OF_MEMORY);
+            }
         }
+        let l = layout(rounded).ok_or(OUT_OF_MEMORY)?;
         // SAFETY: non-zero size.
-        let p = unsafe { std::alloc::alloc(layout(rounded)) };
+        let p = unsafe { std::alloc::alloc(l) };
         if p.is_null() {
             return Err(OUT_OF_MEMORY);
         }
-        // Device memory starts as garbage, not zeros: a kernel that reads memory nobody wrote
-        // sees NaN-like bytes.
+        // Device memory starts as garbage, not zeros: a kernel or copy that reads memory
+        // nobody wrote sees 0xff bytes (NaN as floats).
         if rounded <= 256 << 20 {
             // SAFETY: `rounded` bytes were just allocated.
             unsafe { std::ptr::write_bytes(p, 0xff, rounded) };
         }
         self.used += rounded;
+        let born = (stream, self.streams.get(&stream).map_or(0, |s| s.last));
         self.allocs.insert(
             p as usize,
             Alloc {
                 size: rounded,
                 freeing: false,
+                born,
+                uses: BTreeMap::new(),
             },
         );
         Ok(p as usize)
@@ -461,20 +584,30 @@ impl State {
         if r != SUCCESS {
             return r;
         }
+        let all: Vec<usize> = self.streams.keys().copied().collect();
+        for s in all {
+            self.observe_stream(s);
+        }
         match self.allocs.get_mut(&p) {
             Some(al) if !al.freeing => {
                 al.freeing = true;
-                let s = 0;
-                self.enqueue(s, Op::Free { ptr: p });
-                self.run_all(s)
+                let r = self.enqueue(0, Op::Free { ptr: p });
+                if r != SUCCESS {
+                    return r;
+                }
+                self.run_all(0)
             }
             _ => INVALID_VALUE,
         }
     }
 
+    /// A live (not destroyed) stream's id.
     fn stream_id(&self, s: *mut c_void) -> Option<usize> {
         let id = s as usize;
-        self.streams.contains_key(&id).then_some(id)
+        self.streams
+            .get(&id)
+            .is_some_and(|st| !st.destroyed)
+            .then_some(id)
     }
 
     fn event_complete(&self, e: &Event) -> bool {
@@ -645,15 +778,19 @@ fn need_ctx() -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    with(|st| match need_ctx() {
-        SUCCESS => st.run_everything(),
-        e => e,
+    with_ctx(|st| {
+        let r = st.run_everything();
+        let all: Vec<usize> = st.streams.keys().copied().collect();
+        for s in all {
+            st.observe_stream(s);
+        }
+        r
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if free.is_null() || total.is_null() {
             return INVALID_VALUE;
         }
@@ -688,7 +825,7 @@ const STREAM_NON_BLOCKING: c_uint = 1;
 
 #[no_mangle]
 pub unsafe extern "C" fn cuStreamCreate(s: *mut *mut c_void, flags: c_uint) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if s.is_null() {
             return INVALID_VALUE;
         }
@@ -709,17 +846,21 @@ pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CUresult {
         let Some(id) = st.stream_id(s).filter(|&id| id != 0) else {
             return INVALID_HANDLE;
         };
-        // Work already enqueued completes before the stream's resources go.
-        let r = st.run_all(id);
-        st.streams.remove(&id);
-        r
+        // Work already enqueued still completes, but nobody waited for it: it runs only when
+        // something waits (an event it recorded, a context synchronisation).
+        st.streams.get_mut(&id).expect("live").destroyed = true;
+        SUCCESS
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CUresult {
     with(|st| match st.stream_id(s) {
-        Some(id) => st.run_all(id),
+        Some(id) => {
+            let r = st.run_all(id);
+            st.observe_stream(id);
+            r
+        }
         None => INVALID_HANDLE,
     })
 }
@@ -731,21 +872,25 @@ pub extern "C" fn cuStreamQuery(s: *mut c_void) -> CUresult {
             return INVALID_HANDLE;
         };
         let stream = &st.streams[&id];
-        if stream.done >= stream.last {
-            return SUCCESS;
+        if stream.done < stream.last {
+            let last = stream.last;
+            if st.stream_queried.get(&id) != Some(&last) {
+                st.stream_queried.insert(id, last);
+                return NOT_READY;
+            }
+            let r = st.run_all(id);
+            if r != SUCCESS {
+                return r;
+            }
         }
-        let last = stream.last;
-        if st.stream_queried.get(&id) != Some(&last) {
-            st.stream_queried.insert(id, last);
-            return NOT_READY;
-        }
-        st.run_all(id)
+        st.observe_stream(id);
+        SUCCESS
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuEventCreate(e: *mut *mut c_void, _flags: c_uint) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if e.is_null() {
             return INVALID_VALUE;
         }
@@ -770,10 +915,14 @@ pub extern "C" fn cuEventRecord(e: *mut c_void, s: *mut c_void) -> CUresult {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
-        let last = st.streams[&id].last;
+        let host = st.host.clone();
+        let stream = st.streams.get_mut(&id).expect("live");
+        merge(&mut stream.clock, &host);
+        let (last, clock) = (stream.last, stream.clock.clone());
         match st.events.get_mut(&(e as usize)) {
             Some(ev) => {
                 ev.mark = Some((id, last));
+                ev.clock = clock;
                 ev.queried = false;
                 SUCCESS
             }
@@ -788,45 +937,55 @@ pub extern "C" fn cuStreamWaitEvent(s: *mut c_void, e: *mut c_void, _flags: c_ui
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
-        let Some(ev) = st.events.get(&(e as usize)).copied() else {
+        let Some(ev) = st.events.get(&(e as usize)).cloned() else {
             return INVALID_HANDLE;
         };
-        match ev.mark {
+        let r = match ev.mark {
             Some((other, seq)) if other != id && !st.event_complete(&ev) => {
                 st.enqueue(id, Op::Wait { stream: other, seq })
             }
             _ => SUCCESS,
-        }
+        };
+        // Everything before the record comes before what is enqueued here from now on.
+        merge(&mut st.streams.get_mut(&id).expect("live").clock, &ev.clock);
+        r
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
-    with(|st| match st.events.get(&(e as usize)).copied() {
-        Some(Event {
-            mark: Some((s, seq)),
-            ..
-        }) => st.run_until(s, seq),
-        Some(_) => SUCCESS,
-        None => INVALID_HANDLE,
+    with(|st| {
+        let Some(ev) = st.events.get(&(e as usize)).cloned() else {
+            return INVALID_HANDLE;
+        };
+        let r = match ev.mark {
+            Some((s, seq)) => st.run_until(s, seq),
+            None => SUCCESS,
+        };
+        st.observe(&ev.clock);
+        r
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuEventQuery(e: *mut c_void) -> CUresult {
     with(|st| {
-        let Some(ev) = st.events.get(&(e as usize)).copied() else {
+        let Some(ev) = st.events.get(&(e as usize)).cloned() else {
             return INVALID_HANDLE;
         };
-        if st.event_complete(&ev) {
-            return SUCCESS;
+        if !st.event_complete(&ev) {
+            let (s, seq) = ev.mark.expect("incomplete events are recorded");
+            if !ev.queried {
+                st.events.get_mut(&(e as usize)).expect("present").queried = true;
+                return NOT_READY;
+            }
+            let r = st.run_until(s, seq);
+            if r != SUCCESS {
+                return r;
+            }
         }
-        let (s, seq) = ev.mark.expect("incomplete events are recorded");
-        if !ev.queried {
-            st.events.get_mut(&(e as usize)).expect("present").queried = true;
-            return NOT_READY;
-        }
-        st.run_until(s, seq)
+        st.observe(&ev.clock);
+        SUCCESS
     })
 }
 
@@ -835,11 +994,12 @@ pub extern "C" fn cuEventQuery(e: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, size: usize) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if p.is_null() {
             return INVALID_VALUE;
         }
-        match st.alloc(size) {
+        // Not stream-ordered: usable anywhere at once.
+        match st.alloc(size, usize::MAX) {
             Ok(a) => {
                 *p = a as u64;
                 SUCCESS
@@ -851,14 +1011,14 @@ pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, size: usize) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, size: usize, s: *mut c_void) -> CUresult {
-    with(|st| {
-        if st.stream_id(s).is_none() {
+    with_ctx(|st| {
+        let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
-        }
+        };
         if p.is_null() {
             return INVALID_VALUE;
         }
-        match st.alloc(size) {
+        match st.alloc(size, id) {
             Ok(a) => {
                 *p = a as u64;
                 SUCCESS
@@ -870,12 +1030,12 @@ pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, size: usize, s: *mut c_voi
 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CUresult {
-    with(|st| st.free_now(p as usize))
+    with_ctx(|st| st.free_now(p as usize))
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemFreeAsync(p: u64, s: *mut c_void) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -895,12 +1055,15 @@ pub unsafe extern "C" fn cuMemHostAlloc(
     size: usize,
     _flags: c_uint,
 ) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if p.is_null() || size == 0 {
             return INVALID_VALUE;
         }
         // SAFETY: non-zero size.
-        let a = std::alloc::alloc(layout(size));
+        let Some(l) = layout(size) else {
+            return OUT_OF_MEMORY;
+        };
+        let a = std::alloc::alloc(l);
         if a.is_null() {
             return OUT_OF_MEMORY;
         }
@@ -917,7 +1080,7 @@ pub unsafe extern "C" fn cuMemAllocHost_v2(p: *mut *mut c_void, size: usize) -> 
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let a = p as usize;
         let Some(&size) = st.pinned.get(&a) else {
             return INVALID_VALUE;
@@ -933,7 +1096,9 @@ pub unsafe extern "C" fn cuMemFreeHost(p: *mut c_void) -> CUresult {
         }
         st.pinned.remove(&a);
         // SAFETY: allocated by cuMemHostAlloc with this layout; nothing pending uses it.
-        std::alloc::dealloc(a as *mut u8, layout(size));
+        if let Some(l) = layout(size) {
+            std::alloc::dealloc(a as *mut u8, l);
+        }
         SUCCESS
     })
 }
@@ -956,7 +1121,7 @@ pub unsafe extern "C" fn cuMemcpyHtoDAsync_v2(
     len: usize,
     s: *mut c_void,
 ) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -991,7 +1156,7 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     len: usize,
     s: *mut c_void,
 ) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -1013,13 +1178,15 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             return r;
         }
         // To pageable memory the copy is synchronous.
-        st.run_all(id)
+        let r = st.run_all(id);
+        st.observe_stream(id);
+        r
     })
 }
 
 #[no_mangle]
 pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c_void) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -1048,7 +1215,7 @@ pub extern "C" fn cuMemcpyDtoDAsync_v2(dst: u64, src: u64, len: usize, s: *mut c
 
 #[no_mangle]
 pub extern "C" fn cuMemsetD8Async(dst: u64, value: u8, len: usize, s: *mut c_void) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -1140,7 +1307,7 @@ fn image_defines(image: &[u8], name: &str) -> bool {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, image: *const c_void) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if m.is_null() {
             return INVALID_VALUE;
         }
@@ -1172,7 +1339,7 @@ pub unsafe extern "C" fn cuModuleGetFunction(
     m: *mut c_void,
     name: *const c_char,
 ) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         if f.is_null() || name.is_null() {
             return INVALID_VALUE;
         }
@@ -1231,7 +1398,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
     params: *mut *mut c_void,
     extra: *mut *mut c_void,
 ) -> CUresult {
-    with(|st| {
+    with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -1270,7 +1437,31 @@ pub unsafe extern "C" fn cuLaunchKernel(
             }
             std::ptr::copy_nonoverlapping(p as *const u8, base.add(off), sz);
         }
-        st.enqueue(
+        // Every pointer parameter must point into a live allocation (null is allowed: the
+        // kernels take null for an absent operand); the launch uses those allocations.
+        let mut uses = Vec::new();
+        for (i, (&off, &ptr)) in offsets.iter().zip(kernel.is_ptr()).enumerate() {
+            if ptr == 0 {
+                continue;
+            }
+            let v = values[off / 8] as usize;
+            if v == 0 {
+                continue;
+            }
+            match st.alloc_of(v, 0) {
+                Some(a) => uses.push(a),
+                None => {
+                    let what = format!(
+                        "kernel {} parameter {i} is {v:#x}, not inside a live device allocation",
+                        kernel.name()
+                    );
+                    return st.fault(what);
+                }
+            }
+        }
+        uses.sort_unstable();
+        uses.dedup();
+        st.enqueue_using(
             id,
             Op::Launch {
                 kernel,
@@ -1279,6 +1470,7 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 values,
                 offsets,
             },
+            &uses,
         )
     })
 }

@@ -217,40 +217,182 @@ fn the_barrier_kernel_reduces_like_the_gpu() {
     }
 }
 
-/// Runs last in its own process state: a fault poisons the driver.
 #[test]
 fn freeing_memory_another_stream_still_uses_is_a_fault() {
-    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    // A separate process keeps the poisoned driver away from the other tests.
-    if std::env::var("EMU_FAULT_CHILD").is_err() {
-        let exe = std::env::current_exe().unwrap();
-        let out = std::process::Command::new(exe)
-            .args([
-                "--exact",
-                "freeing_memory_another_stream_still_uses_is_a_fault",
-                "--nocapture",
-            ])
-            .env("EMU_FAULT_CHILD", "1")
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(out.status.success(), "{err}");
+    let test = "freeing_memory_another_stream_still_uses_is_a_fault";
+    let err = in_child(test, || {
+        let c = setup();
+        unsafe {
+            let mut d = 0u64;
+            ok(cuMemAllocAsync(&mut d, 64, c.stream));
+            ok(cuStreamSynchronize(c.stream));
+            let out = pinned(64);
+            // Pending on `other`, with no ordering against the free on `stream`.
+            ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
+            assert_eq!(cuMemFreeAsync(d, c.stream), 700);
+            assert_eq!(
+                cuStreamSynchronize(c.other),
+                700,
+                "the fault poisons every call"
+            );
+        }
+    });
+    if let Some(err) = err {
         assert!(err.contains("freed on stream"), "{err}");
-        return;
     }
+}
+
+/// Runs `f` in a child process (a fault poisons the driver for good) and returns its stderr,
+/// after checking that it passed.
+fn in_child(test: &str, f: impl FnOnce()) -> Option<String> {
+    if std::env::var("EMU_FAULT_CHILD").as_deref() == Ok(test) {
+        f();
+        return None;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args(["--exact", test, "--nocapture"])
+        .env("EMU_FAULT_CHILD", test)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{err}");
+    Some(err)
+}
+
+#[test]
+fn an_unordered_free_is_a_fault_whatever_the_host_syncs_first() {
+    let test = "an_unordered_free_is_a_fault_whatever_the_host_syncs_first";
+    let err = in_child(test, || {
+        let c = setup();
+        unsafe {
+            let mut d = 0u64;
+            ok(cuMemAllocAsync(&mut d, 64, c.stream));
+            ok(cuStreamSynchronize(c.stream));
+            let out = pinned(64);
+            ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
+            // The copy on `other` has run (the host synced it) but nothing orders it before
+            // a free on `stream`: the host saw it finish, so the free is fine...
+            ok(cuStreamSynchronize(c.other));
+            ok(cuMemFreeAsync(d, c.stream));
+            ok(cuStreamSynchronize(c.stream));
+            // ...while here nothing does, even if the copy happens to run first.
+            let mut e = 0u64;
+            ok(cuMemAllocAsync(&mut e, 64, c.stream));
+            ok(cuStreamSynchronize(c.stream));
+            ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, e, 64, c.other));
+            assert_eq!(cuMemFreeAsync(e, c.stream), 700);
+        }
+    });
+    if let Some(err) = err {
+        assert!(err.contains("not ordered before the free"), "{err}");
+    }
+}
+
+#[test]
+fn memory_used_before_its_allocation_is_ordered_is_a_fault() {
+    let test = "memory_used_before_its_allocation_is_ordered_is_a_fault";
+    let err = in_child(test, || {
+        let c = setup();
+        unsafe {
+            let host = [1u8; 64];
+            let mut d = 0u64;
+            // Work on the allocating stream first: a block freed there could be reused.
+            ok(cuMemsetD8Async(0, 0, 0, c.stream));
+            let mut x = 0u64;
+            ok(cuMemAllocAsync(&mut x, 64, c.stream));
+            ok(cuMemsetD8Async(x, 0, 64, c.stream));
+            ok(cuMemAllocAsync(&mut d, 64, c.stream));
+            let r = cuMemcpyHtoDAsync_v2(d, host.as_ptr() as *const c_void, 64, c.other);
+            assert_eq!(r, 700);
+        }
+    });
+    if let Some(err) = err {
+        assert!(err.contains("without waiting for its allocation"), "{err}");
+    }
+}
+
+#[test]
+fn a_kernel_pointer_outside_every_allocation_is_a_fault() {
+    let test = "a_kernel_pointer_outside_every_allocation_is_a_fault";
+    let err = in_child(test, || {
+        let c = setup();
+        unsafe {
+            let ptx = c".version 8.0\n.target sm_90\n.visible .entry grad_stats_final(\n)\n";
+            let mut m = null_mut();
+            ok(cuModuleLoadData(&mut m, ptx.as_ptr() as *const c_void));
+            let mut f = std::ptr::null();
+            ok(cuModuleGetFunction(&mut f, m, c"grad_stats_final".as_ptr()));
+            let mut d = 0u64;
+            ok(cuMemAllocAsync(&mut d, 4096, c.stream));
+            ok(cuMemFreeAsync(d, c.stream));
+            let mut arg = d;
+            let mut params = [&mut arg as *mut u64 as *mut c_void];
+            let r = cuLaunchKernel(
+                f,
+                1,
+                1,
+                1,
+                256,
+                1,
+                1,
+                0,
+                c.stream,
+                params.as_mut_ptr(),
+                null_mut(),
+            );
+            assert_eq!(r, 700);
+        }
+    });
+    if let Some(err) = err {
+        assert!(err.contains("not inside a live device allocation"), "{err}");
+    }
+}
+
+#[test]
+fn pending_frees_make_room_and_destroyed_streams_run_only_when_waited_for() {
+    let _g = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let c = setup();
     unsafe {
+        let mut total = 0usize;
+        let mut free = 0usize;
+        ok(cuMemGetInfo_v2(&mut free, &mut total));
+        // Allocate and free (in stream order, never synchronised) more than the device holds.
+        let chunk = total / 3;
+        for _ in 0..7 {
+            let mut d = 0u64;
+            ok(cuMemAllocAsync(&mut d, chunk, c.stream));
+            ok(cuMemFreeAsync(d, c.stream));
+        }
+        ok(cuStreamSynchronize(c.stream));
+        // Work left on a destroyed stream runs when its event is waited for, not before.
+        let (mut s, mut e) = (null_mut(), null_mut());
+        ok(cuStreamCreate(&mut s, 1));
+        ok(cuEventCreate(&mut e, 2));
         let mut d = 0u64;
-        ok(cuMemAllocAsync(&mut d, 64, c.stream));
+        ok(cuMemAllocAsync(&mut d, 64, s));
+        let host = [9u8; 64];
+        ok(cuMemcpyHtoDAsync_v2(
+            d,
+            host.as_ptr() as *const c_void,
+            64,
+            s,
+        ));
         let out = pinned(64);
-        // Pending on `other`, with no ordering against the free on `stream`.
-        ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
-        ok(cuMemFreeAsync(d, c.stream));
-        assert_eq!(cuStreamSynchronize(c.stream), 700);
+        std::ptr::write_bytes(out, 0, 64);
+        ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, s));
+        ok(cuEventRecord(e, s));
+        ok(cuStreamDestroy_v2(s));
+        assert_eq!(*out, 0);
         assert_eq!(
-            cuStreamSynchronize(c.other),
-            700,
-            "the fault poisons every call"
+            cuStreamSynchronize(s),
+            400,
+            "a destroyed stream is no handle"
         );
+        ok(cuEventSynchronize(e));
+        assert_eq!(*out, 9);
+        ok(cuMemFreeAsync(d, c.stream));
+        ok(cuStreamSynchronize(c.stream));
+        ok(cuMemFreeHost(out as *mut c_void));
     }
 }

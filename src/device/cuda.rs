@@ -221,7 +221,17 @@ impl Backend for CudaBackend {
         // SAFETY: the memory is uninitialised device memory; it is only read through copies the
         // user enqueues, never exposed to Rust as a typed value.
         match unsafe { s.alloc::<u8>(bytes) } {
-            Ok(slice) => Ok(Box::new(CudaMem::new(Some(slice)))),
+            Ok(mut slice) => {
+                // The allocation is ordered on the default stream (its memory may be a block
+                // freed there while other streams' work on it was still pending): record that
+                // point as the slice's last write, so cudarc makes every other stream wait for
+                // it before its first use.
+                drop(slice.device_ptr_mut(&s));
+                self.ctx
+                    .check_err()
+                    .map_err(err("ordering a new allocation"))?;
+                Ok(Box::new(CudaMem::new(Some(slice))))
+            }
             Err(e) if e.0 == sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
                 let info = self.mem_info().unwrap_or(MemInfo { free: 0, total: 0 });
                 Err(Error::OutOfMemory {

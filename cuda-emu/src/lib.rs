@@ -1274,7 +1274,17 @@ unsafe fn image_bytes(p: *const u8) -> Option<Vec<u8>> {
         let u16_at = |o: usize| u16::from_le_bytes(h[o..o + 2].try_into().unwrap()) as usize;
         let (phoff, shoff) = (u64_at(32), u64_at(40));
         let (phsz, phn, shsz, shn) = (u16_at(54), u16_at(56), u16_at(58), u16_at(60));
-        let mut len = (shoff + shsz * shn).max(phoff + phsz * phn).max(64);
+        // Headers that cannot be a cubin's (entries too small, sizes that overflow or exceed
+        // any image NVRTC makes) are refused rather than followed.
+        const MAX: usize = 1 << 30;
+        if shsz < 64 || (phn > 0 && phsz < 56) {
+            return None;
+        }
+        let end = |off: usize, n: usize, sz: usize| n.checked_mul(sz)?.checked_add(off);
+        let mut len = end(shoff, shn, shsz)?.max(end(phoff, phn, phsz)?).max(64);
+        if len > MAX {
+            return None;
+        }
         // Section contents may follow the headers: take the furthest section end.
         let sh = std::slice::from_raw_parts(p.add(shoff), shsz * shn);
         for i in 0..shn {
@@ -1283,8 +1293,11 @@ unsafe fn image_bytes(p: *const u8) -> Option<Vec<u8>> {
             let off = u64::from_le_bytes(e[24..32].try_into().unwrap()) as usize;
             let size = u64::from_le_bytes(e[32..40].try_into().unwrap()) as usize;
             if ty != 8 {
-                len = len.max(off + size); // SHT_NOBITS occupies nothing
+                len = len.max(off.checked_add(size)?); // SHT_NOBITS occupies nothing
             }
+        }
+        if len > MAX {
+            return None;
         }
         Some(std::slice::from_raw_parts(p, len).to_vec())
     } else {

@@ -1,7 +1,8 @@
 //! A CUDA driver library that runs on the CPU, for testing tidemem's CUDA backend on machines
 //! without a GPU.
 //!
-//! Built as `libcuda.so` and found before the NVIDIA driver (`LD_LIBRARY_PATH`), it answers the
+//! Built as `libtidemem_cuda_emu.so`, copied as `libcuda.so` into a directory of its own and found
+//! before the NVIDIA driver there (`LD_LIBRARY_PATH`), it answers the
 //! driver calls cudarc makes: one device of compute capability 9.0 whose memory is host memory,
 //! non-blocking streams, events, stream-ordered allocation, pinned host memory, copies, memsets,
 //! and kernel launches. Modules are the cubins or PTX that NVRTC builds from `kernels/*.cu`; a
@@ -9,10 +10,12 @@
 //! for the host (`build.rs`), one block after another, the threads of a block as fibers that
 //! meet at `__syncthreads()`.
 //!
-//! **Work runs late, never early.** Nothing enqueued on a stream runs until something waits for
-//! it: a stream or event synchronisation, a stream waiting on an event of another stream, a
-//! copy to pageable host memory (synchronous in CUDA too), or the second query of an event or
-//! stream (the first answers "not ready"). A program that reads a result without waiting for it
+//! **Work runs late.** Nothing enqueued on a stream runs until something waits for it: a stream
+//! or event synchronisation, a stream waiting on an event of another stream, a copy to pageable
+//! host memory (synchronous in CUDA too), or the second query of an event or stream (the first
+//! answers "not ready"). Three calls run every stream: the synchronous copies and frees
+//! (`cuMemcpyHtoD_v2`, `cuMemcpyDtoH_v2`, `cuMemFree_v2`, which synchronise in CUDA too), and
+//! an allocation that would not fit while frees are pending. A program that reads a result without waiting for it
 //! reads stale data here, every time, where a GPU would make it a race that passes most runs.
 //! Copies from pageable host memory take their bytes at the call, as CUDA does; copies from and
 //! to pinned memory use the memory when they run.
@@ -25,11 +28,13 @@
 //! memset must lie inside one live allocation, every non-null pointer a kernel is given must
 //! point into one, and pinned memory may not be freed while a pending copy uses it.
 //!
-//! **Kernels.** Fresh device memory, and shared memory before each block (outside function
-//! templates, whose statics GCC keeps out of the section), is `0xff` bytes. The threads of a
-//! block run in ascending order to a barrier and in descending order to the next, so a read of
-//! another thread's write without a barrier between fails in one of them; a `__syncthreads()`
-//! that not every thread of the block reaches is a fault. Blocks run one after another.
+//! **Kernels.** Fresh device memory (allocations up to 256 MiB), and shared memory before each
+//! block (outside function templates, whose statics GCC keeps out of the section), is `0xff`
+//! bytes. The threads of a block run in ascending order to a barrier and in descending order to
+//! the next, so a thread that reads another's write with no barrier between sees it missing
+//! whenever the reader runs first in that phase; a phase where some threads end while others
+//! wait at a barrier is a fault (threads waiting at different barriers are not told apart).
+//! Blocks run one after another.
 //!
 //! A fault prints what happened and makes every later call fail with
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU poisons its context.
@@ -188,6 +193,8 @@ enum Op {
     Free {
         ptr: usize,
     },
+    /// A point in the stream's order (a stream-ordered allocation); runs as nothing.
+    Mark,
 }
 
 impl Op {
@@ -423,7 +430,7 @@ impl State {
             }
             Op::Memset { dst, len, .. } => self.alloc_of(*dst, *len).into_iter().collect(),
             Op::Free { ptr } => vec![*ptr],
-            Op::Launch { .. } | Op::Wait { .. } => Vec::new(),
+            Op::Launch { .. } | Op::Wait { .. } | Op::Mark => Vec::new(),
         };
         self.enqueue_using(stream, op, &uses)
     }
@@ -522,6 +529,7 @@ impl State {
                 }
             }
             Op::Wait { stream: other, seq } => self.run_until(other, seq),
+            Op::Mark => SUCCESS,
             Op::Free { ptr } => {
                 let Some(al) = self.allocs.remove(&ptr) else {
                     return self.fault(format!("free of {ptr:#x}, not an allocation"));
@@ -566,7 +574,17 @@ impl State {
             unsafe { std::ptr::write_bytes(p, 0xff, rounded) };
         }
         self.used += rounded;
-        let born = (stream, self.streams.get(&stream).map_or(0, |s| s.last));
+        // A stream-ordered allocation is a point of its stream's order: work elsewhere must be
+        // ordered after it (an event recorded before it is not enough).
+        let born = if self.streams.contains_key(&stream) {
+            let r = self.enqueue(stream, Op::Mark);
+            if r != SUCCESS {
+                return Err(r);
+            }
+            (stream, self.streams[&stream].last)
+        } else {
+            (stream, 0)
+        };
         self.allocs.insert(
             p as usize,
             Alloc {

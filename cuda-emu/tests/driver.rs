@@ -3,7 +3,7 @@
 use std::ffi::c_void;
 use std::ptr::null_mut;
 
-use cuda::*;
+use tidemem_cuda_emu::*;
 
 fn ok(r: i32) {
     assert_eq!(r, 0, "driver call failed with {r}");
@@ -276,7 +276,7 @@ fn an_unordered_free_is_a_fault_whatever_the_host_syncs_first() {
             ok(cuStreamSynchronize(c.other));
             ok(cuMemFreeAsync(d, c.stream));
             ok(cuStreamSynchronize(c.stream));
-            // ...while here nothing does, even if the copy happens to run first.
+            // ...while here nothing does.
             let mut e = 0u64;
             ok(cuMemAllocAsync(&mut e, 64, c.stream));
             ok(cuStreamSynchronize(c.stream));
@@ -298,12 +298,20 @@ fn memory_used_before_its_allocation_is_ordered_is_a_fault() {
             let host = [1u8; 64];
             let mut d = 0u64;
             // Work on the allocating stream first: a block freed there could be reused.
-            ok(cuMemsetD8Async(0, 0, 0, c.stream));
             let mut x = 0u64;
             ok(cuMemAllocAsync(&mut x, 64, c.stream));
             ok(cuMemsetD8Async(x, 0, 64, c.stream));
             ok(cuMemAllocAsync(&mut d, 64, c.stream));
-            let r = cuMemcpyHtoDAsync_v2(d, host.as_ptr() as *const c_void, 64, c.other);
+            // An event recorded before the allocation orders nothing after it.
+            let mut e = null_mut();
+            ok(cuEventCreate(&mut e, 2));
+            ok(cuEventRecord(e, c.stream));
+            let mut y = 0u64;
+            ok(cuMemAllocAsync(&mut y, 64, c.stream));
+            ok(cuStreamWaitEvent(c.other, e, 0));
+            // `d` was allocated before the record: ordered, no fault.
+            ok(cuMemsetD8Async(d, 1, 64, c.other));
+            let r = cuMemcpyHtoDAsync_v2(y, host.as_ptr() as *const c_void, 64, c.other);
             assert_eq!(r, 700);
         }
     });

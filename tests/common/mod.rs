@@ -80,16 +80,19 @@ pub const TOY: tidemem::toy::ToyMlp = tidemem::toy::ToyMlp {
     lr: 1e-2,
 };
 
+/// A manager for [`TOY`], its non-model pool and its tensors.
+pub type ToySetup = (
+    tidemem::chunk::ChunkManager,
+    tidemem::device::CachingAllocator,
+    tidemem::toy::ToyIds,
+);
+
 /// A manager for [`TOY`] on a Sim device of `capacity` bytes, with its non-model pool.
 pub fn toy_setup(
     policy: tidemem::tide::Policy,
     capacity: usize,
     host_budget: Option<u64>,
-) -> (
-    tidemem::chunk::ChunkManager,
-    tidemem::device::CachingAllocator,
-    tidemem::toy::ToyIds,
-) {
+) -> ToySetup {
     toy_setup_on(sim(capacity), policy, capacity, host_budget)
 }
 
@@ -99,11 +102,7 @@ pub fn toy_setup_on(
     policy: tidemem::tide::Policy,
     capacity: usize,
     host_budget: Option<u64>,
-) -> (
-    tidemem::chunk::ChunkManager,
-    tidemem::device::CachingAllocator,
-    tidemem::toy::ToyIds,
-) {
+) -> ToySetup {
     use tidemem::chunk::{ChunkManager, ManagerConfig};
     use tidemem::device::CachingAllocator;
     let mut cfg = ManagerConfig::new(TOY.chunk_elems(), policy);

@@ -86,7 +86,11 @@ proptest! {
                     match dev.alloc(n) {
                         Ok(buf) => {
                             prop_assert!(used + n <= CAP);
-                            slots.push(Slot { buf, shadow: vec![0; n], last: None });
+                            // Fresh device memory is unspecified: the program clears it first.
+                            let mut slot = Slot { buf, shadow: vec![0; n], last: None };
+                            dev.memset(&streams[0], &slot.buf, 0).unwrap();
+                            mark(&dev, &streams, &mut slot, 0);
+                            slots.push(slot);
                         }
                         Err(Error::OutOfMemory { requested, free, capacity, .. }) => {
                             prop_assert!(used + n > CAP);
@@ -154,6 +158,11 @@ proptest! {
         let streams: Vec<Stream> = (0..2).map(|_| dev.new_stream().unwrap()).collect();
         const N: usize = 16 << 10;
         let bufs: Vec<_> = (0..2).map(|_| dev.alloc(N).unwrap()).collect();
+        // Fresh device memory is unspecified: cleared first, and finished before anything else.
+        for b in &bufs {
+            dev.memset(&streams[0], b, 0).unwrap();
+        }
+        dev.sync_stream(&streams[0]).unwrap();
         let mut shadow = vec![vec![0u8; N]; 2];
         let mut pending = Vec::new();
         for (kind, b, s, sync, seed) in ops {

@@ -701,8 +701,8 @@ impl Device {
     }
 
     /// Allocates `bytes` of device memory (contents unspecified until written; the simulated
-    /// device zero-fills). Freed when the buffer is dropped, once work already enqueued on it
-    /// completes.
+    /// device fills it with `0xff` bytes, so reading memory never written shows there too).
+    /// Freed when the buffer is dropped, once work already enqueued on it completes.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         let raw = self.inner.backend.alloc(bytes)?;
         Ok(DeviceBuffer {

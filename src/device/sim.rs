@@ -507,9 +507,16 @@ impl Backend for SimBackend {
                 self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
                 Error::InvalidArgument(e.to_string())
             })?;
-            // SAFETY: non-zero size. Zeroed so device memory never exposes uninitialised bytes.
-            match NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }) {
-                Some(p) => p,
+            // SAFETY: non-zero size.
+            match NonNull::new(unsafe { std::alloc::alloc(layout) }) {
+                Some(p) => {
+                    // Filled, so device memory never exposes uninitialised bytes; with 0xff
+                    // (NaN as floats), not zeros, because a GPU's fresh memory is not zeroed
+                    // either and code that reads what it never wrote must fail here too.
+                    // SAFETY: `bytes` writable bytes were just allocated at `p`.
+                    unsafe { std::ptr::write_bytes(p.as_ptr(), 0xff, bytes) };
+                    p
+                }
                 None => {
                     self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
                     return Err(Error::HostAlloc {

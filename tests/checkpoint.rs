@@ -151,6 +151,49 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
     }
 }
 
+/// A checkpoint saved by a manager on CUDA (chunks on the GPU, two groups stepped by the CUDA
+/// Adam) resumes on the Sim device, and one saved there resumes on CUDA, bit for bit.
+#[test]
+fn checkpoints_move_between_cuda_and_the_sim_device() {
+    let Some(gpu) = common::cuda("checkpoints_move_between_cuda_and_the_sim_device") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("toy.safetensors");
+    let capacity = 24_000;
+    let on = |cuda: bool, policy| {
+        let dev = if cuda {
+            gpu.clone()
+        } else {
+            common::sim(capacity)
+        };
+        common::toy_setup_on(dev, policy, capacity, None)
+    };
+    for policy in [Policy::Tide, Policy::PatrickStar] {
+        for saved_on_cuda in [true, false] {
+            let placement = DevicePlacement::Groups(2);
+            let (mut a, pool, ids) = on(saved_on_cuda, policy);
+            let mut opt = common::hybrid_adam(true, placement);
+            train(&TOY, &mut a, &pool, &ids, &mut opt, 0..3);
+            opt.save_checkpoint(&mut a, &path).unwrap();
+            train(&TOY, &mut a, &pool, &ids, &mut opt, 3..6);
+
+            let (mut b, pool_b, ids_b) = on(!saved_on_cuda, policy);
+            let mut opt_b = common::hybrid_adam(true, placement);
+            opt_b.load_checkpoint(&mut b, &path).unwrap();
+            train(&TOY, &mut b, &pool_b, &ids_b, &mut opt_b, 3..6);
+            let what = format!("{}, saved on CUDA: {saved_on_cuda}", policy.name());
+            assert_eq!(masters(&mut a), masters(&mut b), "{what}");
+            assert_eq!(everything(&mut a), everything(&mut b), "{what}");
+            assert_eq!(opt.loss_scale(), opt_b.loss_scale(), "{what}");
+            assert!(
+                b.stats().loads > 0,
+                "{what}: the device was too small to hold it all"
+            );
+        }
+    }
+}
+
 /// A checkpoint names tensors: another chunk size and another registration order read it the
 /// same, a parameter saved in f32 is converted into bf16, and a save before any training holds
 /// the initial values and zero moments.

@@ -256,7 +256,6 @@ struct Alloc {
 }
 
 struct State {
-    init: bool,
     capacity: usize,
     used: usize,
     allocs: BTreeMap<usize, Alloc>,
@@ -288,9 +287,6 @@ fn with<F: FnOnce(&mut State) -> CUresult>(f: F) -> CUresult {
     let Some(st) = g.as_mut() else {
         return NOT_INITIALIZED;
     };
-    if !st.init {
-        return NOT_INITIALIZED;
-    }
     if st.fault.is_some() {
         return ILLEGAL_ADDRESS;
     }
@@ -318,7 +314,6 @@ impl State {
         let mut streams = BTreeMap::new();
         streams.insert(0, Stream::default());
         State {
-            init: false,
             capacity: mib.saturating_mul(1 << 20),
             used: 0,
             allocs: BTreeMap::new(),
@@ -642,136 +637,101 @@ impl State {
 // for one value of its type, host ranges of the length given), which is what its body relies on
 // when it dereferences them. Device addresses are checked against the live allocations.
 
+/// Stores `v` through the out-parameter `p`, or answers `CUDA_ERROR_INVALID_VALUE` when it is
+/// null.
+unsafe fn put<T>(p: *mut T, v: T) -> CUresult {
+    if p.is_null() {
+        return INVALID_VALUE;
+    }
+    *p = v;
+    SUCCESS
+}
+
+/// `f` for device 0, the only one; `CUDA_ERROR_INVALID_DEVICE` for any other.
+fn on_device(dev: c_int, f: impl FnOnce() -> CUresult) -> CUresult {
+    if dev != 0 {
+        return INVALID_DEVICE;
+    }
+    f()
+}
+
 // Initialisation, devices, contexts.
 
 #[no_mangle]
 pub extern "C" fn cuInit(_flags: c_uint) -> CUresult {
-    let mut g = state();
-    g.get_or_insert_with(State::new).init = true;
+    state().get_or_insert_with(State::new);
     SUCCESS
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
-    if v.is_null() {
-        return INVALID_VALUE;
-    }
-    *v = 13000;
-    SUCCESS
+    put(v, 13000)
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
-    with(|_| {
-        if n.is_null() {
-            return INVALID_VALUE;
-        }
-        *n = 1;
-        SUCCESS
-    })
+    with(|_| put(n, 1))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CUresult {
-    with(|_| {
-        if d.is_null() {
-            return INVALID_VALUE;
-        }
-        if ordinal != 0 {
-            return INVALID_DEVICE;
-        }
-        *d = 0;
-        SUCCESS
-    })
+    with(|_| on_device(ordinal, || put(d, 0)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_int) -> CUresult {
     with(|_| {
-        if dev != 0 {
-            return INVALID_DEVICE;
-        }
-        if name.is_null() || len <= 0 {
-            return INVALID_VALUE;
-        }
-        let text = b"tidemem CUDA emulator (CPU)";
-        let n = text.len().min(len as usize - 1);
-        std::ptr::copy_nonoverlapping(text.as_ptr(), name as *mut u8, n);
-        *name.add(n) = 0;
-        SUCCESS
+        on_device(dev, || {
+            if name.is_null() || len <= 0 {
+                return INVALID_VALUE;
+            }
+            let text = b"tidemem CUDA emulator (CPU)";
+            let n = text.len().min(len as usize - 1);
+            std::ptr::copy_nonoverlapping(text.as_ptr(), name as *mut u8, n);
+            *name.add(n) = 0;
+            SUCCESS
+        })
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: c_int) -> CUresult {
-    with(|_| {
-        if dev != 0 {
-            return INVALID_DEVICE;
-        }
-        if v.is_null() {
-            return INVALID_VALUE;
-        }
-        *v = match attr {
-            1 => 1024,      // max threads per block
-            2 | 3 => 1024,  // max block dims x, y
-            4 => 64,        // max block dim z
-            5 => i32::MAX,  // max grid dim x
-            6 | 7 => 65535, // max grid dims y, z
-            8 => 48 * 1024, // shared memory per block
-            10 => 32,       // warp size
-            16 => 132,      // multiprocessors
-            41 => 1,        // unified addressing
-            75 => 9,        // compute capability major
-            76 => 0,        // minor
-            115 => 1,       // memory pools supported
-            _ => 0,
-        };
-        SUCCESS
-    })
+    let value = match attr {
+        1 => 1024,      // max threads per block
+        2 | 3 => 1024,  // max block dims x, y
+        4 => 64,        // max block dim z
+        5 => i32::MAX,  // max grid dim x
+        6 | 7 => 65535, // max grid dims y, z
+        8 => 48 * 1024, // shared memory per block
+        10 => 32,       // warp size
+        16 => 132,      // multiprocessors
+        41 => 1,        // unified addressing
+        75 => 9,        // compute capability major
+        76 => 0,        // minor
+        115 => 1,       // memory pools supported
+        _ => 0,
+    };
+    with(|_| on_device(dev, || put(v, value)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceTotalMem_v2(bytes: *mut usize, dev: c_int) -> CUresult {
-    with(|st| {
-        if dev != 0 {
-            return INVALID_DEVICE;
-        }
-        if bytes.is_null() {
-            return INVALID_VALUE;
-        }
-        *bytes = st.capacity;
-        SUCCESS
-    })
+    with(|st| on_device(dev, || put(bytes, st.capacity)))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDevicePrimaryCtxRetain(ctx: *mut *mut c_void, dev: c_int) -> CUresult {
-    with(|_| {
-        if dev != 0 {
-            return INVALID_DEVICE;
-        }
-        if ctx.is_null() {
-            return INVALID_VALUE;
-        }
-        *ctx = CTX as *mut c_void;
-        SUCCESS
-    })
+    with(|_| on_device(dev, || put(ctx, CTX as *mut c_void)))
 }
 
 #[no_mangle]
 pub extern "C" fn cuDevicePrimaryCtxRelease_v2(dev: c_int) -> CUresult {
-    with(|_| if dev != 0 { INVALID_DEVICE } else { SUCCESS })
+    with(|_| on_device(dev, || SUCCESS))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuCtxGetCurrent(ctx: *mut *mut c_void) -> CUresult {
-    with(|_| {
-        if ctx.is_null() {
-            return INVALID_VALUE;
-        }
-        *ctx = CURRENT.with(|c| c.get()) as *mut c_void;
-        SUCCESS
-    })
+    with(|_| put(ctx, CURRENT.with(|c| c.get()) as *mut c_void))
 }
 
 #[no_mangle]
@@ -809,31 +769,22 @@ pub extern "C" fn cuCtxSynchronize() -> CUresult {
 #[no_mangle]
 pub unsafe extern "C" fn cuMemGetInfo_v2(free: *mut usize, total: *mut usize) -> CUresult {
     with_ctx(|st| {
-        if free.is_null() || total.is_null() {
+        if free.is_null() {
             return INVALID_VALUE;
         }
         *free = st.capacity - st.used;
-        *total = st.capacity;
-        SUCCESS
+        put(total, st.capacity)
     })
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorName(e: CUresult, s: *mut *const c_char) -> CUresult {
-    if s.is_null() {
-        return INVALID_VALUE;
-    }
-    *s = error_name(e).as_ptr();
-    SUCCESS
+    put(s, error_name(e).as_ptr())
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuGetErrorString(e: CUresult, s: *mut *const c_char) -> CUresult {
-    if s.is_null() {
-        return INVALID_VALUE;
-    }
-    *s = error_string(e).as_ptr();
-    SUCCESS
+    put(s, error_string(e).as_ptr())
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1012,37 +963,26 @@ pub extern "C" fn cuEventQuery(e: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAlloc_v2(p: *mut u64, size: usize) -> CUresult {
-    with_ctx(|st| {
-        if p.is_null() {
-            return INVALID_VALUE;
-        }
-        // Not stream-ordered: usable anywhere at once.
-        match st.alloc(size, usize::MAX) {
-            Ok(a) => {
-                *p = a as u64;
-                SUCCESS
-            }
-            Err(e) => e,
-        }
-    })
+    // Not stream-ordered: usable anywhere at once.
+    with_ctx(|st| alloc_into(st, p, size, usize::MAX))
+}
+
+/// Allocates `size` bytes ordered on `stream` into the out-parameter `p`.
+unsafe fn alloc_into(st: &mut State, p: *mut u64, size: usize, stream: usize) -> CUresult {
+    if p.is_null() {
+        return INVALID_VALUE;
+    }
+    match st.alloc(size, stream) {
+        Ok(a) => put(p, a as u64),
+        Err(e) => e,
+    }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, size: usize, s: *mut c_void) -> CUresult {
-    with_ctx(|st| {
-        let Some(id) = st.stream_id(s) else {
-            return INVALID_HANDLE;
-        };
-        if p.is_null() {
-            return INVALID_VALUE;
-        }
-        match st.alloc(size, id) {
-            Ok(a) => {
-                *p = a as u64;
-                SUCCESS
-            }
-            Err(e) => e,
-        }
+    with_ctx(|st| match st.stream_id(s) {
+        Some(id) => alloc_into(st, p, size, id),
+        None => INVALID_HANDLE,
     })
 }
 

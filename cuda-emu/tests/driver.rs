@@ -217,12 +217,12 @@ fn the_barrier_kernel_reduces_like_the_gpu() {
     }
 }
 
-/// Runs `f` in a child process (a fault poisons the driver for good) and returns its stderr,
-/// after checking that it passed.
-fn in_child(test: &str, f: impl FnOnce()) -> Option<String> {
+/// Runs `f` in a child process (a fault poisons the driver for good), and checks that it
+/// passed and that the driver reported a fault saying `message`.
+fn faults_in_child(test: &str, message: &str, f: impl FnOnce()) {
     if std::env::var("EMU_FAULT_CHILD").as_deref() == Ok(test) {
         f();
-        return None;
+        return;
     }
     let exe = std::env::current_exe().unwrap();
     let out = std::process::Command::new(exe)
@@ -230,111 +230,117 @@ fn in_child(test: &str, f: impl FnOnce()) -> Option<String> {
         .env("EMU_FAULT_CHILD", test)
         .output()
         .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    Some(err)
+    assert!(err.contains("fault") && err.contains(message), "{err}");
+}
+
+/// `grad_stats_final` from a PTX image naming it (standing in for NVRTC's output).
+unsafe fn grad_stats_final() -> *const EmuKernel {
+    let ptx = c".version 8.0\n.target sm_90\n.visible .entry grad_stats_final(\n)\n";
+    let mut m = null_mut();
+    ok(cuModuleLoadData(&mut m, ptx.as_ptr() as *const c_void));
+    let mut f = std::ptr::null();
+    ok(cuModuleGetFunction(&mut f, m, c"grad_stats_final".as_ptr()));
+    f
 }
 
 #[test]
 fn an_unordered_free_is_a_fault_whatever_the_host_syncs_first() {
-    let test = "an_unordered_free_is_a_fault_whatever_the_host_syncs_first";
-    let err = in_child(test, || {
-        let c = setup();
-        unsafe {
-            let mut d = 0u64;
-            ok(cuMemAllocAsync(&mut d, 64, c.stream));
-            ok(cuStreamSynchronize(c.stream));
-            let out = pinned(64);
-            ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
-            // The copy on `other` has run (the host synced it) but nothing orders it before
-            // a free on `stream`: the host saw it finish, so the free is fine...
-            ok(cuStreamSynchronize(c.other));
-            ok(cuMemFreeAsync(d, c.stream));
-            ok(cuStreamSynchronize(c.stream));
-            // ...while here nothing does.
-            let mut e = 0u64;
-            ok(cuMemAllocAsync(&mut e, 64, c.stream));
-            ok(cuStreamSynchronize(c.stream));
-            ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, e, 64, c.other));
-            assert_eq!(cuMemFreeAsync(e, c.stream), 700);
-            assert_eq!(
-                cuStreamSynchronize(c.other),
-                700,
-                "the fault poisons every call"
-            );
-        }
-    });
-    if let Some(err) = err {
-        assert!(err.contains("not ordered before the free"), "{err}");
-    }
+    faults_in_child(
+        "an_unordered_free_is_a_fault_whatever_the_host_syncs_first",
+        "not ordered before the free",
+        || {
+            let c = setup();
+            unsafe {
+                let mut d = 0u64;
+                ok(cuMemAllocAsync(&mut d, 64, c.stream));
+                ok(cuStreamSynchronize(c.stream));
+                let out = pinned(64);
+                ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, d, 64, c.other));
+                // The copy on `other` has run (the host synced it) but nothing orders it before
+                // a free on `stream`: the host saw it finish, so the free is fine...
+                ok(cuStreamSynchronize(c.other));
+                ok(cuMemFreeAsync(d, c.stream));
+                ok(cuStreamSynchronize(c.stream));
+                // ...while here nothing does.
+                let mut e = 0u64;
+                ok(cuMemAllocAsync(&mut e, 64, c.stream));
+                ok(cuStreamSynchronize(c.stream));
+                ok(cuMemcpyDtoHAsync_v2(out as *mut c_void, e, 64, c.other));
+                assert_eq!(cuMemFreeAsync(e, c.stream), 700);
+                assert_eq!(
+                    cuStreamSynchronize(c.other),
+                    700,
+                    "the fault poisons every call"
+                );
+            }
+        },
+    );
 }
 
 #[test]
 fn memory_used_before_its_allocation_is_ordered_is_a_fault() {
-    let test = "memory_used_before_its_allocation_is_ordered_is_a_fault";
-    let err = in_child(test, || {
-        let c = setup();
-        unsafe {
-            let host = [1u8; 64];
-            let mut d = 0u64;
-            // Work on the allocating stream first: a block freed there could be reused.
-            let mut x = 0u64;
-            ok(cuMemAllocAsync(&mut x, 64, c.stream));
-            ok(cuMemsetD8Async(x, 0, 64, c.stream));
-            ok(cuMemAllocAsync(&mut d, 64, c.stream));
-            // An event recorded before the allocation orders nothing after it.
-            let mut e = null_mut();
-            ok(cuEventCreate(&mut e, 2));
-            ok(cuEventRecord(e, c.stream));
-            let mut y = 0u64;
-            ok(cuMemAllocAsync(&mut y, 64, c.stream));
-            ok(cuStreamWaitEvent(c.other, e, 0));
-            // `d` was allocated before the record: ordered, no fault.
-            ok(cuMemsetD8Async(d, 1, 64, c.other));
-            let r = cuMemcpyHtoDAsync_v2(y, host.as_ptr() as *const c_void, 64, c.other);
-            assert_eq!(r, 700);
-        }
-    });
-    if let Some(err) = err {
-        assert!(err.contains("without waiting for its allocation"), "{err}");
-    }
+    faults_in_child(
+        "memory_used_before_its_allocation_is_ordered_is_a_fault",
+        "without waiting for its allocation",
+        || {
+            let c = setup();
+            unsafe {
+                let host = [1u8; 64];
+                let mut d = 0u64;
+                // Work on the allocating stream first: a block freed there could be reused.
+                let mut x = 0u64;
+                ok(cuMemAllocAsync(&mut x, 64, c.stream));
+                ok(cuMemsetD8Async(x, 0, 64, c.stream));
+                ok(cuMemAllocAsync(&mut d, 64, c.stream));
+                // An event recorded before the allocation orders nothing after it.
+                let mut e = null_mut();
+                ok(cuEventCreate(&mut e, 2));
+                ok(cuEventRecord(e, c.stream));
+                let mut y = 0u64;
+                ok(cuMemAllocAsync(&mut y, 64, c.stream));
+                ok(cuStreamWaitEvent(c.other, e, 0));
+                // `d` was allocated before the record: ordered, no fault.
+                ok(cuMemsetD8Async(d, 1, 64, c.other));
+                let r = cuMemcpyHtoDAsync_v2(y, host.as_ptr() as *const c_void, 64, c.other);
+                assert_eq!(r, 700);
+            }
+        },
+    );
 }
 
 #[test]
 fn a_kernel_pointer_outside_every_allocation_is_a_fault() {
-    let test = "a_kernel_pointer_outside_every_allocation_is_a_fault";
-    let err = in_child(test, || {
-        let c = setup();
-        unsafe {
-            let ptx = c".version 8.0\n.target sm_90\n.visible .entry grad_stats_final(\n)\n";
-            let mut m = null_mut();
-            ok(cuModuleLoadData(&mut m, ptx.as_ptr() as *const c_void));
-            let mut f = std::ptr::null();
-            ok(cuModuleGetFunction(&mut f, m, c"grad_stats_final".as_ptr()));
-            let mut d = 0u64;
-            ok(cuMemAllocAsync(&mut d, 4096, c.stream));
-            ok(cuMemFreeAsync(d, c.stream));
-            let mut arg = d;
-            let mut params = [&mut arg as *mut u64 as *mut c_void];
-            let r = cuLaunchKernel(
-                f,
-                1,
-                1,
-                1,
-                256,
-                1,
-                1,
-                0,
-                c.stream,
-                params.as_mut_ptr(),
-                null_mut(),
-            );
-            assert_eq!(r, 700);
-        }
-    });
-    if let Some(err) = err {
-        assert!(err.contains("not inside a live device allocation"), "{err}");
-    }
+    faults_in_child(
+        "a_kernel_pointer_outside_every_allocation_is_a_fault",
+        "not inside a live device allocation",
+        || {
+            let c = setup();
+            unsafe {
+                let f = grad_stats_final();
+                let mut d = 0u64;
+                ok(cuMemAllocAsync(&mut d, 4096, c.stream));
+                ok(cuMemFreeAsync(d, c.stream));
+                let mut arg = d;
+                let mut params = [&mut arg as *mut u64 as *mut c_void];
+                let r = cuLaunchKernel(
+                    f,
+                    1,
+                    1,
+                    1,
+                    256,
+                    1,
+                    1,
+                    0,
+                    c.stream,
+                    params.as_mut_ptr(),
+                    null_mut(),
+                );
+                assert_eq!(r, 700);
+            }
+        },
+    );
 }
 
 #[test]

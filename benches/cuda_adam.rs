@@ -12,7 +12,8 @@
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use tidemem::device::{AdamOperands, Device, DeviceBuffer, DeviceView, Stream};
+use tidemem::device::{Device, DeviceBuffer, DeviceView, Stream};
+use tidemem::ops::AdamOperands;
 use tidemem::optim::{AdamConfig, AdamScalars};
 use tidemem::DType;
 
@@ -104,7 +105,7 @@ impl Rig {
                 grad_dtype: self.grad_dtype,
                 copy: self.in_place.then_some((grad, self.grad_dtype)),
             };
-            self.dev.adam(&self.s, &self.scalars, ops).unwrap();
+            tidemem::ops::adam(&self.dev, &self.s, &self.scalars, ops).unwrap();
         }
         self.dev.sync_stream(&self.s).unwrap();
     }

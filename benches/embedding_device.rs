@@ -137,7 +137,8 @@ impl Resident {
         put(dev, s, idx, bytemuck::cast_slice(ids));
         put(dev, s, offs, bytemuck::cast_slice(&self.offsets));
         let table = self.table.view(0, self.table.len()).expect("view");
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            dev,
             s,
             table,
             DIM,
@@ -155,7 +156,8 @@ impl Resident {
         put(dev, s, scale, bytemuck::cast_slice(&p.scale));
         put(dev, s, rows, bytemuck::cast_slice(&p.rows));
         let g = reserve(dev, grads, p.rows.len() * DIM * 4);
-        dev.embedding_backward(
+        tidemem::ops::embedding::device::embedding_backward(
+            dev,
             s,
             self.grad_out.view(0, self.grad_out.len()).expect("view"),
             DIM,
@@ -165,7 +167,8 @@ impl Resident {
             g.view(0, p.rows.len() * DIM * 4).expect("view"),
         )
         .expect("backward");
-        dev.embedding_step(
+        tidemem::ops::embedding::device::embedding_step(
+            dev,
             s,
             self.table.view(0, self.table.len()).expect("view"),
             DIM,

@@ -69,7 +69,7 @@ fn main() -> Result<()> {
         dev.record(&copy, &uploaded[k])?;
         // The compute stream casts chunk c once its upload is done…
         dev.wait_event(&compute, &uploaded[k])?;
-        dev.cast(&compute, &slots[k], DType::F32, &outs[k], DType::F16)?;
+        tidemem::ops::cast(&dev, &compute, &slots[k], DType::F32, &outs[k], DType::F16)?;
         dev.record(&compute, &consumed[k])?;
         // …and sends the fp16 copy back.
         downloads.push((

@@ -1,4 +1,6 @@
-// Embedding-bag kernels: the twins of src/ops/embedding.rs.
+// Embedding-bag kernels. CPU twins: src/ops/embedding/mod.rs; descriptors and wrappers:
+// src/ops/embedding/device.rs. Each entry takes its op's operands in signature order (an absent
+// optional operand is null), then its parameter struct (embedding.cuh).
 //
 // Tables are f32 rows of `stride` floats, the first `dim` the embedding, the rest the row's
 // optimizer state. One block per bag / distinct row / moved row (grid-stride over them), threads
@@ -7,11 +9,14 @@
 // bitwise those of the CPU. Index values out of range are skipped; offsets and row starts are
 // clamped to their arrays, so malformed indices never read or write out of bounds.
 
+#include "embedding.cuh"
+
 typedef unsigned long long u64;
 
 extern "C" __global__ void emb_bag(const float* table, const unsigned* idx, const unsigned* off,
-                                   const float* weights, float* out, u64 rows, u64 stride,
-                                   u64 dim, u64 n, u64 bags, int mean) {
+                                   const float* weights, float* out, EmbBagParams p) {
+    const u64 rows = p.rows, stride = p.stride, dim = p.dim, n = p.n, bags = p.bags;
+    const int mean = p.mean;
     for (u64 b = blockIdx.x; b < bags; b += gridDim.x) {
         u64 e = off[b + 1] < n ? off[b + 1] : n;
         u64 s = off[b] < e ? off[b] : e;
@@ -31,8 +36,8 @@ extern "C" __global__ void emb_bag(const float* table, const unsigned* idx, cons
 
 extern "C" __global__ void emb_backward(const float* gout, const unsigned* row_ptr,
                                         const unsigned* entries, const float* scale,
-                                        float* grads, u64 nrows, u64 dim, u64 bags,
-                                        u64 nentries) {
+                                        float* grads, EmbBackwardParams p) {
+    const u64 nrows = p.nrows, dim = p.dim, bags = p.bags, nentries = p.nentries;
     for (u64 u = blockIdx.x; u < nrows; u += gridDim.x) {
         u64 e1 = row_ptr[u + 1] < nentries ? row_ptr[u + 1] : nentries;
         u64 e0 = row_ptr[u] < e1 ? row_ptr[u] : e1;
@@ -50,9 +55,11 @@ extern "C" __global__ void emb_backward(const float* gout, const unsigned* row_p
 
 // kind: 0 SGD, 1 row-wise Adagrad, 2 Adam.
 extern "C" __global__ void emb_step(float* table, const unsigned* rows, const float* grads,
-                                    u64 table_rows, u64 stride, u64 dim, u64 n, int kind,
-                                    float lr, float eps, float beta1, float beta2, float bias1,
-                                    float bias2) {
+                                    EmbStepParams p) {
+    const u64 table_rows = p.table_rows, stride = p.stride, dim = p.dim, n = p.n;
+    const int kind = p.kind;
+    const float lr = p.lr, eps = p.eps, beta1 = p.beta1, beta2 = p.beta2, bias1 = p.bias1,
+                bias2 = p.bias2;
     __shared__ float denom;
     for (u64 u = blockIdx.x; u < n; u += gridDim.x) {
         u64 r = rows[u];
@@ -95,7 +102,8 @@ extern "C" __global__ void emb_step(float* table, const unsigned* rows, const fl
 
 // Row i of dst = row index[i] of src, rows of `words` 32-bit words.
 extern "C" __global__ void emb_gather(const unsigned* src, const unsigned* index, unsigned* dst,
-                                      u64 src_rows, u64 words, u64 n) {
+                                      EmbRowsParams p) {
+    const u64 src_rows = p.rows, words = p.words, n = p.n;
     for (u64 i = blockIdx.x; i < n; i += gridDim.x) {
         u64 r = index[i];
         if (r >= src_rows) continue;
@@ -105,7 +113,8 @@ extern "C" __global__ void emb_gather(const unsigned* src, const unsigned* index
 
 // Row index[i] of dst = row i of src.
 extern "C" __global__ void emb_scatter(const unsigned* src, const unsigned* index, unsigned* dst,
-                                       u64 dst_rows, u64 words, u64 n) {
+                                       EmbRowsParams p) {
+    const u64 dst_rows = p.rows, words = p.words, n = p.n;
     for (u64 i = blockIdx.x; i < n; i += gridDim.x) {
         u64 r = index[i];
         if (r >= dst_rows) continue;

@@ -32,6 +32,12 @@ pub(crate) fn st_dtype(d: DType) -> Dtype {
         DType::F32 => Dtype::F32,
         DType::F16 => Dtype::F16,
         DType::BF16 => Dtype::BF16,
+        DType::F64 => Dtype::F64,
+        DType::U8 => Dtype::U8,
+        DType::I32 => Dtype::I32,
+        DType::U32 => Dtype::U32,
+        DType::I64 => Dtype::I64,
+        DType::U64 => Dtype::U64,
     }
 }
 

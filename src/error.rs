@@ -139,6 +139,27 @@ pub enum Error {
         message: String,
     },
 
+    /// A kernel launch was refused: an operand or the parameters do not fit the op's signature
+    /// or shape check. Nothing was enqueued.
+    #[error("launch of {kernel}: {reason}")]
+    Launch {
+        /// The op's name.
+        kernel: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+
+    /// A kernel failed while running (on the simulated device: its CPU twin returned an error).
+    /// Sticky: every later synchronisation with the stream, or with work ordered after the
+    /// failure, reports it again, and the stream runs no further work.
+    #[error("kernel {kernel} failed on the device: {message}")]
+    KernelFailed {
+        /// The op's name.
+        kernel: String,
+        /// What went wrong.
+        message: String,
+    },
+
     /// The simulated device's copy engine failed or shut down.
     #[error("simulated device: {0}")]
     Sim(String),

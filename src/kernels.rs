@@ -27,16 +27,49 @@ pub struct KernelSource {
 /// Every kernel source of the crate.
 pub const SOURCES: &[KernelSource] = &[
     KernelSource {
-        name: "convert.cu",
-        code: include_str!("../kernels/convert.cu"),
+        name: "cast.cu",
+        code: include_str!("../kernels/cast.cu"),
     },
     KernelSource {
         name: "adam.cu",
         code: include_str!("../kernels/adam.cu"),
     },
     KernelSource {
+        name: "grad_stats.cu",
+        code: include_str!("../kernels/grad_stats.cu"),
+    },
+    KernelSource {
         name: "embedding.cu",
         code: include_str!("../kernels/embedding.cu"),
+    },
+    KernelSource {
+        name: "gelu.cu",
+        code: include_str!("../kernels/gelu.cu"),
+    },
+];
+
+/// Every header of the kernel sources (`#include "name.cuh"`): the parameter structs the
+/// Rust side mirrors. NVRTC gets them from memory, the host compiler from `kernels/`.
+pub const HEADERS: &[KernelSource] = &[
+    KernelSource {
+        name: "cast.cuh",
+        code: include_str!("../kernels/cast.cuh"),
+    },
+    KernelSource {
+        name: "adam.cuh",
+        code: include_str!("../kernels/adam.cuh"),
+    },
+    KernelSource {
+        name: "grad_stats.cuh",
+        code: include_str!("../kernels/grad_stats.cuh"),
+    },
+    KernelSource {
+        name: "embedding.cuh",
+        code: include_str!("../kernels/embedding.cuh"),
+    },
+    KernelSource {
+        name: "gelu.cuh",
+        code: include_str!("../kernels/gelu.cuh"),
     },
 ];
 
@@ -131,7 +164,34 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
     }
     let code = CString::new(src.code).map_err(|_| fail("source contains a NUL byte".into()))?;
     let name = CString::new(src.name).map_err(|_| fail("name contains a NUL byte".into()))?;
-    let prog = rtc::create_program(&code, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let cstr = |s: &str| CString::new(s).map_err(|_| fail("a header contains a NUL byte".into()));
+    let header_code: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| cstr(h.code))
+        .collect::<Result<_>>()?;
+    let header_names: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| cstr(h.name))
+        .collect::<Result<_>>()?;
+    let code_ptrs: Vec<*const std::ffi::c_char> = header_code.iter().map(|c| c.as_ptr()).collect();
+    let name_ptrs: Vec<*const std::ffi::c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is a live NUL-terminated string for the call, and the two header
+    // arrays have `HEADERS.len()` entries; NVRTC copies them.
+    unsafe {
+        sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            code.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as i32,
+            code_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    }
+    .result()
+    .map_err(|e| fail(format!("{e:?}")))?;
+    // SAFETY: initialised by the successful call above.
+    let prog = unsafe { prog.assume_init() };
     struct Prog(sys::nvrtcProgram);
     impl Drop for Prog {
         fn drop(&mut self) {

@@ -23,7 +23,7 @@
 //! let x: Vec<f32> = vec![0.1, 1.5, -3.0, 65504.0];
 //! let src = dev.upload(&s, bytemuck::cast_slice(&x))?;
 //! let dst = dev.alloc(x.len() * 2)?;
-//! dev.cast(&s, &src, DType::F32, &dst, DType::F16)?;
+//! tidemem::ops::cast(&dev, &s, &src, DType::F32, &dst, DType::F16)?;
 //! let h: Vec<u8> = dev.download(&s, &dst)?;
 //! let h: &[half::f16] = bytemuck::cast_slice(&h);
 //! assert_eq!(h[1].to_f32(), 1.5);

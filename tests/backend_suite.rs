@@ -183,7 +183,8 @@ fn mismatched_sizes_ranges_and_devices_are_typed_errors() {
         ));
         // Typed operation on misaligned ranges.
         assert!(matches!(
-            dev.cast(
+            tidemem::ops::cast(
+                &dev,
                 &s,
                 a.view(2, 8).unwrap(),
                 DType::F32,
@@ -193,7 +194,8 @@ fn mismatched_sizes_ranges_and_devices_are_typed_errors() {
             Err(Error::Misaligned { .. })
         ));
         assert!(matches!(
-            dev.cast(
+            tidemem::ops::cast(
+                &dev,
                 &s,
                 a.view(0, 16).unwrap(),
                 DType::F32,
@@ -297,7 +299,7 @@ fn cast_matches_the_cpu_twin_for_every_pair() {
         let src = dev.upload(&s, bytemuck::cast_slice(&x)).unwrap();
         for t in [DType::F16, DType::BF16] {
             let narrow = dev.alloc(n * 2).unwrap();
-            dev.cast(&s, &src, DType::F32, &narrow, t).unwrap();
+            tidemem::ops::cast(&dev, &s, &src, DType::F32, &narrow, t).unwrap();
             let got = dev.download(&s, &narrow).unwrap();
             let mut want = vec![0u8; n * 2];
             tidemem::ops::cast::cast_bytes(bytemuck::cast_slice(&x), DType::F32, &mut want, t)
@@ -305,7 +307,7 @@ fn cast_matches_the_cpu_twin_for_every_pair() {
             assert_eq!(got, want, "{} f32->{t}", dev.id());
             // and back up, and across
             let wide = dev.alloc(n * 4).unwrap();
-            dev.cast(&s, &narrow, t, &wide, DType::F32).unwrap();
+            tidemem::ops::cast(&dev, &s, &narrow, t, &wide, DType::F32).unwrap();
             let mut want_wide = vec![0u8; n * 4];
             tidemem::ops::cast::cast_bytes(&want, t, &mut want_wide, DType::F32).unwrap();
             assert_eq!(dev.download(&s, &wide).unwrap(), want_wide);
@@ -315,7 +317,7 @@ fn cast_matches_the_cpu_twin_for_every_pair() {
                 DType::F16
             };
             let across = dev.alloc(n * 2).unwrap();
-            dev.cast(&s, &narrow, t, &across, other).unwrap();
+            tidemem::ops::cast(&dev, &s, &narrow, t, &across, other).unwrap();
             let mut want_across = vec![0u8; n * 2];
             tidemem::ops::cast::cast_bytes(&want, t, &mut want_across, other).unwrap();
             assert_eq!(dev.download(&s, &across).unwrap(), want_across);

@@ -9,9 +9,9 @@
 
 use half::{bf16, f16};
 use tidemem::device::{
-    cuda_device_count, cuda_driver_present, read_grad_stats, AdamOperands, Device, DeviceBuffer,
-    SimConfig, Stream, GRAD_STATS_BYTES,
+    cuda_device_count, cuda_driver_present, Device, DeviceBuffer, SimConfig, Stream,
 };
+use tidemem::ops::{read_grad_stats, AdamOperands, GRAD_STATS_BYTES};
 use tidemem::optim::{
     grad_stats, AdamConfig, AdamScalars, CpuAdam, Grad, GradInPlace, GradStats, ParamCopy,
 };
@@ -83,6 +83,7 @@ impl GradVec {
             DType::F32 => GradVec::F32(x.to_vec()),
             DType::F16 => GradVec::F16(x.iter().map(|&v| f16::from_f32(v)).collect()),
             DType::BF16 => GradVec::Bf16(x.iter().map(|&v| bf16::from_f32(v)).collect()),
+            other => panic!("no gradients of {other}"),
         }
     }
 
@@ -313,7 +314,7 @@ fn device_run(dev: &Device, c: &Case) -> State {
             grad_dtype: c.grad,
             copy,
         };
-        dev.adam(&s, &scalars(c, step), ops).unwrap();
+        tidemem::ops::adam(dev, &s, &scalars(c, step), ops).unwrap();
     }
     let after: Vec<Vec<u8>> = bufs.iter().map(|b| dev.download(&s, b).unwrap()).collect();
     // every byte outside the written ranges is as uploaded
@@ -501,7 +502,7 @@ fn empty_adam_steps_change_nothing() {
             grad_dtype: DType::F16,
             copy: Some((buf.view(16, 0).unwrap(), DType::F16)),
         };
-        dev.adam(&s, &sc, ops).unwrap();
+        tidemem::ops::adam(&dev, &s, &sc, ops).unwrap();
         assert_eq!(dev.download(&s, &buf).unwrap(), img, "{}", dev.id());
     }
 }
@@ -515,7 +516,8 @@ fn device_stats(dev: &Device, s: &Stream, g: &GradVec, dtype: DType) -> (GradSta
     img[off..off + g.bytes().len()].copy_from_slice(g.bytes());
     let src = dev.upload(s, &img).unwrap();
     let out = dev.upload(s, &vec![0xffu8; GRAD_STATS_BYTES + 32]).unwrap();
-    dev.grad_stats(
+    tidemem::ops::grad_stats(
+        dev,
         s,
         src.view(off, g.bytes().len()).unwrap(),
         dtype,
@@ -555,6 +557,7 @@ fn stat_inputs(dtype: DType) -> Vec<(String, GradVec)> {
                 DType::F32 => f32::MAX,
                 DType::F16 => 65504.0,
                 DType::BF16 => bf16::MAX.to_f32(),
+                other => panic!("no gradients of {other}"),
             };
             v.push((format!("{dtype} n={n} max"), GradVec::from_f32(dtype, &big)));
         }

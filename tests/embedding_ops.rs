@@ -91,7 +91,8 @@ fn kernels_equal_cpu_twins_bitwise() {
                 let ob = up(&dev, &s, bytemuck::cast_slice(&off));
                 let wb = w.as_ref().map(|w| up(&dev, &s, bytemuck::cast_slice(w)));
                 let outb = dev.alloc(bags * dim * 4).unwrap();
-                dev.embedding_bag(
+                tidemem::ops::embedding::device::embedding_bag(
+                    &dev,
                     &s,
                     tb.view(0, tb.len()).unwrap(),
                     stride,
@@ -119,7 +120,8 @@ fn kernels_equal_cpu_twins_bitwise() {
                 let eb = up(&dev, &s, bytemuck::cast_slice(&p.entries));
                 let sb = up(&dev, &s, bytemuck::cast_slice(&p.scale));
                 let gb = dev.alloc(g.len() * 4).unwrap();
-                dev.embedding_backward(
+                tidemem::ops::embedding::device::embedding_backward(
+                    &dev,
                     &s,
                     gob.view(0, gob.len()).unwrap(),
                     dim,
@@ -139,7 +141,8 @@ fn kernels_equal_cpu_twins_bitwise() {
                 let mut t2 = table.clone();
                 row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
                 let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
-                dev.embedding_step(
+                tidemem::ops::embedding::device::embedding_step(
+                    &dev,
                     &s,
                     tb.view(0, tb.len()).unwrap(),
                     stride,
@@ -164,7 +167,8 @@ fn kernels_equal_cpu_twins_bitwise() {
                 // Rows out of range are skipped, leaving the destination as it was: start it at
                 // zero like the host side (fresh device memory is not zeroed on a GPU).
                 let pb = up(&dev, &s, &vec![0u8; packed.len()]);
-                dev.gather_rows(
+                tidemem::ops::embedding::device::gather_rows(
+                    &dev,
                     &s,
                     tb.view(0, tb.len()).unwrap(),
                     rbytes,
@@ -176,7 +180,8 @@ fn kernels_equal_cpu_twins_bitwise() {
                 let mut t3 = vec![0u8; rows * rbytes];
                 scatter_rows(&packed, rbytes, &sel, &mut t3);
                 let t3b = up(&dev, &s, &t3);
-                dev.scatter_rows(
+                tidemem::ops::embedding::device::scatter_rows(
+                    &dev,
                     &s,
                     pb.view(0, pb.len()).unwrap(),
                     rbytes,
@@ -227,7 +232,8 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             let ib = up(&dev, &s, bytemuck::cast_slice(&idx));
             let ob = up(&dev, &s, bytemuck::cast_slice(&off));
             let outb = dev.alloc(out.len() * 4).unwrap();
-            dev.embedding_bag(
+            tidemem::ops::embedding::device::embedding_bag(
+                &dev,
                 &s,
                 v(&tb),
                 stride,
@@ -253,14 +259,32 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             let eb = up(&dev, &s, bytemuck::cast_slice(&p.entries));
             let sb = up(&dev, &s, bytemuck::cast_slice(&p.scale));
             let gb = dev.alloc(g.len() * 4).unwrap();
-            dev.embedding_backward(&s, v(&gob), dim, v(&rpb), v(&eb), v(&sb), v(&gb))
-                .unwrap();
+            tidemem::ops::embedding::device::embedding_backward(
+                &dev,
+                &s,
+                v(&gob),
+                dim,
+                v(&rpb),
+                v(&eb),
+                v(&sb),
+                v(&gb),
+            )
+            .unwrap();
             assert_eq!(bits(&g), bits(&down(&dev, &s, &gb)), "{}", dev.name());
             let mut t2 = table.clone();
             row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
             let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
-            dev.embedding_step(&s, v(&tb), stride, dim, v(&rb), v(&gb), &opt)
-                .unwrap();
+            tidemem::ops::embedding::device::embedding_step(
+                &dev,
+                &s,
+                v(&tb),
+                stride,
+                dim,
+                v(&rb),
+                v(&gb),
+                &opt,
+            )
+            .unwrap();
             assert_eq!(bits(&t2), bits(&down(&dev, &s, &tb)), "{}", dev.name());
             // Gather every other row, scatter them into a patterned table in reverse order.
             let rbytes = stride * 4;
@@ -269,15 +293,29 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             gather_rows(bytemuck::cast_slice(&t2), rbytes, &sel, &mut packed);
             let selb = up(&dev, &s, bytemuck::cast_slice(&sel));
             let pb = dev.alloc(packed.len()).unwrap();
-            dev.gather_rows(&s, v(&tb), rbytes, v(&selb), v(&pb))
-                .unwrap();
+            tidemem::ops::embedding::device::gather_rows(
+                &dev,
+                &s,
+                v(&tb),
+                rbytes,
+                v(&selb),
+                v(&pb),
+            )
+            .unwrap();
             assert_eq!(packed, dev.download(&s, &pb).unwrap(), "{}", dev.name());
             let pattern: Vec<u8> = (0..rows * rbytes).map(|i| (i % 251) as u8).collect();
             let mut t3 = pattern.clone();
             scatter_rows(&packed, rbytes, &sel, &mut t3);
             let t3b = up(&dev, &s, &pattern);
-            dev.scatter_rows(&s, v(&pb), rbytes, v(&selb), v(&t3b))
-                .unwrap();
+            tidemem::ops::embedding::device::scatter_rows(
+                &dev,
+                &s,
+                v(&pb),
+                rbytes,
+                v(&selb),
+                v(&t3b),
+            )
+            .unwrap();
             let got = dev.download(&s, &t3b).unwrap();
             assert_eq!(t3, got, "{}", dev.name());
             assert_eq!(
@@ -310,7 +348,8 @@ fn malformed_offsets_are_clamped_alike_on_every_device() {
         let ib = up(&dev, &s, bytemuck::cast_slice(&idx));
         let ob = up(&dev, &s, bytemuck::cast_slice(&off));
         let out = dev.alloc(3 * dim * 4).unwrap();
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&tb),
             dim,
@@ -335,8 +374,17 @@ fn malformed_offsets_are_clamped_alike_on_every_device() {
             up(&dev, &s, bytemuck::cast_slice(&entries)),
             up(&dev, &s, bytemuck::cast_slice(&scale)),
         );
-        dev.embedding_backward(&s, v(&gb), dim, v(&rb), v(&eb), v(&sb), v(&g))
-            .unwrap();
+        tidemem::ops::embedding::device::embedding_backward(
+            &dev,
+            &s,
+            v(&gb),
+            dim,
+            v(&rb),
+            v(&eb),
+            v(&sb),
+            v(&g),
+        )
+        .unwrap();
         assert_eq!(
             down(&dev, &s, &g),
             vec![5.0, 5.0, 0.0, 0.0, 10.0, 10.0],
@@ -356,7 +404,8 @@ fn empty_bags_from_an_empty_index_buffer_give_zeros() {
         let idx = dev.alloc(0).unwrap();
         let off = up(&dev, &s, bytemuck::cast_slice(&[0u32, 0, 0]));
         let out = up(&dev, &s, bytemuck::cast_slice(&[9.0f32; 4]));
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&table),
             2,
@@ -384,12 +433,46 @@ fn device_checks_embedding_arguments() {
     let i = dev.alloc(4 * 3).unwrap();
     let o = dev.alloc(4 * 3).unwrap();
     let out = dev.alloc(4 * 4 * 2).unwrap();
-    let ok = dev.embedding_bag(&s, v(&t), 4, 4, v(&i), v(&o), None, BagMode::Sum, v(&out));
+    let ok = tidemem::ops::embedding::device::embedding_bag(
+        &dev,
+        &s,
+        v(&t),
+        4,
+        4,
+        v(&i),
+        v(&o),
+        None,
+        BagMode::Sum,
+        v(&out),
+    );
     assert!(ok.is_ok());
     let bad = [
-        dev.embedding_bag(&s, v(&t), 3, 4, v(&i), v(&o), None, BagMode::Sum, v(&out)),
-        dev.embedding_bag(&s, v(&t), 4, 0, v(&i), v(&o), None, BagMode::Sum, v(&out)),
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
+            &s,
+            v(&t),
+            3,
+            4,
+            v(&i),
+            v(&o),
+            None,
+            BagMode::Sum,
+            v(&out),
+        ),
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
+            &s,
+            v(&t),
+            4,
+            0,
+            v(&i),
+            v(&o),
+            None,
+            BagMode::Sum,
+            v(&out),
+        ),
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&t),
             4,
@@ -400,7 +483,8 @@ fn device_checks_embedding_arguments() {
             BagMode::Sum,
             out.view(0, 16).unwrap(),
         ),
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&t),
             4,
@@ -411,7 +495,8 @@ fn device_checks_embedding_arguments() {
             BagMode::Sum,
             v(&out),
         ),
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&t),
             4,
@@ -422,7 +507,8 @@ fn device_checks_embedding_arguments() {
             BagMode::Sum,
             t.view(0, 32).unwrap(),
         ),
-        dev.embedding_bag(
+        tidemem::ops::embedding::device::embedding_bag(
+            &dev,
             &s,
             v(&t),
             4,
@@ -433,9 +519,17 @@ fn device_checks_embedding_arguments() {
             BagMode::Sum,
             v(&out),
         ),
-        dev.gather_rows(&s, v(&t), 6, v(&i), out.view(0, 18).unwrap()),
-        dev.gather_rows(&s, v(&t), 8, v(&i), v(&out)),
-        dev.embedding_step(
+        tidemem::ops::embedding::device::gather_rows(
+            &dev,
+            &s,
+            v(&t),
+            6,
+            v(&i),
+            out.view(0, 18).unwrap(),
+        ),
+        tidemem::ops::embedding::device::gather_rows(&dev, &s, v(&t), 8, v(&i), v(&out)),
+        tidemem::ops::embedding::device::embedding_step(
+            &dev,
             &s,
             v(&t),
             4,
@@ -444,7 +538,8 @@ fn device_checks_embedding_arguments() {
             out.view(0, 16).unwrap(),
             &RowOptimizer::Sgd { lr: 1.0 },
         ),
-        dev.embedding_step(
+        tidemem::ops::embedding::device::embedding_step(
+            &dev,
             &s,
             v(&t),
             4,

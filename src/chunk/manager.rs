@@ -5,17 +5,16 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use half::{bf16, f16};
 use serde::Serialize;
 
 use super::layout::{ChunkKind, Layout, Slot};
 use crate::device::{
-    read_grad_stats, Block, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore,
-    HostBuffer, Pending, Stream, GRAD_STATS_BYTES,
+    Block, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore, HostBuffer,
+    Pending, Stream,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::cpu_adam::{grad_stats_raw, RawKind};
+use crate::ops::grad_stats::{grad_stats_of, read_grad_stats, GRAD_STATS_BYTES};
 use crate::optim::GradStats;
 use crate::simulate::{plan_chunks, push_access, ChunkPlan};
 use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
@@ -1282,7 +1281,6 @@ impl ChunkManager {
         let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let es = self.cfg.param_dtype.size();
-        let kind = RawKind::of(self.cfg.param_dtype);
         for g in 0..self.layout.groups() {
             let tensors: Vec<(TensorId, usize, usize, bool)> = self.layout.group_tensors[g]
                 .iter()
@@ -1297,12 +1295,10 @@ impl ChunkManager {
                     on_device.push((c, r));
                     parts.push(None);
                 } else {
+                    let dtype = self.cfg.param_dtype;
                     let h = self.host_ready(c)?;
                     let bytes = &h[r.start * es..r.end * es];
-                    // SAFETY: `bytes` holds `r.len()` elements of the parameter dtype.
-                    parts.push(Some(unsafe {
-                        grad_stats_raw(kind, bytes.as_ptr(), r.len())
-                    }));
+                    parts.push(Some(grad_stats_of(bytes, dtype)?));
                 }
             }
         }
@@ -1328,8 +1324,13 @@ impl ChunkManager {
                 let src = buf.view(r.start * es, r.len() * es)?;
                 match &scratch {
                     Some((out, res)) => {
-                        self.device
-                            .grad_stats(&self.compute, src, self.cfg.param_dtype, out)?;
+                        crate::ops::grad_stats(
+                            &self.device,
+                            &self.compute,
+                            src,
+                            self.cfg.param_dtype,
+                            out,
+                        )?;
                         self.device.copy_d2d(
                             &self.compute,
                             out.view(0, 16)?,
@@ -1338,15 +1339,7 @@ impl ChunkManager {
                     }
                     None => {
                         let bytes = self.device.download(&self.compute, src)?;
-                        // an aligned copy for the typed reads
-                        let mut aligned = vec![0u64; bytes.len().div_ceil(8)];
-                        bytemuck::cast_slice_mut::<u64, u8>(&mut aligned)[..bytes.len()]
-                            .copy_from_slice(&bytes);
-                        // SAFETY: `aligned` holds `r.len()` elements of the parameter dtype,
-                        // 8-byte aligned.
-                        results.push(unsafe {
-                            grad_stats_raw(kind, aligned.as_ptr().cast(), r.len())
-                        });
+                        results.push(grad_stats_of(&bytes, self.cfg.param_dtype)?);
                     }
                 }
             }
@@ -1828,37 +1821,14 @@ pub(crate) fn check_distinct(ids: &[TensorId]) -> Result<()> {
     Ok(())
 }
 
-/// Encodes f32 values as `dtype` little-endian bytes.
+/// Encodes f32 values as `dtype` little-endian bytes (see [`crate::dtype::encode_f32`]).
 pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
-    match dtype {
-        DType::F32 => bytemuck::cast_slice(v).to_vec(),
-        DType::F16 => v
-            .iter()
-            .flat_map(|&x| f16::from_f32(x).to_le_bytes())
-            .collect(),
-        DType::BF16 => v
-            .iter()
-            .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
-            .collect(),
-    }
+    crate::dtype::encode_f32(v, dtype)
 }
 
-/// Decodes `dtype` little-endian bytes to f32.
+/// Decodes `dtype` little-endian bytes to f32 (see [`crate::dtype::decode_f32`]).
 pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
-    match dtype {
-        DType::F32 => b
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        DType::F16 => b
-            .chunks_exact(2)
-            .map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        DType::BF16 => b
-            .chunks_exact(2)
-            .map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-    }
+    crate::dtype::decode_f32(b, dtype)
 }
 
 /// What a trainer's forward and backward need from a parameter store, so one trainer runs on

@@ -119,6 +119,10 @@ impl From<DType> for Elem {
             DType::F32 => Elem::F32,
             DType::F16 => Elem::F16,
             DType::BF16 => Elem::BF16,
+            DType::F64 => Elem::F64,
+            DType::U8 => Elem::U8,
+            DType::I32 | DType::U32 => Elem::I32,
+            DType::I64 | DType::U64 => Elem::I64,
         }
     }
 }

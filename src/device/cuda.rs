@@ -9,19 +9,21 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use std::ffi::c_void;
+
 use cudarc::driver::{
     result as cu, sys, CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream,
-    DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    DevicePtr, DevicePtrMut,
 };
 use parking_lot::Mutex;
 
+use super::launch::{CudaSide, Grid, KernelDesc, LaunchInfo, LibraryCall};
 use super::{
-    Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
-    GRAD_STATS_PARTIALS,
+    operand_infos, Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent,
+    RawOperand, RawStream,
 };
 use crate::error::{Error, Result};
 use crate::kernels;
-use crate::ops::embedding::{BagMode, EmbeddingKernel, RowOptimizer};
 
 struct CudaMem {
     /// `None` for zero-length buffers (nothing allocated).
@@ -194,8 +196,6 @@ fn event(raw: &RawEvent) -> Result<&CudaEvent> {
         .ok_or_else(|| Error::InvalidArgument("event was not created by a CUDA device".into()))
 }
 
-const BLOCK: u32 = 256;
-
 impl Backend for CudaBackend {
     fn id(&self) -> DeviceId {
         self.id
@@ -280,37 +280,15 @@ impl Backend for CudaBackend {
         let touched: Vec<&CudaMem> = match &op {
             Op::HostToDevice { dst, .. } | Op::Fill { dst, .. } => vec![mem(dst)?],
             Op::DeviceToHost { src, .. } => vec![mem(src)?],
-            Op::DeviceToDevice { src, dst, .. } | Op::Cast { src, dst, .. } => {
-                vec![mem(src)?, mem(dst)?]
-            }
-            Op::GradStats { src, out, .. } => vec![mem(src)?, mem(out)?],
-            Op::Adam {
-                params,
-                momentum,
-                variance,
-                grad,
-                copy,
-                ..
-            } => {
-                let mut v = vec![
-                    mem(params.0)?,
-                    mem(momentum.0)?,
-                    mem(variance.0)?,
-                    mem(grad.0)?,
-                ];
-                if let Some(c) = copy {
-                    v.push(mem(c.0)?);
-                }
-                v
-            }
+            Op::DeviceToDevice { src, dst, .. } => vec![mem(src)?, mem(dst)?],
+            Op::Launch { operands, .. } => operands
+                .iter()
+                .flatten()
+                .map(|o| mem(o.buf))
+                .collect::<Result<_>>()?,
             Op::Foreign { operands, .. } => operands
                 .iter()
                 .map(|(b, _, _)| mem(b))
-                .collect::<Result<_>>()?,
-            Op::Embedding { reads, write, .. } => reads
-                .iter()
-                .map(|(b, _, _)| mem(b))
-                .chain(std::iter::once(mem(write.0)))
                 .collect::<Result<_>>()?,
         };
         // SAFETY: forwarded from this function's contract.
@@ -362,11 +340,11 @@ impl CudaBackend {
     /// As [`Backend::enqueue`].
     unsafe fn enqueue_op(&self, s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
         match op {
-            Op::Embedding {
-                kernel,
-                reads,
-                write,
-            } => self.embedding(s, kernel, reads, write)?,
+            Op::Launch {
+                desc,
+                operands,
+                params,
+            } => self.launch(s, cs, desc, operands, params)?,
             Op::Foreign { operands, run } => {
                 let ops: Vec<(&CudaMem, usize, bool)> = operands
                     .iter()
@@ -458,306 +436,99 @@ impl CudaBackend {
                         .map_err(err("a memset"))?;
                 }
             }
-            Op::Cast {
-                src,
-                src_offset,
-                from,
-                dst,
-                dst_offset,
-                to,
-                count,
-            } => {
-                if count == 0 {
-                    return Ok(());
-                }
-                crate::ops::cast::check_supported(from, to)?;
-                let f =
-                    self.function("convert.cu", &format!("cast_{}_{}", from.name(), to.name()))?;
-                let (sm, dm) = (mem(src)?, mem(dst)?);
-                let n = count as u64;
-                let launch = |sp: u64, dp: u64| -> Result<()> {
-                    let mut b = s.launch_builder(&f);
-                    b.arg(&sp).arg(&dp).arg(&n);
-                    // SAFETY: the kernel reads `count` elements at `sp` and writes `count` at
-                    // `dp`, both inside their buffers and disjoint (checked by `Device::cast`).
-                    unsafe { b.launch(cfg(grid_for(count))) }
-                        .map(|_| ())
-                        .map_err(err("launching a cast kernel"))
-                };
-                let empty = || Error::InvalidArgument("cast on an empty buffer".into());
-                if std::ptr::eq(sm, dm) {
-                    let mut g = dm.slice.lock();
-                    let (p, _rec) = g.as_mut().ok_or_else(empty)?.device_ptr_mut(s);
-                    launch(p + src_offset as u64, p + dst_offset as u64)?;
-                } else {
-                    let sg = sm.slice.lock();
-                    let mut dg = dm.slice.lock();
-                    let (sp, _r1) = sg.as_ref().ok_or_else(empty)?.device_ptr(s);
-                    let (dp, _r2) = dg.as_mut().ok_or_else(empty)?.device_ptr_mut(s);
-                    launch(sp + src_offset as u64, dp + dst_offset as u64)?;
-                }
-            }
-            Op::Adam {
-                params,
-                momentum,
-                variance,
-                grad,
-                copy,
-                count,
-                scalars: sc,
-            } => {
-                if count == 0 {
-                    return Ok(());
-                }
-                let name = format!(
-                    "adam_g{}_c{}",
-                    grad.2.name(),
-                    copy.map_or("none", |c| c.2.name())
-                );
-                let f = self.function("adam.cu", &name)?;
-                let mut operands = vec![
-                    (mem(params.0)?, params.1, true),
-                    (mem(momentum.0)?, momentum.1, true),
-                    (mem(variance.0)?, variance.1, true),
-                    (mem(grad.0)?, grad.1, false),
-                ];
-                if let Some(c) = copy {
-                    operands.push((mem(c.0)?, c.1, true));
-                }
-                let n = count as u64;
-                let scalars = [
-                    sc.grad_scale,
-                    sc.l2,
-                    sc.beta1,
-                    sc.one_minus_beta1,
-                    sc.beta2,
-                    sc.one_minus_beta2,
-                    sc.inv_sqrt_bc2,
-                    sc.eps,
-                    sc.decoupled,
-                    sc.step_size,
-                ];
-                with_ptrs(s, &operands, |ptrs| {
-                    let mut b = s.launch_builder(&f);
-                    for p in ptrs {
-                        b.arg(p);
-                    }
-                    b.arg(&n);
-                    for x in &scalars {
-                        b.arg(x);
-                    }
-                    // SAFETY: the kernel reads and writes `count` elements at each pointer, each
-                    // range inside its buffer, aligned to its element type, and disjoint from the
-                    // others except a copy that is exactly the gradient range, which the kernel
-                    // allows (checked by `Device::adam`). The arguments match the kernel's
-                    // parameters: four or five pointers, the count, then the ten scalars.
-                    unsafe { b.launch(cfg(grid_for(count))) }
-                        .map(|_| ())
-                        .map_err(err("launching an Adam kernel"))
-                })?;
-            }
-            Op::GradStats {
-                src,
-                src_offset,
-                dtype,
-                count,
-                out,
-                out_offset,
-            } => {
-                let operands = [
-                    (mem(src)?, src_offset, false),
-                    (mem(out)?, out_offset, true),
-                ];
-                if count == 0 {
-                    // The sum of no squares, no nonfinite element: two f64 zeros.
-                    return with_ptrs(s, &operands[1..], |ptrs| {
-                        cu::memset_d8_async(ptrs[0], 0, 16, cs).map_err(err("a memset"))
-                    });
-                }
-                let partial =
-                    self.function("adam.cu", &format!("grad_stats_partial_{}", dtype.name()))?;
-                let finish = self.function("adam.cu", "grad_stats_final")?;
-                let n = count as u64;
-                with_ptrs(s, &operands, |ptrs| {
-                    let (sp, op) = (ptrs[0], ptrs[1]);
-                    let mut b = s.launch_builder(&partial);
-                    b.arg(&sp).arg(&n).arg(&op);
-                    // SAFETY: the kernel reads `count` elements at `sp` and writes
-                    // 2 * GRAD_STATS_PARTIALS f64 after the first 16 bytes at `op`, all inside
-                    // `GRAD_STATS_BYTES` (checked by `Device::grad_stats`), which do not overlap
-                    // the source. The grid is fixed: one partial per block.
-                    unsafe {
-                        b.launch(LaunchConfig {
-                            grid_dim: (GRAD_STATS_PARTIALS as u32, 1, 1),
-                            block_dim: (GRAD_STATS_THREADS, 1, 1),
-                            shared_mem_bytes: 0,
-                        })
-                    }
-                    .map_err(err("launching a gradient statistics kernel"))?;
-                    let mut b = s.launch_builder(&finish);
-                    b.arg(&op);
-                    // SAFETY: one block of GRAD_STATS_PARTIALS threads reads the partials the
-                    // kernel above wrote (same stream, so after it) and writes the first 16 bytes
-                    // at `op`, all inside the output range.
-                    unsafe {
-                        b.launch(LaunchConfig {
-                            grid_dim: (1, 1, 1),
-                            block_dim: (GRAD_STATS_PARTIALS as u32, 1, 1),
-                            shared_mem_bytes: 0,
-                        })
-                    }
-                    .map(|_| ())
-                    .map_err(err("launching a gradient statistics kernel"))
-                })?;
-            }
         }
         Ok(())
     }
 }
 
 impl CudaBackend {
-    /// Launches one embedding kernel of `kernels/embedding.cu` (operands validated by
-    /// `Device`: in bounds, 4-byte aligned, the written range disjoint from the read ones).
-    fn embedding(
+    /// Runs one op (operands validated by `Device::launch`): its NVRTC plan's launches in
+    /// order, each with the operands' addresses in signature order (0 for an absent one) and
+    /// the parameter struct by value; or its library call.
+    fn launch(
         &self,
         s: &Arc<CudaStream>,
-        kernel: EmbeddingKernel,
-        reads: &[(&RawBuffer, usize, usize)],
-        write: (&RawBuffer, usize, usize),
+        cs: sys::CUstream,
+        desc: &'static KernelDesc,
+        operands: &[Option<RawOperand<'_>>],
+        params: &[u8],
     ) -> Result<()> {
-        let mut operands: Vec<(&CudaMem, usize, bool)> = reads
-            .iter()
-            .map(|&(b, off, _)| mem(b).map(|m| (m, off, false)))
-            .collect::<Result<_>>()?;
-        operands.push((mem(write.0)?, write.1, true));
-        let len = |i: usize| if i < reads.len() { reads[i].2 } else { write.2 } as u64;
-        let (name, blocks) = match kernel {
-            EmbeddingKernel::Bag { .. } => ("emb_bag", (len(2) / 4).saturating_sub(1)),
-            EmbeddingKernel::Backward { .. } => ("emb_backward", (len(1) / 4).saturating_sub(1)),
-            EmbeddingKernel::Step { .. } => ("emb_step", len(0) / 4),
-            EmbeddingKernel::Gather { .. } => ("emb_gather", len(1) / 4),
-            EmbeddingKernel::Scatter { .. } => ("emb_scatter", len(1) / 4),
+        let infos = operand_infos(operands);
+        let info = LaunchInfo {
+            desc,
+            operands: &infos,
+            params,
         };
-        if blocks == 0 {
-            return Ok(());
+        // Present operands, and where each sits among them.
+        let mut present: Vec<(&CudaMem, usize, bool)> = Vec::new();
+        let mut slot = Vec::with_capacity(operands.len());
+        for (spec, o) in desc.operands.iter().zip(operands) {
+            match o {
+                Some(o) => {
+                    slot.push(Some(present.len()));
+                    present.push((mem(o.buf)?, o.offset, spec.mode.writes()));
+                }
+                None => slot.push(None),
+            }
         }
-        let f = self.function("embedding.cu", name)?;
-        // Threads loop over a row's columns (or 32-bit words): narrow rows take fewer warps.
-        let width = match kernel {
-            EmbeddingKernel::Bag { dim, .. }
-            | EmbeddingKernel::Backward { dim }
-            | EmbeddingKernel::Step { dim, .. } => dim,
-            EmbeddingKernel::Gather { row_bytes } | EmbeddingKernel::Scatter { row_bytes } => {
-                row_bytes / 4
-            }
-        };
-        let config = LaunchConfig {
-            grid_dim: (blocks.min(65_535) as u32, 1, 1),
-            block_dim: (embedding_threads(width), 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let launch = |ptrs: &[u64]| -> Result<()> {
-            // Scalars live until the launch below.
-            let (mut us, mut fs, mut is): (Vec<u64>, Vec<f32>, Vec<i32>) = (vec![], vec![], vec![]);
-            let null = 0u64;
-            let mut b = s.launch_builder(&f);
-            match kernel {
-                EmbeddingKernel::Bag {
-                    stride,
-                    dim,
-                    mode,
-                    weighted,
-                } => {
-                    let rows = len(0) / 4 / stride as u64;
-                    us.extend([rows, stride as u64, dim as u64, len(1) / 4, blocks]);
-                    is.push((mode == BagMode::Mean) as i32);
-                    b.arg(&ptrs[0]).arg(&ptrs[1]).arg(&ptrs[2]);
-                    if weighted {
-                        b.arg(&ptrs[3]).arg(&ptrs[4]);
-                    } else {
-                        b.arg(&null).arg(&ptrs[3]);
-                    }
-                    for u in &us {
-                        b.arg(u);
-                    }
-                    b.arg(&is[0]);
+        let addresses =
+            |ptrs: &[u64]| -> Vec<u64> { slot.iter().map(|k| k.map_or(0, |k| ptrs[k])).collect() };
+        match desc.cuda {
+            CudaSide::Library(call) => with_ptrs(s, &present, |ptrs| {
+                call(&LibraryCall {
+                    info: &info,
+                    ptrs: &addresses(ptrs),
+                    stream: cs.cast(),
+                })
+            }),
+            CudaSide::Nvrtc { source, plan } => {
+                let grids = plan(&info)?;
+                if grids.is_empty() {
+                    return Ok(());
                 }
-                EmbeddingKernel::Backward { dim } => {
-                    us.extend([blocks, dim as u64, len(0) / 4 / dim as u64, len(2) / 4]);
-                    for p in &ptrs[..5] {
-                        b.arg(p);
-                    }
-                    for u in &us {
-                        b.arg(u);
-                    }
-                }
-                EmbeddingKernel::Step { stride, dim, opt } => {
-                    let rows = len(2) / 4 / stride as u64;
-                    us.extend([rows, stride as u64, dim as u64, blocks]);
-                    let (kind, lr, eps, b1, b2, c1, c2) = match opt {
-                        RowOptimizer::Sgd { lr } => (0, lr, 0.0, 0.0, 0.0, 1.0, 1.0),
-                        RowOptimizer::RowwiseAdagrad { lr, eps } => {
-                            (1, lr, eps, 0.0, 0.0, 1.0, 1.0)
+                let functions: Vec<(CudaFunction, &Grid)> = grids
+                    .iter()
+                    .map(|g| self.function(source, &g.entry).map(|f| (f, g)))
+                    .collect::<Result<_>>()?;
+                // The parameter struct, in 8-byte aligned storage for the driver to copy.
+                let mut block = vec![0u64; params.len().div_ceil(8)];
+                bytemuck::cast_slice_mut::<u64, u8>(&mut block)[..params.len()]
+                    .copy_from_slice(params);
+                with_ptrs(s, &present, |ptrs| {
+                    let mut addrs = addresses(ptrs);
+                    for (f, g) in &functions {
+                        let mut args: Vec<*mut c_void> = addrs
+                            .iter_mut()
+                            .map(|a| (a as *mut u64).cast::<c_void>())
+                            .collect();
+                        if !params.is_empty() {
+                            args.push(block.as_mut_ptr().cast());
                         }
-                        RowOptimizer::Adam {
-                            lr,
-                            beta1,
-                            beta2,
-                            eps,
-                            bias1,
-                            bias2,
-                        } => (2, lr, eps, beta1, beta2, bias1, bias2),
-                    };
-                    is.push(kind);
-                    fs.extend([lr, eps, b1, b2, c1, c2]);
-                    // table (the written operand), rows, grads.
-                    b.arg(&ptrs[2]).arg(&ptrs[0]).arg(&ptrs[1]);
-                    for u in &us {
-                        b.arg(u);
+                        // SAFETY: the entry takes the op's operands as pointers in signature
+                        // order, then its parameter struct by value (the `.cu` and `.cuh`
+                        // mirror the descriptor; a test compares the struct layouts). Every
+                        // address points into a live allocation, in bounds, aligned and with the
+                        // overlap rules of the signature (checked by `Device::launch`); the plan
+                        // sizes the grid from the validated lengths. The argument storage lives
+                        // until the call returns (the driver copies it).
+                        unsafe {
+                            cu::launch_kernel(
+                                f.cu_function(),
+                                (g.grid[0], g.grid[1], g.grid[2]),
+                                (g.block[0], g.block[1], g.block[2]),
+                                g.shared_bytes,
+                                cs,
+                                &mut args,
+                            )
+                        }
+                        .map_err(|e| Error::cuda("launching a kernel", e))?;
                     }
-                    b.arg(&is[0]);
-                    for x in &fs {
-                        b.arg(x);
-                    }
-                }
-                EmbeddingKernel::Gather { row_bytes } | EmbeddingKernel::Scatter { row_bytes } => {
-                    let table = if matches!(kernel, EmbeddingKernel::Gather { .. }) {
-                        len(0)
-                    } else {
-                        len(2)
-                    };
-                    let words = row_bytes as u64 / 4;
-                    us.extend([table / row_bytes as u64, words, blocks]);
-                    b.arg(&ptrs[0]).arg(&ptrs[1]).arg(&ptrs[2]);
-                    for u in &us {
-                        b.arg(u);
-                    }
-                }
+                    Ok(())
+                })
             }
-            // SAFETY: the arguments match the kernel's parameters (pointers, then the u64
-            // sizes, then the int and float scalars, in the order of `kernels/embedding.cu`);
-            // every size is derived from the validated operand lengths, and the kernels clamp
-            // offsets and skip index values out of range, so no access leaves its operand.
-            unsafe { b.launch(config) }
-                .map(|_| ())
-                .map_err(err("launching an embedding kernel"))
-        };
-        with_ptrs(s, &operands, launch)
+        }
     }
 }
-
-/// Threads per block of the embedding kernels.
-const EMBEDDING_THREADS: u32 = 128;
-
-/// Threads per block of an embedding kernel over rows of `width` columns: whole warps, at most
-/// [`EMBEDDING_THREADS`]. The result bits do not depend on it (each column is summed by one
-/// thread in a fixed order).
-fn embedding_threads(width: usize) -> u32 {
-    (width.div_ceil(32) * 32).clamp(32, EMBEDDING_THREADS as usize) as u32
-}
-
-/// Threads per block of `grad_stats_partial_*` (`GS_THREADS` in `kernels/adam.cu`).
-const GRAD_STATS_THREADS: u32 = 1024;
 
 /// Calls `f` with the device address of each operand (`(buffer, byte offset, written)`), then
 /// records the uses. Operands may share a buffer: each distinct buffer is locked once (its mutex
@@ -811,32 +582,4 @@ fn with_ptrs<R>(
 
 fn err(during: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::cuda(during, e)
-}
-
-fn grid_for(count: usize) -> u32 {
-    // Grid-stride kernels: cap the grid, every thread loops.
-    (count.div_ceil(BLOCK as usize)).clamp(1, 65_535) as u32
-}
-
-fn cfg(grid: u32) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (grid, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::embedding_threads;
-
-    #[test]
-    fn embedding_blocks_are_whole_warps_up_to_the_cap() {
-        assert_eq!(embedding_threads(1), 32);
-        assert_eq!(embedding_threads(16), 32);
-        assert_eq!(embedding_threads(33), 64);
-        assert_eq!(embedding_threads(128), 128);
-        assert_eq!(embedding_threads(131), 128);
-        assert_eq!(embedding_threads(0), 32);
-    }
 }

@@ -27,6 +27,7 @@
 
 pub mod cuda;
 pub mod host;
+pub mod launch;
 pub mod order;
 pub mod pool;
 pub mod sim;
@@ -42,13 +43,15 @@ pub use cuda::{
     device_count as cuda_device_count, driver_present as cuda_driver_present, CudaBackend,
 };
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
+pub use launch::{
+    CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo, LibraryCall, Mode, OperandInfo,
+    OperandSpec, ParamLayout, TwinArgs,
+};
 pub use pool::{Block, CachingAllocator, PoolStats, Reclaim};
 pub use sim::{LinkModel, SimBackend, SimConfig};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::embedding::{BagMode, EmbeddingKernel, RowOptimizer};
-use crate::optim::AdamScalars;
 use order::{Access, AccessRecord, Clock, Clocks};
 
 /// Which implementation runs a device.
@@ -165,69 +168,14 @@ pub enum Op<'a> {
         /// Byte value.
         value: u8,
     },
-    /// Convert `count` elements from `from` to `to` (non-overlapping, element-aligned ranges).
-    Cast {
-        /// Source buffer.
-        src: &'a RawBuffer,
-        /// Byte offset in `src`.
-        src_offset: usize,
-        /// Source element type.
-        from: DType,
-        /// Destination buffer.
-        dst: &'a RawBuffer,
-        /// Byte offset in `dst`.
-        dst_offset: usize,
-        /// Destination element type.
-        to: DType,
-        /// Number of elements.
-        count: usize,
-    },
-    /// One Adam step over `count` elements (see [`crate::optim::adam`] for the arithmetic).
-    /// `params`, `momentum` and `variance` are f32; the copy, when present, is F16 or BF16 and
-    /// either is exactly the gradient range (read, then overwritten) or overlaps nothing.
-    Adam {
-        /// fp32 parameters (read and written).
-        params: (&'a RawBuffer, usize),
-        /// Momentum (read and written).
-        momentum: (&'a RawBuffer, usize),
-        /// Variance (read and written).
-        variance: (&'a RawBuffer, usize),
-        /// Gradient buffer, offset and element type.
-        grad: (&'a RawBuffer, usize, DType),
-        /// Where the low-precision copy of the new parameters goes.
-        copy: Option<(&'a RawBuffer, usize, DType)>,
-        /// Number of elements.
-        count: usize,
-        /// The step's scalars.
-        scalars: AdamScalars,
-    },
-    /// Gradient statistics of `count` elements of `dtype` at `src[src_offset..]`: writes the sum
-    /// of squares as an f64 at `out[out_offset..]` and 1.0 or 0.0 (an element was infinite or
-    /// NaN) as an f64 right after it. `out` has room for [`GRAD_STATS_BYTES`] bytes, the rest
-    /// being scratch space for partial sums.
-    GradStats {
-        /// Source buffer.
-        src: &'a RawBuffer,
-        /// Byte offset in `src`.
-        src_offset: usize,
-        /// Element type.
-        dtype: DType,
-        /// Number of elements.
-        count: usize,
-        /// Output buffer.
-        out: &'a RawBuffer,
-        /// Byte offset in `out`.
-        out_offset: usize,
-    },
-    /// An embedding kernel (see [`crate::ops::embedding`]): `reads` are `(buffer, byte offset,
-    /// byte length)` in the order the kernel lists, `write` the one range it writes.
-    Embedding {
-        /// Which kernel, with its scalars.
-        kernel: EmbeddingKernel,
-        /// Operands read.
-        reads: &'a [(&'a RawBuffer, usize, usize)],
-        /// The operand written.
-        write: (&'a RawBuffer, usize, usize),
+    /// A kernel of an op (see [`launch`]): operands already validated against the descriptor.
+    Launch {
+        /// The op.
+        desc: &'static KernelDesc,
+        /// One entry per operand of the signature (`None`: an optional operand left out).
+        operands: &'a [Option<RawOperand<'a>>],
+        /// The parameter struct's bytes.
+        params: &'a [u8],
     },
     /// Work of a library that takes raw device addresses on the backend's native stream (NCCL
     /// collectives): `run` gets the address of every operand (base + offset, in order) and the
@@ -250,72 +198,29 @@ impl fmt::Debug for ForeignCall<'_> {
     }
 }
 
-/// Partial sums a device may use in a [`Op::GradStats`] (one per block of the CUDA kernel).
-pub const GRAD_STATS_PARTIALS: usize = 256;
-/// Bytes of the output range of [`Device::grad_stats`]: the result (two f64) and room for
-/// [`GRAD_STATS_PARTIALS`] partial results.
-pub const GRAD_STATS_BYTES: usize = 16 * (1 + GRAD_STATS_PARTIALS);
-
-/// The operands of [`Device::adam`].
-#[derive(Debug)]
-pub struct AdamOperands<'a> {
-    /// fp32 parameters.
-    pub params: DeviceView<'a>,
-    /// fp32 momentum.
-    pub momentum: DeviceView<'a>,
-    /// fp32 variance.
-    pub variance: DeviceView<'a>,
-    /// The gradient.
-    pub grad: DeviceView<'a>,
-    /// The gradient's element type.
-    pub grad_dtype: DType,
-    /// The low-precision (F16/BF16) copy of the new parameters: the gradient's own range (the
-    /// gradient is replaced), a range that overlaps no operand, or `None`.
-    pub copy: Option<(DeviceView<'a>, DType)>,
+/// One operand of an [`Op::Launch`]: a validated byte range of a buffer and its element type.
+#[derive(Debug, Clone, Copy)]
+pub struct RawOperand<'a> {
+    /// The buffer.
+    pub buf: &'a RawBuffer,
+    /// Byte offset in the buffer.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+    /// Element type.
+    pub dtype: DType,
 }
 
-fn check_shape(stride: usize, dim: usize) -> Result<()> {
-    if dim == 0 || stride < dim || stride > MAX_ROW_FLOATS {
-        return Err(Error::InvalidArgument(format!(
-            "embedding rows need 1 ≤ dim ≤ stride ≤ {MAX_ROW_FLOATS}, got dim {dim} and stride \
-             {stride}"
-        )));
-    }
-    Ok(())
-}
-
-/// The widest embedding row, in floats (far beyond any table; keeps sizes from overflowing).
-const MAX_ROW_FLOATS: usize = 1 << 24;
-
-/// `packed` holds one row of `row_bytes` per index.
-fn check_rows(row_bytes: usize, index: &DeviceView<'_>, packed: &DeviceView<'_>) -> Result<()> {
-    if row_bytes == 0
-        || !row_bytes.is_multiple_of(4)
-        || Some(packed.len) != (index.len / 4).checked_mul(row_bytes)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "row moves need rows of a positive multiple of 4 bytes ({row_bytes}) and one packed \
-             row per index: {} bytes for {} indices",
-            packed.len,
-            index.len / 4
-        )));
-    }
-    Ok(())
-}
-
-/// Decodes the result of [`Device::grad_stats`] from the first 16 downloaded bytes.
-pub fn read_grad_stats(bytes: &[u8]) -> Result<crate::optim::GradStats> {
-    if bytes.len() < 16 {
-        return Err(Error::InvalidArgument(format!(
-            "gradient statistics are 16 bytes, got {}",
-            bytes.len()
-        )));
-    }
-    let f = |i: usize| f64::from_le_bytes(bytes[i..i + 8].try_into().expect("8 bytes"));
-    Ok(crate::optim::GradStats {
-        sum_sq: f(0),
-        nonfinite: f(8) != 0.0,
-    })
+/// Element types and lengths of a launch's operands, for shape checks and plans.
+pub fn operand_infos(ops: &[Option<RawOperand<'_>>]) -> Vec<Option<OperandInfo>> {
+    ops.iter()
+        .map(|o| {
+            o.map(|o| OperandInfo {
+                dtype: o.dtype,
+                len: o.len / o.dtype.size(),
+            })
+        })
+        .collect()
 }
 
 /// The interface a device implements. Users hold a [`Device`], which validates arguments and
@@ -489,6 +394,30 @@ impl<'a> DeviceView<'a> {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+    /// Whether the two views share at least one byte (same buffer, intersecting ranges; an
+    /// empty view overlaps nothing).
+    pub fn overlaps(&self, other: &DeviceView<'_>) -> bool {
+        std::ptr::eq(self.buf, other.buf)
+            && self.len > 0
+            && other.len > 0
+            && self.offset < other.offset + other.len
+            && other.offset < self.offset + self.len
+    }
+    /// The sub-view of `len` bytes at `offset` within this view.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceView<'a>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::OutOfBounds {
+                offset,
+                len,
+                buffer_len: self.len,
+            });
+        }
+        Ok(DeviceView {
+            buf: self.buf,
+            offset: self.offset + offset,
+            len,
+        })
+    }
 }
 
 impl<'a> From<&'a DeviceBuffer> for DeviceView<'a> {
@@ -497,6 +426,25 @@ impl<'a> From<&'a DeviceBuffer> for DeviceView<'a> {
             buf,
             offset: 0,
             len: buf.len,
+        }
+    }
+}
+
+/// One operand of [`Device::launch`]: a device range and its element type.
+#[derive(Clone, Copy, Debug)]
+pub struct Operand<'a> {
+    /// The range.
+    pub view: DeviceView<'a>,
+    /// Its element type.
+    pub dtype: DType,
+}
+
+impl<'a> Operand<'a> {
+    /// An operand of `dtype` elements over `view`.
+    pub fn new(view: impl Into<DeviceView<'a>>, dtype: DType) -> Self {
+        Operand {
+            view: view.into(),
+            dtype,
         }
     }
 }
@@ -992,413 +940,118 @@ impl Device {
         self.submit(stream, &accesses, op).map(|_| ())
     }
 
-    /// Converts the elements of `src` (type `from`) into `dst` (type `to`) on `stream`, with
-    /// round-to-nearest-even. The CUDA backend runs `kernels/convert.cu`; the simulated device
-    /// runs its CPU twin, [`crate::ops::cast`].
-    pub fn cast<'a, 'b>(
+    /// Launches an op's kernel on `stream` (see [`launch`]): `operands` follow the descriptor's
+    /// signature (`None` for an optional operand left out) and `params` are the bytes of its
+    /// parameter struct. Every launch is validated here the same way — one device, each operand
+    /// of an accepted element type, aligned to it and whole elements long, no written operand
+    /// overlapping another operand, the parameter block's size, then the op's shape check — and
+    /// ordered like a copy. Ops wrap this in a typed function (see `tidemem::ops`).
+    pub fn launch(
         &self,
         stream: &Stream,
-        src: impl Into<DeviceView<'a>>,
-        from: DType,
-        dst: impl Into<DeviceView<'b>>,
-        to: DType,
+        desc: &'static KernelDesc,
+        operands: &[Option<Operand<'_>>],
+        params: &[u8],
     ) -> Result<()> {
-        let (src, dst) = (src.into(), dst.into());
-        for (what, value, align) in [
-            ("source offset", src.offset, from.size()),
-            ("source length", src.len, from.size()),
-            ("destination offset", dst.offset, to.size()),
-            ("destination length", dst.len, to.size()),
-        ] {
-            if value % align != 0 {
-                return Err(Error::Misaligned { what, value, align });
-            }
+        self.validate_launch(desc, operands, params)?;
+        let raw: Vec<Option<RawOperand<'_>>> = operands
+            .iter()
+            .map(|o| {
+                o.as_ref().map(|o| RawOperand {
+                    buf: &o.view.buf.raw,
+                    offset: o.view.offset,
+                    len: o.view.len,
+                    dtype: o.dtype,
+                })
+            })
+            .collect();
+        if let Some(check) = desc.check {
+            let infos = operand_infos(&raw);
+            check(&LaunchInfo {
+                desc,
+                operands: &infos,
+                params,
+            })?;
         }
-        let count = src.len / from.size();
-        if count != dst.len / to.size() {
-            return Err(Error::InvalidArgument(format!(
-                "cast of {count} {from} elements into room for {} {to} elements",
-                dst.len / to.size()
-            )));
-        }
-        if from == to {
-            return self.copy_d2d(stream, src, dst);
-        }
-        if std::ptr::eq(src.buf, dst.buf)
-            && src.offset < dst.offset + dst.len
-            && dst.offset < src.offset + src.len
-        {
-            return Err(Error::InvalidArgument(
-                "cast source and destination overlap".into(),
-            ));
-        }
-        let op = Op::Cast {
-            src: &src.buf.raw,
-            src_offset: src.offset,
-            from,
-            dst: &dst.buf.raw,
-            dst_offset: dst.offset,
-            to,
-            count,
+        let accesses: Vec<(&DeviceBuffer, Access)> = desc
+            .operands
+            .iter()
+            .zip(operands)
+            .filter_map(|(spec, o)| {
+                let a = if spec.mode.writes() {
+                    Access::Write
+                } else {
+                    Access::Read
+                };
+                o.as_ref().map(|o| (o.view.buf, a))
+            })
+            .collect();
+        let op = Op::Launch {
+            desc,
+            operands: &raw,
+            params,
         };
-        self.submit(
-            stream,
-            &[(src.buf, Access::Read), (dst.buf, Access::Write)],
-            op,
-        )
-        .map(|_| ())
+        self.submit(stream, &accesses, op).map(|_| ())
     }
 
-    /// One Adam step on `stream` over the operands (see [`crate::optim::adam`] for the
-    /// arithmetic). The CUDA backend runs `kernels/adam.cu`; the simulated device runs the CPU
-    /// kernel, [`crate::optim::CpuAdam`], so both placements of a step give the same bits there.
-    pub fn adam(&self, stream: &Stream, s: &AdamScalars, ops: AdamOperands<'_>) -> Result<()> {
-        let count = ops.params.len / 4;
-        let mut ranges: Vec<(&'static str, &DeviceView<'_>, usize)> = vec![
-            ("parameters", &ops.params, 4),
-            ("momentum", &ops.momentum, 4),
-            ("variance", &ops.variance, 4),
-            ("gradient", &ops.grad, ops.grad_dtype.size()),
-        ];
-        if let Some((c, dt)) = &ops.copy {
-            if *dt == DType::F32 {
-                return Err(Error::InvalidArgument(
-                    "the parameter copy of an Adam step must be F16 or BF16".into(),
-                ));
-            }
-            let in_place = std::ptr::eq(c.buf, ops.grad.buf)
-                && c.offset == ops.grad.offset
-                && c.len == ops.grad.len;
-            if in_place && *dt != ops.grad_dtype {
-                return Err(Error::InvalidArgument(
-                    "an Adam copy in place of the gradient must have the gradient's type".into(),
-                ));
-            }
-            if !in_place {
-                ranges.push(("parameter copy", c, dt.size()));
-            }
+    /// The generic checks of [`Device::launch`].
+    fn validate_launch(
+        &self,
+        desc: &'static KernelDesc,
+        operands: &[Option<Operand<'_>>],
+        params: &[u8],
+    ) -> Result<()> {
+        if operands.len() != desc.operands.len() {
+            return Err(desc.signature_error(format!(
+                "{} operands for a signature of {}",
+                operands.len(),
+                desc.operands.len()
+            )));
         }
-        for (i, &(what, v, es)) in ranges.iter().enumerate() {
-            if v.offset % es != 0 || v.len % es != 0 {
-                return Err(Error::Misaligned {
-                    what,
-                    value: v.offset,
-                    align: es,
-                });
-            }
-            if v.len / es != count {
-                return Err(Error::InvalidArgument(format!(
-                    "Adam {what} holds {} elements, the parameters {count}",
-                    v.len / es
-                )));
-            }
-            for &(other, o, _) in &ranges[..i] {
-                if std::ptr::eq(v.buf, o.buf)
-                    && v.offset < o.offset + o.len
-                    && o.offset < v.offset + v.len
-                {
-                    return Err(Error::InvalidArgument(format!(
-                        "Adam {what} overlaps the {other}"
-                    )));
+        if params.len() != desc.params.size {
+            return Err(desc.signature_error(format!(
+                "parameters of {} bytes, the struct {} has {}",
+                params.len(),
+                desc.params.c_name,
+                desc.params.size
+            )));
+        }
+        for (i, (spec, op)) in desc.operands.iter().zip(operands).enumerate() {
+            let Some(op) = op else {
+                if spec.optional {
+                    continue;
+                }
+                return Err(desc.signature_error(format!("operand `{}` is required", spec.name)));
+            };
+            self.check("buffer", op.view.buf.device)?;
+            launch::check_type(desc, spec, op.dtype)?;
+            let es = op.dtype.size();
+            for value in [op.view.offset, op.view.len] {
+                if !value.is_multiple_of(es) {
+                    return Err(Error::Misaligned {
+                        what: spec.name,
+                        value,
+                        align: es,
+                    });
                 }
             }
-        }
-        let op = Op::Adam {
-            params: (&ops.params.buf.raw, ops.params.offset),
-            momentum: (&ops.momentum.buf.raw, ops.momentum.offset),
-            variance: (&ops.variance.buf.raw, ops.variance.offset),
-            grad: (&ops.grad.buf.raw, ops.grad.offset, ops.grad_dtype),
-            copy: ops.copy.as_ref().map(|(c, dt)| (&c.buf.raw, c.offset, *dt)),
-            count,
-            scalars: *s,
-        };
-        let mut acc = vec![
-            (ops.params.buf, Access::Write),
-            (ops.momentum.buf, Access::Write),
-            (ops.variance.buf, Access::Write),
-            (ops.grad.buf, Access::Read),
-        ];
-        if let Some((c, _)) = &ops.copy {
-            acc.push((c.buf, Access::Write));
-        }
-        self.submit(stream, &acc, op).map(|_| ())
-    }
-
-    /// Validates and enqueues an embedding kernel: every range 4-byte aligned, the written one
-    /// overlapping no read one.
-    fn embedding_op(
-        &self,
-        stream: &Stream,
-        kernel: EmbeddingKernel,
-        reads: &[(&'static str, &DeviceView<'_>)],
-        write: (&'static str, &DeviceView<'_>),
-    ) -> Result<()> {
-        for &(what, v) in reads.iter().chain(std::iter::once(&write)) {
-            if v.offset % 4 != 0 || v.len % 4 != 0 {
-                return Err(Error::Misaligned {
-                    what,
-                    value: if v.offset % 4 != 0 { v.offset } else { v.len },
-                    align: 4,
-                });
+            if !spec.mode.writes() {
+                continue;
             }
-        }
-        let (wn, w) = write;
-        for &(what, r) in reads {
-            if std::ptr::eq(r.buf, w.buf)
-                && r.offset < w.offset + w.len
-                && w.offset < r.offset + r.len
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "embedding {wn} overlaps the {what}"
+            let clash = desc
+                .operands
+                .iter()
+                .zip(operands)
+                .enumerate()
+                .find(|(j, (_, o))| *j != i && o.is_some_and(|o| o.view.overlaps(&op.view)));
+            if let Some((_, (other, _))) = clash {
+                return Err(desc.error(format!(
+                    "written operand `{}` overlaps operand `{}`",
+                    spec.name, other.name
                 )));
             }
         }
-        let raw: Vec<(&RawBuffer, usize, usize)> = reads
-            .iter()
-            .map(|(_, v)| (&v.buf.raw, v.offset, v.len))
-            .collect();
-        let op = Op::Embedding {
-            kernel,
-            reads: &raw,
-            write: (&w.buf.raw, w.offset, w.len),
-        };
-        let mut acc: Vec<(&DeviceBuffer, Access)> =
-            reads.iter().map(|(_, v)| (v.buf, Access::Read)).collect();
-        acc.push((w.buf, Access::Write));
-        self.submit(stream, &acc, op).map(|_| ())
-    }
-
-    /// Embedding bags on `stream`: bag `b` of `out` (`bags × dim` f32) reduces the rows
-    /// `indices[offsets[b]..offsets[b + 1]]` (u32) of `table` (f32 rows of `stride` floats,
-    /// the first `dim` the embedding), weighted by `weights` (f32 per index) when given.
-    /// `offsets` holds `bags + 1` u32 that must not decrease; index values out of range are
-    /// skipped. See [`crate::ops::embedding::bag_forward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn embedding_bag(
-        &self,
-        stream: &Stream,
-        table: DeviceView<'_>,
-        stride: usize,
-        dim: usize,
-        indices: DeviceView<'_>,
-        offsets: DeviceView<'_>,
-        weights: Option<DeviceView<'_>>,
-        mode: BagMode,
-        out: DeviceView<'_>,
-    ) -> Result<()> {
-        check_shape(stride, dim)?;
-        let bags = (offsets.len / 4).checked_sub(1).ok_or_else(|| {
-            Error::InvalidArgument("embedding bag offsets need bags + 1 entries".into())
-        })?;
-        if Some(out.len) != bags.checked_mul(dim * 4) {
-            return Err(Error::InvalidArgument(format!(
-                "embedding bag output of {} bytes for {bags} bags of {dim} f32",
-                out.len
-            )));
-        }
-        if let Some(w) = &weights {
-            if w.len != indices.len {
-                return Err(Error::InvalidArgument(format!(
-                    "{} bytes of weights for {} bytes of indices",
-                    w.len, indices.len
-                )));
-            }
-        }
-        let mut reads = vec![
-            ("table", &table),
-            ("indices", &indices),
-            ("offsets", &offsets),
-        ];
-        if let Some(w) = &weights {
-            reads.push(("weights", w));
-        }
-        let kernel = EmbeddingKernel::Bag {
-            stride,
-            dim,
-            mode,
-            weighted: weights.is_some(),
-        };
-        self.embedding_op(stream, kernel, &reads, ("output", &out))
-    }
-
-    /// Sparse embedding backward on `stream`: `grads` (`rows × dim` f32, `rows = row_ptr
-    /// entries - 1`) gets, for each distinct row, Σ `scale[e]·grad_out[entries[e]]` over its
-    /// entries (u32 bag indices, f32 scales). See [`crate::ops::embedding::bag_backward`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn embedding_backward(
-        &self,
-        stream: &Stream,
-        grad_out: DeviceView<'_>,
-        dim: usize,
-        row_ptr: DeviceView<'_>,
-        entries: DeviceView<'_>,
-        scale: DeviceView<'_>,
-        grads: DeviceView<'_>,
-    ) -> Result<()> {
-        check_shape(dim, dim)?;
-        let rows = (row_ptr.len / 4).checked_sub(1).ok_or_else(|| {
-            Error::InvalidArgument("embedding backward row starts need rows + 1 entries".into())
-        })?;
-        if Some(grads.len) != rows.checked_mul(dim * 4)
-            || scale.len != entries.len
-            || !grad_out.len.is_multiple_of(dim * 4)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "embedding backward: {} bytes of gradients for {rows} rows of {dim} f32, {} bytes                  of scales for {} bytes of entries, {} bytes of output gradient",
-                grads.len, scale.len, entries.len, grad_out.len
-            )));
-        }
-        let reads = [
-            ("output gradient", &grad_out),
-            ("row starts", &row_ptr),
-            ("entries", &entries),
-            ("scales", &scale),
-        ];
-        self.embedding_op(
-            stream,
-            EmbeddingKernel::Backward { dim },
-            &reads,
-            ("gradients", &grads),
-        )
-    }
-
-    /// One optimizer step on the rows `rows` (u32, distinct: on a GPU a repeated row races) of
-    /// `table` with gradients `grads`
-    /// (`rows × dim` f32), on `stream`. Each row's state is stored after its embedding, so
-    /// `stride ≥ dim + opt.state_len(dim)`. See [`crate::ops::embedding::row_step`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn embedding_step(
-        &self,
-        stream: &Stream,
-        table: DeviceView<'_>,
-        stride: usize,
-        dim: usize,
-        rows: DeviceView<'_>,
-        grads: DeviceView<'_>,
-        opt: &RowOptimizer,
-    ) -> Result<()> {
-        check_shape(stride, dim)?;
-        if stride < dim + opt.state_len(dim) {
-            return Err(Error::InvalidArgument(format!(
-                "rows of {stride} floats cannot hold {dim} weights and {} floats of optimizer state",
-                opt.state_len(dim)
-            )));
-        }
-        if Some(grads.len) != rows.len.checked_mul(dim) {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes of gradients for {} rows of {dim} f32",
-                grads.len,
-                rows.len / 4
-            )));
-        }
-        let kernel = EmbeddingKernel::Step {
-            stride,
-            dim,
-            opt: *opt,
-        };
-        self.embedding_op(
-            stream,
-            kernel,
-            &[("rows", &rows), ("gradients", &grads)],
-            ("table", &table),
-        )
-    }
-
-    /// Row `i` of `dst` = row `index[i]` (u32) of `src`, rows of `row_bytes` (a multiple of 4),
-    /// on `stream`; index values out of range are skipped.
-    pub fn gather_rows(
-        &self,
-        stream: &Stream,
-        src: DeviceView<'_>,
-        row_bytes: usize,
-        index: DeviceView<'_>,
-        dst: DeviceView<'_>,
-    ) -> Result<()> {
-        check_rows(row_bytes, &index, &dst)?;
-        let kernel = EmbeddingKernel::Gather { row_bytes };
-        self.embedding_op(
-            stream,
-            kernel,
-            &[("source", &src), ("index", &index)],
-            ("destination", &dst),
-        )
-    }
-
-    /// Row `index[i]` (u32) of `dst` = row `i` of `src`, rows of `row_bytes` (a multiple of 4),
-    /// on `stream`; index values out of range are skipped. Index values must be distinct: on a
-    /// GPU two writes of one row race.
-    pub fn scatter_rows(
-        &self,
-        stream: &Stream,
-        src: DeviceView<'_>,
-        row_bytes: usize,
-        index: DeviceView<'_>,
-        dst: DeviceView<'_>,
-    ) -> Result<()> {
-        check_rows(row_bytes, &index, &src)?;
-        let kernel = EmbeddingKernel::Scatter { row_bytes };
-        self.embedding_op(
-            stream,
-            kernel,
-            &[("source", &src), ("index", &index)],
-            ("destination", &dst),
-        )
-    }
-
-    /// Gradient statistics of `src` (elements of `dtype`) on `stream`: the sum of squares and
-    /// whether an element is infinite or NaN, written as two f64 at the start of `out`, which
-    /// must hold [`GRAD_STATS_BYTES`] bytes (the rest is scratch) at an 8-byte aligned offset.
-    /// Read them with [`Device::download`] and [`read_grad_stats`].
-    pub fn grad_stats<'a, 'b>(
-        &self,
-        stream: &Stream,
-        src: impl Into<DeviceView<'a>>,
-        dtype: DType,
-        out: impl Into<DeviceView<'b>>,
-    ) -> Result<()> {
-        let (src, out) = (src.into(), out.into());
-        if src.offset % dtype.size() != 0 || src.len % dtype.size() != 0 {
-            return Err(Error::Misaligned {
-                what: "gradient statistics source",
-                value: src.offset,
-                align: dtype.size(),
-            });
-        }
-        if out.offset % 8 != 0 {
-            return Err(Error::Misaligned {
-                what: "gradient statistics output",
-                value: out.offset,
-                align: 8,
-            });
-        }
-        if out.len < GRAD_STATS_BYTES {
-            return Err(Error::InvalidArgument(format!(
-                "gradient statistics need {GRAD_STATS_BYTES} output bytes, got {}",
-                out.len
-            )));
-        }
-        if std::ptr::eq(src.buf, out.buf)
-            && src.offset < out.offset + GRAD_STATS_BYTES
-            && out.offset < src.offset + src.len
-        {
-            return Err(Error::InvalidArgument(
-                "gradient statistics output overlaps the source".into(),
-            ));
-        }
-        let op = Op::GradStats {
-            src: &src.buf.raw,
-            src_offset: src.offset,
-            dtype,
-            count: src.len / dtype.size(),
-            out: &out.buf.raw,
-            out_offset: out.offset,
-        };
-        self.submit(
-            stream,
-            &[(src.buf, Access::Read), (out.buf, Access::Write)],
-            op,
-        )
-        .map(|_| ())
+        Ok(())
     }
 
     /// Records `event` on `stream`: it completes when all work enqueued on `stream` so far does.

@@ -17,15 +17,12 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{unbounded, Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 
+use super::launch::{HostOperand, KernelDesc, TwinArgs};
 use super::{
     Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::embedding::EmbeddingKernel;
-use crate::optim::adam::AdamScalars;
-use crate::optim::cpu_adam::{grad_stats_raw, RawKind, RawStep};
-use crate::optim::CpuAdam;
 
 /// Alignment of simulated device allocations: one page. `cudaMalloc` guarantees 256 bytes, but a
 /// page keeps host and device copies of a chunk at the same offset modulo 4 KiB, which avoids
@@ -182,7 +179,28 @@ struct SimEvent {
     state: Mutex<(u64, u64)>,
     done: AtomicU64,
     cv: Condvar,
+    /// The sticky error of the stream the latest completed recording ran on, if it had one.
+    error: Mutex<Option<Failure>>,
 }
+
+/// A twin's failure, kept by its stream (sticky) and handed to every event recorded after it.
+#[derive(Clone, Debug)]
+struct Failure {
+    kernel: String,
+    message: String,
+}
+
+impl Failure {
+    fn error(&self) -> Error {
+        Error::KernelFailed {
+            kernel: self.kernel.clone(),
+            message: self.message.clone(),
+        }
+    }
+}
+
+/// A stream's sticky error, shared by its handle and its engine thread.
+type Sticky = Arc<Mutex<Option<Failure>>>;
 
 impl SimEvent {
     fn arm(&self) -> u64 {
@@ -193,7 +211,8 @@ impl SimEvent {
     fn target(&self) -> u64 {
         self.state.lock().0
     }
-    fn complete(&self, generation: u64) {
+    fn complete(&self, generation: u64, failure: Option<Failure>) {
+        *self.error.lock() = failure;
         let mut s = self.state.lock();
         s.1 = s.1.max(generation);
         self.done.store(s.1, Ordering::Release);
@@ -211,6 +230,9 @@ impl SimEvent {
         while s.1 < generation {
             self.cv.wait(&mut s);
         }
+    }
+    fn failure(&self) -> Option<Failure> {
+        self.error.lock().clone()
     }
 }
 
@@ -247,38 +269,15 @@ enum Work {
         len: usize,
         value: u8,
     },
-    Cast {
-        src: Arc<SimMem>,
-        soff: usize,
-        from: DType,
-        dst: Arc<SimMem>,
-        doff: usize,
-        to: DType,
-        count: usize,
-    },
-    Adam {
-        p: (Arc<SimMem>, usize),
-        m: (Arc<SimMem>, usize),
-        v: (Arc<SimMem>, usize),
-        g: (Arc<SimMem>, usize, DType),
-        copy: Option<(Arc<SimMem>, usize, DType)>,
-        count: usize,
-        scalars: AdamScalars,
-    },
-    GradStats {
-        src: Arc<SimMem>,
-        soff: usize,
-        dtype: DType,
-        count: usize,
-        out: Arc<SimMem>,
-        ooff: usize,
-    },
-    Embedding {
-        kernel: EmbeddingKernel,
-        reads: Vec<(Arc<SimMem>, usize, usize)>,
-        write: (Arc<SimMem>, usize, usize),
+    Launch {
+        desc: &'static KernelDesc,
+        operands: Vec<SimOperand>,
+        params: Vec<u8>,
     },
 }
+
+/// One operand of a launch: memory, byte offset, byte length, element type (`None`: left out).
+type SimOperand = Option<(Arc<SimMem>, usize, usize, DType)>;
 
 struct SendPtr(*mut u8);
 // SAFETY: the pointer targets host memory held by a `Pending` until this work completes
@@ -287,6 +286,7 @@ unsafe impl Send for SendPtr {}
 
 struct SimStream {
     tx: Sender<Task>,
+    sticky: Sticky,
 }
 
 /// The next task: spins for a short while, then blocks; `None` once the stream is gone.
@@ -302,7 +302,8 @@ fn next_task(rx: &Receiver<Task>) -> Option<Task> {
     }
 }
 
-fn run(work: Work, link: Option<LinkModel>) {
+/// Runs one operation; a twin's error comes back for the stream to keep.
+fn run(work: Work, link: Option<LinkModel>) -> Option<Failure> {
     let start = Instant::now();
     // SAFETY (all arms): ranges were bounds-checked by `Device`, host pointers are valid for
     // `len` bytes until completion (enqueue contract), and the ordering checks guarantee no
@@ -335,74 +336,17 @@ fn run(work: Work, link: Option<LinkModel>) {
             unsafe { std::ptr::write_bytes(dst.at(off), value, len) };
             None
         }
-        Work::Cast {
-            src,
-            soff,
-            from,
-            dst,
-            doff,
-            to,
-            count,
+        Work::Launch {
+            desc,
+            operands,
+            params,
         } => {
-            // Non-overlapping ranges (checked by `Device`), so the two slices do not alias.
-            let s = unsafe { std::slice::from_raw_parts(src.at(soff), count * from.size()) };
-            let d = unsafe { std::slice::from_raw_parts_mut(dst.at(doff), count * to.size()) };
-            // Lengths and types were validated by `Device::cast`.
-            let _ = crate::ops::cast::cast_bytes(s, from, d, to);
-            None
-        }
-        Work::Adam {
-            p,
-            m,
-            v,
-            g,
-            copy,
-            count,
-            scalars,
-        } => {
-            let raw = RawStep {
-                n: count,
-                p: p.0.at(p.1).cast(),
-                m: m.0.at(m.1).cast(),
-                v: v.0.at(v.1).cast(),
-                grad: (RawKind::of(g.2), g.0.at(g.1) as *const u8),
-                copy: copy.as_ref().map(|c| (RawKind::of(c.2), c.0.at(c.1))),
-            };
-            // In range and aligned, the copy either equal to the gradient or disjoint from every
-            // operand (checked by `Device::adam`); the same kernel as the host path, so a step
-            // gives the same bits on either side.
-            unsafe { CpuAdam::new().run(&scalars, raw) };
-            None
-        }
-        Work::GradStats {
-            src,
-            soff,
-            dtype,
-            count,
-            out,
-            ooff,
-        } => {
-            let st = unsafe { grad_stats_raw(RawKind::of(dtype), src.at(soff), count) };
-            let mut b = [0u8; 16];
-            b[..8].copy_from_slice(&st.sum_sq.to_le_bytes());
-            b[8..].copy_from_slice(&(st.nonfinite as u8 as f64).to_le_bytes());
-            unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), out.at(ooff), 16) };
-            None
-        }
-        Work::Embedding {
-            kernel,
-            reads,
-            write,
-        } => {
-            // The written range overlaps no read range (checked by `Device`), so the mutable
-            // slice aliases none of the shared ones; all are in bounds and 4-byte aligned.
-            let r: Vec<&[u8]> = reads
-                .iter()
-                .map(|(m, off, len)| unsafe { std::slice::from_raw_parts(m.at(*off), *len) })
-                .collect();
-            let w = unsafe { std::slice::from_raw_parts_mut(write.0.at(write.1), write.2) };
-            // Shapes were validated by `Device`; index values out of range are skipped.
-            let _ = crate::ops::embedding::execute(&kernel, &r, w);
+            if let Err(e) = run_twin(desc, &operands, &params) {
+                return Some(Failure {
+                    kernel: desc.name.to_string(),
+                    message: e.to_string(),
+                });
+            }
             None
         }
     };
@@ -412,6 +356,33 @@ fn run(work: Work, link: Option<LinkModel>) {
             thread::sleep(left);
         }
     }
+    None
+}
+
+/// Runs an op's CPU twin on the operands' memory.
+fn run_twin(desc: &'static KernelDesc, operands: &[SimOperand], params: &[u8]) -> Result<()> {
+    let args = desc
+        .operands
+        .iter()
+        .zip(operands)
+        .map(|(spec, op)| match op {
+            None => HostOperand::Absent,
+            // SAFETY: `Device::launch` checked every range in bounds, aligned to its element
+            // type (allocations are page-aligned), and that no written operand overlaps another
+            // operand; the stream-ordering checks guarantee no other thread touches a written
+            // range while this work runs. So the shared slices alias no mutable one.
+            Some((m, off, len, d)) if spec.mode.writes() => HostOperand::Write(
+                unsafe { std::slice::from_raw_parts_mut(m.at(*off), *len) },
+                *d,
+            ),
+            // SAFETY: as above.
+            Some((m, off, len, d)) => {
+                HostOperand::Read(unsafe { std::slice::from_raw_parts(m.at(*off), *len) }, *d)
+            }
+        })
+        .collect();
+    let mut args = TwinArgs::new(desc, args, params)?;
+    (desc.twin)(&mut args)
 }
 
 /// The simulated accelerator. See the [module docs](self).
@@ -501,7 +472,10 @@ impl Backend for SimBackend {
             })
             .map_err(oom)?;
         let ptr = if bytes == 0 {
-            NonNull::dangling()
+            // Never dereferenced; aligned like every allocation, so an empty operand is aligned
+            // for any element type.
+            NonNull::new(std::ptr::without_provenance_mut::<u8>(SIM_ALIGN))
+                .unwrap_or(NonNull::dangling())
         } else {
             let layout = Layout::from_size_align(bytes, SIM_ALIGN).map_err(|e| {
                 self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
@@ -541,20 +515,36 @@ impl Backend for SimBackend {
     fn new_stream(&self) -> Result<RawStream> {
         let (tx, rx) = unbounded::<Task>();
         let link = self.link;
+        let sticky: Sticky = Arc::default();
+        let engine_sticky = sticky.clone();
         thread::Builder::new()
             .name(format!("tidemem-sim{}-copy", self.shared.id.uid))
             .spawn(move || {
-                // Runs until every sender (the stream) is gone and the queue is drained.
+                // Runs until every sender (the stream) is gone and the queue is drained. After
+                // a twin fails, the stream runs no further work (as a CUDA context after a
+                // kernel fault): events still complete, carrying the failure.
                 while let Some(task) = next_task(&rx) {
+                    let failed = engine_sticky.lock().clone();
                     match task {
-                        Task::Copy(work) => run(work, link),
-                        Task::Record(ev, generation) => ev.complete(generation),
-                        Task::Wait(ev, generation) => ev.wait_for(generation),
+                        Task::Copy(work) if failed.is_none() => {
+                            if let Some(f) = run(work, link) {
+                                *engine_sticky.lock() = Some(f);
+                            }
+                        }
+                        Task::Copy(_) => {}
+                        Task::Record(ev, generation) => ev.complete(generation, failed),
+                        Task::Wait(ev, generation) => {
+                            ev.wait_for(generation);
+                            // Work ordered after a failure fails too.
+                            if let (None, Some(f)) = (failed, ev.failure()) {
+                                *engine_sticky.lock() = Some(f);
+                            }
+                        }
                     }
                 }
             })
             .map_err(|e| Error::Sim(format!("cannot start a copy engine thread: {e}")))?;
-        Ok(Box::new(SimStream { tx }))
+        Ok(Box::new(SimStream { tx, sticky }))
     }
 
     fn new_event(&self) -> Result<RawEvent> {
@@ -609,72 +599,20 @@ impl Backend for SimBackend {
                 len,
                 value,
             },
-            Op::Cast {
-                src,
-                src_offset,
-                from,
-                dst,
-                dst_offset,
-                to,
-                count,
-            } => {
-                crate::ops::cast::check_supported(from, to)?;
-                Work::Cast {
-                    src: mem(src)?,
-                    soff: src_offset,
-                    from,
-                    dst: mem(dst)?,
-                    doff: dst_offset,
-                    to,
-                    count,
-                }
-            }
-            Op::Adam {
+            Op::Launch {
+                desc,
+                operands,
                 params,
-                momentum,
-                variance,
-                grad,
-                copy,
-                count,
-                scalars,
-            } => Work::Adam {
-                p: (mem(params.0)?, params.1),
-                m: (mem(momentum.0)?, momentum.1),
-                v: (mem(variance.0)?, variance.1),
-                g: (mem(grad.0)?, grad.1, grad.2),
-                copy: match copy {
-                    Some(c) => Some((mem(c.0)?, c.1, c.2)),
-                    None => None,
-                },
-                count,
-                scalars,
-            },
-            Op::GradStats {
-                src,
-                src_offset,
-                dtype,
-                count,
-                out,
-                out_offset,
-            } => Work::GradStats {
-                src: mem(src)?,
-                soff: src_offset,
-                dtype,
-                count,
-                out: mem(out)?,
-                ooff: out_offset,
-            },
-            Op::Embedding {
-                kernel,
-                reads,
-                write,
-            } => Work::Embedding {
-                kernel,
-                reads: reads
+            } => Work::Launch {
+                desc,
+                operands: operands
                     .iter()
-                    .map(|&(b, off, len)| Ok((mem(b)?, off, len)))
+                    .map(|o| match o {
+                        Some(o) => Ok(Some((mem(o.buf)?, o.offset, o.len, o.dtype))),
+                        None => Ok(None),
+                    })
                     .collect::<Result<_>>()?,
-                write: (mem(write.0)?, write.1, write.2),
+                params: params.to_vec(),
             },
             Op::Foreign { .. } => {
                 return Err(Error::InvalidArgument(
@@ -693,26 +631,39 @@ impl Backend for SimBackend {
 
     fn wait(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
         let (s, e) = (stream(s)?, event(e)?);
+        if let Some(f) = s.sticky.lock().as_ref() {
+            return Err(f.error());
+        }
         s.send(Task::Wait(e.clone(), e.target()))
     }
 
     fn sync_event(&self, e: &RawEvent) -> Result<()> {
         let e = event(e)?;
         e.wait_for(e.target());
-        Ok(())
+        e.failure().map_or(Ok(()), |f| Err(f.error()))
     }
 
     fn query_event(&self, e: &RawEvent) -> Result<bool> {
         let e = event(e)?;
-        let s = e.state.lock();
-        Ok(s.1 >= s.0)
+        let done = {
+            let s = e.state.lock();
+            s.1 >= s.0
+        };
+        match e.failure() {
+            Some(f) if done => Err(f.error()),
+            _ => Ok(done),
+        }
     }
 
     fn sync_stream(&self, s: &RawStream) -> Result<()> {
+        let s = stream(s)?;
         let e = Arc::new(SimEvent::default());
         let generation = e.arm();
-        stream(s)?.send(Task::Record(e.clone(), generation))?;
+        s.send(Task::Record(e.clone(), generation))?;
         e.wait_for(generation);
-        Ok(())
+        match s.sticky.lock().as_ref() {
+            Some(f) => Err(f.error()),
+            None => Ok(()),
+        }
     }
 }

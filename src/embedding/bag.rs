@@ -568,7 +568,8 @@ impl CachedEmbeddingBag {
         // the uploads above did not wait for them.
         self.cache.enqueue_admitted()?;
         let table = self.cache.device_table();
-        dev.embedding_bag(
+        crate::ops::embedding::device::embedding_bag(
+            &dev,
             self.cache.stream(),
             table.view(0, table.len())?,
             self.cache.stride(),
@@ -662,7 +663,8 @@ impl CachedEmbeddingBag {
             Some(g) => g,
             None => self.grad_out.view(saved.bags * dim * 4)?,
         };
-        dev.embedding_backward(
+        crate::ops::embedding::device::embedding_backward(
+            &dev,
             s,
             grad_out,
             dim,
@@ -724,7 +726,8 @@ impl CachedEmbeddingBag {
         let u = saved.plan.rows.len();
         let dev = self.cache.device().clone();
         let table = self.cache.device_table();
-        dev.embedding_step(
+        crate::ops::embedding::device::embedding_step(
+            &dev,
             self.cache.stream(),
             table.view(0, table.len())?,
             self.cache.stride(),

@@ -610,7 +610,8 @@ impl EmbeddingCache {
             return Ok(());
         };
         self.device.wait_event(&self.stream, &self.on_copy_in)?;
-        self.device.scatter_rows(
+        crate::ops::embedding::device::scatter_rows(
+            &self.device,
             &self.stream,
             self.inn.dev.view(0, a.rows * rb)?,
             rb,
@@ -663,7 +664,8 @@ impl EmbeddingCache {
                 .copy_h2d_part(&self.copy_out, idx, 0, self.out.idx_dev.view(0, k * 4)?)?;
         self.device.record(&self.copy_out, &self.on_copy_out)?;
         self.device.wait_event(&self.stream, &self.on_copy_out)?;
-        self.device.gather_rows(
+        crate::ops::embedding::device::gather_rows(
+            &self.device,
             &self.stream,
             self.cache.view(0, self.cache.len())?,
             rb,

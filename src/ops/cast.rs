@@ -1,16 +1,139 @@
-//! Element-type conversion between fp32, fp16 and bf16 (round-to-nearest-even), the CPU twin of
-//! `kernels/convert.cu`. fp16↔bf16 goes through fp32, which is exact on the way up, so both
-//! sides round once.
+//! Element-type conversion between fp32, fp16 and bf16 (round-to-nearest-even): the op
+//! ([`cast`], on a device) and its CPU twin ([`cast_bytes`]); CUDA runs `kernels/cast.cu`.
+//! fp16↔bf16 goes through fp32, which is exact on the way up, so both sides round once.
+//!
+//! ```
+//! use tidemem::device::{Device, SimConfig};
+//! use tidemem::DType;
+//! # fn main() -> tidemem::Result<()> {
+//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+//! let s = dev.new_stream()?;
+//! let src = dev.upload(&s, bytemuck::cast_slice(&[1.5f32, -2.0]))?;
+//! let dst = dev.alloc(4)?;
+//! tidemem::ops::cast(&dev, &s, &src, DType::F32, &dst, DType::BF16)?;
+//! let h = dev.download(&s, &dst)?;
+//! assert_eq!(half::bf16::from_le_bytes([h[0], h[1]]).to_f32(), 1.5);
+//! # Ok(()) }
+//! ```
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::{
+    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// Whether `from → to` is a supported conversion (every pair of distinct types is).
-pub fn check_supported(from: DType, to: DType) -> Result<()> {
+/// The parameters of `kernels/cast.cu` (`cast.cuh`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct CastParams {
+    /// Elements.
+    pub n: u64,
+}
+
+const FLOATS: &[DType] = &DType::FLOATS;
+
+/// The cast op: `src` (read) converted into `dst` (written), both of one of the model floats.
+pub static CAST: KernelDesc = KernelDesc {
+    name: "cast",
+    operands: &[
+        OperandSpec::read("src", FLOATS),
+        OperandSpec::write("dst", FLOATS),
+    ],
+    params: crate::param_layout!(CastParams, "cast.cuh", [n]),
+    check: Some(check),
+    twin,
+    cuda: CudaSide::Nvrtc {
+        source: "cast.cu",
+        plan,
+    },
+};
+
+fn check(info: &LaunchInfo<'_>) -> Result<()> {
+    let p: CastParams = info.params()?;
+    let (from, to) = (info.dtype(0), info.dtype(1));
     if from == to {
+        return Err(Error::UnsupportedCast {
+            from: from.unwrap_or(DType::F32),
+            to: to.unwrap_or(DType::F32),
+        });
+    }
+    if info.len(0) as u64 != p.n || info.len(1) as u64 != p.n {
+        return Err(info.desc.error(format!(
+            "cast of {} {} elements into room for {} {} elements (n = {})",
+            info.len(0),
+            from.map_or("?", |d| d.name()),
+            info.len(1),
+            to.map_or("?", |d| d.name()),
+            p.n
+        )));
+    }
+    Ok(())
+}
+
+fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
+    let n = info.len(0);
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let (from, to) = (info.dtype(0), info.dtype(1));
+    let name = format!(
+        "cast_{}_{}",
+        from.map_or("?", |d| d.name()),
+        to.map_or("?", |d| d.name())
+    );
+    Ok(vec![Grid::linear(name, grid_stride_blocks(n, 256), 256)])
+}
+
+fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
+    let (from, to) = (args.dtype(0), args.dtype(1));
+    let (Some(from), Some(to)) = (from, to) else {
+        return Err(args.desc().error("cast operands missing"));
+    };
+    let src = args.read(0)?;
+    let dst = args.take(1)?;
+    cast_bytes(src, from, dst, to)
+}
+
+/// Converts the elements of `src` (type `from`) into `dst` (type `to`) on `stream`, with
+/// round-to-nearest-even; the same type is a plain device copy. Both ranges hold the same
+/// number of elements and must not overlap.
+pub fn cast<'a, 'b>(
+    dev: &Device,
+    stream: &Stream,
+    src: impl Into<DeviceView<'a>>,
+    from: DType,
+    dst: impl Into<DeviceView<'b>>,
+    to: DType,
+) -> Result<()> {
+    let (src, dst) = (src.into(), dst.into());
+    if from == to && src.len() == dst.len() && from.is_model_float() {
+        if !src.offset().is_multiple_of(from.size()) || !src.len().is_multiple_of(from.size()) {
+            return Err(Error::Misaligned {
+                what: "cast source",
+                value: src.offset(),
+                align: from.size(),
+            });
+        }
+        return dev.copy_d2d(stream, src, dst);
+    }
+    let params = CastParams {
+        n: (src.len() / from.size()) as u64,
+    };
+    dev.launch(
+        stream,
+        &CAST,
+        &[Some(Operand::new(src, from)), Some(Operand::new(dst, to))],
+        bytemuck::bytes_of(&params),
+    )
+}
+
+/// Whether `from → to` is a supported conversion (every pair of distinct model floats is).
+pub fn check_supported(from: DType, to: DType) -> Result<()> {
+    if from == to || !from.is_model_float() || !to.is_model_float() {
         return Err(Error::UnsupportedCast { from, to });
     }
     Ok(())

@@ -1,5 +1,36 @@
-//! Compute on the CPU: the twins of the CUDA kernels in `kernels/`, used by the simulated device
-//! and by tests that compare the two.
+//! Compute on the device: every op is one file here (its descriptor for
+//! [`Device::launch`](crate::device::Device::launch), a typed safe wrapper, and the CPU twin the
+//! simulated device runs) and one `.cu` (+ `.cuh` for its parameter struct) in `kernels/`.
+//! [`registry`] lists every descriptor, for the conformance tests that run each twin against
+//! CUDA.
 
+pub mod adam;
 pub mod cast;
 pub mod embedding;
+pub mod gelu;
+pub mod grad_stats;
+
+pub use adam::{adam, AdamOperands};
+pub use cast::cast;
+pub use gelu::{gelu_backward, gelu_forward};
+pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+
+use crate::device::KernelDesc;
+
+/// Every op's descriptor.
+pub fn registry() -> &'static [&'static KernelDesc] {
+    static ALL: [&KernelDesc; 11] = [
+        &cast::CAST,
+        &adam::ADAM,
+        &adam::ADAM_IN_PLACE,
+        &grad_stats::GRAD_STATS,
+        &embedding::device::EMBEDDING_BAG,
+        &embedding::device::EMBEDDING_BACKWARD,
+        &embedding::device::EMBEDDING_STEP,
+        &embedding::device::GATHER_ROWS,
+        &embedding::device::SCATTER_ROWS,
+        &gelu::GELU_FORWARD,
+        &gelu::GELU_BACKWARD,
+    ];
+    &ALL
+}

@@ -19,6 +19,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
+pub use crate::ops::adam::AdamScalars;
 
 /// How weight decay enters the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -134,34 +135,6 @@ impl AdamConfig {
             step_size: (self.lr as f64 / bc1) as f32,
         })
     }
-}
-
-/// Everything one step needs per element, computed once per step; passed as is to the CUDA
-/// kernel (the field order is the kernel's parameter order).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct AdamScalars {
-    /// Multiplies every gradient (1 / loss scale × clipping coefficient ÷ micro-batches).
-    pub grad_scale: f32,
-    /// L2 weight decay (0 for AdamW).
-    pub l2: f32,
-    /// β1.
-    pub beta1: f32,
-    /// 1 − β1.
-    pub one_minus_beta1: f32,
-    /// β2.
-    pub beta2: f32,
-    /// 1 − β2.
-    pub one_minus_beta2: f32,
-    /// 1 / √(1 − β2ᵗ).
-    pub inv_sqrt_bc2: f32,
-    /// ε.
-    pub eps: f32,
-    /// lr · wd for AdamW, 0 for Adam (subtracted as `p − decoupled · p`: a factor `1 − lr · wd`
-    /// rounded to f32 would bias every step).
-    pub decoupled: f32,
-    /// lr / (1 − β1ᵗ).
-    pub step_size: f32,
 }
 
 /// Reference Adam in f64 over f64 state, following the formula of the module docs without

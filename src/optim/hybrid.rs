@@ -36,13 +36,13 @@ use std::path::Path;
 use serde::Serialize;
 
 use super::adam::{AdamConfig, AdamScalars};
-use super::cpu_adam::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
 use super::scaler::{LossScaler, ScaleUpdate, ScalerConfig};
+use super::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
 use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, GroupVisit};
-use crate::device::AdamOperands;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::cast::cast_bytes;
+use crate::ops::{self, AdamOperands};
 use crate::tensor::{Stage, TensorId};
 use crate::tide::{SchedulerConfig, Target};
 
@@ -646,7 +646,8 @@ fn restore(m: &mut ChunkManager, place: impl FnMut(usize) -> Target) -> Result<(
                 ..
             } => {
                 for r in &v.ranges {
-                    device.cast(
+                    ops::cast(
+                        device,
                         stream,
                         master.view(r.start * 4, r.len() * 4)?,
                         DType::F32,
@@ -712,6 +713,11 @@ fn adam_group(
                     (None, DType::BF16) => {
                         cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(bytes)?))?
                     }
+                    (_, other) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "parameters of {other} cannot be stepped (model floats only)"
+                        )))
+                    }
                 }
             }
             Ok(())
@@ -732,7 +738,8 @@ fn adam_group(
             for r in &v.ranges {
                 let f = |b| f32_span(b, r);
                 let grad = param.view(r.start * es, r.len() * es)?;
-                device.adam(
+                ops::adam(
+                    device,
                     stream,
                     s,
                     AdamOperands {

@@ -1,14 +1,16 @@
 //! The optimizer: Adam/AdamW settings and scalars ([`adam`]), the SIMD CPU kernel
-//! ([`cpu_adam`]), dynamic loss scaling ([`scaler`]), and [`HybridAdam`], which steps every chunk
+//! (`ops::adam`), dynamic loss scaling ([`scaler`]), and [`HybridAdam`], which steps every chunk
 //! group of a [`crate::chunk::ChunkManager`] on the device where its gradients are.
 
 pub mod adam;
-pub mod cpu_adam;
+#[cfg(test)]
+mod cpu_adam_tests;
 pub mod hybrid;
 pub mod scaler;
 pub mod stream;
 
+pub use crate::ops::adam::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+pub use crate::ops::grad_stats::{grad_stats_host as grad_stats, GradStats};
 pub use adam::{AdamConfig, AdamScalars, WeightDecay};
-pub use cpu_adam::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
 pub use hybrid::{DevicePlacement, HybridAdam, HybridConfig, StepOutcome, StepReport};
 pub use scaler::{LossScaler, ScaleUpdate, ScalerConfig};

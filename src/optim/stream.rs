@@ -30,7 +30,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::cpu_adam::Isa;
+use super::Isa;
 use crate::error::{Error, Result};
 
 /// Bytes one element moves, in this kernel and in an fp32 Adam step without a copy: four 4-byte

@@ -8,6 +8,8 @@
 //! an input NaN's payload). Index values out of range are skipped by every function and kernel
 //! (the device cannot report them); the cache checks ids before they reach a device.
 
+pub mod device;
+
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -212,7 +214,7 @@ pub fn bag_forward(
 /// to the indices (`e = min(offsets[b + 1], n)`, `s = min(offsets[b], e)`). The same as
 /// `bag_forward` on valid offsets.
 #[allow(clippy::too_many_arguments)]
-fn bag_forward_clamped(
+pub(crate) fn bag_forward_clamped(
     table: &[f32],
     stride: usize,
     dim: usize,
@@ -284,7 +286,7 @@ pub fn bag_backward(
 
 /// [`bag_backward`] as the kernel runs it on data it cannot check: each row's entries are
 /// clamped (`e1 = min(row_ptr[u + 1], entries)`, `e0 = min(row_ptr[u], e1)`).
-fn bag_backward_clamped(
+pub(crate) fn bag_backward_clamped(
     grad_out: &[f32],
     dim: usize,
     row_ptr: &[u32],
@@ -415,130 +417,6 @@ pub fn scatter_rows(src: &[u8], row_bytes: usize, index: &[u32], dst: &mut [u8])
     for (s, &r) in src.chunks_exact(row_bytes).zip(index) {
         if (r as usize) < n {
             dst[r as usize * row_bytes..(r as usize + 1) * row_bytes].copy_from_slice(s);
-        }
-    }
-}
-
-/// One embedding kernel with its scalar arguments; [`crate::device::Device`] validates the
-/// operands and a backend runs it (the simulated device through [`execute`]).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum EmbeddingKernel {
-    /// [`bag_forward`]. Reads: table, indices, offsets, weights (if `weighted`); writes: out.
-    Bag {
-        /// Floats per row.
-        stride: usize,
-        /// Floats per embedding.
-        dim: usize,
-        /// Reduction.
-        mode: BagMode,
-        /// Whether a weights operand is present.
-        weighted: bool,
-    },
-    /// [`bag_backward`]. Reads: grad_out, row_ptr, entries, scale; writes: grads.
-    Backward {
-        /// Floats per embedding.
-        dim: usize,
-    },
-    /// [`row_step`]. Reads: rows, grads; writes (and reads): table.
-    Step {
-        /// Floats per row.
-        stride: usize,
-        /// Floats per embedding.
-        dim: usize,
-        /// The step's scalars.
-        opt: RowOptimizer,
-    },
-    /// [`gather_rows`]. Reads: src, index; writes: dst.
-    Gather {
-        /// Bytes per row.
-        row_bytes: usize,
-    },
-    /// [`scatter_rows`]. Reads: src, index; writes: dst.
-    Scatter {
-        /// Bytes per row.
-        row_bytes: usize,
-    },
-}
-
-// An empty operand may sit at an unaligned address (an empty allocation): it is no elements.
-fn f32s(b: &[u8]) -> Result<&[f32]> {
-    if b.is_empty() {
-        return Ok(&[]);
-    }
-    bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("f32 operand: {e}")))
-}
-
-fn u32s(b: &[u8]) -> Result<&[u32]> {
-    if b.is_empty() {
-        return Ok(&[]);
-    }
-    bytemuck::try_cast_slice(b).map_err(|e| Error::InvalidArgument(format!("u32 operand: {e}")))
-}
-
-/// Runs `kernel` over byte operands: `reads` in the order [`EmbeddingKernel`] lists, `write`
-/// the written one.
-pub fn execute(kernel: &EmbeddingKernel, reads: &[&[u8]], write: &mut [u8]) -> Result<()> {
-    let need = match kernel {
-        EmbeddingKernel::Bag { weighted, .. } => 3 + *weighted as usize,
-        EmbeddingKernel::Backward { .. } => 4,
-        EmbeddingKernel::Step { .. } => 2,
-        EmbeddingKernel::Gather { .. } | EmbeddingKernel::Scatter { .. } => 2,
-    };
-    if reads.len() != need {
-        return Err(Error::InvalidArgument(format!(
-            "{kernel:?} takes {need} read operands, got {}",
-            reads.len()
-        )));
-    }
-    match *kernel {
-        EmbeddingKernel::Bag {
-            stride,
-            dim,
-            mode,
-            weighted,
-        } => {
-            let w = if weighted {
-                Some(f32s(reads[3])?)
-            } else {
-                None
-            };
-            let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
-                .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
-            bag_forward_clamped(
-                f32s(reads[0])?,
-                stride,
-                dim,
-                u32s(reads[1])?,
-                u32s(reads[2])?,
-                w,
-                mode,
-                out,
-            )
-        }
-        EmbeddingKernel::Backward { dim } => {
-            let out: &mut [f32] = bytemuck::try_cast_slice_mut(write)
-                .map_err(|e| Error::InvalidArgument(format!("f32 output: {e}")))?;
-            bag_backward_clamped(
-                f32s(reads[0])?,
-                dim,
-                u32s(reads[1])?,
-                u32s(reads[2])?,
-                f32s(reads[3])?,
-                out,
-            )
-        }
-        EmbeddingKernel::Step { stride, dim, opt } => {
-            let table: &mut [f32] = bytemuck::try_cast_slice_mut(write)
-                .map_err(|e| Error::InvalidArgument(format!("f32 table: {e}")))?;
-            row_step(table, stride, dim, u32s(reads[0])?, f32s(reads[1])?, &opt)
-        }
-        EmbeddingKernel::Gather { row_bytes } => {
-            gather_rows(reads[0], row_bytes, u32s(reads[1])?, write);
-            Ok(())
-        }
-        EmbeddingKernel::Scatter { row_bytes } => {
-            scatter_rows(reads[0], row_bytes, u32s(reads[1])?, write);
-            Ok(())
         }
     }
 }

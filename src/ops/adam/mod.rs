@@ -1,0 +1,306 @@
+//! The Adam step as a device op: its parameter block, descriptors, the typed wrapper [`adam`],
+//! and the CPU kernel ([`cpu`]) that is both the host path of `HybridAdam` and the simulated
+//! device's twin, so a step gives the same bits wherever it runs there. CUDA runs
+//! `kernels/adam.cu`, which performs the same operations in the same order.
+
+pub mod cpu;
+
+pub use cpu::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+pub(crate) use cpu::{RawKind, RawStep};
+
+use serde::Serialize;
+
+use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::{
+    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Everything one step needs per element, computed once per step (see
+/// `tidemem::optim::AdamConfig::scalars`); the fields of [`AdamParams`] after the count.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AdamScalars {
+    /// Multiplies every gradient (1 / loss scale × clipping coefficient ÷ micro-batches).
+    pub grad_scale: f32,
+    /// L2 weight decay (0 for AdamW).
+    pub l2: f32,
+    /// β1.
+    pub beta1: f32,
+    /// 1 − β1.
+    pub one_minus_beta1: f32,
+    /// β2.
+    pub beta2: f32,
+    /// 1 − β2.
+    pub one_minus_beta2: f32,
+    /// 1 / √(1 − β2ᵗ).
+    pub inv_sqrt_bc2: f32,
+    /// ε.
+    pub eps: f32,
+    /// lr · wd for AdamW, 0 for Adam (subtracted as `p − decoupled · p`: a factor `1 − lr · wd`
+    /// rounded to f32 would bias every step).
+    pub decoupled: f32,
+    /// lr / (1 − β1ᵗ).
+    pub step_size: f32,
+}
+
+/// The parameters of `kernels/adam.cu` (`adam.cuh`): the element count, then the scalars.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AdamParams {
+    /// Elements.
+    pub n: u64,
+    /// See [`AdamScalars::grad_scale`].
+    pub grad_scale: f32,
+    /// See [`AdamScalars::l2`].
+    pub l2: f32,
+    /// See [`AdamScalars::beta1`].
+    pub beta1: f32,
+    /// See [`AdamScalars::one_minus_beta1`].
+    pub one_minus_beta1: f32,
+    /// See [`AdamScalars::beta2`].
+    pub beta2: f32,
+    /// See [`AdamScalars::one_minus_beta2`].
+    pub one_minus_beta2: f32,
+    /// See [`AdamScalars::inv_sqrt_bc2`].
+    pub inv_sqrt_bc2: f32,
+    /// See [`AdamScalars::eps`].
+    pub eps: f32,
+    /// See [`AdamScalars::decoupled`].
+    pub decoupled: f32,
+    /// See [`AdamScalars::step_size`].
+    pub step_size: f32,
+}
+
+impl AdamParams {
+    /// The parameters of a step of `n` elements.
+    pub fn new(n: usize, s: &AdamScalars) -> Self {
+        AdamParams {
+            n: n as u64,
+            grad_scale: s.grad_scale,
+            l2: s.l2,
+            beta1: s.beta1,
+            one_minus_beta1: s.one_minus_beta1,
+            beta2: s.beta2,
+            one_minus_beta2: s.one_minus_beta2,
+            inv_sqrt_bc2: s.inv_sqrt_bc2,
+            eps: s.eps,
+            decoupled: s.decoupled,
+            step_size: s.step_size,
+        }
+    }
+
+    /// The step's scalars.
+    pub fn scalars(&self) -> AdamScalars {
+        AdamScalars {
+            grad_scale: self.grad_scale,
+            l2: self.l2,
+            beta1: self.beta1,
+            one_minus_beta1: self.one_minus_beta1,
+            beta2: self.beta2,
+            one_minus_beta2: self.one_minus_beta2,
+            inv_sqrt_bc2: self.inv_sqrt_bc2,
+            eps: self.eps,
+            decoupled: self.decoupled,
+            step_size: self.step_size,
+        }
+    }
+}
+
+const F32: &[DType] = &[DType::F32];
+const LOW: &[DType] = &[DType::F16, DType::BF16];
+
+const LAYOUT: crate::device::ParamLayout = crate::param_layout!(
+    AdamParams,
+    "adam.cuh",
+    [
+        n,
+        grad_scale,
+        l2,
+        beta1,
+        one_minus_beta1,
+        beta2,
+        one_minus_beta2,
+        inv_sqrt_bc2,
+        eps,
+        decoupled,
+        step_size
+    ]
+);
+
+/// An Adam step: fp32 `p`, `m`, `v` read and written, the gradient read, and an optional fp16 or
+/// bf16 copy of the new parameters written (overlapping no operand).
+pub static ADAM: KernelDesc = KernelDesc {
+    name: "adam",
+    operands: &[
+        OperandSpec::read_write("params", F32),
+        OperandSpec::read_write("momentum", F32),
+        OperandSpec::read_write("variance", F32),
+        OperandSpec::read("gradient", &DType::FLOATS),
+        OperandSpec::write("parameter copy", LOW).optional(),
+    ],
+    params: LAYOUT,
+    check: Some(check),
+    twin,
+    cuda: CudaSide::Nvrtc {
+        source: "adam.cu",
+        plan,
+    },
+};
+
+/// An Adam step whose fp16 or bf16 copy of the new parameters replaces the gradient (read, then
+/// overwritten element by element): what a chunked mixed-precision step wants.
+pub static ADAM_IN_PLACE: KernelDesc = KernelDesc {
+    name: "adam_in_place",
+    operands: &[
+        OperandSpec::read_write("params", F32),
+        OperandSpec::read_write("momentum", F32),
+        OperandSpec::read_write("variance", F32),
+        OperandSpec::read_write("gradient", LOW),
+    ],
+    params: LAYOUT,
+    check: Some(check),
+    twin,
+    cuda: CudaSide::Nvrtc {
+        source: "adam.cu",
+        plan,
+    },
+};
+
+fn check(info: &LaunchInfo<'_>) -> Result<()> {
+    let p: AdamParams = info.params()?;
+    for (i, spec) in info.desc.operands.iter().enumerate() {
+        if info.present(i) && info.len(i) as u64 != p.n {
+            return Err(Error::InvalidArgument(format!(
+                "Adam {} holds {} elements, the parameters {}",
+                spec.name,
+                info.len(i),
+                p.n
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
+    let n = info.len(0);
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let g = info.dtype(3).map_or("?", |d| d.name());
+    let entry = if info.operands.len() == 4 {
+        format!("adam_g{g}_inplace")
+    } else {
+        format!("adam_g{g}_c{}", info.dtype(4).map_or("none", |d| d.name()))
+    };
+    Ok(vec![Grid::linear(entry, grid_stride_blocks(n, 256), 256)])
+}
+
+fn kind(args: &TwinArgs<'_>, i: usize) -> Result<RawKind> {
+    match args.dtype(i) {
+        Some(DType::F32) => Ok(RawKind::F32),
+        Some(DType::F16) => Ok(RawKind::F16),
+        Some(DType::BF16) => Ok(RawKind::Bf16),
+        _ => Err(args
+            .desc()
+            .error(format!("operand {i} is not a model float"))),
+    }
+}
+
+fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
+    let p: AdamParams = args.params()?;
+    let n = p.n as usize;
+    let gk = kind(args, 3)?;
+    let copy_kind = if args.present(4) {
+        Some(kind(args, 4)?)
+    } else {
+        None
+    };
+    let pp = args.take_as::<f32>(0)?;
+    let m = args.take_as::<f32>(1)?;
+    let v = args.take_as::<f32>(2)?;
+    let (grad, copy): (*const u8, Option<(RawKind, *mut u8)>) = if args.desc().operands.len() == 4 {
+        let g = args.take(3)?;
+        (g.as_ptr(), Some((gk, g.as_mut_ptr())))
+    } else {
+        let g = args.read(3)?.as_ptr();
+        let c = match copy_kind {
+            Some(k) => Some((k, args.take(4)?.as_mut_ptr())),
+            None => None,
+        };
+        (g, c)
+    };
+    if pp.len() != n || m.len() != n || v.len() != n {
+        return Err(args.desc().error("operand lengths differ from n"));
+    }
+    let raw = RawStep {
+        n,
+        p: pp.as_mut_ptr(),
+        m: m.as_mut_ptr(),
+        v: v.as_mut_ptr(),
+        grad: (gk, grad),
+        copy,
+    };
+    // SAFETY: every pointer covers `n` elements of its type (the shape check and the launch's
+    // element alignment), the slices are exclusive to this run (written operands overlap no
+    // operand), and the copy is either the gradient itself (the in-place op) or disjoint.
+    unsafe { CpuAdam::new().run(&p.scalars(), raw) };
+    Ok(())
+}
+
+/// The operands of [`adam`].
+#[derive(Debug)]
+pub struct AdamOperands<'a> {
+    /// fp32 parameters.
+    pub params: DeviceView<'a>,
+    /// fp32 momentum.
+    pub momentum: DeviceView<'a>,
+    /// fp32 variance.
+    pub variance: DeviceView<'a>,
+    /// The gradient.
+    pub grad: DeviceView<'a>,
+    /// The gradient's element type.
+    pub grad_dtype: DType,
+    /// The low-precision (F16/BF16) copy of the new parameters: the gradient's own range (the
+    /// gradient is replaced), a range that overlaps no operand, or `None`.
+    pub copy: Option<(DeviceView<'a>, DType)>,
+}
+
+/// One Adam step on `stream` over the operands (see `tidemem::optim::adam` for the
+/// arithmetic). The simulated device runs the CPU kernel, [`CpuAdam`], so both placements of a
+/// step give the same bits there.
+pub fn adam(dev: &Device, stream: &Stream, s: &AdamScalars, ops: AdamOperands<'_>) -> Result<()> {
+    let n = ops.params.len() / 4;
+    let params = AdamParams::new(n, s);
+    let state = [
+        Some(Operand::new(ops.params, DType::F32)),
+        Some(Operand::new(ops.momentum, DType::F32)),
+        Some(Operand::new(ops.variance, DType::F32)),
+    ];
+    let grad = Operand::new(ops.grad, ops.grad_dtype);
+    let bytes = bytemuck::bytes_of(&params);
+    match ops.copy {
+        Some((_, DType::F32)) => Err(Error::InvalidArgument(
+            "the parameter copy of an Adam step must be F16 or BF16".into(),
+        )),
+        Some((c, dt))
+            if std::ptr::eq(c.buffer(), ops.grad.buffer())
+                && c.offset() == ops.grad.offset()
+                && c.len() == ops.grad.len() =>
+        {
+            if dt != ops.grad_dtype {
+                return Err(Error::InvalidArgument(
+                    "an Adam copy in place of the gradient must have the gradient's type".into(),
+                ));
+            }
+            let [a, b, c] = state;
+            dev.launch(stream, &ADAM_IN_PLACE, &[a, b, c, Some(grad)], bytes)
+        }
+        copy => {
+            let [a, b, c] = state;
+            let copy = copy.map(|(v, d)| Operand::new(v, d));
+            dev.launch(stream, &ADAM, &[a, b, c, Some(grad), copy], bytes)
+        }
+    }
+}

@@ -1,0 +1,267 @@
+//! GELU with the tanh approximation, as GPT-2 uses it:
+//! `y = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`, forward ([`gelu_forward`]) and backward
+//! ([`gelu_backward`]), on f32, f16 or bf16 storage with f32 math. CUDA runs `kernels/gelu.cu`;
+//! the CPU twin computes in the same order with the same single roundings, so the two differ
+//! only where `tanhf` does (the GPU's and the host's libm: a few ulp of f32; identical on the
+//! emulator, which uses the host's).
+//!
+//! ```
+//! use tidemem::device::{Device, SimConfig};
+//! use tidemem::DType;
+//! # fn main() -> tidemem::Result<()> {
+//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+//! let s = dev.new_stream()?;
+//! let x = dev.upload(&s, bytemuck::cast_slice(&[-1.0f32, 0.0, 2.0]))?;
+//! let y = dev.alloc(12)?;
+//! tidemem::ops::gelu_forward(&dev, &s, &x, &y, DType::F32)?;
+//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+//! assert!((y[2] - 1.9546).abs() < 1e-4 && y[1] == 0.0);
+//! # Ok(()) }
+//! ```
+
+use half::{bf16, f16};
+
+use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::{
+    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+};
+use crate::dtype::DType;
+use crate::error::Result;
+
+/// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct GeluParams {
+    /// Elements.
+    pub n: u64,
+}
+
+const K0: f32 = 0.797_884_6; // √(2/π), rounded to f32 as the kernel's literal
+const K1: f32 = 0.044715;
+
+const FLOATS: &[DType] = &DType::FLOATS;
+
+/// GELU forward: `x` read, `y` written, one element type.
+pub static GELU_FORWARD: KernelDesc = KernelDesc {
+    name: "gelu_forward",
+    operands: &[
+        OperandSpec::read("x", FLOATS),
+        OperandSpec::write("y", FLOATS),
+    ],
+    params: crate::param_layout!(GeluParams, "gelu.cuh", [n]),
+    check: Some(check),
+    twin: forward_twin,
+    cuda: CudaSide::Nvrtc {
+        source: "gelu.cu",
+        plan: |info| plan(info, "gelu_forward"),
+    },
+};
+
+/// GELU backward: `x` and `dy` read, `dx` written, one element type.
+pub static GELU_BACKWARD: KernelDesc = KernelDesc {
+    name: "gelu_backward",
+    operands: &[
+        OperandSpec::read("x", FLOATS),
+        OperandSpec::read("dy", FLOATS),
+        OperandSpec::write("dx", FLOATS),
+    ],
+    params: crate::param_layout!(GeluParams, "gelu.cuh", [n]),
+    check: Some(check),
+    twin: backward_twin,
+    cuda: CudaSide::Nvrtc {
+        source: "gelu.cu",
+        plan: |info| plan(info, "gelu_backward"),
+    },
+};
+
+fn check(info: &LaunchInfo<'_>) -> Result<()> {
+    let p: GeluParams = info.params()?;
+    let d = info.dtype(0);
+    for (i, spec) in info.desc.operands.iter().enumerate() {
+        if info.len(i) as u64 != p.n || info.dtype(i) != d {
+            return Err(info.desc.error(format!(
+                "operand `{}` holds {} {} elements; every operand must hold n = {} elements of \
+                 one type ({})",
+                spec.name,
+                info.len(i),
+                info.dtype(i).map_or("?", |d| d.name()),
+                p.n,
+                d.map_or("?", |d| d.name())
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
+    let n = info.len(0);
+    if n == 0 {
+        return Ok(vec![]);
+    }
+    let t = info.dtype(0).map_or("?", |d| d.name());
+    Ok(vec![Grid::linear(
+        format!("{entry}_{t}"),
+        grid_stride_blocks(n, 256),
+        256,
+    )])
+}
+
+fn tanh_arg(x: f32) -> f32 {
+    K0 * (x + K1 * (x * x * x))
+}
+
+/// GELU of one value, in the kernel's order of operations.
+pub fn gelu(x: f32) -> f32 {
+    let t = tanh_arg(x).tanh();
+    (0.5 * x) * (1.0 + t)
+}
+
+/// The gradient `dy · GELU'(x)`, in the kernel's order of operations.
+pub fn gelu_grad(x: f32, dy: f32) -> f32 {
+    let t = tanh_arg(x).tanh();
+    let du = K0 * (1.0 + (3.0 * K1) * (x * x));
+    let sech2 = 1.0 - t * t;
+    let left = 0.5 * (1.0 + t);
+    let right = ((0.5 * x) * sech2) * du;
+    dy * (left + right)
+}
+
+/// Elements of one storage type, widened to f32 and narrowed back with round-to-nearest-even.
+trait Elem: bytemuck::Pod {
+    fn get(self) -> f32;
+    fn put(x: f32) -> Self;
+}
+impl Elem for f32 {
+    fn get(self) -> f32 {
+        self
+    }
+    fn put(x: f32) -> Self {
+        x
+    }
+}
+impl Elem for f16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+impl Elem for bf16 {
+    fn get(self) -> f32 {
+        self.to_f32()
+    }
+    fn put(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+fn forward_typed<T: Elem>(a: &mut TwinArgs<'_>) -> Result<()> {
+    let x = a.read_as::<T>(0)?;
+    for (y, &x) in a.take_as::<T>(1)?.iter_mut().zip(x) {
+        *y = T::put(gelu(x.get()));
+    }
+    Ok(())
+}
+
+fn backward_typed<T: Elem>(a: &mut TwinArgs<'_>) -> Result<()> {
+    let (x, dy) = (a.read_as::<T>(0)?, a.read_as::<T>(1)?);
+    for ((dx, &x), &dy) in a.take_as::<T>(2)?.iter_mut().zip(x).zip(dy) {
+        *dx = T::put(gelu_grad(x.get(), dy.get()));
+    }
+    Ok(())
+}
+
+fn forward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
+    match a.dtype(0) {
+        Some(DType::F16) => forward_typed::<f16>(a),
+        Some(DType::BF16) => forward_typed::<bf16>(a),
+        _ => forward_typed::<f32>(a),
+    }
+}
+
+fn backward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
+    match a.dtype(0) {
+        Some(DType::F16) => backward_typed::<f16>(a),
+        Some(DType::BF16) => backward_typed::<bf16>(a),
+        _ => backward_typed::<f32>(a),
+    }
+}
+
+fn params(x: &DeviceView<'_>, dtype: DType) -> GeluParams {
+    GeluParams {
+        n: (x.len() / dtype.size()) as u64,
+    }
+}
+
+/// `y = GELU(x)` elementwise on `stream`; `x` and `y` hold the same number of `dtype` elements
+/// and do not overlap.
+pub fn gelu_forward<'a, 'b>(
+    dev: &Device,
+    stream: &Stream,
+    x: impl Into<DeviceView<'a>>,
+    y: impl Into<DeviceView<'b>>,
+    dtype: DType,
+) -> Result<()> {
+    let (x, y) = (x.into(), y.into());
+    let p = params(&x, dtype);
+    let ops = [Some(Operand::new(x, dtype)), Some(Operand::new(y, dtype))];
+    dev.launch(stream, &GELU_FORWARD, &ops, bytemuck::bytes_of(&p))
+}
+
+/// `dx = dy · GELU'(x)` elementwise on `stream`; all three hold the same number of `dtype`
+/// elements, and `dx` overlaps neither input.
+pub fn gelu_backward<'a, 'b, 'c>(
+    dev: &Device,
+    stream: &Stream,
+    x: impl Into<DeviceView<'a>>,
+    dy: impl Into<DeviceView<'b>>,
+    dx: impl Into<DeviceView<'c>>,
+    dtype: DType,
+) -> Result<()> {
+    let (x, dy, dx) = (x.into(), dy.into(), dx.into());
+    let p = params(&x, dtype);
+    let ops = [
+        Some(Operand::new(x, dtype)),
+        Some(Operand::new(dy, dtype)),
+        Some(Operand::new(dx, dtype)),
+    ];
+    dev.launch(stream, &GELU_BACKWARD, &ops, bytemuck::bytes_of(&p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gelu64(x: f64) -> f64 {
+        let k0 = (2.0 / std::f64::consts::PI).sqrt();
+        0.5 * x * (1.0 + (k0 * (x + 0.044715 * x * x * x)).tanh())
+    }
+
+    #[test]
+    fn forward_matches_f64_reference() {
+        for i in -400..=400 {
+            let x = i as f32 * 0.025;
+            let (got, want) = (gelu(x) as f64, gelu64(x as f64));
+            assert!(
+                (got - want).abs() <= 2e-7 + 2e-6 * want.abs(),
+                "{x}: {got} vs {want}"
+            );
+        }
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        for i in -300..=300 {
+            let x = i as f64 * 0.02 + 0.001;
+            let h = 1e-5;
+            let fd = (gelu64(x + h) - gelu64(x - h)) / (2.0 * h);
+            let got = gelu_grad(x as f32, 1.0) as f64;
+            assert!(
+                (got - fd).abs() <= 1e-5 + 1e-5 * fd.abs(),
+                "{x}: {got} vs {fd}"
+            );
+            assert_eq!(gelu_grad(x as f32, 2.0), 2.0 * gelu_grad(x as f32, 1.0));
+        }
+    }
+}

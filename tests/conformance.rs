@@ -1,0 +1,493 @@
+//! Every registered op: its CPU twin (the simulated device) against CUDA (a GPU, or the
+//! emulator in CI) on random operands of many shapes, empty and odd sizes included; bitwise
+//! where the op promises it, within a stated tolerance where it does not. An op without cases
+//! here fails the test, so a new op cannot skip conformance.
+
+mod common;
+
+use half::{bf16, f16};
+use tidemem::device::{Device, DeviceBuffer, KernelDesc, Operand};
+use tidemem::ops::embedding::device::{
+    EmbBackwardParams, EmbBagParams, EmbRowsParams, EmbStepParams,
+};
+use tidemem::ops::{self, adam::AdamParams};
+use tidemem::optim::AdamConfig;
+use tidemem::DType;
+
+/// How two results of a written operand must agree.
+#[derive(Clone, Copy, Debug)]
+enum Agree {
+    /// Bit for bit.
+    Exact,
+    /// As floats of the operand's type: |a − b| ≤ abs + rel·|b|.
+    Close { abs: f64, rel: f64 },
+}
+
+/// One launch: operands (type and initial bytes; `None` = left out), parameters, and how each
+/// written operand must agree.
+struct Case {
+    label: String,
+    operands: Vec<Option<(DType, Vec<u8>)>>,
+    params: Vec<u8>,
+    agree: Agree,
+}
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        if n == 0 {
+            0
+        } else {
+            self.next() % n
+        }
+    }
+    fn floats(&mut self, n: usize, scale: f32, d: DType) -> Vec<u8> {
+        let v: Vec<f32> = (0..n).map(|_| self.unit() * scale).collect();
+        encode(&v, d)
+    }
+    fn garbage(&mut self, bytes: usize) -> Vec<u8> {
+        (0..bytes).map(|_| self.next() as u8).collect()
+    }
+}
+
+fn encode(v: &[f32], d: DType) -> Vec<u8> {
+    tidemem::dtype::encode_f32(v, d)
+}
+
+fn u32s(v: &[u32]) -> Vec<u8> {
+    bytemuck::cast_slice(v).to_vec()
+}
+
+const SIZES: [usize; 6] = [0, 1, 7, 64, 257, 3001];
+const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+fn cast_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for from in FLOATS {
+        for to in FLOATS.into_iter().filter(|&t| t != from) {
+            for n in SIZES {
+                v.push(Case {
+                    label: format!("{from}->{to} n={n}"),
+                    operands: vec![
+                        Some((from, r.floats(n, 300.0, from))),
+                        Some((to, r.garbage(n * to.size()))),
+                    ],
+                    params: bytemuck::bytes_of(&ops::cast::CastParams { n: n as u64 }).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn adam_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
+    let s = AdamConfig::adamw(1e-2, 0.01).scalars(3, 0.5).unwrap();
+    let mut v = vec![];
+    let grads: &[DType] = if in_place { &FLOATS[1..] } else { &FLOATS };
+    for &g in grads {
+        let copies: Vec<Option<DType>> = if in_place {
+            vec![None]
+        } else {
+            vec![None, Some(DType::F16), Some(DType::BF16)]
+        };
+        for c in copies {
+            for n in SIZES {
+                let var: Vec<f32> = (0..n).map(|_| r.unit().abs() * 0.1).collect();
+                let mut operands = vec![
+                    Some((DType::F32, r.floats(n, 2.0, DType::F32))),
+                    Some((DType::F32, r.floats(n, 0.1, DType::F32))),
+                    Some((DType::F32, encode(&var, DType::F32))),
+                    Some((g, r.floats(n, 4.0, g))),
+                ];
+                if !in_place {
+                    operands.push(c.map(|c| (c, r.garbage(n * c.size()))));
+                }
+                v.push(Case {
+                    label: format!("grad {g} copy {c:?} n={n}"),
+                    operands,
+                    params: bytemuck::bytes_of(&AdamParams::new(n, &s)).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn grad_stats_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for n in SIZES {
+            v.push(Case {
+                label: format!("{d} n={n}"),
+                operands: vec![
+                    Some((d, r.floats(n, 8.0, d))),
+                    Some((DType::F64, r.garbage(ops::GRAD_STATS_BYTES))),
+                ],
+                params: bytemuck::bytes_of(&ops::grad_stats::GradStatsParams { n: n as u64 })
+                    .to_vec(),
+                // The sum runs in another order on the GPU: compare the two f64 as floats.
+                agree: Agree::Close {
+                    abs: 1e-12,
+                    rel: 1e-12,
+                },
+            });
+        }
+    }
+    v
+}
+
+fn bag_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for (rows, dim, stride) in [
+        (5usize, 1usize, 1usize),
+        (17, 3, 5),
+        (40, 33, 35),
+        (1, 8, 8),
+    ] {
+        for bags in [0usize, 1, 6] {
+            for weighted in [false, true] {
+                let n = r.below(3 * bags as u64 + 1) as usize;
+                // Some indices out of range: skipped on both sides.
+                let idx: Vec<u32> = (0..n).map(|_| r.below(rows as u64 + 2) as u32).collect();
+                let mut off: Vec<u32> = (0..=bags).map(|_| r.below(n as u64 + 1) as u32).collect();
+                off.sort_unstable();
+                let p = EmbBagParams {
+                    rows: rows as u64,
+                    stride: stride as u64,
+                    dim: dim as u64,
+                    n: n as u64,
+                    bags: bags as u64,
+                    mean: (bags % 2) as i32,
+                    pad: 0,
+                };
+                v.push(Case {
+                    label: format!("rows {rows} dim {dim} bags {bags} n {n} w {weighted}"),
+                    operands: vec![
+                        Some((DType::F32, r.floats(rows * stride, 1.0, DType::F32))),
+                        Some((DType::U32, u32s(&idx))),
+                        Some((DType::U32, u32s(&off))),
+                        weighted.then(|| (DType::F32, r.floats(n, 2.0, DType::F32))),
+                        Some((DType::F32, r.garbage(bags * dim * 4))),
+                    ],
+                    params: bytemuck::bytes_of(&p).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn backward_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for (nrows, dim, bags) in [(0usize, 4usize, 3usize), (1, 1, 1), (9, 7, 5), (30, 40, 12)] {
+        let ne = r.below(3 * nrows as u64 + 1) as usize;
+        let mut rp: Vec<u32> = (0..=nrows).map(|_| r.below(ne as u64 + 1) as u32).collect();
+        rp.sort_unstable();
+        let entries: Vec<u32> = (0..ne).map(|_| r.below(bags as u64) as u32).collect();
+        let p = EmbBackwardParams {
+            nrows: nrows as u64,
+            dim: dim as u64,
+            bags: bags as u64,
+            nentries: ne as u64,
+        };
+        v.push(Case {
+            label: format!("rows {nrows} dim {dim} bags {bags} entries {ne}"),
+            operands: vec![
+                Some((DType::F32, r.floats(bags * dim, 1.0, DType::F32))),
+                Some((DType::U32, u32s(&rp))),
+                Some((DType::U32, u32s(&entries))),
+                Some((DType::F32, r.floats(ne, 1.0, DType::F32))),
+                Some((DType::F32, r.garbage(nrows * dim * 4))),
+            ],
+            params: bytemuck::bytes_of(&p).to_vec(),
+            agree: Agree::Exact,
+        });
+    }
+    v
+}
+
+fn step_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for kind in 0..3 {
+        for (rows, dim, n) in [(4usize, 1usize, 0usize), (10, 3, 4), (50, 33, 20)] {
+            let stride = dim + [0, 1, 2 * dim][kind as usize];
+            let mut ids: Vec<u32> = (0..rows as u32).collect();
+            for i in (1..ids.len()).rev() {
+                ids.swap(i, r.below(i as u64 + 1) as usize);
+            }
+            ids.truncate(n);
+            let mut table: Vec<f32> = (0..rows * stride).map(|_| r.unit()).collect();
+            // Optimizer state is non-negative where it is a second moment.
+            for row in table.chunks_mut(stride) {
+                for x in &mut row[dim..] {
+                    *x = x.abs();
+                }
+            }
+            let p = EmbStepParams {
+                table_rows: rows as u64,
+                stride: stride as u64,
+                dim: dim as u64,
+                n: n as u64,
+                kind,
+                lr: 0.05,
+                eps: 1e-6,
+                beta1: 0.9,
+                beta2: 0.999,
+                bias1: 0.271,
+                bias2: 0.00299,
+                pad: 0,
+            };
+            v.push(Case {
+                label: format!("kind {kind} rows {rows} dim {dim} n {n}"),
+                operands: vec![
+                    Some((DType::F32, encode(&table, DType::F32))),
+                    Some((DType::U32, u32s(&ids))),
+                    Some((DType::F32, r.floats(n * dim, 1.0, DType::F32))),
+                ],
+                params: bytemuck::bytes_of(&p).to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}
+
+fn rows_cases(r: &mut Rng, scatter: bool) -> Vec<Case> {
+    let mut v = vec![];
+    for (rows, words, n) in [(3usize, 1usize, 0usize), (8, 5, 6), (64, 33, 40)] {
+        let mut ids: Vec<u32> = (0..rows as u32 + 3).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, r.below(i as u64 + 1) as usize);
+        }
+        ids.truncate(n);
+        let p = EmbRowsParams {
+            rows: rows as u64,
+            words: words as u64,
+            n: n as u64,
+        };
+        let (table, packed) = (r.garbage(rows * words * 4), r.garbage(n * words * 4));
+        let (src, dst) = if scatter {
+            (packed, table)
+        } else {
+            (table, packed)
+        };
+        v.push(Case {
+            label: format!("rows {rows} words {words} n {n}"),
+            operands: vec![
+                Some((DType::U32, src)),
+                Some((DType::U32, u32s(&ids))),
+                Some((DType::U32, dst)),
+            ],
+            params: bytemuck::bytes_of(&p).to_vec(),
+            agree: Agree::Exact,
+        });
+    }
+    v
+}
+
+fn gelu_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for n in SIZES {
+            let mut operands = vec![Some((d, r.floats(n, 6.0, d)))];
+            if backward {
+                operands.push(Some((d, r.floats(n, 2.0, d))));
+            }
+            operands.push(Some((d, r.garbage(n * d.size()))));
+            // tanhf of the GPU and of the host differ by a few ulp of f32; after rounding to
+            // a 16-bit type, by at most one unit of it.
+            let rel = match d {
+                DType::F32 => 4e-6,
+                DType::F16 => 1e-3,
+                _ => 8e-3,
+            };
+            v.push(Case {
+                label: format!("{d} n={n}"),
+                operands,
+                params: bytemuck::bytes_of(&ops::gelu::GeluParams { n: n as u64 }).to_vec(),
+                agree: Agree::Close { abs: 1e-6, rel },
+            });
+        }
+    }
+    v
+}
+
+/// The cases of op `name`, or `None` for an op this test does not know (a failure).
+fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
+    Some(match name {
+        "cast" => cast_cases(r),
+        "adam" => adam_cases(r, false),
+        "adam_in_place" => adam_cases(r, true),
+        "grad_stats" => grad_stats_cases(r),
+        "embedding_bag" => bag_cases(r),
+        "embedding_backward" => backward_cases(r),
+        "embedding_step" => step_cases(r),
+        "gather_rows" => rows_cases(r, false),
+        "scatter_rows" => rows_cases(r, true),
+        "gelu_forward" => gelu_cases(r, false),
+        "gelu_backward" => gelu_cases(r, true),
+        _ => return None,
+    })
+}
+
+/// Runs one case on `dev`; returns the written operands' bytes, in signature order.
+fn run(dev: &Device, desc: &'static KernelDesc, case: &Case) -> Vec<Vec<u8>> {
+    let s = dev.new_stream().unwrap();
+    let bufs: Vec<Option<(DType, DeviceBuffer)>> = case
+        .operands
+        .iter()
+        .map(|o| {
+            o.as_ref().map(|(d, bytes)| {
+                let b = dev.alloc(bytes.len()).unwrap();
+                if !bytes.is_empty() {
+                    dev.copy_h2d(
+                        &s,
+                        tidemem::device::HostBuffer::from_slice(bytes).unwrap(),
+                        &b,
+                    )
+                    .unwrap()
+                    .wait()
+                    .unwrap();
+                }
+                (*d, b)
+            })
+        })
+        .collect();
+    let ops: Vec<Option<Operand<'_>>> = bufs
+        .iter()
+        .map(|b| b.as_ref().map(|(d, b)| Operand::new(b, *d)))
+        .collect();
+    dev.launch(&s, desc, &ops, &case.params)
+        .unwrap_or_else(|e| panic!("{} {}: {e}", desc.name, case.label));
+    let mut out = vec![];
+    for (spec, b) in desc.operands.iter().zip(&bufs) {
+        if let (true, Some((_, b))) = (spec.mode.writes(), b) {
+            out.push(if b.is_empty() {
+                vec![]
+            } else {
+                dev.download(&s, b).unwrap()
+            });
+        }
+    }
+    dev.sync_stream(&s)
+        .unwrap_or_else(|e| panic!("{} {}: {e}", desc.name, case.label));
+    out
+}
+
+fn as_f64(bytes: &[u8], d: DType) -> Vec<f64> {
+    match d {
+        DType::F64 => bytemuck::pod_collect_to_vec::<u8, f64>(bytes),
+        DType::F32 => bytemuck::pod_collect_to_vec::<u8, f32>(bytes)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::F16 => bytemuck::pod_collect_to_vec::<u8, f16>(bytes)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        DType::BF16 => bytemuck::pod_collect_to_vec::<u8, bf16>(bytes)
+            .into_iter()
+            .map(f64::from)
+            .collect(),
+        other => panic!("no float comparison for {other}"),
+    }
+}
+
+fn compare(desc: &KernelDesc, case: &Case, twin: &[Vec<u8>], cuda: &[Vec<u8>]) {
+    let written: Vec<DType> = desc
+        .operands
+        .iter()
+        .zip(&case.operands)
+        .filter(|(s, o)| s.mode.writes() && o.is_some())
+        .map(|(_, o)| o.as_ref().unwrap().0)
+        .collect();
+    for ((t, c), d) in twin.iter().zip(cuda).zip(written) {
+        let what = format!("{} {}", desc.name, case.label);
+        match case.agree {
+            Agree::Exact => assert!(t == c, "{what}: twin and CUDA differ"),
+            Agree::Close { abs, rel } => {
+                // grad_stats: only the two results, not the scratch.
+                let n = if desc.name == "grad_stats" {
+                    16
+                } else {
+                    t.len()
+                };
+                let (a, b) = (as_f64(&t[..n], d), as_f64(&c[..n], d));
+                for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+                    assert!(
+                        (x - y).abs() <= abs + rel * y.abs() || (x.is_nan() && y.is_nan()),
+                        "{what}: element {i}: twin {x} vs CUDA {y}"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn every_op_has_cases_and_its_twin_runs_them() {
+    let sim = common::sim(64 << 20);
+    let mut r = Rng(7);
+    for desc in ops::registry() {
+        let cases = cases(desc.name, &mut r)
+            .unwrap_or_else(|| panic!("op {} has no conformance cases", desc.name));
+        assert!(!cases.is_empty());
+        for case in &cases {
+            run(&sim, desc, case);
+        }
+    }
+}
+
+#[test]
+fn every_op_twin_agrees_with_cuda() {
+    let Some(gpu) = common::cuda("conformance") else {
+        return;
+    };
+    let sim = common::sim(64 << 20);
+    let mut r = Rng(11);
+    let mut ran = 0;
+    for desc in ops::registry() {
+        for case in cases(desc.name, &mut r).unwrap() {
+            let (t, c) = (run(&sim, desc, &case), run(&gpu, desc, &case));
+            compare(desc, &case, &t, &c);
+            ran += 1;
+        }
+    }
+    eprintln!("{ran} cases agree");
+}
+
+#[test]
+fn names_are_unique_and_signatures_sane() {
+    let mut names: Vec<&str> = ops::registry().iter().map(|d| d.name).collect();
+    names.sort_unstable();
+    let n = names.len();
+    names.dedup();
+    assert_eq!(names.len(), n, "two ops share a name");
+    for d in ops::registry() {
+        assert!(
+            d.operands.iter().any(|o| o.mode.writes()),
+            "{} writes nothing",
+            d.name
+        );
+        assert!(
+            d.operands.iter().all(|o| !o.dtypes.is_empty()),
+            "{}",
+            d.name
+        );
+        assert!(d.params.size > 0 && d.params.fields.iter().all(|f| f.1 < d.params.size));
+    }
+}

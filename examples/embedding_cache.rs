@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use clap::Parser;
 use serde_json::json;
-use tidemem::embedding::data::{Dataset, Drift, Synthetic, SyntheticConfig};
+use tidemem::data::criteo::{Dataset, Drift, Synthetic, SyntheticConfig};
 use tidemem::embedding::{bincount, replay, OptimalTrace, Policy, ReplayConfig};
 use tidemem::units::fmt_bytes;
 

@@ -29,6 +29,7 @@ mod kaggle;
 #[path = "common/mean.rs"]
 mod mean;
 use mean::Mean;
+use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::{
     bincount, replay, CacheConfig, CacheIndex, CachedEmbeddingBag, EmbeddingOptimizer,
@@ -263,15 +264,12 @@ const OV_BATCHES: usize = 12;
 
 /// Skewed ids (the cube of a uniform) for `OV_BATCHES` batches of `OV_BAGS` bags.
 fn overlap_batches() -> Vec<(Vec<u32>, Vec<u32>)> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = SplitMix64::new(0x9e37_79b9_7f4a_7c15);
     (0..OV_BATCHES)
         .map(|_| {
             let ids: Vec<u32> = (0..OV_BAGS * OV_IDS_PER_BAG)
                 .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    let u = (x >> 11) as f64 / (1u64 << 53) as f64;
+                    let u = rng.next_f64();
                     ((u * u * u * OV_ROWS as f64) as u32).min(OV_ROWS as u32 - 1)
                 })
                 .collect();

@@ -301,9 +301,9 @@ fn bench(c: &mut Criterion) {
         cache.stats().prefetched as f64 / steps,
         moved.h2d_bytes as f64 / steps / (1 << 20) as f64,
         moved.d2h_bytes as f64 / steps / (1 << 20) as f64,
-        tidemem::device::fmt_bytes(cached.bag.device_bytes() as u64),
-        tidemem::device::fmt_bytes(cache.device_bytes() as u64),
-        tidemem::device::fmt_bytes((rows * DIM * 4) as u64),
+        tidemem::units::fmt_bytes(cached.bag.device_bytes() as u64),
+        tidemem::units::fmt_bytes(cache.device_bytes() as u64),
+        tidemem::units::fmt_bytes((rows * DIM * 4) as u64),
     );
 }
 

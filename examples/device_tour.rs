@@ -11,7 +11,8 @@
 
 use std::time::Instant;
 
-use tidemem::device::{fmt_bytes, CachingAllocator, Device, FileStore, LinkModel, SimConfig};
+use tidemem::device::{CachingAllocator, Device, FileStore, LinkModel, SimConfig};
+use tidemem::units::fmt_bytes;
 use tidemem::{DType, Result};
 
 fn arg(name: &str, default: usize) -> usize {

@@ -29,9 +29,9 @@ use std::time::Instant;
 
 use clap::Parser;
 use serde_json::json;
-use tidemem::device::fmt_bytes;
-use tidemem::embedding::data::{Dataset, Drift, Synthetic, SyntheticConfig};
+use tidemem::data::criteo::{Dataset, Drift, Synthetic, SyntheticConfig};
 use tidemem::embedding::{bincount, replay, OptimalTrace, Policy, ReplayConfig};
+use tidemem::units::fmt_bytes;
 
 #[derive(Parser, Debug)]
 #[command(about = "Hit rates and traffic of the embedding cache's policies on a Criteo-like trace")]

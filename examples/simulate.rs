@@ -22,10 +22,10 @@
 
 use clap::Parser;
 use serde_json::{json, Value};
-use tidemem::device::fmt_bytes;
 use tidemem::optim::DevicePlacement;
 use tidemem::simulate::{gpt, largest_fitting, simulate, GptConfig, SimOptions};
 use tidemem::tide::Policy;
+use tidemem::units::fmt_bytes;
 use tidemem::units::parse_bytes;
 
 #[derive(Parser, Debug)]

@@ -17,12 +17,12 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
-use tidemem::device::{fmt_bytes, CachingAllocator, Device, LinkModel, SimConfig};
+use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
 use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
 use tidemem::tensor::TensorId;
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::toy::ToyMlp;
-use tidemem::units::parse_bytes;
+use tidemem::units::{fmt_bytes, parse_bytes};
 
 #[derive(Parser, Debug)]
 #[command(

@@ -30,11 +30,11 @@ use clap::Parser;
 use serde_json::json;
 use tidemem::chunk::ManagerConfig;
 use tidemem::comm::{launch, CommStats, ReduceOp};
-use tidemem::device::{fmt_bytes, Device, SimConfig};
+use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
 use tidemem::tide::Policy;
 use tidemem::toy::ToyMlp;
-use tidemem::units::parse_bytes;
+use tidemem::units::{fmt_bytes, parse_bytes};
 use tidemem::zero::ZeroManager;
 
 #[derive(Parser, Debug)]

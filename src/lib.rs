@@ -12,7 +12,8 @@
 //! placement policies, and a [`simulate`]or that replays a model's trace through the same
 //! policies. [`optim`] holds the CPU/CUDA Adam and `HybridAdam`; [`comm`] the collectives
 //! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`toy`] is a small reference
-//! trainer; [`profile`] writes Chrome traces and tide plots.
+//! trainer; [`profile`] writes Chrome traces and tide plots; [`data`] generates synthetic
+//! training data.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
@@ -35,6 +36,7 @@
 pub(crate) mod checkpoint;
 pub mod chunk;
 pub mod comm;
+pub mod data;
 pub mod device;
 pub mod dtype;
 pub mod embedding;

@@ -31,6 +31,8 @@
 use std::fmt;
 use std::sync::Arc;
 
+use crate::data::rng::{splitmix64, unit_f32};
+
 /// The state of one tensor in one chunk list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
 pub enum TensorState {
@@ -232,14 +234,6 @@ impl fmt::Debug for Init {
     }
 }
 
-/// SplitMix64: a counter-based generator, so element `i` needs no state from element `i - 1`.
-pub fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
 impl Init {
     /// Value of element `i`.
     pub fn value(&self, i: usize) -> f32 {
@@ -247,9 +241,9 @@ impl Init {
             Init::Zeros => 0.0,
             Init::Constant(v) => *v,
             Init::Uniform { seed, lo, hi } => {
+                // SplitMix64 is counter-based: element `i` needs no state from element `i - 1`.
                 let r = splitmix64(seed.wrapping_mul(0x1000_0000_01B3) ^ i as u64);
-                let u = (r >> 40) as f32 / (1u64 << 24) as f32;
-                lo + (hi - lo) * u
+                lo + (hi - lo) * unit_f32(r)
             }
             Init::Fn(f) => f(i),
         }

@@ -30,10 +30,11 @@
 //! ```
 
 use crate::chunk::{ChunkManager, GroupSlices, ParamStore};
+use crate::data::regression::regression_samples;
 use crate::device::CachingAllocator;
 use crate::error::Result;
 use crate::simulate::{ModelSpec, OpSpec};
-use crate::tensor::{splitmix64, Init, Stage, TensorId};
+use crate::tensor::{Init, Stage, TensorId};
 
 /// Shape and hyper-parameters of the toy MLP.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -129,21 +130,6 @@ impl ToyMlp {
         }
     }
 
-    /// Samples `lo..hi` of batch `seed`: inputs and targets.
-    fn batch_data(&self, seed: u64, lo: usize, hi: usize) -> (Vec<f32>, Vec<f32>) {
-        let w = self.width;
-        let u = |s: u64, i: usize| {
-            (splitmix64(s ^ (i as u64).wrapping_mul(0x9E37)) >> 40) as f32 / (1u64 << 24) as f32
-        };
-        let x = (lo * w..hi * w)
-            .map(|i| u(seed * 2 + 1, i) * 2.0 - 1.0)
-            .collect();
-        let y = (lo * w..hi * w)
-            .map(|i| (u(7, i % w) - 0.5) * 0.5)
-            .collect();
-        (x, y)
-    }
-
     /// One training iteration (forward, backward, Adam step on the host) on batch `seed`;
     /// returns the loss.
     pub fn step(
@@ -184,7 +170,7 @@ impl ToyMlp {
             )));
         }
         let (w, bsz) = (self.width, self.batch / parts);
-        let (x, y) = self.batch_data(seed, k * bsz, (k + 1) * bsz);
+        let (x, y) = regression_samples(self.width, seed, k * bsz..(k + 1) * bsz);
         let mut acts = vec![x];
         let mut blocks = Vec::new();
         for &(wi, bi) in &ids.blocks {

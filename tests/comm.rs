@@ -31,7 +31,9 @@ fn enc(v: &[i64], elem: Elem) -> Vec<u8> {
         .flat_map(|&x| match elem {
             Elem::U8 => vec![x as u8],
             Elem::I32 => (x as i32).to_le_bytes().to_vec(),
+            Elem::U32 => (x as u32).to_le_bytes().to_vec(),
             Elem::I64 => x.to_le_bytes().to_vec(),
+            Elem::U64 => (x as u64).to_le_bytes().to_vec(),
             Elem::F16 => half::f16::from_f64(x as f64).to_le_bytes().to_vec(),
             Elem::BF16 => half::bf16::from_f64(x as f64).to_le_bytes().to_vec(),
             Elem::F32 => (x as f32).to_le_bytes().to_vec(),
@@ -82,6 +84,8 @@ fn floats(b: &[u8], elem: Elem) -> Vec<f64> {
             Elem::U8 => c[0] as f64,
             Elem::I32 => i32::from_le_bytes(c.try_into().unwrap()) as f64,
             Elem::I64 => i64::from_le_bytes(c.try_into().unwrap()) as f64,
+            Elem::U32 => u32::from_le_bytes(c.try_into().unwrap()) as f64,
+            Elem::U64 => u64::from_le_bytes(c.try_into().unwrap()) as f64,
             Elem::F16 => half::f16::from_le_bytes(c.try_into().unwrap()).to_f64(),
             Elem::BF16 => half::bf16::from_le_bytes(c.try_into().unwrap()).to_f64(),
             Elem::F32 => f32::from_le_bytes(c.try_into().unwrap()) as f64,

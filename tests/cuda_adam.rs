@@ -7,7 +7,11 @@
 //! be within 1e-9 of the host's and identical from run to run. The CUDA half skips with a printed
 //! reason when there is no GPU (or no NVRTC to compile the kernels).
 
+mod common;
+
+use common::pattern;
 use half::{bf16, f16};
+use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{
     cuda_device_count, cuda_driver_present, Device, DeviceBuffer, SimConfig, Stream,
 };
@@ -50,23 +54,8 @@ fn cuda(test: &str) -> Option<Device> {
 }
 
 /// Uniform in [-1, 1).
-fn lcg(seed: &mut u64) -> f32 {
-    *seed = seed
-        .wrapping_mul(6364136223846793005)
-        .wrapping_add(1442695040888963407);
-    ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-}
-
-fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut s = seed | 1;
-    (0..len)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            (s >> 24) as u8
-        })
-        .collect()
+fn uniform(rng: &mut SplitMix64) -> f32 {
+    rng.uniform_f32(-1.0, 1.0)
 }
 
 /// A gradient in its element type.
@@ -152,19 +141,21 @@ impl Case {
     }
 
     fn initial_state(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-        let mut seed = self.n as u64 * 31 + 7;
-        let p = (0..self.n).map(|_| lcg(&mut seed)).collect();
-        let m = (0..self.n).map(|_| lcg(&mut seed) * 1e-2).collect();
-        let v = (0..self.n).map(|_| lcg(&mut seed).abs() * 1e-3).collect();
+        let mut rng = SplitMix64::new(self.n as u64 * 31 + 7);
+        let p = (0..self.n).map(|_| uniform(&mut rng)).collect();
+        let m = (0..self.n).map(|_| uniform(&mut rng) * 1e-2).collect();
+        let v = (0..self.n)
+            .map(|_| uniform(&mut rng).abs() * 1e-3)
+            .collect();
         (p, m, v)
     }
 
     /// The gradient of `step` (unscaled values times the loss scale, then rounded to the type).
     fn gradient(&self, step: u64) -> GradVec {
-        let mut seed = step * 1_000_003 + self.n as u64;
+        let mut rng = SplitMix64::new(step * 1_000_003 + self.n as u64);
         let g: Vec<f32> = (0..self.n)
             .map(|i| {
-                let x = lcg(&mut seed) * 4.0 / self.grad_scale() * 0.5;
+                let x = uniform(&mut rng) * 4.0 / self.grad_scale() * 0.5;
                 if i % 17 == 5 {
                     0.0
                 } else {
@@ -541,8 +532,8 @@ fn device_stats(dev: &Device, s: &Stream, g: &GradVec, dtype: DType) -> (GradSta
 fn stat_inputs(dtype: DType) -> Vec<(String, GradVec)> {
     let mut v = Vec::new();
     for n in [0usize, 1, 255, 256, 257, 100_003, (1 << 22) + 5] {
-        let mut seed = n as u64 + 11;
-        let x: Vec<f32> = (0..n).map(|_| lcg(&mut seed) * 1000.0).collect();
+        let mut rng = SplitMix64::new(n as u64 + 11);
+        let x: Vec<f32> = (0..n).map(|_| uniform(&mut rng) * 1000.0).collect();
         v.push((format!("{dtype} n={n}"), GradVec::from_f32(dtype, &x)));
         if n >= 256 {
             let mut inf = x.clone();

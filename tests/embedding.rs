@@ -4,6 +4,7 @@
 mod common;
 
 use proptest::prelude::*;
+use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::embedding::{
     bincount, CacheConfig, CachedEmbeddingBag, CachedEmbeddingCollection, EmbeddingBag,
     EmbeddingCache, EmbeddingOptimizer, HostTier, OptimalTrace, Policy,
@@ -28,14 +29,14 @@ fn weights() -> Vec<f32> {
     w
 }
 
-struct Lcg(u64);
-impl Lcg {
+/// Random ids and values for the tests.
+struct TestRng(SplitMix64);
+impl TestRng {
+    fn new(seed: u64) -> Self {
+        TestRng(SplitMix64::new(seed))
+    }
     fn next(&mut self) -> u32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) as u32
+        self.0.next_u32()
     }
     /// Skewed ids: the minimum of two uniforms, through a fixed shuffle.
     fn id(&mut self) -> u32 {
@@ -45,7 +46,7 @@ impl Lcg {
 }
 
 /// A batch of `bags` bags of 1..=4 ids, with weights when asked.
-fn batch(rng: &mut Lcg, bags: usize, weighted: bool) -> Case {
+fn batch(rng: &mut TestRng, bags: usize, weighted: bool) -> Case {
     let mut idx = Vec::new();
     let mut off = vec![0u32];
     for _ in 0..bags {
@@ -95,7 +96,7 @@ fn cached_bag_equals_full_table_bitwise() {
                 (BagMode::Sum, true),
             ] {
                 for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
-                    let mut rng = Lcg(11);
+                    let mut rng = TestRng::new(11);
                     let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
                     let mut full = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
                     let config = CacheConfig::new(ROWS, DIM, 96)
@@ -157,7 +158,7 @@ fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
     for dev in common::devices("prefetch_moves_everything_ahead_and_keeps_training_exact") {
         for opt in OPTIMIZERS {
             for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
-                let mut rng = Lcg(29);
+                let mut rng = TestRng::new(29);
                 let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, true)).collect();
                 let mut full = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
                 let config = CacheConfig::new(ROWS, DIM, 120)
@@ -327,7 +328,7 @@ fn bits(v: &[f32]) -> Vec<u32> {
 
 #[test]
 fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() {
-    let mut rng = Lcg(3);
+    let mut rng = TestRng::new(3);
     let batches: Vec<_> = (0..20).map(|_| batch(&mut rng, 16, false)).collect();
     let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
     let hottest = (0..ROWS)
@@ -371,7 +372,7 @@ fn reorder_puts_the_hottest_id_in_row_zero_and_flush_frees_nothing_but_cleans() 
 fn checkpoint_round_trip_after_training_with_a_permutation() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("table.safetensors");
-    let mut rng = Lcg(5);
+    let mut rng = TestRng::new(5);
     let batches: Vec<_> = (0..8).map(|_| batch(&mut rng, 16, false)).collect();
     let counts = bincount(ROWS, batches.iter().map(|b| b.0.as_slice())).unwrap();
     let opt = OPTIMIZERS[2];
@@ -432,7 +433,7 @@ fn bag_checkpoints_resume_training_bitwise() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bag.safetensors");
     for opt in OPTIMIZERS {
-        let mut rng = Lcg(5);
+        let mut rng = TestRng::new(5);
         let batches: Vec<_> = (0..8).map(|_| batch(&mut rng, 12, false)).collect();
         let new_bag = || {
             let config = CacheConfig::new(ROWS, DIM, 96).staging_rows(7);
@@ -576,7 +577,7 @@ proptest! {
         let mut bag =
             CachedEmbeddingBag::new(common::sim(16 << 20), config, BagMode::Sum, opt, init)
                 .unwrap();
-        let mut rng = Lcg(seed);
+        let mut rng = TestRng::new(seed);
         let batches: Vec<Case> = (0..steps)
             .map(|_| {
                 let bags = 1 + (rng.next() % 3) as usize;
@@ -641,7 +642,7 @@ proptest! {
 }
 
 /// Tables of a few sizes, one id per sample per table (Criteo-style), `bags` samples.
-fn table_batch(rng: &mut Lcg, rows: &[usize], bags: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
+fn table_batch(rng: &mut TestRng, rows: &[usize], bags: usize) -> Vec<(Vec<u32>, Vec<u32>)> {
     rows.iter()
         .map(|&r| {
             let ids: Vec<u32> = (0..bags).map(|_| rng.next() % r as u32).collect();
@@ -699,7 +700,7 @@ fn sharded_checkpoints_resume_bitwise() {
     const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
     const D: usize = 6;
     const BAGS: usize = 10;
-    let mut rng = Lcg(23);
+    let mut rng = TestRng::new(23);
     let steps: Vec<_> = (0..4)
         .map(|_| table_batch(&mut rng, &TROWS, BAGS))
         .collect();
@@ -795,7 +796,7 @@ fn sharded_outputs_equal_single_rank() {
     const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
     const D: usize = 6;
     const BAGS: usize = 10;
-    let mut rng = Lcg(21);
+    let mut rng = TestRng::new(21);
     let steps: Vec<_> = (0..4)
         .map(|_| table_batch(&mut rng, &TROWS, BAGS))
         .collect();

@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use tidemem::embedding::data::{Batch, Dataset, Drift, Synthetic, SyntheticConfig, DENSE_FEATURES};
+use tidemem::data::criteo::{Batch, Dataset, Drift, Synthetic, SyntheticConfig, DENSE_FEATURES};
 use tidemem::Error;
 
 fn kaggle_small() -> Synthetic {

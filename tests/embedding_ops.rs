@@ -3,6 +3,7 @@
 
 mod common;
 
+use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::Device;
 use tidemem::ops::embedding::{
     bag_backward, bag_forward, gather_rows, plan_backward, row_step, scatter_rows, BagMode,
@@ -10,13 +11,14 @@ use tidemem::ops::embedding::{
 };
 use tidemem::Error;
 
-struct Rng(u64);
-impl Rng {
+/// Random ids and values for the tests.
+struct TestRng(SplitMix64);
+impl TestRng {
+    fn new(seed: u64) -> Self {
+        TestRng(SplitMix64::new(seed))
+    }
     fn next(&mut self) -> u32 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 >> 16) as u32
+        self.0.next_u32()
     }
     fn f(&mut self) -> f32 {
         (self.next() % 2000) as f32 / 1000.0 - 1.0
@@ -58,7 +60,7 @@ fn kernels_equal_cpu_twins_bitwise() {
                 },
             ] {
                 let stride = dim + opt.state_len(dim) + 1;
-                let mut rng = Rng(99);
+                let mut rng = TestRng::new(99);
                 let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
                 let mut idx = Vec::new();
                 let mut off = vec![0u32];
@@ -206,7 +208,7 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             let s = dev.new_stream().unwrap();
             let opt = RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 };
             let stride = dim + opt.state_len(dim);
-            let mut rng = Rng(7);
+            let mut rng = TestRng::new(7);
             let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
             let mut idx = Vec::new();
             let mut off = vec![0u32];

@@ -1,6 +1,6 @@
 //! Criteo-Kaggle-like id traces for the embedding benches (included with `#[path]`).
 
-use tidemem::embedding::data::{Dataset, Synthetic, SyntheticConfig};
+use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
 
 /// `batches` batches of `batch` samples of the 26 Kaggle tables at cardinalities × `scale`
 /// (Zipf 1.0), each as ids over the concatenated tables; and the total rows.

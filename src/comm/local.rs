@@ -14,8 +14,34 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use super::{Elem, Kind, ReduceOp};
+use super::{Elem, ReduceOp};
 use crate::error::{Error, Result};
+
+/// Kinds of calls, as named in mismatch errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kind {
+    AllGather,
+    ReduceScatter,
+    AllReduce,
+    Broadcast,
+    Reduce,
+    Barrier,
+    Split,
+}
+
+impl Kind {
+    fn name(self) -> &'static str {
+        match self {
+            Kind::AllGather => "all_gather",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::AllReduce => "all_reduce",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+            Kind::Barrier => "barrier",
+            Kind::Split => "split",
+        }
+    }
+}
 
 /// What a rank asked for; every rank of a collective must ask for the same.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

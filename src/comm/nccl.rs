@@ -303,7 +303,9 @@ fn dtype(e: Elem) -> sys::ncclDataType_t {
     match e {
         Elem::U8 => T::ncclUint8,
         Elem::I32 => T::ncclInt32,
+        Elem::U32 => T::ncclUint32,
         Elem::I64 => T::ncclInt64,
+        Elem::U64 => T::ncclUint64,
         Elem::F16 => T::ncclFloat16,
         Elem::BF16 => T::ncclBfloat16,
         Elem::F32 => T::ncclFloat32,

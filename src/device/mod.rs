@@ -547,21 +547,7 @@ impl<T> Drop for Pending<T> {
     }
 }
 
-/// Bytes in a human-readable binary unit, for messages and examples.
-pub fn fmt_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = bytes as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{bytes} B")
-    } else {
-        format!("{v:.2} {}", UNITS[u])
-    }
-}
+pub use crate::units::fmt_bytes;
 
 impl Device {
     /// Wraps a backend.
@@ -1176,9 +1162,4 @@ mod tests {
         assert_eq!(dev.stats().d2h_bytes, 8 + 4);
     }
 
-    #[test]
-    fn fmt_bytes_units() {
-        assert_eq!(fmt_bytes(5), "5 B");
-        assert_eq!(fmt_bytes(3 << 20), "3.00 MiB");
-    }
 }

@@ -611,6 +611,7 @@ impl CacheIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::rng::{Rng, SplitMix64};
     use crate::embedding::OptimalTrace;
 
     fn check_invariants(ix: &CacheIndex) {
@@ -887,13 +888,8 @@ mod tests {
     /// Belady's MIN never loses to the online policies on the same trace.
     #[test]
     fn optimal_beats_online_policies() {
-        let mut seed = 7u64;
-        let mut rnd = move || {
-            seed = seed
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (seed >> 33) as u32
-        };
+        let mut rng = SplitMix64::new(7);
+        let mut rnd = move || rng.next_u32();
         let trace: Vec<Vec<u32>> = (0..60)
             .map(|_| (0..8).map(|_| (rnd() % 40).min(rnd() % 40)).collect())
             .collect();

@@ -15,13 +15,12 @@
 //! - [`CachedEmbeddingCollection`] puts many tables behind one cache; [`ShardedEmbedding`]
 //!   places them over ranks, table-wise or column-wise, with the all-to-all that returns
 //!   batch-split outputs.
-//! - [`replay`] measures hit rates and bytes moved of a policy on an id trace; [`data`]
-//!   generates Criteo-like synthetic traces (Zipf ids over published table cardinalities).
+//! - [`replay`] measures hit rates and bytes moved of a policy on an id trace, such as the
+//!   Criteo-like synthetic ones of [`crate::data::criteo`].
 
 mod bag;
 mod cache;
 mod checkpoint;
-pub mod data;
 mod index;
 mod policy;
 mod replay;

@@ -109,20 +109,18 @@ pub fn replay(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::data::rng::{Rng, SplitMix64};
     use crate::embedding::bincount;
 
     #[test]
     fn optimal_bounds_every_policy_and_counts_bytes() {
-        let mut x = 1u64;
+        let mut rng = SplitMix64::new(1);
         let trace: Vec<Vec<u32>> = (0..40)
             .map(|_| {
                 (0..50)
                     .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
                         // Skewed: ids squared toward 0.
-                        let u = (x % 1000) as u32;
+                        let u = rng.below(1000) as u32;
                         u * u / 1000
                     })
                     .collect()

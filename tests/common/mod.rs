@@ -2,19 +2,12 @@
 //! present), and the toy model the manager and optimizer suites train.
 #![allow(dead_code)]
 
+use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 
 /// A deterministic byte pattern.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 24) as u8
-        })
-        .collect()
+    SplitMix64::new(seed).bytes(len)
 }
 
 pub fn sim(capacity: usize) -> Device {

@@ -1,0 +1,17 @@
+//! Synthetic data, generated deterministically from a seed: nothing to download.
+//!
+//! - [`criteo`]: Criteo-like click logs (dense features, Zipf-distributed categorical ids over
+//!   published table cardinalities, labels from a hidden logistic model), for the embedding
+//!   cache.
+//! - [`regression`]: the inputs and targets the [toy trainer](crate::toy) fits.
+//! - [`rng`]: the generators behind them (one SplitMix64, and xoshiro256**), which tests and
+//!   benches use too.
+//!
+//! The generators depend on nothing above them in the crate: the memory and embedding layers use
+//! them, not the other way round.
+
+pub mod criteo;
+mod permutation;
+pub mod regression;
+pub mod rng;
+mod zipf;

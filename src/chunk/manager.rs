@@ -8,7 +8,8 @@ use std::time::Instant;
 use half::{bf16, f16};
 use serde::Serialize;
 
-use super::layout::{ChunkKind, Layout, Slot};
+use super::layout::{Layout, Slot};
+use super::plan::{plan_chunks, push_access, ChunkPlan};
 use crate::device::{
     read_grad_stats, Block, CachingAllocator, Device, DeviceBuffer, DeviceView, Event, FileStore,
     HostBuffer, Pending, Stream, GRAD_STATS_BYTES,
@@ -17,8 +18,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::optim::cpu_adam::{grad_stats_raw, RawKind};
 use crate::optim::GradStats;
-use crate::simulate::{plan_chunks, push_access, ChunkPlan};
-use crate::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
+use crate::tensor::{next_state, ChunkKind, Init, Stage, TensorId, TensorState, TrainEvent};
 use crate::tide::{
     spill_to_file, Access, ChunkNo, Move, MoveStats, Policy, Scheduler, SchedulerConfig, Target,
     Trace, Tracer,

@@ -3,7 +3,12 @@
 
 mod layout;
 
-pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
+pub use crate::tensor::ChunkKind;
+pub use layout::{search_chunk_size, Layout, SizeChoice, SizeSearch, Slot};
+
+mod plan;
+
+pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan};
 
 mod checkpoint;
 mod manager;

@@ -1,8 +1,9 @@
 //! Stateful tensors: the state machine every managed tensor runs.
 //!
 //! Each parameter tensor has a [`TensorState`] per chunk list ([`ChunkKind`]) it lives in (fp16
-//! parameter/gradient, fp32 master, momentum, variance). Training events ([`TrainEvent`]) move it along the edges of one
-//! table, [`TRANSITIONS`], which reads like the state diagram of the PatrickStar paper:
+//! parameter/gradient, fp32 master, momentum, variance). Training events ([`TrainEvent`]) move it
+//! along the edges of one table, [`TRANSITIONS`], which reads like the state diagram of the
+//! PatrickStar paper:
 //!
 //! ```text
 //!            BeforeFwdOp                AfterFwdOp                 EndForward

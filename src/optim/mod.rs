@@ -3,6 +3,7 @@
 //! group of a [`crate::chunk::ChunkManager`] on the device where its gradients are.
 
 pub mod adam;
+mod chunk_stats;
 pub mod cpu_adam;
 pub mod hybrid;
 pub mod scaler;

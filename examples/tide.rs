@@ -16,7 +16,7 @@ use std::path::PathBuf;
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
+use tidemem::chunk::{ChunkManager, LogKind, ManagerConfig, Usage};
 use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
 use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
 use tidemem::tensor::TensorId;
@@ -248,8 +248,9 @@ fn write_trace(m: &ChunkManager, path: &std::path::Path) -> tidemem::Result<()> 
     t.name_track(evictions, "evictions");
     for e in m.log() {
         let args = json!({ "n": e.n, "bytes": e.bytes, "device_chunks": e.device_chunks, "budget": e.budget });
+        let name = e.what.name();
         match e.what {
-            "moment" => {
+            LogKind::Moment => {
                 t.instant(&format!("moment {}", e.n), "moment", moments, e.t_us, args);
                 t.counter(
                     "device chunk bytes",
@@ -260,23 +261,25 @@ fn write_trace(m: &ChunkManager, path: &std::path::Path) -> tidemem::Result<()> 
                     ],
                 );
             }
-            "fetch" | "optimizer" => t.complete(e.what, "fetch", fetches, e.t_us, e.dur_us, args),
-            "load" | "prefetch" | "write-back" => t.complete(
-                &format!("{} chunk {}", e.what, e.n),
+            LogKind::Fetch | LogKind::Optimizer => {
+                t.complete(name, "fetch", fetches, e.t_us, e.dur_us, args)
+            }
+            LogKind::Load | LogKind::Prefetch | LogKind::WriteBack => t.complete(
+                &format!("{name} chunk {}", e.n),
                 "copy",
                 copies,
                 e.t_us,
                 e.dur_us,
                 args,
             ),
-            "drop" | "free-host" => t.instant(
-                &format!("{} chunk {}", e.what, e.n),
+            LogKind::Drop | LogKind::FreeHost => t.instant(
+                &format!("{name} chunk {}", e.n),
                 "evict",
                 evictions,
                 e.t_us,
                 args,
             ),
-            _ => t.instant(e.what, "other", evictions, e.t_us, args),
+            LogKind::Materialize => t.instant(name, "other", evictions, e.t_us, args),
         }
     }
     t.write(path)

@@ -1,6 +1,7 @@
-//! The safetensors files both checkpoints write: chunk checkpoints
-//! ([`ChunkManager::save_checkpoint`](crate::chunk::ChunkManager::save_checkpoint)) and
-//! embedding tables ([`EmbeddingCache::save`](crate::embedding::EmbeddingCache::save)).
+//! The safetensors file format every checkpoint is written in: a streaming writer and a
+//! validating reader, knowing nothing of what the tensors are. The chunk manager's checkpoints
+//! (`ChunkManager::save_checkpoint`, in `chunk`) and the embedding tables'
+//! (`EmbeddingCache::save`, in `embedding`) are built on it.
 //!
 //! The writer streams tensor bytes (a model or a table may be larger than RAM), so it writes the
 //! format's header itself, into a file beside the target that replaces it only once complete:

@@ -3,7 +3,7 @@
 //! The public API never panics on bad input: it returns one of these variants, each of which
 //! names the numbers a user needs to understand what went wrong.
 
-use crate::device::{BackendKind, DeviceId};
+use crate::device_id::{BackendKind, DeviceId};
 use crate::dtype::DType;
 
 /// Result alias used throughout the crate.

@@ -20,12 +20,14 @@
 
 use serde::Serialize;
 
-use crate::chunk::{search_chunk_size, ChunkKind, Layout, SizeSearch};
+use crate::chunk::{
+    optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkPlan, Layout, SizeSearch,
+};
 use crate::error::{Error, Result};
 use crate::optim::DevicePlacement;
 use crate::tensor::Stage;
 use crate::tide::{
-    lower_bound, spill_to_file, Access, Bound, ChunkDesc, ChunkNo, MoveStats, Policy, Scheduler,
+    lower_bound, spill_to_file, Access, Bound, ChunkNo, MoveStats, Policy, Scheduler,
     SchedulerConfig, Target, Trace, Tracer,
 };
 
@@ -57,6 +59,11 @@ impl ModelSpec {
     /// Number of parameters.
     pub fn params(&self) -> u64 {
         self.tensors.iter().map(|t| t.1 as u64).sum()
+    }
+
+    /// Element counts of the tensors, in registration order.
+    pub fn numels(&self) -> Vec<usize> {
+        self.tensors.iter().map(|t| t.1).collect()
     }
 
     /// Forward uses of every tensor.
@@ -273,83 +280,6 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
     })
 }
 
-/// How the chunks of a model are laid out.
-#[derive(Clone, Debug, Serialize)]
-pub struct ChunkPlan {
-    /// The packing.
-    pub layout: Layout,
-    /// Schedulable chunks, `group * 4 + kind`.
-    pub chunks: Vec<ChunkDesc>,
-    /// Bytes of one parameter element (2 for fp16/bf16, 4 for fp32).
-    pub param_bytes: u64,
-}
-
-impl ChunkPlan {
-    /// Packs `spec` with chunks of `chunk_elems` elements and parameters of `param_bytes` bytes.
-    pub fn new(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
-        if !(1..=8).contains(&param_bytes) {
-            return Err(Error::InvalidArgument(format!(
-                "parameters of {param_bytes} bytes: 1 to 8 bytes per element"
-            )));
-        }
-        let layout = Layout::pack(
-            chunk_elems,
-            &spec.tensors.iter().map(|t| t.1).collect::<Vec<_>>(),
-        )?;
-        let chunks = plan_chunks(&layout, param_bytes);
-        Ok(ChunkPlan {
-            layout,
-            chunks,
-            param_bytes,
-        })
-    }
-
-    /// Schedulable number of chunk `kind` of `group`.
-    pub fn chunk_no(group: u32, kind: ChunkKind) -> ChunkNo {
-        group * 4 + kind.index() as u32
-    }
-
-    /// The group of schedulable chunk `chunk`.
-    pub fn group_of(chunk: ChunkNo) -> u32 {
-        chunk / 4
-    }
-
-    /// Bytes of all chunks of one kind.
-    pub fn kind_bytes(&self, kind: ChunkKind) -> u64 {
-        self.chunks
-            .iter()
-            .filter(|c| c.kind == kind)
-            .map(|c| c.bytes)
-            .sum()
-    }
-
-    /// Bytes of all chunks (model data with padding).
-    pub fn total_bytes(&self) -> u64 {
-        self.chunks.iter().map(|c| c.bytes).sum()
-    }
-}
-
-/// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
-/// chunks (numbered `group * 4 + kind`).
-pub fn plan_chunks(layout: &Layout, param_bytes: u64) -> Vec<ChunkDesc> {
-    let mut chunks = Vec::with_capacity(layout.groups() * 4);
-    for (g, &elems) in layout.group_elems.iter().enumerate() {
-        for kind in ChunkKind::ALL {
-            let per = if kind == ChunkKind::Param {
-                param_bytes
-            } else {
-                4
-            };
-            chunks.push(ChunkDesc {
-                bytes: elems as u64 * per,
-                kind,
-                group: g as u32,
-            });
-        }
-    }
-    chunks
-}
-
 /// The accesses of one iteration, moment by moment, as the chunk manager makes them: a forward
 /// moment per op (param chunks on the device, read), a backward moment per op in reverse (param
 /// chunks on the device, written where a tensor's last backward use writes its gradient), and an
@@ -392,31 +322,6 @@ pub(crate) fn iteration_accesses(
         out.push((Stage::Optimizer, optimizer_accesses(g), 0));
     }
     out
-}
-
-/// The accesses of the host optimizer step of chunk group `group`: all four chunks on the host,
-/// written.
-pub fn optimizer_accesses(group: u32) -> Vec<Access> {
-    ChunkKind::ALL
-        .iter()
-        .map(|&k| Access {
-            chunk: ChunkPlan::chunk_no(group, k),
-            target: Target::Host,
-            write: true,
-        })
-        .collect()
-}
-
-/// Adds an access, merging with one to the same chunk.
-pub fn push_access(acc: &mut Vec<Access>, chunk: ChunkNo, target: Target, write: bool) {
-    match acc.iter_mut().find(|a| a.chunk == chunk) {
-        Some(a) => a.write |= write,
-        None => acc.push(Access {
-            chunk,
-            target,
-            write,
-        }),
-    }
 }
 
 /// Options of a simulation.
@@ -493,7 +398,7 @@ pub fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
     match opts.chunk_elems {
         Some(c) => Ok(c),
         None => {
-            let numels: Vec<usize> = spec.tensors.iter().map(|t| t.1).collect();
+            let numels = spec.numels();
             let biggest_common = numels.iter().copied().max().unwrap_or(1);
             let start = (16usize << 20).min(biggest_common.max(1 << 16));
             Ok(search_chunk_size(
@@ -514,7 +419,7 @@ pub fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
 pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<SimReport> {
     spec.validate()?;
     let chunk_elems = chunk_size_for(spec, opts)?;
-    let plan = ChunkPlan::new(spec, chunk_elems, opts.param_bytes)?;
+    let plan = ChunkPlan::new(&spec.numels(), chunk_elems, opts.param_bytes)?;
     let mut cfg = opts.scheduler;
     cfg.capacity = opts.device_mem;
     let file = spill_to_file(&plan.chunks, Some(opts.host_mem));
@@ -618,7 +523,7 @@ pub fn largest_fitting(
         o.iterations = 1;
         let chunk_elems = chunk_size_for(&spec, &o)?;
         o.chunk_elems = Some(chunk_elems);
-        let plan = ChunkPlan::new(&spec, chunk_elems, o.param_bytes)?;
+        let plan = ChunkPlan::new(&spec.numels(), chunk_elems, o.param_bytes)?;
         if plan.total_bytes() > opts.host_mem + file_mem {
             return Ok(None);
         }

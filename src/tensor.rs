@@ -1,8 +1,9 @@
 //! Stateful tensors: the state machine every managed tensor runs.
 //!
-//! Each parameter tensor has a [`TensorState`] per chunk list it lives in (fp16 parameter/gradient,
-//! fp32 master, momentum, variance). Training events ([`TrainEvent`]) move it along the edges of one
-//! table, [`TRANSITIONS`], which reads like the state diagram of the PatrickStar paper:
+//! Each parameter tensor has a [`TensorState`] per chunk list ([`ChunkKind`]) it lives in (fp16
+//! parameter/gradient, fp32 master, momentum, variance). Training events ([`TrainEvent`]) move it
+//! along the edges of one table, [`TRANSITIONS`], which reads like the state diagram of the
+//! PatrickStar paper:
 //!
 //! ```text
 //!            BeforeFwdOp                AfterFwdOp                 EndForward
@@ -31,7 +32,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::data::rng::{splitmix64, unit_f32};
+use crate::rng::{splitmix64, unit_f32};
 
 /// The state of one tensor in one chunk list.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -178,6 +179,55 @@ pub fn next_state(state: TensorState, event: TrainEvent) -> Option<TensorState> 
         .iter()
         .find(|(from, ev, _)| *from == state && *ev == event)
         .map(|&(_, _, to)| to)
+}
+
+/// The four chunk lists. Chunk `i` of every list holds the same tensors at the same offsets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+pub enum ChunkKind {
+    /// fp16/bf16 parameters; after a tensor's last backward use its gradient replaces it.
+    Param,
+    /// fp32 master parameters.
+    Master,
+    /// Adam first moment (fp32).
+    Momentum,
+    /// Adam second moment (fp32).
+    Variance,
+}
+
+impl ChunkKind {
+    /// All kinds, in list order.
+    pub const ALL: [ChunkKind; 4] = [
+        ChunkKind::Param,
+        ChunkKind::Master,
+        ChunkKind::Momentum,
+        ChunkKind::Variance,
+    ];
+
+    /// Position in [`ChunkKind::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// Short name (`param`, `master`, `momentum`, `variance`).
+    pub fn name(self) -> &'static str {
+        match self {
+            ChunkKind::Param => "param",
+            ChunkKind::Master => "master",
+            ChunkKind::Momentum => "momentum",
+            ChunkKind::Variance => "variance",
+        }
+    }
+
+    /// Order in which chunks leave host memory for the file tier when host memory is short:
+    /// optimizer state first, parameters last.
+    pub fn spill_rank(self) -> u8 {
+        match self {
+            ChunkKind::Variance => 0,
+            ChunkKind::Momentum => 1,
+            ChunkKind::Master => 2,
+            ChunkKind::Param => 3,
+        }
+    }
 }
 
 /// Identifier of a registered parameter tensor (dense, in registration order).

@@ -5,7 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use tidemem::chunk::{search_chunk_size, ChunkKind, ChunkManager, ManagerConfig, SizeSearch};
+use tidemem::chunk::{
+    search_chunk_size, ChunkKind, ChunkManager, ChunkPlan, ManagerConfig, SizeSearch,
+};
 use tidemem::comm::{Communicator, ReduceOp};
 use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
 use tidemem::embedding::{
@@ -13,7 +15,7 @@ use tidemem::embedding::{
 };
 use tidemem::ops::embedding::BagMode;
 use tidemem::optim::{LossScaler, ScalerConfig};
-use tidemem::simulate::{gpt, ChunkPlan, GptConfig};
+use tidemem::simulate::{gpt, GptConfig};
 use tidemem::tensor::Init;
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::Error;
@@ -71,8 +73,8 @@ fn sizes_that_overflow_are_refused() {
         ..GptConfig::preset("gpt2-small").unwrap()
     }));
     let spec = gpt(&GptConfig::preset("gpt2-small").unwrap()).unwrap();
-    invalid(ChunkPlan::new(&spec, 1 << 20, 0));
-    invalid(ChunkPlan::new(&spec, 1 << 20, u64::MAX));
+    invalid(ChunkPlan::new(&spec.numels(), 1 << 20, 0));
+    invalid(ChunkPlan::new(&spec.numels(), 1 << 20, u64::MAX));
     invalid(search_chunk_size(
         &[10, 20],
         SizeSearch {

@@ -7,10 +7,9 @@ use std::path::Path;
 use safetensors::tensor::TensorView as StView;
 
 use super::manager::ChunkManager;
-use super::{decode, encode, ChunkKind};
+use super::{decode, encode, ChunkKind, ChunkPlan};
 use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
 use crate::error::{Error, Result};
-use crate::simulate::ChunkPlan;
 
 /// The metadata key naming the format, and its value.
 const FORMAT: (&str, &str) = ("format", "tidemem-chunks");

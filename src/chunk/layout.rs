@@ -4,55 +4,6 @@ use serde::Serialize;
 
 use crate::error::{Error, Result};
 
-/// The four chunk lists. Chunk `i` of every list holds the same tensors at the same offsets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-pub enum ChunkKind {
-    /// fp16/bf16 parameters; after a tensor's last backward use its gradient replaces it.
-    Param,
-    /// fp32 master parameters.
-    Master,
-    /// Adam first moment (fp32).
-    Momentum,
-    /// Adam second moment (fp32).
-    Variance,
-}
-
-impl ChunkKind {
-    /// All kinds, in list order.
-    pub const ALL: [ChunkKind; 4] = [
-        ChunkKind::Param,
-        ChunkKind::Master,
-        ChunkKind::Momentum,
-        ChunkKind::Variance,
-    ];
-
-    /// Position in [`ChunkKind::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// Short name (`param`, `master`, `momentum`, `variance`).
-    pub fn name(self) -> &'static str {
-        match self {
-            ChunkKind::Param => "param",
-            ChunkKind::Master => "master",
-            ChunkKind::Momentum => "momentum",
-            ChunkKind::Variance => "variance",
-        }
-    }
-
-    /// Order in which chunks leave host memory for the file tier when host memory is short:
-    /// optimizer state first, parameters last.
-    pub fn spill_rank(self) -> u8 {
-        match self {
-            ChunkKind::Variance => 0,
-            ChunkKind::Momentum => 1,
-            ChunkKind::Master => 2,
-            ChunkKind::Param => 3,
-        }
-    }
-}
-
 /// Where a tensor lives inside its chunk group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Slot {

@@ -3,13 +3,21 @@
 
 mod layout;
 
-pub use layout::{search_chunk_size, ChunkKind, Layout, SizeChoice, SizeSearch, Slot};
+pub use crate::tensor::ChunkKind;
+pub use layout::{search_chunk_size, Layout, SizeChoice, SizeSearch, Slot};
+
+mod plan;
+
+pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan};
 
 mod checkpoint;
 mod manager;
-pub(crate) use manager::{check_distinct, grad_ranges, numel_of, ViewBuf};
+mod tensors;
 
+pub(crate) use manager::grad_ranges;
 pub use manager::{
-    decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig,
-    ParamStore, TensorView, TideSample, Usage,
+    ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
+    TideSample, Usage,
 };
+pub(crate) use tensors::{check_distinct, numel_of, ViewBuf};
+pub use tensors::{decode, encode, ParamStore, TensorView};

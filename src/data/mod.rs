@@ -13,5 +13,5 @@
 pub mod criteo;
 mod permutation;
 pub mod regression;
-pub mod rng;
+pub use crate::rng;
 mod zipf;

@@ -421,7 +421,6 @@ pub(super) fn check_type(desc: &KernelDesc, spec: &OperandSpec, d: DType) -> Res
 
 /// Defines a [`ParamLayout`] for a `#[repr(C)]` struct: its name, header, size and the offset
 /// of every listed field.
-#[macro_export]
 macro_rules! param_layout {
     ($t:ty, $header:literal, [$($field:ident),* $(,)?]) => {
         $crate::device::launch::ParamLayout {
@@ -432,3 +431,4 @@ macro_rules! param_layout {
         }
     };
 }
+pub(crate) use param_layout;

@@ -50,57 +50,10 @@ pub use launch::{
 pub use pool::{Block, CachingAllocator, PoolStats, Reclaim};
 pub use sim::{LinkModel, SimBackend, SimConfig};
 
+pub use crate::device_id::{BackendKind, DeviceId};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use order::{Access, AccessRecord, Clock, Clocks};
-
-/// Which implementation runs a device.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BackendKind {
-    /// The simulated accelerator ([`SimBackend`]).
-    Sim,
-    /// A CUDA GPU ([`CudaBackend`]).
-    Cuda,
-}
-
-impl fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            BackendKind::Sim => "sim",
-            BackendKind::Cuda => "cuda",
-        })
-    }
-}
-
-/// Identity of one device instance: its kind, ordinal, and a process-unique number, so handles of
-/// two devices are never confused (even two simulated devices with the same ordinal).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct DeviceId {
-    /// Backend kind.
-    pub kind: BackendKind,
-    /// Device ordinal within its kind.
-    pub ordinal: usize,
-    /// Process-unique instance number.
-    pub uid: u64,
-}
-
-impl DeviceId {
-    /// A fresh id for a new device instance.
-    pub fn new(kind: BackendKind, ordinal: usize) -> Self {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
-        DeviceId {
-            kind,
-            ordinal,
-            uid: NEXT.fetch_add(1, Ordering::Relaxed),
-        }
-    }
-}
-
-impl fmt::Display for DeviceId {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{} (#{})", self.kind, self.ordinal, self.uid)
-    }
-}
 
 /// Free and total device memory in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1161,5 +1114,4 @@ mod tests {
         assert_eq!(dev.stats().h2d_bytes, 8);
         assert_eq!(dev.stats().d2h_bytes, 8 + 4);
     }
-
 }

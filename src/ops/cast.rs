@@ -19,6 +19,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use crate::device::launch::param_layout;
 use crate::device::launch::{grid_stride_blocks, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
@@ -43,7 +44,7 @@ pub static CAST: KernelDesc = KernelDesc {
         OperandSpec::read("src", FLOATS),
         OperandSpec::write("dst", FLOATS),
     ],
-    params: crate::param_layout!(CastParams, "cast.cuh", [n]),
+    params: param_layout!(CastParams, "cast.cuh", [n]),
     check: Some(check),
     twin,
     cuda: CudaSide::Nvrtc {

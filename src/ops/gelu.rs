@@ -21,6 +21,7 @@
 
 use half::{bf16, f16};
 
+use crate::device::launch::param_layout;
 use crate::device::launch::{grid_stride_blocks, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
@@ -48,7 +49,7 @@ pub static GELU_FORWARD: KernelDesc = KernelDesc {
         OperandSpec::read("x", FLOATS),
         OperandSpec::write("y", FLOATS),
     ],
-    params: crate::param_layout!(GeluParams, "gelu.cuh", [n]),
+    params: param_layout!(GeluParams, "gelu.cuh", [n]),
     check: Some(check),
     twin: forward_twin,
     cuda: CudaSide::Nvrtc {
@@ -65,7 +66,7 @@ pub static GELU_BACKWARD: KernelDesc = KernelDesc {
         OperandSpec::read("dy", FLOATS),
         OperandSpec::write("dx", FLOATS),
     ],
-    params: crate::param_layout!(GeluParams, "gelu.cuh", [n]),
+    params: param_layout!(GeluParams, "gelu.cuh", [n]),
     check: Some(check),
     twin: backward_twin,
     cuda: CudaSide::Nvrtc {

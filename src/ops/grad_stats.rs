@@ -7,6 +7,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::Serialize;
 
+use crate::device::launch::param_layout;
 use crate::device::launch::Grid;
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
@@ -58,7 +59,7 @@ pub static GRAD_STATS: KernelDesc = KernelDesc {
         OperandSpec::read("src", &DType::FLOATS),
         OperandSpec::write("out", &[DType::F64]),
     ],
-    params: crate::param_layout!(GradStatsParams, "grad_stats.cuh", [n]),
+    params: param_layout!(GradStatsParams, "grad_stats.cuh", [n]),
     check: Some(check),
     twin,
     cuda: CudaSide::Nvrtc {

@@ -423,7 +423,7 @@ impl HybridAdam {
     /// Like [`HybridAdam::step`], with the gradient statistics of this process's chunks passed
     /// through `reduce` before they decide anything: data-parallel ranks that each hold a shard
     /// all-reduce them (sum of squares summed, the overflow flag by MAX), so every rank skips
-    /// together and clips by the global norm. [`crate::zero::ZeroManager::step`] does this.
+    /// together and clips by the global norm. `ZeroManager::step` (in `zero`) does this.
     pub fn step_reducing(
         &mut self,
         m: &mut ChunkManager,

@@ -3,6 +3,7 @@
 //! group of a [`crate::chunk::ChunkManager`] on the device where its gradients are.
 
 pub mod adam;
+mod chunk_stats;
 #[cfg(test)]
 mod cpu_adam_tests;
 pub mod hybrid;

@@ -6,7 +6,7 @@
 //! copies, and the simulator, which only counts them.
 //!
 //! ```
-//! use tidemem::chunk::ChunkKind;
+//! use tidemem::tensor::ChunkKind;
 //! use tidemem::tide::{Access, ChunkDesc, Move, Policy, Scheduler, SchedulerConfig, Target};
 //! # fn main() -> tidemem::Result<()> {
 //! let chunks = (0..3).map(|g| ChunkDesc { bytes: 100, kind: ChunkKind::Param, group: g }).collect();

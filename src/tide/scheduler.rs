@@ -8,8 +8,8 @@
 use serde::Serialize;
 
 use super::trace::{Access, ChunkDesc, ChunkNo, Target, Trace, UseIndex};
-use crate::chunk::ChunkKind;
 use crate::error::{Error, Result};
+use crate::tensor::ChunkKind;
 
 /// Moments the prefetcher looks ahead at most.
 const PREFETCH_WINDOW: usize = 16;

@@ -2,8 +2,7 @@
 
 use serde::Serialize;
 
-use crate::chunk::ChunkKind;
-use crate::tensor::Stage;
+use crate::tensor::{ChunkKind, Stage};
 
 /// Index of a schedulable chunk (one chunk of one list), dense from 0.
 pub type ChunkNo = u32;

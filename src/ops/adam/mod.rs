@@ -10,6 +10,7 @@ pub(crate) use cpu::{RawKind, RawStep};
 
 use serde::Serialize;
 
+use crate::device::launch::param_layout;
 use crate::device::launch::{grid_stride_blocks, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
@@ -111,7 +112,7 @@ impl AdamParams {
 const F32: &[DType] = &[DType::F32];
 const LOW: &[DType] = &[DType::F16, DType::BF16];
 
-const LAYOUT: crate::device::ParamLayout = crate::param_layout!(
+const LAYOUT: crate::device::ParamLayout = param_layout!(
     AdamParams,
     "adam.cuh",
     [

@@ -2,6 +2,7 @@
 //! row gathers and scatters. Descriptors, typed wrappers and twins (the functions of the parent
 //! module); CUDA runs `kernels/embedding.cu`, whose results are bitwise the twins'.
 
+use crate::device::launch::param_layout;
 use crate::device::launch::Grid;
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -128,7 +129,7 @@ pub static EMBEDDING_BAG: KernelDesc = KernelDesc {
         OperandSpec::read("weights", F32).optional(),
         OperandSpec::write("output", F32),
     ],
-    params: crate::param_layout!(
+    params: param_layout!(
         EmbBagParams,
         "embedding.cuh",
         [rows, stride, dim, n, bags, mean, pad]
@@ -187,7 +188,7 @@ pub static EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
         OperandSpec::read("scales", F32),
         OperandSpec::write("gradients", F32),
     ],
-    params: crate::param_layout!(
+    params: param_layout!(
         EmbBackwardParams,
         "embedding.cuh",
         [nrows, dim, bags, nentries]
@@ -223,7 +224,7 @@ pub static EMBEDDING_STEP: KernelDesc = KernelDesc {
         OperandSpec::read("rows", U32),
         OperandSpec::read("gradients", F32),
     ],
-    params: crate::param_layout!(
+    params: param_layout!(
         EmbStepParams,
         "embedding.cuh",
         [table_rows, stride, dim, n, kind, lr, eps, beta1, beta2, bias1, bias2, pad]
@@ -271,7 +272,7 @@ pub static GATHER_ROWS: KernelDesc = KernelDesc {
         OperandSpec::read("index", U32),
         OperandSpec::write("destination", U32),
     ],
-    params: crate::param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
+    params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
     check: Some(|info| rows_check(info, 0)),
     twin: |a| {
         let p: EmbRowsParams = a.params()?;
@@ -294,7 +295,7 @@ pub static SCATTER_ROWS: KernelDesc = KernelDesc {
         OperandSpec::read("index", U32),
         OperandSpec::read_write("destination", U32),
     ],
-    params: crate::param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
+    params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
     check: Some(|info| rows_check(info, 2)),
     twin: |a| {
         let p: EmbRowsParams = a.params()?;

@@ -1,0 +1,287 @@
+//! The move executor: carries out the scheduler's moves with real allocations and copies, and
+//! gives host-side access to chunks (for checkpoints) without a moment passing.
+
+use std::sync::Arc;
+
+use super::{ChunkManager, HostSlot, LogKind, LISTS};
+use crate::chunk::tensors::encode;
+use crate::device::{DeviceBuffer, HostBuffer};
+use crate::error::{Error, Result};
+use crate::tensor::{ChunkKind, TensorState};
+use crate::tide::{ChunkNo, Move};
+
+impl ChunkManager {
+    /// Carries out the scheduler's moves; a failure makes the manager unusable.
+    pub(super) fn execute(&mut self, moves: &[Move]) -> Result<()> {
+        let r = self.execute_moves(moves);
+        if let Err(e) = &r {
+            self.broken = Some(format!("a chunk move the scheduler ordered failed: {e}"));
+        }
+        r
+    }
+
+    fn execute_moves(&mut self, moves: &[Move]) -> Result<()> {
+        // retire finished host frees
+        self.retiring.retain(|p| !p.is_ready().unwrap_or(false));
+        for mv in moves {
+            let t0 = self.now_us();
+            match *mv {
+                Move::Materialize { chunk } => {
+                    self.materialize(chunk as usize)?;
+                    self.note(LogKind::Materialize, chunk as u64, 0, t0);
+                }
+                Move::Load { chunk, prefetch } => {
+                    let bytes = self.load(chunk as usize)?;
+                    let kind = if prefetch {
+                        LogKind::Prefetch
+                    } else {
+                        LogKind::Load
+                    };
+                    self.note(kind, chunk as u64, bytes as u64, t0);
+                }
+                Move::WriteBack { chunk } => {
+                    let bytes = self.write_back(chunk as usize)?;
+                    self.note(LogKind::WriteBack, chunk as u64, bytes as u64, t0);
+                }
+                Move::Drop { chunk } => {
+                    self.drop_device(chunk as usize)?;
+                    self.note(LogKind::Drop, chunk as u64, 0, t0);
+                }
+                Move::FreeHost { chunk } => {
+                    let c = chunk as usize;
+                    match std::mem::take(&mut self.payload[c].host) {
+                        HostSlot::InFlight(p) => self.retiring.push(p),
+                        HostSlot::Ready(_) | HostSlot::None => {}
+                    }
+                    self.note(LogKind::FreeHost, chunk as u64, 0, t0);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads chunk `c` to a new device copy on the copy stream; returns its bytes.
+    fn load(&mut self, c: usize) -> Result<usize> {
+        let bytes = self.chunk_bytes(c);
+        let buf = self.alloc_device(bytes)?;
+        self.host_ready(c)?;
+        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
+            unreachable!()
+        };
+        let pending = self.device.copy_h2d(&self.copy, h, &buf)?;
+        let ev = self.device.new_event()?;
+        self.device.record(&self.copy, &ev)?;
+        self.payload[c].host = HostSlot::InFlight(pending);
+        self.payload[c].device = Some(Arc::new(buf));
+        self.payload[c].ready = Some(ev);
+        Ok(bytes)
+    }
+
+    /// Copies chunk `c`'s device copy back to its host copy on the copy stream, after everything
+    /// compute did to it; returns its bytes.
+    fn write_back(&mut self, c: usize) -> Result<usize> {
+        let buf = self.payload[c].device.clone().ok_or_else(|| {
+            Error::InvalidArgument(format!("write-back of chunk {c} without a device copy"))
+        })?;
+        let h = match std::mem::take(&mut self.payload[c].host) {
+            HostSlot::Ready(h) => h,
+            HostSlot::InFlight(p) => p.wait()?,
+            HostSlot::None => self.alloc_host(c)?,
+        };
+        // the copy engine reads the chunk after everything compute did to it
+        let ev = self.device.new_event()?;
+        self.device.record(&self.compute, &ev)?;
+        self.device.wait_event(&self.copy, &ev)?;
+        if let Some(r) = self.payload[c].ready.take() {
+            self.device.wait_event(&self.copy, &r)?;
+        }
+        let p = self.device.copy_d2h(&self.copy, &*buf, h)?;
+        self.payload[c].host = HostSlot::InFlight(p);
+        Ok(buf.len())
+    }
+
+    /// Drops chunk `c`'s device copy, which no view may still hold.
+    fn drop_device(&mut self, c: usize) -> Result<()> {
+        if let Some(buf) = self.payload[c].device.take() {
+            if Arc::strong_count(&buf) > 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "chunk {c} evicted while a view of it is alive"
+                )));
+            }
+        }
+        self.payload[c].ready = None;
+        Ok(())
+    }
+
+    /// Allocates a chunk's device copy; if the device is full because freed chunks are still
+    /// waiting for their copies or the non-model pool caches free blocks, waits for the streams,
+    /// empties the cache and tries once more.
+    pub(super) fn alloc_device(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        match self.device.alloc(bytes) {
+            Ok(b) => Ok(b),
+            Err(Error::OutOfMemory { .. }) => {
+                self.device.sync_stream(&self.copy)?;
+                self.device.sync_stream(&self.compute)?;
+                if let Some(p) = &self.non_model {
+                    p.empty_cache();
+                }
+                self.device.alloc(bytes)
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Makes the host slot of chunk `c` ready (waiting for a copy in flight) and returns it.
+    pub(super) fn host_ready(&mut self, c: usize) -> Result<&mut HostBuffer> {
+        if let HostSlot::InFlight(_) = &self.payload[c].host {
+            let HostSlot::InFlight(p) = std::mem::take(&mut self.payload[c].host) else {
+                unreachable!()
+            };
+            self.payload[c].host = HostSlot::Ready(p.wait()?);
+        }
+        match &mut self.payload[c].host {
+            HostSlot::Ready(b) => Ok(b),
+            _ => Err(Error::InvalidArgument(format!(
+                "chunk {c} has no host copy"
+            ))),
+        }
+    }
+
+    fn alloc_host(&mut self, c: usize) -> Result<HostBuffer> {
+        let bytes = self.chunk_bytes(c);
+        if self.file_tier[c] {
+            if let Some(f) = &self.file {
+                return f.alloc(bytes);
+            }
+        }
+        self.device.alloc_host(bytes)
+    }
+
+    fn materialize(&mut self, c: usize) -> Result<()> {
+        let mut h = self.alloc_host(c)?;
+        self.fill_initial(c, &mut h);
+        self.payload[c].host = HostSlot::Ready(h);
+        Ok(())
+    }
+
+    /// Chunk `c`'s bytes before any use: its tensors' initial values (zeros for the moments and
+    /// the padding).
+    fn fill_initial(&self, c: usize, h: &mut [u8]) {
+        h.fill(0);
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        if matches!(k, ChunkKind::Momentum | ChunkKind::Variance) {
+            return;
+        }
+        let (es, dt) = (self.elem_bytes(k), self.list_dtype(k));
+        for &t in &self.layout.group_tensors[g] {
+            let t = &self.tensors[t as usize];
+            let mut v = vec![0.0f32; t.slot.numel];
+            t.init.fill(&mut v);
+            let bytes = encode(&v, dt);
+            h[t.slot.offset * es..t.slot.offset * es + bytes.len()].copy_from_slice(&bytes);
+        }
+    }
+
+    /// Waits for every copy in flight.
+    pub fn synchronize(&mut self) -> Result<()> {
+        self.usable()?;
+        self.device.sync_stream(&self.copy)?;
+        self.device.sync_stream(&self.compute)?;
+        for c in 0..self.payload.len() {
+            if matches!(self.payload[c].host, HostSlot::InFlight(_)) {
+                self.host_ready(c)?;
+            }
+        }
+        for p in self.retiring.drain(..) {
+            p.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Refuses `what` (a checkpoint) unless the manager is between iterations: before the
+    /// first fetch or after `end_step`/`skip_step`. With `params_only`, also while a parameter
+    /// chunk may hold gradients (fetched in backward and not rewritten by an optimizer pass
+    /// since, as after a `skip_step` that did not restore the parameters).
+    pub(crate) fn check_idle(&self, what: &str, params_only: bool) -> Result<()> {
+        self.usable()?;
+        if let Some(s) = self.stage {
+            return Err(Error::InvalidArgument(format!(
+                "{what} runs between iterations (before the first fetch or after end_step), not \
+                 during the {} stage",
+                s.name()
+            )));
+        }
+        let dirty: Vec<usize> = (0..self.grads_in.len())
+            .filter(|&g| self.grads_in[g])
+            .collect();
+        if params_only && !dirty.is_empty() {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: the parameter chunks of groups {dirty:?} may hold gradients (a step \
+                 skipped or ended without an optimizer pass restoring the parameters, as \
+                 HybridAdam does)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// After a checkpoint load every parameter chunk holds parameters.
+    pub(in crate::chunk) fn params_restored(&mut self) {
+        self.grads_in.iter_mut().for_each(|g| *g = false);
+    }
+
+    /// Hands `f` chunk `c`'s current bytes on the host: a dirty device copy is written back
+    /// first (under move semantics the chunk moves to the host), and a chunk that never had a
+    /// payload shows its initial values. No moment passes.
+    pub(in crate::chunk) fn read_chunk_host(
+        &mut self,
+        c: usize,
+        f: impl FnOnce(&[u8]) -> Result<()>,
+    ) -> Result<()> {
+        let (g, k) = (c / 4, LISTS[c % 4]);
+        if self.sched.is_none() || self.chunk_state(g, k).is_none() {
+            let mut h = vec![0u8; self.chunk_bytes(c)];
+            self.fill_initial(c, &mut h);
+            return f(&h);
+        }
+        let moves = self.sched().sync_host(c as ChunkNo, false)?;
+        self.execute(&moves)?;
+        f(self.host_ready(c)?)
+    }
+
+    /// After a checkpoint load every tensor has a payload: FREE tensors become HOLD.
+    pub(in crate::chunk) fn hold_loaded(&mut self) {
+        for t in &mut self.tensors {
+            for s in &mut t.state {
+                if *s == TensorState::Free {
+                    *s = TensorState::Hold;
+                }
+            }
+        }
+    }
+
+    /// Hands `f` chunk `c`'s host copy to overwrite, after which it is the chunk's only copy:
+    /// a chunk without a payload gets one, and a device copy is dropped (written back first if
+    /// dirty, as any eviction). Closes registration. No moment passes.
+    /// A failure leaves the manager unusable: a load that stopped midway left some chunks
+    /// from the checkpoint and some not.
+    pub(in crate::chunk) fn write_chunk_host(
+        &mut self,
+        c: usize,
+        f: impl FnOnce(&mut [u8]),
+    ) -> Result<()> {
+        let r = (|| {
+            self.close()?;
+            let mut moves = self.sched().materialize_on_host(c as ChunkNo)?;
+            moves.extend(self.sched().sync_host(c as ChunkNo, true)?);
+            self.execute(&moves)?;
+            f(self.host_ready(c)?);
+            Ok(())
+        })();
+        if let Err(e) = &r {
+            if self.broken.is_none() {
+                self.broken = Some(format!("a checkpoint load failed midway: {e}"));
+            }
+        }
+        r
+    }
+}

@@ -1,0 +1,374 @@
+//! Optimizer passes: every chunk group visited once, on the host or on the device, between the
+//! end of backward and the end of the step.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use super::{ChunkManager, HostSlot, LogKind, LISTS};
+use crate::chunk::plan::ChunkPlan;
+use crate::chunk::tensors::{decode, encode};
+use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{ChunkKind, Stage, TensorId, TrainEvent};
+use crate::tide::{Access, ChunkNo, Target};
+
+/// The four chunks of one group on the host, for an optimizer step.
+pub struct GroupSlices<'a> {
+    /// Group index.
+    pub group: usize,
+    /// Tensors of the group: id, offset and length in elements, and whether a gradient was written
+    /// into its parameter slot this iteration.
+    pub tensors: Vec<(TensorId, usize, usize, bool)>,
+    /// Parameter chunk (gradients where written), raw bytes of the parameter dtype.
+    pub param: &'a mut [u8],
+    /// Parameter dtype.
+    pub param_dtype: DType,
+    /// fp32 masters.
+    pub master: &'a mut [f32],
+    /// Momentum.
+    pub momentum: &'a mut [f32],
+    /// Variance.
+    pub variance: &'a mut [f32],
+}
+
+impl GroupSlices<'_> {
+    /// The parameter chunk decoded to f32 (gradients where written).
+    pub fn param_f32(&self) -> Vec<f32> {
+        decode(self.param, self.param_dtype)
+    }
+
+    /// Writes the masters, rounded to the parameter dtype, into the parameter chunk (the last
+    /// thing an optimizer step does).
+    pub fn store_params(&mut self) {
+        let es = self.param_dtype.size();
+        for (i, x) in self.master.iter().enumerate() {
+            let b = encode(std::slice::from_ref(x), self.param_dtype);
+            self.param[i * es..(i + 1) * es].copy_from_slice(&b);
+        }
+    }
+}
+
+/// The chunks of one group as an optimizer pass sees them (see
+/// [`ChunkManager::visit_groups`]).
+pub struct GroupVisit<'a> {
+    /// Group index.
+    pub group: usize,
+    /// Tensors of the group: id, offset and length in elements, and whether a gradient was written
+    /// into its parameter slot this iteration.
+    pub tensors: Vec<(TensorId, usize, usize, bool)>,
+    /// Element ranges of the chunk that hold gradients: runs of consecutive tensors with a
+    /// gradient (padding between them included; padding is zero in every list).
+    pub ranges: Vec<Range<usize>>,
+    /// Parameter dtype.
+    pub param_dtype: DType,
+    /// The chunks, where they are.
+    pub chunks: GroupChunks<'a>,
+}
+
+/// The chunks of a visited group, on the host or on the device; the lists not asked for are
+/// `None`.
+pub enum GroupChunks<'a> {
+    /// Host memory.
+    Host {
+        /// Parameter chunk (gradients where written), raw bytes of the parameter dtype.
+        param: &'a mut [u8],
+        /// fp32 masters.
+        master: Option<&'a mut [f32]>,
+        /// Momentum.
+        momentum: Option<&'a mut [f32]>,
+        /// Variance.
+        variance: Option<&'a mut [f32]>,
+    },
+    /// Device memory: enqueue work on `stream`.
+    Device {
+        /// The device.
+        device: &'a Device,
+        /// The stream to enqueue on (the manager's compute stream).
+        stream: &'a Stream,
+        /// Parameter chunk.
+        param: &'a DeviceBuffer,
+        /// fp32 masters.
+        master: Option<&'a DeviceBuffer>,
+        /// Momentum.
+        momentum: Option<&'a DeviceBuffer>,
+        /// Variance.
+        variance: Option<&'a DeviceBuffer>,
+    },
+}
+
+/// Runs of consecutive tensors (by offset) that hold a gradient, as element ranges.
+pub(crate) fn grad_ranges(tensors: &[(TensorId, usize, usize, bool)]) -> Vec<Range<usize>> {
+    let mut by_offset: Vec<&(TensorId, usize, usize, bool)> = tensors.iter().collect();
+    by_offset.sort_by_key(|t| t.1);
+    let mut out: Vec<Range<usize>> = Vec::new();
+    let mut open = false;
+    for &&(_, off, n, has) in &by_offset {
+        if !has {
+            open = false;
+            continue;
+        }
+        match out.last_mut() {
+            Some(r) if open => r.end = off + n,
+            _ => out.push(off..off + n),
+        }
+        open = true;
+    }
+    out
+}
+
+impl ChunkManager {
+    /// Runs an optimizer over every chunk group on the host: the group's four chunks are brought
+    /// to host memory (dirty device copies written back, stale ones dropped) and handed to `f`,
+    /// which updates masters and optimizer state and must leave the new parameter values in the
+    /// parameter chunk. One moment per group.
+    pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
+        self.usable()?;
+        self.visit_groups(
+            &ChunkKind::ALL,
+            |_| Target::Host,
+            |v| match v.chunks {
+                GroupChunks::Host {
+                    param,
+                    master: Some(master),
+                    momentum: Some(momentum),
+                    variance: Some(variance),
+                } => f(GroupSlices {
+                    group: v.group,
+                    tensors: v.tensors,
+                    param,
+                    param_dtype: v.param_dtype,
+                    master,
+                    momentum,
+                    variance,
+                }),
+                _ => unreachable!("four host chunks were asked for"),
+            },
+        )
+    }
+
+    /// Visits every chunk group once, in order, during the optimizer stage (after
+    /// [`ChunkManager::end_backward`]): the chunks of `kinds` (the parameter chunk is always
+    /// included) are brought to the tier `place(group)` names and handed to `f`. One moment per
+    /// group; every chunk visited counts as written. On the device, `f` enqueues its work on
+    /// the stream it is given, which runs after the loads of the group's chunks; later moves of
+    /// those chunks run after it. A pass that includes the masters must leave parameters in the
+    /// parameter chunk (an optimizer step, or a restore from the masters): afterwards the
+    /// group's parameter chunk counts as holding parameters again, not gradients, for
+    /// [`ChunkManager::save_checkpoint`].
+    pub fn visit_groups(
+        &mut self,
+        kinds: &[ChunkKind],
+        mut place: impl FnMut(usize) -> Target,
+        mut f: impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        self.usable()?;
+        if self.stage != Some(Stage::Optimizer) {
+            return Err(Error::InvalidArgument(
+                "optimizer passes run between end_backward and end_step".into(),
+            ));
+        }
+        let mut lists = vec![ChunkKind::Param];
+        lists.extend(kinds.iter().copied().filter(|&k| k != ChunkKind::Param));
+        lists.sort_by_key(|k| k.index());
+        lists.dedup();
+        let opt: Vec<ChunkKind> = lists[1..].to_vec();
+        for g in 0..self.layout.groups() {
+            let t0 = self.now_us();
+            let target = place(g);
+            let ids: Vec<TensorId> = self.layout.group_tensors[g]
+                .iter()
+                .map(|&t| TensorId(t))
+                .collect();
+            for &k in &opt {
+                self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
+            }
+            let acc: Vec<Access> = lists
+                .iter()
+                .map(|&k| Access {
+                    chunk: ChunkPlan::chunk_no(g as u32, k),
+                    target,
+                    write: true,
+                })
+                .collect();
+            self.tick(Stage::Optimizer, &acc);
+            let moves = self.fetch_moment(&acc)?;
+            self.execute(&moves)?;
+            for &id in &ids {
+                for &k in &opt {
+                    self.apply(id, k, TrainEvent::BeforeOptim);
+                }
+            }
+            let tensors = self.group_tensors(g);
+            let ranges = grad_ranges(&tensors);
+            let result = match target {
+                Target::Host => self.visit_host(g, &lists, tensors, ranges, &mut f),
+                Target::Device => self.visit_device(g, &lists, tensors, ranges, &mut f),
+            };
+            for &id in &ids {
+                for &k in &opt {
+                    self.apply(id, k, TrainEvent::AfterOptim);
+                }
+            }
+            let chunks: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
+            let moves = self.sched().release(&chunks)?;
+            self.execute(&moves)?;
+            self.sample();
+            self.note(LogKind::Optimizer, g as u64, 0, t0);
+            result?;
+            if lists.contains(&ChunkKind::Master) {
+                // an optimizer pass (or a restore from the masters) leaves parameters in the
+                // parameter chunk
+                self.grads_in[g] = false;
+            }
+        }
+        Ok(())
+    }
+
+    fn visit_host(
+        &mut self,
+        g: usize,
+        lists: &[ChunkKind],
+        tensors: Vec<(TensorId, usize, usize, bool)>,
+        ranges: Vec<Range<usize>>,
+        f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        // every copy in place first, so an error cannot leave a chunk taken out of its slot
+        for &k in lists {
+            self.host_ready(ChunkPlan::chunk_no(g as u32, k) as usize)?;
+        }
+        let mut bufs: [Option<HostBuffer>; 4] = Default::default();
+        for &k in lists {
+            let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+            match std::mem::take(&mut self.payload[c].host) {
+                HostSlot::Ready(b) => bufs[k.index()] = Some(b),
+                _ => unreachable!("host_ready leaves the slot ready"),
+            }
+        }
+        let result = {
+            let [p, ma, mo, va] = &mut bufs;
+            fn f32s(b: &mut Option<HostBuffer>) -> Result<Option<&mut [f32]>> {
+                match b {
+                    None => Ok(None),
+                    Some(b) => bytemuck::try_cast_slice_mut::<u8, f32>(b)
+                        .map(Some)
+                        .map_err(|_| Error::Misaligned {
+                            what: "host chunk",
+                            value: 0,
+                            align: 4,
+                        }),
+                }
+            }
+            match (f32s(ma), f32s(mo), f32s(va)) {
+                (Ok(master), Ok(momentum), Ok(variance)) => f(GroupVisit {
+                    group: g,
+                    tensors,
+                    ranges,
+                    param_dtype: self.cfg.param_dtype,
+                    chunks: GroupChunks::Host {
+                        param: p.as_mut().expect("the parameter chunk is always visited"),
+                        master,
+                        momentum,
+                        variance,
+                    },
+                }),
+                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
+            }
+        };
+        for (i, b) in bufs.into_iter().enumerate() {
+            if let Some(b) = b {
+                self.payload[ChunkPlan::chunk_no(g as u32, LISTS[i]) as usize].host =
+                    HostSlot::Ready(b);
+            }
+        }
+        result
+    }
+
+    fn visit_device(
+        &mut self,
+        g: usize,
+        lists: &[ChunkKind],
+        tensors: Vec<(TensorId, usize, usize, bool)>,
+        ranges: Vec<Range<usize>>,
+        f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let mut bufs: [Option<Arc<DeviceBuffer>>; 4] = Default::default();
+        for &k in lists {
+            let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+            if let Some(ev) = self.payload[c].ready.take() {
+                self.device.wait_event(&self.compute, &ev)?;
+            }
+            bufs[k.index()] = Some(self.payload[c].device.clone().ok_or_else(|| {
+                Error::InvalidArgument(format!("chunk {c} was fetched but has no device copy"))
+            })?);
+        }
+        let [p, ma, mo, va] = &bufs;
+        f(GroupVisit {
+            group: g,
+            tensors,
+            ranges,
+            param_dtype: self.cfg.param_dtype,
+            chunks: GroupChunks::Device {
+                device: &self.device,
+                stream: &self.compute,
+                param: p.as_deref().expect("the parameter chunk is always visited"),
+                master: ma.as_deref(),
+                momentum: mo.as_deref(),
+                variance: va.as_deref(),
+            },
+        })
+    }
+
+    /// Tells the scheduler where the optimizer will run each group from now on: the installed
+    /// trace's optimizer moments are rewritten to `place(group)`, so next-use distances and
+    /// prefetching count the optimizer's device uses. Without an installed trace (during
+    /// warm-up) nothing changes.
+    pub fn plan_optimizer(&mut self, mut place: impl FnMut(usize) -> Target) {
+        let Some(s) = self.sched.as_mut() else {
+            return;
+        };
+        let Some(mut trace) = s.trace().cloned() else {
+            return;
+        };
+        trace.place_optimizer(|c| place(ChunkPlan::group_of(c) as usize));
+        s.install_trace(trace);
+    }
+
+    /// Element ranges of group `g`'s parameter chunk that hold gradients written this
+    /// iteration (see [`GroupVisit::ranges`]).
+    pub(crate) fn param_grad_ranges(&self, g: usize) -> Vec<Range<usize>> {
+        grad_ranges(&self.group_tensors(g))
+    }
+
+    /// Whether group `g`'s parameter chunk has a device copy.
+    pub(crate) fn param_on_device(&self, g: usize) -> bool {
+        let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        self.payload.get(c).is_some_and(|p| p.device.is_some())
+    }
+
+    /// Group `g`'s parameter chunk on the host, where it is, without a move (waiting for a
+    /// copy in flight).
+    pub(crate) fn param_host(&mut self, g: usize) -> Result<&[u8]> {
+        let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        Ok(self.host_ready(c)?)
+    }
+
+    /// Group `g`'s parameter chunk on the device, where it is, without a move: work on
+    /// [`ChunkManager::compute_stream`] after this call runs after its load.
+    pub(crate) fn param_device(&mut self, g: usize) -> Result<Arc<DeviceBuffer>> {
+        let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        if let Some(ev) = self.payload[c].ready.take() {
+            self.device.wait_event(&self.compute, &ev)?;
+        }
+        self.payload[c]
+            .device
+            .clone()
+            .ok_or_else(|| Error::InvalidArgument(format!("chunk {c} has no device copy")))
+    }
+
+    /// Device scratch memory beside the chunks (see [`ChunkManager::alloc_device`]: a full
+    /// device is retried once after waiting for the streams and emptying the non-model cache).
+    pub(crate) fn alloc_scratch(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        self.alloc_device(bytes)
+    }
+}

@@ -1,0 +1,258 @@
+//! What the manager tells about itself: the event log, tide samples, move statistics and the
+//! bytes on every tier.
+
+use serde::Serialize;
+
+use super::{ChunkManager, HostSlot};
+use crate::tide::{MoveStats, Scheduler, Trace};
+
+/// Chunk bytes per kind (index [`ChunkKind::index`](crate::tensor::ChunkKind::index)) on each
+/// tier.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Device bytes.
+    pub device: [u64; 4],
+    /// Host memory bytes.
+    pub host: [u64; 4],
+    /// File-tier bytes.
+    pub file: [u64; 4],
+}
+
+impl Usage {
+    /// Total over kinds for one tier.
+    pub fn total(tier: &[u64; 4]) -> u64 {
+        tier.iter().sum()
+    }
+}
+
+/// What an entry of the manager's event log records. Serialized (and named by
+/// [`LogKind::name`]) in kebab case: `moment`, `fetch`, `optimizer`, `materialize`, `load`,
+/// `prefetch`, `write-back`, `drop`, `free-host`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum LogKind {
+    /// A moment opened (`n` is its index).
+    Moment,
+    /// A fetch of `n` tensors for forward or backward (its duration covers the moves it made).
+    Fetch,
+    /// The optimizer pass over group `n`.
+    Optimizer,
+    /// Chunk `n` got its first payload, on the host.
+    Materialize,
+    /// Chunk `n` loaded to the device on demand.
+    Load,
+    /// Chunk `n` loaded to the device ahead of its use.
+    Prefetch,
+    /// Chunk `n`'s device copy written back to the host.
+    WriteBack,
+    /// Chunk `n`'s device copy dropped.
+    Drop,
+    /// Chunk `n`'s host copy freed.
+    FreeHost,
+}
+
+impl LogKind {
+    /// Every kind.
+    pub const ALL: [LogKind; 9] = [
+        LogKind::Moment,
+        LogKind::Fetch,
+        LogKind::Optimizer,
+        LogKind::Materialize,
+        LogKind::Load,
+        LogKind::Prefetch,
+        LogKind::WriteBack,
+        LogKind::Drop,
+        LogKind::FreeHost,
+    ];
+
+    /// The kebab-case name (as serialized).
+    pub fn name(self) -> &'static str {
+        match self {
+            LogKind::Moment => "moment",
+            LogKind::Fetch => "fetch",
+            LogKind::Optimizer => "optimizer",
+            LogKind::Materialize => "materialize",
+            LogKind::Load => "load",
+            LogKind::Prefetch => "prefetch",
+            LogKind::WriteBack => "write-back",
+            LogKind::Drop => "drop",
+            LogKind::FreeHost => "free-host",
+        }
+    }
+}
+
+impl std::fmt::Display for LogKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// One entry of the manager's event log (for Chrome traces).
+#[derive(Clone, Debug, Serialize)]
+pub struct LogEntry {
+    /// Microseconds since the manager was created.
+    pub t_us: f64,
+    /// Duration in microseconds (0 for instants).
+    pub dur_us: f64,
+    /// What happened.
+    pub what: LogKind,
+    /// Chunk number, or the moment index for `moment`.
+    pub n: u64,
+    /// Bytes involved.
+    pub bytes: u64,
+    /// Chunk bytes on the device after it, and the budget at the moment.
+    pub device_chunks: u64,
+    /// Budget at the moment.
+    pub budget: u64,
+}
+
+/// Device memory at one moment of the last complete iteration (for the tide plot).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct TideSample {
+    /// Non-model bytes (peak over the moment).
+    pub non_model: u64,
+    /// Chunk bytes on the device.
+    pub chunks: u64,
+    /// Chunk budget (`None` during warm-up).
+    pub budget: Option<u64>,
+}
+
+impl ChunkManager {
+    /// Starts logging moments and moves (see [`ChunkManager::log`]).
+    pub fn enable_log(&mut self) {
+        self.log = Some(Vec::new());
+    }
+
+    /// The event log (empty unless [`ChunkManager::enable_log`] was called).
+    pub fn log(&self) -> &[LogEntry] {
+        self.log.as_deref().unwrap_or(&[])
+    }
+
+    pub(super) fn now_us(&self) -> f64 {
+        self.epoch.elapsed().as_secs_f64() * 1e6
+    }
+
+    pub(super) fn note(&mut self, what: LogKind, n: u64, bytes: u64, t0: f64) {
+        if self.log.is_some() {
+            let t = self.now_us();
+            let (dc, b) = self
+                .sched
+                .as_ref()
+                .map_or((0, 0), |s| (s.device_used(), s.budget()));
+            if let Some(l) = self.log.as_mut() {
+                l.push(LogEntry {
+                    t_us: t0,
+                    dur_us: t - t0,
+                    what,
+                    n,
+                    bytes,
+                    device_chunks: dc,
+                    budget: b,
+                });
+            }
+        }
+    }
+
+    pub(super) fn sample(&mut self) {
+        let s = self.sched.as_ref().expect("scheduler");
+        let budget = s.trace().map(|_| s.budget());
+        let chunks = s.device_used();
+        let non_model = self
+            .non_model
+            .as_ref()
+            .map_or(0, |p| p.stats().allocated as u64);
+        self.samples.push(TideSample {
+            non_model,
+            chunks,
+            budget,
+        });
+    }
+
+    /// The highest non-model device memory seen at any moment of this iteration or the last
+    /// complete one (0 without a non-model allocator).
+    pub fn non_model_peak(&self) -> u64 {
+        self.samples
+            .iter()
+            .chain(&self.last_samples)
+            .map(|s| s.non_model)
+            .max()
+            .unwrap_or(0)
+            .max(
+                self.non_model
+                    .as_ref()
+                    .map_or(0, |p| p.stats().peak_allocated as u64),
+            )
+    }
+
+    /// Iterations completed (`end_step` or `skip_step` calls).
+    pub fn iterations_done(&self) -> u64 {
+        self.iterations
+    }
+
+    /// Whether warm-up is over (a trace is installed).
+    pub fn is_steady(&self) -> bool {
+        !self.warm
+    }
+
+    /// The installed trace.
+    pub fn trace(&self) -> Option<&Trace> {
+        self.sched.as_ref().and_then(|s| s.trace())
+    }
+
+    /// Moves ordered since the manager was created.
+    pub fn stats(&self) -> MoveStats {
+        self.sched
+            .as_ref()
+            .map_or_else(MoveStats::default, |s| s.stats())
+    }
+
+    /// Moves of the last complete iteration.
+    pub fn last_iteration(&self) -> MoveStats {
+        self.last_iter
+    }
+
+    /// Device memory at every moment of the last complete iteration.
+    pub fn tide_samples(&self) -> &[TideSample] {
+        &self.last_samples
+    }
+
+    /// The scheduler (after the first fetch).
+    pub fn scheduler(&self) -> Option<&Scheduler> {
+        self.sched.as_ref()
+    }
+
+    /// Exact chunk bytes per kind on every tier, from the payloads that exist.
+    pub fn usage(&self) -> Usage {
+        let mut u = Usage::default();
+        for (c, p) in self.payload.iter().enumerate() {
+            let k = c % 4;
+            let b = self.chunk_bytes(c) as u64;
+            if p.device.is_some() {
+                u.device[k] += b;
+            }
+            if !matches!(p.host, HostSlot::None) {
+                if self.file_tier[c] {
+                    u.file[k] += b;
+                } else {
+                    u.host[k] += b;
+                }
+            }
+        }
+        u
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_kinds_serialize_as_their_names() {
+        for k in LogKind::ALL {
+            assert_eq!(serde_json::to_value(k).unwrap(), k.name());
+            assert_eq!(k.to_string(), k.name());
+        }
+        assert_eq!(LogKind::WriteBack.name(), "write-back");
+        assert_eq!(LogKind::FreeHost.name(), "free-host");
+    }
+}

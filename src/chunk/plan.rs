@@ -1,0 +1,109 @@
+//! Chunk addressing: the schedulable chunks of a layout, numbered `group * 4 + kind`, and the
+//! accesses the manager (and the simulator, which replays the manager's accesses) makes of them.
+
+use serde::Serialize;
+
+use super::layout::Layout;
+use crate::error::{Error, Result};
+use crate::tensor::ChunkKind;
+use crate::tide::{Access, ChunkDesc, ChunkNo, Target};
+
+/// How the chunks of a model are laid out.
+#[derive(Clone, Debug, Serialize)]
+pub struct ChunkPlan {
+    /// The packing.
+    pub layout: Layout,
+    /// Schedulable chunks, `group * 4 + kind`.
+    pub chunks: Vec<ChunkDesc>,
+    /// Bytes of one parameter element (2 for fp16/bf16, 4 for fp32).
+    pub param_bytes: u64,
+}
+
+impl ChunkPlan {
+    /// Packs tensors of `numels` elements (in registration order) with chunks of `chunk_elems`
+    /// elements and parameters of `param_bytes` bytes.
+    pub fn new(numels: &[usize], chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
+        if !(1..=8).contains(&param_bytes) {
+            return Err(Error::InvalidArgument(format!(
+                "parameters of {param_bytes} bytes: 1 to 8 bytes per element"
+            )));
+        }
+        let layout = Layout::pack(chunk_elems, numels)?;
+        let chunks = plan_chunks(&layout, param_bytes);
+        Ok(ChunkPlan {
+            layout,
+            chunks,
+            param_bytes,
+        })
+    }
+
+    /// Schedulable number of chunk `kind` of `group`.
+    pub fn chunk_no(group: u32, kind: ChunkKind) -> ChunkNo {
+        group * 4 + kind.index() as u32
+    }
+
+    /// The group of schedulable chunk `chunk`.
+    pub fn group_of(chunk: ChunkNo) -> u32 {
+        chunk / 4
+    }
+
+    /// Bytes of all chunks of one kind.
+    pub fn kind_bytes(&self, kind: ChunkKind) -> u64 {
+        self.chunks
+            .iter()
+            .filter(|c| c.kind == kind)
+            .map(|c| c.bytes)
+            .sum()
+    }
+
+    /// Bytes of all chunks (model data with padding).
+    pub fn total_bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.bytes).sum()
+    }
+}
+
+/// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
+/// chunks (numbered `group * 4 + kind`).
+pub fn plan_chunks(layout: &Layout, param_bytes: u64) -> Vec<ChunkDesc> {
+    let mut chunks = Vec::with_capacity(layout.groups() * 4);
+    for (g, &elems) in layout.group_elems.iter().enumerate() {
+        for kind in ChunkKind::ALL {
+            let per = if kind == ChunkKind::Param {
+                param_bytes
+            } else {
+                4
+            };
+            chunks.push(ChunkDesc {
+                bytes: elems as u64 * per,
+                kind,
+                group: g as u32,
+            });
+        }
+    }
+    chunks
+}
+
+/// The accesses of the host optimizer step of chunk group `group`: all four chunks on the host,
+/// written.
+pub fn optimizer_accesses(group: u32) -> Vec<Access> {
+    ChunkKind::ALL
+        .iter()
+        .map(|&k| Access {
+            chunk: ChunkPlan::chunk_no(group, k),
+            target: Target::Host,
+            write: true,
+        })
+        .collect()
+}
+
+/// Adds an access, merging with one to the same chunk.
+pub fn push_access(acc: &mut Vec<Access>, chunk: ChunkNo, target: Target, write: bool) {
+    match acc.iter_mut().find(|a| a.chunk == chunk) {
+        Some(a) => a.write |= write,
+        None => acc.push(Access {
+            chunk,
+            target,
+            write,
+        }),
+    }
+}

@@ -1,0 +1,138 @@
+//! What the chunk manager and the data-parallel ZeRO manager share about tensors: views of
+//! fetched tensors, the checks of a registration and an access, the element encodings, and the
+//! [`ParamStore`] a trainer runs against.
+
+use std::sync::Arc;
+
+use super::ChunkManager;
+use crate::device::{Block, DeviceBuffer, DeviceView};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{Init, Stage, TensorId};
+
+/// Memory of a fetched tensor on the device: valid until the tensor is released.
+#[derive(Clone, Debug)]
+pub struct TensorView {
+    /// The tensor.
+    pub id: TensorId,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements.
+    pub numel: usize,
+    buf: ViewBuf,
+    offset: usize,
+}
+
+/// What a view keeps alive: a chunk's device copy, or a pooled buffer (a ZeRO gather buffer).
+#[derive(Clone, Debug)]
+pub(crate) enum ViewBuf {
+    Chunk(Arc<DeviceBuffer>),
+    Pooled(Arc<Block>),
+}
+
+impl TensorView {
+    pub(crate) fn new(
+        id: TensorId,
+        dtype: DType,
+        numel: usize,
+        buf: ViewBuf,
+        offset: usize,
+    ) -> Self {
+        TensorView {
+            id,
+            dtype,
+            numel,
+            buf,
+            offset,
+        }
+    }
+
+    /// The device memory of the tensor, for copies and kernels.
+    pub fn view(&self) -> DeviceView<'_> {
+        let buf: &DeviceBuffer = match &self.buf {
+            ViewBuf::Chunk(b) => b,
+            ViewBuf::Pooled(b) => b,
+        };
+        // in range by construction: the slot lies inside its chunk
+        buf.view(self.offset, self.numel * self.dtype.size())
+            .expect("tensor slot inside its chunk")
+    }
+}
+
+/// Elements of a tensor of `shape`: an error for none or more than `usize` holds.
+pub(crate) fn numel_of(name: &str, shape: &[usize]) -> Result<usize> {
+    // every list's bytes (4 per element at most) must be addressable
+    match shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
+        Some(n) if n > 0 && n <= isize::MAX as usize / 4 => Ok(n),
+        _ => Err(Error::InvalidArgument(format!(
+            "tensor '{name}' has shape {shape:?} with no elements or too many"
+        ))),
+    }
+}
+
+pub(crate) fn check_distinct(ids: &[TensorId]) -> Result<()> {
+    if ids.is_empty() {
+        return Err(Error::InvalidArgument("an access names no tensor".into()));
+    }
+    for (i, a) in ids.iter().enumerate() {
+        if ids[i + 1..].contains(a) {
+            return Err(Error::InvalidArgument(format!(
+                "tensor {a} listed twice in one access"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Encodes f32 values as `dtype` little-endian bytes (see [`crate::dtype::encode_f32`]).
+pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
+    crate::dtype::encode_f32(v, dtype)
+}
+
+/// Decodes `dtype` little-endian bytes to f32 (see [`crate::dtype::decode_f32`]).
+pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
+    crate::dtype::decode_f32(b, dtype)
+}
+
+/// What a trainer's forward and backward need from a parameter store, so one trainer runs on
+/// a [`ChunkManager`] or a data-parallel `ZeroManager` (in `zero`) alike.
+pub trait ParamStore {
+    /// Registers a parameter (see [`ChunkManager::register`]).
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId>;
+    /// Fetches tensors for an op (see [`ChunkManager::fetch`]).
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>>;
+    /// Ends an op's use of tensors (see [`ChunkManager::release`]).
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()>;
+    /// A fetched tensor's values as f32 (see [`ChunkManager::read`]).
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
+    /// Writes a tensor's gradient at its last backward use (see [`ChunkManager::write_grad`]).
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()>;
+    /// Ends the forward pass.
+    fn end_forward(&mut self) -> Result<()>;
+    /// Ends the backward pass.
+    fn end_backward(&mut self) -> Result<()>;
+}
+
+impl ParamStore for ChunkManager {
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        ChunkManager::register(self, name, shape, init)
+    }
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        ChunkManager::fetch(self, ids, stage)
+    }
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        ChunkManager::release(self, ids, stage)
+    }
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        ChunkManager::read(self, id)
+    }
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        ChunkManager::write_grad(self, id, grad)
+    }
+    fn end_forward(&mut self) -> Result<()> {
+        ChunkManager::end_forward(self)
+    }
+    fn end_backward(&mut self) -> Result<()> {
+        ChunkManager::end_backward(self)
+    }
+}

@@ -1,0 +1,80 @@
+//! Gradient statistics over the parameter chunks of a [`ChunkManager`], read where each chunk
+//! is: the optimizer's norm and overflow check, built on the manager's in-place chunk access.
+
+use std::ops::Range;
+
+use crate::chunk::ChunkManager;
+use crate::error::{Error, Result};
+use crate::ops::grad_stats::{grad_stats_of, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+
+impl ChunkManager {
+    /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
+    /// iteration, computed where each parameter chunk is, without moving it: on the device with
+    /// [`crate::ops::grad_stats`], on the host with the same CPU code as its twin. Ranges are combined in group order, so the result does not depend on placement
+    /// where both sides run the same code (the simulated device).
+    pub fn grad_stats(&mut self) -> Result<GradStats> {
+        self.usable()?;
+        let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
+        let mut parts: Vec<Option<GradStats>> = Vec::new();
+        let dt = self.param_dtype();
+        let es = dt.size();
+        for g in 0..self.groups() {
+            for r in self.param_grad_ranges(g) {
+                if self.param_on_device(g) {
+                    on_device.push((g, r));
+                    parts.push(None);
+                } else {
+                    let h = self.param_host(g)?;
+                    parts.push(Some(grad_stats_of(&h[r.start * es..r.end * es], dt)?));
+                }
+            }
+        }
+        if !on_device.is_empty() {
+            let mut results = device_stats(self, &on_device)?.into_iter();
+            for p in parts.iter_mut().filter(|p| p.is_none()) {
+                *p = results.next();
+            }
+        }
+        Ok(parts
+            .into_iter()
+            .flatten()
+            .fold(GradStats::default(), GradStats::merge))
+    }
+}
+
+/// Statistics of the ranges `(group, elements)` of parameter chunks on the device, in order:
+/// one scratch range, reused, and the 16-byte results gathered on the device for one download;
+/// without room for them, the gradients are read back and summed on the host by the same code.
+fn device_stats(m: &mut ChunkManager, ranges: &[(usize, Range<usize>)]) -> Result<Vec<GradStats>> {
+    let n = ranges.len();
+    let dt = m.param_dtype();
+    let es = dt.size();
+    let scratch = match (m.alloc_scratch(GRAD_STATS_BYTES), m.alloc_scratch(16 * n)) {
+        (Ok(s), Ok(r)) => Some((s, r)),
+        (Err(Error::OutOfMemory { .. }), _) | (_, Err(Error::OutOfMemory { .. })) => None,
+        (Err(e), _) | (_, Err(e)) => return Err(e),
+    };
+    let mut results = Vec::with_capacity(n);
+    for (i, (g, r)) in ranges.iter().enumerate() {
+        let buf = m.param_device(*g)?;
+        let src = buf.view(r.start * es, r.len() * es)?;
+        let (dev, stream) = (m.device(), m.compute_stream());
+        match &scratch {
+            Some((out, res)) => {
+                crate::ops::grad_stats(dev, stream, src, dt, out)?;
+                dev.copy_d2d(stream, out.view(0, 16)?, res.view(16 * i, 16)?)?;
+            }
+            None => {
+                let bytes = dev.download(stream, src)?;
+                results.push(grad_stats_of(&bytes, dt)?);
+            }
+        }
+    }
+    if let Some((_, res)) = &scratch {
+        let bytes = m.device().download(m.compute_stream(), res)?;
+        for i in 0..n {
+            results.push(read_grad_stats(&bytes[16 * i..])?);
+        }
+    }
+    Ok(results)
+}

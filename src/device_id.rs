@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Which implementation runs a device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum BackendKind {
-    /// The simulated accelerator ([`SimBackend`]).
+    /// The simulated accelerator ([`SimBackend`](crate::device::SimBackend)).
     Sim,
-    /// A CUDA GPU ([`CudaBackend`]).
+    /// A CUDA GPU ([`CudaBackend`](crate::device::CudaBackend)).
     Cuda,
 }
 

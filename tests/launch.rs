@@ -71,13 +71,21 @@ fn launches_are_validated_against_the_signature() {
     let f = |v, d| Some(Operand::new(v, d));
     let (x, y) = (a.view(0, 32).unwrap(), b.view(0, 32).unwrap());
     // A good launch runs.
-    dev.launch(&s, &COPY, &[f(x, DType::F32), f(y, DType::F32), None], &ok())
-        .unwrap();
+    dev.launch(
+        &s,
+        &COPY,
+        &[f(x, DType::F32), f(y, DType::F32), None],
+        &ok(),
+    )
+    .unwrap();
     let launch = |ops: &[Option<Operand<'_>>], params: &[u8]| dev.launch(&s, &COPY, ops, params);
     // Wrong operand count, missing required operand, wrong element type, parameter size.
     assert!(matches!(
         launch(&[f(x, DType::F32), f(y, DType::F32)], &ok()),
-        Err(Error::Launch { kernel: "test_copy", .. })
+        Err(Error::Launch {
+            kernel: "test_copy",
+            ..
+        })
     ));
     assert!(matches!(
         launch(&[f(x, DType::F32), None, None], &ok()),
@@ -120,7 +128,11 @@ fn launches_are_validated_against_the_signature() {
     ));
     assert!(matches!(
         launch(
-            &[f(x, DType::F32), f(y, DType::F32), f(b.view(28, 8).unwrap(), DType::F32)],
+            &[
+                f(x, DType::F32),
+                f(y, DType::F32),
+                f(b.view(28, 8).unwrap(), DType::F32)
+            ],
             &ok()
         ),
         Err(Error::InvalidArgument(_))
@@ -129,7 +141,11 @@ fn launches_are_validated_against_the_signature() {
     dev.launch(
         &s,
         &COPY,
-        &[f(x, DType::F32), f(y, DType::F32), f(a.view(0, 8).unwrap(), DType::F32)],
+        &[
+            f(x, DType::F32),
+            f(y, DType::F32),
+            f(a.view(0, 8).unwrap(), DType::F32),
+        ],
         &ok(),
     )
     .unwrap();
@@ -148,7 +164,10 @@ fn launches_are_validated_against_the_signature() {
         Err(Error::WrongDevice { .. })
     ));
     dev.sync_stream(&s).unwrap();
-    assert_eq!(dev.download(&s, &b).unwrap()[..32], dev.download(&s, &a).unwrap()[..32]);
+    assert_eq!(
+        dev.download(&s, &b).unwrap()[..32],
+        dev.download(&s, &a).unwrap()[..32]
+    );
 }
 
 fn failing(dev: &Device, s: &tidemem::device::Stream, buf: &tidemem::device::DeviceBuffer) {
@@ -181,13 +200,22 @@ fn a_failing_twin_is_a_sticky_stream_error() {
     // An event recorded after the failure carries it.
     let e = dev.new_event().unwrap();
     dev.record(&s, &e).unwrap();
-    assert!(matches!(dev.sync_event(&e), Err(Error::KernelFailed { .. })));
+    assert!(matches!(
+        dev.sync_event(&e),
+        Err(Error::KernelFailed { .. })
+    ));
     // A stream that waits on that event inherits the failure; waiting again on the failed
     // stream is refused at once.
     let t = dev.new_stream().unwrap();
     dev.wait_event(&t, &e).unwrap();
-    assert!(matches!(dev.sync_stream(&t), Err(Error::KernelFailed { .. })));
-    assert!(matches!(dev.wait_event(&s, &e), Err(Error::KernelFailed { .. })));
+    assert!(matches!(
+        dev.sync_stream(&t),
+        Err(Error::KernelFailed { .. })
+    ));
+    assert!(matches!(
+        dev.wait_event(&s, &e),
+        Err(Error::KernelFailed { .. })
+    ));
     // Other streams are untouched.
     let u = dev.new_stream().unwrap();
     let fresh = dev.upload(&u, &[3u8; 8]).unwrap();

@@ -10,7 +10,7 @@ use crate::ops::grad_stats::{grad_stats_of, read_grad_stats, GradStats, GRAD_STA
 impl ChunkManager {
     /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
     /// iteration, computed where each parameter chunk is, without moving it: on the device with
-    /// [`crate::ops::grad_stats`], on the host with the same CPU code as its twin. Ranges are combined in group order, so the result does not depend on placement
+    /// [`crate::ops::grad_stats()`], on the host with the same CPU code as its twin. Ranges are combined in group order, so the result does not depend on placement
     /// where both sides run the same code (the simulated device).
     pub fn grad_stats(&mut self) -> Result<GradStats> {
         self.usable()?;

@@ -1,0 +1,254 @@
+//! Stream-ordered copies and fills, and foreign (library) work: how every operation is stamped
+//! with the stream-ordering clocks and handed to the backend.
+
+use std::sync::atomic::Ordering;
+
+use super::order::{Access, AccessRecord, Clock};
+use super::{
+    Device, DeviceBuffer, DeviceView, ForeignCall, HostBuffer, Op, Pending, RawBuffer, Stream,
+};
+use crate::error::{Error, Result};
+
+impl Device {
+    /// Stamps and enqueues an op touching `accesses` under the clock lock, so the stamp order
+    /// equals the enqueue order.
+    pub(super) fn submit(
+        &self,
+        stream: &Stream,
+        accesses: &[(&DeviceBuffer, Access)],
+        op: Op<'_>,
+    ) -> Result<Clock> {
+        self.check("stream", stream.device)?;
+        for (b, _) in accesses {
+            self.check("buffer", b.device)?;
+        }
+        let mut clocks = self.inner.clocks.lock();
+        // Lock each distinct buffer once (a buffer may be both read and written).
+        let mut distinct: Vec<(&DeviceBuffer, Access)> = Vec::with_capacity(accesses.len());
+        for &(b, a) in accesses {
+            match distinct.iter_mut().find(|(d, _)| std::ptr::eq(*d, b)) {
+                Some(d) if a == Access::Write => d.1 = Access::Write,
+                Some(_) => {}
+                None => distinct.push((b, a)),
+            }
+        }
+        let mut guards: Vec<_> = distinct.iter().map(|(b, _)| b.access.lock()).collect();
+        let mut recs: Vec<(&mut AccessRecord, u64, Access)> = guards
+            .iter_mut()
+            .zip(&distinct)
+            .map(|(g, (b, a))| (&mut **g, b.id, *a))
+            .collect();
+        clocks.stamp(stream.slot, &mut recs)?;
+        // SAFETY: callers pass host pointers owned by a `Pending` that outlives the copy (its
+        // event is recorded right after, and it blocks on that event before releasing them).
+        unsafe { self.inner.backend.enqueue(&stream.raw, op)? };
+        Ok(clocks.snapshot(stream.slot))
+    }
+
+    /// Records a private event after the last op of `stream` for a `Pending`.
+    fn pending<T>(&self, stream: &Stream, value: T, clock: Clock) -> Result<Pending<T>> {
+        let event = match self
+            .inner
+            .backend
+            .new_event()
+            .and_then(|e| self.inner.backend.record(&stream.raw, &e).map(|_| e))
+        {
+            Ok(e) => e,
+            Err(err) => {
+                // Without an event the copy cannot be awaited: drain the stream before giving up
+                // the host buffer, or leak it if even that fails.
+                match self.inner.backend.sync_stream(&stream.raw) {
+                    Ok(()) => drop(value),
+                    Err(_) => std::mem::forget(value),
+                }
+                return Err(err);
+            }
+        };
+        Ok(Pending {
+            value: Some(value),
+            event,
+            clock,
+            device: self.clone(),
+        })
+    }
+
+    /// Copies all of `src` into `dst` asynchronously on `stream`. The host buffer comes back from
+    /// [`Pending::wait`] once the copy is done.
+    pub fn copy_h2d<'a>(
+        &self,
+        stream: &Stream,
+        src: HostBuffer,
+        dst: impl Into<DeviceView<'a>>,
+    ) -> Result<Pending<HostBuffer>> {
+        let dst = dst.into();
+        if src.len() != dst.len {
+            return Err(Error::SizeMismatch {
+                src: src.len(),
+                dst: dst.len,
+            });
+        }
+        self.copy_h2d_part(stream, src, 0, dst)
+    }
+
+    /// Copies `dst.len()` bytes of `src` starting at `src_offset` into `dst` asynchronously on
+    /// `stream`, for staging buffers filled only in part. The host buffer comes back from
+    /// [`Pending::wait`] once the copy is done.
+    pub fn copy_h2d_part<'a>(
+        &self,
+        stream: &Stream,
+        src: HostBuffer,
+        src_offset: usize,
+        dst: impl Into<DeviceView<'a>>,
+    ) -> Result<Pending<HostBuffer>> {
+        let dst = dst.into();
+        if src_offset
+            .checked_add(dst.len)
+            .is_none_or(|end| end > src.len())
+        {
+            return Err(Error::OutOfBounds {
+                offset: src_offset,
+                len: dst.len,
+                buffer_len: src.len(),
+            });
+        }
+        let op = Op::HostToDevice {
+            // SAFETY: `src_offset + dst.len <= src.len()` was checked above.
+            src: unsafe { src.as_ptr().add(src_offset) },
+            dst: &dst.buf.raw,
+            dst_offset: dst.offset,
+            len: dst.len,
+        };
+        let clock = self.submit(stream, &[(dst.buf, Access::Write)], op)?;
+        let c = &self.inner.counters;
+        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
+        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
+        self.pending(stream, src, clock)
+    }
+
+    /// Copies `src` into all of `dst` asynchronously on `stream`. The filled host buffer comes
+    /// back from [`Pending::wait`]; it cannot be read before.
+    pub fn copy_d2h<'a>(
+        &self,
+        stream: &Stream,
+        src: impl Into<DeviceView<'a>>,
+        dst: HostBuffer,
+    ) -> Result<Pending<HostBuffer>> {
+        let src = src.into();
+        if src.len != dst.len() {
+            return Err(Error::SizeMismatch {
+                src: src.len,
+                dst: dst.len(),
+            });
+        }
+        self.copy_d2h_part(stream, src, dst, 0)
+    }
+
+    /// Copies all of `src` into `dst[dst_offset..dst_offset + src.len()]` asynchronously on
+    /// `stream`. The host buffer comes back from [`Pending::wait`]; it cannot be read before.
+    pub fn copy_d2h_part<'a>(
+        &self,
+        stream: &Stream,
+        src: impl Into<DeviceView<'a>>,
+        mut dst: HostBuffer,
+        dst_offset: usize,
+    ) -> Result<Pending<HostBuffer>> {
+        let src = src.into();
+        if dst_offset
+            .checked_add(src.len)
+            .is_none_or(|end| end > dst.len())
+        {
+            return Err(Error::OutOfBounds {
+                offset: dst_offset,
+                len: src.len,
+                buffer_len: dst.len(),
+            });
+        }
+        let op = Op::DeviceToHost {
+            src: &src.buf.raw,
+            src_offset: src.offset,
+            // SAFETY: `dst_offset + src.len <= dst.len()` was checked above.
+            dst: unsafe { dst.as_mut_ptr().add(dst_offset) },
+            len: src.len,
+        };
+        let clock = self.submit(stream, &[(src.buf, Access::Read)], op)?;
+        let c = &self.inner.counters;
+        c.d2h_bytes.fetch_add(src.len as u64, Ordering::Relaxed);
+        c.d2h_copies.fetch_add(1, Ordering::Relaxed);
+        self.pending(stream, dst, clock)
+    }
+
+    /// Copies between device ranges of equal length on `stream` (overlap within one buffer is
+    /// handled like `memmove`).
+    pub fn copy_d2d<'a, 'b>(
+        &self,
+        stream: &Stream,
+        src: impl Into<DeviceView<'a>>,
+        dst: impl Into<DeviceView<'b>>,
+    ) -> Result<()> {
+        let (src, dst) = (src.into(), dst.into());
+        if src.len != dst.len {
+            return Err(Error::SizeMismatch {
+                src: src.len,
+                dst: dst.len,
+            });
+        }
+        let op = Op::DeviceToDevice {
+            src: &src.buf.raw,
+            src_offset: src.offset,
+            dst: &dst.buf.raw,
+            dst_offset: dst.offset,
+            len: src.len,
+        };
+        self.submit(
+            stream,
+            &[(src.buf, Access::Read), (dst.buf, Access::Write)],
+            op,
+        )?;
+        let c = &self.inner.counters;
+        c.d2d_bytes.fetch_add(src.len as u64, Ordering::Relaxed);
+        c.d2d_copies.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sets every byte of `dst` to `value` on `stream`.
+    pub fn memset<'a>(
+        &self,
+        stream: &Stream,
+        dst: impl Into<DeviceView<'a>>,
+        value: u8,
+    ) -> Result<()> {
+        let dst = dst.into();
+        let op = Op::Fill {
+            dst: &dst.buf.raw,
+            offset: dst.offset,
+            len: dst.len,
+            value,
+        };
+        self.submit(stream, &[(dst.buf, Access::Write)], op)
+            .map(|_| ())
+    }
+
+    /// Enqueues work of a library that takes raw device addresses (NCCL) on `stream`, ordered
+    /// like every other op: `run` gets the address of each view (in order) and the backend's
+    /// native stream handle. The simulated device has no device addresses and refuses it.
+    pub(crate) fn enqueue_foreign(
+        &self,
+        stream: &Stream,
+        views: &[(DeviceView<'_>, bool)],
+        run: &mut dyn FnMut(&[u64], *mut std::ffi::c_void) -> Result<()>,
+    ) -> Result<()> {
+        let operands: Vec<(&RawBuffer, usize, bool)> = views
+            .iter()
+            .map(|(v, w)| (&v.buf.raw, v.offset, *w))
+            .collect();
+        let accesses: Vec<(&DeviceBuffer, Access)> = views
+            .iter()
+            .map(|(v, w)| (v.buf, if *w { Access::Write } else { Access::Read }))
+            .collect();
+        let op = Op::Foreign {
+            operands: &operands,
+            run: ForeignCall(run),
+        };
+        self.submit(stream, &accesses, op).map(|_| ())
+    }
+}

@@ -75,7 +75,8 @@ extern "C" __global__ void grad_stats_partial_bf16(const __nv_bfloat16* __restri
 
 // The source is not read here; it is in the signature because every entry of an op takes the
 // op's operands.
-extern "C" __global__ void grad_stats_final(const void* src, double* out, GradStatsParams p) {
+extern "C" __global__ void grad_stats_final(const void* /* src */, double* out,
+                                         GradStatsParams /* p */) {
     __shared__ double sum[GS_PARTIALS];
     __shared__ unsigned int flag[GS_PARTIALS];
     const unsigned int t = threadIdx.x;

@@ -221,11 +221,8 @@ pub(crate) fn version() -> Result<(u32, u32, u32)> {
     let l = lib()?;
     let mut code: c_int = 0;
     // SAFETY: a valid out-pointer.
-    check(
-        "ncclGetVersion",
-        unsafe { (l.get_version)(&mut code) },
-        None,
-    )?;
+    let r = unsafe { (l.get_version)(&mut code) };
+    check("ncclGetVersion", r, None)?;
     let code = code.max(0) as u32;
     // NCCL_VERSION: X·1000 + Y·100 + Z up to 2.8, X·10000 + Y·100 + Z since 2.9
     Ok(if code >= 10_000 {
@@ -258,15 +255,21 @@ fn check(during: &'static str, r: R, comm: Option<sys::ncclComm_t>) -> Result<()
         _ => {
             // SAFETY: NCCL returns static NUL-terminated strings (or null).
             let text = |p: *const std::ffi::c_char| {
-                (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+                (!p.is_null()).then(|| {
+                    // SAFETY: as above, and not null.
+                    unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+                })
             };
             let (last, generic) = match lib() {
                 Ok(l) => (
-                    // SAFETY: a live communicator (or null, which NCCL accepts).
-                    l.get_last_error
-                        .and_then(|f| unsafe { text(f(comm.unwrap_or(std::ptr::null_mut()))) }),
-                    // SAFETY: any result code.
-                    unsafe { text((l.get_error_string)(r)) },
+                    l.get_last_error.and_then(|f| {
+                        // SAFETY: a live communicator (or null, which NCCL accepts).
+                        text(unsafe { f(comm.unwrap_or(std::ptr::null_mut())) })
+                    }),
+                    {
+                        // SAFETY: any result code.
+                        text(unsafe { (l.get_error_string)(r) })
+                    },
                 ),
                 Err(_) => (None, None),
             };
@@ -290,11 +293,8 @@ pub(crate) fn unique_id() -> Result<[u8; 128]> {
     let l = lib()?;
     let mut id = sys::ncclUniqueId { internal: [0; 128] };
     // SAFETY: `id` is a valid out-pointer.
-    check(
-        "ncclGetUniqueId",
-        unsafe { (l.get_unique_id)(&mut id) },
-        None,
-    )?;
+    let r = unsafe { (l.get_unique_id)(&mut id) };
+    check("ncclGetUniqueId", r, None)?;
     Ok(id.internal.map(|c| c as u8))
 }
 

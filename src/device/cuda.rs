@@ -363,9 +363,11 @@ impl CudaBackend {
                     let (ptr, _rec) = d.device_ptr_mut(s);
                     // SAFETY: bounds checked by `Device`; `src` valid for `len` bytes until the
                     // event recorded after this op completes (enqueue contract).
-                    let host = std::slice::from_raw_parts(src, len);
-                    cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs)
-                        .map_err(err("a host-to-device copy"))?;
+                    unsafe {
+                        let host = std::slice::from_raw_parts(src, len);
+                        cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs)
+                    }
+                    .map_err(err("a host-to-device copy"))?;
                 }
             }
             Op::DeviceToHost {
@@ -378,9 +380,11 @@ impl CudaBackend {
                 if let (Some(sl), true) = (sl.as_ref(), len > 0) {
                     let (ptr, _rec) = sl.device_ptr(s);
                     // SAFETY: as above; `dst` is exclusively owned by the pending copy.
-                    let host = std::slice::from_raw_parts_mut(dst, len);
-                    cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs)
-                        .map_err(err("a device-to-host copy"))?;
+                    unsafe {
+                        let host = std::slice::from_raw_parts_mut(dst, len);
+                        cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs)
+                    }
+                    .map_err(err("a device-to-host copy"))?;
                 }
             }
             Op::DeviceToDevice {
@@ -400,12 +404,16 @@ impl CudaBackend {
                         .as_mut()
                         .ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
                     let (ptr, _rec) = sl.device_ptr_mut(s);
-                    cu::memcpy_dtod_async(
-                        ptr + dst_offset as u64,
-                        ptr + src_offset as u64,
-                        len,
-                        cs,
-                    )
+                    // SAFETY: both ranges lie in this allocation (checked by `Device`); the
+                    // driver's copy handles overlap within one buffer.
+                    unsafe {
+                        cu::memcpy_dtod_async(
+                            ptr + dst_offset as u64,
+                            ptr + src_offset as u64,
+                            len,
+                            cs,
+                        )
+                    }
                     .map_err(err("a device-to-device copy"))?;
                 } else {
                     let sg = sm.slice.lock();
@@ -413,12 +421,15 @@ impl CudaBackend {
                     if let (Some(a), Some(b)) = (sg.as_ref(), dg.as_mut()) {
                         let (sp, _r1) = a.device_ptr(s);
                         let (dp, _r2) = b.device_ptr_mut(s);
-                        cu::memcpy_dtod_async(
-                            dp + dst_offset as u64,
-                            sp + src_offset as u64,
-                            len,
-                            cs,
-                        )
+                        // SAFETY: each range lies in its allocation (checked by `Device`).
+                        unsafe {
+                            cu::memcpy_dtod_async(
+                                dp + dst_offset as u64,
+                                sp + src_offset as u64,
+                                len,
+                                cs,
+                            )
+                        }
                         .map_err(err("a device-to-device copy"))?;
                     }
                 }
@@ -432,7 +443,8 @@ impl CudaBackend {
                 let mut d = mem(dst)?.slice.lock();
                 if let (Some(d), true) = (d.as_mut(), len > 0) {
                     let (ptr, _rec) = d.device_ptr_mut(s);
-                    cu::memset_d8_async(ptr + offset as u64, value, len, cs)
+                    // SAFETY: the range lies in this allocation (checked by `Device`).
+                    unsafe { cu::memset_d8_async(ptr + offset as u64, value, len, cs) }
                         .map_err(err("a memset"))?;
                 }
             }

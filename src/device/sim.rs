@@ -305,15 +305,17 @@ fn next_task(rx: &Receiver<Task>) -> Option<Task> {
 /// Runs one operation; a twin's error comes back for the stream to keep.
 fn run(work: Work, link: Option<LinkModel>) -> Option<Failure> {
     let start = Instant::now();
-    // SAFETY (all arms): ranges were bounds-checked by `Device`, host pointers are valid for
-    // `len` bytes until completion (enqueue contract), and the ordering checks guarantee no
+    // In every arm: ranges were bounds-checked by `Device`, host pointers are valid for `len`
+    // bytes until completion (enqueue contract), and the ordering checks guarantee no
     // concurrent conflicting access to device memory.
     let model = match work {
         Work::H2D { src, dst, off, len } => {
+            // SAFETY: see above; host and device memory never overlap.
             unsafe { std::ptr::copy_nonoverlapping(src.0, dst.at(off), len) };
             link.map(|l| l.duration(len, l.h2d_gbps))
         }
         Work::D2H { src, off, dst, len } => {
+            // SAFETY: see above.
             unsafe { std::ptr::copy_nonoverlapping(src.at(off), dst.0, len) };
             link.map(|l| l.duration(len, l.d2h_gbps))
         }
@@ -324,6 +326,7 @@ fn run(work: Work, link: Option<LinkModel>) -> Option<Failure> {
             doff,
             len,
         } => {
+            // SAFETY: see above; `copy` allows overlap within one buffer.
             unsafe { std::ptr::copy(src.at(soff), dst.at(doff), len) };
             link.map(|l| l.duration(len, l.d2d_gbps))
         }
@@ -333,6 +336,7 @@ fn run(work: Work, link: Option<LinkModel>) -> Option<Failure> {
             len,
             value,
         } => {
+            // SAFETY: see above.
             unsafe { std::ptr::write_bytes(dst.at(off), value, len) };
             None
         }
@@ -375,8 +379,8 @@ fn run_twin(desc: &'static KernelDesc, operands: &[SimOperand], params: &[u8]) -
                 unsafe { std::slice::from_raw_parts_mut(m.at(*off), *len) },
                 *d,
             ),
-            // SAFETY: as above.
             Some((m, off, len, d)) => {
+                // SAFETY: as above.
                 HostOperand::Read(unsafe { std::slice::from_raw_parts(m.at(*off), *len) }, *d)
             }
         })

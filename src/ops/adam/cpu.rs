@@ -171,6 +171,7 @@ pub(crate) struct RawStep {
 // SAFETY: a RawStep is only built from slices (or device memory) that the caller keeps
 // exclusively for the duration of the step; the threads it is split over touch disjoint ranges.
 unsafe impl Send for RawStep {}
+// SAFETY: as above.
 unsafe impl Sync for RawStep {}
 
 impl RawStep {

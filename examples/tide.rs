@@ -17,11 +17,11 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
+use tidemem::demo::ToyMlp;
 use tidemem::device::{fmt_bytes, CachingAllocator, Device, LinkModel, SimConfig};
 use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
 use tidemem::tensor::TensorId;
 use tidemem::tide::{MoveStats, Policy};
-use tidemem::toy::ToyMlp;
 use tidemem::units::parse_bytes;
 
 #[derive(Parser, Debug)]
@@ -131,7 +131,7 @@ fn run() -> tidemem::Result<()> {
         let mut iters = Vec::new();
         let mut loss = 0.0;
         for s in 0..a.steps {
-            loss = toy.step(&mut m, &pool, &ids, s)?;
+            loss = toy.step(&mut m, &ids, s)?;
             let it = m.last_iteration();
             iters.push(it);
             bar.set_message(format!(

@@ -30,10 +30,10 @@ use clap::Parser;
 use serde_json::json;
 use tidemem::chunk::ManagerConfig;
 use tidemem::comm::{launch, CommStats, ReduceOp};
+use tidemem::demo::ToyMlp;
 use tidemem::device::{fmt_bytes, Device, SimConfig};
 use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
 use tidemem::tide::Policy;
-use tidemem::toy::ToyMlp;
 use tidemem::units::parse_bytes;
 use tidemem::zero::ZeroManager;
 
@@ -132,8 +132,7 @@ fn run() -> tidemem::Result<()> {
         let mut before = CommStats::default();
         for s in first..first + steps {
             before = z.comm().stats();
-            let loss =
-                toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
+            let loss = toy.forward_backward(&mut z, &ids, s, adam.loss_scale(), (rank, world))?;
             let rep = z.step(&mut adam)?;
             let mut total = [loss as f64];
             z.comm().all_reduce_host(&mut total, ReduceOp::Sum)?;

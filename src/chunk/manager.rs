@@ -374,7 +374,8 @@ impl ChunkManager {
         let layout = Layout::new(cfg.chunk_elems)?;
         let copy = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
-        Ok(ChunkManager {
+        let pool = CachingAllocator::new(device.clone());
+        let mut m = ChunkManager {
             device,
             copy,
             compute,
@@ -399,15 +400,19 @@ impl ChunkManager {
             last_samples: Vec::new(),
             broken: None,
             grads_in: Vec::new(),
-        })
+        };
+        // a non-model pool of its own, as a ZeroManager has (a trainer may set another)
+        m.set_non_model_allocator(pool);
+        Ok(m)
     }
 
     /// Fails once moves the scheduler ordered have failed.
     fn usable(&self) -> Result<()> {
         match &self.broken {
-            Some(why) => Err(Error::InvalidArgument(format!(
-                "the chunk manager is unusable: {why}"
-            ))),
+            Some(why) => Err(Error::Poisoned {
+                what: "chunk manager",
+                reason: why.clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -549,7 +554,7 @@ impl ChunkManager {
     fn meta(&self, id: TensorId) -> Result<&TensorMeta> {
         self.tensors
             .get(id.index())
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))
+            .ok_or(Error::UnknownTensor { id: id.0 })
     }
 
     fn chunk_of(&self, id: TensorId, kind: ChunkKind) -> ChunkNo {
@@ -688,9 +693,12 @@ impl ChunkManager {
             Stage::Forward => TrainEvent::BeforeFwdOp,
             Stage::Backward => TrainEvent::BeforeBwdOp,
             Stage::Optimizer => {
-                return Err(Error::InvalidArgument(
-                    "fetch is for forward and backward; the optimizer uses step_host".into(),
-                ))
+                return Err(Error::WrongStage {
+                    call: "fetch for the optimizer (fetch is for forward and backward; the \
+                           optimizer visits groups)"
+                        .into(),
+                    stage: self.stage.map_or("idle", Stage::name),
+                })
             }
         };
         self.check_stage(stage)?;
@@ -784,10 +792,12 @@ impl ChunkManager {
         if ok {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!(
-                "a {stage} access during the {} stage: call end_forward / end_backward / end_step first",
-                self.stage.map_or("?", |s| s.name())
-            )))
+            Err(Error::WrongStage {
+                call: format!(
+                    "a {stage} access (call end_forward / end_backward / end_step first)"
+                ),
+                stage: self.stage.map_or("idle", Stage::name),
+            })
         }
     }
 
@@ -831,9 +841,10 @@ impl ChunkManager {
             if let Some(buf) = &self.payload[c as usize].device {
                 // views handed out must be gone before the chunk may move
                 if idle && Arc::strong_count(buf) > 1 {
-                    return Err(Error::InvalidArgument(format!(
-                        "a view of chunk {c} is still alive at release; drop views before releasing"
-                    )));
+                    return Err(Error::ViewAlive {
+                        what: format!("chunk {c}"),
+                        during: "release",
+                    });
                 }
             }
         }
@@ -882,19 +893,14 @@ impl ChunkManager {
     /// The device chunk and byte offset a gradient of `len` elements of `id` goes to, after the
     /// checks both gradient writes share.
     fn grad_slot(&self, id: TensorId, len: usize) -> Result<(Arc<DeviceBuffer>, usize)> {
-        let t = self.meta(id)?;
-        if t.state[0] != TensorState::Compute || self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of '{}' written outside a backward fetch (state {})",
-                t.name, t.state[0]
-            )));
-        }
-        if t.bwd_uses < t.fwd_uses {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
             return Err(Error::InvalidArgument(format!(
                 "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
                 t.name, t.bwd_uses, t.fwd_uses
             )));
         }
+        let t = &self.tensors[id.index()];
         if len != t.slot.numel {
             return Err(Error::SizeMismatch {
                 src: len,
@@ -1022,9 +1028,10 @@ impl ChunkManager {
     pub fn end_forward(&mut self) -> Result<()> {
         self.usable()?;
         if !matches!(self.stage, None | Some(Stage::Forward)) {
-            return Err(Error::InvalidArgument(
-                "end_forward outside the forward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_forward".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         // the tiers and the scheduler exist from here on, even if nothing was fetched
         self.close()?;
@@ -1041,9 +1048,10 @@ impl ChunkManager {
     pub fn end_backward(&mut self) -> Result<()> {
         self.usable()?;
         if self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(
-                "end_backward outside the backward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_backward".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         self.check_nothing_fetched("backward")?;
         self.stage = Some(Stage::Optimizer);
@@ -1096,9 +1104,10 @@ impl ChunkManager {
     ) -> Result<()> {
         self.usable()?;
         if self.stage != Some(Stage::Optimizer) {
-            return Err(Error::InvalidArgument(
-                "optimizer passes run between end_backward and end_step".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "an optimizer pass (between end_backward and end_step)".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         let mut lists = vec![ChunkKind::Param];
         lists.extend(kinds.iter().copied().filter(|&k| k != ChunkKind::Param));
@@ -1763,9 +1772,10 @@ impl ChunkManager {
                     let c = chunk as usize;
                     if let Some(buf) = self.payload[c].device.take() {
                         if Arc::strong_count(&buf) > 1 {
-                            return Err(Error::InvalidArgument(format!(
-                                "chunk {c} evicted while a view of it is alive"
-                            )));
+                            return Err(Error::ViewAlive {
+                                what: format!("chunk {c}"),
+                                during: "eviction",
+                            });
                         }
                     }
                     self.payload[c].ready = None;
@@ -1861,45 +1871,44 @@ pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
     }
 }
 
-/// What a trainer's forward and backward need from a parameter store, so one trainer runs on
-/// a [`ChunkManager`] or a data-parallel [`crate::zero::ZeroManager`] alike.
-pub trait ParamStore {
-    /// Registers a parameter (see [`ChunkManager::register`]).
-    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId>;
-    /// Fetches tensors for an op (see [`ChunkManager::fetch`]).
-    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>>;
-    /// Ends an op's use of tensors (see [`ChunkManager::release`]).
-    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()>;
-    /// A fetched tensor's values as f32 (see [`ChunkManager::read`]).
-    fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
-    /// Writes a tensor's gradient at its last backward use (see [`ChunkManager::write_grad`]).
-    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()>;
-    /// Ends the forward pass.
-    fn end_forward(&mut self) -> Result<()>;
-    /// Ends the backward pass.
-    fn end_backward(&mut self) -> Result<()>;
-}
+// --- support for the trainer API (`crate::store`): the non-model pool and gradient marks ---
+impl ChunkManager {
+    /// The non-model pool: the manager's own unless [`ChunkManager::set_non_model_allocator`]
+    /// replaced it. Activations and other non-model buffers should come from it, so that the
+    /// tide sees them.
+    pub fn pool(&self) -> &CachingAllocator {
+        self.non_model
+            .as_ref()
+            .expect("a manager always holds a non-model pool")
+    }
 
-impl ParamStore for ChunkManager {
-    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
-        ChunkManager::register(self, name, shape, init)
+    /// Checks that a gradient of `id` may be written now (the backward stage, the tensor
+    /// fetched); returns whether this is the tensor's last backward use, the one its gradient
+    /// is written at.
+    pub(crate) fn grad_use(&self, id: TensorId) -> Result<bool> {
+        let t = self.meta(id)?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: format!("a gradient write of '{}'", t.name),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
+        }
+        if t.state[0] != TensorState::Compute {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state[0]
+            )));
+        }
+        Ok(t.bwd_uses >= t.fwd_uses)
     }
-    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
-        ChunkManager::fetch(self, ids, stage)
-    }
-    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
-        ChunkManager::release(self, ids, stage)
-    }
-    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
-        ChunkManager::read(self, id)
-    }
-    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
-        ChunkManager::write_grad(self, id, grad)
-    }
-    fn end_forward(&mut self) -> Result<()> {
-        ChunkManager::end_forward(self)
-    }
-    fn end_backward(&mut self) -> Result<()> {
-        ChunkManager::end_backward(self)
+
+    /// Marks the gradient of `id` written into its parameter slot (by device work the caller
+    /// enqueued on the compute stream), after the checks of [`ChunkManager::write_grad`].
+    pub(crate) fn mark_grad(&mut self, id: TensorId) -> Result<()> {
+        self.usable()?;
+        let numel = self.meta(id)?.slot.numel;
+        self.grad_slot(id, numel)?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
     }
 }

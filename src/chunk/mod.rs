@@ -11,5 +11,5 @@ pub(crate) use manager::{check_distinct, grad_ranges, numel_of, ViewBuf};
 
 pub use manager::{
     decode, encode, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, ManagerConfig,
-    ParamStore, TensorView, TideSample, Usage,
+    TensorView, TideSample, Usage,
 };

@@ -1,39 +1,50 @@
-//! A small reference trainer: an MLP with plain CPU ops whose parameters live in a
-//! [`ChunkManager`].
+//! The small MLP the examples train (and the tests and benches with them), written against
+//! the trainer API of [`crate::store`]: a user of the crate, not a part of the memory layer.
+//! It is public because the examples are users too; it is not a layer library.
 //!
-//! It is what the examples, tests and benches train: `layers` blocks `h ← tanh(W h + b)` of width
-//! `width`, a mean-squared-error loss against a fixed target, Adam on the host. With `tied`, the
-//! last block reuses the first block's weight (a shared parameter with two forward uses, whose
-//! gradient is written once, at its last backward use). Every forward op keeps one activation
-//! block of `batch · width · 4` bytes on the device until its backward op, so the non-model memory
-//! rises through forward and falls through backward: a tide.
+//! `layers` blocks `h ← tanh(W h + b)` of width `width`, a mean-squared-error loss against a
+//! fixed target, Adam on the host. With `tied`, the last block reuses the first block's weight
+//! (a shared parameter with two forward uses, whose gradient is written once, at its last
+//! backward use). Every forward op keeps one activation block of `batch · width · 4` bytes from
+//! the store's non-model pool until its backward op, so the non-model memory rises through
+//! forward and falls through backward: a tide.
+//!
+//! Parameters are fetched through guards and gradients written into the guards' gradient slots
+//! on the device, but the arithmetic runs on the host: each op downloads its weight view,
+//! computes, and uploads the gradient into the slot ([`GradView::upload_f32`]). The tied
+//! weight's two shares add up on the host too, where they are computed (a trainer computing on
+//! the device adds them with [`Guard::accumulate_grad`], whose running sum takes non-model
+//! memory that [`ToyMlp::spec`] does not model). The arithmetic moves onto the device when the
+//! op layer has a GEMM.
+//!
+//! [`Guard::accumulate_grad`]: crate::store::Guard::accumulate_grad
+//!
+//! [`GradView::upload_f32`]: crate::store::GradView::upload_f32
 //!
 //! ```
 //! use tidemem::chunk::{ChunkManager, ManagerConfig};
-//! use tidemem::device::{CachingAllocator, Device, SimConfig};
+//! use tidemem::demo::ToyMlp;
+//! use tidemem::device::{Device, SimConfig};
 //! use tidemem::tide::Policy;
-//! use tidemem::toy::ToyMlp;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
 //! let toy = ToyMlp { layers: 4, width: 16, batch: 4, tied: true, lr: 1e-2 };
-//! let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
-//! let pool = CachingAllocator::new(dev);
-//! m.set_non_model_allocator(pool.clone());
+//! let mut m = ChunkManager::new(dev, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
 //! let ids = toy.register(&mut m)?;
-//! let first = toy.step(&mut m, &pool, &ids, 0)?;
+//! let first = toy.step(&mut m, &ids, 0)?;
 //! let mut last = first;
 //! for s in 1..20 {
-//!     last = toy.step(&mut m, &pool, &ids, s)?;
+//!     last = toy.step(&mut m, &ids, s)?;
 //! }
 //! assert!(last < first);
 //! # Ok(()) }
 //! ```
 
-use crate::chunk::{ChunkManager, GroupSlices, ParamStore};
-use crate::device::CachingAllocator;
+use crate::chunk::{ChunkManager, GroupSlices};
 use crate::error::Result;
 use crate::simulate::{ModelSpec, OpSpec};
-use crate::tensor::{splitmix64, Init, Stage, TensorId};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{splitmix64, Init, TensorId};
 
 /// Shape and hyper-parameters of the toy MLP.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -146,14 +157,8 @@ impl ToyMlp {
 
     /// One training iteration (forward, backward, Adam step on the host) on batch `seed`;
     /// returns the loss.
-    pub fn step(
-        &self,
-        m: &mut ChunkManager,
-        pool: &CachingAllocator,
-        ids: &ToyIds,
-        seed: u64,
-    ) -> Result<f32> {
-        let loss = self.forward_backward(m, pool, ids, seed, 1.0, (0, 1))?;
+    pub fn step(&self, m: &mut ChunkManager, ids: &ToyIds, seed: u64) -> Result<f32> {
+        let loss = self.forward_backward(m, ids, seed, 1.0, (0, 1))?;
         let t = m.iterations_done() as i32 + 1;
         m.step_host(|g| {
             adam(g, self.lr, t);
@@ -164,13 +169,12 @@ impl ToyMlp {
     }
 
     /// Forward and backward on micro-batch `part.0` of `part.1` of batch `seed` (an equal share
-    /// of its samples), through [`ChunkManager::end_backward`], with the gradients of the mean
+    /// of its samples), through the end of the backward pass, with the gradients of the mean
     /// loss over the micro-batch multiplied by `loss_scale`; returns the (unscaled) sum of
     /// squared errors / 2. The optimizer step is the caller's.
     pub fn forward_backward(
         &self,
         m: &mut impl ParamStore,
-        pool: &CachingAllocator,
         ids: &ToyIds,
         seed: u64,
         loss_scale: f32,
@@ -183,15 +187,43 @@ impl ToyMlp {
                 self.batch
             )));
         }
-        let (w, bsz) = (self.width, self.batch / parts);
+        let bsz = self.batch / parts;
         let (x, y) = self.batch_data(seed, k * bsz, (k + 1) * bsz);
+        let fwd = m.forward()?;
+        let (acts, blocks) = self.forward(&fwd, ids, x)?;
+        fwd.finish()?;
+        let out = acts.last().expect("output");
+        let mut loss = 0.0f32;
+        let dh: Vec<f32> = out
+            .iter()
+            .zip(&y)
+            .map(|(o, t)| {
+                loss += 0.5 * (o - t) * (o - t);
+                (o - t) / bsz as f32 * loss_scale
+            })
+            .collect();
+        let bwd = m.backward()?;
+        self.backward(&bwd, ids, &acts, blocks, dh)?;
+        bwd.finish()?;
+        Ok(loss)
+    }
+
+    /// The forward pass from input `x`: every block's output, and the activation blocks held
+    /// for backward.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        ids: &ToyIds,
+        x: Vec<f32>,
+    ) -> Result<(Vec<Vec<f32>>, Vec<crate::device::Block>)> {
+        let w = self.width;
+        let bsz = x.len() / w;
         let mut acts = vec![x];
         let mut blocks = Vec::new();
         for &(wi, bi) in &ids.blocks {
-            m.fetch(&[wi, bi], Stage::Forward)?;
-            let wv = m.read(wi)?;
-            let bv = m.read(bi)?;
-            for (got, want) in [(wv.len(), w * w), (bv.len(), w)] {
+            let g = pass.fetch(&[wi, bi])?;
+            let (wp, bp) = (g.param(0)?, g.param(1)?);
+            for (got, want) in [(wp.numel(), w * w), (bp.numel(), w)] {
                 if got != want {
                     return Err(crate::Error::SizeMismatch {
                         src: got,
@@ -199,7 +231,8 @@ impl ToyMlp {
                     });
                 }
             }
-            blocks.push(pool.alloc(self.activation_bytes())?);
+            let (wv, bv) = (wp.to_f32()?, bp.to_f32()?);
+            blocks.push(pass.pool().alloc(self.activation_bytes())?);
             let h = acts.last().expect("input");
             let mut out = vec![0.0f32; bsz * w];
             for s in 0..bsz {
@@ -212,24 +245,26 @@ impl ToyMlp {
                 }
             }
             acts.push(out);
-            m.release(&[wi, bi], Stage::Forward)?;
         }
-        m.end_forward()?;
-        let out = acts.last().expect("output");
-        let mut loss = 0.0f32;
-        let mut dh: Vec<f32> = out
-            .iter()
-            .zip(&y)
-            .map(|(o, t)| {
-                loss += 0.5 * (o - t) * (o - t);
-                (o - t) / bsz as f32 * loss_scale
-            })
-            .collect();
+        Ok((acts, blocks))
+    }
+
+    /// The backward pass from the loss gradient `dh`, writing every parameter's gradient.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        ids: &ToyIds,
+        acts: &[Vec<f32>],
+        mut blocks: Vec<crate::device::Block>,
+        mut dh: Vec<f32>,
+    ) -> Result<()> {
+        let w = self.width;
+        let bsz = dh.len() / w;
         let mut pending_shared: Option<Vec<f32>> = None;
         for l in (0..ids.blocks.len()).rev() {
             let (wi, bi) = ids.blocks[l];
-            m.fetch(&[wi, bi], Stage::Backward)?;
-            let wv = m.read(wi)?;
+            let g = pass.fetch(&[wi, bi])?;
+            let wv = g.param(0)?.to_f32()?;
             let (h_in, h_out) = (&acts[l], &acts[l + 1]);
             let dz: Vec<f32> = dh
                 .iter()
@@ -251,22 +286,20 @@ impl ToyMlp {
             }
             let shared = self.tied && self.layers > 1 && (l == 0 || l + 1 == self.layers);
             if shared && l + 1 == self.layers {
+                // the tied weight's first backward use: its share waits on the host
                 pending_shared = Some(dw);
             } else {
-                if shared {
-                    if let Some(p) = pending_shared.take() {
-                        dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
-                    }
+                if let Some(p) = pending_shared.take().filter(|_| shared) {
+                    dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
                 }
-                m.write_grad(wi, &dw)?;
+                g.grad(0)?.upload_f32(&dw)?;
             }
-            m.write_grad(bi, &db)?;
-            m.release(&[wi, bi], Stage::Backward)?;
+            g.grad(1)?.upload_f32(&db)?;
+            drop(g);
             drop(blocks.pop());
             dh = dprev;
         }
-        m.end_backward()?;
-        Ok(loss)
+        Ok(())
     }
 }
 

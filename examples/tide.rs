@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
 use tidemem::demo::ToyMlp;
-use tidemem::device::{fmt_bytes, CachingAllocator, Device, LinkModel, SimConfig};
+use tidemem::device::{fmt_bytes, Device, LinkModel, SimConfig};
 use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
 use tidemem::tensor::TensorId;
 use tidemem::tide::{MoveStats, Policy};
@@ -116,9 +116,8 @@ fn run() -> tidemem::Result<()> {
         let dev = Device::sim(sim)?;
         let mut cfg = ManagerConfig::new(toy.chunk_elems(), policy);
         cfg.scheduler.warmup_chunk_fraction = 0.3;
-        let mut m = ChunkManager::new(dev.clone(), cfg)?;
-        let pool = CachingAllocator::new(dev);
-        m.set_non_model_allocator(pool.clone());
+        // activations come from the manager's own non-model pool, which the tide watches
+        let mut m = ChunkManager::new(dev, cfg)?;
         m.enable_log();
         let ids = toy.register(&mut m)?;
         let bar = ProgressBar::new(a.steps);

@@ -114,7 +114,6 @@ fn run() -> tidemem::Result<()> {
         let mut z = ZeroManager::new(c, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
         z.set_prefetch(prefetch)?;
         let ids = toy.register(&mut z)?;
-        let pool = z.pool().clone();
         let mut adam = HybridAdam::new(HybridConfig {
             loss_scale: Some(ScalerConfig::default()),
             max_grad_norm: Some(1.0),

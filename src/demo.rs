@@ -289,8 +289,10 @@ impl ToyMlp {
                 // the tied weight's first backward use: its share waits on the host
                 pending_shared = Some(dw);
             } else {
-                if let Some(p) = pending_shared.take().filter(|_| shared) {
-                    dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+                if shared {
+                    if let Some(p) = pending_shared.take() {
+                        dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
+                    }
                 }
                 g.grad(0)?.upload_f32(&dw)?;
             }
@@ -324,4 +326,94 @@ fn adam(mut g: GroupSlices<'_>, lr: f32, t: i32) {
         }
     }
     g.store_params();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk::ManagerConfig;
+    use crate::device::{Device, SimConfig};
+    use crate::dtype::DType;
+    use crate::tide::Policy;
+
+    /// Gradients of one batch computed on plain vectors, the tied weight's as the sum of its
+    /// two uses: `(weights, biases)` per registered tensor order.
+    fn reference(toy: &ToyMlp, ids: &ToyIds, init: &[Vec<f32>], seed: u64) -> Vec<Vec<f32>> {
+        let (w, bsz) = (toy.width, toy.batch);
+        let (x, y) = toy.batch_data(seed, 0, bsz);
+        let mut acts = vec![x];
+        for &(wi, bi) in &ids.blocks {
+            let (wv, bv) = (&init[wi.index()], &init[bi.index()]);
+            let h = acts.last().unwrap();
+            let out = (0..bsz * w)
+                .map(|k| {
+                    let (s, o) = (k / w, k % w);
+                    let z: f32 = bv[o] + (0..w).map(|i| wv[o * w + i] * h[s * w + i]).sum::<f32>();
+                    z.tanh()
+                })
+                .collect();
+            acts.push(out);
+        }
+        let out = acts.last().unwrap();
+        let mut dh: Vec<f32> = out
+            .iter()
+            .zip(&y)
+            .map(|(o, t)| (o - t) / bsz as f32)
+            .collect();
+        let mut grads: Vec<Vec<f32>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
+        for l in (0..ids.blocks.len()).rev() {
+            let (wi, bi) = ids.blocks[l];
+            let wv = &init[wi.index()];
+            let dz: Vec<f32> = dh
+                .iter()
+                .zip(&acts[l + 1])
+                .map(|(d, o)| d * (1.0 - o * o))
+                .collect();
+            let mut dprev = vec![0.0f32; bsz * w];
+            for s in 0..bsz {
+                for o in 0..w {
+                    let g = dz[s * w + o];
+                    grads[bi.index()][o] += g;
+                    for i in 0..w {
+                        grads[wi.index()][o * w + i] += g * acts[l][s * w + i];
+                        dprev[s * w + i] += wv[o * w + i] * g;
+                    }
+                }
+            }
+            dh = dprev;
+        }
+        grads
+    }
+
+    #[test]
+    fn gradients_match_a_host_reference() {
+        for tied in [false, true] {
+            let toy = ToyMlp {
+                layers: 3,
+                width: 4,
+                batch: 2,
+                tied,
+                lr: 1e-2,
+            };
+            let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+            let mut cfg = ManagerConfig::new(toy.chunk_elems(), Policy::Tide);
+            cfg.param_dtype = DType::F32;
+            let mut m = ChunkManager::new(dev, cfg).unwrap();
+            let ids = toy.register(&mut m).unwrap();
+            let init: Vec<Vec<f32>> = (0..m.num_tensors() as u32)
+                .map(|t| m.read(TensorId(t)).unwrap())
+                .collect();
+            toy.forward_backward(&mut m, &ids, 3, 1.0, (0, 1)).unwrap();
+            let want = reference(&toy, &ids, &init, 3);
+            for (t, want) in want.iter().enumerate() {
+                let got = m.read(TensorId(t as u32)).unwrap();
+                for (g, w) in got.iter().zip(want) {
+                    assert!(
+                        (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "tied {tied}, tensor {t}"
+                    );
+                }
+            }
+        }
+    }
 }

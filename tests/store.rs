@@ -56,7 +56,7 @@ fn iteration<S: ParamStore>(
         let db: GradView<'_> = g.grad(0)?;
         assert_eq!(db.shape(), &[N]);
         bwd.device()
-            .copy_d2d(bwd.stream(), yb.view(0, bytes)?, &db)?;
+            .copy_d2d(bwd.stream(), yb.view(0, bytes)?, db)?;
         g.accumulate_grad(1, yw1.view(0, bytes)?, dtype)?;
     }
     bwd.finish()?;
@@ -127,7 +127,7 @@ fn failing_layer(pass: &BackwardPass<'_>, w: TensorId) -> Result<()> {
     let dw = g.grad(0)?;
     let too_short = pass.pool().alloc(4)?;
     pass.device()
-        .copy_d2d(pass.stream(), too_short.view(0, 4)?, &dw)?;
+        .copy_d2d(pass.stream(), too_short.view(0, 4)?, dw)?;
     unreachable!("the copy sizes differ")
 }
 

@@ -50,7 +50,7 @@
 //!     fn backward(&self, pass: &BackwardPass<'_>, dy: &Block) -> Result<()> {
 //!         let g = pass.fetch(&[self.w])?;
 //!         let dw = g.grad(0)?; // the gradient slot, marked written
-//!         pass.device().copy_d2d(pass.stream(), dy.view(0, dw.len_bytes())?, &dw)?;
+//!         pass.device().copy_d2d(pass.stream(), dy.view(0, dw.len_bytes())?, dw)?;
 //!         Ok(())
 //!     }
 //! }

@@ -59,10 +59,7 @@ fn a_release_that_fails_in_drop_surfaces_at_the_next_call() {
         "{e}"
     );
     drop(hog);
-    assert!(
-        matches!(m.forward(), Ok(_)),
-        "stage checks need no usable manager"
-    );
+    assert!(m.forward().is_ok(), "stage checks need no usable manager");
     assert!(matches!(m.read(w), Err(Error::Poisoned { .. })));
 }
 

@@ -120,6 +120,21 @@ fn both_stores_run_one_generic_trainer() {
     }
 }
 
+#[test]
+fn the_trainer_api_runs_alike_on_cuda() {
+    let Some(gpu) = common::cuda("the_trainer_api_runs_alike_on_cuda") else {
+        return;
+    };
+    let mut results = Vec::new();
+    for dev in [common::sim(1 << 20), gpu] {
+        let mut m = ChunkManager::new(dev, ManagerConfig::new(N, Policy::Tide)).unwrap();
+        let ids = register(&mut m).unwrap();
+        let (grads, _) = iteration(&mut m, ids, &mut adam()).unwrap();
+        results.push((grads, m.master(ids.0).unwrap(), m.master(ids.1).unwrap()));
+    }
+    assert_eq!(results[0], results[1]);
+}
+
 /// A layer whose body fails after its fetch (as a kernel launch would), returning early with
 /// `?` while its guard is alive.
 fn failing_layer(pass: &BackwardPass<'_>, w: TensorId) -> Result<()> {

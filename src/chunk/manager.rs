@@ -417,7 +417,8 @@ impl ChunkManager {
         }
     }
 
-    /// Tracks non-model device memory through `pool`: its peak of live bytes over every moment
+    /// Tracks non-model device memory through `pool`, in place of the manager's own
+    /// ([`ChunkManager::pool`]): its peak of live bytes over every moment
     /// feeds the tide. Blocks it caches are not counted: when a chunk does not fit, the manager
     /// empties the pool's cache before giving up.
     ///

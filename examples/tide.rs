@@ -17,11 +17,11 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::chunk::{ChunkManager, LogKind, ManagerConfig, Usage};
-use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
+use tidemem::demo::ToyMlp;
+use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
 use tidemem::tensor::TensorId;
 use tidemem::tide::{MoveStats, Policy};
-use tidemem::toy::ToyMlp;
 use tidemem::units::{fmt_bytes, parse_bytes};
 
 #[derive(Parser, Debug)]
@@ -116,9 +116,8 @@ fn run() -> tidemem::Result<()> {
         let dev = Device::sim(sim)?;
         let mut cfg = ManagerConfig::new(toy.chunk_elems(), policy);
         cfg.scheduler.warmup_chunk_fraction = 0.3;
-        let mut m = ChunkManager::new(dev.clone(), cfg)?;
-        let pool = CachingAllocator::new(dev);
-        m.set_non_model_allocator(pool.clone());
+        // activations come from the manager's own non-model pool, which the tide watches
+        let mut m = ChunkManager::new(dev, cfg)?;
         m.enable_log();
         let ids = toy.register(&mut m)?;
         let bar = ProgressBar::new(a.steps);
@@ -131,7 +130,7 @@ fn run() -> tidemem::Result<()> {
         let mut iters = Vec::new();
         let mut loss = 0.0;
         for s in 0..a.steps {
-            loss = toy.step(&mut m, &pool, &ids, s)?;
+            loss = toy.step(&mut m, &ids, s)?;
             let it = m.last_iteration();
             iters.push(it);
             bar.set_message(format!(

@@ -30,10 +30,10 @@ use clap::Parser;
 use serde_json::json;
 use tidemem::chunk::ManagerConfig;
 use tidemem::comm::{launch, CommStats, ReduceOp};
+use tidemem::demo::ToyMlp;
 use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
 use tidemem::tide::Policy;
-use tidemem::toy::ToyMlp;
 use tidemem::units::{fmt_bytes, parse_bytes};
 use tidemem::zero::ZeroManager;
 
@@ -114,7 +114,6 @@ fn run() -> tidemem::Result<()> {
         let mut z = ZeroManager::new(c, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
         z.set_prefetch(prefetch)?;
         let ids = toy.register(&mut z)?;
-        let pool = z.pool().clone();
         let mut adam = HybridAdam::new(HybridConfig {
             loss_scale: Some(ScalerConfig::default()),
             max_grad_norm: Some(1.0),
@@ -132,8 +131,7 @@ fn run() -> tidemem::Result<()> {
         let mut before = CommStats::default();
         for s in first..first + steps {
             before = z.comm().stats();
-            let loss =
-                toy.forward_backward(&mut z, &pool, &ids, s, adam.loss_scale(), (rank, world))?;
+            let loss = toy.forward_backward(&mut z, &ids, s, adam.loss_scale(), (rank, world))?;
             let rep = z.step(&mut adam)?;
             let mut total = [loss as f64];
             z.comm().all_reduce_host(&mut total, ReduceOp::Sum)?;

@@ -269,6 +269,46 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+
+    // --- states a trainer matches on (parameter stores and their passes) ---
+    /// A call that the stage of the iteration in progress does not allow (a backward fetch
+    /// before the forward pass ended, an optimizer pass during backward, ...). The iteration
+    /// runs forward, `end_forward`, backward, `end_backward`, the optimizer step.
+    #[error("{call} is not allowed during the {stage} stage")]
+    WrongStage {
+        /// What was called.
+        call: String,
+        /// The stage in progress: `forward`, `backward`, `optimizer`, or `idle` between
+        /// iterations.
+        stage: &'static str,
+    },
+
+    /// A store refuses every call after a failure left its bookkeeping and its memory apart
+    /// (a chunk move the scheduler ordered failed, a checkpoint load stopped midway). Restore
+    /// from a checkpoint into a new store.
+    #[error("the {what} is unusable: {reason}")]
+    Poisoned {
+        /// Which store.
+        what: &'static str,
+        /// The failure that left it unusable.
+        reason: String,
+    },
+
+    /// Memory that must move or be freed is still referenced by a view handed out earlier.
+    #[error("a view of {what} is still alive at {during}; drop views first")]
+    ViewAlive {
+        /// What the view points into (a chunk, a gather buffer).
+        what: String,
+        /// What needed the memory free (a release, an eviction).
+        during: &'static str,
+    },
+
+    /// A tensor id the store never registered.
+    #[error("unknown tensor #{id}")]
+    UnknownTensor {
+        /// The id's index.
+        id: u32,
+    },
 }
 
 impl Error {

@@ -11,9 +11,10 @@
 //! stateful [`tensor`]s, [`chunk`]s and the [`chunk::ChunkManager`], the [`tide`] tracer and
 //! placement policies, and a [`simulate`]or that replays a model's trace through the same
 //! policies. [`optim`] holds the CPU/CUDA Adam and `HybridAdam`; [`comm`] the collectives
-//! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`toy`] is a small reference
-//! trainer; [`profile`] writes Chrome traces and tide plots; [`data`] generates synthetic
-//! training data.
+//! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`store`] is what a trainer
+//! sees of either kind of store: passes, guards and typed device views of the parameters
+//! ([`prelude`] imports it all). [`demo`] holds the small MLP the examples train; [`profile`]
+//! writes Chrome traces and tide plots; [`data`] generates synthetic training data.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
@@ -39,6 +40,7 @@ pub(crate) mod checkpoint;
 pub mod chunk;
 pub mod comm;
 pub mod data;
+pub mod demo;
 pub mod device;
 pub mod device_id;
 pub mod dtype;
@@ -47,12 +49,13 @@ pub mod error;
 pub mod kernels;
 pub mod ops;
 pub mod optim;
+pub mod prelude;
 pub mod profile;
 pub mod rng;
 pub mod simulate;
+pub mod store;
 pub mod tensor;
 pub mod tide;
-pub mod toy;
 pub mod units;
 pub mod zero;
 

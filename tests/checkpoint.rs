@@ -8,11 +8,11 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::CachingAllocator;
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
-use tidemem::toy::{ToyIds, ToyMlp};
 use tidemem::{DType, Error};
 
 use common::TOY;
@@ -55,13 +55,12 @@ fn manager_on(
 fn train(
     toy: &ToyMlp,
     m: &mut ChunkManager,
-    pool: &CachingAllocator,
     ids: &ToyIds,
     opt: &mut HybridAdam,
     steps: std::ops::Range<u64>,
 ) {
     for s in steps {
-        toy.forward_backward(m, pool, ids, s, opt.loss_scale(), (0, 1))
+        toy.forward_backward(m, ids, s, opt.loss_scale(), (0, 1))
             .unwrap();
         opt.step(m).unwrap();
     }
@@ -117,18 +116,18 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
                 true => common::slow_sim(capacity),
                 false => common::sim(capacity),
             };
-            let (mut a, pool, ids) = manager_on(&TOY, policy, dev, budget);
+            let (mut a, _, ids) = manager_on(&TOY, policy, dev, budget);
             let placement = DevicePlacement::Groups(device);
             let mut opt = common::hybrid_adam(true, placement);
-            train(&TOY, &mut a, &pool, &ids, &mut opt, 0..3);
+            train(&TOY, &mut a, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
-            train(&TOY, &mut a, &pool, &ids, &mut opt, 3..6);
+            train(&TOY, &mut a, &ids, &mut opt, 3..6);
 
-            let (mut b, pool_b, ids_b) = manager(&TOY, policy, capacity, budget);
+            let (mut b, _, ids_b) = manager(&TOY, policy, capacity, budget);
             let mut opt_b = common::hybrid_adam(true, placement);
             opt_b.load_checkpoint(&mut b, &path).unwrap();
             assert_eq!(opt_b.steps(), 3);
-            train(&TOY, &mut b, &pool_b, &ids_b, &mut opt_b, 3..6);
+            train(&TOY, &mut b, &ids_b, &mut opt_b, 3..6);
             let what = format!(
                 "{}, file tier {file_tier}, slow {slow}, device groups {device}",
                 policy.name()
@@ -145,7 +144,7 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
             // back into the manager that saved it, whose device holds newer chunks
             let after = masters(&mut a);
             opt.load_checkpoint(&mut a, &path).unwrap();
-            train(&TOY, &mut a, &pool, &ids, &mut opt, 3..6);
+            train(&TOY, &mut a, &ids, &mut opt, 3..6);
             assert_eq!(masters(&mut a), after, "{what}: loaded over newer chunks");
         }
     }
@@ -172,16 +171,16 @@ fn checkpoints_move_between_cuda_and_the_sim_device() {
     for policy in [Policy::Tide, Policy::PatrickStar] {
         for saved_on_cuda in [true, false] {
             let placement = DevicePlacement::Groups(2);
-            let (mut a, pool, ids) = on(saved_on_cuda, policy);
+            let (mut a, _, ids) = on(saved_on_cuda, policy);
             let mut opt = common::hybrid_adam(true, placement);
-            train(&TOY, &mut a, &pool, &ids, &mut opt, 0..3);
+            train(&TOY, &mut a, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
-            train(&TOY, &mut a, &pool, &ids, &mut opt, 3..6);
+            train(&TOY, &mut a, &ids, &mut opt, 3..6);
 
-            let (mut b, pool_b, ids_b) = on(!saved_on_cuda, policy);
+            let (mut b, _, ids_b) = on(!saved_on_cuda, policy);
             let mut opt_b = common::hybrid_adam(true, placement);
             opt_b.load_checkpoint(&mut b, &path).unwrap();
-            train(&TOY, &mut b, &pool_b, &ids_b, &mut opt_b, 3..6);
+            train(&TOY, &mut b, &ids_b, &mut opt_b, 3..6);
             let what = format!("{}, saved on CUDA: {saved_on_cuda}", policy.name());
             assert_eq!(masters(&mut a), masters(&mut b), "{what}");
             assert_eq!(everything(&mut a), everything(&mut b), "{what}");
@@ -308,7 +307,7 @@ fn a_bad_checkpoint_changes_nothing() {
         );
     }
     // not a chunk checkpoint; not a safetensors file at all; no file
-    let (mut m, pool, ids) = manager(&TOY, Policy::Tide, 1 << 20, None);
+    let (mut m, _, ids) = manager(&TOY, Policy::Tide, 1 << 20, None);
     let mut opt = adam(true);
     let table = dir.path().join("table.safetensors");
     m.save_checkpoint(&table, &BTreeMap::new()).unwrap();
@@ -337,10 +336,10 @@ fn a_bad_checkpoint_changes_nothing() {
     let e = opt.load_checkpoint(&mut m, &table).unwrap_err();
     assert!(e.to_string().contains("adam.steps"), "{e}");
     // after all of that, training is the same as on an untouched manager
-    let (mut fresh, pool_f, ids_f) = manager(&TOY, Policy::Tide, 1 << 20, None);
+    let (mut fresh, _, ids_f) = manager(&TOY, Policy::Tide, 1 << 20, None);
     let mut opt_f = adam(true);
-    train(&TOY, &mut m, &pool, &ids, &mut opt, 0..3);
-    train(&TOY, &mut fresh, &pool_f, &ids_f, &mut opt_f, 0..3);
+    train(&TOY, &mut m, &ids, &mut opt, 0..3);
+    train(&TOY, &mut fresh, &ids_f, &mut opt_f, 0..3);
     assert_eq!(masters(&mut m), masters(&mut fresh));
 }
 
@@ -362,14 +361,13 @@ fn checkpoints_run_between_iterations() {
     }
     m.release(&[w], Stage::Forward).unwrap();
     m.end_forward().unwrap();
-    let (mut m, pool, ids) = manager(&TOY, Policy::Tide, 1 << 20, None);
+    let (mut m, _, ids) = manager(&TOY, Policy::Tide, 1 << 20, None);
     let mut acc = HybridAdam::new(HybridConfig {
         accumulation_steps: 2,
         ..HybridConfig::new(AdamConfig::adam(1e-2))
     })
     .unwrap();
-    TOY.forward_backward(&mut m, &pool, &ids, 0, 1.0, (0, 1))
-        .unwrap();
+    TOY.forward_backward(&mut m, &ids, 0, 1.0, (0, 1)).unwrap();
     acc.step(&mut m).unwrap();
     let e = acc.save_checkpoint(&mut m, &p).unwrap_err();
     assert!(e.to_string().contains("micro-batch"), "{e}");

@@ -7,14 +7,14 @@ mod common;
 
 use half::f16;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
-use tidemem::device::{CachingAllocator, Device, SimConfig};
+use tidemem::demo::ToyIds;
+use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{
     AdamConfig, CpuAdam, DevicePlacement, Grad, HybridAdam, HybridConfig, LossScaler, ParamCopy,
     ScaleUpdate, ScalerConfig, StepOutcome, StepReport,
 };
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
-use tidemem::toy::ToyIds;
 
 use common::{toy_setup as setup, TOY};
 
@@ -36,14 +36,13 @@ fn hybrid(placement: DevicePlacement) -> HybridAdam {
 /// and fp32 master bits.
 fn train(
     m: &mut ChunkManager,
-    pool: &CachingAllocator,
     ids: &ToyIds,
     opt: &mut HybridAdam,
     steps: u64,
 ) -> (Vec<StepReport>, Vec<u16>, Vec<u32>) {
     let mut reports = Vec::new();
     for s in 0..steps {
-        TOY.forward_backward(m, pool, ids, s, opt.loss_scale(), (0, 1))
+        TOY.forward_backward(m, ids, s, opt.loss_scale(), (0, 1))
             .unwrap();
         reports.push(opt.step(m).unwrap());
     }
@@ -68,9 +67,9 @@ const SMALL: usize = 5000;
 
 #[test]
 fn placement_never_changes_the_arithmetic() {
-    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
+    let (mut m, _, ids) = setup(Policy::Tide, BIG, None);
     let mut opt = hybrid(DevicePlacement::Auto { fraction: 0.8 });
-    let (reports, params, masters) = train(&mut m, &pool, &ids, &mut opt, 6);
+    let (reports, params, masters) = train(&mut m, &ids, &mut opt, 6);
     // warm-up steps on the host; then everything fits and every group steps on the device
     assert_eq!(reports[0].device_groups, 0);
     assert!(reports[1..].iter().all(|r| r.device_groups == m.groups()));
@@ -102,9 +101,9 @@ fn placement_never_changes_the_arithmetic() {
             Some(8 * 1024),
         ),
     ] {
-        let (mut m2, pool2, ids2) = setup(policy, capacity, host_budget);
+        let (mut m2, _, ids2) = setup(policy, capacity, host_budget);
         let mut opt2 = hybrid(placement);
-        let (r2, p2, ma2) = train(&mut m2, &pool2, &ids2, &mut opt2, 6);
+        let (r2, p2, ma2) = train(&mut m2, &ids2, &mut opt2, 6);
         let what = format!("{policy:?} on {capacity} bytes, {placement:?}, host {host_budget:?}");
         assert!(p2 == params, "fp16 parameters differ: {what}");
         assert!(ma2 == masters, "fp32 masters differ: {what}");
@@ -134,12 +133,12 @@ fn hybrid_adam_on_cuda_equals_the_sim_device() {
         (Policy::Tide, SMALL, DevicePlacement::Groups(2)),
         (Policy::PatrickStar, SMALL, DevicePlacement::HostOnly),
     ] {
-        let (mut m, pool, ids) = setup(policy, capacity, None);
+        let (mut m, _, ids) = setup(policy, capacity, None);
         let mut opt = hybrid(placement);
-        let reference = train(&mut m, &pool, &ids, &mut opt, 6);
-        let (mut g, gpool, gids) = common::toy_setup_on(gpu.clone(), policy, capacity, None);
+        let reference = train(&mut m, &ids, &mut opt, 6);
+        let (mut g, _, gids) = common::toy_setup_on(gpu.clone(), policy, capacity, None);
         let mut gopt = hybrid(placement);
-        let got = train(&mut g, &gpool, &gids, &mut gopt, 6);
+        let got = train(&mut g, &gids, &mut gopt, 6);
         let what = format!("{policy:?} on {capacity} bytes, {placement:?}");
         assert!(got.1 == reference.1, "fp16 parameters differ: {what}");
         assert!(got.2 == reference.2, "fp32 masters differ: {what}");

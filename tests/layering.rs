@@ -33,10 +33,13 @@ const LAYERS: &[(&str, &[&str])] = &[
     ),
     // what trains on chunks: the optimizer, collectives, the placement simulator
     ("training", &["optim", "comm", "simulate"]),
-    // sharded and distributed training, embeddings, layers
-    ("distributed", &["zero", "embedding", "nn", "parallel"]),
-    // models and trainers
-    ("models", &["toy", "models"]),
+    // sharded and distributed training, embeddings, the trainer API over both stores, layers
+    (
+        "distributed",
+        &["zero", "embedding", "store", "nn", "parallel"],
+    ),
+    // models and trainers, and the prelude that gathers what a trainer imports
+    ("models", &["demo", "models", "prelude"]),
 ];
 
 /// Imports allowed to break the order, each (file, imported module): none. The checker keeps

@@ -4,27 +4,22 @@
 mod common;
 
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
-use tidemem::device::{CachingAllocator, Device, SimConfig};
+use tidemem::demo::ToyIds;
+use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::simulate::{simulate, SimOptions};
 use tidemem::tensor::{Init, Stage, TensorState};
 use tidemem::tide::{Policy, Scheduler};
-use tidemem::toy::ToyIds;
 use tidemem::Error;
 
 use common::{toy_setup as setup, TOY};
 
 /// Trains `steps` iterations; returns losses, then every tensor's fp16 parameter bits and fp32
 /// master bits.
-fn train(
-    m: &mut ChunkManager,
-    pool: &CachingAllocator,
-    ids: &ToyIds,
-    steps: u64,
-) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+fn train(m: &mut ChunkManager, ids: &ToyIds, steps: u64) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
     let mut losses = Vec::new();
     for s in 0..steps {
-        losses.push(TOY.step(m, pool, ids, s).unwrap().to_bits());
+        losses.push(TOY.step(m, ids, s).unwrap().to_bits());
     }
     let mut params = Vec::new();
     let mut masters = Vec::new();
@@ -42,8 +37,8 @@ const SMALL: usize = 5000;
 
 #[test]
 fn placement_never_changes_the_arithmetic() {
-    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
-    let reference = train(&mut m, &pool, &ids, 5);
+    let (mut m, _, ids) = setup(Policy::Tide, BIG, None);
+    let reference = train(&mut m, &ids, 5);
     // everything stays resident; only the parameters rewritten by the host step are reloaded,
     // once each (six groups of 272 fp16 elements)
     assert_eq!(m.last_iteration().h2d_bytes, 6 * 272 * 2);
@@ -64,8 +59,8 @@ fn placement_never_changes_the_arithmetic() {
             device_fraction: 0.15,
         },
     ] {
-        let (mut m, pool, ids) = setup(policy, SMALL, None);
-        let got = train(&mut m, &pool, &ids, 5);
+        let (mut m, _, ids) = setup(policy, SMALL, None);
+        let got = train(&mut m, &ids, 5);
         assert_eq!(got.0, reference.0, "{policy:?}: losses differ");
         assert_eq!(got.1, reference.1, "{policy:?}: fp16 parameters differ");
         assert_eq!(got.2, reference.2, "{policy:?}: fp32 masters differ");
@@ -94,10 +89,10 @@ fn the_manager_on_cuda_trains_like_on_the_sim_device() {
             device_fraction: 0.15,
         },
     ] {
-        let (mut m, pool, ids) = setup(policy, SMALL, None);
-        let reference = train(&mut m, &pool, &ids, 5);
-        let (mut g, gpool, gids) = common::toy_setup_on(gpu.clone(), policy, SMALL, None);
-        let got = train(&mut g, &gpool, &gids, 5);
+        let (mut m, _, ids) = setup(policy, SMALL, None);
+        let reference = train(&mut m, &ids, 5);
+        let (mut g, _, gids) = common::toy_setup_on(gpu.clone(), policy, SMALL, None);
+        let got = train(&mut g, &gids, 5);
         assert_eq!(got, reference, "{policy:?} on {}", gpu.name());
         let (a, b) = (m.stats(), g.stats());
         assert_eq!(
@@ -111,15 +106,15 @@ fn the_manager_on_cuda_trains_like_on_the_sim_device() {
 
 #[test]
 fn spilled_optimizer_state_gives_the_same_result() {
-    let (mut m, pool, ids) = setup(Policy::Tide, BIG, None);
-    let reference = train(&mut m, &pool, &ids, 3);
+    let (mut m, _, ids) = setup(Policy::Tide, BIG, None);
+    let reference = train(&mut m, &ids, 3);
     // host memory for about half the model data: optimizer state goes to the file tier
     let total: u64 = {
         let u = m.usage();
         Usage::total(&u.host) + Usage::total(&u.file)
     };
-    let (mut m, pool, ids) = setup(Policy::Tide, SMALL, Some(total / 2));
-    let got = train(&mut m, &pool, &ids, 3);
+    let (mut m, _, ids) = setup(Policy::Tide, SMALL, Some(total / 2));
+    let got = train(&mut m, &ids, 3);
     assert_eq!(got, reference);
     let u = m.usage();
     assert!(Usage::total(&u.file) >= total / 2 - 1100 * 4, "{u:?}");
@@ -151,9 +146,9 @@ fn same_moves(got: &tidemem::tide::MoveStats, sim: &tidemem::simulate::SimReport
 #[test]
 fn simulator_agrees_with_the_manager() {
     for policy in Policy::all() {
-        let (mut m, pool, ids) = setup(policy, SMALL, None);
+        let (mut m, _, ids) = setup(policy, SMALL, None);
         for s in 0..3 {
-            TOY.step(&mut m, &pool, &ids, s).unwrap();
+            TOY.step(&mut m, &ids, s).unwrap();
         }
         let got = m.last_iteration();
         let mut opts = SimOptions::new(SMALL as u64, u64::MAX / 4);
@@ -187,14 +182,14 @@ fn simulator_agrees_with_the_manager_on_device_adam() {
     let placement = DevicePlacement::Auto { fraction: 0.8 };
     let capacity = 16_000;
     for policy in [Policy::Tide, Policy::PatrickStar, Policy::Lru] {
-        let (mut m, pool, ids) = setup(policy, capacity, None);
+        let (mut m, _, ids) = setup(policy, capacity, None);
         let mut opt = HybridAdam::new(HybridConfig {
             placement,
             ..HybridConfig::new(AdamConfig::adam(1e-3))
         })
         .unwrap();
         for s in 0..4 {
-            TOY.forward_backward(&mut m, &pool, &ids, s, opt.loss_scale(), (0, 1))
+            TOY.forward_backward(&mut m, &ids, s, opt.loss_scale(), (0, 1))
                 .unwrap();
             opt.step(&mut m).unwrap();
         }
@@ -218,14 +213,14 @@ fn simulator_agrees_with_the_manager_on_device_adam() {
 
 #[test]
 fn tide_keeps_host_copies_and_evicts_clean_chunks_for_free() {
-    let (mut m, pool, ids) = setup(Policy::Tide, SMALL, None);
+    let (mut m, _, ids) = setup(Policy::Tide, SMALL, None);
     for s in 0..3 {
-        TOY.step(&mut m, &pool, &ids, s).unwrap();
+        TOY.step(&mut m, &ids, s).unwrap();
     }
     let tide = m.last_iteration();
-    let (mut m, pool, ids) = setup(Policy::PatrickStar, SMALL, None);
+    let (mut m, _, ids) = setup(Policy::PatrickStar, SMALL, None);
     for s in 0..3 {
-        TOY.step(&mut m, &pool, &ids, s).unwrap();
+        TOY.step(&mut m, &ids, s).unwrap();
     }
     let ps = m.last_iteration();
     assert!(tide.clean_drops > 0);
@@ -264,7 +259,7 @@ fn misuse_is_a_typed_error() {
     // a view still alive at release is refused; the chunk stays COMPUTE
     assert!(matches!(
         m.release(&[a, b], Stage::Forward),
-        Err(Error::InvalidArgument(_))
+        Err(Error::ViewAlive { .. })
     ));
     drop(v);
     // using a tensor twice at once is illegal
@@ -281,9 +276,13 @@ fn misuse_is_a_typed_error() {
         m.release(&[a], Stage::Forward),
         Err(Error::IllegalTransition { .. })
     ));
+    // no gradient in forward
     assert!(matches!(
         m.write_grad(a, &[0.0; 32]),
-        Err(Error::InvalidArgument(_))
+        Err(Error::WrongStage {
+            stage: "forward",
+            ..
+        })
     ));
     assert!(
         m.register("late", &[2], Init::Zeros).is_err(),

@@ -20,4 +20,4 @@ pub use manager::{
     TideSample, Usage,
 };
 pub(crate) use tensors::{check_distinct, numel_of, ViewBuf};
-pub use tensors::{decode, encode, ParamStore, TensorView};
+pub use tensors::{decode, encode, TensorView};

@@ -1,14 +1,13 @@
 //! What the chunk manager and the data-parallel ZeRO manager share about tensors: views of
 //! fetched tensors, the checks of a registration and an access, the element encodings, and the
-//! [`ParamStore`] a trainer runs against.
+//! trainer API (`crate::store`) builds on.
 
 use std::sync::Arc;
 
-use super::ChunkManager;
 use crate::device::{Block, DeviceBuffer, DeviceView};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::{Init, Stage, TensorId};
+use crate::tensor::TensorId;
 
 /// Memory of a fetched tensor on the device: valid until the tensor is released.
 #[derive(Clone, Debug)]
@@ -92,47 +91,4 @@ pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
 /// Decodes `dtype` little-endian bytes to f32 (see [`crate::dtype::decode_f32`]).
 pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
     crate::dtype::decode_f32(b, dtype)
-}
-
-/// What a trainer's forward and backward need from a parameter store, so one trainer runs on
-/// a [`ChunkManager`] or a data-parallel `ZeroManager` (in `zero`) alike.
-pub trait ParamStore {
-    /// Registers a parameter (see [`ChunkManager::register`]).
-    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId>;
-    /// Fetches tensors for an op (see [`ChunkManager::fetch`]).
-    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>>;
-    /// Ends an op's use of tensors (see [`ChunkManager::release`]).
-    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()>;
-    /// A fetched tensor's values as f32 (see [`ChunkManager::read`]).
-    fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
-    /// Writes a tensor's gradient at its last backward use (see [`ChunkManager::write_grad`]).
-    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()>;
-    /// Ends the forward pass.
-    fn end_forward(&mut self) -> Result<()>;
-    /// Ends the backward pass.
-    fn end_backward(&mut self) -> Result<()>;
-}
-
-impl ParamStore for ChunkManager {
-    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
-        ChunkManager::register(self, name, shape, init)
-    }
-    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
-        ChunkManager::fetch(self, ids, stage)
-    }
-    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
-        ChunkManager::release(self, ids, stage)
-    }
-    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
-        ChunkManager::read(self, id)
-    }
-    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
-        ChunkManager::write_grad(self, id, grad)
-    }
-    fn end_forward(&mut self) -> Result<()> {
-        ChunkManager::end_forward(self)
-    }
-    fn end_backward(&mut self) -> Result<()> {
-        ChunkManager::end_backward(self)
-    }
 }

@@ -3,7 +3,7 @@
 //! - [`criteo`]: Criteo-like click logs (dense features, Zipf-distributed categorical ids over
 //!   published table cardinalities, labels from a hidden logistic model), for the embedding
 //!   cache.
-//! - [`regression`]: the inputs and targets the [toy trainer](crate::toy) fits.
+//! - [`regression`]: the inputs and targets the [toy trainer](crate::demo) fits.
 //! - [`rng`]: the generators behind them (one SplitMix64, and xoshiro256**), which tests and
 //!   benches use too.
 //!

@@ -416,6 +416,9 @@ impl HybridAdam {
     /// An error partway through a pass (a device or budget failure on a later group) leaves
     /// earlier groups stepped and later ones not; the optimizer then refuses further steps, since
     /// stepping again would treat updated parameters as gradients: restore from a checkpoint.
+    ///
+    /// Trainers call it through the store, `m.step(&mut adam)`
+    /// ([`ParamStore::step`](crate::store::ParamStore::step)), the same way on every store.
     pub fn step(&mut self, m: &mut ChunkManager) -> Result<StepReport> {
         self.step_reducing(m, &mut Ok)
     }

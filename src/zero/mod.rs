@@ -66,8 +66,8 @@ use std::sync::Arc;
 
 use crate::checkpoint::Reader;
 use crate::chunk::{
-    check_distinct, encode, numel_of, ChunkManager, Layout, ManagerConfig, ParamStore, Slot,
-    TensorView, Usage, ViewBuf,
+    check_distinct, encode, numel_of, ChunkManager, Layout, ManagerConfig, Slot, TensorView, Usage,
+    ViewBuf,
 };
 use crate::comm::{Communicator, Elem, ReduceOp};
 use crate::device::{Block, CachingAllocator, DeviceView, Event, HostBuffer, Stream};
@@ -550,9 +550,10 @@ impl ZeroManager {
     fn take_gather(&mut self, j: usize) -> Result<Gather> {
         let g = self.gathers[j].as_ref().expect("gathered");
         if Arc::strong_count(&g.buf) > 1 {
-            return Err(Error::InvalidArgument(format!(
-                "a view into communication group {j} is still alive; drop views before releasing"
-            )));
+            return Err(Error::ViewAlive {
+                what: format!("communication group {j}"),
+                during: "release",
+            });
         }
         // A prefetched buffer never used: the pool may hand it to the compute stream next.
         self.wait_ready(j)?;
@@ -597,7 +598,7 @@ impl ZeroManager {
             let t = self
                 .tensors
                 .get(id.index())
-                .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))?;
+                .ok_or(Error::UnknownTensor { id: id.0 })?;
             if next_state(t.state, ev).is_none() {
                 return Err(Error::IllegalTransition {
                     tensor: t.name.clone(),
@@ -638,19 +639,22 @@ impl ZeroManager {
             Stage::Forward => TrainEvent::BeforeFwdOp,
             Stage::Backward => TrainEvent::BeforeBwdOp,
             Stage::Optimizer => {
-                return Err(Error::InvalidArgument(
-                    "fetch is for forward and backward; the optimizer runs in step".into(),
-                ))
+                return Err(Error::WrongStage {
+                    call: "fetch for the optimizer (fetch is for forward and backward; the \
+                           optimizer runs in step)"
+                        .into(),
+                    stage: stage_name(self.stage),
+                })
             }
         };
         match (self.stage, stage) {
             (None, Stage::Forward) | (Some(Stage::Forward), Stage::Forward) => {}
             (Some(Stage::Backward), Stage::Backward) => {}
             (s, _) => {
-                return Err(Error::InvalidArgument(format!(
-                "a {stage} fetch during the {} stage: call end_forward / end_backward / step first",
-                s.map_or("idle", |s| s.name())
-            )))
+                return Err(Error::WrongStage {
+                    call: format!("a {stage} fetch (call end_forward / end_backward / step first)"),
+                    stage: stage_name(s),
+                })
             }
         }
         self.check(ids, ev)?;
@@ -719,9 +723,10 @@ impl ZeroManager {
     /// with the stage.
     pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
         if self.stage != Some(stage) || stage == Stage::Optimizer {
-            return Err(Error::InvalidArgument(format!(
-                "release for {stage} outside that stage"
-            )));
+            return Err(Error::WrongStage {
+                call: format!("a release for {stage}"),
+                stage: stage_name(self.stage),
+            });
         }
         let evs: Vec<TrainEvent> = ids
             .iter()
@@ -762,9 +767,10 @@ impl ZeroManager {
             };
             if complete {
                 if Arc::strong_count(&g.buf) > 1 {
-                    return Err(Error::InvalidArgument(format!(
-                        "a view into communication group {j} is still alive at its release; drop views first"
-                    )));
+                    return Err(Error::ViewAlive {
+                        what: format!("communication group {j}"),
+                        during: "release",
+                    });
                 }
                 done.push(j);
             }
@@ -785,7 +791,7 @@ impl ZeroManager {
     /// rank's manager.
     pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
         if id.index() >= self.tensors.len() {
-            return Err(Error::InvalidArgument(format!("unknown tensor {id}")));
+            return Err(Error::UnknownTensor { id: id.0 });
         }
         if self.closed && self.gathers[self.comm_group(id)].is_some() {
             self.wait_ready(self.comm_group(id))?;
@@ -817,22 +823,14 @@ impl ZeroManager {
     /// Writes a tensor's local gradient (of this rank's share of the batch) at its last backward
     /// use; it is averaged over ranks when its communication group is reduce-scattered.
     pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
-        let t = self
-            .tensors
-            .get(id.index())
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))?;
-        if t.state != TensorState::Compute || self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of '{}' written outside a backward fetch (state {})",
-                t.name, t.state
-            )));
-        }
-        if t.bwd_uses < t.fwd_uses {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
             return Err(Error::InvalidArgument(format!(
                 "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
                 t.name, t.bwd_uses, t.fwd_uses
             )));
         }
+        let t = &self.tensors[id.index()];
         if grad.len() != t.slot.numel {
             return Err(Error::SizeMismatch {
                 src: grad.len(),
@@ -854,9 +852,10 @@ impl ZeroManager {
     /// Ends the forward pass; frees every gather buffer still held.
     pub fn end_forward(&mut self) -> Result<()> {
         if !matches!(self.stage, None | Some(Stage::Forward)) {
-            return Err(Error::InvalidArgument(
-                "end_forward outside the forward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_forward".into(),
+                stage: stage_name(self.stage),
+            });
         }
         self.close()?;
         let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
@@ -890,9 +889,10 @@ impl ZeroManager {
     /// and fewer backward uses) are reduce-scattered now.
     pub fn end_backward(&mut self) -> Result<()> {
         if self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(
-                "end_backward outside the backward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_backward".into(),
+                stage: stage_name(self.stage),
+            });
         }
         if let Some(t) = self
             .tensors
@@ -927,9 +927,10 @@ impl ZeroManager {
     /// ([`ZeroManager::load_checkpoint`]).
     pub fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         if self.stage != Some(Stage::Optimizer) {
-            return Err(Error::InvalidArgument(
-                "ZeroManager::step runs after end_backward".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "ZeroManager::step (it runs after end_backward)".into(),
+                stage: stage_name(self.stage),
+            });
         }
         let comm = &self.comm;
         let report = adam.step_reducing(&mut self.local, &mut |st: GradStats| {
@@ -1070,27 +1071,62 @@ impl ZeroManager {
 const META_RANK: &str = "zero.rank";
 const META_WORLD: &str = "zero.world";
 
-impl ParamStore for ZeroManager {
-    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
-        ZeroManager::register(self, name, shape, init)
+// --- support for the trainer API (`crate::store`): stage, shapes and gradient marks ---
+/// The name of a stage in a [`Error::WrongStage`] (`idle` between iterations).
+fn stage_name(s: Option<Stage>) -> &'static str {
+    s.map_or("idle", Stage::name)
+}
+
+impl ZeroManager {
+    /// The stage of the iteration in progress (`None` between iterations).
+    pub fn stage(&self) -> Option<Stage> {
+        self.stage
     }
-    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
-        ZeroManager::fetch(self, ids, stage)
+
+    /// Name and shape of a tensor, and its slot in the global layout.
+    pub fn tensor_info(&self, id: TensorId) -> Result<(&str, &[usize], Slot)> {
+        let t = self
+            .tensors
+            .get(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?;
+        Ok((&t.name, &t.shape, t.slot))
     }
-    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
-        ZeroManager::release(self, ids, stage)
+
+    /// Checks that a gradient of `id` may be written now (the backward stage, the tensor
+    /// fetched); returns whether this is the tensor's last backward use, the one its gradient
+    /// is written at.
+    pub(crate) fn grad_use(&self, id: TensorId) -> Result<bool> {
+        let t = self
+            .tensors
+            .get(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: format!("a gradient write of '{}'", t.name),
+                stage: stage_name(self.stage),
+            });
+        }
+        if t.state != TensorState::Compute {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state
+            )));
+        }
+        Ok(t.bwd_uses >= t.fwd_uses)
     }
-    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
-        ZeroManager::read(self, id)
-    }
-    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
-        ZeroManager::write_grad(self, id, grad)
-    }
-    fn end_forward(&mut self) -> Result<()> {
-        ZeroManager::end_forward(self)
-    }
-    fn end_backward(&mut self) -> Result<()> {
-        ZeroManager::end_backward(self)
+
+    /// Marks the gradient of `id` written into its gather buffer (by device work the caller
+    /// enqueued on the compute stream), after the checks of [`ZeroManager::write_grad`].
+    pub(crate) fn mark_grad(&mut self, id: TensorId) -> Result<()> {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
+            return Err(Error::InvalidArgument(format!(
+                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
+                t.name, t.bwd_uses, t.fwd_uses
+            )));
+        }
+        self.tensors[id.index()].grad = true;
+        Ok(())
     }
 }
 

@@ -65,7 +65,7 @@ pub fn devices(test: &str) -> Vec<Device> {
 }
 
 /// The toy MLP the manager and optimizer suites train.
-pub const TOY: tidemem::toy::ToyMlp = tidemem::toy::ToyMlp {
+pub const TOY: tidemem::demo::ToyMlp = tidemem::demo::ToyMlp {
     layers: 6,
     width: 16,
     batch: 8,
@@ -77,7 +77,7 @@ pub const TOY: tidemem::toy::ToyMlp = tidemem::toy::ToyMlp {
 pub type ToySetup = (
     tidemem::chunk::ChunkManager,
     tidemem::device::CachingAllocator,
-    tidemem::toy::ToyIds,
+    tidemem::demo::ToyIds,
 );
 
 /// A manager for [`TOY`] on a Sim device of `capacity` bytes, with its non-model pool.

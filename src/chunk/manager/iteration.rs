@@ -45,9 +45,12 @@ impl ChunkManager {
             Stage::Forward => TrainEvent::BeforeFwdOp,
             Stage::Backward => TrainEvent::BeforeBwdOp,
             Stage::Optimizer => {
-                return Err(Error::InvalidArgument(
-                    "fetch is for forward and backward; the optimizer uses step_host".into(),
-                ))
+                return Err(Error::WrongStage {
+                    call: "fetch for the optimizer (fetch is for forward and backward; the \
+                           optimizer visits groups)"
+                        .into(),
+                    stage: self.stage.map_or("idle", Stage::name),
+                })
             }
         };
         self.check_stage(stage)?;
@@ -141,10 +144,12 @@ impl ChunkManager {
         if ok {
             Ok(())
         } else {
-            Err(Error::InvalidArgument(format!(
-                "a {stage} access during the {} stage: call end_forward / end_backward / end_step first",
-                self.stage.map_or("?", |s| s.name())
-            )))
+            Err(Error::WrongStage {
+                call: format!(
+                    "a {stage} access (call end_forward / end_backward / end_step first)"
+                ),
+                stage: self.stage.map_or("idle", Stage::name),
+            })
         }
     }
 
@@ -188,9 +193,10 @@ impl ChunkManager {
             if let Some(buf) = &self.payload[c as usize].device {
                 // views handed out must be gone before the chunk may move
                 if idle && Arc::strong_count(buf) > 1 {
-                    return Err(Error::InvalidArgument(format!(
-                        "a view of chunk {c} is still alive at release; drop views before releasing"
-                    )));
+                    return Err(Error::ViewAlive {
+                        what: format!("chunk {c}"),
+                        during: "release",
+                    });
                 }
             }
         }
@@ -239,19 +245,14 @@ impl ChunkManager {
     /// The device chunk and byte offset a gradient of `len` elements of `id` goes to, after the
     /// checks both gradient writes share.
     fn grad_slot(&self, id: TensorId, len: usize) -> Result<(Arc<DeviceBuffer>, usize)> {
-        let t = self.meta(id)?;
-        if t.state[0] != TensorState::Compute || self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of '{}' written outside a backward fetch (state {})",
-                t.name, t.state[0]
-            )));
-        }
-        if t.bwd_uses < t.fwd_uses {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
             return Err(Error::InvalidArgument(format!(
                 "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
                 t.name, t.bwd_uses, t.fwd_uses
             )));
         }
+        let t = &self.tensors[id.index()];
         if len != t.slot.numel {
             return Err(Error::SizeMismatch {
                 src: len,
@@ -379,9 +380,10 @@ impl ChunkManager {
     pub fn end_forward(&mut self) -> Result<()> {
         self.usable()?;
         if !matches!(self.stage, None | Some(Stage::Forward)) {
-            return Err(Error::InvalidArgument(
-                "end_forward outside the forward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_forward".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         // the tiers and the scheduler exist from here on, even if nothing was fetched
         self.close()?;
@@ -398,9 +400,10 @@ impl ChunkManager {
     pub fn end_backward(&mut self) -> Result<()> {
         self.usable()?;
         if self.stage != Some(Stage::Backward) {
-            return Err(Error::InvalidArgument(
-                "end_backward outside the backward pass".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "end_backward".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         self.check_nothing_fetched("backward")?;
         self.stage = Some(Stage::Optimizer);
@@ -458,6 +461,48 @@ impl ChunkManager {
         self.iter_start = now;
         self.iterations += 1;
         self.last_samples = std::mem::take(&mut self.samples);
+        Ok(())
+    }
+}
+
+// --- support for the trainer API (`crate::store`): the non-model pool and gradient marks ---
+impl ChunkManager {
+    /// The non-model pool: the manager's own unless [`ChunkManager::set_non_model_allocator`]
+    /// replaced it. Activations and other non-model buffers should come from it, so that the
+    /// tide sees them.
+    pub fn pool(&self) -> &crate::device::CachingAllocator {
+        self.non_model
+            .as_ref()
+            .expect("a manager always holds a non-model pool")
+    }
+
+    /// Checks that a gradient of `id` may be written now (the backward stage, the tensor
+    /// fetched); returns whether this is the tensor's last backward use, the one its gradient
+    /// is written at.
+    pub(crate) fn grad_use(&self, id: TensorId) -> Result<bool> {
+        let t = self.meta(id)?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: format!("a gradient write of '{}'", t.name),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
+        }
+        if t.state[0] != TensorState::Compute {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state[0]
+            )));
+        }
+        Ok(t.bwd_uses >= t.fwd_uses)
+    }
+
+    /// Marks the gradient of `id` written into its parameter slot (by device work the caller
+    /// enqueued on the compute stream), after the checks of [`ChunkManager::write_grad`].
+    pub(crate) fn mark_grad(&mut self, id: TensorId) -> Result<()> {
+        self.usable()?;
+        let numel = self.meta(id)?.slot.numel;
+        self.grad_slot(id, numel)?;
+        self.tensors[id.index()].grad = true;
         Ok(())
     }
 }

@@ -170,7 +170,8 @@ impl ChunkManager {
         let layout = Layout::new(cfg.chunk_elems)?;
         let copy = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
-        Ok(ChunkManager {
+        let pool = CachingAllocator::new(device.clone());
+        let mut m = ChunkManager {
             device,
             copy,
             compute,
@@ -195,20 +196,25 @@ impl ChunkManager {
             last_samples: Vec::new(),
             broken: None,
             grads_in: Vec::new(),
-        })
+        };
+        // a non-model pool of its own, as a ZeroManager has (a trainer may set another)
+        m.set_non_model_allocator(pool);
+        Ok(m)
     }
 
     /// Fails once moves the scheduler ordered have failed.
     pub(crate) fn usable(&self) -> Result<()> {
         match &self.broken {
-            Some(why) => Err(Error::InvalidArgument(format!(
-                "the chunk manager is unusable: {why}"
-            ))),
+            Some(why) => Err(Error::Poisoned {
+                what: "chunk manager",
+                reason: why.clone(),
+            }),
             None => Ok(()),
         }
     }
 
-    /// Tracks non-model device memory through `pool`: its peak of live bytes over every moment
+    /// Tracks non-model device memory through `pool`, in place of the manager's own
+    /// ([`ChunkManager::pool`]): its peak of live bytes over every moment
     /// feeds the tide. Blocks it caches are not counted: when a chunk does not fit, the manager
     /// empties the pool's cache before giving up.
     ///

@@ -104,9 +104,10 @@ impl ChunkManager {
     fn drop_device(&mut self, c: usize) -> Result<()> {
         if let Some(buf) = self.payload[c].device.take() {
             if Arc::strong_count(&buf) > 1 {
-                return Err(Error::InvalidArgument(format!(
-                    "chunk {c} evicted while a view of it is alive"
-                )));
+                return Err(Error::ViewAlive {
+                    what: format!("chunk {c}"),
+                    during: "eviction",
+                });
             }
         }
         self.payload[c].ready = None;

@@ -164,9 +164,10 @@ impl ChunkManager {
     ) -> Result<()> {
         self.usable()?;
         if self.stage != Some(Stage::Optimizer) {
-            return Err(Error::InvalidArgument(
-                "optimizer passes run between end_backward and end_step".into(),
-            ));
+            return Err(Error::WrongStage {
+                call: "an optimizer pass (between end_backward and end_step)".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
         }
         let mut lists = vec![ChunkKind::Param];
         lists.extend(kinds.iter().copied().filter(|&k| k != ChunkKind::Param));

@@ -103,7 +103,7 @@ impl ChunkManager {
     pub(super) fn meta(&self, id: TensorId) -> Result<&TensorMeta> {
         self.tensors
             .get(id.index())
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown tensor {id}")))
+            .ok_or(Error::UnknownTensor { id: id.0 })
     }
 
     pub(super) fn chunk_of(&self, id: TensorId, kind: ChunkKind) -> ChunkNo {

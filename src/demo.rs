@@ -1,40 +1,51 @@
-//! A small reference trainer: an MLP with plain CPU ops whose parameters live in a
-//! [`ChunkManager`].
+//! The small MLP the examples train (and the tests and benches with them), written against
+//! the trainer API of [`crate::store`]: a user of the crate, not a part of the memory layer.
+//! It is public because the examples are users too; it is not a layer library.
 //!
-//! It is what the examples, tests and benches train: `layers` blocks `h ← tanh(W h + b)` of width
-//! `width`, a mean-squared-error loss against a fixed target, Adam on the host. With `tied`, the
-//! last block reuses the first block's weight (a shared parameter with two forward uses, whose
-//! gradient is written once, at its last backward use). Every forward op keeps one activation
-//! block of `batch · width · 4` bytes on the device until its backward op, so the non-model memory
-//! rises through forward and falls through backward: a tide.
+//! `layers` blocks `h ← tanh(W h + b)` of width `width`, a mean-squared-error loss against a
+//! fixed target, Adam on the host. With `tied`, the last block reuses the first block's weight
+//! (a shared parameter with two forward uses, whose gradient is written once, at its last
+//! backward use). Every forward op keeps one activation block of `batch · width · 4` bytes from
+//! the store's non-model pool until its backward op, so the non-model memory rises through
+//! forward and falls through backward: a tide.
+//!
+//! Parameters are fetched through guards and gradients written into the guards' gradient slots
+//! on the device, but the arithmetic runs on the host: each op downloads its weight view,
+//! computes, and uploads the gradient into the slot ([`GradView::upload_f32`]). The tied
+//! weight's two shares add up on the host too, where they are computed (a trainer computing on
+//! the device adds them with [`Guard::accumulate_grad`], whose running sum takes non-model
+//! memory that [`ToyMlp::spec`] does not model). The arithmetic moves onto the device when the
+//! op layer has a GEMM.
+//!
+//! [`Guard::accumulate_grad`]: crate::store::Guard::accumulate_grad
+//!
+//! [`GradView::upload_f32`]: crate::store::GradView::upload_f32
 //!
 //! ```
 //! use tidemem::chunk::{ChunkManager, ManagerConfig};
-//! use tidemem::device::{CachingAllocator, Device, SimConfig};
+//! use tidemem::demo::ToyMlp;
+//! use tidemem::device::{Device, SimConfig};
 //! use tidemem::tide::Policy;
-//! use tidemem::toy::ToyMlp;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
 //! let toy = ToyMlp { layers: 4, width: 16, batch: 4, tied: true, lr: 1e-2 };
-//! let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
-//! let pool = CachingAllocator::new(dev);
-//! m.set_non_model_allocator(pool.clone());
+//! let mut m = ChunkManager::new(dev, ManagerConfig::new(toy.chunk_elems(), Policy::Tide))?;
 //! let ids = toy.register(&mut m)?;
-//! let first = toy.step(&mut m, &pool, &ids, 0)?;
+//! let first = toy.step(&mut m, &ids, 0)?;
 //! let mut last = first;
 //! for s in 1..20 {
-//!     last = toy.step(&mut m, &pool, &ids, s)?;
+//!     last = toy.step(&mut m, &ids, s)?;
 //! }
 //! assert!(last < first);
 //! # Ok(()) }
 //! ```
 
-use crate::chunk::{ChunkManager, GroupSlices, ParamStore};
+use crate::chunk::{ChunkManager, GroupSlices};
 use crate::data::regression::regression_samples;
-use crate::device::CachingAllocator;
 use crate::error::Result;
 use crate::simulate::{ModelSpec, OpSpec};
-use crate::tensor::{Init, Stage, TensorId};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
 
 /// Shape and hyper-parameters of the toy MLP.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -132,14 +143,8 @@ impl ToyMlp {
 
     /// One training iteration (forward, backward, Adam step on the host) on batch `seed`;
     /// returns the loss.
-    pub fn step(
-        &self,
-        m: &mut ChunkManager,
-        pool: &CachingAllocator,
-        ids: &ToyIds,
-        seed: u64,
-    ) -> Result<f32> {
-        let loss = self.forward_backward(m, pool, ids, seed, 1.0, (0, 1))?;
+    pub fn step(&self, m: &mut ChunkManager, ids: &ToyIds, seed: u64) -> Result<f32> {
+        let loss = self.forward_backward(m, ids, seed, 1.0, (0, 1))?;
         let t = m.iterations_done() as i32 + 1;
         m.step_host(|g| {
             adam(g, self.lr, t);
@@ -150,13 +155,12 @@ impl ToyMlp {
     }
 
     /// Forward and backward on micro-batch `part.0` of `part.1` of batch `seed` (an equal share
-    /// of its samples), through [`ChunkManager::end_backward`], with the gradients of the mean
+    /// of its samples), through the end of the backward pass, with the gradients of the mean
     /// loss over the micro-batch multiplied by `loss_scale`; returns the (unscaled) sum of
     /// squared errors / 2. The optimizer step is the caller's.
     pub fn forward_backward(
         &self,
         m: &mut impl ParamStore,
-        pool: &CachingAllocator,
         ids: &ToyIds,
         seed: u64,
         loss_scale: f32,
@@ -169,15 +173,43 @@ impl ToyMlp {
                 self.batch
             )));
         }
-        let (w, bsz) = (self.width, self.batch / parts);
+        let bsz = self.batch / parts;
         let (x, y) = regression_samples(self.width, seed, k * bsz..(k + 1) * bsz);
+        let fwd = m.forward()?;
+        let (acts, blocks) = self.forward(&fwd, ids, x)?;
+        fwd.finish()?;
+        let out = acts.last().expect("output");
+        let mut loss = 0.0f32;
+        let dh: Vec<f32> = out
+            .iter()
+            .zip(&y)
+            .map(|(o, t)| {
+                loss += 0.5 * (o - t) * (o - t);
+                (o - t) / bsz as f32 * loss_scale
+            })
+            .collect();
+        let bwd = m.backward()?;
+        self.backward(&bwd, ids, &acts, blocks, dh)?;
+        bwd.finish()?;
+        Ok(loss)
+    }
+
+    /// The forward pass from input `x`: every block's output, and the activation blocks held
+    /// for backward.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        ids: &ToyIds,
+        x: Vec<f32>,
+    ) -> Result<(Vec<Vec<f32>>, Vec<crate::device::Block>)> {
+        let w = self.width;
+        let bsz = x.len() / w;
         let mut acts = vec![x];
         let mut blocks = Vec::new();
         for &(wi, bi) in &ids.blocks {
-            m.fetch(&[wi, bi], Stage::Forward)?;
-            let wv = m.read(wi)?;
-            let bv = m.read(bi)?;
-            for (got, want) in [(wv.len(), w * w), (bv.len(), w)] {
+            let g = pass.fetch(&[wi, bi])?;
+            let (wp, bp) = (g.param(0)?, g.param(1)?);
+            for (got, want) in [(wp.numel(), w * w), (bp.numel(), w)] {
                 if got != want {
                     return Err(crate::Error::SizeMismatch {
                         src: got,
@@ -185,7 +217,8 @@ impl ToyMlp {
                     });
                 }
             }
-            blocks.push(pool.alloc(self.activation_bytes())?);
+            let (wv, bv) = (wp.to_f32()?, bp.to_f32()?);
+            blocks.push(pass.pool().alloc(self.activation_bytes())?);
             let h = acts.last().expect("input");
             let mut out = vec![0.0f32; bsz * w];
             for s in 0..bsz {
@@ -198,24 +231,26 @@ impl ToyMlp {
                 }
             }
             acts.push(out);
-            m.release(&[wi, bi], Stage::Forward)?;
         }
-        m.end_forward()?;
-        let out = acts.last().expect("output");
-        let mut loss = 0.0f32;
-        let mut dh: Vec<f32> = out
-            .iter()
-            .zip(&y)
-            .map(|(o, t)| {
-                loss += 0.5 * (o - t) * (o - t);
-                (o - t) / bsz as f32 * loss_scale
-            })
-            .collect();
+        Ok((acts, blocks))
+    }
+
+    /// The backward pass from the loss gradient `dh`, writing every parameter's gradient.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        ids: &ToyIds,
+        acts: &[Vec<f32>],
+        mut blocks: Vec<crate::device::Block>,
+        mut dh: Vec<f32>,
+    ) -> Result<()> {
+        let w = self.width;
+        let bsz = dh.len() / w;
         let mut pending_shared: Option<Vec<f32>> = None;
         for l in (0..ids.blocks.len()).rev() {
             let (wi, bi) = ids.blocks[l];
-            m.fetch(&[wi, bi], Stage::Backward)?;
-            let wv = m.read(wi)?;
+            let g = pass.fetch(&[wi, bi])?;
+            let wv = g.param(0)?.to_f32()?;
             let (h_in, h_out) = (&acts[l], &acts[l + 1]);
             let dz: Vec<f32> = dh
                 .iter()
@@ -237,6 +272,7 @@ impl ToyMlp {
             }
             let shared = self.tied && self.layers > 1 && (l == 0 || l + 1 == self.layers);
             if shared && l + 1 == self.layers {
+                // the tied weight's first backward use: its share waits on the host
                 pending_shared = Some(dw);
             } else {
                 if shared {
@@ -244,15 +280,14 @@ impl ToyMlp {
                         dw.iter_mut().zip(p).for_each(|(a, b)| *a += b);
                     }
                 }
-                m.write_grad(wi, &dw)?;
+                g.grad(0)?.upload_f32(&dw)?;
             }
-            m.write_grad(bi, &db)?;
-            m.release(&[wi, bi], Stage::Backward)?;
+            g.grad(1)?.upload_f32(&db)?;
+            drop(g);
             drop(blocks.pop());
             dh = dprev;
         }
-        m.end_backward()?;
-        Ok(loss)
+        Ok(())
     }
 }
 
@@ -277,4 +312,94 @@ fn adam(mut g: GroupSlices<'_>, lr: f32, t: i32) {
         }
     }
     g.store_params();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chunk::ManagerConfig;
+    use crate::device::{Device, SimConfig};
+    use crate::dtype::DType;
+    use crate::tide::Policy;
+
+    /// Gradients of one batch computed on plain vectors, the tied weight's as the sum of its
+    /// two uses: `(weights, biases)` per registered tensor order.
+    fn reference(toy: &ToyMlp, ids: &ToyIds, init: &[Vec<f32>], seed: u64) -> Vec<Vec<f32>> {
+        let (w, bsz) = (toy.width, toy.batch);
+        let (x, y) = regression_samples(toy.width, seed, 0..bsz);
+        let mut acts = vec![x];
+        for &(wi, bi) in &ids.blocks {
+            let (wv, bv) = (&init[wi.index()], &init[bi.index()]);
+            let h = acts.last().unwrap();
+            let out = (0..bsz * w)
+                .map(|k| {
+                    let (s, o) = (k / w, k % w);
+                    let z: f32 = bv[o] + (0..w).map(|i| wv[o * w + i] * h[s * w + i]).sum::<f32>();
+                    z.tanh()
+                })
+                .collect();
+            acts.push(out);
+        }
+        let out = acts.last().unwrap();
+        let mut dh: Vec<f32> = out
+            .iter()
+            .zip(&y)
+            .map(|(o, t)| (o - t) / bsz as f32)
+            .collect();
+        let mut grads: Vec<Vec<f32>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
+        for l in (0..ids.blocks.len()).rev() {
+            let (wi, bi) = ids.blocks[l];
+            let wv = &init[wi.index()];
+            let dz: Vec<f32> = dh
+                .iter()
+                .zip(&acts[l + 1])
+                .map(|(d, o)| d * (1.0 - o * o))
+                .collect();
+            let mut dprev = vec![0.0f32; bsz * w];
+            for s in 0..bsz {
+                for o in 0..w {
+                    let g = dz[s * w + o];
+                    grads[bi.index()][o] += g;
+                    for i in 0..w {
+                        grads[wi.index()][o * w + i] += g * acts[l][s * w + i];
+                        dprev[s * w + i] += wv[o * w + i] * g;
+                    }
+                }
+            }
+            dh = dprev;
+        }
+        grads
+    }
+
+    #[test]
+    fn gradients_match_a_host_reference() {
+        for tied in [false, true] {
+            let toy = ToyMlp {
+                layers: 3,
+                width: 4,
+                batch: 2,
+                tied,
+                lr: 1e-2,
+            };
+            let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+            let mut cfg = ManagerConfig::new(toy.chunk_elems(), Policy::Tide);
+            cfg.param_dtype = DType::F32;
+            let mut m = ChunkManager::new(dev, cfg).unwrap();
+            let ids = toy.register(&mut m).unwrap();
+            let init: Vec<Vec<f32>> = (0..m.num_tensors() as u32)
+                .map(|t| m.read(TensorId(t)).unwrap())
+                .collect();
+            toy.forward_backward(&mut m, &ids, 3, 1.0, (0, 1)).unwrap();
+            let want = reference(&toy, &ids, &init, 3);
+            for (t, want) in want.iter().enumerate() {
+                let got = m.read(TensorId(t as u32)).unwrap();
+                for (g, w) in got.iter().zip(want) {
+                    assert!(
+                        (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "tied {tied}, tensor {t}"
+                    );
+                }
+            }
+        }
+    }
 }

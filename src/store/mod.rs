@@ -1,0 +1,351 @@
+//! Where parameters live, and the passes a trainer runs over them.
+//!
+//! [`ParamStore`] is what a layer or a trainer sees of the memory layer, whichever store holds
+//! the parameters: a [`ChunkManager`] (one process) or a [`ZeroManager`] (a data-parallel rank
+//! of a model sharded over chunks). It gives the [device](ParamStore::device), the
+//! [compute stream](ParamStore::compute_stream) every kernel runs on, the
+//! [non-model pool](ParamStore::pool) activations come from (so the tide sees them), the
+//! passes, and the optimizer step.
+//!
+//! # One iteration
+//!
+//! - [`store.forward()`](ParamStore::forward) opens a [`ForwardPass`]; each op
+//!   [fetches](Pass::fetch) its parameters and gets a [`Guard`]. [`Guard::param`] is a
+//!   [`ReadView`] of the parameter's memory in its chunk (or ZeRO gather buffer), with its
+//!   shape and dtype, that a kernel reads in place. Dropping the guard releases the
+//!   parameters, so an early return (`?`) cannot leave them fetched.
+//!   [`finish`](Pass::finish) ends the forward pass.
+//! - [`store.backward()`](ParamStore::backward) opens a [`BackwardPass`]. Its guards also give
+//!   [`Guard::grad`], the [`GradView`] a kernel writes the gradient into (the parameter's own
+//!   slot: the gradient overwrites the parameter, so read [`Guard::param`] first), and
+//!   [`Guard::accumulate_grad`] for a parameter used more than once (tied weights): every use
+//!   adds its share, and the last use writes the sum into the slot.
+//! - [`store.step(&mut adam)`](ParamStore::step) runs the optimizer and ends the iteration.
+//!
+//! The stage is in the pass's type: a forward guard has no gradient to write, and no pass
+//! exists for the optimizer stage. A view borrows its guard, so it cannot outlive the release.
+//!
+//! # Example
+//!
+//! A layer `y = w` (a copy stands in for the GEMM that would read the weight in place) whose
+//! backward writes `dw = dy` straight into the gradient slot, on a simulated device:
+//!
+//! ```
+//! use tidemem::prelude::*;
+//!
+//! struct Layer {
+//!     w: TensorId,
+//! }
+//!
+//! impl Layer {
+//!     fn forward(&self, pass: &ForwardPass<'_>) -> Result<Block> {
+//!         let g = pass.fetch(&[self.w])?;
+//!         let w = g.param(0)?; // read-only, in the chunk's memory
+//!         assert_eq!((w.shape(), w.dtype()), (&[4, 4][..], DType::F16));
+//!         let y = pass.pool().alloc(w.len_bytes())?; // activations from the non-model pool
+//!         w.copy_to(y.view(0, w.len_bytes())?)?; // a device op reading the weight in place
+//!         Ok(y)
+//!     } // the guard drops: the weight is released
+//!
+//!     fn backward(&self, pass: &BackwardPass<'_>, dy: &Block) -> Result<()> {
+//!         let g = pass.fetch(&[self.w])?;
+//!         let dw = g.grad(0)?; // the gradient slot, marked written
+//!         pass.device().copy_d2d(pass.stream(), dy.view(0, dw.len_bytes())?, dw)?;
+//!         Ok(())
+//!     }
+//! }
+//!
+//! # fn main() -> tidemem::Result<()> {
+//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+//! let mut m = ChunkManager::new(dev, ManagerConfig::new(64, Policy::Tide))?;
+//! let layer = Layer { w: m.register("w", &[4, 4], Init::Constant(0.5))? };
+//! let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;
+//!
+//! let fwd = m.forward()?;
+//! let y = layer.forward(&fwd)?;
+//! fwd.finish()?;
+//! let bwd = m.backward()?;
+//! layer.backward(&bwd, &y)?; // dw = y = w = 0.5
+//! bwd.finish()?;
+//! assert_eq!(m.read(layer.w)?, vec![0.5; 16]); // the gradient, in the parameter's slot
+//! m.step(&mut adam)?;
+//! assert_eq!(m.master(layer.w)?, vec![0.4; 16]); // Adam's first step: lr against the sign
+//! # Ok(()) }
+//! ```
+
+mod pass;
+mod view;
+
+/// The token the passes call a store's internal methods with.
+const TOKEN: sealed::Token = sealed::Token(());
+
+pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Guard, Pass, PassKind};
+pub use view::{GradView, ReadView};
+
+use std::sync::Arc;
+
+use crate::chunk::{ChunkManager, TensorView};
+use crate::device::{CachingAllocator, Device, Stream};
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::optim::{HybridAdam, StepReport};
+use crate::tensor::{Init, Stage, TensorId};
+use crate::zero::ZeroManager;
+
+/// What a layer or trainer needs from the store that holds the parameters, so that one trainer
+/// runs on a [`ChunkManager`] or a data-parallel [`ZeroManager`] alike (generic over
+/// `S: ParamStore`, or through `&mut dyn ParamStore`).
+///
+/// The trait is sealed: the stores are this crate's. Start passes with
+/// [`ParamStore::forward`] and [`ParamStore::backward`]; the stage-explicit calls
+/// ([`ParamStore::fetch`], [`ParamStore::release`], [`ParamStore::write_grad`], ...) remain for
+/// trainers written against them.
+pub trait ParamStore: Send + sealed::Core {
+    /// Registers a parameter; registration closes at the first fetch.
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId>;
+
+    /// The shape a tensor was registered with.
+    fn tensor_shape(&self, id: TensorId) -> Result<&[usize]>;
+
+    /// The element type of parameters and gradients.
+    fn param_dtype(&self) -> DType;
+
+    /// The device the parameters are fetched to.
+    fn device(&self) -> &Device;
+
+    /// The stream every device operation on fetched tensors runs on: fetched tensors are ready
+    /// on it, and later moves of their memory wait for it.
+    fn compute_stream(&self) -> &Stream;
+
+    /// The non-model pool: activations and other non-model buffers should come from it, so
+    /// that the tide (and a ZeRO rank's gather buffers) share one accounting.
+    fn pool(&self) -> &CachingAllocator;
+
+    /// The stage of the iteration in progress (`None` between iterations).
+    fn stage(&self) -> Option<Stage>;
+
+    /// Opens (or continues) the forward pass of an iteration.
+    ///
+    /// Fails with [`Error::WrongStage`](crate::Error::WrongStage) after the forward pass
+    /// ended.
+    fn forward(&mut self) -> Result<ForwardPass<'_>>;
+
+    /// Opens (or continues) the backward pass, after the forward pass
+    /// [finished](Pass::finish).
+    ///
+    /// Fails with [`Error::WrongStage`](crate::Error::WrongStage) outside the backward
+    /// stage.
+    fn backward(&mut self) -> Result<BackwardPass<'_>>;
+
+    /// Runs the optimizer for the iteration whose backward pass just finished, and ends the
+    /// iteration (see [`HybridAdam::step`]; a [`ZeroManager`] all-reduces the gradient
+    /// statistics first).
+    fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport>;
+
+    /// A tensor's parameter slot as f32 on the host (its gradient after its last backward
+    /// use).
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
+
+    /// Fetches tensors for an op of `stage` (stage-explicit form of [`Pass::fetch`]; the
+    /// views must be dropped before [`ParamStore::release`]).
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>>;
+
+    /// Ends an op's use of tensors fetched with [`ParamStore::fetch`].
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()>;
+
+    /// Writes a tensor's gradient from the host at its last backward use.
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()>;
+
+    /// Ends the forward pass.
+    fn end_forward(&mut self) -> Result<()>;
+
+    /// Ends the backward pass.
+    fn end_backward(&mut self) -> Result<()>;
+}
+
+/// What the passes need from a store beyond its public interface.
+pub(crate) mod sealed {
+    use std::sync::Arc;
+
+    use crate::device::Stream;
+    use crate::error::Result;
+    use crate::tensor::TensorId;
+
+    /// Only this module makes one, so that the methods of [`Core`] (callable on a
+    /// `dyn ParamStore`) are the crate's own.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Token(pub(in crate::store) ());
+
+    /// Not nameable outside the crate: only this crate's stores implement [`super::ParamStore`].
+    pub trait Core {
+        /// Checks that a gradient of `id` may be written now; whether this is its last
+        /// backward use.
+        fn grad_use(&self, id: TensorId, _: Token) -> Result<bool>;
+        /// Marks the gradient of `id` written (at its last backward use).
+        fn mark_grad(&mut self, id: TensorId, _: Token) -> Result<()>;
+        /// Waits for the compute stream before the host reads what it wrote (through the
+        /// communicator for a ZeRO rank, which gives up on a failed peer).
+        fn wait_compute(&mut self, _: Token) -> Result<()>;
+        /// The compute stream, shared.
+        fn compute_arc(&self, _: Token) -> Arc<Stream>;
+    }
+}
+
+impl ChunkManager {
+    /// Runs `adam` for the iteration whose backward pass just ended and ends the iteration:
+    /// the same as `adam.step(self)` ([`HybridAdam::step`]), named as for every store.
+    pub fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
+        adam.step(self)
+    }
+}
+
+impl ZeroManager {
+    /// The device of this rank (the communicator's).
+    pub fn device(&self) -> &Device {
+        self.comm().device()
+    }
+
+    /// The stream every device operation of this rank runs on (the same as
+    /// [`ZeroManager::stream`], named as for every store).
+    pub fn compute_stream(&self) -> &Stream {
+        self.stream()
+    }
+}
+
+impl sealed::Core for ChunkManager {
+    fn grad_use(&self, id: TensorId, _: sealed::Token) -> Result<bool> {
+        ChunkManager::grad_use(self, id)
+    }
+    fn mark_grad(&mut self, id: TensorId, _: sealed::Token) -> Result<()> {
+        ChunkManager::mark_grad(self, id)
+    }
+    fn wait_compute(&mut self, _: sealed::Token) -> Result<()> {
+        Ok(())
+    }
+    fn compute_arc(&self, _: sealed::Token) -> Arc<Stream> {
+        ChunkManager::compute_arc(self)
+    }
+}
+
+impl ParamStore for ChunkManager {
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        ChunkManager::register(self, name, shape, init)
+    }
+    fn tensor_shape(&self, id: TensorId) -> Result<&[usize]> {
+        self.tensor_info(id).map(|(_, shape, _)| shape)
+    }
+    fn param_dtype(&self) -> DType {
+        ChunkManager::param_dtype(self)
+    }
+    fn device(&self) -> &Device {
+        ChunkManager::device(self)
+    }
+    fn compute_stream(&self) -> &Stream {
+        ChunkManager::compute_stream(self)
+    }
+    fn pool(&self) -> &CachingAllocator {
+        ChunkManager::pool(self)
+    }
+    fn stage(&self) -> Option<Stage> {
+        ChunkManager::stage(self)
+    }
+    fn forward(&mut self) -> Result<ForwardPass<'_>> {
+        Pass::new(self)
+    }
+    fn backward(&mut self) -> Result<BackwardPass<'_>> {
+        Pass::new(self)
+    }
+    fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
+        ChunkManager::step(self, adam)
+    }
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        ChunkManager::read(self, id)
+    }
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        ChunkManager::fetch(self, ids, stage)
+    }
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        ChunkManager::release(self, ids, stage)
+    }
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        ChunkManager::write_grad(self, id, grad)
+    }
+    fn end_forward(&mut self) -> Result<()> {
+        ChunkManager::end_forward(self)
+    }
+    fn end_backward(&mut self) -> Result<()> {
+        ChunkManager::end_backward(self)
+    }
+}
+
+impl sealed::Core for ZeroManager {
+    fn grad_use(&self, id: TensorId, _: sealed::Token) -> Result<bool> {
+        ZeroManager::grad_use(self, id)
+    }
+    fn mark_grad(&mut self, id: TensorId, _: sealed::Token) -> Result<()> {
+        ZeroManager::mark_grad(self, id)
+    }
+    fn wait_compute(&mut self, _: sealed::Token) -> Result<()> {
+        // the stream may hold collectives: wait through the communicator, which gives up on a
+        // peer that failed or never comes
+        self.comm().wait(self.stream())
+    }
+    fn compute_arc(&self, _: sealed::Token) -> Arc<Stream> {
+        // the rank's stream is its manager's compute stream
+        self.local().compute_arc()
+    }
+}
+
+impl ParamStore for ZeroManager {
+    fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
+        ZeroManager::register(self, name, shape, init)
+    }
+    fn tensor_shape(&self, id: TensorId) -> Result<&[usize]> {
+        self.tensor_info(id).map(|(_, shape, _)| shape)
+    }
+    fn param_dtype(&self) -> DType {
+        ZeroManager::param_dtype(self)
+    }
+    fn device(&self) -> &Device {
+        ZeroManager::device(self)
+    }
+    fn compute_stream(&self) -> &Stream {
+        ZeroManager::compute_stream(self)
+    }
+    fn pool(&self) -> &CachingAllocator {
+        ZeroManager::pool(self)
+    }
+    fn stage(&self) -> Option<Stage> {
+        ZeroManager::stage(self)
+    }
+    fn forward(&mut self) -> Result<ForwardPass<'_>> {
+        Pass::new(self)
+    }
+    fn backward(&mut self) -> Result<BackwardPass<'_>> {
+        Pass::new(self)
+    }
+    fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
+        ZeroManager::step(self, adam)
+    }
+    fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        ZeroManager::read(self, id)
+    }
+    fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        ZeroManager::fetch(self, ids, stage)
+    }
+    fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        ZeroManager::release(self, ids, stage)
+    }
+    fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        ZeroManager::write_grad(self, id, grad)
+    }
+    fn end_forward(&mut self) -> Result<()> {
+        ZeroManager::end_forward(self)
+    }
+    fn end_backward(&mut self) -> Result<()> {
+        ZeroManager::end_backward(self)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,479 @@
+//! Passes over a store and the guards their fetches return.
+
+use std::cell::{RefCell, RefMut};
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use super::view::{GradView, ReadView};
+use super::ParamStore;
+use super::TOKEN;
+use crate::chunk::TensorView;
+use crate::device::{Block, CachingAllocator, Device, DeviceView, Stream};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{Stage, TensorId};
+
+mod kind {
+    /// Only [`super::Forward`] and [`super::Backward`] are pass kinds.
+    pub trait Sealed {}
+}
+
+/// The stage a [`Pass`] runs: [`Forward`] or [`Backward`] (the optimizer stage has no pass; it
+/// runs in [`ParamStore::step`]).
+pub trait PassKind: kind::Sealed {
+    /// The stage.
+    const STAGE: Stage;
+}
+
+/// The forward stage (see [`ForwardPass`]).
+#[derive(Debug)]
+pub enum Forward {}
+
+/// The backward stage (see [`BackwardPass`]).
+#[derive(Debug)]
+pub enum Backward {}
+
+impl kind::Sealed for Forward {}
+impl kind::Sealed for Backward {}
+impl PassKind for Forward {
+    const STAGE: Stage = Stage::Forward;
+}
+impl PassKind for Backward {
+    const STAGE: Stage = Stage::Backward;
+}
+
+/// A forward pass over a store (see [`ParamStore::forward`]).
+pub type ForwardPass<'s> = Pass<'s, Forward>;
+
+/// A backward pass over a store (see [`ParamStore::backward`]); its guards write gradients.
+pub type BackwardPass<'s> = Pass<'s, Backward>;
+
+/// What views and guards need of their pass: the store's device, compute stream, pool and
+/// parameter dtype, taken when the pass opens.
+pub(crate) struct Handles {
+    pub(crate) device: Device,
+    pub(crate) stream: Arc<Stream>,
+    pub(crate) pool: CachingAllocator,
+    pub(crate) dtype: DType,
+}
+
+/// The running gradient sum (f32, in the pool) of a parameter used more than once in backward.
+pub(crate) struct Sum {
+    id: TensorId,
+    buf: Block,
+    uses: u32,
+}
+
+/// A pass seen from its guards and views, without the store's lifetime.
+pub(crate) trait Host {
+    fn handles(&self) -> &Handles;
+    /// The store, borrowed for one call (never held across another).
+    fn store(&self) -> RefMut<'_, dyn ParamStore + '_>;
+    /// The store unless it is borrowed (a guard dropped while unwinding from inside a call).
+    fn try_store(&self) -> Option<RefMut<'_, dyn ParamStore + '_>>;
+    /// Keeps an error a drop could not return, for the pass's next call.
+    fn defer(&self, e: Error);
+    fn sums(&self) -> RefMut<'_, Vec<Sum>>;
+}
+
+struct State<'s> {
+    store: RefCell<&'s mut dyn ParamStore>,
+    handles: Handles,
+    deferred: RefCell<Option<Error>>,
+    sums: RefCell<Vec<Sum>>,
+}
+
+impl Host for State<'_> {
+    fn handles(&self) -> &Handles {
+        &self.handles
+    }
+    fn store(&self) -> RefMut<'_, dyn ParamStore + '_> {
+        RefMut::map(self.store.borrow_mut(), |s| &mut **s)
+    }
+    fn try_store(&self) -> Option<RefMut<'_, dyn ParamStore + '_>> {
+        let s = self.store.try_borrow_mut().ok()?;
+        Some(RefMut::map(s, |s| &mut **s))
+    }
+    fn defer(&self, e: Error) {
+        self.deferred.borrow_mut().get_or_insert(e);
+    }
+    fn sums(&self) -> RefMut<'_, Vec<Sum>> {
+        self.sums.borrow_mut()
+    }
+}
+
+/// One stage of an iteration over a store, from [`ParamStore::forward`] or
+/// [`ParamStore::backward`]: ops [`fetch`](Pass::fetch) their parameters through it, take
+/// device memory from its [`pool`](Pass::pool) and run on its [`stream`](Pass::stream).
+/// [`finish`](Pass::finish) ends the stage; a pass dropped without it leaves the stage open
+/// (the next `forward()` / `backward()` continues it).
+///
+/// Layers take `&ForwardPass<'_>` / `&BackwardPass<'_>`: fetching needs only a shared
+/// reference, so several guards (nested layers) may be alive at once.
+pub struct Pass<'s, K: PassKind> {
+    state: State<'s>,
+    _kind: PhantomData<fn() -> K>,
+}
+
+impl<K: PassKind> fmt::Debug for Pass<'_, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Pass")
+            .field("stage", &K::STAGE)
+            .field("device", &self.state.handles.device.id())
+            .finish()
+    }
+}
+
+impl<'s, K: PassKind> Pass<'s, K> {
+    pub(super) fn new(store: &'s mut dyn ParamStore) -> Result<Self> {
+        let now = store.stage();
+        let (ok, call) = match K::STAGE {
+            Stage::Forward => (
+                matches!(now, None | Some(Stage::Forward)),
+                "store.forward() (the forward pass ended)",
+            ),
+            _ => (
+                now == Some(Stage::Backward),
+                "store.backward() (it opens once the forward pass finished)",
+            ),
+        };
+        if !ok {
+            return Err(Error::WrongStage {
+                call: call.into(),
+                stage: now.map_or("idle", Stage::name),
+            });
+        }
+        let handles = Handles {
+            device: store.device().clone(),
+            stream: store.compute_arc(TOKEN),
+            pool: store.pool().clone(),
+            dtype: store.param_dtype(),
+        };
+        Ok(Pass {
+            state: State {
+                store: RefCell::new(store),
+                handles,
+                deferred: RefCell::new(None),
+                sums: RefCell::new(Vec::new()),
+            },
+            _kind: PhantomData,
+        })
+    }
+
+    /// Fetches tensors for an op: their memory is on the device, ready on
+    /// [`Pass::stream`], and does not move until the guard drops (or
+    /// [`Guard::release`]). Fails with [`Error::UnknownTensor`] for an id the store never
+    /// registered, and with an error a guard's drop could not return (a failed release).
+    pub fn fetch(&self, ids: &[TensorId]) -> Result<Guard<'_, K>> {
+        self.take_deferred()?;
+        let mut store = self.state.store();
+        let shapes = ids
+            .iter()
+            .map(|&id| store.tensor_shape(id).map(<[usize]>::to_vec))
+            .collect::<Result<Vec<_>>>()?;
+        let views = store.fetch(ids, K::STAGE)?;
+        drop(store);
+        Ok(Guard {
+            host: &self.state,
+            ids: ids.to_vec(),
+            views,
+            shapes,
+            overwritten: RefCell::new(vec![false; ids.len()]),
+            open: true,
+            _kind: PhantomData,
+        })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.state.handles.device
+    }
+
+    /// The store's compute stream: enqueue every op on fetched memory here.
+    pub fn stream(&self) -> &Stream {
+        &self.state.handles.stream
+    }
+
+    /// The store's non-model pool, for activations and scratch buffers.
+    pub fn pool(&self) -> &CachingAllocator {
+        &self.state.handles.pool
+    }
+
+    /// The element type of parameters and gradients.
+    pub fn param_dtype(&self) -> DType {
+        self.state.handles.dtype
+    }
+
+    /// The stage this pass runs.
+    pub fn stage(&self) -> Stage {
+        K::STAGE
+    }
+
+    /// Ends the stage ([`ParamStore::end_forward`] or [`ParamStore::end_backward`]). Fails
+    /// with an error a guard's drop could not return, and in backward if a parameter's
+    /// gradient was accumulated over some of its uses but not written at its last.
+    pub fn finish(self) -> Result<()> {
+        self.take_deferred()?;
+        let mut store = self.state.store();
+        match K::STAGE {
+            Stage::Forward => store.end_forward(),
+            _ => {
+                if let Some(s) = self.state.sums.borrow().first() {
+                    return Err(Error::InvalidArgument(format!(
+                        "the gradient of tensor {} was accumulated over {} backward uses, but \
+                         the pass finished before its last use",
+                        s.id, s.uses
+                    )));
+                }
+                store.end_backward()
+            }
+        }
+    }
+
+    fn take_deferred(&self) -> Result<()> {
+        match self.state.deferred.borrow_mut().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// Tensors fetched for one op, from [`Pass::fetch`]; dropping the guard releases them (an
+/// error from that release is returned by the pass's next call; [`Guard::release`] returns it
+/// directly). Tensors are numbered in the order they were fetched.
+///
+/// Views borrow the guard, so none outlives the release:
+///
+/// ```compile_fail,E0597
+/// # use tidemem::prelude::*;
+/// # fn f(pass: &ForwardPass<'_>, w: TensorId) -> Result<()> {
+/// let view = {
+///     let guard = pass.fetch(&[w])?;
+///     guard.param(0)?
+/// }; // error: `guard` dropped here while still borrowed
+/// view.to_f32()?;
+/// # Ok(()) }
+/// ```
+///
+/// A forward guard has no gradient to write:
+///
+/// ```compile_fail,E0599
+/// # use tidemem::prelude::*;
+/// # fn f(pass: &ForwardPass<'_>, w: TensorId) -> Result<()> {
+/// let guard = pass.fetch(&[w])?;
+/// guard.grad(0)?; // error: no method `grad` on a forward guard
+/// # Ok(()) }
+/// ```
+pub struct Guard<'p, K: PassKind> {
+    host: &'p dyn Host,
+    ids: Vec<TensorId>,
+    views: Vec<TensorView>,
+    shapes: Vec<Vec<usize>>,
+    /// Tensors whose gradient was written over their parameter through this guard.
+    overwritten: RefCell<Vec<bool>>,
+    open: bool,
+    _kind: PhantomData<fn() -> K>,
+}
+
+impl<K: PassKind> fmt::Debug for Guard<'_, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guard")
+            .field("stage", &K::STAGE)
+            .field("ids", &self.ids)
+            .field("shapes", &self.shapes)
+            .finish()
+    }
+}
+
+impl<K: PassKind> Guard<'_, K> {
+    /// Number of tensors.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the guard holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The tensors, in fetch order.
+    pub fn ids(&self) -> &[TensorId] {
+        &self.ids
+    }
+
+    /// The parameter of tensor `i`, read-only, in place on the device. In backward, read it
+    /// before writing the gradient ([`Guard::grad`]), which overwrites it: afterwards this is
+    /// an error.
+    pub fn param(&self, i: usize) -> Result<ReadView<'_>> {
+        let i = self.index(i)?;
+        if self.overwritten.borrow()[i] {
+            return Err(Error::InvalidArgument(format!(
+                "the gradient of tensor {} was written over its parameter in this guard: read \
+                 param({i}) before writing grad({i})",
+                self.ids[i]
+            )));
+        }
+        Ok(ReadView::new(
+            self.views[i].view(),
+            self.views[i].dtype,
+            &self.shapes[i],
+            self.host,
+        ))
+    }
+
+    /// Releases the tensors now, returning what the release says (dropping the guard does
+    /// the same and hands an error to the pass).
+    pub fn release(mut self) -> Result<()> {
+        self.close()
+    }
+
+    fn index(&self, i: usize) -> Result<usize> {
+        if i < self.ids.len() {
+            Ok(i)
+        } else {
+            Err(Error::InvalidArgument(format!(
+                "tensor {i} of a guard holding {}",
+                self.ids.len()
+            )))
+        }
+    }
+
+    fn close(&mut self) -> Result<()> {
+        self.open = false;
+        // the views go first: the store refuses a release while one is alive
+        self.views.clear();
+        match self.host.try_store() {
+            Some(mut store) => store.release(&self.ids, K::STAGE),
+            None => Err(Error::InvalidArgument(
+                "a guard dropped while its store was in use could not release".into(),
+            )),
+        }
+    }
+}
+
+impl<K: PassKind> Drop for Guard<'_, K> {
+    fn drop(&mut self) {
+        if self.open {
+            if let Err(e) = self.close() {
+                self.host.defer(e);
+            }
+        }
+    }
+}
+
+impl Guard<'_, Backward> {
+    /// The gradient slot of tensor `i`, for a kernel to write the gradient into, in the
+    /// parameter dtype; the gradient counts as written. It is the parameter's own memory:
+    /// enqueue every read of [`Guard::param`] first. Only at the tensor's last backward use
+    /// (a parameter used more than once takes [`Guard::accumulate_grad`]).
+    pub fn grad(&self, i: usize) -> Result<GradView<'_>> {
+        let i = self.index(i)?;
+        let id = self.ids[i];
+        if self.host.sums().iter().any(|s| s.id == id) {
+            return Err(Error::InvalidArgument(format!(
+                "the gradient of tensor {id} was accumulated over earlier uses: write its last \
+                 share with accumulate_grad too"
+            )));
+        }
+        self.host.store().mark_grad(id, TOKEN)?;
+        self.overwritten.borrow_mut()[i] = true;
+        Ok(GradView::new(
+            self.views[i].view(),
+            self.views[i].dtype,
+            &self.shapes[i],
+            self.host,
+        ))
+    }
+
+    /// Adds this use's share of tensor `i`'s gradient (`src`: its elements, of type `dtype`)
+    /// for a parameter used more than once (tied weights). Before the last backward use the
+    /// shares add up in an f32 buffer from the pool; at the last, the sum goes into the
+    /// gradient slot in the parameter dtype (so read [`Guard::param`] first) and counts as
+    /// written. A parameter used once may take it too: its share is the gradient.
+    ///
+    /// Until the op layer has an add kernel, the sum is staged through the host (a download of
+    /// both operands and an upload, on the compute stream); the first share and the final
+    /// conversion stay on the device.
+    pub fn accumulate_grad<'a>(
+        &self,
+        i: usize,
+        src: impl Into<DeviceView<'a>>,
+        dtype: DType,
+    ) -> Result<()> {
+        let i = self.index(i)?;
+        let (id, src) = (self.ids[i], src.into());
+        let numel = self.views[i].numel;
+        if src.len() != numel * dtype.size() {
+            return Err(Error::SizeMismatch {
+                src: src.len(),
+                dst: numel * dtype.size(),
+            });
+        }
+        let last = self.host.store().grad_use(id, TOKEN)?;
+        let h = self.host.handles();
+        let taken = {
+            let mut sums = self.host.sums();
+            let k = sums.iter().position(|s| s.id == id);
+            k.map(|k| sums.swap_remove(k))
+        };
+        let Some(mut sum) = taken else {
+            if last {
+                // the only share: straight into the slot
+                crate::ops::cast(
+                    &h.device,
+                    &h.stream,
+                    src,
+                    dtype,
+                    self.views[i].view(),
+                    h.dtype,
+                )?;
+                return self.written(i);
+            }
+            let buf = h.pool.alloc(numel * 4)?;
+            crate::ops::cast(
+                &h.device,
+                &h.stream,
+                src,
+                dtype,
+                buf.view(0, numel * 4)?,
+                DType::F32,
+            )?;
+            self.host.sums().push(Sum { id, buf, uses: 1 });
+            return Ok(());
+        };
+        let r = super::view::add_into(self.host, sum.buf.view(0, numel * 4)?, src, dtype);
+        sum.uses += 1;
+        if !last || r.is_err() {
+            // kept for the next use (or for the pass to report)
+            self.host.sums().push(sum);
+            return r;
+        }
+        let sum_view = sum.buf.view(0, numel * 4)?;
+        crate::ops::cast(
+            &h.device,
+            &h.stream,
+            sum_view,
+            DType::F32,
+            self.views[i].view(),
+            h.dtype,
+        )?;
+        self.written(i)
+    }
+
+    /// [`Guard::accumulate_grad`] from host values (uploaded into a pool buffer first).
+    pub fn accumulate_grad_f32(&self, i: usize, grad: &[f32]) -> Result<()> {
+        let h = self.host.handles();
+        let bytes: &[u8] = bytemuck::cast_slice(grad);
+        let buf = h.pool.alloc(bytes.len())?;
+        let dst = buf.view(0, bytes.len())?;
+        super::view::upload(self.host, bytes, dst)?;
+        self.accumulate_grad(i, dst, DType::F32)
+    }
+
+    fn written(&self, i: usize) -> Result<()> {
+        self.host.store().mark_grad(self.ids[i], TOKEN)?;
+        self.overwritten.borrow_mut()[i] = true;
+        Ok(())
+    }
+}

@@ -2,13 +2,14 @@
 //!
 //! The stores ([`ChunkManager`], [`ZeroManager`]) and the [`ParamStore`] trait with its passes,
 //! guards and views; registration ([`TensorId`], [`Init`]); the device handles a layer uses
-//! ([`Device`], [`Stream`], [`CachingAllocator`], [`Block`], [`DeviceView`]); the optimizer
-//! ([`HybridAdam`]); and the crate's [`Error`] and [`Result`] (whose error type defaults to
+//! ([`Device`], [`Stream`], [`CachingAllocator`], [`Block`], [`DeviceView`], [`Input`]); the
+//! device ops ([`ops`]); the optimizer ([`HybridAdam`]); and the crate's [`Error`] and [`Result`] (whose error type defaults to
 //! [`Error`], so `Result<T, E>` still names any other).
 
 pub use crate::chunk::{ChunkManager, ManagerConfig};
 pub use crate::comm::Communicator;
-pub use crate::device::{Block, CachingAllocator, Device, DeviceView, SimConfig, Stream};
+pub use crate::device::{Block, CachingAllocator, Device, DeviceView, Input, SimConfig, Stream};
+pub use crate::ops;
 pub use crate::optim::{AdamConfig, HybridAdam, HybridConfig, StepOutcome, StepReport};
 pub use crate::store::{
     Backward, BackwardPass, Forward, ForwardPass, GradView, Guard, ParamStore, ReadView,

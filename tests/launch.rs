@@ -156,6 +156,21 @@ fn launches_are_validated_against_the_signature() {
         ),
         Err(Error::InvalidArgument(m)) if m.contains("differ in length")
     ));
+    // A read-only operand (a parameter's view, an `Input`) is refused where the kernel writes.
+    assert!(matches!(
+        launch(
+            &[f(x, DType::F32), Some(Operand::input(y, DType::F32)), None],
+            &ok()
+        ),
+        Err(Error::Launch { .. })
+    ));
+    dev.launch(
+        &s,
+        &COPY,
+        &[Some(Operand::input(x, DType::F32)), f(y, DType::F32), None],
+        &ok(),
+    )
+    .unwrap();
     // Another device's buffer.
     let other = common::sim(1 << 20);
     let c = other.alloc(32).unwrap();

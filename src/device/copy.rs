@@ -5,7 +5,8 @@ use std::sync::atomic::Ordering;
 
 use super::order::{Access, AccessRecord, Clock};
 use super::{
-    Device, DeviceBuffer, DeviceView, ForeignCall, HostBuffer, Op, Pending, RawBuffer, Stream,
+    Device, DeviceBuffer, DeviceView, ForeignCall, HostBuffer, Input, Op, Pending, RawBuffer,
+    Stream,
 };
 use crate::error::{Error, Result};
 
@@ -130,10 +131,10 @@ impl Device {
     pub fn copy_d2h<'a>(
         &self,
         stream: &Stream,
-        src: impl Into<DeviceView<'a>>,
+        src: impl Into<Input<'a>>,
         dst: HostBuffer,
     ) -> Result<Pending<HostBuffer>> {
-        let src = src.into();
+        let src: DeviceView<'_> = src.into().view;
         if src.len != dst.len() {
             return Err(Error::SizeMismatch {
                 src: src.len,
@@ -148,11 +149,11 @@ impl Device {
     pub fn copy_d2h_part<'a>(
         &self,
         stream: &Stream,
-        src: impl Into<DeviceView<'a>>,
+        src: impl Into<Input<'a>>,
         mut dst: HostBuffer,
         dst_offset: usize,
     ) -> Result<Pending<HostBuffer>> {
-        let src = src.into();
+        let src: DeviceView<'_> = src.into().view;
         if dst_offset
             .checked_add(src.len)
             .is_none_or(|end| end > dst.len())
@@ -182,10 +183,10 @@ impl Device {
     pub fn copy_d2d<'a, 'b>(
         &self,
         stream: &Stream,
-        src: impl Into<DeviceView<'a>>,
+        src: impl Into<Input<'a>>,
         dst: impl Into<DeviceView<'b>>,
     ) -> Result<()> {
-        let (src, dst) = (src.into(), dst.into());
+        let (src, dst): (DeviceView<'_>, DeviceView<'_>) = (src.into().view, dst.into());
         if src.len != dst.len {
             return Err(Error::SizeMismatch {
                 src: src.len,

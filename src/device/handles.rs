@@ -128,22 +128,89 @@ impl<'a> From<&'a DeviceBuffer> for DeviceView<'a> {
     }
 }
 
-/// One operand of [`Device::launch`]: a device range and its element type.
+/// A device range a kernel only reads: what the typed ops take for their inputs. A
+/// [`DeviceView`] or a buffer converts into one; a read-only view of a parameter
+/// (`store::ReadView`) converts into this and nothing else, so a parameter can be read in
+/// place by any op but written by none.
+#[derive(Clone, Copy, Debug)]
+pub struct Input<'a> {
+    pub(super) view: DeviceView<'a>,
+}
+
+impl<'a> Input<'a> {
+    /// A read-only range over `view` (for types above the device layer that hand out ranges
+    /// only for reading).
+    pub fn new(view: DeviceView<'a>) -> Self {
+        Input { view }
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.view.len
+    }
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.view.len == 0
+    }
+    /// Offset in bytes within its buffer.
+    pub fn offset(&self) -> usize {
+        self.view.offset
+    }
+    /// Whether this range shares a byte with `other`.
+    pub fn overlaps(&self, other: &DeviceView<'_>) -> bool {
+        self.view.overlaps(other)
+    }
+}
+
+impl<'a> From<DeviceView<'a>> for Input<'a> {
+    fn from(view: DeviceView<'a>) -> Self {
+        Input { view }
+    }
+}
+
+impl<'a> From<&'a DeviceBuffer> for Input<'a> {
+    fn from(buf: &'a DeviceBuffer) -> Self {
+        Input { view: buf.into() }
+    }
+}
+
+/// One operand of [`Device::launch`]: a device range, its element type, and whether it may only
+/// be read.
 #[derive(Clone, Copy, Debug)]
 pub struct Operand<'a> {
-    /// The range.
-    pub view: DeviceView<'a>,
-    /// Its element type.
-    pub dtype: DType,
+    pub(super) view: DeviceView<'a>,
+    pub(super) dtype: DType,
+    pub(super) read_only: bool,
 }
 
 impl<'a> Operand<'a> {
-    /// An operand of `dtype` elements over `view`.
+    /// An operand of `dtype` elements over `view`, for any slot of a signature.
     pub fn new(view: impl Into<DeviceView<'a>>, dtype: DType) -> Self {
         Operand {
             view: view.into(),
             dtype,
+            read_only: false,
         }
+    }
+    /// A read-only operand of `dtype` elements: [`Device::launch`] refuses it in a slot the
+    /// kernel writes.
+    pub fn input(input: impl Into<Input<'a>>, dtype: DType) -> Self {
+        Operand {
+            view: input.into().view,
+            dtype,
+            read_only: true,
+        }
+    }
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.view.len
+    }
+    /// Whether the range is empty.
+    pub fn is_empty(&self) -> bool {
+        self.view.len == 0
     }
 }
 

@@ -534,6 +534,12 @@ impl Device {
             if !spec.mode.writes() {
                 continue;
             }
+            if op.read_only {
+                return Err(desc.signature_error(format!(
+                    "operand `{}` is written by the kernel but was given read-only",
+                    spec.name
+                )));
+            }
             let clash = desc
                 .operands
                 .iter()

@@ -47,7 +47,7 @@ pub use backend::{
 pub use cuda::{
     device_count as cuda_device_count, driver_present as cuda_driver_present, CudaBackend,
 };
-pub use handles::{DeviceBuffer, DeviceView, Event, Operand, Pending, Stream};
+pub use handles::{DeviceBuffer, DeviceView, Event, Input, Operand, Pending, Stream};
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
 pub use launch::{
     CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo, LibraryCall, Mode, OperandInfo,
@@ -302,9 +302,9 @@ impl Device {
     }
 
     /// Copies a device range back to a new `Vec` and waits for it.
-    pub fn download<'a>(&self, stream: &Stream, src: impl Into<DeviceView<'a>>) -> Result<Vec<u8>> {
+    pub fn download<'a>(&self, stream: &Stream, src: impl Into<Input<'a>>) -> Result<Vec<u8>> {
         let src = src.into();
-        let host = self.alloc_host(src.len)?;
+        let host = self.alloc_host(src.len())?;
         Ok(self.copy_d2h(stream, src, host)?.wait()?.to_vec())
     }
 }

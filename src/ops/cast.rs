@@ -22,7 +22,8 @@ use half::{bf16, f16};
 use crate::device::launch::param_layout;
 use crate::device::launch::{grid_stride_blocks, Grid};
 use crate::device::{
-    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+    CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
+    TwinArgs,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -105,7 +106,7 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
 pub fn cast<'a, 'b>(
     dev: &Device,
     stream: &Stream,
-    src: impl Into<DeviceView<'a>>,
+    src: impl Into<Input<'a>>,
     from: DType,
     dst: impl Into<DeviceView<'b>>,
     to: DType,
@@ -127,7 +128,7 @@ pub fn cast<'a, 'b>(
     dev.launch(
         stream,
         &CAST,
-        &[Some(Operand::new(src, from)), Some(Operand::new(dst, to))],
+        &[Some(Operand::input(src, from)), Some(Operand::new(dst, to))],
         bytemuck::bytes_of(&params),
     )
 }

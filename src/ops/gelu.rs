@@ -24,7 +24,8 @@ use half::{bf16, f16};
 use crate::device::launch::param_layout;
 use crate::device::launch::{grid_stride_blocks, Grid};
 use crate::device::{
-    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+    CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
+    TwinArgs,
 };
 use crate::dtype::DType;
 use crate::error::Result;
@@ -189,7 +190,7 @@ fn backward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
     }
 }
 
-fn params(x: &DeviceView<'_>, dtype: DType) -> GeluParams {
+fn params(x: &Input<'_>, dtype: DType) -> GeluParams {
     GeluParams {
         n: (x.len() / dtype.size()) as u64,
     }
@@ -200,13 +201,13 @@ fn params(x: &DeviceView<'_>, dtype: DType) -> GeluParams {
 pub fn gelu_forward<'a, 'b>(
     dev: &Device,
     stream: &Stream,
-    x: impl Into<DeviceView<'a>>,
+    x: impl Into<Input<'a>>,
     y: impl Into<DeviceView<'b>>,
     dtype: DType,
 ) -> Result<()> {
     let (x, y) = (x.into(), y.into());
     let p = params(&x, dtype);
-    let ops = [Some(Operand::new(x, dtype)), Some(Operand::new(y, dtype))];
+    let ops = [Some(Operand::input(x, dtype)), Some(Operand::new(y, dtype))];
     dev.launch(stream, &GELU_FORWARD, &ops, bytemuck::bytes_of(&p))
 }
 
@@ -215,16 +216,16 @@ pub fn gelu_forward<'a, 'b>(
 pub fn gelu_backward<'a, 'b, 'c>(
     dev: &Device,
     stream: &Stream,
-    x: impl Into<DeviceView<'a>>,
-    dy: impl Into<DeviceView<'b>>,
+    x: impl Into<Input<'a>>,
+    dy: impl Into<Input<'b>>,
     dx: impl Into<DeviceView<'c>>,
     dtype: DType,
 ) -> Result<()> {
     let (x, dy, dx) = (x.into(), dy.into(), dx.into());
     let p = params(&x, dtype);
     let ops = [
-        Some(Operand::new(x, dtype)),
-        Some(Operand::new(dy, dtype)),
+        Some(Operand::input(x, dtype)),
+        Some(Operand::input(dy, dtype)),
         Some(Operand::new(dx, dtype)),
     ];
     dev.launch(stream, &GELU_BACKWARD, &ops, bytemuck::bytes_of(&p))

@@ -10,7 +10,8 @@ use serde::Serialize;
 use crate::device::launch::param_layout;
 use crate::device::launch::Grid;
 use crate::device::{
-    CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
+    CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
+    TwinArgs,
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -113,7 +114,7 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
 pub fn grad_stats<'a, 'b>(
     dev: &Device,
     stream: &Stream,
-    src: impl Into<DeviceView<'a>>,
+    src: impl Into<Input<'a>>,
     dtype: DType,
     out: impl Into<DeviceView<'b>>,
 ) -> Result<()> {
@@ -132,7 +133,7 @@ pub fn grad_stats<'a, 'b>(
         stream,
         &GRAD_STATS,
         &[
-            Some(Operand::new(src, dtype)),
+            Some(Operand::input(src, dtype)),
             Some(Operand::new(out, DType::F64)),
         ],
         bytemuck::bytes_of(&params),

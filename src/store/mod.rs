@@ -27,30 +27,38 @@
 //!
 //! # Example
 //!
-//! A layer `y = w` (a copy stands in for the GEMM that would read the weight in place) whose
-//! backward writes `dw = dy` straight into the gradient slot, on a simulated device:
+//! A layer `y = GELU(w)` over a parameter `w`: forward launches the GELU kernel reading the
+//! weight in place in its chunk; backward launches the GELU gradient kernel and writes `dw`
+//! into the gradient slot on the device (through a pool buffer: the slot is the weight's own
+//! memory, which the kernel reads). No host round trip; activations come from the pool.
 //!
 //! ```
 //! use tidemem::prelude::*;
 //!
-//! struct Layer {
+//! struct GeluOfWeight {
 //!     w: TensorId,
 //! }
 //!
-//! impl Layer {
+//! impl GeluOfWeight {
 //!     fn forward(&self, pass: &ForwardPass<'_>) -> Result<Block> {
 //!         let g = pass.fetch(&[self.w])?;
-//!         let w = g.param(0)?; // read-only, in the chunk's memory
+//!         let w = g.param(0)?; // read-only, in the chunk's memory, with shape and dtype
 //!         assert_eq!((w.shape(), w.dtype()), (&[4, 4][..], DType::F16));
 //!         let y = pass.pool().alloc(w.len_bytes())?; // activations from the non-model pool
-//!         w.copy_to(y.view(0, w.len_bytes())?)?; // a device op reading the weight in place
+//!         let out = y.view(0, w.len_bytes())?;
+//!         ops::gelu_forward(pass.device(), pass.stream(), &w, out, w.dtype())?;
 //!         Ok(y)
 //!     } // the guard drops: the weight is released
 //!
 //!     fn backward(&self, pass: &BackwardPass<'_>, dy: &Block) -> Result<()> {
 //!         let g = pass.fetch(&[self.w])?;
-//!         let dw = g.grad(0)?; // the gradient slot, marked written
-//!         pass.device().copy_d2d(pass.stream(), dy.view(0, dw.len_bytes())?, dw)?;
+//!         let w = g.param(0)?;
+//!         let n = w.len_bytes();
+//!         let dw = pass.pool().alloc(n)?;
+//!         let (dev, s) = (pass.device(), pass.stream());
+//!         ops::gelu_backward(dev, s, &w, dy.view(0, n)?, dw.view(0, n)?, w.dtype())?;
+//!         // the gradient slot (the weight's memory; the kernel above read it first)
+//!         dev.copy_d2d(s, dw.view(0, n)?, g.grad(0)?)?;
 //!         Ok(())
 //!     }
 //! }
@@ -58,18 +66,19 @@
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
 //! let mut m = ChunkManager::new(dev, ManagerConfig::new(64, Policy::Tide))?;
-//! let layer = Layer { w: m.register("w", &[4, 4], Init::Constant(0.5))? };
+//! let layer = GeluOfWeight { w: m.register("w", &[4, 4], Init::Constant(1.0))? };
 //! let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;
 //!
 //! let fwd = m.forward()?;
-//! let y = layer.forward(&fwd)?;
+//! let y = layer.forward(&fwd)?; // y = GELU(1) ≈ 0.8413
 //! fwd.finish()?;
 //! let bwd = m.backward()?;
-//! layer.backward(&bwd, &y)?; // dw = y = w = 0.5
+//! layer.backward(&bwd, &y)?; // dw = y · GELU'(1) ≈ 0.8413 · 1.0830
 //! bwd.finish()?;
-//! assert_eq!(m.read(layer.w)?, vec![0.5; 16]); // the gradient, in the parameter's slot
+//! let dw = m.read(layer.w)?; // the gradient, in the parameter's slot (f16)
+//! assert!((dw[0] - 0.9111).abs() < 2e-3, "{}", dw[0]);
 //! m.step(&mut adam)?;
-//! assert_eq!(m.master(layer.w)?, vec![0.4; 16]); // Adam's first step: lr against the sign
+//! assert_eq!(m.master(layer.w)?, vec![0.9; 16]); // Adam's first step: lr against the sign
 //! # Ok(()) }
 //! ```
 

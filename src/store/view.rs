@@ -5,19 +5,20 @@ use std::fmt;
 use super::pass::Host;
 use super::TOKEN;
 use crate::chunk::{decode, encode};
-use crate::device::{DeviceView, HostBuffer};
+use crate::device::{DeviceView, HostBuffer, Input};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// A fetched parameter on the device, read-only, with its shape and element type; it borrows
 /// its [`Guard`](super::Guard), so it cannot outlive the release.
 ///
-/// Read-only by construction: it converts into no [`DeviceView`] (the type every device op
-/// takes for reads and writes alike), so no op can be handed it as a destination. Its
-/// operations read it on the pass's compute stream: [`ReadView::copy_to`],
-/// [`ReadView::cast_to`], [`ReadView::download`]. The crate's own kernels take it as a read
-/// operand. (A write into a parameter during forward would be lost: the chunk counts as clean
-/// and may be dropped without a write-back.)
+/// Read-only by construction: it converts into an [`Input`] — what every typed op takes for the
+/// operands it reads (`ops::gelu_forward(dev, stream, &w, y, dtype)`) and what
+/// [`Operand::input`](crate::device::Operand::input) makes a launch refuse in a written slot —
+/// and into no [`DeviceView`], the type ops take for what they write, so no op can be handed it
+/// as a destination. It also reads itself on the pass's compute stream: [`ReadView::copy_to`],
+/// [`ReadView::cast_to`], [`ReadView::download`]. (A write into a parameter during forward
+/// would be lost: the chunk counts as clean and may be dropped without a write-back.)
 ///
 /// ```compile_fail,E0277
 /// # use tidemem::prelude::*;
@@ -113,6 +114,18 @@ impl<'g> ReadView<'g> {
     /// The parameter's values as f32 on the host.
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         Ok(decode(&self.download()?, self.dtype))
+    }
+}
+
+impl<'g> From<ReadView<'g>> for Input<'g> {
+    fn from(v: ReadView<'g>) -> Self {
+        Input::new(v.view)
+    }
+}
+
+impl<'g> From<&ReadView<'g>> for Input<'g> {
+    fn from(v: &ReadView<'g>) -> Self {
+        Input::new(v.view)
     }
 }
 

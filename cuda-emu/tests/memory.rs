@@ -328,3 +328,26 @@ fn launch_parameters_through_extra_are_not_supported() {
     };
     assert_eq!(r, 801);
 }
+
+#[test]
+fn a_kernel_thread_overflowing_its_stack_is_a_fault() {
+    faults_in_child(
+        "a_kernel_thread_overflowing_its_stack_is_a_fault",
+        "thread 0 overflowed its 64 KiB stack",
+        || {
+            let c = setup();
+            let d = upload(&[0u32], c.stream);
+            let (mut a, mut n) = (d, 100_000u32);
+            let f = kernel("emu_test_recurse");
+            ok(launch(
+                f,
+                1,
+                [4, 1, 1],
+                0,
+                c.stream,
+                &mut [arg(&mut a), arg(&mut n)],
+            ));
+            assert_eq!(cuStreamSynchronize(c.stream), 700);
+        },
+    );
+}

@@ -49,7 +49,8 @@ extern "C" __global__ void emu_test_block_order(unsigned* counter, unsigned* out
     if (threadIdx.x == 0) out[blockIdx.x] = atomicAdd(counter, 1u);
 }
 
-// Dynamic shared memory declared at file scope, and read through another type.
+// Dynamic shared memory declared at file scope, and read through another type (build.rs
+// rewrites each `extern __shared__ T name[];` outside comments, like this one, and strings).
 extern __shared__ unsigned emu_test_dyn_words[];
 
 // `words` unsigned words of dynamic shared memory per block (blockDim.x <= words): thread t
@@ -75,4 +76,16 @@ extern "C" __global__ void emu_test_dynamic_shared(unsigned* before, unsigned* a
 // Reads word `at` of dynamic shared memory into out[0].
 extern "C" __global__ void emu_test_dynamic_read(unsigned* out, unsigned long long at) {
     out[0] = emu_test_dyn_words[at];
+}
+
+__device__ unsigned emu_test_deep(volatile unsigned* pad_out, unsigned n) {
+    volatile unsigned pad[64];
+    pad[n % 64] = n;
+    if (n == 0) return pad[0];
+    return emu_test_deep(pad_out, n - 1) + pad[n % 64];
+}
+
+// Recurses `n` deep, with a 256-byte frame each: deep enough overflows the emulator's stacks.
+extern "C" __global__ void emu_test_recurse(unsigned* out, unsigned n) {
+    out[0] = emu_test_deep(out, n);
 }

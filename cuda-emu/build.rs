@@ -1,6 +1,7 @@
-//! Compiles every `kernels/*.cu` of tidemem as host C++ (with the shims in `shim/`), and writes
-//! the table of its kernels (`extern "C" __global__ void NAME(`) for the driver to look up.
-use std::path::PathBuf;
+//! Compiles every `kernels/*.cu` of tidemem, and the emulator's own test kernels
+//! (`tests/kernels/*.cu`), as host C++ (with the shims in `shim/`), and writes the table of their
+//! kernels (`extern "C" __global__ void NAME(`) for the driver to look up.
+use std::path::{Path, PathBuf};
 use std::{env, fs};
 
 fn kernel_names(src: &str) -> Vec<String> {
@@ -18,6 +19,105 @@ fn kernel_names(src: &str) -> Vec<String> {
     names
 }
 
+fn is_ident(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b == b'_'
+}
+
+/// Whether `word` starts at `i` of `s` as a whole identifier.
+fn word_at(s: &[u8], i: usize, word: &str) -> bool {
+    s[i..].starts_with(word.as_bytes())
+        && (i == 0 || !is_ident(s[i - 1]))
+        && s.get(i + word.len()).is_none_or(|&b| !is_ident(b))
+}
+
+/// Rewrites each `extern __shared__ SPEC NAME[];` (dynamic shared memory, which host C++ cannot
+/// declare with `__shared__` as a static) into `SPEC (&NAME)[] = EmuDynamicShared{};`, a
+/// reference to the launch's buffer (shim/emu_rt.h), keeping the line count. Comments and
+/// string literals are left alone. `None` when the source declares no dynamic shared memory.
+fn rewrite_dynamic_shared(src: &str, file: &Path) -> Option<String> {
+    let s = src.as_bytes();
+    let mut out = String::with_capacity(src.len());
+    let (mut i, mut copied, mut found) = (0usize, 0usize, false);
+    while i < s.len() {
+        if s[i..].starts_with(b"//") {
+            i += s[i..]
+                .iter()
+                .position(|&b| b == b'\n')
+                .unwrap_or(s.len() - i);
+        } else if s[i..].starts_with(b"/*") {
+            i += s[i + 2..]
+                .windows(2)
+                .position(|w| w == b"*/")
+                .map_or(s.len() - i, |p| p + 4);
+        } else if s[i] == b'"' || s[i] == b'\'' {
+            let q = s[i];
+            i += 1;
+            while i < s.len() && s[i] != q {
+                i += if s[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+        } else if word_at(s, i, "extern") {
+            let mut j = i + "extern".len();
+            while j < s.len() && s[j].is_ascii_whitespace() {
+                j += 1;
+            }
+            if !word_at(s, j, "__shared__") {
+                i = j;
+                continue;
+            }
+            let start = j + "__shared__".len();
+            let end = start
+                + s[start..]
+                    .iter()
+                    .position(|&b| b == b';')
+                    .unwrap_or_else(|| {
+                        panic!("{}: unterminated extern __shared__", file.display())
+                    });
+            let decl = src[start..end].trim_end();
+            let bad = || {
+                panic!(
+                    "{}: `extern __shared__{decl};` is not `extern __shared__ TYPE NAME[];`",
+                    file.display()
+                )
+            };
+            let Some(decl) = decl.strip_suffix(']') else {
+                bad()
+            };
+            let Some(decl) = decl.trim_end().strip_suffix('[') else {
+                bad()
+            };
+            let decl = decl.trim_end();
+            let name_len = decl.bytes().rev().take_while(|&b| is_ident(b)).count();
+            if name_len == 0 || decl.len() == name_len {
+                bad();
+            }
+            let (spec, name) = decl.split_at(decl.len() - name_len);
+            out.push_str(&src[copied..i]);
+            let new = format!("{spec}(&{name})[] = EmuDynamicShared{{}};");
+            let lines = src[i..=end].matches('\n').count() - new.matches('\n').count();
+            out.push_str(&new);
+            out.push_str(&"\n".repeat(lines));
+            i = end + 1;
+            copied = i;
+            found = true;
+        } else {
+            i += 1;
+        }
+    }
+    out.push_str(&src[copied..]);
+    found.then_some(out)
+}
+
+fn cu_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
+        .collect();
+    files.sort();
+    files
+}
+
 fn main() {
     // The fibers switch with x86-64 System V assembly (cpp/runtime.cpp).
     let arch = env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
@@ -28,18 +128,13 @@ fn main() {
     );
     let here = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let kernels = here.join("..").join("kernels");
+    let test_kernels = here.join("tests").join("kernels");
     let shim = here.join("shim");
+    let cpp = here.join("cpp");
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
-    println!("cargo:rerun-if-changed={}", kernels.display());
-    println!("cargo:rerun-if-changed={}", shim.display());
-    println!("cargo:rerun-if-changed=cpp/runtime.cpp");
-
-    let mut files: Vec<PathBuf> = fs::read_dir(&kernels)
-        .expect("the kernels directory")
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "cu"))
-        .collect();
-    files.sort();
+    for dir in [&kernels, &test_kernels, &shim, &cpp] {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    }
 
     let mut build = cc::Build::new();
     build
@@ -52,25 +147,45 @@ fn main() {
         .flag("-ffp-contract=off")
         .flag("-fno-fast-math")
         .flag("-Wno-unknown-pragmas")
-        .file(here.join("cpp").join("runtime.cpp"));
+        .file(cpp.join("runtime.cpp"))
+        .file(cpp.join("warp.cpp"));
+    // A rewritten source is compiled from OUT_DIR: its quoted includes are found here.
+    for dir in [&kernels, &test_kernels] {
+        build.flag("-iquote").flag(dir.to_str().unwrap());
+    }
 
     let mut rs = String::from("extern \"C\" {\n");
     let mut tables = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for f in &files {
-        let src = fs::read_to_string(f).unwrap();
+    let sources = cu_files(&kernels)
+        .into_iter()
+        .map(|f| (f, ""))
+        .chain(cu_files(&test_kernels).into_iter().map(|f| (f, "test_")));
+    for (f, prefix) in sources {
+        let src = fs::read_to_string(&f).unwrap();
         let names = kernel_names(&src);
         for n in &names {
             assert!(seen.insert(n.clone()), "kernel {n} is defined twice");
         }
-        let stem = f.file_stem().unwrap().to_str().unwrap().replace('-', "_");
+        let stem = format!(
+            "{prefix}{}",
+            f.file_stem().unwrap().to_str().unwrap().replace('-', "_")
+        );
+        let compiled = match rewrite_dynamic_shared(&src, &f) {
+            Some(text) => {
+                let copy = out.join(format!("src_{stem}.cu"));
+                fs::write(&copy, format!("#line 1 \"{}\"\n{text}", f.display())).unwrap();
+                copy
+            }
+            None => f.clone(),
+        };
         let entries: Vec<String> = names
             .iter()
             .map(|n| format!("    EMU_KERNEL({n}),"))
             .collect();
         let cpp = format!(
             "#include \"{}\"\nextern \"C\" const EmuKernel emu_kernels_{stem}[] = {{\n{}\n}};\n",
-            f.display(),
+            compiled.display(),
             entries.join("\n")
         );
         let gen = out.join(format!("gen_{stem}.cpp"));

@@ -27,3 +27,6 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
     b.x = (unsigned short)((x + 0x7fffu + lsb) >> 16);
     return b;
 }
+
+// Warp shuffles of one value (emu_warp.h, force-included before this header).
+EMU_SHUFFLES(__nv_bfloat16)

@@ -74,3 +74,6 @@ inline __half __float2half_rn(float f) {
     h.x = (unsigned short)(sign | v);
     return h;
 }
+
+// Warp shuffles of one value (emu_warp.h, force-included before this header).
+EMU_SHUFFLES(__half)

@@ -1,10 +1,12 @@
 // The CUDA C++ dialect on the host, for running kernels/*.cu on the CPU.
 //
-// Every thread of a block runs as a fiber of one OS thread; __syncthreads() switches to the
-// next fiber of the block, so a block's threads meet at each barrier as on a GPU. Blocks run
-// one after another, so `__shared__` variables are function statics (one copy, reused by each
-// block, refilled with garbage before each). The explicitly rounded intrinsics are the plain IEEE operations of the host (the file
-// is compiled with -ffp-contract=off, so nothing is fused behind their back).
+// Every thread of a block runs as a fiber of one OS thread; __syncthreads() and the warp
+// intrinsics (emu_warp.h) switch to the next fiber of the block, so a block's threads meet at
+// each barrier as on a GPU. Blocks run one after another, so `__shared__` variables are function
+// statics (one copy, reused by each block, refilled with garbage before each), and atomics
+// (emu_atomic.h) are plain read-modify-writes. The explicitly rounded intrinsics are the plain
+// IEEE operations of the host (the file is compiled with -ffp-contract=off, so nothing is fused
+// behind their back).
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -20,6 +22,18 @@ using std::isfinite;
 // every block (a GPU's shared memory starts as garbage, not zeros). GCC ignores the section of
 // a static in a function template: those keep a static's zeros and the last block's values.
 #define __shared__ static __attribute__((section("emu_shared")))
+#define __align__(n) __attribute__((aligned(n)))
+
+// Dynamic shared memory: build.rs rewrites `extern __shared__ T name[];` into
+// `T (&name)[] = EmuDynamicShared{};`, a reference to the launch's buffer (cpp/runtime.cpp),
+// which starts on a page boundary: aligned for any type.
+extern "C" __attribute__((visibility("hidden"))) unsigned char emu_dynamic_shared[];
+struct EmuDynamicShared {
+    template <typename T>
+    operator T&() const {
+        return *reinterpret_cast<T*>(emu_dynamic_shared);
+    }
+};
 
 struct uint3 {
     unsigned int x, y, z;
@@ -42,6 +56,9 @@ void emu_syncthreads(void);
 #define gridDim emu_grid_dim
 
 inline void __syncthreads() { emu_syncthreads(); }
+
+#include "emu_atomic.h"
+#include "emu_warp.h"
 
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }

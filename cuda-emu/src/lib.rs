@@ -7,8 +7,9 @@
 //! non-blocking streams, events, stream-ordered allocation, pinned host memory, copies, memsets,
 //! and kernel launches. Modules are the cubins or PTX that NVRTC builds from `kernels/*.cu`; a
 //! function is looked up by name in the module's image and run from the same source compiled
-//! for the host (`build.rs`), one block after another, the threads of a block as fibers that
-//! meet at `__syncthreads()`.
+//! for the host (`build.rs`; the emulator's own test kernels, `tests/kernels/*.cu`, are built
+//! in too), one block after another, the threads of a block as fibers that meet at
+//! `__syncthreads()` and at warp operations.
 //!
 //! **Work runs late.** Nothing enqueued on a stream runs until something waits for it: a stream
 //! or event synchronisation, a stream waiting on an event of another stream, a copy to pageable
@@ -30,11 +31,65 @@
 //!
 //! **Kernels.** Fresh device memory (allocations up to 256 MiB), and shared memory before each
 //! block (outside function templates, whose statics GCC keeps out of the section), is `0xff`
-//! bytes. The threads of a block run in ascending order to a barrier and in descending order to
-//! the next, so a thread that reads another's write with no barrier between sees it missing
-//! whenever the reader runs first in that phase; a phase where some threads end while others
-//! wait at a barrier is a fault (threads waiting at different barriers are not told apart).
-//! Blocks run one after another.
+//! bytes. The threads of a block run in passes: each pass runs every thread that can run to its
+//! next `__syncthreads()`, warp operation or end, in ascending order of thread index in even
+//! passes and descending in odd ones, so a thread that reads another's write with no barrier
+//! between sees it missing whenever the reader runs first in that pass; a barrier where some
+//! threads end while others wait is a fault (threads waiting at different barriers are not told
+//! apart). Blocks run one after another, in ascending order of their linear index in even
+//! launches and descending in odd ones (counted over the process), so a result that depends on
+//! the order of blocks changes between two launches of the same kernel.
+//!
+//! **Warps.** Thread `t` of a block (`x + y * Dx + z * Dx * Dy`) is lane `t % 32` of warp
+//! `t / 32`, as on a GPU; `warpSize` is 32. `__shfl_sync`, `__shfl_up_sync`, `__shfl_down_sync`
+//! and `__shfl_xor_sync` (for `int`, `unsigned`, `long`, `unsigned long`, `long long`,
+//! `unsigned long long`, `float`, `double`, `__half` and `__nv_bfloat16`, with `width`),
+//! `__syncwarp`, `__ballot_sync`, `__all_sync` and `__any_sync` are warp barriers: a lane waits
+//! there until every lane its mask names waits at the same operation (the same intrinsic, the
+//! same mask, and for shuffles the same width and the same operand size in 32-bit words; the
+//! source lane, delta or lane mask may differ by lane), and then each gets what PTX `shfl.sync`
+//! and `vote.sync` give: the low five bits of the source lane or offset count, and a lane whose
+//! source falls outside its `width`-lane segment reads its own value (`__shfl_xor_sync` may
+//! read earlier segments). Each of these is a fault:
+//! - a mask that does not name the calling lane, or a shuffle width that is not 1, 2, 4, 8, 16
+//!   or 32 (decided at the call);
+//! - a mask naming a lane that has exited, or one past the block's last thread in a partial
+//!   warp (CUDA only leaves what is read from them undefined; the emulator refuses the call);
+//! - once no thread can run on: a lane waiting at a warp operation for a named lane that waits
+//!   at `__syncthreads()`, or for one that waits at a different warp operation. A lane that
+//!   makes more or fewer warp calls than the lanes its mask names ends in one of these (or in
+//!   an exited lane).
+//!
+//! Reading a lane that the mask does not name (the upper half of a reduction under a partial
+//! mask, say) is no fault: the value is all-ones bits (NaN, -1), as undefined as on a GPU. Not
+//! caught: two call sites of the same intrinsic with the same mask meet as one operation (as
+//! they do on sm_70 and later). `__activemask()`, no barrier on a GPU, waits here until no lane
+//! of the warp can run on and answers the lanes then waiting at `__activemask()`: lanes that
+//! returned, or wait at a barrier or another warp operation, are not active. Between warp
+//! operations the lanes of a warp run one after another, not in lockstep: code that relies on
+//! a warp running in step without `__syncwarp()` sees stale values in one of the passes.
+//!
+//! **Atomics.** `atomicAdd` (`int`, `unsigned`, `unsigned long long`, `float`, `double`),
+//! `atomicSub`, `atomicExch` (also `float`), `atomicMin`/`atomicMax` (`int`, `unsigned`,
+//! `long long`, `unsigned long long`; CUDA has no `float` ones and neither has the emulator),
+//! `atomicAnd`/`Or`/`Xor`, `atomicInc`/`Dec` and `atomicCAS` (`int`, `unsigned`,
+//! `unsigned long long`, `unsigned short`) are plain read-modify-writes, atomic here because
+//! threads switch only at barriers and warp operations, and return the old value. The `float`
+//! add flushes subnormal operands and results to zero, as PTX documents for `atom.add.f32`.
+//! The order of atomics is the order of threads and blocks above, which changes between
+//! passes and launches. Memory fences do nothing.
+//!
+//! **Dynamic shared memory.** `extern __shared__ T name[];`, at file or block scope, is one
+//! buffer of the launch's `sharedMemBytes`, starting on a page boundary, `0xff` bytes before
+//! each block. A launch asking for more than the function's cap (48 KiB, or what
+//! `cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES)` set, up to sm_90's
+//! 227 KiB) is refused with `CUDA_ERROR_INVALID_VALUE`; static shared memory is not counted
+//! against it. Faults: any access in the page before the buffer or from the page boundary
+//! after its end (up to the 227 KiB), and a write to the bytes between its end and that page
+//! boundary (found after the block: they are no longer `0xff`). A read of those bytes, or a
+//! write of `0xff` bytes there, is not caught. A kernel thread that overflows its 64 KiB stack
+//! into the guard page below it faults too, when its OS thread has an alternate signal stack
+//! (Rust's threads do); otherwise the process dies of the `SIGSEGV`.
 //!
 //! A fault prints what happened and makes every later call fail with
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU poisons its context.
@@ -48,59 +103,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Mutex, MutexGuard};
 
-/// A kernel compiled for the host: its name, its caller and the sizes of its parameters.
-#[repr(C)]
-pub struct EmuKernel {
-    name: *const c_char,
-    invoke: unsafe extern "C" fn(*mut *mut c_void),
-    nparams: usize,
-    param_sizes: *const usize,
-    param_is_ptr: *const u8,
-}
-
-// SAFETY: the tables are immutable C++ constants.
-unsafe impl Sync for EmuKernel {}
-
-impl EmuKernel {
-    fn name(&self) -> &'static str {
-        // SAFETY: a string literal of the generated table.
-        unsafe { CStr::from_ptr(self.name) }.to_str().unwrap_or("")
-    }
-    fn sizes(&self) -> &'static [usize] {
-        // SAFETY: `nparams` entries, from the generated table.
-        unsafe { std::slice::from_raw_parts(self.param_sizes, self.nparams) }
-    }
-    fn is_ptr(&self) -> &'static [u8] {
-        // SAFETY: `nparams` entries, from the generated table.
-        unsafe { std::slice::from_raw_parts(self.param_is_ptr, self.nparams) }
-    }
-}
-
-extern "C" {
-    fn emu_launch(
-        k: *const EmuKernel,
-        grid: *const c_uint,
-        block: *const c_uint,
-        params: *mut *mut c_void,
-    ) -> c_int;
-}
-
-include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
-
-/// The names of every kernel this library can run.
-pub fn kernel_names() -> Vec<&'static str> {
-    kernel_tables()
-        .into_iter()
-        .flat_map(|t| t.iter().map(|k| k.name()))
-        .collect()
-}
-
-fn find_kernel(name: &str) -> Option<&'static EmuKernel> {
-    kernel_tables()
-        .into_iter()
-        .flat_map(|t| t.iter())
-        .find(|k| k.name() == name)
-}
+mod launch;
+pub use launch::*;
+use launch::{run_launch, SHARED_PER_BLOCK, SHARED_PER_BLOCK_OPTIN, SHARED_PER_SM};
 
 type CUresult = c_int;
 const SUCCESS: CUresult = 0;
@@ -181,6 +186,8 @@ enum Op {
         kernel: &'static EmuKernel,
         grid: [c_uint; 3],
         block: [c_uint; 3],
+        /// Dynamic shared memory per block, in bytes.
+        shared: c_uint,
         /// The parameter values, copied at the launch; `offsets[i]` is where parameter i starts.
         values: Vec<u64>,
         offsets: Vec<usize>,
@@ -269,6 +276,8 @@ struct State {
     next: usize,
     fault: Option<String>,
     stream_queried: HashMap<usize, u64>,
+    /// `CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES` of the functions that set it.
+    dynamic_shared_cap: HashMap<usize, c_int>,
 }
 
 static STATE: Mutex<Option<State>> = Mutex::new(None);
@@ -325,7 +334,16 @@ impl State {
             next: 0x1000,
             fault: None,
             stream_queried: HashMap::new(),
+            dynamic_shared_cap: HashMap::new(),
         }
+    }
+
+    /// The most dynamic shared memory a launch of `k` may ask for.
+    fn max_dynamic_shared(&self, k: &EmuKernel) -> c_int {
+        self.dynamic_shared_cap
+            .get(&(k as *const EmuKernel as usize))
+            .copied()
+            .unwrap_or(SHARED_PER_BLOCK)
     }
 
     fn id(&mut self) -> usize {
@@ -495,34 +513,10 @@ impl State {
                 kernel,
                 grid,
                 block,
-                mut values,
+                shared,
+                values,
                 offsets,
-            } => {
-                let base = values.as_mut_ptr() as *mut u8;
-                let mut ptrs: Vec<*mut c_void> = offsets
-                    .iter()
-                    // SAFETY: each offset is inside `values` (computed from the sizes).
-                    .map(|&o| unsafe { base.add(o) } as *mut c_void)
-                    .collect();
-                // SAFETY: the kernel reads its parameters from `ptrs` (values of the sizes the
-                // kernel declares, 8-byte aligned); its pointer parameters were checked to point
-                // into live allocations at the launch; what it reads and writes beyond that is
-                // the program's responsibility, as on a GPU.
-                let r =
-                    unsafe { emu_launch(kernel, grid.as_ptr(), block.as_ptr(), ptrs.as_mut_ptr()) };
-                match r {
-                    0 => SUCCESS,
-                    2 => self.fault(format!(
-                        "kernel {}: the threads of a block did not all reach the same \
-                         __syncthreads()",
-                        kernel.name()
-                    )),
-                    _ => self.fault(format!(
-                        "kernel {} launched with grid {grid:?} and block {block:?}",
-                        kernel.name()
-                    )),
-                }
-            }
+            } => run_launch(self, kernel, grid, block, shared, values, &offsets),
             Op::Wait { stream: other, seq } => self.run_until(other, seq),
             Op::Mark => SUCCESS,
             Op::Free { ptr } => {
@@ -697,18 +691,20 @@ pub unsafe extern "C" fn cuDeviceGetName(name: *mut c_char, len: c_int, dev: c_i
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetAttribute(v: *mut c_int, attr: c_int, dev: c_int) -> CUresult {
     let value = match attr {
-        1 => 1024,      // max threads per block
-        2 | 3 => 1024,  // max block dims x, y
-        4 => 64,        // max block dim z
-        5 => i32::MAX,  // max grid dim x
-        6 | 7 => 65535, // max grid dims y, z
-        8 => 48 * 1024, // shared memory per block
-        10 => 32,       // warp size
-        16 => 132,      // multiprocessors
-        41 => 1,        // unified addressing
-        75 => 9,        // compute capability major
-        76 => 0,        // minor
-        115 => 1,       // memory pools supported
+        1 => 1024,                    // max threads per block
+        2 | 3 => 1024,                // max block dims x, y
+        4 => 64,                      // max block dim z
+        5 => i32::MAX,                // max grid dim x
+        6 | 7 => 65535,               // max grid dims y, z
+        8 => SHARED_PER_BLOCK,        // shared memory per block
+        10 => 32,                     // warp size
+        16 => 132,                    // multiprocessors
+        41 => 1,                      // unified addressing
+        75 => 9,                      // compute capability major
+        76 => 0,                      // minor
+        81 => SHARED_PER_SM,          // shared memory per multiprocessor
+        97 => SHARED_PER_BLOCK_OPTIN, // shared memory per block, opted in
+        115 => 1,                     // memory pools supported
         _ => 0,
     };
     with(|_| on_device(dev, || put(v, value)))
@@ -1212,238 +1208,6 @@ pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize)
         return r;
     }
     cuCtxSynchronize()
-}
-
-// ---------------------------------------------------------------------------------------------
-// Modules and launches.
-
-/// The bytes of a module image: an ELF cubin (its length from the ELF header) or PTX text.
-unsafe fn image_bytes(p: *const u8) -> Option<Vec<u8>> {
-    if p.is_null() {
-        return None;
-    }
-    let head = std::slice::from_raw_parts(p, 4);
-    if head == b"\x7fELF" {
-        let h = std::slice::from_raw_parts(p, 64);
-        if h[4] != 2 {
-            return None; // 64-bit ELF only
-        }
-        let u64_at = |o: usize| u64::from_le_bytes(h[o..o + 8].try_into().unwrap()) as usize;
-        let u16_at = |o: usize| u16::from_le_bytes(h[o..o + 2].try_into().unwrap()) as usize;
-        let (phoff, shoff) = (u64_at(32), u64_at(40));
-        let (phsz, phn, shsz, shn) = (u16_at(54), u16_at(56), u16_at(58), u16_at(60));
-        // Headers that cannot be a cubin's (entries too small, sizes that overflow or exceed
-        // any image NVRTC makes) are refused rather than followed.
-        const MAX: usize = 1 << 30;
-        if shsz < 64 || (phn > 0 && phsz < 56) {
-            return None;
-        }
-        let end = |off: usize, n: usize, sz: usize| n.checked_mul(sz)?.checked_add(off);
-        let mut len = end(shoff, shn, shsz)?.max(end(phoff, phn, phsz)?).max(64);
-        if len > MAX {
-            return None;
-        }
-        // Section contents may follow the headers: take the furthest section end.
-        let sh = std::slice::from_raw_parts(p.add(shoff), shsz * shn);
-        for i in 0..shn {
-            let e = &sh[i * shsz..(i + 1) * shsz];
-            let ty = u32::from_le_bytes(e[4..8].try_into().unwrap());
-            let off = u64::from_le_bytes(e[24..32].try_into().unwrap()) as usize;
-            let size = u64::from_le_bytes(e[32..40].try_into().unwrap()) as usize;
-            if ty != 8 {
-                len = len.max(off.checked_add(size)?); // SHT_NOBITS occupies nothing
-            }
-        }
-        if len > MAX {
-            return None;
-        }
-        Some(std::slice::from_raw_parts(p, len).to_vec())
-    } else {
-        Some(CStr::from_ptr(p as *const c_char).to_bytes().to_vec())
-    }
-}
-
-/// Whether a cubin (in its string table) or PTX (as an `.entry`) defines `name`.
-fn image_defines(image: &[u8], name: &str) -> bool {
-    if image.starts_with(b"\x7fELF") {
-        let mut pat = vec![0u8];
-        pat.extend_from_slice(name.as_bytes());
-        pat.push(0);
-        image.windows(pat.len()).any(|w| w == pat.as_slice())
-    } else {
-        let text = String::from_utf8_lossy(image);
-        text.contains(&format!(".entry {name}("))
-    }
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuModuleLoadData(m: *mut *mut c_void, image: *const c_void) -> CUresult {
-    with_ctx(|st| {
-        if m.is_null() {
-            return INVALID_VALUE;
-        }
-        let Some(bytes) = image_bytes(image as *const u8) else {
-            return INVALID_IMAGE;
-        };
-        let elf = bytes.starts_with(b"\x7fELF");
-        if !elf && !String::from_utf8_lossy(&bytes).contains(".entry") {
-            return INVALID_IMAGE;
-        }
-        let id = st.id();
-        st.modules.insert(id, bytes);
-        *m = id as *mut c_void;
-        SUCCESS
-    })
-}
-
-#[no_mangle]
-pub extern "C" fn cuModuleUnload(m: *mut c_void) -> CUresult {
-    with(|st| match st.modules.remove(&(m as usize)) {
-        Some(_) => SUCCESS,
-        None => INVALID_HANDLE,
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuModuleGetFunction(
-    f: *mut *const EmuKernel,
-    m: *mut c_void,
-    name: *const c_char,
-) -> CUresult {
-    with_ctx(|st| {
-        if f.is_null() || name.is_null() {
-            return INVALID_VALUE;
-        }
-        let Some(image) = st.modules.get(&(m as usize)) else {
-            return INVALID_HANDLE;
-        };
-        let Ok(name) = CStr::from_ptr(name).to_str() else {
-            return NOT_FOUND;
-        };
-        if !image_defines(image, name) {
-            return NOT_FOUND;
-        }
-        match find_kernel(name) {
-            Some(k) => {
-                *f = k;
-                SUCCESS
-            }
-            None => {
-                eprintln!("tidemem-cuda-emu: kernel {name} is in the image but not in kernels/");
-                NOT_FOUND
-            }
-        }
-    })
-}
-
-#[no_mangle]
-pub unsafe extern "C" fn cuFuncGetAttribute(
-    v: *mut c_int,
-    attr: c_int,
-    _f: *const EmuKernel,
-) -> CUresult {
-    with(|_| {
-        if v.is_null() {
-            return INVALID_VALUE;
-        }
-        *v = match attr {
-            0 => 1024, // max threads per block
-            _ => 0,
-        };
-        SUCCESS
-    })
-}
-
-#[no_mangle]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "C" fn cuLaunchKernel(
-    f: *const EmuKernel,
-    gx: c_uint,
-    gy: c_uint,
-    gz: c_uint,
-    bx: c_uint,
-    by: c_uint,
-    bz: c_uint,
-    shared: c_uint,
-    s: *mut c_void,
-    params: *mut *mut c_void,
-    extra: *mut *mut c_void,
-) -> CUresult {
-    with_ctx(|st| {
-        let Some(id) = st.stream_id(s) else {
-            return INVALID_HANDLE;
-        };
-        let Some(kernel) = kernel_tables()
-            .into_iter()
-            .flat_map(|t| t.iter())
-            .find(|k| std::ptr::eq(*k, f))
-        else {
-            return INVALID_HANDLE;
-        };
-        let threads = bx as u64 * by as u64 * bz as u64;
-        if [gx, gy, gz, bx, by, bz].contains(&0) || threads > 1024 || bz > 64 {
-            return INVALID_VALUE;
-        }
-        if shared != 0 || !extra.is_null() {
-            return NOT_SUPPORTED; // no kernel here uses dynamic shared memory or `extra`
-        }
-        let sizes = kernel.sizes();
-        if !sizes.is_empty() && params.is_null() {
-            return INVALID_VALUE;
-        }
-        // Copy every parameter's value now, as the driver does: the caller's storage may be
-        // gone by the time the kernel runs.
-        let mut offsets = Vec::with_capacity(sizes.len());
-        let mut words = 0usize;
-        for &sz in sizes {
-            offsets.push(words * 8);
-            words += sz.div_ceil(8).max(1);
-        }
-        let mut values = vec![0u64; words];
-        let base = values.as_mut_ptr() as *mut u8;
-        for (i, (&sz, &off)) in sizes.iter().zip(&offsets).enumerate() {
-            let p = *params.add(i);
-            if p.is_null() {
-                return INVALID_VALUE;
-            }
-            std::ptr::copy_nonoverlapping(p as *const u8, base.add(off), sz);
-        }
-        // Every pointer parameter must point into a live allocation (null is allowed: the
-        // kernels take null for an absent operand); the launch uses those allocations.
-        let mut uses = Vec::new();
-        for (i, (&off, &ptr)) in offsets.iter().zip(kernel.is_ptr()).enumerate() {
-            if ptr == 0 {
-                continue;
-            }
-            let v = values[off / 8] as usize;
-            if v == 0 {
-                continue;
-            }
-            match st.alloc_of(v, 0) {
-                Some(a) => uses.push(a),
-                None => {
-                    let what = format!(
-                        "kernel {} parameter {i} is {v:#x}, not inside a live device allocation",
-                        kernel.name()
-                    );
-                    return st.fault(what);
-                }
-            }
-        }
-        uses.sort_unstable();
-        uses.dedup();
-        st.enqueue_using(
-            id,
-            Op::Launch {
-                kernel,
-                grid: [gx, gy, gz],
-                block: [bx, by, bz],
-                values,
-                offsets,
-            },
-            &uses,
-        )
-    })
 }
 
 extern "C" {

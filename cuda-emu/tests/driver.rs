@@ -5,9 +5,8 @@ use std::ptr::null_mut;
 
 use tidemem_cuda_emu::*;
 
-fn ok(r: i32) {
-    assert_eq!(r, 0, "driver call failed with {r}");
-}
+mod common;
+use common::{faults_in_child, ok, pinned, setup, SERIAL};
 
 #[test]
 fn fp16_and_bf16_shims_round_like_the_gpu() {
@@ -63,38 +62,6 @@ fn fp16_and_bf16_shims_round_like_the_gpu() {
             check((hi << 16) | lo);
         }
     }
-}
-
-/// Runs every test of the driver under one lock: they share the process's one device.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-struct Ctx {
-    stream: *mut c_void,
-    other: *mut c_void,
-}
-
-fn setup() -> Ctx {
-    ok(cuInit(0));
-    let mut ctx = null_mut();
-    unsafe {
-        ok(cuDevicePrimaryCtxRetain(&mut ctx, 0));
-    }
-    ok(cuCtxSetCurrent(ctx));
-    let (mut s, mut o) = (null_mut(), null_mut());
-    unsafe {
-        ok(cuStreamCreate(&mut s, 1));
-        ok(cuStreamCreate(&mut o, 1));
-    }
-    Ctx {
-        stream: s,
-        other: o,
-    }
-}
-
-fn pinned(len: usize) -> *mut u8 {
-    let mut p = null_mut();
-    unsafe { ok(cuMemHostAlloc(&mut p, len, 0)) };
-    p as *mut u8
 }
 
 #[test]
@@ -215,24 +182,6 @@ fn the_barrier_kernel_reduces_like_the_gpu() {
         ok(cuStreamSynchronize(c.stream));
         ok(cuModuleUnload(m));
     }
-}
-
-/// Runs `f` in a child process (a fault poisons the driver for good), and checks that it
-/// passed and that the driver reported a fault saying `message`.
-fn faults_in_child(test: &str, message: &str, f: impl FnOnce()) {
-    if std::env::var("EMU_FAULT_CHILD").as_deref() == Ok(test) {
-        f();
-        return;
-    }
-    let exe = std::env::current_exe().unwrap();
-    let out = std::process::Command::new(exe)
-        .args(["--exact", test, "--nocapture"])
-        .env("EMU_FAULT_CHILD", test)
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{err}");
-    assert!(err.contains("fault") && err.contains(message), "{err}");
 }
 
 /// `grad_stats_final` from a PTX image naming it (standing in for NVRTC's output).

@@ -46,6 +46,10 @@ pub const SOURCES: &[KernelSource] = &[
         name: "gelu.cu",
         code: include_str!("../kernels/gelu.cu"),
     },
+    KernelSource {
+        name: "accumulate.cu",
+        code: include_str!("../kernels/accumulate.cu"),
+    },
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the parameter structs the
@@ -70,6 +74,10 @@ pub const HEADERS: &[KernelSource] = &[
     KernelSource {
         name: "gelu.cuh",
         code: include_str!("../kernels/gelu.cuh"),
+    },
+    KernelSource {
+        name: "accumulate.cuh",
+        code: include_str!("../kernels/accumulate.cuh"),
     },
 ];
 

@@ -326,10 +326,30 @@ fn gelu_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
     v
 }
 
+fn accumulate_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for n in SIZES {
+            v.push(Case {
+                label: format!("{d} n={n}"),
+                operands: vec![
+                    Some((d, r.floats(n, 3.0, d))),
+                    Some((DType::F32, r.floats(n, 100.0, DType::F32))),
+                ],
+                params: bytemuck::bytes_of(&ops::accumulate::AccumulateParams { n: n as u64 })
+                    .to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}
+
 /// The cases of op `name`, or `None` for an op this test does not know (a failure).
 fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
     Some(match name {
         "cast" => cast_cases(r),
+        "accumulate" => accumulate_cases(r),
         "adam" => adam_cases(r, false),
         "adam_in_place" => adam_cases(r, true),
         "grad_stats" => grad_stats_cases(r),

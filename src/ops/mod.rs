@@ -4,12 +4,14 @@
 //! [`registry`] lists every descriptor, for the conformance tests that run each twin against
 //! CUDA.
 
+pub mod accumulate;
 pub mod adam;
 pub mod cast;
 pub mod embedding;
 pub mod gelu;
 pub mod grad_stats;
 
+pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
@@ -19,8 +21,9 @@ use crate::device::KernelDesc;
 
 /// Every op's descriptor.
 pub fn registry() -> &'static [&'static KernelDesc] {
-    static ALL: [&KernelDesc; 11] = [
+    static ALL: [&KernelDesc; 12] = [
         &cast::CAST,
+        &accumulate::ACCUMULATE,
         &adam::ADAM,
         &adam::ADAM_IN_PLACE,
         &grad_stats::GRAD_STATS,

@@ -391,10 +391,8 @@ impl Guard<'_, Backward> {
     /// shares add up in an f32 buffer from the pool; at the last, the sum goes into the
     /// gradient slot in the parameter dtype (so read [`Guard::param`] first) and counts as
     /// written. A parameter used once may take it too: its share is the gradient.
-    ///
-    /// Until the op layer has an add kernel, the sum is staged through the host (a download of
-    /// both operands and an upload, on the compute stream); the first share and the final
-    /// conversion stay on the device.
+    /// Every step runs on the device, on the compute stream ([`crate::ops::accumulate`] adds
+    /// the shares, [`crate::ops::cast`] converts).
     pub fn accumulate_grad<'a>(
         &self,
         i: usize,

@@ -227,26 +227,14 @@ pub(super) fn upload(host: &dyn Host, bytes: &[u8], dst: DeviceView<'_>) -> Resu
     Ok(())
 }
 
-/// `acc += src` elementwise, `acc` f32 and `src` of `dtype`, both on the device.
-///
-/// Staged through the host (two downloads, an add, an upload, on the compute stream) until
-/// the op layer has an add kernel; a device add slots in here.
+/// `acc += src` elementwise, `acc` f32 and `src` of `dtype`, both on the device, on the compute
+/// stream ([`crate::ops::accumulate`]).
 pub(super) fn add_into(
     host: &dyn Host,
     acc: DeviceView<'_>,
     src: DeviceView<'_>,
     dtype: DType,
 ) -> Result<()> {
-    host.store().wait_compute(TOKEN)?;
     let h = host.handles();
-    let mut sum = decode(&h.device.download(&h.stream, acc)?, DType::F32);
-    let add = decode(&h.device.download(&h.stream, src)?, dtype);
-    if sum.len() != add.len() {
-        return Err(Error::SizeMismatch {
-            src: add.len(),
-            dst: sum.len(),
-        });
-    }
-    sum.iter_mut().zip(add).for_each(|(a, b)| *a += b);
-    upload(host, bytemuck::cast_slice(&sum), acc)
+    crate::ops::accumulate(&h.device, &h.stream, src, dtype, acc)
 }

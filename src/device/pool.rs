@@ -219,6 +219,16 @@ impl CachingAllocator {
         self.shared.state.lock().stats
     }
 
+    /// The statistics, then restarts both peaks at the current values, under one lock (what
+    /// the tide tracer calls at each moment).
+    pub fn take_stats(&self) -> PoolStats {
+        let mut st = self.shared.state.lock();
+        let s = st.stats;
+        st.stats.peak_allocated = st.stats.allocated;
+        st.stats.peak_reserved = st.stats.reserved;
+        s
+    }
+
     /// Restarts both peaks at the current values (call at each moment of the tide).
     pub fn reset_peak(&self) {
         let mut st = self.shared.state.lock();

@@ -16,8 +16,7 @@ impl ChunkManager {
     pub(super) fn tick(&mut self, stage: Stage, accesses: &[Access]) -> usize {
         let (peak, now) = match &self.non_model {
             Some(p) => {
-                let s = p.stats();
-                p.reset_peak();
+                let s = p.take_stats();
                 (s.peak_allocated as u64, s.allocated as u64)
             }
             None => (0, 0),
@@ -440,8 +439,7 @@ impl ChunkManager {
             return Ok(());
         };
         if let Some(p) = &self.non_model {
-            let st = p.stats();
-            p.reset_peak();
+            let st = p.take_stats();
             self.tracer.non_model(st.peak_allocated as u64);
             if let Some(l) = self.samples.last_mut() {
                 l.non_model = l.non_model.max(st.peak_allocated as u64);

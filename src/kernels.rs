@@ -170,36 +170,7 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
     for d in include_dirs() {
         opts.push(format!("--include-path={}", d.display()));
     }
-    let code = CString::new(src.code).map_err(|_| fail("source contains a NUL byte".into()))?;
-    let name = CString::new(src.name).map_err(|_| fail("name contains a NUL byte".into()))?;
-    let cstr = |s: &str| CString::new(s).map_err(|_| fail("a header contains a NUL byte".into()));
-    let header_code: Vec<CString> = HEADERS
-        .iter()
-        .map(|h| cstr(h.code))
-        .collect::<Result<_>>()?;
-    let header_names: Vec<CString> = HEADERS
-        .iter()
-        .map(|h| cstr(h.name))
-        .collect::<Result<_>>()?;
-    let code_ptrs: Vec<*const std::ffi::c_char> = header_code.iter().map(|c| c.as_ptr()).collect();
-    let name_ptrs: Vec<*const std::ffi::c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
-    let mut prog = std::mem::MaybeUninit::uninit();
-    // SAFETY: every pointer is a live NUL-terminated string for the call, and the two header
-    // arrays have `HEADERS.len()` entries; NVRTC copies them.
-    unsafe {
-        sys::nvrtcCreateProgram(
-            prog.as_mut_ptr(),
-            code.as_ptr(),
-            name.as_ptr(),
-            HEADERS.len() as i32,
-            code_ptrs.as_ptr(),
-            name_ptrs.as_ptr(),
-        )
-    }
-    .result()
-    .map_err(|e| fail(format!("{e:?}")))?;
-    // SAFETY: initialised by the successful call above.
-    let prog = unsafe { prog.assume_init() };
+    let prog = create_program(src).map_err(fail)?;
     struct Prog(sys::nvrtcProgram);
     impl Drop for Prog {
         fn drop(&mut self) {
@@ -246,4 +217,42 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
             Ok(buf)
         }
     }
+}
+
+/// An NVRTC program of `src` with every header of [`HEADERS`] given in memory.
+fn create_program(
+    src: &KernelSource,
+) -> std::result::Result<cudarc::nvrtc::sys::nvrtcProgram, String> {
+    use cudarc::nvrtc::sys;
+    let cstr =
+        |s: &str, what: &str| CString::new(s).map_err(|_| format!("{what} contains a NUL byte"));
+    let code = cstr(src.code, "the source")?;
+    let name = cstr(src.name, "the name")?;
+    let header_code: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| cstr(h.code, h.name))
+        .collect::<std::result::Result<_, _>>()?;
+    let header_names: Vec<CString> = HEADERS
+        .iter()
+        .map(|h| cstr(h.name, "a header name"))
+        .collect::<std::result::Result<_, _>>()?;
+    let code_ptrs: Vec<*const std::ffi::c_char> = header_code.iter().map(|c| c.as_ptr()).collect();
+    let name_ptrs: Vec<*const std::ffi::c_char> = header_names.iter().map(|c| c.as_ptr()).collect();
+    let mut prog = std::mem::MaybeUninit::uninit();
+    // SAFETY: every pointer is a live NUL-terminated string for the call, and the two header
+    // arrays have `HEADERS.len()` entries; NVRTC copies them.
+    unsafe {
+        sys::nvrtcCreateProgram(
+            prog.as_mut_ptr(),
+            code.as_ptr(),
+            name.as_ptr(),
+            HEADERS.len() as i32,
+            code_ptrs.as_ptr(),
+            name_ptrs.as_ptr(),
+        )
+    }
+    .result()
+    .map_err(|e| format!("{e:?}"))?;
+    // SAFETY: initialised by the successful call above.
+    Ok(unsafe { prog.assume_init() })
 }

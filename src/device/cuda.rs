@@ -352,105 +352,115 @@ impl CudaBackend {
                     .collect::<Result<_>>()?;
                 with_ptrs(s, &ops, |ptrs| (run.0)(ptrs, cs.cast()))?;
             }
-            Op::HostToDevice {
-                src,
-                dst,
-                dst_offset,
-                len,
-            } => {
-                let mut d = mem(dst)?.slice.lock();
-                if let (Some(d), true) = (d.as_mut(), len > 0) {
-                    let (ptr, _rec) = d.device_ptr_mut(s);
-                    // SAFETY: bounds checked by `Device`; `src` valid for `len` bytes until the
-                    // event recorded after this op completes (enqueue contract).
-                    unsafe {
-                        let host = std::slice::from_raw_parts(src, len);
-                        cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs)
-                    }
-                    .map_err(err("a host-to-device copy"))?;
+            // SAFETY: forwarded from this function's contract.
+            copy => unsafe { copy_op(s, cs, copy)? },
+        }
+        Ok(())
+    }
+}
+
+/// Issues one copy or fill on `s` (the context is bound).
+///
+/// # Safety
+/// As [`Backend::enqueue`].
+unsafe fn copy_op(s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
+    match op {
+        Op::HostToDevice {
+            src,
+            dst,
+            dst_offset,
+            len,
+        } => {
+            let mut d = mem(dst)?.slice.lock();
+            if let (Some(d), true) = (d.as_mut(), len > 0) {
+                let (ptr, _rec) = d.device_ptr_mut(s);
+                // SAFETY: bounds checked by `Device`; `src` valid for `len` bytes until the
+                // event recorded after this op completes (enqueue contract).
+                unsafe {
+                    let host = std::slice::from_raw_parts(src, len);
+                    cu::memcpy_htod_async(ptr + dst_offset as u64, host, cs)
                 }
+                .map_err(err("a host-to-device copy"))?;
             }
-            Op::DeviceToHost {
-                src,
-                src_offset,
-                dst,
-                len,
-            } => {
-                let sl = mem(src)?.slice.lock();
-                if let (Some(sl), true) = (sl.as_ref(), len > 0) {
-                    let (ptr, _rec) = sl.device_ptr(s);
-                    // SAFETY: as above; `dst` is exclusively owned by the pending copy.
-                    unsafe {
-                        let host = std::slice::from_raw_parts_mut(dst, len);
-                        cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs)
-                    }
-                    .map_err(err("a device-to-host copy"))?;
+        }
+        Op::DeviceToHost {
+            src,
+            src_offset,
+            dst,
+            len,
+        } => {
+            let sl = mem(src)?.slice.lock();
+            if let (Some(sl), true) = (sl.as_ref(), len > 0) {
+                let (ptr, _rec) = sl.device_ptr(s);
+                // SAFETY: as above; `dst` is exclusively owned by the pending copy.
+                unsafe {
+                    let host = std::slice::from_raw_parts_mut(dst, len);
+                    cu::memcpy_dtoh_async(host, ptr + src_offset as u64, cs)
                 }
+                .map_err(err("a device-to-host copy"))?;
             }
-            Op::DeviceToDevice {
-                src,
-                src_offset,
-                dst,
-                dst_offset,
-                len,
-            } => {
-                if len == 0 {
-                    return Ok(());
+        }
+        Op::DeviceToDevice {
+            src,
+            src_offset,
+            dst,
+            dst_offset,
+            len,
+        } => {
+            if len == 0 {
+                return Ok(());
+            }
+            let (sm, dm) = (mem(src)?, mem(dst)?);
+            if std::ptr::eq(sm, dm) {
+                let mut g = dm.slice.lock();
+                let sl = g
+                    .as_mut()
+                    .ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
+                let (ptr, _rec) = sl.device_ptr_mut(s);
+                // SAFETY: both ranges lie in this allocation (checked by `Device`); the
+                // driver's copy handles overlap within one buffer.
+                unsafe {
+                    cu::memcpy_dtod_async(ptr + dst_offset as u64, ptr + src_offset as u64, len, cs)
                 }
-                let (sm, dm) = (mem(src)?, mem(dst)?);
-                if std::ptr::eq(sm, dm) {
-                    let mut g = dm.slice.lock();
-                    let sl = g
-                        .as_mut()
-                        .ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
-                    let (ptr, _rec) = sl.device_ptr_mut(s);
-                    // SAFETY: both ranges lie in this allocation (checked by `Device`); the
-                    // driver's copy handles overlap within one buffer.
+                .map_err(err("a device-to-device copy"))?;
+            } else {
+                let sg = sm.slice.lock();
+                let mut dg = dm.slice.lock();
+                if let (Some(a), Some(b)) = (sg.as_ref(), dg.as_mut()) {
+                    let (sp, _r1) = a.device_ptr(s);
+                    let (dp, _r2) = b.device_ptr_mut(s);
+                    // SAFETY: each range lies in its allocation (checked by `Device`).
                     unsafe {
                         cu::memcpy_dtod_async(
-                            ptr + dst_offset as u64,
-                            ptr + src_offset as u64,
+                            dp + dst_offset as u64,
+                            sp + src_offset as u64,
                             len,
                             cs,
                         )
                     }
                     .map_err(err("a device-to-device copy"))?;
-                } else {
-                    let sg = sm.slice.lock();
-                    let mut dg = dm.slice.lock();
-                    if let (Some(a), Some(b)) = (sg.as_ref(), dg.as_mut()) {
-                        let (sp, _r1) = a.device_ptr(s);
-                        let (dp, _r2) = b.device_ptr_mut(s);
-                        // SAFETY: each range lies in its allocation (checked by `Device`).
-                        unsafe {
-                            cu::memcpy_dtod_async(
-                                dp + dst_offset as u64,
-                                sp + src_offset as u64,
-                                len,
-                                cs,
-                            )
-                        }
-                        .map_err(err("a device-to-device copy"))?;
-                    }
-                }
-            }
-            Op::Fill {
-                dst,
-                offset,
-                len,
-                value,
-            } => {
-                let mut d = mem(dst)?.slice.lock();
-                if let (Some(d), true) = (d.as_mut(), len > 0) {
-                    let (ptr, _rec) = d.device_ptr_mut(s);
-                    // SAFETY: the range lies in this allocation (checked by `Device`).
-                    unsafe { cu::memset_d8_async(ptr + offset as u64, value, len, cs) }
-                        .map_err(err("a memset"))?;
                 }
             }
         }
-        Ok(())
+        Op::Fill {
+            dst,
+            offset,
+            len,
+            value,
+        } => {
+            let mut d = mem(dst)?.slice.lock();
+            if let (Some(d), true) = (d.as_mut(), len > 0) {
+                let (ptr, _rec) = d.device_ptr_mut(s);
+                // SAFETY: the range lies in this allocation (checked by `Device`).
+                unsafe { cu::memset_d8_async(ptr + offset as u64, value, len, cs) }
+                    .map_err(err("a memset"))?;
+            }
+        }
+        Op::Launch { .. } | Op::Foreign { .. } => {
+            return Err(Error::InvalidArgument("not a copy".into()));
+        }
     }
+    Ok(())
 }
 
 impl CudaBackend {

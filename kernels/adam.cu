@@ -7,18 +7,9 @@
 // written), the gradient, the copy (null for _cnone; absent for _inplace); then AdamParams
 // (adam.cuh). Every operation is an explicitly rounded intrinsic (no contraction), in the order
 // of the CPU vector paths, so finite results equal theirs bit for bit.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 #include "adam.cuh"
-
-#define GRID_STRIDE(i, n) \
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
-         i < (n); i += (unsigned long long)gridDim.x * blockDim.x)
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // The copy: nothing, fp16 or bf16, round to nearest even.
 struct NoCopy {};

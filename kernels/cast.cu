@@ -1,14 +1,9 @@
 // Element-type conversions between fp32, fp16 and bf16, round-to-nearest-even.
 // CPU twin and descriptor: src/ops/cast.rs. Operands: src, dst; then CastParams (cast.cuh).
 // Grid-stride loops: any grid size covers any n.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 #include "cast.cuh"
-
-#define GRID_STRIDE(i, n) \
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
-         i < (n); i += (unsigned long long)gridDim.x * blockDim.x)
 
 extern "C" __global__ void cast_f32_f16(const float* __restrict__ src, __half* __restrict__ dst,
                                         CastParams p) {

@@ -2,32 +2,12 @@
 // gradient. CPU twin and descriptor: src/ops/gelu.rs, which computes in the same order in f32
 // (no contraction: NVRTC runs with --fmad=false); storage f32, f16 or bf16, math in f32.
 // Operands: gelu_forward_<t>(x, y, GeluParams); gelu_backward_<t>(x, dy, dx, GeluParams).
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 #include "gelu.cuh"
 
-#define GRID_STRIDE(i, n) \
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
-         i < (n); i += (unsigned long long)gridDim.x * blockDim.x)
-
 #define GELU_K0 0.7978845608028654f  // √(2/π)
 #define GELU_K1 0.044715f
-
-__device__ __forceinline__ float load(const float* p, unsigned long long i) { return p[i]; }
-__device__ __forceinline__ float load(const __half* p, unsigned long long i) {
-    return __half2float(p[i]);
-}
-__device__ __forceinline__ float load(const __nv_bfloat16* p, unsigned long long i) {
-    return __bfloat162float(p[i]);
-}
-__device__ __forceinline__ void store(float* p, unsigned long long i, float x) { p[i] = x; }
-__device__ __forceinline__ void store(__half* p, unsigned long long i, float x) {
-    p[i] = __float2half_rn(x);
-}
-__device__ __forceinline__ void store(__nv_bfloat16* p, unsigned long long i, float x) {
-    p[i] = __float2bfloat16_rn(x);
-}
 
 __device__ __forceinline__ float gelu_tanh_arg(float x) {
     const float x3 = __fmul_rn(__fmul_rn(x, x), x);
@@ -38,9 +18,9 @@ template <typename T>
 __device__ __forceinline__ void gelu_forward(const T* __restrict__ x, T* __restrict__ y,
                                              unsigned long long n) {
     GRID_STRIDE(i, n) {
-        const float xi = load(x, i);
+        const float xi = to_f32(x[i]);
         const float t = tanhf(gelu_tanh_arg(xi));
-        store(y, i, __fmul_rn(__fmul_rn(0.5f, xi), __fadd_rn(1.0f, t)));
+        store_f32(y, i, __fmul_rn(__fmul_rn(0.5f, xi), __fadd_rn(1.0f, t)));
     }
 }
 
@@ -48,14 +28,14 @@ template <typename T>
 __device__ __forceinline__ void gelu_backward(const T* __restrict__ x, const T* __restrict__ dy,
                                               T* __restrict__ dx, unsigned long long n) {
     GRID_STRIDE(i, n) {
-        const float xi = load(x, i);
+        const float xi = to_f32(x[i]);
         const float t = tanhf(gelu_tanh_arg(xi));
         const float du = __fmul_rn(
             GELU_K0, __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f, GELU_K1), __fmul_rn(xi, xi))));
         const float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));
         const float left = __fmul_rn(0.5f, __fadd_rn(1.0f, t));
         const float right = __fmul_rn(__fmul_rn(__fmul_rn(0.5f, xi), sech2), du);
-        store(dx, i, __fmul_rn(load(dy, i), __fadd_rn(left, right)));
+        store_f32(dx, i, __fmul_rn(to_f32(dy[i]), __fadd_rn(left, right)));
     }
 }
 

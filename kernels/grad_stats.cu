@@ -6,18 +6,9 @@
 // runs on exactly GS_PARTIALS blocks of GS_THREADS threads and writes one (sum, flag) pair per
 // block; grad_stats_final runs on one block of GS_PARTIALS threads and reduces the pairs in a
 // fixed order. No atomics: a result is the same from run to run.
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 #include "grad_stats.cuh"
-
-#define GRID_STRIDE(i, n) \
-    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; \
-         i < (n); i += (unsigned long long)gridDim.x * blockDim.x)
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
 
 // Tree reduction over THREADS entries of shared memory, in a fixed order; the result is in
 // entry 0. Every thread of the block must call it.

@@ -52,9 +52,14 @@ pub const SOURCES: &[KernelSource] = &[
     },
 ];
 
-/// Every header of the kernel sources (`#include "name.cuh"`): the parameter structs the
-/// Rust side mirrors. NVRTC gets them from memory, the host compiler from `kernels/`.
+/// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
+/// (`common.cuh`) and the parameter structs the Rust side mirrors. NVRTC gets them from
+/// memory, the host compiler from `kernels/`.
 pub const HEADERS: &[KernelSource] = &[
+    KernelSource {
+        name: "common.cuh",
+        code: include_str!("../kernels/common.cuh"),
+    },
     KernelSource {
         name: "cast.cuh",
         code: include_str!("../kernels/cast.cuh"),

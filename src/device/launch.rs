@@ -140,6 +140,15 @@ pub fn grid_stride_blocks(n: usize, threads: u32) -> u32 {
     n.div_ceil(threads.max(1) as usize).clamp(1, 65_535) as u32
 }
 
+/// The plan of an elementwise op: one grid-stride launch of `entry` over `n` elements, 256
+/// threads a block; nothing at all for `n = 0`.
+pub fn grid_stride(entry: String, n: usize) -> Vec<Grid> {
+    if n == 0 {
+        return vec![];
+    }
+    vec![Grid::linear(entry, grid_stride_blocks(n, 256), 256)]
+}
+
 /// A library call (cuBLAS) made on the backend's native stream.
 pub struct LibraryCall<'a> {
     /// The launch's operands and parameters.

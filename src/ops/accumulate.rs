@@ -19,7 +19,7 @@
 
 use half::{bf16, f16};
 
-use crate::device::launch::{grid_stride_blocks, param_layout, Grid};
+use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,
@@ -65,16 +65,8 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
 }
 
 fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
-    let n = info.len(0);
-    if n == 0 {
-        return Ok(vec![]);
-    }
     let t = info.dtype(0).map_or("?", |d| d.name());
-    Ok(vec![Grid::linear(
-        format!("accumulate_{t}"),
-        grid_stride_blocks(n, 256),
-        256,
-    )])
+    Ok(grid_stride(format!("accumulate_{t}"), info.len(0)))
 }
 
 fn add<T: bytemuck::Pod>(a: &mut TwinArgs<'_>, widen: fn(T) -> f32) -> Result<()> {

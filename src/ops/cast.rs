@@ -19,8 +19,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::device::launch::param_layout;
-use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,
@@ -77,17 +76,13 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
 }
 
 fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
-    let n = info.len(0);
-    if n == 0 {
-        return Ok(vec![]);
-    }
     let (from, to) = (info.dtype(0), info.dtype(1));
     let name = format!(
         "cast_{}_{}",
         from.map_or("?", |d| d.name()),
         to.map_or("?", |d| d.name())
     );
-    Ok(vec![Grid::linear(name, grid_stride_blocks(n, 256), 256)])
+    Ok(grid_stride(name, info.len(0)))
 }
 
 fn twin(args: &mut TwinArgs<'_>) -> Result<()> {

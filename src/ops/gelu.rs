@@ -21,8 +21,7 @@
 
 use half::{bf16, f16};
 
-use crate::device::launch::param_layout;
-use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,
@@ -96,16 +95,8 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
 }
 
 fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
-    let n = info.len(0);
-    if n == 0 {
-        return Ok(vec![]);
-    }
     let t = info.dtype(0).map_or("?", |d| d.name());
-    Ok(vec![Grid::linear(
-        format!("{entry}_{t}"),
-        grid_stride_blocks(n, 256),
-        256,
-    )])
+    Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
 fn tanh_arg(x: f32) -> f32 {

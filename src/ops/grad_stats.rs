@@ -7,8 +7,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::Serialize;
 
-use crate::device::launch::param_layout;
-use crate::device::launch::Grid;
+use crate::device::launch::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

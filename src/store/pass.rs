@@ -391,8 +391,8 @@ impl Guard<'_, Backward> {
     /// shares add up in an f32 buffer from the pool; at the last, the sum goes into the
     /// gradient slot in the parameter dtype (so read [`Guard::param`] first) and counts as
     /// written. A parameter used once may take it too: its share is the gradient.
-    /// Every step runs on the device, on the compute stream ([`crate::ops::accumulate`] adds
-    /// the shares, [`crate::ops::cast`] converts).
+    /// Every step runs on the device, on the compute stream ([`crate::ops::accumulate()`] adds
+    /// the shares, [`crate::ops::cast()`] converts).
     pub fn accumulate_grad<'a>(
         &self,
         i: usize,

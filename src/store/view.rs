@@ -228,7 +228,7 @@ pub(super) fn upload(host: &dyn Host, bytes: &[u8], dst: DeviceView<'_>) -> Resu
 }
 
 /// `acc += src` elementwise, `acc` f32 and `src` of `dtype`, both on the device, on the compute
-/// stream ([`crate::ops::accumulate`]).
+/// stream ([`crate::ops::accumulate()`]).
 pub(super) fn add_into(
     host: &dyn Host,
     acc: DeviceView<'_>,

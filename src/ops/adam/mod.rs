@@ -10,8 +10,7 @@ pub(crate) use cpu::{RawKind, RawStep};
 
 use serde::Serialize;
 
-use crate::device::launch::param_layout;
-use crate::device::launch::{grid_stride_blocks, Grid};
+use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
 };
@@ -185,17 +184,13 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
 }
 
 fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
-    let n = info.len(0);
-    if n == 0 {
-        return Ok(vec![]);
-    }
     let g = info.dtype(3).map_or("?", |d| d.name());
     let entry = if info.operands.len() == 4 {
         format!("adam_g{g}_inplace")
     } else {
         format!("adam_g{g}_c{}", info.dtype(4).map_or("none", |d| d.name()))
     };
-    Ok(vec![Grid::linear(entry, grid_stride_blocks(n, 256), 256)])
+    Ok(grid_stride(entry, info.len(0)))
 }
 
 fn kind(args: &TwinArgs<'_>, i: usize) -> Result<RawKind> {

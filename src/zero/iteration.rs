@@ -1,0 +1,339 @@
+//! One iteration of a [`ZeroManager`]: fetches and releases, reads, gradient writes, and the
+//! ends of the forward and backward stages.
+
+use std::sync::Arc;
+
+use super::{stage_name, ZeroManager};
+use crate::chunk::{encode, TensorView, ViewBuf};
+use crate::device::HostBuffer;
+use crate::error::{Error, Result};
+use crate::tensor::{next_state, Stage, TensorId, TensorState, TrainEvent};
+
+impl ZeroManager {
+    /// Fetches tensors for an op of `stage`, gathering their communication groups first; the
+    /// views point into the gather buffers and stay valid until [`ZeroManager::release`].
+    pub fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        let ev = match stage {
+            Stage::Forward => TrainEvent::BeforeFwdOp,
+            Stage::Backward => TrainEvent::BeforeBwdOp,
+            Stage::Optimizer => {
+                return Err(Error::WrongStage {
+                    call: "fetch for the optimizer (fetch is for forward and backward; the \
+                           optimizer runs in step)"
+                        .into(),
+                    stage: stage_name(self.stage),
+                })
+            }
+        };
+        match (self.stage, stage) {
+            (None, Stage::Forward) | (Some(Stage::Forward), Stage::Forward) => {}
+            (Some(Stage::Backward), Stage::Backward) => {}
+            (s, _) => {
+                return Err(Error::WrongStage {
+                    call: format!("a {stage} fetch (call end_forward / end_backward / step first)"),
+                    stage: stage_name(s),
+                })
+            }
+        }
+        self.check(ids, ev)?;
+        self.close()?;
+        if self.stage.is_none() {
+            // a new iteration: record the forward order until the tide is steady
+            let p = &mut self.prefetch;
+            p.recording = p.depth > 0 && !p.all_steady;
+            if p.recording {
+                p.order.iter_mut().for_each(Vec::clear);
+            }
+            p.cursor = 0;
+            p.on_order = true;
+        }
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.dedup();
+        for j in groups {
+            let first_use = match &self.gathers[j] {
+                None => {
+                    self.gather(j, stage, false)?;
+                    true
+                }
+                Some(g) => !g.used,
+            };
+            if let Some(ev) = self.gathers[j].as_mut().and_then(|g| g.ready.take()) {
+                self.comm.device().wait_event(&self.stream, &ev)?;
+            }
+            if first_use {
+                if stage == Stage::Backward {
+                    self.hold_owned(j)?;
+                }
+                self.first_use(j, stage)?;
+            }
+            // used only once the owned chunk is held: a failed fetch is a first use again
+            self.gathers[j].as_mut().expect("gathered above").used = true;
+        }
+        self.stage = Some(stage);
+        for &id in ids {
+            self.apply(id, ev);
+            let t = &mut self.tensors[id.index()];
+            match stage {
+                Stage::Forward => t.fwd_uses += 1,
+                _ => t.bwd_uses += 1,
+            }
+        }
+        let (n, es, dt) = (self.world(), self.es(), self.local.param_dtype());
+        ids.iter()
+            .map(|&id| {
+                let t = &self.tensors[id.index()];
+                let j = t.slot.group as usize / n;
+                let q = t.slot.group as usize % n;
+                let g = self.gathers[j].as_ref().expect("gathered above");
+                let off = q * self.slot_elems(j) * es + t.slot.offset * es;
+                Ok(TensorView::new(
+                    id,
+                    dt,
+                    t.slot.numel,
+                    ViewBuf::Pooled(Arc::clone(&g.buf)),
+                    off,
+                ))
+            })
+            .collect()
+    }
+
+    /// Ends an op's use of tensors; frees or reduce-scatters communication groups that are done
+    /// with the stage.
+    pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
+        if self.stage != Some(stage) || stage == Stage::Optimizer {
+            return Err(Error::WrongStage {
+                call: format!("a release for {stage}"),
+                stage: stage_name(self.stage),
+            });
+        }
+        let evs: Vec<TrainEvent> = ids
+            .iter()
+            .map(|&id| {
+                let t = self.tensors.get(id.index());
+                match (stage, t) {
+                    (Stage::Forward, _) => TrainEvent::AfterFwdOp,
+                    (_, Some(t)) if t.bwd_uses >= t.fwd_uses => TrainEvent::AfterLastBwdOp,
+                    _ => TrainEvent::AfterBwdOp,
+                }
+            })
+            .collect();
+        for (&id, &ev) in ids.iter().zip(&evs) {
+            self.check(&[id], ev)?;
+        }
+        // the groups this release completes, decided on the states it leads to, so that a
+        // refusal (a view still alive) changes nothing
+        let after = |t: u32| -> (TensorState, u32) {
+            let z = &self.tensors[t as usize];
+            match ids.iter().position(|id| id.0 == t) {
+                Some(k) => (next_state(z.state, evs[k]).expect("checked"), z.fwd_uses),
+                None => (z.state, z.fwd_uses),
+            }
+        };
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        let mut done = Vec::new();
+        for j in groups {
+            let Some(g) = &self.gathers[j] else { continue };
+            let ts = self.comm_group_tensors(j);
+            let complete = match stage {
+                Stage::Forward => ts.iter().all(|&t| after(t).0 == TensorState::HoldAfterFwd),
+                _ => ts.iter().all(|&t| {
+                    let (s, fwd) = after(t);
+                    s == TensorState::HoldAfterBwd || (fwd == 0 && s != TensorState::Compute)
+                }),
+            };
+            if complete {
+                if Arc::strong_count(&g.buf) > 1 {
+                    return Err(Error::ViewAlive {
+                        what: format!("communication group {j}"),
+                        during: "release",
+                    });
+                }
+                done.push(j);
+            }
+        }
+        for (&id, &ev) in ids.iter().zip(&evs) {
+            self.apply(id, ev);
+        }
+        for j in done {
+            match stage {
+                Stage::Forward => drop(self.take_gather(j)?),
+                _ => self.reduce_scatter(j)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// A fetched tensor's values as f32 (from the gather buffer), or an owned tensor's from this
+    /// rank's manager.
+    pub fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        if id.index() >= self.tensors.len() {
+            return Err(Error::UnknownTensor { id: id.0 });
+        }
+        if self.closed && self.gathers[self.comm_group(id)].is_some() {
+            self.wait_ready(self.comm_group(id))?;
+            let dev = self.comm.device().clone();
+            let bytes = dev.download(&self.stream, self.view_of(id)?)?;
+            return Ok(crate::chunk::decode(&bytes, self.local.param_dtype()));
+        }
+        match self.tensors[id.index()].local {
+            Some(l) => self.local.read(l),
+            None => Err(Error::InvalidArgument(format!(
+                "tensor '{}' is neither gathered nor owned by rank {}",
+                self.tensors[id.index()].name,
+                self.comm.rank()
+            ))),
+        }
+    }
+
+    /// The fp32 master values of a tensor this rank owns.
+    pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
+        match self.tensors.get(id.index()).and_then(|t| t.local) {
+            Some(l) => self.local.master(l),
+            None => Err(Error::InvalidArgument(format!(
+                "rank {} does not own tensor {id}",
+                self.comm.rank()
+            ))),
+        }
+    }
+
+    /// Writes a tensor's local gradient (of this rank's share of the batch) at its last backward
+    /// use; it is averaged over ranks when its communication group is reduce-scattered.
+    pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
+            return Err(Error::InvalidArgument(format!(
+                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
+                t.name, t.bwd_uses, t.fwd_uses
+            )));
+        }
+        let t = &self.tensors[id.index()];
+        if grad.len() != t.slot.numel {
+            return Err(Error::SizeMismatch {
+                src: grad.len(),
+                dst: t.slot.numel,
+            });
+        }
+        let bytes = encode(grad, self.local.param_dtype());
+        let h = HostBuffer::from_slice(&bytes)?;
+        let dev = self.comm.device().clone();
+        let copy = dev.copy_h2d(&self.stream, h, self.view_of(id)?)?;
+        // the stream may hold collectives: wait through the communicator, which gives up on a
+        // peer that failed or never comes
+        self.comm.wait(&self.stream)?;
+        copy.wait()?;
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+
+    /// Ends the forward pass; frees every gather buffer still held.
+    pub fn end_forward(&mut self) -> Result<()> {
+        if !matches!(self.stage, None | Some(Stage::Forward)) {
+            return Err(Error::WrongStage {
+                call: "end_forward".into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        self.close()?;
+        let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
+        for &id in &all {
+            let t = &self.tensors[id.index()];
+            if next_state(t.state, TrainEvent::EndForward).is_none() {
+                return Err(Error::IllegalTransition {
+                    tensor: t.name.clone(),
+                    list: "param",
+                    state: t.state,
+                    event: TrainEvent::EndForward,
+                });
+            }
+        }
+        for j in 0..self.gathers.len() {
+            if self.gathers[j].is_some() {
+                drop(self.take_gather(j)?);
+            }
+        }
+        for id in all {
+            self.apply(id, TrainEvent::EndForward);
+        }
+        self.local.end_forward()?;
+        self.stage = Some(Stage::Backward);
+        self.prefetch.cursor = 0;
+        self.prefetch.on_order = true;
+        Ok(())
+    }
+
+    /// Ends the backward pass: communication groups still gathered (tensors with forward uses
+    /// and fewer backward uses) are reduce-scattered now.
+    pub fn end_backward(&mut self) -> Result<()> {
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: "end_backward".into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        if let Some(t) = self
+            .tensors
+            .iter()
+            .find(|t| t.state == TensorState::Compute)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "tensor '{}' is still fetched at the end of backward",
+                t.name
+            )));
+        }
+        for j in 0..self.gathers.len() {
+            match &self.gathers[j] {
+                // gathered ahead but not used: no rank has gradients for it
+                Some(g) if !g.used => drop(self.take_gather(j)?),
+                Some(_) => self.reduce_scatter(j)?,
+                None => {}
+            }
+        }
+        // the reduce-scatters finished (or a peer's failure is an error) before the step's host
+        // work reads their results
+        self.comm.wait(&self.stream)?;
+        self.local.end_backward()?;
+        self.stage = Some(Stage::Optimizer);
+        Ok(())
+    }
+
+    // --- support for the trainer API (`crate::store`): gradient marks ---
+
+    /// Checks that a gradient of `id` may be written now (the backward stage, the tensor
+    /// fetched); returns whether this is the tensor's last backward use, the one its gradient
+    /// is written at.
+    pub(crate) fn grad_use(&self, id: TensorId) -> Result<bool> {
+        let t = self
+            .tensors
+            .get(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: format!("a gradient write of '{}'", t.name),
+                stage: stage_name(self.stage),
+            });
+        }
+        if t.state != TensorState::Compute {
+            return Err(Error::InvalidArgument(format!(
+                "gradient of '{}' written outside a backward fetch (state {})",
+                t.name, t.state
+            )));
+        }
+        Ok(t.bwd_uses >= t.fwd_uses)
+    }
+
+    /// Marks the gradient of `id` written into its gather buffer (by device work the caller
+    /// enqueued on the compute stream), after the checks of [`ZeroManager::write_grad`].
+    pub(crate) fn mark_grad(&mut self, id: TensorId) -> Result<()> {
+        if !self.grad_use(id)? {
+            let t = &self.tensors[id.index()];
+            return Err(Error::InvalidArgument(format!(
+                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
+                t.name, t.bwd_uses, t.fwd_uses
+            )));
+        }
+        self.tensors[id.index()].grad = true;
+        Ok(())
+    }
+}

@@ -153,8 +153,13 @@ fn the_barrier_kernel_reduces_like_the_gpu() {
             bytes,
             c.stream,
         ));
-        let mut arg = d;
-        let mut params = [&mut arg as *mut u64 as *mut c_void];
+        // grad_stats_final(const void* src, double* out, GradStatsParams { n })
+        let (mut src, mut arg, mut n) = (0u64, d, 0u64);
+        let mut params = [
+            &mut src as *mut u64 as *mut c_void,
+            &mut arg as *mut u64 as *mut c_void,
+            &mut n as *mut u64 as *mut c_void,
+        ];
         ok(cuLaunchKernel(
             f,
             1,
@@ -271,8 +276,14 @@ fn a_kernel_pointer_outside_every_allocation_is_a_fault() {
                 let mut d = 0u64;
                 ok(cuMemAllocAsync(&mut d, 4096, c.stream));
                 ok(cuMemFreeAsync(d, c.stream));
-                let mut arg = d;
-                let mut params = [&mut arg as *mut u64 as *mut c_void];
+                // grad_stats_final(const void* src, double* out, GradStatsParams { n }): the
+                // source is not read; `out` points into freed memory.
+                let (mut src, mut out, mut n) = (0u64, d, 0u64);
+                let mut params = [
+                    &mut src as *mut u64 as *mut c_void,
+                    &mut out as *mut u64 as *mut c_void,
+                    &mut n as *mut u64 as *mut c_void,
+                ];
                 let r = cuLaunchKernel(
                     f,
                     1,

@@ -248,3 +248,58 @@ fn an_event_recorded_before_the_failure_is_clean() {
     dev.sync_event(&e).unwrap();
     assert!(dev.sync_stream(&s).is_err());
 }
+
+/// An op whose CUDA side is a library call on the native stream (as cuBLAS will be): it fills
+/// its output with a byte; the twin does the same on the simulated device.
+static FILL: KernelDesc = KernelDesc {
+    name: "test_library_fill",
+    operands: &[
+        OperandSpec::read("x", &[DType::U8]),
+        OperandSpec::write("y", &[DType::U8]),
+        OperandSpec::read("extra", &[DType::U8]).optional(),
+    ],
+    params: LAYOUT,
+    check: None,
+    twin: |a| {
+        let v = a.params::<Params>()?.fail as u8;
+        a.take(1)?.fill(v);
+        Ok(())
+    },
+    cuda: CudaSide::Library(|call| {
+        let v = bytemuck::pod_read_unaligned::<Params>(call.info.params).fail as u8;
+        assert_eq!(call.ptrs[2], 0, "an absent operand has address 0");
+        // SAFETY: `ptrs[1]` addresses the written operand's `len(1)` bytes, on `stream`.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                call.ptrs[1],
+                v,
+                call.info.len(1),
+                call.stream.cast(),
+            )
+        }
+        .map_err(|e| Error::InvalidArgument(format!("memset: {e:?}")))
+    }),
+};
+
+#[test]
+fn a_library_call_runs_on_the_native_stream_in_order() {
+    let mut devs = vec![common::sim(1 << 20)];
+    devs.extend(common::cuda("launch"));
+    for dev in devs {
+        let s = dev.new_stream().unwrap();
+        let x = dev.upload(&s, &[1u8; 64]).unwrap();
+        let y = dev.upload(&s, &[0u8; 64]).unwrap();
+        // this op reads the parameter block's one field as its fill byte
+        let p = bytemuck::bytes_of(&Params { fail: 0x5a }).to_vec();
+        let ops = [
+            Some(Operand::new(&x, DType::U8)),
+            Some(Operand::new(y.view(8, 48).unwrap(), DType::U8)),
+            None,
+        ];
+        dev.launch(&s, &FILL, &ops, &p).unwrap();
+        let got = dev.download(&s, &y).unwrap();
+        assert_eq!(&got[..8], &[0u8; 8], "{}", dev.name());
+        assert_eq!(&got[8..56], &[0x5au8; 48][..], "{}", dev.name());
+        assert_eq!(&got[56..], &[0u8; 8], "{}", dev.name());
+    }
+}

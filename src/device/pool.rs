@@ -12,6 +12,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
@@ -50,6 +51,31 @@ pub struct PoolStats {
     pub device_allocs: u64,
 }
 
+/// Live and reserved bytes with their peaks (see [`Shared::bytes`]).
+#[derive(Debug, Default)]
+struct Bytes {
+    allocated: AtomicUsize,
+    peak_allocated: AtomicUsize,
+    reserved: AtomicUsize,
+    peak_reserved: AtomicUsize,
+}
+
+impl Bytes {
+    /// Adds `delta` (signed) to a counter and raises its peak; callers hold the state lock.
+    fn add(value: &AtomicUsize, peak: &AtomicUsize, delta: isize) {
+        let v = value.load(Ordering::Relaxed).wrapping_add_signed(delta);
+        value.store(v, Ordering::Release);
+        if v > peak.load(Ordering::Relaxed) {
+            peak.store(v, Ordering::Release);
+        }
+    }
+    /// The peak since the last restart, restarting it at the current value.
+    fn take_peak(value: &AtomicUsize, peak: &AtomicUsize) -> usize {
+        let now = value.load(Ordering::Acquire);
+        peak.swap(now, Ordering::AcqRel).max(now)
+    }
+}
+
 #[derive(Debug, Default)]
 struct State {
     free: BTreeMap<usize, Vec<DeviceBuffer>>,
@@ -63,6 +89,9 @@ pub type Reclaim = Arc<dyn Fn() + Send + Sync>;
 struct Shared {
     device: Device,
     state: Mutex<State>,
+    /// The byte counters and their peaks, written only under `state`'s lock and read without
+    /// it, so the tide tracer's read at every moment takes no lock.
+    bytes: Bytes,
     reclaim: Mutex<Option<Reclaim>>,
 }
 
@@ -125,7 +154,8 @@ impl Drop for Block {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             let mut st = self.shared.state.lock();
-            st.stats.allocated -= buf.len();
+            let b = &self.shared.bytes;
+            Bytes::add(&b.allocated, &b.peak_allocated, -(buf.len() as isize));
             st.free.entry(buf.len()).or_default().push(buf);
         }
     }
@@ -138,6 +168,7 @@ impl CachingAllocator {
             shared: Arc::new(Shared {
                 device,
                 state: Mutex::new(State::default()),
+                bytes: Bytes::default(),
                 reclaim: Mutex::new(None),
             }),
         }
@@ -187,7 +218,8 @@ impl CachingAllocator {
                         // and try once more
                         let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
                         st.free.clear();
-                        st.stats.reserved -= cached;
+                        let n = &self.shared.bytes;
+                        Bytes::add(&n.reserved, &n.peak_reserved, -(cached as isize));
                         let reclaim = self.shared.reclaim.lock().clone();
                         if let Some(r) = reclaim {
                             drop(st);
@@ -199,13 +231,13 @@ impl CachingAllocator {
                     Err(e) => return Err(e),
                 };
                 st.stats.device_allocs += 1;
-                st.stats.reserved += size;
-                st.stats.peak_reserved = st.stats.peak_reserved.max(st.stats.reserved);
+                let n = &self.shared.bytes;
+                Bytes::add(&n.reserved, &n.peak_reserved, size as isize);
                 b
             }
         };
-        st.stats.allocated += buf.len();
-        st.stats.peak_allocated = st.stats.peak_allocated.max(st.stats.allocated);
+        let n = &self.shared.bytes;
+        Bytes::add(&n.allocated, &n.peak_allocated, buf.len() as isize);
         drop(st);
         Ok(Block {
             buf: Some(buf),
@@ -216,24 +248,32 @@ impl CachingAllocator {
 
     /// Current counters.
     pub fn stats(&self) -> PoolStats {
-        self.shared.state.lock().stats
+        let st = self.shared.state.lock();
+        let b = &self.shared.bytes;
+        let get = |a: &AtomicUsize| a.load(Ordering::Acquire);
+        PoolStats {
+            allocated: get(&b.allocated),
+            peak_allocated: get(&b.peak_allocated),
+            reserved: get(&b.reserved),
+            peak_reserved: get(&b.peak_reserved),
+            ..st.stats
+        }
     }
 
-    /// The statistics, then restarts both peaks at the current values, under one lock (what
-    /// the tide tracer calls at each moment).
-    pub fn take_stats(&self) -> PoolStats {
-        let mut st = self.shared.state.lock();
-        let s = st.stats;
-        st.stats.peak_allocated = st.stats.allocated;
-        st.stats.peak_reserved = st.stats.reserved;
-        s
+    /// The peak and current live bytes, then restarts both peaks at the current values: what
+    /// the tide tracer reads at every moment. Takes no lock. An allocation on another thread
+    /// at the same instant may keep its bytes in the restarted peak (an overstatement, never
+    /// an understatement).
+    pub fn take_peak(&self) -> (usize, usize) {
+        let b = &self.shared.bytes;
+        Bytes::take_peak(&b.reserved, &b.peak_reserved);
+        let peak = Bytes::take_peak(&b.allocated, &b.peak_allocated);
+        (peak, b.allocated.load(Ordering::Acquire))
     }
 
     /// Restarts both peaks at the current values (call at each moment of the tide).
     pub fn reset_peak(&self) {
-        let mut st = self.shared.state.lock();
-        st.stats.peak_allocated = st.stats.allocated;
-        st.stats.peak_reserved = st.stats.reserved;
+        self.take_peak();
     }
 
     /// Returns every cached block to the device; returns the bytes released.
@@ -241,7 +281,8 @@ impl CachingAllocator {
         let mut st = self.shared.state.lock();
         let cached: usize = st.free.iter().map(|(k, v)| k * v.len()).sum();
         st.free.clear();
-        st.stats.reserved -= cached;
+        let b = &self.shared.bytes;
+        Bytes::add(&b.reserved, &b.peak_reserved, -(cached as isize));
         cached
     }
 }

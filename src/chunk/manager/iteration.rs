@@ -16,11 +16,12 @@ impl ChunkManager {
     pub(super) fn tick(&mut self, stage: Stage, accesses: &[Access]) -> usize {
         let (peak, now) = match &self.non_model {
             Some(p) => {
-                let s = p.take_stats();
-                (s.peak_allocated as u64, s.allocated as u64)
+                let (peak, now) = p.take_peak();
+                (peak as u64, now as u64)
             }
             None => (0, 0),
         };
+        self.non_model_now = now;
         if let Some(last) = self.samples.last_mut() {
             last.non_model = last.non_model.max(peak);
         }
@@ -439,10 +440,10 @@ impl ChunkManager {
             return Ok(());
         };
         if let Some(p) = &self.non_model {
-            let st = p.take_stats();
-            self.tracer.non_model(st.peak_allocated as u64);
+            let (peak, _) = p.take_peak();
+            self.tracer.non_model(peak as u64);
             if let Some(l) = self.samples.last_mut() {
-                l.non_model = l.non_model.max(st.peak_allocated as u64);
+                l.non_model = l.non_model.max(peak as u64);
             }
         }
         if self.warm {

@@ -126,6 +126,8 @@ pub struct ChunkManager {
     warm: bool,
     stage: Option<Stage>,
     non_model: Option<CachingAllocator>,
+    /// Non-model bytes live at the current moment, read from the pool when the moment opened.
+    non_model_now: u64,
     retiring: Vec<Pending<HostBuffer>>,
     iter_start: MoveStats,
     last_iter: MoveStats,
@@ -186,6 +188,7 @@ impl ChunkManager {
             warm: true,
             stage: None,
             non_model: None,
+            non_model_now: 0,
             retiring: Vec::new(),
             iter_start: MoveStats::default(),
             last_iter: MoveStats::default(),

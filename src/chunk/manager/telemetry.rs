@@ -157,10 +157,8 @@ impl ChunkManager {
         let s = self.sched.as_ref().expect("scheduler");
         let budget = s.trace().map(|_| s.budget());
         let chunks = s.device_used();
-        let non_model = self
-            .non_model
-            .as_ref()
-            .map_or(0, |p| p.stats().allocated as u64);
+        // read when the moment opened: nothing allocates non-model memory within a moment
+        let non_model = self.non_model_now;
         self.samples.push(TideSample {
             non_model,
             chunks,

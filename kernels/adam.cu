@@ -25,10 +25,11 @@ template <typename G, typename C>
 __device__ __forceinline__ void adam_body(float* __restrict__ p, float* __restrict__ m,
                                           float* __restrict__ v, const G* g, C* copy,
                                           const AdamParams& a) {
-    const float grad_scale = a.grad_scale, l2 = a.l2, beta1 = a.beta1,
-                one_minus_beta1 = a.one_minus_beta1, beta2 = a.beta2,
-                one_minus_beta2 = a.one_minus_beta2, inv_sqrt_bc2 = a.inv_sqrt_bc2, eps = a.eps,
-                decoupled = a.decoupled, step_size = a.step_size;
+    const AdamScalars& s = a.s;
+    const float grad_scale = s.grad_scale, l2 = s.l2, beta1 = s.beta1,
+                one_minus_beta1 = s.one_minus_beta1, beta2 = s.beta2,
+                one_minus_beta2 = s.one_minus_beta2, inv_sqrt_bc2 = s.inv_sqrt_bc2, eps = s.eps,
+                decoupled = s.decoupled, step_size = s.step_size;
     GRID_STRIDE(i, a.n) {
         float gi = to_f32(g[i]);
         float pi = p[i];

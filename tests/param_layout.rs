@@ -140,7 +140,7 @@ fn the_probe_fails_on_a_wrong_offset() {
     std::fs::write(
         &file,
         "#include <cstddef>\n#include \"adam.cuh\"\n\
-         static_assert(offsetof(AdamParams, grad_scale) == 4, \"wrong\");\n",
+         static_assert(offsetof(AdamParams, s.grad_scale) == 4, \"wrong\");\n",
     )
     .unwrap();
     let out = std::process::Command::new(cxx)

@@ -431,14 +431,14 @@ pub(super) fn check_type(desc: &KernelDesc, spec: &OperandSpec, d: DType) -> Res
 }
 
 /// Defines a [`ParamLayout`] for a `#[repr(C)]` struct: its name, header, size and the offset
-/// of every listed field.
+/// of every listed field (`a.b` for a field of a nested struct).
 macro_rules! param_layout {
-    ($t:ty, $header:literal, [$($field:ident),* $(,)?]) => {
+    ($t:ty, $header:literal, [$($($field:ident).+),* $(,)?]) => {
         $crate::device::launch::ParamLayout {
             c_name: stringify!($t),
             header: $header,
             size: ::std::mem::size_of::<$t>(),
-            fields: &[$((stringify!($field), ::std::mem::offset_of!($t, $field))),*],
+            fields: &[$((stringify!($($field).+), ::std::mem::offset_of!($t, $($field).+))),*],
         }
     };
 }

@@ -51,60 +51,14 @@ pub struct AdamScalars {
 pub struct AdamParams {
     /// Elements.
     pub n: u64,
-    /// See [`AdamScalars::grad_scale`].
-    pub grad_scale: f32,
-    /// See [`AdamScalars::l2`].
-    pub l2: f32,
-    /// See [`AdamScalars::beta1`].
-    pub beta1: f32,
-    /// See [`AdamScalars::one_minus_beta1`].
-    pub one_minus_beta1: f32,
-    /// See [`AdamScalars::beta2`].
-    pub beta2: f32,
-    /// See [`AdamScalars::one_minus_beta2`].
-    pub one_minus_beta2: f32,
-    /// See [`AdamScalars::inv_sqrt_bc2`].
-    pub inv_sqrt_bc2: f32,
-    /// See [`AdamScalars::eps`].
-    pub eps: f32,
-    /// See [`AdamScalars::decoupled`].
-    pub decoupled: f32,
-    /// See [`AdamScalars::step_size`].
-    pub step_size: f32,
+    /// The step's scalars.
+    pub s: AdamScalars,
 }
 
 impl AdamParams {
     /// The parameters of a step of `n` elements.
     pub fn new(n: usize, s: &AdamScalars) -> Self {
-        AdamParams {
-            n: n as u64,
-            grad_scale: s.grad_scale,
-            l2: s.l2,
-            beta1: s.beta1,
-            one_minus_beta1: s.one_minus_beta1,
-            beta2: s.beta2,
-            one_minus_beta2: s.one_minus_beta2,
-            inv_sqrt_bc2: s.inv_sqrt_bc2,
-            eps: s.eps,
-            decoupled: s.decoupled,
-            step_size: s.step_size,
-        }
-    }
-
-    /// The step's scalars.
-    pub fn scalars(&self) -> AdamScalars {
-        AdamScalars {
-            grad_scale: self.grad_scale,
-            l2: self.l2,
-            beta1: self.beta1,
-            one_minus_beta1: self.one_minus_beta1,
-            beta2: self.beta2,
-            one_minus_beta2: self.one_minus_beta2,
-            inv_sqrt_bc2: self.inv_sqrt_bc2,
-            eps: self.eps,
-            decoupled: self.decoupled,
-            step_size: self.step_size,
-        }
+        AdamParams { n: n as u64, s: *s }
     }
 }
 
@@ -116,16 +70,16 @@ const LAYOUT: crate::device::ParamLayout = param_layout!(
     "adam.cuh",
     [
         n,
-        grad_scale,
-        l2,
-        beta1,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        inv_sqrt_bc2,
-        eps,
-        decoupled,
-        step_size
+        s.grad_scale,
+        s.l2,
+        s.beta1,
+        s.one_minus_beta1,
+        s.beta2,
+        s.one_minus_beta2,
+        s.inv_sqrt_bc2,
+        s.eps,
+        s.decoupled,
+        s.step_size
     ]
 );
 
@@ -164,7 +118,7 @@ pub static ADAM_IN_PLACE: KernelDesc = KernelDesc {
     twin,
     cuda: CudaSide::Nvrtc {
         source: "adam.cu",
-        plan,
+        plan: plan_in_place,
     },
 };
 
@@ -183,13 +137,18 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
     Ok(())
 }
 
+fn grad_name(info: &LaunchInfo<'_>) -> &'static str {
+    info.dtype(3).map_or("?", |d| d.name())
+}
+
 fn plan(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
-    let g = info.dtype(3).map_or("?", |d| d.name());
-    let entry = if info.operands.len() == 4 {
-        format!("adam_g{g}_inplace")
-    } else {
-        format!("adam_g{g}_c{}", info.dtype(4).map_or("none", |d| d.name()))
-    };
+    let copy = info.dtype(4).map_or("none", |d| d.name());
+    let entry = format!("adam_g{}_c{copy}", grad_name(info));
+    Ok(grid_stride(entry, info.len(0)))
+}
+
+fn plan_in_place(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
+    let entry = format!("adam_g{}_inplace", grad_name(info));
     Ok(grid_stride(entry, info.len(0)))
 }
 
@@ -216,17 +175,18 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
     let pp = args.take_as::<f32>(0)?;
     let m = args.take_as::<f32>(1)?;
     let v = args.take_as::<f32>(2)?;
-    let (grad, copy): (*const u8, Option<(RawKind, *mut u8)>) = if args.desc().operands.len() == 4 {
-        let g = args.take(3)?;
-        (g.as_ptr(), Some((gk, g.as_mut_ptr())))
-    } else {
-        let g = args.read(3)?.as_ptr();
-        let c = match copy_kind {
-            Some(k) => Some((k, args.take(4)?.as_mut_ptr())),
-            None => None,
+    let (grad, copy): (*const u8, Option<(RawKind, *mut u8)>) =
+        if std::ptr::eq(args.desc(), &ADAM_IN_PLACE) {
+            let g = args.take(3)?;
+            (g.as_ptr(), Some((gk, g.as_mut_ptr())))
+        } else {
+            let g = args.read(3)?.as_ptr();
+            let c = match copy_kind {
+                Some(k) => Some((k, args.take(4)?.as_mut_ptr())),
+                None => None,
+            };
+            (g, c)
         };
-        (g, c)
-    };
     if pp.len() != n || m.len() != n || v.len() != n {
         return Err(args.desc().error("operand lengths differ from n"));
     }
@@ -241,7 +201,7 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
     // SAFETY: every pointer covers `n` elements of its type (the shape check and the launch's
     // element alignment), the slices are exclusive to this run (written operands overlap no
     // operand), and the copy is either the gradient itself (the in-place op) or disjoint.
-    unsafe { CpuAdam::new().run(&p.scalars(), raw) };
+    unsafe { CpuAdam::new().run(&p.s, raw) };
     Ok(())
 }
 

@@ -90,6 +90,14 @@ pub struct EmbRowsParams {
     pub n: u64,
 }
 
+/// The result of an op's shape check: `ok`, or an error naming the parameters.
+fn fits(info: &LaunchInfo<'_>, ok: bool, p: &impl std::fmt::Debug) -> Result<()> {
+    if ok {
+        return Ok(());
+    }
+    Err(info.desc.error(format!("operands do not fit {p:?}")))
+}
+
 const fn nvrtc(plan: fn(&LaunchInfo<'_>) -> Result<Vec<Grid>>) -> CudaSide {
     CudaSide::Nvrtc {
         source: "embedding.cu",
@@ -142,8 +150,7 @@ pub static EMBEDDING_BAG: KernelDesc = KernelDesc {
             && info.len(2) as u64 == p.bags + 1
             && (!info.present(3) || info.len(3) as u64 == p.n)
             && info.len(4) as u64 == p.bags * p.dim;
-        ok.then_some(())
-            .ok_or_else(|| info.desc.error(format!("operands do not fit {p:?}")))
+        fits(info, ok, &p)
     }),
     twin: |a| {
         let p: EmbBagParams = a.params()?;
@@ -200,8 +207,7 @@ pub static EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
             && info.len(2) as u64 == p.nentries
             && info.len(3) as u64 == p.nentries
             && info.len(4) as u64 == p.nrows * p.dim;
-        ok.then_some(())
-            .ok_or_else(|| info.desc.error(format!("operands do not fit {p:?}")))
+        fits(info, ok, &p)
     }),
     twin: |a| {
         let p: EmbBackwardParams = a.params()?;
@@ -236,8 +242,7 @@ pub static EMBEDDING_STEP: KernelDesc = KernelDesc {
             && info.len(0) as u64 == p.table_rows * p.stride
             && info.len(1) as u64 == p.n
             && info.len(2) as u64 == p.n * p.dim;
-        ok.then_some(())
-            .ok_or_else(|| info.desc.error(format!("operands do not fit {p:?}")))
+        fits(info, ok, &p)
     }),
     twin: |a| {
         let p: EmbStepParams = a.params()?;
@@ -259,8 +264,7 @@ fn rows_check(info: &LaunchInfo<'_>, table: usize) -> Result<()> {
         && info.len(table) as u64 == p.rows * p.words
         && info.len(1) as u64 == p.n
         && info.len(packed) as u64 == p.n * p.words;
-    ok.then_some(())
-        .ok_or_else(|| info.desc.error(format!("operands do not fit {p:?}")))
+    fits(info, ok, &p)
 }
 
 /// Row gather: source and index read, destination (one row per index) written.

@@ -5,6 +5,7 @@
 #include "common.cuh"
 
 #include "gelu.cuh"
+#include "math.cuh"
 
 #define GELU_K0 0.7978845608028654f  // √(2/π)
 #define GELU_K1 0.044715f
@@ -19,7 +20,7 @@ __device__ __forceinline__ void gelu_forward(const T* __restrict__ x, T* __restr
                                              unsigned long long n) {
     GRID_STRIDE(i, n) {
         const float xi = to_f32(x[i]);
-        const float t = tanhf(gelu_tanh_arg(xi));
+        const float t = tm_tanh(gelu_tanh_arg(xi));
         store_f32(y, i, __fmul_rn(__fmul_rn(0.5f, xi), __fadd_rn(1.0f, t)));
     }
 }
@@ -29,7 +30,7 @@ __device__ __forceinline__ void gelu_backward(const T* __restrict__ x, const T* 
                                               T* __restrict__ dx, unsigned long long n) {
     GRID_STRIDE(i, n) {
         const float xi = to_f32(x[i]);
-        const float t = tanhf(gelu_tanh_arg(xi));
+        const float t = tm_tanh(gelu_tanh_arg(xi));
         const float du = __fmul_rn(
             GELU_K0, __fadd_rn(1.0f, __fmul_rn(__fmul_rn(3.0f, GELU_K1), __fmul_rn(xi, xi))));
         const float sech2 = __fsub_rn(1.0f, __fmul_rn(t, t));

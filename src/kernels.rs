@@ -24,66 +24,38 @@ pub struct KernelSource {
     pub code: &'static str,
 }
 
+/// One embedded file of `kernels/`.
+macro_rules! kernel_file {
+    ($name:literal) => {
+        KernelSource {
+            name: $name,
+            code: include_str!(concat!("../kernels/", $name)),
+        }
+    };
+}
+
 /// Every kernel source of the crate.
 pub const SOURCES: &[KernelSource] = &[
-    KernelSource {
-        name: "cast.cu",
-        code: include_str!("../kernels/cast.cu"),
-    },
-    KernelSource {
-        name: "adam.cu",
-        code: include_str!("../kernels/adam.cu"),
-    },
-    KernelSource {
-        name: "grad_stats.cu",
-        code: include_str!("../kernels/grad_stats.cu"),
-    },
-    KernelSource {
-        name: "embedding.cu",
-        code: include_str!("../kernels/embedding.cu"),
-    },
-    KernelSource {
-        name: "gelu.cu",
-        code: include_str!("../kernels/gelu.cu"),
-    },
-    KernelSource {
-        name: "accumulate.cu",
-        code: include_str!("../kernels/accumulate.cu"),
-    },
+    kernel_file!("cast.cu"),
+    kernel_file!("adam.cu"),
+    kernel_file!("grad_stats.cu"),
+    kernel_file!("embedding.cu"),
+    kernel_file!("gelu.cu"),
+    kernel_file!("accumulate.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
 /// (`common.cuh`) and the parameter structs the Rust side mirrors. NVRTC gets them from
 /// memory, the host compiler from `kernels/`.
 pub const HEADERS: &[KernelSource] = &[
-    KernelSource {
-        name: "common.cuh",
-        code: include_str!("../kernels/common.cuh"),
-    },
-    KernelSource {
-        name: "cast.cuh",
-        code: include_str!("../kernels/cast.cuh"),
-    },
-    KernelSource {
-        name: "adam.cuh",
-        code: include_str!("../kernels/adam.cuh"),
-    },
-    KernelSource {
-        name: "grad_stats.cuh",
-        code: include_str!("../kernels/grad_stats.cuh"),
-    },
-    KernelSource {
-        name: "embedding.cuh",
-        code: include_str!("../kernels/embedding.cuh"),
-    },
-    KernelSource {
-        name: "gelu.cuh",
-        code: include_str!("../kernels/gelu.cuh"),
-    },
-    KernelSource {
-        name: "accumulate.cuh",
-        code: include_str!("../kernels/accumulate.cuh"),
-    },
+    kernel_file!("common.cuh"),
+    kernel_file!("cast.cuh"),
+    kernel_file!("adam.cuh"),
+    kernel_file!("grad_stats.cuh"),
+    kernel_file!("embedding.cuh"),
+    kernel_file!("gelu.cuh"),
+    kernel_file!("accumulate.cuh"),
+    kernel_file!("math.cuh"),
 ];
 
 /// The source named `name`.

@@ -108,3 +108,16 @@ struct EmuSizes<void (*)(A...)> {
         #f, [](void** p) { emu_call(&f, p); }, EmuSizes<decltype(&f)>::n,          \
             EmuSizes<decltype(&f)>::sizes, EmuSizes<decltype(&f)>::is_ptr          \
     }
+
+// Bit casts between float and int, as the CUDA intrinsics.
+#include <cstring>
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, sizeof f);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, sizeof i);
+    return i;
+}

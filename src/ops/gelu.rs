@@ -19,8 +19,6 @@
 //! # Ok(()) }
 //! ```
 
-use half::{bf16, f16};
-
 use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -28,6 +26,8 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::ops::float::{simd, with_float, Float};
+use crate::ops::math;
 
 /// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
 #[repr(C)]
@@ -99,19 +99,22 @@ fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
     Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
+#[inline(always)]
 fn tanh_arg(x: f32) -> f32 {
     K0 * (x + K1 * (x * x * x))
 }
 
 /// GELU of one value, in the kernel's order of operations.
+#[inline(always)]
 pub fn gelu(x: f32) -> f32 {
-    let t = tanh_arg(x).tanh();
+    let t = math::tanh(tanh_arg(x));
     (0.5 * x) * (1.0 + t)
 }
 
 /// The gradient `dy · GELU'(x)`, in the kernel's order of operations.
+#[inline(always)]
 pub fn gelu_grad(x: f32, dy: f32) -> f32 {
-    let t = tanh_arg(x).tanh();
+    let t = math::tanh(tanh_arg(x));
     let du = K0 * (1.0 + (3.0 * K1) * (x * x));
     let sech2 = 1.0 - t * t;
     let left = 0.5 * (1.0 + t);
@@ -119,66 +122,40 @@ pub fn gelu_grad(x: f32, dy: f32) -> f32 {
     dy * (left + right)
 }
 
-/// Elements of one storage type, widened to f32 and narrowed back with round-to-nearest-even.
-trait Elem: bytemuck::Pod {
-    fn get(self) -> f32;
-    fn put(x: f32) -> Self;
-}
-impl Elem for f32 {
-    fn get(self) -> f32 {
-        self
-    }
-    fn put(x: f32) -> Self {
-        x
-    }
-}
-impl Elem for f16 {
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-}
-impl Elem for bf16 {
-    fn get(self) -> f32 {
-        self.to_f32()
-    }
-    fn put(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
-
-fn forward_typed<T: Elem>(a: &mut TwinArgs<'_>) -> Result<()> {
+fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     let x = a.read_as::<T>(0)?;
-    for (y, &x) in a.take_as::<T>(1)?.iter_mut().zip(x) {
-        *y = T::put(gelu(x.get()));
-    }
+    let y = a.take_as::<T>(1)?;
+    simd(
+        #[inline(always)]
+        || {
+            for (y, &x) in y.iter_mut().zip(x) {
+                *y = T::put(gelu(x.get()));
+            }
+        },
+    );
     Ok(())
 }
 
-fn backward_typed<T: Elem>(a: &mut TwinArgs<'_>) -> Result<()> {
+fn backward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     let (x, dy) = (a.read_as::<T>(0)?, a.read_as::<T>(1)?);
-    for ((dx, &x), &dy) in a.take_as::<T>(2)?.iter_mut().zip(x).zip(dy) {
-        *dx = T::put(gelu_grad(x.get(), dy.get()));
-    }
+    let dx = a.take_as::<T>(2)?;
+    simd(
+        #[inline(always)]
+        || {
+            for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
+                *dx = T::put(gelu_grad(x.get(), dy.get()));
+            }
+        },
+    );
     Ok(())
 }
 
 fn forward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
-    match a.dtype(0) {
-        Some(DType::F16) => forward_typed::<f16>(a),
-        Some(DType::BF16) => forward_typed::<bf16>(a),
-        _ => forward_typed::<f32>(a),
-    }
+    with_float!(a.dtype(0).unwrap_or(DType::F32), T => forward_typed::<T>(a))
 }
 
 fn backward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
-    match a.dtype(0) {
-        Some(DType::F16) => backward_typed::<f16>(a),
-        Some(DType::BF16) => backward_typed::<bf16>(a),
-        _ => backward_typed::<f32>(a),
-    }
+    with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a))
 }
 
 fn params(x: &Input<'_>, dtype: DType) -> GeluParams {

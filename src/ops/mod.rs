@@ -8,8 +8,10 @@ pub mod accumulate;
 pub mod adam;
 pub mod cast;
 pub mod embedding;
+pub mod float;
 pub mod gelu;
 pub mod grad_stats;
+pub mod math;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
@@ -21,7 +23,7 @@ use crate::device::KernelDesc;
 
 /// Every op's descriptor.
 pub fn registry() -> &'static [&'static KernelDesc] {
-    static ALL: [&KernelDesc; 12] = [
+    static ALL: &[&KernelDesc] = &[
         &cast::CAST,
         &accumulate::ACCUMULATE,
         &adam::ADAM,
@@ -35,5 +37,5 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &gelu::GELU_FORWARD,
         &gelu::GELU_BACKWARD,
     ];
-    &ALL
+    ALL
 }

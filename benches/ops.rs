@@ -1,0 +1,143 @@
+//! Memory-bound ops on the CPU against a copy of the same bytes.
+//!
+//! Each op's CPU twin (what the simulated device runs) is timed on host buffers of GPT-2-small
+//! activation size (B·T = 4096 rows of C = 768 by default), against `copy_from_slice` moving
+//! the same number of bytes (half read, half written) in the same run. Printed per op as
+//! `fraction = op bytes/s ÷ copy bytes/s` (target ≥ 0.7), where an op's bytes are what it must
+//! read and write at least once. Figures are medians of interleaved repetitions (each
+//! repetition runs the copy and the op once), so drift of a shared machine hits both alike.
+//!
+//! `TIDEMEM_BENCH_OPS_ROWS` / `TIDEMEM_BENCH_OPS_COLS` override the shape,
+//! `TIDEMEM_BENCH_OPS_REPS` the repetitions, `TIDEMEM_BENCH_OPS` filters ops by substring.
+
+use std::time::Instant;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use tidemem::device::{HostOperand, KernelDesc, TwinArgs};
+use tidemem::DType;
+
+/// One op to time: its name, the bytes it reads and writes at least once, and a run.
+struct Entry {
+    name: String,
+    bytes: usize,
+    run: Box<dyn FnMut()>,
+}
+
+/// Runs `desc`'s twin on host buffers: `inputs` read, `outputs` written (in signature order,
+/// inputs first unless `order` says otherwise is not needed: every op here lists its reads
+/// before its writes).
+fn twin(
+    desc: &'static KernelDesc,
+    params: Vec<u8>,
+    inputs: Vec<(Vec<u8>, DType)>,
+    outputs: Vec<(Vec<u8>, DType)>,
+) -> Box<dyn FnMut()> {
+    let mut outputs = outputs;
+    Box::new(move || {
+        let mut ops: Vec<HostOperand<'_>> = inputs
+            .iter()
+            .map(|(b, d)| HostOperand::Read(b, *d))
+            .collect();
+        ops.extend(outputs.iter_mut().map(|(b, d)| HostOperand::Write(b, *d)));
+        let mut args = TwinArgs::new(desc, ops, &params).expect("operands fit the signature");
+        (desc.twin)(&mut args).expect("the twin runs");
+    })
+}
+
+fn floats(n: usize, seed: u32) -> Vec<u8> {
+    let v: Vec<f32> = (0..n)
+        .map(|i| {
+            ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32 * 4.0 - 2.0
+        })
+        .collect();
+    bytemuck::cast_slice(&v).to_vec()
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn gelu_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
+    use tidemem::ops::gelu::{GeluParams, GELU_BACKWARD, GELU_FORWARD};
+    let n = rows * cols;
+    let p = bytemuck::bytes_of(&GeluParams { n: n as u64 }).to_vec();
+    v.push(Entry {
+        name: "gelu_forward f32".into(),
+        bytes: 8 * n,
+        run: twin(
+            &GELU_FORWARD,
+            p.clone(),
+            vec![(floats(n, 1), DType::F32)],
+            vec![(vec![0; 4 * n], DType::F32)],
+        ),
+    });
+    v.push(Entry {
+        name: "gelu_backward f32".into(),
+        bytes: 12 * n,
+        run: twin(
+            &GELU_BACKWARD,
+            p,
+            vec![(floats(n, 1), DType::F32), (floats(n, 2), DType::F32)],
+            vec![(vec![0; 4 * n], DType::F32)],
+        ),
+    });
+}
+
+/// Every op of the bench.
+fn entries(rows: usize, cols: usize) -> Vec<Entry> {
+    let mut v = Vec::new();
+    gelu_entries(rows, cols, &mut v);
+    v
+}
+
+fn median(mut t: Vec<f64>) -> f64 {
+    t.sort_by(f64::total_cmp);
+    t[t.len() / 2]
+}
+
+fn bench(c: &mut Criterion) {
+    let rows = env_usize("TIDEMEM_BENCH_OPS_ROWS", 4096);
+    let cols = env_usize("TIDEMEM_BENCH_OPS_COLS", 768);
+    let reps = env_usize("TIDEMEM_BENCH_OPS_REPS", 15).max(1);
+    let filter = std::env::var("TIDEMEM_BENCH_OPS").unwrap_or_default();
+    let mut group = c.benchmark_group("ops");
+    group.sample_size(10);
+    println!("ops on the CPU, [{rows}, {cols}], against copy_from_slice of the same bytes (target >= 0.7)");
+    for mut e in entries(rows, cols)
+        .into_iter()
+        .filter(|e| e.name.contains(&filter))
+    {
+        let half = e.bytes / 2;
+        let src = vec![1u8; half];
+        let mut dst = vec![0u8; half];
+        (e.run)();
+        dst.copy_from_slice(&src);
+        let (mut tc, mut to) = (Vec::with_capacity(reps), Vec::with_capacity(reps));
+        for _ in 0..reps {
+            let t0 = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            tc.push(t0.elapsed().as_secs_f64());
+            let t0 = Instant::now();
+            (e.run)();
+            to.push(t0.elapsed().as_secs_f64());
+        }
+        let (copy, op) = (median(tc), median(to));
+        let gbs = |t: f64| e.bytes as f64 / t / 1e9;
+        println!(
+            "{:<32} {:>9} B  op {:>6.2} GB/s  copy {:>6.2} GB/s  fraction = {:.3}",
+            e.name,
+            e.bytes,
+            gbs(op),
+            gbs(copy),
+            copy / op
+        );
+        group.bench_function(e.name.clone(), |b| b.iter(|| (e.run)()));
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

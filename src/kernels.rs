@@ -42,6 +42,7 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("embedding.cu"),
     kernel_file!("gelu.cu"),
     kernel_file!("accumulate.cu"),
+    kernel_file!("heads.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -56,6 +57,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("gelu.cuh"),
     kernel_file!("accumulate.cuh"),
     kernel_file!("math.cuh"),
+    kernel_file!("heads.cuh"),
 ];
 
 /// The source named `name`.

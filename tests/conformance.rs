@@ -339,6 +339,34 @@ fn accumulate_cases(r: &mut Rng) -> Vec<Case> {
     v
 }
 
+/// The attention layouts: `name` moves `ins` tensors into `outs` (the interleaved one holds
+/// three parts when `qkv`).
+fn heads_cases(r: &mut Rng, ins: usize, qkv_in: bool, qkv_out: bool) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for (b, t, h, hd) in [(0, 3, 2, 4), (1, 1, 1, 1), (2, 7, 3, 5), (3, 33, 4, 16)] {
+            let n = b * t * h * hd;
+            let mut operands = vec![];
+            for _ in 0..ins {
+                operands.push(Some((d, r.floats(if qkv_in { 3 * n } else { n }, 2.0, d))));
+            }
+            for _ in 0..(if qkv_in { 3 } else { 1 }) {
+                operands.push(Some((
+                    d,
+                    r.garbage(if qkv_out { 3 * n } else { n } * d.size()),
+                )));
+            }
+            v.push(Case {
+                label: format!("{d} B={b} T={t} H={h} D={hd}"),
+                operands,
+                params: bytemuck::bytes_of(&ops::heads::Heads::new(b, t, h, hd)).to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}
+
 /// The cases of op `name`, or `None` for an op this test does not know (a failure).
 fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
     Some(match name {
@@ -354,6 +382,9 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "scatter_rows" => rows_cases(r, true),
         "gelu_forward" => gelu_cases(r, false),
         "gelu_backward" => gelu_cases(r, true),
+        "qkv_split" => heads_cases(r, 1, true, false),
+        "qkv_merge" => heads_cases(r, 3, false, true),
+        "heads_merge" | "heads_split" => heads_cases(r, 1, false, false),
         _ => return None,
     })
 }

@@ -11,6 +11,7 @@ pub mod embedding;
 pub mod float;
 pub mod gelu;
 pub mod grad_stats;
+pub mod heads;
 pub mod math;
 
 pub use accumulate::accumulate;
@@ -36,6 +37,10 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &embedding::device::SCATTER_ROWS,
         &gelu::GELU_FORWARD,
         &gelu::GELU_BACKWARD,
+        &heads::QKV_SPLIT,
+        &heads::QKV_MERGE,
+        &heads::HEADS_MERGE,
+        &heads::HEADS_SPLIT,
     ];
     ALL
 }

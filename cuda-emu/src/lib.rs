@@ -91,6 +91,17 @@
 //! into the guard page below it faults too, when its OS thread has an alternate signal stack
 //! (Rust's threads do); otherwise the process dies of the `SIGSEGV`.
 //!
+//! **cuBLAS.** The library also answers the cuBLAS v2 calls a GEMM needs (`cublasCreate_v2`,
+//! `cublasSetStream_v2`, `cublasSetMathMode`, `cublasGemmEx`, `cublasGemmStridedBatchedEx`,
+//! `cublasSgemm_v2`, `cublasSgemmStridedBatched` and their companions; fp32, fp16 and bf16,
+//! column-major, `alpha` and `beta` on the host). `libcublas.so` and `libcublas.so.13`,
+//! symbolic links to `libcuda.so` in its directory (`.ci/run`), make cudarc's cuBLAS open the
+//! same file, which the dynamic loader maps once whatever the name, so the two libraries share
+//! one state: a GEMM is a CPU matrix product enqueued on the handle's stream like a kernel launch,
+//! running late and ordered like all other work, and an operand that does not lie inside one
+//! live allocation is a fault. The arithmetic and the limits are described in
+//! `src/cublas.rs`.
+//!
 //! A fault prints what happened and makes every later call fail with
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, as a fault on a GPU poisons its context.
 //!
@@ -103,7 +114,9 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::sync::{Mutex, MutexGuard};
 
+mod cublas;
 mod launch;
+pub use cublas::*;
 pub use launch::*;
 use launch::{run_launch, SHARED_PER_BLOCK, SHARED_PER_BLOCK_OPTIN, SHARED_PER_SM};
 
@@ -202,6 +215,12 @@ enum Op {
     },
     /// A point in the stream's order (a stream-ordered allocation); runs as nothing.
     Mark,
+    /// Host code standing in for a library's kernel (cuBLAS): `work` reads and writes device
+    /// memory only in `ranges` (address, bytes), each checked inside one live allocation.
+    Host {
+        work: Box<dyn FnOnce() + Send>,
+        ranges: Vec<(usize, usize)>,
+    },
 }
 
 impl Op {
@@ -443,6 +462,15 @@ impl State {
             }
             Op::Memset { dst, len, .. } => self.alloc_of(*dst, *len).into_iter().collect(),
             Op::Free { ptr } => vec![*ptr],
+            Op::Host { ranges, .. } => {
+                let mut v: Vec<usize> = ranges
+                    .iter()
+                    .filter_map(|&(p, len)| self.alloc_of(p, len))
+                    .collect();
+                v.sort_unstable();
+                v.dedup();
+                v
+            }
             Op::Launch { .. } | Op::Wait { .. } | Op::Mark => Vec::new(),
         };
         self.enqueue_using(stream, op, &uses)
@@ -477,6 +505,16 @@ impl State {
     fn run_all(&mut self, stream: usize) -> CUresult {
         let last = self.streams.get(&stream).map_or(0, |s| s.last);
         self.run_until(stream, last)
+    }
+
+    /// Runs every stream; the host has seen all of it complete.
+    fn synchronize(&mut self) -> CUresult {
+        let r = self.run_everything();
+        let all: Vec<usize> = self.streams.keys().copied().collect();
+        for s in all {
+            self.observe_stream(s);
+        }
+        r
     }
 
     fn run_everything(&mut self) -> CUresult {
@@ -519,6 +557,10 @@ impl State {
             } => run_launch(self, kernel, grid, block, shared, values, &offsets),
             Op::Wait { stream: other, seq } => self.run_until(other, seq),
             Op::Mark => SUCCESS,
+            Op::Host { work, .. } => {
+                work();
+                SUCCESS
+            }
             Op::Free { ptr } => {
                 let Some(al) = self.allocs.remove(&ptr) else {
                     return self.fault(format!("free of {ptr:#x}, not an allocation"));
@@ -752,14 +794,7 @@ fn need_ctx() -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    with_ctx(|st| {
-        let r = st.run_everything();
-        let all: Vec<usize> = st.streams.keys().copied().collect();
-        for s in all {
-            st.observe_stream(s);
-        }
-        r
-    })
+    with_ctx(|st| st.synchronize())
 }
 
 #[no_mangle]

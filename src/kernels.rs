@@ -84,6 +84,10 @@ pub const HEADERS: &[KernelSource] = &[
         name: "accumulate.cuh",
         code: include_str!("../kernels/accumulate.cuh"),
     },
+    KernelSource {
+        name: "gemm.cuh",
+        code: include_str!("../kernels/gemm.cuh"),
+    },
 ];
 
 /// The source named `name`.

@@ -9,19 +9,21 @@ pub mod adam;
 pub mod cast;
 pub mod embedding;
 pub mod gelu;
+pub mod gemm;
 pub mod grad_stats;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
+pub use gemm::{gemm, gemm_host, Gemm};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
 
 use crate::device::KernelDesc;
 
 /// Every op's descriptor.
 pub fn registry() -> &'static [&'static KernelDesc] {
-    static ALL: [&KernelDesc; 12] = [
+    static ALL: [&KernelDesc; 13] = [
         &cast::CAST,
         &accumulate::ACCUMULATE,
         &adam::ADAM,
@@ -34,6 +36,7 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &embedding::device::SCATTER_ROWS,
         &gelu::GELU_FORWARD,
         &gelu::GELU_BACKWARD,
+        &gemm::GEMM,
     ];
     &ALL
 }

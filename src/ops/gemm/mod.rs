@@ -457,3 +457,60 @@ pub fn gemm_host<T: GemmElem>(g: &Gemm, a: &[T], b: &[T], c: &mut [T]) -> Result
 pub fn cublas_available() -> bool {
     cublas::available().is_ok()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_are_packed_and_one_batch() {
+        let p = Gemm::new(3, 4, 5).trans_b(true).params();
+        assert_eq!((p.lda, p.ldb, p.ldc), (5, 5, 4));
+        assert_eq!((p.stride_a, p.stride_b, p.stride_c), (15, 20, 12));
+        assert_eq!((p.batch, p.alpha, p.beta), (1, 1.0, 0.0));
+        assert_eq!(p.flags, GemmParams::TRANS_B);
+        // An empty row still has a leading dimension of 1, as cuBLAS requires.
+        let p = Gemm::new(3, 4, 0).trans_a(true).tf32(true).params();
+        assert_eq!((p.lda, p.ldb, p.ldc), (3, 4, 4));
+        assert_eq!(p.flags, GemmParams::TRANS_A | GemmParams::TF32);
+    }
+
+    #[test]
+    fn extents_cover_the_last_batch_and_refuse_overflow() {
+        let l = Layout {
+            name: "a",
+            rows: 3,
+            cols: 4,
+            ld: 6,
+            stride: 100,
+        };
+        assert_eq!(l.extent(1), Some(16));
+        assert_eq!(l.extent(3), Some(216));
+        assert_eq!(l.extent(0), Some(0));
+        let wide = Layout {
+            ld: u64::MAX / 2,
+            ..l
+        };
+        assert_eq!(wide.extent(1), None);
+    }
+
+    #[test]
+    fn the_shape_check_names_operand_shape_and_sizes() {
+        let p = Gemm::new(2, 3, 4).ld(4, 5, 3).params();
+        let f = Some(DType::F32);
+        check_shapes(&p, [f; 3], [8, 18, 6]).unwrap();
+        let e = check_shapes(&p, [f; 3], [8, 17, 6])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gemm: operand `b` ([rows, cols] = [4, 3], ld 5, stride 20, batch 1)")
+                && e.contains("needs 18 elements, the view holds 17"),
+            "{e}"
+        );
+        let e = check_shapes(&p, [f, Some(DType::F16), f], [8, 18, 6]).unwrap_err();
+        assert!(e.to_string().contains("one element type"), "{e}");
+        let mut bad = p;
+        bad.flags |= 8;
+        assert!(check_shapes(&bad, [f; 3], [8, 18, 6]).is_err());
+    }
+}

@@ -147,17 +147,14 @@ fn handle(stream: *mut c_void) -> Result<Arc<Mutex<Handle>>> {
     keep_context(ctx)?;
     let mut raw: cb::cublasHandle_t = std::ptr::null_mut();
     // SAFETY: writes a new handle to `raw` (the library was probed).
-    status(
-        unsafe { cb::cublasCreate_v2(&mut raw) },
-        "creating a handle",
-    )?;
+    let created = unsafe { cb::cublasCreate_v2(&mut raw) };
+    status(created, "creating a handle")?;
     // SAFETY: `raw` is a live handle; `stream` is a stream of the current context.
-    let set = unsafe { cb::cublasSetStream_v2(raw, stream.cast()) };
-    // SAFETY: as above.
-    let set = status(set, "binding a handle to a stream").and_then(|()| {
-        let m = unsafe { cb::cublasSetMathMode(raw, cb::cublasMath_t::CUBLAS_DEFAULT_MATH) };
-        status(m, "setting the math mode")
-    });
+    let bound = unsafe { cb::cublasSetStream_v2(raw, stream.cast()) };
+    // SAFETY: `raw` is a live handle.
+    let math = unsafe { cb::cublasSetMathMode(raw, cb::cublasMath_t::CUBLAS_DEFAULT_MATH) };
+    let set = status(bound, "binding a handle to a stream")
+        .and_then(|()| status(math, "setting the math mode"));
     if let Err(e) = set {
         // SAFETY: `raw` is a live handle no one else has seen.
         unsafe { cb::cublasDestroy_v2(raw) };

@@ -9,7 +9,7 @@
 //! NaN there does not propagate), and `alpha == 0` or `k == 0` means `A` and `B` are not read
 //! (`C = beta·C`), as in BLAS. TF32 is used only when asked ([`Gemm::tf32`], f32 only).
 //!
-//! [`gemm`] launches it on a device: CUDA calls cuBLAS (`cublasGemmStridedBatchedEx` with
+//! [`gemm()`] launches it on a device: CUDA calls cuBLAS (`cublasGemmStridedBatchedEx` with
 //! `CUBLAS_COMPUTE_32F`, on the stream; see `cublas.rs`), the simulated device runs the CPU
 //! twin (the `gemm` crate, wrapped once in `cpu.rs`). [`gemm_host`] runs the twin on host
 //! slices. Every operand's extent is checked against its view before anything runs: a bad
@@ -436,7 +436,7 @@ mod sealed {
     impl Sealed for half::bf16 {}
 }
 
-/// The GEMM of [`gemm`] on host slices, computed by the CPU twin (what the simulated device
+/// The GEMM of [`gemm()`] on host slices, computed by the CPU twin (what the simulated device
 /// runs), with the same shape checks: on an error nothing is written.
 pub fn gemm_host<T: GemmElem>(g: &Gemm, a: &[T], b: &[T], c: &mut [T]) -> Result<()> {
     let p = g.params();
@@ -452,7 +452,7 @@ pub fn gemm_host<T: GemmElem>(g: &Gemm, a: &[T], b: &[T], c: &mut [T]) -> Result
     cpu::twin(&mut args)
 }
 
-/// Whether cuBLAS can be loaded here (checked once): the CUDA side of [`gemm`] needs it, and
+/// Whether cuBLAS can be loaded here (checked once): the CUDA side of [`gemm()`] needs it, and
 /// answers [`Error::BackendUnavailable`](crate::Error::BackendUnavailable) without it.
 pub fn cublas_available() -> bool {
     cublas::available().is_ok()

@@ -30,10 +30,10 @@ use crate::device::{BackendKind, LibraryCall};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The cuBLAS functions this module calls: each must be exported.
-const SYMBOLS: [&str; 5] = [
+/// The cuBLAS functions this module needs: each must be exported. (`cublasDestroy_v2` is
+/// called only if exported, to free a handle whose setup failed.)
+const SYMBOLS: [&str; 4] = [
     "cublasCreate_v2",
-    "cublasDestroy_v2",
     "cublasSetStream_v2",
     "cublasSetMathMode",
     "cublasGemmStridedBatchedEx",
@@ -156,8 +156,11 @@ fn handle(stream: *mut c_void) -> Result<Arc<Mutex<Handle>>> {
     let set = status(bound, "binding a handle to a stream")
         .and_then(|()| status(math, "setting the math mode"));
     if let Err(e) = set {
-        // SAFETY: `raw` is a live handle no one else has seen.
-        unsafe { cb::cublasDestroy_v2(raw) };
+        // SAFETY: the library loads (probed); the symbol is only looked up.
+        if unsafe { cb::culib().get::<*const c_void>(b"cublasDestroy_v2") }.is_ok() {
+            // SAFETY: `raw` is a live handle no one else has seen, and the function exists.
+            unsafe { cb::cublasDestroy_v2(raw) };
+        }
         return Err(e);
     }
     let h = Arc::new(Mutex::new(Handle(raw)));

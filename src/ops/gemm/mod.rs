@@ -170,6 +170,8 @@ impl Gemm {
     }
     /// Whether f32 operands may be multiplied as TF32 (10-bit mantissas, f32 accumulation):
     /// faster on tensor cores, about 3 decimal digits per product. Refused for f16 and bf16.
+    /// The CPU twin rounds the inputs to TF32 too (to nearest, ties away from zero), so the
+    /// simulated device sees the GPU's precision.
     pub fn tf32(mut self, on: bool) -> Self {
         self.tf32 = on;
         self

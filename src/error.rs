@@ -130,6 +130,18 @@ pub enum Error {
         message: String,
     },
 
+    /// A library called on a device stream (cuBLAS) answered an error status. Nothing was
+    /// enqueued by the failed call.
+    #[error("{library} error during {during}: {status}")]
+    Library {
+        /// The library.
+        library: &'static str,
+        /// What the op was doing.
+        during: &'static str,
+        /// The library's status code, by name.
+        status: String,
+    },
+
     /// NVRTC is missing or a kernel failed to compile.
     #[error("kernel compilation of {kernel} failed: {message}")]
     Compile {

@@ -58,6 +58,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("accumulate.cuh"),
     kernel_file!("math.cuh"),
     kernel_file!("heads.cuh"),
+    kernel_file!("gemm.cuh"),
 ];
 
 /// The source named `name`.

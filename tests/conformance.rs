@@ -385,6 +385,7 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "qkv_split" => heads_cases(r, 1, true, false),
         "qkv_merge" => heads_cases(r, 3, false, true),
         "heads_merge" | "heads_split" => heads_cases(r, 1, false, false),
+        "gemm" => gemm_cases(r),
         _ => return None,
     })
 }
@@ -535,4 +536,110 @@ fn names_are_unique_and_signatures_sane() {
         );
         assert!(d.params.size > 0 && d.params.fields.iter().all(|f| f.1 < d.params.size));
     }
+}
+
+/// GEMM: every transpose pair on sizes 0, 1, odd and past a tile, padded leading dimensions,
+/// strided and broadcast batches, several (alpha, beta) with NaN in C where beta = 0, TF32 on
+/// f32. Inputs and C in [-1, 1]. Twin and CUDA each sum k products in their own order: with
+/// u = 2⁻²⁴, each is within (k + 4)·u·S of the exact value (S = |alpha|·k + |beta|, the largest
+/// Σ|a||b|-term these inputs allow), CUDA within twice that (tensor cores may truncate), so
+/// abs = 3·(k + 4)·u·S; TF32 adds 2·2⁻¹⁰·|alpha|·k (each side's rounding of the inputs, to
+/// nearest or truncated). C stored as f16/bf16 is then rounded once by each side from values
+/// that close: at most one ulp apart, rel = 2⁻¹⁰ (f16) or 2⁻⁷ (bf16), and f16 subnormals' ulp
+/// 2⁻²⁴ on abs.
+fn gemm_cases(r: &mut Rng) -> Vec<Case> {
+    use ops::gemm::Gemm;
+    let sizes = [
+        (0, 3, 4),
+        (3, 0, 2),
+        (2, 3, 0),
+        (1, 1, 1),
+        (7, 5, 3),
+        (33, 17, 65),
+        (64, 48, 96),
+    ];
+    let scalars = [(1.0f32, 0.0f32), (-0.5, 1.0), (2.0, 0.25)];
+    let mut shapes = vec![];
+    for (i, &(m, n, k)) in sizes.iter().enumerate() {
+        for (j, (ta, tb)) in [(false, false), (false, true), (true, false), (true, true)]
+            .into_iter()
+            .enumerate()
+        {
+            let (alpha, beta) = scalars[(i + j) % scalars.len()];
+            let mut g = Gemm::new(m, n, k)
+                .trans_a(ta)
+                .trans_b(tb)
+                .alpha(alpha)
+                .beta(beta);
+            if (i + j) % 2 == 1 {
+                let lda = if ta { m } else { k };
+                let ldb = if tb { k } else { n };
+                g = g.ld(lda + 2, ldb + 1, n + 3);
+            }
+            shapes.push(g);
+        }
+    }
+    let (m, n, k) = (9, 13, 21);
+    shapes.push(
+        Gemm::new(m, n, k)
+            .batched(3, m * k + 4, 0, m * n + 2)
+            .beta(0.5),
+    );
+    shapes.push(
+        Gemm::new(m, n, k)
+            .trans_b(true)
+            .ld(k, k, 2 * n)
+            .batched(2, 0, n * k, n),
+    );
+    let mut v = vec![];
+    for d in FLOATS {
+        for (i, g) in shapes.iter().enumerate() {
+            let tf32 = d == DType::F32 && i % 5 == 0;
+            let g = g.tf32(tf32);
+            let p = g.params();
+            let ta = p.flags & ops::gemm::GemmParams::TRANS_A != 0;
+            let tb = p.flags & ops::gemm::GemmParams::TRANS_B != 0;
+            let ext = |rows: u64, cols: u64, ld: u64, stride: u64| -> usize {
+                if rows == 0 || cols == 0 || p.batch == 0 {
+                    1
+                } else {
+                    ((p.batch - 1) * stride + (rows - 1) * ld + cols) as usize
+                }
+            };
+            let (ar, ac) = if ta { (p.k, p.m) } else { (p.m, p.k) };
+            let (br, bc) = if tb { (p.n, p.k) } else { (p.k, p.n) };
+            let nc = ext(p.m, p.n, p.ldc, p.stride_c);
+            let c = if p.beta == 0.0 {
+                encode(&vec![f32::NAN; nc], d)
+            } else {
+                r.floats(nc, 1.0, d)
+            };
+            let u = 2f64.powi(-24);
+            let s = (p.alpha.abs() as f64) * p.k as f64 + p.beta.abs() as f64;
+            let tf = if tf32 {
+                2.0 * 2f64.powi(-10) * (p.alpha.abs() as f64) * p.k as f64
+            } else {
+                0.0
+            };
+            let (rel, sub) = match d {
+                DType::F16 => (2f64.powi(-10), 2f64.powi(-24)),
+                DType::BF16 => (2f64.powi(-7), 0.0),
+                _ => (0.0, 0.0),
+            };
+            v.push(Case {
+                label: format!("{d} {g:?}"),
+                operands: vec![
+                    Some((d, r.floats(ext(ar, ac, p.lda, p.stride_a), 1.0, d))),
+                    Some((d, r.floats(ext(br, bc, p.ldb, p.stride_b), 1.0, d))),
+                    Some((d, c)),
+                ],
+                params: bytemuck::bytes_of(&p).to_vec(),
+                agree: Agree::Close {
+                    abs: 3.0 * (p.k as f64 + 4.0) * u * s + tf + sub,
+                    rel,
+                },
+            });
+        }
+    }
+    v
 }

@@ -10,6 +10,7 @@ pub mod cast;
 pub mod embedding;
 pub mod float;
 pub mod gelu;
+pub mod gemm;
 pub mod grad_stats;
 pub mod heads;
 pub mod math;
@@ -18,6 +19,7 @@ pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
+pub use gemm::{gemm, gemm_host, Gemm};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
 
 use crate::device::KernelDesc;
@@ -41,6 +43,7 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &heads::QKV_MERGE,
         &heads::HEADS_MERGE,
         &heads::HEADS_SPLIT,
+        &gemm::GEMM,
     ];
     ALL
 }

@@ -6,18 +6,22 @@
 
 pub mod accumulate;
 pub mod adam;
+pub mod bce;
 pub mod cast;
 pub mod embedding;
 pub mod float;
 pub mod gelu;
 pub mod grad_stats;
+pub mod interaction;
 pub mod math;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
+pub use bce::{bce_with_logits, BceOutputs};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+pub use interaction::{interaction_backward, interaction_forward, InteractionShape};
 
 use crate::device::KernelDesc;
 
@@ -36,6 +40,9 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &embedding::device::SCATTER_ROWS,
         &gelu::GELU_FORWARD,
         &gelu::GELU_BACKWARD,
+        &interaction::INTERACTION_FORWARD,
+        &interaction::INTERACTION_BACKWARD,
+        &bce::BCE_WITH_LOGITS,
     ];
     ALL
 }

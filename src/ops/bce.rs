@@ -335,4 +335,27 @@ mod tests {
             }
         }
     }
+
+    #[test]
+    fn a_twin_run_directly_checks_its_lengths() {
+        use crate::device::HostOperand;
+        let (x, y) = ([0.5f32; 4], [1.0f32; 3]);
+        let mut loss = [7.0f32; 4];
+        let p = BceParams {
+            n: 4,
+            scale: 1.0,
+            pad: 0,
+        };
+        let ops = vec![
+            HostOperand::Read(bytemuck::cast_slice(&x), DType::F32),
+            HostOperand::Read(bytemuck::cast_slice(&y), DType::F32),
+            HostOperand::Write(bytemuck::cast_slice_mut(&mut loss), DType::F32),
+            HostOperand::Absent,
+            HostOperand::Absent,
+        ];
+        let mut args = TwinArgs::new(&BCE_WITH_LOGITS, ops, bytemuck::bytes_of(&p)).unwrap();
+        let err = (BCE_WITH_LOGITS.twin)(&mut args).unwrap_err();
+        assert!(err.to_string().contains("`labels`"), "{err}");
+        assert_eq!(loss, [7.0; 4]);
+    }
 }

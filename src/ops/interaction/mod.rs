@@ -17,7 +17,9 @@
 //! 0, every `dT[k][c]` one chain over `m = 0, 1, …, n−1` (the diagonal included, as a
 //! multiplication by `G[k][k] = 0`) from `dout[c]` for `k = 0` and from 0 otherwise. The CUDA
 //! kernels (`kernels/interaction.cu`, one block per sample) and the CPU twin run exactly these
-//! chains (an fma is correctly rounded on both), so they agree bit for bit.
+//! chains (an fma is correctly rounded on both), so they agree bit for bit. As in a batched
+//! matrix product's backward (PyTorch's `bmm`), an infinite or NaN value in row `k` of `T`
+//! makes `dT[k]` NaN through that zero.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};

@@ -86,10 +86,87 @@ fn gelu_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
     });
 }
 
+/// DLRM's dot interaction at Criteo-like shapes (batch 2048, 26 features, dim 64 and 128),
+/// whatever the rows and columns: it reads the dense and embedding rows and writes the output
+/// row once (forward), and reads those and the output gradient and writes both input gradients
+/// once (backward). At ~5 multiply-adds per byte it is bound by arithmetic, not memory.
+fn interaction_entries(v: &mut Vec<Entry>) {
+    use tidemem::ops::interaction::{InteractionShape, INTERACTION_BACKWARD, INTERACTION_FORWARD};
+    for dim in [64, 128] {
+        let s = InteractionShape {
+            batch: 2048,
+            features: 26,
+            dim,
+        };
+        let p = bytemuck::bytes_of(&s.params()).to_vec();
+        let (x, e, o) = (
+            s.batch * dim,
+            s.batch * s.features * dim,
+            s.batch * s.out_width(),
+        );
+        v.push(Entry {
+            name: format!("interaction_forward f32 d{dim}"),
+            bytes: 4 * (x + e + o),
+            run: twin(
+                &INTERACTION_FORWARD,
+                p.clone(),
+                vec![(floats(x, 1), DType::F32), (floats(e, 2), DType::F32)],
+                vec![(vec![0; 4 * o], DType::F32)],
+            ),
+        });
+        v.push(Entry {
+            name: format!("interaction_backward f32 d{dim}"),
+            bytes: 4 * (2 * (x + e) + o),
+            run: twin(
+                &INTERACTION_BACKWARD,
+                p,
+                vec![
+                    (floats(x, 1), DType::F32),
+                    (floats(e, 2), DType::F32),
+                    (floats(o, 3), DType::F32),
+                ],
+                vec![(vec![0; 4 * x], DType::F32), (vec![0; 4 * e], DType::F32)],
+            ),
+        });
+    }
+}
+
+/// Sigmoid + binary cross-entropy on 2^20 logits with every output (loss, gradient,
+/// probabilities): 4 bytes read and 4 written per element and operand.
+fn bce_entries(v: &mut Vec<Entry>) {
+    use tidemem::ops::bce::{BceParams, BCE_WITH_LOGITS};
+    let n = 1 << 20;
+    let p = BceParams {
+        n: n as u64,
+        scale: 1.0 / n as f32,
+        pad: 0,
+    };
+    let labels: Vec<f32> = (0..n).map(|i| ((i * 7) % 3 == 0) as u8 as f32).collect();
+    v.push(Entry {
+        name: "bce_with_logits f32".into(),
+        bytes: 20 * n,
+        run: twin(
+            &BCE_WITH_LOGITS,
+            bytemuck::bytes_of(&p).to_vec(),
+            vec![
+                (floats(n, 4), DType::F32),
+                (bytemuck::cast_slice(&labels).to_vec(), DType::F32),
+            ],
+            vec![
+                (vec![0; 4 * n], DType::F32),
+                (vec![0; 4 * n], DType::F32),
+                (vec![0; 4 * n], DType::F32),
+            ],
+        ),
+    });
+}
+
 /// Every op of the bench.
 fn entries(rows: usize, cols: usize) -> Vec<Entry> {
     let mut v = Vec::new();
     gelu_entries(rows, cols, &mut v);
+    interaction_entries(&mut v);
+    bce_entries(&mut v);
     v
 }
 

@@ -43,6 +43,8 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("gelu.cu"),
     kernel_file!("accumulate.cu"),
     kernel_file!("heads.cu"),
+    kernel_file!("interaction.cu"),
+    kernel_file!("bce.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -59,6 +61,8 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("math.cuh"),
     kernel_file!("heads.cuh"),
     kernel_file!("gemm.cuh"),
+    kernel_file!("interaction.cuh"),
+    kernel_file!("bce.cuh"),
 ];
 
 /// The source named `name`.

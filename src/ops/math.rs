@@ -43,7 +43,9 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = (p * (r * r) + r) + 1.0;
-    let ni = n as i32;
+    // `n` is a whole number in [-126, 128] (a NaN `x` is answered below): read it off the bits
+    // of `n + 1.5·2^23` rather than with `as`, whose saturation does not vectorise.
+    let ni = ((n + 12_582_912.0).to_bits() as i32).wrapping_sub(0x4B40_0000);
     let n1 = ni.min(127);
     let out = (y * pow2(n1)) * pow2(ni - n1);
     if x.is_nan() {

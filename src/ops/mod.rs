@@ -6,6 +6,7 @@
 
 pub mod accumulate;
 pub mod adam;
+pub mod bce;
 pub mod cast;
 pub mod embedding;
 pub mod float;
@@ -13,14 +14,17 @@ pub mod gelu;
 pub mod gemm;
 pub mod grad_stats;
 pub mod heads;
+pub mod interaction;
 pub mod math;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
+pub use bce::{bce_with_logits, BceOutputs};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
 pub use gemm::{gemm, gemm_host, Gemm};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+pub use interaction::{interaction_backward, interaction_forward, InteractionShape};
 
 use crate::device::KernelDesc;
 
@@ -44,6 +48,9 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &heads::HEADS_MERGE,
         &heads::HEADS_SPLIT,
         &gemm::GEMM,
+        &interaction::INTERACTION_FORWARD,
+        &interaction::INTERACTION_BACKWARD,
+        &bce::BCE_WITH_LOGITS,
     ];
     ALL
 }

@@ -42,6 +42,9 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("embedding.cu"),
     kernel_file!("gelu.cu"),
     kernel_file!("accumulate.cu"),
+    kernel_file!("softmax.cu"),
+    kernel_file!("cross_entropy.cu"),
+    kernel_file!("encoder.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -56,6 +59,10 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("gelu.cuh"),
     kernel_file!("accumulate.cuh"),
     kernel_file!("math.cuh"),
+    kernel_file!("lanes.cuh"),
+    kernel_file!("softmax.cuh"),
+    kernel_file!("cross_entropy.cuh"),
+    kernel_file!("encoder.cuh"),
 ];
 
 /// The source named `name`.

@@ -198,18 +198,43 @@ pub fn check_targets(targets: &[i32], vocab: usize, ignore_index: i32) -> Result
     }
 }
 
-/// The row's maximum `m` and `Σ exp(x_j − m)` in the kernel's order; `buf` holds
-/// `exp(x_j − m)` after.
+/// The row's maximum `m` and `Σ exp(x_j − m)` in the kernel's order; `buf` (room for `x`
+/// rounded up to whole blocks of [`CROSS_ENTROPY_THREADS`]) holds `exp(x_j − m)` after. The
+/// padding is `-inf`, whose `exp` is 0: it changes neither the maximum nor a thread's sum
+/// (`p + 0 = p` for the non-negative partials) and keeps the `exp` loop free of a scalar tail.
 #[inline(always)]
 fn row_stats<T: Float>(x: &[T], buf: &mut [f32]) -> (f32, f32) {
-    for (b, &x) in buf.iter_mut().zip(x) {
+    let n = x.len();
+    let full = n / 32 * 32;
+    let mut mx = [f32::NEG_INFINITY; 32];
+    for (b, x) in buf.chunks_exact_mut(32).zip(x.chunks_exact(32)) {
+        for l in 0..32 {
+            b[l] = x[l].get();
+            mx[l] = mx[l].max(b[l]);
+        }
+    }
+    let (tail, pad) = buf[full..].split_at_mut(n - full);
+    for (b, &x) in tail.iter_mut().zip(&x[full..]) {
         *b = x.get();
     }
-    let m = lanes::max_of(buf, f32::NEG_INFINITY);
-    for b in buf.iter_mut() {
-        *b = math::exp(*b - m);
+    pad.fill(f32::NEG_INFINITY);
+    for (m, &b) in mx.iter_mut().zip(&buf[full..]) {
+        *m = m.max(b);
     }
-    (m, lanes::block_sum(&lanes::lane_sums::<LANES>(buf)))
+    let m = lanes::max_lanes(mx);
+    let mut sums = [0f32; LANES];
+    for b in buf.chunks_exact_mut(LANES) {
+        for l in 0..LANES {
+            b[l] = math::exp(b[l] - m);
+            sums[l] += b[l];
+        }
+    }
+    (m, lanes::block_sum(&sums))
+}
+
+/// `v` rounded up to whole blocks of [`CROSS_ENTROPY_THREADS`].
+fn whole_blocks(v: usize) -> usize {
+    v.div_ceil(LANES) * LANES
 }
 
 /// The gradient of one counted row over its `V` columns (from `buf` = `exp(x_j − m)`), the
@@ -232,7 +257,7 @@ fn twin_typed<T: Float>(a: &mut TwinArgs<'_>, grad: bool) -> Result<()> {
         let why = target_error(targets, row, v, p.ignore_index);
         return Err(a.desc().error(why));
     }
-    let mut buf = vec![0f32; v];
+    let mut buf = vec![0f32; whole_blocks(v)];
     let mut logits_in: &[T] = &[];
     let mut logits_out: &mut [T] = &mut [];
     if grad {
@@ -272,7 +297,8 @@ fn twin_typed<T: Float>(a: &mut TwinArgs<'_>, grad: bool) -> Result<()> {
                 let (m, sum) = row_stats(&x[..v], &mut buf);
                 *loss = math::ln(sum) - (xt - m);
                 if grad {
-                    write_grad(&mut logits_out[row], &buf, t, 1.0 / sum, p.grad_scale);
+                    let e = &buf[..v];
+                    write_grad(&mut logits_out[row], e, t, 1.0 / sum, p.grad_scale);
                 }
             }
         },
@@ -350,7 +376,7 @@ mod tests {
     fn a_row_matches_f64_and_its_gradient_sums_to_zero() {
         for v in [1usize, 2, 255, 256, 257, 1000] {
             let x: Vec<f32> = (0..v).map(|j| ((j * 29 % 17) as f32 - 8.0) * 0.6).collect();
-            let mut buf = vec![0f32; v];
+            let mut buf = vec![0f32; whole_blocks(v)];
             let (m, sum) = row_stats(&x, &mut buf);
             let t = v / 3;
             let loss = math::ln(sum) - (x[t] - m);
@@ -362,7 +388,7 @@ mod tests {
                 "{v}"
             );
             let mut g = vec![f32::NAN; v + 5];
-            write_grad(&mut g, &buf, t, 1.0 / sum, 1.0);
+            write_grad(&mut g, &buf[..v], t, 1.0 / sum, 1.0);
             let total: f64 = g.iter().map(|&v| v as f64).sum();
             assert!(total.abs() < 1e-5, "{v}: {total}");
             assert!(g[v..].iter().all(|&v| v.to_bits() == 0));

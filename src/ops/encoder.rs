@@ -7,7 +7,7 @@
 //! Storage f32, f16 or bf16, math in f32. The backward is **deterministic**: no atomics. The
 //! token ids come from the data loader on the host, so the host sorts the positions by token
 //! before upload — an [`EncoderPlan`], built by the embedding bags' plan
-//! ([`plan_backward`](crate::ops::embedding::plan_backward), each position a bag of one): the
+//! ([`plan_backward`], each position a bag of one): the
 //! distinct tokens in first-occurrence order, and for each the positions that hold it, in
 //! order. CUDA (`kernels/encoder.cu`) gives each distinct token one block, whose threads sum its
 //! positions' rows column by column in plan order and add the sum to `dwte` once; `dwpe` is
@@ -156,7 +156,7 @@ pub static ENCODER_BACKWARD: KernelDesc = KernelDesc {
 
 /// `a·b`, or `u64::MAX` on overflow (never an operand's length).
 fn mul(a: u64, b: u64) -> u64 {
-    a.checked_mul(b).unwrap_or(u64::MAX)
+    a.saturating_mul(b)
 }
 
 /// The shape rules both ops share: `T ≥ 1`, `C ≥ 1`, `T ≤ maxT`, `B·T` positions.
@@ -280,6 +280,9 @@ fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     Ok(())
 }
 
+/// A plan's rows, row starts and entries.
+type PlanParts<'a> = (&'a [u32], &'a [u32], &'a [u32]);
+
 /// The plan's three arrays, checked: rows in `0..v` and distinct, row starts non-decreasing
 /// and within the entries, entries in `0..n`. `Err` holds why not.
 fn split_plan(
@@ -287,7 +290,7 @@ fn split_plan(
     distinct: usize,
     v: usize,
     n: usize,
-) -> std::result::Result<(&[u32], &[u32], &[u32]), String> {
+) -> std::result::Result<PlanParts<'_>, String> {
     let (rows, rest) = words.split_at(distinct);
     let (row_ptr, entries) = rest.split_at(distinct + 1);
     let mut seen = vec![false; v];

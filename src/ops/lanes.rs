@@ -2,15 +2,17 @@
 //! bit for bit.
 //!
 //! A row kernel gives each thread (lane) the elements `l, l + L, l + 2L, …` of a row of `L`
-//! threads, summed in that order from `+0.0` ([`lane_sums`]); a warp then combines its 32
+//! threads, summed in that order from `+0.0` (the twins keep `L` running sums, one per lane,
+//! over chunks of `L` elements, as [`lane_sums`] does); a warp then combines its 32
 //! partial sums with the xor butterfly `v = v + shfl_xor(v, o)` for `o = 16, 8, 4, 2, 1`
 //! ([`warp_sum`]: every lane ends with the same value, as addition is commutative); a block of
 //! several warps adds the warps' totals in warp order, starting from warp 0's ([`block_sum`]).
-//! Maxima are exact in any order ([`max_of`]). Everything is plain f32 arithmetic, which Rust
+//! Maxima are exact in any order ([`max_lanes`]). Everything is plain f32 arithmetic, which Rust
 //! never contracts, so the twins' results are the kernels' bits.
 
-/// Lane `l` of `L` sums `x[l], x[l + L], x[l + 2L], …` in order, from `+0.0`.
-#[inline(always)]
+/// Lane `l` of `L` sums `x[l], x[l + L], x[l + 2L], …` in order, from `+0.0` (the order the
+/// twins' fused loops keep).
+#[cfg(test)]
 pub(crate) fn lane_sums<const L: usize>(x: &[f32]) -> [f32; L] {
     let mut p = [0f32; L];
     let mut chunks = x.chunks_exact(L);
@@ -53,21 +55,17 @@ pub(crate) fn block_sum<const L: usize>(p: &[f32; L]) -> f32 {
     total
 }
 
-/// The largest of `init` and `x` (NaN ignored, as `fmaxf` does); exact in any order, computed
-/// in 32 lanes so it vectorises.
+/// The largest of 32 lanes, by halving (exact in any order).
 #[inline(always)]
-pub(crate) fn max_of(x: &[f32], init: f32) -> f32 {
-    let mut m = [init; 32];
-    let mut chunks = x.chunks_exact(32);
-    for c in &mut chunks {
-        for l in 0..32 {
-            m[l] = m[l].max(c[l]);
+pub(crate) fn max_lanes(mut m: [f32; 32]) -> f32 {
+    let mut o = 16;
+    while o > 0 {
+        for l in 0..o {
+            m[l] = m[l].max(m[l + o]);
         }
+        o /= 2;
     }
-    for (m, &x) in m.iter_mut().zip(chunks.remainder()) {
-        *m = m.max(x);
-    }
-    m.iter().fold(init, |a, &b| a.max(b))
+    m[0]
 }
 
 #[cfg(test)]
@@ -106,11 +104,12 @@ mod tests {
     }
 
     #[test]
-    fn max_ignores_nan_and_keeps_init() {
-        assert_eq!(max_of(&[], f32::NEG_INFINITY), f32::NEG_INFINITY);
-        let mut x: Vec<f32> = (0..100).map(|i| -(i as f32)).collect();
-        x[77] = f32::NAN;
-        x[40] = 3.5;
-        assert_eq!(max_of(&x, f32::NEG_INFINITY), 3.5);
+    fn max_ignores_nan() {
+        let mut m = [f32::NEG_INFINITY; 32];
+        m[7] = f32::NAN;
+        m[20] = 3.5;
+        m[3] = -1.0;
+        assert_eq!(max_lanes(m), 3.5);
+        assert_eq!(max_lanes([f32::NEG_INFINITY; 32]), f32::NEG_INFINITY);
     }
 }

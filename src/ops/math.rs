@@ -43,7 +43,11 @@ pub fn exp(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let y = (p * (r * r) + r) + 1.0;
-    let ni = n as i32;
+    // `n as i32` without a conversion instruction: `n` is an integer in -126..=128, so
+    // `n + 1.5·2²³` is exact and holds `n` in its low mantissa bits. (A saturating `as` does
+    // not vectorise: LLVM converts such a vector lane by lane.) The same integer as the
+    // kernel's `(int)n`.
+    let ni = (n + 12_582_912.0).to_bits() as i32 - 0x4b40_0000;
     let n1 = ni.min(127);
     let out = (y * pow2(n1)) * pow2(ni - n1);
     if x.is_nan() {

@@ -8,7 +8,7 @@
 //! Storage f32, f16 or bf16; the maximum, the sums and every product in f32. CUDA
 //! (`kernels/softmax.cu`) runs one warp per row: lane `l` takes the row's elements
 //! `l, l + 32, …`, and the warp reduces by the xor butterfly; the CPU twin keeps that order
-//! (`ops::lanes`) and uses [`math::exp`](crate::ops::math::exp), so the two agree bit for bit.
+//! (`ops::lanes`) and uses [`math::exp`], so the two agree bit for bit.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
@@ -135,33 +135,67 @@ fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
     )])
 }
 
-/// One row `i` of the forward: `x` and `buf` hold its `i + 1` elements on and below the
-/// diagonal, `y` the whole row of `T`.
+/// `n` rounded up to whole warps (32 lanes).
+fn whole_warps(n: usize) -> usize {
+    n.div_ceil(32) * 32
+}
+
+/// One row `i` of the forward: `x` holds its `i + 1` elements on and below the diagonal, `y`
+/// the whole row of `T`, `buf` room for `x` rounded up to whole warps. The padding is `-inf`,
+/// whose `exp` is 0: it leaves the maximum and every lane's sum as they are (`p + 0 = p` for
+/// the non-negative partials), and keeps the `exp` loop free of a scalar tail. Lane `l` of the
+/// 32 running maxima and sums takes elements `l, l + 32, …`, as the kernel's lanes do.
 #[inline(always)]
 fn forward_row<T: Float>(x: &[T], y: &mut [T], scale: f32, buf: &mut [f32]) {
-    for (b, &x) in buf.iter_mut().zip(x) {
+    let n = x.len();
+    let full = n / 32 * 32;
+    let mut mx = [f32::NEG_INFINITY; 32];
+    for (b, x) in buf.chunks_exact_mut(32).zip(x.chunks_exact(32)) {
+        for l in 0..32 {
+            b[l] = scale * x[l].get();
+            mx[l] = mx[l].max(b[l]);
+        }
+    }
+    let (tail, pad) = buf[full..].split_at_mut(n - full);
+    for (b, &x) in tail.iter_mut().zip(&x[full..]) {
         *b = scale * x.get();
     }
-    let m = lanes::max_of(buf, f32::NEG_INFINITY);
-    for b in buf.iter_mut() {
-        *b = math::exp(*b - m);
+    pad.fill(f32::NEG_INFINITY);
+    for (m, &b) in mx.iter_mut().zip(&buf[full..]) {
+        *m = m.max(b);
     }
-    let inv = 1.0 / lanes::warp_sum(&lanes::lane_sums::<32>(buf));
-    let (low, high) = y.split_at_mut(buf.len());
+    let m = lanes::max_lanes(mx);
+    let mut sums = [0f32; 32];
+    for b in buf.chunks_exact_mut(32) {
+        for l in 0..32 {
+            b[l] = math::exp(b[l] - m);
+            sums[l] += b[l];
+        }
+    }
+    let inv = 1.0 / lanes::warp_sum(&sums);
+    let (low, high) = y.split_at_mut(n);
     for (y, &e) in low.iter_mut().zip(buf.iter()) {
         *y = T::put(e * inv);
     }
     high.fill(T::put(0.0));
 }
 
-/// One row of the backward, as [`forward_row`].
+/// One row of the backward, as [`forward_row`] (`y` and `dy` its live elements, `dx` the
+/// whole row).
 #[inline(always)]
-fn backward_row<T: Float>(y: &[T], dy: &[T], dx: &mut [T], scale: f32, buf: &mut [f32]) {
-    for ((b, &y), &dy) in buf.iter_mut().zip(y).zip(dy) {
-        *b = dy.get() * y.get();
+fn backward_row<T: Float>(y: &[T], dy: &[T], dx: &mut [T], scale: f32) {
+    let mut sums = [0f32; 32];
+    for (y, dy) in y.chunks_exact(32).zip(dy.chunks_exact(32)) {
+        for l in 0..32 {
+            sums[l] += dy[l].get() * y[l].get();
+        }
     }
-    let d = lanes::warp_sum(&lanes::lane_sums::<32>(buf));
-    let (low, high) = dx.split_at_mut(buf.len());
+    let full = y.len() / 32 * 32;
+    for ((s, &y), &dy) in sums.iter_mut().zip(&y[full..]).zip(&dy[full..]) {
+        *s += dy.get() * y.get();
+    }
+    let d = lanes::warp_sum(&sums);
+    let (low, high) = dx.split_at_mut(y.len());
     for ((dx, &y), &dy) in low.iter_mut().zip(y).zip(dy) {
         *dx = T::put(scale * (y.get() * (dy.get() - d)));
     }
@@ -176,13 +210,13 @@ fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     if t == 0 {
         return Ok(());
     }
-    let mut buf = vec![0f32; t];
+    let mut buf = vec![0f32; whole_warps(t)];
     simd(
         #[inline(always)]
         || {
             for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
                 let n = r % t + 1;
-                forward_row(&x[..n], y, p.scale, &mut buf[..n]);
+                forward_row(&x[..n], y, p.scale, &mut buf[..whole_warps(n)]);
             }
         },
     );
@@ -197,14 +231,13 @@ fn backward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     if t == 0 {
         return Ok(());
     }
-    let mut buf = vec![0f32; t];
     simd(
         #[inline(always)]
         || {
             let rows = y.chunks_exact(t).zip(dy.chunks_exact(t));
             for (r, ((y, dy), dx)) in rows.zip(dx.chunks_exact_mut(t)).enumerate() {
                 let n = r % t + 1;
-                backward_row(&y[..n], &dy[..n], dx, p.scale, &mut buf[..n]);
+                backward_row(&y[..n], &dy[..n], dx, p.scale);
             }
         },
     );
@@ -301,7 +334,7 @@ mod tests {
             let t = n + 3;
             let x: Vec<f32> = (0..n).map(|j| ((j * 37 % 11) as f32 - 5.0) * 0.7).collect();
             let mut y = vec![f32::NAN; t];
-            let mut buf = vec![0f32; n];
+            let mut buf = vec![0f32; whole_warps(n)];
             forward_row(&x, &mut y, 0.3, &mut buf);
             let want = row64(
                 &x.iter().map(|&v| v as f64).collect::<Vec<_>>(),
@@ -324,8 +357,7 @@ mod tests {
         let y32: Vec<f32> = row64(&x, scale).iter().map(|&v| v as f32).collect();
         let dy32: Vec<f32> = dy.iter().map(|&v| v as f32).collect();
         let mut dx = vec![0f32; n + 1];
-        let mut buf = vec![0f32; n];
-        backward_row(&y32, &dy32, &mut dx, scale as f32, &mut buf);
+        backward_row(&y32, &dy32, &mut dx, scale as f32);
         for j in 0..n {
             let h = 1e-6;
             let (mut a, mut b) = (x.clone(), x.clone());

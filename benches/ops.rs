@@ -86,6 +86,204 @@ fn gelu_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
     });
 }
 
+/// Runs `desc`'s twin on host buffers given in signature order, each `(bytes, type, written)`.
+fn twin_in_order(
+    desc: &'static KernelDesc,
+    params: Vec<u8>,
+    operands: Vec<(Vec<u8>, DType, bool)>,
+) -> Box<dyn FnMut()> {
+    let mut operands = operands;
+    Box::new(move || {
+        let ops: Vec<HostOperand<'_>> = operands
+            .iter_mut()
+            .map(|(b, d, w)| {
+                if *w {
+                    HostOperand::Write(b, *d)
+                } else {
+                    HostOperand::Read(b, *d)
+                }
+            })
+            .collect();
+        let mut args = TwinArgs::new(desc, ops, &params).expect("operands fit the signature");
+        (desc.twin)(&mut args).expect("the twin runs");
+    })
+}
+
+/// `floats(n, seed)` stored as `d`.
+fn floats_as(n: usize, seed: u32, d: DType) -> Vec<u8> {
+    let v: Vec<f32> = bytemuck::pod_collect_to_vec(&floats(n, seed));
+    tidemem::dtype::encode_f32(&v, d)
+}
+
+/// Token ids in `0..v` (a multiplicative hash of the position).
+fn token_ids(n: usize, v: usize) -> Vec<i32> {
+    (0..n)
+        .map(|i| ((i as u64).wrapping_mul(2_654_435_761) % v as u64) as i32)
+        .collect()
+}
+
+/// Causal softmax over GPT-2's context (T = 1024), as many matrices as `rows × cols` elements
+/// fill (at least one). Bytes: the lower triangle read (once per input), the whole matrix
+/// written.
+fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
+    use tidemem::ops::softmax::{SoftmaxParams, SOFTMAX_BACKWARD, SOFTMAX_FORWARD};
+    let t = 1024usize;
+    let bh = (rows * cols / (t * t)).max(1);
+    let n = bh * t * t;
+    let tri = bh * t * (t + 1) / 2;
+    let p = bytemuck::bytes_of(&SoftmaxParams {
+        bh: bh as u64,
+        t: t as u64,
+        scale: 0.125,
+        pad: 0,
+    })
+    .to_vec();
+    for d in [DType::F32, DType::BF16] {
+        let s = d.size();
+        v.push(Entry {
+            name: format!("softmax_forward {d} [{bh},{t},{t}]"),
+            bytes: (tri + n) * s,
+            run: twin(
+                &SOFTMAX_FORWARD,
+                p.clone(),
+                vec![(floats_as(n, 1, d), d)],
+                vec![(vec![0; n * s], d)],
+            ),
+        });
+        v.push(Entry {
+            name: format!("softmax_backward {d} [{bh},{t},{t}]"),
+            bytes: (2 * tri + n) * s,
+            run: twin(
+                &SOFTMAX_BACKWARD,
+                p.clone(),
+                vec![(floats_as(n, 1, d), d), (floats_as(n, 2, d), d)],
+                vec![(vec![0; n * s], d)],
+            ),
+        });
+    }
+}
+
+/// Fused cross-entropy on GPT-2's vocabulary (V = 50 257 padded to 50 304; 64 rows) and on a
+/// small one (`rows` rows of V = `cols`). Bytes: the logits read (and written over, fused),
+/// targets and losses.
+fn cross_entropy_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
+    use tidemem::ops::cross_entropy::{
+        CrossEntropyParams, CROSS_ENTROPY_FORWARD, CROSS_ENTROPY_FORWARD_BACKWARD,
+    };
+    let cases = [
+        (64usize, 50_257usize, 50_304usize, DType::BF16, true),
+        (64, 50_257, 50_304, DType::F32, true),
+        (64, 50_257, 50_304, DType::BF16, false),
+        (rows, cols, cols, DType::F32, true),
+    ];
+    for (n, vocab, vp, d, fused) in cases {
+        let p = bytemuck::bytes_of(&CrossEntropyParams {
+            n: n as u64,
+            v: vocab as u64,
+            vp: vp as u64,
+            ignore_index: -100,
+            grad_scale: 1.0 / n as f32,
+        })
+        .to_vec();
+        let targets: Vec<u8> = bytemuck::cast_slice(&token_ids(n, vocab)).to_vec();
+        let (desc, name, logit_bytes) = if fused {
+            let desc = &CROSS_ENTROPY_FORWARD_BACKWARD;
+            (
+                desc,
+                "cross_entropy_forward_backward",
+                2 * n * vp * d.size(),
+            )
+        } else {
+            (
+                &CROSS_ENTROPY_FORWARD,
+                "cross_entropy_forward",
+                n * vocab * d.size(),
+            )
+        };
+        v.push(Entry {
+            name: format!("{name} {d} [{n},{vocab}/{vp}]"),
+            bytes: logit_bytes + 8 * n,
+            run: twin_in_order(
+                desc,
+                p,
+                vec![
+                    (floats_as(n * vp, 3, d), d, fused),
+                    (targets, DType::I32, false),
+                    (vec![0; 4 * n], DType::F32, true),
+                ],
+            ),
+        });
+    }
+}
+
+/// The encoder on `rows` positions (sequences of T = 1024, or fewer) of C = `cols` channels,
+/// V = 50 257. Bytes: forward, tokens and the gathered wte rows read, wpe's T rows read, out
+/// written; backward, dout and the plan read, the touched dwte rows and dwpe's T rows read
+/// and written; the plan, tokens read and plan words written.
+fn encoder_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
+    use tidemem::ops::encoder::{
+        EncoderBackwardParams, EncoderParams, ENCODER_BACKWARD, ENCODER_FORWARD,
+    };
+    use tidemem::ops::EncoderPlan;
+    let (vocab, c) = (50_257usize, cols);
+    let t = rows.min(1024);
+    let n = rows / t * t;
+    let tokens = token_ids(n, vocab);
+    let tok_bytes: Vec<u8> = bytemuck::cast_slice(&tokens).to_vec();
+    let plan = EncoderPlan::new(&tokens, vocab).expect("tokens in range");
+    let words: Vec<u8> = bytemuck::cast_slice(&plan.to_words()).to_vec();
+    let tok = tokens.clone();
+    v.push(Entry {
+        name: format!("encoder_plan [{n}] of {vocab}"),
+        bytes: 4 * n + 4 * plan.words(),
+        run: Box::new(move || {
+            std::hint::black_box(EncoderPlan::new(&tok, vocab).expect("tokens in range"));
+        }),
+    });
+    for d in [DType::F32, DType::BF16] {
+        let s = d.size();
+        let fp = EncoderParams {
+            n: n as u64,
+            t: t as u64,
+            c: c as u64,
+            v: vocab as u64,
+            max_t: t as u64,
+        };
+        v.push(Entry {
+            name: format!("encoder_forward {d} [{n},{c}]"),
+            bytes: 4 * n + (2 * n + t) * c * s,
+            run: twin(
+                &ENCODER_FORWARD,
+                bytemuck::bytes_of(&fp).to_vec(),
+                vec![
+                    (tok_bytes.clone(), DType::I32),
+                    (floats_as(vocab * c, 4, d), d),
+                    (floats_as(t * c, 5, d), d),
+                ],
+                vec![(vec![0; n * c * s], d)],
+            ),
+        });
+        let bp = EncoderBackwardParams {
+            n: n as u64,
+            t: t as u64,
+            c: c as u64,
+            v: vocab as u64,
+            max_t: t as u64,
+            distinct: plan.distinct() as u64,
+        };
+        v.push(Entry {
+            name: format!("encoder_backward {d} [{n},{c}] {} rows", plan.distinct()),
+            bytes: words.len() + (n + 2 * plan.distinct() + 2 * t) * c * s,
+            run: twin(
+                &ENCODER_BACKWARD,
+                bytemuck::bytes_of(&bp).to_vec(),
+                vec![(floats_as(n * c, 6, d), d), (words.clone(), DType::U32)],
+                vec![(vec![0; vocab * c * s], d), (vec![0; t * c * s], d)],
+            ),
+        });
+    }
+}
+
 /// DLRM's dot interaction at Criteo-like shapes (batch 2048, 26 features, dim 64 and 128),
 /// whatever the rows and columns: it reads the dense and embedding rows and writes the output
 /// row once (forward), and reads those and the output gradient and writes both input gradients
@@ -165,6 +363,9 @@ fn bce_entries(v: &mut Vec<Entry>) {
 fn entries(rows: usize, cols: usize) -> Vec<Entry> {
     let mut v = Vec::new();
     gelu_entries(rows, cols, &mut v);
+    softmax_entries(rows, cols, &mut v);
+    cross_entropy_entries(rows, cols, &mut v);
+    encoder_entries(rows, cols, &mut v);
     interaction_entries(&mut v);
     bce_entries(&mut v);
     v

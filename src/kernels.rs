@@ -45,6 +45,9 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("heads.cu"),
     kernel_file!("interaction.cu"),
     kernel_file!("bce.cu"),
+    kernel_file!("softmax.cu"),
+    kernel_file!("cross_entropy.cu"),
+    kernel_file!("encoder.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -63,6 +66,10 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("gemm.cuh"),
     kernel_file!("interaction.cuh"),
     kernel_file!("bce.cuh"),
+    kernel_file!("lanes.cuh"),
+    kernel_file!("softmax.cuh"),
+    kernel_file!("cross_entropy.cuh"),
+    kernel_file!("encoder.cuh"),
 ];
 
 /// The source named `name`.

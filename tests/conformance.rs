@@ -447,6 +447,174 @@ fn bce_cases(r: &mut Rng) -> Vec<Case> {
     v
 }
 
+/// `bh` matrices of `t × t` `d` elements: random floats of `scale` on and below the diagonal,
+/// garbage bits above it (never read).
+fn causal(r: &mut Rng, bh: usize, t: usize, scale: f32, d: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bh * t * t * d.size());
+    for _ in 0..bh {
+        for i in 0..t {
+            for j in 0..t {
+                if j <= i {
+                    out.extend(r.floats(1, scale, d));
+                } else {
+                    out.extend(r.garbage(d.size()));
+                }
+            }
+        }
+    }
+    out
+}
+
+fn softmax_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for (bh, t, scale) in [
+            (0usize, 5usize, 0.125f32),
+            (3, 0, 1.0),
+            (1, 1, 0.125),
+            (3, 7, 1.0),
+            (2, 33, 0.125),
+            (1, 64, 0.3),
+            (2, 100, 0.125),
+        ] {
+            let mut operands = vec![];
+            if backward {
+                operands.push(Some((d, causal(r, bh, t, 1.0, d))));
+                operands.push(Some((d, causal(r, bh, t, 2.0, d))));
+            } else {
+                operands.push(Some((d, causal(r, bh, t, 12.0, d))));
+            }
+            operands.push(Some((d, r.garbage(bh * t * t * d.size()))));
+            let p = ops::softmax::SoftmaxParams {
+                bh: bh as u64,
+                t: t as u64,
+                scale,
+                pad: 0,
+            };
+            v.push(Case {
+                label: format!("{d} [{bh}, {t}, {t}] scale {scale}"),
+                operands,
+                params: bytemuck::bytes_of(&p).to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}
+
+fn cross_entropy_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for (n, vocab, vp, ignore) in [
+            (0usize, 5usize, 5usize, -100i32),
+            (1, 1, 1, -100),
+            (3, 7, 9, -100),
+            (4, 300, 320, 2),
+            (5, 257, 257, -1),
+            (2, 1000, 1024, -100),
+        ] {
+            let mut logits = vec![];
+            for _ in 0..n {
+                logits.extend(r.floats(vocab, 8.0, d));
+                logits.extend(r.garbage((vp - vocab) * d.size()));
+            }
+            // Every third row ignored.
+            let targets: Vec<i32> = (0..n)
+                .map(|i| {
+                    if i % 3 == 1 {
+                        ignore
+                    } else {
+                        r.below(vocab as u64) as i32
+                    }
+                })
+                .collect();
+            let p = ops::cross_entropy::CrossEntropyParams {
+                n: n as u64,
+                v: vocab as u64,
+                vp: vp as u64,
+                ignore_index: ignore,
+                grad_scale: 1.0 / (n.max(1) as f32),
+            };
+            v.push(Case {
+                label: format!("{d} [{n}, {vocab} of {vp}] ignore {ignore}"),
+                operands: vec![
+                    Some((d, logits)),
+                    Some((DType::I32, bytemuck::cast_slice(&targets).to_vec())),
+                    Some((DType::F32, r.garbage(n * 4))),
+                ],
+                params: bytemuck::bytes_of(&p).to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}
+
+/// Encoder shapes (B, T, C, V, maxT).
+const ENCODER_SHAPES: [(usize, usize, usize, usize, usize); 5] = [
+    (0, 3, 4, 5, 3),
+    (1, 1, 1, 1, 1),
+    (2, 5, 7, 11, 8),
+    (3, 17, 33, 50, 20),
+    (2, 64, 130, 300, 64),
+];
+
+fn encoder_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for (b, t, c, vocab, max_t) in ENCODER_SHAPES {
+            let n = b * t;
+            // Few distinct tokens, so most repeat.
+            let tokens: Vec<i32> = (0..n)
+                .map(|_| r.below(vocab.min(9) as u64) as i32 * (vocab as i32 / 9).max(1))
+                .collect();
+            let label = format!("{d} B {b} T {t} C {c} V {vocab} maxT {max_t}");
+            if backward {
+                let plan = ops::EncoderPlan::new(&tokens, vocab).unwrap();
+                let p = ops::encoder::EncoderBackwardParams {
+                    n: n as u64,
+                    t: t as u64,
+                    c: c as u64,
+                    v: vocab as u64,
+                    max_t: max_t as u64,
+                    distinct: plan.distinct() as u64,
+                };
+                v.push(Case {
+                    label,
+                    operands: vec![
+                        Some((d, r.floats(n * c, 2.0, d))),
+                        Some((DType::U32, u32s(&plan.to_words()))),
+                        Some((d, r.floats(vocab * c, 1.0, d))),
+                        Some((d, r.floats(max_t * c, 1.0, d))),
+                    ],
+                    params: bytemuck::bytes_of(&p).to_vec(),
+                    agree: Agree::Exact,
+                });
+            } else {
+                let p = ops::encoder::EncoderParams {
+                    n: n as u64,
+                    t: t as u64,
+                    c: c as u64,
+                    v: vocab as u64,
+                    max_t: max_t as u64,
+                };
+                v.push(Case {
+                    label,
+                    operands: vec![
+                        Some((DType::I32, bytemuck::cast_slice(&tokens).to_vec())),
+                        Some((d, r.floats(vocab * c, 1.0, d))),
+                        Some((d, r.floats(max_t * c, 1.0, d))),
+                        Some((d, r.garbage(n * c * d.size()))),
+                    ],
+                    params: bytemuck::bytes_of(&p).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
 /// The cases of op `name`, or `None` for an op this test does not know (a failure).
 fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
     Some(match name {
@@ -469,6 +637,12 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "interaction_forward" => interaction_cases(r, false),
         "interaction_backward" => interaction_cases(r, true),
         "bce_with_logits" => bce_cases(r),
+        "softmax_forward" => softmax_cases(r, false),
+        "softmax_backward" => softmax_cases(r, true),
+        "cross_entropy_forward" => cross_entropy_cases(r),
+        "cross_entropy_forward_backward" => cross_entropy_cases(r),
+        "encoder_forward" => encoder_cases(r, false),
+        "encoder_backward" => encoder_cases(r, true),
         _ => return None,
     })
 }

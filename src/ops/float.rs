@@ -4,6 +4,8 @@
 
 use half::{bf16, f16};
 
+mod convert;
+
 /// A storage type of model floats (`f32`, `f16`, `bf16`).
 pub trait Float: bytemuck::Pod + Send + Sync {
     /// The value as f32 (exact).
@@ -23,25 +25,27 @@ impl Float for f32 {
     }
 }
 
+// The 16-bit conversions are `half`'s results computed without branches (`convert`), so the
+// twins' loops vectorise.
 impl Float for f16 {
     #[inline(always)]
     fn get(self) -> f32 {
-        self.to_f32()
+        convert::f16_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn put(x: f32) -> Self {
-        f16::from_f32(x)
+        f16::from_bits(convert::f32_to_f16(x))
     }
 }
 
 impl Float for bf16 {
     #[inline(always)]
     fn get(self) -> f32 {
-        self.to_f32()
+        convert::bf16_to_f32(self.to_bits())
     }
     #[inline(always)]
     fn put(x: f32) -> Self {
-        bf16::from_f32(x)
+        bf16::from_bits(convert::f32_to_bf16(x))
     }
 }
 

@@ -6,25 +6,35 @@
 
 pub mod accumulate;
 pub mod adam;
+pub mod attention;
 pub mod bce;
 pub mod cast;
+pub mod cross_entropy;
 pub mod embedding;
+pub mod encoder;
 pub mod float;
 pub mod gelu;
 pub mod gemm;
 pub mod grad_stats;
 pub mod heads;
 pub mod interaction;
+mod lanes;
 pub mod math;
+pub mod softmax;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use bce::{bce_with_logits, BceOutputs};
 pub use cast::cast;
+pub use cross_entropy::{
+    check_targets, cross_entropy_forward, cross_entropy_forward_backward, CrossEntropy,
+};
+pub use encoder::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use gemm::{gemm, gemm_host, Gemm};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
 pub use interaction::{interaction_backward, interaction_forward, InteractionShape};
+pub use softmax::{softmax_backward, softmax_forward};
 
 use crate::device::KernelDesc;
 
@@ -51,6 +61,12 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &interaction::INTERACTION_FORWARD,
         &interaction::INTERACTION_BACKWARD,
         &bce::BCE_WITH_LOGITS,
+        &softmax::SOFTMAX_FORWARD,
+        &softmax::SOFTMAX_BACKWARD,
+        &cross_entropy::CROSS_ENTROPY_FORWARD,
+        &cross_entropy::CROSS_ENTROPY_FORWARD_BACKWARD,
+        &encoder::ENCODER_FORWARD,
+        &encoder::ENCODER_BACKWARD,
     ];
     ALL
 }

@@ -42,6 +42,7 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("embedding.cu"),
     kernel_file!("gelu.cu"),
     kernel_file!("accumulate.cu"),
+    kernel_file!("layernorm.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -56,6 +57,8 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("gelu.cuh"),
     kernel_file!("accumulate.cuh"),
     kernel_file!("math.cuh"),
+    kernel_file!("rows.cuh"),
+    kernel_file!("layernorm.cuh"),
 ];
 
 /// The source named `name`.

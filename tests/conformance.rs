@@ -339,6 +339,91 @@ fn accumulate_cases(r: &mut Rng) -> Vec<Case> {
     v
 }
 
+const LN_SHAPES: [(usize, usize); 7] = [
+    (0, 5),
+    (1, 1),
+    (3, 7),
+    (9, 33),
+    (17, 64),
+    (40, 257),
+    (300, 3),
+];
+
+fn layernorm_forward_cases(r: &mut Rng) -> Vec<Case> {
+    use ops::layernorm::LayerNormParams;
+    let mut v = vec![];
+    for d in FLOATS {
+        for (n, c) in LN_SHAPES {
+            for residual in [false, true] {
+                let nc = n * c;
+                v.push(Case {
+                    label: format!("{d} [{n}, {c}] residual {residual}"),
+                    operands: vec![
+                        Some((d, r.floats(nc, 3.0, d))),
+                        residual.then(|| (d, r.floats(nc, 2.0, d))),
+                        Some((d, r.floats(c, 1.5, d))),
+                        Some((d, r.floats(c, 1.0, d))),
+                        residual.then(|| (d, r.garbage(nc * d.size()))),
+                        Some((d, r.garbage(nc * d.size()))),
+                        Some((DType::F32, r.garbage(n * 4))),
+                        Some((DType::F32, r.garbage(n * 4))),
+                    ],
+                    params: bytemuck::bytes_of(&LayerNormParams {
+                        rows: n as u64,
+                        cols: c as u64,
+                        eps: 1e-5,
+                        pad: 0,
+                    })
+                    .to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+fn layernorm_backward_cases(r: &mut Rng) -> Vec<Case> {
+    use ops::layernorm::{layernorm_backward_scratch_bytes, LayerNormBackwardParams};
+    let mut v = vec![];
+    for d in FLOATS {
+        for g in [DType::F32, d] {
+            for (n, c) in LN_SHAPES {
+                for acc in [false, true] {
+                    let nc = n * c;
+                    let rstd: Vec<f32> = (0..n).map(|_| r.unit().abs() * 2.0 + 0.25).collect();
+                    let dx = if acc {
+                        r.floats(nc, 1.0, d)
+                    } else {
+                        r.garbage(nc * d.size())
+                    };
+                    v.push(Case {
+                        label: format!("{d} grads {g} [{n}, {c}] accumulate {acc}"),
+                        operands: vec![
+                            Some((d, r.floats(nc, 1.0, d))),
+                            Some((d, r.floats(nc, 3.0, d))),
+                            Some((DType::F32, r.floats(n, 0.5, DType::F32))),
+                            Some((DType::F32, encode(&rstd, DType::F32))),
+                            Some((d, r.floats(c, 1.5, d))),
+                            Some((d, dx)),
+                            Some((g, r.floats(c, 2.0, g))),
+                            Some((g, r.floats(c, 2.0, g))),
+                            Some((
+                                DType::F32,
+                                r.garbage(layernorm_backward_scratch_bytes(n, c)),
+                            )),
+                        ],
+                        params: bytemuck::bytes_of(&LayerNormBackwardParams::new(n, c, acc))
+                            .to_vec(),
+                        agree: Agree::Exact,
+                    });
+                }
+            }
+        }
+    }
+    v
+}
+
 /// The cases of op `name`, or `None` for an op this test does not know (a failure).
 fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
     Some(match name {
@@ -354,6 +439,8 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "scatter_rows" => rows_cases(r, true),
         "gelu_forward" => gelu_cases(r, false),
         "gelu_backward" => gelu_cases(r, true),
+        "layernorm_forward" => layernorm_forward_cases(r),
+        "layernorm_backward" => layernorm_backward_cases(r),
         _ => return None,
     })
 }

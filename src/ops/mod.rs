@@ -11,13 +11,19 @@ pub mod embedding;
 pub mod float;
 pub mod gelu;
 pub mod grad_stats;
+pub mod layernorm;
 pub mod math;
+pub mod rows;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use cast::cast;
 pub use gelu::{gelu_backward, gelu_forward};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+pub use layernorm::{
+    layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward, LayerNormBackward,
+    LayerNormForward,
+};
 
 use crate::device::KernelDesc;
 
@@ -36,6 +42,8 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &embedding::device::SCATTER_ROWS,
         &gelu::GELU_FORWARD,
         &gelu::GELU_BACKWARD,
+        &layernorm::LAYERNORM_FORWARD,
+        &layernorm::LAYERNORM_BACKWARD,
     ];
     ALL
 }

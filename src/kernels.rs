@@ -43,6 +43,9 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("gelu.cu"),
     kernel_file!("accumulate.cu"),
     kernel_file!("layernorm.cu"),
+    kernel_file!("relu.cu"),
+    kernel_file!("bias.cu"),
+    kernel_file!("elementwise.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -59,6 +62,9 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("math.cuh"),
     kernel_file!("rows.cuh"),
     kernel_file!("layernorm.cuh"),
+    kernel_file!("relu.cuh"),
+    kernel_file!("bias.cuh"),
+    kernel_file!("elementwise.cuh"),
 ];
 
 /// The source named `name`.

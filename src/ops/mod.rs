@@ -6,24 +6,30 @@
 
 pub mod accumulate;
 pub mod adam;
+pub mod bias;
 pub mod cast;
+pub mod elementwise;
 pub mod embedding;
 pub mod float;
 pub mod gelu;
 pub mod grad_stats;
 pub mod layernorm;
 pub mod math;
+pub mod relu;
 pub mod rows;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
+pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 pub use cast::cast;
+pub use elementwise::{add, add_in_place, fill, scale, Axpby};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
 pub use layernorm::{
     layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward, LayerNormBackward,
     LayerNormForward,
 };
+pub use relu::{relu_backward, relu_forward};
 
 use crate::device::KernelDesc;
 
@@ -44,6 +50,14 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &gelu::GELU_BACKWARD,
         &layernorm::LAYERNORM_FORWARD,
         &layernorm::LAYERNORM_BACKWARD,
+        &relu::RELU_FORWARD,
+        &relu::RELU_BACKWARD,
+        &bias::BIAS_ROWS,
+        &bias::BIAS_GRAD,
+        &elementwise::ADD,
+        &elementwise::ADD_IN_PLACE,
+        &elementwise::SCALE,
+        &elementwise::FILL,
     ];
     ALL
 }

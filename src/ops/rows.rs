@@ -61,6 +61,17 @@ pub(crate) fn expect(
     Ok(())
 }
 
+/// Checks that every present operand holds `n` elements of operand 0's type (the shape check
+/// of an elementwise op).
+pub(crate) fn expect_elementwise(info: &LaunchInfo<'_>, n: u64) -> Result<()> {
+    let t = info.dtype(0).unwrap_or(DType::F32);
+    let n = usize::try_from(n).map_err(|_| info.desc.error(format!("n = {n} elements")))?;
+    for i in 0..info.operands.len() {
+        expect(info, i, &format!("[n] = [{n}]"), n, t)?;
+    }
+    Ok(())
+}
+
 /// One operand of a twin run, as bytes.
 enum Bytes<'a> {
     Absent,

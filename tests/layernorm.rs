@@ -431,7 +431,7 @@ fn bad_forward_operands_are_refused_and_nothing_is_written() {
         };
         let short = f(7, 0x55);
         let wide = f(16, 0x66);
-        let half = up(&dev, &s, &vec![0x77; 16]);
+        let half = up(&dev, &s, &[0x77; 16]);
         let before: Vec<(Vec<u8>, &DeviceBuffer)> = [&k.h, &k.y, &k.m, &k.s, &short, &wide, &half]
             .into_iter()
             .map(|b| (down(&dev, &s, b), b))

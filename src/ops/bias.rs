@@ -7,7 +7,7 @@
 //!
 //! Backward: [`bias_grad`] sums the output gradient over its rows, `db[c] (+)= Σ_r dy[r, c]`,
 //! in f32 and in a fixed order: the rows are cut into fixed chunks
-//! ([`column_chunks`](crate::ops::rows::column_chunks)), each chunk's column sums are written to
+//! ([`column_chunks`]), each chunk's column sums are written to
 //! a scratch operand of [`bias_grad_scratch_bytes`], then the chunks are added in order and the
 //! total is written to (or added to) `db` with one rounding. `db` is f32 (what a mixed-precision
 //! trainer's fp32 gradient holds) or any model float; no atomics, so the result is the same
@@ -241,19 +241,32 @@ fn rows_twin(a: &mut TwinArgs<'_>) -> Result<()> {
     with_float!(o.dtype(0).unwrap_or(DType::F32), T => rows_typed::<T>(o, &p))
 }
 
-/// Each chunk's column sums into `scratch`.
+/// Each chunk's column sums into `scratch`: rows in order, four at a time per column (so a
+/// column's running sum stays in a register across them).
 fn grad_partials<T: Rows>(o: &Operands<'_>, p: &BiasGradParams, scratch: &mut [f32]) -> Result<()> {
     let (n, c) = (p.rows as usize, p.cols as usize);
     let dy = o.read::<T>(0)?;
     let per = p.chunk_rows.max(1) as usize;
-    let mut buf = vec![0.0f32; c];
     simd(
         #[inline(always)]
         || {
             for (k, part) in scratch.chunks_exact_mut(c).enumerate() {
                 part.fill(0.0);
-                for row in dy[k * per * c..((k + 1) * per).min(n) * c].chunks_exact(c) {
-                    add_columns(part, T::widen(row, &mut buf));
+                let rows = &dy[k * per * c..((k + 1) * per).min(n) * c];
+                let mut quads = rows.chunks_exact(4 * c);
+                for q in &mut quads {
+                    let (r0, rest) = q.split_at(c);
+                    let (r1, rest) = rest.split_at(c);
+                    let (r2, r3) = rest.split_at(c);
+                    let cols = part.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3);
+                    for ((((s, &a), &b), &d), &e) in cols {
+                        *s = (((*s + a.to32()) + b.to32()) + d.to32()) + e.to32();
+                    }
+                }
+                for row in quads.remainder().chunks_exact(c) {
+                    for (s, &a) in part.iter_mut().zip(row) {
+                        *s += a.to32();
+                    }
                 }
             }
         },
@@ -274,7 +287,7 @@ fn grad_reduce<G: Rows>(o: &mut Operands<'_>, p: &BiasGradParams, scratch: &[f32
             }
             if p.accumulate != 0 {
                 for (s, &v) in sum.iter_mut().zip(G::widen(db, &mut buf)) {
-                    *s = v + *s;
+                    *s += v;
                 }
             }
             G::narrow(&sum, db);

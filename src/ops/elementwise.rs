@@ -6,7 +6,7 @@
 //! bit.
 //!
 //! The global norm of gradients that live outside chunks needs no op here:
-//! [`grad_stats`](crate::ops::grad_stats) sums the squares of any f32/f16/bf16 buffer (in f64)
+//! [`grad_stats`](crate::ops::grad_stats()) sums the squares of any f32/f16/bf16 buffer (in f64)
 //! and flags infinite or NaN elements.
 //!
 //! ```

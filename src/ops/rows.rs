@@ -9,7 +9,6 @@
 //! partial sums in chunk order. The order of every addition is fixed by the shape alone, so
 //! the result is the same bits from run to run and on the CPU twin as on CUDA.
 
-use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
 use crate::device::{LaunchInfo, OperandInfo, TwinArgs};
@@ -141,7 +140,7 @@ impl<'a> Operands<'a> {
     pub(crate) fn read_opt<T: bytemuck::Pod>(&self, i: usize) -> Result<Option<&'a [T]>> {
         match self.args.get(i) {
             Some(Bytes::Absent) => Ok(None),
-            Some(Bytes::Read(b)) if b.is_empty() => Ok(Some(&[])),
+            Some(Bytes::Read([])) => Ok(Some(&[])),
             Some(Bytes::Read(b)) => bytemuck::try_cast_slice(b)
                 .map(Some)
                 .map_err(|_| self.misuse(i, "has the wrong element size")),
@@ -162,7 +161,7 @@ impl<'a> Operands<'a> {
             .map(|b| std::mem::replace(b, Bytes::Absent))
         {
             None | Some(Bytes::Absent) => Ok(None),
-            Some(Bytes::Write(b)) if b.is_empty() => Ok(Some(&mut [])),
+            Some(Bytes::Write([])) => Ok(Some(&mut [])),
             Some(Bytes::Write(b)) => bytemuck::try_cast_slice_mut(b)
                 .map(Some)
                 .map_err(|_| self.misuse(i, "has the wrong element size")),
@@ -177,46 +176,66 @@ impl<'a> Operands<'a> {
     }
 }
 
-/// A model float as the row-wise twins convert it: whole rows at a time, with the same values
-/// as [`Float::get`] and [`Float::put`].
+/// A model float as the row-wise twins convert it: one element at a time with the values of
+/// [`Float::get`] and [`Float::put`], but without branches, so loops of them vectorise (the
+/// per-element conversions of `half` do not: they test the CPU on every call).
 pub(crate) trait Rows: Float {
-    /// `src` widened (exactly) to f32: `src` itself for f32, else converted into `buf`, which
-    /// must be at least as long.
-    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32];
-    /// `src` rounded into `dst` (nearest even); the two have one length.
-    fn narrow(src: &[f32], dst: &mut [Self]);
+    /// The value as f32 (exact).
+    fn to32(self) -> f32;
+    /// `x` rounded to this type (nearest even; NaN stays NaN).
+    fn from32(x: f32) -> Self;
     /// Whether the value is greater than zero (false for NaN and both zeros), from its bits.
     fn positive(self) -> bool;
     /// Positive zero.
     const ZERO: Self;
+
+    /// `src` widened to f32: `src` itself for f32, else converted into `buf`, which must be at
+    /// least as long.
+    #[inline(always)]
+    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+        let buf = &mut buf[..src.len()];
+        for (o, &x) in buf.iter_mut().zip(src) {
+            *o = x.to32();
+        }
+        buf
+    }
+    /// `src` rounded into `dst` (the shorter length).
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (o, &x) in dst.iter_mut().zip(src) {
+            *o = Self::from32(x);
+        }
+    }
 }
 
 impl Rows for f32 {
     #[inline(always)]
-    fn widen<'a>(src: &'a [f32], _buf: &'a mut [f32]) -> &'a [f32] {
-        src
+    fn to32(self) -> f32 {
+        self
     }
     #[inline(always)]
-    fn narrow(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
+    fn from32(x: f32) -> f32 {
+        x
     }
     #[inline(always)]
     fn positive(self) -> bool {
         self > 0.0
     }
     const ZERO: f32 = 0.0;
+    #[inline(always)]
+    fn widen<'a>(src: &'a [f32], _buf: &'a mut [f32]) -> &'a [f32] {
+        src
+    }
 }
 
 impl Rows for f16 {
     #[inline(always)]
-    fn widen<'a>(src: &'a [f16], buf: &'a mut [f32]) -> &'a [f32] {
-        let buf = &mut buf[..src.len()];
-        src.convert_to_f32_slice(buf);
-        buf
+    fn to32(self) -> f32 {
+        f16_to_f32(self.to_bits())
     }
     #[inline(always)]
-    fn narrow(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
+    fn from32(x: f32) -> f16 {
+        f16::from_bits(f32_to_f16(x))
     }
     #[inline(always)]
     fn positive(self) -> bool {
@@ -229,18 +248,12 @@ impl Rows for f16 {
 
 impl Rows for bf16 {
     #[inline(always)]
-    fn widen<'a>(src: &'a [bf16], buf: &'a mut [f32]) -> &'a [f32] {
-        let buf = &mut buf[..src.len()];
-        for (o, &x) in buf.iter_mut().zip(src) {
-            *o = bf16_to_f32(x.to_bits());
-        }
-        buf
+    fn to32(self) -> f32 {
+        bf16_to_f32(self.to_bits())
     }
     #[inline(always)]
-    fn narrow(src: &[f32], dst: &mut [bf16]) {
-        for (o, &x) in dst.iter_mut().zip(src) {
-            *o = bf16::from_bits(f32_to_bf16(x));
-        }
+    fn from32(x: f32) -> bf16 {
+        bf16::from_bits(f32_to_bf16(x))
     }
     #[inline(always)]
     fn positive(self) -> bool {
@@ -250,7 +263,7 @@ impl Rows for bf16 {
     const ZERO: bf16 = bf16::ZERO;
 }
 
-/// `half::bf16::to_f32` without branches (so a loop of it vectorises): NaN gets its quiet bit.
+/// `half::bf16::to_f32`: NaN gets its quiet bit.
 #[inline(always)]
 fn bf16_to_f32(b: u16) -> f32 {
     let nan = b & 0x7fff > 0x7f80;
@@ -258,13 +271,13 @@ fn bf16_to_f32(b: u16) -> f32 {
     f32::from_bits((b as u32) << 16)
 }
 
-/// `half::bf16::from_f32` without branches: round to nearest even; NaN keeps its high
-/// mantissa bits and gets the quiet bit.
+/// `half::bf16::from_f32`: round to nearest even (adding `0x7fff` plus the kept low bit
+/// carries exactly when the dropped half rounds up); NaN keeps its high mantissa bits and gets
+/// the quiet bit.
 #[inline(always)]
 fn f32_to_bf16(x: f32) -> u16 {
     let x = x.to_bits();
-    let up = (x & 0x8000 != 0) & (x & 0x1_7fff != 0);
-    let rounded = ((x >> 16) + up as u32) as u16;
+    let rounded = (x.wrapping_add(0x7fff + ((x >> 16) & 1)) >> 16) as u16;
     let nan = ((x >> 16) | 0x0040) as u16;
     if x & 0x7fff_ffff > 0x7f80_0000 {
         nan
@@ -273,37 +286,72 @@ fn f32_to_bf16(x: f32) -> u16 {
     }
 }
 
-/// The 32 lane sums of a warp that owns a row: lane `l` adds `f(xs[l])`, `f(xs[l + 32])`, … in
-/// order, starting from 0.
+/// `half::f16::to_f32` (exact): normal and subnormal values shifted into place and scaled by
+/// 2¹¹² (exact), infinities and NaN (quiet) rebuilt from the bits.
 #[inline(always)]
-pub(crate) fn lane_sums(xs: &[f32], f: impl Fn(f32) -> f32) -> [f32; 32] {
-    let mut p = [0.0f32; 32];
-    let mut it = xs.chunks_exact(32);
-    for c in &mut it {
-        for (p, &x) in p.iter_mut().zip(c) {
-            *p += f(x);
-        }
-    }
-    for (p, &x) in p.iter_mut().zip(it.remainder()) {
-        *p += f(x);
-    }
-    p
+fn f16_to_f32(h: u16) -> f32 {
+    let h = h as u32;
+    let em = h & 0x7fff;
+    let finite = (f32::from_bits(em << 13) * f32::from_bits(0x7780_0000)).to_bits();
+    let quiet = if em > 0x7c00 { 0x0040_0000 } else { 0 };
+    let special = (em << 13) | 0x7f80_0000 | quiet;
+    let bits = if em >= 0x7c00 { special } else { finite };
+    f32::from_bits(bits | (h & 0x8000) << 16)
 }
 
-/// [`lane_sums`] of `f(a[i], b[i])`.
+/// `half::f16::from_f32`: round to nearest even (overflow to infinity); NaN keeps its high
+/// mantissa bits and gets the quiet bit.
 #[inline(always)]
-pub(crate) fn lane_sums2(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> [f32; 32] {
-    let mut p = [0.0f32; 32];
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let (mut ia, mut ib) = (a.chunks_exact(32), b.chunks_exact(32));
-    for (ca, cb) in (&mut ia).zip(&mut ib) {
-        for ((p, &x), &y) in p.iter_mut().zip(ca).zip(cb) {
-            *p += f(x, y);
+fn f32_to_f16(x: f32) -> u16 {
+    let f = x.to_bits();
+    let a = f & 0x7fff_ffff;
+    let nan = 0x7e00 | (a >> 13) & 0x3ff;
+    // Normal: rebias the exponent, then add half an ulp less one, plus the kept low bit.
+    let normal = a.wrapping_add(0xc800_0fff).wrapping_add((a >> 13) & 1) >> 13;
+    // Subnormal or zero: adding 0.5 rounds to a multiple of 2⁻²⁴ (the ulp of 0.5), leaving the
+    // f16 bits in the low bits of the sum.
+    let sub = (f32::from_bits(a) + 0.5)
+        .to_bits()
+        .wrapping_sub(0x3f00_0000);
+    let v = if a > 0x7f80_0000 {
+        nan
+    } else if a >= 0x4780_0000 {
+        0x7c00
+    } else if a >= 0x3880_0000 {
+        normal
+    } else {
+        sub
+    };
+    (v | (f >> 16) & 0x8000) as u16
+}
+
+/// The 32 lane sums of `R` warps that own a row each: lane `l` of row `i` adds `f(i, x)` for
+/// the row's elements `l`, `l + 32`, … in order, starting from 0. The rows' additions
+/// interleave, so `R` chains of dependent additions run side by side, each in its row's order.
+#[inline(always)]
+pub(crate) fn lane_sums_rows<E: Copy, const R: usize>(
+    rows: [&[E]; R],
+    f: impl Fn(usize, E) -> f32,
+) -> [[f32; 32]; R] {
+    let mut p = [[0.0f32; 32]; R];
+    let split: [(&[[E; 32]], &[E]); R] = rows.map(|r| r.as_chunks::<32>());
+    let chunks = split.iter().map(|s| s.0.len()).min().unwrap_or(0);
+    for k in 0..chunks {
+        // Indexed, with a copy of each row's lanes: the form LLVM keeps in vector registers.
+        #[allow(clippy::needless_range_loop)]
+        for i in 0..R {
+            let ch = &split[i].0[k];
+            let mut a = p[i];
+            for j in 0..32 {
+                a[j] += f(i, ch[j]);
+            }
+            p[i] = a;
         }
     }
-    for ((p, &x), &y) in p.iter_mut().zip(ia.remainder()).zip(ib.remainder()) {
-        *p += f(x, y);
+    for (i, (p, (_, rest))) in p.iter_mut().zip(&split).enumerate() {
+        for (j, &x) in rest.iter().enumerate() {
+            p[j] += f(i, x);
+        }
     }
     p
 }
@@ -319,6 +367,23 @@ pub(crate) fn butterfly(mut p: [f32; 32]) -> f32 {
         }
     }
     p[0]
+}
+
+/// Asks the cache for the lines of `v` ahead of their use (a hint: no effect on results).
+#[inline(always)]
+pub(crate) fn prefetch<T>(v: &[T]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        let bytes = std::mem::size_of_val(v);
+        let p = v.as_ptr().cast::<i8>();
+        for off in (0..bytes).step_by(64) {
+            // SAFETY: a prefetch never faults and reads nothing; `off` stays within `v`.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.add(off)) };
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = v;
 }
 
 /// `acc[c] += xs[c]` for every column of a row (the per-row step of a column sum).
@@ -370,6 +435,42 @@ mod tests {
     }
 
     #[test]
+    fn branch_free_f16_matches_half() {
+        for b in 0..=u16::MAX {
+            assert_eq!(
+                f16_to_f32(b).to_bits(),
+                f16::from_bits(b).to_f32().to_bits(),
+                "{b:#x}"
+            );
+        }
+        let mut bits: Vec<u32> = (0..u32::MAX / 1021).map(|i| i * 1021).collect();
+        for e in [
+            0x3300_0000u32,
+            0x3380_0000,
+            0x3880_0000,
+            0x477f_e000,
+            0x4780_0000,
+        ] {
+            for d in 0..4096 {
+                bits.extend([e + d, e.wrapping_sub(d), (e + (d << 12)) | 0x8000_0000]);
+            }
+        }
+        bits.extend([
+            0x7f80_0000,
+            0x7f80_0001,
+            0x7fc0_0000,
+            0xffff_ffff,
+            0x0000_0001,
+            0x477f_efff,
+            0x477f_f000,
+        ]);
+        for b in bits {
+            let x = f32::from_bits(b);
+            assert_eq!(f32_to_f16(x), f16::from_f32(x).to_bits(), "{b:#x}");
+        }
+    }
+
+    #[test]
     fn positive_is_greater_than_zero() {
         for b in 0..=u16::MAX {
             let (h, bf) = (f16::from_bits(b), bf16::from_bits(b));
@@ -381,7 +482,7 @@ mod tests {
     #[test]
     fn lanes_and_butterfly_follow_the_warp() {
         let xs: Vec<f32> = (0..77).map(|i| (i as f32).sin() * 1e3).collect();
-        let p = lane_sums(&xs, |x| x);
+        let [p] = lane_sums_rows([&xs[..]], |_, x| x);
         let mut want = [0.0f32; 32];
         for (i, &x) in xs.iter().enumerate() {
             want[i % 32] += x;

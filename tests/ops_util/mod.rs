@@ -16,6 +16,15 @@ pub fn unit(d: DType) -> f64 {
     }
 }
 
+/// Half the smallest subnormal of a storage type: the absolute rounding error near zero.
+pub fn tiny(d: DType) -> f64 {
+    match d {
+        DType::F16 => 2f64.powi(-25),
+        DType::BF16 => 2f64.powi(-134),
+        _ => 2f64.powi(-150),
+    }
+}
+
 pub struct Rng(u64);
 
 impl Rng {

@@ -10,7 +10,7 @@
 //! Backward, per row, with `n = (h − mean)·rstd` and `w = γ·dy`:
 //! `dx (+)= ((w − Σw/C) − n·Σ(w·n)/C)·rstd` — added to `dx` (how the residual stream sums its
 //! gradient) or written over it — and `dγ += Σ_rows n·dy`, `dβ += Σ_rows dy`, summed in f32 in
-//! a fixed order: fixed chunks of rows ([`column_chunks`](crate::ops::rows::column_chunks))
+//! a fixed order: fixed chunks of rows ([`column_chunks`])
 //! write their column sums to a scratch operand of [`layernorm_backward_scratch_bytes`], then
 //! the chunks are added in order, and once, with one rounding, to `dγ` and `dβ` (f32, or any
 //! model float). No atomics: the result is the same bits every run.
@@ -49,14 +49,13 @@
 use crate::device::launch::{grid_stride_blocks, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
-    TwinArgs,
 };
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::ops::float::{simd, with_float};
-use crate::ops::rows::{
-    add_columns, butterfly, column_chunks, elements, expect, lane_sums, lane_sums2, Operands, Rows,
-};
+use crate::ops::rows::{column_chunks, elements, expect};
+
+mod twin;
+use twin::{backward_twin, forward_twin};
 
 /// The parameters of the forward kernel (`LayerNormParams` in `kernels/layernorm.cuh`).
 #[repr(C)]
@@ -282,177 +281,6 @@ fn plan_backward(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
             256,
         ),
     ])
-}
-
-fn forward_typed<T: Rows>(mut o: Operands<'_>, p: &LayerNormParams) -> Result<()> {
-    let (n, c) = (p.rows as usize, p.cols as usize);
-    let (x, r) = (o.read::<T>(0)?, o.read_opt::<T>(1)?);
-    let (mut h, y) = (o.write_opt::<T>(4)?, o.write::<T>(5)?);
-    let (mean, rstd) = (o.write::<f32>(6)?, o.write::<f32>(7)?);
-    let mut gb = vec![0.0f32; 2 * c];
-    let (gv, bv) = gb.split_at_mut(c);
-    gv.copy_from_slice(T::widen(o.read::<T>(2)?, &mut vec![0.0; c]));
-    bv.copy_from_slice(T::widen(o.read::<T>(3)?, &mut vec![0.0; c]));
-    let (gv, bv) = (&*gv, &*bv);
-    let mut buf = vec![0.0f32; 4 * c];
-    let (bx, rest) = buf.split_at_mut(c);
-    let (br, rest) = rest.split_at_mut(c);
-    let (bh, out) = rest.split_at_mut(c);
-    let cf = c as f32;
-    simd(
-        #[inline(always)]
-        || {
-            for row in 0..n {
-                let span = row * c..(row + 1) * c;
-                let src: &[f32] = match (r, h.as_deref_mut()) {
-                    (Some(r), Some(h)) => {
-                        let xs = T::widen(&x[span.clone()], bx);
-                        let rs = T::widen(&r[span.clone()], br);
-                        for ((o, &a), &b) in out.iter_mut().zip(xs).zip(rs) {
-                            *o = a + b;
-                        }
-                        let hr = &mut h[span.clone()];
-                        T::narrow(out, hr);
-                        T::widen(hr, bh)
-                    }
-                    _ => T::widen(&x[span.clone()], bx),
-                };
-                let m = butterfly(lane_sums(src, |v| v)) / cf;
-                let var = butterfly(lane_sums(
-                    src,
-                    #[inline(always)]
-                    |v| {
-                        let d = v - m;
-                        d * d
-                    },
-                )) / cf;
-                let rs = 1.0 / (var + p.eps).sqrt();
-                for (((o, &v), &g), &b) in out.iter_mut().zip(src).zip(gv).zip(bv) {
-                    *o = ((v - m) * rs) * g + b;
-                }
-                T::narrow(out, &mut y[span]);
-                mean[row] = m;
-                rstd[row] = rs;
-            }
-        },
-    );
-    Ok(())
-}
-
-fn forward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
-    let p: LayerNormParams = a.params()?;
-    let o = Operands::checked(a, bytemuck::bytes_of(&p))?;
-    with_float!(o.dtype(0).unwrap_or(DType::F32), T => forward_typed::<T>(o, &p))
-}
-
-/// The row buffers of the backward twin.
-struct Bufs {
-    h: Vec<f32>,
-    dy: Vec<f32>,
-    dx: Vec<f32>,
-    n: Vec<f32>,
-    w: Vec<f32>,
-    d: Vec<f32>,
-}
-
-/// dx of every row, and each chunk's column sums into `scratch`.
-fn backward_rows<T: Rows>(
-    o: &mut Operands<'_>,
-    p: &LayerNormBackwardParams,
-    scratch: &mut [f32],
-) -> Result<()> {
-    let (n, c) = (p.rows as usize, p.cols as usize);
-    let (dy, h) = (o.read::<T>(0)?, o.read::<T>(1)?);
-    let (mean, rstd) = (o.read::<f32>(2)?, o.read::<f32>(3)?);
-    let gv = T::widen(o.read::<T>(4)?, &mut vec![0.0; c]).to_vec();
-    let dx = o.write::<T>(5)?;
-    let mut b = Bufs {
-        h: vec![0.0; c],
-        dy: vec![0.0; c],
-        dx: vec![0.0; c],
-        n: vec![0.0; c],
-        w: vec![0.0; c],
-        d: vec![0.0; c],
-    };
-    let (cf, acc, per) = (c as f32, p.accumulate != 0, p.chunk_rows.max(1) as usize);
-    simd(
-        #[inline(always)]
-        || {
-            for (k, sums) in scratch.chunks_exact_mut(2 * c).enumerate() {
-                let (sg, sb) = sums.split_at_mut(c);
-                sg.fill(0.0);
-                sb.fill(0.0);
-                for row in k * per..((k + 1) * per).min(n) {
-                    let span = row * c..(row + 1) * c;
-                    let hs = T::widen(&h[span.clone()], &mut b.h);
-                    let dys = T::widen(&dy[span.clone()], &mut b.dy);
-                    let (m, rs) = (mean[row], rstd[row]);
-                    for ((((nv, wv), &hv), &dv), &g) in
-                        b.n.iter_mut().zip(&mut b.w).zip(hs).zip(dys).zip(&gv)
-                    {
-                        *nv = (hv - m) * rs;
-                        *wv = g * dv;
-                    }
-                    let a1 = butterfly(lane_sums(&b.w, |v| v)) / cf;
-                    let a2 = butterfly(lane_sums2(&b.w, &b.n, |w, n| w * n)) / cf;
-                    for ((d, &w), &nv) in b.d.iter_mut().zip(&b.w).zip(&b.n) {
-                        *d = ((w - a1) - nv * a2) * rs;
-                    }
-                    let dxr = &mut dx[span];
-                    if acc {
-                        let old = T::widen(dxr, &mut b.dx);
-                        for (d, &x) in b.d.iter_mut().zip(old) {
-                            *d = x + *d;
-                        }
-                    }
-                    T::narrow(&b.d, dxr);
-                    for (((g, bb), &nv), &dv) in sg.iter_mut().zip(sb.iter_mut()).zip(&b.n).zip(dys)
-                    {
-                        *g += nv * dv;
-                        *bb += dv;
-                    }
-                }
-            }
-        },
-    );
-    Ok(())
-}
-
-/// `dγ += Σ_chunks`, `dβ += Σ_chunks`, the chunks in order, one rounding each.
-fn backward_reduce<G: Rows>(o: &mut Operands<'_>, scratch: &[f32], c: usize) -> Result<()> {
-    let (dg, db) = (o.write::<G>(6)?, o.write::<G>(7)?);
-    let mut s = vec![0.0f32; 4 * c];
-    let (sums, old) = s.split_at_mut(2 * c);
-    simd(
-        #[inline(always)]
-        || {
-            for part in scratch.chunks_exact(2 * c) {
-                add_columns(sums, part);
-            }
-            let (sg, sb) = sums.split_at_mut(c);
-            for (dst, sum) in [(dg, &mut *sg), (db, &mut *sb)] {
-                let cur = G::widen(dst, old);
-                for (s, &v) in sum.iter_mut().zip(cur) {
-                    *s += v;
-                }
-                G::narrow(sum, dst);
-            }
-        },
-    );
-    Ok(())
-}
-
-fn backward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
-    let p: LayerNormBackwardParams = a.params()?;
-    let mut o = Operands::checked(a, bytemuck::bytes_of(&p))?;
-    if p.rows == 0 {
-        // CUDA launches nothing: dγ and dβ keep their bits.
-        return Ok(());
-    }
-    let scratch = o.write::<f32>(8)?;
-    with_float!(o.dtype(0).unwrap_or(DType::F32), T => backward_rows::<T>(&mut o, &p, scratch))?;
-    let c = p.cols as usize;
-    with_float!(o.dtype(6).unwrap_or(DType::F32), G => backward_reduce::<G>(&mut o, scratch, c))
 }
 
 /// The operands of [`layernorm_forward`].

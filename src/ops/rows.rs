@@ -1,7 +1,8 @@
-//! What the row-wise ops share: rows of a model float widened to f32 and narrowed back a slice
-//! at a time (vectorised, where the per-element conversions of `half` are not), the 32 lane
-//! partial sums and butterfly reduction of a kernel that gives one warp to a row, and the fixed
-//! row chunks of deterministic column sums (bias and LayerNorm parameter gradients).
+//! What the row-wise ops share: the fixed row chunks of deterministic column sums (bias and
+//! LayerNorm parameter gradients, [`column_chunks`]); and for their CPU twins, conversions of
+//! the model floats without branches (`half`'s per-element conversions test the CPU on every
+//! call and keep loops scalar), the 32 lane sums and butterfly of a kernel that gives one warp
+//! to a row, and the shape check run on a twin's own operands.
 //!
 //! Column sums over `rows` rows run in two steps on every backend: the rows are cut into
 //! [`column_chunks`] chunks of consecutive rows; each chunk's column sums are accumulated in f32

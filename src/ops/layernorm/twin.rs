@@ -1,7 +1,7 @@
 //! The CPU twins of the LayerNorm kernels: the same additions in the same order as
 //! `kernels/layernorm.cu` (each row's 32 lane sums, the warp's butterfly; dγ/dβ over fixed row
-//! chunks), fused into as few passes over a row as the order allows, with several rows at a
-//! time so their chains of dependent additions run side by side.
+//! chunks), fused into as few passes over a row as the order allows; the forward takes four
+//! rows at a time so their chains of dependent additions run side by side.
 
 use std::array;
 

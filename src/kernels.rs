@@ -48,6 +48,10 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("softmax.cu"),
     kernel_file!("cross_entropy.cu"),
     kernel_file!("encoder.cu"),
+    kernel_file!("layernorm.cu"),
+    kernel_file!("relu.cu"),
+    kernel_file!("bias.cu"),
+    kernel_file!("elementwise.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -70,6 +74,11 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("softmax.cuh"),
     kernel_file!("cross_entropy.cuh"),
     kernel_file!("encoder.cuh"),
+    kernel_file!("rows.cuh"),
+    kernel_file!("layernorm.cuh"),
+    kernel_file!("relu.cuh"),
+    kernel_file!("bias.cuh"),
+    kernel_file!("elementwise.cuh"),
 ];
 
 /// The source named `name`.

@@ -2,6 +2,11 @@
 //! infinite or NaN, for gradient clipping and dynamic loss scaling. The op ([`grad_stats`], on a
 //! device) writes them as two f64; its CPU twin and the host path share [`grad_stats_of`]. CUDA
 //! runs `kernels/grad_stats.cu`.
+//!
+//! It takes any f32, f16 or bf16 buffer, so it is also the global norm of gradients that live
+//! outside chunks (say, parameters kept out of the chunk store): add the `sum_sq` of each buffer
+//! ([`GradStats::merge`], in a fixed order) and take the square root; a buffer with an infinite
+//! or NaN element sets `nonfinite`.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};

@@ -8,8 +8,10 @@ pub mod accumulate;
 pub mod adam;
 pub mod attention;
 pub mod bce;
+pub mod bias;
 pub mod cast;
 pub mod cross_entropy;
+pub mod elementwise;
 pub mod embedding;
 pub mod encoder;
 pub mod float;
@@ -19,21 +21,31 @@ pub mod grad_stats;
 pub mod heads;
 pub mod interaction;
 mod lanes;
+pub mod layernorm;
 pub mod math;
+pub mod relu;
+pub mod rows;
 pub mod softmax;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use bce::{bce_with_logits, BceOutputs};
+pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 pub use cast::cast;
 pub use cross_entropy::{
     check_targets, cross_entropy_forward, cross_entropy_forward_backward, CrossEntropy,
 };
+pub use elementwise::{add, add_in_place, fill, scale, Axpby};
 pub use encoder::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 pub use gelu::{gelu_backward, gelu_forward};
 pub use gemm::{gemm, gemm_host, Gemm};
 pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
 pub use interaction::{interaction_backward, interaction_forward, InteractionShape};
+pub use layernorm::{
+    layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward, LayerNormBackward,
+    LayerNormForward,
+};
+pub use relu::{relu_backward, relu_forward};
 pub use softmax::{softmax_backward, softmax_forward};
 
 use crate::device::KernelDesc;
@@ -67,6 +79,16 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &cross_entropy::CROSS_ENTROPY_FORWARD_BACKWARD,
         &encoder::ENCODER_FORWARD,
         &encoder::ENCODER_BACKWARD,
+        &layernorm::LAYERNORM_FORWARD,
+        &layernorm::LAYERNORM_BACKWARD,
+        &relu::RELU_FORWARD,
+        &relu::RELU_BACKWARD,
+        &bias::BIAS_ROWS,
+        &bias::BIAS_GRAD,
+        &elementwise::ADD,
+        &elementwise::ADD_IN_PLACE,
+        &elementwise::SCALE,
+        &elementwise::FILL,
     ];
     ALL
 }

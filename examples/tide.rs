@@ -87,7 +87,7 @@ fn run() -> tidemem::Result<()> {
         .collect::<tidemem::Result<_>>()?;
     let param_bytes = (toy.layers * toy.chunk_elems() * 2) as u64;
     let model_bytes = param_bytes * 7; // fp16 params + fp32 masters, momentum, variance
-    let peak_act = (toy.layers * toy.activation_bytes().div_ceil(512) * 512) as u64;
+    let peak_act = toy.non_model_peak(tidemem::DType::F16) as u64;
     let capacity = match &a.device_mem {
         Some(s) => parse_bytes(s)? as u64,
         None => ((peak_act + param_bytes / 3) as f64 / 0.9) as u64,

@@ -3,6 +3,7 @@
 
 mod common;
 
+use tidemem::DType;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
@@ -33,7 +34,14 @@ fn train(m: &mut ChunkManager, ids: &ToyIds, steps: u64) -> (Vec<u32>, Vec<u32>,
 
 const BIG: usize = 1 << 20;
 /// Peak activations are 6 × 512 B; this leaves room for about three 544-byte chunks there.
-const SMALL: usize = 5000;
+/// Device bytes for model data besides the toy's peak non-model memory: about three fp16
+/// chunks, so chunks must move.
+const CHUNK_ROOM: usize = 1928;
+
+/// A device where chunks must move: the toy's non-model peak and [`CHUNK_ROOM`].
+fn small() -> usize {
+    TOY.non_model_peak(DType::F16) + CHUNK_ROOM
+}
 
 #[test]
 fn placement_never_changes_the_arithmetic() {
@@ -59,7 +67,7 @@ fn placement_never_changes_the_arithmetic() {
             device_fraction: 0.15,
         },
     ] {
-        let (mut m, _, ids) = setup(policy, SMALL, None);
+        let (mut m, _, ids) = setup(policy, small(), None);
         let got = train(&mut m, &ids, 5);
         assert_eq!(got.0, reference.0, "{policy:?}: losses differ");
         assert_eq!(got.1, reference.1, "{policy:?}: fp16 parameters differ");
@@ -89,9 +97,9 @@ fn the_manager_on_cuda_trains_like_on_the_sim_device() {
             device_fraction: 0.15,
         },
     ] {
-        let (mut m, _, ids) = setup(policy, SMALL, None);
+        let (mut m, _, ids) = setup(policy, small(), None);
         let reference = train(&mut m, &ids, 5);
-        let (mut g, _, gids) = common::toy_setup_on(gpu.clone(), policy, SMALL, None);
+        let (mut g, _, gids) = common::toy_setup_on(gpu.clone(), policy, small(), None);
         let got = train(&mut g, &gids, 5);
         assert_eq!(got, reference, "{policy:?} on {}", gpu.name());
         let (a, b) = (m.stats(), g.stats());
@@ -100,7 +108,7 @@ fn the_manager_on_cuda_trains_like_on_the_sim_device() {
             (b.h2d_bytes, b.d2h_bytes),
             "{policy:?}: moves differ"
         );
-        assert!(g.scheduler().unwrap().device_peak() <= SMALL as u64);
+        assert!(g.scheduler().unwrap().device_peak() <= small() as u64);
     }
 }
 
@@ -113,7 +121,7 @@ fn spilled_optimizer_state_gives_the_same_result() {
         let u = m.usage();
         Usage::total(&u.host) + Usage::total(&u.file)
     };
-    let (mut m, _, ids) = setup(Policy::Tide, SMALL, Some(total / 2));
+    let (mut m, _, ids) = setup(Policy::Tide, small(), Some(total / 2));
     let got = train(&mut m, &ids, 3);
     assert_eq!(got, reference);
     let u = m.usage();
@@ -146,12 +154,12 @@ fn same_moves(got: &tidemem::tide::MoveStats, sim: &tidemem::simulate::SimReport
 #[test]
 fn simulator_agrees_with_the_manager() {
     for policy in Policy::all() {
-        let (mut m, _, ids) = setup(policy, SMALL, None);
+        let (mut m, _, ids) = setup(policy, small(), None);
         for s in 0..3 {
             TOY.step(&mut m, &ids, s).unwrap();
         }
         let got = m.last_iteration();
-        let mut opts = SimOptions::new(SMALL as u64, u64::MAX / 4);
+        let mut opts = SimOptions::new(small() as u64, u64::MAX / 4);
         opts.chunk_elems = Some(TOY.chunk_elems());
         opts.scheduler = *m.scheduler().unwrap().config();
         opts.param_bytes = 2;
@@ -180,7 +188,7 @@ fn simulator_agrees_with_the_manager() {
 #[test]
 fn simulator_agrees_with_the_manager_on_device_adam() {
     let placement = DevicePlacement::Auto { fraction: 0.8 };
-    let capacity = 16_000;
+    let capacity = TOY.non_model_peak(DType::F16) + 12_928;
     for policy in [Policy::Tide, Policy::PatrickStar, Policy::Lru] {
         let (mut m, _, ids) = setup(policy, capacity, None);
         let mut opt = HybridAdam::new(HybridConfig {
@@ -213,12 +221,12 @@ fn simulator_agrees_with_the_manager_on_device_adam() {
 
 #[test]
 fn tide_keeps_host_copies_and_evicts_clean_chunks_for_free() {
-    let (mut m, _, ids) = setup(Policy::Tide, SMALL, None);
+    let (mut m, _, ids) = setup(Policy::Tide, small(), None);
     for s in 0..3 {
         TOY.step(&mut m, &ids, s).unwrap();
     }
     let tide = m.last_iteration();
-    let (mut m, _, ids) = setup(Policy::PatrickStar, SMALL, None);
+    let (mut m, _, ids) = setup(Policy::PatrickStar, small(), None);
     for s in 0..3 {
         TOY.step(&mut m, &ids, s).unwrap();
     }
@@ -497,3 +505,4 @@ fn a_failed_move_makes_the_manager_unusable() {
     }
     drop(hog);
 }
+

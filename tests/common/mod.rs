@@ -110,7 +110,7 @@ pub fn toy_setup_on(
     (m, pool, ids)
 }
 
-/// AdamW (lr 1e-2, decay 0.01) with clipping at 0.5 and, when `scaled`, a loss scale that starts
+/// AdamW (lr 1e-2, decay 0.01) with clipping at 0.3 and, when `scaled`, a loss scale that starts
 /// at 1024 and grows every 2 clean steps: the optimizer the ZeRO and checkpoint suites train
 /// with, stepping `placement`'s chunk groups on the device.
 pub fn hybrid_adam(
@@ -124,7 +124,7 @@ pub fn hybrid_adam(
             growth_interval: 2,
             ..ScalerConfig::default()
         }),
-        max_grad_norm: Some(0.5),
+        max_grad_norm: Some(0.3),
         placement,
         ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
     })

@@ -303,3 +303,92 @@ fn a_library_call_runs_on_the_native_stream_in_order() {
         assert_eq!(&got[56..], &[0u8; 8], "{}", dev.name());
     }
 }
+
+/// States made and dropped by [`COUNTED`]'s library call.
+static STATES_MADE: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static STATES_DROPPED: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// A library's per-stream state: how many calls the stream has made.
+struct Calls(u8);
+
+impl Drop for Calls {
+    fn drop(&mut self) {
+        STATES_DROPPED.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// A library call that keeps a count per stream and fills its output with it.
+static COUNTED: KernelDesc = KernelDesc {
+    name: "test_library_state",
+    operands: &[
+        OperandSpec::read("x", &[DType::U8]),
+        OperandSpec::write("y", &[DType::U8]),
+        OperandSpec::read("extra", &[DType::U8]).optional(),
+    ],
+    params: LAYOUT,
+    check: None,
+    twin: |a| {
+        a.take(1)?.fill(0);
+        Ok(())
+    },
+    cuda: CudaSide::Library(|call| {
+        let init = || {
+            STATES_MADE.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(Calls(0))
+        };
+        let n = call.with_state(init, |c: &mut Calls| {
+            c.0 += 1;
+            Ok(c.0)
+        })?;
+        // SAFETY: `ptrs[1]` addresses the written operand's `len(1)` bytes, on `stream`.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                call.ptrs[1],
+                n,
+                call.info.len(1),
+                call.stream.cast(),
+            )
+        }
+        .map_err(|e| Error::InvalidArgument(format!("memset: {e:?}")))
+    }),
+};
+
+#[test]
+fn a_library_state_is_made_once_per_stream_and_dropped_with_it() {
+    use std::sync::atomic::Ordering::SeqCst;
+    let Some(dev) = common::cuda("launch") else {
+        return;
+    };
+    let p = bytemuck::bytes_of(&Params { fail: 0 }).to_vec();
+    let run = |s: &tidemem::device::Stream| {
+        let x = dev.upload(s, &[0u8; 16]).unwrap();
+        let y = dev.upload(s, &[0u8; 16]).unwrap();
+        let ops = [
+            Some(Operand::new(&x, DType::U8)),
+            Some(Operand::new(&y, DType::U8)),
+            None,
+        ];
+        dev.launch(s, &COUNTED, &ops, &p).unwrap();
+        dev.download(s, &y).unwrap()[0]
+    };
+    let (a, b) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+    assert_eq!([run(&a), run(&a), run(&b), run(&a)], [1, 2, 1, 3]);
+    assert_eq!(STATES_MADE.load(SeqCst), 2);
+    assert_eq!(STATES_DROPPED.load(SeqCst), 0);
+    drop(a);
+    assert_eq!(STATES_DROPPED.load(SeqCst), 1);
+    // dropped on a thread where no context is current: the stream binds its own
+    std::thread::spawn(move || drop(b)).join().unwrap();
+    assert_eq!(STATES_DROPPED.load(SeqCst), 2);
+    let c = dev.new_stream().unwrap();
+    assert_eq!(run(&c), 1, "a new stream starts with a new state");
+    drop(dev);
+    assert_eq!(
+        STATES_DROPPED.load(SeqCst),
+        2,
+        "the stream outlives its device"
+    );
+    drop(c);
+    assert_eq!(STATES_MADE.load(SeqCst), 3);
+    assert_eq!(STATES_DROPPED.load(SeqCst), 3);
+}

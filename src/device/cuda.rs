@@ -4,7 +4,8 @@
 //! (`is_culib_present`) and that a device exists before touching the driver, and returns
 //! [`Error::BackendUnavailable`] otherwise. Device buffers are cudarc slices (whose stream-ordered
 //! free waits for work still using them); pinned host memory is allocated without the
-//! write-combined flag, because the CPU optimizer reads it.
+//! write-combined flag, because the CPU optimizer reads it. A stream ([`CudaRawStream`]) owns
+//! the state the libraries ops call keep on it (a cuBLAS handle), and frees it with the stream.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,6 +18,7 @@ use cudarc::driver::{
 };
 use parking_lot::Mutex;
 
+pub use super::cuda_stream::CudaRawStream;
 use super::launch::{CudaSide, Grid, KernelDesc, LaunchInfo, LibraryCall};
 use super::{
     operand_infos, Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent,
@@ -186,9 +188,13 @@ fn mem(raw: &RawBuffer) -> Result<&CudaMem> {
         .ok_or_else(|| Error::InvalidArgument("buffer was not allocated by a CUDA device".into()))
 }
 
-fn stream(raw: &RawStream) -> Result<&Arc<CudaStream>> {
-    raw.downcast_ref::<Arc<CudaStream>>()
+fn raw_stream(raw: &RawStream) -> Result<&CudaRawStream> {
+    raw.downcast_ref::<CudaRawStream>()
         .ok_or_else(|| Error::InvalidArgument("stream was not created by a CUDA device".into()))
+}
+
+fn stream(raw: &RawStream) -> Result<&Arc<CudaStream>> {
+    raw_stream(raw).map(CudaRawStream::cuda_stream)
 }
 
 fn event(raw: &RawEvent) -> Result<&CudaEvent> {
@@ -254,7 +260,7 @@ impl Backend for CudaBackend {
             .ctx
             .new_stream()
             .map_err(|e| Error::cuda("creating a stream", e))?;
-        Ok(Box::new(s))
+        Ok(Box::new(CudaRawStream::new(s)))
     }
 
     fn new_event(&self) -> Result<RawEvent> {
@@ -272,7 +278,8 @@ impl Backend for CudaBackend {
     }
 
     unsafe fn enqueue(&self, s: &RawStream, op: Op<'_>) -> Result<()> {
-        let s = stream(s)?;
+        let rs = raw_stream(s)?;
+        let s = rs.cuda_stream();
         self.ctx
             .bind_to_thread()
             .map_err(|e| Error::cuda("binding the context", e))?;
@@ -292,7 +299,7 @@ impl Backend for CudaBackend {
                 .collect::<Result<_>>()?,
         };
         // SAFETY: forwarded from this function's contract.
-        unsafe { self.enqueue_op(s, cs, op)? };
+        unsafe { self.enqueue_op(rs, cs, op)? };
         for m in touched {
             m.used_on(s)?;
         }
@@ -338,13 +345,14 @@ impl CudaBackend {
     ///
     /// # Safety
     /// As [`Backend::enqueue`].
-    unsafe fn enqueue_op(&self, s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
+    unsafe fn enqueue_op(&self, rs: &CudaRawStream, cs: sys::CUstream, op: Op<'_>) -> Result<()> {
+        let s = rs.cuda_stream();
         match op {
             Op::Launch {
                 desc,
                 operands,
                 params,
-            } => self.launch(s, cs, desc, operands, params)?,
+            } => self.launch(rs, cs, desc, operands, params)?,
             Op::Foreign { operands, run } => {
                 let ops: Vec<(&CudaMem, usize, bool)> = operands
                     .iter()
@@ -469,12 +477,13 @@ impl CudaBackend {
     /// the parameter struct by value; or its library call.
     fn launch(
         &self,
-        s: &Arc<CudaStream>,
+        rs: &CudaRawStream,
         cs: sys::CUstream,
         desc: &'static KernelDesc,
         operands: &[Option<RawOperand<'_>>],
         params: &[u8],
     ) -> Result<()> {
+        let s = rs.cuda_stream();
         let infos = operand_infos(operands);
         let info = LaunchInfo {
             desc,
@@ -501,6 +510,7 @@ impl CudaBackend {
                     info: &info,
                     ptrs: &addresses(ptrs),
                     stream: cs.cast(),
+                    state: &rs.libraries,
                 })
             }),
             CudaSide::Nvrtc { source, plan } => {

@@ -236,7 +236,7 @@ impl Stream {
     pub fn index(&self) -> usize {
         self.slot
     }
-    /// The backend's handle.
+    /// The backend's handle (on CUDA a [`CudaRawStream`](super::cuda::CudaRawStream)).
     pub fn raw(&self) -> &RawStream {
         &self.raw
     }

@@ -15,9 +15,11 @@
 //! Adding an op is one file in `src/ops/` (the descriptor, a typed safe wrapper, the twin) and
 //! one `.cu` (+ its `.cuh`) in `kernels/`; nothing here changes.
 
+use std::any::Any;
 use std::ffi::c_void;
 use std::fmt;
 
+use super::library::LibraryState;
 use super::order::Access;
 use super::{operand_infos, Device, DeviceBuffer, Op, Operand, RawOperand, Stream};
 use crate::dtype::DType;
@@ -149,7 +151,8 @@ pub fn grid_stride(entry: String, n: usize) -> Vec<Grid> {
     vec![Grid::linear(entry, grid_stride_blocks(n, 256), 256)]
 }
 
-/// A library call (cuBLAS) made on the backend's native stream.
+/// A library call (cuBLAS) made on the backend's native stream, with the context of the stream
+/// current.
 pub struct LibraryCall<'a> {
     /// The launch's operands and parameters.
     pub info: &'a LaunchInfo<'a>,
@@ -157,6 +160,26 @@ pub struct LibraryCall<'a> {
     pub ptrs: &'a [u64],
     /// The native stream (a `CUstream`).
     pub stream: *mut c_void,
+    /// The stream's library states.
+    pub(super) state: &'a LibraryState,
+}
+
+impl LibraryCall<'_> {
+    /// Runs `f` on the stream's state of type `T` (a library's handle bound to the stream),
+    /// made by `init` on the stream's first call that asks for a `T`; an `init` that fails
+    /// leaves nothing behind, and the next call tries again. The state lives exactly as long as
+    /// the stream: it is dropped with it, after the stream's pending work has completed and
+    /// with its context current, so its `Drop` may destroy a library handle. A library keys
+    /// its state by a type of its own (private to it), so libraries never share one. `f` holds
+    /// the state's lock (calls on one stream from two threads take turns) and must not ask for
+    /// the same `T` again.
+    pub fn with_state<T: Any + Send, R>(
+        &self,
+        init: impl FnOnce() -> Result<T>,
+        f: impl FnOnce(&mut T) -> Result<R>,
+    ) -> Result<R> {
+        self.state.with(init, f)
+    }
 }
 
 /// The CUDA side of an op.

@@ -28,9 +28,11 @@
 mod backend;
 mod copy;
 pub mod cuda;
+mod cuda_stream;
 mod handles;
 pub mod host;
 pub mod launch;
+mod library;
 pub mod order;
 pub mod pool;
 pub mod sim;

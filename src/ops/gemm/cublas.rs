@@ -4,26 +4,23 @@
 //!   missing (or lacks a symbol). [`available`] checks once that the library loads and
 //!   exports every function called here; without it the op answers
 //!   [`Error::BackendUnavailable`].
-//! * **One handle per stream.** A handle is created the first time a (context, stream) pair
-//!   runs a GEMM, bound to the stream (`cublasSetStream_v2`) with the default math mode
-//!   (tensor cores for f16/bf16; TF32 only through the compute type, when asked), and kept.
-//!   Each handle sits behind a mutex, so two threads never use one at once. A stream destroyed
-//!   and another created at the same address reuse the handle, which is bound to that
-//!   address. Handles live in their context: the first handle of a context takes one more
-//!   reference to it (a device's primary context) for the rest of the process, so the context
-//!   is never destroyed and re-created under a cached handle.
+//! * **One handle per stream, owned by the stream.** A handle is created on a stream's first
+//!   GEMM, bound to it (`cublasSetStream_v2`) with the default math mode (tensor cores for
+//!   f16/bf16; TF32 only through the compute type, when asked), and kept in the stream's
+//!   library state ([`LibraryCall::with_state`]), which lends it to one call at a time. It is
+//!   destroyed (`cublasDestroy_v2`, when the library exports it) when the stream drops, after
+//!   the stream's work has completed and with its context current: no handle outlives its
+//!   stream or its context, and a new stream never meets an old stream's handle.
 //! * **Row-major as column-major.** A row-major `m × n` `C` is a column-major `n × m` `Cᵀ`, and
 //!   `Cᵀ = op(B)ᵀ·op(A)ᵀ`: cuBLAS is called with `(op_b, op_a, n, m, k, B, ldb, A, lda, C,
 //!   ldc)`, the leading dimensions unchanged.
 //! * `alpha == 0` is passed as `k = 0` (BLAS: `C = beta·C`, `A` and `B` not read).
 
-use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_longlong, c_void};
-use std::sync::{Arc, OnceLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::OnceLock;
 
 use cudarc::cublas::sys as cb;
-use cudarc::driver::{result as cu, sys as cus};
-use parking_lot::Mutex;
 
 use super::GemmParams;
 use crate::device::{BackendKind, LibraryCall};
@@ -31,7 +28,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The cuBLAS functions this module needs: each must be exported. (`cublasDestroy_v2` is
-/// called only if exported, to free a handle whose setup failed.)
+/// called only if exported, to free a handle.)
 const SYMBOLS: [&str; 4] = [
     "cublasCreate_v2",
     "cublasSetStream_v2",
@@ -80,92 +77,55 @@ fn status(s: cb::cublasStatus_t, during: &'static str) -> Result<()> {
     })
 }
 
-/// A cuBLAS handle, used by one thread at a time (the mutex around it).
+/// Handles alive now (created and not yet destroyed), for tests.
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+/// The number of cuBLAS handles alive in this process: one per stream that has run a GEMM and
+/// not been dropped.
+pub(super) fn live_handles() -> usize {
+    LIVE.load(Ordering::SeqCst)
+}
+
+/// A stream's cuBLAS handle, kept in the stream's library state: created on its first GEMM,
+/// destroyed when the stream drops (after its work completed, with its context current).
 struct Handle(cb::cublasHandle_t);
 
 // SAFETY: a cuBLAS handle may be used from any thread as long as calls on it do not overlap;
-// every use goes through the `Mutex` that owns it.
+// every use goes through the stream's state, which lends it to one call at a time.
 unsafe impl Send for Handle {}
 
-type Handles = Mutex<HashMap<(usize, usize), Arc<Mutex<Handle>>>>;
-
-fn handles() -> &'static Handles {
-    static H: OnceLock<Handles> = OnceLock::new();
-    H.get_or_init(|| Mutex::new(HashMap::new()))
+impl Handle {
+    /// A new handle of the current context, bound to `stream` with the default math mode.
+    fn new(stream: *mut c_void) -> Result<Handle> {
+        let mut raw: cb::cublasHandle_t = std::ptr::null_mut();
+        // SAFETY: writes a new handle to `raw` (the library was probed).
+        let created = unsafe { cb::cublasCreate_v2(&mut raw) };
+        status(created, "creating a handle")?;
+        LIVE.fetch_add(1, Ordering::SeqCst);
+        // From here `h` destroys the handle on every path out.
+        let h = Handle(raw);
+        // SAFETY: `h.0` is a live handle; `stream` is a stream of the current context.
+        let bound = unsafe { cb::cublasSetStream_v2(h.0, stream.cast()) };
+        status(bound, "binding a handle to a stream")?;
+        // SAFETY: `h.0` is a live handle.
+        let math = unsafe { cb::cublasSetMathMode(h.0, cb::cublasMath_t::CUBLAS_DEFAULT_MATH) };
+        status(math, "setting the math mode")?;
+        Ok(h)
+    }
 }
 
-/// Takes one more reference to the primary context `ctx` for the rest of the process (once
-/// per context), so the handles cached in it stay valid. A context that is no device's primary
-/// one is left as it is.
-fn keep_context(ctx: cus::CUcontext) -> Result<()> {
-    static KEPT: OnceLock<Mutex<HashSet<usize>>> = OnceLock::new();
-    let mut kept = KEPT.get_or_init(|| Mutex::new(HashSet::new())).lock();
-    if kept.contains(&(ctx as usize)) {
-        return Ok(());
-    }
-    let e = |during| move |e: cu::DriverError| Error::cuda(during, e);
-    let count = cu::device::get_count().map_err(e("counting devices"))?;
-    // SAFETY: the driver library is loaded (a context is current); the symbol is only looked
-    // up (the emulator does not export it), never called through this pointer.
-    let has_state =
-        unsafe { cus::culib().get::<*const c_void>(b"cuDevicePrimaryCtxGetState") }.is_ok();
-    for ordinal in 0..count {
-        let dev = cu::device::get(ordinal).map_err(e("getting a device"))?;
-        if has_state {
-            let (mut flags, mut active) = (0, 0);
-            // SAFETY: `dev` came from `cuDeviceGet`; both out-pointers are valid.
-            unsafe { cus::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) }
-                .result()
-                .map_err(e("reading a primary context's state"))?;
-            if active == 0 {
-                continue;
-            }
-        }
-        // SAFETY: `dev` came from `cuDeviceGet`.
-        let primary =
-            unsafe { cu::primary_ctx::retain(dev) }.map_err(e("retaining a primary context"))?;
-        if primary == ctx {
-            kept.insert(ctx as usize);
-            return Ok(());
-        }
-        // SAFETY: releases the reference just taken.
-        unsafe { cu::primary_ctx::release(dev) }.map_err(e("releasing a primary context"))?;
-    }
-    Ok(())
-}
-
-/// The handle of the current context and `stream`, created on first use.
-fn handle(stream: *mut c_void) -> Result<Arc<Mutex<Handle>>> {
-    let ctx = cu::ctx::get_current()
-        .map_err(|e| Error::cuda("reading the current context", e))?
-        .ok_or_else(|| Error::cuda("a cuBLAS call", "no current context"))?;
-    let key = (ctx as usize, stream as usize);
-    let mut map = handles().lock();
-    if let Some(h) = map.get(&key) {
-        return Ok(h.clone());
-    }
-    keep_context(ctx)?;
-    let mut raw: cb::cublasHandle_t = std::ptr::null_mut();
-    // SAFETY: writes a new handle to `raw` (the library was probed).
-    let created = unsafe { cb::cublasCreate_v2(&mut raw) };
-    status(created, "creating a handle")?;
-    // SAFETY: `raw` is a live handle; `stream` is a stream of the current context.
-    let bound = unsafe { cb::cublasSetStream_v2(raw, stream.cast()) };
-    // SAFETY: `raw` is a live handle.
-    let math = unsafe { cb::cublasSetMathMode(raw, cb::cublasMath_t::CUBLAS_DEFAULT_MATH) };
-    let set = status(bound, "binding a handle to a stream")
-        .and_then(|()| status(math, "setting the math mode"));
-    if let Err(e) = set {
-        // SAFETY: the library loads (probed); the symbol is only looked up.
+impl Drop for Handle {
+    fn drop(&mut self) {
+        LIVE.fetch_sub(1, Ordering::SeqCst);
+        // SAFETY: the library loads (probed before the handle was made); the symbol is only
+        // looked up.
         if unsafe { cb::culib().get::<*const c_void>(b"cublasDestroy_v2") }.is_ok() {
-            // SAFETY: `raw` is a live handle no one else has seen, and the function exists.
-            unsafe { cb::cublasDestroy_v2(raw) };
+            // SAFETY: `self.0` is a live handle, used by no one else now; its context is current
+            // and its stream's work complete (the stream's state is dropped so), or it was never
+            // used. A failure cannot be reported from a drop.
+            unsafe { cb::cublasDestroy_v2(self.0) };
         }
-        return Err(e);
     }
-    let h = Arc::new(Mutex::new(Handle(raw)));
-    map.insert(key, h.clone());
-    Ok(h)
 }
 
 fn int(v: u64, what: &'static str) -> Result<c_int> {
@@ -227,41 +187,46 @@ pub(super) fn call(c: &LibraryCall<'_>) -> Result<()> {
     let (a, b) = (addr(0) as *const c_void, addr(1) as *const c_void);
     let out = c.ptrs[2] as *mut c_void;
     let (alpha, beta) = (p.alpha, p.beta);
-    let h = handle(c.stream)?;
-    let h = h.lock();
-    // SAFETY: `h` is a live handle of the current context bound to `c.stream`, used by this
-    // thread alone (its lock). The launch checked that every operand's extent under these
-    // sizes, leading dimensions and strides lies in its view, that the leading dimensions are
-    // at least the row lengths (cuBLAS's column-major requirement after the swap: `ldb ≥
-    // cols(B)`, `lda ≥ cols(A)`, `ldc ≥ n`), and that `C` overlaps neither input; the element
-    // type is the operands' own. `alpha` and `beta` are host f32 (the handle's default
-    // pointer mode, `COMPUTE_32F`'s scalar type), read during the call.
-    let s = unsafe {
-        cb::cublasGemmStridedBatchedEx(
-            h.0,
-            op(GemmParams::TRANS_B),
-            op(GemmParams::TRANS_A),
-            n,
-            m,
-            k,
-            (&alpha as *const f32).cast(),
-            b,
-            dt,
-            ldb,
-            sb,
-            a,
-            dt,
-            lda,
-            sa,
-            (&beta as *const f32).cast(),
-            out,
-            dt,
-            ldc,
-            sc,
-            batch,
-            compute,
-            cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    };
-    status(s, "cublasGemmStridedBatchedEx")
+    let stream = c.stream;
+    c.with_state(
+        || Handle::new(stream),
+        |h: &mut Handle| {
+            // SAFETY: `h` is a live handle of the current context bound to `c.stream`, used
+            // by this call alone (the stream's state lends it to one call at a time). The
+            // launch checked that every operand's extent under these sizes, leading dimensions
+            // and strides lies in its view, that the leading dimensions are at least the row
+            // lengths (cuBLAS's column-major requirement after the swap: `ldb ≥ cols(B)`,
+            // `lda ≥ cols(A)`, `ldc ≥ n`), and that `C` overlaps neither input; the element
+            // type is the operands' own. `alpha` and `beta` are host f32 (the handle's default
+            // pointer mode, `COMPUTE_32F`'s scalar type), read during the call.
+            let s = unsafe {
+                cb::cublasGemmStridedBatchedEx(
+                    h.0,
+                    op(GemmParams::TRANS_B),
+                    op(GemmParams::TRANS_A),
+                    n,
+                    m,
+                    k,
+                    (&alpha as *const f32).cast(),
+                    b,
+                    dt,
+                    ldb,
+                    sb,
+                    a,
+                    dt,
+                    lda,
+                    sa,
+                    (&beta as *const f32).cast(),
+                    out,
+                    dt,
+                    ldc,
+                    sc,
+                    batch,
+                    compute,
+                    cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            };
+            status(s, "cublasGemmStridedBatchedEx")
+        },
+    )
 }

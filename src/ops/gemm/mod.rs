@@ -460,6 +460,13 @@ pub fn cublas_available() -> bool {
     cublas::available().is_ok()
 }
 
+/// The number of cuBLAS handles alive in this process (one per CUDA stream that has run a GEMM
+/// and not been dropped). For tests that check handles are freed with their streams.
+#[doc(hidden)]
+pub fn cublas_live_handles() -> usize {
+    cublas::live_handles()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,6 @@
 mod common;
 
 use half::f16;
-use tidemem::DType;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
@@ -16,6 +15,7 @@ use tidemem::optim::{
 };
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
+use tidemem::DType;
 
 use common::{toy_setup as setup, TOY};
 
@@ -98,7 +98,12 @@ fn placement_never_changes_the_arithmetic() {
         ),
         (Policy::Tide, small(), DevicePlacement::HostOnly, None),
         (Policy::Tide, small(), DevicePlacement::Groups(2), None),
-        (Policy::PatrickStar, small(), DevicePlacement::Groups(1), None),
+        (
+            Policy::PatrickStar,
+            small(),
+            DevicePlacement::Groups(1),
+            None,
+        ),
         (Policy::Lru, small(), DevicePlacement::Groups(3), None),
         (Policy::Tide, BIG, DevicePlacement::HostOnly, None),
         // optimizer state spills to the file tier

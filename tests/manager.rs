@@ -3,7 +3,6 @@
 
 mod common;
 
-use tidemem::DType;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
@@ -11,6 +10,7 @@ use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::simulate::{simulate, SimOptions};
 use tidemem::tensor::{Init, Stage, TensorState};
 use tidemem::tide::{Policy, Scheduler};
+use tidemem::DType;
 use tidemem::Error;
 
 use common::{toy_setup as setup, TOY};
@@ -505,4 +505,3 @@ fn a_failed_move_makes_the_manager_unusable() {
     }
     drop(hog);
 }
-

@@ -272,9 +272,11 @@ fn zero_on_cuda_equals_the_sim_devices() {
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         })
     };
+    // Small: both ranks' non-model peaks (they share the GPU) and room for a few chunks.
+    let small = 5_856 + 2 * TOY.non_model_peak(DType::F16) as u64;
     for (capacity, placement) in [
         (1u64 << 20, DevicePlacement::Auto { fraction: 0.8 }),
-        (12_000, DevicePlacement::HostOnly),
+        (small, DevicePlacement::HostOnly),
     ] {
         let sims = run(
             vec![common::sim(1 << 20), common::sim(1 << 20)],

@@ -22,6 +22,7 @@ pub mod heads;
 pub mod interaction;
 mod lanes;
 pub mod layernorm;
+pub mod linear;
 pub mod math;
 pub mod relu;
 pub mod rows;

@@ -3,25 +3,13 @@
 //! forward, f32/f16/bf16.
 
 mod common;
+mod ops_util;
 
+use ops_util::*;
 use tidemem::device::{Device, DeviceBuffer};
 use tidemem::ops::attention::{Attention, AttentionBackward, AttentionForward};
 use tidemem::ops::heads::Heads;
 use tidemem::DType;
-
-struct Rng(u64);
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f64> {
-        (0..n).map(|_| self.unit()).collect()
-    }
-}
 
 /// `out [B,T,C]` of attention over `qkv [B,T,3C]`, in f64.
 fn reference(qkv: &[f64], (b, t, h, d): (usize, usize, usize, usize)) -> Vec<f64> {
@@ -65,17 +53,8 @@ fn finite_differences(qkv: &[f64], dout: &[f64], shape: (usize, usize, usize, us
             .map(|(o, g)| o * g)
             .sum()
     };
-    let mut x = qkv.to_vec();
     (0..qkv.len())
-        .map(|i| {
-            let v = x[i];
-            x[i] = v + eps;
-            let up = f(&x);
-            x[i] = v - eps;
-            let down = f(&x);
-            x[i] = v;
-            (up - down) / (2.0 * eps)
-        })
+        .map(|i| central_diff(qkv, i, eps, f))
         .collect()
 }
 
@@ -133,11 +112,11 @@ fn reference_backward(
 
 #[test]
 fn the_reference_backward_matches_finite_differences() {
-    let mut r = Rng(3);
+    let mut r = SplitMix64::new(3);
     for shape in [(1, 1, 1, 1), (1, 4, 2, 3), (2, 5, 1, 2)] {
         let (b, t, h, d) = shape;
         let n = b * t * h * d;
-        let (qkv, dout) = (r.vec(3 * n), r.vec(n));
+        let (qkv, dout) = (r.uniform(3 * n, 1.0), r.uniform(n, 1.0));
         let fd = finite_differences(&qkv, &dout, shape);
         let an = reference_backward(&qkv, &dout, shape);
         for (i, (a, f)) in an.iter().zip(&fd).enumerate() {
@@ -147,18 +126,6 @@ fn the_reference_backward_matches_finite_differences() {
             );
         }
     }
-}
-
-fn upload(dev: &Device, s: &tidemem::device::Stream, v: &[f64], d: DType) -> DeviceBuffer {
-    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
-    dev.upload(s, &tidemem::dtype::encode_f32(&f, d)).unwrap()
-}
-
-fn download(dev: &Device, s: &tidemem::device::Stream, b: &DeviceBuffer, d: DType) -> Vec<f64> {
-    tidemem::dtype::decode_f32(&dev.download(s, b).unwrap(), d)
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// Runs forward and backward on `dev`; returns `(out, dqkv)`.
@@ -177,8 +144,8 @@ fn run(
     let s = dev.new_stream().unwrap();
     let a = Attention::new(Heads::new(b, t, h, d));
     let alloc = |n: usize| dev.alloc(n.max(1)).unwrap();
-    let x = upload(dev, &s, qkv, dt);
-    let g = upload(dev, &s, dout, dt);
+    let x = upv(dev, &s, qkv, dt);
+    let g = upv(dev, &s, dout, dt);
     let hb = a.head_bytes(dt);
     let sb = a.scores_bytes(dt);
     let [q, k, v, y, dy, dq, dk, dv] = [(); 8].map(|_| alloc(hb));
@@ -221,8 +188,8 @@ fn run(
         dt,
     )
     .unwrap();
-    let out = download(dev, &s, &out, dt);
-    let dqkv = download(dev, &s, &dqkv, dt);
+    let out = downv(dev, &s, &out, dt);
+    let dqkv = downv(dev, &s, &dqkv, dt);
     (
         out[..b * t * h * d].to_vec(),
         dqkv[..3 * b * t * h * d].to_vec(),
@@ -231,13 +198,13 @@ fn run(
 
 #[test]
 fn forward_and_backward_match_an_f64_reference_and_finite_differences() {
-    let mut r = Rng(7);
+    let mut r = SplitMix64::new(7);
     for dev in common::devices("attention") {
         for shape in [(1, 1, 1, 1), (2, 5, 2, 3), (1, 17, 3, 8), (2, 33, 2, 16)] {
             let (b, t, h, d) = shape;
             let n = b * t * h * d;
-            let qkv = r.vec(3 * n);
-            let dout = r.vec(n);
+            let qkv = r.uniform(3 * n, 1.0);
+            let dout = r.uniform(n, 1.0);
             let want_out = reference(&qkv, shape);
             let want_grad = reference_backward(&qkv, &dout, shape);
             for dt in [DType::F32, DType::F16, DType::BF16] {
@@ -245,14 +212,7 @@ fn forward_and_backward_match_an_f64_reference_and_finite_differences() {
                 // the rounded inputs, within what the type's rounding of intermediates allows
                 // (f32: GEMMs over at most T terms; 16-bit types: a few units of their epsilon
                 // carried through scores, probabilities and the products).
-                let round = |v: &[f64]| -> Vec<f64> {
-                    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
-                    tidemem::dtype::decode_f32(&tidemem::dtype::encode_f32(&f, dt), dt)
-                        .into_iter()
-                        .map(f64::from)
-                        .collect()
-                };
-                let (qr, gr) = (round(&qkv), round(&dout));
+                let (qr, gr) = (round(&qkv, dt), round(&dout, dt));
                 let (want_out, want_grad) = if dt == DType::F32 {
                     (want_out.clone(), want_grad.clone())
                 } else {

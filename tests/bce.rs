@@ -12,15 +12,12 @@
 //!   (f16: `2^-11·|ref| + 2^-25`, bf16: `2^-8·|ref|`).
 
 mod common;
+mod ops_util;
 
-use tidemem::device::{Device, DeviceBuffer, Operand, Stream};
-use tidemem::dtype::{decode_f32, encode_f32};
+use ops_util::*;
+use tidemem::device::{DeviceBuffer, Operand};
 use tidemem::ops::bce::{bce_with_logits, BceOutputs, BceParams, BCE_WITH_LOGITS};
-use tidemem::rng::{Rng, SplitMix64};
-use tidemem::{DType, Error};
-
-const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-const U: f64 = 1.0 / (1u64 << 24) as f64;
+use tidemem::DType;
 
 fn loss64(x: f64, y: f64) -> f64 {
     x.max(0.0) - x * y + (-x.abs()).exp().ln_1p()
@@ -34,18 +31,9 @@ fn sigmoid64(x: f64) -> f64 {
     }
 }
 
-fn rounding(d: DType) -> (f64, f64) {
-    match d {
-        DType::F16 => (2f64.powi(-11), 2f64.powi(-25)),
-        DType::BF16 => (2f64.powi(-8), 0.0),
-        _ => (0.0, 0.0),
-    }
-}
-
 /// Logits in [-scale, scale) as stored in `d`, and labels: 0, 1 or soft.
 fn inputs(r: &mut SplitMix64, n: usize, scale: f32, d: DType) -> (Vec<f32>, Vec<f32>) {
-    let x: Vec<f32> = (0..n).map(|_| r.uniform_f32(-scale, scale)).collect();
-    let x = decode_f32(&encode_f32(&x, d), d);
+    let x = r.vals_f32(n, scale, d);
     let y = (0..n)
         .map(|_| match r.below(3) {
             0 => 0.0,
@@ -54,14 +42,6 @@ fn inputs(r: &mut SplitMix64, n: usize, scale: f32, d: DType) -> (Vec<f32>, Vec<
         })
         .collect();
     (x, y)
-}
-
-fn up(dev: &Device, s: &Stream, v: &[f32], d: DType) -> DeviceBuffer {
-    dev.upload(s, &encode_f32(v, d)).unwrap()
-}
-
-fn down(dev: &Device, s: &Stream, b: &DeviceBuffer, d: DType) -> Vec<f32> {
-    decode_f32(&dev.download(s, b).unwrap(), d)
 }
 
 /// Checks one run's outputs against the f64 reference.
@@ -76,7 +56,7 @@ fn check(
     dl: Option<&[f32]>,
     pr: Option<&[f32]>,
 ) {
-    let (r_out, a_out) = rounding(dt);
+    let (r_out, a_out) = out_rounding(dt);
     for i in 0..x.len() {
         let (xi, yi) = (x[i] as f64, y[i] as f64);
         let (wl, ws) = (loss64(xi, yi), sigmoid64(xi));
@@ -130,7 +110,7 @@ fn every_output_matches_the_f64_reference() {
                     );
                     let (x, y) = inputs(&mut r, n, 25.0, dt);
                     let scale = 1.0 / n.max(1) as f32;
-                    let (xb, yb) = (up(&dev, &st, &x, dt), up(&dev, &st, &y, DType::F32));
+                    let (xb, yb) = (upf(&dev, &st, &x, dt), upf(&dev, &st, &y, DType::F32));
                     let loss = dev.alloc(4 * n).unwrap();
                     let dl = dev.alloc(dt.size() * n).unwrap();
                     let pr = dev.alloc(4 * n).unwrap();
@@ -140,9 +120,9 @@ fn every_output_matches_the_f64_reference() {
                         probs: with_probs.then(|| (&pr).into()),
                     };
                     bce_with_logits(&dev, &st, &xb, &yb, dt, scale, out).unwrap();
-                    let got_l = down(&dev, &st, &loss, DType::F32);
-                    let got_d = with_grad.then(|| down(&dev, &st, &dl, dt));
-                    let got_p = with_probs.then(|| down(&dev, &st, &pr, DType::F32));
+                    let got_l = downf(&dev, &st, &loss, DType::F32);
+                    let got_d = with_grad.then(|| downf(&dev, &st, &dl, dt));
+                    let got_p = with_probs.then(|| downf(&dev, &st, &pr, DType::F32));
                     check(
                         &what,
                         &x,
@@ -169,7 +149,7 @@ fn gradient_matches_finite_differences_of_the_loss() {
     let scale = 0.125f32;
     for dt in FLOATS {
         let (x, y) = inputs(&mut r, n, 12.0, dt);
-        let (xb, yb) = (up(&dev, &st, &x, dt), up(&dev, &st, &y, DType::F32));
+        let (xb, yb) = (upf(&dev, &st, &x, dt), upf(&dev, &st, &y, DType::F32));
         let loss = dev.alloc(4 * n).unwrap();
         let dl = dev.alloc(dt.size() * n).unwrap();
         let out = BceOutputs {
@@ -178,8 +158,8 @@ fn gradient_matches_finite_differences_of_the_loss() {
             probs: None,
         };
         bce_with_logits(&dev, &st, &xb, &yb, dt, scale, out).unwrap();
-        let got = down(&dev, &st, &dl, dt);
-        let (r_out, a_out) = rounding(dt);
+        let got = downf(&dev, &st, &dl, dt);
+        let (r_out, a_out) = out_rounding(dt);
         for i in 0..n {
             // The gradient of scale · Σ loss with respect to x[i].
             let (xi, yi, h) = (x[i] as f64, y[i] as f64, 1e-4);
@@ -191,26 +171,6 @@ fn gradient_matches_finite_differences_of_the_loss() {
                 got[i]
             );
         }
-    }
-}
-
-/// Runs `f`, which must fail with a typed error, and checks that `outs` kept their bytes.
-fn refused(
-    dev: &Device,
-    st: &Stream,
-    what: &str,
-    outs: &[&DeviceBuffer],
-    f: impl FnOnce() -> tidemem::Result<()>,
-) {
-    let before: Vec<Vec<u8>> = outs.iter().map(|b| dev.download(st, *b).unwrap()).collect();
-    let err = f().expect_err(what);
-    assert!(
-        matches!(err, Error::InvalidArgument(_) | Error::Launch { .. }),
-        "{what}: {err}"
-    );
-    dev.sync_stream(st).unwrap();
-    for (b, was) in outs.iter().zip(before) {
-        assert_eq!(dev.download(st, *b).unwrap(), was, "{what}: bytes written");
     }
 }
 
@@ -238,29 +198,29 @@ fn bad_input_is_refused_and_writes_nothing() {
             };
             bce_with_logits(&dev, &st, x, y, DType::F32, scale, out)
         };
-        refused(&dev, &st, "short labels", &all, || {
+        refused_run(&dev, &st, "short labels", &all, || {
             run(&x, &short, &loss, Some(&dl), Some(&pr), 1.0)
         });
-        refused(&dev, &st, "short loss", &[&short, &dl, &pr], || {
+        refused_run(&dev, &st, "short loss", &[&short, &dl, &pr], || {
             run(&x, &y, &short, Some(&dl), Some(&pr), 1.0)
         });
-        refused(&dev, &st, "short dlogits", &[&loss, &short, &pr], || {
+        refused_run(&dev, &st, "short dlogits", &[&loss, &short, &pr], || {
             run(&x, &y, &loss, Some(&short), Some(&pr), 1.0)
         });
-        refused(&dev, &st, "short probs", &[&loss, &dl, &short], || {
+        refused_run(&dev, &st, "short probs", &[&loss, &dl, &short], || {
             run(&x, &y, &loss, Some(&dl), Some(&short), 1.0)
         });
-        refused(&dev, &st, "a NaN scale", &all, || {
+        refused_run(&dev, &st, "a NaN scale", &all, || {
             run(&x, &y, &loss, Some(&dl), Some(&pr), f32::NAN)
         });
-        refused(&dev, &st, "an infinite scale", &all, || {
+        refused_run(&dev, &st, "an infinite scale", &all, || {
             run(&x, &y, &loss, Some(&dl), Some(&pr), f32::INFINITY)
         });
         // dlogits in place over the logits: refused (the gradient has an output of its own).
-        refused(&dev, &st, "dlogits over the logits", &[&x, &loss], || {
+        refused_run(&dev, &st, "dlogits over the logits", &[&x, &loss], || {
             run(&x, &y, &loss, Some(&x), None, 1.0)
         });
-        refused(&dev, &st, "probs over the loss", &[&loss], || {
+        refused_run(&dev, &st, "probs over the loss", &[&loss], || {
             run(&x, &y, &loss, None, Some(&loss), 1.0)
         });
         // Through the descriptor: f16 gradients of f32 logits, and f16 labels.
@@ -272,7 +232,7 @@ fn bad_input_is_refused_and_writes_nothing() {
         let launch = |ops: &[Option<Operand<'_>>]| {
             dev.launch(&st, &BCE_WITH_LOGITS, ops, bytemuck::bytes_of(&p))
         };
-        refused(
+        refused_run(
             &dev,
             &st,
             "f16 dlogits of f32 logits",
@@ -287,7 +247,7 @@ fn bad_input_is_refused_and_writes_nothing() {
                 ])
             },
         );
-        refused(&dev, &st, "f16 labels", &[&loss], || {
+        refused_run(&dev, &st, "f16 labels", &[&loss], || {
             launch(&[
                 Some(Operand::new(&x, DType::F32)),
                 Some(Operand::new(&dl16, DType::F16)),
@@ -296,7 +256,7 @@ fn bad_input_is_refused_and_writes_nothing() {
                 None,
             ])
         });
-        refused(&dev, &st, "no loss", &[&dl], || {
+        refused_run(&dev, &st, "no loss", &[&dl], || {
             launch(&[
                 Some(Operand::new(&x, DType::F32)),
                 Some(Operand::new(&y, DType::F32)),

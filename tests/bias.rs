@@ -30,7 +30,7 @@ const SHAPES: [(usize, usize); 7] = [
 
 #[test]
 fn bias_rows_copies_and_adds() {
-    let mut rng = Rng::new(7);
+    let mut rng = SplitMix64::new(7);
     for dev in common::devices("bias_rows") {
         let s = dev.new_stream().unwrap();
         for d in FLOATS {
@@ -88,7 +88,7 @@ fn run_grad(
 
 #[test]
 fn bias_grad_sums_columns_within_the_stated_bound() {
-    let mut rng = Rng::new(8);
+    let mut rng = SplitMix64::new(8);
     for dev in common::devices("bias_grad") {
         let s = dev.new_stream().unwrap();
         for d in FLOATS {
@@ -121,7 +121,7 @@ fn bias_grad_sums_columns_within_the_stated_bound() {
 
 #[test]
 fn bias_grad_is_the_same_bits_every_run() {
-    let mut rng = Rng::new(9);
+    let mut rng = SplitMix64::new(9);
     let dev = common::devices("bias_grad repeat").pop().unwrap();
     let s = dev.new_stream().unwrap();
     let (n, c) = (3000, 17);
@@ -139,7 +139,7 @@ fn bias_grad_is_the_same_bits_every_run() {
 fn bias_grad_matches_finite_differences() {
     let dev = common::sim(16 << 20);
     let s = dev.new_stream().unwrap();
-    let mut rng = Rng::new(10);
+    let mut rng = SplitMix64::new(10);
     let (n, c) = (37, 9);
     let y = rng.vals(n * c, 1.0, 0.0, DType::F32);
     let w = rng.vals(n * c, 1.0, 0.0, DType::F32);
@@ -147,14 +147,7 @@ fn bias_grad_matches_finite_differences() {
     // L(b) = Σ w·(y + b broadcast): dL/db = Σ_rows w.
     let loss = |b: &[f64]| -> f64 { (0..n * c).map(|i| w[i] * (y[i] + b[i % c])).sum() };
     let step = 1e-6;
-    let fd: Vec<f64> = (0..c)
-        .map(|j| {
-            let (mut p, mut m) = (b.clone(), b.clone());
-            p[j] += step;
-            m[j] -= step;
-            (loss(&p) - loss(&m)) / (2.0 * step)
-        })
-        .collect();
+    let fd: Vec<f64> = (0..c).map(|j| central_diff(&b, j, step, loss)).collect();
     let got = run_grad(&dev, &s, DType::F32, DType::F32, &w, None, n, c);
     close("db", &got, &fd, 1e-6, 1e-6);
 }

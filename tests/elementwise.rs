@@ -20,7 +20,7 @@ const SIZES: [usize; 6] = [0, 1, 7, 511, 513, 70_001];
 
 #[test]
 fn add_and_scale_match_the_f64_reference() {
-    let mut rng = Rng::new(11);
+    let mut rng = SplitMix64::new(11);
     for dev in common::devices("add") {
         let s = dev.new_stream().unwrap();
         for d in FLOATS {

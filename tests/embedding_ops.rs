@@ -2,8 +2,9 @@
 //! when a GPU is) against their CPU twins, bit for bit, and their argument checks.
 
 mod common;
+mod ops_util;
 
-use tidemem::data::rng::{Rng, SplitMix64};
+use ops_util::{up, Rng, SplitMix64};
 use tidemem::device::Device;
 use tidemem::ops::embedding::{
     bag_backward, bag_forward, gather_rows, plan_backward, row_step, scatter_rows, BagMode,
@@ -11,22 +12,9 @@ use tidemem::ops::embedding::{
 };
 use tidemem::Error;
 
-/// Random ids and values for the tests.
-struct TestRng(SplitMix64);
-impl TestRng {
-    fn new(seed: u64) -> Self {
-        TestRng(SplitMix64::new(seed))
-    }
-    fn next(&mut self) -> u32 {
-        self.0.next_u32()
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() % 2000) as f32 / 1000.0 - 1.0
-    }
-}
-
-fn up(dev: &Device, s: &tidemem::device::Stream, v: &[u8]) -> tidemem::device::DeviceBuffer {
-    dev.upload(s, v).unwrap()
+/// A random value in [-1, 1) in steps of 1/1000.
+fn milli(rng: &mut SplitMix64) -> f32 {
+    (rng.next_u32() % 2000) as f32 / 1000.0 - 1.0
 }
 
 fn down(dev: &Device, s: &tidemem::device::Stream, b: &tidemem::device::DeviceBuffer) -> Vec<f32> {
@@ -60,19 +48,19 @@ fn kernels_equal_cpu_twins_bitwise() {
                 },
             ] {
                 let stride = dim + opt.state_len(dim) + 1;
-                let mut rng = TestRng::new(99);
-                let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
+                let mut rng = SplitMix64::new(99);
+                let table: Vec<f32> = (0..rows * stride).map(|_| milli(&mut rng)).collect();
                 let mut idx = Vec::new();
                 let mut off = vec![0u32];
                 for b in 0..23 {
                     // Bag 3 is empty; index 40 is out of range and skipped.
-                    let n = if b == 3 { 0 } else { 1 + rng.next() % 5 };
+                    let n = if b == 3 { 0 } else { 1 + rng.next_u32() % 5 };
                     for _ in 0..n {
-                        idx.push(rng.next() % (rows as u32 + 3));
+                        idx.push(rng.next_u32() % (rows as u32 + 3));
                     }
                     off.push(idx.len() as u32);
                 }
-                let w: Vec<f32> = idx.iter().map(|_| rng.f()).collect();
+                let w: Vec<f32> = idx.iter().map(|_| milli(&mut rng)).collect();
                 let w = weighted.then_some(w);
                 let bags = off.len() - 1;
                 // Forward.
@@ -114,7 +102,7 @@ fn kernels_equal_cpu_twins_bitwise() {
                 );
                 // Backward.
                 let p = plan_backward(&idx, &off, w.as_deref(), mode).unwrap();
-                let go: Vec<f32> = (0..bags * dim).map(|_| rng.f()).collect();
+                let go: Vec<f32> = (0..bags * dim).map(|_| milli(&mut rng)).collect();
                 let mut g = vec![0f32; p.rows.len() * dim];
                 bag_backward(&go, dim, &p.row_ptr, &p.entries, &p.scale, &mut g).unwrap();
                 let gob = up(&dev, &s, bytemuck::cast_slice(&go));
@@ -208,13 +196,13 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             let s = dev.new_stream().unwrap();
             let opt = RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 };
             let stride = dim + opt.state_len(dim);
-            let mut rng = TestRng::new(7);
-            let table: Vec<f32> = (0..rows * stride).map(|_| rng.f()).collect();
+            let mut rng = SplitMix64::new(7);
+            let table: Vec<f32> = (0..rows * stride).map(|_| milli(&mut rng)).collect();
             let mut idx = Vec::new();
             let mut off = vec![0u32];
             for _ in 0..bags {
-                for _ in 0..1 + rng.next() % 2 {
-                    idx.push(rng.next() % rows as u32);
+                for _ in 0..1 + rng.next_u32() % 2 {
+                    idx.push(rng.next_u32() % rows as u32);
                 }
                 off.push(idx.len() as u32);
             }
@@ -253,7 +241,7 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
                 bags < 1000 || p.rows.len() > 65_535,
                 "more distinct rows than blocks"
             );
-            let go: Vec<f32> = (0..bags * dim).map(|_| rng.f()).collect();
+            let go: Vec<f32> = (0..bags * dim).map(|_| milli(&mut rng)).collect();
             let mut g = vec![0f32; p.rows.len() * dim];
             bag_backward(&go, dim, &p.row_ptr, &p.entries, &p.scale, &mut g).unwrap();
             let gob = up(&dev, &s, bytemuck::cast_slice(&go));

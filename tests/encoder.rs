@@ -12,50 +12,13 @@
 //! - the f32 backward against finite differences of `Σ dout·out`: `|g − fd| ≤ 1e-6·(1 + Σ|dout|)`.
 
 mod common;
+mod ops_util;
 
-use half::{bf16, f16};
-use tidemem::device::{Device, DeviceBuffer, HostOperand, Operand, Stream, TwinArgs};
+use ops_util::*;
+use tidemem::device::{HostOperand, Operand, TwinArgs};
 use tidemem::ops::encoder::{EncoderBackwardParams, ENCODER_BACKWARD, ENCODER_FORWARD};
 use tidemem::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 use tidemem::{DType, Error};
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 11
-    }
-    fn unit(&mut self) -> f64 {
-        self.next() as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-    fn floats(&mut self, n: usize, d: DType) -> Vec<f64> {
-        (0..n).map(|_| quantize(self.unit() * 2.0, d)).collect()
-    }
-}
-
-fn quantize(x: f64, d: DType) -> f64 {
-    match d {
-        DType::F16 => f16::from_f64(x).to_f64(),
-        DType::BF16 => bf16::from_f64(x).to_f64(),
-        _ => x as f32 as f64,
-    }
-}
-
-fn encode(v: &[f64], d: DType) -> Vec<u8> {
-    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
-    tidemem::dtype::encode_f32(&f, d)
-}
-
-fn decode(b: &[u8], d: DType) -> Vec<f64> {
-    tidemem::dtype::decode_f32(b, d)
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
 
 /// (rel, abs) of one rounding to the storage type.
 fn tol(d: DType, f32_rel: f64, f16_rel: f64, bf16_rel: f64) -> (f64, f64) {
@@ -64,10 +27,6 @@ fn tol(d: DType, f32_rel: f64, f16_rel: f64, bf16_rel: f64) -> (f64, f64) {
         DType::F16 => (f16_rel, 2f64.powi(-24)),
         _ => (bf16_rel, 0.0),
     }
-}
-
-fn up(dev: &Device, s: &Stream, b: &[u8]) -> DeviceBuffer {
-    dev.upload(s, b).unwrap()
 }
 
 /// (B, T, C, V, maxT).
@@ -80,16 +39,16 @@ const SHAPES: [(usize, usize, usize, usize, usize); 5] = [
 ];
 
 /// Tokens drawn from a few ids, so most repeat.
-fn tokens(r: &mut Rng, n: usize, v: usize) -> Vec<i32> {
-    let ids: Vec<i32> = (0..7).map(|_| (r.next() % v as u64) as i32).collect();
-    (0..n).map(|_| ids[(r.next() % 7) as usize]).collect()
+fn tokens(r: &mut SplitMix64, n: usize, v: usize) -> Vec<i32> {
+    let ids: Vec<i32> = (0..7).map(|_| r.below(v as u64) as i32).collect();
+    (0..n).map(|_| ids[r.below(7) as usize]).collect()
 }
 
 #[test]
 fn forward_and_backward_match_the_f64_reference() {
     for dev in common::devices("encoder reference") {
         let s = dev.new_stream().unwrap();
-        let mut r = Rng(5);
+        let mut r = SplitMix64::new(5);
         for d in DType::FLOATS {
             for (b, t, c, v, max_t) in SHAPES {
                 let shape = EncoderShape {
@@ -102,19 +61,16 @@ fn forward_and_backward_match_the_f64_reference() {
                 let n = b * t;
                 let tok = tokens(&mut r, n, v);
                 let (wte, wpe, dout) = (
-                    r.floats(v * c, d),
-                    r.floats(max_t * c, d),
-                    r.floats(n * c, d),
+                    r.vals(v * c, 2.0, 0.0, d),
+                    r.vals(max_t * c, 2.0, 0.0, d),
+                    r.vals(n * c, 2.0, 0.0, d),
                 );
-                let (g0, p0) = (r.floats(v * c, d), r.floats(max_t * c, d));
+                let (g0, p0) = (r.vals(v * c, 2.0, 0.0, d), r.vals(max_t * c, 2.0, 0.0, d));
                 let tb = up(&dev, &s, bytemuck::cast_slice(&tok));
-                let (wteb, wpeb) = (
-                    up(&dev, &s, &encode(&wte, d)),
-                    up(&dev, &s, &encode(&wpe, d)),
-                );
+                let (wteb, wpeb) = (upv(&dev, &s, &wte, d), upv(&dev, &s, &wpe, d));
                 let out = up(&dev, &s, &vec![0x5a; n * c * d.size()]);
                 encoder_forward(&dev, &s, &tb, &wteb, &wpeb, &out, &shape, d).unwrap();
-                let got = decode(&dev.download(&s, &out).unwrap(), d);
+                let got = downv(&dev, &s, &out, d);
                 let (rel, abs) = tol(d, 2f64.powi(-23), 2f64.powi(-10), 2f64.powi(-7));
                 for pos in 0..n {
                     for k in 0..c {
@@ -129,13 +85,10 @@ fn forward_and_backward_match_the_f64_reference() {
                 // Backward, accumulated into g0 and p0.
                 let plan = EncoderPlan::new(&tok, v).unwrap();
                 let pw = up(&dev, &s, bytemuck::cast_slice(&plan.to_words()));
-                let db = up(&dev, &s, &encode(&dout, d));
-                let (dwte, dwpe) = (up(&dev, &s, &encode(&g0, d)), up(&dev, &s, &encode(&p0, d)));
+                let db = upv(&dev, &s, &dout, d);
+                let (dwte, dwpe) = (upv(&dev, &s, &g0, d), upv(&dev, &s, &p0, d));
                 encoder_backward(&dev, &s, &db, &plan, &pw, &dwte, &dwpe, &shape, d).unwrap();
-                let (gw, gp) = (
-                    decode(&dev.download(&s, &dwte).unwrap(), d),
-                    decode(&dev.download(&s, &dwpe).unwrap(), d),
-                );
+                let (gw, gp) = (downv(&dev, &s, &dwte, d), downv(&dev, &s, &dwpe, d));
                 let (mut want_w, mut mag_w) =
                     (g0.clone(), g0.iter().map(|x| x.abs()).collect::<Vec<_>>());
                 let (mut want_p, mut mag_p) =
@@ -181,12 +134,12 @@ fn backward_matches_finite_differences_and_is_deterministic() {
         max_seq: max_t,
     };
     let n = b * t;
-    let mut r = Rng(6);
+    let mut r = SplitMix64::new(6);
     let tok = tokens(&mut r, n, v);
     let (wte, wpe, dout) = (
-        r.floats(v * c, DType::F32),
-        r.floats(max_t * c, DType::F32),
-        r.floats(n * c, DType::F32),
+        r.vals(v * c, 2.0, 0.0, DType::F32),
+        r.vals(max_t * c, 2.0, 0.0, DType::F32),
+        r.vals(n * c, 2.0, 0.0, DType::F32),
     );
     // L = Σ dout · out, out from the f64 forward.
     let loss = |wte: &[f64], wpe: &[f64]| -> f64 {
@@ -209,7 +162,7 @@ fn backward_matches_finite_differences_and_is_deterministic() {
         let s = dev.new_stream().unwrap();
         let plan = EncoderPlan::new(&tok, v).unwrap();
         let pw = up(&dev, &s, bytemuck::cast_slice(&plan.to_words()));
-        let db = up(&dev, &s, &encode(&dout, DType::F32));
+        let db = upv(&dev, &s, &dout, DType::F32);
         let mut runs = vec![];
         for _ in 0..3 {
             let (dwte, dwpe) = (
@@ -226,10 +179,7 @@ fn backward_matches_finite_differences_and_is_deterministic() {
             runs.iter().all(|x| *x == runs[0]),
             "the backward changed between runs"
         );
-        let (gw, gp) = (
-            decode(&runs[0].0, DType::F32),
-            decode(&runs[0].1, DType::F32),
-        );
+        let (gw, gp) = (dec(&runs[0].0, DType::F32), dec(&runs[0].1, DType::F32));
         for (which, g) in [(0, &gw), (1, &gp)] {
             for (i, &g) in g.iter().enumerate() {
                 let f = fd(which, i);
@@ -260,25 +210,18 @@ fn a_token_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     for dev in common::devices("encoder bad token") {
         let s = dev.new_stream().unwrap();
         let tb = up(&dev, &s, bytemuck::cast_slice(&tok));
-        let w = up(&dev, &s, &encode(&[1.0; 6], DType::F32));
+        let w = upv(&dev, &s, &[1.0; 6], DType::F32);
         let out = up(&dev, &s, &[0x5a; 24]);
         encoder_forward(&dev, &s, &tb, &w, &w, &out, &shape, DType::F32).unwrap();
-        let synced = dev.sync_stream(&s);
-        if dev.kind() == tidemem::device::BackendKind::Sim {
-            let Err(Error::KernelFailed { message, .. }) = synced else {
-                panic!("{synced:?}")
-            };
-            assert!(message.contains("token 7 at position 1"), "{message}");
-        } else {
-            synced.unwrap();
-            let o = decode(&dev.download(&s, &out).unwrap(), DType::F32);
+        if ran_past_bad_index(&dev, &s, "token 7 at position 1") {
+            let o = downv(&dev, &s, &out, DType::F32);
             assert!(o[2].is_nan() && o[3].is_nan(), "{o:?}");
             assert_eq!([o[0], o[1], o[4], o[5]], [2.0; 4]);
         }
     }
     // The twin checks every token before it writes.
     let tok_b: Vec<u8> = bytemuck::cast_slice(&tok).to_vec();
-    let w = encode(&[1.0; 6], DType::F32);
+    let w = enc(&[1.0; 6], DType::F32);
     let mut out = vec![0x5au8; 24];
     let p = tidemem::ops::encoder::EncoderParams {
         n: 3,
@@ -303,7 +246,7 @@ fn a_malformed_plan_is_refused_by_the_twin_before_it_writes() {
     // Tokens [1, 1, 0]: rows [1, 0], starts [0, 2, 3], entries [0, 1, 2].
     let good = EncoderPlan::new(&[1, 1, 0], 2).unwrap().to_words();
     assert_eq!(good, [1, 0, 0, 2, 3, 0, 1, 2]);
-    let dout = encode(&[1.0; 3], DType::F32);
+    let dout = enc(&[1.0; 3], DType::F32);
     let p = EncoderBackwardParams {
         n: 3,
         t: 3,
@@ -361,14 +304,6 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         let dout = up(&dev, &s, &[0u8; 96]);
         let dwte = up(&dev, &s, &[0x22; 80]);
         let dwpe = up(&dev, &s, &[0x33; 48]);
-        let invalid = |r: tidemem::Result<()>, names: &[&str]| {
-            let Err(Error::InvalidArgument(m)) = r else {
-                panic!("{r:?}")
-            };
-            for n in names {
-                assert!(m.contains(n), "{m} should name {n}");
-            }
-        };
         // Operands of the wrong size, each named with its expected shape.
         let wte_small = wte.view(0, 76).unwrap();
         invalid(

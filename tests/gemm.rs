@@ -18,15 +18,14 @@
 //! between batches) must be left as they were, bit for bit.
 
 mod common;
+mod ops_util;
 
 use half::{bf16, f16};
-use tidemem::data::rng::{Rng, SplitMix64};
+use ops_util::{dec, encf, round_f32, stored, Rng, SplitMix64, U};
 use tidemem::device::{Device, Operand};
 use tidemem::ops::gemm::{GemmElem, GemmParams, GEMM};
 use tidemem::ops::{self, Gemm};
 use tidemem::{DType, Error};
-
-const U: f64 = 1.0 / (1u64 << 24) as f64;
 
 /// One test case: the description and the operands' elements as f32 (before encoding).
 struct Case {
@@ -85,13 +84,11 @@ impl Case {
     /// For each element of `C`: `Some((reference, S))` where it is written, `None` where it
     /// must stay. Inputs are taken as stored in `dtype` (rounded from the f32 values).
     fn reference(&self, dtype: DType) -> Vec<Option<(f64, f64)>> {
-        let q = |v: &[f32]| -> Vec<f64> {
-            tidemem::dtype::decode_f32(&tidemem::dtype::encode_f32(v, dtype), dtype)
-                .into_iter()
-                .map(f64::from)
-                .collect()
-        };
-        let (a, b, c) = (q(&self.a), q(&self.b), q(&self.c));
+        let (a, b, c) = (
+            stored(&self.a, dtype),
+            stored(&self.b, dtype),
+            stored(&self.c, dtype),
+        );
         let p = self.g.params();
         let ta = p.flags & GemmParams::TRANS_A != 0;
         let tb = p.flags & GemmParams::TRANS_B != 0;
@@ -125,8 +122,7 @@ impl Case {
     /// the module docs (`f32_factor` times the f32 term).
     fn verify(&self, dtype: DType, got: &[f64], f32_factor: f64, what: &str) {
         let p = self.g.params();
-        let before = tidemem::dtype::encode_f32(&self.c, dtype);
-        let before = tidemem::dtype::decode_f32(&before, dtype);
+        let before = round_f32(&self.c, dtype);
         let tf32 = if p.flags & GemmParams::TF32 != 0 {
             2f64.powi(-10)
         } else {
@@ -158,13 +154,6 @@ impl Case {
             }
         }
     }
-}
-
-fn as_f64(bytes: &[u8], d: DType) -> Vec<f64> {
-    tidemem::dtype::decode_f32(bytes, d)
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// The shapes every test runs: sizes 1, odd, prime and past any tile, a product large enough
@@ -287,12 +276,12 @@ fn tf32_is_used_only_when_asked_and_rounds_the_inputs() {
 /// Runs `case` on `dev` as `dtype` through [`ops::gemm`]; returns C.
 fn device_run(dev: &Device, case: &Case, dtype: DType) -> tidemem::Result<Vec<f64>> {
     let s = dev.new_stream()?;
-    let up = |v: &[f32]| dev.upload(&s, &tidemem::dtype::encode_f32(v, dtype));
+    let up = |v: &[f32]| dev.upload(&s, &encf(v, dtype));
     let (a, b, c) = (up(&case.a)?, up(&case.b)?, up(&case.c)?);
     ops::gemm(dev, &s, &case.g, &a, &b, &c, dtype)?;
     let out = dev.download(&s, &c)?;
     dev.sync_stream(&s)?;
-    Ok(as_f64(&out, dtype))
+    Ok(dec(&out, dtype))
 }
 
 #[test]
@@ -318,7 +307,7 @@ fn cuda_runs_cublas_or_says_it_is_missing() {
     if !ops::gemm::cublas_available() {
         // A typed error, and C untouched.
         let s = dev.new_stream().unwrap();
-        let enc = |v: &[f32]| tidemem::dtype::encode_f32(v, DType::F32);
+        let enc = |v: &[f32]| encf(v, DType::F32);
         let a = dev.upload(&s, &enc(&case.a)).unwrap();
         let b = dev.upload(&s, &enc(&case.b)).unwrap();
         let c = dev.upload(&s, &enc(&case.c)).unwrap();

@@ -11,16 +11,13 @@
 //! of the forward output is exact.
 
 mod common;
+mod ops_util;
 
 use half::{bf16, f16};
-use tidemem::device::{Device, DeviceBuffer, Stream};
-use tidemem::dtype::{decode_f32, encode_f32};
+use ops_util::*;
+use tidemem::device::DeviceBuffer;
 use tidemem::ops::interaction::{interaction_backward, interaction_forward, InteractionShape};
-use tidemem::rng::{Rng, SplitMix64};
-use tidemem::{DType, Error};
-
-const FLOATS: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-const U: f64 = 1.0 / (1u64 << 24) as f64;
+use tidemem::DType;
 
 fn shape(batch: usize, features: usize, dim: usize) -> InteractionShape {
     InteractionShape {
@@ -42,29 +39,6 @@ fn shapes() -> Vec<InteractionShape> {
         shape(2, 26, 64),
         shape(1, 63, 200),
     ]
-}
-
-/// Values in [-scale, scale), rounded to `d` (returned as the stored values).
-fn values(r: &mut SplitMix64, n: usize, scale: f32, d: DType) -> Vec<f32> {
-    let v: Vec<f32> = (0..n).map(|_| r.uniform_f32(-scale, scale)).collect();
-    decode_f32(&encode_f32(&v, d), d)
-}
-
-fn up(dev: &Device, s: &Stream, v: &[f32], d: DType) -> DeviceBuffer {
-    dev.upload(s, &encode_f32(v, d)).unwrap()
-}
-
-fn down(dev: &Device, s: &Stream, b: &DeviceBuffer, d: DType) -> Vec<f32> {
-    decode_f32(&dev.download(s, b).unwrap(), d)
-}
-
-/// Output rounding and absolute floor of a storage type.
-fn rounding(d: DType) -> (f64, f64) {
-    match d {
-        DType::F16 => (2f64.powi(-11), 2f64.powi(-25)),
-        DType::BF16 => (2f64.powi(-8), 0.0),
-        _ => (0.0, 0.0),
-    }
 }
 
 fn row(x: &[f64], e: &[f64], s: InteractionShape, b: usize, r: usize) -> Vec<f64> {
@@ -135,14 +109,10 @@ fn backward64(
     ((dx, de), (mx, me))
 }
 
-fn wide(v: &[f32]) -> Vec<f64> {
-    v.iter().map(|&x| x as f64).collect()
-}
-
 /// `got` within `γ·mag + r·|want| + a` of `want`, element by element.
 fn assert_close(what: &str, got: &[f32], want: &[f64], mag: &[f64], terms: usize, d: DType) {
     assert_eq!(got.len(), want.len(), "{what}: lengths");
-    let (r, a) = rounding(d);
+    let (r, a) = out_rounding(d);
     let gamma = (terms + 1) as f64 * U;
     for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
         let tol = gamma * m * (1.0 + r) + r * w.abs() + a;
@@ -161,29 +131,29 @@ fn forward_and_backward_match_the_f64_reference() {
         for dt in FLOATS {
             for s in shapes() {
                 let what = format!("{} {dt} {s:?}", dev.name());
-                let x = values(&mut r, s.batch * s.dim, 1.0, dt);
-                let e = values(&mut r, s.batch * s.features * s.dim, 1.0, dt);
-                let (xb, eb) = (up(&dev, &st, &x, dt), up(&dev, &st, &e, dt));
+                let x = r.vals_f32(s.batch * s.dim, 1.0, dt);
+                let e = r.vals_f32(s.batch * s.features * s.dim, 1.0, dt);
+                let (xb, eb) = (upf(&dev, &st, &x, dt), upf(&dev, &st, &e, dt));
                 let out = dev.alloc(s.batch * s.out_width() * dt.size()).unwrap();
                 interaction_forward(&dev, &st, &xb, &eb, &out, s, dt).unwrap();
-                let got = down(&dev, &st, &out, dt);
-                let (want, mag) = forward64(&wide(&x), &wide(&e), s);
+                let got = downf(&dev, &st, &out, dt);
+                let (want, mag) = forward64(&widen(&x), &widen(&e), s);
                 assert_close(&format!("forward {what}"), &got, &want, &mag, s.dim, dt);
                 for b in 0..s.batch {
                     let w = s.out_width();
                     assert_eq!(&got[b * w..][..s.dim], &x[b * s.dim..][..s.dim], "{what}");
                 }
 
-                let dy = values(&mut r, s.batch * s.out_width(), 1.0, dt);
-                let dyb = up(&dev, &st, &dy, dt);
+                let dy = r.vals_f32(s.batch * s.out_width(), 1.0, dt);
+                let dyb = upf(&dev, &st, &dy, dt);
                 let dx = dev.alloc(x.len() * dt.size()).unwrap();
                 let de = dev.alloc(e.len() * dt.size()).unwrap();
                 interaction_backward(&dev, &st, &xb, &eb, &dyb, &dx, &de, s, dt).unwrap();
-                let ((wx, we), (mx, me)) = backward64(&wide(&x), &wide(&e), &wide(&dy), s);
+                let ((wx, we), (mx, me)) = backward64(&widen(&x), &widen(&e), &widen(&dy), s);
                 let n = s.rows();
-                let gx = down(&dev, &st, &dx, dt);
+                let gx = downf(&dev, &st, &dx, dt);
                 assert_close(&format!("d_dense {what}"), &gx, &wx, &mx, n + 1, dt);
-                let ge = down(&dev, &st, &de, dt);
+                let ge = downf(&dev, &st, &de, dt);
                 assert_close(&format!("d_emb {what}"), &ge, &we, &me, n, dt);
             }
         }
@@ -208,20 +178,20 @@ fn backward_matches_finite_differences() {
     let mut r = SplitMix64::new(9);
     for dt in FLOATS {
         for s in [shape(1, 1, 1), shape(2, 4, 5), shape(3, 9, 17)] {
-            let x = values(&mut r, s.batch * s.dim, 1.0, dt);
-            let e = values(&mut r, s.batch * s.features * s.dim, 1.0, dt);
-            let dy = values(&mut r, s.batch * s.out_width(), 1.0, dt);
-            let (x64, e64, dy64) = (wide(&x), wide(&e), wide(&dy));
+            let x = r.vals_f32(s.batch * s.dim, 1.0, dt);
+            let e = r.vals_f32(s.batch * s.features * s.dim, 1.0, dt);
+            let dy = r.vals_f32(s.batch * s.out_width(), 1.0, dt);
+            let (x64, e64, dy64) = (widen(&x), widen(&e), widen(&dy));
             let ((wx, we), (mx, me)) = backward64(&x64, &e64, &dy64, s);
             let (xb, eb, dyb) = (
-                up(&dev, &st, &x, dt),
-                up(&dev, &st, &e, dt),
-                up(&dev, &st, &dy, dt),
+                upf(&dev, &st, &x, dt),
+                upf(&dev, &st, &e, dt),
+                upf(&dev, &st, &dy, dt),
             );
             let dx = dev.alloc(x.len() * dt.size()).unwrap();
             let de = dev.alloc(e.len() * dt.size()).unwrap();
             interaction_backward(&dev, &st, &xb, &eb, &dyb, &dx, &de, s, dt).unwrap();
-            let (gx, ge) = (down(&dev, &st, &dx, dt), down(&dev, &st, &de, dt));
+            let (gx, ge) = (downf(&dev, &st, &dx, dt), downf(&dev, &st, &de, dt));
             // L is quadratic in each input, so the central difference is exact but for rounding.
             let h = 1e-3;
             let fd = |dense: bool, i: usize| {
@@ -233,7 +203,7 @@ fn backward_matches_finite_differences() {
                 *v -= 2.0 * h;
                 (plus - objective(&xp, &ep, &dy64, s)) / (2.0 * h)
             };
-            let (r_out, a_out) = rounding(dt);
+            let (r_out, a_out) = out_rounding(dt);
             let n = s.rows();
             for (dense, want, mag, got) in [(true, &wx, &mx, &gx), (false, &we, &me, &ge)] {
                 for i in 0..want.len() {
@@ -256,26 +226,6 @@ fn backward_matches_finite_differences() {
     }
 }
 
-/// Runs `f`, which must fail with a typed error, and checks that `outs` kept their bytes.
-fn refused(
-    dev: &Device,
-    st: &Stream,
-    what: &str,
-    outs: &[&DeviceBuffer],
-    f: impl FnOnce() -> tidemem::Result<()>,
-) {
-    let before: Vec<Vec<u8>> = outs.iter().map(|b| dev.download(st, *b).unwrap()).collect();
-    let err = f().expect_err(what);
-    assert!(
-        matches!(err, Error::InvalidArgument(_) | Error::Launch { .. }),
-        "{what}: {err}"
-    );
-    dev.sync_stream(st).unwrap();
-    for (b, was) in outs.iter().zip(before) {
-        assert_eq!(dev.download(st, *b).unwrap(), was, "{what}: bytes written");
-    }
-}
-
 #[test]
 fn bad_input_is_refused_and_writes_nothing() {
     for dev in common::devices("interaction bad input") {
@@ -290,23 +240,23 @@ fn bad_input_is_refused_and_writes_nothing() {
         let fwd = |x: &DeviceBuffer, e: &DeviceBuffer, o: &DeviceBuffer, s, dt| {
             interaction_forward(&dev, &st, x, e, o, s, dt)
         };
-        refused(&dev, &st, "short dense", &[&out], || {
+        refused_run(&dev, &st, "short dense", &[&out], || {
             fwd(&short, &e, &out, s, dt)
         });
-        refused(&dev, &st, "emb for 3 features", &[&out], || {
+        refused_run(&dev, &st, "emb for 3 features", &[&out], || {
             fwd(&x, &e, &out, shape(3, 3, 5), dt)
         });
         let long = buf(3 * s.out_width() + 1, &mut r);
-        refused(&dev, &st, "out too long", &[&long], || {
+        refused_run(&dev, &st, "out too long", &[&long], || {
             fwd(&x, &e, &long, s, dt)
         });
-        refused(&dev, &st, "u32 elements", &[&out], || {
+        refused_run(&dev, &st, "u32 elements", &[&out], || {
             fwd(&x, &e, &out, s, DType::U32)
         });
-        refused(&dev, &st, "dim over the limit", &[&out], || {
+        refused_run(&dev, &st, "dim over the limit", &[&out], || {
             fwd(&x, &e, &out, shape(0, 1, 1 << 20), dt)
         });
-        refused(&dev, &st, "overflow", &[&out], || {
+        refused_run(&dev, &st, "overflow", &[&out], || {
             fwd(&x, &e, &out, shape(usize::MAX / 2, 3, 5), dt)
         });
         // Mixed types, through the descriptor (the wrapper takes one type).
@@ -316,7 +266,7 @@ fn bad_input_is_refused_and_writes_nothing() {
             Some(tidemem::device::Operand::new(&out, DType::F16)),
         ];
         let p = s.params();
-        refused(&dev, &st, "mixed types", &[&out], || {
+        refused_run(&dev, &st, "mixed types", &[&out], || {
             dev.launch(
                 &st,
                 &tidemem::ops::interaction::INTERACTION_FORWARD,
@@ -328,7 +278,7 @@ fn bad_input_is_refused_and_writes_nothing() {
         let both = buf(15 + 3 * s.out_width(), &mut r);
         let xs = both.view(0, 60).unwrap();
         let os = both.view(56, 4 * 3 * s.out_width()).unwrap();
-        refused(&dev, &st, "out overlapping dense", &[&both], || {
+        refused_run(&dev, &st, "out overlapping dense", &[&both], || {
             interaction_forward(&dev, &st, xs, &e, os, s, dt)
         });
 
@@ -337,16 +287,16 @@ fn bad_input_is_refused_and_writes_nothing() {
         let bwd = |dy: &DeviceBuffer, dx: &DeviceBuffer, de: &DeviceBuffer, s| {
             interaction_backward(&dev, &st, &x, &e, dy, dx, de, s, dt)
         };
-        refused(&dev, &st, "short dout", &[&dx, &de], || {
+        refused_run(&dev, &st, "short dout", &[&dx, &de], || {
             bwd(&short, &dx, &de, s)
         });
-        refused(&dev, &st, "short d_dense", &[&de, &short], || {
+        refused_run(&dev, &st, "short d_dense", &[&de, &short], || {
             bwd(&dy, &short, &de, s)
         });
-        refused(&dev, &st, "d_emb for another dim", &[&dx, &de], || {
+        refused_run(&dev, &st, "d_emb for another dim", &[&dx, &de], || {
             bwd(&dy, &dx, &de, shape(3, 4, 4))
         });
-        refused(&dev, &st, "d_dense over d_emb", &[&de], || {
+        refused_run(&dev, &st, "d_dense over d_emb", &[&de], || {
             let whole = de.view(0, 60).unwrap();
             interaction_backward(&dev, &st, &x, &e, &dy, whole, &de, s, dt)
         });
@@ -361,11 +311,11 @@ fn the_storage_types_round_like_the_f32_result() {
     let st = dev.new_stream().unwrap();
     let mut r = SplitMix64::new(21);
     let s = shape(2, 26, 16);
-    let x = values(&mut r, s.batch * s.dim, 1.0, DType::BF16);
-    let e = values(&mut r, s.batch * s.features * s.dim, 1.0, DType::BF16);
+    let x = r.vals_f32(s.batch * s.dim, 1.0, DType::BF16);
+    let e = r.vals_f32(s.batch * s.features * s.dim, 1.0, DType::BF16);
     let mut outs = vec![];
     for dt in FLOATS {
-        let (xb, eb) = (up(&dev, &st, &x, dt), up(&dev, &st, &e, dt));
+        let (xb, eb) = (upf(&dev, &st, &x, dt), upf(&dev, &st, &e, dt));
         let out = dev.alloc(s.batch * s.out_width() * dt.size()).unwrap();
         interaction_forward(&dev, &st, &xb, &eb, &out, s, dt).unwrap();
         outs.push(dev.download(&st, &out).unwrap());

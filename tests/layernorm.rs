@@ -177,7 +177,7 @@ const SHAPES: [(usize, usize); 8] = [
 
 #[test]
 fn forward_matches_the_f64_reference() {
-    let mut rng = Rng::new(1);
+    let mut rng = SplitMix64::new(1);
     for dev in common::devices("layernorm forward") {
         let s = dev.new_stream().unwrap();
         for d in FLOATS {
@@ -218,7 +218,7 @@ fn forward_matches_the_f64_reference() {
 
 #[test]
 fn backward_matches_the_f64_reference() {
-    let mut rng = Rng::new(2);
+    let mut rng = SplitMix64::new(2);
     for dev in common::devices("layernorm backward") {
         let s = dev.new_stream().unwrap();
         for d in FLOATS {
@@ -306,7 +306,7 @@ fn loss(x: &[f64], r: &[f64], g: &[f64], b: &[f64], w: &[f64], c: usize) -> f64 
 
 #[test]
 fn backward_matches_finite_differences() {
-    let mut rng = Rng::new(3);
+    let mut rng = SplitMix64::new(3);
     let dev = common::sim(64 << 20);
     let s = dev.new_stream().unwrap();
     for (n, c) in [(1, 1), (2, 3), (3, 37), (5, 64)] {

@@ -3,9 +3,9 @@
 //! forward; overwrite and accumulate; f32, f16 and bf16.
 
 mod common;
+mod ops_util;
 
-use tidemem::device::{Device, DeviceBuffer, Stream};
-use tidemem::dtype::{decode_f32, encode_f32};
+use ops_util::{central_diff, downv, stored, upf, widen};
 use tidemem::ops::bias_grad_scratch_bytes;
 use tidemem::ops::linear::{linear_backward, linear_forward, BiasGradOut, Linear, LinearGrads};
 use tidemem::DType;
@@ -16,14 +16,6 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
             let z = (i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ seed;
             ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
-        .collect()
-}
-
-/// Values as stored in `d` (the reference starts from the same inputs the op sees).
-fn stored(v: &[f32], d: DType) -> Vec<f64> {
-    decode_f32(&encode_f32(v, d), d)
-        .into_iter()
-        .map(f64::from)
         .collect()
 }
 
@@ -68,12 +60,11 @@ fn the_reference_backward_matches_finite_differences() {
         inputs: 4,
         outputs: 2,
     };
-    let f = |v: Vec<f32>| -> Vec<f64> { v.into_iter().map(f64::from).collect() };
     let (x, w, b, dy) = (
-        f(values(12, 1)),
-        f(values(8, 2)),
-        f(values(2, 3)),
-        f(values(6, 4)),
+        widen(&values(12, 1)),
+        widen(&values(8, 2)),
+        widen(&values(2, 3)),
+        widen(&values(6, 4)),
     );
     let loss = |x: &[f64], w: &[f64], b: &[f64]| -> f64 {
         forward(s, x, w, b)
@@ -85,32 +76,17 @@ fn the_reference_backward_matches_finite_differences() {
     let (dx, dw, db) = backward(s, &x, &w, &dy);
     let h = 1e-6;
     let fd = |v: &[f64], i: usize, which: usize| {
-        let (mut up, mut down) = (v.to_vec(), v.to_vec());
-        up[i] += h;
-        down[i] -= h;
-        let l = |p: &[f64]| match which {
+        central_diff(v, i, h, |p| match which {
             0 => loss(p, &w, &b),
             1 => loss(&x, p, &b),
             _ => loss(&x, &w, p),
-        };
-        (l(&up) - l(&down)) / (2.0 * h)
+        })
     };
     for (grad, v, which) in [(&dx, &x, 0), (&dw, &w, 1), (&db, &b, 2)] {
         for (i, g) in grad.iter().enumerate() {
             assert!((g - fd(v, i, which)).abs() < 1e-8, "grad {which}[{i}]");
         }
     }
-}
-
-fn up(dev: &Device, s: &Stream, v: &[f32], d: DType) -> DeviceBuffer {
-    dev.upload(s, &encode_f32(v, d)).unwrap()
-}
-
-fn down(dev: &Device, s: &Stream, b: &DeviceBuffer, d: DType) -> Vec<f64> {
-    decode_f32(&dev.download(s, b).unwrap(), d)
-        .into_iter()
-        .map(f64::from)
-        .collect()
 }
 
 /// |got − want| ≤ tol·(Σ|terms|), element by element (`scale`: the sum of absolute terms).
@@ -152,10 +128,10 @@ fn forward_and_backward_match_the_reference_on_every_device() {
                     stored(&dyv, d),
                 );
                 let (xb, wb, bb, dyb) = (
-                    up(&dev, &st, &xv, d),
-                    up(&dev, &st, &wv, d),
-                    up(&dev, &st, &bv, d),
-                    up(&dev, &st, &dyv, d),
+                    upf(&dev, &st, &xv, d),
+                    upf(&dev, &st, &wv, d),
+                    upf(&dev, &st, &bv, d),
+                    upf(&dev, &st, &dyv, d),
                 );
                 let y = dev.alloc(rows * outputs * d.size()).unwrap();
                 linear_forward(&dev, &st, s, &xb, &wb, Some((&bb).into()), &y, d).unwrap();
@@ -163,15 +139,15 @@ fn forward_and_backward_match_the_reference_on_every_device() {
                 let scale = forward(s, &abs(&x), &abs(&w), &abs(&b));
                 close(
                     "y",
-                    &down(&dev, &st, &y, d),
+                    &downv(&dev, &st, &y, d),
                     &forward(s, &x, &w, &b),
                     &scale,
                     tol,
                 );
 
                 let (dx0, dw0) = (values(rows * inputs, 5), values(outputs * inputs, 6));
-                let dxb = up(&dev, &st, &dx0, d);
-                let dwb = up(&dev, &st, &dw0, d);
+                let dxb = upf(&dev, &st, &dx0, d);
+                let dwb = upf(&dev, &st, &dw0, d);
                 let dbb = dev
                     .upload(&st, bytemuck::cast_slice(&vec![1.0f32; outputs]))
                     .unwrap();
@@ -198,13 +174,13 @@ fn forward_and_backward_match_the_reference_on_every_device() {
                     .zip(stored(&dx0, d))
                     .map(|(a, b)| a + b.abs())
                     .collect();
-                close("dx (+=)", &down(&dev, &st, &dxb, d), &dx_want, &sx, tol);
-                close("dw", &down(&dev, &st, &dwb, d), &dw, &sw, tol);
+                close("dx (+=)", &downv(&dev, &st, &dxb, d), &dx_want, &sx, tol);
+                close("dw", &downv(&dev, &st, &dwb, d), &dw, &sw, tol);
                 let db_want: Vec<f64> = db.iter().map(|g| g + 1.0).collect();
                 let sb: Vec<f64> = sb.iter().map(|g| g + 1.0).collect();
                 close(
                     "db (+=)",
-                    &down(&dev, &st, &dbb, DType::F32),
+                    &downv(&dev, &st, &dbb, DType::F32),
                     &db_want,
                     &sb,
                     1e-6,

@@ -13,46 +13,12 @@
 //!   `|dx − fd| ≤ 2e-6 + 1e-4·|fd|`.
 
 mod common;
+mod ops_util;
 
-use half::{bf16, f16};
-use tidemem::device::{Device, DeviceBuffer, Operand, Stream};
+use ops_util::*;
+use tidemem::device::Operand;
 use tidemem::ops::{softmax_backward, softmax_forward};
 use tidemem::{DType, Error};
-
-struct Rng(u64);
-
-impl Rng {
-    fn unit(&mut self) -> f64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0
-    }
-}
-
-/// `v` rounded to `d` and back (the values the device holds).
-fn quantize(v: &[f64], d: DType) -> Vec<f64> {
-    v.iter()
-        .map(|&x| match d {
-            DType::F16 => f16::from_f64(x).to_f64(),
-            DType::BF16 => bf16::from_f64(x).to_f64(),
-            _ => x as f32 as f64,
-        })
-        .collect()
-}
-
-fn encode(v: &[f64], d: DType) -> Vec<u8> {
-    let f: Vec<f32> = v.iter().map(|&x| x as f32).collect();
-    tidemem::dtype::encode_f32(&f, d)
-}
-
-fn decode(b: &[u8], d: DType) -> Vec<f64> {
-    tidemem::dtype::decode_f32(b, d)
-        .into_iter()
-        .map(f64::from)
-        .collect()
-}
 
 /// The f64 forward of one row's live elements.
 fn row64(x: &[f64], scale: f64) -> Vec<f64> {
@@ -92,29 +58,23 @@ fn backward_rel(d: DType) -> f64 {
 
 const SHAPES: [(usize, usize); 6] = [(1, 1), (2, 7), (1, 32), (3, 33), (1, 100), (2, 130)];
 
-fn up(dev: &Device, s: &Stream, b: &[u8]) -> DeviceBuffer {
-    dev.upload(s, b).unwrap()
-}
-
 #[test]
 fn forward_and_backward_match_the_f64_reference() {
     for dev in common::devices("softmax reference") {
         let s = dev.new_stream().unwrap();
-        let mut r = Rng(1);
+        let mut r = SplitMix64::new(1);
         for d in DType::FLOATS {
             for (bh, t) in SHAPES {
                 let n = bh * t * t;
                 let scale = 1.0 / ((t % 5 + 1) as f64).sqrt();
                 let scale = scale as f32 as f64;
-                let x = quantize(&(0..n).map(|_| r.unit() * 6.0).collect::<Vec<_>>(), d);
-                let dy = quantize(&(0..n).map(|_| r.unit()).collect::<Vec<_>>(), d);
-                let (xb, dyb) = (up(&dev, &s, &encode(&x, d)), up(&dev, &s, &encode(&dy, d)));
+                let (x, dy) = (r.vals(n, 6.0, 0.0, d), r.vals(n, 1.0, 0.0, d));
+                let (xb, dyb) = (upv(&dev, &s, &x, d), upv(&dev, &s, &dy, d));
                 let y = up(&dev, &s, &vec![0x5a; n * d.size()]);
                 let dx = up(&dev, &s, &vec![0x5a; n * d.size()]);
                 softmax_forward(&dev, &s, &xb, &y, bh, t, scale as f32, d).unwrap();
                 softmax_backward(&dev, &s, &y, &dyb, &dx, bh, t, scale as f32, d).unwrap();
-                let yv = decode(&dev.download(&s, &y).unwrap(), d);
-                let dxv = decode(&dev.download(&s, &dx).unwrap(), d);
+                let (yv, dxv) = (downv(&dev, &s, &y, d), downv(&dev, &s, &dx, d));
                 let (abs, rel) = forward_tol(d);
                 for row in 0..bh * t {
                     let (i, o) = (row % t, row * t);
@@ -161,21 +121,16 @@ fn row_loss(x: &[f64], dy: &[f64], scale: f64) -> f64 {
 #[test]
 fn backward_matches_finite_differences_of_the_f64_forward() {
     let h = 1e-6;
-    let mut r = Rng(2);
+    let mut r = SplitMix64::new(2);
     // The reference backward itself.
     for n in [1usize, 5, 40] {
-        let x: Vec<f64> = (0..n).map(|_| r.unit() * 4.0).collect();
-        let dy: Vec<f64> = (0..n).map(|_| r.unit()).collect();
+        let (x, dy) = (r.uniform(n, 4.0), r.uniform(n, 1.0));
         let g = row_grad64(&row64(&x, 0.7), &dy, 0.7);
-        for j in 0..n {
-            let (mut a, mut b) = (x.clone(), x.clone());
-            a[j] += h;
-            b[j] -= h;
-            let fd = (row_loss(&a, &dy, 0.7) - row_loss(&b, &dy, 0.7)) / (2.0 * h);
+        for (j, &g) in g.iter().enumerate() {
+            let fd = central_diff(&x, j, h, |x| row_loss(x, &dy, 0.7));
             assert!(
-                (g[j] - fd).abs() <= 1e-8 + 1e-6 * fd.abs(),
-                "{n} {j}: {} vs {fd}",
-                g[j]
+                (g - fd).abs() <= 1e-8 + 1e-6 * fd.abs(),
+                "{n} {j}: {g} vs {fd}"
             );
         }
     }
@@ -184,27 +139,21 @@ fn backward_matches_finite_differences_of_the_f64_forward() {
         let s = dev.new_stream().unwrap();
         let (bh, t, scale) = (2usize, 37usize, 0.125f64);
         let n = bh * t * t;
-        let x = quantize(
-            &(0..n).map(|_| r.unit() * 8.0).collect::<Vec<_>>(),
-            DType::F32,
-        );
-        let dy = quantize(&(0..n).map(|_| r.unit()).collect::<Vec<_>>(), DType::F32);
+        let x = r.vals(n, 8.0, 0.0, DType::F32);
+        let dy = r.vals(n, 1.0, 0.0, DType::F32);
         let (xb, dyb) = (
-            up(&dev, &s, &encode(&x, DType::F32)),
-            up(&dev, &s, &encode(&dy, DType::F32)),
+            upv(&dev, &s, &x, DType::F32),
+            upv(&dev, &s, &dy, DType::F32),
         );
         let (y, dx) = (dev.alloc(n * 4).unwrap(), dev.alloc(n * 4).unwrap());
         softmax_forward(&dev, &s, &xb, &y, bh, t, scale as f32, DType::F32).unwrap();
         softmax_backward(&dev, &s, &y, &dyb, &dx, bh, t, scale as f32, DType::F32).unwrap();
-        let dxv = decode(&dev.download(&s, &dx).unwrap(), DType::F32);
+        let dxv = downv(&dev, &s, &dx, DType::F32);
         for row in 0..bh * t {
             let (i, o) = (row % t, row * t);
             let (xr, dyr) = (&x[o..=o + i], &dy[o..=o + i]);
             for j in 0..=i {
-                let (mut a, mut b) = (xr.to_vec(), xr.to_vec());
-                a[j] += h;
-                b[j] -= h;
-                let fd = (row_loss(&a, dyr, scale) - row_loss(&b, dyr, scale)) / (2.0 * h);
+                let fd = central_diff(xr, j, h, |x| row_loss(x, dyr, scale));
                 let got = dxv[o + j];
                 assert!(
                     (got - fd).abs() <= 2e-6 + 1e-4 * fd.abs(),
@@ -226,40 +175,32 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         let y = up(&dev, &s, &vec![0x77; n * 4]);
         let short = up(&dev, &s, &vec![0x77; (n - 1) * 4]);
         let before = dev.download(&s, &y).unwrap();
-        let shape = |r: tidemem::Result<()>, names: &[&str]| {
-            let Err(Error::InvalidArgument(m)) = r else {
-                panic!("{r:?}")
-            };
-            for n in names {
-                assert!(m.contains(n), "{m} should name {n}");
-            }
-        };
         // y one element short; x one matrix short.
-        shape(
+        invalid(
             softmax_forward(&dev, &s, &x, &short, bh, t, 1.0, DType::F32),
             &["`y`", "[2, 5, 5]"],
         );
-        shape(
+        invalid(
             softmax_forward(&dev, &s, &x, &y, bh + 1, t, 1.0, DType::F32),
             &["`x`", "75"],
         );
-        shape(
+        invalid(
             softmax_backward(&dev, &s, &short, &dy, &y, bh, t, 1.0, DType::F32),
             &["`y`"],
         );
         // Shapes that overflow.
-        shape(
+        invalid(
             softmax_forward(&dev, &s, &x, &y, usize::MAX, 1 << 40, 1.0, DType::F32),
             &["overflows"],
         );
         // The output overlapping the input.
         let whole = up(&dev, &s, &vec![0u8; 2 * n * 4]);
         let (a, b) = (whole.view(0, n * 4).unwrap(), whole.view(4, n * 4).unwrap());
-        shape(
+        invalid(
             softmax_forward(&dev, &s, a, b, bh, t, 1.0, DType::F32),
             &["overlaps"],
         );
-        shape(
+        invalid(
             softmax_backward(&dev, &s, &x, a, b, bh, t, 1.0, DType::F32),
             &["overlaps"],
         );
@@ -281,7 +222,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
             &ops,
             bytemuck::bytes_of(&p),
         );
-        shape(r, &["one type"]);
+        invalid(r, &["one type"]);
         // A dtype the op does not take.
         let r = softmax_forward(&dev, &s, &x, &y, bh, t, 1.0, DType::U32);
         assert!(matches!(r, Err(Error::Launch { .. })), "{r:?}");

@@ -1,7 +1,8 @@
-// Reductions of the row kernels in a fixed order, mirrored by src/ops/lanes.rs: a warp's 32
-// partials combine by the xor butterfly (every lane ends with the same value); a block adds its
-// warps' totals in warp order from warp 0. Sums use __fadd_rn (never contracted); maxima are
-// exact in any order (fmaxf ignores NaN, as the twins' f32::max does).
+// Reductions of the row kernels (softmax.cu, cross_entropy.cu, layernorm.cu) in a fixed order,
+// mirrored by src/ops/lanes.rs: a warp's 32 partials combine by the xor butterfly (every lane
+// ends with the same value); a block adds its warps' totals in warp order from warp 0. Sums use
+// __fadd_rn (never contracted); maxima are exact in any order (fmaxf ignores NaN, as the twins'
+// f32::max does).
 #pragma once
 
 #define TM_FULL_MASK 0xffffffffu

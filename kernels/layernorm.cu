@@ -18,7 +18,7 @@
 #include "common.cuh"
 
 #include "layernorm.cuh"
-#include "rows.cuh"
+#include "lanes.cuh"
 
 #define LN_WARPS 8  // warps per block: rows at a time
 

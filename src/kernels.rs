@@ -74,7 +74,6 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("softmax.cuh"),
     kernel_file!("cross_entropy.cuh"),
     kernel_file!("encoder.cuh"),
-    kernel_file!("rows.cuh"),
     kernel_file!("layernorm.cuh"),
     kernel_file!("relu.cuh"),
     kernel_file!("bias.cuh"),

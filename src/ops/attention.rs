@@ -1,5 +1,5 @@
 //! Causal multi-head self-attention on the device, composed of the ops below it: the layouts
-//! of [`heads`](crate::ops::heads), two strided batched [`gemm`](crate::ops::gemm)s around the
+//! of [`heads`](crate::ops::heads), two strided batched [`gemm`](fn@crate::ops::gemm)s around the
 //! causal [`softmax`](crate::ops::softmax), as llm.c runs it without cuDNN:
 //!
 //! ```text

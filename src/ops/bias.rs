@@ -49,8 +49,8 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::ops::float::{simd, with_float};
-use crate::ops::rows::{add_columns, column_chunks, elements, expect, Operands, Rows};
+use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::{add_columns, column_chunks, elements, expect, scratch, Operands};
 
 /// The parameters of `bias_rows` (`BiasParams` in `kernels/bias.cuh`).
 #[repr(C)]
@@ -209,7 +209,7 @@ fn plan_grad(info: &LaunchInfo<'_>) -> Result<Vec<Grid>> {
     Ok(v)
 }
 
-fn rows_typed<T: Rows>(mut o: Operands<'_>, p: &BiasParams) -> Result<()> {
+fn rows_typed<T: Float>(mut o: Operands<'_>, p: &BiasParams) -> Result<()> {
     let c = p.cols as usize;
     let b = o.read::<T>(0)?;
     let y = o.write::<T>(1)?;
@@ -243,7 +243,11 @@ fn rows_twin(a: &mut TwinArgs<'_>) -> Result<()> {
 
 /// Each chunk's column sums into `scratch`: rows in order, four at a time per column (so a
 /// column's running sum stays in a register across them).
-fn grad_partials<T: Rows>(o: &Operands<'_>, p: &BiasGradParams, scratch: &mut [f32]) -> Result<()> {
+fn grad_partials<T: Float>(
+    o: &Operands<'_>,
+    p: &BiasGradParams,
+    scratch: &mut [f32],
+) -> Result<()> {
     let (n, c) = (p.rows as usize, p.cols as usize);
     let dy = o.read::<T>(0)?;
     let per = p.chunk_rows.max(1) as usize;
@@ -260,12 +264,12 @@ fn grad_partials<T: Rows>(o: &Operands<'_>, p: &BiasGradParams, scratch: &mut [f
                     let (r2, r3) = rest.split_at(c);
                     let cols = part.iter_mut().zip(r0).zip(r1).zip(r2).zip(r3);
                     for ((((s, &a), &b), &d), &e) in cols {
-                        *s = (((*s + a.to32()) + b.to32()) + d.to32()) + e.to32();
+                        *s = (((*s + a.get()) + b.get()) + d.get()) + e.get();
                     }
                 }
                 for row in quads.remainder().chunks_exact(c) {
                     for (s, &a) in part.iter_mut().zip(row) {
-                        *s += a.to32();
+                        *s += a.get();
                     }
                 }
             }
@@ -275,7 +279,7 @@ fn grad_partials<T: Rows>(o: &Operands<'_>, p: &BiasGradParams, scratch: &mut [f
 }
 
 /// `db (+)= Σ_chunks`, the chunks in order, one rounding.
-fn grad_reduce<G: Rows>(o: &mut Operands<'_>, p: &BiasGradParams, scratch: &[f32]) -> Result<()> {
+fn grad_reduce<G: Float>(o: &mut Operands<'_>, p: &BiasGradParams, scratch: &[f32]) -> Result<()> {
     let c = p.cols as usize;
     let db = o.write::<G>(1)?;
     let (mut sum, mut buf) = (vec![0.0f32; c], vec![0.0f32; c]);
@@ -384,18 +388,18 @@ pub fn bias_grad(
     dtype: DType,
 ) -> Result<()> {
     let need = bias_grad_scratch_bytes(rows, cols);
-    if ops.scratch.len() < need {
-        return Err(BIAS_GRAD.error(format!(
-            "operand `scratch` holds {} bytes; [{rows}, {cols}] needs {need} \
-             (bias_grad_scratch_bytes)",
-            ops.scratch.len()
-        )));
-    }
+    let scratch = scratch(
+        &BIAS_GRAD,
+        ops.scratch,
+        need,
+        (rows, cols),
+        "bias_grad_scratch_bytes",
+    )?;
     let p = BiasGradParams::new(rows, cols, ops.accumulate);
     let operands = [
         Some(Operand::input(ops.dy, dtype)),
         Some(Operand::new(ops.db, ops.db_dtype)),
-        Some(Operand::new(ops.scratch.slice(0, need)?, DType::F32)),
+        Some(Operand::new(scratch, DType::F32)),
     ];
     dev.launch(stream, &BIAS_GRAD, &operands, bytemuck::bytes_of(&p))
 }

@@ -48,6 +48,7 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::{elements, expect};
 use crate::ops::{lanes, math};
 
 /// The parameters of `kernels/cross_entropy.cu` (`cross_entropy.cuh`).
@@ -140,24 +141,18 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
             p.v, p.vp
         )));
     }
-    let logits = p.n.checked_mul(p.vp);
-    let want = [
-        (0, logits, "[N, Vp]"),
-        (1, Some(p.n), "[N]"),
-        (2, Some(p.n), "[N]"),
-    ];
-    for (i, n, shape) in want {
-        if n != Some(info.len(i) as u64) {
-            return Err(info.desc.error(format!(
-                "operand `{}` holds {} elements; expected {shape} with N = {}, Vp = {}",
-                info.desc.operands[i].name,
-                info.len(i),
-                p.n,
-                p.vp
-            )));
-        }
-    }
-    Ok(())
+    let logits = elements(info, p.n, p.vp)?;
+    let n = elements(info, p.n, 1)?;
+    let d = info.dtype(0).unwrap_or(DType::F32);
+    expect(
+        info,
+        0,
+        &format!("[N, Vp] = [{}, {}]", p.n, p.vp),
+        logits,
+        d,
+    )?;
+    expect(info, 1, &format!("[N] = [{n}]"), n, DType::I32)?;
+    expect(info, 2, &format!("[N] = [{n}]"), n, DType::F32)
 }
 
 fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {

@@ -36,8 +36,8 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::float::{simd, with_float};
-use crate::ops::rows::{expect_elementwise, Operands, Rows};
+use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::{expect_elementwise, Operands};
 
 /// The parameters of `add` and `add_in_place` (`AddParams` in `kernels/elementwise.cuh`).
 #[repr(C)]
@@ -189,7 +189,7 @@ fn axpby(out: &mut [f32], alpha: f32, x: &[f32], beta: f32, y: &[f32]) {
     }
 }
 
-fn add_typed<T: Rows>(mut o: Operands<'_>, p: &AddParams) -> Result<()> {
+fn add_typed<T: Float>(mut o: Operands<'_>, p: &AddParams) -> Result<()> {
     let (a, b) = (o.read::<T>(0)?, o.read::<T>(1)?);
     let z = o.write::<T>(2)?;
     simd(
@@ -216,7 +216,7 @@ fn add_typed<T: Rows>(mut o: Operands<'_>, p: &AddParams) -> Result<()> {
     Ok(())
 }
 
-fn add_in_place_typed<T: Rows>(mut o: Operands<'_>, p: &AddParams) -> Result<()> {
+fn add_in_place_typed<T: Float>(mut o: Operands<'_>, p: &AddParams) -> Result<()> {
     let b = o.read::<T>(0)?;
     let z = o.write::<T>(1)?;
     simd(
@@ -239,7 +239,7 @@ fn add_in_place_typed<T: Rows>(mut o: Operands<'_>, p: &AddParams) -> Result<()>
     Ok(())
 }
 
-fn scale_typed<T: Rows>(mut o: Operands<'_>, p: &ScaleParams) -> Result<()> {
+fn scale_typed<T: Float>(mut o: Operands<'_>, p: &ScaleParams) -> Result<()> {
     let x = o.write::<T>(0)?;
     simd(
         #[inline(always)]

@@ -60,6 +60,7 @@ use crate::error::{Error, Result};
 use crate::ops::embedding::device::embedding_threads;
 use crate::ops::embedding::{plan_backward, BagMode};
 use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::{expect, expect_with};
 
 /// The parameters of `encoder_forward` (`encoder.cuh`).
 #[repr(C)]
@@ -154,9 +155,9 @@ pub static ENCODER_BACKWARD: KernelDesc = KernelDesc {
     },
 };
 
-/// `a·b`, or `u64::MAX` on overflow (never an operand's length).
-fn mul(a: u64, b: u64) -> u64 {
-    a.saturating_mul(b)
+/// `a·b` as a length, or `usize::MAX` on overflow (never an operand's length).
+fn mul(a: u64, b: u64) -> usize {
+    usize::try_from(a.saturating_mul(b)).unwrap_or(usize::MAX)
 }
 
 /// The shape rules both ops share: `T ≥ 1`, `C ≥ 1`, `T ≤ maxT`, `B·T` positions.
@@ -170,46 +171,40 @@ fn check_shape(info: &LaunchInfo<'_>, n: u64, t: u64, c: u64, max_t: u64) -> Res
     Ok(())
 }
 
-/// Operand `i` holds `want` elements of the float type `float` (`None`: an index operand).
-fn expect(
-    info: &LaunchInfo<'_>,
-    i: usize,
-    want: u64,
-    shape: &str,
-    float: Option<DType>,
-) -> Result<()> {
-    let type_ok = float.is_none_or(|d| info.dtype(i) == Some(d));
-    if info.len(i) as u64 != want || !type_ok {
-        return Err(info.desc.error(format!(
-            "operand `{}` holds {} {} elements; expected {shape} = {want}{}",
-            info.desc.operands[i].name,
-            info.len(i),
-            info.dtype(i).map_or("?", |d| d.name()),
-            float.map_or(String::new(), |d| format!(" {d} elements (one float type)"))
-        )));
-    }
-    Ok(())
+/// Operand `i` holds `want` elements of `d`, the op's one float type.
+fn expect_float(info: &LaunchInfo<'_>, i: usize, shape: &str, want: usize, d: DType) -> Result<()> {
+    expect_with(info, i, want, d, || {
+        format!("it must hold {shape} = {want} {d} elements (one float type)")
+    })
 }
 
 fn check_forward(info: &LaunchInfo<'_>) -> Result<()> {
     let p: EncoderParams = info.params()?;
     check_shape(info, p.n, p.t, p.c, p.max_t)?;
-    let d = info.dtype(1);
-    expect(info, 0, p.n, "[B·T]", None)?;
-    expect(info, 1, mul(p.v, p.c), "[V, C]", d)?;
-    expect(info, 2, mul(p.max_t, p.c), "[maxT, C]", d)?;
-    expect(info, 3, mul(p.n, p.c), "[B·T, C]", d)
+    let d = info.dtype(1).unwrap_or(DType::F32);
+    expect(info, 0, "[B·T]", mul(p.n, 1), DType::I32)?;
+    expect_float(info, 1, "[V, C]", mul(p.v, p.c), d)?;
+    expect_float(info, 2, "[maxT, C]", mul(p.max_t, p.c), d)?;
+    expect_float(info, 3, "[B·T, C]", mul(p.n, p.c), d)
 }
 
 fn check_backward(info: &LaunchInfo<'_>) -> Result<()> {
     let p: EncoderBackwardParams = info.params()?;
     check_shape(info, p.n, p.t, p.c, p.max_t)?;
-    let d = info.dtype(0);
-    let words = mul(p.distinct, 2).saturating_add(1).saturating_add(p.n);
-    expect(info, 0, mul(p.n, p.c), "[B·T, C]", d)?;
-    expect(info, 1, words, "2·distinct + 1 + B·T plan words", None)?;
-    expect(info, 2, mul(p.v, p.c), "[V, C]", d)?;
-    expect(info, 3, mul(p.max_t, p.c), "[maxT, C]", d)
+    let d = info.dtype(0).unwrap_or(DType::F32);
+    let words = mul(p.distinct, 2)
+        .saturating_add(1)
+        .saturating_add(mul(p.n, 1));
+    expect_float(info, 0, "[B·T, C]", mul(p.n, p.c), d)?;
+    expect(
+        info,
+        1,
+        "2·distinct + 1 + B·T plan words",
+        words,
+        DType::U32,
+    )?;
+    expect_float(info, 2, "[V, C]", mul(p.v, p.c), d)?;
+    expect_float(info, 3, "[maxT, C]", mul(p.max_t, p.c), d)
 }
 
 fn rows_grid(entry: String, rows: u64, c: u64) -> Vec<Grid> {

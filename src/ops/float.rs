@@ -8,13 +8,42 @@ mod convert;
 
 /// A storage type of model floats (`f32`, `f16`, `bf16`).
 pub trait Float: bytemuck::Pod + Send + Sync {
+    /// Positive zero.
+    const ZERO: Self;
+
     /// The value as f32 (exact).
     fn get(self) -> f32;
     /// `x` rounded to this type (nearest even).
     fn put(x: f32) -> Self;
+
+    /// Whether the value is greater than zero (false for NaN and both zeros).
+    #[inline(always)]
+    fn positive(self) -> bool {
+        self.get() > 0.0
+    }
+
+    /// `src` widened to f32: `src` itself for f32, else converted into `buf`, which must be at
+    /// least as long.
+    #[inline(always)]
+    fn widen<'a>(src: &'a [Self], buf: &'a mut [f32]) -> &'a [f32] {
+        let buf = &mut buf[..src.len()];
+        for (o, &x) in buf.iter_mut().zip(src) {
+            *o = x.get();
+        }
+        buf
+    }
+
+    /// `src` rounded into `dst` (the shorter length).
+    #[inline(always)]
+    fn narrow(src: &[f32], dst: &mut [Self]) {
+        for (o, &x) in dst.iter_mut().zip(src) {
+            *o = Self::put(x);
+        }
+    }
 }
 
 impl Float for f32 {
+    const ZERO: f32 = 0.0;
     #[inline(always)]
     fn get(self) -> f32 {
         self
@@ -23,11 +52,16 @@ impl Float for f32 {
     fn put(x: f32) -> Self {
         x
     }
+    #[inline(always)]
+    fn widen<'a>(src: &'a [f32], _buf: &'a mut [f32]) -> &'a [f32] {
+        src
+    }
 }
 
 // The 16-bit conversions are `half`'s results computed without branches (`convert`), so the
 // twins' loops vectorise.
 impl Float for f16 {
+    const ZERO: f16 = f16::ZERO;
     #[inline(always)]
     fn get(self) -> f32 {
         convert::f16_to_f32(self.to_bits())
@@ -36,9 +70,16 @@ impl Float for f16 {
     fn put(x: f32) -> Self {
         f16::from_bits(convert::f32_to_f16(x))
     }
+    #[inline(always)]
+    fn positive(self) -> bool {
+        let b = self.to_bits();
+        // Sign clear, not zero, not NaN: from the bits, without widening.
+        b & 0x8000 == 0 && b != 0 && b <= 0x7c00
+    }
 }
 
 impl Float for bf16 {
+    const ZERO: bf16 = bf16::ZERO;
     #[inline(always)]
     fn get(self) -> f32 {
         convert::bf16_to_f32(self.to_bits())
@@ -46,6 +87,11 @@ impl Float for bf16 {
     #[inline(always)]
     fn put(x: f32) -> Self {
         bf16::from_bits(convert::f32_to_bf16(x))
+    }
+    #[inline(always)]
+    fn positive(self) -> bool {
+        let b = self.to_bits();
+        b & 0x8000 == 0 && b != 0 && b <= 0x7f80
     }
 }
 
@@ -131,6 +177,18 @@ mod tests {
         assert_eq!(size_of_float(DType::F32), 4);
         assert_eq!(size_of_float(DType::F16), 2);
         assert_eq!(size_of_float(DType::BF16), 2);
+    }
+
+    #[test]
+    fn positive_is_greater_than_zero() {
+        for b in 0..=u16::MAX {
+            let (h, bf) = (f16::from_bits(b), bf16::from_bits(b));
+            assert_eq!(h.positive(), h.to_f32() > 0.0, "{b:#x}");
+            assert_eq!(bf.positive(), bf.to_f32() > 0.0, "{b:#x}");
+        }
+        for x in [0.0f32, -0.0, 1e-45, -1e-45, f32::NAN, f32::INFINITY] {
+            assert_eq!(x.positive(), x > 0.0, "{x}");
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::math;
+use crate::ops::rows::expect_elementwise;
 
 /// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
 #[repr(C)]
@@ -77,21 +78,7 @@ pub static GELU_BACKWARD: KernelDesc = KernelDesc {
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: GeluParams = info.params()?;
-    let d = info.dtype(0);
-    for (i, spec) in info.desc.operands.iter().enumerate() {
-        if info.len(i) as u64 != p.n || info.dtype(i) != d {
-            return Err(info.desc.error(format!(
-                "operand `{}` holds {} {} elements; every operand must hold n = {} elements of \
-                 one type ({})",
-                spec.name,
-                info.len(i),
-                info.dtype(i).map_or("?", |d| d.name()),
-                p.n,
-                d.map_or("?", |d| d.name())
-            )));
-        }
-    }
-    Ok(())
+    expect_elementwise(info, p.n)
 }
 
 fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {

@@ -3,26 +3,42 @@
 //!
 //! A row kernel gives each thread (lane) the elements `l, l + L, l + 2L, …` of a row of `L`
 //! threads, summed in that order from `+0.0` (the twins keep `L` running sums, one per lane,
-//! over chunks of `L` elements, as [`lane_sums`] does); a warp then combines its 32
-//! partial sums with the xor butterfly `v = v + shfl_xor(v, o)` for `o = 16, 8, 4, 2, 1`
-//! ([`warp_sum`]: every lane ends with the same value, as addition is commutative); a block of
-//! several warps adds the warps' totals in warp order, starting from warp 0's ([`block_sum`]).
-//! Maxima are exact in any order ([`max_lanes`]). Everything is plain f32 arithmetic, which Rust
-//! never contracts, so the twins' results are the kernels' bits.
+//! over chunks of `L` elements; [`lane_sums`] does so for kernels that give one warp to a row,
+//! several rows at a time); a warp then combines its 32 partial sums with the xor butterfly
+//! `v = v + shfl_xor(v, o)` for `o = 16, 8, 4, 2, 1` ([`warp_sum`]: every lane ends with the
+//! same value, as addition is commutative); a block of several warps adds the warps' totals in
+//! warp order, starting from warp 0's ([`block_sum`]). Maxima are exact in any order
+//! ([`max_lanes`]). Everything is plain f32 arithmetic, which Rust never contracts, so the
+//! twins' results are the kernels' bits.
 
-/// Lane `l` of `L` sums `x[l], x[l + L], x[l + 2L], …` in order, from `+0.0` (the order the
-/// twins' fused loops keep).
-#[cfg(test)]
-pub(crate) fn lane_sums<const L: usize>(x: &[f32]) -> [f32; L] {
-    let mut p = [0f32; L];
-    let mut chunks = x.chunks_exact(L);
-    for c in &mut chunks {
-        for l in 0..L {
-            p[l] += c[l];
+/// The 32 lane sums of `R` warps that own a row each: lane `l` of row `i` adds `f(i, x)` for
+/// the row's elements `l`, `l + 32`, … in order, starting from `+0.0`. The rows' additions
+/// interleave, so `R` chains of dependent additions run side by side, each in its row's order.
+/// The rows have the same length.
+#[inline(always)]
+pub(crate) fn lane_sums<E: Copy, const R: usize>(
+    rows: [&[E]; R],
+    f: impl Fn(usize, E) -> f32,
+) -> [[f32; 32]; R] {
+    let mut p = [[0.0f32; 32]; R];
+    let split: [(&[[E; 32]], &[E]); R] = rows.map(|r| r.as_chunks::<32>());
+    let chunks = split.iter().map(|s| s.0.len()).min().unwrap_or(0);
+    for k in 0..chunks {
+        // Indexed, with a copy of each row's lanes: the form LLVM keeps in vector registers.
+        #[allow(clippy::needless_range_loop)]
+        for i in 0..R {
+            let ch = &split[i].0[k];
+            let mut a = p[i];
+            for j in 0..32 {
+                a[j] += f(i, ch[j]);
+            }
+            p[i] = a;
         }
     }
-    for (p, &x) in p.iter_mut().zip(chunks.remainder()) {
-        *p += x;
+    for (i, (p, (_, rest))) in p.iter_mut().zip(&split).enumerate() {
+        for (j, &x) in rest.iter().enumerate() {
+            p[j] += f(i, x);
+        }
     }
     p
 }
@@ -95,12 +111,32 @@ mod tests {
     #[test]
     fn lane_sums_stride_by_lane() {
         let x: Vec<f32> = (0..70).map(|i| i as f32).collect();
-        let p = lane_sums::<32>(&x);
+        let [p] = lane_sums([&x[..]], |_, v| v);
         assert_eq!(p[0], 0.0 + 32.0 + 64.0);
         assert_eq!(p[5], 5.0 + 37.0 + 69.0);
         assert_eq!(p[6], 6.0 + 38.0);
-        let b = lane_sums::<64>(&x);
+        let mut b = [0f32; 64];
+        for (i, &v) in x.iter().enumerate() {
+            b[i % 64] += v;
+        }
         assert_eq!(block_sum(&b), (0..70).sum::<i32>() as f32);
+    }
+
+    #[test]
+    fn rows_keep_their_own_lanes() {
+        let xs: Vec<f32> = (0..77).map(|i| (i as f32).sin() * 1e3).collect();
+        let ys: Vec<f32> = (0..77).map(|i| (i as f32).cos()).collect();
+        let [p, q] = lane_sums([&xs[..], &ys[..]], |i, v| if i == 0 { v } else { v * v });
+        let (mut want_p, mut want_q) = ([0.0f32; 32], [0.0f32; 32]);
+        for (i, &x) in xs.iter().enumerate() {
+            want_p[i % 32] += x;
+        }
+        for (i, &y) in ys.iter().enumerate() {
+            want_q[i % 32] += y * y;
+        }
+        assert_eq!(p, want_p);
+        assert_eq!(q, want_q);
+        assert_eq!(warp_sum(&p).to_bits(), butterfly(&p)[0].to_bits());
     }
 
     #[test]

@@ -25,8 +25,8 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::ops::float::{simd, with_float};
-use crate::ops::rows::{expect_elementwise, Operands, Rows};
+use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::{expect_elementwise, Operands};
 
 /// The parameters of `kernels/relu.cu` (`relu.cuh`).
 #[repr(C)]
@@ -81,7 +81,7 @@ fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
     Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
-fn forward_typed<T: Rows>(mut o: Operands<'_>) -> Result<()> {
+fn forward_typed<T: Float>(mut o: Operands<'_>) -> Result<()> {
     let x = o.read::<T>(0)?;
     let y = o.write::<T>(1)?;
     simd(
@@ -95,7 +95,7 @@ fn forward_typed<T: Rows>(mut o: Operands<'_>) -> Result<()> {
     Ok(())
 }
 
-fn backward_typed<T: Rows>(mut o: Operands<'_>) -> Result<()> {
+fn backward_typed<T: Float>(mut o: Operands<'_>) -> Result<()> {
     let (x, dy) = (o.read::<T>(0)?, o.read::<T>(1)?);
     let dx = o.write::<T>(2)?;
     simd(

@@ -33,6 +33,7 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::float::{simd, with_float, Float};
+use crate::ops::rows::expect_all;
 use crate::ops::{lanes, math};
 
 /// The parameters of `kernels/softmax.cu` (`softmax.cuh`).
@@ -95,28 +96,16 @@ fn elements(bh: u64, t: u64) -> Option<u64> {
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: SoftmaxParams = info.params()?;
-    let Some(n) = elements(p.bh, p.t).filter(|&n| n <= usize::MAX as u64) else {
+    let Some(n) = elements(p.bh, p.t).and_then(|n| usize::try_from(n).ok()) else {
         return Err(info
             .desc
             .error(format!("[{}, {}, {}] overflows", p.bh, p.t, p.t)));
     };
-    let d = info.dtype(0);
-    for (i, spec) in info.desc.operands.iter().enumerate() {
-        if info.len(i) as u64 != n || info.dtype(i) != d {
-            return Err(info.desc.error(format!(
-                "operand `{}` holds {} {} elements; every operand must hold [BH, T, T] = \
-                 [{}, {}, {}] = {n} elements of one type ({})",
-                spec.name,
-                info.len(i),
-                info.dtype(i).map_or("?", |d| d.name()),
-                p.bh,
-                p.t,
-                p.t,
-                d.map_or("?", |d| d.name())
-            )));
-        }
-    }
-    Ok(())
+    expect_all(
+        info,
+        &format!("[BH, T, T] = [{}, {}, {}]", p.bh, p.t, p.t),
+        n,
+    )
 }
 
 fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {

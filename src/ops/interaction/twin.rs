@@ -160,17 +160,9 @@ fn backward_sample<T: Float>(
             }
         }
     }
-    narrow_row(dx, &dt[..dim]);
+    T::narrow(&dt[..dim], dx);
     for (k, dst) in de.chunks_exact_mut(dim).enumerate() {
-        narrow_row(dst, &dt[(k + 1) * dp..][..dim]);
-    }
-}
-
-/// `dst = src` rounded to `T`, element by element.
-#[inline(always)]
-fn narrow_row<T: Float>(dst: &mut [T], src: &[f32]) {
-    for (d, &v) in dst.iter_mut().zip(src) {
-        *d = T::put(v);
+        T::narrow(&dt[(k + 1) * dp..][..dim], dst);
     }
 }
 

@@ -52,7 +52,7 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::ops::rows::{column_chunks, elements, expect};
+use crate::ops::rows::{column_chunks, elements, expect, scratch};
 
 mod twin;
 use twin::{backward_twin, forward_twin};
@@ -389,13 +389,13 @@ pub fn layernorm_backward(
     dtype: DType,
 ) -> Result<()> {
     let need = layernorm_backward_scratch_bytes(rows, cols);
-    if ops.scratch.len() < need {
-        return Err(LAYERNORM_BACKWARD.error(format!(
-            "operand `scratch` holds {} bytes; [{rows}, {cols}] needs {need} \
-             (layernorm_backward_scratch_bytes)",
-            ops.scratch.len()
-        )));
-    }
+    let scratch = scratch(
+        &LAYERNORM_BACKWARD,
+        ops.scratch,
+        need,
+        (rows, cols),
+        "layernorm_backward_scratch_bytes",
+    )?;
     let p = LayerNormBackwardParams::new(rows, cols, ops.accumulate);
     let g = ops.param_grad_dtype;
     let operands = [
@@ -407,7 +407,7 @@ pub fn layernorm_backward(
         Some(Operand::new(ops.dx, dtype)),
         Some(Operand::new(ops.dgamma, g)),
         Some(Operand::new(ops.dbeta, g)),
-        Some(Operand::new(ops.scratch.slice(0, need)?, DType::F32)),
+        Some(Operand::new(scratch, DType::F32)),
     ];
     dev.launch(
         stream,

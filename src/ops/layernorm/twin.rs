@@ -9,8 +9,9 @@ use super::{LayerNormBackwardParams, LayerNormParams};
 use crate::device::TwinArgs;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::ops::float::{simd, with_float};
-use crate::ops::rows::{add_columns, butterfly, lane_sums_rows, prefetch, Operands, Rows};
+use crate::ops::float::{simd, with_float, Float};
+use crate::ops::lanes::{lane_sums, warp_sum};
+use crate::ops::rows::{add_columns, prefetch, Operands};
 
 /// Rows the forward twin handles at once (their chains of additions interleave; the backward,
 /// with more independent work per element, runs fastest a row at a time).
@@ -18,7 +19,7 @@ const GROUP: usize = 4;
 
 /// The forward of `R` consecutive rows of `src` (`h` widened to f32) into `y`.
 #[inline(always)]
-fn forward_group<T: Rows, const R: usize>(
+fn forward_group<T: Float, const R: usize>(
     src: &[f32],
     y: &mut [T],
     (gv, bv): (&[f32], &[f32]),
@@ -28,23 +29,23 @@ fn forward_group<T: Rows, const R: usize>(
     let c = gv.len();
     let cf = c as f32;
     let rows: [&[f32]; R] = array::from_fn(|i| &src[i * c..(i + 1) * c]);
-    let sums = lane_sums_rows(rows, |_, v| v);
-    let m: [f32; R] = array::from_fn(|i| butterfly(sums[i]) / cf);
-    let sq = lane_sums_rows(rows, |i, v| {
+    let sums = lane_sums(rows, |_, v| v);
+    let m: [f32; R] = array::from_fn(|i| warp_sum(&sums[i]) / cf);
+    let sq = lane_sums(rows, |i, v| {
         let d = v - m[i];
         d * d
     });
-    let rs: [f32; R] = array::from_fn(|i| 1.0 / (butterfly(sq[i]) / cf + eps).sqrt());
+    let rs: [f32; R] = array::from_fn(|i| 1.0 / (warp_sum(&sq[i]) / cf + eps).sqrt());
     for (i, (row, y)) in rows.iter().zip(y.chunks_exact_mut(c)).enumerate() {
         for (((y, &v), &g), &b) in y.iter_mut().zip(*row).zip(gv).zip(bv) {
-            *y = T::from32(((v - m[i]) * rs[i]) * g + b);
+            *y = T::put(((v - m[i]) * rs[i]) * g + b);
         }
     }
     mean[..R].copy_from_slice(&m);
     rstd[..R].copy_from_slice(&rs);
 }
 
-fn forward_typed<T: Rows>(mut o: Operands<'_>, p: &LayerNormParams) -> Result<()> {
+fn forward_typed<T: Float>(mut o: Operands<'_>, p: &LayerNormParams) -> Result<()> {
     let (n, c) = (p.rows as usize, p.cols as usize);
     let (x, r) = (o.read::<T>(0)?, o.read_opt::<T>(1)?);
     let (mut h, y) = (o.write_opt::<T>(4)?, o.write::<T>(5)?);
@@ -84,7 +85,7 @@ type FwdRows<'a, T> = (&'a [T], Option<(&'a [T], &'a mut [T])>, &'a mut [T]);
 /// One group of the forward, in its own vectorised function (one per `T` and `R`): `h = x + r`
 /// (rounded) where there is a residual, the rows widened into `buf`, then [`forward_group`].
 #[inline(always)]
-fn forward_step<T: Rows, const R: usize>(
+fn forward_step<T: Float, const R: usize>(
     (x, rh, y): FwdRows<'_, T>,
     gb: (&[f32], &[f32]),
     eps: f32,
@@ -97,9 +98,9 @@ fn forward_step<T: Rows, const R: usize>(
             let src: &[f32] = match rh {
                 Some((r, h)) => {
                     for (((h, &a), &b), f) in h.iter_mut().zip(x).zip(r).zip(buf.iter_mut()) {
-                        let v = T::from32(a.to32() + b.to32());
+                        let v = T::put(a.get() + b.get());
                         *h = v;
-                        *f = v.to32();
+                        *f = v.get();
                     }
                     buf
                 }
@@ -127,7 +128,7 @@ struct Group<'g> {
 /// The backward of `R` consecutive rows: `dx =` (`dx +=` when `ACC`), and each column's `n·dy`
 /// and `dy` added to `sg` and `sb` in row order.
 #[inline(always)]
-fn backward_group<T: Rows, const R: usize, const ACC: bool>(
+fn backward_group<T: Float, const R: usize, const ACC: bool>(
     g: Group<'_>,
     gv: &[f32],
     dx: &mut [T],
@@ -164,8 +165,8 @@ fn backward_group<T: Rows, const R: usize, const ACC: bool>(
             p2[i][j] += w * nv;
         }
     }
-    let a1: [f32; R] = array::from_fn(|i| butterfly(p1[i]) / cf);
-    let a2: [f32; R] = array::from_fn(|i| butterfly(p2[i]) / cf);
+    let a1: [f32; R] = array::from_fn(|i| warp_sum(&p1[i]) / cf);
+    let a2: [f32; R] = array::from_fn(|i| warp_sum(&p2[i]) / cf);
     // Pass 2: dx, and the column sums (row after row, so rows in order within each column).
     for (i, dx) in dx.chunks_exact_mut(c).enumerate().take(R) {
         let cols = dx.iter_mut().zip(h[i]).zip(dy[i]).zip(gv);
@@ -173,7 +174,7 @@ fn backward_group<T: Rows, const R: usize, const ACC: bool>(
             let nv = (hv - m[i]) * rs[i];
             let w = gj * dv;
             let d = ((w - a1[i]) - nv * a2[i]) * rs[i];
-            *x = T::from32(if ACC { x.to32() + d } else { d });
+            *x = T::put(if ACC { x.get() + d } else { d });
             *sg += nv * dv;
             *sb += dv;
         }
@@ -183,7 +184,7 @@ fn backward_group<T: Rows, const R: usize, const ACC: bool>(
 /// One group of the backward, in its own vectorised function (one per `T`, `R`, `ACC`: each
 /// keeps its accumulators in registers), after widening its rows.
 #[inline(always)]
-fn backward_step<T: Rows, const R: usize, const ACC: bool>(
+fn backward_step<T: Float, const R: usize, const ACC: bool>(
     (h, dy): (&[T], &[T]),
     (mean, rstd): (&[f32], &[f32]),
     gv: &[f32],
@@ -206,7 +207,7 @@ fn backward_step<T: Rows, const R: usize, const ACC: bool>(
 }
 
 /// dx of every row, and each chunk's column sums into `scratch`.
-fn backward_rows<T: Rows>(
+fn backward_rows<T: Float>(
     o: &mut Operands<'_>,
     p: &LayerNormBackwardParams,
     scratch: &mut [f32],
@@ -247,7 +248,7 @@ fn backward_rows<T: Rows>(
 }
 
 /// `dγ += Σ_chunks`, `dβ += Σ_chunks`, the chunks in order, one rounding each.
-fn backward_reduce<G: Rows>(o: &mut Operands<'_>, scratch: &[f32], c: usize) -> Result<()> {
+fn backward_reduce<G: Float>(o: &mut Operands<'_>, scratch: &[f32], c: usize) -> Result<()> {
     let (dg, db) = (o.write::<G>(6)?, o.write::<G>(7)?);
     let mut sums = vec![0.0f32; 2 * c];
     simd(
@@ -259,7 +260,7 @@ fn backward_reduce<G: Rows>(o: &mut Operands<'_>, scratch: &[f32], c: usize) -> 
             let (sg, sb) = sums.split_at(c);
             for (dst, sum) in [(dg, sg), (db, sb)] {
                 for (d, &s) in dst.iter_mut().zip(sum) {
-                    *d = G::from32(d.to32() + s);
+                    *d = G::put(d.get() + s);
                 }
             }
         },

@@ -1,9 +1,9 @@
 //! GELU with the tanh approximation, as GPT-2 uses it:
 //! `y = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`, forward ([`gelu_forward`]) and backward
 //! ([`gelu_backward`]), on f32, f16 or bf16 storage with f32 math. CUDA runs `kernels/gelu.cu`;
-//! the CPU twin computes in the same order with the same single roundings, so the two differ
-//! only where `tanhf` does (the GPU's and the host's libm: a few ulp of f32; identical on the
-//! emulator, which uses the host's).
+//! the CPU twin computes in the same order with the same single roundings, and both take tanh
+//! from [`math::tanh`] (`tm_tanh` in `kernels/math.cuh`), not from a libm, so the two agree bit
+//! for bit on every backend.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};

@@ -1,0 +1,99 @@
+//! Cases of the casts, Adam, gradient statistics and accumulation.
+
+use super::*;
+
+pub(super) fn cast_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for from in FLOATS {
+        for to in FLOATS.into_iter().filter(|&t| t != from) {
+            for n in SIZES {
+                v.push(Case {
+                    label: format!("{from}->{to} n={n}"),
+                    operands: vec![
+                        Some((from, r.floats(n, 300.0, from))),
+                        Some((to, r.garbage(n * to.size()))),
+                    ],
+                    params: bytemuck::bytes_of(&ops::cast::CastParams { n: n as u64 }).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+pub(super) fn adam_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
+    let s = AdamConfig::adamw(1e-2, 0.01).scalars(3, 0.5).unwrap();
+    let mut v = vec![];
+    let grads: &[DType] = if in_place { &FLOATS[1..] } else { &FLOATS };
+    for &g in grads {
+        let copies: Vec<Option<DType>> = if in_place {
+            vec![None]
+        } else {
+            vec![None, Some(DType::F16), Some(DType::BF16)]
+        };
+        for c in copies {
+            for n in SIZES {
+                let var: Vec<f32> = (0..n).map(|_| r.unit().abs() * 0.1).collect();
+                let mut operands = vec![
+                    Some((DType::F32, r.floats(n, 2.0, DType::F32))),
+                    Some((DType::F32, r.floats(n, 0.1, DType::F32))),
+                    Some((DType::F32, encode(&var, DType::F32))),
+                    Some((g, r.floats(n, 4.0, g))),
+                ];
+                if !in_place {
+                    operands.push(c.map(|c| (c, r.garbage(n * c.size()))));
+                }
+                v.push(Case {
+                    label: format!("grad {g} copy {c:?} n={n}"),
+                    operands,
+                    params: bytemuck::bytes_of(&AdamParams::new(n, &s)).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
+pub(super) fn grad_stats_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for n in SIZES {
+            v.push(Case {
+                label: format!("{d} n={n}"),
+                operands: vec![
+                    Some((d, r.floats(n, 8.0, d))),
+                    Some((DType::F64, r.garbage(ops::GRAD_STATS_BYTES))),
+                ],
+                params: bytemuck::bytes_of(&ops::grad_stats::GradStatsParams { n: n as u64 })
+                    .to_vec(),
+                // The sum runs in another order on the GPU: compare the two f64 as floats.
+                agree: Agree::Close {
+                    abs: 1e-12,
+                    rel: 1e-12,
+                },
+            });
+        }
+    }
+    v
+}
+
+pub(super) fn accumulate_cases(r: &mut Rng) -> Vec<Case> {
+    let mut v = vec![];
+    for d in FLOATS {
+        for n in SIZES {
+            v.push(Case {
+                label: format!("{d} n={n}"),
+                operands: vec![
+                    Some((d, r.floats(n, 3.0, d))),
+                    Some((DType::F32, r.floats(n, 100.0, DType::F32))),
+                ],
+                params: bytemuck::bytes_of(&ops::accumulate::AccumulateParams { n: n as u64 })
+                    .to_vec(),
+                agree: Agree::Exact,
+            });
+        }
+    }
+    v
+}

@@ -443,3 +443,33 @@ fn bad_input_is_a_typed_error() {
         TOL_F32,
     );
 }
+
+/// A Linear without a bias: `y = x·Wᵀ`, and only the weight's gradient (no input gradient
+/// asked for).
+#[test]
+fn a_linear_without_bias() {
+    let d = DType::F32;
+    let mut m = manager(common::sim(1 << 20), d);
+    let l = Linear::register(&mut m, "nobias", C, H, false, None).unwrap();
+    assert_eq!((l.bias, l.params()), (None, vec![l.weight]));
+    let w = f64s(&m.read(l.weight).unwrap());
+    let bound = 1.0 / (C as f64).sqrt(); // the default init: uniform in ±1/√inputs
+    assert!(w.iter().all(|v| v.abs() <= bound) && w.iter().any(|&v| v != w[0]));
+    let (x, dy) = (data(N * C, 50, 1.0, d), data(N * H, 51, 1.0, d));
+    let fwd = m.forward().unwrap();
+    let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, d, &x).unwrap();
+    let y = l.forward(&fwd, &xa).unwrap().to_f32(fwd.stream()).unwrap();
+    fwd.finish().unwrap();
+    let bwd = m.backward().unwrap();
+    let dya = Act::upload(bwd.pool(), bwd.stream(), N, H, d, &dy).unwrap();
+    assert!(l.backward(&bwd, &xa, &dya, false).unwrap().is_none());
+    bwd.finish().unwrap();
+    close(
+        "y",
+        &y,
+        &linear_f64(&f64s(&x), &w, &[0.0; H], C, H),
+        TOL_F32,
+    );
+    let (_, dw, _) = linear_grads_f64(&f64s(&x), &w, &f64s(&dy), C, H);
+    close("dW", &m.read(l.weight).unwrap(), &dw, TOL_F32);
+}

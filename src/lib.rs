@@ -47,6 +47,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod kernels;
+pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod prelude;

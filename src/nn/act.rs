@@ -1,0 +1,183 @@
+//! Activations: row-major `[rows, cols]` device tensors from the store's non-model pool.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::device::{Block, CachingAllocator, Device, DeviceView, HostBuffer, Input, Stream};
+use crate::dtype::{decode_f32, encode_f32, DType};
+use crate::error::{Error, Result};
+
+/// An activation (or its gradient): `rows × cols` elements of `dtype`, row-major, in a block of
+/// the store's non-model pool ([`Pass::pool`](crate::store::Pass::pool)), so the tide counts
+/// it while it lives.
+///
+/// A clone shares the memory (the block returns to the pool when the last handle drops):
+/// a saved input ([`LnSaved::h`](super::LnSaved::h)) is the same activation the caller keeps,
+/// not a copy. Rows are samples (`batch × sequence`), columns features.
+#[derive(Clone)]
+pub struct Act {
+    block: Arc<Block>,
+    device: Device,
+    rows: usize,
+    cols: usize,
+    dtype: DType,
+}
+
+impl fmt::Debug for Act {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Act")
+            .field("rows", &self.rows)
+            .field("cols", &self.cols)
+            .field("dtype", &self.dtype)
+            .finish()
+    }
+}
+
+impl Act {
+    /// An activation of `[rows, cols]` of `dtype` from `pool`, its contents unspecified.
+    /// Fails with [`Error::InvalidArgument`] for an empty shape or one whose bytes overflow,
+    /// and with the pool's error when it has no room.
+    pub fn alloc(pool: &CachingAllocator, rows: usize, cols: usize, dtype: DType) -> Result<Act> {
+        let bytes = rows
+            .checked_mul(cols)
+            .and_then(|n| n.checked_mul(dtype.size()))
+            .filter(|&b| b > 0)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "an activation of [{rows}, {cols}] {dtype}: empty or too large"
+                ))
+            })?;
+        Ok(Act {
+            block: Arc::new(pool.alloc(bytes)?),
+            device: pool.device().clone(),
+            rows,
+            cols,
+            dtype,
+        })
+    }
+
+    /// An activation holding `values` (`rows × cols`, row-major, converted to `dtype`), copied
+    /// on `stream` and waited for: for input data and tests.
+    pub fn upload(
+        pool: &CachingAllocator,
+        stream: &Stream,
+        rows: usize,
+        cols: usize,
+        dtype: DType,
+        values: &[f32],
+    ) -> Result<Act> {
+        if Some(values.len()) != rows.checked_mul(cols) {
+            return Err(Error::InvalidArgument(format!(
+                "{} values for an activation of [{rows}, {cols}]",
+                values.len()
+            )));
+        }
+        let act = Act::alloc(pool, rows, cols, dtype)?;
+        let bytes = encode_f32(values, dtype);
+        act.device
+            .copy_h2d(stream, HostBuffer::from_slice(&bytes)?, act.view())?
+            .wait()?;
+        Ok(act)
+    }
+
+    /// The values as f32 on the host, after the work enqueued on `stream`.
+    pub fn to_f32(&self, stream: &Stream) -> Result<Vec<f32>> {
+        let bytes = self.device.download(stream, self.input())?;
+        Ok(decode_f32(&bytes, self.dtype))
+    }
+
+    /// The memory, for an op to write (exactly [`Act::len_bytes`]).
+    pub fn view(&self) -> DeviceView<'_> {
+        DeviceView::from(&**self.block)
+            .slice(0, self.len_bytes())
+            .expect("the block holds the activation's bytes")
+    }
+
+    /// The memory, for an op to read.
+    pub fn input(&self) -> Input<'_> {
+        self.view().into()
+    }
+
+    /// Rows (samples).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `[rows, cols]`.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.rows, self.cols]
+    }
+
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Elements.
+    pub fn numel(&self) -> usize {
+        self.rows * self.cols
+    }
+
+    /// Bytes.
+    pub fn len_bytes(&self) -> usize {
+        self.numel() * self.dtype.size()
+    }
+
+    /// Whether `other` is the same memory (a clone of this activation).
+    pub fn same_memory(&self, other: &Act) -> bool {
+        Arc::ptr_eq(&self.block, &other.block)
+    }
+
+    /// Checks that this activation, named `what` in the error, has `cols` columns of `dtype`
+    /// and, when given, `rows` rows: [`Error::InvalidArgument`] otherwise.
+    pub fn expect(&self, what: &str, rows: Option<usize>, cols: usize, dtype: DType) -> Result<()> {
+        let rows_ok = rows.is_none_or(|r| r == self.rows);
+        if rows_ok && self.cols == cols && self.dtype == dtype {
+            return Ok(());
+        }
+        let want_rows = rows.map_or("N".to_string(), |r| r.to_string());
+        Err(Error::InvalidArgument(format!(
+            "`{what}` is [{}, {}] {}; expected [{want_rows}, {cols}] {dtype}",
+            self.rows, self.cols, self.dtype
+        )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimConfig;
+
+    #[test]
+    fn upload_round_trips_and_clones_share_memory() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+        let s = dev.new_stream().unwrap();
+        let pool = CachingAllocator::new(dev);
+        let a = Act::upload(&pool, &s, 2, 3, DType::F16, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.5]).unwrap();
+        assert_eq!((a.shape(), a.len_bytes()), ([2, 3], 12));
+        assert_eq!(a.to_f32(&s).unwrap(), [1.0, 2.0, 3.0, 4.0, 5.0, 6.5]);
+        let b = a.clone();
+        assert!(b.same_memory(&a));
+        let c = Act::alloc(&pool, 2, 3, DType::F16).unwrap();
+        assert!(!c.same_memory(&a));
+        assert!(a.expect("a", Some(2), 3, DType::F16).is_ok());
+        assert!(matches!(
+            a.expect("a", Some(2), 4, DType::F16),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(a.expect("a", None, 3, DType::F32).is_err());
+        assert!(Act::alloc(&pool, 0, 3, DType::F32).is_err());
+        assert!(Act::upload(&pool, &s, 2, 2, DType::F32, &[1.0; 3]).is_err());
+    }
+
+    #[test]
+    fn activations_cross_threads() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<Act>();
+    }
+}

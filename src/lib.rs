@@ -7,14 +7,17 @@
 //!
 //! The crate holds the [`device`] layer (two backends behind one [`device::Backend`] trait,
 //! asynchronous stream-ordered copies, host memory tiers, a caching allocator for non-model data,
-//! run-time compiled CUDA [`kernels`] with CPU twins in [`ops`]) and the memory layer on top:
+//! run-time compiled CUDA [`kernels`]), the compute [`ops`] (GEMM through cuBLAS, LayerNorm,
+//! attention, cross-entropy, embeddings, DLRM's interaction…, each with a CPU twin that agrees
+//! with its kernel) and the memory layer on top:
 //! stateful [`tensor`]s, [`chunk`]s and the [`chunk::ChunkManager`], the [`tide`] tracer and
 //! placement policies, and a [`simulate`]or that replays a model's trace through the same
 //! policies. [`optim`] holds the CPU/CUDA Adam and `HybridAdam`; [`comm`] the collectives
 //! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`store`] is what a trainer
 //! sees of either kind of store: passes, guards and typed device views of the parameters
-//! ([`prelude`] imports it all). [`demo`] holds the small MLP the examples train; [`profile`]
-//! writes Chrome traces and tide plots; [`data`] generates synthetic training data.
+//! ([`prelude`] imports it all), and [`nn`] the layers that compute on it in place. [`demo`]
+//! holds the small MLP the examples train; [`profile`] writes Chrome traces and tide plots;
+//! [`data`] generates synthetic training data.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};

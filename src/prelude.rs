@@ -9,6 +9,7 @@
 pub use crate::chunk::{ChunkManager, ManagerConfig};
 pub use crate::comm::Communicator;
 pub use crate::device::{Block, CachingAllocator, Device, DeviceView, Input, SimConfig, Stream};
+pub use crate::nn::{self, Act};
 pub use crate::ops;
 pub use crate::optim::{AdamConfig, HybridAdam, HybridConfig, StepOutcome, StepReport};
 pub use crate::store::{

@@ -54,14 +54,20 @@
 //! ```
 
 mod act;
+mod attention;
+mod block;
 mod gelu;
 mod layernorm;
 mod linear;
+mod mlp;
 
 pub use act::Act;
+pub use attention::{AttnSaved, CausalSelfAttention};
+pub use block::{Block, BlockSaved};
 pub use gelu::{gelu, gelu_backward};
 pub use layernorm::{LayerNorm, LnSaved};
 pub use linear::{Linear, WeightUse};
+pub use mlp::{Mlp, MlpSaved};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -79,6 +85,11 @@ fn check_param<K: PassKind>(g: &Guard<'_, K>, i: usize, shape: &[usize], d: DTyp
         )));
     }
     Ok(())
+}
+
+/// The input gradient of a [`Linear::backward`] that was asked for one.
+fn asked_dx(dx: Option<Act>) -> Result<Act> {
+    dx.ok_or_else(|| Error::InvalidArgument("a linear backward asked for dx gave none".into()))
 }
 
 /// A seed from a layer's name (64-bit FNV-1a): the same name, the same initial weights.

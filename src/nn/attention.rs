@@ -1,0 +1,214 @@
+//! Causal multi-head self-attention (GPT-2's `attn`): `c_attn` (C → 3C), the attention op, and
+//! `c_proj` (C → C).
+
+use super::act::Act;
+use super::asked_dx;
+use super::linear::Linear;
+use crate::error::{Error, Result};
+use crate::ops::attention::{Attention, AttentionBackward, AttentionForward};
+use crate::ops::heads::Heads;
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
+
+/// Causal multi-head self-attention over `channels = heads · head_dim` features, as GPT-2's
+/// `CausalSelfAttention`: `qkv = c_attn(x)`, per head `softmax_causal(q·kᵀ/√D)·v`, the heads
+/// merged, then `y = c_proj(·)`. The attention runs
+/// [`ops::attention`](crate::ops::attention) on buffers from the pass's pool.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CausalSelfAttention {
+    /// The fused query/key/value projection, `C → 3C` (queries, keys, values side by side).
+    pub c_attn: Linear,
+    /// The output projection, `C → C`.
+    pub c_proj: Linear,
+    /// Heads `H` (`C` divisible by `H`).
+    pub heads: usize,
+}
+
+/// What [`CausalSelfAttention::forward`] keeps for the backward: its input, the per-head
+/// `q`, `k`, `v` and attention probabilities, and the merged heads (`c_proj`'s input).
+#[derive(Debug)]
+pub struct AttnSaved {
+    x: Act,
+    q: Act,
+    k: Act,
+    v: Act,
+    att: Act,
+    merged: Act,
+    batch: usize,
+    seq: usize,
+}
+
+impl AttnSaved {
+    /// The layer's input `x` `[B·T, C]` (shared with the caller's).
+    pub fn x(&self) -> &Act {
+        &self.x
+    }
+
+    /// `[B·H·T, T]` attention probabilities (the causal softmax's output).
+    pub fn att(&self) -> &Act {
+        &self.att
+    }
+}
+
+impl CausalSelfAttention {
+    /// Registers `{name}.c_attn.{weight,bias}` (`[3C, C]`, `[3C]`) and
+    /// `{name}.c_proj.{weight,bias}` (`[C, C]`, `[C]`): weights with `init` (or
+    /// [`Linear::default_init`]), biases zero. `channels` must be a positive multiple of
+    /// `heads`.
+    pub fn register(
+        store: &mut impl ParamStore,
+        name: &str,
+        channels: usize,
+        heads: usize,
+        init: Option<Init>,
+    ) -> Result<CausalSelfAttention> {
+        if heads == 0 || channels == 0 || channels % heads != 0 {
+            return Err(Error::InvalidArgument(format!(
+                "attention '{name}': {channels} channels over {heads} heads (C a positive \
+                 multiple of H)"
+            )));
+        }
+        let c_attn = Linear::register(
+            store,
+            &format!("{name}.c_attn"),
+            channels,
+            3 * channels,
+            true,
+            init.clone(),
+        )?;
+        let c_proj = Linear::register(
+            store,
+            &format!("{name}.c_proj"),
+            channels,
+            channels,
+            true,
+            init,
+        )?;
+        Ok(CausalSelfAttention {
+            c_attn,
+            c_proj,
+            heads,
+        })
+    }
+
+    /// Channels `C`.
+    pub fn channels(&self) -> usize {
+        self.c_proj.outputs
+    }
+
+    /// The parameters: `c_attn`'s, then `c_proj`'s.
+    pub fn params(&self) -> Vec<TensorId> {
+        let mut v = self.c_attn.params();
+        v.extend(self.c_proj.params());
+        v
+    }
+
+    fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
+        let c = self.channels();
+        if batch == 0 || seq == 0 || batch.checked_mul(seq) != Some(rows) {
+            return Err(Error::InvalidArgument(format!(
+                "attention over {rows} rows as batch {batch} × sequence {seq}"
+            )));
+        }
+        if self.heads == 0 || c % self.heads != 0 || self.c_attn.outputs != 3 * c {
+            return Err(Error::InvalidArgument(format!(
+                "attention of {c} channels, {} heads and a c_attn of {} outputs",
+                self.heads, self.c_attn.outputs
+            )));
+        }
+        Ok(Attention::new(Heads::new(
+            batch,
+            seq,
+            self.heads,
+            c / self.heads,
+        )))
+    }
+
+    /// `y = c_proj(attention(c_attn(x)))` for `x` `[B·T, C]` (rows batch-major: row `b·T + t`
+    /// is token `t` of sequence `b`). Returns `y` `[B·T, C]` and what the backward needs;
+    /// the scratch returns to the pool. Shapes and types are checked before anything runs
+    /// ([`Error::InvalidArgument`]).
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, AttnSaved)> {
+        let d = pass.param_dtype();
+        let c = self.channels();
+        x.expect("x", None, c, d)?;
+        let op = self.op(x.rows(), batch, seq)?;
+        let rows = x.rows();
+        let qkv = self.c_attn.forward(pass, x)?;
+        let pool = pass.pool();
+        let heads = || Act::alloc(pool, rows, c, d);
+        let (q, k, v, y, merged) = (heads()?, heads()?, heads()?, heads()?, heads()?);
+        let scores = || Act::alloc(pool, batch * self.heads * seq, seq, d);
+        let (sc, att) = (scores()?, scores()?);
+        let bufs = AttentionForward {
+            qkv: qkv.input(),
+            q: q.view(),
+            k: k.view(),
+            v: v.view(),
+            scores: sc.view(),
+            att: att.view(),
+            y: y.view(),
+            out: merged.view(),
+        };
+        op.forward(pass.device(), pass.stream(), bufs, d)?;
+        drop((qkv, sc, y));
+        let out = self.c_proj.forward(pass, &merged)?;
+        let saved = AttnSaved {
+            x: x.clone(),
+            q,
+            k,
+            v,
+            att,
+            merged,
+            batch,
+            seq,
+        };
+        Ok((out, saved))
+    }
+
+    /// The backward of [`CausalSelfAttention::forward`] from the output's gradient `dy`
+    /// `[B·T, C]`: writes the four parameters' gradients and returns `dx`.
+    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &AttnSaved, dy: &Act) -> Result<Act> {
+        let d = pass.param_dtype();
+        let c = self.channels();
+        let rows = saved.x.rows();
+        saved.x.expect("saved input", None, c, d)?;
+        dy.expect("dy", Some(rows), c, d)?;
+        let op = self.op(rows, saved.batch, saved.seq)?;
+        let dmerged = self
+            .c_proj
+            .backward(pass, &saved.merged, dy, true)
+            .and_then(asked_dx)?;
+        let pool = pass.pool();
+        let heads = || Act::alloc(pool, rows, c, d);
+        let (dyh, dq, dk, dv) = (heads()?, heads()?, heads()?, heads()?);
+        let scores = || Act::alloc(pool, saved.batch * self.heads * saved.seq, saved.seq, d);
+        let (datt, dscores) = (scores()?, scores()?);
+        let dqkv = Act::alloc(pool, rows, 3 * c, d)?;
+        let bufs = AttentionBackward {
+            dout: dmerged.input(),
+            q: saved.q.input(),
+            k: saved.k.input(),
+            v: saved.v.input(),
+            att: saved.att.input(),
+            dy: dyh.view(),
+            datt: datt.view(),
+            dscores: dscores.view(),
+            dq: dq.view(),
+            dk: dk.view(),
+            dv: dv.view(),
+            dqkv: dqkv.view(),
+        };
+        op.backward(pass.device(), pass.stream(), bufs, d)?;
+        drop((dmerged, dyh, datt, dscores, dq, dk, dv));
+        self.c_attn
+            .backward(pass, &saved.x, &dqkv, true)
+            .and_then(asked_dx)
+    }
+}

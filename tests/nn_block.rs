@@ -173,8 +173,8 @@ fn attention(qkv: &[f64]) -> (Vec<f64>, Vec<f64>) {
                 }
                 let max = a[..=t].iter().cloned().fold(f64::MIN, f64::max);
                 let sum: f64 = a[..=t].iter().map(|v| (v - max).exp()).sum();
-                for s in 0..=t {
-                    a[s] = (a[s] - max).exp() / sum;
+                for v in &mut a[..=t] {
+                    *v = (*v - max).exp() / sum;
                 }
                 for j in 0..D {
                     out[(b * T + t) * C + h * D + j] =

@@ -62,7 +62,7 @@ impl CausalSelfAttention {
         heads: usize,
         init: Option<Init>,
     ) -> Result<CausalSelfAttention> {
-        if heads == 0 || channels == 0 || channels % heads != 0 {
+        if heads == 0 || channels == 0 || !channels.is_multiple_of(heads) {
             return Err(Error::InvalidArgument(format!(
                 "attention '{name}': {channels} channels over {heads} heads (C a positive \
                  multiple of H)"
@@ -110,7 +110,7 @@ impl CausalSelfAttention {
                 "attention over {rows} rows as batch {batch} × sequence {seq}"
             )));
         }
-        if self.heads == 0 || c % self.heads != 0 || self.c_attn.outputs != 3 * c {
+        if self.heads == 0 || !c.is_multiple_of(self.heads) || self.c_attn.outputs != 3 * c {
             return Err(Error::InvalidArgument(format!(
                 "attention of {c} channels, {} heads and a c_attn of {} outputs",
                 self.heads, self.c_attn.outputs

@@ -1,5 +1,6 @@
 //! Layers written on the trainer API ([`crate::store`]) and the device ops ([`crate::ops`]):
-//! [`Linear`], [`LayerNorm`] and [`gelu`], over activations ([`Act`]) from the store's
+//! [`Linear`], [`LayerNorm`] and [`gelu`], and of them GPT-2's [`CausalSelfAttention`],
+//! [`Mlp`] and pre-LayerNorm transformer [`Block`], over activations ([`Act`]) from the store's
 //! non-model pool, so the tide sees them.
 //!
 //! A layer holds the ids of its parameters. `forward` fetches them through the
@@ -116,5 +117,7 @@ mod tests {
         send_sync::<Linear>();
         send_sync::<LayerNorm>();
         send_sync::<LnSaved>();
+        send_sync::<Block>();
+        send_sync::<BlockSaved>();
     }
 }

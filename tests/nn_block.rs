@@ -496,5 +496,25 @@ fn block_registers_gpt2_names() {
         blk.forward(&fwd, &x, 3, T),
         Err(Error::InvalidArgument(_))
     ));
+    let (_, saved) = blk.forward(&fwd, &x, B, T).unwrap();
+    assert_eq!(saved.h1().shape(), [N, C]);
     fwd.finish().unwrap();
+
+    // a gradient of the wrong shape or type is refused; the pass goes on
+    let bwd = m.backward().unwrap();
+    let up = |rows, cols, d| {
+        let v = data(rows * cols, 6, 1.0, d);
+        Act::upload(bwd.pool(), bwd.stream(), rows, cols, d, &v).unwrap()
+    };
+    for bad in [
+        up(N - 1, C, DType::F32),
+        up(N, C + 1, DType::F32),
+        up(N, C, DType::F16),
+    ] {
+        let err = blk.backward(&bwd, &saved, &bad).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    }
+    let dx = blk.backward(&bwd, &saved, &up(N, C, DType::F32)).unwrap();
+    assert_eq!(dx.shape(), [N, C]);
+    bwd.finish().unwrap();
 }

@@ -103,7 +103,8 @@ impl CausalSelfAttention {
         v
     }
 
-    fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
+    /// The op for `rows = batch × seq` rows, or [`Error::InvalidArgument`].
+    pub(super) fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
         let c = self.channels();
         if batch == 0 || seq == 0 || batch.checked_mul(seq) != Some(rows) {
             return Err(Error::InvalidArgument(format!(

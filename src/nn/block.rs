@@ -15,6 +15,38 @@ use crate::tensor::{Init, TensorId};
 /// `ln_2` runs fused with the first residual add (it takes `attn`'s output and the residual
 /// `x`, and yields `h1` with its normalisation); backward carries the residual stream's
 /// gradient in one buffer that `ln_2` and then `ln_1` add their input gradients into.
+///
+/// # Example
+///
+/// One block of 8 channels and 2 heads over 2 sequences of 3 tokens:
+///
+/// ```
+/// use tidemem::nn::{Act, Block};
+/// use tidemem::prelude::*;
+///
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 22))?;
+/// let mut cfg = ManagerConfig::new(256, Policy::Tide);
+/// cfg.param_dtype = DType::F32;
+/// let mut m = ChunkManager::new(dev, cfg)?;
+/// let block = Block::register(&mut m, "h.0", 8, 2, 1e-5, None)?;
+/// assert_eq!(block.params().len(), 12);
+///
+/// let fwd = m.forward()?;
+/// let x = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
+/// let (out, saved) = block.forward(&fwd, &x, 2, 3)?;
+/// assert_eq!(out.shape(), [6, 8]);
+/// fwd.finish()?;
+///
+/// let bwd = m.backward()?;
+/// let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
+/// let dx = block.backward(&bwd, &saved, &dout)?;
+/// assert_eq!(dx.shape(), [6, 8]);
+/// bwd.finish()?;
+/// // the output bias's gradient: Σ_rows dout
+/// assert_eq!(m.read(block.mlp.c_proj.bias.unwrap())?, vec![6.0; 8]);
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Block {
     /// LayerNorm before the attention.
@@ -84,7 +116,8 @@ impl Block {
     }
 
     /// The block on `x` `[B·T, C]` (batch-major rows): returns `out` `[B·T, C]` and what the
-    /// backward needs. Shapes and types are checked by the layers before they run.
+    /// backward needs. The input's shape and type and `rows = batch × seq` are checked before
+    /// anything runs ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,
@@ -92,6 +125,8 @@ impl Block {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, BlockSaved)> {
+        x.expect("x", None, self.ln_1.cols, pass.param_dtype())?;
+        self.attn.op(x.rows(), batch, seq)?;
         let (y1, ln_1) = self.ln_1.forward(pass, x, None)?;
         let (a, attn) = self.attn.forward(pass, &y1, batch, seq)?;
         // h1 = x + a, and its normalisation, in one op

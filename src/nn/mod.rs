@@ -57,17 +57,21 @@
 mod act;
 mod attention;
 mod block;
+mod embedding;
 mod gelu;
 mod layernorm;
 mod linear;
+mod lm_head;
 mod mlp;
 
 pub use act::Act;
 pub use attention::{AttnSaved, CausalSelfAttention};
 pub use block::{Block, BlockSaved};
+pub use embedding::{EmbSaved, Embedding};
 pub use gelu::{gelu, gelu_backward};
 pub use layernorm::{LayerNorm, LnSaved};
 pub use linear::{Linear, WeightUse};
+pub use lm_head::{LmHead, LmSaved};
 pub use mlp::{Mlp, MlpSaved};
 
 use crate::dtype::DType;

@@ -1,0 +1,191 @@
+//! GPT-2's token plus position embedding over the store: `out[b·T + t] = wte[tokens[b, t]] +
+//! wpe[t]`.
+
+use super::act::Act;
+use super::check_param;
+use crate::device::{Block as PoolBlock, HostBuffer};
+use crate::error::{Error, Result};
+use crate::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
+
+/// The default initialisation's bound: a uniform of σ 0.02 (GPT-2's).
+const INIT_BOUND: f32 = 0.034_641_016;
+
+/// The token embedding `wte` `[V, C]` and the position embedding `wpe` `[maxT, C]` of GPT-2,
+/// run by [`ops::encoder_forward`](crate::ops::encoder_forward) and its deterministic backward.
+///
+/// `wte` is usually tied to the [`LmHead`](super::LmHead): both uses add their gradient shares
+/// through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad), and the store writes
+/// the sum at the last backward use. `wpe`'s gradient goes the same way (its only share is the
+/// gradient), so the layer needs no knowledge of who else uses its tables.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Embedding {
+    /// `[vocab, channels]` (`wte.weight`).
+    pub wte: TensorId,
+    /// `[max_seq, channels]` (`wpe.weight`).
+    pub wpe: TensorId,
+    /// `V`: tokens.
+    pub vocab: usize,
+    /// `maxT`: the longest sequence.
+    pub max_seq: usize,
+    /// `C`: channels.
+    pub channels: usize,
+}
+
+/// What [`Embedding::forward`] keeps for the backward: the batch's [`EncoderPlan`] (built on
+/// the host from the tokens) and its words on the device.
+#[derive(Debug)]
+pub struct EmbSaved {
+    plan: EncoderPlan,
+    words: PoolBlock,
+    shape: EncoderShape,
+}
+
+impl EmbSaved {
+    /// The shape of the batch.
+    pub fn shape(&self) -> &EncoderShape {
+        &self.shape
+    }
+}
+
+impl Embedding {
+    /// Registers `wte.weight` `[vocab, channels]` and `wpe.weight` `[max_seq, channels]`, both
+    /// with `init` (or uniform of GPT-2's σ 0.02, `±0.02·√3`, seeded by name).
+    pub fn register(
+        store: &mut impl ParamStore,
+        vocab: usize,
+        max_seq: usize,
+        channels: usize,
+        init: Option<Init>,
+    ) -> Result<Embedding> {
+        if vocab == 0 || max_seq == 0 || channels == 0 || vocab > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "an embedding of {vocab} tokens, {max_seq} positions and {channels} channels"
+            )));
+        }
+        let init_for = |name: &str| {
+            init.clone().unwrap_or(Init::Uniform {
+                seed: super::hash_name(name),
+                lo: -INIT_BOUND,
+                hi: INIT_BOUND,
+            })
+        };
+        let wte = store.register("wte.weight", &[vocab, channels], init_for("wte.weight"))?;
+        let wpe = store.register("wpe.weight", &[max_seq, channels], init_for("wpe.weight"))?;
+        Ok(Embedding {
+            wte,
+            wpe,
+            vocab,
+            max_seq,
+            channels,
+        })
+    }
+
+    /// The parameters, in fetch order: `wte`, `wpe`.
+    pub fn params(&self) -> Vec<TensorId> {
+        vec![self.wte, self.wpe]
+    }
+
+    fn shape(&self, batch: usize, seq: usize) -> EncoderShape {
+        EncoderShape {
+            batch,
+            seq,
+            channels: self.channels,
+            vocab: self.vocab,
+            max_seq: self.max_seq,
+        }
+    }
+
+    /// The embedding of `tokens` `[batch, seq]` (host i32, batch-major): returns `out`
+    /// `[batch·seq, C]` of the store's parameter dtype and what the backward needs. A token
+    /// outside `0..V`, `seq > max_seq` or `tokens.len() ≠ batch·seq` is
+    /// [`Error::InvalidArgument`] before anything runs.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, EmbSaved)> {
+        let rows = batch.checked_mul(seq).filter(|&r| r > 0);
+        if rows != Some(tokens.len()) || seq > self.max_seq {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens for a batch of {batch} × {seq} (at most {} positions)",
+                tokens.len(),
+                self.max_seq
+            )));
+        }
+        // checks every token against the vocabulary
+        let plan = EncoderPlan::new(tokens, self.vocab)?;
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
+        let g = pass.fetch(&self.params())?;
+        check_param(&g, 0, &[self.vocab, self.channels], d)?;
+        check_param(&g, 1, &[self.max_seq, self.channels], d)?;
+        let tok = upload(pass, bytemuck::cast_slice(tokens))?;
+        let words = upload(pass, bytemuck::cast_slice(&plan.to_words()))?;
+        let out = Act::alloc(pool, tokens.len(), self.channels, d)?;
+        let shape = self.shape(batch, seq);
+        let tok_view = tok.view(0, tokens.len() * 4)?;
+        encoder_forward(
+            dev,
+            s,
+            tok_view,
+            g.param(0)?,
+            g.param(1)?,
+            out.view(),
+            &shape,
+            d,
+        )?;
+        Ok((out, EmbSaved { plan, words, shape }))
+    }
+
+    /// The backward of [`Embedding::forward`] from the output's gradient `dout`
+    /// `[batch·seq, C]`: `dwte` and `dwpe` are summed into zeroed pool buffers of the parameter
+    /// dtype, then added through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)
+    /// (the LM head's share of `wte` goes the same way, in either order).
+    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &EmbSaved, dout: &Act) -> Result<()> {
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
+        let sh = &saved.shape;
+        dout.expect("dout", Some(sh.batch * sh.seq), self.channels, d)?;
+        if *sh != self.shape(sh.batch, sh.seq) {
+            return Err(Error::InvalidArgument(
+                "the saved state comes from another embedding".into(),
+            ));
+        }
+        let g = pass.fetch(&self.params())?;
+        check_param(&g, 0, &[self.vocab, self.channels], d)?;
+        check_param(&g, 1, &[self.max_seq, self.channels], d)?;
+        let te_bytes = self.vocab * self.channels * d.size();
+        let pe_bytes = self.max_seq * self.channels * d.size();
+        let dwte = pool.alloc(te_bytes)?;
+        let dwpe = pool.alloc(pe_bytes)?;
+        let (te, pe) = (dwte.view(0, te_bytes)?, dwpe.view(0, pe_bytes)?);
+        dev.memset(s, te, 0)?;
+        dev.memset(s, pe, 0)?;
+        let words = saved.words.view(0, saved.plan.words() * 4)?;
+        encoder_backward(dev, s, dout.input(), &saved.plan, words, te, pe, sh, d)?;
+        g.accumulate_grad(0, te, d)?;
+        g.accumulate_grad(1, pe, d)
+    }
+}
+
+/// `bytes` in a block of the pass's pool, copied on its stream and waited for.
+fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
+    let b = pass.pool().alloc(bytes.len().max(4))?;
+    let view = b.view(0, bytes.len())?;
+    pass.device()
+        .copy_h2d(pass.stream(), HostBuffer::from_slice(bytes)?, view)?
+        .wait()?;
+    Ok(b)
+}

@@ -1,0 +1,114 @@
+//! GPT-2's tied language-model head: `logits = h·wteᵀ`, then the fused softmax cross-entropy.
+
+use super::act::Act;
+use super::linear::{Linear, WeightUse};
+use crate::device::{Block as PoolBlock, HostBuffer};
+use crate::error::{Error, Result};
+use crate::ops::{check_targets, cross_entropy_forward_backward, CrossEntropy};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::TensorId;
+
+/// The tied projection to the vocabulary (`logits = h·wteᵀ`, a [`Linear`] over the token
+/// embedding's weight, [`WeightUse::Shared`]) fused with the mean cross-entropy.
+///
+/// Forward and backward are separate passes, so the forward computes the logits and runs
+/// [`cross_entropy_forward_backward`](crate::ops::cross_entropy_forward_backward): it writes the
+/// losses and, over the logits, their gradient scaled by `1 / rows counted`, which the
+/// [`LmSaved`] keeps. Backward runs the shared linear's backward from it: `dh`, and `wte`'s
+/// share through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LmHead {
+    /// The projection over `wte` `[V, C]`.
+    pub proj: Linear,
+    /// Targets equal to it count for nothing (PyTorch's default -100).
+    pub ignore_index: i32,
+}
+
+/// What [`LmHead::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct LmSaved {
+    h: Act,
+    dlogits: Act,
+    counted: usize,
+}
+
+impl LmSaved {
+    /// The logits' gradient `[N, V]` (`(softmax − onehot)/counted`, 0 on ignored rows).
+    pub fn dlogits(&self) -> &Act {
+        &self.dlogits
+    }
+
+    /// Rows whose target was not the ignore index.
+    pub fn counted(&self) -> usize {
+        self.counted
+    }
+}
+
+impl LmHead {
+    /// The head over the token embedding `wte` (`[V, C]`, registered already).
+    pub fn tied(store: &impl ParamStore, wte: TensorId, ignore_index: i32) -> Result<LmHead> {
+        let proj = Linear::from_ids(store, wte, None, WeightUse::Shared)?;
+        Ok(LmHead { proj, ignore_index })
+    }
+
+    /// `V`.
+    pub fn vocab(&self) -> usize {
+        self.proj.outputs
+    }
+
+    /// The mean loss over the rows whose target is not the ignore index (0 when none is), for
+    /// `h` `[N, C]` and `targets` `[N]` (host i32). Targets are checked on the host
+    /// ([`check_targets`]) and shapes before anything runs; the loss comes back in one download.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        h: &Act,
+        targets: &[i32],
+    ) -> Result<(f32, LmSaved)> {
+        let (d, v) = (pass.param_dtype(), self.vocab());
+        h.expect("h", Some(targets.len()), self.proj.inputs, d)?;
+        check_targets(targets, v, self.ignore_index)?;
+        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
+        let logits = self.proj.forward(pass, h)?;
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let n = targets.len();
+        let tgt = upload(pass, bytemuck::cast_slice(targets))?;
+        let losses = pool.alloc(n * 4)?;
+        let ce = CrossEntropy {
+            vocab: v,
+            padded_vocab: v,
+            ignore_index: self.ignore_index,
+            grad_scale: 1.0 / counted.max(1) as f32,
+        };
+        let lv = losses.view(0, n * 4)?;
+        cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
+        let bytes = dev.download(s, lv)?;
+        let sum: f64 = bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
+            .iter()
+            .map(|&l| f64::from(l))
+            .sum();
+        let loss = (sum / counted.max(1) as f64) as f32;
+        let saved = LmSaved {
+            h: h.clone(),
+            dlogits: logits,
+            counted,
+        };
+        Ok((loss, saved))
+    }
+
+    /// The backward of [`LmHead::forward`]: returns `dh` `[N, C]` and adds `wte`'s share.
+    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &LmSaved) -> Result<Act> {
+        let dh = self.proj.backward(pass, &saved.h, &saved.dlogits, true)?;
+        dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))
+    }
+}
+
+/// `bytes` in a block of the pass's pool, copied on its stream and waited for.
+fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
+    let b = pass.pool().alloc(bytes.len().max(4))?;
+    let view = b.view(0, bytes.len())?;
+    pass.device()
+        .copy_h2d(pass.stream(), HostBuffer::from_slice(bytes)?, view)?
+        .wait()?;
+    Ok(b)
+}

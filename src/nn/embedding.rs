@@ -181,7 +181,7 @@ impl Embedding {
 }
 
 /// `bytes` in a block of the pass's pool, copied on its stream and waited for.
-fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
+pub(super) fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
     let b = pass.pool().alloc(bytes.len().max(4))?;
     let view = b.view(0, bytes.len())?;
     pass.device()

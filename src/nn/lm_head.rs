@@ -2,7 +2,6 @@
 
 use super::act::Act;
 use super::linear::{Linear, WeightUse};
-use crate::device::{Block as PoolBlock, HostBuffer};
 use crate::error::{Error, Result};
 use crate::ops::{check_targets, cross_entropy_forward_backward, CrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -16,6 +15,36 @@ use crate::tensor::TensorId;
 /// losses and, over the logits, their gradient scaled by `1 / rows counted`, which the
 /// [`LmSaved`] keeps. Backward runs the shared linear's backward from it: `dh`, and `wte`'s
 /// share through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad).
+///
+/// # Example
+///
+/// The embedding and the tied head, one step over a batch of 1 × 3 tokens:
+///
+/// ```
+/// use tidemem::nn::{Embedding, LmHead};
+/// use tidemem::prelude::*;
+///
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let mut cfg = ManagerConfig::new(64, Policy::Tide);
+/// cfg.param_dtype = DType::F32;
+/// let mut m = ChunkManager::new(dev, cfg)?;
+/// let emb = Embedding::register(&mut m, 5, 4, 2, None)?;
+/// let head = LmHead::tied(&m, emb.wte, -100)?;
+///
+/// let fwd = m.forward()?;
+/// let (x, emb_saved) = emb.forward(&fwd, &[1, 4, 1], 1, 3)?;
+/// let (loss, head_saved) = head.forward(&fwd, &x, &[4, 1, -100])?;
+/// assert!((loss - 5f32.ln()).abs() < 0.01); // near-uniform logits from small weights
+/// fwd.finish()?;
+///
+/// let bwd = m.backward()?;
+/// let dx = head.backward(&bwd, &head_saved)?;
+/// emb.backward(&bwd, &emb_saved, &dx)?; // wte: the head's share + the embedding's
+/// bwd.finish()?;
+/// assert_eq!(m.read(emb.wpe)?[6..], [0.0; 2]); // position 3 is unused: no gradient
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LmHead {
     /// The projection over `wte` `[V, C]`.
@@ -72,7 +101,7 @@ impl LmHead {
         let logits = self.proj.forward(pass, h)?;
         let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
         let n = targets.len();
-        let tgt = upload(pass, bytemuck::cast_slice(targets))?;
+        let tgt = super::embedding::upload(pass, bytemuck::cast_slice(targets))?;
         let losses = pool.alloc(n * 4)?;
         let ce = CrossEntropy {
             vocab: v,
@@ -101,14 +130,4 @@ impl LmHead {
         let dh = self.proj.backward(pass, &saved.h, &saved.dlogits, true)?;
         dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))
     }
-}
-
-/// `bytes` in a block of the pass's pool, copied on its stream and waited for.
-fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
-    let b = pass.pool().alloc(bytes.len().max(4))?;
-    let view = b.view(0, bytes.len())?;
-    pass.device()
-        .copy_h2d(pass.stream(), HostBuffer::from_slice(bytes)?, view)?
-        .wait()?;
-    Ok(b)
 }

@@ -1,6 +1,7 @@
 //! Layers written on the trainer API ([`crate::store`]) and the device ops ([`crate::ops`]):
 //! [`Linear`], [`LayerNorm`] and [`gelu`], and of them GPT-2's [`CausalSelfAttention`],
-//! [`Mlp`] and pre-LayerNorm transformer [`Block`], over activations ([`Act`]) from the store's
+//! [`Mlp`] and pre-LayerNorm transformer [`Block`], its token and position [`Embedding`] and
+//! the [`LmHead`] tied to the token embedding with the fused cross-entropy, over activations ([`Act`]) from the store's
 //! non-model pool, so the tide sees them.
 //!
 //! A layer holds the ids of its parameters. `forward` fetches them through the
@@ -123,5 +124,9 @@ mod tests {
         send_sync::<LnSaved>();
         send_sync::<Block>();
         send_sync::<BlockSaved>();
+        send_sync::<Embedding>();
+        send_sync::<EmbSaved>();
+        send_sync::<LmHead>();
+        send_sync::<LmSaved>();
     }
 }

@@ -19,7 +19,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::launch::param_layout;
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,
@@ -28,7 +28,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::math;
-use crate::ops::rows::expect_elementwise;
+use crate::ops::rows::{elementwise_plan, expect_elementwise};
 
 /// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
 #[repr(C)]
@@ -55,7 +55,7 @@ pub static GELU_FORWARD: KernelDesc = KernelDesc {
     twin: forward_twin,
     cuda: CudaSide::Nvrtc {
         source: "gelu.cu",
-        plan: |info| plan(info, "gelu_forward"),
+        plan: |info| elementwise_plan(info, "gelu_forward"),
     },
 };
 
@@ -72,18 +72,13 @@ pub static GELU_BACKWARD: KernelDesc = KernelDesc {
     twin: backward_twin,
     cuda: CudaSide::Nvrtc {
         source: "gelu.cu",
-        plan: |info| plan(info, "gelu_backward"),
+        plan: |info| elementwise_plan(info, "gelu_backward"),
     },
 };
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: GeluParams = info.params()?;
     expect_elementwise(info, p.n)
-}
-
-fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
-    let t = info.dtype(0).map_or("?", |d| d.name());
-    Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
 #[inline(always)]

@@ -18,7 +18,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::launch::param_layout;
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,
@@ -26,7 +26,7 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
-use crate::ops::rows::{expect_elementwise, Operands};
+use crate::ops::rows::{elementwise_plan, expect_elementwise, Operands};
 
 /// The parameters of `kernels/relu.cu` (`relu.cuh`).
 #[repr(C)]
@@ -50,7 +50,7 @@ pub static RELU_FORWARD: KernelDesc = KernelDesc {
     twin: forward_twin,
     cuda: CudaSide::Nvrtc {
         source: "relu.cu",
-        plan: |info| plan(info, "relu_forward"),
+        plan: |info| elementwise_plan(info, "relu_forward"),
     },
 };
 
@@ -67,18 +67,13 @@ pub static RELU_BACKWARD: KernelDesc = KernelDesc {
     twin: backward_twin,
     cuda: CudaSide::Nvrtc {
         source: "relu.cu",
-        plan: |info| plan(info, "relu_backward"),
+        plan: |info| elementwise_plan(info, "relu_backward"),
     },
 };
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: ReluParams = info.params()?;
     expect_elementwise(info, p.n)
-}
-
-fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
-    let t = info.dtype(0).map_or("?", |d| d.name());
-    Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
 fn forward_typed<T: Float>(mut o: Operands<'_>) -> Result<()> {

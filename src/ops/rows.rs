@@ -10,6 +10,7 @@
 //! partial sums in chunk order. The order of every addition is fixed by the shape alone, so
 //! the result is the same bits from run to run and on the CPU twin as on CUDA.
 
+use crate::device::launch::{grid_stride, Grid};
 use crate::device::{DeviceView, KernelDesc, LaunchInfo, OperandInfo, TwinArgs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -82,6 +83,13 @@ pub(crate) fn expect_all(info: &LaunchInfo<'_>, shape: &str, want: usize) -> Res
         })?;
     }
     Ok(())
+}
+
+/// The plan of an elementwise op: one grid-stride launch of `{entry}_{type}` (operand 0's
+/// type) over operand 0's elements.
+pub(crate) fn elementwise_plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
+    let t = info.dtype(0).map_or("?", |d| d.name());
+    Ok(grid_stride(format!("{entry}_{t}"), info.len(0)))
 }
 
 /// Checks that every present operand holds `n` elements of operand 0's type (the shape check

@@ -176,6 +176,7 @@ pub trait ParamStore: Send + sealed::Core {
 pub(crate) mod sealed {
     use std::sync::Arc;
 
+    use crate::chunk::TensorView;
     use crate::device::Stream;
     use crate::error::Result;
     use crate::tensor::TensorId;
@@ -197,6 +198,9 @@ pub(crate) mod sealed {
         fn wait_compute(&mut self, _: Token) -> Result<()>;
         /// The compute stream, shared.
         fn compute_arc(&self, _: Token) -> Arc<Stream>;
+        /// Fetches tensors in the backward stage to recompute a forward op: one more use on
+        /// each side, never the last backward use.
+        fn fetch_recompute(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
     }
 }
 
@@ -233,6 +237,9 @@ impl sealed::Core for ChunkManager {
     }
     fn compute_arc(&self, _: sealed::Token) -> Arc<Stream> {
         ChunkManager::compute_arc(self)
+    }
+    fn fetch_recompute(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
+        ChunkManager::fetch_recompute(self, ids)
     }
 }
 
@@ -302,6 +309,9 @@ impl sealed::Core for ZeroManager {
     fn compute_arc(&self, _: sealed::Token) -> Arc<Stream> {
         // the rank's stream is its manager's compute stream
         self.local().compute_arc()
+    }
+    fn fetch_recompute(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
+        ZeroManager::fetch_recompute(self, ids)
     }
 }
 

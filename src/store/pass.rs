@@ -75,6 +75,8 @@ pub(crate) trait Host {
     /// Keeps an error a drop could not return, for the pass's next call.
     fn defer(&self, e: Error);
     fn sums(&self) -> RefMut<'_, Vec<Sum>>;
+    /// The stage guards release in: the pass's, or backward for a recompute pass.
+    fn release_stage(&self) -> Stage;
 }
 
 struct State<'s> {
@@ -82,6 +84,10 @@ struct State<'s> {
     handles: Handles,
     deferred: RefCell<Option<Error>>,
     sums: RefCell<Vec<Sum>>,
+    /// The stage fetches and releases run in.
+    stage: Stage,
+    /// A forward pass recomputing inside the backward stage ([`BackwardPass::recompute`]).
+    recompute: bool,
 }
 
 impl Host for State<'_> {
@@ -100,6 +106,9 @@ impl Host for State<'_> {
     }
     fn sums(&self) -> RefMut<'_, Vec<Sum>> {
         self.sums.borrow_mut()
+    }
+    fn release_stage(&self) -> Stage {
+        self.stage
     }
 }
 
@@ -156,6 +165,8 @@ impl<'s, K: PassKind> Pass<'s, K> {
                 handles,
                 deferred: RefCell::new(None),
                 sums: RefCell::new(Vec::new()),
+                stage: K::STAGE,
+                recompute: false,
             },
             _kind: PhantomData,
         })
@@ -172,7 +183,11 @@ impl<'s, K: PassKind> Pass<'s, K> {
             .iter()
             .map(|&id| store.tensor_shape(id).map(<[usize]>::to_vec))
             .collect::<Result<Vec<_>>>()?;
-        let views = store.fetch(ids, K::STAGE)?;
+        let views = if self.state.recompute {
+            store.fetch_recompute(ids, TOKEN)?
+        } else {
+            store.fetch(ids, K::STAGE)?
+        };
         drop(store);
         Ok(Guard {
             host: &self.state,
@@ -215,6 +230,10 @@ impl<'s, K: PassKind> Pass<'s, K> {
     /// gradient was accumulated over some of its uses but not written at its last.
     pub fn finish(self) -> Result<()> {
         self.take_deferred()?;
+        if self.state.recompute {
+            // the backward stage goes on
+            return Ok(());
+        }
         let mut store = self.state.store();
         match K::STAGE {
             Stage::Forward => store.end_forward(),
@@ -236,6 +255,65 @@ impl<'s, K: PassKind> Pass<'s, K> {
             Some(e) => Err(e),
             None => Ok(()),
         }
+    }
+}
+
+impl Pass<'_, Backward> {
+    /// A forward pass inside this backward stage, to recompute the forward of a checkpointed
+    /// segment (activation checkpointing): layers run their `forward` on it as on any
+    /// [`ForwardPass`], and each of its fetches is a backward-stage moment that counts one more
+    /// use of its tensors on both sides, so it never writes a gradient and the segment's
+    /// backward that follows still finds each tensor's last use. Its
+    /// [`finish`](Pass::finish) reports a release error its guards deferred and leaves the
+    /// backward stage open.
+    ///
+    /// ```
+    /// use tidemem::nn::{Act, Linear};
+    /// use tidemem::prelude::*;
+    ///
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    /// let mut cfg = ManagerConfig::new(64, Policy::Tide);
+    /// cfg.param_dtype = DType::F32;
+    /// let mut m = ChunkManager::new(dev, cfg)?;
+    /// let fc = Linear::register(&mut m, "fc", 4, 4, true, None)?;
+    /// let x_host = [1.0f32; 8];
+    ///
+    /// let fwd = m.forward()?;
+    /// let x = Act::upload(fwd.pool(), fwd.stream(), 2, 4, DType::F32, &x_host)?;
+    /// drop(fc.forward(&fwd, &x)?); // the output is not kept
+    /// fwd.finish()?;
+    ///
+    /// let mut bwd = m.backward()?;
+    /// let re = bwd.recompute()?;
+    /// let _y = fc.forward(&re, &x)?; // recomputed where the backward needs it
+    /// re.finish()?;
+    /// let dy = Act::upload(bwd.pool(), bwd.stream(), 2, 4, DType::F32, &[1.0; 8])?;
+    /// fc.backward(&bwd, &x, &dy, false)?;
+    /// bwd.finish()?;
+    /// assert_eq!(m.read(fc.bias.unwrap())?, vec![2.0; 4]);
+    /// # Ok(()) }
+    /// ```
+    pub fn recompute(&mut self) -> Result<ForwardPass<'_>> {
+        self.take_deferred()?;
+        let handles = Handles {
+            device: self.state.handles.device.clone(),
+            stream: Arc::clone(&self.state.handles.stream),
+            pool: self.state.handles.pool.clone(),
+            dtype: self.state.handles.dtype,
+        };
+        let store: &mut dyn ParamStore = &mut **self.state.store.get_mut();
+        Ok(Pass {
+            state: State {
+                store: RefCell::new(store),
+                handles,
+                deferred: RefCell::new(None),
+                sums: RefCell::new(Vec::new()),
+                stage: Stage::Backward,
+                recompute: true,
+            },
+            _kind: PhantomData,
+        })
     }
 }
 
@@ -344,7 +422,7 @@ impl<K: PassKind> Guard<'_, K> {
         // the views go first: the store refuses a release while one is alive
         self.views.clear();
         match self.host.try_store() {
-            Some(mut store) => store.release(&self.ids, K::STAGE),
+            Some(mut store) => store.release(&self.ids, self.host.release_stage()),
             None => Err(Error::InvalidArgument(
                 "a guard dropped while its store was in use could not release".into(),
             )),

@@ -97,6 +97,30 @@ impl ZeroManager {
             .collect()
     }
 
+    /// Fetches tensors in the backward stage to recompute a forward op (activation
+    /// checkpointing): one more use on each side, so the fetch is never a tensor's last
+    /// backward use (see [`crate::chunk::ChunkManager`]'s recompute fetch).
+    pub(crate) fn fetch_recompute(&mut self, ids: &[TensorId]) -> Result<Vec<TensorView>> {
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: "a recompute fetch (it belongs to the backward pass)".into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        crate::chunk::check_distinct(ids)?;
+        self.check(ids, TrainEvent::BeforeBwdOp)?;
+        for &id in ids {
+            self.tensors[id.index()].fwd_uses += 1;
+        }
+        let r = self.fetch(ids, Stage::Backward);
+        if r.is_err() {
+            for &id in ids {
+                self.tensors[id.index()].fwd_uses -= 1;
+            }
+        }
+        r
+    }
+
     /// Ends an op's use of tensors; frees or reduce-scatters communication groups that are done
     /// with the stage.
     pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {

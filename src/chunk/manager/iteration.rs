@@ -117,6 +117,34 @@ impl ChunkManager {
         Ok(views)
     }
 
+    /// Fetches tensors in the backward stage to recompute a forward op (activation
+    /// checkpointing): a moment like any fetch, but the use counts once on each side (one more
+    /// forward use, one backward use), so it is never the tensor's last backward use and its
+    /// release takes it back to HOLD. A tensor whose gradient is already written cannot be
+    /// fetched again ([`Error::IllegalTransition`]).
+    pub(crate) fn fetch_recompute(&mut self, ids: &[TensorId]) -> Result<Vec<TensorView>> {
+        self.usable()?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: "a recompute fetch (it belongs to the backward pass)".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
+        }
+        check_distinct(ids)?;
+        self.check_transition(ids, ChunkKind::Param, TrainEvent::BeforeBwdOp)?;
+        for &id in ids {
+            self.tensors[id.index()].fwd_uses += 1;
+        }
+        let r = self.fetch(ids, Stage::Backward);
+        if r.is_err() {
+            for &id in ids {
+                let t = &mut self.tensors[id.index()];
+                t.fwd_uses -= 1;
+            }
+        }
+        r
+    }
+
     /// The scheduler's moves for the accesses of the moment just ticked; if it refuses, the
     /// moment did not happen and a warm-up in progress starts over.
     pub(super) fn fetch_moment(&mut self, accesses: &[Access]) -> Result<Vec<Move>> {

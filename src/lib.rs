@@ -50,6 +50,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod kernels;
+pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;

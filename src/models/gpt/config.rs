@@ -1,0 +1,135 @@
+//! The shape of a GPT-2 model: presets and checks.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// The shape of a GPT-2-style decoder: `layers` pre-LayerNorm blocks of `channels` channels and
+/// `heads` heads, a vocabulary of `vocab` tokens and `max_seq` positions.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptConfig {
+    /// `L`: transformer blocks.
+    pub layers: usize,
+    /// `C`: channels.
+    pub channels: usize,
+    /// `NH`: attention heads (`C` must divide by it).
+    pub heads: usize,
+    /// `V`: tokens.
+    pub vocab: usize,
+    /// `maxT`: positions (the longest sequence).
+    pub max_seq: usize,
+    /// LayerNorm's ε (GPT-2: 1e-5).
+    pub eps: f32,
+}
+
+impl GptConfig {
+    /// The presets: `gpt2-tiny` (4 blocks of 128 channels over bytes, 64 positions: the tests'
+    /// and the default run's model), `gpt2` = `124M` (12, 768, 12), `gpt2-medium` = `350M`
+    /// (24, 1024, 16), `gpt2-large` = `774M` (36, 1280, 20), `gpt2-xl` = `1.5B` (48, 1600,
+    /// 25); the released GPT-2s have 50,257 tokens and 1,024 positions.
+    pub fn preset(name: &str) -> Option<GptConfig> {
+        let (layers, channels, heads) = match name.to_ascii_lowercase().as_str() {
+            "gpt2-tiny" | "tiny" => {
+                return Some(GptConfig {
+                    layers: 4,
+                    channels: 128,
+                    heads: 4,
+                    vocab: 256,
+                    max_seq: 64,
+                    eps: 1e-5,
+                })
+            }
+            "gpt2" | "gpt2-small" | "124m" => (12, 768, 12),
+            "gpt2-medium" | "350m" => (24, 1024, 16),
+            "gpt2-large" | "774m" => (36, 1280, 20),
+            "gpt2-xl" | "1.5b" => (48, 1600, 25),
+            _ => return None,
+        };
+        Some(GptConfig {
+            layers,
+            channels,
+            heads,
+            vocab: 50257,
+            max_seq: 1024,
+            eps: 1e-5,
+        })
+    }
+
+    /// The preset names [`GptConfig::preset`] knows.
+    pub const PRESETS: &'static [&'static str] =
+        &["gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
+
+    /// Checks the shape: no zero dimension, heads dividing the channels, a vocabulary that
+    /// token ids (`i32`) can name, and element counts that fit in memory arithmetic.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |why: &str| Err(Error::InvalidArgument(format!("GPT shape {self:?}: {why}")));
+        if self.layers == 0
+            || self.channels == 0
+            || self.heads == 0
+            || self.vocab == 0
+            || self.max_seq == 0
+        {
+            return bad("a dimension is zero");
+        }
+        if self.channels % self.heads != 0 {
+            return bad("the channels do not divide by the heads");
+        }
+        if self.vocab > i32::MAX as usize {
+            return bad("token ids are i32");
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return bad("LayerNorm's eps must be positive and finite");
+        }
+        let c = self.channels as u128;
+        let total = (self.vocab as u128 + self.max_seq as u128) * c
+            + self.layers as u128 * (12 * c * c + 13 * c)
+            + 2 * c;
+        if total >= 1 << 40 {
+            return bad("more than 2^40 parameters");
+        }
+        Ok(())
+    }
+
+    /// Parameters: `(V + maxT)·C + L·(12C² + 13C) + 2C` (the LM head is tied to `wte`).
+    pub fn params(&self) -> u64 {
+        let c = self.channels as u64;
+        (self.vocab as u64 + self.max_seq as u64) * c
+            + self.layers as u64 * (12 * c * c + 13 * c)
+            + 2 * c
+    }
+
+    /// Training FLOPs per token at sequence length `seq` (llm.c's count: `6N + 6·L·C·T`).
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        6.0 * self.params() as f64 + 6.0 * (self.layers * self.channels * seq) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_gpt2_sizes() {
+        let small = GptConfig::preset("gpt2").unwrap();
+        assert_eq!(small.params(), 124_439_808);
+        assert_eq!(GptConfig::preset("124M").unwrap(), small);
+        let xl = GptConfig::preset("gpt2-xl").unwrap();
+        assert_eq!(xl.params(), 1_557_611_200);
+        for name in GptConfig::PRESETS {
+            GptConfig::preset(name).unwrap().validate().unwrap();
+        }
+        assert!(GptConfig::preset("gpt5").is_none());
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        let mut c = GptConfig::preset("gpt2-tiny").unwrap();
+        c.heads = 3;
+        assert!(c.validate().is_err());
+        c.heads = 0;
+        assert!(c.validate().is_err());
+        let mut c = GptConfig::preset("gpt2-tiny").unwrap();
+        c.eps = f32::NAN;
+        assert!(c.validate().is_err());
+    }
+}

@@ -1,0 +1,5 @@
+//! The GPT-2 family on the memory layer.
+
+mod config;
+
+pub use config::GptConfig;

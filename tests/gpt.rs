@@ -39,13 +39,19 @@ fn config() -> GptConfig {
 
 /// Every parameter random (biases and LayerNorms too, so every path carries a signal).
 fn init(name: &str, shape: &[usize]) -> Result<Init> {
-    let seed = name.bytes().fold(7u64, |h, b| h.wrapping_mul(31) ^ u64::from(b));
+    let seed = name
+        .bytes()
+        .fold(7u64, |h, b| h.wrapping_mul(31) ^ u64::from(b));
     let (lo, hi) = if name.contains("ln_") && name.ends_with("weight") {
         (0.5, 1.5)
     } else if name.ends_with("bias") {
         (-0.1, 0.1)
     } else {
-        let fan_in = if shape.len() == 2 && !name.starts_with("w") { shape[1] } else { 16 };
+        let fan_in = if shape.len() == 2 && !name.starts_with("w") {
+            shape[1]
+        } else {
+            16
+        };
         let b = 1.0 / (fan_in as f32).sqrt();
         (-b, b)
     };
@@ -55,7 +61,9 @@ fn init(name: &str, shape: &[usize]) -> Result<Init> {
 fn data(seed: u64) -> (Vec<i32>, Vec<i32>) {
     let mut s = seed;
     let mut next = || {
-        s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((s >> 33) % V as u64) as i32
     };
     let stream: Vec<i32> = (0..N + 1).map(|_| next()).collect();
@@ -141,7 +149,12 @@ fn ids(gpt: &Gpt) -> Vec<TensorId> {
 #[test]
 fn loss_and_every_gradient_match_an_f64_reference() {
     let (tokens, targets) = data(1);
-    let batch = GptBatch { tokens: &tokens, targets: &targets, batch: B, seq: T };
+    let batch = GptBatch {
+        tokens: &tokens,
+        targets: &targets,
+        batch: B,
+        seq: T,
+    };
     for dev in common::devices("gpt::reference") {
         for (d, tol) in CASES {
             for checkpoint in [false, true] {
@@ -151,7 +164,10 @@ fn loss_and_every_gradient_match_an_f64_reference() {
                 assert_eq!(ids.len(), 4 + 12 * L);
                 let p = read_all(&mut m, &ids);
                 let (want_loss, want) = gpt_ref(&p, &tokens, &targets);
-                let opts = RunOptions { checkpoint, loss_scale: 1.0 };
+                let opts = RunOptions {
+                    checkpoint,
+                    loss_scale: 1.0,
+                };
                 let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
                 let name = format!("{} {d} checkpoint={checkpoint}", dev.name());
                 let mut worst = close(&format!("{name}: loss"), &[loss], &[want_loss], tol);
@@ -182,20 +198,43 @@ fn ten_adamw_steps_match_the_reference_losses() {
         let mut worst = 0.0f64;
         for step in 1..=10u64 {
             let (tokens, targets) = data(step);
-            let batch = GptBatch { tokens: &tokens, targets: &targets, batch: B, seq: T };
-            let opts = RunOptions { checkpoint: step % 2 == 0, loss_scale: 1.0 };
+            let batch = GptBatch {
+                tokens: &tokens,
+                targets: &targets,
+                batch: B,
+                seq: T,
+            };
+            let opts = RunOptions {
+                checkpoint: step % 2 == 0,
+                loss_scale: 1.0,
+            };
             let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
             m.step(&mut adam).unwrap();
             let (want, grads) = gpt_ref(&p, &tokens, &targets);
             for k in 0..p.len() {
-                reference_step(&cfg, step, 1.0, &mut p[k], &mut mom[k], &mut var[k], &grads[k])
-                    .unwrap();
+                reference_step(
+                    &cfg,
+                    step,
+                    1.0,
+                    &mut p[k],
+                    &mut mom[k],
+                    &mut var[k],
+                    &grads[k],
+                )
+                .unwrap();
             }
             let err = (loss as f64 - want).abs() / want.abs();
-            assert!(err < 1e-6, "{}: step {step}: loss {loss} vs {want}", dev.name());
+            assert!(
+                err < 1e-6,
+                "{}: step {step}: loss {loss} vs {want}",
+                dev.name()
+            );
             worst = worst.max(err);
         }
-        eprintln!("{}: 10 AdamW steps, worst loss error {worst:.2e}", dev.name());
+        eprintln!(
+            "{}: 10 AdamW steps, worst loss error {worst:.2e}",
+            dev.name()
+        );
     }
 }
 
@@ -204,7 +243,10 @@ fn bad_batches_are_refused_before_anything_runs() {
     let mut m = manager(common::sim(64 << 20), DType::F32);
     let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
     let (tokens, targets) = data(3);
-    let opts = RunOptions { checkpoint: false, loss_scale: 1.0 };
+    let opts = RunOptions {
+        checkpoint: false,
+        loss_scale: 1.0,
+    };
     let mut bad = tokens.clone();
     bad[3] = V as i32;
     let cases: [(&[i32], &[i32], usize, usize); 4] = [
@@ -214,14 +256,27 @@ fn bad_batches_are_refused_before_anything_runs() {
         (&tokens, &[V as i32; N], B, T),
     ];
     for (tok, tgt, b, t) in cases {
-        let batch = GptBatch { tokens: tok, targets: tgt, batch: b, seq: t };
+        let batch = GptBatch {
+            tokens: tok,
+            targets: tgt,
+            batch: b,
+            seq: t,
+        };
         assert!(matches!(
             gpt.forward_backward(&mut m, &batch, opts),
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(m.stage(), None, "nothing ran");
     }
-    let nan = RunOptions { checkpoint: false, loss_scale: f32::NAN };
-    let batch = GptBatch { tokens: &tokens, targets: &targets, batch: B, seq: T };
+    let nan = RunOptions {
+        checkpoint: false,
+        loss_scale: f32::NAN,
+    };
+    let batch = GptBatch {
+        tokens: &tokens,
+        targets: &targets,
+        batch: B,
+        seq: T,
+    };
     assert!(gpt.forward_backward(&mut m, &batch, nan).is_err());
 }

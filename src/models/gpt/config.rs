@@ -155,7 +155,11 @@ mod tests {
         }
         assert!(GptConfig::preset("gpt5").is_none());
         let tiny = GptConfig::preset("gpt2-tiny").unwrap();
-        let n: usize = tiny.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        let n: usize = tiny
+            .param_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
         assert_eq!(n as u64, tiny.params());
     }
 

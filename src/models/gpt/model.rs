@@ -257,7 +257,9 @@ impl Gpt {
         let x = self.blocks_forward(fwd, x, b, Some((&mut kept, opts.checkpoint)))?;
         let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
         drop(x);
-        let (loss, head) = self.head.forward_scaled(fwd, &h, b.targets, opts.loss_scale)?;
+        let (loss, head) = self
+            .head
+            .forward_scaled(fwd, &h, b.targets, opts.loss_scale)?;
         drop(h);
         Ok((
             loss,

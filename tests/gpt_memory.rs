@@ -322,3 +322,53 @@ fn zero_over_1_2_4_ranks_equals_one_process() {
         eprintln!("ZeRO over {world} ranks: worst relative error of a tensor {worst:.2e}");
     }
 }
+
+/// The simulator, given the GPT's spec and the tide its warm-up recorded, predicts the
+/// manager's moves of a steady iteration exactly, with and without checkpointing.
+#[test]
+fn the_simulator_predicts_the_managers_moves() {
+    use tidemem::simulate::{simulate, SimOptions};
+    use tidemem::tensor::Stage;
+    for ckpt in [false, true] {
+        let (mut m, gpt) = manager(common::sim(256 << 20), Policy::Tide, 256 << 20);
+        let resident = train(&mut m, &gpt, &mut adam(1), 0, 2, ckpt);
+        let capacity = resident.peak + m.param_footprint() / 5;
+        for policy in [Policy::Tide, Policy::PatrickStar, Policy::Lru] {
+            let (mut m, gpt) = manager(common::sim(256 << 20), policy, capacity);
+            train(&mut m, &gpt, &mut adam(1), 0, 4, ckpt);
+            let got = m.last_iteration();
+            let mut spec = gpt.spec(ckpt);
+            let trace = m.trace().unwrap();
+            let tide: Vec<u64> = trace
+                .moments
+                .iter()
+                .filter(|x| x.stage != Stage::Optimizer)
+                .map(|x| x.non_model)
+                .collect();
+            let (f, b) = spec.moments();
+            assert_eq!(tide.len(), f + b, "the spec's moments are the manager's");
+            spec.set_tide(&tide).unwrap();
+            let mut opts = SimOptions::new(capacity, u64::MAX / 4);
+            opts.chunk_elems = Some(CHUNK);
+            opts.scheduler = *m.scheduler().unwrap().config();
+            opts.iterations = 3;
+            let sim = simulate(&spec, policy, &opts).unwrap();
+            let what = format!("{}, checkpoint={ckpt}", policy.name());
+            assert!(got.h2d_bytes > 0, "{what}: chunks move");
+            assert_eq!(
+                (got.h2d_bytes, got.d2h_bytes, got.loads, got.write_backs),
+                (
+                    sim.steady.h2d_bytes,
+                    sim.steady.d2h_bytes,
+                    sim.steady.loads,
+                    sim.steady.write_backs
+                ),
+                "{what}"
+            );
+            eprintln!(
+                "{what}: simulated = measured, h2d {} B, d2h {} B",
+                got.h2d_bytes, got.d2h_bytes
+            );
+        }
+    }
+}

@@ -5,6 +5,7 @@
 
 mod config;
 mod model;
+mod spec;
 mod train;
 
 pub use config::GptConfig;

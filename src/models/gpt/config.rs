@@ -71,7 +71,7 @@ impl GptConfig {
         {
             return bad("a dimension is zero");
         }
-        if self.channels % self.heads != 0 {
+        if !self.channels.is_multiple_of(self.heads) {
             return bad("the channels do not divide by the heads");
         }
         if self.vocab > i32::MAX as usize {
@@ -155,7 +155,11 @@ mod tests {
         }
         assert!(GptConfig::preset("gpt5").is_none());
         let tiny = GptConfig::preset("gpt2-tiny").unwrap();
-        let n: usize = tiny.param_shapes().iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        let n: usize = tiny
+            .param_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
         assert_eq!(n as u64, tiny.params());
     }
 

@@ -71,7 +71,7 @@ impl GptConfig {
         {
             return bad("a dimension is zero");
         }
-        if self.channels % self.heads != 0 {
+        if !self.channels.is_multiple_of(self.heads) {
             return bad("the channels do not divide by the heads");
         }
         if self.vocab > i32::MAX as usize {

@@ -180,6 +180,31 @@ impl Gpt {
         })
     }
 
+    /// Registers the model with the values of an imported Hugging Face checkpoint
+    /// ([`read_hf`](super::read_hf)): its shape and every parameter.
+    pub fn register_hf(store: &mut impl ParamStore, weights: &super::HfWeights) -> Result<Gpt> {
+        Gpt::register_with(store, weights.config(), |name, _| {
+            weights.init(name).ok_or_else(|| {
+                Error::InvalidArgument(format!("the imported weights have no '{name}'"))
+            })
+        })
+    }
+
+    /// Writes the model's fp32 master weights as a Hugging Face GPT-2 `safetensors` file
+    /// ([`write_hf`](super::write_hf)), between iterations.
+    pub fn save_hf(
+        &self,
+        m: &mut crate::chunk::ChunkManager,
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        super::write_hf(path, &self.config, |name| {
+            let id = self
+                .param(name)
+                .ok_or_else(|| Error::InvalidArgument(format!("the model has no '{name}'")))?;
+            m.master(id)
+        })
+    }
+
     /// Every parameter's name and id, in registration order.
     pub fn named_params(&self) -> &[(String, TensorId)] {
         &self.params

@@ -380,7 +380,10 @@ fn the_simulator_predicts_the_managers_moves() {
 fn hugging_face_export_import_round_trip() {
     use tidemem::models::gpt::read_hf;
     let dir = tempfile::tempdir().unwrap();
-    let (a, b) = (dir.path().join("a.safetensors"), dir.path().join("b.safetensors"));
+    let (a, b) = (
+        dir.path().join("a.safetensors"),
+        dir.path().join("b.safetensors"),
+    );
     let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
     cfg.param_dtype = DType::F32;
     let mut m = ChunkManager::new(common::sim(256 << 20), cfg.clone()).unwrap();
@@ -388,7 +391,12 @@ fn hugging_face_export_import_round_trip() {
     let mut opt = adam(1);
     for k in 0..3 {
         let (t, g) = batch(k, 0, B);
-        let b = GptBatch { tokens: &t, targets: &g, batch: B, seq: T };
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: B,
+            seq: T,
+        };
         train_step(&gpt, &mut m, &mut opt, &[b], false).unwrap();
     }
     gpt.save_hf(&mut m, &a).unwrap();
@@ -396,12 +404,21 @@ fn hugging_face_export_import_round_trip() {
     let mut m2 = ChunkManager::new(common::sim(256 << 20), cfg).unwrap();
     let gpt2 = Gpt::register_hf(&mut m2, &w).unwrap();
     for ((n, id), (_, id2)) in gpt.named_params().iter().zip(gpt2.named_params()) {
-        assert_eq!(bits(&m.master(*id).unwrap()), bits(&m2.read(*id2).unwrap()), "{n}");
+        assert_eq!(
+            bits(&m.master(*id).unwrap()),
+            bits(&m2.read(*id2).unwrap()),
+            "{n}"
+        );
     }
     gpt2.save_hf(&mut m2, &b).unwrap();
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
     let (t, g) = batch(9, 0, B);
-    let bt = GptBatch { tokens: &t, targets: &g, batch: B, seq: T };
+    let bt = GptBatch {
+        tokens: &t,
+        targets: &g,
+        batch: B,
+        seq: T,
+    };
     let l1 = gpt.loss(&mut m, &bt).unwrap();
     let l2 = gpt2.loss(&mut m2, &bt).unwrap();
     assert_eq!(l1.to_bits(), l2.to_bits());

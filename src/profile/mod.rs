@@ -41,7 +41,9 @@
 
 mod canvas;
 mod chrome;
+mod peak;
 mod svg;
 
 pub use chrome::{ChromeTrace, Track};
+pub use peak::{fma_isa, fma_peak};
 pub use svg::{tide_svg, write_tide_svg, TidePoint};

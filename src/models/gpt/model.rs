@@ -313,7 +313,7 @@ impl Gpt {
                     drop(saved);
                     kept.push(Kept::Input(x));
                 }
-                Some((kept, false)) => kept.push(Kept::Saved(saved)),
+                Some((kept, false)) => kept.push(Kept::Saved(Box::new(saved))),
                 None => {}
             }
             x = out;
@@ -343,7 +343,7 @@ impl Gpt {
                 .pop()
                 .ok_or_else(|| Error::InvalidArgument("a block's saved tensors are gone".into()))?;
             let saved = match kept {
-                Kept::Saved(s) => s,
+                Kept::Saved(s) => *s,
                 Kept::Input(x) => {
                     let re = bwd.recompute()?;
                     let (out, s) = block.forward(&re, &x, b.batch, b.seq)?;
@@ -360,7 +360,7 @@ impl Gpt {
 
 /// What one block keeps for its backward.
 enum Kept {
-    Saved(BlockSaved),
+    Saved(Box<BlockSaved>),
     Input(Act),
 }
 

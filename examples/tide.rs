@@ -156,17 +156,10 @@ fn run() -> tidemem::Result<()> {
             );
         }
         m.synchronize()?;
-        write_trace(&m, &a.out.join(format!("tide-{}.json", policy.name())))?;
+        m.chrome_trace()
+            .write(a.out.join(format!("tide-{}.json", policy.name())))?;
         if !svg_done && policy == Policy::Tide {
-            let points: Vec<TidePoint> = m
-                .tide_samples()
-                .iter()
-                .map(|s| TidePoint {
-                    non_model: s.non_model,
-                    chunks: s.chunks,
-                    budget: s.budget,
-                })
-                .collect();
+            let points = m.tide_points();
             write_tide_svg(
                 a.out.join("tide.svg"),
                 &format!(
@@ -236,50 +229,4 @@ fn run() -> tidemem::Result<()> {
         a.out.display()
     );
     Ok(())
-}
-
-fn write_trace(m: &ChunkManager, path: &std::path::Path) -> tidemem::Result<()> {
-    let mut t = ChromeTrace::new();
-    let (moments, fetches, copies, evictions) = (Track(1), Track(2), Track(3), Track(4));
-    t.name_track(moments, "moments");
-    t.name_track(fetches, "fetch / optimizer");
-    t.name_track(copies, "copies (enqueue)");
-    t.name_track(evictions, "evictions");
-    for e in m.log() {
-        let args = json!({ "n": e.n, "bytes": e.bytes, "device_chunks": e.device_chunks, "budget": e.budget });
-        let name = e.what.name();
-        match e.what {
-            LogKind::Moment => {
-                t.instant(&format!("moment {}", e.n), "moment", moments, e.t_us, args);
-                t.counter(
-                    "device chunk bytes",
-                    e.t_us,
-                    &[
-                        ("chunks", e.device_chunks as f64),
-                        ("budget", e.budget as f64),
-                    ],
-                );
-            }
-            LogKind::Fetch | LogKind::Optimizer => {
-                t.complete(name, "fetch", fetches, e.t_us, e.dur_us, args)
-            }
-            LogKind::Load | LogKind::Prefetch | LogKind::WriteBack => t.complete(
-                &format!("{name} chunk {}", e.n),
-                "copy",
-                copies,
-                e.t_us,
-                e.dur_us,
-                args,
-            ),
-            LogKind::Drop | LogKind::FreeHost => t.instant(
-                &format!("{name} chunk {}", e.n),
-                "evict",
-                evictions,
-                e.t_us,
-                args,
-            ),
-            LogKind::Materialize => t.instant(name, "other", evictions, e.t_us, args),
-        }
-    }
-    t.write(path)
 }

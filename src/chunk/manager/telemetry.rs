@@ -2,8 +2,10 @@
 //! bytes on every tier.
 
 use serde::Serialize;
+use serde_json::json;
 
 use super::{ChunkManager, HostSlot};
+use crate::profile::{ChromeTrace, TidePoint, Track};
 use crate::tide::{MoveStats, Scheduler, Trace};
 
 /// Chunk bytes per kind (index [`ChunkKind::index`](crate::tensor::ChunkKind::index)) on each
@@ -237,6 +239,70 @@ impl ChunkManager {
             }
         }
         u
+    }
+}
+
+impl ChunkManager {
+    /// The log ([`ChunkManager::enable_log`]) as a Chrome trace (open it in Perfetto): moments,
+    /// fetches and optimizer visits, copies, evictions, and the device's chunk bytes against
+    /// the budget as a counter.
+    pub fn chrome_trace(&self) -> ChromeTrace {
+        let mut t = ChromeTrace::new();
+        let (moments, fetches, copies, evictions) = (Track(1), Track(2), Track(3), Track(4));
+        t.name_track(moments, "moments");
+        t.name_track(fetches, "fetch / optimizer");
+        t.name_track(copies, "copies (enqueue)");
+        t.name_track(evictions, "evictions");
+        for e in self.log() {
+            let args = json!({ "n": e.n, "bytes": e.bytes, "device_chunks": e.device_chunks, "budget": e.budget });
+            let name = e.what.name();
+            match e.what {
+                LogKind::Moment => {
+                    t.instant(&format!("moment {}", e.n), "moment", moments, e.t_us, args);
+                    t.counter(
+                        "device chunk bytes",
+                        e.t_us,
+                        &[
+                            ("chunks", e.device_chunks as f64),
+                            ("budget", e.budget as f64),
+                        ],
+                    );
+                }
+                LogKind::Fetch | LogKind::Optimizer => {
+                    t.complete(name, "fetch", fetches, e.t_us, e.dur_us, args)
+                }
+                LogKind::Load | LogKind::Prefetch | LogKind::WriteBack => t.complete(
+                    &format!("{name} chunk {}", e.n),
+                    "copy",
+                    copies,
+                    e.t_us,
+                    e.dur_us,
+                    args,
+                ),
+                LogKind::Drop | LogKind::FreeHost => t.instant(
+                    &format!("{name} chunk {}", e.n),
+                    "evict",
+                    evictions,
+                    e.t_us,
+                    args,
+                ),
+                LogKind::Materialize => t.instant(name, "other", evictions, e.t_us, args),
+            }
+        }
+        t
+    }
+
+    /// Device memory at every moment of the last complete iteration, as the tide plot draws
+    /// it ([`crate::profile::write_tide_svg`]).
+    pub fn tide_points(&self) -> Vec<TidePoint> {
+        self.tide_samples()
+            .iter()
+            .map(|s| TidePoint {
+                non_model: s.non_model,
+                chunks: s.chunks,
+                budget: s.budget,
+            })
+            .collect()
     }
 }
 

@@ -15,11 +15,10 @@ use std::path::PathBuf;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
-use serde_json::json;
-use tidemem::chunk::{ChunkManager, LogKind, ManagerConfig, Usage};
+use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
 use tidemem::demo::ToyMlp;
 use tidemem::device::{Device, LinkModel, SimConfig};
-use tidemem::profile::{write_tide_svg, ChromeTrace, TidePoint, Track};
+use tidemem::profile::write_tide_svg;
 use tidemem::tensor::TensorId;
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::units::{fmt_bytes, parse_bytes};

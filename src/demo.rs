@@ -189,6 +189,7 @@ impl ToyMlp {
             name: format!("toy-mlp-{}x{}", self.layers, self.width),
             tensors,
             ops,
+            backward: None,
         }
     }
 

@@ -44,6 +44,18 @@ pub struct OpSpec {
     pub bwd_non_model: u64,
 }
 
+/// One moment of an explicit backward pass ([`ModelSpec::backward`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct BackwardOp {
+    /// The forward op whose tensors it fetches (an index into [`ModelSpec::ops`]).
+    pub op: usize,
+    /// A recomputation of the op's forward (activation checkpointing): one more use of its
+    /// tensors on each side, never a gradient write.
+    pub recompute: bool,
+    /// Non-model device bytes at this moment.
+    pub non_model: u64,
+}
+
 /// A model as the memory manager sees it.
 #[derive(Clone, Debug, Serialize)]
 pub struct ModelSpec {
@@ -51,8 +63,13 @@ pub struct ModelSpec {
     pub name: String,
     /// Parameter tensors: name and element count, in registration order.
     pub tensors: Vec<(String, usize)>,
-    /// Forward ops in order; backward is the reverse.
+    /// Forward ops in order; backward is the reverse unless [`ModelSpec::backward`] says
+    /// otherwise.
     pub ops: Vec<OpSpec>,
+    /// The backward pass moment by moment, when it is not the forward ops reversed (e.g. with
+    /// recomputed segments); `None`: the reverse, at each op's `bwd_non_model`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backward: Option<Vec<BackwardOp>>,
 }
 
 impl ModelSpec {
@@ -79,6 +96,42 @@ impl ModelSpec {
         u
     }
 
+    /// Forward moments (one per op) and backward moments of one iteration.
+    pub fn moments(&self) -> (usize, usize) {
+        let bwd = self.backward.as_ref().map_or(self.ops.len(), Vec::len);
+        (self.ops.len(), bwd)
+    }
+
+    /// Sets the non-model bytes of every forward and backward moment, in the order they run
+    /// (e.g. the tide a manager recorded in its warm-up iteration, so that the simulator
+    /// replays a model whose activations are not modelled byte for byte).
+    pub fn set_tide(&mut self, non_model: &[u64]) -> Result<()> {
+        let (f, b) = self.moments();
+        if non_model.len() != f + b {
+            return Err(Error::InvalidArgument(format!(
+                "{} non-model values for the {f} forward and {b} backward moments of '{}'",
+                non_model.len(),
+                self.name
+            )));
+        }
+        for (op, &nm) in self.ops.iter_mut().zip(non_model) {
+            op.fwd_non_model = nm;
+        }
+        match self.backward.as_mut() {
+            Some(bwd) => {
+                for (x, &nm) in bwd.iter_mut().zip(&non_model[f..]) {
+                    x.non_model = nm;
+                }
+            }
+            None => {
+                for (op, &nm) in self.ops.iter_mut().rev().zip(&non_model[f..]) {
+                    op.bwd_non_model = nm;
+                }
+            }
+        }
+        Ok(())
+    }
+
     fn validate(&self) -> Result<()> {
         if self.tensors.is_empty() {
             return Err(Error::InvalidArgument(format!(
@@ -93,6 +146,18 @@ impl ModelSpec {
                     op.name
                 )));
             }
+        }
+        if let Some(b) = self
+            .backward
+            .as_ref()
+            .and_then(|b| b.iter().find(|b| b.op >= self.ops.len()))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "a backward moment of '{}' names op {} of {}",
+                self.name,
+                b.op,
+                self.ops.len()
+            )));
         }
         Ok(())
     }
@@ -277,6 +342,7 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
         name: c.name.clone(),
         tensors,
         ops,
+        backward: None,
     })
 }
 
@@ -304,11 +370,22 @@ pub(crate) fn iteration_accesses(
         }
         out.push((Stage::Forward, acc, op.fwd_non_model));
     }
-    for op in spec.ops.iter().rev() {
+    let reversed: Vec<BackwardOp> = (0..spec.ops.len())
+        .rev()
+        .map(|op| BackwardOp {
+            op,
+            recompute: false,
+            non_model: spec.ops[op].bwd_non_model,
+        })
+        .collect();
+    for b in spec.backward.as_deref().unwrap_or(&reversed) {
         let mut acc: Vec<Access> = Vec::new();
-        for &t in &op.tensors {
-            left[t] -= 1;
-            let last = left[t] == 0;
+        for &t in &spec.ops[b.op].tensors {
+            // a recompute adds a use on each side: never the last
+            if !b.recompute {
+                left[t] = left[t].saturating_sub(1);
+            }
+            let last = !b.recompute && left[t] == 0;
             push_access(
                 &mut acc,
                 ChunkPlan::chunk_no(group_of(t), ChunkKind::Param),
@@ -316,7 +393,7 @@ pub(crate) fn iteration_accesses(
                 last,
             );
         }
-        out.push((Stage::Backward, acc, op.bwd_non_model));
+        out.push((Stage::Backward, acc, b.non_model));
     }
     for g in 0..layout.groups() as u32 {
         out.push((Stage::Optimizer, optimizer_accesses(g), 0));

@@ -94,6 +94,24 @@ impl LmHead {
         h: &Act,
         targets: &[i32],
     ) -> Result<(f32, LmSaved)> {
+        self.forward_scaled(pass, h, targets, 1.0)
+    }
+
+    /// [`LmHead::forward`] with the gradient kept for the backward scaled by `scale` (a loss
+    /// scale for f16 training, or `1 / micro-batches`); the loss returned is not scaled. The
+    /// scale must be positive and finite.
+    pub fn forward_scaled(
+        &self,
+        pass: &ForwardPass<'_>,
+        h: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, LmSaved)> {
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "a loss scale of {scale} (it must be positive and finite)"
+            )));
+        }
         let (d, v) = (pass.param_dtype(), self.vocab());
         h.expect("h", Some(targets.len()), self.proj.inputs, d)?;
         check_targets(targets, v, self.ignore_index)?;
@@ -107,7 +125,7 @@ impl LmHead {
             vocab: v,
             padded_vocab: v,
             ignore_index: self.ignore_index,
-            grad_scale: 1.0 / counted.max(1) as f32,
+            grad_scale: scale / counted.max(1) as f32,
         };
         let lv = losses.view(0, n * 4)?;
         cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;

@@ -151,6 +151,12 @@ pub trait ParamStore: Send + sealed::Core {
     /// statistics first).
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport>;
 
+    /// Ends the iteration whose backward pass just ended without an optimizer step (an
+    /// evaluation forward, or a step the trainer drops): the parameters stay as they were.
+    /// Fails with [`Error::WrongStage`](crate::Error::WrongStage) before the backward pass
+    /// ended.
+    fn skip_step(&mut self) -> Result<()>;
+
     /// A tensor's parameter slot as f32 on the host (its gradient after its last backward
     /// use).
     fn read(&mut self, id: TensorId) -> Result<Vec<f32>>;
@@ -274,6 +280,15 @@ impl ParamStore for ChunkManager {
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         ChunkManager::step(self, adam)
     }
+    fn skip_step(&mut self) -> Result<()> {
+        if self.stage() != Some(Stage::Optimizer) {
+            return Err(crate::Error::WrongStage {
+                call: "skip_step (it runs after end_backward)".into(),
+                stage: self.stage().map_or("idle", Stage::name),
+            });
+        }
+        ChunkManager::skip_step(self)
+    }
     fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
         ChunkManager::read(self, id)
     }
@@ -345,6 +360,9 @@ impl ParamStore for ZeroManager {
     }
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         ZeroManager::step(self, adam)
+    }
+    fn skip_step(&mut self) -> Result<()> {
+        ZeroManager::skip_step(self)
     }
     fn read(&mut self, id: TensorId) -> Result<Vec<f32>> {
         ZeroManager::read(self, id)

@@ -40,6 +40,28 @@ impl ZeroManager {
         self.stats.scattered_bytes += (n * slot) as u64;
         Ok(())
     }
+    /// Ends an iteration after its backward pass without an optimizer step (an evaluation
+    /// forward, or a step the trainer drops): the gradients written are discarded, the
+    /// parameters stay as they were, and a warm-up iteration is run again. Every rank must
+    /// do the same.
+    pub fn skip_step(&mut self) -> Result<()> {
+        if self.stage != Some(Stage::Optimizer) {
+            return Err(Error::WrongStage {
+                call: "ZeroManager::skip_step (it runs after end_backward)".into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        self.local.skip_step()?;
+        for t in &mut self.tensors {
+            t.state = next_state(t.state, TrainEvent::EndStep).unwrap_or(t.state);
+            t.fwd_uses = 0;
+            t.bwd_uses = 0;
+            t.grad = false;
+        }
+        self.stage = None;
+        Ok(())
+    }
+
     /// The optimizer step on this rank's chunks, with gradient statistics all-reduced so that
     /// every rank clips by the global norm and skips an overflow together; ends the iteration.
     /// A step that fails on a collective (a peer failed or timed out) leaves the group of no

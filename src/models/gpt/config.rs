@@ -71,7 +71,7 @@ impl GptConfig {
         {
             return bad("a dimension is zero");
         }
-        if self.channels % self.heads != 0 {
+        if !self.channels.is_multiple_of(self.heads) {
             return bad("the channels do not divide by the heads");
         }
         if self.vocab > i32::MAX as usize {
@@ -98,6 +98,41 @@ impl GptConfig {
             + 2 * c
     }
 
+    /// Every parameter's name and shape in registration order, as the crate holds them
+    /// (linear weights `[outputs, inputs]`): `wte.weight` `[V, C]`, `wpe.weight` `[maxT, C]`,
+    /// then per block `h.{i}.ln_1.{weight,bias}`, `h.{i}.attn.c_attn.{weight [3C, C], bias}`,
+    /// `h.{i}.attn.c_proj.{weight [C, C], bias}`, `h.{i}.ln_2.*`,
+    /// `h.{i}.mlp.c_fc.{weight [4C, C], bias}`, `h.{i}.mlp.c_proj.{weight [C, 4C], bias}`, and
+    /// `ln_f.{weight,bias}`: Hugging Face GPT-2's names, whose `Conv1D` weights are stored
+    /// transposed (`[inputs, outputs]`).
+    pub fn param_shapes(&self) -> Vec<(String, Vec<usize>)> {
+        let c = self.channels;
+        let mut v = vec![
+            ("wte.weight".to_string(), vec![self.vocab, c]),
+            ("wpe.weight".to_string(), vec![self.max_seq, c]),
+        ];
+        for i in 0..self.layers {
+            let p = |s: &str| format!("h.{i}.{s}");
+            v.extend([
+                (p("ln_1.weight"), vec![c]),
+                (p("ln_1.bias"), vec![c]),
+                (p("attn.c_attn.weight"), vec![3 * c, c]),
+                (p("attn.c_attn.bias"), vec![3 * c]),
+                (p("attn.c_proj.weight"), vec![c, c]),
+                (p("attn.c_proj.bias"), vec![c]),
+                (p("ln_2.weight"), vec![c]),
+                (p("ln_2.bias"), vec![c]),
+                (p("mlp.c_fc.weight"), vec![4 * c, c]),
+                (p("mlp.c_fc.bias"), vec![4 * c]),
+                (p("mlp.c_proj.weight"), vec![c, 4 * c]),
+                (p("mlp.c_proj.bias"), vec![c]),
+            ]);
+        }
+        v.push(("ln_f.weight".to_string(), vec![c]));
+        v.push(("ln_f.bias".to_string(), vec![c]));
+        v
+    }
+
     /// Training FLOPs per token at sequence length `seq` (llm.c's count: `6N + 6·L·C·T`).
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         6.0 * self.params() as f64 + 6.0 * (self.layers * self.channels * seq) as f64
@@ -119,6 +154,13 @@ mod tests {
             GptConfig::preset(name).unwrap().validate().unwrap();
         }
         assert!(GptConfig::preset("gpt5").is_none());
+        let tiny = GptConfig::preset("gpt2-tiny").unwrap();
+        let n: usize = tiny
+            .param_shapes()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(n as u64, tiny.params());
     }
 
     #[test]

@@ -1,0 +1,398 @@
+//! The GPT-2 model over a store: registration, one training iteration's forward and backward
+//! (with or without activation checkpointing), and an evaluation forward.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+
+use super::GptConfig;
+use crate::error::{Error, Result};
+use crate::nn::{Act, Block, BlockSaved, Embedding, LayerNorm, LmHead};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
+
+/// GPT-2's σ = 0.02, as the bound of a uniform of that deviation.
+const INIT_BOUND: f32 = 0.034_641_016;
+
+/// Targets equal to it count for nothing (PyTorch's default).
+pub const IGNORE_INDEX: i32 = -100;
+
+/// A GPT-2 model whose parameters live in a store: the token and position [`Embedding`],
+/// `L` pre-LayerNorm [`Block`]s, the final LayerNorm and the [`LmHead`] tied to `wte` (one
+/// parameter with two uses: the store sums their gradient shares).
+///
+/// # Example
+///
+/// Two iterations of `gpt2-tiny` shrunk to 2 blocks, each block checkpointed:
+///
+/// ```
+/// use tidemem::models::gpt::{Gpt, GptConfig, GptBatch, RunOptions};
+/// use tidemem::prelude::*;
+///
+/// # fn main() -> tidemem::Result<()> {
+/// let mut cfg = GptConfig::preset("gpt2-tiny").unwrap();
+/// cfg.layers = 2;
+/// let dev = Device::sim(SimConfig::with_capacity(64 << 20))?;
+/// let mut m = ChunkManager::new(dev, ManagerConfig::new(1 << 16, Policy::Tide))?;
+/// let gpt = Gpt::register(&mut m, &cfg, 0)?;
+/// let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adamw(1e-3, 0.0)))?;
+/// let tokens: Vec<i32> = (0..32).map(|i| i % 7).collect();
+/// let targets: Vec<i32> = (1..33).map(|i| i % 7).collect();
+/// let batch = GptBatch { tokens: &tokens, targets: &targets, batch: 2, seq: 16 };
+/// let opts = RunOptions { checkpoint: true, loss_scale: 1.0 };
+/// let first = gpt.forward_backward(&mut m, &batch, opts)?;
+/// m.step(&mut adam)?;
+/// let second = gpt.forward_backward(&mut m, &batch, opts)?;
+/// m.step(&mut adam)?;
+/// assert!(second < first);
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gpt {
+    /// The shape.
+    pub config: GptConfig,
+    /// `wte` and `wpe`.
+    pub embedding: Embedding,
+    /// The transformer blocks `h.0 … h.{L-1}`.
+    pub blocks: Vec<Block>,
+    /// `ln_f`.
+    pub ln_f: LayerNorm,
+    /// The LM head over `wte`.
+    pub head: LmHead,
+    params: Vec<(String, TensorId)>,
+}
+
+/// One micro-batch: `batch` rows of `seq` tokens (row-major) and their next-token targets
+/// (targets equal to [`IGNORE_INDEX`] count for nothing).
+#[derive(Clone, Copy, Debug)]
+pub struct GptBatch<'a> {
+    /// Input tokens `[batch·seq]`.
+    pub tokens: &'a [i32],
+    /// Targets `[batch·seq]`.
+    pub targets: &'a [i32],
+    /// Rows.
+    pub batch: usize,
+    /// Tokens per row (at most the model's positions).
+    pub seq: usize,
+}
+
+/// How [`Gpt::forward_backward`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct RunOptions {
+    /// Keep only each block's input through the forward pass and recompute the block in the
+    /// backward pass (activation checkpointing): the activations held shrink from `L` blocks'
+    /// to one block's plus `L` inputs, for one more forward of each block. The parameters
+    /// come out bitwise the same either way.
+    pub checkpoint: bool,
+    /// The loss gradient's scale (the optimizer's loss scale; 1 without one).
+    pub loss_scale: f32,
+}
+
+impl RunOptions {
+    /// Checkpointing on for models of 12 or more blocks (GPT-2 124M and up), loss scale 1.
+    pub fn for_config(cfg: &GptConfig) -> RunOptions {
+        RunOptions {
+            checkpoint: cfg.layers >= 12,
+            loss_scale: 1.0,
+        }
+    }
+}
+
+impl Gpt {
+    /// Registers the model's parameters in `store` (names and order of
+    /// [`GptConfig::param_shapes`]) with GPT-2's initialisation drawn from `seed`: weights of
+    /// σ 0.02 (uniform), the residual projections' (`c_proj`) scaled by `1/√(2L)`, biases zero,
+    /// LayerNorms γ 1, β 0.
+    pub fn register(store: &mut impl ParamStore, cfg: &GptConfig, seed: u64) -> Result<Gpt> {
+        Gpt::register_with(store, cfg, |name, _| Ok(default_init(cfg, name, seed)))
+    }
+
+    /// Registers the model with each parameter's initial values from `init(name, shape)`
+    /// (shapes as the crate holds them, linear weights `[outputs, inputs]`), e.g. from an
+    /// imported checkpoint. An error from `init` stops the registration.
+    pub fn register_with(
+        store: &mut impl ParamStore,
+        cfg: &GptConfig,
+        mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
+    ) -> Result<Gpt> {
+        cfg.validate()?;
+        // every initialiser first, so that a failing one registers nothing
+        let shapes = cfg.param_shapes();
+        let inits = shapes
+            .iter()
+            .map(|(n, s)| init(n, s))
+            .collect::<Result<Vec<_>>>()?;
+        let mut params = Vec::with_capacity(shapes.len());
+        let mut ids = BTreeMap::new();
+        for ((name, shape), init) in shapes.into_iter().zip(inits) {
+            let id = store.register(&name, &shape, init)?;
+            ids.insert(name.clone(), id);
+            params.push((name, id));
+        }
+        let id = |n: &str| ids[n];
+        let (c, eps) = (cfg.channels, cfg.eps);
+        let ln = |p: &str| LayerNorm {
+            gamma: id(&format!("{p}.weight")),
+            beta: id(&format!("{p}.bias")),
+            cols: c,
+            eps,
+        };
+        let linear = |p: &str| {
+            crate::nn::Linear::from_ids(
+                &*store,
+                id(&format!("{p}.weight")),
+                Some(id(&format!("{p}.bias"))),
+                crate::nn::WeightUse::Once,
+            )
+        };
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let p = format!("h.{i}");
+            blocks.push(Block {
+                ln_1: ln(&format!("{p}.ln_1")),
+                attn: crate::nn::CausalSelfAttention {
+                    c_attn: linear(&format!("{p}.attn.c_attn"))?,
+                    c_proj: linear(&format!("{p}.attn.c_proj"))?,
+                    heads: cfg.heads,
+                },
+                ln_2: ln(&format!("{p}.ln_2")),
+                mlp: crate::nn::Mlp {
+                    c_fc: linear(&format!("{p}.mlp.c_fc"))?,
+                    c_proj: linear(&format!("{p}.mlp.c_proj"))?,
+                },
+            });
+        }
+        let embedding = Embedding {
+            wte: id("wte.weight"),
+            wpe: id("wpe.weight"),
+            vocab: cfg.vocab,
+            max_seq: cfg.max_seq,
+            channels: c,
+        };
+        let head = LmHead::tied(&*store, embedding.wte, IGNORE_INDEX)?;
+        Ok(Gpt {
+            config: cfg.clone(),
+            embedding,
+            blocks,
+            ln_f: ln("ln_f"),
+            head,
+            params,
+        })
+    }
+
+    /// Registers the model with the values of an imported Hugging Face checkpoint
+    /// ([`read_hf`](super::read_hf)): its shape and every parameter.
+    pub fn register_hf(store: &mut impl ParamStore, weights: &super::HfWeights) -> Result<Gpt> {
+        Gpt::register_with(store, weights.config(), |name, _| {
+            weights.init(name).ok_or_else(|| {
+                Error::InvalidArgument(format!("the imported weights have no '{name}'"))
+            })
+        })
+    }
+
+    /// Writes the model's fp32 master weights as a Hugging Face GPT-2 `safetensors` file
+    /// ([`write_hf`](super::write_hf)), between iterations.
+    pub fn save_hf(
+        &self,
+        m: &mut crate::chunk::ChunkManager,
+        path: impl AsRef<std::path::Path>,
+    ) -> Result<()> {
+        super::write_hf(path, &self.config, |name| {
+            let id = self
+                .param(name)
+                .ok_or_else(|| Error::InvalidArgument(format!("the model has no '{name}'")))?;
+            m.master(id)
+        })
+    }
+
+    /// Every parameter's name and id, in registration order.
+    pub fn named_params(&self) -> &[(String, TensorId)] {
+        &self.params
+    }
+
+    /// The id of the parameter named `name` (e.g. `h.0.attn.c_attn.weight`).
+    pub fn param(&self, name: &str) -> Option<TensorId> {
+        self.params.iter().find(|(n, _)| n == name).map(|p| p.1)
+    }
+
+    fn check(&self, b: &GptBatch<'_>) -> Result<()> {
+        let n = b.batch.checked_mul(b.seq).filter(|&n| n > 0);
+        if n != Some(b.tokens.len()) || b.targets.len() != b.tokens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} × {} with {} tokens and {} targets",
+                b.batch,
+                b.seq,
+                b.tokens.len(),
+                b.targets.len()
+            )));
+        }
+        if b.seq > self.config.max_seq {
+            return Err(Error::InvalidArgument(format!(
+                "sequences of {} tokens; the model has {} positions",
+                b.seq, self.config.max_seq
+            )));
+        }
+        crate::ops::check_targets(b.targets, self.config.vocab, IGNORE_INDEX)
+    }
+
+    /// One iteration's forward and backward on `b`: every parameter's gradient (of the mean
+    /// loss times `opts.loss_scale`) written into its slot, the loss (unscaled) returned. The
+    /// store is then in its optimizer stage: run [`ParamStore::step`]. Shapes, tokens and
+    /// targets are checked before anything runs.
+    pub fn forward_backward<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<f32> {
+        self.check(b)?;
+        let fwd = store.forward()?;
+        let (loss, saved) = self.forward(&fwd, b, opts)?;
+        fwd.finish()?;
+        let mut bwd = store.backward()?;
+        self.backward(&mut bwd, b, saved, opts)?;
+        bwd.finish()?;
+        Ok(loss)
+    }
+
+    /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
+    /// the iteration ended without a step ([`ParamStore::skip_step`]).
+    pub fn loss<S: ParamStore + ?Sized>(&self, store: &mut S, b: &GptBatch<'_>) -> Result<f32> {
+        self.check(b)?;
+        let fwd = store.forward()?;
+        let (x, _) = self.embedding.forward(&fwd, b.tokens, b.batch, b.seq)?;
+        let x = self.blocks_forward(&fwd, x, b, None)?;
+        let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
+        drop(x);
+        let (loss, _) = self.head.forward(&fwd, &h, b.targets)?;
+        fwd.finish()?;
+        store.backward()?.finish()?;
+        store.skip_step()?;
+        Ok(loss)
+    }
+
+    fn forward(
+        &self,
+        fwd: &ForwardPass<'_>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<(f32, Saved)> {
+        let (x, emb) = self.embedding.forward(fwd, b.tokens, b.batch, b.seq)?;
+        let mut kept = Vec::with_capacity(self.blocks.len());
+        let x = self.blocks_forward(fwd, x, b, Some((&mut kept, opts.checkpoint)))?;
+        let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
+        drop(x);
+        let (loss, head) = self
+            .head
+            .forward_scaled(fwd, &h, b.targets, opts.loss_scale)?;
+        drop(h);
+        Ok((
+            loss,
+            Saved {
+                emb,
+                blocks: kept,
+                ln_f,
+                head,
+            },
+        ))
+    }
+
+    /// The blocks from `x`; with `keep`, what each block's backward needs goes there: its
+    /// saved tensors, or only its input when checkpointing.
+    fn blocks_forward(
+        &self,
+        fwd: &ForwardPass<'_>,
+        mut x: Act,
+        b: &GptBatch<'_>,
+        mut keep: Option<(&mut Vec<Kept>, bool)>,
+    ) -> Result<Act> {
+        for block in &self.blocks {
+            let (out, saved) = block.forward(fwd, &x, b.batch, b.seq)?;
+            match keep.as_mut() {
+                Some((kept, true)) => {
+                    drop(saved);
+                    kept.push(Kept::Input(x));
+                }
+                Some((kept, false)) => kept.push(Kept::Saved(saved)),
+                None => {}
+            }
+            x = out;
+        }
+        Ok(x)
+    }
+
+    fn backward(
+        &self,
+        bwd: &mut BackwardPass<'_>,
+        b: &GptBatch<'_>,
+        saved: Saved,
+        _opts: RunOptions,
+    ) -> Result<()> {
+        let Saved {
+            emb,
+            mut blocks,
+            ln_f,
+            head,
+        } = saved;
+        let dh = self.head.backward(bwd, &head)?;
+        drop(head);
+        let mut dx = self.ln_f.backward(bwd, &ln_f, &dh, None)?;
+        drop((dh, ln_f));
+        for block in self.blocks.iter().rev() {
+            let kept = blocks
+                .pop()
+                .ok_or_else(|| Error::InvalidArgument("a block's saved tensors are gone".into()))?;
+            let saved = match kept {
+                Kept::Saved(s) => s,
+                Kept::Input(x) => {
+                    let re = bwd.recompute()?;
+                    let (out, s) = block.forward(&re, &x, b.batch, b.seq)?;
+                    drop(out);
+                    re.finish()?;
+                    s
+                }
+            };
+            dx = block.backward(bwd, &saved, &dx)?;
+        }
+        self.embedding.backward(bwd, &emb, &dx)
+    }
+}
+
+/// What one block keeps for its backward.
+enum Kept {
+    Saved(BlockSaved),
+    Input(Act),
+}
+
+/// What the forward keeps for the backward.
+struct Saved {
+    emb: crate::nn::EmbSaved,
+    blocks: Vec<Kept>,
+    ln_f: crate::nn::LnSaved,
+    head: crate::nn::LmSaved,
+}
+
+/// GPT-2's initialisation of parameter `name` (see [`Gpt::register`]).
+pub fn default_init(cfg: &GptConfig, name: &str, seed: u64) -> Init {
+    let uniform = |bound: f32| Init::Uniform {
+        seed: fnv(name) ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15),
+        lo: -bound,
+        hi: bound,
+    };
+    if name.ends_with(".bias") {
+        Init::Zeros
+    } else if name.starts_with("ln_f") || name.contains(".ln_") {
+        Init::Constant(1.0)
+    } else if name.ends_with("c_proj.weight") {
+        uniform(INIT_BOUND / (2.0 * cfg.layers as f32).sqrt())
+    } else {
+        uniform(INIT_BOUND)
+    }
+}
+
+/// 64-bit FNV-1a of a name.
+fn fnv(name: &str) -> u64 {
+    name.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}

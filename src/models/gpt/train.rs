@@ -1,0 +1,69 @@
+//! One optimizer step of a GPT over any store: micro-batches, loss scaling, the step.
+
+use serde::Serialize;
+
+use super::{Gpt, GptBatch, RunOptions};
+use crate::error::{Error, Result};
+use crate::optim::{HybridAdam, StepOutcome, StepReport};
+use crate::store::ParamStore;
+
+/// What [`train_step`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct TrainStep {
+    /// The mean loss over the micro-batches.
+    pub loss: f32,
+    /// The optimizer's report of the last micro-batch (the step proper).
+    pub report: StepReport,
+    /// Tokens seen (targets counted or not).
+    pub tokens: usize,
+}
+
+/// One optimizer step: a forward and backward per micro-batch, each followed by the store's
+/// [`step`](ParamStore::step). The optimizer must accumulate over exactly `micro.len()`
+/// micro-batches ([`HybridConfig::accumulation_steps`](crate::optim::HybridConfig)): it averages
+/// their gradients and steps at the last. Each micro-batch's loss gradient carries the
+/// optimizer's loss scale; clipping and overflow skips are the optimizer's.
+///
+/// Fails before anything runs if the micro-batches do not match the optimizer's accumulation.
+pub fn train_step<S: ParamStore + ?Sized>(
+    gpt: &Gpt,
+    store: &mut S,
+    adam: &mut HybridAdam,
+    micro: &[GptBatch<'_>],
+    checkpoint: bool,
+) -> Result<TrainStep> {
+    let want = adam.config().accumulation_steps as usize;
+    if micro.len() != want {
+        return Err(Error::InvalidArgument(format!(
+            "{} micro-batches for an optimizer that accumulates {want}",
+            micro.len()
+        )));
+    }
+    let mut sum = 0.0f64;
+    let mut tokens = 0;
+    let mut last = None;
+    for (k, b) in micro.iter().enumerate() {
+        let opts = RunOptions {
+            checkpoint,
+            loss_scale: adam.loss_scale(),
+        };
+        sum += f64::from(gpt.forward_backward(store, b, opts)?);
+        tokens += b.tokens.len();
+        let r = store.step(adam)?;
+        let expected_last = k + 1 == micro.len();
+        if (r.outcome == StepOutcome::Accumulated) == expected_last {
+            return Err(Error::InvalidArgument(format!(
+                "micro-batch {k} of {}: the optimizer reported {:?}",
+                micro.len(),
+                r.outcome
+            )));
+        }
+        last = Some(r);
+    }
+    let report = last.ok_or_else(|| Error::InvalidArgument("no micro-batch".into()))?;
+    Ok(TrainStep {
+        loss: (sum / micro.len() as f64) as f32,
+        report,
+        tokens,
+    })
+}

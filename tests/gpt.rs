@@ -1,0 +1,282 @@
+//! `models::gpt` against an f64 reference written here (not the crate's code path): the loss and
+//! every parameter gradient of a 2-block GPT (C = 64, 4 heads, T = 32, V = 256) in f32, f16 and
+//! bf16, with and without activation checkpointing, and the losses of 10 AdamW steps, on the
+//! simulated device and on CUDA when present (the emulator in CI, with `TIDEMEM_REQUIRE_CUDA=1`).
+
+mod common;
+mod nn_ref;
+
+use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, RunOptions};
+use tidemem::optim::adam::reference_step;
+use tidemem::prelude::*;
+
+use nn_ref::*;
+
+const B: usize = 2;
+const T: usize = 32;
+const C: usize = 64;
+const NH: usize = 4;
+const V: usize = 256;
+const L: usize = 2;
+const N: usize = B * T;
+const EPS: f32 = 1e-5;
+
+// Tolerances, as `close` measures them (relative to the element plus the tensor's largest
+// magnitude). f32: 1e-5 (measured ~1e-6). f16 (2⁻¹¹ per rounding) 5e-3; bf16 (2⁻⁸) 3e-2: every
+// activation, the logits and their gradients are rounded at each stage.
+const CASES: [(DType, f64); 3] = [(DType::F32, 1e-5), (DType::F16, 5e-3), (DType::BF16, 3e-2)];
+
+fn config() -> GptConfig {
+    GptConfig {
+        layers: L,
+        channels: C,
+        heads: NH,
+        vocab: V,
+        max_seq: T,
+        eps: EPS,
+    }
+}
+
+/// Every parameter random (biases and LayerNorms too, so every path carries a signal).
+fn init(name: &str, shape: &[usize]) -> Result<Init> {
+    let seed = name
+        .bytes()
+        .fold(7u64, |h, b| h.wrapping_mul(31) ^ u64::from(b));
+    let (lo, hi) = if name.contains("ln_") && name.ends_with("weight") {
+        (0.5, 1.5)
+    } else if name.ends_with("bias") {
+        (-0.1, 0.1)
+    } else {
+        let fan_in = if shape.len() == 2 && !name.starts_with("w") {
+            shape[1]
+        } else {
+            16
+        };
+        let b = 1.0 / (fan_in as f32).sqrt();
+        (-b, b)
+    };
+    Ok(Init::Uniform { seed, lo, hi })
+}
+
+fn data(seed: u64) -> (Vec<i32>, Vec<i32>) {
+    let mut s = seed;
+    let mut next = || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        ((s >> 33) % V as u64) as i32
+    };
+    let stream: Vec<i32> = (0..N + 1).map(|_| next()).collect();
+    let mut targets = stream[1..].to_vec();
+    targets[5] = tidemem::models::gpt::IGNORE_INDEX;
+    (stream[..N].to_vec(), targets)
+}
+
+/// The f64 model from parameters in registration order: `(loss, grads)`.
+fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64>>) {
+    let (wte, wpe) = (&p[0], &p[1]);
+    let lf = 2 + 12 * L;
+    let (gf, bf) = (&p[lf], &p[lf + 1]);
+    let mut x = vec![0.0; N * C];
+    for n in 0..N {
+        for c in 0..C {
+            x[n * C + c] = wte[tokens[n] as usize * C + c] + wpe[(n % T) * C + c];
+        }
+    }
+    let zeros = vec![0.0; N * C];
+    let mut inputs = vec![x];
+    for l in 0..L {
+        let (out, _, _) = block_ref(&p[2 + 12 * l..14 + 12 * l], &inputs[l], &zeros);
+        inputs.push(out);
+    }
+    let (hf, nf, rf) = ln(&inputs[L], gf, bf);
+    let counted = targets.iter().filter(|&&t| t >= 0).count() as f64;
+    let (mut loss, mut dlog) = (0.0, vec![0.0; N * V]);
+    for n in 0..N {
+        if targets[n] < 0 {
+            continue;
+        }
+        let lg: Vec<f64> = (0..V)
+            .map(|v| (0..C).map(|c| hf[n * C + c] * wte[v * C + c]).sum())
+            .collect();
+        let m = lg.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+        let z: f64 = lg.iter().map(|l| (l - m).exp()).sum();
+        let t = targets[n] as usize;
+        loss += z.ln() - (lg[t] - m);
+        for v in 0..V {
+            let hot = if v == t { 1.0 } else { 0.0 };
+            dlog[n * V + v] = ((lg[v] - m).exp() / z - hot) / counted;
+        }
+    }
+    loss /= counted;
+    let (mut dhf, mut dwte) = (vec![0.0; N * C], vec![0.0; V * C]);
+    for n in 0..N {
+        for v in 0..V {
+            let d = dlog[n * V + v];
+            if d == 0.0 {
+                continue;
+            }
+            for c in 0..C {
+                dhf[n * C + c] += d * wte[v * C + c];
+                dwte[v * C + c] += d * hf[n * C + c];
+            }
+        }
+    }
+    let [mut dx, dgf, dbf] = ln_bwd(&dhf, &nf, &rf, gf);
+    let mut block_grads = vec![Vec::new(); L];
+    for l in (0..L).rev() {
+        let (_, dxl, g) = block_ref(&p[2 + 12 * l..14 + 12 * l], &inputs[l], &dx);
+        dx = dxl;
+        block_grads[l] = g;
+    }
+    let mut dwpe = vec![0.0; T * C];
+    for n in 0..N {
+        for c in 0..C {
+            dwte[tokens[n] as usize * C + c] += dx[n * C + c];
+            dwpe[(n % T) * C + c] += dx[n * C + c];
+        }
+    }
+    let mut grads = vec![dwte, dwpe];
+    grads.extend(block_grads.into_iter().flatten());
+    grads.extend([dgf, dbf]);
+    (loss, grads)
+}
+
+fn ids(gpt: &Gpt) -> Vec<TensorId> {
+    gpt.named_params().iter().map(|p| p.1).collect()
+}
+
+#[test]
+fn loss_and_every_gradient_match_an_f64_reference() {
+    let (tokens, targets) = data(1);
+    let batch = GptBatch {
+        tokens: &tokens,
+        targets: &targets,
+        batch: B,
+        seq: T,
+    };
+    for dev in common::devices("gpt::reference") {
+        for (d, tol) in CASES {
+            for checkpoint in [false, true] {
+                let mut m = manager(dev.clone(), d);
+                let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
+                let ids = ids(&gpt);
+                assert_eq!(ids.len(), 4 + 12 * L);
+                let p = read_all(&mut m, &ids);
+                let (want_loss, want) = gpt_ref(&p, &tokens, &targets);
+                let opts = RunOptions {
+                    checkpoint,
+                    loss_scale: 1.0,
+                };
+                let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
+                let name = format!("{} {d} checkpoint={checkpoint}", dev.name());
+                let mut worst = close(&format!("{name}: loss"), &[loss], &[want_loss], tol);
+                for ((n, id), w) in gpt.named_params().iter().zip(&want) {
+                    let g = m.read(*id).unwrap();
+                    worst = worst.max(close(&format!("{name}: grad {n}"), &g, w, tol));
+                }
+                eprintln!("{name}: loss {loss}, worst error {worst:.2e} (bound {tol:.0e})");
+            }
+        }
+    }
+}
+
+/// Ten AdamW steps (lr 1e-3, β 0.9/0.999, decay 0.01) through the manager against the same
+/// steps in f64: the losses agree within 1e-6 relative (measured 4e-8: the crate keeps
+/// fp32 masters and computes in f32).
+#[test]
+fn ten_adamw_steps_match_the_reference_losses() {
+    let cfg = AdamConfig::adamw(1e-3, 0.01);
+    for dev in common::devices("gpt::adamw") {
+        let mut m = manager(dev.clone(), DType::F32);
+        let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
+        let ids = ids(&gpt);
+        let mut p = read_all(&mut m, &ids);
+        let mut mom: Vec<Vec<f64>> = p.iter().map(|t| vec![0.0; t.len()]).collect();
+        let mut var = mom.clone();
+        let mut adam = HybridAdam::new(HybridConfig::new(cfg)).unwrap();
+        let mut worst = 0.0f64;
+        for step in 1..=10u64 {
+            let (tokens, targets) = data(step);
+            let batch = GptBatch {
+                tokens: &tokens,
+                targets: &targets,
+                batch: B,
+                seq: T,
+            };
+            let opts = RunOptions {
+                checkpoint: step % 2 == 0,
+                loss_scale: 1.0,
+            };
+            let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
+            m.step(&mut adam).unwrap();
+            let (want, grads) = gpt_ref(&p, &tokens, &targets);
+            for k in 0..p.len() {
+                reference_step(
+                    &cfg,
+                    step,
+                    1.0,
+                    &mut p[k],
+                    &mut mom[k],
+                    &mut var[k],
+                    &grads[k],
+                )
+                .unwrap();
+            }
+            let err = (loss as f64 - want).abs() / want.abs();
+            assert!(
+                err < 1e-6,
+                "{}: step {step}: loss {loss} vs {want}",
+                dev.name()
+            );
+            worst = worst.max(err);
+        }
+        eprintln!(
+            "{}: 10 AdamW steps, worst loss error {worst:.2e}",
+            dev.name()
+        );
+    }
+}
+
+#[test]
+fn bad_batches_are_refused_before_anything_runs() {
+    let mut m = manager(common::sim(64 << 20), DType::F32);
+    let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
+    let (tokens, targets) = data(3);
+    let opts = RunOptions {
+        checkpoint: false,
+        loss_scale: 1.0,
+    };
+    let mut bad = tokens.clone();
+    bad[3] = V as i32;
+    let cases: [(&[i32], &[i32], usize, usize); 4] = [
+        (&bad, &targets, B, T),
+        (&tokens[..N - 1], &targets, B, T),
+        (&tokens, &targets, 1, N),
+        (&tokens, &[V as i32; N], B, T),
+    ];
+    for (tok, tgt, b, t) in cases {
+        let batch = GptBatch {
+            tokens: tok,
+            targets: tgt,
+            batch: b,
+            seq: t,
+        };
+        assert!(matches!(
+            gpt.forward_backward(&mut m, &batch, opts),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(m.stage(), None, "nothing ran");
+    }
+    let nan = RunOptions {
+        checkpoint: false,
+        loss_scale: f32::NAN,
+    };
+    let batch = GptBatch {
+        tokens: &tokens,
+        targets: &targets,
+        batch: B,
+        seq: T,
+    };
+    assert!(gpt.forward_backward(&mut m, &batch, nan).is_err());
+}

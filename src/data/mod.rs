@@ -4,6 +4,8 @@
 //!   published table cardinalities, labels from a hidden logistic model), for the embedding
 //!   cache.
 //! - [`regression`]: the inputs and targets the [toy trainer](crate::demo) fits.
+//! - [`text`]: text for a language model: a byte-level or Hugging Face tokenizer, a generated
+//!   English-like corpus, and next-token batches that depend only on the step.
 //! - [`rng`]: the generators behind them (one SplitMix64, and xoshiro256**), which tests and
 //!   benches use too.
 //!
@@ -14,4 +16,5 @@ pub mod criteo;
 mod permutation;
 pub mod regression;
 pub use crate::rng;
+pub mod text;
 mod zipf;

@@ -1,0 +1,609 @@
+//! The main example: trains a GPT-2 through the memory layer, on a device smaller than its
+//! model data by default.
+//!
+//! ```sh
+//! cargo run --release --example gpt_train                    # gpt2-tiny on a generated corpus
+//! cargo run --release --example gpt_train -- --json --steps 20
+//! cargo run --release --example gpt_train -- --data input.txt --model gpt2-tiny --policy lru
+//! cargo run --release --example gpt_train -- --load-hf model.safetensors --tokenizer tokenizer.json \
+//!     --data input.txt --seq 128 --save-hf tuned.safetensors
+//! ```
+//!
+//! Without `--device-mem`, one probe iteration measures the non-model peak and the device gets
+//! that plus a third of the parameter chunks, so chunks stream under the tide scheduler. The
+//! progress bar shows the loss, tokens/s, MFU (against the CPU's FMA peak measured at the start,
+//! or not shown on CUDA) and the bytes moved per step; `--json` prints one object at the end.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use tidemem::comm::Communicator;
+use tidemem::data::text::{Split, TokenData, Tokenizer};
+use tidemem::models::gpt::{read_hf, train_step, Gpt, GptBatch, GptConfig};
+use tidemem::optim::{DevicePlacement, ScalerConfig};
+use tidemem::prelude::*;
+use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
+use tidemem::units::{fmt_bytes, parse_bytes};
+
+#[derive(Parser, Debug, Clone)]
+#[command(
+    about = "Train a GPT-2 through the chunk manager on a device smaller than its model data"
+)]
+struct Args {
+    /// Preset: gpt2-tiny, gpt2 (124M), gpt2-medium (350M), gpt2-large (774M), gpt2-xl (1.5B).
+    #[arg(long, default_value = "gpt2-tiny")]
+    model: String,
+    /// Override the preset's blocks.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Override the preset's channels.
+    #[arg(long)]
+    channels: Option<usize>,
+    /// Override the preset's heads (also the heads of an imported checkpoint).
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Override the preset's vocabulary.
+    #[arg(long)]
+    vocab: Option<usize>,
+    /// Override the preset's positions.
+    #[arg(long)]
+    max_seq: Option<usize>,
+    /// Device memory, e.g. 8MiB (default: the non-model peak plus a third of the parameter chunks).
+    #[arg(long)]
+    device_mem: Option<String>,
+    /// Host memory for chunks; the rest spills to the file tier (default: unlimited).
+    #[arg(long)]
+    host_mem: Option<String>,
+    /// Placement policy: tide, patrickstar, lru, static:F.
+    #[arg(long, default_value = "tide")]
+    policy: String,
+    /// Parameter type: f32, f16 (with dynamic loss scaling) or bf16; masters are fp32.
+    #[arg(long, default_value = "f16")]
+    dtype: String,
+    /// Sequences per micro-batch (per rank).
+    #[arg(long, default_value_t = 8)]
+    batch: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 64)]
+    seq: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 150)]
+    steps: u64,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    accumulate: u32,
+    /// Learning rate (AdamW, β 0.9/0.999).
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f32,
+    /// Decoupled weight decay.
+    #[arg(long, default_value_t = 0.0)]
+    weight_decay: f32,
+    /// Clip gradients to this global norm (0: no clipping).
+    #[arg(long, default_value_t = 1.0)]
+    clip: f32,
+    /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
+    #[arg(long, default_value = "auto")]
+    checkpoint: String,
+    /// ZeRO data parallelism over this many in-process ranks (each its own simulated device).
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Train on this UTF-8 text file (default: a generated corpus).
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json (default: bytes).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Resume from a checkpoint of this crate (parameters, optimizer state, step, scaler).
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Save a checkpoint of this crate at the end.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    /// Start from a Hugging Face GPT-2 model.safetensors (its shape replaces --model).
+    #[arg(long)]
+    load_hf: Option<PathBuf>,
+    /// Write the trained weights as a Hugging Face GPT-2 model.safetensors.
+    #[arg(long)]
+    save_hf: Option<PathBuf>,
+    /// Write a Chrome trace (Perfetto) and the tide plot of the last step here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Print one JSON object at the end instead of the progress bar and summary.
+    #[arg(long)]
+    json: bool,
+    /// Seed of the initial weights and the generated corpus.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Backend: sim (the simulated device) or cuda.
+    #[arg(long, default_value = "sim")]
+    backend: String,
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("gpt_train: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn bad(what: String) -> Error {
+    Error::InvalidArgument(what)
+}
+
+fn parse_dtype(s: &str) -> Result<DType> {
+    match s {
+        "f32" => Ok(DType::F32),
+        "f16" => Ok(DType::F16),
+        "bf16" => Ok(DType::BF16),
+        _ => Err(bad(format!("--dtype {s}: f32, f16 or bf16"))),
+    }
+}
+
+fn parse_policy(s: &str) -> Result<Policy> {
+    Ok(match s {
+        "tide" => Policy::Tide,
+        "patrickstar" => Policy::PatrickStar,
+        "lru" => Policy::Lru,
+        _ => match s.strip_prefix("static:").map(str::parse::<f64>) {
+            Some(Ok(f)) if (0.0..=1.0).contains(&f) => Policy::Static { device_fraction: f },
+            _ => {
+                return Err(bad(format!(
+                    "--policy {s}: tide, patrickstar, lru or static:F"
+                )))
+            }
+        },
+    })
+}
+
+/// The model's shape: an imported checkpoint's, or the preset's with the overrides.
+fn model_config(a: &Args) -> Result<(GptConfig, Option<tidemem::models::gpt::HfWeights>)> {
+    if let Some(p) = &a.load_hf {
+        let w = read_hf(p, a.heads, None)?;
+        return Ok((w.config().clone(), Some(w)));
+    }
+    let mut c = GptConfig::preset(&a.model).ok_or_else(|| {
+        bad(format!(
+            "--model {}: one of {:?}",
+            a.model,
+            GptConfig::PRESETS
+        ))
+    })?;
+    c.layers = a.layers.unwrap_or(c.layers);
+    c.channels = a.channels.unwrap_or(c.channels);
+    c.heads = a.heads.unwrap_or(c.heads);
+    c.vocab = a.vocab.unwrap_or(c.vocab);
+    c.max_seq = a.max_seq.unwrap_or(c.max_seq);
+    c.validate()?;
+    Ok((c, None))
+}
+
+/// What every rank's run needs.
+struct Plan {
+    cfg: GptConfig,
+    hf: Option<tidemem::models::gpt::HfWeights>,
+    data: TokenData,
+    dtype: DType,
+    policy: Policy,
+    checkpoint: bool,
+    chunk_elems: usize,
+    capacity: u64,
+    host: Option<u64>,
+    /// The probed non-model peak: warm-up keeps chunks within what it leaves.
+    warmup: Option<u64>,
+}
+
+fn manager_config(p: &Plan) -> ManagerConfig {
+    let mut cfg = ManagerConfig::new(p.chunk_elems, p.policy);
+    cfg.param_dtype = p.dtype;
+    cfg.scheduler.capacity = p.capacity;
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.host_budget = p.host;
+    if let Some(peak) = p.warmup {
+        cfg.scheduler.warmup_chunk_fraction =
+            p.capacity.saturating_sub(peak) as f64 / p.capacity as f64;
+    }
+    cfg
+}
+
+fn device(a: &Args, capacity: u64) -> Result<Device> {
+    match a.backend.as_str() {
+        "sim" => Device::sim(SimConfig::with_capacity(capacity as usize)),
+        "cuda" => Device::cuda(0),
+        b => Err(bad(format!("--backend {b}: sim or cuda"))),
+    }
+}
+
+fn register(store: &mut impl ParamStore, p: &Plan, seed: u64) -> Result<Gpt> {
+    match &p.hf {
+        Some(w) => Gpt::register_hf(store, w),
+        None => Gpt::register(store, &p.cfg, seed),
+    }
+}
+
+fn adam(a: &Args, dtype: DType) -> Result<HybridAdam> {
+    HybridAdam::new(HybridConfig {
+        // a small model's f16 gradients overflow at the usual 2^16: start lower
+        loss_scale: (dtype == DType::F16).then(|| ScalerConfig {
+            init_scale: 1024.0,
+            growth_interval: 200,
+            ..ScalerConfig::default()
+        }),
+        max_grad_norm: (a.clip > 0.0).then_some(a.clip),
+        accumulation_steps: a.accumulate,
+        placement: DevicePlacement::HostOnly,
+        ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
+    })
+}
+
+/// The non-model peak of one iteration, measured on a device with room for everything.
+fn probe(a: &Args, p: &Plan) -> Result<(u64, u64)> {
+    let mut cfg = manager_config(p);
+    cfg.scheduler.capacity = 1 << 40;
+    let dev = device(a, 1 << 40)?;
+    let mut m = ChunkManager::new(dev.clone(), cfg)?;
+    m.set_non_model_allocator(CachingAllocator::new(dev));
+    let gpt = register(&mut m, p, a.seed)?;
+    let (t, g) = p.data.batch(Split::Train, 0, a.batch, a.seq)?;
+    let b = GptBatch {
+        tokens: &t,
+        targets: &g,
+        batch: a.batch,
+        seq: a.seq,
+    };
+    let opts = tidemem::models::gpt::RunOptions {
+        checkpoint: p.checkpoint,
+        loss_scale: 1.0,
+    };
+    gpt.forward_backward(&mut m, &b, opts)?;
+    m.skip_step()?;
+    Ok((m.non_model_peak(), m.param_footprint()))
+}
+
+fn run() -> Result<()> {
+    let a = Args::parse();
+    let (cfg, hf) = model_config(&a)?;
+    let tok = match &a.tokenizer {
+        Some(p) => Tokenizer::from_file(p)?,
+        None => Tokenizer::bytes(),
+    };
+    let data = match &a.data {
+        Some(p) => TokenData::from_file(p, &tok, 0.05)?,
+        None => TokenData::generated(400_000, a.seed, 0.05)?,
+    };
+    if data.vocab() > cfg.vocab {
+        return Err(bad(format!(
+            "the tokenizer has {} tokens; the model only {}",
+            data.vocab(),
+            cfg.vocab
+        )));
+    }
+    if a.seq > cfg.max_seq || a.batch == 0 || a.seq == 0 || a.accumulate == 0 || a.ranks == 0 {
+        return Err(bad(format!(
+            "--batch {} --seq {} --accumulate {} --ranks {} (the model has {} positions)",
+            a.batch, a.seq, a.accumulate, a.ranks, cfg.max_seq
+        )));
+    }
+    let checkpoint = match a.checkpoint.as_str() {
+        "on" => true,
+        "off" => false,
+        "auto" => cfg.layers >= 12,
+        c => return Err(bad(format!("--checkpoint {c}: on, off or auto"))),
+    };
+    let largest = cfg
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>())
+        .max();
+    let mut plan = Plan {
+        dtype: parse_dtype(&a.dtype)?,
+        policy: parse_policy(&a.policy)?,
+        checkpoint,
+        chunk_elems: largest.unwrap_or(1).div_ceil(1024) * 1024,
+        capacity: 0,
+        warmup: None,
+        host: a
+            .host_mem
+            .as_deref()
+            .map(parse_bytes)
+            .transpose()?
+            .map(|b| b as u64),
+        cfg,
+        hf,
+        data,
+    };
+    plan.capacity = match &a.device_mem {
+        Some(s) => parse_bytes(s)? as u64,
+        None => {
+            let (peak, chunks) = probe(&a, &plan)?;
+            plan.warmup = Some(peak);
+            if a.ranks > 1 {
+                // a ZeRO rank also holds gather buffers of whole communication groups
+                peak + 2 * chunks
+            } else {
+                peak + chunks / 3
+            }
+        }
+    };
+    if a.ranks > 1 {
+        return train_zero(&a, &plan);
+    }
+    let dev = device(&a, plan.capacity)?;
+    let mut m = ChunkManager::new(dev.clone(), manager_config(&plan))?;
+    m.set_non_model_allocator(CachingAllocator::new(dev));
+    let gpt = register(&mut m, &plan, a.seed)?;
+    let mut opt = adam(&a, plan.dtype)?;
+    if let Some(p) = &a.resume {
+        opt.load_checkpoint(&mut m, p)?;
+    }
+    if a.trace.is_some() {
+        m.enable_log();
+    }
+    let peak = match (a.backend.as_str(), fma_isa()) {
+        ("sim", Some((_, lanes))) => {
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Some(fma_peak(lanes, threads, 0.2) * 1e9)
+        }
+        _ => None,
+    };
+    // parameters and, per element, the fp32 master, momentum and variance
+    let elems = m.param_footprint() / plan.dtype.size() as u64;
+    let model_data = elems * (plan.dtype.size() as u64 + 12);
+    let bar = progress(&a);
+    let (mut losses, mut tps, mut h2d, mut d2h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let start = opt.steps();
+    for _ in 0..a.steps {
+        let idx = opt.steps();
+        let batches = (0..u64::from(a.accumulate))
+            .map(|k| {
+                plan.data.batch(
+                    Split::Train,
+                    idx * u64::from(a.accumulate) + k,
+                    a.batch,
+                    a.seq,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let micro: Vec<GptBatch> = batches
+            .iter()
+            .map(|(t, g)| GptBatch {
+                tokens: t,
+                targets: g,
+                batch: a.batch,
+                seq: a.seq,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let before = m.stats();
+        let r = train_step(&gpt, &mut m, &mut opt, &micro, plan.checkpoint)?;
+        let moved = m.stats().since(&before);
+        let secs = t0.elapsed().as_secs_f64();
+        let rate = r.tokens as f64 / secs;
+        losses.push(r.loss);
+        tps.push(rate);
+        h2d.push(moved.h2d_bytes);
+        d2h.push(moved.d2h_bytes);
+        let mfu = peak.map(|p| rate * plan.cfg.flops_per_token(a.seq) / p);
+        bar.set_message(format!(
+            "loss {:.4} | {:.0} tok/s | MFU {} | h2d {} d2h {}",
+            r.loss,
+            rate,
+            mfu.map_or("-".into(), |f| format!("{:.2}", f)),
+            fmt_bytes(moved.h2d_bytes),
+            fmt_bytes(moved.d2h_bytes)
+        ));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let val_loss = validation(&gpt, &mut m, &plan, &a)?;
+    if let Some(p) = &a.save {
+        opt.save_checkpoint(&mut m, p)?;
+    }
+    if let Some(p) = &a.save_hf {
+        gpt.save_hf(&mut m, p)?;
+    }
+    if let Some(dir) = &a.trace {
+        std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+        m.synchronize()?;
+        m.chrome_trace().write(dir.join("gpt_train.json"))?;
+        let title = format!("tide: {} on a {} device", a.model, fmt_bytes(plan.capacity));
+        write_tide_svg(
+            dir.join("tide.svg"),
+            &title,
+            &m.tide_points(),
+            plan.capacity,
+        )?;
+    }
+    // steady steps: the first two warm up
+    let steady = |v: &[f64]| {
+        let s = &v[v.len().min(2)..];
+        if s.is_empty() {
+            f64::NAN
+        } else {
+            s.iter().sum::<f64>() / s.len() as f64
+        }
+    };
+    let as_f = |v: &[u64]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let tokens_per_s = steady(&tps);
+    let mfu = peak.map(|p| tokens_per_s * plan.cfg.flops_per_token(a.seq) / p);
+    let report = json!({
+        "model": a.model,
+        "config": plan.cfg,
+        "params": plan.cfg.params(),
+        "dtype": a.dtype,
+        "policy": plan.policy.name(),
+        "checkpoint": plan.checkpoint,
+        "first_step": start,
+        "losses": losses,
+        "val_loss": val_loss,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+        "fma_peak_flops": peak,
+        "model_data_bytes": model_data,
+        "param_chunk_bytes": m.param_footprint(),
+        "device_capacity_bytes": plan.capacity,
+        "h2d_bytes": steady(&as_f(&h2d)),
+        "d2h_bytes": steady(&as_f(&d2h)),
+    });
+    if a.json {
+        println!("{report}");
+    } else {
+        summary(
+            &a,
+            &plan,
+            &losses,
+            val_loss,
+            tokens_per_s,
+            mfu,
+            model_data,
+            &h2d,
+            &d2h,
+        );
+    }
+    Ok(())
+}
+
+fn progress(a: &Args) -> ProgressBar {
+    let bar = if a.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(a.steps)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} steps {elapsed} | {msg}")
+            .expect("a valid template"),
+    );
+    bar
+}
+
+/// The mean loss over a few held-out batches.
+fn validation(gpt: &Gpt, store: &mut impl ParamStore, p: &Plan, a: &Args) -> Result<f32> {
+    let mut sum = 0.0;
+    for k in 0..4 {
+        let (t, g) = p.data.batch(Split::Val, k, a.batch, a.seq)?;
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: a.batch,
+            seq: a.seq,
+        };
+        sum += gpt.loss(store, &b)?;
+    }
+    Ok(sum / 4.0)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summary(
+    a: &Args,
+    p: &Plan,
+    losses: &[f32],
+    val: f32,
+    tps: f64,
+    mfu: Option<f64>,
+    model_data: u64,
+    h2d: &[u64],
+    d2h: &[u64],
+) {
+    println!(
+        "{} ({} parameters, {} blocks × {} channels, {}), {} steps of {} × {} tokens × {} micro-batches",
+        a.model,
+        p.cfg.params(),
+        p.cfg.layers,
+        p.cfg.channels,
+        a.dtype,
+        losses.len(),
+        a.batch,
+        a.seq,
+        a.accumulate
+    );
+    println!(
+        "model data {} on a {} device ({}), activation checkpointing {}",
+        fmt_bytes(model_data),
+        fmt_bytes(p.capacity),
+        p.policy.name(),
+        if p.checkpoint { "on" } else { "off" }
+    );
+    if let (Some(f), Some(l)) = (losses.first(), losses.last()) {
+        println!("loss {f:.4} → {l:.4}, validation loss {val:.4}");
+    }
+    println!(
+        "{tps:.0} tokens/s, MFU {}, per steady step h2d {} d2h {}",
+        mfu.map_or("-".into(), |f| format!("{f:.3}")),
+        fmt_bytes(h2d.last().copied().unwrap_or(0)),
+        fmt_bytes(d2h.last().copied().unwrap_or(0))
+    );
+}
+
+/// ZeRO over `--ranks` in-process ranks: each rank a simulated device of the same capacity
+/// and `--batch` rows of its own; prints the mean loss per step.
+fn train_zero(a: &Args, p: &Plan) -> Result<()> {
+    let devs = (0..a.ranks)
+        .map(|_| Device::sim(SimConfig::with_capacity(p.capacity as usize)))
+        .collect::<Result<Vec<_>>>()?;
+    let comms = Communicator::local(devs)?;
+    let results: Vec<Result<(Vec<f32>, f64)>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| s.spawn(move || rank(a, p, c)))
+            .collect();
+        hs.into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(bad("a rank panicked".into())))
+            })
+            .collect()
+    });
+    let results = results.into_iter().collect::<Result<Vec<_>>>()?;
+    let steps = results[0].0.len();
+    let losses: Vec<f32> = (0..steps)
+        .map(|k| results.iter().map(|r| r.0[k]).sum::<f32>() / a.ranks as f32)
+        .collect();
+    let tokens_per_s: f64 = results.iter().map(|r| r.1).sum();
+    if a.json {
+        println!(
+            "{}",
+            json!({ "model": a.model, "ranks": a.ranks, "losses": losses, "tokens_per_s": tokens_per_s,
+                    "device_capacity_bytes": p.capacity })
+        );
+    } else {
+        println!(
+            "ZeRO over {} ranks: loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
+            a.ranks,
+            losses.first().copied().unwrap_or(f32::NAN),
+            losses.last().copied().unwrap_or(f32::NAN)
+        );
+    }
+    Ok(())
+}
+
+fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<(Vec<f32>, f64)> {
+    let (r, n) = (c.rank() as u64, c.world() as u64);
+    let mut z = ZeroManager::new(c, manager_config(p))?;
+    let gpt = register(&mut z, p, a.seed)?;
+    let mut opt = adam(a, p.dtype)?;
+    let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
+    for _ in 0..a.steps {
+        let idx = opt.steps() * u64::from(a.accumulate);
+        let batches = (0..u64::from(a.accumulate))
+            .map(|k| {
+                p.data
+                    .batch(Split::Train, (idx + k) * n + r, a.batch, a.seq)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let micro: Vec<GptBatch> = batches
+            .iter()
+            .map(|(t, g)| GptBatch {
+                tokens: t,
+                targets: g,
+                batch: a.batch,
+                seq: a.seq,
+            })
+            .collect();
+        let s = train_step(&gpt, &mut z, &mut opt, &micro, p.checkpoint)?;
+        losses.push(s.loss);
+        tokens += s.tokens;
+    }
+    Ok((losses, tokens as f64 / t0.elapsed().as_secs_f64()))
+}

@@ -128,6 +128,63 @@ struct Shared {
     id: DeviceId,
     capacity: usize,
     used: AtomicUsize,
+    /// Freed allocations kept for reuse, by size: host memory the simulated device already
+    /// touched, so an allocation of a size it freed before costs a fill, not fresh pages (the
+    /// page faults and zeroing of new memory). Not device memory: `used` no longer counts it.
+    spare: Mutex<Spare>,
+}
+
+/// Freed allocations of [`Shared::spare`], at most [`SPARE_BYTES`] in all.
+#[derive(Default)]
+struct Spare {
+    by_len: std::collections::BTreeMap<usize, Vec<SpareMem>>,
+    bytes: usize,
+}
+
+/// Host memory a simulated allocation may keep for reuse.
+const SPARE_BYTES: usize = 1 << 30;
+
+/// A freed allocation's pointer.
+struct SpareMem(NonNull<u8>);
+
+// SAFETY: the pointer owns its allocation alone (the allocation it came from was dropped), and
+// only the spare list, under its mutex, touches it until an allocation takes it.
+unsafe impl Send for SpareMem {}
+
+impl std::fmt::Debug for Spare {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Spare").field("bytes", &self.bytes).finish()
+    }
+}
+
+impl Spare {
+    /// A kept allocation of exactly `len` bytes.
+    fn take(&mut self, len: usize) -> Option<NonNull<u8>> {
+        let list = self.by_len.get_mut(&len)?;
+        let p = list.pop()?;
+        if list.is_empty() {
+            self.by_len.remove(&len);
+        }
+        self.bytes -= len;
+        Some(p.0)
+    }
+}
+
+impl Drop for Spare {
+    fn drop(&mut self) {
+        for (&len, list) in &self.by_len {
+            for p in list {
+                // SAFETY: allocated in `SimBackend::alloc` with this exact layout, and owned by
+                // the list alone.
+                unsafe {
+                    std::alloc::dealloc(
+                        p.0.as_ptr(),
+                        Layout::from_size_align_unchecked(len, SIM_ALIGN),
+                    )
+                };
+            }
+        }
+    }
 }
 
 /// One simulated allocation. Freed (and its bytes returned to the capacity) when the last
@@ -155,16 +212,29 @@ impl SimMem {
 
 impl Drop for SimMem {
     fn drop(&mut self) {
-        if self.len > 0 {
-            // SAFETY: allocated in `SimBackend::alloc` with this exact layout.
-            unsafe {
-                std::alloc::dealloc(
-                    self.ptr.as_ptr(),
-                    Layout::from_size_align_unchecked(self.len, SIM_ALIGN),
-                )
-            };
-        }
         self.shared.used.fetch_sub(self.len, Ordering::AcqRel);
+        if self.len == 0 {
+            return;
+        }
+        {
+            let mut spare = self.shared.spare.lock();
+            if spare.bytes + self.len <= SPARE_BYTES.min(self.shared.capacity) {
+                spare.bytes += self.len;
+                spare
+                    .by_len
+                    .entry(self.len)
+                    .or_default()
+                    .push(SpareMem(self.ptr));
+                return;
+            }
+        }
+        // SAFETY: allocated in `SimBackend::alloc` with this exact layout.
+        unsafe {
+            std::alloc::dealloc(
+                self.ptr.as_ptr(),
+                Layout::from_size_align_unchecked(self.len, SIM_ALIGN),
+            )
+        };
     }
 }
 
@@ -407,6 +477,7 @@ impl SimBackend {
                 id: DeviceId::new(BackendKind::Sim, config.ordinal),
                 capacity: config.capacity,
                 used: AtomicUsize::new(0),
+                spare: Mutex::new(Spare::default()),
             }),
             link: config.link,
         })
@@ -485,8 +556,9 @@ impl Backend for SimBackend {
                 self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
                 Error::InvalidArgument(e.to_string())
             })?;
+            let reused = self.shared.spare.lock().take(bytes);
             // SAFETY: non-zero size.
-            match NonNull::new(unsafe { std::alloc::alloc(layout) }) {
+            match reused.or_else(|| NonNull::new(unsafe { std::alloc::alloc(layout) })) {
                 Some(p) => {
                     // Filled, so device memory never exposes uninitialised bytes; with 0xff
                     // (NaN as floats), not zeros, because a GPU's fresh memory is not zeroed
@@ -669,5 +741,34 @@ impl Backend for SimBackend {
             Some(f) => Err(f.error()),
             None => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::{Device, HostBuffer};
+
+    /// A freed allocation comes back for the next of its size, filled with 0xff again (never
+    /// the bytes it held), and the capacity counts only live allocations.
+    #[test]
+    fn freed_memory_is_reused_and_refilled() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+        let s = dev.new_stream().unwrap();
+        let a = dev.alloc(4096).unwrap();
+        dev.copy_h2d(&s, HostBuffer::from_slice(&[7u8; 4096]).unwrap(), &a)
+            .unwrap()
+            .wait()
+            .unwrap();
+        drop(a);
+        dev.sync_stream(&s).unwrap();
+        assert_eq!(dev.mem_info().unwrap().free, 1 << 20, "nothing live");
+        let b = dev.alloc(4096).unwrap();
+        let back = dev.download(&s, &b).unwrap();
+        assert!(
+            back.iter().all(|&x| x == 0xff),
+            "refilled, not the old bytes"
+        );
+        assert_eq!(dev.mem_info().unwrap().free, (1 << 20) - 4096);
     }
 }

@@ -7,6 +7,12 @@
 //! cargo run --release --example gpt_train -- --data input.txt --model gpt2-tiny --policy lru
 //! cargo run --release --example gpt_train -- --load-hf model.safetensors --tokenizer tokenizer.json \
 //!     --data input.txt --seq 128 --save-hf tuned.safetensors
+//! cargo run --release --example gpt_train -- --ranks 4      # ZeRO over 4 in-process ranks
+//! # one NCCL rank per process and GPU:
+//! WORLD_SIZE=2 RANK=0 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+//!     cargo run --release --example gpt_train -- --backend cuda &
+//! WORLD_SIZE=2 RANK=1 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+//!     cargo run --release --example gpt_train -- --backend cuda
 //! ```
 //!
 //! Without `--device-mem`, one probe iteration measures the non-model peak and the device gets
@@ -15,12 +21,12 @@
 //! or not shown on CUDA) and the bytes moved per step; `--json` prints one object at the end.
 
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
-use tidemem::comm::Communicator;
+use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{read_hf, train_step, Gpt, GptBatch, GptConfig};
 use tidemem::optim::{DevicePlacement, ScalerConfig};
@@ -87,7 +93,9 @@ struct Args {
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
-    /// ZeRO data parallelism over this many in-process ranks (each its own simulated device).
+    /// ZeRO data parallelism over this many in-process ranks (each its own device); under a
+    /// launcher (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) one NCCL rank per
+    /// process on CUDA device LOCAL_RANK instead.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
     /// Train on this UTF-8 text file (default: a generated corpus).
@@ -327,7 +335,7 @@ fn run() -> Result<()> {
             }
         }
     };
-    if a.ranks > 1 {
+    if a.ranks > 1 || std::env::var_os("WORLD_SIZE").is_some() {
         return train_zero(&a, &plan);
     }
     let dev = device(&a, plan.capacity)?;
@@ -536,41 +544,34 @@ fn summary(
     );
 }
 
-/// ZeRO over `--ranks` in-process ranks: each rank a simulated device of the same capacity
-/// and `--batch` rows of its own; prints the mean loss per step.
+/// ZeRO over `--ranks` in-process ranks (each a simulated device of the same capacity, or
+/// CUDA device 0 with `--backend cuda`), or one NCCL rank per process when a launcher sets
+/// `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (CUDA device
+/// `LOCAL_RANK`); each rank trains on `--batch` rows of its own. Rank 0 reports.
 fn train_zero(a: &Args, p: &Plan) -> Result<()> {
-    let devs = (0..a.ranks)
-        .map(|_| Device::sim(SimConfig::with_capacity(p.capacity as usize)))
-        .collect::<Result<Vec<_>>>()?;
-    let comms = Communicator::local(devs)?;
-    let results: Vec<Result<(Vec<f32>, f64)>> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| s.spawn(move || rank(a, p, c)))
-            .collect();
-        hs.into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(bad("a rank panicked".into())))
-            })
-            .collect()
-    });
-    let results = results.into_iter().collect::<Result<Vec<_>>>()?;
-    let steps = results[0].0.len();
-    let losses: Vec<f32> = (0..steps)
-        .map(|k| results.iter().map(|r| r.0[k]).sum::<f32>() / a.ranks as f32)
-        .collect();
-    let tokens_per_s: f64 = results.iter().map(|r| r.1).sum();
+    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let device_for = |r: usize| {
+        if launched {
+            Device::cuda(r)
+        } else {
+            device(a, p.capacity)
+        }
+    };
+    let results = launch(a.ranks, device_for, Duration::from_secs(300), |c| {
+        rank(a, p, c)
+    })?;
+    let Some(Some((losses, tokens_per_s, world))) = results.into_iter().next() else {
+        return Ok(()); // not rank 0 of a launched job
+    };
     if a.json {
         println!(
             "{}",
-            json!({ "model": a.model, "ranks": a.ranks, "losses": losses, "tokens_per_s": tokens_per_s,
-                    "device_capacity_bytes": p.capacity })
+            json!({ "model": a.model, "ranks": world, "losses": losses,
+                    "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity })
         );
     } else {
         println!(
-            "ZeRO over {} ranks: loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
-            a.ranks,
+            "ZeRO over {world} ranks: loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
             losses.first().copied().unwrap_or(f32::NAN),
             losses.last().copied().unwrap_or(f32::NAN)
         );
@@ -578,7 +579,9 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
     Ok(())
 }
 
-fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<(Vec<f32>, f64)> {
+/// One rank's run: on rank 0, the losses averaged over the ranks, tokens/s over all ranks, and
+/// the world size.
+fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, usize)>> {
     let (r, n) = (c.rank() as u64, c.world() as u64);
     let mut z = ZeroManager::new(c, manager_config(p))?;
     let gpt = register(&mut z, p, a.seed)?;
@@ -602,8 +605,12 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<(Vec<f32>, f64)> {
             })
             .collect();
         let s = train_step(&gpt, &mut z, &mut opt, &micro, p.checkpoint)?;
-        losses.push(s.loss);
+        let mut mean = [f64::from(s.loss) / n as f64];
+        z.comm().all_reduce_host(&mut mean, ReduceOp::Sum)?;
+        losses.push(mean[0] as f32);
         tokens += s.tokens;
     }
-    Ok((losses, tokens as f64 / t0.elapsed().as_secs_f64()))
+    let mut rate = [tokens as f64 / t0.elapsed().as_secs_f64()];
+    z.comm().all_reduce_host(&mut rate, ReduceOp::Sum)?;
+    Ok((r == 0).then_some((losses, rate[0], n as usize)))
 }

@@ -76,7 +76,7 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     seq: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 150)]
+    #[arg(long, default_value_t = 400)]
     steps: u64,
     /// Micro-batches per step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
@@ -122,6 +122,9 @@ struct Args {
     /// Print one JSON object at the end instead of the progress bar and summary.
     #[arg(long)]
     json: bool,
+    /// Tokens to sample after training from a held-out prompt (temperature 0.8; 0: none).
+    #[arg(long, default_value_t = 120)]
+    sample: usize,
     /// Seed of the initial weights and the generated corpus.
     #[arg(long, default_value_t = 1)]
     seed: u64,
@@ -406,6 +409,18 @@ fn run() -> Result<()> {
     }
     bar.finish_and_clear();
     let val_loss = validation(&gpt, &mut m, &plan, &a)?;
+    let sample = match a.sample {
+        0 => None,
+        n => {
+            let prompt: Vec<i32> = plan.data.val()[..a.seq.min(32).min(plan.data.val().len())]
+                .iter()
+                .map(|&t| t as i32)
+                .collect();
+            let out = gpt.generate(&mut m, &prompt, n, 0.8, a.seed)?;
+            let ids = |v: &[i32]| v.iter().map(|&t| t as u32).collect::<Vec<_>>();
+            Some((tok.decode(&ids(&prompt))?, tok.decode(&ids(&out))?))
+        }
+    };
     if let Some(p) = &a.save {
         opt.save_checkpoint(&mut m, p)?;
     }
@@ -446,6 +461,7 @@ fn run() -> Result<()> {
         "first_step": start,
         "losses": losses,
         "val_loss": val_loss,
+        "sample": sample.as_ref().map(|s| format!("{}{}", s.0, s.1)),
         "tokens_per_s": tokens_per_s,
         "mfu": mfu,
         "fma_peak_flops": peak,
@@ -469,6 +485,9 @@ fn run() -> Result<()> {
             &h2d,
             &d2h,
         );
+        if let Some((prompt, text)) = sample {
+            println!("sample (prompt in brackets):\n[{prompt}]{text}");
+        }
     }
     Ok(())
 }

@@ -74,6 +74,12 @@ fn data(seed: u64) -> (Vec<i32>, Vec<i32>) {
 
 /// The f64 model from parameters in registration order: `(loss, grads)`.
 fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64>>) {
+    let (loss, grads, _) = gpt_ref_all(p, tokens, targets);
+    (loss, grads)
+}
+
+/// `(loss, grads, logits [N, V])`.
+fn gpt_ref_all(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64>>, Vec<f64>) {
     let (wte, wpe) = (&p[0], &p[1]);
     let lf = 2 + 12 * L;
     let (gf, bf) = (&p[lf], &p[lf + 1]);
@@ -91,14 +97,15 @@ fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64
     }
     let (hf, nf, rf) = ln(&inputs[L], gf, bf);
     let counted = targets.iter().filter(|&&t| t >= 0).count() as f64;
+    let logits: Vec<f64> = (0..N * V)
+        .map(|i| (0..C).map(|c| hf[i / V * C + c] * wte[i % V * C + c]).sum())
+        .collect();
     let (mut loss, mut dlog) = (0.0, vec![0.0; N * V]);
     for n in 0..N {
         if targets[n] < 0 {
             continue;
         }
-        let lg: Vec<f64> = (0..V)
-            .map(|v| (0..C).map(|c| hf[n * C + c] * wte[v * C + c]).sum())
-            .collect();
+        let lg = &logits[n * V..(n + 1) * V];
         let m = lg.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
         let z: f64 = lg.iter().map(|l| (l - m).exp()).sum();
         let t = targets[n] as usize;
@@ -139,7 +146,7 @@ fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64
     let mut grads = vec![dwte, dwpe];
     grads.extend(block_grads.into_iter().flatten());
     grads.extend([dgf, dbf]);
-    (loss, grads)
+    (loss, grads, logits)
 }
 
 fn ids(gpt: &Gpt) -> Vec<TensorId> {
@@ -177,6 +184,25 @@ fn loss_and_every_gradient_match_an_f64_reference() {
                 }
                 eprintln!("{name}: loss {loss}, worst error {worst:.2e} (bound {tol:.0e})");
             }
+        }
+    }
+}
+
+#[test]
+fn logits_match_the_reference() {
+    let (tokens, targets) = data(4);
+    for dev in common::devices("gpt::logits") {
+        for (d, tol) in CASES {
+            let mut m = manager(dev.clone(), d);
+            let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
+            let p = read_all(&mut m, &ids(&gpt));
+            let (_, _, want) = gpt_ref_all(&p, &tokens, &targets);
+            let got = gpt.logits(&mut m, &tokens, B, T).unwrap();
+            let name = format!("{} {d}: logits", dev.name());
+            let worst = close(&name, &got, &want, tol);
+            eprintln!("{name}: worst error {worst:.2e} (bound {tol:.0e})");
+            // the store is between iterations again: training goes on
+            assert_eq!(m.stage(), None);
         }
     }
 }

@@ -4,6 +4,7 @@
 //! step), and Hugging Face GPT-2 checkpoints in and out ([`read_hf`], [`write_hf`]).
 
 mod config;
+mod generate;
 mod hf;
 mod model;
 mod spec;

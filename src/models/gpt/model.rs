@@ -271,6 +271,43 @@ impl Gpt {
         Ok(loss)
     }
 
+    /// The logits `[batch·seq, V]` (f32, row-major) of `tokens` `[batch·seq]`, without a loss
+    /// or gradients: a forward pass, an empty backward pass and the iteration ended without a
+    /// step ([`ParamStore::skip_step`]). For evaluation and generation.
+    pub fn logits<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<Vec<f32>> {
+        let none = vec![IGNORE_INDEX; tokens.len()];
+        self.check(&GptBatch {
+            tokens,
+            targets: &none,
+            batch,
+            seq,
+        })?;
+        let fwd = store.forward()?;
+        let (x, _) = self.embedding.forward(&fwd, tokens, batch, seq)?;
+        let b = GptBatch {
+            tokens,
+            targets: &none,
+            batch,
+            seq,
+        };
+        let x = self.blocks_forward(&fwd, x, &b, None)?;
+        let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
+        drop(x);
+        let logits = self.head.proj.forward(&fwd, &h)?;
+        let out = logits.to_f32(fwd.stream())?;
+        drop((h, logits));
+        fwd.finish()?;
+        store.backward()?.finish()?;
+        store.skip_step()?;
+        Ok(out)
+    }
+
     fn forward(
         &self,
         fwd: &ForwardPass<'_>,

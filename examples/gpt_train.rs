@@ -377,15 +377,7 @@ fn run() -> Result<()> {
                 )
             })
             .collect::<Result<Vec<_>>>()?;
-        let micro: Vec<GptBatch> = batches
-            .iter()
-            .map(|(t, g)| GptBatch {
-                tokens: t,
-                targets: g,
-                batch: a.batch,
-                seq: a.seq,
-            })
-            .collect();
+        let micro = views(&batches, &a);
         let t0 = Instant::now();
         let before = m.stats();
         let r = train_step(&gpt, &mut m, &mut opt, &micro, plan.checkpoint)?;
@@ -490,6 +482,19 @@ fn run() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Micro-batches of `--batch` × `--seq` tokens over owned (tokens, targets) pairs.
+fn views<'a>(batches: &'a [(Vec<i32>, Vec<i32>)], a: &Args) -> Vec<GptBatch<'a>> {
+    batches
+        .iter()
+        .map(|(t, g)| GptBatch {
+            tokens: t,
+            targets: g,
+            batch: a.batch,
+            seq: a.seq,
+        })
+        .collect()
 }
 
 fn progress(a: &Args) -> ProgressBar {
@@ -614,15 +619,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
                     .batch(Split::Train, (idx + k) * n + r, a.batch, a.seq)
             })
             .collect::<Result<Vec<_>>>()?;
-        let micro: Vec<GptBatch> = batches
-            .iter()
-            .map(|(t, g)| GptBatch {
-                tokens: t,
-                targets: g,
-                batch: a.batch,
-                seq: a.seq,
-            })
-            .collect();
+        let micro = views(&batches, a);
         let s = train_step(&gpt, &mut z, &mut opt, &micro, p.checkpoint)?;
         let mut mean = [f64::from(s.loss) / n as f64];
         z.comm().all_reduce_host(&mut mean, ReduceOp::Sum)?;

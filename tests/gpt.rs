@@ -80,73 +80,29 @@ fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64
 
 /// `(loss, grads, logits [N, V])`.
 fn gpt_ref_all(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64>>, Vec<f64>) {
-    let (wte, wpe) = (&p[0], &p[1]);
     let lf = 2 + 12 * L;
-    let (gf, bf) = (&p[lf], &p[lf + 1]);
-    let mut x = vec![0.0; N * C];
-    for n in 0..N {
-        for c in 0..C {
-            x[n * C + c] = wte[tokens[n] as usize * C + c] + wpe[(n % T) * C + c];
-        }
-    }
+    let (wte, wpe, gf, bf) = (&p[0], &p[1], &p[lf], &p[lf + 1]);
     let zeros = vec![0.0; N * C];
-    let mut inputs = vec![x];
+    let mut inputs = vec![embed_ref(wte, wpe, tokens)];
     for l in 0..L {
         let (out, _, _) = block_ref(&p[2 + 12 * l..14 + 12 * l], &inputs[l], &zeros);
         inputs.push(out);
     }
     let (hf, nf, rf) = ln(&inputs[L], gf, bf);
-    let counted = targets.iter().filter(|&&t| t >= 0).count() as f64;
-    let logits: Vec<f64> = (0..N * V)
-        .map(|i| (0..C).map(|c| hf[i / V * C + c] * wte[i % V * C + c]).sum())
-        .collect();
-    let (mut loss, mut dlog) = (0.0, vec![0.0; N * V]);
-    for n in 0..N {
-        if targets[n] < 0 {
-            continue;
-        }
-        let lg = &logits[n * V..(n + 1) * V];
-        let m = lg.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-        let z: f64 = lg.iter().map(|l| (l - m).exp()).sum();
-        let t = targets[n] as usize;
-        loss += z.ln() - (lg[t] - m);
-        for v in 0..V {
-            let hot = if v == t { 1.0 } else { 0.0 };
-            dlog[n * V + v] = ((lg[v] - m).exp() / z - hot) / counted;
-        }
-    }
-    loss /= counted;
-    let (mut dhf, mut dwte) = (vec![0.0; N * C], vec![0.0; V * C]);
-    for n in 0..N {
-        for v in 0..V {
-            let d = dlog[n * V + v];
-            if d == 0.0 {
-                continue;
-            }
-            for c in 0..C {
-                dhf[n * C + c] += d * wte[v * C + c];
-                dwte[v * C + c] += d * hf[n * C + c];
-            }
-        }
-    }
-    let [mut dx, dgf, dbf] = ln_bwd(&dhf, &nf, &rf, gf);
+    let head = lm_head_ref(&hf, wte, targets, V);
+    let [mut dx, dgf, dbf] = ln_bwd(&head.dh, &nf, &rf, gf);
     let mut block_grads = vec![Vec::new(); L];
     for l in (0..L).rev() {
         let (_, dxl, g) = block_ref(&p[2 + 12 * l..14 + 12 * l], &inputs[l], &dx);
         dx = dxl;
         block_grads[l] = g;
     }
-    let mut dwpe = vec![0.0; T * C];
-    for n in 0..N {
-        for c in 0..C {
-            dwte[tokens[n] as usize * C + c] += dx[n * C + c];
-            dwpe[(n % T) * C + c] += dx[n * C + c];
-        }
-    }
+    let mut dwte = head.dwte;
+    let dwpe = embed_bwd(&dx, tokens, &mut dwte, T);
     let mut grads = vec![dwte, dwpe];
     grads.extend(block_grads.into_iter().flatten());
     grads.extend([dgf, dbf]);
-    (loss, grads, logits)
+    (head.loss, grads, head.logits)
 }
 
 fn ids(gpt: &Gpt) -> Vec<TensorId> {

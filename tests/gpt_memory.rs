@@ -59,6 +59,16 @@ fn batch(k: u64, first: usize, rows: usize) -> (Vec<i32>, Vec<i32>) {
     (tokens, targets)
 }
 
+/// A micro-batch over a (tokens, targets) pair of whole rows.
+fn view(pair: &(Vec<i32>, Vec<i32>)) -> GptBatch<'_> {
+    GptBatch {
+        tokens: &pair.0,
+        targets: &pair.1,
+        batch: pair.0.len() / T,
+        seq: T,
+    }
+}
+
 fn manager(dev: Device, policy: Policy, capacity: u64) -> (ChunkManager, Gpt) {
     let mut cfg = ManagerConfig::new(CHUNK, policy);
     cfg.scheduler.capacity = capacity;
@@ -93,13 +103,8 @@ fn train(
     let mut losses = Vec::new();
     let mut h2d = 0;
     for k in from..from + steps {
-        let (tokens, targets) = batch(k, 0, B);
-        let b = GptBatch {
-            tokens: &tokens,
-            targets: &targets,
-            batch: B,
-            seq: T,
-        };
+        let pair = batch(k, 0, B);
+        let b = view(&pair);
         let r = train_step(gpt, m, opt, &[b], ckpt).unwrap();
         losses.push(r.loss.to_bits());
         if k >= from + 2 {
@@ -196,15 +201,7 @@ fn save_train_reload_train_repeats_the_losses() {
     let two = |k: u64| [batch(2 * k, 0, B), batch(2 * k + 1, 0, B)];
     let step = |m: &mut ChunkManager, opt: &mut HybridAdam, k: u64| {
         let bs = two(k);
-        let micro: Vec<GptBatch> = bs
-            .iter()
-            .map(|(t, g)| GptBatch {
-                tokens: t,
-                targets: g,
-                batch: B,
-                seq: T,
-            })
-            .collect();
+        let micro: Vec<GptBatch> = bs.iter().map(view).collect();
         train_step(&gpt, m, opt, &micro, true).unwrap()
     };
     for k in 0..3 {
@@ -244,13 +241,8 @@ fn zero_masters(world: usize, steps: u64) -> Vec<(String, Vec<f32>)> {
                     let gpt = Gpt::register(&mut z, &config(), 5).unwrap();
                     let mut opt = adam(1);
                     for k in 0..steps {
-                        let (t, g) = batch(k, r * per, per);
-                        let b = GptBatch {
-                            tokens: &t,
-                            targets: &g,
-                            batch: per,
-                            seq: T,
-                        };
+                        let pair = batch(k, r * per, per);
+                        let b = view(&pair);
                         let rep = train_step(&gpt, &mut z, &mut opt, &[b], k % 2 == 1).unwrap();
                         assert_eq!(rep.report.outcome, StepOutcome::Stepped);
                     }
@@ -281,13 +273,8 @@ fn zero_over_1_2_4_ranks_equals_one_process() {
     let gpt = Gpt::register(&mut m, &config(), 5).unwrap();
     let mut opt = adam(1);
     for k in 0..STEPS {
-        let (t, g) = batch(k, 0, B);
-        let b = GptBatch {
-            tokens: &t,
-            targets: &g,
-            batch: B,
-            seq: T,
-        };
+        let pair = batch(k, 0, B);
+        let b = view(&pair);
         train_step(&gpt, &mut m, &mut opt, &[b], k % 2 == 1).unwrap();
     }
     for world in [1, 2, 4] {
@@ -390,13 +377,8 @@ fn hugging_face_export_import_round_trip() {
     let gpt = Gpt::register(&mut m, &config(), 5).unwrap();
     let mut opt = adam(1);
     for k in 0..3 {
-        let (t, g) = batch(k, 0, B);
-        let b = GptBatch {
-            tokens: &t,
-            targets: &g,
-            batch: B,
-            seq: T,
-        };
+        let pair = batch(k, 0, B);
+        let b = view(&pair);
         train_step(&gpt, &mut m, &mut opt, &[b], false).unwrap();
     }
     gpt.save_hf(&mut m, &a).unwrap();
@@ -412,13 +394,8 @@ fn hugging_face_export_import_round_trip() {
     }
     gpt2.save_hf(&mut m2, &b).unwrap();
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-    let (t, g) = batch(9, 0, B);
-    let bt = GptBatch {
-        tokens: &t,
-        targets: &g,
-        batch: B,
-        seq: T,
-    };
+    let pair = batch(9, 0, B);
+    let bt = view(&pair);
     let l1 = gpt.loss(&mut m, &bt).unwrap();
     let l2 = gpt2.loss(&mut m2, &bt).unwrap();
     assert_eq!(l1.to_bits(), l2.to_bits());

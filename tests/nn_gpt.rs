@@ -41,57 +41,18 @@ const CASES: [(DType, f64); 3] = [
 /// `(loss, grads)` in the same order.
 fn gpt_ref(p: &[Vec<f64>], tokens: &[i32], targets: &[i32]) -> (f64, Vec<Vec<f64>>) {
     let (wte, wpe, pb, gf, bf) = (&p[0], &p[1], &p[2..14], &p[14], &p[15]);
-    let mut x = vec![0.0; N * C];
-    for n in 0..N {
-        for c in 0..C {
-            x[n * C + c] = wte[tokens[n] as usize * C + c] + wpe[(n % T) * C + c];
-        }
-    }
+    let x = embed_ref(wte, wpe, tokens);
     let (out, _, _) = block_ref(pb, &x, &vec![0.0; N * C]);
     let (hf, nf, rf) = ln(&out, gf, bf);
-    let counted = targets.iter().filter(|&&t| t != IGNORE).count();
-    let mut loss = 0.0;
-    let mut dlog = vec![0.0; N * V];
-    for n in 0..N {
-        if targets[n] == IGNORE {
-            continue;
-        }
-        let lg: Vec<f64> = (0..V)
-            .map(|v| (0..C).map(|c| hf[n * C + c] * wte[v * C + c]).sum())
-            .collect();
-        let m = lg.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
-        let z: f64 = lg.iter().map(|l| (l - m).exp()).sum();
-        let t = targets[n] as usize;
-        loss += z.ln() - (lg[t] - m);
-        for v in 0..V {
-            let onehot = if v == t { 1.0 } else { 0.0 };
-            dlog[n * V + v] = (((lg[v] - m).exp() / z) - onehot) / counted as f64;
-        }
-    }
-    loss /= counted as f64;
-    let mut dhf = vec![0.0; N * C];
-    let mut dwte = vec![0.0; V * C];
-    for n in 0..N {
-        for v in 0..V {
-            for c in 0..C {
-                dhf[n * C + c] += dlog[n * V + v] * wte[v * C + c];
-                dwte[v * C + c] += dlog[n * V + v] * hf[n * C + c];
-            }
-        }
-    }
-    let [dout, dgf, dbf] = ln_bwd(&dhf, &nf, &rf, gf);
+    let head = lm_head_ref(&hf, wte, targets, V);
+    let [dout, dgf, dbf] = ln_bwd(&head.dh, &nf, &rf, gf);
     let (_, dx, gb) = block_ref(pb, &x, &dout);
-    let mut dwpe = vec![0.0; MAX_T * C];
-    for n in 0..N {
-        for c in 0..C {
-            dwte[tokens[n] as usize * C + c] += dx[n * C + c];
-            dwpe[(n % T) * C + c] += dx[n * C + c];
-        }
-    }
+    let mut dwte = head.dwte;
+    let dwpe = embed_bwd(&dx, tokens, &mut dwte, MAX_T);
     let mut grads = vec![dwte, dwpe];
     grads.extend(gb);
     grads.extend([dgf, dbf]);
-    (loss, grads)
+    (head.loss, grads)
 }
 
 struct Gpt {

@@ -90,6 +90,19 @@ struct State<'s> {
     recompute: bool,
 }
 
+impl<'s> State<'s> {
+    fn new(store: &'s mut dyn ParamStore, handles: Handles, stage: Stage, recompute: bool) -> Self {
+        State {
+            store: RefCell::new(store),
+            handles,
+            deferred: RefCell::new(None),
+            sums: RefCell::new(Vec::new()),
+            stage,
+            recompute,
+        }
+    }
+}
+
 impl Host for State<'_> {
     fn handles(&self) -> &Handles {
         &self.handles
@@ -160,14 +173,7 @@ impl<'s, K: PassKind> Pass<'s, K> {
             dtype: store.param_dtype(),
         };
         Ok(Pass {
-            state: State {
-                store: RefCell::new(store),
-                handles,
-                deferred: RefCell::new(None),
-                sums: RefCell::new(Vec::new()),
-                stage: K::STAGE,
-                recompute: false,
-            },
+            state: State::new(store, handles, K::STAGE, false),
             _kind: PhantomData,
         })
     }
@@ -304,14 +310,7 @@ impl Pass<'_, Backward> {
         };
         let store: &mut dyn ParamStore = &mut **self.state.store.get_mut();
         Ok(Pass {
-            state: State {
-                store: RefCell::new(store),
-                handles,
-                deferred: RefCell::new(None),
-                sums: RefCell::new(Vec::new()),
-                stage: Stage::Backward,
-                recompute: true,
-            },
+            state: State::new(store, handles, Stage::Backward, true),
             _kind: PhantomData,
         })
     }

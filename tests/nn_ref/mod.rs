@@ -261,3 +261,79 @@ pub fn mlp_layer(m: &mut ChunkManager, name: &str) -> Mlp {
         c_proj: lin(m, &format!("{name}.c_proj"), 4 * C, C, 4),
     }
 }
+
+/// The token + position embedding `x[n] = wte[tokens[n]] + wpe[n % T]`.
+pub fn embed_ref(wte: &[f64], wpe: &[f64], tokens: &[i32]) -> Vec<f64> {
+    let mut x = vec![0.0; N * C];
+    for n in 0..N {
+        for c in 0..C {
+            x[n * C + c] = wte[tokens[n] as usize * C + c] + wpe[(n % T) * C + c];
+        }
+    }
+    x
+}
+
+/// The embedding's backward: `dx` scattered into `dwte` (added) and a new `dwpe` of
+/// `positions` rows.
+pub fn embed_bwd(dx: &[f64], tokens: &[i32], dwte: &mut [f64], positions: usize) -> Vec<f64> {
+    let mut dwpe = vec![0.0; positions * C];
+    for n in 0..N {
+        for c in 0..C {
+            dwte[tokens[n] as usize * C + c] += dx[n * C + c];
+            dwpe[(n % T) * C + c] += dx[n * C + c];
+        }
+    }
+    dwpe
+}
+
+/// What [`lm_head_ref`] gives.
+pub struct LmRef {
+    /// The mean cross-entropy over the counted rows.
+    pub loss: f64,
+    /// `[N, V]`.
+    pub logits: Vec<f64>,
+    /// The gradient of `h`.
+    pub dh: Vec<f64>,
+    /// The head's share of `wte`'s gradient.
+    pub dwte: Vec<f64>,
+}
+
+/// The tied head `logits = h·wteᵀ` over `v` tokens and the mean cross-entropy over the rows
+/// whose target is not negative (the ignore index).
+pub fn lm_head_ref(h: &[f64], wte: &[f64], targets: &[i32], v: usize) -> LmRef {
+    let logits: Vec<f64> = (0..N * v)
+        .map(|i| (0..C).map(|c| h[i / v * C + c] * wte[i % v * C + c]).sum())
+        .collect();
+    let counted = targets.iter().filter(|&&t| t >= 0).count() as f64;
+    let (mut loss, mut dlog) = (0.0, vec![0.0; N * v]);
+    for n in 0..N {
+        if targets[n] < 0 {
+            continue;
+        }
+        let lg = &logits[n * v..(n + 1) * v];
+        let m = lg.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+        let z: f64 = lg.iter().map(|l| (l - m).exp()).sum();
+        let t = targets[n] as usize;
+        loss += z.ln() - (lg[t] - m);
+        for k in 0..v {
+            let hot = if k == t { 1.0 } else { 0.0 };
+            dlog[n * v + k] = ((lg[k] - m).exp() / z - hot) / counted;
+        }
+    }
+    let (mut dh, mut dwte) = (vec![0.0; N * C], vec![0.0; v * C]);
+    for n in 0..N {
+        for k in 0..v {
+            let d = dlog[n * v + k];
+            for c in 0..C {
+                dh[n * C + c] += d * wte[k * C + c];
+                dwte[k * C + c] += d * h[n * C + c];
+            }
+        }
+    }
+    LmRef {
+        loss: loss / counted,
+        logits,
+        dh,
+        dwte,
+    }
+}

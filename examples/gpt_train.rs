@@ -104,10 +104,11 @@ struct Args {
     /// A Hugging Face tokenizer.json (default: bytes).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
-    /// Resume from a checkpoint of this crate (parameters, optimizer state, step, scaler).
+    /// Resume from a checkpoint of this crate (parameters, optimizer state, step, scaler; with
+    /// ZeRO ranks a directory of one shard a rank).
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Save a checkpoint of this crate at the end.
+    /// Save a checkpoint of this crate at the end (with ZeRO ranks, a directory).
     #[arg(long)]
     save: Option<PathBuf>,
     /// Start from a Hugging Face GPT-2 model.safetensors (its shape replaces --model).
@@ -339,6 +340,11 @@ fn run() -> Result<()> {
         }
     };
     if a.ranks > 1 || std::env::var_os("WORLD_SIZE").is_some() {
+        if a.save_hf.is_some() || a.trace.is_some() {
+            return Err(bad(
+                "--save-hf and --trace need one rank (each ZeRO rank holds a shard)".into(),
+            ));
+        }
         return train_zero(&a, &plan);
     }
     let dev = device(&a, plan.capacity)?;
@@ -610,6 +616,11 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let mut z = ZeroManager::new(c, manager_config(p))?;
     let gpt = register(&mut z, p, a.seed)?;
     let mut opt = adam(a, p.dtype)?;
+    // a ZeRO checkpoint is a directory of one shard a rank
+    let shard = |dir: &PathBuf| dir.join(format!("rank{r}.safetensors"));
+    if let Some(dir) = &a.resume {
+        z.load_checkpoint(&mut opt, shard(dir))?;
+    }
     let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
     for _ in 0..a.steps {
         let idx = opt.steps() * u64::from(a.accumulate);
@@ -625,6 +636,10 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         z.comm().all_reduce_host(&mut mean, ReduceOp::Sum)?;
         losses.push(mean[0] as f32);
         tokens += s.tokens;
+    }
+    if let Some(dir) = &a.save {
+        std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+        z.save_checkpoint(&opt, shard(dir))?;
     }
     let mut rate = [tokens as f64 / t0.elapsed().as_secs_f64()];
     z.comm().all_reduce_host(&mut rate, ReduceOp::Sum)?;

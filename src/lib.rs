@@ -54,6 +54,7 @@ pub mod models;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod parallel;
 pub mod prelude;
 pub mod profile;
 pub mod rng;

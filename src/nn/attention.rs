@@ -91,9 +91,16 @@ impl CausalSelfAttention {
         })
     }
 
-    /// Channels `C`.
+    /// Channels `C` of the output (the model's width).
     pub fn channels(&self) -> usize {
         self.c_proj.outputs
+    }
+
+    /// Channels of the heads this layer computes (`c_attn`'s outputs / 3): `C`, or the share
+    /// of a tensor-parallel rank, whose `c_attn` gives its heads' `q`, `k`, `v` and whose
+    /// `c_proj` takes their merged output.
+    pub fn inner(&self) -> usize {
+        self.c_attn.outputs / 3
     }
 
     /// The parameters: `c_attn`'s, then `c_proj`'s.
@@ -105,16 +112,21 @@ impl CausalSelfAttention {
 
     /// The op for `rows = batch × seq` rows, or [`Error::InvalidArgument`].
     pub(super) fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
-        let c = self.channels();
+        let c = self.inner();
         if batch == 0 || seq == 0 || batch.checked_mul(seq) != Some(rows) {
             return Err(Error::InvalidArgument(format!(
                 "attention over {rows} rows as batch {batch} × sequence {seq}"
             )));
         }
-        if self.heads == 0 || !c.is_multiple_of(self.heads) || self.c_attn.outputs != 3 * c {
+        if self.heads == 0
+            || c == 0
+            || !c.is_multiple_of(self.heads)
+            || self.c_attn.outputs != 3 * c
+            || self.c_proj.inputs != c
+        {
             return Err(Error::InvalidArgument(format!(
-                "attention of {c} channels, {} heads and a c_attn of {} outputs",
-                self.heads, self.c_attn.outputs
+                "attention of {} heads, a c_attn of {} outputs and a c_proj of {} inputs",
+                self.heads, self.c_attn.outputs, self.c_proj.inputs
             )));
         }
         Ok(Attention::new(Heads::new(
@@ -137,8 +149,8 @@ impl CausalSelfAttention {
         seq: usize,
     ) -> Result<(Act, AttnSaved)> {
         let d = pass.param_dtype();
-        let c = self.channels();
-        x.expect("x", None, c, d)?;
+        let c = self.inner();
+        x.expect("x", None, self.c_attn.inputs, d)?;
         let op = self.op(x.rows(), batch, seq)?;
         let rows = x.rows();
         let qkv = self.c_attn.forward(pass, x)?;
@@ -177,10 +189,10 @@ impl CausalSelfAttention {
     /// `[B·T, C]`: writes the four parameters' gradients and returns `dx`.
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &AttnSaved, dy: &Act) -> Result<Act> {
         let d = pass.param_dtype();
-        let c = self.channels();
+        let c = self.inner();
         let rows = saved.x.rows();
-        saved.x.expect("saved input", None, c, d)?;
-        dy.expect("dy", Some(rows), c, d)?;
+        saved.x.expect("saved input", None, self.c_attn.inputs, d)?;
+        dy.expect("dy", Some(rows), self.channels(), d)?;
         let op = self.op(rows, saved.batch, saved.seq)?;
         let dmerged = self
             .c_proj

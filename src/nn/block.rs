@@ -125,14 +125,30 @@ impl Block {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, BlockSaved)> {
+        self.forward_with(pass, x, batch, seq, &|_| Ok(()))
+    }
+
+    /// [`Block::forward`] with `sum` applied in place to the attention's and the MLP's
+    /// outputs before the residual adds: the all-reduce of a tensor-parallel block whose
+    /// layers hold one rank's shards (each output is then a partial sum).
+    pub fn forward_with(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        batch: usize,
+        seq: usize,
+        sum: &dyn Fn(&Act) -> Result<()>,
+    ) -> Result<(Act, BlockSaved)> {
         x.expect("x", None, self.ln_1.cols, pass.param_dtype())?;
         self.attn.op(x.rows(), batch, seq)?;
         let (y1, ln_1) = self.ln_1.forward(pass, x, None)?;
         let (a, attn) = self.attn.forward(pass, &y1, batch, seq)?;
+        sum(&a)?;
         // h1 = x + a, and its normalisation, in one op
         let (y2, ln_2) = self.ln_2.forward(pass, &a, Some(x))?;
         drop(a);
         let (m, mlp) = self.mlp.forward(pass, &y2)?;
+        sum(&m)?;
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), x.dtype())?;
         let one = Axpby {
             alpha: 1.0,
@@ -159,6 +175,19 @@ impl Block {
     /// The backward of [`Block::forward`] from the output's gradient `dout`: writes every
     /// parameter's gradient and returns `dx` (a new activation; `dout` is not changed).
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &BlockSaved, dout: &Act) -> Result<Act> {
+        self.backward_with(pass, saved, dout, &|_| Ok(()))
+    }
+
+    /// [`Block::backward`] with `sum` applied in place to the gradients the MLP and the
+    /// attention give their inputs, before the LayerNorms' backward (the all-reduce of a
+    /// tensor-parallel block; see [`Block::forward_with`]).
+    pub fn backward_with(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &BlockSaved,
+        dout: &Act,
+        sum: &dyn Fn(&Act) -> Result<()>,
+    ) -> Result<Act> {
         let (rows, c, d) = (dout.rows(), dout.cols(), dout.dtype());
         dout.expect(
             "dout",
@@ -171,9 +200,11 @@ impl Block {
         pass.device()
             .copy_d2d(pass.stream(), dout.input(), dres.view())?;
         let dm = self.mlp.backward(pass, &saved.mlp, dout)?;
+        sum(&dm)?;
         self.ln_2.backward(pass, &saved.ln_2, &dm, Some(&dres))?;
         drop(dm);
         let dy1 = self.attn.backward(pass, &saved.attn, &dres)?;
+        sum(&dy1)?;
         self.ln_1.backward(pass, &saved.ln_1, &dy1, Some(&dres))?;
         Ok(dres)
     }

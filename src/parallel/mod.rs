@@ -3,3 +3,7 @@
 //! other.
 //!
 //! [`Communicator`]: crate::comm::Communicator
+
+pub mod one_d;
+
+pub use one_d::{Block1D, Collectives, ColumnLinear, RowLinear, Shard};

@@ -1,0 +1,352 @@
+//! 1D (Megatron) tensor parallelism over a group of `P` ranks: column- and row-parallel
+//! linears and the transformer block built from them.
+//!
+//! Each rank registers only its shard of every weight, under the serial layer's name, in its
+//! own store, and computes with the [`nn`](crate::nn) layers on it; the layers here add the
+//! collectives, on the pass's stream:
+//!
+//! - [`ColumnLinear`]: `W_r` holds output rows `r·out/P ..` (with `parts > 1`, that slice of
+//!   each of `parts` stacked outputs, e.g. attention's q, k, v), the bias the same rows; `X` is
+//!   replicated and `Y_r = X·W_rᵀ + b_r` needs no collective. Backward: `dX = Σ_r dY_r·W_r`,
+//!   one all-reduce.
+//! - [`RowLinear`]: `W_r` holds input columns `r·in/P ..`; `Y = Σ_r X_r·W_rᵀ + b`, one
+//!   all-reduce. The bias lives on the group's first rank only and is added there before the
+//!   reduction, so its gradient (`Σ dY`) is computed once. Backward needs no collective.
+//! - [`Block1D`]: GPT-2's block with `c_attn` and `c_fc` column-parallel, `c_proj`s
+//!   row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of `rows × C` in
+//!   forward and two in backward ([`Block1D::collectives`]).
+//!
+//! Shapes that do not divide by `P` are refused at registration.
+
+use serde::Serialize;
+
+use crate::comm::{Communicator, ReduceOp};
+use crate::error::{Error, Result};
+use crate::nn::{Act, Block, BlockSaved, CausalSelfAttention, LayerNorm, Linear, Mlp};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::Init;
+
+/// A rank's place in its tensor-parallel group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Shard {
+    /// The rank in the group.
+    pub rank: usize,
+    /// The group's size `P`.
+    pub size: usize,
+}
+
+impl Shard {
+    /// The place of `group`'s rank.
+    pub fn of(group: &Communicator) -> Shard {
+        Shard {
+            rank: group.rank(),
+            size: group.world(),
+        }
+    }
+
+    /// `n / P`, or an error naming `what` when `n` does not divide.
+    fn split(&self, what: &str, n: usize) -> Result<usize> {
+        if self.size == 0 || self.rank >= self.size {
+            return Err(Error::InvalidArgument(format!(
+                "rank {} of a tensor-parallel group of {}",
+                self.rank, self.size
+            )));
+        }
+        if n == 0 || !n.is_multiple_of(self.size) {
+            return Err(Error::InvalidArgument(format!(
+                "{what} of {n} does not split over {} tensor-parallel ranks",
+                self.size
+            )));
+        }
+        Ok(n / self.size)
+    }
+}
+
+/// The initialiser of a shard: element `i` of the shard is element `map(i)` of the master.
+fn shard_init(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
+    let master = master.clone();
+    Init::Fn(std::sync::Arc::new(move |i| master.value(map(i))))
+}
+
+/// All-reduces an activation in place (SUM over the group) on the pass's stream.
+fn all_reduce(group: &Communicator, stream: &crate::device::Stream, a: &Act) -> Result<()> {
+    group.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum)
+}
+
+/// A column-parallel linear layer (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ColumnLinear {
+    /// This rank's shard: `[out/P, in]` and bias `[out/P]`.
+    pub linear: Linear,
+    /// The full layer's outputs.
+    pub outputs: usize,
+    /// Stacked outputs split each on its own (3 for attention's q, k, v).
+    pub parts: usize,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+impl ColumnLinear {
+    /// Registers `{name}.weight` (this rank's rows of the master `[outputs, inputs]`, whose
+    /// values `weight` gives element by element, row-major) and `{name}.bias` (its rows of
+    /// `bias`'s `[outputs]`). With `parts`, the outputs are `parts` stacked blocks each split
+    /// over the ranks. Fails if a block does not split over `P`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        parts: usize,
+        weight: &Init,
+        bias: Option<&Init>,
+        shard: Shard,
+    ) -> Result<ColumnLinear> {
+        if parts == 0 || !outputs.is_multiple_of(parts) {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': {outputs} outputs in {parts} parts"
+            )));
+        }
+        let block = outputs / parts;
+        let local = shard.split(&format!("'{name}': an output block"), block)?;
+        let r = shard.rank;
+        // local row q of part p is master row p·block + r·local + q
+        let row = move |lr: usize| (lr / local) * block + r * local + lr % local;
+        let w = shard_init(weight, move |i| row(i / inputs) * inputs + i % inputs);
+        let b = bias.map(|b| shard_init(b, row));
+        let linear = Linear::register_with(store, name, inputs, local * parts, w, b)?;
+        Ok(ColumnLinear {
+            linear,
+            outputs,
+            parts,
+            shard,
+        })
+    }
+
+    /// `Y_r = X·W_rᵀ + b_r` (this rank's output columns); no collective.
+    pub fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<Act> {
+        self.linear.forward(pass, x)
+    }
+
+    /// Writes the shard's gradients; with `need_dx`, returns `dX`, all-reduced over `group`.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        group: &Communicator,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        let dx = self.linear.backward(pass, x, dy, need_dx)?;
+        if let Some(dx) = &dx {
+            all_reduce(group, pass.stream(), dx)?;
+        }
+        Ok(dx)
+    }
+}
+
+/// A row-parallel linear layer (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RowLinear {
+    /// This rank's shard: `[out, in/P]`; the bias `[out]` on the group's first rank only.
+    pub linear: Linear,
+    /// The full layer's inputs.
+    pub inputs: usize,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+impl RowLinear {
+    /// Registers `{name}.weight` (this rank's columns of the master `[outputs, inputs]`) and,
+    /// on the group's first rank, `{name}.bias` (`[outputs]`). Fails if the inputs do not split
+    /// over `P`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        weight: &Init,
+        bias: Option<&Init>,
+        shard: Shard,
+    ) -> Result<RowLinear> {
+        let local = shard.split(&format!("'{name}': the inputs"), inputs)?;
+        let first = shard.rank * local;
+        let w = shard_init(weight, move |i| (i / local) * inputs + first + i % local);
+        let b = bias.filter(|_| shard.rank == 0).cloned();
+        let linear = Linear::register_with(store, name, local, outputs, w, b)?;
+        Ok(RowLinear {
+            linear,
+            inputs,
+            shard,
+        })
+    }
+
+    /// `Y = Σ_r X_r·W_rᵀ + b`: the local product (plus the bias on the first rank), then an
+    /// all-reduce over `group`.
+    pub fn forward(&self, pass: &ForwardPass<'_>, group: &Communicator, x: &Act) -> Result<Act> {
+        let y = self.linear.forward(pass, x)?;
+        all_reduce(group, pass.stream(), &y)?;
+        Ok(y)
+    }
+
+    /// Writes the shard's gradients (and the bias's on the first rank); with `need_dx`,
+    /// returns this rank's `dX_r = dY·W_r`. No collective.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        self.linear.backward(pass, x, dy, need_dx)
+    }
+}
+
+/// A LayerNorm every rank of the group holds whole: `{name}.weight` and `{name}.bias`.
+fn replicated_layer_norm(
+    store: &mut impl ParamStore,
+    name: &str,
+    cols: usize,
+    eps: f32,
+    init: &dyn Fn(&str) -> Init,
+) -> Result<LayerNorm> {
+    let (g, b) = (format!("{name}.weight"), format!("{name}.bias"));
+    Ok(LayerNorm {
+        gamma: store.register(&g, &[cols], init(&g))?,
+        beta: store.register(&b, &[cols], init(&b))?,
+        cols,
+        eps,
+    })
+}
+
+/// Collective calls and bytes of a layer, forward and backward.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Collectives {
+    /// All-reduces in the forward pass.
+    pub forward_all_reduces: u64,
+    /// Bytes they reduce (each call's buffer, summed).
+    pub forward_bytes: u64,
+    /// All-reduces in the backward pass.
+    pub backward_all_reduces: u64,
+    /// Bytes they reduce.
+    pub backward_bytes: u64,
+}
+
+/// GPT-2's pre-LayerNorm block split over a 1D group (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Block1D {
+    /// The block over this rank's shards (`H/P` heads, `4C/P` hidden features).
+    pub block: Block,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+impl Block1D {
+    /// Registers this rank's shards of block `name` of `channels` channels and `heads` heads
+    /// under GPT-2's names (`{name}.ln_1.*`, `{name}.attn.c_attn.*`, …), each with the values
+    /// of its master: `init(param name)` gives the full tensor's initialiser (linear weights
+    /// `[outputs, inputs]`). LayerNorms are replicated. Fails if the heads or the channels do
+    /// not split over `P`.
+    pub fn register(
+        store: &mut impl ParamStore,
+        name: &str,
+        channels: usize,
+        heads: usize,
+        eps: f32,
+        init: &dyn Fn(&str) -> Init,
+        shard: Shard,
+    ) -> Result<Block1D> {
+        let local_heads = shard.split(&format!("'{name}': the heads"), heads)?;
+        if channels == 0 || !channels.is_multiple_of(heads) {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': {channels} channels over {heads} heads"
+            )));
+        }
+        let c = channels;
+        let p = |s: &str| format!("{name}.{s}");
+        let ln_1 = replicated_layer_norm(store, &p("ln_1"), c, eps, init)?;
+        let (w, b) = (init(&p("attn.c_attn.weight")), init(&p("attn.c_attn.bias")));
+        let c_attn =
+            ColumnLinear::register(store, &p("attn.c_attn"), c, 3 * c, 3, &w, Some(&b), shard)?;
+        let (w, b) = (init(&p("attn.c_proj.weight")), init(&p("attn.c_proj.bias")));
+        let attn_proj = RowLinear::register(store, &p("attn.c_proj"), c, c, &w, Some(&b), shard)?;
+        let ln_2 = replicated_layer_norm(store, &p("ln_2"), c, eps, init)?;
+        let (w, b) = (init(&p("mlp.c_fc.weight")), init(&p("mlp.c_fc.bias")));
+        let c_fc = ColumnLinear::register(store, &p("mlp.c_fc"), c, 4 * c, 1, &w, Some(&b), shard)?;
+        let (w, b) = (init(&p("mlp.c_proj.weight")), init(&p("mlp.c_proj.bias")));
+        let mlp_proj = RowLinear::register(store, &p("mlp.c_proj"), 4 * c, c, &w, Some(&b), shard)?;
+        Ok(Block1D {
+            block: Block {
+                ln_1,
+                attn: CausalSelfAttention {
+                    c_attn: c_attn.linear,
+                    c_proj: attn_proj.linear,
+                    heads: local_heads,
+                },
+                ln_2,
+                mlp: Mlp {
+                    c_fc: c_fc.linear,
+                    c_proj: mlp_proj.linear,
+                },
+            },
+            shard,
+        })
+    }
+
+    /// The block on `x` `[B·T, C]` (replicated over the group): the output (replicated) and
+    /// what the backward needs. All-reduces the attention's and the MLP's outputs.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        x: &Act,
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, BlockSaved)> {
+        self.check(group)?;
+        let s = pass.stream();
+        self.block
+            .forward_with(pass, x, batch, seq, &|a| all_reduce(group, s, a))
+    }
+
+    /// The backward from `dout` (replicated): writes this rank's shard gradients and returns
+    /// `dx` (replicated). All-reduces the gradients the MLP and the attention give their
+    /// inputs.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        group: &Communicator,
+        saved: &BlockSaved,
+        dout: &Act,
+    ) -> Result<Act> {
+        self.check(group)?;
+        let s = pass.stream();
+        self.block
+            .backward_with(pass, saved, dout, &|a| all_reduce(group, s, a))
+    }
+
+    /// The collectives of one forward and backward over `rows` rows of parameters of `dtype`.
+    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Collectives {
+        let bytes = (rows * self.block.ln_1.cols * dtype.size()) as u64;
+        Collectives {
+            forward_all_reduces: 2,
+            forward_bytes: 2 * bytes,
+            backward_all_reduces: 2,
+            backward_bytes: 2 * bytes,
+        }
+    }
+
+    fn check(&self, group: &Communicator) -> Result<()> {
+        if Shard::of(group) != self.shard {
+            return Err(Error::InvalidArgument(format!(
+                "a block registered as rank {} of {} run on rank {} of {}",
+                self.shard.rank,
+                self.shard.size,
+                group.rank(),
+                group.world()
+            )));
+        }
+        Ok(())
+    }
+}

@@ -18,8 +18,15 @@ impl ChunkManager {
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let dt = self.param_dtype();
         let es = dt.size();
+        // tensors counted in part: their full statistics again, scaled by (share - 1)
+        let mut partial: Vec<f64> = Vec::new();
         for g in 0..self.groups() {
-            for r in self.param_grad_ranges(g) {
+            let mut ranges = self.param_grad_ranges(g);
+            for (r, share) in self.partial_shares(g, true) {
+                ranges.push(r);
+                partial.push(share - 1.0);
+            }
+            for r in ranges {
                 if self.param_on_device(g) {
                     on_device.push((g, r));
                     parts.push(None);
@@ -35,10 +42,25 @@ impl ChunkManager {
                 *p = results.next();
             }
         }
-        Ok(parts
-            .into_iter()
-            .flatten()
-            .fold(GradStats::default(), GradStats::merge))
+        // the partial ranges come after their group's ranges: weight them in order
+        let mut weights = partial.into_iter();
+        let mut out = GradStats::default();
+        let mut g_parts = parts.into_iter().flatten();
+        for g in 0..self.groups() {
+            let whole = self.param_grad_ranges(g).len();
+            for st in g_parts.by_ref().take(whole) {
+                out = out.merge(st);
+            }
+            for _ in self.partial_shares(g, true) {
+                let st = g_parts.next().unwrap_or_default();
+                let w = weights.next().unwrap_or(0.0);
+                out = out.merge(GradStats {
+                    sum_sq: st.sum_sq * w,
+                    nonfinite: st.nonfinite,
+                });
+            }
+        }
+        Ok(out)
     }
 }
 

@@ -588,12 +588,19 @@ impl HybridAdam {
             });
         }
         self.micro = 0;
-        let st = reduce(
-            self.acc
-                .iter()
-                .map(|a| grad_stats(Grad::F32(a)))
-                .fold(GradStats::default(), GradStats::merge),
-        )?;
+        let mut local = GradStats::default();
+        for (g, a) in self.acc.iter().enumerate() {
+            local = local.merge(grad_stats(Grad::F32(a)));
+            // tensors counted in part (replicated over a tensor-parallel group)
+            for (r, share) in m.partial_shares(g, false) {
+                let part = grad_stats(Grad::F32(a.get(r).unwrap_or(&[])));
+                local = local.merge(GradStats {
+                    sum_sq: part.sum_sq * (share - 1.0),
+                    nonfinite: part.nonfinite,
+                });
+            }
+        }
+        let st = reduce(local)?;
         if st.nonfinite {
             self.clear_accumulators();
             return self.skip(m, scale, 0, st);

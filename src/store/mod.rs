@@ -97,7 +97,7 @@ use crate::chunk::{ChunkManager, TensorView};
 use crate::device::{CachingAllocator, Device, Stream};
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::optim::{HybridAdam, StepReport};
+use crate::optim::{GradStats, HybridAdam, StepReport};
 use crate::tensor::{Init, Stage, TensorId};
 use crate::zero::ZeroManager;
 
@@ -150,6 +150,21 @@ pub trait ParamStore: Send + sealed::Core {
     /// iteration (see [`HybridAdam::step`]; a [`ZeroManager`] all-reduces the gradient
     /// statistics first).
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport>;
+
+    /// [`ParamStore::step`] with the gradient statistics passed through `reduce` before they
+    /// decide anything (after a [`ZeroManager`]'s own reduction over its data-parallel group):
+    /// e.g. an all-reduce over a tensor-parallel group, so that every rank clips by the global
+    /// norm and skips an overflow together.
+    fn step_reducing(
+        &mut self,
+        adam: &mut HybridAdam,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport>;
+
+    /// Counts `share` (in (0, 1]) of tensor `id`'s squared gradient norm in the optimizer's
+    /// statistics: `1/P` for a parameter every rank of a tensor-parallel group of `P` holds
+    /// whole. Before the first fetch.
+    fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()>;
 
     /// Ends the iteration whose backward pass just ended without an optimizer step (an
     /// evaluation forward, or a step the trainer drops): the parameters stay as they were.
@@ -280,6 +295,16 @@ impl ParamStore for ChunkManager {
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         ChunkManager::step(self, adam)
     }
+    fn step_reducing(
+        &mut self,
+        adam: &mut HybridAdam,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
+        adam.step_reducing(self, reduce)
+    }
+    fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
+        ChunkManager::set_norm_share(self, id, share)
+    }
     fn skip_step(&mut self) -> Result<()> {
         if self.stage() != Some(Stage::Optimizer) {
             return Err(crate::Error::WrongStage {
@@ -360,6 +385,16 @@ impl ParamStore for ZeroManager {
     }
     fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
         ZeroManager::step(self, adam)
+    }
+    fn step_reducing(
+        &mut self,
+        adam: &mut HybridAdam,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
+        ZeroManager::step_reducing(self, adam, reduce)
+    }
+    fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
+        ZeroManager::set_norm_share(self, id, share)
     }
     fn skip_step(&mut self) -> Result<()> {
         ZeroManager::skip_step(self)

@@ -68,6 +68,16 @@ impl ZeroManager {
     /// further use: start new communicators and managers and load the ranks' checkpoints
     /// ([`ZeroManager::load_checkpoint`]).
     pub fn step(&mut self, adam: &mut HybridAdam) -> Result<StepReport> {
+        self.step_reducing(adam, &mut Ok)
+    }
+
+    /// [`ZeroManager::step`] with the statistics, once all-reduced over the data-parallel
+    /// group, passed through `reduce` too (e.g. over a tensor-parallel group).
+    pub fn step_reducing(
+        &mut self,
+        adam: &mut HybridAdam,
+        reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
+    ) -> Result<StepReport> {
         if self.stage != Some(Stage::Optimizer) {
             return Err(Error::WrongStage {
                 call: "ZeroManager::step (it runs after end_backward)".into(),
@@ -80,7 +90,7 @@ impl ZeroManager {
             comm.all_reduce_host(&mut sq, ReduceOp::Sum)?;
             let mut flag = [u8::from(st.nonfinite)];
             comm.all_reduce_host(&mut flag, ReduceOp::Max)?;
-            Ok(GradStats {
+            reduce(GradStats {
                 sum_sq: sq[0],
                 nonfinite: flag[0] != 0,
             })

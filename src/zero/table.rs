@@ -18,6 +18,9 @@ pub(super) struct ZTensor {
     pub(super) grad: bool,
     /// Id in this rank's manager, for tensors of owned groups.
     pub(super) local: Option<TensorId>,
+    /// The share of its squared gradient norm the optimizer counts (see
+    /// [`crate::chunk::ChunkManager::set_norm_share`]).
+    pub(super) norm_share: f64,
 }
 
 impl ZeroManager {
@@ -40,8 +43,29 @@ impl ZeroManager {
             bwd_uses: 0,
             grad: false,
             local: None,
+            norm_share: 1.0,
         });
         Ok(TensorId(self.tensors.len() as u32 - 1))
+    }
+
+    /// Counts `share` of tensor `id`'s squared gradient norm in the gradient statistics (see
+    /// [`crate::chunk::ChunkManager::set_norm_share`]); before the first fetch.
+    pub fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
+        if self.closed {
+            return Err(Error::InvalidArgument(
+                "norm shares are set before the first fetch".into(),
+            ));
+        }
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "a norm share of {share} (it is in (0, 1])"
+            )));
+        }
+        self.tensors
+            .get_mut(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?
+            .norm_share = share;
+        Ok(())
     }
 
     /// Whether this rank owns the chunk of `id`.
@@ -97,6 +121,7 @@ impl ZeroManager {
                         zt.name, slot.offset, zt.slot.offset
                     )));
                 }
+                self.local.set_norm_share(id, zt.norm_share)?;
                 self.tensors[t as usize].local = Some(id);
             }
         }

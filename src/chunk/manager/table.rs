@@ -17,6 +17,9 @@ pub(super) struct TensorMeta {
     pub(super) fwd_uses: u32,
     pub(super) bwd_uses: u32,
     pub(super) grad: bool,
+    /// The share of the gradient's squared norm this process counts (see
+    /// [`ChunkManager::set_norm_share`]).
+    pub(super) norm_share: f64,
 }
 
 impl ChunkManager {
@@ -39,6 +42,7 @@ impl ChunkManager {
             fwd_uses: 0,
             bwd_uses: 0,
             grad: false,
+            norm_share: 1.0,
         });
         Ok(TensorId(self.tensors.len() as u32 - 1))
     }
@@ -153,6 +157,36 @@ impl ChunkManager {
 
     /// Tensors of group `g`: id, offset and length in elements, and whether a gradient was
     /// written into its parameter slot this iteration.
+    /// Counts `share` (in (0, 1]) of tensor `id`'s squared gradient norm in the optimizer's
+    /// gradient statistics: `1/P` for a parameter every rank of a tensor-parallel group of `P`
+    /// holds whole, so that the statistics summed over the group count it once (the global
+    /// norm clipping needs). 1 by default.
+    pub fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "a norm share of {share} (it is in (0, 1])"
+            )));
+        }
+        self.meta(id)?;
+        self.tensors[id.index()].norm_share = share;
+        Ok(())
+    }
+
+    /// The tensors of group `g` whose norm share is not 1, as (element range in the group,
+    /// share), with `written` only those whose gradient was written this iteration.
+    pub(crate) fn partial_shares(
+        &self,
+        g: usize,
+        written: bool,
+    ) -> Vec<(std::ops::Range<usize>, f64)> {
+        self.layout.group_tensors[g]
+            .iter()
+            .map(|&t| &self.tensors[t as usize])
+            .filter(|m| m.norm_share != 1.0 && (m.grad || !written))
+            .map(|m| (m.slot.offset..m.slot.offset + m.slot.numel, m.norm_share))
+            .collect()
+    }
+
     pub(super) fn group_tensors(&self, g: usize) -> Vec<(TensorId, usize, usize, bool)> {
         self.layout.group_tensors[g]
             .iter()

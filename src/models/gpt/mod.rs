@@ -13,4 +13,4 @@ mod train;
 pub use config::GptConfig;
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
-pub use train::{train_step, TrainStep};
+pub use train::{train_step, train_step_in, TrainStep};

@@ -6,8 +6,10 @@ use std::collections::BTreeMap;
 use serde::Serialize;
 
 use super::GptConfig;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::{Act, Block, BlockSaved, Embedding, LayerNorm, LmHead};
+use crate::parallel::{Block1D, Shard};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
@@ -59,6 +61,9 @@ pub struct Gpt {
     pub ln_f: LayerNorm,
     /// The LM head over `wte`.
     pub head: LmHead,
+    /// For a model split over a 1D tensor-parallel group ([`Gpt::register_1d`]): this rank's
+    /// place; the blocks hold its shards.
+    pub tensor: Option<Shard>,
     params: Vec<(String, TensorId)>,
 }
 
@@ -176,6 +181,120 @@ impl Gpt {
             blocks,
             ln_f: ln("ln_f"),
             head,
+            tensor: None,
+            params,
+        })
+    }
+
+    /// Registers rank `shard`'s part of the model split over a 1D tensor-parallel group
+    /// (Megatron's layout, [`Block1D`]): each block's `c_attn` and `c_fc` column-parallel,
+    /// `c_proj`s row-parallel, `H/P` heads a rank; the embedding, LayerNorms and tied head
+    /// replicated. Every shard holds the values of [`Gpt::register`]'s master for `seed`, so
+    /// the split model computes what the serial one does. Run it with the `*_in` methods and
+    /// the group. Fails if the heads do not split over `P`.
+    pub fn register_1d(
+        store: &mut impl ParamStore,
+        cfg: &GptConfig,
+        seed: u64,
+        shard: Shard,
+    ) -> Result<Gpt> {
+        cfg.validate()?;
+        if shard.size == 0 || !cfg.heads.is_multiple_of(shard.size) {
+            return Err(Error::InvalidArgument(format!(
+                "{} heads do not split over {} tensor-parallel ranks",
+                cfg.heads, shard.size
+            )));
+        }
+        let init = |name: &str| default_init(cfg, name, seed);
+        let c = cfg.channels;
+        let wte = store.register("wte.weight", &[cfg.vocab, c], init("wte.weight"))?;
+        let wpe = store.register("wpe.weight", &[cfg.max_seq, c], init("wpe.weight"))?;
+        let mut blocks = Vec::with_capacity(cfg.layers);
+        for i in 0..cfg.layers {
+            let b = Block1D::register(
+                store,
+                &format!("h.{i}"),
+                c,
+                cfg.heads,
+                cfg.eps,
+                &init,
+                shard,
+            )?;
+            blocks.push(b.block);
+        }
+        let ln_f = LayerNorm {
+            gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
+            beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
+            cols: c,
+            eps: cfg.eps,
+        };
+        let embedding = Embedding {
+            wte,
+            wpe,
+            vocab: cfg.vocab,
+            max_seq: cfg.max_seq,
+            channels: c,
+        };
+        let head = LmHead::tied(&*store, wte, IGNORE_INDEX)?;
+        let mut params = vec![
+            ("wte.weight".to_string(), wte),
+            ("wpe.weight".to_string(), wpe),
+        ];
+        for (i, b) in blocks.iter().enumerate() {
+            let names = [
+                "ln_1.weight",
+                "ln_1.bias",
+                "attn.c_attn.weight",
+                "attn.c_attn.bias",
+                "attn.c_proj.weight",
+                "attn.c_proj.bias",
+                "ln_2.weight",
+                "ln_2.bias",
+                "mlp.c_fc.weight",
+                "mlp.c_fc.bias",
+                "mlp.c_proj.weight",
+                "mlp.c_proj.bias",
+            ];
+            // the row-parallel biases live on the first rank only
+            let ids = [
+                Some(b.ln_1.gamma),
+                Some(b.ln_1.beta),
+                Some(b.attn.c_attn.weight),
+                b.attn.c_attn.bias,
+                Some(b.attn.c_proj.weight),
+                b.attn.c_proj.bias,
+                Some(b.ln_2.gamma),
+                Some(b.ln_2.beta),
+                Some(b.mlp.c_fc.weight),
+                b.mlp.c_fc.bias,
+                Some(b.mlp.c_proj.weight),
+                b.mlp.c_proj.bias,
+            ];
+            for (n, id) in names.iter().zip(ids) {
+                if let Some(id) = id {
+                    params.push((format!("h.{i}.{n}"), id));
+                }
+            }
+        }
+        params.push(("ln_f.weight".to_string(), ln_f.gamma));
+        params.push(("ln_f.bias".to_string(), ln_f.beta));
+        // every rank holds the embedding and the LayerNorms whole: each counts 1/P of their
+        // gradients' squared norm, so the group's sum counts them once
+        let share = 1.0 / shard.size as f64;
+        let mut replicated = vec![wte, wpe, ln_f.gamma, ln_f.beta];
+        for b in &blocks {
+            replicated.extend([b.ln_1.gamma, b.ln_1.beta, b.ln_2.gamma, b.ln_2.beta]);
+        }
+        for id in replicated {
+            store.set_norm_share(id, share)?;
+        }
+        Ok(Gpt {
+            config: cfg.clone(),
+            embedding,
+            blocks,
+            ln_f,
+            head,
+            tensor: Some(shard),
             params,
         })
     }
@@ -197,6 +316,11 @@ impl Gpt {
         m: &mut crate::chunk::ChunkManager,
         path: impl AsRef<std::path::Path>,
     ) -> Result<()> {
+        if self.tensor.is_some() {
+            return Err(Error::InvalidArgument(
+                "a tensor-parallel rank holds shards: export the serial model".into(),
+            ));
+        }
         super::write_hf(path, &self.config, |name| {
             let id = self
                 .param(name)
@@ -245,23 +369,72 @@ impl Gpt {
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<f32> {
+        self.forward_backward_in(store, None, b, opts)
+    }
+
+    /// [`Gpt::forward_backward`] of a model split over the tensor-parallel group `tp`
+    /// ([`Gpt::register_1d`]; `None` for a serial model). Every rank of the group runs it on
+    /// the same batch.
+    pub fn forward_backward_in<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tp: Option<&Communicator>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<f32> {
         self.check(b)?;
+        self.check_group(tp)?;
         let fwd = store.forward()?;
-        let (loss, saved) = self.forward(&fwd, b, opts)?;
+        let (loss, saved) = self.forward(&fwd, tp, b, opts)?;
         fwd.finish()?;
         let mut bwd = store.backward()?;
-        self.backward(&mut bwd, b, saved, opts)?;
+        self.backward(&mut bwd, tp, b, saved, opts)?;
         bwd.finish()?;
         Ok(loss)
+    }
+
+    /// Checks that `tp` is the group the model was split over (none for a serial model).
+    fn check_group(&self, tp: Option<&Communicator>) -> Result<()> {
+        let got = tp.map(Shard::of);
+        if got != self.tensor {
+            return Err(Error::InvalidArgument(format!(
+                "a model registered for tensor-parallel place {:?} run with {:?}",
+                self.tensor, got
+            )));
+        }
+        Ok(())
+    }
+
+    /// The sum a tensor-parallel block applies to its partial outputs: an all-reduce over
+    /// `tp`, or nothing.
+    fn sum<'a>(
+        tp: Option<&'a Communicator>,
+        stream: &'a crate::device::Stream,
+    ) -> impl Fn(&Act) -> Result<()> + 'a {
+        move |a: &Act| match tp {
+            Some(g) => g.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum),
+            None => Ok(()),
+        }
     }
 
     /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
     /// the iteration ended without a step ([`ParamStore::skip_step`]).
     pub fn loss<S: ParamStore + ?Sized>(&self, store: &mut S, b: &GptBatch<'_>) -> Result<f32> {
+        self.loss_in(store, None, b)
+    }
+
+    /// [`Gpt::loss`] of a model split over the tensor-parallel group `tp`.
+    pub fn loss_in<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tp: Option<&Communicator>,
+        b: &GptBatch<'_>,
+    ) -> Result<f32> {
         self.check(b)?;
+        self.check_group(tp)?;
         let fwd = store.forward()?;
         let (x, _) = self.embedding.forward(&fwd, b.tokens, b.batch, b.seq)?;
-        let x = self.blocks_forward(&fwd, x, b, None)?;
+        let x = self.blocks_forward(&fwd, tp, x, b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let (loss, _) = self.head.forward(&fwd, &h, b.targets)?;
@@ -296,7 +469,8 @@ impl Gpt {
             batch,
             seq,
         };
-        let x = self.blocks_forward(&fwd, x, &b, None)?;
+        self.check_group(None)?;
+        let x = self.blocks_forward(&fwd, None, x, &b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let logits = self.head.proj.forward(&fwd, &h)?;
@@ -311,12 +485,13 @@ impl Gpt {
     fn forward(
         &self,
         fwd: &ForwardPass<'_>,
+        tp: Option<&Communicator>,
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<(f32, Saved)> {
         let (x, emb) = self.embedding.forward(fwd, b.tokens, b.batch, b.seq)?;
         let mut kept = Vec::with_capacity(self.blocks.len());
-        let x = self.blocks_forward(fwd, x, b, Some((&mut kept, opts.checkpoint)))?;
+        let x = self.blocks_forward(fwd, tp, x, b, Some((&mut kept, opts.checkpoint)))?;
         let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
         drop(x);
         let (loss, head) = self
@@ -339,12 +514,14 @@ impl Gpt {
     fn blocks_forward(
         &self,
         fwd: &ForwardPass<'_>,
+        tp: Option<&Communicator>,
         mut x: Act,
         b: &GptBatch<'_>,
         mut keep: Option<(&mut Vec<Kept>, bool)>,
     ) -> Result<Act> {
+        let sum = Self::sum(tp, fwd.stream());
         for block in &self.blocks {
-            let (out, saved) = block.forward(fwd, &x, b.batch, b.seq)?;
+            let (out, saved) = block.forward_with(fwd, &x, b.batch, b.seq, &sum)?;
             match keep.as_mut() {
                 Some((kept, true)) => {
                     drop(saved);
@@ -361,6 +538,7 @@ impl Gpt {
     fn backward(
         &self,
         bwd: &mut BackwardPass<'_>,
+        tp: Option<&Communicator>,
         b: &GptBatch<'_>,
         saved: Saved,
         _opts: RunOptions,
@@ -383,13 +561,17 @@ impl Gpt {
                 Kept::Saved(s) => *s,
                 Kept::Input(x) => {
                     let re = bwd.recompute()?;
-                    let (out, s) = block.forward(&re, &x, b.batch, b.seq)?;
+                    let (out, s) = {
+                        let sum = Self::sum(tp, re.stream());
+                        block.forward_with(&re, &x, b.batch, b.seq, &sum)?
+                    };
                     drop(out);
                     re.finish()?;
                     s
                 }
             };
-            dx = block.backward(bwd, &saved, &dx)?;
+            let sum = Self::sum(tp, bwd.stream());
+            dx = block.backward_with(bwd, &saved, &dx, &sum)?;
         }
         self.embedding.backward(bwd, &emb, &dx)
     }

@@ -3,8 +3,9 @@
 use serde::Serialize;
 
 use super::{Gpt, GptBatch, RunOptions};
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::optim::{HybridAdam, StepOutcome, StepReport};
+use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
 use crate::store::ParamStore;
 
 /// What [`train_step`] did.
@@ -32,6 +33,19 @@ pub fn train_step<S: ParamStore + ?Sized>(
     micro: &[GptBatch<'_>],
     checkpoint: bool,
 ) -> Result<TrainStep> {
+    train_step_in(gpt, store, None, adam, micro, checkpoint)
+}
+
+/// [`train_step`] of a model split over the tensor-parallel group `tp`
+/// ([`Gpt::register_1d`]); every rank of the group runs it on the same micro-batches.
+pub fn train_step_in<S: ParamStore + ?Sized>(
+    gpt: &Gpt,
+    store: &mut S,
+    tp: Option<&Communicator>,
+    adam: &mut HybridAdam,
+    micro: &[GptBatch<'_>],
+    checkpoint: bool,
+) -> Result<TrainStep> {
     let want = adam.config().accumulation_steps as usize;
     if micro.len() != want {
         return Err(Error::InvalidArgument(format!(
@@ -47,9 +61,23 @@ pub fn train_step<S: ParamStore + ?Sized>(
             checkpoint,
             loss_scale: adam.loss_scale(),
         };
-        sum += f64::from(gpt.forward_backward(store, b, opts)?);
+        sum += f64::from(gpt.forward_backward_in(store, tp, b, opts)?);
         tokens += b.tokens.len();
-        let r = store.step(adam)?;
+        let r = match tp {
+            // every rank clips by the global norm (the statistics summed over the group, the
+            // replicated parameters counted once) and skips an overflow together
+            Some(g) => store.step_reducing(adam, &mut |st: GradStats| {
+                let mut sq = [st.sum_sq];
+                g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
+                let mut flag = [u8::from(st.nonfinite)];
+                g.all_reduce_host(&mut flag, ReduceOp::Max)?;
+                Ok(GradStats {
+                    sum_sq: sq[0],
+                    nonfinite: flag[0] != 0,
+                })
+            })?,
+            None => store.step(adam)?,
+        };
         let expected_last = k + 1 == micro.len();
         if (r.outcome == StepOutcome::Accumulated) == expected_last {
             return Err(Error::InvalidArgument(format!(

@@ -1,0 +1,186 @@
+//! A GPT split over a 1D tensor-parallel group trains like the serial GPT: 10 AdamW steps on 2
+//! and 4 in-process ranks give the serial losses within 1e-4 relative (the all-reduces sum the
+//! shards' partial products in another order), and on a device small enough that shards are
+//! evicted and reloaded the same bits as with everything resident.
+
+mod common;
+
+use tidemem::comm::Communicator;
+use tidemem::models::gpt::{train_step, train_step_in, Gpt, GptBatch, GptConfig};
+use tidemem::parallel::Shard;
+use tidemem::prelude::*;
+
+const B: usize = 4;
+const T: usize = 16;
+const STEPS: u64 = 10;
+/// Chunk elements: small, so that even a quarter of the model spans several chunks.
+const CHUNK: usize = 1024;
+
+fn config() -> GptConfig {
+    GptConfig {
+        layers: 2,
+        channels: 32,
+        heads: 4,
+        vocab: 64,
+        max_seq: T,
+        eps: 1e-5,
+    }
+}
+
+fn batch(k: u64) -> (Vec<i32>, Vec<i32>) {
+    let v = config().vocab as u64;
+    let tok = |r: usize, t: usize| ((k * 7 + r as u64 * 3 + t as u64 * 5) % v) as i32;
+    let tokens = (0..B)
+        .flat_map(|r| (0..T).map(move |t| tok(r, t)))
+        .collect();
+    let targets = (0..B)
+        .flat_map(|r| (0..T).map(move |t| tok(r, t + 1)))
+        .collect();
+    (tokens, targets)
+}
+
+fn adam() -> HybridAdam {
+    HybridAdam::new(HybridConfig {
+        // small enough that every step clips: the norm must be the global one
+        max_grad_norm: Some(0.05),
+        placement: tidemem::optim::DevicePlacement::HostOnly,
+        ..HybridConfig::new(AdamConfig::adamw(3e-3, 0.01))
+    })
+    .unwrap()
+}
+
+fn manager(dev: Device, capacity: u64) -> ChunkManager {
+    let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+    cfg.param_dtype = DType::F32;
+    cfg.scheduler.capacity = capacity;
+    cfg.scheduler.overall_fraction = 1.0;
+    cfg.scheduler.warmup_chunk_fraction = 0.3;
+    let mut m = ChunkManager::new(dev.clone(), cfg).unwrap();
+    m.set_non_model_allocator(CachingAllocator::new(dev));
+    m
+}
+
+/// Losses (bits) and gradient norms of `STEPS` steps, and the run's non-model peak,
+/// parameter chunk bytes and steady h2d bytes.
+type Trained = (Vec<u32>, Vec<f64>, u64, u64, u64);
+
+fn train(m: &mut ChunkManager, gpt: &Gpt, tp: Option<&Communicator>, ckpt: bool) -> Trained {
+    let mut opt = adam();
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    let mut h2d = 0;
+    for k in 0..STEPS {
+        let (t, g) = batch(k);
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: B,
+            seq: T,
+        };
+        let r = match tp {
+            Some(_) => train_step_in(gpt, m, tp, &mut opt, &[b], ckpt).unwrap(),
+            None => train_step(gpt, m, &mut opt, &[b], ckpt).unwrap(),
+        };
+        losses.push(r.loss.to_bits());
+        norms.push(r.report.grad_norm);
+        assert!(r.report.clip_coef < 1.0, "step {k} clips");
+        if k >= 2 {
+            h2d += m.last_iteration().h2d_bytes;
+        }
+    }
+    (losses, norms, m.non_model_peak(), m.param_footprint(), h2d)
+}
+
+#[test]
+fn gpt_1d_trains_like_the_serial_gpt() {
+    let mut m = manager(common::sim(256 << 20), 256 << 20);
+    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
+    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
+    let f = |b: &u32| f64::from(f32::from_bits(*b));
+    for world in [2, 4] {
+        let devs = (0..world).map(|_| common::sim(256 << 20)).collect();
+        let comms = Communicator::local(devs).unwrap();
+        let runs: Vec<(Vec<u32>, Vec<u32>, Vec<f64>)> = std::thread::scope(|s| {
+            let hs: Vec<_> = comms
+                .into_iter()
+                .map(|c| {
+                    s.spawn(move || {
+                        let shard = Shard::of(&c);
+                        let mut m = manager(c.device().clone(), 256 << 20);
+                        let gpt = Gpt::register_1d(&mut m, &config(), 3, shard).unwrap();
+                        let (resident, norms, peak, chunks, res_h2d) =
+                            train(&mut m, &gpt, Some(&c), true);
+                        // room for the non-model peak and a fifth of the shards' chunks (at
+                        // least the three chunks one op may use)
+                        let room = (chunks / 5).max(3 * CHUNK as u64 * 4);
+                        let mut small = manager(c.device().clone(), peak + room);
+                        let gpt = Gpt::register_1d(&mut small, &config(), 3, shard).unwrap();
+                        let (streamed, _, _, _, h2d) = train(&mut small, &gpt, Some(&c), true);
+                        assert!(
+                            h2d > res_h2d,
+                            "rank {}: shards were evicted and reloaded",
+                            c.rank()
+                        );
+                        (resident, streamed, norms)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (r, (resident, streamed, norms)) in runs.iter().enumerate() {
+            // the global norm: sharded gradients summed over the group, replicated ones once
+            for (k, (a, b)) in serial_norms.iter().zip(norms).enumerate() {
+                let e = (a - b).abs() / a;
+                assert!(
+                    e < 1e-5,
+                    "{world} ranks, rank {r}, step {k}: norm {b} vs serial {a}"
+                );
+            }
+            assert_eq!(
+                resident, streamed,
+                "{world} ranks, rank {r}: placement changed bits"
+            );
+            assert_eq!(
+                resident, &runs[0].0,
+                "{world} ranks: every rank has the same loss"
+            );
+        }
+        let worst = serial
+            .iter()
+            .zip(&runs[0].0)
+            .map(|(a, b)| (f(a) - f(b)).abs() / f(a).abs())
+            .fold(0.0, f64::max);
+        assert!(
+            worst < 1e-4,
+            "{world} ranks: losses within {worst:.2e} of the serial ones"
+        );
+        assert!(f(&serial[9]) < f(&serial[0]), "the loss falls");
+        eprintln!(
+            "1D GPT on {world} ranks: worst relative loss error {worst:.2e} over {STEPS} steps"
+        );
+    }
+}
+
+#[test]
+fn a_split_model_needs_its_group() {
+    let mut m = manager(common::sim(64 << 20), 64 << 20);
+    let shard = Shard { rank: 0, size: 2 };
+    let gpt = Gpt::register_1d(&mut m, &config(), 3, shard).unwrap();
+    let (t, g) = batch(0);
+    let b = GptBatch {
+        tokens: &t,
+        targets: &g,
+        batch: B,
+        seq: T,
+    };
+    let opts = tidemem::models::gpt::RunOptions {
+        checkpoint: false,
+        loss_scale: 1.0,
+    };
+    assert!(gpt.forward_backward(&mut m, &b, opts).is_err(), "no group");
+    assert_eq!(m.stage(), None, "nothing ran");
+    let mut bad = config();
+    bad.heads = 3;
+    bad.channels = 33;
+    let mut m = manager(common::sim(64 << 20), 64 << 20);
+    assert!(Gpt::register_1d(&mut m, &bad, 3, shard).is_err());
+}

@@ -3,3 +3,6 @@
 //! other.
 //!
 //! [`Communicator`]: crate::comm::Communicator
+
+mod grid;
+pub use grid::{GridSpec, ProcessGrid, TensorMode};

@@ -28,8 +28,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
-use tidemem::models::gpt::{read_hf, train_step, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{read_hf, train_step, train_step_in, Gpt, GptBatch, GptConfig};
 use tidemem::optim::{DevicePlacement, ScalerConfig};
+use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
 use tidemem::units::{fmt_bytes, parse_bytes};
@@ -98,6 +99,10 @@ struct Args {
     /// process on CUDA device LOCAL_RANK instead.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
+    /// Tensor parallelism over groups of the `--ranks` ranks: none or 1d:N (ZeRO data
+    /// parallelism over the remaining factor).
+    #[arg(long, default_value = "none")]
+    tp: String,
     /// Train on this UTF-8 text file (default: a generated corpus).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -339,7 +344,7 @@ fn run() -> Result<()> {
             }
         }
     };
-    if a.ranks > 1 || std::env::var_os("WORLD_SIZE").is_some() {
+    if a.ranks > 1 || std::env::var_os("WORLD_SIZE").is_some() || a.tp != "none" {
         if a.save_hf.is_some() || a.trace.is_some() {
             return Err(bad(
                 "--save-hf and --trace need one rank (each ZeRO rank holds a shard)".into(),
@@ -596,12 +601,14 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({ "model": a.model, "ranks": world, "losses": losses,
+            json!({ "model": a.model, "ranks": world, "tp": a.tp, "losses": losses,
                     "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity })
         );
     } else {
         println!(
-            "ZeRO over {world} ranks: loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
+            "{world} ranks (tensor parallelism {}, ZeRO over the rest): loss {:.4} → {:.4}, \
+             {tokens_per_s:.0} tokens/s in all",
+            a.tp,
             losses.first().copied().unwrap_or(f32::NAN),
             losses.last().copied().unwrap_or(f32::NAN)
         );
@@ -610,38 +617,108 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
 }
 
 /// One rank's run: on rank 0, the losses averaged over the ranks, tokens/s over all ranks, and
-/// the world size.
+/// the world size. The ranks form a grid of `--tp` tensor-parallel groups and ZeRO over the
+/// remaining factor (data parallel).
 fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, usize)>> {
-    let (r, n) = (c.rank() as u64, c.world() as u64);
-    let mut z = ZeroManager::new(c, manager_config(p))?;
-    let gpt = register(&mut z, p, a.seed)?;
-    let mut opt = adam(a, p.dtype)?;
-    // a ZeRO checkpoint is a directory of one shard a rank
-    let shard = |dir: &PathBuf| dir.join(format!("rank{r}.safetensors"));
-    if let Some(dir) = &a.resume {
-        z.load_checkpoint(&mut opt, shard(dir))?;
+    let tensor: TensorMode = a.tp.parse()?;
+    if !matches!(tensor, TensorMode::None | TensorMode::OneD { .. }) {
+        return Err(bad(format!(
+            "--tp {tensor}: the GPT trains with 1D tensor parallelism so far"
+        )));
     }
-    let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
-    for _ in 0..a.steps {
-        let idx = opt.steps() * u64::from(a.accumulate);
-        let batches = (0..u64::from(a.accumulate))
-            .map(|k| {
-                p.data
-                    .batch(Split::Train, (idx + k) * n + r, a.batch, a.seq)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let micro = views(&batches, a);
-        let s = train_step(&gpt, &mut z, &mut opt, &micro, p.checkpoint)?;
-        let mut mean = [f64::from(s.loss) / n as f64];
-        z.comm().all_reduce_host(&mut mean, ReduceOp::Sum)?;
-        losses.push(mean[0] as f32);
-        tokens += s.tokens;
+    let (world, t) = (c.world(), tensor.size());
+    if t == 0 || !world.is_multiple_of(t) {
+        return Err(bad(format!("--tp {tensor} does not divide {world} ranks")));
     }
-    if let Some(dir) = &a.save {
-        std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
-        z.save_checkpoint(&opt, shard(dir))?;
+    let spec = GridSpec {
+        data: world / t,
+        pipeline: 1,
+        tensor,
+    };
+    let grid = ProcessGrid::new(&c, spec)?;
+    let tp = (t > 1).then(|| grid.tensor());
+    let (dp, dps) = (grid.data_rank() as u64, spec.data as u64);
+    let r = c.rank();
+    // a checkpoint of several ranks is a directory of one file a rank
+    let file = |dir: &PathBuf| dir.join(format!("rank{r}.safetensors"));
+    let run = Run { a, p, tp, dp, dps };
+    let (losses, tokens, secs) = if spec.data > 1 {
+        let data = c
+            .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)?
+            .ok_or_else(|| bad("no data-parallel group".into()))?;
+        let mut z = ZeroManager::new(data, manager_config(p))?;
+        run.go(
+            &mut z,
+            |z, o| z.load_checkpoint(o, file(a.resume.as_ref().expect("resuming"))),
+            |z, o| z.save_checkpoint(o, file(a.save.as_ref().expect("saving"))),
+        )?
+    } else {
+        let mut m = ChunkManager::new(c.device().clone(), manager_config(p))?;
+        m.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
+        run.go(
+            &mut m,
+            |m, o| o.load_checkpoint(m, file(a.resume.as_ref().expect("resuming"))),
+            |m, o| o.save_checkpoint(m, file(a.save.as_ref().expect("saving"))),
+        )?
+    };
+    // every rank of a tensor group has the same loss: the mean over all ranks is the mean
+    // over the data-parallel batches
+    let n = world as f64;
+    let mut mean: Vec<f64> = losses.iter().map(|&l| f64::from(l) / n).collect();
+    c.all_reduce_host(&mut mean, ReduceOp::Sum)?;
+    // tokens: each tensor group trains on one batch
+    let mut rate = [tokens as f64 / t as f64 / secs];
+    c.all_reduce_host(&mut rate, ReduceOp::Sum)?;
+    let losses = mean.into_iter().map(|l| l as f32).collect();
+    Ok((r == 0).then_some((losses, rate[0], world)))
+}
+
+/// What a rank's training loop needs besides its store.
+struct Run<'a> {
+    a: &'a Args,
+    p: &'a Plan,
+    tp: Option<&'a Communicator>,
+    dp: u64,
+    dps: u64,
+}
+
+impl Run<'_> {
+    /// Trains `--steps` steps on `store`: the losses, tokens and seconds.
+    fn go<S: ParamStore>(
+        &self,
+        store: &mut S,
+        load: impl Fn(&mut S, &mut HybridAdam) -> Result<()>,
+        save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
+    ) -> Result<(Vec<f32>, usize, f64)> {
+        let (a, p) = (self.a, self.p);
+        let gpt = match self.tp {
+            Some(g) if p.hf.is_none() => Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?,
+            Some(_) => return Err(bad("--load-hf with --tp: not supported".into())),
+            None => register(store, p, a.seed)?,
+        };
+        let mut opt = adam(a, p.dtype)?;
+        if a.resume.is_some() {
+            load(store, &mut opt)?;
+        }
+        let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
+        let m = u64::from(a.accumulate);
+        for _ in 0..a.steps {
+            let idx = opt.steps() * m;
+            let batches = (0..m)
+                .map(|k| {
+                    let at = (idx + k) * self.dps + self.dp;
+                    p.data.batch(Split::Train, at, a.batch, a.seq)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let micro = views(&batches, a);
+            let s = train_step_in(&gpt, store, self.tp, &mut opt, &micro, p.checkpoint)?;
+            losses.push(s.loss);
+            tokens += s.tokens;
+        }
+        if let Some(dir) = &a.save {
+            std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+            save(store, &opt)?;
+        }
+        Ok((losses, tokens, t0.elapsed().as_secs_f64()))
     }
-    let mut rate = [tokens as f64 / t0.elapsed().as_secs_f64()];
-    z.comm().all_reduce_host(&mut rate, ReduceOp::Sum)?;
-    Ok((r == 0).then_some((losses, rate[0], n as usize)))
 }

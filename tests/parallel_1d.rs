@@ -226,3 +226,79 @@ fn shapes_that_do_not_split_are_refused_at_registration() {
         assert!(e.contains("heads") && e.contains("3"), "{e}");
     }
 }
+
+/// The embedding split along the channels: every rank's output is the serial one, every rank's
+/// `wte`/`wpe` gradients are its columns of the serial ones; one all-gather forward, nothing
+/// backward.
+#[test]
+fn embedding_1d_equals_the_serial_embedding() {
+    const V: usize = 11;
+    let tokens: Vec<i32> = (0..N).map(|i| (i * 7 % V) as i32).collect();
+    let dout: Vec<f32> = (0..N * C)
+        .map(|i| ((i * 29 % 83) as f32 / 40.0) - 1.0)
+        .collect();
+    let (wte, wpe) = (full("wte.weight", &[V, C]), full("wpe.weight", &[T, C]));
+    let want = embed_ref(&wte, &wpe, &tokens);
+    let mut dwte = vec![0.0; V * C];
+    let dwpe = embed_bwd(&f64s(&dout), &tokens, &mut dwte, T);
+    let cols = |v: &[f64], r: usize, p: usize| -> Vec<f64> {
+        let l = C / p;
+        v.chunks(C)
+            .flat_map(|row| row[r * l..(r + 1) * l].to_vec())
+            .collect()
+    };
+    for world in [2, 4] {
+        let outs = on_ranks(world, |c| {
+            let mut m = manager(c.device().clone(), DType::F32);
+            let emb = tidemem::parallel::Embedding1D::register(
+                &mut m,
+                V,
+                T,
+                C,
+                &master("wte.weight"),
+                &master("wpe.weight"),
+                Shard::of(&c),
+            )
+            .unwrap();
+            let s0 = c.stats();
+            let fwd = m.forward().unwrap();
+            let (y, saved) = emb.forward(&fwd, &c, &tokens, B, T).unwrap();
+            let y = y.to_f32(fwd.stream()).unwrap();
+            fwd.finish().unwrap();
+            let s1 = c.stats();
+            let bwd = m.backward().unwrap();
+            let d = Act::upload(bwd.pool(), bwd.stream(), N, C, DType::F32, &dout).unwrap();
+            emb.backward(&bwd, &saved, &d).unwrap();
+            drop((d, saved));
+            bwd.finish().unwrap();
+            let s2 = c.stats();
+            let g = (
+                m.read(emb.local.wte).unwrap(),
+                m.read(emb.local.wpe).unwrap(),
+            );
+            (y, g, s1.since(&s0), s2.since(&s1))
+        });
+        for (r, (y, (gte, gpe), fwd, bwd)) in outs.iter().enumerate() {
+            let what = format!("{world} ranks, rank {r}");
+            close(&format!("{what}: output"), y, &want, TOL);
+            close(
+                &format!("{what}: wte grad"),
+                gte,
+                &cols(&dwte, r, world),
+                TOL,
+            );
+            close(
+                &format!("{what}: wpe grad"),
+                gpe,
+                &cols(&dwpe, r, world),
+                TOL,
+            );
+            assert_eq!(
+                (fwd.all_gather.calls, fwd.all_gather.bytes),
+                (1, (N * C * 4) as u64),
+                "{what}: one all-gather of the output"
+            );
+            assert_eq!(bwd.all_gather.calls + bwd.all_reduce.calls, 0, "{what}");
+        }
+    }
+}

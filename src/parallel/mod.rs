@@ -9,4 +9,4 @@ mod grid;
 pub mod one_d;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
-pub use one_d::{Block1D, Collectives, ColumnLinear, RowLinear, Shard};
+pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};

@@ -220,6 +220,116 @@ fn replicated_layer_norm(
     })
 }
 
+/// GPT-2's token and position embedding split over a 1D group along the channels: rank `r`
+/// holds columns `r·C/P ..` of `wte` `[V, C]` and `wpe` `[maxT, C]`, looks its columns up with
+/// the serial layer ([`nn::Embedding`](crate::nn::Embedding) over `C/P` channels), and one
+/// all-gather (then a permute) makes the full `[N, C]` output on every rank. Backward takes the
+/// rank's columns of the (replicated) output gradient: no collective.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Embedding1D {
+    /// This rank's columns.
+    pub local: crate::nn::Embedding,
+    /// The full channels `C`.
+    pub channels: usize,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+/// What [`Embedding1D::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct Emb1DSaved {
+    local: crate::nn::EmbSaved,
+    rows: usize,
+}
+
+impl Embedding1D {
+    /// Registers `wte.weight` and `wpe.weight`, this rank's columns of the masters `wte`
+    /// (`[vocab, channels]`) and `wpe` (`[max_seq, channels]`). Fails if the channels do not
+    /// split over `P`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        vocab: usize,
+        max_seq: usize,
+        channels: usize,
+        wte: &Init,
+        wpe: &Init,
+        shard: Shard,
+    ) -> Result<Embedding1D> {
+        let local = shard.split("the embedding's channels", channels)?;
+        let first = shard.rank * local;
+        let cols = move |i: usize| (i / local) * channels + first + i % local;
+        let te = store.register("wte.weight", &[vocab, local], shard_init(wte, cols))?;
+        let pe = store.register("wpe.weight", &[max_seq, local], shard_init(wpe, cols))?;
+        Ok(Embedding1D {
+            local: crate::nn::Embedding {
+                wte: te,
+                wpe: pe,
+                vocab,
+                max_seq,
+                channels: local,
+            },
+            channels,
+            shard,
+        })
+    }
+
+    /// The embedding of `tokens` (`[batch·seq]`, the same on every rank): `[batch·seq, C]` on
+    /// every rank, after one all-gather over `group`.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, Emb1DSaved)> {
+        let p = self.shard.size;
+        let (mine, local) = self.local.forward(pass, tokens, batch, seq)?;
+        let (rows, c) = (mine.rows(), self.local.channels);
+        let all = Act::alloc(pass.pool(), p * rows, c, mine.dtype())?;
+        group.all_gather(pass.stream(), mine.view(), all.view(), mine.dtype())?;
+        drop(mine);
+        // [P, N, C/P] as the heads of one sequence of N tokens: merged, [N, C]
+        let out = Act::alloc(pass.pool(), rows, self.channels, all.dtype())?;
+        let shape = crate::ops::heads::Heads::new(1, rows, p, c);
+        crate::ops::heads::heads_merge(
+            pass.device(),
+            pass.stream(),
+            shape,
+            all.input(),
+            out.view(),
+            all.dtype(),
+        )?;
+        Ok((out, Emb1DSaved { local, rows }))
+    }
+
+    /// Adds this rank's columns of `dout` (`[N, C]`, replicated) to the shards' gradients.
+    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &Emb1DSaved, dout: &Act) -> Result<()> {
+        let (p, rows, c) = (self.shard.size, saved.rows, self.local.channels);
+        dout.expect("dout", Some(rows), self.channels, pass.param_dtype())?;
+        let parts = Act::alloc(pass.pool(), p * rows, c, dout.dtype())?;
+        let shape = crate::ops::heads::Heads::new(1, rows, p, c);
+        crate::ops::heads::heads_split(
+            pass.device(),
+            pass.stream(),
+            shape,
+            dout.input(),
+            parts.view(),
+            dout.dtype(),
+        )?;
+        let mine = Act::alloc(pass.pool(), rows, c, dout.dtype())?;
+        let bytes = rows * c * dout.dtype().size();
+        pass.device().copy_d2d(
+            pass.stream(),
+            parts.view().slice(self.shard.rank * bytes, bytes)?,
+            mine.view(),
+        )?;
+        drop(parts);
+        self.local.backward(pass, &saved.local, &mine)
+    }
+}
+
 /// Collective calls and bytes of a layer, forward and backward.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Collectives {

@@ -10,3 +10,7 @@ pub mod one_d;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, RowLinear, Shard};
+pub mod three_d;
+pub use three_d::{
+    gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
+};

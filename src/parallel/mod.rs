@@ -1,12 +1,17 @@
 //! Tensor parallelism on the memory layer: a process grid over a [`Communicator`]
 //! ([`ProcessGrid`]: data × pipeline × tensor groups, the tensor mode 1D, 2D, 2.5D or 3D) and
 //! layers whose weight shards are tensors of the rank's store, fetched, placed and stepped like
-//! any other ([`one_d`]: Megatron's column- and row-parallel linears and the GPT-2 block).
+//! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
+//! the channels and the GPT-2 block) and [`three_d`] (the 3D linear on a q³ cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
 mod grid;
 pub mod one_d;
+pub mod three_d;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
+pub use three_d::{
+    gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
+};

@@ -1,0 +1,586 @@
+//! 3D tensor parallelism (arXiv 2105.14450) over a cube of `q³` ranks, `t = i + q·j + q²·k`
+//! ([`ProcessGrid`] with [`TensorMode::ThreeD`]): a linear layer whose input, weight and
+//! output are each split over the cube, with all-gathers and reduce-scatters in the grid's
+//! `input()` (varies `j`), `weight()` (varies `i`) and `output()` (varies `k`) groups.
+//!
+//! # Layouts
+//!
+//! An activation `[R, C]` (rows are samples) is split in one of two [`Layout3D`]s. Call `a`
+//! and `c` a rank's coordinates on the layout's two axes (`j` and `k` for
+//! [`Layout3D::RowsJColsK`], `k` and `j` for [`Layout3D::RowsKColsJ`]): the rank holds rows
+//! `(i·q + a)·R/q² ..` (`R/q²` of them) and columns `c·C/q ..` (`C/q`), its [`Tile`].
+//!
+//! The master weight is the crate's linear weight `M` `[outputs, inputs]` (as
+//! [`nn::Linear`](crate::nn::Linear) stores it: `Y = X·Mᵀ + b`, so the same initialisers give
+//! a serial layer the same function); write `W = Mᵀ` `[inputs, outputs]`, `I` inputs and `O`
+//! outputs. A [`Linear3D`] whose input is in layout `L` (axes `a`, `c`) registers on each rank:
+//!
+//! - `{name}.weight` `[I/q², O/q]`, stored in `W`'s orientation (`[in, out]`, transposed from
+//!   the master, so that gathering it is a concatenation): element `(r, s)` is
+//!   `M[a·O/q + s, c·I/q + i·I/q² + r]`. The `q³` shards are disjoint.
+//! - `{name}.bias` `[O/q]`: `b[a·O/q ..]`, held alike by the `q²` ranks of each `a` (each
+//!   counts `1/q²` of its gradient's squared norm, [`ParamStore::set_norm_share`]).
+//!
+//! Its output is in layout `L.swapped()`: rows `(i·q + c)·R/q²`, columns `a·O/q`; so the next
+//! layer, registered with the swapped layout, takes it as it is (the roles of the `input()` and
+//! `output()` groups swap from layer to layer).
+//!
+//! # Passes
+//!
+//! With `A` the group along `a` (ranked by `a`), `G` the group along `c`, `Wg` the weight
+//! group (ranked by `i`) and `n = R/q²`:
+//!
+//! - forward: `X̃ = all-gather_A(X)` `[q·n, I/q]` (rows block `i`, columns block `c`);
+//!   `W̃ = all-gather_Wg(W)` `[I/q, O/q]` (`W`'s block `(c, a)`);
+//!   `Y = reduce-scatter_G(X̃·W̃) + b` `[n, O/q]`. `X̃` and `W̃` are kept for the backward
+//!   ([`Saved3D`]).
+//! - backward: `dỸ = all-gather_G(dY)`; `dX = reduce-scatter_A(dỸ·W̃ᵀ)` (when asked);
+//!   `dW = reduce-scatter_Wg(X̃ᵀ·dỸ)` straight into the weight's gradient slot;
+//!   `db = all-reduce_Wg(Σ_rows dỸ)` (`dỸ` holds every row of row block `i`, so the weight
+//!   group completes the sum over all rows: the value an all-reduce over the output × weight
+//!   plane of `Σ_rows dY` would give, over `q` ranks instead of `q²`).
+//!
+//! Every buffer comes from the pass's pool, every collective runs on the pass's stream, and
+//! [`Linear3D::collectives`] gives the calls and bytes of each pass. Shapes that do not split
+//! (inputs by `q²`, outputs by `q`, rows by `q²`, columns by `q`) are refused before any
+//! collective, naming the dimension; so is a grid that is not 3D.
+//!
+//! ```
+//! use tidemem::chunk::{ChunkManager, ManagerConfig};
+//! use tidemem::comm::Communicator;
+//! use tidemem::device::{Device, SimConfig};
+//! use tidemem::nn::Act;
+//! use tidemem::parallel::{GridSpec, Layout3D, Linear3D, ProcessGrid, TensorMode};
+//! use tidemem::store::ParamStore;
+//! use tidemem::tensor::Init;
+//! use tidemem::tide::Policy;
+//! use tidemem::DType;
+//! # fn main() -> tidemem::Result<()> {
+//! // a cube of one rank: the layer is the serial one
+//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+//! let comm = Communicator::local(vec![dev.clone()])?.remove(0);
+//! let spec = GridSpec { data: 1, pipeline: 1, tensor: TensorMode::ThreeD { q: 1 } };
+//! let grid = ProcessGrid::new(&comm, spec)?;
+//! let mut cfg = ManagerConfig::new(1024, Policy::Tide);
+//! cfg.param_dtype = DType::F32;
+//! let mut m = ChunkManager::new(dev, cfg)?;
+//! // master [outputs 2, inputs 2] = [[1, 2], [3, 4]], bias [10, 20]
+//! let w = Init::Fn(std::sync::Arc::new(|e| [1.0f32, 2.0, 3.0, 4.0][e]));
+//! let b = Init::Fn(std::sync::Arc::new(|e| [10.0f32, 20.0][e]));
+//! let layer =
+//!     Linear3D::register(&mut m, &grid, "fc", 2, 2, Layout3D::RowsJColsK, &w, Some(&b))?;
+//! let pass = m.forward()?;
+//! let x = Act::upload(pass.pool(), pass.stream(), 1, 2, DType::F32, &[1.0, 1.0])?;
+//! let (y, _saved) = layer.forward(&pass, &grid, &x)?;
+//! assert_eq!(y.to_f32(pass.stream())?, [13.0, 27.0]);
+//! # Ok(()) }
+//! ```
+
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::grid::{ProcessGrid, TensorMode};
+use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::Act;
+use crate::ops::heads::{heads_merge, heads_split, Heads};
+use crate::ops::{self, BiasGrad, Gemm};
+use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, Pass, PassKind};
+use crate::tensor::{Init, TensorId};
+
+/// How an activation is split over the cube (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub enum Layout3D {
+    /// Rows by `(i, j)` (row block `i·q + j` of `q²`), columns by `k` (block `k` of `q`): a
+    /// first layer's input. A layer taking it gathers `X` over the grid's `input()` group and
+    /// scatters `Y` over `output()`.
+    RowsJColsK,
+    /// Rows by `(i, k)`, columns by `j`: the output of a [`Layout3D::RowsJColsK`] layer, the
+    /// input of the next. A layer taking it gathers over `output()` and scatters over
+    /// `input()`.
+    RowsKColsJ,
+}
+
+impl Layout3D {
+    /// The other layout: a layer's output layout is its input's swapped.
+    pub fn swapped(self) -> Layout3D {
+        match self {
+            Layout3D::RowsJColsK => Layout3D::RowsKColsJ,
+            Layout3D::RowsKColsJ => Layout3D::RowsJColsK,
+        }
+    }
+}
+
+/// A rank's rectangle of a row-major `[rows, cols]` matrix: rows `row0 .. row0 + rows`,
+/// columns `col0 .. col0 + cols`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Tile {
+    /// First row.
+    pub row0: usize,
+    /// Rows.
+    pub rows: usize,
+    /// First column.
+    pub col0: usize,
+    /// Columns.
+    pub cols: usize,
+}
+
+impl Tile {
+    /// The tile's elements, row-major, of the row-major `full` of `full_cols` columns (a data
+    /// loader's share of a batch). [`Error::InvalidArgument`] if the tile does not fit.
+    pub fn extract<T: Copy>(&self, full: &[T], full_cols: usize) -> Result<Vec<T>> {
+        let fits = self
+            .col0
+            .checked_add(self.cols)
+            .is_some_and(|c| c <= full_cols)
+            && (self.row0.checked_add(self.rows))
+                .and_then(|r| r.checked_mul(full_cols))
+                .is_some_and(|n| n <= full.len());
+        if !fits {
+            return Err(Error::InvalidArgument(format!(
+                "{self:?} of a matrix of {} elements in rows of {full_cols}",
+                full.len()
+            )));
+        }
+        Ok((self.row0..self.row0 + self.rows)
+            .flat_map(|r| &full[r * full_cols + self.col0..r * full_cols + self.col0 + self.cols])
+            .copied()
+            .collect())
+    }
+}
+
+/// A rank's place in the cube: side `q` and coordinates `t = i + q·j + q²·k`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+pub struct Place3D {
+    /// Side of the cube.
+    pub q: usize,
+    /// Coordinate along the weight group.
+    pub i: usize,
+    /// Coordinate along the input group.
+    pub j: usize,
+    /// Coordinate along the output group.
+    pub k: usize,
+}
+
+impl Place3D {
+    /// This rank's place on `grid`; [`Error::InvalidArgument`] naming the grid's tensor mode if
+    /// it is not 3D.
+    pub fn of(grid: &ProcessGrid) -> Result<Place3D> {
+        match grid.spec().tensor {
+            TensorMode::ThreeD { q } => Ok(Place3D {
+                q,
+                i: grid.i()?,
+                j: grid.j()?,
+                k: grid.k()?,
+            }),
+            other => Err(Error::InvalidArgument(format!(
+                "a 3D layer needs a 3D grid (tensor mode 3d:Q); this grid's tensor mode is \
+                 {other}"
+            ))),
+        }
+    }
+
+    /// `(a, c)`: the coordinates on `layout`'s row and column axes.
+    fn axes(&self, layout: Layout3D) -> (usize, usize) {
+        match layout {
+            Layout3D::RowsJColsK => (self.j, self.k),
+            Layout3D::RowsKColsJ => (self.k, self.j),
+        }
+    }
+
+    /// This rank's tile of a `[rows, cols]` activation in `layout`; [`Error::InvalidArgument`]
+    /// naming the dimension when the rows do not split by `q²` or the columns by `q`.
+    pub fn tile(&self, layout: Layout3D, rows: usize, cols: usize) -> Result<Tile> {
+        let q = self.q;
+        let rows_l = split("rows", rows, q * q, "q²")?;
+        let cols_l = split("columns", cols, q, "q")?;
+        let (a, c) = self.axes(layout);
+        Ok(Tile {
+            row0: (self.i * q + a) * rows_l,
+            rows: rows_l,
+            col0: c * cols_l,
+            cols: cols_l,
+        })
+    }
+}
+
+/// `n / by`, or the error naming `what` when `n` is 0 or does not divide.
+fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
+    if n == 0 || by == 0 || !n.is_multiple_of(by) {
+        return Err(Error::InvalidArgument(format!(
+            "{what} of {n} do not split over {name} = {by} ranks of a 3D cube"
+        )));
+    }
+    Ok(n / by)
+}
+
+/// The groups of a layer taking `layout`: `(A, Wg, G)`, the group along the layout's row axis
+/// `a` (gathers `X`), the weight group, the group along its column axis `c` (scatters `Y`).
+fn groups(
+    grid: &ProcessGrid,
+    layout: Layout3D,
+) -> Result<(&Communicator, &Communicator, &Communicator)> {
+    let (input, weight, output) = (grid.input()?, grid.weight()?, grid.output()?);
+    Ok(match layout {
+        Layout3D::RowsJColsK => (input, weight, output),
+        Layout3D::RowsKColsJ => (output, weight, input),
+    })
+}
+
+/// The collectives of one pass on each of the grid's 3D groups.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct GroupStats {
+    /// On [`ProcessGrid::input`].
+    pub input: CommStats,
+    /// On [`ProcessGrid::weight`].
+    pub weight: CommStats,
+    /// On [`ProcessGrid::output`].
+    pub output: CommStats,
+}
+
+/// The collectives of a 3D layer's forward and backward, by group, as
+/// [`Communicator::stats`] counts them (an all-gather's gathered buffer, a reduce-scatter's
+/// input, an all-reduce's buffer).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Collectives3D {
+    /// The forward pass.
+    pub forward: GroupStats,
+    /// The backward pass.
+    pub backward: GroupStats,
+}
+
+/// The activations a [`Linear3D`] keeps from forward for backward.
+#[derive(Clone, Debug)]
+pub struct Saved3D {
+    /// `X̃` `[q·n, I/q]`: the input gathered over the layout's row group.
+    pub x: Act,
+    /// `W̃` `[I/q, O/q]`: the weight gathered over the weight group.
+    pub w: Act,
+}
+
+/// A 3D tensor-parallel linear layer `Y = X·Mᵀ + b` (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Linear3D {
+    /// This rank's weight shard `[I/q², O/q]` (stored `[in, out]`).
+    pub weight: TensorId,
+    /// This rank's bias shard `[O/q]`, if the layer has a bias.
+    pub bias: Option<TensorId>,
+    /// The full layer's inputs `I`.
+    pub inputs: usize,
+    /// The full layer's outputs `O`.
+    pub outputs: usize,
+    /// The layout of the input; the output's is [`Layout3D::swapped`].
+    pub layout: Layout3D,
+    /// The rank's place in the cube.
+    pub place: Place3D,
+}
+
+/// The initialiser of a shard: element `e` of the shard is element `map(e)` of the master.
+fn shard_init(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
+    let master = master.clone();
+    Init::Fn(Arc::new(move |e| master.value(map(e))))
+}
+
+/// One call over a buffer of `elems` elements of `dtype`.
+fn tally(elems: usize, dtype: DType) -> Tally {
+    Tally {
+        calls: 1,
+        bytes: (elems * dtype.size()) as u64,
+    }
+}
+
+impl Linear3D {
+    /// Registers this rank's shards of a layer of `inputs` → `outputs` taking its input in
+    /// `layout`: `{name}.weight` from the master `[outputs, inputs]` whose values `weight`
+    /// gives element by element (row-major) and, with `bias`, `{name}.bias` from the master
+    /// `[outputs]` (layouts in [the module](self)). Fails before registering anything if the
+    /// grid is not 3D, the inputs do not split by `q²` or the outputs by `q`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        name: &str,
+        inputs: usize,
+        outputs: usize,
+        layout: Layout3D,
+        weight: &Init,
+        bias: Option<&Init>,
+    ) -> Result<Linear3D> {
+        let place = Place3D::of(grid)?;
+        let q = place.q;
+        let iq2 = split(&format!("'{name}': the inputs"), inputs, q * q, "q²")?;
+        let oq = split(&format!("'{name}': the outputs"), outputs, q, "q")?;
+        let (i, (a, c)) = (place.i, place.axes(layout));
+        let w = shard_init(weight, move |e| {
+            let (r, s) = (e / oq, e % oq);
+            (a * oq + s) * inputs + c * q * iq2 + i * iq2 + r
+        });
+        let weight = store.register(&format!("{name}.weight"), &[iq2, oq], w)?;
+        let bias = match bias {
+            Some(b) => {
+                let id = store.register(
+                    &format!("{name}.bias"),
+                    &[oq],
+                    shard_init(b, move |e| a * oq + e),
+                )?;
+                store.set_norm_share(id, 1.0 / (q * q) as f64)?;
+                Some(id)
+            }
+            None => None,
+        };
+        Ok(Linear3D {
+            weight,
+            bias,
+            inputs,
+            outputs,
+            layout,
+            place,
+        })
+    }
+
+    /// The parameters, in fetch order.
+    pub fn params(&self) -> Vec<TensorId> {
+        std::iter::once(self.weight).chain(self.bias).collect()
+    }
+
+    /// The layout of the output: the next layer's input layout.
+    pub fn output_layout(&self) -> Layout3D {
+        self.layout.swapped()
+    }
+
+    /// `(q, I/q, O/q)`.
+    fn dims(&self) -> (usize, usize, usize) {
+        let q = self.place.q;
+        (q, self.inputs / q, self.outputs / q)
+    }
+
+    /// The layer's groups on `grid`, which must be the grid it was registered on.
+    fn groups<'g>(
+        &self,
+        grid: &'g ProcessGrid,
+    ) -> Result<(&'g Communicator, &'g Communicator, &'g Communicator)> {
+        let here = Place3D::of(grid)?;
+        if here != self.place {
+            return Err(Error::InvalidArgument(format!(
+                "a 3D layer registered at {:?} run at {here:?}",
+                self.place
+            )));
+        }
+        groups(grid, self.layout)
+    }
+
+    fn check_params<K: PassKind>(&self, g: &Guard<'_, K>, d: DType) -> Result<()> {
+        let (q, _, oq) = self.dims();
+        let shapes = [vec![self.inputs / (q * q), oq], vec![oq]];
+        for (n, shape) in shapes.iter().enumerate().take(g.len()) {
+            let p = g.param(n)?;
+            if p.shape() != shape.as_slice() || p.dtype() != d {
+                return Err(Error::InvalidArgument(format!(
+                    "parameter {} is {:?} {}; the 3D layer expects {shape:?} {d}",
+                    g.ids()[n],
+                    p.shape(),
+                    p.dtype()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// `Y = reduce-scatter(X̃·W̃) + b` for this rank's input tile `x` `[n, I/q]` (in
+    /// [`Linear3D::layout`]): this rank's output tile `[n, O/q]` (in the swapped layout) and
+    /// what the backward needs. A wrong grid, shape or type is an error before any collective.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+    ) -> Result<(Act, Saved3D)> {
+        let (ga, gw, gc) = self.groups(grid)?;
+        let (q, iq, oq) = self.dims();
+        let d = pass.param_dtype();
+        x.expect("x", None, iq, d)?;
+        let n = x.rows();
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let g = pass.fetch(&self.params())?;
+        self.check_params(&g, d)?;
+        let (xt, wt) = (
+            Act::alloc(pool, q * n, iq, d)?,
+            Act::alloc(pool, iq, oq, d)?,
+        );
+        let (z, y) = (Act::alloc(pool, q * n, oq, d)?, Act::alloc(pool, n, oq, d)?);
+        ga.all_gather(s, x.view(), xt.view(), d)?;
+        gw.all_gather(s, g.param(0)?.device_view(), wt.view(), d)?;
+        let mm = Gemm::new(q * n, oq, iq);
+        ops::gemm(dev, s, &mm, xt.input(), wt.input(), z.view(), d)?;
+        gc.reduce_scatter(s, z.view(), y.view(), d, ReduceOp::Sum)?;
+        if self.bias.is_some() {
+            ops::add_bias_rows(dev, s, g.param(1)?, y.view(), n, oq, d)?;
+        }
+        Ok((y, Saved3D { x: xt, w: wt }))
+    }
+
+    /// The backward of [`Linear3D::forward`] from its `saved` activations and this rank's
+    /// output-gradient tile `dy` `[n, O/q]`: writes the weight's (and bias's) gradient shard
+    /// into its slot and, with `need_dx`, returns this rank's input-gradient tile `[n, I/q]`.
+    /// A wrong grid, shape or type is an error before any collective.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Saved3D,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        let (ga, gw, gc) = self.groups(grid)?;
+        let (q, iq, oq) = self.dims();
+        let d = pass.param_dtype();
+        saved.x.expect("saved.x", None, iq, d)?;
+        saved.w.expect("saved.w", Some(iq), oq, d)?;
+        let rows = saved.x.rows();
+        if !rows.is_multiple_of(q) {
+            return Err(Error::InvalidArgument(format!(
+                "saved.x has {rows} rows, not q = {q} tiles"
+            )));
+        }
+        dy.expect("dy", Some(rows / q), oq, d)?;
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let g = pass.fetch(&self.params())?;
+        self.check_params(&g, d)?;
+        let dyt = Act::alloc(pool, rows, oq, d)?;
+        let dxs = match need_dx {
+            true => Some((
+                Act::alloc(pool, rows, iq, d)?,
+                Act::alloc(pool, rows / q, iq, d)?,
+            )),
+            false => None,
+        };
+        let dwt = Act::alloc(pool, iq, oq, d)?;
+        let scratch_bytes = ops::bias_grad_scratch_bytes(rows, oq);
+        let scratch = self.bias.map(|_| pool.alloc(scratch_bytes)).transpose()?;
+        gc.all_gather(s, dy.view(), dyt.view(), d)?;
+        if let Some((dxt, dx)) = &dxs {
+            let mm = Gemm::new(rows, iq, oq).trans_b(true);
+            ops::gemm(dev, s, &mm, dyt.input(), saved.w.input(), dxt.view(), d)?;
+            ga.reduce_scatter(s, dxt.view(), dx.view(), d, ReduceOp::Sum)?;
+        }
+        let mm = Gemm::new(iq, oq, rows).trans_a(true);
+        ops::gemm(dev, s, &mm, saved.x.input(), dyt.input(), dwt.view(), d)?;
+        gw.reduce_scatter(s, dwt.view(), g.grad(0)?.view(), d, ReduceOp::Sum)?;
+        if let Some(scratch) = &scratch {
+            let db = g.grad(1)?.view();
+            let grads = BiasGrad {
+                dy: dyt.input(),
+                db,
+                db_dtype: d,
+                accumulate: false,
+                scratch: scratch.view(0, scratch_bytes)?,
+            };
+            ops::bias_grad(dev, s, grads, rows, oq, d)?;
+            gw.all_reduce(s, db, db, d, ReduceOp::Sum)?;
+        }
+        Ok(dxs.map(|(_, dx)| dx))
+    }
+
+    /// The collectives of one forward and backward on input tiles of `rows` rows (`n`, the
+    /// rows of `x`) in `dtype`: forward, two all-gathers (`q·n × I/q` on the layout's row
+    /// group, `I/q × O/q` on the weight group) and a reduce-scatter (`q·n × O/q` on its column
+    /// group); backward, an all-gather of `q·n × O/q` (column group), with `need_dx` a
+    /// reduce-scatter of `q·n × I/q` (row group), a reduce-scatter of `I/q × O/q` and, with a
+    /// bias, an all-reduce of `O/q` (weight group).
+    pub fn collectives(&self, rows: usize, dtype: DType, need_dx: bool) -> Collectives3D {
+        let (q, iq, oq) = self.dims();
+        let [mut fa, mut fw, mut fc] = [CommStats::default(); 3];
+        fa.all_gather = tally(q * rows * iq, dtype);
+        fw.all_gather = tally(iq * oq, dtype);
+        fc.reduce_scatter = tally(q * rows * oq, dtype);
+        let [mut ba, mut bw, mut bc] = [CommStats::default(); 3];
+        bc.all_gather = tally(q * rows * oq, dtype);
+        if need_dx {
+            ba.reduce_scatter = tally(q * rows * iq, dtype);
+        }
+        bw.reduce_scatter = tally(iq * oq, dtype);
+        if self.bias.is_some() {
+            bw.all_reduce = tally(oq, dtype);
+        }
+        let by_group = |a, w, c| match self.layout {
+            Layout3D::RowsJColsK => GroupStats {
+                input: a,
+                weight: w,
+                output: c,
+            },
+            Layout3D::RowsKColsJ => GroupStats {
+                input: c,
+                weight: w,
+                output: a,
+            },
+        };
+        Collectives3D {
+            forward: by_group(fa, fw, fc),
+            backward: by_group(ba, bw, bc),
+        }
+    }
+}
+
+/// This rank's tile (in `layout`) of `full` `[R, C]`, an activation every rank of the cube
+/// holds whole (a first layer's input): one `heads_split` permute and a copy on the pass's
+/// stream, no collective. Rows that do not split by `q²` or columns by `q` are an error naming
+/// the dimension.
+pub fn split_3d<K: PassKind>(
+    pass: &Pass<'_, K>,
+    grid: &ProcessGrid,
+    layout: Layout3D,
+    full: &Act,
+) -> Result<Act> {
+    let place = Place3D::of(grid)?;
+    let tile = place.tile(layout, full.rows(), full.cols())?;
+    let (q, d, cols) = (place.q, full.dtype(), full.cols());
+    let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+    let es = d.size();
+    // the tile's rows, [n, q, C/q] → [q, n, C/q], then column block c
+    let rows = full
+        .view()
+        .slice(tile.row0 * cols * es, tile.rows * cols * es)?;
+    let perm = Act::alloc(pool, q * tile.rows, tile.cols, d)?;
+    let out = Act::alloc(pool, tile.rows, tile.cols, d)?;
+    heads_split(
+        dev,
+        s,
+        Heads::new(1, tile.rows, q, tile.cols),
+        rows,
+        perm.view(),
+        d,
+    )?;
+    let block = tile.rows * tile.cols * es;
+    let c = tile.col0 / tile.cols;
+    dev.copy_d2d(s, perm.view().slice(c * block, block)?, out.view())?;
+    Ok(out)
+}
+
+/// The full `[q²·n, q·cols]` activation from every rank's tile `shard` `[n, cols]` (in
+/// `layout`), on every rank of the cube: all-gathers over the layout's row group, its column
+/// group (then a `heads_merge` permute) and the weight group, on the pass's stream. Every
+/// rank must call it.
+pub fn gather_3d<K: PassKind>(
+    pass: &Pass<'_, K>,
+    grid: &ProcessGrid,
+    layout: Layout3D,
+    shard: &Act,
+) -> Result<Act> {
+    let q = Place3D::of(grid)?.q;
+    let (ga, gw, gc) = groups(grid, layout)?;
+    let (n, cols, d) = (shard.rows(), shard.cols(), shard.dtype());
+    let (s, pool) = (pass.stream(), pass.pool());
+    let rows_i = Act::alloc(pool, q * n, cols, d)?;
+    let blocks = Act::alloc(pool, q * q * n, cols, d)?;
+    let merged = Act::alloc(pool, q * n, q * cols, d)?;
+    let full = Act::alloc(pool, q * q * n, q * cols, d)?;
+    // rows block i, columns block c; then [q (c), q·n, cols] → [q·n, q·cols]; then every i
+    ga.all_gather(s, shard.view(), rows_i.view(), d)?;
+    gc.all_gather(s, rows_i.view(), blocks.view(), d)?;
+    let shape = Heads::new(1, q * n, q, cols);
+    heads_merge(pass.device(), s, shape, blocks.input(), merged.view(), d)?;
+    gw.all_gather(s, merged.view(), full.view(), d)?;
+    Ok(full)
+}

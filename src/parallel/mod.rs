@@ -10,3 +10,8 @@ pub mod one_d;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, RowLinear, Shard};
+pub mod two_d;
+pub use two_d::{
+    gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
+    SummaCollectives, SummaGroups,
+};

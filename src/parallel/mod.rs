@@ -2,16 +2,22 @@
 //! ([`ProcessGrid`]: data × pipeline × tensor groups, the tensor mode 1D, 2D, 2.5D or 3D) and
 //! layers whose weight shards are tensors of the rank's store, fetched, placed and stepped like
 //! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
-//! the channels and the GPT-2 block) and [`three_d`] (the 3D linear on a q³ cube).
+//! the channels and the GPT-2 block), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
+//! form with the batch split over depth) and [`three_d`] (the linear on a q³ cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
 mod grid;
 pub mod one_d;
 pub mod three_d;
+pub mod two_d;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
 pub use three_d::{
     gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
+};
+pub use two_d::{
+    gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
+    SummaCollectives, SummaGroups,
 };

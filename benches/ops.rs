@@ -37,6 +37,8 @@ mod llm;
 mod norm;
 #[path = "ops/recsys.rs"]
 mod recsys;
+#[path = "ops/vocab_parallel.rs"]
+mod vocab_parallel;
 
 use entry::{median, Entry};
 
@@ -79,6 +81,7 @@ pub fn entries(rows: usize, cols: usize) -> Vec<Entry> {
     recsys::interaction_entries(&mut v);
     recsys::bce_entries(&mut v);
     norm::norm_entries(rows, cols, &mut v);
+    vocab_parallel::vocab_parallel_entries(rows, cols, &mut v);
     v
 }
 

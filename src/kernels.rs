@@ -52,6 +52,7 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("relu.cu"),
     kernel_file!("bias.cu"),
     kernel_file!("elementwise.cu"),
+    kernel_file!("vocab_parallel.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -78,6 +79,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("relu.cuh"),
     kernel_file!("bias.cuh"),
     kernel_file!("elementwise.cuh"),
+    kernel_file!("vocab_parallel.cuh"),
 ];
 
 /// The source named `name`.

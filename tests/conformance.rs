@@ -15,12 +15,15 @@ mod llm_cases;
 mod norm_cases;
 #[path = "conformance/recsys.rs"]
 mod recsys_cases;
+#[path = "conformance/vocab_parallel.rs"]
+mod vocab_parallel_cases;
 
 use core_cases::*;
 use embedding_cases::*;
 use llm_cases::*;
 use norm_cases::*;
 use recsys_cases::*;
+use vocab_parallel_cases::*;
 
 use half::{bf16, f16};
 use tidemem::device::{Device, DeviceBuffer, KernelDesc, Operand};
@@ -127,6 +130,11 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "add_in_place" => add_cases(r, true),
         "scale" => scale_cases(r),
         "fill" => fill_cases(r),
+        "vocab_embedding_forward" => vocab_embedding_cases(r, false),
+        "vocab_embedding_backward" => vocab_embedding_cases(r, true),
+        "vocab_ce_max" => vocab_ce_cases(r, CeStep::Max),
+        "vocab_ce_sums" => vocab_ce_cases(r, CeStep::Sums),
+        "vocab_ce_grad" => vocab_ce_cases(r, CeStep::Grad),
         _ => return None,
     })
 }

@@ -279,8 +279,9 @@ fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
 type PlanParts<'a> = (&'a [u32], &'a [u32], &'a [u32]);
 
 /// The plan's three arrays, checked: rows in `0..v` and distinct, row starts non-decreasing
-/// and within the entries, entries in `0..n`. `Err` holds why not.
-fn split_plan(
+/// and within the entries, entries in `0..n`. `Err` holds why not. (Also the layout of the
+/// vocab-parallel embedding's plan, whose entries are fewer than the positions.)
+pub(crate) fn split_plan(
     words: &[u32],
     distinct: usize,
     v: usize,
@@ -296,9 +297,10 @@ fn split_plan(
             Some(s) => *s = true,
         }
     }
-    if row_ptr.windows(2).any(|w| w[1] < w[0]) || row_ptr[distinct] as usize > n {
+    let m = entries.len();
+    if row_ptr.windows(2).any(|w| w[1] < w[0]) || row_ptr[distinct] as usize > m {
         return Err(format!(
-            "plan row starts must not decrease and end at most at the {n} entries"
+            "plan row starts must not decrease and end at most at the {m} entries"
         ));
     }
     if let Some(e) = entries.iter().position(|&e| e as usize >= n) {

@@ -27,6 +27,7 @@ pub mod math;
 pub mod relu;
 pub mod rows;
 pub mod softmax;
+pub mod vocab_parallel;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
@@ -48,6 +49,10 @@ pub use layernorm::{
 };
 pub use relu::{relu_backward, relu_forward};
 pub use softmax::{softmax_backward, softmax_forward};
+pub use vocab_parallel::{
+    vocab_ce_grad, vocab_ce_max, vocab_ce_sums, vocab_embedding_backward, vocab_embedding_forward,
+    VocabCeGrad, VocabCeSums, VocabCrossEntropy, VocabPlan, VocabShard,
+};
 
 use crate::device::KernelDesc;
 
@@ -90,6 +95,11 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &elementwise::ADD_IN_PLACE,
         &elementwise::SCALE,
         &elementwise::FILL,
+        &vocab_parallel::VOCAB_EMBEDDING_FORWARD,
+        &vocab_parallel::VOCAB_EMBEDDING_BACKWARD,
+        &vocab_parallel::VOCAB_CE_MAX,
+        &vocab_parallel::VOCAB_CE_SUMS,
+        &vocab_parallel::VOCAB_CE_GRAD,
     ];
     ALL
 }

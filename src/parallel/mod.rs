@@ -2,7 +2,8 @@
 //! ([`ProcessGrid`]: data × pipeline × tensor groups, the tensor mode 1D, 2D, 2.5D or 3D) and
 //! layers whose weight shards are tensors of the rank's store, fetched, placed and stepped like
 //! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
-//! the channels and the GPT-2 block), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
+//! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
+//! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
 //! form with the batch split over depth) and [`three_d`] (the linear on a q³ cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
@@ -11,6 +12,7 @@ mod grid;
 pub mod one_d;
 pub mod three_d;
 pub mod two_d;
+pub mod vocab;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
@@ -21,3 +23,4 @@ pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
     SummaCollectives, SummaGroups,
 };
+pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};

@@ -1,0 +1,334 @@
+//! The vocabulary split over a 1D group (Megatron's): the token embedding and the LM head tied
+//! to it, each rank holding the rows `VocabShard::of_rank` gives it of `wte`.
+//!
+//! - [`VocabEmbedding1D`]: a masked lookup of the rank's rows
+//!   ([`vocab_embedding_forward`](crate::ops::vocab_embedding_forward)), summed over the group
+//!   by one all-reduce, plus the replicated position embedding. Backward writes the rank's rows'
+//!   gradient; no collective.
+//! - [`VocabHead1D`]: `logits_r = h·wte_rᵀ` (`[N, V_r]`), then the cross-entropy over the whole
+//!   vocabulary in three steps around all-reduces of `N` f32 each: the row max (MAX), the sums
+//!   of `exp(z − m)` and the target's logit (SUM), and the gradient over the local logits.
+//!   Backward: `dh = Σ_r dlogits_r·wte_r`, one all-reduce of `N × C`.
+
+use super::one_d::Shard;
+use crate::comm::{Communicator, ReduceOp};
+use crate::device::Block as PoolBlock;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::{Act, Linear, WeightUse};
+use crate::ops::{
+    add_in_place, check_targets, vocab_ce_grad, vocab_ce_max, vocab_ce_sums,
+    vocab_embedding_backward, vocab_embedding_forward, Axpby, VocabCeGrad, VocabCeSums,
+    VocabCrossEntropy, VocabPlan, VocabShard,
+};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
+
+/// A pool buffer holding `bytes`, uploaded on the pass's stream.
+fn upload<K: crate::store::PassKind>(
+    pass: &crate::store::Pass<'_, K>,
+    bytes: &[u8],
+) -> Result<PoolBlock> {
+    let b = pass.pool().alloc(bytes.len().max(4))?;
+    pass.device()
+        .copy_h2d(
+            pass.stream(),
+            crate::device::HostBuffer::from_slice(bytes)?,
+            b.view(0, bytes.len())?,
+        )?
+        .wait()?;
+    Ok(b)
+}
+
+/// The token embedding with the vocabulary split over a 1D group, and the position embedding
+/// replicated (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabEmbedding1D {
+    /// This rank's rows of `wte` (`[V_r, C]`, `wte.weight`).
+    pub wte: TensorId,
+    /// `wpe` `[maxT, C]`, whole on every rank.
+    pub wpe: TensorId,
+    /// The rows this rank owns.
+    pub vocab: VocabShard,
+    /// `maxT`.
+    pub max_seq: usize,
+    /// `C`.
+    pub channels: usize,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+/// What [`VocabEmbedding1D::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct VocabEmbSaved {
+    tokens: VocabPlan,
+    token_words: PoolBlock,
+    positions: VocabPlan,
+    position_words: PoolBlock,
+}
+
+impl VocabEmbedding1D {
+    /// Registers `wte.weight` (this rank's rows of the master `[vocab, channels]`) and
+    /// `wpe.weight` (`[max_seq, channels]`, whole). Uneven shards are fine (`V` need not
+    /// divide by `P`).
+    pub fn register(
+        store: &mut impl ParamStore,
+        vocab: usize,
+        max_seq: usize,
+        channels: usize,
+        wte: &Init,
+        wpe: &Init,
+        shard: Shard,
+    ) -> Result<VocabEmbedding1D> {
+        let vs = VocabShard::of_rank(vocab, shard.rank, shard.size)?;
+        if channels == 0 || max_seq == 0 || max_seq > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "an embedding of {channels} channels and {max_seq} positions"
+            )));
+        }
+        let (first, master) = (vs.start * channels, wte.clone());
+        let rows = Init::Fn(std::sync::Arc::new(move |i| master.value(first + i)));
+        let te = store.register("wte.weight", &[vs.rows, channels], rows)?;
+        let pe = store.register("wpe.weight", &[max_seq, channels], wpe.clone())?;
+        Ok(VocabEmbedding1D {
+            wte: te,
+            wpe: pe,
+            vocab: vs,
+            max_seq,
+            channels,
+            shard,
+        })
+    }
+
+    /// The embedding of `tokens` (`[batch·seq]`, the same on every rank): `[batch·seq, C]`,
+    /// the same on every rank, after one all-reduce over `group`. Tokens are checked on the
+    /// host before anything runs.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, VocabEmbSaved)> {
+        if batch.checked_mul(seq) != Some(tokens.len()) || tokens.is_empty() || seq > self.max_seq {
+            return Err(Error::InvalidArgument(format!(
+                "{} tokens for a batch of {batch} × {seq} (at most {} positions)",
+                tokens.len(),
+                self.max_seq
+            )));
+        }
+        if Shard::of(group) != self.shard {
+            return Err(Error::InvalidArgument(
+                "the embedding runs on another group than it was registered for".into(),
+            ));
+        }
+        let plan = VocabPlan::new(tokens, &self.vocab)?;
+        let pos: Vec<i32> = (0..tokens.len()).map(|n| (n % seq) as i32).collect();
+        let all_positions = VocabShard::new(self.max_seq, 0, self.max_seq)?;
+        let pos_plan = VocabPlan::new(&pos, &all_positions)?;
+        let (dev, s, d, c) = (
+            pass.device(),
+            pass.stream(),
+            pass.param_dtype(),
+            self.channels,
+        );
+        let g = pass.fetch(&[self.wte, self.wpe])?;
+        let tok = upload(pass, bytemuck::cast_slice(tokens))?;
+        let pos_dev = upload(pass, bytemuck::cast_slice(&pos))?;
+        let n = tokens.len();
+        let out = Act::alloc(pass.pool(), n, c, d)?;
+        let pe = Act::alloc(pass.pool(), n, c, d)?;
+        let (tv, pv) = (tok.view(0, n * 4)?, pos_dev.view(0, n * 4)?);
+        vocab_embedding_forward(dev, s, tv, g.param(0)?, out.view(), &self.vocab, c, d)?;
+        vocab_embedding_forward(dev, s, pv, g.param(1)?, pe.view(), &all_positions, c, d)?;
+        drop(g);
+        group.all_reduce(s, out.view(), out.view(), d, ReduceOp::Sum)?;
+        let one = Axpby {
+            alpha: 1.0,
+            beta: 1.0,
+        };
+        add_in_place(dev, s, one, out.view(), pe.input(), d)?;
+        let token_words = upload(pass, bytemuck::cast_slice(&plan.to_words()))?;
+        let position_words = upload(pass, bytemuck::cast_slice(&pos_plan.to_words()))?;
+        Ok((
+            out,
+            VocabEmbSaved {
+                tokens: plan,
+                token_words,
+                positions: pos_plan,
+                position_words,
+            },
+        ))
+    }
+
+    /// Adds the gradients of this rank's `wte` rows and of `wpe` from `dout` (`[N, C]`, the
+    /// same on every rank) through
+    /// [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad) (so the tied head's share
+    /// adds to `wte`'s); no collective.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &VocabEmbSaved,
+        dout: &Act,
+    ) -> Result<()> {
+        let (dev, s, d, c) = (
+            pass.device(),
+            pass.stream(),
+            pass.param_dtype(),
+            self.channels,
+        );
+        dout.expect("dout", Some(saved.tokens.positions()), c, d)?;
+        let g = pass.fetch(&[self.wte, self.wpe])?;
+        let parts = [
+            (&saved.tokens, &saved.token_words, self.vocab.rows),
+            (&saved.positions, &saved.position_words, self.max_seq),
+        ];
+        for (i, (plan, words, rows)) in parts.into_iter().enumerate() {
+            let bytes = rows * c * d.size();
+            let buf = pass.pool().alloc(bytes)?;
+            let wv = words.view(0, plan.words() * 4)?;
+            vocab_embedding_backward(
+                dev,
+                s,
+                dout.input(),
+                plan,
+                wv,
+                buf.view(0, bytes)?,
+                c,
+                false,
+                d,
+            )?;
+            g.accumulate_grad(i, buf.view(0, bytes)?, d)?;
+        }
+        Ok(())
+    }
+}
+
+/// The LM head tied to a [`VocabEmbedding1D`]'s `wte` rows, fused with the cross-entropy over
+/// the whole vocabulary (see [the module](self)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabHead1D {
+    /// The projection over this rank's `wte` rows (a shared weight: two uses).
+    pub proj: Linear,
+    /// The rows this rank owns.
+    pub vocab: VocabShard,
+    /// Targets equal to it count for nothing.
+    pub ignore_index: i32,
+    /// The rank's place.
+    pub shard: Shard,
+}
+
+/// What [`VocabHead1D::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct VocabHeadSaved {
+    h: Act,
+    dlogits: Act,
+}
+
+impl VocabHead1D {
+    /// The head over `emb`'s `wte` rows.
+    pub fn tied(
+        store: &impl ParamStore,
+        emb: &VocabEmbedding1D,
+        ignore_index: i32,
+    ) -> Result<VocabHead1D> {
+        Ok(VocabHead1D {
+            proj: Linear::from_ids(store, emb.wte, None, WeightUse::Shared)?,
+            vocab: emb.vocab,
+            ignore_index,
+            shard: emb.shard,
+        })
+    }
+
+    /// The mean cross-entropy over the rows whose target is not the ignore index, of `h`
+    /// (`[N, C]`, the same on every rank) against `targets` (host i32, the whole vocabulary's
+    /// ids); the gradient kept for the backward is scaled by `scale` (a loss scale). Targets
+    /// are checked on the host before anything runs; every rank gets the same loss.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        h: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, VocabHeadSaved)> {
+        let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
+        let n = targets.len();
+        h.expect("h", Some(n), self.proj.inputs, d)?;
+        check_targets(targets, self.vocab.vocab, self.ignore_index)?;
+        if !(scale > 0.0 && scale.is_finite()) || Shard::of(group) != self.shard {
+            return Err(Error::InvalidArgument(format!(
+                "a vocab-parallel head run with loss scale {scale} on rank {} of {}",
+                group.rank(),
+                group.world()
+            )));
+        }
+        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
+        let ce =
+            VocabCrossEntropy::new(self.vocab, self.ignore_index, scale / counted.max(1) as f32);
+        let logits = self.proj.forward(pass, h)?;
+        let tgt = upload(pass, bytemuck::cast_slice(targets))?;
+        let stats = pass.pool().alloc(4 * n * 4)?;
+        let part = |k: usize| stats.view(k * n * 4, n * 4);
+        let (max, sum, target, losses) = (part(0)?, part(1)?, part(2)?, part(3)?);
+        vocab_ce_max(dev, s, logits.input(), max, &ce, d)?;
+        group.all_reduce(s, max, max, DType::F32, ReduceOp::Max)?;
+        let tv = tgt.view(0, n * 4)?;
+        let sums = VocabCeSums {
+            logits: logits.input(),
+            targets: tv.into(),
+            global_max: max.into(),
+            sum_exp: sum,
+            target_logit: target,
+        };
+        vocab_ce_sums(dev, s, sums, &ce, d)?;
+        // the sums and the target logits in one all-reduce
+        let both = stats.view(n * 4, 2 * n * 4)?;
+        group.all_reduce(s, both, both, DType::F32, ReduceOp::Sum)?;
+        let grad = VocabCeGrad {
+            logits: logits.view(),
+            targets: tv.into(),
+            global_max: max.into(),
+            global_sum: sum.into(),
+            global_target: Some(target.into()),
+            losses: Some(losses),
+        };
+        vocab_ce_grad(dev, s, grad, &ce, d)?;
+        let bytes = dev.download(s, losses)?;
+        let total: f64 = bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
+            .iter()
+            .map(|&l| f64::from(l))
+            .sum();
+        let loss = (total / counted.max(1) as f64) as f32;
+        Ok((
+            loss,
+            VocabHeadSaved {
+                h: h.clone(),
+                dlogits: logits,
+            },
+        ))
+    }
+
+    /// `dh` (`[N, C]`, the same on every rank, after one all-reduce over `group`); adds this
+    /// rank's share of its `wte` rows' gradient.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        group: &Communicator,
+        saved: &VocabHeadSaved,
+    ) -> Result<Act> {
+        let dh = self
+            .proj
+            .backward(pass, &saved.h, &saved.dlogits, true)?
+            .ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))?;
+        group.all_reduce(
+            pass.stream(),
+            dh.view(),
+            dh.view(),
+            dh.dtype(),
+            ReduceOp::Sum,
+        )?;
+        Ok(dh)
+    }
+}

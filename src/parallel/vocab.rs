@@ -2,7 +2,7 @@
 //! to it, each rank holding the rows `VocabShard::of_rank` gives it of `wte`.
 //!
 //! - [`VocabEmbedding1D`]: a masked lookup of the rank's rows
-//!   ([`vocab_embedding_forward`](crate::ops::vocab_embedding_forward)), summed over the group
+//!   ([`crate::ops::vocab_embedding_forward`]), summed over the group
 //!   by one all-reduce, plus the replicated position embedding. Backward writes the rank's rows'
 //!   gradient; no collective.
 //! - [`VocabHead1D`]: `logits_r = h·wte_rᵀ` (`[N, V_r]`), then the cross-entropy over the whole

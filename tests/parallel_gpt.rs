@@ -1,4 +1,5 @@
-//! A GPT split over a 1D tensor-parallel group trains like the serial GPT: 10 AdamW steps on 2
+//! A GPT split over a 1D tensor-parallel group (the blocks Megatron's way, the vocabulary split
+//! for the embedding and the tied head) trains like the serial GPT: 10 AdamW steps on 2
 //! and 4 in-process ranks give the serial losses within 1e-4 relative (the all-reduces sum the
 //! shards' partial products in another order), and on a device small enough that shards are
 //! evicted and reloaded the same bits as with everything resident.

@@ -1,16 +1,21 @@
 //! The GPT-2 family on the memory layer: [`GptConfig`] (the presets and any shape),
 //! [`Gpt`] (the model over any [`ParamStore`](crate::store::ParamStore), with per-block
 //! activation checkpointing), [`train_step`] (micro-batches, loss scaling, the optimizer
-//! step), and Hugging Face GPT-2 checkpoints in and out ([`read_hf`], [`write_hf`]).
+//! step), Hugging Face GPT-2 checkpoints in and out ([`read_hf`], [`write_hf`]), and the
+//! model split over a 1D tensor-parallel group ([`Gpt::register_1d`]: the blocks Megatron's
+//! way, the vocabulary split for the [`Ends`]).
 
 mod config;
+mod ends;
 mod generate;
 mod hf;
 mod model;
 mod spec;
+mod split;
 mod train;
 
 pub use config::GptConfig;
+pub use ends::Ends;
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
 pub use train::{train_step, train_step_in, TrainStep};

@@ -5,11 +5,12 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::ends::{EmbKept, Ends, HeadKept};
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::{Act, Block, BlockSaved, Embedding, LayerNorm, LmHead};
-use crate::parallel::{Block1D, Shard};
+use crate::parallel::Shard;
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
@@ -53,18 +54,16 @@ pub const IGNORE_INDEX: i32 = -100;
 pub struct Gpt {
     /// The shape.
     pub config: GptConfig,
-    /// `wte` and `wpe`.
-    pub embedding: Embedding,
+    /// The token and position embedding and the LM head tied to `wte`.
+    pub ends: Ends,
     /// The transformer blocks `h.0 … h.{L-1}`.
     pub blocks: Vec<Block>,
     /// `ln_f`.
     pub ln_f: LayerNorm,
-    /// The LM head over `wte`.
-    pub head: LmHead,
     /// For a model split over a 1D tensor-parallel group ([`Gpt::register_1d`]): this rank's
     /// place; the blocks hold its shards.
     pub tensor: Option<Shard>,
-    params: Vec<(String, TensorId)>,
+    pub(super) params: Vec<(String, TensorId)>,
 }
 
 /// One micro-batch: `batch` rows of `seq` tokens (row-major) and their next-token targets
@@ -177,124 +176,10 @@ impl Gpt {
         let head = LmHead::tied(&*store, embedding.wte, IGNORE_INDEX)?;
         Ok(Gpt {
             config: cfg.clone(),
-            embedding,
             blocks,
             ln_f: ln("ln_f"),
-            head,
+            ends: Ends::Whole { embedding, head },
             tensor: None,
-            params,
-        })
-    }
-
-    /// Registers rank `shard`'s part of the model split over a 1D tensor-parallel group
-    /// (Megatron's layout, [`Block1D`]): each block's `c_attn` and `c_fc` column-parallel,
-    /// `c_proj`s row-parallel, `H/P` heads a rank; the embedding, LayerNorms and tied head
-    /// replicated. Every shard holds the values of [`Gpt::register`]'s master for `seed`, so
-    /// the split model computes what the serial one does. Run it with the `*_in` methods and
-    /// the group. Fails if the heads do not split over `P`.
-    pub fn register_1d(
-        store: &mut impl ParamStore,
-        cfg: &GptConfig,
-        seed: u64,
-        shard: Shard,
-    ) -> Result<Gpt> {
-        cfg.validate()?;
-        if shard.size == 0 || !cfg.heads.is_multiple_of(shard.size) {
-            return Err(Error::InvalidArgument(format!(
-                "{} heads do not split over {} tensor-parallel ranks",
-                cfg.heads, shard.size
-            )));
-        }
-        let init = |name: &str| default_init(cfg, name, seed);
-        let c = cfg.channels;
-        let wte = store.register("wte.weight", &[cfg.vocab, c], init("wte.weight"))?;
-        let wpe = store.register("wpe.weight", &[cfg.max_seq, c], init("wpe.weight"))?;
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let b = Block1D::register(
-                store,
-                &format!("h.{i}"),
-                c,
-                cfg.heads,
-                cfg.eps,
-                &init,
-                shard,
-            )?;
-            blocks.push(b.block);
-        }
-        let ln_f = LayerNorm {
-            gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
-            beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
-            cols: c,
-            eps: cfg.eps,
-        };
-        let embedding = Embedding {
-            wte,
-            wpe,
-            vocab: cfg.vocab,
-            max_seq: cfg.max_seq,
-            channels: c,
-        };
-        let head = LmHead::tied(&*store, wte, IGNORE_INDEX)?;
-        let mut params = vec![
-            ("wte.weight".to_string(), wte),
-            ("wpe.weight".to_string(), wpe),
-        ];
-        for (i, b) in blocks.iter().enumerate() {
-            let names = [
-                "ln_1.weight",
-                "ln_1.bias",
-                "attn.c_attn.weight",
-                "attn.c_attn.bias",
-                "attn.c_proj.weight",
-                "attn.c_proj.bias",
-                "ln_2.weight",
-                "ln_2.bias",
-                "mlp.c_fc.weight",
-                "mlp.c_fc.bias",
-                "mlp.c_proj.weight",
-                "mlp.c_proj.bias",
-            ];
-            // the row-parallel biases live on the first rank only
-            let ids = [
-                Some(b.ln_1.gamma),
-                Some(b.ln_1.beta),
-                Some(b.attn.c_attn.weight),
-                b.attn.c_attn.bias,
-                Some(b.attn.c_proj.weight),
-                b.attn.c_proj.bias,
-                Some(b.ln_2.gamma),
-                Some(b.ln_2.beta),
-                Some(b.mlp.c_fc.weight),
-                b.mlp.c_fc.bias,
-                Some(b.mlp.c_proj.weight),
-                b.mlp.c_proj.bias,
-            ];
-            for (n, id) in names.iter().zip(ids) {
-                if let Some(id) = id {
-                    params.push((format!("h.{i}.{n}"), id));
-                }
-            }
-        }
-        params.push(("ln_f.weight".to_string(), ln_f.gamma));
-        params.push(("ln_f.bias".to_string(), ln_f.beta));
-        // every rank holds the embedding and the LayerNorms whole: each counts 1/P of their
-        // gradients' squared norm, so the group's sum counts them once
-        let share = 1.0 / shard.size as f64;
-        let mut replicated = vec![wte, wpe, ln_f.gamma, ln_f.beta];
-        for b in &blocks {
-            replicated.extend([b.ln_1.gamma, b.ln_1.beta, b.ln_2.gamma, b.ln_2.beta]);
-        }
-        for id in replicated {
-            store.set_norm_share(id, share)?;
-        }
-        Ok(Gpt {
-            config: cfg.clone(),
-            embedding,
-            blocks,
-            ln_f,
-            head,
-            tensor: Some(shard),
             params,
         })
     }
@@ -433,11 +318,11 @@ impl Gpt {
         self.check(b)?;
         self.check_group(tp)?;
         let fwd = store.forward()?;
-        let (x, _) = self.embedding.forward(&fwd, b.tokens, b.batch, b.seq)?;
+        let (x, _) = self.ends.embed(&fwd, tp, b.tokens, b.batch, b.seq)?;
         let x = self.blocks_forward(&fwd, tp, x, b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
-        let (loss, _) = self.head.forward(&fwd, &h, b.targets)?;
+        let (loss, _) = self.ends.head_forward(&fwd, tp, &h, b.targets, 1.0)?;
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
@@ -462,7 +347,12 @@ impl Gpt {
             seq,
         })?;
         let fwd = store.forward()?;
-        let (x, _) = self.embedding.forward(&fwd, tokens, batch, seq)?;
+        let Ends::Whole { embedding, head } = &self.ends else {
+            return Err(Error::InvalidArgument(
+                "logits of a vocab-split model: each rank holds its share".into(),
+            ));
+        };
+        let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
         let b = GptBatch {
             tokens,
             targets: &none,
@@ -473,7 +363,7 @@ impl Gpt {
         let x = self.blocks_forward(&fwd, None, x, &b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
-        let logits = self.head.proj.forward(&fwd, &h)?;
+        let logits = head.proj.forward(&fwd, &h)?;
         let out = logits.to_f32(fwd.stream())?;
         drop((h, logits));
         fwd.finish()?;
@@ -489,14 +379,14 @@ impl Gpt {
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<(f32, Saved)> {
-        let (x, emb) = self.embedding.forward(fwd, b.tokens, b.batch, b.seq)?;
+        let (x, emb) = self.ends.embed(fwd, tp, b.tokens, b.batch, b.seq)?;
         let mut kept = Vec::with_capacity(self.blocks.len());
         let x = self.blocks_forward(fwd, tp, x, b, Some((&mut kept, opts.checkpoint)))?;
         let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
         drop(x);
         let (loss, head) = self
-            .head
-            .forward_scaled(fwd, &h, b.targets, opts.loss_scale)?;
+            .ends
+            .head_forward(fwd, tp, &h, b.targets, opts.loss_scale)?;
         drop(h);
         Ok((
             loss,
@@ -549,7 +439,7 @@ impl Gpt {
             ln_f,
             head,
         } = saved;
-        let dh = self.head.backward(bwd, &head)?;
+        let dh = self.ends.head_backward(bwd, tp, &head)?;
         drop(head);
         let mut dx = self.ln_f.backward(bwd, &ln_f, &dh, None)?;
         drop((dh, ln_f));
@@ -573,7 +463,7 @@ impl Gpt {
             let sum = Self::sum(tp, bwd.stream());
             dx = block.backward_with(bwd, &saved, &dx, &sum)?;
         }
-        self.embedding.backward(bwd, &emb, &dx)
+        self.ends.embed_backward(bwd, &emb, &dx)
     }
 }
 
@@ -585,10 +475,10 @@ enum Kept {
 
 /// What the forward keeps for the backward.
 struct Saved {
-    emb: crate::nn::EmbSaved,
+    emb: EmbKept,
     blocks: Vec<Kept>,
     ln_f: crate::nn::LnSaved,
-    head: crate::nn::LmSaved,
+    head: HeadKept,
 }
 
 /// GPT-2's initialisation of parameter `name` (see [`Gpt::register`]).

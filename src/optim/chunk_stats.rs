@@ -100,3 +100,38 @@ fn device_stats(m: &mut ChunkManager, ranges: &[(usize, Range<usize>)]) -> Resul
     }
     Ok(results)
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::chunk::{ChunkManager, ManagerConfig};
+    use crate::device::{Device, SimConfig};
+    use crate::tensor::{Init, Stage};
+    use crate::tide::Policy;
+
+    /// A tensor counted in part adds its share of the squared norm; bad shares are refused.
+    #[test]
+    fn norm_shares_weight_the_statistics() {
+        for (share, want) in [(1.0, 256.0 + 64.0 * 4.0), (0.25, 64.0 + 64.0 * 4.0)] {
+            let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+            let mut cfg = ManagerConfig::new(1024, Policy::Tide);
+            cfg.param_dtype = crate::DType::F32;
+            let mut m = ChunkManager::new(dev, cfg).unwrap();
+            let a = m.register("a", &[256], Init::Zeros).unwrap();
+            let b = m.register("b", &[64], Init::Zeros).unwrap();
+            assert!(m.set_norm_share(a, 0.0).is_err());
+            assert!(m.set_norm_share(a, 1.5).is_err());
+            assert!(m.set_norm_share(crate::tensor::TensorId(9), 0.5).is_err());
+            m.set_norm_share(a, share).unwrap();
+            m.fetch(&[a, b], Stage::Forward).unwrap();
+            m.release(&[a, b], Stage::Forward).unwrap();
+            m.end_forward().unwrap();
+            m.fetch(&[a, b], Stage::Backward).unwrap();
+            m.write_grad(a, &[1.0; 256]).unwrap();
+            m.write_grad(b, &[2.0; 64]).unwrap();
+            m.release(&[a, b], Stage::Backward).unwrap();
+            m.end_backward().unwrap();
+            let st = m.grad_stats().unwrap();
+            assert_eq!(st.sum_sq, want, "share {share}");
+        }
+    }
+}

@@ -211,8 +211,16 @@ fn ln_formula(rows_j: bool) -> Collectives3D {
     bw.all_reduce = t(1, 2 * C / Q);
     ba.all_reduce = t(1, 2 * C / Q);
     let z = CommStats::default();
-    // rows by j: the row group is input(), the column group output()
-    let by = |a, w, c| match rows_j {
+    Collectives3D {
+        forward: by_group(rows_j, z, z, fc),
+        backward: by_group(rows_j, ba, bw, bc),
+    }
+}
+
+/// `(a, w, c)` on a layout's row group, the weight group and its column group, by the grid's
+/// groups: rows by `j`, the row group is input() and the column group output().
+fn by_group(rows_j: bool, a: CommStats, w: CommStats, c: CommStats) -> GroupStats {
+    match rows_j {
         true => GroupStats {
             input: a,
             weight: w,
@@ -223,11 +231,65 @@ fn ln_formula(rows_j: bool) -> Collectives3D {
             weight: w,
             output: a,
         },
-    };
-    Collectives3D {
-        forward: by(z, z, fc),
-        backward: by(ba, bw, bc),
     }
+}
+
+/// A Linear3D's collectives from the design (`inp → out`, input rows by `j` when `rows_j`,
+/// tiles of `NT` rows, f32, with its input gradient and a bias).
+fn linear_formula(inp: usize, out: usize, rows_j: bool) -> Collectives3D {
+    let t = |elems: usize| Tally {
+        calls: 1,
+        bytes: (elems * 4) as u64,
+    };
+    let [mut fa, mut fw, mut fc, mut ba, mut bw, mut bc] = [CommStats::default(); 6];
+    fa.all_gather = t(NT * inp); // X̃ [q·n, in/q]
+    fw.all_gather = t(inp * out / (Q * Q)); // W̃ [in/q, out/q]
+    fc.reduce_scatter = t(NT * out); // X̃·W̃ [q·n, out/q]
+    bc.all_gather = t(NT * out);
+    ba.reduce_scatter = t(NT * inp);
+    bw.reduce_scatter = t(inp * out / (Q * Q));
+    bw.all_reduce = t(out / Q);
+    Collectives3D {
+        forward: by_group(rows_j, fa, fw, fc),
+        backward: by_group(rows_j, ba, bw, bc),
+    }
+}
+
+fn sum(a: CommStats, b: CommStats) -> CommStats {
+    let t = |x: Tally, y: Tally| Tally {
+        calls: x.calls + y.calls,
+        bytes: x.bytes + y.bytes,
+    };
+    CommStats {
+        all_gather: t(a.all_gather, b.all_gather),
+        reduce_scatter: t(a.reduce_scatter, b.reduce_scatter),
+        all_reduce: t(a.all_reduce, b.all_reduce),
+        ..CommStats::default()
+    }
+}
+
+/// The block's: its LayerNorms in its layout, `c_attn` and `c_fc` taking it, the `c_proj`s
+/// the swapped one.
+fn block_formula(rows_j: bool) -> Collectives3D {
+    let parts = [
+        ln_formula(rows_j),
+        linear_formula(C, 3 * C, rows_j),
+        linear_formula(C, C, !rows_j),
+        ln_formula(rows_j),
+        linear_formula(C, 4 * C, rows_j),
+        linear_formula(4 * C, C, !rows_j),
+    ];
+    let g = |a: GroupStats, b: GroupStats| GroupStats {
+        input: sum(a.input, b.input),
+        weight: sum(a.weight, b.weight),
+        output: sum(a.output, b.output),
+    };
+    parts
+        .into_iter()
+        .fold(Collectives3D::default(), |a, b| Collectives3D {
+            forward: g(a.forward, b.forward),
+            backward: g(a.backward, b.backward),
+        })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -436,7 +498,9 @@ fn block_3d_equals_the_serial_block_in_both_layouts() {
                 let want = block_shard(k, &want_g[k], t, rows_j);
                 wg = wg.max(close(&format!("{what}: grad {name}"), got, &want, TOL));
             }
-            assert_eq!(o.measured, o.expected, "{what}: the communicators' counts");
+            let f = block_formula(rows_j);
+            assert_eq!(o.expected, f, "{what}: collectives() against the formulas");
+            assert_eq!(o.measured, f, "{what}: the communicators' counts");
         }
         eprintln!(
             "Block3D {layout:?} on {WORLD} ranks: worst error y {wy:.2e}, dx {wdx:.2e}, \

@@ -24,3 +24,5 @@ pub use two_d::{
     SummaCollectives, SummaGroups,
 };
 pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
+pub mod three_d_block;
+pub use three_d_block::{Block3D, Block3DSaved, LayerNorm3D, Ln3DSaved};

@@ -4,13 +4,15 @@
 //! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
 //! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
 //! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
-//! form with the batch split over depth) and [`three_d`] (the linear on a q³ cube).
+//! form with the batch split over depth), [`three_d`] (the linear on a q³ cube) and
+//! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
 mod grid;
 pub mod one_d;
 pub mod three_d;
+pub mod three_d_block;
 pub mod two_d;
 pub mod vocab;
 
@@ -19,10 +21,9 @@ pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, Row
 pub use three_d::{
     gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
 };
+pub use three_d_block::{Block3D, Block3DSaved, LayerNorm3D, Ln3DSaved};
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
     SummaCollectives, SummaGroups,
 };
 pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
-pub mod three_d_block;
-pub use three_d_block::{Block3D, Block3DSaved, LayerNorm3D, Ln3DSaved};

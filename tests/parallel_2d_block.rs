@@ -9,7 +9,9 @@ mod nn_ref;
 use std::time::Duration;
 
 use tidemem::comm::Communicator;
-use tidemem::parallel::{Block2D, GridSpec, LayerNorm2D, ProcessGrid, TensorMode};
+use tidemem::parallel::{
+    Block2D, GridSpec, LayerNorm2D, ProcessGrid, SummaCollectives, SummaGroups, TensorMode,
+};
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -148,8 +150,26 @@ fn id_of(m: &ChunkManager, name: &str) -> TensorId {
         .unwrap_or_else(|| panic!("{name} not registered"))
 }
 
-/// One rank's results: output, `dx`, and the gradient of each named parameter.
-type RankOut = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>);
+/// One rank's results: output, `dx`, the gradient of each parameter, and the collectives
+/// its groups counted beside the layer's formulas.
+type RankOut = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, [SummaCollectives; 2]);
+
+/// What the ROW, COL and DEP groups have counted so far.
+fn group_stats(grid: &ProcessGrid) -> SummaGroups {
+    SummaGroups {
+        row: grid.row().unwrap().stats(),
+        col: grid.col().unwrap().stats(),
+        dep: grid.dep().map(|d| d.stats()).unwrap_or_default(),
+    }
+}
+
+fn since(a: SummaGroups, b: SummaGroups) -> SummaGroups {
+    SummaGroups {
+        row: a.row.since(&b.row),
+        col: a.col.since(&b.col),
+        dep: a.dep.since(&b.dep),
+    }
+}
 
 /// LayerNorm of `x + r` (the fused residual form), its backward added into a given `dx`.
 fn ln_rank(c: &Communicator, mode: TensorMode, data: &[Vec<f32>; 4]) -> (RankOut, Vec<f32>) {
@@ -165,7 +185,9 @@ fn ln_rank(c: &Communicator, mode: TensorMode, data: &[Vec<f32>; 4]) -> (RankOut
     let fwd = m.forward().unwrap();
     let up = |v: &[f32]| Act::upload(fwd.pool(), fwd.stream(), rl, cl, DType::F32, v).unwrap();
     let (xa, ra) = (up(&x), up(&r));
+    let s0 = group_stats(&grid);
     let (y, saved) = ln.forward(&fwd, &grid, &xa, Some(&ra)).unwrap();
+    let s1 = group_stats(&grid);
     let y = y.to_f32(fwd.stream()).unwrap();
     let h = saved.h().to_f32(fwd.stream()).unwrap();
     drop((xa, ra));
@@ -173,13 +195,20 @@ fn ln_rank(c: &Communicator, mode: TensorMode, data: &[Vec<f32>; 4]) -> (RankOut
     let bwd = m.backward().unwrap();
     let up = |v: &[f32]| Act::upload(bwd.pool(), bwd.stream(), rl, cl, DType::F32, v).unwrap();
     let (dya, into) = (up(&dy), up(&d0));
+    let s2 = group_stats(&grid);
     let dx = ln.backward(&bwd, &grid, &saved, &dya, Some(&into)).unwrap();
+    let s3 = group_stats(&grid);
     assert!(dx.same_memory(&into));
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, dya, into));
     bwd.finish().unwrap();
     let grads = vec![m.read(ln.gamma).unwrap(), m.read(ln.beta).unwrap()];
-    ((y, dx, grads), h)
+    let counted = SummaCollectives {
+        forward: since(s1, s0),
+        backward: since(s3, s2),
+    };
+    let stats = [counted, ln.collectives(N, DType::F32).unwrap()];
+    ((y, dx, grads, stats), h)
 }
 
 #[test]
@@ -201,10 +230,23 @@ fn layer_norm_2d_equals_the_serial_layer_norm_on_2x2_and_2x2x2() {
     for (mode, world) in [(TWO_D, 4), (TWO_HALF_D, 8)] {
         let outs = on_ranks(world, |c| ln_rank(c, mode, &data));
         let mut worst = 0.0f64;
-        for (t, ((oy, odx, og), oh)) in outs.iter().enumerate() {
+        for (t, ((oy, odx, og, [counted, formula]), oh)) in outs.iter().enumerate() {
             let (row, col, rb, nrb) = place(mode, t);
             let mine = |v: &[f64]| block(v, C, [rb, nrb], [col, 2]);
             let what = format!("{mode}, rank {t}");
+            assert_eq!(counted, formula, "{what}: collectives");
+            // ROW: h, γ, β gathered forward; h, dY, γ backward
+            let (e, rl) = (4, N / nrb);
+            let row_f = formula.forward.row.all_gather;
+            assert_eq!(
+                (row_f.calls, row_f.bytes),
+                (3, ((rl * C + 2 * C) * e) as u64)
+            );
+            let row_b = formula.backward.row.all_gather;
+            assert_eq!(
+                (row_b.calls, row_b.bytes),
+                (3, ((2 * rl * C + C) * e) as u64)
+            );
             worst = worst.max(close(&format!("{what}: y"), oy, &mine(&y), TOL));
             worst = worst.max(close(&format!("{what}: h"), oh, &mine(&h), TOL));
             worst = worst.max(close(&format!("{what}: dx"), odx, &mine(&dx), TOL));
@@ -229,19 +271,32 @@ fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> Ra
     let fwd = m.forward().unwrap();
     let xb = block(x, C, [rb, nrb], [col, 2]);
     let xa = Act::upload(fwd.pool(), fwd.stream(), rl, cl, DType::F32, &xb).unwrap();
+    let s0 = group_stats(&grid);
     let (y, saved) = blk.forward(&fwd, &grid, &xa, T).unwrap();
+    let s1 = group_stats(&grid);
     let y = y.to_f32(fwd.stream()).unwrap();
     drop(xa);
     fwd.finish().unwrap();
     let bwd = m.backward().unwrap();
     let db = block(dout, C, [rb, nrb], [col, 2]);
     let da = Act::upload(bwd.pool(), bwd.stream(), rl, cl, DType::F32, &db).unwrap();
+    let s2 = group_stats(&grid);
     let dx = blk.backward(&bwd, &grid, &saved, &da).unwrap();
+    let s3 = group_stats(&grid);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da));
     bwd.finish().unwrap();
     let grads = ids.iter().map(|&id| m.read(id).unwrap()).collect();
-    (y, dx, grads)
+    let counted = SummaCollectives {
+        forward: since(s1, s0),
+        backward: since(s3, s2),
+    };
+    (
+        y,
+        dx,
+        grads,
+        [counted, blk.collectives(N, DType::F32).unwrap()],
+    )
 }
 
 #[test]
@@ -256,10 +311,11 @@ fn block_2d_and_2p5d_equal_the_serial_block() {
     for (mode, world) in [(TWO_D, 4), (TWO_HALF_D, 8)] {
         let outs = on_ranks(world, |c| block_rank(c, mode, &x, &dout));
         let mut worst = 0.0f64;
-        for (t, (oy, odx, og)) in outs.iter().enumerate() {
+        for (t, (oy, odx, og, [counted, formula])) in outs.iter().enumerate() {
             let (row, col, rb, nrb) = place(mode, t);
             let mine = |v: &[f64]| block(v, C, [rb, nrb], [col, 2]);
             let what = format!("{mode}, rank {t}");
+            assert_eq!(counted, formula, "{what}: collectives");
             worst = worst.max(close(&format!("{what}: out"), oy, &mine(&want_y), TOL));
             worst = worst.max(close(&format!("{what}: dx"), odx, &mine(&want_dx), TOL));
             for (k, (name, shape)) in params().iter().enumerate() {

@@ -19,6 +19,11 @@
 //! master (`M'[o', ·] = M[perm(o'), ·]`), built by [`Init::Fn`] over the serial master; every
 //! other parameter is the plain 2D layout of its serial tensor, under GPT-2's names.
 //!
+//! [`LayerNorm2D::collectives`] and [`Block2D::collectives`] give the calls and bytes per
+//! group (ROW, COL, DEP) of one forward and backward; they are exact. Shapes that do not
+//! split are [`Error::InvalidArgument`] naming the dimension, at registration and before any
+//! collective in the forward.
+//!
 //! ```
 //! use tidemem::comm::Communicator;
 //! use tidemem::nn::Act;
@@ -62,6 +67,7 @@
 //! # Ok(()) }
 //! ```
 
+mod cost;
 mod layernorm;
 
 pub use layernorm::{LayerNorm2D, Ln2DSaved, Place2D};

@@ -327,6 +327,20 @@ fn block_2d_and_2p5d_equal_the_serial_block() {
     }
 }
 
+/// 2.5D with one depth layer is the 2D block, bit for bit (same ranks, same places).
+#[test]
+fn block_2p5d_of_depth_1_is_the_2d_block() {
+    let x = pattern(37, 101, N * C);
+    let dout = pattern(53, 97, N * C);
+    let two = on_ranks(4, |c| block_rank(c, TWO_D, &x, &dout));
+    let one_layer = TensorMode::TwoHalfD { q: 2, depth: 1 };
+    let half = on_ranks(4, |c| block_rank(c, one_layer, &x, &dout));
+    for (t, (a, b)) in two.iter().zip(&half).enumerate() {
+        assert_eq!((&a.0, &a.1, &a.2), (&b.0, &b.1, &b.2), "rank {t}");
+        assert_eq!(a.3, b.3, "rank {t}: collectives");
+    }
+}
+
 #[test]
 fn shapes_that_do_not_split_are_refused_on_every_rank() {
     for (mode, world) in [(TWO_D, 4), (TWO_HALF_D, 8)] {

@@ -386,3 +386,32 @@ fn shapes_that_do_not_split_are_refused_on_every_rank() {
         }
     }
 }
+
+/// The layers refuse a grid of another mode, and a block registered on one grid refuses to
+/// run on a grid of another mode, before any collective.
+#[test]
+fn other_grids_are_refused() {
+    let errs = on_ranks(4, |c| {
+        let one_d = ProcessGrid::new(c, spec(TensorMode::OneD { size: 4 })).unwrap();
+        let mut m = manager(c.device().clone(), DType::F32);
+        let (g, b) = (master("g"), master("b"));
+        let ln = LayerNorm2D::register(&mut m, &one_d, "ln", C, EPS, &g, &b).err();
+        let blk = Block2D::register(&mut m, &one_d, "x", C, NH, EPS, &master).err();
+        let two_d = ProcessGrid::new(c, spec(TWO_D)).unwrap();
+        let blk2 = Block2D::register(&mut m, &two_d, "h.0", C, NH, EPS, &master).unwrap();
+        let fwd = m.forward().unwrap();
+        let zeros = vec![0.0; N / 2 * C / 2];
+        let xa = Act::upload(fwd.pool(), fwd.stream(), N / 2, C / 2, DType::F32, &zeros);
+        let xa = xa.unwrap();
+        let before = c.stats();
+        let run = blk2.forward(&fwd, &one_d, &xa, T).err();
+        assert_eq!(c.stats(), before, "no collective before the refusal");
+        drop(xa);
+        fwd.finish().unwrap();
+        [ln, blk, run].map(|e| e.map(|e| e.to_string()))
+    });
+    for e in errs.into_iter().flatten() {
+        let e = e.expect("refused");
+        assert!(e.contains("1d") || e.contains("1D"), "{e}");
+    }
+}

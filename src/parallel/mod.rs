@@ -27,3 +27,5 @@ pub use two_d::{
     SummaCollectives, SummaGroups,
 };
 pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
+pub mod two_d_block;
+pub use two_d_block::{Block2D, Block2DSaved, LayerNorm2D, Ln2DSaved, Place2D, SummaLinear};

@@ -4,7 +4,8 @@
 //! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
 //! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
 //! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
-//! form with the batch split over depth), [`three_d`] (the linear on a q³ cube) and
+//! form with the batch split over depth; [`two_d_block`]: their LayerNorm and the GPT-2 block),
+//! [`three_d`] (the linear on a q³ cube) and
 //! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
@@ -14,6 +15,7 @@ pub mod one_d;
 pub mod three_d;
 pub mod three_d_block;
 pub mod two_d;
+pub mod two_d_block;
 pub mod vocab;
 
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
@@ -26,6 +28,5 @@ pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
     SummaCollectives, SummaGroups,
 };
-pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
-pub mod two_d_block;
 pub use two_d_block::{Block2D, Block2DSaved, LayerNorm2D, Ln2DSaved, Place2D, SummaLinear};
+pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};

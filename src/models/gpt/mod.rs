@@ -8,6 +8,7 @@
 mod config;
 mod ends;
 mod generate;
+mod grid;
 mod hf;
 mod model;
 mod spec;
@@ -16,6 +17,7 @@ mod train;
 
 pub use config::GptConfig;
 pub use ends::Ends;
+pub use grid::{train_step_grid, GptGrid, GridBlocks};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
 pub use train::{train_step, train_step_in, TrainStep};

@@ -46,8 +46,8 @@ pub struct GptGrid {
 
 /// What a block keeps for its backward.
 enum BlockKept {
-    Summa(Block2DSaved),
-    Cube(Block3DSaved),
+    Summa(Box<Block2DSaved>),
+    Cube(Box<Block3DSaved>),
 }
 
 impl GptGrid {
@@ -227,11 +227,11 @@ impl GptGrid {
         match &self.blocks {
             GridBlocks::Summa(v) => {
                 let (y, s) = v[k].forward(fwd, grid, x, b.seq)?;
-                Ok((y, BlockKept::Summa(s)))
+                Ok((y, BlockKept::Summa(Box::new(s))))
             }
             GridBlocks::Cube(v) => {
                 let (y, s) = v[k].forward(fwd, grid, x, b.batch, b.seq)?;
-                Ok((y, BlockKept::Cube(s)))
+                Ok((y, BlockKept::Cube(Box::new(s))))
             }
         }
     }

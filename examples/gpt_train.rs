@@ -28,7 +28,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
-use tidemem::models::gpt::{read_hf, train_step, train_step_in, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{
+    read_hf, train_step, train_step_grid, train_step_in, Gpt, GptBatch, GptConfig, GptGrid,
+};
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
@@ -99,8 +101,8 @@ struct Args {
     /// process on CUDA device LOCAL_RANK instead.
     #[arg(long, default_value_t = 1)]
     ranks: usize,
-    /// Tensor parallelism over groups of the `--ranks` ranks: none or 1d:N (ZeRO data
-    /// parallelism over the remaining factor).
+    /// Tensor parallelism over groups of the `--ranks` ranks: none, 1d:N, 2d:Q, 2.5d:QxD or
+    /// 3d:Q (ZeRO data parallelism over the remaining factor).
     #[arg(long, default_value = "none")]
     tp: String,
     /// Train on this UTF-8 text file (default: a generated corpus).
@@ -621,9 +623,10 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
 /// remaining factor (data parallel).
 fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, usize)>> {
     let tensor: TensorMode = a.tp.parse()?;
-    if !matches!(tensor, TensorMode::None | TensorMode::OneD { .. }) {
+    let blocks_only = !matches!(tensor, TensorMode::None | TensorMode::OneD { .. });
+    if blocks_only && (a.accumulate != 1 || p.checkpoint || p.hf.is_some()) {
         return Err(bad(format!(
-            "--tp {tensor}: the GPT trains with 1D tensor parallelism so far"
+            "--tp {tensor} trains without --accumulate, checkpointing or --load-hf so far"
         )));
     }
     let (world, t) = (c.world(), tensor.size());
@@ -636,12 +639,19 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         tensor,
     };
     let grid = ProcessGrid::new(&c, spec)?;
-    let tp = (t > 1).then(|| grid.tensor());
+    let tp = (t > 1 && !blocks_only).then(|| grid.tensor());
     let (dp, dps) = (grid.data_rank() as u64, spec.data as u64);
     let r = c.rank();
     // a checkpoint of several ranks is a directory of one file a rank
     let file = |dir: &PathBuf| dir.join(format!("rank{r}.safetensors"));
-    let run = Run { a, p, tp, dp, dps };
+    let run = Run {
+        a,
+        p,
+        tp,
+        grid: blocks_only.then_some(&grid),
+        dp,
+        dps,
+    };
     let (losses, tokens, secs) = if spec.data > 1 {
         let data = c
             .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)?
@@ -678,6 +688,8 @@ struct Run<'a> {
     a: &'a Args,
     p: &'a Plan,
     tp: Option<&'a Communicator>,
+    /// A 2D, 2.5D or 3D grid the blocks are split over ([`GptGrid`]).
+    grid: Option<&'a ProcessGrid>,
     dp: u64,
     dps: u64,
 }
@@ -691,6 +703,9 @@ impl Run<'_> {
         save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
     ) -> Result<(Vec<f32>, usize, f64)> {
         let (a, p) = (self.a, self.p);
+        if let Some(grid) = self.grid {
+            return self.go_grid(store, grid, load, save);
+        }
         let gpt = match self.tp {
             Some(g) if p.hf.is_none() => Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?,
             Some(_) => return Err(bad("--load-hf with --tp: not supported".into())),
@@ -714,6 +729,41 @@ impl Run<'_> {
             let s = train_step_in(&gpt, store, self.tp, &mut opt, &micro, p.checkpoint)?;
             losses.push(s.loss);
             tokens += s.tokens;
+        }
+        if let Some(dir) = &a.save {
+            std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
+            save(store, &opt)?;
+        }
+        Ok((losses, tokens, t0.elapsed().as_secs_f64()))
+    }
+
+    /// [`Run::go`] for a GPT whose blocks are split over a 2D, 2.5D or 3D grid.
+    fn go_grid<S: ParamStore>(
+        &self,
+        store: &mut S,
+        grid: &ProcessGrid,
+        load: impl Fn(&mut S, &mut HybridAdam) -> Result<()>,
+        save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
+    ) -> Result<(Vec<f32>, usize, f64)> {
+        let (a, p) = (self.a, self.p);
+        let gpt = GptGrid::register(store, grid, &p.cfg, a.seed)?;
+        let mut opt = adam(a, p.dtype)?;
+        if a.resume.is_some() {
+            load(store, &mut opt)?;
+        }
+        let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
+        for _ in 0..a.steps {
+            let at = opt.steps() * self.dps + self.dp;
+            let (t, g) = p.data.batch(Split::Train, at, a.batch, a.seq)?;
+            let b = GptBatch {
+                tokens: &t,
+                targets: &g,
+                batch: a.batch,
+                seq: a.seq,
+            };
+            let (loss, _) = train_step_grid(&gpt, store, grid, &mut opt, &b)?;
+            losses.push(loss);
+            tokens += t.len();
         }
         if let Some(dir) = &a.save {
             std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;

@@ -344,3 +344,78 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
         eprintln!("GPT on {mode}: worst relative loss error {worst:.2e} over {STEPS} steps");
     }
 }
+
+/// 2D × ZeRO on 8 ranks (data 2 × 2d:2, two batch rows a data rank) against one process on
+/// the whole batch.
+#[test]
+fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
+    use tidemem::models::gpt::{train_step_grid, GptGrid};
+    use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
+    let mut m = manager(common::sim(256 << 20), 256 << 20);
+    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
+    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
+    let devs = (0..8).map(|_| common::sim(256 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    let runs: Vec<(Vec<f32>, Vec<f64>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                s.spawn(move || {
+                    let spec = GridSpec {
+                        data: 2,
+                        pipeline: 1,
+                        tensor: TensorMode::TwoD { q: 2 },
+                    };
+                    let grid = ProcessGrid::new(&c, spec).unwrap();
+                    let data = c
+                        .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)
+                        .unwrap()
+                        .unwrap();
+                    let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+                    cfg.param_dtype = DType::F32;
+                    let mut z = ZeroManager::new(data, cfg).unwrap();
+                    let gpt = GptGrid::register(&mut z, &grid, &config(), 3).unwrap();
+                    let mut opt = adam();
+                    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+                    let rows = 2 * grid.data_rank();
+                    for k in 0..STEPS {
+                        let (t, g) = batch(k);
+                        let b = GptBatch {
+                            tokens: &t[rows * T..(rows + 2) * T],
+                            targets: &g[rows * T..(rows + 2) * T],
+                            batch: 2,
+                            seq: T,
+                        };
+                        let (l, r) = train_step_grid(&gpt, &mut z, &grid, &mut opt, &b).unwrap();
+                        let mut mean = [f64::from(l) / 8.0];
+                        c.all_reduce_host(&mut mean, tidemem::comm::ReduceOp::Sum)
+                            .unwrap();
+                        losses.push(mean[0] as f32);
+                        norms.push(r.grad_norm);
+                    }
+                    (losses, norms)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let f = |b: &u32| f64::from(f32::from_bits(*b));
+    for (r, (losses, norms)) in runs.iter().enumerate() {
+        for k in 0..STEPS as usize {
+            let e = (f(&serial[k]) - f64::from(losses[k])).abs() / f(&serial[k]);
+            assert!(
+                e < 1e-4,
+                "rank {r}, step {k}: loss {} vs {}",
+                losses[k],
+                f(&serial[k])
+            );
+            let n = (serial_norms[k] - norms[k]).abs() / serial_norms[k];
+            assert!(
+                n < 1e-5,
+                "rank {r}, step {k}: norm {} vs {}",
+                norms[k],
+                serial_norms[k]
+            );
+        }
+    }
+}

@@ -3,7 +3,7 @@
 
 use super::act::Act;
 use super::check_param;
-use crate::device::{Block as PoolBlock, HostBuffer};
+use crate::device::Block as PoolBlock;
 use crate::error::{Error, Result};
 use crate::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -127,8 +127,8 @@ impl Embedding {
         let g = pass.fetch(&self.params())?;
         check_param(&g, 0, &[self.vocab, self.channels], d)?;
         check_param(&g, 1, &[self.max_seq, self.channels], d)?;
-        let tok = upload(pass, bytemuck::cast_slice(tokens))?;
-        let words = upload(pass, bytemuck::cast_slice(&plan.to_words()))?;
+        let tok = pass.upload(bytemuck::cast_slice(tokens))?;
+        let words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
         let out = Act::alloc(pool, tokens.len(), self.channels, d)?;
         let shape = self.shape(batch, seq);
         let tok_view = tok.view(0, tokens.len() * 4)?;
@@ -178,14 +178,4 @@ impl Embedding {
         g.accumulate_grad(0, te, d)?;
         g.accumulate_grad(1, pe, d)
     }
-}
-
-/// `bytes` in a block of the pass's pool, copied on its stream and waited for.
-pub(super) fn upload(pass: &ForwardPass<'_>, bytes: &[u8]) -> Result<PoolBlock> {
-    let b = pass.pool().alloc(bytes.len().max(4))?;
-    let view = b.view(0, bytes.len())?;
-    pass.device()
-        .copy_h2d(pass.stream(), HostBuffer::from_slice(bytes)?, view)?
-        .wait()?;
-    Ok(b)
 }

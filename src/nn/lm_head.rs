@@ -119,7 +119,7 @@ impl LmHead {
         let logits = self.proj.forward(pass, h)?;
         let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
         let n = targets.len();
-        let tgt = super::embedding::upload(pass, bytemuck::cast_slice(targets))?;
+        let tgt = pass.upload(bytemuck::cast_slice(targets))?;
         let losses = pool.alloc(n * 4)?;
         let ce = CrossEntropy {
             vocab: v,

@@ -24,22 +24,6 @@ use crate::ops::{
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
-/// A pool buffer holding `bytes`, uploaded on the pass's stream.
-fn upload<K: crate::store::PassKind>(
-    pass: &crate::store::Pass<'_, K>,
-    bytes: &[u8],
-) -> Result<PoolBlock> {
-    let b = pass.pool().alloc(bytes.len().max(4))?;
-    pass.device()
-        .copy_h2d(
-            pass.stream(),
-            crate::device::HostBuffer::from_slice(bytes)?,
-            b.view(0, bytes.len())?,
-        )?
-        .wait()?;
-    Ok(b)
-}
-
 /// The token embedding with the vocabulary split over a 1D group, and the position embedding
 /// replicated (see [the module](self)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -134,8 +118,8 @@ impl VocabEmbedding1D {
             self.channels,
         );
         let g = pass.fetch(&[self.wte, self.wpe])?;
-        let tok = upload(pass, bytemuck::cast_slice(tokens))?;
-        let pos_dev = upload(pass, bytemuck::cast_slice(&pos))?;
+        let tok = pass.upload(bytemuck::cast_slice(tokens))?;
+        let pos_dev = pass.upload(bytemuck::cast_slice(&pos))?;
         let n = tokens.len();
         let out = Act::alloc(pass.pool(), n, c, d)?;
         let pe = Act::alloc(pass.pool(), n, c, d)?;
@@ -149,8 +133,8 @@ impl VocabEmbedding1D {
             beta: 1.0,
         };
         add_in_place(dev, s, one, out.view(), pe.input(), d)?;
-        let token_words = upload(pass, bytemuck::cast_slice(&plan.to_words()))?;
-        let position_words = upload(pass, bytemuck::cast_slice(&pos_plan.to_words()))?;
+        let token_words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
+        let position_words = pass.upload(bytemuck::cast_slice(&pos_plan.to_words()))?;
         Ok((
             out,
             VocabEmbSaved {
@@ -268,7 +252,7 @@ impl VocabHead1D {
         let ce =
             VocabCrossEntropy::new(self.vocab, self.ignore_index, scale / counted.max(1) as f32);
         let logits = self.proj.forward(pass, h)?;
-        let tgt = upload(pass, bytemuck::cast_slice(targets))?;
+        let tgt = pass.upload(bytemuck::cast_slice(targets))?;
         let stats = pass.pool().alloc(4 * n * 4)?;
         let part = |k: usize| stats.view(k * n * 4, n * 4);
         let (max, sum, target, losses) = (part(0)?, part(1)?, part(2)?, part(3)?);

@@ -221,6 +221,18 @@ impl<'s, K: PassKind> Pass<'s, K> {
         &self.state.handles.pool
     }
 
+    /// A block of the pool holding `bytes` (token ids, targets, a host-built plan), copied on
+    /// [`Pass::stream`]; returns once the copy finished (the host buffer is free to go).
+    pub fn upload(&self, bytes: &[u8]) -> Result<Block> {
+        let h = &self.state.handles;
+        let b = h.pool.alloc(bytes.len().max(4))?;
+        let src = crate::device::HostBuffer::from_slice(bytes)?;
+        h.device
+            .copy_h2d(&h.stream, src, b.view(0, bytes.len())?)?
+            .wait()?;
+        Ok(b)
+    }
+
     /// The element type of parameters and gradients.
     pub fn param_dtype(&self) -> DType {
         self.state.handles.dtype

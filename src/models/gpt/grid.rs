@@ -134,17 +134,7 @@ impl GptGrid {
         b: &GptBatch<'_>,
         loss_scale: f32,
     ) -> Result<f32> {
-        let n = b.batch.checked_mul(b.seq).filter(|&n| n > 0);
-        if n != Some(b.tokens.len()) || b.targets.len() != b.tokens.len() {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} × {} with {} tokens and {} targets",
-                b.batch,
-                b.seq,
-                b.tokens.len(),
-                b.targets.len()
-            )));
-        }
-        crate::ops::check_targets(b.targets, self.config.vocab, IGNORE_INDEX)?;
+        b.check(&self.config)?;
         let fwd = store.forward()?;
         let (x, emb) = self.embedding.forward(&fwd, b.tokens, b.batch, b.seq)?;
         let mut tile = self.split(&fwd, grid, &x)?;

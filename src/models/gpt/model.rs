@@ -92,6 +92,30 @@ pub struct RunOptions {
     pub loss_scale: f32,
 }
 
+impl GptBatch<'_> {
+    /// Checks the batch against a model of shape `cfg`: `batch × seq` tokens and as many
+    /// targets, at most `maxT` positions, targets in the vocabulary or ignored.
+    pub fn check(&self, cfg: &GptConfig) -> Result<()> {
+        let n = self.batch.checked_mul(self.seq).filter(|&n| n > 0);
+        if n != Some(self.tokens.len()) || self.targets.len() != self.tokens.len() {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} × {} with {} tokens and {} targets",
+                self.batch,
+                self.seq,
+                self.tokens.len(),
+                self.targets.len()
+            )));
+        }
+        if self.seq > cfg.max_seq {
+            return Err(Error::InvalidArgument(format!(
+                "sequences of {} tokens; the model has {} positions",
+                self.seq, cfg.max_seq
+            )));
+        }
+        crate::ops::check_targets(self.targets, cfg.vocab, IGNORE_INDEX)
+    }
+}
+
 impl RunOptions {
     /// Checkpointing on for models of 12 or more blocks (GPT-2 124M and up), loss scale 1.
     pub fn for_config(cfg: &GptConfig) -> RunOptions {
@@ -225,23 +249,7 @@ impl Gpt {
     }
 
     fn check(&self, b: &GptBatch<'_>) -> Result<()> {
-        let n = b.batch.checked_mul(b.seq).filter(|&n| n > 0);
-        if n != Some(b.tokens.len()) || b.targets.len() != b.tokens.len() {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} × {} with {} tokens and {} targets",
-                b.batch,
-                b.seq,
-                b.tokens.len(),
-                b.targets.len()
-            )));
-        }
-        if b.seq > self.config.max_seq {
-            return Err(Error::InvalidArgument(format!(
-                "sequences of {} tokens; the model has {} positions",
-                b.seq, self.config.max_seq
-            )));
-        }
-        crate::ops::check_targets(b.targets, self.config.vocab, IGNORE_INDEX)
+        b.check(&self.config)
     }
 
     /// One iteration's forward and backward on `b`: every parameter's gradient (of the mean

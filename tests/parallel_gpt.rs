@@ -7,8 +7,10 @@
 mod common;
 
 use tidemem::comm::Communicator;
-use tidemem::models::gpt::{train_step, train_step_in, Gpt, GptBatch, GptConfig};
-use tidemem::parallel::Shard;
+use tidemem::models::gpt::{
+    train_step, train_step_grid, train_step_in, Gpt, GptBatch, GptConfig, GptGrid,
+};
+use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
 
 const B: usize = 4;
@@ -186,85 +188,119 @@ fn a_split_model_needs_its_group() {
     assert!(Gpt::register_1d(&mut m, &bad, 3, shard).is_err());
 }
 
+/// One process on the whole batch: the losses (bits) and gradient norms the split runs match.
+fn serial() -> (Vec<u32>, Vec<f64>) {
+    let mut m = manager(common::sim(256 << 20), 256 << 20);
+    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
+    let (losses, norms, _, _, _) = train(&mut m, &gpt, None, false);
+    (losses, norms)
+}
+
+/// Runs `f` on every rank of a grid of `spec` over in-process ranks (one thread each).
+fn on_grid<R: Send>(spec: GridSpec, f: impl Fn(&Communicator, &ProcessGrid) -> R + Sync) -> Vec<R> {
+    let devs = (0..spec.world()).map(|_| common::sim(256 << 20)).collect();
+    let comms = Communicator::local(devs).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let f = &f;
+                s.spawn(move || {
+                    let grid = ProcessGrid::new(&c, spec).unwrap();
+                    f(&c, &grid)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// A ZeRO store (f32) over the grid's data-parallel group.
+fn zero_store(c: &Communicator, grid: &ProcessGrid) -> ZeroManager {
+    let data = c
+        .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)
+        .unwrap()
+        .unwrap();
+    let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+    cfg.param_dtype = DType::F32;
+    ZeroManager::new(data, cfg).unwrap()
+}
+
+/// The `rows` batch rows of data rank `dp` of step `k`'s batch.
+fn rows_of(k: u64, dp: usize, rows: usize) -> (Vec<i32>, Vec<i32>) {
+    let (t, g) = batch(k);
+    let r = dp * rows * T..(dp + 1) * rows * T;
+    (t[r.clone()].to_vec(), g[r].to_vec())
+}
+
+/// The mean of a loss over every rank of `c` (each tensor group's ranks hold the same loss,
+/// so it is the mean over the data ranks' rows: the whole batch's).
+fn mean_loss(c: &Communicator, loss: f32) -> f32 {
+    let mut l = [f64::from(loss) / c.world() as f64];
+    c.all_reduce_host(&mut l, tidemem::comm::ReduceOp::Sum)
+        .unwrap();
+    l[0] as f32
+}
+
+/// Every rank's losses within 1e-4 relative of the serial ones and its gradient norms within
+/// 1e-5; returns the worst loss error.
+fn like_serial(what: &str, serial: &(Vec<u32>, Vec<f64>), runs: &[(Vec<f32>, Vec<f64>)]) -> f64 {
+    let f = |b: &u32| f64::from(f32::from_bits(*b));
+    let mut worst = 0.0f64;
+    for (r, (losses, norms)) in runs.iter().enumerate() {
+        for k in 0..STEPS as usize {
+            let want = f(&serial.0[k]);
+            let e = (want - f64::from(losses[k])).abs() / want;
+            worst = worst.max(e);
+            assert!(
+                e < 1e-4,
+                "{what}, rank {r}, step {k}: loss {} vs {want}",
+                losses[k]
+            );
+            let n = (serial.1[k] - norms[k]).abs() / serial.1[k];
+            assert!(
+                n < 1e-5,
+                "{what}, rank {r}, step {k}: norm {} vs {}",
+                norms[k],
+                serial.1[k]
+            );
+        }
+    }
+    eprintln!("{what}: worst relative loss error {worst:.2e} over {STEPS} steps");
+    worst
+}
+
 /// Tensor × data parallelism on 8 ranks: 1D groups of 2, ZeRO over the 4 data-parallel ranks
 /// (one batch row each), against one process on the whole batch: the losses within 1e-4
 /// relative and the gradient norms within 1e-5 (ZeRO averages the gradients in another order).
 #[test]
 fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
-    use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
-    let mut m = manager(common::sim(256 << 20), 256 << 20);
-    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
-    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
-    let devs = (0..8).map(|_| common::sim(256 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    let runs: Vec<(Vec<f32>, Vec<f64>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let spec = GridSpec {
-                        data: 4,
-                        pipeline: 1,
-                        tensor: TensorMode::OneD { size: 2 },
-                    };
-                    let grid = ProcessGrid::new(&c, spec).unwrap();
-                    let data = c
-                        .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)
-                        .unwrap()
-                        .unwrap();
-                    let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
-                    cfg.param_dtype = DType::F32;
-                    let mut z = ZeroManager::new(data, cfg).unwrap();
-                    let tp = grid.tensor();
-                    let gpt = Gpt::register_1d(&mut z, &config(), 3, Shard::of(tp)).unwrap();
-                    let mut opt = adam();
-                    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-                    let row = grid.data_rank();
-                    for k in 0..STEPS {
-                        let (t, g) = batch(k);
-                        let b = GptBatch {
-                            tokens: &t[row * T..(row + 1) * T],
-                            targets: &g[row * T..(row + 1) * T],
-                            batch: 1,
-                            seq: T,
-                        };
-                        let r = train_step_in(&gpt, &mut z, Some(tp), &mut opt, &[b], k % 2 == 0)
-                            .unwrap();
-                        // the mean over the data ranks' rows is the whole batch's mean
-                        let mut l = [f64::from(r.loss) / 8.0];
-                        c.all_reduce_host(&mut l, tidemem::comm::ReduceOp::Sum)
-                            .unwrap();
-                        losses.push(l[0] as f32);
-                        norms.push(r.report.grad_norm);
-                    }
-                    (losses, norms)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let f = |b: &u32| f64::from(f32::from_bits(*b));
-    let mut worst = 0.0f64;
-    for (r, (losses, norms)) in runs.iter().enumerate() {
-        for k in 0..STEPS as usize {
-            let e = (f(&serial[k]) - f64::from(losses[k])).abs() / f(&serial[k]);
-            worst = worst.max(e);
-            assert!(
-                e < 1e-4,
-                "rank {r}, step {k}: loss {} vs {}",
-                losses[k],
-                f(&serial[k])
-            );
-            let n = (serial_norms[k] - norms[k]).abs() / serial_norms[k];
-            assert!(
-                n < 1e-5,
-                "rank {r}, step {k}: norm {} vs {}",
-                norms[k],
-                serial_norms[k]
-            );
+    let spec = GridSpec {
+        data: 4,
+        pipeline: 1,
+        tensor: TensorMode::OneD { size: 2 },
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let mut z = zero_store(c, grid);
+        let tp = grid.tensor();
+        let gpt = Gpt::register_1d(&mut z, &config(), 3, Shard::of(tp)).unwrap();
+        let mut opt = adam();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for k in 0..STEPS {
+            let (t, g) = rows_of(k, grid.data_rank(), 1);
+            let b = GptBatch {
+                tokens: &t,
+                targets: &g,
+                batch: 1,
+                seq: T,
+            };
+            let r = train_step_in(&gpt, &mut z, Some(tp), &mut opt, &[b], k % 2 == 0).unwrap();
+            losses.push(mean_loss(c, r.loss));
+            norms.push(r.report.grad_norm);
         }
-    }
-    eprintln!("1D × ZeRO on 8 ranks: worst relative loss error {worst:.2e} over {STEPS} steps");
+        (losses, norms)
+    });
+    like_serial("1D × ZeRO on 8 ranks", &serial(), &runs);
 }
 
 /// A GPT on the 2D (4 ranks), 2.5D (8 ranks as 2×2×2) and 3D (8 ranks) blocks trains 10
@@ -273,97 +309,59 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
 /// and reloaded, the same loss bits as all resident.
 #[test]
 fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
-    use tidemem::models::gpt::{train_step_grid, GptGrid};
-    use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
-    let mut m = manager(common::sim(256 << 20), 256 << 20);
-    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
-    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
-    let f = |b: &u32| f64::from(f32::from_bits(*b));
+    let serial = serial();
     let modes = [
         TensorMode::TwoD { q: 2 },
         TensorMode::TwoHalfD { q: 2, depth: 2 },
         TensorMode::ThreeD { q: 2 },
     ];
     for mode in modes {
-        let world = mode.size();
-        let devs = (0..world).map(|_| common::sim(256 << 20)).collect();
-        let comms = Communicator::local(devs).unwrap();
-        let runs: Vec<(Vec<f32>, Vec<f64>)> = std::thread::scope(|s| {
-            let hs: Vec<_> = comms
-                .into_iter()
-                .map(|c| {
-                    s.spawn(move || {
-                        let spec = GridSpec {
-                            data: 1,
-                            pipeline: 1,
-                            tensor: mode,
-                        };
-                        let grid = ProcessGrid::new(&c, spec).unwrap();
-                        // all resident, then on a device of the non-model peak and a fifth of
-                        // the shards' chunks (at least three): the same bits, chunks moving
-                        let run = |capacity: u64| {
-                            let mut m = manager(c.device().clone(), capacity);
-                            let gpt = GptGrid::register(&mut m, &grid, &config(), 3).unwrap();
-                            let mut opt = adam();
-                            let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
-                            for k in 0..STEPS {
-                                let (t, g) = batch(k);
-                                let b = GptBatch {
-                                    tokens: &t,
-                                    targets: &g,
-                                    batch: B,
-                                    seq: T,
-                                };
-                                let (l, r) =
-                                    train_step_grid(&gpt, &mut m, &grid, &mut opt, &b).unwrap();
-                                losses.push(l);
-                                norms.push(r.grad_norm);
-                                if k >= 2 {
-                                    h2d += m.last_iteration().h2d_bytes;
-                                }
-                            }
-                            let room = (m.param_footprint() / 5).max(3 * CHUNK as u64 * 4);
-                            (losses, norms, h2d, m.non_model_peak() + room)
-                        };
-                        let (losses, norms, resident_h2d, small) = run(256 << 20);
-                        let (streamed, _, h2d, _) = run(small);
-                        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                        assert_eq!(
-                            bits(&losses),
-                            bits(&streamed),
-                            "{mode}: placement changed bits"
-                        );
-                        assert!(
-                            h2d > resident_h2d,
-                            "{mode}: shards were evicted and reloaded"
-                        );
-                        (losses, norms)
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let spec = GridSpec {
+            data: 1,
+            pipeline: 1,
+            tensor: mode,
+        };
+        let runs = on_grid(spec, |c, grid| {
+            // all resident, then on a device of the non-model peak and a fifth of the shards'
+            // chunks (at least three): the same bits, chunks moving
+            let run = |capacity: u64| {
+                let mut m = manager(c.device().clone(), capacity);
+                let gpt = GptGrid::register(&mut m, grid, &config(), 3).unwrap();
+                let mut opt = adam();
+                let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
+                for k in 0..STEPS {
+                    let (t, g) = batch(k);
+                    let b = GptBatch {
+                        tokens: &t,
+                        targets: &g,
+                        batch: B,
+                        seq: T,
+                    };
+                    let (l, r) = train_step_grid(&gpt, &mut m, grid, &mut opt, &b).unwrap();
+                    losses.push(l);
+                    norms.push(r.grad_norm);
+                    if k >= 2 {
+                        h2d += m.last_iteration().h2d_bytes;
+                    }
+                }
+                let room = (m.param_footprint() / 5).max(3 * CHUNK as u64 * 4);
+                (losses, norms, h2d, m.non_model_peak() + room)
+            };
+            let (losses, norms, resident_h2d, small) = run(256 << 20);
+            let (streamed, _, h2d, _) = run(small);
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&losses),
+                bits(&streamed),
+                "{mode}: placement changed bits"
+            );
+            assert!(
+                h2d > resident_h2d,
+                "{mode}: shards were evicted and reloaded"
+            );
+            (losses, norms)
         });
-        let mut worst = 0.0f64;
-        for (r, (losses, norms)) in runs.iter().enumerate() {
-            for k in 0..STEPS as usize {
-                let e = (f(&serial[k]) - f64::from(losses[k])).abs() / f(&serial[k]);
-                worst = worst.max(e);
-                assert!(
-                    e < 1e-4,
-                    "{mode}, rank {r}, step {k}: loss {} vs {}",
-                    losses[k],
-                    f(&serial[k])
-                );
-                let n = (serial_norms[k] - norms[k]).abs() / serial_norms[k];
-                assert!(
-                    n < 1e-5,
-                    "{mode}, rank {r}, step {k}: norm {} vs {}",
-                    norms[k],
-                    serial_norms[k]
-                );
-            }
-        }
-        eprintln!("GPT on {mode}: worst relative loss error {worst:.2e} over {STEPS} steps");
+        like_serial(&format!("GPT on {mode}"), &serial, &runs);
     }
 }
 
@@ -371,73 +369,29 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
 /// the whole batch.
 #[test]
 fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
-    use tidemem::models::gpt::{train_step_grid, GptGrid};
-    use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
-    let mut m = manager(common::sim(256 << 20), 256 << 20);
-    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
-    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
-    let devs = (0..8).map(|_| common::sim(256 << 20)).collect();
-    let comms = Communicator::local(devs).unwrap();
-    let runs: Vec<(Vec<f32>, Vec<f64>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .into_iter()
-            .map(|c| {
-                s.spawn(move || {
-                    let spec = GridSpec {
-                        data: 2,
-                        pipeline: 1,
-                        tensor: TensorMode::TwoD { q: 2 },
-                    };
-                    let grid = ProcessGrid::new(&c, spec).unwrap();
-                    let data = c
-                        .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)
-                        .unwrap()
-                        .unwrap();
-                    let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
-                    cfg.param_dtype = DType::F32;
-                    let mut z = ZeroManager::new(data, cfg).unwrap();
-                    let gpt = GptGrid::register(&mut z, &grid, &config(), 3).unwrap();
-                    let mut opt = adam();
-                    let (mut losses, mut norms) = (Vec::new(), Vec::new());
-                    let rows = 2 * grid.data_rank();
-                    for k in 0..STEPS {
-                        let (t, g) = batch(k);
-                        let b = GptBatch {
-                            tokens: &t[rows * T..(rows + 2) * T],
-                            targets: &g[rows * T..(rows + 2) * T],
-                            batch: 2,
-                            seq: T,
-                        };
-                        let (l, r) = train_step_grid(&gpt, &mut z, &grid, &mut opt, &b).unwrap();
-                        let mut mean = [f64::from(l) / 8.0];
-                        c.all_reduce_host(&mut mean, tidemem::comm::ReduceOp::Sum)
-                            .unwrap();
-                        losses.push(mean[0] as f32);
-                        norms.push(r.grad_norm);
-                    }
-                    (losses, norms)
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
-    });
-    let f = |b: &u32| f64::from(f32::from_bits(*b));
-    for (r, (losses, norms)) in runs.iter().enumerate() {
-        for k in 0..STEPS as usize {
-            let e = (f(&serial[k]) - f64::from(losses[k])).abs() / f(&serial[k]);
-            assert!(
-                e < 1e-4,
-                "rank {r}, step {k}: loss {} vs {}",
-                losses[k],
-                f(&serial[k])
-            );
-            let n = (serial_norms[k] - norms[k]).abs() / serial_norms[k];
-            assert!(
-                n < 1e-5,
-                "rank {r}, step {k}: norm {} vs {}",
-                norms[k],
-                serial_norms[k]
-            );
+    let spec = GridSpec {
+        data: 2,
+        pipeline: 1,
+        tensor: TensorMode::TwoD { q: 2 },
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let mut z = zero_store(c, grid);
+        let gpt = GptGrid::register(&mut z, grid, &config(), 3).unwrap();
+        let mut opt = adam();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for k in 0..STEPS {
+            let (t, g) = rows_of(k, grid.data_rank(), 2);
+            let b = GptBatch {
+                tokens: &t,
+                targets: &g,
+                batch: 2,
+                seq: T,
+            };
+            let (l, r) = train_step_grid(&gpt, &mut z, grid, &mut opt, &b).unwrap();
+            losses.push(mean_loss(c, l));
+            norms.push(r.grad_norm);
         }
-    }
+        (losses, norms)
+    });
+    like_serial("2D × ZeRO on 8 ranks", &serial(), &runs);
 }

@@ -29,10 +29,7 @@ pub struct CausalSelfAttention {
 #[derive(Debug)]
 pub struct AttnSaved {
     x: Act,
-    q: Act,
-    k: Act,
-    v: Act,
-    att: Act,
+    heads: HeadsSaved,
     merged: Act,
     batch: usize,
     seq: usize,
@@ -46,7 +43,7 @@ impl AttnSaved {
 
     /// `[B·H·T, T]` attention probabilities (the causal softmax's output).
     pub fn att(&self) -> &Act {
-        &self.att
+        &self.heads.att
     }
 }
 
@@ -149,35 +146,15 @@ impl CausalSelfAttention {
         seq: usize,
     ) -> Result<(Act, AttnSaved)> {
         let d = pass.param_dtype();
-        let c = self.inner();
         x.expect("x", None, self.c_attn.inputs, d)?;
         let op = self.op(x.rows(), batch, seq)?;
-        let rows = x.rows();
         let qkv = self.c_attn.forward(pass, x)?;
-        let pool = pass.pool();
-        let heads = || Act::alloc(pool, rows, c, d);
-        let (q, k, v, y, merged) = (heads()?, heads()?, heads()?, heads()?, heads()?);
-        let scores = || Act::alloc(pool, batch * self.heads * seq, seq, d);
-        let (sc, att) = (scores()?, scores()?);
-        let bufs = AttentionForward {
-            qkv: qkv.input(),
-            q: q.view(),
-            k: k.view(),
-            v: v.view(),
-            scores: sc.view(),
-            att: att.view(),
-            y: y.view(),
-            out: merged.view(),
-        };
-        op.forward(pass.device(), pass.stream(), bufs, d)?;
-        drop((qkv, sc, y));
+        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        drop(qkv);
         let out = self.c_proj.forward(pass, &merged)?;
         let saved = AttnSaved {
             x: x.clone(),
-            q,
-            k,
-            v,
-            att,
+            heads,
             merged,
             batch,
             seq,
@@ -189,7 +166,6 @@ impl CausalSelfAttention {
     /// `[B·T, C]`: writes the four parameters' gradients and returns `dx`.
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &AttnSaved, dy: &Act) -> Result<Act> {
         let d = pass.param_dtype();
-        let c = self.inner();
         let rows = saved.x.rows();
         saved.x.expect("saved input", None, self.c_attn.inputs, d)?;
         dy.expect("dy", Some(rows), self.channels(), d)?;
@@ -198,30 +174,83 @@ impl CausalSelfAttention {
             .c_proj
             .backward(pass, &saved.merged, dy, true)
             .and_then(asked_dx)?;
-        let pool = pass.pool();
-        let heads = || Act::alloc(pool, rows, c, d);
-        let (dyh, dq, dk, dv) = (heads()?, heads()?, heads()?, heads()?);
-        let scores = || Act::alloc(pool, saved.batch * self.heads * saved.seq, saved.seq, d);
-        let (datt, dscores) = (scores()?, scores()?);
-        let dqkv = Act::alloc(pool, rows, 3 * c, d)?;
-        let bufs = AttentionBackward {
-            dout: dmerged.input(),
-            q: saved.q.input(),
-            k: saved.k.input(),
-            v: saved.v.input(),
-            att: saved.att.input(),
-            dy: dyh.view(),
-            datt: datt.view(),
-            dscores: dscores.view(),
-            dq: dq.view(),
-            dk: dk.view(),
-            dv: dv.view(),
-            dqkv: dqkv.view(),
-        };
-        op.backward(pass.device(), pass.stream(), bufs, d)?;
-        drop((dmerged, dyh, datt, dscores, dq, dk, dv));
+        let dqkv = heads_backward(pass, &op, &saved.heads, &dmerged)?;
+        drop(dmerged);
         self.c_attn
             .backward(pass, &saved.x, &dqkv, true)
             .and_then(asked_dx)
     }
+}
+
+/// What [`heads_forward`] keeps for [`heads_backward`]: the per-head `q`, `k`, `v`
+/// (`[rows, inner]`) and the attention probabilities (`[B·H·T, T]`).
+#[derive(Debug)]
+pub struct HeadsSaved {
+    q: Act,
+    k: Act,
+    v: Act,
+    att: Act,
+}
+
+/// The attention between the projections, on buffers from the pass's pool: `qkv`
+/// (`[rows, 3·inner]`, queries, keys and values side by side) to the merged heads
+/// (`[rows, inner]`) by `op` ([`ops::attention`](crate::ops::attention)); the scratch returns
+/// to the pool. For the serial layer and for a tensor-parallel rank's share of the heads.
+pub fn heads_forward(
+    pass: &ForwardPass<'_>,
+    op: &Attention,
+    qkv: &Act,
+) -> Result<(Act, HeadsSaved)> {
+    let (d, pool, rows) = (qkv.dtype(), pass.pool(), qkv.rows());
+    let inner = qkv.cols() / 3;
+    let sh = &op.shape;
+    let heads = || Act::alloc(pool, rows, inner, d);
+    let (q, k, v, y, merged) = (heads()?, heads()?, heads()?, heads()?, heads()?);
+    let score_rows = (sh.batch * sh.heads * sh.seq) as usize;
+    let scores = || Act::alloc(pool, score_rows, sh.seq as usize, d);
+    let (sc, att) = (scores()?, scores()?);
+    let bufs = AttentionForward {
+        qkv: qkv.input(),
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+        scores: sc.view(),
+        att: att.view(),
+        y: y.view(),
+        out: merged.view(),
+    };
+    op.forward(pass.device(), pass.stream(), bufs, d)?;
+    Ok((merged, HeadsSaved { q, k, v, att }))
+}
+
+/// The backward of [`heads_forward`] from the merged heads' gradient `dmerged`
+/// (`[rows, inner]`): `dqkv` (`[rows, 3·inner]`).
+pub fn heads_backward(
+    pass: &BackwardPass<'_>,
+    op: &Attention,
+    saved: &HeadsSaved,
+    dmerged: &Act,
+) -> Result<Act> {
+    let (d, pool, rows, inner) = (dmerged.dtype(), pass.pool(), dmerged.rows(), dmerged.cols());
+    let heads = || Act::alloc(pool, rows, inner, d);
+    let (dyh, dq, dk, dv) = (heads()?, heads()?, heads()?, heads()?);
+    let scores = || Act::alloc(pool, saved.att.rows(), saved.att.cols(), d);
+    let (datt, dscores) = (scores()?, scores()?);
+    let dqkv = Act::alloc(pool, rows, 3 * inner, d)?;
+    let bufs = AttentionBackward {
+        dout: dmerged.input(),
+        q: saved.q.input(),
+        k: saved.k.input(),
+        v: saved.v.input(),
+        att: saved.att.input(),
+        dy: dyh.view(),
+        datt: datt.view(),
+        dscores: dscores.view(),
+        dq: dq.view(),
+        dk: dk.view(),
+        dv: dv.view(),
+        dqkv: dqkv.view(),
+    };
+    op.backward(pass.device(), pass.stream(), bufs, d)?;
+    Ok(dqkv)
 }

@@ -66,7 +66,7 @@ mod lm_head;
 mod mlp;
 
 pub use act::Act;
-pub use attention::{AttnSaved, CausalSelfAttention};
+pub use attention::{heads_backward, heads_forward, AttnSaved, CausalSelfAttention, HeadsSaved};
 pub use block::{Block, BlockSaved};
 pub use embedding::{EmbSaved, Embedding};
 pub use gelu::{gelu, gelu_backward};

@@ -111,7 +111,8 @@ use crate::comm::{CommStats, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{gelu, gelu_backward, Act};
-use crate::ops::attention::{Attention, AttentionBackward, AttentionForward};
+use crate::nn::{heads_backward, heads_forward, HeadsSaved};
+use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::ops::{add, Axpby};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -143,10 +144,7 @@ pub struct Block3D {
 pub struct Block3DSaved {
     ln_1: Ln3DSaved,
     c_attn: Saved3D,
-    q: Act,
-    k: Act,
-    v: Act,
-    att: Act,
+    heads: HeadsSaved,
     attn_proj: Saved3D,
     ln_2: Ln3DSaved,
     c_fc: Saved3D,
@@ -349,23 +347,8 @@ impl Block3D {
         let (y1, ln_1) = self.ln_1.forward(pass, grid, x, None)?;
         let (qkv, c_attn) = self.c_attn.forward(pass, grid, &y1)?;
         drop(y1);
-        let heads = || Act::alloc(pool, n, cq, d);
-        let (q, k, v, yh, merged) = (heads()?, heads()?, heads()?, heads()?, heads()?);
-        // [B/q² · H/q · T, T]: the local heads' scores
-        let sr = batch / (here.q * here.q) * (self.heads / here.q) * seq;
-        let (sc, att) = (Act::alloc(pool, sr, seq, d)?, Act::alloc(pool, sr, seq, d)?);
-        let bufs = AttentionForward {
-            qkv: qkv.input(),
-            q: q.view(),
-            k: k.view(),
-            v: v.view(),
-            scores: sc.view(),
-            att: att.view(),
-            y: yh.view(),
-            out: merged.view(),
-        };
-        op.forward(dev, s, bufs, d)?;
-        drop((qkv, sc, yh));
+        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        drop(qkv);
         let (a, attn_proj) = self.attn_proj.forward(pass, grid, &merged)?;
         drop(merged);
         // h1 = x + a, and its normalisation
@@ -385,10 +368,7 @@ impl Block3D {
         let saved = Block3DSaved {
             ln_1,
             c_attn,
-            q,
-            k,
-            v,
-            att,
+            heads,
             attn_proj,
             ln_2,
             c_fc,
@@ -432,27 +412,8 @@ impl Block3D {
             self.attn_proj
                 .backward(pass, grid, &saved.attn_proj, &dres, true)?,
         )?;
-        let heads = || Act::alloc(pool, n, cq, d);
-        let (dyh, dq, dk, dv) = (heads()?, heads()?, heads()?, heads()?);
-        let scores = || Act::alloc(pool, saved.att.rows(), saved.att.cols(), d);
-        let (datt, dscores) = (scores()?, scores()?);
-        let dqkv = Act::alloc(pool, n, 3 * cq, d)?;
-        let bufs = AttentionBackward {
-            dout: dmerged.input(),
-            q: saved.q.input(),
-            k: saved.k.input(),
-            v: saved.v.input(),
-            att: saved.att.input(),
-            dy: dyh.view(),
-            datt: datt.view(),
-            dscores: dscores.view(),
-            dq: dq.view(),
-            dk: dk.view(),
-            dv: dv.view(),
-            dqkv: dqkv.view(),
-        };
-        saved.op.backward(dev, s, bufs, d)?;
-        drop((dmerged, dyh, datt, dscores, dq, dk, dv));
+        let dqkv = heads_backward(pass, &saved.op, &saved.heads, &dmerged)?;
+        drop(dmerged);
         let dy1 = asked(
             self.c_attn
                 .backward(pass, grid, &saved.c_attn, &dqkv, true)?,

@@ -79,7 +79,8 @@ use layernorm::Groups;
 use super::{Linear2D, Linear2p5D, ProcessGrid, TensorMode};
 use crate::error::{Error, Result};
 use crate::nn::{gelu, gelu_backward, Act};
-use crate::ops::attention::{Attention, AttentionBackward, AttentionForward};
+use crate::nn::{heads_backward, heads_forward, HeadsSaved};
+use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::ops::{add, Axpby};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -196,10 +197,7 @@ pub struct Block2D {
 pub struct Block2DSaved {
     ln_1: Ln2DSaved,
     y1: Act,
-    q: Act,
-    k: Act,
-    v: Act,
-    att: Act,
+    heads: HeadsSaved,
     merged: Act,
     ln_2: Ln2DSaved,
     y2: Act,
@@ -331,22 +329,8 @@ impl Block2D {
         let rows = x.rows();
         let (y1, ln_1) = self.ln_1.forward_in(pass, &gr, x, None)?;
         let qkv = self.c_attn.forward(pass, grid, &y1)?;
-        let heads = || Act::alloc(pool, rows, cl, d);
-        let (qh, kh, vh, yh, merged) = (heads()?, heads()?, heads()?, heads()?, heads()?);
-        let scores = || Act::alloc(pool, rows / seq * (self.heads / q) * seq, seq, d);
-        let (sc, att) = (scores()?, scores()?);
-        let bufs = AttentionForward {
-            qkv: qkv.input(),
-            q: qh.view(),
-            k: kh.view(),
-            v: vh.view(),
-            scores: sc.view(),
-            att: att.view(),
-            y: yh.view(),
-            out: merged.view(),
-        };
-        op.forward(dev, s, bufs, d)?;
-        drop((qkv, sc, yh));
+        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        drop(qkv);
         let a = self.attn_proj.forward(pass, grid, &merged)?;
         let (y2, ln_2) = self.ln_2.forward_in(pass, &gr, &a, Some(x))?;
         drop(a);
@@ -362,10 +346,7 @@ impl Block2D {
         let saved = Block2DSaved {
             ln_1,
             y1,
-            q: qh,
-            k: kh,
-            v: vh,
-            att,
+            heads,
             merged,
             ln_2,
             y2,
@@ -405,34 +386,8 @@ impl Block2D {
             .backward_in(pass, &gr, &saved.ln_2, &dy2, Some(&dres))?;
         drop(dy2);
         let dmerged = self.attn_proj.backward(pass, grid, &saved.merged, &dres)?;
-        let heads = || Act::alloc(pool, rows, cl, d);
-        let (dyh, dq, dk, dv) = (heads()?, heads()?, heads()?, heads()?);
-        let scores = || {
-            Act::alloc(
-                pool,
-                rows / saved.seq * (self.heads / q) * saved.seq,
-                saved.seq,
-                d,
-            )
-        };
-        let (datt, dscores) = (scores()?, scores()?);
-        let dqkv = Act::alloc(pool, rows, 3 * cl, d)?;
-        let bufs = AttentionBackward {
-            dout: dmerged.input(),
-            q: saved.q.input(),
-            k: saved.k.input(),
-            v: saved.v.input(),
-            att: saved.att.input(),
-            dy: dyh.view(),
-            datt: datt.view(),
-            dscores: dscores.view(),
-            dq: dq.view(),
-            dk: dk.view(),
-            dv: dv.view(),
-            dqkv: dqkv.view(),
-        };
-        op.backward(dev, s, bufs, d)?;
-        drop((dmerged, dyh, datt, dscores, dq, dk, dv));
+        let dqkv = heads_backward(pass, &op, &saved.heads, &dmerged)?;
+        drop(dmerged);
         let dy1 = self.c_attn.backward(pass, grid, &saved.y1, &dqkv)?;
         drop(dqkv);
         self.ln_1

@@ -10,6 +10,7 @@
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
+mod cross_entropy;
 mod grid;
 pub mod one_d;
 pub mod three_d;
@@ -18,6 +19,7 @@ pub mod two_d;
 pub mod two_d_block;
 pub mod vocab;
 
+pub use cross_entropy::ShardedCrossEntropy;
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
 pub use three_d::{

@@ -6,20 +6,18 @@
 //!   by one all-reduce, plus the replicated position embedding. Backward writes the rank's rows'
 //!   gradient; no collective.
 //! - [`VocabHead1D`]: `logits_r = h·wte_rᵀ` (`[N, V_r]`), then the cross-entropy over the whole
-//!   vocabulary in three steps around all-reduces of `N` f32 each: the row max (MAX), the sums
-//!   of `exp(z − m)` and the target's logit (SUM), and the gradient over the local logits.
+//!   vocabulary ([`ShardedCrossEntropy`]: three steps around all-reduces of `N` f32 each).
 //!   Backward: `dh = Σ_r dlogits_r·wte_r`, one all-reduce of `N × C`.
 
 use super::one_d::Shard;
+use super::ShardedCrossEntropy;
 use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Linear, WeightUse};
 use crate::ops::{
-    add_in_place, check_targets, vocab_ce_grad, vocab_ce_max, vocab_ce_sums,
-    vocab_embedding_backward, vocab_embedding_forward, Axpby, VocabCeGrad, VocabCeSums,
-    VocabCrossEntropy, VocabPlan, VocabShard,
+    add_in_place, check_targets, vocab_embedding_backward, vocab_embedding_forward, Axpby,
+    VocabPlan, VocabShard,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -237,9 +235,8 @@ impl VocabHead1D {
         targets: &[i32],
         scale: f32,
     ) -> Result<(f32, VocabHeadSaved)> {
-        let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
         let n = targets.len();
-        h.expect("h", Some(n), self.proj.inputs, d)?;
+        h.expect("h", Some(n), self.proj.inputs, pass.param_dtype())?;
         check_targets(targets, self.vocab.vocab, self.ignore_index)?;
         if !(scale > 0.0 && scale.is_finite()) || Shard::of(group) != self.shard {
             return Err(Error::InvalidArgument(format!(
@@ -249,41 +246,12 @@ impl VocabHead1D {
             )));
         }
         let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
-        let ce =
-            VocabCrossEntropy::new(self.vocab, self.ignore_index, scale / counted.max(1) as f32);
+        let ce = ShardedCrossEntropy {
+            classes: self.vocab,
+            ignore_index: self.ignore_index,
+        };
         let logits = self.proj.forward(pass, h)?;
-        let tgt = pass.upload(bytemuck::cast_slice(targets))?;
-        let stats = pass.pool().alloc(4 * n * 4)?;
-        let part = |k: usize| stats.view(k * n * 4, n * 4);
-        let (max, sum, target, losses) = (part(0)?, part(1)?, part(2)?, part(3)?);
-        vocab_ce_max(dev, s, logits.input(), max, &ce, d)?;
-        group.all_reduce(s, max, max, DType::F32, ReduceOp::Max)?;
-        let tv = tgt.view(0, n * 4)?;
-        let sums = VocabCeSums {
-            logits: logits.input(),
-            targets: tv.into(),
-            global_max: max.into(),
-            sum_exp: sum,
-            target_logit: target,
-        };
-        vocab_ce_sums(dev, s, sums, &ce, d)?;
-        // the sums and the target logits in one all-reduce
-        let both = stats.view(n * 4, 2 * n * 4)?;
-        group.all_reduce(s, both, both, DType::F32, ReduceOp::Sum)?;
-        let grad = VocabCeGrad {
-            logits: logits.view(),
-            targets: tv.into(),
-            global_max: max.into(),
-            global_sum: sum.into(),
-            global_target: Some(target.into()),
-            losses: Some(losses),
-        };
-        vocab_ce_grad(dev, s, grad, &ce, d)?;
-        let bytes = dev.download(s, losses)?;
-        let total: f64 = bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
-            .iter()
-            .map(|&l| f64::from(l))
-            .sum();
+        let total = ce.forward(pass, group, &logits, targets, scale / counted.max(1) as f32)?;
         let loss = (total / counted.max(1) as f64) as f32;
         Ok((
             loss,

@@ -1,6 +1,7 @@
-//! The collectives of one transformer layer's four linears (`C → 3C`, `C → C`, `C → 4C`,
-//! `4C → C`) under each tensor-parallel scheme, from the layers' own formulas (the ones the
-//! tests check against the communicators' counters), at GPT-2 sizes.
+//! The collectives of one transformer layer (two LayerNorms and four linears, `C → 3C`,
+//! `C → C`, `C → 4C`, `4C → C`; attention is local in every scheme) under each
+//! tensor-parallel scheme, from the layers' own formulas (the ones the tests check against the
+//! communicators' counters), at GPT-2 sizes.
 //!
 //! ```sh
 //! cargo run --release --example tp_costs
@@ -9,14 +10,16 @@
 //!
 //! Per rank and per layer, forward and backward together: the collective calls and the bytes of
 //! their buffers as the counters tally them (an all-reduce's buffer, an all-gather's output, a
-//! reduce-scatter's input, a broadcast's buffer), in f16. 1D's figure is its whole block (the
-//! four all-reduces of `tokens × C`); the others count the four linears only (their
-//! LayerNorms and attention are not built yet).
+//! reduce-scatter's input, a broadcast's buffer), in f16. 1D's block sends four all-reduces
+//! of `tokens × C` (its LayerNorms are replicated); the 2D, 2.5D and 3D LayerNorms gather
+//! whole rows of their tiles.
 
 use clap::Parser;
 use serde_json::json;
 use tidemem::comm::CommStats;
-use tidemem::parallel::{Layout3D, Linear2D, Linear2p5D, Linear3D, Place3D};
+use tidemem::parallel::{
+    LayerNorm2D, LayerNorm3D, Layout3D, Linear2D, Linear2p5D, Linear3D, Place2D, Place3D,
+};
 use tidemem::tensor::TensorId;
 use tidemem::DType;
 
@@ -63,7 +66,28 @@ fn add(a: (u64, u64), b: (u64, u64)) -> (u64, u64) {
 }
 
 fn summa(c: usize, tokens: usize, q: usize, depth: usize) -> tidemem::Result<(u64, u64)> {
+    let ln = LayerNorm2D {
+        gamma: TensorId(0),
+        beta: TensorId(1),
+        cols: c,
+        eps: 1e-5,
+        place: Place2D {
+            q,
+            depth,
+            row: 0,
+            col: 0,
+            dep: 0,
+        },
+    };
+    let s = ln.collectives(tokens, DType::F16)?;
     let mut sum = (0, 0);
+    for g in [&s.forward, &s.backward] {
+        for st in [&g.row, &g.col, &g.dep] {
+            sum = add(sum, total(st));
+        }
+    }
+    // two LayerNorms
+    sum = add(sum, sum);
     for (i, o) in linears(c) {
         let slice = Linear2D {
             weight: TensorId(0),
@@ -94,7 +118,29 @@ fn summa(c: usize, tokens: usize, q: usize, depth: usize) -> tidemem::Result<(u6
 }
 
 fn cube(c: usize, tokens: usize, q: usize) -> (u64, u64) {
+    let place = Place3D {
+        q,
+        i: 0,
+        j: 0,
+        k: 0,
+    };
+    let ln = LayerNorm3D {
+        gamma: TensorId(0),
+        beta: TensorId(1),
+        cols: c,
+        eps: 1e-5,
+        layout: Layout3D::RowsJColsK,
+        place,
+    };
+    let s = ln.collectives(tokens / (q * q), DType::F16);
     let mut sum = (0, 0);
+    for g in [&s.forward, &s.backward] {
+        for st in [&g.input, &g.weight, &g.output] {
+            sum = add(sum, total(st));
+        }
+    }
+    // two LayerNorms
+    sum = add(sum, sum);
     let mut layout = Layout3D::RowsJColsK;
     for (i, o) in linears(c) {
         let l = Linear3D {
@@ -103,12 +149,7 @@ fn cube(c: usize, tokens: usize, q: usize) -> (u64, u64) {
             inputs: i,
             outputs: o,
             layout,
-            place: Place3D {
-                q,
-                i: 0,
-                j: 0,
-                k: 0,
-            },
+            place,
         };
         let s = l.collectives(tokens / (q * q), DType::F16, true);
         for g in [&s.forward, &s.backward] {

@@ -624,9 +624,9 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
 fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, usize)>> {
     let tensor: TensorMode = a.tp.parse()?;
     let blocks_only = !matches!(tensor, TensorMode::None | TensorMode::OneD { .. });
-    if blocks_only && (a.accumulate != 1 || p.checkpoint || p.hf.is_some()) {
+    if blocks_only && p.hf.is_some() {
         return Err(bad(format!(
-            "--tp {tensor} trains without --accumulate, checkpointing or --load-hf so far"
+            "--tp {tensor} trains without --load-hf so far"
         )));
     }
     let (world, t) = (c.world(), tensor.size());
@@ -703,13 +703,15 @@ impl Run<'_> {
         save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
     ) -> Result<(Vec<f32>, usize, f64)> {
         let (a, p) = (self.a, self.p);
-        if let Some(grid) = self.grid {
-            return self.go_grid(store, grid, load, save);
-        }
-        let gpt = match self.tp {
-            Some(g) if p.hf.is_none() => Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?,
-            Some(_) => return Err(bad("--load-hf with --tp: not supported".into())),
-            None => register(store, p, a.seed)?,
+        let model = match (self.grid, self.tp) {
+            (Some(grid), _) if p.hf.is_none() => {
+                Model::Grid(GptGrid::register(store, grid, &p.cfg, a.seed)?, grid)
+            }
+            (None, Some(g)) if p.hf.is_none() => {
+                Model::Serial(Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?)
+            }
+            (None, None) => Model::Serial(register(store, p, a.seed)?),
+            _ => return Err(bad("--load-hf with --tp: not supported".into())),
         };
         let mut opt = adam(a, p.dtype)?;
         if a.resume.is_some() {
@@ -726,7 +728,14 @@ impl Run<'_> {
                 })
                 .collect::<Result<Vec<_>>>()?;
             let micro = views(&batches, a);
-            let s = train_step_in(&gpt, store, self.tp, &mut opt, &micro, p.checkpoint)?;
+            let s = match &model {
+                Model::Serial(gpt) => {
+                    train_step_in(gpt, store, self.tp, &mut opt, &micro, p.checkpoint)?
+                }
+                Model::Grid(gpt, grid) => {
+                    train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?
+                }
+            };
             losses.push(s.loss);
             tokens += s.tokens;
         }
@@ -736,39 +745,10 @@ impl Run<'_> {
         }
         Ok((losses, tokens, t0.elapsed().as_secs_f64()))
     }
+}
 
-    /// [`Run::go`] for a GPT whose blocks are split over a 2D, 2.5D or 3D grid.
-    fn go_grid<S: ParamStore>(
-        &self,
-        store: &mut S,
-        grid: &ProcessGrid,
-        load: impl Fn(&mut S, &mut HybridAdam) -> Result<()>,
-        save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
-    ) -> Result<(Vec<f32>, usize, f64)> {
-        let (a, p) = (self.a, self.p);
-        let gpt = GptGrid::register(store, grid, &p.cfg, a.seed)?;
-        let mut opt = adam(a, p.dtype)?;
-        if a.resume.is_some() {
-            load(store, &mut opt)?;
-        }
-        let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
-        for _ in 0..a.steps {
-            let at = opt.steps() * self.dps + self.dp;
-            let (t, g) = p.data.batch(Split::Train, at, a.batch, a.seq)?;
-            let b = GptBatch {
-                tokens: &t,
-                targets: &g,
-                batch: a.batch,
-                seq: a.seq,
-            };
-            let (loss, _) = train_step_grid(&gpt, store, grid, &mut opt, &b)?;
-            losses.push(loss);
-            tokens += t.len();
-        }
-        if let Some(dir) = &a.save {
-            std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
-            save(store, &opt)?;
-        }
-        Ok((losses, tokens, t0.elapsed().as_secs_f64()))
-    }
+/// The model a rank trains: serial or 1D ([`Gpt`]), or split over a 2D, 2.5D or 3D grid.
+enum Model<'g> {
+    Serial(Gpt),
+    Grid(GptGrid, &'g ProcessGrid),
 }

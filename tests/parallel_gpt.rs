@@ -306,7 +306,7 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
 /// A GPT on the 2D (4 ranks), 2.5D (8 ranks as 2×2×2) and 3D (8 ranks) blocks trains 10
 /// clipped AdamW steps to the serial losses (within 1e-4 relative) with the serial gradient
 /// norms (within 1e-5), every rank alike; on a device small enough that shards are evicted
-/// and reloaded, the same loss bits as all resident.
+/// and reloaded, and with every block checkpointed, the same loss bits as all resident.
 #[test]
 fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
     let serial = serial();
@@ -324,7 +324,7 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
         let runs = on_grid(spec, |c, grid| {
             // all resident, then on a device of the non-model peak and a fifth of the shards'
             // chunks (at least three): the same bits, chunks moving
-            let run = |capacity: u64| {
+            let run = |capacity: u64, checkpoint: bool| {
                 let mut m = manager(c.device().clone(), capacity);
                 let gpt = GptGrid::register(&mut m, grid, &config(), 3).unwrap();
                 let mut opt = adam();
@@ -337,9 +337,10 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
                         batch: B,
                         seq: T,
                     };
-                    let (l, r) = train_step_grid(&gpt, &mut m, grid, &mut opt, &b).unwrap();
-                    losses.push(l);
-                    norms.push(r.grad_norm);
+                    let r = train_step_grid(&gpt, &mut m, grid, &mut opt, &[b], checkpoint);
+                    let r = r.unwrap();
+                    losses.push(r.loss);
+                    norms.push(r.report.grad_norm);
                     if k >= 2 {
                         h2d += m.last_iteration().h2d_bytes;
                     }
@@ -347,9 +348,17 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
                 let room = (m.param_footprint() / 5).max(3 * CHUNK as u64 * 4);
                 (losses, norms, h2d, m.non_model_peak() + room)
             };
-            let (losses, norms, resident_h2d, small) = run(256 << 20);
-            let (streamed, _, h2d, _) = run(small);
+            // checkpointing and streaming: neither changes a bit
+            let (losses, norms, _, whole) = run(256 << 20, false);
+            let (checkpointed, _, resident_h2d, small) = run(256 << 20, true);
+            assert!(small < whole, "{mode}: checkpointing holds less");
+            let (streamed, _, h2d, _) = run(small, true);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(
+                bits(&losses),
+                bits(&checkpointed),
+                "{mode}: checkpointing changed bits"
+            );
             assert_eq!(
                 bits(&losses),
                 bits(&streamed),
@@ -387,11 +396,49 @@ fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
                 batch: 2,
                 seq: T,
             };
-            let (l, r) = train_step_grid(&gpt, &mut z, grid, &mut opt, &b).unwrap();
-            losses.push(mean_loss(c, l));
-            norms.push(r.grad_norm);
+            let r = train_step_grid(&gpt, &mut z, grid, &mut opt, &[b], false).unwrap();
+            losses.push(mean_loss(c, r.loss));
+            norms.push(r.report.grad_norm);
         }
         (losses, norms)
     });
     like_serial("2D × ZeRO on 8 ranks", &serial(), &runs);
+}
+
+/// Gradient accumulation on a 2D grid: each step's batch as two micro-batches of two rows
+/// (checkpointed) trains to the serial losses and norms on the whole batch.
+#[test]
+fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 1,
+        tensor: TensorMode::TwoD { q: 2 },
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let mut m = manager(c.device().clone(), 256 << 20);
+        let gpt = GptGrid::register(&mut m, grid, &config(), 3).unwrap();
+        let mut opt = HybridAdam::new(HybridConfig {
+            max_grad_norm: Some(0.05),
+            placement: tidemem::optim::DevicePlacement::HostOnly,
+            accumulation_steps: 2,
+            ..HybridConfig::new(AdamConfig::adamw(3e-3, 0.01))
+        })
+        .unwrap();
+        let (mut losses, mut norms) = (Vec::new(), Vec::new());
+        for k in 0..STEPS {
+            let (t, g) = batch(k);
+            let half = B / 2 * T;
+            let micro = [0, 1].map(|h| GptBatch {
+                tokens: &t[h * half..(h + 1) * half],
+                targets: &g[h * half..(h + 1) * half],
+                batch: B / 2,
+                seq: T,
+            });
+            let r = train_step_grid(&gpt, &mut m, grid, &mut opt, &micro, true).unwrap();
+            losses.push(r.loss);
+            norms.push(r.report.grad_norm);
+        }
+        (losses, norms)
+    });
+    like_serial("2D accumulating 2 micro-batches", &serial(), &runs);
 }

@@ -1,6 +1,7 @@
 //! GPT-2 on the 2D, 2.5D and 3D tensor-parallel blocks.
 
-use super::model::{default_init, GptBatch, IGNORE_INDEX};
+use super::model::{default_init, GptBatch, RunOptions, IGNORE_INDEX};
+use super::train::{micro_steps, TrainStep};
 use super::GptConfig;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Embedding, LayerNorm, LmHead};
@@ -44,10 +45,12 @@ pub struct GptGrid {
     pub head: LmHead,
 }
 
-/// What a block keeps for its backward.
+/// What a block keeps for its backward: its saved tensors, or only its input tile when
+/// checkpointing.
 enum BlockKept {
     Summa(Box<Block2DSaved>),
     Cube(Box<Block3DSaved>),
+    Input(Act),
 }
 
 impl GptGrid {
@@ -125,14 +128,16 @@ impl GptGrid {
 
     /// One iteration's forward and backward on `b` (the same batch on every rank of the
     /// grid's tensor group): the gradients of this rank's shards and of the whole parameters
-    /// written, the loss returned. `loss_scale` scales the loss gradient. Run
+    /// written, the loss returned. `opts.loss_scale` scales the loss gradient; with
+    /// `opts.checkpoint` each block keeps only its input tile and is recomputed in the backward
+    /// pass ([`BackwardPass::recompute`]), the same bits with fewer activations held. Run
     /// [`ParamStore::step_reducing`] (or [`train_step_grid`]) next.
     pub fn forward_backward<S: ParamStore + ?Sized>(
         &self,
         store: &mut S,
         grid: &ProcessGrid,
         b: &GptBatch<'_>,
-        loss_scale: f32,
+        opts: RunOptions,
     ) -> Result<f32> {
         b.check(&self.config)?;
         let fwd = store.forward()?;
@@ -142,17 +147,24 @@ impl GptGrid {
         let mut kept = Vec::new();
         for k in 0..self.layers() {
             let (out, s) = self.block_forward(&fwd, grid, k, &tile, b)?;
-            kept.push(s);
+            if opts.checkpoint {
+                drop(s);
+                kept.push(BlockKept::Input(tile));
+            } else {
+                kept.push(s);
+            }
             tile = out;
         }
         let full = self.gather(&fwd, grid, &tile)?;
         drop(tile);
         let (h, ln) = self.ln_f.forward(&fwd, &full, None)?;
         drop(full);
-        let (loss, head) = self.head.forward_scaled(&fwd, &h, b.targets, loss_scale)?;
+        let (loss, head) = self
+            .head
+            .forward_scaled(&fwd, &h, b.targets, opts.loss_scale)?;
         drop(h);
         fwd.finish()?;
-        let bwd = store.backward()?;
+        let mut bwd = store.backward()?;
         let dh = self.head.backward(&bwd, &head)?;
         drop(head);
         let dfull = self.ln_f.backward(&bwd, &ln, &dh, None)?;
@@ -163,6 +175,16 @@ impl GptGrid {
             let s = kept
                 .pop()
                 .ok_or_else(|| Error::InvalidArgument("a block's saved state is gone".into()))?;
+            let s = match s {
+                BlockKept::Input(x) => {
+                    let re = bwd.recompute()?;
+                    let (out, s) = self.block_forward(&re, grid, k, &x, b)?;
+                    drop((out, x));
+                    re.finish()?;
+                    s
+                }
+                saved => saved,
+            };
             dtile = self.block_backward(&bwd, grid, k, &s, &dtile)?;
         }
         let dx = self.gather(&bwd, grid, &dtile)?;
@@ -244,32 +266,31 @@ impl GptGrid {
     }
 }
 
-/// One optimizer step of a [`GptGrid`]: the forward and backward, then the store's step with
-/// the gradient statistics all-reduced over the grid's tensor group (replicated parameters
-/// counted once), so every rank clips by the global norm and skips an overflow together.
+/// One optimizer step of a [`GptGrid`] over the micro-batches `micro` (as many as the
+/// optimizer accumulates, the same on every rank of the tensor group): a forward and backward
+/// each (checkpointed with `checkpoint`), then the store's step with the gradient statistics
+/// all-reduced over the grid's tensor group (replicated parameters counted once), so every
+/// rank clips by the global norm and skips an overflow together. See
+/// [`train_step`](super::train_step).
 pub fn train_step_grid<S: ParamStore + ?Sized>(
     gpt: &GptGrid,
     store: &mut S,
     grid: &ProcessGrid,
     adam: &mut crate::optim::HybridAdam,
-    b: &GptBatch<'_>,
-) -> Result<(f32, crate::optim::StepReport)> {
-    if adam.config().accumulation_steps != 1 {
-        return Err(Error::InvalidArgument(
-            "train_step_grid runs one micro-batch a step".into(),
-        ));
-    }
-    let loss = gpt.forward_backward(store, grid, b, adam.loss_scale())?;
-    let tp = grid.tensor();
-    let report = store.step_reducing(adam, &mut |st: crate::optim::GradStats| {
-        let mut sq = [st.sum_sq];
-        tp.all_reduce_host(&mut sq, crate::comm::ReduceOp::Sum)?;
-        let mut flag = [u8::from(st.nonfinite)];
-        tp.all_reduce_host(&mut flag, crate::comm::ReduceOp::Max)?;
-        Ok(crate::optim::GradStats {
-            sum_sq: sq[0],
-            nonfinite: flag[0] != 0,
-        })
-    })?;
-    Ok((loss, report))
+    micro: &[GptBatch<'_>],
+    checkpoint: bool,
+) -> Result<TrainStep> {
+    micro_steps(
+        store,
+        Some(grid.tensor()),
+        adam,
+        micro,
+        |store, b, loss_scale| {
+            let opts = RunOptions {
+                checkpoint,
+                loss_scale,
+            };
+            gpt.forward_backward(store, grid, b, opts)
+        },
+    )
 }

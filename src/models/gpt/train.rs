@@ -46,6 +46,26 @@ pub fn train_step_in<S: ParamStore + ?Sized>(
     micro: &[GptBatch<'_>],
     checkpoint: bool,
 ) -> Result<TrainStep> {
+    micro_steps(store, tp, adam, micro, |store, b, loss_scale| {
+        let opts = RunOptions {
+            checkpoint,
+            loss_scale,
+        };
+        gpt.forward_backward_in(store, tp, b, opts)
+    })
+}
+
+/// The micro-batch loop every GPT trainer shares: `fb` runs one micro-batch's forward and
+/// backward with the loss scale given and returns its loss; the store's step follows each,
+/// with the gradient statistics all-reduced over `tp` when given (every rank clips by the
+/// global norm, the replicated parameters counted once, and skips an overflow together).
+pub(super) fn micro_steps<S: ParamStore + ?Sized>(
+    store: &mut S,
+    tp: Option<&Communicator>,
+    adam: &mut HybridAdam,
+    micro: &[GptBatch<'_>],
+    mut fb: impl FnMut(&mut S, &GptBatch<'_>, f32) -> Result<f32>,
+) -> Result<TrainStep> {
     let want = adam.config().accumulation_steps as usize;
     if micro.len() != want {
         return Err(Error::InvalidArgument(format!(
@@ -57,15 +77,9 @@ pub fn train_step_in<S: ParamStore + ?Sized>(
     let mut tokens = 0;
     let mut last = None;
     for (k, b) in micro.iter().enumerate() {
-        let opts = RunOptions {
-            checkpoint,
-            loss_scale: adam.loss_scale(),
-        };
-        sum += f64::from(gpt.forward_backward_in(store, tp, b, opts)?);
+        sum += f64::from(fb(store, b, adam.loss_scale())?);
         tokens += b.tokens.len();
         let r = match tp {
-            // every rank clips by the global norm (the statistics summed over the group, the
-            // replicated parameters counted once) and skips an overflow together
             Some(g) => store.step_reducing(adam, &mut |st: GradStats| {
                 let mut sq = [st.sum_sq];
                 g.all_reduce_host(&mut sq, ReduceOp::Sum)?;

@@ -19,9 +19,9 @@
 //! # VocabEmbedding3D
 //!
 //! The token embedding with the vocabulary split, tied to the LM head: its weight is exactly
-//! the [`Linear3D`] shard of the master `wte` `[V, C]` (outputs `V`, inputs `C`) for input
+//! the [`Linear3D`](super::Linear3D) shard of the master `wte` `[V, C]` (outputs `V`, inputs `C`) for input
 //! layout `L`: `{name}.weight` `[C/q², V/q]`, element `(r, s)` = `wte[a·V/q + s, c·C/q +
-//! i·C/q² + r]`, so [`Classifier3D::tied`] is [`Linear3D`]'s algorithm on the same tensor.
+//! i·C/q² + r]`, so [`Classifier3D::tied`] is [`Linear3D`](super::Linear3D)'s algorithm on the same tensor.
 //! `V` must split by `q` and `C` by `q²`: pad the vocabulary (GPT-2's 50257 tokens to 50304,
 //! the padding rows never looked up and, as classes, never a target).
 //!
@@ -39,16 +39,16 @@
 //!
 //! # Classifier3D
 //!
-//! `logits = h·Mᵀ (+ b)` by [`Linear3D`] on an input tile in `L`, so the logits are in
+//! `logits = h·Mᵀ (+ b)` by [`Linear3D`](super::Linear3D) on an input tile in `L`, so the logits are in
 //! `L.swapped()`: rows `(i·q + c)·n ..`, classes block `a`. The ranks holding the other classes
-//! of those rows are `A`: [`ShardedCrossEntropy`] over `A` (the classes `a·classes/q ..`) gives
+//! of those rows are `A`: [`ShardedCrossEntropy`](super::ShardedCrossEntropy) over `A` (the classes `a·classes/q ..`) gives
 //! each rank the sum of its tile rows' losses and the logits' gradient; the ranks with `a = 0`
 //! add theirs over [`ProcessGrid::tensor`] (one f64 all-reduce) and every rank divides by the
 //! rows counted in the whole batch (targets not the ignore index): the mean loss, the same on
 //! every rank of the cube. The gradient is scaled by `loss_scale / count`. Backward is
-//! [`Linear3D`]'s, giving `dh` in `L`; a classifier tied to a [`VocabEmbedding3D`]
+//! [`Linear3D`](super::Linear3D)'s, giving `dh` in `L`; a classifier tied to a [`VocabEmbedding3D`]
 //! ([`Classifier3D::tied`]) adds its weight share with
-//! [`Linear3D::backward_with`] and [`WeightUse::Shared`](crate::nn::WeightUse::Shared).
+//! [`Linear3D::backward_with`](super::Linear3D::backward_with) and [`WeightUse::Shared`](crate::nn::WeightUse::Shared).
 //!
 //! Every layer checks on the host, on every rank and before any collective, that the grid is
 //! 3D and that the dimensions split (a typed [`Error::InvalidArgument`](crate::Error) naming

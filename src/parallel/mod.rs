@@ -5,8 +5,9 @@
 //! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
 //! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
 //! form with the batch split over depth; [`two_d_block`]: their LayerNorm and the GPT-2 block),
-//! [`three_d`] (the linear on a q³ cube) and
-//! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube).
+//! [`three_d`] (the linear on a q³ cube),
+//! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube) and [`three_d_ends`]
+//! (the embeddings, the vocab-parallel tied LM head and the classifiers on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
@@ -15,6 +16,7 @@ mod grid;
 pub mod one_d;
 pub mod three_d;
 pub mod three_d_block;
+pub mod three_d_ends;
 pub mod two_d;
 pub mod two_d_block;
 pub mod vocab;
@@ -26,6 +28,10 @@ pub use three_d::{
     gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
 };
 pub use three_d_block::{Block3D, Block3DSaved, LayerNorm3D, Ln3DSaved};
+pub use three_d_ends::{
+    Classifier3D, Classifier3DSaved, Emb3DSaved, Embedding3D, EndCollectives3D, EndGroupStats,
+    VocabEmb3DSaved, VocabEmbedding3D,
+};
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
     SummaCollectives, SummaGroups,

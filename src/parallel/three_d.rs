@@ -84,7 +84,7 @@ use super::grid::{ProcessGrid, TensorMode};
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::Act;
+use crate::nn::{Act, WeightUse};
 use crate::ops::heads::{heads_merge, heads_split, Heads};
 use crate::ops::{self, BiasGrad, Gemm};
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, Pass, PassKind};
@@ -183,7 +183,7 @@ impl Place3D {
     }
 
     /// `(a, c)`: the coordinates on `layout`'s row and column axes.
-    fn axes(&self, layout: Layout3D) -> (usize, usize) {
+    pub(super) fn axes(&self, layout: Layout3D) -> (usize, usize) {
         match layout {
             Layout3D::RowsJColsK => (self.j, self.k),
             Layout3D::RowsKColsJ => (self.k, self.j),
@@ -207,7 +207,7 @@ impl Place3D {
 }
 
 /// `n / by`, or the error naming `what` when `n` is 0 or does not divide.
-fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
+pub(super) fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
     if n == 0 || by == 0 || !n.is_multiple_of(by) {
         return Err(Error::InvalidArgument(format!(
             "{what} of {n} do not split over {name} = {by} ranks of a 3D cube"
@@ -218,7 +218,7 @@ fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
 
 /// The groups of a layer taking `layout`: `(A, Wg, G)`, the group along the layout's row axis
 /// `a` (gathers `X`), the weight group, the group along its column axis `c` (scatters `Y`).
-fn groups(
+pub(super) fn groups(
     grid: &ProcessGrid,
     layout: Layout3D,
 ) -> Result<(&Communicator, &Communicator, &Communicator)> {
@@ -278,13 +278,16 @@ pub struct Linear3D {
 }
 
 /// The initialiser of a shard: element `e` of the shard is element `map(e)` of the master.
-fn shard_init(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
+pub(super) fn shard_init(
+    master: &Init,
+    map: impl Fn(usize) -> usize + Send + Sync + 'static,
+) -> Init {
     let master = master.clone();
     Init::Fn(Arc::new(move |e| master.value(map(e))))
 }
 
 /// One call over a buffer of `elems` elements of `dtype`.
-fn tally(elems: usize, dtype: DType) -> Tally {
+pub(super) fn tally(elems: usize, dtype: DType) -> Tally {
     Tally {
         calls: 1,
         bytes: (elems * dtype.size()) as u64,
@@ -433,6 +436,23 @@ impl Linear3D {
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
+        self.backward_with(pass, grid, saved, dy, need_dx, WeightUse::Once)
+    }
+
+    /// [`Linear3D::backward`] with the gradients written as `uses` says: with
+    /// [`WeightUse::Shared`] (a weight tied to another layer, e.g. the LM head on the token
+    /// embedding) the weight's reduce-scattered shard (and the bias's) goes into a pool buffer
+    /// and is added through [`Guard::accumulate_grad`] instead of written into the slot; the
+    /// collectives are the same.
+    pub fn backward_with(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Saved3D,
+        dy: &Act,
+        need_dx: bool,
+        uses: WeightUse,
+    ) -> Result<Option<Act>> {
         let (ga, gw, gc) = self.groups(grid)?;
         let (q, iq, oq) = self.dims();
         let d = pass.param_dtype();
@@ -467,9 +487,24 @@ impl Linear3D {
         }
         let mm = Gemm::new(iq, oq, rows).trans_a(true);
         ops::gemm(dev, s, &mm, saved.x.input(), dyt.input(), dwt.view(), d)?;
-        gw.reduce_scatter(s, dwt.view(), g.grad(0)?.view(), d, ReduceOp::Sum)?;
+        let shared = |elems: usize| match uses {
+            WeightUse::Once => Ok(None),
+            WeightUse::Shared => pool.alloc(elems * d.size()).map(Some),
+        };
+        let (dw_share, db_share) = (shared(dwt.numel() / q)?, shared(oq)?);
+        match &dw_share {
+            None => gw.reduce_scatter(s, dwt.view(), g.grad(0)?.view(), d, ReduceOp::Sum)?,
+            Some(b) => {
+                let dw = b.view(0, dwt.len_bytes() / q)?;
+                gw.reduce_scatter(s, dwt.view(), dw, d, ReduceOp::Sum)?;
+                g.accumulate_grad(0, dw, d)?;
+            }
+        }
         if let Some(scratch) = &scratch {
-            let db = g.grad(1)?.view();
+            let db = match &db_share {
+                None => g.grad(1)?.view(),
+                Some(b) => b.view(0, oq * d.size())?,
+            };
             let grads = BiasGrad {
                 dy: dyt.input(),
                 db,
@@ -479,6 +514,9 @@ impl Linear3D {
             };
             ops::bias_grad(dev, s, grads, rows, oq, d)?;
             gw.all_reduce(s, db, db, d, ReduceOp::Sum)?;
+            if db_share.is_some() {
+                g.accumulate_grad(1, db, d)?;
+            }
         }
         Ok(dxs.map(|(_, dx)| dx))
     }

@@ -1,0 +1,186 @@
+//! [`Classifier3D`] (see [the module](super)).
+
+use super::{here, EndCollectives3D, EndGroupStats, VocabEmbedding3D};
+use crate::comm::{ReduceOp, Tally};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::{Act, WeightUse};
+use crate::ops::{check_targets, VocabShard};
+use crate::parallel::grid::ProcessGrid;
+use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Place3D, Saved3D};
+use crate::parallel::ShardedCrossEntropy;
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::Init;
+
+/// A classifier on the cube: [`Linear3D`] logits and the softmax cross-entropy over classes
+/// split along the layout's row axis, the mean over the whole batch (see [the module](super)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Classifier3D {
+    /// The projection `inputs → classes`, its input in the classifier's layout.
+    pub linear: Linear3D,
+    /// Targets equal to it count for nothing.
+    pub ignore_index: i32,
+    /// How backward writes the weight's gradient: [`WeightUse::Shared`] when tied to a
+    /// [`VocabEmbedding3D`].
+    pub uses: WeightUse,
+}
+
+/// What [`Classifier3D::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct Classifier3DSaved {
+    linear: Saved3D,
+    dlogits: Act,
+}
+
+impl Classifier3D {
+    /// Registers an untied classifier of `inputs` features into `classes` classes whose input
+    /// tile is in `layout`: [`Linear3D::register`]'s `{name}.weight` (from the master
+    /// `[classes, inputs]`) and, with `bias`, `{name}.bias`. Fails before registering anything
+    /// if the grid is not 3D, the inputs do not split by `q²` or the classes by `q`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        name: &str,
+        inputs: usize,
+        classes: usize,
+        layout: Layout3D,
+        weight: &Init,
+        bias: Option<&Init>,
+        ignore_index: i32,
+    ) -> Result<Classifier3D> {
+        let place = Place3D::of(grid)?;
+        let q = place.q;
+        split(&format!("'{name}': the inputs"), inputs, q * q, "q²")?;
+        let cq = split(&format!("'{name}': the classes"), classes, q, "q")?;
+        let (a, _) = place.axes(layout);
+        VocabShard::new(classes, a * cq, cq)?;
+        let linear = Linear3D::register(store, grid, name, inputs, classes, layout, weight, bias)?;
+        Ok(Classifier3D {
+            linear,
+            ignore_index,
+            uses: WeightUse::Once,
+        })
+    }
+
+    /// The LM head tied to `emb`: logits `h·wteᵀ` over its vocabulary, no bias, its input in
+    /// `emb`'s layout, its weight's gradient a share added to the embedding's. `store` must
+    /// hold `emb`'s weight.
+    pub fn tied(
+        store: &impl ParamStore,
+        emb: &VocabEmbedding3D,
+        ignore_index: i32,
+    ) -> Result<Classifier3D> {
+        let linear = emb.linear();
+        let q = emb.place.q;
+        let want = [emb.channels / (q * q), emb.vocab / q];
+        let shape = store.tensor_shape(emb.weight)?;
+        if shape != want {
+            return Err(Error::InvalidArgument(format!(
+                "a 3D head tied to tensor {} of {shape:?}; the embedding's shard is {want:?}",
+                emb.weight
+            )));
+        }
+        Ok(Classifier3D {
+            linear,
+            ignore_index,
+            uses: WeightUse::Shared,
+        })
+    }
+
+    /// The classes `C` of the whole classifier.
+    pub fn classes(&self) -> usize {
+        self.linear.outputs
+    }
+
+    /// The layout of the input tile.
+    pub fn layout(&self) -> Layout3D {
+        self.linear.layout
+    }
+
+    /// The mean cross-entropy over the rows of the whole batch whose target is not the ignore
+    /// index, of this rank's input tile `h` `[R/q², inputs/q]` (in [`Classifier3D::layout`])
+    /// against `targets` (the whole batch's `R` class ids, row by row, the same on every
+    /// rank): the same loss on every rank of the cube. The logits' gradient, kept for the
+    /// backward, is scaled by `loss_scale` over the rows counted. Targets, shapes, the scale
+    /// and the grid are checked on the host before any collective.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        h: &Act,
+        targets: &[i32],
+        loss_scale: f32,
+    ) -> Result<(f32, Classifier3DSaved)> {
+        let place = here(grid, self.linear.place)?;
+        let classes = self.classes();
+        let tile = place.tile(self.layout().swapped(), targets.len(), classes)?;
+        let iq = self.linear.inputs / place.q;
+        h.expect("h", Some(tile.rows), iq, pass.param_dtype())?;
+        check_targets(targets, classes, self.ignore_index)?;
+        if !(loss_scale > 0.0 && loss_scale.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "a 3D classifier run with loss scale {loss_scale}"
+            )));
+        }
+        let (ga, _, _) = groups(grid, self.layout())?;
+        let count = targets.iter().filter(|&&t| t != self.ignore_index).count();
+        let count = count.max(1) as f64;
+        let ce = ShardedCrossEntropy {
+            classes: VocabShard::new(classes, tile.col0, tile.cols)?,
+            ignore_index: self.ignore_index,
+        };
+        let (logits, saved) = self.linear.forward(pass, grid, h)?;
+        // the logits' rows (i·q + c)·n .., their other classes on the ranks along a
+        let mine = &targets[tile.row0..tile.row0 + tile.rows];
+        let scale = (f64::from(loss_scale) / count) as f32;
+        let rows = ce.forward(pass, ga, &logits, mine, scale)?;
+        let (a, _) = place.axes(self.layout());
+        let mut total = [if a == 0 { rows } else { 0.0 }];
+        grid.tensor().all_reduce_host(&mut total, ReduceOp::Sum)?;
+        let saved = Classifier3DSaved {
+            linear: saved,
+            dlogits: logits,
+        };
+        Ok(((total[0] / count) as f32, saved))
+    }
+
+    /// The backward of [`Classifier3D::forward`]: this rank's input-gradient tile
+    /// `[R/q², inputs/q]` (in [`Classifier3D::layout`]); writes the weight's (and bias's)
+    /// gradient shard, or adds it as a share when tied.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Classifier3DSaved,
+    ) -> Result<Act> {
+        let l = &self.linear;
+        l.backward_with(pass, grid, &saved.linear, &saved.dlogits, true, self.uses)?
+            .ok_or_else(|| Error::InvalidArgument("the 3D classifier gave no dh".into()))
+    }
+
+    /// The collectives of one forward and backward on input tiles of `rows` rows
+    /// (`n = R/q²`) in `dtype`: [`Linear3D::collectives`] (with the input gradient), plus in
+    /// forward the cross-entropy's two all-reduces on the layout's row group (`n` f32 and
+    /// `2n` f32) and the loss's all-reduce of one f64 on the tensor group.
+    pub fn collectives(&self, rows: usize, dtype: DType) -> EndCollectives3D {
+        let lin = self.linear.collectives(rows, dtype, true);
+        let mut forward = EndGroupStats::from(lin.forward);
+        let ce = match self.layout() {
+            Layout3D::RowsJColsK => &mut forward.input,
+            Layout3D::RowsKColsJ => &mut forward.output,
+        };
+        ce.all_reduce = Tally {
+            calls: 2,
+            bytes: (3 * rows * DType::F32.size()) as u64,
+        };
+        forward.tensor.all_reduce = Tally {
+            calls: 1,
+            bytes: DType::F64.size() as u64,
+        };
+        EndCollectives3D {
+            forward,
+            backward: lin.backward.into(),
+        }
+    }
+}

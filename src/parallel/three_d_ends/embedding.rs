@@ -1,0 +1,376 @@
+//! [`Embedding3D`] and [`VocabEmbedding3D`] (see [the module](super)).
+
+use super::{by_group, check_ids, here, EndCollectives3D};
+use crate::comm::{CommStats, ReduceOp};
+use crate::device::Block as PoolBlock;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::Act;
+use crate::ops::heads::{heads_split, Heads};
+use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
+use crate::parallel::grid::ProcessGrid;
+use crate::parallel::three_d::{
+    groups, shard_init, split, tally, Layout3D, Linear3D, Place3D, Tile,
+};
+use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
+use crate::tensor::{Init, TensorId};
+
+/// Checks that tensor 0 of `g` is `shape` of `d`.
+fn check_shape<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Result<()> {
+    let p = g.param(0)?;
+    if p.shape() != shape.as_slice() || p.dtype() != d {
+        return Err(Error::InvalidArgument(format!(
+            "parameter {} is {:?} {}; the 3D embedding expects {shape:?} {d}",
+            g.ids()[0],
+            p.shape(),
+            p.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// The plan of `ids` for `shard` and its words uploaded to the pass's pool.
+fn plan<K: PassKind>(
+    pass: &crate::store::Pass<'_, K>,
+    ids: &[i32],
+    shard: &VocabShard,
+) -> Result<(VocabPlan, PoolBlock)> {
+    let plan = VocabPlan::new(ids, shard)?;
+    let words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
+    Ok((plan, words))
+}
+
+/// A table `[rows, C]` whose row pieces are split over the weight group and columns over the
+/// layout's column axis (positions, or a vocabulary not split by vocabulary); its output is a
+/// tile in [`Embedding3D::layout`] (see [the module](super)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Embedding3D {
+    /// This rank's piece `[rows/q, C/q]`: the table's rows `i·rows/q ..`, columns `c·C/q ..`.
+    pub weight: TensorId,
+    /// The table's rows (the ids are `0..rows`).
+    pub rows: usize,
+    /// The table's columns `C`.
+    pub channels: usize,
+    /// The layout of the output tile.
+    pub layout: Layout3D,
+    /// The rank's place in the cube.
+    pub place: Place3D,
+}
+
+/// What [`Embedding3D::forward`] keeps for the backward: the tile's ids, planned.
+#[derive(Debug)]
+pub struct Emb3DSaved {
+    plan: VocabPlan,
+    words: PoolBlock,
+}
+
+impl Embedding3D {
+    /// Registers `{name}.weight`, this rank's piece of the master `[rows, channels]` whose
+    /// values `table` gives element by element (row-major), for an output in `layout`; the
+    /// piece is held alike by the `q` ranks along the layout's row axis (norm share `1/q`).
+    /// Fails before registering anything if the grid is not 3D or the rows or the channels do
+    /// not split by `q`.
+    pub fn register(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        name: &str,
+        rows: usize,
+        channels: usize,
+        layout: Layout3D,
+        table: &Init,
+    ) -> Result<Embedding3D> {
+        let place = Place3D::of(grid)?;
+        let q = place.q;
+        let rq = split(&format!("'{name}': the table rows"), rows, q, "q")?;
+        let cq = split(&format!("'{name}': the channels"), channels, q, "q")?;
+        if rows > i32::MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': {rows} table rows do not fit i32 ids"
+            )));
+        }
+        let (i, (_, c)) = (place.i, place.axes(layout));
+        let init = shard_init(table, move |e| {
+            (i * rq + e / cq) * channels + c * cq + e % cq
+        });
+        let weight = store.register(&format!("{name}.weight"), &[rq, cq], init)?;
+        store.set_norm_share(weight, 1.0 / q as f64)?;
+        Ok(Embedding3D {
+            weight,
+            rows,
+            channels,
+            layout,
+            place,
+        })
+    }
+
+    /// The parameters, in fetch order.
+    pub fn params(&self) -> Vec<TensorId> {
+        vec![self.weight]
+    }
+
+    /// This rank's output tile for a batch of `ids.len()` rows, after the host checks.
+    fn tile(&self, grid: &ProcessGrid, ids: &[i32]) -> Result<Tile> {
+        let place = here(grid, self.place)?;
+        check_ids("a 3D embedding's ids", ids, self.rows)?;
+        place.tile(self.layout, ids.len(), self.channels)
+    }
+
+    /// The embedding of `ids` (the whole batch's `R` ids, row by row, the same on every rank):
+    /// this rank's tile `[R/q², C/q]` in [`Embedding3D::layout`], after one all-gather over the
+    /// weight group. The ids (in `0..rows`, `R` a multiple of `q²`) and the grid are checked
+    /// on the host before any collective.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        ids: &[i32],
+    ) -> Result<(Act, Emb3DSaved)> {
+        let tile = self.tile(grid, ids)?;
+        let (_, gw, _) = groups(grid, self.layout)?;
+        let (q, d, cq) = (self.place.q, pass.param_dtype(), tile.cols);
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let mine = &ids[tile.row0..tile.row0 + tile.rows];
+        let all = VocabShard::new(self.rows, 0, self.rows)?;
+        let (plan, words) = plan(pass, mine, &all)?;
+        let g = pass.fetch(&self.params())?;
+        check_shape(&g, [self.rows / q, cq], d)?;
+        let table = Act::alloc(pool, self.rows, cq, d)?;
+        let out = Act::alloc(pool, tile.rows, cq, d)?;
+        gw.all_gather(s, g.param(0)?.device_view(), table.view(), d)?;
+        drop(g);
+        let tok = pass.upload(bytemuck::cast_slice(mine))?;
+        let tv = tok.view(0, tile.rows * 4)?;
+        vocab_embedding_forward(dev, s, tv, table.input(), out.view(), &all, cq, d)?;
+        Ok((out, Emb3DSaved { plan, words }))
+    }
+
+    /// The backward of [`Embedding3D::forward`] from this rank's output-gradient tile `dout`
+    /// `[R/q², C/q]`: the table's gradient from the tile's rows, a reduce-scatter over the
+    /// weight group and an all-reduce over the layout's row group, written into the weight's
+    /// slot.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Emb3DSaved,
+        dout: &Act,
+    ) -> Result<()> {
+        here(grid, self.place)?;
+        let (ga, gw, _) = groups(grid, self.layout)?;
+        let (q, d) = (self.place.q, pass.param_dtype());
+        let cq = self.channels / q;
+        dout.expect("dout", Some(saved.plan.positions()), cq, d)?;
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let g = pass.fetch(&self.params())?;
+        check_shape(&g, [self.rows / q, cq], d)?;
+        let dtable = Act::alloc(pool, self.rows, cq, d)?;
+        let wv = saved.words.view(0, saved.plan.words() * 4)?;
+        let p = &saved.plan;
+        vocab_embedding_backward(dev, s, dout.input(), p, wv, dtable.view(), cq, false, d)?;
+        let slot = g.grad(0)?.view();
+        gw.reduce_scatter(s, dtable.view(), slot, d, ReduceOp::Sum)?;
+        ga.all_reduce(s, slot, slot, d, ReduceOp::Sum)?;
+        Ok(())
+    }
+
+    /// The collectives of one forward and backward in `dtype` (they do not depend on the
+    /// batch): forward, an all-gather of `rows × C/q` on the weight group; backward, a
+    /// reduce-scatter of `rows × C/q` on the weight group and an all-reduce of
+    /// `rows/q × C/q` on the layout's row group.
+    pub fn collectives(&self, dtype: DType) -> EndCollectives3D {
+        let q = self.place.q;
+        let cq = self.channels / q;
+        let none = CommStats::default();
+        let mut fw = none;
+        fw.all_gather = tally(self.rows * cq, dtype);
+        let (mut ba, mut bw) = (none, none);
+        bw.reduce_scatter = tally(self.rows * cq, dtype);
+        ba.all_reduce = tally(self.rows / q * cq, dtype);
+        EndCollectives3D {
+            forward: by_group(self.layout, none, fw, none),
+            backward: by_group(self.layout, ba, bw, none),
+        }
+    }
+}
+
+/// The token embedding with the vocabulary split over the cube, tied to the LM head
+/// ([`Classifier3D::tied`](super::Classifier3D::tied)); its output is a tile in
+/// [`VocabEmbedding3D::layout`] (see [the module](super)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct VocabEmbedding3D {
+    /// This rank's shard `[C/q², V/q]`: [`Linear3D`]'s for the master `wte` `[V, C]` and input
+    /// layout [`VocabEmbedding3D::layout`].
+    pub weight: TensorId,
+    /// The vocabulary `V` (a multiple of `q`: pad it).
+    pub vocab: usize,
+    /// The channels `C` (a multiple of `q²`).
+    pub channels: usize,
+    /// The layout of the output tile (and of the tied head's input).
+    pub layout: Layout3D,
+    /// The rank's place in the cube.
+    pub place: Place3D,
+}
+
+/// What [`VocabEmbedding3D::forward`] keeps for the backward: the ids of the rank's row
+/// block, planned for its vocabulary block.
+#[derive(Debug)]
+pub struct VocabEmb3DSaved {
+    plan: VocabPlan,
+    words: PoolBlock,
+}
+
+impl VocabEmbedding3D {
+    /// Registers `{name}.weight`, this rank's shard of the master `wte` `[vocab, channels]`
+    /// whose values `wte` gives element by element (row-major), for an output in `layout`.
+    /// Fails before registering anything if the grid is not 3D, the vocabulary does not split
+    /// by `q` (pad it: GPT-2's 50257 tokens to 50304) or the channels by `q²`.
+    pub fn register(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        name: &str,
+        vocab: usize,
+        channels: usize,
+        layout: Layout3D,
+        wte: &Init,
+    ) -> Result<VocabEmbedding3D> {
+        let place = Place3D::of(grid)?;
+        let q = place.q;
+        if vocab == 0 || !vocab.is_multiple_of(q) {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': the vocabulary of {vocab} tokens does not split over q = {q} ranks \
+                 of a 3D cube (pad it to a multiple of q, as GPT-2's 50257 to 50304)"
+            )));
+        }
+        split(&format!("'{name}': the channels"), channels, q * q, "q²")?;
+        let (a, _) = place.axes(layout);
+        VocabShard::new(vocab, a * vocab / q, vocab / q)?;
+        let lin = Linear3D::register(store, grid, name, channels, vocab, layout, wte, None)?;
+        Ok(VocabEmbedding3D {
+            weight: lin.weight,
+            vocab,
+            channels,
+            layout,
+            place,
+        })
+    }
+
+    /// The parameters, in fetch order.
+    pub fn params(&self) -> Vec<TensorId> {
+        vec![self.weight]
+    }
+
+    /// The vocabulary block this rank holds: tokens `a·V/q ..`.
+    pub fn shard(&self) -> Result<VocabShard> {
+        let (a, _) = self.place.axes(self.layout);
+        let vq = self.vocab / self.place.q;
+        VocabShard::new(self.vocab, a * vq, vq)
+    }
+
+    /// The same weight as the tied head's [`Linear3D`] (inputs `C`, outputs `V`, no bias).
+    pub fn linear(&self) -> Linear3D {
+        Linear3D {
+            weight: self.weight,
+            bias: None,
+            inputs: self.channels,
+            outputs: self.vocab,
+            layout: self.layout,
+            place: self.place,
+        }
+    }
+
+    /// `(q, C/q, V/q)`.
+    fn dims(&self) -> (usize, usize, usize) {
+        let q = self.place.q;
+        (q, self.channels / q, self.vocab / q)
+    }
+
+    /// The embedding of `tokens` (the whole batch's `R` ids, row by row, the same on every
+    /// rank): this rank's tile `[R/q², C/q]` in [`VocabEmbedding3D::layout`], after an
+    /// all-gather over the weight group and a reduce-scatter over the layout's row group. The
+    /// tokens (in `0..V`, `R` a multiple of `q²`) and the grid are checked on the host before
+    /// any collective.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        tokens: &[i32],
+    ) -> Result<(Act, VocabEmb3DSaved)> {
+        let place = here(grid, self.place)?;
+        check_ids("a 3D vocab embedding's tokens", tokens, self.vocab)?;
+        let tile = place.tile(self.layout, tokens.len(), self.channels)?;
+        let (ga, gw, _) = groups(grid, self.layout)?;
+        let (q, cq, vq) = self.dims();
+        let (d, n) = (pass.param_dtype(), tile.rows);
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let shard = self.shard()?;
+        // the q·n rows of row block i
+        let block = &tokens[place.i * q * n..(place.i + 1) * q * n];
+        let (plan, words) = plan(pass, block, &shard)?;
+        let g = pass.fetch(&self.params())?;
+        check_shape(&g, [cq / q, vq], d)?;
+        let (wt, table) = (Act::alloc(pool, cq, vq, d)?, Act::alloc(pool, vq, cq, d)?);
+        let (part, out) = (Act::alloc(pool, q * n, cq, d)?, Act::alloc(pool, n, cq, d)?);
+        gw.all_gather(s, g.param(0)?.device_view(), wt.view(), d)?;
+        drop(g);
+        // [C/q, V/q] → [V/q, C/q]
+        let t = Heads::new(1, cq, vq, 1);
+        heads_split(dev, s, t, wt.input(), table.view(), d)?;
+        let tok = pass.upload(bytemuck::cast_slice(block))?;
+        let tv = tok.view(0, q * n * 4)?;
+        vocab_embedding_forward(dev, s, tv, table.input(), part.view(), &shard, cq, d)?;
+        ga.reduce_scatter(s, part.view(), out.view(), d, ReduceOp::Sum)?;
+        Ok((out, VocabEmb3DSaved { plan, words }))
+    }
+
+    /// The backward of [`VocabEmbedding3D::forward`] from this rank's output-gradient tile
+    /// `dout` `[R/q², C/q]`: adds this rank's share of its shard's gradient through
+    /// [`Guard::accumulate_grad`] (the tied head adds the other), after an all-gather over the
+    /// layout's row group and a reduce-scatter over the weight group.
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &VocabEmb3DSaved,
+        dout: &Act,
+    ) -> Result<()> {
+        here(grid, self.place)?;
+        let (ga, gw, _) = groups(grid, self.layout)?;
+        let (q, cq, vq) = self.dims();
+        let d = pass.param_dtype();
+        let rows = saved.plan.positions();
+        dout.expect("dout", Some(rows / q), cq, d)?;
+        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
+        let g = pass.fetch(&self.params())?;
+        check_shape(&g, [cq / q, vq], d)?;
+        let full = Act::alloc(pool, rows, cq, d)?;
+        let (dtable, dwt) = (Act::alloc(pool, vq, cq, d)?, Act::alloc(pool, cq, vq, d)?);
+        let share = Act::alloc(pool, cq / q, vq, d)?;
+        ga.all_gather(s, dout.view(), full.view(), d)?;
+        let (p, wv) = (&saved.plan, saved.words.view(0, saved.plan.words() * 4)?);
+        vocab_embedding_backward(dev, s, full.input(), p, wv, dtable.view(), cq, false, d)?;
+        // [V/q, C/q] → [C/q, V/q]
+        let t = Heads::new(1, vq, cq, 1);
+        heads_split(dev, s, t, dtable.input(), dwt.view(), d)?;
+        gw.reduce_scatter(s, dwt.view(), share.view(), d, ReduceOp::Sum)?;
+        g.accumulate_grad(0, share.view(), d)
+    }
+
+    /// The collectives of one forward and backward on tiles of `rows` rows (`n = R/q²`) in
+    /// `dtype`: forward, an all-gather of `C/q × V/q` on the weight group and a reduce-scatter
+    /// of `q·n × C/q` on the layout's row group; backward, an all-gather of `q·n × C/q` on the
+    /// row group and a reduce-scatter of `C/q × V/q` on the weight group.
+    pub fn collectives(&self, rows: usize, dtype: DType) -> EndCollectives3D {
+        let (q, cq, vq) = self.dims();
+        let none = CommStats::default();
+        let (mut fa, mut fw) = (none, none);
+        fw.all_gather = tally(cq * vq, dtype);
+        fa.reduce_scatter = tally(q * rows * cq, dtype);
+        let (mut ba, mut bw) = (none, none);
+        ba.all_gather = tally(q * rows * cq, dtype);
+        bw.reduce_scatter = tally(cq * vq, dtype);
+        EndCollectives3D {
+            forward: by_group(self.layout, fa, fw, none),
+            backward: by_group(self.layout, ba, bw, none),
+        }
+    }
+}

@@ -259,7 +259,22 @@ impl Linear2D {
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
-        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx)
+        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx, false)
+    }
+
+    /// [`Linear2D::backward`] for a weight used more than once per iteration (tied, as the
+    /// vocab-parallel head's weight is to the embedding's): the weight gradient is reduced in COL
+    /// into a buffer from the pool and added as this use's share with
+    /// [`Guard::accumulate_grad`] instead of written into the slot. The same collectives.
+    pub fn backward_shared(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx, true)
     }
 
     /// The collectives of one forward and one backward (with `need_dx` as given) over a full
@@ -373,6 +388,7 @@ impl Linear2D {
         x: &Act,
         dy: &Act,
         need_dx: bool,
+        shared: bool,
     ) -> Result<Option<Act>> {
         let d = pass.param_dtype();
         let (in_l, out_l) = self.local();
@@ -408,18 +424,27 @@ impl Linear2D {
         } else {
             None
         };
-        // dW = Xᵀ·dY (stored transposed: dYᵀ·X), reduced into the owner's gradient slot
+        // dW = Xᵀ·dY (stored transposed: dYᵀ·X), reduced into the owner's gradient slot (or,
+        // for a shared weight, into a buffer added as a share)
         let (xb, part) = (
             Act::alloc(pool, rows, in_l, d)?,
             Act::alloc(pool, out_l, in_l, d)?,
         );
+        let share = if shared {
+            Some(Act::alloc(pool, out_l, in_l, d)?)
+        } else {
+            None
+        };
         let step = Gemm::new(out_l, in_l, rows).trans_a(true);
         let mut slot = None;
         for t in 0..self.q {
             let xt = bcast(gr.row, s, x, &xb, t)?;
             ops::gemm(dev, s, &step, dy.input(), xt.input(), part.view(), d)?;
             let recv = if self.row == t {
-                let v = g.grad(0)?.view();
+                let v = match &share {
+                    Some(b) => b.view(),
+                    None => g.grad(0)?.view(),
+                };
                 slot = Some(v);
                 v
             } else {
@@ -429,6 +454,9 @@ impl Linear2D {
         }
         if let (Some(dep), Some(v)) = (gr.dep, slot) {
             dep.all_reduce(s, v, v, d, ReduceOp::Sum)?;
+        }
+        if let Some(b) = &share {
+            g.accumulate_grad(0, b.view(), d)?;
         }
         if self.bias.is_some() {
             self.bias_backward(pass, gr, &g, dy)?;
@@ -525,7 +553,21 @@ impl Linear2p5D {
         need_dx: bool,
     ) -> Result<Option<Act>> {
         self.slice
-            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx)
+            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx, false)
+    }
+
+    /// [`Linear2D::backward_shared`] within the depth layer: the weight gradient is all-reduced
+    /// over DEP (for `d > 1`) before it is added as this use's share.
+    pub fn backward_shared(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        self.slice
+            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx, true)
     }
 
     /// The collectives of one forward and one backward over a full batch of `rows` rows (see

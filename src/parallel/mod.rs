@@ -33,8 +33,8 @@ pub use two_d::{
     SummaCollectives, SummaGroups,
 };
 pub use two_d_block::{Block2D, Block2DSaved, LayerNorm2D, Ln2DSaved, Place2D, SummaLinear};
-pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
 pub use two_d_ends::{
-    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, EndsCollectives, EndsGroups, VocabEmb2DSaved,
-    VocabEmbedding2D,
+    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, EndsCollectives, EndsGroups,
+    VocabEmb2DSaved, VocabEmbedding2D,
 };
+pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};

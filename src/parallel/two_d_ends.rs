@@ -201,6 +201,18 @@ fn tensor_rank(mode: TensorMode, q: usize, [row, col, dep]: [usize; 3]) -> usize
     }
 }
 
+/// Checks on the host that every id of the whole batch names a row of a table of `rows`, so
+/// that every rank refuses a bad one (not only those whose tile holds it).
+fn check_ids(layer: &str, ids: &[i32], rows: usize) -> Result<()> {
+    match ids.iter().position(|&t| t < 0 || t as usize >= rows) {
+        None => Ok(()),
+        Some(n) => Err(Error::InvalidArgument(format!(
+            "{layer}: id {} at position {n} is outside the table's {rows} rows",
+            ids[n]
+        ))),
+    }
+}
+
 /// Checks that parameter 0 of `g` is `[rows, cols]` of `d`.
 fn check_param<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Result<()> {
     let p = g.param(0)?;
@@ -257,7 +269,9 @@ impl Embedding2D {
         let rows_l = split(name, "rows", rows, q, "q")?;
         let cl = split(name, "channels", channels, q, "q")?;
         VocabShard::new(rows, 0, rows)?;
-        let w = remap(init, move |k| (i * rows_l + k / cl) * channels + j * cl + k % cl);
+        let w = remap(init, move |k| {
+            (i * rows_l + k / cl) * channels + j * cl + k % cl
+        });
         let weight = store.register(&format!("{name}.weight"), &[rows_l, cl], w)?;
         if place.depth > 1 {
             store.set_norm_share(weight, 1.0 / place.depth as f64)?;
@@ -288,11 +302,17 @@ impl Embedding2D {
         let gr = groups("Embedding2D", self.mode, self.place, grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
+        check_ids("Embedding2D", ids, self.rows)?;
         let rb = p.row + p.q * p.dep;
         let mine = &ids[rb * nl..(rb + 1) * nl];
         let shard = self.shard()?;
         let plan = VocabPlan::new(mine, &shard)?;
-        let (dev, s, pool, d) = (pass.device(), pass.stream(), pass.pool(), pass.param_dtype());
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
         let cl = self.channels / p.q;
         let g = pass.fetch(&[self.weight])?;
         check_param(&g, [self.rows / p.q, cl], d)?;
@@ -320,7 +340,12 @@ impl Embedding2D {
         dout: &Act,
     ) -> Result<()> {
         let gr = groups("Embedding2D", self.mode, self.place, grid)?;
-        let (dev, s, pool, d) = (pass.device(), pass.stream(), pass.pool(), pass.param_dtype());
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
         let cl = self.channels / self.place.q;
         dout.expect("dout", Some(saved.plan.positions()), cl, d)?;
         if saved.plan.shard() != &self.shard()? {

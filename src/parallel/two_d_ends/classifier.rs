@@ -59,6 +59,11 @@ impl Classifier2D {
                  {mode}"
             )));
         }
+        let q = grid.q()?;
+        split(name, "classes", classes, q, "q")?;
+        if bias.is_some() {
+            split(name, "classes (with a bias)", classes, q * q, "q²")?;
+        }
         let linear = SummaLinear::register(store, grid, name, [inputs, classes], weight, bias)?;
         Ok(Classifier2D {
             linear,
@@ -180,7 +185,13 @@ impl Classifier2D {
         let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
         let count = counted.max(1) as f64;
         let logits = self.linear.forward(pass, grid, h)?;
-        let total = ce.forward(pass, gr.row, &logits, mine, (loss_scale as f64 / count) as f32)?;
+        let total = ce.forward(
+            pass,
+            gr.row,
+            &logits,
+            mine,
+            (loss_scale as f64 / count) as f32,
+        )?;
         let mut sum = [if p.col == 0 { total } else { 0.0 }];
         gr.tensor.all_reduce_host(&mut sum, ReduceOp::Sum)?;
         let saved = Cls2DSaved {

@@ -1,7 +1,7 @@
 //! The vocab-parallel token embedding on the 2D / 2.5D layout, tied to the head.
 
 use super::cost::{tally, EndsCollectives};
-use super::{check_param, groups, place_of, remap, split, tensor_rank, Groups};
+use super::{check_ids, check_param, groups, place_of, remap, split, tensor_rank, Groups};
 use crate::comm::ReduceOp;
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
@@ -58,7 +58,9 @@ impl VocabEmbedding2D {
         let vl = split(name, "vocab", vocab, q, "q")?;
         let cl = split(name, "channels", channels, q, "q")?;
         VocabShard::new(vocab, j * vl, vl)?;
-        let w = remap(init, move |k| (j * vl + k / cl) * channels + i * cl + k % cl);
+        let w = remap(init, move |k| {
+            (j * vl + k / cl) * channels + i * cl + k % cl
+        });
         let weight = store.register(&format!("{name}.weight"), &[vl, cl], w)?;
         if place.depth > 1 {
             store.set_norm_share(weight, 1.0 / place.depth as f64)?;
@@ -107,11 +109,17 @@ impl VocabEmbedding2D {
         let gr = self.groups(grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
+        check_ids("VocabEmbedding2D", ids, self.vocab)?;
         let nd = nl * p.q;
         let layer = &ids[p.dep * nd..(p.dep + 1) * nd];
         let shard = self.shard()?;
         let plan = VocabPlan::new(layer, &shard)?;
-        let (dev, s, pool, d) = (pass.device(), pass.stream(), pass.pool(), pass.param_dtype());
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
         let cl = self.local()[1];
         let tok = pass.upload(bytemuck::cast_slice(layer))?;
         let part = Act::alloc(pool, nd, cl, d)?;
@@ -146,7 +154,12 @@ impl VocabEmbedding2D {
         dout: &Act,
     ) -> Result<()> {
         let gr = self.groups(grid)?;
-        let (dev, s, pool, d) = (pass.device(), pass.stream(), pass.pool(), pass.param_dtype());
+        let (dev, s, pool, d) = (
+            pass.device(),
+            pass.stream(),
+            pass.pool(),
+            pass.param_dtype(),
+        );
         let [vl, cl] = self.local();
         let nd = saved.plan.positions();
         dout.expect("dout", Some(nd / self.place.q), cl, d)?;

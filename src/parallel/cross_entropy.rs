@@ -15,8 +15,9 @@ use crate::ops::{
 };
 use crate::store::ForwardPass;
 
-/// The cross-entropy of `n` rows whose classes are split over a row group (see
-/// [the module](self)).
+/// The cross-entropy of `n` rows whose classes are split over a row group: three steps around
+/// all-reduces of `n` f32 each in the row group (the row max, then the sums of `exp(z − m)`
+/// and the target's logit in one call, then the gradient over the local logits, in place).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ShardedCrossEntropy {
     /// The classes this rank holds, out of all of them.

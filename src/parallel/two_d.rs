@@ -35,7 +35,9 @@
 //!   `(i, t)`. Then `dW = Xᵀ·dY`: for `t`, `X_it` broadcast in ROW from `(i, t)`, `X_itᵀ·dY_ij`
 //!   reduced in COL to `(t, j)`, straight into the gradient slot. `db`: the column sums of `dY_ij`
 //!   (f32) reduce-scattered in COL, so rank `i` of column `j` gets its piece. In 2.5D the weight
-//!   and bias gradients are then all-reduced over DEP (skipped for `d = 1`).
+//!   and bias gradients are then all-reduced over DEP (skipped for `d = 1`). For a weight used
+//!   twice per iteration (the head tied to the embedding), [`Linear2D::backward_shared`] reduces
+//!   `dW` into a buffer instead and adds it as a share (after DEP's all-reduce).
 //!
 //! [`Linear2D::collectives`] gives the calls and bytes per group; they are exact.
 //!

@@ -4,8 +4,9 @@
 //! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
 //! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
 //! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
-//! form with the batch split over depth; [`two_d_block`]: their LayerNorm and the GPT-2 block),
-//! [`three_d`] (the linear on a q³ cube),
+//! form with the batch split over depth; [`two_d_block`]: their LayerNorm and the GPT-2 block;
+//! [`two_d_ends`]: their embeddings, the vocab-parallel one tied to the head, and the
+//! classifier with the cross-entropy), [`three_d`] (the linear on a q³ cube),
 //! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube) and [`three_d_ends`]
 //! (the embeddings, the vocab-parallel tied LM head and the classifiers on the cube).
 //!
@@ -19,6 +20,7 @@ pub mod three_d_block;
 pub mod three_d_ends;
 pub mod two_d;
 pub mod two_d_block;
+pub mod two_d_ends;
 pub mod vocab;
 
 pub use cross_entropy::ShardedCrossEntropy;
@@ -37,4 +39,8 @@ pub use two_d::{
     SummaCollectives, SummaGroups,
 };
 pub use two_d_block::{Block2D, Block2DSaved, LayerNorm2D, Ln2DSaved, Place2D, SummaLinear};
+pub use two_d_ends::{
+    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, EndsCollectives, EndsGroups,
+    VocabEmb2DSaved, VocabEmbedding2D,
+};
 pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};

@@ -35,7 +35,9 @@
 //!   `(i, t)`. Then `dW = Xᵀ·dY`: for `t`, `X_it` broadcast in ROW from `(i, t)`, `X_itᵀ·dY_ij`
 //!   reduced in COL to `(t, j)`, straight into the gradient slot. `db`: the column sums of `dY_ij`
 //!   (f32) reduce-scattered in COL, so rank `i` of column `j` gets its piece. In 2.5D the weight
-//!   and bias gradients are then all-reduced over DEP (skipped for `d = 1`).
+//!   and bias gradients are then all-reduced over DEP (skipped for `d = 1`). For a weight used
+//!   twice per iteration (the head tied to the embedding), [`Linear2D::backward_shared`] reduces
+//!   `dW` into a buffer instead and adds it as a share (after DEP's all-reduce).
 //!
 //! [`Linear2D::collectives`] gives the calls and bytes per group; they are exact.
 //!
@@ -259,7 +261,22 @@ impl Linear2D {
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
-        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx)
+        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx, false)
+    }
+
+    /// [`Linear2D::backward`] for a weight used more than once per iteration (tied, as the
+    /// vocab-parallel head's weight is to the embedding's): the weight gradient is reduced in COL
+    /// into a buffer from the pool and added as this use's share with
+    /// [`Guard::accumulate_grad`] instead of written into the slot. The same collectives.
+    pub fn backward_shared(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        self.backward_in(pass, &self.groups_2d(grid)?, x, dy, need_dx, true)
     }
 
     /// The collectives of one forward and one backward (with `need_dx` as given) over a full
@@ -373,6 +390,7 @@ impl Linear2D {
         x: &Act,
         dy: &Act,
         need_dx: bool,
+        shared: bool,
     ) -> Result<Option<Act>> {
         let d = pass.param_dtype();
         let (in_l, out_l) = self.local();
@@ -408,18 +426,27 @@ impl Linear2D {
         } else {
             None
         };
-        // dW = Xᵀ·dY (stored transposed: dYᵀ·X), reduced into the owner's gradient slot
+        // dW = Xᵀ·dY (stored transposed: dYᵀ·X), reduced into the owner's gradient slot (or,
+        // for a shared weight, into a buffer added as a share)
         let (xb, part) = (
             Act::alloc(pool, rows, in_l, d)?,
             Act::alloc(pool, out_l, in_l, d)?,
         );
+        let share = if shared {
+            Some(Act::alloc(pool, out_l, in_l, d)?)
+        } else {
+            None
+        };
         let step = Gemm::new(out_l, in_l, rows).trans_a(true);
         let mut slot = None;
         for t in 0..self.q {
             let xt = bcast(gr.row, s, x, &xb, t)?;
             ops::gemm(dev, s, &step, dy.input(), xt.input(), part.view(), d)?;
             let recv = if self.row == t {
-                let v = g.grad(0)?.view();
+                let v = match &share {
+                    Some(b) => b.view(),
+                    None => g.grad(0)?.view(),
+                };
                 slot = Some(v);
                 v
             } else {
@@ -429,6 +456,9 @@ impl Linear2D {
         }
         if let (Some(dep), Some(v)) = (gr.dep, slot) {
             dep.all_reduce(s, v, v, d, ReduceOp::Sum)?;
+        }
+        if let Some(b) = &share {
+            g.accumulate_grad(0, b.view(), d)?;
         }
         if self.bias.is_some() {
             self.bias_backward(pass, gr, &g, dy)?;
@@ -525,7 +555,21 @@ impl Linear2p5D {
         need_dx: bool,
     ) -> Result<Option<Act>> {
         self.slice
-            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx)
+            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx, false)
+    }
+
+    /// [`Linear2D::backward_shared`] within the depth layer: the weight gradient is all-reduced
+    /// over DEP (for `d > 1`) before it is added as this use's share.
+    pub fn backward_shared(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<Option<Act>> {
+        self.slice
+            .backward_in(pass, &self.groups(grid)?, x, dy, need_dx, true)
     }
 
     /// The collectives of one forward and one backward over a full batch of `rows` rows (see

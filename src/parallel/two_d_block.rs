@@ -167,6 +167,23 @@ impl SummaLinear {
         }?;
         dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
     }
+
+    /// The backward of a linear whose weight is used more than once per iteration (a tied
+    /// head), returning `dX`: [`Linear2D::backward_shared`] or
+    /// [`Linear2p5D::backward_shared`].
+    pub fn backward_shared(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+    ) -> Result<Act> {
+        let dx = match self {
+            SummaLinear::TwoD(l) => l.backward_shared(pass, grid, x, dy, true),
+            SummaLinear::TwoHalfD(l) => l.backward_shared(pass, grid, x, dy, true),
+        }?;
+        dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
+    }
 }
 
 /// GPT-2's pre-LayerNorm block on a 2D or 2.5D grid (see [the module](self)):

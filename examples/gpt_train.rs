@@ -29,7 +29,8 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{
-    read_hf, train_step, train_step_grid, train_step_in, Gpt, GptBatch, GptConfig, GptGrid,
+    read_hf, train_step, train_step_grid, train_step_in, EndsLayout, Gpt, GptBatch, GptConfig,
+    GptGrid,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
@@ -105,6 +106,11 @@ struct Args {
     /// 3d:Q (ZeRO data parallelism over the remaining factor).
     #[arg(long, default_value = "none")]
     tp: String,
+    /// With --tp 2d/2.5d/3d: the embeddings, ln_f and the tied head split over the grid like
+    /// the blocks (split: the vocabulary must divide by q; pad it otherwise) or whole on every
+    /// rank (whole).
+    #[arg(long, default_value = "split")]
+    tp_ends: String,
     /// Train on this UTF-8 text file (default: a generated corpus).
     #[arg(long)]
     data: Option<PathBuf>,
@@ -705,7 +711,19 @@ impl Run<'_> {
         let (a, p) = (self.a, self.p);
         let model = match (self.grid, self.tp) {
             (Some(grid), _) if p.hf.is_none() => {
-                Model::Grid(GptGrid::register(store, grid, &p.cfg, a.seed)?, grid)
+                let ends = match a.tp_ends.as_str() {
+                    "split" => EndsLayout::Split,
+                    "whole" => EndsLayout::Whole,
+                    e => return Err(bad(format!("--tp-ends {e}: split or whole"))),
+                };
+                let gpt =
+                    GptGrid::register_with(store, grid, &p.cfg, a.seed, ends).map_err(|e| {
+                        match ends {
+                            EndsLayout::Split => bad(format!("{e} (or pass --tp-ends whole)")),
+                            EndsLayout::Whole => e,
+                        }
+                    })?;
+                Model::Grid(gpt, grid)
             }
             (None, Some(g)) if p.hf.is_none() => {
                 Model::Serial(Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?)

@@ -8,7 +8,7 @@ mod common;
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, train_step_grid, train_step_in, Gpt, GptBatch, GptConfig, GptGrid,
+    train_step, train_step_grid, train_step_in, EndsLayout, Gpt, GptBatch, GptConfig, GptGrid,
 };
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
@@ -305,7 +305,7 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
 
 /// A GPT on the 2D (4 ranks), 2.5D (8 ranks as 2×2×2) and 3D (8 ranks) blocks trains 10
 /// clipped AdamW steps to the serial losses (within 1e-4 relative) with the serial gradient
-/// norms (within 1e-5), every rank alike; on a device small enough that shards are evicted
+/// norms (within 1e-5), every rank alike, with its ends split and with them whole; on a device small enough that shards are evicted
 /// and reloaded, and with every block checkpointed, the same loss bits as all resident.
 #[test]
 fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
@@ -324,9 +324,9 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
         let runs = on_grid(spec, |c, grid| {
             // all resident, then on a device of the non-model peak and a fifth of the shards'
             // chunks (at least three): the same bits, chunks moving
-            let run = |capacity: u64, checkpoint: bool| {
+            let run = |capacity: u64, checkpoint: bool, ends: EndsLayout| {
                 let mut m = manager(c.device().clone(), capacity);
-                let gpt = GptGrid::register(&mut m, grid, &config(), 3).unwrap();
+                let gpt = GptGrid::register_with(&mut m, grid, &config(), 3, ends).unwrap();
                 let mut opt = adam();
                 let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
                 for k in 0..STEPS {
@@ -349,10 +349,12 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
                 (losses, norms, h2d, m.non_model_peak() + room)
             };
             // checkpointing and streaming: neither changes a bit
-            let (losses, norms, _, whole) = run(256 << 20, false);
-            let (checkpointed, _, resident_h2d, small) = run(256 << 20, true);
+            let split = EndsLayout::Split;
+            let (losses, norms, _, whole) = run(256 << 20, false, split);
+            let (checkpointed, _, resident_h2d, small) = run(256 << 20, true, split);
             assert!(small < whole, "{mode}: checkpointing holds less");
-            let (streamed, _, h2d, _) = run(small, true);
+            let (streamed, _, h2d, _) = run(small, true, split);
+            let (whole_ends, whole_norms, _, _) = run(256 << 20, false, EndsLayout::Whole);
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(
                 bits(&losses),
@@ -368,9 +370,15 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
                 h2d > resident_h2d,
                 "{mode}: shards were evicted and reloaded"
             );
-            (losses, norms)
+            (losses, norms, whole_ends, whole_norms)
         });
-        like_serial(&format!("GPT on {mode}"), &serial, &runs);
+        let (split, whole): (Vec<_>, Vec<_>) = runs
+            .into_iter()
+            .map(|(a, b, c, d)| ((a, b), (c, d)))
+            .unzip();
+        let w = like_serial(&format!("GPT on {mode}"), &serial, &split);
+        let v = like_serial(&format!("GPT on {mode}, ends whole"), &serial, &whole);
+        eprintln!("GPT on {mode}: worst loss error {w:.1e} (ends split), {v:.1e} (whole)");
     }
 }
 

@@ -1,16 +1,15 @@
 //! GPT-2 on the 2D, 2.5D and 3D tensor-parallel blocks.
 
-use super::model::{default_init, GptBatch, RunOptions, IGNORE_INDEX};
+use super::grid_ends::{EndsLayout, GridEnds};
+use super::model::{default_init, GptBatch, RunOptions};
 use super::train::{micro_steps, TrainStep};
 use super::GptConfig;
 use crate::error::{Error, Result};
-use crate::nn::{Act, Embedding, LayerNorm, LmHead};
+use crate::nn::Act;
 use crate::parallel::{
-    gather_3d, gather_batch_2d, split_3d, split_batch_2d_act, Block2D, Block2DSaved, Block3D,
-    Block3DSaved, Layout3D, ProcessGrid, TensorMode,
+    Block2D, Block2DSaved, Block3D, Block3DSaved, Layout3D, ProcessGrid, TensorMode,
 };
-use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
-use crate::tensor::TensorId;
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
 
 /// The blocks of a [`GptGrid`]: one scheme's.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,13 +20,13 @@ pub enum GridBlocks {
     Cube(Vec<Block3D>),
 }
 
-/// GPT-2 whose blocks are split over a 2D, 2.5D or 3D tensor-parallel grid
-/// ([`Block2D`], [`Block3D`]): every rank holds its shards of each block, and the embedding,
-/// the final LayerNorm and the tied head whole. The embedding's output is split into the
-/// rank's tile of the grid's layout (`split_batch_2d_act`, `split_3d`), the blocks run on tiles,
-/// and the last block's tiles are gathered (`gather_batch_2d`, `gather_3d`) for `ln_f` and the
-/// head; backward mirrors it. The replicated parameters count `1/T` of their squared gradient
-/// norm on each of the `T` ranks.
+/// GPT-2 split over a 2D, 2.5D or 3D tensor-parallel grid: the blocks ([`Block2D`],
+/// [`Block3D`]) on tiles, and the ends ([`GridEnds`]) split too ([`EndsLayout::Split`]: the
+/// vocab-parallel `wte` tied to the vocab-parallel head, `wpe` and `ln_f` in the blocks'
+/// layout, so no rank ever holds a whole activation or table) or whole on every rank
+/// ([`EndsLayout::Whole`]: the embedding's output cut into tiles, the last tiles gathered).
+/// Every rank holds its shards as tensors of its store; replicated parameters count their
+/// share of the squared gradient norm ([`ParamStore::set_norm_share`]).
 ///
 /// Each rank's tile must hold whole sequences: the batch must divide by the grid's row blocks
 /// (`q` for 2D, `d·q` for 2.5D, `q²` for 3D).
@@ -35,14 +34,10 @@ pub enum GridBlocks {
 pub struct GptGrid {
     /// The shape.
     pub config: GptConfig,
-    /// `wte` and `wpe`, whole.
-    pub embedding: Embedding,
     /// The blocks' shards.
     pub blocks: GridBlocks,
-    /// `ln_f`, whole.
-    pub ln_f: LayerNorm,
-    /// The head over `wte`, whole.
-    pub head: LmHead,
+    /// The embeddings, `ln_f` and the tied head.
+    pub ends: GridEnds,
 }
 
 /// What a block keeps for its backward: its saved tensors, or only its input tile when
@@ -56,27 +51,40 @@ enum BlockKept {
 impl GptGrid {
     /// Registers this rank's part of the model on `grid` (a 2D, 2.5D or 3D tensor mode) with
     /// [`Gpt::register`](super::Gpt::register)'s masters for `seed`, so that the split model
-    /// computes what the serial one does. Fails on another mode or on shapes the blocks cannot
-    /// split.
+    /// computes what the serial one does, the ends split ([`EndsLayout::Split`]). Fails on
+    /// another mode or on shapes the layers cannot split (naming the dimension).
     pub fn register(
         store: &mut impl ParamStore,
         grid: &ProcessGrid,
         cfg: &GptConfig,
         seed: u64,
     ) -> Result<GptGrid> {
+        GptGrid::register_with(store, grid, cfg, seed, EndsLayout::Split)
+    }
+
+    /// [`GptGrid::register`] with the ends as `ends` says.
+    pub fn register_with(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        cfg: &GptConfig,
+        seed: u64,
+        ends: EndsLayout,
+    ) -> Result<GptGrid> {
         cfg.validate()?;
         let mode = grid.spec().tensor;
         let init = |name: &str| default_init(cfg, name, seed);
         let c = cfg.channels;
-        let wte = store.register("wte.weight", &[cfg.vocab, c], init("wte.weight"))?;
-        let wpe = store.register("wpe.weight", &[cfg.max_seq, c], init("wpe.weight"))?;
+        if !matches!(
+            mode,
+            TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. } | TensorMode::ThreeD { .. }
+        ) {
+            return Err(Error::InvalidArgument(format!(
+                "GptGrid runs on a 2D, 2.5D or 3D grid; this one is {mode}"
+            )));
+        }
+        let ends = GridEnds::register(store, grid, cfg, seed, ends)?;
         let name = |i: usize| format!("h.{i}");
         let blocks = match mode {
-            TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. } => GridBlocks::Summa(
-                (0..cfg.layers)
-                    .map(|i| Block2D::register(store, grid, &name(i), c, cfg.heads, cfg.eps, &init))
-                    .collect::<Result<_>>()?,
-            ),
             TensorMode::ThreeD { .. } => GridBlocks::Cube(
                 (0..cfg.layers)
                     .map(|i| {
@@ -85,17 +93,11 @@ impl GptGrid {
                     })
                     .collect::<Result<_>>()?,
             ),
-            m => {
-                return Err(Error::InvalidArgument(format!(
-                    "GptGrid runs on a 2D, 2.5D or 3D grid; this one is {m}"
-                )))
-            }
-        };
-        let ln_f = LayerNorm {
-            gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
-            beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
-            cols: c,
-            eps: cfg.eps,
+            _ => GridBlocks::Summa(
+                (0..cfg.layers)
+                    .map(|i| Block2D::register(store, grid, &name(i), c, cfg.heads, cfg.eps, &init))
+                    .collect::<Result<_>>()?,
+            ),
         };
         // a 2.5D grid holds every block's shards once in each of its `d` depth slices
         if let (TensorMode::TwoHalfD { depth, .. }, GridBlocks::Summa(v)) = (mode, &blocks) {
@@ -105,24 +107,10 @@ impl GptGrid {
                 }
             }
         }
-        let share = 1.0 / mode.size() as f64;
-        let replicated: [TensorId; 4] = [wte, wpe, ln_f.gamma, ln_f.beta];
-        for id in replicated {
-            store.set_norm_share(id, share)?;
-        }
-        let embedding = Embedding {
-            wte,
-            wpe,
-            vocab: cfg.vocab,
-            max_seq: cfg.max_seq,
-            channels: c,
-        };
         Ok(GptGrid {
             config: cfg.clone(),
-            embedding,
             blocks,
-            ln_f,
-            head: LmHead::tied(&*store, wte, IGNORE_INDEX)?,
+            ends,
         })
     }
 
@@ -141,9 +129,7 @@ impl GptGrid {
     ) -> Result<f32> {
         b.check(&self.config)?;
         let fwd = store.forward()?;
-        let (x, emb) = self.embedding.forward(&fwd, b.tokens, b.batch, b.seq)?;
-        let mut tile = self.split(&fwd, grid, &x)?;
-        drop(x);
+        let (mut tile, emb) = self.ends.embed(&fwd, grid, b.tokens, b.batch, b.seq)?;
         let mut kept = Vec::new();
         for k in 0..self.layers() {
             let (out, s) = self.block_forward(&fwd, grid, k, &tile, b)?;
@@ -155,22 +141,13 @@ impl GptGrid {
             }
             tile = out;
         }
-        let full = self.gather(&fwd, grid, &tile)?;
-        drop(tile);
-        let (h, ln) = self.ln_f.forward(&fwd, &full, None)?;
-        drop(full);
         let (loss, head) = self
-            .head
-            .forward_scaled(&fwd, &h, b.targets, opts.loss_scale)?;
-        drop(h);
+            .ends
+            .head_forward(&fwd, grid, &tile, b.targets, opts.loss_scale)?;
+        drop(tile);
         fwd.finish()?;
         let mut bwd = store.backward()?;
-        let dh = self.head.backward(&bwd, &head)?;
-        drop(head);
-        let dfull = self.ln_f.backward(&bwd, &ln, &dh, None)?;
-        drop((dh, ln));
-        let mut dtile = self.split(&bwd, grid, &dfull)?;
-        drop(dfull);
+        let mut dtile = self.ends.head_backward(&bwd, grid, head)?;
         for k in (0..self.layers()).rev() {
             let s = kept
                 .pop()
@@ -187,10 +164,8 @@ impl GptGrid {
             };
             dtile = self.block_backward(&bwd, grid, k, &s, &dtile)?;
         }
-        let dx = self.gather(&bwd, grid, &dtile)?;
+        self.ends.embed_backward(&bwd, grid, emb, &dtile)?;
         drop(dtile);
-        self.embedding.backward(&bwd, &emb, &dx)?;
-        drop((dx, emb));
         bwd.finish()?;
         Ok(loss)
     }
@@ -199,32 +174,6 @@ impl GptGrid {
         match &self.blocks {
             GridBlocks::Summa(v) => v.len(),
             GridBlocks::Cube(v) => v.len(),
-        }
-    }
-
-    /// This rank's tile of a whole `[N, C]` activation (no collective).
-    fn split<K: PassKind>(
-        &self,
-        pass: &Pass<'_, K>,
-        grid: &ProcessGrid,
-        full: &Act,
-    ) -> Result<Act> {
-        match &self.blocks {
-            GridBlocks::Summa(_) => split_batch_2d_act(pass.pool(), pass.stream(), grid, full),
-            GridBlocks::Cube(_) => split_3d(pass, grid, Layout3D::RowsJColsK, full),
-        }
-    }
-
-    /// The whole `[N, C]` activation from every rank's tile.
-    fn gather<K: PassKind>(
-        &self,
-        pass: &Pass<'_, K>,
-        grid: &ProcessGrid,
-        tile: &Act,
-    ) -> Result<Act> {
-        match &self.blocks {
-            GridBlocks::Summa(_) => gather_batch_2d(pass.pool(), pass.stream(), grid, tile),
-            GridBlocks::Cube(_) => gather_3d(pass, grid, Layout3D::RowsJColsK, tile),
         }
     }
 

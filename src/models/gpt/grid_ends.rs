@@ -1,0 +1,345 @@
+//! The ends of a [`GptGrid`](super::GptGrid): the token and position embeddings, `ln_f` and
+//! the LM head tied to `wte`, split over the grid like the blocks or whole on every rank.
+
+use super::model::{default_init, IGNORE_INDEX};
+use super::GptConfig;
+use crate::error::{Error, Result};
+use crate::nn::{Act, EmbSaved, Embedding, LayerNorm, LmHead, LmSaved, LnSaved};
+use crate::ops::{add_in_place, Axpby};
+use crate::parallel::{
+    gather_3d, gather_batch_2d, split_3d, split_batch_2d_act, Classifier2D, Classifier3D,
+    Classifier3DSaved, Cls2DSaved, Emb2DSaved, Emb3DSaved, Embedding2D, Embedding3D, LayerNorm2D,
+    LayerNorm3D, Layout3D, Ln2DSaved, Ln3DSaved, ProcessGrid, TensorMode, VocabEmb2DSaved,
+    VocabEmb3DSaved, VocabEmbedding2D, VocabEmbedding3D,
+};
+use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
+use crate::tensor::TensorId;
+
+/// How a [`GptGrid`](super::GptGrid) holds its ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EndsLayout {
+    /// Split over the grid: `wte` by vocabulary and channels (tied to a vocab-parallel head
+    /// with the cross-entropy over the split vocabulary), `wpe` and `ln_f` by the blocks'
+    /// layout. The vocabulary must split by `q` (pad it, as GPT-2's 50257 to 50304) and the
+    /// positions by `q` (2D, 2.5D) or the channels and positions by `q²` (3D).
+    #[default]
+    Split,
+    /// Whole on every rank: the embedding's output cut into the rank's tile, the last block's
+    /// tiles gathered for `ln_f` and the head. Any vocabulary.
+    Whole,
+}
+
+/// The ends of a [`GptGrid`](super::GptGrid), in one of the [`EndsLayout`]s.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GridEnds {
+    /// Whole on every rank.
+    Whole {
+        /// `wte` and `wpe`.
+        embedding: Embedding,
+        /// `ln_f`.
+        ln_f: LayerNorm,
+        /// The head over `wte`.
+        head: LmHead,
+    },
+    /// Split over a 2D or 2.5D grid.
+    Summa {
+        /// `wte`, split by vocabulary and channels.
+        wte: VocabEmbedding2D,
+        /// `wpe`, split like a table.
+        wpe: Embedding2D,
+        /// `ln_f`.
+        ln_f: LayerNorm2D,
+        /// The vocab-parallel head tied to `wte`.
+        head: Classifier2D,
+    },
+    /// Split over a 3D cube (the blocks' layout [`Layout3D::RowsJColsK`]).
+    Cube {
+        /// `wte`, split by vocabulary and channels.
+        wte: VocabEmbedding3D,
+        /// `wpe`, split like a table.
+        wpe: Embedding3D,
+        /// `ln_f`.
+        ln_f: LayerNorm3D,
+        /// The vocab-parallel head tied to `wte`.
+        head: Classifier3D,
+    },
+}
+
+/// What the embedding keeps for its backward.
+pub(super) enum EmbKept {
+    Whole(EmbSaved),
+    Summa(VocabEmb2DSaved, Emb2DSaved),
+    Cube(VocabEmb3DSaved, Emb3DSaved),
+}
+
+/// What `ln_f` and the head keep for their backward.
+pub(super) enum HeadKept {
+    Whole(LnSaved, LmSaved),
+    Summa(Ln2DSaved, Cls2DSaved),
+    Cube(Ln3DSaved, Classifier3DSaved),
+}
+
+/// The blocks' 3D layout.
+const CUBE: Layout3D = Layout3D::RowsJColsK;
+
+fn mismatch() -> Error {
+    Error::InvalidArgument("the ends' saved state of another layout".into())
+}
+
+impl GridEnds {
+    /// Registers this rank's part of the ends with [`Gpt::register`](super::Gpt::register)'s
+    /// masters for `seed`, and sets the norm shares of what is replicated.
+    pub(super) fn register(
+        store: &mut impl ParamStore,
+        grid: &ProcessGrid,
+        cfg: &GptConfig,
+        seed: u64,
+        layout: EndsLayout,
+    ) -> Result<GridEnds> {
+        let init = |name: &str| default_init(cfg, name, seed);
+        let (c, v, t) = (cfg.channels, cfg.vocab, cfg.max_seq);
+        let mode = grid.spec().tensor;
+        let ends = match (layout, mode) {
+            (EndsLayout::Whole, _) => {
+                let wte = store.register("wte.weight", &[v, c], init("wte.weight"))?;
+                let wpe = store.register("wpe.weight", &[t, c], init("wpe.weight"))?;
+                let ln_f = LayerNorm {
+                    gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
+                    beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
+                    cols: c,
+                    eps: cfg.eps,
+                };
+                let share = 1.0 / mode.size() as f64;
+                for id in [wte, wpe, ln_f.gamma, ln_f.beta] {
+                    store.set_norm_share(id, share)?;
+                }
+                let embedding = Embedding {
+                    wte,
+                    wpe,
+                    vocab: v,
+                    max_seq: t,
+                    channels: c,
+                };
+                GridEnds::Whole {
+                    embedding,
+                    ln_f,
+                    head: LmHead::tied(&*store, wte, IGNORE_INDEX)?,
+                }
+            }
+            (EndsLayout::Split, TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. }) => {
+                let wte =
+                    VocabEmbedding2D::register(store, grid, "wte", v, c, &init("wte.weight"))?;
+                let wpe = Embedding2D::register(store, grid, "wpe", t, c, &init("wpe.weight"))?;
+                let (g, b) = (init("ln_f.weight"), init("ln_f.bias"));
+                let ln_f = LayerNorm2D::register(store, grid, "ln_f", c, cfg.eps, &g, &b)?;
+                // γ and β are the same in every depth layer
+                if let TensorMode::TwoHalfD { depth, .. } = mode {
+                    for id in [ln_f.gamma, ln_f.beta] {
+                        store.set_norm_share(id, 1.0 / depth as f64)?;
+                    }
+                }
+                let head = Classifier2D::tied(&*store, &wte, IGNORE_INDEX)?;
+                GridEnds::Summa {
+                    wte,
+                    wpe,
+                    ln_f,
+                    head,
+                }
+            }
+            (EndsLayout::Split, TensorMode::ThreeD { .. }) => {
+                let wte = VocabEmbedding3D::register(
+                    store,
+                    grid,
+                    "wte",
+                    v,
+                    c,
+                    CUBE,
+                    &init("wte.weight"),
+                )?;
+                let wpe =
+                    Embedding3D::register(store, grid, "wpe", t, c, CUBE, &init("wpe.weight"))?;
+                let (g, b) = (init("ln_f.weight"), init("ln_f.bias"));
+                let ln_f = LayerNorm3D::register(store, grid, "ln_f", c, cfg.eps, CUBE, &g, &b)?;
+                let head = Classifier3D::tied(&*store, &wte, IGNORE_INDEX)?;
+                GridEnds::Cube {
+                    wte,
+                    wpe,
+                    ln_f,
+                    head,
+                }
+            }
+            (_, m) => {
+                return Err(Error::InvalidArgument(format!(
+                    "GptGrid runs on a 2D, 2.5D or 3D grid; this one is {m}"
+                )))
+            }
+        };
+        Ok(ends)
+    }
+
+    /// The rank's tile of the embedding of the batch (`tokens`, `[batch·seq]`, the same on
+    /// every rank): the first block's input.
+    pub(super) fn embed(
+        &self,
+        fwd: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<(Act, EmbKept)> {
+        let positions = || -> Vec<i32> { (0..tokens.len()).map(|n| (n % seq) as i32).collect() };
+        let sum = |a: &Act, b: &Act| {
+            let one = Axpby {
+                alpha: 1.0,
+                beta: 1.0,
+            };
+            add_in_place(
+                fwd.device(),
+                fwd.stream(),
+                one,
+                a.view(),
+                b.input(),
+                a.dtype(),
+            )
+        };
+        match self {
+            GridEnds::Whole { embedding, .. } => {
+                let (x, saved) = embedding.forward(fwd, tokens, batch, seq)?;
+                Ok((split(fwd, grid, &x)?, EmbKept::Whole(saved)))
+            }
+            GridEnds::Summa { wte, wpe, .. } => {
+                let (x, st) = wte.forward(fwd, grid, tokens)?;
+                let (p, sp) = wpe.forward(fwd, grid, &positions())?;
+                sum(&x, &p)?;
+                Ok((x, EmbKept::Summa(st, sp)))
+            }
+            GridEnds::Cube { wte, wpe, .. } => {
+                let (x, st) = wte.forward(fwd, grid, tokens)?;
+                let (p, sp) = wpe.forward(fwd, grid, &positions())?;
+                sum(&x, &p)?;
+                Ok((x, EmbKept::Cube(st, sp)))
+            }
+        }
+    }
+
+    /// `ln_f` and the head on the last block's tile: the mean loss over the whole batch
+    /// (`targets`, the same on every rank), the gradient kept scaled by `loss_scale`.
+    pub(super) fn head_forward(
+        &self,
+        fwd: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        tile: &Act,
+        targets: &[i32],
+        loss_scale: f32,
+    ) -> Result<(f32, HeadKept)> {
+        match self {
+            GridEnds::Whole { ln_f, head, .. } => {
+                let full = gather(fwd, grid, tile)?;
+                let (h, ln) = ln_f.forward(fwd, &full, None)?;
+                drop(full);
+                let (loss, hs) = head.forward_scaled(fwd, &h, targets, loss_scale)?;
+                Ok((loss, HeadKept::Whole(ln, hs)))
+            }
+            GridEnds::Summa { ln_f, head, .. } => {
+                let (h, ln) = ln_f.forward(fwd, grid, tile, None)?;
+                let (loss, hs) = head.forward(fwd, grid, &h, targets, loss_scale)?;
+                Ok((loss, HeadKept::Summa(ln, hs)))
+            }
+            GridEnds::Cube { ln_f, head, .. } => {
+                let (h, ln) = ln_f.forward(fwd, grid, tile, None)?;
+                let (loss, hs) = head.forward(fwd, grid, &h, targets, loss_scale)?;
+                Ok((loss, HeadKept::Cube(ln, hs)))
+            }
+        }
+    }
+
+    /// The gradient of the last block's tile.
+    pub(super) fn head_backward(
+        &self,
+        bwd: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        kept: HeadKept,
+    ) -> Result<Act> {
+        match (self, kept) {
+            (GridEnds::Whole { ln_f, head, .. }, HeadKept::Whole(ln, hs)) => {
+                let dh = head.backward(bwd, &hs)?;
+                drop(hs);
+                let dfull = ln_f.backward(bwd, &ln, &dh, None)?;
+                drop((dh, ln));
+                split(bwd, grid, &dfull)
+            }
+            (GridEnds::Summa { ln_f, head, .. }, HeadKept::Summa(ln, hs)) => {
+                let dh = head.backward(bwd, grid, &hs)?;
+                drop(hs);
+                ln_f.backward(bwd, grid, &ln, &dh, None)
+            }
+            (GridEnds::Cube { ln_f, head, .. }, HeadKept::Cube(ln, hs)) => {
+                let dh = head.backward(bwd, grid, &hs)?;
+                drop(hs);
+                ln_f.backward(bwd, grid, &ln, &dh, None)
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// The embeddings' gradients from the first block's input gradient `dtile`.
+    pub(super) fn embed_backward(
+        &self,
+        bwd: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        kept: EmbKept,
+        dtile: &Act,
+    ) -> Result<()> {
+        match (self, kept) {
+            (GridEnds::Whole { embedding, .. }, EmbKept::Whole(s)) => {
+                let dx = gather(bwd, grid, dtile)?;
+                embedding.backward(bwd, &s, &dx)
+            }
+            (GridEnds::Summa { wte, wpe, .. }, EmbKept::Summa(st, sp)) => {
+                wpe.backward(bwd, grid, &sp, dtile)?;
+                wte.backward(bwd, grid, &st, dtile)
+            }
+            (GridEnds::Cube { wte, wpe, .. }, EmbKept::Cube(st, sp)) => {
+                wpe.backward(bwd, grid, &sp, dtile)?;
+                wte.backward(bwd, grid, &st, dtile)
+            }
+            _ => Err(mismatch()),
+        }
+    }
+
+    /// The ends' parameters on this rank.
+    pub fn params(&self) -> Vec<TensorId> {
+        match self {
+            GridEnds::Whole {
+                embedding, ln_f, ..
+            } => {
+                vec![embedding.wte, embedding.wpe, ln_f.gamma, ln_f.beta]
+            }
+            GridEnds::Summa { wte, wpe, ln_f, .. } => {
+                vec![wte.weight, wpe.weight, ln_f.gamma, ln_f.beta]
+            }
+            GridEnds::Cube { wte, wpe, ln_f, .. } => {
+                let mut v = wte.params();
+                v.extend(wpe.params());
+                v.extend([ln_f.gamma, ln_f.beta]);
+                v
+            }
+        }
+    }
+}
+
+/// This rank's tile of a whole `[N, C]` activation (no collective).
+fn split<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, full: &Act) -> Result<Act> {
+    match grid.spec().tensor {
+        TensorMode::ThreeD { .. } => split_3d(pass, grid, CUBE, full),
+        _ => split_batch_2d_act(pass.pool(), pass.stream(), grid, full),
+    }
+}
+
+/// The whole `[N, C]` activation from every rank's tile.
+fn gather<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, tile: &Act) -> Result<Act> {
+    match grid.spec().tensor {
+        TensorMode::ThreeD { .. } => gather_3d(pass, grid, CUBE, tile),
+        _ => gather_batch_2d(pass.pool(), pass.stream(), grid, tile),
+    }
+}

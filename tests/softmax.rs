@@ -208,7 +208,9 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         let half = up(&dev, &s, &vec![0u8; n * 2]);
         let p = tidemem::ops::softmax::SoftmaxParams {
             bh: bh as u64,
-            t: t as u64,
+            rows: t as u64,
+            cols: t as u64,
+            offset: 0,
             scale: 1.0,
             pad: 0,
         };

@@ -40,7 +40,9 @@ pub fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
     let tri = bh * t * (t + 1) / 2;
     let p = pod(&SoftmaxParams {
         bh: bh as u64,
-        t: t as u64,
+        rows: t as u64,
+        cols: t as u64,
+        offset: 0,
         scale: 0.125,
         pad: 0,
     });

@@ -490,4 +490,43 @@ mod tests {
         }
         assert_eq!(dx[n], 0.0);
     }
+
+    fn p(bh: u64, rows: u64, cols: u64, offset: u64, scale: f32) -> SoftmaxParams {
+        SoftmaxParams {
+            bh,
+            rows,
+            cols,
+            offset,
+            scale,
+            pad: 0,
+        }
+    }
+
+    #[test]
+    fn live_elements_follow_the_offset_and_stop_at_the_columns() {
+        // Rows 0..3 at offset 4 over 6 columns, two matrices.
+        let b = p(2, 3, 6, 4, 1.0);
+        let n: Vec<usize> = (0..6).map(|r| live(&b, r)).collect();
+        assert_eq!(n, [5, 6, 6, 5, 6, 6]);
+        // The square: i + 1.
+        let sq = p(1, 4, 4, 0, 1.0);
+        assert_eq!(
+            (0..4).map(|r| live(&sq, r)).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        // Positions past u64 saturate (validate refuses them before a launch).
+        assert_eq!(live(&p(1, 2, 9, u64::MAX, 1.0), 1), 9);
+    }
+
+    #[test]
+    fn validate_counts_elements_and_names_what_is_wrong() {
+        assert_eq!(validate(&p(2, 3, 6, 4, 0.5)), Ok(36));
+        assert_eq!(validate(&p(0, 3, 6, 4, 0.5)), Ok(0));
+        assert_eq!(validate(&p(2, 0, 0, 0, 0.5)), Ok(0));
+        let err = |q| validate(&q).unwrap_err();
+        assert!(err(p(u64::MAX, 2, 2, 0, 1.0)).contains("overflows"));
+        assert!(err(p(1, 2, 2, u64::MAX, 1.0)).contains("offset + rows"));
+        assert!(err(p(1, 2, 0, 0, 1.0)).contains("0 columns"));
+        assert!(err(p(1, 2, 2, 0, f32::NAN)).contains("not finite"));
+    }
 }

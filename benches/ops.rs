@@ -76,6 +76,7 @@ pub fn entries(rows: usize, cols: usize) -> Vec<Entry> {
     let mut v = Vec::new();
     llm::gelu_entries(rows, cols, &mut v);
     llm::softmax_entries(rows, cols, &mut v);
+    llm::softmax_block_entries(rows, cols, &mut v);
     llm::cross_entropy_entries(rows, cols, &mut v);
     llm::encoder_entries(rows, cols, &mut v);
     recsys::interaction_entries(&mut v);

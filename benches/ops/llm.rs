@@ -40,7 +40,9 @@ pub fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
     let tri = bh * t * (t + 1) / 2;
     let p = pod(&SoftmaxParams {
         bh: bh as u64,
-        t: t as u64,
+        rows: t as u64,
+        cols: t as u64,
+        offset: 0,
         scale: 0.125,
         pad: 0,
     });
@@ -56,6 +58,42 @@ pub fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
         v.push(Entry::kernel(
             format!("softmax_backward {d} [{bh},{t},{t}]"),
             (2 * tri + n) * s,
+            &SOFTMAX_BACKWARD,
+            p.clone(),
+            vec![Arg::floats(n, 1, d), Arg::floats(n, 2, d), Arg::zeros(n, d)],
+        ));
+    }
+}
+
+/// The causal softmax on the last of 4 row blocks of GPT-2's context (ring self-attention: 256
+/// rows at offset 768 against 1024 columns), as many matrices as `rows × cols` elements fill.
+/// Bytes: the live elements read (once per input), the whole block written.
+pub fn softmax_block_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
+    use tidemem::ops::softmax::{SoftmaxParams, SOFTMAX_BACKWARD, SOFTMAX_FORWARD};
+    let (r, t, offset) = (256usize, 1024usize, 768usize);
+    let bh = (rows * cols / (r * t)).max(1);
+    let n = bh * r * t;
+    let live = bh * (0..r).map(|i| (offset + i + 1).min(t)).sum::<usize>();
+    let p = pod(&SoftmaxParams {
+        bh: bh as u64,
+        rows: r as u64,
+        cols: t as u64,
+        offset: offset as u64,
+        scale: 0.125,
+        pad: 0,
+    });
+    for d in [DType::F32, DType::BF16] {
+        let s = d.size();
+        v.push(Entry::kernel(
+            format!("softmax_forward block {d} [{bh},{r},{t}] offset {offset}"),
+            (live + n) * s,
+            &SOFTMAX_FORWARD,
+            p.clone(),
+            vec![Arg::floats(n, 1, d), Arg::zeros(n, d)],
+        ));
+        v.push(Entry::kernel(
+            format!("softmax_backward block {d} [{bh},{r},{t}] offset {offset}"),
+            (2 * live + n) * s,
             &SOFTMAX_BACKWARD,
             p.clone(),
             vec![Arg::floats(n, 1, d), Arg::floats(n, 2, d), Arg::zeros(n, d)],

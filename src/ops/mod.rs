@@ -48,7 +48,9 @@ pub use layernorm::{
     LayerNormForward,
 };
 pub use relu::{relu_backward, relu_forward};
-pub use softmax::{softmax_backward, softmax_forward};
+pub use softmax::{
+    softmax_backward, softmax_block_backward, softmax_block_forward, softmax_forward, SoftmaxBlock,
+};
 pub use vocab_parallel::{
     vocab_ce_grad, vocab_ce_max, vocab_ce_sums, vocab_embedding_backward, vocab_embedding_forward,
     VocabCeGrad, VocabCeSums, VocabCrossEntropy, VocabPlan, VocabShard,

@@ -1,17 +1,27 @@
-//! Causal softmax, the middle of attention: scores `x` of shape `[BH, T, T]` (batch·heads
-//! matrices of `T × T`, row-major) and a scale (`1/√head_dim`), forward
-//! ([`softmax_forward`]) `y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k≤i} exp(s·x[i, k] − m_i)` for
-//! `j ≤ i` with `m_i = max_{k≤i} s·x[i, k]`, and exactly 0 above the diagonal; backward
-//! ([`softmax_backward`]) `dx[i, j] = s·y[i, j]·(dy[i, j] − Σ_{k≤i} dy[i, k]·y[i, k])` for
-//! `j ≤ i`, 0 above. Above the diagonal `x`, `y` and `dy` are never read.
+//! Causal softmax, the middle of attention, on a block of score rows: `x` of shape
+//! `[BH, rows, cols]` (batch·heads matrices of `rows × cols`, row-major) whose row `i` is the
+//! global query position `o + i` (`o` the block's offset), seeing the key columns `j ≤ o + i`,
+//! and a scale `s` (`1/√head_dim`). Row `i` has `n_i = min(o + i + 1, cols)` live elements.
+//! Forward ([`softmax_block_forward`]):
+//! `y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k<n_i} exp(s·x[i, k] − m_i)` for `j < n_i` with
+//! `m_i = max_{k<n_i} s·x[i, k]`, and exactly 0 for `j ≥ n_i`; backward
+//! ([`softmax_block_backward`]) `dx[i, j] = s·y[i, j]·(dy[i, j] − Σ_{k<n_i} dy[i, k]·y[i, k])`
+//! for `j < n_i`, exactly 0 past them. Past the live elements `x`, `y` and `dy` are never read.
+//!
+//! The square `[BH, T, T]` of ordinary self-attention is `rows = cols = T`, offset 0
+//! ([`softmax_forward`], [`softmax_backward`]): `n_i = i + 1`, 0 above the diagonal. Ring
+//! self-attention over `N` ranks holds on rank `r` the rows `r·T/N …` of that square: the block
+//! `rows = T/N`, `cols = T`, offset `r·T/N` ([`SoftmaxBlock`]), whose rows are the square's bit
+//! for bit.
 //!
 //! Storage f32, f16 or bf16; the maximum, the sums and every product in f32. CUDA
-//! (`kernels/softmax.cu`) runs one warp per row: lane `l` takes the row's elements
+//! (`kernels/softmax.cu`) runs one warp per row: lane `l` takes the row's live elements
 //! `l, l + 32, …`, and the warp reduces by the xor butterfly; the CPU twin keeps that order
 //! (`ops::lanes`) and uses [`math::exp`], so the two agree bit for bit.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
+//! use tidemem::ops::SoftmaxBlock;
 //! use tidemem::DType;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
@@ -22,6 +32,14 @@
 //! tidemem::ops::softmax_forward(&dev, &s, &x, &y, 1, 2, 1.0, DType::F32)?;
 //! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
 //! assert_eq!(y, [1.0, 0.0, 0.5, 0.5]);
+//!
+//! // Row 1 of that square alone: a block of one row at offset 1 over 2 columns.
+//! let x1 = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 1.0]))?;
+//! let y1 = dev.alloc(8)?;
+//! let block = SoftmaxBlock { bh: 1, rows: 1, cols: 2, offset: 1, scale: 1.0 };
+//! tidemem::ops::softmax_block_forward(&dev, &s, &x1, &y1, &block, DType::F32)?;
+//! let y1: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y1)?);
+//! assert_eq!(y1, [0.5, 0.5]);
 //! # Ok(()) }
 //! ```
 
@@ -42,8 +60,12 @@ use crate::ops::{lanes, math};
 pub struct SoftmaxParams {
     /// Matrices (batch · heads).
     pub bh: u64,
-    /// Rows and columns of each matrix (the sequence length).
-    pub t: u64,
+    /// Rows of each matrix (the block's query positions).
+    pub rows: u64,
+    /// Columns of each matrix (the key positions).
+    pub cols: u64,
+    /// The global position of row 0: row `i` sees the columns `j ≤ offset + i`.
+    pub offset: u64,
     /// The factor applied to the scores before the softmax (and to the gradient after it).
     pub scale: f32,
     /// Padding (0).
@@ -62,7 +84,11 @@ pub static SOFTMAX_FORWARD: KernelDesc = KernelDesc {
         OperandSpec::read("x", FLOATS),
         OperandSpec::write("y", FLOATS),
     ],
-    params: param_layout!(SoftmaxParams, "softmax.cuh", [bh, t, scale, pad]),
+    params: param_layout!(
+        SoftmaxParams,
+        "softmax.cuh",
+        [bh, rows, cols, offset, scale, pad]
+    ),
     check: Some(check),
     twin: forward_twin,
     cuda: CudaSide::Nvrtc {
@@ -80,7 +106,11 @@ pub static SOFTMAX_BACKWARD: KernelDesc = KernelDesc {
         OperandSpec::read("dy", FLOATS),
         OperandSpec::write("dx", FLOATS),
     ],
-    params: param_layout!(SoftmaxParams, "softmax.cuh", [bh, t, scale, pad]),
+    params: param_layout!(
+        SoftmaxParams,
+        "softmax.cuh",
+        [bh, rows, cols, offset, scale, pad]
+    ),
     check: Some(check),
     twin: backward_twin,
     cuda: CudaSide::Nvrtc {
@@ -89,29 +119,41 @@ pub static SOFTMAX_BACKWARD: KernelDesc = KernelDesc {
     },
 };
 
-/// Elements of `bh` matrices of `t × t`, or `None` on overflow.
-fn elements(bh: u64, t: u64) -> Option<u64> {
-    t.checked_mul(t)?.checked_mul(bh)
+/// The elements of the parameters' matrices, or why they are not a valid block: sizes that
+/// overflow, rows without columns, a position `offset + rows` past `u64`, a non-finite scale.
+fn validate(p: &SoftmaxParams) -> std::result::Result<usize, String> {
+    let shape = format!("[{}, {}, {}] (offset {})", p.bh, p.rows, p.cols, p.offset);
+    let n = p.rows.checked_mul(p.cols).and_then(|n| n.checked_mul(p.bh));
+    let Some(n) = n.and_then(|n| usize::try_from(n).ok()) else {
+        return Err(format!("{shape} overflows"));
+    };
+    if p.offset.checked_add(p.rows).is_none() {
+        return Err(format!("{shape}: offset + rows overflows"));
+    }
+    if p.cols == 0 && p.rows > 0 {
+        return Err(format!("{shape}: rows of 0 columns have no softmax"));
+    }
+    if !p.scale.is_finite() {
+        return Err(format!("{shape}: the scale {} is not finite", p.scale));
+    }
+    Ok(n)
 }
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: SoftmaxParams = info.params()?;
-    let Some(n) = elements(p.bh, p.t).and_then(|n| usize::try_from(n).ok()) else {
-        return Err(info
-            .desc
-            .error(format!("[{}, {}, {}] overflows", p.bh, p.t, p.t)));
-    };
-    expect_all(
-        info,
-        &format!("[BH, T, T] = [{}, {}, {}]", p.bh, p.t, p.t),
-        n,
-    )
+    let n = validate(&p).map_err(|e| info.desc.error(e))?;
+    let shape = format!(
+        "[BH, rows, cols] = [{}, {}, {}] (offset {})",
+        p.bh, p.rows, p.cols, p.offset
+    );
+    expect_all(info, &shape, n)
 }
 
 fn plan(info: &LaunchInfo<'_>, entry: &str) -> Result<Vec<Grid>> {
     let p: SoftmaxParams = info.params()?;
-    let rows = p.bh * p.t;
-    if rows == 0 {
+    // Checked: `bh · rows` does not overflow when there are columns.
+    let rows = p.bh.wrapping_mul(p.rows);
+    if rows == 0 || p.cols == 0 {
         return Ok(vec![]);
     }
     let t = info.dtype(0).map_or("?", |d| d.name());
@@ -129,8 +171,18 @@ fn whole_warps(n: usize) -> usize {
     n.div_ceil(32) * 32
 }
 
-/// One row `i` of the forward: `x` holds its `i + 1` elements on and below the diagonal, `y`
-/// the whole row of `T`, `buf` room for `x` rounded up to whole warps. The padding is `-inf`,
+/// The live elements of row `r` (counted over all matrices) of a block: `min(offset + r % rows
+/// + 1, cols)`.
+#[inline(always)]
+fn live(p: &SoftmaxParams, r: usize) -> usize {
+    let n = p
+        .offset
+        .saturating_add((r as u64) % p.rows)
+        .saturating_add(1);
+    n.min(p.cols) as usize
+}
+
+/// One row of the forward: `x` holds its live elements, `y` the whole row of `cols`, `buf` room for `x` rounded up to whole warps. The padding is `-inf`,
 /// whose `exp` is 0: it leaves the maximum and every lane's sum as they are (`p + 0 = p` for
 /// the non-negative partials), and keeps the `exp` loop free of a scalar tail. Lane `l` of the
 /// 32 running maxima and sums takes elements `l, l + 32, …`, as the kernel's lanes do.
@@ -193,18 +245,22 @@ fn backward_row<T: Float>(y: &[T], dy: &[T], dx: &mut [T], scale: f32) {
 
 fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     let p: SoftmaxParams = a.params()?;
-    let t = p.t as usize;
+    let cols = p.cols as usize;
     let x = a.read_as::<T>(0)?;
     let y = a.take_as::<T>(1)?;
-    if t == 0 {
+    if p.rows == 0 || cols == 0 {
         return Ok(());
     }
-    let mut buf = vec![0f32; whole_warps(t)];
+    let mut buf = vec![0f32; whole_warps(cols)];
     simd(
         #[inline(always)]
         || {
-            for (r, (x, y)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
-                let n = r % t + 1;
+            for (r, (x, y)) in x
+                .chunks_exact(cols)
+                .zip(y.chunks_exact_mut(cols))
+                .enumerate()
+            {
+                let n = live(&p, r);
                 forward_row(&x[..n], y, p.scale, &mut buf[..whole_warps(n)]);
             }
         },
@@ -214,18 +270,18 @@ fn forward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
 
 fn backward_typed<T: Float>(a: &mut TwinArgs<'_>) -> Result<()> {
     let p: SoftmaxParams = a.params()?;
-    let t = p.t as usize;
+    let cols = p.cols as usize;
     let (y, dy) = (a.read_as::<T>(0)?, a.read_as::<T>(1)?);
     let dx = a.take_as::<T>(2)?;
-    if t == 0 {
+    if p.rows == 0 || cols == 0 {
         return Ok(());
     }
     simd(
         #[inline(always)]
         || {
-            let rows = y.chunks_exact(t).zip(dy.chunks_exact(t));
-            for (r, ((y, dy), dx)) in rows.zip(dx.chunks_exact_mut(t)).enumerate() {
-                let n = r % t + 1;
+            let rows = y.chunks_exact(cols).zip(dy.chunks_exact(cols));
+            for (r, ((y, dy), dx)) in rows.zip(dx.chunks_exact_mut(cols)).enumerate() {
+                let n = live(&p, r);
                 backward_row(&y[..n], &dy[..n], dx, p.scale);
             }
         },
@@ -241,24 +297,108 @@ fn backward_twin(a: &mut TwinArgs<'_>) -> Result<()> {
     with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a))
 }
 
-fn params(bh: usize, t: usize, scale: f32) -> Result<SoftmaxParams> {
-    let (bh, t) = (bh as u64, t as u64);
-    if elements(bh, t).is_none_or(|n| n > usize::MAX as u64) {
-        return Err(Error::InvalidArgument(format!(
-            "softmax: [{bh}, {t}, {t}] overflows"
-        )));
+/// A block of causal softmax rows: `bh` matrices of `rows × cols` scores whose row `i` is the
+/// global query position `offset + i` and sees the key columns `j ≤ offset + i` (`min(offset +
+/// i + 1, cols)` live elements). The square `[BH, T, T]` of self-attention is
+/// [`SoftmaxBlock::square`]; rank `r` of `N` in ring self-attention holds
+/// `rows = T/N, cols = T, offset = r·T/N`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SoftmaxBlock {
+    /// Matrices (batch · heads).
+    pub bh: usize,
+    /// Rows of each matrix (the block's query positions).
+    pub rows: usize,
+    /// Columns of each matrix (the key positions).
+    pub cols: usize,
+    /// The global position of row 0 (the first query of the block).
+    pub offset: usize,
+    /// The factor applied to the scores before the softmax (and to the gradient after it);
+    /// finite.
+    pub scale: f32,
+}
+
+impl SoftmaxBlock {
+    /// The square `[bh, t, t]` of causal self-attention: `rows = cols = t`, offset 0.
+    pub fn square(bh: usize, t: usize, scale: f32) -> Self {
+        Self {
+            bh,
+            rows: t,
+            cols: t,
+            offset: 0,
+            scale,
+        }
     }
-    Ok(SoftmaxParams {
-        bh,
-        t,
-        scale,
-        pad: 0,
-    })
+
+    /// The elements of the block's operands, `bh · rows · cols`, or `None` on overflow.
+    pub fn elements(&self) -> Option<usize> {
+        self.rows.checked_mul(self.cols)?.checked_mul(self.bh)
+    }
+
+    /// The kernels' parameters, or a typed error when the block is not valid.
+    fn params(&self) -> Result<SoftmaxParams> {
+        let p = SoftmaxParams {
+            bh: self.bh as u64,
+            rows: self.rows as u64,
+            cols: self.cols as u64,
+            offset: self.offset as u64,
+            scale: self.scale,
+            pad: 0,
+        };
+        validate(&p).map_err(|e| Error::InvalidArgument(format!("softmax: {e}")))?;
+        Ok(p)
+    }
+}
+
+/// Causal softmax forward on `stream` over a block of rows: `x` and `y` hold the block's
+/// `bh · rows · cols` `dtype` elements and do not overlap; `y[i, j]` is the softmax over the
+/// live `j < min(offset + i + 1, cols)` of `scale·x[i, j]` (statistics in f32), exactly 0 past
+/// them. See [the module](self).
+///
+/// Errors: [`Error::InvalidArgument`] on sizes that overflow, rows without columns, a
+/// non-finite scale, or operands that do not hold the block (nothing is written).
+pub fn softmax_block_forward<'a, 'b>(
+    dev: &Device,
+    stream: &Stream,
+    x: impl Into<Input<'a>>,
+    y: impl Into<DeviceView<'b>>,
+    block: &SoftmaxBlock,
+    dtype: DType,
+) -> Result<()> {
+    let (x, y) = (x.into(), y.into());
+    let p = block.params()?;
+    let ops = [Some(Operand::input(x, dtype)), Some(Operand::new(y, dtype))];
+    dev.launch(stream, &SOFTMAX_FORWARD, &ops, bytemuck::bytes_of(&p))
+}
+
+/// Causal softmax backward on `stream` over a block of rows: from the forward's output `y` and
+/// its gradient `dy`, the scores' gradient
+/// `dx[i, j] = scale·y[i, j]·(dy[i, j] − Σ_{k<n_i} dy[i, k]·y[i, k])` for the live
+/// `j < n_i = min(offset + i + 1, cols)`, exactly 0 past them. All three hold the block's
+/// `bh · rows · cols` `dtype` elements; `dx` overlaps neither input. Errors as
+/// [`softmax_block_forward`].
+pub fn softmax_block_backward<'a, 'b, 'c>(
+    dev: &Device,
+    stream: &Stream,
+    y: impl Into<Input<'a>>,
+    dy: impl Into<Input<'b>>,
+    dx: impl Into<DeviceView<'c>>,
+    block: &SoftmaxBlock,
+    dtype: DType,
+) -> Result<()> {
+    let (y, dy, dx) = (y.into(), dy.into(), dx.into());
+    let p = block.params()?;
+    let ops = [
+        Some(Operand::input(y, dtype)),
+        Some(Operand::input(dy, dtype)),
+        Some(Operand::new(dx, dtype)),
+    ];
+    dev.launch(stream, &SOFTMAX_BACKWARD, &ops, bytemuck::bytes_of(&p))
 }
 
 /// Causal softmax forward on `stream`: `x` and `y` hold `bh` matrices of `t × t` `dtype`
 /// elements and do not overlap; `y[i, j]` is the softmax over `j ≤ i` of `scale·x[i, j]`
-/// (statistics in f32), 0 for `j > i`. See [the module](self).
+/// (statistics in f32), 0 for `j > i`. The block [`SoftmaxBlock::square`] of
+/// [`softmax_block_forward`]. See [the module](self).
 #[allow(clippy::too_many_arguments)]
 pub fn softmax_forward<'a, 'b>(
     dev: &Device,
@@ -270,16 +410,15 @@ pub fn softmax_forward<'a, 'b>(
     scale: f32,
     dtype: DType,
 ) -> Result<()> {
-    let (x, y) = (x.into(), y.into());
-    let p = params(bh, t, scale)?;
-    let ops = [Some(Operand::input(x, dtype)), Some(Operand::new(y, dtype))];
-    dev.launch(stream, &SOFTMAX_FORWARD, &ops, bytemuck::bytes_of(&p))
+    let block = SoftmaxBlock::square(bh, t, scale);
+    softmax_block_forward(dev, stream, x, y, &block, dtype)
 }
 
 /// Causal softmax backward on `stream`: from the forward's output `y` and its gradient `dy`,
 /// the scores' gradient `dx[i, j] = scale·y[i, j]·(dy[i, j] − Σ_{k≤i} dy[i, k]·y[i, k])` for
 /// `j ≤ i`, 0 above the diagonal. All three hold `bh` matrices of `t × t` `dtype` elements;
-/// `dx` overlaps neither input.
+/// `dx` overlaps neither input. The block [`SoftmaxBlock::square`] of
+/// [`softmax_block_backward`].
 #[allow(clippy::too_many_arguments)]
 pub fn softmax_backward<'a, 'b, 'c>(
     dev: &Device,
@@ -292,14 +431,8 @@ pub fn softmax_backward<'a, 'b, 'c>(
     scale: f32,
     dtype: DType,
 ) -> Result<()> {
-    let (y, dy, dx) = (y.into(), dy.into(), dx.into());
-    let p = params(bh, t, scale)?;
-    let ops = [
-        Some(Operand::input(y, dtype)),
-        Some(Operand::input(dy, dtype)),
-        Some(Operand::new(dx, dtype)),
-    ];
-    dev.launch(stream, &SOFTMAX_BACKWARD, &ops, bytemuck::bytes_of(&p))
+    let block = SoftmaxBlock::square(bh, t, scale);
+    softmax_block_backward(dev, stream, y, dy, dx, &block, dtype)
 }
 
 #[cfg(test)]
@@ -356,5 +489,44 @@ mod tests {
             assert!((dx[j] as f64 - fd).abs() <= 1e-6, "{j}: {} vs {fd}", dx[j]);
         }
         assert_eq!(dx[n], 0.0);
+    }
+
+    fn p(bh: u64, rows: u64, cols: u64, offset: u64, scale: f32) -> SoftmaxParams {
+        SoftmaxParams {
+            bh,
+            rows,
+            cols,
+            offset,
+            scale,
+            pad: 0,
+        }
+    }
+
+    #[test]
+    fn live_elements_follow_the_offset_and_stop_at_the_columns() {
+        // Rows 0..3 at offset 4 over 6 columns, two matrices.
+        let b = p(2, 3, 6, 4, 1.0);
+        let n: Vec<usize> = (0..6).map(|r| live(&b, r)).collect();
+        assert_eq!(n, [5, 6, 6, 5, 6, 6]);
+        // The square: i + 1.
+        let sq = p(1, 4, 4, 0, 1.0);
+        assert_eq!(
+            (0..4).map(|r| live(&sq, r)).collect::<Vec<_>>(),
+            [1, 2, 3, 4]
+        );
+        // Positions past u64 saturate (validate refuses them before a launch).
+        assert_eq!(live(&p(1, 2, 9, u64::MAX, 1.0), 1), 9);
+    }
+
+    #[test]
+    fn validate_counts_elements_and_names_what_is_wrong() {
+        assert_eq!(validate(&p(2, 3, 6, 4, 0.5)), Ok(36));
+        assert_eq!(validate(&p(0, 3, 6, 4, 0.5)), Ok(0));
+        assert_eq!(validate(&p(2, 0, 0, 0, 0.5)), Ok(0));
+        let err = |q| validate(&q).unwrap_err();
+        assert!(err(p(u64::MAX, 2, 2, 0, 1.0)).contains("overflows"));
+        assert!(err(p(1, 2, 2, u64::MAX, 1.0)).contains("offset + rows"));
+        assert!(err(p(1, 2, 0, 0, 1.0)).contains("0 columns"));
+        assert!(err(p(1, 2, 2, 0, f32::NAN)).contains("not finite"));
     }
 }

@@ -51,14 +51,14 @@ pub(super) fn heads_cases(r: &mut Rng, ins: usize, qkv_in: bool, qkv_out: bool) 
     v
 }
 
-/// `bh` matrices of `t × t` `d` elements: random floats of `scale` on and below the diagonal,
-/// garbage bits above it (never read).
-pub(super) fn causal(r: &mut Rng, bh: usize, t: usize, scale: f32, d: DType) -> Vec<u8> {
-    let mut out = Vec::with_capacity(bh * t * t * d.size());
+/// `bh` matrices of `rows × cols` `d` elements, row `i` seeing the columns `j ≤ offset + i`:
+/// random floats of `scale` there, garbage bits past them (never read).
+fn causal_block(r: &mut Rng, (bh, rows, cols, offset): Block, scale: f32, d: DType) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bh * rows * cols * d.size());
     for _ in 0..bh {
-        for i in 0..t {
-            for j in 0..t {
-                if j <= i {
+        for i in 0..rows {
+            for j in 0..cols {
+                if j <= offset + i {
                     out.extend(r.floats(1, scale, d));
                 } else {
                     out.extend(r.garbage(d.size()));
@@ -69,34 +69,54 @@ pub(super) fn causal(r: &mut Rng, bh: usize, t: usize, scale: f32, d: DType) -> 
     out
 }
 
+/// A block of softmax rows: `(bh, rows, cols, offset)`.
+type Block = (usize, usize, usize, usize);
+
 pub(super) fn softmax_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
+    // The squares `[BH, T, T]` (offset 0), then blocks of rows of ring attention: rows < cols
+    // at an offset, the last rows of a square, rows running past the columns, one row.
+    let squares = [
+        (0usize, 5usize, 0.125f32),
+        (3, 0, 1.0),
+        (1, 1, 0.125),
+        (3, 7, 1.0),
+        (2, 33, 0.125),
+        (1, 64, 0.3),
+        (2, 100, 0.125),
+    ];
+    let blocks: [(Block, f32); 6] = [
+        ((2, 0, 9, 4), 1.0),
+        ((2, 3, 9, 4), 1.0),
+        ((3, 25, 100, 50), 0.125),
+        ((1, 33, 130, 97), 0.3),
+        ((2, 40, 70, 45), 0.125),
+        ((3, 1, 65, 31), 1.0),
+    ];
+    let shapes = squares
+        .iter()
+        .map(|&(bh, t, scale)| ((bh, t, t, 0), scale))
+        .chain(blocks);
     let mut v = vec![];
     for d in FLOATS {
-        for (bh, t, scale) in [
-            (0usize, 5usize, 0.125f32),
-            (3, 0, 1.0),
-            (1, 1, 0.125),
-            (3, 7, 1.0),
-            (2, 33, 0.125),
-            (1, 64, 0.3),
-            (2, 100, 0.125),
-        ] {
+        for (block @ (bh, rows, cols, offset), scale) in shapes.clone() {
             let mut operands = vec![];
             if backward {
-                operands.push(Some((d, causal(r, bh, t, 1.0, d))));
-                operands.push(Some((d, causal(r, bh, t, 2.0, d))));
+                operands.push(Some((d, causal_block(r, block, 1.0, d))));
+                operands.push(Some((d, causal_block(r, block, 2.0, d))));
             } else {
-                operands.push(Some((d, causal(r, bh, t, 12.0, d))));
+                operands.push(Some((d, causal_block(r, block, 12.0, d))));
             }
-            operands.push(Some((d, r.garbage(bh * t * t * d.size()))));
+            operands.push(Some((d, r.garbage(bh * rows * cols * d.size()))));
             let p = ops::softmax::SoftmaxParams {
                 bh: bh as u64,
-                t: t as u64,
+                rows: rows as u64,
+                cols: cols as u64,
+                offset: offset as u64,
                 scale,
                 pad: 0,
             };
             v.push(Case {
-                label: format!("{d} [{bh}, {t}, {t}] scale {scale}"),
+                label: format!("{d} [{bh}, {rows}, {cols}] offset {offset} scale {scale}"),
                 operands,
                 params: bytemuck::bytes_of(&p).to_vec(),
                 agree: Agree::Exact,

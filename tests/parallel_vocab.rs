@@ -7,8 +7,9 @@ mod common;
 mod nn_ref;
 
 use tidemem::comm::Communicator;
+use tidemem::nn::Act;
 use tidemem::ops::VocabShard;
-use tidemem::parallel::{Shard, VocabEmbedding1D, VocabHead1D};
+use tidemem::parallel::{Classifier1D, Shard, VocabEmbedding1D, VocabHead1D};
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -104,5 +105,112 @@ fn vocab_parallel_embedding_and_head_equal_the_serial_ones() {
                 "{what}"
             );
         }
+    }
+}
+
+/// The untied 1D classifier (classes split over 2 and 4 ranks, with a bias and an ignored row)
+/// against the serial f64 softmax cross-entropy: the loss, `dX`, and every rank's rows of the
+/// weight's and the bias's gradients (loss scale 2).
+#[test]
+fn classifier_1d_equals_the_serial_classifier() {
+    const K: usize = 8;
+    let x: Vec<f64> = full("x", N);
+    let w: Vec<f64> = full("cls.weight", K);
+    let b: Vec<f64> = (0..K)
+        .map(|i| f64::from(master("cls.bias").value(i)))
+        .collect();
+    let mut targets: Vec<i32> = (0..N).map(|i| ((i * 5 + 2) % K) as i32).collect();
+    targets[3] = -100;
+    // the serial reference
+    let counted = targets.iter().filter(|&&t| t >= 0).count() as f64;
+    let (mut loss, mut dlogits) = (0.0, vec![0.0; N * K]);
+    for r in 0..N {
+        let z: Vec<f64> = (0..K)
+            .map(|k| b[k] + (0..C).map(|c| x[r * C + c] * w[k * C + c]).sum::<f64>())
+            .collect();
+        if targets[r] < 0 {
+            continue;
+        }
+        let m = z.iter().cloned().fold(f64::MIN, f64::max);
+        let sum: f64 = z.iter().map(|v| (v - m).exp()).sum();
+        loss += sum.ln() + m - z[targets[r] as usize];
+        for k in 0..K {
+            let p = (z[k] - m).exp() / sum;
+            let hot = if k == targets[r] as usize { 1.0 } else { 0.0 };
+            dlogits[r * K + k] = 2.0 * (p - hot) / counted;
+        }
+    }
+    loss /= counted;
+    let dx: Vec<f64> = (0..N * C)
+        .map(|i| {
+            (0..K)
+                .map(|k| dlogits[i / C * K + k] * w[k * C + i % C])
+                .sum()
+        })
+        .collect();
+    let dw: Vec<f64> = (0..K * C)
+        .map(|i| {
+            (0..N)
+                .map(|r| dlogits[r * K + i / C] * x[r * C + i % C])
+                .sum()
+        })
+        .collect();
+    let db: Vec<f64> = (0..K)
+        .map(|k| (0..N).map(|r| dlogits[r * K + k]).sum())
+        .collect();
+    let xf: Vec<f32> = x.iter().map(|&v| v as f32).collect();
+    for world in [2, 4] {
+        let devs = (0..world).map(|_| common::sim(64 << 20)).collect();
+        let comms = Communicator::local(devs).unwrap();
+        std::thread::scope(|s| {
+            for c in comms {
+                let (xf, targets, dx, dw, db) = (&xf, &targets, &dx, &dw, &db);
+                s.spawn(move || {
+                    let mut m = manager(c.device().clone(), DType::F32);
+                    let shard = Shard::of(&c);
+                    let (wi, bi) = (master("cls.weight"), master("cls.bias"));
+                    let cls =
+                        Classifier1D::register(&mut m, "cls", C, K, &wi, Some(&bi), -100, shard)
+                            .unwrap();
+                    let fwd = m.forward().unwrap();
+                    let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, xf).unwrap();
+                    let s0 = c.stats();
+                    let (l, saved) = cls.forward(&fwd, &c, &xa, targets, 2.0).unwrap();
+                    let fwd_stats = c.stats().since(&s0);
+                    drop(xa);
+                    fwd.finish().unwrap();
+                    let bwd = m.backward().unwrap();
+                    let s1 = c.stats();
+                    let dxa = cls.backward(&bwd, &c, &saved).unwrap();
+                    let bwd_stats = c.stats().since(&s1);
+                    let want = cls.collectives(N, DType::F32);
+                    assert_eq!(fwd_stats.all_reduce.calls, want.forward_all_reduces);
+                    assert_eq!(fwd_stats.all_reduce.bytes, want.forward_bytes);
+                    assert_eq!(bwd_stats.all_reduce.calls, want.backward_all_reduces);
+                    assert_eq!(bwd_stats.all_reduce.bytes, want.backward_bytes);
+                    let got_dx = dxa.to_f32(bwd.stream()).unwrap();
+                    drop((dxa, saved));
+                    bwd.finish().unwrap();
+                    let what = format!("{world} ranks, rank {}", c.rank());
+                    assert!(
+                        ((f64::from(l) - loss) / loss).abs() < TOL,
+                        "{what}: loss {l} vs {loss}"
+                    );
+                    close(&format!("{what}: dx"), &got_dx, dx, TOL);
+                    let rows = K / world;
+                    let lin = cls.proj.linear;
+                    let gw = m.read(lin.weight).unwrap();
+                    let gb = m.read(lin.bias.unwrap()).unwrap();
+                    let r0 = c.rank() * rows;
+                    close(
+                        &format!("{what}: dW"),
+                        &gw,
+                        &dw[r0 * C..(r0 + rows) * C],
+                        TOL,
+                    );
+                    close(&format!("{what}: db"), &gb, &db[r0..r0 + rows], TOL);
+                });
+            }
+        });
     }
 }

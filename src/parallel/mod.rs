@@ -45,4 +45,6 @@ pub use two_d_ends::{
     Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, EndsCollectives, EndsGroups,
     VocabEmb2DSaved, VocabEmbedding2D,
 };
-pub use vocab::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
+pub use vocab::{
+    Classifier1D, Cls1DSaved, VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved,
+};

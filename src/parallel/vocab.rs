@@ -13,6 +13,7 @@ use super::one_d::Shard;
 use super::ShardedCrossEntropy;
 use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Linear, WeightUse};
 use crate::ops::{
@@ -282,5 +283,112 @@ impl VocabHead1D {
             ReduceOp::Sum,
         )?;
         Ok(dh)
+    }
+}
+
+/// An untied classifier over a 1D group: a [`ColumnLinear`](super::ColumnLinear) to this rank's
+/// block of the classes (`classes` must split over the group), then
+/// [`ShardedCrossEntropy`] over the group, the loss the mean over the rows not ignored.
+/// Backward: the shard's weight and bias gradients, and `dX` all-reduced over the group.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Classifier1D {
+    /// The projection to this rank's classes.
+    pub proj: super::ColumnLinear,
+    /// Targets equal to it count for nothing.
+    pub ignore_index: i32,
+}
+
+/// What [`Classifier1D::forward`] keeps for the backward.
+#[derive(Debug)]
+pub struct Cls1DSaved {
+    x: Act,
+    dlogits: Act,
+}
+
+impl Classifier1D {
+    /// Registers `{name}.weight` (this rank's rows of the master `[classes, inputs]`) and,
+    /// with `bias`, `{name}.bias`. Fails when `classes` does not split over the group.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register(
+        store: &mut impl ParamStore,
+        name: &str,
+        inputs: usize,
+        classes: usize,
+        weight: &Init,
+        bias: Option<&Init>,
+        ignore_index: i32,
+        shard: Shard,
+    ) -> Result<Classifier1D> {
+        let proj =
+            super::ColumnLinear::register(store, name, inputs, classes, 1, weight, bias, shard)?;
+        Ok(Classifier1D { proj, ignore_index })
+    }
+
+    /// The classes this rank holds.
+    pub fn classes(&self) -> Result<VocabShard> {
+        let s = self.proj.shard;
+        let rows = self.proj.outputs / s.size;
+        VocabShard::new(self.proj.outputs, s.rank * rows, rows)
+    }
+
+    /// The mean cross-entropy of `x` (`[N, inputs]`, the same on every rank) against `targets`
+    /// (host, `N` class ids); the gradient kept is scaled by `loss_scale`. Every rank gets the
+    /// same loss. Targets and the scale are checked on the host before anything runs.
+    pub fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        x: &Act,
+        targets: &[i32],
+        loss_scale: f32,
+    ) -> Result<(f32, Cls1DSaved)> {
+        let n = targets.len();
+        x.expect("x", Some(n), self.proj.linear.inputs, pass.param_dtype())?;
+        check_targets(targets, self.proj.outputs, self.ignore_index)?;
+        if !(loss_scale > 0.0 && loss_scale.is_finite()) || Shard::of(group) != self.proj.shard {
+            return Err(Error::InvalidArgument(format!(
+                "a 1D classifier run with loss scale {loss_scale} on rank {} of {}",
+                group.rank(),
+                group.world()
+            )));
+        }
+        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
+        let ce = ShardedCrossEntropy {
+            classes: self.classes()?,
+            ignore_index: self.ignore_index,
+        };
+        let logits = self.proj.forward(pass, x)?;
+        let scale = loss_scale / counted.max(1) as f32;
+        let total = ce.forward(pass, group, &logits, targets, scale)?;
+        let saved = Cls1DSaved {
+            x: x.clone(),
+            dlogits: logits,
+        };
+        Ok(((total / counted.max(1) as f64) as f32, saved))
+    }
+
+    /// The collectives of one forward and backward over `rows` rows of `dtype`: forward two
+    /// all-reduces of `rows` and `2·rows` f32 (the row max, then the sums and target logits),
+    /// backward one of `dX` (`rows × inputs`).
+    pub fn collectives(&self, rows: usize, dtype: DType) -> super::Collectives {
+        super::Collectives {
+            forward_all_reduces: 2,
+            forward_bytes: (3 * rows * 4) as u64,
+            backward_all_reduces: 1,
+            backward_bytes: (rows * self.proj.linear.inputs * dtype.size()) as u64,
+        }
+    }
+
+    /// Writes the shard's gradients and returns `dX` (`[N, inputs]`, all-reduced over the
+    /// group).
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        group: &Communicator,
+        saved: &Cls1DSaved,
+    ) -> Result<Act> {
+        self.proj
+            .backward(pass, group, &saved.x, &saved.dlogits, true)?
+            .ok_or_else(|| Error::InvalidArgument("the classifier's backward gave no dX".into()))
     }
 }

@@ -642,6 +642,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let spec = GridSpec {
         data: world / t,
         pipeline: 1,
+        sequence: 1,
         tensor,
     };
     let grid = ProcessGrid::new(&c, spec)?;

@@ -31,20 +31,27 @@ fn on_ranks<R: Send>(
 }
 
 fn spec(data: usize, pipeline: usize, mode: &str) -> GridSpec {
+    spec4(data, pipeline, 1, mode)
+}
+
+fn spec4(data: usize, pipeline: usize, sequence: usize, mode: &str) -> GridSpec {
     GridSpec {
         data,
         pipeline,
+        sequence,
         tensor: mode.parse().unwrap(),
     }
 }
 
-/// A global rank's place, straight from the layout: `(dp, pp, t, [a, b, c])` where the scheme
-/// coordinates are (row, col, 0) in 2D, (row, col, dep) in 2.5D and (i, j, k) in 3D.
-fn coords(s: &GridSpec, g: usize) -> (usize, usize, usize, [usize; 3]) {
+/// A global rank's place, straight from the layout: `(dp, pp, sp, t, [a, b, c])` where the
+/// scheme coordinates are (row, col, 0) in 2D, (row, col, dep) in 2.5D and (i, j, k) in 3D.
+fn coords(s: &GridSpec, g: usize) -> (usize, usize, usize, usize, [usize; 3]) {
     let t_size = s.tensor.size();
-    let (dp, pp, t) = (
-        g / (s.pipeline * t_size),
-        g / t_size % s.pipeline,
+    let st = s.sequence * t_size;
+    let (dp, pp, sp, t) = (
+        g / (s.pipeline * st),
+        g / st % s.pipeline,
+        g / t_size % s.sequence,
         g % t_size,
     );
     let sc = match s.tensor {
@@ -53,28 +60,30 @@ fn coords(s: &GridSpec, g: usize) -> (usize, usize, usize, [usize; 3]) {
         TensorMode::ThreeD { q } => [t % q, t / q % q, t / (q * q)],
         _ => [0; 3],
     };
-    (dp, pp, t, sc)
+    (dp, pp, sp, t, sc)
 }
 
 /// A group by name: what its members share with each other, and each member's local rank.
 fn key(s: &GridSpec, name: &str, g: usize) -> (Vec<usize>, usize) {
-    let (dp, pp, t, [a, b, c]) = coords(s, g);
+    let (dp, pp, sp, t, [a, b, c]) = coords(s, g);
     let q = match s.tensor {
         TensorMode::TwoD { q } | TensorMode::TwoHalfD { q, .. } | TensorMode::ThreeD { q } => q,
         _ => 0,
     };
     match (name, s.tensor) {
-        ("data", _) => (vec![pp, t], dp),
-        ("pipeline", _) => (vec![dp, t], pp),
-        ("tensor", _) => (vec![dp, pp], t),
-        ("row", _) => (vec![dp, pp, c, a], b),
-        ("col", _) => (vec![dp, pp, c, b], a),
-        ("dep", _) => (vec![dp, pp, a, b], c),
-        ("xz", _) => (vec![dp, pp, b], a + q * c),
-        ("input", _) => (vec![dp, pp, a, c], b),
-        ("weight", _) => (vec![dp, pp, b, c], a),
-        ("output", _) => (vec![dp, pp, a, b], c),
-        ("plane", _) => (vec![dp, pp, b], a + q * c),
+        ("data", _) => (vec![pp, sp, t], dp),
+        ("pipeline", _) => (vec![dp, sp, t], pp),
+        ("sequence", _) => (vec![dp, pp, t], sp),
+        ("replicas", _) => (vec![pp, t], dp * s.sequence + sp),
+        ("tensor", _) => (vec![dp, pp, sp], t),
+        ("row", _) => (vec![dp, pp, sp, c, a], b),
+        ("col", _) => (vec![dp, pp, sp, c, b], a),
+        ("dep", _) => (vec![dp, pp, sp, a, b], c),
+        ("xz", _) => (vec![dp, pp, sp, b], a + q * c),
+        ("input", _) => (vec![dp, pp, sp, a, c], b),
+        ("weight", _) => (vec![dp, pp, sp, b, c], a),
+        ("output", _) => (vec![dp, pp, sp, a, b], c),
+        ("plane", _) => (vec![dp, pp, sp, b], a + q * c),
         _ => unreachable!("{name}"),
     }
 }
@@ -107,15 +116,22 @@ fn check_grid(s: GridSpec) {
     on_ranks(world, Duration::from_secs(20), |c| {
         let me = c.rank();
         let grid = ProcessGrid::new(&c, s).unwrap();
-        let (dp, pp, t, [a, b, cc]) = coords(&s, me);
+        let (dp, pp, sp, t, [a, b, cc]) = coords(&s, me);
         assert_eq!(grid.spec(), s);
         assert_eq!(
-            (grid.data_rank(), grid.pipeline_rank(), grid.tensor_rank()),
-            (dp, pp, t)
+            (
+                grid.data_rank(),
+                grid.pipeline_rank(),
+                grid.sequence_rank(),
+                grid.tensor_rank()
+            ),
+            (dp, pp, sp, t)
         );
         let mut groups = vec![
             ("data", grid.data()),
             ("pipeline", grid.pipeline()),
+            ("sequence", grid.sequence()),
+            ("replicas", grid.replicas()),
             ("tensor", grid.tensor()),
         ];
         let absent: &[&str] = match s.tensor {
@@ -206,6 +222,13 @@ fn three_d_groups() {
 }
 
 #[test]
+fn sequence_factors() {
+    check_grid(spec4(2, 1, 2, "1d:2"));
+    check_grid(spec4(1, 2, 2, "none"));
+    check_grid(spec4(1, 1, 2, "2d:2"));
+}
+
+#[test]
 fn data_and_pipeline_factors() {
     check_grid(spec(2, 1, "1d:2"));
     check_grid(spec(1, 2, "2d:2"));
@@ -247,6 +270,8 @@ fn bad_grids_fail_on_every_rank() {
     fails_everywhere(6, spec(2, 1, "1d:2"), "data 2 × pipeline 1 = 4");
     fails_everywhere(4, spec(0, 1, "1d:4"), "at least 1");
     fails_everywhere(4, spec(1, 0, "1d:4"), "at least 1");
+    fails_everywhere(4, spec4(1, 1, 0, "1d:4"), "sequence 0");
+    fails_everywhere(6, spec4(1, 1, 2, "1d:2"), "pipeline 1 × sequence 2 = 4");
     let zero_q = GridSpec {
         tensor: TensorMode::TwoD { q: 0 },
         ..spec(1, 1, "none")

@@ -124,6 +124,7 @@ fn spec(tensor: TensorMode) -> GridSpec {
     GridSpec {
         data: 1,
         pipeline: 1,
+        sequence: 1,
         tensor,
     }
 }

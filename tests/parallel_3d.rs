@@ -140,6 +140,7 @@ fn on_ranks<R: Send>(spec: &str, f: impl Fn(&Communicator, &ProcessGrid) -> R + 
     let spec = GridSpec {
         data: 1,
         pipeline: 1,
+        sequence: 1,
         tensor: spec.parse().unwrap(),
     };
     std::thread::scope(|s| {

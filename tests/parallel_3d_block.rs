@@ -128,6 +128,7 @@ fn on_ranks<R: Send>(spec: &str, f: impl Fn(&ProcessGrid) -> R + Sync) -> Vec<R>
     let spec = GridSpec {
         data: 1,
         pipeline: 1,
+        sequence: 1,
         tensor: spec.parse().unwrap(),
     };
     std::thread::scope(|s| {

@@ -153,6 +153,7 @@ fn on_ranks<Out: Send>(
     let spec = GridSpec {
         data: 1,
         pipeline: 1,
+        sequence: 1,
         tensor: spec.parse().unwrap(),
     };
     std::thread::scope(|s| {

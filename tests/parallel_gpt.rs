@@ -278,6 +278,7 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     let spec = GridSpec {
         data: 4,
         pipeline: 1,
+        sequence: 1,
         tensor: TensorMode::OneD { size: 2 },
     };
     let runs = on_grid(spec, |c, grid| {
@@ -319,6 +320,7 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
         let spec = GridSpec {
             data: 1,
             pipeline: 1,
+            sequence: 1,
             tensor: mode,
         };
         let runs = on_grid(spec, |c, grid| {
@@ -389,6 +391,7 @@ fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     let spec = GridSpec {
         data: 2,
         pipeline: 1,
+        sequence: 1,
         tensor: TensorMode::TwoD { q: 2 },
     };
     let runs = on_grid(spec, |c, grid| {
@@ -420,6 +423,7 @@ fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
     let spec = GridSpec {
         data: 1,
         pipeline: 1,
+        sequence: 1,
         tensor: TensorMode::TwoD { q: 2 },
     };
     let runs = on_grid(spec, |c, grid| {

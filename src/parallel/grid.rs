@@ -149,19 +149,22 @@ impl FromStr for TensorMode {
     }
 }
 
-/// The shape of a process grid: `data` × `pipeline` × tensor group ranks.
+/// The shape of a process grid: `data` × `pipeline` × `sequence` × tensor group ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GridSpec {
     /// Data-parallel replicas.
     pub data: usize,
     /// Pipeline stages.
     pub pipeline: usize,
+    /// Sequence-parallel ranks (the positions of every sequence split over them; 1: none).
+    pub sequence: usize,
     /// The tensor-parallel scheme and shape.
     pub tensor: TensorMode,
 }
 
 impl GridSpec {
-    /// Ranks the grid needs: `data · pipeline · tensor.size()` (saturating at `usize::MAX`).
+    /// Ranks the grid needs: `data · pipeline · sequence · tensor.size()` (saturating at
+    /// `usize::MAX`).
     pub fn world(&self) -> usize {
         self.checked_world().unwrap_or(usize::MAX)
     }
@@ -169,24 +172,30 @@ impl GridSpec {
     fn checked_world(&self) -> Option<usize> {
         self.data
             .checked_mul(self.pipeline)?
+            .checked_mul(self.sequence)?
             .checked_mul(self.tensor.checked_size()?)
     }
 
     /// Everything that can be wrong with the spec on a communicator of `world` ranks; every
     /// rank knows both, so every rank decides the same way without communicating.
     fn check(&self, world: usize) -> Result<()> {
-        if self.data == 0 || self.pipeline == 0 || self.tensor.has_zero() {
+        if self.data == 0 || self.pipeline == 0 || self.sequence == 0 || self.tensor.has_zero() {
             return Err(Error::InvalidArgument(format!(
-                "grid sizes must be at least 1: data {} × pipeline {} × {}",
-                self.data, self.pipeline, self.tensor
+                "grid sizes must be at least 1: data {} × pipeline {} × sequence {} × {}",
+                self.data, self.pipeline, self.sequence, self.tensor
             )));
         }
         let need = self
             .checked_world()
             .ok_or_else(|| Error::InvalidArgument(format!("grid {self} overflows usize ranks")))?;
         if need != world {
+            let seq = if self.sequence == 1 {
+                String::new()
+            } else {
+                format!(" × sequence {}", self.sequence)
+            };
             return Err(Error::InvalidArgument(format!(
-                "{} needs {} = {} rank{} per tensor group × data {} × pipeline {} = {need}, \
+                "{} needs {} = {} rank{} per tensor group × data {} × pipeline {}{seq} = {need}, \
                  the communicator has {world}",
                 self.tensor,
                 self.tensor.size_formula(),
@@ -205,14 +214,14 @@ impl GridSpec {
     }
 }
 
-/// `data D × pipeline P × MODE`.
+/// `data D × pipeline P × MODE`, with `× sequence S` before the mode when `S > 1`.
 impl fmt::Display for GridSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "data {} × pipeline {} × {}",
-            self.data, self.pipeline, self.tensor
-        )
+        write!(f, "data {} × pipeline {}", self.data, self.pipeline)?;
+        if self.sequence != 1 {
+            write!(f, " × sequence {}", self.sequence)?;
+        }
+        write!(f, " × {}", self.tensor)
     }
 }
 
@@ -239,9 +248,10 @@ struct Scheme {
 /// One rank's place in a data × pipeline × tensor grid, with a communicator for each of its
 /// groups.
 ///
-/// Global ranks are laid out tensor index innermost:
-/// `rank = dp·(P·T) + pp·T + t` for data rank `dp`, pipeline rank `pp`, tensor rank `t`,
-/// `P` pipeline stages and `T = tensor.size()` ranks per tensor group. Each group's ranks are
+/// Global ranks are laid out tensor index innermost, then sequence:
+/// `rank = dp·(P·S·T) + pp·(S·T) + sp·T + t` for data rank `dp`, pipeline rank `pp`,
+/// sequence rank `sp`, tensor rank `t`, `P` pipeline stages, `S` sequence ranks and
+/// `T = tensor.size()` ranks per tensor group. Each group's ranks are
 /// ordered as each accessor states. Groups the grid's scheme does not have (say
 /// [`row`](Self::row) on a 1D grid) and their coordinates are [`Error::InvalidArgument`]
 /// naming the scheme, so a layer's constructor can `?` them.
@@ -255,7 +265,7 @@ struct Scheme {
 ///     .map(|_| Device::sim(SimConfig::with_capacity(1 << 20)))
 ///     .collect::<tidemem::Result<Vec<_>>>()?;
 /// let comms = Communicator::local(devices)?;
-/// let spec = GridSpec { data: 1, pipeline: 1, tensor: "2d:2".parse::<TensorMode>()? };
+/// let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: "2d:2".parse::<TensorMode>()? };
 /// let places = std::thread::scope(|s| {
 ///     let handles: Vec<_> = comms
 ///         .iter()
@@ -281,9 +291,12 @@ pub struct ProcessGrid {
     spec: GridSpec,
     data_rank: usize,
     pipeline_rank: usize,
+    sequence_rank: usize,
     tensor_rank: usize,
     data: Communicator,
     pipeline: Communicator,
+    sequence: Communicator,
+    replicas: Communicator,
     tensor: Communicator,
     scheme: Scheme,
 }
@@ -294,6 +307,7 @@ impl fmt::Debug for ProcessGrid {
             .field("spec", &self.spec)
             .field("data_rank", &self.data_rank)
             .field("pipeline_rank", &self.pipeline_rank)
+            .field("sequence_rank", &self.sequence_rank)
             .field("tensor_rank", &self.tensor_rank)
             .finish()
     }
@@ -325,28 +339,34 @@ impl ProcessGrid {
     /// [`Error::InvalidArgument`] on every rank before any communication (every rank knows
     /// both). Then the ranks check that they passed the same spec (one small all-reduce: an
     /// error on every rank if not) and build every group with [`Communicator::split`], each
-    /// rank splitting the same number of times in the same order: data, pipeline, tensor, then
-    /// the scheme's groups (split from the tensor group).
+    /// rank splitting the same number of times in the same order: data, pipeline, sequence,
+    /// replicas, tensor, then the scheme's groups (split from the tensor group).
     pub fn new(comm: &Communicator, spec: GridSpec) -> Result<ProcessGrid> {
         spec.check(comm.world())?;
         agree_on_spec(comm, &spec)?;
         let t_size = spec.tensor.size();
-        let (p_size, d_size) = (spec.pipeline, spec.data);
+        let (p_size, s_size, d_size) = (spec.pipeline, spec.sequence, spec.data);
         let rank = comm.rank();
         let t = rank % t_size;
-        let pp = rank / t_size % p_size;
-        let dp = rank / (t_size * p_size);
-        let data = group(comm, pp * t_size + t, dp, d_size)?;
-        let pipeline = group(comm, dp * t_size + t, pp, p_size)?;
-        let tensor = group(comm, dp * p_size + pp, t, t_size)?;
+        let sp = rank / t_size % s_size;
+        let pp = rank / (t_size * s_size) % p_size;
+        let dp = rank / (t_size * s_size * p_size);
+        let data = group(comm, (pp * s_size + sp) * t_size + t, dp, d_size)?;
+        let pipeline = group(comm, (dp * s_size + sp) * t_size + t, pp, p_size)?;
+        let sequence = group(comm, (dp * p_size + pp) * t_size + t, sp, s_size)?;
+        let replicas = group(comm, pp * t_size + t, dp * s_size + sp, d_size * s_size)?;
+        let tensor = group(comm, (dp * p_size + pp) * s_size + sp, t, t_size)?;
         let scheme = Self::scheme_groups(&tensor, spec.tensor, t)?;
         Ok(ProcessGrid {
             spec,
             data_rank: dp,
             pipeline_rank: pp,
+            sequence_rank: sp,
             tensor_rank: t,
             data,
             pipeline,
+            sequence,
+            replicas,
             tensor,
             scheme,
         })
@@ -417,19 +437,39 @@ impl ProcessGrid {
         self.tensor_rank
     }
 
-    /// The ranks with this rank's pipeline and tensor ranks, ranked by data rank `dp`
-    /// (`spec.data` ranks).
+    /// This rank's index in its sequence group (`sp`: it holds block `sp` of every
+    /// sequence's positions).
+    pub fn sequence_rank(&self) -> usize {
+        self.sequence_rank
+    }
+
+    /// The ranks with this rank's data, pipeline and tensor ranks, ranked by sequence rank
+    /// `sp` (`spec.sequence` ranks): the ring of sequence parallelism.
+    pub fn sequence(&self) -> &Communicator {
+        &self.sequence
+    }
+
+    /// The ranks that hold the same parameter shards as this one (this rank's pipeline and
+    /// tensor ranks), ranked by `dp·S + sp` (`spec.data · spec.sequence` ranks): each sees
+    /// other samples or other positions, so their gradients are summed over this group (the
+    /// group a [`ZeroManager`](crate::zero::ZeroManager) spans).
+    pub fn replicas(&self) -> &Communicator {
+        &self.replicas
+    }
+
+    /// The ranks with this rank's pipeline, sequence and tensor ranks, ranked by data rank
+    /// `dp` (`spec.data` ranks).
     pub fn data(&self) -> &Communicator {
         &self.data
     }
 
-    /// The ranks with this rank's data and tensor ranks, ranked by stage `pp`
+    /// The ranks with this rank's data, sequence and tensor ranks, ranked by stage `pp`
     /// (`spec.pipeline` ranks).
     pub fn pipeline(&self) -> &Communicator {
         &self.pipeline
     }
 
-    /// The ranks with this rank's data and pipeline ranks, ranked by tensor rank `t`
+    /// The ranks with this rank's data, pipeline and sequence ranks, ranked by tensor rank `t`
     /// (`tensor.size()` consecutive global ranks; one rank for [`TensorMode::None`]). The
     /// 1D scheme's group.
     pub fn tensor(&self) -> &Communicator {
@@ -543,14 +583,15 @@ impl ProcessGrid {
 fn agree_on_spec(comm: &Communicator, spec: &GridSpec) -> Result<()> {
     let i = |v: usize| i64::try_from(v).unwrap_or(i64::MAX);
     let [tag, a, b] = spec.tensor.code();
-    let fields = [i(spec.data), i(spec.pipeline), tag, a, b];
-    let mut both = [0i64; 10];
+    let fields = [i(spec.data), i(spec.pipeline), i(spec.sequence), tag, a, b];
+    const N: usize = 6;
+    let mut both = [0i64; 2 * N];
     for (n, f) in fields.iter().enumerate() {
         both[n] = *f;
-        both[n + 5] = -*f;
+        both[n + N] = -*f;
     }
     comm.all_reduce_host(&mut both, ReduceOp::Max)?;
-    if (0..5).any(|n| both[n] != -both[n + 5]) {
+    if (0..N).any(|n| both[n] != -both[n + N]) {
         return Err(Error::InvalidArgument(format!(
             "ranks passed different grid specs (this rank: {spec})"
         )));
@@ -575,6 +616,7 @@ mod tests {
         let spec = GridSpec {
             data: 1,
             pipeline: 1,
+            sequence: 1,
             tensor: TensorMode::TwoHalfD { q: 2, depth: 2 },
         };
         assert_eq!(spec.world(), 8);
@@ -592,6 +634,7 @@ mod tests {
         let huge = GridSpec {
             data: usize::MAX,
             pipeline: 2,
+            sequence: 1,
             tensor: TensorMode::None,
         };
         assert!(huge

@@ -70,7 +70,7 @@
 //! // a cube of one rank: the block is the serial one
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 22))?;
 //! let comm = Communicator::local(vec![dev.clone()])?.remove(0);
-//! let spec = GridSpec { data: 1, pipeline: 1, tensor: TensorMode::ThreeD { q: 1 } };
+//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::ThreeD { q: 1 } };
 //! let grid = ProcessGrid::new(&comm, spec)?;
 //! let mut cfg = ManagerConfig::new(256, Policy::Tide);
 //! cfg.param_dtype = DType::F32;

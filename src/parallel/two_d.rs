@@ -57,7 +57,7 @@
 //!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
 //!     .collect::<tidemem::Result<Vec<_>>>()?;
 //! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, tensor: TensorMode::TwoD { q: 2 } };
+//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
 //! let (rows, inputs, outputs) = (4, 6, 8);
 //! let x: Vec<f32> = (0..rows * inputs).map(|v| v as f32 / 10.0).collect();
 //! std::thread::scope(|s| {

@@ -34,7 +34,7 @@
 //!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 24)))
 //!     .collect::<tidemem::Result<Vec<_>>>()?;
 //! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, tensor: TensorMode::TwoD { q: 2 } };
+//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
 //! // 4 sequences of 3 tokens, 8 channels, 2 heads
 //! let (rows, seq, c) = (12, 3, 8);
 //! let x: Vec<f32> = (0..rows * c).map(|v| (v % 7) as f32 / 10.0).collect();

@@ -59,7 +59,7 @@
 //!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
 //!     .collect::<tidemem::Result<Vec<_>>>()?;
 //! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, tensor: TensorMode::TwoD { q: 2 } };
+//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
 //! let (vocab, c) = (16, 8);
 //! let ids: Vec<i32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
 //! let targets: Vec<i32> = vec![1, 4, 1, 5, 9, 2, 6, -100];

@@ -8,7 +8,8 @@ mod common;
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, train_step_grid, train_step_in, EndsLayout, Gpt, GptBatch, GptConfig, GptGrid,
+    train_step, train_step_grid, train_step_in, train_step_sp, EndsLayout, Gpt, GptBatch,
+    GptConfig, GptGrid,
 };
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
@@ -453,4 +454,66 @@ fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
         (losses, norms)
     });
     like_serial("2D accumulating 2 micro-batches", &serial(), &runs);
+}
+
+/// Sequence parallelism: each sequence's positions split over a ring of 2 and 4 ranks, and on
+/// 8 ranks as data 2 × sequence 2 × `1d:2`, with ZeRO over the ranks that hold the same shards
+/// (data × sequence), checkpointing every other step: the losses (the mean over the ranks'
+/// tokens) and gradient norms of one process on the whole batch.
+#[test]
+fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
+    let serial = serial();
+    let shapes = [
+        (1, 2, TensorMode::None),
+        (1, 4, TensorMode::None),
+        (2, 2, TensorMode::OneD { size: 2 }),
+    ];
+    for (data, sequence, tensor) in shapes {
+        let spec = GridSpec {
+            data,
+            pipeline: 1,
+            sequence,
+            tensor,
+        };
+        let runs = on_grid(spec, |c, grid| {
+            // ZeRO over the ranks holding the same shards
+            let color = grid.tensor_rank() as u32;
+            let key = (grid.data_rank() * sequence + grid.sequence_rank()) as u32;
+            let replicas = c.split(Some(color), key).unwrap().unwrap();
+            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+            cfg.param_dtype = DType::F32;
+            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let tp = (tensor.size() > 1).then(|| grid.tensor());
+            let gpt = match tp {
+                Some(g) => Gpt::register_1d(&mut z, &config(), 3, Shard::of(g)).unwrap(),
+                None => Gpt::register(&mut z, &config(), 3).unwrap(),
+            };
+            let mut opt = adam();
+            let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
+            let (mut losses, mut norms) = (Vec::new(), Vec::new());
+            for k in 0..STEPS {
+                let (t, g) = rows_of(k, grid.data_rank(), rows);
+                // this rank's positions of each sequence
+                let block = |v: &[i32]| -> Vec<i32> {
+                    (0..rows)
+                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                        .collect()
+                };
+                let (t, g) = (block(&t), block(&g));
+                let b = GptBatch {
+                    tokens: &t,
+                    targets: &g,
+                    batch: rows,
+                    seq: l,
+                };
+                let sp = Some(grid.sequence());
+                let ckpt = k % 2 == 0;
+                let s = train_step_sp(&gpt, &mut z, tp, sp, &mut opt, &[b], ckpt).unwrap();
+                losses.push(mean_loss(c, s.loss));
+                norms.push(s.report.grad_norm);
+            }
+            (losses, norms)
+        });
+        like_serial(&format!("GPT over {spec}"), &serial, &runs);
+    }
 }

@@ -159,6 +159,13 @@ impl<'a> Input<'a> {
     pub fn overlaps(&self, other: &DeviceView<'_>) -> bool {
         self.view.overlaps(other)
     }
+    /// The bytes `offset .. offset + len` of this range, still read-only; an error if they
+    /// do not lie inside it.
+    pub fn slice(&self, offset: usize, len: usize) -> Result<Input<'a>> {
+        Ok(Input {
+            view: self.view.slice(offset, len)?,
+        })
+    }
 }
 
 impl<'a> From<DeviceView<'a>> for Input<'a> {

@@ -29,10 +29,53 @@ pub struct CausalSelfAttention {
 #[derive(Debug)]
 pub struct AttnSaved {
     x: Act,
-    heads: HeadsSaved,
+    heads: CoreKept,
     merged: Act,
     batch: usize,
     seq: usize,
+}
+
+/// The core's saved state: the local attention's, or another core's.
+#[derive(Debug)]
+enum CoreKept {
+    Local(HeadsSaved),
+    Other(CoreSaved),
+}
+
+/// The attention between the projections: how `qkv` (`[rows, 3·inner]`, queries, keys and
+/// values side by side) becomes the merged heads (`[rows, inner]`). Without one,
+/// [`CausalSelfAttention`] attends over the positions of its own rows ([`heads_forward`]); a
+/// sequence-parallel rank attends across the ranks that hold the other positions
+/// ([`RingAttention`](crate::parallel::sequence::RingAttention)'s core).
+pub trait HeadsCore: Send + Sync {
+    /// The merged heads and what the backward needs.
+    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, CoreSaved)>;
+    /// `dqkv` (`[rows, 3·inner]`) from the merged heads' gradient.
+    fn backward(&self, pass: &BackwardPass<'_>, saved: &CoreSaved, dmerged: &Act) -> Result<Act>;
+}
+
+/// What a [`HeadsCore`] keeps for its backward: any `Send + Sync` value, taken back by type.
+pub struct CoreSaved(Box<dyn std::any::Any + Send + Sync>);
+
+impl CoreSaved {
+    /// Keeps `value`.
+    pub fn new<T: std::any::Any + Send + Sync>(value: T) -> CoreSaved {
+        CoreSaved(Box::new(value))
+    }
+
+    /// The value kept, if it is a `T`; [`Error::InvalidArgument`] otherwise (a saved state
+    /// handed to another kind of core).
+    pub fn get<T: std::any::Any>(&self) -> Result<&T> {
+        self.0.downcast_ref().ok_or_else(|| {
+            Error::InvalidArgument("an attention core's saved state of another kind".into())
+        })
+    }
+}
+
+impl std::fmt::Debug for CoreSaved {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("CoreSaved(..)")
+    }
 }
 
 impl AttnSaved {
@@ -41,9 +84,13 @@ impl AttnSaved {
         &self.x
     }
 
-    /// `[B·H·T, T]` attention probabilities (the causal softmax's output).
-    pub fn att(&self) -> &Act {
-        &self.heads.att
+    /// `[B·H·T, T]` attention probabilities (the causal softmax's output); `None` when
+    /// another [`HeadsCore`] computed the attention.
+    pub fn att(&self) -> Option<&Act> {
+        match &self.heads {
+            CoreKept::Local(h) => Some(&h.att),
+            CoreKept::Other(_) => None,
+        }
     }
 }
 
@@ -145,11 +192,33 @@ impl CausalSelfAttention {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, AttnSaved)> {
+        self.forward_core(pass, x, batch, seq, None)
+    }
+
+    /// [`CausalSelfAttention::forward`] with the attention between the projections computed
+    /// by `core` (or locally, with `None`).
+    pub fn forward_core(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        batch: usize,
+        seq: usize,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<(Act, AttnSaved)> {
         let d = pass.param_dtype();
         x.expect("x", None, self.c_attn.inputs, d)?;
         let op = self.op(x.rows(), batch, seq)?;
         let qkv = self.c_attn.forward(pass, x)?;
-        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        let (merged, heads) = match core {
+            None => {
+                let (m, h) = heads_forward(pass, &op, &qkv)?;
+                (m, CoreKept::Local(h))
+            }
+            Some(c) => {
+                let (m, h) = c.forward(pass, &qkv)?;
+                (m, CoreKept::Other(h))
+            }
+        };
         drop(qkv);
         let out = self.c_proj.forward(pass, &merged)?;
         let saved = AttnSaved {
@@ -165,6 +234,17 @@ impl CausalSelfAttention {
     /// The backward of [`CausalSelfAttention::forward`] from the output's gradient `dy`
     /// `[B·T, C]`: writes the four parameters' gradients and returns `dx`.
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &AttnSaved, dy: &Act) -> Result<Act> {
+        self.backward_core(pass, saved, dy, None)
+    }
+
+    /// [`CausalSelfAttention::backward`] of a forward computed by `core` (the same core).
+    pub fn backward_core(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &AttnSaved,
+        dy: &Act,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<Act> {
         let d = pass.param_dtype();
         let rows = saved.x.rows();
         saved.x.expect("saved input", None, self.c_attn.inputs, d)?;
@@ -174,7 +254,15 @@ impl CausalSelfAttention {
             .c_proj
             .backward(pass, &saved.merged, dy, true)
             .and_then(asked_dx)?;
-        let dqkv = heads_backward(pass, &op, &saved.heads, &dmerged)?;
+        let dqkv = match (&saved.heads, core) {
+            (CoreKept::Local(h), None) => heads_backward(pass, &op, h, &dmerged)?,
+            (CoreKept::Other(h), Some(c)) => c.backward(pass, h, &dmerged)?,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "an attention's backward run with another core than its forward".into(),
+                ))
+            }
+        };
         drop(dmerged);
         self.c_attn
             .backward(pass, &saved.x, &dqkv, true)

@@ -1,7 +1,7 @@
 //! GPT-2's pre-LayerNorm transformer block.
 
 use super::act::Act;
-use super::attention::{AttnSaved, CausalSelfAttention};
+use super::attention::{AttnSaved, CausalSelfAttention, HeadsCore};
 use super::layernorm::{LayerNorm, LnSaved};
 use super::mlp::{Mlp, MlpSaved};
 use crate::error::Result;
@@ -57,6 +57,16 @@ pub struct Block {
     pub ln_2: LayerNorm,
     /// The feed-forward block.
     pub mlp: Mlp,
+}
+
+/// What a split block adds to [`Block::forward_ext`] and [`Block::backward_ext`].
+#[derive(Clone, Copy)]
+pub struct BlockHooks<'a> {
+    /// Applied in place to the attention's and the MLP's outputs before the residual adds,
+    /// and to the gradients they give their inputs (a tensor-parallel all-reduce).
+    pub sum: &'a dyn Fn(&Act) -> Result<()>,
+    /// The attention between the projections (`None`: over the rows' own positions).
+    pub core: Option<&'a dyn HeadsCore>,
 }
 
 /// What [`Block::forward`] keeps for the backward.
@@ -139,10 +149,24 @@ impl Block {
         seq: usize,
         sum: &dyn Fn(&Act) -> Result<()>,
     ) -> Result<(Act, BlockSaved)> {
+        self.forward_ext(pass, x, batch, seq, BlockHooks { sum, core: None })
+    }
+
+    /// [`Block::forward`] with `hooks`: the sum of a tensor-parallel block's partial outputs
+    /// and the attention's core ([`HeadsCore`]; for a sequence split over ranks).
+    pub fn forward_ext(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        batch: usize,
+        seq: usize,
+        hooks: BlockHooks<'_>,
+    ) -> Result<(Act, BlockSaved)> {
+        let sum = hooks.sum;
         x.expect("x", None, self.ln_1.cols, pass.param_dtype())?;
         self.attn.op(x.rows(), batch, seq)?;
         let (y1, ln_1) = self.ln_1.forward(pass, x, None)?;
-        let (a, attn) = self.attn.forward(pass, &y1, batch, seq)?;
+        let (a, attn) = self.attn.forward_core(pass, &y1, batch, seq, hooks.core)?;
         sum(&a)?;
         // h1 = x + a, and its normalisation, in one op
         let (y2, ln_2) = self.ln_2.forward(pass, &a, Some(x))?;
@@ -188,6 +212,18 @@ impl Block {
         dout: &Act,
         sum: &dyn Fn(&Act) -> Result<()>,
     ) -> Result<Act> {
+        self.backward_ext(pass, saved, dout, BlockHooks { sum, core: None })
+    }
+
+    /// [`Block::backward`] with the `hooks` its forward ran with.
+    pub fn backward_ext(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &BlockSaved,
+        dout: &Act,
+        hooks: BlockHooks<'_>,
+    ) -> Result<Act> {
+        let sum = hooks.sum;
         let (rows, c, d) = (dout.rows(), dout.cols(), dout.dtype());
         dout.expect(
             "dout",
@@ -203,7 +239,9 @@ impl Block {
         sum(&dm)?;
         self.ln_2.backward(pass, &saved.ln_2, &dm, Some(&dres))?;
         drop(dm);
-        let dy1 = self.attn.backward(pass, &saved.attn, &dres)?;
+        let dy1 = self
+            .attn
+            .backward_core(pass, &saved.attn, &dres, hooks.core)?;
         sum(&dy1)?;
         self.ln_1.backward(pass, &saved.ln_1, &dy1, Some(&dres))?;
         Ok(dres)

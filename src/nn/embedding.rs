@@ -3,7 +3,7 @@
 
 use super::act::Act;
 use super::check_param;
-use crate::device::Block as PoolBlock;
+use crate::device::{Block as PoolBlock, Input};
 use crate::error::{Error, Result};
 use crate::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -40,6 +40,8 @@ pub struct EmbSaved {
     plan: EncoderPlan,
     words: PoolBlock,
     shape: EncoderShape,
+    /// The position of the tokens' first column.
+    first: usize,
 }
 
 impl EmbSaved {
@@ -87,13 +89,14 @@ impl Embedding {
         vec![self.wte, self.wpe]
     }
 
-    fn shape(&self, batch: usize, seq: usize) -> EncoderShape {
+    /// The op's shape for tokens from position `first` on: `wpe` seen from row `first`.
+    fn shape_at(&self, batch: usize, seq: usize, first: usize) -> EncoderShape {
         EncoderShape {
             batch,
             seq,
             channels: self.channels,
             vocab: self.vocab,
-            max_seq: self.max_seq,
+            max_seq: self.max_seq - first,
         }
     }
 
@@ -108,10 +111,26 @@ impl Embedding {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, EmbSaved)> {
+        self.forward_at(pass, tokens, batch, seq, 0)
+    }
+
+    /// [`Embedding::forward`] of tokens at positions `first .. first + seq` of their
+    /// sequences (a sequence-parallel rank's block): row `b·seq + t` gets `wpe[first + t]`.
+    /// `first + seq` must not pass `max_seq`.
+    pub fn forward_at(
+        &self,
+        pass: &ForwardPass<'_>,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+        first: usize,
+    ) -> Result<(Act, EmbSaved)> {
         let rows = batch.checked_mul(seq).filter(|&r| r > 0);
-        if rows != Some(tokens.len()) || seq > self.max_seq {
+        let last = first.checked_add(seq);
+        if rows != Some(tokens.len()) || last.is_none_or(|l| l > self.max_seq) {
             return Err(Error::InvalidArgument(format!(
-                "{} tokens for a batch of {batch} × {seq} (at most {} positions)",
+                "{} tokens for a batch of {batch} × {seq} from position {first} (at most {} \
+                 positions)",
                 tokens.len(),
                 self.max_seq
             )));
@@ -130,19 +149,19 @@ impl Embedding {
         let tok = pass.upload(bytemuck::cast_slice(tokens))?;
         let words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
         let out = Act::alloc(pool, tokens.len(), self.channels, d)?;
-        let shape = self.shape(batch, seq);
+        let shape = self.shape_at(batch, seq, first);
         let tok_view = tok.view(0, tokens.len() * 4)?;
-        encoder_forward(
-            dev,
-            s,
-            tok_view,
-            g.param(0)?,
-            g.param(1)?,
-            out.view(),
-            &shape,
-            d,
-        )?;
-        Ok((out, EmbSaved { plan, words, shape }))
+        // wpe from row `first` on
+        let row = self.channels * d.size();
+        let wpe = Input::from(g.param(1)?).slice(first * row, shape.max_seq * row)?;
+        encoder_forward(dev, s, tok_view, g.param(0)?, wpe, out.view(), &shape, d)?;
+        let saved = EmbSaved {
+            plan,
+            words,
+            shape,
+            first,
+        };
+        Ok((out, saved))
     }
 
     /// The backward of [`Embedding::forward`] from the output's gradient `dout`
@@ -158,7 +177,7 @@ impl Embedding {
         );
         let sh = &saved.shape;
         dout.expect("dout", Some(sh.batch * sh.seq), self.channels, d)?;
-        if *sh != self.shape(sh.batch, sh.seq) {
+        if *sh != self.shape_at(sh.batch, sh.seq, saved.first) {
             return Err(Error::InvalidArgument(
                 "the saved state comes from another embedding".into(),
             ));
@@ -174,7 +193,9 @@ impl Embedding {
         dev.memset(s, te, 0)?;
         dev.memset(s, pe, 0)?;
         let words = saved.words.view(0, saved.plan.words() * 4)?;
-        encoder_backward(dev, s, dout.input(), &saved.plan, words, te, pe, sh, d)?;
+        let row = self.channels * d.size();
+        let pe_at = pe.slice(saved.first * row, sh.max_seq * row)?;
+        encoder_backward(dev, s, dout.input(), &saved.plan, words, te, pe_at, sh, d)?;
         g.accumulate_grad(0, te, d)?;
         g.accumulate_grad(1, pe, d)
     }

@@ -66,8 +66,10 @@ mod lm_head;
 mod mlp;
 
 pub use act::Act;
-pub use attention::{heads_backward, heads_forward, AttnSaved, CausalSelfAttention, HeadsSaved};
-pub use block::{Block, BlockSaved};
+pub use attention::{
+    heads_backward, heads_forward, AttnSaved, CausalSelfAttention, CoreSaved, HeadsCore, HeadsSaved,
+};
+pub use block::{Block, BlockHooks, BlockSaved};
 pub use embedding::{EmbSaved, Embedding};
 pub use gelu::{gelu, gelu_backward};
 pub use layernorm::{LayerNorm, LnSaved};

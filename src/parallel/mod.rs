@@ -27,7 +27,7 @@ pub mod vocab;
 pub use cross_entropy::ShardedCrossEntropy;
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
-pub use sequence::{RingAttention, RingCollectives, RingSaved};
+pub use sequence::{RingAttention, RingCollectives, RingCore, RingSaved};
 pub use three_d::{
     gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
 };

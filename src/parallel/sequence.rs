@@ -33,10 +33,10 @@ use crate::comm::{CommStats, Communicator, Tally};
 use crate::device::{DeviceView, Input};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::Act;
+use crate::nn::{Act, CoreSaved, HeadsCore};
 use crate::ops::heads::{heads_merge, heads_split, qkv_merge, qkv_split, Heads};
 use crate::ops::{gemm, softmax_block_backward, softmax_block_forward, Gemm, SoftmaxBlock};
-use crate::store::{BackwardPass, Pass, PassKind};
+use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
 
 /// Causal self-attention over a sequence split across a ring of ranks (see
 /// [the module](self)).
@@ -406,6 +406,28 @@ impl RingAttention {
             dev.copy_d2d(s, acc, home.view())?;
         }
         Ok(home)
+    }
+}
+
+/// A [`RingAttention`] on its ring, as a block's attention core
+/// ([`Block::forward_ext`](crate::nn::Block::forward_ext)).
+#[derive(Clone, Copy, Debug)]
+pub struct RingCore<'a> {
+    /// The attention.
+    pub attn: RingAttention,
+    /// The ring it runs over.
+    pub group: &'a Communicator,
+}
+
+impl HeadsCore for RingCore<'_> {
+    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, CoreSaved)> {
+        let (merged, saved) = self.attn.forward(pass, self.group, qkv)?;
+        Ok((merged, CoreSaved::new(saved)))
+    }
+
+    fn backward(&self, pass: &BackwardPass<'_>, saved: &CoreSaved, dmerged: &Act) -> Result<Act> {
+        self.attn
+            .backward(pass, self.group, saved.get::<RingSaved>()?, dmerged)
     }
 }
 

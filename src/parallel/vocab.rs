@@ -94,9 +94,28 @@ impl VocabEmbedding1D {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, VocabEmbSaved)> {
-        if batch.checked_mul(seq) != Some(tokens.len()) || tokens.is_empty() || seq > self.max_seq {
+        self.forward_at(pass, group, tokens, batch, seq, 0)
+    }
+
+    /// [`VocabEmbedding1D::forward`] of tokens at positions `first .. first + seq` of their
+    /// sequences (a sequence-parallel rank's block).
+    pub fn forward_at(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+        first: usize,
+    ) -> Result<(Act, VocabEmbSaved)> {
+        let last = first.checked_add(seq);
+        if batch.checked_mul(seq) != Some(tokens.len())
+            || tokens.is_empty()
+            || last.is_none_or(|l| l > self.max_seq)
+        {
             return Err(Error::InvalidArgument(format!(
-                "{} tokens for a batch of {batch} × {seq} (at most {} positions)",
+                "{} tokens for a batch of {batch} × {seq} from position {first} (at most {} \
+                 positions)",
                 tokens.len(),
                 self.max_seq
             )));
@@ -107,7 +126,9 @@ impl VocabEmbedding1D {
             ));
         }
         let plan = VocabPlan::new(tokens, &self.vocab)?;
-        let pos: Vec<i32> = (0..tokens.len()).map(|n| (n % seq) as i32).collect();
+        let pos: Vec<i32> = (0..tokens.len())
+            .map(|n| (first + n % seq) as i32)
+            .collect();
         let all_positions = VocabShard::new(self.max_seq, 0, self.max_seq)?;
         let pos_plan = VocabPlan::new(&pos, &all_positions)?;
         let (dev, s, d, c) = (

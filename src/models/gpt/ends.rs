@@ -64,21 +64,21 @@ impl Ends {
         }
     }
 
+    /// The embedding of `tokens` at positions `first .. first + seq` of their sequences.
     pub(super) fn embed(
         &self,
         fwd: &ForwardPass<'_>,
         tp: Option<&Communicator>,
         tokens: &[i32],
-        batch: usize,
-        seq: usize,
+        [batch, seq, first]: [usize; 3],
     ) -> Result<(Act, EmbKept)> {
         match self {
             Ends::Whole { embedding, .. } => {
-                let (x, s) = embedding.forward(fwd, tokens, batch, seq)?;
+                let (x, s) = embedding.forward_at(fwd, tokens, batch, seq, first)?;
                 Ok((x, EmbKept::Whole(Box::new(s))))
             }
             Ends::Split { embedding, .. } => {
-                let (x, s) = embedding.forward(fwd, group(tp)?, tokens, batch, seq)?;
+                let (x, s) = embedding.forward_at(fwd, group(tp)?, tokens, batch, seq, first)?;
                 Ok((x, EmbKept::Split(Box::new(s))))
             }
         }

@@ -22,4 +22,4 @@ pub use grid::{train_step_grid, GptGrid, GridBlocks};
 pub use grid_ends::{EndsLayout, GridEnds};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
-pub use train::{train_step, train_step_in, TrainStep};
+pub use train::{train_step, train_step_in, train_step_sp, TrainStep};

@@ -9,8 +9,8 @@ use super::ends::{EmbKept, Ends, HeadKept};
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, BlockSaved, Embedding, LayerNorm, LmHead};
-use crate::parallel::Shard;
+use crate::nn::{Act, Block, BlockHooks, BlockSaved, Embedding, HeadsCore, LayerNorm, LmHead};
+use crate::parallel::{RingAttention, RingCore, Shard};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
@@ -275,13 +275,34 @@ impl Gpt {
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<f32> {
+        self.forward_backward_sp(store, tp, None, b, opts)
+    }
+
+    /// [`Gpt::forward_backward_in`] with the sequence split over the ring `sp` as well
+    /// (sequence parallelism): `b` holds this rank's block of every sequence, positions
+    /// `sp.rank()·seq .. (sp.rank() + 1)·seq` of `batch` sequences of `seq · sp.world()`
+    /// tokens, and the attention runs over the ring
+    /// ([`RingAttention`](crate::parallel::RingAttention)); everything else is local. The
+    /// loss and gradients are this rank's (the mean over its tokens): the store must sum the
+    /// gradients over the ring (a [`ZeroManager`](crate::zero::ZeroManager) over
+    /// [`ProcessGrid::replicas`](crate::parallel::ProcessGrid::replicas), which averages the
+    /// ranks' means). Every rank of `tp` and `sp` runs it.
+    pub fn forward_backward_sp<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tp: Option<&Communicator>,
+        sp: Option<&Communicator>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<f32> {
         self.check(b)?;
         self.check_group(tp)?;
+        let g = Groups::new(self, tp, sp, b)?;
         let fwd = store.forward()?;
-        let (loss, saved) = self.forward(&fwd, tp, b, opts)?;
+        let (loss, saved) = self.forward(&fwd, &g, b, opts)?;
         fwd.finish()?;
         let mut bwd = store.backward()?;
-        self.backward(&mut bwd, tp, b, saved, opts)?;
+        self.backward(&mut bwd, &g, b, saved, opts)?;
         bwd.finish()?;
         Ok(loss)
     }
@@ -325,9 +346,10 @@ impl Gpt {
     ) -> Result<f32> {
         self.check(b)?;
         self.check_group(tp)?;
+        let g = Groups::new(self, tp, None, b)?;
         let fwd = store.forward()?;
-        let (x, _) = self.ends.embed(&fwd, tp, b.tokens, b.batch, b.seq)?;
-        let x = self.blocks_forward(&fwd, tp, x, b, None)?;
+        let (x, _) = self.ends.embed(&fwd, tp, b.tokens, [b.batch, b.seq, 0])?;
+        let x = self.blocks_forward(&fwd, &g, x, b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let (loss, _) = self.ends.head_forward(&fwd, tp, &h, b.targets, 1.0)?;
@@ -368,7 +390,8 @@ impl Gpt {
             seq,
         };
         self.check_group(None)?;
-        let x = self.blocks_forward(&fwd, None, x, &b, None)?;
+        let g = Groups::new(self, None, None, &b)?;
+        let x = self.blocks_forward(&fwd, &g, x, &b, None)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let logits = head.proj.forward(&fwd, &h)?;
@@ -383,13 +406,15 @@ impl Gpt {
     fn forward(
         &self,
         fwd: &ForwardPass<'_>,
-        tp: Option<&Communicator>,
+        g: &Groups<'_>,
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<(f32, Saved)> {
-        let (x, emb) = self.ends.embed(fwd, tp, b.tokens, b.batch, b.seq)?;
+        let tp = g.tp;
+        let at = [b.batch, b.seq, g.first_position(b)];
+        let (x, emb) = self.ends.embed(fwd, tp, b.tokens, at)?;
         let mut kept = Vec::with_capacity(self.blocks.len());
-        let x = self.blocks_forward(fwd, tp, x, b, Some((&mut kept, opts.checkpoint)))?;
+        let x = self.blocks_forward(fwd, g, x, b, Some((&mut kept, opts.checkpoint)))?;
         let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
         drop(x);
         let (loss, head) = self
@@ -412,14 +437,14 @@ impl Gpt {
     fn blocks_forward(
         &self,
         fwd: &ForwardPass<'_>,
-        tp: Option<&Communicator>,
+        g: &Groups<'_>,
         mut x: Act,
         b: &GptBatch<'_>,
         mut keep: Option<(&mut Vec<Kept>, bool)>,
     ) -> Result<Act> {
-        let sum = Self::sum(tp, fwd.stream());
+        let sum = Self::sum(g.tp, fwd.stream());
         for block in &self.blocks {
-            let (out, saved) = block.forward_with(fwd, &x, b.batch, b.seq, &sum)?;
+            let (out, saved) = block.forward_ext(fwd, &x, b.batch, b.seq, g.hooks(&sum))?;
             match keep.as_mut() {
                 Some((kept, true)) => {
                     drop(saved);
@@ -436,11 +461,12 @@ impl Gpt {
     fn backward(
         &self,
         bwd: &mut BackwardPass<'_>,
-        tp: Option<&Communicator>,
+        g: &Groups<'_>,
         b: &GptBatch<'_>,
         saved: Saved,
         _opts: RunOptions,
     ) -> Result<()> {
+        let tp = g.tp;
         let Saved {
             emb,
             mut blocks,
@@ -461,7 +487,7 @@ impl Gpt {
                     let re = bwd.recompute()?;
                     let (out, s) = {
                         let sum = Self::sum(tp, re.stream());
-                        block.forward_with(&re, &x, b.batch, b.seq, &sum)?
+                        block.forward_ext(&re, &x, b.batch, b.seq, g.hooks(&sum))?
                     };
                     drop(out);
                     re.finish()?;
@@ -469,9 +495,61 @@ impl Gpt {
                 }
             };
             let sum = Self::sum(tp, bwd.stream());
-            dx = block.backward_with(bwd, &saved, &dx, &sum)?;
+            dx = block.backward_ext(bwd, &saved, &dx, g.hooks(&sum))?;
         }
         self.ends.embed_backward(bwd, &emb, &dx)
+    }
+}
+
+/// The groups an iteration runs over: the tensor-parallel group and the sequence ring, with
+/// the ring's attention for this batch.
+struct Groups<'a> {
+    tp: Option<&'a Communicator>,
+    ring: Option<RingCore<'a>>,
+}
+
+impl<'a> Groups<'a> {
+    fn new(
+        gpt: &Gpt,
+        tp: Option<&'a Communicator>,
+        sp: Option<&'a Communicator>,
+        b: &GptBatch<'_>,
+    ) -> Result<Groups<'a>> {
+        let ring = match sp {
+            None => None,
+            Some(group) => {
+                let cfg = &gpt.config;
+                let head_dim = cfg.channels / cfg.heads.max(1);
+                let inner = gpt.blocks.first().map_or(cfg.channels, |k| k.attn.inner());
+                let total = b
+                    .seq
+                    .checked_mul(group.world())
+                    .filter(|&t| t <= cfg.max_seq);
+                let Some(seq) = total else {
+                    return Err(Error::InvalidArgument(format!(
+                        "{} positions a rank over a ring of {} ranks: more than the model's {}",
+                        b.seq,
+                        group.world(),
+                        cfg.max_seq
+                    )));
+                };
+                let attn = RingAttention::new(group, b.batch, seq, inner / head_dim, head_dim)?;
+                Some(RingCore { attn, group })
+            }
+        };
+        Ok(Groups { tp, ring })
+    }
+
+    /// The position of this rank's first token in its sequences.
+    fn first_position(&self, b: &GptBatch<'_>) -> usize {
+        self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
+    }
+
+    fn hooks<'s>(&'s self, sum: &'s dyn Fn(&Act) -> Result<()>) -> BlockHooks<'s> {
+        BlockHooks {
+            sum,
+            core: self.ring.as_ref().map(|r| r as &dyn HeadsCore),
+        }
     }
 }
 

@@ -46,12 +46,29 @@ pub fn train_step_in<S: ParamStore + ?Sized>(
     micro: &[GptBatch<'_>],
     checkpoint: bool,
 ) -> Result<TrainStep> {
+    train_step_sp(gpt, store, tp, None, adam, micro, checkpoint)
+}
+
+/// [`train_step_in`] with each sequence split over the ring `sp` too
+/// ([`Gpt::forward_backward_sp`]: each micro-batch holds this rank's positions of its
+/// sequences). The store must sum the gradients over the ring (a
+/// [`ZeroManager`](crate::zero::ZeroManager) over the grid's
+/// [`replicas`](crate::parallel::ProcessGrid::replicas)); every rank of `tp` and `sp` runs it.
+pub fn train_step_sp<S: ParamStore + ?Sized>(
+    gpt: &Gpt,
+    store: &mut S,
+    tp: Option<&Communicator>,
+    sp: Option<&Communicator>,
+    adam: &mut HybridAdam,
+    micro: &[GptBatch<'_>],
+    checkpoint: bool,
+) -> Result<TrainStep> {
     micro_steps(store, tp, adam, micro, |store, b, loss_scale| {
         let opts = RunOptions {
             checkpoint,
             loss_scale,
         };
-        gpt.forward_backward_in(store, tp, b, opts)
+        gpt.forward_backward_sp(store, tp, sp, b, opts)
     })
 }
 

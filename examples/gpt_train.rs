@@ -29,7 +29,7 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{
-    read_hf, train_step, train_step_grid, train_step_in, EndsLayout, Gpt, GptBatch, GptConfig,
+    read_hf, train_step, train_step_grid, train_step_sp, EndsLayout, Gpt, GptBatch, GptConfig,
     GptGrid,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
@@ -106,6 +106,11 @@ struct Args {
     /// 3d:Q (ZeRO data parallelism over the remaining factor).
     #[arg(long, default_value = "none")]
     tp: String,
+    /// Sequence parallelism: each sequence's positions split over rings of this many of the
+    /// `--ranks` ranks (attention by ring self-attention), with ZeRO over the data × sequence
+    /// ranks that hold the same parameters.
+    #[arg(long, default_value_t = 1)]
+    sp: usize,
     /// With --tp 2d/2.5d/3d: the embeddings, ln_f and the tied head split over the grid like
     /// the blocks (split: the vocabulary must divide by q; pad it otherwise) or whole on every
     /// rank (whole).
@@ -504,6 +509,23 @@ fn run() -> Result<()> {
 }
 
 /// Micro-batches of `--batch` × `--seq` tokens over owned (tokens, targets) pairs.
+/// A sequence-parallel rank's block of a batch: positions `r·L .. (r + 1)·L` of each of the
+/// `--batch` sequences, `L = --seq / ring size`, `r` the rank in the ring.
+fn positions_of(
+    (tokens, targets): &(Vec<i32>, Vec<i32>),
+    a: &Args,
+    ring: &Communicator,
+) -> (Vec<i32>, Vec<i32>) {
+    let l = a.seq / ring.world();
+    let at = |i: usize| i * a.seq + ring.rank() * l;
+    let block = |v: &[i32]| -> Vec<i32> {
+        (0..a.batch)
+            .flat_map(|i| v[at(i)..at(i) + l].to_vec())
+            .collect()
+    };
+    (block(tokens), block(targets))
+}
+
 fn views<'a>(batches: &'a [(Vec<i32>, Vec<i32>)], a: &Args) -> Vec<GptBatch<'a>> {
     batches
         .iter()
@@ -609,14 +631,15 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({ "model": a.model, "ranks": world, "tp": a.tp, "losses": losses,
+            json!({ "model": a.model, "ranks": world, "tp": a.tp, "sp": a.sp, "losses": losses,
                     "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity })
         );
     } else {
         println!(
-            "{world} ranks (tensor parallelism {}, ZeRO over the rest): loss {:.4} → {:.4}, \
-             {tokens_per_s:.0} tokens/s in all",
+            "{world} ranks (tensor parallelism {}, sequence rings of {}, ZeRO over the rest): \
+             loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
             a.tp,
+            a.sp,
             losses.first().copied().unwrap_or(f32::NAN),
             losses.last().copied().unwrap_or(f32::NAN)
         );
@@ -635,14 +658,23 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
             "--tp {tensor} trains without --load-hf so far"
         )));
     }
-    let (world, t) = (c.world(), tensor.size());
-    if t == 0 || !world.is_multiple_of(t) {
-        return Err(bad(format!("--tp {tensor} does not divide {world} ranks")));
+    let (world, t, sp) = (c.world(), tensor.size(), a.sp);
+    if t == 0 || sp == 0 || !world.is_multiple_of(t * sp) {
+        return Err(bad(format!(
+            "--tp {tensor} × --sp {sp} does not divide {world} ranks"
+        )));
+    }
+    if sp > 1 && (blocks_only || p.hf.is_some() || !a.seq.is_multiple_of(sp)) {
+        return Err(bad(format!(
+            "--sp {sp} runs with --tp none or 1d, without --load-hf, and a --seq ({}) that \
+             divides by it",
+            a.seq
+        )));
     }
     let spec = GridSpec {
-        data: world / t,
+        data: world / (t * sp),
         pipeline: 1,
-        sequence: 1,
+        sequence: sp,
         tensor,
     };
     let grid = ProcessGrid::new(&c, spec)?;
@@ -656,14 +688,17 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         p,
         tp,
         grid: blocks_only.then_some(&grid),
+        sp: (sp > 1).then(|| grid.sequence()),
         dp,
         dps,
     };
-    let (losses, tokens, secs) = if spec.data > 1 {
-        let data = c
-            .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)?
+    let (losses, tokens, secs) = if spec.data * sp > 1 {
+        // ZeRO over the ranks that hold the same parameters: data × sequence
+        let key = grid.data_rank() * sp + grid.sequence_rank();
+        let replicas = c
+            .split(Some(grid.tensor_rank() as u32), key as u32)?
             .ok_or_else(|| bad("no data-parallel group".into()))?;
-        let mut z = ZeroManager::new(data, manager_config(p))?;
+        let mut z = ZeroManager::new(replicas, manager_config(p))?;
         run.go(
             &mut z,
             |z, o| z.load_checkpoint(o, file(a.resume.as_ref().expect("resuming"))),
@@ -683,7 +718,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let n = world as f64;
     let mut mean: Vec<f64> = losses.iter().map(|&l| f64::from(l) / n).collect();
     c.all_reduce_host(&mut mean, ReduceOp::Sum)?;
-    // tokens: each tensor group trains on one batch
+    // tokens: each tensor group trains on one batch (its sequence ranks on their positions)
     let mut rate = [tokens as f64 / t as f64 / secs];
     c.all_reduce_host(&mut rate, ReduceOp::Sum)?;
     let losses = mean.into_iter().map(|l| l as f32).collect();
@@ -697,6 +732,8 @@ struct Run<'a> {
     tp: Option<&'a Communicator>,
     /// A 2D, 2.5D or 3D grid the blocks are split over ([`GptGrid`]).
     grid: Option<&'a ProcessGrid>,
+    /// The sequence ring, with sequence parallelism.
+    sp: Option<&'a Communicator>,
     dp: u64,
     dps: u64,
 }
@@ -746,10 +783,17 @@ impl Run<'_> {
                     p.data.batch(Split::Train, at, a.batch, a.seq)
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let micro = views(&batches, a);
+            let batches = match self.sp {
+                Some(ring) => batches.iter().map(|b| positions_of(b, a, ring)).collect(),
+                None => batches,
+            };
+            let mut micro = views(&batches, a);
+            let l = a.seq / self.sp.map_or(1, Communicator::world);
+            micro.iter_mut().for_each(|b| b.seq = l);
             let s = match &model {
                 Model::Serial(gpt) => {
-                    train_step_in(gpt, store, self.tp, &mut opt, &micro, p.checkpoint)?
+                    let (tp, sp) = (self.tp, self.sp);
+                    train_step_sp(gpt, store, tp, sp, &mut opt, &micro, p.checkpoint)?
                 }
                 Model::Grid(gpt, grid) => {
                     train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?

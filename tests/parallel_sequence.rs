@@ -178,3 +178,41 @@ fn positions_that_do_not_split_are_refused_on_every_rank() {
     let c = &Communicator::local(vec![common::sim(1 << 20)]).unwrap()[0];
     assert!(RingAttention::new(c, 0, T, NH, D).is_err());
 }
+
+/// A ring rank that never posts its block: every other rank gets an error within the
+/// communicator's timeout, never a hang.
+#[test]
+fn a_rank_that_never_posts_is_an_error_on_every_other_rank() {
+    let devs = (0..4).map(|_| common::sim(64 << 20)).collect();
+    let comms =
+        Communicator::local_with_timeout(devs, std::time::Duration::from_millis(300)).unwrap();
+    let qkv = values(N * 3 * C, 5);
+    let t0 = std::time::Instant::now();
+    let results: Vec<Option<bool>> = std::thread::scope(|s| {
+        let hs: Vec<_> = comms
+            .into_iter()
+            .map(|c| {
+                let qkv = &qkv;
+                s.spawn(move || {
+                    let ring = RingAttention::new(&c, B, T, NH, D).unwrap();
+                    if c.rank() == 2 {
+                        return None; // this rank never posts
+                    }
+                    let mut m = manager(c.device().clone());
+                    let fwd = m.forward().unwrap();
+                    let x = rows_of(qkv, 3 * C, c.rank(), 4);
+                    let rows = ring.rows();
+                    let x = Act::upload(fwd.pool(), fwd.stream(), rows, 3 * C, DType::F32, &x);
+                    Some(ring.forward(&fwd, &c, &x.unwrap()).is_err())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(t0.elapsed() < std::time::Duration::from_secs(20));
+    for (r, failed) in results.into_iter().enumerate() {
+        if r != 2 {
+            assert_eq!(failed, Some(true), "rank {r} returned an error");
+        }
+    }
+}

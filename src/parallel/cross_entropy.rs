@@ -85,3 +85,68 @@ impl ShardedCrossEntropy {
             .sum())
     }
 }
+
+/// Where a rank's logits sit in the whole batch, for [`ShardedCrossEntropy::batch_mean`].
+#[derive(Clone, Copy, Debug)]
+pub struct BatchRows<'g> {
+    /// The whole batch's targets (every rank has them).
+    pub targets: &'g [i32],
+    /// The first of this rank's rows in the batch.
+    pub first: usize,
+    /// The ranks of which the row blocks tile the batch once, and whether this rank is the
+    /// one of its row group that counts its rows' losses there; `None` when every rank holds
+    /// every row (the loss is then the row group's).
+    pub owners: Option<(&'g Communicator, bool)>,
+}
+
+impl ShardedCrossEntropy {
+    /// The mean loss over the rows of the whole batch that are not ignored, of this rank's
+    /// `logits` (rows `rows.first ..` of the batch, this rank's classes): [`forward`]
+    /// over `group` with the gradient scaled by `loss_scale / counted`, then the rows' sums
+    /// added over the owners (an `f64` host all-reduce). Every rank gets the same loss.
+    ///
+    /// [`forward`]: ShardedCrossEntropy::forward
+    pub fn batch_mean(
+        &self,
+        pass: &ForwardPass<'_>,
+        group: &Communicator,
+        logits: &Act,
+        rows: BatchRows<'_>,
+        loss_scale: f32,
+    ) -> Result<f32> {
+        let n = logits.rows();
+        let mine = rows
+            .first
+            .checked_add(n)
+            .and_then(|end| rows.targets.get(rows.first..end))
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "logits of {n} rows from row {} of a batch of {}",
+                    rows.first,
+                    rows.targets.len()
+                ))
+            })?;
+        if !(loss_scale > 0.0 && loss_scale.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "a sharded cross-entropy with loss scale {loss_scale}"
+            )));
+        }
+        let counted = rows
+            .targets
+            .iter()
+            .filter(|&&t| t != self.ignore_index)
+            .count()
+            .max(1) as f64;
+        let scale = (f64::from(loss_scale) / counted) as f32;
+        let sum = self.forward(pass, group, logits, mine, scale)?;
+        let total = match rows.owners {
+            None => sum,
+            Some((owners, counts)) => {
+                let mut t = [if counts { sum } else { 0.0 }];
+                owners.all_reduce_host(&mut t, ReduceOp::Sum)?;
+                t[0]
+            }
+        };
+        Ok((total / counted) as f32)
+    }
+}

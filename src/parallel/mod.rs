@@ -24,7 +24,7 @@ pub mod two_d_block;
 pub mod two_d_ends;
 pub mod vocab;
 
-pub use cross_entropy::ShardedCrossEntropy;
+pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{Block1D, Collectives, ColumnLinear, Emb1DSaved, Embedding1D, RowLinear, Shard};
 pub use sequence::{RingAttention, RingCollectives, RingCore, RingSaved};

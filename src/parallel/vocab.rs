@@ -10,7 +10,7 @@
 //!   Backward: `dh = Σ_r dlogits_r·wte_r`, one all-reduce of `N × C`.
 
 use super::one_d::Shard;
-use super::ShardedCrossEntropy;
+use super::{BatchRows, ShardedCrossEntropy};
 use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
@@ -267,14 +267,17 @@ impl VocabHead1D {
                 group.world()
             )));
         }
-        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
         let ce = ShardedCrossEntropy {
             classes: self.vocab,
             ignore_index: self.ignore_index,
         };
         let logits = self.proj.forward(pass, h)?;
-        let total = ce.forward(pass, group, &logits, targets, scale / counted.max(1) as f32)?;
-        let loss = (total / counted.max(1) as f64) as f32;
+        let rows = BatchRows {
+            targets,
+            first: 0,
+            owners: None,
+        };
+        let loss = ce.batch_mean(pass, group, &logits, rows, scale)?;
         Ok((
             loss,
             VocabHeadSaved {
@@ -373,19 +376,22 @@ impl Classifier1D {
                 group.world()
             )));
         }
-        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
         let ce = ShardedCrossEntropy {
             classes: self.classes()?,
             ignore_index: self.ignore_index,
         };
         let logits = self.proj.forward(pass, x)?;
-        let scale = loss_scale / counted.max(1) as f32;
-        let total = ce.forward(pass, group, &logits, targets, scale)?;
+        let rows = BatchRows {
+            targets,
+            first: 0,
+            owners: None,
+        };
+        let loss = ce.batch_mean(pass, group, &logits, rows, loss_scale)?;
         let saved = Cls1DSaved {
             x: x.clone(),
             dlogits: logits,
         };
-        Ok(((total / counted.max(1) as f64) as f32, saved))
+        Ok((loss, saved))
     }
 
     /// The collectives of one forward and backward over `rows` rows of `dtype`: forward two

@@ -1,14 +1,14 @@
 //! [`Classifier3D`] (see [the module](super)).
 
 use super::{here, EndCollectives3D, EndGroupStats, VocabEmbedding3D};
-use crate::comm::{ReduceOp, Tally};
+use crate::comm::Tally;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, WeightUse};
 use crate::ops::{check_targets, VocabShard};
 use crate::parallel::grid::ProcessGrid;
 use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Place3D, Saved3D};
-use crate::parallel::ShardedCrossEntropy;
+use crate::parallel::{BatchRows, ShardedCrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
 
@@ -124,25 +124,24 @@ impl Classifier3D {
             )));
         }
         let (ga, _, _) = groups(grid, self.layout())?;
-        let count = targets.iter().filter(|&&t| t != self.ignore_index).count();
-        let count = count.max(1) as f64;
         let ce = ShardedCrossEntropy {
             classes: VocabShard::new(classes, tile.col0, tile.cols)?,
             ignore_index: self.ignore_index,
         };
         let (logits, saved) = self.linear.forward(pass, grid, h)?;
         // the logits' rows (i·q + c)·n .., their other classes on the ranks along a
-        let mine = &targets[tile.row0..tile.row0 + tile.rows];
-        let scale = (f64::from(loss_scale) / count) as f32;
-        let rows = ce.forward(pass, ga, &logits, mine, scale)?;
         let (a, _) = place.axes(self.layout());
-        let mut total = [if a == 0 { rows } else { 0.0 }];
-        grid.tensor().all_reduce_host(&mut total, ReduceOp::Sum)?;
+        let rows = BatchRows {
+            targets,
+            first: tile.row0,
+            owners: Some((grid.tensor(), a == 0)),
+        };
+        let loss = ce.batch_mean(pass, ga, &logits, rows, loss_scale)?;
         let saved = Classifier3DSaved {
             linear: saved,
             dlogits: logits,
         };
-        Ok(((total[0] / count) as f32, saved))
+        Ok((loss, saved))
     }
 
     /// The backward of [`Classifier3D::forward`]: this rank's input-gradient tile

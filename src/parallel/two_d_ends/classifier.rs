@@ -3,13 +3,13 @@
 
 use super::cost::{plus, tally, EndsCollectives};
 use super::{groups, split, VocabEmbedding2D};
-use crate::comm::ReduceOp;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{check_targets, VocabShard};
 use crate::parallel::{
-    Linear2D, Linear2p5D, Place2D, ProcessGrid, ShardedCrossEntropy, SummaLinear, TensorMode,
+    BatchRows, Linear2D, Linear2p5D, Place2D, ProcessGrid, ShardedCrossEntropy, SummaLinear,
+    TensorMode,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
@@ -181,24 +181,18 @@ impl Classifier2D {
             ignore_index: self.ignore_index,
         };
         let rb = p.row + p.q * p.dep;
-        let mine = &targets[rb * rows..(rb + 1) * rows];
-        let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
-        let count = counted.max(1) as f64;
         let logits = self.linear.forward(pass, grid, h)?;
-        let total = ce.forward(
-            pass,
-            gr.row,
-            &logits,
-            mine,
-            (loss_scale as f64 / count) as f32,
-        )?;
-        let mut sum = [if p.col == 0 { total } else { 0.0 }];
-        gr.tensor.all_reduce_host(&mut sum, ReduceOp::Sum)?;
+        let batch = BatchRows {
+            targets,
+            first: rb * rows,
+            owners: Some((gr.tensor, p.col == 0)),
+        };
+        let loss = ce.batch_mean(pass, gr.row, &logits, batch, loss_scale)?;
         let saved = Cls2DSaved {
             h: h.clone(),
             dlogits: logits,
         };
-        Ok(((sum[0] / count) as f32, saved))
+        Ok((loss, saved))
     }
 
     /// `dh`, this rank's tile `[N/(d·q), C/q]`; writes the weight's (and bias's) gradient, or

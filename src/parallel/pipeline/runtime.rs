@@ -68,7 +68,7 @@ pub struct StageReport {
     pub pool_bytes: Vec<usize>,
     /// Forwards run inside the backward pass (in recompute passes).
     pub late_forwards: usize,
-    /// Point-to-point calls: plain sends, plain receives, grouped send-receives.
+    /// Plain sends (a send with no receive after it to pair with).
     pub sends: usize,
     /// Plain receives.
     pub recvs: usize,

@@ -56,7 +56,7 @@ impl TwoBwSgd {
         mut grad: impl FnMut(&[f64], usize) -> Vec<f64>,
     ) -> Result<Vec<Vec<f64>>, PipelineError> {
         let ops = two_bw(self.stages, 0, micro, self.every)?;
-        if micro % self.every != 0 {
+        if !micro.is_multiple_of(self.every) {
             return Err(PipelineError::PartialBatch {
                 micro,
                 every: self.every,

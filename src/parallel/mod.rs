@@ -48,3 +48,5 @@ pub use two_d_ends::{
 pub use vocab::{
     Classifier1D, Cls1DSaved, VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved,
 };
+pub mod pipeline;
+pub use pipeline::{PipeOp, PipelineStage, Schedule, StageModel};

@@ -1,0 +1,317 @@
+//! The pipeline runtime: one stage's micro-batches on its rank's store, in a schedule's order,
+//! within one store iteration.
+
+use std::collections::HashMap;
+
+use super::schedule::{PipeOp, Schedule};
+use crate::comm::Communicator;
+use crate::device::CachingAllocator;
+use crate::device::Stream;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::nn::Act;
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::TensorId;
+
+/// One pipeline stage's computation, as [`PipelineStage::run`] drives it.
+///
+/// Layers whose parameters the stage holds must add their gradients as shares
+/// ([`WeightUse::Shared`](crate::nn::WeightUse::Shared)): an iteration uses them once per
+/// micro-batch. The last stage's [`forward`](StageModel::forward) returns the micro-batch's
+/// loss as a one-element activation, and its backward starts from that loss (scale it by
+/// `1/M` for the mean over the step's micro-batches).
+pub trait StageModel {
+    /// What a forward keeps for its backward (activations from the pass's pool).
+    type Saved;
+
+    /// Every parameter one micro-batch's forward fetches, once for each fetch (a tensor fetched
+    /// twice is listed twice). [`PipelineStage::run`] declares the uses of the forwards it runs
+    /// inside the backward pass with them.
+    fn params(&self) -> Vec<TensorId>;
+
+    /// The shape `[rows, cols]` of micro-batch `micro`'s input from the previous stage (not
+    /// asked on the first stage). Its element type is the store's parameter dtype.
+    fn input_shape(&self, micro: usize) -> Result<[usize; 2]>;
+
+    /// The forward of micro-batch `micro`: `input` is the previous stage's output (`None` on
+    /// the first stage, which reads its own data). Returns the output for the next stage (on
+    /// the last stage, the loss: one element) and what the backward needs.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        micro: usize,
+        input: Option<&Act>,
+    ) -> Result<(Act, Self::Saved)>;
+
+    /// The backward of micro-batch `micro` from what its forward saved and its output's
+    /// gradient (`None` on the last stage): adds the parameters' gradient shares and returns
+    /// the input's gradient (required on every stage but the first, ignored there).
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        micro: usize,
+        saved: Self::Saved,
+        dout: Option<&Act>,
+    ) -> Result<Option<Act>>;
+}
+
+/// What one [`PipelineStage::run`] did.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StageReport {
+    /// The most micro-batches whose saved state was alive at once.
+    pub peak_in_flight: usize,
+    /// The schedule's bound on it ([`Schedule::in_flight_bound`]).
+    pub in_flight_bound: usize,
+    /// Each micro-batch's loss, on the last stage (empty elsewhere).
+    pub losses: Vec<f32>,
+    /// The pool's allocated bytes after each op (in op order).
+    pub pool_bytes: Vec<usize>,
+    /// Forwards run inside the backward pass (in recompute passes).
+    pub late_forwards: usize,
+    /// Plain sends (a send with no receive after it to pair with).
+    pub sends: usize,
+    /// Plain receives.
+    pub recvs: usize,
+    /// Grouped send-receives (a send paired with the receive that follows it).
+    pub send_recvs: usize,
+}
+
+/// One rank's stage of a pipeline over the pipeline group: stage `group.rank()` of
+/// `group.world()` (see the [module docs](super)).
+///
+/// ```no_run
+/// # use tidemem::prelude::*;
+/// # use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel};
+/// # fn f(grid: &tidemem::parallel::ProcessGrid, store: &mut ChunkManager,
+/// #      model: &impl StageModel, adam: &mut HybridAdam) -> Result<()> {
+/// let stage = PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 8)?;
+/// let report = stage.run(store, model)?; // forward and backward of 8 micro-batches
+/// store.step(adam)?;
+/// assert!(report.peak_in_flight <= report.in_flight_bound);
+/// # Ok(()) }
+/// ```
+#[derive(Debug)]
+pub struct PipelineStage<'c> {
+    group: &'c Communicator,
+    stage: usize,
+    stages: usize,
+    micro: usize,
+    schedule: Schedule,
+    ops: Vec<PipeOp>,
+}
+
+/// A message held back to pair with the receive of the next op: the activation and its peer.
+type Pending = Option<(Act, usize)>;
+
+/// The state of one run: saved micro-batches, the held-back send, the report.
+struct Run<S> {
+    saved: HashMap<usize, (S, [usize; 2])>,
+    pending: Pending,
+    report: StageReport,
+}
+
+impl<'c> PipelineStage<'c> {
+    /// Stage `group.rank()` of `group.world()` under `schedule` for `micro` micro-batches a
+    /// step. [`Schedule::TwoBW`] needs weight versions the stores do not keep: it is
+    /// [`Error::InvalidArgument`], as are the schedule's shape errors.
+    pub fn new(group: &'c Communicator, schedule: Schedule, micro: usize) -> Result<Self> {
+        if let Schedule::TwoBW { .. } = schedule {
+            return Err(Error::InvalidArgument(
+                "PipelineStage runs the flush schedules (1F1B, GPipe); 2BW's weight versions \
+                 are not kept by the stores"
+                    .into(),
+            ));
+        }
+        let (stage, stages) = (group.rank(), group.world());
+        let ops = schedule.ops(stages, stage, micro)?;
+        Ok(PipelineStage {
+            group,
+            stage,
+            stages,
+            micro,
+            schedule,
+            ops,
+        })
+    }
+
+    /// This stage's index.
+    pub fn stage(&self) -> usize {
+        self.stage
+    }
+
+    /// The number of stages.
+    pub fn stages(&self) -> usize {
+        self.stages
+    }
+
+    /// This stage's op order.
+    pub fn ops(&self) -> &[PipeOp] {
+        &self.ops
+    }
+
+    /// Runs the forwards and backwards of the step's micro-batches on `store` in the
+    /// schedule's order, as one iteration: the forwards before the first backward in the
+    /// forward pass, the rest in recompute passes of the backward pass. Returns with the
+    /// backward pass finished; the caller steps the optimizer (`store.step`) or skips.
+    ///
+    /// Every stage of the group must call it with the same schedule and micro-batches. An
+    /// error (the model's, a store's, a message's) returns at once; the other stages then fail
+    /// when their messages time out, never hang. The store is then left mid-iteration.
+    pub fn run<S, M>(&self, store: &mut S, model: &M) -> Result<StageReport>
+    where
+        S: ParamStore + ?Sized,
+        M: StageModel,
+    {
+        let first_b = self
+            .ops
+            .iter()
+            .position(|o| !o.is_forward())
+            .unwrap_or(self.ops.len());
+        let (early, late) = self.ops.split_at(first_b);
+        let late_forwards = late.iter().filter(|o| o.is_forward()).count();
+        let mut run = Run::<M::Saved> {
+            saved: HashMap::new(),
+            pending: None,
+            report: StageReport {
+                in_flight_bound: self.schedule.in_flight_bound(
+                    self.stages,
+                    self.stage,
+                    self.micro,
+                )?,
+                late_forwards,
+                ..StageReport::default()
+            },
+        };
+        let params = model.params();
+        let fwd = store.forward()?;
+        // the uses of the forwards run in recompute passes, declared in the forward pass
+        for _ in 0..late_forwards {
+            for &id in &params {
+                fwd.fetch(&[id])?.release()?;
+            }
+        }
+        for &op in early {
+            self.forward_op(&fwd, model, op.micro(), &mut run)?;
+        }
+        fwd.finish()?;
+        let mut bwd = store.backward()?;
+        for &op in late {
+            match op {
+                PipeOp::Forward(m) => {
+                    let re = bwd.recompute()?;
+                    self.forward_op(&re, model, m, &mut run)?;
+                    re.finish()?;
+                }
+                PipeOp::Backward(m) => self.backward_op(&bwd, model, m, &mut run)?,
+            }
+        }
+        self.exchange(bwd.stream(), bwd.pool(), &mut run, None)?;
+        bwd.finish()?;
+        Ok(run.report)
+    }
+
+    fn forward_op<M: StageModel>(
+        &self,
+        pass: &ForwardPass<'_>,
+        model: &M,
+        m: usize,
+        run: &mut Run<M::Saved>,
+    ) -> Result<()> {
+        let recv = match self.stage {
+            0 => None,
+            s => Some((s - 1, model.input_shape(m)?, pass.param_dtype())),
+        };
+        let input = self.exchange(pass.stream(), pass.pool(), run, recv)?;
+        let (out, saved) = model.forward(pass, m, input.as_ref())?;
+        drop(input);
+        run.saved.insert(m, (saved, out.shape()));
+        let alive = run.saved.len();
+        run.report.peak_in_flight = run.report.peak_in_flight.max(alive);
+        if alive > run.report.in_flight_bound {
+            return Err(Error::InvalidArgument(format!(
+                "stage {}: {alive} micro-batches in flight, past the schedule's {}",
+                self.stage, run.report.in_flight_bound
+            )));
+        }
+        if self.stage + 1 == self.stages {
+            if out.numel() != 1 {
+                return Err(Error::InvalidArgument(format!(
+                    "the last stage's forward returns the loss (one element), not {:?}",
+                    out.shape()
+                )));
+            }
+            run.report.losses.push(out.to_f32(pass.stream())?[0]);
+        } else {
+            run.pending = Some((out, self.stage + 1));
+        }
+        run.report.pool_bytes.push(pass.pool().stats().allocated);
+        Ok(())
+    }
+
+    fn backward_op<M: StageModel>(
+        &self,
+        pass: &BackwardPass<'_>,
+        model: &M,
+        m: usize,
+        run: &mut Run<M::Saved>,
+    ) -> Result<()> {
+        let (saved, shape) = run.saved.remove(&m).ok_or_else(|| {
+            Error::InvalidArgument(format!("stage {}: B{m} before F{m}", self.stage))
+        })?;
+        let recv =
+            (self.stage + 1 < self.stages).then(|| (self.stage + 1, shape, pass.param_dtype()));
+        let dout = self.exchange(pass.stream(), pass.pool(), run, recv)?;
+        let din = model.backward(pass, m, saved, dout.as_ref())?;
+        drop(dout);
+        if self.stage > 0 {
+            let din = din.ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "stage {}: the backward of micro-batch {m} returned no input gradient",
+                    self.stage
+                ))
+            })?;
+            run.pending = Some((din, self.stage - 1));
+        }
+        run.report.pool_bytes.push(pass.pool().stats().allocated);
+        Ok(())
+    }
+
+    /// Sends the held-back message and receives `recv` (`(peer, shape, dtype)`), as one
+    /// grouped `send_recv` when both are there.
+    fn exchange<S>(
+        &self,
+        stream: &Stream,
+        pool: &CachingAllocator,
+        run: &mut Run<S>,
+        recv: Option<(usize, [usize; 2], DType)>,
+    ) -> Result<Option<Act>> {
+        let g = self.group;
+        let send = run.pending.take();
+        let Some((from, [rows, cols], dtype)) = recv else {
+            if let Some((act, to)) = send {
+                g.send(stream, act.view(), act.dtype(), to)?;
+                run.report.sends += 1;
+            }
+            return Ok(None);
+        };
+        let buf = Act::alloc(pool, rows, cols, dtype)?;
+        match send {
+            Some((act, to)) => {
+                if act.dtype() != dtype {
+                    return Err(Error::InvalidArgument(format!(
+                        "stage {}: a {} activation to send with a {dtype} one to receive",
+                        self.stage,
+                        act.dtype()
+                    )));
+                }
+                g.send_recv(stream, act.view(), to, buf.view(), from, dtype)?;
+                run.report.send_recvs += 1;
+            }
+            None => {
+                g.recv(stream, buf.view(), dtype, from)?;
+                run.report.recvs += 1;
+            }
+        }
+        Ok(Some(buf))
+    }
+}

@@ -1,0 +1,433 @@
+//! Pipeline parallelism on the memory layer: a toy model of 4 linear layers (GELU between,
+//! sum-of-squares loss) split over 2 and 4 in-process ranks and trained with 1F1B (and GPipe)
+//! in one store iteration per step gives, after 1 and 3 Adam steps, the parameters of the
+//! single-rank model trained with gradient accumulation over the same micro-batches.
+
+mod common;
+
+use std::time::Duration;
+
+use tidemem::comm::Communicator;
+use tidemem::nn::{gelu, gelu_backward, Linear};
+use tidemem::optim::DevicePlacement;
+use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel, StageReport};
+use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
+use tidemem::prelude::*;
+
+/// Layer `i` maps `DIMS[i]` features to `DIMS[i + 1]`.
+const DIMS: [usize; 5] = [6, 8, 8, 8, 4];
+const LAYERS: usize = 4;
+const ROWS: usize = 4;
+
+fn manager(dev: Device) -> ChunkManager {
+    let mut cfg = ManagerConfig::new(256, Policy::Tide);
+    cfg.param_dtype = DType::F32;
+    ChunkManager::new(dev, cfg).unwrap()
+}
+
+fn adam(accumulation_steps: u32) -> HybridAdam {
+    HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        accumulation_steps,
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    })
+    .unwrap()
+}
+
+/// Micro-batch `m` of step `step`: `[ROWS, DIMS[0]]`.
+fn data(step: usize, m: usize) -> Vec<f32> {
+    (0..ROWS * DIMS[0])
+        .map(|i| {
+            let h = tidemem::data::rng::splitmix64((step * 1000 + m * 97 + i) as u64);
+            ((h % 2001) as f32 - 1000.0) / 1000.0
+        })
+        .collect()
+}
+
+/// Layers `range` of the toy model: `x → [GELU unless the model's first layer] → Linear`,
+/// the loss `scale · Σ y²` after the model's last layer.
+struct Toy {
+    layers: Vec<(usize, Linear)>,
+    scale: f32,
+    step: usize,
+    /// A forward of this micro-batch fails.
+    fail_at: Option<usize>,
+    /// Whether `params` lists the parameters (the driver declares the late forwards' uses).
+    declare: bool,
+}
+
+struct Saved {
+    /// Each layer's input and what went into its linear (after the GELU).
+    xs: Vec<(Act, Act)>,
+    /// The last layer's output on the host (the last stage).
+    y: Option<Vec<f32>>,
+}
+
+impl Toy {
+    fn register(store: &mut ChunkManager, range: std::ops::Range<usize>, scale: f32) -> Toy {
+        let layers = range
+            .map(|i| {
+                let l = Linear::register(store, &format!("l{i}"), DIMS[i], DIMS[i + 1], true, None)
+                    .unwrap();
+                (i, l.shared())
+            })
+            .collect();
+        Toy {
+            layers,
+            scale,
+            step: 0,
+            fail_at: None,
+            declare: true,
+        }
+    }
+
+    fn first(&self) -> bool {
+        self.layers[0].0 == 0
+    }
+
+    fn last(&self) -> bool {
+        self.layers.last().unwrap().0 == LAYERS - 1
+    }
+}
+
+impl StageModel for Toy {
+    type Saved = Saved;
+
+    fn params(&self) -> Vec<TensorId> {
+        if !self.declare {
+            return Vec::new();
+        }
+        self.layers.iter().flat_map(|(_, l)| l.params()).collect()
+    }
+
+    fn input_shape(&self, _micro: usize) -> Result<[usize; 2]> {
+        Ok([ROWS, DIMS[self.layers[0].0]])
+    }
+
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        micro: usize,
+        input: Option<&Act>,
+    ) -> Result<(Act, Saved)> {
+        if self.fail_at == Some(micro) {
+            return Err(Error::InvalidArgument(format!("forward {micro} fails")));
+        }
+        let mut x = match input {
+            Some(a) => a.clone(),
+            None => Act::upload(
+                pass.pool(),
+                pass.stream(),
+                ROWS,
+                DIMS[0],
+                DType::F32,
+                &data(self.step, micro),
+            )?,
+        };
+        let mut xs = Vec::new();
+        for &(i, l) in &self.layers {
+            let h = if i > 0 { gelu(pass, &x)? } else { x.clone() };
+            let y = l.forward(pass, &h)?;
+            xs.push((x, h));
+            x = y;
+        }
+        if !self.last() {
+            return Ok((x, Saved { xs, y: None }));
+        }
+        let y = x.to_f32(pass.stream())?;
+        let loss = self.scale * y.iter().map(|v| v * v).sum::<f32>();
+        let holder = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
+        Ok((holder, Saved { xs, y: Some(y) }))
+    }
+
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        _micro: usize,
+        saved: Saved,
+        dout: Option<&Act>,
+    ) -> Result<Option<Act>> {
+        let mut dy = match (&saved.y, dout) {
+            (Some(y), _) => {
+                let g: Vec<f32> = y.iter().map(|v| 2.0 * v * self.scale).collect();
+                Act::upload(
+                    pass.pool(),
+                    pass.stream(),
+                    ROWS,
+                    DIMS[LAYERS],
+                    DType::F32,
+                    &g,
+                )?
+            }
+            (None, Some(d)) => d.clone(),
+            (None, None) => return Err(Error::InvalidArgument("no output gradient".into())),
+        };
+        let first = self.first();
+        for (&(i, l), (x, h)) in self.layers.iter().zip(&saved.xs).rev() {
+            let dh = l.backward(pass, h, &dy, i > 0 || !first)?;
+            match (i, dh) {
+                (0, _) => return Ok(None),
+                (_, Some(dh)) => dy = gelu_backward(pass, x, &dh)?,
+                (_, None) => unreachable!("asked for dx"),
+            }
+        }
+        Ok(Some(dy))
+    }
+}
+
+/// Parameters by name.
+type Params = Vec<(String, Vec<f32>)>;
+
+fn read_all(store: &mut ChunkManager, toy: &Toy) -> Params {
+    let mut out = Vec::new();
+    for &(i, l) in &toy.layers {
+        out.push((format!("l{i}.weight"), store.read(l.weight).unwrap()));
+        out.push((format!("l{i}.bias"), store.read(l.bias.unwrap()).unwrap()));
+    }
+    out
+}
+
+/// The single-rank model trained with gradient accumulation over `micro` micro-batches:
+/// the parameters after each of `steps` steps.
+fn reference(micro: usize, steps: usize) -> Vec<Params> {
+    let mut store = manager(common::sim(64 << 20));
+    let mut toy = Toy::register(&mut store, 0..LAYERS, 1.0);
+    let mut opt = adam(micro as u32);
+    let mut after = Vec::new();
+    for step in 0..steps {
+        toy.step = step;
+        for m in 0..micro {
+            let fwd = store.forward().unwrap();
+            let (_, saved) = toy.forward(&fwd, m, None).unwrap();
+            fwd.finish().unwrap();
+            let bwd = store.backward().unwrap();
+            toy.backward(&bwd, m, saved, None).unwrap();
+            bwd.finish().unwrap();
+            store.step(&mut opt).unwrap();
+        }
+        after.push(read_all(&mut store, &toy));
+    }
+    after
+}
+
+struct RankOut {
+    stage: usize,
+    params: Vec<Params>,
+    reports: Vec<StageReport>,
+}
+
+/// One rank of `p` stages (`LAYERS / p` layers each): `steps` steps of `micro` micro-batches.
+fn pipeline_rank(
+    c: Communicator,
+    p: usize,
+    micro: usize,
+    schedule: Schedule,
+    steps: usize,
+) -> Result<RankOut> {
+    let grid = ProcessGrid::new(
+        &c,
+        GridSpec {
+            data: 1,
+            pipeline: p,
+            tensor: TensorMode::None,
+        },
+    )?;
+    let s = grid.pipeline_rank();
+    let per = LAYERS / p;
+    let mut store = manager(c.device().clone());
+    let mut toy = Toy::register(&mut store, s * per..(s + 1) * per, 1.0 / micro as f32);
+    let mut opt = adam(1);
+    let stage = PipelineStage::new(grid.pipeline(), schedule, micro)?;
+    let (mut params, mut reports) = (Vec::new(), Vec::new());
+    for step in 0..steps {
+        toy.step = step;
+        reports.push(stage.run(&mut store, &toy)?);
+        store.step(&mut opt)?;
+        params.push(read_all(&mut store, &toy));
+    }
+    Ok(RankOut {
+        stage: s,
+        params,
+        reports,
+    })
+}
+
+fn on_ranks<R: Send>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(Communicator) -> R + Sync,
+) -> Vec<R> {
+    let devs = (0..world).map(|_| common::sim(64 << 20)).collect();
+    let comms = Communicator::local_with_timeout(devs, timeout).unwrap();
+    std::thread::scope(|s| {
+        let hs: Vec<_> = comms.into_iter().map(|c| s.spawn(|| f(c))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+/// The largest `|a − b| / max(|b|, 1e-3)` over every parameter of every step.
+fn worst(outs: &[RankOut], want: &[Params]) -> f64 {
+    let mut w = 0.0f64;
+    for o in outs {
+        for (step, ps) in o.params.iter().enumerate() {
+            for (name, got) in ps {
+                let (_, r) = want[step].iter().find(|(n, _)| n == name).unwrap();
+                for (a, b) in got.iter().zip(r) {
+                    let d = f64::from((a - b).abs()) / f64::from(b.abs()).max(1e-3);
+                    w = w.max(d);
+                }
+            }
+        }
+    }
+    w
+}
+
+/// 1F1B and GPipe on 2 and 4 stages give gradient-accumulated training: bitwise when `M` is a
+/// power of two (scaling the loss by `1/M` is then exact, and the shares add in the same
+/// order as the accumulators), within 1e-5 relative otherwise (`1/M` rounds).
+#[test]
+fn one_f_one_b_is_gradient_accumulation() {
+    const STEPS: usize = 3;
+    for micro in [1, 3, 4, 8] {
+        let want = reference(micro, STEPS);
+        for p in [2, 4] {
+            for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+                let outs: Vec<RankOut> = on_ranks(p, Duration::from_secs(60), |c| {
+                    pipeline_rank(c, p, micro, schedule, STEPS).unwrap()
+                });
+                let w = worst(&outs, &want);
+                println!("{schedule:?} P {p} M {micro}: worst relative difference {w:e}");
+                let tol = if micro.is_power_of_two() { 0.0 } else { 1e-5 };
+                assert!(w <= tol, "{schedule:?} P {p} M {micro}: {w:e} > {tol:e}");
+                for o in &outs {
+                    let s = o.stage;
+                    for r in &o.reports {
+                        let bound = match schedule {
+                            Schedule::GPipe => micro,
+                            _ => (p - s).min(micro),
+                        };
+                        assert_eq!(r.in_flight_bound, bound);
+                        assert!(r.peak_in_flight <= bound);
+                        assert_eq!(r.peak_in_flight, bound, "the schedule fills the bound");
+                        assert_eq!(r.losses.len(), if s + 1 == p { micro } else { 0 });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The pool holds at most `min(P − s, M)` micro-batches' activations at an op boundary under
+/// 1F1B (GPipe: `M`), measured from its allocated bytes. Every buffer here is under the pool's
+/// 512-byte rounding, so the bytes count blocks: a micro-batch saves its layer's input and the
+/// GELU's output (the first stage: the input, which is the linear's too), and besides the saved
+/// blocks at most four are alive at an op boundary (the layer's two f32 gradient sums, the
+/// output held back to pair with the next receive, and the loss holder or a received buffer).
+#[test]
+fn in_flight_bytes_follow_the_schedule() {
+    const BLOCK: usize = 512;
+    let (p, micro) = (4, 8);
+    for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+        let outs: Vec<RankOut> = on_ranks(p, Duration::from_secs(60), |c| {
+            pipeline_rank(c, p, micro, schedule, 2).unwrap()
+        });
+        for o in &outs {
+            let s = o.stage;
+            let saved = if s == 0 { 1 } else { 2 };
+            let r = &o.reports[1];
+            let peak = *r.pool_bytes.iter().max().unwrap();
+            let one_f_one_b = ((p - s).min(micro) * saved + 4) * BLOCK;
+            println!("{schedule:?} stage {s}: peak {peak} B, 1F1B's bound {one_f_one_b} B");
+            match schedule {
+                Schedule::GPipe => assert!(peak > one_f_one_b, "GPipe holds more than 1F1B"),
+                _ => assert!(peak <= one_f_one_b, "stage {s}: {peak}"),
+            }
+            assert!(peak <= (r.in_flight_bound * saved + 4) * BLOCK);
+        }
+    }
+}
+
+/// A stage whose forward fails makes every stage return an error, none hangs.
+#[test]
+fn a_failing_stage_fails_every_stage() {
+    let p = 4;
+    let outs = on_ranks(p, Duration::from_millis(500), |c| {
+        let grid = ProcessGrid::new(
+            &c,
+            GridSpec {
+                data: 1,
+                pipeline: p,
+                tensor: TensorMode::None,
+            },
+        )?;
+        let s = grid.pipeline_rank();
+        let mut store = manager(c.device().clone());
+        let mut toy = Toy::register(&mut store, s..s + 1, 0.25);
+        if s == 2 {
+            toy.fail_at = Some(1);
+        }
+        PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 4)?.run(&mut store, &toy)
+    });
+    for (s, r) in outs.iter().enumerate() {
+        assert!(r.is_err(), "stage {s}: {r:?}");
+    }
+}
+
+/// Without the late forwards' uses declared in the forward pass, the store counts the last
+/// backward use of each parameter too early: a recompute forward counts one use on each side,
+/// so after the forward pass's `w` forwards the `w`-th backward is the "last", and the next
+/// fetch of the parameter fails. The driver's declaration is what makes one iteration work.
+#[test]
+fn undeclared_late_forwards_fail() {
+    let p = 2;
+    let outs = on_ranks(p, Duration::from_millis(500), |c| {
+        let grid = ProcessGrid::new(
+            &c,
+            GridSpec {
+                data: 1,
+                pipeline: p,
+                tensor: TensorMode::None,
+            },
+        )?;
+        let s = grid.pipeline_rank();
+        let mut store = manager(c.device().clone());
+        let mut toy = Toy::register(&mut store, 2 * s..2 * s + 2, 0.25);
+        toy.declare = false;
+        PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 4)?.run(&mut store, &toy)
+    });
+    for (s, r) in outs.iter().enumerate() {
+        println!("stage {s}: {r:?}");
+        assert!(r.is_err(), "stage {s}");
+    }
+}
+
+/// The bubble fractions of the schedules (equal stages, a backward twice a forward), for the
+/// record: `cargo test --release --test pipeline bubble -- --nocapture`. GPipe and 1F1B flush
+/// after every step of `M` micro-batches; 2BW does not, so its row is one step's share of 16
+/// steps run as one stream (`16·M` micro-batches, a version every `M`).
+#[test]
+fn bubble_table() {
+    use tidemem::parallel::pipeline::simulate_schedule;
+    const STEPS: usize = 16;
+    println!("| schedule | P | M | makespan a step | bubble |");
+    println!("|---|---:|---:|---:|---:|");
+    for name in ["GPipe", "1F1B", "2BW"] {
+        for p in [2, 4, 8] {
+            for m in [4, 8, 16] {
+                let (sched, micro, steps) = match name {
+                    "GPipe" => (Schedule::GPipe, m, 1),
+                    "1F1B" => (Schedule::OneFOneB, m, 1),
+                    _ => (Schedule::TwoBW { every: m.max(p) }, STEPS * m, STEPS),
+                };
+                let r = simulate_schedule(sched, p, micro, 1.0, 2.0).unwrap();
+                println!(
+                    "| {name} | {p} | {m} | {} | {:.4} |",
+                    r.makespan / steps as f64,
+                    r.bubble_fraction
+                );
+                let want = (p - 1) as f64 / (micro + p - 1) as f64;
+                assert!((r.bubble_fraction - want).abs() < 1e-12);
+            }
+        }
+    }
+}

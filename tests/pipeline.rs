@@ -229,6 +229,7 @@ fn pipeline_rank(
         GridSpec {
             data: 1,
             pipeline: p,
+            sequence: 1,
             tensor: TensorMode::None,
         },
     )?;
@@ -357,6 +358,7 @@ fn a_failing_stage_fails_every_stage() {
             GridSpec {
                 data: 1,
                 pipeline: p,
+                sequence: 1,
                 tensor: TensorMode::None,
             },
         )?;
@@ -386,6 +388,7 @@ fn undeclared_late_forwards_fail() {
             GridSpec {
                 data: 1,
                 pipeline: p,
+                sequence: 1,
                 tensor: TensorMode::None,
             },
         )?;

@@ -8,9 +8,10 @@ mod common;
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, train_step_grid, train_step_in, train_step_sp, EndsLayout, Gpt, GptBatch,
-    GptConfig, GptGrid,
+    train_step, train_step_grid, train_step_in, train_step_pipe, train_step_sp, EndsLayout, Gpt,
+    GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
 };
+use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
 
@@ -515,5 +516,104 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
             (losses, norms)
         });
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
+    }
+}
+
+/// Pipeline parallelism: GPT-2's two blocks over two stages (`wte` on both ends, its gradient
+/// summed between them), 1F1B and GPipe with 2 and 4 micro-batches a step; and on 8 ranks as
+/// pipeline 2 × sequence 2 × `1d:2` and as data 2 × pipeline 2 × sequence 2, with ZeRO over
+/// the ranks holding the same shards: the losses and gradient norms of one process on the
+/// whole batch.
+#[test]
+fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
+    let serial = serial();
+    let one_d = TensorMode::OneD { size: 2 };
+    let cases = [
+        (1, 1, TensorMode::None, Schedule::OneFOneB, 2),
+        (1, 1, TensorMode::None, Schedule::GPipe, 4),
+        (1, 2, one_d, Schedule::OneFOneB, 2),
+        (2, 2, TensorMode::None, Schedule::OneFOneB, 2),
+    ];
+    for (data, sequence, tensor, schedule, m) in cases {
+        let spec = GridSpec {
+            data,
+            pipeline: 2,
+            sequence,
+            tensor,
+        };
+        let runs = on_grid(spec, |c, grid| {
+            let t = tensor.size();
+            let color = (grid.pipeline_rank() * t + grid.tensor_rank()) as u32;
+            let key = (grid.data_rank() * sequence + grid.sequence_rank()) as u32;
+            let replicas = c.split(Some(color), key).unwrap().unwrap();
+            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+            cfg.param_dtype = DType::F32;
+            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let (stage, stages) = (grid.pipeline_rank(), 2);
+            let layers = GptStage::balanced(&config(), stages).unwrap();
+            let shard = (t > 1).then(|| Shard::of(grid.tensor()));
+            let gpt = GptStage::register(
+                &mut z,
+                &config(),
+                3,
+                (stage, stages),
+                layers[stage].clone(),
+                shard,
+            )
+            .unwrap();
+            let groups = StageGroups {
+                pipeline: grid.pipeline(),
+                tensor: (t > 1).then(|| grid.tensor()),
+                sequence: (sequence > 1).then(|| grid.sequence()),
+            };
+            let mut opt = adam();
+            let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
+            let per = rows / m;
+            let (mut losses, mut norms) = (Vec::new(), Vec::new());
+            for k in 0..STEPS {
+                let (t, g) = rows_of(k, grid.data_rank(), rows);
+                // micro-batch j: rows j·per .., this rank's positions of each
+                let block = |v: &[i32], j: usize| -> Vec<i32> {
+                    (j * per..(j + 1) * per)
+                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                        .collect()
+                };
+                let data: Vec<(Vec<i32>, Vec<i32>)> =
+                    (0..m).map(|j| (block(&t, j), block(&g, j))).collect();
+                let micro: Vec<GptBatch> = data
+                    .iter()
+                    .map(|(t, g)| GptBatch {
+                        tokens: t,
+                        targets: g,
+                        batch: per,
+                        seq: l,
+                    })
+                    .collect();
+                let s = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+                losses.push(mean_loss(c, s.loss));
+                norms.push(s.report.grad_norm);
+            }
+            if data * sequence == 1 {
+                // the first and the last stage's copies of wte: the same bits
+                let wte = gpt
+                    .embedding
+                    .map(|e| e.wte)
+                    .or(gpt.head.map(|h| h.proj.weight));
+                let bits = z.read(wte.unwrap()).unwrap().iter().fold(0i64, |h, x| {
+                    h.wrapping_mul(31).wrapping_add(i64::from(x.to_bits()))
+                });
+                let mut both = [bits, -bits];
+                grid.pipeline()
+                    .all_reduce_host(&mut both, tidemem::comm::ReduceOp::Max)
+                    .unwrap();
+                assert_eq!(both[0], -both[1], "{spec}: wte's two copies differ");
+            }
+            (losses, norms)
+        });
+        like_serial(
+            &format!("GPT over {spec}, {} × {m}", schedule.name()),
+            &serial,
+            &runs,
+        );
     }
 }

@@ -169,6 +169,28 @@ impl Embedding {
     /// dtype, then added through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)
     /// (the LM head's share of `wte` goes the same way, in either order).
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &EmbSaved, dout: &Act) -> Result<()> {
+        self.backward_to(pass, saved, dout, false).map(drop)
+    }
+
+    /// [`Embedding::backward`] with `wte`'s share returned (`[V, C]`, the parameter dtype)
+    /// instead of added to the store (`wpe`'s is added): for a `wte` whose shares are summed
+    /// elsewhere (tied across pipeline stages).
+    pub fn backward_returning(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &EmbSaved,
+        dout: &Act,
+    ) -> Result<PoolBlock> {
+        self.backward_to(pass, saved, dout, true)
+    }
+
+    fn backward_to(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &EmbSaved,
+        dout: &Act,
+        keep_wte: bool,
+    ) -> Result<PoolBlock> {
         let (dev, s, pool, d) = (
             pass.device(),
             pass.stream(),
@@ -196,7 +218,10 @@ impl Embedding {
         let row = self.channels * d.size();
         let pe_at = pe.slice(saved.first * row, sh.max_seq * row)?;
         encoder_backward(dev, s, dout.input(), &saved.plan, words, te, pe_at, sh, d)?;
-        g.accumulate_grad(0, te, d)?;
-        g.accumulate_grad(1, pe, d)
+        if !keep_wte {
+            g.accumulate_grad(0, te, d)?;
+        }
+        g.accumulate_grad(1, pe, d)?;
+        Ok(dwte)
     }
 }

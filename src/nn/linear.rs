@@ -2,6 +2,7 @@
 
 use super::act::Act;
 use super::{check_param, hash_name};
+use crate::device::Block as PoolBlock;
 use crate::device::Input;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -202,6 +203,39 @@ impl Linear {
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
+        Ok(self.backward_to(pass, x, dy, need_dx, false)?.0)
+    }
+
+    /// [`Linear::backward`] of a layer without a bias whose weight's gradient share is
+    /// returned (a pool block of `[outputs, inputs]` in the parameter dtype) instead of added
+    /// to the store: for a weight whose shares are summed elsewhere (tied across pipeline
+    /// stages). The weight is fetched as by [`Linear::backward`].
+    pub fn backward_returning(
+        &self,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+    ) -> Result<(Option<Act>, PoolBlock)> {
+        if self.bias.is_some() {
+            return Err(Error::InvalidArgument(
+                "a linear layer's weight share is returned only without a bias".into(),
+            ));
+        }
+        let (dx, share) = self.backward_to(pass, x, dy, need_dx, true)?;
+        let share = share
+            .ok_or_else(|| Error::InvalidArgument("the weight's share was not kept".into()))?;
+        Ok((dx, share))
+    }
+
+    fn backward_to(
+        &self,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        need_dx: bool,
+        keep: bool,
+    ) -> Result<(Option<Act>, Option<PoolBlock>)> {
         let d = pass.param_dtype();
         x.expect("x", None, self.inputs, d)?;
         dy.expect("dy", Some(x.rows()), self.outputs, d)?;
@@ -228,12 +262,19 @@ impl Linear {
             dw: Some((dw, false)),
             ..LinearGrads::default()
         };
-        match self.uses {
-            WeightUse::Once => {
+        let mut kept = None;
+        match (self.uses, keep) {
+            (_, true) => {
+                let share = pool.alloc(w_bytes)?;
+                let view = share.view(0, w_bytes)?;
+                linear_backward(dev, s, shape, x.input(), w, dy.input(), dw_only(view), d)?;
+                kept = Some(share);
+            }
+            (WeightUse::Once, false) => {
                 let slot = g.grad(0)?.view();
                 linear_backward(dev, s, shape, x.input(), w, dy.input(), dw_only(slot), d)?;
             }
-            WeightUse::Shared => {
+            (WeightUse::Shared, false) => {
                 let share = pool.alloc(w_bytes)?;
                 let view = share.view(0, w_bytes)?;
                 linear_backward(dev, s, shape, x.input(), w, dy.input(), dw_only(view), d)?;
@@ -243,7 +284,7 @@ impl Linear {
         if self.bias.is_some() {
             self.bias_backward(pass, &g, dy)?;
         }
-        Ok(dx)
+        Ok((dx, kept))
     }
 
     /// `db = Σ_rows dy` into the bias's slot (param dtype), or as an f32 share.

@@ -148,4 +148,19 @@ impl LmHead {
         let dh = self.proj.backward(pass, &saved.h, &saved.dlogits, true)?;
         dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))
     }
+
+    /// [`LmHead::backward`] with `wte`'s share returned (`[V, C]`, the parameter dtype)
+    /// instead of added to the store ([`Linear::backward_returning`]).
+    pub fn backward_returning(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &LmSaved,
+    ) -> Result<(Act, crate::device::Block)> {
+        let (dh, share) = self
+            .proj
+            .backward_returning(pass, &saved.h, &saved.dlogits, true)?;
+        let dh =
+            dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))?;
+        Ok((dh, share))
+    }
 }

@@ -53,6 +53,20 @@ pub trait StageModel {
         saved: Self::Saved,
         dout: Option<&Act>,
     ) -> Result<Option<Act>>;
+
+    /// Parameters [`StageModel::finish_backward`] fetches (once each); their uses are
+    /// declared in the forward pass. None by default.
+    fn finish_params(&self) -> Vec<TensorId> {
+        Vec::new()
+    }
+
+    /// Runs once at the end of the step's backward pass, after every micro-batch's backward
+    /// and the last message: e.g. the sum of a weight's gradient shares over the stages that
+    /// hold copies of it (a GPT's `wte`, on the first and the last stage). Nothing by default.
+    fn finish_backward(&self, pass: &BackwardPass<'_>) -> Result<()> {
+        let _ = pass;
+        Ok(())
+    }
 }
 
 /// What one [`PipelineStage::run`] did.
@@ -184,11 +198,15 @@ impl<'c> PipelineStage<'c> {
         };
         let params = model.params();
         let fwd = store.forward()?;
-        // the uses of the forwards run in recompute passes, declared in the forward pass
+        // the uses of the forwards run in recompute passes, and of the finishing fetches,
+        // declared in the forward pass
         for _ in 0..late_forwards {
             for &id in &params {
                 fwd.fetch(&[id])?.release()?;
             }
+        }
+        for id in model.finish_params() {
+            fwd.fetch(&[id])?.release()?;
         }
         for &op in early {
             self.forward_op(&fwd, model, op.micro(), &mut run)?;
@@ -206,6 +224,7 @@ impl<'c> PipelineStage<'c> {
             }
         }
         self.exchange(bwd.stream(), bwd.pool(), &mut run, None)?;
+        model.finish_backward(&bwd)?;
         bwd.finish()?;
         Ok(run.report)
     }

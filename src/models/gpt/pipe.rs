@@ -27,7 +27,8 @@ use crate::parallel::{Block1D, RingAttention, RingCore, Shard};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::TensorId;
 
-/// One pipeline stage of a GPT-2 (see [the module](self)).
+/// One pipeline stage of a GPT-2: a run of blocks, the embedding on the first stage, `ln_f`
+/// and the head on the last, each end with its copy of `wte` (see [`train_step_pipe`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct GptStage {
     /// The whole model's shape.
@@ -489,7 +490,11 @@ impl StageModel for StageStep<'_> {
 }
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
-/// same on every stage): the stage's forwards and backwards in `schedule`'s order within one
+/// same on every stage). `wte` is used at both ends, so the first and the last stage hold a
+/// copy each: their shares of its gradient are kept apart from the store through the step,
+/// swapped between the two stages at the end of the backward pass and added in one order on
+/// both, so the copies stay bit for bit the same. The stage's forwards and backwards run in
+/// `schedule`'s order within one
 /// store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
 /// optimizer's loss scale over `micro.len()`, then the store's step with the gradient
 /// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global

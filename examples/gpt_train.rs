@@ -29,10 +29,11 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{
-    read_hf, train_step, train_step_grid, train_step_sp, EndsLayout, Gpt, GptBatch, GptConfig,
-    GptGrid,
+    read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, EndsLayout, Gpt,
+    GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
+use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
@@ -111,6 +112,17 @@ struct Args {
     /// ranks that hold the same parameters.
     #[arg(long, default_value_t = 1)]
     sp: usize,
+    /// Pipeline parallelism: the blocks in this many stages (balanced by parameters), each
+    /// step's micro-batches scheduled by --schedule.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// Micro-batches a step with --pp (each of --batch sequences).
+    #[arg(long, default_value_t = 4)]
+    micro_batches: usize,
+    /// The pipeline schedule: 1f1b (PipeDream-Flush), gpipe, or 2bw (PipeDream-2BW; its
+    /// weight versions are not kept by the stores yet: refused).
+    #[arg(long, default_value = "1f1b")]
+    schedule: String,
     /// With --tp 2d/2.5d/3d: the embeddings, ln_f and the tied head split over the grid like
     /// the blocks (split: the vocabulary must divide by q; pad it otherwise) or whole on every
     /// rank (whole).
@@ -631,15 +643,17 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            json!({ "model": a.model, "ranks": world, "tp": a.tp, "sp": a.sp, "losses": losses,
+            json!({ "model": a.model, "ranks": world, "tp": a.tp, "sp": a.sp, "pp": a.pp,
+                    "schedule": a.schedule, "micro_batches": a.micro_batches, "losses": losses,
                     "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity })
         );
     } else {
         println!(
-            "{world} ranks (tensor parallelism {}, sequence rings of {}, ZeRO over the rest): \
-             loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
+            "{world} ranks (tensor parallelism {}, sequence rings of {}, {} pipeline stage(s), \
+             ZeRO over the rest): loss {:.4} → {:.4}, {tokens_per_s:.0} tokens/s in all",
             a.tp,
             a.sp,
+            a.pp,
             losses.first().copied().unwrap_or(f32::NAN),
             losses.last().copied().unwrap_or(f32::NAN)
         );
@@ -658,10 +672,10 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
             "--tp {tensor} trains without --load-hf so far"
         )));
     }
-    let (world, t, sp) = (c.world(), tensor.size(), a.sp);
-    if t == 0 || sp == 0 || !world.is_multiple_of(t * sp) {
+    let (world, t, sp, pp) = (c.world(), tensor.size(), a.sp, a.pp);
+    if t == 0 || sp == 0 || pp == 0 || !world.is_multiple_of(t * sp * pp) {
         return Err(bad(format!(
-            "--tp {tensor} × --sp {sp} does not divide {world} ranks"
+            "--tp {tensor} × --sp {sp} × --pp {pp} does not divide {world} ranks"
         )));
     }
     if sp > 1 && (blocks_only || p.hf.is_some() || !a.seq.is_multiple_of(sp)) {
@@ -671,9 +685,22 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
             a.seq
         )));
     }
+    let schedule = match a.schedule.as_str() {
+        "1f1b" | "flush" => Schedule::OneFOneB,
+        "gpipe" => Schedule::GPipe,
+        "2bw" => Schedule::TwoBW { every: pp.max(1) },
+        other => return Err(bad(format!("--schedule {other}: 1f1b, gpipe or 2bw"))),
+    };
+    if pp > 1 && (blocks_only || p.hf.is_some() || a.accumulate != 1 || a.micro_batches == 0) {
+        return Err(bad(format!(
+            "--pp {pp} runs with --tp none or 1d, without --load-hf or --accumulate (the \
+             pipeline's micro-batches are --micro-batches {})",
+            a.micro_batches
+        )));
+    }
     let spec = GridSpec {
-        data: world / (t * sp),
-        pipeline: 1,
+        data: world / (t * sp * pp),
+        pipeline: pp,
         sequence: sp,
         tensor,
     };
@@ -689,14 +716,17 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         tp,
         grid: blocks_only.then_some(&grid),
         sp: (sp > 1).then(|| grid.sequence()),
+        pipe: (pp > 1).then_some(&grid),
+        schedule,
         dp,
         dps,
     };
     let (losses, tokens, secs) = if spec.data * sp > 1 {
         // ZeRO over the ranks that hold the same parameters: data × sequence
         let key = grid.data_rank() * sp + grid.sequence_rank();
+        let color = grid.pipeline_rank() * t + grid.tensor_rank();
         let replicas = c
-            .split(Some(grid.tensor_rank() as u32), key as u32)?
+            .split(Some(color as u32), key as u32)?
             .ok_or_else(|| bad("no data-parallel group".into()))?;
         let mut z = ZeroManager::new(replicas, manager_config(p))?;
         run.go(
@@ -718,8 +748,9 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let n = world as f64;
     let mut mean: Vec<f64> = losses.iter().map(|&l| f64::from(l) / n).collect();
     c.all_reduce_host(&mut mean, ReduceOp::Sum)?;
-    // tokens: each tensor group trains on one batch (its sequence ranks on their positions)
-    let mut rate = [tokens as f64 / t as f64 / secs];
+    // tokens: each tensor group trains on one batch (its sequence ranks on their positions),
+    // and every pipeline stage sees the same tokens
+    let mut rate = [tokens as f64 / (t * pp) as f64 / secs];
     c.all_reduce_host(&mut rate, ReduceOp::Sum)?;
     let losses = mean.into_iter().map(|l| l as f32).collect();
     Ok((r == 0).then_some((losses, rate[0], world)))
@@ -734,6 +765,10 @@ struct Run<'a> {
     grid: Option<&'a ProcessGrid>,
     /// The sequence ring, with sequence parallelism.
     sp: Option<&'a Communicator>,
+    /// The grid, with pipeline parallelism (stages of [`GptStage`]).
+    pipe: Option<&'a ProcessGrid>,
+    /// The pipeline's schedule.
+    schedule: Schedule,
     dp: u64,
     dps: u64,
 }
@@ -748,19 +783,27 @@ impl Run<'_> {
     ) -> Result<(Vec<f32>, usize, f64)> {
         let (a, p) = (self.a, self.p);
         let model = match (self.grid, self.tp) {
+            _ if self.pipe.is_some() => {
+                let grid = self.pipe.ok_or_else(|| bad("no pipeline".into()))?;
+                let (stage, stages) = (grid.pipeline_rank(), grid.spec().pipeline);
+                let layers = GptStage::balanced(&p.cfg, stages)?;
+                let shard = self.tp.map(Shard::of);
+                let range = layers[stage].clone();
+                let gpt = GptStage::register(store, &p.cfg, a.seed, (stage, stages), range, shard)?;
+                let groups = StageGroups {
+                    pipeline: grid.pipeline(),
+                    tensor: self.tp,
+                    sequence: self.sp,
+                };
+                Model::Pipe(Box::new(gpt), groups)
+            }
             (Some(grid), _) if p.hf.is_none() => {
                 let ends = match a.tp_ends.as_str() {
                     "split" => EndsLayout::Split,
                     "whole" => EndsLayout::Whole,
                     e => return Err(bad(format!("--tp-ends {e}: split or whole"))),
                 };
-                let gpt =
-                    GptGrid::register_with(store, grid, &p.cfg, a.seed, ends).map_err(|e| {
-                        match ends {
-                            EndsLayout::Split => bad(format!("{e} (or pass --tp-ends whole)")),
-                            EndsLayout::Whole => e,
-                        }
-                    })?;
+                let gpt = GptGrid::register_with(store, grid, &p.cfg, a.seed, ends)?;
                 Model::Grid(gpt, grid)
             }
             (None, Some(g)) if p.hf.is_none() => {
@@ -774,7 +817,10 @@ impl Run<'_> {
             load(store, &mut opt)?;
         }
         let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
-        let m = u64::from(a.accumulate);
+        let m = match self.pipe {
+            Some(_) => a.micro_batches as u64,
+            None => u64::from(a.accumulate),
+        };
         for _ in 0..a.steps {
             let idx = opt.steps() * m;
             let batches = (0..m)
@@ -798,6 +844,9 @@ impl Run<'_> {
                 Model::Grid(gpt, grid) => {
                     train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?
                 }
+                Model::Pipe(gpt, groups) => {
+                    train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?
+                }
             };
             losses.push(s.loss);
             tokens += s.tokens;
@@ -810,8 +859,10 @@ impl Run<'_> {
     }
 }
 
-/// The model a rank trains: serial or 1D ([`Gpt`]), or split over a 2D, 2.5D or 3D grid.
+/// The model a rank trains: serial or 1D ([`Gpt`]), split over a 2D, 2.5D or 3D grid, or a
+/// pipeline stage.
 enum Model<'g> {
     Serial(Gpt),
     Grid(GptGrid, &'g ProcessGrid),
+    Pipe(Box<GptStage>, StageGroups<'g>),
 }

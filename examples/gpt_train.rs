@@ -678,10 +678,9 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
             "--tp {tensor} × --sp {sp} × --pp {pp} does not divide {world} ranks"
         )));
     }
-    if sp > 1 && (blocks_only || p.hf.is_some() || !a.seq.is_multiple_of(sp)) {
+    if sp > 1 && (p.hf.is_some() || !a.seq.is_multiple_of(sp)) {
         return Err(bad(format!(
-            "--sp {sp} runs with --tp none or 1d, without --load-hf, and a --seq ({}) that \
-             divides by it",
+            "--sp {sp} runs without --load-hf and with a --seq ({}) that divides by it",
             a.seq
         )));
     }

@@ -617,3 +617,58 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
         );
     }
 }
+
+/// Sequence rings with the 2D, 2.5D and 3D grids: GPT-2's positions over rings of 2 on
+/// `2d:2` (8 ranks), `2.5d:2x1` (8 ranks) and `3d:2` (16 ranks), the ends split, ZeRO over the
+/// sequence replicas: the serial losses and norms.
+#[test]
+fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
+    let serial = serial();
+    let modes = [
+        TensorMode::TwoD { q: 2 },
+        TensorMode::TwoHalfD { q: 2, depth: 1 },
+        TensorMode::ThreeD { q: 2 },
+    ];
+    for tensor in modes {
+        let spec = GridSpec {
+            data: 1,
+            pipeline: 1,
+            sequence: 2,
+            tensor,
+        };
+        let runs = on_grid(spec, |c, grid| {
+            let color = grid.tensor_rank() as u32;
+            let replicas = c
+                .split(Some(color), grid.sequence_rank() as u32)
+                .unwrap()
+                .unwrap();
+            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
+            cfg.param_dtype = DType::F32;
+            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let gpt = GptGrid::register(&mut z, grid, &config(), 3).unwrap();
+            let mut opt = adam();
+            let (l, r) = (T / 2, grid.sequence_rank());
+            let (mut losses, mut norms) = (Vec::new(), Vec::new());
+            for k in 0..STEPS {
+                let (t, g) = batch(k);
+                let block = |v: &[i32]| -> Vec<i32> {
+                    (0..B)
+                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                        .collect()
+                };
+                let (t, g) = (block(&t), block(&g));
+                let b = GptBatch {
+                    tokens: &t,
+                    targets: &g,
+                    batch: B,
+                    seq: l,
+                };
+                let s = train_step_grid(&gpt, &mut z, grid, &mut opt, &[b], k % 2 == 1).unwrap();
+                losses.push(mean_loss(c, s.loss));
+                norms.push(s.report.grad_norm);
+            }
+            (losses, norms)
+        });
+        like_serial(&format!("GPT over {spec}"), &serial, &runs);
+    }
+}

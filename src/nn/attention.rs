@@ -29,17 +29,58 @@ pub struct CausalSelfAttention {
 #[derive(Debug)]
 pub struct AttnSaved {
     x: Act,
-    heads: CoreKept,
+    heads: Attended,
     merged: Act,
     batch: usize,
     seq: usize,
 }
 
-/// The core's saved state: the local attention's, or another core's.
+/// What [`attend`] keeps for [`attend_backward`]: the local attention's saved state, or
+/// another core's.
+#[derive(Debug)]
+pub struct Attended(CoreKept);
+
 #[derive(Debug)]
 enum CoreKept {
     Local(HeadsSaved),
     Other(CoreSaved),
+}
+
+/// The attention between the projections of a layer's `qkv` (`[rows, 3·inner]`): by `core`,
+/// or locally by `op` ([`heads_forward`]). Returns the merged heads (`[rows, inner]`).
+pub fn attend(
+    pass: &ForwardPass<'_>,
+    op: &Attention,
+    core: Option<&dyn HeadsCore>,
+    qkv: &Act,
+) -> Result<(Act, Attended)> {
+    Ok(match core {
+        None => {
+            let (m, h) = heads_forward(pass, op, qkv)?;
+            (m, Attended(CoreKept::Local(h)))
+        }
+        Some(c) => {
+            let (m, h) = c.forward(pass, qkv)?;
+            (m, Attended(CoreKept::Other(h)))
+        }
+    })
+}
+
+/// The backward of [`attend`] (with the same `op` and `core`): `dqkv` from `dmerged`.
+pub fn attend_backward(
+    pass: &BackwardPass<'_>,
+    op: &Attention,
+    core: Option<&dyn HeadsCore>,
+    saved: &Attended,
+    dmerged: &Act,
+) -> Result<Act> {
+    match (&saved.0, core) {
+        (CoreKept::Local(h), None) => heads_backward(pass, op, h, dmerged),
+        (CoreKept::Other(h), Some(c)) => c.backward(pass, h, dmerged),
+        _ => Err(Error::InvalidArgument(
+            "an attention's backward run with another core than its forward".into(),
+        )),
+    }
 }
 
 /// The attention between the projections: how `qkv` (`[rows, 3·inner]`, queries, keys and
@@ -87,7 +128,7 @@ impl AttnSaved {
     /// `[B·H·T, T]` attention probabilities (the causal softmax's output); `None` when
     /// another [`HeadsCore`] computed the attention.
     pub fn att(&self) -> Option<&Act> {
-        match &self.heads {
+        match &self.heads.0 {
             CoreKept::Local(h) => Some(&h.att),
             CoreKept::Other(_) => None,
         }
@@ -209,16 +250,7 @@ impl CausalSelfAttention {
         x.expect("x", None, self.c_attn.inputs, d)?;
         let op = self.op(x.rows(), batch, seq)?;
         let qkv = self.c_attn.forward(pass, x)?;
-        let (merged, heads) = match core {
-            None => {
-                let (m, h) = heads_forward(pass, &op, &qkv)?;
-                (m, CoreKept::Local(h))
-            }
-            Some(c) => {
-                let (m, h) = c.forward(pass, &qkv)?;
-                (m, CoreKept::Other(h))
-            }
-        };
+        let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
         let out = self.c_proj.forward(pass, &merged)?;
         let saved = AttnSaved {
@@ -254,15 +286,7 @@ impl CausalSelfAttention {
             .c_proj
             .backward(pass, &saved.merged, dy, true)
             .and_then(asked_dx)?;
-        let dqkv = match (&saved.heads, core) {
-            (CoreKept::Local(h), None) => heads_backward(pass, &op, h, &dmerged)?,
-            (CoreKept::Other(h), Some(c)) => c.backward(pass, h, &dmerged)?,
-            _ => {
-                return Err(Error::InvalidArgument(
-                    "an attention's backward run with another core than its forward".into(),
-                ))
-            }
-        };
+        let dqkv = attend_backward(pass, &op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
         self.c_attn
             .backward(pass, &saved.x, &dqkv, true)

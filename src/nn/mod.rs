@@ -67,7 +67,8 @@ mod mlp;
 
 pub use act::Act;
 pub use attention::{
-    heads_backward, heads_forward, AttnSaved, CausalSelfAttention, CoreSaved, HeadsCore, HeadsSaved,
+    attend, attend_backward, heads_backward, heads_forward, Attended, AttnSaved,
+    CausalSelfAttention, CoreSaved, HeadsCore, HeadsSaved,
 };
 pub use block::{Block, BlockHooks, BlockSaved};
 pub use embedding::{EmbSaved, Embedding};

@@ -110,8 +110,8 @@ use super::three_d::{Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Sav
 use crate::comm::{CommStats, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::nn::{attend, attend_backward, Attended, HeadsCore};
 use crate::nn::{gelu, gelu_backward, Act};
-use crate::nn::{heads_backward, heads_forward, HeadsSaved};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::ops::{add, Axpby};
@@ -144,7 +144,7 @@ pub struct Block3D {
 pub struct Block3DSaved {
     ln_1: Ln3DSaved,
     c_attn: Saved3D,
-    heads: HeadsSaved,
+    heads: Attended,
     attn_proj: Saved3D,
     ln_2: Ln3DSaved,
     c_fc: Saved3D,
@@ -331,6 +331,19 @@ impl Block3D {
         batch: usize,
         seq: usize,
     ) -> Result<(Act, Block3DSaved)> {
+        self.forward_core(pass, grid, x, [batch, seq], None)
+    }
+
+    /// [`Block3D::forward`] with the attention between the projections computed by `core`
+    /// (over this rank's `H/q` heads; e.g. a sequence ring's), or locally with `None`.
+    pub fn forward_core(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        [batch, seq]: [usize; 2],
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<(Act, Block3DSaved)> {
         let d = pass.param_dtype();
         let cq = self.ln_1.cols / self.ln_1.place.q;
         x.expect("x", None, cq, d)?;
@@ -347,7 +360,7 @@ impl Block3D {
         let (y1, ln_1) = self.ln_1.forward(pass, grid, x, None)?;
         let (qkv, c_attn) = self.c_attn.forward(pass, grid, &y1)?;
         drop(y1);
-        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
         let (a, attn_proj) = self.attn_proj.forward(pass, grid, &merged)?;
         drop(merged);
@@ -389,6 +402,18 @@ impl Block3D {
         saved: &Block3DSaved,
         dout: &Act,
     ) -> Result<Act> {
+        self.backward_core(pass, grid, saved, dout, None)
+    }
+
+    /// [`Block3D::backward`] of a forward run with `core` (the same core).
+    pub fn backward_core(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Block3DSaved,
+        dout: &Act,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<Act> {
         let d = pass.param_dtype();
         let h1 = saved.h1();
         dout.expect("dout", Some(h1.rows()), h1.cols(), d)?;
@@ -412,7 +437,7 @@ impl Block3D {
             self.attn_proj
                 .backward(pass, grid, &saved.attn_proj, &dres, true)?,
         )?;
-        let dqkv = heads_backward(pass, &saved.op, &saved.heads, &dmerged)?;
+        let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
         let dy1 = asked(
             self.c_attn

@@ -78,8 +78,8 @@ use layernorm::Groups;
 
 use super::{Linear2D, Linear2p5D, ProcessGrid, TensorMode};
 use crate::error::{Error, Result};
+use crate::nn::{attend, attend_backward, Attended, HeadsCore};
 use crate::nn::{gelu, gelu_backward, Act};
-use crate::nn::{heads_backward, heads_forward, HeadsSaved};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::ops::{add, Axpby};
@@ -214,7 +214,7 @@ pub struct Block2D {
 pub struct Block2DSaved {
     ln_1: Ln2DSaved,
     y1: Act,
-    heads: HeadsSaved,
+    heads: Attended,
     merged: Act,
     ln_2: Ln2DSaved,
     y2: Act,
@@ -336,6 +336,19 @@ impl Block2D {
         x: &Act,
         seq: usize,
     ) -> Result<(Act, Block2DSaved)> {
+        self.forward_core(pass, grid, x, seq, None)
+    }
+
+    /// [`Block2D::forward`] with the attention between the projections computed by `core`
+    /// (over this rank's `H/q` heads; e.g. a sequence ring's), or locally with `None`.
+    pub fn forward_core(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        seq: usize,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<(Act, Block2DSaved)> {
         let d = pass.param_dtype();
         let q = self.ln_1.place.q;
         let cl = self.channels / q;
@@ -346,7 +359,7 @@ impl Block2D {
         let rows = x.rows();
         let (y1, ln_1) = self.ln_1.forward_in(pass, &gr, x, None)?;
         let qkv = self.c_attn.forward(pass, grid, &y1)?;
-        let (merged, heads) = heads_forward(pass, &op, &qkv)?;
+        let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
         let a = self.attn_proj.forward(pass, grid, &merged)?;
         let (y2, ln_2) = self.ln_2.forward_in(pass, &gr, &a, Some(x))?;
@@ -383,6 +396,18 @@ impl Block2D {
         saved: &Block2DSaved,
         dout: &Act,
     ) -> Result<Act> {
+        self.backward_core(pass, grid, saved, dout, None)
+    }
+
+    /// [`Block2D::backward`] of a forward run with `core` (the same core).
+    pub fn backward_core(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Block2DSaved,
+        dout: &Act,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<Act> {
         let d = pass.param_dtype();
         let q = self.ln_1.place.q;
         let cl = self.channels / q;
@@ -403,7 +428,7 @@ impl Block2D {
             .backward_in(pass, &gr, &saved.ln_2, &dy2, Some(&dres))?;
         drop(dy2);
         let dmerged = self.attn_proj.backward(pass, grid, &saved.merged, &dres)?;
-        let dqkv = heads_backward(pass, &op, &saved.heads, &dmerged)?;
+        let dqkv = attend_backward(pass, &op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
         let dy1 = self.c_attn.backward(pass, grid, &saved.y1, &dqkv)?;
         drop(dqkv);

@@ -5,9 +5,10 @@ use super::model::{default_init, GptBatch, RunOptions};
 use super::train::{micro_steps, TrainStep};
 use super::GptConfig;
 use crate::error::{Error, Result};
-use crate::nn::Act;
+use crate::nn::{Act, HeadsCore};
 use crate::parallel::{
-    Block2D, Block2DSaved, Block3D, Block3DSaved, Layout3D, ProcessGrid, TensorMode,
+    Block2D, Block2DSaved, Block3D, Block3DSaved, Layout3D, ProcessGrid, RingAttention, RingCore,
+    TensorMode,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 
@@ -129,10 +130,15 @@ impl GptGrid {
     ) -> Result<f32> {
         b.check(&self.config)?;
         let fwd = store.forward()?;
-        let (mut tile, emb) = self.ends.embed(&fwd, grid, b.tokens, b.batch, b.seq)?;
+        let first = grid.sequence_rank() * b.seq;
+        let (mut tile, emb) = self
+            .ends
+            .embed(&fwd, grid, b.tokens, [b.batch, b.seq, first])?;
+        let ring = self.ring(grid, &tile, b)?;
+        let core = ring.as_ref().map(|r| r as &dyn HeadsCore);
         let mut kept = Vec::new();
         for k in 0..self.layers() {
-            let (out, s) = self.block_forward(&fwd, grid, k, &tile, b)?;
+            let (out, s) = self.block_forward(&fwd, grid, k, &tile, b, core)?;
             if opts.checkpoint {
                 drop(s);
                 kept.push(BlockKept::Input(tile));
@@ -155,19 +161,42 @@ impl GptGrid {
             let s = match s {
                 BlockKept::Input(x) => {
                     let re = bwd.recompute()?;
-                    let (out, s) = self.block_forward(&re, grid, k, &x, b)?;
+                    let (out, s) = self.block_forward(&re, grid, k, &x, b, core)?;
                     drop((out, x));
                     re.finish()?;
                     s
                 }
                 saved => saved,
             };
-            dtile = self.block_backward(&bwd, grid, k, &s, &dtile)?;
+            dtile = self.block_backward(&bwd, grid, (k, core), &s, &dtile)?;
         }
         self.ends.embed_backward(&bwd, grid, emb, &dtile)?;
         drop(dtile);
         bwd.finish()?;
         Ok(loss)
+    }
+
+    /// The sequence ring's attention over this rank's heads and sequences (`tile`'s rows),
+    /// when the grid splits the positions.
+    fn ring<'g>(
+        &self,
+        grid: &'g ProcessGrid,
+        tile: &Act,
+        b: &GptBatch<'_>,
+    ) -> Result<Option<RingCore<'g>>> {
+        let n = grid.spec().sequence;
+        if n == 1 {
+            return Ok(None);
+        }
+        let cfg = &self.config;
+        let q = grid.q()?;
+        let head_dim = cfg.channels / cfg.heads;
+        let seqs = tile.rows() / b.seq.max(1);
+        let attn = RingAttention::new(grid.sequence(), seqs, b.seq * n, cfg.heads / q, head_dim)?;
+        Ok(Some(RingCore {
+            attn,
+            group: grid.sequence(),
+        }))
     }
 
     fn layers(&self) -> usize {
@@ -177,6 +206,7 @@ impl GptGrid {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn block_forward(
         &self,
         fwd: &ForwardPass<'_>,
@@ -184,14 +214,15 @@ impl GptGrid {
         k: usize,
         x: &Act,
         b: &GptBatch<'_>,
+        core: Option<&dyn HeadsCore>,
     ) -> Result<(Act, BlockKept)> {
         match &self.blocks {
             GridBlocks::Summa(v) => {
-                let (y, s) = v[k].forward(fwd, grid, x, b.seq)?;
+                let (y, s) = v[k].forward_core(fwd, grid, x, b.seq, core)?;
                 Ok((y, BlockKept::Summa(Box::new(s))))
             }
             GridBlocks::Cube(v) => {
-                let (y, s) = v[k].forward(fwd, grid, x, b.batch, b.seq)?;
+                let (y, s) = v[k].forward_core(fwd, grid, x, [b.batch, b.seq], core)?;
                 Ok((y, BlockKept::Cube(Box::new(s))))
             }
         }
@@ -201,13 +232,15 @@ impl GptGrid {
         &self,
         bwd: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        k: usize,
+        (k, core): (usize, Option<&dyn HeadsCore>),
         saved: &BlockKept,
         dy: &Act,
     ) -> Result<Act> {
         match (&self.blocks, saved) {
-            (GridBlocks::Summa(v), BlockKept::Summa(s)) => v[k].backward(bwd, grid, s, dy),
-            (GridBlocks::Cube(v), BlockKept::Cube(s)) => v[k].backward(bwd, grid, s, dy),
+            (GridBlocks::Summa(v), BlockKept::Summa(s)) => {
+                v[k].backward_core(bwd, grid, s, dy, core)
+            }
+            (GridBlocks::Cube(v), BlockKept::Cube(s)) => v[k].backward_core(bwd, grid, s, dy, core),
             _ => Err(Error::InvalidArgument(
                 "a block's saved state of the other kind".into(),
             )),

@@ -179,15 +179,20 @@ impl GridEnds {
 
     /// The rank's tile of the embedding of the batch (`tokens`, `[batch·seq]`, the same on
     /// every rank): the first block's input.
+    /// `first` is the position of the tokens' first column in their sequences (a sequence
+    /// ring's block).
     pub(super) fn embed(
         &self,
         fwd: &ForwardPass<'_>,
         grid: &ProcessGrid,
         tokens: &[i32],
-        batch: usize,
-        seq: usize,
+        [batch, seq, first]: [usize; 3],
     ) -> Result<(Act, EmbKept)> {
-        let positions = || -> Vec<i32> { (0..tokens.len()).map(|n| (n % seq) as i32).collect() };
+        let positions = || -> Vec<i32> {
+            (0..tokens.len())
+                .map(|n| (first + n % seq) as i32)
+                .collect()
+        };
         let sum = |a: &Act, b: &Act| {
             let one = Axpby {
                 alpha: 1.0,
@@ -204,7 +209,7 @@ impl GridEnds {
         };
         match self {
             GridEnds::Whole { embedding, .. } => {
-                let (x, saved) = embedding.forward(fwd, tokens, batch, seq)?;
+                let (x, saved) = embedding.forward_at(fwd, tokens, batch, seq, first)?;
                 Ok((split(fwd, grid, &x)?, EmbKept::Whole(saved)))
             }
             GridEnds::Summa { wte, wpe, .. } => {

@@ -30,7 +30,7 @@ use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{
     read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, EndsLayout, Gpt,
-    GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
+    GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::pipeline::Schedule;
@@ -690,10 +690,10 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         "2bw" => Schedule::TwoBW { every: pp.max(1) },
         other => return Err(bad(format!("--schedule {other}: 1f1b, gpipe or 2bw"))),
     };
-    if pp > 1 && (blocks_only || p.hf.is_some() || a.accumulate != 1 || a.micro_batches == 0) {
+    if pp > 1 && (p.hf.is_some() || a.accumulate != 1 || a.micro_batches == 0) {
         return Err(bad(format!(
-            "--pp {pp} runs with --tp none or 1d, without --load-hf or --accumulate (the \
-             pipeline's micro-batches are --micro-batches {})",
+            "--pp {pp} runs without --load-hf or --accumulate (the pipeline's micro-batches are \
+             --micro-batches {})",
             a.micro_batches
         )));
     }
@@ -786,13 +786,18 @@ impl Run<'_> {
                 let grid = self.pipe.ok_or_else(|| bad("no pipeline".into()))?;
                 let (stage, stages) = (grid.pipeline_rank(), grid.spec().pipeline);
                 let layers = GptStage::balanced(&p.cfg, stages)?;
-                let shard = self.tp.map(Shard::of);
+                let split = match (self.grid, self.tp) {
+                    (Some(g), _) => StageSplit::Grid(g),
+                    (None, Some(t)) => StageSplit::OneD(Shard::of(t)),
+                    (None, None) => StageSplit::None,
+                };
                 let range = layers[stage].clone();
-                let gpt = GptStage::register(store, &p.cfg, a.seed, (stage, stages), range, shard)?;
+                let gpt = GptStage::register(store, &p.cfg, a.seed, (stage, stages), range, split)?;
                 let groups = StageGroups {
                     pipeline: grid.pipeline(),
-                    tensor: self.tp,
+                    tensor: self.tp.or(self.grid.map(ProcessGrid::tensor)),
                     sequence: self.sp,
+                    grid: self.grid,
                 };
                 Model::Pipe(Box::new(gpt), groups)
             }

@@ -9,7 +9,7 @@ mod common;
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
     train_step, train_step_grid, train_step_in, train_step_pipe, train_step_sp, EndsLayout, Gpt,
-    GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
+    GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
 };
 use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
@@ -520,10 +520,10 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
 }
 
 /// Pipeline parallelism: GPT-2's two blocks over two stages (`wte` on both ends, its gradient
-/// summed between them), 1F1B and GPipe with 2 and 4 micro-batches a step; and on 8 ranks as
-/// pipeline 2 × sequence 2 × `1d:2` and as data 2 × pipeline 2 × sequence 2, with ZeRO over
-/// the ranks holding the same shards: the losses and gradient norms of one process on the
-/// whole batch.
+/// summed between them), 1F1B and GPipe with 2 and 4 micro-batches a step; on 8 ranks as
+/// pipeline 2 × sequence 2 × `1d:2`, as data 2 × pipeline 2 × sequence 2 and as pipeline 2 ×
+/// `2d:2`; and on 16 as pipeline 2 × `3d:2`, with ZeRO over the ranks holding the same
+/// shards: the losses and gradient norms of one process on the whole batch.
 #[test]
 fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
     let serial = serial();
@@ -533,6 +533,8 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
         (1, 1, TensorMode::None, Schedule::GPipe, 4),
         (1, 2, one_d, Schedule::OneFOneB, 2),
         (2, 2, TensorMode::None, Schedule::OneFOneB, 2),
+        (1, 1, TensorMode::TwoD { q: 2 }, Schedule::OneFOneB, 2),
+        (1, 1, TensorMode::ThreeD { q: 2 }, Schedule::OneFOneB, 1),
     ];
     for (data, sequence, tensor, schedule, m) in cases {
         let spec = GridSpec {
@@ -551,20 +553,19 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
             let mut z = ZeroManager::new(replicas, cfg).unwrap();
             let (stage, stages) = (grid.pipeline_rank(), 2);
             let layers = GptStage::balanced(&config(), stages).unwrap();
-            let shard = (t > 1).then(|| Shard::of(grid.tensor()));
-            let gpt = GptStage::register(
-                &mut z,
-                &config(),
-                3,
-                (stage, stages),
-                layers[stage].clone(),
-                shard,
-            )
-            .unwrap();
+            let split = match tensor {
+                TensorMode::None => StageSplit::None,
+                TensorMode::OneD { .. } => StageSplit::OneD(Shard::of(grid.tensor())),
+                _ => StageSplit::Grid(grid),
+            };
+            let range = layers[stage].clone();
+            let gpt = GptStage::register(&mut z, &config(), 3, (stage, stages), range, split);
+            let gpt = gpt.unwrap();
             let groups = StageGroups {
                 pipeline: grid.pipeline(),
                 tensor: (t > 1).then(|| grid.tensor()),
                 sequence: (sequence > 1).then(|| grid.sequence()),
+                grid: matches!(split, StageSplit::Grid(_)).then_some(grid),
             };
             let mut opt = adam();
             let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());

@@ -110,7 +110,7 @@ use super::three_d::{Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Sav
 use crate::comm::{CommStats, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{attend, attend_backward, Attended, HeadsCore};
+use crate::nn::{attend, attend_backward, Attended, HeadsCore, WeightUse};
 use crate::nn::{gelu, gelu_backward, Act};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
@@ -137,6 +137,9 @@ pub struct Block3D {
     pub heads: usize,
     /// The layout of the input and of the output.
     pub layout: Layout3D,
+    /// How the linears write their weight gradients ([`WeightUse::Shared`] for a block run
+    /// more than once an iteration, as a pipeline stage runs it once per micro-batch).
+    pub uses: WeightUse,
 }
 
 /// What [`Block3D::forward`] keeps for the backward.
@@ -278,6 +281,7 @@ impl Block3D {
             mlp_proj,
             heads,
             layout,
+            uses: WeightUse::Once,
         })
     }
 
@@ -392,6 +396,14 @@ impl Block3D {
         Ok((out, saved))
     }
 
+    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]).
+    pub fn shared(self) -> Block3D {
+        Block3D {
+            uses: WeightUse::Shared,
+            ..self
+        }
+    }
+
     /// The backward of [`Block3D::forward`] from this rank's output-gradient tile `dout`:
     /// writes every parameter shard's gradient and returns the input-gradient tile (a new
     /// activation; `dout` is not changed).
@@ -422,27 +434,40 @@ impl Block3D {
         // the residual stream's gradient: dout, then + ln_2's dx, then + ln_1's dx
         let dres = Act::alloc(pool, n, cq, d)?;
         dev.copy_d2d(s, dout.input(), dres.view())?;
-        let dact = asked(
-            self.mlp_proj
-                .backward(pass, grid, &saved.mlp_proj, dout, true)?,
-        )?;
+        let dact = asked(self.mlp_proj.backward_with(
+            pass,
+            grid,
+            &saved.mlp_proj,
+            dout,
+            true,
+            self.uses,
+        )?)?;
         let dpre = gelu_backward(pass, &saved.pre, &dact)?;
         drop(dact);
-        let dy2 = asked(self.c_fc.backward(pass, grid, &saved.c_fc, &dpre, true)?)?;
+        let dy2 =
+            asked(
+                self.c_fc
+                    .backward_with(pass, grid, &saved.c_fc, &dpre, true, self.uses)?,
+            )?;
         drop(dpre);
         self.ln_2
             .backward(pass, grid, &saved.ln_2, &dy2, Some(&dres))?;
         drop(dy2);
-        let dmerged = asked(
-            self.attn_proj
-                .backward(pass, grid, &saved.attn_proj, &dres, true)?,
-        )?;
+        let dmerged = asked(self.attn_proj.backward_with(
+            pass,
+            grid,
+            &saved.attn_proj,
+            &dres,
+            true,
+            self.uses,
+        )?)?;
         let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
-        let dy1 = asked(
-            self.c_attn
-                .backward(pass, grid, &saved.c_attn, &dqkv, true)?,
-        )?;
+        let dy1 =
+            asked(
+                self.c_attn
+                    .backward_with(pass, grid, &saved.c_attn, &dqkv, true, self.uses)?,
+            )?;
         drop(dqkv);
         self.ln_1
             .backward(pass, grid, &saved.ln_1, &dy1, Some(&dres))?;

@@ -78,7 +78,7 @@ use layernorm::Groups;
 
 use super::{Linear2D, Linear2p5D, ProcessGrid, TensorMode};
 use crate::error::{Error, Result};
-use crate::nn::{attend, attend_backward, Attended, HeadsCore};
+use crate::nn::{attend, attend_backward, Attended, HeadsCore, WeightUse};
 use crate::nn::{gelu, gelu_backward, Act};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
@@ -207,6 +207,9 @@ pub struct Block2D {
     pub heads: usize,
     /// Channels `C`.
     pub channels: usize,
+    /// How the linears write their weight gradients ([`WeightUse::Shared`] for a block run
+    /// more than once an iteration, as a pipeline stage runs it once per micro-batch).
+    pub uses: WeightUse,
 }
 
 /// What [`Block2D::forward`] keeps for the backward (all this rank's blocks).
@@ -289,6 +292,7 @@ impl Block2D {
             mlp_proj,
             heads,
             channels,
+            uses: WeightUse::Once,
         })
     }
 
@@ -387,6 +391,30 @@ impl Block2D {
         Ok((out, saved))
     }
 
+    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]).
+    pub fn shared(self) -> Block2D {
+        Block2D {
+            uses: WeightUse::Shared,
+            ..self
+        }
+    }
+
+    /// `dX` of one of the block's linears, its weight gradient written as [`Block2D::uses`]
+    /// says.
+    fn linear_backward(
+        &self,
+        l: &SummaLinear,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        dy: &Act,
+    ) -> Result<Act> {
+        match self.uses {
+            WeightUse::Once => l.backward(pass, grid, x, dy),
+            WeightUse::Shared => l.backward_shared(pass, grid, x, dy),
+        }
+    }
+
     /// The backward of [`Block2D::forward`] from `dout_ij`: adds this rank's shard gradients
     /// into their slots and returns `dX_ij` (a new activation).
     pub fn backward(
@@ -419,18 +447,18 @@ impl Block2D {
         // the residual stream's gradient: dout, + ln_2's dx, + ln_1's dx
         let dres = Act::alloc(pool, rows, cl, d)?;
         dev.copy_d2d(s, dout.input(), dres.view())?;
-        let dact = self.mlp_proj.backward(pass, grid, &saved.act, dout)?;
+        let dact = self.linear_backward(&self.mlp_proj, pass, grid, &saved.act, dout)?;
         let dpre = gelu_backward(pass, &saved.pre, &dact)?;
         drop(dact);
-        let dy2 = self.c_fc.backward(pass, grid, &saved.y2, &dpre)?;
+        let dy2 = self.linear_backward(&self.c_fc, pass, grid, &saved.y2, &dpre)?;
         drop(dpre);
         self.ln_2
             .backward_in(pass, &gr, &saved.ln_2, &dy2, Some(&dres))?;
         drop(dy2);
-        let dmerged = self.attn_proj.backward(pass, grid, &saved.merged, &dres)?;
+        let dmerged = self.linear_backward(&self.attn_proj, pass, grid, &saved.merged, &dres)?;
         let dqkv = attend_backward(pass, &op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
-        let dy1 = self.c_attn.backward(pass, grid, &saved.y1, &dqkv)?;
+        let dy1 = self.linear_backward(&self.c_attn, pass, grid, &saved.y1, &dqkv)?;
         drop(dqkv);
         self.ln_1
             .backward_in(pass, &gr, &saved.ln_1, &dy1, Some(&dres))?;

@@ -334,7 +334,11 @@ impl GridEnds {
 }
 
 /// This rank's tile of a whole `[N, C]` activation (no collective).
-fn split<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, full: &Act) -> Result<Act> {
+pub(super) fn split<K: PassKind>(
+    pass: &Pass<'_, K>,
+    grid: &ProcessGrid,
+    full: &Act,
+) -> Result<Act> {
     match grid.spec().tensor {
         TensorMode::ThreeD { .. } => split_3d(pass, grid, CUBE, full),
         _ => split_batch_2d_act(pass.pool(), pass.stream(), grid, full),
@@ -342,7 +346,11 @@ fn split<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, full: &Act) -> Res
 }
 
 /// The whole `[N, C]` activation from every rank's tile.
-fn gather<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, tile: &Act) -> Result<Act> {
+pub(super) fn gather<K: PassKind>(
+    pass: &Pass<'_, K>,
+    grid: &ProcessGrid,
+    tile: &Act,
+) -> Result<Act> {
     match grid.spec().tensor {
         TensorMode::ThreeD { .. } => gather_3d(pass, grid, CUBE, tile),
         _ => gather_batch_2d(pass.pool(), pass.stream(), grid, tile),

@@ -23,5 +23,5 @@ pub use grid::{train_step_grid, GptGrid, GridBlocks};
 pub use grid_ends::{EndsLayout, GridEnds};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
-pub use pipe::{train_step_pipe, GptStage, StageGroups};
+pub use pipe::{train_step_pipe, GptStage, StageBlocks, StageGroups, StageSplit};
 pub use train::{train_step, train_step_in, train_step_sp, TrainStep};

@@ -6,25 +6,25 @@
 //! copies stay bit for bit the same. Within a stage the blocks may be split over a 1D tensor
 //! group and the positions over a sequence ring (the ends stay whole on every rank).
 
+mod step;
+
 use std::cell::RefCell;
 use std::ops::Range;
 
+use self::step::StageStep;
 use super::model::{default_init, GptBatch, IGNORE_INDEX};
 use super::train::TrainStep;
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
-use crate::device::Block as PoolBlock;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{
-    Act, Block, BlockHooks, BlockSaved, CausalSelfAttention, EmbSaved, Embedding, HeadsCore,
-    LayerNorm, Linear, LmHead, LmSaved, LnSaved, Mlp, WeightUse,
-};
-use crate::ops::{add, add_in_place, cast, Axpby};
+use crate::nn::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, LmHead, Mlp, WeightUse};
 use crate::optim::{GradStats, HybridAdam, StepOutcome};
-use crate::parallel::pipeline::{partition, PipelineStage, Schedule, StageModel};
-use crate::parallel::{Block1D, RingAttention, RingCore, Shard};
-use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::parallel::pipeline::{partition, PipelineStage, Schedule};
+use crate::parallel::{
+    BatchBlock, Block1D, Block2D, Block3D, Layout3D, Place3D, ProcessGrid, RingAttention, RingCore,
+    Shard, TensorMode,
+};
+use crate::store::ParamStore;
 use crate::tensor::TensorId;
 
 /// One pipeline stage of a GPT-2: a run of blocks, the embedding on the first stage, `ln_f`
@@ -41,15 +41,39 @@ pub struct GptStage {
     pub layers: Range<usize>,
     /// Those blocks (their linears write gradient shares: a stage runs each once per
     /// micro-batch).
-    pub blocks: Vec<Block>,
+    pub blocks: StageBlocks,
     /// `wte` and `wpe`, on the first stage.
     pub embedding: Option<Embedding>,
     /// `ln_f`, on the last stage.
     pub ln_f: Option<LayerNorm>,
     /// The head over the last stage's copy of `wte`.
     pub head: Option<LmHead>,
-    /// The 1D tensor-parallel place of the blocks, if split.
+    /// The 1D tensor-parallel place of the blocks, if split that way.
     pub tensor: Option<Shard>,
+}
+
+/// The blocks of a stage: serial or split over a 1D group ([`Block`]), or on a 2D, 2.5D or 3D
+/// grid (tiles in and out; the ends whole, the embedding's output cut into tiles and the last
+/// tiles gathered for the head).
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageBlocks {
+    /// Serial or 1D blocks.
+    Plain(Vec<Block>),
+    /// [`Block2D`]s on a 2D or 2.5D grid.
+    Summa(Vec<Block2D>),
+    /// [`Block3D`]s on a 3D cube ([`Layout3D::RowsJColsK`]).
+    Cube(Vec<Block3D>),
+}
+
+/// How a stage's blocks are split over its tensor group.
+#[derive(Clone, Copy, Debug)]
+pub enum StageSplit<'a> {
+    /// Not split.
+    None,
+    /// Megatron's 1D split at this place.
+    OneD(Shard),
+    /// The grid's 2D, 2.5D or 3D scheme.
+    Grid(&'a ProcessGrid),
 }
 
 /// The groups one stage's step runs over.
@@ -57,10 +81,12 @@ pub struct GptStage {
 pub struct StageGroups<'a> {
     /// The stages, ranked by stage.
     pub pipeline: &'a Communicator,
-    /// The 1D tensor-parallel group of the blocks (as registered), if any.
+    /// The tensor-parallel group of the blocks (as registered), if any.
     pub tensor: Option<&'a Communicator>,
     /// The sequence ring, if the positions are split.
     pub sequence: Option<&'a Communicator>,
+    /// The grid, for blocks on a 2D, 2.5D or 3D scheme.
+    pub grid: Option<&'a ProcessGrid>,
 }
 
 /// Parameters of each block and of the two ends, for a balanced partition.
@@ -83,18 +109,23 @@ impl GptStage {
     }
 
     /// Registers stage `stage` of `stages`, holding blocks `layers`, with
-    /// [`Gpt::register`](super::Gpt::register)'s masters for `seed` (the blocks split over a
-    /// 1D group at `tensor`, if given): the first stage also registers `wte` and `wpe`, the
-    /// last `ln_f` and its own copy of `wte`. Replicated parameters count their share of the
-    /// squared gradient norm (`1/T` over the tensor group, `1/2` for `wte`'s two copies).
+    /// [`Gpt::register`](super::Gpt::register)'s masters for `seed` (the blocks split as
+    /// `split` says): the first stage also registers `wte` and `wpe`, the last `ln_f` and its
+    /// own copy of `wte`. Replicated parameters count their share of the squared gradient norm
+    /// (`1/T` over the tensor group, `1/2` for `wte`'s two copies, `1/d` for a 2.5D grid's
+    /// depth replicas).
     pub fn register(
         store: &mut impl ParamStore,
         cfg: &GptConfig,
         seed: u64,
         (stage, stages): (usize, usize),
         layers: Range<usize>,
-        tensor: Option<Shard>,
+        split: StageSplit<'_>,
     ) -> Result<GptStage> {
+        let tensor = match split {
+            StageSplit::OneD(s) => Some(s),
+            _ => None,
+        };
         cfg.validate()?;
         if stage >= stages || layers.end > cfg.layers || layers.is_empty() {
             return Err(Error::InvalidArgument(format!(
@@ -104,7 +135,11 @@ impl GptStage {
         }
         let init = |name: &str| default_init(cfg, name, seed);
         let (c, first, last) = (cfg.channels, stage == 0, stage + 1 == stages);
-        let t = tensor.map_or(1, |s| s.size);
+        let t = match split {
+            StageSplit::None => 1,
+            StageSplit::OneD(s) => s.size,
+            StageSplit::Grid(g) => g.spec().tensor.size(),
+        };
         let replicated = 1.0 / t as f64;
         let wte_share = replicated / if stages > 1 { 2.0 } else { 1.0 };
         // `wte` on the first stage and on the last (one tensor when they are the same)
@@ -132,20 +167,7 @@ impl GptStage {
         } else {
             None
         };
-        let mut blocks = Vec::with_capacity(layers.len());
-        for i in layers.clone() {
-            let name = format!("h.{i}");
-            let b = match tensor {
-                Some(shard) => {
-                    Block1D::register(store, &name, c, cfg.heads, cfg.eps, &init, shard)?.block
-                }
-                None => serial_block(store, cfg, &name, &init)?,
-            };
-            for id in [b.ln_1.gamma, b.ln_1.beta, b.ln_2.gamma, b.ln_2.beta] {
-                store.set_norm_share(id, replicated)?;
-            }
-            blocks.push(shared(b));
-        }
+        let blocks = register_blocks(store, cfg, &init, layers.clone(), split, replicated)?;
         let (ln_f, head) = if last {
             let ln_f = LayerNorm {
                 gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
@@ -170,6 +192,42 @@ impl GptStage {
             ln_f,
             head,
             tensor,
+        })
+    }
+
+    /// Sequences and heads a rank's attention runs over, for micro-batch `b` (its tile's
+    /// sequences on a grid).
+    fn attention_shape(&self, grid: Option<&ProcessGrid>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        let cfg = &self.config;
+        let head_dim = cfg.channels / cfg.heads;
+        Ok(match (&self.blocks, grid) {
+            (StageBlocks::Plain(v), _) => {
+                let inner = v.first().map_or(cfg.channels, |k| k.attn.inner());
+                [b.batch, inner / head_dim]
+            }
+            (_, Some(g)) => {
+                let [rows, _] = self.tile_shape(g, b)?;
+                [rows / b.seq.max(1), cfg.heads / g.q()?]
+            }
+            (_, None) => {
+                return Err(Error::InvalidArgument(
+                    "a stage of grid blocks run without its grid".into(),
+                ))
+            }
+        })
+    }
+
+    /// The shape of micro-batch `b`'s activation between the stages on this rank: the whole
+    /// `[batch·seq, C]`, or the rank's tile on a grid.
+    fn tile_shape(&self, grid: &ProcessGrid, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        let (rows, c) = (b.batch * b.seq, self.config.channels);
+        Ok(match &self.blocks {
+            StageBlocks::Plain(_) => [rows, c],
+            StageBlocks::Summa(_) => BatchBlock::of(grid)?.shape(rows, c)?,
+            StageBlocks::Cube(_) => {
+                let t = Place3D::of(grid)?.tile(Layout3D::RowsJColsK, rows, c)?;
+                [t.rows, t.cols]
+            }
         })
     }
 
@@ -238,6 +296,64 @@ fn serial_block(
     })
 }
 
+/// The blocks `layers` of a stage, split as `split` says, every linear writing gradient
+/// shares; the replicated LayerNorms of 1D blocks count `replicated` of their norm, a 2.5D
+/// grid's depth replicas `1/d`.
+fn register_blocks(
+    store: &mut impl ParamStore,
+    cfg: &GptConfig,
+    init: &dyn Fn(&str) -> crate::tensor::Init,
+    layers: Range<usize>,
+    split: StageSplit<'_>,
+    replicated: f64,
+) -> Result<StageBlocks> {
+    let (c, h, eps) = (cfg.channels, cfg.heads, cfg.eps);
+    let name = |i: usize| format!("h.{i}");
+    Ok(match split {
+        StageSplit::None | StageSplit::OneD(_) => {
+            let mut blocks = Vec::with_capacity(layers.len());
+            for i in layers {
+                let b = match split {
+                    StageSplit::OneD(shard) => {
+                        Block1D::register(store, &name(i), c, h, eps, init, shard)?.block
+                    }
+                    _ => serial_block(store, cfg, &name(i), init)?,
+                };
+                for id in [b.ln_1.gamma, b.ln_1.beta, b.ln_2.gamma, b.ln_2.beta] {
+                    store.set_norm_share(id, replicated)?;
+                }
+                blocks.push(shared(b));
+            }
+            StageBlocks::Plain(blocks)
+        }
+        StageSplit::Grid(grid) => match grid.spec().tensor {
+            TensorMode::ThreeD { .. } => StageBlocks::Cube(
+                layers
+                    .map(|i| {
+                        let l = Layout3D::RowsJColsK;
+                        Block3D::register(store, grid, &name(i), c, h, eps, l, &init)
+                            .map(Block3D::shared)
+                    })
+                    .collect::<Result<_>>()?,
+            ),
+            mode => {
+                let blocks: Vec<Block2D> = layers
+                    .map(|i| {
+                        Block2D::register(store, grid, &name(i), c, h, eps, &init)
+                            .map(Block2D::shared)
+                    })
+                    .collect::<Result<_>>()?;
+                if let TensorMode::TwoHalfD { depth, .. } = mode {
+                    for id in blocks.iter().flat_map(Block2D::params) {
+                        store.set_norm_share(id, 1.0 / depth as f64)?;
+                    }
+                }
+                StageBlocks::Summa(blocks)
+            }
+        },
+    })
+}
+
 /// The block with every linear writing gradient shares.
 fn shared(mut b: Block) -> Block {
     let s = |l: Linear| l.with_uses(WeightUse::Shared);
@@ -246,247 +362,6 @@ fn shared(mut b: Block) -> Block {
     b.mlp.c_fc = s(b.mlp.c_fc);
     b.mlp.c_proj = s(b.mlp.c_proj);
     b
-}
-
-/// What one micro-batch's forward keeps on a stage.
-pub struct StageSaved {
-    emb: Option<EmbSaved>,
-    blocks: Vec<BlockSaved>,
-    ln_f: Option<LnSaved>,
-    head: Option<LmSaved>,
-}
-
-/// One step of a stage: its micro-batches and groups, as the pipeline runtime drives it.
-struct StageStep<'a> {
-    gpt: &'a GptStage,
-    micro: &'a [GptBatch<'a>],
-    groups: StageGroups<'a>,
-    ring: Option<RingCore<'a>>,
-    scale: f32,
-    /// `wte`'s shares over the step (f32), on a stage holding a copy.
-    acc: RefCell<Option<PoolBlock>>,
-}
-
-impl StageStep<'_> {
-    fn sum(&self, pass_stream: &crate::device::Stream, a: &Act) -> Result<()> {
-        match self.groups.tensor {
-            Some(g) => g.all_reduce(pass_stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum),
-            None => Ok(()),
-        }
-    }
-
-    fn first_position(&self, b: &GptBatch<'_>) -> usize {
-        self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
-    }
-
-    /// Adds a share of `wte`'s gradient (the parameter dtype) to the step's f32 sum.
-    fn keep(&self, pass: &BackwardPass<'_>, share: &PoolBlock) -> Result<()> {
-        let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
-        let n = self.gpt.config.vocab * self.gpt.config.channels;
-        let src = share.view(0, n * d.size())?;
-        let mut acc = self.acc.borrow_mut();
-        match acc.as_ref() {
-            None => {
-                let b = pass.pool().alloc(n * 4)?;
-                cast(dev, s, src, d, b.view(0, n * 4)?, DType::F32)?;
-                *acc = Some(b);
-            }
-            Some(b) => {
-                let tmp = pass.pool().alloc(n * 4)?;
-                cast(dev, s, src, d, tmp.view(0, n * 4)?, DType::F32)?;
-                let one = Axpby {
-                    alpha: 1.0,
-                    beta: 1.0,
-                };
-                add_in_place(
-                    dev,
-                    s,
-                    one,
-                    b.view(0, n * 4)?,
-                    tmp.view(0, n * 4)?,
-                    DType::F32,
-                )?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl StageModel for StageStep<'_> {
-    type Saved = StageSaved;
-
-    fn params(&self) -> Vec<TensorId> {
-        let g = self.gpt;
-        let mut v = Vec::new();
-        if let Some(e) = &g.embedding {
-            v.extend([e.wte, e.wpe]);
-        }
-        for b in &g.blocks {
-            v.extend(b.params());
-        }
-        if let (Some(ln), Some(h)) = (&g.ln_f, &g.head) {
-            v.extend([ln.gamma, ln.beta, h.proj.weight]);
-        }
-        v
-    }
-
-    fn input_shape(&self, micro: usize) -> Result<[usize; 2]> {
-        let b = self.micro.get(micro).ok_or_else(|| {
-            Error::InvalidArgument(format!("micro-batch {micro} of {}", self.micro.len()))
-        })?;
-        Ok([b.batch * b.seq, self.gpt.config.channels])
-    }
-
-    fn forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        micro: usize,
-        input: Option<&Act>,
-    ) -> Result<(Act, StageSaved)> {
-        let g = self.gpt;
-        let b = &self.micro[micro];
-        let (mut x, emb) = match (&g.embedding, input) {
-            (Some(e), _) => {
-                let (x, s) =
-                    e.forward_at(pass, b.tokens, b.batch, b.seq, self.first_position(b))?;
-                (x, Some(s))
-            }
-            (None, Some(x)) => (x.clone(), None),
-            (None, None) => {
-                return Err(Error::InvalidArgument(
-                    "a stage after the first ran without an input".into(),
-                ))
-            }
-        };
-        let sum = |a: &Act| self.sum(pass.stream(), a);
-        let hooks = BlockHooks {
-            sum: &sum,
-            core: self.ring.as_ref().map(|r| r as &dyn HeadsCore),
-        };
-        let mut blocks = Vec::with_capacity(g.blocks.len());
-        for block in &g.blocks {
-            let (out, s) = block.forward_ext(pass, &x, b.batch, b.seq, hooks)?;
-            blocks.push(s);
-            x = out;
-        }
-        let mut saved = StageSaved {
-            emb,
-            blocks,
-            ln_f: None,
-            head: None,
-        };
-        match (&g.ln_f, &g.head) {
-            (Some(ln_f), Some(head)) => {
-                let (h, ln) = ln_f.forward(pass, &x, None)?;
-                let (loss, hs) = head.forward_scaled(pass, &h, b.targets, self.scale)?;
-                saved.ln_f = Some(ln);
-                saved.head = Some(hs);
-                let out = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
-                Ok((out, saved))
-            }
-            _ => Ok((x, saved)),
-        }
-    }
-
-    fn backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        micro: usize,
-        saved: StageSaved,
-        dout: Option<&Act>,
-    ) -> Result<Option<Act>> {
-        let g = self.gpt;
-        let StageSaved {
-            emb,
-            mut blocks,
-            ln_f,
-            head,
-        } = saved;
-        let mut dx = match (&g.ln_f, &g.head, ln_f, head, dout) {
-            (Some(lf), Some(h), Some(ln), Some(hs), _) => {
-                let dh = if g.ties() {
-                    let (dh, share) = h.backward_returning(pass, &hs)?;
-                    self.keep(pass, &share)?;
-                    dh
-                } else {
-                    h.backward(pass, &hs)?
-                };
-                drop(hs);
-                lf.backward(pass, &ln, &dh, None)?
-            }
-            (None, None, None, None, Some(d)) => d.clone(),
-            _ => {
-                return Err(Error::InvalidArgument(format!(
-                    "stage {}: micro-batch {micro}'s backward without its output's gradient",
-                    g.stage
-                )))
-            }
-        };
-        let sum = |a: &Act| self.sum(pass.stream(), a);
-        let hooks = BlockHooks {
-            sum: &sum,
-            core: self.ring.as_ref().map(|r| r as &dyn HeadsCore),
-        };
-        for block in g.blocks.iter().rev() {
-            let s = blocks
-                .pop()
-                .ok_or_else(|| Error::InvalidArgument("a block's saved state is gone".into()))?;
-            dx = block.backward_ext(pass, &s, &dx, hooks)?;
-        }
-        match (&g.embedding, emb) {
-            (Some(e), Some(s)) => {
-                if g.ties() {
-                    let share = e.backward_returning(pass, &s, &dx)?;
-                    self.keep(pass, &share)?;
-                } else {
-                    e.backward(pass, &s, &dx)?;
-                }
-                Ok(None)
-            }
-            _ => Ok(Some(dx)),
-        }
-    }
-
-    fn finish_params(&self) -> Vec<TensorId> {
-        match (self.gpt.ties(), self.gpt.wte()) {
-            (true, Some(w)) => vec![w],
-            _ => Vec::new(),
-        }
-    }
-
-    fn finish_backward(&self, pass: &BackwardPass<'_>) -> Result<()> {
-        let (true, Some(wte)) = (self.gpt.ties(), self.gpt.wte()) else {
-            return Ok(());
-        };
-        let (dev, s) = (pass.device(), pass.stream());
-        let n = self.gpt.config.vocab * self.gpt.config.channels;
-        let acc = self.acc.borrow_mut().take().ok_or_else(|| {
-            Error::InvalidArgument("no share of wte's gradient in this step".into())
-        })?;
-        let other = pass.pool().alloc(n * 4)?;
-        let pipe = self.groups.pipeline;
-        let peer = if self.gpt.stage == 0 {
-            pipe.world() - 1
-        } else {
-            0
-        };
-        let mine = acc.view(0, n * 4)?;
-        pipe.send_recv(s, mine, peer, other.view(0, n * 4)?, peer, DType::F32)?;
-        // the first stage's sum plus the last's, on both
-        let (a, b) = if self.gpt.stage == 0 {
-            (mine, other.view(0, n * 4)?)
-        } else {
-            (other.view(0, n * 4)?, mine)
-        };
-        let total = pass.pool().alloc(n * 4)?;
-        let one = Axpby {
-            alpha: 1.0,
-            beta: 1.0,
-        };
-        add(dev, s, one, a, b, total.view(0, n * 4)?, DType::F32)?;
-        let g = pass.fetch(&[wte])?;
-        g.accumulate_grad(0, total.view(0, n * 4)?, DType::F32)
-    }
 }
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
@@ -531,16 +406,11 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     let ring = match groups.sequence {
         None => None,
         Some(group) => {
-            let cfg = &gpt.config;
-            let (b, head_dim) = (&micro[0], cfg.channels / cfg.heads);
-            let inner = gpt.blocks[0].attn.inner();
-            let attn = RingAttention::new(
-                group,
-                b.batch,
-                b.seq * group.world(),
-                inner / head_dim,
-                head_dim,
-            )?;
+            let b = &micro[0];
+            let [seqs, heads] = gpt.attention_shape(groups.grid, b)?;
+            let head_dim = gpt.config.channels / gpt.config.heads;
+            let n = group.world();
+            let attn = RingAttention::new(group, seqs, b.seq * n, heads, head_dim)?;
             Some(RingCore { attn, group })
         }
     };

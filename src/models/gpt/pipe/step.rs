@@ -1,0 +1,358 @@
+//! One step of a [`GptStage`]: its micro-batches, as the pipeline runtime drives them.
+
+use std::cell::RefCell;
+
+use super::{GptStage, StageBlocks, StageGroups};
+use crate::comm::ReduceOp;
+use crate::device::{Block as PoolBlock, Stream};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::models::gpt::grid_ends::{gather, split};
+use crate::models::gpt::GptBatch;
+use crate::nn::{Act, BlockHooks, BlockSaved, EmbSaved, HeadsCore, LmSaved, LnSaved};
+use crate::ops::{add, add_in_place, cast, Axpby};
+use crate::parallel::pipeline::StageModel;
+use crate::parallel::{Block2DSaved, Block3DSaved, ProcessGrid, RingCore};
+use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
+use crate::tensor::TensorId;
+
+/// What one micro-batch's blocks keep.
+pub(super) enum BlocksSaved {
+    Plain(Vec<BlockSaved>),
+    Summa(Vec<Block2DSaved>),
+    Cube(Vec<Block3DSaved>),
+}
+
+/// What one micro-batch's forward keeps on a stage.
+pub(super) struct StageSaved {
+    emb: Option<EmbSaved>,
+    blocks: BlocksSaved,
+    ln_f: Option<LnSaved>,
+    head: Option<LmSaved>,
+}
+
+/// One step of a stage: its micro-batches and groups.
+pub(super) struct StageStep<'a> {
+    pub(super) gpt: &'a GptStage,
+    pub(super) micro: &'a [GptBatch<'a>],
+    pub(super) groups: StageGroups<'a>,
+    pub(super) ring: Option<RingCore<'a>>,
+    pub(super) scale: f32,
+    /// `wte`'s shares over the step (f32), on a stage holding a copy.
+    pub(super) acc: RefCell<Option<PoolBlock>>,
+}
+
+const ONE: Axpby = Axpby {
+    alpha: 1.0,
+    beta: 1.0,
+};
+
+impl StageStep<'_> {
+    /// The all-reduce of a 1D block's partial outputs.
+    fn sum(&self, stream: &Stream, a: &Act) -> Result<()> {
+        match (&self.gpt.blocks, self.groups.tensor) {
+            (StageBlocks::Plain(_), Some(g)) => {
+                g.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum)
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn core(&self) -> Option<&dyn HeadsCore> {
+        self.ring.as_ref().map(|r| r as &dyn HeadsCore)
+    }
+
+    fn grid(&self) -> Result<&ProcessGrid> {
+        self.groups
+            .grid
+            .ok_or_else(|| Error::InvalidArgument("grid blocks run without their grid".into()))
+    }
+
+    fn first_position(&self, b: &GptBatch<'_>) -> usize {
+        self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
+    }
+
+    /// The rank's tile of a whole activation (itself for plain blocks).
+    fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {
+        match self.gpt.blocks {
+            StageBlocks::Plain(_) => Ok(full),
+            _ => split(pass, self.grid()?, &full),
+        }
+    }
+
+    /// The whole activation from every rank's tile (itself for plain blocks).
+    fn to_full<K: PassKind>(&self, pass: &Pass<'_, K>, tile: Act) -> Result<Act> {
+        match self.gpt.blocks {
+            StageBlocks::Plain(_) => Ok(tile),
+            _ => gather(pass, self.grid()?, &tile),
+        }
+    }
+
+    fn blocks_forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        mut x: Act,
+        b: &GptBatch<'_>,
+    ) -> Result<(Act, BlocksSaved)> {
+        let core = self.core();
+        Ok(match &self.gpt.blocks {
+            StageBlocks::Plain(v) => {
+                let sum = |a: &Act| self.sum(pass.stream(), a);
+                let hooks = BlockHooks { sum: &sum, core };
+                let mut kept = Vec::with_capacity(v.len());
+                for block in v {
+                    let (out, s) = block.forward_ext(pass, &x, b.batch, b.seq, hooks)?;
+                    kept.push(s);
+                    x = out;
+                }
+                (x, BlocksSaved::Plain(kept))
+            }
+            StageBlocks::Summa(v) => {
+                let grid = self.grid()?;
+                let mut kept = Vec::with_capacity(v.len());
+                for block in v {
+                    let (out, s) = block.forward_core(pass, grid, &x, b.seq, core)?;
+                    kept.push(s);
+                    x = out;
+                }
+                (x, BlocksSaved::Summa(kept))
+            }
+            StageBlocks::Cube(v) => {
+                let grid = self.grid()?;
+                let mut kept = Vec::with_capacity(v.len());
+                for block in v {
+                    let (out, s) = block.forward_core(pass, grid, &x, [b.batch, b.seq], core)?;
+                    kept.push(s);
+                    x = out;
+                }
+                (x, BlocksSaved::Cube(kept))
+            }
+        })
+    }
+
+    fn blocks_backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: BlocksSaved,
+        mut dx: Act,
+    ) -> Result<Act> {
+        let core = self.core();
+        let gone = || Error::InvalidArgument("a block's saved state is gone".into());
+        match (&self.gpt.blocks, saved) {
+            (StageBlocks::Plain(v), BlocksSaved::Plain(mut kept)) => {
+                let sum = |a: &Act| self.sum(pass.stream(), a);
+                let hooks = BlockHooks { sum: &sum, core };
+                for block in v.iter().rev() {
+                    let s = kept.pop().ok_or_else(gone)?;
+                    dx = block.backward_ext(pass, &s, &dx, hooks)?;
+                }
+            }
+            (StageBlocks::Summa(v), BlocksSaved::Summa(mut kept)) => {
+                let grid = self.grid()?;
+                for block in v.iter().rev() {
+                    let s = kept.pop().ok_or_else(gone)?;
+                    dx = block.backward_core(pass, grid, &s, &dx, core)?;
+                }
+            }
+            (StageBlocks::Cube(v), BlocksSaved::Cube(mut kept)) => {
+                let grid = self.grid()?;
+                for block in v.iter().rev() {
+                    let s = kept.pop().ok_or_else(gone)?;
+                    dx = block.backward_core(pass, grid, &s, &dx, core)?;
+                }
+            }
+            _ => return Err(gone()),
+        }
+        Ok(dx)
+    }
+
+    /// Adds a share of `wte`'s gradient (the parameter dtype) to the step's f32 sum.
+    fn keep(&self, pass: &BackwardPass<'_>, share: &PoolBlock) -> Result<()> {
+        let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
+        let n = self.gpt.config.vocab * self.gpt.config.channels;
+        let src = share.view(0, n * d.size())?;
+        let mut acc = self.acc.borrow_mut();
+        match acc.as_ref() {
+            None => {
+                let b = pass.pool().alloc(n * 4)?;
+                cast(dev, s, src, d, b.view(0, n * 4)?, DType::F32)?;
+                *acc = Some(b);
+            }
+            Some(b) => {
+                let tmp = pass.pool().alloc(n * 4)?;
+                cast(dev, s, src, d, tmp.view(0, n * 4)?, DType::F32)?;
+                add_in_place(
+                    dev,
+                    s,
+                    ONE,
+                    b.view(0, n * 4)?,
+                    tmp.view(0, n * 4)?,
+                    DType::F32,
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl StageModel for StageStep<'_> {
+    type Saved = StageSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        let g = self.gpt;
+        let mut v = Vec::new();
+        if let Some(e) = &g.embedding {
+            v.extend([e.wte, e.wpe]);
+        }
+        match &g.blocks {
+            StageBlocks::Plain(b) => v.extend(b.iter().flat_map(|k| k.params())),
+            StageBlocks::Summa(b) => v.extend(b.iter().flat_map(|k| k.params())),
+            StageBlocks::Cube(b) => v.extend(b.iter().flat_map(|k| k.params())),
+        }
+        if let (Some(ln), Some(h)) = (&g.ln_f, &g.head) {
+            v.extend([ln.gamma, ln.beta, h.proj.weight]);
+        }
+        v
+    }
+
+    fn input_shape(&self, micro: usize) -> Result<[usize; 2]> {
+        let b = self.micro.get(micro).ok_or_else(|| {
+            Error::InvalidArgument(format!("micro-batch {micro} of {}", self.micro.len()))
+        })?;
+        match self.groups.grid {
+            Some(grid) => self.gpt.tile_shape(grid, b),
+            None => Ok([b.batch * b.seq, self.gpt.config.channels]),
+        }
+    }
+
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        micro: usize,
+        input: Option<&Act>,
+    ) -> Result<(Act, StageSaved)> {
+        let g = self.gpt;
+        let b = &self.micro[micro];
+        let (x, emb) = match (&g.embedding, input) {
+            (Some(e), _) => {
+                let (x, s) =
+                    e.forward_at(pass, b.tokens, b.batch, b.seq, self.first_position(b))?;
+                (self.to_tile(pass, x)?, Some(s))
+            }
+            (None, Some(x)) => (x.clone(), None),
+            (None, None) => {
+                return Err(Error::InvalidArgument(
+                    "a stage after the first ran without an input".into(),
+                ))
+            }
+        };
+        let (x, blocks) = self.blocks_forward(pass, x, b)?;
+        let mut saved = StageSaved {
+            emb,
+            blocks,
+            ln_f: None,
+            head: None,
+        };
+        match (&g.ln_f, &g.head) {
+            (Some(ln_f), Some(head)) => {
+                let full = self.to_full(pass, x)?;
+                let (h, ln) = ln_f.forward(pass, &full, None)?;
+                drop(full);
+                let (loss, hs) = head.forward_scaled(pass, &h, b.targets, self.scale)?;
+                saved.ln_f = Some(ln);
+                saved.head = Some(hs);
+                let out = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
+                Ok((out, saved))
+            }
+            _ => Ok((x, saved)),
+        }
+    }
+
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        micro: usize,
+        saved: StageSaved,
+        dout: Option<&Act>,
+    ) -> Result<Option<Act>> {
+        let g = self.gpt;
+        let StageSaved {
+            emb,
+            blocks,
+            ln_f,
+            head,
+        } = saved;
+        let dx = match (&g.ln_f, &g.head, ln_f, head, dout) {
+            (Some(lf), Some(h), Some(ln), Some(hs), _) => {
+                let dh = if g.ties() {
+                    let (dh, share) = h.backward_returning(pass, &hs)?;
+                    self.keep(pass, &share)?;
+                    dh
+                } else {
+                    h.backward(pass, &hs)?
+                };
+                drop(hs);
+                let dfull = lf.backward(pass, &ln, &dh, None)?;
+                self.to_tile(pass, dfull)?
+            }
+            (None, None, None, None, Some(d)) => d.clone(),
+            _ => {
+                return Err(Error::InvalidArgument(format!(
+                    "stage {}: micro-batch {micro}'s backward without its output's gradient",
+                    g.stage
+                )))
+            }
+        };
+        let dx = self.blocks_backward(pass, blocks, dx)?;
+        match (&g.embedding, emb) {
+            (Some(e), Some(s)) => {
+                let dfull = self.to_full(pass, dx)?;
+                if g.ties() {
+                    let share = e.backward_returning(pass, &s, &dfull)?;
+                    self.keep(pass, &share)?;
+                } else {
+                    e.backward(pass, &s, &dfull)?;
+                }
+                Ok(None)
+            }
+            _ => Ok(Some(dx)),
+        }
+    }
+
+    fn finish_params(&self) -> Vec<TensorId> {
+        match (self.gpt.ties(), self.gpt.wte()) {
+            (true, Some(w)) => vec![w],
+            _ => Vec::new(),
+        }
+    }
+
+    fn finish_backward(&self, pass: &BackwardPass<'_>) -> Result<()> {
+        let (true, Some(wte)) = (self.gpt.ties(), self.gpt.wte()) else {
+            return Ok(());
+        };
+        let (dev, s) = (pass.device(), pass.stream());
+        let n = self.gpt.config.vocab * self.gpt.config.channels;
+        let acc = self.acc.borrow_mut().take().ok_or_else(|| {
+            Error::InvalidArgument("no share of wte's gradient in this step".into())
+        })?;
+        let other = pass.pool().alloc(n * 4)?;
+        let pipe = self.groups.pipeline;
+        let peer = if self.gpt.stage == 0 {
+            pipe.world() - 1
+        } else {
+            0
+        };
+        let mine = acc.view(0, n * 4)?;
+        pipe.send_recv(s, mine, peer, other.view(0, n * 4)?, peer, DType::F32)?;
+        // the first stage's sum plus the last's, on both
+        let (a, b) = if self.gpt.stage == 0 {
+            (mine, other.view(0, n * 4)?)
+        } else {
+            (other.view(0, n * 4)?, mine)
+        };
+        let total = pass.pool().alloc(n * 4)?;
+        add(dev, s, ONE, a, b, total.view(0, n * 4)?, DType::F32)?;
+        let g = pass.fetch(&[wte])?;
+        g.accumulate_grad(0, total.view(0, n * 4)?, DType::F32)
+    }
+}

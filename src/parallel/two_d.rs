@@ -146,13 +146,13 @@ struct Groups<'g> {
 }
 
 /// An initialiser whose element `k` is element `map(k)` of `master`.
-fn remap(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
+pub(super) fn remap(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
     let master = master.clone();
     Init::Fn(Arc::new(move |k| master.value(map(k))))
 }
 
 /// `n / parts`, or an error saying that `what` (`n`) does not split.
-fn split(name: &str, what: &str, n: usize, parts: usize, how: &str) -> Result<usize> {
+pub(super) fn split(name: &str, what: &str, n: usize, parts: usize, how: &str) -> Result<usize> {
     if n == 0 || parts == 0 || !n.is_multiple_of(parts) {
         return Err(Error::InvalidArgument(format!(
             "'{name}': {what} = {n} does not split into {how} = {parts} equal parts"

@@ -72,10 +72,9 @@ mod layernorm;
 
 pub use layernorm::{LayerNorm2D, Ln2DSaved, Place2D};
 
-use std::sync::Arc;
-
 use layernorm::Groups;
 
+use super::two_d::{remap, split};
 use super::{Linear2D, Linear2p5D, ProcessGrid, TensorMode};
 use crate::error::{Error, Result};
 use crate::nn::{attend, attend_backward, Attended, HeadsCore, WeightUse};
@@ -85,22 +84,6 @@ use crate::ops::heads::Heads;
 use crate::ops::{add, Axpby};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
-
-/// An initialiser whose element `k` is element `map(k)` of `master`.
-fn remap(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
-    let master = master.clone();
-    Init::Fn(Arc::new(move |k| master.value(map(k))))
-}
-
-/// `n / parts`, or an error naming `what` (`n`) that does not split.
-fn split(name: &str, what: &str, n: usize, parts: usize, how: &str) -> Result<usize> {
-    if n == 0 || parts == 0 || !n.is_multiple_of(parts) {
-        return Err(Error::InvalidArgument(format!(
-            "'{name}': {what} = {n} does not split into {how} = {parts} equal parts"
-        )));
-    }
-    Ok(n / parts)
-}
 
 /// A linear of the 2D or the 2.5D scheme, whichever the grid runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -113,8 +113,7 @@ pub use classifier::{Classifier2D, Cls2DSaved};
 pub use cost::{EndsCollectives, EndsGroups};
 pub use vocab::{VocabEmb2DSaved, VocabEmbedding2D};
 
-use std::sync::Arc;
-
+use super::two_d::{remap, split};
 use super::{Place2D, ProcessGrid, TensorMode};
 use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
@@ -124,22 +123,6 @@ use crate::nn::Act;
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
-
-/// An initialiser whose element `k` is element `map(k)` of `master`.
-fn remap(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
-    let master = master.clone();
-    Init::Fn(Arc::new(move |k| master.value(map(k))))
-}
-
-/// `n / parts`, or an error naming `what` (`n`) that does not split.
-fn split(name: &str, what: &str, n: usize, parts: usize, how: &str) -> Result<usize> {
-    if n == 0 || parts == 0 || !n.is_multiple_of(parts) {
-        return Err(Error::InvalidArgument(format!(
-            "'{name}': {what} = {n} does not split into {how} = {parts} equal parts"
-        )));
-    }
-    Ok(n / parts)
-}
 
 /// The grid's mode and this rank's place, for layer `layer` named `name`; an error on a grid
 /// that is neither 2D nor 2.5D.

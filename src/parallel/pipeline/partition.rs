@@ -97,7 +97,8 @@ pub fn partition(
         let e = (j + 1..=l - left)
             .rev()
             .find(|&e| best[k + 1][e] != inf && cost(k, j, e).max(best[k + 1][e]) <= target)
-            .expect("the optimum is reachable");
+            // the optimum is reachable; counts too large to add are the only way to miss it
+            .ok_or(PipelineError::Overflow)?;
         ranges.push(j..e);
         params.push(cost(k, j, e));
         j = e;

@@ -849,7 +849,7 @@ impl Run<'_> {
                     train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?
                 }
                 Model::Pipe(gpt, groups) => {
-                    train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?
+                    train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?.0
                 }
             };
             losses.push(s.loss);

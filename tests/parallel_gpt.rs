@@ -590,7 +590,9 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
                         seq: l,
                     })
                     .collect();
-                let s = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+                let (s, rep) =
+                    train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+                assert!(rep.peak_in_flight <= rep.in_flight_bound);
                 losses.push(mean_loss(c, s.loss));
                 norms.push(s.report.grad_norm);
             }

@@ -88,6 +88,12 @@ pub struct StageReport {
     pub recvs: usize,
     /// Grouped send-receives (a send paired with the receive that follows it).
     pub send_recvs: usize,
+    /// Seconds of the run spent in messages, the stage's own enqueued work done first: waiting
+    /// for a neighbour and moving activations (the stage's share of the bubble, plus the
+    /// transfers).
+    pub wait_seconds: f64,
+    /// Seconds of the whole run.
+    pub total_seconds: f64,
 }
 
 /// One rank's stage of a pipeline over the pipeline group: stage `group.rank()` of
@@ -196,6 +202,7 @@ impl<'c> PipelineStage<'c> {
                 ..StageReport::default()
             },
         };
+        let started = std::time::Instant::now();
         let params = model.params();
         let fwd = store.forward()?;
         // the uses of the forwards run in recompute passes, and of the finishing fetches,
@@ -226,6 +233,7 @@ impl<'c> PipelineStage<'c> {
         self.exchange(bwd.stream(), bwd.pool(), &mut run, None)?;
         model.finish_backward(&bwd)?;
         bwd.finish()?;
+        run.report.total_seconds = started.elapsed().as_secs_f64();
         Ok(run.report)
     }
 
@@ -298,6 +306,21 @@ impl<'c> PipelineStage<'c> {
     /// Sends the held-back message and receives `recv` (`(peer, shape, dtype)`), as one
     /// grouped `send_recv` when both are there.
     fn exchange<S>(
+        &self,
+        stream: &Stream,
+        pool: &CachingAllocator,
+        run: &mut Run<S>,
+        recv: Option<(usize, [usize; 2], DType)>,
+    ) -> Result<Option<Act>> {
+        // the stage's own work first, so that the wait holds only the messages
+        self.group.device().sync_stream(stream)?;
+        let t0 = std::time::Instant::now();
+        let out = self.exchange_in(stream, pool, run, recv);
+        run.report.wait_seconds += t0.elapsed().as_secs_f64();
+        out
+    }
+
+    fn exchange_in<S>(
         &self,
         stream: &Stream,
         pool: &CachingAllocator,

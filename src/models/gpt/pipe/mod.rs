@@ -19,7 +19,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, LmHead, Mlp, WeightUse};
 use crate::optim::{GradStats, HybridAdam, StepOutcome};
-use crate::parallel::pipeline::{partition, PipelineStage, Schedule};
+use crate::parallel::pipeline::{partition, PipelineStage, Schedule, StageReport};
 use crate::parallel::{
     BatchBlock, Block1D, Block2D, Block3D, Layout3D, Place3D, ProcessGrid, RingAttention, RingCore,
     Shard, TensorMode,
@@ -374,7 +374,8 @@ fn shared(mut b: Block) -> Block {
 /// optimizer's loss scale over `micro.len()`, then the store's step with the gradient
 /// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
 /// norm). The optimizer steps at every call (no accumulation of its own). Returns the mean of
-/// the micro-batches' losses on every stage.
+/// the micro-batches' losses on every stage, and the stage's [`StageReport`] (micro-batches in
+/// flight, messages, seconds waiting).
 pub fn train_step_pipe<S: ParamStore + ?Sized>(
     gpt: &GptStage,
     store: &mut S,
@@ -382,7 +383,7 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     schedule: Schedule,
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
-) -> Result<TrainStep> {
+) -> Result<(TrainStep, StageReport)> {
     if adam.config().accumulation_steps != 1 || micro.is_empty() {
         return Err(Error::InvalidArgument(format!(
             "a pipeline step of {} micro-batches for an optimizer that accumulates {}: the \
@@ -444,9 +445,10 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     // the last stage's mean loss, to every stage
     let mut loss = [report.losses.iter().map(|&l| f64::from(l)).sum::<f64>()];
     groups.pipeline.all_reduce_host(&mut loss, ReduceOp::Sum)?;
-    Ok(TrainStep {
+    let step = TrainStep {
         loss: (loss[0] / micro.len() as f64) as f32,
         report: r,
         tokens: micro.iter().map(|b| b.tokens.len()).sum(),
-    })
+    };
+    Ok((step, report))
 }

@@ -119,8 +119,9 @@ struct Args {
     /// Micro-batches a step with --pp (each of --batch sequences).
     #[arg(long, default_value_t = 4)]
     micro_batches: usize,
-    /// The pipeline schedule: 1f1b (PipeDream-Flush), gpipe, or 2bw (PipeDream-2BW; its
-    /// weight versions are not kept by the stores yet: refused).
+    /// The pipeline schedule: 1f1b (PipeDream-Flush), gpipe, or 2bw (PipeDream-2BW: a new
+    /// weight version every step of --micro-batches ≥ --pp, the gradient taken at the one
+    /// before).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// With --tp 2d/2.5d/3d: the embeddings, ln_f and the tied head split over the grid like
@@ -276,6 +277,8 @@ fn adam(a: &Args, dtype: DType) -> Result<HybridAdam> {
         max_grad_norm: (a.clip > 0.0).then_some(a.clip),
         accumulation_steps: a.accumulate,
         placement: DevicePlacement::HostOnly,
+        // PipeDream-2BW: the parameters one version behind the masters
+        delayed_params: a.pp > 1 && a.schedule == "2bw",
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
 }
@@ -687,7 +690,9 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let schedule = match a.schedule.as_str() {
         "1f1b" | "flush" => Schedule::OneFOneB,
         "gpipe" => Schedule::GPipe,
-        "2bw" => Schedule::TwoBW { every: pp.max(1) },
+        "2bw" => Schedule::TwoBW {
+            every: a.micro_batches,
+        },
         other => return Err(bad(format!("--schedule {other}: 1f1b, gpipe or 2bw"))),
     };
     if pp > 1 && (p.hf.is_some() || a.accumulate != 1 || a.micro_batches == 0) {

@@ -675,3 +675,107 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
     }
 }
+
+/// PipeDream-2BW: GPT-2 over two stages with a new weight version every 2 micro-batches (a
+/// step), each step's gradient taken at the version before (`delayed_params`), trains to the
+/// losses and gradient norms of one process running the same rule serially (the whole batch a
+/// step, parameters one version behind the masters), step by step; and those differ from
+/// plain training once the lag shows.
+#[test]
+fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
+    let two_bw = || {
+        HybridAdam::new(HybridConfig {
+            max_grad_norm: Some(0.05),
+            placement: tidemem::optim::DevicePlacement::HostOnly,
+            delayed_params: true,
+            ..HybridConfig::new(AdamConfig::adamw(3e-3, 0.01))
+        })
+        .unwrap()
+    };
+    let halves = |k: u64| {
+        let (t, g) = batch(k);
+        let half = B / 2 * T;
+        (0..2)
+            .map(|h| {
+                (
+                    t[h * half..(h + 1) * half].to_vec(),
+                    g[h * half..(h + 1) * half].to_vec(),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    // the serial rule: the whole batch a step (its mean gradient is the two halves'), the
+    // parameters one version behind
+    let mut m = manager(common::sim(256 << 20), 256 << 20);
+    let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
+    let mut opt = two_bw();
+    let mut want = Vec::new();
+    for k in 0..STEPS {
+        let (t, g) = batch(k);
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: B,
+            seq: T,
+        };
+        let r = train_step(&gpt, &mut m, &mut opt, &[b], false).unwrap();
+        want.push((r.loss, r.report.grad_norm));
+    }
+    let plain = serial();
+    let lagged = want
+        .iter()
+        .zip(&plain.0)
+        .any(|((l, _), p)| l.to_bits() != *p);
+    assert!(lagged, "the lag changes the losses");
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 2,
+        sequence: 1,
+        tensor: TensorMode::None,
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let mut z = manager(c.device().clone(), 256 << 20);
+        let stage = grid.pipeline_rank();
+        let layers = GptStage::balanced(&config(), 2).unwrap();
+        let range = layers[stage].clone();
+        let split = StageSplit::None;
+        let gpt = GptStage::register(&mut z, &config(), 3, (stage, 2), range, split).unwrap();
+        let groups = StageGroups {
+            pipeline: grid.pipeline(),
+            tensor: None,
+            sequence: None,
+            grid: None,
+        };
+        let mut opt = two_bw();
+        let schedule = Schedule::TwoBW { every: 2 };
+        let mut got = Vec::new();
+        for k in 0..STEPS {
+            let d = halves(k);
+            let micro: Vec<GptBatch> = d
+                .iter()
+                .map(|(t, g)| GptBatch {
+                    tokens: t,
+                    targets: g,
+                    batch: B / 2,
+                    seq: T,
+                })
+                .collect();
+            let (s, _) = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+            got.push((s.loss, s.report.grad_norm));
+        }
+        got
+    });
+    for (r, got) in runs.iter().enumerate() {
+        for (k, ((l, n), (wl, wn))) in got.iter().zip(&want).enumerate() {
+            let e = (f64::from(*l) - f64::from(*wl)).abs() / f64::from(*wl);
+            assert!(
+                e < 1e-5,
+                "stage {r}, step {k}: loss {l} vs the serial rule's {wl}"
+            );
+            assert!(
+                (n - wn).abs() <= 1e-5 * wn.abs().max(1.0),
+                "stage {r}, step {k}: norm"
+            );
+        }
+    }
+}

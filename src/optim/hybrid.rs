@@ -117,6 +117,14 @@ pub struct HybridConfig {
     pub max_grad_norm: Option<f32>,
     /// Micro-batches per step (≥ 1).
     pub accumulation_steps: u32,
+    /// PipeDream-2BW's second weight version: each step writes the parameters the model
+    /// computes with from the fp32 masters as they were *before* the step's update, so the
+    /// next step's gradient is taken at `W(t−1)` while the masters hold `W(t)`:
+    /// `W(t+1) = W(t) − Adam(∇f(W(t−1)))`. The masters are the second set of chunks. An
+    /// overflow's skipped step restores the parameters from the masters (the lag restarts).
+    /// Refused with `accumulation_steps > 1`, whose restores between micro-batches would end
+    /// the lag.
+    pub delayed_params: bool,
 }
 
 impl HybridConfig {
@@ -131,6 +139,7 @@ impl HybridConfig {
             loss_scale: None,
             max_grad_norm: None,
             accumulation_steps: 1,
+            delayed_params: false,
         }
     }
 }
@@ -222,6 +231,14 @@ impl HybridAdam {
     /// An optimizer with settings `cfg`.
     pub fn new(cfg: HybridConfig) -> Result<Self> {
         cfg.adam.validate()?;
+        if cfg.delayed_params && cfg.accumulation_steps > 1 {
+            return Err(Error::InvalidArgument(
+                "delayed_params with accumulation_steps > 1: the parameters are restored from \
+                 the masters between micro-batches, which would end the lag (run the \
+                 micro-batches in one iteration, as a pipeline stage does)"
+                    .into(),
+            ));
+        }
         if cfg.accumulation_steps == 0 {
             return Err(Error::InvalidArgument(
                 "accumulation_steps must be at least 1".into(),
@@ -472,8 +489,10 @@ impl HybridAdam {
         let norm = st.sum_sq.sqrt() / scale as f64;
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
-        let cpu = self.cpu;
-        m.visit_groups(&ChunkKind::ALL, place, |v| adam_group(&cpu, &s, v, None))?;
+        let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
+        m.visit_groups(&ChunkKind::ALL, place, |v| {
+            adam_group(&cpu, &s, v, None, delayed)
+        })?;
         self.finish(m, scale, k, norm, clip)
     }
 
@@ -609,6 +628,7 @@ impl HybridAdam {
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / n as f32)?;
         let (cpu, acc, touched) = (self.cpu, &self.acc, &self.touched);
+        let delayed = self.cfg.delayed_params;
         m.visit_groups(
             &ChunkKind::ALL,
             |_| Target::Host,
@@ -620,7 +640,7 @@ impl HybridAdam {
                     .collect();
                 v.ranges = grad_ranges(&flagged);
                 let g = v.group;
-                adam_group(&cpu, &s, v, Some(&acc[g]))
+                adam_group(&cpu, &s, v, Some(&acc[g]), delayed)
             },
         )?;
         self.clear_accumulators();
@@ -674,11 +694,14 @@ fn restore(m: &mut ChunkManager, place: impl FnMut(usize) -> Target) -> Result<(
 
 /// Steps one group: on the device with [`crate::device::Device::adam`], on the host with the
 /// CPU kernel. `acc` replaces the gradients in the parameter chunk when given (accumulation).
+/// With `delayed`, the parameters are written from the masters as they were before the update
+/// ([`HybridConfig::delayed_params`]).
 fn adam_group(
     cpu: &CpuAdam,
     s: &AdamScalars,
     v: GroupVisit<'_>,
     acc: Option<&[f32]>,
+    delayed: bool,
 ) -> Result<()> {
     let dt = v.param_dtype;
     let es = dt.size();
@@ -692,6 +715,7 @@ fn adam_group(
             for r in &v.ranges {
                 let (p, mo, va) = (&mut p[r.clone()], &mut mo[r.clone()], &mut va[r.clone()]);
                 let bytes = &mut param[r.start * es..r.end * es];
+                let before = delayed.then(|| p.to_vec());
                 match (acc, dt) {
                     (Some(a), DType::F32) => {
                         cpu.step(s, p, mo, va, Grad::F32(&a[r.clone()]), ParamCopy::None)?;
@@ -729,6 +753,9 @@ fn adam_group(
                         )))
                     }
                 }
+                if let Some(before) = before {
+                    write_params(bytes, &before, dt)?;
+                }
             }
             Ok(())
         }
@@ -748,6 +775,13 @@ fn adam_group(
             for r in &v.ranges {
                 let f = |b| f32_span(b, r);
                 let grad = param.view(r.start * es, r.len() * es)?;
+                let before = if delayed {
+                    let b = device.alloc(r.len() * 4)?;
+                    device.copy_d2d(stream, f(p)?, b.view(0, r.len() * 4)?)?;
+                    Some(b)
+                } else {
+                    None
+                };
                 ops::adam(
                     device,
                     stream,
@@ -764,11 +798,46 @@ fn adam_group(
                 if dt == DType::F32 {
                     device.copy_d2d(stream, f(p)?, grad)?;
                 }
+                if let Some(b) = before {
+                    ops::cast(
+                        device,
+                        stream,
+                        b.view(0, r.len() * 4)?,
+                        DType::F32,
+                        grad,
+                        dt,
+                    )?;
+                }
             }
             Ok(())
         }
         _ => unreachable!("all four chunks were asked for"),
     }
+}
+
+/// Writes `values` over a host range of parameters of `dt` (rounded to nearest even).
+fn write_params(bytes: &mut [u8], values: &[f32], dt: DType) -> Result<()> {
+    match dt {
+        DType::F32 => bytes.copy_from_slice(bytemuck::cast_slice(values)),
+        DType::F16 => {
+            let out: &mut [half::f16] = typed_mut(bytes)?;
+            out.iter_mut()
+                .zip(values)
+                .for_each(|(o, &v)| *o = half::f16::from_f32(v));
+        }
+        DType::BF16 => {
+            let out: &mut [half::bf16] = typed_mut(bytes)?;
+            out.iter_mut()
+                .zip(values)
+                .for_each(|(o, &v)| *o = half::bf16::from_f32(v));
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "parameters of {other} cannot be written (model floats only)"
+            )))
+        }
+    }
+    Ok(())
 }
 
 fn f32_span<'a>(

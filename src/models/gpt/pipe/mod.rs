@@ -373,7 +373,10 @@ fn shared(mut b: Block) -> Block {
 /// store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
 /// optimizer's loss scale over `micro.len()`, then the store's step with the gradient
 /// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
-/// norm). The optimizer steps at every call (no accumulation of its own). Returns the mean of
+/// norm). [`Schedule::TwoBW`] (PipeDream-2BW) needs an optimizer with
+/// [`delayed_params`](crate::optim::HybridConfig::delayed_params) and a version per step
+/// (`every = micro.len() ≥ P`): the step's gradient is taken at `W(t−1)` and applied to `W(t)`;
+/// its ops run in 1F1B order within the version (the math of 2BW, the bubble of 1F1B). The optimizer steps at every call (no accumulation of its own). Returns the mean of
 /// the micro-batches' losses on every stage, and the stage's [`StageReport`] (micro-batches in
 /// flight, messages, seconds waiting).
 pub fn train_step_pipe<S: ParamStore + ?Sized>(
@@ -404,6 +407,24 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     for b in micro {
         b.check(&gpt.config)?;
     }
+    // 2BW: a new weight version every `every` micro-batches (a step's), each taken at the
+    // version before (the optimizer's delayed parameters); within a version the ops run in
+    // 1F1B order
+    let order = match schedule {
+        Schedule::TwoBW { every } => {
+            if !adam.config().delayed_params || every != micro.len() || every < gpt.stages {
+                return Err(Error::InvalidArgument(format!(
+                    "PipeDream-2BW with a new version every {every} micro-batches: a step holds \
+                     them ({} here), at least the {} stages, and the optimizer keeps the \
+                     parameters one version behind (HybridConfig::delayed_params)",
+                    micro.len(),
+                    gpt.stages
+                )));
+            }
+            Schedule::OneFOneB
+        }
+        s => s,
+    };
     let ring = match groups.sequence {
         None => None,
         Some(group) => {
@@ -423,7 +444,7 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
         scale: adam.loss_scale() / micro.len() as f32,
         acc: RefCell::new(None),
     };
-    let report = PipelineStage::new(groups.pipeline, schedule, micro.len())?.run(store, &step)?;
+    let report = PipelineStage::new(groups.pipeline, order, micro.len())?.run(store, &step)?;
     let reduce = |st: GradStats| -> Result<GradStats> {
         let mut sq = [st.sum_sq];
         let mut flag = [u8::from(st.nonfinite)];

@@ -17,7 +17,8 @@
 //! sees of either kind of store: passes, guards and typed device views of the parameters
 //! ([`prelude`] imports it all), and [`nn`] the layers that compute on it in place. [`demo`]
 //! holds the small MLP the examples train; [`profile`] writes Chrome traces and tide plots;
-//! [`data`] generates synthetic training data.
+//! [`data`] generates synthetic training data (and reads Criteo TSV files), [`metrics`] scores
+//! a classifier (exact AUC, log loss).
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
@@ -50,6 +51,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod kernels;
+pub mod metrics;
 pub mod models;
 pub mod nn;
 pub mod ops;

@@ -26,10 +26,11 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("device", &["device", "kernels"]),
     // one op = one file: descriptors, typed wrappers, CPU twins
     ("ops", &["ops"]),
-    // the chunk memory system, the pure scheduler it runs, files, profiles, input data
+    // the chunk memory system, the pure scheduler it runs, files, profiles, input data and the
+    // metrics scored on it
     (
         "memory",
-        &["chunk", "tide", "checkpoint", "profile", "data"],
+        &["chunk", "tide", "checkpoint", "profile", "data", "metrics"],
     ),
     // what trains on chunks: the optimizer, collectives, the placement simulator
     ("training", &["optim", "comm", "simulate"]),

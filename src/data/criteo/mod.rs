@@ -1,5 +1,8 @@
 //! Deterministic synthetic Criteo-like click data: no download needed.
 //!
+//! The [`tsv`] module reads (and writes) the Criteo TSV format into the same [`Batch`]es, so a
+//! trainer takes synthetic or real click logs alike.
+//!
 //! [`Synthetic`] generates batches of samples shaped like the Criteo Kaggle, Criteo 1TB and Avazu
 //! click logs: [`DENSE_FEATURES`] non-negative dense features, one categorical id per table over
 //! the published table cardinalities (optionally shrunk by a scale), and a 0/1 label.
@@ -90,8 +93,10 @@
 mod config;
 #[cfg(test)]
 mod tests;
+pub mod tsv;
 
 pub use config::{Batch, Dataset, Drift, SyntheticConfig, DENSE_FEATURES};
+pub use tsv::{IdMap, TsvConfig, TsvReader, TsvReport, TsvRow, Vocabulary};
 
 use super::permutation::Permutation;
 use super::rng::{derive_seed, mix64, unit_f64, Rng, Xoshiro256};

@@ -100,6 +100,14 @@ fn check<L: BinaryLabel>(what: &str, values: &[f32], labels: &[L]) -> Result<Vec
 /// `labels`, ties by the midrank rule (see the [module docs](self)); infinite scores are
 /// allowed.
 ///
+/// ```
+/// use tidemem::metrics::auc;
+/// # fn main() -> tidemem::Result<()> {
+/// // One positive ties with one of the two negatives: (1 + 1/2) / 2 pairs.
+/// assert_eq!(auc(&[0.2f32, 0.7, 0.7], &[0u8, 0, 1])?, Some(0.75));
+/// # Ok(()) }
+/// ```
+///
 /// Returns `Ok(None)` when one class is absent (an empty input included): the AUC is not
 /// defined there.
 ///
@@ -136,6 +144,15 @@ pub fn auc<L: BinaryLabel>(scores: &[f32], labels: &[L]) -> Result<Option<f64>> 
 
 /// The mean binary cross-entropy `-(y ln p + (1 - y) ln(1 - p))` of the probabilities `probs`
 /// against `labels`, with `p` clamped to `[1e-7, 1 - 1e-7]` ([`LOG_LOSS_EPS`]); summed in `f64`.
+///
+/// ```
+/// use tidemem::metrics::log_loss;
+/// # fn main() -> tidemem::Result<()> {
+/// let loss = log_loss(&[0.9f32, 0.2], &[1.0f32, 0.0])?;
+/// let want = -(0.9f64.ln() + 0.8f64.ln()) / 2.0;
+/// assert!((loss - want).abs() < 1e-6); // the f32 probabilities are not exactly 0.9 and 0.2
+/// # Ok(()) }
+/// ```
 ///
 /// # Errors
 /// [`Error::InvalidArgument`] if the input is empty, the lengths differ, a probability is NaN

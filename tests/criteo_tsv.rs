@@ -354,6 +354,11 @@ fn empty_input_gives_no_batch_and_bad_configs_are_refused() {
     assert!(r.next_batch(16).unwrap().is_none());
     assert_eq!(r.report().lines, 0);
     assert!(matches!(r.next_batch(0), Err(Error::InvalidArgument(_))));
+    // A huge batch size does not reserve memory for samples that never come.
+    let text = text_of(&known_rows(3, 9));
+    let (b, _) = read_all(&text, hashed(), usize::MAX);
+    assert_eq!(b.len(), 1);
+    assert_eq!(b[0].size, 3);
     for cards in [vec![10; 25], vec![0; 26], vec![(1 << 32) + 1; 26]] {
         let c = TsvConfig {
             ids: IdMap::Hash,

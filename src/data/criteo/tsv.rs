@@ -376,6 +376,34 @@ fn read_line<R: BufRead>(reader: &mut R, line: &mut Vec<u8>) -> Result<bool> {
 }
 
 /// A streaming reader of Criteo TSV lines into [`Batch`]es (see the [module docs](self)).
+///
+/// Reads one line at a time from any [`BufRead`]: a file of any size streams through a
+/// [`BufReader`](std::io::BufReader).
+///
+/// ```
+/// use std::fs::File;
+/// use std::io::BufReader;
+/// use tidemem::data::criteo::tsv::{write_tsv, IdMap, TsvConfig, TsvReader, TsvRow};
+///
+/// # fn main() -> tidemem::Result<()> {
+/// let rows: Vec<TsvRow> = (0..10u8)
+///     .map(|i| TsvRow { label: i % 2, dense: [Some(i.into()); 13], categorical: [Some(i.into()); 26] })
+///     .collect();
+/// let mut file = tempfile::tempfile().unwrap();
+/// write_tsv(&mut file, &rows)?;
+/// std::io::Seek::rewind(&mut file).unwrap();
+///
+/// let config = TsvConfig { ids: IdMap::Hash, cardinalities: vec![100; 26] };
+/// let mut reader = TsvReader::new(BufReader::new(file), config)?;
+/// let mut sizes = Vec::new();
+/// while let Some(batch) = reader.next_batch(4)? {
+///     sizes.push(batch.size);
+/// }
+/// assert_eq!(sizes, [4, 4, 2]);
+/// assert_eq!(reader.report().samples, 10);
+/// assert_eq!(reader.report().malformed, 0);
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct TsvReader<R> {
     reader: R,
@@ -437,11 +465,15 @@ impl<R: BufRead> TsvReader<R> {
                 "a batch needs at least 1 sample".into(),
             ));
         }
+        // Reserve for the batch, but not for an absurd `n` the input may never fill.
+        let cap = n.min(1 << 16);
         let mut batch = Batch {
             size: 0,
-            dense: Vec::with_capacity(n * DENSE_FEATURES),
-            ids: vec![Vec::with_capacity(n); CATEGORICAL_FEATURES],
-            labels: Vec::with_capacity(n),
+            dense: Vec::with_capacity(cap * DENSE_FEATURES),
+            ids: (0..CATEGORICAL_FEATURES)
+                .map(|_| Vec::with_capacity(cap))
+                .collect(),
+            labels: Vec::with_capacity(cap),
         };
         while batch.size < n && read_line(&mut self.reader, &mut self.line)? {
             self.report.lines += 1;

@@ -2,4 +2,5 @@
 //! [`ParamStore`](crate::store::ParamStore): [`gpt`], the GPT-2 family with activation
 //! checkpointing, Hugging Face checkpoints in and out, and its training loop.
 
+pub mod dlrm;
 pub mod gpt;

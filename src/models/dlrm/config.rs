@@ -1,0 +1,214 @@
+//! The shape of a DLRM: presets and checks.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::ops::interaction::{InteractionShape, MAX_INTERACTION_DIM, MAX_INTERACTION_ROWS};
+
+/// The shape of a DLRM (facebookresearch/dlrm's `dot` interaction): `dense_features` dense
+/// inputs through the bottom MLP (`dense_features → bottom[0] → … → bottom[last] = dim`, ReLU
+/// after every layer), `tables` embedding bags of `dim` columns, the dot interaction of the
+/// `F = tables + 1` vectors (the strict lower triangle of `T·Tᵀ` after the dense vector:
+/// [`DlrmConfig::top_inputs`] `= dim + F(F−1)/2` values) and the top MLP
+/// (`top_inputs → top[0] → … → top[last] = 1`, ReLU between, the last layer's logit into the
+/// fused sigmoid + BCE).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DlrmConfig {
+    /// Dense features per sample (Criteo: 13).
+    pub dense_features: usize,
+    /// Sparse features: embedding tables, one pooled bag each per sample (Criteo: 26).
+    pub tables: usize,
+    /// `d`: the embedding width, which the bottom MLP's last layer must output.
+    pub dim: usize,
+    /// The bottom MLP's layer widths (outputs), the last equal to `dim`.
+    pub bottom: Vec<usize>,
+    /// The top MLP's layer widths (outputs), the last equal to 1 (the logit).
+    pub top: Vec<usize>,
+}
+
+impl DlrmConfig {
+    /// The Criteo Kaggle configuration of facebookresearch/dlrm
+    /// (`bench/dlrm_s_criteo_kaggle.sh`): `d = 16`, bottom 13-512-256-64-16, top 367-512-256-1.
+    pub fn kaggle() -> DlrmConfig {
+        DlrmConfig {
+            dense_features: 13,
+            tables: 26,
+            dim: 16,
+            bottom: vec![512, 256, 64, 16],
+            top: vec![512, 256, 1],
+        }
+    }
+
+    /// TorchRec's Criteo 1TB DLRM: `d = 128`, dense 13-512-256-128, over
+    /// 479-1024-1024-512-256-1.
+    pub fn torchrec() -> DlrmConfig {
+        DlrmConfig {
+            dense_features: 13,
+            tables: 26,
+            dim: 128,
+            bottom: vec![512, 256, 128],
+            top: vec![1024, 1024, 512, 256, 1],
+        }
+    }
+
+    /// A tiny model on Criteo's inputs (13 dense features, 26 tables) for tests: `d = 4`,
+    /// bottom 13-8-4, top 355-8-1.
+    pub fn tiny() -> DlrmConfig {
+        DlrmConfig {
+            dense_features: 13,
+            tables: 26,
+            dim: 4,
+            bottom: vec![8, 4],
+            top: vec![8, 1],
+        }
+    }
+
+    /// A preset by name: `kaggle`, `torchrec` or `tiny` (case-insensitive).
+    pub fn preset(name: &str) -> Option<DlrmConfig> {
+        match name.to_ascii_lowercase().as_str() {
+            "kaggle" | "criteo-kaggle" => Some(DlrmConfig::kaggle()),
+            "torchrec" | "criteo-1tb" => Some(DlrmConfig::torchrec()),
+            "tiny" => Some(DlrmConfig::tiny()),
+            _ => None,
+        }
+    }
+
+    /// The preset names [`DlrmConfig::preset`] knows.
+    pub const PRESETS: &'static [&'static str] = &["kaggle", "torchrec", "tiny"];
+
+    /// `F`: the vectors the interaction stacks, the tables and the dense vector.
+    pub fn vectors(&self) -> usize {
+        self.tables + 1
+    }
+
+    /// The interaction's shape for a batch of `batch` samples.
+    pub fn interaction(&self, batch: usize) -> InteractionShape {
+        InteractionShape {
+            batch,
+            features: self.tables,
+            dim: self.dim,
+        }
+    }
+
+    /// The top MLP's input width, `dim + F(F−1)/2` (Kaggle: 16 + 351 = 367).
+    pub fn top_inputs(&self) -> usize {
+        self.interaction(0).out_width()
+    }
+
+    /// Checks the shape: every width and count positive, the bottom MLP ending in `dim`, the
+    /// top MLP in one logit, and the interaction within its limits. [`Error::InvalidArgument`]
+    /// naming what is wrong otherwise.
+    pub fn check(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::InvalidArgument(format!("DLRM config: {what}")));
+        if self.dense_features == 0 || self.tables == 0 || self.dim == 0 {
+            return bad(format!(
+                "{} dense features, {} tables, dim {}: each must be positive",
+                self.dense_features, self.tables, self.dim
+            ));
+        }
+        if self.tables >= MAX_INTERACTION_ROWS || self.dim > MAX_INTERACTION_DIM {
+            return bad(format!(
+                "{} tables of dim {}: the interaction takes at most {} tables and dim {}",
+                self.tables,
+                self.dim,
+                MAX_INTERACTION_ROWS - 1,
+                MAX_INTERACTION_DIM
+            ));
+        }
+        for (name, widths) in [("bottom", &self.bottom), ("top", &self.top)] {
+            if widths.is_empty() || widths.contains(&0) {
+                return bad(format!(
+                    "the {name} MLP's widths {widths:?} must be non-empty and positive"
+                ));
+            }
+        }
+        if self.bottom.last() != Some(&self.dim) {
+            return bad(format!(
+                "the bottom MLP {:?} must end in dim = {}",
+                self.bottom, self.dim
+            ));
+        }
+        if self.top.last() != Some(&1) {
+            return bad(format!(
+                "the top MLP {:?} must end in 1 (the logit)",
+                self.top
+            ));
+        }
+        Ok(())
+    }
+
+    /// The layers as `(inputs, outputs)`, bottom then top.
+    pub(super) fn layer_shapes(&self) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+        let chain = |first: usize, widths: &[usize]| {
+            let mut inputs = first;
+            widths
+                .iter()
+                .map(|&w| (std::mem::replace(&mut inputs, w), w))
+                .collect::<Vec<_>>()
+        };
+        (
+            chain(self.dense_features, &self.bottom),
+            chain(self.top_inputs(), &self.top),
+        )
+    }
+
+    /// MLP parameters (weights and biases).
+    pub fn mlp_params(&self) -> usize {
+        let (b, t) = self.layer_shapes();
+        b.iter().chain(&t).map(|&(i, o)| i * o + o).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_derive_the_top_input() {
+        assert_eq!(DlrmConfig::kaggle().top_inputs(), 367);
+        assert_eq!(DlrmConfig::torchrec().top_inputs(), 128 + 351);
+        assert_eq!(DlrmConfig::tiny().top_inputs(), 355);
+        for name in DlrmConfig::PRESETS {
+            let c = DlrmConfig::preset(name).unwrap();
+            c.check().unwrap();
+            assert_eq!(c.vectors(), 27);
+        }
+        assert!(DlrmConfig::preset("nope").is_none());
+        let (b, t) = DlrmConfig::kaggle().layer_shapes();
+        assert_eq!(b, [(13, 512), (512, 256), (256, 64), (64, 16)]);
+        assert_eq!(t, [(367, 512), (512, 256), (256, 1)]);
+    }
+
+    #[test]
+    fn bad_shapes_are_refused() {
+        let bad = [
+            DlrmConfig {
+                bottom: vec![8, 5],
+                ..DlrmConfig::tiny()
+            },
+            DlrmConfig {
+                top: vec![8, 2],
+                ..DlrmConfig::tiny()
+            },
+            DlrmConfig {
+                top: vec![],
+                ..DlrmConfig::tiny()
+            },
+            DlrmConfig {
+                bottom: vec![0, 4],
+                ..DlrmConfig::tiny()
+            },
+            DlrmConfig {
+                tables: 0,
+                ..DlrmConfig::tiny()
+            },
+            DlrmConfig {
+                tables: MAX_INTERACTION_ROWS,
+                ..DlrmConfig::tiny()
+            },
+        ];
+        for c in bad {
+            assert!(matches!(c.check(), Err(Error::InvalidArgument(_))), "{c:?}");
+        }
+    }
+}

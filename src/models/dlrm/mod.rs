@@ -1,0 +1,51 @@
+//! DLRM (facebookresearch/dlrm's `dot` model) on the memory layer, its embedding tables in a
+//! [`CachedEmbeddingCollection`](crate::embedding::CachedEmbeddingCollection).
+//!
+//! [`DlrmConfig`] is the shape (the Criteo Kaggle and TorchRec presets, a tiny one for tests);
+//! [`Dlrm`] registers the bottom and top MLPs as [`Linear`](crate::nn::Linear) layers in any
+//! [`ParamStore`](crate::store::ParamStore) and runs one batch:
+//!
+//! 1. the dense features `[B, 13]` through the bottom MLP (Linear + ReLU after every layer) to
+//!    the dense vector `[B, d]`;
+//! 2. the pooled embedding vectors, computed by the collection on the host side and uploaded
+//!    (`[tables, B, d]` as the collection returns them, reordered to `[B, tables, d]`);
+//! 3. the dot interaction ([`ops::interaction`](crate::ops::interaction)): the dense vector,
+//!    then the strict lower triangle of `T·Tᵀ` over the `F = tables + 1` stacked vectors;
+//! 4. the top MLP (ReLU between layers), its logit through the fused sigmoid + BCE
+//!    ([`ops::bce`](crate::ops::bce)), the loss the mean over the batch;
+//! 5. the backward: the MLP gradients into the store's slots, the embedding vectors' gradient
+//!    back to the host (table-major again) for
+//!    [`CachedEmbeddingCollection::backward`](crate::embedding::CachedEmbeddingCollection::backward).
+//!
+//! [`train_step`] glues one step: the collection's forward, [`Dlrm::forward_backward`], the
+//! collection's backward and row optimizer, the store's optimizer step.
+//!
+//! # Example
+//!
+//! ```
+//! use tidemem::models::dlrm::{Dlrm, DlrmConfig};
+//! use tidemem::prelude::*;
+//!
+//! # fn main() -> tidemem::Result<()> {
+//! let dev = Device::sim(SimConfig::with_capacity(16 << 20))?;
+//! let mut cfg = ManagerConfig::new(1 << 16, Policy::Tide);
+//! cfg.param_dtype = DType::F32;
+//! let mut store = ChunkManager::new(dev, cfg)?;
+//! let config = DlrmConfig::tiny();
+//! let model = Dlrm::register(&mut store, &config, 0)?;
+//! let batch = 2;
+//! let emb = vec![0.1f32; config.tables * batch * config.dim];
+//! let dense = vec![1.0f32; batch * config.dense_features];
+//! let (loss, emb_grad, probs) = model.forward_backward(&mut store, &emb, &dense, &[1.0, 0.0], batch)?;
+//! assert!(loss.is_finite() && emb_grad.len() == emb.len() && probs.len() == batch);
+//! store.skip_step()?;
+//! # Ok(()) }
+//! ```
+
+mod config;
+mod model;
+mod train;
+
+pub use config::DlrmConfig;
+pub use model::{default_init, Dlrm};
+pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep};

@@ -1,0 +1,122 @@
+//! One training step of a DLRM: the cached embedding's forward, the MLPs' forward and backward,
+//! the embedding's backward and row optimizer, the store's optimizer step.
+
+use super::Dlrm;
+use crate::data::criteo::Batch;
+use crate::embedding::{CachedEmbeddingCollection, TableBatch};
+use crate::error::{Error, Result};
+use crate::optim::{HybridAdam, StepReport};
+use crate::store::ParamStore;
+
+/// What [`train_step`] did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DlrmStep {
+    /// The mean BCE over the batch, before the step.
+    pub loss: f32,
+    /// The click probabilities, before the step.
+    pub probs: Vec<f32>,
+    /// The MLP optimizer's report.
+    pub report: StepReport,
+    /// Distinct embedding rows the batch touched (and the row optimizer updated).
+    pub rows: usize,
+}
+
+/// The bags' offsets of a batch with one id per sample and table: `0, 1, …, samples`.
+pub fn bag_offsets(samples: usize) -> Result<Vec<u32>> {
+    let n = u32::try_from(samples)
+        .map_err(|_| Error::InvalidArgument(format!("{samples} samples: too many bags")))?;
+    Ok((0..=n).collect())
+}
+
+/// The collection's input of a Criteo [`Batch`] (one id per sample and table, so each bag is
+/// one row), over `offsets` from [`bag_offsets`]`(batch.size)`.
+pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<TableBatch<'a>>> {
+    if offsets.len() != batch.size + 1 {
+        return Err(Error::InvalidArgument(format!(
+            "{} offsets for a batch of {} samples",
+            offsets.len(),
+            batch.size
+        )));
+    }
+    batch
+        .ids
+        .iter()
+        .enumerate()
+        .map(|(t, ids)| {
+            if ids.len() != batch.size {
+                return Err(Error::InvalidArgument(format!(
+                    "table {t}: {} ids for a batch of {} samples",
+                    ids.len(),
+                    batch.size
+                )));
+            }
+            Ok(TableBatch {
+                indices: ids,
+                offsets,
+                weights: None,
+            })
+        })
+        .collect()
+}
+
+/// One step on `batch`: the collection's forward (the pooled vectors), the MLPs' forward and
+/// backward ([`Dlrm::forward_backward_scaled`] at `adam`'s loss scale), the collection's
+/// backward and row optimizer, and the store's [`step`](ParamStore::step) (`adam` must not
+/// accumulate micro-batches). The batch's shape is checked against the model before anything
+/// runs.
+pub fn train_step<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    adam: &mut HybridAdam,
+    emb: &mut CachedEmbeddingCollection,
+    batch: &Batch,
+) -> Result<DlrmStep> {
+    let c = model.config();
+    if batch.ids.len() != c.tables || emb.tables() != c.tables {
+        return Err(Error::InvalidArgument(format!(
+            "a batch of {} tables and a collection of {} for a model of {}",
+            batch.ids.len(),
+            emb.tables(),
+            c.tables
+        )));
+    }
+    if adam.config().accumulation_steps != 1 {
+        return Err(Error::InvalidArgument(
+            "a DLRM step takes an optimizer that does not accumulate micro-batches".into(),
+        ));
+    }
+    let offsets = bag_offsets(batch.size)?;
+    let tables = table_batches(batch, &offsets)?;
+    let pooled = emb.forward(&tables)?;
+    let (loss, grad, probs) = model.forward_backward_scaled(
+        store,
+        &pooled,
+        &batch.dense,
+        &batch.labels,
+        batch.size,
+        adam.loss_scale(),
+    )?;
+    let rows = emb.backward(&grad)?;
+    emb.step()?;
+    let report = store.step(adam)?;
+    Ok(DlrmStep {
+        loss,
+        probs,
+        report,
+        rows,
+    })
+}
+
+/// The click probabilities of `batch` without training: the collection's forward and
+/// [`Dlrm::predict`].
+pub fn predict<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    emb: &mut CachedEmbeddingCollection,
+    batch: &Batch,
+) -> Result<Vec<f32>> {
+    let offsets = bag_offsets(batch.size)?;
+    let tables = table_batches(batch, &offsets)?;
+    let pooled = emb.forward(&tables)?;
+    model.predict(store, &pooled, &batch.dense, batch.size)
+}

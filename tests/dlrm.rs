@@ -1,0 +1,378 @@
+//! `models::dlrm` against an f64 reference written here (not the crate's code path): the loss,
+//! the probabilities, every MLP parameter's gradient and the embedding vectors' gradient of the
+//! tiny DLRM in f32; and a few training steps with a `CachedEmbeddingCollection` on synthetic
+//! Criteo-like data make the loss fall and the held-out AUC rise above 0.5.
+
+mod common;
+
+use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
+use tidemem::data::rng::{Rng, SplitMix64};
+use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::metrics::auc;
+use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
+use tidemem::ops::embedding::BagMode;
+use tidemem::prelude::*;
+
+/// Tolerance of the f32 model against the f64 reference, as `rel_err` measures it (the largest
+/// difference over the tensor's largest magnitude).
+const TOL: f64 = 1e-5;
+
+fn manager(dev: Device) -> ChunkManager {
+    let mut cfg = ManagerConfig::new(1 << 16, Policy::Tide);
+    cfg.param_dtype = DType::F32;
+    ChunkManager::new(dev, cfg).unwrap()
+}
+
+fn uniform(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f32> {
+    let mut r = SplitMix64::new(seed);
+    (0..n)
+        .map(|_| (lo + (hi - lo) * (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64) as f32)
+        .collect()
+}
+
+fn rel_err(got: &[f32], want: &[f64]) -> f64 {
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(0.0f64, |m, w| m.max(w.abs())).max(1e-30);
+    let diff = got
+        .iter()
+        .zip(want)
+        .fold(0.0f64, |m, (&g, &w)| m.max((g as f64 - w).abs()));
+    diff / scale
+}
+
+/// One linear layer's parameters, f64: `w` `[n, m]`, `b` `[n]`.
+struct Layer {
+    w: Vec<f64>,
+    b: Vec<f64>,
+    m: usize,
+    n: usize,
+}
+
+fn linear(l: &Layer, x: &[f64], rows: usize) -> Vec<f64> {
+    let mut y = vec![0.0; rows * l.n];
+    for r in 0..rows {
+        for o in 0..l.n {
+            let mut s = l.b[o];
+            for i in 0..l.m {
+                s += x[r * l.m + i] * l.w[o * l.m + i];
+            }
+            y[r * l.n + o] = s;
+        }
+    }
+    y
+}
+
+/// `dx`, `dw`, `db` of a linear layer from its input and the output's gradient.
+fn linear_back(l: &Layer, x: &[f64], dy: &[f64], rows: usize) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (mut dx, mut dw, mut db) = (vec![0.0; rows * l.m], vec![0.0; l.n * l.m], vec![0.0; l.n]);
+    for r in 0..rows {
+        for o in 0..l.n {
+            let g = dy[r * l.n + o];
+            db[o] += g;
+            for i in 0..l.m {
+                dw[o * l.m + i] += g * x[r * l.m + i];
+                dx[r * l.m + i] += g * l.w[o * l.m + i];
+            }
+        }
+    }
+    (dx, dw, db)
+}
+
+fn relu(v: &[f64]) -> Vec<f64> {
+    v.iter().map(|&x| x.max(0.0)).collect()
+}
+
+/// The reference's outputs: loss, probabilities, per-layer (dw, db) bottom then top, and the
+/// embedding gradient table-major.
+struct RefOut {
+    loss: f64,
+    probs: Vec<f64>,
+    grads: Vec<(Vec<f64>, Vec<f64>)>,
+    emb_grad: Vec<f64>,
+}
+
+fn reference(
+    cfg: &DlrmConfig,
+    bottom: &[Layer],
+    top: &[Layer],
+    emb: &[f32],
+    dense: &[f32],
+    labels: &[f32],
+    bsz: usize,
+) -> RefOut {
+    let (tables, d) = (cfg.tables, cfg.dim);
+    let f = tables + 1;
+    // bottom MLP, ReLU after every layer
+    let mut bin = vec![dense.iter().map(|&v| v as f64).collect::<Vec<_>>()];
+    for l in bottom {
+        let z = linear(l, bin.last().unwrap(), bsz);
+        bin.push(relu(&z));
+    }
+    let x = bin.last().unwrap().clone();
+    // T[b][k]: the dense vector, then table k − 1's vector
+    let t_at = |b: usize, k: usize, c: usize| -> f64 {
+        if k == 0 {
+            x[b * d + c]
+        } else {
+            emb[((k - 1) * bsz + b) * d + c] as f64
+        }
+    };
+    let width = d + f * (f - 1) / 2;
+    assert_eq!(width, cfg.top_inputs());
+    let mut inter = vec![0.0; bsz * width];
+    for b in 0..bsz {
+        let row = &mut inter[b * width..(b + 1) * width];
+        row[..d].copy_from_slice(&x[b * d..(b + 1) * d]);
+        let mut p = d;
+        for i in 1..f {
+            for j in 0..i {
+                row[p] = (0..d).map(|c| t_at(b, i, c) * t_at(b, j, c)).sum();
+                p += 1;
+            }
+        }
+    }
+    // top MLP, ReLU between layers
+    let mut tin = vec![inter];
+    let mut logits = vec![];
+    for (i, l) in top.iter().enumerate() {
+        let z = linear(l, tin.last().unwrap(), bsz);
+        if i + 1 < top.len() {
+            tin.push(relu(&z));
+        } else {
+            logits = z;
+        }
+    }
+    let probs: Vec<f64> = logits.iter().map(|&z| 1.0 / (1.0 + (-z).exp())).collect();
+    let loss = logits
+        .iter()
+        .zip(labels)
+        .map(|(&z, &y)| z.max(0.0) - z * y as f64 + (-z.abs()).exp().ln_1p())
+        .sum::<f64>()
+        / bsz as f64;
+    // backward
+    let mut dy: Vec<f64> = probs
+        .iter()
+        .zip(labels)
+        .map(|(&p, &y)| (p - y as f64) / bsz as f64)
+        .collect();
+    let mut top_grads = vec![];
+    for i in (0..top.len()).rev() {
+        if i + 1 < top.len() {
+            dy = dy
+                .iter()
+                .zip(&tin[i + 1])
+                .map(|(&g, &h)| if h > 0.0 { g } else { 0.0 })
+                .collect();
+        }
+        let (dx, dw, db) = linear_back(&top[i], &tin[i], &dy, bsz);
+        top_grads.push((dw, db));
+        dy = dx;
+    }
+    top_grads.reverse();
+    let mut d_dense = vec![0.0; bsz * d];
+    let mut emb_grad = vec![0.0; emb.len()];
+    for b in 0..bsz {
+        let dout = &dy[b * width..(b + 1) * width];
+        let mut dt = vec![0.0; f * d];
+        let mut p = d;
+        for i in 1..f {
+            for j in 0..i {
+                for c in 0..d {
+                    dt[i * d + c] += dout[p] * t_at(b, j, c);
+                    dt[j * d + c] += dout[p] * t_at(b, i, c);
+                }
+                p += 1;
+            }
+        }
+        for c in 0..d {
+            d_dense[b * d + c] = dout[c] + dt[c];
+        }
+        for t in 0..tables {
+            for c in 0..d {
+                emb_grad[(t * bsz + b) * d + c] = dt[(t + 1) * d + c];
+            }
+        }
+    }
+    let mut dy = d_dense;
+    let mut bottom_grads = vec![];
+    for i in (0..bottom.len()).rev() {
+        dy = dy
+            .iter()
+            .zip(&bin[i + 1])
+            .map(|(&g, &h)| if h > 0.0 { g } else { 0.0 })
+            .collect();
+        let (dx, dw, db) = linear_back(&bottom[i], &bin[i], &dy, bsz);
+        bottom_grads.push((dw, db));
+        dy = dx;
+    }
+    bottom_grads.reverse();
+    bottom_grads.extend(top_grads);
+    RefOut {
+        loss,
+        probs,
+        grads: bottom_grads,
+        emb_grad,
+    }
+}
+
+fn read_layers(m: &mut ChunkManager, layers: &[tidemem::nn::Linear]) -> Vec<Layer> {
+    layers
+        .iter()
+        .map(|l| Layer {
+            w: m.read(l.weight)
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            b: m.read(l.bias.unwrap())
+                .unwrap()
+                .into_iter()
+                .map(f64::from)
+                .collect(),
+            m: l.inputs,
+            n: l.outputs,
+        })
+        .collect()
+}
+
+#[test]
+fn tiny_dlrm_matches_the_f64_reference() {
+    let cfg = DlrmConfig::tiny();
+    let bsz = 8;
+    let mut m = manager(common::sim(64 << 20));
+    let model = Dlrm::register(&mut m, &cfg, 3).unwrap();
+    let bottom = read_layers(&mut m, model.bottom());
+    let top = read_layers(&mut m, model.top());
+    let emb = uniform(cfg.tables * bsz * cfg.dim, 1, -0.6, 0.6);
+    let dense = uniform(bsz * cfg.dense_features, 2, 0.0, 2.0);
+    let labels: Vec<f32> = (0..bsz).map(|i| (i % 3 == 0) as u8 as f32).collect();
+    let (loss, emb_grad, probs) = model
+        .forward_backward(&mut m, &emb, &dense, &labels, bsz)
+        .unwrap();
+    let want = reference(&cfg, &bottom, &top, &emb, &dense, &labels, bsz);
+    let mut errs = vec![
+        ("loss", ((loss as f64) - want.loss).abs() / want.loss.abs()),
+        ("probs", rel_err(&probs, &want.probs)),
+        ("emb_grad", rel_err(&emb_grad, &want.emb_grad)),
+    ];
+    let layers: Vec<_> = model.bottom().iter().chain(model.top()).copied().collect();
+    for (k, (l, (dw, db))) in layers.iter().zip(&want.grads).enumerate() {
+        let gw = m.read(l.weight).unwrap();
+        let gb = m.read(l.bias.unwrap()).unwrap();
+        assert!(
+            dw.iter().any(|&v| v != 0.0),
+            "layer {k}: a zero gradient tests nothing"
+        );
+        errs.push(("dw", rel_err(&gw, dw)));
+        errs.push(("db", rel_err(&gb, db)));
+    }
+    m.skip_step().unwrap();
+    eprintln!("tiny DLRM vs f64: {errs:?}");
+    for (what, e) in errs {
+        assert!(e <= TOL, "{what}: {e:e}");
+    }
+}
+
+#[test]
+fn bad_inputs_are_refused_before_anything_runs() {
+    let cfg = DlrmConfig::tiny();
+    let mut m = manager(common::sim(64 << 20));
+    let model = Dlrm::register(&mut m, &cfg, 0).unwrap();
+    let emb = vec![0.0; cfg.tables * 2 * cfg.dim];
+    let dense = vec![0.0; 2 * cfg.dense_features];
+    for (e, d, l, b) in [
+        (&emb[1..], &dense[..], &[0.0f32, 1.0][..], 2),
+        (&emb[..], &dense[1..], &[0.0, 1.0][..], 2),
+        (&emb[..], &dense[..], &[0.0][..], 2),
+        (&emb[..], &dense[..], &[][..], 0),
+    ] {
+        let r = model.forward_backward(&mut m, e, d, l, b);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        assert_eq!(m.stage(), None);
+    }
+    let bad = DlrmConfig {
+        dim: 5,
+        ..DlrmConfig::tiny()
+    };
+    assert!(Dlrm::register(&mut m, &bad, 0).is_err());
+}
+
+/// An embedding row: uniform in `±√(1/rows)` (facebookresearch/dlrm's scale), from a hash.
+fn table_init(rows: usize) -> impl FnMut(usize, u32, &mut [f32]) {
+    move |t, id, row| {
+        let b = (1.0 / rows as f64).sqrt();
+        let seed = (t as u64) << 32 | u64::from(id);
+        row.copy_from_slice(&uniform(row.len(), seed ^ 0xd1e5, -b, b));
+    }
+}
+
+#[test]
+fn training_on_synthetic_data_lowers_the_loss_and_moves_the_auc() {
+    let cfg = DlrmConfig::tiny();
+    let gen = Synthetic::new(
+        SyntheticConfig::new(Dataset::CriteoKaggle)
+            .with_scale(0.0005)
+            .with_seed(11),
+    )
+    .unwrap();
+    let rows: Vec<usize> = gen.cardinalities().iter().map(|&n| n as usize).collect();
+    let bsz = 256;
+    for opt in [
+        EmbeddingOptimizer::Sgd { lr: 0.5 },
+        EmbeddingOptimizer::Adam {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ] {
+        let dev = common::sim(256 << 20);
+        let mut m = manager(dev.clone());
+        let model = Dlrm::register(&mut m, &cfg, 1).unwrap();
+        let max_rows = *rows.iter().max().unwrap();
+        let mut emb = CachedEmbeddingCollection::new(
+            dev,
+            &rows,
+            cfg.dim,
+            bsz * cfg.tables,
+            BagMode::Sum,
+            opt,
+            |c| c,
+            table_init(max_rows),
+        )
+        .unwrap();
+        let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-2))).unwrap();
+        let held_out: Vec<_> = (0..4).map(|i| gen.batch(1_000_000 + i, bsz)).collect();
+        let eval = |m: &mut ChunkManager, emb: &mut CachedEmbeddingCollection| {
+            let (mut p, mut y) = (vec![], vec![]);
+            for b in &held_out {
+                p.extend(dlrm::predict(&model, m, emb, b).unwrap());
+                y.extend_from_slice(&b.labels);
+            }
+            auc(&p, &y).unwrap().unwrap()
+        };
+        let auc0 = eval(&mut m, &mut emb);
+        let mut losses = vec![];
+        for step in 0..60 {
+            let b = gen.batch(step, bsz);
+            let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+            assert!(s.loss.is_finite() && s.rows > 0);
+            losses.push(s.loss);
+        }
+        let auc1 = eval(&mut m, &mut emb);
+        let mean = |v: &[f32]| v.iter().sum::<f32>() / v.len() as f32;
+        let (first, last) = (mean(&losses[..10]), mean(&losses[50..]));
+        let (mut t, mut y) = (vec![], vec![]);
+        for b in &held_out {
+            t.extend((0..b.size).map(|s| gen.true_logit(b, s) as f32));
+            y.extend_from_slice(&b.labels);
+        }
+        let ceiling = auc(&t, &y).unwrap().unwrap();
+        eprintln!(
+            "{opt:?}: loss {first:.4} -> {last:.4}, held-out AUC {auc0:.4} -> {auc1:.4} \
+             (hidden model {ceiling:.4})"
+        );
+        assert!(last < first - 0.02, "{first} -> {last}");
+        assert!(auc1 > 0.6 && auc1 > auc0 + 0.05, "{auc0} -> {auc1}");
+    }
+}

@@ -5,6 +5,9 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ops::interaction::{InteractionShape, MAX_INTERACTION_DIM, MAX_INTERACTION_ROWS};
 
+/// A linear layer's `(inputs, outputs)`.
+pub(super) type LayerShape = (usize, usize);
+
 /// The shape of a DLRM (facebookresearch/dlrm's `dot` interaction): `dense_features` dense
 /// inputs through the bottom MLP (`dense_features → bottom[0] → … → bottom[last] = dim`, ReLU
 /// after every layer), `tables` embedding bags of `dim` columns, the dot interaction of the
@@ -138,7 +141,7 @@ impl DlrmConfig {
     }
 
     /// The layers as `(inputs, outputs)`, bottom then top.
-    pub(super) fn layer_shapes(&self) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+    pub(super) fn layer_shapes(&self) -> (Vec<LayerShape>, Vec<LayerShape>) {
         let chain = |first: usize, widths: &[usize]| {
             let mut inputs = first;
             widths

@@ -418,8 +418,8 @@ mod tests {
     fn layouts_round_trip() {
         let v: Vec<f32> = (0..2 * 3 * 4).map(|i| i as f32).collect();
         let s = to_sample_major(&v, 3, 2, 4);
-        // sample 1, table 1 = table-major (1·3 + 1)
-        assert_eq!(&s[(3 + 1) * 4..(3 + 2) * 4], &v[4 * 4..5 * 4]);
+        // sample 1, table 1: sample-major row 1·2 + 1, table-major row 1·3 + 1
+        assert_eq!(&s[3 * 4..4 * 4], &v[4 * 4..5 * 4]);
         assert_eq!(to_table_major(&s, 3, 2, 4), v);
     }
 

@@ -18,8 +18,12 @@ use tidemem::prelude::*;
 const TOL: f64 = 1e-5;
 
 fn manager(dev: Device) -> ChunkManager {
+    manager_of(dev, DType::F32)
+}
+
+fn manager_of(dev: Device, dtype: DType) -> ChunkManager {
     let mut cfg = ManagerConfig::new(1 << 16, Policy::Tide);
-    cfg.param_dtype = DType::F32;
+    cfg.param_dtype = dtype;
     ChunkManager::new(dev, cfg).unwrap()
 }
 
@@ -235,41 +239,48 @@ fn read_layers(m: &mut ChunkManager, layers: &[tidemem::nn::Linear]) -> Vec<Laye
         .collect()
 }
 
+/// Tolerances per parameter dtype, as `rel_err` measures them. f32: [`TOL`]. f16 (2⁻¹¹ per
+/// rounding) and bf16 (2⁻⁸): the inputs, every activation and gradient are rounded at each
+/// stage. Measured: f32 1.6e-7, f16 1.0e-3, bf16 4.8e-3.
+const CASES: [(DType, f64); 3] = [(DType::F32, TOL), (DType::F16, 5e-3), (DType::BF16, 2e-2)];
+
 #[test]
 fn tiny_dlrm_matches_the_f64_reference() {
     let cfg = DlrmConfig::tiny();
     let bsz = 8;
-    let mut m = manager(common::sim(64 << 20));
-    let model = Dlrm::register(&mut m, &cfg, 3).unwrap();
-    let bottom = read_layers(&mut m, model.bottom());
-    let top = read_layers(&mut m, model.top());
-    let emb = uniform(cfg.tables * bsz * cfg.dim, 1, -0.6, 0.6);
-    let dense = uniform(bsz * cfg.dense_features, 2, 0.0, 2.0);
-    let labels: Vec<f32> = (0..bsz).map(|i| (i % 3 == 0) as u8 as f32).collect();
-    let (loss, emb_grad, probs) = model
-        .forward_backward(&mut m, &emb, &dense, &labels, bsz)
-        .unwrap();
-    let want = reference(&cfg, &bottom, &top, &emb, &dense, &labels, bsz);
-    let mut errs = vec![
-        ("loss", ((loss as f64) - want.loss).abs() / want.loss.abs()),
-        ("probs", rel_err(&probs, &want.probs)),
-        ("emb_grad", rel_err(&emb_grad, &want.emb_grad)),
-    ];
-    let layers: Vec<_> = model.bottom().iter().chain(model.top()).copied().collect();
-    for (k, (l, (dw, db))) in layers.iter().zip(&want.grads).enumerate() {
-        let gw = m.read(l.weight).unwrap();
-        let gb = m.read(l.bias.unwrap()).unwrap();
-        assert!(
-            dw.iter().any(|&v| v != 0.0),
-            "layer {k}: a zero gradient tests nothing"
-        );
-        errs.push(("dw", rel_err(&gw, dw)));
-        errs.push(("db", rel_err(&gb, db)));
-    }
-    m.skip_step().unwrap();
-    eprintln!("tiny DLRM vs f64: {errs:?}");
-    for (what, e) in errs {
-        assert!(e <= TOL, "{what}: {e:e}");
+    for dev in common::devices("dlrm::reference") {
+        for (dtype, tol) in CASES {
+            let mut m = manager_of(dev.clone(), dtype);
+            let model = Dlrm::register(&mut m, &cfg, 3).unwrap();
+            let bottom = read_layers(&mut m, model.bottom());
+            let top = read_layers(&mut m, model.top());
+            let emb = uniform(cfg.tables * bsz * cfg.dim, 1, -0.6, 0.6);
+            let dense = uniform(bsz * cfg.dense_features, 2, 0.0, 2.0);
+            let labels: Vec<f32> = (0..bsz).map(|i| (i % 3 == 0) as u8 as f32).collect();
+            let (loss, emb_grad, probs) = model
+                .forward_backward(&mut m, &emb, &dense, &labels, bsz)
+                .unwrap();
+            let want = reference(&cfg, &bottom, &top, &emb, &dense, &labels, bsz);
+            let mut errs = vec![
+                ("loss", ((loss as f64) - want.loss).abs() / want.loss.abs()),
+                ("probs", rel_err(&probs, &want.probs)),
+                ("emb_grad", rel_err(&emb_grad, &want.emb_grad)),
+            ];
+            let layers: Vec<_> = model.bottom().iter().chain(model.top()).copied().collect();
+            for (k, (l, (dw, db))) in layers.iter().zip(&want.grads).enumerate() {
+                let gw = m.read(l.weight).unwrap();
+                let gb = m.read(l.bias.unwrap()).unwrap();
+                assert!(dw.iter().any(|&v| v != 0.0), "layer {k}: a zero gradient tests nothing");
+                errs.push(("dw", rel_err(&gw, dw)));
+                errs.push(("db", rel_err(&gb, db)));
+            }
+            m.skip_step().unwrap();
+            let worst = errs.iter().fold(0.0f64, |w, e| w.max(e.1));
+            eprintln!("tiny DLRM vs f64 on {} in {dtype}: worst {worst:.2e} {errs:?}", dev.name());
+            for (what, e) in errs {
+                assert!(e <= tol, "{dtype} {what}: {e:e}");
+            }
+        }
     }
 }
 
@@ -374,5 +385,84 @@ fn training_on_synthetic_data_lowers_the_loss_and_moves_the_auc() {
         );
         assert!(last < first - 0.02, "{first} -> {last}");
         assert!(auc1 > 0.6 && auc1 > auc0 + 0.05, "{auc0} -> {auc1}");
+    }
+}
+
+/// A small cache (a batch's rows) and the whole table on the device train identically: the
+/// same losses, MLP parameters, embedding rows and optimizer state, bit for bit, for each row
+/// optimizer.
+#[test]
+fn cached_and_full_table_training_agree_bitwise() {
+    let cfg = DlrmConfig::tiny();
+    let gen = Synthetic::new(
+        SyntheticConfig::new(Dataset::CriteoKaggle)
+            .with_scale(0.0002)
+            .with_seed(5),
+    )
+    .unwrap();
+    let rows: Vec<usize> = gen.cardinalities().iter().map(|&n| n as usize).collect();
+    let total: usize = rows.iter().sum();
+    let bsz = 64;
+    let opts = [
+        EmbeddingOptimizer::Sgd { lr: 0.3 },
+        EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 },
+        EmbeddingOptimizer::Adam {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+    ];
+    for opt in opts {
+        let run = |capacity: usize| {
+            let dev = common::sim(256 << 20);
+            let mut m = manager(dev.clone());
+            let model = Dlrm::register(&mut m, &cfg, 2).unwrap();
+            let mut emb = CachedEmbeddingCollection::new(
+                dev,
+                &rows,
+                cfg.dim,
+                capacity,
+                BagMode::Sum,
+                opt,
+                |c| c,
+                table_init(1000),
+            )
+            .unwrap();
+            let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-2))).unwrap();
+            let mut losses = vec![];
+            for step in 0..8 {
+                let b = gen.batch(step, bsz);
+                let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+                losses.push(s.loss.to_bits());
+            }
+            let probs = dlrm::predict(&model, &mut m, &mut emb, &gen.batch(99, bsz)).unwrap();
+            let params: Vec<Vec<f32>> = model
+                .named_params()
+                .iter()
+                .map(|(_, id)| m.read(*id).unwrap())
+                .collect();
+            let evicted = emb.bag().cache().moved().d2h_rows;
+            let table = emb.bag_mut().cache_mut().to_vecs().unwrap();
+            (losses, probs, params, table, evicted)
+        };
+        // a cache of the largest batch's distinct rows: rows are evicted between batches
+        let largest = (0..8)
+            .map(|i| {
+                let mut ids = gen.concat_ids(&gen.batch(i, bsz)).unwrap();
+                ids.sort_unstable();
+                ids.dedup();
+                ids.len()
+            })
+            .max()
+            .unwrap();
+        let cached = run(largest);
+        let full = run(total);
+        assert_eq!(cached.0, full.0, "{opt:?}: losses");
+        assert_eq!(cached.1, full.1, "{opt:?}: held-out probabilities");
+        assert_eq!(cached.2, full.2, "{opt:?}: MLP parameters");
+        assert!(cached.3 == full.3, "{opt:?}: embedding rows and state");
+        // the small cache did evict (and write back) rows; the full table never did
+        assert!(cached.4 > 0 && full.4 == 0, "{} {}", cached.4, full.4);
     }
 }

@@ -270,13 +270,19 @@ fn tiny_dlrm_matches_the_f64_reference() {
             for (k, (l, (dw, db))) in layers.iter().zip(&want.grads).enumerate() {
                 let gw = m.read(l.weight).unwrap();
                 let gb = m.read(l.bias.unwrap()).unwrap();
-                assert!(dw.iter().any(|&v| v != 0.0), "layer {k}: a zero gradient tests nothing");
+                assert!(
+                    dw.iter().any(|&v| v != 0.0),
+                    "layer {k}: a zero gradient tests nothing"
+                );
                 errs.push(("dw", rel_err(&gw, dw)));
                 errs.push(("db", rel_err(&gb, db)));
             }
             m.skip_step().unwrap();
             let worst = errs.iter().fold(0.0f64, |w, e| w.max(e.1));
-            eprintln!("tiny DLRM vs f64 on {} in {dtype}: worst {worst:.2e} {errs:?}", dev.name());
+            eprintln!(
+                "tiny DLRM vs f64 on {} in {dtype}: worst {worst:.2e} {errs:?}",
+                dev.name()
+            );
             for (what, e) in errs {
                 assert!(e <= tol, "{dtype} {what}: {e:e}");
             }
@@ -464,5 +470,42 @@ fn cached_and_full_table_training_agree_bitwise() {
         assert!(cached.3 == full.3, "{opt:?}: embedding rows and state");
         // the small cache did evict (and write back) rows; the full table never did
         assert!(cached.4 > 0 && full.4 == 0, "{} {}", cached.4, full.4);
+    }
+}
+
+/// The loss scale multiplies the MLP gradients and not the embedding gradient returned (the
+/// row optimizer knows nothing of it).
+#[test]
+fn the_loss_scale_reaches_the_mlp_gradients_only() {
+    let cfg = DlrmConfig::tiny();
+    let bsz = 4;
+    let emb = uniform(cfg.tables * bsz * cfg.dim, 7, -0.5, 0.5);
+    let dense = uniform(bsz * cfg.dense_features, 8, 0.0, 2.0);
+    let labels = [1.0, 0.0, 0.0, 1.0];
+    let run = |scale: f32| {
+        let mut m = manager(common::sim(64 << 20));
+        let model = Dlrm::register(&mut m, &cfg, 4).unwrap();
+        let (loss, g, p) = model
+            .forward_backward_scaled(&mut m, &emb, &dense, &labels, bsz, scale)
+            .unwrap();
+        let grads: Vec<Vec<f32>> = model
+            .named_params()
+            .iter()
+            .map(|(_, id)| m.read(*id).unwrap())
+            .collect();
+        m.skip_step().unwrap();
+        (loss, g, p, grads)
+    };
+    let (one, four) = (run(1.0), run(4.0));
+    assert_eq!((one.0, &one.1, &one.2), (four.0, &four.1, &four.2));
+    for (a, b) in one.3.iter().zip(&four.3) {
+        // a power of two: exact
+        assert!(a.iter().zip(b).all(|(&a, &b)| a * 4.0 == b));
+    }
+    let mut m = manager(common::sim(64 << 20));
+    let model = Dlrm::register(&mut m, &cfg, 4).unwrap();
+    for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+        let r = model.forward_backward_scaled(&mut m, &emb, &dense, &labels, bsz, bad);
+        assert!(matches!(r, Err(Error::InvalidArgument(_))));
     }
 }

@@ -5,7 +5,7 @@ use super::Dlrm;
 use crate::data::criteo::Batch;
 use crate::embedding::{CachedEmbeddingCollection, TableBatch};
 use crate::error::{Error, Result};
-use crate::optim::{HybridAdam, StepReport};
+use crate::optim::{HybridAdam, StepOutcome, StepReport};
 use crate::store::ParamStore;
 
 /// What [`train_step`] did.
@@ -17,7 +17,8 @@ pub struct DlrmStep {
     pub probs: Vec<f32>,
     /// The MLP optimizer's report.
     pub report: StepReport,
-    /// Distinct embedding rows the batch touched (and the row optimizer updated).
+    /// Distinct embedding rows the batch touched and the row optimizer updated (0 when the MLP
+    /// optimizer skipped the step on an overflow: the rows are then left as they were too).
     pub rows: usize,
 }
 
@@ -62,7 +63,8 @@ pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<Tab
 /// One step on `batch`: the collection's forward (the pooled vectors), the MLPs' forward and
 /// backward ([`Dlrm::forward_backward_scaled`] at `adam`'s loss scale), the collection's
 /// backward and row optimizer, and the store's [`step`](ParamStore::step) (`adam` must not
-/// accumulate micro-batches). The batch's shape is checked against the model before anything
+/// accumulate micro-batches). When `adam` skips the step on an overflowed gradient
+/// ([`StepOutcome::Skipped`]), the embedding rows are not stepped either. The batch's shape is checked against the model before anything
 /// runs.
 pub fn train_step<S: ParamStore + ?Sized>(
     model: &Dlrm,
@@ -96,9 +98,15 @@ pub fn train_step<S: ParamStore + ?Sized>(
         batch.size,
         adam.loss_scale(),
     )?;
-    let rows = emb.backward(&grad)?;
-    emb.step()?;
     let report = store.step(adam)?;
+    // an overflow the MLP optimizer skips skips the embedding rows' step too
+    let rows = if report.outcome == StepOutcome::Skipped {
+        0
+    } else {
+        let rows = emb.backward(&grad)?;
+        emb.step()?;
+        rows
+    };
     Ok(DlrmStep {
         loss,
         probs,

@@ -1,7 +1,9 @@
-//! `models::dlrm` against an f64 reference written here (not the crate's code path): the loss,
-//! the probabilities, every MLP parameter's gradient and the embedding vectors' gradient of the
-//! tiny DLRM in f32; and a few training steps with a `CachedEmbeddingCollection` on synthetic
-//! Criteo-like data make the loss fall and the held-out AUC rise above 0.5.
+//! `models::dlrm` against an f64 reference written here (not the crate's code path, itself
+//! checked against finite differences): the loss, the probabilities, every MLP parameter's
+//! gradient and the embedding vectors' gradient of the tiny DLRM in f32, f16 and bf16 (on CUDA
+//! too when present); cached and full-table training bitwise equal for each row optimizer; and
+//! a few training steps with a `CachedEmbeddingCollection` on synthetic Criteo-like data make
+//! the loss fall and the held-out AUC rise above 0.5.
 
 mod common;
 
@@ -32,6 +34,10 @@ fn uniform(n: usize, seed: u64, lo: f64, hi: f64) -> Vec<f32> {
     (0..n)
         .map(|_| (lo + (hi - lo) * (r.next_u64() >> 11) as f64 / (1u64 << 53) as f64) as f32)
         .collect()
+}
+
+fn wide(v: &[f32]) -> Vec<f64> {
+    v.iter().map(|&x| f64::from(x)).collect()
 }
 
 fn rel_err(got: &[f32], want: &[f64]) -> f64 {
@@ -99,15 +105,15 @@ fn reference(
     cfg: &DlrmConfig,
     bottom: &[Layer],
     top: &[Layer],
-    emb: &[f32],
-    dense: &[f32],
+    emb: &[f64],
+    dense: &[f64],
     labels: &[f32],
     bsz: usize,
 ) -> RefOut {
     let (tables, d) = (cfg.tables, cfg.dim);
     let f = tables + 1;
     // bottom MLP, ReLU after every layer
-    let mut bin = vec![dense.iter().map(|&v| v as f64).collect::<Vec<_>>()];
+    let mut bin = vec![dense.to_vec()];
     for l in bottom {
         let z = linear(l, bin.last().unwrap(), bsz);
         bin.push(relu(&z));
@@ -118,7 +124,7 @@ fn reference(
         if k == 0 {
             x[b * d + c]
         } else {
-            emb[((k - 1) * bsz + b) * d + c] as f64
+            emb[((k - 1) * bsz + b) * d + c]
         }
     };
     let width = d + f * (f - 1) / 2;
@@ -260,7 +266,15 @@ fn tiny_dlrm_matches_the_f64_reference() {
             let (loss, emb_grad, probs) = model
                 .forward_backward(&mut m, &emb, &dense, &labels, bsz)
                 .unwrap();
-            let want = reference(&cfg, &bottom, &top, &emb, &dense, &labels, bsz);
+            let want = reference(
+                &cfg,
+                &bottom,
+                &top,
+                &wide(&emb),
+                &wide(&dense),
+                &labels,
+                bsz,
+            );
             let mut errs = vec![
                 ("loss", ((loss as f64) - want.loss).abs() / want.loss.abs()),
                 ("probs", rel_err(&probs, &want.probs)),
@@ -285,6 +299,84 @@ fn tiny_dlrm_matches_the_f64_reference() {
             );
             for (what, e) in errs {
                 assert!(e <= tol, "{dtype} {what}: {e:e}");
+            }
+        }
+    }
+}
+
+/// The reference's analytic gradients against central differences of its own loss (so the
+/// reference the model is held to is itself right): a sample of embedding values and of each
+/// layer's weights and biases, within 1e-6 of the tensor's largest gradient.
+#[test]
+fn the_reference_backward_matches_finite_differences() {
+    let cfg = DlrmConfig::tiny();
+    let bsz = 4;
+    let mut m = manager(common::sim(64 << 20));
+    let model = Dlrm::register(&mut m, &cfg, 9).unwrap();
+    let mut layers = read_layers(&mut m, model.bottom());
+    let nb = layers.len();
+    layers.extend(read_layers(&mut m, model.top()));
+    let mut emb = wide(&uniform(cfg.tables * bsz * cfg.dim, 3, -0.6, 0.6));
+    let dense = wide(&uniform(bsz * cfg.dense_features, 4, 0.0, 2.0));
+    let labels = [1.0f32, 0.0, 0.0, 1.0];
+    let run = |layers: &[Layer], emb: &[f64]| {
+        reference(
+            &cfg,
+            &layers[..nb],
+            &layers[nb..],
+            emb,
+            &dense,
+            &labels,
+            bsz,
+        )
+    };
+    let want = run(&layers, &emb);
+    let h = 1e-6;
+    let scale = |g: &[f64]| g.iter().fold(0.0f64, |a, v| a.max(v.abs()));
+    let picks = |n: usize, seed: u64| {
+        let mut r = SplitMix64::new(seed);
+        (0..12).map(move |_| (r.next_u64() % n as u64) as usize)
+    };
+    let emb_scale = scale(&want.emb_grad);
+    for i in picks(emb.len(), 1) {
+        let v = emb[i];
+        emb[i] = v + h;
+        let up = run(&layers, &emb).loss;
+        emb[i] = v - h;
+        let down = run(&layers, &emb).loss;
+        emb[i] = v;
+        let fd = (up - down) / (2.0 * h);
+        assert!(
+            (fd - want.emb_grad[i]).abs() <= 1e-6 * emb_scale,
+            "emb {i}: {fd} vs {}",
+            want.emb_grad[i]
+        );
+    }
+    for k in 0..layers.len() {
+        let (dw, db) = &want.grads[k];
+        for (bias, grad) in [(false, dw), (true, db)] {
+            let sc = scale(grad);
+            let n = grad.len();
+            for i in picks(n, 10 + k as u64) {
+                let at = |layers: &mut Vec<Layer>, dv: f64| {
+                    let t = if bias {
+                        &mut layers[k].b
+                    } else {
+                        &mut layers[k].w
+                    };
+                    t[i] += dv;
+                };
+                at(&mut layers, h);
+                let up = run(&layers, &emb).loss;
+                at(&mut layers, -2.0 * h);
+                let down = run(&layers, &emb).loss;
+                at(&mut layers, h);
+                let fd = (up - down) / (2.0 * h);
+                assert!(
+                    (fd - grad[i]).abs() <= 1e-6 * sc,
+                    "layer {k} bias {bias} {i}: {fd} vs {}",
+                    grad[i]
+                );
             }
         }
     }

@@ -36,7 +36,8 @@
 //! let batch = 2;
 //! let emb = vec![0.1f32; config.tables * batch * config.dim];
 //! let dense = vec![1.0f32; batch * config.dense_features];
-//! let (loss, emb_grad, probs) = model.forward_backward(&mut store, &emb, &dense, &[1.0, 0.0], batch)?;
+//! let labels = [1.0, 0.0];
+//! let (loss, emb_grad, probs) = model.forward_backward(&mut store, &emb, &dense, &labels, batch)?;
 //! assert!(loss.is_finite() && emb_grad.len() == emb.len() && probs.len() == batch);
 //! store.skip_step()?;
 //! # Ok(()) }

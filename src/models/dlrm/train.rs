@@ -64,8 +64,8 @@ pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<Tab
 /// backward ([`Dlrm::forward_backward_scaled`] at `adam`'s loss scale), the collection's
 /// backward and row optimizer, and the store's [`step`](ParamStore::step) (`adam` must not
 /// accumulate micro-batches). When `adam` skips the step on an overflowed gradient
-/// ([`StepOutcome::Skipped`]), the embedding rows are not stepped either. The batch's shape is checked against the model before anything
-/// runs.
+/// ([`StepOutcome::Skipped`]), the embedding rows are not stepped either. The batch's shape is
+/// checked against the model before anything runs.
 pub fn train_step<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,

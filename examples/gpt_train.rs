@@ -727,11 +727,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     };
     let (losses, tokens, secs) = if spec.data * sp > 1 {
         // ZeRO over the ranks that hold the same parameters: data × sequence
-        let key = grid.data_rank() * sp + grid.sequence_rank();
-        let color = grid.pipeline_rank() * t + grid.tensor_rank();
-        let replicas = c
-            .split(Some(color as u32), key as u32)?
-            .ok_or_else(|| bad("no data-parallel group".into()))?;
+        let replicas = grid.split_replicas(&c)?;
         let mut z = ZeroManager::new(replicas, manager_config(p))?;
         run.go(
             &mut z,

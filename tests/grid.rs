@@ -127,11 +127,14 @@ fn check_grid(s: GridSpec) {
             ),
             (dp, pp, sp, t)
         );
+        // the replicas split again, as a store that owns its group takes them
+        let split = grid.split_replicas(&c).unwrap();
         let mut groups = vec![
             ("data", grid.data()),
             ("pipeline", grid.pipeline()),
             ("sequence", grid.sequence()),
             ("replicas", grid.replicas()),
+            ("replicas", &split),
             ("tensor", grid.tensor()),
         ];
         let absent: &[&str] = match s.tensor {

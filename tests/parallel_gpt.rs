@@ -217,15 +217,11 @@ fn on_grid<R: Send>(spec: GridSpec, f: impl Fn(&Communicator, &ProcessGrid) -> R
     })
 }
 
-/// A ZeRO store (f32) over the grid's data-parallel group.
+/// A ZeRO store (f32) over the ranks holding this rank's shards (data × sequence).
 fn zero_store(c: &Communicator, grid: &ProcessGrid) -> ZeroManager {
-    let data = c
-        .split(Some(grid.tensor_rank() as u32), grid.data_rank() as u32)
-        .unwrap()
-        .unwrap();
     let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
     cfg.param_dtype = DType::F32;
-    ZeroManager::new(data, cfg).unwrap()
+    ZeroManager::new(grid.split_replicas(c).unwrap(), cfg).unwrap()
 }
 
 /// The `rows` batch rows of data rank `dp` of step `k`'s batch.
@@ -477,13 +473,7 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            // ZeRO over the ranks holding the same shards
-            let color = grid.tensor_rank() as u32;
-            let key = (grid.data_rank() * sequence + grid.sequence_rank()) as u32;
-            let replicas = c.split(Some(color), key).unwrap().unwrap();
-            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
-            cfg.param_dtype = DType::F32;
-            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let mut z = zero_store(c, grid);
             let tp = (tensor.size() > 1).then(|| grid.tensor());
             let gpt = match tp {
                 Some(g) => Gpt::register_1d(&mut z, &config(), 3, Shard::of(g)).unwrap(),
@@ -545,12 +535,7 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
         };
         let runs = on_grid(spec, |c, grid| {
             let t = tensor.size();
-            let color = (grid.pipeline_rank() * t + grid.tensor_rank()) as u32;
-            let key = (grid.data_rank() * sequence + grid.sequence_rank()) as u32;
-            let replicas = c.split(Some(color), key).unwrap().unwrap();
-            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
-            cfg.param_dtype = DType::F32;
-            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let mut z = zero_store(c, grid);
             let (stage, stages) = (grid.pipeline_rank(), 2);
             let layers = GptStage::balanced(&config(), stages).unwrap();
             let split = match tensor {
@@ -640,14 +625,7 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let color = grid.tensor_rank() as u32;
-            let replicas = c
-                .split(Some(color), grid.sequence_rank() as u32)
-                .unwrap()
-                .unwrap();
-            let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
-            cfg.param_dtype = DType::F32;
-            let mut z = ZeroManager::new(replicas, cfg).unwrap();
+            let mut z = zero_store(c, grid);
             let gpt = GptGrid::register(&mut z, grid, &config(), 3).unwrap();
             let mut opt = adam();
             let (l, r) = (T / 2, grid.sequence_rank());

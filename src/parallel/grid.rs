@@ -449,6 +449,17 @@ impl ProcessGrid {
         &self.sequence
     }
 
+    /// A communicator of its own over [`ProcessGrid::replicas`]' members, in its order, split
+    /// from `comm` (the communicator the grid was built on; every rank of it must call this):
+    /// for a store that takes its group by value, as a
+    /// [`ZeroManager`](crate::zero::ZeroManager) does.
+    pub fn split_replicas(&self, comm: &Communicator) -> Result<Communicator> {
+        let (t, s) = (self.spec.tensor.size(), self.spec.sequence);
+        let color = self.pipeline_rank * t + self.tensor_rank;
+        let key = self.data_rank * s + self.sequence_rank;
+        group(comm, color, key, self.spec.data * s)
+    }
+
     /// The ranks that hold the same parameter shards as this one (this rank's pipeline and
     /// tensor ranks), ranked by `dp·S + sp` (`spec.data · spec.sequence` ranks): each sees
     /// other samples or other positions, so their gradients are summed over this group (the

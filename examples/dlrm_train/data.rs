@@ -1,0 +1,179 @@
+//! Where the batches come from: the synthetic generator (with its hidden model, the ceiling on
+//! that data) or a Criteo TSV file.
+
+use std::collections::VecDeque;
+use std::fs::File;
+use std::io::BufReader;
+use std::path::{Path, PathBuf};
+
+use tidemem::data::criteo::{Batch, IdMap, Synthetic, TsvConfig, TsvReader, TsvReport, Vocabulary};
+use tidemem::prelude::*;
+
+/// Held-out synthetic batches start at this index: disjoint from the training batches.
+const HELD_OUT: u64 = 1 << 40;
+
+/// A stream of training batches and a held-out set.
+pub enum Source {
+    /// Synthetic Criteo-like data: batch `i` is `gen.batch(i, size)`.
+    Synthetic { gen: Box<Synthetic>, next: u64 },
+    /// A Criteo TSV file read in one pass, batches read ahead (for the id counts) kept in
+    /// `ahead`.
+    Tsv {
+        reader: Box<TsvReader<BufReader<File>>>,
+        ahead: VecDeque<Batch>,
+        path: PathBuf,
+    },
+}
+
+fn open(path: &Path) -> Result<BufReader<File>> {
+    let f =
+        File::open(path).map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
+    Ok(BufReader::with_capacity(1 << 20, f))
+}
+
+/// The reader's configuration: ids hashed into `cardinalities`, or numbered by a vocabulary
+/// built over the file first (one more pass; every table then keeps at least 2 rows).
+pub fn tsv_config(path: &Path, cardinalities: &[u64], vocab: bool) -> Result<TsvConfig> {
+    // a vocabulary keeps two ids (missing and out-of-vocabulary) in every table
+    let cardinalities: Vec<u64> = if vocab {
+        cardinalities.iter().map(|&n| n.max(2)).collect()
+    } else {
+        cardinalities.to_vec()
+    };
+    let ids = if vocab {
+        let (v, report) = Vocabulary::build(open(path)?, &cardinalities)?;
+        if report.malformed > 0 {
+            eprintln!(
+                "{}: the vocabulary pass skipped {} malformed lines",
+                path.display(),
+                report.malformed
+            );
+        }
+        IdMap::Vocabulary(v)
+    } else {
+        IdMap::Hash
+    };
+    Ok(TsvConfig { ids, cardinalities })
+}
+
+impl Source {
+    /// A TSV source over `path`.
+    pub fn tsv(path: &Path, config: TsvConfig) -> Result<Source> {
+        Ok(Source::Tsv {
+            reader: Box::new(TsvReader::new(open(path)?, config)?),
+            ahead: VecDeque::new(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Rows of every table.
+    pub fn cardinalities(&self) -> Vec<u64> {
+        match self {
+            Source::Synthetic { gen, .. } => gen.cardinalities().to_vec(),
+            Source::Tsv { reader, .. } => reader.config().cardinalities.clone(),
+        }
+    }
+
+    /// The next training batch of `size` samples (`None` at the end of a file).
+    pub fn next(&mut self, size: usize) -> Result<Option<Batch>> {
+        match self {
+            Source::Synthetic { gen, next } => {
+                *next += 1;
+                Ok(Some(gen.batch(*next - 1, size)))
+            }
+            Source::Tsv { reader, ahead, .. } => match ahead.pop_front() {
+                Some(b) => Ok(Some(b)),
+                None => reader.next_batch(size),
+            },
+        }
+    }
+
+    /// The next `n` training batches without consuming them (fewer at the end of a file).
+    pub fn peek(&mut self, n: usize, size: usize) -> Result<Vec<Batch>> {
+        match self {
+            Source::Synthetic { gen, next } => {
+                Ok((0..n as u64).map(|i| gen.batch(*next + i, size)).collect())
+            }
+            Source::Tsv { reader, ahead, .. } => {
+                while ahead.len() < n {
+                    match reader.next_batch(size)? {
+                        Some(b) => ahead.push_back(b),
+                        None => break,
+                    }
+                }
+                Ok(ahead.iter().take(n).cloned().collect())
+            }
+        }
+    }
+
+    /// `n` held-out batches: synthetic ones from a disjoint index range, or the first `n`
+    /// batches of `eval` (a second file), or else the first `n` batches of the training file,
+    /// which training then skips.
+    pub fn held_out(&mut self, n: usize, size: usize, eval: Option<&Path>) -> Result<Vec<Batch>> {
+        match self {
+            Source::Synthetic { gen, .. } => Ok((0..n as u64)
+                .map(|i| gen.batch(HELD_OUT + i, size))
+                .collect()),
+            Source::Tsv { reader, .. } => {
+                let mut out = Vec::new();
+                let mut other = match eval {
+                    Some(p) => Some(TsvReader::new(open(p)?, reader.config().clone())?),
+                    None => None,
+                };
+                while out.len() < n {
+                    let b = match other.as_mut() {
+                        Some(r) => r.next_batch(size)?,
+                        None => reader.next_batch(size)?,
+                    };
+                    match b {
+                        Some(b) => out.push(b),
+                        None => break,
+                    }
+                }
+                if out.is_empty() {
+                    return Err(Error::InvalidArgument(
+                        "no held-out sample: the file has no good line".into(),
+                    ));
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// The hidden model's click probabilities (synthetic data only).
+    pub fn hidden_probs(&self, b: &Batch) -> Option<Vec<f32>> {
+        match self {
+            Source::Synthetic { gen, .. } => Some(
+                (0..b.size)
+                    .map(|s| (1.0 / (1.0 + (-gen.true_logit(b, s)).exp())) as f32)
+                    .collect(),
+            ),
+            Source::Tsv { .. } => None,
+        }
+    }
+
+    /// What the TSV reader met (lines, samples, malformed lines with their numbers).
+    pub fn report(&self) -> Option<(&Path, &TsvReport)> {
+        match self {
+            Source::Synthetic { .. } => None,
+            Source::Tsv { reader, path, .. } => Some((path.as_path(), reader.report())),
+        }
+    }
+}
+
+/// The ids of `batch` in one id space over all tables (table `t`'s ids shifted by the rows of
+/// the tables before it), table-major.
+pub fn concat_ids(batch: &Batch, cardinalities: &[u64]) -> Result<Vec<u32>> {
+    let mut ids = Vec::with_capacity(batch.size * batch.ids.len());
+    let mut base = 0u64;
+    for (col, &n) in batch.ids.iter().zip(cardinalities) {
+        ids.extend(col.iter().map(|&id| (base + u64::from(id)) as u32));
+        base += n;
+    }
+    if base > u64::from(u32::MAX) {
+        return Err(Error::InvalidArgument(format!(
+            "{base} rows over all tables do not fit 32-bit ids"
+        )));
+    }
+    Ok(ids)
+}

@@ -71,7 +71,11 @@ use crate::tensor::Stage;
 /// `store` must average the MLP gradients over the ranks of `emb`'s communicator, as a
 /// [`ZeroManager`](crate::zero::ZeroManager) over the same ranks does (on one rank any store
 /// will do); `adam` must not accumulate micro-batches. The batch needs at least one sample per
-/// rank.
+/// rank. Each rank scales its samples' logit gradients by `world / batch.size` (times `adam`'s
+/// loss scale), so that the store's average is the gradient of the mean loss over the whole
+/// batch however unevenly it splits; the embedding rows get the gradient of that mean too, so
+/// the step equals one rank's [`train_step`](super::train_step) on the whole batch up to the
+/// order of the sums.
 ///
 /// The returned [`DlrmStep`] holds the mean loss over the whole global batch (the same on every
 /// rank), the probabilities of **this rank's samples only** (`batch_slice(batch.size, world,

@@ -322,6 +322,21 @@ impl ShardedEmbedding {
         &self.owner
     }
 
+    /// The communicator the tables are placed over.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
+    /// The rows of every table, in global table order.
+    pub fn rows(&self) -> &[usize] {
+        &self.rows
+    }
+
+    /// The full embedding width (a column-wise rank holds only its columns of it).
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
     /// This rank's collection, if it holds any table.
     pub fn local(&self) -> Option<&CachedEmbeddingCollection> {
         self.local.as_ref()
@@ -428,7 +443,8 @@ impl ShardedEmbedding {
 
     /// Forward of the global batch (every table, the same number of bags in each; every rank
     /// passes the same batch). Returns this rank's samples ([`batch_slice`]) of every table:
-    /// `[tables, my_bags, dim]`.
+    /// `[tables, my_bags, dim]`. A rank whose own tables' forward fails makes every rank fail
+    /// (the ranks agree before the exchange).
     pub fn forward(&mut self, batch: &[TableBatch<'_>]) -> Result<Vec<f32>> {
         let tables = self.owner.len();
         if batch.len() != tables {
@@ -448,10 +464,14 @@ impl ShardedEmbedding {
             Some(local) => {
                 let mine: Vec<TableBatch<'_>> =
                     self.local_tables.iter().map(|&t| batch[t]).collect();
-                local.forward(&mine)?
+                local.forward(&mine)
             }
-            None => Vec::new(),
+            None => Ok(Vec::new()),
         };
+        // a rank whose part failed (an id out of its table's range, a cache too small for the
+        // batch) fails every rank here, before the exchange the others would wait in
+        self.comm.agree(out.is_ok())?;
+        let out = out?;
         self.bags = bags;
         // Local output: [local tables, bags, local dim]. Send each rank its samples.
         let sends = (0..self.comm.world())

@@ -18,7 +18,9 @@
 //!    [`CachedEmbeddingCollection::backward`](crate::embedding::CachedEmbeddingCollection::backward).
 //!
 //! [`train_step`] glues one step: the collection's forward, [`Dlrm::forward_backward`], the
-//! collection's backward and row optimizer, the store's optimizer step.
+//! collection's backward and row optimizer, the store's optimizer step. [`train_step_hybrid`]
+//! and [`predict_hybrid`] run a step over many ranks: the tables sharded over them (a
+//! [`ShardedEmbedding`](crate::embedding::ShardedEmbedding)), the MLPs data-parallel.
 //!
 //! # Example
 //!
@@ -44,9 +46,11 @@
 //! ```
 
 mod config;
+mod hybrid;
 mod model;
 mod train;
 
 pub use config::DlrmConfig;
+pub use hybrid::{predict_hybrid, train_step_hybrid};
 pub use model::{default_init, Dlrm};
 pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep};

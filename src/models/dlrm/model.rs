@@ -34,7 +34,8 @@ struct Saved {
 
 /// The outputs of [`Dlrm::forward`].
 struct Forward {
-    loss: f32,
+    /// The sum of the samples' losses.
+    sum: f64,
     probs: Vec<f32>,
     saved: Saved,
 }
@@ -175,23 +176,59 @@ impl Dlrm {
         batch: usize,
         loss_scale: f32,
     ) -> Result<(f32, Vec<f32>, Vec<f32>)> {
-        self.check(emb, dense, Some(labels), batch)?;
         if !(loss_scale.is_finite() && loss_scale > 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "the loss scale {loss_scale} is not a positive finite number"
             )));
         }
+        let (sum, grad, probs) = self.forward_backward_parts(
+            store,
+            emb,
+            dense,
+            labels,
+            batch,
+            loss_scale / batch as f32,
+            loss_scale,
+        )?;
+        Ok(((sum / batch as f64) as f32, grad, probs))
+    }
+
+    /// [`Dlrm::forward_backward`] with the loss's normalisation explicit, for a step whose
+    /// batch is split over ranks: each sample's logit gradient is `grad_scale · ∂ℓᵢ/∂zᵢ`, so
+    /// the MLP gradients written are those of `grad_scale · Σᵢ ℓᵢ` over these `batch`
+    /// samples; the embedding gradient returned is that one divided by `emb_div`. Returns the
+    /// sum of the samples' losses (not the mean), the embedding gradient and the
+    /// probabilities. `grad_scale` and `emb_div` must be positive and finite.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_backward_parts<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        emb: &[f32],
+        dense: &[f32],
+        labels: &[f32],
+        batch: usize,
+        grad_scale: f32,
+        emb_div: f32,
+    ) -> Result<(f64, Vec<f32>, Vec<f32>)> {
+        self.check(emb, dense, Some(labels), batch)?;
+        for (what, v) in [("gradient scale", grad_scale), ("divisor", emb_div)] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "the {what} {v} is not a positive finite number"
+                )));
+            }
+        }
         let fwd = store.forward()?;
-        let f = self.forward(&fwd, emb, dense, labels, batch, loss_scale / batch as f32)?;
+        let f = self.forward(&fwd, emb, dense, labels, batch, grad_scale)?;
         fwd.finish()?;
         let bwd = store.backward()?;
         let d_emb = self.backward(&bwd, f.saved)?;
         bwd.finish()?;
         let mut grad = to_table_major(&d_emb, batch, self.config.tables, self.config.dim);
-        if loss_scale != 1.0 {
-            grad.iter_mut().for_each(|g| *g /= loss_scale);
+        if emb_div != 1.0 {
+            grad.iter_mut().for_each(|g| *g /= emb_div);
         }
-        Ok((f.loss, grad, f.probs))
+        Ok((f.sum, grad, f.probs))
     }
 
     /// The click probabilities of a batch without gradients (evaluation): a forward pass, an
@@ -256,9 +293,9 @@ impl Dlrm {
         };
         bce_with_logits(dev, s, logits.input(), labels.input(), d, scale, out)?;
         let losses = loss.to_f32(s)?;
-        let mean = losses.iter().map(|&l| f64::from(l)).sum::<f64>() / batch as f64;
+        let sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
         Ok(Forward {
-            loss: mean as f32,
+            sum,
             probs: probs.to_f32(s)?,
             saved: Saved {
                 bottom_in,

@@ -36,13 +36,13 @@ pub fn init_row(seed: u64, bound: f64) -> impl Fn(usize, u32, &mut [f32]) + Clon
     }
 }
 
-/// The cache capacity for `rows` rows: the ratio's share, at least twice the largest counted
-/// batch's distinct rows `largest`, at most every row (every row with `--full-table`).
-pub fn capacity(a: &Args, rows: usize, largest: usize) -> usize {
-    if a.full_table {
+/// The cache capacity for `rows` rows: the `ratio`'s share, at least twice the largest counted
+/// batch's distinct rows `largest`, at most every row (every row when `full`).
+pub fn capacity(full: bool, ratio: f64, rows: usize, largest: usize) -> usize {
+    if full {
         rows
     } else {
-        ((a.cache_ratio * rows as f64).ceil() as usize)
+        ((ratio * rows as f64).ceil() as usize)
             .max(2 * largest)
             .min(rows)
     }
@@ -70,7 +70,10 @@ impl Trainer {
         if a.ranks == 0 {
             return Err(bad("--ranks must be at least 1".into()));
         }
-        if a.ranks > 1 || a.sharding != "table" {
+        if !matches!(a.sharding.as_str(), "table" | "column") {
+            return Err(bad(format!("--sharding {}: table or column", a.sharding)));
+        }
+        if a.ranks > 1 {
             return Ok(Trainer::Ranks(crate::ranks::Ranks::new(
                 a, cfg, cards, counted,
             )?));
@@ -94,7 +97,7 @@ impl Trainer {
             mine.dedup();
             largest = largest.max(mine.len());
         }
-        let capacity = capacity(a, total, largest);
+        let capacity = capacity(a.full_table, a.cache_ratio, total, largest);
         let bound = (1.0 / rows.iter().copied().max().unwrap_or(1) as f64).sqrt();
         let pol = a.policy()?;
         let mut emb = CachedEmbeddingCollection::new(

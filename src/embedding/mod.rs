@@ -31,4 +31,6 @@ pub use cache::{bincount, CacheConfig, EmbeddingCache, HostTier, MoveStats};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
 pub use policy::{OptimalTrace, Policy};
 pub use replay::{replay, ReplayConfig, ReplayStats};
-pub use tables::{batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch};
+pub use tables::{
+    batch_slice, table_owners, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch,
+};

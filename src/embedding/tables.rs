@@ -193,6 +193,28 @@ pub enum Sharding {
     ColumnWise,
 }
 
+/// The rank holding each table when tables of `rows[t]` rows are placed whole over `world`
+/// ranks ([`Sharding::TableWise`]): largest table first, each to the rank with the fewest
+/// rows so far (the lowest rank on a tie). Every rank computes the same placement.
+///
+/// ```
+/// use tidemem::embedding::table_owners;
+/// assert_eq!(table_owners(&[10, 40, 30, 20], 2), [0, 0, 1, 1]);
+/// ```
+pub fn table_owners(rows: &[usize], world: usize) -> Vec<usize> {
+    let world = world.max(1);
+    let mut owner = vec![0usize; rows.len()];
+    let mut load = vec![0usize; world];
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    order.sort_by(|&a, &b| rows[b].cmp(&rows[a]).then(a.cmp(&b)));
+    for t in order {
+        let r = (0..world).min_by_key(|&r| (load[r], r)).expect("world ≥ 1");
+        owner[t] = r;
+        load[r] += rows[t];
+    }
+    owner
+}
+
 /// Samples `[start, end)` of rank `r` when `bags` samples are split over `world` ranks (empty
 /// for a rank beyond the world, or a world of none).
 pub fn batch_slice(bags: usize, world: usize, r: usize) -> (usize, usize) {
@@ -234,6 +256,33 @@ impl ShardedEmbedding {
         capacity_per_rank: usize,
         mode: BagMode,
         optimizer: EmbeddingOptimizer,
+        init: impl FnMut(usize, u32, &mut [f32]),
+    ) -> Result<Self> {
+        Self::new_configured(
+            comm,
+            sharding,
+            rows,
+            dim,
+            capacity_per_rank,
+            mode,
+            optimizer,
+            |c| c,
+            init,
+        )
+    }
+
+    /// [`ShardedEmbedding::new`] with this rank's cache configured by `configure` (its
+    /// eviction policy, host tier, staging rows), as [`CachedEmbeddingCollection::new`] takes it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_configured(
+        comm: Communicator,
+        sharding: Sharding,
+        rows: &[usize],
+        dim: usize,
+        capacity_per_rank: usize,
+        mode: BagMode,
+        optimizer: EmbeddingOptimizer,
+        configure: impl FnOnce(CacheConfig) -> CacheConfig,
         mut init: impl FnMut(usize, u32, &mut [f32]),
     ) -> Result<Self> {
         let world = comm.world();
@@ -257,15 +306,7 @@ impl ShardedEmbedding {
                 "column-wise sharding of {dim} columns over {world} ranks leaves a rank none"
             )));
         }
-        let mut owner = vec![0usize; rows.len()];
-        let mut load = vec![0usize; world];
-        let mut order: Vec<usize> = (0..rows.len()).collect();
-        order.sort_by(|&a, &b| rows[b].cmp(&rows[a]).then(a.cmp(&b)));
-        for t in order {
-            let r = (0..world).min_by_key(|&r| (load[r], r)).expect("world ≥ 1");
-            owner[t] = r;
-            load[r] += rows[t];
-        }
+        let owner = table_owners(rows, world);
         let cols: Vec<(usize, usize)> = (0..world).map(|r| batch_slice(dim, world, r)).collect();
         let (local_tables, local_dim, col0): (Vec<usize>, usize, usize) = match sharding {
             Sharding::TableWise => (
@@ -292,7 +333,7 @@ impl ShardedEmbedding {
                 capacity_per_rank,
                 mode,
                 optimizer,
-                |c| c,
+                configure,
                 |t, id, row| {
                     init(lt[t], id, &mut full);
                     row.copy_from_slice(&full[col0..col0 + local_dim]);

@@ -1,0 +1,342 @@
+//! DLRM training steps ([`tidemem::models::dlrm::train_step`]) with the embedding tables in a
+//! cache of 1.5% of their rows against the same model with every row on the device (the same
+//! code path, capacity = all rows), measured in the same run.
+//!
+//! * **CPU** (the simulated device; also when CUDA device 0 is the CPU emulator): the Kaggle
+//!   model (`d = 16`, [`DlrmConfig::kaggle`]) over the 26 Criteo-Kaggle tables at cardinalities
+//!   × 0.05 (1.69 M rows), batch 2,048.
+//! * **CUDA** (a real GPU): `d = 128` ([`DlrmConfig::torchrec`]'s MLPs) over the Kaggle tables
+//!   at full size (33.8 M rows), batch 16,384.
+//!
+//! Synthetic Zipf 1.0 data ([`Synthetic`]); both collections are built as in
+//! `examples/dlrm_train.rs`: ids counted over the first 20 batches, tables reordered by
+//! frequency, 70% of the cache warmed up with the hottest rows, SGD on the rows, Adam on the
+//! MLPs; the cached capacity is 1.5% of the rows, raised to twice the largest counted batch's
+//! distinct rows if that is more. Each step trains on a fresh batch (generated outside the
+//! timed region).
+//!
+//! Prints the train steps per second of each, `ratio = cached it/s / full-table it/s`, each
+//! collection's device bytes ([`CachedEmbeddingBag::device_bytes`]) and the full table's
+//! bytes, and the host's share of a step: a few steps run with their phases timed apart
+//! (the train step's calls, with the cache's index decision and row moves made by a
+//! `prefetch` + `settle` of the batch just before its forward, so the forward finds every row
+//! resident). Counted as host work: concatenating the batch's ids over the tables, the index
+//! decision with its evictions and transfers (device → host write-backs, host → device
+//! admissions), and the backward plan (`plan_backward`, timed on the same slots apart from the
+//! step and moved out of the forward's time). Not counted: the forward's hit-only index pass
+//! and small uploads, the kernels, the MLPs and their optimizer.
+//!
+//! ```sh
+//! cargo bench --bench dlrm
+//! ```
+
+#[path = "common/mean.rs"]
+mod mean;
+
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+use mean::Mean;
+use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
+use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
+use tidemem::ops::embedding::{plan_backward, BagMode};
+use tidemem::prelude::*;
+use tidemem::rng::{Rng, SplitMix64};
+
+const RATIO: f64 = 0.015;
+const COUNT_BATCHES: u64 = 20;
+const WARMUP: f64 = 0.7;
+const PHASE_STEPS: u64 = 12;
+
+/// The device and the sizes to run at.
+struct Setup {
+    dev: Device,
+    cfg: DlrmConfig,
+    scale: f64,
+    batch: usize,
+    label: &'static str,
+}
+
+fn setup() -> Setup {
+    let cpu = |dev: Device, label| Setup {
+        dev,
+        cfg: DlrmConfig::kaggle(),
+        scale: 0.05,
+        batch: 2048,
+        label,
+    };
+    match Device::cuda(0) {
+        Ok(dev) if dev.name().contains("CUDA emulator") => {
+            println!("dlrm: CUDA emulator; the CPU sizes (checks the GPU path, not a GPU's speed)");
+            cpu(dev, "CUDA emulator")
+        }
+        Ok(dev) => Setup {
+            dev,
+            cfg: DlrmConfig::torchrec(),
+            scale: 1.0,
+            batch: 16_384,
+            label: "CUDA",
+        },
+        Err(e) => {
+            println!("dlrm: no GPU ({e}); the simulated device (CPU times)");
+            let dev = Device::sim(SimConfig::with_capacity(8 << 30)).expect("sim device");
+            cpu(dev, "simulated")
+        }
+    }
+}
+
+/// One model with its store, optimizer and embedding collection.
+struct Trainer {
+    store: ChunkManager,
+    model: Dlrm,
+    adam: HybridAdam,
+    emb: CachedEmbeddingCollection,
+    capacity: usize,
+    next: u64,
+}
+
+/// Ids counted over the first batches: `(counts, largest batch's distinct rows)`.
+fn count(gen: &Synthetic, batch: usize) -> (Vec<u64>, usize) {
+    let total = *gen.table_offsets().last().expect("offsets") as usize;
+    let mut counted = Vec::new();
+    let mut largest = 0;
+    for i in 0..COUNT_BATCHES {
+        let mut ids = gen.concat_ids(&gen.batch(i, batch)).expect("32-bit ids");
+        counted.extend_from_slice(&ids);
+        ids.sort_unstable();
+        ids.dedup();
+        largest = largest.max(ids.len());
+    }
+    (
+        bincount(total, [counted.as_slice()]).expect("counts"),
+        largest,
+    )
+}
+
+fn trainer(s: &Setup, gen: &Synthetic, counts: &[u64], largest: usize, full: bool) -> Trainer {
+    let rows: Vec<usize> = gen.cardinalities().iter().map(|&n| n as usize).collect();
+    let total: usize = rows.iter().sum();
+    let capacity = if full {
+        total
+    } else {
+        ((RATIO * total as f64).ceil() as usize)
+            .max(2 * largest)
+            .min(total)
+    };
+    let mut mc = ManagerConfig::new(1 << 20, Policy::Tide);
+    mc.param_dtype = DType::F32;
+    let mut store = ChunkManager::new(s.dev.clone(), mc).expect("manager");
+    let model = Dlrm::register(&mut store, &s.cfg, 0).expect("model");
+    let bound = (1.0 / rows.iter().copied().max().unwrap_or(1) as f64).sqrt();
+    let mut emb = CachedEmbeddingCollection::new(
+        s.dev.clone(),
+        &rows,
+        s.cfg.dim,
+        capacity,
+        BagMode::Sum,
+        EmbeddingOptimizer::Sgd { lr: 0.5 },
+        |c| c,
+        |t, id, row| {
+            let mut r = SplitMix64::new((t as u64) << 32 | u64::from(id));
+            for v in row {
+                *v = ((2.0 * r.next_f64() - 1.0) * bound) as f32;
+            }
+        },
+    )
+    .expect("collection");
+    let cache = emb.bag_mut().cache_mut();
+    cache.reorder(counts).expect("reorder");
+    cache.warm_up(WARMUP).expect("warm-up");
+    let adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).expect("adam");
+    Trainer {
+        store,
+        model,
+        adam,
+        emb,
+        capacity,
+        next: COUNT_BATCHES,
+    }
+}
+
+impl Trainer {
+    /// `n` train steps on fresh batches; returns the time of the steps alone.
+    fn steps(&mut self, gen: &Synthetic, batch: usize, n: u64) -> Duration {
+        let mut total = Duration::ZERO;
+        for _ in 0..n {
+            let b = gen.batch(self.next, batch);
+            self.next += 1;
+            let t = Instant::now();
+            dlrm::train_step(
+                &self.model,
+                &mut self.store,
+                &mut self.adam,
+                &mut self.emb,
+                &b,
+            )
+            .expect("train step");
+            total += t.elapsed();
+        }
+        total
+    }
+
+    /// `n` steps with their phases timed apart (see the module docs).
+    fn phases(&mut self, gen: &Synthetic, batch: usize, n: u64) -> Phases {
+        let mut p = Phases::default();
+        for _ in 0..n {
+            let b = gen.batch(self.next, batch);
+            self.next += 1;
+            let offsets = dlrm::bag_offsets(b.size).expect("offsets");
+            let tables = dlrm::table_batches(&b, &offsets).expect("tables");
+            let t = Instant::now();
+            let ids = self.emb.global_ids(&tables).expect("ids");
+            self.emb.bag_mut().prefetch(&[&ids]).expect("prefetch");
+            self.emb.bag_mut().settle().expect("settle");
+            let t_host = t.elapsed();
+            let t = Instant::now();
+            let pooled = self.emb.forward(&tables).expect("forward");
+            let t_fwd = t.elapsed();
+            // the slots the forward planned its backward over (every row resident now)
+            let ix = self.emb.bag().cache().index();
+            let slots: Vec<u32> = ids
+                .iter()
+                .map(|&id| {
+                    ix.row_of(id)
+                        .and_then(|r| ix.slot_of_row(r))
+                        .expect("resident")
+                })
+                .collect();
+            let all: Vec<u32> = (0..=ids.len() as u32).collect();
+            let t = Instant::now();
+            std::hint::black_box(plan_backward(&slots, &all, None, BagMode::Sum).expect("plan"));
+            let t_plan = t.elapsed();
+            let t = Instant::now();
+            let (_, grad, _) = self
+                .model
+                .forward_backward_scaled(
+                    &mut self.store,
+                    &pooled,
+                    &b.dense,
+                    &b.labels,
+                    b.size,
+                    self.adam.loss_scale(),
+                )
+                .expect("mlp");
+            let t_mlp = t.elapsed();
+            let t = Instant::now();
+            let report = self.store.step(&mut self.adam).expect("adam");
+            let t_opt = t.elapsed();
+            let t = Instant::now();
+            if report.outcome != StepOutcome::Skipped {
+                self.emb.backward(&grad).expect("backward");
+                self.emb.step().expect("row step");
+            }
+            let t_bwd = t.elapsed();
+            p.host += t_host + t_plan;
+            p.forward += t_fwd.saturating_sub(t_plan);
+            p.mlp += t_mlp;
+            p.optimizer += t_opt;
+            p.backward += t_bwd;
+            p.steps += 1;
+        }
+        p
+    }
+
+    fn device_bytes(&self) -> usize {
+        self.emb.bag().device_bytes()
+    }
+}
+
+/// Seconds in each phase over `steps` steps.
+#[derive(Default)]
+struct Phases {
+    host: Duration,
+    forward: Duration,
+    mlp: Duration,
+    optimizer: Duration,
+    backward: Duration,
+    steps: u64,
+}
+
+impl Phases {
+    fn total(&self) -> Duration {
+        self.host + self.forward + self.mlp + self.optimizer + self.backward
+    }
+
+    fn print(&self, name: &str) {
+        let t = self.total().as_secs_f64();
+        let ms = |d: Duration| d.as_secs_f64() * 1e3 / self.steps.max(1) as f64;
+        println!(
+            "  {name}: host share {:.3} of a phase-timed step ({:.1} it/s): host {:.2} ms, \
+             rest of the embedding forward {:.2} ms, MLP forward + backward {:.2} ms, MLP Adam \
+             {:.2} ms, embedding backward + row step {:.2} ms",
+            self.host.as_secs_f64() / t,
+            self.steps as f64 / t,
+            ms(self.host),
+            ms(self.forward),
+            ms(self.mlp),
+            ms(self.optimizer),
+            ms(self.backward)
+        );
+    }
+}
+
+fn bench(c: &mut Criterion) {
+    let s = setup();
+    let gen = Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(s.scale))
+        .expect("synthetic data");
+    let (counts, largest) = count(&gen, s.batch);
+    let mut cached = trainer(&s, &gen, &counts, largest, false);
+    let mut full = trainer(&s, &gen, &counts, largest, true);
+    cached.steps(&gen, s.batch, 3);
+    full.steps(&gen, s.batch, 3);
+
+    let (mut ours, mut base) = (Mean::default(), Mean::default());
+    let mut g = c.benchmark_group("dlrm");
+    g.sampling_mode(SamplingMode::Flat)
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(1))
+        .measurement_time(Duration::from_secs(4));
+    g.bench_function("cached_1.5pct", |b| {
+        b.iter_custom(|iters| ours.add(cached.steps(&gen, s.batch, iters), iters))
+    });
+    g.bench_function("full_table_baseline", |b| {
+        b.iter_custom(|iters| base.add(full.steps(&gen, s.batch, iters), iters))
+    });
+    g.finish();
+
+    let total = *gen.table_offsets().last().expect("offsets") as usize;
+    let stride = cached.emb.bag().cache().stride();
+    let full_table_bytes = total * stride * 4;
+    println!(
+        "\ndlrm ({}): {} tables, {} rows (criteo-kaggle × {}), d = {}, batch {}; cache {} rows \
+         ({:.2}%), hit rate {:.4}",
+        s.label,
+        gen.num_tables(),
+        total,
+        s.scale,
+        s.cfg.dim,
+        s.batch,
+        cached.capacity,
+        100.0 * cached.capacity as f64 / total as f64,
+        cached.emb.bag().cache().stats().hit_rate()
+    );
+    println!(
+        "  cached {:.2} it/s, full table {:.2} it/s; ratio = cached it/s / full-table it/s {:.3}",
+        1.0 / ours.per_iter(),
+        1.0 / base.per_iter(),
+        1.0 / ours.ratio(&base)
+    );
+    println!(
+        "  embedding device bytes: cached {:.1} MiB, full table {:.1} MiB (the table's rows \
+         alone: {:.1} MiB)",
+        cached.device_bytes() as f64 / (1 << 20) as f64,
+        full.device_bytes() as f64 / (1 << 20) as f64,
+        full_table_bytes as f64 / (1 << 20) as f64
+    );
+    cached.phases(&gen, s.batch, PHASE_STEPS).print("cached");
+    full.phases(&gen, s.batch, PHASE_STEPS).print("full table");
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

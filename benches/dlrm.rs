@@ -9,7 +9,7 @@
 //!   at full size (33.8 M rows), batch 16,384.
 //!
 //! Synthetic Zipf 1.0 data ([`Synthetic`]); both collections are built as in
-//! `examples/dlrm_train.rs`: ids counted over the first 20 batches, tables reordered by
+//! `examples/dlrm_train`: ids counted over the first 20 batches, tables reordered by
 //! frequency, 70% of the cache warmed up with the hottest rows, SGD on the rows, Adam on the
 //! MLPs; the cached capacity is 1.5% of the rows, raised to twice the largest counted batch's
 //! distinct rows if that is more. Each step trains on a fresh batch (generated outside the

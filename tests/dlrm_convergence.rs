@@ -4,7 +4,7 @@
 //! 32,768 held-out samples (a disjoint range of batch indices), for each of three seeds; it is
 //! clearly above 0.5 and rises between evaluations after 1/8, 1/2 and all of the pass.
 //!
-//! The recipe is `examples/dlrm_train.rs`'s: the tiny preset, its embeddings in one cached
+//! The recipe is `examples/dlrm_train`'s: the tiny preset, its embeddings in one cached
 //! collection (1.5% of the rows, raised to twice the largest counted batch's distinct rows),
 //! ids counted over the first 20 batches, tables reordered by frequency and 70% of the cache
 //! warmed up. Settings chosen so one pass can learn the id terms: the generator's tables at

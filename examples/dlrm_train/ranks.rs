@@ -244,7 +244,7 @@ fn serve(
 impl Rank {
     fn new(s: Setup, ec: Communicator, mc: Communicator) -> Result<Rank> {
         // chunks small enough that the MLPs' chunk groups spread over every rank
-        let chunk = (s.cfg.mlp_params() / (4 * mc.world())).clamp(256, 1 << 20);
+        let chunk = (s.cfg.mlp_params() / (16 * mc.world())).clamp(32, 1 << 20);
         let mut cfgm = ManagerConfig::new(chunk, tidemem::tide::Policy::Tide);
         cfgm.param_dtype = DType::F32;
         let mut store = ZeroManager::new(mc, cfgm)?;

@@ -3,16 +3,20 @@
 //! gradient and the embedding vectors' gradient of the tiny DLRM in f32, f16 and bf16 (on CUDA
 //! too when present); cached and full-table training bitwise equal for each row optimizer; and
 //! a few training steps with a `CachedEmbeddingCollection` on synthetic Criteo-like data make
-//! the loss fall and the held-out AUC rise above 0.5.
+//! the loss fall and the held-out AUC rise above 0.5; the device path (the pooled vectors and
+//! their gradient kept on the device) and the host path train alike, bit for bit. The
+//! reference, cached-vs-full and device-vs-host tests run on CUDA too when it is present
+//! (required under `TIDEMEM_REQUIRE_CUDA=1`).
 
 mod common;
 
-use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
+use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::metrics::auc;
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
+use tidemem::optim::{ScalerConfig, StepOutcome};
 use tidemem::prelude::*;
 
 /// Tolerance of the f32 model against the f64 reference, as `rel_err` measures it (the largest
@@ -511,9 +515,12 @@ fn cached_and_full_table_training_agree_bitwise() {
             eps: 1e-8,
         },
     ];
-    for opt in opts {
+    for (dev, opt) in common::devices("dlrm::cached_vs_full")
+        .into_iter()
+        .flat_map(|d| opts.map(|o| (d.clone(), o)))
+    {
         let run = |capacity: usize| {
-            let dev = common::sim(256 << 20);
+            let dev = dev.clone();
             let mut m = manager(dev.clone());
             let model = Dlrm::register(&mut m, &cfg, 2).unwrap();
             let mut emb = CachedEmbeddingCollection::new(
@@ -556,6 +563,7 @@ fn cached_and_full_table_training_agree_bitwise() {
             .unwrap();
         let cached = run(largest);
         let full = run(total);
+        eprintln!("cached vs full on {}, {opt:?}", dev.name());
         assert_eq!(cached.0, full.0, "{opt:?}: losses");
         assert_eq!(cached.1, full.1, "{opt:?}: held-out probabilities");
         assert_eq!(cached.2, full.2, "{opt:?}: MLP parameters");
@@ -599,5 +607,222 @@ fn the_loss_scale_reaches_the_mlp_gradients_only() {
     for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
         let r = model.forward_backward_scaled(&mut m, &emb, &dense, &labels, bsz, bad);
         assert!(matches!(r, Err(Error::InvalidArgument(_))));
+    }
+}
+
+/// One step on the host path: the collection's table-major forward downloaded, the MLPs'
+/// forward and backward from host vectors, the gradient back on the host for the collection's
+/// backward (what `train_step` did before the vectors stayed on the device).
+fn host_step(
+    model: &Dlrm,
+    m: &mut ChunkManager,
+    adam: &mut HybridAdam,
+    emb: &mut CachedEmbeddingCollection,
+    b: &Batch,
+) -> (f32, Vec<f32>) {
+    let offsets = dlrm::bag_offsets(b.size).unwrap();
+    let tables = dlrm::table_batches(b, &offsets).unwrap();
+    let pooled = emb.forward(&tables).unwrap();
+    let (loss, grad, probs) = model
+        .forward_backward_scaled(m, &pooled, &b.dense, &b.labels, b.size, adam.loss_scale())
+        .unwrap();
+    if m.step(adam).unwrap().outcome != StepOutcome::Skipped {
+        emb.backward(&grad).unwrap();
+        emb.step().unwrap();
+    }
+    (loss, probs)
+}
+
+fn host_predict(
+    model: &Dlrm,
+    m: &mut ChunkManager,
+    emb: &mut CachedEmbeddingCollection,
+    b: &Batch,
+) -> Vec<f32> {
+    let offsets = dlrm::bag_offsets(b.size).unwrap();
+    let tables = dlrm::table_batches(b, &offsets).unwrap();
+    let pooled = emb.forward(&tables).unwrap();
+    model.predict(m, &pooled, &b.dense, b.size).unwrap()
+}
+
+/// The largest difference over the largest magnitude of two runs' values.
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let want = wide(b);
+    rel_err(a, &want)
+}
+
+/// `train_step` and `predict` (the vectors and their gradient on the device) against the host
+/// path, on every device, with a cache smaller than the data (rows are evicted), for a loss
+/// scale that is a power of two (unscaled on the device) and one that is not (unscaled on the
+/// host): in f32 the losses, probabilities, MLP parameters and embedding rows with their
+/// optimizer state are the same bits. In f16 they are too (the casts round as the host's
+/// conversion does); the tolerance only bounds what a backend might legitimately change.
+#[test]
+fn device_path_equals_host_path() {
+    let cfg = DlrmConfig::tiny();
+    let gen = Synthetic::new(
+        SyntheticConfig::new(Dataset::CriteoKaggle)
+            .with_scale(0.0002)
+            .with_seed(8),
+    )
+    .unwrap();
+    let rows: Vec<usize> = gen.cardinalities().iter().map(|&n| n as usize).collect();
+    let bsz = 32;
+    let opt = EmbeddingOptimizer::Adam {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    // the largest batch's distinct rows (the held-out one's included): rows are evicted
+    let capacity = (0..6)
+        .chain([77])
+        .map(|i| {
+            let mut ids = gen.concat_ids(&gen.batch(i, bsz)).unwrap();
+            ids.sort_unstable();
+            ids.dedup();
+            ids.len()
+        })
+        .max()
+        .unwrap();
+    for dev in common::devices("dlrm::device_vs_host") {
+        for (dtype, tol) in [(DType::F32, 0.0), (DType::F16, 1e-3)] {
+            for scaler in [ScalerConfig::fixed(1024.0), ScalerConfig::fixed(1000.0)] {
+                let run = |device_path: bool| {
+                    let mut m = manager_of(dev.clone(), dtype);
+                    let model = Dlrm::register(&mut m, &cfg, 6).unwrap();
+                    let mut emb = CachedEmbeddingCollection::new(
+                        dev.clone(),
+                        &rows,
+                        cfg.dim,
+                        capacity,
+                        BagMode::Sum,
+                        opt,
+                        |c| c,
+                        table_init(1000),
+                    )
+                    .unwrap();
+                    let mut adam = HybridAdam::new(HybridConfig {
+                        loss_scale: Some(scaler),
+                        ..HybridConfig::new(AdamConfig::adam(1e-2))
+                    })
+                    .unwrap();
+                    let (mut losses, mut probs) = (vec![], vec![]);
+                    for step in 0..6 {
+                        let b = gen.batch(step, bsz);
+                        let (loss, p) = if device_path {
+                            let s =
+                                dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+                            assert_eq!(s.report.outcome, StepOutcome::Stepped);
+                            (s.loss, s.probs)
+                        } else {
+                            host_step(&model, &mut m, &mut adam, &mut emb, &b)
+                        };
+                        losses.push(loss);
+                        probs.extend(p);
+                    }
+                    let held_out = gen.batch(77, bsz);
+                    probs.extend(if device_path {
+                        dlrm::predict(&model, &mut m, &mut emb, &held_out).unwrap()
+                    } else {
+                        host_predict(&model, &mut m, &mut emb, &held_out)
+                    });
+                    let params: Vec<f32> = model
+                        .named_params()
+                        .iter()
+                        .flat_map(|(_, id)| m.read(*id).unwrap())
+                        .collect();
+                    let evicted = emb.bag().cache().moved().d2h_rows;
+                    let (w, state) = emb.bag_mut().cache_mut().to_vecs().unwrap();
+                    (losses, probs, params, w, state, evicted)
+                };
+                let (dev_run, host_run) = (run(true), run(false));
+                let what = format!("{} {dtype} scale {}", dev.name(), scaler.init_scale);
+                assert!(dev_run.5 > 0, "{what}: the cache evicted nothing");
+                let diffs = [
+                    ("losses", rel_diff(&dev_run.0, &host_run.0)),
+                    ("probs", rel_diff(&dev_run.1, &host_run.1)),
+                    ("params", rel_diff(&dev_run.2, &host_run.2)),
+                    ("rows", rel_diff(&dev_run.3, &host_run.3)),
+                    ("state", rel_diff(&dev_run.4, &host_run.4)),
+                ];
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                let bitwise = [
+                    bits(&dev_run.0) == bits(&host_run.0),
+                    bits(&dev_run.1) == bits(&host_run.1),
+                    bits(&dev_run.2) == bits(&host_run.2),
+                    bits(&dev_run.3) == bits(&host_run.3),
+                    bits(&dev_run.4) == bits(&host_run.4),
+                ];
+                eprintln!("device vs host path on {what}: {diffs:?}, bitwise {bitwise:?}");
+                if tol == 0.0 {
+                    assert!(bitwise.iter().all(|&b| b), "{what}: {diffs:?}");
+                }
+                for (name, d) in diffs {
+                    assert!(d <= tol, "{what} {name}: {d:e}");
+                }
+            }
+        }
+    }
+}
+
+/// The sample-major forward refuses tables of different numbers of bags (and the collection's
+/// other bad input) before anything changes.
+#[test]
+fn the_sample_major_forward_needs_one_bag_per_sample_in_every_table() {
+    let dev = common::sim(64 << 20);
+    let mut emb = CachedEmbeddingCollection::new(
+        dev,
+        &[10, 20],
+        4,
+        16,
+        BagMode::Sum,
+        EmbeddingOptimizer::Sgd { lr: 0.1 },
+        |c| c,
+        table_init(20),
+    )
+    .unwrap();
+    let (ids0, two) = ([1u32, 2], [0u32, 1, 2]);
+    let batch = |i1: &'static [u32], o1: &'static [u32]| {
+        vec![
+            tidemem::embedding::TableBatch {
+                indices: &ids0,
+                offsets: &two,
+                weights: None,
+            },
+            tidemem::embedding::TableBatch {
+                indices: i1,
+                offsets: o1,
+                weights: None,
+            },
+        ]
+    };
+    let uneven = batch(&[3, 4, 5], &[0, 1, 2, 3]);
+    let r = emb.forward_device_interleaved(&uneven);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let out_of_range = batch(&[3, 40], &[0, 1, 2]);
+    let r = emb.forward_device_interleaved(&out_of_range);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert!(emb.output().is_err(), "a refused forward left an output");
+    assert_eq!(emb.bag().cache().moved().h2d_rows, 0);
+    // two samples of two tables: rows sample-major, each the table's row
+    let good = batch(&[3, 4], &[0, 1, 2]);
+    assert_eq!(emb.forward_device_interleaved(&good).unwrap(), 2);
+    let out: Vec<f32> = bytemuck::pod_collect_to_vec(
+        &emb.bag()
+            .cache()
+            .device()
+            .download(emb.stream(), emb.output().unwrap())
+            .unwrap(),
+    );
+    let table = emb.forward(&good).unwrap();
+    for s in 0..2 {
+        for t in 0..2 {
+            assert_eq!(
+                out[(s * 2 + t) * 4..(s * 2 + t + 1) * 4],
+                table[(t * 2 + s) * 4..(t * 2 + s + 1) * 4]
+            );
+        }
     }
 }

@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use crate::comm::{Communicator, Elem, ReduceOp};
-use crate::device::Device;
+use crate::device::{Device, DeviceView, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::BagMode;
 
@@ -108,8 +108,43 @@ impl CachedEmbeddingCollection {
         Ok(self.concat(batch)?.0)
     }
 
-    #[allow(clippy::type_complexity)]
-    fn concat(&self, batch: &[TableBatch<'_>]) -> Result<(Vec<u32>, Vec<u32>, Option<Vec<f32>>)> {
+    /// Checks table `t`'s part of a batch: ids within the table, offsets rising from 0 to the
+    /// number of ids, one weight per id.
+    fn check_table(&self, t: usize, b: &TableBatch<'_>) -> Result<()> {
+        let rows = self.offsets[t + 1] - self.offsets[t];
+        if let Some((i, id)) = b
+            .indices
+            .iter()
+            .enumerate()
+            .find(|(_, &id)| id as u64 >= rows)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "table {t}: id {id} at position {i} is out of range for {rows} rows"
+            )));
+        }
+        if b.offsets.first() != Some(&0)
+            || b.offsets.last().map(|&o| o as usize) != Some(b.indices.len())
+            || b.offsets.windows(2).any(|w| w[1] < w[0])
+        {
+            return Err(Error::InvalidArgument(format!(
+                "table {t}: offsets must rise from 0 to the number of indices ({})",
+                b.indices.len()
+            )));
+        }
+        if let Some(w) = b.weights {
+            if w.len() != b.indices.len() {
+                return Err(Error::InvalidArgument(format!(
+                    "table {t}: {} weights for {} indices",
+                    w.len(),
+                    b.indices.len()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks a batch of every table.
+    fn check_batch(&self, batch: &[TableBatch<'_>]) -> Result<()> {
         if batch.len() != self.tables() {
             return Err(Error::InvalidArgument(format!(
                 "a batch of {} tables for a collection of {}",
@@ -117,52 +152,50 @@ impl CachedEmbeddingCollection {
                 self.tables()
             )));
         }
-        let mut ids = Vec::new();
+        batch
+            .iter()
+            .enumerate()
+            .try_for_each(|(t, b)| self.check_table(t, b))
+    }
+
+    /// The bags of every table concatenated into one batch of global ids, in the order
+    /// `bags` yields `(table, bag)` pairs: table-major for [`Self::forward`], sample-major for
+    /// [`Self::forward_device_interleaved`]. The batch must be checked.
+    #[allow(clippy::type_complexity)]
+    fn concat_bags(
+        &self,
+        batch: &[TableBatch<'_>],
+        bags: impl Iterator<Item = (usize, usize)>,
+    ) -> (Vec<u32>, Vec<u32>, Option<Vec<f32>>) {
+        let n: usize = batch.iter().map(|b| b.indices.len()).sum();
+        let mut ids = Vec::with_capacity(n);
         let mut offs = vec![0u32];
         let any_weights = batch.iter().any(|b| b.weights.is_some());
-        let mut weights = any_weights.then(Vec::new);
-        for (t, b) in batch.iter().enumerate() {
-            let rows = self.offsets[t + 1] - self.offsets[t];
-            if let Some((i, id)) = b
-                .indices
-                .iter()
-                .enumerate()
-                .find(|(_, &id)| id as u64 >= rows)
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "table {t}: id {id} at position {i} is out of range for {rows} rows"
-                )));
-            }
-            if b.offsets.first() != Some(&0)
-                || b.offsets.last().map(|&o| o as usize) != Some(b.indices.len())
-                || b.offsets.windows(2).any(|w| w[1] < w[0])
-            {
-                return Err(Error::InvalidArgument(format!(
-                    "table {t}: offsets must rise from 0 to the number of indices ({})",
-                    b.indices.len()
-                )));
-            }
-            if let (Some(w), Some(all)) = (b.weights, weights.as_mut()) {
-                if w.len() != b.indices.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "table {t}: {} weights for {} indices",
-                        w.len(),
-                        b.indices.len()
-                    )));
+        let mut weights = any_weights.then(|| Vec::with_capacity(n));
+        for (t, i) in bags {
+            let b = &batch[t];
+            let (s, e) = (b.offsets[i] as usize, b.offsets[i + 1] as usize);
+            let base = self.offsets[t];
+            ids.extend(b.indices[s..e].iter().map(|&i| (base + i as u64) as u32));
+            offs.push(ids.len() as u32);
+            if let Some(all) = weights.as_mut() {
+                match b.weights {
+                    Some(w) => all.extend_from_slice(&w[s..e]),
+                    None => all.extend(std::iter::repeat_n(1.0, e - s)),
                 }
-                all.extend_from_slice(w);
-            } else if let Some(all) = weights.as_mut() {
-                all.extend(std::iter::repeat_n(1.0, b.indices.len()));
             }
-            let base = ids.len() as u32;
-            ids.extend(
-                b.indices
-                    .iter()
-                    .map(|&i| (self.offsets[t] + i as u64) as u32),
-            );
-            offs.extend(b.offsets[1..].iter().map(|&o| base + o));
         }
-        Ok((ids, offs, weights))
+        (ids, offs, weights)
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn concat(&self, batch: &[TableBatch<'_>]) -> Result<(Vec<u32>, Vec<u32>, Option<Vec<f32>>)> {
+        self.check_batch(batch)?;
+        let bags = batch
+            .iter()
+            .enumerate()
+            .flat_map(|(t, b)| (0..b.offsets.len() - 1).map(move |i| (t, i)));
+        Ok(self.concat_bags(batch, bags))
     }
 
     /// Forward of every table: `[tables, bags_t, dim]` floats, table-major.
@@ -173,9 +206,58 @@ impl CachedEmbeddingCollection {
         Ok(out)
     }
 
+    /// Forward of every table left on the device, sample-major: every table has the same
+    /// number of bags `samples` (one per sample), and the output ([`Self::output`]) is
+    /// `[samples, tables, dim]` f32, row `s·tables + t` sample `s`'s bag of table `t`: the
+    /// layout of a DLRM's interaction input, so its gradient needs no reordering either.
+    /// Returns `samples`. The kernel runs on the cache's stream ([`Self::stream`]); work on
+    /// another stream orders itself after it with an event.
+    ///
+    /// Each row belongs to one table and meets its bags in sample order in both layouts, so
+    /// the backward sums a row's contributions in the same order as after [`Self::forward`]:
+    /// the same gradient, bit for bit. Bad input (as for [`Self::forward`], or tables of
+    /// different numbers of bags) fails with [`Error::InvalidArgument`] and changes nothing.
+    pub fn forward_device_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<usize> {
+        self.check_batch(batch)?;
+        let samples = batch[0].offsets.len() - 1;
+        if let Some(t) = batch.iter().position(|b| b.offsets.len() - 1 != samples) {
+            return Err(Error::InvalidArgument(format!(
+                "table {t} has {} bags, table 0 has {samples}: a sample-major forward needs \
+                 one bag per sample in every table",
+                batch[t].offsets.len() - 1
+            )));
+        }
+        let tables = self.tables();
+        let bags = (0..samples).flat_map(|s| (0..tables).map(move |t| (t, s)));
+        let (ids, offs, weights) = self.concat_bags(batch, bags);
+        self.bag.forward_device(&ids, &offs, weights.as_deref())?;
+        self.last_bags = vec![samples; tables];
+        Ok(samples)
+    }
+
+    /// The device output of the last forward (f32, in that forward's layout: table-major after
+    /// [`Self::forward`], sample-major after [`Self::forward_device_interleaved`]), written on
+    /// [`Self::stream`].
+    pub fn output(&self) -> Result<DeviceView<'_>> {
+        self.bag.output()
+    }
+
+    /// The stream the collection's forward, backward and step run on (the cache's).
+    pub fn stream(&self) -> &Stream {
+        self.bag.cache().stream()
+    }
+
     /// Backward of the last forward from the output gradient (same layout as the output).
     pub fn backward(&mut self, grad_out: &[f32]) -> Result<usize> {
         self.bag.backward(grad_out)
+    }
+
+    /// [`Self::backward`] from an output gradient on the device (f32, the layout of
+    /// [`Self::output`]), read on [`Self::stream`]: it must be written there or behind an
+    /// event that stream waits for, and must live until the backward's kernel completes.
+    /// Returns the number of distinct rows.
+    pub fn backward_device(&mut self, grad_out: DeviceView<'_>) -> Result<usize> {
+        self.bag.backward_device(grad_out)
     }
 
     /// Applies the optimizer to the rows of the last backward.

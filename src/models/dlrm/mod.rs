@@ -7,19 +7,27 @@
 //!
 //! 1. the dense features `[B, 13]` through the bottom MLP (Linear + ReLU after every layer) to
 //!    the dense vector `[B, d]`;
-//! 2. the pooled embedding vectors, computed by the collection on the host side and uploaded
-//!    (`[tables, B, d]` as the collection returns them, reordered to `[B, tables, d]`);
+//! 2. the pooled embedding vectors `[B, tables, d]`, sample-major, from the collection's
+//!    [`forward_device_interleaved`](crate::embedding::CachedEmbeddingCollection::forward_device_interleaved),
+//!    cast on the device to the parameter dtype ([`Dlrm::forward_backward_device`]; the
+//!    host-vector entry [`Dlrm::forward_backward`] takes them table-major, `[tables, B, d]`
+//!    as [`CachedEmbeddingCollection::forward`](crate::embedding::CachedEmbeddingCollection::forward)
+//!    returns them, and uploads them sample-major);
 //! 3. the dot interaction ([`ops::interaction`](crate::ops::interaction)): the dense vector,
 //!    then the strict lower triangle of `T·Tᵀ` over the `F = tables + 1` stacked vectors;
 //! 4. the top MLP (ReLU between layers), its logit through the fused sigmoid + BCE
 //!    ([`ops::bce`](crate::ops::bce)), the loss the mean over the batch;
 //! 5. the backward: the MLP gradients into the store's slots, the embedding vectors' gradient
-//!    back to the host (table-major again) for
-//!    [`CachedEmbeddingCollection::backward`](crate::embedding::CachedEmbeddingCollection::backward).
+//!    cast to f32 and unscaled on the device and handed to the collection's
+//!    [`backward_device`](crate::embedding::CachedEmbeddingCollection::backward_device) (or,
+//!    from [`Dlrm::forward_backward`], returned to the host table-major for
+//!    [`CachedEmbeddingCollection::backward`](crate::embedding::CachedEmbeddingCollection::backward)).
+//!    The two paths give the same bits.
 //!
-//! [`train_step`] glues one step: the collection's forward, [`Dlrm::forward_backward`], the
-//! collection's backward and row optimizer, the store's optimizer step. [`train_step_hybrid`]
-//! and [`predict_hybrid`] run a step over many ranks: the tables sharded over them (a
+//! [`train_step`] glues one step on the device path: the collection's forward,
+//! [`Dlrm::forward_backward_device`] (the collection's backward included), the store's
+//! optimizer step, the collection's row optimizer. [`train_step_hybrid`] and
+//! [`predict_hybrid`] run a step over many ranks: the tables sharded over them (a
 //! [`ShardedEmbedding`](crate::embedding::ShardedEmbedding)), the MLPs data-parallel.
 //!
 //! # Example
@@ -46,11 +54,13 @@
 //! ```
 
 mod config;
+mod device;
 mod hybrid;
 mod model;
 mod train;
 
 pub use config::DlrmConfig;
+pub use device::DeviceEmbeddings;
 pub use hybrid::{predict_hybrid, train_step_hybrid};
 pub use model::{default_init, Dlrm};
 pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep};

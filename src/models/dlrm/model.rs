@@ -24,7 +24,7 @@ pub struct Dlrm {
 /// What the forward keeps for the backward: each layer's input (the previous layer's ReLU
 /// output, which is positive exactly where its input is, so it serves the ReLU's backward
 /// too), the embedding vectors, the interaction's output and the logit's gradient.
-struct Saved {
+pub(super) struct Saved {
     bottom_in: Vec<Act>,
     dense: Act,
     emb: Act,
@@ -33,11 +33,11 @@ struct Saved {
 }
 
 /// The outputs of [`Dlrm::forward`].
-struct Forward {
+pub(super) struct Forward {
     /// The sum of the samples' losses.
-    sum: f64,
-    probs: Vec<f32>,
-    saved: Saved,
+    pub(super) sum: f64,
+    pub(super) probs: Vec<f32>,
+    pub(super) saved: Saved,
 }
 
 impl Dlrm {
@@ -111,11 +111,11 @@ impl Dlrm {
         out
     }
 
-    /// Checks a batch's lengths: `emb` `[tables, batch, dim]`, `dense` `[batch,
-    /// dense_features]`, `labels` `[batch]`.
-    fn check(
+    /// Checks a batch's lengths: `emb_len` values of the embedding vectors `[tables, batch,
+    /// dim]` (either layout), `dense` `[batch, dense_features]`, `labels` `[batch]`.
+    pub(super) fn check(
         &self,
-        emb: &[f32],
+        emb_len: usize,
         dense: &[f32],
         labels: Option<&[f32]>,
         batch: usize,
@@ -134,7 +134,7 @@ impl Dlrm {
         if batch == 0 {
             return Err(Error::InvalidArgument("a DLRM batch of 0 samples".into()));
         }
-        want("embedding", emb.len(), [c.tables, batch, c.dim])?;
+        want("embedding", emb_len, [c.tables, batch, c.dim])?;
         want("dense", dense.len(), [batch, c.dense_features, 1])?;
         if let Some(l) = labels {
             want("label", l.len(), [batch, 1, 1])?;
@@ -176,11 +176,7 @@ impl Dlrm {
         batch: usize,
         loss_scale: f32,
     ) -> Result<(f32, Vec<f32>, Vec<f32>)> {
-        if !(loss_scale.is_finite() && loss_scale > 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "the loss scale {loss_scale} is not a positive finite number"
-            )));
-        }
+        super::device::check_loss_scale(loss_scale)?;
         let (sum, grad, probs) = self.forward_backward_parts(
             store,
             emb,
@@ -210,7 +206,7 @@ impl Dlrm {
         grad_scale: f32,
         emb_div: f32,
     ) -> Result<(f64, Vec<f32>, Vec<f32>)> {
-        self.check(emb, dense, Some(labels), batch)?;
+        self.check(emb.len(), dense, Some(labels), batch)?;
         for (what, v) in [("gradient scale", grad_scale), ("divisor", emb_div)] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(Error::InvalidArgument(format!(
@@ -219,10 +215,11 @@ impl Dlrm {
             }
         }
         let fwd = store.forward()?;
+        let emb = self.upload_emb(&fwd, emb, batch)?;
         let f = self.forward(&fwd, emb, dense, labels, batch, grad_scale)?;
         fwd.finish()?;
         let bwd = store.backward()?;
-        let d_emb = self.backward(&bwd, f.saved)?;
+        let d_emb = self.backward(&bwd, f.saved)?.to_f32(bwd.stream())?;
         bwd.finish()?;
         let mut grad = to_table_major(&d_emb, batch, self.config.tables, self.config.dim);
         if emb_div != 1.0 {
@@ -241,9 +238,10 @@ impl Dlrm {
         dense: &[f32],
         batch: usize,
     ) -> Result<Vec<f32>> {
-        self.check(emb, dense, None, batch)?;
+        self.check(emb.len(), dense, None, batch)?;
         let labels = vec![0.0f32; batch];
         let fwd = store.forward()?;
+        let emb = self.upload_emb(&fwd, emb, batch)?;
         let f = self.forward(&fwd, emb, dense, &labels, batch, 0.0)?;
         drop(f.saved);
         fwd.finish()?;
@@ -252,12 +250,22 @@ impl Dlrm {
         Ok(f.probs)
     }
 
-    /// The forward: bottom MLP, interaction, top MLP, fused BCE (its gradient scaled by
-    /// `scale`).
-    fn forward(
+    /// Table-major host vectors `[tables, batch, dim]` uploaded sample-major in the parameter
+    /// dtype.
+    fn upload_emb(&self, fwd: &ForwardPass<'_>, emb: &[f32], batch: usize) -> Result<Act> {
+        let c = &self.config;
+        let sample_major = to_sample_major(emb, batch, c.tables, c.dim);
+        let (d, pool, s) = (fwd.param_dtype(), fwd.pool(), fwd.stream());
+        Act::upload(pool, s, batch * c.tables, c.dim, d, &sample_major)
+    }
+
+    /// The forward from the embedding vectors on the device (`[batch·tables, dim]` of the
+    /// parameter dtype, sample-major): bottom MLP, interaction, top MLP, fused BCE (its
+    /// gradient scaled by `scale`).
+    pub(super) fn forward(
         &self,
         fwd: &ForwardPass<'_>,
-        emb: &[f32],
+        emb: Act,
         dense: &[f32],
         labels: &[f32],
         batch: usize,
@@ -267,8 +275,7 @@ impl Dlrm {
         let (d, pool, s) = (fwd.param_dtype(), fwd.pool(), fwd.stream());
         let x = Act::upload(pool, s, batch, c.dense_features, d, dense)?;
         let (bottom_in, dense_vec) = mlp_forward(fwd, &self.bottom, x, true)?;
-        let sample_major = to_sample_major(emb, batch, c.tables, c.dim);
-        let emb = Act::upload(pool, s, batch * c.tables, c.dim, d, &sample_major)?;
+        emb.expect("embedding vectors", Some(batch * c.tables), c.dim, d)?;
         let shape = c.interaction(batch);
         let inter = Act::alloc(pool, batch, shape.out_width(), d)?;
         let (dev, s) = (fwd.device(), fwd.stream());
@@ -308,8 +315,9 @@ impl Dlrm {
     }
 
     /// The backward from the logits' gradient: the MLP gradients into their slots, the
-    /// embedding vectors' gradient returned sample-major, `[batch, tables, dim]`.
-    fn backward(&self, bwd: &BackwardPass<'_>, saved: Saved) -> Result<Vec<f32>> {
+    /// embedding vectors' gradient returned on the device, sample-major, `[batch·tables, dim]`
+    /// of the parameter dtype (written on the pass's stream).
+    pub(super) fn backward(&self, bwd: &BackwardPass<'_>, saved: Saved) -> Result<Act> {
         let c = &self.config;
         let batch = saved.dense.rows();
         let (d, pool) = (bwd.param_dtype(), bwd.pool());
@@ -330,12 +338,11 @@ impl Dlrm {
             d,
         )?;
         drop(d_inter);
-        let out = d_emb.to_f32(bwd.stream())?;
         // the bottom MLP ends in a ReLU: its output (`dense`) is the last ReLU's
         let mut bottom_in = saved.bottom_in;
         bottom_in.push(saved.dense);
         mlp_backward(bwd, &self.bottom, &bottom_in, d_dense, false, true)?;
-        Ok(out)
+        Ok(d_emb)
     }
 }
 

@@ -60,12 +60,16 @@ pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<Tab
         .collect()
 }
 
-/// One step on `batch`: the collection's forward (the pooled vectors), the MLPs' forward and
-/// backward ([`Dlrm::forward_backward_scaled`] at `adam`'s loss scale), the collection's
-/// backward and row optimizer, and the store's [`step`](ParamStore::step) (`adam` must not
-/// accumulate micro-batches). When `adam` skips the step on an overflowed gradient
+/// One step on `batch`: the collection's sample-major device forward
+/// ([`CachedEmbeddingCollection::forward_device_interleaved`]), the MLPs' forward and backward
+/// with the collection's backward ([`Dlrm::forward_backward_device`] at `adam`'s loss scale;
+/// the pooled vectors and their gradient stay on the device), the store's
+/// [`step`](ParamStore::step) (`adam` must not accumulate micro-batches) and the collection's
+/// row optimizer. When `adam` skips the step on an overflowed gradient
 /// ([`StepOutcome::Skipped`]), the embedding rows are not stepped either. The batch's shape is
-/// checked against the model before anything runs.
+/// checked against the model before anything runs. The same bits as the host path
+/// ([`CachedEmbeddingCollection::forward`], [`Dlrm::forward_backward_scaled`],
+/// [`CachedEmbeddingCollection::backward`]).
 pub fn train_step<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
@@ -89,10 +93,10 @@ pub fn train_step<S: ParamStore + ?Sized>(
     }
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
-    let pooled = emb.forward(&tables)?;
-    let (loss, grad, probs) = model.forward_backward_scaled(
+    emb.forward_device_interleaved(&tables)?;
+    let (loss, probs, rows) = model.forward_backward_device(
         store,
-        &pooled,
+        emb,
         &batch.dense,
         &batch.labels,
         batch.size,
@@ -103,7 +107,6 @@ pub fn train_step<S: ParamStore + ?Sized>(
     let rows = if report.outcome == StepOutcome::Skipped {
         0
     } else {
-        let rows = emb.backward(&grad)?;
         emb.step()?;
         rows
     };
@@ -115,8 +118,8 @@ pub fn train_step<S: ParamStore + ?Sized>(
     })
 }
 
-/// The click probabilities of `batch` without training: the collection's forward and
-/// [`Dlrm::predict`].
+/// The click probabilities of `batch` without training: the collection's sample-major device
+/// forward and [`Dlrm::predict_device`].
 pub fn predict<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
@@ -125,6 +128,6 @@ pub fn predict<S: ParamStore + ?Sized>(
 ) -> Result<Vec<f32>> {
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
-    let pooled = emb.forward(&tables)?;
-    model.predict(store, &pooled, &batch.dense, batch.size)
+    emb.forward_device_interleaved(&tables)?;
+    model.predict_device(store, emb, &batch.dense, batch.size)
 }

@@ -24,6 +24,7 @@ mod checkpoint;
 mod index;
 mod policy;
 mod replay;
+mod sharded;
 mod tables;
 
 pub use bag::{CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer};
@@ -31,6 +32,5 @@ pub use cache::{bincount, CacheConfig, EmbeddingCache, HostTier, MoveStats};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
 pub use policy::{OptimalTrace, Policy};
 pub use replay::{replay, ReplayConfig, ReplayStats};
-pub use tables::{
-    batch_slice, table_owners, CachedEmbeddingCollection, ShardedEmbedding, Sharding, TableBatch,
-};
+pub use sharded::{batch_slice, table_owners, ShardedEmbedding, Sharding};
+pub use tables::{CachedEmbeddingCollection, TableBatch};

@@ -10,7 +10,7 @@ use crate::tensor::{Init, TensorId};
 
 /// A linear layer over a `q × q × d` grid: [`Linear2D`]'s algorithm in each depth layer, the
 /// batch cut `d·q` ways, weight and bias gradients all-reduced over depth (see
-/// [the module](self)).
+/// [the module](super)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Linear2p5D {
     /// The layer of this rank's depth layer: its blocks, `q`, row and column.

@@ -598,6 +598,12 @@ fn each_rank_holds_its_share_of_the_model_data() {
             assert_eq!(k(ChunkKind::Variance), k(ChunkKind::Master));
             let (per, total) = r.zero.shard_balance();
             assert_eq!(per, vec![total / world as u64; world]);
+            // a rank's non-model peak holds at least one gather buffer (N fp16 chunk slots)
+            // beside its share of the activations, and is the same on every rank
+            let peak = r.zero.non_model_peak();
+            let gather = (world * UNTIED.chunk_elems() * 2) as u64;
+            assert!(peak >= gather, "world {world}: {peak} < {gather}");
+            assert_eq!(peak, ranks[0].zero.non_model_peak(), "world {world}");
         }
     }
 }

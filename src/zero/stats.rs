@@ -39,6 +39,15 @@ impl ZeroManager {
         (per, total)
     }
 
+    /// The most non-model bytes allocated at once so far on this rank, as
+    /// [`ChunkManager::non_model_peak`](crate::chunk::ChunkManager::non_model_peak) reports for
+    /// one process: the activations and scratch from [`ZeroManager::pool`] and the gather
+    /// buffers of the groups gathered at the time, i.e. what the rank's device must hold beside
+    /// its shard.
+    pub fn non_model_peak(&self) -> u64 {
+        self.local.non_model_peak()
+    }
+
     /// Exact chunk bytes of this rank's shard on every tier.
     pub fn usage(&self) -> Usage {
         self.local.usage()

@@ -28,6 +28,7 @@ pub mod relu;
 pub mod rows;
 pub mod softmax;
 pub mod vocab_parallel;
+pub mod copy_rows;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
@@ -55,6 +56,7 @@ pub use vocab_parallel::{
     vocab_ce_grad, vocab_ce_max, vocab_ce_sums, vocab_embedding_backward, vocab_embedding_forward,
     VocabCeGrad, VocabCeSums, VocabCrossEntropy, VocabPlan, VocabShard,
 };
+pub use copy_rows::{copy_rows, CopyRows, RowIndex};
 
 use crate::device::KernelDesc;
 
@@ -102,6 +104,7 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &vocab_parallel::VOCAB_CE_MAX,
         &vocab_parallel::VOCAB_CE_SUMS,
         &vocab_parallel::VOCAB_CE_GRAD,
+        &copy_rows::COPY_ROWS,
     ];
     ALL
 }

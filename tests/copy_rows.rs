@@ -58,8 +58,7 @@ fn copies_match_a_host_copy_bitwise() {
             (1000, 5, 5, 10, 5),
             (70, 257, 257, 300, 40),
         ] {
-            for (with_si, with_di) in [(false, false), (true, false), (false, true), (true, true)]
-            {
+            for (with_si, with_di) in [(false, false), (true, false), (false, true), (true, true)] {
                 let (src_rows, dst_rows) = (n + 2, n + 3);
                 let src = rng.bytes(src_rows * ss * 4);
                 let dst = rng.bytes((dst_rows * ds) * 4);
@@ -122,14 +121,25 @@ fn bad_input_is_refused_with_nothing_written() {
         };
         let cases: [(&str, CopyRows<'_>); 6] = [
             ("width past the strides", plan(3, 5, None, None)),
-            ("index arrays of the wrong length", plan(3, 4, Some(&short), None)),
-            ("a destination index past the view", plan(3, 4, None, Some(&far))),
-            ("repeated destination indices", plan(3, 4, None, Some(&twice))),
+            (
+                "index arrays of the wrong length",
+                plan(3, 4, Some(&short), None),
+            ),
+            (
+                "a destination index past the view",
+                plan(3, 4, None, Some(&far)),
+            ),
+            (
+                "repeated destination indices",
+                plan(3, 4, None, Some(&twice)),
+            ),
             ("a destination view too small", plan(6, 4, None, None)),
             ("a source view too small", plan(7, 4, None, None)),
         ];
         for (what, p) in cases {
-            refused_run(&dev, &s, what, &[&dst], || copy_rows(&dev, &s, &src, &dst, &p));
+            refused_run(&dev, &s, what, &[&dst], || {
+                copy_rows(&dev, &s, &src, &dst, &p)
+            });
         }
         // a source index past the source's rows (6 rows)
         let six = RowIndex::upload(&dev, &s, &[6, 0, 1]).unwrap();

@@ -591,8 +591,10 @@ fn device_hybrid_step_equals_the_host_one_bitwise() {
         (Sharding::ColumnWise, ADAM_ROWS),
     ];
     for (sharding, opt) in cases {
-        let mut groups: Vec<(&str, Box<dyn Fn() -> Vec<Device>>)> =
-            vec![("sim", Box::new(|| vec![common::sim(256 << 20), common::sim(256 << 20)]))];
+        let mut groups: Vec<(&str, Box<dyn Fn() -> Vec<Device>>)> = vec![(
+            "sim",
+            Box::new(|| vec![common::sim(256 << 20), common::sim(256 << 20)]),
+        )];
         if let Some(g) = &gpu {
             groups.push(("cuda", Box::new(move || vec![g.clone(), g.clone()])));
         }
@@ -610,7 +612,10 @@ fn device_hybrid_step_equals_the_host_one_bitwise() {
             for (i, what) in ["loss", "probs", "table", "pred"].iter().enumerate() {
                 assert!(d[i] == h[i], "{name} {sharding:?} {opt:?}: {what} differs");
             }
-            assert!(d[4..] == h[4..], "{name} {sharding:?} {opt:?}: MLP parameters differ");
+            assert!(
+                d[4..] == h[4..],
+                "{name} {sharding:?} {opt:?}: MLP parameters differ"
+            );
         }
     }
 }

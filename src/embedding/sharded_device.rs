@@ -154,8 +154,7 @@ impl ShardedEmbedding {
     pub fn backward_device(&mut self, grad: DeviceView<'_>) -> Result<usize> {
         if self.last != Last::Device {
             return Err(Error::InvalidArgument(
-                "backward_device follows forward_device (the host forward's layout differs)"
-                    .into(),
+                "backward_device follows forward_device (the host forward's layout differs)".into(),
             ));
         }
         let (a, b) = batch_slice(self.bags, self.comm.world(), self.comm.rank());
@@ -175,7 +174,11 @@ impl ShardedEmbedding {
             return Ok(0);
         };
         let len = self.bags * self.local_tables.len() * local_width(local) * 4;
-        let g = self.device.grad.as_ref().expect("allocated by the exchange");
+        let g = self
+            .device
+            .grad
+            .as_ref()
+            .expect("allocated by the exchange");
         order_after(&dev, &self.device.stream, local.stream())?;
         let rows = local.backward_device(g.view(0, len)?);
         // the next exchange rewrites the local gradient after the backward's reads
@@ -221,7 +224,11 @@ impl ShardedEmbedding {
     /// once per batch size.
     fn output_rows(&mut self) -> Result<()> {
         if self.sharding != Sharding::TableWise
-            || self.device.rows.as_ref().is_some_and(|(b, _)| *b == self.bags)
+            || self
+                .device
+                .rows
+                .as_ref()
+                .is_some_and(|(b, _)| *b == self.bags)
         {
             return Ok(());
         }
@@ -304,9 +311,9 @@ impl ShardedEmbedding {
         let local_out = this.local.as_ref().map(|l| l.output()).transpose()?;
         let block = |q: usize| -> Result<Option<DeviceView<'_>>> {
             let (qa, qb) = this.samples(q);
-            let row = local_out.as_ref().map_or(0, |o| {
-                o.len() / (this.bags.max(1) * 4)
-            });
+            let row = local_out
+                .as_ref()
+                .map_or(0, |o| o.len() / (this.bags.max(1) * 4));
             local_out
                 .as_ref()
                 .filter(|_| qb > qa && row > 0)

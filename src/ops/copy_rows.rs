@@ -93,7 +93,11 @@ fn rows_in(len: usize, stride: usize, width: usize) -> usize {
     let len = len as u64;
     if width == 0 {
         // a row of nothing: any row fits; bounded by the elements' count for a finite answer
-        return if stride == 0 { usize::MAX } else { (len / stride as u64) as usize + 1 };
+        return if stride == 0 {
+            usize::MAX
+        } else {
+            (len / stride as u64) as usize + 1
+        };
     }
     if len < width as u64 {
         0
@@ -154,7 +158,11 @@ fn twin(a: &mut TwinArgs<'_>) -> Result<()> {
         None
     };
     let dst = a.take_as::<u32>(2)?;
-    let (w, ss, ds) = (p.width as usize, p.src_stride as usize, p.dst_stride as usize);
+    let (w, ss, ds) = (
+        p.width as usize,
+        p.src_stride as usize,
+        p.dst_stride as usize,
+    );
     for i in 0..p.n as usize {
         let s = si.map_or(i as u64, |v| u64::from(v[i]));
         let d = di.map_or(i as u64, |v| u64::from(v[i]));
@@ -283,7 +291,10 @@ pub fn copy_rows<'a, 'b>(
     }
     let src_rows = rows_in(src.len() / 4, p.src_stride, p.width);
     let dst_rows = rows_in(dst.len() / 4, p.dst_stride, p.width);
-    for (name, index, rows) in [("src", p.src_index, src_rows), ("dst", p.dst_index, dst_rows)] {
+    for (name, index, rows) in [
+        ("src", p.src_index, src_rows),
+        ("dst", p.dst_index, dst_rows),
+    ] {
         match index {
             Some(ix) if ix.len() != p.n => {
                 return bad(format!("{} {name} indices for {} rows", ix.len(), p.n));
@@ -294,7 +305,11 @@ pub fn copy_rows<'a, 'b>(
                      at stride {}",
                     ix.max().unwrap_or(0),
                     p.width,
-                    if name == "src" { p.src_stride } else { p.dst_stride }
+                    if name == "src" {
+                        p.src_stride
+                    } else {
+                        p.dst_stride
+                    }
                 ));
             }
             None if p.n > rows => {
@@ -302,7 +317,11 @@ pub fn copy_rows<'a, 'b>(
                     "the {name} view is too small: it holds {rows} rows of {} at stride {}, \
                      {} are copied",
                     p.width,
-                    if name == "src" { p.src_stride } else { p.dst_stride },
+                    if name == "src" {
+                        p.src_stride
+                    } else {
+                        p.dst_stride
+                    },
                     p.n
                 ));
             }

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod bce;
 pub mod bias;
 pub mod cast;
+pub mod copy_rows;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -28,13 +29,13 @@ pub mod relu;
 pub mod rows;
 pub mod softmax;
 pub mod vocab_parallel;
-pub mod copy_rows;
 
 pub use accumulate::accumulate;
 pub use adam::{adam, AdamOperands};
 pub use bce::{bce_with_logits, BceOutputs};
 pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 pub use cast::cast;
+pub use copy_rows::{copy_rows, CopyRows, RowIndex};
 pub use cross_entropy::{
     check_targets, cross_entropy_forward, cross_entropy_forward_backward, CrossEntropy,
 };
@@ -56,7 +57,6 @@ pub use vocab_parallel::{
     vocab_ce_grad, vocab_ce_max, vocab_ce_sums, vocab_embedding_backward, vocab_embedding_forward,
     VocabCeGrad, VocabCeSums, VocabCrossEntropy, VocabPlan, VocabShard,
 };
-pub use copy_rows::{copy_rows, CopyRows, RowIndex};
 
 use crate::device::KernelDesc;
 

@@ -591,19 +591,18 @@ fn device_hybrid_step_equals_the_host_one_bitwise() {
         (Sharding::ColumnWise, ADAM_ROWS),
     ];
     for (sharding, opt) in cases {
-        let mut groups: Vec<(&str, Box<dyn Fn() -> Vec<Device>>)> = vec![(
-            "sim",
-            Box::new(|| vec![common::sim(256 << 20), common::sim(256 << 20)]),
-        )];
-        if let Some(g) = &gpu {
-            groups.push(("cuda", Box::new(move || vec![g.clone(), g.clone()])));
-        }
-        for (name, devs) in &groups {
+        // both ranks on Sim devices, or both on the CUDA device
+        let devs = |g: Option<&Device>| match g {
+            Some(g) => vec![g.clone(), g.clone()],
+            None => vec![common::sim(256 << 20), common::sim(256 << 20)],
+        };
+        let groups = std::iter::once(("sim", None)).chain(gpu.as_ref().map(|g| ("cuda", Some(g))));
+        for (name, g) in groups {
             let t = std::time::Instant::now();
-            let host = hybrid_on(devs(), &batches, &rows, sharding, opt, Mode::HybridHost);
+            let host = hybrid_on(devs(g), &batches, &rows, sharding, opt, Mode::HybridHost);
             let t_host = t.elapsed();
             let t = std::time::Instant::now();
-            let dev = hybrid_on(devs(), &batches, &rows, sharding, opt, Mode::Hybrid);
+            let dev = hybrid_on(devs(g), &batches, &rows, sharding, opt, Mode::Hybrid);
             let t_dev = t.elapsed();
             eprintln!("{name} {sharding:?} {opt:?}: host {t_host:?}, device {t_dev:?}");
             assert_eq!(dev.rows, host.rows, "{name} {sharding:?}: touched rows");

@@ -53,6 +53,7 @@ pub const SOURCES: &[KernelSource] = &[
     kernel_file!("bias.cu"),
     kernel_file!("elementwise.cu"),
     kernel_file!("vocab_parallel.cu"),
+    kernel_file!("copy_rows.cu"),
 ];
 
 /// Every header of the kernel sources (`#include "name.cuh"`): the shared helpers
@@ -80,6 +81,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("bias.cuh"),
     kernel_file!("elementwise.cuh"),
     kernel_file!("vocab_parallel.cuh"),
+    kernel_file!("copy_rows.cuh"),
 ];
 
 /// The source named `name`.

@@ -5,6 +5,8 @@
 
 mod common;
 
+#[path = "conformance/copy_rows.rs"]
+mod copy_rows_cases;
 #[path = "conformance/core.rs"]
 mod core_cases;
 #[path = "conformance/embedding.rs"]
@@ -18,6 +20,7 @@ mod recsys_cases;
 #[path = "conformance/vocab_parallel.rs"]
 mod vocab_parallel_cases;
 
+use copy_rows_cases::*;
 use core_cases::*;
 use embedding_cases::*;
 use llm_cases::*;
@@ -135,6 +138,7 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "vocab_ce_max" => vocab_ce_cases(r, CeStep::Max),
         "vocab_ce_sums" => vocab_ce_cases(r, CeStep::Sums),
         "vocab_ce_grad" => vocab_ce_cases(r, CeStep::Grad),
+        "copy_rows" => copy_rows_cases(r),
         _ => return None,
     })
 }

@@ -88,6 +88,9 @@ struct Run {
     params: Vec<Vec<f32>>,
     table: Vec<f32>,
     rows: Vec<usize>,
+    /// `predict_hybrid` (or its host twin) on the first batch after training, the ranks'
+    /// slices in rank order (empty for one rank's run).
+    pred: Vec<f32>,
 }
 
 fn single(batches: &[Batch], rows: &[usize], opt: EmbeddingOptimizer) -> Run {
@@ -126,6 +129,7 @@ fn single(batches: &[Batch], rows: &[usize], opt: EmbeddingOptimizer) -> Run {
         params,
         table,
         rows: touched,
+        pred: vec![],
     }
 }
 
@@ -135,6 +139,9 @@ fn single(batches: &[Batch], rows: &[usize], opt: EmbeddingOptimizer) -> Run {
 enum Mode {
     /// `train_step_hybrid`.
     Hybrid,
+    /// `train_step_hybrid_host`: the pooled vectors through the host (the device path's
+    /// reference).
+    HybridHost,
     /// Each rank's MLP loss the mean over its own samples, and the embedding gradient of it
     /// (what a one-rank step run on each slice would do).
     LocalMean,
@@ -192,6 +199,7 @@ struct RankOut {
     local_tables: Vec<usize>,
     table: Vec<f32>,
     rows: Vec<usize>,
+    pred: Vec<f32>,
 }
 
 fn hybrid(
@@ -202,8 +210,21 @@ fn hybrid(
     opt: EmbeddingOptimizer,
     mode: Mode,
 ) -> Run {
-    let cfg = DlrmConfig::tiny();
     let devs = (0..world).map(|_| common::sim(256 << 20)).collect();
+    hybrid_on(devs, batches, rows, sharding, opt, mode)
+}
+
+/// [`hybrid`] on the given devices, one rank each.
+fn hybrid_on(
+    devs: Vec<Device>,
+    batches: &[Batch],
+    rows: &[usize],
+    sharding: Sharding,
+    opt: EmbeddingOptimizer,
+    mode: Mode,
+) -> Run {
+    let cfg = DlrmConfig::tiny();
+    let world = devs.len();
     let comms = Communicator::local_with_timeout(devs, Duration::from_secs(60)).unwrap();
     let outs: Vec<RankOut> = std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -228,10 +249,13 @@ fn hybrid(
                     let mut adam = mlp_adam();
                     let (mut losses, mut probs, mut touched) = (vec![], vec![], vec![]);
                     for b in batches {
-                        if mode == Mode::Hybrid {
-                            let st =
+                        if matches!(mode, Mode::Hybrid | Mode::HybridHost) {
+                            let st = if mode == Mode::Hybrid {
                                 dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, b)
-                                    .unwrap();
+                            } else {
+                                dlrm::train_step_hybrid_host(&model, &mut z, &mut adam, &mut emb, b)
+                            }
+                            .unwrap();
                             assert_eq!(st.report.outcome, StepOutcome::Stepped);
                             losses.push(st.loss);
                             probs.push(st.probs);
@@ -242,6 +266,16 @@ fn hybrid(
                             probs.push(p);
                         }
                     }
+                    let pred = match mode {
+                        Mode::Hybrid => {
+                            dlrm::predict_hybrid(&model, &mut z, &mut emb, &batches[0]).unwrap()
+                        }
+                        Mode::HybridHost => {
+                            dlrm::predict_hybrid_host(&model, &mut z, &mut emb, &batches[0])
+                                .unwrap()
+                        }
+                        _ => vec![],
+                    };
                     let mut owned = vec![];
                     for (k, (_, id)) in model.named_params().into_iter().enumerate() {
                         if z.owns(id) {
@@ -260,13 +294,14 @@ fn hybrid(
                         local_tables,
                         table,
                         rows: touched,
+                        pred,
                     }
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    if mode == Mode::Hybrid {
+    if matches!(mode, Mode::Hybrid | Mode::HybridHost) {
         for o in &outs[1..] {
             assert_eq!(
                 o.losses, outs[0].losses,
@@ -333,12 +368,14 @@ fn assemble(
             probs.extend_from_slice(&o.probs[step * n..(step + 1) * n]);
         }
     }
+    let pred = outs.iter().flat_map(|o| o.pred.iter().copied()).collect();
     Run {
         losses: outs[0].losses.clone(),
         probs,
         params,
         table,
         rows: outs[0].rows.clone(),
+        pred,
     }
 }
 
@@ -523,4 +560,61 @@ fn one_rank_is_bitwise_the_one_rank_step() {
     assert_eq!(got.probs, want.probs);
     assert_eq!(got.params, want.params);
     assert!(got.table == want.table);
+}
+
+/// The bits of every value of a run.
+fn run_bits(r: &Run) -> Vec<Vec<u32>> {
+    let b = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    let mut out = vec![b(&r.losses), b(&r.probs), b(&r.table), b(&r.pred)];
+    out.extend(r.params.iter().map(|p| b(p)));
+    out
+}
+
+/// The device hybrid step (`train_step_hybrid`, `predict_hybrid`: the pooled vectors and their
+/// gradients stay on the device, the all-to-all moves them there) equals the host one
+/// (`train_step_hybrid_host`, `predict_hybrid_host`) bit for bit in f32: the losses, the
+/// probabilities of every step, the predictions after training, the MLP parameters and every
+/// embedding row, table-wise and column-wise on 2 ranks, on Sim devices and, where there is
+/// one, with both ranks on the CUDA device.
+#[test]
+fn device_hybrid_step_equals_the_host_one_bitwise() {
+    let gen = generator();
+    let rows = rows_of(&gen);
+    let batches: Vec<Batch> = (0..STEPS).map(|i| gen.batch(i, BSZ)).collect();
+    let gpu = common::cuda("device_hybrid_step_equals_the_host_one_bitwise");
+    let cases = [
+        (Sharding::TableWise, EmbeddingOptimizer::Sgd { lr: 0.5 }),
+        (
+            Sharding::TableWise,
+            EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 },
+        ),
+        (Sharding::ColumnWise, ADAM_ROWS),
+    ];
+    for (sharding, opt) in cases {
+        // both ranks on Sim devices, or both on the CUDA device
+        let devs = |g: Option<&Device>| match g {
+            Some(g) => vec![g.clone(), g.clone()],
+            None => vec![common::sim(256 << 20), common::sim(256 << 20)],
+        };
+        let groups = std::iter::once(("sim", None)).chain(gpu.as_ref().map(|g| ("cuda", Some(g))));
+        for (name, g) in groups {
+            let t = std::time::Instant::now();
+            let host = hybrid_on(devs(g), &batches, &rows, sharding, opt, Mode::HybridHost);
+            let t_host = t.elapsed();
+            let t = std::time::Instant::now();
+            let dev = hybrid_on(devs(g), &batches, &rows, sharding, opt, Mode::Hybrid);
+            let t_dev = t.elapsed();
+            eprintln!("{name} {sharding:?} {opt:?}: host {t_host:?}, device {t_dev:?}");
+            assert_eq!(dev.rows, host.rows, "{name} {sharding:?}: touched rows");
+            assert_eq!(dev.pred.len(), BSZ);
+            let (d, h) = (run_bits(&dev), run_bits(&host));
+            for (i, what) in ["loss", "probs", "table", "pred"].iter().enumerate() {
+                assert!(d[i] == h[i], "{name} {sharding:?} {opt:?}: {what} differs");
+            }
+            assert!(
+                d[4..] == h[4..],
+                "{name} {sharding:?} {opt:?}: MLP parameters differ"
+            );
+        }
+    }
 }

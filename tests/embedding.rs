@@ -914,3 +914,131 @@ fn sharded_outputs_equal_single_rank() {
             .collect()
     }
 }
+
+/// The device all-to-all (`forward_device`, `backward_device`) against the host one
+/// (`forward`, `backward`), table-wise and column-wise on 2 and 3 ranks (uneven sample slices
+/// and column blocks), Sim devices and, where there is one, both ranks on the CUDA device:
+/// every step's output bit for bit (sample-major against table-major), so every backward and
+/// step too, and the tables at the end; and a backward that does not follow its forward's
+/// path, or a gradient of the wrong size, refused.
+#[test]
+fn sharded_device_exchange_equals_the_host_one() {
+    use tidemem::comm::Communicator;
+    use tidemem::embedding::{batch_slice, Sharding};
+    const TROWS: [usize; 5] = [50, 7, 120, 30, 9];
+    const D: usize = 6;
+    const BAGS: usize = 10;
+    let mut rng = TestRng::new(33);
+    let steps: Vec<_> = (0..3)
+        .map(|_| table_batch(&mut rng, &TROWS, BAGS))
+        .collect();
+    let tables = TROWS.len();
+    // [tables, n, D] ↔ [n, tables, D]
+    let to_sample_major = |v: &[f32], n: usize| -> Vec<f32> {
+        let mut out = vec![0.0; v.len()];
+        for t in 0..tables {
+            for s in 0..n {
+                out[(s * tables + t) * D..(s * tables + t + 1) * D]
+                    .copy_from_slice(&v[(t * n + s) * D..(t * n + s + 1) * D]);
+            }
+        }
+        out
+    };
+    let gpu = common::cuda("sharded_device_exchange_equals_the_host_one");
+    for (sharding, opt) in [
+        (
+            Sharding::TableWise,
+            EmbeddingOptimizer::RowwiseAdagrad { lr: 0.2, eps: 1e-8 },
+        ),
+        (Sharding::ColumnWise, OPTIMIZERS[2]),
+    ] {
+        let groups: Vec<Vec<tidemem::device::Device>> = [2usize, 3]
+            .into_iter()
+            .map(|w| (0..w).map(|_| common::sim(64 << 20)).collect())
+            .chain(gpu.clone().map(|g| vec![g.clone(), g]))
+            .collect();
+        for devs in groups {
+            let world = devs.len();
+            let name = devs[0].name().to_string();
+            let run = |device: bool| -> Vec<(Vec<Vec<u32>>, Vec<u32>)> {
+                let comms = Communicator::local(devs.clone()).unwrap();
+                std::thread::scope(|s| {
+                    let hs: Vec<_> = comms
+                        .into_iter()
+                        .map(|comm| {
+                            let steps = &steps;
+                            s.spawn(move || {
+                                let r = comm.rank();
+                                let dev = comm.device().clone();
+                                let mut e = sharded(comm, sharding, &TROWS, D, opt);
+                                let (a, b) = batch_slice(BAGS, world, r);
+                                let n = b - a;
+                                let mut outs = vec![];
+                                for batch in steps {
+                                    // outputs compared in the host layout, gradients made there
+                                    let out = if device {
+                                        assert_eq!(e.forward_device(&view(batch)).unwrap(), n);
+                                        let v: Vec<f32> = bytemuck::pod_collect_to_vec(
+                                            &dev.download(e.stream(), e.output().unwrap()).unwrap(),
+                                        );
+                                        // back to [tables, n, D]
+                                        let mut tm = vec![0.0; v.len()];
+                                        for t in 0..tables {
+                                            for s in 0..n {
+                                                tm[(t * n + s) * D..(t * n + s + 1) * D]
+                                                    .copy_from_slice(
+                                                        &v[(s * tables + t) * D
+                                                            ..(s * tables + t + 1) * D],
+                                                    );
+                                            }
+                                        }
+                                        tm
+                                    } else {
+                                        e.forward(&view(batch)).unwrap()
+                                    };
+                                    let g = grad_of(&out);
+                                    if device {
+                                        let g = to_sample_major(&g, n);
+                                        let st = e.stream();
+                                        let gb = dev.upload(st, bytemuck::cast_slice(&g)).unwrap();
+                                        let short = gb.view(0, gb.len() - 4).unwrap();
+                                        assert!(matches!(
+                                            e.backward_device(short),
+                                            Err(Error::InvalidArgument(_))
+                                        ));
+                                        assert!(matches!(
+                                            e.backward(&grad_of(&out)),
+                                            Err(Error::InvalidArgument(_))
+                                        ));
+                                        e.backward_device(gb.view(0, gb.len()).unwrap()).unwrap();
+                                    } else {
+                                        e.backward(&g).unwrap();
+                                    }
+                                    e.step().unwrap();
+                                    outs.push(bits(&out));
+                                }
+                                let table = match e.local_mut() {
+                                    Some(l) => l.bag_mut().cache_mut().to_vecs().unwrap().0,
+                                    None => vec![],
+                                };
+                                (outs, bits(&table))
+                            })
+                        })
+                        .collect();
+                    hs.into_iter().map(|h| h.join().unwrap()).collect()
+                })
+            };
+            let (host, dev) = (run(false), run(true));
+            for (r, (h, d)) in host.iter().zip(&dev).enumerate() {
+                assert!(
+                    h.0 == d.0,
+                    "{name} {sharding:?} world {world} rank {r}: outputs"
+                );
+                assert!(
+                    h.1 == d.1,
+                    "{name} {sharding:?} world {world} rank {r}: tables"
+                );
+            }
+        }
+    }
+}

@@ -11,6 +11,9 @@
 //! to each rank the outputs of its slice of the samples ([`batch_slice`], data-parallel output),
 //! and the backward sends gradients the other way.
 
+#[path = "sharded_device.rs"]
+mod device;
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -78,6 +81,10 @@ pub struct ShardedEmbedding {
     bags: usize,
     /// Rows of every table.
     rows: Vec<usize>,
+    /// Which forward ran last (the backward follows its layout).
+    last: device::Last,
+    /// The device all-to-all's stream and buffers.
+    device: device::DeviceState,
 }
 
 impl ShardedEmbedding {
@@ -177,6 +184,7 @@ impl ShardedEmbedding {
                 },
             )?)
         };
+        let device = device::DeviceState::new(comm.device())?;
         Ok(Self {
             comm,
             sharding,
@@ -187,6 +195,8 @@ impl ShardedEmbedding {
             local,
             bags: 0,
             rows: rows.to_vec(),
+            last: device::Last::None,
+            device,
         })
     }
 
@@ -324,20 +334,7 @@ impl ShardedEmbedding {
     /// `[tables, my_bags, dim]`. A rank whose own tables' forward fails makes every rank fail
     /// (the ranks agree before the exchange).
     pub fn forward(&mut self, batch: &[TableBatch<'_>]) -> Result<Vec<f32>> {
-        let tables = self.owner.len();
-        if batch.len() != tables {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} tables for {tables} tables",
-                batch.len()
-            )));
-        }
-        let bags = batch[0].offsets.len().saturating_sub(1);
-        if let Some(t) = batch.iter().position(|b| b.offsets.len() != bags + 1) {
-            return Err(Error::InvalidArgument(format!(
-                "table {t} has {} bags, table 0 has {bags}: every table needs one bag per sample",
-                batch[t].offsets.len().saturating_sub(1)
-            )));
-        }
+        let bags = self.check_global_batch(batch)?;
         let out = match self.local.as_mut() {
             Some(local) => {
                 let mine: Vec<TableBatch<'_>> =
@@ -351,6 +348,7 @@ impl ShardedEmbedding {
         self.comm.agree(out.is_ok())?;
         let out = out?;
         self.bags = bags;
+        self.last = device::Last::Host;
         // Local output: [local tables, bags, local dim]. Send each rank its samples.
         let sends = (0..self.comm.world())
             .map(|q| self.pick(&out, q))
@@ -365,6 +363,12 @@ impl ShardedEmbedding {
     pub fn backward(&mut self, grad: &[f32]) -> Result<()> {
         let world = self.comm.world();
         let me = self.comm.rank();
+        if self.last == device::Last::Device {
+            return Err(Error::InvalidArgument(
+                "backward follows forward (forward_device's layout differs: use backward_device)"
+                    .into(),
+            ));
+        }
         let (s0, s1) = batch_slice(self.bags, world, me);
         let want = self.owner.len() * (s1 - s0) * self.dim;
         if grad.len() != want {

@@ -10,6 +10,7 @@ pub mod attention;
 pub mod bce;
 pub mod bias;
 pub mod cast;
+pub mod copy_rows;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod embedding;
@@ -34,6 +35,7 @@ pub use adam::{adam, AdamOperands};
 pub use bce::{bce_with_logits, BceOutputs};
 pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 pub use cast::cast;
+pub use copy_rows::{copy_rows, CopyRows, RowIndex};
 pub use cross_entropy::{
     check_targets, cross_entropy_forward, cross_entropy_forward_backward, CrossEntropy,
 };
@@ -102,6 +104,7 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &vocab_parallel::VOCAB_CE_MAX,
         &vocab_parallel::VOCAB_CE_SUMS,
         &vocab_parallel::VOCAB_CE_GRAD,
+        &copy_rows::COPY_ROWS,
     ];
     ALL
 }

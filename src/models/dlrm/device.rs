@@ -14,7 +14,7 @@
 use super::Dlrm;
 use crate::device::{Device, DeviceView, Stream};
 use crate::dtype::DType;
-use crate::embedding::CachedEmbeddingCollection;
+use crate::embedding::{CachedEmbeddingCollection, ShardedEmbedding};
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::cast;
@@ -42,6 +42,23 @@ pub trait DeviceEmbeddings {
 impl DeviceEmbeddings for CachedEmbeddingCollection {
     fn stream(&self) -> &Stream {
         CachedEmbeddingCollection::stream(self)
+    }
+
+    fn vectors(&self) -> Result<DeviceView<'_>> {
+        self.output()
+    }
+
+    fn backward(&mut self, grad: DeviceView<'_>) -> Result<usize> {
+        self.backward_device(grad)
+    }
+}
+
+/// The sharded tables after [`forward_device`](ShardedEmbedding::forward_device): this rank's
+/// samples' vectors, and the backward that sends their gradient back to the ranks holding the
+/// rows (every rank must call it).
+impl DeviceEmbeddings for ShardedEmbedding {
+    fn stream(&self) -> &Stream {
+        ShardedEmbedding::stream(self)
     }
 
     fn vectors(&self) -> Result<DeviceView<'_>> {
@@ -147,7 +164,7 @@ impl Dlrm {
             DType::F32,
         )?;
         drop(d_emb);
-        unscale(dev, s, &grad, loss_scale)?;
+        unscale(dev, s, grad.view(), loss_scale)?;
         order_after(dev, s, emb.stream())?;
         let rows = emb.backward(grad.view());
         // the gradient's block goes back to the pool only after the backward has read it (an
@@ -157,6 +174,52 @@ impl Dlrm {
         let rows = rows?;
         bwd.finish()?;
         Ok(((f.sum / batch as f64) as f32, f.probs, rows))
+    }
+
+    /// [`Dlrm::forward_backward_parts`] with the embedding vectors on the device, for a step
+    /// whose batch is split over ranks: `emb`'s vectors (as for
+    /// [`Dlrm::forward_backward_device`]) are cast there to the parameter dtype; each sample's
+    /// logit gradient is `grad_scale · ∂ℓᵢ/∂zᵢ`; the vectors' gradient, cast to f32 and
+    /// divided by `emb_div`, is written into `grad` (f32, `[batch·tables, dim]`, sample-major)
+    /// and `emb`'s stream is ordered after it; `emb`'s backward is not called (the caller runs
+    /// it once the ranks agree). Returns the sum of the samples' losses and the probabilities.
+    /// The store is then in its optimizer stage. Lengths and the scales are checked before
+    /// anything runs. The values are those of [`Dlrm::forward_backward_parts`] bit for bit (the
+    /// gradient in the sample-major layout).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_backward_device_parts<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        emb: &impl DeviceEmbeddings,
+        dense: &[f32],
+        labels: &[f32],
+        batch: usize,
+        grad_scale: f32,
+        emb_div: f32,
+        grad: DeviceView<'_>,
+    ) -> Result<(f64, Vec<f32>)> {
+        let len = Self::device_emb_len(emb)?;
+        self.check(len, dense, Some(labels), batch)?;
+        super::model::check_scales(grad_scale, emb_div)?;
+        if grad.len() != len * 4 {
+            return Err(Error::InvalidArgument(format!(
+                "a gradient of {} bytes for {len} f32 embedding values",
+                grad.len()
+            )));
+        }
+        let fwd = store.forward()?;
+        let vectors = self.cast_emb(&fwd, emb, batch)?;
+        let f = self.forward(&fwd, vectors, dense, labels, batch, grad_scale)?;
+        fwd.finish()?;
+        let bwd = store.backward()?;
+        let d_emb = self.backward(&bwd, f.saved)?;
+        let (dev, s) = (bwd.device(), bwd.stream());
+        cast(dev, s, d_emb.input(), d_emb.dtype(), grad, DType::F32)?;
+        drop(d_emb);
+        unscale(dev, s, grad, emb_div)?;
+        order_after(dev, s, emb.stream())?;
+        bwd.finish()?;
+        Ok((f.sum, f.probs))
     }
 
     /// [`Dlrm::predict`] with the embedding vectors on the device (as for
@@ -195,16 +258,16 @@ pub(super) fn check_loss_scale(loss_scale: f32) -> Result<()> {
 }
 
 /// `grad /= loss_scale` (f32) on `s`, as the host path's division rounds it.
-fn unscale(dev: &Device, s: &Stream, grad: &Act, loss_scale: f32) -> Result<()> {
+fn unscale(dev: &Device, s: &Stream, grad: DeviceView<'_>, loss_scale: f32) -> Result<()> {
     if loss_scale == 1.0 {
         Ok(())
     } else if exact_reciprocal(loss_scale) {
-        scale(dev, s, 1.0 / loss_scale, grad.view(), DType::F32)
+        scale(dev, s, 1.0 / loss_scale, grad, DType::F32)
     } else {
-        let mut g = grad.to_f32(s)?;
+        let mut g: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(s, grad)?);
         g.iter_mut().for_each(|v| *v /= loss_scale);
         let host = crate::device::HostBuffer::from_slice(bytemuck::cast_slice(&g))?;
-        dev.copy_h2d(s, host, grad.view())?.wait()?;
+        dev.copy_h2d(s, host, grad)?.wait()?;
         Ok(())
     }
 }

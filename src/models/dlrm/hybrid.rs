@@ -56,6 +56,7 @@ use super::train::{bag_offsets, table_batches};
 use super::{Dlrm, DlrmStep};
 use crate::comm::ReduceOp;
 use crate::data::criteo::Batch;
+use crate::device::DeviceBuffer;
 use crate::embedding::{batch_slice, ShardedEmbedding};
 use crate::error::{Error, Result};
 use crate::optim::{HybridAdam, StepOutcome};
@@ -87,12 +88,58 @@ use crate::tensor::Stage;
 /// every rank before anything changes. A failure of one rank later in the step is an error on
 /// every rank; with a store other than a `ZeroManager`, ranks whose stores disagree on skipping
 /// the step get an error too, after their stores stepped.
+///
+/// The pooled vectors and their gradients stay on the device: the tables' forward and backward
+/// all-to-all run there ([`ShardedEmbedding::forward_device`],
+/// [`ShardedEmbedding::backward_device`]), and the vectors reach the interaction, and its
+/// gradient the tables, without a host round trip. [`train_step_hybrid_host`] is the same step
+/// through host vectors; both give the same bits.
 pub fn train_step_hybrid<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
     adam: &mut HybridAdam,
     emb: &mut ShardedEmbedding,
     batch: &Batch,
+) -> Result<DlrmStep> {
+    hybrid_step(model, store, adam, emb, batch, Path::Device)
+}
+
+/// [`train_step_hybrid`] with the pooled vectors and their gradients through host memory
+/// ([`ShardedEmbedding::forward`], [`ShardedEmbedding::backward`], the host all-to-all): the
+/// reference the device path is tested against. The losses, probabilities, MLP parameters and
+/// embedding rows are those of [`train_step_hybrid`] bit for bit; it is slower (every vector
+/// goes down to the host and back up, twice).
+pub fn train_step_hybrid_host<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    adam: &mut HybridAdam,
+    emb: &mut ShardedEmbedding,
+    batch: &Batch,
+) -> Result<DlrmStep> {
+    hybrid_step(model, store, adam, emb, batch, Path::Host)
+}
+
+/// Where the pooled vectors of a hybrid step live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Path {
+    Host,
+    Device,
+}
+
+/// The embedding vectors' gradient of a hybrid step, for the tables' backward.
+enum EmbGrad {
+    Host(Vec<f32>),
+    /// The f32 gradient and its length in bytes.
+    Device(DeviceBuffer, usize),
+}
+
+fn hybrid_step<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    adam: &mut HybridAdam,
+    emb: &mut ShardedEmbedding,
+    batch: &Batch,
+    path: Path,
 ) -> Result<DlrmStep> {
     let local = check_batch(model, emb, batch).and_then(|()| {
         if adam.config().accumulation_steps != 1 {
@@ -108,20 +155,42 @@ pub fn train_step_hybrid<S: ParamStore + ?Sized>(
     let n = s1 - s0;
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
-    let pooled = emb.forward(&tables)?;
-    let features = model.config().dense_features;
+    let c = model.config();
+    let features = c.dense_features;
+    let (dense, labels) = (
+        &batch.dense[s0 * features..s1 * features],
+        &batch.labels[s0..s1],
+    );
     // the logit gradient of the global mean, times `world` for the store's average; the
     // embedding gradient divided back to the global mean's (exact for powers of two)
     let scaled = adam.loss_scale() * world as f32;
-    let fb = model.forward_backward_parts(
-        store,
-        &pooled,
-        &batch.dense[s0 * features..s1 * features],
-        &batch.labels[s0..s1],
-        n,
-        scaled / batch.size as f32,
-        scaled,
-    );
+    let grad_scale = scaled / batch.size as f32;
+    let fb = match path {
+        Path::Host => {
+            let pooled = emb.forward(&tables)?;
+            model
+                .forward_backward_parts(store, &pooled, dense, labels, n, grad_scale, scaled)
+                .map(|(sum, grad, probs)| (sum, EmbGrad::Host(grad), probs))
+        }
+        Path::Device => {
+            emb.forward_device(&tables)?;
+            let len = n * c.tables * c.dim * 4;
+            // an allocation that fails on one rank is agreed on with the pass below
+            emb.comm().device().alloc(len.max(4)).and_then(|buf| {
+                let (sum, probs) = model.forward_backward_device_parts(
+                    store,
+                    &*emb,
+                    dense,
+                    labels,
+                    n,
+                    grad_scale,
+                    scaled,
+                    buf.view(0, len)?,
+                )?;
+                Ok((sum, EmbGrad::Device(buf, len), probs))
+            })
+        }
+    };
     let mut v = [f64::from(u8::from(fb.is_err())), 0.0];
     if let Ok((sum, _, _)) = &fb {
         v[1] = *sum;
@@ -162,7 +231,13 @@ pub fn train_step_hybrid<S: ParamStore + ?Sized>(
     let rows = if skipped {
         0
     } else {
-        let back = emb.backward(&grad);
+        let back = match &grad {
+            EmbGrad::Host(g) => emb.backward(g),
+            EmbGrad::Device(buf, len) => buf
+                .view(0, *len)
+                .and_then(|g| emb.backward_device(g))
+                .map(drop),
+        };
         emb.comm().agree(back.is_ok())?;
         back?;
         let step = emb.step();
@@ -182,22 +257,51 @@ pub fn train_step_hybrid<S: ParamStore + ?Sized>(
 /// of the global `batch` (the same on every rank; every rank must call it), without training:
 /// the sharded tables' forward and [`Dlrm::predict`] on this rank's slice. Concatenated in rank
 /// order, the ranks' results are the probabilities of the whole batch. Checked and agreed as
-/// [`train_step_hybrid`] is.
+/// [`train_step_hybrid`] is; the vectors stay on the device ([`Dlrm::predict_device`]).
 pub fn predict_hybrid<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
     emb: &mut ShardedEmbedding,
     batch: &Batch,
 ) -> Result<Vec<f32>> {
+    hybrid_predict(model, store, emb, batch, Path::Device)
+}
+
+/// [`predict_hybrid`] through host vectors ([`ShardedEmbedding::forward`], [`Dlrm::predict`]):
+/// the reference of the device path, the same bits.
+pub fn predict_hybrid_host<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    emb: &mut ShardedEmbedding,
+    batch: &Batch,
+) -> Result<Vec<f32>> {
+    hybrid_predict(model, store, emb, batch, Path::Host)
+}
+
+fn hybrid_predict<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    emb: &mut ShardedEmbedding,
+    batch: &Batch,
+    path: Path,
+) -> Result<Vec<f32>> {
     let local = check_batch(model, emb, batch);
     agree_on_batch(emb, batch, local)?;
     let (s0, s1) = batch_slice(batch.size, emb.comm().world(), emb.comm().rank());
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
-    let pooled = emb.forward(&tables)?;
     let features = model.config().dense_features;
     let dense = &batch.dense[s0 * features..s1 * features];
-    let probs = model.predict(store, &pooled, dense, s1 - s0);
+    let probs = match path {
+        Path::Host => {
+            let pooled = emb.forward(&tables)?;
+            model.predict(store, &pooled, dense, s1 - s0)
+        }
+        Path::Device => {
+            emb.forward_device(&tables)?;
+            model.predict_device(store, &*emb, dense, s1 - s0)
+        }
+    };
     emb.comm().agree(probs.is_ok())?;
     probs
 }

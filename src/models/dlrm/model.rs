@@ -207,13 +207,7 @@ impl Dlrm {
         emb_div: f32,
     ) -> Result<(f64, Vec<f32>, Vec<f32>)> {
         self.check(emb.len(), dense, Some(labels), batch)?;
-        for (what, v) in [("gradient scale", grad_scale), ("divisor", emb_div)] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "the {what} {v} is not a positive finite number"
-                )));
-            }
-        }
+        check_scales(grad_scale, emb_div)?;
         let fwd = store.forward()?;
         let emb = self.upload_emb(&fwd, emb, batch)?;
         let f = self.forward(&fwd, emb, dense, labels, batch, grad_scale)?;
@@ -344,6 +338,19 @@ impl Dlrm {
         mlp_backward(bwd, &self.bottom, &bottom_in, d_dense, false, true)?;
         Ok(d_emb)
     }
+}
+
+/// The explicit normalisation of a split batch: a gradient scale and a divisor, each positive
+/// and finite.
+pub(super) fn check_scales(grad_scale: f32, emb_div: f32) -> Result<()> {
+    for (what, v) in [("gradient scale", grad_scale), ("divisor", emb_div)] {
+        if !(v.is_finite() && v > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "the {what} {v} is not a positive finite number"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `layers` with a ReLU after each (after the last too when `last_relu`): the input of each

@@ -81,6 +81,7 @@ pub fn entries(rows: usize, cols: usize) -> Vec<Entry> {
     llm::encoder_entries(rows, cols, &mut v);
     recsys::interaction_entries(&mut v);
     recsys::bce_entries(&mut v);
+    recsys::copy_rows_entries(&mut v);
     norm::norm_entries(rows, cols, &mut v);
     vocab_parallel::vocab_parallel_entries(rows, cols, &mut v);
     v

@@ -76,3 +76,36 @@ pub fn bce_entries(v: &mut Vec<Entry>) {
         ],
     ));
 }
+
+/// The sharded embedding's all-to-all placement: `copy_rows` of a rank's received block of
+/// 2048 samples × 13 tables × 128 columns into every other table's rows of the `[2048 × 26,
+/// 128]` output (a destination index, the table-wise case): each row read and written once,
+/// the index read once.
+pub fn copy_rows_entries(v: &mut Vec<Entry>) {
+    use tidemem::ops::copy_rows::{CopyRowsParams, COPY_ROWS};
+    let (samples, tables, mine, width) = (2048usize, 26usize, 13usize, 128usize);
+    let n = samples * mine;
+    let dst_index: Vec<u32> = (0..samples)
+        .flat_map(|s| (0..mine).map(move |k| (s * tables + 2 * k) as u32))
+        .collect();
+    let p = CopyRowsParams {
+        n: n as u64,
+        width: width as u64,
+        src_stride: width as u64,
+        dst_stride: width as u64,
+        src_rows: n as u64,
+        dst_rows: (samples * tables) as u64,
+    };
+    v.push(Entry::kernel(
+        "copy_rows f32 (a2a placement)",
+        2 * 4 * n * width + 4 * n,
+        &COPY_ROWS,
+        pod(&p),
+        vec![
+            Arg::floats(n * width, 5, DType::F32),
+            Arg::Absent,
+            Arg::zeros(samples * tables * width, DType::F32),
+            Arg::Read(bytemuck::cast_slice(&dst_index).to_vec(), DType::U32),
+        ],
+    ));
+}

@@ -1,13 +1,14 @@
 //! GPT-2 split into pipeline stages ([`crate::parallel::pipeline`]): a stage holds a run of
 //! blocks, the first stage also the embedding and the last `ln_f` and the head. `wte` is used
 //! at both ends, so the first and the last stage each hold a copy: their shares of its
-//! gradient are kept apart from the store through the step's micro-batches, swapped between
-//! the two stages at the end of the backward pass and added in one order on both, so the two
-//! copies stay bit for bit the same. Within a stage the blocks may be split over a 1D tensor
-//! group or a 2D, 2.5D or 3D grid, and the positions over a sequence ring; the ends are then
-//! split over the tensor group too ([`EndsLayout::Split`]: the vocab-parallel `wte`, tied on
-//! the last stage to the vocab-parallel head, each tensor rank swapping its shard's gradient
-//! with the same tensor rank of the other end) or whole on every rank ([`EndsLayout::Whole`]).
+//! gradient are summed in f32 through the step's micro-batches, apart from its slot, swapped
+//! between the two stages at the end of the backward pass and added in one order on both, so
+//! the two copies stay bit for bit the same. Within a stage the blocks may be split over a 1D
+//! tensor group or a 2D, 2.5D or 3D grid, and the positions over a sequence ring; the ends are
+//! then split over the tensor group too ([`EndsLayout::Split`]: the vocab-parallel `wte`, tied
+//! on the last stage to the vocab-parallel head, each tensor rank swapping its shard's
+//! gradient with the same tensor rank of the other end) or whole on every rank
+//! ([`EndsLayout::Whole`]).
 
 mod step;
 
@@ -79,7 +80,7 @@ pub enum StageHead {
 }
 
 /// The blocks of a stage: serial or split over a 1D group ([`Block`]), or on a 2D, 2.5D or 3D
-/// grid (tiles in and out; the ends whole, the embedding's output cut into tiles and the last
+/// grid (tiles in and out; with whole ends, the embedding's output cut into tiles and the last
 /// tiles gathered for the head).
 #[derive(Clone, Debug, PartialEq)]
 pub enum StageBlocks {
@@ -475,11 +476,10 @@ fn shared(mut b: Block) -> Block {
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
 /// same on every stage). `wte` is used at both ends, so the first and the last stage hold a
-/// copy each: their shares of its gradient are kept apart from the store through the step,
-/// swapped between the two stages at the end of the backward pass and added in one order on
-/// both, so the copies stay bit for bit the same. The stage's forwards and backwards run in
-/// `schedule`'s order within one
-/// store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
+/// copy each (its shard, with split ends): their shares of its gradient are summed in f32
+/// through the step, apart from its slot, swapped between the two stages at the end of the
+/// backward pass and added in one order on both, so the copies stay bit for bit the same. The
+/// stage's forwards and backwards run in `schedule`'s order within one store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
 /// optimizer's loss scale over `micro.len()`, then the store's step with the gradient
 /// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
 /// norm). [`Schedule::TwoBW`] (PipeDream-2BW) needs an optimizer with

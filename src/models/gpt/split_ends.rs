@@ -302,26 +302,13 @@ impl SplitHead {
         let (te, g, b) = (init("wte.weight"), init("ln_f.weight"), init("ln_f.bias"));
         Ok(match (place, tied) {
             (Place::OneD(shard), tied) => {
-                let own = match tied {
-                    Some(SplitEmbedding::OneD(_)) => None,
-                    None => Some(VocabHead1D::register(
-                        store,
-                        v,
-                        c,
-                        &te,
-                        IGNORE_INDEX,
-                        shard,
-                    )?),
+                // over its own copy of the rows (registered first) or the embedding's
+                let head = match tied {
+                    None => VocabHead1D::register(store, v, c, &te, IGNORE_INDEX, shard)?,
+                    Some(SplitEmbedding::OneD(e)) => VocabHead1D::tied(&*store, e, IGNORE_INDEX)?,
                     Some(_) => return Err(mismatch()),
                 };
                 let ln_f = whole_ln_f(store, cfg, &g, &b, shard)?;
-                let head = match (own, tied) {
-                    (Some(h), _) => h,
-                    (None, Some(SplitEmbedding::OneD(e))) => {
-                        VocabHead1D::tied(&*store, e, IGNORE_INDEX)?
-                    }
-                    _ => return Err(mismatch()),
-                };
                 SplitHead::OneD { ln_f, head }
             }
             (Place::Grid(grid), tied) => match grid.spec().tensor {

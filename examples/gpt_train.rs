@@ -124,9 +124,10 @@ struct Args {
     /// before).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
-    /// With --tp 2d/2.5d/3d: the embeddings, ln_f and the tied head split over the grid like
-    /// the blocks (split: the vocabulary must divide by q; pad it otherwise) or whole on every
-    /// rank (whole).
+    /// With --tp 2d/2.5d/3d, or any --tp with --pp: the embeddings, ln_f and the tied head
+    /// split over the tensor group like the blocks (split: on a grid the vocabulary must divide
+    /// by q; pad it otherwise) or whole on every rank (whole). With --pp the first and the last
+    /// stage each hold their copy of wte (its shard, split).
     #[arg(long, default_value = "split")]
     tp_ends: String,
     /// Train on this UTF-8 text file (default: a generated corpus).
@@ -782,6 +783,11 @@ impl Run<'_> {
         save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
     ) -> Result<(Vec<f32>, usize, f64)> {
         let (a, p) = (self.a, self.p);
+        let ends = match a.tp_ends.as_str() {
+            "split" => EndsLayout::Split,
+            "whole" => EndsLayout::Whole,
+            e => return Err(bad(format!("--tp-ends {e}: split or whole"))),
+        };
         let model = match (self.grid, self.tp) {
             _ if self.pipe.is_some() => {
                 let grid = self.pipe.ok_or_else(|| bad("no pipeline".into()))?;
@@ -793,7 +799,8 @@ impl Run<'_> {
                     (None, None) => StageSplit::None,
                 };
                 let range = layers[stage].clone();
-                let gpt = GptStage::register(store, &p.cfg, a.seed, (stage, stages), range, split)?;
+                let at = (stage, stages);
+                let gpt = GptStage::register_with(store, &p.cfg, a.seed, at, range, split, ends)?;
                 let groups = StageGroups {
                     pipeline: grid.pipeline(),
                     tensor: self.tp.or(self.grid.map(ProcessGrid::tensor)),
@@ -803,11 +810,6 @@ impl Run<'_> {
                 Model::Pipe(Box::new(gpt), groups)
             }
             (Some(grid), _) if p.hf.is_none() => {
-                let ends = match a.tp_ends.as_str() {
-                    "split" => EndsLayout::Split,
-                    "whole" => EndsLayout::Whole,
-                    e => return Err(bad(format!("--tp-ends {e}: split or whole"))),
-                };
                 let gpt = GptGrid::register_with(store, grid, &p.cfg, a.seed, ends)?;
                 Model::Grid(gpt, grid)
             }

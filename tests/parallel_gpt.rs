@@ -509,11 +509,88 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
     }
 }
 
+/// `STEPS` steps of GPT-2's two blocks over the two stages of `grid` (its tensor mode the
+/// blocks' split, the ends as `ends` says), `m` micro-batches a step: every rank's losses and
+/// gradient norms, and the elements of its copy of `wte`. Without data or sequence
+/// replicas, checks that the first and the last stage's copies of wte hold the same bits.
+fn train_stages(
+    c: &Communicator,
+    grid: &ProcessGrid,
+    schedule: Schedule,
+    m: usize,
+    ends: EndsLayout,
+) -> ((Vec<f32>, Vec<f64>), usize) {
+    let spec = grid.spec();
+    let (tensor, data, sequence) = (spec.tensor, spec.data, spec.sequence);
+    let t = tensor.size();
+    let mut z = zero_store(c, grid);
+    let (stage, stages) = (grid.pipeline_rank(), 2);
+    let layers = GptStage::balanced(&config(), stages).unwrap();
+    let split = match tensor {
+        TensorMode::None => StageSplit::None,
+        TensorMode::OneD { .. } => StageSplit::OneD(Shard::of(grid.tensor())),
+        _ => StageSplit::Grid(grid),
+    };
+    let range = layers[stage].clone();
+    let at = (stage, stages);
+    let gpt = GptStage::register_with(&mut z, &config(), 3, at, range, split, ends);
+    let gpt = gpt.unwrap();
+    let groups = StageGroups {
+        pipeline: grid.pipeline(),
+        tensor: (t > 1).then(|| grid.tensor()),
+        sequence: (sequence > 1).then(|| grid.sequence()),
+        grid: matches!(split, StageSplit::Grid(_)).then_some(grid),
+    };
+    let mut opt = adam();
+    let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
+    let per = rows / m;
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for k in 0..STEPS {
+        let (t, g) = rows_of(k, grid.data_rank(), rows);
+        // micro-batch j: rows j·per .., this rank's positions of each
+        let block = |v: &[i32], j: usize| -> Vec<i32> {
+            (j * per..(j + 1) * per)
+                .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                .collect()
+        };
+        let data: Vec<(Vec<i32>, Vec<i32>)> =
+            (0..m).map(|j| (block(&t, j), block(&g, j))).collect();
+        let micro: Vec<GptBatch> = data
+            .iter()
+            .map(|(t, g)| GptBatch {
+                tokens: t,
+                targets: g,
+                batch: per,
+                seq: l,
+            })
+            .collect();
+        let (s, rep) = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+        assert!(rep.peak_in_flight <= rep.in_flight_bound);
+        losses.push(mean_loss(c, s.loss));
+        norms.push(s.report.grad_norm);
+    }
+    let wte = gpt.wte().unwrap();
+    if data * sequence == 1 {
+        // the first and the last stage's copies of wte: the same bits
+        let bits = z.read(wte).unwrap().iter().fold(0i64, |h, x| {
+            h.wrapping_mul(31).wrapping_add(i64::from(x.to_bits()))
+        });
+        let mut both = [bits, -bits];
+        grid.pipeline()
+            .all_reduce_host(&mut both, tidemem::comm::ReduceOp::Max)
+            .unwrap();
+        assert_eq!(both[0], -both[1], "{spec}: wte's two copies differ");
+    }
+    let numel = z.tensor_shape(wte).unwrap().iter().product();
+    ((losses, norms), numel)
+}
+
 /// Pipeline parallelism: GPT-2's two blocks over two stages (`wte` on both ends, its gradient
 /// summed between them), 1F1B and GPipe with 2 and 4 micro-batches a step; on 8 ranks as
 /// pipeline 2 × sequence 2 × `1d:2`, as data 2 × pipeline 2 × sequence 2 and as pipeline 2 ×
 /// `2d:2`; and on 16 as pipeline 2 × `3d:2`, with ZeRO over the ranks holding the same
-/// shards: the losses and gradient norms of one process on the whole batch.
+/// shards: the losses and gradient norms of one process on the whole batch. The ends are whole
+/// on every tensor rank here ([`EndsLayout::Whole`]).
 #[test]
 fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
     let serial = serial();
@@ -534,69 +611,14 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let t = tensor.size();
-            let mut z = zero_store(c, grid);
-            let (stage, stages) = (grid.pipeline_rank(), 2);
-            let layers = GptStage::balanced(&config(), stages).unwrap();
-            let split = match tensor {
-                TensorMode::None => StageSplit::None,
-                TensorMode::OneD { .. } => StageSplit::OneD(Shard::of(grid.tensor())),
-                _ => StageSplit::Grid(grid),
-            };
-            let range = layers[stage].clone();
-            let gpt = GptStage::register(&mut z, &config(), 3, (stage, stages), range, split);
-            let gpt = gpt.unwrap();
-            let groups = StageGroups {
-                pipeline: grid.pipeline(),
-                tensor: (t > 1).then(|| grid.tensor()),
-                sequence: (sequence > 1).then(|| grid.sequence()),
-                grid: matches!(split, StageSplit::Grid(_)).then_some(grid),
-            };
-            let mut opt = adam();
-            let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
-            let per = rows / m;
-            let (mut losses, mut norms) = (Vec::new(), Vec::new());
-            for k in 0..STEPS {
-                let (t, g) = rows_of(k, grid.data_rank(), rows);
-                // micro-batch j: rows j·per .., this rank's positions of each
-                let block = |v: &[i32], j: usize| -> Vec<i32> {
-                    (j * per..(j + 1) * per)
-                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
-                        .collect()
-                };
-                let data: Vec<(Vec<i32>, Vec<i32>)> =
-                    (0..m).map(|j| (block(&t, j), block(&g, j))).collect();
-                let micro: Vec<GptBatch> = data
-                    .iter()
-                    .map(|(t, g)| GptBatch {
-                        tokens: t,
-                        targets: g,
-                        batch: per,
-                        seq: l,
-                    })
-                    .collect();
-                let (s, rep) =
-                    train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
-                assert!(rep.peak_in_flight <= rep.in_flight_bound);
-                losses.push(mean_loss(c, s.loss));
-                norms.push(s.report.grad_norm);
-            }
-            if data * sequence == 1 {
-                // the first and the last stage's copies of wte: the same bits
-                let wte = gpt
-                    .embedding
-                    .map(|e| e.wte)
-                    .or(gpt.head.map(|h| h.proj.weight));
-                let bits = z.read(wte.unwrap()).unwrap().iter().fold(0i64, |h, x| {
-                    h.wrapping_mul(31).wrapping_add(i64::from(x.to_bits()))
-                });
-                let mut both = [bits, -bits];
-                grid.pipeline()
-                    .all_reduce_host(&mut both, tidemem::comm::ReduceOp::Max)
-                    .unwrap();
-                assert_eq!(both[0], -both[1], "{spec}: wte's two copies differ");
-            }
-            (losses, norms)
+            let (run, wte) = train_stages(c, grid, schedule, m, EndsLayout::Whole);
+            let cfg = config();
+            assert_eq!(
+                wte,
+                cfg.vocab * cfg.channels,
+                "{spec}: a whole wte on every rank"
+            );
+            run
         });
         like_serial(
             &format!("GPT over {spec}, {} × {m}", schedule.name()),
@@ -604,6 +626,77 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
             &runs,
         );
     }
+}
+
+/// Pipeline stages with their ends split over the tensor group ([`EndsLayout::Split`]): the
+/// first stage's vocab-parallel `wte` and `wpe`, the last stage's `ln_f` and vocab-parallel
+/// head over its own copy of the `wte` shard, each tensor rank swapping its shard's gradient
+/// with the same rank of the other end. Pipeline 2 × `1d:2` (4 ranks; and × sequence 2, 8
+/// ranks), × `2d:2` (8 ranks) and × `3d:2` (16 ranks): each rank holds `1/T` of `wte`, the two
+/// copies keep the same bits, and the losses are the serial ones within 1e-4 relative, the
+/// gradient norms within 1e-5.
+#[test]
+fn gpt_pipeline_stages_with_split_ends_train_like_the_serial_gpt() {
+    let serial = serial();
+    let one_d = TensorMode::OneD { size: 2 };
+    let cases = [
+        (1, one_d, Schedule::OneFOneB, 2),
+        (2, one_d, Schedule::GPipe, 2),
+        (1, TensorMode::TwoD { q: 2 }, Schedule::OneFOneB, 2),
+        (1, TensorMode::ThreeD { q: 2 }, Schedule::OneFOneB, 1),
+    ];
+    for (sequence, tensor, schedule, m) in cases {
+        let spec = GridSpec {
+            data: 1,
+            pipeline: 2,
+            sequence,
+            tensor,
+        };
+        let runs = on_grid(spec, |c, grid| {
+            let (run, wte) = train_stages(c, grid, schedule, m, EndsLayout::Split);
+            let cfg = config();
+            let whole = cfg.vocab * cfg.channels;
+            assert_eq!(wte * tensor.size(), whole, "{spec}: 1/T of wte a rank");
+            run
+        });
+        like_serial(
+            &format!("GPT over {spec}, {} × {m}, the ends split", schedule.name()),
+            &serial,
+            &runs,
+        );
+    }
+}
+
+/// Split ends on a grid need a vocabulary that splits by `q`: with 63 tokens every rank of
+/// pipeline 3 × `2d:2` fails, the middle stage (no end of its own) too, before registering
+/// anything; whole ends take any vocabulary.
+#[test]
+fn pipeline_split_ends_need_a_vocabulary_that_splits() {
+    let cfg = GptConfig {
+        vocab: 63,
+        layers: 3,
+        ..config()
+    };
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 3,
+        sequence: 1,
+        tensor: TensorMode::TwoD { q: 2 },
+    };
+    on_grid(spec, |c, grid| {
+        let mut m = manager(c.device().clone(), 256 << 20);
+        let stage = grid.pipeline_rank();
+        let layers = GptStage::balanced(&cfg, 3).unwrap();
+        let (at, range) = ((stage, 3), layers[stage].clone());
+        let split = StageSplit::Grid(grid);
+        let r = GptStage::register(&mut m, &cfg, 3, at, range.clone(), split);
+        assert!(
+            matches!(r, Err(tidemem::error::Error::InvalidArgument(_))),
+            "stage {stage}: {r:?}"
+        );
+        let whole = EndsLayout::Whole;
+        GptStage::register_with(&mut m, &cfg, 3, at, range, split, whole).unwrap();
+    });
 }
 
 /// Sequence rings with the 2D, 2.5D and 3D grids: GPT-2's positions over rings of 2 on

@@ -119,7 +119,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::Act;
+use crate::nn::{Act, WeightUse};
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
@@ -224,6 +224,10 @@ pub struct Embedding2D {
     pub mode: TensorMode,
     /// This rank's place.
     pub place: Place2D,
+    /// How backward writes the piece's gradient: into its slot ([`WeightUse::Once`], as
+    /// registered), or as a share ([`WeightUse::Shared`]: a table looked up more than once an
+    /// iteration, as by a pipeline stage's micro-batches).
+    pub uses: WeightUse,
 }
 
 /// What [`Embedding2D::forward`] keeps for the backward.
@@ -265,7 +269,16 @@ impl Embedding2D {
             channels,
             mode,
             place,
+            uses: WeightUse::Once,
         })
+    }
+
+    /// The same table, its gradient added as a share at each use ([`WeightUse::Shared`]).
+    pub fn shared(self) -> Embedding2D {
+        Embedding2D {
+            uses: WeightUse::Shared,
+            ..self
+        }
     }
 
     /// The whole table as one shard.
@@ -314,7 +327,8 @@ impl Embedding2D {
     }
 
     /// Writes this rank's piece of the table's gradient from the tile's `dout`
-    /// `[N/(d·q), C/q]`: one reduce-scatter in COL, one all-reduce over DEP for `d > 1`.
+    /// `[N/(d·q), C/q]` (into its slot, or as a share: [`Embedding2D::uses`]): one
+    /// reduce-scatter in COL, one all-reduce over DEP for `d > 1`.
     pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
@@ -342,11 +356,21 @@ impl Embedding2D {
         let wv = saved.words.view(0, saved.plan.words() * 4)?;
         let plan = &saved.plan;
         vocab_embedding_backward(dev, s, dout.input(), plan, wv, full.view(), cl, false, d)?;
-        let slot = g.grad(0)?.view();
+        let share = match self.uses {
+            WeightUse::Once => None,
+            WeightUse::Shared => Some(pool.alloc(full.len_bytes() / self.place.q)?),
+        };
+        let slot = match &share {
+            None => g.grad(0)?.view(),
+            Some(b) => b.view(0, full.len_bytes() / self.place.q)?,
+        };
         gr.col
             .reduce_scatter(s, full.view(), slot, d, ReduceOp::Sum)?;
         if let Some(dep) = gr.dep {
             dep.all_reduce(s, slot, slot, d, ReduceOp::Sum)?;
+        }
+        if share.is_some() {
+            g.accumulate_grad(0, slot, d)?;
         }
         Ok(())
     }

@@ -63,15 +63,12 @@ impl VocabEmbedding1D {
         wpe: &Init,
         shard: Shard,
     ) -> Result<VocabEmbedding1D> {
-        let vs = VocabShard::of_rank(vocab, shard.rank, shard.size)?;
         if channels == 0 || max_seq == 0 || max_seq > i32::MAX as usize {
             return Err(Error::InvalidArgument(format!(
                 "an embedding of {channels} channels and {max_seq} positions"
             )));
         }
-        let (first, master) = (vs.start * channels, wte.clone());
-        let rows = Init::Fn(std::sync::Arc::new(move |i| master.value(first + i)));
-        let te = store.register("wte.weight", &[vs.rows, channels], rows)?;
+        let (te, vs) = register_rows(store, vocab, channels, wte, shard)?;
         let pe = store.register("wpe.weight", &[max_seq, channels], wpe.clone())?;
         Ok(VocabEmbedding1D {
             wte: te,
@@ -230,7 +227,45 @@ pub struct VocabHeadSaved {
     dlogits: Act,
 }
 
+/// Registers `wte.weight`, this rank's rows of the master `[vocab, channels]`.
+fn register_rows(
+    store: &mut impl ParamStore,
+    vocab: usize,
+    channels: usize,
+    wte: &Init,
+    shard: Shard,
+) -> Result<(TensorId, VocabShard)> {
+    let vs = VocabShard::of_rank(vocab, shard.rank, shard.size)?;
+    if channels == 0 {
+        return Err(Error::InvalidArgument("an embedding of 0 channels".into()));
+    }
+    let (first, master) = (vs.start * channels, wte.clone());
+    let rows = Init::Fn(std::sync::Arc::new(move |i| master.value(first + i)));
+    let id = store.register("wte.weight", &[vs.rows, channels], rows)?;
+    Ok((id, vs))
+}
+
 impl VocabHead1D {
+    /// A head over its own copy of `wte`'s rows: registers `wte.weight`, this rank's rows of
+    /// the master `[vocab, channels]` (the rows [`VocabEmbedding1D::register`] gives the same
+    /// rank), for a model whose embedding lives elsewhere (a pipeline's last stage).
+    pub fn register(
+        store: &mut impl ParamStore,
+        vocab: usize,
+        channels: usize,
+        wte: &Init,
+        ignore_index: i32,
+        shard: Shard,
+    ) -> Result<VocabHead1D> {
+        let (id, vs) = register_rows(store, vocab, channels, wte, shard)?;
+        Ok(VocabHead1D {
+            proj: Linear::from_ids(store, id, None, WeightUse::Shared)?,
+            vocab: vs,
+            ignore_index,
+            shard,
+        })
+    }
+
     /// The head over `emb`'s `wte` rows.
     pub fn tied(
         store: &impl ParamStore,

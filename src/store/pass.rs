@@ -548,6 +548,18 @@ impl Guard<'_, Backward> {
         self.written(i)
     }
 
+    /// Takes the f32 sum of tensor `i`'s gradient shares that [`Guard::accumulate_grad`] added
+    /// at earlier uses (a pool block of its elements as f32), leaving none: for a weight whose
+    /// shares are combined with another process's copy (tied across pipeline stages) before
+    /// its last share is written. `None` when no share was added.
+    pub fn take_shares(&self, i: usize) -> Result<Option<Block>> {
+        let i = self.index(i)?;
+        let id = self.ids[i];
+        let mut sums = self.host.sums();
+        let k = sums.iter().position(|s| s.id == id);
+        Ok(k.map(|k| sums.swap_remove(k).buf))
+    }
+
     /// [`Guard::accumulate_grad`] from host values (uploaded into a pool buffer first).
     pub fn accumulate_grad_f32(&self, i: usize, grad: &[f32]) -> Result<()> {
         let h = self.host.handles();

@@ -181,3 +181,33 @@ fn a_pass_reports_a_gradient_left_unfinished() {
     drop(g);
     assert!(matches!(bwd.finish(), Err(Error::InvalidArgument(_))));
 }
+
+#[test]
+fn shares_taken_back_leave_the_last_use_to_write_the_total() {
+    let mut m = manager(DType::F32);
+    let w = m.register("w", &[4], Init::Constant(1.0)).unwrap();
+    let fwd = m.forward().unwrap();
+    for _ in 0..3 {
+        drop(fwd.fetch(&[w]).unwrap());
+    }
+    fwd.finish().unwrap();
+    let bwd = m.backward().unwrap();
+    for share in [[1.0f32, 2.0, 3.0, 4.0], [0.5; 4]] {
+        let g = bwd.fetch(&[w]).unwrap();
+        g.accumulate_grad_f32(0, &share).unwrap();
+    }
+    let g = bwd.fetch(&[w]).unwrap();
+    let sum = g.take_shares(0).unwrap().expect("two shares");
+    let bytes = bwd
+        .device()
+        .download(bwd.stream(), sum.view(0, 16).unwrap())
+        .unwrap();
+    let got: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+    assert_eq!(got, [1.5, 2.5, 3.5, 4.5], "the f32 sum of the shares");
+    assert!(g.take_shares(0).unwrap().is_none(), "taken once");
+    // the last use writes what the caller makes of the sum, here twice it
+    g.accumulate_grad_f32(0, &[3.0, 5.0, 7.0, 9.0]).unwrap();
+    drop(g);
+    bwd.finish().unwrap();
+    assert_eq!(m.read(w).unwrap(), [3.0, 5.0, 7.0, 9.0]);
+}

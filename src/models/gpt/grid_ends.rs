@@ -2,15 +2,14 @@
 //! the LM head tied to `wte`, split over the grid like the blocks or whole on every rank.
 
 use super::model::{default_init, IGNORE_INDEX};
+use super::split_ends::{
+    Over, Place, SplitEmbKept, SplitEmbedding, SplitHead, SplitHeadKept, CUBE,
+};
 use super::GptConfig;
 use crate::error::{Error, Result};
-use crate::nn::{Act, EmbSaved, Embedding, LayerNorm, LmHead, LmSaved, LnSaved};
-use crate::ops::{add_in_place, Axpby};
+use crate::nn::{Act, EmbSaved, Embedding, LayerNorm, LmHead, LmSaved, LnSaved, WeightUse};
 use crate::parallel::{
-    gather_3d, gather_batch_2d, split_3d, split_batch_2d_act, Classifier2D, Classifier3D,
-    Classifier3DSaved, Cls2DSaved, Emb2DSaved, Emb3DSaved, Embedding2D, Embedding3D, LayerNorm2D,
-    LayerNorm3D, Layout3D, Ln2DSaved, Ln3DSaved, ProcessGrid, TensorMode, VocabEmb2DSaved,
-    VocabEmb3DSaved, VocabEmbedding2D, VocabEmbedding3D,
+    gather_3d, gather_batch_2d, split_3d, split_batch_2d_act, ProcessGrid, TensorMode,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::TensorId;
@@ -30,6 +29,8 @@ pub enum EndsLayout {
 }
 
 /// The ends of a [`GptGrid`](super::GptGrid), in one of the [`EndsLayout`]s.
+// a model holds one: the split variant's size costs nothing
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug, PartialEq)]
 pub enum GridEnds {
     /// Whole on every rank.
@@ -41,46 +42,30 @@ pub enum GridEnds {
         /// The head over `wte`.
         head: LmHead,
     },
-    /// Split over a 2D or 2.5D grid.
-    Summa {
-        /// `wte`, split by vocabulary and channels.
-        wte: VocabEmbedding2D,
-        /// `wpe`, split like a table.
-        wpe: Embedding2D,
-        /// `ln_f`.
-        ln_f: LayerNorm2D,
-        /// The vocab-parallel head tied to `wte`.
-        head: Classifier2D,
-    },
-    /// Split over a 3D cube (the blocks' layout [`Layout3D::RowsJColsK`]).
-    Cube {
-        /// `wte`, split by vocabulary and channels.
-        wte: VocabEmbedding3D,
-        /// `wpe`, split like a table.
-        wpe: Embedding3D,
-        /// `ln_f`.
-        ln_f: LayerNorm3D,
-        /// The vocab-parallel head tied to `wte`.
-        head: Classifier3D,
+    /// Split over the 2D or 2.5D grid ([`SplitEmbedding::Summa`], [`SplitHead::Summa`]) or
+    /// the 3D cube ([`SplitEmbedding::Cube`], [`SplitHead::Cube`]), the head tied to the
+    /// embedding's `wte`.
+    Split {
+        /// `wte` and `wpe`.
+        embedding: SplitEmbedding,
+        /// `ln_f` and the head.
+        head: SplitHead,
     },
 }
 
-/// What the embedding keeps for its backward.
+/// What the embedding keeps for its backward (one a micro-batch in flight: its size is no
+/// matter).
+#[allow(clippy::large_enum_variant)]
 pub(super) enum EmbKept {
     Whole(EmbSaved),
-    Summa(VocabEmb2DSaved, Emb2DSaved),
-    Cube(VocabEmb3DSaved, Emb3DSaved),
+    Split(SplitEmbKept),
 }
 
 /// What `ln_f` and the head keep for their backward.
 pub(super) enum HeadKept {
     Whole(LnSaved, LmSaved),
-    Summa(Ln2DSaved, Cls2DSaved),
-    Cube(Ln3DSaved, Classifier3DSaved),
+    Split(SplitHeadKept),
 }
-
-/// The blocks' 3D layout.
-const CUBE: Layout3D = Layout3D::RowsJColsK;
 
 fn mismatch() -> Error {
     Error::InvalidArgument("the ends' saved state of another layout".into())
@@ -99,8 +84,16 @@ impl GridEnds {
         let init = |name: &str| default_init(cfg, name, seed);
         let (c, v, t) = (cfg.channels, cfg.vocab, cfg.max_seq);
         let mode = grid.spec().tensor;
-        let ends = match (layout, mode) {
-            (EndsLayout::Whole, _) => {
+        if !matches!(
+            mode,
+            TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. } | TensorMode::ThreeD { .. }
+        ) {
+            return Err(Error::InvalidArgument(format!(
+                "GptGrid runs on a 2D, 2.5D or 3D grid; this one is {mode}"
+            )));
+        }
+        let ends = match layout {
+            EndsLayout::Whole => {
                 let wte = store.register("wte.weight", &[v, c], init("wte.weight"))?;
                 let wpe = store.register("wpe.weight", &[t, c], init("wpe.weight"))?;
                 let ln_f = LayerNorm {
@@ -126,52 +119,11 @@ impl GridEnds {
                     head: LmHead::tied(&*store, wte, IGNORE_INDEX)?,
                 }
             }
-            (EndsLayout::Split, TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. }) => {
-                let wte =
-                    VocabEmbedding2D::register(store, grid, "wte", v, c, &init("wte.weight"))?;
-                let wpe = Embedding2D::register(store, grid, "wpe", t, c, &init("wpe.weight"))?;
-                let (g, b) = (init("ln_f.weight"), init("ln_f.bias"));
-                let ln_f = LayerNorm2D::register(store, grid, "ln_f", c, cfg.eps, &g, &b)?;
-                // γ and β are the same in every depth layer
-                if let TensorMode::TwoHalfD { depth, .. } = mode {
-                    for id in [ln_f.gamma, ln_f.beta] {
-                        store.set_norm_share(id, 1.0 / depth as f64)?;
-                    }
-                }
-                let head = Classifier2D::tied(&*store, &wte, IGNORE_INDEX)?;
-                GridEnds::Summa {
-                    wte,
-                    wpe,
-                    ln_f,
-                    head,
-                }
-            }
-            (EndsLayout::Split, TensorMode::ThreeD { .. }) => {
-                let wte = VocabEmbedding3D::register(
-                    store,
-                    grid,
-                    "wte",
-                    v,
-                    c,
-                    CUBE,
-                    &init("wte.weight"),
-                )?;
-                let wpe =
-                    Embedding3D::register(store, grid, "wpe", t, c, CUBE, &init("wpe.weight"))?;
-                let (g, b) = (init("ln_f.weight"), init("ln_f.bias"));
-                let ln_f = LayerNorm3D::register(store, grid, "ln_f", c, cfg.eps, CUBE, &g, &b)?;
-                let head = Classifier3D::tied(&*store, &wte, IGNORE_INDEX)?;
-                GridEnds::Cube {
-                    wte,
-                    wpe,
-                    ln_f,
-                    head,
-                }
-            }
-            (_, m) => {
-                return Err(Error::InvalidArgument(format!(
-                    "GptGrid runs on a 2D, 2.5D or 3D grid; this one is {m}"
-                )))
+            EndsLayout::Split => {
+                let place = Place::Grid(grid);
+                let embedding = SplitEmbedding::register(store, cfg, seed, place, WeightUse::Once)?;
+                let head = SplitHead::register(store, cfg, seed, place, Some(&embedding))?;
+                GridEnds::Split { embedding, head }
             }
         };
         Ok(ends)
@@ -188,41 +140,15 @@ impl GridEnds {
         tokens: &[i32],
         [batch, seq, first]: [usize; 3],
     ) -> Result<(Act, EmbKept)> {
-        let positions = || -> Vec<i32> {
-            (0..tokens.len())
-                .map(|n| (first + n % seq) as i32)
-                .collect()
-        };
-        let sum = |a: &Act, b: &Act| {
-            let one = Axpby {
-                alpha: 1.0,
-                beta: 1.0,
-            };
-            add_in_place(
-                fwd.device(),
-                fwd.stream(),
-                one,
-                a.view(),
-                b.input(),
-                a.dtype(),
-            )
-        };
         match self {
             GridEnds::Whole { embedding, .. } => {
                 let (x, saved) = embedding.forward_at(fwd, tokens, batch, seq, first)?;
                 Ok((split(fwd, grid, &x)?, EmbKept::Whole(saved)))
             }
-            GridEnds::Summa { wte, wpe, .. } => {
-                let (x, st) = wte.forward(fwd, grid, tokens)?;
-                let (p, sp) = wpe.forward(fwd, grid, &positions())?;
-                sum(&x, &p)?;
-                Ok((x, EmbKept::Summa(st, sp)))
-            }
-            GridEnds::Cube { wte, wpe, .. } => {
-                let (x, st) = wte.forward(fwd, grid, tokens)?;
-                let (p, sp) = wpe.forward(fwd, grid, &positions())?;
-                sum(&x, &p)?;
-                Ok((x, EmbKept::Cube(st, sp)))
+            GridEnds::Split { embedding, .. } => {
+                let over = Over::Grid(grid);
+                let (x, kept) = embedding.forward(fwd, over, tokens, [batch, seq, first])?;
+                Ok((x, EmbKept::Split(kept)))
             }
         }
     }
@@ -245,15 +171,10 @@ impl GridEnds {
                 let (loss, hs) = head.forward_scaled(fwd, &h, targets, loss_scale)?;
                 Ok((loss, HeadKept::Whole(ln, hs)))
             }
-            GridEnds::Summa { ln_f, head, .. } => {
-                let (h, ln) = ln_f.forward(fwd, grid, tile, None)?;
-                let (loss, hs) = head.forward(fwd, grid, &h, targets, loss_scale)?;
-                Ok((loss, HeadKept::Summa(ln, hs)))
-            }
-            GridEnds::Cube { ln_f, head, .. } => {
-                let (h, ln) = ln_f.forward(fwd, grid, tile, None)?;
-                let (loss, hs) = head.forward(fwd, grid, &h, targets, loss_scale)?;
-                Ok((loss, HeadKept::Cube(ln, hs)))
+            GridEnds::Split { head, .. } => {
+                let over = Over::Grid(grid);
+                let (loss, kept) = head.forward(fwd, over, tile, targets, loss_scale)?;
+                Ok((loss, HeadKept::Split(kept)))
             }
         }
     }
@@ -273,15 +194,8 @@ impl GridEnds {
                 drop((dh, ln));
                 split(bwd, grid, &dfull)
             }
-            (GridEnds::Summa { ln_f, head, .. }, HeadKept::Summa(ln, hs)) => {
-                let dh = head.backward(bwd, grid, &hs)?;
-                drop(hs);
-                ln_f.backward(bwd, grid, &ln, &dh, None)
-            }
-            (GridEnds::Cube { ln_f, head, .. }, HeadKept::Cube(ln, hs)) => {
-                let dh = head.backward(bwd, grid, &hs)?;
-                drop(hs);
-                ln_f.backward(bwd, grid, &ln, &dh, None)
+            (GridEnds::Split { head, .. }, HeadKept::Split(kept)) => {
+                head.backward(bwd, Over::Grid(grid), kept)
             }
             _ => Err(mismatch()),
         }
@@ -300,13 +214,8 @@ impl GridEnds {
                 let dx = gather(bwd, grid, dtile)?;
                 embedding.backward(bwd, &s, &dx)
             }
-            (GridEnds::Summa { wte, wpe, .. }, EmbKept::Summa(st, sp)) => {
-                wpe.backward(bwd, grid, &sp, dtile)?;
-                wte.backward(bwd, grid, &st, dtile)
-            }
-            (GridEnds::Cube { wte, wpe, .. }, EmbKept::Cube(st, sp)) => {
-                wpe.backward(bwd, grid, &sp, dtile)?;
-                wte.backward(bwd, grid, &st, dtile)
+            (GridEnds::Split { embedding, .. }, EmbKept::Split(kept)) => {
+                embedding.backward(bwd, Over::Grid(grid), kept, dtile)
             }
             _ => Err(mismatch()),
         }
@@ -320,13 +229,9 @@ impl GridEnds {
             } => {
                 vec![embedding.wte, embedding.wpe, ln_f.gamma, ln_f.beta]
             }
-            GridEnds::Summa { wte, wpe, ln_f, .. } => {
-                vec![wte.weight, wpe.weight, ln_f.gamma, ln_f.beta]
-            }
-            GridEnds::Cube { wte, wpe, ln_f, .. } => {
-                let mut v = wte.params();
-                v.extend(wpe.params());
-                v.extend([ln_f.gamma, ln_f.beta]);
+            GridEnds::Split { embedding, head } => {
+                let mut v = embedding.params();
+                v.extend(head.ln_f());
                 v
             }
         }

@@ -15,6 +15,7 @@ mod model;
 mod pipe;
 mod spec;
 mod split;
+mod split_ends;
 mod train;
 
 pub use config::GptConfig;
@@ -23,5 +24,8 @@ pub use grid::{train_step_grid, GptGrid, GridBlocks};
 pub use grid_ends::{EndsLayout, GridEnds};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
-pub use pipe::{train_step_pipe, GptStage, StageBlocks, StageGroups, StageSplit};
+pub use pipe::{
+    train_step_pipe, GptStage, StageBlocks, StageEmbedding, StageGroups, StageHead, StageSplit,
+};
+pub use split_ends::{SplitEmbedding, SplitHead};
 pub use train::{train_step, train_step_in, train_step_sp, TrainStep};

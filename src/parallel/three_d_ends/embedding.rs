@@ -5,7 +5,7 @@ use crate::comm::{CommStats, ReduceOp};
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::Act;
+use crate::nn::{Act, WeightUse};
 use crate::ops::heads::{heads_split, Heads};
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
 use crate::parallel::grid::ProcessGrid;
@@ -55,6 +55,10 @@ pub struct Embedding3D {
     pub layout: Layout3D,
     /// The rank's place in the cube.
     pub place: Place3D,
+    /// How backward writes the piece's gradient: into its slot ([`WeightUse::Once`], as
+    /// registered), or as a share ([`WeightUse::Shared`]: a table looked up more than once an
+    /// iteration, as by a pipeline stage's micro-batches).
+    pub uses: WeightUse,
 }
 
 /// What [`Embedding3D::forward`] keeps for the backward: the tile's ids, planned.
@@ -100,7 +104,16 @@ impl Embedding3D {
             channels,
             layout,
             place,
+            uses: WeightUse::Once,
         })
+    }
+
+    /// The same table, its gradient added as a share at each use ([`WeightUse::Shared`]).
+    pub fn shared(self) -> Embedding3D {
+        Embedding3D {
+            uses: WeightUse::Shared,
+            ..self
+        }
     }
 
     /// The parameters, in fetch order.
@@ -147,7 +160,7 @@ impl Embedding3D {
     /// The backward of [`Embedding3D::forward`] from this rank's output-gradient tile `dout`
     /// `[R/q², C/q]`: the table's gradient from the tile's rows, a reduce-scatter over the
     /// weight group and an all-reduce over the layout's row group, written into the weight's
-    /// slot.
+    /// slot (or added as a share: [`Embedding3D::uses`]).
     pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
@@ -167,9 +180,20 @@ impl Embedding3D {
         let wv = saved.words.view(0, saved.plan.words() * 4)?;
         let p = &saved.plan;
         vocab_embedding_backward(dev, s, dout.input(), p, wv, dtable.view(), cq, false, d)?;
-        let slot = g.grad(0)?.view();
+        let bytes = dtable.len_bytes() / q;
+        let share = match self.uses {
+            WeightUse::Once => None,
+            WeightUse::Shared => Some(pool.alloc(bytes)?),
+        };
+        let slot = match &share {
+            None => g.grad(0)?.view(),
+            Some(b) => b.view(0, bytes)?,
+        };
         gw.reduce_scatter(s, dtable.view(), slot, d, ReduceOp::Sum)?;
         ga.all_reduce(s, slot, slot, d, ReduceOp::Sum)?;
+        if share.is_some() {
+            g.accumulate_grad(0, slot, d)?;
+        }
         Ok(())
     }
 

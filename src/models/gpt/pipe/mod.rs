@@ -1,10 +1,14 @@
 //! GPT-2 split into pipeline stages ([`crate::parallel::pipeline`]): a stage holds a run of
 //! blocks, the first stage also the embedding and the last `ln_f` and the head. `wte` is used
 //! at both ends, so the first and the last stage each hold a copy: their shares of its
-//! gradient are kept apart from the store through the step's micro-batches, swapped between
-//! the two stages at the end of the backward pass and added in one order on both, so the two
-//! copies stay bit for bit the same. Within a stage the blocks may be split over a 1D tensor
-//! group and the positions over a sequence ring (the ends stay whole on every rank).
+//! gradient are summed in f32 through the step's micro-batches, apart from its slot, swapped
+//! between the two stages at the end of the backward pass and added in one order on both, so
+//! the two copies stay bit for bit the same. Within a stage the blocks may be split over a 1D
+//! tensor group or a 2D, 2.5D or 3D grid, and the positions over a sequence ring; the ends are
+//! then split over the tensor group too ([`EndsLayout::Split`]: the vocab-parallel `wte`, tied
+//! on the last stage to the vocab-parallel head, each tensor rank swapping its shard's
+//! gradient with the same tensor rank of the other end) or whole on every rank
+//! ([`EndsLayout::Whole`]).
 
 mod step;
 
@@ -12,7 +16,9 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use self::step::StageStep;
+use super::grid_ends::EndsLayout;
 use super::model::{default_init, GptBatch, IGNORE_INDEX};
+use super::split_ends::{check_splits, wte_norm_share, Place, SplitEmbedding, SplitHead};
 use super::train::TrainStep;
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
@@ -43,17 +49,38 @@ pub struct GptStage {
     /// micro-batch).
     pub blocks: StageBlocks,
     /// `wte` and `wpe`, on the first stage.
-    pub embedding: Option<Embedding>,
-    /// `ln_f`, on the last stage.
-    pub ln_f: Option<LayerNorm>,
-    /// The head over the last stage's copy of `wte`.
-    pub head: Option<LmHead>,
+    pub embedding: Option<StageEmbedding>,
+    /// `ln_f` and the head over the last stage's copy of `wte`, on the last stage.
+    pub head: Option<StageHead>,
     /// The 1D tensor-parallel place of the blocks, if split that way.
     pub tensor: Option<Shard>,
 }
 
+/// The first stage's end: `wte` and `wpe`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageEmbedding {
+    /// Whole on every rank (on a grid, its output cut into the rank's tile).
+    Whole(Embedding),
+    /// Split over the stage's tensor group ([`EndsLayout::Split`]).
+    Split(SplitEmbedding),
+}
+
+/// The last stage's end: `ln_f` and the head over the stage's copy of `wte`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum StageHead {
+    /// Whole on every rank (on a grid, the last tiles gathered for them).
+    Whole {
+        /// `ln_f`.
+        ln_f: LayerNorm,
+        /// The head over the stage's copy of `wte`.
+        head: LmHead,
+    },
+    /// Split over the stage's tensor group ([`EndsLayout::Split`]).
+    Split(SplitHead),
+}
+
 /// The blocks of a stage: serial or split over a 1D group ([`Block`]), or on a 2D, 2.5D or 3D
-/// grid (tiles in and out; the ends whole, the embedding's output cut into tiles and the last
+/// grid (tiles in and out; with whole ends, the embedding's output cut into tiles and the last
 /// tiles gathered for the head).
 #[derive(Clone, Debug, PartialEq)]
 pub enum StageBlocks {
@@ -111,9 +138,10 @@ impl GptStage {
     /// Registers stage `stage` of `stages`, holding blocks `layers`, with
     /// [`Gpt::register`](super::Gpt::register)'s masters for `seed` (the blocks split as
     /// `split` says): the first stage also registers `wte` and `wpe`, the last `ln_f` and its
-    /// own copy of `wte`. Replicated parameters count their share of the squared gradient norm
-    /// (`1/T` over the tensor group, `1/2` for `wte`'s two copies, `1/d` for a 2.5D grid's
-    /// depth replicas).
+    /// own copy of `wte`. The ends are split over the tensor group ([`EndsLayout::Split`], see
+    /// [`GptStage::register_with`]; whole without one). Replicated parameters count their share
+    /// of the squared gradient norm (`1/T` over the tensor group, `1/2` for `wte`'s two copies,
+    /// `1/d` for a 2.5D grid's depth replicas).
     pub fn register(
         store: &mut impl ParamStore,
         cfg: &GptConfig,
@@ -121,6 +149,26 @@ impl GptStage {
         (stage, stages): (usize, usize),
         layers: Range<usize>,
         split: StageSplit<'_>,
+    ) -> Result<GptStage> {
+        let ends = EndsLayout::Split;
+        GptStage::register_with(store, cfg, seed, (stage, stages), layers, split, ends)
+    }
+
+    /// [`GptStage::register`] with the ends as `ends` says: [`EndsLayout::Split`] over the
+    /// tensor group (on a 1D group, `wte`'s rows split and `wpe`, `ln_f` whole; on a grid,
+    /// `wte` by vocabulary and channels, `wpe` and `ln_f` in the blocks' layout), or
+    /// [`EndsLayout::Whole`] on every rank. Without a tensor group (`StageSplit::None`) the
+    /// ends are whole either way. Split ends on a grid need the vocabulary and the positions to
+    /// split by `q` and the channels by `q²` (pad the vocabulary, as GPT-2's 50257 to 50304):
+    /// every stage fails otherwise, before registering anything.
+    pub fn register_with(
+        store: &mut impl ParamStore,
+        cfg: &GptConfig,
+        seed: u64,
+        (stage, stages): (usize, usize),
+        layers: Range<usize>,
+        split: StageSplit<'_>,
+        ends: EndsLayout,
     ) -> Result<GptStage> {
         let tensor = match split {
             StageSplit::OneD(s) => Some(s),
@@ -133,54 +181,45 @@ impl GptStage {
                 cfg.layers
             )));
         }
+        let place = match (ends, split) {
+            (EndsLayout::Whole, _) | (_, StageSplit::None) => None,
+            (EndsLayout::Split, StageSplit::OneD(s)) => Some(Place::OneD(s)),
+            (EndsLayout::Split, StageSplit::Grid(g)) => Some(Place::Grid(g)),
+        };
+        if let Some(p) = place {
+            check_splits(cfg, p)?;
+        }
         let init = |name: &str| default_init(cfg, name, seed);
-        let (c, first, last) = (cfg.channels, stage == 0, stage + 1 == stages);
+        let (first, last) = (stage == 0, stage + 1 == stages);
         let t = match split {
             StageSplit::None => 1,
             StageSplit::OneD(s) => s.size,
             StageSplit::Grid(g) => g.spec().tensor.size(),
         };
         let replicated = 1.0 / t as f64;
-        let wte_share = replicated / if stages > 1 { 2.0 } else { 1.0 };
-        // `wte` on the first stage and on the last (one tensor when they are the same)
-        let wte = if first || last {
-            let id = store.register("wte.weight", &[cfg.vocab, c], init("wte.weight"))?;
-            store.set_norm_share(id, wte_share)?;
-            Some(id)
-        } else {
-            None
-        };
-        let held = |w: Option<TensorId>| {
-            w.ok_or_else(|| Error::InvalidArgument("an end stage without wte".into()))
-        };
-        let embedding = if first {
-            let wte = held(wte)?;
-            let wpe = store.register("wpe.weight", &[cfg.max_seq, c], init("wpe.weight"))?;
-            store.set_norm_share(wpe, replicated)?;
-            Some(Embedding {
-                wte,
-                wpe,
-                vocab: cfg.vocab,
-                max_seq: cfg.max_seq,
-                channels: c,
-            })
-        } else {
-            None
-        };
-        let blocks = register_blocks(store, cfg, &init, layers.clone(), split, replicated)?;
-        let (ln_f, head) = if last {
-            let ln_f = LayerNorm {
-                gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
-                beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
-                cols: c,
-                eps: cfg.eps,
-            };
-            store.set_norm_share(ln_f.gamma, replicated)?;
-            store.set_norm_share(ln_f.beta, replicated)?;
-            let head = LmHead::tied(&*store, held(wte)?, IGNORE_INDEX)?;
-            (Some(ln_f), Some(head))
-        } else {
-            (None, None)
+        let copies = if stages > 1 { 2.0 } else { 1.0 };
+        let (embedding, blocks, head) = match place {
+            None => {
+                let ends = (first, last);
+                let wte_share = replicated / copies;
+                let r = (layers.clone(), split, replicated);
+                register_whole(store, cfg, &init, ends, r, wte_share)?
+            }
+            Some(p) => {
+                let e = first
+                    .then(|| SplitEmbedding::register(store, cfg, seed, p, WeightUse::Shared))
+                    .transpose()?;
+                let b = register_blocks(store, cfg, &init, layers.clone(), split, replicated)?;
+                let h = last
+                    .then(|| SplitHead::register(store, cfg, seed, p, e.as_ref()))
+                    .transpose()?;
+                // each copy of wte's shard counts its half
+                let wte = e.as_ref().map(SplitEmbedding::wte);
+                for id in wte.into_iter().chain(h.as_ref().map(SplitHead::wte)) {
+                    store.set_norm_share(id, wte_norm_share(p) / copies)?;
+                }
+                (e.map(StageEmbedding::Split), b, h.map(StageHead::Split))
+            }
         };
         Ok(GptStage {
             config: cfg.clone(),
@@ -189,7 +228,6 @@ impl GptStage {
             layers,
             blocks,
             embedding,
-            ln_f,
             head,
             tensor,
         })
@@ -231,16 +269,88 @@ impl GptStage {
         })
     }
 
-    fn wte(&self) -> Option<TensorId> {
-        self.embedding
-            .map(|e| e.wte)
-            .or_else(|| self.head.map(|h| h.proj.weight))
+    /// This stage's copy of `wte` (its shard, with split ends), on the first and the last
+    /// stage.
+    pub fn wte(&self) -> Option<TensorId> {
+        let first = self.embedding.as_ref().map(|e| match e {
+            StageEmbedding::Whole(e) => e.wte,
+            StageEmbedding::Split(e) => e.wte(),
+        });
+        first.or_else(|| {
+            self.head.as_ref().map(|h| match h {
+                StageHead::Whole { head, .. } => head.proj.weight,
+                StageHead::Split(h) => h.wte(),
+            })
+        })
+    }
+
+    /// Whether the ends are split over the tensor group.
+    fn split_ends(&self) -> bool {
+        matches!(self.embedding, Some(StageEmbedding::Split(_)))
+            || matches!(self.head, Some(StageHead::Split(_)))
     }
 
     /// Whether this stage holds one of `wte`'s two copies.
     fn ties(&self) -> bool {
         self.stages > 1 && (self.embedding.is_some() || self.head.is_some())
     }
+}
+
+/// The stage's blocks and whole ends, in the order [`GptStage::register`] registers them:
+/// `wte` on an end stage (its norm share `wte_share`), `wpe` on the first, the blocks, `ln_f`
+/// on the last (replicated, like the blocks' LayerNorms).
+type WholeParts = (Option<StageEmbedding>, StageBlocks, Option<StageHead>);
+
+fn register_whole(
+    store: &mut impl ParamStore,
+    cfg: &GptConfig,
+    init: &dyn Fn(&str) -> crate::tensor::Init,
+    (first, last): (bool, bool),
+    (layers, split, replicated): (Range<usize>, StageSplit<'_>, f64),
+    wte_share: f64,
+) -> Result<WholeParts> {
+    let c = cfg.channels;
+    // `wte` on the first stage and on the last (one tensor when they are the same)
+    let wte = if first || last {
+        let id = store.register("wte.weight", &[cfg.vocab, c], init("wte.weight"))?;
+        store.set_norm_share(id, wte_share)?;
+        Some(id)
+    } else {
+        None
+    };
+    let held = |w: Option<TensorId>| {
+        w.ok_or_else(|| Error::InvalidArgument("an end stage without wte".into()))
+    };
+    let embedding = if first {
+        let wte = held(wte)?;
+        let wpe = store.register("wpe.weight", &[cfg.max_seq, c], init("wpe.weight"))?;
+        store.set_norm_share(wpe, replicated)?;
+        Some(StageEmbedding::Whole(Embedding {
+            wte,
+            wpe,
+            vocab: cfg.vocab,
+            max_seq: cfg.max_seq,
+            channels: c,
+        }))
+    } else {
+        None
+    };
+    let blocks = register_blocks(store, cfg, init, layers, split, replicated)?;
+    let head = if last {
+        let ln_f = LayerNorm {
+            gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
+            beta: store.register("ln_f.bias", &[c], init("ln_f.bias"))?,
+            cols: c,
+            eps: cfg.eps,
+        };
+        store.set_norm_share(ln_f.gamma, replicated)?;
+        store.set_norm_share(ln_f.beta, replicated)?;
+        let head = LmHead::tied(&*store, held(wte)?, IGNORE_INDEX)?;
+        Some(StageHead::Whole { ln_f, head })
+    } else {
+        None
+    };
+    Ok((embedding, blocks, head))
 }
 
 /// A serial block from the model's masters.
@@ -366,11 +476,10 @@ fn shared(mut b: Block) -> Block {
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
 /// same on every stage). `wte` is used at both ends, so the first and the last stage hold a
-/// copy each: their shares of its gradient are kept apart from the store through the step,
-/// swapped between the two stages at the end of the backward pass and added in one order on
-/// both, so the copies stay bit for bit the same. The stage's forwards and backwards run in
-/// `schedule`'s order within one
-/// store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
+/// copy each (its shard, with split ends): their shares of its gradient are summed in f32
+/// through the step, apart from its slot, swapped between the two stages at the end of the
+/// backward pass and added in one order on both, so the copies stay bit for bit the same. The
+/// stage's forwards and backwards run in `schedule`'s order within one store iteration ([`PipelineStage`]), each micro-batch's loss gradient scaled by the
 /// optimizer's loss scale over `micro.len()`, then the store's step with the gradient
 /// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
 /// norm). [`Schedule::TwoBW`] (PipeDream-2BW) needs an optimizer with

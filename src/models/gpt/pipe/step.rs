@@ -2,14 +2,15 @@
 
 use std::cell::RefCell;
 
-use super::{GptStage, StageBlocks, StageGroups};
+use super::{GptStage, StageBlocks, StageEmbedding, StageGroups, StageHead};
 use crate::comm::ReduceOp;
 use crate::device::{Block as PoolBlock, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::models::gpt::grid_ends::{gather, split};
+use crate::models::gpt::grid_ends::{gather, split, EmbKept, HeadKept};
+use crate::models::gpt::split_ends::Over;
 use crate::models::gpt::GptBatch;
-use crate::nn::{Act, BlockHooks, BlockSaved, EmbSaved, HeadsCore, LmSaved, LnSaved};
+use crate::nn::{Act, BlockHooks, BlockSaved, HeadsCore};
 use crate::ops::{add, add_in_place, cast, Axpby};
 use crate::parallel::pipeline::StageModel;
 use crate::parallel::{Block2DSaved, Block3DSaved, ProcessGrid, RingCore};
@@ -25,10 +26,9 @@ pub(super) enum BlocksSaved {
 
 /// What one micro-batch's forward keeps on a stage.
 pub(super) struct StageSaved {
-    emb: Option<EmbSaved>,
+    emb: Option<EmbKept>,
     blocks: BlocksSaved,
-    ln_f: Option<LnSaved>,
-    head: Option<LmSaved>,
+    head: Option<HeadKept>,
 }
 
 /// One step of a stage: its micro-batches and groups.
@@ -66,6 +66,17 @@ impl StageStep<'_> {
         self.groups
             .grid
             .ok_or_else(|| Error::InvalidArgument("grid blocks run without their grid".into()))
+    }
+
+    /// The group split ends run over: the 1D group, or the grid.
+    fn over(&self) -> Result<Over<'_>> {
+        match (&self.gpt.blocks, self.groups.tensor) {
+            (StageBlocks::Plain(_), Some(t)) => Ok(Over::OneD(t)),
+            (StageBlocks::Plain(_), None) => Err(Error::InvalidArgument(
+                "a stage of split ends run without its tensor group".into(),
+            )),
+            _ => Ok(Over::Grid(self.grid()?)),
+        }
     }
 
     fn first_position(&self, b: &GptBatch<'_>) -> usize {
@@ -201,16 +212,25 @@ impl StageModel for StageStep<'_> {
     fn params(&self) -> Vec<TensorId> {
         let g = self.gpt;
         let mut v = Vec::new();
-        if let Some(e) = &g.embedding {
-            v.extend([e.wte, e.wpe]);
+        match &g.embedding {
+            Some(StageEmbedding::Whole(e)) => v.extend([e.wte, e.wpe]),
+            Some(StageEmbedding::Split(e)) => v.extend(e.params()),
+            None => {}
         }
         match &g.blocks {
             StageBlocks::Plain(b) => v.extend(b.iter().flat_map(|k| k.params())),
             StageBlocks::Summa(b) => v.extend(b.iter().flat_map(|k| k.params())),
             StageBlocks::Cube(b) => v.extend(b.iter().flat_map(|k| k.params())),
         }
-        if let (Some(ln), Some(h)) = (&g.ln_f, &g.head) {
-            v.extend([ln.gamma, ln.beta, h.proj.weight]);
+        match &g.head {
+            Some(StageHead::Whole { ln_f, head }) => {
+                v.extend([ln_f.gamma, ln_f.beta, head.proj.weight]);
+            }
+            Some(StageHead::Split(h)) => {
+                v.extend(h.ln_f());
+                v.push(h.wte());
+            }
+            None => {}
         }
         v
     }
@@ -234,10 +254,15 @@ impl StageModel for StageStep<'_> {
         let g = self.gpt;
         let b = &self.micro[micro];
         let (x, emb) = match (&g.embedding, input) {
-            (Some(e), _) => {
+            (Some(StageEmbedding::Whole(e)), _) => {
                 let (x, s) =
                     e.forward_at(pass, b.tokens, b.batch, b.seq, self.first_position(b))?;
-                (self.to_tile(pass, x)?, Some(s))
+                (self.to_tile(pass, x)?, Some(EmbKept::Whole(s)))
+            }
+            (Some(StageEmbedding::Split(e)), _) => {
+                let at = [b.batch, b.seq, self.first_position(b)];
+                let (x, s) = e.forward(pass, self.over()?, b.tokens, at)?;
+                (x, Some(EmbKept::Split(s)))
             }
             (None, Some(x)) => (x.clone(), None),
             (None, None) => {
@@ -247,25 +272,34 @@ impl StageModel for StageStep<'_> {
             }
         };
         let (x, blocks) = self.blocks_forward(pass, x, b)?;
-        let mut saved = StageSaved {
-            emb,
-            blocks,
-            ln_f: None,
-            head: None,
-        };
-        match (&g.ln_f, &g.head) {
-            (Some(ln_f), Some(head)) => {
+        let (loss, head) = match &g.head {
+            Some(StageHead::Whole { ln_f, head }) => {
                 let full = self.to_full(pass, x)?;
                 let (h, ln) = ln_f.forward(pass, &full, None)?;
                 drop(full);
                 let (loss, hs) = head.forward_scaled(pass, &h, b.targets, self.scale)?;
-                saved.ln_f = Some(ln);
-                saved.head = Some(hs);
-                let out = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
-                Ok((out, saved))
+                (loss, HeadKept::Whole(ln, hs))
             }
-            _ => Ok((x, saved)),
-        }
+            Some(StageHead::Split(h)) => {
+                let (loss, k) = h.forward(pass, self.over()?, &x, b.targets, self.scale)?;
+                (loss, HeadKept::Split(k))
+            }
+            None => {
+                let saved = StageSaved {
+                    emb,
+                    blocks,
+                    head: None,
+                };
+                return Ok((x, saved));
+            }
+        };
+        let out = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
+        let saved = StageSaved {
+            emb,
+            blocks,
+            head: Some(head),
+        };
+        Ok((out, saved))
     }
 
     fn backward(
@@ -276,26 +310,25 @@ impl StageModel for StageStep<'_> {
         dout: Option<&Act>,
     ) -> Result<Option<Act>> {
         let g = self.gpt;
-        let StageSaved {
-            emb,
-            blocks,
-            ln_f,
-            head,
-        } = saved;
-        let dx = match (&g.ln_f, &g.head, ln_f, head, dout) {
-            (Some(lf), Some(h), Some(ln), Some(hs), _) => {
+        let StageSaved { emb, blocks, head } = saved;
+        let dx = match (&g.head, head, dout) {
+            (Some(StageHead::Whole { ln_f, head }), Some(HeadKept::Whole(ln, hs)), _) => {
                 let dh = if g.ties() {
-                    let (dh, share) = h.backward_returning(pass, &hs)?;
+                    let (dh, share) = head.backward_returning(pass, &hs)?;
                     self.keep(pass, &share)?;
                     dh
                 } else {
-                    h.backward(pass, &hs)?
+                    head.backward(pass, &hs)?
                 };
                 drop(hs);
-                let dfull = lf.backward(pass, &ln, &dh, None)?;
+                let dfull = ln_f.backward(pass, &ln, &dh, None)?;
                 self.to_tile(pass, dfull)?
             }
-            (None, None, None, None, Some(d)) => d.clone(),
+            // the head adds its share of wte's gradient to the store's sum over the step
+            (Some(StageHead::Split(h)), Some(HeadKept::Split(k)), _) => {
+                h.backward(pass, self.over()?, k)?
+            }
+            (None, None, Some(d)) => d.clone(),
             _ => {
                 return Err(Error::InvalidArgument(format!(
                     "stage {}: micro-batch {micro}'s backward without its output's gradient",
@@ -305,7 +338,7 @@ impl StageModel for StageStep<'_> {
         };
         let dx = self.blocks_backward(pass, blocks, dx)?;
         match (&g.embedding, emb) {
-            (Some(e), Some(s)) => {
+            (Some(StageEmbedding::Whole(e)), Some(EmbKept::Whole(s))) => {
                 let dfull = self.to_full(pass, dx)?;
                 if g.ties() {
                     let share = e.backward_returning(pass, &s, &dfull)?;
@@ -313,6 +346,10 @@ impl StageModel for StageStep<'_> {
                 } else {
                     e.backward(pass, &s, &dfull)?;
                 }
+                Ok(None)
+            }
+            (Some(StageEmbedding::Split(e)), Some(EmbKept::Split(k))) => {
+                e.backward(pass, self.over()?, k, &dx)?;
                 Ok(None)
             }
             _ => Ok(Some(dx)),
@@ -330,11 +367,30 @@ impl StageModel for StageStep<'_> {
         let (true, Some(wte)) = (self.gpt.ties(), self.gpt.wte()) else {
             return Ok(());
         };
-        let (dev, s) = (pass.device(), pass.stream());
+        let none = || Error::InvalidArgument("no share of wte's gradient in this step".into());
+        if self.gpt.split_ends() {
+            // the layers added this stage's shares of the shard's gradient to the store's
+            // f32 sum: take it, add the other end's, write the total at this last use
+            let g = pass.fetch(&[wte])?;
+            let n = g.param(0)?.numel();
+            let mine = g.take_shares(0)?.ok_or_else(none)?;
+            let total = self.both_ends(pass, &mine, n)?;
+            return g.accumulate_grad(0, total.view(0, n * 4)?, DType::F32);
+        }
         let n = self.gpt.config.vocab * self.gpt.config.channels;
-        let acc = self.acc.borrow_mut().take().ok_or_else(|| {
-            Error::InvalidArgument("no share of wte's gradient in this step".into())
-        })?;
+        let acc = self.acc.borrow_mut().take().ok_or_else(none)?;
+        let total = self.both_ends(pass, &acc, n)?;
+        let g = pass.fetch(&[wte])?;
+        g.accumulate_grad(0, total.view(0, n * 4)?, DType::F32)
+    }
+}
+
+impl StageStep<'_> {
+    /// The sum of this end's f32 sum of `wte`'s shares (`n` elements) and the other end's
+    /// (swapped over the pipeline group with the same tensor rank of the other end stage), the
+    /// first stage's first on both so that the two copies stay bit for bit the same.
+    fn both_ends(&self, pass: &BackwardPass<'_>, acc: &PoolBlock, n: usize) -> Result<PoolBlock> {
+        let (dev, s) = (pass.device(), pass.stream());
         let other = pass.pool().alloc(n * 4)?;
         let pipe = self.groups.pipeline;
         let peer = if self.gpt.stage == 0 {
@@ -352,7 +408,6 @@ impl StageModel for StageStep<'_> {
         };
         let total = pass.pool().alloc(n * 4)?;
         add(dev, s, ONE, a, b, total.view(0, n * 4)?, DType::F32)?;
-        let g = pass.fetch(&[wte])?;
-        g.accumulate_grad(0, total.view(0, n * 4)?, DType::F32)
+        Ok(total)
     }
 }

@@ -639,15 +639,17 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
 fn gpt_pipeline_stages_with_split_ends_train_like_the_serial_gpt() {
     let serial = serial();
     let one_d = TensorMode::OneD { size: 2 };
+    // the last case is every dimension at once: data 2 × pipeline 2 × sequence 2 × 1d:2
     let cases = [
-        (1, one_d, Schedule::OneFOneB, 2),
-        (2, one_d, Schedule::GPipe, 2),
-        (1, TensorMode::TwoD { q: 2 }, Schedule::OneFOneB, 2),
-        (1, TensorMode::ThreeD { q: 2 }, Schedule::OneFOneB, 1),
+        (1, 1, one_d, Schedule::OneFOneB, 2),
+        (1, 2, one_d, Schedule::GPipe, 2),
+        (1, 1, TensorMode::TwoD { q: 2 }, Schedule::OneFOneB, 2),
+        (1, 1, TensorMode::ThreeD { q: 2 }, Schedule::OneFOneB, 1),
+        (2, 2, one_d, Schedule::OneFOneB, 2),
     ];
-    for (sequence, tensor, schedule, m) in cases {
+    for (data, sequence, tensor, schedule, m) in cases {
         let spec = GridSpec {
-            data: 1,
+            data,
             pipeline: 2,
             sequence,
             tensor,

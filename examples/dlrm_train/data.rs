@@ -161,19 +161,32 @@ impl Source {
     }
 }
 
-/// The ids of `batch` in one id space over all tables (table `t`'s ids shifted by the rows of
-/// the tables before it), table-major.
-pub fn concat_ids(batch: &Batch, cardinalities: &[u64]) -> Result<Vec<u32>> {
-    let mut ids = Vec::with_capacity(batch.size * batch.ids.len());
-    let mut base = 0u64;
-    for (col, &n) in batch.ids.iter().zip(cardinalities) {
-        ids.extend(col.iter().map(|&id| (base + u64::from(id)) as u32));
-        base += n;
-    }
-    if base > u64::from(u32::MAX) {
+/// The ids of `tables` (in that order) over the batches `counted`, in one id space (table
+/// `tables[k]`'s ids shifted by the rows of the tables before it in the list), and the most
+/// distinct ids one batch holds: the counts a cache is reordered by, and what it must hold.
+pub fn counted_ids(
+    counted: &[Batch],
+    tables: &[usize],
+    rows: &[usize],
+) -> Result<(Vec<u32>, usize)> {
+    let total: u64 = tables.iter().map(|&t| rows[t] as u64).sum();
+    if total > u64::from(u32::MAX) {
         return Err(Error::InvalidArgument(format!(
-            "{base} rows over all tables do not fit 32-bit ids"
+            "{total} rows over the tables do not fit 32-bit ids"
         )));
     }
-    Ok(ids)
+    let (mut ids, mut largest) = (Vec::new(), 0);
+    for b in counted {
+        let mut mine = Vec::with_capacity(b.size * tables.len());
+        let mut base = 0u64;
+        for &t in tables {
+            mine.extend(b.ids[t].iter().map(|&id| (base + u64::from(id)) as u32));
+            base += rows[t] as u64;
+        }
+        ids.extend_from_slice(&mine);
+        mine.sort_unstable();
+        mine.dedup();
+        largest = largest.max(mine.len());
+    }
+    Ok((ids, largest))
 }

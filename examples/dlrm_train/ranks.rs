@@ -14,6 +14,7 @@ use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
 use tidemem::prelude::*;
 
+use crate::data::counted_ids;
 use crate::trainer::{capacity, init_row, Stats};
 use crate::{bad, Args};
 
@@ -257,21 +258,8 @@ impl Rank {
             .filter(|&t| s.sharding == Sharding::ColumnWise || owners[t] == ec.rank())
             .collect();
         // ids of the local tables in the local collection's id space, for the counts
-        let mut ids = Vec::new();
-        let mut largest = 0;
         let local_rows: usize = local.iter().map(|&t| rows[t]).sum();
-        for b in s.counted.iter() {
-            let mut mine = Vec::new();
-            let mut base = 0u64;
-            for &t in &local {
-                mine.extend(b.ids[t].iter().map(|&id| (base + u64::from(id)) as u32));
-                base += rows[t] as u64;
-            }
-            ids.extend_from_slice(&mine);
-            mine.sort_unstable();
-            mine.dedup();
-            largest = largest.max(mine.len());
-        }
+        let (ids, largest) = counted_ids(&s.counted, &local, &rows)?;
         let (full, ratio) = s.ratio;
         let cap = capacity(full, ratio, local_rows, largest).max(1);
         let policy = s.policy;

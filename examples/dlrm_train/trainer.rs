@@ -11,7 +11,7 @@ use tidemem::prelude::*;
 use tidemem::profile::write_tide_svg;
 use tidemem::rng::{Rng, SplitMix64};
 
-use crate::data::concat_ids;
+use crate::data::counted_ids;
 use crate::{bad, Args};
 
 /// What the embedding did so far.
@@ -88,15 +88,8 @@ impl Trainer {
         let model = Dlrm::register(&mut store, cfg, a.seed)?;
         let rows: Vec<usize> = cards.iter().map(|&n| n as usize).collect();
         let total: usize = rows.iter().sum();
-        let mut ids = Vec::new();
-        let mut largest = 0;
-        for b in counted {
-            let mut mine = concat_ids(b, cards)?;
-            ids.extend_from_slice(&mine);
-            mine.sort_unstable();
-            mine.dedup();
-            largest = largest.max(mine.len());
-        }
+        let all: Vec<usize> = (0..rows.len()).collect();
+        let (ids, largest) = counted_ids(counted, &all, &rows)?;
         let capacity = capacity(a.full_table, a.cache_ratio, total, largest);
         let bound = (1.0 / rows.iter().copied().max().unwrap_or(1) as f64).sqrt();
         let pol = a.policy()?;

@@ -618,3 +618,85 @@ fn device_hybrid_step_equals_the_host_one_bitwise() {
         }
     }
 }
+
+/// An f16 step whose scaled gradients overflow is skipped on every rank alike: no MLP master
+/// and no embedding row moves, the step reports no touched rows; the scale backs off until
+/// a step goes through, on every rank at the same step, and then the rows do move.
+#[test]
+fn an_overflowing_step_is_skipped_on_every_rank() {
+    let gen = generator();
+    let rows = rows_of(&gen);
+    let cfg = DlrmConfig::tiny();
+    let scaler = tidemem::optim::ScalerConfig {
+        init_scale: 16_777_216.0,
+        backoff: 0.25,
+        hysteresis: 1,
+        ..Default::default()
+    };
+    for sharding in [Sharding::TableWise, Sharding::ColumnWise] {
+        let per_rank = two_ranks(|comm| {
+            let ec = comm.split(Some(0), comm.rank() as u32).unwrap().unwrap();
+            let mut z = ZeroManager::new(comm, config(DType::F16)).unwrap();
+            let model = Dlrm::register(&mut z, &cfg, 2).unwrap();
+            let opt = EmbeddingOptimizer::Sgd { lr: 0.5 };
+            let mut emb = ShardedEmbedding::new(
+                ec,
+                sharding,
+                &rows,
+                cfg.dim,
+                BSZ * cfg.tables,
+                BagMode::Sum,
+                opt,
+                table_init,
+            )
+            .unwrap();
+            let mut hc = HybridConfig::new(AdamConfig::adam(1e-2));
+            hc.loss_scale = Some(scaler);
+            let mut adam = HybridAdam::new(hc).unwrap();
+            let snapshot = |z: &mut ZeroManager, emb: &mut ShardedEmbedding| {
+                let mut masters: Vec<Vec<f32>> = vec![];
+                for (_, id) in model.named_params() {
+                    if z.owns(id) {
+                        masters.push(z.master(id).unwrap());
+                    }
+                }
+                let table = match emb.local_mut() {
+                    Some(l) => l.bag_mut().cache_mut().to_vecs().unwrap().0,
+                    None => vec![],
+                };
+                (masters, table)
+            };
+            // a prediction first: it closes the store's registration, so masters can be read
+            dlrm::predict_hybrid(&model, &mut z, &mut emb, &gen.batch(99, BSZ)).unwrap();
+            let mut outcomes = vec![];
+            for step in 0..12 {
+                let before = snapshot(&mut z, &mut emb);
+                let b = gen.batch(step, BSZ);
+                let st = dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, &b).unwrap();
+                let after = snapshot(&mut z, &mut emb);
+                if st.report.outcome == StepOutcome::Skipped {
+                    assert_eq!(st.rows, 0, "a skipped step touches no row");
+                    assert!(before == after, "a skipped step changed the model");
+                } else {
+                    assert!(st.rows > 0);
+                    assert!(before.1 != after.1 || before.1.is_empty(), "rows moved");
+                    assert!(before.0 != after.0 || before.0.is_empty(), "masters moved");
+                }
+                outcomes.push(st.report.outcome);
+            }
+            outcomes
+        });
+        assert_eq!(per_rank[0], per_rank[1], "{sharding:?}: the ranks agree");
+        eprintln!("{sharding:?}: {:?}", per_rank[0]);
+        let o = &per_rank[0];
+        assert_eq!(
+            o[0],
+            StepOutcome::Skipped,
+            "{sharding:?}: 2^24 overflows f16"
+        );
+        assert!(
+            o.contains(&StepOutcome::Stepped),
+            "{sharding:?}: the scale backs off until a step goes through: {o:?}"
+        );
+    }
+}

@@ -37,6 +37,10 @@ pub(super) struct DeviceState {
     /// Table-wise: for the batch size it was made for, each rank's rows `s·tables + t` of
     /// this rank's output (its tables, sample-major).
     rows: Option<(usize, Vec<RowIndex>)>,
+    /// The buffer the model writes this rank's output gradient into, lent out by
+    /// [`ShardedEmbedding::take_grad_buffer`] and given back by
+    /// [`ShardedEmbedding::keep_grad_buffer`], so a step allocates none.
+    lent: Option<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for DeviceState {
@@ -56,6 +60,7 @@ impl DeviceState {
             stage: None,
             grad: None,
             rows: None,
+            lent: None,
         })
     }
 
@@ -96,6 +101,23 @@ pub(super) enum Last {
 }
 
 impl ShardedEmbedding {
+    /// A device buffer of at least `bytes` (f32 gradients of [`ShardedEmbedding::output`],
+    /// which a model writes while it still reads the output), lent to the caller: the one
+    /// [`ShardedEmbedding::keep_grad_buffer`] gave back when it is large enough, else a new
+    /// one. Steps that give it back allocate nothing.
+    pub fn take_grad_buffer(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        match self.device.lent.take() {
+            Some(b) if b.len() >= bytes.max(4) => Ok(b),
+            _ => self.comm.device().alloc(bytes.max(4)),
+        }
+    }
+
+    /// Gives back a buffer from [`ShardedEmbedding::take_grad_buffer`] for the next step (the
+    /// work queued on it stays ordered: a device buffer's accesses are tracked).
+    pub fn keep_grad_buffer(&mut self, buf: DeviceBuffer) {
+        self.device.lent = Some(buf);
+    }
+
     /// [`ShardedEmbedding::forward`] kept on the device: this rank's samples
     /// ([`batch_slice`]) of every table in [`ShardedEmbedding::output`], sample-major
     /// `[my_bags·tables, dim]` f32 (row `s·tables + t` is this rank's sample `s`'s vector of

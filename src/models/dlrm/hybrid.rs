@@ -176,7 +176,7 @@ fn hybrid_step<S: ParamStore + ?Sized>(
             emb.forward_device(&tables)?;
             let len = n * c.tables * c.dim * 4;
             // an allocation that fails on one rank is agreed on with the pass below
-            emb.comm().device().alloc(len.max(4)).and_then(|buf| {
+            emb.take_grad_buffer(len).and_then(|buf| {
                 let (sum, probs) = model.forward_backward_device_parts(
                     store,
                     &*emb,
@@ -238,6 +238,9 @@ fn hybrid_step<S: ParamStore + ?Sized>(
                 .and_then(|g| emb.backward_device(g))
                 .map(drop),
         };
+        if let EmbGrad::Device(buf, _) = grad {
+            emb.keep_grad_buffer(buf);
+        }
         emb.comm().agree(back.is_ok())?;
         back?;
         let step = emb.step();

@@ -222,6 +222,8 @@ pub(crate) mod sealed {
         /// Fetches tensors in the backward stage to recompute a forward op: one more use on
         /// each side, never the last backward use.
         fn fetch_recompute(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
+        /// Counts `times` more forward uses of each of `ids` without fetching them.
+        fn declare_forward_uses(&mut self, ids: &[TensorId], times: u32, _: Token) -> Result<()>;
     }
 }
 
@@ -261,6 +263,14 @@ impl sealed::Core for ChunkManager {
     }
     fn fetch_recompute(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
         ChunkManager::fetch_recompute(self, ids)
+    }
+    fn declare_forward_uses(
+        &mut self,
+        ids: &[TensorId],
+        times: u32,
+        _: sealed::Token,
+    ) -> Result<()> {
+        ChunkManager::declare_forward_uses(self, ids, times)
     }
 }
 
@@ -352,6 +362,14 @@ impl sealed::Core for ZeroManager {
     }
     fn fetch_recompute(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
         ZeroManager::fetch_recompute(self, ids)
+    }
+    fn declare_forward_uses(
+        &mut self,
+        ids: &[TensorId],
+        times: u32,
+        _: sealed::Token,
+    ) -> Result<()> {
+        ZeroManager::declare_forward_uses(self, ids, times)
     }
 }
 

@@ -276,6 +276,27 @@ impl<'s, K: PassKind> Pass<'s, K> {
     }
 }
 
+impl Pass<'_, Forward> {
+    /// Counts `times` more forward uses of each of `ids` (an id listed twice counts twice)
+    /// without fetching them: the uses of forward ops that will run later, in
+    /// [`recompute`](Pass::recompute) passes of the backward pass (a pipeline stage's forwards
+    /// after its first backward), so that each tensor's gradient is written at its last
+    /// backward use. Unlike a fetch and release per use, it records no moment and moves no
+    /// chunk (and gathers nothing on a ZeRO rank). Only for tensors this forward pass has
+    /// fetched already ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise);
+    /// not in a recompute pass ([`Error::WrongStage`](crate::Error::WrongStage)).
+    pub fn declare_uses(&self, ids: &[TensorId], times: u32) -> Result<()> {
+        self.take_deferred()?;
+        if self.state.recompute {
+            return Err(crate::Error::WrongStage {
+                call: "declaring forward uses in a recompute pass".into(),
+                stage: "backward",
+            });
+        }
+        self.state.store().declare_forward_uses(ids, times, TOKEN)
+    }
+}
+
 impl Pass<'_, Backward> {
     /// A forward pass inside this backward stage, to recompute the forward of a checkpointed
     /// segment (activation checkpointing): layers run their `forward` on it as on any

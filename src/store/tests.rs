@@ -211,3 +211,50 @@ fn shares_taken_back_leave_the_last_use_to_write_the_total() {
     bwd.finish().unwrap();
     assert_eq!(m.read(w).unwrap(), [3.0, 5.0, 7.0, 9.0]);
 }
+
+/// Uses declared in the forward pass hold the gradient back to the last backward use, as
+/// fetches would, without a moment of their own; declaring before the pass fetched the tensor,
+/// or in a recompute pass, is refused.
+#[test]
+fn declared_forward_uses_hold_the_gradient_to_the_last_backward_use() {
+    let run = |declare: bool| {
+        let mut m = manager(DType::F32);
+        let w = m.register("w", &[4], Init::Constant(1.0)).unwrap();
+        let fwd = m.forward().unwrap();
+        if declare {
+            assert!(fwd.declare_uses(&[w], 2).is_err(), "not fetched yet");
+            drop(fwd.fetch(&[w]).unwrap());
+            fwd.declare_uses(&[w], 2).unwrap();
+        } else {
+            for _ in 0..3 {
+                drop(fwd.fetch(&[w]).unwrap());
+            }
+        }
+        fwd.finish().unwrap();
+        let mut bwd = m.backward().unwrap();
+        let re = bwd.recompute().unwrap();
+        assert!(re.declare_uses(&[w], 1).is_err(), "not in a recompute pass");
+        re.finish().unwrap();
+        for share in [[1.0f32, 2.0, 3.0, 4.0], [0.5; 4], [0.25; 4]] {
+            let g = bwd.fetch(&[w]).unwrap();
+            g.accumulate_grad_f32(0, &share).unwrap();
+        }
+        bwd.finish().unwrap();
+        let grad = m.read(w).unwrap();
+        m.skip_step().unwrap();
+        (grad, m.tide_points().len())
+    };
+    let (fetched, fetched_moments) = run(false);
+    let (declared, declared_moments) = run(true);
+    assert_eq!(
+        fetched,
+        [1.75, 2.75, 3.75, 4.75],
+        "the sum of the three shares"
+    );
+    assert_eq!(declared, fetched, "declared uses write at the same use");
+    assert_eq!(
+        declared_moments + 2,
+        fetched_moments,
+        "no moment per declared use"
+    );
+}

@@ -97,6 +97,38 @@ impl ZeroManager {
             .collect()
     }
 
+    /// Counts `times` more forward uses of each of `ids` without fetching them (see
+    /// [`crate::chunk::ChunkManager`]'s declared uses): no gather, no moment. Only in the
+    /// forward stage, for tensors this forward pass has fetched already.
+    pub(crate) fn declare_forward_uses(&mut self, ids: &[TensorId], times: u32) -> Result<()> {
+        if self.stage != Some(Stage::Forward) {
+            return Err(Error::WrongStage {
+                call: "declaring forward uses (after the forward pass's first fetch of them)"
+                    .into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        for &id in ids {
+            let t = self
+                .tensors
+                .get(id.index())
+                .ok_or(Error::UnknownTensor { id: id.0 })?;
+            if t.fwd_uses == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "forward uses of '{}' declared before the forward pass fetched it",
+                    t.name
+                )));
+            }
+        }
+        for &id in ids {
+            let t = &mut self.tensors[id.index()];
+            t.fwd_uses = t.fwd_uses.checked_add(times).ok_or_else(|| {
+                Error::InvalidArgument(format!("too many forward uses of '{}'", t.name))
+            })?;
+        }
+        Ok(())
+    }
+
     /// Fetches tensors in the backward stage to recompute a forward op (activation
     /// checkpointing): one more use on each side, so the fetch is never a tensor's last
     /// backward use (see [`crate::chunk::ChunkManager`]'s recompute fetch).

@@ -145,6 +145,41 @@ impl ChunkManager {
         r
     }
 
+    /// Counts `times` more forward uses of each of `ids` (an id listed twice counts twice)
+    /// without fetching them: the uses of forward ops that will run later in recompute passes
+    /// of the backward pass (a pipeline stage's late forwards), so that each gradient is
+    /// written at its last backward use, with no moment, no move and no transition. Only in the
+    /// forward stage, for tensors this forward pass has fetched already.
+    pub(crate) fn declare_forward_uses(&mut self, ids: &[TensorId], times: u32) -> Result<()> {
+        self.usable()?;
+        if self.stage != Some(Stage::Forward) {
+            return Err(Error::WrongStage {
+                call: "declaring forward uses (after the forward pass's first fetch of them)"
+                    .into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
+        }
+        for &id in ids {
+            let t = self
+                .tensors
+                .get(id.index())
+                .ok_or(Error::UnknownTensor { id: id.0 })?;
+            if t.fwd_uses == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "forward uses of '{}' declared before the forward pass fetched it",
+                    t.name
+                )));
+            }
+        }
+        for &id in ids {
+            let t = &mut self.tensors[id.index()];
+            t.fwd_uses = t.fwd_uses.checked_add(times).ok_or_else(|| {
+                Error::InvalidArgument(format!("too many forward uses of '{}'", t.name))
+            })?;
+        }
+        Ok(())
+    }
+
     /// The scheduler's moves for the accesses of the moment just ticked; if it refuses, the
     /// moment did not happen and a warm-up in progress starts over.
     pub(super) fn fetch_moment(&mut self, accesses: &[Access]) -> Result<Vec<Move>> {

@@ -35,7 +35,8 @@
 //! times an iteration: [`WeightUse::Shared`](crate::nn::WeightUse::Shared)). A forward run in a
 //! recompute pass counts one use on each side, so the store would see the last backward use
 //! of each parameter too early; the driver declares those forwards' uses in the forward pass
-//! (one fetch and release of each parameter per forward to come), which makes the store write
+//! ([`declare_uses`](crate::store::ForwardPass::declare_uses), after the early forwards: no
+//! moment, no chunk moved, nothing gathered), which makes the store write
 //! each gradient at its `M`-th backward. Activations go to the next stage and their gradients
 //! back by point-to-point messages on the pipeline group, a send paired with the receive that
 //! follows it in one grouped [`send_recv`](crate::comm::Communicator::send_recv).

@@ -205,18 +205,20 @@ impl<'c> PipelineStage<'c> {
         let started = std::time::Instant::now();
         let params = model.params();
         let fwd = store.forward()?;
-        // the uses of the forwards run in recompute passes, and of the finishing fetches,
-        // declared in the forward pass
-        for _ in 0..late_forwards {
-            for &id in &params {
-                fwd.fetch(&[id])?.release()?;
-            }
+        for &op in early {
+            self.forward_op(&fwd, model, op.micro(), &mut run)?;
+        }
+        // the uses of the forwards to run in recompute passes, declared in the forward pass
+        // (the early forwards fetched every parameter: no moment, no move), and of the
+        // finishing fetches (one fetch and release each: they need not be a forward's)
+        if late_forwards > 0 {
+            let times = u32::try_from(late_forwards).map_err(|_| {
+                Error::InvalidArgument(format!("{late_forwards} late forwards in one step"))
+            })?;
+            fwd.declare_uses(&params, times)?;
         }
         for id in model.finish_params() {
             fwd.fetch(&[id])?.release()?;
-        }
-        for &op in early {
-            self.forward_op(&fwd, model, op.micro(), &mut run)?;
         }
         fwd.finish()?;
         let mut bwd = store.backward()?;

@@ -83,6 +83,41 @@ pub(crate) fn check_distinct(ids: &[TensorId]) -> Result<()> {
     Ok(())
 }
 
+/// Adds `times` forward uses to each of `ids` (an id listed twice counts twice), the uses a
+/// store declares without a fetch: `uses(t)` gives tensor `t`'s name and forward-use count.
+/// Every id must be known and already fetched in this forward pass (a count above 0), and the
+/// counts must not overflow; otherwise nothing changes.
+pub(crate) fn add_forward_uses<T>(
+    tensors: &mut [T],
+    ids: &[TensorId],
+    times: u32,
+    uses: fn(&mut T) -> (&str, &mut u32),
+) -> Result<()> {
+    let mut want = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let t = tensors
+            .get_mut(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?;
+        let (name, n) = uses(t);
+        if *n == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "forward uses of '{name}' declared before the forward pass fetched it"
+            )));
+        }
+        let added = ids.iter().filter(|&&x| x == id).count() as u64 * u64::from(times);
+        if u64::from(*n) + added > u64::from(u32::MAX) {
+            return Err(Error::InvalidArgument(format!(
+                "too many forward uses of '{name}'"
+            )));
+        }
+        want.push(id);
+    }
+    for id in want {
+        *uses(&mut tensors[id.index()]).1 += times;
+    }
+    Ok(())
+}
+
 /// Encodes f32 values as `dtype` little-endian bytes (see [`crate::dtype::encode_f32`]).
 pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
     crate::dtype::encode_f32(v, dtype)

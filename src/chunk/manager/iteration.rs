@@ -159,25 +159,9 @@ impl ChunkManager {
                 stage: self.stage.map_or("idle", Stage::name),
             });
         }
-        for &id in ids {
-            let t = self
-                .tensors
-                .get(id.index())
-                .ok_or(Error::UnknownTensor { id: id.0 })?;
-            if t.fwd_uses == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "forward uses of '{}' declared before the forward pass fetched it",
-                    t.name
-                )));
-            }
-        }
-        for &id in ids {
-            let t = &mut self.tensors[id.index()];
-            t.fwd_uses = t.fwd_uses.checked_add(times).ok_or_else(|| {
-                Error::InvalidArgument(format!("too many forward uses of '{}'", t.name))
-            })?;
-        }
-        Ok(())
+        crate::chunk::add_forward_uses(&mut self.tensors, ids, times, |t| {
+            (&t.name, &mut t.fwd_uses)
+        })
     }
 
     /// The scheduler's moves for the accesses of the moment just ticked; if it refuses, the

@@ -27,7 +27,7 @@
 //! calls, but initialization and NCCL's own enqueueing can block without a timeout.
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
@@ -794,14 +794,24 @@ impl NcclComm {
         device.backend().bind_to_thread()?;
         let mut raw = self.raw.lock();
         let parent = Self::live(&raw)?;
-        let mut out: sys::ncclComm_t = std::ptr::null_mut();
+        // NCCL stores the child into `out` atomically at the end of the split's job, which for a
+        // non-blocking parent may run on NCCL's thread after the call has returned.
+        let out: AtomicPtr<sys::ncclComm> = AtomicPtr::new(std::ptr::null_mut());
+        let child = || out.load(Ordering::Acquire);
         // SAFETY: a live communicator and a valid out-pointer, which outlives the split: a
         // non-blocking split is polled to its end below. A null config inherits the parent's.
-        let r = unsafe { split(parent, c, key, &mut out, std::ptr::null_mut()) };
-        // In progress: the split runs as a job of the parent, which writes the child at its end;
-        // the parent's state shows its progress.
+        let r = unsafe { split(parent, c, key, out.as_ptr(), std::ptr::null_mut()) };
+        // In progress: the split runs as a job of the parent and writes the child at its end.
+        // The parent's state need not show that job, so a member also polls for its child and
+        // then for the child's own initialisation.
         let done = check("ncclCommSplit", r, Some(parent)).and_then(|()| {
-            Ok(r != IN_PROGRESS || settle(l, parent, "ncclCommSplit", self.timeout)?)
+            let start = Instant::now();
+            let left = || self.timeout.saturating_sub(start.elapsed());
+            Ok(r != IN_PROGRESS
+                || (settle(l, parent, "ncclCommSplit", left())?
+                    && (color.is_none()
+                        || (poll_until(left(), || Ok(!child().is_null()))?
+                            && settle(l, child(), "ncclCommSplit", left())?))))
         });
         let failed = match done {
             Ok(true) => None,
@@ -811,10 +821,9 @@ impl NcclComm {
         if let Some(e) = failed {
             // aborting the parent waits for the job, which may still write a child
             let e = self.abort_after(&mut raw, e);
-            // SAFETY: read after the job ended; a child it wrote is no one else's.
-            let child = unsafe { std::ptr::read_volatile(&out) };
+            let child = child();
             if !child.is_null() {
-                // SAFETY: as above.
+                // SAFETY: read after the job ended; a child it wrote is no one else's.
                 unsafe {
                     let _ = (l.comm_abort)(child);
                 }
@@ -822,6 +831,7 @@ impl NcclComm {
             return Err(e);
         }
         drop(raw);
+        let out = child();
         if out.is_null() {
             return Ok(None);
         }

@@ -134,8 +134,8 @@ fn placement_never_changes_the_arithmetic() {
 }
 
 /// HybridAdam on CUDA: the groups placed on the device step with the CUDA kernels (Adam and the
-/// gradient statistics), the others on the host, and the result is the Sim device's, bit for
-/// bit, with the same reports.
+/// gradient statistics), the others on the host, and the result is the Sim device's (bit for
+/// bit on the emulator, within a rounding tolerance on a GPU), with the same outcomes.
 #[test]
 fn hybrid_adam_on_cuda_equals_the_sim_device() {
     let Some(gpu) = common::cuda("hybrid_adam_on_cuda_equals_the_sim_device") else {
@@ -153,11 +153,27 @@ fn hybrid_adam_on_cuda_equals_the_sim_device() {
         let mut gopt = hybrid(placement);
         let got = train(&mut g, &gids, &mut gopt, 6);
         let what = format!("{policy:?} on {capacity} bytes, {placement:?}");
-        assert!(got.1 == reference.1, "fp16 parameters differ: {what}");
-        assert!(got.2 == reference.2, "fp32 masters differ: {what}");
+        let wide = |p: &[u16]| {
+            p.iter()
+                .map(|&b| f16::from_bits(b).to_f32().to_bits())
+                .collect()
+        };
+        let norms = |r: &[StepReport]| r.iter().map(|r| (r.grad_norm as f32).to_bits()).collect();
+        for (g, r, part) in [
+            (wide(&got.1), wide(&reference.1), "fp16 parameters"),
+            (got.2.clone(), reference.2.clone(), "fp32 masters"),
+            (norms(&got.0), norms(&reference.0), "gradient norms"),
+        ] {
+            common::assert_same_arithmetic(&gpu, &g, &r, 1e-3, &format!("{what}: {part}"));
+        }
+        if common::is_emulated(&gpu) {
+            let exact =
+                |r: &[StepReport]| r.iter().map(|r| r.grad_norm.to_bits()).collect::<Vec<_>>();
+            assert_eq!(exact(&got.0), exact(&reference.0), "{what}: gradient norms");
+        }
         let key = |r: &[StepReport]| {
             r.iter()
-                .map(|r| (r.grad_norm.to_bits(), r.outcome, r.device_groups))
+                .map(|r| (r.outcome, r.device_groups))
                 .collect::<Vec<_>>()
         };
         assert_eq!(key(&got.0), key(&reference.0), "{what}");

@@ -225,8 +225,9 @@ fn a_small_device_changes_nothing() {
 }
 
 /// ZeRO on 2 in-process ranks that share the GPU (collectives through the host, chunks, gather
-/// buffers and the device-side Adam on CUDA) gives the same bits as on two Sim devices, with a
-/// roomy device and the optimizer on it, and with a small one that moves shards.
+/// buffers and the device-side Adam on CUDA) gives the same bits as on two Sim devices on the
+/// emulator (a GPU's rounding within a tolerance), with a roomy device and the optimizer on it,
+/// and with a small one that moves shards.
 #[test]
 fn zero_on_cuda_equals_the_sim_devices() {
     let Some(gpu) = common::cuda("zero_on_cuda_equals_the_sim_devices") else {
@@ -284,7 +285,26 @@ fn zero_on_cuda_equals_the_sim_devices() {
             placement,
         );
         let gpus = run(vec![gpu.clone(), gpu.clone()], capacity, placement);
-        assert!(sims == gpus, "{capacity} bytes, {placement:?}");
+        let flat = |m: &Masters| -> Vec<u32> {
+            m.iter()
+                .flat_map(|(ts, _)| ts.iter().flat_map(|(_, bits)| bits.iter().copied()))
+                .collect()
+        };
+        let names = |m: &Masters| -> Vec<Vec<String>> {
+            m.iter()
+                .map(|(ts, _)| ts.iter().map(|(n, _)| n.clone()).collect())
+                .collect()
+        };
+        assert_eq!(
+            names(&sims),
+            names(&gpus),
+            "{capacity} bytes: the ranks own the same"
+        );
+        let what = format!("{capacity} bytes, {placement:?}: owned masters");
+        common::assert_same_arithmetic(&gpu, &flat(&gpus), &flat(&sims), 1e-3, &what);
+        if common::is_emulated(&gpu) {
+            assert!(sims == gpus, "{capacity} bytes, {placement:?}");
+        }
         if placement != DevicePlacement::HostOnly {
             assert!(gpus.iter().all(|r| r.1 > 0), "Adam ran on the GPU");
         }

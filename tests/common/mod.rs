@@ -130,3 +130,35 @@ pub fn hybrid_adam(
     })
     .unwrap()
 }
+
+/// Checks that `got` (f32 bit patterns from a run on `dev`) holds what `want` (the same run on
+/// the Sim device) does. The emulator runs the Sim device's arithmetic, so there every bit must
+/// match; a GPU's cuBLAS and math library round differently, so there the norm-wise relative
+/// error must stay within `tol`. The error is printed, so a GPU run reports it.
+pub fn assert_same_arithmetic(dev: &Device, got: &[u32], want: &[u32], tol: f64, what: &str) {
+    if is_emulated(dev) {
+        assert!(
+            got == want,
+            "{what}: the emulator's bits differ from the Sim device's"
+        );
+        return;
+    }
+    assert_eq!(got.len(), want.len(), "{what}: lengths differ");
+    let (mut diff, mut norm) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let (g, w) = (f32::from_bits(g) as f64, f32::from_bits(w) as f64);
+        assert!(g.is_finite(), "{what}: {g} on {}", dev.name());
+        diff += (g - w) * (g - w);
+        norm += w * w;
+    }
+    let err = (diff / norm.max(f64::MIN_POSITIVE)).sqrt();
+    eprintln!(
+        "{what}: {} against the Sim device, norm-wise relative error {err:.2e}",
+        dev.name()
+    );
+    assert!(
+        err <= tol,
+        "{what}: relative error {err:.2e} over {tol:.0e} on {}",
+        dev.name()
+    );
+}

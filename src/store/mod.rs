@@ -224,6 +224,9 @@ pub(crate) mod sealed {
         fn fetch_recompute(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
         /// Counts `times` more forward uses of each of `ids` without fetching them.
         fn declare_forward_uses(&mut self, ids: &[TensorId], times: u32, _: Token) -> Result<()>;
+        /// Fetches tensors in the backward stage for a later iteration's forward: a read that
+        /// counts no use.
+        fn fetch_ahead(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
     }
 }
 
@@ -271,6 +274,9 @@ impl sealed::Core for ChunkManager {
         _: sealed::Token,
     ) -> Result<()> {
         ChunkManager::declare_forward_uses(self, ids, times)
+    }
+    fn fetch_ahead(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
+        ChunkManager::fetch_ahead(self, ids)
     }
 }
 
@@ -370,6 +376,15 @@ impl sealed::Core for ZeroManager {
         _: sealed::Token,
     ) -> Result<()> {
         ZeroManager::declare_forward_uses(self, ids, times)
+    }
+    fn fetch_ahead(&mut self, _: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
+        // a ZeRO rank's backward gathers and reduce-scatters by use counts that an ahead fetch
+        // would leave out
+        Err(crate::Error::InvalidArgument(
+            "a fetch ahead (PipeDream-2BW's next-version forwards) needs a ChunkManager; a \
+             ZeroManager rank does not keep two weight versions"
+                .into(),
+        ))
     }
 }
 

@@ -88,6 +88,9 @@ struct State<'s> {
     stage: Stage,
     /// A forward pass recomputing inside the backward stage ([`BackwardPass::recompute`]).
     recompute: bool,
+    /// A forward pass inside the backward stage for a later iteration's backward
+    /// ([`BackwardPass::ahead`]; `recompute` is set too).
+    ahead: bool,
 }
 
 impl<'s> State<'s> {
@@ -99,6 +102,7 @@ impl<'s> State<'s> {
             sums: RefCell::new(Vec::new()),
             stage,
             recompute,
+            ahead: false,
         }
     }
 }
@@ -189,7 +193,9 @@ impl<'s, K: PassKind> Pass<'s, K> {
             .iter()
             .map(|&id| store.tensor_shape(id).map(<[usize]>::to_vec))
             .collect::<Result<Vec<_>>>()?;
-        let views = if self.state.recompute {
+        let views = if self.state.ahead {
+            store.fetch_ahead(ids, TOKEN)?
+        } else if self.state.recompute {
             store.fetch_recompute(ids, TOKEN)?
         } else {
             store.fetch(ids, K::STAGE)?
@@ -334,6 +340,56 @@ impl Pass<'_, Backward> {
     /// # Ok(()) }
     /// ```
     pub fn recompute(&mut self) -> Result<ForwardPass<'_>> {
+        self.inner_forward(false)
+    }
+
+    /// A forward pass inside this backward stage whose own backward runs in a later iteration:
+    /// a pipeline stage's forwards on the next weight version under PipeDream-2BW, between the
+    /// backwards of the current batch. Its fetches are backward-stage moments that only read
+    /// and count no use, so they touch no gradient and the tensors stay as they were for the
+    /// step that ends this iteration (which leaves tensors with no gradient untouched). Only for
+    /// tensors this iteration has not used otherwise
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)); a [`ZeroManager`]'s rank
+    /// refuses it.
+    ///
+    /// [`ZeroManager`]: crate::zero::ZeroManager
+    ///
+    /// ```
+    /// use tidemem::nn::{Act, Linear};
+    /// use tidemem::prelude::*;
+    ///
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    /// let mut cfg = ManagerConfig::new(64, Policy::Tide);
+    /// cfg.param_dtype = DType::F32;
+    /// let mut m = ChunkManager::new(dev, cfg)?;
+    /// let now = Linear::register(&mut m, "now", 4, 4, true, None)?;
+    /// let next = Linear::register(&mut m, "next", 4, 4, true, None)?;
+    /// let x_host = [1.0f32; 8];
+    ///
+    /// let fwd = m.forward()?;
+    /// let x = Act::upload(fwd.pool(), fwd.stream(), 2, 4, DType::F32, &x_host)?;
+    /// drop(now.forward(&fwd, &x)?);
+    /// fwd.finish()?;
+    /// let mut bwd = m.backward()?;
+    /// let ahead = bwd.ahead()?;
+    /// let _y_next = next.forward(&ahead, &x)?; // its backward comes after the step
+    /// ahead.finish()?;
+    /// let dy = Act::upload(bwd.pool(), bwd.stream(), 2, 4, DType::F32, &[1.0; 8])?;
+    /// now.backward(&bwd, &x, &dy, false)?;
+    /// bwd.finish()?;
+    /// let (w_now, w_next) = (m.master(now.weight)?, m.master(next.weight)?);
+    /// let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1)))?;
+    /// m.step(&mut adam)?;
+    /// assert_ne!(m.master(now.weight)?, w_now);
+    /// assert_eq!(m.master(next.weight)?, w_next); // no gradient: untouched
+    /// # Ok(()) }
+    /// ```
+    pub fn ahead(&mut self) -> Result<ForwardPass<'_>> {
+        self.inner_forward(true)
+    }
+
+    fn inner_forward(&mut self, ahead: bool) -> Result<ForwardPass<'_>> {
         self.take_deferred()?;
         let handles = Handles {
             device: self.state.handles.device.clone(),
@@ -343,7 +399,10 @@ impl Pass<'_, Backward> {
         };
         let store: &mut dyn ParamStore = &mut **self.state.store.get_mut();
         Ok(Pass {
-            state: State::new(store, handles, Stage::Backward, true),
+            state: State {
+                ahead,
+                ..State::new(store, handles, Stage::Backward, true)
+            },
             _kind: PhantomData,
         })
     }

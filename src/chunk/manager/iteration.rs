@@ -39,6 +39,11 @@ impl ChunkManager {
     /// of their memory, ready on [`ChunkManager::compute_stream`]. Their chunks will not move
     /// until [`ChunkManager::release`].
     pub fn fetch(&mut self, ids: &[TensorId], stage: Stage) -> Result<Vec<TensorView>> {
+        self.fetch_as(ids, stage, false)
+    }
+
+    /// [`ChunkManager::fetch`], or with `ahead` a backward-stage fetch that counts no use.
+    fn fetch_as(&mut self, ids: &[TensorId], stage: Stage, ahead: bool) -> Result<Vec<TensorView>> {
         self.usable()?;
         let t0 = self.now_us();
         let ev = match stage {
@@ -63,7 +68,7 @@ impl ChunkManager {
         let mut acc = Vec::new();
         for &id in ids {
             let t = &self.tensors[id.index()];
-            let last = stage == Stage::Backward && t.bwd_uses + 1 >= t.fwd_uses;
+            let last = stage == Stage::Backward && !ahead && t.bwd_uses + 1 >= t.fwd_uses;
             let chunk = self.chunk_of(id, ChunkKind::Param);
             uses.push(Access {
                 chunk,
@@ -81,6 +86,7 @@ impl ChunkManager {
             let t = &mut self.tensors[id.index()];
             match stage {
                 Stage::Forward => t.fwd_uses += 1,
+                _ if ahead => t.ahead += 1,
                 _ => {
                     t.bwd_uses += 1;
                     let g = t.slot.group as usize;
@@ -143,6 +149,40 @@ impl ChunkManager {
             }
         }
         r
+    }
+
+    /// Fetches tensors in the backward stage for a forward whose backward runs in a later
+    /// iteration (a pipeline's next-version forwards under PipeDream-2BW): a moment that only
+    /// reads, and counts no use on either side, so it touches no gradient; the release takes
+    /// the tensors back to HOLD. Only for tensors this iteration has not used (their slots hold
+    /// parameters, and no backward of this iteration will write them); others are
+    /// [`Error::InvalidArgument`].
+    pub(crate) fn fetch_ahead(&mut self, ids: &[TensorId]) -> Result<Vec<TensorView>> {
+        self.usable()?;
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: "a fetch ahead (it belongs to the backward pass)".into(),
+                stage: self.stage.map_or("idle", Stage::name),
+            });
+        }
+        for &id in ids {
+            let t = self.meta(id)?;
+            if t.fwd_uses > 0 || t.bwd_uses > 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "'{}' is used by this iteration ({} forward, {} backward uses): a fetch \
+                     ahead is for tensors whose backward comes in a later iteration",
+                    t.name, t.fwd_uses, t.bwd_uses
+                )));
+            }
+        }
+        // a tensor never used yet gets its initial payload with this fetch, as in a forward
+        for &id in ids {
+            let s = &mut self.tensors[id.index()].state[ChunkKind::Param.index()];
+            if *s == TensorState::Free {
+                *s = TensorState::Hold;
+            }
+        }
+        self.fetch_as(ids, Stage::Backward, true)
     }
 
     /// Counts `times` more forward uses of each of `ids` (an id listed twice counts twice)
@@ -210,6 +250,7 @@ impl ChunkManager {
             let t = self.meta(id)?;
             let ev = match stage {
                 Stage::Forward => TrainEvent::AfterFwdOp,
+                Stage::Backward if t.ahead > 0 => TrainEvent::AfterBwdOp,
                 Stage::Backward if t.bwd_uses >= t.fwd_uses => TrainEvent::AfterLastBwdOp,
                 Stage::Backward => TrainEvent::AfterBwdOp,
                 Stage::Optimizer => TrainEvent::AfterOptim,
@@ -249,6 +290,10 @@ impl ChunkManager {
         }
         for (&id, &ev) in ids.iter().zip(&events) {
             self.apply(id, ChunkKind::Param, ev);
+            let t = &mut self.tensors[id.index()];
+            if stage == Stage::Backward && t.ahead > 0 {
+                t.ahead -= 1;
+            }
         }
         let moves = self.sched().release(&chunks)?;
         self.execute(&moves)

@@ -26,6 +26,7 @@ mod moves;
 mod optimizer;
 mod table;
 mod telemetry;
+mod versions;
 
 pub(crate) use optimizer::grad_ranges;
 pub use optimizer::{GroupChunks, GroupSlices, GroupVisit};

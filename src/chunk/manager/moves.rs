@@ -280,7 +280,9 @@ impl ChunkManager {
         })();
         if let Err(e) = &r {
             if self.broken.is_none() {
-                self.broken = Some(format!("a checkpoint load failed midway: {e}"));
+                self.broken = Some(format!(
+                    "a write of chunk {c}'s host copy failed midway: {e}"
+                ));
             }
         }
         r

@@ -16,6 +16,8 @@ pub(super) struct TensorMeta {
     pub(super) state: [TensorState; 4],
     pub(super) fwd_uses: u32,
     pub(super) bwd_uses: u32,
+    /// Fetches for a later iteration's forward ([`ChunkManager::fetch_ahead`]) not yet released.
+    pub(super) ahead: u32,
     pub(super) grad: bool,
     /// The share of the gradient's squared norm this process counts (see
     /// [`ChunkManager::set_norm_share`]).
@@ -41,6 +43,7 @@ impl ChunkManager {
             state: [TensorState::Free; 4],
             fwd_uses: 0,
             bwd_uses: 0,
+            ahead: 0,
             grad: false,
             norm_share: 1.0,
         });

@@ -54,6 +54,9 @@ struct Toy {
     fail_at: Option<usize>,
     /// Whether `params` lists the parameters (the driver declares the late forwards' uses).
     declare: bool,
+    /// A stream of batches of this many micro-batches (PipeDream-2BW without a flush):
+    /// micro-batch `j` is micro-batch `j % every` of step `j / every`.
+    every: Option<usize>,
 }
 
 struct Saved {
@@ -65,10 +68,20 @@ struct Saved {
 
 impl Toy {
     fn register(store: &mut ChunkManager, range: std::ops::Range<usize>, scale: f32) -> Toy {
+        Toy::register_named(store, "", range, scale)
+    }
+
+    /// [`Toy::register`] with `prefix` before each layer's name.
+    fn register_named(
+        store: &mut ChunkManager,
+        prefix: &str,
+        range: std::ops::Range<usize>,
+        scale: f32,
+    ) -> Toy {
         let layers = range
             .map(|i| {
-                let l = Linear::register(store, &format!("l{i}"), DIMS[i], DIMS[i + 1], true, None)
-                    .unwrap();
+                let name = format!("{prefix}l{i}");
+                let l = Linear::register(store, &name, DIMS[i], DIMS[i + 1], true, None).unwrap();
                 (i, l.shared())
             })
             .collect();
@@ -78,6 +91,7 @@ impl Toy {
             step: 0,
             fail_at: None,
             declare: true,
+            every: None,
         }
     }
 
@@ -121,7 +135,10 @@ impl StageModel for Toy {
                 ROWS,
                 DIMS[0],
                 DType::F32,
-                &data(self.step, micro),
+                &match self.every {
+                    Some(every) => data(micro / every, micro % every),
+                    None => data(self.step, micro),
+                },
             )?,
         };
         let mut xs = Vec::new();
@@ -432,5 +449,172 @@ fn bubble_table() {
                 assert!((r.bubble_fraction - want).abs() < 1e-12);
             }
         }
+    }
+}
+
+/// What a rank of a 2BW run ends with: the last stage's losses of every micro-batch, the
+/// masters of the newest weights, and each batch's report.
+struct TwoBwOut {
+    losses: Vec<u32>,
+    masters: Vec<Vec<u32>>,
+    reports: Vec<StageReport>,
+}
+
+fn masters_of(store: &mut ChunkManager, toy: &Toy) -> Vec<Vec<u32>> {
+    toy.params()
+        .into_iter()
+        .map(|id| {
+            store
+                .master(id)
+                .unwrap()
+                .iter()
+                .map(|x| x.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
+fn pipeline_grid(c: &Communicator, p: usize) -> Result<ProcessGrid> {
+    ProcessGrid::new(
+        c,
+        GridSpec {
+            data: 1,
+            pipeline: p,
+            sequence: 1,
+            tensor: TensorMode::None,
+        },
+    )
+}
+
+/// PipeDream-2BW as the trainer ran it before it streamed: a version a step through the
+/// optimizer's delayed parameters, each step's micro-batches in 1F1B order and flushed.
+fn two_bw_per_step(c: Communicator, p: usize, micro: usize, batches: usize) -> Result<TwoBwOut> {
+    let grid = pipeline_grid(&c, p)?;
+    let (s, per) = (grid.pipeline_rank(), LAYERS / p);
+    let mut store = manager(c.device().clone());
+    let mut toy = Toy::register(&mut store, s * per..(s + 1) * per, 1.0 / micro as f32);
+    let mut opt = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        delayed_params: true,
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    })?;
+    let stage = PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, micro)?;
+    let (mut losses, mut reports) = (Vec::new(), Vec::new());
+    for step in 0..batches {
+        toy.step = step;
+        let r = stage.run(&mut store, &toy)?;
+        store.step(&mut opt)?;
+        losses.extend(r.losses.iter().map(|l| l.to_bits()));
+        reports.push(r);
+    }
+    let masters = masters_of(&mut store, &toy);
+    Ok(TwoBwOut {
+        losses,
+        masters,
+        reports,
+    })
+}
+
+/// PipeDream-2BW as one stream of `batches` batches with no flush, on two registrations of the
+/// stage's layers.
+fn two_bw_stream(c: Communicator, p: usize, micro: usize, batches: usize) -> Result<TwoBwOut> {
+    let grid = pipeline_grid(&c, p)?;
+    let (s, per) = (grid.pipeline_rank(), LAYERS / p);
+    let mut store = manager(c.device().clone());
+    let layers = s * per..(s + 1) * per;
+    let scale = 1.0 / micro as f32;
+    let mut a = Toy::register(&mut store, layers.clone(), scale);
+    let mut b = Toy::register_named(&mut store, "v1.", layers, scale);
+    a.every = Some(micro);
+    b.every = Some(micro);
+    let mut opt = adam(1);
+    let stage = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: micro }, micro)?;
+    let reports = stage.run_two_bw(&mut store, [&a, &b], batches, |store, _| {
+        store.step(&mut opt).map(drop)
+    })?;
+    let losses = reports
+        .iter()
+        .flat_map(|r| r.losses.iter().map(|l| l.to_bits()))
+        .collect();
+    let newest = if (batches - 1) % 2 == 0 { &a } else { &b };
+    let masters = masters_of(&mut store, newest);
+    Ok(TwoBwOut {
+        losses,
+        masters,
+        reports,
+    })
+}
+
+/// PipeDream-2BW with no flush (batch `b + 1`'s first forwards between batch `b`'s last
+/// backwards, on the other weight version) computes what the per-step 2BW does, bit for bit:
+/// every micro-batch's loss and the newest masters, on 2 and 4 stages. The stream's stages
+/// run the next batch's forwards ahead (all but the last stage), and hold no more micro-batches
+/// than 1F1B's bound.
+#[test]
+fn two_bw_without_a_flush_equals_the_per_step_two_bw() {
+    const BATCHES: usize = 4;
+    for p in [2, 4] {
+        for micro in [p, p + 1] {
+            let want = on_ranks(p, Duration::from_secs(60), |c| {
+                two_bw_per_step(c, p, micro, BATCHES).unwrap()
+            });
+            let got = on_ranks(p, Duration::from_secs(60), |c| {
+                two_bw_stream(c, p, micro, BATCHES).unwrap()
+            });
+            for (s, (g, w)) in got.iter().zip(&want).enumerate() {
+                let what = format!("P {p} M {micro} stage {s}");
+                assert_eq!(g.losses, w.losses, "{what}: losses");
+                assert_eq!(g.masters, w.masters, "{what}: masters");
+                assert_eq!(g.reports.len(), BATCHES);
+                let late: usize = g.reports.iter().map(|r| r.late_forwards).sum();
+                let flushed: usize = w.reports.iter().map(|r| r.late_forwards).sum();
+                // the stream's early forwards of the next batch run ahead, not in recompute
+                // passes: fewer of batch b's own forwards run late
+                assert!(
+                    late <= flushed,
+                    "{what}: {late} late forwards, {flushed} flushed"
+                );
+                for (b, r) in g.reports.iter().enumerate() {
+                    assert!(r.peak_in_flight <= r.in_flight_bound, "{what}: {r:?}");
+                    // P − s − 1 of the next batch's forwards, but after the last batch
+                    let ahead = if b + 1 < BATCHES { p - s - 1 } else { 0 };
+                    assert_eq!(r.ahead_forwards, ahead, "{what}, batch {b}");
+                }
+            }
+            assert_eq!(got[p - 1].losses.len(), BATCHES * micro);
+        }
+    }
+}
+
+/// 2BW's typed errors: `run` refuses it (its micro-batches cross the steps), `run_two_bw`
+/// refuses the flush schedules and versions that are not two registrations of the same
+/// parameters, and a ZeRO rank refuses to keep two versions.
+#[test]
+fn two_bw_misuse_is_an_error() {
+    let outs = on_ranks(1, Duration::from_secs(10), |c| {
+        let grid = pipeline_grid(&c, 1).unwrap();
+        let mut store = manager(c.device().clone());
+        let a = Toy::register(&mut store, 0..LAYERS, 1.0);
+        let b = Toy::register_named(&mut store, "v1.", 0..LAYERS - 1, 1.0);
+        let two = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: 2 }, 2).unwrap();
+        let by_run = two.run(&mut store, &a).map(drop);
+        let mismatched = two
+            .run_two_bw(&mut store, [&a, &b], 2, |_, _| Ok(()))
+            .map(drop);
+        let same = two
+            .run_two_bw(&mut store, [&a, &a], 2, |_, _| Ok(()))
+            .map(drop);
+        let flush = PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 2)
+            .unwrap()
+            .run_two_bw(&mut store, [&a, &a], 2, |_, _| Ok(()))
+            .map(drop);
+        let every = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: 3 }, 2).map(drop);
+        [by_run, mismatched, same, flush, every]
+    });
+    for (k, r) in outs[0].iter().enumerate() {
+        assert!(
+            matches!(r, Err(Error::InvalidArgument(_))),
+            "case {k}: {r:?}"
+        );
     }
 }

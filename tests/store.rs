@@ -252,3 +252,87 @@ fn public_types_cross_threads() {
     send::<BackwardPass<'static>>();
     send::<Box<dyn ParamStore>>();
 }
+
+/// PipeDream-2BW's store calls: an ahead fetch reads a tensor this iteration does not use and
+/// counts no use (the step leaves it as it was), and is refused for a tensor in use; a copy of
+/// tensor state is refused mid-iteration (the parameter list until the iteration ends), across
+/// shapes, onto itself, and from parameter chunks that may hold gradients. A ZeRO rank refuses
+/// both: it keeps one weight version.
+#[test]
+fn ahead_fetches_and_state_copies_check_their_moment() {
+    use tidemem::tensor::ChunkKind;
+    let mut m = chunk_manager();
+    let (w, b) = register(&mut m).unwrap();
+    let w2 = m.register("w2", &[4, 4], Init::Constant(0.0)).unwrap();
+    let lists = ChunkKind::ALL;
+    // every list of w into w2, between iterations
+    m.copy_state(&[(w, w2)], &lists).unwrap();
+    assert_eq!(m.read(w2).unwrap(), vec![0.5; N]);
+    assert!(matches!(
+        m.copy_state(&[(w, b)], &lists),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.copy_state(&[(w, w)], &lists),
+        Err(Error::InvalidArgument(_))
+    ));
+
+    let fwd = m.forward().unwrap();
+    fwd.fetch(&[w, b]).unwrap().release().unwrap();
+    fwd.finish().unwrap();
+    let during = m.copy_state(&[(w, w2)], &[ChunkKind::Master]);
+    assert!(
+        matches!(during, Err(Error::WrongStage { .. })),
+        "{during:?}"
+    );
+    let mut bwd = m.backward().unwrap();
+    {
+        let ahead = bwd.ahead().unwrap();
+        let in_use = ahead.fetch(&[w]).map(drop);
+        assert!(
+            matches!(in_use, Err(Error::InvalidArgument(_))),
+            "{in_use:?}"
+        );
+        // twice: an ahead fetch counts no use
+        for _ in 0..2 {
+            let g = ahead.fetch(&[w2]).unwrap();
+            assert_eq!(g.param(0).unwrap().to_f32().unwrap(), vec![0.5; N]);
+            g.release().unwrap();
+        }
+        ahead.finish().unwrap();
+    }
+    let g = bwd.fetch(&[w, b]).unwrap();
+    g.grad(0).unwrap().upload_f32(&[1.0; N]).unwrap();
+    g.grad(1).unwrap().upload_f32(&[1.0; N]).unwrap();
+    g.release().unwrap();
+    bwd.finish().unwrap();
+    assert_eq!(m.state(w2, ChunkKind::Param).unwrap(), TensorState::Hold);
+    // after the backward pass: the optimizer lists copy, the parameters do not
+    m.copy_state(&[(w2, w)], &[ChunkKind::Master]).unwrap();
+    let params = m.copy_state(&[(w2, w)], &[ChunkKind::Param]);
+    assert!(
+        matches!(params, Err(Error::WrongStage { .. })),
+        "{params:?}"
+    );
+    m.skip_step().unwrap();
+    // skipped: the parameter chunks may hold gradients
+    let dirty = m.copy_state(&[(w2, w)], &[ChunkKind::Param]);
+    assert!(matches!(dirty, Err(Error::InvalidArgument(_))), "{dirty:?}");
+
+    let comms = Communicator::local(vec![common::sim(1 << 20)]).unwrap();
+    let mut z = ZeroManager::new(
+        comms.into_iter().next().unwrap(),
+        ManagerConfig::new(N, Policy::Tide),
+    )
+    .unwrap();
+    let (w, b) = register(&mut z).unwrap();
+    let copy = ParamStore::copy_state(&mut z, &[(w, b)], &lists);
+    assert!(matches!(copy, Err(Error::InvalidArgument(_))), "{copy:?}");
+    let fwd = z.forward().unwrap();
+    fwd.fetch(&[w]).unwrap().release().unwrap();
+    fwd.finish().unwrap();
+    let mut bwd = z.backward().unwrap();
+    let ahead = bwd.ahead().unwrap();
+    let r = ahead.fetch(&[b]).map(drop);
+    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+}

@@ -98,7 +98,7 @@ use crate::device::{CachingAllocator, Device, Stream};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::optim::{GradStats, HybridAdam, StepReport};
-use crate::tensor::{Init, Stage, TensorId};
+use crate::tensor::{ChunkKind, Init, Stage, TensorId};
 use crate::zero::ZeroManager;
 
 /// What a layer or trainer needs from the store that holds the parameters, so that one trainer
@@ -191,6 +191,13 @@ pub trait ParamStore: Send + sealed::Core {
 
     /// Ends the backward pass.
     fn end_backward(&mut self) -> Result<()>;
+
+    /// Copies lists `kinds` of each `(from, to)` pair's tensor `from` into tensor `to`, of the
+    /// same shape (see [`ChunkManager::copy_state`]): PipeDream-2BW's two weight versions are
+    /// two registrations of a stage's parameters. A [`ZeroManager`] rank refuses it
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)): the two registrations'
+    /// shards can lie on different ranks.
+    fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()>;
 }
 
 /// What the passes need from a store beyond its public interface.
@@ -348,6 +355,9 @@ impl ParamStore for ChunkManager {
     fn end_backward(&mut self) -> Result<()> {
         ChunkManager::end_backward(self)
     }
+    fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()> {
+        ChunkManager::copy_state(self, pairs, kinds)
+    }
 }
 
 impl sealed::Core for ZeroManager {
@@ -449,6 +459,13 @@ impl ParamStore for ZeroManager {
     }
     fn end_backward(&mut self) -> Result<()> {
         ZeroManager::end_backward(self)
+    }
+    fn copy_state(&mut self, _: &[(TensorId, TensorId)], _: &[ChunkKind]) -> Result<()> {
+        Err(crate::Error::InvalidArgument(
+            "copy_state (PipeDream-2BW's two weight versions) needs a ChunkManager: a \
+             ZeroManager rank may not own both tensors of a pair"
+                .into(),
+        ))
     }
 }
 

@@ -52,6 +52,7 @@
 //! # Ok(()) }
 //! ```
 
+mod flush_free;
 mod partition;
 mod runtime;
 mod schedule;

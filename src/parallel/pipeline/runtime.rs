@@ -82,6 +82,9 @@ pub struct StageReport {
     pub pool_bytes: Vec<usize>,
     /// Forwards run inside the backward pass (in recompute passes).
     pub late_forwards: usize,
+    /// Forwards of the next batch run inside the backward pass, on the other weight version
+    /// (in [`ahead`](crate::store::BackwardPass::ahead) passes; PipeDream-2BW without a flush).
+    pub ahead_forwards: usize,
     /// Plain sends (a send with no receive after it to pair with).
     pub sends: usize,
     /// Plain receives.
@@ -112,35 +115,37 @@ pub struct StageReport {
 /// ```
 #[derive(Debug)]
 pub struct PipelineStage<'c> {
-    group: &'c Communicator,
-    stage: usize,
-    stages: usize,
-    micro: usize,
-    schedule: Schedule,
+    pub(super) group: &'c Communicator,
+    pub(super) stage: usize,
+    pub(super) stages: usize,
+    pub(super) micro: usize,
+    pub(super) schedule: Schedule,
     ops: Vec<PipeOp>,
 }
 
 /// A message held back to pair with the receive of the next op: the activation and its peer.
-type Pending = Option<(Act, usize)>;
+pub(super) type Pending = Option<(Act, usize)>;
 
 /// The state of one run: saved micro-batches, the held-back send, the report.
-struct Run<S> {
-    saved: HashMap<usize, (S, [usize; 2])>,
-    pending: Pending,
-    report: StageReport,
+pub(super) struct Run<S> {
+    pub(super) saved: HashMap<usize, (S, [usize; 2])>,
+    pub(super) pending: Pending,
+    pub(super) report: StageReport,
 }
 
 impl<'c> PipelineStage<'c> {
     /// Stage `group.rank()` of `group.world()` under `schedule` for `micro` micro-batches a
-    /// step. [`Schedule::TwoBW`] needs weight versions the stores do not keep: it is
-    /// [`Error::InvalidArgument`], as are the schedule's shape errors.
+    /// step. [`Schedule::TwoBW`] runs with [`PipelineStage::run_two_bw`], a version a step
+    /// (`every == micro`); the schedule's shape errors and another `every` are
+    /// [`Error::InvalidArgument`].
     pub fn new(group: &'c Communicator, schedule: Schedule, micro: usize) -> Result<Self> {
-        if let Schedule::TwoBW { .. } = schedule {
-            return Err(Error::InvalidArgument(
-                "PipelineStage runs the flush schedules (1F1B, GPipe); 2BW's weight versions \
-                 are not kept by the stores"
-                    .into(),
-            ));
+        if let Schedule::TwoBW { every } = schedule {
+            if every != micro {
+                return Err(Error::InvalidArgument(format!(
+                    "PipeDream-2BW makes a weight version every {every} micro-batches: a \
+                     version is an optimizer step here, of {micro} micro-batches"
+                )));
+            }
         }
         let (stage, stages) = (group.rank(), group.world());
         let ops = schedule.ops(stages, stage, micro)?;
@@ -182,6 +187,11 @@ impl<'c> PipelineStage<'c> {
         S: ParamStore + ?Sized,
         M: StageModel,
     {
+        if let Schedule::TwoBW { .. } = self.schedule {
+            return Err(Error::InvalidArgument(
+                "PipeDream-2BW runs its micro-batches across optimizer steps: run_two_bw".into(),
+            ));
+        }
         let first_b = self
             .ops
             .iter()
@@ -239,7 +249,7 @@ impl<'c> PipelineStage<'c> {
         Ok(run.report)
     }
 
-    fn forward_op<M: StageModel>(
+    pub(super) fn forward_op<M: StageModel>(
         &self,
         pass: &ForwardPass<'_>,
         model: &M,
@@ -277,7 +287,7 @@ impl<'c> PipelineStage<'c> {
         Ok(())
     }
 
-    fn backward_op<M: StageModel>(
+    pub(super) fn backward_op<M: StageModel>(
         &self,
         pass: &BackwardPass<'_>,
         model: &M,
@@ -307,7 +317,7 @@ impl<'c> PipelineStage<'c> {
 
     /// Sends the held-back message and receives `recv` (`(peer, shape, dtype)`), as one
     /// grouped `send_recv` when both are there.
-    fn exchange<S>(
+    pub(super) fn exchange<S>(
         &self,
         stream: &Stream,
         pool: &CachingAllocator,

@@ -536,7 +536,7 @@ fn two_bw_stream(c: Communicator, p: usize, micro: usize, batches: usize) -> Res
         .iter()
         .flat_map(|r| r.losses.iter().map(|l| l.to_bits()))
         .collect();
-    let newest = if (batches - 1) % 2 == 0 { &a } else { &b };
+    let newest = [&a, &b][(batches - 1) % 2];
     let masters = masters_of(&mut store, newest);
     Ok(TwoBwOut {
         losses,

@@ -8,8 +8,9 @@ mod common;
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, train_step_grid, train_step_in, train_step_pipe, train_step_sp, EndsLayout, Gpt,
-    GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
+    train_step, train_step_grid, train_step_in, train_step_pipe, train_step_sp,
+    train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
+    StageSplit,
 };
 use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
@@ -850,6 +851,82 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
                 "stage {r}, step {k}: norm"
             );
         }
+    }
+}
+
+/// PipeDream-2BW with no flush: GPT-2 over two stages as one stream of steps (the next step's
+/// first forward on stage 0 between this step's last backwards, on the stage's second
+/// registration) gives the per-step 2BW's losses and gradient norms bit for bit, on every stage.
+#[test]
+fn gpt_pipedream_2bw_stream_equals_the_per_step_2bw() {
+    let opt = |delayed_params| {
+        HybridAdam::new(HybridConfig {
+            max_grad_norm: Some(0.05),
+            placement: tidemem::optim::DevicePlacement::HostOnly,
+            delayed_params,
+            ..HybridConfig::new(AdamConfig::adamw(3e-3, 0.01))
+        })
+        .unwrap()
+    };
+    let data: Vec<_> = (0..STEPS).map(batch).collect();
+    let micro = |k: usize| -> Vec<GptBatch<'_>> {
+        let (t, g) = &data[k];
+        let half = B / 2 * T;
+        (0..2)
+            .map(|h| GptBatch {
+                tokens: &t[h * half..(h + 1) * half],
+                targets: &g[h * half..(h + 1) * half],
+                batch: B / 2,
+                seq: T,
+            })
+            .collect()
+    };
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 2,
+        sequence: 1,
+        tensor: TensorMode::None,
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let stage = grid.pipeline_rank();
+        let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
+        let groups = StageGroups {
+            pipeline: grid.pipeline(),
+            tensor: None,
+            sequence: None,
+            grid: None,
+        };
+        let register = |m: &mut ChunkManager| {
+            let r = range.clone();
+            GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
+        };
+        let key = |s: &tidemem::models::gpt::TrainStep| (s.loss.to_bits(), s.report.grad_norm);
+        // per step: a flush after every step, the parameters one version behind
+        let mut m = manager(c.device().clone(), 256 << 20);
+        let gpt = register(&mut m);
+        let mut o = opt(true);
+        let schedule = Schedule::TwoBW { every: 2 };
+        let per_step: Vec<_> = (0..STEPS as usize)
+            .map(|k| {
+                let s = train_step_pipe(&gpt, &mut m, groups, schedule, &mut o, &micro(k));
+                key(&s.unwrap().0)
+            })
+            .collect();
+        // one stream on two registrations
+        let mut m = manager(c.device().clone(), 256 << 20);
+        let (a, b) = (register(&mut m), register(&mut m));
+        let mut o = opt(false);
+        let batches: Vec<_> = (0..STEPS as usize).map(micro).collect();
+        let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut o, &batches).unwrap();
+        let ahead: usize = out.iter().map(|(_, r)| r.ahead_forwards).sum();
+        let stream: Vec<_> = out.iter().map(|(s, _)| key(s)).collect();
+        (per_step, stream, ahead)
+    });
+    for (s, (per_step, stream, ahead)) in runs.iter().enumerate() {
+        assert_eq!(stream, per_step, "stage {s}");
+        // stage 0 runs one forward of each next step ahead, the last stage none
+        let want = if s == 0 { STEPS as usize - 1 } else { 0 };
+        assert_eq!(*ahead, want, "stage {s}");
     }
 }
 

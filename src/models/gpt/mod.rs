@@ -25,7 +25,8 @@ pub use grid_ends::{EndsLayout, GridEnds};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
 pub use pipe::{
-    train_step_pipe, GptStage, StageBlocks, StageEmbedding, StageGroups, StageHead, StageSplit,
+    train_step_pipe, train_two_bw_stream, GptStage, StageBlocks, StageEmbedding, StageGroups,
+    StageHead, StageSplit,
 };
 pub use split_ends::{SplitEmbedding, SplitHead};
 pub use train::{train_step, train_step_in, train_step_sp, TrainStep};

@@ -149,6 +149,12 @@ impl PipelineStage<'_> {
         }
         fwd.finish()?;
         let mut bwd = store.backward()?;
+        // With two stages the first stage's next-batch activations and the end-of-pass
+        // messages between the first and the last stage ([`StageModel::finish_backward`]) share
+        // one channel, and the last stage takes the activations in the next iteration, after
+        // its finishing messages: they wait until then, so both sides see one order.
+        let hold = self.stage == 0 && self.stages == 2;
+        let mut held = None;
         for &op in late {
             match op {
                 PipeOp::Forward(j) if batch(op) == b => {
@@ -161,6 +167,9 @@ impl PipelineStage<'_> {
                     self.forward_op(&ahead, next, j, run)?;
                     ahead.finish()?;
                     run.report.ahead_forwards += 1;
+                    if hold {
+                        held = run.pending.take();
+                    }
                 }
                 PipeOp::Backward(j) => self.backward_op(&bwd, now, j, run)?,
             }
@@ -168,6 +177,7 @@ impl PipelineStage<'_> {
         self.exchange(bwd.stream(), bwd.pool(), run, None)?;
         now.finish_backward(&bwd)?;
         bwd.finish()?;
+        run.pending = held;
         run.report.total_seconds = started.elapsed().as_secs_f64();
         Ok(())
     }

@@ -62,7 +62,8 @@ pub trait StageModel {
 
     /// Runs once at the end of the step's backward pass, after every micro-batch's backward
     /// and the last message: e.g. the sum of a weight's gradient shares over the stages that
-    /// hold copies of it (a GPT's `wte`, on the first and the last stage). Nothing by default.
+    /// hold copies of it (a GPT's `wte`, on the first and the last stage). Its messages on the
+    /// pipeline group go between the first and the last stage. Nothing by default.
     fn finish_backward(&self, pass: &BackwardPass<'_>) -> Result<()> {
         let _ = pass;
         Ok(())

@@ -11,11 +11,13 @@
 //! ([`EndsLayout::Whole`]).
 
 mod step;
+mod stream;
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ops::Range;
 
 use self::step::StageStep;
+pub use self::stream::train_two_bw_stream;
 use super::grid_ends::EndsLayout;
 use super::model::{default_init, GptBatch, IGNORE_INDEX};
 use super::split_ends::{check_splits, wte_norm_share, Place, SplitEmbedding, SplitHead};
@@ -496,23 +498,7 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
 ) -> Result<(TrainStep, StageReport)> {
-    if adam.config().accumulation_steps != 1 || micro.is_empty() {
-        return Err(Error::InvalidArgument(format!(
-            "a pipeline step of {} micro-batches for an optimizer that accumulates {}: the \
-             micro-batches are the pipeline's",
-            micro.len(),
-            adam.config().accumulation_steps
-        )));
-    }
-    if groups.pipeline.world() != gpt.stages || groups.pipeline.rank() != gpt.stage {
-        return Err(Error::InvalidArgument(format!(
-            "stage {} of {} run as rank {} of a pipeline of {}",
-            gpt.stage,
-            gpt.stages,
-            groups.pipeline.rank(),
-            groups.pipeline.world()
-        )));
-    }
+    check_step(gpt, groups, adam, micro.len())?;
     for b in micro {
         b.check(&gpt.config)?;
     }
@@ -534,26 +520,65 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
         }
         s => s,
     };
-    let ring = match groups.sequence {
-        None => None,
-        Some(group) => {
-            let b = &micro[0];
-            let [seqs, heads] = gpt.attention_shape(groups.grid, b)?;
-            let head_dim = gpt.config.channels / gpt.config.heads;
-            let n = group.world();
-            let attn = RingAttention::new(group, seqs, b.seq * n, heads, head_dim)?;
-            Some(RingCore { attn, group })
-        }
-    };
     let step = StageStep {
         gpt,
         micro,
         groups,
-        ring,
-        scale: adam.loss_scale() / micro.len() as f32,
+        ring: ring_of(gpt, groups, micro)?,
+        scale: Cell::new(adam.loss_scale() / micro.len() as f32),
         acc: RefCell::new(None),
     };
     let report = PipelineStage::new(groups.pipeline, order, micro.len())?.run(store, &step)?;
+    let r = step_reduced(store, adam, groups)?;
+    let step = finish_step(groups, r, &report, micro)?;
+    Ok((step, report))
+}
+
+/// Checks that the optimizer steps at every call and that the stage runs as its pipeline
+/// group's rank.
+fn check_step(gpt: &GptStage, groups: StageGroups<'_>, adam: &HybridAdam, n: usize) -> Result<()> {
+    if adam.config().accumulation_steps != 1 || n == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a pipeline step of {n} micro-batches for an optimizer that accumulates {}: the \
+             micro-batches are the pipeline's",
+            adam.config().accumulation_steps
+        )));
+    }
+    if groups.pipeline.world() != gpt.stages || groups.pipeline.rank() != gpt.stage {
+        return Err(Error::InvalidArgument(format!(
+            "stage {} of {} run as rank {} of a pipeline of {}",
+            gpt.stage,
+            gpt.stages,
+            groups.pipeline.rank(),
+            groups.pipeline.world()
+        )));
+    }
+    Ok(())
+}
+
+/// The ring attention of a stage whose positions are split over a sequence group.
+fn ring_of<'a>(
+    gpt: &GptStage,
+    groups: StageGroups<'a>,
+    micro: &[GptBatch<'_>],
+) -> Result<Option<RingCore<'a>>> {
+    let (Some(group), Some(b)) = (groups.sequence, micro.first()) else {
+        return Ok(None);
+    };
+    let [seqs, heads] = gpt.attention_shape(groups.grid, b)?;
+    let head_dim = gpt.config.channels / gpt.config.heads;
+    let n = group.world();
+    let attn = RingAttention::new(group, seqs, b.seq * n, heads, head_dim)?;
+    Ok(Some(RingCore { attn, group }))
+}
+
+/// The store's step with the gradient statistics all-reduced over the pipeline and tensor
+/// groups (every stage clips by the global norm and skips an overflow together).
+fn step_reduced<S: ParamStore + ?Sized>(
+    store: &mut S,
+    adam: &mut HybridAdam,
+    groups: StageGroups<'_>,
+) -> Result<crate::optim::StepReport> {
     let reduce = |st: GradStats| -> Result<GradStats> {
         let mut sq = [st.sum_sq];
         let mut flag = [u8::from(st.nonfinite)];
@@ -572,13 +597,22 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
             "the optimizer accumulated a pipeline step".into(),
         ));
     }
+    Ok(r)
+}
+
+/// A step's [`TrainStep`]: the last stage's mean loss over `micro`, on every stage.
+fn finish_step(
+    groups: StageGroups<'_>,
+    r: crate::optim::StepReport,
+    report: &StageReport,
+    micro: &[GptBatch<'_>],
+) -> Result<TrainStep> {
     // the last stage's mean loss, to every stage
     let mut loss = [report.losses.iter().map(|&l| f64::from(l)).sum::<f64>()];
     groups.pipeline.all_reduce_host(&mut loss, ReduceOp::Sum)?;
-    let step = TrainStep {
+    Ok(TrainStep {
         loss: (loss[0] / micro.len() as f64) as f32,
         report: r,
         tokens: micro.iter().map(|b| b.tokens.len()).sum(),
-    };
-    Ok((step, report))
+    })
 }

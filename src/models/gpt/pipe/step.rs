@@ -1,6 +1,6 @@
 //! One step of a [`GptStage`]: its micro-batches, as the pipeline runtime drives them.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use super::{GptStage, StageBlocks, StageEmbedding, StageGroups, StageHead};
 use crate::comm::ReduceOp;
@@ -37,7 +37,9 @@ pub(super) struct StageStep<'a> {
     pub(super) micro: &'a [GptBatch<'a>],
     pub(super) groups: StageGroups<'a>,
     pub(super) ring: Option<RingCore<'a>>,
-    pub(super) scale: f32,
+    /// The loss gradient's scale: the optimizer's loss scale over the step's micro-batches
+    /// (a stream of steps sets it after each step).
+    pub(super) scale: Cell<f32>,
     /// `wte`'s shares over the step (f32), on a stage holding a copy.
     pub(super) acc: RefCell<Option<PoolBlock>>,
 }
@@ -277,11 +279,11 @@ impl StageModel for StageStep<'_> {
                 let full = self.to_full(pass, x)?;
                 let (h, ln) = ln_f.forward(pass, &full, None)?;
                 drop(full);
-                let (loss, hs) = head.forward_scaled(pass, &h, b.targets, self.scale)?;
+                let (loss, hs) = head.forward_scaled(pass, &h, b.targets, self.scale.get())?;
                 (loss, HeadKept::Whole(ln, hs))
             }
             Some(StageHead::Split(h)) => {
-                let (loss, k) = h.forward(pass, self.over()?, &x, b.targets, self.scale)?;
+                let (loss, k) = h.forward(pass, self.over()?, &x, b.targets, self.scale.get())?;
                 (loss, HeadKept::Split(k))
             }
             None => {

@@ -1,0 +1,90 @@
+//! PipeDream-2BW for a GPT stage as one stream of steps with no flush.
+
+use std::cell::{Cell, RefCell};
+
+use super::step::StageStep;
+use super::{check_step, finish_step, ring_of, step_reduced, GptStage, StageGroups};
+use crate::error::{Error, Result};
+use crate::models::gpt::train::TrainStep;
+use crate::models::gpt::GptBatch;
+use crate::optim::HybridAdam;
+use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
+use crate::store::ParamStore;
+
+/// PipeDream-2BW over `batches` (each one optimizer step's micro-batches, `every ≥ P` of
+/// them) as one stream with no flush ([`PipelineStage::run_two_bw`]): stage `s` runs the next
+/// step's first `P − s − 1` forwards between this step's last backwards, on the other weight
+/// version, so the pipeline fills and drains once for the whole stream instead of once a
+/// step. `versions` are the stage registered twice in `store` with the same arguments
+/// ([`GptStage::register`]): step `b` computes on `versions[b % 2]`, which holds
+/// `W(b − 1)`, and makes `W(b + 1) = W(b) − Adam(∇f(W(b − 1)))` in it (the other version's
+/// masters and moments copied in first), the arithmetic of [`train_step_pipe`]'s per-step 2BW
+/// with [`delayed_params`](crate::optim::HybridConfig::delayed_params), bit for bit.
+///
+/// The optimizer must not delay its parameters itself (the versions do it). Each step's
+/// gradient statistics are all-reduced over the pipeline and tensor groups, and the loss scale
+/// the last stage's loss gradient takes is the optimizer's at that step's first forward there.
+/// Needs a [`ChunkManager`](crate::chunk::ChunkManager) (a ZeRO rank keeps one version). The
+/// newest weights end in `versions[(batches.len() − 1) % 2]`. Returns each step's
+/// [`TrainStep`] (the mean loss on every stage) and the stage's report of its ops.
+///
+/// [`train_step_pipe`]: super::train_step_pipe
+pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
+    versions: [&GptStage; 2],
+    store: &mut S,
+    groups: StageGroups<'_>,
+    adam: &mut HybridAdam,
+    batches: &[Vec<GptBatch<'_>>],
+) -> Result<Vec<(TrainStep, StageReport)>> {
+    let every = batches.first().map_or(0, Vec::len);
+    let gpt = versions[0];
+    check_step(gpt, groups, adam, every)?;
+    if versions[1].stage != gpt.stage || versions[1].layers != gpt.layers {
+        return Err(Error::InvalidArgument(
+            "PipeDream-2BW's two versions are one stage registered twice".into(),
+        ));
+    }
+    if adam.config().delayed_params
+        || batches.iter().any(|b| b.len() != every)
+        || every < gpt.stages
+    {
+        return Err(Error::InvalidArgument(format!(
+            "a PipeDream-2BW stream needs steps of the same number of micro-batches, at least \
+             the {} stages, and an optimizer that does not delay its parameters (the two \
+             versions do)",
+            gpt.stages
+        )));
+    }
+    let micro: Vec<GptBatch<'_>> = batches.iter().flatten().copied().collect();
+    for b in &micro {
+        b.check(&gpt.config)?;
+    }
+    let scale = adam.loss_scale() / every as f32;
+    let steps = versions.map(|v| -> Result<StageStep<'_>> {
+        Ok(StageStep {
+            gpt: v,
+            micro: &micro,
+            groups,
+            ring: ring_of(v, groups, &micro)?,
+            scale: Cell::new(scale),
+            acc: RefCell::new(None),
+        })
+    });
+    let [a, b] = steps;
+    let (a, b) = (a?, b?);
+    let stage = PipelineStage::new(groups.pipeline, Schedule::TwoBW { every }, every)?;
+    let mut done = Vec::with_capacity(batches.len());
+    let reports = stage.run_two_bw(store, [&a, &b], batches.len(), |store, _| {
+        let r = step_reduced(store, adam, groups)?;
+        let scale = adam.loss_scale() / every as f32;
+        a.scale.set(scale);
+        b.scale.set(scale);
+        done.push(r);
+        Ok(())
+    })?;
+    done.into_iter()
+        .zip(reports)
+        .zip(batches)
+        .map(|((r, report), micro)| Ok((finish_step(groups, r, &report, micro)?, report)))
+        .collect()
+}

@@ -29,8 +29,8 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::{
-    read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, EndsLayout, Gpt,
-    GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
+    read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, train_two_bw_stream,
+    EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::pipeline::Schedule;
@@ -121,7 +121,9 @@ struct Args {
     micro_batches: usize,
     /// The pipeline schedule: 1f1b (PipeDream-Flush), gpipe, or 2bw (PipeDream-2BW: a new
     /// weight version every step of --micro-batches ≥ --pp, the gradient taken at the one
-    /// before).
+    /// before). Without data or sequence parallelism and without --save/--resume, 2bw runs the
+    /// steps as one stream with no flush on two registrations of each stage; otherwise a step
+    /// at a time, the optimizer keeping the parameters one version behind.
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// With --tp 2d/2.5d/3d, or any --tp with --pp: the embeddings, ln_f and the tied head
@@ -267,7 +269,9 @@ fn register(store: &mut impl ParamStore, p: &Plan, seed: u64) -> Result<Gpt> {
     }
 }
 
-fn adam(a: &Args, dtype: DType) -> Result<HybridAdam> {
+/// The optimizer; `delayed` keeps the parameters one version behind the masters (PipeDream-2BW
+/// a step at a time).
+fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
     HybridAdam::new(HybridConfig {
         // a small model's f16 gradients overflow at the usual 2^16: start lower
         loss_scale: (dtype == DType::F16).then(|| ScalerConfig {
@@ -278,8 +282,7 @@ fn adam(a: &Args, dtype: DType) -> Result<HybridAdam> {
         max_grad_norm: (a.clip > 0.0).then_some(a.clip),
         accumulation_steps: a.accumulate,
         placement: DevicePlacement::HostOnly,
-        // PipeDream-2BW: the parameters one version behind the masters
-        delayed_params: a.pp > 1 && a.schedule == "2bw",
+        delayed_params: delayed,
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
 }
@@ -385,7 +388,7 @@ fn run() -> Result<()> {
     let mut m = ChunkManager::new(dev.clone(), manager_config(&plan))?;
     m.set_non_model_allocator(CachingAllocator::new(dev));
     let gpt = register(&mut m, &plan, a.seed)?;
-    let mut opt = adam(&a, plan.dtype)?;
+    let mut opt = adam(&a, plan.dtype, false)?;
     if let Some(p) = &a.resume {
         opt.load_checkpoint(&mut m, p)?;
     }
@@ -723,6 +726,11 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         sp: (sp > 1).then(|| grid.sequence()),
         pipe: (pp > 1).then_some(&grid),
         schedule,
+        stream: pp > 1
+            && matches!(schedule, Schedule::TwoBW { .. })
+            && spec.data * sp == 1
+            && a.save.is_none()
+            && a.resume.is_none(),
         dp,
         dps,
     };
@@ -770,11 +778,36 @@ struct Run<'a> {
     pipe: Option<&'a ProcessGrid>,
     /// The pipeline's schedule.
     schedule: Schedule,
+    /// PipeDream-2BW as one stream of steps with no flush (two registrations of the stage).
+    stream: bool,
     dp: u64,
     dps: u64,
 }
 
 impl Run<'_> {
+    /// Step `step`'s `m` micro-batches (this rank's positions with sequence parallelism).
+    fn micro_batches(&self, step: u64, m: u64) -> Result<Vec<(Vec<i32>, Vec<i32>)>> {
+        let (a, p) = (self.a, self.p);
+        let batches = (0..m)
+            .map(|k| {
+                let at = (step * m + k) * self.dps + self.dp;
+                p.data.batch(Split::Train, at, a.batch, a.seq)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(match self.sp {
+            Some(ring) => batches.iter().map(|b| positions_of(b, a, ring)).collect(),
+            None => batches,
+        })
+    }
+
+    /// The micro-batches as the trainers take them.
+    fn views<'b>(&self, batches: &'b [(Vec<i32>, Vec<i32>)]) -> Vec<GptBatch<'b>> {
+        let mut micro = views(batches, self.a);
+        let l = self.a.seq / self.sp.map_or(1, Communicator::world);
+        micro.iter_mut().for_each(|b| b.seq = l);
+        micro
+    }
+
     /// Trains `--steps` steps on `store`: the losses, tokens and seconds.
     fn go<S: ParamStore>(
         &self,
@@ -801,13 +834,22 @@ impl Run<'_> {
                 let range = layers[stage].clone();
                 let at = (stage, stages);
                 let gpt = GptStage::register_with(store, &p.cfg, a.seed, at, range, split, ends)?;
+                // the second weight version of a stream: the same stage registered again
+                let second = match self.stream {
+                    true => {
+                        let r = layers[stage].clone();
+                        let g = GptStage::register_with(store, &p.cfg, a.seed, at, r, split, ends)?;
+                        Some(Box::new(g))
+                    }
+                    false => None,
+                };
                 let groups = StageGroups {
                     pipeline: grid.pipeline(),
                     tensor: self.tp.or(self.grid.map(ProcessGrid::tensor)),
                     sequence: self.sp,
                     grid: self.grid,
                 };
-                Model::Pipe(Box::new(gpt), groups)
+                Model::Pipe(Box::new(gpt), second, groups)
             }
             (Some(grid), _) if p.hf.is_none() => {
                 let gpt = GptGrid::register_with(store, grid, &p.cfg, a.seed, ends)?;
@@ -819,7 +861,8 @@ impl Run<'_> {
             (None, None) => Model::Serial(register(store, p, a.seed)?),
             _ => return Err(bad("--load-hf with --tp: not supported".into())),
         };
-        let mut opt = adam(a, p.dtype)?;
+        let delayed = self.pipe.is_some() && !self.stream && a.schedule == "2bw";
+        let mut opt = adam(a, p.dtype, delayed)?;
         if a.resume.is_some() {
             load(store, &mut opt)?;
         }
@@ -828,21 +871,22 @@ impl Run<'_> {
             Some(_) => a.micro_batches as u64,
             None => u64::from(a.accumulate),
         };
-        for _ in 0..a.steps {
-            let idx = opt.steps() * m;
-            let batches = (0..m)
-                .map(|k| {
-                    let at = (idx + k) * self.dps + self.dp;
-                    p.data.batch(Split::Train, at, a.batch, a.seq)
-                })
+        if let Model::Pipe(gpt, Some(second), groups) = &model {
+            // PipeDream-2BW's stream: every step's micro-batches, then one run
+            let all = (0..a.steps)
+                .map(|k| self.micro_batches(opt.steps() + k, m))
                 .collect::<Result<Vec<_>>>()?;
-            let batches = match self.sp {
-                Some(ring) => batches.iter().map(|b| positions_of(b, a, ring)).collect(),
-                None => batches,
-            };
-            let mut micro = views(&batches, a);
-            let l = a.seq / self.sp.map_or(1, Communicator::world);
-            micro.iter_mut().for_each(|b| b.seq = l);
+            let batches: Vec<Vec<GptBatch<'_>>> = all.iter().map(|b| self.views(b)).collect();
+            let out = train_two_bw_stream([gpt, second], store, *groups, &mut opt, &batches)?;
+            for (s, _) in out {
+                losses.push(s.loss);
+                tokens += s.tokens;
+            }
+            return Ok((losses, tokens, t0.elapsed().as_secs_f64()));
+        }
+        for _ in 0..a.steps {
+            let batches = self.micro_batches(opt.steps(), m)?;
+            let micro = self.views(&batches);
             let s = match &model {
                 Model::Serial(gpt) => {
                     let (tp, sp) = (self.tp, self.sp);
@@ -851,7 +895,7 @@ impl Run<'_> {
                 Model::Grid(gpt, grid) => {
                     train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?
                 }
-                Model::Pipe(gpt, groups) => {
+                Model::Pipe(gpt, _, groups) => {
                     train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?.0
                 }
             };
@@ -871,5 +915,6 @@ impl Run<'_> {
 enum Model<'g> {
     Serial(Gpt),
     Grid(GptGrid, &'g ProcessGrid),
-    Pipe(Box<GptStage>, StageGroups<'g>),
+    /// A stage, its second weight version with a PipeDream-2BW stream, its groups.
+    Pipe(Box<GptStage>, Option<Box<GptStage>>, StageGroups<'g>),
 }

@@ -1,6 +1,7 @@
 //! The pipeline bubble measured on in-process stages: a GPT-2-shaped model (8 blocks,
 //! C 256) in P stages, one thread and simulated device each, trained a few steps under each
-//! schedule with M micro-batches; each stage's seconds waiting in messages over its step's
+//! schedule with M micro-batches (PipeDream-2BW as one stream of those steps with no flush,
+//! M ≥ P); each stage's seconds waiting in messages over its step's
 //! seconds, summed over the stages, beside the schedule's (P−1)/(M+P−1) and the simulator's
 //! figure for the same shape.
 //!
@@ -17,7 +18,7 @@ use clap::Parser;
 use serde_json::json;
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step_pipe, GptBatch, GptConfig, GptStage, StageGroups, StageSplit,
+    train_step_pipe, train_two_bw_stream, GptBatch, GptConfig, GptStage, StageGroups, StageSplit,
 };
 use tidemem::parallel::pipeline::{simulate_schedule, Schedule};
 use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
@@ -77,14 +78,23 @@ fn measure(a: &Args, schedule: Schedule, m: usize) -> tidemem::Result<f64> {
                     let stage = grid.pipeline_rank();
                     let layers = GptStage::balanced(cfg, p)?;
                     let range = layers[stage].clone();
+                    let at = (stage, p);
                     let gpt = GptStage::register(
                         &mut store,
                         cfg,
                         1,
-                        (stage, p),
-                        range,
+                        at,
+                        range.clone(),
                         StageSplit::None,
                     )?;
+                    // PipeDream-2BW streams its steps on a second registration of the stage
+                    let second = match schedule {
+                        Schedule::TwoBW { .. } => {
+                            let split = StageSplit::None;
+                            Some(GptStage::register(&mut store, cfg, 1, at, range, split)?)
+                        }
+                        _ => None,
+                    };
                     let groups = StageGroups {
                         pipeline: grid.pipeline(),
                         tensor: None,
@@ -106,6 +116,22 @@ fn measure(a: &Args, schedule: Schedule, m: usize) -> tidemem::Result<f64> {
                         })
                         .collect();
                     let (mut wait, mut total) = (0.0, 0.0);
+                    if let Some(second) = &second {
+                        // one stream of every step (the first, a warm-up, not counted)
+                        let batches = vec![micro.clone(); a.steps + 1];
+                        let out = train_two_bw_stream(
+                            [&gpt, second],
+                            &mut store,
+                            groups,
+                            &mut adam,
+                            &batches,
+                        )?;
+                        for (_, rep) in out.iter().skip(1) {
+                            wait += rep.wait_seconds;
+                            total += rep.total_seconds;
+                        }
+                        return Ok((wait, total));
+                    }
                     for k in 0..=a.steps {
                         let (_, rep) =
                             train_step_pipe(&gpt, &mut store, groups, schedule, &mut adam, &micro)?;
@@ -132,11 +158,25 @@ fn main() -> tidemem::Result<()> {
     let a = Args::parse();
     let p = a.stages;
     let mut rows = Vec::new();
-    for schedule in [Schedule::OneFOneB, Schedule::GPipe] {
+    for schedule in [
+        Schedule::OneFOneB,
+        Schedule::GPipe,
+        Schedule::TwoBW { every: 0 },
+    ] {
         for m in [2, 4, 8] {
+            let schedule = match schedule {
+                Schedule::TwoBW { .. } if m < p => continue,
+                Schedule::TwoBW { .. } => Schedule::TwoBW { every: m },
+                s => s,
+            };
             let measured = measure(&a, schedule, m)?;
             let formula = (p - 1) as f64 / (m + p - 1) as f64;
-            let sim = simulate_schedule(schedule, p, m, 1.0, 2.0)?.bubble_fraction;
+            // 2BW: the stream of the measured steps, one fill and one drain
+            let steps = match schedule {
+                Schedule::TwoBW { .. } => a.steps + 1,
+                _ => 1,
+            };
+            let sim = simulate_schedule(schedule, p, m * steps, 1.0, 2.0)?.bubble_fraction;
             rows.push(
                 json!({"schedule": schedule.name(), "stages": p, "micro_batches": m,
                              "measured": measured, "formula": formula, "simulated": sim}),

@@ -18,7 +18,8 @@
 //! Prints the train steps per second of each, `ratio = cached it/s / full-table it/s`, each
 //! collection's device bytes ([`CachedEmbeddingBag::device_bytes`]) and the full table's
 //! bytes, and the host's share of a step: a few steps run with their phases timed apart
-//! (the train step's calls, with the cache's index decision and row moves made by a
+//! (the train step's own device-path calls, each phase's device work waited for before the
+//! next, with the cache's index decision and row moves made by a
 //! `prefetch` + `settle` of the batch just before its forward, so the forward finds every row
 //! resident). Counted as host work: concatenating the batch's ids over the tables, the index
 //! decision with its evictions and transfers (device → host write-backs, host → device
@@ -180,7 +181,8 @@ impl Trainer {
         total
     }
 
-    /// `n` steps with their phases timed apart (see the module docs).
+    /// `n` steps with their phases timed apart (see the module docs): the train step's own
+    /// calls, each phase's device work waited for before the next starts.
     fn phases(&mut self, gen: &Synthetic, batch: usize, n: u64) -> Phases {
         let mut p = Phases::default();
         for _ in 0..n {
@@ -194,7 +196,10 @@ impl Trainer {
             self.emb.bag_mut().settle().expect("settle");
             let t_host = t.elapsed();
             let t = Instant::now();
-            let pooled = self.emb.forward(&tables).expect("forward");
+            self.emb
+                .forward_device_interleaved(&tables)
+                .expect("forward");
+            self.sync();
             let t_fwd = t.elapsed();
             // the slots the forward planned its backward over (every row resident now)
             let ix = self.emb.bag().cache().index();
@@ -211,26 +216,28 @@ impl Trainer {
             std::hint::black_box(plan_backward(&slots, &all, None, BagMode::Sum).expect("plan"));
             let t_plan = t.elapsed();
             let t = Instant::now();
-            let (_, grad, _) = self
-                .model
-                .forward_backward_scaled(
+            let scale = self.adam.loss_scale();
+            self.model
+                .forward_backward_device(
                     &mut self.store,
-                    &pooled,
+                    &mut self.emb,
                     &b.dense,
                     &b.labels,
                     b.size,
-                    self.adam.loss_scale(),
+                    scale,
                 )
                 .expect("mlp");
+            self.sync();
             let t_mlp = t.elapsed();
             let t = Instant::now();
             let report = self.store.step(&mut self.adam).expect("adam");
+            self.sync();
             let t_opt = t.elapsed();
             let t = Instant::now();
             if report.outcome != StepOutcome::Skipped {
-                self.emb.backward(&grad).expect("backward");
                 self.emb.step().expect("row step");
             }
+            self.sync();
             let t_bwd = t.elapsed();
             p.host += t_host + t_plan;
             p.forward += t_fwd.saturating_sub(t_plan);
@@ -240,6 +247,13 @@ impl Trainer {
             p.steps += 1;
         }
         p
+    }
+
+    /// Waits for the MLPs' and the embedding's device work.
+    fn sync(&self) {
+        let dev = self.store.device();
+        dev.sync_stream(self.store.compute_stream()).expect("sync");
+        dev.sync_stream(self.emb.stream()).expect("sync");
     }
 
     fn device_bytes(&self) -> usize {
@@ -268,8 +282,8 @@ impl Phases {
         let ms = |d: Duration| d.as_secs_f64() * 1e3 / self.steps.max(1) as f64;
         println!(
             "  {name}: host share {:.3} of a phase-timed step ({:.1} it/s): host {:.2} ms, \
-             rest of the embedding forward {:.2} ms, MLP forward + backward {:.2} ms, MLP Adam \
-             {:.2} ms, embedding backward + row step {:.2} ms",
+             rest of the embedding forward {:.2} ms, MLP forward + backward with the \
+             embedding's backward {:.2} ms, MLP Adam {:.2} ms, embedding row step {:.2} ms",
             self.host.as_secs_f64() / t,
             self.steps as f64 / t,
             ms(self.host),

@@ -3,7 +3,8 @@
 use std::cell::{Cell, RefCell};
 
 use super::step::StageStep;
-use super::{check_step, finish_step, ring_of, step_reduced, GptStage, StageGroups};
+use super::train::{check_step, finish_step, ring_of, step_reduced};
+use super::{GptStage, StageGroups};
 use crate::error::{Error, Result};
 use crate::models::gpt::train::TrainStep;
 use crate::models::gpt::GptBatch;

@@ -1,0 +1,165 @@
+//! One optimizer step of a GPT pipeline stage, and the pieces the 2BW stream shares with it:
+//! the checks, the ring attention, the step with the gradient statistics reduced over the
+//! stages, and the mean loss.
+
+use std::cell::{Cell, RefCell};
+
+use super::step::StageStep;
+use super::{GptStage, StageGroups};
+use crate::comm::ReduceOp;
+use crate::error::{Error, Result};
+use crate::models::gpt::train::TrainStep;
+use crate::models::gpt::GptBatch;
+use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
+use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
+use crate::parallel::{RingAttention, RingCore};
+use crate::store::ParamStore;
+
+/// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
+/// same on every stage). `wte` is used at both ends, so the first and the last stage hold a
+/// copy each (its shard, with split ends): their shares of its gradient are summed in f32
+/// through the step, apart from its slot, swapped between the two stages at the end of the
+/// backward pass and added in one order on both, so the copies stay bit for bit the same. The
+/// stage's forwards and backwards run in `schedule`'s order within one store iteration
+/// ([`PipelineStage`]), each micro-batch's loss gradient scaled by the optimizer's loss scale
+/// over `micro.len()`, then the store's step with the gradient
+/// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
+/// norm). [`Schedule::TwoBW`] (PipeDream-2BW) needs an optimizer with
+/// [`delayed_params`](crate::optim::HybridConfig::delayed_params) and a version per step
+/// (`every = micro.len() ≥ P`): the step's gradient is taken at `W(t−1)` and applied to `W(t)`;
+/// its ops run in 1F1B order within the version (the math of 2BW, the bubble of 1F1B;
+/// [`train_two_bw_stream`](super::train_two_bw_stream) runs it with no flush). The optimizer
+/// steps at every call (no accumulation of its own). Returns the mean of the micro-batches'
+/// losses on every stage, and the stage's [`StageReport`] (micro-batches in flight, messages,
+/// seconds waiting).
+pub fn train_step_pipe<S: ParamStore + ?Sized>(
+    gpt: &GptStage,
+    store: &mut S,
+    groups: StageGroups<'_>,
+    schedule: Schedule,
+    adam: &mut HybridAdam,
+    micro: &[GptBatch<'_>],
+) -> Result<(TrainStep, StageReport)> {
+    check_step(gpt, groups, adam, micro.len())?;
+    for b in micro {
+        b.check(&gpt.config)?;
+    }
+    // 2BW: a new weight version every `every` micro-batches (a step's), each taken at the
+    // version before (the optimizer's delayed parameters); within a version the ops run in
+    // 1F1B order
+    let order = match schedule {
+        Schedule::TwoBW { every } => {
+            if !adam.config().delayed_params || every != micro.len() || every < gpt.stages {
+                return Err(Error::InvalidArgument(format!(
+                    "PipeDream-2BW with a new version every {every} micro-batches: a step holds \
+                     them ({} here), at least the {} stages, and the optimizer keeps the \
+                     parameters one version behind (HybridConfig::delayed_params)",
+                    micro.len(),
+                    gpt.stages
+                )));
+            }
+            Schedule::OneFOneB
+        }
+        s => s,
+    };
+    let step = StageStep {
+        gpt,
+        micro,
+        groups,
+        ring: ring_of(gpt, groups, micro)?,
+        scale: Cell::new(adam.loss_scale() / micro.len() as f32),
+        acc: RefCell::new(None),
+    };
+    let report = PipelineStage::new(groups.pipeline, order, micro.len())?.run(store, &step)?;
+    let r = step_reduced(store, adam, groups)?;
+    let step = finish_step(groups, r, &report, micro)?;
+    Ok((step, report))
+}
+
+/// Checks that the optimizer steps at every call and that the stage runs as its pipeline
+/// group's rank.
+pub(super) fn check_step(
+    gpt: &GptStage,
+    groups: StageGroups<'_>,
+    adam: &HybridAdam,
+    n: usize,
+) -> Result<()> {
+    if adam.config().accumulation_steps != 1 || n == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a pipeline step of {n} micro-batches for an optimizer that accumulates {}: the \
+             micro-batches are the pipeline's",
+            adam.config().accumulation_steps
+        )));
+    }
+    if groups.pipeline.world() != gpt.stages || groups.pipeline.rank() != gpt.stage {
+        return Err(Error::InvalidArgument(format!(
+            "stage {} of {} run as rank {} of a pipeline of {}",
+            gpt.stage,
+            gpt.stages,
+            groups.pipeline.rank(),
+            groups.pipeline.world()
+        )));
+    }
+    Ok(())
+}
+
+/// The ring attention of a stage whose positions are split over a sequence group.
+pub(super) fn ring_of<'a>(
+    gpt: &GptStage,
+    groups: StageGroups<'a>,
+    micro: &[GptBatch<'_>],
+) -> Result<Option<RingCore<'a>>> {
+    let (Some(group), Some(b)) = (groups.sequence, micro.first()) else {
+        return Ok(None);
+    };
+    let [seqs, heads] = gpt.attention_shape(groups.grid, b)?;
+    let head_dim = gpt.config.channels / gpt.config.heads;
+    let n = group.world();
+    let attn = RingAttention::new(group, seqs, b.seq * n, heads, head_dim)?;
+    Ok(Some(RingCore { attn, group }))
+}
+
+/// The store's step with the gradient statistics all-reduced over the pipeline and tensor
+/// groups (every stage clips by the global norm and skips an overflow together).
+pub(super) fn step_reduced<S: ParamStore + ?Sized>(
+    store: &mut S,
+    adam: &mut HybridAdam,
+    groups: StageGroups<'_>,
+) -> Result<StepReport> {
+    let reduce = |st: GradStats| -> Result<GradStats> {
+        let mut sq = [st.sum_sq];
+        let mut flag = [u8::from(st.nonfinite)];
+        for g in [Some(groups.pipeline), groups.tensor].into_iter().flatten() {
+            g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
+            g.all_reduce_host(&mut flag, ReduceOp::Max)?;
+        }
+        Ok(GradStats {
+            sum_sq: sq[0],
+            nonfinite: flag[0] != 0,
+        })
+    };
+    let r = store.step_reducing(adam, &mut { reduce })?;
+    if r.outcome == StepOutcome::Accumulated {
+        return Err(Error::InvalidArgument(
+            "the optimizer accumulated a pipeline step".into(),
+        ));
+    }
+    Ok(r)
+}
+
+/// A step's [`TrainStep`]: the last stage's mean loss over `micro`, on every stage.
+pub(super) fn finish_step(
+    groups: StageGroups<'_>,
+    r: StepReport,
+    report: &StageReport,
+    micro: &[GptBatch<'_>],
+) -> Result<TrainStep> {
+    // the last stage's mean loss, to every stage
+    let mut loss = [report.losses.iter().map(|&l| f64::from(l)).sum::<f64>()];
+    groups.pipeline.all_reduce_host(&mut loss, ReduceOp::Sum)?;
+    Ok(TrainStep {
+        loss: (loss[0] / micro.len() as f64) as f32,
+        report: r,
+        tokens: micro.iter().map(|b| b.tokens.len()).sum(),
+    })
+}

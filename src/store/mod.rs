@@ -82,13 +82,15 @@
 //! # Ok(()) }
 //! ```
 
+mod guard;
 mod pass;
 mod view;
 
 /// The token the passes call a store's internal methods with.
 const TOKEN: sealed::Token = sealed::Token(());
 
-pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Guard, Pass, PassKind};
+pub use guard::Guard;
+pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Pass, PassKind};
 pub use view::{GradView, ReadView};
 
 use std::sync::Arc;

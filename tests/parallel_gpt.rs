@@ -633,7 +633,8 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
 /// first stage's vocab-parallel `wte` and `wpe`, the last stage's `ln_f` and vocab-parallel
 /// head over its own copy of the `wte` shard, each tensor rank swapping its shard's gradient
 /// with the same rank of the other end. Pipeline 2 × `1d:2` (4 ranks; and × sequence 2, 8
-/// ranks), × `2d:2` (8 ranks) and × `3d:2` (16 ranks): each rank holds `1/T` of `wte`, the two
+/// ranks), × `2d:2` (8 ranks), × `2.5d:2x2` and × `3d:2` (16 ranks each; one micro-batch, as a
+/// tile there holds whole sequences and the batch has `q·d = q² = 4`): each rank holds `1/T` of `wte` (`1/q²` on 2.5D, whose depth layers hold copies), the two
 /// copies keep the same bits, and the losses are the serial ones within 1e-4 relative, the
 /// gradient norms within 1e-5.
 #[test]
@@ -645,6 +646,13 @@ fn gpt_pipeline_stages_with_split_ends_train_like_the_serial_gpt() {
         (1, 1, one_d, Schedule::OneFOneB, 2),
         (1, 2, one_d, Schedule::GPipe, 2),
         (1, 1, TensorMode::TwoD { q: 2 }, Schedule::OneFOneB, 2),
+        (
+            1,
+            1,
+            TensorMode::TwoHalfD { q: 2, depth: 2 },
+            Schedule::OneFOneB,
+            1,
+        ),
         (1, 1, TensorMode::ThreeD { q: 2 }, Schedule::OneFOneB, 1),
         (2, 2, one_d, Schedule::OneFOneB, 2),
     ];
@@ -659,7 +667,12 @@ fn gpt_pipeline_stages_with_split_ends_train_like_the_serial_gpt() {
             let (run, wte) = train_stages(c, grid, schedule, m, EndsLayout::Split);
             let cfg = config();
             let whole = cfg.vocab * cfg.channels;
-            assert_eq!(wte * tensor.size(), whole, "{spec}: 1/T of wte a rank");
+            // a 2.5D grid's depth layers each hold the q × q shards
+            let shards = match tensor {
+                TensorMode::TwoHalfD { q, .. } => q * q,
+                t => t.size(),
+            };
+            assert_eq!(wte * shards, whole, "{spec}: 1/T of wte a rank");
             run
         });
         like_serial(

@@ -121,9 +121,9 @@ struct Args {
     micro_batches: usize,
     /// The pipeline schedule: 1f1b (PipeDream-Flush), gpipe, or 2bw (PipeDream-2BW: a new
     /// weight version every step of --micro-batches ≥ --pp, the gradient taken at the one
-    /// before). Without data or sequence parallelism and without --save/--resume, 2bw runs the
-    /// steps as one stream with no flush on two registrations of each stage; otherwise a step
-    /// at a time, the optimizer keeping the parameters one version behind.
+    /// before). Without --save/--resume, 2bw runs the steps as one stream with no flush on two
+    /// registrations of each stage; with them a step at a time, the optimizer keeping the
+    /// parameters one version behind (a checkpoint names each tensor once).
     #[arg(long, default_value = "1f1b")]
     schedule: String,
     /// With --tp 2d/2.5d/3d, or any --tp with --pp: the embeddings, ln_f and the tied head
@@ -728,7 +728,6 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         schedule,
         stream: pp > 1
             && matches!(schedule, Schedule::TwoBW { .. })
-            && spec.data * sp == 1
             && a.save.is_none()
             && a.resume.is_none(),
         dp,

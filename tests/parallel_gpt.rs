@@ -869,7 +869,9 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
 
 /// PipeDream-2BW with no flush: GPT-2 over two stages as one stream of steps (the next step's
 /// first forward on stage 0 between this step's last backwards, on the stage's second
-/// registration) gives the per-step 2BW's losses and gradient norms bit for bit, on every stage.
+/// registration) gives the per-step 2BW's losses bit for bit, on every stage, with one process
+/// a stage and with two data-parallel replicas a stage on ZeRO (the gradient norms bit for bit
+/// with one process, within f64 rounding on ZeRO).
 #[test]
 fn gpt_pipedream_2bw_stream_equals_the_per_step_2bw() {
     let opt = |delayed_params| {
@@ -894,53 +896,87 @@ fn gpt_pipedream_2bw_stream_equals_the_per_step_2bw() {
             })
             .collect()
     };
-    let spec = GridSpec {
-        data: 1,
-        pipeline: 2,
-        sequence: 1,
-        tensor: TensorMode::None,
-    };
-    let runs = on_grid(spec, |c, grid| {
-        let stage = grid.pipeline_rank();
-        let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
-        let groups = StageGroups {
-            pipeline: grid.pipeline(),
-            tensor: None,
-            sequence: None,
-            grid: None,
+    // one process a stage, and two data-parallel replicas a stage (ZeRO over them)
+    for data in [1, 2] {
+        let spec = GridSpec {
+            data,
+            pipeline: 2,
+            sequence: 1,
+            tensor: TensorMode::None,
         };
-        let register = |m: &mut ChunkManager| {
-            let r = range.clone();
-            GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
-        };
-        let key = |s: &tidemem::models::gpt::TrainStep| (s.loss.to_bits(), s.report.grad_norm);
-        // per step: a flush after every step, the parameters one version behind
-        let mut m = manager(c.device().clone(), 256 << 20);
-        let gpt = register(&mut m);
-        let mut o = opt(true);
-        let schedule = Schedule::TwoBW { every: 2 };
-        let per_step: Vec<_> = (0..STEPS as usize)
-            .map(|k| {
-                let s = train_step_pipe(&gpt, &mut m, groups, schedule, &mut o, &micro(k));
-                key(&s.unwrap().0)
-            })
-            .collect();
-        // one stream on two registrations
-        let mut m = manager(c.device().clone(), 256 << 20);
-        let (a, b) = (register(&mut m), register(&mut m));
-        let mut o = opt(false);
-        let batches: Vec<_> = (0..STEPS as usize).map(micro).collect();
-        let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut o, &batches).unwrap();
-        let ahead: usize = out.iter().map(|(_, r)| r.ahead_forwards).sum();
-        let stream: Vec<_> = out.iter().map(|(s, _)| key(s)).collect();
-        (per_step, stream, ahead)
-    });
-    for (s, (per_step, stream, ahead)) in runs.iter().enumerate() {
-        assert_eq!(stream, per_step, "stage {s}");
-        // stage 0 runs one forward of each next step ahead, the last stage none
-        let want = if s == 0 { STEPS as usize - 1 } else { 0 };
-        assert_eq!(*ahead, want, "stage {s}");
+        let runs = on_grid(spec, |c, grid| match data {
+            1 => two_bw_runs(
+                grid,
+                || manager(c.device().clone(), 256 << 20),
+                &opt,
+                &micro,
+            ),
+            _ => two_bw_runs(grid, || zero_store(c, grid), &opt, &micro),
+        });
+        for (r, (per_step, stream, ahead)) in runs.iter().enumerate() {
+            // the losses bit for bit; on ZeRO the ranks own other tensors in the two runs (the
+            // second registration packs after the first), so the norm's f64 partial sums
+            // group otherwise: equal within their rounding
+            for (k, ((l, n), (wl, wn))) in stream.iter().zip(per_step).enumerate() {
+                assert_eq!(l, wl, "{spec}, rank {r}, step {k}: loss");
+                let tol = if data == 1 { 0.0 } else { 1e-12 * wn };
+                assert!(
+                    (n - wn).abs() <= tol,
+                    "{spec}, rank {r}, step {k}: norm {n} {wn}"
+                );
+            }
+            assert_eq!(stream.len(), per_step.len());
+            // stage 0 runs one forward of each next step ahead, the last stage none
+            let s = r % 2;
+            let want = if s == 0 { STEPS as usize - 1 } else { 0 };
+            assert_eq!(*ahead, want, "{spec}, rank {r}");
+        }
     }
+}
+
+/// Losses and gradient norms of a stage's per-step 2BW and of its stream (stores from
+/// `store`), and the stream's forwards run ahead.
+type TwoBwRuns = (Vec<(u32, f64)>, Vec<(u32, f64)>, usize);
+
+fn two_bw_runs<'d, S: ParamStore>(
+    grid: &ProcessGrid,
+    store: impl Fn() -> S,
+    opt: &dyn Fn(bool) -> HybridAdam,
+    micro: &dyn Fn(usize) -> Vec<GptBatch<'d>>,
+) -> TwoBwRuns {
+    let stage = grid.pipeline_rank();
+    let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
+    let groups = StageGroups {
+        pipeline: grid.pipeline(),
+        tensor: None,
+        sequence: None,
+        grid: None,
+    };
+    let register = |m: &mut S| {
+        let r = range.clone();
+        GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
+    };
+    let key = |s: &tidemem::models::gpt::TrainStep| (s.loss.to_bits(), s.report.grad_norm);
+    // per step: a flush after every step, the parameters one version behind
+    let mut m = store();
+    let gpt = register(&mut m);
+    let mut o = opt(true);
+    let schedule = Schedule::TwoBW { every: 2 };
+    let per_step: Vec<_> = (0..STEPS as usize)
+        .map(|k| {
+            let s = train_step_pipe(&gpt, &mut m, groups, schedule, &mut o, &micro(k));
+            key(&s.unwrap().0)
+        })
+        .collect();
+    // one stream on two registrations
+    let mut m = store();
+    let (a, b) = (register(&mut m), register(&mut m));
+    let mut o = opt(false);
+    let batches: Vec<_> = (0..STEPS as usize).map(micro).collect();
+    let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut o, &batches).unwrap();
+    let ahead: usize = out.iter().map(|(_, r)| r.ahead_forwards).sum();
+    let stream: Vec<_> = out.iter().map(|(s, _)| key(s)).collect();
+    (per_step, stream, ahead)
 }
 
 /// A pipeline stage larger than its device streams its chunks under the tide scheduler: two

@@ -13,6 +13,7 @@ use tidemem::optim::DevicePlacement;
 use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel, StageReport};
 use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
+use tidemem::zero::ZeroManager;
 
 /// Layer `i` maps `DIMS[i]` features to `DIMS[i + 1]`.
 const DIMS: [usize; 5] = [6, 8, 8, 8, 4];
@@ -57,6 +58,8 @@ struct Toy {
     /// A stream of batches of this many micro-batches (PipeDream-2BW without a flush):
     /// micro-batch `j` is micro-batch `j % every` of step `j / every`.
     every: Option<usize>,
+    /// Added to the micro-batch index of the data (a data-parallel replica's own batches).
+    salt: usize,
 }
 
 struct Saved {
@@ -73,7 +76,7 @@ impl Toy {
 
     /// [`Toy::register`] with `prefix` before each layer's name.
     fn register_named(
-        store: &mut ChunkManager,
+        store: &mut impl ParamStore,
         prefix: &str,
         range: std::ops::Range<usize>,
         scale: f32,
@@ -92,6 +95,7 @@ impl Toy {
             fail_at: None,
             declare: true,
             every: None,
+            salt: 0,
         }
     }
 
@@ -136,8 +140,8 @@ impl StageModel for Toy {
                 DIMS[0],
                 DType::F32,
                 &match self.every {
-                    Some(every) => data(micro / every, micro % every),
-                    None => data(self.step, micro),
+                    Some(every) => data(micro / every, micro % every + self.salt),
+                    None => data(self.step, micro + self.salt),
                 },
             )?,
         };
@@ -616,5 +620,121 @@ fn two_bw_misuse_is_an_error() {
             matches!(r, Err(Error::InvalidArgument(_))),
             "case {k}: {r:?}"
         );
+    }
+}
+
+/// Each parameter's master bits on the ZeRO rank that owns it, `None` on the others.
+type OwnedMasters = Vec<Option<Vec<u32>>>;
+
+/// Owned masters of `toy`'s parameters on a ZeRO rank: `None` where another rank owns one.
+fn owned_masters(z: &mut ZeroManager, toy: &Toy) -> OwnedMasters {
+    toy.params()
+        .into_iter()
+        .map(|id| {
+            z.owns(id)
+                .then(|| z.master(id).unwrap().iter().map(|x| x.to_bits()).collect())
+        })
+        .collect()
+}
+
+/// One rank of data 2 × pipeline `p` on ZeRO: PipeDream-2BW a step at a time (delayed
+/// parameters) or as one stream on two registrations; the last stage's losses and the owned
+/// masters of the newest weights.
+fn two_bw_zero(
+    c: Communicator,
+    p: usize,
+    micro: usize,
+    batches: usize,
+    stream: bool,
+) -> Result<(Vec<u32>, OwnedMasters)> {
+    let grid = ProcessGrid::new(
+        &c,
+        GridSpec {
+            data: 2,
+            pipeline: p,
+            sequence: 1,
+            tensor: TensorMode::None,
+        },
+    )?;
+    let (s, per) = (grid.pipeline_rank(), LAYERS / p);
+    // chunks of 16 elements: even a stage of one layer packs into more groups than ranks
+    let mut cfg = ManagerConfig::new(16, Policy::Tide);
+    cfg.param_dtype = DType::F32;
+    let mut z = ZeroManager::new(grid.split_replicas(&c)?, cfg)?;
+    let layers = s * per..(s + 1) * per;
+    // the mean over the replicas of each one's mean over its micro-batches
+    let scale = 1.0 / micro as f32;
+    let mut a = Toy::register_named(&mut z, "", layers.clone(), scale);
+    a.salt = 100 * grid.data_rank();
+    let mut opt = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        delayed_params: !stream,
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    })?;
+    let mut losses = Vec::new();
+    if !stream {
+        let stage = PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, micro)?;
+        for step in 0..batches {
+            a.step = step;
+            let r = stage.run(&mut z, &a)?;
+            z.step(&mut opt)?;
+            losses.extend(r.losses.iter().map(|l| l.to_bits()));
+        }
+        let masters = owned_masters(&mut z, &a);
+        return Ok((losses, masters));
+    }
+    let mut b = Toy::register_named(&mut z, "v1.", layers, scale);
+    b.salt = a.salt;
+    a.every = Some(micro);
+    b.every = Some(micro);
+    let stage = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: micro }, micro)?;
+    let reports = stage.run_two_bw(&mut z, [&a, &b], batches, |z, _| z.step(&mut opt).map(drop))?;
+    for r in &reports {
+        losses.extend(r.losses.iter().map(|l| l.to_bits()));
+    }
+    let masters = owned_masters(&mut z, [&a, &b][(batches - 1) % 2]);
+    Ok((losses, masters))
+}
+
+/// PipeDream-2BW with no flush on ZeRO: data 2 × pipeline 2 and × pipeline 4 (8 ranks), the
+/// stages' parameters sharded over the data replicas, the two versions' state copied between
+/// owners (a broadcast where they differ) and the next step's forwards gathered ahead with
+/// nothing reduced for them. Every replica's losses and the newest masters (each from the
+/// replica that owns it) equal the per-step 2BW's, bit for bit.
+#[test]
+fn two_bw_without_a_flush_on_zero_equals_the_per_step_two_bw() {
+    const BATCHES: usize = 3;
+    for p in [2, 4] {
+        let micro = p;
+        let want = on_ranks(2 * p, Duration::from_secs(20), |c| {
+            two_bw_zero(c, p, micro, BATCHES, false).unwrap()
+        });
+        let got = on_ranks(2 * p, Duration::from_secs(20), |c| {
+            two_bw_zero(c, p, micro, BATCHES, true).unwrap()
+        });
+        for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.0, w.0, "P {p}, rank {r}: losses");
+        }
+        // the ranks own other tensors in the two runs (the stream's second registration packs
+        // after the first): each master the per-step run's owner holds is held, with the same
+        // bits, by some rank of the stream
+        for (r, (_, w)) in want.iter().enumerate() {
+            for (k, w) in w.iter().enumerate() {
+                let Some(w) = w else { continue };
+                let held = got.iter().any(|(_, g)| g.get(k) == Some(&Some(w.clone())));
+                assert!(held, "P {p}, rank {r}: tensor {k}'s newest master");
+            }
+        }
+        let owned: usize = got
+            .iter()
+            .map(|(_, m)| m.iter().filter(|x| x.is_some()).count())
+            .sum();
+        assert_eq!(
+            owned,
+            want.iter()
+                .map(|(_, m)| m.iter().flatten().count())
+                .sum::<usize>()
+        );
+        assert!(got.iter().any(|(l, _)| l.len() == BATCHES * micro));
     }
 }

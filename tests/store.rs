@@ -256,8 +256,8 @@ fn public_types_cross_threads() {
 /// PipeDream-2BW's store calls: an ahead fetch reads a tensor this iteration does not use and
 /// counts no use (the step leaves it as it was), and is refused for a tensor in use; a copy of
 /// tensor state is refused mid-iteration (the parameter list until the iteration ends), across
-/// shapes, onto itself, and from parameter chunks that may hold gradients. A ZeRO rank refuses
-/// both: it keeps one weight version.
+/// shapes, onto itself, and from parameter chunks that may hold gradients; a ZeRO rank makes
+/// the same checks.
 #[test]
 fn ahead_fetches_and_state_copies_check_their_moment() {
     use tidemem::tensor::ChunkKind;
@@ -333,6 +333,14 @@ fn ahead_fetches_and_state_copies_check_their_moment() {
     fwd.finish().unwrap();
     let mut bwd = z.backward().unwrap();
     let ahead = bwd.ahead().unwrap();
-    let r = ahead.fetch(&[b]).map(drop);
-    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    let in_use = ahead.fetch(&[w]).map(drop);
+    assert!(
+        matches!(in_use, Err(Error::InvalidArgument(_))),
+        "{in_use:?}"
+    );
+    let g = ahead.fetch(&[b]).unwrap();
+    assert_eq!(g.param(0).unwrap().to_f32().unwrap(), vec![-0.25; N]);
+    g.release().unwrap();
+    ahead.finish().unwrap();
+    bwd.finish().unwrap();
 }

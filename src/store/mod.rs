@@ -196,9 +196,9 @@ pub trait ParamStore: Send + sealed::Core {
 
     /// Copies lists `kinds` of each `(from, to)` pair's tensor `from` into tensor `to`, of the
     /// same shape (see [`ChunkManager::copy_state`]): PipeDream-2BW's two weight versions are
-    /// two registrations of a stage's parameters. A [`ZeroManager`] rank refuses it
-    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)): the two registrations'
-    /// shards can lie on different ranks.
+    /// two registrations of a stage's parameters. On a [`ZeroManager`] every rank calls it with
+    /// the same pairs ([`ZeroManager::copy_state`]: a side another rank owns comes by
+    /// broadcast).
     fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()>;
 }
 
@@ -389,14 +389,8 @@ impl sealed::Core for ZeroManager {
     ) -> Result<()> {
         ZeroManager::declare_forward_uses(self, ids, times)
     }
-    fn fetch_ahead(&mut self, _: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
-        // a ZeRO rank's backward gathers and reduce-scatters by use counts that an ahead fetch
-        // would leave out
-        Err(crate::Error::InvalidArgument(
-            "a fetch ahead (PipeDream-2BW's next-version forwards) needs a ChunkManager; a \
-             ZeroManager rank does not keep two weight versions"
-                .into(),
-        ))
+    fn fetch_ahead(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
+        ZeroManager::fetch_ahead(self, ids)
     }
 }
 
@@ -462,12 +456,8 @@ impl ParamStore for ZeroManager {
     fn end_backward(&mut self) -> Result<()> {
         ZeroManager::end_backward(self)
     }
-    fn copy_state(&mut self, _: &[(TensorId, TensorId)], _: &[ChunkKind]) -> Result<()> {
-        Err(crate::Error::InvalidArgument(
-            "copy_state (PipeDream-2BW's two weight versions) needs a ChunkManager: a \
-             ZeroManager rank may not own both tensors of a pair"
-                .into(),
-        ))
+    fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()> {
+        ZeroManager::copy_state(self, pairs, kinds)
     }
 }
 

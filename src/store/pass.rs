@@ -348,10 +348,9 @@ impl Pass<'_, Backward> {
     /// and count no use, so they touch no gradient and the tensors stay as they were for the
     /// step that ends this iteration (which leaves tensors with no gradient untouched). Only for
     /// tensors this iteration has not used otherwise
-    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)); a [`ZeroManager`]'s rank
-    /// refuses it.
-    ///
-    /// [`ZeroManager`]: crate::zero::ZeroManager
+    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)). On a ZeRO rank the fetch
+    /// gathers the tensors' communication groups (every rank of the group makes the same
+    /// fetches) and reduces nothing for them.
     ///
     /// ```
     /// use tidemem::nn::{Act, Linear};

@@ -78,23 +78,24 @@ impl ZeroManager {
                 _ => t.bwd_uses += 1,
             }
         }
+        ids.iter().map(|&id| self.view_tensor(id)).collect()
+    }
+
+    /// A view of a tensor in its group's gather buffer.
+    fn view_tensor(&self, id: TensorId) -> Result<TensorView> {
         let (n, es, dt) = (self.world(), self.es(), self.local.param_dtype());
-        ids.iter()
-            .map(|&id| {
-                let t = &self.tensors[id.index()];
-                let j = t.slot.group as usize / n;
-                let q = t.slot.group as usize % n;
-                let g = self.gathers[j].as_ref().expect("gathered above");
-                let off = q * self.slot_elems(j) * es + t.slot.offset * es;
-                Ok(TensorView::new(
-                    id,
-                    dt,
-                    t.slot.numel,
-                    ViewBuf::Pooled(Arc::clone(&g.buf)),
-                    off,
-                ))
-            })
-            .collect()
+        let t = &self.tensors[id.index()];
+        let j = t.slot.group as usize / n;
+        let q = t.slot.group as usize % n;
+        let g = self.gathers[j].as_ref().expect("gathered");
+        let off = q * self.slot_elems(j) * es + t.slot.offset * es;
+        Ok(TensorView::new(
+            id,
+            dt,
+            t.slot.numel,
+            ViewBuf::Pooled(Arc::clone(&g.buf)),
+            off,
+        ))
     }
 
     /// Counts `times` more forward uses of each of `ids` without fetching them (see
@@ -137,6 +138,56 @@ impl ZeroManager {
         r
     }
 
+    /// Fetches tensors in the backward stage for a forward whose backward runs in a later
+    /// iteration (see [`crate::chunk::ChunkManager`]'s fetch ahead): their communication groups
+    /// are gathered if they are not, copying this rank's owned values without a use, and no use
+    /// is counted, so no gradient is written or reduced for them. Only for tensors this
+    /// iteration has not used.
+    pub(crate) fn fetch_ahead(&mut self, ids: &[TensorId]) -> Result<Vec<TensorView>> {
+        if self.stage != Some(Stage::Backward) {
+            return Err(Error::WrongStage {
+                call: "a fetch ahead (it belongs to the backward pass)".into(),
+                stage: stage_name(self.stage),
+            });
+        }
+        crate::chunk::check_distinct(ids)?;
+        for &id in ids {
+            let t = self
+                .tensors
+                .get(id.index())
+                .ok_or(Error::UnknownTensor { id: id.0 })?;
+            if t.fwd_uses > 0 || t.bwd_uses > 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "'{}' is used by this iteration ({} forward, {} backward uses): a fetch \
+                     ahead is for tensors whose backward comes in a later iteration",
+                    t.name, t.fwd_uses, t.bwd_uses
+                )));
+            }
+        }
+        // a tensor never used yet gets its values with this gather, as in a forward
+        for &id in ids {
+            let t = &mut self.tensors[id.index()];
+            if t.state == TensorState::Free {
+                t.state = TensorState::Hold;
+            }
+        }
+        self.check(ids, TrainEvent::BeforeBwdOp)?;
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.dedup();
+        for j in groups {
+            if self.gathers[j].is_none() {
+                // the owned values copied without a use, as a gather made ahead does
+                self.gather(j, Stage::Backward, true)?;
+            }
+            self.wait_ready(j)?;
+        }
+        for &id in ids {
+            self.apply(id, TrainEvent::BeforeBwdOp);
+            self.tensors[id.index()].ahead += 1;
+        }
+        ids.iter().map(|&id| self.view_tensor(id)).collect()
+    }
+
     /// Ends an op's use of tensors; frees or reduce-scatters communication groups that are done
     /// with the stage.
     pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
@@ -152,6 +203,7 @@ impl ZeroManager {
                 let t = self.tensors.get(id.index());
                 match (stage, t) {
                     (Stage::Forward, _) => TrainEvent::AfterFwdOp,
+                    (_, Some(t)) if t.ahead > 0 => TrainEvent::AfterBwdOp,
                     (_, Some(t)) if t.bwd_uses >= t.fwd_uses => TrainEvent::AfterLastBwdOp,
                     _ => TrainEvent::AfterBwdOp,
                 }
@@ -195,11 +247,17 @@ impl ZeroManager {
         }
         for (&id, &ev) in ids.iter().zip(&evs) {
             self.apply(id, ev);
+            let t = &mut self.tensors[id.index()];
+            if stage == Stage::Backward && t.ahead > 0 {
+                t.ahead -= 1;
+            }
         }
         for j in done {
+            let used = self.gathers[j].as_ref().is_some_and(|g| g.used);
             match stage {
-                Stage::Forward => drop(self.take_gather(j)?),
-                _ => self.reduce_scatter(j)?,
+                // gathered only for fetches ahead: no rank has gradients for it
+                Stage::Backward if used => self.reduce_scatter(j)?,
+                _ => drop(self.take_gather(j)?),
             }
         }
         Ok(())

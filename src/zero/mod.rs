@@ -81,6 +81,7 @@ mod iteration;
 mod stats;
 mod step;
 mod table;
+mod versions;
 
 use gather::{Gather, Prefetch};
 pub use stats::ZeroStats;

@@ -15,6 +15,8 @@ pub(super) struct ZTensor {
     pub(super) state: TensorState,
     pub(super) fwd_uses: u32,
     pub(super) bwd_uses: u32,
+    /// Fetches ahead ([`ZeroManager::fetch_ahead`]) not yet released.
+    pub(super) ahead: u32,
     pub(super) grad: bool,
     /// Id in this rank's manager, for tensors of owned groups.
     pub(super) local: Option<TensorId>,
@@ -41,6 +43,7 @@ impl ZeroManager {
             state: TensorState::Free,
             fwd_uses: 0,
             bwd_uses: 0,
+            ahead: 0,
             grad: false,
             local: None,
             norm_share: 1.0,

@@ -54,6 +54,19 @@ impl ChunkManager {
                 })
             }
         }
+        self.check_copy(pairs, params)?;
+        for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
+            for &(a, b) in pairs {
+                let bytes = self.tensor_bytes(a, kind)?;
+                self.set_tensor_bytes(b, kind, &bytes)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`ChunkManager::copy_state`]'s checks of its pairs: one shape, two tensors, and with
+    /// `params` no parameter chunk that may hold gradients.
+    pub(crate) fn check_copy(&self, pairs: &[(TensorId, TensorId)], params: bool) -> Result<()> {
         for &(a, b) in pairs {
             let (ta, tb) = (self.meta(a)?, self.meta(b)?);
             if a == b || ta.shape != tb.shape {
@@ -62,32 +75,63 @@ impl ChunkManager {
                     ta.name, ta.shape, tb.name, tb.shape
                 )));
             }
-            for t in [ta, tb] {
-                if params && self.grads_in[t.slot.group as usize] {
-                    return Err(Error::InvalidArgument(format!(
-                        "copy_state of '{}': its parameter chunk may hold gradients",
-                        t.name
-                    )));
-                }
+            if params {
+                self.check_params_clean(&[a, b])?;
             }
         }
-        for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
-            let es = self.list_dtype(kind).size();
-            for &(a, b) in pairs {
-                let (sa, sb) = (self.meta(a)?.slot, self.meta(b)?.slot);
-                let mut bytes = Vec::new();
-                self.read_chunk_host(ChunkPlan::chunk_no(sa.group, kind) as usize, |h| {
-                    bytes.extend_from_slice(&h[sa.offset * es..(sa.offset + sa.numel) * es]);
-                    Ok(())
-                })?;
-                self.write_chunk_host(ChunkPlan::chunk_no(sb.group, kind) as usize, |h| {
-                    h[sb.offset * es..sb.offset * es + bytes.len()].copy_from_slice(&bytes);
-                })?;
-                let s = &mut self.tensors[b.index()].state[kind.index()];
-                if *s == TensorState::Free {
-                    *s = TensorState::Hold;
-                }
+        Ok(())
+    }
+
+    /// Refuses tensors whose parameter chunk may hold gradients (fetched in a backward pass and
+    /// not rewritten by an optimizer pass since).
+    pub(crate) fn check_params_clean(&self, ids: &[TensorId]) -> Result<()> {
+        for &id in ids {
+            let t = self.meta(id)?;
+            if self.grads_in.get(t.slot.group as usize) == Some(&true) {
+                return Err(Error::InvalidArgument(format!(
+                    "copy_state of '{}': its parameter chunk may hold gradients",
+                    t.name
+                )));
             }
+        }
+        Ok(())
+    }
+
+    /// Tensor `id`'s bytes in list `kind`, from its chunk's host copy (initial values if the
+    /// chunk has no payload yet).
+    pub(crate) fn tensor_bytes(&mut self, id: TensorId, kind: ChunkKind) -> Result<Vec<u8>> {
+        let es = self.list_dtype(kind).size();
+        let slot = self.meta(id)?.slot;
+        let mut bytes = Vec::with_capacity(slot.numel * es);
+        self.read_chunk_host(ChunkPlan::chunk_no(slot.group, kind) as usize, |h| {
+            bytes.extend_from_slice(&h[slot.offset * es..(slot.offset + slot.numel) * es]);
+            Ok(())
+        })?;
+        Ok(bytes)
+    }
+
+    /// Overwrites tensor `id`'s bytes in list `kind` through its chunk's host copy; the tensor
+    /// holds a payload in that list from here.
+    pub(crate) fn set_tensor_bytes(
+        &mut self,
+        id: TensorId,
+        kind: ChunkKind,
+        bytes: &[u8],
+    ) -> Result<()> {
+        let es = self.list_dtype(kind).size();
+        let slot = self.meta(id)?.slot;
+        if bytes.len() != slot.numel * es {
+            return Err(Error::SizeMismatch {
+                src: bytes.len(),
+                dst: slot.numel * es,
+            });
+        }
+        self.write_chunk_host(ChunkPlan::chunk_no(slot.group, kind) as usize, |h| {
+            h[slot.offset * es..slot.offset * es + bytes.len()].copy_from_slice(bytes);
+        })?;
+        let s = &mut self.tensors[id.index()].state[kind.index()];
+        if *s == TensorState::Free {
+            *s = TensorState::Hold;
         }
         Ok(())
     }

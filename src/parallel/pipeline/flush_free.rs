@@ -36,9 +36,10 @@ impl PipelineStage<'_> {
     ///
     /// Micro-batch `j` of the stream is micro-batch `j % every` of batch `j / every`: the
     /// models' `forward`, `backward` and `input_shape` get `j`. Returns a report per batch
-    /// (its iteration's ops; the last stage's losses are the batch's). Needs a store that
-    /// keeps both versions ([`ChunkManager`](crate::chunk::ChunkManager); a ZeRO rank refuses
-    /// the copy and the ahead fetches). Errors return at once, as [`PipelineStage::run`]'s.
+    /// (its iteration's ops; the last stage's losses are the batch's). On a
+    /// [`ZeroManager`](crate::zero::ZeroManager) the state copy moves a tensor's state between
+    /// the ranks that own the two versions of it, and the ahead fetches gather without reducing.
+    /// Errors return at once, as [`PipelineStage::run`]'s.
     pub fn run_two_bw<S, M>(
         &self,
         store: &mut S,

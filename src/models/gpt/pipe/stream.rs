@@ -25,8 +25,8 @@ use crate::store::ParamStore;
 /// The optimizer must not delay its parameters itself (the versions do it). Each step's
 /// gradient statistics are all-reduced over the pipeline and tensor groups, and the loss scale
 /// the last stage's loss gradient takes is the optimizer's at that step's first forward there.
-/// Needs a [`ChunkManager`](crate::chunk::ChunkManager) (a ZeRO rank keeps one version). The
-/// newest weights end in `versions[(batches.len() − 1) % 2]`. Returns each step's
+/// On a [`ZeroManager`](crate::zero::ZeroManager) (data parallel stages) both versions are
+/// sharded over the replicas. The newest weights end in `versions[(batches.len() − 1) % 2]`. Returns each step's
 /// [`TrainStep`] (the mean loss on every stage) and the stage's report of its ops.
 ///
 /// [`train_step_pipe`]: super::train_step_pipe

@@ -1,0 +1,119 @@
+//! Copies of tensor state between two registrations of the same parameters on a ZeRO rank
+//! (PipeDream-2BW's two weight versions, see [`crate::chunk::ChunkManager::copy_state`]).
+
+use super::{stage_name, ZeroManager};
+use crate::comm::Elem;
+use crate::device::HostBuffer;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{ChunkKind, Stage, TensorId};
+
+impl ZeroManager {
+    /// [`ChunkManager::copy_state`](crate::chunk::ChunkManager::copy_state) over the ranks:
+    /// each `(from, to)` pair's lists `kinds` copied from the rank that owns `from` to the rank
+    /// that owns `to`: in place when one rank owns both, else by a broadcast from `from`'s
+    /// owner. Every rank must call it with the same pairs (a collective). The same moments as
+    /// the single manager's (the parameter list between iterations only); a failed check on
+    /// any rank fails every rank before anything is copied.
+    pub fn copy_state(
+        &mut self,
+        pairs: &[(TensorId, TensorId)],
+        kinds: &[ChunkKind],
+    ) -> Result<()> {
+        let params = kinds.contains(&ChunkKind::Param);
+        match self.stage {
+            None => {}
+            Some(Stage::Optimizer) if !params => {}
+            s => {
+                return Err(Error::WrongStage {
+                    call: "copy_state (between iterations; masters and moments also between \
+                           the backward pass and the step)"
+                        .into(),
+                    stage: stage_name(s),
+                })
+            }
+        }
+        let checked = self.check_pairs(pairs, params);
+        self.comm.agree(checked.is_ok())?;
+        let local = checked?;
+        let (n, me) = (self.world(), self.comm.rank());
+        for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
+            for (&(a, b), &(la, lb)) in pairs.iter().zip(&local) {
+                let owner = |id: TensorId| self.tensors[id.index()].slot.group as usize % n;
+                let (oa, ob) = (owner(a), owner(b));
+                match (la, lb) {
+                    (Some(la), Some(lb)) => self.local.copy_state(&[(la, lb)], &[kind])?,
+                    _ if oa == ob => {}
+                    _ => self.send_state(kind, (a, la, oa), (lb, ob), me)?,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The pairs' ids in this rank's manager (`None` where another rank owns the tensor),
+    /// after checking them: one shape, two tensors, and with `params` no owned parameter chunk
+    /// that may hold gradients.
+    fn check_pairs(
+        &mut self,
+        pairs: &[(TensorId, TensorId)],
+        params: bool,
+    ) -> Result<Vec<(Option<TensorId>, Option<TensorId>)>> {
+        self.close()?;
+        let mut local = Vec::with_capacity(pairs.len());
+        for &(a, b) in pairs {
+            let get = |id: TensorId| {
+                self.tensors
+                    .get(id.index())
+                    .ok_or(Error::UnknownTensor { id: id.0 })
+            };
+            let (ta, tb) = (get(a)?, get(b)?);
+            if a == b || ta.shape != tb.shape {
+                return Err(Error::InvalidArgument(format!(
+                    "copy_state from '{}' {:?} to '{}' {:?}: two tensors of one shape",
+                    ta.name, ta.shape, tb.name, tb.shape
+                )));
+            }
+            let (la, lb) = (ta.local, tb.local);
+            if params {
+                let owned: Vec<TensorId> = [la, lb].into_iter().flatten().collect();
+                self.local.check_params_clean(&owned)?;
+            }
+            local.push((la, lb));
+        }
+        Ok(local)
+    }
+
+    /// Tensor `a`'s list `kind` (owned by rank `oa`, `la` here if that is this rank) into
+    /// tensor `lb` on rank `ob`, by a broadcast from `oa` (every rank takes part).
+    fn send_state(
+        &mut self,
+        kind: ChunkKind,
+        (a, la, oa): (TensorId, Option<TensorId>, usize),
+        (lb, ob): (Option<TensorId>, usize),
+        me: usize,
+    ) -> Result<()> {
+        let dt = if kind == ChunkKind::Param {
+            self.local.param_dtype()
+        } else {
+            DType::F32
+        };
+        let len = self.tensors[a.index()].slot.numel * dt.size();
+        let dev = self.comm.device().clone();
+        let buf = self.pool.alloc(len.max(4))?;
+        let view = buf.view(0, len)?;
+        if let (true, Some(la)) = (me == oa, la) {
+            let bytes = self.local.tensor_bytes(la, kind)?;
+            let host = HostBuffer::from_slice(&bytes)?;
+            dev.copy_h2d(&self.stream, host, view)?.wait()?;
+        }
+        self.comm
+            .broadcast(&self.stream, view, Elem::from(dt), oa)?;
+        self.comm.wait(&self.stream)?;
+        if let (true, Some(lb)) = (me == ob, lb) {
+            let bytes = dev.download(&self.stream, view)?;
+            self.local.set_tensor_bytes(lb, kind, &bytes)?;
+        }
+        Ok(())
+    }
+}

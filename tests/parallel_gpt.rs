@@ -934,6 +934,67 @@ fn gpt_pipedream_2bw_stream_equals_the_per_step_2bw() {
     }
 }
 
+/// The 2BW stream on devices holding a quarter of the stage's chunks (both versions) beside the
+/// non-model peak: the tide streams the chunks (its warm-up trace is the stream's first
+/// iteration, the pipeline's fill), with the loss bits of all resident.
+#[test]
+fn gpt_2bw_stream_streams_from_a_small_device_with_the_same_bits() {
+    let data: Vec<_> = (0..STEPS).map(batch).collect();
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 2,
+        sequence: 1,
+        tensor: TensorMode::None,
+    };
+    let runs = on_grid(spec, |c, grid| {
+        let run = |capacity: u64| {
+            let mut m = manager(c.device().clone(), capacity);
+            let stage = grid.pipeline_rank();
+            let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
+            let register = |m: &mut ChunkManager| {
+                let r = range.clone();
+                GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
+            };
+            let (a, b) = (register(&mut m), register(&mut m));
+            let groups = StageGroups {
+                pipeline: grid.pipeline(),
+                tensor: None,
+                sequence: None,
+                grid: None,
+            };
+            let quarter = B / 4 * T;
+            let batches: Vec<Vec<GptBatch>> = data
+                .iter()
+                .map(|(t, g)| {
+                    (0..4)
+                        .map(|j| GptBatch {
+                            tokens: &t[j * quarter..(j + 1) * quarter],
+                            targets: &g[j * quarter..(j + 1) * quarter],
+                            batch: B / 4,
+                            seq: T,
+                        })
+                        .collect()
+                })
+                .collect();
+            let mut opt = adam();
+            let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut opt, &batches).unwrap();
+            let losses: Vec<u32> = out.iter().map(|(s, _)| s.loss.to_bits()).collect();
+            let room = (m.param_footprint() / 4).max(6 * CHUNK as u64 * 4);
+            (losses, m.stats().h2d_bytes, m.non_model_peak() + room)
+        };
+        let (resident, resident_h2d, small) = run(256 << 20);
+        let (streamed, h2d, _) = run(small);
+        (resident, streamed, resident_h2d, h2d)
+    });
+    for (r, (resident, streamed, resident_h2d, h2d)) in runs.into_iter().enumerate() {
+        assert_eq!(resident, streamed, "stage {r}: placement changed bits");
+        assert!(
+            h2d > resident_h2d,
+            "stage {r}: chunks were evicted and reloaded"
+        );
+    }
+}
+
 /// Losses and gradient norms of a stage's per-step 2BW and of its stream (stores from
 /// `store`), and the stream's forwards run ahead.
 type TwoBwRuns = (Vec<(u32, f64)>, Vec<(u32, f64)>, usize);

@@ -19,5 +19,7 @@ pub use manager::{
     ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
     TideSample, Usage,
 };
-pub(crate) use tensors::{add_forward_uses, check_distinct, numel_of, ViewBuf};
+pub(crate) use tensors::{
+    add_forward_uses, check_copy, check_distinct, check_unused, numel_of, ViewBuf,
+};
 pub use tensors::{decode, encode, TensorView};

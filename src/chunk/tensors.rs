@@ -127,3 +127,78 @@ pub fn encode(v: &[f32], dtype: DType) -> Vec<u8> {
 pub fn decode(b: &[u8], dtype: DType) -> Vec<f32> {
     crate::dtype::decode_f32(b, dtype)
 }
+
+/// The check of a fetch ahead, the same on both stores: every tensor of `ids` is known and
+/// unused by this iteration (`uses(t)`: its name and its forward and backward uses), so its
+/// slot holds its parameter and no backward of this iteration will write it.
+pub(crate) fn check_unused<T>(
+    tensors: &[T],
+    ids: &[TensorId],
+    uses: fn(&T) -> (&str, u32, u32),
+) -> Result<()> {
+    check_distinct(ids)?;
+    for &id in ids {
+        let t = tensors
+            .get(id.index())
+            .ok_or(Error::UnknownTensor { id: id.0 })?;
+        let (name, fwd, bwd) = uses(t);
+        if fwd > 0 || bwd > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}' is used by this iteration ({fwd} forward, {bwd} backward uses): a \
+                 fetch ahead is for tensors whose backward comes in a later iteration"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The checks of a state copy's moment and pairs, the same on both stores: the optimizer lists
+/// copy between iterations and after the backward pass, the parameter list (`params`) between
+/// iterations only; each pair is two known tensors of one shape (`shape(t)`: name and shape),
+/// and no tensor is written twice or both read and written.
+pub(crate) fn check_copy<T>(
+    stage: Option<crate::tensor::Stage>,
+    params: bool,
+    tensors: &[T],
+    pairs: &[(TensorId, TensorId)],
+    shape: fn(&T) -> (&str, &[usize]),
+) -> Result<()> {
+    use crate::tensor::Stage;
+    match stage {
+        None => {}
+        Some(Stage::Optimizer) if !params => {}
+        Some(s) => {
+            return Err(Error::WrongStage {
+                call: "copy_state (between iterations; masters and moments also between the \
+                       backward pass and the step)"
+                    .into(),
+                stage: s.name(),
+            })
+        }
+    }
+    let get = |id: TensorId| {
+        tensors
+            .get(id.index())
+            .map(shape)
+            .ok_or(Error::UnknownTensor { id: id.0 })
+    };
+    for (k, &(a, b)) in pairs.iter().enumerate() {
+        let ((na, sa), (nb, sb)) = (get(a)?, get(b)?);
+        if a == b || sa != sb {
+            return Err(Error::InvalidArgument(format!(
+                "copy_state from '{na}' {sa:?} to '{nb}' {sb:?}: two tensors of one shape"
+            )));
+        }
+        let clash = pairs
+            .iter()
+            .enumerate()
+            .any(|(j, &(x, y))| (j != k && y == b) || x == b);
+        if clash {
+            return Err(Error::InvalidArgument(format!(
+                "copy_state writes '{nb}' twice, or reads it too: the pairs' tensors to write \
+                 are written once and read by none"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -42,6 +42,12 @@ use crate::error::{Error, Result};
 struct Raw {
     comm: sys::ncclComm_t,
     aborted: Option<String>,
+    /// Where NCCL stores the children of this communicator's splits, at the end of each split's
+    /// job: kept while the communicator lives, as a job may store (a null child, for a rank
+    /// with no color) after the split returned. Boxed so that they stay where NCCL was told
+    /// they are when the vector grows.
+    #[allow(clippy::vec_box)]
+    split_outs: Vec<Box<AtomicPtr<sys::ncclComm>>>,
 }
 
 // SAFETY: an NCCL communicator may be used from any thread; `NcclComm` serializes the calls.
@@ -421,6 +427,7 @@ impl NcclComm {
             raw: Mutex::new(Raw {
                 comm,
                 aborted: None,
+                split_outs: Vec::new(),
             }),
             rank,
             world,
@@ -796,7 +803,7 @@ impl NcclComm {
         let parent = Self::live(&raw)?;
         // NCCL stores the child into `out` atomically at the end of the split's job, which for a
         // non-blocking parent may run on NCCL's thread after the call has returned.
-        let out: AtomicPtr<sys::ncclComm> = AtomicPtr::new(std::ptr::null_mut());
+        let out: Box<AtomicPtr<sys::ncclComm>> = Box::new(AtomicPtr::new(std::ptr::null_mut()));
         let child = || out.load(Ordering::Acquire);
         // SAFETY: a live communicator and a valid out-pointer, which outlives the split: a
         // non-blocking split is polled to its end below. A null config inherits the parent's.
@@ -807,10 +814,21 @@ impl NcclComm {
         let done = check("ncclCommSplit", r, Some(parent)).and_then(|()| {
             let start = Instant::now();
             let left = || self.timeout.saturating_sub(start.elapsed());
+            // polling for the child, a failure of the parent's job is reported as it is
+            let appeared = || {
+                if let Some(get) = l.comm_get_async_error {
+                    let mut state: R = SUCCESS;
+                    // SAFETY: a live communicator and a valid out-pointer.
+                    let r = unsafe { get(parent, &mut state) };
+                    check("ncclCommSplit", r, Some(parent))?;
+                    check("ncclCommSplit", state, Some(parent))?;
+                }
+                Ok(!child().is_null())
+            };
             Ok(r != IN_PROGRESS
                 || (settle(l, parent, "ncclCommSplit", left())?
                     && (color.is_none()
-                        || (poll_until(left(), || Ok(!child().is_null()))?
+                        || (poll_until(left(), appeared)?
                             && settle(l, child(), "ncclCommSplit", left())?))))
         });
         let failed = match done {
@@ -828,10 +846,13 @@ impl NcclComm {
                     let _ = (l.comm_abort)(child);
                 }
             }
+            raw.split_outs.push(out);
             return Err(e);
         }
+        let child = child();
+        raw.split_outs.push(out);
         drop(raw);
-        let out = child();
+        let out = child;
         if out.is_null() {
             return Ok(None);
         }
@@ -840,6 +861,7 @@ impl NcclComm {
             raw: Mutex::new(Raw {
                 comm: out,
                 aborted: None,
+                split_outs: Vec::new(),
             }),
             rank: 0,
             world: 0,

@@ -89,6 +89,16 @@ mod view;
 /// The token the passes call a store's internal methods with.
 const TOKEN: sealed::Token = sealed::Token(());
 
+/// Refuses tensors of `store` whose parameter chunk may hold gradients (on a ZeRO rank, of
+/// the tensors it owns): after a step that left gradients in the parameter slots (a
+/// `skip_step`), before they are read as parameters again.
+pub(crate) fn check_params_clean<S: ParamStore + ?Sized>(
+    store: &S,
+    ids: &[TensorId],
+) -> Result<()> {
+    store.check_params_clean(ids, TOKEN)
+}
+
 pub use guard::Guard;
 pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Pass, PassKind};
 pub use view::{GradView, ReadView};
@@ -236,6 +246,8 @@ pub(crate) mod sealed {
         /// Fetches tensors in the backward stage for a later iteration's forward: a read that
         /// counts no use.
         fn fetch_ahead(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
+        /// Refuses tensors whose parameter chunk may hold gradients (this rank's, on ZeRO).
+        fn check_params_clean(&self, ids: &[TensorId], _: Token) -> Result<()>;
     }
 }
 
@@ -286,6 +298,9 @@ impl sealed::Core for ChunkManager {
     }
     fn fetch_ahead(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
         ChunkManager::fetch_ahead(self, ids)
+    }
+    fn check_params_clean(&self, ids: &[TensorId], _: sealed::Token) -> Result<()> {
+        ChunkManager::check_params_clean(self, ids)
     }
 }
 
@@ -391,6 +406,9 @@ impl sealed::Core for ZeroManager {
     }
     fn fetch_ahead(&mut self, ids: &[TensorId], _: sealed::Token) -> Result<Vec<TensorView>> {
         ZeroManager::fetch_ahead(self, ids)
+    }
+    fn check_params_clean(&self, ids: &[TensorId], _: sealed::Token) -> Result<()> {
+        ZeroManager::check_params_clean(self, ids)
     }
 }
 

@@ -294,7 +294,7 @@ impl Pass<'_, Forward> {
         self.take_deferred()?;
         if self.state.recompute {
             return Err(crate::Error::WrongStage {
-                call: "declaring forward uses in a recompute pass".into(),
+                call: "declaring forward uses in a recompute or ahead pass".into(),
                 stage: "backward",
             });
         }

@@ -81,6 +81,21 @@ impl ZeroManager {
         ids.iter().map(|&id| self.view_tensor(id)).collect()
     }
 
+    /// Gathers the groups of a fetch ahead that are not gathered yet, the owned values copied
+    /// without a use (as a gather made ahead does), after checking the transition.
+    fn gather_ahead(&mut self, ids: &[TensorId]) -> Result<()> {
+        self.check(ids, TrainEvent::BeforeBwdOp)?;
+        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
+        groups.dedup();
+        for j in groups {
+            if self.gathers[j].is_none() {
+                self.gather(j, Stage::Backward, true)?;
+            }
+            self.wait_ready(j)?;
+        }
+        Ok(())
+    }
+
     /// A view of a tensor in its group's gather buffer.
     fn view_tensor(&self, id: TensorId) -> Result<TensorView> {
         let (n, es, dt) = (self.world(), self.es(), self.local.param_dtype());
@@ -150,37 +165,24 @@ impl ZeroManager {
                 stage: stage_name(self.stage),
             });
         }
-        crate::chunk::check_distinct(ids)?;
-        for &id in ids {
-            let t = self
-                .tensors
-                .get(id.index())
-                .ok_or(Error::UnknownTensor { id: id.0 })?;
-            if t.fwd_uses > 0 || t.bwd_uses > 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "'{}' is used by this iteration ({} forward, {} backward uses): a fetch \
-                     ahead is for tensors whose backward comes in a later iteration",
-                    t.name, t.fwd_uses, t.bwd_uses
-                )));
-            }
-        }
+        crate::chunk::check_unused(&self.tensors, ids, |t| (&t.name, t.fwd_uses, t.bwd_uses))?;
         // a tensor never used yet gets its values with this gather, as in a forward
-        for &id in ids {
-            let t = &mut self.tensors[id.index()];
-            if t.state == TensorState::Free {
-                t.state = TensorState::Hold;
+        let fresh: Vec<TensorId> = ids
+            .iter()
+            .copied()
+            .filter(|id| self.tensors[id.index()].state == TensorState::Free)
+            .collect();
+        let state = |z: &mut Self, s| {
+            for id in &fresh {
+                z.tensors[id.index()].state = s;
             }
+        };
+        state(self, TensorState::Hold);
+        let r = self.gather_ahead(ids);
+        if r.is_err() {
+            state(self, TensorState::Free);
         }
-        self.check(ids, TrainEvent::BeforeBwdOp)?;
-        let mut groups: Vec<usize> = ids.iter().map(|&id| self.comm_group(id)).collect();
-        groups.dedup();
-        for j in groups {
-            if self.gathers[j].is_none() {
-                // the owned values copied without a use, as a gather made ahead does
-                self.gather(j, Stage::Backward, true)?;
-            }
-            self.wait_ready(j)?;
-        }
+        r?;
         for &id in ids {
             self.apply(id, TrainEvent::BeforeBwdOp);
             self.tensors[id.index()].ahead += 1;

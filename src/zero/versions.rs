@@ -1,38 +1,28 @@
 //! Copies of tensor state between two registrations of the same parameters on a ZeRO rank
 //! (PipeDream-2BW's two weight versions, see [`crate::chunk::ChunkManager::copy_state`]).
 
-use super::{stage_name, ZeroManager};
+use super::ZeroManager;
 use crate::comm::Elem;
 use crate::device::HostBuffer;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::tensor::{ChunkKind, Stage, TensorId};
+use crate::error::Result;
+use crate::tensor::{ChunkKind, TensorId};
 
 impl ZeroManager {
     /// [`ChunkManager::copy_state`](crate::chunk::ChunkManager::copy_state) over the ranks:
     /// each `(from, to)` pair's lists `kinds` copied from the rank that owns `from` to the rank
     /// that owns `to`: in place when one rank owns both, else by a broadcast from `from`'s
-    /// owner. Every rank must call it with the same pairs (a collective). The same moments as
-    /// the single manager's (the parameter list between iterations only); a failed check on
-    /// any rank fails every rank before anything is copied.
+    /// owner. Every rank must call it with the same pairs (a collective). The same moments and
+    /// checks as the single manager's (the parameter list between iterations only); a failed
+    /// check on any rank fails every rank before anything is copied. A failure while copying
+    /// (an allocation, a transfer, a broadcast) leaves some pairs copied, and the other ranks
+    /// fail in the broadcast they wait in, at the communicator's timeout at the latest.
     pub fn copy_state(
         &mut self,
         pairs: &[(TensorId, TensorId)],
         kinds: &[ChunkKind],
     ) -> Result<()> {
         let params = kinds.contains(&ChunkKind::Param);
-        match self.stage {
-            None => {}
-            Some(Stage::Optimizer) if !params => {}
-            s => {
-                return Err(Error::WrongStage {
-                    call: "copy_state (between iterations; masters and moments also between \
-                           the backward pass and the step)"
-                        .into(),
-                    stage: stage_name(s),
-                })
-            }
-        }
         let checked = self.check_pairs(pairs, params);
         self.comm.agree(checked.is_ok())?;
         let local = checked?;
@@ -51,6 +41,15 @@ impl ZeroManager {
         Ok(())
     }
 
+    /// Refuses tensors this rank owns whose parameter chunk may hold gradients.
+    pub(crate) fn check_params_clean(&self, ids: &[TensorId]) -> Result<()> {
+        let owned: Vec<TensorId> = ids
+            .iter()
+            .filter_map(|id| self.tensors.get(id.index()).and_then(|t| t.local))
+            .collect();
+        self.local.check_params_clean(&owned)
+    }
+
     /// The pairs' ids in this rank's manager (`None` where another rank owns the tensor),
     /// after checking them: one shape, two tensors, and with `params` no owned parameter chunk
     /// that may hold gradients.
@@ -60,21 +59,12 @@ impl ZeroManager {
         params: bool,
     ) -> Result<Vec<(Option<TensorId>, Option<TensorId>)>> {
         self.close()?;
+        crate::chunk::check_copy(self.stage, params, &self.tensors, pairs, |t| {
+            (&t.name, &t.shape)
+        })?;
         let mut local = Vec::with_capacity(pairs.len());
         for &(a, b) in pairs {
-            let get = |id: TensorId| {
-                self.tensors
-                    .get(id.index())
-                    .ok_or(Error::UnknownTensor { id: id.0 })
-            };
-            let (ta, tb) = (get(a)?, get(b)?);
-            if a == b || ta.shape != tb.shape {
-                return Err(Error::InvalidArgument(format!(
-                    "copy_state from '{}' {:?} to '{}' {:?}: two tensors of one shape",
-                    ta.name, ta.shape, tb.name, tb.shape
-                )));
-            }
-            let (la, lb) = (ta.local, tb.local);
+            let (la, lb) = (self.tensors[a.index()].local, self.tensors[b.index()].local);
             if params {
                 let owned: Vec<TensorId> = [la, lb].into_iter().flatten().collect();
                 self.local.check_params_clean(&owned)?;

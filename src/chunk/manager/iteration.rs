@@ -165,24 +165,26 @@ impl ChunkManager {
                 stage: self.stage.map_or("idle", Stage::name),
             });
         }
-        for &id in ids {
-            let t = self.meta(id)?;
-            if t.fwd_uses > 0 || t.bwd_uses > 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "'{}' is used by this iteration ({} forward, {} backward uses): a fetch \
-                     ahead is for tensors whose backward comes in a later iteration",
-                    t.name, t.fwd_uses, t.bwd_uses
-                )));
-            }
-        }
+        crate::chunk::check_unused(&self.tensors, ids, |t| (&t.name, t.fwd_uses, t.bwd_uses))?;
         // a tensor never used yet gets its initial payload with this fetch, as in a forward
-        for &id in ids {
-            let s = &mut self.tensors[id.index()].state[ChunkKind::Param.index()];
-            if *s == TensorState::Free {
-                *s = TensorState::Hold;
+        let fresh: Vec<TensorId> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                self.tensors[id.index()].state[ChunkKind::Param.index()] == TensorState::Free
+            })
+            .collect();
+        let state = |m: &mut Self, s| {
+            for id in &fresh {
+                m.tensors[id.index()].state[ChunkKind::Param.index()] = s;
             }
+        };
+        state(self, TensorState::Hold);
+        let r = self.fetch_as(ids, Stage::Backward, true);
+        if r.is_err() {
+            state(self, TensorState::Free);
         }
-        self.fetch_as(ids, Stage::Backward, true)
+        r
     }
 
     /// Counts `times` more forward uses of each of `ids` (an id listed twice counts twice)

@@ -5,7 +5,7 @@
 use super::ChunkManager;
 use crate::chunk::plan::ChunkPlan;
 use crate::error::{Error, Result};
-use crate::tensor::{ChunkKind, Stage, TensorId, TensorState};
+use crate::tensor::{ChunkKind, TensorId, TensorState};
 
 impl ChunkManager {
     /// Copies lists `kinds` of each `(from, to)` pair's tensor `from` into tensor `to` (of the
@@ -16,8 +16,9 @@ impl ChunkManager {
     /// the step (the masters and moments a step is about to update); the parameter list only
     /// between iterations, and only while neither tensor's chunk may hold a gradient. Fails with
     /// [`Error::WrongStage`] at other times, and with [`Error::InvalidArgument`] for a pair of
-    /// different shapes, a tensor paired with itself, or a parameter chunk that may hold a
-    /// gradient; nothing is copied then.
+    /// different shapes, a tensor paired with itself, a tensor written twice or both read and
+    /// written, or a parameter chunk that may hold a gradient; nothing is copied then. A host
+    /// copy that fails midway leaves the manager unusable (as a failed checkpoint load does).
     ///
     /// ```
     /// use tidemem::prelude::*;
@@ -42,18 +43,6 @@ impl ChunkManager {
         // registration closes here, as at a first fetch
         self.close()?;
         let params = kinds.contains(&ChunkKind::Param);
-        match self.stage {
-            None => {}
-            Some(Stage::Optimizer) if !params => {}
-            Some(s) => {
-                return Err(Error::WrongStage {
-                    call: "copy_state (between iterations; masters and moments also between \
-                           the backward pass and the step)"
-                        .into(),
-                    stage: s.name(),
-                })
-            }
-        }
         self.check_copy(pairs, params)?;
         for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
             for &(a, b) in pairs {
@@ -64,20 +53,15 @@ impl ChunkManager {
         Ok(())
     }
 
-    /// [`ChunkManager::copy_state`]'s checks of its pairs: one shape, two tensors, and with
-    /// `params` no parameter chunk that may hold gradients.
+    /// [`ChunkManager::copy_state`]'s checks: the moment, the pairs, and with `params` no
+    /// parameter chunk that may hold gradients.
     pub(crate) fn check_copy(&self, pairs: &[(TensorId, TensorId)], params: bool) -> Result<()> {
-        for &(a, b) in pairs {
-            let (ta, tb) = (self.meta(a)?, self.meta(b)?);
-            if a == b || ta.shape != tb.shape {
-                return Err(Error::InvalidArgument(format!(
-                    "copy_state from '{}' {:?} to '{}' {:?}: two tensors of one shape",
-                    ta.name, ta.shape, tb.name, tb.shape
-                )));
-            }
-            if params {
-                self.check_params_clean(&[a, b])?;
-            }
+        crate::chunk::check_copy(self.stage, params, &self.tensors, pairs, |t| {
+            (&t.name, &t.shape)
+        })?;
+        if params {
+            let ids: Vec<TensorId> = pairs.iter().flat_map(|&(a, b)| [a, b]).collect();
+            self.check_params_clean(&ids)?;
         }
         Ok(())
     }

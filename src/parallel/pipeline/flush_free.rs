@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::runtime::{PipelineStage, Run, StageModel, StageReport};
 use super::schedule::{two_bw, PipeOp, Schedule};
 use crate::error::{Error, Result};
-use crate::store::ParamStore;
+use crate::store::{check_params_clean, ParamStore};
 use crate::tensor::{ChunkKind, TensorId};
 
 /// The optimizer's lists: what the set stepped next takes over from the other.
@@ -30,9 +30,14 @@ impl PipelineStage<'_> {
     /// and batch `b + 1`'s early forwards in [`ahead`](crate::store::BackwardPass::ahead)
     /// passes, which read the other version and touch no gradient. Then batch `b`'s version
     /// takes the other's masters and moments (the newest, `W(b)`), and `step(store, b)` runs
-    /// the optimizer (or skips): it makes `W(b + 1) = W(b) − Adam(∇f(W(b − 1)))` in batch
-    /// `b`'s version, for batch `b + 2`, while the other keeps `W(b)` for batch `b + 1`.
-    /// After the last step the newest weights are in `versions[(batches − 1) % 2]`.
+    /// the optimizer: it makes `W(b + 1) = W(b) − Adam(∇f(W(b − 1)))` in batch `b`'s version,
+    /// for batch `b + 2`, while the other keeps `W(b)` for batch `b + 1`. A step may skip only
+    /// as `HybridAdam` does on an overflow, restoring the parameters from the masters; a step
+    /// that leaves gradients in the parameter slots (`skip_step`) is an error here, before they
+    /// are read as weights. After the last step `versions[0]` holds the newest weights and
+    /// optimizer state (copied from `versions[1]` when that one stepped last), so a later call
+    /// goes on from them; its first batch computes on them, as the first batch of a stream
+    /// does.
     ///
     /// Micro-batch `j` of the stream is micro-batch `j % every` of batch `j / every`: the
     /// models' `forward`, `backward` and `input_shape` get `j`. Returns a report per batch
@@ -96,12 +101,20 @@ impl PipelineStage<'_> {
             let to_current = if b % 2 == 0 { &swapped } else { &pairs };
             store.copy_state(to_current, &OPTIMIZER_LISTS)?;
             step(store, b)?;
+            let stepped: Vec<TensorId> = to_current.iter().map(|&(_, to)| to).collect();
+            check_params_clean(store, &stepped)?;
+        }
+        // the newest version into versions[0], where the next call starts
+        if batches.is_multiple_of(2) {
+            store.copy_state(&swapped, &ChunkKind::ALL)?;
         }
         Ok(reports)
     }
 
-    /// Store iteration `b` over its ops (see [`PipelineStage::run_two_bw`]).
-    fn iteration<S, M>(
+    /// Store iteration `b` over its ops (see [`PipelineStage::run_two_bw`]): batch `b`'s ops on
+    /// `versions[b % 2]`, batch `b + 1`'s forwards ahead on the other. [`PipelineStage::run`]
+    /// runs one batch's ops through it with the model as both versions.
+    pub(super) fn iteration<S, M>(
         &self,
         store: &mut S,
         versions: [&M; 2],
@@ -150,11 +163,16 @@ impl PipelineStage<'_> {
         }
         fwd.finish()?;
         let mut bwd = store.backward()?;
-        // With two stages the first stage's next-batch activations and the end-of-pass
-        // messages between the first and the last stage ([`StageModel::finish_backward`]) share
-        // one channel, and the last stage takes the activations in the next iteration, after
-        // its finishing messages: they wait until then, so both sides see one order.
-        let hold = self.stage == 0 && self.stages == 2;
+        // The next stage runs one forward of batch b + 1 fewer ahead than this one, so it takes
+        // the output of this stage's last ahead forward in the next iteration, after the
+        // optimizer step and its collectives over the pipeline group: that message waits for
+        // the next iteration here too, rather than sit in a send across the step (with two
+        // stages it also keeps the order of the end-of-pass messages between the first and the
+        // last stage, [`StageModel::finish_backward`], on their one channel).
+        let ahead_total = late
+            .iter()
+            .filter(|&&o| o.is_forward() && batch(o) != b)
+            .count();
         let mut held = None;
         for &op in late {
             match op {
@@ -168,7 +186,7 @@ impl PipelineStage<'_> {
                     self.forward_op(&ahead, next, j, run)?;
                     ahead.finish()?;
                     run.report.ahead_forwards += 1;
-                    if hold {
+                    if run.report.ahead_forwards == ahead_total && self.stage + 1 < self.stages {
                         held = run.pending.take();
                     }
                 }
@@ -194,7 +212,8 @@ fn version_pairs<M: StageModel>(versions: [&M; 2]) -> Result<Vec<(TensorId, Tens
         v
     };
     let (a, b) = (list(versions[0]), list(versions[1]));
-    if a.len() != b.len() || a.iter().zip(&b).any(|(x, y)| x == y) {
+    let overlap = a.iter().any(|x| b.contains(x));
+    if a.len() != b.len() || overlap {
         return Err(Error::InvalidArgument(format!(
             "PipeDream-2BW's two versions list {} and {} parameters: the same parameters, \
              registered twice",

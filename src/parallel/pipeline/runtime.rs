@@ -86,6 +86,11 @@ pub struct StageReport {
     /// Forwards of the next batch run inside the backward pass, on the other weight version
     /// (in [`ahead`](crate::store::BackwardPass::ahead) passes; PipeDream-2BW without a flush).
     pub ahead_forwards: usize,
+    /// Messages sent to the next stage and to the previous one, and received from the
+    /// previous stage and from the next one (activations forward, their gradients back): each
+    /// stage's sends to a neighbour in an iteration are that neighbour's receives in the same
+    /// iteration, so no message waits across an optimizer step.
+    pub messages: StageMessages,
     /// Plain sends (a send with no receive after it to pair with).
     pub sends: usize,
     /// Plain receives.
@@ -98,6 +103,37 @@ pub struct StageReport {
     pub wait_seconds: f64,
     /// Seconds of the whole run.
     pub total_seconds: f64,
+}
+
+/// The point-to-point messages of a stage's run, by direction (see [`StageReport::messages`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StageMessages {
+    /// Activations sent to the next stage.
+    pub to_next: usize,
+    /// Input gradients sent to the previous stage.
+    pub to_prev: usize,
+    /// Activations received from the previous stage.
+    pub from_prev: usize,
+    /// Output gradients received from the next stage.
+    pub from_next: usize,
+}
+
+impl StageMessages {
+    fn sent(&mut self, stage: usize, to: usize) {
+        if to > stage {
+            self.to_next += 1;
+        } else {
+            self.to_prev += 1;
+        }
+    }
+
+    fn received(&mut self, stage: usize, from: usize) {
+        if from < stage {
+            self.from_prev += 1;
+        } else {
+            self.from_next += 1;
+        }
+    }
 }
 
 /// One rank's stage of a pipeline over the pipeline group: stage `group.rank()` of
@@ -193,13 +229,6 @@ impl<'c> PipelineStage<'c> {
                 "PipeDream-2BW runs its micro-batches across optimizer steps: run_two_bw".into(),
             ));
         }
-        let first_b = self
-            .ops
-            .iter()
-            .position(|o| !o.is_forward())
-            .unwrap_or(self.ops.len());
-        let (early, late) = self.ops.split_at(first_b);
-        let late_forwards = late.iter().filter(|o| o.is_forward()).count();
         let mut run = Run::<M::Saved> {
             saved: HashMap::new(),
             pending: None,
@@ -209,44 +238,11 @@ impl<'c> PipelineStage<'c> {
                     self.stage,
                     self.micro,
                 )?,
-                late_forwards,
                 ..StageReport::default()
             },
         };
-        let started = std::time::Instant::now();
-        let params = model.params();
-        let fwd = store.forward()?;
-        for &op in early {
-            self.forward_op(&fwd, model, op.micro(), &mut run)?;
-        }
-        // the uses of the forwards to run in recompute passes, declared in the forward pass
-        // (the early forwards fetched every parameter: no moment, no move), and of the
-        // finishing fetches (one fetch and release each: they need not be a forward's)
-        if late_forwards > 0 {
-            let times = u32::try_from(late_forwards).map_err(|_| {
-                Error::InvalidArgument(format!("{late_forwards} late forwards in one step"))
-            })?;
-            fwd.declare_uses(&params, times)?;
-        }
-        for id in model.finish_params() {
-            fwd.fetch(&[id])?.release()?;
-        }
-        fwd.finish()?;
-        let mut bwd = store.backward()?;
-        for &op in late {
-            match op {
-                PipeOp::Forward(m) => {
-                    let re = bwd.recompute()?;
-                    self.forward_op(&re, model, m, &mut run)?;
-                    re.finish()?;
-                }
-                PipeOp::Backward(m) => self.backward_op(&bwd, model, m, &mut run)?,
-            }
-        }
-        self.exchange(bwd.stream(), bwd.pool(), &mut run, None)?;
-        model.finish_backward(&bwd)?;
-        bwd.finish()?;
-        run.report.total_seconds = started.elapsed().as_secs_f64();
+        // one iteration of one batch: both "versions" the model, no forward of a next batch
+        self.iteration(store, [model, model], 0, self.micro, &self.ops, &mut run)?;
         Ok(run.report)
     }
 
@@ -342,13 +338,16 @@ impl<'c> PipelineStage<'c> {
     ) -> Result<Option<Act>> {
         let g = self.group;
         let send = run.pending.take();
+        let st = self.stage;
         let Some((from, [rows, cols], dtype)) = recv else {
             if let Some((act, to)) = send {
                 g.send(stream, act.view(), act.dtype(), to)?;
                 run.report.sends += 1;
+                run.report.messages.sent(st, to);
             }
             return Ok(None);
         };
+        run.report.messages.received(st, from);
         let buf = Act::alloc(pool, rows, cols, dtype)?;
         match send {
             Some((act, to)) => {
@@ -361,6 +360,7 @@ impl<'c> PipelineStage<'c> {
                 }
                 g.send_recv(stream, act.view(), to, buf.view(), from, dtype)?;
                 run.report.send_recvs += 1;
+                run.report.messages.sent(st, to);
             }
             None => {
                 g.recv(stream, buf.view(), dtype, from)?;

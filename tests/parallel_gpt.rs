@@ -225,6 +225,29 @@ fn zero_store(c: &Communicator, grid: &ProcessGrid) -> ZeroManager {
     ZeroManager::new(grid.split_replicas(c).unwrap(), cfg).unwrap()
 }
 
+/// The groups of a stage of a pipeline with no tensor or sequence split.
+fn pipe_groups(grid: &ProcessGrid) -> StageGroups<'_> {
+    StageGroups {
+        pipeline: grid.pipeline(),
+        tensor: None,
+        sequence: None,
+        grid: None,
+    }
+}
+
+/// A batch's tokens and targets as 4 micro-batches of `B / 4` sequences.
+fn quarters<'a>(t: &'a [i32], g: &'a [i32]) -> Vec<GptBatch<'a>> {
+    let quarter = B / 4 * T;
+    (0..4)
+        .map(|j| GptBatch {
+            tokens: &t[j * quarter..(j + 1) * quarter],
+            targets: &g[j * quarter..(j + 1) * quarter],
+            batch: B / 4,
+            seq: T,
+        })
+        .collect()
+}
+
 /// The `rows` batch rows of data rank `dp` of step `k`'s batch.
 fn rows_of(k: u64, dp: usize, rows: usize) -> (Vec<i32>, Vec<i32>) {
     let (t, g) = batch(k);
@@ -827,12 +850,7 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
         let range = layers[stage].clone();
         let split = StageSplit::None;
         let gpt = GptStage::register(&mut z, &config(), 3, (stage, 2), range, split).unwrap();
-        let groups = StageGroups {
-            pipeline: grid.pipeline(),
-            tensor: None,
-            sequence: None,
-            grid: None,
-        };
+        let groups = pipe_groups(grid);
         let mut opt = two_bw();
         let schedule = Schedule::TwoBW { every: 2 };
         let mut got = Vec::new();
@@ -956,26 +974,8 @@ fn gpt_2bw_stream_streams_from_a_small_device_with_the_same_bits() {
                 GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
             };
             let (a, b) = (register(&mut m), register(&mut m));
-            let groups = StageGroups {
-                pipeline: grid.pipeline(),
-                tensor: None,
-                sequence: None,
-                grid: None,
-            };
-            let quarter = B / 4 * T;
-            let batches: Vec<Vec<GptBatch>> = data
-                .iter()
-                .map(|(t, g)| {
-                    (0..4)
-                        .map(|j| GptBatch {
-                            tokens: &t[j * quarter..(j + 1) * quarter],
-                            targets: &g[j * quarter..(j + 1) * quarter],
-                            batch: B / 4,
-                            seq: T,
-                        })
-                        .collect()
-                })
-                .collect();
+            let groups = pipe_groups(grid);
+            let batches: Vec<Vec<GptBatch>> = data.iter().map(|(t, g)| quarters(t, g)).collect();
             let mut opt = adam();
             let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut opt, &batches).unwrap();
             let losses: Vec<u32> = out.iter().map(|(s, _)| s.loss.to_bits()).collect();
@@ -1007,12 +1007,7 @@ fn two_bw_runs<'d, S: ParamStore>(
 ) -> TwoBwRuns {
     let stage = grid.pipeline_rank();
     let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
-    let groups = StageGroups {
-        pipeline: grid.pipeline(),
-        tensor: None,
-        sequence: None,
-        grid: None,
-    };
+    let groups = pipe_groups(grid);
     let register = |m: &mut S| {
         let r = range.clone();
         GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
@@ -1060,25 +1055,12 @@ fn pipeline_stages_stream_from_a_small_device_with_the_same_bits() {
             let range = layers[stage].clone();
             let split = StageSplit::None;
             let gpt = GptStage::register(&mut m, &config(), 3, (stage, 2), range, split).unwrap();
-            let groups = StageGroups {
-                pipeline: grid.pipeline(),
-                tensor: None,
-                sequence: None,
-                grid: None,
-            };
+            let groups = pipe_groups(grid);
             let mut opt = adam();
             let (mut losses, mut h2d) = (Vec::new(), 0);
             for k in 0..STEPS {
                 let (t, g) = batch(k);
-                let quarter = B / 4 * T;
-                let micro: Vec<GptBatch> = (0..4)
-                    .map(|j| GptBatch {
-                        tokens: &t[j * quarter..(j + 1) * quarter],
-                        targets: &g[j * quarter..(j + 1) * quarter],
-                        batch: B / 4,
-                        seq: T,
-                    })
-                    .collect();
+                let micro = quarters(&t, &g);
                 let schedule = Schedule::OneFOneB;
                 let s = train_step_pipe(&gpt, &mut m, groups, schedule, &mut opt, &micro);
                 losses.push(s.unwrap().0.loss.to_bits());

@@ -533,9 +533,21 @@ fn two_bw_stream(c: Communicator, p: usize, micro: usize, batches: usize) -> Res
     b.every = Some(micro);
     let mut opt = adam(1);
     let stage = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: micro }, micro)?;
+    let mut traced = Vec::new();
     let reports = stage.run_two_bw(&mut store, [&a, &b], batches, |store, _| {
+        // the tide's trace as the step before this one left it (the first iteration's is
+        // dropped after its step: the pipeline's fill is unlike the steady iterations)
+        traced.push(store.trace().map(|t| t.len()));
         store.step(&mut opt).map(drop)
     })?;
+    assert_eq!(traced[0], None, "the first iteration is the warm-up");
+    if batches > 2 {
+        assert_eq!(traced[1], None, "the second iteration is the warm-up again");
+        assert!(
+            traced[2].is_some(),
+            "the second iteration's trace is installed"
+        );
+    }
     let losses = reports
         .iter()
         .flat_map(|r| r.losses.iter().map(|l| l.to_bits()))

@@ -99,6 +99,13 @@ pub(crate) fn check_params_clean<S: ParamStore + ?Sized>(
     store.check_params_clean(ids, TOKEN)
 }
 
+/// Makes `store` record its next iteration as the warm-up again (its tide trace; on a ZeRO rank
+/// also the gathers' prefetch order), between iterations: the iteration recorded was unlike
+/// the ones to come.
+pub(crate) fn rewarm<S: ParamStore + ?Sized>(store: &mut S) -> Result<()> {
+    store.rewarm(TOKEN)
+}
+
 pub use guard::Guard;
 pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Pass, PassKind};
 pub use view::{GradView, ReadView};
@@ -248,6 +255,8 @@ pub(crate) mod sealed {
         fn fetch_ahead(&mut self, ids: &[TensorId], _: Token) -> Result<Vec<TensorView>>;
         /// Refuses tensors whose parameter chunk may hold gradients (this rank's, on ZeRO).
         fn check_params_clean(&self, ids: &[TensorId], _: Token) -> Result<()>;
+        /// Records the next iteration as the warm-up again.
+        fn rewarm(&mut self, _: Token) -> Result<()>;
     }
 }
 
@@ -301,6 +310,9 @@ impl sealed::Core for ChunkManager {
     }
     fn check_params_clean(&self, ids: &[TensorId], _: sealed::Token) -> Result<()> {
         ChunkManager::check_params_clean(self, ids)
+    }
+    fn rewarm(&mut self, _: sealed::Token) -> Result<()> {
+        ChunkManager::rewarm(self)
     }
 }
 
@@ -409,6 +421,9 @@ impl sealed::Core for ZeroManager {
     }
     fn check_params_clean(&self, ids: &[TensorId], _: sealed::Token) -> Result<()> {
         ZeroManager::check_params_clean(self, ids)
+    }
+    fn rewarm(&mut self, _: sealed::Token) -> Result<()> {
+        ZeroManager::rewarm(self)
     }
 }
 

@@ -346,6 +346,13 @@ impl Scheduler {
         self.trace = Some(trace);
     }
 
+    /// Drops the installed trace: warm-up's budgets and victims again, until the next trace is
+    /// installed (an iteration unlike the ones to come was recorded).
+    pub fn forget_trace(&mut self) {
+        self.trace = None;
+        self.index = UseIndex::default();
+    }
+
     /// Starts a new iteration: the next tick is moment 0.
     pub fn start_iteration(&mut self) {
         self.moment = None;

@@ -41,6 +41,14 @@ impl ZeroManager {
         Ok(())
     }
 
+    /// Records the next iteration as the warm-up again: this rank's manager's tide trace and the
+    /// order of first uses its gathers are prefetched by (every rank must do the same).
+    pub(crate) fn rewarm(&mut self) -> Result<()> {
+        self.local.rewarm()?;
+        self.prefetch.all_steady = false;
+        Ok(())
+    }
+
     /// Refuses tensors this rank owns whose parameter chunk may hold gradients.
     pub(crate) fn check_params_clean(&self, ids: &[TensorId]) -> Result<()> {
         let owned: Vec<TensorId> = ids

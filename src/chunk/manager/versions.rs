@@ -53,6 +53,25 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// Records the next iteration as the warm-up again, between iterations: the one recorded
+    /// was unlike those to come (a pipeline stream's fill). Until the next trace is installed
+    /// the scheduler works as in warm-up.
+    pub(crate) fn rewarm(&mut self) -> Result<()> {
+        self.usable()?;
+        if self.stage.is_some() {
+            return Err(Error::WrongStage {
+                call: "rewarm (between iterations)".into(),
+                stage: self.stage.map_or("idle", |s| s.name()),
+            });
+        }
+        if let Some(s) = self.sched.as_mut() {
+            s.forget_trace();
+        }
+        self.tracer.discard();
+        self.warm = true;
+        Ok(())
+    }
+
     /// [`ChunkManager::copy_state`]'s checks: the moment, the pairs, and with `params` no
     /// parameter chunk that may hold gradients.
     pub(crate) fn check_copy(&self, pairs: &[(TensorId, TensorId)], params: bool) -> Result<()> {

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use super::runtime::{PipelineStage, Run, StageModel, StageReport};
 use super::schedule::{two_bw, PipeOp, Schedule};
 use crate::error::{Error, Result};
-use crate::store::{check_params_clean, ParamStore};
+use crate::store::{check_params_clean, rewarm, ParamStore};
 use crate::tensor::{ChunkKind, TensorId};
 
 /// The optimizer's lists: what the set stepped next takes over from the other.
@@ -38,6 +38,10 @@ impl PipelineStage<'_> {
     /// optimizer state (copied from `versions[1]` when that one stepped last), so a later call
     /// goes on from them; its first batch computes on them, as the first batch of a stream
     /// does.
+    ///
+    /// The stream's first iteration (the pipeline's fill) differs from the steady ones after
+    /// it, so with more than two batches the store's warm-up (the tide's trace, a ZeRO rank's
+    /// prefetch order) records the second iteration instead.
     ///
     /// Micro-batch `j` of the stream is micro-batch `j % every` of batch `j / every`: the
     /// models' `forward`, `backward` and `input_shape` get `j`. Returns a report per batch
@@ -103,6 +107,11 @@ impl PipelineStage<'_> {
             step(store, b)?;
             let stepped: Vec<TensorId> = to_current.iter().map(|&(_, to)| to).collect();
             check_params_clean(store, &stepped)?;
+            if b == 0 && batches > 2 {
+                // the first iteration, the pipeline's fill, is unlike the steady ones after it:
+                // the store's warm-up records the next one
+                rewarm(store)?;
+            }
         }
         // the newest version into versions[0], where the next call starts
         if batches.is_multiple_of(2) {

@@ -5,7 +5,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::marker::PhantomData;
 
-use super::pass::{Backward, Host, PassKind, Sum};
+use super::host::{Backward, Host, PassKind, Sum};
 use super::view::{GradView, ReadView};
 use super::TOKEN;
 use crate::chunk::TensorView;

@@ -83,6 +83,7 @@
 //! ```
 
 mod guard;
+mod host;
 mod pass;
 mod view;
 
@@ -107,7 +108,8 @@ pub(crate) fn rewarm<S: ParamStore + ?Sized>(store: &mut S) -> Result<()> {
 }
 
 pub use guard::Guard;
-pub use pass::{Backward, BackwardPass, Forward, ForwardPass, Pass, PassKind};
+pub use host::{Backward, Forward, PassKind};
+pub use pass::{BackwardPass, ForwardPass, Pass};
 pub use view::{GradView, ReadView};
 
 use std::sync::Arc;

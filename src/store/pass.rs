@@ -1,4 +1,5 @@
-//! Passes over a store and the guards their fetches return.
+//! Passes over a store: the forward and backward stages of an iteration, and the recompute
+//! and ahead passes inside the backward stage.
 
 use std::cell::{RefCell, RefMut};
 use std::fmt;
@@ -6,6 +7,7 @@ use std::marker::PhantomData;
 use std::sync::Arc;
 
 use super::guard::Guard;
+use super::host::{Backward, Forward, Handles, Host, PassKind, Sum};
 use super::ParamStore;
 use super::TOKEN;
 use crate::device::{Block, CachingAllocator, Device, Stream};
@@ -13,70 +15,11 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId};
 
-mod kind {
-    /// Only [`super::Forward`] and [`super::Backward`] are pass kinds.
-    pub trait Sealed {}
-}
-
-/// The stage a [`Pass`] runs: [`Forward`] or [`Backward`] (the optimizer stage has no pass; it
-/// runs in [`ParamStore::step`]).
-pub trait PassKind: kind::Sealed {
-    /// The stage.
-    const STAGE: Stage;
-}
-
-/// The forward stage (see [`ForwardPass`]).
-#[derive(Debug)]
-pub enum Forward {}
-
-/// The backward stage (see [`BackwardPass`]).
-#[derive(Debug)]
-pub enum Backward {}
-
-impl kind::Sealed for Forward {}
-impl kind::Sealed for Backward {}
-impl PassKind for Forward {
-    const STAGE: Stage = Stage::Forward;
-}
-impl PassKind for Backward {
-    const STAGE: Stage = Stage::Backward;
-}
-
 /// A forward pass over a store (see [`ParamStore::forward`]).
 pub type ForwardPass<'s> = Pass<'s, Forward>;
 
 /// A backward pass over a store (see [`ParamStore::backward`]); its guards write gradients.
 pub type BackwardPass<'s> = Pass<'s, Backward>;
-
-/// What views and guards need of their pass: the store's device, compute stream, pool and
-/// parameter dtype, taken when the pass opens.
-pub(crate) struct Handles {
-    pub(crate) device: Device,
-    pub(crate) stream: Arc<Stream>,
-    pub(crate) pool: CachingAllocator,
-    pub(crate) dtype: DType,
-}
-
-/// The running gradient sum (f32, in the pool) of a parameter used more than once in backward.
-pub(crate) struct Sum {
-    pub(super) id: TensorId,
-    pub(super) buf: Block,
-    pub(super) uses: u32,
-}
-
-/// A pass seen from its guards and views, without the store's lifetime.
-pub(crate) trait Host {
-    fn handles(&self) -> &Handles;
-    /// The store, borrowed for one call (never held across another).
-    fn store(&self) -> RefMut<'_, dyn ParamStore + '_>;
-    /// The store unless it is borrowed (a guard dropped while unwinding from inside a call).
-    fn try_store(&self) -> Option<RefMut<'_, dyn ParamStore + '_>>;
-    /// Keeps an error a drop could not return, for the pass's next call.
-    fn defer(&self, e: Error);
-    fn sums(&self) -> RefMut<'_, Vec<Sum>>;
-    /// The stage guards release in: the pass's, or backward for a recompute pass.
-    fn release_stage(&self) -> Stage;
-}
 
 struct State<'s> {
     store: RefCell<&'s mut dyn ParamStore>,

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use super::pass::Host;
+use super::host::Host;
 use super::TOKEN;
 use crate::chunk::{decode, encode};
 use crate::device::{DeviceView, HostBuffer, Input};

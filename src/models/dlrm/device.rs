@@ -139,7 +139,7 @@ impl Dlrm {
         loss_scale: f32,
     ) -> Result<(f32, Vec<f32>, usize)> {
         self.check(Self::device_emb_len(emb)?, dense, Some(labels), batch)?;
-        check_loss_scale(loss_scale)?;
+        super::model::check_loss_scale(loss_scale)?;
         let fwd = store.forward()?;
         let vectors = self.cast_emb(&fwd, emb, batch)?;
         let f = self.forward(
@@ -243,17 +243,6 @@ impl Dlrm {
         store.backward()?.finish()?;
         store.skip_step()?;
         Ok(f.probs)
-    }
-}
-
-/// A loss scale must be a positive finite number.
-pub(super) fn check_loss_scale(loss_scale: f32) -> Result<()> {
-    if loss_scale.is_finite() && loss_scale > 0.0 {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "the loss scale {loss_scale} is not a positive finite number"
-        )))
     }
 }
 

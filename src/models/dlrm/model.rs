@@ -176,7 +176,7 @@ impl Dlrm {
         batch: usize,
         loss_scale: f32,
     ) -> Result<(f32, Vec<f32>, Vec<f32>)> {
-        super::device::check_loss_scale(loss_scale)?;
+        check_loss_scale(loss_scale)?;
         let (sum, grad, probs) = self.forward_backward_parts(
             store,
             emb,
@@ -337,6 +337,17 @@ impl Dlrm {
         bottom_in.push(saved.dense);
         mlp_backward(bwd, &self.bottom, &bottom_in, d_dense, false, true)?;
         Ok(d_emb)
+    }
+}
+
+/// A loss scale must be a positive finite number.
+pub(super) fn check_loss_scale(loss_scale: f32) -> Result<()> {
+    if loss_scale.is_finite() && loss_scale > 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "the loss scale {loss_scale} is not a positive finite number"
+        )))
     }
 }
 

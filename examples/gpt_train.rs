@@ -832,10 +832,15 @@ impl Run<'_> {
                 };
                 let range = layers[stage].clone();
                 let at = (stage, stages);
+                // a stream's two weight versions: the stage registered twice, each time from a
+                // chunk group rank 0 owns, so that a ZeRO rank holds both versions of a tensor
+                if self.stream {
+                    store.align_to_ranks()?;
+                }
                 let gpt = GptStage::register_with(store, &p.cfg, a.seed, at, range, split, ends)?;
-                // the second weight version of a stream: the same stage registered again
                 let second = match self.stream {
                     true => {
+                        store.align_to_ranks()?;
                         let r = layers[stage].clone();
                         let g = GptStage::register_with(store, &p.cfg, a.seed, at, r, split, ends)?;
                         Some(Box::new(g))

@@ -645,6 +645,8 @@ struct ZeroOut {
     losses: Vec<u32>,
     masters: OwnedMasters,
     reduce_scatters: u64,
+    /// Broadcasts on the data-parallel group (the state copies between owners).
+    broadcasts: u64,
 }
 
 /// Owned masters of `toy`'s parameters on a ZeRO rank: `None` where another rank owns one.
@@ -658,6 +660,13 @@ fn owned_masters(z: &mut ZeroManager, toy: &Toy) -> OwnedMasters {
         .collect()
 }
 
+/// Whether the second version's registration starts on a chunk group rank 0 owns.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Aligned {
+    Yes,
+    No,
+}
+
 /// One rank of data 2 × pipeline `p` on ZeRO: PipeDream-2BW a step at a time (delayed
 /// parameters) or as one stream on two registrations; the last stage's losses and the owned
 /// masters of the newest weights.
@@ -666,7 +675,7 @@ fn two_bw_zero(
     p: usize,
     micro: usize,
     batches: usize,
-    stream: bool,
+    stream: Option<Aligned>,
 ) -> Result<ZeroOut> {
     let grid = ProcessGrid::new(
         &c,
@@ -689,11 +698,11 @@ fn two_bw_zero(
     a.salt = 100 * grid.data_rank();
     let mut opt = HybridAdam::new(HybridConfig {
         placement: DevicePlacement::HostOnly,
-        delayed_params: !stream,
+        delayed_params: stream.is_none(),
         ..HybridConfig::new(AdamConfig::adam(1e-2))
     })?;
     let mut losses = Vec::new();
-    if !stream {
+    let Some(aligned) = stream else {
         let stage = PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, micro)?;
         for step in 0..batches {
             a.step = step;
@@ -708,7 +717,11 @@ fn two_bw_zero(
             losses,
             masters,
             reduce_scatters,
+            broadcasts: z.comm().stats().broadcast.calls,
         });
+    };
+    if aligned == Aligned::Yes {
+        ParamStore::align_to_ranks(&mut z)?;
     }
     let mut b = Toy::register_named(&mut z, "v1.", layers, scale);
     b.salt = a.salt;
@@ -727,6 +740,7 @@ fn two_bw_zero(
         losses,
         masters,
         reduce_scatters,
+        broadcasts: z.comm().stats().broadcast.calls,
     })
 }
 
@@ -738,14 +752,27 @@ fn two_bw_zero(
 #[test]
 fn two_bw_without_a_flush_on_zero_equals_the_per_step_two_bw() {
     const BATCHES: usize = 3;
-    for p in [2, 4] {
+    // state copies between owners happen unaligned (on some stage of some case)
+    let mut crossed = 0;
+    for (p, aligned) in [
+        (2, Aligned::No),
+        (4, Aligned::No),
+        (2, Aligned::Yes),
+        (4, Aligned::Yes),
+    ] {
         let micro = p;
         let want = on_ranks(2 * p, Duration::from_secs(20), |c| {
-            two_bw_zero(c, p, micro, BATCHES, false).unwrap()
+            two_bw_zero(c, p, micro, BATCHES, None).unwrap()
         });
         let got = on_ranks(2 * p, Duration::from_secs(20), |c| {
-            two_bw_zero(c, p, micro, BATCHES, true).unwrap()
+            two_bw_zero(c, p, micro, BATCHES, Some(aligned)).unwrap()
         });
+        // aligned, each tensor's two versions lie on one rank: no state crosses the ranks
+        let broadcasts: u64 = got.iter().map(|g| g.broadcasts).sum();
+        match aligned {
+            Aligned::Yes => assert_eq!(broadcasts, 0, "P {p}: state copied across ranks"),
+            Aligned::No => crossed += broadcasts,
+        }
         for (r, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_eq!(g.losses, w.losses, "P {p}, rank {r}: losses");
             // only batch b's groups are reduce-scattered in its iteration, not those gathered
@@ -772,6 +799,7 @@ fn two_bw_without_a_flush_on_zero_equals_the_per_step_two_bw() {
         }
         assert!(got.iter().any(|g| g.losses.len() == BATCHES * micro));
     }
+    assert!(crossed > 0, "no case copied state between owners");
 }
 
 /// Each stage's messages to a neighbour in an iteration are that neighbour's receives in the

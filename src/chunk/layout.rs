@@ -90,6 +90,16 @@ impl Layout {
         self.open = None;
     }
 
+    /// Closes the open chunk and adds empty groups (of an ordinary chunk's capacity, holding no
+    /// tensor) until the number of groups is a multiple of `multiple`: the next tensor starts a
+    /// group whose index is a multiple of it.
+    pub fn pad_groups(&mut self, multiple: usize) {
+        self.seal();
+        while multiple > 0 && !self.groups().is_multiple_of(multiple) {
+            self.new_group(self.chunk_elems);
+        }
+    }
+
     /// Number of chunk groups.
     pub fn groups(&self) -> usize {
         self.group_elems.len()
@@ -214,6 +224,32 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn padding_starts_the_next_tensor_on_a_multiple_and_repacks_alike() {
+        let sizes = [3, 5, 12, 2, 4];
+        let mut l = Layout::new(8).unwrap();
+        for &n in &sizes {
+            l.push(n).unwrap();
+        }
+        let first = l.groups();
+        l.pad_groups(4);
+        assert_eq!(l.groups() % 4, 0);
+        assert!(l.groups() >= first && l.groups() < first + 4);
+        let pad = l.groups();
+        assert!(l.group_tensors[first..].iter().all(Vec::is_empty));
+        // the same tensors again pack as the first time, every group shifted by `pad`
+        for (t, &n) in sizes.iter().enumerate() {
+            let s = l.push(n).unwrap();
+            let o = l.slots[t];
+            assert_eq!((s.group, s.offset), (o.group + pad as u32, o.offset));
+        }
+        // already a multiple: only the open chunk closes
+        let mut m = Layout::pack(8, &[3]).unwrap();
+        m.pad_groups(1);
+        assert_eq!(m.groups(), 1);
+        assert_eq!(m.push(2).unwrap().group, 1);
+    }
 
     #[test]
     fn packing_never_spans_and_oversized_gets_own_group() {

@@ -219,6 +219,12 @@ pub trait ParamStore: Send + sealed::Core {
     /// the same pairs ([`ZeroManager::copy_state`]: a side another rank owns comes by
     /// broadcast).
     fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()>;
+
+    /// Closes the open chunk so that the next tensor starts a new chunk group, owned by rank 0
+    /// of a [`ZeroManager`] ([`ZeroManager::align_to_ranks`]): call it before each registration
+    /// of a PipeDream-2BW version, so each tensor's two versions lie on one rank and their
+    /// state copies stay local. Before the first fetch.
+    fn align_to_ranks(&mut self) -> Result<()>;
 }
 
 /// What the passes need from a store beyond its public interface.
@@ -389,6 +395,9 @@ impl ParamStore for ChunkManager {
     fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()> {
         ChunkManager::copy_state(self, pairs, kinds)
     }
+    fn align_to_ranks(&mut self) -> Result<()> {
+        self.seal_chunk()
+    }
 }
 
 impl sealed::Core for ZeroManager {
@@ -493,6 +502,9 @@ impl ParamStore for ZeroManager {
     }
     fn copy_state(&mut self, pairs: &[(TensorId, TensorId)], kinds: &[ChunkKind]) -> Result<()> {
         ZeroManager::copy_state(self, pairs, kinds)
+    }
+    fn align_to_ranks(&mut self) -> Result<()> {
+        ZeroManager::align_to_ranks(self)
     }
 }
 

@@ -51,6 +51,21 @@ impl ZeroManager {
         Ok(TensorId(self.tensors.len() as u32 - 1))
     }
 
+    /// Closes the open chunk and pads the layout with empty chunk groups so that the next
+    /// tensor starts a group rank 0 owns. Registering the same tensors again after it packs them
+    /// as the first time, each copy owned by the rank that owns the original: a state copy
+    /// between the two ([`ZeroManager::copy_state`], PipeDream-2BW's two weight versions) then
+    /// stays on every rank, with no message. Before the first fetch.
+    pub fn align_to_ranks(&mut self) -> Result<()> {
+        if self.closed {
+            return Err(Error::InvalidArgument(
+                "align_to_ranks: registration closed at the first fetch".into(),
+            ));
+        }
+        self.layout.pad_groups(self.comm.world());
+        Ok(())
+    }
+
     /// Counts `share` of tensor `id`'s squared gradient norm in the gradient statistics (see
     /// [`crate::chunk::ChunkManager::set_norm_share`]); before the first fetch.
     pub fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {

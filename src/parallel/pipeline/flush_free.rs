@@ -20,7 +20,10 @@ impl PipelineStage<'_> {
     /// batch `b`'s step, as the schedule's op order ([`two_bw`]) has it; only the pipeline's
     /// fill and drain at the ends of the stream idle.
     ///
-    /// The stage's parameters are registered twice: `versions[0]` and `versions[1]` list the
+    /// The stage's parameters are registered twice, each time after
+    /// [`ParamStore::align_to_ranks`] (on ZeRO this puts each tensor's two versions on one rank,
+    /// so the state copies need no message; without it they go by broadcast where the owners
+    /// differ): `versions[0]` and `versions[1]` list the
     /// same parameters in the same order ([`StageModel::params`] and
     /// [`StageModel::finish_params`], of the same shapes). Batch `b` runs on
     /// `versions[b % 2]`, which holds `W(b − 1)` (`W(−1) = W(0)`): `versions[1]` starts as a

@@ -17,7 +17,8 @@ use crate::store::ParamStore;
 /// step's first `P − s − 1` forwards between this step's last backwards, on the other weight
 /// version, so the pipeline fills and drains once for the whole stream instead of once a
 /// step. `versions` are the stage registered twice in `store` with the same arguments
-/// ([`GptStage::register`]): step `b` computes on `versions[b % 2]`, which holds
+/// ([`GptStage::register`]), each after [`ParamStore::align_to_ranks`] (so that on ZeRO a
+/// tensor's two versions lie on one rank and their state copies stay local): step `b` computes on `versions[b % 2]`, which holds
 /// `W(b − 1)`, and makes `W(b + 1) = W(b) − Adam(∇f(W(b − 1)))` in it (the other version's
 /// masters and moments copied in first), the arithmetic of [`train_step_pipe`]'s per-step 2BW
 /// with [`delayed_params`](crate::optim::HybridConfig::delayed_params), bit for bit.

@@ -26,15 +26,20 @@ impl ZeroManager {
         let checked = self.check_pairs(pairs, params);
         self.comm.agree(checked.is_ok())?;
         let local = checked?;
+        // the pairs this rank owns both tensors of, in one copy of its manager
+        let mine: Vec<(TensorId, TensorId)> =
+            local.iter().filter_map(|&(la, lb)| la.zip(lb)).collect();
+        if !mine.is_empty() {
+            self.local.copy_state(&mine, kinds)?;
+        }
+        // the others from their owners (the pairs are disjoint: the order does not matter)
         let (n, me) = (self.world(), self.comm.rank());
+        let owner = |z: &Self, id: TensorId| z.tensors[id.index()].slot.group as usize % n;
         for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
             for (&(a, b), &(la, lb)) in pairs.iter().zip(&local) {
-                let owner = |id: TensorId| self.tensors[id.index()].slot.group as usize % n;
-                let (oa, ob) = (owner(a), owner(b));
-                match (la, lb) {
-                    (Some(la), Some(lb)) => self.local.copy_state(&[(la, lb)], &[kind])?,
-                    _ if oa == ob => {}
-                    _ => self.send_state(kind, (a, la, oa), (lb, ob), me)?,
+                let (oa, ob) = (owner(self, a), owner(self, b));
+                if oa != ob {
+                    self.send_state(kind, (a, la, oa), (lb, ob), me)?;
                 }
             }
         }

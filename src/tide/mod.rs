@@ -29,10 +29,12 @@
 
 mod bound;
 mod scheduler;
+mod sizing;
 mod trace;
 
 pub use bound::{lower_bound, Bound};
 pub use scheduler::{
     spill_to_file, ChunkStatus, Move, MoveStats, Policy, Scheduler, SchedulerConfig,
 };
+pub use sizing::Sizing;
 pub use trace::{Access, ChunkDesc, ChunkNo, Moment, Target, Trace, Tracer, UseIndex, NEVER};

@@ -5,8 +5,9 @@ use serde::Serialize;
 use serde_json::json;
 
 use super::{ChunkManager, HostSlot};
+use crate::error::{Error, Result};
 use crate::profile::{ChromeTrace, TidePoint, Track};
-use crate::tide::{MoveStats, Scheduler, Trace};
+use crate::tide::{MoveStats, Scheduler, Sizing, Trace};
 
 /// Chunk bytes per kind (index [`ChunkKind::index`](crate::tensor::ChunkKind::index)) on each
 /// tier.
@@ -197,6 +198,42 @@ impl ChunkManager {
     /// The installed trace.
     pub fn trace(&self) -> Option<&Trace> {
         self.sched.as_ref().and_then(|s| s.trace())
+    }
+
+    /// What this model needs of a device ([`Sizing`]: the non-model peak, the largest single
+    /// moment, the smallest device under a policy), from the trace of the warm-up iteration.
+    /// Run one iteration on a device with room for everything and end it with
+    /// [`ChunkManager::end_step`] (a skipped step discards the trace) first.
+    ///
+    /// ```
+    /// use tidemem::chunk::{ChunkManager, ManagerConfig};
+    /// use tidemem::device::{CachingAllocator, Device, SimConfig};
+    /// use tidemem::tensor::{Init, Stage};
+    /// use tidemem::tide::Policy;
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    /// let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(1024, Policy::Tide))?;
+    /// m.set_non_model_allocator(CachingAllocator::new(dev));
+    /// let big = m.register("big", &[3000], Init::Zeros)?; // a chunk of its own
+    /// let small = m.register("small", &[10], Init::Zeros)?;
+    /// for stage in [Stage::Forward, Stage::Backward] {
+    ///     m.fetch(&[big, small], stage)?;
+    ///     m.release(&[big, small], stage)?;
+    /// }
+    /// m.end_step()?;
+    /// let s = m.sizing()?;
+    /// // both chunks at once (fp16: 6,000 and 2,048 bytes)
+    /// assert_eq!(s.largest_moment(), 8048);
+    /// # Ok(()) }
+    /// ```
+    pub fn sizing(&self) -> Result<Sizing> {
+        let s = self.sched.as_ref();
+        match (s, s.and_then(|s| s.trace())) {
+            (Some(s), Some(t)) => Sizing::new(t.clone(), s.chunks().to_vec()),
+            _ => Err(Error::InvalidArgument(
+                "sizing needs a complete warm-up iteration (ended by end_step)".into(),
+            )),
+        }
     }
 
     /// Moves ordered since the manager was created.

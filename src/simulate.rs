@@ -28,7 +28,7 @@ use crate::optim::DevicePlacement;
 use crate::tensor::Stage;
 use crate::tide::{
     lower_bound, spill_to_file, Access, Bound, ChunkNo, MoveStats, Policy, Scheduler,
-    SchedulerConfig, Target, Trace, Tracer,
+    SchedulerConfig, Sizing, Target, Trace, Tracer,
 };
 
 /// One op of the forward pass.
@@ -490,6 +490,23 @@ pub fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
             .chunk_elems)
         }
     }
+}
+
+/// The device sizing of one iteration of `spec` in chunks of `chunk_elems` elements with
+/// `param_bytes` bytes a parameter element ([`Sizing`]: the largest single moment, the
+/// smallest device under a policy): what [`ChunkManager::sizing`](crate::chunk::ChunkManager)
+/// measures on a real iteration, from the spec's own trace (the optimizer on the host).
+pub fn sizing(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<Sizing> {
+    spec.validate()?;
+    let plan = ChunkPlan::new(&spec.numels(), chunk_elems, param_bytes)?;
+    let mut tracer = Tracer::new();
+    for (stage, acc, nm) in iteration_accesses(spec, &plan.layout) {
+        tracer.tick(stage, acc, nm);
+    }
+    let trace = tracer
+        .finish()
+        .ok_or_else(|| Error::InvalidArgument("model has no forward op".into()))?;
+    Sizing::new(trace, plan.chunks)
 }
 
 /// Runs warm-up and steady iterations of `spec` under `policy`.

@@ -83,12 +83,18 @@ impl Sizing {
         &self.chunks
     }
 
+    /// Bytes of every chunk of every list (parameters, fp32 masters, momentum, variance, with
+    /// their padding): the model data a device smaller than this offloads.
+    pub fn model_data_bytes(&self) -> u64 {
+        self.chunks.iter().map(|c| c.bytes).sum()
+    }
+
     /// Highest non-model device bytes over the iteration.
     pub fn non_model_peak(&self) -> u64 {
         self.trace.peak_non_model()
     }
 
-    /// Bytes of all chunks of `kind` lists that visit the device (the parameter chunks).
+    /// Bytes of the chunks that visit the device (the parameter chunks).
     pub fn device_chunk_bytes(&self) -> u64 {
         let mut seen = vec![false; self.chunks.len()];
         for m in &self.trace.moments {

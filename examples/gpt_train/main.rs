@@ -20,6 +20,8 @@
 //! progress bar shows the loss, tokens/s, MFU (against the CPU's FMA peak measured at the start,
 //! or not shown on CUDA) and the bytes moved per step; `--json` prints one object at the end.
 
+mod checks;
+
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -208,7 +210,7 @@ fn parse_policy(s: &str) -> Result<Policy> {
 /// The model's shape: an imported checkpoint's, or the preset's with the overrides.
 fn model_config(a: &Args) -> Result<(GptConfig, Option<tidemem::models::gpt::HfWeights>)> {
     if let Some(p) = &a.load_hf {
-        let w = read_hf(p, a.heads, None)?;
+        let w = read_hf(p, Some(checks::hf_heads(a, p)?), None)?;
         return Ok((w.config().clone(), Some(w)));
     }
     let mut c = GptConfig::preset(&a.model).ok_or_else(|| {
@@ -322,7 +324,13 @@ fn probe(a: &Args, p: &Plan) -> Result<Sizing> {
 
 fn run() -> Result<()> {
     let a = Args::parse();
+    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let sharded = a.ranks > 1 || launched || a.tp != "none";
+    // everything that can be checked before any work is
+    checks::flags(&a, launched)?;
+    checks::paths(&a, sharded)?;
     let (cfg, hf) = model_config(&a)?;
+    checks::sizes(&a, &cfg)?;
     let tok = match &a.tokenizer {
         Some(p) => Tokenizer::from_file(p)?,
         None => Tokenizer::bytes(),
@@ -331,19 +339,7 @@ fn run() -> Result<()> {
         Some(p) => TokenData::from_file(p, &tok, 0.05)?,
         None => TokenData::generated(400_000, a.seed, 0.05)?,
     };
-    if data.vocab() > cfg.vocab {
-        return Err(bad(format!(
-            "the tokenizer has {} tokens; the model only {}",
-            data.vocab(),
-            cfg.vocab
-        )));
-    }
-    if a.seq > cfg.max_seq || a.batch == 0 || a.seq == 0 || a.accumulate == 0 || a.ranks == 0 {
-        return Err(bad(format!(
-            "--batch {} --seq {} --accumulate {} --ranks {} (the model has {} positions)",
-            a.batch, a.seq, a.accumulate, a.ranks, cfg.max_seq
-        )));
-    }
+    checks::data(&a, &cfg, &data, &tok)?;
     let checkpoint = match a.checkpoint.as_str() {
         "on" => true,
         "off" => false,
@@ -396,7 +392,7 @@ fn run() -> Result<()> {
             }
         }
     };
-    if a.ranks > 1 || std::env::var_os("WORLD_SIZE").is_some() || a.tp != "none" {
+    if sharded {
         if a.save_hf.is_some() || a.trace.is_some() {
             return Err(bad(
                 "--save-hf and --trace need one rank (each ZeRO rank holds a shard)".into(),
@@ -787,7 +783,10 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     // over the data-parallel batches
     let n = world as f64;
     let mut mean: Vec<f64> = losses.iter().map(|&l| f64::from(l) / n).collect();
-    c.all_reduce_host(&mut mean, ReduceOp::Sum)?;
+    // (a run of no steps has no loss to average: --steps 0 only loads and saves)
+    if !mean.is_empty() {
+        c.all_reduce_host(&mut mean, ReduceOp::Sum)?;
+    }
     // tokens: each tensor group trains on one batch (its sequence ranks on their positions),
     // and every pipeline stage sees the same tokens
     let mut rate = [tokens as f64 / (t * pp) as f64 / secs];

@@ -1,0 +1,134 @@
+//! `gpt_train` as a user meets it: bad flags, sizes, data and paths are refused before the
+//! first step (exit 1, a message naming the flag), and what used to fail at the end of a run
+//! fails at its start. Runs the example binary that `cargo test` builds
+//! (`target/<profile>/examples/gpt_train`); skips with a note when it is absent (a filtered
+//! `cargo test --test gpt_train_cli` builds no examples).
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn binary() -> Option<PathBuf> {
+    // target/<profile>/deps/gpt_train_cli-HASH → target/<profile>/examples/gpt_train
+    let exe = std::env::current_exe().ok()?;
+    let p = exe.parent()?.parent()?.join("examples").join("gpt_train");
+    p.is_file().then_some(p)
+}
+
+fn run(args: &[&str], dir: &std::path::Path) -> Option<Output> {
+    let Some(bin) = binary() else {
+        eprintln!("skipped: the gpt_train example is not built (run `cargo test`)");
+        return None;
+    };
+    Some(
+        Command::new(bin)
+            .args(args)
+            .current_dir(dir)
+            .env("TIDEMEM_BACKEND", "sim")
+            .output()
+            .expect("gpt_train starts"),
+    )
+}
+
+/// `args` fail fast (well before a step of training could end) with a message holding `want`.
+fn refused(args: &[&str], want: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let t = Instant::now();
+    let Some(out) = run(args, dir.path()) else {
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+    assert!(err.contains(want), "{args:?}: {err:?} lacks {want:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "{args:?} took {:?} to be refused",
+        t.elapsed()
+    );
+}
+
+#[test]
+fn numbers_that_make_no_sense_are_refused() {
+    refused(&["--clip", "nan"], "--clip NaN");
+    refused(&["--clip=-1"], "--clip -1");
+    refused(&["--lr", "inf"], "--lr inf");
+    refused(&["--weight-decay", "nan"], "--weight-decay");
+    refused(&["--pp", "2"], "give --ranks");
+    refused(&["--sp", "2"], "give --ranks");
+    refused(&["--batch", "0"], "each at least 1");
+}
+
+#[test]
+fn sizes_beyond_the_machine_are_refused_before_allocating() {
+    refused(&["--batch", "100000000"], "a micro-batch's logits need");
+    refused(&["--batch", "4294967297", "--seq", "1"], "logits need");
+    refused(&["--accumulate", "4294967295"], "a step's tokens need");
+    refused(&["--ranks", "100000"], "at most 256 in-process ranks");
+    refused(&["--ranks", "10000000"], "at most 256 in-process ranks");
+}
+
+#[test]
+fn data_that_would_fail_at_the_end_fails_at_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let tiny = dir.path().join("tiny.txt");
+    std::fs::write(&tiny, "a corpus far too short for its held-out part").unwrap();
+    let tiny = tiny.to_str().unwrap();
+    refused(
+        &["--data", tiny, "--seq", "16"],
+        "held-out part of the corpus has",
+    );
+    refused(&["--vocab", "1024", "--sample", "200"], "--sample 200");
+    refused(
+        &["--tokenizer", "tokenizer.json"],
+        "--tokenizer needs --data",
+    );
+}
+
+#[test]
+fn outputs_are_checked_before_the_first_step() {
+    refused(&["--save", "/nonexistent-dir/c.st"], "--save");
+    refused(&["--save-hf", "/nonexistent-dir/m.st"], "--save-hf");
+    refused(&["--trace", "/proc/no-such-dir"], "--trace");
+    refused(&["--save", "a.st", "--save-hf", "a.st"], "both write");
+    refused(&["--save", "a.st", "--save-hf", "./a.st"], "both write");
+}
+
+#[test]
+fn a_sharded_checkpoint_resumed_on_one_rank_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    std::fs::create_dir(&ck).unwrap();
+    for r in 0..2 {
+        std::fs::write(ck.join(format!("rank{r}.safetensors")), b"x").unwrap();
+    }
+    refused(
+        &["--resume", ck.to_str().unwrap()],
+        "resume it with --ranks 2",
+    );
+}
+
+#[test]
+fn an_import_without_heads_reads_config_json_or_asks() {
+    let dir = tempfile::tempdir().unwrap();
+    let f = dir.path().join("model.safetensors");
+    std::fs::write(&f, b"x").unwrap();
+    refused(&["--load-hf", f.to_str().unwrap()], "give --heads");
+}
+
+#[test]
+fn a_run_of_no_steps_on_ranks_saves_and_ends_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let Some(out) = run(
+        &[
+            "--ranks", "2", "--steps", "0", "--sample", "0", "--layers", "1", "--save", "ck",
+        ],
+        dir.path(),
+    ) else {
+        return;
+    };
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    for r in 0..2 {
+        assert!(dir.path().join(format!("ck/rank{r}.safetensors")).is_file());
+    }
+}

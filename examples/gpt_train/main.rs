@@ -645,6 +645,12 @@ fn summary(
         p.policy.name(),
         if p.checkpoint { "on" } else { "off" }
     );
+    if p.capacity >= model_data {
+        println!(
+            "(the largest moment and the activations need more than the model data: the \
+             device holds all of it, nothing is offloaded)"
+        );
+    }
     if let (Some(f), Some(l)) = (losses.first(), losses.last()) {
         println!("loss {f:.4} → {l:.4}, validation loss {val:.4}");
     }

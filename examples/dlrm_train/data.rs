@@ -10,7 +10,7 @@ use tidemem::data::criteo::{Batch, IdMap, Synthetic, TsvConfig, TsvReader, TsvRe
 use tidemem::prelude::*;
 
 /// Held-out synthetic batches start at this index: disjoint from the training batches.
-const HELD_OUT: u64 = 1 << 40;
+pub const HELD_OUT: u64 = 1 << 40;
 
 /// A stream of training batches and a held-out set.
 pub enum Source {

@@ -85,9 +85,11 @@ impl Ranks {
                 ratio: (a.full_table, a.cache_ratio),
             };
             let reply_tx = reply_tx.clone();
-            threads.push(std::thread::spawn(move || {
-                serve(r, setup, ec, mc, rx, reply_tx);
-            }));
+            let thread = std::thread::Builder::new()
+                .name(format!("rank {r}"))
+                .spawn(move || serve(r, setup, ec, mc, rx, reply_tx))
+                .map_err(|e| bad(format!("--ranks {}: rank {r}'s thread: {e}", a.ranks)))?;
+            threads.push(thread);
         }
         let mut ranks = Ranks {
             cmds,

@@ -9,7 +9,7 @@ use tidemem::chunk::{
     search_chunk_size, ChunkKind, ChunkManager, ChunkPlan, ManagerConfig, SizeSearch,
 };
 use tidemem::comm::{Communicator, ReduceOp};
-use tidemem::device::{CachingAllocator, Device, LinkModel, SimConfig};
+use tidemem::device::{CachingAllocator, Device, FileStore, LinkModel, SimConfig};
 use tidemem::embedding::{
     batch_slice, CacheConfig, EmbeddingCache, EmbeddingOptimizer, ShardedEmbedding, Sharding,
 };
@@ -157,4 +157,96 @@ fn sharded_tables_need_tables() {
         EmbeddingOptimizer::Sgd { lr: 0.1 },
         |_, _, _| {},
     ));
+}
+
+/// A checkpoint of one tensor `w` of `n` f32 elements whose data is a hole (the file is
+/// sparse: it takes no disk space), with the metadata of a real checkpoint of this crate.
+fn sparse_checkpoint(
+    path: &std::path::Path,
+    n: usize,
+    metadata: &std::collections::BTreeMap<String, String>,
+) {
+    use std::io::Write;
+    let bytes = 4 * n as u64;
+    let mut header = serde_json::Map::new();
+    header.insert("__metadata__".into(), serde_json::json!(metadata));
+    for (i, list) in ["param", "master", "momentum", "variance"]
+        .iter()
+        .enumerate()
+    {
+        header.insert(
+            format!("{list}/w"),
+            serde_json::json!({
+                "dtype": "F32",
+                "shape": [n],
+                "data_offsets": [i as u64 * bytes, (i as u64 + 1) * bytes],
+            }),
+        );
+    }
+    let mut json = serde_json::to_vec(&header).unwrap();
+    while json.len() % 8 != 0 {
+        json.push(b' ');
+    }
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(&(json.len() as u64).to_le_bytes()).unwrap();
+    f.write_all(&json).unwrap();
+    f.set_len(8 + json.len() as u64 + 4 * bytes).unwrap();
+}
+
+#[test]
+fn a_full_file_tier_is_a_typed_error_not_a_signal() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = FileStore::new(dir.path()).unwrap();
+    let Some(free) = store.available_bytes() else {
+        println!("skipped: the temporary directory's filesystem reports no free space");
+        return;
+    };
+    // More than the disk holds: a typed error naming the bytes and the directory, not a
+    // sparse file that would fault (SIGBUS) when first touched.
+    let too_many = usize::try_from(free.saturating_mul(2).saturating_add(1 << 20)).unwrap();
+    match store.alloc(too_many) {
+        Err(Error::FileTierFull {
+            requested, dir: d, ..
+        }) => {
+            assert_eq!((requested, d.as_path()), (too_many, dir.path()))
+        }
+        other => panic!("{too_many} bytes with {free} free: {other:?}"),
+    }
+    assert!(matches!(
+        store.alloc(1 << 50),
+        Err(Error::FileTierFull { .. })
+    ));
+
+    // The resume path: a checkpoint loaded into a manager whose chunks live on the file tier.
+    // Its parameter chunk needs twice the free space (plus a MiB).
+    let n = usize::try_from(free / 2 + (1 << 18)).unwrap();
+    if 16 * n as u64 > 4 << 40 {
+        println!("skipped the resume part: {free} bytes free is too much to outgrow");
+        return;
+    }
+    let cfg = |chunk_elems| {
+        let mut c = ManagerConfig::new(chunk_elems, Policy::Tide);
+        c.param_dtype = tidemem::DType::F32;
+        c.host_budget = Some(0);
+        c.file_dir = Some(dir.path().join("spill"));
+        c
+    };
+    let mut small = ChunkManager::new(common::sim(1 << 20), cfg(4)).unwrap();
+    small.register("w", &[4], Init::Zeros).unwrap();
+    let ckpt = dir.path().join("small.safetensors");
+    small.save_checkpoint(&ckpt, &Default::default()).unwrap();
+    let bytes = std::fs::read(&ckpt).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let big = dir.path().join("big.safetensors");
+    sparse_checkpoint(&big, n, &meta.into_iter().collect());
+
+    let mut m = ChunkManager::new(common::sim(1 << 20), cfg(n)).unwrap();
+    m.register("w", &[n], Init::Zeros).unwrap();
+    match m.load_checkpoint(&big) {
+        Err(Error::FileTierFull {
+            requested, dir: d, ..
+        }) => assert_eq!((requested, d), (4 * n, dir.path().join("spill"))),
+        other => panic!("a chunk of {} bytes with {free} free: {other:?}", 4 * n),
+    }
 }

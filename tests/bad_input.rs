@@ -8,7 +8,7 @@ use std::time::Duration;
 use tidemem::chunk::{
     search_chunk_size, ChunkKind, ChunkManager, ChunkPlan, ManagerConfig, SizeSearch,
 };
-use tidemem::comm::{Communicator, ReduceOp};
+use tidemem::comm::{launch, Communicator, ReduceOp, MAX_LOCAL_RANKS};
 use tidemem::device::{CachingAllocator, Device, FileStore, LinkModel, SimConfig};
 use tidemem::embedding::{
     batch_slice, CacheConfig, EmbeddingCache, EmbeddingOptimizer, ShardedEmbedding, Sharding,
@@ -249,4 +249,39 @@ fn a_full_file_tier_is_a_typed_error_not_a_signal() {
         }) => assert_eq!((requested, d), (4 * n, dir.path().join("spill"))),
         other => panic!("a chunk of {} bytes with {free} free: {other:?}", 4 * n),
     }
+}
+
+#[test]
+fn more_in_process_ranks_than_the_cap_are_refused_before_any_device() {
+    if std::env::var_os("WORLD_SIZE").is_some() {
+        return; // launched as an NCCL rank: launch does not start in-process ranks
+    }
+    let made = std::sync::atomic::AtomicUsize::new(0);
+    for world in [MAX_LOCAL_RANKS + 1, 100_000, 10_000_000, usize::MAX] {
+        let t0 = std::time::Instant::now();
+        let r = launch(
+            world,
+            |_| {
+                made.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok(common::sim(1 << 20))
+            },
+            Duration::from_secs(60),
+            |c| Ok(c.rank()),
+        );
+        match r {
+            Err(Error::TooLarge {
+                requested, limit, ..
+            }) => assert_eq!((requested, limit), (world as u128, MAX_LOCAL_RANKS as u64)),
+            other => panic!("{world} ranks: {other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5));
+    }
+    assert_eq!(made.into_inner(), 0);
+    let devices = (0..MAX_LOCAL_RANKS + 1)
+        .map(|_| common::sim(1 << 10))
+        .collect();
+    assert!(matches!(
+        Communicator::local(devices),
+        Err(Error::TooLarge { .. })
+    ));
 }

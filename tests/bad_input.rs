@@ -285,3 +285,33 @@ fn more_in_process_ranks_than_the_cap_are_refused_before_any_device() {
         Err(Error::TooLarge { .. })
     ));
 }
+
+#[test]
+fn batch_builders_refuse_sizes_past_host_memory() {
+    use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
+    use tidemem::data::text::{Split, TokenData};
+    let limit = tidemem::limits::host_limit();
+    fn too_large<T>(r: tidemem::Result<T>) {
+        let limit = tidemem::limits::host_limit();
+        match r {
+            Err(Error::TooLarge {
+                requested,
+                limit: l,
+                ..
+            }) => assert!(l == limit && requested > u128::from(limit)),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted"),
+        }
+    }
+    let text = TokenData::generated(4096, 2, 0.1).unwrap();
+    // `--batch 100000000`, `--batch 4294967297 --seq 1`, `--accumulate 4294967295`: past this
+    // machine's memory whatever it is
+    let rows = limit as usize / 4 + 1;
+    too_large(text.batch(Split::Train, 0, rows, 1));
+    too_large(text.batch(Split::Train, 0, usize::MAX, 1024));
+    too_large(text.batches(Split::Train, 0..u64::from(u32::MAX), rows / 1024, 1));
+    let gen =
+        Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(0.001)).unwrap();
+    too_large(gen.try_batch(0, usize::MAX));
+    too_large(gen.try_batch(0, rows));
+}

@@ -315,3 +315,19 @@ fn batch_builders_refuse_sizes_past_host_memory() {
     too_large(gen.try_batch(0, usize::MAX));
     too_large(gen.try_batch(0, rows));
 }
+
+#[test]
+fn a_gpt_whose_heads_do_not_divide_its_width_is_refused() {
+    let c = GptConfig {
+        heads: 7,
+        ..GptConfig::preset("gpt2-1.5b").unwrap()
+    };
+    assert!(matches!(
+        gpt(&c),
+        Err(Error::NotMultiple {
+            value: 1600,
+            divisor: 7,
+            ..
+        })
+    ));
+}

@@ -275,7 +275,7 @@ pub enum Error {
     /// A size that does not fit, refused before anything is allocated: its bytes overflow, or
     /// exceed what the machine holds ([`crate::limits::host_limit`]) or a documented cap (such
     /// as [`crate::comm::MAX_LOCAL_RANKS`]).
-    #[error("{what}: {requested} requested, more than the limit of {limit}")]
+    #[error("{what}: {} requested, more than the limit of {limit}", amount(.requested))]
     TooLarge {
         /// What was asked for, with its unit and the inputs it came from (`bytes of a batch of
         /// 4 × 1024 tokens`, `in-process ranks`).
@@ -390,6 +390,14 @@ impl Error {
             during,
             message: e.to_string(),
         }
+    }
+}
+
+/// The amount of a [`Error::TooLarge`] message (`u128::MAX` stands for an overflow).
+fn amount(requested: &u128) -> String {
+    match *requested {
+        u128::MAX => "more than 2^128 (an overflow)".into(),
+        r => r.to_string(),
     }
 }
 

@@ -331,3 +331,155 @@ fn a_gpt_whose_heads_do_not_divide_its_width_is_refused() {
         })
     ));
 }
+
+/// The status and stderr of example `name` run with `args`, or `None` (with a note) when the
+/// example is not built beside this test (`cargo test` builds the examples; `cargo test --test
+/// bad_input` alone does not). Fails the test when the example runs past `timeout`.
+fn run_example(name: &str, args: &[&str], timeout: Duration) -> Option<(i32, String)> {
+    use std::io::Read;
+    let exe = std::env::current_exe().ok()?;
+    let path = exe.parent()?.parent()?.join("examples").join(name);
+    if !path.is_file() {
+        println!(
+            "skipped: {} is not built (cargo test builds the examples)",
+            path.display()
+        );
+        return None;
+    }
+    let mut child = std::process::Command::new(&path)
+        .args(args)
+        .env_remove("WORLD_SIZE")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > timeout {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name} {args:?} ran past {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    // a signal (SIGBUS, an abort) has no code: report it as such
+    Some((status.code().unwrap_or(-1), err))
+}
+
+/// Example `name` refuses `args` with status 1 and a message holding every one of `needles`.
+fn refused(name: &str, args: &[&str], needles: &[&str]) {
+    let Some((code, err)) = run_example(name, args, Duration::from_secs(60)) else {
+        return;
+    };
+    assert_eq!(code, 1, "{name} {args:?}: status {code}, stderr: {err}");
+    assert!(!err.contains("panicked"), "{name} {args:?}: {err}");
+    for n in needles {
+        assert!(err.contains(n), "{name} {args:?}: '{n}' not in: {err}");
+    }
+}
+
+#[test]
+fn the_toy_trainers_refuse_flags_that_train_nothing() {
+    let out = tempfile::tempdir().unwrap();
+    let out = out.path().to_str().unwrap();
+    for ex in ["zero_train", "tide"] {
+        // tide writes its traces to --out: a fresh directory, though a refusal writes nothing
+        let with = |args: &[&'static str]| {
+            let mut v: Vec<&str> = args.to_vec();
+            if ex == "tide" {
+                v.extend(["--out", out]);
+            }
+            v
+        };
+        refused(ex, &with(&["--batch", "0"]), &["batch"]);
+        refused(ex, &with(&["--layers", "0"]), &["layers"]);
+        refused(ex, &with(&["--width", "0"]), &["width"]);
+        refused(ex, &with(&["--steps", "0"]), &["--steps 0"]);
+        refused(ex, &with(&["--device-mem", "0"]), &["--device-mem"]);
+        let huge = ["--batch", "18446744073709551615"];
+        refused(ex, &with(&huge), &["18446744073709551615"]);
+    }
+    refused("zero_train", &["--ranks", "0"], &["--ranks 0"]);
+    refused("zero_train", &["--ranks", "100000"], &["100000", "1024"]);
+    refused("zero_train", &["--ranks", "10000000"], &["10000000"]);
+    refused("zero_train", &["--ranks", "3"], &["32", "3"]);
+}
+
+#[test]
+fn simulate_refuses_shapes_and_fails_when_every_policy_fails() {
+    refused(
+        "simulate",
+        &["--hidden", "1600", "--heads", "7", "--no-largest"],
+        &["1600", "7"],
+    );
+    refused(
+        "simulate",
+        &[
+            "--device-mem",
+            "1KiB",
+            "--no-largest",
+            "--policies",
+            "tide,lru",
+        ],
+        &["every policy failed", "tide:", "lru:", "1024 bytes"],
+    );
+    refused("simulate", &["--overall-fraction", "nan"], &["NaN"]);
+    refused("simulate", &["--budget-fraction=-1"], &["-1"]);
+    refused("simulate", &["--device-adam", "inf"], &["inf"]);
+    refused("simulate", &["--chunk-elems", "0"], &["--chunk-elems"]);
+}
+
+#[test]
+fn embedding_cache_refuses_its_bad_flags() {
+    let ex = "embedding_cache";
+    refused(
+        ex,
+        &["--batch", "18446744073709551615"],
+        &["18446744073709551615"],
+    );
+    refused(ex, &["--batch", "0"], &["--batch 0"]);
+    refused(ex, &["--batches", "0"], &["--batches 0"]);
+    for r in [
+        "--ratios=0",
+        "--ratios=1.5",
+        "--ratios=nan",
+        "--ratios=inf",
+        "--ratios=-0.1",
+    ] {
+        refused(ex, &[r], &["--ratios"]);
+    }
+    refused(ex, &["--warmup", "nan"], &["--warmup"]);
+    refused(ex, &["--zipf", "inf"], &["zipf"]);
+    refused(ex, &["--scale", "0"], &["scale"]);
+    refused(ex, &["--drift-shift", "nan"], &["--drift-shift"]);
+    refused(ex, &["--count-batches", "0"], &["--count-batches"]);
+    refused(ex, &["--dim", "0"], &["--dim"]);
+    refused(ex, &["--policies", "lru,bogus"], &["bogus"]);
+    // a cache too small for every batch under every policy: no run succeeds
+    refused(
+        ex,
+        &[
+            "--scale",
+            "0.001",
+            "--batch",
+            "64",
+            "--batches",
+            "3",
+            "--ratios",
+            "0.01",
+            "--policies",
+            "lru,lfu",
+        ],
+        &["every run failed", "lru", "lfu"],
+    );
+}

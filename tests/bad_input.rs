@@ -483,3 +483,42 @@ fn embedding_cache_refuses_its_bad_flags() {
         &["every run failed", "lru", "lfu"],
     );
 }
+
+#[test]
+fn embedding_tables_past_host_memory_or_disk_are_refused() {
+    use tidemem::embedding::{bincount, CacheIndex, HostTier, Policy as CachePolicy};
+    let limit = tidemem::limits::host_limit();
+    let too_large = |r: Result<(), Error>| {
+        assert!(
+            matches!(r, Err(Error::TooLarge { limit: l, .. }) if l == limit),
+            "{r:?}"
+        )
+    };
+    too_large(bincount(usize::MAX, []).map(|_| ()));
+    let rows = (u32::MAX - 1) as usize;
+    if rows as u64 * 8 > limit {
+        too_large(CacheIndex::new(rows, 1, CachePolicy::Lru).map(|_| ()));
+    }
+    // a paged table of more than the machine holds
+    let rows = 1 << 20;
+    let dim = (limit / (4 << 20)) as usize + 1;
+    let r = EmbeddingCache::new(
+        common::sim(1 << 20),
+        CacheConfig::new(rows, dim, 4),
+        |_, _| {},
+    );
+    too_large(r.map(|_| ()));
+    // a table on the file tier of more than the disk holds
+    let dir = tempfile::tempdir().unwrap();
+    let Some(free) = FileStore::new(dir.path()).unwrap().available_bytes() else {
+        return;
+    };
+    let dim = (free / (4 << 20)) as usize + 2;
+    let mut cfg = CacheConfig::new(rows, dim, 4);
+    cfg.host = HostTier::Mapped(dir.path().to_path_buf());
+    let r = EmbeddingCache::new(common::sim(1 << 20), cfg, |_, _| {});
+    assert!(
+        matches!(&r, Err(Error::FileTierFull { requested, .. }) if *requested == rows * dim * 4),
+        "{r:?}"
+    );
+}

@@ -184,7 +184,7 @@ fn sparse_checkpoint(
         );
     }
     let mut json = serde_json::to_vec(&header).unwrap();
-    while json.len() % 8 != 0 {
+    while !json.len().is_multiple_of(8) {
         json.push(b' ');
     }
     let mut f = std::fs::File::create(path).unwrap();

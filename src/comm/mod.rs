@@ -83,10 +83,11 @@ pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
 /// Default time an in-process rank waits for the others.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// The most in-process ranks a [`Communicator::local`] group (and so [`launch`]) has: each is
-/// a thread, and each rank's device starts a copy-engine thread per stream, so a few thousand
-/// ranks already reach the threads a process is commonly allowed. More is
-/// [`Error::TooLarge`], refused before any device is made.
+/// The most in-process ranks a [`Communicator::local`] group (and so [`launch`]) has. Each
+/// rank is a thread, and each rank's device starts a copy-engine thread per stream, so a rank
+/// costs a handful of threads and their stacks: the cap keeps a group well inside the threads
+/// a process is commonly allowed. More is [`Error::TooLarge`], refused before any device is
+/// made.
 pub const MAX_LOCAL_RANKS: usize = 1024;
 
 /// Runs a trainer written once on every rank of a job, however it was started:

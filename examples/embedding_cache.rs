@@ -24,13 +24,18 @@
 //! - `results`: list of `{ ratio, capacity, policy, hit_rate, of_optimal, h2d_rows_per_batch,
 //!   h2d_bytes_per_batch, d2h_bytes_per_batch, ids_per_second }`; `of_optimal` is the hit rate
 //!   over the optimal policy's at the same ratio (`null` when the optimum was not run)
+//!
+//! Flags that make no sense (a batch of 0 samples or one past the machine's memory, a ratio
+//! outside (0, 1], a non-finite rate, an unknown policy) are refused before any work; when no
+//! run succeeds, the output is printed and the example exits with status 1.
 
 use std::time::Instant;
 
 use clap::Parser;
 use serde_json::json;
-use tidemem::data::criteo::{Dataset, Drift, Synthetic, SyntheticConfig};
+use tidemem::data::criteo::{Batch, Dataset, Drift, Synthetic, SyntheticConfig};
 use tidemem::embedding::{bincount, replay, OptimalTrace, Policy, ReplayConfig};
+use tidemem::limits;
 use tidemem::units::fmt_bytes;
 
 #[derive(Parser, Debug)]
@@ -45,13 +50,13 @@ struct Args {
     /// Factor on every table's cardinality, in (0, 1].
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
-    /// Samples per batch.
+    /// Samples per batch (at least 1).
     #[arg(long, default_value_t = 16384)]
     batch: usize,
-    /// Batches in the trace.
+    /// Batches in the trace (at least 1).
     #[arg(long, default_value_t = 200)]
     batches: usize,
-    /// Cache sizes as fractions of all rows.
+    /// Cache sizes as fractions of all rows, each in (0, 1].
     #[arg(long, value_delimiter = ',', default_value = "0.005,0.01,0.015,0.05")]
     ratios: Vec<f64>,
     /// Policies to run: frequency, lfu, lru, optimal.
@@ -67,7 +72,7 @@ struct Args {
     /// Floats of optimizer state per row (0 for SGD, 1 for row-wise Adagrad, 2·dim for Adam).
     #[arg(long, default_value_t = 0)]
     state: usize,
-    /// Fraction of the cache preloaded with the hottest rows.
+    /// Fraction of the cache preloaded with the hottest rows, in [0, 1].
     #[arg(long, default_value_t = 0.7)]
     warmup: f64,
     /// Seed of the synthetic data.
@@ -88,9 +93,82 @@ struct Args {
     json: bool,
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// A policy by name (the optimal one rebuilt from the trace by `replay`).
+fn policy(name: &str) -> Result<Policy, Box<dyn std::error::Error>> {
+    Ok(match name {
+        "frequency" => Policy::Frequency,
+        "lfu" => Policy::Lfu,
+        "lru" => Policy::Lru,
+        "optimal" => Policy::Optimal(OptimalTrace::new::<_, &[u32]>([])?),
+        other => return Err(format!("unknown policy '{other}'").into()),
+    })
+}
+
+/// Refuses flags that make no sense before any work starts (the generator checks `--zipf`,
+/// `--scale` and the drift); returns the bytes of one row.
+fn check(args: &Args, tables: usize) -> Result<usize, Box<dyn std::error::Error>> {
+    if args.batch == 0 || args.batches == 0 {
+        return Err(format!(
+            "--batch {} --batches {}: the trace needs at least one sample",
+            args.batch, args.batches
+        )
+        .into());
+    }
+    // the trace's ids (a u32 per sample and table), and one generated batch at a time
+    limits::host_bytes(
+        || {
+            format!(
+                "bytes of a trace of {} batches of {} samples of {tables} tables",
+                args.batches, args.batch
+            )
+        },
+        &[args.batches, args.batch, tables, 4],
+    )?;
+    Batch::bytes_for(args.batch, tables)?;
+    if args.ratios.is_empty() {
+        return Err("--ratios names no cache size".into());
+    }
+    if let Some(r) = args.ratios.iter().find(|&&r| !(r > 0.0 && r <= 1.0)) {
+        return Err(format!("--ratios takes fractions in (0, 1], got {r}").into());
+    }
+    if !(0.0..=1.0).contains(&args.warmup) {
+        return Err(format!("--warmup takes a fraction in [0, 1], got {}", args.warmup).into());
+    }
+    if !(args.drift_shift.is_finite() && args.drift_shift >= 0.0) {
+        return Err(format!(
+            "--drift-shift takes a finite fraction >= 0, got {}",
+            args.drift_shift
+        )
+        .into());
+    }
+    if args.count_batches == Some(0) {
+        return Err("--count-batches 0 counts no ids to order by".into());
+    }
+    if args.dim == 0 {
+        return Err("--dim 0: a row needs at least one float".into());
+    }
+    for name in &args.policies {
+        policy(name)?;
+    }
+    let row_bytes = args
+        .dim
+        .checked_add(args.state)
+        .and_then(|f| f.checked_mul(4))
+        .ok_or_else(|| format!("--dim {} --state {} overflows a row", args.dim, args.state))?;
+    Ok(row_bytes)
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("embedding_cache: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
     let dataset: Dataset = args.dataset.parse()?;
+    let row_bytes = check(&args, dataset.cardinalities().len())?;
     let mut config = SyntheticConfig::new(dataset)
         .with_zipf(args.zipf)
         .with_scale(args.scale)
@@ -107,13 +185,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let t = Instant::now();
     let trace: Vec<Vec<u32>> = (0..args.batches as u64)
-        .map(|i| gen.concat_ids(&gen.batch(i, args.batch)))
+        .map(|i| gen.concat_ids(&gen.try_batch(i, args.batch)?))
         .collect::<tidemem::Result<_>>()?;
     let generate_seconds = t.elapsed().as_secs_f64();
     let count_batches = args.count_batches.unwrap_or(trace.len()).min(trace.len());
     let counts = bincount(rows, trace[..count_batches].iter().map(|b| b.as_slice()))?;
 
-    let row_bytes = (args.dim + args.state) * 4;
     let mut results = Vec::new();
     let mut unique_per_batch = 0.0;
     for &ratio in &args.ratios {
@@ -127,14 +204,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         };
         let mut at_ratio = Vec::new();
         for name in &args.policies {
-            let policy = match name.as_str() {
-                "frequency" => Policy::Frequency,
-                "lfu" => Policy::Lfu,
-                "lru" => Policy::Lru,
-                "optimal" => Policy::Optimal(OptimalTrace::new::<_, &[u32]>([])?),
-                other => return Err(format!("unknown policy '{other}'").into()),
-            };
-            match replay(&trace, &counts, policy, &rc) {
+            match replay(&trace, &counts, policy(name)?, &rc) {
                 Ok(s) => {
                     unique_per_batch = s.unique_per_batch;
                     at_ratio.push((name.clone(), Some(s), None));
@@ -186,7 +256,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "results": results,
         });
         println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
+        return every_run_failed(&results);
     }
     println!(
         "{} (zipf {}, scale {}): {} tables, {} rows, batch {} × {} batches, {:.0} distinct rows \
@@ -226,6 +296,28 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             fmt_bytes(r["d2h_bytes_per_batch"].as_f64().unwrap_or(0.0) as u64),
             r["ids_per_second"].as_f64().unwrap_or(0.0) / 1e6,
         );
+    }
+    every_run_failed(&results)
+}
+
+/// An error naming every reason when no (ratio, policy) run succeeded.
+fn every_run_failed(results: &[serde_json::Value]) -> Result<(), Box<dyn std::error::Error>> {
+    let errors: Vec<String> = results
+        .iter()
+        .filter_map(|r| {
+            r.get("error").map(|e| {
+                let (policy, e) = (r["policy"].as_str(), e.as_str());
+                format!(
+                    "{} at ratio {}: {}",
+                    policy.unwrap_or("?"),
+                    r["ratio"],
+                    e.unwrap_or("?")
+                )
+            })
+        })
+        .collect();
+    if !results.is_empty() && errors.len() == results.len() {
+        return Err(format!("every run failed: {}", errors.join("; ")).into());
     }
     Ok(())
 }

@@ -18,7 +18,10 @@
 //!   last steady iteration (or `{ policy, error }` when a policy cannot run)
 //! - `largest`: `{ layers, params, model_data_bytes }` of the largest model of the same width that
 //!   fits the device and host under `tide` (`null` if none or not searched)
-//! - `largest_searched`: false with `--no-largest`
+//! - `largest_searched`: false with `--no-largest`, or when every policy failed
+//!
+//! When every policy failed, the output is printed and the example exits with status 1,
+//! naming each policy's reason.
 
 use clap::Parser;
 use serde_json::{json, Value};
@@ -96,7 +99,7 @@ fn main() {
     }
 }
 
-fn run() -> tidemem::Result<()> {
+fn run() -> Result<(), Box<dyn std::error::Error>> {
     let a = Args::parse();
     let mut c = GptConfig::preset(&a.model).ok_or_else(|| {
         tidemem::Error::InvalidArgument(format!(
@@ -114,6 +117,12 @@ fn run() -> tidemem::Result<()> {
     let mut device_mem = parse_bytes(&a.device_mem)? as u64;
     let host_mem = parse_bytes(&a.host_mem)? as u64;
     let file_mem = parse_bytes(&a.file_mem)? as u64;
+    check(&a, device_mem)?;
+    let policies: Vec<Policy> = a
+        .policies
+        .split(',')
+        .map(Policy::parse)
+        .collect::<tidemem::Result<_>>()?;
     let spec = gpt(&c)?;
     if let Some(f) = a.budget_fraction {
         device_mem = device_for_budget(&spec, f, a.overall_fraction, a.chunk_elems)?;
@@ -123,20 +132,11 @@ fn run() -> tidemem::Result<()> {
     opts.scheduler.overall_fraction = a.overall_fraction;
     opts.scheduler.max_prefetch = a.max_prefetch;
     if let Some(fraction) = a.device_adam {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(tidemem::Error::InvalidArgument(format!(
-                "--device-adam takes a fraction in (0, 1], got {fraction}"
-            )));
-        }
         opts.optimizer = DevicePlacement::Auto { fraction };
     }
-    let policies: Vec<Policy> = a
-        .policies
-        .split(',')
-        .map(Policy::parse)
-        .collect::<tidemem::Result<_>>()?;
 
     let mut rows = Vec::new();
+    let mut failures = Vec::new();
     let mut common: Option<Value> = None;
     for p in &policies {
         match simulate(&spec, *p, &opts) {
@@ -170,10 +170,16 @@ fn run() -> tidemem::Result<()> {
                     "prefetches": r.steady.prefetches,
                 }));
             }
-            Err(e) => rows.push(json!({ "policy": p.name(), "error": e.to_string() })),
+            Err(e) => {
+                failures.push(format!("{}: {e}", p.name()));
+                rows.push(json!({ "policy": p.name(), "error": e.to_string() }));
+            }
         }
     }
-    let largest = if a.no_largest {
+    let all_failed = failures.len() == policies.len();
+    // the search runs the policies again: not when none could run
+    let searched = !a.no_largest && !all_failed;
+    let largest = if !searched {
         Value::Null
     } else {
         match largest_fitting(&c, Policy::Tide, &opts, file_mem)? {
@@ -194,16 +200,50 @@ fn run() -> tidemem::Result<()> {
         "host_mem": host_mem,
         "policies": rows,
         "largest": largest,
-        "largest_searched": !a.no_largest,
+        "largest_searched": searched,
     });
     if let (Some(Value::Object(m)), Value::Object(o)) = (common, &mut out) {
         o.extend(m);
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&out).unwrap_or_default());
-        return Ok(());
+    } else {
+        print_table(&out);
     }
-    print_table(&out);
+    if all_failed {
+        return Err(format!("every policy failed: {}", failures.join("; ")).into());
+    }
+    Ok(())
+}
+
+/// Refuses flags that make no sense before any work starts (the model's shape is checked by
+/// [`gpt`]).
+fn check(a: &Args, device_mem: u64) -> tidemem::Result<()> {
+    let bad = |what: String| Err(tidemem::Error::InvalidArgument(what));
+    if device_mem == 0 && a.budget_fraction.is_none() {
+        return bad(format!("--device-mem {} is no memory", a.device_mem));
+    }
+    if let Some(f) = a.budget_fraction {
+        if !(f.is_finite() && f > 0.0) {
+            return bad(format!(
+                "--budget-fraction takes a finite fraction above 0, got {f}"
+            ));
+        }
+    }
+    if !(a.overall_fraction > 0.0 && a.overall_fraction <= 1.0) {
+        return bad(format!(
+            "--overall-fraction takes a fraction in (0, 1], got {}",
+            a.overall_fraction
+        ));
+    }
+    if let Some(f) = a.device_adam {
+        if !(f > 0.0 && f <= 1.0) {
+            return bad(format!("--device-adam takes a fraction in (0, 1], got {f}"));
+        }
+    }
+    if a.chunk_elems == Some(0) {
+        return bad("--chunk-elems 0 holds nothing".into());
+    }
     Ok(())
 }
 

@@ -37,7 +37,7 @@ struct Args {
     /// Samples per batch.
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// Training iterations per policy (the first is warm-up).
+    /// Training iterations per policy, at least 1 (the first is warm-up).
     #[arg(long, default_value_t = 6)]
     steps: u64,
     /// Policies, comma-separated (tide, patrickstar, lru, static:F).
@@ -79,6 +79,13 @@ fn run() -> tidemem::Result<()> {
         tied: true,
         lr: 3e-3,
     };
+    // flags that make no sense are refused before any work
+    toy.validate()?;
+    if a.steps == 0 {
+        return Err(tidemem::Error::InvalidArgument(
+            "--steps 0 trains nothing".into(),
+        ));
+    }
     let policies: Vec<Policy> = a
         .policies
         .split(',')
@@ -88,7 +95,14 @@ fn run() -> tidemem::Result<()> {
     let model_bytes = param_bytes * 7; // fp16 params + fp32 masters, momentum, variance
     let peak_act = toy.non_model_peak(tidemem::DType::F16) as u64;
     let capacity = match &a.device_mem {
-        Some(s) => parse_bytes(s)? as u64,
+        Some(s) => match parse_bytes(s)? {
+            0 => {
+                return Err(tidemem::Error::InvalidArgument(format!(
+                    "--device-mem {s} is no memory"
+                )))
+            }
+            b => b as u64,
+        },
         None => ((peak_act + param_bytes / 3) as f64 / 0.9) as u64,
     };
     std::fs::create_dir_all(&a.out).map_err(|e| tidemem::Error::Io {

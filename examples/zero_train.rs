@@ -29,7 +29,7 @@ use std::time::Duration;
 use clap::Parser;
 use serde_json::json;
 use tidemem::chunk::ManagerConfig;
-use tidemem::comm::{launch, CommStats, ReduceOp};
+use tidemem::comm::{launch, CommStats, ReduceOp, MAX_LOCAL_RANKS};
 use tidemem::demo::ToyMlp;
 use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{AdamConfig, HybridAdam, HybridConfig, ScalerConfig};
@@ -40,7 +40,7 @@ use tidemem::zero::ZeroManager;
 #[derive(Parser, Debug)]
 #[command(about = "Train the toy MLP with ZeRO over chunks on N data-parallel ranks")]
 struct Args {
-    /// In-process ranks (ignored when WORLD_SIZE is set).
+    /// In-process ranks, 1 to 1024 (ignored when WORLD_SIZE is set).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
     /// Blocks of the MLP (one chunk each).
@@ -49,10 +49,10 @@ struct Args {
     /// Width of every block.
     #[arg(long, default_value_t = 64)]
     width: usize,
-    /// Samples per global batch (a multiple of the world size).
+    /// Samples per global batch (a positive multiple of the world size).
     #[arg(long, default_value_t = 32)]
     batch: usize,
-    /// Training steps.
+    /// Training steps (at least 1).
     #[arg(long, default_value_t = 6)]
     steps: u64,
     /// Memory of each simulated device.
@@ -81,6 +81,39 @@ fn main() {
     }
 }
 
+/// Refuses flags that make no sense before any work starts.
+fn check(args: &Args, toy: &ToyMlp, mem: usize, launched: bool) -> tidemem::Result<()> {
+    let bad = |what: String| Err(tidemem::Error::InvalidArgument(what));
+    toy.validate()?;
+    if args.steps == 0 {
+        return bad("--steps 0 trains nothing".into());
+    }
+    if mem == 0 {
+        return bad(format!("--device-mem {} is no memory", args.device_mem));
+    }
+    if !launched {
+        if args.ranks == 0 {
+            return bad("--ranks 0: a job needs at least one rank".into());
+        }
+        if args.ranks > MAX_LOCAL_RANKS {
+            return Err(tidemem::Error::TooLarge {
+                what: "in-process ranks (--ranks)".into(),
+                requested: args.ranks as u128,
+                limit: MAX_LOCAL_RANKS as u64,
+            });
+        }
+        if !args.batch.is_multiple_of(args.ranks) {
+            return Err(tidemem::Error::NotMultiple {
+                what: "--batch",
+                value: args.batch,
+                of: "--ranks",
+                divisor: args.ranks,
+            });
+        }
+    }
+    Ok(())
+}
+
 fn run() -> tidemem::Result<()> {
     let args = Args::parse();
     let mem = parse_bytes(&args.device_mem)?;
@@ -92,6 +125,7 @@ fn run() -> tidemem::Result<()> {
         lr: 1e-2,
     };
     let launched = std::env::var_os("WORLD_SIZE").is_some();
+    check(&args, &toy, mem, launched)?;
     let device_for = |r: usize| {
         if launched {
             Device::cuda(r)
@@ -127,9 +161,14 @@ fn run() -> tidemem::Result<()> {
             }
         }
         let first = adam.steps();
+        let last_step = first.checked_add(steps).ok_or_else(|| {
+            tidemem::Error::InvalidArgument(format!(
+                "--steps {steps} from step {first} overflows the step counter"
+            ))
+        })?;
         let mut losses = Vec::new();
         let mut before = CommStats::default();
-        for s in first..first + steps {
+        for s in first..last_step {
             before = z.comm().stats();
             let loss = toy.forward_backward(&mut z, &ids, s, adam.loss_scale(), (rank, world))?;
             let rep = z.step(&mut adam)?;

@@ -81,9 +81,70 @@ const BETA2: f32 = 0.999;
 const EPS: f32 = 1e-8;
 
 impl ToyMlp {
-    /// Chunk size holding exactly one block (weight and bias).
+    /// Checks the shape before any work: at least one block, of width at least 1, and a
+    /// batch of at least one sample; a finite, positive learning rate; the model data (fp16
+    /// parameters and fp32 master, momentum and variance) and a batch's inputs and targets
+    /// within what the machine holds. [`ToyMlp::register`] and
+    /// [`ToyMlp::forward_backward`] check it too.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming a zero size or the learning rate;
+    /// [`Error::TooLarge`] with the bytes and the limit.
+    ///
+    /// ```
+    /// use tidemem::demo::ToyMlp;
+    /// let toy = ToyMlp { layers: 4, width: 16, batch: 4, tied: true, lr: 1e-2 };
+    /// assert!(toy.validate().is_ok());
+    /// assert!(ToyMlp { batch: 0, ..toy }.validate().is_err());
+    /// assert!(ToyMlp { lr: f32::NAN, ..toy }.validate().is_err());
+    /// let wide = ToyMlp { width: 1 << 40, ..toy };
+    /// assert!(matches!(wide.validate(), Err(tidemem::Error::TooLarge { .. })));
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        for (what, n) in [
+            ("layers", self.layers),
+            ("width", self.width),
+            ("batch", self.batch),
+        ] {
+            if n == 0 {
+                return Err(Error::InvalidArgument(format!(
+                    "a toy MLP needs {what} of at least 1, got 0"
+                )));
+            }
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(Error::InvalidArgument(format!(
+                "a toy MLP needs a finite, positive learning rate, got {}",
+                self.lr
+            )));
+        }
+        crate::limits::host_bytes(
+            || {
+                format!(
+                    "bytes of the model data of {} blocks of width {}",
+                    self.layers, self.width
+                )
+            },
+            &[self.layers, self.width, self.width.saturating_add(1), 14],
+        )?;
+        crate::limits::host_bytes(
+            || {
+                format!(
+                    "bytes of a batch of {} samples of width {} (inputs and targets)",
+                    self.batch, self.width
+                )
+            },
+            &[self.batch, self.width, 8],
+        )?;
+        Ok(())
+    }
+
+    /// Chunk size holding exactly one block (weight and bias); `usize::MAX` for a width whose
+    /// block does not fit a `usize` (which [`ToyMlp::validate`] refuses).
     pub fn chunk_elems(&self) -> usize {
-        self.width * self.width + self.width
+        self.width
+            .saturating_mul(self.width)
+            .saturating_add(self.width)
     }
 
     /// Bytes of what one block keeps from forward to backward in parameters of `dtype`: its
@@ -129,8 +190,9 @@ impl ToyMlp {
         (kept, kept + incoming + r(values) + scratch + pending)
     }
 
-    /// Registers the parameters in block order.
+    /// Registers the parameters in block order, after [`ToyMlp::validate`].
     pub fn register(&self, m: &mut impl ParamStore) -> Result<ToyIds> {
+        self.validate()?;
         let w = self.width;
         let scale = 1.0 / (w as f32).sqrt();
         let mut blocks: Vec<(TensorId, TensorId)> = Vec::new();
@@ -218,6 +280,7 @@ impl ToyMlp {
         loss_scale: f32,
         part: (usize, usize),
     ) -> Result<f32> {
+        self.validate()?;
         let (k, parts) = part;
         if parts == 0 || k >= parts || !self.batch.is_multiple_of(parts) {
             return Err(crate::Error::InvalidArgument(format!(
@@ -530,6 +593,71 @@ mod tests {
             dh = dprev;
         }
         grads
+    }
+
+    #[test]
+    fn shapes_that_train_nothing_are_refused() {
+        let toy = ToyMlp {
+            layers: 2,
+            width: 4,
+            batch: 4,
+            tied: false,
+            lr: 1e-2,
+        };
+        let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+        let mut m =
+            ChunkManager::new(dev, ManagerConfig::new(toy.chunk_elems(), Policy::Tide)).unwrap();
+        let ids = toy.register(&mut m).unwrap();
+        // a batch of no samples "trains" to a loss of 0 without a word
+        let empty = ToyMlp { batch: 0, ..toy };
+        let r = empty.forward_backward(&mut m, &ids, 0, 1.0, (0, 1));
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(e)) if e.contains("batch")),
+            "{r:?}"
+        );
+        for bad in [
+            ToyMlp { layers: 0, ..toy },
+            ToyMlp { width: 0, ..toy },
+            ToyMlp { lr: 0.0, ..toy },
+            ToyMlp { lr: -1.0, ..toy },
+            ToyMlp {
+                lr: f32::INFINITY,
+                ..toy
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
+        for bad in [
+            ToyMlp {
+                width: usize::MAX,
+                ..toy
+            },
+            ToyMlp {
+                layers: usize::MAX,
+                ..toy
+            },
+            ToyMlp {
+                batch: usize::MAX / 2,
+                ..toy
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(Error::TooLarge { .. })),
+                "{bad:?}"
+            );
+        }
+        assert_eq!(
+            ToyMlp {
+                width: usize::MAX,
+                ..toy
+            }
+            .chunk_elems(),
+            usize::MAX
+        );
+        toy.forward_backward(&mut m, &ids, 0, 1.0, (0, 1)).unwrap();
     }
 
     #[test]

@@ -272,6 +272,67 @@ pub enum Error {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A size that does not fit, refused before anything is allocated: its bytes overflow, or
+    /// exceed what the machine holds ([`crate::limits::host_limit`]) or a documented cap (such
+    /// as [`crate::comm::MAX_LOCAL_RANKS`]).
+    #[error("{what}: {} requested, more than the limit of {limit}", amount(.requested))]
+    TooLarge {
+        /// What was asked for, with its unit and the inputs it came from (`bytes of a batch of
+        /// 4 × 1024 tokens`, `in-process ranks`).
+        what: String,
+        /// How much was asked for (`u128::MAX` when even that overflows).
+        requested: u128,
+        /// The most that is allowed, in the same unit.
+        limit: u64,
+    },
+
+    /// A size that must be a multiple of another is not (a hidden size and its attention
+    /// heads, ...).
+    #[error("{what} {value} is not a multiple of {of} {divisor}")]
+    NotMultiple {
+        /// What the value is.
+        what: &'static str,
+        /// The value.
+        value: usize,
+        /// What the divisor is.
+        of: &'static str,
+        /// The divisor.
+        divisor: usize,
+    },
+
+    /// The file tier cannot reserve the disk space of a buffer: its directory's filesystem is
+    /// full (or the quota is spent, or the filesystem caps the size of one file). Nothing was
+    /// mapped; the space is reserved before a byte is touched, so a full disk is this error,
+    /// never a signal on first touch.
+    #[error(
+        "the file tier cannot reserve {requested} bytes in {}{}: {source}",
+        dir.display(),
+        free_of(.available)
+    )]
+    FileTierFull {
+        /// Bytes asked for.
+        requested: usize,
+        /// The file tier's directory.
+        dir: std::path::PathBuf,
+        /// Bytes free for this process on the directory's filesystem when the request was
+        /// refused (`None` where the filesystem does not say).
+        available: Option<u64>,
+        /// What the OS said (`ENOSPC` when the space was seen missing before asking).
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A thread could not be started (the process or the system is out of threads or memory
+    /// for their stacks). Whatever had started was stopped before this error was returned.
+    #[error("cannot start {what}: {source}")]
+    ThreadSpawn {
+        /// The thread (`the thread of in-process rank 7 of 100`).
+        what: String,
+        /// What the OS said.
+        #[source]
+        source: std::io::Error,
+    },
+
     /// An I/O error from the file-backed tier.
     #[error("I/O error in {during}: {source}")]
     Io {
@@ -329,6 +390,22 @@ impl Error {
             during,
             message: e.to_string(),
         }
+    }
+}
+
+/// The amount of a [`Error::TooLarge`] message (`u128::MAX` stands for an overflow).
+fn amount(requested: &u128) -> String {
+    match *requested {
+        u128::MAX => "more than 2^128 (an overflow)".into(),
+        r => r.to_string(),
+    }
+}
+
+/// The free bytes of a [`Error::FileTierFull`] message, when known.
+fn free_of(available: &Option<u64>) -> String {
+    match available {
+        Some(b) => format!(" ({b} bytes free)"),
+        None => String::new(),
     }
 }
 

@@ -18,7 +18,8 @@
 //! ([`prelude`] imports it all), and [`nn`] the layers that compute on it in place. [`demo`]
 //! holds the small MLP the examples train; [`profile`] writes Chrome traces and tide plots;
 //! [`data`] generates synthetic training data (and reads Criteo TSV files), [`metrics`] scores
-//! a classifier (exact AUC, log loss).
+//! a classifier (exact AUC, log loss); [`limits`] bounds the sizes a caller asks for against
+//! what the machine holds, before anything is allocated.
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
@@ -51,6 +52,7 @@ pub mod dtype;
 pub mod embedding;
 pub mod error;
 pub mod kernels;
+pub mod limits;
 pub mod metrics;
 pub mod models;
 pub mod nn;

@@ -210,6 +210,73 @@ impl GptConfig {
         })
     }
 
+    /// Checks the shape: no zero dimension, byte counts that fit in `u64` with room to add
+    /// them up, and a hidden size that the heads divide. [`gpt`] checks it first.
+    ///
+    /// # Errors
+    /// [`Error::NotMultiple`] (with the hidden size and the heads) when the heads do not
+    /// divide the hidden size; [`Error::InvalidArgument`] for a zero dimension or a shape too
+    /// large to count.
+    ///
+    /// ```
+    /// use tidemem::simulate::GptConfig;
+    /// let mut c = GptConfig::preset("gpt2-1.5b").unwrap();
+    /// assert!(c.validate().is_ok());
+    /// c.heads = 7;
+    /// assert!(matches!(
+    ///     c.validate(),
+    ///     Err(tidemem::Error::NotMultiple { value: 1600, divisor: 7, .. })
+    /// ));
+    /// ```
+    pub fn validate(&self) -> Result<()> {
+        let c = self;
+        if c.layers == 0
+            || c.hidden == 0
+            || c.heads == 0
+            || c.vocab == 0
+            || c.seq == 0
+            || c.batch == 0
+        {
+            return Err(Error::InvalidArgument(format!(
+                "GPT shape {c:?} has a zero dimension"
+            )));
+        }
+        let (h, s, b, a, v) = (
+            c.hidden as u64,
+            c.seq as u64,
+            c.batch as u64,
+            c.heads as u64,
+            c.vocab as u64,
+        );
+        // every byte count of `gpt` fits in u64 with room to add them up, or the shape is
+        // refused
+        let fits = |xs: &[u64]| {
+            xs.iter()
+                .try_fold(1u64, |acc, &x| acc.checked_mul(x))
+                .is_some_and(|p| p < 1 << 56)
+        };
+        let l = c.layers as u64;
+        if !(fits(&[s, b, h, 64, l])
+            && fits(&[a, s, s, b, 8])
+            && fits(&[s, b, v, 8])
+            && fits(&[v.saturating_add(s), h, 16])
+            && fits(&[h, h, 16, l]))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "GPT shape {c:?} is too large to count its bytes"
+            )));
+        }
+        if !c.hidden.is_multiple_of(c.heads) {
+            return Err(Error::NotMultiple {
+                what: "hidden size",
+                value: c.hidden,
+                of: "attention heads",
+                divisor: c.heads,
+            });
+        }
+        Ok(())
+    }
+
     /// Names accepted by [`GptConfig::preset`].
     pub const PRESETS: [&'static str; 7] = [
         "gpt2-small",
@@ -230,12 +297,7 @@ impl GptConfig {
 /// `s·b·h·(34 + 5·a·s/h)` bytes while a layer computes, plus `2·s·b·h` per checkpointed layer
 /// input kept until backward, plus fp16 and fp32 logits at the head.
 pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
-    if c.layers == 0 || c.hidden == 0 || c.heads == 0 || c.vocab == 0 || c.seq == 0 || c.batch == 0
-    {
-        return Err(Error::InvalidArgument(format!(
-            "GPT shape {c:?} has a zero dimension"
-        )));
-    }
+    c.validate()?;
     let (h, s, b, a, v) = (
         c.hidden as u64,
         c.seq as u64,
@@ -243,22 +305,6 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
         c.heads as u64,
         c.vocab as u64,
     );
-    // every byte count below fits in u64 with room to add them up, or the shape is refused
-    let fits = |xs: &[u64]| {
-        xs.iter()
-            .try_fold(1u64, |acc, &x| acc.checked_mul(x))
-            .is_some_and(|p| p < 1 << 56)
-    };
-    if !(fits(&[s, b, h, 64 * c.layers as u64])
-        && fits(&[a, s, s, b, 8])
-        && fits(&[s, b, v, 8])
-        && fits(&[v + s, h, 16])
-        && fits(&[h, h, 16, c.layers as u64]))
-    {
-        return Err(Error::InvalidArgument(format!(
-            "GPT shape {c:?} is too large to count its bytes"
-        )));
-    }
     let sbh = s * b * h;
     let layer_act = sbh * 34 + 5 * a * s * s * b;
     let ckpt = 2 * sbh;
@@ -659,4 +705,48 @@ pub fn largest_fitting(
         ..base.clone()
     };
     Ok(best.map(|r| (c, r)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_must_divide_the_hidden_size() {
+        let c = GptConfig {
+            heads: 7,
+            ..GptConfig::preset("gpt2-1.5b").unwrap()
+        };
+        for r in [c.validate(), gpt(&c).map(|_| ())] {
+            match r {
+                Err(Error::NotMultiple {
+                    value,
+                    divisor,
+                    what,
+                    of,
+                }) => {
+                    assert_eq!((value, divisor), (1600, 7));
+                    let msg = Error::NotMultiple {
+                        what,
+                        value,
+                        of,
+                        divisor,
+                    }
+                    .to_string();
+                    assert!(msg.contains("1600") && msg.contains('7'), "{msg}");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        for name in GptConfig::PRESETS {
+            GptConfig::preset(name).unwrap().validate().unwrap();
+        }
+        let huge = GptConfig {
+            layers: usize::MAX,
+            vocab: usize::MAX,
+            seq: usize::MAX,
+            ..GptConfig::preset("gpt2-small").unwrap()
+        };
+        assert!(matches!(huge.validate(), Err(Error::InvalidArgument(_))));
+    }
 }

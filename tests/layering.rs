@@ -16,11 +16,19 @@ use std::path::{Path, PathBuf};
 /// the chunk memory system, what trains on it, and the models on top. Modules not in the crate
 /// yet (`data`, `nn`, `parallel`, `models`) have their layer already.
 const LAYERS: &[(&str, &[&str])] = &[
-    // pure vocabulary: units, element types, device ids, errors, the one PRNG, tensor ids and
-    // the tensor state machine
+    // pure vocabulary: units, element types, device ids, errors, the bounds on sizes, the one
+    // PRNG, tensor ids and the tensor state machine
     (
         "vocabulary",
-        &["units", "dtype", "device_id", "error", "rng", "tensor"],
+        &[
+            "units",
+            "dtype",
+            "device_id",
+            "error",
+            "limits",
+            "rng",
+            "tensor",
+        ],
     ),
     // where bytes live and how they move, and the kernels the devices compile
     ("device", &["device", "kernels"]),

@@ -42,7 +42,8 @@ impl fmt::Debug for Communicator {
 
 impl Communicator {
     /// One in-process communicator per device (rank `i` on `devices[i]`), to be moved to one
-    /// thread each; ranks wait at most [`DEFAULT_TIMEOUT`] for each other.
+    /// thread each; ranks wait at most [`DEFAULT_TIMEOUT`] for each other. At most
+    /// [`MAX_LOCAL_RANKS`](super::MAX_LOCAL_RANKS) devices ([`Error::TooLarge`] beyond).
     pub fn local(devices: Vec<Device>) -> Result<Vec<Communicator>> {
         Self::local_with_timeout(devices, DEFAULT_TIMEOUT)
     }
@@ -58,6 +59,13 @@ impl Communicator {
             ));
         }
         let world = devices.len();
+        if world > super::MAX_LOCAL_RANKS {
+            return Err(Error::TooLarge {
+                what: "in-process ranks".into(),
+                requested: world as u128,
+                limit: super::MAX_LOCAL_RANKS as u64,
+            });
+        }
         let shared = local::Shared::new(world, timeout);
         Ok(devices
             .into_iter()
@@ -100,6 +108,15 @@ impl Communicator {
         }
         let c = nccl::NcclComm::init(&device, id, rank, world, timeout)?;
         Ok(Communicator::from_imp(rank, world, device, Imp::Nccl(c)))
+    }
+
+    /// The in-process group of this rank, to break for every rank at once
+    /// ([`local::Shared::abort`]); `None` for NCCL.
+    pub(super) fn local_group(&self) -> Option<std::sync::Arc<local::Shared>> {
+        match &self.imp {
+            Imp::Local(m) => Some(m.group()),
+            Imp::Nccl(_) => None,
+        }
     }
 
     fn from_imp(rank: usize, world: usize, device: Device, imp: Imp) -> Communicator {

@@ -130,6 +130,25 @@ impl Shared {
         })
     }
 
+    /// Breaks the group, and every group split from it, for every rank: calls waiting now and
+    /// every later call return [`Error::CommAborted`] with `reason` (unless an earlier error
+    /// broke the group first, which they keep returning).
+    pub(crate) fn abort(&self, reason: &str) {
+        let splits: Vec<Arc<Shared>> = {
+            let mut st = self.state.lock();
+            if st.broken.is_none() {
+                st.broken = Some(Error::CommAborted {
+                    reason: reason.to_string(),
+                });
+            }
+            self.cv.notify_all();
+            st.splits.values().cloned().collect()
+        };
+        for s in splits {
+            s.abort(reason);
+        }
+    }
+
     pub(crate) fn member(self: &Arc<Self>, rank: usize) -> Member {
         Member {
             rank,
@@ -161,6 +180,9 @@ fn copy_err(e: &Error) -> Error {
             waited_ms: *waited_ms,
             missing: missing.clone(),
         },
+        Error::CommAborted { reason } => Error::CommAborted {
+            reason: reason.clone(),
+        },
         other => Error::InvalidArgument(other.to_string()),
     }
 }
@@ -180,6 +202,11 @@ impl Member {
             Some(e) => Err(copy_err(e)),
             None => Ok(()),
         }
+    }
+
+    /// The group this rank belongs to.
+    pub(crate) fn group(&self) -> Arc<Shared> {
+        Arc::clone(&self.shared)
     }
 
     /// The error that broke the group, if any.

@@ -83,11 +83,25 @@ pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
 /// Default time an in-process rank waits for the others.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// The most in-process ranks a [`Communicator::local`] group (and so [`launch`]) has. Each
+/// rank is a thread, and each rank's device starts a copy-engine thread per stream, so a rank
+/// costs a handful of threads and their stacks: the cap keeps a group well inside the threads
+/// a process is commonly allowed. More is [`Error::TooLarge`], refused before any device is
+/// made.
+pub const MAX_LOCAL_RANKS: usize = 1024;
+
 /// Runs a trainer written once on every rank of a job, however it was started:
 /// - with `WORLD_SIZE` set by a launcher (see [`LaunchEnv`]), this process is one NCCL rank on
 ///   `device_for(LOCAL_RANK)`, meeting the others within `timeout`; the result holds its value;
 /// - otherwise `default_world` in-process ranks run on threads, rank `r` on `device_for(r)`; the
-///   result holds every rank's value in rank order (the first error wins).
+///   result holds every rank's value in rank order.
+///
+/// In-process, the first rank to fail (an error, a panic) breaks the group for the others:
+/// their waiting collectives return [`Error::CommAborted`] at once instead of waiting out
+/// `timeout`, and the result is the failed rank's own error. A rank whose thread cannot start
+/// stops the ranks already started the same way, and the result is [`Error::ThreadSpawn`].
+/// `default_world` is at most [`MAX_LOCAL_RANKS`] ([`Error::TooLarge`], before any device is
+/// made).
 ///
 /// ```
 /// use tidemem::comm::{launch, ReduceOp};
@@ -118,24 +132,91 @@ pub fn launch<R: Send>(
         let c = Communicator::nccl(device, &env, timeout)?;
         return Ok(vec![f(c)?]);
     }
+    if default_world > MAX_LOCAL_RANKS {
+        return Err(Error::TooLarge {
+            what: "in-process ranks".into(),
+            requested: default_world as u128,
+            limit: MAX_LOCAL_RANKS as u64,
+        });
+    }
     let devices = (0..default_world)
         .map(&device_for)
         .collect::<Result<Vec<_>>>()?;
     let comms = Communicator::local_with_timeout(devices, timeout)?;
+    run_local(
+        comms,
+        |r| std::thread::Builder::new().name(format!("rank{r}")),
+        f,
+    )
+}
+
+/// Runs `f` on every in-process rank of `comms`, rank `r` on a thread made by `thread(r)`;
+/// see [`launch`] for how a failure stops the others.
+fn run_local<R: Send>(
+    comms: Vec<Communicator>,
+    thread: impl Fn(usize) -> std::thread::Builder,
+    f: impl Fn(Communicator) -> Result<R> + Sync,
+) -> Result<Vec<R>> {
+    let world = comms.len();
+    let group = comms.first().and_then(Communicator::local_group);
+    // the rank that failed first: the others' errors are the abort it caused
+    let first = parking_lot::Mutex::new(None::<usize>);
+    let fail = |rank: usize, why: &dyn std::fmt::Display| {
+        first.lock().get_or_insert(rank);
+        if let Some(g) = &group {
+            g.abort(&format!("rank {rank} of {world} failed: {why}"));
+        }
+    };
     std::thread::scope(|s| {
-        let hs: Vec<_> = comms
+        let mut handles = Vec::with_capacity(world);
+        for c in comms {
+            let rank = c.rank();
+            let (f, fail) = (&f, &fail);
+            let spawned = thread(rank).spawn_scoped(s, move || {
+                let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c)))
+                    .unwrap_or_else(|p| {
+                        let msg = p
+                            .downcast_ref::<&str>()
+                            .map(|m| m.to_string())
+                            .or_else(|| p.downcast_ref::<String>().cloned())
+                            .unwrap_or_default();
+                        Err(Error::InvalidArgument(format!(
+                            "rank {rank} panicked: {msg}"
+                        )))
+                    });
+                if let Err(e) = &r {
+                    fail(rank, e);
+                }
+                r
+            });
+            match spawned {
+                Ok(h) => handles.push(h),
+                Err(source) => {
+                    fail(rank, &format_args!("its thread did not start: {source}"));
+                    for h in handles {
+                        // their results are the abort; a panic was caught in the thread
+                        let _ = h.join();
+                    }
+                    return Err(Error::ThreadSpawn {
+                        what: format!("the thread of in-process rank {rank} of {world}"),
+                        source,
+                    });
+                }
+            }
+        }
+        let mut results: Vec<Result<R>> = handles
             .into_iter()
-            .map(|c| {
-                let f = &f;
-                s.spawn(move || f(c))
-            })
-            .collect();
-        hs.into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
             })
-            .collect()
+            .collect();
+        // `first` names a rank only once its result is an error
+        let failed = *first.lock();
+        if let Some(Err(e)) = failed.map(|r| results.swap_remove(r)) {
+            return Err(e);
+        }
+        results.into_iter().collect()
     })
 }
 
@@ -156,4 +237,67 @@ pub fn nccl_library() -> Result<&'static str> {
 /// communicators (initialization with a timeout) need 2.14, [`Communicator::split`] 2.18.
 pub fn nccl_version() -> Result<(u32, u32, u32)> {
     nccl::version()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::SimConfig;
+
+    fn ranks(n: usize, timeout: Duration) -> Vec<Communicator> {
+        let devices = (0..n)
+            .map(|_| Device::sim(SimConfig::with_capacity(1 << 20)).unwrap())
+            .collect();
+        Communicator::local_with_timeout(devices, timeout).unwrap()
+    }
+
+    #[test]
+    fn a_rank_that_cannot_start_stops_the_started_ones() {
+        let t0 = std::time::Instant::now();
+        // rank 2 asks for a stack no machine has: its thread does not start, while ranks 0
+        // and 1 wait in a collective for it
+        let r = run_local(
+            ranks(4, Duration::from_secs(60)),
+            |r| match r {
+                2 => std::thread::Builder::new().stack_size(1 << 60),
+                _ => std::thread::Builder::new(),
+            },
+            |c| c.all_reduce_host(&mut [1.0f32], ReduceOp::Sum),
+        );
+        match r {
+            Err(Error::ThreadSpawn { what, .. }) => assert!(what.contains("rank 2 of 4"), "{what}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+    }
+
+    #[test]
+    fn the_first_failure_is_the_answer_and_releases_the_others() {
+        let t0 = std::time::Instant::now();
+        let r = run_local(
+            ranks(3, Duration::from_secs(60)),
+            |_| std::thread::Builder::new(),
+            |c| match c.rank() {
+                1 => Err(Error::InvalidArgument("rank 1 gives up".into())),
+                _ => c.all_reduce_host(&mut [1.0f32], ReduceOp::Sum),
+            },
+        );
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(m)) if m == "rank 1 gives up"),
+            "{r:?}"
+        );
+        assert!(t0.elapsed() < Duration::from_secs(20), "{:?}", t0.elapsed());
+        let r = run_local(
+            ranks(2, Duration::from_secs(60)),
+            |_| std::thread::Builder::new(),
+            |c| match c.rank() {
+                0 => panic!("rank 0 falls over"),
+                _ => c.all_reduce_host(&mut [1.0f32], ReduceOp::Sum),
+            },
+        );
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("rank 0 falls over")),
+            "{r:?}"
+        );
+    }
 }

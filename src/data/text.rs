@@ -340,8 +340,10 @@ impl TokenData {
     /// The same `(split, index, batch, seq)` gives the same batch on every call and every run;
     /// a window never crosses from the training part into the held-out one.
     ///
-    /// Errors with [`Error::InvalidArgument`] when `batch` or `seq` is 0, `batch · seq`
-    /// overflows, or the split has fewer than `seq + 1` tokens.
+    /// Errors with [`Error::InvalidArgument`] when `batch` or `seq` is 0 or the split has fewer
+    /// than `seq + 1` tokens, and with [`Error::TooLarge`] when the batch's bytes (two
+    /// `batch · seq` arrays of `i32`) overflow or exceed what the machine holds
+    /// ([`crate::limits::host_limit`]), before anything is allocated.
     pub fn batch(
         &self,
         split: Split,
@@ -362,12 +364,7 @@ impl TokenData {
                 seq.saturating_add(1)
             )));
         }
-        let total = batch
-            .checked_mul(seq)
-            .filter(|&n| n <= isize::MAX as usize / 8)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("batch {batch} x seq {seq} tokens is too many"))
-            })?;
+        let total = batch_tokens(batch, seq)?;
         // Windows start at 0..=len - seq - 1: `starts` choices.
         let starts = (part.len() - seq) as u128;
         let domain = match split {
@@ -386,6 +383,77 @@ impl TokenData {
         }
         Ok((inputs, targets))
     }
+
+    /// The batches of `split` at `indices` (each as [`TokenData::batch`]), e.g. the
+    /// micro-batches of one step of gradient accumulation, with the bytes of all of them
+    /// checked before the first is made (for as many batches as the iterator's size hint
+    /// says; exact for ranges and maps of them).
+    ///
+    /// Errors as [`TokenData::batch`], and with [`Error::TooLarge`] when the batches together
+    /// overflow or exceed what the machine holds ([`crate::limits::host_limit`]).
+    ///
+    /// ```
+    /// use tidemem::data::text::{Split, TokenData};
+    /// let data = TokenData::generated(5_000, 3, 0.1)?;
+    /// let step = 2u64;
+    /// let micro = data.batches(Split::Train, (0..4).map(|k| step * 4 + k), 2, 16)?;
+    /// assert_eq!(micro.len(), 4);
+    /// assert_eq!(micro[1], data.batch(Split::Train, 9, 2, 16)?);
+    /// let too_many = data.batches(Split::Train, 0..u64::MAX, 2, 16);
+    /// assert!(matches!(too_many, Err(tidemem::Error::TooLarge { .. })));
+    /// # Ok::<(), tidemem::error::Error>(())
+    /// ```
+    pub fn batches(
+        &self,
+        split: Split,
+        indices: impl IntoIterator<Item = u64>,
+        batch: usize,
+        seq: usize,
+    ) -> Result<Vec<(Vec<i32>, Vec<i32>)>> {
+        let indices = indices.into_iter();
+        let (lo, hi) = indices.size_hint();
+        let hinted = hi.unwrap_or(lo);
+        batches_bytes(hinted, batch, seq)?;
+        let mut out = Vec::with_capacity(hinted);
+        for index in indices {
+            if out.len() >= hinted {
+                // more than the hint said: check as they come
+                batches_bytes(out.len() + 1, batch, seq)?;
+            }
+            out.push(self.batch(split, index, batch, seq)?);
+        }
+        Ok(out)
+    }
+}
+
+/// Tokens of one batch of `batch × seq` inputs, whose inputs and targets (`i32` each) fit in
+/// host memory; [`Error::TooLarge`] otherwise.
+fn batch_tokens(batch: usize, seq: usize) -> Result<usize> {
+    let bytes = crate::limits::host_bytes(
+        || format!("bytes of a batch of {batch} × {seq} tokens (inputs and targets)"),
+        &[batch, seq, 2 * std::mem::size_of::<i32>()],
+    )?;
+    Ok(bytes / (2 * std::mem::size_of::<i32>()))
+}
+
+/// Bytes of `count` batches of `batch × seq` tokens (inputs and targets, and the two vectors
+/// holding them), refused with [`Error::TooLarge`] past host memory.
+fn batches_bytes(count: usize, batch: usize, seq: usize) -> Result<usize> {
+    let what = || format!("bytes of {count} batches of {batch} × {seq} tokens");
+    let tokens = crate::limits::host_bytes(what, &[count, batch, seq, 8])?;
+    let vectors =
+        crate::limits::host_bytes(what, &[count, std::mem::size_of::<(Vec<i32>, Vec<i32>)>()])?;
+    let limit = crate::limits::host_limit();
+    // each is at most the limit, itself at most isize::MAX: the sum fits
+    let total = tokens + vectors;
+    if total as u64 > limit {
+        return Err(Error::TooLarge {
+            what: what(),
+            requested: total as u128,
+            limit,
+        });
+    }
+    Ok(total)
 }
 
 #[cfg(test)]

@@ -239,6 +239,10 @@ impl fmt::Debug for HostBuffer {
 /// `memmap2`. The kernel pages them to disk under memory pressure, so the data may exceed RAM.
 /// Files are unlinked as soon as they are mapped, so nothing is left behind after a crash.
 ///
+/// Every buffer's disk space is reserved before it is mapped (`fallocate`; on a filesystem
+/// without it, by writing zeros), so a full disk is [`Error::FileTierFull`] from
+/// [`FileStore::alloc`], never a `SIGBUS` when a page of a sparse file is first touched.
+///
 /// ```
 /// # fn main() -> tidemem::Result<()> {
 /// let dir = tempfile::tempdir().unwrap();
@@ -248,6 +252,9 @@ impl fmt::Debug for HostBuffer {
 /// assert_eq!(store.used_bytes(), 1 << 20);
 /// drop(buf);
 /// assert_eq!(store.used_bytes(), 0);
+/// // more than the disk holds: a typed error with the numbers, nothing mapped
+/// let err = store.alloc(1 << 50).unwrap_err();
+/// assert!(matches!(err, tidemem::Error::FileTierFull { requested, .. } if requested == 1 << 50));
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug)]
@@ -280,17 +287,31 @@ impl FileStore {
         self.used.load(Ordering::Relaxed)
     }
 
-    /// Maps a new zero-filled file of `len` bytes.
+    /// Bytes this process may still write on the filesystem of the store's directory
+    /// (`statvfs`: the blocks available to unprivileged users, or every free block for root);
+    /// `None` where the filesystem does not say.
+    pub fn available_bytes(&self) -> Option<u64> {
+        space::available(&self.dir)
+    }
+
+    /// Maps a new zero-filled file of `len` bytes, its disk space reserved first.
+    ///
+    /// # Errors
+    /// [`Error::FileTierFull`] (with `len`, the directory, the free bytes and the OS error)
+    /// when the filesystem cannot hold `len` more bytes: more than
+    /// [`available_bytes`](Self::available_bytes) is refused without touching the disk, and a
+    /// reservation the filesystem refuses (full, over quota, past its file-size limit) is
+    /// undone. [`Error::Io`] for other failures of the file or the mapping.
     pub fn alloc(&self, len: usize) -> Result<HostBuffer> {
         if len == 0 {
             return Ok(HostBuffer::empty());
         }
         let io = |during| move |source| Error::Io { during, source };
         let file = tempfile::tempfile_in(&self.dir).map_err(io("creating a file-tier file"))?;
-        file.set_len(len as u64)
-            .map_err(io("sizing a file-tier file"))?;
+        self.reserve(&file, len)?;
         // SAFETY: the file is unlinked and private to this mapping, so no other process or
-        // handle can truncate or modify it while it is mapped.
+        // handle can truncate or modify it while it is mapped; its blocks are reserved, so no
+        // page of the mapping faults for want of disk space.
         let mut map =
             unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io("mapping a file-tier file"))?;
         let ptr = NonNull::new(map.as_mut_ptr()).ok_or_else(|| Error::HostAlloc {
@@ -307,6 +328,168 @@ impl FileStore {
                 store: self.used.clone(),
             },
         })
+    }
+
+    /// Sizes the fresh, empty `file` to `len` bytes with every block allocated on disk.
+    fn reserve(&self, file: &std::fs::File, len: usize) -> Result<()> {
+        let full = |source| Error::FileTierFull {
+            requested: len,
+            dir: self.dir.clone(),
+            available: self.available_bytes(),
+            source,
+        };
+        // Refused before asking: a filesystem that allocates as it goes (ext4) would otherwise
+        // fill the disk up to the last block before it gave up.
+        if self.available_bytes().is_some_and(|free| len as u64 > free) {
+            return Err(full(space::no_space()));
+        }
+        match space::allocate(file, len) {
+            Ok(()) => Ok(()),
+            Err(e) if space::is_unsupported(&e) => space::write_zeros(file, len).map_err(|e| {
+                if space::is_full(&e) {
+                    full(e)
+                } else {
+                    Error::Io {
+                        during: "writing zeros to reserve a file-tier file",
+                        source: e,
+                    }
+                }
+            }),
+            Err(e) if space::is_full(&e) => Err(full(e)),
+            Err(source) => Err(Error::Io {
+                during: "reserving the disk space of a file-tier file",
+                source,
+            }),
+        }
+    }
+}
+
+/// Disk space: what a filesystem has free, and reserving it for a file.
+mod space {
+    use std::fs::File;
+    use std::io;
+    use std::path::Path;
+
+    /// Bytes of zeros written at a time where `fallocate` is not supported.
+    const ZEROS: usize = 1 << 20;
+
+    /// What `ENOSPC` says.
+    pub(super) fn no_space() -> io::Error {
+        #[cfg(unix)]
+        return io::Error::from_raw_os_error(libc::ENOSPC);
+        #[cfg(not(unix))]
+        return io::Error::from(io::ErrorKind::StorageFull);
+    }
+
+    /// Whether `e` says the filesystem (or the quota, or the size one file may have) is spent.
+    pub(super) fn is_full(e: &io::Error) -> bool {
+        #[cfg(unix)]
+        if matches!(
+            e.raw_os_error(),
+            Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)
+        ) {
+            return true;
+        }
+        matches!(
+            e.kind(),
+            io::ErrorKind::StorageFull | io::ErrorKind::FileTooLarge
+        )
+    }
+
+    /// Whether `e` says the filesystem cannot preallocate.
+    pub(super) fn is_unsupported(e: &io::Error) -> bool {
+        #[cfg(unix)]
+        if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::ENOSYS)) {
+            return true;
+        }
+        e.kind() == io::ErrorKind::Unsupported
+    }
+
+    /// Allocates the blocks of bytes `0..len` of `file` (growing it to `len`).
+    #[cfg(target_os = "linux")]
+    pub(super) fn allocate(file: &File, len: usize) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let len =
+            libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+        loop {
+            // SAFETY: the descriptor belongs to `file`, open for writing for the whole call;
+            // fallocate reads and writes no memory of this process.
+            if unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, len) } == 0 {
+                return Ok(());
+            }
+            let e = io::Error::last_os_error();
+            if e.kind() != io::ErrorKind::Interrupted {
+                return Err(e);
+            }
+        }
+    }
+
+    /// Allocates the blocks of bytes `0..len` of `file` (growing it to `len`).
+    #[cfg(all(unix, not(target_os = "linux")))]
+    pub(super) fn allocate(file: &File, len: usize) -> io::Result<()> {
+        use std::os::fd::AsRawFd;
+        let len =
+            libc::off_t::try_from(len).map_err(|_| io::Error::from_raw_os_error(libc::EFBIG))?;
+        loop {
+            // SAFETY: the descriptor belongs to `file`, open for writing for the whole call;
+            // posix_fallocate reads and writes no memory of this process.
+            match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len) } {
+                0 => return Ok(()),
+                libc::EINTR => continue,
+                code => return Err(io::Error::from_raw_os_error(code)),
+            }
+        }
+    }
+
+    /// Allocates the blocks of bytes `0..len` of `file`: not supported here.
+    #[cfg(not(unix))]
+    pub(super) fn allocate(_file: &File, _len: usize) -> io::Result<()> {
+        Err(io::Error::from(io::ErrorKind::Unsupported))
+    }
+
+    /// Writes `len` zero bytes to `file` from its start, so every block is allocated.
+    pub(super) fn write_zeros(file: &File, len: usize) -> io::Result<()> {
+        use std::io::Write;
+        let zeros = vec![0u8; ZEROS.min(len)];
+        let mut out = file;
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(zeros.len());
+            out.write_all(&zeros[..n])?;
+            left -= n;
+        }
+        out.flush()
+    }
+
+    /// Bytes this process may write on the filesystem of `dir`, when it says.
+    #[cfg(unix)]
+    // The widths of the statvfs fields differ between platforms.
+    #[allow(clippy::unnecessary_cast)]
+    pub(super) fn available(dir: &Path) -> Option<u64> {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+        // SAFETY: statvfs is plain old data; all zeros is a valid value of it.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `path` is a NUL-terminated string and `st` a writable statvfs, both alive for
+        // the call.
+        if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 || st.f_blocks == 0 {
+            return None;
+        }
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let root = unsafe { libc::geteuid() } == 0;
+        let blocks = if root { st.f_bfree } else { st.f_bavail } as u64;
+        let frsize = if st.f_frsize > 0 {
+            st.f_frsize
+        } else {
+            st.f_bsize
+        } as u64;
+        Some(blocks.saturating_mul(frsize))
+    }
+
+    /// Bytes this process may write on the filesystem of `dir`: unknown here.
+    #[cfg(not(unix))]
+    pub(super) fn available(_dir: &Path) -> Option<u64> {
+        None
     }
 }
 
@@ -351,5 +534,72 @@ mod tests {
         assert_eq!(store.used_bytes(), 5);
         // Files are unlinked at once: nothing is visible in the directory.
         assert_eq!(std::fs::read_dir(store.dir()).unwrap().count(), 0);
+    }
+
+    #[test]
+    fn file_store_refuses_more_than_the_disk_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = FileStore::new(dir.path()).unwrap();
+        let Some(free) = store.available_bytes() else {
+            eprintln!("skipped: the filesystem of the temporary directory reports no free space");
+            return;
+        };
+        // a terabyte past the free space: never there, but not past ext4's file-size limit,
+        // so a sparse file of this size would be created (and fault on first touch)
+        for len in [free.saturating_add(1 << 40), 1 << 50] {
+            let len = usize::try_from(len).unwrap_or(usize::MAX);
+            match store.alloc(len) {
+                Err(Error::FileTierFull {
+                    requested,
+                    dir: d,
+                    available,
+                    source,
+                }) => {
+                    assert_eq!((requested, d.as_path()), (len, dir.path()));
+                    assert!(available.is_some());
+                    let msg = Error::FileTierFull {
+                        requested,
+                        dir: d,
+                        available,
+                        source,
+                    }
+                    .to_string();
+                    assert!(msg.contains(&len.to_string()), "{msg}");
+                    assert!(msg.contains(&dir.path().display().to_string()), "{msg}");
+                }
+                other => panic!("{len} bytes on a disk with {free} free: {other:?}"),
+            }
+        }
+        assert_eq!(store.used_bytes(), 0);
+        assert_eq!(std::fs::read_dir(store.dir()).unwrap().count(), 0);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn reserved_files_have_their_blocks() {
+        use std::os::unix::fs::{FileExt, MetadataExt};
+        let len = (3 << 20) + 5;
+        let f = tempfile::tempfile().unwrap();
+        space::allocate(&f, len)
+            .or_else(|e| match space::is_unsupported(&e) {
+                true => space::write_zeros(&f, len),
+                false => Err(e),
+            })
+            .unwrap();
+        let g = tempfile::tempfile().unwrap();
+        space::write_zeros(&g, len).unwrap();
+        for file in [&f, &g] {
+            let m = file.metadata().unwrap();
+            assert_eq!(m.len(), len as u64);
+            // st_blocks counts 512-byte units: every byte is backed, nothing is sparse
+            assert!(m.blocks() * 512 >= len as u64, "{} blocks", m.blocks());
+            let mut tail = [1u8; 4096];
+            file.read_exact_at(&mut tail, len as u64 - 4096).unwrap();
+            assert!(tail.iter().all(|&b| b == 0));
+        }
+        assert!(space::is_full(&space::no_space()));
+        assert!(!space::is_full(&std::io::Error::from(
+            std::io::ErrorKind::PermissionDenied
+        )));
     }
 }

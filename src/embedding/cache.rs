@@ -203,8 +203,10 @@ impl std::fmt::Debug for EmbeddingCache {
 }
 
 /// Counts of every id in `0..rows`, for [`EmbeddingCache::reorder`]. Fails on an id out of
-/// range.
+/// range, and with [`Error::TooLarge`] when `rows` counts would not fit in the machine's
+/// memory.
 pub fn bincount<'a>(rows: usize, batches: impl IntoIterator<Item = &'a [u32]>) -> Result<Vec<u64>> {
+    crate::limits::host_bytes(|| format!("bytes of the counts of {rows} rows"), &[rows, 8])?;
     let mut counts = vec![0u64; rows];
     for ids in batches {
         for &id in ids {
@@ -218,7 +220,9 @@ pub fn bincount<'a>(rows: usize, batches: impl IntoIterator<Item = &'a [u32]>) -
 
 impl EmbeddingCache {
     /// A cache on `device`, every row's embedding set by `init(id, row)` and its optimizer
-    /// state zeroed.
+    /// state zeroed. A table in paged or pinned host memory larger than the machine's memory
+    /// is refused with [`Error::TooLarge`]; on the file tier, a disk too small for it with
+    /// [`Error::FileTierFull`].
     pub fn new(
         device: Device,
         config: CacheConfig,
@@ -252,9 +256,16 @@ impl EmbeddingCache {
                 "a table of {rows} rows of {row_bytes} bytes overflows"
             ))
         })?;
+        // the file tier may hold more than the machine's memory; the others may not
+        let in_memory = || {
+            crate::limits::host_bytes(
+                || format!("bytes of a host table of {rows} rows of {row_bytes} bytes"),
+                &[table_bytes],
+            )
+        };
         let (mut host, store) = match host {
-            HostTier::Paged => (HostBuffer::paged(table_bytes)?, None),
-            HostTier::Pinned => (device.alloc_host(table_bytes)?, None),
+            HostTier::Paged => (HostBuffer::paged(in_memory()?)?, None),
+            HostTier::Pinned => (device.alloc_host(in_memory()?)?, None),
             HostTier::Mapped(dir) => {
                 let store = FileStore::new(dir)?;
                 (store.alloc(table_bytes)?, Some(store))

@@ -92,7 +92,8 @@ pub struct CacheIndex {
 
 impl CacheIndex {
     /// An empty cache of `capacity` slots over `rows` rows, in identity order (id `i` is host
-    /// row `i`) until [`CacheIndex::reorder`].
+    /// row `i`) until [`CacheIndex::reorder`]. Its maps are refused with [`Error::TooLarge`]
+    /// when they would not fit in the machine's memory.
     pub fn new(rows: usize, capacity: usize, policy: Policy) -> Result<Self> {
         if rows == 0 || capacity == 0 {
             return Err(Error::InvalidArgument(format!(
@@ -106,6 +107,11 @@ impl CacheIndex {
             )));
         }
         let capacity = capacity.min(rows);
+        // two u32 maps a row; per slot its row, key, use bit, count, dirty flag and free entry
+        let what = || format!("bytes of the index of a cache of {capacity} slots over {rows} rows");
+        let per_rows = crate::limits::host_bytes(what, &[rows, 8])?;
+        let per_slots = crate::limits::host_bytes(what, &[capacity, 4 + 8 + 1 + 4 + 1 + 4])?;
+        crate::limits::host_bytes(what, &[per_rows.saturating_add(per_slots)])?;
         Ok(Self {
             id_to_row: (0..rows as u32).collect(),
             row_to_slot: vec![NONE; rows],

@@ -167,6 +167,21 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Host bytes of a batch of `size` samples over `tables` tables (dense features, one id
+    /// per table, a label), checked against what the machine holds: [`Error::TooLarge`] when
+    /// the bytes overflow or exceed [`crate::limits::host_limit`].
+    ///
+    /// [`Error::TooLarge`]: crate::Error::TooLarge
+    pub fn bytes_for(size: usize, tables: usize) -> crate::Result<usize> {
+        let per_sample = (DENSE_FEATURES + 1)
+            .saturating_add(tables)
+            .saturating_mul(4);
+        crate::limits::host_bytes(
+            || format!("bytes of a batch of {size} samples of {tables} tables"),
+            &[size, per_sample],
+        )
+    }
+
     /// The dense features of one sample.
     ///
     /// # Panics

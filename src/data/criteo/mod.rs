@@ -314,7 +314,27 @@ impl Synthetic {
     ///
     /// Deterministic in (configuration, `index`, `size`); a batch's first `k` samples do not
     /// depend on `size >= k`.
+    ///
+    /// # Panics
+    /// Where [`Synthetic::try_batch`] fails: when the batch's bytes overflow or exceed the
+    /// machine's memory. Take `try_batch` for sizes a user chose.
     pub fn batch(&self, index: u64, size: usize) -> Batch {
+        self.try_batch(index, size)
+            .unwrap_or_else(|e| panic!("Synthetic::batch: {e}"))
+    }
+
+    /// [`Synthetic::batch`], with the size checked before anything is allocated.
+    ///
+    /// # Errors
+    /// [`Error::TooLarge`] when the batch's bytes ([`Batch::bytes_for`]) overflow or exceed
+    /// what the machine holds ([`crate::limits::host_limit`]).
+    pub fn try_batch(&self, index: u64, size: usize) -> Result<Batch> {
+        Batch::bytes_for(size, self.tables.len())?;
+        Ok(self.generate(index, size))
+    }
+
+    /// Batch `index` of `size` samples, whose bytes were checked.
+    fn generate(&self, index: u64, size: usize) -> Batch {
         let seed = self.config.seed;
         let day = self.day(index);
         let shift = self.config.drift.map_or(0.0, |d| d.shift);

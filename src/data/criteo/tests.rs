@@ -339,3 +339,29 @@ fn generator_is_send_and_sync() {
     let there = std::thread::scope(|s| s.spawn(|| g.batch(12, 64)).join().unwrap());
     assert_eq!(here, there);
 }
+
+#[test]
+fn batches_past_host_memory_are_refused_before_allocating() {
+    let gen = Synthetic::new(SyntheticConfig::new(Dataset::Avazu).with_scale(0.001)).unwrap();
+    let limit = crate::limits::host_limit();
+    for size in [usize::MAX, limit as usize / 4 + 1] {
+        match gen.try_batch(3, size) {
+            Err(Error::TooLarge {
+                what,
+                requested,
+                limit: l,
+            }) => {
+                assert_eq!(l, limit);
+                assert!(requested > u128::from(limit));
+                assert!(what.contains(&size.to_string()), "{what}");
+            }
+            other => panic!("{size}: {other:?}"),
+        }
+    }
+    assert_eq!(gen.try_batch(3, 64).unwrap(), gen.batch(3, 64));
+    assert_eq!(gen.try_batch(3, 0).unwrap().size, 0);
+    assert_eq!(
+        Batch::bytes_for(10, 13).unwrap(),
+        10 * (DENSE_FEATURES + 1 + 13) * 4
+    );
+}

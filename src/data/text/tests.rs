@@ -264,3 +264,37 @@ fn unreadable_tokenizer_files_are_errors() {
         assert!(e.to_string().contains(name), "{e}");
     }
 }
+
+#[test]
+fn batches_past_host_memory_are_refused_before_allocating() {
+    let data = TokenData::generated(1000, 1, 0.1).unwrap();
+    let limit = crate::limits::host_limit() as usize;
+    // each of the two arrays alone is more than the machine holds
+    let rows = limit / 4 + 1;
+    match data.batch(Split::Train, 0, rows, 1) {
+        Err(Error::TooLarge {
+            what,
+            requested,
+            limit: l,
+        }) => {
+            assert_eq!((requested, l), (rows as u128 * 8, limit as u64));
+            assert!(what.contains(&format!("{rows} × 1 tokens")), "{what}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        data.batch(Split::Train, 0, usize::MAX, 2),
+        Err(Error::TooLarge {
+            requested,
+            ..
+        }) if requested == usize::MAX as u128 * 16
+    ));
+    // many micro-batches of a fine size are too many together
+    let count = limit / (8 * 16 * 8) + 1;
+    let r = data.batches(Split::Train, (0..count as u64).map(|k| k * 3), 8, 16);
+    assert!(matches!(r, Err(Error::TooLarge { .. })), "{r:?}");
+    let few = data.batches(Split::Train, [4, 7, 9], 8, 16).unwrap();
+    assert_eq!(few.len(), 3);
+    assert_eq!(few[1], data.batch(Split::Train, 7, 8, 16).unwrap());
+    assert!(data.batches(Split::Train, [1], 0, 16).is_err());
+}

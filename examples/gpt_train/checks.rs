@@ -3,15 +3,13 @@
 
 use std::path::{Path, PathBuf};
 
+use tidemem::comm::MAX_LOCAL_RANKS;
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::models::gpt::GptConfig;
 use tidemem::prelude::*;
 use tidemem::units::fmt_bytes;
 
 use super::{bad, Args};
-
-/// In-process ranks at most: each is a thread with a device of its own.
-pub const MAX_LOCAL_RANKS: usize = 256;
 
 /// The flags that need no data: numbers in range, layouts that need ranks, sizes the machine
 /// can hold.
@@ -56,10 +54,7 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
 
 /// Host bytes of this machine (`MemTotal`), when it can be read.
 fn host_memory() -> Option<u64> {
-    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
-    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
+    tidemem::limits::host_memory()
 }
 
 /// The batch sizes against the model and the machine: a micro-batch's logits and a step's

@@ -87,7 +87,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// - with `WORLD_SIZE` set by a launcher (see [`LaunchEnv`]), this process is one NCCL rank on
 ///   `device_for(LOCAL_RANK)`, meeting the others within `timeout`; the result holds its value;
 /// - otherwise `default_world` in-process ranks run on threads, rank `r` on `device_for(r)`; the
-///   result holds every rank's value in rank order (the first error wins).
+///   result holds every rank's value in rank order. When ranks fail, the error returned is the
+///   first rank's own error: an [`Error::RankFailed`] (a rank that only learned that another
+///   failed) is returned only when no rank reports anything else.
 ///
 /// ```
 /// use tidemem::comm::{launch, ReduceOp};
@@ -130,13 +132,35 @@ pub fn launch<R: Send>(
                 s.spawn(move || f(c))
             })
             .collect();
-        hs.into_iter()
+        let results: Vec<Result<R>> = hs
+            .into_iter()
             .map(|h| {
                 h.join()
                     .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
             })
-            .collect()
+            .collect();
+        first_own_error(results)
     })
+}
+
+/// Every rank's value in rank order, or the first error that is a rank's own (not an
+/// [`Error::RankFailed`] that only points at another rank), or else the first error.
+fn first_own_error<R>(results: Vec<Result<R>>) -> Result<Vec<R>> {
+    let mut values = Vec::with_capacity(results.len());
+    let mut pointer = None;
+    for r in results {
+        match r {
+            Ok(v) => values.push(v),
+            Err(e @ Error::RankFailed { .. }) => {
+                pointer.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match pointer {
+        Some(e) => Err(e),
+        None => Ok(values),
+    }
 }
 
 /// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library
@@ -156,4 +180,25 @@ pub fn nccl_library() -> Result<&'static str> {
 /// communicators (initialization with a timeout) need 2.14, [`Communicator::split`] 2.18.
 pub fn nccl_version() -> Result<(u32, u32, u32)> {
     nccl::version()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ranks_own_error_wins_over_one_that_points_at_it() {
+        let io = || Error::Io {
+            during: "writing",
+            source: std::io::Error::other("disk full"),
+        };
+        let got = first_own_error::<u8>(vec![Err(Error::RankFailed { rank: 1 }), Err(io())]);
+        assert!(matches!(got, Err(Error::Io { .. })), "{got:?}");
+        let got = first_own_error::<u8>(vec![Ok(1), Err(Error::RankFailed { rank: 0 })]);
+        assert!(matches!(got, Err(Error::RankFailed { rank: 0 })), "{got:?}");
+        assert_eq!(
+            first_own_error::<u8>(vec![Ok(1), Ok(2)]).unwrap(),
+            vec![1, 2]
+        );
+    }
 }

@@ -559,7 +559,7 @@ fn shard_checkpoints_resume_bitwise() {
             assert!(e.to_string().contains("another rank failed"), "{e}");
         } else {
             // its own error, not a wait for a collective the other rank never made
-            assert!(matches!(e, Error::Io { .. }), "{e}");
+            assert!(matches!(e, Error::FileIo { .. }), "{e}");
         }
         // and the group is still in step
         let mut x = [1.0f32];

@@ -78,6 +78,15 @@ pub(crate) fn bad(path: &Path, what: impl std::fmt::Display) -> Error {
 /// The metadata key prefix of the tensors' checksums: `crc32/<tensor>`.
 const CRC_KEY: &str = "crc32/";
 
+/// Ends the process at the named point of a save protocol when the environment variable
+/// `TIDEMEM_FAILPOINT` names it: the state a kill there leaves is the state a crash leaves, and
+/// tests check that a checkpoint survives it. Not part of the API.
+pub(crate) fn failpoint(point: &str) {
+    if std::env::var_os("TIDEMEM_FAILPOINT").is_some_and(|v| v == point) {
+        std::process::exit(86);
+    }
+}
+
 /// The safetensors element type of a [`DType`].
 pub(crate) fn st_dtype(d: DType) -> Dtype {
     match d {
@@ -468,6 +477,12 @@ pub(crate) struct Written {
 }
 
 impl Written {
+    /// The file [`Written::persist`] replaces: the path the caller named, or the final target
+    /// of the links it names.
+    pub(crate) fn target(&self) -> &Path {
+        &self.target
+    }
+
     /// Renames the file over its target and syncs the directory, so the rename survives a crash.
     pub(crate) fn persist(mut self) -> Result<()> {
         std::fs::rename(&self.tmp.path, &self.target).map_err(io_at("replacing", &self.path))?;

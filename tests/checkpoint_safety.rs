@@ -275,6 +275,50 @@ fn a_zero_save_killed_at_any_point_leaves_a_loadable_set() {
     killed_at_random_moments(base.path(), &reference);
 }
 
+/// The set two killed saves can leave: rank 0 holds saves 3 (current) and 1 (previous),
+/// rank 1 saves 2 and 1 (the second save killed after rank 0's rename, the first after rank
+/// 1's). The newest save every rank holds is 1, though 2 is the oldest of the ranks' newest;
+/// a save from there, killed at any point, keeps it.
+#[test]
+fn a_set_left_by_two_killed_saves_loads_the_save_every_rank_holds() {
+    let reference = reference(3);
+    let saves: Vec<tempfile::TempDir> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    on_two(|c| {
+        let r = c.rank();
+        let (mut z, ids, mut adam) = rank(c, &TOY)?;
+        for dir in &saves {
+            step(&mut z, &ids, &mut adam, &TOY)?;
+            z.save_checkpoint(&adam, shard(dir.path(), r))?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    let left = tempfile::tempdir().unwrap();
+    let prev = |r: usize| left.path().join(format!("rank{r}.safetensors.prev"));
+    let copy = |from: &tempfile::TempDir, r: usize, to: PathBuf| {
+        std::fs::copy(shard(from.path(), r), to).unwrap();
+    };
+    copy(&saves[2], 0, shard(left.path(), 0));
+    copy(&saves[0], 0, prev(0));
+    copy(&saves[1], 1, shard(left.path(), 1));
+    copy(&saves[0], 1, prev(1));
+    assert_eq!(load_and_check(left.path(), &reference, "left"), 1);
+    for (point, _) in points() {
+        let dir = tempfile::tempdir().unwrap();
+        for r in 0..2 {
+            std::fs::copy(shard(left.path(), r), shard(dir.path(), r)).unwrap();
+            std::fs::copy(
+                prev(r),
+                dir.path().join(format!("rank{r}.safetensors.prev")),
+            )
+            .unwrap();
+        }
+        killed_at(dir.path(), &point);
+        let step = load_and_check(dir.path(), &reference, &format!("left, then {point}"));
+        assert!(step == 1 || step == 2, "{point}: step {step}");
+    }
+}
+
 /// SIGKILL at random moments of processes that train and save in a loop, each resuming what
 /// the kill before left: moments drawn over the time an uninterrupted process takes.
 fn killed_at_random_moments(base: &Path, reference: &[Vec<Held>]) {

@@ -73,8 +73,16 @@ fn now_micros() -> i64 {
 }
 
 /// Before `new` replaces its target: makes the previous generation hold save `keep` (the
-/// newest save every rank holds), renaming the current file to it if that holds it.
-fn keep_previous(new: &Written, path: &Path, have: &[(bool, i64)], keep: i64) -> Result<()> {
+/// newest save every rank holds, if any), renaming the current file to it if that holds it.
+fn keep_previous(
+    new: &Written,
+    path: &Path,
+    have: &[(bool, i64)],
+    keep: Option<i64>,
+) -> Result<()> {
+    let Some(keep) = keep else {
+        return Ok(()); // no save is complete: nothing to keep
+    };
     if have.contains(&(false, keep)) {
         return Ok(()); // kept by an earlier save that did not finish
     }
@@ -87,6 +95,34 @@ fn keep_previous(new: &Written, path: &Path, have: &[(bool, i64)], keep: i64) ->
 }
 
 impl ZeroManager {
+    /// The newest save every rank holds, given the saves this rank's files hold; or `None`,
+    /// with the first candidate (the oldest of the ranks' newest saves, which some rank then
+    /// lacks). The newest save of a rank may be one a kill left on that rank alone, so the
+    /// candidates go down from the oldest of the ranks' newest saves, two all-reduces each,
+    /// until every rank holds one; every rank takes the same path, since the candidates are
+    /// all-reduced.
+    fn newest_common(&self, saves: &[i64]) -> Result<(Option<i64>, i64)> {
+        let mut bound = i64::MAX;
+        let mut first = None;
+        loop {
+            let mine = saves.iter().copied().filter(|&s| s <= bound).max();
+            let mut candidate = [mine.unwrap_or(i64::MIN)];
+            self.comm.all_reduce_host(&mut candidate, ReduceOp::Min)?;
+            let c = candidate[0];
+            let first = *first.get_or_insert(c);
+            if c == i64::MIN {
+                return Ok((None, first));
+            }
+            let mut everywhere = [i32::from(saves.contains(&c))];
+            self.comm.all_reduce_host(&mut everywhere, ReduceOp::Min)?;
+            if everywhere[0] == 1 {
+                return Ok((Some(c), first));
+            }
+            // a rank lacks it: it is complete nowhere
+            bound = c - 1;
+        }
+    }
+
     /// Saves this rank's shard (the tensors of the chunks it owns, by their global names) and
     /// `adam`'s counters to `path`, as [`HybridAdam::save_checkpoint`] does, with the rank, the
     /// world size and the save's identity in the metadata: every rank saves its own file.
@@ -117,9 +153,9 @@ impl ZeroManager {
         let have: Vec<(bool, i64)> = generations(path)
             .map(|gs| gs.iter().map(|g| (g.current, g.save)).collect())
             .unwrap_or_default();
-        let newest = have.iter().map(|h| h.1).max();
-        let mut keep = [newest.unwrap_or(i64::MIN)];
-        self.comm.all_reduce_host(&mut keep, ReduceOp::Min)?;
+        let saves: Vec<i64> = have.iter().map(|h| h.1).collect();
+        let (keep, _) = self.newest_common(&saves)?;
+        let newest = saves.iter().copied().max();
         let drawn = if rank == 0 { now_micros() } else { i64::MIN };
         let mut id = [drawn.max(newest.map_or(i64::MIN, |n| n.saturating_add(1)))];
         self.comm.all_reduce_host(&mut id, ReduceOp::Max)?;
@@ -131,7 +167,7 @@ impl ZeroManager {
         self.comm.agree(written.is_ok())?;
         let written = written?;
         let prev = previous(written.target());
-        let done = keep_previous(&written, path, &have, keep[0]).and_then(|()| {
+        let done = keep_previous(&written, path, &have, keep).and_then(|()| {
             point("kept");
             written.persist()
         });
@@ -167,20 +203,27 @@ impl ZeroManager {
             .and_then(|()| generations(path));
         self.comm.agree(listed.is_ok())?;
         let gens = listed?;
-        let mut want = [gens.iter().map(|g| g.save).max().unwrap_or(i64::MIN)];
-        self.comm.all_reduce_host(&mut want, ReduceOp::Min)?;
         let found: Vec<i64> = gens.iter().map(|g| g.save).collect();
-        let mine = match gens.into_iter().find(|g| g.save == want[0]) {
-            Some(g) => self.check_shard(adam, &g.file).map(|meta| (meta, g.file)),
-            None => Err(Error::SaveMismatch {
-                path: path.to_path_buf(),
-                rank: self.comm.rank(),
-                wanted: want[0],
-                found,
-            }),
+        let (common, first) = self.newest_common(&found)?;
+        let mismatch = || Error::SaveMismatch {
+            path: path.to_path_buf(),
+            rank: self.comm.rank(),
+            wanted: first,
+            found: found.clone(),
+        };
+        let mine = match gens.into_iter().find(|g| Some(g.save) == common) {
+            Some(g) => self
+                .check_shard(adam, &g.file)
+                .map(|meta| Some((meta, g.file))),
+            // no save every rank holds: a rank that lacks the first candidate says so, the
+            // others hear of it from the agreement
+            None if found.contains(&first) => Ok(None),
+            None => Err(mismatch()),
         };
         self.comm.agree(mine.is_ok())?;
-        let (meta, file) = mine?;
+        // (a rank always lacks the first candidate when no save is common, so `None` does not
+        // pass the agreement)
+        let (meta, file) = mine?.ok_or_else(mismatch)?;
         // the same save has the same step everywhere; files of before save identities are
         // all save 0, and must at least agree on the step
         let steps = adam.checkpoint_steps(&meta)? as i64;

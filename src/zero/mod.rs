@@ -69,8 +69,9 @@
 //! `path` + `.prev` (beside the final target when `path` is a symbolic link). A save:
 //!
 //! 1. each rank lists the saves of its current and previous files; the ranks agree on the
-//!    newest save every rank holds (the minimum over ranks of each rank's newest), the one a
-//!    load would pick now, and on the new save's identity;
+//!    newest save every rank holds (all-reduces: the oldest of the ranks' newest saves, then
+//!    older ones while a rank lacks the candidate), the one a load would pick now, and on the
+//!    new save's identity;
 //! 2. each rank writes its new file beside its target (a temporary file, synced); the ranks
 //!    agree that all did, or all fail and nothing changed;
 //! 3. each rank keeps the agreed save: if its current file holds it, it is renamed to the

@@ -389,8 +389,9 @@ pub enum Error {
         saving: bool,
     },
 
-    /// The files of a checkpoint of several ranks are not all from one save: this rank's file
-    /// (and its previous generation, if any) do not hold the newest save every rank has.
+    /// The files of a checkpoint of several ranks are not all from one save: no save is held
+    /// by every rank, and this rank's files (its current and previous generation) lack the one
+    /// the others' files point to.
     #[error(
         "checkpoint {} of rank {rank} holds save {found:?}, not save {wanted} that the other \
          ranks' files share: the files come from different saves or runs; no rank loads",
@@ -401,7 +402,7 @@ pub enum Error {
         path: PathBuf,
         /// This rank.
         rank: usize,
-        /// The save every rank must hold (the newest one every rank has a file of).
+        /// The save other ranks hold (the oldest of the ranks' newest saves).
         wanted: i64,
         /// The saves this rank's files hold.
         found: Vec<i64>,

@@ -135,8 +135,8 @@ impl ZeroManager {
     /// While the new files replace the old ones, each rank keeps the newest save every rank
     /// holds as `path.prev`, removed once every rank holds the new save: a process killed at
     /// any point leaves a set of files [`ZeroManager::load_checkpoint`] loads, the earlier
-    /// save or the new one (see the [module docs](crate::zero#checkpoints)). Between iterations only; closes
-    /// registration.
+    /// save or the new one (see the [module docs](crate::zero#checkpoints)). Between
+    /// iterations only; closes registration.
     pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
         let rank = self.comm.rank();
@@ -188,8 +188,9 @@ impl ZeroManager {
     /// [`ZeroManager::save_checkpoint`] wrote at `path` on the same rank of a group of the same
     /// size. Every rank must call it: the ranks agree on the newest save every rank has a file
     /// of (a save a kill interrupted leaves the earlier one in `path.prev`, see the
-    /// [module docs](crate::zero#checkpoints)); each checks its file of that save (metadata, tensors, checksums);
-    /// the ranks agree that every file fits, and only then does any rank load. Otherwise every
+    /// [module docs](crate::zero#checkpoints)); each checks its file of that save (metadata,
+    /// tensors, checksums); the ranks agree that every file fits, and only then does any rank
+    /// load. Otherwise every
     /// rank fails and none changes: a rank whose files hold another save fails with
     /// [`Error::SaveMismatch`] (files of different runs, or saves, put together), the others
     /// with [`Error::RankFailed`]. Between iterations only; closes registration.

@@ -7,8 +7,8 @@
 //! `j·N + r` is owned by rank `r`. A rank keeps, in its own [`ChunkManager`], only the groups it
 //! owns — all four lists (parameters/gradients, fp32 masters, momentum, variance) — so its model
 //! data is about 1/N of the whole, placed on device, host or file tier by the same tide-aware
-//! scheduler as without sharding. [`HybridAdam`](crate::optim::HybridAdam) runs on that manager, so only owned chunks are
-//! stepped.
+//! scheduler as without sharding. [`HybridAdam`](crate::optim::HybridAdam) runs on that
+//! manager, so only owned chunks are stepped.
 //!
 //! Chunk ownership (PatrickStar's scheme) rather than N contiguous shards of every chunk
 //! (Gemini's) keeps every tensor whole inside one owned chunk: the optimizer, gradient
@@ -49,8 +49,9 @@
 //!   shared parameter) gathers again. The end of forward frees what is left.
 //! - **Reduce-scatter after backward.** When every tensor of the group that was used in forward
 //!   has had its last backward use (HOLD_AFTER_BWD), the gradients written into the buffer are
-//!   reduce-scattered with [`ReduceOp::Avg`](crate::comm::ReduceOp::Avg) (each rank's gradient is the mean over its share of
-//!   the global batch, so the average is the gradient of the global batch) and the owner copies
+//!   reduce-scattered with [`ReduceOp::Avg`](crate::comm::ReduceOp::Avg) (each rank's
+//!   gradient is the mean over its share of the global batch, so the average is the gradient
+//!   of the global batch) and the owner copies
 //!   its slot's gradients into its chunk. The owned chunk stays fetched from the group's first
 //!   backward use to this point.
 //! - **Step.** [`ZeroManager::step`] runs HybridAdam on the owned chunks with the gradient

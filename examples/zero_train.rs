@@ -62,11 +62,13 @@ struct Args {
     /// only).
     #[arg(long, default_value_t = 1)]
     prefetch: usize,
-    /// Save every rank's shard to DIR/rank<r>.safetensors after the last step.
+    /// Save every rank's shard to DIR/rank<r>.safetensors after the last step. A save killed
+    /// midway leaves the earlier one loadable (as DIR/rank<r>.safetensors.prev until every
+    /// rank holds the new one).
     #[arg(long, value_name = "DIR")]
     save: Option<PathBuf>,
-    /// Load every rank's shard from DIR (written by --save on as many ranks) before training;
-    /// the batches go on from the step the checkpoint holds.
+    /// Load every rank's shard from DIR (written by --save on as many ranks, all of one save)
+    /// before training; the batches go on from the step the checkpoint holds.
     #[arg(long, value_name = "DIR")]
     resume: Option<PathBuf>,
     /// Print JSON.

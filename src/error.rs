@@ -3,6 +3,8 @@
 //! The public API never panics on bad input: it returns one of these variants, each of which
 //! names the numbers a user needs to understand what went wrong.
 
+use std::path::PathBuf;
+
 use crate::device_id::{BackendKind, DeviceId};
 use crate::dtype::DType;
 
@@ -382,6 +384,99 @@ pub enum Error {
         /// The id's index.
         id: u32,
     },
+
+    // --- files: checkpoints read and written ---
+    /// A checkpoint (or an imported model file) that cannot be read as one, or that does not
+    /// fit what it is loaded into: what is wrong, and with which file.
+    #[error("checkpoint {}: {what}", path.display())]
+    Checkpoint {
+        /// The file, as the caller named it.
+        path: PathBuf,
+        /// What is wrong with it.
+        what: String,
+    },
+
+    /// An I/O error on a named file.
+    #[error("I/O error {during} {}: {source}", path.display())]
+    FileIo {
+        /// What was being done (`writing`, `opening`, ...).
+        during: &'static str,
+        /// The file, as the caller named it.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A path that must be a regular file (a checkpoint to read, or one to replace) is
+    /// something else; nothing was read or replaced.
+    #[error("{} is a {kind}, not a regular file{}", path.display(), not_a_file_hint(kind))]
+    NotAFile {
+        /// The path, as the caller named it.
+        path: PathBuf,
+        /// What it is: `directory`, `character device`, `block device`, `fifo`, `socket`.
+        kind: &'static str,
+    },
+
+    /// A tensor's data in a checkpoint does not match the checksum written with it: the file
+    /// was damaged after it was written. Nothing was loaded.
+    #[error(
+        "checkpoint {}: the data of tensor '{tensor}' does not match its checksum (the file \
+         was damaged since it was written); nothing was loaded",
+        path.display()
+    )]
+    ChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+        /// The tensor whose data is damaged.
+        tensor: String,
+    },
+
+    /// NaN or infinity in a tensor read from a model file, or about to be written to a
+    /// checkpoint (then nothing was written, and an earlier file at the path stays).
+    #[error(
+        "{}: tensor '{tensor}' has a non-finite value (NaN or infinity) at element {index}{}",
+        path.display(),
+        if *.saving { "; nothing was saved, an earlier file stays as it was" } else { "" }
+    )]
+    NonFinite {
+        /// The file read, or the one that was to be written.
+        path: PathBuf,
+        /// The tensor, as the file names it.
+        tensor: String,
+        /// The first non-finite element, as a row-major index into the tensor as stored.
+        index: u64,
+        /// Whether the tensor was being saved (otherwise read).
+        saving: bool,
+    },
+
+    /// The files of a checkpoint of several ranks are not all from one save: no save is held
+    /// by every rank, and this rank's files (its current and previous generation) lack the one
+    /// the others' files point to.
+    #[error(
+        "checkpoint {} of rank {rank} holds save {found:?}, not save {wanted} that the other \
+         ranks' files share: the files come from different saves or runs; no rank loads",
+        path.display()
+    )]
+    SaveMismatch {
+        /// This rank's file.
+        path: PathBuf,
+        /// This rank.
+        rank: usize,
+        /// The save other ranks hold (the oldest of the ranks' newest saves).
+        wanted: i64,
+        /// The saves this rank's files hold.
+        found: Vec<i64>,
+    },
+
+    /// Another rank failed in a step the ranks take together (see
+    /// [`Communicator::agree`](crate::comm::Communicator::agree)); that rank reports its own
+    /// error.
+    #[error("another rank failed (rank {rank}, which reports why); every rank stops")]
+    RankFailed {
+        /// The lowest rank that failed.
+        rank: usize,
+    },
 }
 
 impl Error {
@@ -415,5 +510,15 @@ fn waiting_for(missing: &[usize]) -> String {
         String::new()
     } else {
         format!(" waiting for ranks {missing:?}")
+    }
+}
+
+/// The end of a [`Error::NotAFile`] message: what a directory given as a checkpoint may be.
+fn not_a_file_hint(kind: &str) -> &'static str {
+    if kind == "directory" {
+        " (a checkpoint of several ranks is a directory of one file per rank: load or save it \
+         with as many ranks, each naming its own file)"
+    } else {
+        ""
     }
 }

@@ -768,7 +768,7 @@ fn sharded_checkpoints_resume_bitwise() {
                                 let e4 = e.save(to).unwrap_err();
                                 match r {
                                     0 => assert!(e4.to_string().contains("another rank"), "{e4}"),
-                                    _ => assert!(matches!(e4, Error::Io { .. }), "{e4}"),
+                                    _ => assert!(matches!(e4, Error::FileIo { .. }), "{e4}"),
                                 }
                                 assert_eq!(std::fs::read(path(tag, 0)).unwrap(), before);
                             }

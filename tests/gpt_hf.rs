@@ -140,7 +140,7 @@ fn a_wrong_length_is_refused_and_the_earlier_file_stays() {
     })
     .unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("'h.1.mlp.c_fc.bias'")),
+        matches!(&err, Error::Checkpoint { what, .. } if what.contains("'h.1.mlp.c_fc.bias'")),
         "{err}"
     );
     let failing = write_hf(&p, &cfg, |name| match name {
@@ -316,18 +316,18 @@ fn imports_transformers_files_with_or_without_the_prefix() {
     }
 }
 
-/// Reads `tensors` and expects an `InvalidArgument` whose message holds every one of `needles`.
+/// Reads `tensors` and expects an `Error::Checkpoint` whose message holds every one of `needles`.
 fn refused(tensors: &[T], heads: Option<usize>, expect: Option<&GptConfig>, needles: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("bad.safetensors");
     save(&p, tensors);
     match read_hf(&p, heads, expect) {
-        Err(Error::InvalidArgument(m)) => {
+        Err(Error::Checkpoint { what: m, .. }) => {
             for n in needles {
                 assert!(m.contains(n), "{m:?} does not name {n:?}");
             }
         }
-        other => panic!("expected InvalidArgument naming {needles:?}, got {other:?}"),
+        other => panic!("expected Error::Checkpoint naming {needles:?}, got {other:?}"),
     }
 }
 
@@ -438,12 +438,12 @@ fn garbage_truncated_and_missing_files_are_typed_errors() {
     let cfg = tiny();
     let dir = tempfile::tempdir().unwrap();
     let p = dir.path().join("g.safetensors");
-    assert!(matches!(read_hf(&p, None, None), Err(Error::Io { .. })));
+    assert!(matches!(read_hf(&p, None, None), Err(Error::FileIo { .. })));
     let mut rng = Xoshiro256::new(3);
     for len in [0, 1, 7, 8, 100, 10_000] {
         std::fs::write(&p, rng.bytes(len)).unwrap();
         let r = read_hf(&p, None, None);
-        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{len}: {r:?}");
+        assert!(matches!(r, Err(Error::Checkpoint { .. })), "{len}: {r:?}");
     }
     let params = random_params(&cfg, 4);
     write_hf(&p, &cfg, |name| Ok(params[name].clone())).unwrap();
@@ -451,7 +451,7 @@ fn garbage_truncated_and_missing_files_are_typed_errors() {
     for cut in [9, 100, whole.len() / 2, whole.len() - 1] {
         std::fs::write(&p, &whole[..cut]).unwrap();
         let r = read_hf(&p, None, None);
-        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{cut}: {r:?}");
+        assert!(matches!(r, Err(Error::Checkpoint { .. })), "{cut}: {r:?}");
     }
     // A header that claims an enormous tensor.
     let header =
@@ -461,6 +461,6 @@ fn garbage_truncated_and_missing_files_are_typed_errors() {
     std::fs::write(&p, bytes).unwrap();
     assert!(matches!(
         read_hf(&p, None, None),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Checkpoint { .. })
     ));
 }

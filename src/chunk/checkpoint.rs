@@ -113,9 +113,14 @@ impl ChunkManager {
     ///
     /// A tensor `w` is stored as `param/w` (in the parameter dtype), `master/w`, `momentum/w`
     /// and `variance/w` (f32), each of the tensor's shape; the metadata also holds
-    /// `format = tidemem-chunks` and `param_dtype`. The file is written chunk by chunk (a model
-    /// on the file tier is never read into RAM whole) and replaces an earlier one at `path`
-    /// only once complete. Runs between iterations only: before the first fetch (initial
+    /// `format = tidemem-chunks`, `param_dtype` and a CRC-32 of every entry (`crc32/<entry>`,
+    /// verified on load). The file is written chunk by chunk (a model on the file tier is never
+    /// read into RAM whole) beside `path` and replaces an earlier one only once complete and
+    /// synced, so a failed or killed save leaves the earlier file as it was. A NaN or an
+    /// infinity in any list fails the save with [`Error::NonFinite`], naming the entry, before
+    /// anything is replaced; an existing `path` that is a directory, a device or a fifo is
+    /// refused ([`Error::NotAFile`]); a symbolic link is written through to its target. Runs
+    /// between iterations only: before the first fetch (initial
     /// values) or after [`end_step`](ChunkManager::end_step), and is refused while a parameter
     /// chunk may hold gradients (a step skipped without restoring the parameters; HybridAdam
     /// restores them). Dirty device copies are written back to the host first; under a
@@ -213,7 +218,11 @@ impl ChunkManager {
     /// (names and shapes; registration order and chunk size may differ) and returns the file's
     /// metadata. Every tensor of the manager must be in the file and every tensor of the file in
     /// the manager; a parameter saved in another float dtype is converted. The file is checked
-    /// whole before anything changes: on an error the manager is as it was. Runs between
+    /// whole before anything changes, every entry's checksum included
+    /// ([`Error::ChecksumMismatch`] names a damaged one; a file written before checksums, with
+    /// none, loads unverified): on an error the manager is as it was. Errors about the file are
+    /// [`Error::Checkpoint`] (what is wrong, in words), [`Error::NotAFile`] (a directory: the
+    /// checkpoint of several ranks?) and [`Error::FileIo`]. Runs between
     /// iterations only; device copies are dropped (dirty ones written back first), so the next
     /// iteration loads the restored chunks. Every tensor is HOLD afterwards (it has a payload).
     pub fn load_checkpoint(&mut self, path: impl AsRef<Path>) -> Result<BTreeMap<String, String>> {

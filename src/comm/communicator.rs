@@ -229,17 +229,18 @@ impl Communicator {
         }
     }
 
-    /// Agrees on `ok` across the ranks (a one-byte all-reduce): `Ok` on every rank if all were
-    /// ok; otherwise a rank that was ok gets an error saying another rank failed (and one that
-    /// was not gets `Ok`, to return its own error). Every rank must call it: the step that lets
-    /// ranks fail together instead of going on apart.
+    /// Agrees on `ok` across the ranks (a four-byte all-reduce): `Ok` on every rank if all were
+    /// ok; otherwise a rank that was ok gets [`Error::RankFailed`] naming the lowest rank that
+    /// failed (and one that was not gets `Ok`, to return its own error, the one a user should
+    /// see: [`launch`](crate::comm::launch) prefers it). Every rank must call it: the step that
+    /// lets ranks fail together instead of going on apart.
     pub fn agree(&self, ok: bool) -> Result<()> {
-        let mut flag = [u8::from(ok)];
-        self.all_reduce_host(&mut flag, ReduceOp::Min)?;
-        if ok && flag[0] == 0 {
-            return Err(Error::InvalidArgument(
-                "another rank failed: every rank reports it".into(),
-            ));
+        let mut first_failed = [if ok { i32::MAX } else { self.rank() as i32 }];
+        self.all_reduce_host(&mut first_failed, ReduceOp::Min)?;
+        if ok && first_failed[0] != i32::MAX {
+            return Err(Error::RankFailed {
+                rank: first_failed[0] as usize,
+            });
         }
         Ok(())
     }

@@ -101,7 +101,8 @@ pub const MAX_LOCAL_RANKS: usize = 1024;
 /// `timeout`, and the result is the failed rank's own error. A rank whose thread cannot start
 /// stops the ranks already started the same way, and the result is [`Error::ThreadSpawn`].
 /// `default_world` is at most [`MAX_LOCAL_RANKS`] ([`Error::TooLarge`], before any device is
-/// made).
+/// made). An [`Error::RankFailed`] (a rank that only learned from an agreement that another
+/// failed) is the result only when no rank reports anything else.
 ///
 /// ```
 /// use tidemem::comm::{launch, ReduceOp};
@@ -184,8 +185,11 @@ fn run_local<R: Send>(
                             "rank {rank} panicked: {msg}"
                         )))
                     });
+                // a rank told by an agreement that another failed is not the first failure
                 if let Err(e) = &r {
-                    fail(rank, e);
+                    if !matches!(e, Error::RankFailed { .. }) {
+                        fail(rank, e);
+                    }
                 }
                 r
             });
@@ -211,13 +215,33 @@ fn run_local<R: Send>(
                     .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
             })
             .collect();
-        // `first` names a rank only once its result is an error
+        // `first` names a rank only once its result is an error of its own
         let failed = *first.lock();
         if let Some(Err(e)) = failed.map(|r| results.swap_remove(r)) {
             return Err(e);
         }
-        results.into_iter().collect()
+        first_own_error(results)
     })
+}
+
+/// Every rank's value in rank order, or the first error that is a rank's own (not an
+/// [`Error::RankFailed`] that only points at another rank), or else the first error.
+fn first_own_error<R>(results: Vec<Result<R>>) -> Result<Vec<R>> {
+    let mut values = Vec::with_capacity(results.len());
+    let mut pointer = None;
+    for r in results {
+        match r {
+            Ok(v) => values.push(v),
+            Err(e @ Error::RankFailed { .. }) => {
+                pointer.get_or_insert(e);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    match pointer {
+        Some(e) => Err(e),
+        None => Ok(values),
+    }
 }
 
 /// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library
@@ -298,6 +322,22 @@ mod tests {
         assert!(
             matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("rank 0 falls over")),
             "{r:?}"
+        );
+    }
+
+    #[test]
+    fn a_ranks_own_error_wins_over_one_that_points_at_it() {
+        let io = || Error::Io {
+            during: "writing",
+            source: std::io::Error::other("disk full"),
+        };
+        let got = first_own_error::<u8>(vec![Err(Error::RankFailed { rank: 1 }), Err(io())]);
+        assert!(matches!(got, Err(Error::Io { .. })), "{got:?}");
+        let got = first_own_error::<u8>(vec![Ok(1), Err(Error::RankFailed { rank: 0 })]);
+        assert!(matches!(got, Err(Error::RankFailed { rank: 0 })), "{got:?}");
+        assert_eq!(
+            first_own_error::<u8>(vec![Ok(1), Ok(2)]).unwrap(),
+            vec![1, 2]
         );
     }
 }

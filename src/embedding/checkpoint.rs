@@ -60,7 +60,7 @@ pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result
     let file = Reader::open(path)?;
     let st = file.tensors()?;
     let read = |name: &str, cols: usize| -> Result<Vec<f32>> {
-        let t = st.tensor(name).map_err(|e| bad(path, e))?;
+        let t = st.tensor(name).map_err(|e| file.explain(e))?;
         if t.dtype() != Dtype::F32 || t.shape() != [rows, cols] {
             return Err(bad(
                 path,

@@ -7,8 +7,8 @@
 //! `j·N + r` is owned by rank `r`. A rank keeps, in its own [`ChunkManager`], only the groups it
 //! owns — all four lists (parameters/gradients, fp32 masters, momentum, variance) — so its model
 //! data is about 1/N of the whole, placed on device, host or file tier by the same tide-aware
-//! scheduler as without sharding. [`HybridAdam`] runs on that manager, so only owned chunks are
-//! stepped.
+//! scheduler as without sharding. [`HybridAdam`](crate::optim::HybridAdam) runs on that
+//! manager, so only owned chunks are stepped.
 //!
 //! Chunk ownership (PatrickStar's scheme) rather than N contiguous shards of every chunk
 //! (Gemini's) keeps every tensor whole inside one owned chunk: the optimizer, gradient
@@ -49,8 +49,9 @@
 //!   shared parameter) gathers again. The end of forward frees what is left.
 //! - **Reduce-scatter after backward.** When every tensor of the group that was used in forward
 //!   has had its last backward use (HOLD_AFTER_BWD), the gradients written into the buffer are
-//!   reduce-scattered with [`ReduceOp::Avg`] (each rank's gradient is the mean over its share of
-//!   the global batch, so the average is the gradient of the global batch) and the owner copies
+//!   reduce-scattered with [`ReduceOp::Avg`](crate::comm::ReduceOp::Avg) (each rank's
+//!   gradient is the mean over its share of the global batch, so the average is the gradient
+//!   of the global batch) and the owner copies
 //!   its slot's gradients into its chunk. The owned chunk stays fetched from the group's first
 //!   backward use to this point.
 //! - **Step.** [`ZeroManager::step`] runs HybridAdam on the owned chunks with the gradient
@@ -59,23 +60,53 @@
 //!
 //! Every rank must make the same calls in the same order (the trainer code is the same on all
 //! ranks); the collectives check it on the in-process backend.
+//!
+//! # Checkpoints
+//!
+//! Every save has an identity all its files carry (metadata `zero.save`): a number rank 0
+//! draws (the time in microseconds, and above every save the ranks' files hold) and every rank
+//! receives through an all-reduce. A rank's file at `path` is the current generation; while a
+//! save is under way, the save every rank holds is kept beside it as the previous generation,
+//! `path` + `.prev` (beside the final target when `path` is a symbolic link). A save:
+//!
+//! 1. each rank lists the saves of its current and previous files; the ranks agree on the
+//!    newest save every rank holds (all-reduces: the oldest of the ranks' newest saves, then
+//!    older ones while a rank lacks the candidate), the one a load would pick now, and on the
+//!    new save's identity;
+//! 2. each rank writes its new file beside its target (a temporary file, synced); the ranks
+//!    agree that all did, or all fail and nothing changed;
+//! 3. each rank keeps the agreed save: if its current file holds it, it is renamed to the
+//!    previous generation (if the previous generation holds it already, it stays); then the
+//!    new file is renamed over the current one and the directory synced;
+//! 4. the ranks agree that every rename happened, and only then does each rank remove its
+//!    previous generation.
+//!
+//! A kill at any point leaves every rank holding the agreed save, as its current or previous
+//! file, until every rank holds the new one. A load does what step 1 does: each rank lists its
+//! generations, the ranks agree on the newest save every rank holds, and each rank loads its
+//! file of that save; a rank that has none (the files of two runs, or of two saves, put
+//! together) fails with [`Error::SaveMismatch`] and no rank loads.
+//! So a load after a kill gives the earlier save or the new one, bit for bit, never a mix; and
+//! the next save starts from the same agreement, so a kill during it loses nothing either. A
+//! killed save's temporary files are removed by the next save to the same paths, its previous
+//! generations by the next save that completes.
+//!
+//! Files written before save identities existed count as save 0 and load as before (the ranks'
+//! step counts must then agree).
 
-use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Arc;
 
-use crate::checkpoint::Reader;
 use crate::chunk::{ChunkManager, Layout, ManagerConfig};
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::Communicator;
 use crate::device::{CachingAllocator, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::optim::HybridAdam;
 use crate::tensor::Stage;
 
-// ZeroManager's methods live by concern: construction, accessors and checkpoints here, the
-// tensor table in `table`, gathers and prefetch in `gather`, fetches, releases and gradient
+// ZeroManager's methods live by concern: construction and accessors here, checkpoints in
+// `checkpoint`, the tensor table in `table`, gathers and prefetch in `gather`, fetches, releases and gradient
 // writes in `iteration`, the reduce-scatter and optimizer step in `step`, statistics in `stats`.
+mod checkpoint;
 mod gather;
 mod iteration;
 mod stats;
@@ -247,91 +278,6 @@ impl ZeroManager {
         self.local.param_dtype()
     }
 
-    /// Saves this rank's shard (the tensors of the chunks it owns, by their global names) and
-    /// `adam`'s counters to `path`, as [`HybridAdam::save_checkpoint`] does, with the rank and
-    /// world size in the metadata: every rank saves its own file. Every rank must call it:
-    /// each writes its file beside its target, the ranks agree (a one-byte all-reduce) that all
-    /// did, and only then does any file replace an earlier one; otherwise every rank fails and
-    /// the earlier files stay, so the ranks' files are always from one step (short of a failed
-    /// rename itself, which every rank then reports and [`ZeroManager::load_checkpoint`] would
-    /// notice). Between iterations only; closes registration.
-    pub fn save_checkpoint(&mut self, adam: &HybridAdam, path: impl AsRef<Path>) -> Result<()> {
-        let mine = self
-            .idle("save_checkpoint")
-            .and_then(|()| self.close())
-            .and_then(|()| adam.checkpoint_metadata())
-            .and_then(|mut meta| {
-                meta.insert(META_RANK.into(), self.comm.rank().to_string());
-                meta.insert(META_WORLD.into(), self.world().to_string());
-                self.local.save_checkpoint_unpersisted(path.as_ref(), &meta)
-            });
-        // every rank leaves here alike (an error everywhere unless all wrote), and otherwise
-        // reaches the second agreement
-        self.comm.agree(mine.is_ok())?;
-        let done = mine?.persist();
-        // a rename that failed on one rank after the agreement is reported on every rank
-        self.comm.agree(done.is_ok())?;
-        done
-    }
-
-    /// Loads this rank's shard and `adam`'s counters from a file that
-    /// [`ZeroManager::save_checkpoint`] wrote on the same rank of a group of the same size.
-    /// Every rank must call it: each checks its file, the ranks agree (a one-byte all-reduce)
-    /// that every file fits and (two more) that all were saved at the same step, and only then
-    /// does any rank load; otherwise every rank fails and none changes. Between iterations
-    /// only; closes registration.
-    pub fn load_checkpoint(&mut self, adam: &mut HybridAdam, path: impl AsRef<Path>) -> Result<()> {
-        let path = path.as_ref();
-        // every local failure, closing registration included, goes into the agreement, so that
-        // no rank waits for one that returned early; the file stays open from check to load
-        let mine = self
-            .idle("load_checkpoint")
-            .and_then(|()| self.close())
-            .and_then(|()| Reader::open(path))
-            .and_then(|file| Ok((self.check_shard(adam, &file, path)?, file)));
-        self.comm.agree(mine.is_ok())?;
-        let (meta, file) = mine?;
-        let steps = adam.checkpoint_steps(&meta)? as f64;
-        let (mut lo, mut hi) = ([steps], [steps]);
-        self.comm.all_reduce_host(&mut lo, ReduceOp::Min)?;
-        self.comm.all_reduce_host(&mut hi, ReduceOp::Max)?;
-        if lo != hi {
-            return Err(Error::InvalidArgument(format!(
-                "the ranks' checkpoints were saved at different steps ({} to {}): no rank loads",
-                lo[0], hi[0]
-            )));
-        }
-        let done = self
-            .local
-            .load_checkpoint_file(&file, |_| Ok(()))
-            .and_then(|meta| adam.restore_metadata(&meta));
-        // a load that failed on one rank after the agreement is reported on every rank
-        self.comm.agree(done.is_ok())?;
-        done
-    }
-
-    /// This rank's file fits: saved by this rank of this group, for this optimizer and these
-    /// tensors. Returns its metadata.
-    fn check_shard(
-        &self,
-        adam: &HybridAdam,
-        file: &Reader,
-        path: &Path,
-    ) -> Result<BTreeMap<String, String>> {
-        let meta = file.metadata()?;
-        let (r, n) = (self.comm.rank().to_string(), self.world().to_string());
-        if meta.get(META_RANK) != Some(&r) || meta.get(META_WORLD) != Some(&n) {
-            return Err(Error::InvalidArgument(format!(
-                "checkpoint {} was saved by rank {} of {}, this is rank {r} of {n}",
-                path.display(),
-                meta.get(META_RANK).map_or("?", String::as_str),
-                meta.get(META_WORLD).map_or("?", String::as_str),
-            )));
-        }
-        adam.check_metadata(&meta)?;
-        self.local.check_checkpoint(file)
-    }
-
     fn idle(&self, what: &str) -> Result<()> {
         match self.stage {
             None => Ok(()),
@@ -342,10 +288,6 @@ impl ZeroManager {
         }
     }
 }
-
-/// Checkpoint metadata keys of a [`ZeroManager`] shard.
-const META_RANK: &str = "zero.rank";
-const META_WORLD: &str = "zero.world";
 
 // --- support for the trainer API (`crate::store`): the stage (shapes are in `table`, gradient
 // marks in `iteration`) ---

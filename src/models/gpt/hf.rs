@@ -47,7 +47,7 @@ use safetensors::Dtype;
 use super::GptConfig;
 use crate::checkpoint::{bad, from_st_dtype, io, write_unpersisted, Entry, Reader};
 use crate::dtype::decode_f32;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Init;
 
 /// The prefix some files (those saved from `GPT2LMHeadModel`) put before every name.
@@ -379,14 +379,18 @@ fn infer_config(
 /// `mlp.c_fc.weight` `[C, 4C]`, `mlp.c_proj.weight` `[4C, C]`; they are transposed) as F32,
 /// F16 or BF16 (widened to f32 exactly). The causal-mask buffers `h.{i}.attn.bias` and
 /// `h.{i}.attn.masked_bias` are skipped, and `lm_head.weight` is accepted only when it equals
-/// `wte.weight` bit for bit.
+/// `wte.weight` bit for bit. Every value must be finite. A file this crate wrote
+/// ([`write_hf`]) carries a checksum of every tensor, verified first; a file from elsewhere has
+/// none, and needs none.
 ///
 /// # Errors
-/// [`Error::Io`](crate::error::Error::Io) when the file cannot be opened;
-/// [`Error::InvalidArgument`](crate::error::Error::InvalidArgument), naming the tensor, for a file
-/// that is not safetensors, a missing tensor, a wrong shape (expected and found), another element
-/// type, an unknown tensor, an untied `lm_head.weight`, mixed prefixes, or a shape that differs
-/// from `expect`. Nothing is returned unless the whole file is valid.
+/// [`Error::FileIo`] when the file cannot be opened; [`Error::NotAFile`] for a directory;
+/// [`Error::NonFinite`], naming the tensor (as the file names it) and its first NaN or infinite
+/// element (counted in the file's orientation); [`Error::ChecksumMismatch`] for a file of this
+/// crate damaged since; [`Error::Checkpoint`], naming the tensor, for a file that is not
+/// safetensors, a missing tensor, a wrong shape (expected and found), another element type, an
+/// unknown tensor, an untied `lm_head.weight`, mixed prefixes, or a shape that differs from
+/// `expect`. Nothing is returned unless the whole file is valid.
 pub fn read_hf(
     path: impl AsRef<Path>,
     heads: Option<usize>,
@@ -421,7 +425,16 @@ pub fn read_hf(
     for (name, shape) in shapes {
         let view = named.get(path, &name, "")?;
         let want = file_shape(&name, &shape);
-        let values = widen(path, &named.file_name(&name), view, &want)?;
+        let file_name = named.file_name(&name);
+        let values = widen(path, &file_name, view, &want)?;
+        if let Some(i) = values.iter().position(|x| !x.is_finite()) {
+            return Err(Error::NonFinite {
+                path: path.to_path_buf(),
+                tensor: file_name,
+                index: i as u64,
+                saving: false,
+            });
+        }
         let values = if is_conv1d(&name) {
             transpose(&values, want[0], want[1])
         } else {
@@ -460,13 +473,17 @@ pub fn read_hf(
 ///
 /// `get(name)` gives each parameter's values in the crate's orientation, called once per name of
 /// [`GptConfig::param_shapes`] in that order. The file is written beside `path` and renamed over
-/// it once complete, so a failed write leaves an earlier file as it was. A file read by
-/// [`read_hf`] and written again is the same bytes.
+/// it once complete, so a failed write leaves an earlier file as it was; a symbolic link at
+/// `path` is written through. The metadata also holds a CRC-32 of every tensor
+/// (`crc32/<name>`), which [`read_hf`] verifies. A file read by [`read_hf`] and written again
+/// is the same bytes.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`](crate::error::Error::InvalidArgument) for a shape that does not
-/// validate or values of the wrong length (naming the parameter); any error of `get`, as it
-/// returned it; [`Error::Io`](crate::error::Error::Io) when the file cannot be written.
+/// [`Error::InvalidArgument`] for a shape that does not validate;
+/// [`Error::Checkpoint`] for values of the wrong length (naming the parameter);
+/// [`Error::NonFinite`] for a NaN or an infinity, naming the tensor (before anything replaces
+/// an earlier file); [`Error::NotAFile`] when `path` is a directory, a device or a fifo; any
+/// error of `get`, as it returned it; [`Error::FileIo`] when the file cannot be written.
 pub fn write_hf(
     path: impl AsRef<Path>,
     cfg: &GptConfig,

@@ -216,10 +216,15 @@ impl ChunkManager {
     /// m.set_non_model_allocator(CachingAllocator::new(dev));
     /// let big = m.register("big", &[3000], Init::Zeros)?; // a chunk of its own
     /// let small = m.register("small", &[10], Init::Zeros)?;
-    /// for stage in [Stage::Forward, Stage::Backward] {
-    ///     m.fetch(&[big, small], stage)?;
-    ///     m.release(&[big, small], stage)?;
-    /// }
+    /// m.fetch(&[big, small], Stage::Forward)?;
+    /// m.release(&[big, small], Stage::Forward)?;
+    /// m.end_forward()?;
+    /// m.fetch(&[big, small], Stage::Backward)?;
+    /// m.write_grad(big, &[0.0; 3000])?;
+    /// m.write_grad(small, &[0.0; 10])?;
+    /// m.release(&[big, small], Stage::Backward)?;
+    /// m.end_backward()?;
+    /// m.step_host(|_| Ok(()))?; // the optimizer's visits belong to the iteration too
     /// m.end_step()?;
     /// let s = m.sizing()?;
     /// // both chunks at once (fp16: 6,000 and 2,048 bytes)

@@ -41,7 +41,7 @@ fn gpt2_1_5b_at_a_quarter_of_the_parameter_chunks() {
         bound
     );
     // PatrickStar moves 2L for L bytes of loads; any schedule moves at least L + P (gradients come
-    // back) and L <= 2P here, so no policy can beat 0.75 × PatrickStar on this trace (README).
+    // back) and L <= 2P here, so no policy can beat 0.75 × PatrickStar on this trace (docs/memory.md).
     let ratio = total(&tide) as f64 / total(&ps) as f64;
     assert!(ratio <= 0.8, "tide / patrickstar = {ratio}");
     assert_eq!(

@@ -60,9 +60,9 @@ fn numbers_that_make_no_sense_are_refused() {
 
 #[test]
 fn sizes_beyond_the_machine_are_refused_before_allocating() {
-    refused(&["--batch", "100000000"], "a micro-batch's logits need");
-    refused(&["--batch", "4294967297", "--seq", "1"], "logits need");
-    refused(&["--accumulate", "4294967295"], "a step's tokens need");
+    refused(&["--batch", "100000000"], "a micro-batch's logits");
+    refused(&["--batch", "4294967297", "--seq", "1"], "logits");
+    refused(&["--accumulate", "4294967295"], "a step's tokens");
     refused(&["--ranks", "100000"], "in-process ranks");
     refused(&["--ranks", "10000000"], "in-process ranks");
 }

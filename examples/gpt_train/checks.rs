@@ -5,9 +5,9 @@ use std::path::{Path, PathBuf};
 
 use tidemem::comm::MAX_LOCAL_RANKS;
 use tidemem::data::text::{Split, TokenData, Tokenizer};
+use tidemem::limits;
 use tidemem::models::gpt::GptConfig;
 use tidemem::prelude::*;
-use tidemem::units::fmt_bytes;
 
 use super::{bad, Args};
 
@@ -52,11 +52,6 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
     Ok(())
 }
 
-/// Host bytes of this machine (`MemTotal`), when it can be read.
-fn host_memory() -> Option<u64> {
-    tidemem::limits::host_memory()
-}
-
 /// The batch sizes against the model and the machine: a micro-batch's logits and a step's
 /// token ids must fit in host memory (the simulated device's memory is host memory too).
 pub fn sizes(a: &Args, cfg: &GptConfig) -> Result<()> {
@@ -67,31 +62,23 @@ pub fn sizes(a: &Args, cfg: &GptConfig) -> Result<()> {
             a.batch, a.seq, a.accumulate, a.ranks, cfg.max_seq
         )));
     }
-    let tokens = (a.batch as u64).checked_mul(a.seq as u64);
+    let flags = || {
+        format!(
+            "--batch {} --seq {} --accumulate {} --ranks {}",
+            a.batch, a.seq, a.accumulate, a.ranks
+        )
+    };
     // fp32 logits and their gradient, a micro-batch
-    let logits = tokens.and_then(|t| t.checked_mul(cfg.vocab as u64 * 8));
+    limits::host_bytes(
+        || format!("{}: a micro-batch's logits", flags()),
+        &[a.batch, a.seq, cfg.vocab, 8],
+    )?;
     // a step's token ids and targets (4 bytes each), on every in-process rank
-    let ids = tokens
-        .and_then(|t| t.checked_mul(u64::from(a.accumulate).max(a.micro_batches as u64)))
-        .and_then(|t| t.checked_mul(8 * a.ranks as u64));
-    let limit = host_memory().unwrap_or(u64::MAX);
-    for (what, need) in [("a micro-batch's logits", logits), ("a step's tokens", ids)] {
-        match need {
-            Some(n) if n <= limit => {}
-            _ => {
-                return Err(bad(format!(
-                    "--batch {} --seq {} --accumulate {} --ranks {}: {what} need {} bytes, \
-                     more than this machine's {}",
-                    a.batch,
-                    a.seq,
-                    a.accumulate,
-                    a.ranks,
-                    need.map_or("more than 2^64".into(), |n| n.to_string()),
-                    fmt_bytes(limit)
-                )))
-            }
-        }
-    }
+    let micro = (a.accumulate as usize).max(a.micro_batches);
+    limits::host_bytes(
+        || format!("{}: a step's tokens", flags()),
+        &[a.batch, a.seq, micro, a.ranks, 8],
+    )?;
     Ok(())
 }
 
@@ -134,11 +121,7 @@ pub fn data(a: &Args, cfg: &GptConfig, data: &TokenData, tok: &Tokenizer) -> Res
 /// A path as the file system will resolve it: its directory made absolute (when it exists)
 /// with the file name kept.
 fn resolved(p: &Path) -> PathBuf {
-    let dir = match p.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    match (dir.canonicalize(), p.file_name()) {
+    match (parent(p).canonicalize(), p.file_name()) {
         (Ok(d), Some(n)) => d.join(n),
         _ => p.to_path_buf(),
     }

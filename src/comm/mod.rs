@@ -215,33 +215,14 @@ fn run_local<R: Send>(
                     .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
             })
             .collect();
-        // `first` names a rank only once its result is an error of its own
+        // `first` names a rank only once its result is an error of its own; without one, any
+        // error is an agreement's report that another rank failed
         let failed = *first.lock();
         if let Some(Err(e)) = failed.map(|r| results.swap_remove(r)) {
             return Err(e);
         }
-        first_own_error(results)
+        results.into_iter().collect()
     })
-}
-
-/// Every rank's value in rank order, or the first error that is a rank's own (not an
-/// [`Error::RankFailed`] that only points at another rank), or else the first error.
-fn first_own_error<R>(results: Vec<Result<R>>) -> Result<Vec<R>> {
-    let mut values = Vec::with_capacity(results.len());
-    let mut pointer = None;
-    for r in results {
-        match r {
-            Ok(v) => values.push(v),
-            Err(e @ Error::RankFailed { .. }) => {
-                pointer.get_or_insert(e);
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    match pointer {
-        Some(e) => Err(e),
-        None => Ok(values),
-    }
 }
 
 /// A fresh NCCL unique id (for [`Communicator::nccl_with_id`]); fails without the NCCL library
@@ -331,13 +312,23 @@ mod tests {
             during: "writing",
             source: std::io::Error::other("disk full"),
         };
-        let got = first_own_error::<u8>(vec![Err(Error::RankFailed { rank: 1 }), Err(io())]);
+        let run = |f: &(dyn Fn(usize) -> Result<u8> + Sync)| {
+            run_local(
+                ranks(2, Duration::from_secs(60)),
+                |_| std::thread::Builder::new(),
+                |c| f(c.rank()),
+            )
+        };
+        let got = run(&|r| match r {
+            0 => Err(Error::RankFailed { rank: 1 }),
+            _ => Err(io()),
+        });
         assert!(matches!(got, Err(Error::Io { .. })), "{got:?}");
-        let got = first_own_error::<u8>(vec![Ok(1), Err(Error::RankFailed { rank: 0 })]);
+        let got = run(&|r| match r {
+            0 => Ok(1),
+            _ => Err(Error::RankFailed { rank: 0 }),
+        });
         assert!(matches!(got, Err(Error::RankFailed { rank: 0 })), "{got:?}");
-        assert_eq!(
-            first_own_error::<u8>(vec![Ok(1), Ok(2)]).unwrap(),
-            vec![1, 2]
-        );
+        assert_eq!(run(&|r| Ok(r as u8 + 1)).unwrap(), vec![1, 2]);
     }
 }

@@ -193,29 +193,24 @@ impl Sizing {
     /// The smallest device capacity (to the byte) whose configuration `cfg(capacity)` trains
     /// the iteration under `policy` ([`Sizing::fits`]), searched between the largest moment
     /// and the chunks plus the non-model peak (or beyond, doubling, for configurations that
-    /// plan with less than all of the device). An error when no capacity up to 2^50 bytes fits.
+    /// plan with less than all of the device). The scheduler's error at 2^50 bytes when no capacity
+    /// up to there fits.
     pub fn smallest_device(
         &self,
         policy: Policy,
         cfg: impl Fn(u64) -> SchedulerConfig,
     ) -> Result<u64> {
-        let fits = |c: u64| self.fits(policy, cfg(c)).is_ok();
+        let fits = |c: u64| self.fits(policy, cfg(c));
         let mut lo = self.largest_moment().max(1);
         let mut hi = (self.device_chunk_bytes() + self.non_model_peak()).max(lo);
-        let mut last = None;
-        while !fits(hi) {
+        while let Err(e) = fits(hi) {
             if hi >= 1 << 50 {
-                return Err(last.unwrap_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "no device up to {hi} bytes trains this iteration under {}",
-                        policy.name()
-                    ))
-                }));
+                return Err(e);
             }
             lo = hi;
             hi = hi.saturating_mul(2);
-            last = self.fits(policy, cfg(hi)).err();
         }
+        let fits = |c: u64| fits(c).is_ok();
         // invariant: hi fits; below lo nothing fits (lo itself may)
         if fits(lo) {
             return Ok(lo);

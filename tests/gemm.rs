@@ -536,3 +536,41 @@ fn the_host_entry_checks_like_the_device() {
     .unwrap_err();
     assert!(matches!(err, Error::InvalidArgument(_)));
 }
+
+/// The emulator stands in for cuBLAS with the twin's arithmetic: on it, every shape's `C` is
+/// the twin's, bit for bit (a GPU's cuBLAS rounds its own way and is checked against the
+/// reference above instead).
+#[test]
+fn the_emulator_computes_the_twins_bits() {
+    let Some(dev) = common::cuda("the_emulator_computes_the_twins_bits") else {
+        return;
+    };
+    if !common::is_emulated(&dev) {
+        return;
+    }
+    let mut r = SplitMix64::new(5);
+    let mut shapes = shapes();
+    // the toy models' products: weight gradients over a batch, and wide blocks
+    for (m, n, k) in [(32, 32, 8), (32, 32, 2), (8, 32, 32), (2, 32, 32), (64, 48, 40)] {
+        shapes.push(Gemm::new(m, n, k));
+        shapes.push(Gemm::new(m, n, k).trans_a(true).beta(1.0));
+        shapes.push(Gemm::new(m, n, k).trans_b(true));
+    }
+    let mut differ = Vec::new();
+    for g in shapes {
+        let case = Case::new(g, &mut r);
+        let bits = |v: &[f64]| v.iter().map(|&x| (x as f32).to_bits()).collect::<Vec<_>>();
+        let twins = [
+            host_run::<f32>(&case, |x| x, |x| x),
+            host_run::<f16>(&case, f16::from_f32, f16::to_f32),
+            host_run::<bf16>(&case, bf16::from_f32, bf16::to_f32),
+        ];
+        for (d, twin) in [DType::F32, DType::F16, DType::BF16].into_iter().zip(twins) {
+            let got = device_run(&dev, &case, d).unwrap();
+            if bits(&twin) != bits(&got) {
+                differ.push((d, g));
+            }
+        }
+    }
+    assert!(differ.is_empty(), "the emulator's bits differ from the twin's for {differ:?}");
+}

@@ -12,10 +12,12 @@
 //! **Semantics**, as cuBLAS documents them, column-major: for each of `batchCount` matrices
 //! (`stride` elements apart, `0` for the plain calls), `C = alpha * op(A) * op(B) + beta * C`,
 //! `op(A)` `m` × `k`, `op(B)` `k` × `n`, `C` `m` × `n`, columns `lda`, `ldb`, `ldc` elements apart;
-//! `CUBLAS_OP_T` and `CUBLAS_OP_C` (the same for real types) transpose. Each element of `C`
-//! sums its `k` products in `f32`, in ascending order of `k`, each product rounded to `f32`
-//! (no fused multiply-add), then takes `alpha * sum + beta * C` in `f32` and is rounded once to
-//! the storage type (round to nearest even). `beta == 0` does not read `C` (a NaN there does not
+//! `CUBLAS_OP_T` and `CUBLAS_OP_C` (the same for real types) transpose. The arithmetic is
+//! tidemem's simulated device's, bit for bit: the operands widened to `f32`, the product
+//! `alpha * op(A) * op(B) + beta * C` computed in `f32` by the `gemm` crate (blocked, with fused
+//! multiply-adds where the CPU has them) with the shape and strides the simulated device's twin
+//! gives it for the same memory (the row-major `Cᵀ = op(B)ᵀ * op(A)ᵀ`), and each element rounded
+//! once to the storage type (round to nearest even). `beta == 0` does not read `C` (a NaN there does not
 //! propagate); `alpha == 0` or `k == 0` reads neither `A` nor `B` (`C = beta * C`, or zeros).
 //! `m == 0`, `n == 0` or `batchCount == 0` does nothing.
 //!

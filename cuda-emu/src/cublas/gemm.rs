@@ -251,60 +251,96 @@ unsafe fn store(t: Dtype, base: usize, idx: usize, v: f32) {
     }
 }
 
-/// `op(X)` of operand `i` of batch member at `base`, rounded, packed column-major into `out`
-/// (`rows` of `op(X)` per column).
-unsafe fn pack(g: &Gemm, i: usize, base: usize, out: &mut [f32]) {
-    let (rows, cols) = g.stored(i);
-    let op_rows = if g.trans[i] { cols } else { rows };
-    for c in 0..cols {
-        for r in 0..rows {
-            let v = g.inputs.round(load(g.dtype, base, r + c * g.ld[i]));
-            let at = if g.trans[i] {
-                c + r * op_rows
-            } else {
-                r + c * op_rows
-            };
-            out[at] = v;
-        }
-    }
-}
+/// Below this many multiply-adds a product runs on the calling thread, above it on every
+/// available one: the twin's rule, so that both call the `gemm` crate alike.
+const SERIAL_BELOW: u128 = 1 << 18;
 
 /// Runs the product. The caller guarantees that every range [`gemm`] checked is live.
+///
+/// The arithmetic is the simulated device's (tidemem's CPU twin): the operands widened to f32
+/// in their stored layout (the inputs rounded as the compute type says), `C` read when
+/// `beta != 0`, the product by the `gemm` crate as the twin calls it, and `C` rounded once to
+/// its type. The twin sees this column-major call as the row-major product
+/// `Cᵀ = op(B)ᵀ·op(A)ᵀ` over the same memory (`m` and `n` swapped); the crate is called with
+/// that shape and those strides, since its blocking, and so its rounding, depends on both.
 unsafe fn run(g: &Gemm) {
     let (m, n, k) = (g.m, g.n, g.k);
-    let reads = g.reads_ab();
-    let (mut a, mut b) = if reads {
-        (vec![0f32; m * k], vec![0f32; k * n])
-    } else {
-        (Vec::new(), Vec::new())
-    };
-    let mut acc = vec![0f32; m];
     let es = g.dtype.size() as i64;
+    let threads = std::thread::available_parallelism().map_or(1, |t| t.get());
+    let parallelism = if threads <= 1 || (m as u128) * (n as u128) * (k as u128) < SERIAL_BELOW {
+        ::gemm::Parallelism::None
+    } else {
+        ::gemm::Parallelism::Rayon(threads)
+    };
+    // Operand `i` of the batch member at `base`, widened in its stored layout.
+    let widen = |i: usize, base: usize, round: bool| -> Vec<f32> {
+        let (rows, cols) = g.stored(i);
+        let len = (cols - 1) * g.ld[i] + rows;
+        (0..len)
+            .map(|x| {
+                let v = load(g.dtype, base, x);
+                if round {
+                    g.inputs.round(v)
+                } else {
+                    v
+                }
+            })
+            .collect()
+    };
+    // (row stride, column stride) of the twin's op(B)ᵀ (n × k) and op(A)ᵀ (k × m).
+    let lhs = if g.trans[1] { (1, g.ld[1]) } else { (g.ld[1], 1) };
+    let rhs = if g.trans[0] { (1, g.ld[0]) } else { (g.ld[0], 1) };
     for batch in 0..g.batch as i64 {
         let at = |i: usize| g.ptr[i].wrapping_add_signed((batch * g.stride[i] * es) as isize);
-        if reads {
-            pack(g, 0, at(0), &mut a);
-            pack(g, 1, at(1), &mut b);
-        }
         let cb = at(2);
-        for j in 0..n {
-            acc.fill(0.0);
-            if reads {
-                for (p, &bv) in b[j * k..(j + 1) * k].iter().enumerate() {
-                    for (s, &av) in acc.iter_mut().zip(&a[p * m..(p + 1) * m]) {
-                        *s += av * bv;
-                    }
+        if !g.reads_ab() {
+            for j in 0..n {
+                for i in 0..m {
+                    let idx = i + j * g.ld[2];
+                    let v = if g.beta == 0.0 {
+                        0.0
+                    } else {
+                        g.beta * load(g.dtype, cb, idx)
+                    };
+                    store(g.dtype, cb, idx, v);
                 }
             }
-            for (i, &s) in acc.iter().enumerate() {
+            continue;
+        }
+        let (a, b) = (widen(0, at(0), true), widen(1, at(1), true));
+        let mut c = if g.beta != 0.0 {
+            widen(2, cb, false)
+        } else {
+            vec![0.0; (n - 1) * g.ld[2] + m]
+        };
+        // SAFETY: each matrix's last element, (rows - 1)·rs + (cols - 1)·cs, lies within its
+        // buffer (the widened extent of the stored operand), and `c` aliases neither input.
+        ::gemm::gemm(
+            n,
+            m,
+            k,
+            c.as_mut_ptr(),
+            1,
+            g.ld[2] as isize,
+            g.beta != 0.0,
+            b.as_ptr(),
+            lhs.1 as isize,
+            lhs.0 as isize,
+            a.as_ptr(),
+            rhs.1 as isize,
+            rhs.0 as isize,
+            // the crate's `dst := alpha·dst + beta·lhs·rhs`
+            g.beta,
+            g.alpha,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+        for j in 0..n {
+            for i in 0..m {
                 let idx = i + j * g.ld[2];
-                let scaled = if reads { g.alpha * s } else { 0.0 };
-                let v = match (g.beta != 0.0, reads) {
-                    (false, _) => scaled,
-                    (true, true) => scaled + g.beta * load(g.dtype, cb, idx),
-                    (true, false) => g.beta * load(g.dtype, cb, idx),
-                };
-                store(g.dtype, cb, idx, v);
+                store(g.dtype, cb, idx, c[idx]);
             }
         }
     }

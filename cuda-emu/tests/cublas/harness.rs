@@ -332,27 +332,26 @@ pub fn check_case(ctx: &Ctx, h: *mut c_void, c: &Case, seed: u64) -> Vec<f32> {
     for bt in 0..c.batch {
         for j in 0..c.n {
             for i in 0..c.m {
-                let (mut s32, mut s64, mut mag) = (0f32, 0f64, 0f64);
+                let (mut s64, mut mag) = (0f64, 0f64);
                 for p in 0..c.k {
                     let x = round(a[c.at(0, bt, i, p)]);
                     let y = round(b[c.at(1, bt, p, j)]);
-                    s32 += x * y;
                     s64 += x as f64 * y as f64;
                     mag += (x as f64 * y as f64).abs();
                 }
                 let idx = c.at(2, bt, i, j);
                 inside[idx] = true;
                 let old = c0[idx];
-                let (want32, exact, bound) = if c.beta == 0.0 {
-                    (c.alpha * s32, c.alpha as f64 * s64, 0.0)
+                // The emulator computes as tidemem's simulated device does (the `gemm` crate's
+                // blocked f32 products, bit for bit: tidemem's `tests/gemm.rs` checks that);
+                // here, each element within f32 accumulation's bound of the exact value.
+                let (exact, bound) = if c.beta == 0.0 {
+                    (c.alpha as f64 * s64, 0.0)
                 } else {
                     let bc = c.beta as f64 * old as f64;
-                    let want = c.alpha * s32 + c.beta * old;
-                    (want, c.alpha as f64 * s64 + bc, bc.abs())
+                    (c.alpha as f64 * s64 + bc, bc.abs())
                 };
-                let want = c.ty.quantize(want32);
                 let g = got[idx];
-                assert_eq!(g.to_bits(), want.to_bits(), "{c:?}: C[{bt}]({i},{j})");
                 let accumulated = c.alpha.abs() as f64 * mag + bound;
                 let tol = (c.k as f64 + 3.0) * 2f64.powi(-24) * accumulated
                     + c.ty.unit() * exact.abs()

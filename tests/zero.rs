@@ -11,11 +11,11 @@ use tidemem::optim::{
     AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport,
 };
 use tidemem::tensor::{Init, Stage, TensorId};
-use tidemem::tide::Policy;
+use tidemem::tide::{MoveStats, Policy};
 use tidemem::zero::ZeroManager;
 use tidemem::{DType, Error};
 
-use common::TOY;
+use common::{DEEP, DEEP_UNTIED, TOY};
 
 fn adam() -> HybridAdam {
     common::hybrid_adam(true, DevicePlacement::HostOnly)
@@ -214,13 +214,18 @@ fn zero_training_in_fp16_matches_single_process_training() {
 
 #[test]
 fn a_small_device_changes_nothing() {
-    // each rank's device holds a few chunks and a gather buffer beside the activations: the
-    // tide scheduler moves the shard between host and device, the result is the same bits
-    let big = zero(&TOY, DType::F16, 2, 1 << 20, 4);
-    let small = zero(&TOY, DType::F16, 2, 12_000, 4);
-    for (a, b) in big.iter().zip(&small) {
-        assert_eq!(a.owned, b.owned);
-        assert!(b.zero.local().stats().loads > 0 || b.zero.local().stats().h2d_bytes > 0);
+    // each rank's device holds its non-model peak (activations, a gather buffer) and about half
+    // of its 8 owned chunks: the tide scheduler evicts and reloads the shard, the same bits
+    let capacity = 36_000;
+    let big = zero(&DEEP, DType::F16, 2, 1 << 20, 4);
+    let small = zero(&DEEP, DType::F16, 2, capacity, 4);
+    for (r, (a, b)) in big.iter().zip(&small).enumerate() {
+        assert_eq!(a.owned, b.owned, "rank {r}");
+        common::assert_evicts(
+            &b.zero.local().stats(),
+            &a.zero.local().stats(),
+            &format!("rank {r} on {capacity} B"),
+        );
     }
 }
 
@@ -233,8 +238,9 @@ fn zero_on_cuda_equals_the_sim_devices() {
     let Some(gpu) = common::cuda("zero_on_cuda_equals_the_sim_devices") else {
         return;
     };
-    // Per rank: the owned masters' bits and the most groups stepped on the device in a step.
-    type Masters = Vec<(Vec<(String, Vec<u32>)>, usize)>;
+    // Per rank: the owned masters' bits, the most groups stepped on the device in a step, and
+    // the rank's chunk moves.
+    type Masters = Vec<(Vec<(String, Vec<u32>)>, usize, MoveStats)>;
     let run = |devs: Vec<tidemem::device::Device>, capacity: u64, placement| -> Masters {
         let comms = Communicator::local(devs).unwrap();
         std::thread::scope(|s| {
@@ -243,15 +249,15 @@ fn zero_on_cuda_equals_the_sim_devices() {
                 .map(|c| {
                     s.spawn(move || {
                         let (r, n) = (c.rank(), c.world());
-                        let mut cfg = config(&TOY, DType::F16);
+                        let mut cfg = config(&DEEP, DType::F16);
                         cfg.scheduler.capacity = capacity;
                         let mut z = ZeroManager::new(c, cfg).unwrap();
                         z.set_prefetch(2).unwrap();
-                        let ids = TOY.register(&mut z).unwrap();
+                        let ids = DEEP.register(&mut z).unwrap();
                         let mut opt = common::hybrid_adam(true, placement);
                         let mut on_device = 0;
                         for step in 0..4 {
-                            TOY.forward_backward(&mut z, &ids, step, opt.loss_scale(), (r, n))
+                            DEEP.forward_backward(&mut z, &ids, step, opt.loss_scale(), (r, n))
                                 .unwrap();
                             on_device = on_device.max(z.step(&mut opt).unwrap().device_groups);
                         }
@@ -266,15 +272,21 @@ fn zero_on_cuda_equals_the_sim_devices() {
                                 (id.0.to_string(), m.iter().map(|x| x.to_bits()).collect())
                             })
                             .collect();
-                        (masters, on_device)
+                        (masters, on_device, z.local().stats())
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         })
     };
-    // Small: both ranks' non-model peaks (they share the GPU) and room for a few chunks.
-    let small = 5_856 + 2 * TOY.non_model_peak(DType::F16) as u64;
+    // Small: each rank plans for its non-model peak and about half of its 8 owned chunks (the
+    // ranks share the GPU, which holds both); the roomy HostOnly run is the baseline of moves.
+    let small = 36_000;
+    let roomy = run(
+        vec![common::sim(1 << 20), common::sim(1 << 20)],
+        1 << 20,
+        DevicePlacement::HostOnly,
+    );
     for (capacity, placement) in [
         (1u64 << 20, DevicePlacement::Auto { fraction: 0.8 }),
         (small, DevicePlacement::HostOnly),
@@ -287,12 +299,12 @@ fn zero_on_cuda_equals_the_sim_devices() {
         let gpus = run(vec![gpu.clone(), gpu.clone()], capacity, placement);
         let flat = |m: &Masters| -> Vec<u32> {
             m.iter()
-                .flat_map(|(ts, _)| ts.iter().flat_map(|(_, bits)| bits.iter().copied()))
+                .flat_map(|(ts, _, _)| ts.iter().flat_map(|(_, bits)| bits.iter().copied()))
                 .collect()
         };
         let names = |m: &Masters| -> Vec<Vec<String>> {
             m.iter()
-                .map(|(ts, _)| ts.iter().map(|(n, _)| n.clone()).collect())
+                .map(|(ts, _, _)| ts.iter().map(|(n, _)| n.clone()).collect())
                 .collect()
         };
         assert_eq!(
@@ -305,6 +317,13 @@ fn zero_on_cuda_equals_the_sim_devices() {
         if common::is_emulated(&gpu) {
             assert!(sims == gpus, "{capacity} bytes, {placement:?}");
         }
+        if capacity == small {
+            for (r, roomy) in roomy.iter().enumerate() {
+                let what = format!("rank {r} on {capacity} B");
+                common::assert_evicts(&sims[r].2, &roomy.2, &format!("{what}, Sim"));
+                common::assert_evicts(&gpus[r].2, &roomy.2, &format!("{what}, CUDA"));
+            }
+        }
         if placement != DevicePlacement::HostOnly {
             assert!(gpus.iter().all(|r| r.1 > 0), "Adam ran on the GPU");
         }
@@ -316,19 +335,35 @@ fn zero_on_cuda_equals_the_sim_devices() {
 /// warm-up, in both stages.
 #[test]
 fn prefetch_changes_no_bit() {
-    for (world, capacity) in [(1, 1 << 20), (2, 1 << 20), (4, 1 << 20), (2, 16_000)] {
-        let plain = zero(&UNTIED, DType::F16, world, capacity, 4);
+    // on the small device each rank's chunk budget holds about 5 of its 8 owned chunks beside
+    // the gather buffers (the reserve of `depth` of them included), so the shard is evicted
+    let small = 40_000;
+    let roomy = zero(&DEEP_UNTIED, DType::F16, 2, 1 << 20, 4);
+    for (toy, world, capacity) in [
+        (&UNTIED, 1, 1 << 20),
+        (&UNTIED, 2, 1 << 20),
+        (&UNTIED, 4, 1 << 20),
+        (&DEEP_UNTIED, 2, small),
+    ] {
+        let plain = zero(toy, DType::F16, world, capacity, 4);
         for depth in [1, 3] {
-            let ahead = zero_prefetch(&UNTIED, DType::F16, world, capacity, 4, depth);
-            for (a, b) in plain.iter().zip(&ahead) {
+            let ahead = zero_prefetch(toy, DType::F16, world, capacity, 4, depth);
+            for (r, (a, b)) in plain.iter().zip(&ahead).enumerate() {
+                if capacity == small {
+                    let what = format!("rank {r} on {capacity} B");
+                    let roomy = roomy[r].zero.local().stats();
+                    common::assert_evicts(&a.zero.local().stats(), &roomy, &what);
+                    let what = format!("{what}, prefetch depth {depth}");
+                    common::assert_evicts(&b.zero.local().stats(), &roomy, &what);
+                }
                 assert_eq!(a.owned, b.owned, "world {world}, depth {depth}");
                 let (sa, sb) = (a.zero.stats(), b.zero.stats());
                 assert_eq!(sa.gathered_bytes, sb.gathered_bytes);
                 assert_eq!(sa.scattered_bytes, sb.scattered_bytes);
                 assert_eq!(sa.prefetched, 0);
-                // 3 steady forwards and backwards of ceil(8 / N) groups; the first of each
+                // 3 steady forwards and backwards of ceil(layers / N) groups; the first of each
                 // stage is on demand
-                let per_stage = (UNTIED.layers.div_ceil(world) - 1) as u64;
+                let per_stage = (toy.layers.div_ceil(world) - 1) as u64;
                 assert_eq!(
                     sb.prefetched,
                     3 * 2 * per_stage,
@@ -829,3 +864,4 @@ fn gradient_accumulation_composes_with_zero() {
     }
     assert_eq!(n, reference.len());
 }
+

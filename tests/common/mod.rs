@@ -73,6 +73,51 @@ pub const TOY: tidemem::demo::ToyMlp = tidemem::demo::ToyMlp {
     lr: 1e-2,
 };
 
+/// A toy MLP whose chunks outweigh what it keeps between forward and backward: 16 blocks of
+/// 32 × 32 (one 2,112-byte fp16 chunk each) on a batch of 2, its first weight tied to its last.
+/// [`TOY`]'s activations outweigh its chunks, so no device both trains it and evicts; this one
+/// evicts on any device below its non-model peak plus its chunks ([`DEEP_DEVICE`] for one
+/// process).
+pub const DEEP: tidemem::demo::ToyMlp = tidemem::demo::ToyMlp {
+    layers: 16,
+    width: 32,
+    batch: 2,
+    tied: true,
+    lr: 1e-2,
+};
+
+/// [`DEEP`] without the tied weight (one chunk a block, each used once a stage).
+pub const DEEP_UNTIED: tidemem::demo::ToyMlp = tidemem::demo::ToyMlp {
+    tied: false,
+    ..DEEP
+};
+
+/// A device for [`DEEP`] in one process: its non-model peak in fp16 (11,776 B) and room for
+/// about five of its 16 parameter chunks, so every policy evicts and reloads chunks each step.
+pub const DEEP_DEVICE: usize = 24_000;
+
+/// Chunk evictions (write-backs and clean drops) in `s`.
+pub fn evictions(s: &tidemem::tide::MoveStats) -> u64 {
+    s.write_backs + s.clean_drops
+}
+
+/// Asserts that a run on a small device (`small`, its move statistics) evicted more chunks and
+/// moved more bytes up than the same run on a device that holds everything (`roomy`): the small
+/// device is small enough to exercise eviction and reload. The message says how many.
+pub fn assert_evicts(small: &tidemem::tide::MoveStats, roomy: &tidemem::tide::MoveStats, what: &str) {
+    let (e, r) = (evictions(small), evictions(roomy));
+    assert!(
+        e > r && small.h2d_bytes > roomy.h2d_bytes,
+        "{what}: the small device must evict: {e} chunk evictions and {} B up, against {r} and {} B on a roomy device",
+        small.h2d_bytes,
+        roomy.h2d_bytes
+    );
+    eprintln!(
+        "{what}: {e} chunk evictions and {} B up, against {r} and {} B on a roomy device",
+        small.h2d_bytes, roomy.h2d_bytes
+    );
+}
+
 /// A manager for [`TOY`], its non-model pool and its tensors.
 pub type ToySetup = (
     tidemem::chunk::ChunkManager,

@@ -7,15 +7,15 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, Usage};
 use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::CachingAllocator;
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::tensor::{Init, Stage, TensorId};
-use tidemem::tide::Policy;
+use tidemem::tide::{MoveStats, Policy};
 use tidemem::{DType, Error};
 
-use common::TOY;
+use common::{DEEP, TOY};
 
 fn adam(scaled: bool) -> HybridAdam {
     common::hybrid_adam(scaled, DevicePlacement::HostOnly)
@@ -28,16 +28,19 @@ fn manager(
     capacity: usize,
     host_budget: Option<(u64, &Path)>,
 ) -> (ChunkManager, CachingAllocator, ToyIds) {
-    manager_on(toy, policy, common::sim(capacity), host_budget)
+    manager_on(toy, policy, common::sim(capacity), capacity, host_budget)
 }
 
+/// [`manager`] on `dev`, planning for `capacity` bytes of it.
 fn manager_on(
     toy: &ToyMlp,
     policy: Policy,
     dev: tidemem::device::Device,
+    capacity: usize,
     host_budget: Option<(u64, &Path)>,
 ) -> (ChunkManager, CachingAllocator, ToyIds) {
     let mut cfg = ManagerConfig::new(toy.chunk_elems(), policy);
+    cfg.scheduler.capacity = capacity as u64;
     cfg.scheduler.overall_fraction = 1.0;
     cfg.scheduler.warmup_chunk_fraction = 0.3;
     if let Some((b, dir)) = host_budget {
@@ -94,40 +97,55 @@ fn masters(m: &mut ChunkManager) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// Moves of the roomy runs the small-device ones are compared with, for `placement`: 6 steps
+/// from scratch, and 3 steps resumed from the checkpoint at `path` (saved after 3 steps).
+fn roomy_moves(placement: DevicePlacement, path: &Path) -> (MoveStats, MoveStats) {
+    let (mut r, _, ids) = manager(&DEEP, Policy::Tide, 1 << 20, None);
+    let mut opt = common::hybrid_adam(true, placement);
+    train(&DEEP, &mut r, &ids, &mut opt, 0..6);
+    let (mut rb, _, ids) = manager(&DEEP, Policy::Tide, 1 << 20, None);
+    let mut opt = common::hybrid_adam(true, placement);
+    opt.load_checkpoint(&mut rb, path).unwrap();
+    train(&DEEP, &mut rb, &ids, &mut opt, 3..6);
+    (r.stats(), rb.stats())
+}
+
 /// Training 3 steps, saving, and training 3 more equals loading the save into a new manager
 /// and optimizer and training the same 3 steps: bit for bit, under every policy, on a device
-/// smaller than the model data, and with the file tier.
+/// that holds about a third of the model's chunks (both runs evict and reload, more than a
+/// roomy device's runs), and with the file tier.
 #[test]
 fn resuming_from_a_checkpoint_changes_no_bit() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("toy.safetensors");
-    let capacity = 24_000;
+    let capacity = common::DEEP_DEVICE;
     for policy in Policy::all() {
-        // with the file tier, on a slow link, and with two groups stepped on the device
+        // with the file tier (the host holds about 80% of the model data), on a slow link,
+        // and with two groups stepped on the device
         for (file_tier, slow, device) in [
             (false, false, 0),
             (true, false, 0),
             (false, true, 0),
             (false, false, 2),
         ] {
-            let budget = file_tier.then_some((20_000u64, dir.path()));
+            let budget = file_tier.then_some((200_000u64, dir.path()));
             // a slow link: a read or write that did not wait for its copy shows
             let dev = match slow {
                 true => common::slow_sim(capacity),
                 false => common::sim(capacity),
             };
-            let (mut a, _, ids) = manager_on(&TOY, policy, dev, budget);
+            let (mut a, _, ids) = manager_on(&DEEP, policy, dev, capacity, budget);
             let placement = DevicePlacement::Groups(device);
             let mut opt = common::hybrid_adam(true, placement);
-            train(&TOY, &mut a, &ids, &mut opt, 0..3);
+            train(&DEEP, &mut a, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
-            train(&TOY, &mut a, &ids, &mut opt, 3..6);
+            train(&DEEP, &mut a, &ids, &mut opt, 3..6);
 
-            let (mut b, _, ids_b) = manager(&TOY, policy, capacity, budget);
+            let (mut b, _, ids_b) = manager(&DEEP, policy, capacity, budget);
             let mut opt_b = common::hybrid_adam(true, placement);
             opt_b.load_checkpoint(&mut b, &path).unwrap();
             assert_eq!(opt_b.steps(), 3);
-            train(&TOY, &mut b, &ids_b, &mut opt_b, 3..6);
+            train(&DEEP, &mut b, &ids_b, &mut opt_b, 3..6);
             let what = format!(
                 "{}, file tier {file_tier}, slow {slow}, device groups {device}",
                 policy.name()
@@ -137,14 +155,19 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
             assert_eq!(everything(&mut a), everything(&mut b), "{what}");
             assert_eq!(opt.loss_scale(), opt_b.loss_scale(), "{what}");
             assert_eq!(opt.steps(), opt_b.steps(), "{what}");
-            assert!(
-                b.stats().loads > 0,
-                "{what}: the device was too small to hold it all"
-            );
+            let (roomy, roomy_resumed) = roomy_moves(placement, &path);
+            common::assert_evicts(&a.stats(), &roomy, &format!("{what}: trained"));
+            common::assert_evicts(&b.stats(), &roomy_resumed, &format!("{what}: resumed"));
+            if file_tier {
+                assert!(
+                    Usage::total(&b.usage().file) > 0,
+                    "{what}: the file tier holds some"
+                );
+            }
             // back into the manager that saved it, whose device holds newer chunks
             let after = masters(&mut a);
             opt.load_checkpoint(&mut a, &path).unwrap();
-            train(&TOY, &mut a, &ids, &mut opt, 3..6);
+            train(&DEEP, &mut a, &ids, &mut opt, 3..6);
             assert_eq!(masters(&mut a), after, "{what}: loaded over newer chunks");
         }
     }
@@ -153,7 +176,8 @@ fn resuming_from_a_checkpoint_changes_no_bit() {
 /// A checkpoint saved by a manager on CUDA (chunks on the GPU, two groups stepped by the CUDA
 /// Adam) resumes on the Sim device, and one saved there resumes on CUDA: the state loads bit for
 /// bit, and training on from it matches the saving device's (bit for bit on the emulator, within
-/// rounding on a GPU; bit for bit when resumed on the saving device).
+/// rounding on a GPU; bit for bit when resumed on the saving device). Both plan for a device
+/// that holds about a third of the model's chunks, so both evict and reload.
 #[test]
 fn checkpoints_move_between_cuda_and_the_sim_device() {
     let Some(gpu) = common::cuda("checkpoints_move_between_cuda_and_the_sim_device") else {
@@ -161,24 +185,24 @@ fn checkpoints_move_between_cuda_and_the_sim_device() {
     };
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("toy.safetensors");
-    let capacity = 24_000;
+    let capacity = common::DEEP_DEVICE;
     let on = |cuda: bool, policy| {
         let dev = if cuda {
             gpu.clone()
         } else {
             common::sim(capacity)
         };
-        common::toy_setup_on(dev, policy, capacity, None)
+        manager_on(&DEEP, policy, dev, capacity, None)
     };
     for policy in [Policy::Tide, Policy::PatrickStar] {
         for saved_on_cuda in [true, false] {
             let placement = DevicePlacement::Groups(2);
             let (mut a, _, ids) = on(saved_on_cuda, policy);
             let mut opt = common::hybrid_adam(true, placement);
-            train(&TOY, &mut a, &ids, &mut opt, 0..3);
+            train(&DEEP, &mut a, &ids, &mut opt, 0..3);
             opt.save_checkpoint(&mut a, &path).unwrap();
             let saved = everything(&mut a);
-            train(&TOY, &mut a, &ids, &mut opt, 3..6);
+            train(&DEEP, &mut a, &ids, &mut opt, 3..6);
             let what = format!("{}, saved on CUDA: {saved_on_cuda}", policy.name());
 
             // Resumed on the other device: what it loads is what was saved, bit for bit.
@@ -186,7 +210,7 @@ fn checkpoints_move_between_cuda_and_the_sim_device() {
             let mut opt_b = common::hybrid_adam(true, placement);
             opt_b.load_checkpoint(&mut b, &path).unwrap();
             assert!(everything(&mut b) == saved, "{what}: loaded state differs");
-            train(&TOY, &mut b, &ids_b, &mut opt_b, 3..6);
+            train(&DEEP, &mut b, &ids_b, &mut opt_b, 3..6);
             // Its training then differs from the saving device's by the devices' rounding alone.
             let flat =
                 |v: Vec<Vec<f32>>| v.concat().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -206,15 +230,17 @@ fn checkpoints_move_between_cuda_and_the_sim_device() {
             let (mut c, _, ids_c) = on(saved_on_cuda, policy);
             let mut opt_c = common::hybrid_adam(true, placement);
             opt_c.load_checkpoint(&mut c, &path).unwrap();
-            train(&TOY, &mut c, &ids_c, &mut opt_c, 3..6);
+            train(&DEEP, &mut c, &ids_c, &mut opt_c, 3..6);
             assert!(
                 everything(&mut a) == everything(&mut c),
                 "{what}: resumed in place"
             );
-            assert!(
-                b.stats().loads > 0,
-                "{what}: the device was too small to hold it all"
-            );
+            let (roomy, roomy_resumed) = roomy_moves(placement, &path);
+            common::assert_evicts(&a.stats(), &roomy, &format!("{what}: trained"));
+            for (side, m) in [("other", &b), ("saving", &c)] {
+                let what = format!("{what}: resumed on the {side} device");
+                common::assert_evicts(&m.stats(), &roomy_resumed, &what);
+            }
         }
     }
 }

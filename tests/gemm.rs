@@ -551,7 +551,13 @@ fn the_emulator_computes_the_twins_bits() {
     let mut r = SplitMix64::new(5);
     let mut shapes = shapes();
     // the toy models' products: weight gradients over a batch, and wide blocks
-    for (m, n, k) in [(32, 32, 8), (32, 32, 2), (8, 32, 32), (2, 32, 32), (64, 48, 40)] {
+    for (m, n, k) in [
+        (32, 32, 8),
+        (32, 32, 2),
+        (8, 32, 32),
+        (2, 32, 32),
+        (64, 48, 40),
+    ] {
         shapes.push(Gemm::new(m, n, k));
         shapes.push(Gemm::new(m, n, k).trans_a(true).beta(1.0));
         shapes.push(Gemm::new(m, n, k).trans_b(true));
@@ -572,5 +578,8 @@ fn the_emulator_computes_the_twins_bits() {
             }
         }
     }
-    assert!(differ.is_empty(), "the emulator's bits differ from the twin's for {differ:?}");
+    assert!(
+        differ.is_empty(),
+        "the emulator's bits differ from the twin's for {differ:?}"
+    );
 }

@@ -864,4 +864,3 @@ fn gradient_accumulation_composes_with_zero() {
     }
     assert_eq!(n, reference.len());
 }
-

@@ -104,7 +104,11 @@ pub fn evictions(s: &tidemem::tide::MoveStats) -> u64 {
 /// Asserts that a run on a small device (`small`, its move statistics) evicted more chunks and
 /// moved more bytes up than the same run on a device that holds everything (`roomy`): the small
 /// device is small enough to exercise eviction and reload. The message says how many.
-pub fn assert_evicts(small: &tidemem::tide::MoveStats, roomy: &tidemem::tide::MoveStats, what: &str) {
+pub fn assert_evicts(
+    small: &tidemem::tide::MoveStats,
+    roomy: &tidemem::tide::MoveStats,
+    what: &str,
+) {
     let (e, r) = (evictions(small), evictions(roomy));
     assert!(
         e > r && small.h2d_bytes > roomy.h2d_bytes,

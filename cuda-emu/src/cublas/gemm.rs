@@ -288,8 +288,16 @@ unsafe fn run(g: &Gemm) {
             .collect()
     };
     // (row stride, column stride) of the twin's op(B)ᵀ (n × k) and op(A)ᵀ (k × m).
-    let lhs = if g.trans[1] { (1, g.ld[1]) } else { (g.ld[1], 1) };
-    let rhs = if g.trans[0] { (1, g.ld[0]) } else { (g.ld[0], 1) };
+    let lhs = if g.trans[1] {
+        (1, g.ld[1])
+    } else {
+        (g.ld[1], 1)
+    };
+    let rhs = if g.trans[0] {
+        (1, g.ld[0])
+    } else {
+        (g.ld[0], 1)
+    };
     for batch in 0..g.batch as i64 {
         let at = |i: usize| g.ptr[i].wrapping_add_signed((batch * g.stride[i] * es) as isize);
         let cb = at(2);

@@ -312,13 +312,8 @@ fn nccl_backend_conforms_at_world_size_one() {
     let Some(dev) = common::nccl_device("nccl_backend_conforms_at_world_size_one") else {
         return;
     };
-    let id = match tidemem::comm::nccl_unique_id() {
-        Ok(id) => id,
-        Err(e @ Error::BackendUnavailable { .. }) => {
-            eprintln!("nccl_backend_conforms_at_world_size_one: skipping, no NCCL: {e}");
-            return;
-        }
-        Err(e) => panic!("NCCL is present but fails: {e}"),
+    let Some(id) = common::nccl_id("nccl_backend_conforms_at_world_size_one") else {
+        return;
     };
     eprintln!(
         "nccl_backend_conforms_at_world_size_one: NCCL from {}",
@@ -348,8 +343,7 @@ fn wait_and_check_on_a_healthy_group() {
     let Some(dev) = common::nccl_device("wait_and_check_on_a_healthy_group") else {
         return;
     };
-    let Ok(id) = tidemem::comm::nccl_unique_id() else {
-        eprintln!("wait_and_check_on_a_healthy_group: skipping NCCL, none loads");
+    let Some(id) = common::nccl_id("wait_and_check_on_a_healthy_group") else {
         return;
     };
     run(&[Communicator::nccl_with_id(dev, &id, 0, 1, DEFAULT_TIMEOUT).unwrap()]);

@@ -42,7 +42,7 @@ fn handles_live_exactly_as_long_as_their_streams() {
         return;
     };
     if !ops::gemm::cublas_available() {
-        eprintln!("cublas_handles: skipping: cuBLAS cannot be loaded");
+        common::cuda_half_missing("cublas_handles", "cuBLAS cannot be loaded");
         return;
     }
     let live = ops::gemm::cublas_live_handles;

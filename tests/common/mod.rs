@@ -41,6 +41,16 @@ pub fn cuda(test: &str) -> Option<Device> {
     }
 }
 
+/// Notes that the CUDA half of `test` cannot run because `why` (say, cuBLAS does not load):
+/// printed as a skip, or a failure under `TIDEMEM_REQUIRE_CUDA=1`, like a missing device.
+pub fn cuda_half_missing(test: &str, why: &str) {
+    assert!(
+        std::env::var("TIDEMEM_REQUIRE_CUDA").as_deref() != Ok("1"),
+        "{test}: TIDEMEM_REQUIRE_CUDA=1 but {why}"
+    );
+    eprintln!("{test}: skipping the CUDA backend: {why}");
+}
+
 /// Whether `dev` is the CPU stand-in for the CUDA driver (`cuda-emu`), which runs tidemem's
 /// kernels but not NCCL's.
 pub fn is_emulated(dev: &Device) -> bool {
@@ -55,6 +65,25 @@ pub fn nccl_device(test: &str) -> Option<Device> {
         return None;
     }
     Some(dev)
+}
+
+/// A fresh NCCL unique id for a test of NCCL, or `None` after printing why it is skipped: only
+/// when no NCCL loads ([`Error::BackendUnavailable`](tidemem::Error::BackendUnavailable)), and
+/// then only without `TIDEMEM_REQUIRE_NCCL=1` (the GPU bundle sets it, so an NCCL test cannot
+/// pass there without running). Any other error is a failure.
+pub fn nccl_id(test: &str) -> Option<[u8; 128]> {
+    match tidemem::comm::nccl_unique_id() {
+        Ok(id) => Some(id),
+        Err(e @ tidemem::Error::BackendUnavailable { .. }) => {
+            assert!(
+                std::env::var("TIDEMEM_REQUIRE_NCCL").as_deref() != Ok("1"),
+                "{test}: TIDEMEM_REQUIRE_NCCL=1 but NCCL does not load: {e}"
+            );
+            eprintln!("{test}: skipping NCCL: {e}");
+            None
+        }
+        Err(e) => panic!("{test}: NCCL loads but makes no unique id: {e}"),
+    }
 }
 
 /// Every backend available here, with a capacity-limited Sim first.

@@ -61,12 +61,32 @@ fn an_endless_timeout_waits_like_any_other() {
 
 #[test]
 fn sizes_that_overflow_are_refused() {
-    let pool = CachingAllocator::new(common::sim(1 << 20));
+    let dev = common::sim(1 << 20);
+    let pool = CachingAllocator::new(dev.clone());
+    let (stats, free) = (pool.stats(), dev.mem_info().unwrap().free);
     invalid(pool.alloc(usize::MAX));
+    assert_eq!(
+        pool.stats(),
+        stats,
+        "a refused allocation changes no counter"
+    );
+    assert_eq!(
+        dev.mem_info().unwrap().free,
+        free,
+        "nor takes device memory"
+    );
     let mut m =
         ChunkManager::new(common::sim(1 << 20), ManagerConfig::new(64, Policy::Tide)).unwrap();
     invalid(m.register("huge", &[1 << 62], Init::Zeros));
     invalid(m.register("huge", &[1 << 31, 1 << 31], Init::Zeros));
+    // nothing was registered: the next tensor is the first, at the start of the first chunk
+    assert_eq!(m.num_tensors(), 0);
+    let id = m.register("w", &[8], Init::Zeros).unwrap();
+    let (name, shape, slot) = m.tensor_info(id).unwrap();
+    assert_eq!(
+        (id.0, name, shape, slot.group, slot.offset),
+        (0, "w", &[8][..], 0, 0)
+    );
     invalid(gpt(&GptConfig {
         hidden: 1 << 33,
         vocab: 1 << 33,

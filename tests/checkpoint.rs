@@ -347,16 +347,16 @@ fn a_bad_checkpoint_changes_nothing() {
             ChunkManager::new(common::sim(1 << 20), ManagerConfig::new(64, Policy::Tide)).unwrap();
         let a = m2.register("a", &[4], Init::Constant(1.0)).unwrap();
         m2.register("b", &[2, 3], Init::Constant(2.0)).unwrap();
+        let before = everything(&mut m2);
         let e = m2.load_checkpoint(&p).unwrap_err();
         assert!(
             matches!(&e, Error::Checkpoint { .. }) && e.to_string().contains("checkpoint"),
             "{what}: {e}"
         );
-        assert_eq!(
-            m2.master(a).unwrap(),
-            vec![1.0; 4],
-            "{what}: nothing changed"
-        );
+        // every list of every tensor as it was, the registrations and the stage too
+        assert_eq!(m2.master(a).unwrap(), vec![1.0; 4], "{what}");
+        assert_eq!(everything(&mut m2), before, "{what}: nothing changed");
+        assert_eq!((m2.num_tensors(), m2.stage()), (2, None), "{what}");
     }
     // not a chunk checkpoint; not a safetensors file at all; no file
     let (mut m, _, ids) = manager(&TOY, Policy::Tide, 1 << 20, None);
@@ -374,19 +374,35 @@ fn a_bad_checkpoint_changes_nothing() {
         &other,
     )
     .unwrap();
+    // what every refusal below must leave as it was
+    let before = everything(&mut m);
+    let unchanged = |m: &mut ChunkManager, opt: &HybridAdam, what: &str| {
+        assert_eq!(everything(m), before, "{what}: the manager's tensors");
+        assert_eq!((m.num_tensors(), m.stage()), (before.len(), None), "{what}");
+        assert_eq!(
+            (opt.steps(), opt.loss_scale()),
+            (0, 1024.0),
+            "{what}: the optimizer"
+        );
+    };
     let e = m.load_checkpoint(&other).unwrap_err();
     assert!(e.to_string().contains("not a chunk checkpoint"), "{e}");
+    unchanged(&mut m, &opt, "another safetensors file");
     let junk = dir.path().join("junk");
     std::fs::write(&junk, b"not a checkpoint at all").unwrap();
     assert!(m.load_checkpoint(&junk).is_err());
+    unchanged(&mut m, &opt, "junk");
     assert!(m.load_checkpoint(dir.path().join("absent")).is_err());
+    unchanged(&mut m, &opt, "no file");
     // the optimizer's side: a save without loss scaling into one with, and no metadata at all
     let unscaled = dir.path().join("unscaled.safetensors");
     adam(false).save_checkpoint(&mut m, &unscaled).unwrap();
     let e = opt.load_checkpoint(&mut m, &unscaled).unwrap_err();
     assert!(e.to_string().contains("loss scaling"), "{e}");
+    unchanged(&mut m, &opt, "a save without loss scaling");
     let e = opt.load_checkpoint(&mut m, &table).unwrap_err();
     assert!(e.to_string().contains("adam.steps"), "{e}");
+    unchanged(&mut m, &opt, "a save without the optimizer's metadata");
     // after all of that, training is the same as on an untouched manager
     let (mut fresh, _, ids_f) = manager(&TOY, Policy::Tide, 1 << 20, None);
     let mut opt_f = adam(true);

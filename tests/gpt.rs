@@ -237,6 +237,16 @@ fn bad_batches_are_refused_before_anything_runs() {
         (&tokens, &targets, 1, N),
         (&tokens, &[V as i32; N], B, T),
     ];
+    // What a refusal must leave as it was: the registrations, every parameter's bits, the stage.
+    let ids: Vec<TensorId> = gpt.named_params().iter().map(|p| p.1).collect();
+    let state = |m: &mut ChunkManager| {
+        let params: Vec<Vec<u32>> = ids
+            .iter()
+            .map(|&id| m.read(id).unwrap().iter().map(|x| x.to_bits()).collect())
+            .collect();
+        (m.num_tensors(), params, m.stage())
+    };
+    let before = state(&mut m);
     for (tok, tgt, b, t) in cases {
         let batch = GptBatch {
             tokens: tok,
@@ -249,6 +259,7 @@ fn bad_batches_are_refused_before_anything_runs() {
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(m.stage(), None, "nothing ran");
+        assert!(state(&mut m) == before, "a refused batch changes nothing");
     }
     let nan = RunOptions {
         checkpoint: false,
@@ -261,4 +272,9 @@ fn bad_batches_are_refused_before_anything_runs() {
         seq: T,
     };
     assert!(gpt.forward_backward(&mut m, &batch, nan).is_err());
+    assert_eq!(m.stage(), None, "nothing ran");
+    assert!(
+        state(&mut m) == before,
+        "a refused loss scale changes nothing"
+    );
 }

@@ -395,11 +395,30 @@ fn accumulation_steps_with_the_mean_gradient() {
 #[test]
 fn misuse_is_an_error_and_changes_nothing() {
     let (mut m, ids) = single(64, 1);
+    // the parameters, masters and stage a refused step must leave as they were
+    let state = |m: &mut ChunkManager| {
+        let bits = |v: Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let t: Vec<_> = ids
+            .iter()
+            .map(|&id| (bits(m.read(id).unwrap()), bits(m.master(id).unwrap())))
+            .collect();
+        (t, m.stage(), m.num_tensors())
+    };
     let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).unwrap();
+    let before = state(&mut m);
     assert!(opt.step(&mut m).is_err(), "no backward has ended");
     assert_eq!(opt.steps(), 0);
+    assert!(state(&mut m) == before, "a refused step changes nothing");
     iterate(&mut m, &ids, &[vec![0.5; 64]]);
     assert_eq!(opt.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+    let stepped = state(&mut m);
+    assert!(stepped != before, "the step changed the parameters");
+    assert!(opt.step(&mut m).is_err(), "a second step without backward");
+    assert_eq!(opt.steps(), 1);
+    assert!(
+        state(&mut m) == stepped,
+        "a refused second step changes nothing"
+    );
     for bad in [
         HybridConfig {
             accumulation_steps: 0,

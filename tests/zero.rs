@@ -747,6 +747,31 @@ fn an_overflow_on_one_rank_skips_the_step_on_every_rank() {
     assert!(out.iter().all(|o| o.0 == StepOutcome::Stepped && o.2 < 1.0));
 }
 
+/// What a refused call must leave as it was: the stage, the registrations, the collectives and
+/// chunk moves so far, and the rank's owned masters.
+fn snapshot(z: &mut ZeroManager) -> impl PartialEq + std::fmt::Debug {
+    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+        .map(TensorId)
+        .filter(|&id| z.owns(id))
+        .collect();
+    let masters: Vec<Vec<u32>> = mine
+        .iter()
+        .map(|&id| {
+            z.master(id)
+                .map(|m| m.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect::<Result<_, _>>()
+        .unwrap_or_default();
+    (
+        z.stage(),
+        z.layout().slots.clone(),
+        z.stats(),
+        z.local().stats(),
+        mine,
+        masters,
+    )
+}
+
 #[test]
 fn misuse_is_an_error() {
     on_ranks(2, 1 << 20, |c| {
@@ -754,36 +779,47 @@ fn misuse_is_an_error() {
         let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
         let a = z.register("a", &[16], Init::Zeros).unwrap();
         let b = z.register("b", &[16], Init::Zeros).unwrap();
-        assert!(z.register("bad", &[0], Init::Zeros).is_err());
+        // Each refusal is an error and changes nothing.
+        macro_rules! refused {
+            ($call:expr) => {{
+                let before = snapshot(&mut z);
+                let e = $call;
+                assert!(e.is_err(), "{}: {e:?}", stringify!($call));
+                assert_eq!(snapshot(&mut z), before, "{}", stringify!($call));
+                e
+            }};
+        }
+        refused!(z.register("bad", &[0], Init::Zeros));
         // backward before forward, the optimizer stage, unknown and repeated tensors
-        assert!(z.fetch(&[a], Stage::Backward).is_err());
-        assert!(z.fetch(&[a], Stage::Optimizer).is_err());
-        assert!(z.fetch(&[TensorId(9)], Stage::Forward).is_err());
-        assert!(z.fetch(&[a, a], Stage::Forward).is_err());
+        refused!(z.fetch(&[a], Stage::Backward).map(|_| ()));
+        refused!(z.fetch(&[a], Stage::Optimizer).map(|_| ()));
+        refused!(z.fetch(&[TensorId(9)], Stage::Forward).map(|_| ()));
+        refused!(z.fetch(&[a, a], Stage::Forward).map(|_| ()));
+        assert_eq!(z.stage(), None, "no stage began");
         // the remote tensor cannot be read before it is gathered
         let remote = if r == 0 { b } else { a };
-        assert!(z.read(remote).is_err());
-        assert!(z.master(remote).is_err());
+        refused!(z.read(remote));
+        refused!(z.master(remote));
         let v = z.fetch(&[a, b], Stage::Forward).unwrap();
         assert!(
-            z.write_grad(a, &[0.0; 16]).is_err(),
+            refused!(z.write_grad(a, &[0.0; 16])).is_err(),
             "no gradient in forward"
         );
-        assert!(z.register("late", &[4], Init::Zeros).is_err());
+        refused!(z.register("late", &[4], Init::Zeros));
         assert!(
             matches!(
-                z.release(&[a, b], Stage::Forward),
+                refused!(z.release(&[a, b], Stage::Forward)),
                 Err(Error::ViewAlive { .. })
             ),
             "views still alive"
         );
         drop(v);
         z.release(&[a, b], Stage::Forward).unwrap();
-        assert!(z.end_backward().is_err());
+        refused!(z.end_backward());
         z.end_forward().unwrap();
         z.fetch(&[a, b], Stage::Backward).unwrap();
         assert!(matches!(
-            z.write_grad(a, &[0.0; 3]),
+            refused!(z.write_grad(a, &[0.0; 3])),
             Err(Error::SizeMismatch { .. })
         ));
         z.write_grad(a, &[0.5; 16]).unwrap();
@@ -792,13 +828,21 @@ fn misuse_is_an_error() {
         z.end_backward().unwrap();
         let mut opt = HybridAdam::new(HybridConfig::new(AdamConfig::adam(0.1))).unwrap();
         assert_eq!(z.step(&mut opt).unwrap().outcome, StepOutcome::Stepped);
-        assert!(z.step(&mut opt).is_err(), "a second step without backward");
+        let steps = opt.steps();
+        refused!(z.step(&mut opt).map(|_| ()));
+        assert_eq!(opt.steps(), steps, "a second step without backward");
     });
     // more ranks than chunk groups
     on_ranks(4, 1 << 20, |c| {
         let mut z = ZeroManager::new(c, ManagerConfig::new(16, Policy::Tide)).unwrap();
         let a = z.register("a", &[16], Init::Zeros).unwrap();
+        let before = snapshot(&mut z);
         assert!(z.fetch(&[a], Stage::Forward).is_err());
+        assert_eq!(
+            snapshot(&mut z),
+            before,
+            "a refused first fetch changes nothing"
+        );
     });
 }
 

@@ -129,6 +129,7 @@ impl GptGrid {
         opts: RunOptions,
     ) -> Result<f32> {
         b.check(&self.config)?;
+        opts.check()?;
         let fwd = store.forward()?;
         let first = grid.sequence_rank() * b.seq;
         let (mut tile, emb) = self

@@ -117,6 +117,17 @@ impl GptBatch<'_> {
 }
 
 impl RunOptions {
+    /// Checks the options before a pass: the loss scale must be positive and finite.
+    pub fn check(&self) -> Result<()> {
+        let s = self.loss_scale;
+        if !(s > 0.0 && s.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "a loss scale of {s} (it must be positive and finite)"
+            )));
+        }
+        Ok(())
+    }
+
     /// Checkpointing on for models of 12 or more blocks (GPT-2 124M and up), loss scale 1.
     pub fn for_config(cfg: &GptConfig) -> RunOptions {
         RunOptions {
@@ -296,6 +307,7 @@ impl Gpt {
         opts: RunOptions,
     ) -> Result<f32> {
         self.check(b)?;
+        opts.check()?;
         self.check_group(tp)?;
         let g = Groups::new(self, tp, sp, b)?;
         let fwd = store.forward()?;

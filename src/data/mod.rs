@@ -1,5 +1,8 @@
-//! Synthetic data, generated deterministically from a seed: nothing to download.
+//! Synthetic data, generated deterministically from a seed: nothing to download; and the
+//! queue that prepares batches ahead of the step.
 //!
+//! - [`Ahead`]: batches built on worker threads while the trainer steps, delivered in order
+//!   through a bounded queue.
 //! - [`criteo`]: Criteo-like click logs (dense features, Zipf-distributed categorical ids over
 //!   published table cardinalities, labels from a hidden logistic model), for the embedding
 //!   cache; and a streaming reader of the Criteo TSV format into the same batches.
@@ -12,9 +15,12 @@
 //! The generators depend on nothing above them in the crate: the memory and embedding layers use
 //! them, not the other way round.
 
+mod ahead;
 pub mod criteo;
 mod permutation;
 pub mod regression;
 pub use crate::rng;
 pub mod text;
 mod zipf;
+
+pub use ahead::{Ahead, AheadStats};

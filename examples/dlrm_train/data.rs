@@ -5,8 +5,10 @@ use std::collections::VecDeque;
 use std::fs::File;
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tidemem::data::criteo::{Batch, IdMap, Synthetic, TsvConfig, TsvReader, TsvReport, Vocabulary};
+use tidemem::data::{Ahead, AheadStats};
 use tidemem::prelude::*;
 
 /// Held-out synthetic batches start at this index: disjoint from the training batches.
@@ -74,17 +76,39 @@ impl Source {
         }
     }
 
-    /// The next training batch of `size` samples (`None` at the end of a file).
-    pub fn next(&mut self, size: usize) -> Result<Option<Batch>> {
+    /// The training batches of `size` samples from here on (after those taken by
+    /// [`Source::held_out`], starting with those [`Source::peek`] looked at), built on worker
+    /// threads at most `depth` ahead: the same batches in the same order as building each
+    /// before its step. Synthetic batches are built by `workers` threads; a file is read by
+    /// one.
+    pub fn batches(self, size: usize, depth: usize, workers: usize) -> Result<Batches> {
         match self {
             Source::Synthetic { gen, next } => {
-                *next += 1;
-                Ok(Some(gen.batch(*next - 1, size)))
+                let gen: Arc<Synthetic> = Arc::from(gen);
+                let ahead = Ahead::indexed(next..HELD_OUT, depth, workers, move |i| {
+                    Ok((gen.try_batch(i, size)?, None))
+                })?;
+                Ok(Batches { ahead, tsv: None })
             }
-            Source::Tsv { reader, ahead, .. } => match ahead.pop_front() {
-                Some(b) => Ok(Some(b)),
-                None => reader.next_batch(size),
-            },
+            Source::Tsv {
+                mut reader,
+                mut ahead,
+                path,
+            } => {
+                let report = reader.report().clone();
+                // each batch travels with what the reader had met once it was read
+                let ahead = Ahead::sequential(depth, move || {
+                    let b = match ahead.pop_front() {
+                        Some(b) => Some(b),
+                        None => reader.next_batch(size)?,
+                    };
+                    Ok(b.map(|b| (b, Some(reader.report().clone()))))
+                })?;
+                Ok(Batches {
+                    ahead,
+                    tsv: Some((path, report)),
+                })
+            }
         }
     }
 
@@ -151,13 +175,36 @@ impl Source {
             Source::Tsv { .. } => None,
         }
     }
+}
 
-    /// What the TSV reader met (lines, samples, malformed lines with their numbers).
+/// The training batches, built ahead of the step ([`Source::batches`]).
+pub struct Batches {
+    /// Each batch, with the TSV reader's report once it was read (a file's batches).
+    ahead: Ahead<(Batch, Option<TsvReport>)>,
+    /// A file's path and what its reader met up to the last batch delivered.
+    tsv: Option<(PathBuf, TsvReport)>,
+}
+
+impl Batches {
+    /// The next training batch (`None` at the end of a file), waiting if it is not built yet.
+    pub fn next(&mut self) -> Result<Option<Batch>> {
+        Ok(self.ahead.next()?.map(|(b, report)| {
+            if let (Some((_, r)), Some(report)) = (self.tsv.as_mut(), report) {
+                *r = report;
+            }
+            b
+        }))
+    }
+
+    /// Batches delivered, and how many the step had to wait for.
+    pub fn stats(&self) -> AheadStats {
+        self.ahead.stats()
+    }
+
+    /// What the TSV reader met (lines, samples, malformed lines with their numbers) up to the
+    /// last batch delivered.
     pub fn report(&self) -> Option<(&Path, &TsvReport)> {
-        match self {
-            Source::Synthetic { .. } => None,
-            Source::Tsv { reader, path, .. } => Some((path.as_path(), reader.report())),
-        }
+        self.tsv.as_ref().map(|(path, r)| (path.as_path(), r))
     }
 }
 

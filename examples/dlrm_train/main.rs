@@ -283,6 +283,17 @@ fn mb(bytes: u64) -> String {
     format!("{:.2} MB", bytes as f64 / 1e6)
 }
 
+/// Training batches built ahead of the step, at most.
+const DATA_AHEAD: usize = 4;
+
+/// Threads building synthetic batches: the cores but one for the trainer, at most 4.
+fn data_workers() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .saturating_sub(1)
+        .clamp(1, 4)
+}
+
 fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     let (mut source, dataset) = a.source()?;
     let held_out = source.held_out(a.eval_batches as usize, a.batch, a.eval_tsv.as_deref())?;
@@ -321,9 +332,16 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     let mut history = Vec::new();
     let (mut trained, mut steps, mut last_auc) = (0.0f64, 0u64, f64::NAN);
     let mut loss_avg = f32::NAN;
+    // the batches are built on worker threads while the model steps (the same ones, in the
+    // same order); `data_wait` is the time the steps waited for them
+    let mut batches = source.batches(a.batch, DATA_AHEAD, data_workers())?;
+    let mut data_wait = 0.0f64;
     while steps < a.steps {
-        let Some(b) = source.next(a.batch)? else {
-            if let Some((path, _)) = source.report() {
+        let t = Instant::now();
+        let next = batches.next()?;
+        data_wait += t.elapsed().as_secs_f64();
+        let Some(b) = next else {
+            if let Some((path, _)) = batches.report() {
                 let taken = if a.eval_tsv.is_some() {
                     String::new()
                 } else {
@@ -392,8 +410,8 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
         trainer.write_trace(dir)?;
     }
     let s = trainer.stats()?;
-    let malformed = source.report().map_or(0, |(_, r)| r.malformed);
-    if let Some((path, r)) = source.report() {
+    let malformed = batches.report().map_or(0, |(_, r)| r.malformed);
+    if let Some((path, r)) = batches.report() {
         if r.malformed > 0 && !a.json {
             eprintln!(
                 "{}: {} of {} lines malformed and skipped; the first at lines {:?}",
@@ -425,6 +443,7 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
         "it_per_s": steps as f64 / trained,
         "samples_per_s": (steps as f64 * a.batch as f64) / trained,
         "wall_s": wall,
+        "data_wait_s": data_wait, "data_waited_steps": batches.stats().waited,
         "cache_hit_rate": s.hit_rate,
         "device_bytes_embeddings": s.device_bytes,
         "full_table_bytes": s.full_table_bytes,

@@ -9,6 +9,11 @@
 //! trainer receives the same items in the same order as building them itself, so training is
 //! bitwise the same; at most `depth` items wait built, so memory stays bounded.
 //!
+//! A trainer whose next index is not always the previous plus one (a step skipped for a loss
+//! scale overflow trains its batch again) asks an indexed stream for item `i` by
+//! [`Ahead::at`]: an index behind the stream is built on the calling thread by the same
+//! builder, one ahead of it skips the items in between.
+//!
 //! An error from the builder arrives at its position in the order and ends the stream; a
 //! builder that panics ends it with [`Error::Poisoned`]. Dropping an [`Ahead`] stops and joins
 //! its workers.
@@ -46,8 +51,13 @@ pub struct AheadStats {
     pub waited: u64,
 }
 
+/// The builder of an indexed stream.
+type Builder<T> = Arc<dyn Fn(u64) -> Result<T> + Send + Sync>;
+
 /// Items built on worker threads ahead of their use, in order; see the [module](self).
 pub struct Ahead<T> {
+    /// An indexed stream's builder and range (none for a sequential one).
+    indexed: Option<(Builder<T>, Range<u64>)>,
     /// One queue per worker; item `k` of the stream comes from queue `k % queues.len()`.
     queues: Vec<Receiver<Result<T>>>,
     next: u64,
@@ -78,6 +88,7 @@ impl<T: Send + 'static> Ahead<T> {
         let per = depth.div_ceil(workers);
         let make = Arc::new(make);
         let mut a = Ahead::empty();
+        a.indexed = Some((make.clone() as Builder<T>, range.clone()));
         for w in 0..workers {
             let (tx, rx) = bounded(per);
             let (make, stop, built) = (make.clone(), a.stop.clone(), a.built.clone());
@@ -135,6 +146,7 @@ impl<T: Send + 'static> Ahead<T> {
 
     fn empty() -> Self {
         Ahead {
+            indexed: None,
             queues: Vec::new(),
             next: 0,
             done: false,
@@ -202,6 +214,34 @@ impl<T: Send + 'static> Ahead<T> {
                     None => Ok(None),
                 }
             }
+        }
+    }
+
+    /// Item `index` of an indexed stream ([`Ahead::indexed`]): from the queue when it is the
+    /// stream's next; built here by the same builder when the stream has passed it (a repeated
+    /// index); the items in between skipped when it lies ahead. Indices outside the stream's
+    /// range are built here too.
+    ///
+    /// # Errors
+    /// The builder's error; [`Error::InvalidArgument`] on a sequential stream; as
+    /// [`Ahead::next`] for an item from the queue.
+    pub fn at(&mut self, index: u64) -> Result<T> {
+        let Some((make, range)) = self.indexed.clone() else {
+            return Err(Error::InvalidArgument(
+                "items by index from a sequential data stream".into(),
+            ));
+        };
+        if !range.contains(&index) || index < range.start + self.next || self.done {
+            return make(index);
+        }
+        while range.start + self.next < index {
+            if self.next()?.is_none() {
+                return make(index);
+            }
+        }
+        match self.next()? {
+            Some(x) => Ok(x),
+            None => make(index),
         }
     }
 
@@ -392,6 +432,26 @@ mod tests {
         drop(a); // joins: a hang fails the test by timeout
         let s = Ahead::sequential(1, || Ok(Some(0u8))).unwrap();
         drop(s);
+    }
+
+    #[test]
+    fn items_by_index_repeat_skip_and_leave_the_range() {
+        let mut a = Ahead::indexed(10..100, 3, 2, |i| Ok(i * 2)).unwrap();
+        assert_eq!(a.at(10).unwrap(), 20);
+        assert_eq!(a.at(10).unwrap(), 20, "a repeat is built here");
+        assert_eq!(a.at(11).unwrap(), 22);
+        assert_eq!(a.at(15).unwrap(), 30, "12 to 14 skipped");
+        assert_eq!(a.at(16).unwrap(), 32);
+        assert_eq!(
+            a.stats().delivered,
+            7,
+            "from the queue: 10, 11, 12..=15, 16"
+        );
+        assert_eq!(a.at(5).unwrap(), 10, "before the range");
+        assert_eq!(a.at(500).unwrap(), 1000, "past the range");
+        assert_eq!(a.at(17).unwrap(), 34);
+        let mut s = Ahead::sequential(2, || Ok(Some(1))).unwrap();
+        assert!(s.at(0).is_err());
     }
 
     #[test]

@@ -132,3 +132,52 @@ fn a_run_of_no_steps_on_ranks_saves_and_ends_cleanly() {
         assert!(dir.path().join(format!("ck/rank{r}.safetensors")).is_file());
     }
 }
+
+/// `--adam` steps the chunk groups where it says and changes no bit: the same losses on the
+/// host, on the device, and by PatrickStar's rule, which puts every group on a roomy device and
+/// none on the default device (sized below the model data).
+#[test]
+fn adam_placement_changes_no_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = |extra: &[&str]| -> Option<serde_json::Value> {
+        // a small model: four runs in debug in a few seconds
+        let small = [
+            "--layers",
+            "2",
+            "--channels",
+            "32",
+            "--heads",
+            "2",
+            "--seq",
+            "16",
+        ];
+        let mut args = vec!["--steps", "3", "--json"];
+        args.extend_from_slice(&small);
+        args.extend_from_slice(extra);
+        let out = run(&args, dir.path())?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        Some(serde_json::from_slice(&out.stdout).expect("one JSON report"))
+    };
+    let roomy = ["--device-mem", "64MiB"];
+    let Some(host) = report(&[&roomy[..], &["--adam", "host"]].concat()) else {
+        return;
+    };
+    let groups = |r: &serde_json::Value| {
+        (
+            r["adam_device_groups"].as_u64().unwrap(),
+            r["adam_host_groups"].as_u64().unwrap(),
+        )
+    };
+    let (_, n) = groups(&host);
+    assert!(n > 0 && groups(&host) == (0, n), "{host}");
+    let device = report(&[&roomy[..], &["--adam", "device"]].concat()).unwrap();
+    let auto = report(&roomy).unwrap();
+    let sized = report(&[]).unwrap();
+    assert_eq!(groups(&device), (n, 0));
+    assert_eq!(groups(&auto), (n, 0), "the margin holds every group");
+    assert_eq!(groups(&sized), (0, n), "no margin on the sized device");
+    for r in [&device, &auto, &sized] {
+        assert_eq!(r["losses"], host["losses"], "the same losses");
+    }
+}

@@ -98,6 +98,11 @@ struct Args {
     /// Clip gradients to this global norm (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
+    /// Where Adam steps the chunk groups: auto (on the device while their fp32 state fits 0.8
+    /// of the room the model and activations leave, PatrickStar's rule; the rest on the host),
+    /// host, or device (every group). The same bits either way.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "host", "device"])]
+    adam: String,
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
@@ -284,7 +289,11 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
         }),
         max_grad_norm: (a.clip > 0.0).then_some(a.clip),
         accumulation_steps: a.accumulate,
-        placement: DevicePlacement::HostOnly,
+        placement: match a.adam.as_str() {
+            "host" => DevicePlacement::HostOnly,
+            "device" => DevicePlacement::Groups(usize::MAX),
+            _ => DevicePlacement::Auto { fraction: 0.8 },
+        },
         delayed_params: delayed,
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
@@ -424,6 +433,8 @@ fn run() -> Result<()> {
     let bar = progress(&a);
     let (mut losses, mut tps, mut h2d, mut d2h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let start = opt.steps();
+    // chunk groups Adam stepped on the device and on the host at the last step
+    let mut adam_groups = (0, 0);
     for _ in 0..a.steps {
         let idx = opt.steps();
         let batches = (0..u64::from(a.accumulate))
@@ -440,6 +451,7 @@ fn run() -> Result<()> {
         let t0 = Instant::now();
         let before = m.stats();
         let r = train_step(&gpt, &mut m, &mut opt, &micro, plan.checkpoint)?;
+        adam_groups = (r.report.device_groups, m.groups() - r.report.device_groups);
         let moved = m.stats().since(&before);
         let secs = t0.elapsed().as_secs_f64();
         let rate = r.tokens as f64 / secs;
@@ -523,6 +535,9 @@ fn run() -> Result<()> {
         "device_capacity_bytes": plan.capacity,
         "h2d_bytes": steady(&as_f(&h2d)),
         "d2h_bytes": steady(&as_f(&d2h)),
+        "adam": a.adam,
+        "adam_device_groups": adam_groups.0,
+        "adam_host_groups": adam_groups.1,
     });
     if a.json {
         println!("{report}");

@@ -162,6 +162,11 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn query_event(&self, event: &RawEvent) -> Result<bool>;
     /// Blocks until all work on `stream` completes.
     fn sync_stream(&self, stream: &RawStream) -> Result<()>;
+    /// Whether the backend checks and orders work without running it (a timing-only simulated
+    /// device): every result is meaningless.
+    fn timing_only(&self) -> bool {
+        false
+    }
     /// Makes this device current on the calling thread, for libraries that act on the current
     /// device (NCCL). Backends without such a notion do nothing.
     fn bind_to_thread(&self) -> Result<()> {

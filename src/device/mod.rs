@@ -179,6 +179,13 @@ impl Device {
         &*self.inner.backend
     }
 
+    /// Whether this device checks and orders work without running it
+    /// ([`SimConfig::timing_only`]): its results are meaningless, its host-side times are the
+    /// program's own.
+    pub fn timing_only(&self) -> bool {
+        self.inner.backend.timing_only()
+    }
+
     /// Free and total device memory.
     pub fn mem_info(&self) -> Result<MemInfo> {
         self.inner.backend.mem_info()

@@ -104,6 +104,13 @@ pub struct SimConfig {
     pub ordinal: usize,
     /// Optional transfer-time model; `None` copies as fast as the host can.
     pub link: Option<LinkModel>,
+    /// Timing only: kernels, copies and fills are checked and ordered as usual but not run, so
+    /// what a program does on the host (launch checks, the tide's decisions, plans,
+    /// allocation, waits) can be timed without the device's arithmetic. **Every result is
+    /// meaningless**: device memory keeps whatever it held, downloads bring back what the host
+    /// buffer held. [`Device::name`](super::Device::name) says so, and
+    /// [`Device::timing_only`](super::Device::timing_only) tells a program.
+    pub timing_only: bool,
 }
 
 impl SimConfig {
@@ -113,12 +120,19 @@ impl SimConfig {
             capacity,
             ordinal: 0,
             link: None,
+            timing_only: false,
         }
     }
 
     /// The same configuration with a link model.
     pub fn link(mut self, link: LinkModel) -> Self {
         self.link = Some(link);
+        self
+    }
+
+    /// The same configuration in timing-only mode (see [`SimConfig::timing_only`]).
+    pub fn timing_only(mut self) -> Self {
+        self.timing_only = true;
         self
     }
 }
@@ -464,6 +478,7 @@ fn run_twin(desc: &'static KernelDesc, operands: &[SimOperand], params: &[u8]) -
 pub struct SimBackend {
     shared: Arc<Shared>,
     link: Option<LinkModel>,
+    timing_only: bool,
 }
 
 impl SimBackend {
@@ -480,6 +495,7 @@ impl SimBackend {
                 spare: Mutex::new(Spare::default()),
             }),
             link: config.link,
+            timing_only: config.timing_only,
         })
     }
 
@@ -520,7 +536,16 @@ impl Backend for SimBackend {
     }
 
     fn name(&self) -> String {
-        format!("simulated device ({} bytes)", self.shared.capacity)
+        let cap = self.shared.capacity;
+        if self.timing_only {
+            format!("simulated device ({cap} bytes, timing only: results meaningless)")
+        } else {
+            format!("simulated device ({cap} bytes)")
+        }
+    }
+
+    fn timing_only(&self) -> bool {
+        self.timing_only
     }
 
     fn mem_info(&self) -> Result<MemInfo> {
@@ -557,6 +582,27 @@ impl Backend for SimBackend {
                 Error::InvalidArgument(e.to_string())
             })?;
             let reused = self.shared.spare.lock().take(bytes);
+            if self.timing_only {
+                // Zeros, left as they are: nothing ever writes a timing-only device's memory, so
+                // reads see zeros (no overflow flag, no NaN) and the pages are touched only
+                // where the host reads them.
+                // SAFETY: non-zero size.
+                let p =
+                    reused.or_else(|| NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }));
+                let Some(p) = p else {
+                    self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
+                    return Err(Error::HostAlloc {
+                        requested: bytes,
+                        tier: "simulated device",
+                        reason: "the system allocator returned null".into(),
+                    });
+                };
+                return Ok(Box::new(Arc::new(SimMem {
+                    ptr: p,
+                    len: bytes,
+                    shared: self.shared.clone(),
+                })));
+            }
             // SAFETY: non-zero size.
             match reused.or_else(|| NonNull::new(unsafe { std::alloc::alloc(layout) })) {
                 Some(p) => {
@@ -696,7 +742,13 @@ impl Backend for SimBackend {
                 ))
             }
         };
-        stream(s)?.send(Task::Copy(work))
+        let s = stream(s)?;
+        if self.timing_only {
+            // checked and ordered, not run: the stream sees nothing to do
+            drop(work);
+            return Ok(());
+        }
+        s.send(Task::Copy(work))
     }
 
     fn record(&self, s: &RawStream, e: &RawEvent) -> Result<()> {
@@ -748,6 +800,37 @@ impl Backend for SimBackend {
 mod tests {
     use super::*;
     use crate::device::{Device, HostBuffer};
+
+    /// A timing-only device checks, orders and counts work but runs none of it: memory stays
+    /// zero, events complete, bad operands are still refused, and it says so.
+    #[test]
+    fn a_timing_only_device_runs_nothing_and_says_so() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 20).timing_only()).unwrap();
+        assert!(dev.timing_only() && dev.name().contains("results meaningless"));
+        assert!(!Device::sim(SimConfig::with_capacity(64))
+            .unwrap()
+            .timing_only());
+        let s = dev.new_stream().unwrap();
+        let a = dev.alloc(4096).unwrap();
+        dev.copy_h2d(&s, HostBuffer::from_slice(&[7u8; 4096]).unwrap(), &a)
+            .unwrap()
+            .wait()
+            .unwrap();
+        dev.memset(&s, &a, 9).unwrap();
+        assert_eq!(dev.download(&s, &a).unwrap(), vec![0u8; 4096]);
+        let e = dev.new_event().unwrap();
+        dev.record(&s, &e).unwrap();
+        dev.sync_event(&e).unwrap();
+        assert!(dev.event_done(&e).unwrap());
+        let small = dev.alloc(16).unwrap();
+        assert!(
+            dev.copy_d2d(&s, &a, &small).is_err(),
+            "sizes are still checked"
+        );
+        assert!(dev.alloc(2 << 20).is_err(), "the capacity still holds");
+        let st = dev.stats();
+        assert_eq!((st.h2d_copies, st.d2h_copies), (1, 1), "and counted");
+    }
 
     /// A freed allocation comes back for the next of its size, filled with 0xff again (never
     /// the bytes it held), and the capacity counts only live allocations.

@@ -49,8 +49,8 @@ pub fn check(a: &Args) -> Result<DlrmConfig> {
     if !matches!(a.sharding.as_str(), "table" | "column") {
         return Err(bad(format!("--sharding {}: table or column", a.sharding)));
     }
-    if !matches!(a.backend.as_str(), "sim" | "cuda") {
-        return Err(bad(format!("--backend {}: sim or cuda", a.backend)));
+    if !matches!(a.backend.as_str(), "sim" | "timing" | "cuda") {
+        return Err(bad(format!("--backend {}: sim, timing or cuda", a.backend)));
     }
 
     share("--scale", a.scale, false)?;

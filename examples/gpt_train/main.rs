@@ -171,7 +171,8 @@ struct Args {
     /// Seed of the initial weights and the generated corpus.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Backend: sim (the simulated device) or cuda.
+    /// Backend: sim (the simulated device), cuda, or timing (the simulated device running
+    /// nothing: the host's own time a step; the losses are meaningless).
     #[arg(long, default_value = "sim")]
     backend: String,
 }
@@ -265,8 +266,10 @@ fn manager_config(p: &Plan) -> ManagerConfig {
 fn device(a: &Args, capacity: u64) -> Result<Device> {
     match a.backend.as_str() {
         "sim" => Device::sim(SimConfig::with_capacity(capacity as usize)),
+        // the host's own time: nothing runs, the losses are meaningless
+        "timing" => Device::sim(SimConfig::with_capacity(capacity as usize).timing_only()),
         "cuda" => Device::cuda(0),
-        b => Err(bad(format!("--backend {b}: sim or cuda"))),
+        b => Err(bad(format!("--backend {b}: sim, timing or cuda"))),
     }
 }
 
@@ -338,6 +341,12 @@ fn run() -> Result<()> {
     // everything that can be checked before any work is
     checks::flags(&a, launched)?;
     checks::paths(&a, sharded)?;
+    if a.backend == "timing" {
+        eprintln!(
+            "gpt_train: --backend timing: nothing runs on the device; the losses are \
+             meaningless, the times are the host's own"
+        );
+    }
     let (cfg, hf) = model_config(&a)?;
     checks::sizes(&a, &cfg)?;
     let tok = match &a.tokenizer {
@@ -536,6 +545,7 @@ fn run() -> Result<()> {
         "h2d_bytes": steady(&as_f(&h2d)),
         "d2h_bytes": steady(&as_f(&d2h)),
         "adam": a.adam,
+        "results_meaningless": a.backend == "timing",
         "adam_device_groups": adam_groups.0,
         "adam_host_groups": adam_groups.1,
     });

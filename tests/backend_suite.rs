@@ -342,6 +342,57 @@ fn transfer_stats_count_bytes() {
     }
 }
 
+/// Every operation counts once on every backend, and a wait counts as blocking only when it
+/// waits for work the host has not seen finish: the counts a step is judged by.
+#[test]
+fn the_counters_count_each_operation_and_only_the_waits_that_block() {
+    use tidemem::device::DeviceStats;
+    use tidemem::ops::{self, gemm::Gemm};
+    for dev in devices("the_counters_count_each_operation_and_only_the_waits_that_block") {
+        let s = dev.new_stream().unwrap();
+        let before = dev.stats();
+        let a = dev.alloc(1024).unwrap();
+        let p = dev
+            .copy_h2d(&s, HostBuffer::from_slice(&[0u8; 1024]).unwrap(), &a)
+            .unwrap();
+        dev.memset(&s, &a, 0).unwrap();
+        ops::scale(&dev, &s, 2.0, &a, DType::F32).unwrap();
+        p.wait().unwrap(); // the copy: blocks
+        dev.sync_stream(&s).unwrap(); // the fill and the scale after it: blocks
+        dev.sync_stream(&s).unwrap(); // all seen: returns at once
+        let e = dev.new_event().unwrap();
+        dev.record(&s, &e).unwrap();
+        dev.sync_event(&e).unwrap(); // nothing new on the stream: returns at once
+        if ops::gemm::cublas_available() || dev.kind() == BackendKind::Sim {
+            let g = Gemm::new(4, 4, 4);
+            let v = |i: usize| a.view(i * 64, 64).unwrap();
+            ops::gemm::gemm(&dev, &s, &g, v(0), v(1), v(2), DType::F32).unwrap();
+        }
+        dev.record(&s, &e).unwrap();
+        dev.sync_event(&e).unwrap(); // the GEMM: blocks
+        let back = dev.download(&s, &a).unwrap(); // a new copy: blocks
+        assert_eq!(back.len(), 1024);
+        let gemm = u64::from(ops::gemm::cublas_available() || dev.kind() == BackendKind::Sim);
+        let got = dev.stats().since(&before);
+        let want = DeviceStats {
+            h2d_bytes: 1024,
+            d2h_bytes: 1024,
+            h2d_copies: 1,
+            d2h_copies: 1,
+            launches: 1,
+            library_calls: gemm,
+            fills: 1,
+            device_allocs: 1,
+            stream_syncs: 1,
+            event_syncs: 1,
+            pending_waits: 2,
+            ..DeviceStats::default()
+        };
+        assert_eq!(got, want, "{}", dev.name());
+        assert_eq!(got.blocking_waits(), 4);
+    }
+}
+
 #[test]
 fn default_device_follows_the_environment() {
     // Only checks the variable parsing path that needs no GPU.

@@ -225,8 +225,9 @@ impl Device {
             len: dst.len,
             value,
         };
-        self.submit(stream, &[(dst.buf, Access::Write)], op)
-            .map(|_| ())
+        self.submit(stream, &[(dst.buf, Access::Write)], op)?;
+        super::Counters::add(&self.inner.counters.fills);
+        Ok(())
     }
 
     /// Enqueues work of a library that takes raw device addresses (NCCL) on `stream`, ordered

@@ -289,8 +289,16 @@ impl<T> Pending<T> {
         self.device.inner.backend.query_event(&self.event)
     }
 
+    /// Counts the wait for this copy as a blocking one unless the host has seen it finish.
+    fn count_wait(&self) {
+        if !self.device.inner.clocks.lock().observed(&self.clock) {
+            super::Counters::add(&self.device.inner.counters.pending_waits);
+        }
+    }
+
     /// Blocks until the copy completes and returns the host buffer.
     pub fn wait(mut self) -> Result<T> {
+        self.count_wait();
         match self.device.inner.backend.sync_event(&self.event) {
             Ok(()) => {
                 self.device.inner.clocks.lock().observe(&self.clock);
@@ -308,6 +316,7 @@ impl<T> Pending<T> {
 impl<T> Drop for Pending<T> {
     fn drop(&mut self) {
         if let Some(v) = self.value.take() {
+            self.count_wait();
             match self.device.inner.backend.sync_event(&self.event) {
                 Ok(()) => {
                     self.device.inner.clocks.lock().observe(&self.clock);

@@ -519,7 +519,13 @@ impl Device {
             operands: &raw,
             params,
         };
-        self.submit(stream, &accesses, op).map(|_| ())
+        self.submit(stream, &accesses, op)?;
+        let c = &self.inner.counters;
+        super::Counters::add(match desc.cuda {
+            CudaSide::Library(_) => &c.library_calls,
+            CudaSide::Nvrtc { .. } => &c.launches,
+        });
+        Ok(())
     }
 
     /// The generic checks of [`Device::launch`].

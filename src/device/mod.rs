@@ -62,9 +62,18 @@ pub use crate::device_id::{BackendKind, DeviceId};
 use crate::error::{Error, Result};
 use order::{AccessRecord, Clock, Clocks};
 
-/// Bytes and operations moved by a device since it was created.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct TransferStats {
+/// What a device has been asked to do since it was created: bytes and copies moved, ops
+/// launched, allocations, and the host's blocking waits. Counted at the [`Device`] layer, so
+/// every backend counts alike (the timing-only simulated device too), and deterministic: a test
+/// can assert the counts of a step ([`DeviceStats::since`]).
+///
+/// **Blocking waits** are the waits for device work the host has not yet seen finish: a
+/// [`Device::sync_stream`], [`Device::sync_event`], or [`Pending::wait`] (and a `Pending`'s
+/// drop, and so every [`Device::download`]) counts when the work it waits for is not already
+/// known complete from an earlier wait; one that finds everything observed returns at once on
+/// any device and does not count. Each such wait empties a GPU's queue.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct DeviceStats {
     /// Host→device bytes.
     pub h2d_bytes: u64,
     /// Device→host bytes.
@@ -77,6 +86,51 @@ pub struct TransferStats {
     pub d2h_copies: u64,
     /// Device→device copies.
     pub d2d_copies: u64,
+    /// Kernel ops launched ([`Device::launch`] of an op compiled by NVRTC; on CUDA its plan
+    /// may run several grids).
+    pub launches: u64,
+    /// Library ops launched ([`Device::launch`] of an op whose CUDA side is a library call, a
+    /// cuBLAS GEMM; the simulated device runs its twin).
+    pub library_calls: u64,
+    /// Memory fills ([`Device::memset`]).
+    pub fills: u64,
+    /// Device allocations ([`Device::alloc`]): the pools' misses and everything allocated
+    /// outside them (a pool hit never reaches the device).
+    pub device_allocs: u64,
+    /// Blocking [`Device::sync_stream`] calls.
+    pub stream_syncs: u64,
+    /// Blocking [`Device::sync_event`] calls.
+    pub event_syncs: u64,
+    /// Blocking waits for a copy's host buffer ([`Pending::wait`] or its drop; downloads).
+    pub pending_waits: u64,
+}
+
+impl DeviceStats {
+    /// Every blocking wait: stream and event synchronisations and copies waited for.
+    pub fn blocking_waits(&self) -> u64 {
+        self.stream_syncs + self.event_syncs + self.pending_waits
+    }
+
+    /// Component-wise difference `self - earlier` (0 where `earlier` is the larger): what
+    /// happened between two readings.
+    pub fn since(&self, earlier: &DeviceStats) -> DeviceStats {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        DeviceStats {
+            h2d_bytes: d(self.h2d_bytes, earlier.h2d_bytes),
+            d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
+            d2d_bytes: d(self.d2d_bytes, earlier.d2d_bytes),
+            h2d_copies: d(self.h2d_copies, earlier.h2d_copies),
+            d2h_copies: d(self.d2h_copies, earlier.d2h_copies),
+            d2d_copies: d(self.d2d_copies, earlier.d2d_copies),
+            launches: d(self.launches, earlier.launches),
+            library_calls: d(self.library_calls, earlier.library_calls),
+            fills: d(self.fills, earlier.fills),
+            device_allocs: d(self.device_allocs, earlier.device_allocs),
+            stream_syncs: d(self.stream_syncs, earlier.stream_syncs),
+            event_syncs: d(self.event_syncs, earlier.event_syncs),
+            pending_waits: d(self.pending_waits, earlier.pending_waits),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -87,6 +141,19 @@ struct Counters {
     h2d_copies: AtomicU64,
     d2h_copies: AtomicU64,
     d2d_copies: AtomicU64,
+    launches: AtomicU64,
+    library_calls: AtomicU64,
+    fills: AtomicU64,
+    device_allocs: AtomicU64,
+    stream_syncs: AtomicU64,
+    event_syncs: AtomicU64,
+    pending_waits: AtomicU64,
+}
+
+impl Counters {
+    fn add(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 struct Inner {
@@ -191,16 +258,24 @@ impl Device {
         self.inner.backend.mem_info()
     }
 
-    /// Bytes and copies moved so far.
-    pub fn stats(&self) -> TransferStats {
+    /// What the device has done so far (see [`DeviceStats`]).
+    pub fn stats(&self) -> DeviceStats {
         let c = &self.inner.counters;
-        TransferStats {
-            h2d_bytes: c.h2d_bytes.load(Ordering::Relaxed),
-            d2h_bytes: c.d2h_bytes.load(Ordering::Relaxed),
-            d2d_bytes: c.d2d_bytes.load(Ordering::Relaxed),
-            h2d_copies: c.h2d_copies.load(Ordering::Relaxed),
-            d2h_copies: c.d2h_copies.load(Ordering::Relaxed),
-            d2d_copies: c.d2d_copies.load(Ordering::Relaxed),
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        DeviceStats {
+            h2d_bytes: l(&c.h2d_bytes),
+            d2h_bytes: l(&c.d2h_bytes),
+            d2d_bytes: l(&c.d2d_bytes),
+            h2d_copies: l(&c.h2d_copies),
+            d2h_copies: l(&c.d2h_copies),
+            d2d_copies: l(&c.d2d_copies),
+            launches: l(&c.launches),
+            library_calls: l(&c.library_calls),
+            fills: l(&c.fills),
+            device_allocs: l(&c.device_allocs),
+            stream_syncs: l(&c.stream_syncs),
+            event_syncs: l(&c.event_syncs),
+            pending_waits: l(&c.pending_waits),
         }
     }
 
@@ -209,6 +284,7 @@ impl Device {
     /// Freed when the buffer is dropped, once work already enqueued on it completes.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
         let raw = self.inner.backend.alloc(bytes)?;
+        Counters::add(&self.inner.counters.device_allocs);
         Ok(DeviceBuffer {
             raw,
             len: bytes,
@@ -280,6 +356,9 @@ impl Device {
     pub fn sync_event(&self, event: &Event) -> Result<()> {
         self.check("event", event.device)?;
         let c = event.clock.lock().clone();
+        if !self.inner.clocks.lock().observed(&c) {
+            Counters::add(&self.inner.counters.event_syncs);
+        }
         self.inner.backend.sync_event(&event.raw)?;
         self.inner.clocks.lock().observe(&c);
         Ok(())
@@ -294,7 +373,14 @@ impl Device {
     /// Blocks until every operation enqueued on `stream` so far completes.
     pub fn sync_stream(&self, stream: &Stream) -> Result<()> {
         self.check("stream", stream.device)?;
-        let c = self.inner.clocks.lock().snapshot(stream.slot);
+        let c = {
+            let clocks = self.inner.clocks.lock();
+            let c = clocks.snapshot(stream.slot);
+            if !clocks.observed(&c) {
+                Counters::add(&self.inner.counters.stream_syncs);
+            }
+            c
+        };
         self.inner.backend.sync_stream(&stream.raw)?;
         self.inner.clocks.lock().observe(&c);
         Ok(())

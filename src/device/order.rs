@@ -63,6 +63,9 @@ pub(crate) struct AccessRecord {
 pub(crate) struct Clocks {
     /// Operations enqueued so far, per stream.
     seq: Vec<u64>,
+    /// The last operation that touches a buffer, per stream (event records and waits do not):
+    /// what a wait for the stream waits for.
+    work: Vec<u64>,
     /// What each stream is ordered after.
     known: Vec<Clock>,
     /// What the host has observed complete.
@@ -73,6 +76,7 @@ impl Clocks {
     /// Registers a new stream and returns its slot.
     pub fn add_stream(&mut self) -> usize {
         self.seq.push(0);
+        self.work.push(0);
         self.known.push(Vec::new());
         self.seq.len() - 1
     }
@@ -121,6 +125,7 @@ impl Clocks {
             }
         }
         self.seq[stream] += 1;
+        self.work[stream] = self.seq[stream];
         let stamp = Stamp {
             stream,
             seq: self.seq[stream],
@@ -149,19 +154,31 @@ impl Clocks {
         }
     }
 
-    /// Everything `stream` is ordered after, including all of its own enqueued operations.
+    /// Everything `stream` is ordered after, including all of its own enqueued operations
+    /// that touch a buffer (only those are ever checked for order, so records and waits, which
+    /// touch none, are left out: a wait for an idle stream the host has seen finish does not
+    /// block).
     pub fn snapshot(&self, stream: usize) -> Clock {
         let mut c = self.known[stream].clone();
         if c.len() <= stream {
             c.resize(stream + 1, 0);
         }
-        c[stream] = self.seq[stream];
+        c[stream] = c[stream].max(self.work[stream]);
         c
     }
 
     /// `stream` waits on an event that captured `clock`.
     pub fn wait(&mut self, stream: usize, clock: &Clock) {
         join(&mut self.known[stream], clock);
+    }
+
+    /// Whether the host has already observed everything in `clock` complete (a wait for it
+    /// would not block).
+    pub fn observed(&self, clock: &Clock) -> bool {
+        clock
+            .iter()
+            .enumerate()
+            .all(|(i, &c)| c <= get(&self.host, i))
     }
 
     /// The host has observed everything in `clock` complete.

@@ -41,7 +41,8 @@ impl Device {
             .collect();
         clocks.stamp(stream.slot, &mut recs)?;
         // SAFETY: callers pass host pointers owned by a `Pending` that outlives the copy (its
-        // event is recorded right after, and it blocks on that event before releasing them).
+        // event is recorded right after, and it blocks on that event before releasing them),
+        // or by a detached copy the device frees only once the host has seen it finish.
         unsafe { self.inner.backend.enqueue(&stream.raw, op)? };
         Ok(clocks.snapshot(stream.slot))
     }
@@ -124,6 +125,68 @@ impl Device {
         c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
         c.h2d_copies.fetch_add(1, Ordering::Relaxed);
         self.pending(stream, src, clock)
+    }
+
+    /// Copies `data` into `dst` on `stream` without waiting: the bytes go into a host buffer
+    /// the device keeps until the host has seen the copy finish (at a later wait that covers
+    /// it), so nothing blocks here. For the small inputs of a step (token ids, targets, plans)
+    /// whose buffers nobody reads back.
+    pub fn upload_to<'a>(
+        &self,
+        stream: &Stream,
+        data: &[u8],
+        dst: impl Into<DeviceView<'a>>,
+    ) -> Result<()> {
+        let dst = dst.into();
+        if data.len() != dst.len {
+            return Err(Error::SizeMismatch {
+                src: data.len(),
+                dst: dst.len,
+            });
+        }
+        self.reap_detached();
+        let buf = HostBuffer::from_slice(data)?;
+        let op = Op::HostToDevice {
+            src: buf.as_ptr(),
+            dst: &dst.buf.raw,
+            dst_offset: dst.offset,
+            len: dst.len,
+        };
+        let clock = self.submit(stream, &[(dst.buf, Access::Write)], op)?;
+        let c = &self.inner.counters;
+        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
+        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
+        let event = match self
+            .inner
+            .backend
+            .new_event()
+            .and_then(|e| self.inner.backend.record(&stream.raw, &e).map(|_| e))
+        {
+            Ok(e) => e,
+            Err(err) => {
+                // without an event the copy cannot be followed: drain the stream first
+                match self.inner.backend.sync_stream(&stream.raw) {
+                    Ok(()) => drop(buf),
+                    Err(_) => std::mem::forget(buf),
+                }
+                return Err(err);
+            }
+        };
+        self.inner
+            .detached
+            .lock()
+            .push(super::Detached { buf, event, clock });
+        Ok(())
+    }
+
+    /// Frees the host buffers of detached copies the host has seen finish.
+    fn reap_detached(&self) {
+        let mut d = self.inner.detached.lock();
+        if d.is_empty() {
+            return;
+        }
+        let clocks = self.inner.clocks.lock();
+        d.retain(|x| !clocks.observed(&x.clock));
     }
 
     /// Copies `src` into all of `dst` asynchronously on `stream`. The filled host buffer comes

@@ -162,6 +162,29 @@ struct Inner {
     clocks: Mutex<Clocks>,
     counters: Counters,
     next_buffer: AtomicU64,
+    /// Host buffers of copies nobody waits for ([`Device::upload_to`]), freed once the host
+    /// has seen their copies finish.
+    detached: Mutex<Vec<Detached>>,
+}
+
+/// A host buffer a copy still reads, the event recorded after the copy, and its clock.
+struct Detached {
+    buf: HostBuffer,
+    event: RawEvent,
+    clock: order::Clock,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // The device goes away: wait for the copies still reading their host buffers, or leak
+        // a buffer whose copy cannot be waited for.
+        for d in self.detached.get_mut().drain(..) {
+            match self.backend.sync_event(&d.event) {
+                Ok(()) => drop(d.buf),
+                Err(_) => std::mem::forget(d.buf),
+            }
+        }
+    }
 }
 
 /// A device: the safe API over a [`Backend`]. Cheap to clone (it is an `Arc`).
@@ -190,6 +213,7 @@ impl Device {
                 clocks: Mutex::new(Clocks::default()),
                 counters: Counters::default(),
                 next_buffer: AtomicU64::new(1),
+                detached: Mutex::new(Vec::new()),
             }),
         }
     }

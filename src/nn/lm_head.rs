@@ -2,6 +2,7 @@
 
 use super::act::Act;
 use super::linear::{Linear, WeightUse};
+use super::loss::Loss;
 use crate::error::{Error, Result};
 use crate::ops::{check_targets, cross_entropy_forward_backward, CrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -107,6 +108,19 @@ impl LmHead {
         targets: &[i32],
         scale: f32,
     ) -> Result<(f32, LmSaved)> {
+        let (loss, saved) = self.forward_deferred(pass, h, targets, scale)?;
+        Ok((loss.read()?, saved))
+    }
+
+    /// [`LmHead::forward_scaled`] with the loss left on its way to the host ([`Loss`]): the
+    /// host does not wait for it here.
+    pub fn forward_deferred(
+        &self,
+        pass: &ForwardPass<'_>,
+        h: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(Loss, LmSaved)> {
         if !(scale > 0.0 && scale.is_finite()) {
             return Err(Error::InvalidArgument(format!(
                 "a loss scale of {scale} (it must be positive and finite)"
@@ -129,18 +143,14 @@ impl LmHead {
         };
         let lv = losses.view(0, n * 4)?;
         cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
-        let bytes = dev.download(s, lv)?;
-        let sum: f64 = bytemuck::pod_collect_to_vec::<u8, f32>(&bytes)
-            .iter()
-            .map(|&l| f64::from(l))
-            .sum();
-        let loss = (sum / counted.max(1) as f64) as f32;
+        let host = dev.alloc_host(n * 4)?;
+        let copy = dev.copy_d2h(s, lv, host)?;
         let saved = LmSaved {
             h: h.clone(),
             dlogits: logits,
             counted,
         };
-        Ok((loss, saved))
+        Ok((Loss::copying(copy, counted), saved))
     }
 
     /// The backward of [`LmHead::forward`]: returns `dh` `[N, C]` and adds `wte`'s share.

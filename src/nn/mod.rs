@@ -63,6 +63,7 @@ mod gelu;
 mod layernorm;
 mod linear;
 mod lm_head;
+mod loss;
 mod mlp;
 
 pub use act::Act;
@@ -76,6 +77,7 @@ pub use gelu::{gelu, gelu_backward};
 pub use layernorm::{LayerNorm, LnSaved};
 pub use linear::{Linear, WeightUse};
 pub use lm_head::{LmHead, LmSaved};
+pub use loss::Loss;
 pub use mlp::{Mlp, MlpSaved};
 
 use crate::dtype::DType;

@@ -83,7 +83,7 @@ fn device_stats(m: &mut ChunkManager, ranges: &[(usize, Range<usize>)]) -> Resul
         let (dev, stream) = (m.device(), m.compute_stream());
         match &scratch {
             Some((out, res)) => {
-                crate::ops::grad_stats(dev, stream, src, dt, out)?;
+                crate::ops::grad_stats(dev, stream, src, dt, &**out)?;
                 dev.copy_d2d(stream, out.view(0, 16)?, res.view(16 * i, 16)?)?;
             }
             None => {
@@ -93,7 +93,7 @@ fn device_stats(m: &mut ChunkManager, ranges: &[(usize, Range<usize>)]) -> Resul
         }
     }
     if let Some((_, res)) = &scratch {
-        let bytes = m.device().download(m.compute_stream(), res)?;
+        let bytes = m.device().download(m.compute_stream(), &**res)?;
         for i in 0..n {
             results.push(read_grad_stats(&bytes[16 * i..])?);
         }

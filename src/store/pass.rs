@@ -170,14 +170,12 @@ impl<'s, K: PassKind> Pass<'s, K> {
     }
 
     /// A block of the pool holding `bytes` (token ids, targets, a host-built plan), copied on
-    /// [`Pass::stream`]; returns once the copy finished (the host buffer is free to go).
+    /// [`Pass::stream`] without the host waiting ([`Device::upload_to`]).
     pub fn upload(&self, bytes: &[u8]) -> Result<Block> {
         let h = &self.state.handles;
         let b = h.pool.alloc(bytes.len().max(4))?;
-        let src = crate::device::HostBuffer::from_slice(bytes)?;
         h.device
-            .copy_h2d(&h.stream, src, b.view(0, bytes.len())?)?
-            .wait()?;
+            .upload_to(&h.stream, bytes, b.view(0, bytes.len())?)?;
         Ok(b)
     }
 

@@ -367,9 +367,9 @@ impl ChunkManager {
             .ok_or_else(|| Error::InvalidArgument(format!("chunk {c} has no device copy")))
     }
 
-    /// Device scratch memory beside the chunks (see [`ChunkManager::alloc_device`]: a full
-    /// device is retried once after waiting for the streams and emptying the non-model cache).
-    pub(crate) fn alloc_scratch(&mut self, bytes: usize) -> Result<DeviceBuffer> {
-        self.alloc_device(bytes)
+    /// Device scratch memory for the optimizer's own work (the gradient statistics), from the
+    /// non-model pool, so that a steady step allocates nothing from the device.
+    pub(crate) fn alloc_scratch(&mut self, bytes: usize) -> Result<crate::device::Block> {
+        self.pool().alloc(bytes)
     }
 }

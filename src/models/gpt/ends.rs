@@ -3,7 +3,7 @@
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Act, EmbSaved, Embedding, LmHead, LmSaved};
+use crate::nn::{Act, EmbSaved, Embedding, LmHead, LmSaved, Loss};
 use crate::parallel::{VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved};
 use crate::store::{BackwardPass, ForwardPass};
 use crate::tensor::TensorId;
@@ -91,15 +91,15 @@ impl Ends {
         h: &Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(f32, HeadKept)> {
+    ) -> Result<(Loss, HeadKept)> {
         match self {
             Ends::Whole { head, .. } => {
-                let (l, s) = head.forward_scaled(fwd, h, targets, scale)?;
+                let (l, s) = head.forward_deferred(fwd, h, targets, scale)?;
                 Ok((l, HeadKept::Whole(s)))
             }
             Ends::Split { head, .. } => {
                 let (l, s) = head.forward(fwd, group(tp)?, h, targets, scale)?;
-                Ok((l, HeadKept::Split(s)))
+                Ok((Loss::ready(l), HeadKept::Split(s)))
             }
         }
     }

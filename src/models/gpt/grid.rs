@@ -5,7 +5,7 @@ use super::model::{default_init, GptBatch, RunOptions};
 use super::train::{micro_steps, TrainStep};
 use super::GptConfig;
 use crate::error::{Error, Result};
-use crate::nn::{Act, HeadsCore};
+use crate::nn::{Act, HeadsCore, Loss};
 use crate::parallel::{
     Block2D, Block2DSaved, Block3D, Block3DSaved, Layout3D, ProcessGrid, RingAttention, RingCore,
     TensorMode,
@@ -273,7 +273,7 @@ pub fn train_step_grid<S: ParamStore + ?Sized>(
                 checkpoint,
                 loss_scale,
             };
-            gpt.forward_backward(store, grid, b, opts)
+            gpt.forward_backward(store, grid, b, opts).map(Loss::ready)
         },
     )
 }

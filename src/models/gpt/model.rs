@@ -9,7 +9,9 @@ use super::ends::{EmbKept, Ends, HeadKept};
 use super::GptConfig;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, BlockHooks, BlockSaved, Embedding, HeadsCore, LayerNorm, LmHead};
+use crate::nn::{
+    Act, Block, BlockHooks, BlockSaved, Embedding, HeadsCore, LayerNorm, LmHead, Loss,
+};
 use crate::parallel::{RingAttention, RingCore, Shard};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -306,6 +308,19 @@ impl Gpt {
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<f32> {
+        self.forward_backward_loss(store, tp, sp, b, opts)?.read()
+    }
+
+    /// [`Gpt::forward_backward_sp`] with the loss left on its way to the host ([`Loss`]), so
+    /// a trainer reads it after the optimizer step without a wait of its own.
+    pub(super) fn forward_backward_loss<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tp: Option<&Communicator>,
+        sp: Option<&Communicator>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<Loss> {
         self.check(b)?;
         opts.check()?;
         self.check_group(tp)?;
@@ -368,7 +383,7 @@ impl Gpt {
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
-        Ok(loss)
+        loss.read()
     }
 
     /// The logits `[batch·seq, V]` (f32, row-major) of `tokens` `[batch·seq]`, without a loss
@@ -421,7 +436,7 @@ impl Gpt {
         g: &Groups<'_>,
         b: &GptBatch<'_>,
         opts: RunOptions,
-    ) -> Result<(f32, Saved)> {
+    ) -> Result<(Loss, Saved)> {
         let tp = g.tp;
         let at = [b.batch, b.seq, g.first_position(b)];
         let (x, emb) = self.ends.embed(fwd, tp, b.tokens, at)?;

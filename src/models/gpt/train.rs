@@ -5,6 +5,7 @@ use serde::Serialize;
 use super::{Gpt, GptBatch, RunOptions};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
+use crate::nn::Loss;
 use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
 use crate::store::ParamStore;
 
@@ -68,20 +69,22 @@ pub fn train_step_sp<S: ParamStore + ?Sized>(
             checkpoint,
             loss_scale,
         };
-        gpt.forward_backward_sp(store, tp, sp, b, opts)
+        gpt.forward_backward_loss(store, tp, sp, b, opts)
     })
 }
 
 /// The micro-batch loop every GPT trainer shares: `fb` runs one micro-batch's forward and
 /// backward with the loss scale given and returns its loss; the store's step follows each,
 /// with the gradient statistics all-reduced over `tp` when given (every rank clips by the
-/// global norm, the replicated parameters counted once, and skips an overflow together).
+/// global norm, the replicated parameters counted once, and skips an overflow together). The
+/// losses are read after the last step, whose read of the gradient statistics has seen them
+/// arrive: the step's one blocking wait.
 pub(super) fn micro_steps<S: ParamStore + ?Sized>(
     store: &mut S,
     tp: Option<&Communicator>,
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
-    mut fb: impl FnMut(&mut S, &GptBatch<'_>, f32) -> Result<f32>,
+    mut fb: impl FnMut(&mut S, &GptBatch<'_>, f32) -> Result<Loss>,
 ) -> Result<TrainStep> {
     let want = adam.config().accumulation_steps as usize;
     if micro.len() != want {
@@ -90,11 +93,11 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
             micro.len()
         )));
     }
-    let mut sum = 0.0f64;
+    let mut losses = Vec::with_capacity(micro.len());
     let mut tokens = 0;
     let mut last = None;
     for (k, b) in micro.iter().enumerate() {
-        sum += f64::from(fb(store, b, adam.loss_scale())?);
+        losses.push(fb(store, b, adam.loss_scale())?);
         tokens += b.tokens.len();
         let r = match tp {
             Some(g) => store.step_reducing(adam, &mut |st: GradStats| {
@@ -120,6 +123,10 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
         last = Some(r);
     }
     let report = last.ok_or_else(|| Error::InvalidArgument("no micro-batch".into()))?;
+    let mut sum = 0.0f64;
+    for l in losses {
+        sum += f64::from(l.read()?);
+    }
     Ok(TrainStep {
         loss: (sum / micro.len() as f64) as f32,
         report,

@@ -554,7 +554,7 @@ impl CachedEmbeddingBag {
     ) -> Result<usize> {
         let bags = check_batch(indices, offsets, weights)?;
         self.saved = None;
-        let plan = self.cache.prepare_deferred(indices)?;
+        let plan = self.cache.prepare_deferred(indices, true)?;
         let grad_plan = plan_backward(&plan.slots, offsets, weights, self.mode)?;
         let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let dim = self.cache.dim();

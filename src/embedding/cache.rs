@@ -516,21 +516,23 @@ impl EmbeddingCache {
     /// their slots are reused. On a bad id or a batch with more distinct rows than slots it
     /// fails and changes nothing.
     pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
-        let plan = self.prepare_deferred(ids)?;
+        let plan = self.prepare_deferred(ids, false)?;
         self.enqueue_admitted()?;
         Ok(plan)
     }
 
-    /// [`EmbeddingCache::prepare`] that, when the batch needs no moves, leaves the scatter of
-    /// rows a prefetch has in flight to [`EmbeddingCache::enqueue_admitted`], so the host
-    /// does not wait for the copy stream.
-    pub(crate) fn prepare_deferred(&mut self, ids: &[u32]) -> Result<Plan> {
+    /// [`EmbeddingCache::prepare`] that leaves the scatter of admitted rows to
+    /// [`EmbeddingCache::enqueue_admitted`]. With `in_flight`, the batch's last
+    /// `staging_rows` write-backs and admissions stay in flight on the copy streams (as a
+    /// prefetch's do), so a batch whose moves fit the staging buffers makes the host wait for
+    /// nothing: the next call that needs them settles them.
+    pub(crate) fn prepare_deferred(&mut self, ids: &[u32], in_flight: bool) -> Result<Plan> {
         self.usable()?;
         let plan = self.index.prepare(ids)?;
         if !plan.write_back.is_empty() || !plan.admit.is_empty() {
             let r = self
                 .settle()
-                .and_then(|()| self.run_moves(&plan.write_back, &plan.admit, false));
+                .and_then(|()| self.run_moves(&plan.write_back, &plan.admit, in_flight));
             self.poison(r)?;
         }
         Ok(plan)

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::device::{Block, CachingAllocator, Device, DeviceView, HostBuffer, Input, Stream};
+use crate::device::{Block, CachingAllocator, Device, DeviceView, Input, Stream};
 use crate::dtype::{decode_f32, encode_f32, DType};
 use crate::error::{Error, Result};
 
@@ -57,7 +57,7 @@ impl Act {
     }
 
     /// An activation holding `values` (`rows × cols`, row-major, converted to `dtype`), copied
-    /// on `stream` and waited for: for input data and tests.
+    /// on `stream` without the host waiting ([`Device::upload_to`]): for input data and tests.
     pub fn upload(
         pool: &CachingAllocator,
         stream: &Stream,
@@ -74,9 +74,7 @@ impl Act {
         }
         let act = Act::alloc(pool, rows, cols, dtype)?;
         let bytes = encode_f32(values, dtype);
-        act.device
-            .copy_h2d(stream, HostBuffer::from_slice(&bytes)?, act.view())?
-            .wait()?;
+        act.device.upload_to(stream, &bytes, act.view())?;
         Ok(act)
     }
 

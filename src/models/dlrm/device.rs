@@ -11,6 +11,7 @@
 //! only once the backward has read it, and the next forward's write of the vectors comes after
 //! this iteration's reads.
 
+use super::model::Outputs;
 use super::Dlrm;
 use crate::device::{Device, DeviceView, Stream};
 use crate::dtype::DType;
@@ -138,6 +139,23 @@ impl Dlrm {
         batch: usize,
         loss_scale: f32,
     ) -> Result<(f32, Vec<f32>, usize)> {
+        let (out, rows) =
+            self.forward_backward_deferred(store, emb, dense, labels, batch, loss_scale)?;
+        let (sum, probs) = out.read()?;
+        Ok(((sum / batch as f64) as f32, probs, rows))
+    }
+
+    /// [`Dlrm::forward_backward_device`] with the losses and probabilities left on their way to
+    /// the host, for a trainer that reads them after the optimizer step.
+    pub(crate) fn forward_backward_deferred<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        emb: &mut impl DeviceEmbeddings,
+        dense: &[f32],
+        labels: &[f32],
+        batch: usize,
+        loss_scale: f32,
+    ) -> Result<(Outputs, usize)> {
         self.check(Self::device_emb_len(emb)?, dense, Some(labels), batch)?;
         super::model::check_loss_scale(loss_scale)?;
         let fwd = store.forward()?;
@@ -173,7 +191,7 @@ impl Dlrm {
         drop(grad);
         let rows = rows?;
         bwd.finish()?;
-        Ok(((f.sum / batch as f64) as f32, f.probs, rows))
+        Ok((f.outputs, rows))
     }
 
     /// [`Dlrm::forward_backward_parts`] with the embedding vectors on the device, for a step
@@ -219,7 +237,7 @@ impl Dlrm {
         unscale(dev, s, grad, emb_div)?;
         order_after(dev, s, emb.stream())?;
         bwd.finish()?;
-        Ok((f.sum, f.probs))
+        f.outputs.read()
     }
 
     /// [`Dlrm::predict`] with the embedding vectors on the device (as for
@@ -242,7 +260,7 @@ impl Dlrm {
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
-        Ok(f.probs)
+        Ok(f.outputs.read()?.1)
     }
 }
 

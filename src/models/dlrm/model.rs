@@ -1,6 +1,7 @@
 //! The DLRM over a [`ParamStore`]: registration, the forward and backward of one batch.
 
 use super::DlrmConfig;
+use crate::device::{HostBuffer, Pending};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Linear};
@@ -34,10 +35,28 @@ pub(super) struct Saved {
 
 /// The outputs of [`Dlrm::forward`].
 pub(super) struct Forward {
-    /// The sum of the samples' losses.
-    pub(super) sum: f64,
-    pub(super) probs: Vec<f32>,
+    /// The samples' losses and probabilities, on their way to the host.
+    pub(super) outputs: Outputs,
     pub(super) saved: Saved,
+}
+
+/// The losses and click probabilities of a batch, copied to the host in one piece without the
+/// host waiting; read once the trainer wants them (after the optimizer step, whose read of the
+/// gradient statistics has seen them arrive).
+pub(crate) struct Outputs {
+    /// `batch` losses then `batch` probabilities (f32).
+    copy: Pending<HostBuffer>,
+    batch: usize,
+}
+
+impl Outputs {
+    /// The sum of the samples' losses and their probabilities.
+    pub(crate) fn read(self) -> Result<(f64, Vec<f32>)> {
+        let bytes = self.copy.wait()?;
+        let v: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+        let sum = v[..self.batch].iter().map(|&l| f64::from(l)).sum::<f64>();
+        Ok((sum, v[self.batch..].to_vec()))
+    }
 }
 
 impl Dlrm {
@@ -211,6 +230,7 @@ impl Dlrm {
         let fwd = store.forward()?;
         let emb = self.upload_emb(&fwd, emb, batch)?;
         let f = self.forward(&fwd, emb, dense, labels, batch, grad_scale)?;
+        let (sum, probs) = f.outputs.read()?;
         fwd.finish()?;
         let bwd = store.backward()?;
         let d_emb = self.backward(&bwd, f.saved)?.to_f32(bwd.stream())?;
@@ -219,7 +239,7 @@ impl Dlrm {
         if emb_div != 1.0 {
             grad.iter_mut().for_each(|g| *g /= emb_div);
         }
-        Ok((f.sum, grad, f.probs))
+        Ok((sum, grad, probs))
     }
 
     /// The click probabilities of a batch without gradients (evaluation): a forward pass, an
@@ -237,11 +257,12 @@ impl Dlrm {
         let fwd = store.forward()?;
         let emb = self.upload_emb(&fwd, emb, batch)?;
         let f = self.forward(&fwd, emb, dense, &labels, batch, 0.0)?;
+        let (_, probs) = f.outputs.read()?;
         drop(f.saved);
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
-        Ok(f.probs)
+        Ok(probs)
     }
 
     /// Table-major host vectors `[tables, batch, dim]` uploaded sample-major in the parameter
@@ -284,20 +305,18 @@ impl Dlrm {
         )?;
         let (top_in, logits) = mlp_forward(fwd, &self.top, inter, false)?;
         let labels = Act::upload(pool, s, batch, 1, DType::F32, labels)?;
-        let loss = Act::alloc(pool, batch, 1, DType::F32)?;
-        let probs = Act::alloc(pool, batch, 1, DType::F32)?;
+        // the losses and the probabilities side by side, for one copy to the host
+        let loss_probs = Act::alloc(pool, 2, batch, DType::F32)?;
         let dlogits = Act::alloc(pool, batch, 1, d)?;
         let out = BceOutputs {
-            loss: loss.view(),
+            loss: loss_probs.view().slice(0, batch * 4)?,
             dlogits: Some(dlogits.view()),
-            probs: Some(probs.view()),
+            probs: Some(loss_probs.view().slice(batch * 4, batch * 4)?),
         };
         bce_with_logits(dev, s, logits.input(), labels.input(), d, scale, out)?;
-        let losses = loss.to_f32(s)?;
-        let sum = losses.iter().map(|&l| f64::from(l)).sum::<f64>();
+        let copy = dev.copy_d2h(s, loss_probs.input(), dev.alloc_host(batch * 8)?)?;
         Ok(Forward {
-            sum,
-            probs: probs.to_f32(s)?,
+            outputs: Outputs { copy, batch },
             saved: Saved {
                 bottom_in,
                 dense: dense_vec,

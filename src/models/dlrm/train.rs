@@ -94,7 +94,7 @@ pub fn train_step<S: ParamStore + ?Sized>(
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
     emb.forward_device_interleaved(&tables)?;
-    let (loss, probs, rows) = model.forward_backward_device(
+    let (outputs, rows) = model.forward_backward_deferred(
         store,
         emb,
         &batch.dense,
@@ -103,6 +103,9 @@ pub fn train_step<S: ParamStore + ?Sized>(
         adam.loss_scale(),
     )?;
     let report = store.step(adam)?;
+    // read after the step, whose read of the gradient statistics has seen them arrive
+    let (sum, probs) = outputs.read()?;
+    let loss = (sum / batch.size as f64) as f32;
     // an overflow the MLP optimizer skips skips the embedding rows' step too
     let rows = if report.outcome == StepOutcome::Skipped {
         0

@@ -345,6 +345,8 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     // same order); `data_wait` is the time the steps waited for them
     let mut batches = source.batches(a.batch, DATA_AHEAD, data_workers())?;
     let mut data_wait = 0.0f64;
+    // what the device was asked to do in the last step (one rank)
+    let mut device_step = None;
     while steps < a.steps {
         let t = Instant::now();
         let next = batches.next()?;
@@ -369,7 +371,11 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
             break;
         };
         let t0 = Instant::now();
+        let dev_before = trainer.device_stats();
         let loss = trainer.step(&b)?;
+        if let (Some(a), Some(b)) = (dev_before, trainer.device_stats()) {
+            device_step = Some(b.since(&a));
+        }
         let seconds = t0.elapsed().as_secs_f64();
         trained += seconds;
         steps += 1;
@@ -463,6 +469,11 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     report["data_wait_s"] = json!(data_wait);
     report["data_waited_steps"] = json!(batches.stats().waited);
     report["results_meaningless"] = json!(a.backend == "timing");
+    if let Some(d) = device_step {
+        let mut v = serde_json::to_value(d).unwrap_or_default();
+        v["blocking_waits"] = json!(d.blocking_waits());
+        report["device_stats"] = v;
+    }
     if a.json {
         println!("{report}");
         return Ok(());

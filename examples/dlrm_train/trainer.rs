@@ -126,6 +126,14 @@ impl Trainer {
         }
     }
 
+    /// What the device was asked to do so far (one rank's device; `None` over ranks).
+    pub fn device_stats(&self) -> Option<tidemem::device::DeviceStats> {
+        match self {
+            Trainer::Local(l) => Some(l.store.device().stats()),
+            Trainer::Ranks(_) => None,
+        }
+    }
+
     /// The click probabilities of every sample of `batches`, in order.
     pub fn predict(&mut self, batches: &[Batch]) -> Result<Vec<f32>> {
         match self {

@@ -442,8 +442,10 @@ fn run() -> Result<()> {
     let bar = progress(&a);
     let (mut losses, mut tps, mut h2d, mut d2h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let start = opt.steps();
-    // chunk groups Adam stepped on the device and on the host at the last step
+    // chunk groups Adam stepped on the device and on the host at the last step, and what the
+    // device was asked to do in it
     let mut adam_groups = (0, 0);
+    let mut device_step = tidemem::device::DeviceStats::default();
     for _ in 0..a.steps {
         let idx = opt.steps();
         let batches = (0..u64::from(a.accumulate))
@@ -459,7 +461,9 @@ fn run() -> Result<()> {
         let micro = views(&batches, &a);
         let t0 = Instant::now();
         let before = m.stats();
+        let dev_before = m.device().stats();
         let r = train_step(&gpt, &mut m, &mut opt, &micro, plan.checkpoint)?;
+        device_step = m.device().stats().since(&dev_before);
         adam_groups = (r.report.device_groups, m.groups() - r.report.device_groups);
         let moved = m.stats().since(&before);
         let secs = t0.elapsed().as_secs_f64();
@@ -546,6 +550,7 @@ fn run() -> Result<()> {
         "d2h_bytes": steady(&as_f(&d2h)),
         "adam": a.adam,
         "results_meaningless": a.backend == "timing",
+        "device_stats": device_json(&device_step),
         "adam_device_groups": adam_groups.0,
         "adam_host_groups": adam_groups.1,
     });
@@ -568,6 +573,13 @@ fn run() -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A step's device counts for `--json`, with the blocking waits summed.
+fn device_json(s: &tidemem::device::DeviceStats) -> serde_json::Value {
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    v["blocking_waits"] = json!(s.blocking_waits());
+    v
 }
 
 /// The model FLOPs utilisation as printed: never a fraction above 1 as a fact (the measured

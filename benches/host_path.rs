@@ -14,7 +14,8 @@
 //!   the rows; the batches built ahead on worker threads ([`Ahead`]), so the training thread's
 //!   time is the step's. Target ≤ 4 ms a step (TorchRec's 81 it/s leave 12.3 ms in all).
 //!
-//! Prints each step's host time against its target, and the device's counters a step.
+//! Prints each step's host time against its target, and the device's counts a step
+//! ([`DeviceStats`]).
 //!
 //! ```sh
 //! cargo bench --bench host_path
@@ -30,6 +31,7 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use mean::Mean;
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::data::Ahead;
+use tidemem::device::DeviceStats;
 use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, RunOptions};
@@ -91,7 +93,8 @@ impl GptRun {
         }
     }
 
-    fn step(&mut self) {
+    fn step(&mut self) -> DeviceStats {
+        let before = self.m.device().stats();
         let n = self.batch * self.seq;
         let b = GptBatch {
             tokens: &self.tokens[..n],
@@ -100,6 +103,7 @@ impl GptRun {
             seq: self.seq,
         };
         train_step(&self.gpt, &mut self.m, &mut self.adam, &[b], self.ckpt).expect("step");
+        self.m.device().stats().since(&before)
     }
 }
 
@@ -147,7 +151,8 @@ impl DlrmRun {
             capacity,
             BagMode::Sum,
             EmbeddingOptimizer::Sgd { lr: 0.5 },
-            |c| c,
+            // a batch's moves fit the staging buffers: the host never waits to reuse them
+            |c| c.staging_rows(largest.max(4096)),
             |_, id, row| row.fill(1e-3 * (id % 17) as f32),
         )
         .expect("collection");
@@ -174,9 +179,11 @@ impl DlrmRun {
         }
     }
 
-    /// A step; the time the training thread spent in it, waiting for its batch excluded.
-    fn step(&mut self) -> Duration {
+    /// A step; the time the training thread spent in it, waiting for its batch excluded, and
+    /// the device's counts.
+    fn step(&mut self) -> (Duration, DeviceStats) {
         let b = self.batches.next().expect("batch").expect("endless");
+        let before = self.store.device().stats();
         let t = Instant::now();
         dlrm::train_step(
             &self.model,
@@ -186,7 +193,7 @@ impl DlrmRun {
             &b,
         )
         .expect("step");
-        t.elapsed()
+        (t.elapsed(), self.store.device().stats().since(&before))
     }
 }
 
@@ -202,11 +209,12 @@ fn bench(c: &mut Criterion) {
         gpt.step();
     }
     let mut gpt_mean = Mean::default();
+    let mut gpt_counts = DeviceStats::default();
     g.bench_function("gpt2_124m_8x1024", |b| {
         b.iter_custom(|iters| {
             let t = Instant::now();
             for _ in 0..iters {
-                gpt.step();
+                gpt_counts = gpt.step();
             }
             gpt_mean.add(t.elapsed(), iters)
         })
@@ -223,11 +231,14 @@ fn bench(c: &mut Criterion) {
         dlrm.step();
     }
     let mut dlrm_mean = Mean::default();
+    let mut dlrm_counts = DeviceStats::default();
     g.bench_function("dlrm_kaggle_16384", |b| {
         b.iter_custom(|iters| {
             let mut t = Duration::ZERO;
             for _ in 0..iters {
-                t += dlrm.step();
+                let (d, c) = dlrm.step();
+                t += d;
+                dlrm_counts = c;
             }
             dlrm_mean.add(t, iters)
         })
@@ -256,6 +267,20 @@ fn bench(c: &mut Criterion) {
         dlrm.batches.stats().waited,
         dlrm.batches.stats().delivered,
     );
+    for (what, c) in [("GPT-2 124M", gpt_counts), ("DLRM", dlrm_counts)] {
+        println!(
+            "  {what} a step: {} launches, {} library calls, {} fills, {} device allocations, {} \
+             blocking waits ({} stream syncs, {} event syncs, {} copies waited for)",
+            c.launches,
+            c.library_calls,
+            c.fills,
+            c.device_allocs,
+            c.blocking_waits(),
+            c.stream_syncs,
+            c.event_syncs,
+            c.pending_waits
+        );
+    }
 }
 
 criterion_group!(benches, bench);

@@ -390,6 +390,32 @@ fn the_counters_count_each_operation_and_only_the_waits_that_block() {
         };
         assert_eq!(got, want, "{}", dev.name());
         assert_eq!(got.blocking_waits(), 4);
+        // a copy a query saw finish, and an event seen done, do not block their waits
+        let p = dev
+            .copy_h2d(
+                &s,
+                HostBuffer::from_slice(&[0u8; 64]).unwrap(),
+                a.view(0, 64).unwrap(),
+            )
+            .unwrap();
+        while !p.is_ready().unwrap() {
+            std::thread::yield_now();
+        }
+        ops::scale(&dev, &s, 2.0, a.view(64, 64).unwrap(), DType::F32).unwrap();
+        dev.record(&s, &e).unwrap();
+        while !dev.event_done(&e).unwrap() {
+            std::thread::yield_now();
+        }
+        let before = dev.stats();
+        p.wait().unwrap();
+        dev.sync_event(&e).unwrap();
+        dev.sync_stream(&s).unwrap();
+        assert_eq!(
+            dev.stats().since(&before).blocking_waits(),
+            0,
+            "{}",
+            dev.name()
+        );
     }
 }
 

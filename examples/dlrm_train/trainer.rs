@@ -100,7 +100,8 @@ impl Trainer {
             capacity,
             BagMode::Sum,
             a.emb_optimizer()?,
-            |c| c.policy(pol),
+            // a batch's moves fit the staging buffers: the host never waits to reuse them
+            |c| c.policy(pol).staging_rows(largest.max(4096)),
             init_row(a.seed, bound),
         )?;
         let cache = emb.bag_mut().cache_mut();

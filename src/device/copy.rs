@@ -314,6 +314,8 @@ impl Device {
             operands: &operands,
             run: ForeignCall(run),
         };
-        self.submit(stream, &accesses, op).map(|_| ())
+        self.submit(stream, &accesses, op)?;
+        super::Counters::add(&self.inner.counters.library_calls);
+        Ok(())
     }
 }

@@ -286,7 +286,12 @@ impl<T> fmt::Debug for Pending<T> {
 impl<T> Pending<T> {
     /// Whether the copy has completed (then [`Pending::wait`] does not block).
     pub fn is_ready(&self) -> Result<bool> {
-        self.device.inner.backend.query_event(&self.event)
+        let done = self.device.inner.backend.query_event(&self.event)?;
+        if done {
+            // the host has seen it finish: waiting for it now does not block
+            self.device.inner.clocks.lock().observe(&self.clock);
+        }
+        Ok(done)
     }
 
     /// Counts the wait for this copy as a blocking one unless the host has seen it finish.

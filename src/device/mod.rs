@@ -70,8 +70,9 @@ use order::{AccessRecord, Clock, Clocks};
 /// **Blocking waits** are the waits for device work the host has not yet seen finish: a
 /// [`Device::sync_stream`], [`Device::sync_event`], or [`Pending::wait`] (and a `Pending`'s
 /// drop, and so every [`Device::download`]) counts when the work it waits for is not already
-/// known complete from an earlier wait; one that finds everything observed returns at once on
-/// any device and does not count. Each such wait empties a GPU's queue.
+/// known complete from an earlier wait or a query that answered done ([`Pending::is_ready`],
+/// [`Device::event_done`]); one that finds everything observed returns at once on any device
+/// and does not count. Each such wait empties a GPU's queue.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceStats {
     /// Host→device bytes.
@@ -90,7 +91,8 @@ pub struct DeviceStats {
     /// may run several grids).
     pub launches: u64,
     /// Library ops launched ([`Device::launch`] of an op whose CUDA side is a library call, a
-    /// cuBLAS GEMM; the simulated device runs its twin).
+    /// cuBLAS GEMM; the simulated device runs its twin) and foreign work enqueued (an NCCL
+    /// collective).
     pub library_calls: u64,
     /// Memory fills ([`Device::memset`]).
     pub fills: u64,
@@ -391,7 +393,13 @@ impl Device {
     /// Whether the latest recording of `event` has completed.
     pub fn event_done(&self, event: &Event) -> Result<bool> {
         self.check("event", event.device)?;
-        self.inner.backend.query_event(&event.raw)
+        let c = event.clock.lock().clone();
+        let done = self.inner.backend.query_event(&event.raw)?;
+        if done {
+            // the host has seen it finish: a later wait for it does not block
+            self.inner.clocks.lock().observe(&c);
+        }
+        Ok(done)
     }
 
     /// Blocks until every operation enqueued on `stream` so far completes.

@@ -418,7 +418,19 @@ fn checkpoint_round_trip_after_training_with_a_permutation() {
         init,
     )
     .unwrap();
+    let before = small.cache_mut().to_vecs().unwrap();
+    let (stats, moved) = (small.cache().stats(), small.cache().moved());
     assert!(small.cache_mut().load(&path).is_err());
+    // refused before anything changed: every row and its state, the cache's counters
+    let after = small.cache_mut().to_vecs().unwrap();
+    assert_eq!(
+        (bits(&after.0), bits(&after.1)),
+        (bits(&before.0), bits(&before.1))
+    );
+    assert_eq!(
+        (small.cache().stats(), small.cache().moved()),
+        (stats, moved)
+    );
 }
 
 /// Indices, offsets and weights of one batch.
@@ -504,6 +516,9 @@ fn bad_input_is_refused_and_changes_nothing() {
     bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
     let stats = bag.cache().stats();
     let moved = bag.cache().moved();
+    bag.settle().unwrap();
+    let all: Vec<u32> = (0..ROWS as u32).collect();
+    let rows = bits(&bag.cache().read_rows(&all).unwrap());
     let bad: Vec<Case> = vec![
         (vec![1, ROWS as u32], vec![0, 2], None),  // id out of range
         (vec![1, 2, 3], vec![0, 2, 1, 3], None),   // offsets decrease
@@ -521,6 +536,9 @@ fn bad_input_is_refused_and_changes_nothing() {
         );
         assert_eq!(bag.cache().stats(), stats);
         assert_eq!(bag.cache().moved(), moved);
+        // every row (cached ones from the device) as before the refusal
+        let ids: Vec<u32> = (0..ROWS as u32).collect();
+        assert_eq!(bits(&bag.cache().read_rows(&ids).unwrap()), rows, "{idx:?}");
     }
     assert!(
         bag.backward(&[0.0; DIM]).is_err(),
@@ -555,37 +573,48 @@ fn optimal_policy_needs_its_trace_order() {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(24))]
+    #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// Under random id streams, cache sizes and policies, with prefetches of the next batches
-    /// issued and settled at random points: rows the batch uses are resident in the slots the
-    /// plan gives; every row not cached has its latest value on the host once transfers are
-    /// settled (so an evicted dirty row was written back before its slot was reused); the
-    /// cache never holds more rows than slots.
+    /// Under random id streams, cache sizes, policies, row optimizers (their per-row state
+    /// travelling with the row), sum and mean bags, weighted or not, with prefetches of the
+    /// next batches issued and settled at random points: rows the batch uses are resident in
+    /// the slots the plan gives; every row not cached has its latest value and optimizer state
+    /// on the host once transfers are settled (so an evicted dirty row was written back, state
+    /// and all, before its slot was reused); every row, cached or not, reads as the resident
+    /// bag's; the cache never holds more rows than slots; and a case whose batches use more
+    /// distinct rows than the cache holds evicts.
     #[test]
     fn cache_never_loses_an_update(
-        seed in 0u64..1000,
+        seed in 0u64..100_000,
         capacity in 8usize..64,
         policy in 0usize..3,
+        opt in 0usize..3,
+        mean in any::<bool>(),
+        weighted in any::<bool>(),
         steps in 4usize..14,
     ) {
         let policy = [Policy::Frequency, Policy::Lfu, Policy::Lru][policy].clone();
-        let opt = EmbeddingOptimizer::Sgd { lr: 0.25 };
+        let opt = [
+            EmbeddingOptimizer::Sgd { lr: 0.25 },
+            EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 },
+            EmbeddingOptimizer::Adam { lr: 0.05, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+        ][opt];
+        let mode = if mean { BagMode::Mean } else { BagMode::Sum };
         let w = weights();
-        let mut shadow = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
+        let mut shadow = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
         let config = CacheConfig::new(ROWS, DIM, capacity).policy(policy).staging_rows(3);
         let mut bag =
-            CachedEmbeddingBag::new(common::sim(16 << 20), config, BagMode::Sum, opt, init)
-                .unwrap();
+            CachedEmbeddingBag::new(common::sim(16 << 20), config, mode, opt, init).unwrap();
         let mut rng = TestRng::new(seed);
         let batches: Vec<Case> = (0..steps)
             .map(|_| {
                 let bags = 1 + (rng.next() % 3) as usize;
-                batch(&mut rng, bags, false)
+                batch(&mut rng, bags, weighted)
             })
             .collect();
-        for (k, (idx, off, _)) in batches.iter().enumerate() {
-            let b = match bag.forward(idx, off, None) {
+        let mut used = std::collections::BTreeSet::new();
+        for (k, (idx, off, wt)) in batches.iter().enumerate() {
+            let b = match bag.forward(idx, off, wt.as_deref()) {
                 Ok(b) => b,
                 Err(Error::CacheTooSmall { unique, capacity: c }) => {
                     prop_assert!(unique > c);
@@ -593,7 +622,8 @@ proptest! {
                 }
                 Err(e) => return Err(TestCaseError::fail(e.to_string())),
             };
-            let a = shadow.forward(idx, off, None).unwrap();
+            used.extend(idx.iter().copied());
+            let a = shadow.forward(idx, off, wt.as_deref()).unwrap();
             prop_assert_eq!(bits(&a), bits(&b));
             let ix = bag.cache().index();
             prop_assert!(ix.cached() <= ix.capacity());
@@ -627,16 +657,41 @@ proptest! {
                 prop_assert!(bag.cache().host_table().is_err());
                 continue;
             }
-            let (sw, _) = shadow.to_vecs();
+            let (sw, ss) = shadow.to_vecs();
+            let st = opt.state_len(DIM);
+            let want = |id: usize| {
+                let mut r = sw[id * DIM..(id + 1) * DIM].to_vec();
+                r.extend_from_slice(&ss[id * st..(id + 1) * st]);
+                r
+            };
             let ix = bag.cache().index();
             let host = bag.cache().host_table().unwrap();
+            let stride = DIM + st;
             for id in 0..ROWS as u32 {
                 let row = ix.row_of(id).unwrap();
                 if ix.slot_of_row(row).is_none() {
-                    let h = &host[row as usize * DIM..(row as usize + 1) * DIM];
-                    prop_assert_eq!(bits(h), bits(&sw[id as usize * DIM..(id as usize + 1) * DIM]));
+                    let h = &host[row as usize * stride..(row as usize + 1) * stride];
+                    prop_assert_eq!(bits(h), bits(&want(id as usize)), "host row of id {}", id);
                 }
             }
+            // every row as the resident bag has it, from the device for the cached ones
+            let ids: Vec<u32> = (0..ROWS as u32).collect();
+            let all = bag.cache().read_rows(&ids).unwrap();
+            for id in 0..ROWS {
+                prop_assert_eq!(
+                    bits(&all[id * stride..(id + 1) * stride]),
+                    bits(&want(id)),
+                    "row of id {}", id
+                );
+            }
+        }
+        if used.len() > capacity {
+            prop_assert!(
+                bag.cache().stats().evicted > 0,
+                "{} distinct rows through a cache of {} slots evicted none",
+                used.len(),
+                capacity
+            );
         }
     }
 }

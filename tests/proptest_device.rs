@@ -165,6 +165,9 @@ proptest! {
         dev.sync_stream(&streams[0]).unwrap();
         let mut shadow = vec![vec![0u8; N]; 2];
         let mut pending = Vec::new();
+        // operations accepted, by kind (h2d, d2d, fill, d2h), and whether the first was
+        let (mut accepted, mut first) = ([0u64; 4], None);
+        let baseline = dev.stats();
         for (kind, b, s, sync, seed) in ops {
             if sync {
                 // Sometimes the program does synchronise: the other stream waits on this one.
@@ -187,13 +190,22 @@ proptest! {
                 }),
             };
             match r {
-                Ok(()) => {}
+                Ok(()) => accepted[kind] += 1,
                 // Refused: nothing was enqueued and the shadow is unchanged.
                 Err(Error::UnorderedAccess { .. }) => {}
                 Err(e) => prop_assert!(false, "unexpected {}", e),
             }
+            first.get_or_insert(accepted.iter().sum::<u64>() == 1);
         }
         drop(pending);
+        // The first operation follows the host's synchronisation: always ordered. And the
+        // device counted exactly the operations it accepted (a refusal enqueues nothing).
+        prop_assert_eq!(first, Some(true), "the first operation was refused");
+        let st = dev.stats().since(&baseline);
+        prop_assert_eq!(
+            [st.h2d_copies, st.d2d_copies, st.fills, st.d2h_copies],
+            accepted
+        );
         for s in &streams { dev.sync_stream(s).unwrap(); }
         for b in 0..2 {
             prop_assert!(dev.download(&streams[0], &bufs[b]).unwrap() == shadow[b]);

@@ -192,18 +192,21 @@ fn block_1d_equals_the_serial_block_on_2_and_4_ranks() {
                 }
             }
             assert_eq!(held, if r == 0 { 12 } else { 10 }, "{what}: tensors held");
-            // the collectives the formulas give: two all-reduces of N·C each way
+            // Megatron's block: forward, the attention's and the MLP's row-parallel outputs
+            // are all-reduced (`g`); backward, the gradients of their column-parallel inputs
+            // (`f`): two all-reduces of N·C f32 values each way
+            let want = (2, (2 * N * C * 4) as u64);
             let e = o.expected;
-            assert_eq!(e.forward_all_reduces, 2);
-            assert_eq!(e.forward_bytes, (2 * N * C * 4) as u64);
+            assert_eq!((e.forward_all_reduces, e.forward_bytes), want, "formula");
+            assert_eq!((e.backward_all_reduces, e.backward_bytes), want, "formula");
             assert_eq!(
                 (o.fwd.all_reduce.calls, o.fwd.all_reduce.bytes),
-                (e.forward_all_reduces, e.forward_bytes),
+                want,
                 "{what}: forward collectives"
             );
             assert_eq!(
                 (o.bwd.all_reduce.calls, o.bwd.all_reduce.bytes),
-                (e.backward_all_reduces, e.backward_bytes),
+                want,
                 "{what}: backward collectives"
             );
             let others =

@@ -4,6 +4,8 @@
 //! tensor's scale); shapes that do not split are refused on every rank.
 
 mod common;
+
+use common::summa::{add_collectives, linear_formula, q_depth, tally};
 mod nn_ref;
 
 use std::time::Duration;
@@ -151,6 +153,38 @@ fn id_of(m: &ChunkManager, name: &str) -> TensorId {
         .unwrap_or_else(|| panic!("{name} not registered"))
 }
 
+/// A LayerNorm2D's collectives over N rows of C f32 values, derived here from its algorithm:
+/// each rank holds `rl = N/(q·d)` rows and `C/q` columns. Forward, ROW all-gathers the row
+/// block `h` (`rl·C`) and `γ`, `β` (`C` each); COL all-gathers this column's `γ`, `β`
+/// blocks (`C/q` each). Backward, ROW all-gathers `h` and `dY` (`rl·C` each) and `γ` (`C`);
+/// COL all-gathers `γ`'s block and reduce-scatters `dγ`, `dβ` (`C/q` f32); with depth,
+/// DEP all-reduces the two (`C/q²` f32).
+fn layer_norm_formula(mode: TensorMode) -> SummaCollectives {
+    let (q, d) = q_depth(mode);
+    let (rl, e) = (N / (q * d), 4);
+    let mut c = SummaCollectives::default();
+    c.forward.row.all_gather = tally(3, (rl * C + 2 * C) * e);
+    c.forward.col.all_gather = tally(2, 2 * (C / q) * e);
+    c.backward.row.all_gather = tally(3, (2 * rl * C + C) * e);
+    c.backward.col.all_gather = tally(1, (C / q) * e);
+    c.backward.col.reduce_scatter = tally(2, 2 * (C / q) * 4);
+    if d > 1 {
+        c.backward.dep.all_reduce = tally(2, 2 * (C / (q * q)) * 4);
+    }
+    c
+}
+
+/// The block's: its two LayerNorms and four linears (`C → 3C`, `C → C`, `C → 4C`, `4C → C`);
+/// the attention itself is local.
+fn block_formula(mode: TensorMode) -> SummaCollectives {
+    let mut c = layer_norm_formula(mode);
+    add_collectives(&mut c, &layer_norm_formula(mode));
+    for (inp, out) in [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] {
+        add_collectives(&mut c, &linear_formula(mode, N, inp, out, true));
+    }
+    c
+}
+
 /// One rank's results: output, `dx`, the gradient of each parameter, and the collectives
 /// its groups counted beside the layer's formulas.
 type RankOut = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, [SummaCollectives; 2]);
@@ -235,7 +269,12 @@ fn layer_norm_2d_equals_the_serial_layer_norm_on_2x2_and_2x2x2() {
             let (row, col, rb, nrb) = place(mode, t);
             let mine = |v: &[f64]| block(v, C, [rb, nrb], [col, 2]);
             let what = format!("{mode}, rank {t}");
-            assert_eq!(counted, formula, "{what}: collectives");
+            assert_eq!(
+                *counted,
+                layer_norm_formula(mode),
+                "{what}: counted collectives"
+            );
+            assert_eq!(*formula, layer_norm_formula(mode), "{what}: collectives()");
             // ROW: h, γ, β gathered forward; h, dY, γ backward
             let (e, rl) = (4, N / nrb);
             let row_f = formula.forward.row.all_gather;
@@ -316,7 +355,8 @@ fn block_2d_and_2p5d_equal_the_serial_block() {
             let (row, col, rb, nrb) = place(mode, t);
             let mine = |v: &[f64]| block(v, C, [rb, nrb], [col, 2]);
             let what = format!("{mode}, rank {t}");
-            assert_eq!(counted, formula, "{what}: collectives");
+            assert_eq!(*counted, block_formula(mode), "{what}: counted collectives");
+            assert_eq!(*formula, block_formula(mode), "{what}: collectives()");
             worst = worst.max(close(&format!("{what}: out"), oy, &mine(&want_y), TOL));
             worst = worst.max(close(&format!("{what}: dx"), odx, &mine(&want_dx), TOL));
             for (k, (name, shape)) in params().iter().enumerate() {

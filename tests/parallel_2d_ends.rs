@@ -20,6 +20,7 @@ use tidemem::parallel::{
 };
 use tidemem::prelude::*;
 
+use common::summa::{linear_formula, q_depth, tally};
 use nn_ref::*;
 
 const B: usize = 2;
@@ -139,6 +140,55 @@ fn targets(classes: usize) -> Vec<i32> {
     t
 }
 
+/// The vocab-parallel token embedding's (`V × C`), derived here: each rank holds a
+/// `V/q × C/q` block; forward, ROW reduce-scatters the partial lookups of its row block's ids
+/// (`q` tiles of `r·C/q`, `r = N/(q·d)`) and the tensor group moves the tile to its place (one
+/// send and receive of `r·C/q`); backward moves it back, ROW all-gathers the tiles' gradients,
+/// and with depth DEP all-reduces the block's gradient.
+fn vocab_formula(mode: TensorMode) -> EndsCollectives {
+    let (q, d) = q_depth(mode);
+    let (r, e) = (N / (q * d), 4);
+    let tile = r * (C / q) * e;
+    let mut c = EndsCollectives::default();
+    c.forward.row.reduce_scatter = tally(1, q * tile);
+    for g in [&mut c.forward, &mut c.backward] {
+        g.tensor.send = tally(1, tile);
+        g.tensor.recv = tally(1, tile);
+    }
+    c.backward.row.all_gather = tally(1, q * tile);
+    if d > 1 {
+        c.backward.dep.all_reduce = tally(1, V / q * (C / q) * e);
+    }
+    c
+}
+
+/// The position table's (`T × C`, columns split over COL), derived here: forward COL
+/// all-gathers the `T × C/q` block; backward COL reduce-scatters its gradient, and with depth
+/// DEP all-reduces this rank's `T/q × C/q` share.
+fn position_formula(mode: TensorMode) -> EndsCollectives {
+    let (q, d) = q_depth(mode);
+    let e = 4;
+    let mut c = EndsCollectives::default();
+    c.forward.col.all_gather = tally(1, T * (C / q) * e);
+    c.backward.col.reduce_scatter = tally(1, T * (C / q) * e);
+    if d > 1 {
+        c.backward.dep.all_reduce = tally(1, T / q * (C / q) * e);
+    }
+    c
+}
+
+/// A classifier's (`C → outputs`): its SUMMA linear's, plus forward ROW's two all-reduces of
+/// the cross-entropy (the row maxima, `r` f32, then the sums and target logits, `2r`) and the
+/// tensor group's all-reduce of the loss (one f64).
+fn classifier_formula(mode: TensorMode, outputs: usize, bias: bool) -> EndsCollectives {
+    let (q, d) = q_depth(mode);
+    let r = N / (q * d);
+    let mut c: EndsCollectives = linear_formula(mode, N, C, outputs, bias).into();
+    c.forward.row.all_reduce = tally(2, 3 * r * 4);
+    c.forward.tensor.all_reduce = tally(1, 8);
+    c
+}
+
 /// One rank of the GPT ends: tiles of `wte` and `wpe`, the loss, `dh`, the gradients of `wte`
 /// and `wpe`, and `[counted, formula]` for the three layers.
 struct GptOut {
@@ -219,8 +269,14 @@ fn vocab_embedding_position_table_and_tied_head_equal_the_serial_ones() {
             let (row, col, rb, nrb) = place(mode, t);
             let what = format!("{mode}, rank {t}");
             let tile = |v: &[f64]| block(v, C, [rb, nrb], [col, 2]);
-            for (k, [got, formula]) in o.stats.iter().enumerate() {
-                assert_eq!(got, formula, "{what}: collectives of layer {k}");
+            let want = [
+                vocab_formula(mode),
+                position_formula(mode),
+                classifier_formula(mode, V, false),
+            ];
+            for (k, ([got, formula], want)) in o.stats.iter().zip(want).enumerate() {
+                assert_eq!(*got, want, "{what}: counted collectives of layer {k}");
+                assert_eq!(*formula, want, "{what}: collectives() of layer {k}");
             }
             let mut chk = |w: &str, got: &[f32], want: &[f64]| {
                 worst = worst.max(close(&format!("{what}: {w}"), got, want, TOL));
@@ -318,7 +374,9 @@ fn classifier_with_a_bias_equals_the_serial_one() {
         for (t, (l, odh, [gw, gb], [got, formula])) in outs.iter().enumerate() {
             let (row, col, rb, nrb) = place(mode, t);
             let what = format!("{mode}, rank {t}");
-            assert_eq!(got, formula, "{what}: collectives");
+            let want = classifier_formula(mode, CLASSES, true);
+            assert_eq!(*got, want, "{what}: counted collectives");
+            assert_eq!(*formula, want, "{what}: collectives()");
             let mut chk = |w: &str, got: &[f32], want: &[f64]| {
                 worst = worst.max(close(&format!("{what}: {w}"), got, want, TOL));
             };

@@ -2,6 +2,8 @@
 //! present), and the toy model the manager and optimizer suites train.
 #![allow(dead_code)]
 
+pub mod summa;
+
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 

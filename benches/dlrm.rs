@@ -15,6 +15,11 @@
 //! distinct rows if that is more. Each step trains on a fresh batch (generated outside the
 //! timed region).
 //!
+//! A third trainer keeps every table on the device as one plain table indexed by id, with no
+//! cache at all (the same bag kernels, backward plan and row SGD, driven through
+//! [`dlrm::DeviceEmbeddings`]): the full-table run against it shows what the cache's index,
+//! slot remapping and bookkeeping cost even when nothing moves.
+//!
 //! Prints the train steps per second of each, `ratio = cached it/s / full-table it/s`, each
 //! collection's device bytes ([`CachedEmbeddingBag::device_bytes`]) and the full table's
 //! bytes, and the host's share of a step: a few steps run with their phases timed apart
@@ -39,6 +44,7 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use mean::Mean;
 use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
+use tidemem::device::{DeviceBuffer, DeviceView, Stream};
 use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::{plan_backward, BagMode};
@@ -261,6 +267,219 @@ impl Trainer {
     }
 }
 
+/// A device buffer of at least `bytes` in `slot`, reused across batches.
+fn reserve<'a>(dev: &Device, slot: &'a mut Option<DeviceBuffer>, bytes: usize) -> &'a DeviceBuffer {
+    if slot.as_ref().is_none_or(|b| b.len() < bytes) {
+        *slot = Some(dev.alloc(bytes.max(4).next_power_of_two()).expect("alloc"));
+    }
+    slot.as_ref().expect("reserved")
+}
+
+/// Copies `data` into `slot` (grown as needed) on `s` without waiting; returns its view.
+fn put<'a>(
+    dev: &Device,
+    s: &Stream,
+    slot: &'a mut Option<DeviceBuffer>,
+    data: &[u8],
+) -> DeviceView<'a> {
+    let b = reserve(dev, slot, data.len());
+    let v = b.view(0, data.len()).expect("view");
+    dev.upload_to(s, data, v).expect("upload");
+    b.view(0, data.len()).expect("view")
+}
+
+/// Every table resident on the device as one plain table indexed by global id, no cache: the
+/// same kernels as the cached collection (sum bags, the host-built backward plan, SGD on the
+/// rows), without its index, moves or slot remapping. What is left when the cache's fixed
+/// costs are taken away.
+struct Plain {
+    dev: Device,
+    stream: Stream,
+    table: DeviceBuffer,
+    dim: usize,
+    out: Option<DeviceBuffer>,
+    /// indices, offsets, row starts, entries, scales, rows, gradients
+    bufs: [Option<DeviceBuffer>; 7],
+    /// The last batch's distinct rows, their gradients computed by `backward`.
+    rows: usize,
+    bags: usize,
+}
+
+impl Plain {
+    fn new(dev: &Device, total: usize, dim: usize) -> Plain {
+        let stream = dev.new_stream().expect("stream");
+        let table = dev.alloc(total * dim * 4).expect("plain table");
+        dev.memset(&stream, table.view(0, table.len()).expect("view"), 0)
+            .expect("memset");
+        Plain {
+            dev: dev.clone(),
+            stream,
+            table,
+            dim,
+            out: None,
+            bufs: Default::default(),
+            rows: 0,
+            bags: 0,
+        }
+    }
+
+    /// The sample-major bags of a batch (bag `b·tables + t` holds sample `b`'s id of table
+    /// `t`, shifted by the rows of the tables before it), summed into the output.
+    fn forward(&mut self, b: &tidemem::data::criteo::Batch, table_offsets: &[u64]) -> Vec<u32> {
+        let tables = b.ids.len();
+        let mut ids = Vec::with_capacity(b.size * tables);
+        for s in 0..b.size {
+            for t in 0..tables {
+                ids.push((table_offsets[t] + u64::from(b.ids[t][s])) as u32);
+            }
+        }
+        let offsets: Vec<u32> = (0..=ids.len() as u32).collect();
+        let (dev, s, dim) = (&self.dev, &self.stream, self.dim);
+        let [idx, offs, ..] = &mut self.bufs;
+        let iv = put(dev, s, idx, bytemuck::cast_slice(&ids));
+        let ov = put(dev, s, offs, bytemuck::cast_slice(&offsets));
+        let out = reserve(dev, &mut self.out, ids.len() * dim * 4);
+        tidemem::ops::embedding::device::embedding_bag(
+            dev,
+            s,
+            self.table.view(0, self.table.len()).expect("view"),
+            dim,
+            dim,
+            iv,
+            ov,
+            None,
+            BagMode::Sum,
+            out.view(0, ids.len() * dim * 4).expect("view"),
+        )
+        .expect("forward");
+        self.bags = ids.len();
+        ids
+    }
+
+    /// The backward plan of the last forward's ids (built on the host, as the cached bag's is),
+    /// uploaded for [`dlrm::DeviceEmbeddings::backward`].
+    fn plan(&mut self, ids: &[u32]) {
+        let offsets: Vec<u32> = (0..=ids.len() as u32).collect();
+        let p = plan_backward(ids, &offsets, None, BagMode::Sum).expect("plan");
+        let (dev, s) = (&self.dev, &self.stream);
+        let [_, _, row_ptr, entries, scale, rows, _] = &mut self.bufs;
+        put(dev, s, row_ptr, bytemuck::cast_slice(&p.row_ptr));
+        put(dev, s, entries, bytemuck::cast_slice(&p.entries));
+        put(dev, s, scale, bytemuck::cast_slice(&p.scale));
+        put(dev, s, rows, bytemuck::cast_slice(&p.rows));
+        self.rows = p.rows.len();
+    }
+
+    /// SGD on the rows `backward` computed gradients for.
+    fn step(&mut self, lr: f32) {
+        let (dev, s, dim) = (&self.dev, &self.stream, self.dim);
+        let [.., rows, grads] = &self.bufs;
+        let (rows, grads) = (rows.as_ref().expect("rows"), grads.as_ref().expect("grads"));
+        tidemem::ops::embedding::device::embedding_step(
+            dev,
+            s,
+            self.table.view(0, self.table.len()).expect("view"),
+            dim,
+            dim,
+            rows.view(0, self.rows * 4).expect("view"),
+            grads.view(0, self.rows * dim * 4).expect("view"),
+            &tidemem::ops::embedding::RowOptimizer::Sgd { lr },
+        )
+        .expect("row step");
+    }
+}
+
+impl dlrm::DeviceEmbeddings for Plain {
+    fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    fn vectors(&self) -> tidemem::Result<DeviceView<'_>> {
+        self.out
+            .as_ref()
+            .expect("a forward ran")
+            .view(0, self.bags * self.dim * 4)
+    }
+
+    fn backward(&mut self, grad: DeviceView<'_>) -> tidemem::Result<usize> {
+        let (dev, s, dim) = (&self.dev, &self.stream, self.dim);
+        let [_, _, row_ptr, entries, scale, _, grads] = &mut self.bufs;
+        fn v(b: &Option<DeviceBuffer>) -> &DeviceBuffer {
+            b.as_ref().expect("planned")
+        }
+        let g = reserve(dev, grads, self.rows * dim * 4);
+        tidemem::ops::embedding::device::embedding_backward(
+            dev,
+            s,
+            grad,
+            dim,
+            v(row_ptr).view(0, (self.rows + 1) * 4)?,
+            v(entries).view(0, self.bags * 4)?,
+            v(scale).view(0, self.bags * 4)?,
+            g.view(0, self.rows * dim * 4)?,
+        )?;
+        Ok(self.rows)
+    }
+}
+
+/// The DLRM over the [`Plain`] tables: the same MLPs, optimizer and step order as the cached
+/// trainer.
+struct PlainTrainer {
+    store: ChunkManager,
+    model: Dlrm,
+    adam: HybridAdam,
+    emb: Plain,
+    table_offsets: Vec<u64>,
+    next: u64,
+}
+
+impl PlainTrainer {
+    fn new(s: &Setup, gen: &Synthetic) -> PlainTrainer {
+        let total = *gen.table_offsets().last().expect("offsets") as usize;
+        let mut mc = ManagerConfig::new(1 << 20, Policy::Tide);
+        mc.param_dtype = DType::F32;
+        let mut store = ChunkManager::new(s.dev.clone(), mc).expect("manager");
+        let model = Dlrm::register(&mut store, &s.cfg, 0).expect("model");
+        PlainTrainer {
+            store,
+            model,
+            adam: HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).expect("adam"),
+            emb: Plain::new(&s.dev, total, s.cfg.dim),
+            table_offsets: gen.table_offsets().to_vec(),
+            next: COUNT_BATCHES,
+        }
+    }
+
+    /// `n` train steps on fresh batches; returns the time of the steps alone.
+    fn steps(&mut self, gen: &Synthetic, batch: usize, n: u64) -> Duration {
+        let mut total = Duration::ZERO;
+        for _ in 0..n {
+            let b = gen.batch(self.next, batch);
+            self.next += 1;
+            let t = Instant::now();
+            let ids = self.emb.forward(&b, &self.table_offsets);
+            self.emb.plan(&ids);
+            let scale = self.adam.loss_scale();
+            self.model
+                .forward_backward_device(
+                    &mut self.store,
+                    &mut self.emb,
+                    &b.dense,
+                    &b.labels,
+                    b.size,
+                    scale,
+                )
+                .expect("mlp");
+            let report = self.store.step(&mut self.adam).expect("adam");
+            if report.outcome != StepOutcome::Skipped {
+                self.emb.step(0.5);
+            }
+            total += t.elapsed();
+        }
+        total
+    }
+}
+
 /// Seconds in each phase over `steps` steps.
 #[derive(Default)]
 struct Phases {
@@ -302,10 +521,12 @@ fn bench(c: &mut Criterion) {
     let (counts, largest) = count(&gen, s.batch);
     let mut cached = trainer(&s, &gen, &counts, largest, false);
     let mut full = trainer(&s, &gen, &counts, largest, true);
+    let mut plain = PlainTrainer::new(&s, &gen);
     cached.steps(&gen, s.batch, 3);
     full.steps(&gen, s.batch, 3);
+    plain.steps(&gen, s.batch, 3);
 
-    let (mut ours, mut base) = (Mean::default(), Mean::default());
+    let (mut ours, mut base, mut bare) = (Mean::default(), Mean::default(), Mean::default());
     let mut g = c.benchmark_group("dlrm");
     g.sampling_mode(SamplingMode::Flat)
         .sample_size(10)
@@ -316,6 +537,9 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("full_table_baseline", |b| {
         b.iter_custom(|iters| base.add(full.steps(&gen, s.batch, iters), iters))
+    });
+    g.bench_function("plain_resident_table", |b| {
+        b.iter_custom(|iters| bare.add(plain.steps(&gen, s.batch, iters), iters))
     });
     g.finish();
 
@@ -336,10 +560,14 @@ fn bench(c: &mut Criterion) {
         cached.emb.bag().cache().stats().hit_rate()
     );
     println!(
-        "  cached {:.2} it/s, full table {:.2} it/s; ratio = cached it/s / full-table it/s {:.3}",
+        "  cached {:.2} it/s, full table {:.2} it/s, plain resident table {:.2} it/s; ratio = \
+         cached it/s / full-table it/s {:.3}, full-table it/s / plain it/s {:.3} (the cache's \
+         fixed costs)",
         1.0 / ours.per_iter(),
         1.0 / base.per_iter(),
-        1.0 / ours.ratio(&base)
+        1.0 / bare.per_iter(),
+        1.0 / ours.ratio(&base),
+        1.0 / base.ratio(&bare)
     );
     println!(
         "  embedding device bytes: cached {:.1} MiB, full table {:.1} MiB (the table's rows \

@@ -326,11 +326,10 @@ impl Plain {
     /// The sample-major bags of a batch (bag `b·tables + t` holds sample `b`'s id of table
     /// `t`, shifted by the rows of the tables before it), summed into the output.
     fn forward(&mut self, b: &tidemem::data::criteo::Batch, table_offsets: &[u64]) -> Vec<u32> {
-        let tables = b.ids.len();
-        let mut ids = Vec::with_capacity(b.size * tables);
+        let mut ids = Vec::with_capacity(b.size * b.ids.len());
         for s in 0..b.size {
-            for t in 0..tables {
-                ids.push((table_offsets[t] + u64::from(b.ids[t][s])) as u32);
+            for (table, &first) in b.ids.iter().zip(table_offsets) {
+                ids.push((first + u64::from(table[s])) as u32);
             }
         }
         let offsets: Vec<u32> = (0..=ids.len() as u32).collect();

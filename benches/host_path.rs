@@ -182,7 +182,7 @@ impl DlrmRun {
     /// A step; the time the training thread spent in it, waiting for its batch excluded, and
     /// the device's counts.
     fn step(&mut self) -> (Duration, DeviceStats) {
-        let b = self.batches.next().expect("batch").expect("endless");
+        let b = self.batches.recv().expect("batch").expect("endless");
         let before = self.store.device().stats();
         let t = Instant::now();
         dlrm::train_step(

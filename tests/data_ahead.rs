@@ -68,7 +68,7 @@ fn synthetic_batches_built_ahead_train_to_the_same_losses() {
     let mut ahead = Ahead::indexed(0..u64::MAX, 3, 3, move |i| builder.try_batch(i, size)).unwrap();
     let mut k = 0;
     let built = dlrm_losses(&shared, steps, || {
-        let b = ahead.next().unwrap().unwrap();
+        let b = ahead.recv().unwrap().unwrap();
         assert_eq!(b, shared.batch(k, size), "batch {k}");
         k += 1;
         b
@@ -103,7 +103,7 @@ fn a_tsv_file_read_ahead_gives_the_same_batches_and_report() {
     })
     .unwrap();
     let mut got = Vec::new();
-    while let Some(x) = ahead.next().unwrap() {
+    while let Some(x) = ahead.recv().unwrap() {
         got.push(x);
     }
     assert_eq!(got.len(), want.len());

@@ -188,7 +188,7 @@ pub struct Batches {
 impl Batches {
     /// The next training batch (`None` at the end of a file), waiting if it is not built yet.
     pub fn next(&mut self) -> Result<Option<Batch>> {
-        Ok(self.ahead.next()?.map(|(b, report)| {
+        Ok(self.ahead.recv()?.map(|(b, report)| {
             if let (Some((_, r)), Some(report)) = (self.tsv.as_mut(), report) {
                 *r = report;
             }

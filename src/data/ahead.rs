@@ -1,36 +1,4 @@
-//! Batches prepared ahead of the step on worker threads, delivered in order through a bounded
-//! queue.
-//!
-//! A trainer that builds each batch on its own thread between two device steps leaves the
-//! device idle for as long as that takes. [`Ahead`] runs the building on worker threads
-//! while the trainer steps: [`Ahead::indexed`] for sources where batch `i` is a pure function
-//! of `i` (the synthetic Criteo generator, the text batches), split over several workers, and
-//! [`Ahead::sequential`] for a stream read in order (a TSV file), on one worker. Either way the
-//! trainer receives the same items in the same order as building them itself, so training is
-//! bitwise the same; at most `depth` items wait built, so memory stays bounded.
-//!
-//! A trainer whose next index is not always the previous plus one (a step skipped for a loss
-//! scale overflow trains its batch again) asks an indexed stream for item `i` by
-//! [`Ahead::at`]: an index behind the stream is built on the calling thread by the same
-//! builder, one ahead of it skips the items in between.
-//!
-//! An error from the builder arrives at its position in the order and ends the stream; a
-//! builder that panics ends it with [`Error::Poisoned`]. Dropping an [`Ahead`] stops and joins
-//! its workers.
-//!
-//! ```
-//! use tidemem::data::Ahead;
-//! # fn main() -> tidemem::Result<()> {
-//! // squares of 0..10 built by 2 workers, at most 4 waiting
-//! let mut a = Ahead::indexed(0..10, 4, 2, |i| Ok(i * i))?;
-//! let mut got = Vec::new();
-//! while let Some(x) = a.next()? {
-//!     got.push(x);
-//! }
-//! assert_eq!(got, (0..10).map(|i| i * i).collect::<Vec<u64>>());
-//! # Ok(())
-//! # }
-//! ```
+//! Batches prepared ahead of the step on worker threads (see [`Ahead`]).
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -46,7 +14,7 @@ use crate::error::{Error, Result};
 pub struct AheadStats {
     /// Items handed to the consumer.
     pub delivered: u64,
-    /// Calls to [`Ahead::next`] that found their item not yet built and waited for it: the
+    /// Calls to [`Ahead::recv`] that found their item not yet built and waited for it: the
     /// steps the data was late for.
     pub waited: u64,
 }
@@ -54,7 +22,39 @@ pub struct AheadStats {
 /// The builder of an indexed stream.
 type Builder<T> = Arc<dyn Fn(u64) -> Result<T> + Send + Sync>;
 
-/// Items built on worker threads ahead of their use, in order; see the [module](self).
+/// Batches prepared ahead of the step on worker threads, delivered in order through a bounded
+/// queue.
+///
+/// A trainer that builds each batch on its own thread between two device steps leaves the
+/// device idle for as long as that takes. [`Ahead`] runs the building on worker threads
+/// while the trainer steps: [`Ahead::indexed`] for sources where batch `i` is a pure function
+/// of `i` (the synthetic Criteo generator, the text batches), split over several workers, and
+/// [`Ahead::sequential`] for a stream read in order (a TSV file), on one worker. Either way the
+/// trainer receives the same items in the same order as building them itself, so training is
+/// bitwise the same; at most `depth` items wait built, so memory stays bounded.
+///
+/// A trainer whose next index is not always the previous plus one (a step skipped for a loss
+/// scale overflow trains its batch again) asks an indexed stream for item `i` by
+/// [`Ahead::at`]: an index behind the stream is built on the calling thread by the same
+/// builder, one ahead of it skips the items in between.
+///
+/// An error from the builder arrives at its position in the order and ends the stream; a
+/// builder that panics ends it with [`Error::Poisoned`]. Dropping an [`Ahead`] stops and joins
+/// its workers.
+///
+/// ```
+/// use tidemem::data::Ahead;
+/// # fn main() -> tidemem::Result<()> {
+/// // squares of 0..10 built by 2 workers, at most 4 waiting
+/// let mut a = Ahead::indexed(0..10, 4, 2, |i| Ok(i * i))?;
+/// let mut got = Vec::new();
+/// while let Some(x) = a.recv()? {
+///     got.push(x);
+/// }
+/// assert_eq!(got, (0..10).map(|i| i * i).collect::<Vec<u64>>());
+/// # Ok(())
+/// # }
+/// ```
 pub struct Ahead<T> {
     /// An indexed stream's builder and range (none for a sequential one).
     indexed: Option<(Builder<T>, Range<u64>)>,
@@ -182,7 +182,7 @@ impl<T: Send + 'static> Ahead<T> {
     /// # Errors
     /// The builder's error for this item (the stream ends there), or [`Error::Poisoned`] when
     /// the worker building it panicked.
-    pub fn next(&mut self) -> Result<Option<T>> {
+    pub fn recv(&mut self) -> Result<Option<T>> {
         if self.done || self.queues.is_empty() {
             return Ok(None);
         }
@@ -224,7 +224,7 @@ impl<T: Send + 'static> Ahead<T> {
     ///
     /// # Errors
     /// The builder's error; [`Error::InvalidArgument`] on a sequential stream; as
-    /// [`Ahead::next`] for an item from the queue.
+    /// [`Ahead::recv`] for an item from the queue.
     pub fn at(&mut self, index: u64) -> Result<T> {
         let Some((make, range)) = self.indexed.clone() else {
             return Err(Error::InvalidArgument(
@@ -235,11 +235,11 @@ impl<T: Send + 'static> Ahead<T> {
             return make(index);
         }
         while range.start + self.next < index {
-            if self.next()?.is_none() {
+            if self.recv()?.is_none() {
                 return make(index);
             }
         }
-        match self.next()? {
+        match self.recv()? {
             Some(x) => Ok(x),
             None => make(index),
         }
@@ -305,7 +305,7 @@ mod tests {
 
     fn drain<T: Send + 'static>(a: &mut Ahead<T>) -> Result<Vec<T>> {
         let mut v = Vec::new();
-        while let Some(x) = a.next()? {
+        while let Some(x) = a.recv()? {
             v.push(x);
         }
         Ok(v)
@@ -324,11 +324,11 @@ mod tests {
                 let got = drain(&mut a).unwrap();
                 assert_eq!(got, (5..40).map(|i| i * 3).collect::<Vec<_>>());
                 assert_eq!(a.stats().delivered, 35);
-                assert_eq!(a.next().unwrap(), None, "the end stays the end");
+                assert_eq!(a.recv().unwrap(), None, "the end stays the end");
             }
         }
         let mut a = Ahead::indexed(3..3, 2, 2, Ok).unwrap();
-        assert_eq!(a.next().unwrap(), None);
+        assert_eq!(a.recv().unwrap(), None);
     }
 
     /// Waits (up to 10 s) until `a` has built `n` items.
@@ -343,7 +343,7 @@ mod tests {
     fn no_more_than_the_depth_waits_built() {
         for (depth, workers) in [(1, 1), (4, 1), (4, 2), (6, 3)] {
             let mut a = Ahead::indexed(0..1000, depth, workers, Ok).unwrap();
-            assert_eq!(a.next().unwrap(), Some(0));
+            assert_eq!(a.recv().unwrap(), Some(0));
             // each worker: its queue full, and one item built but blocked in send
             let bound = 1 + (depth.div_ceil(workers) + 1) * workers;
             until_built(&a, 1 + depth as u64);
@@ -360,7 +360,7 @@ mod tests {
             Ok(Some(n))
         })
         .unwrap();
-        assert_eq!(s.next().unwrap(), Some(1));
+        assert_eq!(s.recv().unwrap(), Some(1));
         until_built(&s, 4);
         std::thread::sleep(Duration::from_millis(20));
         assert!((4..=5).contains(&s.built()), "{} built", s.built());
@@ -384,11 +384,11 @@ mod tests {
         })
         .unwrap();
         for i in 0..17 {
-            assert_eq!(a.next().unwrap(), Some(i));
+            assert_eq!(a.recv().unwrap(), Some(i));
         }
-        let e = a.next().unwrap_err();
+        let e = a.recv().unwrap_err();
         assert!(e.to_string().contains("bad item 17"), "{e}");
-        assert_eq!(a.next().unwrap(), None);
+        assert_eq!(a.recv().unwrap(), None);
         let mut k = 0;
         let mut s = Ahead::sequential(2, move || {
             k += 1;
@@ -399,10 +399,10 @@ mod tests {
             }
         })
         .unwrap();
-        assert_eq!(s.next().unwrap(), Some(1));
-        assert_eq!(s.next().unwrap(), Some(2));
-        assert!(s.next().is_err());
-        assert_eq!(s.next().unwrap(), None);
+        assert_eq!(s.recv().unwrap(), Some(1));
+        assert_eq!(s.recv().unwrap(), Some(2));
+        assert!(s.recv().is_err());
+        assert_eq!(s.recv().unwrap(), None);
     }
 
     #[test]
@@ -415,9 +415,9 @@ mod tests {
         })
         .unwrap();
         for i in 0..4 {
-            assert_eq!(a.next().unwrap(), Some(i));
+            assert_eq!(a.recv().unwrap(), Some(i));
         }
-        match a.next() {
+        match a.recv() {
             Err(Error::Poisoned { reason, .. }) => {
                 assert!(reason.contains("broke at 4"), "{reason}")
             }

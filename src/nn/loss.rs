@@ -1,15 +1,15 @@
-//! A loss on its way to the host: the per-row losses a head wrote, copied back without the
-//! host waiting, read (summed and averaged) when the trainer asks for it.
-//!
-//! Reading a loss as soon as the head computes it is a blocking wait in the middle of the
-//! step: the host stops feeding the device until the loss arrives. A [`Loss`] instead keeps
-//! the copy in flight, so a trainer reads it after the optimizer step, whose own read of the
-//! gradient statistics has already seen it arrive (then [`Loss::read`] does not block).
+//! A loss on its way to the host (see [`Loss`]).
 
 use crate::device::{HostBuffer, Pending};
 use crate::error::Result;
 
-/// A mean loss, ready or still being copied to the host (see the [module](self)).
+/// A loss on its way to the host: the per-row losses a head wrote, copied back without the
+/// host waiting, read (summed and averaged) when the trainer asks for it.
+///
+/// Reading a loss as soon as the head computes it is a blocking wait in the middle of the
+/// step: the host stops feeding the device until the loss arrives. A [`Loss`] instead keeps
+/// the copy in flight, so a trainer reads it after the optimizer step, whose own read of the
+/// gradient statistics has already seen it arrive (then [`Loss::read`] does not block).
 #[derive(Debug)]
 pub struct Loss(Inner);
 

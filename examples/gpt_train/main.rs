@@ -30,6 +30,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
+use tidemem::data::Ahead;
 use tidemem::models::gpt::{
     read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, train_two_bw_stream,
     EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
@@ -239,7 +240,8 @@ fn model_config(a: &Args) -> Result<(GptConfig, Option<tidemem::models::gpt::HfW
 struct Plan {
     cfg: GptConfig,
     hf: Option<tidemem::models::gpt::HfWeights>,
-    data: TokenData,
+    /// Shared with the threads that build batches ahead of the step.
+    data: std::sync::Arc<TokenData>,
     dtype: DType,
     policy: Policy,
     checkpoint: bool,
@@ -384,7 +386,7 @@ fn run() -> Result<()> {
             .map(|b| b as u64),
         cfg,
         hf,
-        data,
+        data: std::sync::Arc::new(data),
     };
     plan.capacity = match &a.device_mem {
         Some(s) => parse_bytes(s)? as u64,
@@ -446,18 +448,17 @@ fn run() -> Result<()> {
     // device was asked to do in it
     let mut adam_groups = (0, 0);
     let mut device_step = tidemem::device::DeviceStats::default();
+    // each step's micro-batches, built on a worker thread ahead of the step: step `s` trains
+    // on batches `s·accumulate ..`, `s` the optimizer's steps (a skipped step trains its
+    // batches again: `at` builds a repeated index here)
+    let mut ahead = {
+        let (data, acc, (b, t)) = (plan.data.clone(), u64::from(a.accumulate), (a.batch, a.seq));
+        Ahead::indexed(start..u64::MAX, 2, 1, move |s| {
+            data.batches(Split::Train, (0..acc).map(|k| s * acc + k), b, t)
+        })?
+    };
     for _ in 0..a.steps {
-        let idx = opt.steps();
-        let batches = (0..u64::from(a.accumulate))
-            .map(|k| {
-                plan.data.batch(
-                    Split::Train,
-                    idx * u64::from(a.accumulate) + k,
-                    a.batch,
-                    a.seq,
-                )
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let batches = ahead.at(opt.steps())?;
         let micro = views(&batches, &a);
         let t0 = Instant::now();
         let before = m.stats();

@@ -68,6 +68,8 @@ struct Run {
     params: Vec<u32>,
     usage: Usage,
     peak_device: u64,
+    /// The device's counts of the last step.
+    counts: tidemem::device::DeviceStats,
 }
 
 fn run() -> tidemem::Result<()> {
@@ -142,8 +144,12 @@ fn run() -> tidemem::Result<()> {
         bar.set_prefix(policy.name());
         let mut iters = Vec::new();
         let mut loss = 0.0;
+        // what the device was asked to do in the last step
+        let mut counts = tidemem::device::DeviceStats::default();
         for s in 0..a.steps {
+            let before = m.device().stats();
             loss = toy.step(&mut m, &ids, s)?;
+            counts = m.device().stats().since(&before);
             let it = m.last_iteration();
             iters.push(it);
             bar.set_message(format!(
@@ -197,26 +203,40 @@ fn run() -> tidemem::Result<()> {
             params,
             usage: m.usage(),
             peak_device: m.scheduler().map_or(0, |s| s.device_peak()),
+            counts,
         });
     }
     println!("\nsteady iteration (last), per policy:");
     println!(
-        "{:<14} {:>11} {:>11} {:>11} {:>12} {:>11} {:>10}",
-        "policy", "h2d", "d2h", "total", "clean drops", "peak chunks", "loss"
+        "{:<14} {:>11} {:>11} {:>11} {:>12} {:>11} {:>10} {:>9} {:>7} {:>7}",
+        "policy",
+        "h2d",
+        "d2h",
+        "total",
+        "clean drops",
+        "peak chunks",
+        "loss",
+        "launches",
+        "allocs",
+        "waits"
     );
     for r in &runs {
         let it = r.iters.last().copied().unwrap_or_default();
         println!(
-            "{:<14} {:>11} {:>11} {:>11} {:>12} {:>11} {:>10.5}",
+            "{:<14} {:>11} {:>11} {:>11} {:>12} {:>11} {:>10.5} {:>9} {:>7} {:>7}",
             r.policy.name(),
             fmt_bytes(it.h2d_bytes),
             fmt_bytes(it.d2h_bytes),
             fmt_bytes(it.h2d_bytes + it.d2h_bytes),
             it.clean_drops,
             fmt_bytes(r.peak_device),
-            r.loss
+            r.loss,
+            r.counts.launches + r.counts.library_calls,
+            r.counts.device_allocs,
+            r.counts.blocking_waits()
         );
     }
+    println!("(launches, device allocations and blocking waits of the last step: Device::stats)");
     if let Some(first) = runs.first() {
         let same = runs.iter().all(|r| r.params == first.params);
         println!(

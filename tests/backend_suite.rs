@@ -419,6 +419,35 @@ fn the_counters_count_each_operation_and_only_the_waits_that_block() {
     }
 }
 
+/// Copies nobody waits for land (a later wait sees them), and a program that uploads without
+/// ever waiting holds at most 256 of their host buffers: past that each upload waits for the
+/// oldest.
+#[test]
+fn detached_uploads_land_and_stay_bounded() {
+    for dev in devices("detached_uploads_land_and_stay_bounded") {
+        let s = dev.new_stream().unwrap();
+        let buf = dev.alloc(300 * 8).unwrap();
+        let before = dev.stats();
+        for i in 0..300u64 {
+            let v = buf.view(i as usize * 8, 8).unwrap();
+            dev.upload_to(&s, &i.to_le_bytes(), v).unwrap();
+        }
+        let st = dev.stats().since(&before);
+        assert_eq!(
+            (st.h2d_copies, st.event_syncs),
+            (300, 300 - 256),
+            "{}",
+            dev.name()
+        );
+        let back = dev.download(&s, &buf).unwrap();
+        let want: Vec<u8> = (0..300u64).flat_map(|i| i.to_le_bytes()).collect();
+        assert_eq!(back, want, "{}", dev.name());
+        assert!(dev
+            .upload_to(&s, &[0u8; 4], buf.view(0, 8).unwrap())
+            .is_err());
+    }
+}
+
 #[test]
 fn default_device_follows_the_environment() {
     // Only checks the variable parsing path that needs no GPU.

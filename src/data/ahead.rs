@@ -463,8 +463,8 @@ mod tests {
 
     #[test]
     fn an_ahead_crosses_threads() {
-        fn send<T: Send>() {}
-        send::<Ahead<Vec<u8>>>();
-        send::<AheadStats>();
+        fn both<T: Send + Sync>() {}
+        both::<Ahead<Vec<u8>>>();
+        both::<AheadStats>();
     }
 }

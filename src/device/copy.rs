@@ -10,6 +10,9 @@ use super::{
 };
 use crate::error::{Error, Result};
 
+/// Detached copies ([`Device::upload_to`]) the device keeps in flight at most.
+const MAX_DETACHED: usize = 256;
+
 impl Device {
     /// Stamps and enqueues an op touching `accesses` under the clock lock, so the stamp order
     /// equals the enqueue order.
@@ -144,7 +147,7 @@ impl Device {
                 dst: dst.len,
             });
         }
-        self.reap_detached();
+        self.reap_detached()?;
         let buf = HostBuffer::from_slice(data)?;
         let op = Op::HostToDevice {
             src: buf.as_ptr(),
@@ -179,14 +182,36 @@ impl Device {
         Ok(())
     }
 
-    /// Frees the host buffers of detached copies the host has seen finish.
-    fn reap_detached(&self) {
+    /// Frees the host buffers of detached copies the host has seen finish; past
+    /// [`MAX_DETACHED`] still in flight (a program that uploads and never waits), waits for the
+    /// oldest, so their host memory stays bounded.
+    fn reap_detached(&self) -> Result<()> {
         let mut d = self.inner.detached.lock();
         if d.is_empty() {
-            return;
+            return Ok(());
         }
-        let clocks = self.inner.clocks.lock();
-        d.retain(|x| !clocks.observed(&x.clock));
+        {
+            let clocks = self.inner.clocks.lock();
+            d.retain(|x| !clocks.observed(&x.clock));
+        }
+        while d.len() >= MAX_DETACHED {
+            let oldest = d.remove(0);
+            if !self.inner.clocks.lock().observed(&oldest.clock) {
+                super::Counters::add(&self.inner.counters.event_syncs);
+            }
+            match self.inner.backend.sync_event(&oldest.event) {
+                Ok(()) => {
+                    self.inner.clocks.lock().observe(&oldest.clock);
+                    drop(oldest.buf);
+                }
+                Err(e) => {
+                    // the copy may still read the buffer: leak it rather than free it
+                    std::mem::forget(oldest.buf);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Copies `src` into all of `dst` asynchronously on `stream`. The filled host buffer comes

@@ -51,3 +51,15 @@ impl Loss {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_loss_crosses_threads_and_reads_as_given() {
+        fn both<T: Send + Sync>() {}
+        both::<Loss>();
+        assert_eq!(Loss::ready(0.25).read().unwrap(), 0.25);
+    }
+}

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use super::order::{Access, AccessRecord, Clock};
 use super::{
     Device, DeviceBuffer, DeviceView, ForeignCall, HostBuffer, Input, Op, Pending, RawBuffer,
-    Stream,
+    RawEvent, Stream,
 };
 use crate::error::{Error, Result};
 
@@ -52,6 +52,19 @@ impl Device {
 
     /// Records a private event after the last op of `stream` for a `Pending`.
     fn pending<T>(&self, stream: &Stream, value: T, clock: Clock) -> Result<Pending<T>> {
+        let (value, event) = self.record_after(stream, value)?;
+        Ok(Pending {
+            value: Some(value),
+            event,
+            clock,
+            device: self.clone(),
+        })
+    }
+
+    /// Records a private event after the last op of `stream`, which reads or writes `value`'s
+    /// host memory; returns both. On a failure the stream is drained before `value` goes (or
+    /// `value` is leaked if even that fails).
+    fn record_after<T>(&self, stream: &Stream, value: T) -> Result<(T, RawEvent)> {
         let event = match self
             .inner
             .backend
@@ -69,12 +82,7 @@ impl Device {
                 return Err(err);
             }
         };
-        Ok(Pending {
-            value: Some(value),
-            event,
-            clock,
-            device: self.clone(),
-        })
+        Ok((value, event))
     }
 
     /// Copies all of `src` into `dst` asynchronously on `stream`. The host buffer comes back from
@@ -159,22 +167,7 @@ impl Device {
         let c = &self.inner.counters;
         c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
         c.h2d_copies.fetch_add(1, Ordering::Relaxed);
-        let event = match self
-            .inner
-            .backend
-            .new_event()
-            .and_then(|e| self.inner.backend.record(&stream.raw, &e).map(|_| e))
-        {
-            Ok(e) => e,
-            Err(err) => {
-                // without an event the copy cannot be followed: drain the stream first
-                match self.inner.backend.sync_stream(&stream.raw) {
-                    Ok(()) => drop(buf),
-                    Err(_) => std::mem::forget(buf),
-                }
-                return Err(err);
-            }
-        };
+        let (buf, event) = self.record_after(stream, buf)?;
         self.inner
             .detached
             .lock()

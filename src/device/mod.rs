@@ -62,6 +62,42 @@ pub use crate::device_id::{BackendKind, DeviceId};
 use crate::error::{Error, Result};
 use order::{AccessRecord, Clock, Clocks};
 
+/// Declares [`DeviceStats`] and its atomic twin, `Counters`, from one list of fields.
+macro_rules! device_stats {
+    ($(#[$meta:meta])* pub struct DeviceStats { $($(#[doc = $doc:literal])* $field:ident,)* }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+        pub struct DeviceStats {
+            $($(#[doc = $doc])* pub $field: u64,)*
+        }
+
+        impl DeviceStats {
+            /// Component-wise difference `self - earlier` (0 where `earlier` is the larger):
+            /// what happened between two readings.
+            pub fn since(&self, earlier: &DeviceStats) -> DeviceStats {
+                DeviceStats {
+                    $($field: self.$field.saturating_sub(earlier.$field),)*
+                }
+            }
+        }
+
+        /// The device's running counts behind [`DeviceStats`].
+        #[derive(Default)]
+        struct Counters {
+            $($field: AtomicU64,)*
+        }
+
+        impl Counters {
+            fn read(&self) -> DeviceStats {
+                DeviceStats {
+                    $($field: self.$field.load(Ordering::Relaxed),)*
+                }
+            }
+        }
+    };
+}
+
+device_stats! {
 /// What a device has been asked to do since it was created: bytes and copies moved, ops
 /// launched, allocations, and the host's blocking waits. Counted at the [`Device`] layer, so
 /// every backend counts alike (the timing-only simulated device too), and deterministic: a test
@@ -73,38 +109,38 @@ use order::{AccessRecord, Clock, Clocks};
 /// known complete from an earlier wait or a query that answered done ([`Pending::is_ready`],
 /// [`Device::event_done`]); one that finds everything observed returns at once on any device
 /// and does not count. Each such wait empties a GPU's queue.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DeviceStats {
     /// Host→device bytes.
-    pub h2d_bytes: u64,
+    h2d_bytes,
     /// Device→host bytes.
-    pub d2h_bytes: u64,
+    d2h_bytes,
     /// Device→device bytes.
-    pub d2d_bytes: u64,
+    d2d_bytes,
     /// Host→device copies.
-    pub h2d_copies: u64,
+    h2d_copies,
     /// Device→host copies.
-    pub d2h_copies: u64,
+    d2h_copies,
     /// Device→device copies.
-    pub d2d_copies: u64,
+    d2d_copies,
     /// Kernel ops launched ([`Device::launch`] of an op compiled by NVRTC; on CUDA its plan
     /// may run several grids).
-    pub launches: u64,
+    launches,
     /// Library ops launched ([`Device::launch`] of an op whose CUDA side is a library call, a
     /// cuBLAS GEMM; the simulated device runs its twin) and foreign work enqueued (an NCCL
     /// collective).
-    pub library_calls: u64,
+    library_calls,
     /// Memory fills ([`Device::memset`]).
-    pub fills: u64,
+    fills,
     /// Device allocations ([`Device::alloc`]): the pools' misses and everything allocated
     /// outside them (a pool hit never reaches the device).
-    pub device_allocs: u64,
+    device_allocs,
     /// Blocking [`Device::sync_stream`] calls.
-    pub stream_syncs: u64,
+    stream_syncs,
     /// Blocking [`Device::sync_event`] calls.
-    pub event_syncs: u64,
+    event_syncs,
     /// Blocking waits for a copy's host buffer ([`Pending::wait`] or its drop; downloads).
-    pub pending_waits: u64,
+    pending_waits,
+}
 }
 
 impl DeviceStats {
@@ -112,44 +148,6 @@ impl DeviceStats {
     pub fn blocking_waits(&self) -> u64 {
         self.stream_syncs + self.event_syncs + self.pending_waits
     }
-
-    /// Component-wise difference `self - earlier` (0 where `earlier` is the larger): what
-    /// happened between two readings.
-    pub fn since(&self, earlier: &DeviceStats) -> DeviceStats {
-        let d = |a: u64, b: u64| a.saturating_sub(b);
-        DeviceStats {
-            h2d_bytes: d(self.h2d_bytes, earlier.h2d_bytes),
-            d2h_bytes: d(self.d2h_bytes, earlier.d2h_bytes),
-            d2d_bytes: d(self.d2d_bytes, earlier.d2d_bytes),
-            h2d_copies: d(self.h2d_copies, earlier.h2d_copies),
-            d2h_copies: d(self.d2h_copies, earlier.d2h_copies),
-            d2d_copies: d(self.d2d_copies, earlier.d2d_copies),
-            launches: d(self.launches, earlier.launches),
-            library_calls: d(self.library_calls, earlier.library_calls),
-            fills: d(self.fills, earlier.fills),
-            device_allocs: d(self.device_allocs, earlier.device_allocs),
-            stream_syncs: d(self.stream_syncs, earlier.stream_syncs),
-            event_syncs: d(self.event_syncs, earlier.event_syncs),
-            pending_waits: d(self.pending_waits, earlier.pending_waits),
-        }
-    }
-}
-
-#[derive(Default)]
-struct Counters {
-    h2d_bytes: AtomicU64,
-    d2h_bytes: AtomicU64,
-    d2d_bytes: AtomicU64,
-    h2d_copies: AtomicU64,
-    d2h_copies: AtomicU64,
-    d2d_copies: AtomicU64,
-    launches: AtomicU64,
-    library_calls: AtomicU64,
-    fills: AtomicU64,
-    device_allocs: AtomicU64,
-    stream_syncs: AtomicU64,
-    event_syncs: AtomicU64,
-    pending_waits: AtomicU64,
 }
 
 impl Counters {
@@ -286,23 +284,7 @@ impl Device {
 
     /// What the device has done so far (see [`DeviceStats`]).
     pub fn stats(&self) -> DeviceStats {
-        let c = &self.inner.counters;
-        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
-        DeviceStats {
-            h2d_bytes: l(&c.h2d_bytes),
-            d2h_bytes: l(&c.d2h_bytes),
-            d2d_bytes: l(&c.d2d_bytes),
-            h2d_copies: l(&c.h2d_copies),
-            d2h_copies: l(&c.d2h_copies),
-            d2d_copies: l(&c.d2d_copies),
-            launches: l(&c.launches),
-            library_calls: l(&c.library_calls),
-            fills: l(&c.fills),
-            device_allocs: l(&c.device_allocs),
-            stream_syncs: l(&c.stream_syncs),
-            event_syncs: l(&c.event_syncs),
-            pending_waits: l(&c.pending_waits),
-        }
+        self.inner.counters.read()
     }
 
     /// Allocates `bytes` of device memory (contents unspecified until written; the simulated

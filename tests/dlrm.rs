@@ -519,7 +519,8 @@ fn cached_and_full_table_training_agree_bitwise() {
         .into_iter()
         .flat_map(|d| opts.map(|o| (d.clone(), o)))
     {
-        let run = |capacity: usize| {
+        // `ahead`: each step prepares the cache for the next batch while the device computes
+        let run = |capacity: usize, ahead: bool| {
             let dev = dev.clone();
             let mut m = manager(dev.clone());
             let model = Dlrm::register(&mut m, &cfg, 2).unwrap();
@@ -536,11 +537,14 @@ fn cached_and_full_table_training_agree_bitwise() {
             .unwrap();
             let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-2))).unwrap();
             let mut losses = vec![];
-            for step in 0..8 {
-                let b = gen.batch(step, bsz);
-                let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+            let batches: Vec<_> = (0..8).map(|i| gen.batch(i, bsz)).collect();
+            for (i, b) in batches.iter().enumerate() {
+                let next = batches.get(i + 1).filter(|_| ahead);
+                let s =
+                    dlrm::train_step_then(&model, &mut m, &mut adam, &mut emb, b, next).unwrap();
                 losses.push(s.loss.to_bits());
             }
+            let prefetched = emb.bag().cache().stats().prefetched;
             let probs = dlrm::predict(&model, &mut m, &mut emb, &gen.batch(99, bsz)).unwrap();
             let params: Vec<Vec<f32>> = model
                 .named_params()
@@ -549,7 +553,7 @@ fn cached_and_full_table_training_agree_bitwise() {
                 .collect();
             let evicted = emb.bag().cache().moved().d2h_rows;
             let table = emb.bag_mut().cache_mut().to_vecs().unwrap();
-            (losses, probs, params, table, evicted)
+            (losses, probs, params, table, evicted, prefetched)
         };
         // a cache of the largest batch's distinct rows: rows are evicted between batches
         let largest = (0..8)
@@ -561,15 +565,24 @@ fn cached_and_full_table_training_agree_bitwise() {
             })
             .max()
             .unwrap();
-        let cached = run(largest);
-        let full = run(total);
+        let cached = run(largest, false);
+        let full = run(total, false);
+        // rows of the next batch prepared while the device computes: two batches fit, or
+        // (at the largest batch's rows) they do not and each step prepares its own
+        let ahead = run(2 * largest, true);
+        let ahead_tight = run(largest, true);
         eprintln!("cached vs full on {}, {opt:?}", dev.name());
-        assert_eq!(cached.0, full.0, "{opt:?}: losses");
-        assert_eq!(cached.1, full.1, "{opt:?}: held-out probabilities");
-        assert_eq!(cached.2, full.2, "{opt:?}: MLP parameters");
-        assert!(cached.3 == full.3, "{opt:?}: embedding rows and state");
+        for (name, r) in [("cached", &cached), ("ahead", &ahead), ("ahead, tight", &ahead_tight)] {
+            assert_eq!(r.0, full.0, "{opt:?} {name}: losses");
+            assert_eq!(r.1, full.1, "{opt:?} {name}: held-out probabilities");
+            assert_eq!(r.2, full.2, "{opt:?} {name}: MLP parameters");
+            assert!(r.3 == full.3, "{opt:?} {name}: embedding rows and state");
+        }
         // the small cache did evict (and write back) rows; the full table never did
         assert!(cached.4 > 0 && full.4 == 0, "{} {}", cached.4, full.4);
+        // the roomy cache was prepared ahead and still evicted; the tight one could not be
+        assert!(ahead.5 > 0 && ahead.4 > 0, "{} {}", ahead.5, ahead.4);
+        assert_eq!(cached.5, 0);
     }
 }
 

@@ -49,11 +49,13 @@ fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceSt
 }
 
 /// The device's counts over the last of `steps` steps of a tiny DLRM with a cached collection
-/// of 512 rows over the Kaggle tables × 0.0005, batch 128.
-fn dlrm_step(steps: u64) -> DeviceStats {
+/// of a batch's rows over the Kaggle tables × 0.0005, batch 128; with `ahead`, each step
+/// prepares the next batch's rows while the device computes, over tables × 0.01 and a cache of
+/// two batches' rows, so that rows move in every step.
+fn dlrm_step(steps: u64, ahead: bool) -> DeviceStats {
     let gen = Synthetic::new(
         SyntheticConfig::new(Dataset::CriteoKaggle)
-            .with_scale(0.0005)
+            .with_scale(if ahead { 0.01 } else { 0.0005 })
             .with_seed(3),
     )
     .unwrap();
@@ -68,19 +70,29 @@ fn dlrm_step(steps: u64) -> DeviceStats {
         dev.clone(),
         &rows,
         cfg.dim,
-        128 * cfg.tables,
+        128 * cfg.tables * (1 + usize::from(ahead)),
         BagMode::Sum,
         EmbeddingOptimizer::Sgd { lr: 0.1 },
-        |c| c,
+        // a batch's moves fit the staging buffers (as `dlrm_train` sizes them)
+        |c| c.staging_rows(128 * 26),
         |_, id, row| row.fill(1e-3 * (id % 5) as f32),
     )
     .unwrap();
     let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).unwrap();
     let mut before = dev.stats();
-    for i in 0..steps {
-        let b = gen.batch(i, 128);
+    let mut moved = 0;
+    let batches: Vec<_> = (0..=steps).map(|i| gen.batch(i, 128)).collect();
+    for i in 0..steps as usize {
         before = dev.stats();
-        dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+        moved = emb.bag().cache().moved().h2d_rows;
+        let next = ahead.then(|| &batches[i + 1]);
+        dlrm::train_step_then(&model, &mut m, &mut adam, &mut emb, &batches[i], next).unwrap();
+    }
+    if ahead {
+        let moved = emb.bag().cache().moved().h2d_rows - moved;
+        eprintln!("DLRM ahead: {moved} rows admitted in the last step");
+        assert!(moved > 0, "rows move in the step");
+        assert!(emb.bag().cache().stats().prefetched > 0, "rows prepared ahead");
     }
     dev.stats().since(&before)
 }
@@ -104,11 +116,13 @@ fn a_steady_step_makes_the_same_counted_calls() {
     // waited for]
     let resident = gpt_step(256 << 20, DevicePlacement::Groups(usize::MAX), 4);
     let host_adam = gpt_step(256 << 20, DevicePlacement::HostOnly, 4);
-    let dlrm = dlrm_step(6);
+    let dlrm = dlrm_step(6, false);
+    let dlrm_ahead = dlrm_step(6, true);
     for (what, s) in [
         ("gpt2-tiny resident, Adam on the device", &resident),
         ("gpt2-tiny resident, Adam on the host", &host_adam),
         ("tiny DLRM, cached", &dlrm),
+        ("tiny DLRM, cached, the next batch prepared ahead", &dlrm_ahead),
     ] {
         eprintln!(
             "{what}: {} launches, {} library calls, {} fills, {} device allocations; {} blocking \
@@ -128,7 +142,7 @@ fn a_steady_step_makes_the_same_counted_calls() {
         counts(&gpt_step(256 << 20, DevicePlacement::Groups(usize::MAX), 5)),
         counts(&resident)
     );
-    assert_eq!(counts(&dlrm_step(7)), counts(&dlrm), "another steady step");
+    assert_eq!(counts(&dlrm_step(7, false)), counts(&dlrm), "another steady step");
     assert_eq!(
         counts(&resident),
         PINNED_GPT_DEVICE_ADAM,
@@ -141,6 +155,8 @@ fn a_steady_step_makes_the_same_counted_calls() {
     );
     assert_eq!(dlrm.blocking_waits(), 1, "DLRM: the step's one read");
     assert_eq!(counts(&dlrm), PINNED_DLRM, "tiny DLRM");
+    assert_eq!(dlrm_ahead.blocking_waits(), 1, "DLRM ahead: the step's one read");
+    assert_eq!(counts(&dlrm_ahead), PINNED_DLRM_AHEAD, "tiny DLRM, prepared ahead");
 }
 
 /// Today's counts of a steady step (see the module docs); lower them as the host path
@@ -148,3 +164,4 @@ fn a_steady_step_makes_the_same_counted_calls() {
 const PINNED_GPT_DEVICE_ADAM: [u64; 7] = [134, 75, 11, 0, 0, 0, 1];
 const PINNED_GPT_HOST_ADAM: [u64; 7] = [112, 75, 11, 22, 0, 0, 23];
 const PINNED_DLRM: [u64; 7] = [23, 11, 0, 0, 0, 0, 1];
+const PINNED_DLRM_AHEAD: [u64; 7] = [23, 11, 0, 0, 0, 0, 1];

@@ -269,6 +269,9 @@ struct Event {
     /// The recording stream's clock at the record.
     clock: Clock,
     queried: bool,
+    /// When the host recorded it: the emulator runs work lazily, so its timeline is the
+    /// host's enqueue order (elapsed times are the program's own, not a GPU's).
+    at: Option<std::time::Instant>,
 }
 
 struct Alloc {
@@ -924,6 +927,7 @@ pub extern "C" fn cuEventRecord(e: *mut c_void, s: *mut c_void) -> CUresult {
                 ev.mark = Some((id, last));
                 ev.clock = clock;
                 ev.queried = false;
+                ev.at = Some(std::time::Instant::now());
                 SUCCESS
             }
             None => INVALID_HANDLE,
@@ -964,6 +968,27 @@ pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
         };
         st.observe(&ev.clock);
         r
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, a: *mut c_void, b: *mut c_void) -> CUresult {
+    with(|st| {
+        let (Some(a), Some(b)) = (st.events.get(&(a as usize)), st.events.get(&(b as usize)))
+        else {
+            return INVALID_HANDLE;
+        };
+        let (Some(ta), Some(tb)) = (a.at, b.at) else {
+            return INVALID_HANDLE;
+        };
+        if ms.is_null() {
+            return INVALID_VALUE;
+        }
+        if !st.event_complete(a) || !st.event_complete(b) {
+            return NOT_READY;
+        }
+        *ms = tb.saturating_duration_since(ta).as_secs_f32() * 1e3;
+        SUCCESS
     })
 }
 

@@ -92,6 +92,12 @@ pub fn check(a: &Args) -> Result<DlrmConfig> {
             a.ranks, a.batch
         )));
     }
+    if a.profile && a.ranks > 1 {
+        return Err(bad(format!(
+            "--profile measures one rank's step: leave out --ranks {}",
+            a.ranks
+        )));
+    }
     if a.ranks > 1 && a.sharding == "column" && a.ranks > cfg.dim {
         return Err(bad(format!(
             "--ranks {} with --sharding column: the {} preset's rows have {} columns, at most \

@@ -66,6 +66,7 @@ use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::embedding::{EmbeddingOptimizer, Policy};
 use tidemem::metrics::{auc, log_loss};
 use tidemem::models::dlrm::DlrmConfig;
+use tidemem::device::HostPhase;
 use tidemem::prelude::*;
 
 use data::Source;
@@ -173,6 +174,11 @@ pub struct Args {
     /// Print one JSON object at the end instead of the progress bar and summary.
     #[arg(long)]
     json: bool,
+    /// Measure where a steady step's time goes (device phases by events on the compute
+    /// stream, host spans by wall clock) and print it as a table (`profile` in `--json`;
+    /// one rank only).
+    #[arg(long)]
+    profile: bool,
 }
 
 fn bad(msg: String) -> Error {
@@ -347,9 +353,24 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     let mut data_wait = 0.0f64;
     // what the device was asked to do in the last step (one rank)
     let mut device_step = None;
+    // the profile covers the steady steps (all of them, in a run of two or fewer)
+    let profile_from = if a.steps > 2 { 2 } else { 0 };
+    let mut profiled = 0usize;
+    // one batch ahead of the step: the step prepares the cache for it while the device computes
+    let mut upcoming = batches.next()?;
     while steps < a.steps {
+        if a.profile && steps == profile_from {
+            if let Some(d) = trainer.device() {
+                d.start_profile();
+            }
+        }
+        let next = upcoming.take();
         let t = Instant::now();
-        let next = batches.next()?;
+        let span = trainer.device().map(|d| d.host_span(HostPhase::Data));
+        if next.is_some() && steps + 1 < a.steps {
+            upcoming = batches.next()?;
+        }
+        drop(span);
         data_wait += t.elapsed().as_secs_f64();
         let Some(b) = next else {
             if let Some((path, _)) = batches.report() {
@@ -372,7 +393,8 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
         };
         let t0 = Instant::now();
         let dev_before = trainer.device_stats();
-        let loss = trainer.step(&b)?;
+        let loss = trainer.step(&b, upcoming.as_ref())?;
+        profiled += usize::from(a.profile && steps >= profile_from);
         if let (Some(a), Some(b)) = (dev_before, trainer.device_stats()) {
             device_step = Some(b.since(&a));
         }
@@ -412,6 +434,10 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
         bar.inc(1);
     }
     bar.finish();
+    let profile = match (a.profile, trainer.device()) {
+        (true, Some(d)) => Some(d.stop_profile()?.per_step(profiled)),
+        _ => None,
+    };
     if steps == 0 {
         return Err(bad(
             "no training batch: the data ran out before the first step".into(),
@@ -469,6 +495,7 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     report["data_wait_s"] = json!(data_wait);
     report["data_waited_steps"] = json!(batches.stats().waited);
     report["results_meaningless"] = json!(a.backend == "timing");
+    report["profile"] = json!(profile);
     if let Some(d) = device_step {
         let mut v = serde_json::to_value(d).unwrap_or_default();
         v["blocking_waits"] = json!(d.blocking_waits());
@@ -477,6 +504,9 @@ fn run(a: &Args, cfg: &DlrmConfig, start: Instant) -> Result<()> {
     if a.json {
         println!("{report}");
         return Ok(());
+    }
+    if let Some(p) = &profile {
+        println!("where a steady step's time goes:\n{p}");
     }
     println!(
         "{steps} steps of {} samples on {} rank(s) in {wall:.1} s ({:.1} it/s, {:.0} samples/s)",

@@ -117,13 +117,23 @@ impl Trainer {
         })))
     }
 
-    /// One training step on the global batch `b`; returns its mean loss.
-    pub fn step(&mut self, b: &Batch) -> Result<f32> {
+    /// One training step on the global batch `b`, the cache made ready for `next` (the
+    /// following step's batch) while the device computes this one; returns its mean loss.
+    pub fn step(&mut self, b: &Batch, next: Option<&Batch>) -> Result<f32> {
         match self {
             Trainer::Local(l) => {
-                Ok(dlrm::train_step(&l.model, &mut l.store, &mut l.adam, &mut l.emb, b)?.loss)
+                let (m, s, o, e) = (&l.model, &mut l.store, &mut l.adam, &mut l.emb);
+                Ok(dlrm::train_step_then(m, s, o, e, b, next)?.loss)
             }
             Trainer::Ranks(r) => r.step(b),
+        }
+    }
+
+    /// The device of the (first) rank.
+    pub fn device(&self) -> Option<&Device> {
+        match self {
+            Trainer::Local(l) => Some(l.store.device()),
+            Trainer::Ranks(_) => None,
         }
     }
 

@@ -43,6 +43,12 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
             a.pp, a.sp, a.tp
         )));
     }
+    if a.profile && (a.ranks > 1 || launched || a.tp != "none") {
+        return Err(bad(
+            "--profile measures one process's step: leave out --ranks, --tp and the launcher"
+                .into(),
+        ));
+    }
     if a.tokenizer.is_some() && a.data.is_none() {
         return Err(bad(
             "--tokenizer needs --data: the generated corpus is bytes, not the tokenizer's ids"

@@ -31,6 +31,7 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::data::Ahead;
+use tidemem::device::HostPhase;
 use tidemem::models::gpt::{
     read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, train_two_bw_stream,
     EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
@@ -166,6 +167,11 @@ struct Args {
     /// Print one JSON object at the end instead of the progress bar and summary.
     #[arg(long)]
     json: bool,
+    /// Measure where a steady step's time goes (device phases by events on the compute
+    /// stream, host spans by wall clock) and print it as a table (`profile` in `--json`;
+    /// one process only).
+    #[arg(long)]
+    profile: bool,
     /// Tokens to sample after training from a held-out prompt (temperature 0.8; 0: none).
     #[arg(long, default_value_t = 120)]
     sample: usize,
@@ -422,7 +428,7 @@ fn run() -> Result<()> {
     }
     let dev = device(&a, plan.capacity)?;
     let mut m = ChunkManager::new(dev.clone(), manager_config(&plan))?;
-    m.set_non_model_allocator(CachingAllocator::new(dev));
+    m.set_non_model_allocator(CachingAllocator::new(dev.clone()));
     let gpt = register(&mut m, &plan, a.seed)?;
     let mut opt = adam(&a, plan.dtype, false)?;
     if let Some(p) = &a.resume {
@@ -457,8 +463,15 @@ fn run() -> Result<()> {
             data.batches(Split::Train, (0..acc).map(|k| s * acc + k), b, t)
         })?
     };
-    for _ in 0..a.steps {
+    // the profile covers the steady steps (all of them, in a run of two or fewer)
+    let profile_from = if a.steps > 2 { 2 } else { 0 };
+    for i in 0..a.steps {
+        if a.profile && i == profile_from {
+            dev.start_profile();
+        }
+        let span = dev.host_span(HostPhase::Data);
         let batches = ahead.at(opt.steps())?;
+        drop(span);
         let micro = views(&batches, &a);
         let t0 = Instant::now();
         let before = m.stats();
@@ -485,6 +498,10 @@ fn run() -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let profile = match a.profile {
+        true => Some(dev.stop_profile()?.per_step((a.steps - profile_from) as usize)),
+        false => None,
+    };
     let val_loss = validation(&gpt, &mut m, &plan, &a)?;
     let sample = match a.sample {
         0 => None,
@@ -554,10 +571,14 @@ fn run() -> Result<()> {
         "device_stats": device_json(&device_step),
         "adam_device_groups": adam_groups.0,
         "adam_host_groups": adam_groups.1,
+        "profile": profile,
     });
     if a.json {
         println!("{report}");
     } else {
+        if let Some(p) = &profile {
+            println!("where a steady step's time goes:\n{p}");
+        }
         summary(
             &a,
             &plan,

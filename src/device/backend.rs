@@ -162,6 +162,18 @@ pub trait Backend: Send + Sync + fmt::Debug {
     fn query_event(&self, event: &RawEvent) -> Result<bool>;
     /// Blocks until all work on `stream` completes.
     fn sync_stream(&self, stream: &RawStream) -> Result<()>;
+    /// Creates an event whose recordings carry a time stamp on the device's timeline (for
+    /// [`Backend::elapsed`]; on CUDA an event with timing enabled, a little dearer to record
+    /// than the synchronisation events of [`Backend::new_event`]).
+    fn new_timing_event(&self) -> Result<RawEvent> {
+        self.new_event()
+    }
+    /// Seconds on the device's timeline from the latest recording of `start` to that of `end`,
+    /// both of them [timing events](Backend::new_timing_event) already complete; `None` where
+    /// the backend keeps no time stamps.
+    fn elapsed(&self, _start: &RawEvent, _end: &RawEvent) -> Result<Option<f64>> {
+        Ok(None)
+    }
     /// Whether the backend checks and orders work without running it (a timing-only simulated
     /// device): every result is meaningless.
     fn timing_only(&self) -> bool {

@@ -192,7 +192,10 @@ impl Device {
             if !self.inner.clocks.lock().observed(&oldest.clock) {
                 super::Counters::add(&self.inner.counters.event_syncs);
             }
-            match self.inner.backend.sync_event(&oldest.event) {
+            let span = self.host_span(super::HostPhase::Waits);
+            let done = self.inner.backend.sync_event(&oldest.event);
+            drop(span);
+            match done {
                 Ok(()) => {
                     self.inner.clocks.lock().observe(&oldest.clock);
                     drop(oldest.buf);

@@ -271,6 +271,21 @@ impl Backend for CudaBackend {
         Ok(Box::new(e))
     }
 
+    fn new_timing_event(&self) -> Result<RawEvent> {
+        let e = self
+            .ctx
+            .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| Error::cuda("creating a timing event", e))?;
+        Ok(Box::new(e))
+    }
+
+    fn elapsed(&self, start: &RawEvent, end: &RawEvent) -> Result<Option<f64>> {
+        let ms = event(start)?
+            .elapsed_ms(event(end)?)
+            .map_err(|e| Error::cuda("reading the time between events", e))?;
+        Ok(Some(f64::from(ms) / 1e3))
+    }
+
     fn bind_to_thread(&self) -> Result<()> {
         self.ctx
             .bind_to_thread()

@@ -304,7 +304,10 @@ impl<T> Pending<T> {
     /// Blocks until the copy completes and returns the host buffer.
     pub fn wait(mut self) -> Result<T> {
         self.count_wait();
-        match self.device.inner.backend.sync_event(&self.event) {
+        let span = self.device.host_span(super::HostPhase::Waits);
+        let done = self.device.inner.backend.sync_event(&self.event);
+        drop(span);
+        match done {
             Ok(()) => {
                 self.device.inner.clocks.lock().observe(&self.clock);
                 Ok(self.value.take().expect("value present until waited"))
@@ -322,7 +325,10 @@ impl<T> Drop for Pending<T> {
     fn drop(&mut self) {
         if let Some(v) = self.value.take() {
             self.count_wait();
-            match self.device.inner.backend.sync_event(&self.event) {
+            let span = self.device.host_span(super::HostPhase::Waits);
+            let done = self.device.inner.backend.sync_event(&self.event);
+            drop(span);
+            match done {
                 Ok(()) => {
                     self.device.inner.clocks.lock().observe(&self.clock);
                     drop(v)

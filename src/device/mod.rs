@@ -34,6 +34,7 @@ pub mod host;
 pub mod launch;
 mod library;
 pub mod order;
+mod phases;
 pub mod pool;
 pub mod sim;
 
@@ -55,6 +56,7 @@ pub use launch::{
     CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo, LibraryCall, Mode, OperandInfo,
     OperandSpec, ParamLayout, TwinArgs,
 };
+pub use phases::{HostPhase, HostSpan, Phase, PhaseTimes};
 pub use pool::{Block, CachingAllocator, PoolStats, Reclaim};
 pub use sim::{LinkModel, SimBackend, SimConfig};
 
@@ -165,6 +167,7 @@ struct Inner {
     /// Host buffers of copies nobody waits for ([`Device::upload_to`]), freed once the host
     /// has seen their copies finish.
     detached: Mutex<Vec<Detached>>,
+    profiler: phases::Profiler,
 }
 
 /// A host buffer a copy still reads, the event recorded after the copy, and its clock.
@@ -214,6 +217,7 @@ impl Device {
                 counters: Counters::default(),
                 next_buffer: AtomicU64::new(1),
                 detached: Mutex::new(Vec::new()),
+                profiler: phases::Profiler::default(),
             }),
         }
     }
@@ -285,6 +289,50 @@ impl Device {
     /// What the device has done so far (see [`DeviceStats`]).
     pub fn stats(&self) -> DeviceStats {
         self.inner.counters.read()
+    }
+
+    /// Starts (or restarts, from zero) the profile of where time goes (see [`Phase`]): from
+    /// here on the stores mark their phases on the device's timeline and the host spans count.
+    pub fn start_profile(&self) {
+        self.inner.profiler.start();
+    }
+
+    /// Stops the profile and returns its totals ([`PhaseTimes::per_step`] divides them). It
+    /// waits for the last mark to complete, a wait of the profile's own that the device's
+    /// statistics do not count: call it after the measured steps.
+    pub fn stop_profile(&self) -> Result<PhaseTimes> {
+        self.inner.profiler.stop(&*self.inner.backend)
+    }
+
+    /// Whether the device is profiling.
+    pub fn profiling(&self) -> bool {
+        self.inner.profiler.on()
+    }
+
+    /// Marks, on `stream`, where `phase` begins on the device's timeline (nothing when the
+    /// device is not profiling). The event it records orders nothing.
+    pub fn mark_phase(&self, stream: &Stream, phase: Phase) -> Result<()> {
+        if !self.inner.profiler.on() {
+            return Ok(());
+        }
+        self.check("stream", stream.device)?;
+        let backend = &*self.inner.backend;
+        self.inner
+            .profiler
+            .mark(backend, phase, |ev| backend.record(&stream.raw, ev))
+    }
+
+    /// Times host work as `phase` until the span is dropped (nothing when the device is not
+    /// profiling).
+    pub fn host_span(&self, phase: HostPhase) -> HostSpan {
+        HostSpan {
+            open: self
+                .inner
+                .profiler
+                .on()
+                .then(|| (self.clone(), std::time::Instant::now())),
+            phase,
+        }
     }
 
     /// Allocates `bytes` of device memory (contents unspecified until written; the simulated
@@ -367,6 +415,7 @@ impl Device {
         if !self.inner.clocks.lock().observed(&c) {
             Counters::add(&self.inner.counters.event_syncs);
         }
+        let _span = self.host_span(HostPhase::Waits);
         self.inner.backend.sync_event(&event.raw)?;
         self.inner.clocks.lock().observe(&c);
         Ok(())
@@ -395,6 +444,7 @@ impl Device {
             }
             c
         };
+        let _span = self.host_span(HostPhase::Waits);
         self.inner.backend.sync_stream(&stream.raw)?;
         self.inner.clocks.lock().observe(&c);
         Ok(())

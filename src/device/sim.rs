@@ -265,6 +265,8 @@ struct SimEvent {
     cv: Condvar,
     /// The sticky error of the stream the latest completed recording ran on, if it had one.
     error: Mutex<Option<Failure>>,
+    /// When the latest recording completed on its stream's engine: the device's timeline.
+    stamp: Mutex<Option<Instant>>,
 }
 
 /// A twin's failure, kept by its stream (sticky) and handed to every event recorded after it.
@@ -297,6 +299,7 @@ impl SimEvent {
     }
     fn complete(&self, generation: u64, failure: Option<Failure>) {
         *self.error.lock() = failure;
+        *self.stamp.lock() = Some(Instant::now());
         let mut s = self.state.lock();
         s.1 = s.1.max(generation);
         self.done.store(s.1, Ordering::Release);
@@ -781,6 +784,14 @@ impl Backend for SimBackend {
             Some(f) if done => Err(f.error()),
             _ => Ok(done),
         }
+    }
+
+    fn elapsed(&self, start: &RawEvent, end: &RawEvent) -> Result<Option<f64>> {
+        let (a, b) = (*event(start)?.stamp.lock(), *event(end)?.stamp.lock());
+        Ok(match (a, b) {
+            (Some(a), Some(b)) => Some(b.saturating_duration_since(a).as_secs_f64()),
+            _ => None,
+        })
     }
 
     fn sync_stream(&self, s: &RawStream) -> Result<()> {

@@ -11,7 +11,7 @@
 use super::cache::{CacheConfig, EmbeddingCache};
 use super::index::Plan;
 use crate::checkpoint::Written;
-use crate::device::{Device, DeviceBuffer, HostBuffer, Pending, Stream};
+use crate::device::{Device, DeviceBuffer, HostBuffer, HostPhase, Pending, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::{
     bag_backward, bag_forward, plan_backward, row_step, BagMode, RowOptimizer, SparseGradPlan,
@@ -535,7 +535,14 @@ impl CachedEmbeddingBag {
     /// [`EmbeddingCache::prefetch`]).
     pub fn prefetch(&mut self, batches: &[&[u32]]) -> Result<Plan> {
         let keep = self.saved.as_ref().map_or(&[][..], |s| &s.plan.rows[..]);
+        let _span = self.cache.device().host_span(HostPhase::Embedding);
         self.cache.prefetch(batches, keep)
+    }
+
+    /// Orders the compute stream after the transfers in flight on the device (see
+    /// `EmbeddingCache::join_in_flight`); keeps a batch in flight.
+    pub(crate) fn join_in_flight(&mut self) -> Result<()> {
+        self.cache.join_in_flight()
     }
 
     /// Waits for the transfers of the last prefetch (see [`EmbeddingCache::settle`]); the next
@@ -554,8 +561,10 @@ impl CachedEmbeddingBag {
     ) -> Result<usize> {
         let bags = check_batch(indices, offsets, weights)?;
         self.saved = None;
+        let span = self.cache.device().host_span(HostPhase::Embedding);
         let plan = self.cache.prepare_deferred(indices, true)?;
         let grad_plan = plan_backward(&plan.slots, offsets, weights, self.mode)?;
+        drop(span);
         let (dev, s) = (self.cache.device().clone(), self.cache.stream());
         let dim = self.cache.dim();
         self.slots.put(&dev, s, bytemuck::cast_slice(&plan.slots))?;

@@ -635,6 +635,19 @@ impl EmbeddingCache {
         Ok(())
     }
 
+    /// Orders the compute stream after the transfers in flight, without the host waiting: the
+    /// admitted rows' scatter is enqueued, and the compute stream waits on the device for the
+    /// write-back's copy to the host. The host's next read of the compute stream's work then
+    /// sees them done, and the next [`EmbeddingCache::settle`] waits for nothing more.
+    pub(crate) fn join_in_flight(&mut self) -> Result<()> {
+        self.enqueue_admitted()?;
+        if self.write_back_in_flight.is_some() {
+            self.device.record(&self.copy_out, &self.on_copy_out)?;
+            self.device.wait_event(&self.stream, &self.on_copy_out)?;
+        }
+        Ok(())
+    }
+
     /// Orders a copy stream after everything enqueued on the compute stream so far.
     fn copy_after_compute(&self, copy: &Stream) -> Result<()> {
         self.device.record(&self.stream, &self.on_compute)?;

@@ -7,6 +7,7 @@
 
 use super::bag::{CachedEmbeddingBag, EmbeddingOptimizer};
 use super::cache::CacheConfig;
+use super::index::Plan;
 
 use crate::device::{Device, DeviceView, Stream};
 use crate::error::{Error, Result};
@@ -131,7 +132,7 @@ impl CachedEmbeddingCollection {
     }
 
     /// Checks a batch of every table.
-    fn check_batch(&self, batch: &[TableBatch<'_>]) -> Result<()> {
+    pub(crate) fn check_batch(&self, batch: &[TableBatch<'_>]) -> Result<()> {
         if batch.len() != self.tables() {
             return Err(Error::InvalidArgument(format!(
                 "a batch of {} tables for a collection of {}",
@@ -205,6 +206,34 @@ impl CachedEmbeddingCollection {
     /// the same gradient, bit for bit. Bad input (as for [`Self::forward`], or tables of
     /// different numbers of bags) fails with [`Error::InvalidArgument`] and changes nothing.
     pub fn forward_device_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<usize> {
+        let (samples, (ids, offs, weights)) = self.interleaved(batch)?;
+        self.bag.forward_device(&ids, &offs, weights.as_deref())?;
+        self.last_bags = vec![samples; self.tables()];
+        Ok(samples)
+    }
+
+    /// Makes the rows of a batch that a later [`Self::forward_device_interleaved`] will run
+    /// resident now ([`CachedEmbeddingBag::prefetch`]): called while the device computes the
+    /// batch in flight (whose rows stay), the next batch's decisions and row moves overlap it,
+    /// and its forward then hits on every id and moves nothing. The compute stream is ordered
+    /// after the moves on the device, so a host read of later work finds them done. Checks the
+    /// batch as that
+    /// forward does; fails, changing nothing, on bad input or when the two batches' rows do
+    /// not fit in the cache together ([`Error::CacheTooSmall`]).
+    pub fn prefetch_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<Plan> {
+        let (_, (ids, _, _)) = self.interleaved(batch)?;
+        let plan = self.bag.prefetch(&[&ids])?;
+        // the step's one read (after this) sees the moves done: the next forward waits for none
+        self.bag.join_in_flight()?;
+        Ok(plan)
+    }
+
+    /// A checked batch's samples and its sample-major concatenation.
+    #[allow(clippy::type_complexity)]
+    fn interleaved(
+        &self,
+        batch: &[TableBatch<'_>],
+    ) -> Result<(usize, (Vec<u32>, Vec<u32>, Option<Vec<f32>>))> {
         self.check_batch(batch)?;
         let samples = batch[0].offsets.len() - 1;
         if let Some(t) = batch.iter().position(|b| b.offsets.len() - 1 != samples) {
@@ -216,10 +245,7 @@ impl CachedEmbeddingCollection {
         }
         let tables = self.tables();
         let bags = (0..samples).flat_map(|s| (0..tables).map(move |t| (t, s)));
-        let (ids, offs, weights) = self.concat_bags(batch, bags);
-        self.bag.forward_device(&ids, &offs, weights.as_deref())?;
-        self.last_bags = vec![samples; tables];
-        Ok(samples)
+        Ok((samples, self.concat_bags(batch, bags)))
     }
 
     /// The device output of the last forward (f32, in that forward's layout: table-major after

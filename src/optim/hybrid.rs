@@ -39,6 +39,7 @@ use super::adam::{AdamConfig, AdamScalars};
 use super::scaler::{LossScaler, ScaleUpdate, ScalerConfig};
 use super::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
 use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, GroupVisit};
+use crate::device::{Device, HostPhase, HostSpan};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::cast::cast_bytes;
@@ -490,7 +491,9 @@ impl HybridAdam {
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
         let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
+        let dev = m.device().clone();
         m.visit_groups(&ChunkKind::ALL, place, |v| {
+            let _span = host_span(&dev, &v);
             adam_group(&cpu, &s, v, None, delayed)
         })?;
         self.finish(m, scale, k, norm, clip)
@@ -629,10 +632,12 @@ impl HybridAdam {
         let s = self.cfg.adam.scalars(self.steps + 1, clip / n as f32)?;
         let (cpu, acc, touched) = (self.cpu, &self.acc, &self.touched);
         let delayed = self.cfg.delayed_params;
+        let dev = m.device().clone();
         m.visit_groups(
             &ChunkKind::ALL,
             |_| Target::Host,
             |mut v| {
+                let _span = host_span(&dev, &v);
                 let flagged: Vec<(TensorId, usize, usize, bool)> = v
                     .tensors
                     .iter()
@@ -690,6 +695,11 @@ fn restore(m: &mut ChunkManager, place: impl FnMut(usize) -> Target) -> Result<(
         }
         Ok(())
     })
+}
+
+/// Times a host group's step as [`HostPhase::Optimizer`] when the device profiles.
+fn host_span(dev: &Device, v: &GroupVisit<'_>) -> Option<HostSpan> {
+    matches!(v.chunks, GroupChunks::Host { .. }).then(|| dev.host_span(HostPhase::Optimizer))
 }
 
 /// Steps one group: on the device with [`crate::device::Device::adam`], on the host with the

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::{ChunkManager, HostSlot, LogKind};
 use crate::chunk::plan::push_access;
 use crate::chunk::tensors::{check_distinct, decode, encode, TensorView, ViewBuf};
-use crate::device::{DeviceBuffer, DeviceView, HostBuffer};
+use crate::device::{DeviceBuffer, DeviceView, HostBuffer, Phase};
 use crate::error::{Error, Result};
 use crate::tensor::{ChunkKind, Stage, TensorId, TensorState, TrainEvent};
 use crate::tide::{Access, ChunkNo, Move, Target};
@@ -76,6 +76,9 @@ impl ChunkManager {
                 write: last,
             });
             push_access(&mut acc, chunk, Target::Device, last);
+        }
+        if self.stage.is_none() {
+            self.mark(Phase::Forward)?;
         }
         self.tick(stage, &acc);
         let moves = self.fetch_moment(&uses)?;
@@ -469,6 +472,11 @@ impl ChunkManager {
         Ok(f.to_vec())
     }
 
+    /// Marks where `phase` begins on the compute stream when the device profiles.
+    fn mark(&self, phase: Phase) -> Result<()> {
+        self.device().mark_phase(self.compute_stream(), phase)
+    }
+
     /// Ends the forward pass: every tensor used in it goes HOLD_AFTER_FWD → HOLD.
     /// An iteration that fetched nothing in forward may end its forward pass too.
     pub fn end_forward(&mut self) -> Result<()> {
@@ -487,7 +495,7 @@ impl ChunkManager {
             self.apply(id, ChunkKind::Param, TrainEvent::EndForward);
         }
         self.stage = Some(Stage::Backward);
-        Ok(())
+        self.mark(Phase::Backward)
     }
 
     /// Ends the backward pass. Fails if a tensor is still fetched.
@@ -501,7 +509,7 @@ impl ChunkManager {
         }
         self.check_nothing_fetched("backward")?;
         self.stage = Some(Stage::Optimizer);
-        Ok(())
+        self.mark(Phase::Optimizer)
     }
 
     /// Ends the step: parameters go back to HOLD, use counts restart, and the warm-up trace (if
@@ -530,6 +538,7 @@ impl ChunkManager {
             t.grad = false;
         }
         self.stage = None;
+        self.mark(Phase::Between)?;
         let Some(s) = self.sched.as_mut() else {
             return Ok(());
         };

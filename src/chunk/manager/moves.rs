@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use super::{ChunkManager, HostSlot, LogKind, LISTS};
 use crate::chunk::tensors::encode;
-use crate::device::{DeviceBuffer, HostBuffer};
+use crate::device::{DeviceBuffer, HostBuffer, HostPhase};
 use crate::error::{Error, Result};
 use crate::tensor::{ChunkKind, TensorState};
 use crate::tide::{ChunkNo, Move};
@@ -13,7 +13,9 @@ use crate::tide::{ChunkNo, Move};
 impl ChunkManager {
     /// Carries out the scheduler's moves; a failure makes the manager unusable.
     pub(super) fn execute(&mut self, moves: &[Move]) -> Result<()> {
+        let span = (!moves.is_empty()).then(|| self.device().host_span(HostPhase::ChunkMoves));
         let r = self.execute_moves(moves);
+        drop(span);
         if let Err(e) = &r {
             self.broken = Some(format!("a chunk move the scheduler ordered failed: {e}"));
         }

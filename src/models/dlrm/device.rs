@@ -72,7 +72,7 @@ impl DeviceEmbeddings for ShardedEmbedding {
 }
 
 /// `b` waits on the host-invisible completion of what is enqueued on `a` so far.
-fn order_after(dev: &Device, a: &Stream, b: &Stream) -> Result<()> {
+pub(super) fn order_after(dev: &Device, a: &Stream, b: &Stream) -> Result<()> {
     let ev = dev.new_event()?;
     dev.record(a, &ev)?;
     dev.wait_event(b, &ev)

@@ -63,4 +63,4 @@ pub use config::DlrmConfig;
 pub use device::DeviceEmbeddings;
 pub use hybrid::{predict_hybrid, predict_hybrid_host, train_step_hybrid, train_step_hybrid_host};
 pub use model::{default_init, Dlrm};
-pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep};
+pub use train::{bag_offsets, predict, table_batches, train_step, train_step_then, DlrmStep};

@@ -1,6 +1,7 @@
 //! One training step of a DLRM: the cached embedding's forward, the MLPs' forward and backward,
 //! the embedding's backward and row optimizer, the store's optimizer step.
 
+use super::device::order_after;
 use super::Dlrm;
 use crate::data::criteo::Batch;
 use crate::embedding::{CachedEmbeddingCollection, TableBatch};
@@ -77,14 +78,66 @@ pub fn train_step<S: ParamStore + ?Sized>(
     emb: &mut CachedEmbeddingCollection,
     batch: &Batch,
 ) -> Result<DlrmStep> {
+    train_step_then(model, store, adam, emb, batch, None)
+}
+
+/// [`train_step`] on `batch` that prepares the cache for `next`, the batch the following step
+/// will train on, while the device computes this one: once this step's forward and backward
+/// are enqueued, and before the step reads its gradient statistics (the one wait of a
+/// step), `next`'s rows are made resident
+/// ([`CachedEmbeddingCollection::prefetch_interleaved`], this batch's rows kept), so its
+/// decisions and row moves overlap the device's work and the next step's forward moves
+/// nothing. The same losses, bit for bit, as [`train_step`] on the same batches: rows move,
+/// their values do not change. When the two batches' rows do not fit in the cache together,
+/// `next` is prepared by its own step as without it. `next` is checked against the model
+/// before anything runs.
+///
+/// ```
+/// use tidemem::data::criteo::{CriteoConfig, CriteoGenerator};
+/// use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+/// use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
+/// use tidemem::ops::embedding::BagMode;
+/// use tidemem::prelude::*;
+///
+/// let cfg = DlrmConfig::tiny();
+/// let dev = Device::sim(SimConfig::with_capacity(64 << 20))?;
+/// let mut mc = ManagerConfig::new(1 << 16, Policy::Tide);
+/// mc.param_dtype = DType::F32;
+/// let mut store = ChunkManager::new(dev.clone(), mc)?;
+/// let model = Dlrm::register(&mut store, &cfg, 7)?;
+/// let gen = CriteoGenerator::new(CriteoConfig::tiny(), 3)?;
+/// let rows: Vec<usize> = gen.config().cardinalities.iter().map(|&n| n as usize).collect();
+/// let total: usize = rows.iter().sum();
+/// let mut emb = CachedEmbeddingCollection::new(
+///     dev, &rows, cfg.dim, total / 2, BagMode::Sum,
+///     EmbeddingOptimizer::Sgd { lr: 0.05 }, |c| c, |_, _, row| row.fill(0.01),
+/// )?;
+/// let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3)))?;
+/// let batches: Vec<_> = (0..3).map(|i| gen.batch(i, 16)).collect();
+/// for (i, b) in batches.iter().enumerate() {
+///     let step = dlrm::train_step_then(&model, &mut store, &mut adam, &mut emb, b, batches.get(i + 1))?;
+///     assert!(step.loss.is_finite());
+/// }
+/// # Ok::<(), tidemem::Error>(())
+/// ```
+pub fn train_step_then<S: ParamStore + ?Sized>(
+    model: &Dlrm,
+    store: &mut S,
+    adam: &mut HybridAdam,
+    emb: &mut CachedEmbeddingCollection,
+    batch: &Batch,
+    next: Option<&Batch>,
+) -> Result<DlrmStep> {
     let c = model.config();
-    if batch.ids.len() != c.tables || emb.tables() != c.tables {
-        return Err(Error::InvalidArgument(format!(
-            "a batch of {} tables and a collection of {} for a model of {}",
-            batch.ids.len(),
-            emb.tables(),
-            c.tables
-        )));
+    for b in std::iter::once(batch).chain(next) {
+        if b.ids.len() != c.tables || emb.tables() != c.tables {
+            return Err(Error::InvalidArgument(format!(
+                "a batch of {} tables and a collection of {} for a model of {}",
+                b.ids.len(),
+                emb.tables(),
+                c.tables
+            )));
+        }
     }
     if adam.config().accumulation_steps != 1 {
         return Err(Error::InvalidArgument(
@@ -93,6 +146,14 @@ pub fn train_step<S: ParamStore + ?Sized>(
     }
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;
+    let next_offsets = next.map(|n| bag_offsets(n.size)).transpose()?;
+    let next_tables = match (next, &next_offsets) {
+        (Some(n), Some(o)) => Some(table_batches(n, o)?),
+        _ => None,
+    };
+    if let Some(t) = &next_tables {
+        emb.check_batch(t)?;
+    }
     emb.forward_device_interleaved(&tables)?;
     let (outputs, rows) = model.forward_backward_deferred(
         store,
@@ -102,6 +163,15 @@ pub fn train_step<S: ParamStore + ?Sized>(
         batch.size,
         adam.loss_scale(),
     )?;
+    if let Some(t) = &next_tables {
+        match emb.prefetch_interleaved(t) {
+            // the step's one read sees the moves done, so the next step waits for none
+            Ok(_) => order_after(store.device(), emb.stream(), store.compute_stream())?,
+            // the two batches' rows do not fit together: the next step prepares its own
+            Err(Error::CacheTooSmall { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
     let report = store.step(adam)?;
     // read after the step, whose read of the gradient statistics has seen them arrive
     let (sum, probs) = outputs.read()?;

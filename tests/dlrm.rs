@@ -572,7 +572,11 @@ fn cached_and_full_table_training_agree_bitwise() {
         let ahead = run(2 * largest, true);
         let ahead_tight = run(largest, true);
         eprintln!("cached vs full on {}, {opt:?}", dev.name());
-        for (name, r) in [("cached", &cached), ("ahead", &ahead), ("ahead, tight", &ahead_tight)] {
+        for (name, r) in [
+            ("cached", &cached),
+            ("ahead", &ahead),
+            ("ahead, tight", &ahead_tight),
+        ] {
             assert_eq!(r.0, full.0, "{opt:?} {name}: losses");
             assert_eq!(r.1, full.1, "{opt:?} {name}: held-out probabilities");
             assert_eq!(r.2, full.2, "{opt:?} {name}: MLP parameters");

@@ -9,7 +9,7 @@
 mod common;
 
 use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
-use tidemem::device::DeviceStats;
+use tidemem::device::{DeviceStats, PhaseTimes};
 use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig};
@@ -20,8 +20,17 @@ use tidemem::prelude::*;
 /// The device's counts over step `steps` of a `gpt2-tiny` run (f32, 4 × 32 tokens) on a device
 /// of `capacity` bytes, Adam placed by `placement`.
 fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceStats {
+    gpt_step_on(common::sim(capacity), placement, steps, false).0
+}
+
+/// [`gpt_step`] on `dev`; with `profile`, the last step profiled.
+fn gpt_step_on(
+    dev: Device,
+    placement: DevicePlacement,
+    steps: u64,
+    profile: bool,
+) -> (DeviceStats, Option<PhaseTimes>) {
     let cfg = GptConfig::preset("gpt2-tiny").unwrap();
-    let dev = common::sim(capacity);
     let mut mc = ManagerConfig::new(1 << 16, Policy::Tide);
     mc.param_dtype = DType::F32;
     let mut m = ChunkManager::new(dev.clone(), mc).unwrap();
@@ -41,11 +50,45 @@ fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceSt
         seq: t,
     };
     let mut before = dev.stats();
-    for _ in 0..steps {
+    for i in 0..steps {
+        if profile && i + 1 == steps {
+            dev.start_profile();
+        }
         before = dev.stats();
         train_step(&gpt, &mut m, &mut adam, &[batch], false).unwrap();
     }
-    dev.stats().since(&before)
+    let counted = dev.stats().since(&before);
+    (counted, profile.then(|| dev.stop_profile().unwrap()))
+}
+
+#[test]
+fn the_profile_times_each_phase_and_adds_no_wait() {
+    for dev in common::devices("host_path::profile") {
+        let host = DevicePlacement::HostOnly;
+        let (plain, _) = gpt_step_on(dev.clone(), host, 4, false);
+        let (counted, t) = gpt_step_on(dev.clone(), host, 4, true);
+        let t = t.unwrap();
+        eprintln!("{}:\n{t}", dev.name());
+        assert_eq!(
+            counts(&counted),
+            counts(&plain),
+            "profiling changes no count"
+        );
+        assert!(!dev.profiling());
+        // one step: forward, backward and the optimizer took time on the device's timeline,
+        // the host stepped its groups and waited for their gradients; no data, no embedding
+        assert!(
+            t.forward > 0.0 && t.backward > 0.0 && t.optimizer > 0.0,
+            "{t:?}"
+        );
+        assert!(t.host_optimizer > 0.0 && t.host_waits > 0.0, "{t:?}");
+        assert_eq!((t.data, t.embedding), (0.0, 0.0));
+        assert!(
+            (t.device_total() - t.forward - t.backward - t.optimizer - t.between).abs() < 1e-12
+        );
+        let half = t.per_step(2);
+        assert_eq!(half.forward * 2.0, t.forward);
+    }
 }
 
 /// The device's counts over the last of `steps` steps of a tiny DLRM with a cached collection
@@ -92,7 +135,10 @@ fn dlrm_step(steps: u64, ahead: bool) -> DeviceStats {
         let moved = emb.bag().cache().moved().h2d_rows - moved;
         eprintln!("DLRM ahead: {moved} rows admitted in the last step");
         assert!(moved > 0, "rows move in the step");
-        assert!(emb.bag().cache().stats().prefetched > 0, "rows prepared ahead");
+        assert!(
+            emb.bag().cache().stats().prefetched > 0,
+            "rows prepared ahead"
+        );
     }
     dev.stats().since(&before)
 }
@@ -122,7 +168,10 @@ fn a_steady_step_makes_the_same_counted_calls() {
         ("gpt2-tiny resident, Adam on the device", &resident),
         ("gpt2-tiny resident, Adam on the host", &host_adam),
         ("tiny DLRM, cached", &dlrm),
-        ("tiny DLRM, cached, the next batch prepared ahead", &dlrm_ahead),
+        (
+            "tiny DLRM, cached, the next batch prepared ahead",
+            &dlrm_ahead,
+        ),
     ] {
         eprintln!(
             "{what}: {} launches, {} library calls, {} fills, {} device allocations; {} blocking \
@@ -142,7 +191,11 @@ fn a_steady_step_makes_the_same_counted_calls() {
         counts(&gpt_step(256 << 20, DevicePlacement::Groups(usize::MAX), 5)),
         counts(&resident)
     );
-    assert_eq!(counts(&dlrm_step(7, false)), counts(&dlrm), "another steady step");
+    assert_eq!(
+        counts(&dlrm_step(7, false)),
+        counts(&dlrm),
+        "another steady step"
+    );
     assert_eq!(
         counts(&resident),
         PINNED_GPT_DEVICE_ADAM,
@@ -155,8 +208,16 @@ fn a_steady_step_makes_the_same_counted_calls() {
     );
     assert_eq!(dlrm.blocking_waits(), 1, "DLRM: the step's one read");
     assert_eq!(counts(&dlrm), PINNED_DLRM, "tiny DLRM");
-    assert_eq!(dlrm_ahead.blocking_waits(), 1, "DLRM ahead: the step's one read");
-    assert_eq!(counts(&dlrm_ahead), PINNED_DLRM_AHEAD, "tiny DLRM, prepared ahead");
+    assert_eq!(
+        dlrm_ahead.blocking_waits(),
+        1,
+        "DLRM ahead: the step's one read"
+    );
+    assert_eq!(
+        counts(&dlrm_ahead),
+        PINNED_DLRM_AHEAD,
+        "tiny DLRM, prepared ahead"
+    );
 }
 
 /// Today's counts of a steady step (see the module docs); lower them as the host path

@@ -972,7 +972,11 @@ pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
 }
 
 #[no_mangle]
-pub unsafe extern "C" fn cuEventElapsedTime_v2(ms: *mut f32, a: *mut c_void, b: *mut c_void) -> CUresult {
+pub unsafe extern "C" fn cuEventElapsedTime_v2(
+    ms: *mut f32,
+    a: *mut c_void,
+    b: *mut c_void,
+) -> CUresult {
     with(|st| {
         let (Some(a), Some(b)) = (st.events.get(&(a as usize)), st.events.get(&(b as usize)))
         else {

@@ -63,10 +63,10 @@ use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
+use tidemem::device::HostPhase;
 use tidemem::embedding::{EmbeddingOptimizer, Policy};
 use tidemem::metrics::{auc, log_loss};
 use tidemem::models::dlrm::DlrmConfig;
-use tidemem::device::HostPhase;
 use tidemem::prelude::*;
 
 use data::Source;

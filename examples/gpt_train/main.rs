@@ -499,7 +499,10 @@ fn run() -> Result<()> {
     }
     bar.finish_and_clear();
     let profile = match a.profile {
-        true => Some(dev.stop_profile()?.per_step((a.steps - profile_from) as usize)),
+        true => Some(
+            dev.stop_profile()?
+                .per_step((a.steps - profile_from) as usize),
+        ),
         false => None,
     };
     let val_loss = validation(&gpt, &mut m, &plan, &a)?;

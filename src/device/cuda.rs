@@ -280,6 +280,13 @@ impl Backend for CudaBackend {
     }
 
     fn elapsed(&self, start: &RawEvent, end: &RawEvent) -> Result<Option<f64>> {
+        // cudarc calls cuEventElapsedTime_v2 (CUDA 12.8 on): an older driver lacks it
+        let mut v: std::ffi::c_int = 0;
+        // SAFETY: an out-parameter for one int.
+        let r = unsafe { sys::cuDriverGetVersion(&mut v) };
+        if r != sys::CUresult::CUDA_SUCCESS || v < 12080 {
+            return Ok(None);
+        }
         let ms = event(start)?
             .elapsed_ms(event(end)?)
             .map_err(|e| Error::cuda("reading the time between events", e))?;

@@ -114,7 +114,10 @@ impl PhaseTimes {
     /// profile table.
     pub fn rows(&self) -> Vec<(&'static str, &'static str, f64)> {
         let mut t = *self;
-        t.fields_mut().into_iter().map(|(n, w, v)| (n, w, *v)).collect()
+        t.fields_mut()
+            .into_iter()
+            .map(|(n, w, v)| (n, w, *v))
+            .collect()
     }
 
     fn fields_mut(&mut self) -> [(&'static str, &'static str, &mut f64); 9] {
@@ -156,7 +159,11 @@ impl PhaseTimes {
 impl std::fmt::Display for PhaseTimes {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let total = self.device_total();
-        writeln!(f, "{:<22} {:>6} {:>10} {:>7}", "phase", "where", "ms", "share")?;
+        writeln!(
+            f,
+            "{:<22} {:>6} {:>10} {:>7}",
+            "phase", "where", "ms", "share"
+        )?;
         for (name, place, v) in self.rows() {
             let share = if place == "device" && total > 0.0 {
                 format!("{:.1}%", 100.0 * v / total)
@@ -165,7 +172,13 @@ impl std::fmt::Display for PhaseTimes {
             };
             writeln!(f, "{name:<22} {place:>6} {:>10.3} {share:>7}", v * 1e3)?;
         }
-        write!(f, "{:<22} {:>6} {:>10.3}", "device timeline", "device", total * 1e3)
+        write!(
+            f,
+            "{:<22} {:>6} {:>10.3}",
+            "device timeline",
+            "device",
+            total * 1e3
+        )
     }
 }
 
@@ -266,7 +279,9 @@ pub struct HostSpan {
 impl Drop for HostSpan {
     fn drop(&mut self) {
         if let Some((d, t0)) = self.open.take() {
-            d.inner.profiler.add_host(self.phase, t0.elapsed().as_secs_f64());
+            d.inner
+                .profiler
+                .add_host(self.phase, t0.elapsed().as_secs_f64());
         }
     }
 }

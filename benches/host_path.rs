@@ -12,10 +12,12 @@
 //!   cardinalities × `TIDEMEM_BENCH_HOST_DLRM_SCALE` (default 0.1: the full tables' 17 GB of
 //!   rows exceed this machine kind's memory), batch 16,384, a cache of 1% of the rows, SGD on
 //!   the rows; the batches built ahead on worker threads ([`Ahead`]), so the training thread's
-//!   time is the step's. Target ≤ 4 ms a step (TorchRec's 81 it/s leave 12.3 ms in all).
+//!   time is the step's, which prepares the cache for the next batch as `dlrm_train` does
+//!   ([`dlrm::train_step_then`]). Target ≤ 4 ms a step (TorchRec's 81 it/s leave 12.3 ms in
+//!   all).
 //!
-//! Prints each step's host time against its target, and the device's counts a step
-//! ([`DeviceStats`]).
+//! Prints each step's host time against its target, the device's counts a step
+//! ([`DeviceStats`]), and the DLRM step's profile (`Device::start_profile`).
 //!
 //! ```sh
 //! cargo bench --bench host_path
@@ -113,6 +115,8 @@ struct DlrmRun {
     adam: HybridAdam,
     emb: CachedEmbeddingCollection,
     batches: Ahead<Batch>,
+    /// The batch the next step trains on (each step prepares the cache for the one after).
+    upcoming: Batch,
     rows: usize,
     capacity: usize,
 }
@@ -166,31 +170,36 @@ impl DlrmRun {
             .map_or(1, |n| n.get())
             .saturating_sub(1)
             .clamp(1, 4);
-        let batches = Ahead::indexed(8..u64::MAX, 4, workers, move |i| gen.try_batch(i, batch))
+        let mut batches = Ahead::indexed(8..u64::MAX, 4, workers, move |i| gen.try_batch(i, batch))
             .expect("data workers");
+        let upcoming = batches.recv().expect("batch").expect("endless");
         DlrmRun {
             store,
             model,
             adam,
             emb,
             batches,
+            upcoming,
             rows: total,
             capacity,
         }
     }
 
-    /// A step; the time the training thread spent in it, waiting for its batch excluded, and
-    /// the device's counts.
+    /// A step, as `dlrm_train` runs it (the cache prepared for the next batch while the device
+    /// computes this one); the time the training thread spent in it, waiting for its batch
+    /// excluded, and the device's counts.
     fn step(&mut self) -> (Duration, DeviceStats) {
-        let b = self.batches.recv().expect("batch").expect("endless");
+        let next = self.batches.recv().expect("batch").expect("endless");
+        let b = std::mem::replace(&mut self.upcoming, next);
         let before = self.store.device().stats();
         let t = Instant::now();
-        dlrm::train_step(
+        dlrm::train_step_then(
             &self.model,
             &mut self.store,
             &mut self.adam,
             &mut self.emb,
             &b,
+            Some(&self.upcoming),
         )
         .expect("step");
         (t.elapsed(), self.store.device().stats().since(&before))
@@ -244,6 +253,13 @@ fn bench(c: &mut Criterion) {
         })
     });
     g.finish();
+    // where the training thread's time goes, over a few more steps
+    let dev = dlrm.store.device().clone();
+    dev.start_profile();
+    for _ in 0..4 {
+        dlrm.step();
+    }
+    let dlrm_profile = dev.stop_profile().expect("profile").per_step(4);
 
     let ms = |m: &Mean| m.per_iter() * 1e3;
     println!(
@@ -281,6 +297,7 @@ fn bench(c: &mut Criterion) {
             c.pending_waits
         );
     }
+    println!("  DLRM, where the training thread's step goes (timing-only device):\n{dlrm_profile}");
 }
 
 criterion_group!(benches, bench);

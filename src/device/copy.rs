@@ -13,6 +13,9 @@ use crate::error::{Error, Result};
 /// Detached copies ([`Device::upload_to`]) the device keeps in flight at most.
 const MAX_DETACHED: usize = 256;
 
+/// Bytes of staging buffers the device keeps for later uploads at most.
+const MAX_STAGING: usize = 64 << 20;
+
 impl Device {
     /// Stamps and enqueues an op touching `accesses` under the clock lock, so the stamp order
     /// equals the enqueue order.
@@ -138,10 +141,68 @@ impl Device {
         self.pending(stream, src, clock)
     }
 
-    /// Copies `data` into `dst` on `stream` without waiting: the bytes go into a host buffer
-    /// the device keeps until the host has seen the copy finish (at a later wait that covers
-    /// it), so nothing blocks here. For the small inputs of a step (token ids, targets, plans)
-    /// whose buffers nobody reads back.
+    /// Copies the host buffer of a copy still in flight, `src`, into `dst` on `stream` once that
+    /// copy is done, without the host waiting: `stream` waits for it on the device. For a chunk
+    /// loaded again while its write-back to that buffer is still under way. The buffer comes
+    /// back from the returned [`Pending`].
+    pub fn copy_h2d_after<'a>(
+        &self,
+        stream: &Stream,
+        src: Pending<HostBuffer>,
+        dst: impl Into<DeviceView<'a>>,
+    ) -> Result<Pending<HostBuffer>> {
+        let dst = dst.into();
+        // on every refusal before the copy, `src` drops, waiting for its copy
+        self.check("pending copy", src.device.id())?;
+        self.check("stream", stream.device)?;
+        let len = src.value.as_ref().map_or(0, HostBuffer::len);
+        if len != dst.len {
+            return Err(Error::SizeMismatch {
+                src: len,
+                dst: dst.len,
+            });
+        }
+        {
+            let mut clocks = self.inner.clocks.lock();
+            self.inner.backend.wait(&stream.raw, &src.event)?;
+            clocks.stamp_plain(stream.slot);
+            clocks.wait(stream.slot, &src.clock);
+        }
+        let mut src = src;
+        let buf = src
+            .value
+            .take()
+            .expect("a pending copy holds its buffer until waited");
+        let op = Op::HostToDevice {
+            src: buf.as_ptr(),
+            dst: &dst.buf.raw,
+            dst_offset: dst.offset,
+            len: dst.len,
+        };
+        let clock = match self.submit(stream, &[(dst.buf, Access::Write)], op) {
+            Ok(c) => c,
+            Err(e) => {
+                // the earlier copy may still write the buffer: drain `stream`, which waits for
+                // it, before letting the buffer go (or leak it)
+                match self.inner.backend.sync_stream(&stream.raw) {
+                    Ok(()) => drop(buf),
+                    Err(_) => std::mem::forget(buf),
+                }
+                return Err(e);
+            }
+        };
+        let c = &self.inner.counters;
+        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
+        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
+        self.pending(stream, buf, clock)
+    }
+
+    /// Copies `data` into `dst` on `stream` without waiting: the bytes go into a staging buffer
+    /// (pinned on CUDA, where a copy from pageable memory would hold the host until the driver
+    /// has staged it) the device keeps until the host has seen the copy finish (at a later wait
+    /// that covers it), then reuses for later uploads, so nothing blocks here and a steady
+    /// step allocates no host memory for its inputs. For the small inputs of a step (token ids,
+    /// targets, plans) whose buffers nobody reads back.
     pub fn upload_to<'a>(
         &self,
         stream: &Stream,
@@ -156,7 +217,8 @@ impl Device {
             });
         }
         self.reap_detached()?;
-        let buf = HostBuffer::from_slice(data)?;
+        let mut buf = self.staging_buffer(data.len())?;
+        buf[..data.len()].copy_from_slice(data);
         let op = Op::HostToDevice {
             src: buf.as_ptr(),
             dst: &dst.buf.raw,
@@ -175,7 +237,41 @@ impl Device {
         Ok(())
     }
 
-    /// Frees the host buffers of detached copies the host has seen finish; past
+    /// A host buffer of at least `len` bytes for an upload: a kept staging buffer (the
+    /// smallest that fits, at most twice the size), else a new one from
+    /// [`Device::alloc_host`] (pinned on CUDA, so the copy is a DMA the host does not wait
+    /// for), of `len` rounded up to a power of two.
+    fn staging_buffer(&self, len: usize) -> Result<HostBuffer> {
+        let kept = {
+            let mut st = self.inner.staging.lock();
+            let at = st
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len() >= len && b.len() <= 2 * len.max(4096))
+                .min_by_key(|(_, b)| b.len())
+                .map(|(i, _)| i);
+            at.map(|i| st.swap_remove(i))
+        };
+        match kept {
+            Some(b) => Ok(b),
+            None => self.alloc_host(len.max(4096).next_power_of_two()),
+        }
+    }
+
+    /// Keeps the host buffers of finished uploads for the next ones, up to [`MAX_STAGING`]
+    /// bytes; frees the rest.
+    fn keep_staging(&self, bufs: impl IntoIterator<Item = HostBuffer>) {
+        let mut st = self.inner.staging.lock();
+        let mut kept: usize = st.iter().map(|b| b.len()).sum();
+        for b in bufs {
+            if kept + b.len() <= MAX_STAGING {
+                kept += b.len();
+                st.push(b);
+            }
+        }
+    }
+
+    /// Keeps (or frees) the host buffers of detached copies the host has seen finish; past
     /// [`MAX_DETACHED`] still in flight (a program that uploads and never waits), waits for the
     /// oldest, so their host memory stays bounded.
     fn reap_detached(&self) -> Result<()> {
@@ -185,7 +281,11 @@ impl Device {
         }
         {
             let clocks = self.inner.clocks.lock();
-            d.retain(|x| !clocks.observed(&x.clock));
+            let (done, live): (Vec<_>, Vec<_>) =
+                d.drain(..).partition(|x| clocks.observed(&x.clock));
+            *d = live;
+            drop(clocks);
+            self.keep_staging(done.into_iter().map(|x| x.buf));
         }
         while d.len() >= MAX_DETACHED {
             let oldest = d.remove(0);
@@ -198,7 +298,7 @@ impl Device {
             match done {
                 Ok(()) => {
                     self.inner.clocks.lock().observe(&oldest.clock);
-                    drop(oldest.buf);
+                    self.keep_staging([oldest.buf]);
                 }
                 Err(e) => {
                     // the copy may still read the buffer: leak it rather than free it

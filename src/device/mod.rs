@@ -167,6 +167,8 @@ struct Inner {
     /// Host buffers of copies nobody waits for ([`Device::upload_to`]), freed once the host
     /// has seen their copies finish.
     detached: Mutex<Vec<Detached>>,
+    /// Host buffers of finished uploads, for the next ones (pinned on CUDA).
+    staging: Mutex<Vec<HostBuffer>>,
     profiler: phases::Profiler,
 }
 
@@ -217,6 +219,7 @@ impl Device {
                 counters: Counters::default(),
                 next_buffer: AtomicU64::new(1),
                 detached: Mutex::new(Vec::new()),
+                staging: Mutex::new(Vec::new()),
                 profiler: phases::Profiler::default(),
             }),
         }
@@ -489,6 +492,48 @@ mod tests {
         assert_send_sync::<SimBackend>();
         assert_send_sync::<CudaBackend>();
         assert_send_sync::<Error>();
+    }
+
+    #[test]
+    fn an_upload_after_a_download_in_flight_waits_on_the_device() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+        let (copy, other) = (dev.new_stream().unwrap(), dev.new_stream().unwrap());
+        let a = dev.upload(&copy, &[5u8; 64]).unwrap();
+        let b = dev.alloc(64).unwrap();
+        let before = dev.stats();
+        let down = dev
+            .copy_d2h(&copy, &a, HostBuffer::paged(64).unwrap())
+            .unwrap();
+        // up again from the same host buffer, on another stream, without the host waiting
+        let up = dev.copy_h2d_after(&other, down, &b).unwrap();
+        assert_eq!(dev.stats().since(&before).blocking_waits(), 0);
+        assert!(up.wait().unwrap().iter().all(|&x| x == 5));
+        assert_eq!(dev.download(&other, &b).unwrap(), vec![5u8; 64]);
+        // a size mismatch is refused (the download it was handed is waited for)
+        let down = dev
+            .copy_d2h(&copy, &a, HostBuffer::paged(64).unwrap())
+            .unwrap();
+        let small = dev.alloc(32).unwrap();
+        assert!(matches!(
+            dev.copy_h2d_after(&copy, down, &small),
+            Err(Error::SizeMismatch { src: 64, dst: 32 })
+        ));
+    }
+
+    #[test]
+    fn uploads_reuse_their_staging_buffers() {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+        let s = dev.new_stream().unwrap();
+        let buf = dev.alloc(100).unwrap();
+        for i in 0..4u8 {
+            dev.upload_to(&s, &[i; 100], &buf).unwrap();
+            dev.sync_stream(&s).unwrap();
+        }
+        assert_eq!(dev.download(&s, &buf).unwrap(), vec![3u8; 100]);
+        // the first upload's buffer came back and served the others: one kept, none in flight
+        dev.upload_to(&s, &[9; 100], &buf).unwrap();
+        assert_eq!(dev.inner.staging.lock().len(), 0);
+        assert_eq!(dev.inner.detached.lock().len(), 1);
     }
 
     #[test]

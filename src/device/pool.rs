@@ -82,9 +82,10 @@ struct State {
     stats: PoolStats,
 }
 
-/// Called when the device is full, to make memory that is being released available (e.g. by
-/// waiting for the copies that still hold evicted buffers).
-pub type Reclaim = Arc<dyn Fn() + Send + Sync>;
+/// Called when the device is full with the bytes an allocation needs, to make memory available
+/// (e.g. by giving back buffers kept for reuse, or waiting for the copies that still hold
+/// evicted buffers).
+pub type Reclaim = Arc<dyn Fn(usize) + Send + Sync>;
 
 struct Shared {
     device: Device,
@@ -223,7 +224,7 @@ impl CachingAllocator {
                         let reclaim = self.shared.reclaim.lock().clone();
                         if let Some(r) = reclaim {
                             drop(st);
-                            r();
+                            r(size);
                             st = self.shared.state.lock();
                         }
                         self.shared.device.alloc(size)?
@@ -274,6 +275,27 @@ impl CachingAllocator {
     /// Restarts both peaks at the current values (call at each moment of the tide).
     pub fn reset_peak(&self) {
         self.take_peak();
+    }
+
+    /// Gives cached blocks back to the device, the largest first, until at least `bytes` are
+    /// given back or the cache is empty; returns the bytes given back.
+    pub fn release(&self, bytes: usize) -> usize {
+        let mut st = self.shared.state.lock();
+        let mut freed = 0;
+        while freed < bytes {
+            let Some(mut e) = st.free.last_entry() else {
+                break;
+            };
+            let size = *e.key();
+            e.get_mut().pop();
+            if e.get().is_empty() {
+                e.remove();
+            }
+            freed += size;
+        }
+        let b = &self.shared.bytes;
+        Bytes::add(&b.reserved, &b.peak_reserved, -(freed as isize));
+        freed
     }
 
     /// Returns every cached block to the device; returns the bytes released.
@@ -369,7 +391,8 @@ mod tests {
         assert!(pool.alloc(1024).is_err(), "no hook: the device stays full");
         let calls = Arc::new(AtomicUsize::new(0));
         let (h, c) = (hog.clone(), calls.clone());
-        pool.set_reclaim(Some(Arc::new(move || {
+        pool.set_reclaim(Some(Arc::new(move |bytes| {
+            assert_eq!(bytes, 1024);
             c.fetch_add(1, Ordering::Relaxed);
             h.lock().take();
         })));

@@ -224,9 +224,21 @@ impl SimMem {
     }
 }
 
+/// The user's handle to a [`SimMem`] (what [`Backend::alloc`] returns). Dropping it gives the
+/// bytes back to the capacity at once, as CUDA's stream-ordered allocator makes a freed block
+/// available to the next allocation in stream order: work already queued on the memory still
+/// runs on it (its operations hold the [`SimMem`], released when the last of them is done), and
+/// a new allocation gets memory of its own.
+struct SimHandle(Arc<SimMem>);
+
+impl Drop for SimHandle {
+    fn drop(&mut self) {
+        self.0.shared.used.fetch_sub(self.0.len, Ordering::AcqRel);
+    }
+}
+
 impl Drop for SimMem {
     fn drop(&mut self) {
-        self.shared.used.fetch_sub(self.len, Ordering::AcqRel);
         if self.len == 0 {
             return;
         }
@@ -502,16 +514,16 @@ impl SimBackend {
         })
     }
 
-    /// Bytes currently allocated (including buffers dropped by the user but still referenced by
-    /// queued work).
+    /// Bytes currently allocated: the buffers the user holds (a dropped buffer's bytes return at
+    /// once, in stream order, even while queued work still reads it).
     pub fn used(&self) -> usize {
         self.shared.used.load(Ordering::Acquire)
     }
 }
 
 fn mem(raw: &RawBuffer) -> Result<Arc<SimMem>> {
-    raw.downcast_ref::<Arc<SimMem>>()
-        .cloned()
+    raw.downcast_ref::<SimHandle>()
+        .map(|h| h.0.clone())
         .ok_or_else(|| Error::Sim("buffer was not allocated by a simulated device".into()))
 }
 
@@ -600,11 +612,11 @@ impl Backend for SimBackend {
                         reason: "the system allocator returned null".into(),
                     });
                 };
-                return Ok(Box::new(Arc::new(SimMem {
+                return Ok(Box::new(SimHandle(Arc::new(SimMem {
                     ptr: p,
                     len: bytes,
                     shared: self.shared.clone(),
-                })));
+                }))));
             }
             // SAFETY: non-zero size.
             match reused.or_else(|| NonNull::new(unsafe { std::alloc::alloc(layout) })) {
@@ -626,11 +638,11 @@ impl Backend for SimBackend {
                 }
             }
         };
-        Ok(Box::new(Arc::new(SimMem {
+        Ok(Box::new(SimHandle(Arc::new(SimMem {
             ptr,
             len: bytes,
             shared: self.shared.clone(),
-        })))
+        }))))
     }
 
     fn alloc_host(&self, bytes: usize) -> Result<HostBuffer> {

@@ -79,6 +79,19 @@ struct Payload {
     ready: Option<Event>,
 }
 
+/// The device buffer of an evicted chunk, reused by a later load of a chunk of its size: the
+/// load allocates nothing. Its copy waits, on the device, for `free_after`, recorded on the
+/// compute stream when the chunk was evicted. The scheduler's budget counts evicted chunks'
+/// memory as free, so spares are given back the moment the device is full (to a chunk load or
+/// the non-model pool): on a device that releases memory in stream order, at once.
+pub(super) struct Spare {
+    pub(super) buf: DeviceBuffer,
+    pub(super) free_after: Event,
+}
+
+/// The spares, shared with the non-model pool's hook that gives them back.
+pub(super) type Spares = Arc<parking_lot::Mutex<Vec<Spare>>>;
+
 /// The chunk manager: registers parameters, packs them into chunks, and moves chunks between
 /// device, host and file tiers as the trainer fetches and releases tensors.
 ///
@@ -130,6 +143,9 @@ pub struct ChunkManager {
     /// Non-model bytes live at the current moment, read from the pool when the moment opened.
     non_model_now: u64,
     retiring: Vec<Pending<HostBuffer>>,
+    /// Device buffers of evicted chunks, for later loads of their size (see [`Spare`]); given
+    /// back when the device is full.
+    spares: Spares,
     iter_start: MoveStats,
     last_iter: MoveStats,
     iterations: u64,
@@ -191,6 +207,7 @@ impl ChunkManager {
             non_model: None,
             non_model_now: 0,
             retiring: Vec::new(),
+            spares: Spares::default(),
             iter_start: MoveStats::default(),
             last_iter: MoveStats::default(),
             iterations: 0,
@@ -222,15 +239,22 @@ impl ChunkManager {
     /// feeds the tide. Blocks it caches are not counted: when a chunk does not fit, the manager
     /// empties the pool's cache before giving up.
     ///
-    /// When the pool finds the device full it waits for the manager's streams, which may still
-    /// hold chunks evicted a moment ago (their memory is released once their copies finish).
+    /// When the pool finds the device full it takes back the evicted chunks' buffers the
+    /// manager keeps for reuse, and if that is not enough waits for the manager's streams,
+    /// which may still hold chunks evicted a moment ago (on a device that releases their
+    /// memory once their copies finish).
     pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
-        let (dev, copy, compute) = (
+        let (dev, copy, compute, spares) = (
             self.device.clone(),
             Arc::clone(&self.copy),
             Arc::clone(&self.compute),
+            Arc::clone(&self.spares),
         );
-        pool.set_reclaim(Some(Arc::new(move || {
+        pool.set_reclaim(Some(Arc::new(move |bytes| {
+            spares.lock().clear();
+            if dev.mem_info().is_ok_and(|m| m.free >= bytes) {
+                return;
+            }
             // best effort: an error here resurfaces on the retried allocation
             let _ = dev.sync_stream(&copy);
             let _ = dev.sync_stream(&compute);

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::{ChunkManager, HostSlot, LogKind, LISTS};
+use super::{ChunkManager, HostSlot, LogKind, Spare, LISTS};
 use crate::chunk::tensors::encode;
 use crate::device::{DeviceBuffer, HostBuffer, HostPhase};
 use crate::error::{Error, Result};
@@ -65,12 +65,17 @@ impl ChunkManager {
     /// Loads chunk `c` to a new device copy on the copy stream; returns its bytes.
     fn load(&mut self, c: usize) -> Result<usize> {
         let bytes = self.chunk_bytes(c);
-        let buf = self.alloc_device(bytes)?;
-        self.host_ready(c)?;
-        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
-            unreachable!()
+        let buf = self.load_buffer(bytes)?;
+        let pending = match std::mem::take(&mut self.payload[c].host) {
+            HostSlot::Ready(h) => self.device.copy_h2d(&self.copy, h, &buf)?,
+            // loaded again while written back: after that copy, on the device
+            HostSlot::InFlight(p) => self.device.copy_h2d_after(&self.copy, p, &buf)?,
+            HostSlot::None => {
+                return Err(Error::InvalidArgument(format!(
+                    "chunk {c} has no host copy"
+                )))
+            }
         };
-        let pending = self.device.copy_h2d(&self.copy, h, &buf)?;
         let ev = self.device.new_event()?;
         self.device.record(&self.copy, &ev)?;
         self.payload[c].host = HostSlot::InFlight(pending);
@@ -105,30 +110,62 @@ impl ChunkManager {
     /// Drops chunk `c`'s device copy, which no view may still hold.
     fn drop_device(&mut self, c: usize) -> Result<()> {
         if let Some(buf) = self.payload[c].device.take() {
-            if Arc::strong_count(&buf) > 1 {
-                return Err(Error::ViewAlive {
-                    what: format!("chunk {c}"),
-                    during: "eviction",
-                });
-            }
+            let buf = Arc::try_unwrap(buf).map_err(|_| Error::ViewAlive {
+                what: format!("chunk {c}"),
+                during: "eviction",
+            })?;
+            // kept for a later load: the load's copy waits for the compute work enqueued so far
+            let free_after = self.device.new_event()?;
+            self.device.record(&self.compute, &free_after)?;
+            self.spares.lock().push(Spare { buf, free_after });
         }
         self.payload[c].ready = None;
         Ok(())
     }
 
-    /// Allocates a chunk's device copy; if the device is full because freed chunks are still
-    /// waiting for their copies or the non-model pool caches free blocks, waits for the streams,
-    /// empties the cache and tries once more.
+    /// A device buffer for a chunk load: a spare of `bytes` when there is one (the copy stream
+    /// ordered after the compute work of the chunk it held), else a new one.
+    fn load_buffer(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        let spare = {
+            let mut spares = self.spares.lock();
+            let at = spares.iter().position(|s| s.buf.len() == bytes);
+            at.map(|i| spares.swap_remove(i))
+        };
+        match spare {
+            Some(s) => {
+                self.device.wait_event(&self.copy, &s.free_after)?;
+                Ok(s.buf)
+            }
+            None => self.alloc_device(bytes),
+        }
+    }
+
+    /// Allocates a chunk's device copy. If the device is full, gives back what the budget does
+    /// not count (the spares, the non-model pool's cached blocks) and tries again; if it is
+    /// still full (memory of evicted chunks released only once their copies finish), waits for
+    /// the streams and tries once more.
     pub(super) fn alloc_device(&mut self, bytes: usize) -> Result<DeviceBuffer> {
         match self.device.alloc(bytes) {
             Ok(b) => Ok(b),
             Err(Error::OutOfMemory { .. }) => {
-                self.device.sync_stream(&self.copy)?;
-                self.device.sync_stream(&self.compute)?;
-                if let Some(p) = &self.non_model {
-                    p.empty_cache();
+                // what the budget does not count: the spares, then the pool's cached blocks
+                self.spares.lock().clear();
+                let free = self.device.mem_info()?.free;
+                if let (Some(p), true) = (&self.non_model, free < bytes) {
+                    p.release(bytes - free);
                 }
-                self.device.alloc(bytes)
+                match self.device.alloc(bytes) {
+                    Err(Error::OutOfMemory { .. }) => {
+                        // a device that frees memory only once the work on it is done
+                        self.device.sync_stream(&self.copy)?;
+                        self.device.sync_stream(&self.compute)?;
+                        if let Some(p) = &self.non_model {
+                            p.empty_cache();
+                        }
+                        self.device.alloc(bytes)
+                    }
+                    r => r,
+                }
             }
             Err(e) => Err(e),
         }

@@ -93,7 +93,7 @@ pub fn train_step<S: ParamStore + ?Sized>(
 /// before anything runs.
 ///
 /// ```
-/// use tidemem::data::criteo::{CriteoConfig, CriteoGenerator};
+/// use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
 /// use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
 /// use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 /// use tidemem::ops::embedding::BagMode;
@@ -105,8 +105,8 @@ pub fn train_step<S: ParamStore + ?Sized>(
 /// mc.param_dtype = DType::F32;
 /// let mut store = ChunkManager::new(dev.clone(), mc)?;
 /// let model = Dlrm::register(&mut store, &cfg, 7)?;
-/// let gen = CriteoGenerator::new(CriteoConfig::tiny(), 3)?;
-/// let rows: Vec<usize> = gen.config().cardinalities.iter().map(|&n| n as usize).collect();
+/// let gen = Synthetic::new(SyntheticConfig::new(Dataset::CriteoKaggle).with_scale(0.0002))?;
+/// let rows: Vec<usize> = gen.cardinalities().iter().map(|&n| n as usize).collect();
 /// let total: usize = rows.iter().sum();
 /// let mut emb = CachedEmbeddingCollection::new(
 ///     dev, &rows, cfg.dim, total / 2, BagMode::Sum,
@@ -115,7 +115,8 @@ pub fn train_step<S: ParamStore + ?Sized>(
 /// let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3)))?;
 /// let batches: Vec<_> = (0..3).map(|i| gen.batch(i, 16)).collect();
 /// for (i, b) in batches.iter().enumerate() {
-///     let step = dlrm::train_step_then(&model, &mut store, &mut adam, &mut emb, b, batches.get(i + 1))?;
+///     let next = batches.get(i + 1);
+///     let step = dlrm::train_step_then(&model, &mut store, &mut adam, &mut emb, b, next)?;
 ///     assert!(step.loss.is_finite());
 /// }
 /// # Ok::<(), tidemem::Error>(())

@@ -31,7 +31,7 @@ use serde_json::json;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::data::Ahead;
-use tidemem::device::HostPhase;
+use tidemem::device::{DeviceStats, HostPhase};
 use tidemem::models::gpt::{
     read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, train_two_bw_stream,
     EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
@@ -740,7 +740,7 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
     let results = launch(a.ranks, device_for, Duration::from_secs(300), |c| {
         rank(a, p, c)
     })?;
-    let Some(Some((losses, tokens_per_s, world))) = results.into_iter().next() else {
+    let Some(Some((losses, tokens_per_s, world, step))) = results.into_iter().next() else {
         return Ok(()); // not rank 0 of a launched job
     };
     if a.json {
@@ -748,7 +748,8 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
             "{}",
             json!({ "model": a.model, "ranks": world, "tp": a.tp, "sp": a.sp, "pp": a.pp,
                     "schedule": a.schedule, "micro_batches": a.micro_batches, "losses": losses,
-                    "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity })
+                    "tokens_per_s": tokens_per_s, "device_capacity_bytes": p.capacity,
+                    "device_stats": step.as_ref().map(device_json) })
         );
     } else {
         println!(
@@ -767,7 +768,11 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
 /// One rank's run: on rank 0, the losses averaged over the ranks, tokens/s over all ranks, and
 /// the world size. The ranks form a grid of `--tp` tensor-parallel groups and ZeRO over the
 /// remaining factor (data parallel).
-fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, usize)>> {
+/// What rank 0 reports: the losses, tokens/s, the world size, and its device's counts over the
+/// last step (none for PipeDream-2BW's stream, which runs every step at once).
+type RankReport = (Vec<f32>, f64, usize, Option<DeviceStats>);
+
+fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
     let tensor: TensorMode = a.tp.parse()?;
     let blocks_only = !matches!(tensor, TensorMode::None | TensorMode::OneD { .. });
     if blocks_only && p.hf.is_some() {
@@ -829,7 +834,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
         dp,
         dps,
     };
-    let (losses, tokens, secs) = if spec.data * sp > 1 {
+    let (losses, tokens, secs, step) = if spec.data * sp > 1 {
         // ZeRO over the ranks that hold the same parameters: data × sequence
         let replicas = grid.split_replicas(&c)?;
         let mut z = ZeroManager::new(replicas, manager_config(p))?;
@@ -860,7 +865,7 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<(Vec<f32>, f64, us
     let mut rate = [tokens as f64 / (t * pp) as f64 / secs];
     c.all_reduce_host(&mut rate, ReduceOp::Sum)?;
     let losses = mean.into_iter().map(|l| l as f32).collect();
-    Ok((r == 0).then_some((losses, rate[0], world)))
+    Ok((r == 0).then_some((losses, rate[0], world, step)))
 }
 
 /// What a rank's training loop needs besides its store.
@@ -912,7 +917,7 @@ impl Run<'_> {
         store: &mut S,
         load: impl Fn(&mut S, &mut HybridAdam) -> Result<()>,
         save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
-    ) -> Result<(Vec<f32>, usize, f64)> {
+    ) -> Result<(Vec<f32>, usize, f64, Option<DeviceStats>)> {
         let (a, p) = (self.a, self.p);
         let ends = match a.tp_ends.as_str() {
             "split" => EndsLayout::Split,
@@ -985,11 +990,13 @@ impl Run<'_> {
                 losses.push(s.loss);
                 tokens += s.tokens;
             }
-            return Ok((losses, tokens, t0.elapsed().as_secs_f64()));
+            return Ok((losses, tokens, t0.elapsed().as_secs_f64(), None));
         }
+        let mut step = None;
         for _ in 0..a.steps {
             let batches = self.micro_batches(opt.steps(), m)?;
             let micro = self.views(&batches);
+            let before = store.device().stats();
             let s = match &model {
                 Model::Serial(gpt) => {
                     let (tp, sp) = (self.tp, self.sp);
@@ -1002,6 +1009,7 @@ impl Run<'_> {
                     train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?.0
                 }
             };
+            step = Some(store.device().stats().since(&before));
             losses.push(s.loss);
             tokens += s.tokens;
         }
@@ -1009,7 +1017,7 @@ impl Run<'_> {
             std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
             save(store, &opt)?;
         }
-        Ok((losses, tokens, t0.elapsed().as_secs_f64()))
+        Ok((losses, tokens, t0.elapsed().as_secs_f64(), step))
     }
 }
 

@@ -26,7 +26,10 @@
 use clap::Parser;
 use serde_json::{json, Value};
 use tidemem::optim::DevicePlacement;
-use tidemem::simulate::{gpt, largest_fitting, simulate, GptConfig, SimOptions};
+use tidemem::simulate::{
+    gpt, largest_fitting, simulate, timeline, GptConfig, Rates, Schedule, SimOptions,
+    ADAM_BYTES_PER_ELEMENT,
+};
 use tidemem::tide::Policy;
 use tidemem::units::fmt_bytes;
 use tidemem::units::parse_bytes;
@@ -87,6 +90,21 @@ struct Args {
     /// Skip the largest-model search.
     #[arg(long)]
     no_largest: bool,
+    /// Rates of the step-time prediction: a named profile (h100-pcie5).
+    #[arg(long, default_value = "h100-pcie5")]
+    rates: String,
+    /// Override: device TFLOP/s the ops achieve.
+    #[arg(long)]
+    compute_tflops: Option<f64>,
+    /// Override: link GB/s each way.
+    #[arg(long)]
+    link_gbs: Option<f64>,
+    /// Override: the host optimizer's GB/s (28 bytes an element).
+    #[arg(long)]
+    host_adam_gbs: Option<f64>,
+    /// Override: the file tier's GB/s.
+    #[arg(long)]
+    file_gbs: Option<f64>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -135,9 +153,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         opts.optimizer = DevicePlacement::Auto { fraction };
     }
 
+    let rates = rates(&a)?;
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     let mut common: Option<Value> = None;
+    // the step's time on the first policy that runs, serial and overlapped
+    let mut step_time = Value::Null;
     for p in &policies {
         match simulate(&spec, *p, &opts) {
             Ok(r) => {
@@ -154,6 +175,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         "device_adam_groups": r.device_adam_groups,
                         "bound": { "h2d_bytes": r.bound.h2d_bytes, "d2h_bytes": r.bound.d2h_bytes },
                     }));
+                }
+                if step_time.is_null() {
+                    let mut times = Vec::new();
+                    for s in [Schedule::Serial, Schedule::Overlapped] {
+                        let t = timeline(&spec, *p, &opts, &rates, s)?;
+                        let (slowest, _) = t.slowest();
+                        times.push(json!({
+                            "schedule": format!("{s:?}").to_lowercase(), "step_s": t.step,
+                            "compute_s": t.compute, "h2d_s": t.h2d, "d2h_s": t.d2h,
+                            "host_adam_s": t.host_adam, "file_s": t.file,
+                            "slowest": slowest, "step_over_slowest": t.over_slowest(),
+                        }));
+                    }
+                    step_time = json!({ "policy": p.name(), "rates": rates, "schedules": times });
                 }
                 let total = r.steady.h2d_bytes + r.steady.d2h_bytes;
                 rows.push(json!({
@@ -201,6 +236,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "policies": rows,
         "largest": largest,
         "largest_searched": searched,
+        "step_time": step_time,
     });
     if let (Some(Value::Object(m)), Value::Object(o)) = (common, &mut out) {
         o.extend(m);
@@ -214,6 +250,38 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         return Err(format!("every policy failed: {}", failures.join("; ")).into());
     }
     Ok(())
+}
+
+/// The rates of `--rates` with the overrides.
+fn rates(a: &Args) -> tidemem::Result<Rates> {
+    let mut r = Rates::profile(&a.rates).ok_or_else(|| {
+        tidemem::Error::InvalidArgument(format!(
+            "--rates {}: a profile ({})",
+            a.rates,
+            Rates::PROFILES.join(", ")
+        ))
+    })?;
+    if let Some(t) = a.compute_tflops {
+        r.compute = t * 1e12;
+    }
+    if let Some(g) = a.link_gbs {
+        (r.h2d, r.d2h) = (g * 1e9, g * 1e9);
+    }
+    if let Some(g) = a.host_adam_gbs {
+        r.host_adam = g * 1e9 / ADAM_BYTES_PER_ELEMENT;
+    }
+    if let Some(g) = a.file_gbs {
+        r.file = g * 1e9;
+    }
+    if a.compute_tflops.is_some()
+        || a.link_gbs.is_some()
+        || a.host_adam_gbs.is_some()
+        || a.file_gbs.is_some()
+    {
+        r.name = format!("{} with overrides", r.name);
+    }
+    r.validate()?;
+    Ok(r)
 }
 
 /// Refuses flags that make no sense before any work starts (the model's shape is checked by
@@ -309,6 +377,32 @@ fn print_table(v: &Value) {
             fmt_bytes(r["total_bytes"].as_u64().unwrap_or(0)),
             r["ratio_to_bound"].as_f64().unwrap_or(0.0)
         );
+    }
+    let st = &v["step_time"];
+    if let Some(times) = st["schedules"].as_array() {
+        println!(
+            "a steady step under {} at {} rates:",
+            st["policy"].as_str().unwrap_or("?"),
+            st["rates"]["name"].as_str().unwrap_or("?")
+        );
+        println!(
+            "{:<11} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8} {:>10}",
+            "schedule", "step ms", "compute", "h2d", "d2h", "host Adam", "file", "÷slowest"
+        );
+        let ms = |t: &Value, k: &str| t[k].as_f64().unwrap_or(0.0) * 1e3;
+        for t in times {
+            println!(
+                "{:<11} {:>10.1} {:>10.1} {:>8.1} {:>8.1} {:>10.1} {:>8.1} {:>10.2}",
+                t["schedule"].as_str().unwrap_or("?"),
+                ms(t, "step_s"),
+                ms(t, "compute_s"),
+                ms(t, "h2d_s"),
+                ms(t, "d2h_s"),
+                ms(t, "host_adam_s"),
+                ms(t, "file_s"),
+                t["step_over_slowest"].as_f64().unwrap_or(0.0)
+            );
+        }
     }
     match &v["largest"] {
         Value::Null if v["largest_searched"].as_bool() == Some(false) => {}

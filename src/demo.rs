@@ -240,11 +240,14 @@ impl ToyMlp {
             }
             tensors.push((format!("block{l}.bias"), w));
             let (fwd_non_model, bwd_non_model) = self.non_model(l, dtype);
+            let flops = 2 * (self.batch * w * w) as u64;
             ops.push(OpSpec {
                 name: format!("block{l}"),
                 tensors: vec![wi, tensors.len() - 1],
                 fwd_non_model,
                 bwd_non_model,
+                flops,
+                bwd_flops: 2 * flops,
             });
         }
         ModelSpec {

@@ -30,11 +30,14 @@ impl Gpt {
             .into_iter()
             .map(|(n, s)| (n, s.iter().product()))
             .collect();
+        // FLOPs depend on the batch, which this spec does not fix
         let op = |name: String, tensors: Vec<usize>| OpSpec {
             name,
             tensors,
             fwd_non_model: 0,
             bwd_non_model: 0,
+            flops: 0,
+            bwd_flops: 0,
         };
         let mut ops = vec![op("embed".into(), vec![0, 1])];
         for l in 0..self.config.layers {

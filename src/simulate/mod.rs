@@ -20,6 +20,10 @@
 
 use serde::Serialize;
 
+mod timeline;
+
+pub use timeline::{timeline, Rates, Schedule, StepTime, ADAM_BYTES_PER_ELEMENT};
+
 use crate::chunk::{
     optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkPlan, Layout, SizeSearch,
 };
@@ -42,6 +46,11 @@ pub struct OpSpec {
     pub fwd_non_model: u64,
     /// Non-model device bytes at its backward moment.
     pub bwd_non_model: u64,
+    /// Device FLOPs of its forward (0 where unknown): what [`timeline`] charges the device.
+    pub flops: u64,
+    /// Device FLOPs of its backward moment (twice the forward's for a matrix product, plus a
+    /// forward recomputed in the same moment).
+    pub bwd_flops: u64,
 }
 
 /// One moment of an explicit backward pass ([`ModelSpec::backward`]).
@@ -321,7 +330,13 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
         tensors: vec![wte, wpe],
         fwd_non_model: 2 * sbh,
         bwd_non_model: 4 * sbh,
+        flops: 0,
+        bwd_flops: 0,
     }];
+    // matrix products only: 2 FLOPs a multiply-add, the backward twice the forward, plus the
+    // forward again where a checkpointed layer is recomputed
+    let t = s * b;
+    let back = |f: u64| if c.checkpoint { 3 * f } else { 2 * f };
     let hd = c.hidden;
     for l in 0..c.layers {
         let kept = if c.checkpoint {
@@ -330,7 +345,7 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
             l as u64 * layer_act
         };
         let work = layer_act;
-        let mut op = |name: &str, ts: Vec<(String, usize)>, frac: f64| {
+        let mut op = |name: &str, ts: Vec<(String, usize)>, frac: f64, flops: u64| {
             let ids = ts
                 .into_iter()
                 .map(|(n, k)| add(format!("h{l}.{name}.{n}"), k))
@@ -340,9 +355,11 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
                 tensors: ids,
                 fwd_non_model: kept + (work as f64 * frac) as u64,
                 bwd_non_model: kept + work + (work as f64 * frac) as u64 / 2 + 2 * sbh,
+                flops,
+                bwd_flops: back(flops),
             });
         };
-        op("ln_1", vec![("w".into(), hd), ("b".into(), hd)], 0.1);
+        op("ln_1", vec![("w".into(), hd), ("b".into(), hd)], 0.1, 0);
         op(
             "attn",
             vec![
@@ -352,8 +369,10 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
                 ("proj.b".into(), hd),
             ],
             0.6,
+            // q, k, v and the projection; the scores and their weighted sum
+            8 * t * h * h + 4 * t * s * h,
         );
-        op("ln_2", vec![("w".into(), hd), ("b".into(), hd)], 0.7);
+        op("ln_2", vec![("w".into(), hd), ("b".into(), hd)], 0.7, 0);
         op(
             "mlp",
             vec![
@@ -363,6 +382,7 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
                 ("proj.b".into(), hd),
             ],
             1.0,
+            16 * t * h * h,
         );
     }
     let kept = if c.checkpoint {
@@ -377,12 +397,17 @@ pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
         tensors: vec![lnf_w, lnf_b],
         fwd_non_model: kept + 2 * sbh,
         bwd_non_model: kept + 4 * sbh,
+        flops: 0,
+        bwd_flops: 0,
     });
     ops.push(OpSpec {
         name: "lm_head".into(),
         tensors: vec![wte],
         fwd_non_model: kept + logits,
         bwd_non_model: kept + logits + 2 * sbh,
+        flops: 2 * t * h * v,
+        // the head is not checkpointed
+        bwd_flops: 4 * t * h * v,
     });
     Ok(ModelSpec {
         name: c.name.clone(),
@@ -555,8 +580,48 @@ pub fn sizing(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<
     Sizing::new(trace, plan.chunks)
 }
 
+/// The device FLOPs of each moment of [`iteration_accesses`]: an op's forward, its backward (a
+/// recomputation: its forward again), nothing for the optimizer's moments.
+pub(crate) fn moment_flops(spec: &ModelSpec) -> Vec<u64> {
+    let mut out: Vec<u64> = spec.ops.iter().map(|o| o.flops).collect();
+    match &spec.backward {
+        Some(b) => out.extend(b.iter().map(|b| match b.recompute {
+            true => spec.ops[b.op].flops,
+            false => spec.ops[b.op].bwd_flops,
+        })),
+        None => out.extend(spec.ops.iter().rev().map(|o| o.bwd_flops)),
+    }
+    out
+}
+
+/// One moment of a steady iteration as the scheduler ran it: what it accessed and the moves it
+/// made (the fetch's, the prefetches', the release's, in order).
+#[derive(Clone, Debug)]
+pub(crate) struct MomentMoves {
+    pub(crate) stage: Stage,
+    pub(crate) accesses: Vec<Access>,
+    pub(crate) moves: Vec<crate::tide::Move>,
+}
+
+/// A simulation's chunks and its last steady iteration, moment by moment.
+pub(crate) struct Recorded {
+    pub(crate) chunks: Vec<crate::tide::ChunkDesc>,
+    pub(crate) file: Vec<bool>,
+    pub(crate) group_elems: Vec<usize>,
+    pub(crate) moments: Vec<MomentMoves>,
+}
+
 /// Runs warm-up and steady iterations of `spec` under `policy`.
 pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<SimReport> {
+    run(spec, policy, opts).map(|(r, _)| r)
+}
+
+/// [`simulate`], with the last steady iteration's moments.
+pub(crate) fn run(
+    spec: &ModelSpec,
+    policy: Policy,
+    opts: &SimOptions,
+) -> Result<(SimReport, Recorded)> {
     spec.validate()?;
     let chunk_elems = chunk_size_for(spec, opts)?;
     let plan = ChunkPlan::new(&spec.numels(), chunk_elems, opts.param_bytes)?;
@@ -576,18 +641,25 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
     let mut tracer = Tracer::new();
     let mut warmup = MoveStats::default();
     let mut steady = MoveStats::default();
+    let mut moments = Vec::new();
     for it in 0..=opts.iterations.max(1) {
         let before = sched.stats();
         sched.start_iteration();
+        moments.clear();
         for (stage, acc, nm) in &iter {
             sched.tick();
             if it == 0 {
                 tracer.tick(*stage, acc.clone(), *nm);
             }
-            sched.fetch(acc)?;
-            sched.prefetch();
+            let mut moves = sched.fetch(acc)?;
+            moves.extend(sched.prefetch());
             let chunks: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
-            sched.release(&chunks)?;
+            moves.extend(sched.release(&chunks)?);
+            moments.push(MomentMoves {
+                stage: *stage,
+                accesses: acc.clone(),
+                moves,
+            });
         }
         let d = sched.stats().since(&before);
         if it == 0 {
@@ -624,7 +696,7 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
         .map(|m| sched.budget_at(m))
         .min()
         .unwrap_or(0);
-    Ok(SimReport {
+    let report = SimReport {
         policy: policy.name(),
         warmup,
         steady,
@@ -639,7 +711,14 @@ pub fn simulate(spec: &ModelSpec, policy: Policy, opts: &SimOptions) -> Result<S
         device_peak: sched.device_peak(),
         moments: trace.len(),
         device_adam_groups,
-    })
+    };
+    let recorded = Recorded {
+        chunks: plan.chunks.clone(),
+        file,
+        group_elems: plan.layout.group_elems.clone(),
+        moments,
+    };
+    Ok((report, recorded))
 }
 
 /// The largest model of the shape of `base` (same hidden size, heads, sequence, batch; more or

@@ -1,0 +1,573 @@
+//! How long a step takes: the simulator's moves and moments on a timeline of resources with
+//! rates.
+//!
+//! [`timeline`] replays the last steady iteration of [`simulate`](super::simulate) (the same
+//! scheduler decisions, moment by moment) three times back to back on five resources: the
+//! device's compute, the link each way, the host's optimizer and the file tier. Each resource
+//! runs one thing at a time, in the order the manager issues them; a thing starts once its
+//! resource is free and its inputs are ready:
+//!
+//! * a **load** after the chunk's host copy is current (its write-back done, its host step done,
+//!   its file read done) and after the memory the moment's evictions free;
+//! * a **write-back** after the last compute that used the chunk;
+//! * an op's **compute** after the loads of the chunks it reads, for its FLOPs at
+//!   [`Rates::compute`]; a device optimizer group for its elements at [`Rates::device_adam`];
+//! * a **host optimizer group** after its gradients are down, for its elements at
+//!   [`Rates::host_adam`]: under [`Schedule::Serial`] only once the whole backward has run (the
+//!   global norm and the overflow flag decide the step), under [`Schedule::Overlapped`] as soon
+//!   as its own gradients are final (its optimizer moment moved to just after the group's last
+//!   backward use, as a speculative step validated after backward would run; redone steps are
+//!   not charged).
+//!
+//! The step is the third iteration's span; [`StepTime`] gives it with each resource's busy time
+//! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
+//!
+//! ```
+//! use tidemem::simulate::{gpt, timeline, GptConfig, Rates, Schedule, SimOptions};
+//! use tidemem::tide::Policy;
+//! # fn main() -> tidemem::Result<()> {
+//! let model = gpt(&GptConfig::preset("gpt2-small").unwrap())?;
+//! let rates = Rates::profile("h100-pcie5").unwrap();
+//! let opts = SimOptions::new(4 << 30, 64 << 30);
+//! let serial = timeline(&model, Policy::Tide, &opts, &rates, Schedule::Serial)?;
+//! let overlapped = timeline(&model, Policy::Tide, &opts, &rates, Schedule::Overlapped)?;
+//! assert!(overlapped.step <= serial.step);
+//! assert!(serial.over_slowest() >= 1.0);
+//! # Ok(()) }
+//! ```
+
+use serde::Serialize;
+
+use super::{moment_flops, run, ModelSpec, MomentMoves, Recorded, SimOptions};
+use crate::chunk::ChunkKind;
+use crate::error::{Error, Result};
+use crate::tensor::Stage;
+use crate::tide::{Move, Policy, Target};
+
+/// The rates of the resources a step uses.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Rates {
+    /// Where the figures come from.
+    pub name: String,
+    /// Device FLOP/s the ops achieve.
+    pub compute: f64,
+    /// Host → device bytes/s.
+    pub h2d: f64,
+    /// Device → host bytes/s.
+    pub d2h: f64,
+    /// The host optimizer's elements/s (CPU Adam).
+    pub host_adam: f64,
+    /// The device optimizer's elements/s.
+    pub device_adam: f64,
+    /// The file tier's bytes/s, each way.
+    pub file: f64,
+}
+
+/// Bytes a mixed-precision Adam step reads and writes an element: the 16-bit gradient and
+/// parameter, the fp32 master, momentum and variance each read and written.
+pub const ADAM_BYTES_PER_ELEMENT: f64 = 28.0;
+
+impl Rates {
+    /// The named profiles [`Rates::profile`] knows.
+    pub const PROFILES: [&'static str; 1] = ["h100-pcie5"];
+
+    /// A named profile:
+    ///
+    /// * `h100-pcie5`: figures this crate measured on one H100 — the link at 54.9 GB/s each way
+    ///   (pinned, 256 MiB), cuBLAS bf16 at 575 TFLOP/s (the low end of 575–868 at GPT-2
+    ///   shapes), CUDA Adam at 2.9 TB/s ([`ADAM_BYTES_PER_ELEMENT`] an element) — with the
+    ///   host's CPU Adam at 44.1 GB/s (measured on this crate's 2-core CI machine kind; the
+    ///   H100 host's was not measured) and the file tier at 3 GB/s (assumed: one PCIe 4 NVMe
+    ///   drive, not measured).
+    pub fn profile(name: &str) -> Option<Rates> {
+        match name {
+            "h100-pcie5" => Some(Rates {
+                name: name.into(),
+                compute: 575e12,
+                h2d: 54.9e9,
+                d2h: 54.9e9,
+                host_adam: 44.1e9 / ADAM_BYTES_PER_ELEMENT,
+                device_adam: 2.9e12 / ADAM_BYTES_PER_ELEMENT,
+                file: 3e9,
+            }),
+            _ => None,
+        }
+    }
+
+    /// Checks that every rate is finite and above zero.
+    pub fn validate(&self) -> Result<()> {
+        for (what, v) in [
+            ("compute", self.compute),
+            ("h2d", self.h2d),
+            ("d2h", self.d2h),
+            ("host_adam", self.host_adam),
+            ("device_adam", self.device_adam),
+            ("file", self.file),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::InvalidArgument(format!(
+                    "rate {what} = {v}: a finite rate above 0"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// When the host steps its chunk groups.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum Schedule {
+    /// After the whole backward (ZeRO-Offload's and PatrickStar's order).
+    Serial,
+    /// Each group as soon as its gradients are final, while backward goes on.
+    Overlapped,
+}
+
+/// A steady step on the timeline: its length and each resource's busy time in it, in seconds.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct StepTime {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// The step.
+    pub step: f64,
+    /// Device compute (ops and device optimizer groups).
+    pub compute: f64,
+    /// The host → device link.
+    pub h2d: f64,
+    /// The device → host link.
+    pub d2h: f64,
+    /// The host optimizer.
+    pub host_adam: f64,
+    /// The file tier.
+    pub file: f64,
+}
+
+impl StepTime {
+    /// The busiest resource and its busy time.
+    pub fn slowest(&self) -> (&'static str, f64) {
+        [
+            ("compute", self.compute),
+            ("h2d", self.h2d),
+            ("d2h", self.d2h),
+            ("host optimizer", self.host_adam),
+            ("file", self.file),
+        ]
+        .into_iter()
+        .fold(("compute", 0.0), |a, b| if b.1 > a.1 { b } else { a })
+    }
+
+    /// The step divided by the busiest resource's time (1: the step is as long as its slowest
+    /// resource; infinite for a step that keeps nothing busy).
+    pub fn over_slowest(&self) -> f64 {
+        self.step / self.slowest().1
+    }
+}
+
+/// The steady step of `spec` under `policy` and `opts` (as [`simulate`](super::simulate) runs
+/// it) at `rates`, on `schedule`.
+pub fn timeline(
+    spec: &ModelSpec,
+    policy: Policy,
+    opts: &SimOptions,
+    rates: &Rates,
+    schedule: Schedule,
+) -> Result<StepTime> {
+    rates.validate()?;
+    let (_, rec) = run(spec, policy, opts)?;
+    let flops = moment_flops(spec);
+    let order = moment_order(&rec, schedule);
+    let mut t = Timeline::new(&rec, rates, schedule);
+    let mut ends = [0.0; 3];
+    for end in &mut ends {
+        t.busy = Busy::default();
+        for &m in &order {
+            t.moment(&rec.moments[m], flops.get(m).copied().unwrap_or(0))?;
+        }
+        *end = t.end();
+    }
+    let b = t.busy;
+    Ok(StepTime {
+        schedule,
+        step: ends[2] - ends[1],
+        compute: b.compute,
+        h2d: b.h2d,
+        d2h: b.d2h,
+        host_adam: b.host_adam,
+        file: b.file,
+    })
+}
+
+/// The order the manager runs the moments in: as recorded, or with each host group's optimizer
+/// moment moved to just after the backward moment that writes its parameter chunk's last
+/// gradient.
+fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<usize> {
+    let n = rec.moments.len();
+    if schedule == Schedule::Serial {
+        return (0..n).collect();
+    }
+    let is_param = |c: u32| rec.chunks[c as usize].kind == ChunkKind::Param;
+    let host_step = |m: &MomentMoves| {
+        m.stage == Stage::Optimizer
+            && m.accesses
+                .iter()
+                .any(|a| a.target == Target::Host && is_param(a.chunk))
+    };
+    // the last backward moment writing each chunk
+    let mut last_write = vec![None; rec.chunks.len()];
+    for (i, m) in rec.moments.iter().enumerate() {
+        if m.stage == Stage::Backward {
+            for a in m.accesses.iter().filter(|a| a.write) {
+                last_write[a.chunk as usize] = Some(i);
+            }
+        }
+    }
+    let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];
+    let mut order = Vec::with_capacity(n);
+    let mut moved = vec![false; n];
+    for (i, m) in rec.moments.iter().enumerate() {
+        if host_step(m) {
+            let param = m
+                .accesses
+                .iter()
+                .find(|a| is_param(a.chunk))
+                .map(|a| a.chunk as usize);
+            if let Some(w) = param.and_then(|c| last_write[c]) {
+                after[w].push(i);
+                moved[i] = true;
+            }
+        }
+    }
+    for i in 0..n {
+        if moved[i] {
+            continue;
+        }
+        order.push(i);
+        order.extend(&after[i]);
+    }
+    order
+}
+
+/// Busy seconds per resource.
+#[derive(Clone, Copy, Debug, Default)]
+struct Busy {
+    compute: f64,
+    h2d: f64,
+    d2h: f64,
+    host_adam: f64,
+    file: f64,
+}
+
+/// Resource clocks and chunk readiness.
+struct Timeline<'a> {
+    rec: &'a Recorded,
+    rates: &'a Rates,
+    schedule: Schedule,
+    /// When each resource is next free.
+    compute: f64,
+    h2d: f64,
+    d2h: f64,
+    host: f64,
+    file: f64,
+    /// When each chunk's device copy is loaded.
+    ready: Vec<f64>,
+    /// When the last compute using each chunk ends.
+    last_use: Vec<f64>,
+    /// When each chunk's host copy is current.
+    host_ok: Vec<f64>,
+    /// When the backward in progress (or last run) ended: the serial host step's barrier.
+    backward_end: f64,
+    in_backward: bool,
+    busy: Busy,
+}
+
+impl<'a> Timeline<'a> {
+    fn new(rec: &'a Recorded, rates: &'a Rates, schedule: Schedule) -> Self {
+        let n = rec.chunks.len();
+        Timeline {
+            rec,
+            rates,
+            schedule,
+            compute: 0.0,
+            h2d: 0.0,
+            d2h: 0.0,
+            host: 0.0,
+            file: 0.0,
+            ready: vec![0.0; n],
+            last_use: vec![0.0; n],
+            host_ok: vec![0.0; n],
+            backward_end: 0.0,
+            in_backward: false,
+            busy: Busy::default(),
+        }
+    }
+
+    fn end(&self) -> f64 {
+        [self.compute, self.h2d, self.d2h, self.host, self.file]
+            .into_iter()
+            .fold(0.0, f64::max)
+    }
+
+    fn bytes(&self, c: u32) -> f64 {
+        self.rec.chunks[c as usize].bytes as f64
+    }
+
+    fn moment(&mut self, m: &MomentMoves, flops: u64) -> Result<()> {
+        match (m.stage, self.in_backward) {
+            (Stage::Backward, false) => self.in_backward = true,
+            (Stage::Optimizer, true) => {
+                self.in_backward = false;
+                self.backward_end = self.compute;
+            }
+            (Stage::Forward, true) => self.in_backward = false,
+            _ => {}
+        }
+        // the moment's evictions free memory its loads go into
+        let mut freed = 0.0f64;
+        for mv in &m.moves {
+            match *mv {
+                Move::WriteBack { chunk } => {
+                    let c = chunk as usize;
+                    let bytes = self.bytes(chunk);
+                    let start = self.d2h.max(self.last_use[c]);
+                    let dt = bytes / self.rates.d2h;
+                    self.d2h = start + dt;
+                    self.busy.d2h += dt;
+                    self.host_ok[c] = self.d2h;
+                    if self.rec.file[c] {
+                        let dt = bytes / self.rates.file;
+                        self.file = self.file.max(self.d2h) + dt;
+                        self.busy.file += dt;
+                        self.host_ok[c] = self.file;
+                    }
+                    freed = freed.max(self.d2h);
+                }
+                Move::Drop { chunk } => freed = freed.max(self.last_use[chunk as usize]),
+                Move::Load { chunk, .. } => {
+                    let c = chunk as usize;
+                    let bytes = self.bytes(chunk);
+                    let mut src = self.host_ok[c];
+                    if self.rec.file[c] {
+                        let dt = bytes / self.rates.file;
+                        self.file = self.file.max(src) + dt;
+                        self.busy.file += dt;
+                        src = self.file;
+                    }
+                    let dt = bytes / self.rates.h2d;
+                    self.h2d = self.h2d.max(src).max(freed) + dt;
+                    self.busy.h2d += dt;
+                    self.ready[c] = self.h2d;
+                }
+                Move::Materialize { .. } | Move::FreeHost { .. } => {}
+            }
+        }
+        let on_device = m.accesses.iter().filter(|a| a.target == Target::Device);
+        let inputs = on_device
+            .map(|a| self.ready[a.chunk as usize])
+            .fold(0.0, f64::max);
+        match m.stage {
+            Stage::Forward | Stage::Backward => {
+                let dt = flops as f64 / self.rates.compute;
+                self.compute = self.compute.max(inputs) + dt;
+                self.busy.compute += dt;
+                for a in &m.accesses {
+                    self.last_use[a.chunk as usize] = self.compute;
+                }
+            }
+            Stage::Optimizer => self.optimizer(m, inputs)?,
+        }
+        Ok(())
+    }
+
+    fn optimizer(&mut self, m: &MomentMoves, inputs: f64) -> Result<()> {
+        let param = m
+            .accesses
+            .iter()
+            .find(|a| self.rec.chunks[a.chunk as usize].kind == ChunkKind::Param)
+            .ok_or_else(|| {
+                Error::InvalidArgument("an optimizer moment without its group".into())
+            })?;
+        let group = self.rec.chunks[param.chunk as usize].group as usize;
+        let elems = self.rec.group_elems.get(group).copied().unwrap_or(0) as f64;
+        if param.target == Target::Device {
+            let dt = elems / self.rates.device_adam;
+            self.compute = self.compute.max(inputs) + dt;
+            self.busy.compute += dt;
+            for a in &m.accesses {
+                self.last_use[a.chunk as usize] = self.compute;
+            }
+            return Ok(());
+        }
+        // the gradients and the optimizer state on the host: what lives on the file tier is
+        // read in first (as soon as the file is free: ahead of the step) and written after it
+        let mut start = self.host;
+        for a in &m.accesses {
+            let c = a.chunk as usize;
+            let mut at = self.host_ok[c];
+            if self.rec.file[c] {
+                let dt = self.bytes(a.chunk) / self.rates.file;
+                self.file = self.file.max(at) + dt;
+                self.busy.file += dt;
+                at = self.file;
+            }
+            start = start.max(at);
+        }
+        if self.schedule == Schedule::Serial {
+            start = start.max(self.backward_end);
+        }
+        let dt = elems / self.rates.host_adam;
+        self.host = start + dt;
+        self.busy.host_adam += dt;
+        for a in &m.accesses {
+            // the host copies are the new values (the device copies are stale)
+            let c = a.chunk as usize;
+            self.host_ok[c] = self.host;
+            if self.rec.file[c] {
+                let dt = self.bytes(a.chunk) / self.rates.file;
+                self.file = self.file.max(self.host) + dt;
+                self.busy.file += dt;
+                self.host_ok[c] = self.file;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::simulate::{gpt, GptConfig};
+
+    fn small() -> ModelSpec {
+        gpt(&GptConfig {
+            name: "small".into(),
+            layers: 4,
+            hidden: 256,
+            heads: 4,
+            vocab: 4096,
+            seq: 128,
+            batch: 2,
+            checkpoint: false,
+        })
+        .unwrap()
+    }
+
+    fn rates() -> Rates {
+        Rates {
+            name: "test".into(),
+            compute: 1e12,
+            h2d: 10e9,
+            d2h: 10e9,
+            host_adam: 1e9,
+            device_adam: 1e11,
+            file: 1e9,
+        }
+    }
+
+    fn run(opts: &SimOptions, r: &Rates, s: Schedule) -> StepTime {
+        timeline(&small(), Policy::Tide, opts, r, s).unwrap()
+    }
+
+    /// Every configuration: the step is at least its busiest resource, and at most the sum of
+    /// every resource's time (nothing runs twice); overlap never lengthens it.
+    #[test]
+    fn a_step_lies_between_its_slowest_resource_and_the_sum() {
+        let spec = small();
+        let model = {
+            let r =
+                crate::simulate::simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
+                    .unwrap();
+            r.model_data_bytes
+        };
+        for (device, host) in [
+            (1u64 << 40, 1u64 << 40),
+            (model / 3 + (8 << 20), 1 << 40),
+            (model / 3 + (8 << 20), model / 2),
+        ] {
+            let opts = SimOptions::new(device, host);
+            for host_adam in [1e8, 1e9, 1e11] {
+                let r = Rates {
+                    host_adam,
+                    ..rates()
+                };
+                let serial = run(&opts, &r, Schedule::Serial);
+                let over = run(&opts, &r, Schedule::Overlapped);
+                for t in [&serial, &over] {
+                    let sum = t.compute + t.h2d + t.d2h + t.host_adam + t.file;
+                    assert!(t.over_slowest() >= 1.0 - 1e-9, "{t:?}");
+                    assert!(t.step <= sum * (1.0 + 1e-9), "{t:?}");
+                }
+                assert!(
+                    over.step <= serial.step * (1.0 + 1e-9),
+                    "{over:?} {serial:?}"
+                );
+                // the same work on both schedules
+                assert_eq!(
+                    (over.compute, over.h2d, over.host_adam),
+                    (serial.compute, serial.h2d, serial.host_adam)
+                );
+            }
+        }
+    }
+
+    /// Resident with Adam on the host: the serial step is backward then the host's Adam (the
+    /// forward's loads wait for it); overlapped, the host's Adam of all but the last groups hides
+    /// under backward.
+    #[test]
+    fn overlap_hides_the_host_step_under_backward() {
+        let opts = SimOptions::new(1 << 40, 1 << 40);
+        // a host optimizer about as slow as backward
+        let probe = run(&opts, &rates(), Schedule::Serial);
+        let r = Rates {
+            host_adam: rates().host_adam * probe.host_adam / (0.6 * probe.compute),
+            ..rates()
+        };
+        let serial = run(&opts, &r, Schedule::Serial);
+        let over = run(&opts, &r, Schedule::Overlapped);
+        assert!(
+            serial.step >= serial.compute + 0.9 * serial.host_adam,
+            "{serial:?}"
+        );
+        // all but the embedding's group (the first forward use, the last backward one)
+        assert!(
+            over.step < serial.step - 0.2 * serial.host_adam,
+            "{over:?} vs {serial:?}"
+        );
+        assert!(over.over_slowest() < serial.over_slowest());
+    }
+
+    /// Model data beyond host memory goes through the file tier, which the timeline charges.
+    #[test]
+    fn the_file_tier_is_charged() {
+        let all = run(
+            &SimOptions::new(1 << 40, 1 << 40),
+            &rates(),
+            Schedule::Serial,
+        );
+        assert_eq!(all.file, 0.0);
+        let spec = small();
+        let model =
+            crate::simulate::simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
+                .unwrap()
+                .model_data_bytes;
+        let spill = run(
+            &SimOptions::new(1 << 40, model / 2),
+            &rates(),
+            Schedule::Serial,
+        );
+        assert!(spill.file > 0.0 && spill.step > all.step, "{spill:?}");
+    }
+
+    #[test]
+    fn bad_rates_are_refused() {
+        let opts = SimOptions::new(1 << 40, 1 << 40);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let r = Rates {
+                h2d: bad,
+                ..rates()
+            };
+            assert!(timeline(&small(), Policy::Tide, &opts, &r, Schedule::Serial).is_err());
+        }
+        assert!(Rates::profile("h100-pcie5").unwrap().validate().is_ok());
+        assert!(Rates::profile("nope").is_none());
+    }
+}

@@ -14,10 +14,11 @@
 //!   [`Rates::compute`]; a device optimizer group for its elements at [`Rates::device_adam`];
 //! * a **host optimizer group** after its gradients are down, for its elements at
 //!   [`Rates::host_adam`]: under [`Schedule::Serial`] only once the whole backward has run (the
-//!   global norm and the overflow flag decide the step), under [`Schedule::Overlapped`] as soon
-//!   as its own gradients are final (its optimizer moment moved to just after the group's last
-//!   backward use, as a speculative step validated after backward would run; redone steps are
-//!   not charged).
+//!   global norm and the overflow flag decide the step), and the training thread, which steps
+//!   it, issues nothing more until it is done; under [`Schedule::Overlapped`] on worker threads
+//!   as soon as its own gradients are final (its optimizer moment moved to just after the
+//!   group's last backward use, as a speculative step validated after backward would run;
+//!   redone steps are not charged).
 //!
 //! The step is the third iteration's span; [`StepTime`] gives it with each resource's busy time
 //! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
@@ -276,6 +277,8 @@ struct Timeline<'a> {
     host_ok: Vec<f64>,
     /// When the backward in progress (or last run) ended: the serial host step's barrier.
     backward_end: f64,
+    /// Serial: when the host thread, which steps its groups itself, issues the next work.
+    issue: f64,
     in_backward: bool,
     busy: Busy,
 }
@@ -296,6 +299,7 @@ impl<'a> Timeline<'a> {
             last_use: vec![0.0; n],
             host_ok: vec![0.0; n],
             backward_end: 0.0,
+            issue: 0.0,
             in_backward: false,
             busy: Busy::default(),
         }
@@ -328,7 +332,7 @@ impl<'a> Timeline<'a> {
                 Move::WriteBack { chunk } => {
                     let c = chunk as usize;
                     let bytes = self.bytes(chunk);
-                    let start = self.d2h.max(self.last_use[c]);
+                    let start = self.d2h.max(self.last_use[c]).max(self.issue);
                     let dt = bytes / self.rates.d2h;
                     self.d2h = start + dt;
                     self.busy.d2h += dt;
@@ -353,7 +357,7 @@ impl<'a> Timeline<'a> {
                         src = self.file;
                     }
                     let dt = bytes / self.rates.h2d;
-                    self.h2d = self.h2d.max(src).max(freed) + dt;
+                    self.h2d = self.h2d.max(src).max(freed).max(self.issue) + dt;
                     self.busy.h2d += dt;
                     self.ready[c] = self.h2d;
                 }
@@ -363,7 +367,7 @@ impl<'a> Timeline<'a> {
         let on_device = m.accesses.iter().filter(|a| a.target == Target::Device);
         let inputs = on_device
             .map(|a| self.ready[a.chunk as usize])
-            .fold(0.0, f64::max);
+            .fold(self.issue, f64::max);
         match m.stage {
             Stage::Forward | Stage::Backward => {
                 let dt = flops as f64 / self.rates.compute;
@@ -417,6 +421,10 @@ impl<'a> Timeline<'a> {
         let dt = elems / self.rates.host_adam;
         self.host = start + dt;
         self.busy.host_adam += dt;
+        if self.schedule == Schedule::Serial {
+            // the host thread steps the group itself: it issues nothing meanwhile
+            self.issue = self.host;
+        }
         for a in &m.accesses {
             // the host copies are the new values (the device copies are stale)
             let c = a.chunk as usize;

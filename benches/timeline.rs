@@ -1,0 +1,207 @@
+//! The simulator's step time ([`timeline`]) against measured steps on this machine.
+//!
+//! A toy MLP (16 blocks of 512 × 512 in fp16, batch 1,024) trains with `HybridAdam` on the
+//! host on a simulated device whose links run at 1 GB/s each way ([`LinkModel`]). The rates
+//! come from measurements in the same run: the device's compute from a forward and backward on
+//! a roomy device without a link model (the model's FLOPs over its time), the host optimizer
+//! from the step alone on that device (elements over its time), the link from the link model,
+//! and the file tier from writing and reading a file-backed buffer (mapped, as the manager's). Each configuration's predicted serial
+//! step is then compared with the mean of measured steps:
+//!
+//! * roomy: every chunk fits (the host-stepped parameters still go up every step);
+//! * small: the device holds the activations and a third of the parameter chunks;
+//! * small + file: as small, with host memory for half the model data (the optimizer state
+//!   spills to the file tier).
+//!
+//! Prints each configuration's predicted and measured step and their ratio (target: within
+//! 15%), with the resources' predicted busy times. Not a criterion bench: one measured run per
+//! configuration is the figure.
+//!
+//! ```sh
+//! cargo bench --bench timeline
+//! ```
+
+use std::time::{Duration, Instant};
+
+use tidemem::demo::{ToyIds, ToyMlp};
+use tidemem::device::{Device, LinkModel, SimConfig};
+use tidemem::prelude::*;
+use tidemem::simulate::{simulate, timeline, Rates, Schedule, SimOptions};
+
+const TOY: ToyMlp = ToyMlp {
+    layers: 16,
+    width: 512,
+    batch: 1024,
+    tied: false,
+    lr: 1e-3,
+};
+const STEPS: u64 = 6;
+const LINK_GBPS: f64 = 1.0;
+
+fn manager(device: Device, host: Option<u64>, dir: &std::path::Path) -> (ChunkManager, ToyIds) {
+    let mut cfg = ManagerConfig::new(TOY.chunk_elems(), Policy::Tide);
+    cfg.param_dtype = DType::F16;
+    cfg.host_budget = host;
+    cfg.file_dir = host.map(|_| dir.to_path_buf());
+    let mut m = ChunkManager::new(device, cfg).expect("manager");
+    let ids = TOY.register(&mut m).expect("register");
+    (m, ids)
+}
+
+fn adam() -> HybridAdam {
+    HybridAdam::new(HybridConfig {
+        placement: tidemem::optim::DevicePlacement::HostOnly,
+        ..HybridConfig::new(AdamConfig::adam(TOY.lr))
+    })
+    .expect("adam")
+}
+
+/// Mean seconds of the steps after two warm ones: `step` runs one.
+fn mean_step(mut step: impl FnMut(u64)) -> f64 {
+    for s in 0..2 {
+        step(s);
+    }
+    let t = Instant::now();
+    for s in 2..2 + STEPS {
+        step(s);
+    }
+    t.elapsed().as_secs_f64() / STEPS as f64
+}
+
+/// The rates of this machine's simulated device, measured.
+fn measured_rates(dir: &std::path::Path) -> Rates {
+    let spec = TOY.spec_for(DType::F16);
+    let flops: u64 = spec.ops.iter().map(|o| o.flops + o.bwd_flops).sum();
+    let dev = Device::sim(SimConfig::with_capacity(4 << 30)).expect("device");
+    let (mut m, ids) = manager(dev, None, dir);
+    let mut opt = adam();
+    // compute: forward and backward alone
+    let compute = mean_step(|s| {
+        TOY.forward_backward(&mut m, &ids, s, 1.0, (0, 1))
+            .expect("fwd/bwd");
+        m.synchronize().expect("sync");
+        m.skip_step().expect("skip");
+    });
+    // the host optimizer: the step alone (no link model: its copies are memcpys)
+    let mut adam_time = Duration::ZERO;
+    for s in 0..2 + STEPS {
+        TOY.forward_backward(&mut m, &ids, s, 1.0, (0, 1))
+            .expect("fwd/bwd");
+        m.synchronize().expect("sync");
+        let t = Instant::now();
+        opt.step(&mut m).expect("step");
+        if s >= 2 {
+            adam_time += t.elapsed();
+        }
+    }
+    let elems = spec.params() as f64;
+    // the file tier as the manager uses it: a chunk-sized file-backed buffer, mapped once,
+    // written and read
+    let file = {
+        let store = tidemem::device::FileStore::new(dir).expect("file store");
+        let bytes = TOY.chunk_elems() * 4;
+        let src = vec![7u8; bytes];
+        let mut back = vec![0u8; bytes];
+        let mut b = store.alloc(bytes).expect("file buffer");
+        b.copy_from_slice(&src);
+        let t = Instant::now();
+        for _ in 0..8 {
+            b.copy_from_slice(&src);
+            back.copy_from_slice(&b);
+        }
+        let secs = t.elapsed().as_secs_f64();
+        assert_eq!(back[bytes - 1], 7);
+        2.0 * 8.0 * bytes as f64 / secs
+    };
+    Rates {
+        name: "this machine's simulated device, measured".into(),
+        compute: flops as f64 / compute,
+        h2d: LINK_GBPS * 1e9,
+        d2h: LINK_GBPS * 1e9,
+        host_adam: elems / (adam_time.as_secs_f64() / STEPS as f64),
+        device_adam: f64::MAX / 4.0,
+        file,
+    }
+}
+
+fn main() {
+    let dir = std::env::temp_dir().join(format!("tidemem-timeline-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("scratch directory");
+    let rates = measured_rates(&dir);
+    println!(
+        "rates measured here: compute {:.1} GFLOP/s, link {LINK_GBPS} GB/s each way, host Adam \
+         {:.0} M elements/s, file {:.2} GB/s",
+        rates.compute / 1e9,
+        rates.host_adam / 1e6,
+        rates.file / 1e9
+    );
+    let spec = TOY.spec_for(DType::F16);
+    let model = simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
+        .expect("simulate")
+        .model_data_bytes;
+    let params = spec.params() * 2;
+    let peak = TOY.non_model_peak(DType::F16) as u64;
+    // room for the activations (and the pool's rounding) and a third of the parameters
+    let small = peak + peak / 4 + params / 3;
+    let configs = [
+        ("roomy", 4u64 << 30, None),
+        ("small", small, None),
+        ("small + file", small, Some(model / 2)),
+    ];
+    println!(
+        "{:<14} {:>11} {:>11} {:>7}   predicted busy: compute / h2d / d2h / host Adam / file (ms)",
+        "config", "predicted", "measured", "ratio"
+    );
+    let mut worst: f64 = 0.0;
+    for (name, capacity, host) in configs {
+        let link = LinkModel {
+            h2d_gbps: LINK_GBPS,
+            d2h_gbps: LINK_GBPS,
+            d2d_gbps: 1000.0,
+            latency: Duration::from_micros(10),
+        };
+        let dev = Device::sim(SimConfig::with_capacity(capacity as usize).link(link)).expect("dev");
+        let (mut m, ids) = manager(dev, host, &dir);
+        let mut opt = adam();
+        let dev = m.device().clone();
+        let measured = mean_step(|s| {
+            if s == 2 {
+                dev.start_profile();
+            }
+            TOY.forward_backward(&mut m, &ids, s, 1.0, (0, 1))
+                .expect("fwd/bwd");
+            opt.step(&mut m).expect("step");
+        });
+        let profile = dev
+            .stop_profile()
+            .expect("profile")
+            .per_step(STEPS as usize);
+        let mut opts = SimOptions::new(capacity, host.unwrap_or(1 << 40));
+        opts.chunk_elems = Some(TOY.chunk_elems());
+        opts.scheduler = *m.scheduler().expect("steady").config();
+        opts.param_bytes = 2;
+        let t = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Serial).expect("timeline");
+        let ratio = t.step / measured;
+        worst = worst.max((ratio - 1.0).abs());
+        let ms = |x: f64| x * 1e3;
+        println!(
+            "{name:<14} {:>9.1}ms {:>9.1}ms {:>7.3}   {:.1} / {:.1} / {:.1} / {:.1} / {:.1}",
+            ms(t.step),
+            ms(measured),
+            ratio,
+            ms(t.compute),
+            ms(t.h2d),
+            ms(t.d2h),
+            ms(t.host_adam),
+            ms(t.file)
+        );
+        if std::env::var_os("TIDEMEM_TIMELINE_PROFILE").is_some() {
+            println!("{profile}");
+        }
+    }
+    println!(
+        "worst prediction off by {:.1}% (target ≤ 15%)",
+        100.0 * worst
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -622,13 +622,13 @@ fn mfu_text(mfu: Option<f64>, digits: usize) -> String {
 /// `--batch` sequences, `L = --seq / ring size`, `r` the rank in the ring.
 fn positions_of(
     (tokens, targets): &(Vec<i32>, Vec<i32>),
-    a: &Args,
-    ring: &Communicator,
+    (batch, seq): (usize, usize),
+    (rank, world): (usize, usize),
 ) -> (Vec<i32>, Vec<i32>) {
-    let l = a.seq / ring.world();
-    let at = |i: usize| i * a.seq + ring.rank() * l;
+    let l = seq / world;
+    let at = |i: usize| i * seq + rank * l;
     let block = |v: &[i32]| -> Vec<i32> {
-        (0..a.batch)
+        (0..batch)
             .flat_map(|i| v[at(i)..at(i) + l].to_vec())
             .collect()
     };
@@ -890,17 +890,27 @@ struct Run<'a> {
 impl Run<'_> {
     /// Step `step`'s `m` micro-batches (this rank's positions with sequence parallelism).
     fn micro_batches(&self, step: u64, m: u64) -> Result<Vec<(Vec<i32>, Vec<i32>)>> {
-        let (a, p) = (self.a, self.p);
-        let batches = (0..m)
-            .map(|k| {
-                let at = (step * m + k) * self.dps + self.dp;
-                p.data.batch(Split::Train, at, a.batch, a.seq)
+        (self.batches(m))(step)
+    }
+
+    /// What builds step `s`'s `m` micro-batches of this rank, on any thread.
+    #[allow(clippy::type_complexity)]
+    fn batches(
+        &self,
+        m: u64,
+    ) -> impl Fn(u64) -> Result<Vec<(Vec<i32>, Vec<i32>)>> + Send + Sync + 'static {
+        let (data, shape) = (self.p.data.clone(), (self.a.batch, self.a.seq));
+        let (dp, dps) = (self.dp, self.dps);
+        let ring = self.sp.map(|r| (r.rank(), r.world()));
+        move |step| {
+            let batches = (0..m)
+                .map(|k| data.batch(Split::Train, (step * m + k) * dps + dp, shape.0, shape.1))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(match ring {
+                Some(r) => batches.iter().map(|b| positions_of(b, shape, r)).collect(),
+                None => batches,
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(match self.sp {
-            Some(ring) => batches.iter().map(|b| positions_of(b, a, ring)).collect(),
-            None => batches,
-        })
+        }
     }
 
     /// The micro-batches as the trainers take them.
@@ -993,8 +1003,11 @@ impl Run<'_> {
             return Ok((losses, tokens, t0.elapsed().as_secs_f64(), None));
         }
         let mut step = None;
+        // each step's micro-batches, built on a worker thread ahead of the step (`at` by the
+        // optimizer's steps, so a skipped step trains its batches again)
+        let mut ahead = Ahead::indexed(opt.steps()..u64::MAX, 2, 1, self.batches(m))?;
         for _ in 0..a.steps {
-            let batches = self.micro_batches(opt.steps(), m)?;
+            let batches = ahead.at(opt.steps())?;
             let micro = self.views(&batches);
             let before = store.device().stats();
             let s = match &model {

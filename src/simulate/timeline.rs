@@ -15,7 +15,8 @@
 //! * a **host optimizer group** after its gradients are down, for its elements at
 //!   [`Rates::host_adam`]: under [`Schedule::Serial`] only once the whole backward has run (the
 //!   global norm and the overflow flag decide the step), and the training thread, which steps
-//!   it, issues nothing more until it is done; under [`Schedule::Overlapped`] on worker threads
+//!   it once the next group's moves are issued, issues nothing more until it is done; under
+//!   [`Schedule::Overlapped`] on worker threads
 //!   as soon as its own gradients are final (its optimizer moment moved to just after the
 //!   group's last backward use, as a speculative step validated after backward would run;
 //!   redone steps are not charged).
@@ -279,6 +280,8 @@ struct Timeline<'a> {
     backward_end: f64,
     /// Serial: when the host thread, which steps its groups itself, issues the next work.
     issue: f64,
+    /// The stage of the moment before.
+    last: Option<Stage>,
     in_backward: bool,
     busy: Busy,
 }
@@ -300,6 +303,7 @@ impl<'a> Timeline<'a> {
             host_ok: vec![0.0; n],
             backward_end: 0.0,
             issue: 0.0,
+            last: None,
             in_backward: false,
             busy: Busy::default(),
         }
@@ -316,6 +320,14 @@ impl<'a> Timeline<'a> {
     }
 
     fn moment(&mut self, m: &MomentMoves, flops: u64) -> Result<()> {
+        if self.schedule == Schedule::Serial
+            && self.last == Some(Stage::Optimizer)
+            && m.stage == Stage::Forward
+        {
+            // the last host group steps before the next iteration is issued
+            self.issue = self.issue.max(self.host);
+        }
+        self.last = Some(m.stage);
         match (m.stage, self.in_backward) {
             (Stage::Backward, false) => self.in_backward = true,
             (Stage::Optimizer, true) => {
@@ -419,11 +431,13 @@ impl<'a> Timeline<'a> {
             start = start.max(self.backward_end);
         }
         let dt = elems / self.rates.host_adam;
+        let previous = self.host;
         self.host = start + dt;
         self.busy.host_adam += dt;
         if self.schedule == Schedule::Serial {
-            // the host thread steps the group itself: it issues nothing meanwhile
-            self.issue = self.host;
+            // the host thread steps each group itself, once the next group's moves are issued:
+            // those wait for the step before this one
+            self.issue = previous;
         }
         for a in &m.accesses {
             // the host copies are the new values (the device copies are stale)

@@ -11,7 +11,7 @@ use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{ChunkKind, Stage, TensorId, TrainEvent};
-use crate::tide::{Access, ChunkNo, Target};
+use crate::tide::{Access, ChunkNo, Move, Target};
 
 /// The four chunks of one group on the host, for an optimizer step.
 pub struct GroupSlices<'a> {
@@ -97,6 +97,24 @@ pub enum GroupChunks<'a> {
     },
 }
 
+/// A host group's visit waiting for its step (see [`ChunkManager::visit_groups`]).
+struct HostVisit {
+    g: usize,
+    tensors: Vec<(TensorId, usize, usize, bool)>,
+    ranges: Vec<Range<usize>>,
+}
+
+/// The chunk a move is about.
+fn move_chunk(m: &Move) -> ChunkNo {
+    match *m {
+        Move::Materialize { chunk }
+        | Move::Load { chunk, .. }
+        | Move::WriteBack { chunk }
+        | Move::Drop { chunk }
+        | Move::FreeHost { chunk } => chunk,
+    }
+}
+
 /// Runs of consecutive tensors (by offset) that hold a gradient, as element ranges.
 pub(crate) fn grad_ranges(tensors: &[(TensorId, usize, usize, bool)]) -> Vec<Range<usize>> {
     let mut by_offset: Vec<&(TensorId, usize, usize, bool)> = tensors.iter().collect();
@@ -174,6 +192,11 @@ impl ChunkManager {
         lists.sort_by_key(|k| k.index());
         lists.dedup();
         let opt: Vec<ChunkKind> = lists[1..].to_vec();
+        // A host group steps once the next group's moves are issued, so that the copies of
+        // that group's chunks to the host run while this one steps (the same steps, each on
+        // the same bytes, in the same order). Moves that touch the group waiting to step wait
+        // for its step first.
+        let mut waiting: Option<HostVisit> = None;
         for g in 0..self.layout.groups() {
             let t0 = self.now_us();
             let target = place(g);
@@ -194,6 +217,7 @@ impl ChunkManager {
                 .collect();
             self.tick(Stage::Optimizer, &acc);
             let moves = self.fetch_moment(&acc)?;
+            self.step_if_touched(&mut waiting, &moves, &lists, &mut f)?;
             self.execute(&moves)?;
             for &id in &ids {
                 for &k in &opt {
@@ -203,7 +227,13 @@ impl ChunkManager {
             let tensors = self.group_tensors(g);
             let ranges = grad_ranges(&tensors);
             let result = match target {
-                Target::Host => self.visit_host(g, &lists, tensors, ranges, &mut f),
+                Target::Host => {
+                    let previous = waiting.replace(HostVisit { g, tensors, ranges });
+                    match previous {
+                        Some(v) => self.visit_host(v.g, &lists, v.tensors, v.ranges, &mut f),
+                        None => Ok(()),
+                    }
+                }
                 Target::Device => self.visit_device(g, &lists, tensors, ranges, &mut f),
             };
             for &id in &ids {
@@ -213,6 +243,9 @@ impl ChunkManager {
             }
             let chunks: Vec<ChunkNo> = acc.iter().map(|a| a.chunk).collect();
             let moves = self.sched().release(&chunks)?;
+            if result.is_ok() {
+                self.step_if_touched(&mut waiting, &moves, &lists, &mut f)?;
+            }
             self.execute(&moves)?;
             self.sample();
             self.note(LogKind::Optimizer, g as u64, 0, t0);
@@ -223,7 +256,32 @@ impl ChunkManager {
                 self.grads_in[g] = false;
             }
         }
-        Ok(())
+        match waiting {
+            Some(v) => self.visit_host(v.g, &lists, v.tensors, v.ranges, &mut f),
+            None => Ok(()),
+        }
+    }
+
+    /// Steps the host group waiting for its step if `moves` touch one of its chunks.
+    fn step_if_touched(
+        &mut self,
+        waiting: &mut Option<HostVisit>,
+        moves: &[Move],
+        lists: &[ChunkKind],
+        f: &mut impl FnMut(GroupVisit<'_>) -> Result<()>,
+    ) -> Result<()> {
+        let touched = waiting.as_ref().is_some_and(|v| {
+            moves
+                .iter()
+                .any(|m| ChunkPlan::group_of(move_chunk(m)) as usize == v.g)
+        });
+        match waiting.take() {
+            Some(v) if touched => self.visit_host(v.g, lists, v.tensors, v.ranges, f),
+            w => {
+                *waiting = w;
+                Ok(())
+            }
+        }
     }
 
     fn visit_host(

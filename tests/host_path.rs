@@ -29,7 +29,7 @@ fn gpt_step_on(
     placement: DevicePlacement,
     steps: u64,
     profile: bool,
-) -> (DeviceStats, Option<PhaseTimes>) {
+) -> (DeviceStats, Option<(PhaseTimes, f64)>) {
     let cfg = GptConfig::preset("gpt2-tiny").unwrap();
     let mut mc = ManagerConfig::new(1 << 16, Policy::Tide);
     mc.param_dtype = DType::F32;
@@ -50,15 +50,19 @@ fn gpt_step_on(
         seq: t,
     };
     let mut before = dev.stats();
+    let mut t0 = std::time::Instant::now();
     for i in 0..steps {
         if profile && i + 1 == steps {
+            dev.sync_stream(m.compute_stream()).unwrap();
+            t0 = std::time::Instant::now();
             dev.start_profile();
         }
         before = dev.stats();
         train_step(&gpt, &mut m, &mut adam, &[batch], false).unwrap();
     }
     let counted = dev.stats().since(&before);
-    (counted, profile.then(|| dev.stop_profile().unwrap()))
+    let profiled = profile.then(|| (dev.stop_profile().unwrap(), t0.elapsed().as_secs_f64()));
+    (counted, profiled)
 }
 
 /// Offloaded (a 10 MiB device for 13 MiB of model data, Adam on the host): the chunk moves
@@ -96,9 +100,15 @@ fn an_offloaded_step_waits_only_for_what_the_host_reads() {
         "each host group's gradients and the statistics"
     );
     assert_eq!(
-        counts(&gpt_step(10 << 20, host, 5)),
+        counts(&gpt_step(10 << 20, host, 4)),
         counts(&s),
         "deterministic"
+    );
+    // evicted chunks' buffers serve later loads: most loads allocate nothing
+    assert!(
+        s.device_allocs <= 50,
+        "{} device allocations",
+        s.device_allocs
     );
 }
 
@@ -108,7 +118,7 @@ fn the_profile_times_each_phase_and_adds_no_wait() {
         let host = DevicePlacement::HostOnly;
         let (plain, _) = gpt_step_on(dev.clone(), host, 4, false);
         let (counted, t) = gpt_step_on(dev.clone(), host, 4, true);
-        let t = t.unwrap();
+        let (t, wall) = t.unwrap();
         eprintln!("{}:\n{t}", dev.name());
         assert_eq!(
             counts(&counted),
@@ -124,8 +134,14 @@ fn the_profile_times_each_phase_and_adds_no_wait() {
         );
         assert!(t.host_optimizer > 0.0 && t.host_waits > 0.0, "{t:?}");
         assert_eq!((t.data, t.embedding), (0.0, 0.0));
+        // the device's timeline from the first mark to the last lies within the step's wall time
         assert!(
-            (t.device_total() - t.forward - t.backward - t.optimizer - t.between).abs() < 1e-12
+            t.device_total() > 0.0 && t.device_total() <= wall,
+            "{t:?} in {wall} s"
+        );
+        assert!(
+            t.host_waits <= wall && t.host_optimizer <= wall,
+            "{t:?} in {wall} s"
         );
         let half = t.per_step(2);
         assert_eq!(half.forward * 2.0, t.forward);

@@ -985,14 +985,10 @@ pub unsafe extern "C" fn cuEventElapsedTime_v2(
         let (Some(ta), Some(tb)) = (a.at, b.at) else {
             return INVALID_HANDLE;
         };
-        if ms.is_null() {
-            return INVALID_VALUE;
-        }
         if !st.event_complete(a) || !st.event_complete(b) {
             return NOT_READY;
         }
-        *ms = tb.saturating_duration_since(ta).as_secs_f32() * 1e3;
-        SUCCESS
+        put(ms, tb.saturating_duration_since(ta).as_secs_f32() * 1e3)
     })
 }
 

@@ -240,8 +240,13 @@ impl Device {
     /// A host buffer of at least `len` bytes for an upload: a kept staging buffer (the
     /// smallest that fits, at most twice the size), else a new one from
     /// [`Device::alloc_host`] (pinned on CUDA, so the copy is a DMA the host does not wait
-    /// for), of `len` rounded up to a power of two.
+    /// for), of `len` rounded up to a power of two. An upload of more than a quarter of
+    /// [`MAX_STAGING`] goes through paged memory, never kept (a pinned buffer that large would
+    /// be allocated and freed, with the device synchronisation that costs, for each).
     fn staging_buffer(&self, len: usize) -> Result<HostBuffer> {
+        if len > MAX_STAGING / 4 {
+            return HostBuffer::paged(len);
+        }
         let kept = {
             let mut st = self.inner.staging.lock();
             let at = st
@@ -250,7 +255,7 @@ impl Device {
                 .filter(|(_, b)| b.len() >= len && b.len() <= 2 * len.max(4096))
                 .min_by_key(|(_, b)| b.len())
                 .map(|(i, _)| i);
-            at.map(|i| st.swap_remove(i))
+            at.map(|i| st.remove(i))
         };
         match kept {
             Some(b) => Ok(b),
@@ -258,16 +263,20 @@ impl Device {
         }
     }
 
-    /// Keeps the host buffers of finished uploads for the next ones, up to [`MAX_STAGING`]
-    /// bytes; frees the rest.
+    /// Keeps the staging buffers of finished uploads for the next ones, the most recent last,
+    /// up to [`MAX_STAGING`] bytes: the least recently kept go first; paged ones (large
+    /// uploads) are freed.
     fn keep_staging(&self, bufs: impl IntoIterator<Item = HostBuffer>) {
         let mut st = self.inner.staging.lock();
-        let mut kept: usize = st.iter().map(|b| b.len()).sum();
         for b in bufs {
-            if kept + b.len() <= MAX_STAGING {
-                kept += b.len();
-                st.push(b);
+            if b.len() > MAX_STAGING / 4 {
+                continue;
             }
+            let mut kept: usize = st.iter().map(|b| b.len()).sum();
+            while kept + b.len() > MAX_STAGING && !st.is_empty() {
+                kept -= st.remove(0).len();
+            }
+            st.push(b);
         }
     }
 

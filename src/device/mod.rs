@@ -169,6 +169,8 @@ struct Inner {
     detached: Mutex<Vec<Detached>>,
     /// Host buffers of finished uploads, for the next ones (pinned on CUDA).
     staging: Mutex<Vec<HostBuffer>>,
+    /// What gives back device memory kept for reuse when an allocation finds the device full.
+    reclaimers: Mutex<Vec<std::sync::Weak<Reclaimer>>>,
     profiler: phases::Profiler,
 }
 
@@ -191,6 +193,10 @@ impl Drop for Inner {
         }
     }
 }
+
+/// Gives back device memory its owner keeps for reuse (e.g. evicted chunks' buffers), given the
+/// bytes an allocation needs. See [`Device::add_reclaimer`].
+pub type Reclaimer = dyn Fn(usize) + Send + Sync;
 
 /// A device: the safe API over a [`Backend`]. Cheap to clone (it is an `Arc`).
 #[derive(Clone)]
@@ -220,6 +226,7 @@ impl Device {
                 next_buffer: AtomicU64::new(1),
                 detached: Mutex::new(Vec::new()),
                 staging: Mutex::new(Vec::new()),
+                reclaimers: Mutex::new(Vec::new()),
                 profiler: phases::Profiler::default(),
             }),
         }
@@ -313,7 +320,9 @@ impl Device {
     }
 
     /// Marks, on `stream`, where `phase` begins on the device's timeline (nothing when the
-    /// device is not profiling). The event it records orders nothing.
+    /// device is not profiling). The event it records orders nothing. Marks are meant for one
+    /// stream (the compute stream the stores mark): an interval between marks on two streams
+    /// is the time between their completions.
     pub fn mark_phase(&self, stream: &Stream, phase: Phase) -> Result<()> {
         if !self.inner.profiler.on() {
             return Ok(());
@@ -342,7 +351,12 @@ impl Device {
     /// device fills it with `0xff` bytes, so reading memory never written shows there too).
     /// Freed when the buffer is dropped, once work already enqueued on it completes.
     pub fn alloc(&self, bytes: usize) -> Result<DeviceBuffer> {
-        let raw = self.inner.backend.alloc(bytes)?;
+        let raw = match self.inner.backend.alloc(bytes) {
+            Err(Error::OutOfMemory { .. }) if self.reclaim(bytes) => {
+                self.inner.backend.alloc(bytes)?
+            }
+            r => r?,
+        };
         Counters::add(&self.inner.counters.device_allocs);
         Ok(DeviceBuffer {
             raw,
@@ -351,6 +365,28 @@ impl Device {
             id: self.inner.next_buffer.fetch_add(1, Ordering::Relaxed),
             access: Mutex::new(AccessRecord::default()),
         })
+    }
+
+    /// Registers `reclaimer`, which an allocation that finds the device full runs (with the
+    /// bytes it needs) before it tries once more: memory an owner keeps for reuse comes back
+    /// to whoever needs it. Held weakly: dropping the last `Arc` unregisters it.
+    pub fn add_reclaimer(&self, reclaimer: &Arc<Reclaimer>) {
+        let mut r = self.inner.reclaimers.lock();
+        r.retain(|w| w.strong_count() > 0);
+        r.push(Arc::downgrade(reclaimer));
+    }
+
+    /// Runs the live reclaimers; whether there was one.
+    fn reclaim(&self, bytes: usize) -> bool {
+        let live: Vec<Arc<Reclaimer>> = {
+            let mut r = self.inner.reclaimers.lock();
+            r.retain(|w| w.strong_count() > 0);
+            r.iter().filter_map(std::sync::Weak::upgrade).collect()
+        };
+        for f in &live {
+            f(bytes);
+        }
+        !live.is_empty()
     }
 
     /// Allocates host memory suited to this device's copies: pinned on CUDA, paged on Sim.
@@ -520,20 +556,36 @@ mod tests {
         ));
     }
 
+    /// Uploads above this size are staged through paged memory (a quarter of the cap).
+    const MAX_STAGING_FOR_TEST: usize = 16 << 20;
+
     #[test]
     fn uploads_reuse_their_staging_buffers() {
-        let dev = Device::sim(SimConfig::with_capacity(1 << 16)).unwrap();
+        let dev = Device::sim(SimConfig::with_capacity(64 << 20)).unwrap();
         let s = dev.new_stream().unwrap();
         let buf = dev.alloc(100).unwrap();
-        for i in 0..4u8 {
-            dev.upload_to(&s, &[i; 100], &buf).unwrap();
+        let staged = |dev: &Device| dev.inner.detached.lock().last().map(|d| d.buf.as_ptr());
+        dev.upload_to(&s, &[0; 100], &buf).unwrap();
+        let first = staged(&dev);
+        for i in 1..4u8 {
             dev.sync_stream(&s).unwrap();
+            dev.upload_to(&s, &[i; 100], &buf).unwrap();
+            // the finished upload's buffer came back and serves this one
+            assert_eq!(staged(&dev), first, "upload {i}");
+            assert_eq!(dev.inner.detached.lock().len(), 1);
         }
         assert_eq!(dev.download(&s, &buf).unwrap(), vec![3u8; 100]);
-        // the first upload's buffer came back and served the others: one kept, none in flight
-        dev.upload_to(&s, &[9; 100], &buf).unwrap();
-        assert_eq!(dev.inner.staging.lock().len(), 0);
-        assert_eq!(dev.inner.detached.lock().len(), 1);
+        // a large upload goes through paged memory it does not keep
+        let big = dev.alloc(MAX_STAGING_FOR_TEST + 1).unwrap();
+        dev.upload_to(&s, &vec![1u8; big.len()], &big).unwrap();
+        dev.sync_stream(&s).unwrap();
+        dev.upload_to(&s, &[5; 100], &buf).unwrap();
+        assert!(dev
+            .inner
+            .staging
+            .lock()
+            .iter()
+            .all(|b| b.len() <= MAX_STAGING_FOR_TEST));
     }
 
     #[test]

@@ -253,8 +253,9 @@ impl State {
     /// `all`, the last one being complete).
     fn resolve(&mut self, backend: &dyn Backend, all: bool) -> Result<()> {
         while self.marks.len() >= 2 {
-            let end = &self.marks[1].1;
-            if !all && !backend.query_event(end)? {
+            let (start, end) = (&self.marks[0].1, &self.marks[1].1);
+            let done = all || (backend.query_event(end)? && backend.query_event(start)?);
+            if !done {
                 break;
             }
             let (phase, start) = self.marks.pop_front().expect("two marks");

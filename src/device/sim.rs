@@ -201,8 +201,9 @@ impl Drop for Spare {
     }
 }
 
-/// One simulated allocation. Freed (and its bytes returned to the capacity) when the last
-/// reference goes: the user's buffer, or an operation still queued on a stream.
+/// One simulated allocation's memory, freed when the last reference goes: the user's handle
+/// ([`SimHandle`], whose drop returns the bytes to the capacity), or an operation still queued
+/// on a stream.
 struct SimMem {
     ptr: NonNull<u8>,
     len: usize,

@@ -161,7 +161,10 @@ impl StepTime {
     /// The step divided by the busiest resource's time (1: the step is as long as its slowest
     /// resource; infinite for a step that keeps nothing busy).
     pub fn over_slowest(&self) -> f64 {
-        self.step / self.slowest().1
+        match self.slowest().1 {
+            s if s > 0.0 => self.step / s,
+            _ => f64::INFINITY,
+        }
     }
 }
 

@@ -82,14 +82,15 @@ struct Payload {
 /// The device buffer of an evicted chunk, reused by a later load of a chunk of its size: the
 /// load allocates nothing. Its copy waits, on the device, for `free_after`, recorded on the
 /// compute stream when the chunk was evicted. The scheduler's budget counts evicted chunks'
-/// memory as free, so spares are given back the moment the device is full (to a chunk load or
-/// the non-model pool): on a device that releases memory in stream order, at once.
+/// memory as free, so spares are given back the moment any allocation on the device finds it
+/// full (a reclaimer the manager registers with [`Device::add_reclaimer`]): on a device that
+/// releases memory in stream order, at once.
 pub(super) struct Spare {
     pub(super) buf: DeviceBuffer,
     pub(super) free_after: Event,
 }
 
-/// The spares, shared with the non-model pool's hook that gives them back.
+/// The spares, shared with the reclaimer that gives them back.
 pub(super) type Spares = Arc<parking_lot::Mutex<Vec<Spare>>>;
 
 /// The chunk manager: registers parameters, packs them into chunks, and moves chunks between
@@ -144,8 +145,9 @@ pub struct ChunkManager {
     non_model_now: u64,
     retiring: Vec<Pending<HostBuffer>>,
     /// Device buffers of evicted chunks, for later loads of their size (see [`Spare`]); given
-    /// back when the device is full.
+    /// back when the device is full, through `reclaim`, registered with the device.
     spares: Spares,
+    _reclaim: Arc<crate::device::Reclaimer>,
     iter_start: MoveStats,
     last_iter: MoveStats,
     iterations: u64,
@@ -190,6 +192,12 @@ impl ChunkManager {
         let copy = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
         let pool = CachingAllocator::new(device.clone());
+        let spares = Spares::default();
+        let reclaim: Arc<crate::device::Reclaimer> = {
+            let spares = Arc::clone(&spares);
+            Arc::new(move |_bytes| spares.lock().clear())
+        };
+        device.add_reclaimer(&reclaim);
         let mut m = ChunkManager {
             device,
             copy,
@@ -207,7 +215,8 @@ impl ChunkManager {
             non_model: None,
             non_model_now: 0,
             retiring: Vec::new(),
-            spares: Spares::default(),
+            spares,
+            _reclaim: reclaim,
             iter_start: MoveStats::default(),
             last_iter: MoveStats::default(),
             iterations: 0,
@@ -244,14 +253,13 @@ impl ChunkManager {
     /// which may still hold chunks evicted a moment ago (on a device that releases their
     /// memory once their copies finish).
     pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
-        let (dev, copy, compute, spares) = (
+        let (dev, copy, compute) = (
             self.device.clone(),
             Arc::clone(&self.copy),
             Arc::clone(&self.compute),
-            Arc::clone(&self.spares),
         );
         pool.set_reclaim(Some(Arc::new(move |bytes| {
-            spares.lock().clear();
+            // (the device already took back the manager's spares)
             if dev.mem_info().is_ok_and(|m| m.free >= bytes) {
                 return;
             }

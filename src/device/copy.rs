@@ -76,16 +76,51 @@ impl Device {
         {
             Ok(e) => e,
             Err(err) => {
-                // Without an event the copy cannot be awaited: drain the stream before giving up
-                // the host buffer, or leak it if even that fails.
-                match self.inner.backend.sync_stream(&stream.raw) {
-                    Ok(()) => drop(value),
-                    Err(_) => std::mem::forget(value),
-                }
+                // without an event the copy cannot be awaited
+                self.release_drained(stream, value);
                 return Err(err);
             }
         };
         Ok((value, event))
+    }
+
+    /// Lets go of `value`, host memory work on `stream` may still touch, once the stream is
+    /// drained (or leaks it if even that fails).
+    fn release_drained<T>(&self, stream: &Stream, value: T) {
+        match self.inner.backend.sync_stream(&stream.raw) {
+            Ok(()) => drop(value),
+            Err(_) => std::mem::forget(value),
+        }
+    }
+
+    /// Enqueues the copy of `src[src_offset..]` into `dst` (in bounds: the caller checked) and
+    /// hands the buffer back as a [`Pending`]. If the copy is refused, `src` goes once `stream`
+    /// is drained: work ordered before it on `stream` may still write the buffer.
+    fn enqueue_h2d(
+        &self,
+        stream: &Stream,
+        src: HostBuffer,
+        src_offset: usize,
+        dst: DeviceView<'_>,
+    ) -> Result<Pending<HostBuffer>> {
+        let op = Op::HostToDevice {
+            // SAFETY: the caller checked `src_offset + dst.len <= src.len()`.
+            src: unsafe { src.as_ptr().add(src_offset) },
+            dst: &dst.buf.raw,
+            dst_offset: dst.offset,
+            len: dst.len,
+        };
+        let clock = match self.submit(stream, &[(dst.buf, Access::Write)], op) {
+            Ok(c) => c,
+            Err(e) => {
+                self.release_drained(stream, src);
+                return Err(e);
+            }
+        };
+        let c = &self.inner.counters;
+        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
+        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
+        self.pending(stream, src, clock)
     }
 
     /// Copies all of `src` into `dst` asynchronously on `stream`. The host buffer comes back from
@@ -127,18 +162,7 @@ impl Device {
                 buffer_len: src.len(),
             });
         }
-        let op = Op::HostToDevice {
-            // SAFETY: `src_offset + dst.len <= src.len()` was checked above.
-            src: unsafe { src.as_ptr().add(src_offset) },
-            dst: &dst.buf.raw,
-            dst_offset: dst.offset,
-            len: dst.len,
-        };
-        let clock = self.submit(stream, &[(dst.buf, Access::Write)], op)?;
-        let c = &self.inner.counters;
-        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
-        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
-        self.pending(stream, src, clock)
+        self.enqueue_h2d(stream, src, src_offset, dst)
     }
 
     /// Copies the host buffer of a copy still in flight, `src`, into `dst` on `stream` once that
@@ -162,39 +186,13 @@ impl Device {
                 dst: dst.len,
             });
         }
-        {
-            let mut clocks = self.inner.clocks.lock();
-            self.inner.backend.wait(&stream.raw, &src.event)?;
-            clocks.stamp_plain(stream.slot);
-            clocks.wait(stream.slot, &src.clock);
-        }
+        self.wait_raw(stream, &src.event, &src.clock)?;
         let mut src = src;
         let buf = src
             .value
             .take()
             .expect("a pending copy holds its buffer until waited");
-        let op = Op::HostToDevice {
-            src: buf.as_ptr(),
-            dst: &dst.buf.raw,
-            dst_offset: dst.offset,
-            len: dst.len,
-        };
-        let clock = match self.submit(stream, &[(dst.buf, Access::Write)], op) {
-            Ok(c) => c,
-            Err(e) => {
-                // the earlier copy may still write the buffer: drain `stream`, which waits for
-                // it, before letting the buffer go (or leak it)
-                match self.inner.backend.sync_stream(&stream.raw) {
-                    Ok(()) => drop(buf),
-                    Err(_) => std::mem::forget(buf),
-                }
-                return Err(e);
-            }
-        };
-        let c = &self.inner.counters;
-        c.h2d_bytes.fetch_add(dst.len as u64, Ordering::Relaxed);
-        c.h2d_copies.fetch_add(1, Ordering::Relaxed);
-        self.pending(stream, buf, clock)
+        self.enqueue_h2d(stream, buf, 0, dst)
     }
 
     /// Copies `data` into `dst` on `stream` without waiting: the bytes go into a staging buffer

@@ -439,11 +439,16 @@ impl Device {
     pub fn wait_event(&self, stream: &Stream, event: &Event) -> Result<()> {
         self.check("stream", stream.device)?;
         self.check("event", event.device)?;
-        let mut clocks = self.inner.clocks.lock();
-        self.inner.backend.wait(&stream.raw, &event.raw)?;
-        clocks.stamp_plain(stream.slot);
         let c = event.clock.lock().clone();
-        clocks.wait(stream.slot, &c);
+        self.wait_raw(stream, &event.raw, &c)
+    }
+
+    /// Makes `stream` wait for the latest recording of `event`, whose clock is `clock`.
+    fn wait_raw(&self, stream: &Stream, event: &RawEvent, clock: &Clock) -> Result<()> {
+        let mut clocks = self.inner.clocks.lock();
+        self.inner.backend.wait(&stream.raw, event)?;
+        clocks.stamp_plain(stream.slot);
+        clocks.wait(stream.slot, clock);
         Ok(())
     }
 

@@ -122,6 +122,15 @@ fn placement_never_changes_the_arithmetic() {
         assert!(ma2 == masters, "fp32 masters differ: {what}");
         let norms = |r: &[StepReport]| r.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
         assert_eq!(norms(&r2), norms(&reports), "{what}");
+        // host groups step during backward, kept where the step's scalars were the armed ones
+        // and redone after a clip or a grown scale; not with a file tier
+        let o = m2.overlap_stats();
+        let host_groups = !matches!(placement, DevicePlacement::Auto { .. }) || capacity == small();
+        if host_budget.is_none() && host_groups {
+            assert!(o.kept > 0 && o.redone > 0, "{what}: {o:?}");
+        } else if host_budget.is_some() {
+            assert_eq!(o.started, 0, "{what}");
+        }
         if host_budget.is_some() {
             let u = m2.usage();
             let on_file = u.file[ChunkKind::Momentum.index()] + u.file[ChunkKind::Variance.index()];
@@ -289,6 +298,107 @@ fn steps_equal_the_cpu_kernel_on_flat_arrays_with_clipping_folded_in() {
                 let want: Vec<f32> = c.iter().map(|x| x.to_f32()).collect();
                 assert_eq!(m.read(ids[i]).unwrap(), want);
             }
+        }
+    }
+}
+
+/// Host groups stepped during backward keep the serial step's bits through clean steps (kept),
+/// a clip, an overflow and a grown loss scale (redone), for every placement; fp16, bf16 and
+/// f32 parameters.
+#[test]
+fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
+    let (n, groups) = (5000, 5);
+    // (step, what happens): large gradients clip at step 4, an overflow at step 6 in a host
+    // group, the scale grows every 3 clean steps
+    let grads_at = |step: u64| -> Vec<Vec<f32>> {
+        let scale = if step == 4 { 4096.0 } else { 4.0 };
+        let mut g: Vec<Vec<f32>> = (0..groups as u64)
+            .map(|i| grads(step * 10 + i, n, scale))
+            .collect();
+        if step == 6 {
+            g[groups - 1][123] = f32::INFINITY;
+        }
+        g
+    };
+    for dtype in [DType::F16, DType::BF16, DType::F32] {
+        for placement in [DevicePlacement::HostOnly, DevicePlacement::Groups(2)] {
+            let run = |overlap: bool| {
+                let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+                let mut cfg = ManagerConfig::new(n, Policy::Tide);
+                cfg.param_dtype = dtype;
+                let mut m = ChunkManager::new(dev, cfg).unwrap();
+                let ids: Vec<TensorId> = (0..groups)
+                    .map(|g| {
+                        let init = Init::Uniform {
+                            seed: g as u64,
+                            lo: -1.0,
+                            hi: 1.0,
+                        };
+                        m.register(&format!("w{g}"), &[n], init).unwrap()
+                    })
+                    .collect();
+                let mut opt = HybridAdam::new(HybridConfig {
+                    placement,
+                    overlap,
+                    loss_scale: Some(ScalerConfig {
+                        init_scale: 64.0,
+                        growth_interval: 3,
+                        hysteresis: 1,
+                        ..ScalerConfig::default()
+                    }),
+                    max_grad_norm: Some(8.0),
+                    ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+                })
+                .unwrap();
+                let mut trail = Vec::new();
+                for step in 1..=10 {
+                    let scale = opt.loss_scale();
+                    let g: Vec<Vec<f32>> = grads_at(step)
+                        .into_iter()
+                        .map(|v| v.into_iter().map(|x| x * scale / 64.0).collect())
+                        .collect();
+                    iterate(&mut m, &ids, &g);
+                    let r = opt.step(&mut m).unwrap();
+                    let bits: Vec<u32> = ids
+                        .iter()
+                        .flat_map(|&id| {
+                            let mut v = m.master(id).unwrap();
+                            v.extend(m.read(id).unwrap());
+                            v
+                        })
+                        .map(f32::to_bits)
+                        .collect();
+                    trail.push((r.outcome, r.clip_coef, r.loss_scale, bits));
+                }
+                (trail, m.overlap_stats())
+            };
+            let (serial, none) = run(false);
+            let (overlapped, o) = run(true);
+            let what = format!("{dtype:?} {placement:?}");
+            assert_eq!(none, Default::default(), "{what}");
+            for (step, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
+                assert!(a == b, "{what}: step {} differs", step + 1);
+            }
+            let outcomes: Vec<_> = serial.iter().map(|t| (t.0, t.1 < 1.0)).collect();
+            assert!(
+                outcomes.contains(&(StepOutcome::Skipped, false)),
+                "{outcomes:?}"
+            );
+            assert!(
+                outcomes.contains(&(StepOutcome::Stepped, true)),
+                "{outcomes:?}"
+            );
+            let host = groups
+                - if placement == DevicePlacement::HostOnly {
+                    0
+                } else {
+                    2
+                };
+            // steps 2..=10 start every host group early (step 1 is warm-up); the clip, the
+            // overflow and the scale's growths are redone
+            assert_eq!(o.started, 9 * host as u64, "{what}: {o:?}");
+            assert!(o.kept >= 4 * host as u64, "{what}: {o:?}");
+            assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
         }
     }
 }

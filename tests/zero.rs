@@ -75,12 +75,33 @@ fn zero_prefetch(
     steps: u64,
     prefetch: usize,
 ) -> Vec<RankResult> {
+    zero_with(
+        toy,
+        dtype,
+        world,
+        capacity,
+        steps,
+        prefetch,
+        *adam().config(),
+    )
+}
+
+/// [`zero_prefetch`] with an optimizer of settings `opt`.
+fn zero_with(
+    toy: &ToyMlp,
+    dtype: DType,
+    world: usize,
+    capacity: usize,
+    steps: u64,
+    prefetch: usize,
+    opt: HybridConfig,
+) -> Vec<RankResult> {
     on_ranks(world, capacity, |c| {
         let (r, n) = (c.rank(), c.world());
         let mut z = ZeroManager::new(c, config(toy, dtype)).unwrap();
         z.set_prefetch(prefetch).unwrap();
         let ids = toy.register(&mut z).unwrap();
-        let mut opt = adam();
+        let mut opt = HybridAdam::new(opt).unwrap();
         let mut reports = Vec::new();
         for step in 0..steps {
             toy.forward_backward(&mut z, &ids, step, opt.loss_scale(), (r, n))
@@ -210,6 +231,51 @@ fn zero_training_in_fp16_matches_single_process_training() {
         let worst = compare(&ranks, &reference, 5e-4);
         eprintln!("fp16, world {world}: worst norm-wise relative error {worst:e}");
     }
+}
+
+/// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip
+/// or a grown scale) give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy
+/// and on a small device.
+#[test]
+fn overlapped_host_steps_change_no_bit_on_any_rank() {
+    let steps = 6;
+    // norms fall from 0.43 to 0.34 over the steps: the first four clip (steps 2 to 4
+    // started early and redone), the last two do not (kept)
+    let opt = |overlap| HybridConfig {
+        overlap,
+        max_grad_norm: Some(0.39),
+        ..*adam().config()
+    };
+    let (mut kept, mut redone) = (0, 0);
+    for (toy, world, capacity) in [
+        (&DEEP, 1, 1 << 20),
+        (&DEEP, 2, 1 << 20),
+        (&DEEP, 2, 36_000),
+        (&TOY, 4, 1 << 20),
+    ] {
+        let serial = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(false));
+        let overlapped = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(true));
+        let mut started = 0;
+        for (r, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
+            let what = format!("rank {r} of {world} on {capacity} B");
+            assert!(a.owned == b.owned, "{what}: masters differ");
+            let norms = |x: &RankResult| {
+                x.reports
+                    .iter()
+                    .map(|r| r.grad_norm.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(norms(a), norms(b), "{what}");
+            assert_eq!(a.zero.local().overlap_stats().started, 0, "{what}");
+            let o = b.zero.local().overlap_stats();
+            assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
+            started += o.started;
+            kept += o.kept;
+            redone += o.redone;
+        }
+        assert!(started > 0, "{world} ranks on {capacity} B");
+    }
+    assert!(kept > 0 && redone > 0, "kept {kept}, redone {redone}");
 }
 
 #[test]

@@ -14,10 +14,10 @@ mod checkpoint;
 mod manager;
 mod tensors;
 
-pub(crate) use manager::grad_ranges;
+pub(crate) use manager::{grad_ranges, HostBlock, OverlapPlan};
 pub use manager::{
     ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
-    TideSample, Usage,
+    OverlapStats, TideSample, Usage,
 };
 pub(crate) use tensors::{
     add_forward_uses, check_copy, check_distinct, check_unused, numel_of, ViewBuf,

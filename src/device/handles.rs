@@ -301,6 +301,22 @@ impl<T> Pending<T> {
         }
     }
 
+    /// Blocks until the copy completes and returns the host buffer, on a thread other than the
+    /// training thread: the wait is not counted as one of the host's blocking waits, not timed
+    /// as a host phase, and does not mark the copy as seen (so the training thread's counts do
+    /// not depend on when this thread ran).
+    pub(crate) fn wait_quiet(mut self) -> Result<T> {
+        self.device.inner.backend.bind_to_thread()?;
+        match self.device.inner.backend.sync_event(&self.event) {
+            Ok(()) => Ok(self.value.take().expect("value present until waited")),
+            Err(e) => {
+                // The copy may still touch the buffer: leak it rather than free it.
+                std::mem::forget(self.value.take());
+                Err(e)
+            }
+        }
+    }
+
     /// Blocks until the copy completes and returns the host buffer.
     pub fn wait(mut self) -> Result<T> {
         self.count_wait();

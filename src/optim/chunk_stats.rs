@@ -14,6 +14,9 @@ impl ChunkManager {
     /// where both sides run the same code (the simulated device).
     pub fn grad_stats(&mut self) -> Result<GradStats> {
         self.usable()?;
+        // host groups stepped during backward finish first (their new parameters may go up
+        // into the device copies meanwhile, which then no longer hold gradients)
+        self.join_early_steps()?;
         let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let dt = self.param_dtype();

@@ -28,6 +28,18 @@
 //! with the mean gradient. With accumulation every group steps on the host, where the
 //! accumulators are.
 //!
+//! **Overlap.** A host group's step does not wait for the end of backward: after each step the
+//! optimizer arms the manager with the next step's scalars as they will be if nothing overflows
+//! and nothing is clipped, and each host group steps on a worker thread once its gradients are
+//! final and copied down, while the device goes on with backward (SuperOffload's speculation,
+//! on copies: the originals are kept until the step is decided). After backward the step's
+//! real scalars decide: if they are the armed ones, every early step is kept and the group's
+//! turn in the pass costs nothing; after an overflow, a clip, a changed loss scale or
+//! learning rate, each host group is stepped again from its untouched originals. Either way
+//! the bits are those of the serial step. Its cost is host memory: a second copy of every host
+//! group's master, momentum and variance (12 bytes an element) and parameter chunk. The
+//! counts are [`ChunkManager::overlap_stats`].
+//!
 //! The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
 
 use std::collections::BTreeMap;
@@ -38,7 +50,11 @@ use serde::Serialize;
 use super::adam::{AdamConfig, AdamScalars};
 use super::scaler::{LossScaler, ScaleUpdate, ScalerConfig};
 use super::{grad_stats, CpuAdam, Grad, GradInPlace, GradStats, Isa, ParamCopy};
-use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, GroupVisit};
+use std::sync::Arc;
+
+use crate::chunk::{
+    grad_ranges, ChunkKind, ChunkManager, GroupChunks, GroupVisit, HostBlock, OverlapPlan,
+};
 use crate::device::{Device, HostPhase, HostSpan};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -126,6 +142,11 @@ pub struct HybridConfig {
     /// Refused with `accumulation_steps > 1`, whose restores between micro-batches would end
     /// the lag.
     pub delayed_params: bool,
+    /// Step host groups during backward, as soon as each group's gradients are final, on a
+    /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
+    /// memory for a second copy of the host groups' optimizer state. Applies without
+    /// accumulation, delayed parameters or a file tier; otherwise groups step after backward.
+    pub overlap: bool,
 }
 
 impl HybridConfig {
@@ -141,6 +162,7 @@ impl HybridConfig {
             max_grad_norm: None,
             accumulation_steps: 1,
             delayed_params: false,
+            overlap: true,
         }
     }
 }
@@ -484,12 +506,14 @@ impl HybridAdam {
         }
         let st = reduce(m.grad_stats()?)?;
         if st.nonfinite {
+            m.overlap_verdict(None)?;
             restore(m, place)?;
             return self.skip(m, scale, k, st);
         }
         let norm = st.sum_sq.sqrt() / scale as f64;
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
+        m.overlap_verdict(Some(&overlap_key(&s, k)))?;
         let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
         let dev = m.device().clone();
         m.visit_groups(&ChunkKind::ALL, place, |v| {
@@ -497,6 +521,35 @@ impl HybridAdam {
             adam_group(&cpu, &s, v, None, delayed)
         })?;
         self.finish(m, scale, k, norm, clip)
+    }
+
+    /// Arms `m` to step its host groups during the next backward with the scalars the next
+    /// step takes if nothing overflows and nothing is clipped (see "Overlap" in the module
+    /// docs), or disarms it where overlap does not apply.
+    fn arm(&self, m: &mut ChunkManager) -> Result<()> {
+        let k = self.device_groups(m);
+        let applies = self.cfg.overlap
+            && self.cfg.accumulation_steps == 1
+            && !self.cfg.delayed_params
+            && m.is_steady()
+            && m.config().host_budget.is_none()
+            && k < m.groups();
+        if !applies {
+            m.arm_overlap(None);
+            return Ok(());
+        }
+        let s = self
+            .cfg
+            .adam
+            .scalars(self.steps + 1, 1.0 / self.loss_scale())?;
+        let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
+        m.arm_overlap(Some(OverlapPlan {
+            first_host: k,
+            threads: self.cpu.threads(),
+            key: overlap_key(&s, k),
+            step: Arc::new(move |b: HostBlock<'_>| step_block(&cpu, &s, dt, b)),
+        }));
+        Ok(())
     }
 
     fn clip_coef(&self, norm: f64) -> f32 {
@@ -517,6 +570,7 @@ impl HybridAdam {
         self.steps += 1;
         let scale_update = self.scaler.as_mut().map(|s| s.update(false));
         m.end_step()?;
+        self.arm(m)?;
         Ok(StepReport {
             outcome: StepOutcome::Stepped,
             steps: self.steps,
@@ -537,6 +591,7 @@ impl HybridAdam {
     ) -> Result<StepReport> {
         let scale_update = self.scaler.as_mut().map(|s| s.update(true));
         m.skip_step()?;
+        self.arm(m)?;
         Ok(StepReport {
             outcome: StepOutcome::Skipped,
             steps: self.steps,
@@ -559,6 +614,7 @@ impl HybridAdam {
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
     ) -> Result<StepReport> {
         let n = self.cfg.accumulation_steps;
+        m.overlap_verdict(None)?;
         let groups = m.groups();
         self.acc.resize_with(groups, Vec::new);
         self.touched.resize(m.num_tensors(), false);
@@ -655,6 +711,52 @@ impl HybridAdam {
     fn clear_accumulators(&mut self) {
         self.acc.iter_mut().for_each(|a| a.fill(0.0));
         self.touched.fill(false);
+    }
+}
+
+/// What identifies a step for overlap: its scalars and how many groups step on the device.
+fn overlap_key(s: &AdamScalars, device_groups: usize) -> Vec<u8> {
+    let mut key = bytemuck::bytes_of(s).to_vec();
+    key.extend_from_slice(&(device_groups as u64).to_le_bytes());
+    key
+}
+
+/// One block of a host group's step during backward: the same kernel calls as
+/// [`adam_group`]'s on the same elements, so the same bits.
+fn step_block(cpu: &CpuAdam, s: &AdamScalars, dt: DType, b: HostBlock<'_>) -> Result<()> {
+    let HostBlock {
+        grad,
+        param,
+        master,
+        momentum,
+        variance,
+    } = b;
+    match dt {
+        DType::F32 => {
+            let g: &[f32] = typed(grad)?;
+            cpu.step(s, master, momentum, variance, Grad::F32(g), ParamCopy::None)?;
+            param.copy_from_slice(bytemuck::cast_slice(master));
+            Ok(())
+        }
+        DType::F16 => cpu.step(
+            s,
+            master,
+            momentum,
+            variance,
+            Grad::F16(typed(grad)?),
+            ParamCopy::F16(typed_mut(param)?),
+        ),
+        DType::BF16 => cpu.step(
+            s,
+            master,
+            momentum,
+            variance,
+            Grad::Bf16(typed(grad)?),
+            ParamCopy::Bf16(typed_mut(param)?),
+        ),
+        other => Err(Error::InvalidArgument(format!(
+            "parameters of {other} cannot be stepped (model floats only)"
+        ))),
     }
 }
 
@@ -855,6 +957,14 @@ fn f32_span<'a>(
     r: &std::ops::Range<usize>,
 ) -> Result<crate::device::DeviceView<'a>> {
     b.view(r.start * 4, r.len() * 4)
+}
+
+fn typed<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T]> {
+    bytemuck::try_cast_slice(b).map_err(|_| Error::Misaligned {
+        what: "host chunk range",
+        value: b.as_ptr() as usize,
+        align: std::mem::align_of::<T>(),
+    })
 }
 
 fn typed_mut<T: bytemuck::Pod>(b: &mut [u8]) -> Result<&mut [T]> {

@@ -172,6 +172,10 @@ pub struct MoveStats {
     pub prefetches: u64,
     /// Write-backs.
     pub write_backs: u64,
+    /// Of the write-backs, those made ahead of an eviction
+    /// ([`Scheduler::write_back_now`]): the chunk stays on the device, and its eviction later
+    /// is a clean drop.
+    pub early_write_backs: u64,
     /// Device copies dropped without a transfer (clean).
     pub clean_drops: u64,
     /// Chunks materialized.
@@ -187,6 +191,9 @@ impl MoveStats {
             loads: self.loads.saturating_sub(earlier.loads),
             prefetches: self.prefetches.saturating_sub(earlier.prefetches),
             write_backs: self.write_backs.saturating_sub(earlier.write_backs),
+            early_write_backs: self
+                .early_write_backs
+                .saturating_sub(earlier.early_write_backs),
             clean_drops: self.clean_drops.saturating_sub(earlier.clean_drops),
             materialized: self.materialized.saturating_sub(earlier.materialized),
         }
@@ -623,6 +630,20 @@ impl Scheduler {
             let i = a.chunk as usize;
             self.st[i].in_use += 1;
             self.last_use[i] = self.clock;
+        }
+        Ok(moves)
+    }
+
+    /// Writes a dirty chunk nobody is using back to the host now, ahead of its eviction (the
+    /// gradients of a group a host optimizer steps during backward): the host copy becomes
+    /// current, so evicting the chunk later moves no byte. No move for a chunk that is not on
+    /// the device, clean, or in use.
+    pub fn write_back_now(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
+        let i = self.check(chunk)?;
+        let mut moves = Vec::new();
+        if self.st[i].dirty() && self.st[i].in_use == 0 {
+            self.write_back(i, &mut moves);
+            self.stats.early_write_backs += 1;
         }
         Ok(moves)
     }

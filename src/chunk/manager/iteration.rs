@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use super::{ChunkManager, HostSlot, LogKind};
-use crate::chunk::plan::push_access;
+use crate::chunk::plan::{push_access, ChunkPlan};
 use crate::chunk::tensors::{check_distinct, decode, encode, TensorView, ViewBuf};
 use crate::device::{DeviceBuffer, DeviceView, HostBuffer, Phase};
 use crate::error::{Error, Result};
@@ -301,7 +301,17 @@ impl ChunkManager {
             }
         }
         let moves = self.sched().release(&chunks)?;
-        self.execute(&moves)
+        self.execute(&moves)?;
+        if stage == Stage::Backward {
+            let mut groups: Vec<usize> = chunks
+                .iter()
+                .map(|&c| ChunkPlan::group_of(c) as usize)
+                .collect();
+            groups.sort_unstable();
+            groups.dedup();
+            self.released_in_backward(&groups)?;
+        }
+        Ok(())
     }
 
     /// Writes the gradient of a tensor into its parameter slot (converted to the parameter dtype).
@@ -531,6 +541,7 @@ impl ChunkManager {
 
     fn finish_iteration(&mut self, skipped: bool) -> Result<()> {
         self.check_nothing_fetched("the step")?;
+        self.end_overlap()?;
         let all: Vec<TensorId> = (0..self.tensors.len() as u32).map(TensorId).collect();
         self.check_transition(&all, ChunkKind::Param, TrainEvent::EndStep)?;
         for id in all {

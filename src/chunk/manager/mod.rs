@@ -24,12 +24,15 @@ use crate::tide::{spill_to_file, MoveStats, Policy, Scheduler, SchedulerConfig, 
 mod iteration;
 mod moves;
 mod optimizer;
+mod overlap;
 mod table;
 mod telemetry;
 mod versions;
 
 pub(crate) use optimizer::grad_ranges;
 pub use optimizer::{GroupChunks, GroupSlices, GroupVisit};
+pub use overlap::OverlapStats;
+pub(crate) use overlap::{HostBlock, OverlapPlan};
 use table::TensorMeta;
 pub use telemetry::{LogEntry, LogKind, TideSample, Usage};
 
@@ -70,6 +73,9 @@ enum HostSlot {
     None,
     Ready(HostBuffer),
     InFlight(Pending<HostBuffer>),
+    /// Lent to a host group's step running during backward (see `overlap`); every access
+    /// settles that step first.
+    Lent,
 }
 
 #[derive(Default)]
@@ -80,14 +86,16 @@ struct Payload {
 }
 
 /// The device buffer of an evicted chunk, reused by a later load of a chunk of its size: the
-/// load allocates nothing. Its copy waits, on the device, for `free_after`, recorded on the
-/// compute stream when the chunk was evicted. The scheduler's budget counts evicted chunks'
+/// load allocates nothing. Its copy waits, on the device, for `free_after` and `read_after`,
+/// recorded on the compute and write-back streams when the chunk was evicted. The scheduler's budget counts evicted chunks'
 /// memory as free, so spares are given back the moment any allocation on the device finds it
 /// full (a reclaimer the manager registers with [`Device::add_reclaimer`]): on a device that
 /// releases memory in stream order, at once.
 pub(super) struct Spare {
     pub(super) buf: DeviceBuffer,
     pub(super) free_after: Event,
+    /// Recorded on the write-back stream at the eviction: after any copy still reading it.
+    pub(super) read_after: Event,
 }
 
 /// The spares, shared with the reclaimer that gives them back.
@@ -127,8 +135,15 @@ pub(super) type Spares = Arc<parking_lot::Mutex<Vec<Spare>>>;
 /// # Ok(()) }
 /// ```
 pub struct ChunkManager {
+    /// Host groups stepped during backward (declared first, so dropped first: it waits for
+    /// the copies its steps read before the chunks they read are freed).
+    overlap: overlap::Overlap,
     device: Device,
+    /// Uploads: loads, and the new parameters of host groups stepped during backward.
     copy: Arc<Stream>,
+    /// Write-backs, on a stream of their own so that they run beside the uploads (as a GPU's
+    /// two copy engines do, one each way).
+    down: Arc<Stream>,
     compute: Arc<Stream>,
     cfg: ManagerConfig,
     tensors: Vec<TensorMeta>,
@@ -190,6 +205,7 @@ impl ChunkManager {
         }
         let layout = Layout::new(cfg.chunk_elems)?;
         let copy = Arc::new(device.new_stream()?);
+        let down = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
         let pool = CachingAllocator::new(device.clone());
         let spares = Spares::default();
@@ -199,8 +215,10 @@ impl ChunkManager {
         };
         device.add_reclaimer(&reclaim);
         let mut m = ChunkManager {
+            overlap: overlap::Overlap::default(),
             device,
             copy,
+            down,
             compute,
             cfg,
             tensors: Vec::new(),
@@ -253,9 +271,10 @@ impl ChunkManager {
     /// which may still hold chunks evicted a moment ago (on a device that releases their
     /// memory once their copies finish).
     pub fn set_non_model_allocator(&mut self, pool: CachingAllocator) {
-        let (dev, copy, compute) = (
+        let (dev, copy, down, compute) = (
             self.device.clone(),
             Arc::clone(&self.copy),
+            Arc::clone(&self.down),
             Arc::clone(&self.compute),
         );
         pool.set_reclaim(Some(Arc::new(move |bytes| {
@@ -265,6 +284,7 @@ impl ChunkManager {
             }
             // best effort: an error here resurfaces on the retried allocation
             let _ = dev.sync_stream(&copy);
+            let _ = dev.sync_stream(&down);
             let _ = dev.sync_stream(&compute);
         })));
         self.non_model = Some(pool);

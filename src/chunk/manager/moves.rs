@@ -27,6 +27,10 @@ impl ChunkManager {
         self.retiring.retain(|p| !p.is_ready().unwrap_or(false));
         for mv in moves {
             let t0 = self.now_us();
+            // a host copy lent to a host group's early step comes back before a move uses it
+            if !matches!(mv, Move::Drop { .. }) {
+                self.reclaim_lent(super::optimizer::move_chunk(mv) as usize)?;
+            }
             match *mv {
                 Move::Materialize { chunk } => {
                     self.materialize(chunk as usize)?;
@@ -53,7 +57,7 @@ impl ChunkManager {
                     let c = chunk as usize;
                     match std::mem::take(&mut self.payload[c].host) {
                         HostSlot::InFlight(p) => self.retiring.push(p),
-                        HostSlot::Ready(_) | HostSlot::None => {}
+                        HostSlot::Ready(_) | HostSlot::None | HostSlot::Lent => {}
                     }
                     self.note(LogKind::FreeHost, chunk as u64, 0, t0);
                 }
@@ -70,7 +74,7 @@ impl ChunkManager {
             HostSlot::Ready(h) => self.device.copy_h2d(&self.copy, h, &buf)?,
             // loaded again while written back: after that copy, on the device
             HostSlot::InFlight(p) => self.device.copy_h2d_after(&self.copy, p, &buf)?,
-            HostSlot::None => {
+            HostSlot::None | HostSlot::Lent => {
                 return Err(Error::InvalidArgument(format!(
                     "chunk {c} has no host copy"
                 )))
@@ -87,24 +91,37 @@ impl ChunkManager {
     /// Copies chunk `c`'s device copy back to its host copy on the copy stream, after everything
     /// compute did to it; returns its bytes.
     fn write_back(&mut self, c: usize) -> Result<usize> {
+        self.write_back_to(c, None).map(|(bytes, _)| bytes)
+    }
+
+    /// [`ChunkManager::write_back`] into `dest` when given (the host copy's buffer is then not
+    /// waited for, and comes back: in flight if an upload still reads it), else into the host
+    /// copy's own buffer.
+    pub(super) fn write_back_to(
+        &mut self,
+        c: usize,
+        dest: Option<HostBuffer>,
+    ) -> Result<(usize, HostSlot)> {
         let buf = self.payload[c].device.clone().ok_or_else(|| {
             Error::InvalidArgument(format!("write-back of chunk {c} without a device copy"))
         })?;
-        let h = match std::mem::take(&mut self.payload[c].host) {
-            HostSlot::Ready(h) => h,
-            HostSlot::InFlight(p) => p.wait()?,
-            HostSlot::None => self.alloc_host(c)?,
+        let old = std::mem::take(&mut self.payload[c].host);
+        let (h, old) = match (dest, old) {
+            (Some(d), old) => (d, old),
+            (None, HostSlot::Ready(h)) => (h, HostSlot::None),
+            (None, HostSlot::InFlight(p)) => (p.wait()?, HostSlot::None),
+            (None, HostSlot::None | HostSlot::Lent) => (self.alloc_host(c)?, HostSlot::None),
         };
         // the copy engine reads the chunk after everything compute did to it
         let ev = self.device.new_event()?;
         self.device.record(&self.compute, &ev)?;
-        self.device.wait_event(&self.copy, &ev)?;
+        self.device.wait_event(&self.down, &ev)?;
         if let Some(r) = self.payload[c].ready.take() {
-            self.device.wait_event(&self.copy, &r)?;
+            self.device.wait_event(&self.down, &r)?;
         }
-        let p = self.device.copy_d2h(&self.copy, &*buf, h)?;
+        let p = self.device.copy_d2h(&self.down, &*buf, h)?;
         self.payload[c].host = HostSlot::InFlight(p);
-        Ok(buf.len())
+        Ok((buf.len(), old))
     }
 
     /// Drops chunk `c`'s device copy, which no view may still hold.
@@ -117,9 +134,16 @@ impl ChunkManager {
             // kept for a later load: the load's copy waits for the compute work enqueued so far
             let free_after = self.device.new_event()?;
             self.device.record(&self.compute, &free_after)?;
-            self.spares.lock().push(Spare { buf, free_after });
+            let read_after = self.device.new_event()?;
+            self.device.record(&self.down, &read_after)?;
+            self.spares.lock().push(Spare {
+                buf,
+                free_after,
+                read_after,
+            });
         }
         self.payload[c].ready = None;
+        self.dropped_early(c);
         Ok(())
     }
 
@@ -134,6 +158,7 @@ impl ChunkManager {
         match spare {
             Some(s) => {
                 self.device.wait_event(&self.copy, &s.free_after)?;
+                self.device.wait_event(&self.copy, &s.read_after)?;
                 Ok(s.buf)
             }
             None => self.alloc_device(bytes),
@@ -158,6 +183,7 @@ impl ChunkManager {
                     Err(Error::OutOfMemory { .. }) => {
                         // a device that frees memory only once the work on it is done
                         self.device.sync_stream(&self.copy)?;
+                        self.device.sync_stream(&self.down)?;
                         self.device.sync_stream(&self.compute)?;
                         if let Some(p) = &self.non_model {
                             p.empty_cache();
@@ -173,6 +199,7 @@ impl ChunkManager {
 
     /// Makes the host slot of chunk `c` ready (waiting for a copy in flight) and returns it.
     pub(super) fn host_ready(&mut self, c: usize) -> Result<&mut HostBuffer> {
+        self.reclaim_lent(c)?;
         if let HostSlot::InFlight(_) = &self.payload[c].host {
             let HostSlot::InFlight(p) = std::mem::take(&mut self.payload[c].host) else {
                 unreachable!()
@@ -187,7 +214,7 @@ impl ChunkManager {
         }
     }
 
-    fn alloc_host(&mut self, c: usize) -> Result<HostBuffer> {
+    pub(super) fn alloc_host(&mut self, c: usize) -> Result<HostBuffer> {
         let bytes = self.chunk_bytes(c);
         if self.file_tier[c] {
             if let Some(f) = &self.file {
@@ -226,6 +253,7 @@ impl ChunkManager {
     pub fn synchronize(&mut self) -> Result<()> {
         self.usable()?;
         self.device.sync_stream(&self.copy)?;
+        self.device.sync_stream(&self.down)?;
         self.device.sync_stream(&self.compute)?;
         for c in 0..self.payload.len() {
             if matches!(self.payload[c].host, HostSlot::InFlight(_)) {

@@ -105,7 +105,7 @@ struct HostVisit {
 }
 
 /// The chunk a move is about.
-fn move_chunk(m: &Move) -> ChunkNo {
+pub(super) fn move_chunk(m: &Move) -> ChunkNo {
     match *m {
         Move::Materialize { chunk }
         | Move::Load { chunk, .. }
@@ -192,6 +192,10 @@ impl ChunkManager {
         lists.sort_by_key(|k| k.index());
         lists.dedup();
         let opt: Vec<ChunkKind> = lists[1..].to_vec();
+        if self.overlap_keeps() != Some(true) || lists.len() != 4 {
+            // early steps are kept only by the optimizer step that decided so
+            self.cancel_overlap()?;
+        }
         // A host group steps once the next group's moves are issued, so that the copies of
         // that group's chunks to the host run while this one steps (the same steps, each on
         // the same bytes, in the same order). Moves that touch the group waiting to step wait
@@ -207,12 +211,19 @@ impl ChunkManager {
             for &k in &opt {
                 self.check_transition(&ids, k, TrainEvent::BeforeOptim)?;
             }
+            // a group stepped during backward is done: its chunks took the step's results, and
+            // a parameter chunk that went up with them is as current as its host copy
+            let early = match self.settle_kept(g) {
+                Ok(kept) => Ok(kept || self.stepped_early(g)),
+                Err(e) => Err(e),
+            };
+            let param_current = matches!(early, Ok(true)) && self.uploaded_early(g);
             let acc: Vec<Access> = lists
                 .iter()
                 .map(|&k| Access {
                     chunk: ChunkPlan::chunk_no(g as u32, k),
                     target,
-                    write: true,
+                    write: !(k == ChunkKind::Param && param_current),
                 })
                 .collect();
             self.tick(Stage::Optimizer, &acc);
@@ -226,15 +237,19 @@ impl ChunkManager {
             }
             let tensors = self.group_tensors(g);
             let ranges = grad_ranges(&tensors);
-            let result = match target {
-                Target::Host => {
+            let result = match (early, target) {
+                (Err(e), _) => Err(e),
+                (Ok(true), _) => Ok(()),
+                (Ok(false), Target::Host) => {
                     let previous = waiting.replace(HostVisit { g, tensors, ranges });
                     match previous {
                         Some(v) => self.visit_host(v.g, &lists, v.tensors, v.ranges, &mut f),
                         None => Ok(()),
                     }
                 }
-                Target::Device => self.visit_device(g, &lists, tensors, ranges, &mut f),
+                (Ok(false), Target::Device) => {
+                    self.visit_device(g, &lists, tensors, ranges, &mut f)
+                }
             };
             for &id in &ids {
                 for &k in &opt {
@@ -402,13 +417,20 @@ impl ChunkManager {
     /// Whether group `g`'s parameter chunk has a device copy.
     pub(crate) fn param_on_device(&self, g: usize) -> bool {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
-        self.payload.get(c).is_some_and(|p| p.device.is_some())
+        // not a device copy that holds an early step's parameters in place of the gradients
+        self.payload.get(c).is_some_and(|p| p.device.is_some()) && !self.uploaded_early(g)
     }
 
     /// Group `g`'s parameter chunk on the host, where it is, without a move (waiting for a
     /// copy in flight).
     pub(crate) fn param_host(&mut self, g: usize) -> Result<&[u8]> {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        if matches!(self.payload[c].host, HostSlot::Lent) {
+            // an early step holds the gradients, and leaves them as they are
+            return self.lent_grads(g)?.ok_or_else(|| {
+                Error::InvalidArgument(format!("group {g}'s gradients are lent and lost"))
+            });
+        }
         Ok(self.host_ready(c)?)
     }
 

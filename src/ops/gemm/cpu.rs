@@ -61,12 +61,18 @@ fn fits(rows: usize, cols: usize, rs: usize, cs: usize, len: usize) -> bool {
     last.is_some_and(|l| l < len) && rs <= isize::MAX as usize && cs <= isize::MAX as usize
 }
 
-/// The threads for an `m × n × k` product: every available one, or none below
+/// The threads for an `m × n × k` product: every available one (or `TIDEMEM_SIM_THREADS`, read
+/// once, where set: the simulated device's share of the cores), or none below
 /// [`SERIAL_BELOW`].
 fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     static THREADS: OnceLock<usize> = OnceLock::new();
-    let threads =
-        *THREADS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads = *THREADS.get_or_init(|| {
+        std::env::var("TIDEMEM_SIM_THREADS")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .filter(|&n| n > 0)
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    });
     if threads <= 1 || (m as u128) * (n as u128) * (k as u128) < SERIAL_BELOW {
         Parallelism::None
     } else {

@@ -17,18 +17,35 @@ use tidemem::ops::embedding::BagMode;
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
 
-/// The device's counts over step `steps` of a `gpt2-tiny` run (f32, 4 × 32 tokens) on a device
-/// of `capacity` bytes, Adam placed by `placement`.
-fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceStats {
-    gpt_step_on(common::sim(capacity), placement, steps, false).0
+/// How the host groups step.
+#[derive(Clone, Copy, PartialEq)]
+enum HostSteps {
+    /// After backward, clipping at a global norm of 1 (which binds at every step here).
+    Serial,
+    /// During backward, with a clip that never binds: every early step is kept.
+    Overlapped,
 }
 
-/// [`gpt_step`] on `dev`; with `profile`, the last step profiled.
+/// The device's counts over step `steps` of a `gpt2-tiny` run (f32, 4 × 32 tokens) on a device
+/// of `capacity` bytes, Adam placed by `placement`, host groups stepped after backward.
+fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceStats {
+    gpt_step_on(
+        common::sim(capacity),
+        placement,
+        steps,
+        false,
+        HostSteps::Serial,
+    )
+    .0
+}
+
+/// [`gpt_step`] on `dev`, host groups stepped as `host`; with `profile`, the last step profiled.
 fn gpt_step_on(
     dev: Device,
     placement: DevicePlacement,
     steps: u64,
     profile: bool,
+    host: HostSteps,
 ) -> (DeviceStats, Option<(PhaseTimes, f64)>) {
     let cfg = GptConfig::preset("gpt2-tiny").unwrap();
     let mut mc = ManagerConfig::new(1 << 16, Policy::Tide);
@@ -37,7 +54,12 @@ fn gpt_step_on(
     let gpt = Gpt::register(&mut m, &cfg, 1).unwrap();
     let mut adam = HybridAdam::new(HybridConfig {
         placement,
-        max_grad_norm: Some(1.0),
+        overlap: host == HostSteps::Overlapped,
+        max_grad_norm: Some(if host == HostSteps::Overlapped {
+            1e6
+        } else {
+            1.0
+        }),
         ..HybridConfig::new(AdamConfig::adamw(1e-3, 0.0))
     })
     .unwrap();
@@ -112,12 +134,51 @@ fn an_offloaded_step_waits_only_for_what_the_host_reads() {
     );
 }
 
+/// Offloaded as above, the host groups stepped during backward: the training thread waits for
+/// no gradient (a worker does, and the new parameters go up during backward) and for no
+/// stream; only for the statistics. The gradients go down once, as in the serial step.
+#[test]
+fn an_overlapped_offloaded_step_waits_only_for_the_statistics() {
+    let host = DevicePlacement::HostOnly;
+    let run = |how| gpt_step_on(common::sim(10 << 20), host, 4, false, how).0;
+    let (serial, s) = (run(HostSteps::Serial), run(HostSteps::Overlapped));
+    eprintln!(
+        "overlapped: {} device allocations, {} blocking waits ({} stream syncs, {} event syncs, \
+         {} copies waited for), {} bytes up, {} down",
+        s.device_allocs,
+        s.blocking_waits(),
+        s.stream_syncs,
+        s.event_syncs,
+        s.pending_waits,
+        s.h2d_bytes,
+        s.d2h_bytes
+    );
+    assert_eq!(
+        (s.stream_syncs, s.event_syncs),
+        (0, 0),
+        "no wait on a stream"
+    );
+    assert_eq!(s.pending_waits, 1, "the statistics only");
+    // (less the statistics of the groups the host reads: computed there)
+    assert!(
+        s.d2h_bytes <= serial.d2h_bytes && s.d2h_bytes + 4096 > serial.d2h_bytes,
+        "the gradients go down once: {} bytes, serially {}",
+        s.d2h_bytes,
+        serial.d2h_bytes
+    );
+    assert_eq!(
+        counts(&run(HostSteps::Overlapped)),
+        counts(&s),
+        "deterministic"
+    );
+}
+
 #[test]
 fn the_profile_times_each_phase_and_adds_no_wait() {
     for dev in common::devices("host_path::profile") {
         let host = DevicePlacement::HostOnly;
-        let (plain, _) = gpt_step_on(dev.clone(), host, 4, false);
-        let (counted, t) = gpt_step_on(dev.clone(), host, 4, true);
+        let (plain, _) = gpt_step_on(dev.clone(), host, 4, false, HostSteps::Serial);
+        let (counted, t) = gpt_step_on(dev.clone(), host, 4, true, HostSteps::Serial);
         let (t, wall) = t.unwrap();
         eprintln!("{}:\n{t}", dev.name());
         assert_eq!(

@@ -648,6 +648,16 @@ impl Scheduler {
         Ok(moves)
     }
 
+    /// Counts an upload the manager made outside a move: the new host copy of a chunk that
+    /// stays on the device went into its device copy (a host group's parameters stepped
+    /// during backward), as a load would have.
+    pub fn count_upload(&mut self, chunk: ChunkNo) -> Result<()> {
+        let i = self.check(chunk)?;
+        self.stats.h2d_bytes += self.bytes(i);
+        self.stats.loads += 1;
+        Ok(())
+    }
+
     /// Ends the use of chunks fetched earlier. Static policies move non-resident chunks back
     /// right away.
     pub fn release(&mut self, chunks: &[ChunkNo]) -> Result<Vec<Move>> {

@@ -257,7 +257,9 @@ impl ChunkManager {
         let Some(buf) = self.payload[pc as usize].device.clone() else {
             return Ok(());
         };
-        if !idle || *v != version || fin.result.is_err() || fin.grads.is_none() {
+        // under move semantics the optimizer's host access evicts the chunk anyway
+        let stays = self.cfg.policy.keeps_host_copy();
+        if !stays || !idle || *v != version || fin.result.is_err() || fin.grads.is_none() {
             return Ok(());
         }
         let HostSlot::Ready(out) = std::mem::take(&mut fin.out) else {
@@ -274,7 +276,7 @@ impl ChunkManager {
         self.device.record(&self.copy, &ready)?;
         self.payload[pc as usize].ready = Some(ready);
         self.overlap.uploaded[g] = true;
-        Ok(())
+        self.sched().count_upload(pc)
     }
 
     /// Whether group `g`'s parameter chunk on the device holds its early step's parameters
@@ -618,6 +620,7 @@ impl ChunkManager {
                 let ready = self.device.new_event()?;
                 self.device.record(&self.copy, &ready)?;
                 self.payload[cs[0]].ready = Some(ready);
+                self.sched().count_upload(cs[0] as u32)?;
                 HostSlot::InFlight(p)
             } else {
                 HostSlot::Ready(grads)

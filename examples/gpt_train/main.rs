@@ -105,6 +105,10 @@ struct Args {
     /// host, or device (every group). The same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "host", "device"])]
     adam: String,
+    /// Step the host's chunk groups after backward instead of during it (the same bits; the
+    /// overlapped step keeps a second copy of their optimizer state in host memory).
+    #[arg(long)]
+    no_overlap: bool,
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
@@ -306,6 +310,7 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
             _ => DevicePlacement::Auto { fraction: 0.8 },
         },
         delayed_params: delayed,
+        overlap: !a.no_overlap,
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
 }
@@ -574,6 +579,7 @@ fn run() -> Result<()> {
         "device_stats": device_json(&device_step),
         "adam_device_groups": adam_groups.0,
         "adam_host_groups": adam_groups.1,
+        "overlap": m.overlap_stats(),
         "profile": profile,
     });
     if a.json {

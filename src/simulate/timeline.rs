@@ -181,12 +181,12 @@ pub fn timeline(
     let (_, rec) = run(spec, policy, opts)?;
     let flops = moment_flops(spec);
     let order = moment_order(&rec, schedule);
-    let mut t = Timeline::new(&rec, rates, schedule);
+    let mut t = Timeline::new(&rec, rates, schedule, policy.keeps_host_copy());
     let mut ends = [0.0; 3];
     for end in &mut ends {
         t.busy = Busy::default();
-        for &m in &order {
-            t.moment(&rec.moments[m], flops.get(m).copied().unwrap_or(0))?;
+        for &(m, moved) in &order {
+            t.moment(&rec.moments[m], flops.get(m).copied().unwrap_or(0), moved)?;
         }
         *end = t.end();
     }
@@ -202,13 +202,14 @@ pub fn timeline(
     })
 }
 
-/// The order the manager runs the moments in: as recorded, or with each host group's optimizer
-/// moment moved to just after the backward moment that writes its parameter chunk's last
-/// gradient.
-fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<usize> {
+/// The order the manager runs the moments in, each with whether it was moved: as recorded, or
+/// with each host group's optimizer moment moved to just after the backward moment that writes
+/// its parameter chunk's last gradient (not a group with a chunk on the file tier, which steps
+/// after backward).
+fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<(usize, bool)> {
     let n = rec.moments.len();
     if schedule == Schedule::Serial {
-        return (0..n).collect();
+        return (0..n).map(|i| (i, false)).collect();
     }
     let is_param = |c: u32| rec.chunks[c as usize].kind == ChunkKind::Param;
     let host_step = |m: &MomentMoves| {
@@ -216,6 +217,7 @@ fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<usize> {
             && m.accesses
                 .iter()
                 .any(|a| a.target == Target::Host && is_param(a.chunk))
+            && !m.accesses.iter().any(|a| rec.file[a.chunk as usize])
     };
     // the last backward moment writing each chunk
     let mut last_write = vec![None; rec.chunks.len()];
@@ -246,8 +248,8 @@ fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<usize> {
         if moved[i] {
             continue;
         }
-        order.push(i);
-        order.extend(&after[i]);
+        order.push((i, false));
+        order.extend(after[i].iter().map(|&j| (j, true)));
     }
     order
 }
@@ -281,6 +283,12 @@ struct Timeline<'a> {
     host_ok: Vec<f64>,
     /// When the backward in progress (or last run) ended: the serial host step's barrier.
     backward_end: f64,
+    /// Whether a chunk on the device keeps its host copy (the policy), so that a host group
+    /// stepped during backward can upload its parameters into it and keep it there.
+    keeps_host: bool,
+    /// Chunks whose parameters went up from a host step during backward: their next load is
+    /// that upload.
+    uploaded: Vec<bool>,
     /// Serial: when the host thread, which steps its groups itself, issues the next work.
     issue: f64,
     /// The stage of the moment before.
@@ -290,7 +298,7 @@ struct Timeline<'a> {
 }
 
 impl<'a> Timeline<'a> {
-    fn new(rec: &'a Recorded, rates: &'a Rates, schedule: Schedule) -> Self {
+    fn new(rec: &'a Recorded, rates: &'a Rates, schedule: Schedule, keeps_host: bool) -> Self {
         let n = rec.chunks.len();
         Timeline {
             rec,
@@ -305,6 +313,8 @@ impl<'a> Timeline<'a> {
             last_use: vec![0.0; n],
             host_ok: vec![0.0; n],
             backward_end: 0.0,
+            keeps_host,
+            uploaded: vec![false; n],
             issue: 0.0,
             last: None,
             in_backward: false,
@@ -322,23 +332,28 @@ impl<'a> Timeline<'a> {
         self.rec.chunks[c as usize].bytes as f64
     }
 
-    fn moment(&mut self, m: &MomentMoves, flops: u64) -> Result<()> {
-        if self.schedule == Schedule::Serial
-            && self.last == Some(Stage::Optimizer)
-            && m.stage == Stage::Forward
-        {
-            // the last host group steps before the next iteration is issued
-            self.issue = self.issue.max(self.host);
-        }
-        self.last = Some(m.stage);
-        match (m.stage, self.in_backward) {
-            (Stage::Backward, false) => self.in_backward = true,
-            (Stage::Optimizer, true) => {
-                self.in_backward = false;
-                self.backward_end = self.compute;
+    fn moment(&mut self, m: &MomentMoves, flops: u64, moved: bool) -> Result<()> {
+        if !moved {
+            if self.last == Some(Stage::Optimizer) && m.stage == Stage::Forward {
+                // the last host group steps before the next iteration is issued
+                self.issue = self.issue.max(self.host);
             }
-            (Stage::Forward, true) => self.in_backward = false,
-            _ => {}
+            self.last = Some(m.stage);
+            match (m.stage, self.in_backward) {
+                (Stage::Backward, false) => self.in_backward = true,
+                (Stage::Optimizer, true) => {
+                    self.in_backward = false;
+                    self.backward_end = self.compute;
+                    // the optimizer pass starts once the gradient statistics are read: after
+                    // backward, and after every host group stepped during it
+                    self.issue = self.issue.max(self.backward_end);
+                    if self.schedule == Schedule::Overlapped {
+                        self.issue = self.issue.max(self.host);
+                    }
+                }
+                (Stage::Forward, true) => self.in_backward = false,
+                _ => {}
+            }
         }
         // the moment's evictions free memory its loads go into
         let mut freed = 0.0f64;
@@ -361,6 +376,10 @@ impl<'a> Timeline<'a> {
                     freed = freed.max(self.d2h);
                 }
                 Move::Drop { chunk } => freed = freed.max(self.last_use[chunk as usize]),
+                Move::Load { chunk, .. } if self.uploaded[chunk as usize] => {
+                    // it went up when its group stepped
+                    self.uploaded[chunk as usize] = false;
+                }
                 Move::Load { chunk, .. } => {
                     let c = chunk as usize;
                     let bytes = self.bytes(chunk);
@@ -392,12 +411,12 @@ impl<'a> Timeline<'a> {
                     self.last_use[a.chunk as usize] = self.compute;
                 }
             }
-            Stage::Optimizer => self.optimizer(m, inputs)?,
+            Stage::Optimizer => self.optimizer(m, inputs, moved)?,
         }
         Ok(())
     }
 
-    fn optimizer(&mut self, m: &MomentMoves, inputs: f64) -> Result<()> {
+    fn optimizer(&mut self, m: &MomentMoves, inputs: f64, moved: bool) -> Result<()> {
         let param = m
             .accesses
             .iter()
@@ -441,6 +460,21 @@ impl<'a> Timeline<'a> {
             // the host thread steps each group itself, once the next group's moves are issued:
             // those wait for the step before this one
             self.issue = previous;
+        }
+        let evicted = |c: u32| {
+            m.moves.iter().any(
+                |mv| matches!(*mv, Move::WriteBack { chunk } | Move::Drop { chunk } if chunk == c),
+            )
+        };
+        if moved && self.keeps_host && evicted(param.chunk) {
+            // stepped during backward with its parameter chunk still on the device: the new
+            // parameters go up into it at once, and it stays there for the next forward
+            let c = param.chunk as usize;
+            let dt = self.bytes(param.chunk) / self.rates.h2d;
+            self.h2d = self.h2d.max(self.host) + dt;
+            self.busy.h2d += dt;
+            self.ready[c] = self.h2d;
+            self.uploaded[c] = true;
         }
         for a in &m.accesses {
             // the host copies are the new values (the device copies are stale)

@@ -265,11 +265,8 @@ impl ChunkManager {
         let HostSlot::Ready(out) = std::mem::take(&mut fin.out) else {
             return Ok(());
         };
-        // after the compute work so far (nothing reads the gradients there any more: the
-        // statistics read the host's)
-        let ev = self.device.new_event()?;
-        self.device.record(&self.compute, &ev)?;
-        self.device.wait_event(&self.copy, &ev)?;
+        // after the gradients' copy down, itself after the chunk's last backward use: nothing
+        // on the device reads the gradients there afterwards (the statistics read the host's)
         self.device.wait_event(&self.copy, read)?;
         fin.out = HostSlot::InFlight(self.device.copy_h2d(&self.copy, out, &*buf)?);
         let ready = self.device.new_event()?;

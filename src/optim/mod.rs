@@ -7,6 +7,8 @@ mod chunk_stats;
 #[cfg(test)]
 mod cpu_adam_tests;
 pub mod hybrid;
+#[cfg(test)]
+mod overlap_tests;
 pub mod scaler;
 pub mod stream;
 

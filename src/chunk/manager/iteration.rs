@@ -395,14 +395,19 @@ impl ChunkManager {
         let c = self.chunk_of(id, ChunkKind::Param) as usize;
         let es = self.cfg.param_dtype.size();
         let (off, len) = (slot.offset * es, slot.numel * es);
-        if let Some(buf) = self.payload[c].device.clone() {
+        let dt = self.cfg.param_dtype;
+        if self.device_param_differs(slot.group as usize) {
+            // a host group stepped during backward: the host copy (or the step's) is current
+            if let Some(h) = self.lent_grads(slot.group as usize)? {
+                return Ok(decode(&h[off..off + len], dt));
+            }
+        } else if let Some(buf) = self.payload[c].device.clone() {
             if let Some(ev) = self.payload[c].ready.take() {
                 self.device.wait_event(&self.compute, &ev)?;
             }
             let bytes = self.device.download(&self.compute, buf.view(off, len)?)?;
             return Ok(decode(&bytes, self.cfg.param_dtype));
         }
-        let dt = self.cfg.param_dtype;
         let h = self.host_ready(c)?;
         Ok(decode(&h[off..off + len], dt))
     }
@@ -424,10 +429,12 @@ impl ChunkManager {
             });
         }
         let c = self.chunk_of(id, ChunkKind::Param) as usize;
+        // (a host group stepped during backward is read from the host, below)
         if self.sched.is_some()
             && self
                 .chunk_state(slot.group as usize, ChunkKind::Param)
                 .is_some()
+            && !self.device_param_differs(slot.group as usize)
         {
             if let Some(buf) = self.payload[c].device.clone() {
                 if let Some(ev) = self.payload[c].ready.take() {

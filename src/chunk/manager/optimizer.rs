@@ -247,9 +247,10 @@ impl ChunkManager {
                         None => Ok(()),
                     }
                 }
-                (Ok(false), Target::Device) => {
-                    self.visit_device(g, &lists, tensors, ranges, &mut f)
-                }
+                (Ok(false), Target::Device) => match self.refresh_device_param(g) {
+                    Ok(()) => self.visit_device(g, &lists, tensors, ranges, &mut f),
+                    Err(e) => Err(e),
+                },
             };
             for &id in &ids {
                 for &k in &opt {
@@ -418,7 +419,7 @@ impl ChunkManager {
     pub(crate) fn param_on_device(&self, g: usize) -> bool {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
         // not a device copy that holds an early step's parameters in place of the gradients
-        self.payload.get(c).is_some_and(|p| p.device.is_some()) && !self.uploaded_early(g)
+        self.payload.get(c).is_some_and(|p| p.device.is_some()) && !self.device_param_differs(g)
     }
 
     /// Group `g`'s parameter chunk on the host, where it is, without a move (waiting for a

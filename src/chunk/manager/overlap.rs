@@ -130,6 +130,8 @@ pub(super) struct Overlap {
     plan: Option<OverlapPlan>,
     /// The optimizer's decision this iteration: `Some(true)` keeps early steps.
     keep: Option<bool>,
+    /// The last decision.
+    kept_last: bool,
     jobs: Vec<Option<Job0>>,
     /// Backward releases per group this iteration.
     version: Vec<u64>,
@@ -138,6 +140,10 @@ pub(super) struct Overlap {
     /// Groups whose parameter chunk's device copy holds their early step's new parameters,
     /// uploaded before the step was decided (the host copy holds the gradients until then).
     uploaded: Vec<bool>,
+    /// Groups whose parameter chunk's device copy holds a thrown-away step's parameters: it is
+    /// evicted by the group's serial step, or brought back to the host copy
+    /// ([`ChunkManager::refresh_device_param`]) before anything reads it.
+    stale: Vec<bool>,
     spare_shadow: Vec<Option<[HostBuffer; 3]>>,
     /// Parameter-sized buffers per group: for the gradients' copy and the new parameters.
     spare_param: Vec<Vec<HostSlot>>,
@@ -170,6 +176,7 @@ impl ChunkManager {
         o.version.resize(n, 0);
         o.done.resize(n, false);
         o.uploaded.resize(n, false);
+        o.stale.resize(n, false);
         o.spare_shadow.resize_with(n, || None);
         o.spare_param.resize_with(n, Vec::new);
         o.plan = plan;
@@ -185,6 +192,7 @@ impl ChunkManager {
     pub(crate) fn overlap_verdict(&mut self, key: Option<&[u8]>) -> Result<()> {
         let keep = matches!((&self.overlap.plan, key), (Some(p), Some(k)) if p.key == k);
         self.overlap.keep = Some(keep);
+        self.overlap.kept_last = keep;
         if !keep {
             self.cancel_overlap()?;
         }
@@ -230,10 +238,22 @@ impl ChunkManager {
                 if let Some(j) = self.overlap.jobs[g].as_mut() {
                     j.state = Early::Finished(Box::new(fin));
                 }
-                self.upload_early(g)?;
+                if self.uploads_ahead() {
+                    self.upload_early(g)?;
+                }
             }
         }
         Ok(())
+    }
+
+    /// Whether a finished early step's parameters go up before the step is decided: once it
+    /// is decided to keep them, or, undecided, when the last decision kept (a step that clips
+    /// or overflows every time would otherwise send its parameters up for nothing).
+    fn uploads_ahead(&self) -> bool {
+        match self.overlap.keep {
+            Some(keep) => keep,
+            None => self.overlap.kept_last,
+        }
     }
 
     /// Uploads group `g`'s finished early step's new parameters into its parameter chunk's
@@ -276,17 +296,56 @@ impl ChunkManager {
         self.sched().count_upload(pc)
     }
 
-    /// Whether group `g`'s parameter chunk on the device holds its early step's parameters
-    /// rather than its gradients.
-    pub(super) fn uploaded_early(&self, g: usize) -> bool {
+    /// Whether group `g`'s parameter chunk on the device may hold other values than its host
+    /// copy's, now or before anything enqueued now would run: an early step's parameters,
+    /// uploaded before the step was decided or thrown away after, or a step in hand whose
+    /// parameters may go up at any time (on the upload stream, ordered after the gradients'
+    /// copy down but not after later reads on the compute stream). Its gradients are read from
+    /// the host then.
+    pub(crate) fn device_param_differs(&self, g: usize) -> bool {
         self.overlap.uploaded.get(g).copied().unwrap_or(false)
+            || self.overlap.stale.get(g).copied().unwrap_or(false)
+            || self.overlap.jobs.get(g).is_some_and(Option::is_some)
+    }
+
+    /// Whether group `g`'s parameter chunk on the device holds its (undecided or kept) early
+    /// step's parameters.
+    pub(crate) fn uploaded_early(&self, g: usize) -> bool {
+        self.overlap.uploaded.get(g).copied().unwrap_or(false)
+    }
+
+    /// Brings group `g`'s parameter chunk on the device back to its host copy if it holds a
+    /// thrown-away step's parameters, for whatever reads it there.
+    pub(super) fn refresh_device_param(&mut self, g: usize) -> Result<()> {
+        if !self.overlap.stale.get(g).copied().unwrap_or(false) {
+            return Ok(());
+        }
+        self.overlap.stale[g] = false;
+        let c = ChunkPlan::chunk_no(g as u32, crate::tensor::ChunkKind::Param) as usize;
+        let Some(buf) = self.payload[c].device.clone() else {
+            return Ok(());
+        };
+        self.host_ready(c)?;
+        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
+            unreachable!("host_ready leaves the slot ready")
+        };
+        let p = self.device.copy_h2d(&self.copy, h, &*buf)?;
+        self.payload[c].host = HostSlot::InFlight(p);
+        let ready = self.device.new_event()?;
+        self.device.record(&self.copy, &ready)?;
+        self.payload[c].ready = Some(ready);
+        self.sched().count_upload(c as u32)
     }
 
     /// The device copy of chunk `c` is gone.
     pub(super) fn dropped_early(&mut self, c: usize) {
         if c.is_multiple_of(4) {
-            if let Some(u) = self.overlap.uploaded.get_mut(c / 4) {
+            let g = c / 4;
+            if let Some(u) = self.overlap.uploaded.get_mut(g) {
                 *u = false;
+            }
+            if let Some(s) = self.overlap.stale.get_mut(g) {
+                *s = false;
             }
         }
     }
@@ -514,7 +573,7 @@ impl ChunkManager {
             if let Some(j) = self.overlap.jobs[i].as_mut() {
                 j.state = Early::Finished(Box::new(fin));
             }
-            if self.overlap.keep != Some(false) {
+            if self.uploads_ahead() {
                 self.upload_early(i)?;
             }
         }
@@ -607,21 +666,13 @@ impl ChunkManager {
             self.put_spare_param(g, HostSlot::Ready(grads));
         } else {
             self.put_spare_param(g, out);
-            self.payload[cs[0]].host = if self.overlap.uploaded[g] {
-                // the device copy holds the thrown-away parameters: the gradients go back up
+            if self.overlap.uploaded[g] {
+                // the device copy holds the thrown-away parameters: the group's serial step
+                // evicts it, or it is refreshed before anything reads it there
                 self.overlap.uploaded[g] = false;
-                let buf = self.payload[cs[0]].device.clone().ok_or_else(|| {
-                    Error::InvalidArgument(format!("chunk {} lost its device copy", cs[0]))
-                })?;
-                let p = self.device.copy_h2d(&self.copy, grads, &*buf)?;
-                let ready = self.device.new_event()?;
-                self.device.record(&self.copy, &ready)?;
-                self.payload[cs[0]].ready = Some(ready);
-                self.sched().count_upload(cs[0] as u32)?;
-                HostSlot::InFlight(p)
-            } else {
-                HostSlot::Ready(grads)
-            };
+                self.overlap.stale[g] = true;
+            }
+            self.payload[cs[0]].host = HostSlot::Ready(grads);
         }
         if keep {
             self.overlap.done[g] = true;
@@ -658,7 +709,12 @@ impl ChunkManager {
 
     /// Ends the iteration's overlap: steps not kept are thrown away, the verdict is cleared.
     pub(super) fn end_overlap(&mut self) -> Result<()> {
-        let r = self.cancel_overlap();
+        let mut r = self.cancel_overlap();
+        for g in 0..self.overlap.stale.len() {
+            if let Err(e) = self.refresh_device_param(g) {
+                r = Err(e);
+            }
+        }
         self.overlap.keep = None;
         self.overlap.done.iter_mut().for_each(|d| *d = false);
         // a kept step's parameters on the device are the chunk's own now

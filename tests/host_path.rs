@@ -31,6 +31,7 @@ enum HostSteps {
 fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceStats {
     gpt_step_on(
         common::sim(capacity),
+        capacity,
         placement,
         steps,
         false,
@@ -39,9 +40,11 @@ fn gpt_step(capacity: usize, placement: DevicePlacement, steps: u64) -> DeviceSt
     .0
 }
 
-/// [`gpt_step`] on `dev`, host groups stepped as `host`; with `profile`, the last step profiled.
+/// [`gpt_step`] on `dev`, planning for `capacity` bytes of it, host groups stepped as `host`;
+/// with `profile`, the last step profiled.
 fn gpt_step_on(
     dev: Device,
+    capacity: usize,
     placement: DevicePlacement,
     steps: u64,
     profile: bool,
@@ -50,6 +53,7 @@ fn gpt_step_on(
     let cfg = GptConfig::preset("gpt2-tiny").unwrap();
     let mut mc = ManagerConfig::new(1 << 16, Policy::Tide);
     mc.param_dtype = DType::F32;
+    mc.scheduler.capacity = capacity as u64;
     let mut m = ChunkManager::new(dev.clone(), mc).unwrap();
     let gpt = Gpt::register(&mut m, &cfg, 1).unwrap();
     let mut adam = HybridAdam::new(HybridConfig {
@@ -140,45 +144,48 @@ fn an_offloaded_step_waits_only_for_what_the_host_reads() {
 #[test]
 fn an_overlapped_offloaded_step_waits_only_for_the_statistics() {
     let host = DevicePlacement::HostOnly;
-    let run = |how| gpt_step_on(common::sim(10 << 20), host, 4, false, how).0;
-    let (serial, s) = (run(HostSteps::Serial), run(HostSteps::Overlapped));
-    eprintln!(
-        "overlapped: {} device allocations, {} blocking waits ({} stream syncs, {} event syncs, \
-         {} copies waited for), {} bytes up, {} down",
-        s.device_allocs,
-        s.blocking_waits(),
-        s.stream_syncs,
-        s.event_syncs,
-        s.pending_waits,
-        s.h2d_bytes,
-        s.d2h_bytes
-    );
-    assert_eq!(
-        (s.stream_syncs, s.event_syncs),
-        (0, 0),
-        "no wait on a stream"
-    );
-    assert_eq!(s.pending_waits, 1, "the statistics only");
-    // (less the statistics of the groups the host reads: computed there)
-    assert!(
-        s.d2h_bytes <= serial.d2h_bytes && s.d2h_bytes + 4096 > serial.d2h_bytes,
-        "the gradients go down once: {} bytes, serially {}",
-        s.d2h_bytes,
-        serial.d2h_bytes
-    );
-    assert_eq!(
-        counts(&run(HostSteps::Overlapped)),
-        counts(&s),
-        "deterministic"
-    );
+    for dev in common::devices("host_path::overlapped") {
+        let run = |how| gpt_step_on(dev.clone(), 10 << 20, host, 4, false, how).0;
+        let (serial, s) = (run(HostSteps::Serial), run(HostSteps::Overlapped));
+        eprintln!(
+            "{}, overlapped: {} device allocations, {} blocking waits ({} stream syncs, {} event \
+             syncs, {} copies waited for), {} bytes up, {} down",
+            dev.name(),
+            s.device_allocs,
+            s.blocking_waits(),
+            s.stream_syncs,
+            s.event_syncs,
+            s.pending_waits,
+            s.h2d_bytes,
+            s.d2h_bytes
+        );
+        assert_eq!(
+            (s.stream_syncs, s.event_syncs),
+            (0, 0),
+            "no wait on a stream"
+        );
+        assert_eq!(s.pending_waits, 1, "the statistics only");
+        // (less the statistics of the groups the host reads: computed there)
+        assert!(
+            s.d2h_bytes <= serial.d2h_bytes && s.d2h_bytes + 4096 > serial.d2h_bytes,
+            "the gradients go down once: {} bytes, serially {}",
+            s.d2h_bytes,
+            serial.d2h_bytes
+        );
+        assert_eq!(
+            counts(&run(HostSteps::Overlapped)),
+            counts(&s),
+            "deterministic"
+        );
+    }
 }
 
 #[test]
 fn the_profile_times_each_phase_and_adds_no_wait() {
     for dev in common::devices("host_path::profile") {
         let host = DevicePlacement::HostOnly;
-        let (plain, _) = gpt_step_on(dev.clone(), host, 4, false, HostSteps::Serial);
-        let (counted, t) = gpt_step_on(dev.clone(), host, 4, true, HostSteps::Serial);
+        let (plain, _) = gpt_step_on(dev.clone(), 256 << 20, host, 4, false, HostSteps::Serial);
+        let (counted, t) = gpt_step_on(dev.clone(), 256 << 20, host, 4, true, HostSteps::Serial);
         let (t, wall) = t.unwrap();
         eprintln!("{}:\n{t}", dev.name());
         assert_eq!(

@@ -186,6 +186,15 @@ fn hybrid_adam_on_cuda_equals_the_sim_device() {
                 .collect::<Vec<_>>()
         };
         assert_eq!(key(&got.0), key(&reference.0), "{what}");
+        // host groups stepped during backward there too, kept and redone alike
+        assert_eq!(g.overlap_stats(), m.overlap_stats(), "{what}");
+        if placement == DevicePlacement::Groups(2) {
+            assert!(
+                g.overlap_stats().kept > 0,
+                "{what}: {:?}",
+                g.overlap_stats()
+            );
+        }
         if placement != DevicePlacement::HostOnly {
             assert!(
                 got.0.iter().any(|r| r.device_groups > 0),

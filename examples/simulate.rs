@@ -105,6 +105,13 @@ struct Args {
     /// Override: the file tier's GB/s.
     #[arg(long)]
     file_gbs: Option<f64>,
+    /// Data-parallel ZeRO ranks, one device of --device-mem each, sharing one host of
+    /// --host-mem: the figures are one rank's.
+    #[arg(long, default_value_t = 1)]
+    ranks: usize,
+    /// Override: the collectives' bus GB/s between ranks.
+    #[arg(long)]
+    bus_gbs: Option<f64>,
     /// Print one JSON object.
     #[arg(long)]
     json: bool,
@@ -149,6 +156,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     opts.chunk_elems = a.chunk_elems;
     opts.scheduler.overall_fraction = a.overall_fraction;
     opts.scheduler.max_prefetch = a.max_prefetch;
+    opts.ranks = a.ranks;
     if let Some(fraction) = a.device_adam {
         opts.optimizer = DevicePlacement::Auto { fraction };
     }
@@ -185,6 +193,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                             "schedule": format!("{s:?}").to_lowercase(), "step_s": t.step,
                             "compute_s": t.compute, "h2d_s": t.h2d, "d2h_s": t.d2h,
                             "host_adam_s": t.host_adam, "file_s": t.file,
+                            "collective_s": t.collective,
                             "slowest": slowest, "step_over_slowest": t.over_slowest(),
                         }));
                     }
@@ -233,6 +242,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         },
         "device_mem": device_mem,
         "host_mem": host_mem,
+        "ranks": a.ranks,
         "policies": rows,
         "largest": largest,
         "largest_searched": searched,
@@ -273,10 +283,14 @@ fn rates(a: &Args) -> tidemem::Result<Rates> {
     if let Some(g) = a.file_gbs {
         r.file = g * 1e9;
     }
+    if let Some(g) = a.bus_gbs {
+        r.bus = g * 1e9;
+    }
     if a.compute_tflops.is_some()
         || a.link_gbs.is_some()
         || a.host_adam_gbs.is_some()
         || a.file_gbs.is_some()
+        || a.bus_gbs.is_some()
     {
         r.name = format!("{} with overrides", r.name);
     }
@@ -312,6 +326,9 @@ fn check(a: &Args, device_mem: u64) -> tidemem::Result<()> {
     if a.chunk_elems == Some(0) {
         return bad("--chunk-elems 0 holds nothing".into());
     }
+    if a.ranks == 0 {
+        return bad("--ranks 0: at least one rank".into());
+    }
     Ok(())
 }
 
@@ -332,11 +349,15 @@ fn device_for_budget(
 fn print_table(v: &Value) {
     let b = |k: &str| fmt_bytes(v[k].as_u64().unwrap_or(0));
     println!(
-        "{} ({:.2}B params), device {}, host {}",
+        "{} ({:.2}B params), device {}, host {}{}",
         v["model"]["name"].as_str().unwrap_or("?"),
         v["model"]["params"].as_u64().unwrap_or(0) as f64 / 1e9,
         b("device_mem"),
-        b("host_mem")
+        b("host_mem"),
+        match v["ranks"].as_u64() {
+            Some(n) if n > 1 => format!(", {n} ZeRO ranks (one rank's figures)"),
+            _ => String::new(),
+        }
     );
     println!(
         "chunks: {} groups of {} elements; model data {} (param list {}), peak non-model {}, smallest chunk budget {}",
@@ -386,13 +407,21 @@ fn print_table(v: &Value) {
             st["rates"]["name"].as_str().unwrap_or("?")
         );
         println!(
-            "{:<11} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8} {:>10}",
-            "schedule", "step ms", "compute", "h2d", "d2h", "host Adam", "file", "÷slowest"
+            "{:<11} {:>10} {:>10} {:>8} {:>8} {:>10} {:>8} {:>11} {:>10}",
+            "schedule",
+            "step ms",
+            "compute",
+            "h2d",
+            "d2h",
+            "host Adam",
+            "file",
+            "collectives",
+            "÷slowest"
         );
         let ms = |t: &Value, k: &str| t[k].as_f64().unwrap_or(0.0) * 1e3;
         for t in times {
             println!(
-                "{:<11} {:>10.1} {:>10.1} {:>8.1} {:>8.1} {:>10.1} {:>8.1} {:>10.2}",
+                "{:<11} {:>10.1} {:>10.1} {:>8.1} {:>8.1} {:>10.1} {:>8.1} {:>11.1} {:>10.2}",
                 t["schedule"].as_str().unwrap_or("?"),
                 ms(t, "step_s"),
                 ms(t, "compute_s"),
@@ -400,6 +429,7 @@ fn print_table(v: &Value) {
                 ms(t, "d2h_s"),
                 ms(t, "host_adam_s"),
                 ms(t, "file_s"),
+                ms(t, "collective_s"),
                 t["step_over_slowest"].as_f64().unwrap_or(0.0)
             );
         }

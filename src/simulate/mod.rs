@@ -21,8 +21,10 @@
 use serde::Serialize;
 
 mod timeline;
+mod zero;
 
 pub use timeline::{timeline, Rates, Schedule, StepTime, ADAM_BYTES_PER_ELEMENT};
+pub use zero::shard;
 
 use crate::chunk::{
     optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkPlan, Layout, SizeSearch,
@@ -491,6 +493,10 @@ pub struct SimOptions {
     /// decides it (host only by default): device groups bring their fp32 master, momentum
     /// and variance chunks to the device.
     pub optimizer: DevicePlacement,
+    /// Data-parallel ZeRO ranks, one device each, sharing one host (1: a single process): the
+    /// simulation is of one rank ([`shard`]), `device_mem` is each device's, `host_mem` the
+    /// host's, shared by the ranks.
+    pub ranks: usize,
 }
 
 impl SimOptions {
@@ -504,6 +510,7 @@ impl SimOptions {
             scheduler: SchedulerConfig::new(device_mem),
             iterations: 2,
             optimizer: DevicePlacement::HostOnly,
+            ranks: 1,
         }
     }
 }
@@ -605,6 +612,8 @@ pub(crate) struct MomentMoves {
 
 /// A simulation's chunks and its last steady iteration, moment by moment.
 pub(crate) struct Recorded {
+    /// Ranks (1 of which this is).
+    pub(crate) ranks: usize,
     pub(crate) chunks: Vec<crate::tide::ChunkDesc>,
     pub(crate) file: Vec<bool>,
     pub(crate) group_elems: Vec<usize>,
@@ -623,11 +632,20 @@ pub(crate) fn run(
     opts: &SimOptions,
 ) -> Result<(SimReport, Recorded)> {
     spec.validate()?;
+    let ranks = opts.ranks.max(1);
+    let sharded;
+    let spec = if ranks > 1 {
+        sharded = shard(spec, ranks, opts.param_bytes)?;
+        &sharded
+    } else {
+        spec
+    };
+    let host_mem = opts.host_mem / ranks as u64;
     let chunk_elems = chunk_size_for(spec, opts)?;
     let plan = ChunkPlan::new(&spec.numels(), chunk_elems, opts.param_bytes)?;
     let mut cfg = opts.scheduler;
     cfg.capacity = opts.device_mem;
-    let file = spill_to_file(&plan.chunks, Some(opts.host_mem));
+    let file = spill_to_file(&plan.chunks, Some(host_mem));
     let file_bytes = plan
         .chunks
         .iter()
@@ -713,6 +731,7 @@ pub(crate) fn run(
         device_adam_groups,
     };
     let recorded = Recorded {
+        ranks,
         chunks: plan.chunks.clone(),
         file,
         group_elems: plan.layout.group_elems.clone(),
@@ -740,10 +759,13 @@ pub fn largest_fitting(
         let spec = gpt(&c)?;
         let mut o = opts.clone();
         o.iterations = 1;
-        let chunk_elems = chunk_size_for(&spec, &o)?;
+        // (one rank's share, against its share of the host)
+        let ranks = opts.ranks.max(1) as u64;
+        let local = shard(&spec, ranks as usize, o.param_bytes)?;
+        let chunk_elems = chunk_size_for(&local, &o)?;
         o.chunk_elems = Some(chunk_elems);
-        let plan = ChunkPlan::new(&spec.numels(), chunk_elems, o.param_bytes)?;
-        if plan.total_bytes() > opts.host_mem + file_mem {
+        let plan = ChunkPlan::new(&local.numels(), chunk_elems, o.param_bytes)?;
+        if plan.total_bytes() > (opts.host_mem + file_mem) / ranks {
             return Ok(None);
         }
         o.host_mem = opts.host_mem;

@@ -63,6 +63,9 @@ pub struct Rates {
     pub device_adam: f64,
     /// The file tier's bytes/s, each way.
     pub file: f64,
+    /// Collective bus bytes/s between ranks (NCCL's bus bandwidth), for ZeRO
+    /// ([`SimOptions::ranks`](super::SimOptions::ranks)).
+    pub bus: f64,
 }
 
 /// Bytes a mixed-precision Adam step reads and writes an element: the 16-bit gradient and
@@ -79,8 +82,9 @@ impl Rates {
     ///   (pinned, 256 MiB), cuBLAS bf16 at 575 TFLOP/s (the low end of 575–868 at GPT-2
     ///   shapes), CUDA Adam at 2.9 TB/s ([`ADAM_BYTES_PER_ELEMENT`] an element) — with the
     ///   host's CPU Adam at 44.1 GB/s (measured on this crate's 2-core CI machine kind; the
-    ///   H100 host's was not measured) and the file tier at 3 GB/s (assumed: one PCIe 4 NVMe
-    ///   drive, not measured).
+    ///   H100 host's was not measured), the file tier at 3 GB/s (assumed: one PCIe 4 NVMe
+    ///   drive, not measured) and the collectives' bus at 360 GB/s (assumed: NVLink 4 between
+    ///   H100 SXM5s, as NCCL reports for all-gather; not measured).
     pub fn profile(name: &str) -> Option<Rates> {
         match name {
             "h100-pcie5" => Some(Rates {
@@ -91,6 +95,7 @@ impl Rates {
                 host_adam: 44.1e9 / ADAM_BYTES_PER_ELEMENT,
                 device_adam: 2.9e12 / ADAM_BYTES_PER_ELEMENT,
                 file: 3e9,
+                bus: 360e9,
             }),
             _ => None,
         }
@@ -105,6 +110,7 @@ impl Rates {
             ("host_adam", self.host_adam),
             ("device_adam", self.device_adam),
             ("file", self.file),
+            ("bus", self.bus),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(Error::InvalidArgument(format!(
@@ -142,6 +148,8 @@ pub struct StepTime {
     pub host_adam: f64,
     /// The file tier.
     pub file: f64,
+    /// The collectives between ranks (0 for one).
+    pub collective: f64,
 }
 
 impl StepTime {
@@ -153,6 +161,7 @@ impl StepTime {
             ("d2h", self.d2h),
             ("host optimizer", self.host_adam),
             ("file", self.file),
+            ("collectives", self.collective),
         ]
         .into_iter()
         .fold(("compute", 0.0), |a, b| if b.1 > a.1 { b } else { a })
@@ -181,12 +190,19 @@ pub fn timeline(
     let (_, rec) = run(spec, policy, opts)?;
     let flops = moment_flops(spec);
     let order = moment_order(&rec, schedule);
-    let mut t = Timeline::new(&rec, rates, schedule, policy.keeps_host_copy());
+    // ranks share the host's CPU optimizer and file tier; each has its own device and link
+    let n = rec.ranks as f64;
+    let rates = Rates {
+        host_adam: rates.host_adam / n,
+        file: rates.file / n,
+        ..rates.clone()
+    };
+    let mut t = Timeline::new(&rec, &rates, schedule, policy.keeps_host_copy());
     let mut ends = [0.0; 3];
     for end in &mut ends {
         t.busy = Busy::default();
         for &(m, moved) in &order {
-            t.moment(&rec.moments[m], flops.get(m).copied().unwrap_or(0), moved)?;
+            t.moment(m, flops.get(m).copied().unwrap_or(0), moved)?;
         }
         *end = t.end();
     }
@@ -199,6 +215,7 @@ pub fn timeline(
         d2h: b.d2h,
         host_adam: b.host_adam,
         file: b.file,
+        collective: b.collective,
     })
 }
 
@@ -219,15 +236,7 @@ fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<(usize, bool)> {
                 .any(|a| a.target == Target::Host && is_param(a.chunk))
             && !m.accesses.iter().any(|a| rec.file[a.chunk as usize])
     };
-    // the last backward moment writing each chunk
-    let mut last_write = vec![None; rec.chunks.len()];
-    for (i, m) in rec.moments.iter().enumerate() {
-        if m.stage == Stage::Backward {
-            for a in m.accesses.iter().filter(|a| a.write) {
-                last_write[a.chunk as usize] = Some(i);
-            }
-        }
-    }
+    let last_write = last_writes(rec);
     let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];
     let mut order = Vec::with_capacity(n);
     let mut moved = vec![false; n];
@@ -254,6 +263,19 @@ fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<(usize, bool)> {
     order
 }
 
+/// The backward moment writing each chunk's last gradient.
+fn last_writes(rec: &Recorded) -> Vec<Option<usize>> {
+    let mut last = vec![None; rec.chunks.len()];
+    for (i, m) in rec.moments.iter().enumerate() {
+        if m.stage == Stage::Backward {
+            for a in m.accesses.iter().filter(|a| a.write) {
+                last[a.chunk as usize] = Some(i);
+            }
+        }
+    }
+    last
+}
+
 /// Busy seconds per resource.
 #[derive(Clone, Copy, Debug, Default)]
 struct Busy {
@@ -262,6 +284,7 @@ struct Busy {
     d2h: f64,
     host_adam: f64,
     file: f64,
+    collective: f64,
 }
 
 /// Resource clocks and chunk readiness.
@@ -275,6 +298,12 @@ struct Timeline<'a> {
     d2h: f64,
     host: f64,
     file: f64,
+    /// The collectives' bus between ranks.
+    bus: f64,
+    /// The stage each parameter chunk was last gathered in (gathered once a stage).
+    gathered: Vec<Option<Stage>>,
+    /// The backward moment writing each chunk's last gradient (its reduce-scatter).
+    last_write: Vec<Option<usize>>,
     /// When each chunk's device copy is loaded.
     ready: Vec<f64>,
     /// When the last compute using each chunk ends.
@@ -309,6 +338,9 @@ impl<'a> Timeline<'a> {
             d2h: 0.0,
             host: 0.0,
             file: 0.0,
+            bus: 0.0,
+            gathered: vec![None; n],
+            last_write: last_writes(rec),
             ready: vec![0.0; n],
             last_use: vec![0.0; n],
             host_ok: vec![0.0; n],
@@ -323,16 +355,25 @@ impl<'a> Timeline<'a> {
     }
 
     fn end(&self) -> f64 {
-        [self.compute, self.h2d, self.d2h, self.host, self.file]
-            .into_iter()
-            .fold(0.0, f64::max)
+        [
+            self.compute,
+            self.h2d,
+            self.d2h,
+            self.host,
+            self.file,
+            self.bus,
+        ]
+        .into_iter()
+        .fold(0.0, f64::max)
     }
 
     fn bytes(&self, c: u32) -> f64 {
         self.rec.chunks[c as usize].bytes as f64
     }
 
-    fn moment(&mut self, m: &MomentMoves, flops: u64, moved: bool) -> Result<()> {
+    fn moment(&mut self, i: usize, flops: u64, moved: bool) -> Result<()> {
+        let rec = self.rec;
+        let m = &rec.moments[i];
         if !moved {
             if self.last == Some(Stage::Optimizer) && m.stage == Stage::Forward {
                 // the last host group steps before the next iteration is issued
@@ -404,16 +445,61 @@ impl<'a> Timeline<'a> {
             .fold(self.issue, f64::max);
         match m.stage {
             Stage::Forward | Stage::Backward => {
+                let inputs = self.gather(m, inputs);
                 let dt = flops as f64 / self.rates.compute;
                 self.compute = self.compute.max(inputs) + dt;
                 self.busy.compute += dt;
                 for a in &m.accesses {
                     self.last_use[a.chunk as usize] = self.compute;
                 }
+                self.reduce_scatter(m, i);
             }
             Stage::Optimizer => self.optimizer(m, inputs, moved)?,
         }
         Ok(())
+    }
+
+    /// ZeRO: the parameters of the moment's chunks gathered from every rank (once a stage),
+    /// after the local shard is loaded; returns when the op's inputs are ready.
+    fn gather(&mut self, m: &MomentMoves, inputs: f64) -> f64 {
+        if self.rec.ranks < 2 {
+            return inputs;
+        }
+        let mut ready = inputs;
+        for a in m.accesses.iter().filter(|a| a.target == Target::Device) {
+            let c = a.chunk as usize;
+            if self.rec.chunks[c].kind != ChunkKind::Param || self.gathered[c] == Some(m.stage) {
+                continue;
+            }
+            self.gathered[c] = Some(m.stage);
+            let dt = self.collective_time(a.chunk);
+            self.bus = self.bus.max(self.ready[c]).max(self.issue) + dt;
+            self.busy.collective += dt;
+            ready = ready.max(self.bus);
+        }
+        ready
+    }
+
+    /// ZeRO: the gradients of the chunks whose last gradient moment `i` is reduce-scattered to
+    /// their owners after the op; the chunk's later moves wait for it.
+    fn reduce_scatter(&mut self, m: &MomentMoves, i: usize) {
+        if self.rec.ranks < 2 || m.stage != Stage::Backward {
+            return;
+        }
+        for a in &m.accesses {
+            let c = a.chunk as usize;
+            if self.last_write[c] == Some(i) {
+                let dt = self.collective_time(a.chunk);
+                self.bus = self.bus.max(self.compute) + dt;
+                self.busy.collective += dt;
+                self.last_use[c] = self.bus;
+            }
+        }
+    }
+
+    /// A ring's time for a collective over chunk `c`'s shards: `ranks − 1` shards each way.
+    fn collective_time(&self, c: u32) -> f64 {
+        (self.rec.ranks - 1) as f64 * self.bytes(c) / self.rates.bus
     }
 
     fn optimizer(&mut self, m: &MomentMoves, inputs: f64, moved: bool) -> Result<()> {
@@ -519,6 +605,7 @@ mod tests {
             host_adam: 1e9,
             device_adam: 1e11,
             file: 1e9,
+            bus: 100e9,
         }
     }
 

@@ -13,7 +13,8 @@
 //! * roomy: every chunk fits (the host-stepped parameters still go up every step);
 //! * small: the device holds the activations and a third of the parameter chunks;
 //! * small + file: as small, with host memory for half the model data (the optimizer state
-//!   spills to the file tier; the host groups step after backward there).
+//!   spills to the file tier; overlapped, the groups whose state is there step during
+//!   backward, the others after it).
 //!
 //! **Validation** (batch 1,024): each configuration's predicted step, serial and overlapped,
 //! against the mean of measured steps (target: within 15%).
@@ -184,12 +185,6 @@ fn measure(
     if std::env::var_os("TIDEMEM_TIMELINE_PROFILE").is_some() {
         println!("{profile}");
     }
-    // the file tier steps after backward (overlap does not apply to it)
-    let schedule = if host.is_some() {
-        Schedule::Serial
-    } else {
-        schedule
-    };
     let mut opts = SimOptions::new(capacity, host.unwrap_or(1 << 40));
     opts.chunk_elems = Some(toy.chunk_elems());
     opts.scheduler = *m.scheduler().expect("steady").config();
@@ -267,12 +262,7 @@ fn validate(dir: &std::path::Path) {
     let ms = |x: f64| x * 1e3;
     let mut worst: f64 = 0.0;
     for (name, capacity, host) in configs(&TOY) {
-        let schedules: &[Schedule] = if host.is_some() {
-            &[Schedule::Serial]
-        } else {
-            &[Schedule::Serial, Schedule::Overlapped]
-        };
-        for &schedule in schedules {
+        for schedule in [Schedule::Serial, Schedule::Overlapped] {
             let r = measure(&TOY, &rates, capacity, host, schedule, dir);
             let t = &r.predicted;
             let ratio = t.step / r.step;

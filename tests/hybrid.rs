@@ -123,13 +123,12 @@ fn placement_never_changes_the_arithmetic() {
         let norms = |r: &[StepReport]| r.iter().map(|r| r.grad_norm).collect::<Vec<_>>();
         assert_eq!(norms(&r2), norms(&reports), "{what}");
         // host groups step during backward, kept where the step's scalars were the armed ones
-        // and redone after a clip or a grown scale; not with a file tier
+        // and redone after a clip
         let o = m2.overlap_stats();
         let host_groups = !matches!(placement, DevicePlacement::Auto { .. }) || capacity == small();
-        if host_budget.is_none() && host_groups {
+        if host_groups {
+            // (with the file tier, the groups whose optimizer state spilled there)
             assert!(o.kept > 0 && o.redone > 0, "{what}: {o:?}");
-        } else if host_budget.is_some() {
-            assert_eq!(o.started, 0, "{what}");
         }
         if host_budget.is_some() {
             let u = m2.usage();

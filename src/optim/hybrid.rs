@@ -144,8 +144,9 @@ pub struct HybridConfig {
     pub delayed_params: bool,
     /// Step host groups during backward, as soon as each group's gradients are final, on a
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
-    /// memory for a second copy of the host groups' optimizer state. Applies without
-    /// accumulation, delayed parameters or a file tier; otherwise groups step after backward.
+    /// memory for a second copy of the host groups' optimizer state (on the file tier for a
+    /// group whose state is there; with chunks spilled, a group whose state is in host memory
+    /// steps after backward). Applies without accumulation or delayed parameters.
     pub overlap: bool,
 }
 
@@ -532,7 +533,6 @@ impl HybridAdam {
             && self.cfg.accumulation_steps == 1
             && !self.cfg.delayed_params
             && m.is_steady()
-            && m.config().host_budget.is_none()
             && k < m.groups();
         if !applies {
             m.arm_overlap(None);

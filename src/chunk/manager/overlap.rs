@@ -366,11 +366,11 @@ impl ChunkManager {
         let state_ready = cs[1..]
             .iter()
             .all(|&c| matches!(self.payload[c].host, HostSlot::Ready(_)));
-        if !final_grads
-            || ranges.is_empty()
-            || cs.iter().any(|&c| self.file_tier[c])
-            || !state_ready
-        {
+        // with chunks spilled to the file tier, only a group whose optimizer state is there: its
+        // copies go there too (the worker reads the state ahead of the step and its writes
+        // go behind it), where a second copy in host memory would exceed the host budget
+        let spilled = self.file.is_some() && !cs[1..].iter().all(|&c| self.file_tier[c]);
+        if !final_grads || ranges.is_empty() || spilled || !state_ready {
             return Ok(());
         }
         // the gradients to the host now: the scheduler's write-back, ahead of the eviction

@@ -25,7 +25,6 @@
 //! (12 bytes an element) and of its parameter chunk; a redone step costs the early one's CPU
 //! time again (the counts are [`OverlapStats`]).
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -34,14 +33,14 @@ use serde::Serialize;
 
 use super::{grad_ranges, ChunkManager, HostSlot, LogKind, LISTS};
 use crate::chunk::plan::ChunkPlan;
-use crate::device::{Event, HostBuffer, HostPhase, Pending};
+use crate::device::{Event, HostBuffer, HostPhase};
 use crate::error::{Error, Result};
 use crate::tensor::TensorState;
 
-/// Elements a worker copies to the shadows and steps at a time (192 KiB of fp32 state).
-const BLOCK: usize = 16 << 10;
-/// Fewest elements worth a thread of their own.
-const MIN_PER_THREAD: usize = 1 << 15;
+mod upload;
+mod worker;
+
+use worker::{run_job, Finished, Grads, Job};
 
 /// One block of a host group, handed to an armed step: the gradients in the parameter dtype,
 /// the buffer for the new parameters, and the fp32 state to update in place.
@@ -79,35 +78,6 @@ pub struct OverlapStats {
     /// scale or learning rate, a gradient written after the step started, or a use of the
     /// group's chunks before the step was decided.
     pub redone: u64,
-}
-
-/// The gradients as the worker gets them: on their way down, or on the host.
-enum Grads {
-    Copy(Pending<HostBuffer>),
-    Host(HostBuffer),
-}
-
-struct Job {
-    grads: Grads,
-    out: HostBuffer,
-    orig: [HostBuffer; 3],
-    shadow: [HostBuffer; 3],
-    ranges: Vec<Range<usize>>,
-    elem_bytes: usize,
-    threads: usize,
-    step: BlockStep,
-    done: Sender<Finished>,
-}
-
-/// A job's buffers back from the worker.
-struct Finished {
-    /// The gradients, untouched (`None` if their copy failed).
-    grads: Option<HostBuffer>,
-    /// The new parameters (in flight while an upload reads them).
-    out: HostSlot,
-    orig: [HostBuffer; 3],
-    shadow: [HostBuffer; 3],
-    result: Result<()>,
 }
 
 enum Early {
@@ -222,134 +192,6 @@ impl ChunkManager {
         self.upload_finished()
     }
 
-    /// Uploads the new parameters of every early step that has finished into its group's
-    /// parameter chunk on the device, so that the next forward finds them there; the host copy
-    /// keeps the gradients until the step is decided.
-    pub(super) fn upload_finished(&mut self) -> Result<()> {
-        for g in 0..self.overlap.jobs.len() {
-            let finished = match self.overlap.jobs[g].as_mut() {
-                Some(Job0 {
-                    state: Early::Running(rx),
-                    ..
-                }) => rx.try_recv().ok(),
-                _ => None,
-            };
-            if let Some(fin) = finished {
-                if let Some(j) = self.overlap.jobs[g].as_mut() {
-                    j.state = Early::Finished(Box::new(fin));
-                }
-                if self.uploads_ahead() {
-                    self.upload_early(g)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether a finished early step's parameters go up before the step is decided: once it
-    /// is decided to keep them, or, undecided, when the last decision kept (a step that clips
-    /// or overflows every time would otherwise send its parameters up for nothing).
-    fn uploads_ahead(&self) -> bool {
-        match self.overlap.keep {
-            Some(keep) => keep,
-            None => self.overlap.kept_last,
-        }
-    }
-
-    /// Uploads group `g`'s finished early step's new parameters into its parameter chunk's
-    /// device copy, where there is one nobody uses and the step is still valid.
-    fn upload_early(&mut self, g: usize) -> Result<()> {
-        let pc = ChunkPlan::chunk_no(g as u32, crate::tensor::ChunkKind::Param);
-        let idle = self
-            .sched
-            .as_ref()
-            .and_then(|s| s.status(pc))
-            .is_some_and(|s| s.on_device && !s.dirty() && s.in_use == 0);
-        let version = self.overlap.version[g];
-        let Some(Job0 {
-            state: Early::Finished(fin),
-            version: v,
-            read,
-        }) = self.overlap.jobs[g].as_mut()
-        else {
-            return Ok(());
-        };
-        let Some(buf) = self.payload[pc as usize].device.clone() else {
-            return Ok(());
-        };
-        // under move semantics the optimizer's host access evicts the chunk anyway
-        let stays = self.cfg.policy.keeps_host_copy();
-        if !stays || !idle || *v != version || fin.result.is_err() || fin.grads.is_none() {
-            return Ok(());
-        }
-        let HostSlot::Ready(out) = std::mem::take(&mut fin.out) else {
-            return Ok(());
-        };
-        // after the gradients' copy down, itself after the chunk's last backward use: nothing
-        // on the device reads the gradients there afterwards (the statistics read the host's)
-        self.device.wait_event(&self.copy, read)?;
-        fin.out = HostSlot::InFlight(self.device.copy_h2d(&self.copy, out, &*buf)?);
-        let ready = self.device.new_event()?;
-        self.device.record(&self.copy, &ready)?;
-        self.payload[pc as usize].ready = Some(ready);
-        self.overlap.uploaded[g] = true;
-        self.sched().count_upload(pc)
-    }
-
-    /// Whether group `g`'s parameter chunk on the device may hold other values than its host
-    /// copy's, now or before anything enqueued now would run: an early step's parameters,
-    /// uploaded before the step was decided or thrown away after, or a step in hand whose
-    /// parameters may go up at any time (on the upload stream, ordered after the gradients'
-    /// copy down but not after later reads on the compute stream). Its gradients are read from
-    /// the host then.
-    pub(crate) fn device_param_differs(&self, g: usize) -> bool {
-        self.overlap.uploaded.get(g).copied().unwrap_or(false)
-            || self.overlap.stale.get(g).copied().unwrap_or(false)
-            || self.overlap.jobs.get(g).is_some_and(Option::is_some)
-    }
-
-    /// Whether group `g`'s parameter chunk on the device holds its (undecided or kept) early
-    /// step's parameters.
-    pub(crate) fn uploaded_early(&self, g: usize) -> bool {
-        self.overlap.uploaded.get(g).copied().unwrap_or(false)
-    }
-
-    /// Brings group `g`'s parameter chunk on the device back to its host copy if it holds a
-    /// thrown-away step's parameters, for whatever reads it there.
-    pub(super) fn refresh_device_param(&mut self, g: usize) -> Result<()> {
-        if !self.overlap.stale.get(g).copied().unwrap_or(false) {
-            return Ok(());
-        }
-        self.overlap.stale[g] = false;
-        let c = ChunkPlan::chunk_no(g as u32, crate::tensor::ChunkKind::Param) as usize;
-        let Some(buf) = self.payload[c].device.clone() else {
-            return Ok(());
-        };
-        self.host_ready(c)?;
-        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
-            unreachable!("host_ready leaves the slot ready")
-        };
-        let p = self.device.copy_h2d(&self.copy, h, &*buf)?;
-        self.payload[c].host = HostSlot::InFlight(p);
-        let ready = self.device.new_event()?;
-        self.device.record(&self.copy, &ready)?;
-        self.payload[c].ready = Some(ready);
-        self.sched().count_upload(c as u32)
-    }
-
-    /// The device copy of chunk `c` is gone.
-    pub(super) fn dropped_early(&mut self, c: usize) {
-        if c.is_multiple_of(4) {
-            let g = c / 4;
-            if let Some(u) = self.overlap.uploaded.get_mut(g) {
-                *u = false;
-            }
-            if let Some(s) = self.overlap.stale.get_mut(g) {
-                *s = false;
-            }
-        }
-    }
-
     fn start_early(&mut self, g: usize) -> Result<()> {
         let Some(plan) = &self.overlap.plan else {
             return Ok(());
@@ -403,6 +245,10 @@ impl ChunkManager {
             // in use: the serial step will have it written back
             return Ok(());
         }
+        // an upload into the chunk waits for the gradients' copy down (made fallible things
+        // first: nothing is lent yet)
+        let read = self.device.new_event()?;
+        self.device.record(&self.down, &read)?;
         let out = self.take_spare_param(g, pc)?;
         let shadow = match self.overlap.spare_shadow[g].take() {
             Some(s) => s,
@@ -428,8 +274,6 @@ impl ChunkManager {
                 _ => unreachable!("checked above"),
             }
         });
-        let read = self.device.new_event()?;
-        self.device.record(&self.down, &read)?;
         let (done, rx) = bounded(1);
         let job = Job {
             grads,
@@ -443,21 +287,18 @@ impl ChunkManager {
             done,
         };
         if let Err(job) = self.send(Box::new(job)) {
-            // no worker: everything goes back
-            let fin = Finished {
-                grads: match job.grads {
-                    Grads::Host(b) => Some(b),
-                    Grads::Copy(p) => Some(p.wait()?),
-                },
-                out: HostSlot::Ready(job.out),
-                orig: job.orig,
-                shadow: job.shadow,
-                result: Ok(()),
+            // no worker thread (the system would not start one): everything goes back, and
+            // the host groups step after backward from now on
+            let cs1 = [cs[1], cs[2], cs[3]];
+            for (c, b) in cs1.into_iter().zip(job.orig) {
+                self.payload[c].host = HostSlot::Ready(b);
+            }
+            self.payload[pc].host = match job.grads {
+                Grads::Host(b) => HostSlot::Ready(b),
+                Grads::Copy(p) => HostSlot::InFlight(p),
             };
-            self.put_back(g, fin, false)?;
-            return Err(Error::InvalidArgument(
-                "the host-step thread could not start".into(),
-            ));
+            self.overlap.plan = None;
+            return Ok(());
         }
         self.overlap.jobs[g] = Some(Job0 {
             state: Early::Running(rx),
@@ -563,12 +404,17 @@ impl ChunkManager {
                 else {
                     unreachable!("selected among the running")
                 };
-                let fin = op.recv(rx).map_err(|_| {
-                    Error::InvalidArgument(
-                        "the host-step thread stopped with a step in hand".into(),
-                    )
-                })?;
-                (i, fin)
+                (i, op.recv(rx))
+            };
+            let Ok(fin) = fin else {
+                // the worker died holding the group's buffers: its chunks are lost
+                self.overlap.jobs[i] = None;
+                let why = format!("the host-step thread stopped holding group {i}'s chunks");
+                self.broken = Some(why.clone());
+                return Err(Error::Poisoned {
+                    what: "chunk manager",
+                    reason: why,
+                });
             };
             if let Some(j) = self.overlap.jobs[i].as_mut() {
                 j.state = Early::Finished(Box::new(fin));
@@ -730,165 +576,4 @@ impl ChunkManager {
         }
         Ok(())
     }
-}
-
-/// A worker's job: waits for the gradients, then steps the shadows block by block.
-fn run_job(job: Job) -> Finished {
-    let Job {
-        grads,
-        mut out,
-        orig,
-        mut shadow,
-        ranges,
-        elem_bytes,
-        threads,
-        step,
-        done: _,
-    } = job;
-    let grads = match grads {
-        Grads::Copy(p) => p.wait_quiet(),
-        Grads::Host(h) => Ok(h),
-    };
-    let (grads, result) = match grads {
-        Err(e) => (None, Err(e)),
-        Ok(grads) => {
-            let r = step_group(
-                &grads,
-                &mut out,
-                &orig,
-                &mut shadow,
-                &ranges,
-                elem_bytes,
-                threads,
-                &step,
-            );
-            (Some(grads), r)
-        }
-    };
-    Finished {
-        grads,
-        out: HostSlot::Ready(out),
-        orig,
-        shadow,
-        result,
-    }
-}
-
-fn f32s(b: &[u8]) -> Result<&[f32]> {
-    bytemuck::try_cast_slice(b).map_err(|_| Error::Misaligned {
-        what: "host chunk",
-        value: b.as_ptr() as usize,
-        align: 4,
-    })
-}
-
-fn f32s_mut(b: &mut [u8]) -> Result<&mut [f32]> {
-    let p = b.as_ptr() as usize;
-    bytemuck::try_cast_slice_mut(b).map_err(|_| Error::Misaligned {
-        what: "host chunk",
-        value: p,
-        align: 4,
-    })
-}
-
-/// One thread's share of a group: the elements `lo..` of every operand.
-struct Part<'a> {
-    lo: usize,
-    grad: &'a [u8],
-    out: &'a mut [u8],
-    orig: [&'a [f32]; 3],
-    shadow: [&'a mut [f32]; 3],
-}
-
-/// Copies the originals to the shadows (and the gradients' chunk to `out`, whose untouched
-/// ranges hold parameters) and steps the gradient ranges, split over threads.
-#[allow(clippy::too_many_arguments)]
-fn step_group(
-    grads: &[u8],
-    out: &mut [u8],
-    orig: &[HostBuffer; 3],
-    shadow: &mut [HostBuffer; 3],
-    ranges: &[Range<usize>],
-    es: usize,
-    threads: usize,
-    step: &BlockStep,
-) -> Result<()> {
-    let n = grads.len() / es;
-    let orig = [f32s(&orig[0])?, f32s(&orig[1])?, f32s(&orig[2])?];
-    let [s0, s1, s2] = shadow;
-    let mut shadow = [f32s_mut(s0)?, f32s_mut(s1)?, f32s_mut(s2)?];
-    let parts = threads.min(n / MIN_PER_THREAD).max(1);
-    // split on 64-element boundaries, as the CPU kernel does
-    let per = n.div_ceil(parts).div_ceil(64) * 64;
-    let mut split = Vec::with_capacity(parts);
-    let mut rest = out;
-    let mut lo = 0;
-    while lo < n {
-        let len = per.min(n - lo);
-        let (o, r) = rest.split_at_mut(len * es);
-        rest = r;
-        let [a, b, c] = shadow;
-        let (a0, a1) = a.split_at_mut(len);
-        let (b0, b1) = b.split_at_mut(len);
-        let (c0, c1) = c.split_at_mut(len);
-        shadow = [a1, b1, c1];
-        split.push(Part {
-            lo,
-            grad: &grads[lo * es..(lo + len) * es],
-            out: o,
-            orig: orig.map(|x| &x[lo..lo + len]),
-            shadow: [a0, b0, c0],
-        });
-        lo += len;
-    }
-    std::thread::scope(|scope| {
-        let mut parts = split.into_iter();
-        let first = parts.next();
-        let handles: Vec<_> = parts
-            .map(|part| scope.spawn(move || step_part(part, ranges, es, step)))
-            .collect();
-        let mut result = first.map_or(Ok(()), |part| step_part(part, ranges, es, step));
-        for h in handles {
-            let r = h.join().unwrap_or_else(|_| {
-                Err(Error::InvalidArgument("a host-step thread panicked".into()))
-            });
-            result = result.and(r);
-        }
-        result
-    })
-}
-
-fn step_part(part: Part<'_>, ranges: &[Range<usize>], es: usize, step: &BlockStep) -> Result<()> {
-    let Part {
-        lo,
-        grad,
-        out,
-        orig,
-        shadow: [ma, mo, va],
-    } = part;
-    let n = ma.len();
-    let mut b = 0;
-    while b < n {
-        let e = (b + BLOCK).min(n);
-        ma[b..e].copy_from_slice(&orig[0][b..e]);
-        mo[b..e].copy_from_slice(&orig[1][b..e]);
-        va[b..e].copy_from_slice(&orig[2][b..e]);
-        out[b * es..e * es].copy_from_slice(&grad[b * es..e * es]);
-        for r in ranges {
-            // the range in this part's coordinates, cut to the block
-            let x = r.start.saturating_sub(lo).max(b);
-            let y = r.end.saturating_sub(lo).min(e);
-            if x < y {
-                step(HostBlock {
-                    grad: &grad[x * es..y * es],
-                    param: &mut out[x * es..y * es],
-                    master: &mut ma[x..y],
-                    momentum: &mut mo[x..y],
-                    variance: &mut va[x..y],
-                })?;
-            }
-        }
-        b = e;
-    }
-    Ok(())
 }

@@ -1,0 +1,307 @@
+//! The group steps of [`HybridAdam`](super::HybridAdam): one chunk group on the host or the
+//! device, one block of a host group during backward, the restore after an overflow, and the
+//! host-side conversions they share.
+
+use crate::chunk::{ChunkKind, ChunkManager, GroupChunks, GroupVisit, HostBlock};
+use crate::device::{Device, HostPhase, HostSpan};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ops::cast::cast_bytes;
+use crate::ops::{self, AdamOperands};
+use crate::optim::adam::AdamScalars;
+use crate::optim::{CpuAdam, Grad, GradInPlace, ParamCopy};
+use crate::tide::Target;
+
+#[cfg(doc)]
+use super::HybridConfig;
+
+/// What identifies a step for overlap: its scalars and how many groups step on the device.
+pub(super) fn overlap_key(s: &AdamScalars, device_groups: usize) -> Vec<u8> {
+    let mut key = bytemuck::bytes_of(s).to_vec();
+    key.extend_from_slice(&(device_groups as u64).to_le_bytes());
+    key
+}
+
+/// One block of a host group's step during backward: the same kernel calls as
+/// [`adam_group`]'s on the same elements, so the same bits.
+pub(super) fn step_block(
+    cpu: &CpuAdam,
+    s: &AdamScalars,
+    dt: DType,
+    b: HostBlock<'_>,
+) -> Result<()> {
+    let HostBlock {
+        grad,
+        param,
+        master,
+        momentum,
+        variance,
+    } = b;
+    match dt {
+        DType::F32 => {
+            let g: &[f32] = typed(grad)?;
+            cpu.step(s, master, momentum, variance, Grad::F32(g), ParamCopy::None)?;
+            param.copy_from_slice(bytemuck::cast_slice(master));
+            Ok(())
+        }
+        DType::F16 => cpu.step(
+            s,
+            master,
+            momentum,
+            variance,
+            Grad::F16(typed(grad)?),
+            ParamCopy::F16(typed_mut(param)?),
+        ),
+        DType::BF16 => cpu.step(
+            s,
+            master,
+            momentum,
+            variance,
+            Grad::Bf16(typed(grad)?),
+            ParamCopy::Bf16(typed_mut(param)?),
+        ),
+        other => Err(Error::InvalidArgument(format!(
+            "parameters of {other} cannot be stepped (model floats only)"
+        ))),
+    }
+}
+
+/// Restores the parameters the gradients overwrote from the fp32 masters.
+pub(super) fn restore(m: &mut ChunkManager, place: impl FnMut(usize) -> Target) -> Result<()> {
+    m.visit_groups(&[ChunkKind::Param, ChunkKind::Master], place, |v| {
+        let dt = v.param_dtype;
+        let es = dt.size();
+        match v.chunks {
+            GroupChunks::Host {
+                param,
+                master: Some(master),
+                ..
+            } => {
+                for r in &v.ranges {
+                    from_f32(&master[r.clone()], &mut param[r.start * es..r.end * es], dt)?;
+                }
+            }
+            GroupChunks::Device {
+                device,
+                stream,
+                param,
+                master: Some(master),
+                ..
+            } => {
+                for r in &v.ranges {
+                    ops::cast(
+                        device,
+                        stream,
+                        master.view(r.start * 4, r.len() * 4)?,
+                        DType::F32,
+                        param.view(r.start * es, r.len() * es)?,
+                        dt,
+                    )?;
+                }
+            }
+            _ => unreachable!("the master chunk was asked for"),
+        }
+        Ok(())
+    })
+}
+
+/// Times a host group's step as [`HostPhase::Optimizer`] when the device profiles.
+pub(super) fn host_span(dev: &Device, v: &GroupVisit<'_>) -> Option<HostSpan> {
+    matches!(v.chunks, GroupChunks::Host { .. }).then(|| dev.host_span(HostPhase::Optimizer))
+}
+
+/// Steps one group: on the device with [`crate::device::Device::adam`], on the host with the
+/// CPU kernel. `acc` replaces the gradients in the parameter chunk when given (accumulation).
+/// With `delayed`, the parameters are written from the masters as they were before the update
+/// ([`HybridConfig::delayed_params`]).
+pub(super) fn adam_group(
+    cpu: &CpuAdam,
+    s: &AdamScalars,
+    v: GroupVisit<'_>,
+    acc: Option<&[f32]>,
+    delayed: bool,
+) -> Result<()> {
+    let dt = v.param_dtype;
+    let es = dt.size();
+    match v.chunks {
+        GroupChunks::Host {
+            param,
+            master: Some(p),
+            momentum: Some(mo),
+            variance: Some(va),
+        } => {
+            for r in &v.ranges {
+                let (p, mo, va) = (&mut p[r.clone()], &mut mo[r.clone()], &mut va[r.clone()]);
+                let bytes = &mut param[r.start * es..r.end * es];
+                let before = delayed.then(|| p.to_vec());
+                match (acc, dt) {
+                    (Some(a), DType::F32) => {
+                        cpu.step(s, p, mo, va, Grad::F32(&a[r.clone()]), ParamCopy::None)?;
+                        bytes.copy_from_slice(bytemuck::cast_slice(p));
+                    }
+                    (Some(a), DType::F16) => cpu.step(
+                        s,
+                        p,
+                        mo,
+                        va,
+                        Grad::F32(&a[r.clone()]),
+                        ParamCopy::F16(typed_mut(bytes)?),
+                    )?,
+                    (Some(a), DType::BF16) => cpu.step(
+                        s,
+                        p,
+                        mo,
+                        va,
+                        Grad::F32(&a[r.clone()]),
+                        ParamCopy::Bf16(typed_mut(bytes)?),
+                    )?,
+                    (None, DType::F32) => {
+                        cpu.step(s, p, mo, va, Grad::F32(typed_mut(bytes)?), ParamCopy::None)?;
+                        bytes.copy_from_slice(bytemuck::cast_slice(p));
+                    }
+                    (None, DType::F16) => {
+                        cpu.step_in_place(s, p, mo, va, GradInPlace::F16(typed_mut(bytes)?))?
+                    }
+                    (None, DType::BF16) => {
+                        cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(bytes)?))?
+                    }
+                    (_, other) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "parameters of {other} cannot be stepped (model floats only)"
+                        )))
+                    }
+                }
+                if let Some(before) = before {
+                    write_params(bytes, &before, dt)?;
+                }
+            }
+            Ok(())
+        }
+        GroupChunks::Device {
+            device,
+            stream,
+            param,
+            master: Some(p),
+            momentum: Some(mo),
+            variance: Some(va),
+        } => {
+            if acc.is_some() {
+                return Err(Error::InvalidArgument(
+                    "accumulated gradients live on the host".into(),
+                ));
+            }
+            for r in &v.ranges {
+                let f = |b| f32_span(b, r);
+                let grad = param.view(r.start * es, r.len() * es)?;
+                let before = if delayed {
+                    let b = device.alloc(r.len() * 4)?;
+                    device.copy_d2d(stream, f(p)?, b.view(0, r.len() * 4)?)?;
+                    Some(b)
+                } else {
+                    None
+                };
+                ops::adam(
+                    device,
+                    stream,
+                    s,
+                    AdamOperands {
+                        params: f(p)?,
+                        momentum: f(mo)?,
+                        variance: f(va)?,
+                        grad,
+                        grad_dtype: dt,
+                        copy: (dt != DType::F32).then_some((grad, dt)),
+                    },
+                )?;
+                if dt == DType::F32 {
+                    device.copy_d2d(stream, f(p)?, grad)?;
+                }
+                if let Some(b) = before {
+                    ops::cast(
+                        device,
+                        stream,
+                        b.view(0, r.len() * 4)?,
+                        DType::F32,
+                        grad,
+                        dt,
+                    )?;
+                }
+            }
+            Ok(())
+        }
+        _ => unreachable!("all four chunks were asked for"),
+    }
+}
+
+/// Writes `values` over a host range of parameters of `dt` (rounded to nearest even).
+fn write_params(bytes: &mut [u8], values: &[f32], dt: DType) -> Result<()> {
+    match dt {
+        DType::F32 => bytes.copy_from_slice(bytemuck::cast_slice(values)),
+        DType::F16 => {
+            let out: &mut [half::f16] = typed_mut(bytes)?;
+            out.iter_mut()
+                .zip(values)
+                .for_each(|(o, &v)| *o = half::f16::from_f32(v));
+        }
+        DType::BF16 => {
+            let out: &mut [half::bf16] = typed_mut(bytes)?;
+            out.iter_mut()
+                .zip(values)
+                .for_each(|(o, &v)| *o = half::bf16::from_f32(v));
+        }
+        other => {
+            return Err(Error::InvalidArgument(format!(
+                "parameters of {other} cannot be written (model floats only)"
+            )))
+        }
+    }
+    Ok(())
+}
+
+fn f32_span<'a>(
+    b: &'a crate::device::DeviceBuffer,
+    r: &std::ops::Range<usize>,
+) -> Result<crate::device::DeviceView<'a>> {
+    b.view(r.start * 4, r.len() * 4)
+}
+
+fn typed<T: bytemuck::Pod>(b: &[u8]) -> Result<&[T]> {
+    bytemuck::try_cast_slice(b).map_err(|_| Error::Misaligned {
+        what: "host chunk range",
+        value: b.as_ptr() as usize,
+        align: std::mem::align_of::<T>(),
+    })
+}
+
+fn typed_mut<T: bytemuck::Pod>(b: &mut [u8]) -> Result<&mut [T]> {
+    let p = b.as_ptr() as usize;
+    bytemuck::try_cast_slice_mut(b).map_err(|_| Error::Misaligned {
+        what: "host chunk range",
+        value: p,
+        align: std::mem::align_of::<T>(),
+    })
+}
+
+/// Decodes `bytes` (elements of `dt`) into `out`.
+pub(super) fn to_f32(bytes: &[u8], dt: DType, out: &mut [f32]) -> Result<()> {
+    if dt == DType::F32 {
+        out.copy_from_slice(
+            bytemuck::try_cast_slice(bytes).map_err(|_| Error::Misaligned {
+                what: "host chunk range",
+                value: bytes.as_ptr() as usize,
+                align: 4,
+            })?,
+        );
+        return Ok(());
+    }
+    cast_bytes(bytes, dt, bytemuck::cast_slice_mut(out), DType::F32)
+}
+
+/// Encodes `src` into `bytes` (elements of `dt`), rounding to nearest even.
+pub(super) fn from_f32(src: &[f32], bytes: &mut [u8], dt: DType) -> Result<()> {
+    if dt == DType::F32 {
+        bytes.copy_from_slice(bytemuck::cast_slice(src));
+        return Ok(());
+    }
+    cast_bytes(bytemuck::cast_slice(src), DType::F32, bytes, dt)
+}

@@ -411,6 +411,78 @@ fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
     }
 }
 
+/// With gradient accumulation, each micro-batch but the last folds its gradients into the
+/// accumulators during backward (the last steps after it): the same bits as folding after
+/// backward, through an overflow, with fp16 and bf16 parameters, on every group placement.
+#[test]
+fn folds_during_backward_equal_serial_ones() {
+    let (n, groups, micro) = (3000, 4, 3u32);
+    for dtype in [DType::F16, DType::BF16] {
+        let run = |overlap: bool| {
+            let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+            let mut cfg = ManagerConfig::new(n, Policy::Tide);
+            cfg.param_dtype = dtype;
+            let mut m = ChunkManager::new(dev, cfg).unwrap();
+            let ids: Vec<TensorId> = (0..groups)
+                .map(|g| {
+                    let init = Init::Uniform {
+                        seed: g as u64,
+                        lo: -1.0,
+                        hi: 1.0,
+                    };
+                    m.register(&format!("w{g}"), &[n], init).unwrap()
+                })
+                .collect();
+            let mut opt = HybridAdam::new(HybridConfig {
+                overlap,
+                accumulation_steps: micro,
+                loss_scale: Some(ScalerConfig {
+                    init_scale: 64.0,
+                    hysteresis: 1,
+                    ..ScalerConfig::default()
+                }),
+                max_grad_norm: Some(100.0),
+                ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+            })
+            .unwrap();
+            let mut trail = Vec::new();
+            for i in 0..15u64 {
+                let scale = opt.loss_scale();
+                let mut g: Vec<Vec<f32>> = (0..groups as u64)
+                    .map(|k| grads(i * 10 + k, n, scale / 16.0))
+                    .collect();
+                if i == 8 {
+                    // an overflow in a fold: the step it ends in is skipped
+                    g[1][7] = f32::INFINITY;
+                }
+                iterate(&mut m, &ids, &g);
+                let r = opt.step(&mut m).unwrap();
+                let bits: Vec<u32> = ids
+                    .iter()
+                    .flat_map(|&id| {
+                        let mut v = m.master(id).unwrap();
+                        v.extend(m.read(id).unwrap());
+                        v
+                    })
+                    .map(f32::to_bits)
+                    .collect();
+                trail.push((r.outcome, r.grad_norm.to_bits(), bits));
+            }
+            (trail, m.overlap_stats())
+        };
+        let (serial, none) = run(false);
+        let (folded, o) = run(true);
+        assert_eq!(none.started, 0);
+        for (i, (a, b)) in serial.iter().zip(&folded).enumerate() {
+            assert!(a == b, "{dtype:?}: micro-batch {i} differs");
+        }
+        assert!(serial.iter().any(|t| t.0 == StepOutcome::Skipped));
+        // two folds of three micro-batches a step, every group, after the warm-up
+        assert!(o.kept >= 8 * groups as u64, "{dtype:?}: {o:?}");
+        assert_eq!(o.kept + o.redone, o.started, "{o:?}");
+    }
+}
+
 #[test]
 fn overflow_skips_the_step_restores_parameters_and_backs_off() {
     let n = 300;

@@ -233,9 +233,9 @@ fn zero_training_in_fp16_matches_single_process_training() {
     }
 }
 
-/// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip
-/// or a grown scale) give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy
-/// and on a small device.
+/// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip)
+/// give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy and on a small
+/// device, and with micro-batches folded during backward.
 #[test]
 fn overlapped_host_steps_change_no_bit_on_any_rank() {
     let steps = 6;
@@ -247,12 +247,18 @@ fn overlapped_host_steps_change_no_bit_on_any_rank() {
         ..*adam().config()
     };
     let (mut kept, mut redone) = (0, 0);
-    for (toy, world, capacity) in [
-        (&DEEP, 1, 1 << 20),
-        (&DEEP, 2, 1 << 20),
-        (&DEEP, 2, 36_000),
-        (&TOY, 4, 1 << 20),
+    for (toy, world, capacity, accumulate) in [
+        (&DEEP, 1, 1 << 20, 1),
+        (&DEEP, 2, 1 << 20, 1),
+        (&DEEP, 2, 36_000, 1),
+        (&TOY, 4, 1 << 20, 1),
+        // micro-batches folded during backward
+        (&DEEP, 2, 1 << 20, 3),
     ] {
+        let opt = |overlap| HybridConfig {
+            accumulation_steps: accumulate,
+            ..opt(overlap)
+        };
         let serial = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(false));
         let overlapped = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(true));
         let mut started = 0;

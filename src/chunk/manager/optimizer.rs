@@ -192,7 +192,7 @@ impl ChunkManager {
         lists.sort_by_key(|k| k.index());
         lists.dedup();
         let opt: Vec<ChunkKind> = lists[1..].to_vec();
-        if self.overlap_keeps() != Some(true) || lists.len() != 4 {
+        if !self.overlap_keeps(&lists) {
             // early steps are kept only by the optimizer step that decided so
             self.cancel_overlap()?;
         }
@@ -407,6 +407,14 @@ impl ChunkManager {
         };
         trace.place_optimizer(|c| place(ChunkPlan::group_of(c) as usize));
         s.install_trace(trace);
+    }
+
+    /// The tensors of group `g`, each with whether its gradient was written this iteration.
+    pub(crate) fn group_grad_flags(&self, g: usize) -> Vec<(TensorId, bool)> {
+        self.group_tensors(g)
+            .into_iter()
+            .map(|(id, _, _, has)| (id, has))
+            .collect()
     }
 
     /// Element ranges of group `g`'s parameter chunk that hold gradients written this

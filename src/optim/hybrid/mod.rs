@@ -38,7 +38,9 @@
 //! learning rate, each host group is stepped again from its untouched originals. Either way
 //! the bits are those of the serial step. Its cost is host memory: a second copy of every host
 //! group's master, momentum and variance (12 bytes an element) and parameter chunk. The
-//! counts are [`ChunkManager::overlap_stats`].
+//! counts are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
+//! last folds its gradients into the accumulators during backward instead (exact, whatever
+//! the step does), and the last steps after backward.
 //!
 //! The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
 
@@ -139,7 +141,8 @@ pub struct HybridConfig {
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
     /// memory for a second copy of the host groups' optimizer state (on the file tier for a
     /// group whose state is there; with chunks spilled, a group whose state is in host memory
-    /// steps after backward). Applies without accumulation or delayed parameters.
+    /// steps after backward). With accumulation, the micro-batches but the last fold during
+    /// backward instead. Not with delayed parameters.
     pub overlap: bool,
 }
 
@@ -225,7 +228,7 @@ pub struct HybridAdam {
     scaler: Option<LossScaler>,
     steps: u64,
     micro: u32,
-    acc: Vec<Vec<f32>>,
+    acc: Arc<Accumulators>,
     touched: Vec<bool>,
     planned: Option<usize>,
     broken: bool,
@@ -288,7 +291,7 @@ impl HybridAdam {
             scaler: cfg.loss_scale.map(LossScaler::new).transpose()?,
             steps: 0,
             micro: 0,
-            acc: Vec::new(),
+            acc: Arc::default(),
             touched: Vec::new(),
             planned: None,
             broken: false,
@@ -401,7 +404,7 @@ impl HybridAdam {
         }
         self.steps = steps;
         self.micro = 0;
-        self.acc.clear();
+        self.acc = Arc::default();
         self.touched.clear();
         // a load is the way back after a failed step, and may come with a new manager whose
         // trace does not know the device placement yet
@@ -521,9 +524,13 @@ impl HybridAdam {
     /// step takes if nothing overflows and nothing is clipped (see "Overlap" in the module
     /// docs), or disarms it where overlap does not apply.
     fn arm(&self, m: &mut ChunkManager) -> Result<()> {
+        let n = self.cfg.accumulation_steps;
+        if self.cfg.overlap && n > 1 && m.is_steady() && self.micro + 1 < n {
+            return self.arm_fold(m);
+        }
         let k = self.device_groups(m);
         let applies = self.cfg.overlap
-            && self.cfg.accumulation_steps == 1
+            && n == 1
             && !self.cfg.delayed_params
             && m.is_steady()
             && k < m.groups();
@@ -541,6 +548,30 @@ impl HybridAdam {
             threads: self.cpu.threads(),
             key: overlap_key(&s, k),
             step: Arc::new(move |b: HostBlock<'_>| step_block(&cpu, &s, dt, b)),
+            fold: false,
+        }));
+        Ok(())
+    }
+
+    /// Arms `m` to fold the next (not last) micro-batch's gradients into the accumulators
+    /// during its backward.
+    fn arm_fold(&self, m: &mut ChunkManager) -> Result<()> {
+        let acc = if self.acc.acc.len() == m.groups() {
+            Arc::clone(&self.acc)
+        } else {
+            // sized before the first fold; the accumulators are made when the first
+            // micro-batch is folded after backward
+            m.arm_overlap(None);
+            return Ok(());
+        };
+        let inv = 1.0 / self.loss_scale();
+        let dt = m.param_dtype();
+        m.arm_overlap(Some(OverlapPlan {
+            first_host: 0,
+            threads: self.cpu.threads(),
+            key: fold_key(self.micro, inv),
+            step: Arc::new(move |b: HostBlock<'_>| fold_block(&acc, inv, dt, b)),
+            fold: true,
         }));
         Ok(())
     }
@@ -607,12 +638,17 @@ impl HybridAdam {
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
     ) -> Result<StepReport> {
         let n = self.cfg.accumulation_steps;
-        m.overlap_verdict(None)?;
+        // an intermediate micro-batch's fold may have run during backward
+        let fold = self.micro + 1 < n;
+        let key = fold.then(|| fold_key(self.micro, 1.0 / scale));
+        m.overlap_verdict(key.as_deref())?;
         let groups = m.groups();
-        self.acc.resize_with(groups, Vec::new);
+        if self.acc.acc.len() != groups {
+            self.acc = Arc::new(Accumulators::new(&m.layout().group_elems));
+        }
         self.touched.resize(m.num_tensors(), false);
         let inv = 1.0 / scale;
-        let (acc, touched) = (&mut self.acc, &mut self.touched);
+        let (acc, touched) = (&self.acc, &mut self.touched);
         // fold the gradients into the accumulators and give the parameters back their values
         m.visit_groups(
             &[ChunkKind::Param, ChunkKind::Master],
@@ -627,7 +663,7 @@ impl HybridAdam {
                     unreachable!("a host visit of the parameter and master chunks")
                 };
                 let es = v.param_dtype.size();
-                let a = &mut acc[v.group];
+                let mut a = acc.acc[v.group].write();
                 a.resize(param.len() / es, 0.0);
                 for &(id, _, _, has) in &v.tensors {
                     touched[id.index()] |= has;
@@ -645,9 +681,19 @@ impl HybridAdam {
                 Ok(())
             },
         )?;
+        // the groups folded during backward: their pending accumulators are the new ones
+        for g in 0..groups {
+            if m.stepped_early(g) {
+                std::mem::swap(&mut *acc.acc[g].write(), &mut *acc.pending[g].lock());
+                for (id, has) in m.group_grad_flags(g) {
+                    touched[id.index()] |= has;
+                }
+            }
+        }
         self.micro += 1;
         if self.micro < n {
             m.end_step()?;
+            self.arm(m)?;
             return Ok(StepReport {
                 outcome: StepOutcome::Accumulated,
                 steps: self.steps,
@@ -660,8 +706,9 @@ impl HybridAdam {
         }
         self.micro = 0;
         let mut local = GradStats::default();
-        for (g, a) in self.acc.iter().enumerate() {
-            local = local.merge(grad_stats(Grad::F32(a)));
+        for (g, a) in self.acc.acc.iter().enumerate() {
+            let a = a.read();
+            local = local.merge(grad_stats(Grad::F32(&a)));
             // tensors counted in part (replicated over a tensor-parallel group)
             for (r, share) in m.partial_shares(g, false) {
                 let part = grad_stats(Grad::F32(a.get(r).unwrap_or(&[])));
@@ -693,8 +740,8 @@ impl HybridAdam {
                     .map(|&(id, off, len, _)| (id, off, len, touched[id.index()]))
                     .collect();
                 v.ranges = grad_ranges(&flagged);
-                let g = v.group;
-                adam_group(&cpu, &s, v, Some(&acc[g]), delayed)
+                let a = acc.acc[v.group].read();
+                adam_group(&cpu, &s, v, Some(&a), delayed)
             },
         )?;
         self.clear_accumulators();
@@ -702,11 +749,14 @@ impl HybridAdam {
     }
 
     fn clear_accumulators(&mut self) {
-        self.acc.iter_mut().for_each(|a| a.fill(0.0));
+        self.acc.acc.iter().for_each(|a| a.write().fill(0.0));
         self.touched.fill(false);
     }
 }
 
 mod steps;
 
-use steps::{adam_group, from_f32, host_span, overlap_key, restore, step_block, to_f32};
+use steps::{
+    adam_group, fold_block, fold_key, from_f32, host_span, overlap_key, restore, step_block,
+    to_f32, Accumulators,
+};

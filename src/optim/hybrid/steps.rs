@@ -36,7 +36,12 @@ pub(super) fn step_block(
         master,
         momentum,
         variance,
+        ..
     } = b;
+    // (a step is handed the gradient ranges only)
+    let Some(grad) = grad else {
+        return Ok(());
+    };
     match dt {
         DType::F32 => {
             let g: &[f32] = typed(grad)?;
@@ -64,6 +69,70 @@ pub(super) fn step_block(
             "parameters of {other} cannot be stepped (model floats only)"
         ))),
     }
+}
+
+/// One block of a host group's fold during backward (an accumulated micro-batch): the same
+/// arithmetic as the serial fold on the same elements, into the group's pending accumulator
+/// (`acc + gradient × inv` where there are gradients, `acc` elsewhere), the parameters given
+/// back their values from the masters.
+pub(super) fn fold_block(acc: &Accumulators, inv: f32, dt: DType, b: HostBlock<'_>) -> Result<()> {
+    let n = b.param.len() / dt.size();
+    let (lo, hi) = (b.offset, b.offset + n);
+    let a = acc.acc[b.group].read();
+    let mut p = acc.pending[b.group].lock();
+    if a.len() < hi || p.len() < hi {
+        return Err(Error::InvalidArgument(format!(
+            "group {}'s accumulator holds {} elements, not {hi}",
+            b.group,
+            a.len().min(p.len())
+        )));
+    }
+    match b.grad {
+        None => p[lo..hi].copy_from_slice(&a[lo..hi]),
+        Some(grad) => {
+            let mut g = vec![0.0f32; n];
+            to_f32(grad, dt, &mut g)?;
+            for ((x, &y), &z) in p[lo..hi].iter_mut().zip(&g).zip(&a[lo..hi]) {
+                let mut v = z;
+                v += y * inv;
+                *x = v;
+            }
+            from_f32(&b.master[..n], b.param, dt)?;
+        }
+    }
+    Ok(())
+}
+
+/// The fp32 gradient accumulators of every group, and the ones a fold during backward writes
+/// (swapped in once the fold is kept), shared with the worker thread.
+#[derive(Debug, Default)]
+pub(super) struct Accumulators {
+    pub(super) acc: Vec<parking_lot::RwLock<Vec<f32>>>,
+    pub(super) pending: Vec<parking_lot::Mutex<Vec<f32>>>,
+}
+
+impl Accumulators {
+    /// Zeroed accumulators for groups of `group_elems` elements.
+    pub(super) fn new(group_elems: &[usize]) -> Self {
+        Accumulators {
+            acc: group_elems
+                .iter()
+                .map(|&n| parking_lot::RwLock::new(vec![0.0; n]))
+                .collect(),
+            pending: group_elems
+                .iter()
+                .map(|&n| parking_lot::Mutex::new(vec![0.0; n]))
+                .collect(),
+        }
+    }
+}
+
+/// What identifies a fold for overlap: the micro-batch and the loss scale's inverse.
+pub(super) fn fold_key(micro: u32, inv: f32) -> Vec<u8> {
+    let mut key = b"fold".to_vec();
+    key.extend_from_slice(&micro.to_le_bytes());
+    key.extend_from_slice(&inv.to_bits().to_le_bytes());
+    key
 }
 
 /// Restores the parameters the gradients overwrote from the fp32 masters.

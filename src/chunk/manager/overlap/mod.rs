@@ -35,17 +35,23 @@ use super::{grad_ranges, ChunkManager, HostSlot, LogKind, LISTS};
 use crate::chunk::plan::ChunkPlan;
 use crate::device::{Event, HostBuffer, HostPhase};
 use crate::error::{Error, Result};
-use crate::tensor::TensorState;
+use crate::tensor::{ChunkKind, TensorState};
 
 mod upload;
 mod worker;
 
 use worker::{run_job, Finished, Grads, Job};
 
-/// One block of a host group, handed to an armed step: the gradients in the parameter dtype,
-/// the buffer for the new parameters, and the fp32 state to update in place.
+/// One block of a host group, handed to an armed step: where it is (the group, and the
+/// offset of its first element in the group's chunks), the gradients in the parameter dtype
+/// (`None` between gradient ranges, which only a fold is handed), the buffer for the new
+/// parameters (holding the chunk's bytes as they came down), and the fp32 state: for a step,
+/// copies of the master, momentum and variance to update in place; for a fold, the master,
+/// to read (momentum and variance empty).
 pub(crate) struct HostBlock<'a> {
-    pub(crate) grad: &'a [u8],
+    pub(crate) group: usize,
+    pub(crate) offset: usize,
+    pub(crate) grad: Option<&'a [u8]>,
     pub(crate) param: &'a mut [u8],
     pub(crate) master: &'a mut [f32],
     pub(crate) momentum: &'a mut [f32],
@@ -65,6 +71,21 @@ pub(crate) struct OverlapPlan {
     pub(crate) key: Vec<u8>,
     /// The step of one block.
     pub(crate) step: BlockStep,
+    /// A fold rather than a step (gradient accumulation's micro-batches): the group lends
+    /// only its master, which the fold reads; every block is handed over; the pass it
+    /// replaces visits the parameter and master chunks.
+    pub(crate) fold: bool,
+}
+
+impl OverlapPlan {
+    /// The chunk lists the armed pass visits, and so the lists a group lends.
+    fn lists(&self) -> &'static [ChunkKind] {
+        if self.fold {
+            &[ChunkKind::Param, ChunkKind::Master]
+        } else {
+            &ChunkKind::ALL
+        }
+    }
 }
 
 /// Counts of host groups stepped during backward, since the manager was created.
@@ -114,7 +135,7 @@ pub(super) struct Overlap {
     /// evicted by the group's serial step, or brought back to the host copy
     /// ([`ChunkManager::refresh_device_param`]) before anything reads it.
     stale: Vec<bool>,
-    spare_shadow: Vec<Option<[HostBuffer; 3]>>,
+    spare_shadow: Vec<Option<Vec<HostBuffer>>>,
     /// Parameter-sized buffers per group: for the gradients' copy and the new parameters.
     spare_param: Vec<Vec<HostSlot>>,
     worker: Option<(Sender<Box<Job>>, JoinHandle<()>)>,
@@ -169,13 +190,19 @@ impl ChunkManager {
         Ok(())
     }
 
-    /// The optimizer's decision this iteration, if it made one.
-    pub(super) fn overlap_keeps(&self) -> Option<bool> {
-        self.overlap.keep
+    /// Whether a pass over `lists` may take the early steps the optimizer decided to keep:
+    /// the pass they replace.
+    pub(super) fn overlap_keeps(&self, lists: &[ChunkKind]) -> bool {
+        self.overlap.keep == Some(true)
+            && self
+                .overlap
+                .plan
+                .as_ref()
+                .is_some_and(|p| p.lists() == lists)
     }
 
     /// Whether group `g`'s step was done early and kept this iteration.
-    pub(super) fn stepped_early(&self, g: usize) -> bool {
+    pub(crate) fn stepped_early(&self, g: usize) -> bool {
         self.overlap.done.get(g).copied().unwrap_or(false)
     }
 
@@ -196,7 +223,13 @@ impl ChunkManager {
         let Some(plan) = &self.overlap.plan else {
             return Ok(());
         };
-        let (first_host, threads, step) = (plan.first_host, plan.threads, Arc::clone(&plan.step));
+        let (first_host, threads, step, fold) = (
+            plan.first_host,
+            plan.threads,
+            Arc::clone(&plan.step),
+            plan.fold,
+        );
+        let lent = plan.lists().len() - 1;
         if g < first_host || self.warm || self.overlap.jobs[g].is_some() {
             return Ok(());
         }
@@ -205,13 +238,14 @@ impl ChunkManager {
             .all(|&t| self.tensors[t as usize].state[0] == TensorState::HoldAfterBwd);
         let ranges = grad_ranges(&self.group_tensors(g));
         let cs: [usize; 4] = LISTS.map(|k| ChunkPlan::chunk_no(g as u32, k) as usize);
-        let state_ready = cs[1..]
+        let state = &cs[1..1 + lent];
+        let state_ready = state
             .iter()
             .all(|&c| matches!(self.payload[c].host, HostSlot::Ready(_)));
         // with chunks spilled to the file tier, only a group whose optimizer state is there: its
         // copies go there too (the worker reads the state ahead of the step and its writes
         // go behind it), where a second copy in host memory would exceed the host budget
-        let spilled = self.file.is_some() && !cs[1..].iter().all(|&c| self.file_tier[c]);
+        let spilled = self.file.is_some() && !state.iter().all(|&c| self.file_tier[c]);
         if !final_grads || ranges.is_empty() || spilled || !state_ready {
             return Ok(());
         }
@@ -251,12 +285,12 @@ impl ChunkManager {
         self.device.record(&self.down, &read)?;
         let out = self.take_spare_param(g, pc)?;
         let shadow = match self.overlap.spare_shadow[g].take() {
-            Some(s) => s,
-            None => [
-                self.alloc_host(cs[1])?,
-                self.alloc_host(cs[2])?,
-                self.alloc_host(cs[3])?,
-            ],
+            Some(s) if s.len() == lent && !fold => s,
+            _ if fold => Vec::new(),
+            _ => state
+                .iter()
+                .map(|&c| self.alloc_host(c))
+                .collect::<Result<Vec<_>>>()?,
         };
         let grads = match std::mem::replace(&mut self.payload[pc].host, HostSlot::Lent) {
             HostSlot::Ready(b) => Grads::Host(b),
@@ -268,14 +302,18 @@ impl ChunkManager {
                 return Ok(());
             }
         };
-        let orig = [1, 2, 3].map(|i| {
-            match std::mem::replace(&mut self.payload[cs[i]].host, HostSlot::Lent) {
-                HostSlot::Ready(b) => b,
-                _ => unreachable!("checked above"),
-            }
-        });
+        let orig: Vec<HostBuffer> = state
+            .iter()
+            .map(
+                |&c| match std::mem::replace(&mut self.payload[c].host, HostSlot::Lent) {
+                    HostSlot::Ready(b) => b,
+                    _ => unreachable!("checked above"),
+                },
+            )
+            .collect();
         let (done, rx) = bounded(1);
         let job = Job {
+            group: g,
             grads,
             out,
             orig,
@@ -284,13 +322,13 @@ impl ChunkManager {
             elem_bytes: self.cfg.param_dtype.size(),
             threads,
             step,
+            every_block: fold,
             done,
         };
         if let Err(job) = self.send(Box::new(job)) {
             // no worker thread (the system would not start one): everything goes back, and
             // the host groups step after backward from now on
-            let cs1 = [cs[1], cs[2], cs[3]];
-            for (c, b) in cs1.into_iter().zip(job.orig) {
+            for (&c, b) in state.iter().zip(job.orig) {
                 self.payload[c].host = HostSlot::Ready(b);
             }
             self.payload[pc].host = match job.grads {
@@ -493,11 +531,18 @@ impl ChunkManager {
             shadow,
             result,
         } = fin;
-        let (state, spare) = if keep { (shadow, orig) } else { (orig, shadow) };
+        // (a fold's master comes back as it was, and it has no copies)
+        let (state, spare) = if keep && !shadow.is_empty() {
+            (shadow, orig)
+        } else {
+            (orig, shadow)
+        };
         for (i, b) in state.into_iter().enumerate() {
             self.payload[cs[i + 1]].host = HostSlot::Ready(b);
         }
-        self.overlap.spare_shadow[g] = Some(spare);
+        if !spare.is_empty() {
+            self.overlap.spare_shadow[g] = Some(spare);
+        }
         let Some(grads) = grads else {
             // the gradients' copy failed, so the host copy of the chunk is lost
             self.payload[cs[0]].host = HostSlot::None;

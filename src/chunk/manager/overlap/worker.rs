@@ -24,14 +24,19 @@ pub(super) enum Grads {
 
 /// A group's step as the worker gets it.
 pub(super) struct Job {
+    pub(super) group: usize,
     pub(super) grads: Grads,
     pub(super) out: HostBuffer,
-    pub(super) orig: [HostBuffer; 3],
-    pub(super) shadow: [HostBuffer; 3],
+    /// The lent chunks: master, momentum and variance for a step; the master for a fold.
+    pub(super) orig: Vec<HostBuffer>,
+    /// Their copies the step updates (none for a fold, which reads the master only).
+    pub(super) shadow: Vec<HostBuffer>,
     pub(super) ranges: Vec<Range<usize>>,
     pub(super) elem_bytes: usize,
     pub(super) threads: usize,
     pub(super) step: BlockStep,
+    /// Every block is handed over, `grad` `None` outside the gradients (a fold).
+    pub(super) every_block: bool,
     pub(super) done: Sender<Finished>,
 }
 
@@ -41,22 +46,24 @@ pub(super) struct Finished {
     pub(super) grads: Option<HostBuffer>,
     /// The new parameters (in flight while an upload reads them).
     pub(super) out: HostSlot,
-    pub(super) orig: [HostBuffer; 3],
-    pub(super) shadow: [HostBuffer; 3],
+    pub(super) orig: Vec<HostBuffer>,
+    pub(super) shadow: Vec<HostBuffer>,
     pub(super) result: Result<()>,
 }
 
 /// A worker's job: waits for the gradients, then steps the shadows block by block.
 pub(super) fn run_job(job: Job) -> Finished {
     let Job {
+        group,
         grads,
         mut out,
-        orig,
+        mut orig,
         mut shadow,
         ranges,
         elem_bytes,
         threads,
         step,
+        every_block,
         done: _,
     } = job;
     let grads = match grads {
@@ -66,16 +73,14 @@ pub(super) fn run_job(job: Job) -> Finished {
     let (grads, result) = match grads {
         Err(e) => (None, Err(e)),
         Ok(grads) => {
-            let r = step_group(
-                &grads,
-                &mut out,
-                &orig,
-                &mut shadow,
-                &ranges,
-                elem_bytes,
-                threads,
-                &step,
-            );
+            let g = Group {
+                group,
+                ranges: &ranges,
+                es: elem_bytes,
+                every_block,
+                step: &step,
+            };
+            let r = step_group(&g, &grads, &mut out, &mut orig, &mut shadow, threads);
             (Some(grads), r)
         }
     };
@@ -88,12 +93,13 @@ pub(super) fn run_job(job: Job) -> Finished {
     }
 }
 
-fn f32s(b: &[u8]) -> Result<&[f32]> {
-    bytemuck::try_cast_slice(b).map_err(|_| Error::Misaligned {
-        what: "host chunk",
-        value: b.as_ptr() as usize,
-        align: 4,
-    })
+/// What every part of a group's step shares.
+struct Group<'a> {
+    group: usize,
+    ranges: &'a [Range<usize>],
+    es: usize,
+    every_block: bool,
+    step: &'a BlockStep,
 }
 
 fn f32s_mut(b: &mut [u8]) -> Result<&mut [f32]> {
@@ -110,27 +116,43 @@ struct Part<'a> {
     lo: usize,
     grad: &'a [u8],
     out: &'a mut [u8],
-    orig: [&'a [f32]; 3],
-    shadow: [&'a mut [f32]; 3],
+    /// The lent chunks' elements (read, and for a fold handed to the step).
+    orig: Vec<&'a mut [f32]>,
+    /// Their copies (a step's).
+    shadow: Vec<&'a mut [f32]>,
+}
+
+/// Splits each slice at `len`, keeping the tail in place and returning the head.
+fn split_heads<'a>(v: &mut Vec<&'a mut [f32]>, len: usize) -> Vec<&'a mut [f32]> {
+    let mut heads = Vec::with_capacity(v.len());
+    for x in v.iter_mut() {
+        let (a, b) = std::mem::take(x).split_at_mut(len);
+        heads.push(a);
+        *x = b;
+    }
+    heads
 }
 
 /// Copies the originals to the shadows (and the gradients' chunk to `out`, whose untouched
 /// ranges hold parameters) and steps the gradient ranges, split over threads.
-#[allow(clippy::too_many_arguments)]
 fn step_group(
+    g: &Group<'_>,
     grads: &[u8],
     out: &mut [u8],
-    orig: &[HostBuffer; 3],
-    shadow: &mut [HostBuffer; 3],
-    ranges: &[Range<usize>],
-    es: usize,
+    orig: &mut [HostBuffer],
+    shadow: &mut [HostBuffer],
     threads: usize,
-    step: &BlockStep,
 ) -> Result<()> {
+    let es = g.es;
     let n = grads.len() / es;
-    let orig = [f32s(&orig[0])?, f32s(&orig[1])?, f32s(&orig[2])?];
-    let [s0, s1, s2] = shadow;
-    let mut shadow = [f32s_mut(s0)?, f32s_mut(s1)?, f32s_mut(s2)?];
+    let mut orig: Vec<&mut [f32]> = orig
+        .iter_mut()
+        .map(|b| f32s_mut(b))
+        .collect::<Result<_>>()?;
+    let mut shadow: Vec<&mut [f32]> = shadow
+        .iter_mut()
+        .map(|b| f32s_mut(b))
+        .collect::<Result<_>>()?;
     let parts = threads.min(n / MIN_PER_THREAD).max(1);
     // split on 64-element boundaries, as the CPU kernel does
     let per = n.div_ceil(parts).div_ceil(64) * 64;
@@ -141,17 +163,12 @@ fn step_group(
         let len = per.min(n - lo);
         let (o, r) = rest.split_at_mut(len * es);
         rest = r;
-        let [a, b, c] = shadow;
-        let (a0, a1) = a.split_at_mut(len);
-        let (b0, b1) = b.split_at_mut(len);
-        let (c0, c1) = c.split_at_mut(len);
-        shadow = [a1, b1, c1];
         split.push(Part {
             lo,
             grad: &grads[lo * es..(lo + len) * es],
             out: o,
-            orig: orig.map(|x| &x[lo..lo + len]),
-            shadow: [a0, b0, c0],
+            orig: split_heads(&mut orig, len),
+            shadow: split_heads(&mut shadow, len),
         });
         lo += len;
     }
@@ -159,9 +176,9 @@ fn step_group(
         let mut parts = split.into_iter();
         let first = parts.next();
         let handles: Vec<_> = parts
-            .map(|part| scope.spawn(move || step_part(part, ranges, es, step)))
+            .map(|part| scope.spawn(move || step_part(part, g)))
             .collect();
-        let mut result = first.map_or(Ok(()), |part| step_part(part, ranges, es, step));
+        let mut result = first.map_or(Ok(()), |part| step_part(part, g));
         for h in handles {
             let r = h.join().unwrap_or_else(|_| {
                 Err(Error::InvalidArgument("a host-step thread panicked".into()))
@@ -172,35 +189,59 @@ fn step_group(
     })
 }
 
-fn step_part(part: Part<'_>, ranges: &[Range<usize>], es: usize, step: &BlockStep) -> Result<()> {
+fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
     let Part {
         lo,
         grad,
         out,
-        orig,
-        shadow: [ma, mo, va],
+        mut orig,
+        mut shadow,
     } = part;
-    let n = ma.len();
+    let es = g.es;
+    let n = grad.len() / es;
     let mut b = 0;
     while b < n {
         let e = (b + BLOCK).min(n);
-        ma[b..e].copy_from_slice(&orig[0][b..e]);
-        mo[b..e].copy_from_slice(&orig[1][b..e]);
-        va[b..e].copy_from_slice(&orig[2][b..e]);
+        for (s, o) in shadow.iter_mut().zip(orig.iter()) {
+            s[b..e].copy_from_slice(&o[b..e]);
+        }
         out[b * es..e * es].copy_from_slice(&grad[b * es..e * es]);
-        for r in ranges {
-            // the range in this part's coordinates, cut to the block
+        // the block cut at the gradient ranges (in this part's coordinates): the pieces with
+        // gradients, and for a fold the ones between them too
+        let mut at = b;
+        let cuts = g.ranges.iter().filter_map(|r| {
             let x = r.start.saturating_sub(lo).max(b);
             let y = r.end.saturating_sub(lo).min(e);
-            if x < y {
-                step(HostBlock {
-                    grad: &grad[x * es..y * es],
-                    param: &mut out[x * es..y * es],
-                    master: &mut ma[x..y],
-                    momentum: &mut mo[x..y],
-                    variance: &mut va[x..y],
-                })?;
+            (x < y).then_some((x, y))
+        });
+        let mut pieces: Vec<(usize, usize, bool)> = Vec::new();
+        for (x, y) in cuts {
+            if g.every_block && at < x {
+                pieces.push((at, x, false));
             }
+            pieces.push((x, y, true));
+            at = y;
+        }
+        if g.every_block && at < e {
+            pieces.push((at, e, false));
+        }
+        for (x, y, has) in pieces {
+            let state = if shadow.is_empty() {
+                &mut orig
+            } else {
+                &mut shadow
+            };
+            let mut s = state.iter_mut().map(|v| &mut v[x..y]);
+            let (master, momentum, variance) = (s.next(), s.next(), s.next());
+            (g.step)(HostBlock {
+                group: g.group,
+                offset: lo + x,
+                grad: has.then(|| &grad[x * es..y * es]),
+                param: &mut out[x * es..y * es],
+                master: master.unwrap_or_default(),
+                momentum: momentum.unwrap_or_default(),
+                variance: variance.unwrap_or_default(),
+            })?;
         }
         b = e;
     }

@@ -221,26 +221,18 @@ pub fn timeline(
 
 /// The order the manager runs the moments in, each with whether it was moved: as recorded, or
 /// with each host group's optimizer moment moved to just after the backward moment that writes
-/// its parameter chunk's last gradient (with chunks spilled to the file tier, only a group whose
-/// optimizer state is all there, as the manager does).
+/// its parameter chunk's last gradient.
 fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<(usize, bool)> {
     let n = rec.moments.len();
     if schedule == Schedule::Serial {
         return (0..n).map(|i| (i, false)).collect();
     }
     let is_param = |c: u32| rec.chunks[c as usize].kind == ChunkKind::Param;
-    // with chunks spilled to the file tier, only groups whose optimizer state is all there
-    let spilled = rec.file.iter().any(|&f| f);
     let host_step = |m: &MomentMoves| {
         m.stage == Stage::Optimizer
             && m.accesses
                 .iter()
                 .any(|a| a.target == Target::Host && is_param(a.chunk))
-            && (!spilled
-                || m.accesses
-                    .iter()
-                    .filter(|a| !is_param(a.chunk))
-                    .all(|a| rec.file[a.chunk as usize]))
     };
     let last_write = last_writes(rec);
     let mut after: Vec<Vec<usize>> = vec![Vec::new(); n];

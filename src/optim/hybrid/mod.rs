@@ -139,9 +139,8 @@ pub struct HybridConfig {
     pub delayed_params: bool,
     /// Step host groups during backward, as soon as each group's gradients are final, on a
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
-    /// memory for a second copy of the host groups' optimizer state (on the file tier for a
-    /// group whose state is there; with chunks spilled, a group whose state is in host memory
-    /// steps after backward). With accumulation, the micro-batches but the last fold during
+    /// memory for a second copy of the host groups' optimizer state (on the file tier when
+    /// chunks spill there). With accumulation, the micro-batches but the last fold during
     /// backward instead. Not with delayed parameters.
     pub overlap: bool,
 }

@@ -242,11 +242,7 @@ impl ChunkManager {
         let state_ready = state
             .iter()
             .all(|&c| matches!(self.payload[c].host, HostSlot::Ready(_)));
-        // with chunks spilled to the file tier, only a group whose optimizer state is there: its
-        // copies go there too (the worker reads the state ahead of the step and its writes
-        // go behind it), where a second copy in host memory would exceed the host budget
-        let spilled = self.file.is_some() && !state.iter().all(|&c| self.file_tier[c]);
-        if !final_grads || ranges.is_empty() || spilled || !state_ready {
+        if !final_grads || ranges.is_empty() || !state_ready {
             return Ok(());
         }
         // the gradients to the host now: the scheduler's write-back, ahead of the eviction
@@ -289,7 +285,7 @@ impl ChunkManager {
             _ if fold => Vec::new(),
             _ => state
                 .iter()
-                .map(|&c| self.alloc_host(c))
+                .map(|&c| self.alloc_shadow(c))
                 .collect::<Result<Vec<_>>>()?,
         };
         let grads = match std::mem::replace(&mut self.payload[pc].host, HostSlot::Lent) {
@@ -345,6 +341,17 @@ impl ChunkManager {
         });
         self.overlap.stats.started += 1;
         Ok(())
+    }
+
+    /// A buffer for a copy of chunk `c`'s host copy: with chunks spilled to the file tier, on
+    /// the file tier whatever the chunk's tier (a second copy in host memory would exceed the
+    /// host budget: the chunk and its copy trade buffers when a step is kept, so one of the two
+    /// is in host memory at any time); else as the chunk's own.
+    fn alloc_shadow(&mut self, c: usize) -> Result<HostBuffer> {
+        match &self.file {
+            Some(f) => f.alloc(self.chunk_bytes(c)),
+            None => self.alloc_host(c),
+        }
     }
 
     /// Hands `job` to the worker thread, started on first use; gives the job back if there is

@@ -105,6 +105,14 @@ fn placement_never_changes_the_arithmetic() {
             None,
         ),
         (Policy::Lru, small(), DevicePlacement::Groups(3), None),
+        (
+            Policy::Static {
+                device_fraction: 0.5,
+            },
+            BIG,
+            DevicePlacement::HostOnly,
+            None,
+        ),
         (Policy::Tide, BIG, DevicePlacement::HostOnly, None),
         // optimizer state spills to the file tier
         (
@@ -127,7 +135,6 @@ fn placement_never_changes_the_arithmetic() {
         let o = m2.overlap_stats();
         let host_groups = !matches!(placement, DevicePlacement::Auto { .. }) || capacity == small();
         if host_groups {
-            // (with the file tier, the groups whose optimizer state spilled there)
             assert!(o.kept > 0 && o.redone > 0, "{what}: {o:?}");
         }
         if host_budget.is_some() {

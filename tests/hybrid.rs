@@ -490,6 +490,68 @@ fn folds_during_backward_equal_serial_ones() {
     }
 }
 
+/// A checkpoint loaded into the same manager and optimizer between steps: the folds armed
+/// before the load are not taken for the loaded run's (their accumulators are gone), and
+/// training goes on as it did from the save.
+#[test]
+fn a_load_between_steps_keeps_folds_during_backward_exact() {
+    let (n, groups) = (2000, 3);
+    let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(n, Policy::Tide)).unwrap();
+    let ids: Vec<TensorId> = (0..groups)
+        .map(|g| {
+            let init = Init::Uniform {
+                seed: g as u64,
+                lo: -1.0,
+                hi: 1.0,
+            };
+            m.register(&format!("w{g}"), &[n], init).unwrap()
+        })
+        .collect();
+    let mut opt = HybridAdam::new(HybridConfig {
+        accumulation_steps: 2,
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    })
+    .unwrap();
+    let micro = |m: &mut ChunkManager, opt: &mut HybridAdam, i: u64| {
+        let g: Vec<Vec<f32>> = (0..groups as u64)
+            .map(|k| grads(i * 7 + k, n, 0.5))
+            .collect();
+        iterate(m, &ids, &g);
+        opt.step(m).unwrap();
+    };
+    for i in 0..4 {
+        micro(&mut m, &mut opt, i);
+    }
+    let path = std::env::temp_dir().join(format!(
+        "tidemem-fold-load-{}.safetensors",
+        std::process::id()
+    ));
+    opt.save_checkpoint(&mut m, &path).unwrap();
+    let state = |m: &mut ChunkManager| -> Vec<u32> {
+        ids.iter()
+            .flat_map(|&id| m.master(id).unwrap())
+            .map(f32::to_bits)
+            .collect()
+    };
+    for i in 4..6 {
+        micro(&mut m, &mut opt, i);
+    }
+    let once = state(&mut m);
+    let before = m.overlap_stats();
+    opt.load_checkpoint(&mut m, &path).unwrap();
+    for i in 4..6 {
+        micro(&mut m, &mut opt, i);
+    }
+    assert_eq!(
+        state(&mut m),
+        once,
+        "the same two micro-batches from the save"
+    );
+    assert!(before.kept > 0, "{before:?}");
+    std::fs::remove_file(&path).ok();
+}
+
 #[test]
 fn overflow_skips_the_step_restores_parameters_and_backs_off() {
     let n = 300;

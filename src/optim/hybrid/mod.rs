@@ -427,7 +427,10 @@ impl HybridAdam {
         m.check_idle("load_checkpoint", false)?;
         let file = crate::checkpoint::Reader::open(path.as_ref())?;
         let meta = m.load_checkpoint_file(&file, |meta| self.check_metadata(meta))?;
-        self.restore_metadata(&meta)
+        self.restore_metadata(&meta)?;
+        // the next step is armed by the step after it
+        m.arm_overlap(None);
+        Ok(())
     }
 
     /// How many chunk groups of `m` step on the device now: none during warm-up (the device
@@ -568,7 +571,7 @@ impl HybridAdam {
         m.arm_overlap(Some(OverlapPlan {
             first_host: 0,
             threads: self.cpu.threads(),
-            key: fold_key(self.micro, inv),
+            key: fold_key(self.micro, inv, &acc),
             step: Arc::new(move |b: HostBlock<'_>| fold_block(&acc, inv, dt, b)),
             fold: true,
         }));
@@ -637,14 +640,16 @@ impl HybridAdam {
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
     ) -> Result<StepReport> {
         let n = self.cfg.accumulation_steps;
-        // an intermediate micro-batch's fold may have run during backward
-        let fold = self.micro + 1 < n;
-        let key = fold.then(|| fold_key(self.micro, 1.0 / scale));
-        m.overlap_verdict(key.as_deref())?;
         let groups = m.groups();
         if self.acc.acc.len() != groups {
             self.acc = Arc::new(Accumulators::new(&m.layout().group_elems));
         }
+        // an intermediate micro-batch's fold may have run during backward, into these
+        // accumulators' pending ones (the key names them: a plan armed by another optimizer,
+        // or before a checkpoint was loaded, is not this fold)
+        let fold = self.micro + 1 < n;
+        let key = fold.then(|| fold_key(self.micro, 1.0 / scale, &self.acc));
+        m.overlap_verdict(key.as_deref())?;
         self.touched.resize(m.num_tensors(), false);
         let inv = 1.0 / scale;
         let (acc, touched) = (&self.acc, &mut self.touched);

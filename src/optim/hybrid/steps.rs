@@ -127,9 +127,11 @@ impl Accumulators {
     }
 }
 
-/// What identifies a fold for overlap: the micro-batch and the loss scale's inverse.
-pub(super) fn fold_key(micro: u32, inv: f32) -> Vec<u8> {
+/// What identifies a fold for overlap: the accumulators it writes, the micro-batch and the
+/// loss scale's inverse.
+pub(super) fn fold_key(micro: u32, inv: f32, acc: &std::sync::Arc<Accumulators>) -> Vec<u8> {
     let mut key = b"fold".to_vec();
+    key.extend_from_slice(&(std::sync::Arc::as_ptr(acc) as usize as u64).to_le_bytes());
     key.extend_from_slice(&micro.to_le_bytes());
     key.extend_from_slice(&inv.to_bits().to_le_bytes());
     key

@@ -213,8 +213,15 @@ fn hybrid_adam_on_cuda_equals_the_sim_device() {
 
 /// A manager with one tensor of `n` elements per group, on a Sim device of 1 MiB.
 fn single(n: usize, groups: usize) -> (ChunkManager, Vec<TensorId>) {
+    single_of(n, groups, DType::F16)
+}
+
+/// [`single`] with parameters of `dtype`.
+fn single_of(n: usize, groups: usize, dtype: DType) -> (ChunkManager, Vec<TensorId>) {
     let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-    let mut m = ChunkManager::new(dev, ManagerConfig::new(n, Policy::Tide)).unwrap();
+    let mut cfg = ManagerConfig::new(n, Policy::Tide);
+    cfg.param_dtype = dtype;
+    let mut m = ChunkManager::new(dev, cfg).unwrap();
     let ids = (0..groups)
         .map(|g| {
             m.register(
@@ -338,20 +345,7 @@ fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for placement in [DevicePlacement::HostOnly, DevicePlacement::Groups(2)] {
             let run = |overlap: bool| {
-                let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-                let mut cfg = ManagerConfig::new(n, Policy::Tide);
-                cfg.param_dtype = dtype;
-                let mut m = ChunkManager::new(dev, cfg).unwrap();
-                let ids: Vec<TensorId> = (0..groups)
-                    .map(|g| {
-                        let init = Init::Uniform {
-                            seed: g as u64,
-                            lo: -1.0,
-                            hi: 1.0,
-                        };
-                        m.register(&format!("w{g}"), &[n], init).unwrap()
-                    })
-                    .collect();
+                let (mut m, ids) = single_of(n, groups, dtype);
                 let mut opt = HybridAdam::new(HybridConfig {
                     placement,
                     overlap,
@@ -426,20 +420,7 @@ fn folds_during_backward_equal_serial_ones() {
     let (n, groups, micro) = (3000, 4, 3u32);
     for dtype in [DType::F16, DType::BF16] {
         let run = |overlap: bool| {
-            let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-            let mut cfg = ManagerConfig::new(n, Policy::Tide);
-            cfg.param_dtype = dtype;
-            let mut m = ChunkManager::new(dev, cfg).unwrap();
-            let ids: Vec<TensorId> = (0..groups)
-                .map(|g| {
-                    let init = Init::Uniform {
-                        seed: g as u64,
-                        lo: -1.0,
-                        hi: 1.0,
-                    };
-                    m.register(&format!("w{g}"), &[n], init).unwrap()
-                })
-                .collect();
+            let (mut m, ids) = single_of(n, groups, dtype);
             let mut opt = HybridAdam::new(HybridConfig {
                 overlap,
                 accumulation_steps: micro,
@@ -496,18 +477,7 @@ fn folds_during_backward_equal_serial_ones() {
 #[test]
 fn a_load_between_steps_keeps_folds_during_backward_exact() {
     let (n, groups) = (2000, 3);
-    let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-    let mut m = ChunkManager::new(dev, ManagerConfig::new(n, Policy::Tide)).unwrap();
-    let ids: Vec<TensorId> = (0..groups)
-        .map(|g| {
-            let init = Init::Uniform {
-                seed: g as u64,
-                lo: -1.0,
-                hi: 1.0,
-            };
-            m.register(&format!("w{g}"), &[n], init).unwrap()
-        })
-        .collect();
+    let (mut m, ids) = single(n, groups);
     let mut opt = HybridAdam::new(HybridConfig {
         accumulation_steps: 2,
         ..HybridConfig::new(AdamConfig::adam(1e-2))

@@ -496,33 +496,30 @@ impl ChunkManager {
     /// else thrown away (the originals and the gradients go back). Returns whether it was kept.
     pub(super) fn settle_early(&mut self, g: usize) -> Result<bool> {
         self.join_early(g)?;
-        let Some(j) = self.overlap.jobs.get_mut(g).and_then(Option::take) else {
-            return Ok(false);
-        };
-        let Early::Finished(fin) = j.state else {
-            unreachable!("joined above")
-        };
-        let keep = self.overlap.keep == Some(true)
-            && fin.result.is_ok()
-            && fin.grads.is_some()
-            && j.version == self.overlap.version[g];
-        let fin = if keep && !self.overlap.uploaded[g] {
-            // the new parameters up now, so that the chunk may stay on the device
-            self.overlap.jobs[g] = Some(Job0 {
+        let keep = match self.overlap.jobs.get(g).and_then(Option::as_ref) {
+            None => return Ok(false),
+            Some(Job0 {
                 state: Early::Finished(fin),
-                version: j.version,
-                read: j.read,
-            });
-            self.upload_early(g)?;
-            match self.overlap.jobs[g].take() {
-                Some(Job0 {
-                    state: Early::Finished(fin),
-                    ..
-                }) => fin,
-                _ => unreachable!("put back above"),
+                version,
+                ..
+            }) => {
+                self.overlap.keep == Some(true)
+                    && fin.result.is_ok()
+                    && fin.grads.is_some()
+                    && *version == self.overlap.version[g]
             }
-        } else {
-            fin
+            Some(_) => unreachable!("joined above"),
+        };
+        if keep && !self.overlap.uploaded[g] {
+            // the new parameters up now, so that the chunk may stay on the device
+            self.upload_early(g)?;
+        }
+        let Some(Job0 {
+            state: Early::Finished(fin),
+            ..
+        }) = self.overlap.jobs[g].take()
+        else {
+            unreachable!("joined above")
         };
         self.put_back(g, *fin, keep)?;
         Ok(keep)

@@ -8,7 +8,7 @@ mod common;
 mod nn_ref;
 
 use tidemem::dtype::{decode_f32, encode_f32};
-use tidemem::nn::{Act, Block, CausalSelfAttention};
+use tidemem::nn::{Act, Block, CausalSelfAttention, Serial};
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -168,12 +168,7 @@ fn block_matches_an_f64_reference() {
     for dev in common::devices("nn_block::block") {
         for (d, tol) in CASES {
             let mut m = manager(dev.clone(), d);
-            let blk = Block {
-                ln_1: lnorm(&mut m, "h.0.ln_1", 20),
-                attn: attn_layer(&mut m, "h.0.attn"),
-                ln_2: lnorm(&mut m, "h.0.ln_2", 22),
-                mlp: mlp_layer(&mut m, "h.0.mlp"),
-            };
+            let blk = block_layer(&mut m, "h.0");
             let ids = blk.params();
             assert_eq!(ids.len(), 12);
             let p = read_all(&mut m, &ids);
@@ -181,8 +176,11 @@ fn block_matches_an_f64_reference() {
             let want = block_ref(&p, &f64s(&x), &f64s(&dy));
             let got = run(
                 &mut m,
-                &|f, x| blk.forward(f, x, B, T).map(|(y, s)| (y, Box::new(s) as _)),
-                &|b, s, dy| blk.backward(b, s.downcast_ref().unwrap(), dy),
+                &|f, x| {
+                    let (y, s) = blk.forward(f, (), x, [B, T], None)?;
+                    Ok((y, Box::new(s) as _))
+                },
+                &|b, s, dy| blk.backward(b, (), s.downcast_ref().unwrap(), dy, None),
                 &x,
                 &dy,
             )
@@ -203,7 +201,8 @@ fn block_matches_an_f64_reference() {
 #[test]
 fn block_registers_gpt2_names() {
     let mut m = manager(common::sim(1 << 20), DType::F32);
-    let blk = Block::register(&mut m, "h.3", C, NH, EPS, None).unwrap();
+    let init = |name: &str| Block::default_init(name, C);
+    let blk = Block::register(&mut m, Serial, "h.3", [C, NH], EPS, &init).unwrap();
     let names = [
         ("h.3.ln_1.weight", vec![C]),
         ("h.3.ln_1.bias", vec![C]),
@@ -218,9 +217,11 @@ fn block_registers_gpt2_names() {
         ("h.3.mlp.c_proj.weight", vec![C, 4 * C]),
         ("h.3.mlp.c_proj.bias", vec![C]),
     ];
-    for (id, (_name, shape)) in blk.params().into_iter().zip(names) {
+    for (id, (_name, shape)) in blk.params().into_iter().zip(names.clone()) {
         assert_eq!(m.tensor_shape(id).unwrap(), shape.as_slice());
     }
+    let named: Vec<String> = blk.named_params("h.3").into_iter().map(|n| n.0).collect();
+    assert_eq!(named, names.map(|n| n.0.to_string()));
     assert!(CausalSelfAttention::register(&mut m, "bad", C, 3, None).is_err());
     assert!(CausalSelfAttention::register(&mut m, "bad0", C, 0, None).is_err());
 
@@ -235,15 +236,20 @@ fn block_registers_gpt2_names() {
         &data(N * C, 5, 1.0, DType::F32),
     )
     .unwrap();
+    let attn = CausalSelfAttention {
+        c_attn: blk.c_attn,
+        c_proj: blk.attn_proj,
+        heads: NH,
+    };
     assert!(matches!(
-        blk.attn.forward(&fwd, &x, B, T + 1),
+        attn.forward(&fwd, &x, B, T + 1),
         Err(Error::InvalidArgument(_))
     ));
     assert!(matches!(
-        blk.forward(&fwd, &x, 3, T),
+        blk.forward(&fwd, (), &x, [3, T], None),
         Err(Error::InvalidArgument(_))
     ));
-    let (_, saved) = blk.forward(&fwd, &x, B, T).unwrap();
+    let (_, saved) = blk.forward(&fwd, (), &x, [B, T], None).unwrap();
     assert_eq!(saved.h1().shape(), [N, C]);
     fwd.finish().unwrap();
 
@@ -258,10 +264,12 @@ fn block_registers_gpt2_names() {
         up(N, C + 1, DType::F32),
         up(N, C, DType::F16),
     ] {
-        let err = blk.backward(&bwd, &saved, &bad).unwrap_err();
+        let err = blk.backward(&bwd, (), &saved, &bad, None).unwrap_err();
         assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
     }
-    let dx = blk.backward(&bwd, &saved, &up(N, C, DType::F32)).unwrap();
+    let dx = blk
+        .backward(&bwd, (), &saved, &up(N, C, DType::F32), None)
+        .unwrap();
     assert_eq!(dx.shape(), [N, C]);
     bwd.finish().unwrap();
 }

@@ -65,12 +65,7 @@ struct Gpt {
 impl Gpt {
     fn new(m: &mut ChunkManager) -> Gpt {
         let emb = Embedding::register(m, V, MAX_T, C, None).unwrap();
-        let blk = Block {
-            ln_1: lnorm(m, "h.0.ln_1", 20),
-            attn: attn_layer(m, "h.0.attn"),
-            ln_2: lnorm(m, "h.0.ln_2", 22),
-            mlp: mlp_layer(m, "h.0.mlp"),
-        };
+        let blk = block_layer(m, "h.0");
         let ln_f = lnorm(m, "ln_f", 24);
         let head = LmHead::tied(m, emb.wte, IGNORE).unwrap();
         Gpt {
@@ -92,14 +87,14 @@ impl Gpt {
     fn step(&self, m: &mut ChunkManager, tokens: &[i32], targets: &[i32]) -> Result<f32> {
         let fwd = m.forward()?;
         let (x, emb_saved) = self.emb.forward(&fwd, tokens, B, T)?;
-        let (out, blk_saved) = self.blk.forward(&fwd, &x, B, T)?;
+        let (out, blk_saved) = self.blk.forward(&fwd, (), &x, [B, T], None)?;
         let (hf, ln_saved) = self.ln_f.forward(&fwd, &out, None)?;
         let (loss, head_saved) = self.head.forward(&fwd, &hf, targets)?;
         fwd.finish()?;
         let bwd = m.backward()?;
         let dhf = self.head.backward(&bwd, &head_saved)?;
         let dout = self.ln_f.backward(&bwd, &ln_saved, &dhf, None)?;
-        let dx = self.blk.backward(&bwd, &blk_saved, &dout)?;
+        let dx = self.blk.backward(&bwd, (), &blk_saved, &dout, None)?;
         self.emb.backward(&bwd, &emb_saved, &dx)?;
         bwd.finish()?;
         Ok(loss)

@@ -7,7 +7,8 @@ mod common;
 mod nn_ref;
 
 use tidemem::comm::Communicator;
-use tidemem::parallel::{Block1D, Shard};
+use tidemem::nn::Block;
+use tidemem::parallel::{OneD, Shard};
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -119,7 +120,7 @@ struct RankOut {
 fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
     let mut m = manager(c.device().clone(), DType::F32);
     let shard = Shard::of(&c);
-    let blk = Block1D::register(&mut m, "h.0", C, NH, EPS, &master, shard).unwrap();
+    let blk = Block::register(&mut m, OneD { shard }, "h.0", [C, NH], EPS, &master).unwrap();
     let ids: Vec<(String, TensorId)> = params()
         .iter()
         .filter_map(|(n, _)| {
@@ -132,13 +133,13 @@ fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
     let s0 = c.stats();
     let fwd = m.forward().unwrap();
     let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, x).unwrap();
-    let (y, saved) = blk.forward(&fwd, &c, &xa, B, T).unwrap();
+    let (y, saved) = blk.forward(&fwd, &c, &xa, [B, T], None).unwrap();
     let y = y.to_f32(fwd.stream()).unwrap();
     fwd.finish().unwrap();
     let s1 = c.stats();
     let bwd = m.backward().unwrap();
     let da = Act::upload(bwd.pool(), bwd.stream(), N, C, DType::F32, dout).unwrap();
-    let dx = blk.backward(&bwd, &c, &saved, &da).unwrap();
+    let dx = blk.backward(&bwd, &c, &saved, &da, None).unwrap();
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da, xa));
     bwd.finish().unwrap();
@@ -222,7 +223,7 @@ fn shapes_that_do_not_split_are_refused_at_registration() {
     // 4 heads over 3 ranks
     let errs = on_ranks(3, |c| {
         let mut m = manager(c.device().clone(), DType::F32);
-        Block1D::register(&mut m, "h.0", C, NH, EPS, &master, Shard::of(&c)).err()
+        Block::register(&mut m, OneD::of(&c), "h.0", [C, NH], EPS, &master).err()
     });
     for e in errs {
         let e = e.expect("refused").to_string();

@@ -11,8 +11,9 @@ mod nn_ref;
 use std::time::Duration;
 
 use tidemem::comm::Communicator;
+use tidemem::nn::Block;
 use tidemem::parallel::{
-    Block2D, GridSpec, LayerNorm2D, ProcessGrid, SummaCollectives, SummaGroups, TensorMode,
+    GridSpec, LayerNorm2D, ProcessGrid, Summa, SummaCollectives, SummaGroups, TensorMode,
 };
 use tidemem::prelude::*;
 
@@ -299,10 +300,20 @@ fn layer_norm_2d_equals_the_serial_layer_norm_on_2x2_and_2x2x2() {
     }
 }
 
+/// Registers this rank's part of block `name` on the grid's 2D or 2.5D layout.
+fn block2d(
+    m: &mut ChunkManager,
+    grid: &ProcessGrid,
+    name: &str,
+    shape: [usize; 2],
+) -> tidemem::Result<Block<Summa>> {
+    Block::register(m, Summa::of(grid)?, name, shape, EPS, &master)
+}
+
 fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> RankOut {
     let grid = ProcessGrid::new(c, spec(mode)).unwrap();
     let mut m = manager(c.device().clone(), DType::F32);
-    let blk = Block2D::register(&mut m, &grid, "h.0", C, NH, EPS, &master).unwrap();
+    let blk = block2d(&mut m, &grid, "h.0", [C, NH]).unwrap();
     assert_eq!(blk.params().len(), 12);
     let ids: Vec<TensorId> = params().iter().map(|(n, _)| id_of(&m, n)).collect();
     assert_eq!(ids, blk.params(), "registration order");
@@ -312,7 +323,7 @@ fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> Ra
     let xb = block(x, C, [rb, nrb], [col, 2]);
     let xa = Act::upload(fwd.pool(), fwd.stream(), rl, cl, DType::F32, &xb).unwrap();
     let s0 = group_stats(&grid);
-    let (y, saved) = blk.forward(&fwd, &grid, &xa, T).unwrap();
+    let (y, saved) = blk.forward(&fwd, &grid, &xa, [N / T, T], None).unwrap();
     let s1 = group_stats(&grid);
     let y = y.to_f32(fwd.stream()).unwrap();
     drop(xa);
@@ -321,7 +332,7 @@ fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> Ra
     let db = block(dout, C, [rb, nrb], [col, 2]);
     let da = Act::upload(bwd.pool(), bwd.stream(), rl, cl, DType::F32, &db).unwrap();
     let s2 = group_stats(&grid);
-    let dx = blk.backward(&bwd, &grid, &saved, &da).unwrap();
+    let dx = blk.backward(&bwd, &grid, &saved, &da, None).unwrap();
     let s3 = group_stats(&grid);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da));
@@ -364,7 +375,7 @@ fn block_2d_and_2p5d_equal_the_serial_block() {
                 worst = worst.max(close(&format!("{what}: grad {name}"), &og[k], &w, TOL));
             }
         }
-        eprintln!("Block2D on {mode}: worst error {worst:.2e} (bound {TOL:.0e})");
+        eprintln!("the block on {mode}: worst error {worst:.2e} (bound {TOL:.0e})");
     }
 }
 
@@ -389,12 +400,12 @@ fn shapes_that_do_not_split_are_refused_on_every_rank() {
             let grid = ProcessGrid::new(c, spec(mode)).unwrap();
             let mut m = manager(c.device().clone(), DType::F32);
             // 3 heads over q = 2; 6 channels over q² = 4; LayerNorm of 6 columns
-            let heads = Block2D::register(&mut m, &grid, "a", C, 3, EPS, &master).err();
-            let chans = Block2D::register(&mut m, &grid, "b", 6, 2, EPS, &master).err();
+            let heads = block2d(&mut m, &grid, "a", [C, 3]).err();
+            let chans = block2d(&mut m, &grid, "b", [6, 2]).err();
             let (g, b) = (master("g"), master("b"));
             let lnc = LayerNorm2D::register(&mut m, &grid, "ln", 6, EPS, &g, &b).err();
             // rows of a row block that are not whole sequences: 3 or 6 local rows, seq 4
-            let blk = Block2D::register(&mut m, &grid, "h.0", C, NH, EPS, &master).unwrap();
+            let blk = block2d(&mut m, &grid, "h.0", [C, NH]).unwrap();
             let (_, _, _, nrb) = place(mode, c.rank());
             let fwd = m.forward().unwrap();
             let zeros = vec![0.0; N / nrb * C / 2];
@@ -402,7 +413,7 @@ fn shapes_that_do_not_split_are_refused_on_every_rank() {
             let xa = xa.unwrap();
             let before = c.stats();
             let seq = blk
-                .forward(&fwd, &grid, &xa, 4)
+                .forward(&fwd, &grid, &xa, [N / 4, 4], None)
                 .err()
                 .map(|e| e.to_string());
             assert_eq!(c.stats(), before, "no collective before the refusal");
@@ -437,15 +448,15 @@ fn other_grids_are_refused() {
         let mut m = manager(c.device().clone(), DType::F32);
         let (g, b) = (master("g"), master("b"));
         let ln = LayerNorm2D::register(&mut m, &one_d, "ln", C, EPS, &g, &b).err();
-        let blk = Block2D::register(&mut m, &one_d, "x", C, NH, EPS, &master).err();
+        let blk = block2d(&mut m, &one_d, "x", [C, NH]).err();
         let two_d = ProcessGrid::new(c, spec(TWO_D)).unwrap();
-        let blk2 = Block2D::register(&mut m, &two_d, "h.0", C, NH, EPS, &master).unwrap();
+        let blk2 = block2d(&mut m, &two_d, "h.0", [C, NH]).unwrap();
         let fwd = m.forward().unwrap();
         let zeros = vec![0.0; N / 2 * C / 2];
         let xa = Act::upload(fwd.pool(), fwd.stream(), N / 2, C / 2, DType::F32, &zeros);
         let xa = xa.unwrap();
         let before = c.stats();
-        let run = blk2.forward(&fwd, &one_d, &xa, T).err();
+        let run = blk2.forward(&fwd, &one_d, &xa, [N / T, T], None).err();
         assert_eq!(c.stats(), before, "no collective before the refusal");
         drop(xa);
         fwd.finish().unwrap();

@@ -10,8 +10,9 @@ mod nn_ref;
 use std::time::Duration;
 
 use tidemem::comm::{CommStats, Communicator, Tally};
+use tidemem::nn::Block;
 use tidemem::parallel::{
-    split_3d, Block3D, Collectives3D, GridSpec, GroupStats, LayerNorm3D, Layout3D, ProcessGrid,
+    split_3d, Collectives3D, Cube, GridSpec, GroupStats, LayerNorm3D, Layout3D, ProcessGrid,
 };
 use tidemem::prelude::*;
 
@@ -386,7 +387,7 @@ fn layer_norm_3d_equals_the_serial_layer_norm() {
     }
 }
 
-// ---- Block3D ----
+// ---- the block on the cube ----
 
 /// The block's parameters in registration order: name and full shape.
 fn params() -> Vec<(String, Vec<usize>)> {
@@ -432,14 +433,22 @@ struct BlockOut {
 
 fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> BlockOut {
     let mut m = manager(grid.tensor().device().clone(), DType::F32);
-    let blk = Block3D::register(&mut m, grid, "h.0", C, NH, EPS, layout, &master).unwrap();
+    let blk = Block::register(
+        &mut m,
+        Cube::of(grid, layout).unwrap(),
+        "h.0",
+        [C, NH],
+        EPS,
+        &master,
+    )
+    .unwrap();
     let rows_j = layout == Layout3D::RowsJColsK;
     let mut measured = Collectives3D::default();
     let fwd = m.forward().unwrap();
     let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, x).unwrap();
     let xt = split_3d(&fwd, grid, layout, &xa).unwrap();
     let before = snapshot(grid);
-    let (y, saved) = blk.forward(&fwd, grid, &xt, B, T).unwrap();
+    let (y, saved) = blk.forward(&fwd, grid, &xt, [B, T], None).unwrap();
     measured.forward = delta(grid, &before);
     let y = y.to_f32(fwd.stream()).unwrap();
     drop((xa, xt));
@@ -451,7 +460,7 @@ fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> B
         C / Q,
     );
     let before = snapshot(grid);
-    let dx = blk.backward(&bwd, grid, &saved, &d).unwrap();
+    let dx = blk.backward(&bwd, grid, &saved, &d, None).unwrap();
     measured.backward = delta(grid, &before);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((d, saved));
@@ -504,7 +513,7 @@ fn block_3d_equals_the_serial_block_in_both_layouts() {
             assert_eq!(o.measured, f, "{what}: the communicators' counts");
         }
         eprintln!(
-            "Block3D {layout:?} on {WORLD} ranks: worst error y {wy:.2e}, dx {wdx:.2e}, \
+            "the block {layout:?} on {WORLD} ranks: worst error y {wy:.2e}, dx {wdx:.2e}, \
              parameter gradients {wg:.2e} (bound {TOL:.0e})"
         );
     }
@@ -519,18 +528,10 @@ fn refused_everywhere<T: std::fmt::Debug>(errs: Vec<Result<T>>, want: &str) {
 }
 
 /// Registers on a fresh manager; nothing is registered when it fails.
-fn register_block(g: &ProcessGrid, c: usize, heads: usize) -> Result<Block3D> {
+fn register_block(g: &ProcessGrid, c: usize, heads: usize) -> Result<Block<Cube>> {
     let mut m = manager(g.tensor().device().clone(), DType::F32);
-    let r = Block3D::register(
-        &mut m,
-        g,
-        "h.0",
-        c,
-        heads,
-        EPS,
-        Layout3D::RowsJColsK,
-        &master,
-    );
+    let r = Cube::of(g, Layout3D::RowsJColsK)
+        .and_then(|l| Block::register(&mut m, l, "h.0", [c, heads], EPS, &master));
     if r.is_err() {
         assert_eq!(m.num_tensors(), 0, "a refused block registered tensors");
     }
@@ -555,20 +556,26 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
     let errs = on_ranks("3d:2", |g| -> Result<()> {
         let mut m = manager(g.tensor().device().clone(), DType::F32);
         let lay = Layout3D::RowsJColsK;
-        let blk = Block3D::register(&mut m, g, "h.0", C, NH, EPS, lay, &master)?;
+        let blk = Block::register(&mut m, Cube::of(g, lay)?, "h.0", [C, NH], EPS, &master)?;
         let before = snapshot(g);
         let fwd = m.forward()?;
         let x = Act::upload(fwd.pool(), fwd.stream(), NT, C / Q, DType::F32, &[0.5; 24])?;
-        let e = blk.forward(&fwd, g, &x, 2, 6).expect_err("2 sequences");
+        let e = blk
+            .forward(&fwd, g, &x, [2, 6], None)
+            .expect_err("2 sequences");
         assert!(
             e.to_string()
                 .contains("sequences (a tile holds whole sequences) of 2 do not split over q² = 4"),
             "{e}"
         );
         let wide = Act::upload(fwd.pool(), fwd.stream(), NT, C, DType::F32, &[0.5; 48])?;
-        let e = blk.forward(&fwd, g, &wide, B, T).expect_err("16 columns");
+        let e = blk
+            .forward(&fwd, g, &wide, [B, T], None)
+            .expect_err("16 columns");
         assert!(e.to_string().contains("expected [N, 8] f32"), "{e}");
-        let e = blk.forward(&fwd, g, &x, B, 2 * T).expect_err("rows");
+        let e = blk
+            .forward(&fwd, g, &x, [B, 2 * T], None)
+            .expect_err("rows");
         assert!(
             e.to_string().contains("rows · q² = batch · sequence"),
             "{e}"

@@ -1,27 +1,34 @@
-//! GPT-2's pre-LayerNorm transformer block.
+//! GPT-2's pre-LayerNorm transformer block, written once over a [`Layout`].
+
+use std::sync::Arc;
 
 use super::act::Act;
-use super::attention::{AttnSaved, CausalSelfAttention, HeadsCore};
-use super::layernorm::{LayerNorm, LnSaved};
-use super::mlp::{Mlp, MlpSaved};
+use super::attention::{attend, attend_backward, Attended, HeadsCore};
+use super::gelu::{gelu, gelu_backward};
+use super::layout::{Layout, Pair, Serial};
+use super::linear::WeightUse;
 use crate::error::Result;
+use crate::ops::attention::Attention;
 use crate::ops::{add, Axpby};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
-/// A pre-LayerNorm transformer block as GPT-2's:
-/// `h1 = x + attn(ln_1(x))`, `out = h1 + mlp(ln_2(h1))`.
+/// A pre-LayerNorm transformer block as GPT-2's, on layout `L`:
+/// `h1 = x + attn(ln_1(x))`, `out = h1 + mlp(ln_2(h1))`, with
+/// `attn(y) = attn_proj(attention(c_attn(y)))` and `mlp(y) = mlp_proj(GELU(c_fc(y)))`.
 ///
-/// `ln_2` runs fused with the first residual add (it takes `attn`'s output and the residual
-/// `x`, and yields `h1` with its normalisation); backward carries the residual stream's
-/// gradient in one buffer that `ln_2` and then `ln_1` add their input gradients into.
+/// `ln_2` runs fused with the first residual add (it takes the attention's output and the
+/// residual `x`, and yields `h1` with its normalisation); backward carries the residual
+/// stream's gradient in one buffer that `ln_2` and then `ln_1` add their input gradients into.
+/// The same code runs serially ([`Serial`]) and on every tensor-parallel layout: the layout
+/// splits the linears, LayerNorms and heads, and adds the collectives.
 ///
 /// # Example
 ///
-/// One block of 8 channels and 2 heads over 2 sequences of 3 tokens:
+/// One serial block of 8 channels and 2 heads over 2 sequences of 3 tokens:
 ///
 /// ```
-/// use tidemem::nn::{Act, Block};
+/// use tidemem::nn::{Act, Block, Serial};
 /// use tidemem::prelude::*;
 ///
 /// # fn main() -> tidemem::Result<()> {
@@ -29,221 +36,315 @@ use crate::tensor::{Init, TensorId};
 /// let mut cfg = ManagerConfig::new(256, Policy::Tide);
 /// cfg.param_dtype = DType::F32;
 /// let mut m = ChunkManager::new(dev, cfg)?;
-/// let block = Block::register(&mut m, "h.0", 8, 2, 1e-5, None)?;
+/// let init = |name: &str| Block::default_init(name, 8);
+/// let block = Block::register(&mut m, Serial, "h.0", [8, 2], 1e-5, &init)?;
 /// assert_eq!(block.params().len(), 12);
 ///
 /// let fwd = m.forward()?;
 /// let x = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
-/// let (out, saved) = block.forward(&fwd, &x, 2, 3)?;
+/// let (out, saved) = block.forward(&fwd, (), &x, [2, 3], None)?;
 /// assert_eq!(out.shape(), [6, 8]);
 /// fwd.finish()?;
 ///
 /// let bwd = m.backward()?;
 /// let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
-/// let dx = block.backward(&bwd, &saved, &dout)?;
+/// let dx = block.backward(&bwd, (), &saved, &dout, None)?;
 /// assert_eq!(dx.shape(), [6, 8]);
 /// bwd.finish()?;
 /// // the output bias's gradient: Σ_rows dout
-/// assert_eq!(m.read(block.mlp.c_proj.bias.unwrap())?, vec![6.0; 8]);
+/// assert_eq!(m.read(block.mlp_proj.bias.unwrap())?, vec![6.0; 8]);
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Block {
+pub struct Block<L: Layout = Serial> {
+    /// How the layers are split (the rank's place).
+    pub layout: L,
     /// LayerNorm before the attention.
-    pub ln_1: LayerNorm,
-    /// Causal self-attention.
-    pub attn: CausalSelfAttention,
+    pub ln_1: L::Norm,
+    /// The query/key/value projection `C → 3C` (`{name}.attn.c_attn`).
+    pub c_attn: L::Linear,
+    /// The attention's output projection `C → C` (`{name}.attn.c_proj`).
+    pub attn_proj: L::Linear,
     /// LayerNorm before the MLP.
-    pub ln_2: LayerNorm,
-    /// The feed-forward block.
-    pub mlp: Mlp,
-}
-
-/// What a split block adds to [`Block::forward_ext`] and [`Block::backward_ext`].
-#[derive(Clone, Copy)]
-pub struct BlockHooks<'a> {
-    /// Applied in place to the attention's and the MLP's outputs before the residual adds,
-    /// and to the gradients they give their inputs (a tensor-parallel all-reduce).
-    pub sum: &'a dyn Fn(&Act) -> Result<()>,
-    /// The attention between the projections (`None`: over the rows' own positions).
-    pub core: Option<&'a dyn HeadsCore>,
+    pub ln_2: L::Norm,
+    /// The MLP's `C → 4C` (`{name}.mlp.c_fc`).
+    pub c_fc: L::Linear,
+    /// The MLP's `4C → C` (`{name}.mlp.c_proj`).
+    pub mlp_proj: L::Linear,
+    /// Heads `H` of the whole block.
+    pub heads: usize,
+    /// Channels `C` of the whole block.
+    pub channels: usize,
+    /// How the linears write their weight gradients ([`WeightUse::Shared`] for a block run
+    /// more than once an iteration, as a pipeline stage runs it once per micro-batch).
+    pub uses: WeightUse,
 }
 
 /// What [`Block::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct BlockSaved {
-    ln_1: LnSaved,
-    attn: AttnSaved,
-    ln_2: LnSaved,
-    mlp: MlpSaved,
+pub struct BlockSaved<L: Layout = Serial> {
+    ln_1: L::NormSaved,
+    c_attn: L::LinearSaved,
+    heads: Attended,
+    attn_proj: L::LinearSaved,
+    ln_2: L::NormSaved,
+    c_fc: L::LinearSaved,
+    pre: Act,
+    mlp_proj: L::LinearSaved,
+    op: Attention,
 }
 
-impl BlockSaved {
-    /// `h1 = x + attn(ln_1(x))`, the residual stream between the two halves.
+impl<L: Layout> BlockSaved<L> {
+    /// This rank's part of `h1 = x + attn(ln_1(x))`, the residual stream between the halves.
     pub fn h1(&self) -> &Act {
-        self.ln_2.h()
+        L::norm_input(&self.ln_2)
     }
 }
 
-impl Block {
-    /// Registers `{name}.ln_1.*`, `{name}.attn.{c_attn,c_proj}.*`, `{name}.ln_2.*` and
-    /// `{name}.mlp.{c_fc,c_proj}.*` (GPT-2's names): LayerNorms of `eps` (γ ones, β zeros),
-    /// linear weights with `init` (or [`Linear::default_init`](super::Linear::default_init)),
-    /// biases zero.
-    pub fn register(
-        store: &mut impl ParamStore,
+impl<L: Layout> Block<L> {
+    /// Registers this rank's part of block `name` of `[channels, heads]` on `layout`, under
+    /// GPT-2's names (`{name}.ln_1.*`, `{name}.attn.c_attn.*`, `{name}.attn.c_proj.*`,
+    /// `{name}.ln_2.*`, `{name}.mlp.c_fc.*`, `{name}.mlp.c_proj.*`, weight then bias), each
+    /// with the values of its master: `init(param name)` gives the whole tensor's initialiser
+    /// (linear weights `[outputs, inputs]`). Fails before registering anything when the
+    /// channels, heads or `eps` do not suit the layout (naming what does not divide what).
+    pub fn register<S: ParamStore>(
+        store: &mut S,
+        layout: L,
         name: &str,
-        channels: usize,
-        heads: usize,
+        [channels, heads]: [usize; 2],
         eps: f32,
-        init: Option<Init>,
-    ) -> Result<Block> {
-        let ln_1 = LayerNorm::register(store, &format!("{name}.ln_1"), channels, eps)?;
-        let attn = CausalSelfAttention::register(
-            store,
-            &format!("{name}.attn"),
-            channels,
-            heads,
-            init.clone(),
-        )?;
-        let ln_2 = LayerNorm::register(store, &format!("{name}.ln_2"), channels, eps)?;
-        let mlp = Mlp::register(store, &format!("{name}.mlp"), channels, init)?;
+        init: &dyn Fn(&str) -> Init,
+    ) -> Result<Block<L>> {
+        layout.check_split(name, channels, heads)?;
+        if !(eps.is_finite() && eps >= 0.0) {
+            return Err(crate::Error::InvalidArgument(format!(
+                "'{name}': layer norm eps {eps} (finite, ≥ 0)"
+            )));
+        }
+        let c = channels;
+        let p = |s: &str| format!("{name}.{s}");
+        let masters = |s: &str| {
+            [
+                init(&p(&format!("{s}.weight"))),
+                init(&p(&format!("{s}.bias"))),
+            ]
+        };
+        let ln = |store: &mut S, s: &str| {
+            let [g, b] = masters(s);
+            layout.register_norm(store, &p(s), c, eps, [&g, &b])
+        };
+        let lin = |store: &mut S, s: &str, io: [usize; 2], pair: Pair| {
+            let [w, b] = masters(s);
+            layout.register_linear(store, &p(s), io, pair, [&w, &b])
+        };
+        let ln_1 = ln(store, "ln_1")?;
+        let c_attn = lin(store, "attn.c_attn", [c, 3 * c], Pair::Column { parts: 3 })?;
+        let attn_proj = lin(store, "attn.c_proj", [c, c], Pair::Row)?;
+        let ln_2 = ln(store, "ln_2")?;
+        let c_fc = lin(store, "mlp.c_fc", [c, 4 * c], Pair::Column { parts: 1 })?;
+        let mlp_proj = lin(store, "mlp.c_proj", [4 * c, c], Pair::Row)?;
         Ok(Block {
+            layout,
             ln_1,
-            attn,
+            c_attn,
+            attn_proj,
             ln_2,
-            mlp,
+            c_fc,
+            mlp_proj,
+            heads,
+            channels,
+            uses: WeightUse::Once,
         })
     }
 
-    /// The parameters in registration order: `ln_1` (γ, β), `attn`, `ln_2`, `mlp`.
+    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]).
+    pub fn shared(self) -> Block<L> {
+        Block {
+            uses: WeightUse::Shared,
+            ..self
+        }
+    }
+
+    /// The parameters in registration order: `ln_1` (γ, β), `c_attn`, `attn.c_proj`, `ln_2`,
+    /// `c_fc`, `mlp.c_proj` (weight, bias each, where this rank holds them).
     pub fn params(&self) -> Vec<TensorId> {
-        let mut v = vec![self.ln_1.gamma, self.ln_1.beta];
-        v.extend(self.attn.params());
-        v.extend([self.ln_2.gamma, self.ln_2.beta]);
-        v.extend(self.mlp.params());
+        let mut v = L::norm_params(&self.ln_1);
+        v.extend(L::linear_params(&self.c_attn));
+        v.extend(L::linear_params(&self.attn_proj));
+        v.extend(L::norm_params(&self.ln_2));
+        v.extend(L::linear_params(&self.c_fc));
+        v.extend(L::linear_params(&self.mlp_proj));
         v
     }
 
-    /// The block on `x` `[B·T, C]` (batch-major rows): returns `out` `[B·T, C]` and what the
-    /// backward needs. The input's shape and type and `rows = batch × seq` are checked before
-    /// anything runs ([`Error::InvalidArgument`](crate::Error::InvalidArgument)).
+    /// The parameters with their names under `name` (`{name}.ln_1.weight`, …), in
+    /// registration order, where this rank holds them.
+    pub fn named_params(&self, name: &str) -> Vec<(String, TensorId)> {
+        let layers = [
+            ("ln_1", L::norm_params(&self.ln_1)),
+            ("attn.c_attn", L::linear_params(&self.c_attn)),
+            ("attn.c_proj", L::linear_params(&self.attn_proj)),
+            ("ln_2", L::norm_params(&self.ln_2)),
+            ("mlp.c_fc", L::linear_params(&self.c_fc)),
+            ("mlp.c_proj", L::linear_params(&self.mlp_proj)),
+        ];
+        let mut v = Vec::with_capacity(12);
+        for (layer, ids) in layers {
+            for (id, p) in ids.into_iter().zip(["weight", "bias"]) {
+                v.push((format!("{name}.{layer}.{p}"), id));
+            }
+        }
+        v
+    }
+
+    /// Heads this rank's attention computes.
+    pub fn local_heads(&self) -> usize {
+        self.layout.heads(self.heads)
+    }
+
+    /// The block on this rank's part `x` of a batch of `[batch, seq]` sequences (rows
+    /// batch-major; serially `[batch·seq, C]`), with the attention between the projections
+    /// computed by `core` (over this rank's heads; e.g. a sequence ring's) or locally with
+    /// `None`: this rank's part of the output and what the backward needs. The groups, the
+    /// input's shape and type and the rows' split into sequences are checked before anything
+    /// runs.
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,
+        groups: L::Groups<'_>,
         x: &Act,
-        batch: usize,
-        seq: usize,
-    ) -> Result<(Act, BlockSaved)> {
-        self.forward_with(pass, x, batch, seq, &|_| Ok(()))
-    }
-
-    /// [`Block::forward`] with `sum` applied in place to the attention's and the MLP's
-    /// outputs before the residual adds: the all-reduce of a tensor-parallel block whose
-    /// layers hold one rank's shards (each output is then a partial sum).
-    pub fn forward_with(
-        &self,
-        pass: &ForwardPass<'_>,
-        x: &Act,
-        batch: usize,
-        seq: usize,
-        sum: &dyn Fn(&Act) -> Result<()>,
-    ) -> Result<(Act, BlockSaved)> {
-        self.forward_ext(pass, x, batch, seq, BlockHooks { sum, core: None })
-    }
-
-    /// [`Block::forward`] with `hooks`: the sum of a tensor-parallel block's partial outputs
-    /// and the attention's core ([`HeadsCore`]; for a sequence split over ranks).
-    pub fn forward_ext(
-        &self,
-        pass: &ForwardPass<'_>,
-        x: &Act,
-        batch: usize,
-        seq: usize,
-        hooks: BlockHooks<'_>,
-    ) -> Result<(Act, BlockSaved)> {
-        let sum = hooks.sum;
-        x.expect("x", None, self.ln_1.cols, pass.param_dtype())?;
-        self.attn.op(x.rows(), batch, seq)?;
-        let (y1, ln_1) = self.ln_1.forward(pass, x, None)?;
-        let (a, attn) = self.attn.forward_core(pass, &y1, batch, seq, hooks.core)?;
-        sum(&a)?;
+        batch_seq: [usize; 2],
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<(Act, BlockSaved<L>)> {
+        let (l, g) = (&self.layout, groups);
+        l.check(g)?;
+        let d = pass.param_dtype();
+        x.expect("x", None, l.cols(self.channels), d)?;
+        let head_dim = self.channels / self.heads;
+        let op = l.attention(x.rows(), batch_seq, l.heads(self.heads), head_dim)?;
+        let (y1, ln_1) = l.norm_forward(g, pass, &self.ln_1, x, None)?;
+        let (qkv, c_attn) = l.linear_forward(g, pass, &self.c_attn, &y1)?;
+        drop(y1);
+        let (merged, heads) = attend(pass, &op, core, &qkv)?;
+        drop(qkv);
+        let (a, attn_proj) = l.linear_forward(g, pass, &self.attn_proj, &merged)?;
+        drop(merged);
         // h1 = x + a, and its normalisation, in one op
-        let (y2, ln_2) = self.ln_2.forward(pass, &a, Some(x))?;
+        let (y2, ln_2) = l.norm_forward(g, pass, &self.ln_2, &a, Some(x))?;
         drop(a);
-        let (m, mlp) = self.mlp.forward(pass, &y2)?;
-        sum(&m)?;
-        let out = Act::alloc(pass.pool(), x.rows(), x.cols(), x.dtype())?;
+        let (pre, c_fc) = l.linear_forward(g, pass, &self.c_fc, &y2)?;
+        drop(y2);
+        let act = gelu(pass, &pre)?;
+        let (m, mlp_proj) = l.linear_forward(g, pass, &self.mlp_proj, &act)?;
+        drop(act);
+        let out = Act::alloc(pass.pool(), x.rows(), x.cols(), d)?;
         let one = Axpby {
             alpha: 1.0,
             beta: 1.0,
         };
+        let h1 = L::norm_input(&ln_2);
         add(
             pass.device(),
             pass.stream(),
             one,
-            ln_2.h().input(),
+            h1.input(),
             m.input(),
             out.view(),
-            x.dtype(),
+            d,
         )?;
         let saved = BlockSaved {
             ln_1,
-            attn,
+            c_attn,
+            heads,
+            attn_proj,
             ln_2,
-            mlp,
+            c_fc,
+            pre,
+            mlp_proj,
+            op,
         };
         Ok((out, saved))
     }
 
-    /// The backward of [`Block::forward`] from the output's gradient `dout`: writes every
-    /// parameter's gradient and returns `dx` (a new activation; `dout` is not changed).
-    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &BlockSaved, dout: &Act) -> Result<Act> {
-        self.backward_with(pass, saved, dout, &|_| Ok(()))
-    }
-
-    /// [`Block::backward`] with `sum` applied in place to the gradients the MLP and the
-    /// attention give their inputs, before the LayerNorms' backward (the all-reduce of a
-    /// tensor-parallel block; see [`Block::forward_with`]).
-    pub fn backward_with(
+    /// The backward of [`Block::forward`] (with the same `core`) from this rank's part of the
+    /// output's gradient `dout`: writes every parameter's gradient and returns the input's
+    /// (a new activation; `dout` is not changed).
+    pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &BlockSaved,
+        groups: L::Groups<'_>,
+        saved: &BlockSaved<L>,
         dout: &Act,
-        sum: &dyn Fn(&Act) -> Result<()>,
+        core: Option<&dyn HeadsCore>,
     ) -> Result<Act> {
-        self.backward_ext(pass, saved, dout, BlockHooks { sum, core: None })
-    }
-
-    /// [`Block::backward`] with the `hooks` its forward ran with.
-    pub fn backward_ext(
-        &self,
-        pass: &BackwardPass<'_>,
-        saved: &BlockSaved,
-        dout: &Act,
-        hooks: BlockHooks<'_>,
-    ) -> Result<Act> {
-        let sum = hooks.sum;
-        let (rows, c, d) = (dout.rows(), dout.cols(), dout.dtype());
-        dout.expect(
-            "dout",
-            Some(saved.h1().rows()),
-            saved.h1().cols(),
-            pass.param_dtype(),
-        )?;
-        // the residual stream's gradient: dout, then + ln_2's dx (= dh1), then + ln_1's dx
-        let dres = Act::alloc(pass.pool(), rows, c, d)?;
+        let (l, g, uses) = (&self.layout, groups, self.uses);
+        l.check(g)?;
+        let h1 = saved.h1();
+        let (rows, cols, d) = (h1.rows(), h1.cols(), pass.param_dtype());
+        dout.expect("dout", Some(rows), cols, d)?;
+        // the residual stream's gradient: dout, then + ln_2's dx, then + ln_1's dx
+        let dres = Act::alloc(pass.pool(), rows, cols, d)?;
         pass.device()
             .copy_d2d(pass.stream(), dout.input(), dres.view())?;
-        let dm = self.mlp.backward(pass, &saved.mlp, dout)?;
-        sum(&dm)?;
-        self.ln_2.backward(pass, &saved.ln_2, &dm, Some(&dres))?;
-        drop(dm);
-        let dy1 = self
-            .attn
-            .backward_core(pass, &saved.attn, &dres, hooks.core)?;
-        sum(&dy1)?;
-        self.ln_1.backward(pass, &saved.ln_1, &dy1, Some(&dres))?;
+        let dact = l.linear_backward(g, pass, &self.mlp_proj, &saved.mlp_proj, dout, uses)?;
+        let dpre = gelu_backward(pass, &saved.pre, &dact)?;
+        drop(dact);
+        let dy2 = l.linear_backward(g, pass, &self.c_fc, &saved.c_fc, &dpre, uses)?;
+        drop(dpre);
+        l.norm_backward(g, pass, &self.ln_2, &saved.ln_2, &dy2, &dres)?;
+        drop(dy2);
+        let dmerged = l.linear_backward(g, pass, &self.attn_proj, &saved.attn_proj, &dres, uses)?;
+        let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
+        drop(dmerged);
+        let dy1 = l.linear_backward(g, pass, &self.c_attn, &saved.c_attn, &dqkv, uses)?;
+        drop(dqkv);
+        l.norm_backward(g, pass, &self.ln_1, &saved.ln_1, &dy1, &dres)?;
         Ok(dres)
     }
+}
+
+impl Block<Serial> {
+    /// GPT-2's initialisation of parameter `name` of a block of `channels` channels, on its
+    /// own: LayerNorms γ 1, β 0, biases zero, weights uniform in ±1/√inputs from a seed
+    /// of the layer's name ([`Linear::default_init`](super::Linear::default_init)).
+    pub fn default_init(name: &str, channels: usize) -> Init {
+        if name.ends_with(".bias") {
+            Init::Zeros
+        } else if name.contains(".ln_") {
+            Init::Constant(1.0)
+        } else {
+            let inputs = if name.ends_with("mlp.c_proj.weight") {
+                4 * channels
+            } else {
+                channels
+            };
+            super::Linear::default_init(name.trim_end_matches(".weight"), inputs)
+        }
+    }
+}
+
+/// The master of a column linear with `parts` stacked output blocks, reordered so that each
+/// of `ranks` column blocks of its outputs holds its share of every part side by side: output
+/// `o'` = `r·(parts·n) + s·n + a` (rank block `r`, part `s`, `a < n = outputs/(parts·ranks)`)
+/// is master output `s·outputs/parts + r·n + a`. Element `e` of the reordered `[outputs,
+/// inputs]` (`inputs = 1` for a bias). Layouts that split a column linear's outputs into
+/// contiguous blocks register this, so that the attention finds its heads' queries, keys and
+/// values in its block.
+pub fn by_rank_block(
+    master: &Init,
+    [inputs, outputs]: [usize; 2],
+    parts: usize,
+    ranks: usize,
+) -> Init {
+    if parts <= 1 || ranks <= 1 {
+        return master.clone();
+    }
+    let (m, n, block) = (master.clone(), outputs / (parts * ranks), outputs / parts);
+    Init::Fn(Arc::new(move |e| {
+        let (o, col) = (e / inputs, e % inputs);
+        let (r, rest) = (o / (parts * n), o % (parts * n));
+        let (s, a) = (rest / n, rest % n);
+        m.value((s * block + r * n + a) * inputs + col)
+    }))
 }

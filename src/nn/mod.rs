@@ -61,6 +61,7 @@ mod block;
 mod embedding;
 mod gelu;
 mod layernorm;
+mod layout;
 mod linear;
 mod lm_head;
 mod loss;
@@ -71,10 +72,11 @@ pub use attention::{
     attend, attend_backward, heads_backward, heads_forward, Attended, AttnSaved,
     CausalSelfAttention, CoreSaved, HeadsCore, HeadsSaved,
 };
-pub use block::{Block, BlockHooks, BlockSaved};
+pub use block::{by_rank_block, Block, BlockSaved};
 pub use embedding::{EmbSaved, Embedding};
 pub use gelu::{gelu, gelu_backward};
 pub use layernorm::{LayerNorm, LnSaved};
+pub use layout::{Layout, Pair, Serial};
 pub use linear::{Linear, WeightUse};
 pub use lm_head::{LmHead, LmSaved};
 pub use loss::Loss;

@@ -12,9 +12,9 @@
 //! - [`RowLinear`]: `W_r` holds input columns `r·in/P ..`; `Y = Σ_r X_r·W_rᵀ + b`, one
 //!   all-reduce. The bias lives on the group's first rank only and is added there before the
 //!   reduction, so its gradient (`Σ dY`) is computed once. Backward needs no collective.
-//! - [`Block1D`]: GPT-2's block with `c_attn` and `c_fc` column-parallel, `c_proj`s
-//!   row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of `rows × C` in
-//!   forward and two in backward ([`Block1D::collectives`]).
+//! - [`OneD`]: the layout of GPT-2's [`Block`] with `c_attn` and `c_fc` column-parallel,
+//!   `c_proj`s row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of
+//!   `rows × C` in forward and two in backward.
 //!
 //! Shapes that do not divide by `P` are refused at registration.
 
@@ -22,9 +22,10 @@ use serde::Serialize;
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, BlockSaved, CausalSelfAttention, LayerNorm, Linear, Mlp};
+use crate::nn::{Act, Block, LayerNorm, Layout, Linear, LnSaved, Pair, Serial, WeightUse};
+use crate::ops::attention::Attention;
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
-use crate::tensor::Init;
+use crate::tensor::{Init, TensorId};
 
 /// A rank's place in its tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -203,23 +204,6 @@ impl RowLinear {
     }
 }
 
-/// A LayerNorm every rank of the group holds whole: `{name}.weight` and `{name}.bias`.
-fn replicated_layer_norm(
-    store: &mut impl ParamStore,
-    name: &str,
-    cols: usize,
-    eps: f32,
-    init: &dyn Fn(&str) -> Init,
-) -> Result<LayerNorm> {
-    let (g, b) = (format!("{name}.weight"), format!("{name}.bias"));
-    Ok(LayerNorm {
-        gamma: store.register(&g, &[cols], init(&g))?,
-        beta: store.register(&b, &[cols], init(&b))?,
-        cols,
-        eps,
-    })
-}
-
 /// GPT-2's token and position embedding split over a 1D group along the channels: rank `r`
 /// holds columns `r·C/P ..` of `wte` `[V, C]` and `wpe` `[maxT, C]`, looks its columns up with
 /// the serial layer ([`nn::Embedding`](crate::nn::Embedding) over `C/P` channels), and one
@@ -343,109 +327,52 @@ pub struct Collectives {
     pub backward_bytes: u64,
 }
 
-/// GPT-2's pre-LayerNorm block split over a 1D group (see [the module](self)).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Block1D {
-    /// The block over this rank's shards (`H/P` heads, `4C/P` hidden features).
-    pub block: Block,
+/// Megatron's 1D layout as a [`Layout`]: the transformer [`Block`] split over a group of `P`
+/// ranks, column linears ([`Pair::Column`], `c_attn` and `c_fc`) as [`ColumnLinear`]s, row
+/// linears (the `c_proj`s) as [`RowLinear`]s, `H/P` heads a rank, LayerNorms replicated (each
+/// counting `1/P` of its gradients' squared norm): two all-reduces of `rows × C` forward and
+/// two backward ([`Block::collectives`](Block#method.collectives-1)). Activations are whole
+/// on every rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OneD {
     /// The rank's place.
     pub shard: Shard,
 }
 
-impl Block1D {
-    /// Registers this rank's shards of block `name` of `channels` channels and `heads` heads
-    /// under GPT-2's names (`{name}.ln_1.*`, `{name}.attn.c_attn.*`, …), each with the values
-    /// of its master: `init(param name)` gives the full tensor's initialiser (linear weights
-    /// `[outputs, inputs]`). LayerNorms are replicated. Fails if the heads or the channels do
-    /// not split over `P`.
-    pub fn register(
-        store: &mut impl ParamStore,
-        name: &str,
-        channels: usize,
-        heads: usize,
-        eps: f32,
-        init: &dyn Fn(&str) -> Init,
-        shard: Shard,
-    ) -> Result<Block1D> {
-        let local_heads = shard.split(&format!("'{name}': the heads"), heads)?;
-        if channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {channels} channels over {heads} heads"
-            )));
-        }
-        let c = channels;
-        let p = |s: &str| format!("{name}.{s}");
-        let ln_1 = replicated_layer_norm(store, &p("ln_1"), c, eps, init)?;
-        let (w, b) = (init(&p("attn.c_attn.weight")), init(&p("attn.c_attn.bias")));
-        let c_attn =
-            ColumnLinear::register(store, &p("attn.c_attn"), c, 3 * c, 3, &w, Some(&b), shard)?;
-        let (w, b) = (init(&p("attn.c_proj.weight")), init(&p("attn.c_proj.bias")));
-        let attn_proj = RowLinear::register(store, &p("attn.c_proj"), c, c, &w, Some(&b), shard)?;
-        let ln_2 = replicated_layer_norm(store, &p("ln_2"), c, eps, init)?;
-        let (w, b) = (init(&p("mlp.c_fc.weight")), init(&p("mlp.c_fc.bias")));
-        let c_fc = ColumnLinear::register(store, &p("mlp.c_fc"), c, 4 * c, 1, &w, Some(&b), shard)?;
-        let (w, b) = (init(&p("mlp.c_proj.weight")), init(&p("mlp.c_proj.bias")));
-        let mlp_proj = RowLinear::register(store, &p("mlp.c_proj"), 4 * c, c, &w, Some(&b), shard)?;
-        Ok(Block1D {
-            block: Block {
-                ln_1,
-                attn: CausalSelfAttention {
-                    c_attn: c_attn.linear,
-                    c_proj: attn_proj.linear,
-                    heads: local_heads,
-                },
-                ln_2,
-                mlp: Mlp {
-                    c_fc: c_fc.linear,
-                    c_proj: mlp_proj.linear,
-                },
-            },
-            shard,
-        })
-    }
-
-    /// The block on `x` `[B·T, C]` (replicated over the group): the output (replicated) and
-    /// what the backward needs. All-reduces the attention's and the MLP's outputs.
-    pub fn forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        group: &Communicator,
-        x: &Act,
-        batch: usize,
-        seq: usize,
-    ) -> Result<(Act, BlockSaved)> {
-        self.check(group)?;
-        let s = pass.stream();
-        self.block
-            .forward_with(pass, x, batch, seq, &|a| all_reduce(group, s, a))
-    }
-
-    /// The backward from `dout` (replicated): writes this rank's shard gradients and returns
-    /// `dx` (replicated). All-reduces the gradients the MLP and the attention give their
-    /// inputs.
-    pub fn backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        group: &Communicator,
-        saved: &BlockSaved,
-        dout: &Act,
-    ) -> Result<Act> {
-        self.check(group)?;
-        let s = pass.stream();
-        self.block
-            .backward_with(pass, saved, dout, &|a| all_reduce(group, s, a))
-    }
-
-    /// The collectives of one forward and backward over `rows` rows of parameters of `dtype`.
-    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Collectives {
-        let bytes = (rows * self.block.ln_1.cols * dtype.size()) as u64;
-        Collectives {
-            forward_all_reduces: 2,
-            forward_bytes: 2 * bytes,
-            backward_all_reduces: 2,
-            backward_bytes: 2 * bytes,
+impl OneD {
+    /// The layout of `group`'s rank.
+    pub fn of(group: &Communicator) -> OneD {
+        OneD {
+            shard: Shard::of(group),
         }
     }
+}
+
+/// A linear of a [`OneD`] layout: this rank's shard and which side of its pair it is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Linear1D {
+    /// Output features split ([`Pair::Column`]).
+    Column(ColumnLinear),
+    /// Input features split ([`Pair::Row`]).
+    Row(RowLinear),
+}
+
+impl Linear1D {
+    /// The shard as a serial layer.
+    pub fn linear(&self) -> &Linear {
+        match self {
+            Linear1D::Column(l) => &l.linear,
+            Linear1D::Row(l) => &l.linear,
+        }
+    }
+}
+
+impl Layout for OneD {
+    type Groups<'g> = &'g Communicator;
+    type Linear = Linear1D;
+    type LinearSaved = Act;
+    type Norm = LayerNorm;
+    type NormSaved = LnSaved;
 
     fn check(&self, group: &Communicator) -> Result<()> {
         if Shard::of(group) != self.shard {
@@ -458,5 +385,164 @@ impl Block1D {
             )));
         }
         Ok(())
+    }
+
+    fn cols(&self, features: usize) -> usize {
+        features
+    }
+
+    fn heads(&self, heads: usize) -> usize {
+        heads / self.shard.size.max(1)
+    }
+
+    fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
+        self.shard.split(&format!("'{name}': the heads"), heads)?;
+        if channels == 0 || !channels.is_multiple_of(heads) {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': {channels} channels over {heads} heads"
+            )));
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        rows: usize,
+        batch_seq: [usize; 2],
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Attention> {
+        Serial.attention(rows, batch_seq, heads, head_dim)
+    }
+
+    fn register_norm<S: ParamStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+        features: usize,
+        eps: f32,
+        init: [&Init; 2],
+    ) -> Result<LayerNorm> {
+        let ln = Serial.register_norm(store, name, features, eps, init)?;
+        for id in [ln.gamma, ln.beta] {
+            store.set_norm_share(id, 1.0 / self.shard.size as f64)?;
+        }
+        Ok(ln)
+    }
+
+    fn register_linear<S: ParamStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+        [inputs, outputs]: [usize; 2],
+        pair: Pair,
+        [w, b]: [&Init; 2],
+    ) -> Result<Linear1D> {
+        let shard = self.shard;
+        Ok(match pair {
+            Pair::Column { parts } => Linear1D::Column(ColumnLinear::register(
+                store,
+                name,
+                inputs,
+                outputs,
+                parts,
+                w,
+                Some(b),
+                shard,
+            )?),
+            Pair::Row => Linear1D::Row(RowLinear::register(
+                store,
+                name,
+                inputs,
+                outputs,
+                w,
+                Some(b),
+                shard,
+            )?),
+        })
+    }
+
+    fn norm_params(norm: &LayerNorm) -> Vec<TensorId> {
+        Serial::norm_params(norm)
+    }
+
+    fn linear_params(linear: &Linear1D) -> Vec<TensorId> {
+        linear.linear().params()
+    }
+
+    fn norm_forward(
+        &self,
+        _: &Communicator,
+        pass: &ForwardPass<'_>,
+        norm: &LayerNorm,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, LnSaved)> {
+        norm.forward(pass, x, residual)
+    }
+
+    fn norm_input(saved: &LnSaved) -> &Act {
+        saved.h()
+    }
+
+    fn norm_backward(
+        &self,
+        _: &Communicator,
+        pass: &BackwardPass<'_>,
+        norm: &LayerNorm,
+        saved: &LnSaved,
+        dy: &Act,
+        dx_into: &Act,
+    ) -> Result<()> {
+        Serial.norm_backward((), pass, norm, saved, dy, dx_into)
+    }
+
+    fn linear_forward(
+        &self,
+        group: &Communicator,
+        pass: &ForwardPass<'_>,
+        linear: &Linear1D,
+        x: &Act,
+    ) -> Result<(Act, Act)> {
+        let y = match linear {
+            Linear1D::Column(l) => l.forward(pass, x)?,
+            Linear1D::Row(l) => l.forward(pass, group, x)?,
+        };
+        Ok((y, x.clone()))
+    }
+
+    fn linear_backward(
+        &self,
+        group: &Communicator,
+        pass: &BackwardPass<'_>,
+        linear: &Linear1D,
+        x: &Act,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        let dx = match linear {
+            Linear1D::Column(l) => {
+                let l = ColumnLinear {
+                    linear: l.linear.with_uses(uses),
+                    ..*l
+                };
+                l.backward(pass, group, x, dy, true)?
+            }
+            Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
+        };
+        dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
+    }
+}
+
+impl Block<OneD> {
+    /// The collectives of one forward and backward over `rows` rows of parameters of `dtype`.
+    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Collectives {
+        let bytes = (rows * self.channels * dtype.size()) as u64;
+        Collectives {
+            forward_all_reduces: 2,
+            forward_bytes: 2 * bytes,
+            backward_all_reduces: 2,
+            backward_bytes: 2 * bytes,
+        }
     }
 }

@@ -410,7 +410,7 @@ impl RingAttention {
 }
 
 /// A [`RingAttention`] on its ring, as a block's attention core
-/// ([`Block::forward_ext`](crate::nn::Block::forward_ext)).
+/// ([`Block::forward`](crate::nn::Block::forward)).
 #[derive(Clone, Copy, Debug)]
 pub struct RingCore<'a> {
     /// The attention.

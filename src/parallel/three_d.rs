@@ -199,6 +199,27 @@ impl Linear3D {
         bias: Option<&Init>,
     ) -> Result<Linear3D> {
         let place = Place3D::of(grid)?;
+        Linear3D::register_at(
+            store,
+            place,
+            name,
+            [inputs, outputs],
+            layout,
+            [weight],
+            bias,
+        )
+    }
+
+    /// [`Linear3D::register`] at `place`.
+    pub(super) fn register_at(
+        store: &mut impl ParamStore,
+        place: Place3D,
+        name: &str,
+        [inputs, outputs]: [usize; 2],
+        layout: Layout3D,
+        [weight]: [&Init; 1],
+        bias: Option<&Init>,
+    ) -> Result<Linear3D> {
         let q = place.q;
         let iq2 = split(&format!("'{name}': the inputs"), inputs, q * q, "q²")?;
         let oq = split(&format!("'{name}': the outputs"), outputs, q, "q")?;

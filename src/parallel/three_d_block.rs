@@ -1,5 +1,6 @@
 //! GPT-2's transformer block on the 3D layout (arXiv 2105.14450): [`LayerNorm3D`] and
-//! [`Block3D`], over the [`Linear3D`] of [`three_d`](super::three_d) on a cube of `q³` ranks.
+//! [`Cube`], the [`Layout`] that runs GPT-2's [`Block`] over the [`Linear3D`] of
+//! [`three_d`](super::three_d) on a cube of `q³` ranks.
 //!
 //! # LayerNorm3D
 //!
@@ -27,9 +28,9 @@
 //!   with no new kernel (the layer norm op, its f32 statistics and fixed-order sums are the
 //!   serial ones) and is what this layer does.
 //!
-//! # Block3D
+//! # The block on the cube
 //!
-//! [`Block3D`]: `h1 = x + attn(ln_1(x))`, `out = h1 + mlp(ln_2(h1))` on tiles, its input and
+//! [`Block`] on [`Cube`]: `h1 = x + attn(ln_1(x))`, `out = h1 + mlp(ln_2(h1))` on tiles, its input and
 //! output in the same layout `L` (the block's), so blocks chain. The four linears are
 //! [`Linear3D`]s and alternate the layout: `c_attn` (`C → 3C`) takes `L` and gives
 //! `L.swapped()`; `attn.c_proj` (`C → C`) takes that and gives `L` back, where the first
@@ -60,8 +61,8 @@
 //! use tidemem::chunk::{ChunkManager, ManagerConfig};
 //! use tidemem::comm::Communicator;
 //! use tidemem::device::{Device, SimConfig};
-//! use tidemem::nn::Act;
-//! use tidemem::parallel::{Block3D, GridSpec, Layout3D, ProcessGrid, TensorMode};
+//! use tidemem::nn::{Act, Block};
+//! use tidemem::parallel::{Cube, GridSpec, Layout3D, ProcessGrid, TensorMode};
 //! use tidemem::store::ParamStore;
 //! use tidemem::tensor::Init;
 //! use tidemem::tide::Policy;
@@ -80,16 +81,17 @@
 //!     true => Init::Uniform { seed: name.len() as u64, lo: -0.3, hi: 0.3 },
 //!     false => Init::Zeros,
 //! };
-//! let block = Block3D::register(&mut m, &grid, "h.0", 8, 2, 1e-5, Layout3D::RowsJColsK, &init)?;
+//! let layout = Cube::of(&grid, Layout3D::RowsJColsK)?;
+//! let block = Block::register(&mut m, layout, "h.0", [8, 2], 1e-5, &init)?;
 //! assert_eq!(block.params().len(), 12);
 //! let fwd = m.forward()?;
 //! let x = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
-//! let (out, saved) = block.forward(&fwd, &grid, &x, 2, 3)?;
+//! let (out, saved) = block.forward(&fwd, &grid, &x, [2, 3], None)?;
 //! assert_eq!(out.shape(), [6, 8]);
 //! fwd.finish()?;
 //! let bwd = m.backward()?;
 //! let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
-//! let dx = block.backward(&bwd, &grid, &saved, &dout)?;
+//! let dx = block.backward(&bwd, &grid, &saved, &dout, None)?;
 //! assert_eq!(dx.shape(), [6, 8]);
 //! bwd.finish()?;
 //! // the output bias's gradient: Σ_rows dout
@@ -98,8 +100,6 @@
 //! ```
 
 mod layernorm;
-
-use std::sync::Arc;
 
 pub use layernorm::{LayerNorm3D, Ln3DSaved};
 
@@ -110,74 +110,204 @@ use super::three_d::{Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Sav
 use crate::comm::{CommStats, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{attend, attend_backward, Attended, HeadsCore, WeightUse};
-use crate::nn::{gelu, gelu_backward, Act};
+use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::ops::{add, Axpby};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
-/// GPT-2's pre-LayerNorm block on the 3D layout (see [the module](self)).
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Block3D {
-    /// LayerNorm before the attention (on [`Block3D::layout`]).
-    pub ln_1: LayerNorm3D,
-    /// `attn.c_attn`, `C → 3C`, its outputs reordered by head block.
-    pub c_attn: Linear3D,
-    /// `attn.c_proj`, `C → C`.
-    pub attn_proj: Linear3D,
-    /// LayerNorm before the MLP, fused with the first residual add.
-    pub ln_2: LayerNorm3D,
-    /// `mlp.c_fc`, `C → 4C`.
-    pub c_fc: Linear3D,
-    /// `mlp.c_proj`, `4C → C`.
-    pub mlp_proj: Linear3D,
-    /// Heads `H` of the whole block (`H/q` a rank).
-    pub heads: usize,
-    /// The layout of the input and of the output.
+/// The 3D layout as a [`Layout`] (see [the module](self)): the rank's tiles `[n, C/q]` in
+/// [`Cube::layout`], its linears [`Linear3D`]s (a row linear takes the column linear's output
+/// layout, and gives back the block's), its LayerNorms [`LayerNorm3D`]s, `H/q` heads a rank
+/// attending locally over its tile's `batch/q²` whole sequences.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cube {
+    /// The rank's place.
+    pub place: Place3D,
+    /// The layout of the block's input and output tiles.
     pub layout: Layout3D,
-    /// How the linears write their weight gradients ([`WeightUse::Shared`] for a block run
-    /// more than once an iteration, as a pipeline stage runs it once per micro-batch).
-    pub uses: WeightUse,
 }
 
-/// What [`Block3D::forward`] keeps for the backward.
-#[derive(Debug)]
-pub struct Block3DSaved {
-    ln_1: Ln3DSaved,
-    c_attn: Saved3D,
-    heads: Attended,
-    attn_proj: Saved3D,
-    ln_2: Ln3DSaved,
-    c_fc: Saved3D,
-    pre: Act,
-    mlp_proj: Saved3D,
-    op: Attention,
-}
-
-impl Block3DSaved {
-    /// This rank's tile of `h1 = x + attn(ln_1(x))`, the residual stream between the halves.
-    pub fn h1(&self) -> &Act {
-        self.ln_2.h()
+impl Cube {
+    /// The layout of `grid`'s rank with tiles in `layout`; [`Error::InvalidArgument`] on a
+    /// grid that is not 3D.
+    pub fn of(grid: &ProcessGrid, layout: Layout3D) -> Result<Cube> {
+        Ok(Cube {
+            place: Place3D::of(grid)?,
+            layout,
+        })
     }
 }
 
-/// The master of `attn.c_attn` with its outputs reordered by head block: element `e` of the
-/// reordered `[3C, C]` (or `[3C]` for the bias, `inputs = 1`).
-fn by_head_block(master: &Init, channels: usize, q: usize, inputs: usize) -> Init {
-    let (m, cq) = (master.clone(), channels / q);
-    Init::Fn(Arc::new(move |e| {
-        let (row, col) = (e / inputs, e % inputs);
-        let (a, rest) = (row / (3 * cq), row % (3 * cq));
-        let (p, s) = (rest / cq, rest % cq);
-        m.value((p * channels + a * cq + s) * inputs + col)
-    }))
+impl Layout for Cube {
+    type Groups<'g> = &'g ProcessGrid;
+    type Linear = Linear3D;
+    type LinearSaved = Saved3D;
+    type Norm = LayerNorm3D;
+    type NormSaved = Ln3DSaved;
+
+    fn check(&self, grid: &ProcessGrid) -> Result<()> {
+        let here = Place3D::of(grid)?;
+        if here != self.place {
+            return Err(Error::InvalidArgument(format!(
+                "a 3D block registered at {:?} run at {here:?}",
+                self.place
+            )));
+        }
+        Ok(())
+    }
+
+    fn cols(&self, features: usize) -> usize {
+        features / self.place.q
+    }
+
+    fn heads(&self, heads: usize) -> usize {
+        heads / self.place.q
+    }
+
+    fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
+        let q = self.place.q;
+        split(&format!("'{name}': the channels"), channels, q * q, "q²")?;
+        split(&format!("'{name}': the heads"), heads, q, "q")?;
+        if !channels.is_multiple_of(heads) {
+            return Err(Error::InvalidArgument(format!(
+                "'{name}': {channels} channels over {heads} heads (C a multiple of H)"
+            )));
+        }
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        rows: usize,
+        [batch, seq]: [usize; 2],
+        heads: usize,
+        head_dim: usize,
+    ) -> Result<Attention> {
+        let q = self.place.q;
+        let whole = batch.checked_mul(seq);
+        if batch == 0 || seq == 0 || whole != rows.checked_mul(q * q) {
+            return Err(Error::InvalidArgument(format!(
+                "a 3D block tile of {rows} rows of a batch of {batch} × sequence {seq} \
+                 (rows · q² = batch · sequence, q = {q})"
+            )));
+        }
+        let local = split(
+            "the batch's sequences (a tile holds whole sequences)",
+            batch,
+            q * q,
+            "q²",
+        )?;
+        Ok(Attention::new(Heads::new(local, seq, heads, head_dim)))
+    }
+
+    fn register_norm<S: ParamStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+        features: usize,
+        eps: f32,
+        init: [&Init; 2],
+    ) -> Result<LayerNorm3D> {
+        LayerNorm3D::register_at(store, self.place, name, [features], eps, self.layout, init)
+    }
+
+    fn register_linear<S: ParamStore>(
+        &self,
+        store: &mut S,
+        name: &str,
+        io: [usize; 2],
+        pair: Pair,
+        [w, b]: [&Init; 2],
+    ) -> Result<Linear3D> {
+        let (parts, layout) = match pair {
+            Pair::Column { parts } => (parts, self.layout),
+            Pair::Row => (1, self.layout.swapped()),
+        };
+        let q = self.place.q;
+        let w = by_rank_block(w, io, parts, q);
+        let b = by_rank_block(b, [1, io[1]], parts, q);
+        Linear3D::register_at(store, self.place, name, io, layout, [&w], Some(&b))
+    }
+
+    fn norm_params(norm: &LayerNorm3D) -> Vec<TensorId> {
+        norm.params()
+    }
+
+    fn linear_params(linear: &Linear3D) -> Vec<TensorId> {
+        linear.params()
+    }
+
+    fn norm_forward(
+        &self,
+        grid: &ProcessGrid,
+        pass: &ForwardPass<'_>,
+        norm: &LayerNorm3D,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, Ln3DSaved)> {
+        norm.forward(pass, grid, x, residual)
+    }
+
+    fn norm_input(saved: &Ln3DSaved) -> &Act {
+        saved.h()
+    }
+
+    fn norm_backward(
+        &self,
+        grid: &ProcessGrid,
+        pass: &BackwardPass<'_>,
+        norm: &LayerNorm3D,
+        saved: &Ln3DSaved,
+        dy: &Act,
+        dx_into: &Act,
+    ) -> Result<()> {
+        norm.backward(pass, grid, saved, dy, Some(dx_into))
+            .map(drop)
+    }
+
+    fn linear_forward(
+        &self,
+        grid: &ProcessGrid,
+        pass: &ForwardPass<'_>,
+        linear: &Linear3D,
+        x: &Act,
+    ) -> Result<(Act, Saved3D)> {
+        linear.forward(pass, grid, x)
+    }
+
+    fn linear_backward(
+        &self,
+        grid: &ProcessGrid,
+        pass: &BackwardPass<'_>,
+        linear: &Linear3D,
+        saved: &Saved3D,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        linear
+            .backward_with(pass, grid, saved, dy, true, uses)?
+            .ok_or_else(|| Error::InvalidArgument("a 3D linear asked for dx gave none".into()))
+    }
 }
 
-/// The input gradient of a [`Linear3D::backward`] that was asked for one.
-fn asked(dx: Option<Act>) -> Result<Act> {
-    dx.ok_or_else(|| Error::InvalidArgument("a 3D linear asked for dx gave none".into()))
+impl Block<Cube> {
+    /// The collectives of one forward and backward on tiles of `rows` rows (`n`) in `dtype`:
+    /// the sum of its layers' ([`LayerNorm3D::collectives`], [`Linear3D::collectives`], every
+    /// linear asked for its input gradient).
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Collectives3D {
+        let lin = |l: &Linear3D| l.collectives(rows, dtype, true);
+        [
+            self.ln_1.collectives(rows, dtype),
+            lin(&self.c_attn),
+            lin(&self.attn_proj),
+            self.ln_2.collectives(rows, dtype),
+            lin(&self.c_fc),
+            lin(&self.mlp_proj),
+        ]
+        .into_iter()
+        .fold(Collectives3D::default(), sum_collectives)
+    }
 }
 
 fn sum_tally(a: Tally, b: Tally) -> Tally {
@@ -213,281 +343,5 @@ fn sum_collectives(a: Collectives3D, b: Collectives3D) -> Collectives3D {
     Collectives3D {
         forward: sum_groups(a.forward, b.forward),
         backward: sum_groups(a.backward, b.backward),
-    }
-}
-
-impl Block3D {
-    /// Registers this rank's shards of block `name` of `channels` channels and `heads` heads
-    /// taking its input in `layout`, under GPT-2's names (`{name}.ln_1.*`,
-    /// `{name}.attn.c_attn.*`, …), each from its master: `init(param name)` gives the full
-    /// tensor's initialiser (linear weights `[outputs, inputs]`). Fails before registering
-    /// anything if the grid is not 3D, the channels do not split by `q²` or by the heads, the
-    /// heads by `q`, or `eps` is not finite and ≥ 0.
-    #[allow(clippy::too_many_arguments)]
-    pub fn register<S: ParamStore>(
-        store: &mut S,
-        grid: &ProcessGrid,
-        name: &str,
-        channels: usize,
-        heads: usize,
-        eps: f32,
-        layout: Layout3D,
-        init: &dyn Fn(&str) -> Init,
-    ) -> Result<Block3D> {
-        let q = Place3D::of(grid)?.q;
-        split(&format!("'{name}': the channels"), channels, q * q, "q²")?;
-        split(&format!("'{name}': the heads"), heads, q, "q")?;
-        if !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {channels} channels over {heads} heads (C a multiple of H)"
-            )));
-        }
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': layer norm eps {eps} (finite, ≥ 0)"
-            )));
-        }
-        let c = channels;
-        let p = |s: &str| format!("{name}.{s}");
-        let ln = |store: &mut S, s: &str| {
-            let (g, b) = (
-                init(&p(&format!("{s}.weight"))),
-                init(&p(&format!("{s}.bias"))),
-            );
-            LayerNorm3D::register(store, grid, &p(s), c, eps, layout, &g, &b)
-        };
-        let lin = |store: &mut S, s: &str, i: usize, o: usize, lay: Layout3D, reorder: bool| {
-            let (mut w, mut b) = (
-                init(&p(&format!("{s}.weight"))),
-                init(&p(&format!("{s}.bias"))),
-            );
-            if reorder {
-                (w, b) = (by_head_block(&w, c, q, i), by_head_block(&b, c, q, 1));
-            }
-            Linear3D::register(store, grid, &p(s), i, o, lay, &w, Some(&b))
-        };
-        let ln_1 = ln(store, "ln_1")?;
-        let c_attn = lin(store, "attn.c_attn", c, 3 * c, layout, true)?;
-        let attn_proj = lin(store, "attn.c_proj", c, c, c_attn.output_layout(), false)?;
-        let ln_2 = ln(store, "ln_2")?;
-        let c_fc = lin(store, "mlp.c_fc", c, 4 * c, layout, false)?;
-        let mlp_proj = lin(store, "mlp.c_proj", 4 * c, c, c_fc.output_layout(), false)?;
-        Ok(Block3D {
-            ln_1,
-            c_attn,
-            attn_proj,
-            ln_2,
-            c_fc,
-            mlp_proj,
-            heads,
-            layout,
-            uses: WeightUse::Once,
-        })
-    }
-
-    /// The parameters in registration order (as [`nn::Block::params`](crate::nn::Block)):
-    /// `ln_1` (γ, β), `c_attn`, `attn.c_proj`, `ln_2`, `c_fc`, `mlp.c_proj` (weight, bias).
-    pub fn params(&self) -> Vec<TensorId> {
-        let mut v = self.ln_1.params();
-        v.extend(self.c_attn.params());
-        v.extend(self.attn_proj.params());
-        v.extend(self.ln_2.params());
-        v.extend(self.c_fc.params());
-        v.extend(self.mlp_proj.params());
-        v
-    }
-
-    /// The attention op on a tile of `rows` rows of a batch of `batch` sequences of `seq`
-    /// tokens, or the error naming what does not split.
-    fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
-        let q = self.ln_1.place.q;
-        let whole = batch.checked_mul(seq);
-        if batch == 0 || seq == 0 || whole != rows.checked_mul(q * q) {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D block tile of {rows} rows of a batch of {batch} × sequence {seq} \
-                 (rows · q² = batch · sequence, q = {q})"
-            )));
-        }
-        let local = split(
-            "the batch's sequences (a tile holds whole sequences)",
-            batch,
-            q * q,
-            "q²",
-        )?;
-        let c = self.ln_1.cols;
-        Ok(Attention::new(Heads::new(
-            local,
-            seq,
-            self.heads / q,
-            c / self.heads,
-        )))
-    }
-
-    /// The block on this rank's tile `x` `[n, C/q]` (in [`Block3D::layout`]) of the batch of
-    /// `batch` sequences of `seq` tokens (`n·q² = batch·seq` rows, batch-major): this rank's
-    /// output tile (same layout) and what the backward needs. A wrong grid, shape or type, or
-    /// a batch that does not split by `q²`, is an error before any collective.
-    pub fn forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        grid: &ProcessGrid,
-        x: &Act,
-        batch: usize,
-        seq: usize,
-    ) -> Result<(Act, Block3DSaved)> {
-        self.forward_core(pass, grid, x, [batch, seq], None)
-    }
-
-    /// [`Block3D::forward`] with the attention between the projections computed by `core`
-    /// (over this rank's `H/q` heads; e.g. a sequence ring's), or locally with `None`.
-    pub fn forward_core(
-        &self,
-        pass: &ForwardPass<'_>,
-        grid: &ProcessGrid,
-        x: &Act,
-        [batch, seq]: [usize; 2],
-        core: Option<&dyn HeadsCore>,
-    ) -> Result<(Act, Block3DSaved)> {
-        let d = pass.param_dtype();
-        let cq = self.ln_1.cols / self.ln_1.place.q;
-        x.expect("x", None, cq, d)?;
-        let op = self.op(x.rows(), batch, seq)?;
-        let here = Place3D::of(grid)?;
-        if here != self.ln_1.place {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D block registered at {:?} run at {here:?}",
-                self.ln_1.place
-            )));
-        }
-        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
-        let n = x.rows();
-        let (y1, ln_1) = self.ln_1.forward(pass, grid, x, None)?;
-        let (qkv, c_attn) = self.c_attn.forward(pass, grid, &y1)?;
-        drop(y1);
-        let (merged, heads) = attend(pass, &op, core, &qkv)?;
-        drop(qkv);
-        let (a, attn_proj) = self.attn_proj.forward(pass, grid, &merged)?;
-        drop(merged);
-        // h1 = x + a, and its normalisation
-        let (y2, ln_2) = self.ln_2.forward(pass, grid, &a, Some(x))?;
-        drop(a);
-        let (pre, c_fc) = self.c_fc.forward(pass, grid, &y2)?;
-        drop(y2);
-        let act = gelu(pass, &pre)?;
-        let (m, mlp_proj) = self.mlp_proj.forward(pass, grid, &act)?;
-        drop(act);
-        let out = Act::alloc(pool, n, cq, d)?;
-        let one = Axpby {
-            alpha: 1.0,
-            beta: 1.0,
-        };
-        add(dev, s, one, ln_2.h().input(), m.input(), out.view(), d)?;
-        let saved = Block3DSaved {
-            ln_1,
-            c_attn,
-            heads,
-            attn_proj,
-            ln_2,
-            c_fc,
-            pre,
-            mlp_proj,
-            op,
-        };
-        Ok((out, saved))
-    }
-
-    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]).
-    pub fn shared(self) -> Block3D {
-        Block3D {
-            uses: WeightUse::Shared,
-            ..self
-        }
-    }
-
-    /// The backward of [`Block3D::forward`] from this rank's output-gradient tile `dout`:
-    /// writes every parameter shard's gradient and returns the input-gradient tile (a new
-    /// activation; `dout` is not changed).
-    pub fn backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        saved: &Block3DSaved,
-        dout: &Act,
-    ) -> Result<Act> {
-        self.backward_core(pass, grid, saved, dout, None)
-    }
-
-    /// [`Block3D::backward`] of a forward run with `core` (the same core).
-    pub fn backward_core(
-        &self,
-        pass: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        saved: &Block3DSaved,
-        dout: &Act,
-        core: Option<&dyn HeadsCore>,
-    ) -> Result<Act> {
-        let d = pass.param_dtype();
-        let h1 = saved.h1();
-        dout.expect("dout", Some(h1.rows()), h1.cols(), d)?;
-        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
-        let (n, cq) = (h1.rows(), h1.cols());
-        // the residual stream's gradient: dout, then + ln_2's dx, then + ln_1's dx
-        let dres = Act::alloc(pool, n, cq, d)?;
-        dev.copy_d2d(s, dout.input(), dres.view())?;
-        let dact = asked(self.mlp_proj.backward_with(
-            pass,
-            grid,
-            &saved.mlp_proj,
-            dout,
-            true,
-            self.uses,
-        )?)?;
-        let dpre = gelu_backward(pass, &saved.pre, &dact)?;
-        drop(dact);
-        let dy2 =
-            asked(
-                self.c_fc
-                    .backward_with(pass, grid, &saved.c_fc, &dpre, true, self.uses)?,
-            )?;
-        drop(dpre);
-        self.ln_2
-            .backward(pass, grid, &saved.ln_2, &dy2, Some(&dres))?;
-        drop(dy2);
-        let dmerged = asked(self.attn_proj.backward_with(
-            pass,
-            grid,
-            &saved.attn_proj,
-            &dres,
-            true,
-            self.uses,
-        )?)?;
-        let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
-        drop(dmerged);
-        let dy1 =
-            asked(
-                self.c_attn
-                    .backward_with(pass, grid, &saved.c_attn, &dqkv, true, self.uses)?,
-            )?;
-        drop(dqkv);
-        self.ln_1
-            .backward(pass, grid, &saved.ln_1, &dy1, Some(&dres))?;
-        Ok(dres)
-    }
-
-    /// The collectives of one forward and backward on tiles of `rows` rows (`n`) in `dtype`:
-    /// the sum of its layers' ([`LayerNorm3D::collectives`], [`Linear3D::collectives`], every
-    /// linear asked for its input gradient).
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Collectives3D {
-        let lin = |l: &Linear3D| l.collectives(rows, dtype, true);
-        [
-            self.ln_1.collectives(rows, dtype),
-            lin(&self.c_attn),
-            lin(&self.attn_proj),
-            self.ln_2.collectives(rows, dtype),
-            lin(&self.c_fc),
-            lin(&self.mlp_proj),
-        ]
-        .into_iter()
-        .fold(Collectives3D::default(), sum_collectives)
     }
 }

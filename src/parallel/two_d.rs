@@ -191,7 +191,7 @@ impl Linear2D {
         Linear2D::register_at(store, name, [inputs, outputs], [q, row, col], weight, bias)
     }
 
-    fn register_at(
+    pub(super) fn register_at(
         store: &mut impl ParamStore,
         name: &str,
         [inputs, outputs]: [usize; 2],

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use super::{B, C, EPS, N, NH, T};
-use tidemem::nn::{CausalSelfAttention, LayerNorm, Linear, Mlp};
+use tidemem::nn::{Block, CausalSelfAttention, LayerNorm, Linear, Mlp, Serial, WeightUse};
 use tidemem::prelude::*;
 
 pub fn manager(dev: Device, dtype: DType) -> ChunkManager {
@@ -259,6 +259,27 @@ pub fn mlp_layer(m: &mut ChunkManager, name: &str) -> Mlp {
     Mlp {
         c_fc: lin(m, &format!("{name}.c_fc"), C, 4 * C, 3),
         c_proj: lin(m, &format!("{name}.c_proj"), 4 * C, C, 4),
+    }
+}
+
+/// A block `name` of [`lnorm`]s (seeds 20 and 22), [`attn_layer`] and [`mlp_layer`], registered in
+/// that order.
+pub fn block_layer(m: &mut ChunkManager, name: &str) -> Block {
+    let ln_1 = lnorm(m, &format!("{name}.ln_1"), 20);
+    let attn = attn_layer(m, &format!("{name}.attn"));
+    let ln_2 = lnorm(m, &format!("{name}.ln_2"), 22);
+    let mlp = mlp_layer(m, &format!("{name}.mlp"));
+    Block {
+        layout: Serial,
+        ln_1,
+        c_attn: attn.c_attn,
+        attn_proj: attn.c_proj,
+        ln_2,
+        c_fc: mlp.c_fc,
+        mlp_proj: mlp.c_proj,
+        heads: NH,
+        channels: C,
+        uses: WeightUse::Once,
     }
 }
 

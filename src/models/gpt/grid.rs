@@ -1,28 +1,17 @@
 //! GPT-2 on the 2D, 2.5D and 3D tensor-parallel blocks.
 
+use super::blocks::{Blocks, Keep, On, Shape, StageSplit};
 use super::grid_ends::{EndsLayout, GridEnds};
 use super::model::{default_init, GptBatch, RunOptions};
 use super::train::{micro_steps, TrainStep};
 use super::GptConfig;
 use crate::error::{Error, Result};
 use crate::nn::{Act, HeadsCore, Loss};
-use crate::parallel::{
-    Block2D, Block2DSaved, Block3D, Block3DSaved, Layout3D, ProcessGrid, RingAttention, RingCore,
-    TensorMode,
-};
-use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::parallel::{ProcessGrid, RingAttention, RingCore, TensorMode};
+use crate::store::ParamStore;
 
-/// The blocks of a [`GptGrid`]: one scheme's.
-#[derive(Clone, Debug, PartialEq)]
-pub enum GridBlocks {
-    /// [`Block2D`]s on a 2D or 2.5D grid.
-    Summa(Vec<Block2D>),
-    /// [`Block3D`]s on a 3D cube, all in one layout.
-    Cube(Vec<Block3D>),
-}
-
-/// GPT-2 split over a 2D, 2.5D or 3D tensor-parallel grid: the blocks ([`Block2D`],
-/// [`Block3D`]) on tiles, and the ends ([`GridEnds`]) split too ([`EndsLayout::Split`]: the
+/// GPT-2 split over a 2D, 2.5D or 3D tensor-parallel grid: the blocks (on the
+/// [`Summa`](crate::parallel::Summa) or [`Cube`](crate::parallel::Cube) layout) on tiles, and the ends ([`GridEnds`]) split too ([`EndsLayout::Split`]: the
 /// vocab-parallel `wte` tied to the vocab-parallel head, `wpe` and `ln_f` in the blocks'
 /// layout, so no rank ever holds a whole activation or table) or whole on every rank
 /// ([`EndsLayout::Whole`]: the embedding's output cut into tiles, the last tiles gathered).
@@ -36,17 +25,9 @@ pub struct GptGrid {
     /// The shape.
     pub config: GptConfig,
     /// The blocks' shards.
-    pub blocks: GridBlocks,
+    pub(super) blocks: Blocks,
     /// The embeddings, `ln_f` and the tied head.
     pub ends: GridEnds,
-}
-
-/// What a block keeps for its backward: its saved tensors, or only its input tile when
-/// checkpointing.
-enum BlockKept {
-    Summa(Box<Block2DSaved>),
-    Cube(Box<Block3DSaved>),
-    Input(Act),
 }
 
 impl GptGrid {
@@ -74,7 +55,6 @@ impl GptGrid {
         cfg.validate()?;
         let mode = grid.spec().tensor;
         let init = |name: &str| default_init(cfg, name, seed);
-        let c = cfg.channels;
         if !matches!(
             mode,
             TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. } | TensorMode::ThreeD { .. }
@@ -84,30 +64,8 @@ impl GptGrid {
             )));
         }
         let ends = GridEnds::register(store, grid, cfg, seed, ends)?;
-        let name = |i: usize| format!("h.{i}");
-        let blocks = match mode {
-            TensorMode::ThreeD { .. } => GridBlocks::Cube(
-                (0..cfg.layers)
-                    .map(|i| {
-                        let l = Layout3D::RowsJColsK;
-                        Block3D::register(store, grid, &name(i), c, cfg.heads, cfg.eps, l, &init)
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            _ => GridBlocks::Summa(
-                (0..cfg.layers)
-                    .map(|i| Block2D::register(store, grid, &name(i), c, cfg.heads, cfg.eps, &init))
-                    .collect::<Result<_>>()?,
-            ),
-        };
-        // a 2.5D grid holds every block's shards once in each of its `d` depth slices
-        if let (TensorMode::TwoHalfD { depth, .. }, GridBlocks::Summa(v)) = (mode, &blocks) {
-            if depth > 1 {
-                for id in v.iter().flat_map(Block2D::params) {
-                    store.set_norm_share(id, 1.0 / depth as f64)?;
-                }
-            }
-        }
+        let layers = 0..cfg.layers;
+        let blocks = Blocks::register(store, cfg, layers, StageSplit::Grid(grid), &init)?;
         Ok(GptGrid {
             config: cfg.clone(),
             blocks,
@@ -119,7 +77,7 @@ impl GptGrid {
     /// grid's tensor group): the gradients of this rank's shards and of the whole parameters
     /// written, the loss returned. `opts.loss_scale` scales the loss gradient; with
     /// `opts.checkpoint` each block keeps only its input tile and is recomputed in the backward
-    /// pass ([`BackwardPass::recompute`]), the same bits with fewer activations held. Run
+    /// pass ([`BackwardPass::recompute`](crate::store::BackwardPass::recompute)), the same bits with fewer activations held. Run
     /// [`ParamStore::step_reducing`] (or [`train_step_grid`]) next.
     pub fn forward_backward<S: ParamStore + ?Sized>(
         &self,
@@ -132,45 +90,31 @@ impl GptGrid {
         opts.check()?;
         let fwd = store.forward()?;
         let first = grid.sequence_rank() * b.seq;
-        let (mut tile, emb) = self
+        let (tile, emb) = self
             .ends
             .embed(&fwd, grid, b.tokens, [b.batch, b.seq, first])?;
         let ring = self.ring(grid, &tile, b)?;
-        let core = ring.as_ref().map(|r| r as &dyn HeadsCore);
-        let mut kept = Vec::new();
-        for k in 0..self.layers() {
-            let (out, s) = self.block_forward(&fwd, grid, k, &tile, b, core)?;
-            if opts.checkpoint {
-                drop(s);
-                kept.push(BlockKept::Input(tile));
-            } else {
-                kept.push(s);
-            }
-            tile = out;
-        }
+        let shape = Shape {
+            batch_seq: [b.batch, b.seq],
+            core: ring.as_ref().map(|r| r as &dyn HeadsCore),
+        };
+        let on = On {
+            tensor: None,
+            grid: Some(grid),
+        };
+        let keep = match opts.checkpoint {
+            true => Keep::Inputs,
+            false => Keep::Saved,
+        };
+        let (tile, kept) = self.blocks.forward(&fwd, on, tile, shape, keep)?;
         let (loss, head) = self
             .ends
             .head_forward(&fwd, grid, &tile, b.targets, opts.loss_scale)?;
         drop(tile);
         fwd.finish()?;
         let mut bwd = store.backward()?;
-        let mut dtile = self.ends.head_backward(&bwd, grid, head)?;
-        for k in (0..self.layers()).rev() {
-            let s = kept
-                .pop()
-                .ok_or_else(|| Error::InvalidArgument("a block's saved state is gone".into()))?;
-            let s = match s {
-                BlockKept::Input(x) => {
-                    let re = bwd.recompute()?;
-                    let (out, s) = self.block_forward(&re, grid, k, &x, b, core)?;
-                    drop((out, x));
-                    re.finish()?;
-                    s
-                }
-                saved => saved,
-            };
-            dtile = self.block_backward(&bwd, grid, (k, core), &s, &dtile)?;
-        }
+        let dtile = self.ends.head_backward(&bwd, grid, head)?;
+        let dtile = self.blocks.backward(&mut bwd, on, kept, dtile, shape)?;
         self.ends.embed_backward(&bwd, grid, emb, &dtile)?;
         drop(dtile);
         bwd.finish()?;
@@ -198,54 +142,6 @@ impl GptGrid {
             attn,
             group: grid.sequence(),
         }))
-    }
-
-    fn layers(&self) -> usize {
-        match &self.blocks {
-            GridBlocks::Summa(v) => v.len(),
-            GridBlocks::Cube(v) => v.len(),
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn block_forward(
-        &self,
-        fwd: &ForwardPass<'_>,
-        grid: &ProcessGrid,
-        k: usize,
-        x: &Act,
-        b: &GptBatch<'_>,
-        core: Option<&dyn HeadsCore>,
-    ) -> Result<(Act, BlockKept)> {
-        match &self.blocks {
-            GridBlocks::Summa(v) => {
-                let (y, s) = v[k].forward_core(fwd, grid, x, b.seq, core)?;
-                Ok((y, BlockKept::Summa(Box::new(s))))
-            }
-            GridBlocks::Cube(v) => {
-                let (y, s) = v[k].forward_core(fwd, grid, x, [b.batch, b.seq], core)?;
-                Ok((y, BlockKept::Cube(Box::new(s))))
-            }
-        }
-    }
-
-    fn block_backward(
-        &self,
-        bwd: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        (k, core): (usize, Option<&dyn HeadsCore>),
-        saved: &BlockKept,
-        dy: &Act,
-    ) -> Result<Act> {
-        match (&self.blocks, saved) {
-            (GridBlocks::Summa(v), BlockKept::Summa(s)) => {
-                v[k].backward_core(bwd, grid, s, dy, core)
-            }
-            (GridBlocks::Cube(v), BlockKept::Cube(s)) => v[k].backward_core(bwd, grid, s, dy, core),
-            _ => Err(Error::InvalidArgument(
-                "a block's saved state of the other kind".into(),
-            )),
-        }
     }
 }
 

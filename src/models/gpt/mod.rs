@@ -5,6 +5,7 @@
 //! model split over a 1D tensor-parallel group ([`Gpt::register_1d`]: the blocks Megatron's
 //! way, the vocabulary split for the [`Ends`]).
 
+mod blocks;
 mod config;
 mod ends;
 mod generate;
@@ -18,15 +19,15 @@ mod split;
 mod split_ends;
 mod train;
 
+pub use blocks::StageSplit;
 pub use config::GptConfig;
 pub use ends::Ends;
-pub use grid::{train_step_grid, GptGrid, GridBlocks};
+pub use grid::{train_step_grid, GptGrid};
 pub use grid_ends::{EndsLayout, GridEnds};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
 pub use pipe::{
-    train_step_pipe, train_two_bw_stream, GptStage, StageBlocks, StageEmbedding, StageGroups,
-    StageHead, StageSplit,
+    train_step_pipe, train_two_bw_stream, GptStage, StageEmbedding, StageGroups, StageHead,
 };
 pub use split_ends::{SplitEmbedding, SplitHead};
 pub use train::{train_step, train_step_in, train_step_sp, TrainStep};

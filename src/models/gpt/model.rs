@@ -5,13 +5,12 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+use super::blocks::{Blocks, Keep, Kept, On, Shape, StageSplit};
 use super::ends::{EmbKept, Ends, HeadKept};
 use super::GptConfig;
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{
-    Act, Block, BlockHooks, BlockSaved, Embedding, HeadsCore, LayerNorm, LmHead, Loss,
-};
+use crate::nn::{Embedding, HeadsCore, LayerNorm, LmHead, Loss};
 use crate::parallel::{RingAttention, RingCore, Shard};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -23,7 +22,7 @@ const INIT_BOUND: f32 = 0.034_641_016;
 pub const IGNORE_INDEX: i32 = -100;
 
 /// A GPT-2 model whose parameters live in a store: the token and position [`Embedding`],
-/// `L` pre-LayerNorm [`Block`]s, the final LayerNorm and the [`LmHead`] tied to `wte` (one
+/// `L` pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the [`LmHead`] tied to `wte` (one
 /// parameter with two uses: the store sums their gradient shares).
 ///
 /// # Example
@@ -59,7 +58,7 @@ pub struct Gpt {
     /// The token and position embedding and the LM head tied to `wte`.
     pub ends: Ends,
     /// The transformer blocks `h.0 … h.{L-1}`.
-    pub blocks: Vec<Block>,
+    pub(super) blocks: Blocks,
     /// `ln_f`.
     pub ln_f: LayerNorm,
     /// For a model split over a 1D tensor-parallel group ([`Gpt::register_1d`]): this rank's
@@ -158,63 +157,48 @@ impl Gpt {
     ) -> Result<Gpt> {
         cfg.validate()?;
         // every initialiser first, so that a failing one registers nothing
-        let shapes = cfg.param_shapes();
-        let inits = shapes
+        let inits = cfg
+            .param_shapes()
             .iter()
-            .map(|(n, s)| init(n, s))
-            .collect::<Result<Vec<_>>>()?;
-        let mut params = Vec::with_capacity(shapes.len());
-        let mut ids = BTreeMap::new();
-        for ((name, shape), init) in shapes.into_iter().zip(inits) {
-            let id = store.register(&name, &shape, init)?;
-            ids.insert(name.clone(), id);
-            params.push((name, id));
+            .map(|(n, s)| Ok((n.clone(), init(n, s)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let master = |n: &str| inits.get(n).cloned().unwrap_or(Init::Zeros);
+        let c = cfg.channels;
+        fn named<S: ParamStore>(
+            s: &mut S,
+            n: &str,
+            shape: &[usize],
+            i: Init,
+        ) -> Result<(String, TensorId)> {
+            s.register(n, shape, i).map(|id| (n.to_string(), id))
         }
-        let id = |n: &str| ids[n];
-        let (c, eps) = (cfg.channels, cfg.eps);
-        let ln = |p: &str| LayerNorm {
-            gamma: id(&format!("{p}.weight")),
-            beta: id(&format!("{p}.bias")),
+        let reg = |store: &mut _, n: &str, shape: &[usize]| named(store, n, shape, master(n));
+        let wte = reg(store, "wte.weight", &[cfg.vocab, c])?;
+        let wpe = reg(store, "wpe.weight", &[cfg.max_seq, c])?;
+        let blocks = Blocks::register(store, cfg, 0..cfg.layers, StageSplit::None, &master)?;
+        let gamma = reg(store, "ln_f.weight", &[c])?;
+        let beta = reg(store, "ln_f.bias", &[c])?;
+        let ln_f = LayerNorm {
+            gamma: gamma.1,
+            beta: beta.1,
             cols: c,
-            eps,
+            eps: cfg.eps,
         };
-        let linear = |p: &str| {
-            crate::nn::Linear::from_ids(
-                &*store,
-                id(&format!("{p}.weight")),
-                Some(id(&format!("{p}.bias"))),
-                crate::nn::WeightUse::Once,
-            )
-        };
-        let mut blocks = Vec::with_capacity(cfg.layers);
-        for i in 0..cfg.layers {
-            let p = format!("h.{i}");
-            blocks.push(Block {
-                ln_1: ln(&format!("{p}.ln_1")),
-                attn: crate::nn::CausalSelfAttention {
-                    c_attn: linear(&format!("{p}.attn.c_attn"))?,
-                    c_proj: linear(&format!("{p}.attn.c_proj"))?,
-                    heads: cfg.heads,
-                },
-                ln_2: ln(&format!("{p}.ln_2")),
-                mlp: crate::nn::Mlp {
-                    c_fc: linear(&format!("{p}.mlp.c_fc"))?,
-                    c_proj: linear(&format!("{p}.mlp.c_proj"))?,
-                },
-            });
-        }
         let embedding = Embedding {
-            wte: id("wte.weight"),
-            wpe: id("wpe.weight"),
+            wte: wte.1,
+            wpe: wpe.1,
             vocab: cfg.vocab,
             max_seq: cfg.max_seq,
             channels: c,
         };
         let head = LmHead::tied(&*store, embedding.wte, IGNORE_INDEX)?;
+        let mut params = vec![wte, wpe];
+        params.extend(blocks.named_params(0));
+        params.extend([gamma, beta]);
         Ok(Gpt {
             config: cfg.clone(),
             blocks,
-            ln_f: ln("ln_f"),
+            ln_f,
             ends: Ends::Whole { embedding, head },
             tensor: None,
             params,
@@ -346,18 +330,6 @@ impl Gpt {
         Ok(())
     }
 
-    /// The sum a tensor-parallel block applies to its partial outputs: an all-reduce over
-    /// `tp`, or nothing.
-    fn sum<'a>(
-        tp: Option<&'a Communicator>,
-        stream: &'a crate::device::Stream,
-    ) -> impl Fn(&Act) -> Result<()> + 'a {
-        move |a: &Act| match tp {
-            Some(g) => g.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum),
-            None => Ok(()),
-        }
-    }
-
     /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
     /// the iteration ended without a step ([`ParamStore::skip_step`]).
     pub fn loss<S: ParamStore + ?Sized>(&self, store: &mut S, b: &GptBatch<'_>) -> Result<f32> {
@@ -376,7 +348,9 @@ impl Gpt {
         let g = Groups::new(self, tp, None, b)?;
         let fwd = store.forward()?;
         let (x, _) = self.ends.embed(&fwd, tp, b.tokens, [b.batch, b.seq, 0])?;
-        let x = self.blocks_forward(&fwd, &g, x, b, None)?;
+        let (x, _) = self
+            .blocks
+            .forward(&fwd, g.on(), x, g.shape(b), Keep::Nothing)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let (loss, _) = self.ends.head_forward(&fwd, tp, &h, b.targets, 1.0)?;
@@ -418,7 +392,9 @@ impl Gpt {
         };
         self.check_group(None)?;
         let g = Groups::new(self, None, None, &b)?;
-        let x = self.blocks_forward(&fwd, &g, x, &b, None)?;
+        let (x, _) = self
+            .blocks
+            .forward(&fwd, g.on(), x, g.shape(&b), Keep::Nothing)?;
         let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let logits = head.proj.forward(&fwd, &h)?;
@@ -440,8 +416,11 @@ impl Gpt {
         let tp = g.tp;
         let at = [b.batch, b.seq, g.first_position(b)];
         let (x, emb) = self.ends.embed(fwd, tp, b.tokens, at)?;
-        let mut kept = Vec::with_capacity(self.blocks.len());
-        let x = self.blocks_forward(fwd, g, x, b, Some((&mut kept, opts.checkpoint)))?;
+        let keep = match opts.checkpoint {
+            true => Keep::Inputs,
+            false => Keep::Saved,
+        };
+        let (x, kept) = self.blocks.forward(fwd, g.on(), x, g.shape(b), keep)?;
         let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
         drop(x);
         let (loss, head) = self
@@ -459,32 +438,6 @@ impl Gpt {
         ))
     }
 
-    /// The blocks from `x`; with `keep`, what each block's backward needs goes there: its
-    /// saved tensors, or only its input when checkpointing.
-    fn blocks_forward(
-        &self,
-        fwd: &ForwardPass<'_>,
-        g: &Groups<'_>,
-        mut x: Act,
-        b: &GptBatch<'_>,
-        mut keep: Option<(&mut Vec<Kept>, bool)>,
-    ) -> Result<Act> {
-        let sum = Self::sum(g.tp, fwd.stream());
-        for block in &self.blocks {
-            let (out, saved) = block.forward_ext(fwd, &x, b.batch, b.seq, g.hooks(&sum))?;
-            match keep.as_mut() {
-                Some((kept, true)) => {
-                    drop(saved);
-                    kept.push(Kept::Input(x));
-                }
-                Some((kept, false)) => kept.push(Kept::Saved(Box::new(saved))),
-                None => {}
-            }
-            x = out;
-        }
-        Ok(x)
-    }
-
     fn backward(
         &self,
         bwd: &mut BackwardPass<'_>,
@@ -496,34 +449,15 @@ impl Gpt {
         let tp = g.tp;
         let Saved {
             emb,
-            mut blocks,
+            blocks,
             ln_f,
             head,
         } = saved;
         let dh = self.ends.head_backward(bwd, tp, &head)?;
         drop(head);
-        let mut dx = self.ln_f.backward(bwd, &ln_f, &dh, None)?;
+        let dx = self.ln_f.backward(bwd, &ln_f, &dh, None)?;
         drop((dh, ln_f));
-        for block in self.blocks.iter().rev() {
-            let kept = blocks
-                .pop()
-                .ok_or_else(|| Error::InvalidArgument("a block's saved tensors are gone".into()))?;
-            let saved = match kept {
-                Kept::Saved(s) => *s,
-                Kept::Input(x) => {
-                    let re = bwd.recompute()?;
-                    let (out, s) = {
-                        let sum = Self::sum(tp, re.stream());
-                        block.forward_ext(&re, &x, b.batch, b.seq, g.hooks(&sum))?
-                    };
-                    drop(out);
-                    re.finish()?;
-                    s
-                }
-            };
-            let sum = Self::sum(tp, bwd.stream());
-            dx = block.backward_ext(bwd, &saved, &dx, g.hooks(&sum))?;
-        }
+        let dx = self.blocks.backward(bwd, g.on(), blocks, dx, g.shape(b))?;
         self.ends.embed_backward(bwd, &emb, &dx)
     }
 }
@@ -547,7 +481,7 @@ impl<'a> Groups<'a> {
             Some(group) => {
                 let cfg = &gpt.config;
                 let head_dim = cfg.channels / cfg.heads.max(1);
-                let inner = gpt.blocks.first().map_or(cfg.channels, |k| k.attn.inner());
+                let inner = gpt.blocks.local_heads(cfg.heads) * head_dim;
                 let total = b
                     .seq
                     .checked_mul(group.world())
@@ -572,24 +506,31 @@ impl<'a> Groups<'a> {
         self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
     }
 
-    fn hooks<'s>(&'s self, sum: &'s dyn Fn(&Act) -> Result<()>) -> BlockHooks<'s> {
-        BlockHooks {
-            sum,
-            core: self.ring.as_ref().map(|r| r as &dyn HeadsCore),
+    fn core(&self) -> Option<&dyn HeadsCore> {
+        self.ring.as_ref().map(|r| r as &dyn HeadsCore)
+    }
+
+    /// The communicators of the blocks.
+    fn on(&self) -> On<'a> {
+        On {
+            tensor: self.tp,
+            grid: None,
         }
     }
-}
 
-/// What one block keeps for its backward.
-enum Kept {
-    Saved(Box<BlockSaved>),
-    Input(Act),
+    /// The blocks' run on `b`.
+    fn shape(&self, b: &GptBatch<'_>) -> Shape<'_> {
+        Shape {
+            batch_seq: [b.batch, b.seq],
+            core: self.core(),
+        }
+    }
 }
 
 /// What the forward keeps for the backward.
 struct Saved {
     emb: EmbKept,
-    blocks: Vec<Kept>,
+    blocks: Kept,
     ln_f: crate::nn::LnSaved,
     head: HeadKept,
 }

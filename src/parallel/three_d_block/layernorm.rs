@@ -127,6 +127,19 @@ impl LayerNorm3D {
         beta: &Init,
     ) -> Result<LayerNorm3D> {
         let place = Place3D::of(grid)?;
+        LayerNorm3D::register_at(store, place, name, [cols], eps, layout, [gamma, beta])
+    }
+
+    /// [`LayerNorm3D::register`] at `place`.
+    pub(super) fn register_at(
+        store: &mut impl ParamStore,
+        place: Place3D,
+        name: &str,
+        [cols]: [usize; 1],
+        eps: f32,
+        layout: Layout3D,
+        [gamma, beta]: [&Init; 2],
+    ) -> Result<LayerNorm3D> {
         let q = place.q;
         let cq = split(&format!("'{name}': the columns"), cols, q, "q")?;
         if !(eps.is_finite() && eps >= 0.0) {

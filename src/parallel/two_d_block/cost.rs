@@ -1,9 +1,11 @@
-//! The collectives of [`LayerNorm2D`] and [`Block2D`], from the formulas.
+//! The collectives of [`LayerNorm2D`] and of the block on the [`Summa`] layout, from the
+//! formulas.
 
-use super::{split, Block2D, LayerNorm2D, SummaLinear};
+use super::{split, LayerNorm2D, Summa, SummaLinear};
 use crate::comm::{CommStats, Tally};
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::nn::Block;
 use crate::parallel::{SummaCollectives, SummaGroups};
 
 /// `calls` calls of `bytes` bytes each.
@@ -88,7 +90,7 @@ impl SummaLinear {
     }
 }
 
-impl Block2D {
+impl Block<Summa> {
     /// The collectives of one forward and one backward of the block over a full batch of
     /// `rows` rows of `dtype`: the sum of its two LayerNorms' and four linears' (the attention
     /// itself is local). Fails when `rows` does not split into the row blocks.

@@ -15,7 +15,7 @@ use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
 
-use super::{remap, split};
+use crate::parallel::two_d::{remap, split};
 
 /// A rank's place on a 2D grid (`depth = 1`, `dep = 0`) or a 2.5D grid.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

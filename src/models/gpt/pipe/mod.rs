@@ -18,17 +18,16 @@ use std::ops::Range;
 
 pub use self::stream::train_two_bw_stream;
 pub use self::train::train_step_pipe;
+use super::blocks::{Blocks, StageSplit};
 use super::grid_ends::EndsLayout;
 use super::model::{default_init, GptBatch, IGNORE_INDEX};
 use super::split_ends::{check_splits, wte_norm_share, Place, SplitEmbedding, SplitHead};
 use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Block, CausalSelfAttention, Embedding, LayerNorm, Linear, LmHead, Mlp, WeightUse};
+use crate::nn::{Embedding, LayerNorm, LmHead, WeightUse};
 use crate::parallel::pipeline::partition;
-use crate::parallel::{
-    BatchBlock, Block1D, Block2D, Block3D, Layout3D, Place3D, ProcessGrid, Shard, TensorMode,
-};
+use crate::parallel::{BatchBlock, Layout3D, Place3D, ProcessGrid, Shard};
 use crate::store::ParamStore;
 use crate::tensor::TensorId;
 
@@ -46,7 +45,7 @@ pub struct GptStage {
     pub layers: Range<usize>,
     /// Those blocks (their linears write gradient shares: a stage runs each once per
     /// micro-batch).
-    pub blocks: StageBlocks,
+    pub(super) blocks: Blocks,
     /// `wte` and `wpe`, on the first stage.
     pub embedding: Option<StageEmbedding>,
     /// `ln_f` and the head over the last stage's copy of `wte`, on the last stage.
@@ -76,30 +75,6 @@ pub enum StageHead {
     },
     /// Split over the stage's tensor group ([`EndsLayout::Split`]).
     Split(SplitHead),
-}
-
-/// The blocks of a stage: serial or split over a 1D group ([`Block`]), or on a 2D, 2.5D or 3D
-/// grid (tiles in and out; with whole ends, the embedding's output cut into tiles and the last
-/// tiles gathered for the head).
-#[derive(Clone, Debug, PartialEq)]
-pub enum StageBlocks {
-    /// Serial or 1D blocks.
-    Plain(Vec<Block>),
-    /// [`Block2D`]s on a 2D or 2.5D grid.
-    Summa(Vec<Block2D>),
-    /// [`Block3D`]s on a 3D cube ([`Layout3D::RowsJColsK`]).
-    Cube(Vec<Block3D>),
-}
-
-/// How a stage's blocks are split over its tensor group.
-#[derive(Clone, Copy, Debug)]
-pub enum StageSplit<'a> {
-    /// Not split.
-    None,
-    /// Megatron's 1D split at this place.
-    OneD(Shard),
-    /// The grid's 2D, 2.5D or 3D scheme.
-    Grid(&'a ProcessGrid),
 }
 
 /// The groups one stage's step runs over.
@@ -208,7 +183,7 @@ impl GptStage {
                 let e = first
                     .then(|| SplitEmbedding::register(store, cfg, seed, p, WeightUse::Shared))
                     .transpose()?;
-                let b = register_blocks(store, cfg, &init, layers.clone(), split, replicated)?;
+                let b = Blocks::register(store, cfg, layers.clone(), split, &init)?.shared();
                 let h = last
                     .then(|| SplitHead::register(store, cfg, seed, p, e.as_ref()))
                     .transpose()?;
@@ -236,17 +211,13 @@ impl GptStage {
     /// sequences on a grid).
     fn attention_shape(&self, grid: Option<&ProcessGrid>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
         let cfg = &self.config;
-        let head_dim = cfg.channels / cfg.heads;
-        Ok(match (&self.blocks, grid) {
-            (StageBlocks::Plain(v), _) => {
-                let inner = v.first().map_or(cfg.channels, |k| k.attn.inner());
-                [b.batch, inner / head_dim]
-            }
-            (_, Some(g)) => {
+        Ok(match (self.blocks.tiled(), grid) {
+            (false, _) => [b.batch, self.blocks.local_heads(cfg.heads)],
+            (true, Some(g)) => {
                 let [rows, _] = self.tile_shape(g, b)?;
                 [rows / b.seq.max(1), cfg.heads / g.q()?]
             }
-            (_, None) => {
+            (true, None) => {
                 return Err(Error::InvalidArgument(
                     "a stage of grid blocks run without its grid".into(),
                 ))
@@ -259,9 +230,9 @@ impl GptStage {
     fn tile_shape(&self, grid: &ProcessGrid, b: &GptBatch<'_>) -> Result<[usize; 2]> {
         let (rows, c) = (b.batch * b.seq, self.config.channels);
         Ok(match &self.blocks {
-            StageBlocks::Plain(_) => [rows, c],
-            StageBlocks::Summa(_) => BatchBlock::of(grid)?.shape(rows, c)?,
-            StageBlocks::Cube(_) => {
+            Blocks::Serial(_) | Blocks::OneD(_) => [rows, c],
+            Blocks::Summa(_) => BatchBlock::of(grid)?.shape(rows, c)?,
+            Blocks::Cube(_) => {
                 let t = Place3D::of(grid)?.tile(Layout3D::RowsJColsK, rows, c)?;
                 [t.rows, t.cols]
             }
@@ -298,7 +269,7 @@ impl GptStage {
 /// The stage's blocks and whole ends, in the order [`GptStage::register`] registers them:
 /// `wte` on an end stage (its norm share `wte_share`), `wpe` on the first, the blocks, `ln_f`
 /// on the last (replicated, like the blocks' LayerNorms).
-type WholeParts = (Option<StageEmbedding>, StageBlocks, Option<StageHead>);
+type WholeParts = (Option<StageEmbedding>, Blocks, Option<StageHead>);
 
 fn register_whole(
     store: &mut impl ParamStore,
@@ -334,7 +305,7 @@ fn register_whole(
     } else {
         None
     };
-    let blocks = register_blocks(store, cfg, init, layers, split, replicated)?;
+    let blocks = Blocks::register(store, cfg, layers, split, init)?.shared();
     let head = if last {
         let ln_f = LayerNorm {
             gamma: store.register("ln_f.weight", &[c], init("ln_f.weight"))?,
@@ -350,125 +321,4 @@ fn register_whole(
         None
     };
     Ok((embedding, blocks, head))
-}
-
-/// A serial block from the model's masters.
-fn serial_block(
-    store: &mut impl ParamStore,
-    cfg: &GptConfig,
-    name: &str,
-    init: &dyn Fn(&str) -> crate::tensor::Init,
-) -> Result<Block> {
-    let c = cfg.channels;
-    let mut reg = |n: &str, shape: &[usize]| {
-        let full = format!("{name}.{n}");
-        store.register(&full, shape, init(&full))
-    };
-    let ln = |g: TensorId, b: TensorId| LayerNorm {
-        gamma: g,
-        beta: b,
-        cols: c,
-        eps: cfg.eps,
-    };
-    let ln_1 = ln(reg("ln_1.weight", &[c])?, reg("ln_1.bias", &[c])?);
-    let qkv = (
-        reg("attn.c_attn.weight", &[3 * c, c])?,
-        reg("attn.c_attn.bias", &[3 * c])?,
-    );
-    let proj = (
-        reg("attn.c_proj.weight", &[c, c])?,
-        reg("attn.c_proj.bias", &[c])?,
-    );
-    let ln_2 = ln(reg("ln_2.weight", &[c])?, reg("ln_2.bias", &[c])?);
-    let fc = (
-        reg("mlp.c_fc.weight", &[4 * c, c])?,
-        reg("mlp.c_fc.bias", &[4 * c])?,
-    );
-    let out = (
-        reg("mlp.c_proj.weight", &[c, 4 * c])?,
-        reg("mlp.c_proj.bias", &[c])?,
-    );
-    let linear =
-        |(w, b): (TensorId, TensorId)| Linear::from_ids(&*store, w, Some(b), WeightUse::Once);
-    Ok(Block {
-        ln_1,
-        attn: CausalSelfAttention {
-            c_attn: linear(qkv)?,
-            c_proj: linear(proj)?,
-            heads: cfg.heads,
-        },
-        ln_2,
-        mlp: Mlp {
-            c_fc: linear(fc)?,
-            c_proj: linear(out)?,
-        },
-    })
-}
-
-/// The blocks `layers` of a stage, split as `split` says, every linear writing gradient
-/// shares; the replicated LayerNorms of 1D blocks count `replicated` of their norm, a 2.5D
-/// grid's depth replicas `1/d`.
-fn register_blocks(
-    store: &mut impl ParamStore,
-    cfg: &GptConfig,
-    init: &dyn Fn(&str) -> crate::tensor::Init,
-    layers: Range<usize>,
-    split: StageSplit<'_>,
-    replicated: f64,
-) -> Result<StageBlocks> {
-    let (c, h, eps) = (cfg.channels, cfg.heads, cfg.eps);
-    let name = |i: usize| format!("h.{i}");
-    Ok(match split {
-        StageSplit::None | StageSplit::OneD(_) => {
-            let mut blocks = Vec::with_capacity(layers.len());
-            for i in layers {
-                let b = match split {
-                    StageSplit::OneD(shard) => {
-                        Block1D::register(store, &name(i), c, h, eps, init, shard)?.block
-                    }
-                    _ => serial_block(store, cfg, &name(i), init)?,
-                };
-                for id in [b.ln_1.gamma, b.ln_1.beta, b.ln_2.gamma, b.ln_2.beta] {
-                    store.set_norm_share(id, replicated)?;
-                }
-                blocks.push(shared(b));
-            }
-            StageBlocks::Plain(blocks)
-        }
-        StageSplit::Grid(grid) => match grid.spec().tensor {
-            TensorMode::ThreeD { .. } => StageBlocks::Cube(
-                layers
-                    .map(|i| {
-                        let l = Layout3D::RowsJColsK;
-                        Block3D::register(store, grid, &name(i), c, h, eps, l, &init)
-                            .map(Block3D::shared)
-                    })
-                    .collect::<Result<_>>()?,
-            ),
-            mode => {
-                let blocks: Vec<Block2D> = layers
-                    .map(|i| {
-                        Block2D::register(store, grid, &name(i), c, h, eps, &init)
-                            .map(Block2D::shared)
-                    })
-                    .collect::<Result<_>>()?;
-                if let TensorMode::TwoHalfD { depth, .. } = mode {
-                    for id in blocks.iter().flat_map(Block2D::params) {
-                        store.set_norm_share(id, 1.0 / depth as f64)?;
-                    }
-                }
-                StageBlocks::Summa(blocks)
-            }
-        },
-    })
-}
-
-/// The block with every linear writing gradient shares.
-fn shared(mut b: Block) -> Block {
-    let s = |l: Linear| l.with_uses(WeightUse::Shared);
-    b.attn.c_attn = s(b.attn.c_attn);
-    b.attn.c_proj = s(b.attn.c_proj);
-    b.mlp.c_fc = s(b.mlp.c_fc);
-    b.mlp.c_proj = s(b.mlp.c_proj);
-    b
 }

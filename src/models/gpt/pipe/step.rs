@@ -2,32 +2,25 @@
 
 use std::cell::{Cell, RefCell};
 
-use super::{GptStage, StageBlocks, StageEmbedding, StageGroups, StageHead};
-use crate::comm::ReduceOp;
-use crate::device::{Block as PoolBlock, Stream};
+use super::{GptStage, StageEmbedding, StageGroups, StageHead};
+use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::models::gpt::blocks::{Keep, Kept, On, Shape};
 use crate::models::gpt::grid_ends::{gather, split, EmbKept, HeadKept};
 use crate::models::gpt::split_ends::Over;
 use crate::models::gpt::GptBatch;
-use crate::nn::{Act, BlockHooks, BlockSaved, HeadsCore};
+use crate::nn::{Act, HeadsCore};
 use crate::ops::{add, add_in_place, cast, Axpby};
 use crate::parallel::pipeline::StageModel;
-use crate::parallel::{Block2DSaved, Block3DSaved, ProcessGrid, RingCore};
+use crate::parallel::{ProcessGrid, RingCore};
 use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
 use crate::tensor::TensorId;
-
-/// What one micro-batch's blocks keep.
-pub(super) enum BlocksSaved {
-    Plain(Vec<BlockSaved>),
-    Summa(Vec<Block2DSaved>),
-    Cube(Vec<Block3DSaved>),
-}
 
 /// What one micro-batch's forward keeps on a stage.
 pub(super) struct StageSaved {
     emb: Option<EmbKept>,
-    blocks: BlocksSaved,
+    blocks: Kept,
     head: Option<HeadKept>,
 }
 
@@ -50,16 +43,6 @@ const ONE: Axpby = Axpby {
 };
 
 impl StageStep<'_> {
-    /// The all-reduce of a 1D block's partial outputs.
-    fn sum(&self, stream: &Stream, a: &Act) -> Result<()> {
-        match (&self.gpt.blocks, self.groups.tensor) {
-            (StageBlocks::Plain(_), Some(g)) => {
-                g.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum)
-            }
-            _ => Ok(()),
-        }
-    }
-
     fn core(&self) -> Option<&dyn HeadsCore> {
         self.ring.as_ref().map(|r| r as &dyn HeadsCore)
     }
@@ -72,12 +55,12 @@ impl StageStep<'_> {
 
     /// The group split ends run over: the 1D group, or the grid.
     fn over(&self) -> Result<Over<'_>> {
-        match (&self.gpt.blocks, self.groups.tensor) {
-            (StageBlocks::Plain(_), Some(t)) => Ok(Over::OneD(t)),
-            (StageBlocks::Plain(_), None) => Err(Error::InvalidArgument(
+        match (self.gpt.blocks.tiled(), self.groups.tensor) {
+            (false, Some(t)) => Ok(Over::OneD(t)),
+            (false, None) => Err(Error::InvalidArgument(
                 "a stage of split ends run without its tensor group".into(),
             )),
-            _ => Ok(Over::Grid(self.grid()?)),
+            (true, _) => Ok(Over::Grid(self.grid()?)),
         }
     }
 
@@ -87,96 +70,31 @@ impl StageStep<'_> {
 
     /// The rank's tile of a whole activation (itself for plain blocks).
     fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {
-        match self.gpt.blocks {
-            StageBlocks::Plain(_) => Ok(full),
-            _ => split(pass, self.grid()?, &full),
+        match self.gpt.blocks.tiled() {
+            false => Ok(full),
+            true => split(pass, self.grid()?, &full),
         }
     }
 
     /// The whole activation from every rank's tile (itself for plain blocks).
     fn to_full<K: PassKind>(&self, pass: &Pass<'_, K>, tile: Act) -> Result<Act> {
-        match self.gpt.blocks {
-            StageBlocks::Plain(_) => Ok(tile),
-            _ => gather(pass, self.grid()?, &tile),
+        match self.gpt.blocks.tiled() {
+            false => Ok(tile),
+            true => gather(pass, self.grid()?, &tile),
         }
     }
 
-    fn blocks_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        mut x: Act,
-        b: &GptBatch<'_>,
-    ) -> Result<(Act, BlocksSaved)> {
-        let core = self.core();
-        Ok(match &self.gpt.blocks {
-            StageBlocks::Plain(v) => {
-                let sum = |a: &Act| self.sum(pass.stream(), a);
-                let hooks = BlockHooks { sum: &sum, core };
-                let mut kept = Vec::with_capacity(v.len());
-                for block in v {
-                    let (out, s) = block.forward_ext(pass, &x, b.batch, b.seq, hooks)?;
-                    kept.push(s);
-                    x = out;
-                }
-                (x, BlocksSaved::Plain(kept))
-            }
-            StageBlocks::Summa(v) => {
-                let grid = self.grid()?;
-                let mut kept = Vec::with_capacity(v.len());
-                for block in v {
-                    let (out, s) = block.forward_core(pass, grid, &x, b.seq, core)?;
-                    kept.push(s);
-                    x = out;
-                }
-                (x, BlocksSaved::Summa(kept))
-            }
-            StageBlocks::Cube(v) => {
-                let grid = self.grid()?;
-                let mut kept = Vec::with_capacity(v.len());
-                for block in v {
-                    let (out, s) = block.forward_core(pass, grid, &x, [b.batch, b.seq], core)?;
-                    kept.push(s);
-                    x = out;
-                }
-                (x, BlocksSaved::Cube(kept))
-            }
-        })
-    }
-
-    fn blocks_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        saved: BlocksSaved,
-        mut dx: Act,
-    ) -> Result<Act> {
-        let core = self.core();
-        let gone = || Error::InvalidArgument("a block's saved state is gone".into());
-        match (&self.gpt.blocks, saved) {
-            (StageBlocks::Plain(v), BlocksSaved::Plain(mut kept)) => {
-                let sum = |a: &Act| self.sum(pass.stream(), a);
-                let hooks = BlockHooks { sum: &sum, core };
-                for block in v.iter().rev() {
-                    let s = kept.pop().ok_or_else(gone)?;
-                    dx = block.backward_ext(pass, &s, &dx, hooks)?;
-                }
-            }
-            (StageBlocks::Summa(v), BlocksSaved::Summa(mut kept)) => {
-                let grid = self.grid()?;
-                for block in v.iter().rev() {
-                    let s = kept.pop().ok_or_else(gone)?;
-                    dx = block.backward_core(pass, grid, &s, &dx, core)?;
-                }
-            }
-            (StageBlocks::Cube(v), BlocksSaved::Cube(mut kept)) => {
-                let grid = self.grid()?;
-                for block in v.iter().rev() {
-                    let s = kept.pop().ok_or_else(gone)?;
-                    dx = block.backward_core(pass, grid, &s, &dx, core)?;
-                }
-            }
-            _ => return Err(gone()),
-        }
-        Ok(dx)
+    /// The communicators of the blocks, and their run on `b`.
+    fn run(&self, b: &GptBatch<'_>) -> (On<'_>, Shape<'_>) {
+        let on = On {
+            tensor: self.groups.tensor,
+            grid: self.groups.grid,
+        };
+        let shape = Shape {
+            batch_seq: [b.batch, b.seq],
+            core: self.core(),
+        };
+        (on, shape)
     }
 
     /// Adds a share of `wte`'s gradient (the parameter dtype) to the step's f32 sum.
@@ -219,11 +137,7 @@ impl StageModel for StageStep<'_> {
             Some(StageEmbedding::Split(e)) => v.extend(e.params()),
             None => {}
         }
-        match &g.blocks {
-            StageBlocks::Plain(b) => v.extend(b.iter().flat_map(|k| k.params())),
-            StageBlocks::Summa(b) => v.extend(b.iter().flat_map(|k| k.params())),
-            StageBlocks::Cube(b) => v.extend(b.iter().flat_map(|k| k.params())),
-        }
+        v.extend(g.blocks.params());
         match &g.head {
             Some(StageHead::Whole { ln_f, head }) => {
                 v.extend([ln_f.gamma, ln_f.beta, head.proj.weight]);
@@ -273,7 +187,8 @@ impl StageModel for StageStep<'_> {
                 ))
             }
         };
-        let (x, blocks) = self.blocks_forward(pass, x, b)?;
+        let (on, shape) = self.run(b);
+        let (x, blocks) = g.blocks.forward(pass, on, x, shape, Keep::Saved)?;
         let (loss, head) = match &g.head {
             Some(StageHead::Whole { ln_f, head }) => {
                 let full = self.to_full(pass, x)?;
@@ -338,7 +253,8 @@ impl StageModel for StageStep<'_> {
                 )))
             }
         };
-        let dx = self.blocks_backward(pass, blocks, dx)?;
+        let (on, shape) = self.run(&self.micro[micro]);
+        let dx = g.blocks.backward_saved(pass, on, blocks, dx, shape)?;
         match (&g.embedding, emb) {
             (Some(StageEmbedding::Whole(e)), Some(EmbKept::Whole(s))) => {
                 let dfull = self.to_full(pass, dx)?;

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use mean::Mean;
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak};
@@ -86,7 +86,17 @@ fn step(s: &Setup, m: &mut ChunkManager, gpt: &Gpt, adam: &mut HybridAdam, k: u6
         batch: s.batch,
         seq: s.seq,
     };
-    train_step(gpt, m, adam, &[b], ckpt).expect("step");
+    train_step(
+        gpt,
+        m,
+        &Plan {
+            checkpoint: ckpt,
+            ..Plan::default()
+        },
+        adam,
+        &[b],
+    )
+    .expect("step");
 }
 
 fn bench(c: &mut Criterion) {

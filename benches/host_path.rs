@@ -36,7 +36,7 @@ use tidemem::data::Ahead;
 use tidemem::device::DeviceStats;
 use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, RunOptions};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan, RunOptions};
 use tidemem::ops::embedding::BagMode;
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
@@ -104,7 +104,17 @@ impl GptRun {
             batch: self.batch,
             seq: self.seq,
         };
-        train_step(&self.gpt, &mut self.m, &mut self.adam, &[b], self.ckpt).expect("step");
+        train_step(
+            &self.gpt,
+            &mut self.m,
+            &Plan {
+                checkpoint: self.ckpt,
+                ..Plan::default()
+            },
+            &mut self.adam,
+            &[b],
+        )
+        .expect("step");
         self.m.device().stats().since(&before)
     }
 }

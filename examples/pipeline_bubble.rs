@@ -18,7 +18,7 @@ use clap::Parser;
 use serde_json::json;
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step_pipe, train_two_bw_stream, GptBatch, GptConfig, GptStage, StageGroups, StageSplit,
+    default_init, train_step, train_two_bw_stream, Gpt, GptBatch, GptConfig, Plan,
 };
 use tidemem::parallel::pipeline::{simulate_schedule, Schedule};
 use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
@@ -75,31 +75,21 @@ fn measure(a: &Args, schedule: Schedule, m: usize) -> tidemem::Result<f64> {
                     mc.param_dtype = DType::F32;
                     let mut store = ChunkManager::new(c.device().clone(), mc)?;
                     store.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
-                    let stage = grid.pipeline_rank();
-                    let layers = GptStage::balanced(cfg, p)?;
-                    let range = layers[stage].clone();
-                    let at = (stage, p);
-                    let gpt = GptStage::register(
-                        &mut store,
-                        cfg,
-                        1,
-                        at,
-                        range.clone(),
-                        StageSplit::None,
-                    )?;
+                    let plan = Plan {
+                        schedule,
+                        ..Plan::on(&grid)
+                    };
+                    let gpt = Gpt::register_on(&mut store, &plan, cfg, |n, _| {
+                        Ok(default_init(cfg, n, 1))
+                    })?;
                     // PipeDream-2BW streams its steps on a second registration of the stage
                     let second = match schedule {
                         Schedule::TwoBW { .. } => {
-                            let split = StageSplit::None;
-                            Some(GptStage::register(&mut store, cfg, 1, at, range, split)?)
+                            Some(Gpt::register_on(&mut store, &plan, cfg, |n, _| {
+                                Ok(default_init(cfg, n, 1))
+                            })?)
                         }
                         _ => None,
-                    };
-                    let groups = StageGroups {
-                        pipeline: grid.pipeline(),
-                        tensor: None,
-                        sequence: None,
-                        grid: None,
                     };
                     let mut adam = HybridAdam::new(HybridConfig {
                         placement: tidemem::optim::DevicePlacement::HostOnly,
@@ -122,20 +112,19 @@ fn measure(a: &Args, schedule: Schedule, m: usize) -> tidemem::Result<f64> {
                         let out = train_two_bw_stream(
                             [&gpt, second],
                             &mut store,
-                            groups,
+                            &plan,
                             &mut adam,
                             &batches,
                         )?;
-                        for (_, rep) in out.iter().skip(1) {
+                        for rep in out.iter().skip(1).filter_map(|s| s.stage.as_ref()) {
                             wait += rep.wait_seconds;
                             total += rep.total_seconds;
                         }
                         return Ok((wait, total));
                     }
                     for k in 0..=a.steps {
-                        let (_, rep) =
-                            train_step_pipe(&gpt, &mut store, groups, schedule, &mut adam, &micro)?;
-                        if k > 0 {
+                        let step = train_step(&gpt, &mut store, &plan, &mut adam, &micro)?;
+                        if let (true, Some(rep)) = (k > 0, step.stage) {
                             wait += rep.wait_seconds;
                             total += rep.total_seconds;
                         }

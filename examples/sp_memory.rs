@@ -17,8 +17,8 @@
 use clap::Parser;
 use serde_json::json;
 use tidemem::comm::Communicator;
-use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, RunOptions};
-use tidemem::parallel::Shard;
+use tidemem::models::gpt::{default_init, Gpt, GptBatch, GptConfig, Plan, RunOptions};
+use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 
 #[derive(Parser, Debug)]
@@ -88,10 +88,23 @@ fn probe(a: &Args, scheme: Scheme, batch: usize, seq: usize) -> tidemem::Result<
                     mc.param_dtype = DType::F16;
                     let mut m = ChunkManager::new(c.device().clone(), mc)?;
                     m.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
-                    let (gpt, local) = match scheme {
-                        Scheme::Tensor1D => (Gpt::register_1d(&mut m, cfg, 1, Shard::of(&c))?, seq),
-                        Scheme::Sequence => (Gpt::register(&mut m, cfg, 1)?, seq / n),
+                    let tensor = match scheme {
+                        Scheme::Tensor1D => TensorMode::OneD { size: n },
+                        Scheme::Sequence => TensorMode::None,
                     };
+                    let sequence = if tensor == TensorMode::None { n } else { 1 };
+                    let spec = GridSpec {
+                        data: 1,
+                        pipeline: 1,
+                        sequence,
+                        tensor,
+                    };
+                    let grid = ProcessGrid::new(&c, spec)?;
+                    let plan = Plan::on(&grid);
+                    let gpt = Gpt::register_on(&mut m, &plan, cfg, |name, _| {
+                        Ok(default_init(cfg, name, 1))
+                    })?;
+                    let local = seq / sequence;
                     let tokens: Vec<i32> = (0..batch * local).map(|i| (i % 8000) as i32).collect();
                     let b = GptBatch {
                         tokens: &tokens,
@@ -103,12 +116,7 @@ fn probe(a: &Args, scheme: Scheme, batch: usize, seq: usize) -> tidemem::Result<
                         checkpoint: false,
                         loss_scale: 1.0,
                     };
-                    match scheme {
-                        Scheme::Tensor1D => gpt.forward_backward_in(&mut m, Some(&c), &b, opts)?,
-                        Scheme::Sequence => {
-                            gpt.forward_backward_sp(&mut m, None, Some(&c), &b, opts)?
-                        }
-                    };
+                    gpt.forward_backward(&mut m, &plan, &b, opts)?;
                     m.skip_step()?;
                     Ok(m.non_model_peak())
                 })

@@ -36,7 +36,9 @@ struct Saved<L: Layout> {
 
 /// Each parameter's master, from its name.
 fn master(name: &str) -> Init {
-    let seed = name.bytes().fold(7u64, |h, b| h.wrapping_mul(131) ^ u64::from(b));
+    let seed = name
+        .bytes()
+        .fold(7u64, |h, b| h.wrapping_mul(131) ^ u64::from(b));
     let (lo, hi) = match name {
         "ln.weight" => (0.5, 1.5),
         n if n.ends_with("bias") => (-0.2, 0.2),
@@ -51,7 +53,8 @@ impl<L: Layout> ReluBlock<L> {
         let [g, b] = two("ln");
         let ln = layout.register_norm(m, "ln", C, EPS, [&g, &b])?;
         let [w, b] = two("fc");
-        let fc = layout.register_linear(m, "fc", [C, HIDDEN], Pair::Column { parts: 1 }, [&w, &b])?;
+        let fc =
+            layout.register_linear(m, "fc", [C, HIDDEN], Pair::Column { parts: 1 }, [&w, &b])?;
         let [w, b] = two("proj");
         let proj = layout.register_linear(m, "proj", [HIDDEN, C], Pair::Row, [&w, &b])?;
         Ok(ReluBlock {
@@ -166,7 +169,9 @@ fn shard(full: &[f64], [outputs, inputs]: [usize; 2], [row, col]: [usize; 2]) ->
     let out_l = outputs / q;
     if inputs == 1 {
         let piece = outputs / (q * q);
-        return (0..piece).map(|k| full[col * out_l + row * piece + k]).collect();
+        return (0..piece)
+            .map(|k| full[col * out_l + row * piece + k])
+            .collect();
     }
     let in_l = inputs / q;
     (0..out_l * in_l)
@@ -179,7 +184,10 @@ fn close(what: &str, got: &[f32], want: &[f64]) {
     let scale = want.iter().fold(1e-3f64, |a, v| a.max(v.abs()));
     for (i, (g, w)) in got.iter().zip(want).enumerate() {
         let err = (f64::from(*g) - w).abs() / scale;
-        assert!(err <= 1e-5, "{what}[{i}]: {g} against {w} (error {err:.1e})");
+        assert!(
+            err <= 1e-5,
+            "{what}[{i}]: {g} against {w} (error {err:.1e})"
+        );
     }
 }
 
@@ -219,7 +227,10 @@ fn reference(x: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<Vec<f64>>) {
         let act: Vec<f64> = pre.iter().map(|&v| v.max(0.0)).collect();
         let d = &dout[r * C..(r + 1) * C];
         for c in 0..C {
-            let m: f64 = b2[c] + (0..HIDDEN).map(|h| w2[c * HIDDEN + h] * act[h]).sum::<f64>();
+            let m: f64 = b2[c]
+                + (0..HIDDEN)
+                    .map(|h| w2[c * HIDDEN + h] * act[h])
+                    .sum::<f64>();
             out[r * C + c] = xr[c] + m;
             grads[5][c] += d[c];
             for h in 0..HIDDEN {
@@ -236,7 +247,7 @@ fn reference(x: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<Vec<f64>>) {
                 }
             })
             .collect();
-        let mut dy = vec![0.0; C];
+        let mut dy = [0.0; C];
         for h in 0..HIDDEN {
             grads[3][h] += dpre[h];
             for c in 0..C {
@@ -316,12 +327,23 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
             .map(|h| h.join().expect("rank panicked").unwrap())
             .collect()
     });
-    let shapes = [[C, 1], [C, 1], [HIDDEN, C], [HIDDEN, 1], [C, HIDDEN], [C, 1]];
+    let shapes = [
+        [C, 1],
+        [C, 1],
+        [HIDDEN, C],
+        [HIDDEN, 1],
+        [C, HIDDEN],
+        [C, 1],
+    ];
     for (t, ([gy, gdx], grads, place)) in ranks.iter().enumerate() {
         close(&format!("2D rank {t} out"), gy, &f64s(&y));
         close(&format!("2D rank {t} dx"), gdx, &f64s(&dx));
         for (k, (g, w)) in grads.iter().zip(&want_g).enumerate() {
-            close(&format!("2D rank {t} grad {k}"), g, &shard(w, shapes[k], *place));
+            close(
+                &format!("2D rank {t} grad {k}"),
+                g,
+                &shard(w, shapes[k], *place),
+            );
         }
     }
 }

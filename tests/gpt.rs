@@ -6,7 +6,7 @@
 mod common;
 mod nn_ref;
 
-use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, RunOptions};
+use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, Plan, RunOptions};
 use tidemem::optim::adam::reference_step;
 use tidemem::prelude::*;
 
@@ -131,7 +131,9 @@ fn loss_and_every_gradient_match_an_f64_reference() {
                     checkpoint,
                     loss_scale: 1.0,
                 };
-                let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
+                let loss = gpt
+                    .forward_backward(&mut m, &Plan::default(), &batch, opts)
+                    .unwrap();
                 let name = format!("{} {d} checkpoint={checkpoint}", dev.name());
                 let mut worst = close(&format!("{name}: loss"), &[loss], &[want_loss], tol);
                 for ((n, id), w) in gpt.named_params().iter().zip(&want) {
@@ -190,7 +192,9 @@ fn ten_adamw_steps_match_the_reference_losses() {
                 checkpoint: step % 2 == 0,
                 loss_scale: 1.0,
             };
-            let loss = gpt.forward_backward(&mut m, &batch, opts).unwrap();
+            let loss = gpt
+                .forward_backward(&mut m, &Plan::default(), &batch, opts)
+                .unwrap();
             m.step(&mut adam).unwrap();
             let (want, grads) = gpt_ref(&p, &tokens, &targets);
             for k in 0..p.len() {
@@ -255,7 +259,7 @@ fn bad_batches_are_refused_before_anything_runs() {
             seq: t,
         };
         assert!(matches!(
-            gpt.forward_backward(&mut m, &batch, opts),
+            gpt.forward_backward(&mut m, &Plan::default(), &batch, opts),
             Err(Error::InvalidArgument(_))
         ));
         assert_eq!(m.stage(), None, "nothing ran");
@@ -271,7 +275,9 @@ fn bad_batches_are_refused_before_anything_runs() {
         batch: B,
         seq: T,
     };
-    assert!(gpt.forward_backward(&mut m, &batch, nan).is_err());
+    assert!(gpt
+        .forward_backward(&mut m, &Plan::default(), &batch, nan)
+        .is_err());
     assert_eq!(m.stage(), None, "nothing ran");
     assert!(
         state(&mut m) == before,

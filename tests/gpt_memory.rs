@@ -8,7 +8,7 @@ mod common;
 use tidemem::chunk::{ChunkManager, ManagerConfig};
 use tidemem::comm::Communicator;
 use tidemem::device::{CachingAllocator, Device};
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::optim::{
     AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, StepOutcome,
 };
@@ -105,7 +105,17 @@ fn train(
     for k in from..from + steps {
         let pair = batch(k, 0, B);
         let b = view(&pair);
-        let r = train_step(gpt, m, opt, &[b], ckpt).unwrap();
+        let r = train_step(
+            gpt,
+            m,
+            &Plan {
+                checkpoint: ckpt,
+                ..Plan::default()
+            },
+            opt,
+            &[b],
+        )
+        .unwrap();
         losses.push(r.loss.to_bits());
         if k >= from + 2 {
             // steady iterations: the first loads every chunk once
@@ -202,7 +212,17 @@ fn save_train_reload_train_repeats_the_losses() {
     let step = |m: &mut ChunkManager, opt: &mut HybridAdam, k: u64| {
         let bs = two(k);
         let micro: Vec<GptBatch> = bs.iter().map(view).collect();
-        train_step(&gpt, m, opt, &micro, true).unwrap()
+        train_step(
+            &gpt,
+            m,
+            &Plan {
+                checkpoint: true,
+                ..Plan::default()
+            },
+            opt,
+            &micro,
+        )
+        .unwrap()
     };
     for k in 0..3 {
         step(&mut m, &mut opt, k);
@@ -243,7 +263,17 @@ fn zero_masters(world: usize, steps: u64) -> Vec<(String, Vec<f32>)> {
                     for k in 0..steps {
                         let pair = batch(k, r * per, per);
                         let b = view(&pair);
-                        let rep = train_step(&gpt, &mut z, &mut opt, &[b], k % 2 == 1).unwrap();
+                        let rep = train_step(
+                            &gpt,
+                            &mut z,
+                            &Plan {
+                                checkpoint: k % 2 == 1,
+                                ..Plan::default()
+                            },
+                            &mut opt,
+                            &[b],
+                        )
+                        .unwrap();
                         assert_eq!(rep.report.outcome, StepOutcome::Stepped);
                     }
                     let mine: Vec<(String, TensorId)> = gpt
@@ -275,7 +305,17 @@ fn zero_over_1_2_4_ranks_equals_one_process() {
     for k in 0..STEPS {
         let pair = batch(k, 0, B);
         let b = view(&pair);
-        train_step(&gpt, &mut m, &mut opt, &[b], k % 2 == 1).unwrap();
+        train_step(
+            &gpt,
+            &mut m,
+            &Plan {
+                checkpoint: k % 2 == 1,
+                ..Plan::default()
+            },
+            &mut opt,
+            &[b],
+        )
+        .unwrap();
     }
     for world in [1, 2, 4] {
         let owned = zero_masters(world, STEPS);
@@ -380,12 +420,12 @@ fn hugging_face_export_import_round_trip() {
     for k in 0..3 {
         let pair = batch(k, 0, B);
         let b = view(&pair);
-        train_step(&gpt, &mut m, &mut opt, &[b], false).unwrap();
+        train_step(&gpt, &mut m, &Plan::default(), &mut opt, &[b]).unwrap();
     }
     gpt.save_hf(&mut m, &a).unwrap();
     let w = read_hf(&a, Some(config().heads), Some(&config())).unwrap();
     let mut m2 = ChunkManager::new(common::sim(256 << 20), cfg).unwrap();
-    let gpt2 = Gpt::register_hf(&mut m2, &w).unwrap();
+    let gpt2 = Gpt::register_hf(&mut m2, &Plan::default(), &w).unwrap();
     for ((n, id), (_, id2)) in gpt.named_params().iter().zip(gpt2.named_params()) {
         assert_eq!(
             bits(&m.master(*id).unwrap()),
@@ -397,8 +437,8 @@ fn hugging_face_export_import_round_trip() {
     assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
     let pair = batch(9, 0, B);
     let bt = view(&pair);
-    let l1 = gpt.loss(&mut m, &bt).unwrap();
-    let l2 = gpt2.loss(&mut m2, &bt).unwrap();
+    let l1 = gpt.loss(&mut m, &Plan::default(), &bt).unwrap();
+    let l2 = gpt2.loss(&mut m2, &Plan::default(), &bt).unwrap();
     assert_eq!(l1.to_bits(), l2.to_bits());
     // the exported file as another shape: refused before anything registers
     let mut other = config();

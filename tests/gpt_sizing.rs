@@ -8,7 +8,7 @@
 
 use tidemem::chunk::{ChunkManager, ManagerConfig};
 use tidemem::device::{CachingAllocator, Device, SimConfig};
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig};
 use tidemem::prelude::*;
 use tidemem::simulate;
@@ -170,7 +170,11 @@ fn train_sized(
     let roomy = Device::sim(SimConfig::with_capacity(1 << 40)).unwrap();
     let mut m = manager(roomy, mcfg(1 << 40, None));
     let gpt = Gpt::register(&mut m, cfg, 1).unwrap();
-    train_step(&gpt, &mut m, &mut adam(dtype), &[b], checkpoint).unwrap();
+    let plan = Plan {
+        checkpoint,
+        ..Plan::default()
+    };
+    train_step(&gpt, &mut m, &plan, &mut adam(dtype), &[b]).unwrap();
     let s = m.sizing().unwrap();
     drop(m);
     let what = format!("{dtype:?} checkpointing {checkpoint}");
@@ -188,8 +192,17 @@ fn train_sized(
                 batch: rows,
                 seq,
             };
-            let r = train_step(&gpt, &mut m, &mut opt, &[b], checkpoint)
-                .unwrap_or_else(|e| panic!("{what} {}: {e}", policy.name()));
+            let r = train_step(
+                &gpt,
+                &mut m,
+                &Plan {
+                    checkpoint,
+                    ..Plan::default()
+                },
+                &mut opt,
+                &[b],
+            )
+            .unwrap_or_else(|e| panic!("{what} {}: {e}", policy.name()));
             r.loss
         })
         .collect();

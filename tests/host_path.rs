@@ -12,7 +12,7 @@ use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::device::{DeviceStats, PhaseTimes};
 use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::ops::embedding::BagMode;
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
@@ -84,7 +84,7 @@ fn gpt_step_on(
             dev.start_profile();
         }
         before = dev.stats();
-        train_step(&gpt, &mut m, &mut adam, &[batch], false).unwrap();
+        train_step(&gpt, &mut m, &Plan::default(), &mut adam, &[batch]).unwrap();
     }
     let counted = dev.stats().since(&before);
     let profiled = profile.then(|| (dev.stop_profile().unwrap(), t0.elapsed().as_secs_f64()));

@@ -8,12 +8,10 @@ mod common;
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, train_step_grid, train_step_in, train_step_pipe, train_step_sp,
-    train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups,
-    StageSplit,
+    default_init, train_step, train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig, Plan,
 };
 use tidemem::parallel::pipeline::Schedule;
-use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
+use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 
 const B: usize = 4;
@@ -70,7 +68,29 @@ fn manager(dev: Device, capacity: u64) -> ChunkManager {
 /// parameter chunk bytes and steady h2d bytes.
 type Trained = (Vec<u32>, Vec<f64>, u64, u64, u64);
 
-fn train(m: &mut ChunkManager, gpt: &Gpt, tp: Option<&Communicator>, ckpt: bool) -> Trained {
+/// This rank's part of the model with [`Gpt::register`]'s masters for seed 3, as `plan`
+/// places it.
+fn seeded(store: &mut impl ParamStore, plan: &Plan<'_>) -> tidemem::Result<Gpt> {
+    let cfg = config();
+    Gpt::register_on(store, plan, &cfg, |n, _| Ok(default_init(&cfg, n, 3)))
+}
+
+/// A grid of one tensor-parallel group of `c`'s ranks.
+fn tensor_grid(c: &Communicator, tensor: TensorMode) -> ProcessGrid {
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 1,
+        sequence: 1,
+        tensor,
+    };
+    ProcessGrid::new(c, spec).unwrap()
+}
+
+fn train(m: &mut ChunkManager, gpt: &Gpt, plan: &Plan<'_>, ckpt: bool) -> Trained {
+    let plan = Plan {
+        checkpoint: ckpt,
+        ..plan.clone()
+    };
     let mut opt = adam();
     let (mut losses, mut norms) = (Vec::new(), Vec::new());
     let mut h2d = 0;
@@ -82,10 +102,7 @@ fn train(m: &mut ChunkManager, gpt: &Gpt, tp: Option<&Communicator>, ckpt: bool)
             batch: B,
             seq: T,
         };
-        let r = match tp {
-            Some(_) => train_step_in(gpt, m, tp, &mut opt, &[b], ckpt).unwrap(),
-            None => train_step(gpt, m, &mut opt, &[b], ckpt).unwrap(),
-        };
+        let r = train_step(gpt, m, &plan, &mut opt, &[b]).unwrap();
         losses.push(r.loss.to_bits());
         norms.push(r.report.grad_norm);
         assert!(r.report.clip_coef < 1.0, "step {k} clips");
@@ -100,7 +117,7 @@ fn train(m: &mut ChunkManager, gpt: &Gpt, tp: Option<&Communicator>, ckpt: bool)
 fn gpt_1d_trains_like_the_serial_gpt() {
     let mut m = manager(common::sim(256 << 20), 256 << 20);
     let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
-    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, None, false);
+    let (serial, serial_norms, _, _, _) = train(&mut m, &gpt, &Plan::default(), false);
     let f = |b: &u32| f64::from(f32::from_bits(*b));
     for world in [2, 4] {
         let devs = (0..world).map(|_| common::sim(256 << 20)).collect();
@@ -110,17 +127,18 @@ fn gpt_1d_trains_like_the_serial_gpt() {
                 .into_iter()
                 .map(|c| {
                     s.spawn(move || {
-                        let shard = Shard::of(&c);
+                        let grid = tensor_grid(&c, TensorMode::OneD { size: world });
+                        let plan = Plan::on(&grid);
                         let mut m = manager(c.device().clone(), 256 << 20);
-                        let gpt = Gpt::register_1d(&mut m, &config(), 3, shard).unwrap();
+                        let gpt = seeded(&mut m, &plan).unwrap();
                         let (resident, norms, peak, chunks, res_h2d) =
-                            train(&mut m, &gpt, Some(&c), true);
+                            train(&mut m, &gpt, &plan, true);
                         // room for the non-model peak and a fifth of the shards' chunks (at
                         // least the three chunks one op may use)
                         let room = (chunks / 5).max(3 * CHUNK as u64 * 4);
                         let mut small = manager(c.device().clone(), peak + room);
-                        let gpt = Gpt::register_1d(&mut small, &config(), 3, shard).unwrap();
-                        let (streamed, _, _, _, h2d) = train(&mut small, &gpt, Some(&c), true);
+                        let gpt = seeded(&mut small, &plan).unwrap();
+                        let (streamed, _, _, _, h2d) = train(&mut small, &gpt, &plan, true);
                         assert!(
                             h2d > res_h2d,
                             "rank {}: shards were evicted and reloaded",
@@ -168,34 +186,47 @@ fn gpt_1d_trains_like_the_serial_gpt() {
 
 #[test]
 fn a_split_model_needs_its_group() {
-    let mut m = manager(common::sim(64 << 20), 64 << 20);
-    let shard = Shard { rank: 0, size: 2 };
-    let gpt = Gpt::register_1d(&mut m, &config(), 3, shard).unwrap();
-    let (t, g) = batch(0);
-    let b = GptBatch {
-        tokens: &t,
-        targets: &g,
-        batch: B,
-        seq: T,
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 1,
+        sequence: 1,
+        tensor: TensorMode::OneD { size: 2 },
     };
-    let opts = tidemem::models::gpt::RunOptions {
-        checkpoint: false,
-        loss_scale: 1.0,
-    };
-    assert!(gpt.forward_backward(&mut m, &b, opts).is_err(), "no group");
-    assert_eq!(m.stage(), None, "nothing ran");
-    let mut bad = config();
-    bad.heads = 3;
-    bad.channels = 33;
-    let mut m = manager(common::sim(64 << 20), 64 << 20);
-    assert!(Gpt::register_1d(&mut m, &bad, 3, shard).is_err());
+    on_grid(spec, |c, grid| {
+        let plan = Plan::on(grid);
+        let mut m = manager(c.device().clone(), 64 << 20);
+        let gpt = seeded(&mut m, &plan).unwrap();
+        let (t, g) = batch(0);
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: B,
+            seq: T,
+        };
+        let opts = tidemem::models::gpt::RunOptions {
+            checkpoint: false,
+            loss_scale: 1.0,
+        };
+        let alone = Plan::default();
+        assert!(
+            gpt.forward_backward(&mut m, &alone, &b, opts).is_err(),
+            "no group"
+        );
+        assert_eq!(m.stage(), None, "nothing ran");
+        let mut bad = config();
+        bad.heads = 3;
+        bad.channels = 33;
+        let mut m = manager(c.device().clone(), 64 << 20);
+        let init = |n: &str, _: &[usize]| Ok(default_init(&bad, n, 3));
+        assert!(Gpt::register_on(&mut m, &plan, &bad, init).is_err());
+    });
 }
 
 /// One process on the whole batch: the losses (bits) and gradient norms the split runs match.
 fn serial() -> (Vec<u32>, Vec<f64>) {
     let mut m = manager(common::sim(256 << 20), 256 << 20);
     let gpt = Gpt::register(&mut m, &config(), 3).unwrap();
-    let (losses, norms, _, _, _) = train(&mut m, &gpt, None, false);
+    let (losses, norms, _, _, _) = train(&mut m, &gpt, &Plan::default(), false);
     (losses, norms)
 }
 
@@ -223,16 +254,6 @@ fn zero_store(c: &Communicator, grid: &ProcessGrid) -> ZeroManager {
     let mut cfg = ManagerConfig::new(CHUNK, Policy::Tide);
     cfg.param_dtype = DType::F32;
     ZeroManager::new(grid.split_replicas(c).unwrap(), cfg).unwrap()
-}
-
-/// The groups of a stage of a pipeline with no tensor or sequence split.
-fn pipe_groups(grid: &ProcessGrid) -> StageGroups<'_> {
-    StageGroups {
-        pipeline: grid.pipeline(),
-        tensor: None,
-        sequence: None,
-        grid: None,
-    }
 }
 
 /// A batch's tokens and targets as 4 micro-batches of `B / 4` sequences.
@@ -305,8 +326,8 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     };
     let runs = on_grid(spec, |c, grid| {
         let mut z = zero_store(c, grid);
-        let tp = grid.tensor();
-        let gpt = Gpt::register_1d(&mut z, &config(), 3, Shard::of(tp)).unwrap();
+        let plan = Plan::on(grid);
+        let gpt = seeded(&mut z, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for k in 0..STEPS {
@@ -317,7 +338,11 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
                 batch: 1,
                 seq: T,
             };
-            let r = train_step_in(&gpt, &mut z, Some(tp), &mut opt, &[b], k % 2 == 0).unwrap();
+            let plan = Plan {
+                checkpoint: k % 2 == 0,
+                ..plan.clone()
+            };
+            let r = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
             losses.push(mean_loss(c, r.loss));
             norms.push(r.report.grad_norm);
         }
@@ -350,7 +375,12 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
             // chunks (at least three): the same bits, chunks moving
             let run = |capacity: u64, checkpoint: bool, ends: EndsLayout| {
                 let mut m = manager(c.device().clone(), capacity);
-                let gpt = GptGrid::register_with(&mut m, grid, &config(), 3, ends).unwrap();
+                let plan = Plan {
+                    ends,
+                    checkpoint,
+                    ..Plan::on(grid)
+                };
+                let gpt = seeded(&mut m, &plan).unwrap();
                 let mut opt = adam();
                 let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
                 for k in 0..STEPS {
@@ -361,8 +391,7 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
                         batch: B,
                         seq: T,
                     };
-                    let r = train_step_grid(&gpt, &mut m, grid, &mut opt, &[b], checkpoint);
-                    let r = r.unwrap();
+                    let r = train_step(&gpt, &mut m, &plan, &mut opt, &[b]).unwrap();
                     losses.push(r.loss);
                     norms.push(r.report.grad_norm);
                     if k >= 2 {
@@ -418,7 +447,8 @@ fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     };
     let runs = on_grid(spec, |c, grid| {
         let mut z = zero_store(c, grid);
-        let gpt = GptGrid::register(&mut z, grid, &config(), 3).unwrap();
+        let plan = Plan::on(grid);
+        let gpt = seeded(&mut z, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for k in 0..STEPS {
@@ -429,7 +459,7 @@ fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
                 batch: 2,
                 seq: T,
             };
-            let r = train_step_grid(&gpt, &mut z, grid, &mut opt, &[b], false).unwrap();
+            let r = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
             losses.push(mean_loss(c, r.loss));
             norms.push(r.report.grad_norm);
         }
@@ -450,7 +480,11 @@ fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
     };
     let runs = on_grid(spec, |c, grid| {
         let mut m = manager(c.device().clone(), 256 << 20);
-        let gpt = GptGrid::register(&mut m, grid, &config(), 3).unwrap();
+        let plan = Plan {
+            checkpoint: true,
+            ..Plan::on(grid)
+        };
+        let gpt = seeded(&mut m, &plan).unwrap();
         let mut opt = HybridAdam::new(HybridConfig {
             max_grad_norm: Some(0.05),
             placement: tidemem::optim::DevicePlacement::HostOnly,
@@ -468,7 +502,7 @@ fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
                 batch: B / 2,
                 seq: T,
             });
-            let r = train_step_grid(&gpt, &mut m, grid, &mut opt, &micro, true).unwrap();
+            let r = train_step(&gpt, &mut m, &plan, &mut opt, &micro).unwrap();
             losses.push(r.loss);
             norms.push(r.report.grad_norm);
         }
@@ -498,11 +532,7 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
         };
         let runs = on_grid(spec, |c, grid| {
             let mut z = zero_store(c, grid);
-            let tp = (tensor.size() > 1).then(|| grid.tensor());
-            let gpt = match tp {
-                Some(g) => Gpt::register_1d(&mut z, &config(), 3, Shard::of(g)).unwrap(),
-                None => Gpt::register(&mut z, &config(), 3).unwrap(),
-            };
+            let gpt = seeded(&mut z, &Plan::on(grid)).unwrap();
             let mut opt = adam();
             let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
             let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -521,9 +551,11 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
                     batch: rows,
                     seq: l,
                 };
-                let sp = Some(grid.sequence());
-                let ckpt = k % 2 == 0;
-                let s = train_step_sp(&gpt, &mut z, tp, sp, &mut opt, &[b], ckpt).unwrap();
+                let plan = Plan {
+                    checkpoint: k % 2 == 0,
+                    ..Plan::on(grid)
+                };
+                let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
                 losses.push(mean_loss(c, s.loss));
                 norms.push(s.report.grad_norm);
             }
@@ -545,26 +577,14 @@ fn train_stages(
     ends: EndsLayout,
 ) -> ((Vec<f32>, Vec<f64>), usize) {
     let spec = grid.spec();
-    let (tensor, data, sequence) = (spec.tensor, spec.data, spec.sequence);
-    let t = tensor.size();
+    let (data, sequence) = (spec.data, spec.sequence);
     let mut z = zero_store(c, grid);
-    let (stage, stages) = (grid.pipeline_rank(), 2);
-    let layers = GptStage::balanced(&config(), stages).unwrap();
-    let split = match tensor {
-        TensorMode::None => StageSplit::None,
-        TensorMode::OneD { .. } => StageSplit::OneD(Shard::of(grid.tensor())),
-        _ => StageSplit::Grid(grid),
+    let plan = Plan {
+        ends,
+        schedule,
+        ..Plan::on(grid)
     };
-    let range = layers[stage].clone();
-    let at = (stage, stages);
-    let gpt = GptStage::register_with(&mut z, &config(), 3, at, range, split, ends);
-    let gpt = gpt.unwrap();
-    let groups = StageGroups {
-        pipeline: grid.pipeline(),
-        tensor: (t > 1).then(|| grid.tensor()),
-        sequence: (sequence > 1).then(|| grid.sequence()),
-        grid: matches!(split, StageSplit::Grid(_)).then_some(grid),
-    };
+    let gpt = seeded(&mut z, &plan).unwrap();
     let mut opt = adam();
     let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
     let per = rows / m;
@@ -588,12 +608,13 @@ fn train_stages(
                 seq: l,
             })
             .collect();
-        let (s, rep) = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+        let s = train_step(&gpt, &mut z, &plan, &mut opt, &micro).unwrap();
+        let rep = s.stage.as_ref().expect("a pipeline stage's report");
         assert!(rep.peak_in_flight <= rep.in_flight_bound);
         losses.push(mean_loss(c, s.loss));
         norms.push(s.report.grad_norm);
     }
-    let wte = gpt.wte().unwrap();
+    let wte = gpt.param("wte.weight").unwrap();
     if data * sequence == 1 {
         // the first and the last stage's copies of wte: the same bits
         let bits = z.read(wte).unwrap().iter().fold(0i64, |h, x| {
@@ -725,16 +746,18 @@ fn pipeline_split_ends_need_a_vocabulary_that_splits() {
     on_grid(spec, |c, grid| {
         let mut m = manager(c.device().clone(), 256 << 20);
         let stage = grid.pipeline_rank();
-        let layers = GptStage::balanced(&cfg, 3).unwrap();
-        let (at, range) = ((stage, 3), layers[stage].clone());
-        let split = StageSplit::Grid(grid);
-        let r = GptStage::register(&mut m, &cfg, 3, at, range.clone(), split);
+        let init = |n: &str, _: &[usize]| Ok(default_init(&cfg, n, 3));
+        let r = Gpt::register_on(&mut m, &Plan::on(grid), &cfg, init);
         assert!(
             matches!(r, Err(tidemem::error::Error::InvalidArgument(_))),
             "stage {stage}: {r:?}"
         );
-        let whole = EndsLayout::Whole;
-        GptStage::register_with(&mut m, &cfg, 3, at, range, split, whole).unwrap();
+        assert_eq!(m.num_tensors(), 0, "stage {stage}: nothing registered");
+        let whole = Plan {
+            ends: EndsLayout::Whole,
+            ..Plan::on(grid)
+        };
+        Gpt::register_on(&mut m, &whole, &cfg, init).unwrap();
     });
 }
 
@@ -758,7 +781,7 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
         };
         let runs = on_grid(spec, |c, grid| {
             let mut z = zero_store(c, grid);
-            let gpt = GptGrid::register(&mut z, grid, &config(), 3).unwrap();
+            let gpt = seeded(&mut z, &Plan::on(grid)).unwrap();
             let mut opt = adam();
             let (l, r) = (T / 2, grid.sequence_rank());
             let (mut losses, mut norms) = (Vec::new(), Vec::new());
@@ -776,7 +799,11 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
                     batch: B,
                     seq: l,
                 };
-                let s = train_step_grid(&gpt, &mut z, grid, &mut opt, &[b], k % 2 == 1).unwrap();
+                let plan = Plan {
+                    checkpoint: k % 2 == 1,
+                    ..Plan::on(grid)
+                };
+                let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
                 losses.push(mean_loss(c, s.loss));
                 norms.push(s.report.grad_norm);
             }
@@ -828,7 +855,7 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
             batch: B,
             seq: T,
         };
-        let r = train_step(&gpt, &mut m, &mut opt, &[b], false).unwrap();
+        let r = train_step(&gpt, &mut m, &Plan::default(), &mut opt, &[b]).unwrap();
         want.push((r.loss, r.report.grad_norm));
     }
     let plain = serial();
@@ -845,14 +872,12 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
     };
     let runs = on_grid(spec, |c, grid| {
         let mut z = manager(c.device().clone(), 256 << 20);
-        let stage = grid.pipeline_rank();
-        let layers = GptStage::balanced(&config(), 2).unwrap();
-        let range = layers[stage].clone();
-        let split = StageSplit::None;
-        let gpt = GptStage::register(&mut z, &config(), 3, (stage, 2), range, split).unwrap();
-        let groups = pipe_groups(grid);
+        let plan = Plan {
+            schedule: Schedule::TwoBW { every: 2 },
+            ..Plan::on(grid)
+        };
+        let gpt = seeded(&mut z, &plan).unwrap();
         let mut opt = two_bw();
-        let schedule = Schedule::TwoBW { every: 2 };
         let mut got = Vec::new();
         for k in 0..STEPS {
             let d = halves(k);
@@ -865,7 +890,7 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
                     seq: T,
                 })
                 .collect();
-            let (s, _) = train_step_pipe(&gpt, &mut z, groups, schedule, &mut opt, &micro).unwrap();
+            let s = train_step(&gpt, &mut z, &plan, &mut opt, &micro).unwrap();
             got.push((s.loss, s.report.grad_norm));
         }
         got
@@ -950,17 +975,12 @@ fn gpt_pipedream_2bw_stream_equals_the_per_step_2bw() {
 fn gpt_2bw_stream_streams_from_a_small_device_with_the_same_bits() {
     let data: Vec<_> = (0..STEPS).map(batch).collect();
     small_device_keeps_the_bits(|m, grid| {
-        let stage = grid.pipeline_rank();
-        let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
-        let register = |m: &mut ChunkManager| {
-            let r = range.clone();
-            GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
-        };
-        let (a, b) = (register(m), register(m));
+        let plan = Plan::on(grid);
+        let (a, b) = (seeded(m, &plan).unwrap(), seeded(m, &plan).unwrap());
         let batches: Vec<Vec<GptBatch>> = data.iter().map(|(t, g)| quarters(t, g)).collect();
         let mut opt = adam();
-        let out = train_two_bw_stream([&a, &b], m, pipe_groups(grid), &mut opt, &batches).unwrap();
-        let losses = out.iter().map(|(s, _)| s.loss.to_bits()).collect();
+        let out = train_two_bw_stream([&a, &b], m, &plan, &mut opt, &batches).unwrap();
+        let losses = out.iter().map(|s| s.loss.to_bits()).collect();
         (losses, m.stats().h2d_bytes)
     });
 }
@@ -1008,24 +1028,18 @@ fn two_bw_runs<'d, S: ParamStore>(
     opt: &dyn Fn(bool) -> HybridAdam,
     micro: &dyn Fn(usize) -> Vec<GptBatch<'d>>,
 ) -> TwoBwRuns {
-    let stage = grid.pipeline_rank();
-    let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
-    let groups = pipe_groups(grid);
-    let register = |m: &mut S| {
-        let r = range.clone();
-        GptStage::register(m, &config(), 3, (stage, 2), r, StageSplit::None).unwrap()
+    let plan = Plan {
+        schedule: Schedule::TwoBW { every: 2 },
+        ..Plan::on(grid)
     };
+    let register = |m: &mut S| seeded(m, &plan).unwrap();
     let key = |s: &tidemem::models::gpt::TrainStep| (s.loss.to_bits(), s.report.grad_norm);
     // per step: a flush after every step, the parameters one version behind
     let mut m = store();
     let gpt = register(&mut m);
     let mut o = opt(true);
-    let schedule = Schedule::TwoBW { every: 2 };
     let per_step: Vec<_> = (0..STEPS as usize)
-        .map(|k| {
-            let s = train_step_pipe(&gpt, &mut m, groups, schedule, &mut o, &micro(k));
-            key(&s.unwrap().0)
-        })
+        .map(|k| key(&train_step(&gpt, &mut m, &plan, &mut o, &micro(k)).unwrap()))
         .collect();
     // one stream on two registrations, each starting on a chunk group rank 0 owns (on ZeRO,
     // each tensor's two versions then lie on one rank)
@@ -1037,9 +1051,10 @@ fn two_bw_runs<'d, S: ParamStore>(
     let (a, b) = (aligned(&mut m), aligned(&mut m));
     let mut o = opt(false);
     let batches: Vec<_> = (0..STEPS as usize).map(micro).collect();
-    let out = train_two_bw_stream([&a, &b], &mut m, groups, &mut o, &batches).unwrap();
-    let ahead: usize = out.iter().map(|(_, r)| r.ahead_forwards).sum();
-    let stream: Vec<_> = out.iter().map(|(s, _)| key(s)).collect();
+    let out = train_two_bw_stream([&a, &b], &mut m, &plan, &mut o, &batches).unwrap();
+    let reports = out.iter().filter_map(|s| s.stage.as_ref());
+    let ahead: usize = reports.map(|r| r.ahead_forwards).sum();
+    let stream: Vec<_> = out.iter().map(key).collect();
     (per_step, stream, ahead)
 }
 
@@ -1050,18 +1065,15 @@ fn two_bw_runs<'d, S: ParamStore>(
 #[test]
 fn pipeline_stages_stream_from_a_small_device_with_the_same_bits() {
     small_device_keeps_the_bits(|m, grid| {
-        let stage = grid.pipeline_rank();
-        let range = GptStage::balanced(&config(), 2).unwrap()[stage].clone();
-        let split = StageSplit::None;
-        let gpt = GptStage::register(m, &config(), 3, (stage, 2), range, split).unwrap();
+        let plan = Plan::on(grid);
+        let gpt = seeded(m, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut h2d) = (Vec::new(), 0);
         for k in 0..STEPS {
             let (t, g) = batch(k);
             let micro = quarters(&t, &g);
-            let schedule = Schedule::OneFOneB;
-            let s = train_step_pipe(&gpt, m, pipe_groups(grid), schedule, &mut opt, &micro);
-            losses.push(s.unwrap().0.loss.to_bits());
+            let s = train_step(&gpt, m, &plan, &mut opt, &micro).unwrap();
+            losses.push(s.loss.to_bits());
             if k >= 2 {
                 h2d += m.last_iteration().h2d_bytes;
             }

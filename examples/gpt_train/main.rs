@@ -33,12 +33,12 @@ use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::data::Ahead;
 use tidemem::device::{DeviceStats, HostPhase};
 use tidemem::models::gpt::{
-    read_hf, train_step, train_step_grid, train_step_pipe, train_step_sp, train_two_bw_stream,
-    EndsLayout, Gpt, GptBatch, GptConfig, GptGrid, GptStage, StageGroups, StageSplit,
+    default_init, read_hf, train_step, train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig,
+    Plan,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::pipeline::Schedule;
-use tidemem::parallel::{GridSpec, ProcessGrid, Shard, TensorMode};
+use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
 use tidemem::tide::Sizing;
@@ -247,7 +247,7 @@ fn model_config(a: &Args) -> Result<(GptConfig, Option<tidemem::models::gpt::HfW
 }
 
 /// What every rank's run needs.
-struct Plan {
+struct Setup {
     cfg: GptConfig,
     hf: Option<tidemem::models::gpt::HfWeights>,
     /// Shared with the threads that build batches ahead of the step.
@@ -262,7 +262,7 @@ struct Plan {
     warmup: Option<u64>,
 }
 
-fn manager_config(p: &Plan) -> ManagerConfig {
+fn manager_config(p: &Setup) -> ManagerConfig {
     let mut cfg = ManagerConfig::new(p.chunk_elems, p.policy);
     cfg.param_dtype = p.dtype;
     cfg.scheduler.capacity = p.capacity;
@@ -285,10 +285,14 @@ fn device(a: &Args, capacity: u64) -> Result<Device> {
     }
 }
 
-fn register(store: &mut impl ParamStore, p: &Plan, seed: u64) -> Result<Gpt> {
+/// Registers this rank's part of the model as `plan` places it: the imported weights, or
+/// GPT-2's initialisation from `seed`.
+fn register(store: &mut impl ParamStore, plan: &Plan<'_>, p: &Setup, seed: u64) -> Result<Gpt> {
     match &p.hf {
-        Some(w) => Gpt::register_hf(store, w),
-        None => Gpt::register(store, &p.cfg, seed),
+        Some(w) => Gpt::register_hf(store, plan, w),
+        None => Gpt::register_on(store, plan, &p.cfg, |n, _| {
+            Ok(default_init(&p.cfg, n, seed))
+        }),
     }
 }
 
@@ -317,14 +321,14 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
 
 /// What the model needs of a device ([`Sizing`]: the non-model peak, the largest single moment,
 /// the smallest device under a policy), from one iteration on a device with room for everything.
-fn probe(a: &Args, p: &Plan) -> Result<Sizing> {
+fn probe(a: &Args, p: &Setup) -> Result<Sizing> {
     let mut cfg = manager_config(p);
     cfg.scheduler.capacity = 1 << 40;
     cfg.scheduler.warmup_chunk_fraction = 1.0;
     let dev = device(a, 1 << 40)?;
     let mut m = ChunkManager::new(dev.clone(), cfg)?;
     m.set_non_model_allocator(CachingAllocator::new(dev));
-    let gpt = register(&mut m, p, a.seed)?;
+    let gpt = register(&mut m, &Plan::default(), p, a.seed)?;
     let (t, g) = p.data.batch(Split::Train, 0, a.batch, a.seq)?;
     let b = GptBatch {
         tokens: &t,
@@ -337,13 +341,11 @@ fn probe(a: &Args, p: &Plan) -> Result<Sizing> {
         accumulate: 1,
         ..a.clone()
     };
-    train_step(
-        &gpt,
-        &mut m,
-        &mut adam(&one, p.dtype, false)?,
-        &[b],
-        p.checkpoint,
-    )?;
+    let run = Plan {
+        checkpoint: p.checkpoint,
+        ..Plan::default()
+    };
+    train_step(&gpt, &mut m, &run, &mut adam(&one, p.dtype, false)?, &[b])?;
     m.sizing()
 }
 
@@ -382,7 +384,7 @@ fn run() -> Result<()> {
         .iter()
         .map(|(_, s)| s.iter().product::<usize>())
         .max();
-    let mut plan = Plan {
+    let mut plan = Setup {
         dtype: parse_dtype(&a.dtype)?,
         policy: parse_policy(&a.policy)?,
         checkpoint,
@@ -434,7 +436,11 @@ fn run() -> Result<()> {
     let dev = device(&a, plan.capacity)?;
     let mut m = ChunkManager::new(dev.clone(), manager_config(&plan))?;
     m.set_non_model_allocator(CachingAllocator::new(dev.clone()));
-    let gpt = register(&mut m, &plan, a.seed)?;
+    let gpt = register(&mut m, &Plan::default(), &plan, a.seed)?;
+    let run = Plan {
+        checkpoint: plan.checkpoint,
+        ..Plan::default()
+    };
     let mut opt = adam(&a, plan.dtype, false)?;
     if let Some(p) = &a.resume {
         opt.load_checkpoint(&mut m, p)?;
@@ -481,7 +487,7 @@ fn run() -> Result<()> {
         let t0 = Instant::now();
         let before = m.stats();
         let dev_before = m.device().stats();
-        let r = train_step(&gpt, &mut m, &mut opt, &micro, plan.checkpoint)?;
+        let r = train_step(&gpt, &mut m, &run, &mut opt, &micro)?;
         device_step = m.device().stats().since(&dev_before);
         adam_groups = (r.report.device_groups, m.groups() - r.report.device_groups);
         let moved = m.stats().since(&before);
@@ -667,7 +673,7 @@ fn progress(a: &Args) -> ProgressBar {
 }
 
 /// The mean loss over a few held-out batches.
-fn validation(gpt: &Gpt, store: &mut impl ParamStore, p: &Plan, a: &Args) -> Result<f32> {
+fn validation(gpt: &Gpt, store: &mut impl ParamStore, p: &Setup, a: &Args) -> Result<f32> {
     let mut sum = 0.0;
     for k in 0..4 {
         let (t, g) = p.data.batch(Split::Val, k, a.batch, a.seq)?;
@@ -677,7 +683,7 @@ fn validation(gpt: &Gpt, store: &mut impl ParamStore, p: &Plan, a: &Args) -> Res
             batch: a.batch,
             seq: a.seq,
         };
-        sum += gpt.loss(store, &b)?;
+        sum += gpt.loss(store, &Plan::default(), &b)?;
     }
     Ok(sum / 4.0)
 }
@@ -685,7 +691,7 @@ fn validation(gpt: &Gpt, store: &mut impl ParamStore, p: &Plan, a: &Args) -> Res
 #[allow(clippy::too_many_arguments)]
 fn summary(
     a: &Args,
-    p: &Plan,
+    p: &Setup,
     losses: &[f32],
     val: f32,
     tps: f64,
@@ -734,7 +740,7 @@ fn summary(
 /// CUDA device 0 with `--backend cuda`), or one NCCL rank per process when a launcher sets
 /// `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (CUDA device
 /// `LOCAL_RANK`); each rank trains on `--batch` rows of its own. Rank 0 reports.
-fn train_zero(a: &Args, p: &Plan) -> Result<()> {
+fn train_zero(a: &Args, p: &Setup) -> Result<()> {
     let launched = std::env::var_os("WORLD_SIZE").is_some();
     let device_for = |r: usize| {
         if launched {
@@ -778,23 +784,17 @@ fn train_zero(a: &Args, p: &Plan) -> Result<()> {
 /// last step (none for PipeDream-2BW's stream, which runs every step at once).
 type RankReport = (Vec<f32>, f64, usize, Option<DeviceStats>);
 
-fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
+fn rank(a: &Args, p: &Setup, c: Communicator) -> Result<Option<RankReport>> {
     let tensor: TensorMode = a.tp.parse()?;
-    let blocks_only = !matches!(tensor, TensorMode::None | TensorMode::OneD { .. });
-    if blocks_only && p.hf.is_some() {
-        return Err(bad(format!(
-            "--tp {tensor} trains without --load-hf so far"
-        )));
-    }
     let (world, t, sp, pp) = (c.world(), tensor.size(), a.sp, a.pp);
     if t == 0 || sp == 0 || pp == 0 || !world.is_multiple_of(t * sp * pp) {
         return Err(bad(format!(
             "--tp {tensor} × --sp {sp} × --pp {pp} does not divide {world} ranks"
         )));
     }
-    if sp > 1 && (p.hf.is_some() || !a.seq.is_multiple_of(sp)) {
+    if sp > 1 && !a.seq.is_multiple_of(sp) {
         return Err(bad(format!(
-            "--sp {sp} runs without --load-hf and with a --seq ({}) that divides by it",
+            "--sp {sp} runs with a --seq ({}) that divides by it",
             a.seq
         )));
     }
@@ -806,9 +806,9 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
         },
         other => return Err(bad(format!("--schedule {other}: 1f1b, gpipe or 2bw"))),
     };
-    if pp > 1 && (p.hf.is_some() || a.accumulate != 1 || a.micro_batches == 0) {
+    if pp > 1 && (a.accumulate != 1 || a.micro_batches == 0) {
         return Err(bad(format!(
-            "--pp {pp} runs without --load-hf or --accumulate (the pipeline's micro-batches are \
+            "--pp {pp} runs without --accumulate (the pipeline's micro-batches are \
              --micro-batches {})",
             a.micro_batches
         )));
@@ -820,7 +820,6 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
         tensor,
     };
     let grid = ProcessGrid::new(&c, spec)?;
-    let tp = (t > 1 && !blocks_only).then(|| grid.tensor());
     let (dp, dps) = (grid.data_rank() as u64, spec.data as u64);
     let r = c.rank();
     // a checkpoint of several ranks is a directory of one file a rank
@@ -828,10 +827,8 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
     let run = Run {
         a,
         p,
-        tp,
-        grid: blocks_only.then_some(&grid),
+        grid: &grid,
         sp: (sp > 1).then(|| grid.sequence()),
-        pipe: (pp > 1).then_some(&grid),
         schedule,
         stream: pp > 1
             && matches!(schedule, Schedule::TwoBW { .. })
@@ -877,14 +874,11 @@ fn rank(a: &Args, p: &Plan, c: Communicator) -> Result<Option<RankReport>> {
 /// What a rank's training loop needs besides its store.
 struct Run<'a> {
     a: &'a Args,
-    p: &'a Plan,
-    tp: Option<&'a Communicator>,
-    /// A 2D, 2.5D or 3D grid the blocks are split over ([`GptGrid`]).
-    grid: Option<&'a ProcessGrid>,
+    p: &'a Setup,
+    /// The rank's grid: tensor, sequence, pipeline and data groups.
+    grid: &'a ProcessGrid,
     /// The sequence ring, with sequence parallelism.
     sp: Option<&'a Communicator>,
-    /// The grid, with pipeline parallelism (stages of [`GptStage`]).
-    pipe: Option<&'a ProcessGrid>,
     /// The pipeline's schedule.
     schedule: Schedule,
     /// PipeDream-2BW as one stream of steps with no flush (two registrations of the stage).
@@ -940,69 +934,46 @@ impl Run<'_> {
             "whole" => EndsLayout::Whole,
             e => return Err(bad(format!("--tp-ends {e}: split or whole"))),
         };
-        let model = match (self.grid, self.tp) {
-            _ if self.pipe.is_some() => {
-                let grid = self.pipe.ok_or_else(|| bad("no pipeline".into()))?;
-                let (stage, stages) = (grid.pipeline_rank(), grid.spec().pipeline);
-                let layers = GptStage::balanced(&p.cfg, stages)?;
-                let split = match (self.grid, self.tp) {
-                    (Some(g), _) => StageSplit::Grid(g),
-                    (None, Some(t)) => StageSplit::OneD(Shard::of(t)),
-                    (None, None) => StageSplit::None,
-                };
-                let range = layers[stage].clone();
-                let at = (stage, stages);
-                // a stream's two weight versions: the stage registered twice, each time from a
-                // chunk group rank 0 owns, so that a ZeRO rank holds both versions of a tensor
-                if self.stream {
-                    store.align_to_ranks()?;
-                }
-                let gpt = GptStage::register_with(store, &p.cfg, a.seed, at, range, split, ends)?;
-                let second = match self.stream {
-                    true => {
-                        store.align_to_ranks()?;
-                        let r = layers[stage].clone();
-                        let g = GptStage::register_with(store, &p.cfg, a.seed, at, r, split, ends)?;
-                        Some(Box::new(g))
-                    }
-                    false => None,
-                };
-                let groups = StageGroups {
-                    pipeline: grid.pipeline(),
-                    tensor: self.tp.or(self.grid.map(ProcessGrid::tensor)),
-                    sequence: self.sp,
-                    grid: self.grid,
-                };
-                Model::Pipe(Box::new(gpt), second, groups)
-            }
-            (Some(grid), _) if p.hf.is_none() => {
-                let gpt = GptGrid::register_with(store, grid, &p.cfg, a.seed, ends)?;
-                Model::Grid(gpt, grid)
-            }
-            (None, Some(g)) if p.hf.is_none() => {
-                Model::Serial(Gpt::register_1d(store, &p.cfg, a.seed, Shard::of(g))?)
-            }
-            (None, None) => Model::Serial(register(store, p, a.seed)?),
-            _ => return Err(bad("--load-hf with --tp: not supported".into())),
+        let pipelined = self.grid.spec().pipeline > 1;
+        let plan = Plan {
+            grid: Some(self.grid),
+            ends,
+            stages: None,
+            schedule: self.schedule,
+            // a pipeline stage keeps its blocks' activations
+            checkpoint: p.checkpoint && !pipelined,
         };
-        let delayed = self.pipe.is_some() && !self.stream && a.schedule == "2bw";
+        // a stream's two weight versions: the stage registered twice, each time from a chunk
+        // group rank 0 owns, so that a ZeRO rank holds both versions of a tensor
+        if self.stream {
+            store.align_to_ranks()?;
+        }
+        let gpt = register(store, &plan, p, a.seed)?;
+        let second = match self.stream {
+            true => {
+                store.align_to_ranks()?;
+                Some(register(store, &plan, p, a.seed)?)
+            }
+            false => None,
+        };
+        let delayed = pipelined && !self.stream && a.schedule == "2bw";
         let mut opt = adam(a, p.dtype, delayed)?;
         if a.resume.is_some() {
             load(store, &mut opt)?;
         }
         let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
-        let m = match self.pipe {
-            Some(_) => a.micro_batches as u64,
-            None => u64::from(a.accumulate),
+        let m = match pipelined {
+            true => a.micro_batches as u64,
+            false => u64::from(a.accumulate),
         };
-        if let Model::Pipe(gpt, Some(second), groups) = &model {
+        if let Some(second) = &second {
             // PipeDream-2BW's stream: every step's micro-batches, then one run
             let all = (0..a.steps)
                 .map(|k| self.micro_batches(opt.steps() + k, m))
                 .collect::<Result<Vec<_>>>()?;
             let batches: Vec<Vec<GptBatch<'_>>> = all.iter().map(|b| self.views(b)).collect();
-            let out = train_two_bw_stream([gpt, second], store, *groups, &mut opt, &batches)?;
-            for (s, _) in out {
+            let out = train_two_bw_stream([&gpt, second], store, &plan, &mut opt, &batches)?;
+            for s in out {
                 losses.push(s.loss);
                 tokens += s.tokens;
             }
@@ -1016,18 +987,7 @@ impl Run<'_> {
             let batches = ahead.at(opt.steps())?;
             let micro = self.views(&batches);
             let before = store.device().stats();
-            let s = match &model {
-                Model::Serial(gpt) => {
-                    let (tp, sp) = (self.tp, self.sp);
-                    train_step_sp(gpt, store, tp, sp, &mut opt, &micro, p.checkpoint)?
-                }
-                Model::Grid(gpt, grid) => {
-                    train_step_grid(gpt, store, grid, &mut opt, &micro, p.checkpoint)?
-                }
-                Model::Pipe(gpt, _, groups) => {
-                    train_step_pipe(gpt, store, *groups, self.schedule, &mut opt, &micro)?.0
-                }
-            };
+            let s = train_step(&gpt, store, &plan, &mut opt, &micro)?;
             step = Some(store.device().stats().since(&before));
             losses.push(s.loss);
             tokens += s.tokens;
@@ -1038,13 +998,4 @@ impl Run<'_> {
         }
         Ok((losses, tokens, t0.elapsed().as_secs_f64(), step))
     }
-}
-
-/// The model a rank trains: serial or 1D ([`Gpt`]), split over a 2D, 2.5D or 3D grid, or a
-/// pipeline stage.
-enum Model<'g> {
-    Serial(Gpt),
-    Grid(GptGrid, &'g ProcessGrid),
-    /// A stage, its second weight version with a PipeDream-2BW stream, its groups.
-    Pipe(Box<GptStage>, Option<Box<GptStage>>, StageGroups<'g>),
 }

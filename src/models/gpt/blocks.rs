@@ -164,6 +164,52 @@ impl Blocks {
         }
     }
 
+    /// Checks that the blocks were registered for `split` (their layout and this rank's place
+    /// in it), before anything runs.
+    pub(super) fn check(&self, split: StageSplit<'_>) -> Result<()> {
+        let ok = match (self, split) {
+            (Blocks::Serial(_), StageSplit::None) => Ok(()),
+            (Blocks::OneD(v), StageSplit::OneD(shard)) => match v.first() {
+                Some(b) if b.layout.shard != shard => Err(()),
+                _ => Ok(()),
+            },
+            (Blocks::Summa(v), StageSplit::Grid(g)) => match v.first() {
+                Some(b) => return b.layout.check(g),
+                None => Ok(()),
+            },
+            (Blocks::Cube(v), StageSplit::Grid(g)) => match v.first() {
+                Some(b) => return b.layout.check(g),
+                None => Ok(()),
+            },
+            _ => Err(()),
+        };
+        ok.map_err(|()| {
+            Error::InvalidArgument(format!(
+                "blocks registered {} run {}",
+                self.describe(),
+                match split {
+                    StageSplit::None => "whole".to_string(),
+                    StageSplit::OneD(s) =>
+                        format!("as rank {} of a 1D group of {}", s.rank, s.size),
+                    StageSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
+                }
+            ))
+        })
+    }
+
+    /// The layout the blocks were registered on, in words.
+    fn describe(&self) -> String {
+        match self {
+            Blocks::Serial(_) => "whole".into(),
+            Blocks::OneD(v) => v.first().map_or("1D".into(), |b| {
+                let s = b.layout.shard;
+                format!("as rank {} of a 1D group of {}", s.rank, s.size)
+            }),
+            Blocks::Summa(_) => "on a 2D or 2.5D grid".into(),
+            Blocks::Cube(_) => "on a 3D cube".into(),
+        }
+    }
+
     /// Every block's parameters, in registration order.
     pub(super) fn params(&self) -> Vec<TensorId> {
         fn p<L: Layout>(v: &[Block<L>]) -> Vec<TensorId> {
@@ -204,11 +250,6 @@ impl Blocks {
             Blocks::Summa(v) => h(v, heads),
             Blocks::Cube(v) => h(v, heads),
         }
-    }
-
-    /// Whether activations are tiles of a grid (not whole on every rank).
-    pub(super) fn tiled(&self) -> bool {
-        matches!(self, Blocks::Summa(_) | Blocks::Cube(_))
     }
 
     /// The blocks from `x`, keeping what `keep` says.

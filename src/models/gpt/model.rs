@@ -2,17 +2,18 @@
 //! (with or without activation checkpointing), and an evaluation forward.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 use serde::Serialize;
 
-use super::blocks::{Blocks, Keep, Kept, On, Shape, StageSplit};
-use super::ends::{EmbKept, Ends, HeadKept};
+use super::blocks::{Blocks, StageSplit};
+use super::ends::{Embed, Ends, Head};
+use super::plan::Plan;
+use super::split_ends::{check_splits, wte_norm_share, SplitEmbedding, SplitHead};
 use super::GptConfig;
-use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Embedding, HeadsCore, LayerNorm, LmHead, Loss};
-use crate::parallel::{RingAttention, RingCore, Shard};
-use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::nn::{Embedding, LayerNorm, LmHead, WeightUse};
+use crate::store::ParamStore;
 use crate::tensor::{Init, TensorId};
 
 /// GPT-2's σ = 0.02, as the bound of a uniform of that deviation.
@@ -21,9 +22,13 @@ const INIT_BOUND: f32 = 0.034_641_016;
 /// Targets equal to it count for nothing (PyTorch's default).
 pub const IGNORE_INDEX: i32 = -100;
 
-/// A GPT-2 model whose parameters live in a store: the token and position [`Embedding`],
-/// `L` pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the [`LmHead`] tied to `wte` (one
-/// parameter with two uses: the store sums their gradient shares).
+/// A GPT-2 model whose parameters live in a store: the token and position embedding, `L`
+/// pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the LM head tied to
+/// `wte` (one parameter with two uses: the store sums their gradient shares) — or a rank's
+/// part of it, as a [`Plan`] places it: the blocks split over a tensor-parallel group on any
+/// layout, the ends ([`Ends`]) split too or whole, and in a pipeline, the stage's range of
+/// blocks with the ends it holds (the first stage the embedding, the last `ln_f` and the head
+/// over its own copy of `wte`).
 ///
 /// # Example
 ///
@@ -44,26 +49,25 @@ pub const IGNORE_INDEX: i32 = -100;
 /// let targets: Vec<i32> = (1..33).map(|i| i % 7).collect();
 /// let batch = GptBatch { tokens: &tokens, targets: &targets, batch: 2, seq: 16 };
 /// let opts = RunOptions { checkpoint: true, loss_scale: 1.0 };
-/// let first = gpt.forward_backward(&mut m, &batch, opts)?;
+/// let first = gpt.forward_backward(&mut m, &Default::default(), &batch, opts)?;
 /// m.step(&mut adam)?;
-/// let second = gpt.forward_backward(&mut m, &batch, opts)?;
+/// let second = gpt.forward_backward(&mut m, &Default::default(), &batch, opts)?;
 /// m.step(&mut adam)?;
 /// assert!(second < first);
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt {
-    /// The shape.
+    /// The whole model's shape.
     pub config: GptConfig,
-    /// The token and position embedding and the LM head tied to `wte`.
-    pub ends: Ends,
-    /// The transformer blocks `h.0 … h.{L-1}`.
+    /// This rank's pipeline stage.
+    pub stage: usize,
+    /// Stages in the pipeline (1 without one).
+    pub stages: usize,
+    /// The blocks this rank holds (their indices in the model).
+    pub layers: Range<usize>,
     pub(super) blocks: Blocks,
-    /// `ln_f`.
-    pub ln_f: LayerNorm,
-    /// For a model split over a 1D tensor-parallel group ([`Gpt::register_1d`]): this rank's
-    /// place; the blocks hold its shards.
-    pub tensor: Option<Shard>,
+    pub(super) ends: Ends,
     pub(super) params: Vec<(String, TensorId)>,
 }
 
@@ -139,92 +143,153 @@ impl RunOptions {
 }
 
 impl Gpt {
-    /// Registers the model's parameters in `store` (names and order of
+    /// Registers the whole model's parameters in `store` (names and order of
     /// [`GptConfig::param_shapes`]) with GPT-2's initialisation drawn from `seed`: weights of
     /// σ 0.02 (uniform), the residual projections' (`c_proj`) scaled by `1/√(2L)`, biases zero,
     /// LayerNorms γ 1, β 0.
     pub fn register(store: &mut impl ParamStore, cfg: &GptConfig, seed: u64) -> Result<Gpt> {
-        Gpt::register_with(store, cfg, |name, _| Ok(default_init(cfg, name, seed)))
-    }
-
-    /// Registers the model with each parameter's initial values from `init(name, shape)`
-    /// (shapes as the crate holds them, linear weights `[outputs, inputs]`), e.g. from an
-    /// imported checkpoint. An error from `init` stops the registration.
-    pub fn register_with(
-        store: &mut impl ParamStore,
-        cfg: &GptConfig,
-        mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
-    ) -> Result<Gpt> {
-        cfg.validate()?;
-        // every initialiser first, so that a failing one registers nothing
-        let inits = cfg
-            .param_shapes()
-            .iter()
-            .map(|(n, s)| Ok((n.clone(), init(n, s)?)))
-            .collect::<Result<BTreeMap<_, _>>>()?;
-        let master = |n: &str| inits.get(n).cloned().unwrap_or(Init::Zeros);
-        let c = cfg.channels;
-        fn named<S: ParamStore>(
-            s: &mut S,
-            n: &str,
-            shape: &[usize],
-            i: Init,
-        ) -> Result<(String, TensorId)> {
-            s.register(n, shape, i).map(|id| (n.to_string(), id))
-        }
-        let reg = |store: &mut _, n: &str, shape: &[usize]| named(store, n, shape, master(n));
-        let wte = reg(store, "wte.weight", &[cfg.vocab, c])?;
-        let wpe = reg(store, "wpe.weight", &[cfg.max_seq, c])?;
-        let blocks = Blocks::register(store, cfg, 0..cfg.layers, StageSplit::None, &master)?;
-        let gamma = reg(store, "ln_f.weight", &[c])?;
-        let beta = reg(store, "ln_f.bias", &[c])?;
-        let ln_f = LayerNorm {
-            gamma: gamma.1,
-            beta: beta.1,
-            cols: c,
-            eps: cfg.eps,
-        };
-        let embedding = Embedding {
-            wte: wte.1,
-            wpe: wpe.1,
-            vocab: cfg.vocab,
-            max_seq: cfg.max_seq,
-            channels: c,
-        };
-        let head = LmHead::tied(&*store, embedding.wte, IGNORE_INDEX)?;
-        let mut params = vec![wte, wpe];
-        params.extend(blocks.named_params(0));
-        params.extend([gamma, beta]);
-        Ok(Gpt {
-            config: cfg.clone(),
-            blocks,
-            ln_f,
-            ends: Ends::Whole { embedding, head },
-            tensor: None,
-            params,
+        Gpt::register_on(store, &Plan::default(), cfg, |name, _| {
+            Ok(default_init(cfg, name, seed))
         })
     }
 
+    /// Registers the whole model with each parameter's initial values from
+    /// `init(name, shape)` (shapes as the crate holds them, linear weights `[outputs,
+    /// inputs]`), e.g. from an imported checkpoint. An error from `init` stops the
+    /// registration.
+    pub fn register_with(
+        store: &mut impl ParamStore,
+        cfg: &GptConfig,
+        init: impl FnMut(&str, &[usize]) -> Result<Init>,
+    ) -> Result<Gpt> {
+        Gpt::register_on(store, &Plan::default(), cfg, init)
+    }
+
     /// Registers the model with the values of an imported Hugging Face checkpoint
-    /// ([`read_hf`](super::read_hf)): its shape and every parameter.
-    pub fn register_hf(store: &mut impl ParamStore, weights: &super::HfWeights) -> Result<Gpt> {
-        Gpt::register_with(store, weights.config(), |name, _| {
+    /// ([`read_hf`](super::read_hf)), placed as `plan` says.
+    pub fn register_hf(
+        store: &mut impl ParamStore,
+        plan: &Plan<'_>,
+        weights: &super::HfWeights,
+    ) -> Result<Gpt> {
+        Gpt::register_on(store, plan, weights.config(), |name, _| {
             weights.init(name).ok_or_else(|| {
                 Error::InvalidArgument(format!("the imported weights have no '{name}'"))
             })
         })
     }
 
+    /// Registers this rank's part of the model as `plan` places it, each parameter (shard)
+    /// with the values of its whole master `init(name, shape)` (called for every parameter
+    /// first: an error registers nothing), so that the split model computes what the whole
+    /// one does. The blocks are split over the grid's tensor group (1D, 2D, 2.5D or 3D), the
+    /// ends split with them or whole ([`Plan::ends`]); a pipeline stage holds its range of
+    /// blocks, the first stage the embedding and the last `ln_f` and the head over its own
+    /// copy of `wte`, and its layers write gradient shares (a stage runs each once per
+    /// micro-batch). Replicated parameters count their share of the squared gradient norm
+    /// (`1/T` over the tensor group, `1/2` for `wte`'s two copies, `1/d` for a 2.5D grid's
+    /// depth replicas). Fails, before registering anything, on shapes that do not split.
+    pub fn register_on(
+        store: &mut impl ParamStore,
+        plan: &Plan<'_>,
+        cfg: &GptConfig,
+        mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
+    ) -> Result<Gpt> {
+        cfg.validate()?;
+        let inits = cfg
+            .param_shapes()
+            .iter()
+            .map(|(n, s)| Ok((n.clone(), init(n, s)?)))
+            .collect::<Result<BTreeMap<_, _>>>()?;
+        let master = |n: &str| inits.get(n).cloned().unwrap_or(Init::Zeros);
+        let (stage, stages) = plan.stage();
+        let layers = plan.layers(cfg)?;
+        if let Some(p) = plan.ends_place() {
+            check_splits(cfg, p)?;
+        }
+        let (first, last) = (stage == 0, stage + 1 == stages);
+        let uses = match stages {
+            1 => WeightUse::Once,
+            _ => WeightUse::Shared,
+        };
+        let copies = if stages > 1 { 2.0 } else { 1.0 };
+        let mut params = Vec::new();
+        let (ends, blocks) = match plan.ends_place() {
+            None => {
+                let replicated = 1.0 / plan.tensor_size() as f64;
+                let parts = Parts {
+                    master: &master,
+                    split: plan.split(),
+                    replicated,
+                };
+                register_whole(
+                    store,
+                    cfg,
+                    &parts,
+                    (first, last),
+                    layers.clone(),
+                    copies,
+                    &mut params,
+                )?
+            }
+            Some(p) => {
+                let e = first
+                    .then(|| SplitEmbedding::register(store, cfg, &master, p, uses))
+                    .transpose()?;
+                let b = Blocks::register(store, cfg, layers.clone(), plan.split(), &master)?;
+                let h = last
+                    .then(|| SplitHead::register(store, cfg, &master, p, e.as_ref()))
+                    .transpose()?;
+                // each copy of wte's shard counts its share
+                let wte = e.as_ref().map(SplitEmbedding::wte);
+                for id in wte.into_iter().chain(h.as_ref().map(SplitHead::wte)) {
+                    store.set_norm_share(id, wte_norm_share(p) / copies)?;
+                }
+                if let Some(e) = &e {
+                    let names = ["wte.weight", "wpe.weight"].into_iter().map(String::from);
+                    params.extend(names.zip(e.params()));
+                }
+                params.extend(b.named_params(layers.start));
+                if let Some(h) = &h {
+                    if e.is_none() {
+                        params.push(("wte.weight".into(), h.wte()));
+                    }
+                    let names = ["ln_f.weight", "ln_f.bias"].into_iter().map(String::from);
+                    params.extend(names.zip(h.ln_f()));
+                }
+                let ends = Ends {
+                    embedding: e.map(Embed::Split),
+                    head: h.map(Head::Split),
+                };
+                (ends, b)
+            }
+        };
+        let blocks = match uses {
+            WeightUse::Once => blocks,
+            WeightUse::Shared => blocks.shared(),
+        };
+        Ok(Gpt {
+            config: cfg.clone(),
+            stage,
+            stages,
+            layers,
+            blocks,
+            ends,
+            params,
+        })
+    }
+
     /// Writes the model's fp32 master weights as a Hugging Face GPT-2 `safetensors` file
-    /// ([`write_hf`](super::write_hf)), between iterations.
+    /// ([`write_hf`](super::write_hf)), between iterations. The model must be whole on this
+    /// rank.
     pub fn save_hf(
         &self,
         m: &mut crate::chunk::ChunkManager,
         path: impl AsRef<std::path::Path>,
     ) -> Result<()> {
-        if self.tensor.is_some() {
+        if !self.whole() {
             return Err(Error::InvalidArgument(
-                "a tensor-parallel rank holds shards: export the serial model".into(),
+                "a rank of a split model holds a part of it: export the whole model".into(),
             ));
         }
         super::write_hf(path, &self.config, |name| {
@@ -235,304 +300,98 @@ impl Gpt {
         })
     }
 
-    /// Every parameter's name and id, in registration order.
+    /// Whether this rank holds the whole model (no pipeline, no tensor split).
+    pub(super) fn whole(&self) -> bool {
+        self.stages == 1 && matches!(self.blocks, Blocks::Serial(_)) && !self.ends.split()
+    }
+
+    /// Every parameter's name and id on this rank, in registration order (a shard under its
+    /// master's name).
     pub fn named_params(&self) -> &[(String, TensorId)] {
         &self.params
     }
 
-    /// The id of the parameter named `name` (e.g. `h.0.attn.c_attn.weight`).
+    /// The id of the parameter named `name` (e.g. `h.0.attn.c_attn.weight`) on this rank.
     pub fn param(&self, name: &str) -> Option<TensorId> {
         self.params.iter().find(|(n, _)| n == name).map(|p| p.1)
     }
-
-    fn check(&self, b: &GptBatch<'_>) -> Result<()> {
-        b.check(&self.config)
-    }
-
-    /// One iteration's forward and backward on `b`: every parameter's gradient (of the mean
-    /// loss times `opts.loss_scale`) written into its slot, the loss (unscaled) returned. The
-    /// store is then in its optimizer stage: run [`ParamStore::step`]. Shapes, tokens and
-    /// targets are checked before anything runs.
-    pub fn forward_backward<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        b: &GptBatch<'_>,
-        opts: RunOptions,
-    ) -> Result<f32> {
-        self.forward_backward_in(store, None, b, opts)
-    }
-
-    /// [`Gpt::forward_backward`] of a model split over the tensor-parallel group `tp`
-    /// ([`Gpt::register_1d`]; `None` for a serial model). Every rank of the group runs it on
-    /// the same batch.
-    pub fn forward_backward_in<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        tp: Option<&Communicator>,
-        b: &GptBatch<'_>,
-        opts: RunOptions,
-    ) -> Result<f32> {
-        self.forward_backward_sp(store, tp, None, b, opts)
-    }
-
-    /// [`Gpt::forward_backward_in`] with the sequence split over the ring `sp` as well
-    /// (sequence parallelism): `b` holds this rank's block of every sequence, positions
-    /// `sp.rank()·seq .. (sp.rank() + 1)·seq` of `batch` sequences of `seq · sp.world()`
-    /// tokens, and the attention runs over the ring
-    /// ([`RingAttention`](crate::parallel::RingAttention)); everything else is local. The
-    /// loss and gradients are this rank's (the mean over its tokens): the store must sum the
-    /// gradients over the ring (a [`ZeroManager`](crate::zero::ZeroManager) over
-    /// [`ProcessGrid::replicas`](crate::parallel::ProcessGrid::replicas), which averages the
-    /// ranks' means). Every rank of `tp` and `sp` runs it.
-    pub fn forward_backward_sp<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        tp: Option<&Communicator>,
-        sp: Option<&Communicator>,
-        b: &GptBatch<'_>,
-        opts: RunOptions,
-    ) -> Result<f32> {
-        self.forward_backward_loss(store, tp, sp, b, opts)?.read()
-    }
-
-    /// [`Gpt::forward_backward_sp`] with the loss left on its way to the host ([`Loss`]), so
-    /// a trainer reads it after the optimizer step without a wait of its own.
-    pub(super) fn forward_backward_loss<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        tp: Option<&Communicator>,
-        sp: Option<&Communicator>,
-        b: &GptBatch<'_>,
-        opts: RunOptions,
-    ) -> Result<Loss> {
-        self.check(b)?;
-        opts.check()?;
-        self.check_group(tp)?;
-        let g = Groups::new(self, tp, sp, b)?;
-        let fwd = store.forward()?;
-        let (loss, saved) = self.forward(&fwd, &g, b, opts)?;
-        fwd.finish()?;
-        let mut bwd = store.backward()?;
-        self.backward(&mut bwd, &g, b, saved, opts)?;
-        bwd.finish()?;
-        Ok(loss)
-    }
-
-    /// Checks that `tp` is the group the model was split over (none for a serial model).
-    fn check_group(&self, tp: Option<&Communicator>) -> Result<()> {
-        let got = tp.map(Shard::of);
-        if got != self.tensor {
-            return Err(Error::InvalidArgument(format!(
-                "a model registered for tensor-parallel place {:?} run with {:?}",
-                self.tensor, got
-            )));
-        }
-        Ok(())
-    }
-
-    /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
-    /// the iteration ended without a step ([`ParamStore::skip_step`]).
-    pub fn loss<S: ParamStore + ?Sized>(&self, store: &mut S, b: &GptBatch<'_>) -> Result<f32> {
-        self.loss_in(store, None, b)
-    }
-
-    /// [`Gpt::loss`] of a model split over the tensor-parallel group `tp`.
-    pub fn loss_in<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        tp: Option<&Communicator>,
-        b: &GptBatch<'_>,
-    ) -> Result<f32> {
-        self.check(b)?;
-        self.check_group(tp)?;
-        let g = Groups::new(self, tp, None, b)?;
-        let fwd = store.forward()?;
-        let (x, _) = self.ends.embed(&fwd, tp, b.tokens, [b.batch, b.seq, 0])?;
-        let (x, _) = self
-            .blocks
-            .forward(&fwd, g.on(), x, g.shape(b), Keep::Nothing)?;
-        let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
-        drop(x);
-        let (loss, _) = self.ends.head_forward(&fwd, tp, &h, b.targets, 1.0)?;
-        fwd.finish()?;
-        store.backward()?.finish()?;
-        store.skip_step()?;
-        loss.read()
-    }
-
-    /// The logits `[batch·seq, V]` (f32, row-major) of `tokens` `[batch·seq]`, without a loss
-    /// or gradients: a forward pass, an empty backward pass and the iteration ended without a
-    /// step ([`ParamStore::skip_step`]). For evaluation and generation.
-    pub fn logits<S: ParamStore + ?Sized>(
-        &self,
-        store: &mut S,
-        tokens: &[i32],
-        batch: usize,
-        seq: usize,
-    ) -> Result<Vec<f32>> {
-        let none = vec![IGNORE_INDEX; tokens.len()];
-        self.check(&GptBatch {
-            tokens,
-            targets: &none,
-            batch,
-            seq,
-        })?;
-        let fwd = store.forward()?;
-        let Ends::Whole { embedding, head } = &self.ends else {
-            return Err(Error::InvalidArgument(
-                "logits of a vocab-split model: each rank holds its share".into(),
-            ));
-        };
-        let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
-        let b = GptBatch {
-            tokens,
-            targets: &none,
-            batch,
-            seq,
-        };
-        self.check_group(None)?;
-        let g = Groups::new(self, None, None, &b)?;
-        let (x, _) = self
-            .blocks
-            .forward(&fwd, g.on(), x, g.shape(&b), Keep::Nothing)?;
-        let (h, _) = self.ln_f.forward(&fwd, &x, None)?;
-        drop(x);
-        let logits = head.proj.forward(&fwd, &h)?;
-        let out = logits.to_f32(fwd.stream())?;
-        drop((h, logits));
-        fwd.finish()?;
-        store.backward()?.finish()?;
-        store.skip_step()?;
-        Ok(out)
-    }
-
-    fn forward(
-        &self,
-        fwd: &ForwardPass<'_>,
-        g: &Groups<'_>,
-        b: &GptBatch<'_>,
-        opts: RunOptions,
-    ) -> Result<(Loss, Saved)> {
-        let tp = g.tp;
-        let at = [b.batch, b.seq, g.first_position(b)];
-        let (x, emb) = self.ends.embed(fwd, tp, b.tokens, at)?;
-        let keep = match opts.checkpoint {
-            true => Keep::Inputs,
-            false => Keep::Saved,
-        };
-        let (x, kept) = self.blocks.forward(fwd, g.on(), x, g.shape(b), keep)?;
-        let (h, ln_f) = self.ln_f.forward(fwd, &x, None)?;
-        drop(x);
-        let (loss, head) = self
-            .ends
-            .head_forward(fwd, tp, &h, b.targets, opts.loss_scale)?;
-        drop(h);
-        Ok((
-            loss,
-            Saved {
-                emb,
-                blocks: kept,
-                ln_f,
-                head,
-            },
-        ))
-    }
-
-    fn backward(
-        &self,
-        bwd: &mut BackwardPass<'_>,
-        g: &Groups<'_>,
-        b: &GptBatch<'_>,
-        saved: Saved,
-        _opts: RunOptions,
-    ) -> Result<()> {
-        let tp = g.tp;
-        let Saved {
-            emb,
-            blocks,
-            ln_f,
-            head,
-        } = saved;
-        let dh = self.ends.head_backward(bwd, tp, &head)?;
-        drop(head);
-        let dx = self.ln_f.backward(bwd, &ln_f, &dh, None)?;
-        drop((dh, ln_f));
-        let dx = self.blocks.backward(bwd, g.on(), blocks, dx, g.shape(b))?;
-        self.ends.embed_backward(bwd, &emb, &dx)
-    }
 }
 
-/// The groups an iteration runs over: the tensor-parallel group and the sequence ring, with
-/// the ring's attention for this batch.
-struct Groups<'a> {
-    tp: Option<&'a Communicator>,
-    ring: Option<RingCore<'a>>,
+/// How the blocks and whole ends of [`register_whole`] are registered.
+struct Parts<'a> {
+    master: &'a dyn Fn(&str) -> Init,
+    split: StageSplit<'a>,
+    /// The norm share of a parameter every rank of the tensor group holds.
+    replicated: f64,
 }
 
-impl<'a> Groups<'a> {
-    fn new(
-        gpt: &Gpt,
-        tp: Option<&'a Communicator>,
-        sp: Option<&'a Communicator>,
-        b: &GptBatch<'_>,
-    ) -> Result<Groups<'a>> {
-        let ring = match sp {
-            None => None,
-            Some(group) => {
-                let cfg = &gpt.config;
-                let head_dim = cfg.channels / cfg.heads.max(1);
-                let inner = gpt.blocks.local_heads(cfg.heads) * head_dim;
-                let total = b
-                    .seq
-                    .checked_mul(group.world())
-                    .filter(|&t| t <= cfg.max_seq);
-                let Some(seq) = total else {
-                    return Err(Error::InvalidArgument(format!(
-                        "{} positions a rank over a ring of {} ranks: more than the model's {}",
-                        b.seq,
-                        group.world(),
-                        cfg.max_seq
-                    )));
-                };
-                let attn = RingAttention::new(group, b.batch, seq, inner / head_dim, head_dim)?;
-                Some(RingCore { attn, group })
-            }
+/// The stage's blocks and whole ends, in registration order: `wte` on an end stage (its norm
+/// share `replicated / copies`), `wpe` on the first, the blocks, `ln_f` on the last
+/// (replicated, like the blocks' LayerNorms), the head tied to the stage's `wte`.
+fn register_whole(
+    store: &mut impl ParamStore,
+    cfg: &GptConfig,
+    parts: &Parts<'_>,
+    (first, last): (bool, bool),
+    layers: Range<usize>,
+    copies: f64,
+    params: &mut Vec<(String, TensorId)>,
+) -> Result<(Ends, Blocks)> {
+    let (c, master, replicated) = (cfg.channels, parts.master, parts.replicated);
+    let mut reg = |store: &mut _, name: &str, shape: &[usize], share: f64| {
+        named(store, params, (name, shape, master(name)), share)
+    };
+    // `wte` on the first stage and on the last (one tensor when they are the same)
+    let wte = match first || last {
+        true => Some(reg(
+            store,
+            "wte.weight",
+            &[cfg.vocab, c],
+            replicated / copies,
+        )?),
+        false => None,
+    };
+    let held = || wte.ok_or_else(|| Error::InvalidArgument("an end stage without wte".into()));
+    let embedding = match first {
+        true => Some(Embed::Whole(Embedding {
+            wte: held()?,
+            wpe: reg(store, "wpe.weight", &[cfg.max_seq, c], replicated)?,
+            vocab: cfg.vocab,
+            max_seq: cfg.max_seq,
+            channels: c,
+        })),
+        false => None,
+    };
+    let blocks = Blocks::register(store, cfg, layers.clone(), parts.split, master)?;
+    let mut head = None;
+    if last {
+        let ln_f = LayerNorm {
+            gamma: reg(store, "ln_f.weight", &[c], replicated)?,
+            beta: reg(store, "ln_f.bias", &[c], replicated)?,
+            cols: c,
+            eps: cfg.eps,
         };
-        Ok(Groups { tp, ring })
+        let head_ = LmHead::tied(&*store, held()?, IGNORE_INDEX)?;
+        head = Some(Head::Whole { ln_f, head: head_ });
     }
-
-    /// The position of this rank's first token in its sequences.
-    fn first_position(&self, b: &GptBatch<'_>) -> usize {
-        self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
-    }
-
-    fn core(&self) -> Option<&dyn HeadsCore> {
-        self.ring.as_ref().map(|r| r as &dyn HeadsCore)
-    }
-
-    /// The communicators of the blocks.
-    fn on(&self) -> On<'a> {
-        On {
-            tensor: self.tp,
-            grid: None,
-        }
-    }
-
-    /// The blocks' run on `b`.
-    fn shape(&self, b: &GptBatch<'_>) -> Shape<'_> {
-        Shape {
-            batch_seq: [b.batch, b.seq],
-            core: self.core(),
-        }
-    }
+    // the blocks' names between the ends'
+    let at = params.len() - usize::from(last) * 2;
+    let named = blocks.named_params(layers.start);
+    params.splice(at..at, named);
+    Ok((Ends { embedding, head }, blocks))
 }
 
-/// What the forward keeps for the backward.
-struct Saved {
-    emb: EmbKept,
-    blocks: Kept,
-    ln_f: crate::nn::LnSaved,
-    head: HeadKept,
+/// Registers `name` of `shape` with `init`, its norm share `share`, and names it in `params`.
+fn named<S: ParamStore>(
+    store: &mut S,
+    params: &mut Vec<(String, TensorId)>,
+    (name, shape, init): (&str, &[usize], Init),
+    share: f64,
+) -> Result<TensorId> {
+    let id = store.register(name, shape, init)?;
+    store.set_norm_share(id, share)?;
+    params.push((name.to_string(), id));
+    Ok(id)
 }
 
 /// GPT-2's initialisation of parameter `name` (see [`Gpt::register`]).

@@ -1,12 +1,12 @@
-//! GPT-2's ends split over a tensor-parallel group, as [`GptGrid`](super::GptGrid) and the
-//! pipeline's end stages ([`GptStage`](super::GptStage)) hold them: the embedding
+//! GPT-2's ends split over a tensor-parallel group, as a [`Gpt`](super::Gpt) (or its end
+//! stages, in a pipeline) holds them with [`EndsLayout::Split`](super::EndsLayout): the embedding
 //! ([`SplitEmbedding`]: `wte` by vocabulary, `wpe` in the blocks' layout) and the head
 //! ([`SplitHead`]: `ln_f` in the blocks' layout, the vocab-parallel head tied to a `wte` shard,
 //! the cross-entropy over the split vocabulary). Over a 1D group the blocks' activations are
 //! whole on every rank, so `wpe` and `ln_f` are whole too; on a 2D, 2.5D or 3D grid they are
 //! tiles.
 
-use super::model::{default_init, IGNORE_INDEX};
+use super::model::IGNORE_INDEX;
 use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
@@ -148,18 +148,16 @@ pub(super) fn wte_norm_share(place: Place<'_>) -> f64 {
 }
 
 impl SplitEmbedding {
-    /// Registers `wte` and `wpe` (in that order) with [`Gpt::register`](super::Gpt::register)'s
-    /// masters for `seed`; `wpe`'s gradient is written as `uses` says (shares when a step looks
+    /// Registers `wte` and `wpe` (in that order) with the values of the masters `init(name)`; `wpe`'s gradient is written as `uses` says (shares when a step looks
     /// it up more than once, as a pipeline stage's micro-batches do). Replicated pieces count
     /// their share of the squared gradient norm.
     pub(super) fn register(
         store: &mut impl ParamStore,
         cfg: &GptConfig,
-        seed: u64,
+        init: &dyn Fn(&str) -> Init,
         place: Place<'_>,
         uses: WeightUse,
     ) -> Result<SplitEmbedding> {
-        let init = |name: &str| default_init(cfg, name, seed);
         let (c, v, t) = (cfg.channels, cfg.vocab, cfg.max_seq);
         let (te, pe) = (init("wte.weight"), init("wpe.weight"));
         Ok(match place {
@@ -286,18 +284,16 @@ impl SplitEmbedding {
 }
 
 impl SplitHead {
-    /// Registers `ln_f` and the head with [`Gpt::register`](super::Gpt::register)'s masters
-    /// for `seed`: tied to `tied`'s `wte` shard, or, without one, over its own copy of the
+    /// Registers `ln_f` and the head with the values of the masters `init(name)`: tied to `tied`'s `wte` shard, or, without one, over its own copy of the
     /// shard the embedding holds at the same place (registered first, as `wte.weight`).
     /// Replicated pieces count their share of the squared gradient norm.
     pub(super) fn register(
         store: &mut impl ParamStore,
         cfg: &GptConfig,
-        seed: u64,
+        init: &dyn Fn(&str) -> Init,
         place: Place<'_>,
         tied: Option<&SplitEmbedding>,
     ) -> Result<SplitHead> {
-        let init = |name: &str| default_init(cfg, name, seed);
         let (c, v, eps) = (cfg.channels, cfg.vocab, cfg.eps);
         let (te, g, b) = (init("wte.weight"), init("ln_f.weight"), init("ln_f.bias"));
         Ok(match (place, tied) {

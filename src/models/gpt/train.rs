@@ -2,74 +2,74 @@
 
 use serde::Serialize;
 
-use super::{Gpt, GptBatch, RunOptions};
+use super::{Gpt, GptBatch, Plan, RunOptions};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
 use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
+use crate::parallel::pipeline::StageReport;
 use crate::store::ParamStore;
 
 /// What [`train_step`] did.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct TrainStep {
-    /// The mean loss over the micro-batches.
+    /// The mean loss over the micro-batches (in a pipeline, the last stage's, on every stage).
     pub loss: f32,
     /// The optimizer's report of the last micro-batch (the step proper).
     pub report: StepReport,
     /// Tokens seen (targets counted or not).
     pub tokens: usize,
+    /// In a pipeline, what the stage's schedule did (micro-batches in flight, messages,
+    /// seconds waiting).
+    #[serde(skip)]
+    pub stage: Option<StageReport>,
 }
 
-/// One optimizer step: a forward and backward per micro-batch, each followed by the store's
-/// [`step`](ParamStore::step). The optimizer must accumulate over exactly `micro.len()`
-/// micro-batches ([`HybridConfig::accumulation_steps`](crate::optim::HybridConfig)): it averages
-/// their gradients and steps at the last. Each micro-batch's loss gradient carries the
-/// optimizer's loss scale; clipping and overflow skips are the optimizer's.
+/// One optimizer step of `gpt` (this rank's part, registered with the same `plan`) over the
+/// micro-batches `micro`, the same on every rank of the tensor group and of the pipeline.
 ///
-/// Fails before anything runs if the micro-batches do not match the optimizer's accumulation.
+/// - Outside a pipeline, a forward and backward per micro-batch
+///   ([`Gpt::forward_backward`], checkpointed as the plan says), each followed by the store's
+///   step: the optimizer must accumulate over exactly `micro.len()` micro-batches
+///   ([`HybridConfig::accumulation_steps`](crate::optim::HybridConfig)), averaging their
+///   gradients and stepping at the last.
+/// - In a pipeline, the stage's forwards and backwards run in the plan's schedule within one
+///   store iteration, each micro-batch's loss gradient scaled by the loss scale over
+///   `micro.len()`; the optimizer steps at every call. `wte` is used at both ends, so the
+///   first and the last stage hold a copy each: their shares of its gradient are summed in
+///   f32 through the step, apart from its slot, swapped between the two stages at the end of
+///   the backward pass and added in one order on both, so the copies stay bit for bit the
+///   same. [`Schedule::TwoBW`](crate::parallel::pipeline::Schedule) (PipeDream-2BW) needs an
+///   optimizer with [`delayed_params`](crate::optim::HybridConfig::delayed_params) and a
+///   version per step (`every = micro.len() ≥ P`); [`train_two_bw_stream`](super::train_two_bw_stream)
+///   runs it with no flush.
+///
+/// Each micro-batch's loss gradient carries the optimizer's loss scale; the gradient
+/// statistics are all-reduced over the tensor group and the pipeline, so every rank clips by
+/// the global norm (replicated parameters counted once) and skips an overflow together. With
+/// a sequence ring each micro-batch holds this rank's positions of its sequences, and the
+/// store must sum the gradients over the ring (a [`ZeroManager`](crate::zero::ZeroManager)
+/// over [`replicas`](crate::parallel::ProcessGrid::replicas)).
+///
+/// Fails before anything runs if the micro-batches do not match the optimizer or the plan.
 pub fn train_step<S: ParamStore + ?Sized>(
     gpt: &Gpt,
     store: &mut S,
+    plan: &Plan<'_>,
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
-    checkpoint: bool,
 ) -> Result<TrainStep> {
-    train_step_in(gpt, store, None, adam, micro, checkpoint)
-}
-
-/// [`train_step`] of a model split over the tensor-parallel group `tp`
-/// ([`Gpt::register_1d`]); every rank of the group runs it on the same micro-batches.
-pub fn train_step_in<S: ParamStore + ?Sized>(
-    gpt: &Gpt,
-    store: &mut S,
-    tp: Option<&Communicator>,
-    adam: &mut HybridAdam,
-    micro: &[GptBatch<'_>],
-    checkpoint: bool,
-) -> Result<TrainStep> {
-    train_step_sp(gpt, store, tp, None, adam, micro, checkpoint)
-}
-
-/// [`train_step_in`] with each sequence split over the ring `sp` too
-/// ([`Gpt::forward_backward_sp`]: each micro-batch holds this rank's positions of its
-/// sequences). The store must sum the gradients over the ring (a
-/// [`ZeroManager`](crate::zero::ZeroManager) over the grid's
-/// [`replicas`](crate::parallel::ProcessGrid::replicas)); every rank of `tp` and `sp` runs it.
-pub fn train_step_sp<S: ParamStore + ?Sized>(
-    gpt: &Gpt,
-    store: &mut S,
-    tp: Option<&Communicator>,
-    sp: Option<&Communicator>,
-    adam: &mut HybridAdam,
-    micro: &[GptBatch<'_>],
-    checkpoint: bool,
-) -> Result<TrainStep> {
-    micro_steps(store, tp, adam, micro, |store, b, loss_scale| {
+    if gpt.stages > 1 {
+        let (mut step, report) = super::pipe::train_step_pipe(gpt, store, plan, adam, micro)?;
+        step.stage = Some(report);
+        return Ok(step);
+    }
+    micro_steps(store, plan.tensor(), adam, micro, |store, b, loss_scale| {
         let opts = RunOptions {
-            checkpoint,
+            checkpoint: plan.checkpoint,
             loss_scale,
         };
-        gpt.forward_backward_loss(store, tp, sp, b, opts)
+        gpt.forward_backward_loss(store, plan, b, opts)
     })
 }
 
@@ -131,5 +131,6 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
         loss: (sum / micro.len() as f64) as f32,
         report,
         tokens,
+        stage: None,
     })
 }

@@ -37,10 +37,11 @@ impl fmt::Display for PipeOp {
 }
 
 /// A pipeline schedule (see the [module docs](super)).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Schedule {
     /// One forward, one backward (PipeDream-Flush): `min(P − s − 1, M)` warm-up forwards, then
     /// a forward and a backward in turn, then the remaining backwards.
+    #[default]
     OneFOneB,
     /// All forwards, then all backwards (GPipe's flush baseline).
     GPipe,

@@ -4,12 +4,11 @@ use std::cell::{Cell, RefCell};
 
 use super::step::StageStep;
 use super::train::{check_step, finish_step, ring_of, step_reduced};
-use super::{GptStage, StageGroups};
 use crate::error::{Error, Result};
 use crate::models::gpt::train::TrainStep;
-use crate::models::gpt::GptBatch;
+use crate::models::gpt::{Gpt, GptBatch, Plan};
 use crate::optim::HybridAdam;
-use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
+use crate::parallel::pipeline::{PipelineStage, Schedule};
 use crate::store::ParamStore;
 
 /// PipeDream-2BW over `batches` (each one optimizer step's micro-batches, `every ≥ P` of
@@ -17,30 +16,31 @@ use crate::store::ParamStore;
 /// step's first `P − s − 1` forwards between this step's last backwards, on the other weight
 /// version, so the pipeline fills and drains once for the whole stream instead of once a
 /// step. `versions` are the stage registered twice in `store` with the same arguments
-/// ([`GptStage::register`]), each after [`ParamStore::align_to_ranks`] (so that on ZeRO a
+/// ([`Gpt::register_on`] with the same plan), each after [`ParamStore::align_to_ranks`] (so that on ZeRO a
 /// tensor's two versions lie on one rank and their state copies stay local): step `b` computes on `versions[b % 2]`, which holds
 /// `W(b − 1)`, and makes `W(b + 1) = W(b) − Adam(∇f(W(b − 1)))` in it (the other version's
-/// masters and moments copied in first), the arithmetic of [`train_step_pipe`]'s per-step 2BW
+/// masters and moments copied in first), the arithmetic of [`train_step`]'s per-step 2BW
 /// with [`delayed_params`](crate::optim::HybridConfig::delayed_params), bit for bit.
 ///
 /// The optimizer must not delay its parameters itself (the versions do it). Each step's
 /// gradient statistics are all-reduced over the pipeline and tensor groups, and the loss scale
 /// the last stage's loss gradient takes is the optimizer's at that step's first forward there.
 /// On a [`ZeroManager`](crate::zero::ZeroManager) (data parallel stages) both versions are
-/// sharded over the replicas. The newest weights end in `versions[(batches.len() − 1) % 2]`. Returns each step's
-/// [`TrainStep`] (the mean loss on every stage) and the stage's report of its ops.
+/// sharded over the replicas. The newest weights end in `versions[(batches.len() − 1) % 2]`.
+/// Returns each step's [`TrainStep`] (the mean loss on every stage, and the stage's report of
+/// its ops).
 ///
-/// [`train_step_pipe`]: super::train_step_pipe
+/// [`train_step`]: crate::models::gpt::train_step
 pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
-    versions: [&GptStage; 2],
+    versions: [&Gpt; 2],
     store: &mut S,
-    groups: StageGroups<'_>,
+    plan: &Plan<'_>,
     adam: &mut HybridAdam,
     batches: &[Vec<GptBatch<'_>>],
-) -> Result<Vec<(TrainStep, StageReport)>> {
+) -> Result<Vec<TrainStep>> {
     let every = batches.first().map_or(0, Vec::len);
     let gpt = versions[0];
-    check_step(gpt, groups, adam, every)?;
+    let pipeline = check_step(gpt, plan, adam, every)?;
     if versions[1].stage != gpt.stage || versions[1].layers != gpt.layers {
         return Err(Error::InvalidArgument(
             "PipeDream-2BW's two versions are one stage registered twice".into(),
@@ -66,18 +66,18 @@ pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
         Ok(StageStep {
             gpt: v,
             micro: &micro,
-            groups,
-            ring: ring_of(v, groups, &micro)?,
+            plan,
+            ring: ring_of(v, plan, &micro)?,
             scale: Cell::new(scale),
             acc: RefCell::new(None),
         })
     });
     let [a, b] = steps;
     let (a, b) = (a?, b?);
-    let stage = PipelineStage::new(groups.pipeline, Schedule::TwoBW { every }, every)?;
+    let stage = PipelineStage::new(pipeline, Schedule::TwoBW { every }, every)?;
     let mut done = Vec::with_capacity(batches.len());
     let reports = stage.run_two_bw(store, [&a, &b], batches.len(), |store, _| {
-        let r = step_reduced(store, adam, groups)?;
+        let r = step_reduced(store, adam, plan)?;
         let scale = adam.loss_scale() / every as f32;
         a.scale.set(scale);
         b.scale.set(scale);
@@ -87,6 +87,10 @@ pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
     done.into_iter()
         .zip(reports)
         .zip(batches)
-        .map(|((r, report), micro)| Ok((finish_step(groups, r, &report, micro)?, report)))
+        .map(|((r, report), micro)| {
+            let mut step = finish_step(pipeline, r, &report, micro)?;
+            step.stage = Some(report);
+            Ok(step)
+        })
         .collect()
 }

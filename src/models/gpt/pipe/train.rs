@@ -5,14 +5,12 @@
 use std::cell::{Cell, RefCell};
 
 use super::step::StageStep;
-use super::{GptStage, StageGroups};
-use crate::comm::ReduceOp;
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::gpt::train::TrainStep;
-use crate::models::gpt::GptBatch;
+use crate::models::gpt::{Gpt, GptBatch, Plan};
 use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
 use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
-use crate::parallel::{RingAttention, RingCore};
 use crate::store::ParamStore;
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
@@ -32,22 +30,21 @@ use crate::store::ParamStore;
 /// steps at every call (no accumulation of its own). Returns the mean of the micro-batches'
 /// losses on every stage, and the stage's [`StageReport`] (micro-batches in flight, messages,
 /// seconds waiting).
-pub fn train_step_pipe<S: ParamStore + ?Sized>(
-    gpt: &GptStage,
+pub(crate) fn train_step_pipe<S: ParamStore + ?Sized>(
+    gpt: &Gpt,
     store: &mut S,
-    groups: StageGroups<'_>,
-    schedule: Schedule,
+    plan: &Plan<'_>,
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
 ) -> Result<(TrainStep, StageReport)> {
-    check_step(gpt, groups, adam, micro.len())?;
+    let pipeline = check_step(gpt, plan, adam, micro.len())?;
     for b in micro {
         b.check(&gpt.config)?;
     }
     // 2BW: a new weight version every `every` micro-batches (a step's), each taken at the
     // version before (the optimizer's delayed parameters); within a version the ops run in
     // 1F1B order
-    let order = match schedule {
+    let order = match plan.schedule {
         Schedule::TwoBW { every } => {
             if !adam.config().delayed_params || every != micro.len() || every < gpt.stages {
                 return Err(Error::InvalidArgument(format!(
@@ -65,25 +62,33 @@ pub fn train_step_pipe<S: ParamStore + ?Sized>(
     let step = StageStep {
         gpt,
         micro,
-        groups,
-        ring: ring_of(gpt, groups, micro)?,
+        plan,
+        ring: ring_of(gpt, plan, micro)?,
         scale: Cell::new(adam.loss_scale() / micro.len() as f32),
         acc: RefCell::new(None),
     };
-    let report = PipelineStage::new(groups.pipeline, order, micro.len())?.run(store, &step)?;
-    let r = step_reduced(store, adam, groups)?;
-    let step = finish_step(groups, r, &report, micro)?;
+    let report = PipelineStage::new(pipeline, order, micro.len())?.run(store, &step)?;
+    let r = step_reduced(store, adam, plan)?;
+    let step = finish_step(pipeline, r, &report, micro)?;
     Ok((step, report))
 }
 
-/// Checks that the optimizer steps at every call and that the stage runs as its pipeline
-/// group's rank.
-pub(super) fn check_step(
-    gpt: &GptStage,
-    groups: StageGroups<'_>,
+/// Checks that the optimizer steps at every call, that the stage runs as its pipeline
+/// group's rank and that no block is checkpointed; returns the pipeline.
+pub(super) fn check_step<'a>(
+    gpt: &Gpt,
+    plan: &Plan<'a>,
     adam: &HybridAdam,
     n: usize,
-) -> Result<()> {
+) -> Result<&'a Communicator> {
+    let pipeline = plan.pipeline().ok_or_else(|| {
+        Error::InvalidArgument("a pipeline step on a grid of one pipeline stage".into())
+    })?;
+    if plan.checkpoint {
+        return Err(Error::InvalidArgument(
+            "a pipeline stage keeps its blocks' activations (no checkpointing)".into(),
+        ));
+    }
     if adam.config().accumulation_steps != 1 || n == 0 {
         return Err(Error::InvalidArgument(format!(
             "a pipeline step of {n} micro-batches for an optimizer that accumulates {}: the \
@@ -91,32 +96,28 @@ pub(super) fn check_step(
             adam.config().accumulation_steps
         )));
     }
-    if groups.pipeline.world() != gpt.stages || groups.pipeline.rank() != gpt.stage {
+    if pipeline.world() != gpt.stages || pipeline.rank() != gpt.stage {
         return Err(Error::InvalidArgument(format!(
             "stage {} of {} run as rank {} of a pipeline of {}",
             gpt.stage,
             gpt.stages,
-            groups.pipeline.rank(),
-            groups.pipeline.world()
+            pipeline.rank(),
+            pipeline.world()
         )));
     }
-    Ok(())
+    Ok(pipeline)
 }
 
 /// The ring attention of a stage whose positions are split over a sequence group.
 pub(super) fn ring_of<'a>(
-    gpt: &GptStage,
-    groups: StageGroups<'a>,
+    gpt: &Gpt,
+    plan: &Plan<'a>,
     micro: &[GptBatch<'_>],
-) -> Result<Option<RingCore<'a>>> {
-    let (Some(group), Some(b)) = (groups.sequence, micro.first()) else {
-        return Ok(None);
-    };
-    let [seqs, heads] = gpt.attention_shape(groups.grid, b)?;
-    let head_dim = gpt.config.channels / gpt.config.heads;
-    let n = group.world();
-    let attn = RingAttention::new(group, seqs, b.seq * n, heads, head_dim)?;
-    Ok(Some(RingCore { attn, group }))
+) -> Result<Option<crate::parallel::RingCore<'a>>> {
+    match micro.first() {
+        Some(b) => gpt.ring(plan, b),
+        None => Ok(None),
+    }
 }
 
 /// The store's step with the gradient statistics all-reduced over the pipeline and tensor
@@ -124,12 +125,12 @@ pub(super) fn ring_of<'a>(
 pub(super) fn step_reduced<S: ParamStore + ?Sized>(
     store: &mut S,
     adam: &mut HybridAdam,
-    groups: StageGroups<'_>,
+    plan: &Plan<'_>,
 ) -> Result<StepReport> {
     let reduce = |st: GradStats| -> Result<GradStats> {
         let mut sq = [st.sum_sq];
         let mut flag = [u8::from(st.nonfinite)];
-        for g in [Some(groups.pipeline), groups.tensor].into_iter().flatten() {
+        for g in [plan.pipeline(), plan.tensor()].into_iter().flatten() {
             g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
             g.all_reduce_host(&mut flag, ReduceOp::Max)?;
         }
@@ -149,17 +150,18 @@ pub(super) fn step_reduced<S: ParamStore + ?Sized>(
 
 /// A step's [`TrainStep`]: the last stage's mean loss over `micro`, on every stage.
 pub(super) fn finish_step(
-    groups: StageGroups<'_>,
+    pipeline: &Communicator,
     r: StepReport,
     report: &StageReport,
     micro: &[GptBatch<'_>],
 ) -> Result<TrainStep> {
     // the last stage's mean loss, to every stage
     let mut loss = [report.losses.iter().map(|&l| f64::from(l)).sum::<f64>()];
-    groups.pipeline.all_reduce_host(&mut loss, ReduceOp::Sum)?;
+    pipeline.all_reduce_host(&mut loss, ReduceOp::Sum)?;
     Ok(TrainStep {
         loss: (loss[0] / micro.len() as f64) as f32,
         report: r,
         tokens: micro.iter().map(|b| b.tokens.len()).sum(),
+        stage: None,
     })
 }

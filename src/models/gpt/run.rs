@@ -1,0 +1,285 @@
+//! One iteration of a GPT outside a pipeline: the forward and backward of a micro-batch (with
+//! or without activation checkpointing), the evaluation loss and the logits.
+
+use super::blocks::{Keep, Kept, Shape};
+use super::ends::{At, EmbKept, Embed, Head, HeadKept};
+use super::model::{Gpt, GptBatch, RunOptions, IGNORE_INDEX};
+use super::plan::Plan;
+use crate::error::{Error, Result};
+use crate::nn::{HeadsCore, Loss};
+use crate::parallel::{BatchBlock, Layout3D, Place3D};
+use crate::parallel::{RingAttention, RingCore};
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+
+/// What the forward keeps for the backward.
+struct Saved {
+    emb: EmbKept,
+    blocks: Kept,
+    head: HeadKept,
+}
+
+/// The groups one iteration runs over, with the sequence ring's attention for its batch.
+struct Run<'p, 'a> {
+    plan: &'p Plan<'a>,
+    ring: Option<RingCore<'a>>,
+}
+
+impl Gpt {
+    /// The sequences and heads a rank's attention runs over, for micro-batch `b`: its tile's
+    /// sequences on a grid, the whole batch's otherwise.
+    pub(super) fn attention_shape(&self, plan: &Plan<'_>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        let cfg = &self.config;
+        Ok(match plan.tiles() {
+            None => [b.batch, self.blocks.local_heads(cfg.heads)],
+            Some(g) => {
+                let [rows, _] = self.tile_shape(plan, b)?;
+                [rows / b.seq.max(1), cfg.heads / g.q()?]
+            }
+        })
+    }
+
+    /// The shape of micro-batch `b`'s activation between the blocks on this rank: the whole
+    /// `[batch·seq, C]`, or the rank's tile on a grid.
+    pub(super) fn tile_shape(&self, plan: &Plan<'_>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        let (rows, c) = (b.batch * b.seq, self.config.channels);
+        let Some(grid) = plan.tiles() else {
+            return Ok([rows, c]);
+        };
+        Ok(match &self.blocks {
+            super::blocks::Blocks::Cube(_) => {
+                let t = Place3D::of(grid)?.tile(Layout3D::RowsJColsK, rows, c)?;
+                [t.rows, t.cols]
+            }
+            _ => BatchBlock::of(grid)?.shape(rows, c)?,
+        })
+    }
+
+    /// The sequence ring's attention for micro-batch `b`, when the plan splits the positions.
+    pub(super) fn ring<'a>(
+        &self,
+        plan: &Plan<'a>,
+        b: &GptBatch<'_>,
+    ) -> Result<Option<RingCore<'a>>> {
+        let Some(group) = plan.sequence() else {
+            return Ok(None);
+        };
+        let cfg = &self.config;
+        let [seqs, heads] = self.attention_shape(plan, b)?;
+        let total = b
+            .seq
+            .checked_mul(group.world())
+            .filter(|&t| t <= cfg.max_seq);
+        let Some(seq) = total else {
+            return Err(Error::InvalidArgument(format!(
+                "{} positions a rank over a ring of {} ranks: more than the model's {}",
+                b.seq,
+                group.world(),
+                cfg.max_seq
+            )));
+        };
+        let attn = RingAttention::new(group, seqs, seq, heads, cfg.channels / cfg.heads)?;
+        Ok(Some(RingCore { attn, group }))
+    }
+
+    /// Checks that the model was registered for `plan`'s place: its stage and its blocks'
+    /// split.
+    pub(super) fn check_plan(&self, plan: &Plan<'_>) -> Result<()> {
+        let (stage, stages) = plan.stage();
+        if (stage, stages) != (self.stage, self.stages) {
+            return Err(Error::InvalidArgument(format!(
+                "a model registered as stage {} of {} run as stage {stage} of {stages}",
+                self.stage, self.stages
+            )));
+        }
+        self.blocks.check(plan.split())
+    }
+
+    /// One iteration's forward and backward on `b` (the same batch on every rank of the
+    /// plan's tensor group; with a sequence ring, this rank's positions of every sequence):
+    /// every parameter's gradient (of the mean loss times `opts.loss_scale`) written into its
+    /// slot, the loss (unscaled) returned. With `opts.checkpoint` each block keeps only its
+    /// input and is recomputed in the backward pass, the same bits with fewer activations held.
+    /// The store is then in its optimizer stage: run [`ParamStore::step`] (or
+    /// [`train_step`](super::train_step), which reduces the gradient statistics over the
+    /// tensor group). Shapes, tokens, targets and the plan are checked before anything runs.
+    /// Not for a pipeline stage (run [`train_step`](super::train_step)).
+    pub fn forward_backward<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        plan: &Plan<'_>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<f32> {
+        self.forward_backward_loss(store, plan, b, opts)?.read()
+    }
+
+    /// [`Gpt::forward_backward`] with the loss left on its way to the host ([`Loss`]), so a
+    /// trainer reads it after the optimizer step without a wait of its own.
+    pub(super) fn forward_backward_loss<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        plan: &Plan<'_>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<Loss> {
+        b.check(&self.config)?;
+        opts.check()?;
+        self.check_plan(plan)?;
+        if self.stages > 1 {
+            return Err(Error::InvalidArgument(
+                "a pipeline stage runs its micro-batches through train_step".into(),
+            ));
+        }
+        let run = Run {
+            plan,
+            ring: self.ring(plan, b)?,
+        };
+        let fwd = store.forward()?;
+        let (loss, saved) = self.forward(&fwd, &run, b, opts)?;
+        fwd.finish()?;
+        let mut bwd = store.backward()?;
+        self.backward(&mut bwd, &run, b, saved)?;
+        bwd.finish()?;
+        Ok(loss)
+    }
+
+    /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
+    /// the iteration ended without a step ([`ParamStore::skip_step`]).
+    pub fn loss<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        plan: &Plan<'_>,
+        b: &GptBatch<'_>,
+    ) -> Result<f32> {
+        b.check(&self.config)?;
+        self.check_plan(plan)?;
+        if self.stages > 1 {
+            return Err(Error::InvalidArgument(
+                "the loss of a pipeline stage: evaluate the whole model".into(),
+            ));
+        }
+        let run = Run {
+            plan,
+            ring: self.ring(plan, b)?,
+        };
+        let fwd = store.forward()?;
+        let at = self.at(plan);
+        let first = plan.sequence_rank() * b.seq;
+        let (x, _) = self
+            .ends
+            .embed(&fwd, at, b.tokens, [b.batch, b.seq, first])?;
+        let (x, _) = self
+            .blocks
+            .forward(&fwd, plan.blocks_on(), x, run.shape(b), Keep::Nothing)?;
+        let (loss, _) = self.ends.head_forward(&fwd, at, x, b.targets, 1.0)?;
+        fwd.finish()?;
+        store.backward()?.finish()?;
+        store.skip_step()?;
+        loss.read()
+    }
+
+    /// The logits `[batch·seq, V]` (f32, row-major) of `tokens` `[batch·seq]` of a whole
+    /// model, without a loss or gradients: a forward pass, an empty backward pass and the
+    /// iteration ended without a step ([`ParamStore::skip_step`]). For evaluation and
+    /// generation.
+    pub fn logits<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        tokens: &[i32],
+        batch: usize,
+        seq: usize,
+    ) -> Result<Vec<f32>> {
+        let none = vec![IGNORE_INDEX; tokens.len()];
+        let b = GptBatch {
+            tokens,
+            targets: &none,
+            batch,
+            seq,
+        };
+        b.check(&self.config)?;
+        let split =
+            || Error::InvalidArgument("logits of a split model: a rank holds a part".into());
+        let (Some(Embed::Whole(embedding)), Some(Head::Whole { ln_f, head }), true) =
+            (&self.ends.embedding, &self.ends.head, self.whole())
+        else {
+            return Err(split());
+        };
+        let plan = Plan::default();
+        let run = Run {
+            plan: &plan,
+            ring: None,
+        };
+        let fwd = store.forward()?;
+        let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
+        let (x, _) =
+            self.blocks
+                .forward(&fwd, plan.blocks_on(), x, run.shape(&b), Keep::Nothing)?;
+        let (h, _) = ln_f.forward(&fwd, &x, None)?;
+        drop(x);
+        let logits = head.proj.forward(&fwd, &h)?;
+        let out = logits.to_f32(fwd.stream())?;
+        drop((h, logits));
+        fwd.finish()?;
+        store.backward()?.finish()?;
+        store.skip_step()?;
+        Ok(out)
+    }
+
+    /// Where the ends run on `plan`.
+    pub(super) fn at<'a>(&self, plan: &Plan<'a>) -> At<'a> {
+        At {
+            over: plan.over(),
+            tiles: plan.tiles(),
+        }
+    }
+
+    fn forward(
+        &self,
+        fwd: &ForwardPass<'_>,
+        run: &Run<'_, '_>,
+        b: &GptBatch<'_>,
+        opts: RunOptions,
+    ) -> Result<(Loss, Saved)> {
+        let (plan, at) = (run.plan, self.at(run.plan));
+        let first = plan.sequence_rank() * b.seq;
+        let (x, emb) = self
+            .ends
+            .embed(fwd, at, b.tokens, [b.batch, b.seq, first])?;
+        let keep = match opts.checkpoint {
+            true => Keep::Inputs,
+            false => Keep::Saved,
+        };
+        let (x, blocks) = self
+            .blocks
+            .forward(fwd, plan.blocks_on(), x, run.shape(b), keep)?;
+        let (loss, head) = self
+            .ends
+            .head_forward(fwd, at, x, b.targets, opts.loss_scale)?;
+        Ok((loss, Saved { emb, blocks, head }))
+    }
+
+    fn backward(
+        &self,
+        bwd: &mut BackwardPass<'_>,
+        run: &Run<'_, '_>,
+        b: &GptBatch<'_>,
+        saved: Saved,
+    ) -> Result<()> {
+        let (plan, at) = (run.plan, self.at(run.plan));
+        let Saved { emb, blocks, head } = saved;
+        let dx = self.ends.head_backward(bwd, at, head, None)?;
+        let dx = self
+            .blocks
+            .backward(bwd, plan.blocks_on(), blocks, dx, run.shape(b))?;
+        self.ends.embed_backward(bwd, at, emb, dx, None)
+    }
+}
+
+impl Run<'_, '_> {
+    fn shape(&self, b: &GptBatch<'_>) -> Shape<'_> {
+        Shape {
+            batch_seq: [b.batch, b.seq],
+            core: self.ring.as_ref().map(|r| r as &dyn HeadsCore),
+        }
+    }
+}

@@ -189,17 +189,51 @@ fn adam_placement_changes_no_bit() {
 fn an_import_trains_split_over_tensor_parallel_ranks() {
     let dir = tempfile::tempdir().unwrap();
     let small = [
-        "--layers", "2", "--channels", "32", "--heads", "2", "--seq", "16", "--vocab", "256",
+        "--layers",
+        "2",
+        "--channels",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--vocab",
+        "256",
     ];
-    let export = [&small[..], &["--steps", "1", "--sample", "0", "--save-hf", "m.safetensors"]];
+    let export = [
+        &small[..],
+        &[
+            "--steps",
+            "1",
+            "--sample",
+            "0",
+            "--save-hf",
+            "m.safetensors",
+        ],
+    ];
     let Some(out) = run(&export.concat(), dir.path()) else {
         return;
     };
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let losses = |extra: &[&str]| -> Vec<f64> {
         let mut args = vec![
-            "--load-hf", "m.safetensors", "--heads", "2", "--seq", "16", "--vocab", "256",
-            "--steps", "2", "--sample", "0", "--json",
+            "--load-hf",
+            "m.safetensors",
+            "--heads",
+            "2",
+            "--seq",
+            "16",
+            "--vocab",
+            "256",
+            "--steps",
+            "2",
+            "--sample",
+            "0",
+            "--json",
         ];
         args.extend_from_slice(extra);
         let out = run(&args, dir.path()).expect("built");
@@ -211,10 +245,16 @@ fn an_import_trains_split_over_tensor_parallel_ranks() {
     };
     let whole = losses(&[]);
     assert_eq!(whole.len(), 2);
-    for split in [&["--ranks", "2", "--tp", "1d:2"][..], &["--ranks", "4", "--tp", "2d:2"]] {
+    for split in [
+        &["--ranks", "2", "--tp", "1d:2"][..],
+        &["--ranks", "4", "--tp", "2d:2"],
+    ] {
         let got = losses(split);
         for (a, b) in whole.iter().zip(&got) {
-            assert!((a - b).abs() <= 1e-4 * a.abs(), "{split:?}: {got:?} vs {whole:?}");
+            assert!(
+                (a - b).abs() <= 1e-4 * a.abs(),
+                "{split:?}: {got:?} vs {whole:?}"
+            );
         }
     }
 }

@@ -14,7 +14,7 @@ use crate::tensor::{Init, TensorId};
 
 /// How a model's blocks are split over its tensor group.
 #[derive(Clone, Copy, Debug)]
-pub enum StageSplit<'a> {
+pub(super) enum TensorSplit<'a> {
     /// Not split.
     None,
     /// Megatron's 1D split at this place.
@@ -115,7 +115,7 @@ impl Blocks {
         store: &mut S,
         cfg: &GptConfig,
         layers: Range<usize>,
-        split: StageSplit<'_>,
+        split: TensorSplit<'_>,
         init: &dyn Fn(&str) -> Init,
     ) -> Result<Blocks> {
         fn all<S: ParamStore, L: Layout>(
@@ -131,9 +131,11 @@ impl Blocks {
                 .collect()
         }
         Ok(match split {
-            StageSplit::None => Blocks::Serial(all(store, cfg, layers, Serial, init)?),
-            StageSplit::OneD(shard) => Blocks::OneD(all(store, cfg, layers, OneD { shard }, init)?),
-            StageSplit::Grid(grid) => match grid.spec().tensor {
+            TensorSplit::None => Blocks::Serial(all(store, cfg, layers, Serial, init)?),
+            TensorSplit::OneD(shard) => {
+                Blocks::OneD(all(store, cfg, layers, OneD { shard }, init)?)
+            }
+            TensorSplit::Grid(grid) => match grid.spec().tensor {
                 TensorMode::None => Blocks::Serial(all(store, cfg, layers, Serial, init)?),
                 TensorMode::OneD { .. } => {
                     let l = OneD::of(grid.tensor());
@@ -166,18 +168,18 @@ impl Blocks {
 
     /// Checks that the blocks were registered for `split` (their layout and this rank's place
     /// in it), before anything runs.
-    pub(super) fn check(&self, split: StageSplit<'_>) -> Result<()> {
+    pub(super) fn check(&self, split: TensorSplit<'_>) -> Result<()> {
         let ok = match (self, split) {
-            (Blocks::Serial(_), StageSplit::None) => Ok(()),
-            (Blocks::OneD(v), StageSplit::OneD(shard)) => match v.first() {
+            (Blocks::Serial(_), TensorSplit::None) => Ok(()),
+            (Blocks::OneD(v), TensorSplit::OneD(shard)) => match v.first() {
                 Some(b) if b.layout.shard != shard => Err(()),
                 _ => Ok(()),
             },
-            (Blocks::Summa(v), StageSplit::Grid(g)) => match v.first() {
+            (Blocks::Summa(v), TensorSplit::Grid(g)) => match v.first() {
                 Some(b) => return b.layout.check(g),
                 None => Ok(()),
             },
-            (Blocks::Cube(v), StageSplit::Grid(g)) => match v.first() {
+            (Blocks::Cube(v), TensorSplit::Grid(g)) => match v.first() {
                 Some(b) => return b.layout.check(g),
                 None => Ok(()),
             },
@@ -188,10 +190,10 @@ impl Blocks {
                 "blocks registered {} run {}",
                 self.describe(),
                 match split {
-                    StageSplit::None => "whole".to_string(),
-                    StageSplit::OneD(s) =>
+                    TensorSplit::None => "whole".to_string(),
+                    TensorSplit::OneD(s) =>
                         format!("as rank {} of a 1D group of {}", s.rank, s.size),
-                    StageSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
+                    TensorSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
                 }
             ))
         })

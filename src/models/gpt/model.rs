@@ -6,7 +6,7 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use super::blocks::{Blocks, StageSplit};
+use super::blocks::{Blocks, TensorSplit};
 use super::ends::{Embed, Ends, Head};
 use super::plan::Plan;
 use super::split_ends::{check_splits, wte_norm_share, SplitEmbedding, SplitHead};
@@ -320,7 +320,7 @@ impl Gpt {
 /// How the blocks and whole ends of [`register_whole`] are registered.
 struct Parts<'a> {
     master: &'a dyn Fn(&str) -> Init,
-    split: StageSplit<'a>,
+    split: TensorSplit<'a>,
     /// The norm share of a parameter every rank of the tensor group holds.
     replicated: f64,
 }

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use super::blocks::{On, StageSplit};
+use super::blocks::{On, TensorSplit};
 use super::ends::EndsLayout;
 use super::split_ends::{Over, Place};
 use super::GptConfig;
@@ -69,37 +69,37 @@ impl<'a> Plan<'a> {
     }
 
     /// How the blocks are split.
-    pub(super) fn split(&self) -> StageSplit<'a> {
+    pub(super) fn split(&self) -> TensorSplit<'a> {
         match (self.grid, self.mode()) {
-            (Some(g), TensorMode::OneD { .. }) => StageSplit::OneD(Shard::of(g.tensor())),
+            (Some(g), TensorMode::OneD { .. }) => TensorSplit::OneD(Shard::of(g.tensor())),
             (Some(g), TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. })
-            | (Some(g), TensorMode::ThreeD { .. }) => StageSplit::Grid(g),
-            _ => StageSplit::None,
+            | (Some(g), TensorMode::ThreeD { .. }) => TensorSplit::Grid(g),
+            _ => TensorSplit::None,
         }
     }
 
     /// Where split ends are registered, if the ends are split.
     pub(super) fn ends_place(&self) -> Option<Place<'a>> {
         match (self.ends, self.split()) {
-            (EndsLayout::Whole, _) | (_, StageSplit::None) => None,
-            (EndsLayout::Split, StageSplit::OneD(s)) => Some(Place::OneD(s)),
-            (EndsLayout::Split, StageSplit::Grid(g)) => Some(Place::Grid(g)),
+            (EndsLayout::Whole, _) | (_, TensorSplit::None) => None,
+            (EndsLayout::Split, TensorSplit::OneD(s)) => Some(Place::OneD(s)),
+            (EndsLayout::Split, TensorSplit::Grid(g)) => Some(Place::Grid(g)),
         }
     }
 
     /// The group split ends run over.
     pub(super) fn over(&self) -> Option<Over<'a>> {
         match self.split() {
-            StageSplit::None => None,
-            StageSplit::OneD(_) => self.grid.map(|g| Over::OneD(g.tensor())),
-            StageSplit::Grid(g) => Some(Over::Grid(g)),
+            TensorSplit::None => None,
+            TensorSplit::OneD(_) => self.grid.map(|g| Over::OneD(g.tensor())),
+            TensorSplit::Grid(g) => Some(Over::Grid(g)),
         }
     }
 
     /// The grid whose tiles the blocks' activations are (none when they are whole).
     pub(super) fn tiles(&self) -> Option<&'a ProcessGrid> {
         match self.split() {
-            StageSplit::Grid(g) => Some(g),
+            TensorSplit::Grid(g) => Some(g),
             _ => None,
         }
     }

@@ -60,7 +60,7 @@ pub fn train_step<S: ParamStore + ?Sized>(
     micro: &[GptBatch<'_>],
 ) -> Result<TrainStep> {
     if gpt.stages > 1 {
-        let (mut step, report) = super::pipe::train_step_pipe(gpt, store, plan, adam, micro)?;
+        let (mut step, report) = super::pipe::pipeline_step(gpt, store, plan, adam, micro)?;
         step.stage = Some(report);
         return Ok(step);
     }

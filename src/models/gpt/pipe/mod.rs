@@ -15,7 +15,7 @@ mod stream;
 mod train;
 
 pub use self::stream::train_two_bw_stream;
-pub(super) use self::train::train_step_pipe;
+pub(super) use self::train::pipeline_step;
 use super::Gpt;
 
 impl Gpt {

@@ -14,23 +14,11 @@ use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
 use crate::store::ParamStore;
 
 /// One optimizer step of a pipeline stage over the micro-batches `micro` (all the step's, the
-/// same on every stage). `wte` is used at both ends, so the first and the last stage hold a
-/// copy each (its shard, with split ends): their shares of its gradient are summed in f32
-/// through the step, apart from its slot, swapped between the two stages at the end of the
-/// backward pass and added in one order on both, so the copies stay bit for bit the same. The
-/// stage's forwards and backwards run in `schedule`'s order within one store iteration
-/// ([`PipelineStage`]), each micro-batch's loss gradient scaled by the optimizer's loss scale
-/// over `micro.len()`, then the store's step with the gradient
-/// statistics all-reduced over the pipeline and tensor groups (every stage clips by the global
-/// norm). [`Schedule::TwoBW`] (PipeDream-2BW) needs an optimizer with
-/// [`delayed_params`](crate::optim::HybridConfig::delayed_params) and a version per step
-/// (`every = micro.len() ≥ P`): the step's gradient is taken at `W(t−1)` and applied to `W(t)`;
-/// its ops run in 1F1B order within the version (the math of 2BW, the bubble of 1F1B;
-/// [`train_two_bw_stream`](super::train_two_bw_stream) runs it with no flush). The optimizer
-/// steps at every call (no accumulation of its own). Returns the mean of the micro-batches'
-/// losses on every stage, and the stage's [`StageReport`] (micro-batches in flight, messages,
-/// seconds waiting).
-pub(crate) fn train_step_pipe<S: ParamStore + ?Sized>(
+/// same on every stage), as [`train_step`](crate::models::gpt::train_step) describes: the
+/// stage's ops in the plan's schedule within one store iteration, then the store's step with
+/// the gradient statistics all-reduced over the pipeline and tensor groups. Returns the mean
+/// of the micro-batches' losses on every stage, and the stage's report.
+pub(in crate::models::gpt) fn pipeline_step<S: ParamStore + ?Sized>(
     gpt: &Gpt,
     store: &mut S,
     plan: &Plan<'_>,

@@ -24,7 +24,7 @@ use tidemem::tensor::TensorId;
 use tidemem::DType;
 
 #[derive(Parser, Debug)]
-#[command(about = "Collectives per transformer layer of each tensor-parallel scheme")]
+#[command(about = "Cost per transformer layer of each tensor-parallel scheme")]
 struct Args {
     /// Tokens per step (batch × sequence).
     #[arg(long, default_value_t = 8192)]

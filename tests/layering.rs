@@ -13,8 +13,7 @@ use std::path::{Path, PathBuf};
 
 /// The layers, lowest first: a module may import only from its own layer or a lower one, and
 /// never in a cycle. Pure vocabulary at the bottom, the device and what runs on it next, then
-/// the chunk memory system, what trains on it, and the models on top. Modules not in the crate
-/// yet (`data`, `nn`, `parallel`, `models`) have their layer already.
+/// the chunk memory system, what trains on it, and the models on top.
 const LAYERS: &[(&str, &[&str])] = &[
     // pure vocabulary: units, element types, device ids, errors, the bounds on sizes, the one
     // PRNG, tensor ids and the tensor state machine
@@ -51,13 +50,6 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("models", &["demo", "models", "prelude"]),
 ];
 
-/// Imports allowed to break the order, each (file, imported module): none. The checker keeps
-/// the mechanism (and fails on an entry that is no longer needed) for a rewrite in progress.
-const ALLOWED: &[(&str, &str)] = &[];
-
-/// Files the allow-list may name.
-const ALLOWED_FILES: &[&str] = &["src/error.rs", "src/device/", "src/ops/"];
-
 #[test]
 fn modules_import_only_from_their_layer_or_below_and_never_in_a_cycle() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -77,7 +69,7 @@ fn modules_import_only_from_their_layer_or_below_and_never_in_a_cycle() {
         "found only {} source files",
         sources.len()
     );
-    let (problems, edges) = analyse(&sources, ALLOWED);
+    let (problems, edges) = analyse(&sources);
     // the dependency table, for `cargo test --test layering -- --nocapture`
     let mut table: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for (a, b) in edges.keys() {
@@ -96,16 +88,6 @@ fn modules_import_only_from_their_layer_or_below_and_never_in_a_cycle() {
         problems.len(),
         problems.join("\n")
     );
-}
-
-#[test]
-fn the_allow_list_names_only_the_files_being_rewritten() {
-    for (file, _) in ALLOWED {
-        assert!(
-            ALLOWED_FILES.iter().any(|f| file.starts_with(f)),
-            "{file} may not be allow-listed"
-        );
-    }
 }
 
 // The checker on made-up sources: it must find what it is for, and nothing else.
@@ -152,13 +134,13 @@ fn upward() -> Vec<(String, String)> {
 
 #[test]
 fn the_checker_passes_downward_imports_and_skips_comments_and_literals() {
-    let p = check(&clean(), &[]);
+    let p = check(&clean());
     assert!(p.is_empty(), "{p:#?}");
 }
 
 #[test]
 fn the_checker_names_the_file_the_import_and_both_layers() {
-    let p = check(&upward(), &[]);
+    let p = check(&upward());
     assert_eq!(p.len(), 1, "{p:#?}");
     for part in [
         "src/tensor.rs:3",
@@ -172,16 +154,13 @@ fn the_checker_names_the_file_the_import_and_both_layers() {
 
 #[test]
 fn the_checker_reads_use_groups_root_reexports_and_dollar_crate() {
-    let p = check(
-        &sources(&[
-            ("src/error.rs", "use crate::{Result, zero::{A, B}};"),
-            (
-                "src/device/mod.rs",
-                "macro_rules! m { () => { $crate::chunk::X } }",
-            ),
-        ]),
-        &[],
-    );
+    let p = check(&sources(&[
+        ("src/error.rs", "use crate::{Result, zero::{A, B}};"),
+        (
+            "src/device/mod.rs",
+            "macro_rules! m { () => { $crate::chunk::X } }",
+        ),
+    ]));
     assert_eq!(p.len(), 2, "{p:#?}");
     assert!(p[0].contains("src/error.rs:1") && p[0].contains("zero (layer 5"));
     assert!(p[0].contains("`crate::zero`"), "{}", p[0]);
@@ -190,16 +169,13 @@ fn the_checker_reads_use_groups_root_reexports_and_dollar_crate() {
 
 #[test]
 fn the_checker_follows_super_out_of_a_top_level_module() {
-    let p = check(
-        &sources(&[
-            (
-                "src/chunk/manager/moves.rs",
-                "use super::super::super::zero::Z;",
-            ),
-            ("src/tensor.rs", "mod inner { }\nuse super::chunk::C;"),
-        ]),
-        &[],
-    );
+    let p = check(&sources(&[
+        (
+            "src/chunk/manager/moves.rs",
+            "use super::super::super::zero::Z;",
+        ),
+        ("src/tensor.rs", "mod inner { }\nuse super::chunk::C;"),
+    ]));
     assert_eq!(p.len(), 2, "{p:#?}");
     assert!(p[0].contains("src/chunk/manager/moves.rs:1"), "{}", p[0]);
     assert!(p[0].contains("super::super::super::zero"), "{}", p[0]);
@@ -208,36 +184,21 @@ fn the_checker_follows_super_out_of_a_top_level_module() {
 
 #[test]
 fn the_checker_finds_a_cycle_within_one_layer() {
-    let p = check(
-        &sources(&[
-            ("src/chunk/mod.rs", "use crate::tide::Scheduler;"),
-            ("src/tide/trace.rs", "use crate::chunk::ChunkKind;"),
-        ]),
-        &[],
-    );
+    let p = check(&sources(&[
+        ("src/chunk/mod.rs", "use crate::tide::Scheduler;"),
+        ("src/tide/trace.rs", "use crate::chunk::ChunkKind;"),
+    ]));
     assert_eq!(p.len(), 1, "{p:#?}");
     assert!(p[0].contains("cycle") && p[0].contains("chunk") && p[0].contains("tide"));
     assert!(p[0].contains("src/tide/trace.rs"), "{}", p[0]);
 }
 
 #[test]
-fn the_checker_honours_the_allow_list_and_reports_stale_entries() {
-    let p = check(&upward(), &[("src/tensor.rs", "chunk")]);
-    assert!(p.is_empty(), "{p:#?}");
-    let p = check(&clean(), &[("src/tensor.rs", "chunk")]);
-    assert_eq!(p.len(), 1, "{p:#?}");
-    assert!(p[0].contains("no longer needed"), "{}", p[0]);
-}
-
-#[test]
 fn the_checker_wants_every_module_in_the_table() {
-    let p = check(
-        &[
-            ("src/lib.rs".into(), "pub mod gizmo;".into()),
-            ("src/gizmo.rs".into(), String::new()),
-        ],
-        &[],
-    );
+    let p = check(&[
+        ("src/lib.rs".into(), "pub mod gizmo;".into()),
+        ("src/gizmo.rs".into(), String::new()),
+    ]);
     assert_eq!(p.len(), 1, "{p:#?}");
     assert!(p[0].contains("gizmo") && p[0].contains("layer table"));
 }
@@ -279,13 +240,12 @@ type Edges = BTreeMap<(String, String), Vec<String>>;
 
 /// Every layering problem of `sources` (`(path from the crate root, text)`; `src/lib.rs`
 /// declares the top-level modules and the root re-exports), as messages.
-fn check(sources: &[(String, String)], allowed: &[(&str, &str)]) -> Vec<String> {
-    analyse(sources, allowed).0
+fn check(sources: &[(String, String)]) -> Vec<String> {
+    analyse(sources).0
 }
 
-/// The problems of [`check`], and the imports between top-level modules that are not
-/// allow-listed.
-fn analyse(sources: &[(String, String)], allowed: &[(&str, &str)]) -> (Vec<String>, Edges) {
+/// The problems of [`check`], and the imports between top-level modules.
+fn analyse(sources: &[(String, String)]) -> (Vec<String>, Edges) {
     let mut problems = Vec::new();
     let lib = sources
         .iter()
@@ -306,13 +266,8 @@ fn analyse(sources: &[(String, String)], allowed: &[(&str, &str)]) -> (Vec<Strin
             imports.extend(imports_of(file, &path, &strip(text), &reexports));
         }
     }
-    let mut used = BTreeSet::new();
     let mut edges = Edges::new();
     for i in &imports {
-        if allowed.contains(&(i.file.as_str(), i.to.as_str())) {
-            used.insert((i.file.clone(), i.to.clone()));
-            continue;
-        }
         let (Some(a), Some(b)) = (layer_of(&i.from), layer_of(&i.to)) else {
             if layer_of(&i.to).is_none() && !modules.contains(&i.to) {
                 problems.push(format!(
@@ -336,13 +291,6 @@ fn analyse(sources: &[(String, String)], allowed: &[(&str, &str)]) -> (Vec<Strin
         let e = edges.entry((i.from.clone(), i.to.clone())).or_default();
         if !e.contains(&at) {
             e.push(at);
-        }
-    }
-    for (file, to) in allowed {
-        if !used.contains(&(file.to_string(), to.to_string())) {
-            problems.push(format!(
-                "allow-list entry ({file}, {to}) is no longer needed: remove it"
-            ));
         }
     }
     for cycle in cycles(&edges) {

@@ -114,7 +114,7 @@ struct RankOut {
     grads: Vec<(String, Vec<f32>)>,
     fwd: tidemem::comm::CommStats,
     bwd: tidemem::comm::CommStats,
-    expected: tidemem::parallel::Collectives,
+    expected: tidemem::parallel::Cost,
 }
 
 fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
@@ -198,8 +198,9 @@ fn block_1d_equals_the_serial_block_on_2_and_4_ranks() {
             // (`f`): two all-reduces of N·C f32 values each way
             let want = (2, (2 * N * C * 4) as u64);
             let e = o.expected;
-            assert_eq!((e.forward_all_reduces, e.forward_bytes), want, "formula");
-            assert_eq!((e.backward_all_reduces, e.backward_bytes), want, "formula");
+            let (f, b) = (e.forward.tensor.all_reduce, e.backward.tensor.all_reduce);
+            assert_eq!((f.calls, f.bytes), want, "formula");
+            assert_eq!((b.calls, b.bytes), want, "formula");
             assert_eq!(
                 (o.fwd.all_reduce.calls, o.fwd.all_reduce.bytes),
                 want,

@@ -12,8 +12,8 @@ use std::time::Duration;
 use tidemem::comm::{CommStats, Communicator};
 use tidemem::nn::Act;
 use tidemem::parallel::{
-    gather_batch_2d, split_batch_2d, split_batch_2d_act, GridSpec, Linear2D, Linear2p5D,
-    ProcessGrid, SummaCollectives, SummaGroups, TensorMode,
+    gather_batch_2d, split_batch_2d, split_batch_2d_act, Cost, GridSpec, Linear2D, Linear2p5D,
+    PassCost, ProcessGrid, TensorMode,
 };
 use tidemem::prelude::*;
 
@@ -187,7 +187,7 @@ impl Layer {
             Layer::TwoHalf(l) => l.backward(p, g, x, dy, dx),
         }
     }
-    fn collectives(&self, rows: usize, need_dx: bool) -> Result<SummaCollectives> {
+    fn collectives(&self, rows: usize, need_dx: bool) -> Result<Cost> {
         match self {
             Layer::Two(l) => l.collectives(rows, DType::F32, need_dx),
             Layer::TwoHalf(l) => l.collectives(rows, DType::F32, need_dx),
@@ -201,26 +201,28 @@ struct RankOut {
     dx: Option<Vec<f32>>,
     dw: Vec<f32>,
     db: Option<Vec<f32>>,
-    fwd: SummaGroups,
-    bwd: SummaGroups,
+    fwd: PassCost,
+    bwd: PassCost,
     /// What the world and tensor communicators did meanwhile (nothing).
     others: [CommStats; 2],
-    expected: SummaCollectives,
+    expected: Cost,
 }
 
-fn group_stats(grid: &ProcessGrid) -> SummaGroups {
-    SummaGroups {
+fn group_stats(grid: &ProcessGrid) -> PassCost {
+    PassCost {
         row: grid.row().unwrap().stats(),
         col: grid.col().unwrap().stats(),
         dep: grid.dep().map(|d| d.stats()).unwrap_or_default(),
+        ..PassCost::default()
     }
 }
 
-fn since(a: &SummaGroups, b: &SummaGroups) -> SummaGroups {
-    SummaGroups {
+fn since(a: &PassCost, b: &PassCost) -> PassCost {
+    PassCost {
         row: a.row.since(&b.row),
         col: a.col.since(&b.col),
         dep: a.dep.since(&b.dep),
+        ..PassCost::default()
     }
 }
 

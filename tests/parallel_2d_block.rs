@@ -5,16 +5,14 @@
 
 mod common;
 
-use common::summa::{add_collectives, linear_formula, q_depth, tally};
+use common::summa::{linear_formula, q_depth, tally};
 mod nn_ref;
 
 use std::time::Duration;
 
 use tidemem::comm::Communicator;
 use tidemem::nn::Block;
-use tidemem::parallel::{
-    GridSpec, LayerNorm2D, ProcessGrid, Summa, SummaCollectives, SummaGroups, TensorMode,
-};
+use tidemem::parallel::{Cost, GridSpec, LayerNorm2D, PassCost, ProcessGrid, Summa, TensorMode};
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -160,10 +158,10 @@ fn id_of(m: &ChunkManager, name: &str) -> TensorId {
 /// blocks (`C/q` each). Backward, ROW all-gathers `h` and `dY` (`rl·C` each) and `γ` (`C`);
 /// COL all-gathers `γ`'s block and reduce-scatters `dγ`, `dβ` (`C/q` f32); with depth,
 /// DEP all-reduces the two (`C/q²` f32).
-fn layer_norm_formula(mode: TensorMode) -> SummaCollectives {
+fn layer_norm_formula(mode: TensorMode) -> Cost {
     let (q, d) = q_depth(mode);
     let (rl, e) = (N / (q * d), 4);
-    let mut c = SummaCollectives::default();
+    let mut c = Cost::default();
     c.forward.row.all_gather = tally(3, (rl * C + 2 * C) * e);
     c.forward.col.all_gather = tally(2, 2 * (C / q) * e);
     c.backward.row.all_gather = tally(3, (2 * rl * C + C) * e);
@@ -177,33 +175,35 @@ fn layer_norm_formula(mode: TensorMode) -> SummaCollectives {
 
 /// The block's: its two LayerNorms and four linears (`C → 3C`, `C → C`, `C → 4C`, `4C → C`);
 /// the attention itself is local.
-fn block_formula(mode: TensorMode) -> SummaCollectives {
+fn block_formula(mode: TensorMode) -> Cost {
     let mut c = layer_norm_formula(mode);
-    add_collectives(&mut c, &layer_norm_formula(mode));
+    c += layer_norm_formula(mode);
     for (inp, out) in [(C, 3 * C), (C, C), (C, 4 * C), (4 * C, C)] {
-        add_collectives(&mut c, &linear_formula(mode, N, inp, out, true));
+        c += linear_formula(mode, N, inp, out, true);
     }
     c
 }
 
 /// One rank's results: output, `dx`, the gradient of each parameter, and the collectives
 /// its groups counted beside the layer's formulas.
-type RankOut = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, [SummaCollectives; 2]);
+type RankOut = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>, [Cost; 2]);
 
 /// What the ROW, COL and DEP groups have counted so far.
-fn group_stats(grid: &ProcessGrid) -> SummaGroups {
-    SummaGroups {
+fn group_stats(grid: &ProcessGrid) -> PassCost {
+    PassCost {
         row: grid.row().unwrap().stats(),
         col: grid.col().unwrap().stats(),
         dep: grid.dep().map(|d| d.stats()).unwrap_or_default(),
+        ..PassCost::default()
     }
 }
 
-fn since(a: SummaGroups, b: SummaGroups) -> SummaGroups {
-    SummaGroups {
+fn since(a: PassCost, b: PassCost) -> PassCost {
+    PassCost {
         row: a.row.since(&b.row),
         col: a.col.since(&b.col),
         dep: a.dep.since(&b.dep),
+        ..PassCost::default()
     }
 }
 
@@ -239,7 +239,7 @@ fn ln_rank(c: &Communicator, mode: TensorMode, data: &[Vec<f32>; 4]) -> (RankOut
     drop((saved, dya, into));
     bwd.finish().unwrap();
     let grads = vec![m.read(ln.gamma).unwrap(), m.read(ln.beta).unwrap()];
-    let counted = SummaCollectives {
+    let counted = Cost {
         forward: since(s1, s0),
         backward: since(s3, s2),
     };
@@ -338,7 +338,7 @@ fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> Ra
     drop((saved, da));
     bwd.finish().unwrap();
     let grads = ids.iter().map(|&id| m.read(id).unwrap()).collect();
-    let counted = SummaCollectives {
+    let counted = Cost {
         forward: since(s1, s0),
         backward: since(s3, s2),
     };

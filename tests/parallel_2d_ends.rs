@@ -15,8 +15,8 @@ use std::time::Duration;
 use tidemem::comm::Communicator;
 use tidemem::nn::Act;
 use tidemem::parallel::{
-    Classifier2D, Embedding2D, EndsCollectives, EndsGroups, GridSpec, ProcessGrid, SummaLinear,
-    TensorMode, VocabEmbedding2D,
+    Classifier2D, Cost, Embedding2D, GridSpec, PassCost, ProcessGrid, SummaLinear, TensorMode,
+    VocabEmbedding2D,
 };
 use tidemem::prelude::*;
 
@@ -103,26 +103,28 @@ fn pattern(mul: usize, modulo: usize, n: usize) -> Vec<f32> {
 }
 
 /// What the ROW, COL, DEP and tensor groups have counted so far.
-fn group_stats(grid: &ProcessGrid) -> EndsGroups {
-    EndsGroups {
+fn group_stats(grid: &ProcessGrid) -> PassCost {
+    PassCost {
         row: grid.row().unwrap().stats(),
         col: grid.col().unwrap().stats(),
         dep: grid.dep().map(|d| d.stats()).unwrap_or_default(),
         tensor: grid.tensor().stats(),
+        ..PassCost::default()
     }
 }
 
-fn since(a: EndsGroups, b: EndsGroups) -> EndsGroups {
-    EndsGroups {
+fn since(a: PassCost, b: PassCost) -> PassCost {
+    PassCost {
         row: a.row.since(&b.row),
         col: a.col.since(&b.col),
         dep: a.dep.since(&b.dep),
         tensor: a.tensor.since(&b.tensor),
+        ..PassCost::default()
     }
 }
 
 /// Runs `f` and returns its result with what it did on the groups.
-fn counted<R>(grid: &ProcessGrid, f: impl FnOnce() -> R) -> (R, EndsGroups) {
+fn counted<R>(grid: &ProcessGrid, f: impl FnOnce() -> R) -> (R, PassCost) {
     let s0 = group_stats(grid);
     let r = f();
     (r, since(group_stats(grid), s0))
@@ -145,11 +147,11 @@ fn targets(classes: usize) -> Vec<i32> {
 /// (`q` tiles of `r·C/q`, `r = N/(q·d)`) and the tensor group moves the tile to its place (one
 /// send and receive of `r·C/q`); backward moves it back, ROW all-gathers the tiles' gradients,
 /// and with depth DEP all-reduces the block's gradient.
-fn vocab_formula(mode: TensorMode) -> EndsCollectives {
+fn vocab_formula(mode: TensorMode) -> Cost {
     let (q, d) = q_depth(mode);
     let (r, e) = (N / (q * d), 4);
     let tile = r * (C / q) * e;
-    let mut c = EndsCollectives::default();
+    let mut c = Cost::default();
     c.forward.row.reduce_scatter = tally(1, q * tile);
     for g in [&mut c.forward, &mut c.backward] {
         g.tensor.send = tally(1, tile);
@@ -165,10 +167,10 @@ fn vocab_formula(mode: TensorMode) -> EndsCollectives {
 /// The position table's (`T × C`, columns split over COL), derived here: forward COL
 /// all-gathers the `T × C/q` block; backward COL reduce-scatters its gradient, and with depth
 /// DEP all-reduces this rank's `T/q × C/q` share.
-fn position_formula(mode: TensorMode) -> EndsCollectives {
+fn position_formula(mode: TensorMode) -> Cost {
     let (q, d) = q_depth(mode);
     let e = 4;
-    let mut c = EndsCollectives::default();
+    let mut c = Cost::default();
     c.forward.col.all_gather = tally(1, T * (C / q) * e);
     c.backward.col.reduce_scatter = tally(1, T * (C / q) * e);
     if d > 1 {
@@ -180,10 +182,10 @@ fn position_formula(mode: TensorMode) -> EndsCollectives {
 /// A classifier's (`C → outputs`): its SUMMA linear's, plus forward ROW's two all-reduces of
 /// the cross-entropy (the row maxima, `r` f32, then the sums and target logits, `2r`) and the
 /// tensor group's all-reduce of the loss (one f64).
-fn classifier_formula(mode: TensorMode, outputs: usize, bias: bool) -> EndsCollectives {
+fn classifier_formula(mode: TensorMode, outputs: usize, bias: bool) -> Cost {
     let (q, d) = q_depth(mode);
     let r = N / (q * d);
-    let mut c: EndsCollectives = linear_formula(mode, N, C, outputs, bias).into();
+    let mut c = linear_formula(mode, N, C, outputs, bias);
     c.forward.row.all_reduce = tally(2, 3 * r * 4);
     c.forward.tensor.all_reduce = tally(1, 8);
     c
@@ -197,7 +199,7 @@ struct GptOut {
     loss: f32,
     dh: Vec<f32>,
     grads: [Vec<f32>; 2],
-    stats: [[EndsCollectives; 2]; 3],
+    stats: [[Cost; 2]; 3],
 }
 
 fn gpt_rank(c: &Communicator, mode: TensorMode) -> GptOut {
@@ -229,7 +231,7 @@ fn gpt_rank(c: &Communicator, mode: TensorMode) -> GptOut {
     drop((dh, saved, te_saved, pe_saved));
     bwd.finish().unwrap();
     let grads = [m.read(wte.weight).unwrap(), m.read(wpe.weight).unwrap()];
-    let pair = |f, b| EndsCollectives {
+    let pair = |f, b| Cost {
         forward: f,
         backward: b,
     };
@@ -322,7 +324,7 @@ fn ce_ref(logits: &[f64], targets: &[i32], classes: usize) -> (f64, Vec<f64>) {
 }
 
 /// One rank of the untied classifier: loss, `dh`, weight and bias gradients, collectives.
-type ClsOut = (f32, Vec<f32>, [Vec<f32>; 2], [EndsCollectives; 2]);
+type ClsOut = (f32, Vec<f32>, [Vec<f32>; 2], [Cost; 2]);
 
 fn classifier_rank(c: &Communicator, mode: TensorMode, h: &[f32], scale: f32) -> ClsOut {
     let grid = ProcessGrid::new(c, spec(mode)).unwrap();
@@ -347,7 +349,7 @@ fn classifier_rank(c: &Communicator, mode: TensorMode, h: &[f32], scale: f32) ->
     bwd.finish().unwrap();
     let l = cls.linear.slice();
     let grads = [m.read(l.weight).unwrap(), m.read(l.bias.unwrap()).unwrap()];
-    let got = EndsCollectives {
+    let got = Cost {
         forward: f,
         backward: b_,
     };

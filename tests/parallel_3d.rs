@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tidemem::comm::{CommStats, Communicator, Tally};
 use tidemem::parallel::{
-    gather_3d, split_3d, Collectives3D, GridSpec, GroupStats, Layout3D, Linear3D, ProcessGrid,
+    gather_3d, split_3d, Cost, GridSpec, Layout3D, Linear3D, PassCost, ProcessGrid,
 };
 use tidemem::prelude::*;
 
@@ -178,7 +178,7 @@ fn snapshot(g: &ProcessGrid) -> [CommStats; 5] {
 
 /// The collectives between two snapshots, by 3D group; the plane and the tensor group must
 /// have done nothing.
-fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> GroupStats {
+fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> PassCost {
     let now = snapshot(g);
     let d: Vec<CommStats> = now.iter().zip(before).map(|(n, b)| n.since(b)).collect();
     assert_eq!(d[3], CommStats::default(), "collectives on the plane");
@@ -187,10 +187,11 @@ fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> GroupStats {
         CommStats::default(),
         "collectives on the tensor group"
     );
-    GroupStats {
+    PassCost {
         input: d[0],
         weight: d[1],
         output: d[2],
+        ..PassCost::default()
     }
 }
 
@@ -204,8 +205,8 @@ struct RankOut {
     /// Per layer: weight and bias gradient shards.
     grads: Vec<(Vec<f32>, Vec<f32>)>,
     /// Per layer: measured forward and backward collectives, and the expected.
-    measured: Vec<Collectives3D>,
-    expected: Vec<Collectives3D>,
+    measured: Vec<Cost>,
+    expected: Vec<Cost>,
 }
 
 /// Layers `dims[l] → dims[l+1]`, the first taking rows by `j`, each next one the previous's
@@ -233,7 +234,7 @@ fn run_rank(grid: &ProcessGrid, dims: &[usize], x: &[f32], dy: &[f32]) -> RankOu
         layers.push(layer);
     }
     let (d, n) = (DType::F32, R / (Q * Q));
-    let mut measured = vec![Collectives3D::default(); layers.len()];
+    let mut measured = vec![Cost::default(); layers.len()];
     let fwd = m.forward().unwrap();
     let xa = Act::upload(fwd.pool(), fwd.stream(), R, dims[0], d, x).unwrap();
     let mut h = split_3d(&fwd, grid, Layout3D::RowsJColsK, &xa).unwrap();
@@ -286,7 +287,7 @@ fn run_rank(grid: &ProcessGrid, dims: &[usize], x: &[f32], dy: &[f32]) -> RankOu
 /// The collectives the formulas give layer `l` (`inp → out`) on input tiles of `n = R/q²`
 /// rows, f32: its row group is the grid's input group when its input rows go by `j` (even
 /// layers), else the output group.
-fn formula(l: usize, inp: usize, out: usize) -> Collectives3D {
+fn formula(l: usize, inp: usize, out: usize) -> Cost {
     let n = R / (Q * Q);
     let t = |bytes: usize| Tally {
         calls: 1,
@@ -311,20 +312,22 @@ fn formula(l: usize, inp: usize, out: usize) -> Collectives3D {
     bw.all_reduce = t(out / Q); // db
     let by = |a, w, c| {
         if l.is_multiple_of(2) {
-            GroupStats {
+            PassCost {
                 input: a,
                 weight: w,
                 output: c,
+                ..PassCost::default()
             }
         } else {
-            GroupStats {
+            PassCost {
                 input: c,
                 weight: w,
                 output: a,
+                ..PassCost::default()
             }
         }
     };
-    Collectives3D {
+    Cost {
         forward: by(fa, fw, fc),
         backward: by(ba, bw, bc),
     }
@@ -457,7 +460,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
                 .contains("`x` is [3, 8] f32; expected [N, 4] f32"),
             "{e}"
         );
-        assert_eq!(delta(g, &before), GroupStats::default());
+        assert_eq!(delta(g, &before), PassCost::default());
         Err(e)
     });
     refused_everywhere(errs, "expected [N, 4]");

@@ -12,7 +12,7 @@ use std::time::Duration;
 use tidemem::comm::{CommStats, Communicator, Tally};
 use tidemem::nn::Block;
 use tidemem::parallel::{
-    split_3d, Collectives3D, Cube, GridSpec, GroupStats, LayerNorm3D, Layout3D, ProcessGrid,
+    split_3d, Cost, Cube, GridSpec, LayerNorm3D, Layout3D, PassCost, ProcessGrid,
 };
 use tidemem::prelude::*;
 
@@ -158,15 +158,16 @@ fn snapshot(g: &ProcessGrid) -> [CommStats; 5] {
 
 /// The collectives between two snapshots, by 3D group; the plane and the tensor group must
 /// have done nothing.
-fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> GroupStats {
+fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> PassCost {
     let now = snapshot(g);
     let d: Vec<CommStats> = now.iter().zip(before).map(|(n, b)| n.since(b)).collect();
     assert_eq!(d[3], CommStats::default(), "collectives on the plane");
     assert_eq!(d[4], CommStats::default(), "collectives on the tensor");
-    GroupStats {
+    PassCost {
         input: d[0],
         weight: d[1],
         output: d[2],
+        ..PassCost::default()
     }
 }
 
@@ -195,14 +196,14 @@ struct LnOut {
     dx: Vec<f32>,
     dgamma: Vec<f32>,
     dbeta: Vec<f32>,
-    measured: Collectives3D,
-    expected: Collectives3D,
+    measured: Cost,
+    expected: Cost,
 }
 
 /// The LayerNorm's collectives from the formulas, on tiles of `NT` rows, f32: forward, three
 /// all-gathers (`n×C`, γ, β) on the column group; backward one (`n×C`) there and an
 /// all-reduce of `2·C/q` f32 on the weight group and on the row group.
-fn ln_formula(rows_j: bool) -> Collectives3D {
+fn ln_formula(rows_j: bool) -> Cost {
     let t = |calls, elems: usize| Tally {
         calls,
         bytes: (elems * 4) as u64,
@@ -213,7 +214,7 @@ fn ln_formula(rows_j: bool) -> Collectives3D {
     bw.all_reduce = t(1, 2 * C / Q);
     ba.all_reduce = t(1, 2 * C / Q);
     let z = CommStats::default();
-    Collectives3D {
+    Cost {
         forward: by_group(rows_j, z, z, fc),
         backward: by_group(rows_j, ba, bw, bc),
     }
@@ -221,24 +222,26 @@ fn ln_formula(rows_j: bool) -> Collectives3D {
 
 /// `(a, w, c)` on a layout's row group, the weight group and its column group, by the grid's
 /// groups: rows by `j`, the row group is input() and the column group output().
-fn by_group(rows_j: bool, a: CommStats, w: CommStats, c: CommStats) -> GroupStats {
+fn by_group(rows_j: bool, a: CommStats, w: CommStats, c: CommStats) -> PassCost {
     match rows_j {
-        true => GroupStats {
+        true => PassCost {
             input: a,
             weight: w,
             output: c,
+            ..PassCost::default()
         },
-        false => GroupStats {
+        false => PassCost {
             input: c,
             weight: w,
             output: a,
+            ..PassCost::default()
         },
     }
 }
 
 /// A Linear3D's collectives from the design (`inp → out`, input rows by `j` when `rows_j`,
 /// tiles of `NT` rows, f32, with its input gradient and a bias).
-fn linear_formula(inp: usize, out: usize, rows_j: bool) -> Collectives3D {
+fn linear_formula(inp: usize, out: usize, rows_j: bool) -> Cost {
     let t = |elems: usize| Tally {
         calls: 1,
         bytes: (elems * 4) as u64,
@@ -251,7 +254,7 @@ fn linear_formula(inp: usize, out: usize, rows_j: bool) -> Collectives3D {
     ba.reduce_scatter = t(NT * inp);
     bw.reduce_scatter = t(inp * out / (Q * Q));
     bw.all_reduce = t(out / Q);
-    Collectives3D {
+    Cost {
         forward: by_group(rows_j, fa, fw, fc),
         backward: by_group(rows_j, ba, bw, bc),
     }
@@ -272,7 +275,7 @@ fn sum(a: CommStats, b: CommStats) -> CommStats {
 
 /// The block's: its LayerNorms in its layout, `c_attn` and `c_fc` taking it, the `c_proj`s
 /// the swapped one.
-fn block_formula(rows_j: bool) -> Collectives3D {
+fn block_formula(rows_j: bool) -> Cost {
     let parts = [
         ln_formula(rows_j),
         linear_formula(C, 3 * C, rows_j),
@@ -281,17 +284,16 @@ fn block_formula(rows_j: bool) -> Collectives3D {
         linear_formula(C, 4 * C, rows_j),
         linear_formula(4 * C, C, !rows_j),
     ];
-    let g = |a: GroupStats, b: GroupStats| GroupStats {
+    let g = |a: PassCost, b: PassCost| PassCost {
         input: sum(a.input, b.input),
         weight: sum(a.weight, b.weight),
         output: sum(a.output, b.output),
+        ..PassCost::default()
     };
-    parts
-        .into_iter()
-        .fold(Collectives3D::default(), |a, b| Collectives3D {
-            forward: g(a.forward, b.forward),
-            backward: g(a.backward, b.backward),
-        })
+    parts.into_iter().fold(Cost::default(), |a, b| Cost {
+        forward: g(a.forward, b.forward),
+        backward: g(a.backward, b.backward),
+    })
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -308,7 +310,7 @@ fn run_ln(
     let ln = LayerNorm3D::register(&mut m, grid, "ln", C, EPS, layout, &g, &b).unwrap();
     let (t, rows_j) = (grid.tensor_rank(), layout == Layout3D::RowsJColsK);
     let tile = |v: &[f64]| tile_of(v, N, C, t, rows_j);
-    let mut measured = Collectives3D::default();
+    let mut measured = Cost::default();
     let fwd = m.forward().unwrap();
     let xa = up(&fwd, &tile(x), C / Q);
     let ra = r.map(|r| up(&fwd, &tile(r), C / Q));
@@ -427,8 +429,8 @@ struct BlockOut {
     y: Vec<f32>,
     dx: Vec<f32>,
     grads: Vec<(String, Vec<f32>)>,
-    measured: Collectives3D,
-    expected: Collectives3D,
+    measured: Cost,
+    expected: Cost,
 }
 
 fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> BlockOut {
@@ -443,7 +445,7 @@ fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> B
     )
     .unwrap();
     let rows_j = layout == Layout3D::RowsJColsK;
-    let mut measured = Collectives3D::default();
+    let mut measured = Cost::default();
     let fwd = m.forward().unwrap();
     let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, x).unwrap();
     let xt = split_3d(&fwd, grid, layout, &xa).unwrap();
@@ -580,7 +582,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
             e.to_string().contains("rows · q² = batch · sequence"),
             "{e}"
         );
-        assert_eq!(delta(g, &before), GroupStats::default());
+        assert_eq!(delta(g, &before), PassCost::default());
         Err(e)
     });
     refused_everywhere(errs, "rows · q² = batch · sequence");

@@ -15,8 +15,7 @@ use std::time::Duration;
 
 use tidemem::comm::{CommStats, Communicator, Tally};
 use tidemem::parallel::{
-    Classifier3D, Embedding3D, EndCollectives3D, EndGroupStats, GridSpec, Layout3D, ProcessGrid,
-    VocabEmbedding3D,
+    Classifier3D, Cost, Embedding3D, GridSpec, Layout3D, PassCost, ProcessGrid, VocabEmbedding3D,
 };
 use tidemem::prelude::*;
 
@@ -181,15 +180,16 @@ fn snapshot(g: &ProcessGrid) -> [CommStats; 5] {
 }
 
 /// The collectives since `before`, by group; the plane must have done nothing.
-fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> EndGroupStats {
+fn delta(g: &ProcessGrid, before: &[CommStats; 5]) -> PassCost {
     let now = snapshot(g);
     let d: Vec<CommStats> = now.iter().zip(before).map(|(n, b)| n.since(b)).collect();
     assert_eq!(d[4], CommStats::default(), "collectives on the plane");
-    EndGroupStats {
+    PassCost {
         input: d[0],
         weight: d[1],
         output: d[2],
         tensor: d[3],
+        ..PassCost::default()
     }
 }
 
@@ -211,28 +211,29 @@ fn stats(ag: (u64, usize), rs: (u64, usize), ar: (u64, usize)) -> CommStats {
 
 /// The calls on the layout's row group `A`, the weight group, its column group `G` and, with
 /// `tensor`, one f64 all-reduce on the tensor group, by the grid's groups: the formulas.
-fn groups(rows_j: bool, a: Calls, w: Calls, c: Calls, tensor: bool) -> EndGroupStats {
+fn groups(rows_j: bool, a: Calls, w: Calls, c: Calls, tensor: bool) -> PassCost {
     let [a, w, c] = [a, w, c].map(|[ag, rs, ar]| stats(ag, rs, ar));
     let (input, output) = if rows_j { (a, c) } else { (c, a) };
     let mut tensor_stats = CommStats::default();
     if tensor {
         tensor_stats.all_reduce = Tally { calls: 1, bytes: 8 };
     }
-    EndGroupStats {
+    PassCost {
         input,
         weight: w,
         output,
         tensor: tensor_stats,
+        ..PassCost::default()
     }
 }
 
 const NONE: (u64, usize) = (0, 0);
 
 /// The formulas, f32, `n = R/q²` rows a tile.
-fn formula_vocab(rows_j: bool) -> EndCollectives3D {
+fn formula_vocab(rows_j: bool) -> Cost {
     let (n, cq, vq) = (R / (Q * Q), C / Q, V / Q);
     let z = [NONE; 3];
-    EndCollectives3D {
+    Cost {
         // W̃ all-gather; the partial lookups' reduce-scatter
         forward: groups(
             rows_j,
@@ -252,10 +253,10 @@ fn formula_vocab(rows_j: bool) -> EndCollectives3D {
     }
 }
 
-fn formula_positions(rows_j: bool) -> EndCollectives3D {
+fn formula_positions(rows_j: bool) -> Cost {
     let cq = C / Q;
     let z = [NONE; 3];
-    EndCollectives3D {
+    Cost {
         forward: groups(rows_j, z, [(1, T * cq), NONE, NONE], z, false),
         backward: groups(
             rows_j,
@@ -269,10 +270,10 @@ fn formula_positions(rows_j: bool) -> EndCollectives3D {
 
 /// A classifier `C → classes` on input tiles in the layout: Linear3D's, the cross-entropy's
 /// all-reduces of `n` and `2n` f32 on `A`, the loss's f64 on the tensor group.
-fn formula_classifier(rows_j: bool, classes: usize, bias: bool) -> EndCollectives3D {
+fn formula_classifier(rows_j: bool, classes: usize, bias: bool) -> Cost {
     let (n, iq, oq) = (R / (Q * Q), C / Q, classes / Q);
     let db = if bias { (1, oq) } else { NONE };
-    EndCollectives3D {
+    Cost {
         forward: groups(
             rows_j,
             [(1, Q * n * iq), NONE, (2, 3 * n)],
@@ -315,8 +316,8 @@ struct TiedOut {
     dh: Vec<f32>,
     dwte: Vec<f32>,
     dwpe: Vec<f32>,
-    measured: [EndCollectives3D; 3],
-    expected: [EndCollectives3D; 3],
+    measured: [Cost; 3],
+    expected: [Cost; 3],
 }
 
 fn tied_rank(grid: &ProcessGrid, layout: Layout3D, wte: &Init, wpe: &Init) -> TiedOut {
@@ -325,7 +326,7 @@ fn tied_rank(grid: &ProcessGrid, layout: Layout3D, wte: &Init, wpe: &Init) -> Ti
     let pe = Embedding3D::register(&mut m, grid, "wpe", T, C, layout, wpe).unwrap();
     let head = Classifier3D::tied(&m, &emb, IGNORE).unwrap();
     let (d, n) = (DType::F32, R / (Q * Q));
-    let mut measured = [EndCollectives3D::default(); 3];
+    let mut measured = [Cost::default(); 3];
     let fwd = m.forward().unwrap();
     let s0 = snapshot(grid);
     let (tok, es) = emb.forward(&fwd, grid, &tokens()).unwrap();
@@ -424,14 +425,7 @@ fn vocab_embedding_and_tied_head_equal_the_serial_ones() {
 
 /// What a rank gives of the untied classifier: loss, dh tile, weight and bias gradient
 /// shards, measured and expected collectives.
-type UntiedOut = (
-    f32,
-    Vec<f32>,
-    Vec<f32>,
-    Vec<f32>,
-    EndCollectives3D,
-    EndCollectives3D,
-);
+type UntiedOut = (f32, Vec<f32>, Vec<f32>, Vec<f32>, Cost, Cost);
 
 fn untied_rank(grid: &ProcessGrid, layout: Layout3D, x: &[f64], w: &Init, b: &Init) -> UntiedOut {
     let mut m = manager(grid.tensor().device().clone(), DType::F32);
@@ -439,7 +433,7 @@ fn untied_rank(grid: &ProcessGrid, layout: Layout3D, x: &[f64], w: &Init, b: &In
     let cls =
         Classifier3D::register(&mut m, grid, "cls", C, K, layout, w, Some(b), IGNORE).unwrap();
     let (d, n) = (DType::F32, R / (Q * Q));
-    let mut measured = EndCollectives3D::default();
+    let mut measured = Cost::default();
     let fwd = m.forward().unwrap();
     let xt = f32s(&tile_of(x, R, C, grid.tensor_rank(), rows_j));
     let h = Act::upload(fwd.pool(), fwd.stream(), n, C / Q, d, &xt).unwrap();
@@ -561,7 +555,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
             msg.contains("id 16 at position 7 is outside 0..16"),
             "{msg}"
         );
-        assert_eq!(delta(g, &before), EndGroupStats::default());
+        assert_eq!(delta(g, &before), PassCost::default());
         Err(e)
     });
     refused_everywhere(errs, "id 16");

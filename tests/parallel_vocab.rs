@@ -184,10 +184,22 @@ fn classifier_1d_equals_the_serial_classifier() {
                     let dxa = cls.backward(&bwd, &c, &saved).unwrap();
                     let bwd_stats = c.stats().since(&s1);
                     let want = cls.collectives(N, DType::F32);
-                    assert_eq!(fwd_stats.all_reduce.calls, want.forward_all_reduces);
-                    assert_eq!(fwd_stats.all_reduce.bytes, want.forward_bytes);
-                    assert_eq!(bwd_stats.all_reduce.calls, want.backward_all_reduces);
-                    assert_eq!(bwd_stats.all_reduce.bytes, want.backward_bytes);
+                    assert_eq!(
+                        fwd_stats.all_reduce.calls,
+                        want.forward.tensor.all_reduce.calls
+                    );
+                    assert_eq!(
+                        fwd_stats.all_reduce.bytes,
+                        want.forward.tensor.all_reduce.bytes
+                    );
+                    assert_eq!(
+                        bwd_stats.all_reduce.calls,
+                        want.backward.tensor.all_reduce.calls
+                    );
+                    assert_eq!(
+                        bwd_stats.all_reduce.bytes,
+                        want.backward.tensor.all_reduce.bytes
+                    );
                     let got_dx = dxa.to_f32(bwd.stream()).unwrap();
                     drop((dxa, saved));
                     bwd.finish().unwrap();

@@ -73,7 +73,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.all_gather(&self.device, stream, send, recv, n, elem)?,
         }
-        self.tally(|s| s.all_gather.add(m * elem.size()));
+        self.tally(|s| s.all_gather.count(m * elem.size()));
         Ok(())
     }
 
@@ -116,7 +116,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.reduce_scatter(&self.device, stream, send, recv, n, elem, op)?,
         }
-        self.tally(|s| s.reduce_scatter.add(m * elem.size()));
+        self.tally(|s| s.reduce_scatter.count(m * elem.size()));
         Ok(())
     }
 
@@ -148,7 +148,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.all_reduce(&self.device, stream, send, recv, n, elem, op)?,
         }
-        self.tally(|s| s.all_reduce.add(n * elem.size()));
+        self.tally(|s| s.all_reduce.count(n * elem.size()));
         Ok(())
     }
 
@@ -177,7 +177,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.broadcast(&self.device, stream, buf, n, elem, root)?,
         }
-        self.tally(|s| s.broadcast.add(n * elem.size()));
+        self.tally(|s| s.broadcast.count(n * elem.size()));
         Ok(())
     }
 
@@ -214,7 +214,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.reduce(&self.device, stream, send, recv, n, elem, op, root)?,
         }
-        self.tally(|s| s.reduce.add(n * elem.size()));
+        self.tally(|s| s.reduce.count(n * elem.size()));
         Ok(())
     }
 
@@ -237,7 +237,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.send(&self.device, stream, buf, n, elem, peer)?,
         }
-        self.tally(|s| s.send.add(n * elem.size()));
+        self.tally(|s| s.send.count(n * elem.size()));
         Ok(())
     }
 
@@ -259,7 +259,7 @@ impl Communicator {
             }
             Imp::Nccl(c) => c.recv(&self.device, stream, buf, n, elem, peer)?,
         }
-        self.tally(|s| s.recv.add(n * elem.size()));
+        self.tally(|s| s.recv.count(n * elem.size()));
         Ok(())
     }
 
@@ -309,8 +309,8 @@ impl Communicator {
             Imp::Nccl(c) => c.send_recv(&self.device, stream, send, n, to, recv, m, from, elem)?,
         }
         self.tally(|s| {
-            s.send.add(n * elem.size());
-            s.recv.add(m * elem.size());
+            s.send.count(n * elem.size());
+            s.recv.count(m * elem.size());
         });
         Ok(())
     }

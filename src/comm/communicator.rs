@@ -206,7 +206,7 @@ impl Communicator {
                 c.wait(&self.device, stream)?;
             }
         }
-        self.tally(|s| s.barrier.add(0));
+        self.tally(|s| s.barrier.count(0));
         Ok(())
     }
 

@@ -14,7 +14,8 @@ pub struct Tally {
 }
 
 impl Tally {
-    pub(super) fn add(&mut self, bytes: usize) {
+    /// One more call of `bytes` bytes.
+    pub(super) fn count(&mut self, bytes: usize) {
         self.calls += 1;
         self.bytes += bytes as u64;
     }
@@ -77,6 +78,40 @@ impl CommStats {
     }
 }
 
+impl std::ops::Add for Tally {
+    type Output = Tally;
+
+    fn add(self, o: Tally) -> Tally {
+        Tally {
+            calls: self.calls + o.calls,
+            bytes: self.bytes + o.bytes,
+        }
+    }
+}
+
+impl std::ops::Add for CommStats {
+    type Output = CommStats;
+
+    fn add(self, o: CommStats) -> CommStats {
+        CommStats {
+            all_gather: self.all_gather + o.all_gather,
+            reduce_scatter: self.reduce_scatter + o.reduce_scatter,
+            all_reduce: self.all_reduce + o.all_reduce,
+            broadcast: self.broadcast + o.broadcast,
+            reduce: self.reduce + o.reduce,
+            send: self.send + o.send,
+            recv: self.recv + o.recv,
+            barrier: self.barrier + o.barrier,
+        }
+    }
+}
+
+impl std::ops::AddAssign for CommStats {
+    fn add_assign(&mut self, o: CommStats) {
+        *self = *self + o;
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -84,10 +119,23 @@ mod tests {
     #[test]
     fn bus_bytes_follow_the_ring_factors() {
         let mut s = CommStats::default();
-        s.all_gather.add(400);
-        s.reduce_scatter.add(400);
-        s.all_reduce.add(100);
+        s.all_gather.count(400);
+        s.reduce_scatter.count(400);
+        s.all_reduce.count(100);
         assert_eq!(s.bus_bytes(4), 0.75 * 800.0 + 1.5 * 100.0);
         assert_eq!(s.bus_bytes(1), 0.0);
+    }
+
+    #[test]
+    fn stats_add_per_kind() {
+        let mut a = CommStats::default();
+        a.send.count(8);
+        let mut b = CommStats::default();
+        b.send.count(4);
+        b.barrier.count(0);
+        let c = a + b;
+        assert_eq!((c.send.calls, c.send.bytes, c.barrier.calls), (2, 12, 1));
+        a += b;
+        assert_eq!(a, c);
     }
 }

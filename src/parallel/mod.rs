@@ -12,6 +12,7 @@
 //!
 //! [`Communicator`]: crate::comm::Communicator
 
+mod cost;
 mod cross_entropy;
 mod grid;
 pub mod one_d;
@@ -24,28 +25,22 @@ pub mod two_d_block;
 pub mod two_d_ends;
 pub mod vocab;
 
+pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
-pub use one_d::{
-    Collectives, ColumnLinear, Emb1DSaved, Embedding1D, Linear1D, OneD, RowLinear, Shard,
-};
-pub use sequence::{RingAttention, RingCollectives, RingCore, RingSaved};
-pub use three_d::{
-    gather_3d, split_3d, Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D, Tile,
-};
+pub use one_d::{ColumnLinear, Emb1DSaved, Embedding1D, Linear1D, OneD, RowLinear, Shard};
+pub use sequence::{RingAttention, RingCore, RingSaved};
+pub use three_d::{gather_3d, split_3d, Layout3D, Linear3D, Place3D, Saved3D, Tile};
 pub use three_d_block::{Cube, LayerNorm3D, Ln3DSaved};
 pub use three_d_ends::{
-    Classifier3D, Classifier3DSaved, Emb3DSaved, Embedding3D, EndCollectives3D, EndGroupStats,
-    VocabEmb3DSaved, VocabEmbedding3D,
+    Classifier3D, Classifier3DSaved, Emb3DSaved, Embedding3D, VocabEmb3DSaved, VocabEmbedding3D,
 };
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
-    SummaCollectives, SummaGroups,
 };
 pub use two_d_block::{LayerNorm2D, Ln2DSaved, Place2D, Summa, SummaLinear};
 pub use two_d_ends::{
-    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, EndsCollectives, EndsGroups,
-    VocabEmb2DSaved, VocabEmbedding2D,
+    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, VocabEmb2DSaved, VocabEmbedding2D,
 };
 pub use vocab::{
     Classifier1D, Cls1DSaved, VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved,

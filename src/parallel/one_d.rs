@@ -20,7 +20,8 @@
 
 use serde::Serialize;
 
-use crate::comm::{Communicator, ReduceOp};
+use super::{Cost, PassCost};
+use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::error::{Error, Result};
 use crate::nn::{Act, Block, LayerNorm, Layout, Linear, LnSaved, Pair, Serial, WeightUse};
 use crate::ops::attention::Attention;
@@ -314,19 +315,6 @@ impl Embedding1D {
     }
 }
 
-/// Collective calls and bytes of a layer, forward and backward.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Collectives {
-    /// All-reduces in the forward pass.
-    pub forward_all_reduces: u64,
-    /// Bytes they reduce (each call's buffer, summed).
-    pub forward_bytes: u64,
-    /// All-reduces in the backward pass.
-    pub backward_all_reduces: u64,
-    /// Bytes they reduce.
-    pub backward_bytes: u64,
-}
-
 /// Megatron's 1D layout as a [`Layout`]: the transformer [`Block`] split over a group of `P`
 /// ranks, column linears ([`Pair::Column`], `c_attn` and `c_fc`) as [`ColumnLinear`]s, row
 /// linears (the `c_proj`s) as [`RowLinear`]s, `H/P` heads a rank, LayerNorms replicated (each
@@ -534,15 +522,25 @@ impl Layout for OneD {
     }
 }
 
+/// The cost of `[calls, bytes]` all-reduces over the tensor group forward and backward.
+pub(super) fn all_reduces([fc, fb]: [u64; 2], [bc, bb]: [u64; 2]) -> Cost {
+    let on_group = |calls, bytes| PassCost {
+        tensor: CommStats {
+            all_reduce: Tally { calls, bytes },
+            ..CommStats::default()
+        },
+        ..PassCost::default()
+    };
+    Cost {
+        forward: on_group(fc, fb),
+        backward: on_group(bc, bb),
+    }
+}
+
 impl Block<OneD> {
     /// The collectives of one forward and backward over `rows` rows of parameters of `dtype`.
-    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Collectives {
+    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Cost {
         let bytes = (rows * self.channels * dtype.size()) as u64;
-        Collectives {
-            forward_all_reduces: 2,
-            forward_bytes: 2 * bytes,
-            backward_all_reduces: 2,
-            backward_bytes: 2 * bytes,
-        }
+        all_reduces([2, 2 * bytes], [2, 2 * bytes])
     }
 }

@@ -29,6 +29,7 @@
 //! products in the same order; no messages). `T` must divide by `N`: anything else is an
 //! [`Error::InvalidArgument`] at construction, on every rank.
 
+use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, Tally};
 use crate::device::{DeviceView, Input};
 use crate::dtype::DType;
@@ -64,15 +65,6 @@ pub struct RingSaved {
     k: Act,
     v: Act,
     att: Act,
-}
-
-/// The messages of one forward and one backward of a [`RingAttention`] on each rank.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct RingCollectives {
-    /// Forward: what this rank sends and receives.
-    pub forward: CommStats,
-    /// Backward: what this rank sends and receives.
-    pub backward: CommStats,
 }
 
 impl RingAttention {
@@ -439,10 +431,11 @@ fn tally(calls: usize, bytes: usize) -> Tally {
 }
 
 impl RingAttention {
-    /// The messages of one forward and one backward in `dtype`, per rank: forward `2(N − 1)`
+    /// The messages of one forward and one backward in `dtype`, per rank, on the ring
+    /// ([`PassCost::sequence`]): forward `2(N − 1)`
     /// sends and receives of a `[B·H, L, D]` block; backward `2(N − 1)` of a block and its
     /// accumulator and 2 of an accumulator alone.
-    pub fn collectives(&self, dtype: DType) -> RingCollectives {
+    pub fn collectives(&self, dtype: DType) -> Cost {
         let n = self.ranks;
         let blk = self.rows() * self.channels() * dtype.size();
         let mut f = CommStats::default();
@@ -452,16 +445,16 @@ impl RingAttention {
             f.recv = f.send;
             let pairs = tally(2 * (n - 1), 2 * blk);
             let home = tally(2, blk);
-            let t = Tally {
-                calls: pairs.calls + home.calls,
-                bytes: pairs.bytes + home.bytes,
-            };
-            b.send = t;
-            b.recv = t;
+            b.send = pairs + home;
+            b.recv = b.send;
         }
-        RingCollectives {
-            forward: f,
-            backward: b,
+        let on_ring = |sequence| PassCost {
+            sequence,
+            ..PassCost::default()
+        };
+        Cost {
+            forward: on_ring(f),
+            backward: on_ring(b),
         }
     }
 }

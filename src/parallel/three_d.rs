@@ -78,13 +78,12 @@
 
 use std::sync::Arc;
 
-use serde::Serialize;
-
 mod place;
 
 pub use place::{gather_3d, split_3d, Layout3D, Place3D, Tile};
 
 use super::grid::ProcessGrid;
+use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -103,6 +102,21 @@ pub(super) fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize
     Ok(n / by)
 }
 
+/// The collectives `(a, w, c)` of a layer on `layout`'s row group, the weight group and its
+/// column group, by the grid's groups.
+pub(super) fn by_group(layout: Layout3D, a: CommStats, w: CommStats, c: CommStats) -> PassCost {
+    let (input, output) = match layout {
+        Layout3D::RowsJColsK => (a, c),
+        Layout3D::RowsKColsJ => (c, a),
+    };
+    PassCost {
+        input,
+        weight: w,
+        output,
+        ..PassCost::default()
+    }
+}
+
 /// The groups of a layer taking `layout`: `(A, Wg, G)`, the group along the layout's row axis
 /// `a` (gathers `X`), the weight group, the group along its column axis `c` (scatters `Y`).
 pub(super) fn groups(
@@ -114,28 +128,6 @@ pub(super) fn groups(
         Layout3D::RowsJColsK => (input, weight, output),
         Layout3D::RowsKColsJ => (output, weight, input),
     })
-}
-
-/// The collectives of one pass on each of the grid's 3D groups.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct GroupStats {
-    /// On [`ProcessGrid::input`].
-    pub input: CommStats,
-    /// On [`ProcessGrid::weight`].
-    pub weight: CommStats,
-    /// On [`ProcessGrid::output`].
-    pub output: CommStats,
-}
-
-/// The collectives of a 3D layer's forward and backward, by group, as
-/// [`Communicator::stats`] counts them (an all-gather's gathered buffer, a reduce-scatter's
-/// input, an all-reduce's buffer).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct Collectives3D {
-    /// The forward pass.
-    pub forward: GroupStats,
-    /// The backward pass.
-    pub backward: GroupStats,
 }
 
 /// The activations a [`Linear3D`] keeps from forward for backward.
@@ -435,7 +427,7 @@ impl Linear3D {
     /// group); backward, an all-gather of `q·n × O/q` (column group), with `need_dx` a
     /// reduce-scatter of `q·n × I/q` (row group), a reduce-scatter of `I/q × O/q` and, with a
     /// bias, an all-reduce of `O/q` (weight group).
-    pub fn collectives(&self, rows: usize, dtype: DType, need_dx: bool) -> Collectives3D {
+    pub fn collectives(&self, rows: usize, dtype: DType, need_dx: bool) -> Cost {
         let (q, iq, oq) = self.dims();
         let [mut fa, mut fw, mut fc] = [CommStats::default(); 3];
         fa.all_gather = tally(q * rows * iq, dtype);
@@ -450,21 +442,9 @@ impl Linear3D {
         if self.bias.is_some() {
             bw.all_reduce = tally(oq, dtype);
         }
-        let by_group = |a, w, c| match self.layout {
-            Layout3D::RowsJColsK => GroupStats {
-                input: a,
-                weight: w,
-                output: c,
-            },
-            Layout3D::RowsKColsJ => GroupStats {
-                input: c,
-                weight: w,
-                output: a,
-            },
-        };
-        Collectives3D {
-            forward: by_group(fa, fw, fc),
-            backward: by_group(ba, bw, bc),
+        Cost {
+            forward: by_group(self.layout, fa, fw, fc),
+            backward: by_group(self.layout, ba, bw, bc),
         }
     }
 }

@@ -106,8 +106,8 @@ pub use layernorm::{LayerNorm3D, Ln3DSaved};
 use layernorm::split;
 
 use super::grid::ProcessGrid;
-use super::three_d::{Collectives3D, GroupStats, Layout3D, Linear3D, Place3D, Saved3D};
-use crate::comm::{CommStats, Tally};
+use super::three_d::{Layout3D, Linear3D, Place3D, Saved3D};
+use super::Cost;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
@@ -295,7 +295,7 @@ impl Block<Cube> {
     /// The collectives of one forward and backward on tiles of `rows` rows (`n`) in `dtype`:
     /// the sum of its layers' ([`LayerNorm3D::collectives`], [`Linear3D::collectives`], every
     /// linear asked for its input gradient).
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Collectives3D {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
         let lin = |l: &Linear3D| l.collectives(rows, dtype, true);
         [
             self.ln_1.collectives(rows, dtype),
@@ -306,42 +306,6 @@ impl Block<Cube> {
             lin(&self.mlp_proj),
         ]
         .into_iter()
-        .fold(Collectives3D::default(), sum_collectives)
-    }
-}
-
-fn sum_tally(a: Tally, b: Tally) -> Tally {
-    Tally {
-        calls: a.calls + b.calls,
-        bytes: a.bytes + b.bytes,
-    }
-}
-
-fn sum_stats(a: CommStats, b: CommStats) -> CommStats {
-    CommStats {
-        all_gather: sum_tally(a.all_gather, b.all_gather),
-        reduce_scatter: sum_tally(a.reduce_scatter, b.reduce_scatter),
-        all_reduce: sum_tally(a.all_reduce, b.all_reduce),
-        broadcast: sum_tally(a.broadcast, b.broadcast),
-        reduce: sum_tally(a.reduce, b.reduce),
-        send: sum_tally(a.send, b.send),
-        recv: sum_tally(a.recv, b.recv),
-        barrier: sum_tally(a.barrier, b.barrier),
-    }
-}
-
-fn sum_groups(a: GroupStats, b: GroupStats) -> GroupStats {
-    GroupStats {
-        input: sum_stats(a.input, b.input),
-        weight: sum_stats(a.weight, b.weight),
-        output: sum_stats(a.output, b.output),
-    }
-}
-
-/// The collectives of two layers run one after the other.
-fn sum_collectives(a: Collectives3D, b: Collectives3D) -> Collectives3D {
-    Collectives3D {
-        forward: sum_groups(a.forward, b.forward),
-        backward: sum_groups(a.backward, b.backward),
+        .sum()
     }
 }

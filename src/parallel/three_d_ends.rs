@@ -1,9 +1,9 @@
 //! The ends of a model on the 3D cube (arXiv 2105.14450) of [`three_d`](super::three_d): the
 //! embeddings that make the first activation tile and the classifiers that end in the loss,
-//! each taking a [`Layout3D`] at registration, the layout of its activation tile (rows
+//! each taking a [`Layout3D`](super::Layout3D) at registration, the layout of its activation tile (rows
 //! `(i·q + a)·R/q² ..`, `R/q²` of them, and columns `c·C/q ..`, with `(a, c)` the rank's
-//! coordinates on the layout's axes: `(j, k)` for [`Layout3D::RowsJColsK`], `(k, j)` for
-//! [`Layout3D::RowsKColsJ`]). `A` is the group along `a` (ranked by `a`), `Wg` the weight group
+//! coordinates on the layout's axes: `(j, k)` for [`Layout3D::RowsJColsK`](super::Layout3D::RowsJColsK), `(k, j)` for
+//! [`Layout3D::RowsKColsJ`](super::Layout3D::RowsKColsJ)). `A` is the group along `a` (ranked by `a`), `Wg` the weight group
 //! ([`ProcessGrid::weight`], ranked by `i`), `n = R/q²`.
 //!
 //! # Embedding3D
@@ -52,7 +52,7 @@
 //!
 //! Every layer checks on the host, on every rank and before any collective, that the grid is
 //! 3D and that the dimensions split (a typed [`Error::InvalidArgument`](crate::Error) naming
-//! the dimension), and gives its collectives by group ([`EndCollectives3D`]).
+//! the dimension), and gives its collectives by group ([`Cost`](super::Cost)).
 //!
 //! ```
 //! use tidemem::chunk::{ChunkManager, ManagerConfig};
@@ -101,61 +101,9 @@ mod embedding;
 pub use classifier::{Classifier3D, Classifier3DSaved};
 pub use embedding::{Emb3DSaved, Embedding3D, VocabEmb3DSaved, VocabEmbedding3D};
 
-use serde::Serialize;
-
 use super::grid::ProcessGrid;
-use super::three_d::{GroupStats, Layout3D, Place3D};
-use crate::comm::CommStats;
+use super::three_d::Place3D;
 use crate::error::{Error, Result};
-
-/// The collectives of one pass of an end layer on each of the grid's 3D groups and on its
-/// tensor group, as [`Communicator::stats`](crate::comm::Communicator::stats) counts them.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct EndGroupStats {
-    /// On [`ProcessGrid::input`].
-    pub input: CommStats,
-    /// On [`ProcessGrid::weight`].
-    pub weight: CommStats,
-    /// On [`ProcessGrid::output`].
-    pub output: CommStats,
-    /// On [`ProcessGrid::tensor`] (the whole cube): the classifier's loss.
-    pub tensor: CommStats,
-}
-
-impl From<GroupStats> for EndGroupStats {
-    fn from(g: GroupStats) -> EndGroupStats {
-        EndGroupStats {
-            input: g.input,
-            weight: g.weight,
-            output: g.output,
-            tensor: CommStats::default(),
-        }
-    }
-}
-
-/// The collectives of an end layer's forward and backward, by group.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
-pub struct EndCollectives3D {
-    /// The forward pass.
-    pub forward: EndGroupStats,
-    /// The backward pass.
-    pub backward: EndGroupStats,
-}
-
-/// `(a, w, c)`, the stats on a layer's row group `A`, weight group and column group `G` in
-/// `layout`, by the grid's groups.
-fn by_group(layout: Layout3D, a: CommStats, w: CommStats, c: CommStats) -> EndGroupStats {
-    let (input, output) = match layout {
-        Layout3D::RowsJColsK => (a, c),
-        Layout3D::RowsKColsJ => (c, a),
-    };
-    EndGroupStats {
-        input,
-        weight: w,
-        output,
-        tensor: CommStats::default(),
-    }
-}
 
 /// This rank's place on `grid`, which must be `registered` (where the layer was registered).
 fn here(grid: &ProcessGrid, registered: Place3D) -> Result<Place3D> {

@@ -93,12 +93,11 @@ mod cost;
 mod linear2p5;
 
 pub use batch::{gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock};
-pub use cost::{SummaCollectives, SummaGroups};
 pub use linear2p5::Linear2p5D;
 
 use std::sync::Arc;
 
-use super::{ProcessGrid, TensorMode};
+use super::{Cost, ProcessGrid, TensorMode};
 use crate::comm::{Communicator, ReduceOp};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -271,12 +270,7 @@ impl Linear2D {
     /// The collectives of one forward and one backward (with `need_dx` as given) over a full
     /// batch of `rows` rows of `dtype` (the store's parameter dtype): per group, calls and bytes
     /// as [`Communicator::stats`] counts them. Fails when `rows` does not split by `q`.
-    pub fn collectives(
-        &self,
-        rows: usize,
-        dtype: DType,
-        need_dx: bool,
-    ) -> Result<SummaCollectives> {
+    pub fn collectives(&self, rows: usize, dtype: DType, need_dx: bool) -> Result<Cost> {
         Ok(self.costs(split_rows(rows, self.q)?, 1, dtype, need_dx))
     }
 

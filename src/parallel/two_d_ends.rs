@@ -110,11 +110,10 @@ mod cost;
 mod vocab;
 
 pub use classifier::{Classifier2D, Cls2DSaved};
-pub use cost::{EndsCollectives, EndsGroups};
 pub use vocab::{VocabEmb2DSaved, VocabEmbedding2D};
 
 use super::two_d::{remap, split};
-use super::{Place2D, ProcessGrid, TensorMode};
+use super::{Cost, Place2D, ProcessGrid, TensorMode};
 use crate::comm::{Communicator, ReduceOp};
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
@@ -379,11 +378,11 @@ impl Embedding2D {
     /// `dtype` (the store's parameter dtype): forward COL one all-gather of `rows·C/q·e`
     /// bytes; backward COL one reduce-scatter of `rows·C/q·e` and, for `d > 1`, DEP one
     /// all-reduce of `rows/q·C/q·e`. Fails when `n` does not split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<EndsCollectives> {
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
         let p = self.place;
         split("batch", "ids", n, p.q * p.depth, "row blocks")?;
         let (e, cl) = (dtype.size(), self.channels / p.q);
-        let mut c = EndsCollectives::default();
+        let mut c = Cost::default();
         c.forward.col.all_gather = cost::tally(1, self.rows * cl * e);
         c.backward.col.reduce_scatter = cost::tally(1, self.rows * cl * e);
         if p.depth > 1 {

@@ -432,13 +432,9 @@ impl Classifier1D {
     /// The collectives of one forward and backward over `rows` rows of `dtype`: forward two
     /// all-reduces of `rows` and `2·rows` f32 (the row max, then the sums and target logits),
     /// backward one of `dX` (`rows × inputs`).
-    pub fn collectives(&self, rows: usize, dtype: DType) -> super::Collectives {
-        super::Collectives {
-            forward_all_reduces: 2,
-            forward_bytes: (3 * rows * 4) as u64,
-            backward_all_reduces: 1,
-            backward_bytes: (rows * self.proj.linear.inputs * dtype.size()) as u64,
-        }
+    pub fn collectives(&self, rows: usize, dtype: DType) -> super::Cost {
+        let dx = (rows * self.proj.linear.inputs * dtype.size()) as u64;
+        super::one_d::all_reduces([2, (3 * rows * 4) as u64], [1, dx])
     }
 
     /// Writes the shard's gradients and returns `dX` (`[N, inputs]`, all-reduced over the

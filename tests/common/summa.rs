@@ -1,45 +1,14 @@
 //! The collectives of the 2D and 2.5D layers, derived in the tests from each algorithm (not
 //! from the crate's own `collectives()`), in f32.
 
-use tidemem::comm::{CommStats, Tally};
-use tidemem::parallel::{SummaCollectives, TensorMode};
+use tidemem::comm::Tally;
+use tidemem::parallel::{Cost, TensorMode};
 
 /// `calls` collectives moving `bytes` in all.
 pub fn tally(calls: u64, bytes: usize) -> Tally {
     Tally {
         calls,
         bytes: bytes as u64,
-    }
-}
-
-pub fn add_tally(a: &mut Tally, b: Tally) {
-    a.calls += b.calls;
-    a.bytes += b.bytes;
-}
-
-/// Adds `b`'s collectives into `a`'s, kind by kind and group by group.
-pub fn add_collectives(a: &mut SummaCollectives, b: &SummaCollectives) {
-    for (x, y) in [
-        (&mut a.forward.row, &b.forward.row),
-        (&mut a.forward.col, &b.forward.col),
-        (&mut a.forward.dep, &b.forward.dep),
-        (&mut a.backward.row, &b.backward.row),
-        (&mut a.backward.col, &b.backward.col),
-        (&mut a.backward.dep, &b.backward.dep),
-    ] {
-        let CommStats {
-            all_gather,
-            reduce_scatter,
-            all_reduce,
-            broadcast,
-            reduce,
-            ..
-        } = *y;
-        add_tally(&mut x.all_gather, all_gather);
-        add_tally(&mut x.reduce_scatter, reduce_scatter);
-        add_tally(&mut x.all_reduce, all_reduce);
-        add_tally(&mut x.broadcast, broadcast);
-        add_tally(&mut x.reduce, reduce);
     }
 }
 
@@ -60,18 +29,12 @@ pub fn q_depth(mode: TensorMode) -> (usize, usize) {
 /// on COL, broadcasts `W` blocks on COL and reduces `dX` blocks on ROW; the bias is
 /// all-gathered on COL forward and its gradient reduce-scattered there backward (f32); with
 /// depth, DEP all-reduces `dW` and the bias gradient's block (`out/q²`, f32).
-pub fn linear_formula(
-    mode: TensorMode,
-    rows: usize,
-    inp: usize,
-    out: usize,
-    bias: bool,
-) -> SummaCollectives {
+pub fn linear_formula(mode: TensorMode, rows: usize, inp: usize, out: usize, bias: bool) -> Cost {
     let (q, d) = q_depth(mode);
     let (rl, e) = (rows / (q * d), 4);
     let (x, w, b) = (rl * inp / q, inp / q * (out / q), out / q);
     let qq = q as u64;
-    let mut c = SummaCollectives::default();
+    let mut c = Cost::default();
     c.forward.row.broadcast = tally(qq, q * x * e);
     c.forward.col.broadcast = tally(qq, q * w * e);
     if bias {

@@ -12,7 +12,8 @@ use crate::ops::layernorm::{
 };
 use crate::ops::{add, add_in_place, Axpby};
 use crate::parallel::grid::ProcessGrid;
-use crate::parallel::three_d::{Collectives3D, GroupStats, Layout3D, Place3D};
+use crate::parallel::three_d::{by_group, Layout3D, Place3D};
+use crate::parallel::Cost;
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -52,23 +53,6 @@ fn tally(calls: u64, bytes: usize) -> Tally {
     Tally {
         calls,
         bytes: bytes as u64,
-    }
-}
-
-/// The collectives `(a, w, c)` of a layer on `layout`'s row group, the weight group and its
-/// column group, by the grid's groups.
-pub(super) fn by_group(layout: Layout3D, a: CommStats, w: CommStats, c: CommStats) -> GroupStats {
-    match layout {
-        Layout3D::RowsJColsK => GroupStats {
-            input: a,
-            weight: w,
-            output: c,
-        },
-        Layout3D::RowsKColsJ => GroupStats {
-            input: c,
-            weight: w,
-            output: a,
-        },
     }
 }
 
@@ -380,7 +364,7 @@ impl LayerNorm3D {
     /// forward, three all-gathers on the layout's column group (`n × C`, then γ and β, `C`
     /// each); backward, an all-gather of `n × C` there and an all-reduce of `2·C/q` f32 on the
     /// weight group and on the row group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Collectives3D {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
         let (c, es) = (self.cols, dtype.size());
         let fc = CommStats {
             all_gather: tally(3, (rows * c + 2 * c) * es),
@@ -391,7 +375,7 @@ impl LayerNorm3D {
         bc.all_gather = tally(1, rows * c * es);
         bw.all_reduce = reduce;
         ba.all_reduce = reduce;
-        Collectives3D {
+        Cost {
             forward: by_group(self.layout, CommStats::default(), CommStats::default(), fc),
             backward: by_group(self.layout, ba, bw, bc),
         }

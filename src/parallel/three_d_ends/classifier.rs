@@ -1,6 +1,6 @@
 //! [`Classifier3D`] (see [the module](super)).
 
-use super::{here, EndCollectives3D, EndGroupStats, VocabEmbedding3D};
+use super::{here, VocabEmbedding3D};
 use crate::comm::Tally;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -8,6 +8,7 @@ use crate::nn::{Act, WeightUse};
 use crate::ops::{check_targets, VocabShard};
 use crate::parallel::grid::ProcessGrid;
 use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Place3D, Saved3D};
+use crate::parallel::Cost;
 use crate::parallel::{BatchRows, ShardedCrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
@@ -162,9 +163,9 @@ impl Classifier3D {
     /// (`n = R/q²`) in `dtype`: [`Linear3D::collectives`] (with the input gradient), plus in
     /// forward the cross-entropy's two all-reduces on the layout's row group (`n` f32 and
     /// `2n` f32) and the loss's all-reduce of one f64 on the tensor group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> EndCollectives3D {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
         let lin = self.linear.collectives(rows, dtype, true);
-        let mut forward = EndGroupStats::from(lin.forward);
+        let mut forward = lin.forward;
         let ce = match self.layout() {
             Layout3D::RowsJColsK => &mut forward.input,
             Layout3D::RowsKColsJ => &mut forward.output,
@@ -177,9 +178,9 @@ impl Classifier3D {
             calls: 1,
             bytes: DType::F64.size() as u64,
         };
-        EndCollectives3D {
+        Cost {
             forward,
-            backward: lin.backward.into(),
+            backward: lin.backward,
         }
     }
 }

@@ -1,6 +1,6 @@
 //! [`Embedding3D`] and [`VocabEmbedding3D`] (see [the module](super)).
 
-use super::{by_group, check_ids, here, EndCollectives3D};
+use super::{check_ids, here};
 use crate::comm::{CommStats, ReduceOp};
 use crate::device::Block as PoolBlock;
 use crate::dtype::DType;
@@ -9,9 +9,11 @@ use crate::nn::{Act, WeightUse};
 use crate::ops::heads::{heads_split, Heads};
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
 use crate::parallel::grid::ProcessGrid;
+use crate::parallel::three_d::by_group;
 use crate::parallel::three_d::{
     groups, shard_init, split, tally, Layout3D, Linear3D, Place3D, Tile,
 };
+use crate::parallel::Cost;
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -201,7 +203,7 @@ impl Embedding3D {
     /// batch): forward, an all-gather of `rows × C/q` on the weight group; backward, a
     /// reduce-scatter of `rows × C/q` on the weight group and an all-reduce of
     /// `rows/q × C/q` on the layout's row group.
-    pub fn collectives(&self, dtype: DType) -> EndCollectives3D {
+    pub fn collectives(&self, dtype: DType) -> Cost {
         let q = self.place.q;
         let cq = self.channels / q;
         let none = CommStats::default();
@@ -210,7 +212,7 @@ impl Embedding3D {
         let (mut ba, mut bw) = (none, none);
         bw.reduce_scatter = tally(self.rows * cq, dtype);
         ba.all_reduce = tally(self.rows / q * cq, dtype);
-        EndCollectives3D {
+        Cost {
             forward: by_group(self.layout, none, fw, none),
             backward: by_group(self.layout, ba, bw, none),
         }
@@ -383,7 +385,7 @@ impl VocabEmbedding3D {
     /// `dtype`: forward, an all-gather of `C/q × V/q` on the weight group and a reduce-scatter
     /// of `q·n × C/q` on the layout's row group; backward, an all-gather of `q·n × C/q` on the
     /// row group and a reduce-scatter of `C/q × V/q` on the weight group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> EndCollectives3D {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
         let (q, cq, vq) = self.dims();
         let none = CommStats::default();
         let (mut fa, mut fw) = (none, none);
@@ -392,7 +394,7 @@ impl VocabEmbedding3D {
         let (mut ba, mut bw) = (none, none);
         ba.all_gather = tally(q * rows * cq, dtype);
         bw.reduce_scatter = tally(cq * vq, dtype);
-        EndCollectives3D {
+        Cost {
             forward: by_group(self.layout, fa, fw, none),
             backward: by_group(self.layout, ba, bw, none),
         }

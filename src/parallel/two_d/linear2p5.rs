@@ -1,9 +1,10 @@
 //! [`Linear2p5D`]: [`Linear2D`]'s algorithm in each depth layer of a `q × q × d` grid.
 
-use super::{split_rows, wrong_mode, Groups, Linear2D, SummaCollectives};
+use super::{split_rows, wrong_mode, Groups, Linear2D};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
+use crate::parallel::Cost;
 use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -84,12 +85,7 @@ impl Linear2p5D {
 
     /// The collectives of one forward and one backward over a full batch of `rows` rows (see
     /// [`Linear2D::collectives`]). Fails when `rows` does not split by `d·q`.
-    pub fn collectives(
-        &self,
-        rows: usize,
-        dtype: DType,
-        need_dx: bool,
-    ) -> Result<SummaCollectives> {
+    pub fn collectives(&self, rows: usize, dtype: DType, need_dx: bool) -> Result<Cost> {
         let rows_l = split_rows(rows, self.depth * self.slice.q)?;
         Ok(self.slice.costs(rows_l, self.depth, dtype, need_dx))
     }

@@ -2,11 +2,11 @@
 //! formulas.
 
 use super::{split, LayerNorm2D, Summa, SummaLinear};
-use crate::comm::{CommStats, Tally};
+use crate::comm::Tally;
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::nn::Block;
-use crate::parallel::{SummaCollectives, SummaGroups};
+use crate::parallel::{Cost, PassCost};
 
 /// `calls` calls of `bytes` bytes each.
 fn tally(calls: usize, bytes: usize) -> Tally {
@@ -16,63 +16,27 @@ fn tally(calls: usize, bytes: usize) -> Tally {
     }
 }
 
-fn plus_tally(a: Tally, b: Tally) -> Tally {
-    Tally {
-        calls: a.calls + b.calls,
-        bytes: a.bytes + b.bytes,
-    }
-}
-
-fn plus_stats(a: CommStats, b: CommStats) -> CommStats {
-    CommStats {
-        all_gather: plus_tally(a.all_gather, b.all_gather),
-        reduce_scatter: plus_tally(a.reduce_scatter, b.reduce_scatter),
-        all_reduce: plus_tally(a.all_reduce, b.all_reduce),
-        broadcast: plus_tally(a.broadcast, b.broadcast),
-        reduce: plus_tally(a.reduce, b.reduce),
-        send: plus_tally(a.send, b.send),
-        recv: plus_tally(a.recv, b.recv),
-        barrier: plus_tally(a.barrier, b.barrier),
-    }
-}
-
-fn plus_groups(a: SummaGroups, b: SummaGroups) -> SummaGroups {
-    SummaGroups {
-        row: plus_stats(a.row, b.row),
-        col: plus_stats(a.col, b.col),
-        dep: plus_stats(a.dep, b.dep),
-    }
-}
-
-/// The sum of two layers' collectives.
-fn plus(a: SummaCollectives, b: SummaCollectives) -> SummaCollectives {
-    SummaCollectives {
-        forward: plus_groups(a.forward, b.forward),
-        backward: plus_groups(a.backward, b.backward),
-    }
-}
-
 impl LayerNorm2D {
     /// The collectives of one forward and one backward over a full batch of `rows` rows of
     /// `dtype` (the store's parameter dtype), per group, as
     /// [`Communicator::stats`](crate::comm::Communicator::stats) counts them (the figures of
     /// [`LayerNorm2D`]'s documentation). Fails when `rows` does not split into the row
     /// blocks (`q`, or `d·q` in 2.5D).
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<SummaCollectives> {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<Cost> {
         let p = self.place;
         let r = split("batch", "rows", rows, p.q * p.depth, "row blocks")?;
         let (c, e, q) = (self.cols, dtype.size(), p.q);
-        let mut f = SummaGroups::default();
-        f.row.all_gather = plus_tally(tally(1, r * c * e), tally(2, c * e));
+        let mut f = PassCost::default();
+        f.row.all_gather = tally(1, r * c * e) + tally(2, c * e);
         f.col.all_gather = tally(2, c / q * e);
-        let mut b = SummaGroups::default();
-        b.row.all_gather = plus_tally(tally(2, r * c * e), tally(1, c * e));
+        let mut b = PassCost::default();
+        b.row.all_gather = tally(2, r * c * e) + tally(1, c * e);
         b.col.all_gather = tally(1, c / q * e);
         b.col.reduce_scatter = tally(2, c / q * 4);
         if p.depth > 1 {
             b.dep.all_reduce = tally(2, c / (q * q) * 4);
         }
-        Ok(SummaCollectives {
+        Ok(Cost {
             forward: f,
             backward: b,
         })
@@ -82,7 +46,7 @@ impl LayerNorm2D {
 impl SummaLinear {
     /// [`Linear2D::collectives`](crate::parallel::Linear2D::collectives) or
     /// [`Linear2p5D::collectives`](crate::parallel::Linear2p5D::collectives), with `dX`.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<SummaCollectives> {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<Cost> {
         match self {
             SummaLinear::TwoD(l) => l.collectives(rows, dtype, true),
             SummaLinear::TwoHalfD(l) => l.collectives(rows, dtype, true),
@@ -94,11 +58,11 @@ impl Block<Summa> {
     /// The collectives of one forward and one backward of the block over a full batch of
     /// `rows` rows of `dtype`: the sum of its two LayerNorms' and four linears' (the attention
     /// itself is local). Fails when `rows` does not split into the row blocks.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<SummaCollectives> {
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<Cost> {
         let mut sum = self.ln_1.collectives(rows, dtype)?;
-        sum = plus(sum, self.ln_2.collectives(rows, dtype)?);
+        sum += self.ln_2.collectives(rows, dtype)?;
         for l in [self.c_attn, self.attn_proj, self.c_fc, self.mlp_proj] {
-            sum = plus(sum, l.collectives(rows, dtype)?);
+            sum += l.collectives(rows, dtype)?;
         }
         Ok(sum)
     }

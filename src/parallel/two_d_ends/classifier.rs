@@ -1,12 +1,13 @@
 //! The classifier (or the LM head tied to the vocab-parallel embedding) with the softmax
 //! cross-entropy, on the 2D / 2.5D layout.
 
-use super::cost::{plus, tally, EndsCollectives};
+use super::cost::tally;
 use super::{groups, split, VocabEmbedding2D};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{check_targets, VocabShard};
+use crate::parallel::Cost;
 use crate::parallel::{
     BatchRows, Linear2D, Linear2p5D, Place2D, ProcessGrid, ShardedCrossEntropy, SummaLinear,
     TensorMode,
@@ -217,12 +218,11 @@ impl Classifier2D {
     /// `r·4` and `2r·4` bytes (the cross-entropy's row max, then its sums and target logits)
     /// and the tensor group one all-reduce of 8 bytes (the loss, f64). Fails when `n` does not
     /// split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<EndsCollectives> {
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
         let (_, p) = self.at();
         let r = split("batch", "rows", n, p.q * p.depth, "row blocks")?;
-        let mut c: EndsCollectives = self.linear.collectives(n, dtype)?.into();
-        let ce = plus(tally(1, r * 4), tally(1, 2 * r * 4));
-        c.forward.row.all_reduce = plus(c.forward.row.all_reduce, ce);
+        let mut c = self.linear.collectives(n, dtype)?;
+        c.forward.row.all_reduce = c.forward.row.all_reduce + tally(1, r * 4) + tally(1, 2 * r * 4);
         c.forward.tensor.all_reduce = tally(1, 8);
         Ok(c)
     }

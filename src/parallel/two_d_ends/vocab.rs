@@ -1,6 +1,6 @@
 //! The vocab-parallel token embedding on the 2D / 2.5D layout, tied to the head.
 
-use super::cost::{tally, EndsCollectives};
+use super::cost::tally;
 use super::{check_ids, check_param, groups, place_of, remap, split, tensor_rank, Groups};
 use crate::comm::ReduceOp;
 use crate::device::Block as PoolBlock;
@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
+use crate::parallel::Cost;
 use crate::parallel::{Place2D, ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -193,12 +194,12 @@ impl VocabEmbedding2D {
     /// send and one receive of `r·C/q·e`; backward the same send and receive, ROW one
     /// all-gather of `q·r·C/q·e`, and for `d > 1` DEP one all-reduce of `V/q·C/q·e`. Fails
     /// when `n` does not split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<EndsCollectives> {
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
         let p = self.place;
         let r = split("batch", "ids", n, p.q * p.depth, "row blocks")?;
         let ([vl, cl], e) = (self.local(), dtype.size());
         let tile = r * cl * e;
-        let mut c = EndsCollectives::default();
+        let mut c = Cost::default();
         c.forward.row.reduce_scatter = tally(1, p.q * tile);
         for g in [&mut c.forward, &mut c.backward] {
             g.tensor.send = tally(1, tile);

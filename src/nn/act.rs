@@ -12,7 +12,7 @@ use crate::error::{Error, Result};
 /// it while it lives.
 ///
 /// A clone shares the memory (the block returns to the pool when the last handle drops):
-/// a saved input ([`LnSaved::h`](super::LnSaved::h)) is the same activation the caller keeps,
+/// a saved input ([`LayerNormSaved::h`](super::LayerNormSaved::h)) is the same activation the caller keeps,
 /// not a copy. Rows are samples (`batch × sequence`), columns features.
 #[derive(Clone)]
 pub struct Act {

@@ -27,7 +27,7 @@ pub struct CausalSelfAttention {
 /// What [`CausalSelfAttention::forward`] keeps for the backward: its input, the per-head
 /// `q`, `k`, `v` and attention probabilities, and the merged heads (`c_proj`'s input).
 #[derive(Debug)]
-pub struct AttnSaved {
+pub struct CausalSelfAttentionSaved {
     x: Act,
     heads: Attended,
     merged: Act,
@@ -43,7 +43,7 @@ pub struct Attended(CoreKept);
 #[derive(Debug)]
 enum CoreKept {
     Local(HeadsSaved),
-    Other(CoreSaved),
+    Other(HeadsCoreSaved),
 }
 
 /// The attention between the projections of a layer's `qkv` (`[rows, 3·inner]`): by `core`,
@@ -90,18 +90,23 @@ pub fn attend_backward(
 /// ([`RingAttention`](crate::parallel::sequence::RingAttention)'s core).
 pub trait HeadsCore: Send + Sync {
     /// The merged heads and what the backward needs.
-    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, CoreSaved)>;
+    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, HeadsCoreSaved)>;
     /// `dqkv` (`[rows, 3·inner]`) from the merged heads' gradient.
-    fn backward(&self, pass: &BackwardPass<'_>, saved: &CoreSaved, dmerged: &Act) -> Result<Act>;
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &HeadsCoreSaved,
+        dmerged: &Act,
+    ) -> Result<Act>;
 }
 
 /// What a [`HeadsCore`] keeps for its backward: any `Send + Sync` value, taken back by type.
-pub struct CoreSaved(Box<dyn std::any::Any + Send + Sync>);
+pub struct HeadsCoreSaved(Box<dyn std::any::Any + Send + Sync>);
 
-impl CoreSaved {
+impl HeadsCoreSaved {
     /// Keeps `value`.
-    pub fn new<T: std::any::Any + Send + Sync>(value: T) -> CoreSaved {
-        CoreSaved(Box::new(value))
+    pub fn new<T: std::any::Any + Send + Sync>(value: T) -> HeadsCoreSaved {
+        HeadsCoreSaved(Box::new(value))
     }
 
     /// The value kept, if it is a `T`; [`Error::InvalidArgument`] otherwise (a saved state
@@ -113,13 +118,13 @@ impl CoreSaved {
     }
 }
 
-impl std::fmt::Debug for CoreSaved {
+impl std::fmt::Debug for HeadsCoreSaved {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("CoreSaved(..)")
+        f.write_str("HeadsCoreSaved(..)")
     }
 }
 
-impl AttnSaved {
+impl CausalSelfAttentionSaved {
     /// The layer's input `x` `[B·T, C]` (shared with the caller's).
     pub fn x(&self) -> &Act {
         &self.x
@@ -232,7 +237,7 @@ impl CausalSelfAttention {
         x: &Act,
         batch: usize,
         seq: usize,
-    ) -> Result<(Act, AttnSaved)> {
+    ) -> Result<(Act, CausalSelfAttentionSaved)> {
         self.forward_core(pass, x, batch, seq, None)
     }
 
@@ -245,7 +250,7 @@ impl CausalSelfAttention {
         batch: usize,
         seq: usize,
         core: Option<&dyn HeadsCore>,
-    ) -> Result<(Act, AttnSaved)> {
+    ) -> Result<(Act, CausalSelfAttentionSaved)> {
         let d = pass.param_dtype();
         x.expect("x", None, self.c_attn.inputs, d)?;
         let op = self.op(x.rows(), batch, seq)?;
@@ -253,7 +258,7 @@ impl CausalSelfAttention {
         let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
         let out = self.c_proj.forward(pass, &merged)?;
-        let saved = AttnSaved {
+        let saved = CausalSelfAttentionSaved {
             x: x.clone(),
             heads,
             merged,
@@ -265,7 +270,12 @@ impl CausalSelfAttention {
 
     /// The backward of [`CausalSelfAttention::forward`] from the output's gradient `dy`
     /// `[B·T, C]`: writes the four parameters' gradients and returns `dx`.
-    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &AttnSaved, dy: &Act) -> Result<Act> {
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &CausalSelfAttentionSaved,
+        dy: &Act,
+    ) -> Result<Act> {
         self.backward_core(pass, saved, dy, None)
     }
 
@@ -273,7 +283,7 @@ impl CausalSelfAttention {
     pub fn backward_core(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &AttnSaved,
+        saved: &CausalSelfAttentionSaved,
         dy: &Act,
         core: Option<&dyn HeadsCore>,
     ) -> Result<Act> {

@@ -36,7 +36,7 @@ pub struct Embedding {
 /// What [`Embedding::forward`] keeps for the backward: the batch's [`EncoderPlan`] (built on
 /// the host from the tokens) and its words on the device.
 #[derive(Debug)]
-pub struct EmbSaved {
+pub struct EmbeddingSaved {
     plan: EncoderPlan,
     words: PoolBlock,
     shape: EncoderShape,
@@ -44,7 +44,7 @@ pub struct EmbSaved {
     first: usize,
 }
 
-impl EmbSaved {
+impl EmbeddingSaved {
     /// The shape of the batch.
     pub fn shape(&self) -> &EncoderShape {
         &self.shape
@@ -110,7 +110,7 @@ impl Embedding {
         tokens: &[i32],
         batch: usize,
         seq: usize,
-    ) -> Result<(Act, EmbSaved)> {
+    ) -> Result<(Act, EmbeddingSaved)> {
         self.forward_at(pass, tokens, batch, seq, 0)
     }
 
@@ -124,7 +124,7 @@ impl Embedding {
         batch: usize,
         seq: usize,
         first: usize,
-    ) -> Result<(Act, EmbSaved)> {
+    ) -> Result<(Act, EmbeddingSaved)> {
         let rows = batch.checked_mul(seq).filter(|&r| r > 0);
         let last = first.checked_add(seq);
         if rows != Some(tokens.len()) || last.is_none_or(|l| l > self.max_seq) {
@@ -155,7 +155,7 @@ impl Embedding {
         let row = self.channels * d.size();
         let wpe = Input::from(g.param(1)?).slice(first * row, shape.max_seq * row)?;
         encoder_forward(dev, s, tok_view, g.param(0)?, wpe, out.view(), &shape, d)?;
-        let saved = EmbSaved {
+        let saved = EmbeddingSaved {
             plan,
             words,
             shape,
@@ -168,7 +168,12 @@ impl Embedding {
     /// `[batch·seq, C]`: `dwte` and `dwpe` are summed into zeroed pool buffers of the parameter
     /// dtype, then added through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)
     /// (the LM head's share of `wte` goes the same way, in either order).
-    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &EmbSaved, dout: &Act) -> Result<()> {
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &EmbeddingSaved,
+        dout: &Act,
+    ) -> Result<()> {
         self.backward_to(pass, saved, dout, false).map(drop)
     }
 
@@ -178,7 +183,7 @@ impl Embedding {
     pub fn backward_returning(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &EmbSaved,
+        saved: &EmbeddingSaved,
         dout: &Act,
     ) -> Result<PoolBlock> {
         self.backward_to(pass, saved, dout, true)
@@ -187,7 +192,7 @@ impl Embedding {
     fn backward_to(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &EmbSaved,
+        saved: &EmbeddingSaved,
         dout: &Act,
         keep_wte: bool,
     ) -> Result<PoolBlock> {

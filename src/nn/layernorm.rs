@@ -37,13 +37,13 @@ pub struct LayerNorm {
 /// What [`LayerNorm::forward`] keeps for the backward: the normalised input `h` (the input
 /// itself, shared, or `x + r`) and the f32 row means and reciprocal standard deviations.
 #[derive(Debug)]
-pub struct LnSaved {
+pub struct LayerNormSaved {
     h: Act,
     /// `[rows]` means, then `[rows]` rstd, f32.
     stats: Block,
 }
 
-impl LnSaved {
+impl LayerNormSaved {
     /// The normalised input: `x + r` with a residual (the residual stream's next value, which
     /// the caller carries on), else the input `x` itself.
     pub fn h(&self) -> &Act {
@@ -104,7 +104,7 @@ impl LayerNorm {
         pass: &ForwardPass<'_>,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, LnSaved)> {
+    ) -> Result<(Act, LayerNormSaved)> {
         let d = pass.param_dtype();
         x.expect("x", None, self.cols, d)?;
         if let Some(r) = residual {
@@ -142,7 +142,7 @@ impl LayerNorm {
             d,
         )?;
         let h = h.unwrap_or_else(|| x.clone());
-        Ok((y, LnSaved { h, stats }))
+        Ok((y, LayerNormSaved { h, stats }))
     }
 
     /// The backward of [`LayerNorm::forward`] from the output's gradient `dy`: returns the
@@ -152,7 +152,7 @@ impl LayerNorm {
     pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &LnSaved,
+        saved: &LayerNormSaved,
         dy: &Act,
         dx_into: Option<&Act>,
     ) -> Result<Act> {

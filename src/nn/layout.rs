@@ -4,7 +4,7 @@
 use std::fmt::Debug;
 
 use super::act::Act;
-use super::layernorm::{LayerNorm, LnSaved};
+use super::layernorm::{LayerNorm, LayerNormSaved};
 use super::linear::{Linear, WeightUse};
 use crate::error::{Error, Result};
 use crate::ops::attention::Attention;
@@ -149,7 +149,7 @@ impl Layout for Serial {
     type Linear = Linear;
     type LinearSaved = Act;
     type Norm = LayerNorm;
-    type NormSaved = LnSaved;
+    type NormSaved = LayerNormSaved;
 
     fn check(&self, (): ()) -> Result<()> {
         Ok(())
@@ -232,11 +232,11 @@ impl Layout for Serial {
         norm: &LayerNorm,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, LnSaved)> {
+    ) -> Result<(Act, LayerNormSaved)> {
         norm.forward(pass, x, residual)
     }
 
-    fn norm_input(saved: &LnSaved) -> &Act {
+    fn norm_input(saved: &LayerNormSaved) -> &Act {
         saved.h()
     }
 
@@ -245,7 +245,7 @@ impl Layout for Serial {
         (): (),
         pass: &BackwardPass<'_>,
         norm: &LayerNorm,
-        saved: &LnSaved,
+        saved: &LayerNormSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {

@@ -14,7 +14,7 @@ use crate::tensor::TensorId;
 /// Forward and backward are separate passes, so the forward computes the logits and runs
 /// [`cross_entropy_forward_backward`](crate::ops::cross_entropy_forward_backward): it writes the
 /// losses and, over the logits, their gradient scaled by `1 / rows counted`, which the
-/// [`LmSaved`] keeps. Backward runs the shared linear's backward from it: `dh`, and `wte`'s
+/// [`LmHeadSaved`] keeps. Backward runs the shared linear's backward from it: `dh`, and `wte`'s
 /// share through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad).
 ///
 /// # Example
@@ -56,13 +56,13 @@ pub struct LmHead {
 
 /// What [`LmHead::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct LmSaved {
+pub struct LmHeadSaved {
     h: Act,
     dlogits: Act,
     counted: usize,
 }
 
-impl LmSaved {
+impl LmHeadSaved {
     /// The logits' gradient `[N, V]` (`(softmax − onehot)/counted`, 0 on ignored rows).
     pub fn dlogits(&self) -> &Act {
         &self.dlogits
@@ -94,7 +94,7 @@ impl LmHead {
         pass: &ForwardPass<'_>,
         h: &Act,
         targets: &[i32],
-    ) -> Result<(f32, LmSaved)> {
+    ) -> Result<(f32, LmHeadSaved)> {
         self.forward_scaled(pass, h, targets, 1.0)
     }
 
@@ -107,7 +107,7 @@ impl LmHead {
         h: &Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(f32, LmSaved)> {
+    ) -> Result<(f32, LmHeadSaved)> {
         let (loss, saved) = self.forward_deferred(pass, h, targets, scale)?;
         Ok((loss.read()?, saved))
     }
@@ -120,7 +120,7 @@ impl LmHead {
         h: &Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(Loss, LmSaved)> {
+    ) -> Result<(Loss, LmHeadSaved)> {
         if !(scale > 0.0 && scale.is_finite()) {
             return Err(Error::InvalidArgument(format!(
                 "a loss scale of {scale} (it must be positive and finite)"
@@ -145,7 +145,7 @@ impl LmHead {
         cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
         let host = dev.alloc_host(n * 4)?;
         let copy = dev.copy_d2h(s, lv, host)?;
-        let saved = LmSaved {
+        let saved = LmHeadSaved {
             h: h.clone(),
             dlogits: logits,
             counted,
@@ -154,7 +154,7 @@ impl LmHead {
     }
 
     /// The backward of [`LmHead::forward`]: returns `dh` `[N, C]` and adds `wte`'s share.
-    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &LmSaved) -> Result<Act> {
+    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &LmHeadSaved) -> Result<Act> {
         let dh = self.proj.backward(pass, &saved.h, &saved.dlogits, true)?;
         dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))
     }
@@ -164,7 +164,7 @@ impl LmHead {
     pub fn backward_returning(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &LmSaved,
+        saved: &LmHeadSaved,
     ) -> Result<(Act, crate::device::Block)> {
         let (dh, share) = self
             .proj

@@ -69,16 +69,16 @@ mod mlp;
 
 pub use act::Act;
 pub use attention::{
-    attend, attend_backward, heads_backward, heads_forward, Attended, AttnSaved,
-    CausalSelfAttention, CoreSaved, HeadsCore, HeadsSaved,
+    attend, attend_backward, heads_backward, heads_forward, Attended, CausalSelfAttention,
+    CausalSelfAttentionSaved, HeadsCore, HeadsCoreSaved, HeadsSaved,
 };
 pub use block::{by_rank_block, Block, BlockSaved};
-pub use embedding::{EmbSaved, Embedding};
+pub use embedding::{Embedding, EmbeddingSaved};
 pub use gelu::{gelu, gelu_backward};
-pub use layernorm::{LayerNorm, LnSaved};
+pub use layernorm::{LayerNorm, LayerNormSaved};
 pub use layout::{Layout, Pair, Serial};
 pub use linear::{Linear, WeightUse};
-pub use lm_head::{LmHead, LmSaved};
+pub use lm_head::{LmHead, LmHeadSaved};
 pub use loss::Loss;
 pub use mlp::{Mlp, MlpSaved};
 
@@ -128,12 +128,12 @@ mod tests {
         fn send_sync<T: Send + Sync>() {}
         send_sync::<Linear>();
         send_sync::<LayerNorm>();
-        send_sync::<LnSaved>();
+        send_sync::<LayerNormSaved>();
         send_sync::<Block>();
         send_sync::<BlockSaved>();
         send_sync::<Embedding>();
-        send_sync::<EmbSaved>();
+        send_sync::<EmbeddingSaved>();
         send_sync::<LmHead>();
-        send_sync::<LmSaved>();
+        send_sync::<LmHeadSaved>();
     }
 }

@@ -28,22 +28,25 @@ pub mod vocab;
 pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
-pub use one_d::{ColumnLinear, Emb1DSaved, Embedding1D, Linear1D, OneD, RowLinear, Shard};
-pub use sequence::{RingAttention, RingCore, RingSaved};
-pub use three_d::{gather_3d, split_3d, Layout3D, Linear3D, Place3D, Saved3D, Tile};
-pub use three_d_block::{Cube, LayerNorm3D, Ln3DSaved};
+pub use one_d::{ColumnLinear, Embedding1D, Embedding1DSaved, Linear1D, OneD, RowLinear, Shard};
+pub use sequence::{RingAttention, RingAttentionSaved, RingCore};
+pub use three_d::{gather_3d, split_3d, Layout3D, Linear3D, Linear3DSaved, Place3D, Tile};
+pub use three_d_block::{Cube, LayerNorm3D, LayerNorm3DSaved};
 pub use three_d_ends::{
-    Classifier3D, Classifier3DSaved, Emb3DSaved, Embedding3D, VocabEmb3DSaved, VocabEmbedding3D,
+    Classifier3D, Classifier3DSaved, Embedding3D, Embedding3DSaved, VocabEmbedding3D,
+    VocabEmbedding3DSaved,
 };
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
 };
-pub use two_d_block::{LayerNorm2D, Ln2DSaved, Place2D, Summa, SummaLinear};
+pub use two_d_block::{LayerNorm2D, LayerNorm2DSaved, Place2D, Summa, SummaLinear};
 pub use two_d_ends::{
-    Classifier2D, Cls2DSaved, Emb2DSaved, Embedding2D, VocabEmb2DSaved, VocabEmbedding2D,
+    Classifier2D, Classifier2DSaved, Embedding2D, Embedding2DSaved, VocabEmbedding2D,
+    VocabEmbedding2DSaved,
 };
 pub use vocab::{
-    Classifier1D, Cls1DSaved, VocabEmbSaved, VocabEmbedding1D, VocabHead1D, VocabHeadSaved,
+    Classifier1D, Classifier1DSaved, VocabEmbedding1D, VocabEmbedding1DSaved, VocabHead1D,
+    VocabHead1DSaved,
 };
 pub mod pipeline;
 pub use pipeline::{PipeOp, PipelineStage, Schedule, StageModel};

@@ -23,7 +23,7 @@ use serde::Serialize;
 use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, LayerNorm, Layout, Linear, LnSaved, Pair, Serial, WeightUse};
+use crate::nn::{Act, Block, LayerNorm, LayerNormSaved, Layout, Linear, Pair, Serial, WeightUse};
 use crate::ops::attention::Attention;
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -222,8 +222,8 @@ pub struct Embedding1D {
 
 /// What [`Embedding1D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct Emb1DSaved {
-    local: crate::nn::EmbSaved,
+pub struct Embedding1DSaved {
+    local: crate::nn::EmbeddingSaved,
     rows: usize,
 }
 
@@ -268,7 +268,7 @@ impl Embedding1D {
         tokens: &[i32],
         batch: usize,
         seq: usize,
-    ) -> Result<(Act, Emb1DSaved)> {
+    ) -> Result<(Act, Embedding1DSaved)> {
         let p = self.shard.size;
         let (mine, local) = self.local.forward(pass, tokens, batch, seq)?;
         let (rows, c) = (mine.rows(), self.local.channels);
@@ -286,11 +286,16 @@ impl Embedding1D {
             out.view(),
             all.dtype(),
         )?;
-        Ok((out, Emb1DSaved { local, rows }))
+        Ok((out, Embedding1DSaved { local, rows }))
     }
 
     /// Adds this rank's columns of `dout` (`[N, C]`, replicated) to the shards' gradients.
-    pub fn backward(&self, pass: &BackwardPass<'_>, saved: &Emb1DSaved, dout: &Act) -> Result<()> {
+    pub fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &Embedding1DSaved,
+        dout: &Act,
+    ) -> Result<()> {
         let (p, rows, c) = (self.shard.size, saved.rows, self.local.channels);
         dout.expect("dout", Some(rows), self.channels, pass.param_dtype())?;
         let parts = Act::alloc(pass.pool(), p * rows, c, dout.dtype())?;
@@ -360,7 +365,7 @@ impl Layout for OneD {
     type Linear = Linear1D;
     type LinearSaved = Act;
     type Norm = LayerNorm;
-    type NormSaved = LnSaved;
+    type NormSaved = LayerNormSaved;
 
     fn check(&self, group: &Communicator) -> Result<()> {
         if Shard::of(group) != self.shard {
@@ -465,11 +470,11 @@ impl Layout for OneD {
         norm: &LayerNorm,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, LnSaved)> {
+    ) -> Result<(Act, LayerNormSaved)> {
         norm.forward(pass, x, residual)
     }
 
-    fn norm_input(saved: &LnSaved) -> &Act {
+    fn norm_input(saved: &LayerNormSaved) -> &Act {
         saved.h()
     }
 
@@ -478,7 +483,7 @@ impl Layout for OneD {
         _: &Communicator,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm,
-        saved: &LnSaved,
+        saved: &LayerNormSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {

@@ -34,7 +34,7 @@ use crate::comm::{CommStats, Communicator, Tally};
 use crate::device::{DeviceView, Input};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{Act, CoreSaved, HeadsCore};
+use crate::nn::{Act, HeadsCore, HeadsCoreSaved};
 use crate::ops::heads::{heads_merge, heads_split, qkv_merge, qkv_split, Heads};
 use crate::ops::{gemm, softmax_block_backward, softmax_block_forward, Gemm, SoftmaxBlock};
 use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
@@ -60,7 +60,7 @@ pub struct RingAttention {
 /// What [`RingAttention::forward`] keeps for the backward: this rank's `q`, `k`, `v`
 /// (`[B·H, L, D]`) and probabilities (`[B·H, L, T]`).
 #[derive(Debug)]
-pub struct RingSaved {
+pub struct RingAttentionSaved {
     q: Act,
     k: Act,
     v: Act,
@@ -201,7 +201,7 @@ impl RingAttention {
         pass: &Pass<'_, K>,
         group: &Communicator,
         qkv: &Act,
-    ) -> Result<(Act, RingSaved)> {
+    ) -> Result<(Act, RingAttentionSaved)> {
         let c = self.channels();
         self.check(group, "qkv", qkv, 3 * c)?;
         let (dev, s, pool, d) = (pass.device(), pass.stream(), pass.pool(), qkv.dtype());
@@ -247,7 +247,7 @@ impl RingAttention {
         drop(ring);
         let out = heads()?;
         heads_merge(dev, s, self.local(), y.input(), out.view(), d)?;
-        Ok((out, RingSaved { q, k, v, att }))
+        Ok((out, RingAttentionSaved { q, k, v, att }))
     }
 
     fn block_in<'a>(&self, a: &'a Act, src: usize) -> Result<Input<'a>> {
@@ -284,7 +284,7 @@ impl RingAttention {
         &self,
         pass: &BackwardPass<'_>,
         group: &Communicator,
-        saved: &RingSaved,
+        saved: &RingAttentionSaved,
         dout: &Act,
     ) -> Result<Act> {
         let c = self.channels();
@@ -412,14 +412,23 @@ pub struct RingCore<'a> {
 }
 
 impl HeadsCore for RingCore<'_> {
-    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, CoreSaved)> {
+    fn forward(&self, pass: &ForwardPass<'_>, qkv: &Act) -> Result<(Act, HeadsCoreSaved)> {
         let (merged, saved) = self.attn.forward(pass, self.group, qkv)?;
-        Ok((merged, CoreSaved::new(saved)))
+        Ok((merged, HeadsCoreSaved::new(saved)))
     }
 
-    fn backward(&self, pass: &BackwardPass<'_>, saved: &CoreSaved, dmerged: &Act) -> Result<Act> {
-        self.attn
-            .backward(pass, self.group, saved.get::<RingSaved>()?, dmerged)
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &HeadsCoreSaved,
+        dmerged: &Act,
+    ) -> Result<Act> {
+        self.attn.backward(
+            pass,
+            self.group,
+            saved.get::<RingAttentionSaved>()?,
+            dmerged,
+        )
     }
 }
 

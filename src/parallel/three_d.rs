@@ -33,7 +33,7 @@
 //! - forward: `X̃ = all-gather_A(X)` `[q·n, I/q]` (rows block `i`, columns block `c`);
 //!   `W̃ = all-gather_Wg(W)` `[I/q, O/q]` (`W`'s block `(c, a)`);
 //!   `Y = reduce-scatter_G(X̃·W̃) + b` `[n, O/q]`. `X̃` and `W̃` are kept for the backward
-//!   ([`Saved3D`]).
+//!   ([`Linear3DSaved`]).
 //! - backward: `dỸ = all-gather_G(dY)`; `dX = reduce-scatter_A(dỸ·W̃ᵀ)` (when asked);
 //!   `dW = reduce-scatter_Wg(X̃ᵀ·dỸ)` straight into the weight's gradient slot;
 //!   `db = all-reduce_Wg(Σ_rows dỸ)` (`dỸ` holds every row of row block `i`, so the weight
@@ -132,7 +132,7 @@ pub(super) fn groups(
 
 /// The activations a [`Linear3D`] keeps from forward for backward.
 #[derive(Clone, Debug)]
-pub struct Saved3D {
+pub struct Linear3DSaved {
     /// `X̃` `[q·n, I/q]`: the input gathered over the layout's row group.
     pub x: Act,
     /// `W̃` `[I/q, O/q]`: the weight gathered over the weight group.
@@ -299,7 +299,7 @@ impl Linear3D {
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
         x: &Act,
-    ) -> Result<(Act, Saved3D)> {
+    ) -> Result<(Act, Linear3DSaved)> {
         let (ga, gw, gc) = self.groups(grid)?;
         let (q, iq, oq) = self.dims();
         let d = pass.param_dtype();
@@ -321,7 +321,7 @@ impl Linear3D {
         if self.bias.is_some() {
             ops::add_bias_rows(dev, s, g.param(1)?, y.view(), n, oq, d)?;
         }
-        Ok((y, Saved3D { x: xt, w: wt }))
+        Ok((y, Linear3DSaved { x: xt, w: wt }))
     }
 
     /// The backward of [`Linear3D::forward`] from its `saved` activations and this rank's
@@ -332,7 +332,7 @@ impl Linear3D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Saved3D,
+        saved: &Linear3DSaved,
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
@@ -348,7 +348,7 @@ impl Linear3D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Saved3D,
+        saved: &Linear3DSaved,
         dy: &Act,
         need_dx: bool,
         uses: WeightUse,

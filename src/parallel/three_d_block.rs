@@ -101,12 +101,12 @@
 
 mod layernorm;
 
-pub use layernorm::{LayerNorm3D, Ln3DSaved};
+pub use layernorm::{LayerNorm3D, LayerNorm3DSaved};
 
 use layernorm::split;
 
 use super::grid::ProcessGrid;
-use super::three_d::{Layout3D, Linear3D, Place3D, Saved3D};
+use super::three_d::{Layout3D, Linear3D, Linear3DSaved, Place3D};
 use super::Cost;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -142,9 +142,9 @@ impl Cube {
 impl Layout for Cube {
     type Groups<'g> = &'g ProcessGrid;
     type Linear = Linear3D;
-    type LinearSaved = Saved3D;
+    type LinearSaved = Linear3DSaved;
     type Norm = LayerNorm3D;
-    type NormSaved = Ln3DSaved;
+    type NormSaved = LayerNorm3DSaved;
 
     fn check(&self, grid: &ProcessGrid) -> Result<()> {
         let here = Place3D::of(grid)?;
@@ -245,11 +245,11 @@ impl Layout for Cube {
         norm: &LayerNorm3D,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, Ln3DSaved)> {
+    ) -> Result<(Act, LayerNorm3DSaved)> {
         norm.forward(pass, grid, x, residual)
     }
 
-    fn norm_input(saved: &Ln3DSaved) -> &Act {
+    fn norm_input(saved: &LayerNorm3DSaved) -> &Act {
         saved.h()
     }
 
@@ -258,7 +258,7 @@ impl Layout for Cube {
         grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm3D,
-        saved: &Ln3DSaved,
+        saved: &LayerNorm3DSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {
@@ -272,7 +272,7 @@ impl Layout for Cube {
         pass: &ForwardPass<'_>,
         linear: &Linear3D,
         x: &Act,
-    ) -> Result<(Act, Saved3D)> {
+    ) -> Result<(Act, Linear3DSaved)> {
         linear.forward(pass, grid, x)
     }
 
@@ -281,7 +281,7 @@ impl Layout for Cube {
         grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         linear: &Linear3D,
-        saved: &Saved3D,
+        saved: &Linear3DSaved,
         dy: &Act,
         uses: WeightUse,
     ) -> Result<Act> {

@@ -99,7 +99,7 @@ mod classifier;
 mod embedding;
 
 pub use classifier::{Classifier3D, Classifier3DSaved};
-pub use embedding::{Emb3DSaved, Embedding3D, VocabEmb3DSaved, VocabEmbedding3D};
+pub use embedding::{Embedding3D, Embedding3DSaved, VocabEmbedding3D, VocabEmbedding3DSaved};
 
 use super::grid::ProcessGrid;
 use super::three_d::Place3D;

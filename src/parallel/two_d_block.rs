@@ -72,7 +72,7 @@
 mod cost;
 mod layernorm;
 
-pub use layernorm::{LayerNorm2D, Ln2DSaved, Place2D};
+pub use layernorm::{LayerNorm2D, LayerNorm2DSaved, Place2D};
 
 use super::two_d::split;
 use super::{Linear2D, Linear2p5D, ProcessGrid, TensorMode};
@@ -227,7 +227,7 @@ impl Layout for Summa {
     type Linear = SummaLinear;
     type LinearSaved = Act;
     type Norm = LayerNorm2D;
-    type NormSaved = Ln2DSaved;
+    type NormSaved = LayerNorm2DSaved;
 
     fn check(&self, grid: &ProcessGrid) -> Result<()> {
         self.place.groups(grid).map(drop)
@@ -313,11 +313,11 @@ impl Layout for Summa {
         norm: &LayerNorm2D,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, Ln2DSaved)> {
+    ) -> Result<(Act, LayerNorm2DSaved)> {
         norm.forward(pass, grid, x, residual)
     }
 
-    fn norm_input(saved: &Ln2DSaved) -> &Act {
+    fn norm_input(saved: &LayerNorm2DSaved) -> &Act {
         saved.h()
     }
 
@@ -326,7 +326,7 @@ impl Layout for Summa {
         grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm2D,
-        saved: &Ln2DSaved,
+        saved: &LayerNorm2DSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {

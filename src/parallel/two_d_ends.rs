@@ -109,8 +109,8 @@ mod classifier;
 mod cost;
 mod vocab;
 
-pub use classifier::{Classifier2D, Cls2DSaved};
-pub use vocab::{VocabEmb2DSaved, VocabEmbedding2D};
+pub use classifier::{Classifier2D, Classifier2DSaved};
+pub use vocab::{VocabEmbedding2D, VocabEmbedding2DSaved};
 
 use super::two_d::{remap, split};
 use super::{Cost, Place2D, ProcessGrid, TensorMode};
@@ -231,7 +231,7 @@ pub struct Embedding2D {
 
 /// What [`Embedding2D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct Emb2DSaved {
+pub struct Embedding2DSaved {
     plan: VocabPlan,
     words: PoolBlock,
 }
@@ -293,7 +293,7 @@ impl Embedding2D {
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
         ids: &[i32],
-    ) -> Result<(Act, Emb2DSaved)> {
+    ) -> Result<(Act, Embedding2DSaved)> {
         let gr = groups("Embedding2D", self.mode, self.place, grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
@@ -322,7 +322,7 @@ impl Embedding2D {
         let tv = tok.view(0, nl * 4)?;
         vocab_embedding_forward(dev, s, tv, table.input(), tile.view(), &shard, cl, d)?;
         let words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
-        Ok((tile, Emb2DSaved { plan, words }))
+        Ok((tile, Embedding2DSaved { plan, words }))
     }
 
     /// Writes this rank's piece of the table's gradient from the tile's `dout`
@@ -332,7 +332,7 @@ impl Embedding2D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Emb2DSaved,
+        saved: &Embedding2DSaved,
         dout: &Act,
     ) -> Result<()> {
         let gr = groups("Embedding2D", self.mode, self.place, grid)?;

@@ -43,7 +43,7 @@ pub struct VocabEmbedding1D {
 
 /// What [`VocabEmbedding1D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct VocabEmbSaved {
+pub struct VocabEmbedding1DSaved {
     tokens: VocabPlan,
     token_words: PoolBlock,
     positions: VocabPlan,
@@ -90,7 +90,7 @@ impl VocabEmbedding1D {
         tokens: &[i32],
         batch: usize,
         seq: usize,
-    ) -> Result<(Act, VocabEmbSaved)> {
+    ) -> Result<(Act, VocabEmbedding1DSaved)> {
         self.forward_at(pass, group, tokens, batch, seq, 0)
     }
 
@@ -104,7 +104,7 @@ impl VocabEmbedding1D {
         batch: usize,
         seq: usize,
         first: usize,
-    ) -> Result<(Act, VocabEmbSaved)> {
+    ) -> Result<(Act, VocabEmbedding1DSaved)> {
         let last = first.checked_add(seq);
         if batch.checked_mul(seq) != Some(tokens.len())
             || tokens.is_empty()
@@ -154,7 +154,7 @@ impl VocabEmbedding1D {
         let position_words = pass.upload(bytemuck::cast_slice(&pos_plan.to_words()))?;
         Ok((
             out,
-            VocabEmbSaved {
+            VocabEmbedding1DSaved {
                 tokens: plan,
                 token_words,
                 positions: pos_plan,
@@ -170,7 +170,7 @@ impl VocabEmbedding1D {
     pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        saved: &VocabEmbSaved,
+        saved: &VocabEmbedding1DSaved,
         dout: &Act,
     ) -> Result<()> {
         let (dev, s, d, c) = (
@@ -222,7 +222,7 @@ pub struct VocabHead1D {
 
 /// What [`VocabHead1D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct VocabHeadSaved {
+pub struct VocabHead1DSaved {
     h: Act,
     dlogits: Act,
 }
@@ -291,7 +291,7 @@ impl VocabHead1D {
         h: &Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(f32, VocabHeadSaved)> {
+    ) -> Result<(f32, VocabHead1DSaved)> {
         let n = targets.len();
         h.expect("h", Some(n), self.proj.inputs, pass.param_dtype())?;
         check_targets(targets, self.vocab.vocab, self.ignore_index)?;
@@ -315,7 +315,7 @@ impl VocabHead1D {
         let loss = ce.batch_mean(pass, group, &logits, rows, scale)?;
         Ok((
             loss,
-            VocabHeadSaved {
+            VocabHead1DSaved {
                 h: h.clone(),
                 dlogits: logits,
             },
@@ -328,7 +328,7 @@ impl VocabHead1D {
         &self,
         pass: &BackwardPass<'_>,
         group: &Communicator,
-        saved: &VocabHeadSaved,
+        saved: &VocabHead1DSaved,
     ) -> Result<Act> {
         let dh = self
             .proj
@@ -359,7 +359,7 @@ pub struct Classifier1D {
 
 /// What [`Classifier1D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct Cls1DSaved {
+pub struct Classifier1DSaved {
     x: Act,
     dlogits: Act,
 }
@@ -400,7 +400,7 @@ impl Classifier1D {
         x: &Act,
         targets: &[i32],
         loss_scale: f32,
-    ) -> Result<(f32, Cls1DSaved)> {
+    ) -> Result<(f32, Classifier1DSaved)> {
         let n = targets.len();
         x.expect("x", Some(n), self.proj.linear.inputs, pass.param_dtype())?;
         check_targets(targets, self.proj.outputs, self.ignore_index)?;
@@ -422,7 +422,7 @@ impl Classifier1D {
             owners: None,
         };
         let loss = ce.batch_mean(pass, group, &logits, rows, loss_scale)?;
-        let saved = Cls1DSaved {
+        let saved = Classifier1DSaved {
             x: x.clone(),
             dlogits: logits,
         };
@@ -443,7 +443,7 @@ impl Classifier1D {
         &self,
         pass: &BackwardPass<'_>,
         group: &Communicator,
-        saved: &Cls1DSaved,
+        saved: &Classifier1DSaved,
     ) -> Result<Act> {
         self.proj
             .backward(pass, group, &saved.x, &saved.dlogits, true)?

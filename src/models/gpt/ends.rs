@@ -5,7 +5,9 @@
 use super::split_ends::{Over, SplitEmbKept, SplitEmbedding, SplitHead, SplitHeadKept, CUBE};
 use crate::device::Block as PoolBlock;
 use crate::error::{Error, Result};
-use crate::nn::{Act, EmbSaved, Embedding, LayerNorm, LmHead, LmSaved, LnSaved, Loss};
+use crate::nn::{
+    Act, Embedding, EmbeddingSaved, LayerNorm, LayerNormSaved, LmHead, LmHeadSaved, Loss,
+};
 use crate::parallel::{gather_3d, gather_batch_2d, split_3d, split_batch_2d_act};
 use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
@@ -50,13 +52,13 @@ pub(super) enum Head {
 /// What the embedding keeps for its backward.
 #[allow(clippy::large_enum_variant)]
 pub(super) enum EmbKept {
-    Whole(EmbSaved),
+    Whole(EmbeddingSaved),
     Split(SplitEmbKept),
 }
 
 /// What `ln_f` and the head keep for their backward.
 pub(super) enum HeadKept {
-    Whole(LnSaved, LmSaved),
+    Whole(LayerNormSaved, LmHeadSaved),
     Split(SplitHeadKept),
 }
 

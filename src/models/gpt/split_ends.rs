@@ -10,13 +10,14 @@ use super::model::IGNORE_INDEX;
 use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Act, LayerNorm, LnSaved, WeightUse};
+use crate::nn::{Act, LayerNorm, LayerNormSaved, WeightUse};
 use crate::ops::{add_in_place, Axpby};
 use crate::parallel::{
-    Classifier2D, Classifier3D, Classifier3DSaved, Cls2DSaved, Emb2DSaved, Emb3DSaved, Embedding2D,
-    Embedding3D, LayerNorm2D, LayerNorm3D, Layout3D, Ln2DSaved, Ln3DSaved, ProcessGrid, Shard,
-    TensorMode, VocabEmb2DSaved, VocabEmb3DSaved, VocabEmbSaved, VocabEmbedding1D,
-    VocabEmbedding2D, VocabEmbedding3D, VocabHead1D, VocabHeadSaved,
+    Classifier2D, Classifier2DSaved, Classifier3D, Classifier3DSaved, Embedding2D,
+    Embedding2DSaved, Embedding3D, Embedding3DSaved, LayerNorm2D, LayerNorm2DSaved, LayerNorm3D,
+    LayerNorm3DSaved, Layout3D, ProcessGrid, Shard, TensorMode, VocabEmbedding1D,
+    VocabEmbedding1DSaved, VocabEmbedding2D, VocabEmbedding2DSaved, VocabEmbedding3D,
+    VocabEmbedding3DSaved, VocabHead1D, VocabHead1DSaved,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -85,16 +86,16 @@ pub(super) enum Over<'a> {
 
 /// What the split embedding keeps for its backward.
 pub(super) enum SplitEmbKept {
-    OneD(Box<VocabEmbSaved>),
-    Summa(VocabEmb2DSaved, Emb2DSaved),
-    Cube(VocabEmb3DSaved, Emb3DSaved),
+    OneD(Box<VocabEmbedding1DSaved>),
+    Summa(VocabEmbedding2DSaved, Embedding2DSaved),
+    Cube(VocabEmbedding3DSaved, Embedding3DSaved),
 }
 
 /// What the split `ln_f` and head keep for their backward.
 pub(super) enum SplitHeadKept {
-    OneD(LnSaved, VocabHeadSaved),
-    Summa(Ln2DSaved, Cls2DSaved),
-    Cube(Ln3DSaved, Classifier3DSaved),
+    OneD(LayerNormSaved, VocabHead1DSaved),
+    Summa(LayerNorm2DSaved, Classifier2DSaved),
+    Cube(LayerNorm3DSaved, Classifier3DSaved),
 }
 
 /// The blocks' 3D layout.

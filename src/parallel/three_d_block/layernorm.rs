@@ -77,7 +77,7 @@ pub struct LayerNorm3D {
 /// What [`LayerNorm3D::forward`] keeps for the backward: the normalised tile `h` (the input,
 /// or `x + r`), its full rows, the gathered γ and the f32 row statistics.
 #[derive(Debug)]
-pub struct Ln3DSaved {
+pub struct LayerNorm3DSaved {
     h: Act,
     full: Act,
     gamma: Act,
@@ -85,7 +85,7 @@ pub struct Ln3DSaved {
     stats: Block,
 }
 
-impl Ln3DSaved {
+impl LayerNorm3DSaved {
     /// The normalised tile `[n, C/q]`: `x + r` with a residual (the residual stream's next
     /// tile), else the input itself.
     pub fn h(&self) -> &Act {
@@ -204,7 +204,7 @@ impl LayerNorm3D {
         grid: &ProcessGrid,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, Ln3DSaved)> {
+    ) -> Result<(Act, LayerNorm3DSaved)> {
         let (_, _, gc) = self.groups(grid)?;
         let (q, cq, c) = (self.place.q, self.cq(), self.cols);
         let d = pass.param_dtype();
@@ -257,7 +257,7 @@ impl LayerNorm3D {
         let c_here = axes(&self.place, self.layout).1;
         let bytes = n * cq * d.size();
         dev.copy_d2d(s, blocks.view().slice(c_here * bytes, bytes)?, y.view())?;
-        let saved = Ln3DSaved {
+        let saved = LayerNorm3DSaved {
             h,
             full,
             gamma,
@@ -278,7 +278,7 @@ impl LayerNorm3D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Ln3DSaved,
+        saved: &LayerNorm3DSaved,
         dy: &Act,
         dx_into: Option<&Act>,
     ) -> Result<Act> {

@@ -7,7 +7,7 @@ use crate::error::{Error, Result};
 use crate::nn::{Act, WeightUse};
 use crate::ops::{check_targets, VocabShard};
 use crate::parallel::grid::ProcessGrid;
-use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Place3D, Saved3D};
+use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Linear3DSaved, Place3D};
 use crate::parallel::Cost;
 use crate::parallel::{BatchRows, ShardedCrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -29,7 +29,7 @@ pub struct Classifier3D {
 /// What [`Classifier3D::forward`] keeps for the backward.
 #[derive(Debug)]
 pub struct Classifier3DSaved {
-    linear: Saved3D,
+    linear: Linear3DSaved,
     dlogits: Act,
 }
 

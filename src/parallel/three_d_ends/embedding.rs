@@ -65,7 +65,7 @@ pub struct Embedding3D {
 
 /// What [`Embedding3D::forward`] keeps for the backward: the tile's ids, planned.
 #[derive(Debug)]
-pub struct Emb3DSaved {
+pub struct Embedding3DSaved {
     plan: VocabPlan,
     words: PoolBlock,
 }
@@ -139,7 +139,7 @@ impl Embedding3D {
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
         ids: &[i32],
-    ) -> Result<(Act, Emb3DSaved)> {
+    ) -> Result<(Act, Embedding3DSaved)> {
         let tile = self.tile(grid, ids)?;
         let (_, gw, _) = groups(grid, self.layout)?;
         let (q, d, cq) = (self.place.q, pass.param_dtype(), tile.cols);
@@ -156,7 +156,7 @@ impl Embedding3D {
         let tok = pass.upload(bytemuck::cast_slice(mine))?;
         let tv = tok.view(0, tile.rows * 4)?;
         vocab_embedding_forward(dev, s, tv, table.input(), out.view(), &all, cq, d)?;
-        Ok((out, Emb3DSaved { plan, words }))
+        Ok((out, Embedding3DSaved { plan, words }))
     }
 
     /// The backward of [`Embedding3D::forward`] from this rank's output-gradient tile `dout`
@@ -167,7 +167,7 @@ impl Embedding3D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Emb3DSaved,
+        saved: &Embedding3DSaved,
         dout: &Act,
     ) -> Result<()> {
         here(grid, self.place)?;
@@ -240,7 +240,7 @@ pub struct VocabEmbedding3D {
 /// What [`VocabEmbedding3D::forward`] keeps for the backward: the ids of the rank's row
 /// block, planned for its vocabulary block.
 #[derive(Debug)]
-pub struct VocabEmb3DSaved {
+pub struct VocabEmbedding3DSaved {
     plan: VocabPlan,
     words: PoolBlock,
 }
@@ -320,7 +320,7 @@ impl VocabEmbedding3D {
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
         tokens: &[i32],
-    ) -> Result<(Act, VocabEmb3DSaved)> {
+    ) -> Result<(Act, VocabEmbedding3DSaved)> {
         let place = here(grid, self.place)?;
         check_ids("a 3D vocab embedding's tokens", tokens, self.vocab)?;
         let tile = place.tile(self.layout, tokens.len(), self.channels)?;
@@ -345,7 +345,7 @@ impl VocabEmbedding3D {
         let tv = tok.view(0, q * n * 4)?;
         vocab_embedding_forward(dev, s, tv, table.input(), part.view(), &shard, cq, d)?;
         ga.reduce_scatter(s, part.view(), out.view(), d, ReduceOp::Sum)?;
-        Ok((out, VocabEmb3DSaved { plan, words }))
+        Ok((out, VocabEmbedding3DSaved { plan, words }))
     }
 
     /// The backward of [`VocabEmbedding3D::forward`] from this rank's output-gradient tile
@@ -356,7 +356,7 @@ impl VocabEmbedding3D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &VocabEmb3DSaved,
+        saved: &VocabEmbedding3DSaved,
         dout: &Act,
     ) -> Result<()> {
         here(grid, self.place)?;

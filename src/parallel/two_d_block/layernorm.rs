@@ -128,13 +128,13 @@ pub struct LayerNorm2D {
 
 /// What [`LayerNorm2D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct Ln2DSaved {
+pub struct LayerNorm2DSaved {
     h: Act,
     /// `[rows_l]` means then `[rows_l]` rstd, f32, of the whole rows.
     stats: Block,
 }
 
-impl Ln2DSaved {
+impl LayerNorm2DSaved {
     /// This rank's block of the normalised input: `x_ij + r_ij` with a residual (the residual
     /// stream's next value), else `x_ij` itself.
     pub fn h(&self) -> &Act {
@@ -279,7 +279,7 @@ impl LayerNorm2D {
         grid: &ProcessGrid,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, Ln2DSaved)> {
+    ) -> Result<(Act, LayerNorm2DSaved)> {
         let gr = self.place.groups(grid)?;
         self.forward_in(pass, &gr, x, residual)
     }
@@ -290,7 +290,7 @@ impl LayerNorm2D {
         gr: &Groups<'_>,
         x: &Act,
         residual: Option<&Act>,
-    ) -> Result<(Act, Ln2DSaved)> {
+    ) -> Result<(Act, LayerNorm2DSaved)> {
         let d = pass.param_dtype();
         let (q, cl) = (self.place.q, self.local());
         x.expect("x", None, cl, d)?;
@@ -330,7 +330,7 @@ impl LayerNorm2D {
         layernorm_forward(dev, s, op, rows, self.cols, self.eps, d)?;
         drop((hf, gamma, beta));
         let y = take_block(pass, &yf, q, self.place.col)?;
-        Ok((y, Ln2DSaved { h, stats }))
+        Ok((y, LayerNorm2DSaved { h, stats }))
     }
 
     /// The backward of [`LayerNorm2D::forward`] from `dY_ij`: returns `dX_ij` — added to
@@ -340,7 +340,7 @@ impl LayerNorm2D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Ln2DSaved,
+        saved: &LayerNorm2DSaved,
         dy: &Act,
         dx_into: Option<&Act>,
     ) -> Result<Act> {
@@ -352,7 +352,7 @@ impl LayerNorm2D {
         &self,
         pass: &BackwardPass<'_>,
         gr: &Groups<'_>,
-        saved: &Ln2DSaved,
+        saved: &LayerNorm2DSaved,
         dy: &Act,
         dx_into: Option<&Act>,
     ) -> Result<Act> {

@@ -32,7 +32,7 @@ pub struct Classifier2D {
 
 /// What [`Classifier2D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct Cls2DSaved {
+pub struct Classifier2DSaved {
     h: Act,
     dlogits: Act,
 }
@@ -158,7 +158,7 @@ impl Classifier2D {
         h: &Act,
         targets: &[i32],
         loss_scale: f32,
-    ) -> Result<(f32, Cls2DSaved)> {
+    ) -> Result<(f32, Classifier2DSaved)> {
         let (mode, p) = self.at();
         let gr = groups("Classifier2D", mode, p, grid)?;
         let l = self.linear.slice();
@@ -189,7 +189,7 @@ impl Classifier2D {
             owners: Some((gr.tensor, p.col == 0)),
         };
         let loss = ce.batch_mean(pass, gr.row, &logits, batch, loss_scale)?;
-        let saved = Cls2DSaved {
+        let saved = Classifier2DSaved {
             h: h.clone(),
             dlogits: logits,
         };
@@ -202,7 +202,7 @@ impl Classifier2D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &Cls2DSaved,
+        saved: &Classifier2DSaved,
     ) -> Result<Act> {
         let (x, dy) = (&saved.h, &saved.dlogits);
         if self.tied {

@@ -35,7 +35,7 @@ pub struct VocabEmbedding2D {
 
 /// What [`VocabEmbedding2D::forward`] keeps for the backward.
 #[derive(Debug)]
-pub struct VocabEmb2DSaved {
+pub struct VocabEmbedding2DSaved {
     plan: VocabPlan,
     words: PoolBlock,
 }
@@ -106,7 +106,7 @@ impl VocabEmbedding2D {
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
         ids: &[i32],
-    ) -> Result<(Act, VocabEmb2DSaved)> {
+    ) -> Result<(Act, VocabEmbedding2DSaved)> {
         let gr = self.groups(grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
@@ -138,7 +138,7 @@ impl VocabEmbedding2D {
         gr.tensor
             .send_recv(s, theirs.view(), peer, tile.view(), peer, d)?;
         let words = pass.upload(bytemuck::cast_slice(&plan.to_words()))?;
-        Ok((tile, VocabEmb2DSaved { plan, words }))
+        Ok((tile, VocabEmbedding2DSaved { plan, words }))
     }
 
     /// Adds this rank's share of its block's gradient from the tile's `dout`
@@ -151,7 +151,7 @@ impl VocabEmbedding2D {
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
-        saved: &VocabEmb2DSaved,
+        saved: &VocabEmbedding2DSaved,
         dout: &Act,
     ) -> Result<()> {
         let gr = self.groups(grid)?;

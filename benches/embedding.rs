@@ -32,8 +32,8 @@ use mean::Mean;
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::{
-    bincount, replay, CacheConfig, CacheIndex, CachedEmbeddingBag, EmbeddingOptimizer,
-    OptimalTrace, Policy, ReplayConfig,
+    bincount, replay, CacheConfig, CacheIndex, CachePolicy, CachedEmbeddingBag, EmbeddingOptimizer,
+    OptimalTrace, ReplayConfig,
 };
 use tidemem::ops::embedding::{plan_backward, BagMode};
 
@@ -112,7 +112,8 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;
             for _ in 0..iters {
-                let mut ix = CacheIndex::new(rows, capacity, Policy::Frequency).expect("index");
+                let mut ix =
+                    CacheIndex::new(rows, capacity, CachePolicy::Frequency).expect("index");
                 ix.reorder(&counts).expect("reorder");
                 let t = Instant::now();
                 for batch in &trace {
@@ -146,11 +147,11 @@ fn bench(c: &mut Criterion) {
         warmup: 0.7,
         train: true,
     };
-    let one = replay(&trace, &counts, Policy::Frequency, &rc).expect("replay");
+    let one = replay(&trace, &counts, CachePolicy::Frequency, &rc).expect("replay");
     let opt = replay(
         &trace,
         &counts,
-        Policy::Optimal(OptimalTrace::new::<_, &[u32]>([]).expect("trace")),
+        CachePolicy::Optimal(OptimalTrace::new::<_, &[u32]>([]).expect("trace")),
         &rc,
     )
     .expect("replay");
@@ -207,7 +208,7 @@ fn host_batch(c: &mut Criterion) {
     let (rows, trace) = kaggle::trace(1.0, HOST_BATCH, HOST_BATCHES);
     let counts = bincount(rows, trace.iter().map(|b| b.as_slice())).expect("counts");
     let capacity = rows / 100;
-    let mut ix = CacheIndex::new(rows, capacity, Policy::Frequency).expect("index");
+    let mut ix = CacheIndex::new(rows, capacity, CachePolicy::Frequency).expect("index");
     let perm = ix.reorder(&counts).expect("reorder").to_vec();
     ix.preload(capacity * 7 / 10);
     let mut remap = HashMapRemap::new(capacity, perm);

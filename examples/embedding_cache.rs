@@ -34,7 +34,7 @@ use std::time::Instant;
 use clap::Parser;
 use serde_json::json;
 use tidemem::data::criteo::{Batch, Dataset, Drift, Synthetic, SyntheticConfig};
-use tidemem::embedding::{bincount, replay, OptimalTrace, Policy, ReplayConfig};
+use tidemem::embedding::{bincount, replay, CachePolicy, OptimalTrace, ReplayConfig};
 use tidemem::limits;
 use tidemem::units::fmt_bytes;
 
@@ -94,12 +94,12 @@ struct Args {
 }
 
 /// A policy by name (the optimal one rebuilt from the trace by `replay`).
-fn policy(name: &str) -> Result<Policy, Box<dyn std::error::Error>> {
+fn policy(name: &str) -> Result<CachePolicy, Box<dyn std::error::Error>> {
     Ok(match name {
-        "frequency" => Policy::Frequency,
-        "lfu" => Policy::Lfu,
-        "lru" => Policy::Lru,
-        "optimal" => Policy::Optimal(OptimalTrace::new::<_, &[u32]>([])?),
+        "frequency" => CachePolicy::Frequency,
+        "lfu" => CachePolicy::Lfu,
+        "lru" => CachePolicy::Lru,
+        "optimal" => CachePolicy::Optimal(OptimalTrace::new::<_, &[u32]>([])?),
         other => return Err(format!("unknown policy '{other}'").into()),
     })
 }

@@ -46,7 +46,7 @@
 use crate::chunk::{ChunkManager, GroupSlices};
 use crate::data::regression::regression_samples;
 use crate::device::pool::round_size;
-use crate::device::{Block, DeviceView, HostBuffer};
+use crate::device::{DeviceView, HostBuffer, PoolBlock};
 use crate::dtype::{decode_f32, encode_f32, DType};
 use crate::error::{Error, Result};
 use crate::ops::{self, Axpby, BiasGrad, Gemm};
@@ -311,14 +311,14 @@ impl ToyMlp {
         ids: &ToyIds,
         x: &[f32],
         y: &[f32],
-    ) -> Result<(Batch, Vec<Block>)> {
+    ) -> Result<(Batch, Vec<PoolBlock>)> {
         let w = self.width;
         let n = x.len();
         let bsz = n / w;
         let d = pass.param_dtype();
         let (dev, s) = (pass.device(), pass.stream());
         let mut io: Option<Batch> = None;
-        let mut blocks: Vec<Block> = Vec::new();
+        let mut blocks: Vec<PoolBlock> = Vec::new();
         for &(wi, bi) in &ids.blocks {
             let g = pass.fetch(&[wi, bi])?;
             let (wp, bp) = (g.param(0)?, g.param(1)?);
@@ -350,7 +350,7 @@ impl ToyMlp {
         &self,
         pass: &ForwardPass<'_>,
         io: &Batch,
-        blocks: &[Block],
+        blocks: &[PoolBlock],
         loss_scale: f32,
     ) -> Result<f32> {
         let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
@@ -379,7 +379,7 @@ impl ToyMlp {
         pass: &BackwardPass<'_>,
         ids: &ToyIds,
         io: Batch,
-        mut blocks: Vec<Block>,
+        mut blocks: Vec<PoolBlock>,
     ) -> Result<()> {
         let w = self.width;
         let d = pass.param_dtype();
@@ -388,8 +388,8 @@ impl ToyMlp {
         let (dev, s) = (pass.device(), pass.stream());
         // the incoming gradient lives in the last block's output half (the loss put it there);
         // each block writes its outgoing gradient over it
-        let mut dh: Option<Block> = None;
-        let mut pending: Option<Block> = None; // the tied weight's last-block share
+        let mut dh: Option<PoolBlock> = None;
+        let mut pending: Option<PoolBlock> = None; // the tied weight's last-block share
         for l in (0..ids.blocks.len()).rev() {
             let (wi, bi) = ids.blocks[l];
             let g = pass.fetch(&[wi, bi])?;
@@ -457,7 +457,7 @@ impl ToyMlp {
 
 /// The batch on the device: the input, then the target, `values` elements each.
 struct Batch {
-    block: Block,
+    block: PoolBlock,
     values: usize,
 }
 
@@ -479,7 +479,7 @@ impl Batch {
 }
 
 /// Half `i` (0 or 1) of a pool buffer holding two runs of `n` values of `dtype`.
-fn half(b: &Block, i: usize, n: usize, dtype: DType) -> Result<DeviceView<'_>> {
+fn half(b: &PoolBlock, i: usize, n: usize, dtype: DType) -> Result<DeviceView<'_>> {
     b.view(i * n * dtype.size(), n * dtype.size())
 }
 

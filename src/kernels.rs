@@ -97,7 +97,7 @@ pub fn source(name: &str) -> Result<&'static KernelSource> {
 
 /// What to compile to.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub enum Target {
+pub enum CompileTarget {
     /// PTX for a virtual architecture, e.g. `compute_90`.
     Ptx(String),
     /// A cubin for a real architecture, e.g. `sm_90`.
@@ -128,7 +128,7 @@ pub fn include_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-type Cache = Mutex<HashMap<(&'static str, Target), Arc<Vec<u8>>>>;
+type Cache = Mutex<HashMap<(&'static str, CompileTarget), Arc<Vec<u8>>>>;
 
 fn cache() -> &'static Cache {
     static CACHE: OnceLock<Cache> = OnceLock::new();
@@ -137,7 +137,7 @@ fn cache() -> &'static Cache {
 
 /// Compiles `src` for `target` (once per source and target; later calls return the cached
 /// image). PTX images end with a NUL byte, as `cuModuleLoadData` expects.
-pub fn compile(src: &'static KernelSource, target: Target) -> Result<Arc<Vec<u8>>> {
+pub fn compile(src: &'static KernelSource, target: CompileTarget) -> Result<Arc<Vec<u8>>> {
     let key = (src.name, target);
     if let Some(img) = cache().lock().get(&key) {
         return Ok(img.clone());
@@ -147,7 +147,7 @@ pub fn compile(src: &'static KernelSource, target: Target) -> Result<Arc<Vec<u8>
     Ok(img)
 }
 
-fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
+fn compile_uncached(src: &KernelSource, target: &CompileTarget) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result as rtc, sys};
     let fail = |message: String| Error::Compile {
         kernel: src.name.into(),
@@ -161,7 +161,7 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
         ));
     }
     let arch = match target {
-        Target::Ptx(a) | Target::Cubin(a) => a,
+        CompileTarget::Ptx(a) | CompileTarget::Cubin(a) => a,
     };
     // No contraction of a * b + c into a fused multiply-add: the kernels' results must be the
     // CPU twins' bits, and a fused operation rounds once where the twin rounds twice.
@@ -196,12 +196,12 @@ fn compile_uncached(src: &KernelSource, target: &Target) -> Result<Vec<u8>> {
         return Err(fail(format!("{e:?} with options {opts:?}:\n{log}")));
     }
     match target {
-        Target::Ptx(_) => {
+        CompileTarget::Ptx(_) => {
             // SAFETY: compiled program.
             let ptx = unsafe { rtc::get_ptx(prog.0) }.map_err(|e| fail(format!("{e:?}")))?;
             Ok(ptx.into_iter().map(|c| c as u8).collect())
         }
-        Target::Cubin(_) => {
+        CompileTarget::Cubin(_) => {
             let mut size = 0usize;
             // SAFETY: compiled program; `size` receives the cubin size.
             unsafe { sys::nvrtcGetCUBINSize(prog.0, &mut size) }

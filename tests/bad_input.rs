@@ -512,7 +512,7 @@ fn embedding_cache_refuses_its_bad_flags() {
 
 #[test]
 fn embedding_tables_past_host_memory_or_disk_are_refused() {
-    use tidemem::embedding::{bincount, CacheIndex, HostTier, Policy as CachePolicy};
+    use tidemem::embedding::{bincount, CacheIndex, CachePolicy, HostTier};
     let limit = tidemem::limits::host_limit();
     let too_large = |r: Result<(), Error>| {
         assert!(

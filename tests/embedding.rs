@@ -6,8 +6,8 @@ mod common;
 use proptest::prelude::*;
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::embedding::{
-    bincount, CacheConfig, CachedEmbeddingBag, CachedEmbeddingCollection, EmbeddingBag,
-    EmbeddingCache, EmbeddingOptimizer, HostTier, OptimalTrace, Policy,
+    bincount, CacheConfig, CachePolicy, CachedEmbeddingBag, CachedEmbeddingCollection,
+    EmbeddingBag, EmbeddingCache, EmbeddingOptimizer, HostTier, OptimalTrace,
 };
 use tidemem::ops::embedding::BagMode;
 use tidemem::Error;
@@ -95,7 +95,7 @@ fn cached_bag_equals_full_table_bitwise() {
                 (BagMode::Mean, false),
                 (BagMode::Sum, true),
             ] {
-                for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+                for policy in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
                     let mut rng = TestRng::new(11);
                     let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, weighted)).collect();
                     let mut full = EmbeddingBag::new(&w, DIM, mode, opt).unwrap();
@@ -157,7 +157,7 @@ fn prefetch_moves_everything_ahead_and_keeps_training_exact() {
     let w = weights();
     for dev in common::devices("prefetch_moves_everything_ahead_and_keeps_training_exact") {
         for opt in OPTIMIZERS {
-            for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+            for policy in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
                 let mut rng = TestRng::new(29);
                 let batches: Vec<_> = (0..10).map(|_| batch(&mut rng, 12, true)).collect();
                 let mut full = EmbeddingBag::new(&w, DIM, BagMode::Sum, opt).unwrap();
@@ -553,8 +553,8 @@ fn bad_input_is_refused_and_changes_nothing() {
 #[test]
 fn optimal_policy_needs_its_trace_order() {
     let trace = vec![vec![1u32, 2], vec![3]];
-    let config =
-        CacheConfig::new(ROWS, DIM, 4).policy(Policy::Optimal(OptimalTrace::new(&trace).unwrap()));
+    let config = CacheConfig::new(ROWS, DIM, 4)
+        .policy(CachePolicy::Optimal(OptimalTrace::new(&trace).unwrap()));
     let mut bag = CachedEmbeddingBag::new(
         common::sim(1 << 20),
         config,
@@ -593,7 +593,7 @@ proptest! {
         weighted in any::<bool>(),
         steps in 4usize..14,
     ) {
-        let policy = [Policy::Frequency, Policy::Lfu, Policy::Lru][policy].clone();
+        let policy = [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru][policy].clone();
         let opt = [
             EmbeddingOptimizer::Sgd { lr: 0.25 },
             EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 },

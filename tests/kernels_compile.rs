@@ -4,7 +4,7 @@
 //! toolkit) is installed. Without NVRTC it skips with a printed reason, unless
 //! `TIDEMEM_REQUIRE_NVRTC=1` (set by CI), where it fails.
 
-use tidemem::kernels::{self, Target};
+use tidemem::kernels::{self, CompileTarget};
 
 fn nvrtc_or_skip() -> bool {
     if kernels::nvrtc_available() {
@@ -53,7 +53,7 @@ fn every_kernel_compiles_to_ptx_and_sm90_cubin() {
         return;
     }
     for src in kernels::SOURCES {
-        let ptx = kernels::compile(src, Target::Ptx("compute_90".into()))
+        let ptx = kernels::compile(src, CompileTarget::Ptx("compute_90".into()))
             .unwrap_or_else(|e| panic!("{e}"));
         let text = String::from_utf8_lossy(&ptx);
         assert!(
@@ -76,8 +76,8 @@ fn every_kernel_compiles_to_ptx_and_sm90_cubin() {
                 src.name
             );
         }
-        let cubin =
-            kernels::compile(src, Target::Cubin("sm_90".into())).unwrap_or_else(|e| panic!("{e}"));
+        let cubin = kernels::compile(src, CompileTarget::Cubin("sm_90".into()))
+            .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(
             &cubin[..4],
             b"\x7fELF",
@@ -85,7 +85,7 @@ fn every_kernel_compiles_to_ptx_and_sm90_cubin() {
             src.name
         );
         // Cached: the second call returns the same image.
-        let again = kernels::compile(src, Target::Cubin("sm_90".into())).unwrap();
+        let again = kernels::compile(src, CompileTarget::Cubin("sm_90".into())).unwrap();
         assert!(std::sync::Arc::ptr_eq(&cubin, &again));
     }
 }
@@ -99,7 +99,7 @@ fn a_broken_kernel_reports_the_compiler_log() {
         name: "broken.cu",
         code: "extern \"C\" __global__ void k(float* x) { x[0] = undefined_symbol; }",
     };
-    let err = kernels::compile(&BAD, Target::Ptx("compute_90".into())).unwrap_err();
+    let err = kernels::compile(&BAD, CompileTarget::Ptx("compute_90".into())).unwrap_err();
     let msg = err.to_string();
     assert!(
         msg.contains("broken.cu") && msg.contains("undefined_symbol"),
@@ -115,7 +115,7 @@ fn embedding_kernels_round_every_operation_like_the_cpu() {
     // The CPU twins (src/ops/embedding.rs) round after every multiply, add, divide and square
     // root; the PTX must do the same: no fused multiply-add, no approximate division or root.
     let src = kernels::source("embedding.cu").unwrap();
-    let ptx = kernels::compile(src, Target::Ptx("compute_90".into())).unwrap();
+    let ptx = kernels::compile(src, CompileTarget::Ptx("compute_90".into())).unwrap();
     let text = String::from_utf8_lossy(&ptx);
     for line in text.lines().map(str::trim) {
         let op = line.split_whitespace().next().unwrap_or("");

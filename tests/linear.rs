@@ -7,7 +7,9 @@ mod ops_util;
 
 use ops_util::{central_diff, downv, stored, upf, widen};
 use tidemem::ops::bias_grad_scratch_bytes;
-use tidemem::ops::linear::{linear_backward, linear_forward, BiasGradOut, Linear, LinearGrads};
+use tidemem::ops::linear::{
+    linear_backward, linear_forward, BiasGradOut, LinearGrads, LinearShape,
+};
 use tidemem::DType;
 
 fn values(n: usize, seed: u64) -> Vec<f32> {
@@ -20,7 +22,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
 }
 
 /// `y = x·wᵀ + b` in f64.
-fn forward(s: Linear, x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
+fn forward(s: LinearShape, x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
     let mut y = vec![0.0; s.rows * s.outputs];
     for r in 0..s.rows {
         for o in 0..s.outputs {
@@ -34,7 +36,7 @@ fn forward(s: Linear, x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
 }
 
 /// (dx, dw, db) of Σ dy·y in f64.
-fn backward(s: Linear, x: &[f64], w: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+fn backward(s: LinearShape, x: &[f64], w: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
     let (mut dx, mut dw, mut db) = (
         vec![0.0; s.rows * s.inputs],
         vec![0.0; s.outputs * s.inputs],
@@ -55,7 +57,7 @@ fn backward(s: Linear, x: &[f64], w: &[f64], dy: &[f64]) -> (Vec<f64>, Vec<f64>,
 
 #[test]
 fn the_reference_backward_matches_finite_differences() {
-    let s = Linear {
+    let s = LinearShape {
         rows: 3,
         inputs: 4,
         outputs: 2,
@@ -102,7 +104,7 @@ fn forward_and_backward_match_the_reference_on_every_device() {
     for dev in common::devices("linear") {
         let st = dev.new_stream().unwrap();
         for (rows, inputs, outputs) in [(1, 1, 1), (3, 5, 7), (33, 17, 9), (64, 48, 96)] {
-            let s = Linear {
+            let s = LinearShape {
                 rows,
                 inputs,
                 outputs,
@@ -194,7 +196,7 @@ fn forward_and_backward_match_the_reference_on_every_device() {
 fn a_bad_shape_is_a_typed_error_naming_it() {
     let dev = common::sim(1 << 20);
     let st = dev.new_stream().unwrap();
-    let s = Linear {
+    let s = LinearShape {
         rows: 2,
         inputs: 3,
         outputs: 4,

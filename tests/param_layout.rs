@@ -6,7 +6,7 @@
 
 use std::fmt::Write as _;
 
-use tidemem::kernels::{self, KernelSource, Target};
+use tidemem::kernels::{self, CompileTarget, KernelSource};
 use tidemem::ops;
 
 /// A translation unit that includes every header and asserts each registered layout.
@@ -88,7 +88,7 @@ fn sizes_match_the_cuda_headers_under_nvrtc() {
         name: "param_layout_probe.cu",
         code: Box::leak(code.into_boxed_str()),
     }));
-    kernels::compile(src, Target::Ptx("compute_90".into()))
+    kernels::compile(src, CompileTarget::Ptx("compute_90".into()))
         .unwrap_or_else(|e| panic!("a parameter struct differs from its header: {e}"));
 }
 

@@ -64,7 +64,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::device::HostPhase;
-use tidemem::embedding::{EmbeddingOptimizer, Policy};
+use tidemem::embedding::{CachePolicy, EmbeddingOptimizer};
 use tidemem::metrics::{auc, log_loss};
 use tidemem::models::dlrm::DlrmConfig;
 use tidemem::prelude::*;
@@ -238,11 +238,11 @@ impl Args {
     }
 
     /// The cache's eviction policy.
-    pub fn policy(&self) -> Result<Policy> {
+    pub fn policy(&self) -> Result<CachePolicy> {
         Ok(match self.policy.as_str() {
-            "frequency" => Policy::Frequency,
-            "lfu" => Policy::Lfu,
-            "lru" => Policy::Lru,
+            "frequency" => CachePolicy::Frequency,
+            "lfu" => CachePolicy::Lfu,
+            "lru" => CachePolicy::Lru,
             p => return Err(bad(format!("--policy {p}: frequency, lfu or lru"))),
         })
     }

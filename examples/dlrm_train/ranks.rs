@@ -198,7 +198,7 @@ struct Setup {
     lr: f32,
     warmup: f64,
     emb_opt: tidemem::embedding::EmbeddingOptimizer,
-    policy: tidemem::embedding::Policy,
+    policy: tidemem::embedding::CachePolicy,
     ratio: (bool, f64),
 }
 

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use crate::device::{Block, DeviceBuffer, DeviceView};
+use crate::device::{DeviceBuffer, DeviceView, PoolBlock};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::TensorId;
@@ -26,7 +26,7 @@ pub struct TensorView {
 #[derive(Clone, Debug)]
 pub(crate) enum ViewBuf {
     Chunk(Arc<DeviceBuffer>),
-    Pooled(Arc<Block>),
+    Pooled(Arc<PoolBlock>),
 }
 
 impl TensorView {

@@ -167,7 +167,7 @@ impl CudaBackend {
                 None => {
                     let src = kernels::source(name)?;
                     let arch = format!("sm_{}{}", self.arch.0, self.arch.1);
-                    let image = kernels::compile(src, kernels::Target::Cubin(arch))?;
+                    let image = kernels::compile(src, kernels::CompileTarget::Cubin(arch))?;
                     let m = self
                         .ctx
                         .load_module(cudarc::nvrtc::Ptx::from_binary(image.to_vec()))

@@ -57,7 +57,7 @@ pub use launch::{
     OperandSpec, ParamLayout, TwinArgs,
 };
 pub use phases::{HostPhase, HostSpan, Phase, PhaseTimes};
-pub use pool::{Block, CachingAllocator, PoolStats, Reclaim};
+pub use pool::{CachingAllocator, PoolBlock, PoolStats, Reclaim};
 pub use sim::{LinkModel, SimBackend, SimConfig};
 
 pub use crate::device_id::{BackendKind, DeviceId};
@@ -529,7 +529,7 @@ mod tests {
         assert_send_sync::<HostBuffer>();
         assert_send_sync::<FileStore>();
         assert_send_sync::<CachingAllocator>();
-        assert_send_sync::<Block>();
+        assert_send_sync::<PoolBlock>();
         assert_send_sync::<SimBackend>();
         assert_send_sync::<CudaBackend>();
         assert_send_sync::<Error>();

@@ -126,23 +126,23 @@ pub struct CachingAllocator {
 }
 
 /// A block of device memory from a [`CachingAllocator`]; returns to the cache on drop.
-/// Dereferences to its [`DeviceBuffer`] (whose length is the rounded size; [`Block::requested`]
+/// Dereferences to its [`DeviceBuffer`] (whose length is the rounded size; [`PoolBlock::requested`]
 /// is what was asked for).
 #[derive(Debug)]
-pub struct Block {
+pub struct PoolBlock {
     buf: Option<DeviceBuffer>,
     requested: usize,
     shared: Arc<Shared>,
 }
 
-impl Block {
+impl PoolBlock {
     /// Bytes asked for (the buffer may be larger).
     pub fn requested(&self) -> usize {
         self.requested
     }
 }
 
-impl Deref for Block {
+impl Deref for PoolBlock {
     type Target = DeviceBuffer;
     fn deref(&self) -> &DeviceBuffer {
         self.buf
@@ -151,7 +151,7 @@ impl Deref for Block {
     }
 }
 
-impl Drop for Block {
+impl Drop for PoolBlock {
     fn drop(&mut self) {
         if let Some(buf) = self.buf.take() {
             let mut st = self.shared.state.lock();
@@ -187,7 +187,7 @@ impl CachingAllocator {
     }
 
     /// A block of at least `bytes` bytes.
-    pub fn alloc(&self, bytes: usize) -> Result<Block> {
+    pub fn alloc(&self, bytes: usize) -> Result<PoolBlock> {
         if bytes > isize::MAX as usize / 2 {
             return Err(Error::InvalidArgument(format!(
                 "a request of {bytes} bytes is more than any device holds"
@@ -240,7 +240,7 @@ impl CachingAllocator {
         let n = &self.shared.bytes;
         Bytes::add(&n.allocated, &n.peak_allocated, buf.len() as isize);
         drop(st);
-        Ok(Block {
+        Ok(PoolBlock {
             buf: Some(buf),
             requested: bytes,
             shared: self.shared.clone(),

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use super::index::{CacheIndex, IndexStats, Plan};
-use super::policy::Policy;
+use super::policy::CachePolicy;
 use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream};
 use crate::error::{Error, Result};
@@ -39,7 +39,7 @@ pub struct CacheConfig {
     /// Rows cached on the device.
     pub capacity: usize,
     /// Eviction policy.
-    pub policy: Policy,
+    pub policy: CachePolicy,
     /// Where the full table lives.
     pub host: HostTier,
     /// Rows per host↔device transfer: the staging buffers hold this many rows.
@@ -55,7 +55,7 @@ impl CacheConfig {
             dim,
             state: 0,
             capacity,
-            policy: Policy::Frequency,
+            policy: CachePolicy::Frequency,
             host: HostTier::Paged,
             staging_rows: 4096,
         }
@@ -68,7 +68,7 @@ impl CacheConfig {
     }
 
     /// Sets the eviction policy.
-    pub fn policy(mut self, policy: Policy) -> Self {
+    pub fn policy(mut self, policy: CachePolicy) -> Self {
         self.policy = policy;
         self
     }
@@ -88,7 +88,7 @@ impl CacheConfig {
 
 /// Rows and bytes moved by an [`EmbeddingCache`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct MoveStats {
+pub struct CacheMoves {
     /// Rows copied host → device.
     pub h2d_rows: u64,
     /// Rows copied device → host.
@@ -126,7 +126,7 @@ pub struct EmbeddingCache {
     cache: DeviceBuffer,
     out: Staging,
     inn: Staging,
-    moved: MoveStats,
+    moved: CacheMoves,
     /// Why the cache is unusable: a transfer failed after the index had changed, so the index
     /// may name rows the device or host copy does not hold.
     broken: Option<String>,
@@ -299,7 +299,7 @@ impl EmbeddingCache {
             _store: store,
             write_back_in_flight: None,
             admit_in_flight: None,
-            moved: MoveStats::default(),
+            moved: CacheMoves::default(),
             broken: None,
         })
     }
@@ -370,7 +370,7 @@ impl EmbeddingCache {
     }
 
     /// Rows and bytes moved so far.
-    pub fn moved(&self) -> MoveStats {
+    pub fn moved(&self) -> CacheMoves {
         self.moved
     }
 

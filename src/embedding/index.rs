@@ -10,7 +10,7 @@
 //! 2.85 GB for two 64-bit maps. The ids and rows of the last few prefetched batches are kept
 //! too (8 bytes per id, see [`CacheIndex::prefetch`]).
 
-use super::policy::{key, row_of_key, Policy};
+use super::policy::{key, row_of_key, CachePolicy};
 use crate::error::{Error, Result};
 
 /// Marks an empty slot or an uncached row.
@@ -83,7 +83,7 @@ pub struct CacheIndex {
     /// Free slots, lowest on top.
     free: Vec<u32>,
     tick: u32,
-    policy: Policy,
+    policy: CachePolicy,
     stats: IndexStats,
     /// Ids and host rows of the batches of the last [`CacheIndex::prefetch`]: preparing one of
     /// them reuses its rows instead of looking every id up again.
@@ -94,7 +94,7 @@ impl CacheIndex {
     /// An empty cache of `capacity` slots over `rows` rows, in identity order (id `i` is host
     /// row `i`) until [`CacheIndex::reorder`]. Its maps are refused with [`Error::TooLarge`]
     /// when they would not fit in the machine's memory.
-    pub fn new(rows: usize, capacity: usize, policy: Policy) -> Result<Self> {
+    pub fn new(rows: usize, capacity: usize, policy: CachePolicy) -> Result<Self> {
         if rows == 0 || capacity == 0 {
             return Err(Error::InvalidArgument(format!(
                 "an embedding cache needs rows and slots, got {rows} rows and {capacity} slots"
@@ -144,12 +144,12 @@ impl CacheIndex {
     }
 
     /// The policy.
-    pub fn policy(&self) -> &Policy {
+    pub fn policy(&self) -> &CachePolicy {
         &self.policy
     }
 
     /// Replaces the policy of an empty cache (keys are set as rows are admitted).
-    pub(crate) fn set_policy(&mut self, policy: Policy) {
+    pub(crate) fn set_policy(&mut self, policy: CachePolicy) {
         debug_assert_eq!(self.cached(), 0);
         self.policy = policy;
     }
@@ -326,11 +326,11 @@ impl CacheIndex {
     ///
     /// The plan's `hits` and `misses` count distinct rows of the union, `slots` is empty, and
     /// the hit and miss counters are left to the batches' own prepares; admitted rows count in
-    /// [`IndexStats::prefetched`]. Not available with [`Policy::Optimal`], whose keys follow
+    /// [`IndexStats::prefetched`]. Not available with [`CachePolicy::Optimal`], whose keys follow
     /// its trace batch by batch. Fails, changing nothing, on an id out of range, a slot in
     /// `keep` that holds no row, or a union (with `keep`) larger than the cache.
     pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
-        if matches!(self.policy, Policy::Optimal(_)) {
+        if matches!(self.policy, CachePolicy::Optimal(_)) {
             return Err(Error::InvalidArgument(
                 "prefetch is not available with the offline optimal policy, whose keys follow \
                  its trace batch by batch"
@@ -374,7 +374,7 @@ impl CacheIndex {
         keep: &[u32],
         prefetch: bool,
     ) -> Result<Plan> {
-        if let Policy::Optimal(t) = &self.policy {
+        if let CachePolicy::Optimal(t) = &self.policy {
             t.check_current()?;
         }
         // a bit per slot (the whole set stays in the first cache levels, unlike a stamp per
@@ -415,7 +415,7 @@ impl CacheIndex {
             plan.hits = hit_unique;
             plan.misses = missed.len();
         }
-        if let Policy::Optimal(t) = &self.policy {
+        if let CachePolicy::Optimal(t) = &self.policy {
             // every row, hits too, before anything changes: the keys it sets after must not fail
             for &r in rows {
                 t.next_use(r)?;
@@ -481,7 +481,7 @@ impl CacheIndex {
             // Admitted rows get the key of a row not used yet; uses are counted by the
             // batches' own prepares.
             for &(slot, row) in &plan.admit {
-                let primary = if matches!(self.policy, Policy::Lru) {
+                let primary = if matches!(self.policy, CachePolicy::Lru) {
                     self.tick
                 } else {
                     0
@@ -498,7 +498,7 @@ impl CacheIndex {
                 }
             }
         }
-        if matches!(self.policy, Policy::Lfu) {
+        if matches!(self.policy, CachePolicy::Lfu) {
             // uses counted for the only policy whose keys read them
             for &s in &plan.slots {
                 self.count[s as usize] = self.count[s as usize].saturating_add(1);
@@ -514,13 +514,13 @@ impl CacheIndex {
 
     fn update_keys(&mut self, rows: &[u32], plan: &Plan) -> Result<()> {
         match &mut self.policy {
-            Policy::Frequency => {
+            CachePolicy::Frequency => {
                 for &(slot, row) in &plan.admit {
                     self.keys[slot as usize] = key(0, row);
                 }
             }
-            Policy::Lfu | Policy::Lru => {
-                let lfu = matches!(self.policy, Policy::Lfu);
+            CachePolicy::Lfu | CachePolicy::Lru => {
+                let lfu = matches!(self.policy, CachePolicy::Lfu);
                 for (&slot, &row) in plan.slots.iter().zip(rows) {
                     let primary = if lfu {
                         self.count[slot as usize]
@@ -530,7 +530,7 @@ impl CacheIndex {
                     self.keys[slot as usize] = key(primary, row);
                 }
             }
-            Policy::Optimal(t) => {
+            CachePolicy::Optimal(t) => {
                 for (&slot, &row) in plan.slots.iter().zip(rows) {
                     let next = t.next_use(row)?;
                     self.keys[slot as usize] = key(u32::MAX - next, row);
@@ -639,7 +639,7 @@ mod tests {
 
     #[test]
     fn hits_misses_and_slots() {
-        let mut ix = CacheIndex::new(10, 4, Policy::Frequency).unwrap();
+        let mut ix = CacheIndex::new(10, 4, CachePolicy::Frequency).unwrap();
         let p = ix.prepare(&[3, 5, 3]).unwrap();
         assert_eq!((p.hits, p.misses, p.unique), (0, 3, 2));
         assert_eq!(p.admit, vec![(0, 3), (1, 5)]);
@@ -654,7 +654,7 @@ mod tests {
 
     #[test]
     fn prefetch_makes_the_next_batches_hit_and_keeps_the_batch_in_flight() {
-        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+        for policy in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
             let mut ix = CacheIndex::new(100, 6, policy).unwrap();
             let inflight = ix.prepare(&[10, 11]).unwrap();
             ix.mark_dirty(&inflight.slots).unwrap();
@@ -688,7 +688,7 @@ mod tests {
         let batches: Vec<Vec<u32>> = (0..8u32)
             .map(|b| (0..40).map(|i| (i * 7 + b * 13) % 97).collect())
             .collect();
-        for policy in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+        for policy in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
             let mut ix = CacheIndex::new(100, 60, policy).unwrap();
             let counts: Vec<u64> = (0..100).map(|i| (i * 31 % 17) as u64).collect();
             ix.reorder(&counts).unwrap();
@@ -733,7 +733,7 @@ mod tests {
 
     #[test]
     fn prefetch_refuses_bad_input_and_the_optimal_policy() {
-        let mut ix = CacheIndex::new(10, 3, Policy::Lru).unwrap();
+        let mut ix = CacheIndex::new(10, 3, CachePolicy::Lru).unwrap();
         let p = ix.prepare(&[1, 2]).unwrap();
         let before = (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2));
         // Two kept rows and two new ones do not fit in three slots.
@@ -748,7 +748,7 @@ mod tests {
         assert!(ix.prefetch(&[&[3]], &[2]).is_err(), "slot 2 is empty");
         assert_eq!(before, (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2)));
         let trace = OptimalTrace::new([vec![1u32]]).unwrap();
-        let mut opt = CacheIndex::new(10, 3, Policy::Optimal(trace)).unwrap();
+        let mut opt = CacheIndex::new(10, 3, CachePolicy::Optimal(trace)).unwrap();
         assert!(opt.prefetch(&[&[1]], &[]).is_err());
         check_invariants(&ix);
     }
@@ -757,7 +757,7 @@ mod tests {
     fn large_batches_are_looked_up_in_parallel_alike() {
         let n = 100_000usize;
         let ids: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 50_000).collect();
-        let mut ix = CacheIndex::new(60_000, 50_000, Policy::Lru).unwrap();
+        let mut ix = CacheIndex::new(60_000, 50_000, CachePolicy::Lru).unwrap();
         let p = ix.prepare(&ids).unwrap();
         assert_eq!((p.unique, p.misses, p.admit.len()), (50_000, n, 50_000));
         for (&id, &slot) in ids.iter().zip(&p.slots) {
@@ -780,7 +780,7 @@ mod tests {
 
     #[test]
     fn too_many_rows_and_bad_ids_change_nothing() {
-        let mut ix = CacheIndex::new(10, 2, Policy::Lru).unwrap();
+        let mut ix = CacheIndex::new(10, 2, CachePolicy::Lru).unwrap();
         ix.prepare(&[1, 2]).unwrap();
         let before = (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2));
         assert!(matches!(
@@ -799,13 +799,13 @@ mod tests {
         let p = ix.prepare(&[7, 8]).unwrap();
         assert_eq!(p.evicted, 2);
         check_invariants(&ix);
-        assert!(CacheIndex::new(0, 1, Policy::Lru).is_err());
-        assert!(CacheIndex::new(1, 0, Policy::Lru).is_err());
+        assert!(CacheIndex::new(0, 1, CachePolicy::Lru).is_err());
+        assert!(CacheIndex::new(1, 0, CachePolicy::Lru).is_err());
     }
 
     #[test]
     fn frequency_evicts_the_rarest_row_not_in_the_batch() {
-        let mut ix = CacheIndex::new(100, 3, Policy::Frequency).unwrap();
+        let mut ix = CacheIndex::new(100, 3, CachePolicy::Frequency).unwrap();
         ix.prepare(&[1, 50, 90]).unwrap();
         // 90 is the rarest but the batch uses it: 50 goes.
         let p = ix.prepare(&[90, 2]).unwrap();
@@ -817,13 +817,13 @@ mod tests {
 
     #[test]
     fn lru_and_lfu_victims() {
-        let mut ix = CacheIndex::new(10, 2, Policy::Lru).unwrap();
+        let mut ix = CacheIndex::new(10, 2, CachePolicy::Lru).unwrap();
         ix.prepare(&[1]).unwrap();
         ix.prepare(&[2]).unwrap();
         ix.prepare(&[1]).unwrap();
         ix.prepare(&[3]).unwrap(); // 2 is least recent
         assert_eq!(ix.slot_of_row(2), None);
-        let mut ix = CacheIndex::new(10, 2, Policy::Lfu).unwrap();
+        let mut ix = CacheIndex::new(10, 2, CachePolicy::Lfu).unwrap();
         ix.prepare(&[1, 1, 1]).unwrap();
         ix.prepare(&[2]).unwrap();
         ix.prepare(&[2]).unwrap();
@@ -834,7 +834,7 @@ mod tests {
 
     #[test]
     fn only_dirty_victims_are_written_back() {
-        let mut ix = CacheIndex::new(10, 2, Policy::Lru).unwrap();
+        let mut ix = CacheIndex::new(10, 2, CachePolicy::Lru).unwrap();
         let p = ix.prepare(&[1, 2]).unwrap();
         ix.mark_dirty(&p.slots[..1]).unwrap();
         let p = ix.prepare(&[3, 4]).unwrap();
@@ -852,7 +852,7 @@ mod tests {
 
     #[test]
     fn reorder_puts_the_hottest_id_first_and_preload_takes_the_hottest() {
-        let mut ix = CacheIndex::new(5, 2, Policy::Frequency).unwrap();
+        let mut ix = CacheIndex::new(5, 2, CachePolicy::Frequency).unwrap();
         let perm = ix.reorder(&[1, 9, 0, 9, 4]).unwrap().to_vec();
         assert_eq!(perm, vec![3, 0, 4, 1, 2]);
         let admit = ix.preload(2);
@@ -868,8 +868,12 @@ mod tests {
     #[test]
     fn an_optimal_trace_mismatch_changes_nothing() {
         let trace = vec![vec![0, 1], vec![2, 3], vec![3]];
-        let mut ix =
-            CacheIndex::new(10, 2, Policy::Optimal(OptimalTrace::new(&trace).unwrap())).unwrap();
+        let mut ix = CacheIndex::new(
+            10,
+            2,
+            CachePolicy::Optimal(OptimalTrace::new(&trace).unwrap()),
+        )
+        .unwrap();
         ix.prepare(&[0, 1]).unwrap();
         let before = (
             ix.row_to_slot.clone(),
@@ -899,7 +903,7 @@ mod tests {
         let trace: Vec<Vec<u32>> = (0..60)
             .map(|_| (0..8).map(|_| (rnd() % 40).min(rnd() % 40)).collect())
             .collect();
-        let run = |policy: Policy| {
+        let run = |policy: CachePolicy| {
             let mut ix = CacheIndex::new(40, 10, policy).unwrap();
             for b in &trace {
                 ix.prepare(b).unwrap();
@@ -907,8 +911,8 @@ mod tests {
             }
             ix.stats().hits
         };
-        let opt = run(Policy::Optimal(OptimalTrace::new(&trace).unwrap()));
-        for p in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+        let opt = run(CachePolicy::Optimal(OptimalTrace::new(&trace).unwrap()));
+        for p in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
             let name = p.name();
             let h = run(p);
             assert!(opt >= h, "optimal {opt} < {name} {h}");
@@ -917,7 +921,7 @@ mod tests {
         let mut ix = CacheIndex::new(
             40,
             10,
-            Policy::Optimal(OptimalTrace::new(&trace[..1]).unwrap()),
+            CachePolicy::Optimal(OptimalTrace::new(&trace[..1]).unwrap()),
         )
         .unwrap();
         ix.prepare(&trace[0]).unwrap();

@@ -5,7 +5,7 @@
 //!
 //! - [`CacheIndex`] holds the index maps (8 bytes per table row) and decides, per batch, which
 //!   rows miss, which cached rows to evict (never one the batch uses) and which evicted rows are
-//!   dirty and must be written back, under one of the [`Policy`] variants.
+//!   dirty and must be written back, under one of the [`CachePolicy`] variants.
 //! - [`EmbeddingCache`] owns the memory and carries out those decisions through bounded staging
 //!   buffers; it reorders rows by frequency, warms up, flushes and checkpoints (safetensors, in
 //!   the user's id order).
@@ -28,9 +28,9 @@ mod sharded;
 mod tables;
 
 pub use bag::{CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer};
-pub use cache::{bincount, CacheConfig, EmbeddingCache, HostTier, MoveStats};
+pub use cache::{bincount, CacheConfig, CacheMoves, EmbeddingCache, HostTier};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
-pub use policy::{OptimalTrace, Policy};
+pub use policy::{CachePolicy, OptimalTrace};
 pub use replay::{replay, ReplayConfig, ReplayStats};
 pub use sharded::{batch_slice, table_owners, ShardedEmbedding, Sharding};
 pub use tables::{CachedEmbeddingCollection, TableBatch};

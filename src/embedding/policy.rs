@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 
 /// The eviction policy of an [`super::CacheIndex`].
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Policy {
+pub enum CachePolicy {
     /// Dataset statistics: after [`super::CacheIndex::reorder`] host row `r` is the `r`-th most
     /// frequent id, so the cached row with the largest host row is the rarest and goes first.
     Frequency,
@@ -24,19 +24,19 @@ pub enum Policy {
     Optimal(OptimalTrace),
 }
 
-impl Policy {
+impl CachePolicy {
     /// The policy's name: `frequency`, `lfu`, `lru` or `optimal`.
     pub fn name(&self) -> &'static str {
         match self {
-            Policy::Frequency => "frequency",
-            Policy::Lfu => "lfu",
-            Policy::Lru => "lru",
-            Policy::Optimal(_) => "optimal",
+            CachePolicy::Frequency => "frequency",
+            CachePolicy::Lfu => "lfu",
+            CachePolicy::Lru => "lru",
+            CachePolicy::Optimal(_) => "optimal",
         }
     }
 }
 
-/// The future a [`Policy::Optimal`] looks at: for every batch of a trace, the next batch that
+/// The future a [`CachePolicy::Optimal`] looks at: for every batch of a trace, the next batch that
 /// uses each of its rows.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OptimalTrace {

@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use super::index::CacheIndex;
-use super::policy::{OptimalTrace, Policy};
+use super::policy::{CachePolicy, OptimalTrace};
 use crate::error::Result;
 
 /// How to replay a trace.
@@ -48,22 +48,22 @@ pub struct ReplayStats {
 
 /// Replays `trace` (ids of every batch) under `policy`, after a frequency reorder by `counts`
 /// (id counts, e.g. a [`super::bincount`] of the trace: dataset statistics) and a warm-up. A
-/// [`Policy::Optimal`] given here is rebuilt from the trace itself.
+/// [`CachePolicy::Optimal`] given here is rebuilt from the trace itself.
 pub fn replay(
     trace: &[Vec<u32>],
     counts: &[u64],
-    policy: Policy,
+    policy: CachePolicy,
     config: &ReplayConfig,
 ) -> Result<ReplayStats> {
-    let mut index = CacheIndex::new(config.rows, config.capacity, Policy::Frequency)?;
+    let mut index = CacheIndex::new(config.rows, config.capacity, CachePolicy::Frequency)?;
     index.reorder(counts)?;
     let policy = match policy {
-        Policy::Optimal(_) => {
+        CachePolicy::Optimal(_) => {
             let rows: Vec<Vec<u32>> = trace
                 .iter()
                 .map(|b| index.rows_of(b))
                 .collect::<Result<_>>()?;
-            Policy::Optimal(OptimalTrace::new(&rows)?)
+            CachePolicy::Optimal(OptimalTrace::new(&rows)?)
         }
         p => p,
     };
@@ -137,11 +137,11 @@ mod tests {
         let opt = replay(
             &trace,
             &counts,
-            Policy::Optimal(OptimalTrace::new([[0u32]]).unwrap()),
+            CachePolicy::Optimal(OptimalTrace::new([[0u32]]).unwrap()),
             &config,
         )
         .unwrap();
-        for p in [Policy::Frequency, Policy::Lfu, Policy::Lru] {
+        for p in [CachePolicy::Frequency, CachePolicy::Lfu, CachePolicy::Lru] {
             let s = replay(&trace, &counts, p, &config).unwrap();
             assert!(s.hit_rate <= opt.hit_rate + 1e-12);
             assert!(s.hit_rate > 0.0);
@@ -153,7 +153,7 @@ mod tests {
             train: false,
             ..config
         };
-        let s = replay(&trace, &counts, Policy::Lru, &ro).unwrap();
+        let s = replay(&trace, &counts, CachePolicy::Lru, &ro).unwrap();
         assert_eq!(
             s.d2h_bytes_per_batch, 0.0,
             "nothing is dirty without training"

@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::Arc;
 
-use crate::device::{Block, CachingAllocator, Device, DeviceView, Input, Stream};
+use crate::device::{CachingAllocator, Device, DeviceView, Input, PoolBlock, Stream};
 use crate::dtype::{decode_f32, encode_f32, DType};
 use crate::error::{Error, Result};
 
@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 /// not a copy. Rows are samples (`batch × sequence`), columns features.
 #[derive(Clone)]
 pub struct Act {
-    block: Arc<Block>,
+    block: Arc<PoolBlock>,
     device: Device,
     rows: usize,
     cols: usize,

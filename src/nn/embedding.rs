@@ -3,7 +3,7 @@
 
 use super::act::Act;
 use super::check_param;
-use crate::device::{Block as PoolBlock, Input};
+use crate::device::{Input, PoolBlock};
 use crate::error::{Error, Result};
 use crate::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};

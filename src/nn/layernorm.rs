@@ -2,7 +2,7 @@
 
 use super::act::Act;
 use super::check_param;
-use crate::device::Block;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::layernorm::Residual;
@@ -40,7 +40,7 @@ pub struct LayerNorm {
 pub struct LayerNormSaved {
     h: Act,
     /// `[rows]` means, then `[rows]` rstd, f32.
-    stats: Block,
+    stats: PoolBlock,
 }
 
 impl LayerNormSaved {

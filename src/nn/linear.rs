@@ -2,8 +2,8 @@
 
 use super::act::Act;
 use super::{check_param, hash_name};
-use crate::device::Block as PoolBlock;
 use crate::device::Input;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::linear::{linear_backward, linear_forward, LinearGrads};
@@ -148,8 +148,8 @@ impl Linear {
         std::iter::once(self.weight).chain(self.bias).collect()
     }
 
-    fn shape(&self, rows: usize) -> linear::Linear {
-        linear::Linear {
+    fn shape(&self, rows: usize) -> linear::LinearShape {
+        linear::LinearShape {
             rows,
             inputs: self.inputs,
             outputs: self.outputs,

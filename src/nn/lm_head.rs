@@ -165,7 +165,7 @@ impl LmHead {
         &self,
         pass: &BackwardPass<'_>,
         saved: &LmHeadSaved,
-    ) -> Result<(Act, crate::device::Block)> {
+    ) -> Result<(Act, crate::device::PoolBlock)> {
         let (dh, share) = self
             .proj
             .backward_returning(pass, &saved.h, &saved.dlogits, true)?;

@@ -13,12 +13,12 @@
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::linear::{linear_forward, Linear};
+//! use tidemem::ops::linear::{linear_forward, LinearShape};
 //! use tidemem::DType;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
 //! let s = dev.new_stream()?;
-//! let shape = Linear { rows: 1, inputs: 2, outputs: 2 };
+//! let shape = LinearShape { rows: 1, inputs: 2, outputs: 2 };
 //! let x = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
 //! let w = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 0.0, 1.0, 1.0]))?; // [out, in]
 //! let b = dev.upload(&s, bytemuck::cast_slice(&[0.5f32, -1.0]))?;
@@ -37,7 +37,7 @@ use crate::ops::gemm::{gemm, Gemm};
 
 /// The shape of a linear layer: `rows` samples of `inputs` features → `outputs` features.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Linear {
+pub struct LinearShape {
     /// Samples (`N`: batch × sequence).
     pub rows: usize,
     /// Input features.
@@ -78,7 +78,7 @@ pub struct BiasGradOut<'a> {
 pub fn linear_forward<'a, 'b, 'c>(
     dev: &Device,
     stream: &Stream,
-    shape: Linear,
+    shape: LinearShape,
     x: impl Into<Input<'a>>,
     w: impl Into<Input<'b>>,
     b: Option<Input<'_>>,
@@ -116,7 +116,7 @@ pub fn linear_forward<'a, 'b, 'c>(
 pub fn linear_backward<'a, 'b, 'c>(
     dev: &Device,
     stream: &Stream,
-    shape: Linear,
+    shape: LinearShape,
     x: impl Into<Input<'a>>,
     w: impl Into<Input<'b>>,
     dy: impl Into<Input<'c>>,

@@ -115,7 +115,7 @@ pub use vocab::{VocabEmbedding2D, VocabEmbedding2DSaved};
 use super::two_d::{remap, split};
 use super::{Cost, Place2D, ProcessGrid, TensorMode};
 use crate::comm::{Communicator, ReduceOp};
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, WeightUse};

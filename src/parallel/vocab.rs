@@ -12,7 +12,7 @@
 use super::one_d::Shard;
 use super::{BatchRows, ShardedCrossEntropy};
 use crate::comm::{Communicator, ReduceOp};
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Linear, WeightUse};

@@ -9,7 +9,7 @@ use super::host::{Backward, Host, PassKind, Sum};
 use super::view::{GradView, ReadView};
 use super::TOKEN;
 use crate::chunk::TensorView;
-use crate::device::{Block, DeviceView};
+use crate::device::{DeviceView, PoolBlock};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::TensorId;
@@ -238,7 +238,7 @@ impl Guard<'_, Backward> {
     /// at earlier uses (a pool block of its elements as f32), leaving none: for a weight whose
     /// shares are combined with another process's copy (tied across pipeline stages) before
     /// its last share is written. `None` when no share was added.
-    pub fn take_shares(&self, i: usize) -> Result<Option<Block>> {
+    pub fn take_shares(&self, i: usize) -> Result<Option<PoolBlock>> {
         let i = self.index(i)?;
         let id = self.ids[i];
         let mut sums = self.host.sums();

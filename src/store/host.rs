@@ -5,7 +5,7 @@ use std::cell::RefMut;
 use std::sync::Arc;
 
 use super::ParamStore;
-use crate::device::{Block, CachingAllocator, Device, Stream};
+use crate::device::{CachingAllocator, Device, PoolBlock, Stream};
 use crate::dtype::DType;
 use crate::error::Error;
 use crate::tensor::{Stage, TensorId};
@@ -51,7 +51,7 @@ pub(crate) struct Handles {
 /// The running gradient sum (f32, in the pool) of a parameter used more than once in backward.
 pub(crate) struct Sum {
     pub(super) id: TensorId,
-    pub(super) buf: Block,
+    pub(super) buf: PoolBlock,
     pub(super) uses: u32,
 }
 

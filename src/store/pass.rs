@@ -10,7 +10,7 @@ use super::guard::Guard;
 use super::host::{Backward, Forward, Handles, Host, PassKind, Sum};
 use super::ParamStore;
 use super::TOKEN;
-use crate::device::{Block, CachingAllocator, Device, Stream};
+use crate::device::{CachingAllocator, Device, PoolBlock, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId};
@@ -171,7 +171,7 @@ impl<'s, K: PassKind> Pass<'s, K> {
 
     /// A block of the pool holding `bytes` (token ids, targets, a host-built plan), copied on
     /// [`Pass::stream`] without the host waiting ([`Device::upload_to`]).
-    pub fn upload(&self, bytes: &[u8]) -> Result<Block> {
+    pub fn upload(&self, bytes: &[u8]) -> Result<PoolBlock> {
         let h = &self.state.handles;
         let b = h.pool.alloc(bytes.len().max(4))?;
         h.device

@@ -5,12 +5,12 @@ use std::sync::Arc;
 
 use super::ZeroManager;
 use crate::comm::Elem;
-use crate::device::{Block, Event};
+use crate::device::{Event, PoolBlock};
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId, TensorState};
 
 pub(super) struct Gather {
-    pub(super) buf: Arc<Block>,
+    pub(super) buf: Arc<PoolBlock>,
     /// Whether this rank's owned chunk is held fetched in the rank's manager (backward).
     pub(super) held: bool,
     /// For a gather made ahead: recorded on the communication stream after its all-gather;
@@ -32,7 +32,7 @@ pub(super) struct Prefetch {
     pub(super) cursor: usize,
     pub(super) on_order: bool,
     /// Room for `depth` gather buffers, held in the pool during warm-up.
-    pub(super) reserve: Vec<Block>,
+    pub(super) reserve: Vec<PoolBlock>,
     /// Every rank's manager has finished its warm-up (agreed in `step`, so that every rank
     /// records and prefetches alike).
     pub(super) all_steady: bool,

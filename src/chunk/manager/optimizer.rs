@@ -458,7 +458,7 @@ impl ChunkManager {
 
     /// Device scratch memory for the optimizer's own work (the gradient statistics), from the
     /// non-model pool, so that a steady step allocates nothing from the device.
-    pub(crate) fn alloc_scratch(&mut self, bytes: usize) -> Result<crate::device::Block> {
+    pub(crate) fn alloc_scratch(&mut self, bytes: usize) -> Result<crate::device::PoolBlock> {
         self.pool().alloc(bytes)
     }
 }

@@ -3,7 +3,7 @@
 //! group like the blocks ([`EndsLayout`]).
 
 use super::split_ends::{Over, SplitEmbKept, SplitEmbedding, SplitHead, SplitHeadKept, CUBE};
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::error::{Error, Result};
 use crate::nn::{
     Act, Embedding, EmbeddingSaved, LayerNorm, LayerNormSaved, LmHead, LmHeadSaved, Loss,

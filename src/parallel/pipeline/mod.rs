@@ -62,7 +62,7 @@ mod two_bw;
 pub use partition::{check_partition, partition, Partition};
 pub use runtime::{PipelineStage, StageModel, StageReport};
 pub use schedule::{max_in_flight, two_bw, PipeOp, Schedule, VersionedOp};
-pub use simulate::{simulate, simulate_schedule, OpTiming, SimReport, StageCost};
+pub use simulate::{simulate, simulate_schedule, OpTiming, ScheduleReport, StageCost};
 pub use two_bw::{TwoBwSgd, WeightDelay};
 
 /// What is wrong with a pipeline's shape, schedule, op lists, costs or partition.

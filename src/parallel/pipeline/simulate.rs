@@ -25,7 +25,7 @@ pub struct OpTiming {
 
 /// What [`simulate`] found.
 #[derive(Clone, Debug, PartialEq)]
-pub struct SimReport {
+pub struct ScheduleReport {
     /// From the first op's start (0) to the last op's end.
     pub makespan: f64,
     /// Each stage's time without an op within the makespan.
@@ -46,7 +46,7 @@ pub struct SimReport {
 /// `0..M` ([`PipelineError::BadOpList`] otherwise); `costs` gives one [`StageCost`] per stage,
 /// finite and non-negative ([`PipelineError::BadCost`]). Lists whose ops wait on each other in
 /// a cycle are [`PipelineError::Deadlock`].
-pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<SimReport, PipelineError> {
+pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<ScheduleReport, PipelineError> {
     let p = ops.len();
     if p == 0 {
         return Err(PipelineError::NoStages);
@@ -127,7 +127,7 @@ pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<SimReport, P
     } else {
         0.0
     };
-    Ok(SimReport {
+    Ok(ScheduleReport {
         makespan,
         idle,
         busy,
@@ -144,7 +144,7 @@ pub fn simulate_schedule(
     micro: usize,
     t_f: f64,
     t_b: f64,
-) -> Result<SimReport, PipelineError> {
+) -> Result<ScheduleReport, PipelineError> {
     if stages == 0 {
         return Err(PipelineError::NoStages);
     }

@@ -1,7 +1,7 @@
 //! LayerNorm on the 3D layout: [`LayerNorm3D`].
 
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
-use crate::device::Block;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
@@ -82,7 +82,7 @@ pub struct LayerNorm3DSaved {
     full: Act,
     gamma: Act,
     /// `[n]` means, then `[n]` rstd, f32.
-    stats: Block,
+    stats: PoolBlock,
 }
 
 impl LayerNorm3DSaved {

@@ -2,7 +2,7 @@
 
 use super::{check_ids, here};
 use crate::comm::{CommStats, ReduceOp};
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, WeightUse};

@@ -2,7 +2,7 @@
 //! whole rows, this rank's column block kept.
 
 use crate::comm::{Communicator, ReduceOp};
-use crate::device::Block;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;
@@ -131,7 +131,7 @@ pub struct LayerNorm2D {
 pub struct LayerNorm2DSaved {
     h: Act,
     /// `[rows_l]` means then `[rows_l]` rstd, f32, of the whole rows.
-    stats: Block,
+    stats: PoolBlock,
 }
 
 impl LayerNorm2DSaved {

@@ -3,7 +3,7 @@
 use super::cost::tally;
 use super::{check_ids, check_param, groups, place_of, remap, split, tensor_rank, Groups};
 use crate::comm::ReduceOp;
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::Act;

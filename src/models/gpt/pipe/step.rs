@@ -3,7 +3,7 @@
 
 use std::cell::{Cell, RefCell};
 
-use crate::device::Block as PoolBlock;
+use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::models::gpt::blocks::{Keep, Kept, Shape};

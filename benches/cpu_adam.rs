@@ -22,6 +22,8 @@
 
 #[path = "common/adam_kernels.rs"]
 mod adam_kernels;
+#[path = "common/stream.rs"]
+mod stream;
 
 use std::time::{Duration, Instant};
 
@@ -29,7 +31,7 @@ use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use tidemem::optim::stream::BYTES_PER_ELEM;
+use stream::BYTES_PER_ELEM;
 use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam};
 
 fn env_list(name: &str) -> Option<Vec<usize>> {

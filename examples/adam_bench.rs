@@ -6,7 +6,7 @@
 //! cargo run --release --example adam_bench -- --sizes 10000000 --threads 1,2 --isa avx2 --reps 15
 //! ```
 //!
-//! The ceiling is `tidemem::optim::stream::stream_4r3w`, which reads four fp32 arrays and writes
+//! The ceiling is `stream_4r3w` (`benches/common/stream.rs`), which reads four fp32 arrays and writes
 //! three with no real arithmetic: the bytes of an fp32 Adam step (28 per element), with the same
 //! vector width and thread split. All kernels run on one set of buffers, written before any
 //! timing (first touch); each kernel runs once before the repetitions, and every repetition runs
@@ -38,13 +38,15 @@
 
 #[path = "../benches/common/adam_kernels.rs"]
 mod adam_kernels;
+#[path = "../benches/common/stream.rs"]
+mod stream;
 
 use std::time::Instant;
 
 use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use clap::Parser;
 use serde::Serialize;
-use tidemem::optim::stream::BYTES_PER_ELEM;
+use stream::BYTES_PER_ELEM;
 use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Isa};
 
 #[derive(Parser, Debug)]

@@ -15,8 +15,9 @@
 //! policies. [`optim`] holds the CPU/CUDA Adam and `HybridAdam`; [`comm`] the collectives
 //! (in-process and NCCL) and [`zero`] ZeRO sharding over chunks. [`store`] is what a trainer
 //! sees of either kind of store: passes, guards and typed device views of the parameters
-//! ([`prelude`] imports it all), and [`nn`] the layers that compute on it in place. [`demo`]
-//! holds the small MLP the examples train; [`profile`] writes Chrome traces and tide plots;
+//! ([`prelude`] imports it all), and [`nn`] the layers that compute on it in place. `demo`
+//! (the `demo` feature, on for the crate's own tests, benches and examples) holds the small MLP
+//! they train; [`profile`] writes Chrome traces and tide plots;
 //! [`data`] generates synthetic training data (and reads Criteo TSV files), [`metrics`] scores
 //! a classifier (exact AUC, log loss); [`limits`] bounds the sizes a caller asks for against
 //! what the machine holds, before anything is allocated.
@@ -45,6 +46,7 @@ pub(crate) mod checkpoint;
 pub mod chunk;
 pub mod comm;
 pub mod data;
+#[cfg(feature = "demo")]
 pub mod demo;
 pub mod device;
 pub mod device_id;

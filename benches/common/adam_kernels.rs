@@ -3,9 +3,9 @@
 
 use std::hint::black_box;
 
+use super::stream::stream_4r3w;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use tidemem::optim::stream::stream_4r3w;
 use tidemem::optim::{AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
 
 /// Bytes per element of fp16-gradient Adam without a copy (p, m, v read and written; g read).

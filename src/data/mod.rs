@@ -6,7 +6,7 @@
 //! - [`criteo`]: Criteo-like click logs (dense features, Zipf-distributed categorical ids over
 //!   published table cardinalities, labels from a hidden logistic model), for the embedding
 //!   cache; and a streaming reader of the Criteo TSV format into the same batches.
-//! - [`regression`]: the inputs and targets the [toy trainer](crate::demo) fits.
+//! - [`regression`]: the inputs and targets the toy trainer (`demo`) fits.
 //! - [`text`]: text for a language model: a byte-level or Hugging Face tokenizer, a generated
 //!   English-like corpus, and next-token batches that depend only on the step.
 //! - [`rng`]: the generators behind them (one SplitMix64, and xoshiro256**), which tests and

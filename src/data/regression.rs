@@ -1,5 +1,5 @@
 //! Regression samples: uniform inputs and a fixed target per feature, what the
-//! [toy trainer](crate::demo) fits.
+//! toy trainer (`demo`) fits.
 
 use std::ops::Range;
 

@@ -10,7 +10,6 @@ pub mod hybrid;
 #[cfg(test)]
 mod overlap_tests;
 pub mod scaler;
-pub mod stream;
 
 pub use crate::ops::adam::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 pub use crate::ops::grad_stats::{grad_stats_host as grad_stats, GradStats};

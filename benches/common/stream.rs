@@ -18,8 +18,10 @@
 //! Every path computes the same single rounded addition per output, so all paths and every
 //! thread count give bitwise identical results.
 //!
-//! ```
-//! use tidemem::optim::stream::{stream_4r3w, BYTES_PER_ELEM};
+//! A bench helper, not part of the crate: the benches, `examples/adam_bench.rs` and
+//! `tests/stream.rs` (its tests) include it by path.
+//!
+//! ```text
 //! use tidemem::optim::Isa;
 //! # fn main() -> tidemem::Result<()> {
 //! let (mut a, b) = (vec![1.0f32; 1000], vec![0.5f32; 1000]);
@@ -30,17 +32,12 @@
 //! # Ok(()) }
 //! ```
 
-use super::Isa;
-use crate::error::{Error, Result};
+use tidemem::optim::Isa;
+use tidemem::{Error, Result};
 
 /// Bytes one element moves, in this kernel and in an fp32 Adam step without a copy: four 4-byte
 /// reads and three 4-byte writes.
 pub const BYTES_PER_ELEM: usize = 28;
-
-/// Bytes a pass over `n` elements moves ([`BYTES_PER_ELEM`] each).
-pub fn bytes_moved(n: usize) -> u64 {
-    n as u64 * BYTES_PER_ELEM as u64
-}
 
 /// Slices shorter than this per thread run on one thread (the CPU Adam's threshold).
 const MIN_PER_THREAD: usize = 1 << 16;
@@ -231,6 +228,7 @@ mod x86 {
 }
 
 #[cfg(test)]
+#[allow(dead_code)] // compiled into the benches too, whose harness runs no #[test]
 mod tests {
     use super::*;
 
@@ -312,6 +310,6 @@ mod tests {
                 isa.name()
             );
         }
-        assert_eq!(bytes_moved(10), 280);
+        assert_eq!(BYTES_PER_ELEM, 28);
     }
 }

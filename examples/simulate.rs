@@ -25,11 +25,9 @@
 
 use clap::Parser;
 use serde_json::{json, Value};
+use tidemem::models::gpt::GptConfig;
 use tidemem::optim::DevicePlacement;
-use tidemem::simulate::{
-    gpt, largest_fitting, simulate, timeline, GptConfig, Rates, Schedule, SimOptions,
-    ADAM_BYTES_PER_ELEMENT,
-};
+use tidemem::simulate::{simulate, timeline, Rates, Schedule, SimOptions, ADAM_BYTES_PER_ELEMENT};
 use tidemem::tide::Policy;
 use tidemem::units::fmt_bytes;
 use tidemem::units::parse_bytes;
@@ -134,11 +132,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         ))
     })?;
     c.layers = a.layers.unwrap_or(c.layers);
-    c.hidden = a.hidden.unwrap_or(c.hidden);
+    c.channels = a.hidden.unwrap_or(c.channels);
     c.heads = a.heads.unwrap_or(c.heads);
     c.vocab = a.vocab.unwrap_or(c.vocab);
-    c.seq = a.seq.unwrap_or(c.seq);
-    c.batch = a.batch.unwrap_or(c.batch);
+    // a step of `batch` sequences of `seq` tokens, every block checkpointed (as PatrickStar runs)
+    let (seq, batch) = (a.seq.unwrap_or(1024), a.batch.unwrap_or(8));
     let mut device_mem = parse_bytes(&a.device_mem)? as u64;
     let host_mem = parse_bytes(&a.host_mem)? as u64;
     let file_mem = parse_bytes(&a.file_mem)? as u64;
@@ -148,7 +146,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .split(',')
         .map(Policy::parse)
         .collect::<tidemem::Result<_>>()?;
-    let spec = gpt(&c)?;
+    let spec = c.spec(batch, seq, true)?;
     if let Some(f) = a.budget_fraction {
         device_mem = device_for_budget(&spec, f, a.overall_fraction, a.chunk_elems)?;
     }
@@ -226,10 +224,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let largest = if !searched {
         Value::Null
     } else {
-        match largest_fitting(&c, Policy::Tide, &opts, file_mem)? {
+        match c.largest_fitting([batch, seq], true, Policy::Tide, &opts, file_mem)? {
             Some((lc, r)) => json!({
                 "layers": lc.layers,
-                "params": gpt(&lc)?.params(),
+                "params": lc.spec(batch, seq, true)?.params(),
                 "model_data_bytes": r.model_data_bytes,
             }),
             None => Value::Null,
@@ -237,8 +235,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let mut out = json!({
         "model": {
-            "name": c.name, "layers": c.layers, "hidden": c.hidden, "heads": c.heads,
-            "vocab": c.vocab, "seq": c.seq, "batch": c.batch, "params": spec.params(),
+            "name": a.model, "layers": c.layers, "hidden": c.channels, "heads": c.heads,
+            "vocab": c.vocab, "seq": seq, "batch": batch, "params": spec.params(),
         },
         "device_mem": device_mem,
         "host_mem": host_mem,

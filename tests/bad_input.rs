@@ -13,9 +13,9 @@ use tidemem::device::{CachingAllocator, Device, FileStore, LinkModel, SimConfig}
 use tidemem::embedding::{
     batch_slice, CacheConfig, EmbeddingCache, EmbeddingOptimizer, ShardedEmbedding, Sharding,
 };
+use tidemem::models::gpt::GptConfig;
 use tidemem::ops::embedding::BagMode;
 use tidemem::optim::{LossScaler, ScalerConfig};
-use tidemem::simulate::{gpt, GptConfig};
 use tidemem::tensor::Init;
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::Error;
@@ -87,12 +87,16 @@ fn sizes_that_overflow_are_refused() {
         (id.0, name, shape, slot.group, slot.offset),
         (0, "w", &[8][..], 0, 0)
     );
-    invalid(gpt(&GptConfig {
-        hidden: 1 << 33,
-        vocab: 1 << 33,
+    let huge = GptConfig {
+        channels: 12 << 30,
+        vocab: 1 << 30,
         ..GptConfig::preset("gpt2-small").unwrap()
-    }));
-    let spec = gpt(&GptConfig::preset("gpt2-small").unwrap()).unwrap();
+    };
+    invalid(huge.spec(8, 1024, true));
+    let spec = GptConfig::preset("gpt2-small")
+        .unwrap()
+        .spec(8, 1024, true)
+        .unwrap();
     invalid(ChunkPlan::new(&spec.numels(), 1 << 20, 0));
     invalid(ChunkPlan::new(&spec.numels(), 1 << 20, u64::MAX));
     invalid(search_chunk_size(
@@ -349,7 +353,7 @@ fn a_gpt_whose_heads_do_not_divide_its_width_is_refused() {
         ..GptConfig::preset("gpt2-1.5b").unwrap()
     };
     assert!(matches!(
-        gpt(&c),
+        c.spec(8, 1024, true),
         Err(Error::NotMultiple {
             value: 1600,
             divisor: 7,

@@ -414,7 +414,12 @@ fn refusals_name_the_tensor() {
         };
         refused(&good(), None, Some(&three), &["layers 2 (expected 3)"]);
         refused(&good(), Some(8), Some(&cfg), &["heads"]);
-        refused(&good(), Some(5), None, &["do not divide by the heads"]);
+        refused(
+            &good(),
+            Some(5),
+            None,
+            &["not a multiple of attention heads 5"],
+        );
     }
     // Heads that cannot be inferred.
     let odd = GptConfig {

@@ -77,17 +77,7 @@ fn every_preset_passes_its_sizing_check() {
         let cfg = GptConfig::preset(name).unwrap();
         for dtype in [DType::F16, DType::BF16, DType::F32] {
             for checkpoint in [false, true] {
-                let spec = simulate::gpt(&simulate::GptConfig {
-                    name: name.to_string(),
-                    layers: cfg.layers,
-                    hidden: cfg.channels,
-                    heads: cfg.heads,
-                    vocab: cfg.vocab,
-                    seq: SEQ,
-                    batch: BATCH,
-                    checkpoint,
-                })
-                .unwrap();
+                let spec = cfg.spec(BATCH, SEQ, checkpoint).unwrap();
                 let s = simulate::sizing(&spec, chunk_elems(&cfg), dtype.size() as u64).unwrap();
                 let what = format!("{name} {dtype:?} checkpointing {checkpoint}");
                 // the token embedding's chunk is used with at least one other

@@ -1,12 +1,16 @@
 //! The simulator on GPT-2 1.5B: the tide policy against the offline lower bound and the baselines.
 
-use tidemem::simulate::{gpt, largest_fitting, simulate, GptConfig, SimOptions};
+use tidemem::models::gpt::GptConfig;
+use tidemem::simulate::{simulate, SimOptions};
 use tidemem::tide::Policy;
 
 /// Options whose device leaves, at the tightest moment of the iteration, a chunk budget of
 /// `fraction` × the parameter chunk bytes.
 fn options_for(fraction: f64) -> (tidemem::simulate::ModelSpec, SimOptions) {
-    let spec = gpt(&GptConfig::preset("gpt2-1.5b").unwrap()).unwrap();
+    let spec = GptConfig::preset("gpt2-1.5b")
+        .unwrap()
+        .spec(8, 1024, true)
+        .unwrap();
     let mut probe = SimOptions::new(1 << 50, 1 << 50);
     probe.iterations = 1;
     let r = simulate(&spec, Policy::Tide, &probe).unwrap();
@@ -64,10 +68,12 @@ fn gpt2_1_5b_at_a_quarter_of_the_parameter_chunks() {
 fn largest_model_grows_with_host_memory() {
     let base = GptConfig::preset("gpt2-1.5b").unwrap();
     let opts = |host: u64| SimOptions::new(8 << 30, host << 30);
-    let (small, r16) = largest_fitting(&base, Policy::Tide, &opts(16), 0)
+    let (small, r16) = base
+        .largest_fitting([8, 1024], true, Policy::Tide, &opts(16), 0)
         .unwrap()
         .unwrap();
-    let (large, r64) = largest_fitting(&base, Policy::Tide, &opts(64), 0)
+    let (large, r64) = base
+        .largest_fitting([8, 1024], true, Policy::Tide, &opts(64), 0)
         .unwrap()
         .unwrap();
     assert!(
@@ -79,10 +85,11 @@ fn largest_model_grows_with_host_memory() {
     assert!(r16.model_data_bytes <= 16 << 30);
     assert!(r64.model_data_bytes <= 64 << 30);
     // one more layer would not fit
-    let more = gpt(&GptConfig {
+    let more = GptConfig {
         layers: large.layers + 1,
         ..base.clone()
-    })
+    }
+    .spec(8, 1024, true)
     .unwrap();
     let r = simulate(&more, Policy::Tide, &opts(64));
     assert!(r.map_or(true, |r| r.model_data_bytes > 64 << 30));
@@ -141,4 +148,216 @@ fn the_timeline_charges_the_models_work() {
         over.step * 1e3,
         over.over_slowest()
     );
+}
+
+/// The step-time model on a small GPT (`simulate::timeline`).
+mod timeline {
+    use tidemem::models::gpt::GptConfig;
+    use tidemem::simulate::{timeline, ModelSpec, Rates, Schedule, SimOptions, StepTime};
+    use tidemem::tide::Policy;
+
+    fn small() -> ModelSpec {
+        let c = GptConfig {
+            layers: 4,
+            channels: 256,
+            heads: 4,
+            vocab: 4096,
+            max_seq: 128,
+            eps: 1e-5,
+        };
+        c.spec(2, 128, false).unwrap()
+    }
+
+    fn rates() -> Rates {
+        Rates {
+            name: "test".into(),
+            compute: 1e12,
+            h2d: 10e9,
+            d2h: 10e9,
+            host_adam: 1e9,
+            device_adam: 1e11,
+            file: 1e9,
+            bus: 100e9,
+        }
+    }
+
+    fn run(opts: &SimOptions, r: &Rates, s: Schedule) -> StepTime {
+        timeline(&small(), Policy::Tide, opts, r, s).unwrap()
+    }
+
+    /// Every configuration: the step is at least its busiest resource, and at most the sum of
+    /// every resource's time (nothing runs twice); overlap never lengthens it.
+    #[test]
+    fn a_step_lies_between_its_slowest_resource_and_the_sum() {
+        let spec = small();
+        let model = {
+            let r = tidemem::simulate::simulate(
+                &spec,
+                Policy::Tide,
+                &SimOptions::new(1 << 40, 1 << 40),
+            )
+            .unwrap();
+            r.model_data_bytes
+        };
+        for (device, host) in [
+            (1u64 << 40, 1u64 << 40),
+            (model / 3 + (8 << 20), 1 << 40),
+            (model / 3 + (8 << 20), model / 2),
+        ] {
+            let opts = SimOptions::new(device, host);
+            for host_adam in [1e8, 1e9, 1e11] {
+                let r = Rates {
+                    host_adam,
+                    ..rates()
+                };
+                let serial = run(&opts, &r, Schedule::Serial);
+                let over = run(&opts, &r, Schedule::Overlapped);
+                for t in [&serial, &over] {
+                    let sum = t.compute + t.h2d + t.d2h + t.host_adam + t.file;
+                    assert!(t.over_slowest() >= 1.0 - 1e-9, "{t:?}");
+                    assert!(t.step <= sum * (1.0 + 1e-9), "{t:?}");
+                }
+                assert!(
+                    over.step <= serial.step * (1.0 + 1e-9),
+                    "{over:?} {serial:?}"
+                );
+                // the same work on both schedules
+                assert_eq!(
+                    (over.compute, over.h2d, over.host_adam),
+                    (serial.compute, serial.h2d, serial.host_adam)
+                );
+            }
+        }
+    }
+
+    /// Resident with Adam on the host: the serial step is backward then the host's Adam (the
+    /// forward's loads wait for it); overlapped, the host's Adam of all but the last groups hides
+    /// under backward.
+    #[test]
+    fn overlap_hides_the_host_step_under_backward() {
+        let opts = SimOptions::new(1 << 40, 1 << 40);
+        // a host optimizer about as slow as backward
+        let probe = run(&opts, &rates(), Schedule::Serial);
+        let r = Rates {
+            host_adam: rates().host_adam * probe.host_adam / (0.6 * probe.compute),
+            ..rates()
+        };
+        let serial = run(&opts, &r, Schedule::Serial);
+        let over = run(&opts, &r, Schedule::Overlapped);
+        assert!(
+            serial.step >= serial.compute + 0.9 * serial.host_adam,
+            "{serial:?}"
+        );
+        // all but the embedding's group (the first forward use, the last backward one)
+        assert!(
+            over.step < serial.step - 0.2 * serial.host_adam,
+            "{over:?} vs {serial:?}"
+        );
+        assert!(over.over_slowest() < serial.over_slowest());
+    }
+
+    /// Model data beyond host memory goes through the file tier, which the timeline charges.
+    #[test]
+    fn the_file_tier_is_charged() {
+        let all = run(
+            &SimOptions::new(1 << 40, 1 << 40),
+            &rates(),
+            Schedule::Serial,
+        );
+        assert_eq!(all.file, 0.0);
+        let spec = small();
+        let model =
+            tidemem::simulate::simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
+                .unwrap()
+                .model_data_bytes;
+        let spill = run(
+            &SimOptions::new(1 << 40, model / 2),
+            &rates(),
+            Schedule::Serial,
+        );
+        assert!(spill.file > 0.0 && spill.step > all.step, "{spill:?}");
+    }
+
+    #[test]
+    fn bad_rates_are_refused() {
+        let opts = SimOptions::new(1 << 40, 1 << 40);
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let r = Rates {
+                h2d: bad,
+                ..rates()
+            };
+            assert!(timeline(&small(), Policy::Tide, &opts, &r, Schedule::Serial).is_err());
+        }
+        assert!(Rates::profile("h100-pcie5").unwrap().validate().is_ok());
+        assert!(Rates::profile("nope").is_none());
+    }
+}
+
+/// ZeRO ranks in the simulator (`simulate::shard`).
+mod zero {
+    use tidemem::models::gpt::GptConfig;
+    use tidemem::simulate::{shard, simulate, SimOptions};
+    use tidemem::tide::Policy;
+
+    #[test]
+    fn a_rank_holds_its_share_and_gathers_each_op() {
+        let spec = GptConfig::preset("gpt2")
+            .unwrap()
+            .spec(8, 1024, true)
+            .unwrap();
+        let one = shard(&spec, 1, 2).unwrap();
+        assert_eq!(one.params(), spec.params());
+        let s = shard(&spec, 8, 2).unwrap();
+        assert!(s.params() * 8 >= spec.params() && s.params() * 8 < spec.params() + 8 * 1000);
+        for (a, b) in s.ops.iter().zip(&spec.ops) {
+            let full: u64 = b
+                .tensors
+                .iter()
+                .map(|&t| spec.tensors[t].1 as u64 * 2)
+                .sum();
+            assert_eq!(a.fwd_non_model, b.fwd_non_model + full);
+            assert_eq!(a.flops, b.flops, "each rank computes its whole micro-batch");
+        }
+        assert!(shard(&spec, 0, 2).is_err());
+        // one rank's model data is an eighth of the whole, the host's memory shared by eight
+        let whole = simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40)).unwrap();
+        let mut opts = SimOptions::new(1 << 40, 1 << 40);
+        opts.ranks = 8;
+        let rank = simulate(&spec, Policy::Tide, &opts).unwrap();
+        let ratio = whole.model_data_bytes as f64 / rank.model_data_bytes as f64;
+        assert!((7.0..=8.5).contains(&ratio), "{ratio}");
+        assert!(rank.peak_non_model > whole.peak_non_model);
+    }
+
+    /// Over ranks the timeline charges a gather a stage and a reduce-scatter for each
+    /// parameter chunk, on the bus; the step still lies between its slowest resource and the
+    /// sum, and one rank has no collective.
+    #[test]
+    fn the_timeline_charges_the_collectives() {
+        use tidemem::simulate::{timeline, Rates, Schedule};
+        let spec = GptConfig::preset("gpt2")
+            .unwrap()
+            .spec(8, 1024, true)
+            .unwrap();
+        let rates = Rates::profile("h100-pcie5").unwrap();
+        let mut opts = SimOptions::new(80 << 30, 1 << 40);
+        let one = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Overlapped).unwrap();
+        assert_eq!(one.collective, 0.0);
+        opts.ranks = 4;
+        let four = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Overlapped).unwrap();
+        // each rank's shard of every parameter chunk, 3 shards each way, three times a step
+        let report = simulate(&spec, Policy::Tide, &opts).unwrap();
+        let want = 3.0 * 3.0 * report.param_chunk_bytes as f64 / rates.bus;
+        assert!(
+            (four.collective - want).abs() <= 1e-9 * want,
+            "{} vs {want}",
+            four.collective
+        );
+        let sum = four.compute + four.h2d + four.d2h + four.host_adam + four.file + four.collective;
+        assert!(four.over_slowest() >= 1.0 - 1e-9 && four.step <= sum * (1.0 + 1e-9));
+        // the host's optimizer shared by four ranks, each stepping a quarter of the elements
+        // (and its chunks' padding: a quarter of the embedding pads more)
+        let r = four.host_adam / one.host_adam;
+        assert!((0.9..1.5).contains(&r), "{r}");
+    }
 }

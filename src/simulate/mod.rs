@@ -5,13 +5,16 @@
 //! packs the tensors into chunks exactly as the chunk manager does, produces the accesses the
 //! manager would make (one moment per op; the optimizer steps every chunk group on the host), and
 //! feeds them to the same [`Scheduler`]: warm-up iteration first, then steady iterations under the
-//! recorded tide. [`gpt`] builds the spec of a GPT-like model.
+//! recorded tide. A GPT's spec comes from its shape
+//! ([`GptConfig::spec`](crate::models::gpt::GptConfig::spec)).
 //!
 //! ```
-//! use tidemem::simulate::{gpt, simulate, GptConfig, SimOptions};
+//! use tidemem::models::gpt::GptConfig;
+//! use tidemem::simulate::{simulate, SimOptions};
 //! use tidemem::tide::Policy;
 //! # fn main() -> tidemem::Result<()> {
-//! let model = gpt(&GptConfig::preset("gpt2-small").unwrap())?;
+//! // GPT-2 124M, 8 sequences of 1024 tokens, every block checkpointed
+//! let model = GptConfig::preset("gpt2").unwrap().spec(8, 1024, true)?;
 //! let opts = SimOptions::new(4 << 30, 64 << 30);
 //! let r = simulate(&model, Policy::Tide, &opts)?;
 //! assert!(r.steady.h2d_bytes >= r.bound.h2d_bytes);
@@ -172,251 +175,6 @@ impl ModelSpec {
         }
         Ok(())
     }
-}
-
-/// Shape of a GPT-like decoder.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct GptConfig {
-    /// Name.
-    pub name: String,
-    /// Transformer layers.
-    pub layers: usize,
-    /// Hidden size.
-    pub hidden: usize,
-    /// Attention heads.
-    pub heads: usize,
-    /// Vocabulary size.
-    pub vocab: usize,
-    /// Sequence length.
-    pub seq: usize,
-    /// Micro-batch size.
-    pub batch: usize,
-    /// Activation checkpointing per layer (as PatrickStar runs).
-    pub checkpoint: bool,
-}
-
-impl GptConfig {
-    /// Known shapes: `gpt2-small`, `gpt2-medium`, `gpt2-large`, `gpt2-1.5b` (= `gpt2-xl`),
-    /// `gpt3-2.7b`, `gpt3-6.7b`, `gpt3-13b`; sequence 1024, batch 8, checkpointing on.
-    pub fn preset(name: &str) -> Option<GptConfig> {
-        let (layers, hidden, heads) = match name {
-            "gpt2-small" => (12, 768, 12),
-            "gpt2-medium" => (24, 1024, 16),
-            "gpt2-large" => (36, 1280, 20),
-            "gpt2-1.5b" | "gpt2-xl" => (48, 1600, 25),
-            "gpt3-2.7b" => (32, 2560, 32),
-            "gpt3-6.7b" => (32, 4096, 32),
-            "gpt3-13b" => (40, 5120, 40),
-            _ => return None,
-        };
-        Some(GptConfig {
-            name: name.to_string(),
-            layers,
-            hidden,
-            heads,
-            vocab: 50257,
-            seq: 1024,
-            batch: 8,
-            checkpoint: true,
-        })
-    }
-
-    /// Checks the shape: no zero dimension, byte counts that fit in `u64` with room to add
-    /// them up, and a hidden size that the heads divide. [`gpt`] checks it first.
-    ///
-    /// # Errors
-    /// [`Error::NotMultiple`] (with the hidden size and the heads) when the heads do not
-    /// divide the hidden size; [`Error::InvalidArgument`] for a zero dimension or a shape too
-    /// large to count.
-    ///
-    /// ```
-    /// use tidemem::simulate::GptConfig;
-    /// let mut c = GptConfig::preset("gpt2-1.5b").unwrap();
-    /// assert!(c.validate().is_ok());
-    /// c.heads = 7;
-    /// assert!(matches!(
-    ///     c.validate(),
-    ///     Err(tidemem::Error::NotMultiple { value: 1600, divisor: 7, .. })
-    /// ));
-    /// ```
-    pub fn validate(&self) -> Result<()> {
-        let c = self;
-        if c.layers == 0
-            || c.hidden == 0
-            || c.heads == 0
-            || c.vocab == 0
-            || c.seq == 0
-            || c.batch == 0
-        {
-            return Err(Error::InvalidArgument(format!(
-                "GPT shape {c:?} has a zero dimension"
-            )));
-        }
-        let (h, s, b, a, v) = (
-            c.hidden as u64,
-            c.seq as u64,
-            c.batch as u64,
-            c.heads as u64,
-            c.vocab as u64,
-        );
-        // every byte count of `gpt` fits in u64 with room to add them up, or the shape is
-        // refused
-        let fits = |xs: &[u64]| {
-            xs.iter()
-                .try_fold(1u64, |acc, &x| acc.checked_mul(x))
-                .is_some_and(|p| p < 1 << 56)
-        };
-        let l = c.layers as u64;
-        if !(fits(&[s, b, h, 64, l])
-            && fits(&[a, s, s, b, 8])
-            && fits(&[s, b, v, 8])
-            && fits(&[v.saturating_add(s), h, 16])
-            && fits(&[h, h, 16, l]))
-        {
-            return Err(Error::InvalidArgument(format!(
-                "GPT shape {c:?} is too large to count its bytes"
-            )));
-        }
-        if !c.hidden.is_multiple_of(c.heads) {
-            return Err(Error::NotMultiple {
-                what: "hidden size",
-                value: c.hidden,
-                of: "attention heads",
-                divisor: c.heads,
-            });
-        }
-        Ok(())
-    }
-
-    /// Names accepted by [`GptConfig::preset`].
-    pub const PRESETS: [&'static str; 7] = [
-        "gpt2-small",
-        "gpt2-medium",
-        "gpt2-large",
-        "gpt2-1.5b",
-        "gpt3-2.7b",
-        "gpt3-6.7b",
-        "gpt3-13b",
-    ];
-}
-
-/// The spec of a GPT-like model: token and position embeddings, `layers` blocks of
-/// (LayerNorm, attention, LayerNorm, MLP), a final LayerNorm and an LM head tied to the token
-/// embedding (a shared parameter: two forward uses).
-///
-/// Non-model bytes follow the fp16 activation sizes of a transformer layer,
-/// `s·b·h·(34 + 5·a·s/h)` bytes while a layer computes, plus `2·s·b·h` per checkpointed layer
-/// input kept until backward, plus fp16 and fp32 logits at the head.
-pub fn gpt(c: &GptConfig) -> Result<ModelSpec> {
-    c.validate()?;
-    let (h, s, b, a, v) = (
-        c.hidden as u64,
-        c.seq as u64,
-        c.batch as u64,
-        c.heads as u64,
-        c.vocab as u64,
-    );
-    let sbh = s * b * h;
-    let layer_act = sbh * 34 + 5 * a * s * s * b;
-    let ckpt = 2 * sbh;
-    let logits = s * b * v * 6;
-    let mut tensors: Vec<(String, usize)> = Vec::new();
-    let mut add = |name: String, n: usize| {
-        tensors.push((name, n));
-        tensors.len() - 1
-    };
-    let wte = add("wte".into(), c.vocab * c.hidden);
-    let wpe = add("wpe".into(), c.seq * c.hidden);
-    let mut ops = vec![OpSpec {
-        name: "embed".into(),
-        tensors: vec![wte, wpe],
-        fwd_non_model: 2 * sbh,
-        bwd_non_model: 4 * sbh,
-        flops: 0,
-        bwd_flops: 0,
-    }];
-    // matrix products only: 2 FLOPs a multiply-add, the backward twice the forward, plus the
-    // forward again where a checkpointed layer is recomputed
-    let t = s * b;
-    let back = |f: u64| if c.checkpoint { 3 * f } else { 2 * f };
-    let hd = c.hidden;
-    for l in 0..c.layers {
-        let kept = if c.checkpoint {
-            (l as u64 + 1) * ckpt
-        } else {
-            l as u64 * layer_act
-        };
-        let work = layer_act;
-        let mut op = |name: &str, ts: Vec<(String, usize)>, frac: f64, flops: u64| {
-            let ids = ts
-                .into_iter()
-                .map(|(n, k)| add(format!("h{l}.{name}.{n}"), k))
-                .collect();
-            ops.push(OpSpec {
-                name: format!("h{l}.{name}"),
-                tensors: ids,
-                fwd_non_model: kept + (work as f64 * frac) as u64,
-                bwd_non_model: kept + work + (work as f64 * frac) as u64 / 2 + 2 * sbh,
-                flops,
-                bwd_flops: back(flops),
-            });
-        };
-        op("ln_1", vec![("w".into(), hd), ("b".into(), hd)], 0.1, 0);
-        op(
-            "attn",
-            vec![
-                ("qkv.w".into(), 3 * hd * hd),
-                ("qkv.b".into(), 3 * hd),
-                ("proj.w".into(), hd * hd),
-                ("proj.b".into(), hd),
-            ],
-            0.6,
-            // q, k, v and the projection; the scores and their weighted sum
-            8 * t * h * h + 4 * t * s * h,
-        );
-        op("ln_2", vec![("w".into(), hd), ("b".into(), hd)], 0.7, 0);
-        op(
-            "mlp",
-            vec![
-                ("fc.w".into(), 4 * hd * hd),
-                ("fc.b".into(), 4 * hd),
-                ("proj.w".into(), 4 * hd * hd),
-                ("proj.b".into(), hd),
-            ],
-            1.0,
-            16 * t * h * h,
-        );
-    }
-    let kept = if c.checkpoint {
-        c.layers as u64 * ckpt
-    } else {
-        c.layers as u64 * layer_act
-    };
-    let lnf_w = add("ln_f.w".into(), hd);
-    let lnf_b = add("ln_f.b".into(), hd);
-    ops.push(OpSpec {
-        name: "ln_f".into(),
-        tensors: vec![lnf_w, lnf_b],
-        fwd_non_model: kept + 2 * sbh,
-        bwd_non_model: kept + 4 * sbh,
-        flops: 0,
-        bwd_flops: 0,
-    });
-    ops.push(OpSpec {
-        name: "lm_head".into(),
-        tensors: vec![wte],
-        fwd_non_model: kept + logits,
-        bwd_non_model: kept + logits + 2 * sbh,
-        flops: 2 * t * h * v,
-        // the head is not checkpointed
-        bwd_flops: 4 * t * h * v,
-    });
-    Ok(ModelSpec {
-        name: c.name.clone(),
-        tensors,
-        ops,
-        backward: None,
-    })
 }
 
 /// The accesses of one iteration, moment by moment, as the chunk manager makes them: a forward
@@ -740,23 +498,19 @@ pub(crate) fn run(
     Ok((report, recorded))
 }
 
-/// The largest model of the shape of `base` (same hidden size, heads, sequence, batch; more or
-/// fewer layers) whose model data fits in host memory (plus `file_mem` on the file tier) and whose
-/// every moment fits on the device under `policy`. Returns its config and report, or `None` if
-/// not even one layer fits.
+/// The most layers of a model `spec_of(layers)` gives whose model data fits in host memory
+/// (plus `file_mem` on the file tier) and whose every moment fits on the device under
+/// `policy` (ZeRO ranks as `opts` says: one rank's share against its share of the host), by a
+/// doubling then a bisection over the layer count; with its report, or `None` if not even one
+/// layer fits.
 pub fn largest_fitting(
-    base: &GptConfig,
+    spec_of: impl Fn(usize) -> Result<ModelSpec>,
     policy: Policy,
     opts: &SimOptions,
     file_mem: u64,
-) -> Result<Option<(GptConfig, SimReport)>> {
+) -> Result<Option<(usize, SimReport)>> {
     let fits = |layers: usize| -> Result<Option<SimReport>> {
-        let c = GptConfig {
-            layers,
-            name: format!("{}-L{layers}", base.name),
-            ..base.clone()
-        };
-        let spec = gpt(&c)?;
+        let spec = spec_of(layers)?;
         let mut o = opts.clone();
         o.iterations = 1;
         // (one rank's share, against its share of the host)
@@ -800,54 +554,5 @@ pub fn largest_fitting(
             None => hi = mid,
         }
     }
-    let c = GptConfig {
-        layers: lo,
-        name: format!("{}-L{lo}", base.name),
-        ..base.clone()
-    };
-    Ok(best.map(|r| (c, r)))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn heads_must_divide_the_hidden_size() {
-        let c = GptConfig {
-            heads: 7,
-            ..GptConfig::preset("gpt2-1.5b").unwrap()
-        };
-        for r in [c.validate(), gpt(&c).map(|_| ())] {
-            match r {
-                Err(Error::NotMultiple {
-                    value,
-                    divisor,
-                    what,
-                    of,
-                }) => {
-                    assert_eq!((value, divisor), (1600, 7));
-                    let msg = Error::NotMultiple {
-                        what,
-                        value,
-                        of,
-                        divisor,
-                    }
-                    .to_string();
-                    assert!(msg.contains("1600") && msg.contains('7'), "{msg}");
-                }
-                other => panic!("{other:?}"),
-            }
-        }
-        for name in GptConfig::PRESETS {
-            GptConfig::preset(name).unwrap().validate().unwrap();
-        }
-        let huge = GptConfig {
-            layers: usize::MAX,
-            vocab: usize::MAX,
-            seq: usize::MAX,
-            ..GptConfig::preset("gpt2-small").unwrap()
-        };
-        assert!(matches!(huge.validate(), Err(Error::InvalidArgument(_))));
-    }
+    Ok(best.map(|r| (lo, r)))
 }

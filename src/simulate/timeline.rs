@@ -25,10 +25,11 @@
 //! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
 //!
 //! ```
-//! use tidemem::simulate::{gpt, timeline, GptConfig, Rates, Schedule, SimOptions};
+//! use tidemem::models::gpt::GptConfig;
+//! use tidemem::simulate::{timeline, Rates, Schedule, SimOptions};
 //! use tidemem::tide::Policy;
 //! # fn main() -> tidemem::Result<()> {
-//! let model = gpt(&GptConfig::preset("gpt2-small").unwrap())?;
+//! let model = GptConfig::preset("gpt2").unwrap().spec(8, 1024, true)?;
 //! let rates = Rates::profile("h100-pcie5").unwrap();
 //! let opts = SimOptions::new(4 << 30, 64 << 30);
 //! let serial = timeline(&model, Policy::Tide, &opts, &rates, Schedule::Serial)?;
@@ -572,146 +573,5 @@ impl<'a> Timeline<'a> {
             }
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::simulate::{gpt, GptConfig};
-
-    fn small() -> ModelSpec {
-        gpt(&GptConfig {
-            name: "small".into(),
-            layers: 4,
-            hidden: 256,
-            heads: 4,
-            vocab: 4096,
-            seq: 128,
-            batch: 2,
-            checkpoint: false,
-        })
-        .unwrap()
-    }
-
-    fn rates() -> Rates {
-        Rates {
-            name: "test".into(),
-            compute: 1e12,
-            h2d: 10e9,
-            d2h: 10e9,
-            host_adam: 1e9,
-            device_adam: 1e11,
-            file: 1e9,
-            bus: 100e9,
-        }
-    }
-
-    fn run(opts: &SimOptions, r: &Rates, s: Schedule) -> StepTime {
-        timeline(&small(), Policy::Tide, opts, r, s).unwrap()
-    }
-
-    /// Every configuration: the step is at least its busiest resource, and at most the sum of
-    /// every resource's time (nothing runs twice); overlap never lengthens it.
-    #[test]
-    fn a_step_lies_between_its_slowest_resource_and_the_sum() {
-        let spec = small();
-        let model = {
-            let r =
-                crate::simulate::simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
-                    .unwrap();
-            r.model_data_bytes
-        };
-        for (device, host) in [
-            (1u64 << 40, 1u64 << 40),
-            (model / 3 + (8 << 20), 1 << 40),
-            (model / 3 + (8 << 20), model / 2),
-        ] {
-            let opts = SimOptions::new(device, host);
-            for host_adam in [1e8, 1e9, 1e11] {
-                let r = Rates {
-                    host_adam,
-                    ..rates()
-                };
-                let serial = run(&opts, &r, Schedule::Serial);
-                let over = run(&opts, &r, Schedule::Overlapped);
-                for t in [&serial, &over] {
-                    let sum = t.compute + t.h2d + t.d2h + t.host_adam + t.file;
-                    assert!(t.over_slowest() >= 1.0 - 1e-9, "{t:?}");
-                    assert!(t.step <= sum * (1.0 + 1e-9), "{t:?}");
-                }
-                assert!(
-                    over.step <= serial.step * (1.0 + 1e-9),
-                    "{over:?} {serial:?}"
-                );
-                // the same work on both schedules
-                assert_eq!(
-                    (over.compute, over.h2d, over.host_adam),
-                    (serial.compute, serial.h2d, serial.host_adam)
-                );
-            }
-        }
-    }
-
-    /// Resident with Adam on the host: the serial step is backward then the host's Adam (the
-    /// forward's loads wait for it); overlapped, the host's Adam of all but the last groups hides
-    /// under backward.
-    #[test]
-    fn overlap_hides_the_host_step_under_backward() {
-        let opts = SimOptions::new(1 << 40, 1 << 40);
-        // a host optimizer about as slow as backward
-        let probe = run(&opts, &rates(), Schedule::Serial);
-        let r = Rates {
-            host_adam: rates().host_adam * probe.host_adam / (0.6 * probe.compute),
-            ..rates()
-        };
-        let serial = run(&opts, &r, Schedule::Serial);
-        let over = run(&opts, &r, Schedule::Overlapped);
-        assert!(
-            serial.step >= serial.compute + 0.9 * serial.host_adam,
-            "{serial:?}"
-        );
-        // all but the embedding's group (the first forward use, the last backward one)
-        assert!(
-            over.step < serial.step - 0.2 * serial.host_adam,
-            "{over:?} vs {serial:?}"
-        );
-        assert!(over.over_slowest() < serial.over_slowest());
-    }
-
-    /// Model data beyond host memory goes through the file tier, which the timeline charges.
-    #[test]
-    fn the_file_tier_is_charged() {
-        let all = run(
-            &SimOptions::new(1 << 40, 1 << 40),
-            &rates(),
-            Schedule::Serial,
-        );
-        assert_eq!(all.file, 0.0);
-        let spec = small();
-        let model =
-            crate::simulate::simulate(&spec, Policy::Tide, &SimOptions::new(1 << 40, 1 << 40))
-                .unwrap()
-                .model_data_bytes;
-        let spill = run(
-            &SimOptions::new(1 << 40, model / 2),
-            &rates(),
-            Schedule::Serial,
-        );
-        assert!(spill.file > 0.0 && spill.step > all.step, "{spill:?}");
-    }
-
-    #[test]
-    fn bad_rates_are_refused() {
-        let opts = SimOptions::new(1 << 40, 1 << 40);
-        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
-            let r = Rates {
-                h2d: bad,
-                ..rates()
-            };
-            assert!(timeline(&small(), Policy::Tide, &opts, &r, Schedule::Serial).is_err());
-        }
-        assert!(Rates::profile("h100-pcie5").unwrap().validate().is_ok());
-        assert!(Rates::profile("nope").is_none());
     }
 }

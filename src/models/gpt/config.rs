@@ -24,9 +24,11 @@ pub struct GptConfig {
 
 impl GptConfig {
     /// The presets: `gpt2-tiny` (4 blocks of 128 channels over bytes, 64 positions: the tests'
-    /// and the default run's model), `gpt2` = `124M` (12, 768, 12), `gpt2-medium` = `350M`
-    /// (24, 1024, 16), `gpt2-large` = `774M` (36, 1280, 20), `gpt2-xl` = `1.5B` (48, 1600,
-    /// 25); the released GPT-2s have 50,257 tokens and 1,024 positions.
+    /// and the default run's model), `gpt2` = `gpt2-small` = `124M` (12, 768, 12),
+    /// `gpt2-medium` = `350M` (24, 1024, 16), `gpt2-large` = `774M` (36, 1280, 20), `gpt2-xl` =
+    /// `gpt2-1.5b` = `1.5B` (48, 1600, 25), and GPT-3's shapes `gpt3-2.7b` (32, 2560, 32),
+    /// `gpt3-6.7b` (32, 4096, 32), `gpt3-13b` (40, 5120, 40) over GPT-2's vocabulary; all but
+    /// the tiny one have 50,257 tokens and 1,024 positions.
     pub fn preset(name: &str) -> Option<GptConfig> {
         let (layers, channels, heads) = match name.to_ascii_lowercase().as_str() {
             "gpt2-tiny" | "tiny" => {
@@ -42,7 +44,10 @@ impl GptConfig {
             "gpt2" | "gpt2-small" | "124m" => (12, 768, 12),
             "gpt2-medium" | "350m" => (24, 1024, 16),
             "gpt2-large" | "774m" => (36, 1280, 20),
-            "gpt2-xl" | "1.5b" => (48, 1600, 25),
+            "gpt2-xl" | "gpt2-1.5b" | "1.5b" => (48, 1600, 25),
+            "gpt3-2.7b" => (32, 2560, 32),
+            "gpt3-6.7b" => (32, 4096, 32),
+            "gpt3-13b" => (40, 5120, 40),
             _ => return None,
         };
         Some(GptConfig {
@@ -56,8 +61,16 @@ impl GptConfig {
     }
 
     /// The preset names [`GptConfig::preset`] knows.
-    pub const PRESETS: &'static [&'static str] =
-        &["gpt2-tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"];
+    pub const PRESETS: &'static [&'static str] = &[
+        "gpt2-tiny",
+        "gpt2",
+        "gpt2-medium",
+        "gpt2-large",
+        "gpt2-xl",
+        "gpt3-2.7b",
+        "gpt3-6.7b",
+        "gpt3-13b",
+    ];
 
     /// Checks the shape: no zero dimension, heads dividing the channels, a vocabulary that
     /// token ids (`i32`) can name, and element counts that fit in memory arithmetic.
@@ -72,7 +85,12 @@ impl GptConfig {
             return bad("a dimension is zero");
         }
         if !self.channels.is_multiple_of(self.heads) {
-            return bad("the channels do not divide by the heads");
+            return Err(Error::NotMultiple {
+                what: "channels",
+                value: self.channels,
+                of: "attention heads",
+                divisor: self.heads,
+            });
         }
         if self.vocab > i32::MAX as usize {
             return bad("token ids are i32");

@@ -40,7 +40,7 @@
 //! }
 //!
 //! impl GeluOfWeight {
-//!     fn forward(&self, pass: &ForwardPass<'_>) -> Result<Block> {
+//!     fn forward(&self, pass: &ForwardPass<'_>) -> Result<PoolBlock> {
 //!         let g = pass.fetch(&[self.w])?;
 //!         let w = g.param(0)?; // read-only, in the chunk's memory, with shape and dtype
 //!         assert_eq!((w.shape(), w.dtype()), (&[4, 4][..], DType::F16));
@@ -50,7 +50,7 @@
 //!         Ok(y)
 //!     } // the guard drops: the weight is released
 //!
-//!     fn backward(&self, pass: &BackwardPass<'_>, dy: &Block) -> Result<()> {
+//!     fn backward(&self, pass: &BackwardPass<'_>, dy: &PoolBlock) -> Result<()> {
 //!         let g = pass.fetch(&[self.w])?;
 //!         let w = g.param(0)?;
 //!         let n = w.len_bytes();

@@ -180,6 +180,7 @@ impl Trainer {
                 &mut self.adam,
                 &mut self.emb,
                 &b,
+                Default::default(),
             )
             .expect("train step");
             total += t.elapsed();

@@ -13,7 +13,7 @@
 //!   rows exceed this machine kind's memory), batch 16,384, a cache of 1% of the rows, SGD on
 //!   the rows; the batches built ahead on worker threads ([`Ahead`]), so the training thread's
 //!   time is the step's, which prepares the cache for the next batch as `dlrm_train` does
-//!   ([`dlrm::train_step_then`]). Target ≤ 4 ms a step (TorchRec's 81 it/s leave 12.3 ms in
+//!   ([`dlrm::train_step`] with `StepPlan::next`). Target ≤ 4 ms a step (TorchRec's 81 it/s leave 12.3 ms in
 //!   all).
 //!
 //! Prints each step's host time against its target, the device's counts a step
@@ -203,13 +203,17 @@ impl DlrmRun {
         let b = std::mem::replace(&mut self.upcoming, next);
         let before = self.store.device().stats();
         let t = Instant::now();
-        dlrm::train_step_then(
+        let plan = dlrm::StepPlan {
+            next: Some(&self.upcoming),
+            ..Default::default()
+        };
+        dlrm::train_step(
             &self.model,
             &mut self.store,
             &mut self.adam,
             &mut self.emb,
             &b,
-            Some(&self.upcoming),
+            plan,
         )
         .expect("step");
         (t.elapsed(), self.store.device().stats().since(&before))

@@ -48,7 +48,8 @@ fn dlrm_losses(gen: &Synthetic, steps: usize, mut next: impl FnMut() -> Batch) -
     (0..steps)
         .map(|_| {
             let b = next();
-            let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+            let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b, Default::default())
+                .unwrap();
             s.loss.to_bits()
         })
         .collect()

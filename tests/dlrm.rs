@@ -468,7 +468,8 @@ fn training_on_synthetic_data_lowers_the_loss_and_moves_the_auc() {
         let mut losses = vec![];
         for step in 0..60 {
             let b = gen.batch(step, bsz);
-            let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+            let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b, Default::default())
+                .unwrap();
             assert!(s.loss.is_finite() && s.rows > 0);
             losses.push(s.loss);
         }
@@ -540,8 +541,18 @@ fn cached_and_full_table_training_agree_bitwise() {
             let batches: Vec<_> = (0..8).map(|i| gen.batch(i, bsz)).collect();
             for (i, b) in batches.iter().enumerate() {
                 let next = batches.get(i + 1).filter(|_| ahead);
-                let s =
-                    dlrm::train_step_then(&model, &mut m, &mut adam, &mut emb, b, next).unwrap();
+                let s = dlrm::train_step(
+                    &model,
+                    &mut m,
+                    &mut adam,
+                    &mut emb,
+                    b,
+                    dlrm::StepPlan {
+                        next,
+                        ..Default::default()
+                    },
+                )
+                .unwrap();
                 losses.push(s.loss.to_bits());
             }
             let prefetched = emb.bag().cache().stats().prefetched;
@@ -733,8 +744,15 @@ fn device_path_equals_host_path() {
                     for step in 0..6 {
                         let b = gen.batch(step, bsz);
                         let (loss, p) = if device_path {
-                            let s =
-                                dlrm::train_step(&model, &mut m, &mut adam, &mut emb, &b).unwrap();
+                            let s = dlrm::train_step(
+                                &model,
+                                &mut m,
+                                &mut adam,
+                                &mut emb,
+                                &b,
+                                Default::default(),
+                            )
+                            .unwrap();
                             assert_eq!(s.report.outcome, StepOutcome::Stepped);
                             (s.loss, s.probs)
                         } else {

@@ -120,6 +120,7 @@ fn train(seed: u64) -> (Vec<f64>, f64) {
             &mut adam,
             &mut emb,
             &gen.batch(step, BATCH),
+            Default::default(),
         )
         .expect("step");
         assert!(

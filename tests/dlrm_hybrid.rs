@@ -1,4 +1,4 @@
-//! Hybrid-parallel DLRM training (`models::dlrm::train_step_hybrid`: tables sharded over the
+//! Hybrid-parallel DLRM training (`models::dlrm::train_step` on sharded tables: tables sharded over the
 //! ranks, MLPs data-parallel in a `ZeroManager`) on 2 and 4 in-process ranks, table-wise and
 //! column-wise, against one rank training on the whole batch (`train_step` with a
 //! `ChunkManager` and a `CachedEmbeddingCollection`): the losses, the probabilities, the MLP
@@ -112,7 +112,8 @@ fn single(batches: &[Batch], rows: &[usize], opt: EmbeddingOptimizer) -> Run {
     let mut adam = mlp_adam();
     let (mut losses, mut probs, mut touched) = (vec![], vec![], vec![]);
     for b in batches {
-        let s = dlrm::train_step(&model, &mut m, &mut adam, &mut emb, b).unwrap();
+        let s =
+            dlrm::train_step(&model, &mut m, &mut adam, &mut emb, b, Default::default()).unwrap();
         losses.push(s.loss);
         probs.extend(s.probs);
         touched.push(s.rows);
@@ -137,9 +138,9 @@ fn single(batches: &[Batch], rows: &[usize], opt: EmbeddingOptimizer) -> Run {
 /// check).
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
-    /// `train_step_hybrid`.
+    /// `train_step` on sharded tables.
     Hybrid,
-    /// `train_step_hybrid_host`: the pooled vectors through the host (the device path's
+    /// `train_step` with `StepPlan::host_vectors`: the pooled vectors through the host (the device path's
     /// reference).
     HybridHost,
     /// Each rank's MLP loss the mean over its own samples, and the embedding gradient of it
@@ -251,9 +252,26 @@ fn hybrid_on(
                     for b in batches {
                         if matches!(mode, Mode::Hybrid | Mode::HybridHost) {
                             let st = if mode == Mode::Hybrid {
-                                dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, b)
+                                dlrm::train_step(
+                                    &model,
+                                    &mut z,
+                                    &mut adam,
+                                    &mut emb,
+                                    b,
+                                    Default::default(),
+                                )
                             } else {
-                                dlrm::train_step_hybrid_host(&model, &mut z, &mut adam, &mut emb, b)
+                                dlrm::train_step(
+                                    &model,
+                                    &mut z,
+                                    &mut adam,
+                                    &mut emb,
+                                    b,
+                                    dlrm::StepPlan {
+                                        host_vectors: true,
+                                        ..Default::default()
+                                    },
+                                )
                             }
                             .unwrap();
                             assert_eq!(st.report.outcome, StepOutcome::Stepped);
@@ -515,7 +533,7 @@ fn inconsistent_or_bad_calls_fail_on_every_rank() {
         for (what, b0, b1) in cases {
             let b = if r == 0 { b0 } else { b1 };
             let t = std::time::Instant::now();
-            let step = dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, b);
+            let step = dlrm::train_step(&model, &mut z, &mut adam, &mut emb, b, Default::default());
             let pred = dlrm::predict_hybrid(&model, &mut z, &mut emb, b);
             assert!(t.elapsed() < Duration::from_secs(5), "{what}: no timeout");
             assert_eq!(z.stage(), None, "{what}");
@@ -523,7 +541,15 @@ fn inconsistent_or_bad_calls_fail_on_every_rank() {
         }
         assert_eq!(adam.steps(), 0, "nothing stepped");
         // the ranks are still in step
-        let st = dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, &good).unwrap();
+        let st = dlrm::train_step(
+            &model,
+            &mut z,
+            &mut adam,
+            &mut emb,
+            &good,
+            Default::default(),
+        )
+        .unwrap();
         assert!(st.loss.is_finite());
         seen
     });
@@ -570,9 +596,9 @@ fn run_bits(r: &Run) -> Vec<Vec<u32>> {
     out
 }
 
-/// The device hybrid step (`train_step_hybrid`, `predict_hybrid`: the pooled vectors and their
+/// The device hybrid step (`train_step` on sharded tables, `predict_hybrid`: the pooled vectors and their
 /// gradients stay on the device, the all-to-all moves them there) equals the host one
-/// (`train_step_hybrid_host`, `predict_hybrid_host`) bit for bit in f32: the losses, the
+/// (`StepPlan::host_vectors`, `predict_hybrid_host`) bit for bit in f32: the losses, the
 /// probabilities of every step, the predictions after training, the MLP parameters and every
 /// embedding row, table-wise and column-wise on 2 ranks, on Sim devices and, where there is
 /// one, with both ranks on the CUDA device.
@@ -672,7 +698,9 @@ fn an_overflowing_step_is_skipped_on_every_rank() {
             for step in 0..12 {
                 let before = snapshot(&mut z, &mut emb);
                 let b = gen.batch(step, BSZ);
-                let st = dlrm::train_step_hybrid(&model, &mut z, &mut adam, &mut emb, &b).unwrap();
+                let st =
+                    dlrm::train_step(&model, &mut z, &mut adam, &mut emb, &b, Default::default())
+                        .unwrap();
                 let after = snapshot(&mut z, &mut emb);
                 if st.report.outcome == StepOutcome::Skipped {
                     assert_eq!(st.rows, 0, "a skipped step touches no row");

@@ -254,7 +254,18 @@ fn dlrm_step(steps: u64, ahead: bool) -> DeviceStats {
         before = dev.stats();
         moved = emb.bag().cache().moved().h2d_rows;
         let next = ahead.then(|| &batches[i + 1]);
-        dlrm::train_step_then(&model, &mut m, &mut adam, &mut emb, &batches[i], next).unwrap();
+        dlrm::train_step(
+            &model,
+            &mut m,
+            &mut adam,
+            &mut emb,
+            &batches[i],
+            dlrm::StepPlan {
+                next,
+                ..Default::default()
+            },
+        )
+        .unwrap();
     }
     if ahead {
         let moved = emb.bag().cache().moved().h2d_rows - moved;

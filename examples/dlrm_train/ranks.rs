@@ -223,12 +223,13 @@ fn serve(
     };
     for cmd in rx {
         let reply = match cmd {
-            Cmd::Step(b) => dlrm::train_step_hybrid(
+            Cmd::Step(b) => dlrm::train_step(
                 &rank.model,
                 &mut rank.store,
                 &mut rank.adam,
                 &mut rank.emb,
                 &b,
+                Default::default(),
             )
             .map(|s| Reply::Loss(s.loss)),
             Cmd::Predict(bs) => bs

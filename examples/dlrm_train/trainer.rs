@@ -123,7 +123,18 @@ impl Trainer {
         match self {
             Trainer::Local(l) => {
                 let (m, s, o, e) = (&l.model, &mut l.store, &mut l.adam, &mut l.emb);
-                Ok(dlrm::train_step_then(m, s, o, e, b, next)?.loss)
+                Ok(dlrm::train_step(
+                    m,
+                    s,
+                    o,
+                    e,
+                    b,
+                    dlrm::StepPlan {
+                        next,
+                        ..Default::default()
+                    },
+                )?
+                .loss)
             }
             Trainer::Ranks(r) => r.step(b),
         }

@@ -47,7 +47,7 @@
 //! let model = Dlrm::register(&mut store, &config, 0)?;
 //! let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-2)))?;
 //! let batch = gen.batch(0, 16);
-//! let step = dlrm::train_step_hybrid(&model, &mut store, &mut adam, &mut emb, &batch)?;
+//! let step = dlrm::train_step(&model, &mut store, &mut adam, &mut emb, &batch, Default::default())?;
 //! assert!(step.loss.is_finite() && step.probs.len() == 16);
 //! # Ok(()) }
 //! ```
@@ -63,8 +63,22 @@ use crate::optim::{HybridAdam, StepOutcome};
 use crate::store::ParamStore;
 use crate::tensor::Stage;
 
-/// One hybrid-parallel step on the global `batch` (the same on every rank; every rank must
-/// call it): the sharded tables' forward (this rank's samples' pooled vectors), the MLPs'
+/// Where the pooled vectors of a hybrid step live.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Path {
+    Host,
+    Device,
+}
+
+/// The embedding vectors' gradient of a hybrid step, for the tables' backward.
+enum EmbGrad {
+    Host(Vec<f32>),
+    /// The f32 gradient and its length in bytes.
+    Device(DeviceBuffer, usize),
+}
+
+/// One hybrid-parallel step ([`train_step`](super::train_step) on sharded tables) on the global
+/// `batch` (the same on every rank; every rank must call it): the sharded tables' forward (this rank's samples' pooled vectors), the MLPs'
 /// forward and backward on this rank's [`batch_slice`] of the samples, the store's
 /// [`step`](ParamStore::step), then the tables' backward and row optimizer, skipped on every
 /// rank when the step was ([`StepOutcome::Skipped`]).
@@ -92,48 +106,9 @@ use crate::tensor::Stage;
 /// The pooled vectors and their gradients stay on the device: the tables' forward and backward
 /// all-to-all run there ([`ShardedEmbedding::forward_device`],
 /// [`ShardedEmbedding::backward_device`]), and the vectors reach the interaction, and its
-/// gradient the tables, without a host round trip. [`train_step_hybrid_host`] is the same step
-/// through host vectors; both give the same bits.
-pub fn train_step_hybrid<S: ParamStore + ?Sized>(
-    model: &Dlrm,
-    store: &mut S,
-    adam: &mut HybridAdam,
-    emb: &mut ShardedEmbedding,
-    batch: &Batch,
-) -> Result<DlrmStep> {
-    hybrid_step(model, store, adam, emb, batch, Path::Device)
-}
-
-/// [`train_step_hybrid`] with the pooled vectors and their gradients through host memory
-/// ([`ShardedEmbedding::forward`], [`ShardedEmbedding::backward`], the host all-to-all): the
-/// reference the device path is tested against. The losses, probabilities, MLP parameters and
-/// embedding rows are those of [`train_step_hybrid`] bit for bit; it is slower (every vector
-/// goes down to the host and back up, twice).
-pub fn train_step_hybrid_host<S: ParamStore + ?Sized>(
-    model: &Dlrm,
-    store: &mut S,
-    adam: &mut HybridAdam,
-    emb: &mut ShardedEmbedding,
-    batch: &Batch,
-) -> Result<DlrmStep> {
-    hybrid_step(model, store, adam, emb, batch, Path::Host)
-}
-
-/// Where the pooled vectors of a hybrid step live.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Path {
-    Host,
-    Device,
-}
-
-/// The embedding vectors' gradient of a hybrid step, for the tables' backward.
-enum EmbGrad {
-    Host(Vec<f32>),
-    /// The f32 gradient and its length in bytes.
-    Device(DeviceBuffer, usize),
-}
-
-fn hybrid_step<S: ParamStore + ?Sized>(
+/// gradient the tables, without a host round trip. [`Path::Host`] is the same step through
+/// host vectors; both give the same bits.
+pub(super) fn hybrid_step<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
     adam: &mut HybridAdam,
@@ -260,7 +235,7 @@ fn hybrid_step<S: ParamStore + ?Sized>(
 /// of the global `batch` (the same on every rank; every rank must call it), without training:
 /// the sharded tables' forward and [`Dlrm::predict`] on this rank's slice. Concatenated in rank
 /// order, the ranks' results are the probabilities of the whole batch. Checked and agreed as
-/// [`train_step_hybrid`] is; the vectors stay on the device ([`Dlrm::predict_device`]).
+/// [`train_step`](super::train_step) on sharded tables is; the vectors stay on the device ([`Dlrm::predict_device`]).
 pub fn predict_hybrid<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,

@@ -24,11 +24,13 @@
 //!    [`CachedEmbeddingCollection::backward`](crate::embedding::CachedEmbeddingCollection::backward)).
 //!    The two paths give the same bits.
 //!
-//! [`train_step`] glues one step on the device path: the collection's forward,
-//! [`Dlrm::forward_backward_device`] (the collection's backward included), the store's
-//! optimizer step, the collection's row optimizer. [`train_step_hybrid`] and
-//! [`predict_hybrid`] run a step over many ranks: the tables sharded over them (a
-//! [`ShardedEmbedding`](crate::embedding::ShardedEmbedding)), the MLPs data-parallel.
+//! [`train_step`] is the one training entry, for either kind of [`Tables`]: on cached tables
+//! it glues one step on the device path (the collection's forward,
+//! [`Dlrm::forward_backward_device`] with the collection's backward, the store's optimizer
+//! step, the collection's row optimizer), the next batch's rows made resident meanwhile
+//! ([`StepPlan::next`]); on tables sharded over many ranks (a
+//! [`ShardedEmbedding`](crate::embedding::ShardedEmbedding)) it runs the hybrid-parallel step,
+//! the MLPs data-parallel ([`predict_hybrid`] predicts the same way).
 //!
 //! # Example
 //!
@@ -61,6 +63,6 @@ mod train;
 
 pub use config::DlrmConfig;
 pub use device::DeviceEmbeddings;
-pub use hybrid::{predict_hybrid, predict_hybrid_host, train_step_hybrid, train_step_hybrid_host};
+pub use hybrid::{predict_hybrid, predict_hybrid_host};
 pub use model::{default_init, Dlrm};
-pub use train::{bag_offsets, predict, table_batches, train_step, train_step_then, DlrmStep};
+pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep, StepPlan, Tables};

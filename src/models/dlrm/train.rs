@@ -2,9 +2,10 @@
 //! the embedding's backward and row optimizer, the store's optimizer step.
 
 use super::device::order_after;
+use super::hybrid::{hybrid_step, Path};
 use super::Dlrm;
 use crate::data::criteo::Batch;
-use crate::embedding::{CachedEmbeddingCollection, TableBatch};
+use crate::embedding::{CachedEmbeddingCollection, ShardedEmbedding, TableBatch};
 use crate::error::{Error, Result};
 use crate::optim::{HybridAdam, StepOutcome, StepReport};
 use crate::store::ParamStore;
@@ -61,33 +62,105 @@ pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<Tab
         .collect()
 }
 
-/// One step on `batch`: the collection's sample-major device forward
-/// ([`CachedEmbeddingCollection::forward_device_interleaved`]), the MLPs' forward and backward
-/// with the collection's backward ([`Dlrm::forward_backward_device`] at `adam`'s loss scale;
-/// the pooled vectors and their gradient stay on the device), the store's
-/// [`step`](ParamStore::step) (`adam` must not accumulate micro-batches) and the collection's
-/// row optimizer. When `adam` skips the step on an overflowed gradient
+/// The embedding tables a DLRM step trains: cached on this rank's device (rows moved in and
+/// out of a cache under a policy), or sharded over the ranks table-wise.
+pub enum Tables<'a> {
+    /// A [`CachedEmbeddingCollection`].
+    Cached(&'a mut CachedEmbeddingCollection),
+    /// A [`ShardedEmbedding`] over the ranks (hybrid parallel: the MLPs data parallel).
+    Sharded(&'a mut ShardedEmbedding),
+}
+
+impl<'a> From<&'a mut CachedEmbeddingCollection> for Tables<'a> {
+    fn from(t: &'a mut CachedEmbeddingCollection) -> Tables<'a> {
+        Tables::Cached(t)
+    }
+}
+
+impl<'a> From<&'a mut ShardedEmbedding> for Tables<'a> {
+    fn from(t: &'a mut ShardedEmbedding) -> Tables<'a> {
+        Tables::Sharded(t)
+    }
+}
+
+/// How a DLRM step runs, besides its batch.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StepPlan<'a> {
+    /// The batch the following step will train on: cached tables make its rows resident while
+    /// the device computes this step (see [`train_step`]).
+    pub next: Option<&'a Batch>,
+    /// Sharded tables only: the pooled vectors and their gradients through host memory (the
+    /// reference the device path is tested against; the same bits, slower).
+    pub host_vectors: bool,
+}
+
+/// One optimizer step of `model` on `batch`, the tables cached or sharded ([`Tables`]).
+///
+/// - **Cached tables**: the collection's sample-major device forward
+///   ([`CachedEmbeddingCollection::forward_device_interleaved`]), the MLPs' forward and
+///   backward with the collection's backward ([`Dlrm::forward_backward_device`] at `adam`'s
+///   loss scale; the pooled vectors and their gradient stay on the device), the store's
+///   [`step`](ParamStore::step) and the collection's row optimizer. The same bits as the host
+///   path ([`CachedEmbeddingCollection::forward`], [`Dlrm::forward_backward_scaled`],
+///   [`CachedEmbeddingCollection::backward`]).
+/// - **Sharded tables** (hybrid parallel: every rank of the tables' group runs it on the same
+///   global batch): the tables' forward (this rank's samples' pooled vectors, by an all-to-all
+///   on the device, or through the host with [`StepPlan::host_vectors`]), the MLPs' forward
+///   and backward on this rank's [`batch_slice`](crate::embedding::batch_slice) of the
+///   samples, the store's step (it must average the MLP gradients over the ranks, as a
+///   [`ZeroManager`](crate::zero::ZeroManager) over them does), then the tables' backward and
+///   row optimizer. The step equals one rank's on the whole batch up to the order of the sums;
+///   the returned [`DlrmStep`] holds the mean loss over the whole batch and the probabilities
+///   of this rank's samples. Bad input is an error on every rank before anything changes.
+///
+/// `adam` must not accumulate micro-batches. When it skips the step on an overflowed gradient
 /// ([`StepOutcome::Skipped`]), the embedding rows are not stepped either. The batch's shape is
-/// checked against the model before anything runs. The same bits as the host path
-/// ([`CachedEmbeddingCollection::forward`], [`Dlrm::forward_backward_scaled`],
-/// [`CachedEmbeddingCollection::backward`]).
-pub fn train_step<S: ParamStore + ?Sized>(
+/// checked against the model before anything runs.
+pub fn train_step<'t, S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
     adam: &mut HybridAdam,
-    emb: &mut CachedEmbeddingCollection,
+    tables: impl Into<Tables<'t>>,
     batch: &Batch,
+    plan: StepPlan<'_>,
 ) -> Result<DlrmStep> {
-    train_step_then(model, store, adam, emb, batch, None)
+    match (tables.into(), plan) {
+        (
+            Tables::Cached(emb),
+            StepPlan {
+                next,
+                host_vectors: false,
+            },
+        ) => cached_step(model, store, adam, emb, batch, next),
+        (
+            Tables::Sharded(emb),
+            StepPlan {
+                next: None,
+                host_vectors,
+            },
+        ) => {
+            let path = match host_vectors {
+                true => Path::Host,
+                false => Path::Device,
+            };
+            hybrid_step(model, store, adam, emb, batch, path)
+        }
+        (Tables::Cached(_), _) => Err(Error::InvalidArgument(
+            "cached tables step on the device (host_vectors is for sharded tables)".into(),
+        )),
+        (Tables::Sharded(_), _) => Err(Error::InvalidArgument(
+            "sharded tables prepare no next batch (next is for cached tables)".into(),
+        )),
+    }
 }
 
-/// [`train_step`] on `batch` that prepares the cache for `next`, the batch the following step
-/// will train on, while the device computes this one: once this step's forward and backward
+/// The step on cached tables; with `next` (the batch the following step will train on) the
+/// cache is prepared for it while the device computes this one: once this step's forward and backward
 /// are enqueued, and before the step reads its gradient statistics (the one wait of a
 /// step), `next`'s rows are made resident
 /// ([`CachedEmbeddingCollection::prefetch_interleaved`], this batch's rows kept), so its
 /// decisions and row moves overlap the device's work and the next step's forward moves
-/// nothing. The same losses, bit for bit, as [`train_step`] on the same batches: rows move,
+/// nothing. The same losses, bit for bit, as without `next` on the same batches: rows move,
 /// their values do not change. When the two batches' rows do not fit in the cache together,
 /// `next` is prepared by its own step as without it. `next` is checked against the model
 /// before anything runs.
@@ -116,12 +189,13 @@ pub fn train_step<S: ParamStore + ?Sized>(
 /// let batches: Vec<_> = (0..3).map(|i| gen.batch(i, 16)).collect();
 /// for (i, b) in batches.iter().enumerate() {
 ///     let next = batches.get(i + 1);
-///     let step = dlrm::train_step_then(&model, &mut store, &mut adam, &mut emb, b, next)?;
+///     let plan = dlrm::StepPlan { next, ..Default::default() };
+///     let step = dlrm::train_step(&model, &mut store, &mut adam, &mut emb, b, plan)?;
 ///     assert!(step.loss.is_finite());
 /// }
 /// # Ok::<(), tidemem::Error>(())
 /// ```
-pub fn train_step_then<S: ParamStore + ?Sized>(
+fn cached_step<S: ParamStore + ?Sized>(
     model: &Dlrm,
     store: &mut S,
     adam: &mut HybridAdam,

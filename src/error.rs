@@ -302,6 +302,56 @@ pub enum Error {
         divisor: usize,
     },
 
+    /// A layer's dimension does not split over the ranks (or the blocks) a layout cuts it into:
+    /// the heads over a tensor-parallel group, the channels over `q²`, a tile's sequences.
+    #[error("{layer}: {what} = {value} does not split into {parts} ({by}) equal parts")]
+    NotSplit {
+        /// The layer (or what holds the dimension).
+        layer: String,
+        /// The dimension.
+        what: &'static str,
+        /// Its size.
+        value: usize,
+        /// Into how many parts it must split.
+        parts: usize,
+        /// What the parts are (`q`, `q²`, `tensor-parallel ranks`, `heads`).
+        by: &'static str,
+    },
+
+    /// An activation is not of the shape or type a layer takes.
+    #[error(
+        "`{what}` is [{rows}, {cols}] {dtype}; expected [{}, {expected_cols}] {expected_dtype}",
+        expected_rows.map_or("N".to_string(), |r| r.to_string())
+    )]
+    ActivationShape {
+        /// Which input (or gradient) of the layer.
+        what: String,
+        /// Its rows.
+        rows: usize,
+        /// Its columns.
+        cols: usize,
+        /// Its element type.
+        dtype: DType,
+        /// The rows expected, when the layer fixes them.
+        expected_rows: Option<usize>,
+        /// The columns expected.
+        expected_cols: usize,
+        /// The element type expected.
+        expected_dtype: DType,
+    },
+
+    /// A layer or model registered for one place on the process grid (a rank of a tensor
+    /// group, a pipeline stage, a layout) is run at another, or without the groups it needs.
+    #[error("{what} registered {registered} run {run}")]
+    WrongPlace {
+        /// What was registered.
+        what: &'static str,
+        /// Where it was registered.
+        registered: String,
+        /// Where it is run.
+        run: String,
+    },
+
     /// The file tier cannot reserve the disk space of a buffer: its directory's filesystem is
     /// full (or the quota is spent, or the filesystem caps the size of one file). Nothing was
     /// mapped; the space is reserved before a byte is touched, so a full disk is this error,

@@ -424,7 +424,14 @@ fn err<T>(r: tidemem::Result<T>) -> String {
     match r {
         Ok(_) => panic!("accepted"),
         Err(e) => {
-            assert!(matches!(e, Error::InvalidArgument(_)), "{e:?}");
+            let typed = matches!(
+                e,
+                Error::InvalidArgument(_)
+                    | Error::NotSplit { .. }
+                    | Error::WrongPlace { .. }
+                    | Error::ActivationShape { .. }
+            );
+            assert!(typed, "{e:?}");
             e.to_string()
         }
     }

@@ -435,12 +435,12 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let mut m = manager(g.tensor().device().clone());
         Linear3D::register(&mut m, g, "fc", 6, 8, lay, &w, None)
     });
-    refused_everywhere(errs, "'fc': the inputs of 6 do not split over q² = 4");
+    refused_everywhere(errs, "fc: inputs = 6 does not split into 4 (q²)");
     let errs = on_ranks("3d:2", |_, g| {
         let mut m = manager(g.tensor().device().clone());
         Linear3D::register(&mut m, g, "fc", 8, 5, lay, &w, None)
     });
-    refused_everywhere(errs, "'fc': the outputs of 5 do not split over q = 2");
+    refused_everywhere(errs, "fc: outputs = 5 does not split into 2 (q)");
     // rows 6 of a batch do not split by q²; an input tile of the wrong width
     let errs = on_ranks("3d:2", |_, g| -> Result<()> {
         let mut m = manager(g.tensor().device().clone());
@@ -450,7 +450,8 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let full = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
         let e = split_3d(&fwd, g, lay, &full).expect_err("6 rows");
         assert!(
-            e.to_string().contains("rows of 6 do not split over q² = 4"),
+            e.to_string()
+                .contains("rows = 6 does not split into 4 (q²)"),
             "{e}"
         );
         let x = Act::upload(fwd.pool(), fwd.stream(), 3, 8, DType::F32, &[0.5; 24])?;

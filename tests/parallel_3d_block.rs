@@ -547,11 +547,11 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let (w, b) = (master("ln.weight"), master("ln.bias"));
         LayerNorm3D::register(&mut m, g, "ln", 5, EPS, Layout3D::RowsKColsJ, &w, &b)
     });
-    refused_everywhere(errs, "'ln': the columns of 5 do not split over q = 2");
+    refused_everywhere(errs, "ln: columns = 5 does not split into 2 (q)");
     let errs = on_ranks("3d:2", |g| register_block(g, 12, 3));
-    refused_everywhere(errs, "'h.0': the heads of 3 do not split over q = 2");
+    refused_everywhere(errs, "h.0: heads = 3 does not split into 2 (q)");
     let errs = on_ranks("3d:2", |g| register_block(g, 6, 2));
-    refused_everywhere(errs, "'h.0': the channels of 6 do not split over q² = 4");
+    refused_everywhere(errs, "h.0: channels = 6 does not split into 4 (q²)");
     let errs = on_ranks("3d:2", |g| register_block(g, 16, 6));
     refused_everywhere(errs, "16 channels over 6 heads");
     // 2 sequences of 6 tokens: 12 rows split, but not into whole sequences; a tile too wide
@@ -567,7 +567,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
             .expect_err("2 sequences");
         assert!(
             e.to_string()
-                .contains("sequences (a tile holds whole sequences) of 2 do not split over q² = 4"),
+                .contains("sequences = 2 does not split into 4 (q²)"),
             "{e}"
         );
         let wide = Act::upload(fwd.pool(), fwd.stream(), NT, C, DType::F32, &[0.5; 48])?;

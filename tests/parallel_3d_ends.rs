@@ -512,20 +512,17 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         reg(15, C),
         "'wte': the vocabulary of 15 tokens does not split over q = 2",
     );
-    refused_everywhere(
-        reg(V, 6),
-        "'wte': the channels of 6 do not split over q² = 4",
-    );
+    refused_everywhere(reg(V, 6), "wte: channels = 6 does not split into 4 (q²)");
     let errs = on_ranks("3d:2", WORLD, |g| {
         let mut m = manager(g.tensor().device().clone(), DType::F32);
         Embedding3D::register(&mut m, g, "wpe", 5, C, lay, &w)
     });
-    refused_everywhere(errs, "'wpe': the table rows of 5 do not split over q = 2");
+    refused_everywhere(errs, "wpe: table rows = 5 does not split into 2 (q)");
     let errs = on_ranks("3d:2", WORLD, |g| {
         let mut m = manager(g.tensor().device().clone(), DType::F32);
         Classifier3D::register(&mut m, g, "cls", C, 5, lay, &w, None, IGNORE)
     });
-    refused_everywhere(errs, "'cls': the classes of 5 do not split over q = 2");
+    refused_everywhere(errs, "cls: classes = 5 does not split into 2 (q)");
     // 6 rows do not split by q² = 4: every forward refuses them, with no collective
     let errs = on_ranks("3d:2", WORLD, |g| -> Result<()> {
         let mut m = manager(g.tensor().device().clone(), DType::F32);

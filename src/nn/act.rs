@@ -132,17 +132,21 @@ impl Act {
     }
 
     /// Checks that this activation, named `what` in the error, has `cols` columns of `dtype`
-    /// and, when given, `rows` rows: [`Error::InvalidArgument`] otherwise.
+    /// and, when given, `rows` rows: [`Error::ActivationShape`] otherwise.
     pub fn expect(&self, what: &str, rows: Option<usize>, cols: usize, dtype: DType) -> Result<()> {
         let rows_ok = rows.is_none_or(|r| r == self.rows);
         if rows_ok && self.cols == cols && self.dtype == dtype {
             return Ok(());
         }
-        let want_rows = rows.map_or("N".to_string(), |r| r.to_string());
-        Err(Error::InvalidArgument(format!(
-            "`{what}` is [{}, {}] {}; expected [{want_rows}, {cols}] {dtype}",
-            self.rows, self.cols, self.dtype
-        )))
+        Err(Error::ActivationShape {
+            what: what.to_string(),
+            rows: self.rows,
+            cols: self.cols,
+            dtype: self.dtype,
+            expected_rows: rows,
+            expected_cols: cols,
+            expected_dtype: dtype,
+        })
     }
 }
 
@@ -166,7 +170,11 @@ mod tests {
         assert!(a.expect("a", Some(2), 3, DType::F16).is_ok());
         assert!(matches!(
             a.expect("a", Some(2), 4, DType::F16),
-            Err(Error::InvalidArgument(_))
+            Err(Error::ActivationShape {
+                cols: 3,
+                expected_cols: 4,
+                ..
+            })
         ));
         assert!(a.expect("a", None, 3, DType::F32).is_err());
         assert!(Act::alloc(&pool, 0, 3, DType::F32).is_err());

@@ -50,3 +50,24 @@ pub use vocab::{
 };
 pub mod pipeline;
 pub use pipeline::{PipeOp, PipelineStage, Schedule, StageModel};
+
+/// `n / parts`, or [`Error::NotSplit`](crate::Error::NotSplit) naming `layer`'s dimension
+/// `what` (`n`) and the parts it must split into (`parts`, counted `by`).
+pub(crate) fn split(
+    layer: &str,
+    what: &'static str,
+    n: usize,
+    parts: usize,
+    by: &'static str,
+) -> crate::Result<usize> {
+    if n == 0 || parts == 0 || !n.is_multiple_of(parts) {
+        return Err(crate::Error::NotSplit {
+            layer: layer.to_string(),
+            what,
+            value: n,
+            parts,
+            by,
+        });
+    }
+    Ok(n / parts)
+}

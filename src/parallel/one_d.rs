@@ -46,21 +46,16 @@ impl Shard {
         }
     }
 
-    /// `n / P`, or an error naming `what` when `n` does not divide.
-    fn split(&self, what: &str, n: usize) -> Result<usize> {
+    /// `n / P`, or [`Error::NotSplit`] naming `layer`'s dimension `what` when `n` does not
+    /// divide.
+    fn split(&self, layer: &str, what: &'static str, n: usize) -> Result<usize> {
         if self.size == 0 || self.rank >= self.size {
             return Err(Error::InvalidArgument(format!(
                 "rank {} of a tensor-parallel group of {}",
                 self.rank, self.size
             )));
         }
-        if n == 0 || !n.is_multiple_of(self.size) {
-            return Err(Error::InvalidArgument(format!(
-                "{what} of {n} does not split over {} tensor-parallel ranks",
-                self.size
-            )));
-        }
-        Ok(n / self.size)
+        super::split(layer, what, n, self.size, "tensor-parallel ranks")
     }
 }
 
@@ -110,7 +105,7 @@ impl ColumnLinear {
             )));
         }
         let block = outputs / parts;
-        let local = shard.split(&format!("'{name}': an output block"), block)?;
+        let local = shard.split(name, "an output block", block)?;
         let r = shard.rank;
         // local row q of part p is master row p·block + r·local + q
         let row = move |lr: usize| (lr / local) * block + r * local + lr % local;
@@ -172,7 +167,7 @@ impl RowLinear {
         bias: Option<&Init>,
         shard: Shard,
     ) -> Result<RowLinear> {
-        let local = shard.split(&format!("'{name}': the inputs"), inputs)?;
+        let local = shard.split(name, "inputs", inputs)?;
         let first = shard.rank * local;
         let w = shard_init(weight, move |i| (i / local) * inputs + first + i % local);
         let b = bias.filter(|_| shard.rank == 0).cloned();
@@ -241,7 +236,7 @@ impl Embedding1D {
         wpe: &Init,
         shard: Shard,
     ) -> Result<Embedding1D> {
-        let local = shard.split("the embedding's channels", channels)?;
+        let local = shard.split("the embedding", "channels", channels)?;
         let first = shard.rank * local;
         let cols = move |i: usize| (i / local) * channels + first + i % local;
         let te = store.register("wte.weight", &[vocab, local], shard_init(wte, cols))?;
@@ -369,13 +364,11 @@ impl Layout for OneD {
 
     fn check(&self, group: &Communicator) -> Result<()> {
         if Shard::of(group) != self.shard {
-            return Err(Error::InvalidArgument(format!(
-                "a block registered as rank {} of {} run on rank {} of {}",
-                self.shard.rank,
-                self.shard.size,
-                group.rank(),
-                group.world()
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 1D block",
+                registered: format!("as rank {} of {}", self.shard.rank, self.shard.size),
+                run: format!("on rank {} of {}", group.rank(), group.world()),
+            });
         }
         Ok(())
     }
@@ -389,7 +382,7 @@ impl Layout for OneD {
     }
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
-        self.shard.split(&format!("'{name}': the heads"), heads)?;
+        self.shard.split(name, "heads", heads)?;
         if channels == 0 || !channels.is_multiple_of(heads) {
             return Err(Error::InvalidArgument(format!(
                 "'{name}': {channels} channels over {heads} heads"

@@ -92,15 +92,7 @@ use crate::ops::{self, BiasGrad, Gemm};
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
-/// `n / by`, or the error naming `what` when `n` is 0 or does not divide.
-pub(super) fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
-    if n == 0 || by == 0 || !n.is_multiple_of(by) {
-        return Err(Error::InvalidArgument(format!(
-            "{what} of {n} do not split over {name} = {by} ranks of a 3D cube"
-        )));
-    }
-    Ok(n / by)
-}
+pub(super) use super::split;
 
 /// The collectives `(a, w, c)` of a layer on `layout`'s row group, the weight group and its
 /// column group, by the grid's groups.
@@ -213,8 +205,8 @@ impl Linear3D {
         bias: Option<&Init>,
     ) -> Result<Linear3D> {
         let q = place.q;
-        let iq2 = split(&format!("'{name}': the inputs"), inputs, q * q, "q²")?;
-        let oq = split(&format!("'{name}': the outputs"), outputs, q, "q")?;
+        let iq2 = split(name, "inputs", inputs, q * q, "q²")?;
+        let oq = split(name, "outputs", outputs, q, "q")?;
         let (i, (a, c)) = (place.i, place.axes(layout));
         let w = shard_init(weight, move |e| {
             let (r, s) = (e / oq, e % oq);
@@ -266,10 +258,11 @@ impl Linear3D {
     ) -> Result<(&'g Communicator, &'g Communicator, &'g Communicator)> {
         let here = Place3D::of(grid)?;
         if here != self.place {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D layer registered at {:?} run at {here:?}",
-                self.place
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 3D layer",
+                registered: format!("at {:?}", self.place),
+                run: format!("at {here:?}"),
+            });
         }
         groups(grid, self.layout)
     }

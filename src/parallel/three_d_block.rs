@@ -149,10 +149,11 @@ impl Layout for Cube {
     fn check(&self, grid: &ProcessGrid) -> Result<()> {
         let here = Place3D::of(grid)?;
         if here != self.place {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D block registered at {:?} run at {here:?}",
-                self.place
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 3D block",
+                registered: format!("at {:?}", self.place),
+                run: format!("at {here:?}"),
+            });
         }
         Ok(())
     }
@@ -167,8 +168,8 @@ impl Layout for Cube {
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
         let q = self.place.q;
-        split(&format!("'{name}': the channels"), channels, q * q, "q²")?;
-        split(&format!("'{name}': the heads"), heads, q, "q")?;
+        split(name, "channels", channels, q * q, "q²")?;
+        split(name, "heads", heads, q, "q")?;
         if !channels.is_multiple_of(heads) {
             return Err(Error::InvalidArgument(format!(
                 "'{name}': {channels} channels over {heads} heads (C a multiple of H)"
@@ -192,12 +193,8 @@ impl Layout for Cube {
                  (rows · q² = batch · sequence, q = {q})"
             )));
         }
-        let local = split(
-            "the batch's sequences (a tile holds whole sequences)",
-            batch,
-            q * q,
-            "q²",
-        )?;
+        // a tile holds whole sequences
+        let local = split("a 3D block tile", "sequences", batch, q * q, "q²")?;
         Ok(Attention::new(Heads::new(local, seq, heads, head_dim)))
     }
 

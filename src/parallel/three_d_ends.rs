@@ -109,9 +109,11 @@ use crate::error::{Error, Result};
 fn here(grid: &ProcessGrid, registered: Place3D) -> Result<Place3D> {
     let place = Place3D::of(grid)?;
     if place != registered {
-        return Err(Error::InvalidArgument(format!(
-            "a 3D layer registered at {registered:?} run at {place:?}"
-        )));
+        return Err(Error::WrongPlace {
+            what: "a 3D layer",
+            registered: format!("at {registered:?}"),
+            run: format!("at {place:?}"),
+        });
     }
     Ok(place)
 }

@@ -97,6 +97,7 @@ pub use linear2p5::Linear2p5D;
 
 use std::sync::Arc;
 
+pub(super) use super::split;
 use super::{Cost, ProcessGrid, TensorMode};
 use crate::comm::{Communicator, ReduceOp};
 use crate::dtype::DType;
@@ -137,16 +138,6 @@ struct Groups<'g> {
 pub(super) fn remap(master: &Init, map: impl Fn(usize) -> usize + Send + Sync + 'static) -> Init {
     let master = master.clone();
     Init::Fn(Arc::new(move |k| master.value(map(k))))
-}
-
-/// `n / parts`, or an error saying that `what` (`n`) does not split.
-pub(super) fn split(name: &str, what: &str, n: usize, parts: usize, how: &str) -> Result<usize> {
-    if n == 0 || parts == 0 || !n.is_multiple_of(parts) {
-        return Err(Error::InvalidArgument(format!(
-            "'{name}': {what} = {n} does not split into {how} = {parts} equal parts"
-        )));
-    }
-    Ok(n / parts)
 }
 
 /// `rows` of a full batch over `blocks` row blocks.
@@ -290,10 +281,11 @@ impl Linear2D {
     fn check_place(&self, grid: &ProcessGrid) -> Result<()> {
         let (row, col) = (grid.row_index()?, grid.col_index()?);
         if (row, col) != (self.row, self.col) {
-            return Err(Error::InvalidArgument(format!(
-                "a layer registered for grid place ({}, {}) run at ({row}, {col})",
-                self.row, self.col
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 2D layer",
+                registered: format!("for grid place ({}, {})", self.row, self.col),
+                run: format!("at ({row}, {col})"),
+            });
         }
         Ok(())
     }

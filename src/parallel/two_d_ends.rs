@@ -146,22 +146,26 @@ struct Groups<'g> {
 
 /// The groups of `grid`, after checking that it has `mode` and that this rank is at `place`.
 fn groups<'g>(
-    layer: &str,
+    layer: &'static str,
     mode: TensorMode,
     place: Place2D,
     grid: &'g ProcessGrid,
 ) -> Result<Groups<'g>> {
     let here = grid.spec().tensor;
     if here != mode {
-        return Err(Error::InvalidArgument(format!(
-            "{layer} registered on a {mode} grid run on a grid of tensor mode {here}"
-        )));
+        return Err(Error::WrongPlace {
+            what: layer,
+            registered: format!("on a {mode} grid"),
+            run: format!("on a grid of tensor mode {here}"),
+        });
     }
     let at = Place2D::of(grid)?;
     if at != place {
-        return Err(Error::InvalidArgument(format!(
-            "{layer} registered for {place:?} run at {at:?}"
-        )));
+        return Err(Error::WrongPlace {
+            what: layer,
+            registered: format!("for {place:?}"),
+            run: format!("at {at:?}"),
+        });
     }
     Ok(Groups {
         row: grid.row()?,

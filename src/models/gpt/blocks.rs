@@ -185,17 +185,14 @@ impl Blocks {
             },
             _ => Err(()),
         };
-        ok.map_err(|()| {
-            Error::InvalidArgument(format!(
-                "blocks registered {} run {}",
-                self.describe(),
-                match split {
-                    TensorSplit::None => "whole".to_string(),
-                    TensorSplit::OneD(s) =>
-                        format!("as rank {} of a 1D group of {}", s.rank, s.size),
-                    TensorSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
-                }
-            ))
+        ok.map_err(|()| Error::WrongPlace {
+            what: "a GPT's blocks",
+            registered: self.describe(),
+            run: match split {
+                TensorSplit::None => "whole".to_string(),
+                TensorSplit::OneD(s) => format!("as rank {} of a 1D group of {}", s.rank, s.size),
+                TensorSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
+            },
         })
     }
 

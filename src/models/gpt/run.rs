@@ -86,10 +86,11 @@ impl Gpt {
     pub(super) fn check_plan(&self, plan: &Plan<'_>) -> Result<()> {
         let (stage, stages) = plan.stage();
         if (stage, stages) != (self.stage, self.stages) {
-            return Err(Error::InvalidArgument(format!(
-                "a model registered as stage {} of {} run as stage {stage} of {stages}",
-                self.stage, self.stages
-            )));
+            return Err(Error::WrongPlace {
+                what: "a GPT",
+                registered: format!("as stage {} of {}", self.stage, self.stages),
+                run: format!("as stage {stage} of {stages}"),
+            });
         }
         self.blocks.check(plan.split())
     }

@@ -114,8 +114,8 @@ impl Place3D {
     /// naming the dimension when the rows do not split by `q²` or the columns by `q`.
     pub fn tile(&self, layout: Layout3D, rows: usize, cols: usize) -> Result<Tile> {
         let q = self.q;
-        let rows_l = split("rows", rows, q * q, "q²")?;
-        let cols_l = split("columns", cols, q, "q")?;
+        let rows_l = split("a 3D tile", "rows", rows, q * q, "q²")?;
+        let cols_l = split("a 3D tile", "columns", cols, q, "q")?;
         let (a, c) = self.axes(layout);
         Ok(Tile {
             row0: (self.i * q + a) * rows_l,

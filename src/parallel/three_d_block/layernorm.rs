@@ -38,15 +38,7 @@ fn groups(
     })
 }
 
-/// `n / by`, or the error naming `what` when `n` is 0 or does not divide.
-pub(super) fn split(what: &str, n: usize, by: usize, name: &str) -> Result<usize> {
-    if n == 0 || by == 0 || !n.is_multiple_of(by) {
-        return Err(Error::InvalidArgument(format!(
-            "{what} of {n} do not split over {name} = {by} ranks of a 3D cube"
-        )));
-    }
-    Ok(n / by)
-}
+pub(super) use crate::parallel::split;
 
 /// One call over a buffer of `bytes` bytes.
 fn tally(calls: u64, bytes: usize) -> Tally {
@@ -125,7 +117,7 @@ impl LayerNorm3D {
         [gamma, beta]: [&Init; 2],
     ) -> Result<LayerNorm3D> {
         let q = place.q;
-        let cq = split(&format!("'{name}': the columns"), cols, q, "q")?;
+        let cq = split(name, "columns", cols, q, "q")?;
         if !(eps.is_finite() && eps >= 0.0) {
             return Err(Error::InvalidArgument(format!(
                 "layer norm '{name}' with eps {eps} (finite, ≥ 0)"
@@ -168,10 +160,11 @@ impl LayerNorm3D {
     ) -> Result<(&'g Communicator, &'g Communicator, &'g Communicator)> {
         let here = Place3D::of(grid)?;
         if here != self.place {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D layer norm registered at {:?} run at {here:?}",
-                self.place
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 3D layer norm",
+                registered: format!("at {:?}", self.place),
+                run: format!("at {here:?}"),
+            });
         }
         groups(grid, self.layout)
     }

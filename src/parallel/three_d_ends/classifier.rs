@@ -52,8 +52,8 @@ impl Classifier3D {
     ) -> Result<Classifier3D> {
         let place = Place3D::of(grid)?;
         let q = place.q;
-        split(&format!("'{name}': the inputs"), inputs, q * q, "q²")?;
-        let cq = split(&format!("'{name}': the classes"), classes, q, "q")?;
+        split(name, "inputs", inputs, q * q, "q²")?;
+        let cq = split(name, "classes", classes, q, "q")?;
         let (a, _) = place.axes(layout);
         VocabShard::new(classes, a * cq, cq)?;
         let linear = Linear3D::register(store, grid, name, inputs, classes, layout, weight, bias)?;

@@ -87,8 +87,8 @@ impl Embedding3D {
     ) -> Result<Embedding3D> {
         let place = Place3D::of(grid)?;
         let q = place.q;
-        let rq = split(&format!("'{name}': the table rows"), rows, q, "q")?;
-        let cq = split(&format!("'{name}': the channels"), channels, q, "q")?;
+        let rq = split(name, "table rows", rows, q, "q")?;
+        let cq = split(name, "channels", channels, q, "q")?;
         if rows > i32::MAX as usize {
             return Err(Error::InvalidArgument(format!(
                 "'{name}': {rows} table rows do not fit i32 ids"
@@ -267,7 +267,7 @@ impl VocabEmbedding3D {
                  of a 3D cube (pad it to a multiple of q, as GPT-2's 50257 to 50304)"
             )));
         }
-        split(&format!("'{name}': the channels"), channels, q * q, "q²")?;
+        split(name, "channels", channels, q * q, "q²")?;
         let (a, _) = place.axes(layout);
         VocabShard::new(vocab, a * vocab / q, vocab / q)?;
         let lin = Linear3D::register(store, grid, name, channels, vocab, layout, wte, None)?;

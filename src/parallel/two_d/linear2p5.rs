@@ -100,11 +100,11 @@ impl Linear2p5D {
         }
         self.slice.check_place(grid)?;
         if grid.dep_index()? != self.dep {
-            return Err(Error::InvalidArgument(format!(
-                "a layer registered for depth layer {} run in layer {}",
-                self.dep,
-                grid.dep_index()?
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 2.5D layer",
+                registered: format!("for depth layer {}", self.dep),
+                run: format!("in layer {}", grid.dep_index()?),
+            });
         }
         Ok(Groups {
             row: grid.row()?,

@@ -58,9 +58,11 @@ impl Place2D {
     pub(super) fn groups<'g>(&self, grid: &'g ProcessGrid) -> Result<Groups<'g>> {
         let here = Place2D::of(grid)?;
         if here != *self {
-            return Err(Error::InvalidArgument(format!(
-                "a layer registered for {self:?} run at {here:?}"
-            )));
+            return Err(Error::WrongPlace {
+                what: "a 2D layer",
+                registered: format!("for {self:?}"),
+                run: format!("at {here:?}"),
+            });
         }
         Ok(Groups {
             row: grid.row()?,

@@ -85,13 +85,15 @@ pub(super) fn check_step<'a>(
         )));
     }
     if pipeline.world() != gpt.stages || pipeline.rank() != gpt.stage {
-        return Err(Error::InvalidArgument(format!(
-            "stage {} of {} run as rank {} of a pipeline of {}",
-            gpt.stage,
-            gpt.stages,
-            pipeline.rank(),
-            pipeline.world()
-        )));
+        return Err(Error::WrongPlace {
+            what: "a GPT",
+            registered: format!("as stage {} of {}", gpt.stage, gpt.stages),
+            run: format!(
+                "as rank {} of a pipeline of {}",
+                pipeline.rank(),
+                pipeline.world()
+            ),
+        });
     }
     Ok(pipeline)
 }

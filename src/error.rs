@@ -318,6 +318,17 @@ pub enum Error {
         by: &'static str,
     },
 
+    /// A number outside the values a setting takes (a loss scale, a LayerNorm's ε).
+    #[error("{what} = {value}: it must be {want}")]
+    BadValue {
+        /// The setting, and whose.
+        what: String,
+        /// Its value.
+        value: f64,
+        /// What it must be.
+        want: &'static str,
+    },
+
     /// An activation is not of the shape or type a layer takes.
     #[error(
         "`{what}` is [{rows}, {cols}] {dtype}; expected [{}, {expected_cols}] {expected_dtype}",

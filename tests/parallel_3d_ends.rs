@@ -532,7 +532,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let before = snapshot(g);
         let fwd = m.forward()?;
         let ids = [1i32; 6];
-        let rows = "rows of 6 do not split over q² = 4";
+        let rows = "rows = 6 does not split into 4 (q²)";
         let e = emb
             .forward(&fwd, g, &ids)
             .expect_err("6 tokens")

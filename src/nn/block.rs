@@ -117,11 +117,7 @@ impl<L: Layout> Block<L> {
         init: &dyn Fn(&str) -> Init,
     ) -> Result<Block<L>> {
         layout.check_split(name, channels, heads)?;
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(crate::Error::InvalidArgument(format!(
-                "'{name}': layer norm eps {eps} (finite, ≥ 0)"
-            )));
-        }
+        super::check_eps(name, eps)?;
         let c = channels;
         let p = |s: &str| format!("{name}.{s}");
         let masters = |s: &str| {

@@ -76,11 +76,12 @@ impl LayerNorm {
         gamma: Init,
         beta: Init,
     ) -> Result<LayerNorm> {
-        if cols == 0 || !(eps.is_finite() && eps >= 0.0) {
+        if cols == 0 {
             return Err(Error::InvalidArgument(format!(
-                "layer norm '{name}' over {cols} columns with eps {eps} (C ≥ 1, finite eps ≥ 0)"
+                "layer norm '{name}' over 0 columns"
             )));
         }
+        super::check_eps(name, eps)?;
         let gamma = store.register(&format!("{name}.weight"), &[cols], gamma)?;
         let beta = store.register(&format!("{name}.bias"), &[cols], beta)?;
         Ok(LayerNorm {

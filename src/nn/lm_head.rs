@@ -121,11 +121,7 @@ impl LmHead {
         targets: &[i32],
         scale: f32,
     ) -> Result<(Loss, LmHeadSaved)> {
-        if !(scale > 0.0 && scale.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "a loss scale of {scale} (it must be positive and finite)"
-            )));
-        }
+        super::check_scale("the loss scale", scale)?;
         let (d, v) = (pass.param_dtype(), self.vocab());
         h.expect("h", Some(targets.len()), self.proj.inputs, d)?;
         check_targets(targets, v, self.ignore_index)?;

@@ -100,6 +100,30 @@ fn check_param<K: PassKind>(g: &Guard<'_, K>, i: usize, shape: &[usize], d: DTyp
     Ok(())
 }
 
+/// Checks a LayerNorm's ε (finite, ≥ 0) for layer `name`: [`Error::BadValue`] otherwise.
+pub(crate) fn check_eps(name: &str, eps: f32) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        return Ok(());
+    }
+    Err(Error::BadValue {
+        what: format!("'{name}': layer norm eps"),
+        value: f64::from(eps),
+        want: "finite and ≥ 0",
+    })
+}
+
+/// Checks a loss (or gradient) scale `what` (finite, > 0): [`Error::BadValue`] otherwise.
+pub(crate) fn check_scale(what: &str, scale: f32) -> Result<()> {
+    if scale.is_finite() && scale > 0.0 {
+        return Ok(());
+    }
+    Err(Error::BadValue {
+        what: what.to_string(),
+        value: f64::from(scale),
+        want: "positive and finite",
+    })
+}
+
 /// The input gradient of a [`Linear::backward`] that was asked for one.
 fn asked_dx(dx: Option<Act>) -> Result<Act> {
     dx.ok_or_else(|| Error::InvalidArgument("a linear backward asked for dx gave none".into()))

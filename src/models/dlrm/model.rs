@@ -361,24 +361,14 @@ impl Dlrm {
 
 /// A loss scale must be a positive finite number.
 pub(super) fn check_loss_scale(loss_scale: f32) -> Result<()> {
-    if loss_scale.is_finite() && loss_scale > 0.0 {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "the loss scale {loss_scale} is not a positive finite number"
-        )))
-    }
+    crate::nn::check_scale("the loss scale", loss_scale)
 }
 
 /// The explicit normalisation of a split batch: a gradient scale and a divisor, each positive
 /// and finite.
 pub(super) fn check_scales(grad_scale: f32, emb_div: f32) -> Result<()> {
-    for (what, v) in [("gradient scale", grad_scale), ("divisor", emb_div)] {
-        if !(v.is_finite() && v > 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "the {what} {v} is not a positive finite number"
-            )));
-        }
+    for (what, v) in [("the gradient scale", grad_scale), ("the divisor", emb_div)] {
+        crate::nn::check_scale(what, v)?;
     }
     Ok(())
 }

@@ -124,13 +124,7 @@ impl GptBatch<'_> {
 impl RunOptions {
     /// Checks the options before a pass: the loss scale must be positive and finite.
     pub fn check(&self) -> Result<()> {
-        let s = self.loss_scale;
-        if !(s > 0.0 && s.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "a loss scale of {s} (it must be positive and finite)"
-            )));
-        }
-        Ok(())
+        crate::nn::check_scale("the loss scale", self.loss_scale)
     }
 
     /// Checkpointing on for models of 12 or more blocks (GPT-2 124M and up), loss scale 1.

@@ -118,11 +118,7 @@ impl LayerNorm3D {
     ) -> Result<LayerNorm3D> {
         let q = place.q;
         let cq = split(name, "columns", cols, q, "q")?;
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "layer norm '{name}' with eps {eps} (finite, ≥ 0)"
-            )));
-        }
+        crate::nn::check_eps(name, eps)?;
         let c0 = axes(&place, layout).1 * cq;
         let block = |m: &Init| {
             let m = m.clone();

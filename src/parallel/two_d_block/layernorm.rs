@@ -216,11 +216,7 @@ impl LayerNorm2D {
     ) -> Result<LayerNorm2D> {
         let q = place.q;
         let piece = split(name, "cols", cols, q * q, "q²")?;
-        if !(eps.is_finite() && eps >= 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "layer norm '{name}' with eps {eps} (finite, ≥ 0)"
-            )));
-        }
+        crate::nn::check_eps(name, eps)?;
         let start = place.col * (cols / q) + place.row * piece;
         let g = remap(gamma, move |k| start + k);
         let b = remap(beta, move |k| start + k);

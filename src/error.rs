@@ -329,6 +329,54 @@ pub enum Error {
         want: &'static str,
     },
 
+    /// A parameter tensor is not of the shape or type the layer it was handed to expects.
+    #[error(
+        "parameter #{tensor} is {shape:?} {dtype}; the layer expects {expected:?} {expected_dtype}"
+    )]
+    ParamShape {
+        /// The tensor's id.
+        tensor: u32,
+        /// Its shape.
+        shape: Vec<usize>,
+        /// Its element type.
+        dtype: DType,
+        /// The shape the layer expects.
+        expected: Vec<usize>,
+        /// The element type it expects.
+        expected_dtype: DType,
+    },
+
+    /// A batch whose rows are not `batch × seq`, or whose tokens and targets differ in number.
+    #[error("a batch of {batch} × {seq} with {tokens} tokens and {targets} targets")]
+    BatchShape {
+        /// Sequences.
+        batch: usize,
+        /// Tokens a sequence.
+        seq: usize,
+        /// Tokens given.
+        tokens: usize,
+        /// Targets given.
+        targets: usize,
+    },
+
+    /// Sequences longer than the model's positions.
+    #[error("sequences of {seq} tokens; the model has {max} positions")]
+    SeqTooLong {
+        /// The sequences' length.
+        seq: usize,
+        /// The model's positions.
+        max: usize,
+    },
+
+    /// A step given another number of micro-batches than its optimizer accumulates.
+    #[error("{got} micro-batches for an optimizer that accumulates {accumulates}")]
+    MicroBatches {
+        /// Micro-batches given.
+        got: usize,
+        /// Micro-batches the optimizer accumulates.
+        accumulates: usize,
+    },
+
     /// An activation is not of the shape or type a layer takes.
     #[error(
         "`{what}` is [{rows}, {cols}] {dtype}; expected [{}, {expected_cols}] {expected_dtype}",

@@ -90,12 +90,13 @@ use crate::store::{Guard, PassKind};
 fn check_param<K: PassKind>(g: &Guard<'_, K>, i: usize, shape: &[usize], d: DType) -> Result<()> {
     let p = g.param(i)?;
     if p.shape() != shape || p.dtype() != d {
-        return Err(Error::InvalidArgument(format!(
-            "parameter {} is {:?} {}; the layer expects {shape:?} {d}",
-            g.ids()[i],
-            p.shape(),
-            p.dtype()
-        )));
+        return Err(Error::ParamShape {
+            tensor: g.ids()[i].0,
+            shape: p.shape().to_vec(),
+            dtype: p.dtype(),
+            expected: shape.to_vec(),
+            expected_dtype: d,
+        });
     }
     Ok(())
 }

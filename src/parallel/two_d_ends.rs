@@ -203,12 +203,13 @@ fn check_ids(layer: &str, ids: &[i32], rows: usize) -> Result<()> {
 fn check_param<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Result<()> {
     let p = g.param(0)?;
     if p.shape() != shape || p.dtype() != d {
-        return Err(Error::InvalidArgument(format!(
-            "parameter {} is {:?} {}; the layer expects {shape:?} {d}",
-            g.ids()[0],
-            p.shape(),
-            p.dtype()
-        )));
+        return Err(Error::ParamShape {
+            tensor: g.ids()[0].0,
+            shape: p.shape().to_vec(),
+            dtype: p.dtype(),
+            expected: shape.to_vec(),
+            expected_dtype: d,
+        });
     }
     Ok(())
 }

@@ -103,19 +103,18 @@ impl GptBatch<'_> {
     pub fn check(&self, cfg: &GptConfig) -> Result<()> {
         let n = self.batch.checked_mul(self.seq).filter(|&n| n > 0);
         if n != Some(self.tokens.len()) || self.targets.len() != self.tokens.len() {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} × {} with {} tokens and {} targets",
-                self.batch,
-                self.seq,
-                self.tokens.len(),
-                self.targets.len()
-            )));
+            return Err(Error::BatchShape {
+                batch: self.batch,
+                seq: self.seq,
+                tokens: self.tokens.len(),
+                targets: self.targets.len(),
+            });
         }
         if self.seq > cfg.max_seq {
-            return Err(Error::InvalidArgument(format!(
-                "sequences of {} tokens; the model has {} positions",
-                self.seq, cfg.max_seq
-            )));
+            return Err(Error::SeqTooLong {
+                seq: self.seq,
+                max: cfg.max_seq,
+            });
         }
         crate::ops::check_targets(self.targets, cfg.vocab, IGNORE_INDEX)
     }

@@ -88,10 +88,10 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
 ) -> Result<TrainStep> {
     let want = adam.config().accumulation_steps as usize;
     if micro.len() != want {
-        return Err(Error::InvalidArgument(format!(
-            "{} micro-batches for an optimizer that accumulates {want}",
-            micro.len()
-        )));
+        return Err(Error::MicroBatches {
+            got: micro.len(),
+            accumulates: want,
+        });
     }
     let mut losses = Vec::with_capacity(micro.len());
     let mut tokens = 0;

@@ -329,6 +329,29 @@ pub enum Error {
         want: &'static str,
     },
 
+    /// An embedding id past its table's rows.
+    #[error("{}id {id} at position {position} is out of range for a table of {rows} rows", table.map_or(String::new(), |t| format!("table {t}: ")))]
+    IdOutOfRange {
+        /// The table, in a collection of several.
+        table: Option<usize>,
+        /// The id.
+        id: u64,
+        /// Its position in the batch's indices.
+        position: usize,
+        /// The table's rows.
+        rows: usize,
+    },
+
+    /// A call made before the one it follows (a backward before its forward, a step before its
+    /// backward).
+    #[error("{call} needs {needs} first")]
+    OutOfOrder {
+        /// The call.
+        call: &'static str,
+        /// What must come before it.
+        needs: &'static str,
+    },
+
     /// A parameter tensor is not of the shape or type the layer it was handed to expects.
     #[error(
         "parameter #{tensor} is {shape:?} {dtype}; the layer expects {expected:?} {expected_dtype}"

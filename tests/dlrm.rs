@@ -842,7 +842,17 @@ fn the_sample_major_forward_needs_one_bag_per_sample_in_every_table() {
     assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
     let out_of_range = batch(&[3, 40], &[0, 1, 2]);
     let r = emb.forward_device_interleaved(&out_of_range);
-    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::IdOutOfRange {
+                table: Some(1),
+                id: 40,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     assert!(emb.output().is_err(), "a refused forward left an output");
     assert_eq!(emb.bag().cache().moved().h2d_rows, 0);
     // two samples of two tables: rows sample-major, each the table's row

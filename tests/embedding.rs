@@ -531,7 +531,12 @@ fn bad_input_is_refused_and_changes_nothing() {
     for (idx, off, w) in &bad {
         let e = bag.forward(idx, off, w.as_deref()).unwrap_err();
         assert!(
-            matches!(e, Error::InvalidArgument(_) | Error::CacheTooSmall { .. }),
+            matches!(
+                e,
+                Error::InvalidArgument(_)
+                    | Error::CacheTooSmall { .. }
+                    | Error::IdOutOfRange { .. }
+            ),
             "{e}"
         );
         assert_eq!(bag.cache().stats(), stats);

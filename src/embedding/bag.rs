@@ -180,10 +180,12 @@ impl EmbeddingBag {
             .enumerate()
             .find(|(_, &id)| id as usize >= self.rows)
         {
-            return Err(Error::InvalidArgument(format!(
-                "id {id} at position {i} is out of range for a table of {} rows",
-                self.rows
-            )));
+            return Err(Error::IdOutOfRange {
+                table: None,
+                id: u64::from(id),
+                position: i,
+                rows: self.rows,
+            });
         }
         let mut out = vec![0f32; bags * self.dim];
         bag_forward(
@@ -203,10 +205,10 @@ impl EmbeddingBag {
     /// Backward of the last forward: the distinct ids (first-occurrence order) and their
     /// gradients (`dim` floats each).
     pub fn backward(&mut self, grad_out: &[f32]) -> Result<(Vec<u32>, Vec<f32>)> {
-        let (plan, bags) = self
-            .last
-            .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?;
+        let (plan, bags) = self.last.as_ref().ok_or_else(|| Error::OutOfOrder {
+            call: "backward",
+            needs: "a forward",
+        })?;
         if grad_out.len() != bags * self.dim {
             return Err(Error::InvalidArgument(format!(
                 "{} output gradients for {bags} bags of {}",
@@ -228,12 +230,15 @@ impl EmbeddingBag {
 
     /// Applies the optimizer to the rows of the last backward.
     pub fn step(&mut self) -> Result<()> {
-        let (plan, _) = self
-            .last
-            .take()
-            .ok_or_else(|| Error::InvalidArgument("step needs a backward first".into()))?;
+        let (plan, _) = self.last.take().ok_or_else(|| Error::OutOfOrder {
+            call: "step",
+            needs: "a backward",
+        })?;
         if self.grads.len() != plan.rows.len() * self.dim {
-            return Err(Error::InvalidArgument("step needs a backward first".into()));
+            return Err(Error::OutOfOrder {
+                call: "step",
+                needs: "a backward",
+            });
         }
         self.step += 1;
         let opt = self.optimizer.at_step(self.step);
@@ -605,7 +610,10 @@ impl CachedEmbeddingBag {
         let bags = self
             .saved
             .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("no forward to read".into()))?
+            .ok_or_else(|| Error::OutOfOrder {
+                call: "reading the output",
+                needs: "a forward",
+            })?
             .bags;
         self.out.view(bags * self.cache.dim() * 4)
     }
@@ -647,7 +655,10 @@ impl CachedEmbeddingBag {
         Ok(self
             .saved
             .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("backward needs a forward first".into()))?
+            .ok_or_else(|| Error::OutOfOrder {
+                call: "backward",
+                needs: "a forward",
+            })?
             .bags)
     }
 
@@ -693,7 +704,10 @@ impl CachedEmbeddingBag {
             .saved
             .as_ref()
             .filter(|s| s.backward_done)
-            .ok_or_else(|| Error::InvalidArgument("no backward to read".into()))?;
+            .ok_or_else(|| Error::OutOfOrder {
+                call: "reading the gradient",
+                needs: "a backward",
+            })?;
         let mut ids = Vec::with_capacity(saved.plan.rows.len());
         let mut seen = std::collections::HashSet::new();
         for &id in indices {
@@ -720,7 +734,10 @@ impl CachedEmbeddingBag {
             .saved
             .take()
             .filter(|s| s.backward_done)
-            .ok_or_else(|| Error::InvalidArgument("step needs a backward first".into()))?;
+            .ok_or_else(|| Error::OutOfOrder {
+                call: "step",
+                needs: "a backward",
+            })?;
         debug_assert!(
             {
                 let mut r = saved.plan.rows.clone();

@@ -231,11 +231,11 @@ impl CacheIndex {
         ids.iter()
             .enumerate()
             .map(|(i, &id)| {
-                self.row_of(id).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "id {id} at position {i} is out of range for a table of {} rows",
-                        self.rows()
-                    ))
+                self.row_of(id).ok_or_else(|| Error::IdOutOfRange {
+                    table: None,
+                    id: u64::from(id),
+                    position: i,
+                    rows: self.rows(),
                 })
             })
             .collect()
@@ -309,10 +309,12 @@ impl CacheIndex {
             })
         };
         match bad {
-            Some((i, id)) => Err(Error::InvalidArgument(format!(
-                "id {id} at position {i} is out of range for a table of {} rows",
-                self.rows()
-            ))),
+            Some((i, id)) => Err(Error::IdOutOfRange {
+                table: None,
+                id: u64::from(id),
+                position: i,
+                rows: self.rows(),
+            }),
             None => Ok((rows, slots)),
         }
     }
@@ -792,7 +794,11 @@ mod tests {
         ));
         assert!(matches!(
             ix.prepare(&[1, 10]),
-            Err(Error::InvalidArgument(_))
+            Err(Error::IdOutOfRange {
+                id: 10,
+                position: 1,
+                ..
+            })
         ));
         assert_eq!(before, (ix.stats(), ix.slot_of_row(1), ix.slot_of_row(2)));
         // The failed batch's used bits do not protect its rows later.

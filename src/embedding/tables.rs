@@ -106,9 +106,12 @@ impl CachedEmbeddingCollection {
             .enumerate()
             .find(|(_, &id)| id as u64 >= rows)
         {
-            return Err(Error::InvalidArgument(format!(
-                "table {t}: id {id} at position {i} is out of range for {rows} rows"
-            )));
+            return Err(Error::IdOutOfRange {
+                table: Some(t),
+                id: u64::from(*id),
+                position: i,
+                rows: rows as usize,
+            });
         }
         if b.offsets.first() != Some(&0)
             || b.offsets.last().map(|&o| o as usize) != Some(b.indices.len())

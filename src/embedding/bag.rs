@@ -205,7 +205,7 @@ impl EmbeddingBag {
     /// Backward of the last forward: the distinct ids (first-occurrence order) and their
     /// gradients (`dim` floats each).
     pub fn backward(&mut self, grad_out: &[f32]) -> Result<(Vec<u32>, Vec<f32>)> {
-        let (plan, bags) = self.last.as_ref().ok_or_else(|| Error::OutOfOrder {
+        let (plan, bags) = self.last.as_ref().ok_or(Error::OutOfOrder {
             call: "backward",
             needs: "a forward",
         })?;
@@ -230,7 +230,7 @@ impl EmbeddingBag {
 
     /// Applies the optimizer to the rows of the last backward.
     pub fn step(&mut self) -> Result<()> {
-        let (plan, _) = self.last.take().ok_or_else(|| Error::OutOfOrder {
+        let (plan, _) = self.last.take().ok_or(Error::OutOfOrder {
             call: "step",
             needs: "a backward",
         })?;
@@ -610,7 +610,7 @@ impl CachedEmbeddingBag {
         let bags = self
             .saved
             .as_ref()
-            .ok_or_else(|| Error::OutOfOrder {
+            .ok_or(Error::OutOfOrder {
                 call: "reading the output",
                 needs: "a forward",
             })?
@@ -655,7 +655,7 @@ impl CachedEmbeddingBag {
         Ok(self
             .saved
             .as_ref()
-            .ok_or_else(|| Error::OutOfOrder {
+            .ok_or(Error::OutOfOrder {
                 call: "backward",
                 needs: "a forward",
             })?
@@ -704,7 +704,7 @@ impl CachedEmbeddingBag {
             .saved
             .as_ref()
             .filter(|s| s.backward_done)
-            .ok_or_else(|| Error::OutOfOrder {
+            .ok_or(Error::OutOfOrder {
                 call: "reading the gradient",
                 needs: "a backward",
             })?;
@@ -734,7 +734,7 @@ impl CachedEmbeddingBag {
             .saved
             .take()
             .filter(|s| s.backward_done)
-            .ok_or_else(|| Error::OutOfOrder {
+            .ok_or(Error::OutOfOrder {
                 call: "step",
                 needs: "a backward",
             })?;

@@ -464,11 +464,11 @@ impl Layout for OneD {
         x: &Act,
         residual: Option<&Act>,
     ) -> Result<(Act, LayerNormSaved)> {
-        norm.forward(pass, x, residual)
+        Serial.norm_forward((), pass, norm, x, residual)
     }
 
     fn norm_input(saved: &LayerNormSaved) -> &Act {
-        saved.h()
+        Serial::norm_input(saved)
     }
 
     fn norm_backward(

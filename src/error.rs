@@ -434,6 +434,137 @@ pub enum Error {
         run: String,
     },
 
+    /// A count or length that does not match the one it goes with (weights for indices,
+    /// gradients for rows, bytes for a shape).
+    #[error("{what}: {got} given, {expected} expected")]
+    Length {
+        /// What was counted, and what it goes with (`per-sample weights for 12 indices`).
+        what: String,
+        /// The count given.
+        got: usize,
+        /// The count expected.
+        expected: usize,
+    },
+
+    /// An index past the end of what it indexes (a rank of a world, a chunk of a trace, a
+    /// stage of a pipeline, a micro-batch of a step).
+    #[error("{what} {index} is out of range: there are {len}")]
+    IndexOutOfRange {
+        /// What the index names (`rank`, `chunk`, `stage`).
+        what: String,
+        /// The index.
+        index: usize,
+        /// How many there are.
+        len: usize,
+    },
+
+    /// Fewer of something than a setting needs (at least one rank, a micro-batch a stage).
+    #[error("{what}: {got}, at least {need} needed")]
+    TooFew {
+        /// What was counted.
+        what: String,
+        /// How many were given.
+        got: usize,
+        /// The fewest that work.
+        need: usize,
+    },
+
+    /// Nothing where at least one is needed (a batch of no samples, a model of no tensor).
+    #[error("{what} is empty")]
+    Empty {
+        /// What is empty.
+        what: String,
+    },
+
+    /// A size computed from the inputs overflows its integer type.
+    #[error("{what} overflows")]
+    Overflow {
+        /// The size, and the inputs it comes from.
+        what: String,
+    },
+
+    /// A tensor or value of an element type the operation does not take.
+    #[error("{what} is {dtype}; it must be {expected}")]
+    WrongDType {
+        /// What has the type.
+        what: String,
+        /// Its type.
+        dtype: DType,
+        /// The types allowed.
+        expected: &'static str,
+    },
+
+    /// Text that does not read as the setting it names (a policy, a tensor mode, a byte size).
+    #[error("{what} {input:?}: expected {expected}")]
+    Parse {
+        /// The setting.
+        what: &'static str,
+        /// The text given.
+        input: String,
+        /// What it may be.
+        expected: String,
+    },
+
+    /// Two settings or inputs that cannot be used together.
+    #[error("{what} cannot be used with {with}")]
+    Conflict {
+        /// The first.
+        what: String,
+        /// The one it conflicts with, and why where it helps.
+        with: String,
+    },
+
+    /// The saved state handed to a layer's backward is not the one its forward returned (from
+    /// another layer, layout or core).
+    #[error("{layer}: the saved state handed to backward is not from this layer's forward")]
+    SavedMismatch {
+        /// The layer.
+        layer: String,
+    },
+
+    /// Bag offsets that do not run up from 0 to the number of indices.
+    #[error(
+        "{}offsets: {why} (entry {at})",
+        table.map_or(String::new(), |t| format!("table {t}: "))
+    )]
+    BadOffsets {
+        /// The table, in a collection of several.
+        table: Option<usize>,
+        /// The first entry that is wrong.
+        at: usize,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+
+    /// A pipeline op list that is not a schedule of its micro-batches (a missing, repeated or
+    /// out-of-range op).
+    #[error("the op list of stage {stage} is not a schedule: {reason}")]
+    BadSchedule {
+        /// The stage.
+        stage: usize,
+        /// What is wrong.
+        reason: String,
+    },
+
+    /// Pipeline op lists that cannot all run: each stuck stage's next op waits for an op that
+    /// waits, directly or not, for it.
+    #[error("the schedule deadlocks after {done} of {total} ops; stuck: {stuck:?}")]
+    Deadlock {
+        /// Ops that ran.
+        done: usize,
+        /// Ops in all.
+        total: usize,
+        /// `(stage, its next op)` of every unfinished stage, the op as `F3` or `B3`.
+        stuck: Vec<(usize, String)>,
+    },
+
+    /// A broken invariant inside the crate: a bug in `tidemem`, not in the call.
+    #[error("internal error (a bug in tidemem): {what}")]
+    Internal {
+        /// What was found broken.
+        what: String,
+    },
+
     /// The file tier cannot reserve the disk space of a buffer: its directory's filesystem is
     /// full (or the quota is spent, or the filesystem caps the size of one file). Nothing was
     /// mapped; the space is reserved before a byte is touched, so a full disk is this error,

@@ -88,7 +88,7 @@ impl ToyMlp {
     /// [`ToyMlp::forward_backward`] check it too.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] naming a zero size or the learning rate;
+    /// [`Error::TooFew`] naming a zero size, [`Error::BadValue`] for the learning rate;
     /// [`Error::TooLarge`] with the bytes and the limit.
     ///
     /// ```
@@ -107,16 +107,19 @@ impl ToyMlp {
             ("batch", self.batch),
         ] {
             if n == 0 {
-                return Err(Error::InvalidArgument(format!(
-                    "a toy MLP needs {what} of at least 1, got 0"
-                )));
+                return Err(Error::TooFew {
+                    what: format!("a toy MLP's {what}"),
+                    got: 0,
+                    need: 1,
+                });
             }
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return Err(Error::InvalidArgument(format!(
-                "a toy MLP needs a finite, positive learning rate, got {}",
-                self.lr
-            )));
+            return Err(Error::BadValue {
+                what: "a toy MLP's learning rate".into(),
+                value: self.lr.into(),
+                want: "finite and above 0",
+            });
         }
         crate::limits::host_bytes(
             || {
@@ -285,11 +288,21 @@ impl ToyMlp {
     ) -> Result<f32> {
         self.validate()?;
         let (k, parts) = part;
-        if parts == 0 || k >= parts || !self.batch.is_multiple_of(parts) {
-            return Err(crate::Error::InvalidArgument(format!(
-                "micro-batch {k} of {parts} of a batch of {}",
-                self.batch
-            )));
+        if k >= parts {
+            return Err(Error::IndexOutOfRange {
+                what: "micro-batch".into(),
+                index: k,
+                len: parts,
+            });
+        }
+        if !self.batch.is_multiple_of(parts) {
+            return Err(Error::NotSplit {
+                layer: "a toy MLP".into(),
+                what: "batch",
+                value: self.batch,
+                parts,
+                by: "micro-batches",
+            });
         }
         let bsz = self.batch / parts;
         let (x, y) = regression_samples(self.width, seed, k * bsz..(k + 1) * bsz);
@@ -340,7 +353,9 @@ impl ToyMlp {
             ops::gelu_forward(dev, s, z, half(&zh, 1, n, d)?, d)?;
             blocks.push(zh);
         }
-        let io = io.ok_or_else(|| Error::InvalidArgument("a toy MLP of no blocks".into()))?;
+        let io = io.ok_or_else(|| Error::Empty {
+            what: "a toy MLP's blocks".into(),
+        })?;
         Ok((io, blocks))
     }
 
@@ -355,9 +370,9 @@ impl ToyMlp {
     ) -> Result<f32> {
         let (dev, s, d) = (pass.device(), pass.stream(), pass.param_dtype());
         let n = io.values;
-        let last = blocks
-            .last()
-            .ok_or_else(|| Error::InvalidArgument("a toy MLP of no blocks".into()))?;
+        let last = blocks.last().ok_or_else(|| Error::Empty {
+            what: "a toy MLP's blocks".into(),
+        })?;
         let out = half(last, 1, n, d)?;
         let diff = Axpby {
             alpha: 1.0,
@@ -396,9 +411,11 @@ impl ToyMlp {
             check_shapes(&g, w, d)?;
             let db = g.grad(1)?;
             if db.dtype() != d {
-                return Err(Error::InvalidArgument(format!(
-                    "toy MLP: the gradients of block {l} are not of the store's type {d}"
-                )));
+                return Err(Error::WrongDType {
+                    what: format!("toy MLP: the gradients of block {l}"),
+                    dtype: db.dtype(),
+                    expected: "the store's type",
+                });
             }
             let wp = g.param(0)?;
             let zh = blocks.pop().expect("one activation pair per block");
@@ -440,9 +457,9 @@ impl ToyMlp {
                 ops::gemm(dev, s, &dw, dz, h_in, p.view(0, w * w * d.size())?, d)?;
                 pending = Some(p);
             } else if shared {
-                let p = pending
-                    .take()
-                    .ok_or_else(|| Error::InvalidArgument("tied share missing".into()))?;
+                let p = pending.take().ok_or_else(|| Error::Internal {
+                    what: "a tied share missing".into(),
+                })?;
                 let pv = p.view(0, w * w * d.size())?;
                 ops::gemm(dev, s, &dw.beta(1.0), dz, h_in, pv, d)?;
                 dev.copy_d2d(s, pv, g.grad(0)?.view())?;
@@ -494,10 +511,11 @@ fn check_shapes<K: PassKind>(g: &Guard<'_, K>, w: usize, d: DType) -> Result<()>
             });
         }
         if p.dtype() != d {
-            return Err(Error::InvalidArgument(format!(
-                "toy MLP: parameter {i} is {}; the store's type is {d}",
-                p.dtype()
-            )));
+            return Err(Error::WrongDType {
+                what: format!("toy MLP: parameter {i}"),
+                dtype: p.dtype(),
+                expected: "the store's type",
+            });
         }
     }
     Ok(())
@@ -615,7 +633,7 @@ mod tests {
         let empty = ToyMlp { batch: 0, ..toy };
         let r = empty.forward_backward(&mut m, &ids, 0, 1.0, (0, 1));
         assert!(
-            matches!(&r, Err(Error::InvalidArgument(e)) if e.contains("batch")),
+            matches!(&r, Err(Error::TooFew { what, .. }) if what.contains("batch")),
             "{r:?}"
         );
         for bad in [
@@ -629,7 +647,10 @@ mod tests {
             },
         ] {
             assert!(
-                matches!(bad.validate(), Err(Error::InvalidArgument(_))),
+                matches!(
+                    bad.validate(),
+                    Err(Error::TooFew { .. } | Error::BadValue { .. })
+                ),
                 "{bad:?}"
             );
         }

@@ -342,6 +342,27 @@ pub enum Error {
         rows: usize,
     },
 
+    /// An op's operands that do not fit it or each other (a view too small for its shape,
+    /// views that overlap where they must not), found before anything ran.
+    #[error("{op}: {reason}")]
+    Operands {
+        /// The op (its kernel's name).
+        op: &'static str,
+        /// What does not fit.
+        reason: String,
+    },
+
+    /// A token id (or a target) outside its vocabulary.
+    #[error("token {token} at position {position} is outside 0..{vocab}")]
+    TokenOutOfRange {
+        /// The token.
+        token: i64,
+        /// Its position in the batch, row-major.
+        position: usize,
+        /// The vocabulary's size.
+        vocab: usize,
+    },
+
     /// A call made before the one it follows (a backward before its forward, a step before its
     /// backward).
     #[error("{call} needs {needs} first")]

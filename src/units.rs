@@ -20,7 +20,12 @@ pub fn parse_bytes(s: &str) -> Result<usize> {
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let bad = || Error::InvalidArgument(format!("cannot parse {s:?} as a byte size"));
+    let bad = || Error::Parse {
+        what: "byte size",
+        input: s.to_string(),
+        expected: "a number and a unit: B, K or KiB, M or MiB, G or GiB, T or TiB, KB, MB, GB, TB"
+            .into(),
+    };
     let n: f64 = num.parse().map_err(|_| bad())?;
     let mult: f64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1.0,

@@ -202,7 +202,7 @@ fn mismatched_sizes_ranges_and_devices_are_typed_errors() {
                 a.view(8, 8).unwrap(),
                 DType::F16
             ),
-            Err(Error::InvalidArgument(_))
+            Err(Error::Operands { .. })
         ));
         // Nothing above touched the device: both buffers are still usable.
         dev.sync_stream(&s).unwrap();
@@ -459,7 +459,10 @@ fn default_device_follows_the_environment() {
     std::env::set_var("TIDEMEM_BACKEND", "tpu");
     assert!(matches!(
         tidemem::device::Device::default_device(),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Parse {
+            what: "TIDEMEM_BACKEND",
+            ..
+        })
     ));
     std::env::remove_var("TIDEMEM_BACKEND");
     std::env::remove_var("TIDEMEM_SIM_CAPACITY");

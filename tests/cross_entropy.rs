@@ -273,7 +273,7 @@ fn a_target_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
         let mut args = TwinArgs::new(desc, ops, bytemuck::bytes_of(&p)).unwrap();
         assert!(matches!(
             (desc.twin)(&mut args),
-            Err(Error::InvalidArgument(_))
+            Err(Error::Operands { .. })
         ));
         assert_eq!(
             (logits, losses),

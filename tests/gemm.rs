@@ -356,7 +356,7 @@ fn refused(g: &Gemm, lens: [usize; 3], dtype: DType, check: impl Fn(&Error) -> b
 }
 
 fn invalid(needles: &'static [&'static str]) -> impl Fn(&Error) -> bool {
-    move |e| matches!(e, Error::InvalidArgument(m) if m.starts_with("gemm:") && needles.iter().all(|n| m.contains(n)))
+    move |e| matches!(e, Error::Operands { op: "gemm", reason } if needles.iter().all(|n| reason.contains(n)))
 }
 
 #[test]
@@ -483,7 +483,7 @@ fn mixed_types_and_overlaps_are_refused() {
     ];
     let err = dev.launch(&s, &GEMM, &ops, p).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("one element type")),
+        matches!(&err, Error::Operands { reason, .. } if reason.contains("one element type")),
         "{err}"
     );
     // C overlapping A, or B; A and B may share memory.
@@ -499,7 +499,7 @@ fn mixed_types_and_overlaps_are_refused() {
         )
         .unwrap_err();
         assert!(
-            matches!(&err, Error::InvalidArgument(m) if m.contains("overlaps")),
+            matches!(&err, Error::Operands { reason, .. } if reason.contains("overlaps")),
             "{err}"
         );
     }
@@ -524,7 +524,7 @@ fn the_host_entry_checks_like_the_device() {
     let mut c = [9.0f32; 4];
     let err = ops::gemm_host(&Gemm::new(2, 2, 3), &a, &b, &mut c).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("`a`") && m.contains("needs 6")),
+        matches!(&err, Error::Operands { reason, .. } if reason.contains("`a`") && reason.contains("needs 6")),
         "{err}"
     );
     assert_eq!(c, [9.0; 4]);
@@ -535,7 +535,7 @@ fn the_host_entry_checks_like_the_device() {
         &mut [f16::ZERO; 4],
     )
     .unwrap_err();
-    assert!(matches!(err, Error::InvalidArgument(_)));
+    assert!(matches!(err, Error::Operands { op: "gemm", .. }), "{err}");
 }
 
 /// The emulator stands in for cuBLAS with the twin's arithmetic: on it, every shape's `C` is

@@ -124,7 +124,7 @@ fn launches_are_validated_against_the_signature() {
             ],
             &ok()
         ),
-        Err(Error::InvalidArgument(m)) if m.contains("overlaps")
+        Err(Error::Operands { reason, .. }) if reason.contains("overlaps")
     ));
     assert!(matches!(
         launch(
@@ -135,7 +135,7 @@ fn launches_are_validated_against_the_signature() {
             ],
             &ok()
         ),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Operands { .. })
     ));
     // Reads may overlap each other; the op's own shape check runs last.
     dev.launch(
@@ -154,7 +154,7 @@ fn launches_are_validated_against_the_signature() {
             &[f(x, DType::F32), f(b.view(0, 16).unwrap(), DType::F32), None],
             &ok()
         ),
-        Err(Error::InvalidArgument(m)) if m.contains("differ in length")
+        Err(Error::Operands { reason, .. }) if reason.contains("differ in length")
     ));
     // A read-only operand (a parameter's view, an `Input`) is refused where the kernel writes.
     assert!(matches!(

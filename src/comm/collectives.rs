@@ -22,20 +22,28 @@ impl Communicator {
 
     fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.world {
-            return Err(Error::InvalidArgument(format!(
-                "root {root} of a world of {}",
-                self.world
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: "root rank".into(),
+                index: root,
+                len: self.world,
+            });
         }
         Ok(())
     }
 
     fn check_peer(&self, peer: usize) -> Result<()> {
-        if peer >= self.world || peer == self.rank {
-            return Err(Error::InvalidArgument(format!(
-                "peer {peer} of rank {} in a world of {}",
-                self.rank, self.world
-            )));
+        if peer >= self.world {
+            return Err(Error::IndexOutOfRange {
+                what: "peer rank".into(),
+                index: peer,
+                len: self.world,
+            });
+        }
+        if peer == self.rank {
+            return Err(Error::Conflict {
+                what: format!("peer {peer}"),
+                with: "a send or receive of this rank (the peer is another rank)".into(),
+            });
         }
         Ok(())
     }
@@ -278,19 +286,28 @@ impl Communicator {
         elem: Elem,
     ) -> Result<()> {
         let me = self.rank;
-        if to >= self.world || from >= self.world || ((to == me) != (from == me)) {
-            return Err(Error::InvalidArgument(format!(
-                "send_recv to {to} and from {from} on rank {me} of {}: peers are other ranks, \
-                 or both this rank",
-                self.world
-            )));
+        for peer in [to, from] {
+            if peer >= self.world {
+                return Err(Error::IndexOutOfRange {
+                    what: "send_recv peer rank".into(),
+                    index: peer,
+                    len: self.world,
+                });
+            }
+        }
+        if (to == me) != (from == me) {
+            return Err(Error::Conflict {
+                what: format!("send_recv to {to} and from {from} on rank {me}"),
+                with: "its rule that peers are other ranks, or both this rank".into(),
+            });
         }
         let n = self.count(&send, elem, "send_recv send length")?;
         let m = self.count(&recv, elem, "send_recv recv length")?;
         if overlap(&send, &recv) {
-            return Err(Error::InvalidArgument(
-                "send_recv: the send and receive views overlap".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "send_recv's send view".into(),
+                with: "a receive view that overlaps it".into(),
+            });
         }
         if to == me && n != m {
             return Err(Error::SizeMismatch {
@@ -328,11 +345,13 @@ fn overlap(a: &DeviceView<'_>, b: &DeviceView<'_>) -> bool {
 /// an error on every backend.
 fn in_place(call: &str, part: &DeviceView<'_>, whole: &DeviceView<'_>, at: usize) -> Result<()> {
     if overlap(part, whole) && part.offset() != at {
-        return Err(Error::InvalidArgument(format!(
-            "{call}: the views overlap but not in NCCL's in-place layout (the input at byte {at} \
-             of its buffer, found at {})",
-            part.offset()
-        )));
+        return Err(Error::Conflict {
+            what: format!("{call}'s views, which overlap"),
+            with: format!(
+                "NCCL's in-place layout (the input at byte {at} of its buffer, found at {})",
+                part.offset()
+            ),
+        });
     }
     Ok(())
 }

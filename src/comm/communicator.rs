@@ -54,9 +54,11 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Vec<Communicator>> {
         if devices.is_empty() {
-            return Err(Error::InvalidArgument(
-                "a communicator needs at least one rank".into(),
-            ));
+            return Err(Error::TooFew {
+                what: "ranks of a communicator".into(),
+                got: 0,
+                need: 1,
+            });
         }
         let world = devices.len();
         if world > super::MAX_LOCAL_RANKS {
@@ -102,9 +104,11 @@ impl Communicator {
         timeout: Duration,
     ) -> Result<Communicator> {
         if world == 0 || rank >= world {
-            return Err(Error::InvalidArgument(format!(
-                "rank {rank} of a world of {world}"
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: "rank of a communicator".into(),
+                index: rank,
+                len: world,
+            });
         }
         let c = nccl::NcclComm::init(&device, id, rank, world, timeout)?;
         Ok(Communicator::from_imp(rank, world, device, Imp::Nccl(c)))
@@ -214,9 +218,11 @@ impl Communicator {
     /// `None` for ranks that pass no color (they get no communicator). Every rank must call it.
     pub fn split(&self, color: Option<u32>, key: u32) -> Result<Option<Communicator>> {
         if color == Some(u32::MAX) {
-            return Err(Error::InvalidArgument(
-                "color u32::MAX is reserved; pass None for no color".into(),
-            ));
+            return Err(Error::BadValue {
+                what: "a split's color".into(),
+                value: f64::from(u32::MAX),
+                want: "below u32::MAX, which is reserved (pass None for no color)",
+            });
         }
         match &self.imp {
             Imp::Local(l) => Ok(l.split(color, key)?.map(|(m, rank, world)| {
@@ -251,7 +257,9 @@ impl Communicator {
         let s = self.device.new_stream()?;
         let bytes: &[u8] = bytemuck::cast_slice(data);
         if bytes.is_empty() {
-            return Err(Error::InvalidArgument("all_reduce_host of nothing".into()));
+            return Err(Error::Empty {
+                what: "the values of all_reduce_host".into(),
+            });
         }
         let b = self.device.upload(&s, bytes)?;
         self.all_reduce(&s, (&b).into(), (&b).into(), T::ELEM, op)?;

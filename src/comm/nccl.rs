@@ -331,10 +331,10 @@ fn red(op: ReduceOp) -> sys::ncclRedOp_t {
 
 fn cuda_only(device: &Device) -> Result<()> {
     if device.kind() != BackendKind::Cuda {
-        return Err(Error::InvalidArgument(format!(
-            "NCCL needs a CUDA device, not {}",
-            device.name()
-        )));
+        return Err(Error::Conflict {
+            what: "NCCL".into(),
+            with: format!("device {}: NCCL needs a CUDA device", device.name()),
+        });
     }
     Ok(())
 }
@@ -790,10 +790,11 @@ impl NcclComm {
         })?;
         let (c, key) = match (color.map(i32::try_from), i32::try_from(key)) {
             (Some(Err(_)), _) | (_, Err(_)) => {
-                return Err(Error::InvalidArgument(format!(
-                    "NCCL takes colors and keys up to {}, got color {color:?} and key {key}",
-                    i32::MAX
-                )))
+                return Err(Error::TooLarge {
+                    what: format!("an NCCL split's color {color:?} or key {key}"),
+                    requested: u128::from(color.unwrap_or(0).max(key)),
+                    limit: i32::MAX as u64,
+                })
             }
             // NCCL_SPLIT_NOCOLOR is -1
             (c, Ok(k)) => (c.map_or(Ok(-1), |c| c).unwrap_or(-1), k),

@@ -185,12 +185,16 @@ impl CudaBackend {
 
 fn mem(raw: &RawBuffer) -> Result<&CudaMem> {
     raw.downcast_ref::<CudaMem>()
-        .ok_or_else(|| Error::InvalidArgument("buffer was not allocated by a CUDA device".into()))
+        .ok_or_else(|| Error::Internal {
+            what: "buffer was not allocated by a CUDA device".into(),
+        })
 }
 
 fn raw_stream(raw: &RawStream) -> Result<&CudaRawStream> {
     raw.downcast_ref::<CudaRawStream>()
-        .ok_or_else(|| Error::InvalidArgument("stream was not created by a CUDA device".into()))
+        .ok_or_else(|| Error::Internal {
+            what: "stream was not created by a CUDA device".into(),
+        })
 }
 
 fn stream(raw: &RawStream) -> Result<&Arc<CudaStream>> {
@@ -199,7 +203,9 @@ fn stream(raw: &RawStream) -> Result<&Arc<CudaStream>> {
 
 fn event(raw: &RawEvent) -> Result<&CudaEvent> {
     raw.downcast_ref::<CudaEvent>()
-        .ok_or_else(|| Error::InvalidArgument("event was not created by a CUDA device".into()))
+        .ok_or_else(|| Error::Internal {
+            what: "event was not created by a CUDA device".into(),
+        })
 }
 
 impl Backend for CudaBackend {
@@ -443,9 +449,9 @@ unsafe fn copy_op(s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<
             let (sm, dm) = (mem(src)?, mem(dst)?);
             if std::ptr::eq(sm, dm) {
                 let mut g = dm.slice.lock();
-                let sl = g
-                    .as_mut()
-                    .ok_or_else(|| Error::InvalidArgument("empty buffer".into()))?;
+                let sl = g.as_mut().ok_or_else(|| Error::Internal {
+                    what: "a copy within an empty buffer".into(),
+                })?;
                 let (ptr, _rec) = sl.device_ptr_mut(s);
                 // SAFETY: both ranges lie in this allocation (checked by `Device`); the
                 // driver's copy handles overlap within one buffer.
@@ -487,7 +493,9 @@ unsafe fn copy_op(s: &Arc<CudaStream>, cs: sys::CUstream, op: Op<'_>) -> Result<
             }
         }
         Op::Launch { .. } | Op::Foreign { .. } => {
-            return Err(Error::InvalidArgument("not a copy".into()));
+            return Err(Error::Internal {
+                what: "a launch or foreign op run as a copy".into(),
+            });
         }
     }
     Ok(())

@@ -225,9 +225,12 @@ pub struct KernelDesc {
 
 impl KernelDesc {
     /// An error of operands that do not fit this op (shapes, overlaps): an
-    /// [`Error::InvalidArgument`] naming the op.
+    /// [`Error::Operands`] naming the op.
     pub fn error(&self, reason: impl Into<String>) -> Error {
-        Error::InvalidArgument(format!("{}: {}", self.name, reason.into()))
+        Error::Operands {
+            op: self.name,
+            reason: reason.into(),
+        }
     }
 
     /// An error of a launch that does not match this op's signature (operand count, element

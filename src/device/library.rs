@@ -46,11 +46,11 @@ impl LibraryState {
             }
         };
         let mut guard = slot.lock();
-        let state = guard.downcast_mut::<T>().ok_or_else(|| {
-            Error::InvalidArgument(format!(
+        let state = guard.downcast_mut::<T>().ok_or_else(|| Error::Internal {
+            what: format!(
                 "the library state of {} has another type",
                 std::any::type_name::<T>()
-            ))
+            ),
         })?;
         f(state)
     }

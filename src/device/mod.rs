@@ -258,9 +258,11 @@ impl Device {
             "sim" => sim(),
             "cuda" => Self::cuda(0),
             "" => Self::cuda(0).or_else(|_| sim()),
-            other => Err(Error::InvalidArgument(format!(
-                "TIDEMEM_BACKEND={other}: expected `sim` or `cuda`"
-            ))),
+            other => Err(Error::Parse {
+                what: "TIDEMEM_BACKEND",
+                input: other.to_string(),
+                expected: "`sim` or `cuda`".into(),
+            }),
         }
     }
 

@@ -189,9 +189,11 @@ impl CachingAllocator {
     /// A block of at least `bytes` bytes.
     pub fn alloc(&self, bytes: usize) -> Result<PoolBlock> {
         if bytes > isize::MAX as usize / 2 {
-            return Err(Error::InvalidArgument(format!(
-                "a request of {bytes} bytes is more than any device holds"
-            )));
+            return Err(Error::TooLarge {
+                what: "bytes of a pool request (more than any device holds)".into(),
+                requested: bytes as u128,
+                limit: (isize::MAX as usize / 2) as u64,
+            });
         }
         let size = round_size(bytes);
         let mut st = self.shared.state.lock();

@@ -79,16 +79,19 @@ impl LinkModel {
             ("d2d_gbps", self.d2d_gbps),
         ] {
             if !(r.is_finite() && r > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "the simulated link's {what} must be finite and positive, got {r}"
-                )));
+                return Err(Error::BadValue {
+                    what: format!("the simulated link's {what}"),
+                    value: r,
+                    want: "finite and above 0",
+                });
             }
         }
         if self.latency > Duration::from_secs(3600) {
-            return Err(Error::InvalidArgument(format!(
-                "the simulated link's latency of {:?} is over an hour",
-                self.latency
-            )));
+            return Err(Error::BadValue {
+                what: "the simulated link's latency in seconds".into(),
+                value: self.latency.as_secs_f64(),
+                want: "at most an hour",
+            });
         }
         Ok(())
     }
@@ -595,7 +598,9 @@ impl Backend for SimBackend {
         } else {
             let layout = Layout::from_size_align(bytes, SIM_ALIGN).map_err(|e| {
                 self.shared.used.fetch_sub(bytes, Ordering::AcqRel);
-                Error::InvalidArgument(e.to_string())
+                Error::Internal {
+                    what: format!("the simulated device's layout of {bytes} bytes: {e}"),
+                }
             })?;
             let reused = self.shared.spare.lock().take(bytes);
             if self.timing_only {
@@ -753,9 +758,10 @@ impl Backend for SimBackend {
                 params: params.to_vec(),
             },
             Op::Foreign { .. } => {
-                return Err(Error::InvalidArgument(
-                    "the simulated device has no device addresses for foreign work (NCCL)".into(),
-                ))
+                return Err(Error::Conflict {
+                    what: "foreign work (NCCL)".into(),
+                    with: "the simulated device, which has no device addresses".into(),
+                })
             }
         };
         let s = stream(s)?;

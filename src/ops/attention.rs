@@ -126,7 +126,9 @@ impl Attention {
 
     fn dims(&self) -> Result<(usize, usize, usize)> {
         let s = &self.shape;
-        let bad = || Error::InvalidArgument(format!("attention: shape {s:?} overflows"));
+        let bad = || Error::Overflow {
+            what: format!("attention shape {s:?}"),
+        };
         s.elems().ok_or_else(bad)?;
         let bh = usize::try_from(s.batch * s.heads).map_err(|_| bad())?;
         let t = usize::try_from(s.seq).map_err(|_| bad())?;

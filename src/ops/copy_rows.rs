@@ -262,10 +262,11 @@ pub struct CopyRows<'i> {
 
 /// Copies rows on `stream` as `plan` says (see [the module](self)); `src` and `dst` hold f32
 /// and do not overlap, and the rows `dst` holds (from the view's start, `dst_stride` apart)
-/// that no copy names are kept. A width past a stride, an index array of other than `n`
-/// entries, an index at or past the rows its view holds (without an index: `n` rows more than
-/// it holds), or repeated destination indices are an [`Error::InvalidArgument`], and nothing
-/// is written.
+/// that no copy names are kept. A width past a stride ([`Error::TooFew`]), an index array of
+/// other than `n` entries ([`Error::Length`]), an index at or past the rows its view holds
+/// ([`Error::IndexOutOfRange`]; without an index, `n` more rows than it holds is
+/// [`Error::TooFew`]), or repeated destination indices ([`Error::Conflict`]) are errors, and
+/// nothing is written.
 pub fn copy_rows<'a, 'b>(
     dev: &Device,
     stream: &Stream,
@@ -274,20 +275,26 @@ pub fn copy_rows<'a, 'b>(
     plan: &CopyRows<'_>,
 ) -> Result<()> {
     let (src, dst) = (src.into(), dst.into());
-    let bad = |m: String| Err(Error::InvalidArgument(format!("copy_rows: {m}")));
     let p = plan;
     if p.width > p.src_stride || p.width > p.dst_stride {
-        return bad(format!(
-            "rows of {} elements do not fit the strides {} (src) and {} (dst)",
-            p.width, p.src_stride, p.dst_stride
-        ));
+        return Err(Error::TooFew {
+            what: format!("copy_rows: the strides' elements for rows of {}", p.width),
+            got: p.src_stride.min(p.dst_stride),
+            need: p.width,
+        });
     }
-    if src.len() % 4 != 0 || dst.len() % 4 != 0 {
-        return bad(format!(
-            "views of {} and {} bytes do not hold whole f32 values",
-            src.len(),
-            dst.len()
-        ));
+    for (what, len) in [
+        ("copy_rows: bytes of the src view", src.len()),
+        ("copy_rows: bytes of the dst view", dst.len()),
+    ] {
+        if len % 4 != 0 {
+            return Err(Error::NotMultiple {
+                what,
+                value: len,
+                of: "the size of an f32",
+                divisor: 4,
+            });
+        }
     }
     let src_rows = rows_in(src.len() / 4, p.src_stride, p.width);
     let dst_rows = rows_in(dst.len() / 4, p.dst_stride, p.width);
@@ -297,39 +304,34 @@ pub fn copy_rows<'a, 'b>(
     ] {
         match index {
             Some(ix) if ix.len() != p.n => {
-                return bad(format!("{} {name} indices for {} rows", ix.len(), p.n));
+                return Err(Error::Length {
+                    what: format!("copy_rows: {name} indices for the rows copied"),
+                    got: ix.len(),
+                    expected: p.n,
+                });
             }
             Some(ix) if ix.max().is_some_and(|m| m as usize >= rows) => {
-                return bad(format!(
-                    "{name} index {} is out of range: the {name} view holds {rows} rows of {} \
-                     at stride {}",
-                    ix.max().unwrap_or(0),
-                    p.width,
-                    if name == "src" {
-                        p.src_stride
-                    } else {
-                        p.dst_stride
-                    }
-                ));
+                return Err(Error::IndexOutOfRange {
+                    what: format!("copy_rows: {name} row"),
+                    index: ix.max().map_or(0, |m| m as usize),
+                    len: rows,
+                });
             }
             None if p.n > rows => {
-                return bad(format!(
-                    "the {name} view is too small: it holds {rows} rows of {} at stride {}, \
-                     {} are copied",
-                    p.width,
-                    if name == "src" {
-                        p.src_stride
-                    } else {
-                        p.dst_stride
-                    },
-                    p.n
-                ));
+                return Err(Error::TooFew {
+                    what: format!("copy_rows: rows the {name} view holds for the rows copied"),
+                    got: rows,
+                    need: p.n,
+                });
             }
             _ => {}
         }
     }
     if p.dst_index.is_some_and(|ix| !ix.is_distinct()) {
-        return bad("destination indices repeat (two writes of one row would race)".into());
+        return Err(Error::Conflict {
+            what: "copy_rows: repeated destination indices".into(),
+            with: "a parallel copy (two writes of one row would race)".into(),
+        });
     }
     // the rows the kernel may address: those the indices reach (every view byte is then in use)
     let cap = |rows: usize, ix: Option<&RowIndex>| -> u64 {

@@ -186,10 +186,11 @@ fn target_error(targets: &[i32], row: usize, vocab: usize, ignore_index: i32) ->
 pub fn check_targets(targets: &[i32], vocab: usize, ignore_index: i32) -> Result<()> {
     match bad_target(targets, vocab, ignore_index) {
         None => Ok(()),
-        Some(row) => Err(Error::InvalidArgument(format!(
-            "cross-entropy: {}",
-            target_error(targets, row, vocab, ignore_index)
-        ))),
+        Some(row) => Err(Error::TokenOutOfRange {
+            token: targets[row].into(),
+            position: row,
+            vocab,
+        }),
     }
 }
 

@@ -365,9 +365,11 @@ pub fn fill_bits(value: f64, dtype: DType) -> Result<u64> {
         DType::F16 => f16::from_f64(value).to_bits() as u64,
         DType::BF16 => bf16::from_f64(value).to_bits() as u64,
         other => {
-            return Err(Error::InvalidArgument(format!(
-                "fill: {other} is not a float type (f32, f16, bf16 or f64)"
-            )))
+            return Err(Error::WrongDType {
+                what: "a fill's tensor".into(),
+                dtype: other,
+                expected: "a float type (F32, F16, BF16 or F64)",
+            })
         }
     })
 }

@@ -379,19 +379,21 @@ pub struct EncoderPlan {
 
 impl EncoderPlan {
     /// The plan of `tokens` (`[B, T]`, row-major) over a vocabulary of `vocab`: a token
-    /// outside `0..vocab` is an [`Error::InvalidArgument`].
+    /// outside `0..vocab` is an [`Error::TokenOutOfRange`].
     pub fn new(tokens: &[i32], vocab: usize) -> Result<Self> {
         if let Some(pos) = bad_token(tokens, vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "encoder plan: {}",
-                token_error(tokens, pos, vocab)
-            )));
+            return Err(Error::TokenOutOfRange {
+                token: tokens[pos].into(),
+                position: pos,
+                vocab,
+            });
         }
         if tokens.len() >= u32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "encoder plan: {} positions do not fit u32 entries",
-                tokens.len()
-            )));
+            return Err(Error::TooLarge {
+                what: "positions of an encoder plan (u32 entries)".into(),
+                requested: tokens.len() as u128,
+                limit: u32::MAX as u64 - 1,
+            });
         }
         let ids: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
         let offsets: Vec<u32> = (0..=ids.len() as u32).collect();

@@ -124,10 +124,11 @@ pub fn grad_stats<'a, 'b>(
 ) -> Result<()> {
     let (src, out) = (src.into(), out.into());
     if out.len() < GRAD_STATS_BYTES {
-        return Err(Error::InvalidArgument(format!(
-            "gradient statistics need {GRAD_STATS_BYTES} output bytes, got {}",
-            out.len()
-        )));
+        return Err(Error::TooFew {
+            what: "output bytes of gradient statistics".into(),
+            got: out.len(),
+            need: GRAD_STATS_BYTES,
+        });
     }
     let out = out.slice(0, GRAD_STATS_BYTES)?;
     let params = GradStatsParams {
@@ -147,10 +148,11 @@ pub fn grad_stats<'a, 'b>(
 /// Decodes the result of [`grad_stats`] from the first 16 downloaded bytes.
 pub fn read_grad_stats(bytes: &[u8]) -> Result<GradStats> {
     if bytes.len() < 16 {
-        return Err(Error::InvalidArgument(format!(
-            "gradient statistics are 16 bytes, got {}",
-            bytes.len()
-        )));
+        return Err(Error::TooFew {
+            what: "bytes of gradient statistics".into(),
+            got: bytes.len(),
+            need: 16,
+        });
     }
     let f = |i: usize| {
         let mut b = [0u8; 8];
@@ -170,11 +172,20 @@ const BLOCK: usize = 256;
 
 /// The statistics of `bytes`, little-endian elements of `dtype` (a model float).
 pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
-    if !dtype.is_model_float() || !bytes.len().is_multiple_of(dtype.size()) {
-        return Err(Error::InvalidArgument(format!(
-            "gradient statistics of {} bytes of {dtype}",
-            bytes.len()
-        )));
+    if !dtype.is_model_float() {
+        return Err(Error::WrongDType {
+            what: "a gradient whose statistics are taken".into(),
+            dtype,
+            expected: "a model float (F32, F16 or BF16)",
+        });
+    }
+    if !bytes.len().is_multiple_of(dtype.size()) {
+        return Err(Error::NotMultiple {
+            what: "bytes of a gradient",
+            value: bytes.len(),
+            of: "its element size",
+            divisor: dtype.size(),
+        });
     }
     let mut sum = 0.0f64;
     let mut nonfinite = false;

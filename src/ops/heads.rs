@@ -271,10 +271,9 @@ fn launch(
 }
 
 fn shape_ok(shape: &Heads) -> Result<()> {
-    shape
-        .elems()
-        .map(|_| ())
-        .ok_or_else(|| Error::InvalidArgument(format!("attention shape {shape:?} overflows")))
+    shape.elems().map(|_| ()).ok_or_else(|| Error::Overflow {
+        what: format!("attention shape {shape:?}"),
+    })
 }
 
 /// `q`, `k`, `v` `[B, H, T, D]` from `qkv` `[B, T, 3·H·D]`, on `stream`.

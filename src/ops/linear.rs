@@ -95,11 +95,17 @@ pub fn linear_forward<'a, 'b, 'c>(
         let need = rows
             .checked_mul(cols)
             .and_then(|n| n.checked_mul(dtype.size()));
-        if need.is_none_or(|need| len < need) {
-            return Err(Error::InvalidArgument(format!(
-                "linear: `{name}` [{rows}, {cols}] of {dtype} needs {} bytes, the view holds {len}",
-                need.map_or("too many".to_string(), |n| n.to_string())
-            )));
+        let Some(need) = need else {
+            return Err(Error::Overflow {
+                what: format!("linear: the bytes of `{name}` [{rows}, {cols}] of {dtype}"),
+            });
+        };
+        if len < need {
+            return Err(Error::TooFew {
+                what: format!("linear: bytes in the view of `{name}` [{rows}, {cols}] of {dtype}"),
+                got: len,
+                need,
+            });
         }
     }
     let mut g = Gemm::new(shape.rows, shape.outputs, shape.inputs).trans_b(true);

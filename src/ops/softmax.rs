@@ -344,7 +344,10 @@ impl SoftmaxBlock {
             scale: self.scale,
             pad: 0,
         };
-        validate(&p).map_err(|e| Error::InvalidArgument(format!("softmax: {e}")))?;
+        validate(&p).map_err(|reason| Error::Operands {
+            op: "softmax",
+            reason,
+        })?;
         Ok(p)
     }
 }
@@ -354,8 +357,8 @@ impl SoftmaxBlock {
 /// live `j < min(offset + i + 1, cols)` of `scale·x[i, j]` (statistics in f32), exactly 0 past
 /// them. See [the module](self).
 ///
-/// Errors: [`Error::InvalidArgument`] on sizes that overflow, rows without columns, a
-/// non-finite scale, or operands that do not hold the block (nothing is written).
+/// Errors: [`Error::Operands`] on sizes that overflow, rows without columns, a non-finite
+/// scale, or operands that do not hold the block (nothing is written).
 pub fn softmax_block_forward<'a, 'b>(
     dev: &Device,
     stream: &Stream,

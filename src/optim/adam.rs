@@ -74,24 +74,26 @@ impl AdamConfig {
 
     /// Checks that every setting is finite and in range.
     pub fn validate(&self) -> Result<()> {
-        let bad = |what: &str, v: f32| {
-            Err(Error::InvalidArgument(format!(
-                "Adam {what} = {v} is out of range"
-            )))
+        let bad = |what: &str, v: f32, want| {
+            Err(Error::BadValue {
+                what: format!("Adam {what}"),
+                value: v.into(),
+                want,
+            })
         };
         if !(self.lr.is_finite() && self.lr >= 0.0) {
-            return bad("lr", self.lr);
+            return bad("lr", self.lr, "finite and at least 0");
         }
         for (what, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
             if !(0.0..1.0).contains(&b) {
-                return bad(what, b);
+                return bad(what, b, "in [0, 1)");
             }
         }
         if !(self.eps.is_finite() && self.eps > 0.0) {
-            return bad("eps", self.eps);
+            return bad("eps", self.eps, "finite and above 0");
         }
         if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
-            return bad("weight_decay", self.weight_decay);
+            return bad("weight_decay", self.weight_decay, "finite and at least 0");
         }
         Ok(())
     }
@@ -100,14 +102,18 @@ impl AdamConfig {
     pub fn scalars(&self, step: u64, grad_scale: f32) -> Result<AdamScalars> {
         self.validate()?;
         if step == 0 {
-            return Err(Error::InvalidArgument(
-                "Adam steps are counted from 1".into(),
-            ));
+            return Err(Error::BadValue {
+                what: "an Adam step's number".into(),
+                value: 0.0,
+                want: "at least 1 (steps are counted from 1)",
+            });
         }
         if !grad_scale.is_finite() {
-            return Err(Error::InvalidArgument(format!(
-                "gradient scale {grad_scale} is not finite"
-            )));
+            return Err(Error::BadValue {
+                what: "an Adam step's gradient scale".into(),
+                value: grad_scale.into(),
+                want: "finite",
+            });
         }
         let t = step.min(i32::MAX as u64) as i32;
         let (bc1, bc2) = if self.bias_correction {

@@ -148,10 +148,14 @@ impl LossScaler {
     /// returned them). Fails, changing nothing, on a scale outside the configured range.
     pub fn restore(&mut self, scale: f32, clean: u32, allowance: u32) -> Result<()> {
         if !(scale >= self.cfg.min_scale && scale <= self.cfg.max_scale) {
-            return Err(Error::InvalidArgument(format!(
-                "loss scale {scale} is outside the configured range [{}, {}]",
-                self.cfg.min_scale, self.cfg.max_scale
-            )));
+            return Err(Error::BadValue {
+                what: format!(
+                    "a restored loss scale (the configured range is [{}, {}])",
+                    self.cfg.min_scale, self.cfg.max_scale
+                ),
+                value: scale.into(),
+                want: "inside the configured range",
+            });
         }
         if clean >= self.cfg.growth_interval || allowance == 0 || allowance > self.cfg.hysteresis {
             return Err(Error::InvalidArgument(format!(

@@ -122,11 +122,14 @@ impl ModelSpec {
     pub fn set_tide(&mut self, non_model: &[u64]) -> Result<()> {
         let (f, b) = self.moments();
         if non_model.len() != f + b {
-            return Err(Error::InvalidArgument(format!(
-                "{} non-model values for the {f} forward and {b} backward moments of '{}'",
-                non_model.len(),
-                self.name
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "non-model values for the {f} forward and {b} backward moments of '{}'",
+                    self.name
+                ),
+                got: non_model.len(),
+                expected: f + b,
+            });
         }
         for (op, &nm) in self.ops.iter_mut().zip(non_model) {
             op.fwd_non_model = nm;
@@ -148,17 +151,17 @@ impl ModelSpec {
 
     fn validate(&self) -> Result<()> {
         if self.tensors.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "model '{}' has no tensor",
-                self.name
-            )));
+            return Err(Error::Empty {
+                what: format!("the tensors of model '{}'", self.name),
+            });
         }
         for op in &self.ops {
             if let Some(&t) = op.tensors.iter().find(|&&t| t >= self.tensors.len()) {
-                return Err(Error::InvalidArgument(format!(
-                    "op '{}' uses unknown tensor {t}",
-                    op.name
-                )));
+                return Err(Error::IndexOutOfRange {
+                    what: format!("tensor of op '{}'", op.name),
+                    index: t,
+                    len: self.tensors.len(),
+                });
             }
         }
         if let Some(b) = self
@@ -166,12 +169,11 @@ impl ModelSpec {
             .as_ref()
             .and_then(|b| b.iter().find(|b| b.op >= self.ops.len()))
         {
-            return Err(Error::InvalidArgument(format!(
-                "a backward moment of '{}' names op {} of {}",
-                self.name,
-                b.op,
-                self.ops.len()
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: format!("op of a backward moment of '{}'", self.name),
+                index: b.op,
+                len: self.ops.len(),
+            });
         }
         Ok(())
     }
@@ -339,9 +341,9 @@ pub fn sizing(spec: &ModelSpec, chunk_elems: usize, param_bytes: u64) -> Result<
     for (stage, acc, nm) in iteration_accesses(spec, &plan.layout) {
         tracer.tick(stage, acc, nm);
     }
-    let trace = tracer
-        .finish()
-        .ok_or_else(|| Error::InvalidArgument("model has no forward op".into()))?;
+    let trace = tracer.finish().ok_or_else(|| Error::Empty {
+        what: "the model's forward ops".into(),
+    })?;
     Sizing::new(trace, plan.chunks)
 }
 
@@ -440,9 +442,9 @@ pub(crate) fn run(
         let d = sched.stats().since(&before);
         if it == 0 {
             warmup = d;
-            let mut trace = tracer
-                .finish()
-                .ok_or_else(|| Error::InvalidArgument("model has no forward op".into()))?;
+            let mut trace = tracer.finish().ok_or_else(|| Error::Empty {
+                what: "the model's forward ops".into(),
+            })?;
             // the optimizer's placement once warm, decided and planned as HybridAdam does
             let k = opts.optimizer.groups(
                 &cfg,

@@ -114,9 +114,11 @@ impl Rates {
             ("bus", self.bus),
         ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "rate {what} = {v}: a finite rate above 0"
-                )));
+                return Err(Error::BadValue {
+                    what: format!("rate {what}"),
+                    value: v,
+                    want: "finite and above 0",
+                });
             }
         }
         Ok(())
@@ -506,8 +508,8 @@ impl<'a> Timeline<'a> {
             .accesses
             .iter()
             .find(|a| self.rec.chunks[a.chunk as usize].kind == ChunkKind::Param)
-            .ok_or_else(|| {
-                Error::InvalidArgument("an optimizer moment without its group".into())
+            .ok_or_else(|| Error::Internal {
+                what: "an optimizer moment without its group".into(),
             })?;
         let group = self.rec.chunks[param.chunk as usize].group as usize;
         let elems = self.rec.group_elems.get(group).copied().unwrap_or(0) as f64;

@@ -21,7 +21,11 @@ use crate::error::{Error, Result};
 /// forward and backward moments.
 pub fn shard(spec: &ModelSpec, ranks: usize, param_bytes: u64) -> Result<ModelSpec> {
     if ranks == 0 {
-        return Err(Error::InvalidArgument("ranks must be at least 1".into()));
+        return Err(Error::TooFew {
+            what: "ranks".into(),
+            got: 0,
+            need: 1,
+        });
     }
     if ranks == 1 {
         return Ok(spec.clone());

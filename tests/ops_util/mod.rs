@@ -174,8 +174,8 @@ pub fn refused<T: std::fmt::Debug>(
     }
 }
 
-/// Runs `f`, which must fail with a typed error (`InvalidArgument` or `Launch`), and checks that
-/// `outs` kept their bytes.
+/// Runs `f`, which must fail with an error of its input (not of the device: no `Cuda`,
+/// `KernelFailed` or `OutOfMemory`), and checks that `outs` kept their bytes.
 #[track_caller]
 pub fn refused_run(
     dev: &Device,
@@ -187,7 +187,10 @@ pub fn refused_run(
     let before: Vec<Vec<u8>> = outs.iter().map(|b| down(dev, s, b)).collect();
     let err = f().expect_err(what);
     assert!(
-        matches!(err, Error::InvalidArgument(_) | Error::Launch { .. }),
+        !matches!(
+            err,
+            Error::Cuda { .. } | Error::KernelFailed { .. } | Error::OutOfMemory { .. }
+        ),
         "{what}: {err}"
     );
     dev.sync_stream(s).unwrap();
@@ -196,11 +199,23 @@ pub fn refused_run(
     }
 }
 
-/// Asserts `r` is `InvalidArgument` with a message naming each of `names`.
+/// Asserts `r` is an error of the op's operands ([`Error::Operands`]) or of a shape, length or
+/// range, with a message naming each of `names`.
 #[track_caller]
 pub fn invalid<T: std::fmt::Debug>(r: tidemem::Result<T>, names: &[&str]) {
-    let Err(Error::InvalidArgument(m)) = r else {
-        panic!("{r:?}")
+    let m = match r {
+        Err(
+            e @ (Error::Operands { .. }
+            | Error::Length { .. }
+            | Error::TooFew { .. }
+            | Error::IndexOutOfRange { .. }
+            | Error::Overflow { .. }
+            | Error::BadOffsets { .. }
+            | Error::TokenOutOfRange { .. }
+            | Error::Empty { .. }
+            | Error::InvalidArgument(_)),
+        ) => e.to_string(),
+        other => panic!("{other:?}"),
     };
     for n in names {
         assert!(m.contains(n), "{m} should name {n}");

@@ -87,7 +87,11 @@ impl Isa {
         Isa::ALL
             .into_iter()
             .find(|i| i.name() == s)
-            .ok_or_else(|| Error::InvalidArgument(format!("unknown instruction set '{s}'")))
+            .ok_or_else(|| Error::Parse {
+                what: "instruction set",
+                input: s.to_string(),
+                expected: Isa::ALL.map(|i| i.name()).join(", "),
+            })
     }
 }
 
@@ -220,10 +224,10 @@ impl CpuAdam {
     /// Forces `isa`; an error if this CPU cannot run it.
     pub fn with_isa(mut self, isa: Isa) -> Result<Self> {
         if !isa.is_supported() {
-            return Err(Error::InvalidArgument(format!(
-                "this CPU cannot run the {} path",
-                isa.name()
-            )));
+            return Err(Error::Conflict {
+                what: format!("the {} path of CPU Adam", isa.name()),
+                with: "this CPU, which lacks its instructions".into(),
+            });
         }
         self.isa = isa;
         Ok(self)
@@ -349,9 +353,11 @@ impl CpuAdam {
 
 fn check_lengths(n: usize, others: &[usize]) -> Result<()> {
     match others.iter().find(|&&l| l != n) {
-        Some(&l) => Err(Error::InvalidArgument(format!(
-            "Adam operands differ in length: {n} parameters, an operand of {l}"
-        ))),
+        Some(&l) => Err(Error::Length {
+            what: "elements of a CPU Adam operand for its parameters".into(),
+            got: l,
+            expected: n,
+        }),
         None => Ok(()),
     }
 }

@@ -126,12 +126,11 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: AdamParams = info.params()?;
     for (i, spec) in info.desc.operands.iter().enumerate() {
         if info.present(i) && info.len(i) as u64 != p.n {
-            return Err(Error::InvalidArgument(format!(
-                "Adam {} holds {} elements, the parameters {}",
-                spec.name,
-                info.len(i),
-                p.n
-            )));
+            return Err(Error::Length {
+                what: format!("elements of Adam's {} for its parameters", spec.name),
+                got: info.len(i),
+                expected: p.n as usize,
+            });
         }
     }
     Ok(())
@@ -237,18 +236,22 @@ pub fn adam(dev: &Device, stream: &Stream, s: &AdamScalars, ops: AdamOperands<'_
     let grad = Operand::new(ops.grad, ops.grad_dtype);
     let bytes = bytemuck::bytes_of(&params);
     match ops.copy {
-        Some((_, DType::F32)) => Err(Error::InvalidArgument(
-            "the parameter copy of an Adam step must be F16 or BF16".into(),
-        )),
+        Some((_, DType::F32)) => Err(Error::WrongDType {
+            what: "the parameter copy of an Adam step".into(),
+            dtype: DType::F32,
+            expected: "F16 or BF16",
+        }),
         Some((c, dt))
             if std::ptr::eq(c.buffer(), ops.grad.buffer())
                 && c.offset() == ops.grad.offset()
                 && c.len() == ops.grad.len() =>
         {
             if dt != ops.grad_dtype {
-                return Err(Error::InvalidArgument(
-                    "an Adam copy in place of the gradient must have the gradient's type".into(),
-                ));
+                return Err(Error::WrongDType {
+                    what: "an Adam copy in place of the gradient".into(),
+                    dtype: dt,
+                    expected: "the gradient's type",
+                });
             }
             let [a, b, c] = state;
             dev.launch(stream, &ADAM_IN_PLACE, &[a, b, c, Some(grad)], bytes)

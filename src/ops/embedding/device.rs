@@ -334,11 +334,24 @@ fn row_optimizer(p: &EmbStepParams) -> RowOptimizer {
 const MAX_ROW_FLOATS: usize = 1 << 24;
 
 fn check_shape(stride: usize, dim: usize) -> Result<()> {
-    if dim == 0 || stride < dim || stride > MAX_ROW_FLOATS {
-        return Err(Error::InvalidArgument(format!(
-            "embedding rows need 1 ≤ dim ≤ stride ≤ {MAX_ROW_FLOATS}, got dim {dim} and stride \
-             {stride}"
-        )));
+    if dim == 0 {
+        return Err(Error::Empty {
+            what: "an embedding row's weights".into(),
+        });
+    }
+    if stride < dim {
+        return Err(Error::TooFew {
+            what: "floats in an embedding row's stride".into(),
+            got: stride,
+            need: dim,
+        });
+    }
+    if stride > MAX_ROW_FLOATS {
+        return Err(Error::TooLarge {
+            what: "floats in an embedding row's stride".into(),
+            requested: stride as u128,
+            limit: MAX_ROW_FLOATS as u64,
+        });
     }
     Ok(())
 }
@@ -370,22 +383,27 @@ pub fn embedding_bag(
     out: DeviceView<'_>,
 ) -> Result<()> {
     check_shape(stride, dim)?;
-    let bags = (offsets.len() / 4).checked_sub(1).ok_or_else(|| {
-        Error::InvalidArgument("embedding bag offsets need bags + 1 entries".into())
+    let bags = (offsets.len() / 4).checked_sub(1).ok_or(Error::Empty {
+        what: "embedding bag offsets (bags + 1 entries)".into(),
     })?;
-    if Some(out.len()) != bags.checked_mul(dim * 4) {
-        return Err(Error::InvalidArgument(format!(
-            "embedding bag output of {} bytes for {bags} bags of {dim} f32",
-            out.len()
-        )));
+    let what = || format!("bytes of embedding bag output for {bags} bags of {dim} f32");
+    let expected = bags
+        .checked_mul(dim * 4)
+        .ok_or_else(|| Error::Overflow { what: what() })?;
+    if out.len() != expected {
+        return Err(Error::Length {
+            what: what(),
+            got: out.len(),
+            expected,
+        });
     }
     if let Some(w) = &weights {
         if w.len() != indices.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes of weights for {} bytes of indices",
-                w.len(),
-                indices.len()
-            )));
+            return Err(Error::Length {
+                what: "bytes of per-sample weights for the bytes of indices".into(),
+                got: w.len(),
+                expected: indices.len(),
+            });
         }
     }
     let p = EmbBagParams {
@@ -424,21 +442,34 @@ pub fn embedding_backward(
     grads: DeviceView<'_>,
 ) -> Result<()> {
     check_shape(dim, dim)?;
-    let rows = (row_ptr.len() / 4).checked_sub(1).ok_or_else(|| {
-        Error::InvalidArgument("embedding backward row starts need rows + 1 entries".into())
+    let rows = (row_ptr.len() / 4).checked_sub(1).ok_or(Error::Empty {
+        what: "embedding backward row starts (rows + 1 entries)".into(),
     })?;
-    if Some(grads.len()) != rows.checked_mul(dim * 4)
-        || scale.len() != entries.len()
-        || !grad_out.len().is_multiple_of(dim * 4)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "embedding backward: {} bytes of gradients for {rows} rows of {dim} f32, {} bytes \
-             of scales for {} bytes of entries, {} bytes of output gradient",
-            grads.len(),
-            scale.len(),
-            entries.len(),
-            grad_out.len()
-        )));
+    let what = || format!("embedding backward: bytes of gradients for {rows} rows of {dim} f32");
+    let expected = rows
+        .checked_mul(dim * 4)
+        .ok_or_else(|| Error::Overflow { what: what() })?;
+    if grads.len() != expected {
+        return Err(Error::Length {
+            what: what(),
+            got: grads.len(),
+            expected,
+        });
+    }
+    if scale.len() != entries.len() {
+        return Err(Error::Length {
+            what: "embedding backward: bytes of scales for the bytes of entries".into(),
+            got: scale.len(),
+            expected: entries.len(),
+        });
+    }
+    if !grad_out.len().is_multiple_of(dim * 4) {
+        return Err(Error::NotMultiple {
+            what: "embedding backward: bytes of output gradient",
+            value: grad_out.len(),
+            of: "the bytes of a row",
+            divisor: dim * 4,
+        });
     }
     let p = EmbBackwardParams {
         nrows: rows as u64,
@@ -472,17 +503,31 @@ pub fn embedding_step(
 ) -> Result<()> {
     check_shape(stride, dim)?;
     if stride < dim + opt.state_len(dim) {
-        return Err(Error::InvalidArgument(format!(
-            "rows of {stride} floats cannot hold {dim} weights and {} floats of optimizer state",
-            opt.state_len(dim)
-        )));
+        return Err(Error::TooFew {
+            what: format!(
+                "floats in a row of {dim} weights and {} of optimizer state",
+                opt.state_len(dim)
+            ),
+            got: stride,
+            need: dim + opt.state_len(dim),
+        });
     }
-    if Some(grads.len()) != rows.len().checked_mul(dim) {
-        return Err(Error::InvalidArgument(format!(
-            "{} bytes of gradients for {} rows of {dim} f32",
-            grads.len(),
+    let what = || {
+        format!(
+            "bytes of gradients for {} rows of {dim} f32",
             rows.len() / 4
-        )));
+        )
+    };
+    let expected = rows
+        .len()
+        .checked_mul(dim)
+        .ok_or_else(|| Error::Overflow { what: what() })?;
+    if grads.len() != expected {
+        return Err(Error::Length {
+            what: what(),
+            got: grads.len(),
+            expected,
+        });
     }
     let (kind, lr, eps, beta1, beta2, bias1, bias2) = match *opt {
         RowOptimizer::Sgd { lr } => (0, lr, 0.0, 0.0, 0.0, 1.0, 1.0),
@@ -521,16 +566,30 @@ fn rows_params(
     index: &DeviceView<'_>,
     packed: &DeviceView<'_>,
 ) -> Result<EmbRowsParams> {
-    if row_bytes == 0
-        || !row_bytes.is_multiple_of(4)
-        || Some(packed.len()) != (index.len() / 4).checked_mul(row_bytes)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "row moves need rows of a positive multiple of 4 bytes ({row_bytes}) and one packed \
-             row per index: {} bytes for {} indices",
-            packed.len(),
-            index.len() / 4
-        )));
+    if row_bytes == 0 {
+        return Err(Error::Empty {
+            what: "the bytes of a moved row".into(),
+        });
+    }
+    if !row_bytes.is_multiple_of(4) {
+        return Err(Error::NotMultiple {
+            what: "bytes of a moved row",
+            value: row_bytes,
+            of: "the size of an f32",
+            divisor: 4,
+        });
+    }
+    let n = index.len() / 4;
+    let what = || format!("row moves: packed bytes for {n} indices of rows of {row_bytes} bytes");
+    let expected = n
+        .checked_mul(row_bytes)
+        .ok_or_else(|| Error::Overflow { what: what() })?;
+    if packed.len() != expected {
+        return Err(Error::Length {
+            what: what(),
+            got: packed.len(),
+            expected,
+        });
     }
     Ok(EmbRowsParams {
         rows: (table.len() / row_bytes) as u64,

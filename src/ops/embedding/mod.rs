@@ -104,20 +104,29 @@ pub struct SparseGradPlan {
 }
 
 fn check_offsets(n: usize, offsets: &[u32], weights: Option<&[f32]>) -> Result<usize> {
-    let bags = offsets
-        .len()
-        .checked_sub(1)
-        .ok_or_else(|| Error::InvalidArgument("offsets need bags + 1 entries, got none".into()))?;
-    if offsets.windows(2).any(|w| w[1] < w[0]) || offsets[bags] as usize > n {
-        return Err(Error::InvalidArgument(format!(
-            "offsets must not decrease and end at most at the {n} indices"
-        )));
+    let bags = offsets.len().checked_sub(1).ok_or(Error::Empty {
+        what: "bag offsets (bags + 1 entries)".into(),
+    })?;
+    if let Some(at) = offsets.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::BadOffsets {
+            table: None,
+            at: at + 1,
+            why: "an offset below the one before it",
+        });
     }
-    if weights.is_some_and(|w| w.len() != n) {
-        return Err(Error::InvalidArgument(format!(
-            "{} weights for {n} indices",
-            weights.map_or(0, |w| w.len())
-        )));
+    if offsets[bags] as usize > n {
+        return Err(Error::BadOffsets {
+            table: None,
+            at: bags,
+            why: "the last offset past the number of indices",
+        });
+    }
+    if let Some(w) = weights.filter(|w| w.len() != n) {
+        return Err(Error::Length {
+            what: "per-sample weights for the indices".into(),
+            got: w.len(),
+            expected: n,
+        });
     }
     Ok(bags)
 }
@@ -273,13 +282,19 @@ pub fn bag_backward(
     scale: &[f32],
     grads: &mut [f32],
 ) -> Result<()> {
-    if row_ptr.windows(2).any(|w| w[1] < w[0])
-        || row_ptr.last().is_some_and(|&l| l as usize > entries.len())
-    {
-        return Err(Error::InvalidArgument(format!(
-            "bag backward: row starts must not decrease and end at most at the {} entries",
-            entries.len()
-        )));
+    if let Some(at) = row_ptr.windows(2).position(|w| w[1] < w[0]) {
+        return Err(Error::BadOffsets {
+            table: None,
+            at: at + 1,
+            why: "a row start below the one before it (bag backward)",
+        });
+    }
+    if row_ptr.last().is_some_and(|&l| l as usize > entries.len()) {
+        return Err(Error::BadOffsets {
+            table: None,
+            at: row_ptr.len() - 1,
+            why: "the last row start past the entries (bag backward)",
+        });
     }
     bag_backward_clamped(grad_out, dim, row_ptr, entries, scale, grads)
 }
@@ -334,13 +349,28 @@ pub fn row_step(
     grads: &[f32],
     opt: &RowOptimizer,
 ) -> Result<()> {
-    if dim == 0 || stride < dim + opt.state_len(dim) || grads.len() != rows.len() * dim {
-        return Err(Error::InvalidArgument(format!(
-            "row step: stride {stride} for dim {dim} and {} state floats, {} gradients for {} rows",
-            opt.state_len(dim),
-            grads.len(),
-            rows.len()
-        )));
+    if dim == 0 {
+        return Err(Error::Empty {
+            what: "row step: a row's weights".into(),
+        });
+    }
+    let need = dim + opt.state_len(dim);
+    if stride < need {
+        return Err(Error::TooFew {
+            what: format!(
+                "row step: floats in a row of {dim} weights and {} of optimizer state",
+                opt.state_len(dim)
+            ),
+            got: stride,
+            need,
+        });
+    }
+    if grads.len() != rows.len() * dim {
+        return Err(Error::Length {
+            what: format!("row step: gradients for {} rows of {dim}", rows.len()),
+            got: grads.len(),
+            expected: rows.len() * dim,
+        });
     }
     let n = table.len() / stride;
     for (&r, g) in rows.iter().zip(grads.chunks_exact(dim)) {

@@ -93,18 +93,20 @@ pub(crate) fn sgemm(
 ) -> Result<()> {
     let (m, n, k) = (c.rows, c.cols, a.cols);
     if a.rows != m || b.rows != k || b.cols != n {
-        return Err(Error::InvalidArgument(format!(
-            "sgemm: A is {}×{}, B {}×{}, C {}×{}",
-            a.rows, a.cols, b.rows, b.cols, c.rows, c.cols
-        )));
+        return Err(Error::Internal {
+            what: format!(
+                "sgemm: A is {}×{}, B {}×{}, C {}×{}",
+                a.rows, a.cols, b.rows, b.cols, c.rows, c.cols
+            ),
+        });
     }
     let reads = k > 0 && alpha != 0.0;
     let inputs_fit =
         !reads || (fits(m, k, a.rs, a.cs, a.data.len()) && fits(k, n, b.rs, b.cs, b.data.len()));
     if !inputs_fit || !fits(m, n, c.rs, c.cs, c.data.len()) {
-        return Err(Error::InvalidArgument(
-            "sgemm: a matrix lies outside its slice".into(),
-        ));
+        return Err(Error::Internal {
+            what: "sgemm: a matrix lies outside its slice".into(),
+        });
     }
     if m == 0 || n == 0 {
         return Ok(());
@@ -460,7 +462,7 @@ mod tests {
                 cs: 1,
             },
         );
-        assert!(matches!(r, Err(Error::InvalidArgument(_))));
+        assert!(matches!(r, Err(Error::Internal { .. })));
         assert_eq!(c, [0.0; 4]);
         let b = MatRef {
             data: &x,

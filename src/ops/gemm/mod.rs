@@ -13,7 +13,7 @@
 //! `CUBLAS_COMPUTE_32F`, on the stream; see `cublas.rs`), the simulated device runs the CPU
 //! twin (the `gemm` crate, wrapped once in `cpu.rs`). [`gemm_host`] runs the twin on host
 //! slices. Every operand's extent is checked against its view before anything runs: a bad
-//! shape is an [`Error::InvalidArgument`](crate::Error::InvalidArgument) naming the operand, its shape and the elements it
+//! shape is an [`Error::Operands`](crate::Error::Operands) naming the operand, its shape and the elements it
 //! needs, and nothing is written.
 //!
 //! ```

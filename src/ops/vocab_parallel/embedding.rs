@@ -269,18 +269,26 @@ pub struct VocabPlan {
 
 impl VocabPlan {
     /// The plan of `tokens` (`[N]`, e.g. `[B, T]` row-major) for `shard`. A token outside
-    /// `0..shard.vocab`, a shard breaking [`VocabShard`]'s rules, or `N ≥ 2³²` is an
-    /// [`Error::InvalidArgument`].
+    /// `0..shard.vocab` is an [`Error::TokenOutOfRange`], `N ≥ 2³²` an [`Error::TooLarge`], a
+    /// shard breaking [`VocabShard`]'s rules an [`Error::InvalidArgument`].
     pub fn new(tokens: &[i32], shard: &VocabShard) -> Result<Self> {
         let fail = |why: String| Err(Error::InvalidArgument(format!("vocab plan: {why}")));
         if let Err(why) = shard.rule() {
             return fail(why);
         }
         if let Some(pos) = bad_id(tokens, shard.vocab as u64, None) {
-            return fail(token_error(tokens, pos, shard.vocab as u64));
+            return Err(Error::TokenOutOfRange {
+                token: tokens[pos].into(),
+                position: pos,
+                vocab: shard.vocab,
+            });
         }
         if tokens.len() >= u32::MAX as usize {
-            return fail(format!("{} positions do not fit u32 entries", tokens.len()));
+            return Err(Error::TooLarge {
+                what: "positions of a vocab plan (u32 entries)".into(),
+                requested: tokens.len() as u128,
+                limit: u32::MAX as u64 - 1,
+            });
         }
         // Position p is bag p: one index (its local row) when owned, none otherwise.
         let mut ids = Vec::with_capacity(tokens.len());

@@ -117,14 +117,22 @@ impl VocabShard {
     }
 
     /// Rank `rank`'s shard of `ranks`: tokens `⌊rank·V/P⌋..⌊(rank + 1)·V/P⌋` (shards differ by
-    /// at most one row when `P` does not divide `V`). `rank < ranks ≤ V`, else an
-    /// [`Error::InvalidArgument`].
+    /// at most one row when `P` does not divide `V`). `rank ≥ ranks` is an
+    /// [`Error::IndexOutOfRange`], `ranks > V` an [`Error::TooFew`].
     pub fn of_rank(vocab: usize, rank: usize, ranks: usize) -> Result<Self> {
-        if rank >= ranks || ranks > vocab {
-            return Err(Error::InvalidArgument(format!(
-                "vocab shard: rank {rank} of {ranks} over a vocabulary of {vocab} (needs rank < \
-                 ranks ≤ V)"
-            )));
+        if rank >= ranks {
+            return Err(Error::IndexOutOfRange {
+                what: "rank of a vocabulary split".into(),
+                index: rank,
+                len: ranks,
+            });
+        }
+        if ranks > vocab {
+            return Err(Error::TooFew {
+                what: format!("tokens in a vocabulary split over {ranks} ranks"),
+                got: vocab,
+                need: ranks,
+            });
         }
         // u128: `rank · V` may overflow usize.
         let at = |r: usize| (r as u128 * vocab as u128 / ranks as u128) as usize;

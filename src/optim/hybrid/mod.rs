@@ -251,30 +251,37 @@ impl HybridAdam {
     pub fn new(cfg: HybridConfig) -> Result<Self> {
         cfg.adam.validate()?;
         if cfg.delayed_params && cfg.accumulation_steps > 1 {
-            return Err(Error::InvalidArgument(
-                "delayed_params with accumulation_steps > 1: the parameters are restored from \
-                 the masters between micro-batches, which would end the lag (run the \
-                 micro-batches in one iteration, as a pipeline stage does)"
+            return Err(Error::Conflict {
+                what: "delayed_params".into(),
+                with: "accumulation_steps > 1: the parameters are restored from the masters \
+                       between micro-batches, which would end the lag (run the micro-batches \
+                       in one iteration, as a pipeline stage does)"
                     .into(),
-            ));
+            });
         }
         if cfg.accumulation_steps == 0 {
-            return Err(Error::InvalidArgument(
-                "accumulation_steps must be at least 1".into(),
-            ));
+            return Err(Error::TooFew {
+                what: "accumulation_steps".into(),
+                got: 0,
+                need: 1,
+            });
         }
         if let Some(n) = cfg.max_grad_norm {
             if !(n.is_finite() && n > 0.0) {
-                return Err(Error::InvalidArgument(format!(
-                    "max_grad_norm = {n} must be positive and finite"
-                )));
+                return Err(Error::BadValue {
+                    what: "max_grad_norm".into(),
+                    value: n.into(),
+                    want: "finite and above 0",
+                });
             }
         }
         if let DevicePlacement::Auto { fraction } = cfg.placement {
             if !(0.0..=1.0).contains(&fraction) {
-                return Err(Error::InvalidArgument(format!(
-                    "placement fraction {fraction} is outside [0, 1]"
-                )));
+                return Err(Error::BadValue {
+                    what: "the device placement's fraction".into(),
+                    value: fraction.into(),
+                    want: "in [0, 1]",
+                });
             }
         }
         let mut cpu = CpuAdam::new();
@@ -327,11 +334,14 @@ impl HybridAdam {
     /// accumulation, whose accumulators a checkpoint does not hold.
     pub(crate) fn checkpoint_metadata(&self) -> Result<BTreeMap<String, String>> {
         if self.micro != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "a checkpoint after micro-batch {} of {} would lose the accumulated gradients: \
-                 save after the step",
-                self.micro, self.cfg.accumulation_steps
-            )));
+            return Err(Error::Conflict {
+                what: format!(
+                    "a checkpoint after micro-batch {} of {}",
+                    self.micro, self.cfg.accumulation_steps
+                ),
+                with: "gradient accumulation, whose gradients it would lose: save after the step"
+                    .into(),
+            });
         }
         let mut m = BTreeMap::from([(META_STEPS.to_string(), self.steps.to_string())]);
         if let Some(sc) = &self.scaler {
@@ -353,7 +363,7 @@ impl HybridAdam {
                 ))
             })
         }
-        let steps = get(meta, META_STEPS)?;
+        let steps: u64 = get(meta, META_STEPS)?;
         let scaler = match (&self.scaler, meta.contains_key(META_SCALE)) {
             (Some(_), true) => Some((
                 get(meta, META_SCALE)?,
@@ -362,14 +372,16 @@ impl HybridAdam {
             )),
             (None, false) => None,
             (Some(_), false) => {
-                return Err(Error::InvalidArgument(
-                    "the checkpoint was saved without loss scaling, this optimizer has it".into(),
-                ))
+                return Err(Error::Conflict {
+                    what: "a checkpoint saved without loss scaling".into(),
+                    with: "an optimizer that scales the loss".into(),
+                })
             }
             (None, true) => {
-                return Err(Error::InvalidArgument(
-                    "the checkpoint was saved with loss scaling, this optimizer has none".into(),
-                ))
+                return Err(Error::Conflict {
+                    what: "a checkpoint saved with loss scaling".into(),
+                    with: "an optimizer that does not scale the loss".into(),
+                })
             }
         };
         if let (Some(sc), Some((scale, clean, allowance))) = (&self.scaler, scaler) {
@@ -377,9 +389,11 @@ impl HybridAdam {
             sc.clone().restore(scale, clean, allowance)?;
         }
         if steps == u64::MAX {
-            return Err(Error::InvalidArgument(
-                "the checkpoint's adam.steps is at its limit".into(),
-            ));
+            return Err(Error::TooLarge {
+                what: "the checkpoint's adam.steps".into(),
+                requested: steps.into(),
+                limit: u64::MAX - 1,
+            });
         }
         Ok(Counters { steps, scaler })
     }
@@ -472,14 +486,16 @@ impl HybridAdam {
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,
     ) -> Result<StepReport> {
         if self.broken {
-            return Err(Error::InvalidArgument(
-                "a previous optimizer step failed partway; the chunk groups are out of step".into(),
-            ));
+            return Err(Error::Poisoned {
+                what: "optimizer",
+                reason: "a previous step failed partway; the chunk groups are out of step".into(),
+            });
         }
         if m.stage() != Some(Stage::Optimizer) {
-            return Err(Error::InvalidArgument(
-                "HybridAdam::step runs after end_backward".into(),
-            ));
+            return Err(Error::OutOfOrder {
+                call: "HybridAdam::step",
+                needs: "end_backward",
+            });
         }
         let r = self.step_inner(m, reduce);
         if r.is_err() {

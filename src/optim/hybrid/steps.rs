@@ -65,9 +65,11 @@ pub(super) fn step_block(
             Grad::Bf16(typed(grad)?),
             ParamCopy::Bf16(typed_mut(param)?),
         ),
-        other => Err(Error::InvalidArgument(format!(
-            "parameters of {other} cannot be stepped (model floats only)"
-        ))),
+        other => Err(Error::WrongDType {
+            what: "parameters stepped by HybridAdam".into(),
+            dtype: other,
+            expected: "a model float (F32, F16 or BF16)",
+        }),
     }
 }
 
@@ -81,11 +83,13 @@ pub(super) fn fold_block(acc: &Accumulators, inv: f32, dt: DType, b: HostBlock<'
     let a = acc.acc[b.group].read();
     let mut p = acc.pending[b.group].lock();
     if a.len() < hi || p.len() < hi {
-        return Err(Error::InvalidArgument(format!(
-            "group {}'s accumulator holds {} elements, not {hi}",
-            b.group,
-            a.len().min(p.len())
-        )));
+        return Err(Error::Internal {
+            what: format!(
+                "group {}'s accumulator holds {} elements, not {hi}",
+                b.group,
+                a.len().min(p.len())
+            ),
+        });
     }
     match b.grad {
         None => p[lo..hi].copy_from_slice(&a[lo..hi]),
@@ -237,9 +241,11 @@ pub(super) fn adam_group(
                         cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(bytes)?))?
                     }
                     (_, other) => {
-                        return Err(Error::InvalidArgument(format!(
-                            "parameters of {other} cannot be stepped (model floats only)"
-                        )))
+                        return Err(Error::WrongDType {
+                            what: "parameters stepped by HybridAdam".into(),
+                            dtype: other,
+                            expected: "a model float (F32, F16 or BF16)",
+                        })
                     }
                 }
                 if let Some(before) = before {
@@ -257,9 +263,9 @@ pub(super) fn adam_group(
             variance: Some(va),
         } => {
             if acc.is_some() {
-                return Err(Error::InvalidArgument(
-                    "accumulated gradients live on the host".into(),
-                ));
+                return Err(Error::Internal {
+                    what: "accumulated gradients of a device group (they live on the host)".into(),
+                });
             }
             for r in &v.ranges {
                 let f = |b| f32_span(b, r);
@@ -321,9 +327,11 @@ fn write_params(bytes: &mut [u8], values: &[f32], dt: DType) -> Result<()> {
                 .for_each(|(o, &v)| *o = half::bf16::from_f32(v));
         }
         other => {
-            return Err(Error::InvalidArgument(format!(
-                "parameters of {other} cannot be written (model floats only)"
-            )))
+            return Err(Error::WrongDType {
+                what: "parameters written by HybridAdam".into(),
+                dtype: other,
+                expected: "a model float (F32, F16 or BF16)",
+            })
         }
     }
     Ok(())

@@ -42,6 +42,30 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+/// An item of the kernel ABI (a `KernelDesc` static or a `*Params` block): public with the
+/// `kernel-abi` feature (and then also named in `ops::abi`), crate-private without it.
+macro_rules! abi {
+    ($(#[$m:meta])* static $($rest:tt)*) => {
+        #[cfg(feature = "kernel-abi")]
+        $(#[$m])* pub static $($rest)*
+        #[cfg(not(feature = "kernel-abi"))]
+        $(#[$m])* pub(crate) static $($rest)*
+    };
+    ($(#[$m:meta])* fn $($rest:tt)*) => {
+        #[cfg(feature = "kernel-abi")]
+        $(#[$m])* pub fn $($rest)*
+        #[cfg(not(feature = "kernel-abi"))]
+        $(#[$m])* pub(crate) fn $($rest)*
+    };
+    ($(#[$m:meta])* struct $($rest:tt)*) => {
+        #[cfg(feature = "kernel-abi")]
+        $(#[$m])* pub struct $($rest)*
+        #[cfg(not(feature = "kernel-abi"))]
+        #[allow(dead_code)] // fields the kernels read, not the host
+        $(#[$m])* pub(crate) struct $($rest)*
+    };
+}
+
 pub(crate) mod checkpoint;
 pub mod chunk;
 pub mod comm;

@@ -27,29 +27,33 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::Result;
 
-/// The parameters of `kernels/accumulate.cu` (`accumulate.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct AccumulateParams {
-    /// Elements.
-    pub n: u64,
+abi! {
+    /// The parameters of `kernels/accumulate.cu` (`accumulate.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct AccumulateParams {
+        /// Elements.
+        pub n: u64,
+    }
 }
 
-/// `acc += x`: `x` read (a model float), `acc` (f32) read and written.
-pub static ACCUMULATE: KernelDesc = KernelDesc {
-    name: "accumulate",
-    operands: &[
-        OperandSpec::read("x", &DType::FLOATS),
-        OperandSpec::read_write("acc", &[DType::F32]),
-    ],
-    params: param_layout!(AccumulateParams, "accumulate.cuh", [n]),
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "accumulate.cu",
-        plan,
-    },
-};
+abi! {
+    /// `acc += x`: `x` read (a model float), `acc` (f32) read and written.
+    static ACCUMULATE: KernelDesc = KernelDesc {
+        name: "accumulate",
+        operands: &[
+            OperandSpec::read("x", &DType::FLOATS),
+            OperandSpec::read_write("acc", &[DType::F32]),
+        ],
+        params: param_layout!(AccumulateParams, "accumulate.cuh", [n]),
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "accumulate.cu",
+            plan,
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: AccumulateParams = info.params()?;

@@ -43,37 +43,41 @@ use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::math;
 
-/// The parameters of `kernels/bce.cu` (`bce.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BceParams {
-    /// Elements.
-    pub n: u64,
-    /// The gradient's factor: `dlogits = (σ(x) − y)·scale`.
-    pub scale: f32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of `kernels/bce.cu` (`bce.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct BceParams {
+        /// Elements.
+        pub n: u64,
+        /// The gradient's factor: `dlogits = (σ(x) − y)·scale`.
+        pub scale: f32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
-/// The fused sigmoid + binary cross-entropy: `logits` (a model float) and `labels` (f32) read;
-/// `loss` (f32) written, `dlogits` (the logits' type) and `probs` (f32) written when present.
-pub static BCE_WITH_LOGITS: KernelDesc = KernelDesc {
-    name: "bce_with_logits",
-    operands: &[
-        OperandSpec::read("logits", &DType::FLOATS),
-        OperandSpec::read("labels", &[DType::F32]),
-        OperandSpec::write("loss", &[DType::F32]),
-        OperandSpec::write("dlogits", &DType::FLOATS).optional(),
-        OperandSpec::write("probs", &[DType::F32]).optional(),
-    ],
-    params: param_layout!(BceParams, "bce.cuh", [n, scale, pad]),
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "bce.cu",
-        plan,
-    },
-};
+abi! {
+    /// The fused sigmoid + binary cross-entropy: `logits` (a model float) and `labels` (f32) read;
+    /// `loss` (f32) written, `dlogits` (the logits' type) and `probs` (f32) written when present.
+    static BCE_WITH_LOGITS: KernelDesc = KernelDesc {
+        name: "bce_with_logits",
+        operands: &[
+            OperandSpec::read("logits", &DType::FLOATS),
+            OperandSpec::read("labels", &[DType::F32]),
+            OperandSpec::write("loss", &[DType::F32]),
+            OperandSpec::write("dlogits", &DType::FLOATS).optional(),
+            OperandSpec::write("probs", &[DType::F32]).optional(),
+        ],
+        params: param_layout!(BceParams, "bce.cuh", [n, scale, pad]),
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "bce.cu",
+            plan,
+        },
+    };
+}
 
 /// The check of a launch or a twin run: every present operand holds `n` elements, `dlogits`
 /// has the logits' type, `scale` is finite.

@@ -52,36 +52,40 @@ use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{add_columns, column_chunks, elements, expect, scratch, Operands};
 
-/// The parameters of `bias_rows` (`BiasParams` in `kernels/bias.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BiasParams {
-    /// Rows, N.
-    pub rows: u64,
-    /// Columns, C (at least 1).
-    pub cols: u64,
-    /// 1: `y += b`; 0: `y = b`.
-    pub accumulate: u32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of `bias_rows` (`BiasParams` in `kernels/bias.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct BiasParams {
+        /// Rows, N.
+        pub rows: u64,
+        /// Columns, C (at least 1).
+        pub cols: u64,
+        /// 1: `y += b`; 0: `y = b`.
+        pub accumulate: u32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
-/// The parameters of `bias_grad` (`BiasGradParams` in `kernels/bias.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct BiasGradParams {
-    /// Rows, N.
-    pub rows: u64,
-    /// Columns, C (at least 1).
-    pub cols: u64,
-    /// Rows per chunk of the column sums: `column_chunks(rows).0`.
-    pub chunk_rows: u64,
-    /// Chunks: `column_chunks(rows).1`.
-    pub chunks: u64,
-    /// 1: `db += Σ dy`; 0: `db = Σ dy`.
-    pub accumulate: u32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of `bias_grad` (`BiasGradParams` in `kernels/bias.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct BiasGradParams {
+        /// Rows, N.
+        pub rows: u64,
+        /// Columns, C (at least 1).
+        pub cols: u64,
+        /// Rows per chunk of the column sums: `column_chunks(rows).0`.
+        pub chunk_rows: u64,
+        /// Chunks: `column_chunks(rows).1`.
+        pub chunks: u64,
+        /// 1: `db += Σ dy`; 0: `db = Σ dy`.
+        pub accumulate: u32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
 impl BiasGradParams {
@@ -101,44 +105,48 @@ impl BiasGradParams {
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// `y = b` or `y += b` broadcast over rows: `b` `[C]` read, `y` `[N, C]` read and written, one
-/// element type.
-pub static BIAS_ROWS: KernelDesc = KernelDesc {
-    name: "bias_rows",
-    operands: &[
-        OperandSpec::read("b", FLOATS),
-        OperandSpec::read_write("y", FLOATS),
-    ],
-    params: param_layout!(BiasParams, "bias.cuh", [rows, cols, accumulate, pad]),
-    check: Some(check_rows),
-    twin: rows_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "bias.cu",
-        plan: plan_rows,
-    },
-};
+abi! {
+    /// `y = b` or `y += b` broadcast over rows: `b` `[C]` read, `y` `[N, C]` read and written, one
+    /// element type.
+    static BIAS_ROWS: KernelDesc = KernelDesc {
+        name: "bias_rows",
+        operands: &[
+            OperandSpec::read("b", FLOATS),
+            OperandSpec::read_write("y", FLOATS),
+        ],
+        params: param_layout!(BiasParams, "bias.cuh", [rows, cols, accumulate, pad]),
+        check: Some(check_rows),
+        twin: rows_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "bias.cu",
+            plan: plan_rows,
+        },
+    };
+}
 
-/// `db (+)= Σ_rows dy`: `dy` `[N, C]` read, `db` `[C]` (any model float) read and written,
-/// `scratch` (f32, [`bias_grad_scratch_bytes`]) written.
-pub static BIAS_GRAD: KernelDesc = KernelDesc {
-    name: "bias_grad",
-    operands: &[
-        OperandSpec::read("dy", FLOATS),
-        OperandSpec::read_write("db", FLOATS),
-        OperandSpec::write("scratch", &[DType::F32]),
-    ],
-    params: param_layout!(
-        BiasGradParams,
-        "bias.cuh",
-        [rows, cols, chunk_rows, chunks, accumulate, pad]
-    ),
-    check: Some(check_grad),
-    twin: grad_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "bias.cu",
-        plan: plan_grad,
-    },
-};
+abi! {
+    /// `db (+)= Σ_rows dy`: `dy` `[N, C]` read, `db` `[C]` (any model float) read and written,
+    /// `scratch` (f32, [`bias_grad_scratch_bytes`]) written.
+    static BIAS_GRAD: KernelDesc = KernelDesc {
+        name: "bias_grad",
+        operands: &[
+            OperandSpec::read("dy", FLOATS),
+            OperandSpec::read_write("db", FLOATS),
+            OperandSpec::write("scratch", &[DType::F32]),
+        ],
+        params: param_layout!(
+            BiasGradParams,
+            "bias.cuh",
+            [rows, cols, chunk_rows, chunks, accumulate, pad]
+        ),
+        check: Some(check_grad),
+        twin: grad_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "bias.cu",
+            plan: plan_grad,
+        },
+    };
+}
 
 /// Bytes of the scratch operand of [`bias_grad`] over `[rows, cols]`: one f32 column sum per
 /// chunk of rows (at most 256 chunks, so at most `1 KiB · cols`).

@@ -27,31 +27,35 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The parameters of `kernels/cast.cu` (`cast.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct CastParams {
-    /// Elements.
-    pub n: u64,
+abi! {
+    /// The parameters of `kernels/cast.cu` (`cast.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct CastParams {
+        /// Elements.
+        pub n: u64,
+    }
 }
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// The cast op: `src` (read) converted into `dst` (written), both of one of the model floats.
-pub static CAST: KernelDesc = KernelDesc {
-    name: "cast",
-    operands: &[
-        OperandSpec::read("src", FLOATS),
-        OperandSpec::write("dst", FLOATS),
-    ],
-    params: param_layout!(CastParams, "cast.cuh", [n]),
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "cast.cu",
-        plan,
-    },
-};
+abi! {
+    /// The cast op: `src` (read) converted into `dst` (written), both of one of the model floats.
+    static CAST: KernelDesc = KernelDesc {
+        name: "cast",
+        operands: &[
+            OperandSpec::read("src", FLOATS),
+            OperandSpec::write("dst", FLOATS),
+        ],
+        params: param_layout!(CastParams, "cast.cuh", [n]),
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "cast.cu",
+            plan,
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: CastParams = info.params()?;

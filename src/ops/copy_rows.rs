@@ -35,50 +35,54 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The parameters of `kernels/copy_rows.cu` (`copy_rows.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct CopyRowsParams {
-    /// Rows copied.
-    pub n: u64,
-    /// Elements per row copied.
-    pub width: u64,
-    /// Elements between source rows.
-    pub src_stride: u64,
-    /// Elements between destination rows.
-    pub dst_stride: u64,
-    /// Rows the source holds (an index at or past it is skipped).
-    pub src_rows: u64,
-    /// Rows the destination holds (an index at or past it is skipped).
-    pub dst_rows: u64,
+abi! {
+    /// The parameters of `kernels/copy_rows.cu` (`copy_rows.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct CopyRowsParams {
+        /// Rows copied.
+        pub n: u64,
+        /// Elements per row copied.
+        pub width: u64,
+        /// Elements between source rows.
+        pub src_stride: u64,
+        /// Elements between destination rows.
+        pub dst_stride: u64,
+        /// Rows the source holds (an index at or past it is skipped).
+        pub src_rows: u64,
+        /// Rows the destination holds (an index at or past it is skipped).
+        pub dst_rows: u64,
+    }
 }
 
 const F32: &[DType] = &[DType::F32];
 const U32: &[DType] = &[DType::U32];
 
-/// Row copy: `src` and the optional `src_index` read, `dst` (rows not named kept) written, the
-/// optional `dst_index` read. Indices out of range are skipped on both backends; destination
-/// indices must be distinct.
-pub static COPY_ROWS: KernelDesc = KernelDesc {
-    name: "copy_rows",
-    operands: &[
-        OperandSpec::read("src", F32),
-        OperandSpec::read("src_index", U32).optional(),
-        OperandSpec::read_write("dst", F32),
-        OperandSpec::read("dst_index", U32).optional(),
-    ],
-    params: param_layout!(
-        CopyRowsParams,
-        "copy_rows.cuh",
-        [n, width, src_stride, dst_stride, src_rows, dst_rows]
-    ),
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "copy_rows.cu",
-        plan,
-    },
-};
+abi! {
+    /// Row copy: `src` and the optional `src_index` read, `dst` (rows not named kept) written, the
+    /// optional `dst_index` read. Indices out of range are skipped on both backends; destination
+    /// indices must be distinct.
+    static COPY_ROWS: KernelDesc = KernelDesc {
+        name: "copy_rows",
+        operands: &[
+            OperandSpec::read("src", F32),
+            OperandSpec::read("src_index", U32).optional(),
+            OperandSpec::read_write("dst", F32),
+            OperandSpec::read("dst_index", U32).optional(),
+        ],
+        params: param_layout!(
+            CopyRowsParams,
+            "copy_rows.cuh",
+            [n, width, src_stride, dst_stride, src_rows, dst_rows]
+        ),
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "copy_rows.cu",
+            plan,
+        },
+    };
+}
 
 /// Elements `rows` rows of `width` elements, `stride` apart, span (0 for no rows).
 fn extent(rows: u64, stride: u64, width: u64) -> Option<u64> {

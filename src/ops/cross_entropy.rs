@@ -51,20 +51,22 @@ use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{elements, expect};
 use crate::ops::{lanes, math};
 
-/// The parameters of `kernels/cross_entropy.cu` (`cross_entropy.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct CrossEntropyParams {
-    /// Rows.
-    pub n: u64,
-    /// Columns of the vocabulary (the first `v` of each row).
-    pub v: u64,
-    /// Elements per row (`vp ≥ v`).
-    pub vp: u64,
-    /// Rows whose target equals it count for nothing.
-    pub ignore_index: i32,
-    /// The factor of the gradient (e.g. 1 / the rows counted).
-    pub grad_scale: f32,
+abi! {
+    /// The parameters of `kernels/cross_entropy.cu` (`cross_entropy.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct CrossEntropyParams {
+        /// Rows.
+        pub n: u64,
+        /// Columns of the vocabulary (the first `v` of each row).
+        pub v: u64,
+        /// Elements per row (`vp ≥ v`).
+        pub vp: u64,
+        /// Rows whose target equals it count for nothing.
+        pub ignore_index: i32,
+        /// The factor of the gradient (e.g. 1 / the rows counted).
+        pub grad_scale: f32,
+    }
 }
 
 /// Threads per block (one block per row) of the cross-entropy kernels; the reduction order
@@ -90,48 +92,52 @@ pub struct CrossEntropy {
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// Cross-entropy losses only: logits and targets read, losses written.
-pub static CROSS_ENTROPY_FORWARD: KernelDesc = KernelDesc {
-    name: "cross_entropy_forward",
-    operands: &[
-        OperandSpec::read("logits", FLOATS),
-        OperandSpec::read("targets", &[DType::I32]),
-        OperandSpec::write("losses", &[DType::F32]),
-    ],
-    params: param_layout!(
-        CrossEntropyParams,
-        "cross_entropy.cuh",
-        [n, v, vp, ignore_index, grad_scale]
-    ),
-    check: Some(check),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => twin_typed::<T>(a, false)),
-    cuda: CudaSide::Nvrtc {
-        source: "cross_entropy.cu",
-        plan: |info| plan(info, "cross_entropy_forward"),
-    },
-};
+abi! {
+    /// Cross-entropy losses only: logits and targets read, losses written.
+    static CROSS_ENTROPY_FORWARD: KernelDesc = KernelDesc {
+        name: "cross_entropy_forward",
+        operands: &[
+            OperandSpec::read("logits", FLOATS),
+            OperandSpec::read("targets", &[DType::I32]),
+            OperandSpec::write("losses", &[DType::F32]),
+        ],
+        params: param_layout!(
+            CrossEntropyParams,
+            "cross_entropy.cuh",
+            [n, v, vp, ignore_index, grad_scale]
+        ),
+        check: Some(check),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => twin_typed::<T>(a, false)),
+        cuda: CudaSide::Nvrtc {
+            source: "cross_entropy.cu",
+            plan: |info| plan(info, "cross_entropy_forward"),
+        },
+    };
+}
 
-/// Cross-entropy losses and the logits' gradient, written over the logits (read and written);
-/// targets read, losses written.
-pub static CROSS_ENTROPY_FORWARD_BACKWARD: KernelDesc = KernelDesc {
-    name: "cross_entropy_forward_backward",
-    operands: &[
-        OperandSpec::read_write("logits", FLOATS),
-        OperandSpec::read("targets", &[DType::I32]),
-        OperandSpec::write("losses", &[DType::F32]),
-    ],
-    params: param_layout!(
-        CrossEntropyParams,
-        "cross_entropy.cuh",
-        [n, v, vp, ignore_index, grad_scale]
-    ),
-    check: Some(check),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => twin_typed::<T>(a, true)),
-    cuda: CudaSide::Nvrtc {
-        source: "cross_entropy.cu",
-        plan: |info| plan(info, "cross_entropy_forward_backward"),
-    },
-};
+abi! {
+    /// Cross-entropy losses and the logits' gradient, written over the logits (read and written);
+    /// targets read, losses written.
+    static CROSS_ENTROPY_FORWARD_BACKWARD: KernelDesc = KernelDesc {
+        name: "cross_entropy_forward_backward",
+        operands: &[
+            OperandSpec::read_write("logits", FLOATS),
+            OperandSpec::read("targets", &[DType::I32]),
+            OperandSpec::write("losses", &[DType::F32]),
+        ],
+        params: param_layout!(
+            CrossEntropyParams,
+            "cross_entropy.cuh",
+            [n, v, vp, ignore_index, grad_scale]
+        ),
+        check: Some(check),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => twin_typed::<T>(a, true)),
+        cuda: CudaSide::Nvrtc {
+            source: "cross_entropy.cu",
+            plan: |info| plan(info, "cross_entropy_forward_backward"),
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: CrossEntropyParams = info.params()?;

@@ -39,38 +39,44 @@ use crate::error::{Error, Result};
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{expect_elementwise, Operands};
 
-/// The parameters of `add` and `add_in_place` (`AddParams` in `kernels/elementwise.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct AddParams {
-    /// Elements.
-    pub n: u64,
-    /// Scale of `a` (of `z`, in place).
-    pub alpha: f32,
-    /// Scale of `b`.
-    pub beta: f32,
+abi! {
+    /// The parameters of `add` and `add_in_place` (`AddParams` in `kernels/elementwise.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct AddParams {
+        /// Elements.
+        pub n: u64,
+        /// Scale of `a` (of `z`, in place).
+        pub alpha: f32,
+        /// Scale of `b`.
+        pub beta: f32,
+    }
 }
 
-/// The parameters of `scale` (`ScaleParams` in `kernels/elementwise.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct ScaleParams {
-    /// Elements.
-    pub n: u64,
-    /// The factor.
-    pub alpha: f32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of `scale` (`ScaleParams` in `kernels/elementwise.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct ScaleParams {
+        /// Elements.
+        pub n: u64,
+        /// The factor.
+        pub alpha: f32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
-/// The parameters of `fill` (`FillParams` in `kernels/elementwise.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct FillParams {
-    /// Elements.
-    pub n: u64,
-    /// The value's bits in the element type, in the low bytes (the rest zero).
-    pub bits: u64,
+abi! {
+    /// The parameters of `fill` (`FillParams` in `kernels/elementwise.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct FillParams {
+        /// Elements.
+        pub n: u64,
+        /// The value's bits in the element type, in the low bytes (the rest zero).
+        pub bits: u64,
+    }
 }
 
 /// The two scales of [`add`] and [`add_in_place`].
@@ -85,64 +91,72 @@ pub struct Axpby {
 const FLOATS: &[DType] = &DType::FLOATS;
 const FILLABLE: &[DType] = &[DType::F32, DType::F16, DType::BF16, DType::F64];
 
-/// `z = α·a + β·b`: `a`, `b` read, `z` written, one element type.
-pub static ADD: KernelDesc = KernelDesc {
-    name: "add",
-    operands: &[
-        OperandSpec::read("a", FLOATS),
-        OperandSpec::read("b", FLOATS),
-        OperandSpec::write("z", FLOATS),
-    ],
-    params: param_layout!(AddParams, "elementwise.cuh", [n, alpha, beta]),
-    check: Some(check_add),
-    twin: add_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "elementwise.cu",
-        plan: |info| plan(info, "add", 2),
-    },
-};
+abi! {
+    /// `z = α·a + β·b`: `a`, `b` read, `z` written, one element type.
+    static ADD: KernelDesc = KernelDesc {
+        name: "add",
+        operands: &[
+            OperandSpec::read("a", FLOATS),
+            OperandSpec::read("b", FLOATS),
+            OperandSpec::write("z", FLOATS),
+        ],
+        params: param_layout!(AddParams, "elementwise.cuh", [n, alpha, beta]),
+        check: Some(check_add),
+        twin: add_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "elementwise.cu",
+            plan: |info| plan(info, "add", 2),
+        },
+    };
+}
 
-/// `z = α·z + β·b`: `b` read, `z` read and written, one element type.
-pub static ADD_IN_PLACE: KernelDesc = KernelDesc {
-    name: "add_in_place",
-    operands: &[
-        OperandSpec::read("b", FLOATS),
-        OperandSpec::read_write("z", FLOATS),
-    ],
-    params: param_layout!(AddParams, "elementwise.cuh", [n, alpha, beta]),
-    check: Some(check_add),
-    twin: add_in_place_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "elementwise.cu",
-        plan: |info| plan(info, "add_in_place", 1),
-    },
-};
+abi! {
+    /// `z = α·z + β·b`: `b` read, `z` read and written, one element type.
+    static ADD_IN_PLACE: KernelDesc = KernelDesc {
+        name: "add_in_place",
+        operands: &[
+            OperandSpec::read("b", FLOATS),
+            OperandSpec::read_write("z", FLOATS),
+        ],
+        params: param_layout!(AddParams, "elementwise.cuh", [n, alpha, beta]),
+        check: Some(check_add),
+        twin: add_in_place_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "elementwise.cu",
+            plan: |info| plan(info, "add_in_place", 1),
+        },
+    };
+}
 
-/// `x = α·x`: `x` read and written.
-pub static SCALE: KernelDesc = KernelDesc {
-    name: "scale",
-    operands: &[OperandSpec::read_write("x", FLOATS)],
-    params: param_layout!(ScaleParams, "elementwise.cuh", [n, alpha, pad]),
-    check: Some(check_scale),
-    twin: scale_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "elementwise.cu",
-        plan: |info| plan(info, "scale", 0),
-    },
-};
+abi! {
+    /// `x = α·x`: `x` read and written.
+    static SCALE: KernelDesc = KernelDesc {
+        name: "scale",
+        operands: &[OperandSpec::read_write("x", FLOATS)],
+        params: param_layout!(ScaleParams, "elementwise.cuh", [n, alpha, pad]),
+        check: Some(check_scale),
+        twin: scale_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "elementwise.cu",
+            plan: |info| plan(info, "scale", 0),
+        },
+    };
+}
 
-/// Every element of `x` (f32, f16, bf16 or f64) set to one bit pattern.
-pub static FILL: KernelDesc = KernelDesc {
-    name: "fill",
-    operands: &[OperandSpec::write("x", FILLABLE)],
-    params: param_layout!(FillParams, "elementwise.cuh", [n, bits]),
-    check: Some(check_fill),
-    twin: fill_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "elementwise.cu",
-        plan: plan_fill,
-    },
-};
+abi! {
+    /// Every element of `x` (f32, f16, bf16 or f64) set to one bit pattern.
+    static FILL: KernelDesc = KernelDesc {
+        name: "fill",
+        operands: &[OperandSpec::write("x", FILLABLE)],
+        params: param_layout!(FillParams, "elementwise.cuh", [n, bits]),
+        check: Some(check_fill),
+        twin: fill_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "elementwise.cu",
+            plan: plan_fill,
+        },
+    };
+}
 
 fn check_add(info: &LaunchInfo<'_>) -> Result<()> {
     let p: AddParams = info.params()?;

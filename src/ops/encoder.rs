@@ -62,38 +62,42 @@ use crate::ops::embedding::{plan_backward, BagMode};
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{expect, expect_with};
 
-/// The parameters of `encoder_forward` (`encoder.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EncoderParams {
-    /// Positions (`B·T`).
-    pub n: u64,
-    /// Sequence length `T`.
-    pub t: u64,
-    /// Channels `C`.
-    pub c: u64,
-    /// Vocabulary `V` (rows of `wte`).
-    pub v: u64,
-    /// Rows of `wpe` (`maxT ≥ T`).
-    pub max_t: u64,
+abi! {
+    /// The parameters of `encoder_forward` (`encoder.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EncoderParams {
+        /// Positions (`B·T`).
+        pub n: u64,
+        /// Sequence length `T`.
+        pub t: u64,
+        /// Channels `C`.
+        pub c: u64,
+        /// Vocabulary `V` (rows of `wte`).
+        pub v: u64,
+        /// Rows of `wpe` (`maxT ≥ T`).
+        pub max_t: u64,
+    }
 }
 
-/// The parameters of `encoder_backward` (`encoder.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EncoderBackwardParams {
-    /// Positions (`B·T`).
-    pub n: u64,
-    /// Sequence length `T`.
-    pub t: u64,
-    /// Channels `C`.
-    pub c: u64,
-    /// Vocabulary `V` (rows of `dwte`).
-    pub v: u64,
-    /// Rows of `dwpe`.
-    pub max_t: u64,
-    /// Distinct tokens of the plan (`U`).
-    pub distinct: u64,
+abi! {
+    /// The parameters of `encoder_backward` (`encoder.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EncoderBackwardParams {
+        /// Positions (`B·T`).
+        pub n: u64,
+        /// Sequence length `T`.
+        pub t: u64,
+        /// Channels `C`.
+        pub c: u64,
+        /// Vocabulary `V` (rows of `dwte`).
+        pub v: u64,
+        /// Rows of `dwpe`.
+        pub max_t: u64,
+        /// Distinct tokens of the plan (`U`).
+        pub distinct: u64,
+    }
 }
 
 /// The shape of an encoder launch.
@@ -114,46 +118,50 @@ pub struct EncoderShape {
 const FLOATS: &[DType] = &DType::FLOATS;
 const INDEX: &[DType] = &[DType::U32];
 
-/// Encoder forward: tokens, `wte`, `wpe` read; `out` written.
-pub static ENCODER_FORWARD: KernelDesc = KernelDesc {
-    name: "encoder_forward",
-    operands: &[
-        OperandSpec::read("tokens", &[DType::I32]),
-        OperandSpec::read("wte", FLOATS),
-        OperandSpec::read("wpe", FLOATS),
-        OperandSpec::write("out", FLOATS),
-    ],
-    params: param_layout!(EncoderParams, "encoder.cuh", [n, t, c, v, max_t]),
-    check: Some(check_forward),
-    twin: |a| with_float!(a.dtype(1).unwrap_or(DType::F32), T => forward_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "encoder.cu",
-        plan: plan_forward,
-    },
-};
+abi! {
+    /// Encoder forward: tokens, `wte`, `wpe` read; `out` written.
+    static ENCODER_FORWARD: KernelDesc = KernelDesc {
+        name: "encoder_forward",
+        operands: &[
+            OperandSpec::read("tokens", &[DType::I32]),
+            OperandSpec::read("wte", FLOATS),
+            OperandSpec::read("wpe", FLOATS),
+            OperandSpec::write("out", FLOATS),
+        ],
+        params: param_layout!(EncoderParams, "encoder.cuh", [n, t, c, v, max_t]),
+        check: Some(check_forward),
+        twin: |a| with_float!(a.dtype(1).unwrap_or(DType::F32), T => forward_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "encoder.cu",
+            plan: plan_forward,
+        },
+    };
+}
 
-/// Encoder backward: `dout` and the plan (u32 words, see [`EncoderPlan::to_words`]) read;
-/// `dwte` and `dwpe` read and written (accumulated into).
-pub static ENCODER_BACKWARD: KernelDesc = KernelDesc {
-    name: "encoder_backward",
-    operands: &[
-        OperandSpec::read("dout", FLOATS),
-        OperandSpec::read("plan", INDEX),
-        OperandSpec::read_write("dwte", FLOATS),
-        OperandSpec::read_write("dwpe", FLOATS),
-    ],
-    params: param_layout!(
-        EncoderBackwardParams,
-        "encoder.cuh",
-        [n, t, c, v, max_t, distinct]
-    ),
-    check: Some(check_backward),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "encoder.cu",
-        plan: plan_backward_grids,
-    },
-};
+abi! {
+    /// Encoder backward: `dout` and the plan (u32 words, see [`EncoderPlan::to_words`]) read;
+    /// `dwte` and `dwpe` read and written (accumulated into).
+    static ENCODER_BACKWARD: KernelDesc = KernelDesc {
+        name: "encoder_backward",
+        operands: &[
+            OperandSpec::read("dout", FLOATS),
+            OperandSpec::read("plan", INDEX),
+            OperandSpec::read_write("dwte", FLOATS),
+            OperandSpec::read_write("dwpe", FLOATS),
+        ],
+        params: param_layout!(
+            EncoderBackwardParams,
+            "encoder.cuh",
+            [n, t, c, v, max_t, distinct]
+        ),
+        check: Some(check_backward),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "encoder.cu",
+            plan: plan_backward_grids,
+        },
+    };
+}
 
 /// `a·b` as a length, or `usize::MAX` on overflow (never an operand's length).
 fn mul(a: u64, b: u64) -> usize {

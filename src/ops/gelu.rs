@@ -30,12 +30,14 @@ use crate::ops::float::{simd, with_float, Float};
 use crate::ops::math;
 use crate::ops::rows::{elementwise_plan, expect_elementwise};
 
-/// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct GeluParams {
-    /// Elements.
-    pub n: u64,
+abi! {
+    /// The parameters of `kernels/gelu.cu` (`gelu.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct GeluParams {
+        /// Elements.
+        pub n: u64,
+    }
 }
 
 const K0: f32 = 0.797_884_6; // √(2/π), rounded to f32 as the kernel's literal
@@ -43,38 +45,42 @@ const K1: f32 = 0.044715;
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// GELU forward: `x` read, `y` written, one element type.
-pub static GELU_FORWARD: KernelDesc = KernelDesc {
-    name: "gelu_forward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::write("y", FLOATS),
-    ],
-    params: param_layout!(GeluParams, "gelu.cuh", [n]),
-    check: Some(check),
-    twin: forward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "gelu.cu",
-        plan: |info| elementwise_plan(info, "gelu_forward"),
-    },
-};
+abi! {
+    /// GELU forward: `x` read, `y` written, one element type.
+    static GELU_FORWARD: KernelDesc = KernelDesc {
+        name: "gelu_forward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::write("y", FLOATS),
+        ],
+        params: param_layout!(GeluParams, "gelu.cuh", [n]),
+        check: Some(check),
+        twin: forward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "gelu.cu",
+            plan: |info| elementwise_plan(info, "gelu_forward"),
+        },
+    };
+}
 
-/// GELU backward: `x` and `dy` read, `dx` written, one element type.
-pub static GELU_BACKWARD: KernelDesc = KernelDesc {
-    name: "gelu_backward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::read("dy", FLOATS),
-        OperandSpec::write("dx", FLOATS),
-    ],
-    params: param_layout!(GeluParams, "gelu.cuh", [n]),
-    check: Some(check),
-    twin: backward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "gelu.cu",
-        plan: |info| elementwise_plan(info, "gelu_backward"),
-    },
-};
+abi! {
+    /// GELU backward: `x` and `dy` read, `dx` written, one element type.
+    static GELU_BACKWARD: KernelDesc = KernelDesc {
+        name: "gelu_backward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::read("dy", FLOATS),
+            OperandSpec::write("dx", FLOATS),
+        ],
+        params: param_layout!(GeluParams, "gelu.cuh", [n]),
+        check: Some(check),
+        twin: backward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "gelu.cu",
+            plan: |info| elementwise_plan(info, "gelu_backward"),
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: GeluParams = info.params()?;

@@ -48,30 +48,34 @@ impl GradStats {
     }
 }
 
-/// The parameters of `kernels/grad_stats.cu` (`grad_stats.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct GradStatsParams {
-    /// Source elements.
-    pub n: u64,
+abi! {
+    /// The parameters of `kernels/grad_stats.cu` (`grad_stats.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct GradStatsParams {
+        /// Source elements.
+        pub n: u64,
+    }
 }
 
-/// The gradient statistics op: `src` (read) summarised into `out` (f64, written: the sum, the
-/// nonfinite flag, then scratch for the partial sums).
-pub static GRAD_STATS: KernelDesc = KernelDesc {
-    name: "grad_stats",
-    operands: &[
-        OperandSpec::read("src", &DType::FLOATS),
-        OperandSpec::write("out", &[DType::F64]),
-    ],
-    params: param_layout!(GradStatsParams, "grad_stats.cuh", [n]),
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "grad_stats.cu",
-        plan,
-    },
-};
+abi! {
+    /// The gradient statistics op: `src` (read) summarised into `out` (f64, written: the sum, the
+    /// nonfinite flag, then scratch for the partial sums).
+    static GRAD_STATS: KernelDesc = KernelDesc {
+        name: "grad_stats",
+        operands: &[
+            OperandSpec::read("src", &DType::FLOATS),
+            OperandSpec::write("out", &[DType::F64]),
+        ],
+        params: param_layout!(GradStatsParams, "grad_stats.cuh", [n]),
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "grad_stats.cu",
+            plan,
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: GradStatsParams = info.params()?;

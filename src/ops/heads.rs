@@ -74,73 +74,81 @@ const FLOATS: &[DType] = &DType::FLOATS;
 const LAYOUT: crate::device::ParamLayout =
     param_layout!(HeadsParams, "heads.cuh", [batch, seq, heads, head_dim]);
 
-/// `qkv` `[B, T, 3, H, D]` → `q`, `k`, `v` `[B, H, T, D]`.
-pub static QKV_SPLIT: KernelDesc = KernelDesc {
-    name: "qkv_split",
-    operands: &[
-        OperandSpec::read("qkv", FLOATS),
-        OperandSpec::write("q", FLOATS),
-        OperandSpec::write("k", FLOATS),
-        OperandSpec::write("v", FLOATS),
-    ],
-    params: LAYOUT,
-    check: Some(|i| check(i, 3)),
-    twin: |a| move_twin(a, Move::QkvSplit),
-    cuda: CudaSide::Nvrtc {
-        source: "heads.cu",
-        plan: |i| plan(i, "qkv_split"),
-    },
-};
+abi! {
+    /// `qkv` `[B, T, 3, H, D]` → `q`, `k`, `v` `[B, H, T, D]`.
+    static QKV_SPLIT: KernelDesc = KernelDesc {
+        name: "qkv_split",
+        operands: &[
+            OperandSpec::read("qkv", FLOATS),
+            OperandSpec::write("q", FLOATS),
+            OperandSpec::write("k", FLOATS),
+            OperandSpec::write("v", FLOATS),
+        ],
+        params: LAYOUT,
+        check: Some(|i| check(i, 3)),
+        twin: |a| move_twin(a, Move::QkvSplit),
+        cuda: CudaSide::Nvrtc {
+            source: "heads.cu",
+            plan: |i| plan(i, "qkv_split"),
+        },
+    };
+}
 
-/// `dq`, `dk`, `dv` `[B, H, T, D]` → `dqkv` `[B, T, 3, H, D]` (the backward of [`QKV_SPLIT`]).
-pub static QKV_MERGE: KernelDesc = KernelDesc {
-    name: "qkv_merge",
-    operands: &[
-        OperandSpec::read("dq", FLOATS),
-        OperandSpec::read("dk", FLOATS),
-        OperandSpec::read("dv", FLOATS),
-        OperandSpec::write("dqkv", FLOATS),
-    ],
-    params: LAYOUT,
-    check: Some(|i| check(i, 3)),
-    twin: |a| move_twin(a, Move::QkvMerge),
-    cuda: CudaSide::Nvrtc {
-        source: "heads.cu",
-        plan: |i| plan(i, "qkv_merge"),
-    },
-};
+abi! {
+    /// `dq`, `dk`, `dv` `[B, H, T, D]` → `dqkv` `[B, T, 3, H, D]` (the backward of [`QKV_SPLIT`]).
+    static QKV_MERGE: KernelDesc = KernelDesc {
+        name: "qkv_merge",
+        operands: &[
+            OperandSpec::read("dq", FLOATS),
+            OperandSpec::read("dk", FLOATS),
+            OperandSpec::read("dv", FLOATS),
+            OperandSpec::write("dqkv", FLOATS),
+        ],
+        params: LAYOUT,
+        check: Some(|i| check(i, 3)),
+        twin: |a| move_twin(a, Move::QkvMerge),
+        cuda: CudaSide::Nvrtc {
+            source: "heads.cu",
+            plan: |i| plan(i, "qkv_merge"),
+        },
+    };
+}
 
-/// `y` `[B, H, T, D]` → `out` `[B, T, H, D]`.
-pub static HEADS_MERGE: KernelDesc = KernelDesc {
-    name: "heads_merge",
-    operands: &[
-        OperandSpec::read("y", FLOATS),
-        OperandSpec::write("out", FLOATS),
-    ],
-    params: LAYOUT,
-    check: Some(|i| check(i, 1)),
-    twin: |a| move_twin(a, Move::HeadsMerge),
-    cuda: CudaSide::Nvrtc {
-        source: "heads.cu",
-        plan: |i| plan(i, "heads_merge"),
-    },
-};
+abi! {
+    /// `y` `[B, H, T, D]` → `out` `[B, T, H, D]`.
+    static HEADS_MERGE: KernelDesc = KernelDesc {
+        name: "heads_merge",
+        operands: &[
+            OperandSpec::read("y", FLOATS),
+            OperandSpec::write("out", FLOATS),
+        ],
+        params: LAYOUT,
+        check: Some(|i| check(i, 1)),
+        twin: |a| move_twin(a, Move::HeadsMerge),
+        cuda: CudaSide::Nvrtc {
+            source: "heads.cu",
+            plan: |i| plan(i, "heads_merge"),
+        },
+    };
+}
 
-/// `dout` `[B, T, H, D]` → `dy` `[B, H, T, D]` (the backward of [`HEADS_MERGE`]).
-pub static HEADS_SPLIT: KernelDesc = KernelDesc {
-    name: "heads_split",
-    operands: &[
-        OperandSpec::read("dout", FLOATS),
-        OperandSpec::write("dy", FLOATS),
-    ],
-    params: LAYOUT,
-    check: Some(|i| check(i, 1)),
-    twin: |a| move_twin(a, Move::HeadsSplit),
-    cuda: CudaSide::Nvrtc {
-        source: "heads.cu",
-        plan: |i| plan(i, "heads_split"),
-    },
-};
+abi! {
+    /// `dout` `[B, T, H, D]` → `dy` `[B, H, T, D]` (the backward of [`HEADS_MERGE`]).
+    static HEADS_SPLIT: KernelDesc = KernelDesc {
+        name: "heads_split",
+        operands: &[
+            OperandSpec::read("dout", FLOATS),
+            OperandSpec::write("dy", FLOATS),
+        ],
+        params: LAYOUT,
+        check: Some(|i| check(i, 1)),
+        twin: |a| move_twin(a, Move::HeadsSplit),
+        cuda: CudaSide::Nvrtc {
+            source: "heads.cu",
+            plan: |i| plan(i, "heads_split"),
+        },
+    };
+}
 
 /// Every operand holds `[B, H, T, D]` elements, except the interleaved one (`qkv`/`dqkv`:
 /// `parts` times that), all of one type.

@@ -60,6 +60,48 @@ pub use vocab_parallel::{
 
 use crate::device::KernelDesc;
 
+/// The kernel ABI (with the `kernel-abi` feature): each op's descriptor and its parameter
+/// block, as the kernels in `kernels/*.cu` read them. Not part of the library's API.
+#[cfg(feature = "kernel-abi")]
+pub mod abi {
+    pub use super::accumulate::{AccumulateParams, ACCUMULATE};
+    pub use super::adam::{AdamParams, ADAM, ADAM_IN_PLACE};
+    pub use super::bce::{BceParams, BCE_WITH_LOGITS};
+    pub use super::bias::{BiasGradParams, BiasParams, BIAS_GRAD, BIAS_ROWS};
+    pub use super::cast::{CastParams, CAST};
+    pub use super::copy_rows::{CopyRowsParams, COPY_ROWS};
+    pub use super::cross_entropy::{
+        CrossEntropyParams, CROSS_ENTROPY_FORWARD, CROSS_ENTROPY_FORWARD_BACKWARD,
+    };
+    pub use super::elementwise::{
+        AddParams, FillParams, ScaleParams, ADD, ADD_IN_PLACE, FILL, SCALE,
+    };
+    pub use super::embedding::device::{
+        EmbBackwardParams, EmbBagParams, EmbRowsParams, EmbStepParams, EMBEDDING_BACKWARD,
+        EMBEDDING_BAG, EMBEDDING_STEP, GATHER_ROWS, SCATTER_ROWS,
+    };
+    pub use super::encoder::{
+        EncoderBackwardParams, EncoderParams, ENCODER_BACKWARD, ENCODER_FORWARD,
+    };
+    pub use super::gelu::{GeluParams, GELU_BACKWARD, GELU_FORWARD};
+    pub use super::gemm::{GemmParams, GEMM};
+    pub use super::grad_stats::{GradStatsParams, GRAD_STATS};
+    pub use super::heads::{HeadsParams, HEADS_MERGE, HEADS_SPLIT, QKV_MERGE, QKV_SPLIT};
+    pub use super::interaction::{InteractionParams, INTERACTION_BACKWARD, INTERACTION_FORWARD};
+    pub use super::layernorm::{
+        LayerNormBackwardParams, LayerNormParams, LAYERNORM_BACKWARD, LAYERNORM_FORWARD,
+    };
+    pub use super::relu::{ReluParams, RELU_BACKWARD, RELU_FORWARD};
+    pub use super::softmax::{SoftmaxParams, SOFTMAX_BACKWARD, SOFTMAX_FORWARD};
+    pub use super::vocab_parallel::cross_entropy::{
+        VocabCeParams, VOCAB_CE_GRAD, VOCAB_CE_MAX, VOCAB_CE_SUMS,
+    };
+    pub use super::vocab_parallel::embedding::{
+        VocabEmbeddingBackwardParams, VocabEmbeddingParams, VOCAB_EMBEDDING_BACKWARD,
+        VOCAB_EMBEDDING_FORWARD,
+    };
+}
+
 /// Every op's descriptor.
 pub fn registry() -> &'static [&'static KernelDesc] {
     static ALL: &[&KernelDesc] = &[
@@ -99,11 +141,11 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &elementwise::ADD_IN_PLACE,
         &elementwise::SCALE,
         &elementwise::FILL,
-        &vocab_parallel::VOCAB_EMBEDDING_FORWARD,
-        &vocab_parallel::VOCAB_EMBEDDING_BACKWARD,
-        &vocab_parallel::VOCAB_CE_MAX,
-        &vocab_parallel::VOCAB_CE_SUMS,
-        &vocab_parallel::VOCAB_CE_GRAD,
+        &vocab_parallel::embedding::VOCAB_EMBEDDING_FORWARD,
+        &vocab_parallel::embedding::VOCAB_EMBEDDING_BACKWARD,
+        &vocab_parallel::cross_entropy::VOCAB_CE_MAX,
+        &vocab_parallel::cross_entropy::VOCAB_CE_SUMS,
+        &vocab_parallel::cross_entropy::VOCAB_CE_GRAD,
         &copy_rows::COPY_ROWS,
     ];
     ALL

@@ -28,48 +28,54 @@ use crate::error::Result;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{elementwise_plan, expect_elementwise, Operands};
 
-/// The parameters of `kernels/relu.cu` (`relu.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct ReluParams {
-    /// Elements.
-    pub n: u64,
+abi! {
+    /// The parameters of `kernels/relu.cu` (`relu.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct ReluParams {
+        /// Elements.
+        pub n: u64,
+    }
 }
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// ReLU forward: `x` read, `y` written, one element type.
-pub static RELU_FORWARD: KernelDesc = KernelDesc {
-    name: "relu_forward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::write("y", FLOATS),
-    ],
-    params: param_layout!(ReluParams, "relu.cuh", [n]),
-    check: Some(check),
-    twin: forward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "relu.cu",
-        plan: |info| elementwise_plan(info, "relu_forward"),
-    },
-};
+abi! {
+    /// ReLU forward: `x` read, `y` written, one element type.
+    static RELU_FORWARD: KernelDesc = KernelDesc {
+        name: "relu_forward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::write("y", FLOATS),
+        ],
+        params: param_layout!(ReluParams, "relu.cuh", [n]),
+        check: Some(check),
+        twin: forward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "relu.cu",
+            plan: |info| elementwise_plan(info, "relu_forward"),
+        },
+    };
+}
 
-/// ReLU backward: `x` and `dy` read, `dx` written, one element type.
-pub static RELU_BACKWARD: KernelDesc = KernelDesc {
-    name: "relu_backward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::read("dy", FLOATS),
-        OperandSpec::write("dx", FLOATS),
-    ],
-    params: param_layout!(ReluParams, "relu.cuh", [n]),
-    check: Some(check),
-    twin: backward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "relu.cu",
-        plan: |info| elementwise_plan(info, "relu_backward"),
-    },
-};
+abi! {
+    /// ReLU backward: `x` and `dy` read, `dx` written, one element type.
+    static RELU_BACKWARD: KernelDesc = KernelDesc {
+        name: "relu_backward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::read("dy", FLOATS),
+            OperandSpec::write("dx", FLOATS),
+        ],
+        params: param_layout!(ReluParams, "relu.cuh", [n]),
+        check: Some(check),
+        twin: backward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "relu.cu",
+            plan: |info| elementwise_plan(info, "relu_backward"),
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: ReluParams = info.params()?;

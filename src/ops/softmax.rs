@@ -54,22 +54,24 @@ use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::expect_all;
 use crate::ops::{lanes, math};
 
-/// The parameters of `kernels/softmax.cu` (`softmax.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct SoftmaxParams {
-    /// Matrices (batch · heads).
-    pub bh: u64,
-    /// Rows of each matrix (the block's query positions).
-    pub rows: u64,
-    /// Columns of each matrix (the key positions).
-    pub cols: u64,
-    /// The global position of row 0: row `i` sees the columns `j ≤ offset + i`.
-    pub offset: u64,
-    /// The factor applied to the scores before the softmax (and to the gradient after it).
-    pub scale: f32,
-    /// Padding (0).
-    pub pad: u32,
+abi! {
+    /// The parameters of `kernels/softmax.cu` (`softmax.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct SoftmaxParams {
+        /// Matrices (batch · heads).
+        pub bh: u64,
+        /// Rows of each matrix (the block's query positions).
+        pub rows: u64,
+        /// Columns of each matrix (the key positions).
+        pub cols: u64,
+        /// The global position of row 0: row `i` sees the columns `j ≤ offset + i`.
+        pub offset: u64,
+        /// The factor applied to the scores before the softmax (and to the gradient after it).
+        pub scale: f32,
+        /// Padding (0).
+        pub pad: u32,
+    }
 }
 
 /// Threads per block of the softmax kernels: 8 warps, one row each.
@@ -77,47 +79,51 @@ pub const SOFTMAX_THREADS: u32 = 256;
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// Causal softmax forward: scores `x` read, probabilities `y` written, one element type.
-pub static SOFTMAX_FORWARD: KernelDesc = KernelDesc {
-    name: "softmax_forward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::write("y", FLOATS),
-    ],
-    params: param_layout!(
-        SoftmaxParams,
-        "softmax.cuh",
-        [bh, rows, cols, offset, scale, pad]
-    ),
-    check: Some(check),
-    twin: forward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "softmax.cu",
-        plan: |info| plan(info, "softmax_forward"),
-    },
-};
+abi! {
+    /// Causal softmax forward: scores `x` read, probabilities `y` written, one element type.
+    static SOFTMAX_FORWARD: KernelDesc = KernelDesc {
+        name: "softmax_forward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::write("y", FLOATS),
+        ],
+        params: param_layout!(
+            SoftmaxParams,
+            "softmax.cuh",
+            [bh, rows, cols, offset, scale, pad]
+        ),
+        check: Some(check),
+        twin: forward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "softmax.cu",
+            plan: |info| plan(info, "softmax_forward"),
+        },
+    };
+}
 
-/// Causal softmax backward: probabilities `y` and their gradient `dy` read, the scores'
-/// gradient `dx` written, one element type.
-pub static SOFTMAX_BACKWARD: KernelDesc = KernelDesc {
-    name: "softmax_backward",
-    operands: &[
-        OperandSpec::read("y", FLOATS),
-        OperandSpec::read("dy", FLOATS),
-        OperandSpec::write("dx", FLOATS),
-    ],
-    params: param_layout!(
-        SoftmaxParams,
-        "softmax.cuh",
-        [bh, rows, cols, offset, scale, pad]
-    ),
-    check: Some(check),
-    twin: backward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "softmax.cu",
-        plan: |info| plan(info, "softmax_backward"),
-    },
-};
+abi! {
+    /// Causal softmax backward: probabilities `y` and their gradient `dy` read, the scores'
+    /// gradient `dx` written, one element type.
+    static SOFTMAX_BACKWARD: KernelDesc = KernelDesc {
+        name: "softmax_backward",
+        operands: &[
+            OperandSpec::read("y", FLOATS),
+            OperandSpec::read("dy", FLOATS),
+            OperandSpec::write("dx", FLOATS),
+        ],
+        params: param_layout!(
+            SoftmaxParams,
+            "softmax.cuh",
+            [bh, rows, cols, offset, scale, pad]
+        ),
+        check: Some(check),
+        twin: backward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "softmax.cu",
+            plan: |info| plan(info, "softmax_backward"),
+        },
+    };
+}
 
 /// The elements of the parameters' matrices, or why they are not a valid block: sizes that
 /// overflow, rows without columns, a position `offset + rows` past `u64`, a non-finite scale.

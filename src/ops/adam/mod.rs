@@ -18,7 +18,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Everything one step needs per element, computed once per step (see
-/// `tidemem::optim::AdamConfig::scalars`); the fields of [`AdamParams`] after the count.
+/// `tidemem::optim::AdamConfig::scalars`); the fields of the kernel's `AdamParams` after the count.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AdamScalars {
@@ -45,14 +45,16 @@ pub struct AdamScalars {
     pub step_size: f32,
 }
 
-/// The parameters of `kernels/adam.cu` (`adam.cuh`): the element count, then the scalars.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct AdamParams {
-    /// Elements.
-    pub n: u64,
-    /// The step's scalars.
-    pub s: AdamScalars,
+abi! {
+    /// The parameters of `kernels/adam.cu` (`adam.cuh`): the element count, then the scalars.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct AdamParams {
+        /// Elements.
+        pub n: u64,
+        /// The step's scalars.
+        pub s: AdamScalars,
+    }
 }
 
 impl AdamParams {
@@ -83,44 +85,48 @@ const LAYOUT: crate::device::ParamLayout = param_layout!(
     ]
 );
 
-/// An Adam step: fp32 `p`, `m`, `v` read and written, the gradient read, and an optional fp16 or
-/// bf16 copy of the new parameters written (overlapping no operand).
-pub static ADAM: KernelDesc = KernelDesc {
-    name: "adam",
-    operands: &[
-        OperandSpec::read_write("params", F32),
-        OperandSpec::read_write("momentum", F32),
-        OperandSpec::read_write("variance", F32),
-        OperandSpec::read("gradient", &DType::FLOATS),
-        OperandSpec::write("parameter copy", LOW).optional(),
-    ],
-    params: LAYOUT,
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "adam.cu",
-        plan,
-    },
-};
+abi! {
+    /// An Adam step: fp32 `p`, `m`, `v` read and written, the gradient read, and an optional fp16 or
+    /// bf16 copy of the new parameters written (overlapping no operand).
+    static ADAM: KernelDesc = KernelDesc {
+        name: "adam",
+        operands: &[
+            OperandSpec::read_write("params", F32),
+            OperandSpec::read_write("momentum", F32),
+            OperandSpec::read_write("variance", F32),
+            OperandSpec::read("gradient", &DType::FLOATS),
+            OperandSpec::write("parameter copy", LOW).optional(),
+        ],
+        params: LAYOUT,
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "adam.cu",
+            plan,
+        },
+    };
+}
 
-/// An Adam step whose fp16 or bf16 copy of the new parameters replaces the gradient (read, then
-/// overwritten element by element): what a chunked mixed-precision step wants.
-pub static ADAM_IN_PLACE: KernelDesc = KernelDesc {
-    name: "adam_in_place",
-    operands: &[
-        OperandSpec::read_write("params", F32),
-        OperandSpec::read_write("momentum", F32),
-        OperandSpec::read_write("variance", F32),
-        OperandSpec::read_write("gradient", LOW),
-    ],
-    params: LAYOUT,
-    check: Some(check),
-    twin,
-    cuda: CudaSide::Nvrtc {
-        source: "adam.cu",
-        plan: plan_in_place,
-    },
-};
+abi! {
+    /// An Adam step whose fp16 or bf16 copy of the new parameters replaces the gradient (read, then
+    /// overwritten element by element): what a chunked mixed-precision step wants.
+    static ADAM_IN_PLACE: KernelDesc = KernelDesc {
+        name: "adam_in_place",
+        operands: &[
+            OperandSpec::read_write("params", F32),
+            OperandSpec::read_write("momentum", F32),
+            OperandSpec::read_write("variance", F32),
+            OperandSpec::read_write("gradient", LOW),
+        ],
+        params: LAYOUT,
+        check: Some(check),
+        twin,
+        cuda: CudaSide::Nvrtc {
+            source: "adam.cu",
+            plan: plan_in_place,
+        },
+    };
+}
 
 fn check(info: &LaunchInfo<'_>) -> Result<()> {
     let p: AdamParams = info.params()?;

@@ -14,80 +14,88 @@ use super::{bag_backward_clamped, bag_forward_clamped, BagMode, RowOptimizer};
 const F32: &[DType] = &[DType::F32];
 const U32: &[DType] = &[DType::U32];
 
-/// The parameters of `emb_bag` (`embedding.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EmbBagParams {
-    /// Table rows.
-    pub rows: u64,
-    /// Floats per row.
-    pub stride: u64,
-    /// Floats per embedding.
-    pub dim: u64,
-    /// Indices.
-    pub n: u64,
-    /// Bags.
-    pub bags: u64,
-    /// 1: mean, 0: sum.
-    pub mean: i32,
-    /// Padding (0).
-    pub pad: i32,
+abi! {
+    /// The parameters of `emb_bag` (`embedding.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EmbBagParams {
+        /// Table rows.
+        pub rows: u64,
+        /// Floats per row.
+        pub stride: u64,
+        /// Floats per embedding.
+        pub dim: u64,
+        /// Indices.
+        pub n: u64,
+        /// Bags.
+        pub bags: u64,
+        /// 1: mean, 0: sum.
+        pub mean: i32,
+        /// Padding (0).
+        pub pad: i32,
+    }
 }
 
-/// The parameters of `emb_backward`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EmbBackwardParams {
-    /// Distinct rows.
-    pub nrows: u64,
-    /// Floats per embedding.
-    pub dim: u64,
-    /// Rows of the output gradient.
-    pub bags: u64,
-    /// Entries.
-    pub nentries: u64,
+abi! {
+    /// The parameters of `emb_backward`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EmbBackwardParams {
+        /// Distinct rows.
+        pub nrows: u64,
+        /// Floats per embedding.
+        pub dim: u64,
+        /// Rows of the output gradient.
+        pub bags: u64,
+        /// Entries.
+        pub nentries: u64,
+    }
 }
 
-/// The parameters of `emb_step`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EmbStepParams {
-    /// Table rows.
-    pub table_rows: u64,
-    /// Floats per row.
-    pub stride: u64,
-    /// Floats per embedding.
-    pub dim: u64,
-    /// Rows stepped.
-    pub n: u64,
-    /// 0 SGD, 1 row-wise Adagrad, 2 Adam.
-    pub kind: i32,
-    /// Learning rate.
-    pub lr: f32,
-    /// ε.
-    pub eps: f32,
-    /// β1.
-    pub beta1: f32,
-    /// β2.
-    pub beta2: f32,
-    /// 1 − β1ᵗ.
-    pub bias1: f32,
-    /// 1 − β2ᵗ.
-    pub bias2: f32,
-    /// Padding (0).
-    pub pad: i32,
+abi! {
+    /// The parameters of `emb_step`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EmbStepParams {
+        /// Table rows.
+        pub table_rows: u64,
+        /// Floats per row.
+        pub stride: u64,
+        /// Floats per embedding.
+        pub dim: u64,
+        /// Rows stepped.
+        pub n: u64,
+        /// 0 SGD, 1 row-wise Adagrad, 2 Adam.
+        pub kind: i32,
+        /// Learning rate.
+        pub lr: f32,
+        /// ε.
+        pub eps: f32,
+        /// β1.
+        pub beta1: f32,
+        /// β2.
+        pub beta2: f32,
+        /// 1 − β1ᵗ.
+        pub bias1: f32,
+        /// 1 − β2ᵗ.
+        pub bias2: f32,
+        /// Padding (0).
+        pub pad: i32,
+    }
 }
 
-/// The parameters of `emb_gather` and `emb_scatter`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct EmbRowsParams {
-    /// Rows of the indexed table (the gather's source, the scatter's destination).
-    pub rows: u64,
-    /// 32-bit words per row.
-    pub words: u64,
-    /// Indices.
-    pub n: u64,
+abi! {
+    /// The parameters of `emb_gather` and `emb_scatter`.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct EmbRowsParams {
+        /// Rows of the indexed table (the gather's source, the scatter's destination).
+        pub rows: u64,
+        /// 32-bit words per row.
+        pub words: u64,
+        /// Indices.
+        pub n: u64,
+    }
 }
 
 /// The result of an op's shape check: `ok`, or an error naming the parameters.
@@ -126,136 +134,142 @@ fn rows_grid(entry: &str, blocks: u64, width: u64) -> Vec<Grid> {
     )]
 }
 
-/// Embedding bags: table, indices, offsets, weights (optional) read; out written.
-pub static EMBEDDING_BAG: KernelDesc = KernelDesc {
-    name: "embedding_bag",
-    operands: &[
-        OperandSpec::read("table", F32),
-        OperandSpec::read("indices", U32),
-        OperandSpec::read("offsets", U32),
-        OperandSpec::read("weights", F32).optional(),
-        OperandSpec::write("output", F32),
-    ],
-    params: param_layout!(
-        EmbBagParams,
-        "embedding.cuh",
-        [rows, stride, dim, n, bags, mean, pad]
-    ),
-    check: Some(|info| {
-        let p: EmbBagParams = info.params()?;
-        let ok = p.dim >= 1
-            && p.stride >= p.dim
-            && info.len(0) as u64 == p.rows * p.stride
-            && info.len(1) as u64 == p.n
-            && info.len(2) as u64 == p.bags + 1
-            && (!info.present(3) || info.len(3) as u64 == p.n)
-            && info.len(4) as u64 == p.bags * p.dim;
-        fits(info, ok, &p)
-    }),
-    twin: |a| {
-        let p: EmbBagParams = a.params()?;
-        let w = if a.present(3) {
-            Some(a.read_as::<f32>(3)?)
-        } else {
-            None
-        };
-        let (table, idx, off) = (a.read_as(0)?, a.read_as(1)?, a.read_as(2)?);
-        let mode = if p.mean != 0 {
-            BagMode::Mean
-        } else {
-            BagMode::Sum
-        };
-        let out = a.take_as(4)?;
-        bag_forward_clamped(
-            table,
-            p.stride as usize,
-            p.dim as usize,
-            idx,
-            off,
-            w,
-            mode,
-            out,
-        )
-    },
-    cuda: nvrtc(|info| {
-        let p: EmbBagParams = info.params()?;
-        Ok(rows_grid("emb_bag", p.bags, p.dim))
-    }),
-};
+abi! {
+    /// Embedding bags: table, indices, offsets, weights (optional) read; out written.
+    static EMBEDDING_BAG: KernelDesc = KernelDesc {
+        name: "embedding_bag",
+        operands: &[
+            OperandSpec::read("table", F32),
+            OperandSpec::read("indices", U32),
+            OperandSpec::read("offsets", U32),
+            OperandSpec::read("weights", F32).optional(),
+            OperandSpec::write("output", F32),
+        ],
+        params: param_layout!(
+            EmbBagParams,
+            "embedding.cuh",
+            [rows, stride, dim, n, bags, mean, pad]
+        ),
+        check: Some(|info| {
+            let p: EmbBagParams = info.params()?;
+            let ok = p.dim >= 1
+                && p.stride >= p.dim
+                && info.len(0) as u64 == p.rows * p.stride
+                && info.len(1) as u64 == p.n
+                && info.len(2) as u64 == p.bags + 1
+                && (!info.present(3) || info.len(3) as u64 == p.n)
+                && info.len(4) as u64 == p.bags * p.dim;
+            fits(info, ok, &p)
+        }),
+        twin: |a| {
+            let p: EmbBagParams = a.params()?;
+            let w = if a.present(3) {
+                Some(a.read_as::<f32>(3)?)
+            } else {
+                None
+            };
+            let (table, idx, off) = (a.read_as(0)?, a.read_as(1)?, a.read_as(2)?);
+            let mode = if p.mean != 0 {
+                BagMode::Mean
+            } else {
+                BagMode::Sum
+            };
+            let out = a.take_as(4)?;
+            bag_forward_clamped(
+                table,
+                p.stride as usize,
+                p.dim as usize,
+                idx,
+                off,
+                w,
+                mode,
+                out,
+            )
+        },
+        cuda: nvrtc(|info| {
+            let p: EmbBagParams = info.params()?;
+            Ok(rows_grid("emb_bag", p.bags, p.dim))
+        }),
+    };
+}
 
-/// Sparse embedding backward: output gradient, row starts, entries, scales read; gradients
-/// written.
-pub static EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
-    name: "embedding_backward",
-    operands: &[
-        OperandSpec::read("output gradient", F32),
-        OperandSpec::read("row starts", U32),
-        OperandSpec::read("entries", U32),
-        OperandSpec::read("scales", F32),
-        OperandSpec::write("gradients", F32),
-    ],
-    params: param_layout!(
-        EmbBackwardParams,
-        "embedding.cuh",
-        [nrows, dim, bags, nentries]
-    ),
-    check: Some(|info| {
-        let p: EmbBackwardParams = info.params()?;
-        let ok = p.dim >= 1
-            && info.len(0) as u64 == p.bags * p.dim
-            && info.len(1) as u64 == p.nrows + 1
-            && info.len(2) as u64 == p.nentries
-            && info.len(3) as u64 == p.nentries
-            && info.len(4) as u64 == p.nrows * p.dim;
-        fits(info, ok, &p)
-    }),
-    twin: |a| {
-        let p: EmbBackwardParams = a.params()?;
-        let (g, rp, e, s) = (a.read_as(0)?, a.read_as(1)?, a.read_as(2)?, a.read_as(3)?);
-        let out = a.take_as(4)?;
-        bag_backward_clamped(g, p.dim as usize, rp, e, s, out)
-    },
-    cuda: nvrtc(|info| {
-        let p: EmbBackwardParams = info.params()?;
-        Ok(rows_grid("emb_backward", p.nrows, p.dim))
-    }),
-};
+abi! {
+    /// Sparse embedding backward: output gradient, row starts, entries, scales read; gradients
+    /// written.
+    static EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
+        name: "embedding_backward",
+        operands: &[
+            OperandSpec::read("output gradient", F32),
+            OperandSpec::read("row starts", U32),
+            OperandSpec::read("entries", U32),
+            OperandSpec::read("scales", F32),
+            OperandSpec::write("gradients", F32),
+        ],
+        params: param_layout!(
+            EmbBackwardParams,
+            "embedding.cuh",
+            [nrows, dim, bags, nentries]
+        ),
+        check: Some(|info| {
+            let p: EmbBackwardParams = info.params()?;
+            let ok = p.dim >= 1
+                && info.len(0) as u64 == p.bags * p.dim
+                && info.len(1) as u64 == p.nrows + 1
+                && info.len(2) as u64 == p.nentries
+                && info.len(3) as u64 == p.nentries
+                && info.len(4) as u64 == p.nrows * p.dim;
+            fits(info, ok, &p)
+        }),
+        twin: |a| {
+            let p: EmbBackwardParams = a.params()?;
+            let (g, rp, e, s) = (a.read_as(0)?, a.read_as(1)?, a.read_as(2)?, a.read_as(3)?);
+            let out = a.take_as(4)?;
+            bag_backward_clamped(g, p.dim as usize, rp, e, s, out)
+        },
+        cuda: nvrtc(|info| {
+            let p: EmbBackwardParams = info.params()?;
+            Ok(rows_grid("emb_backward", p.nrows, p.dim))
+        }),
+    };
+}
 
-/// The row optimizer step: the table read and written, rows and gradients read.
-pub static EMBEDDING_STEP: KernelDesc = KernelDesc {
-    name: "embedding_step",
-    operands: &[
-        OperandSpec::read_write("table", F32),
-        OperandSpec::read("rows", U32),
-        OperandSpec::read("gradients", F32),
-    ],
-    params: param_layout!(
-        EmbStepParams,
-        "embedding.cuh",
-        [table_rows, stride, dim, n, kind, lr, eps, beta1, beta2, bias1, bias2, pad]
-    ),
-    check: Some(|info| {
-        let p: EmbStepParams = info.params()?;
-        let ok = p.dim >= 1
-            && p.stride >= p.dim
-            && (0..=2).contains(&p.kind)
-            && info.len(0) as u64 == p.table_rows * p.stride
-            && info.len(1) as u64 == p.n
-            && info.len(2) as u64 == p.n * p.dim;
-        fits(info, ok, &p)
-    }),
-    twin: |a| {
-        let p: EmbStepParams = a.params()?;
-        let opt = row_optimizer(&p);
-        let (rows, grads) = (a.read_as(1)?, a.read_as(2)?);
-        let table = a.take_as(0)?;
-        super::row_step(table, p.stride as usize, p.dim as usize, rows, grads, &opt)
-    },
-    cuda: nvrtc(|info| {
-        let p: EmbStepParams = info.params()?;
-        Ok(rows_grid("emb_step", p.n, p.dim))
-    }),
-};
+abi! {
+    /// The row optimizer step: the table read and written, rows and gradients read.
+    static EMBEDDING_STEP: KernelDesc = KernelDesc {
+        name: "embedding_step",
+        operands: &[
+            OperandSpec::read_write("table", F32),
+            OperandSpec::read("rows", U32),
+            OperandSpec::read("gradients", F32),
+        ],
+        params: param_layout!(
+            EmbStepParams,
+            "embedding.cuh",
+            [table_rows, stride, dim, n, kind, lr, eps, beta1, beta2, bias1, bias2, pad]
+        ),
+        check: Some(|info| {
+            let p: EmbStepParams = info.params()?;
+            let ok = p.dim >= 1
+                && p.stride >= p.dim
+                && (0..=2).contains(&p.kind)
+                && info.len(0) as u64 == p.table_rows * p.stride
+                && info.len(1) as u64 == p.n
+                && info.len(2) as u64 == p.n * p.dim;
+            fits(info, ok, &p)
+        }),
+        twin: |a| {
+            let p: EmbStepParams = a.params()?;
+            let opt = row_optimizer(&p);
+            let (rows, grads) = (a.read_as(1)?, a.read_as(2)?);
+            let table = a.take_as(0)?;
+            super::row_step(table, p.stride as usize, p.dim as usize, rows, grads, &opt)
+        },
+        cuda: nvrtc(|info| {
+            let p: EmbStepParams = info.params()?;
+            Ok(rows_grid("emb_step", p.n, p.dim))
+        }),
+    };
+}
 
 fn rows_check(info: &LaunchInfo<'_>, table: usize) -> Result<()> {
     let p: EmbRowsParams = info.params()?;
@@ -267,50 +281,54 @@ fn rows_check(info: &LaunchInfo<'_>, table: usize) -> Result<()> {
     fits(info, ok, &p)
 }
 
-/// Row gather: source and index read, destination (one row per index) written.
-pub static GATHER_ROWS: KernelDesc = KernelDesc {
-    name: "gather_rows",
-    operands: &[
-        OperandSpec::read("source", U32),
-        OperandSpec::read("index", U32),
-        OperandSpec::write("destination", U32),
-    ],
-    params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
-    check: Some(|info| rows_check(info, 0)),
-    twin: |a| {
-        let p: EmbRowsParams = a.params()?;
-        let (src, index) = (a.read(0)?, a.read_as::<u32>(1)?);
-        super::gather_rows(src, p.words as usize * 4, index, a.take(2)?);
-        Ok(())
-    },
-    cuda: nvrtc(|info| {
-        let p: EmbRowsParams = info.params()?;
-        Ok(rows_grid("emb_gather", p.n, p.words))
-    }),
-};
+abi! {
+    /// Row gather: source and index read, destination (one row per index) written.
+    static GATHER_ROWS: KernelDesc = KernelDesc {
+        name: "gather_rows",
+        operands: &[
+            OperandSpec::read("source", U32),
+            OperandSpec::read("index", U32),
+            OperandSpec::write("destination", U32),
+        ],
+        params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
+        check: Some(|info| rows_check(info, 0)),
+        twin: |a| {
+            let p: EmbRowsParams = a.params()?;
+            let (src, index) = (a.read(0)?, a.read_as::<u32>(1)?);
+            super::gather_rows(src, p.words as usize * 4, index, a.take(2)?);
+            Ok(())
+        },
+        cuda: nvrtc(|info| {
+            let p: EmbRowsParams = info.params()?;
+            Ok(rows_grid("emb_gather", p.n, p.words))
+        }),
+    };
+}
 
-/// Row scatter: source (one row per index) and index read, destination rows written (the
-/// others kept, so read-write).
-pub static SCATTER_ROWS: KernelDesc = KernelDesc {
-    name: "scatter_rows",
-    operands: &[
-        OperandSpec::read("source", U32),
-        OperandSpec::read("index", U32),
-        OperandSpec::read_write("destination", U32),
-    ],
-    params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
-    check: Some(|info| rows_check(info, 2)),
-    twin: |a| {
-        let p: EmbRowsParams = a.params()?;
-        let (src, index) = (a.read(0)?, a.read_as::<u32>(1)?);
-        super::scatter_rows(src, p.words as usize * 4, index, a.take(2)?);
-        Ok(())
-    },
-    cuda: nvrtc(|info| {
-        let p: EmbRowsParams = info.params()?;
-        Ok(rows_grid("emb_scatter", p.n, p.words))
-    }),
-};
+abi! {
+    /// Row scatter: source (one row per index) and index read, destination rows written (the
+    /// others kept, so read-write).
+    static SCATTER_ROWS: KernelDesc = KernelDesc {
+        name: "scatter_rows",
+        operands: &[
+            OperandSpec::read("source", U32),
+            OperandSpec::read("index", U32),
+            OperandSpec::read_write("destination", U32),
+        ],
+        params: param_layout!(EmbRowsParams, "embedding.cuh", [rows, words, n]),
+        check: Some(|info| rows_check(info, 2)),
+        twin: |a| {
+            let p: EmbRowsParams = a.params()?;
+            let (src, index) = (a.read(0)?, a.read_as::<u32>(1)?);
+            super::scatter_rows(src, p.words as usize * 4, index, a.take(2)?);
+            Ok(())
+        },
+        cuda: nvrtc(|info| {
+            let p: EmbRowsParams = info.params()?;
+            Ok(rows_grid("emb_scatter", p.n, p.words))
+        }),
+    };
+}
 
 fn row_optimizer(p: &EmbStepParams) -> RowOptimizer {
     match p.kind {

@@ -46,39 +46,41 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::Result;
 
-/// The parameters of a GEMM launch, mirrored by `kernels/gemm.cuh`. Sizes, leading dimensions
-/// and batch strides are in elements.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct GemmParams {
-    /// Rows of `op(A)` and of `C`.
-    pub m: u64,
-    /// Columns of `op(B)` and of `C`.
-    pub n: u64,
-    /// Columns of `op(A)`, rows of `op(B)`.
-    pub k: u64,
-    /// Matrices in the batch.
-    pub batch: u64,
-    /// Leading dimension of `A` as stored (row-major).
-    pub lda: u64,
-    /// Leading dimension of `B` as stored.
-    pub ldb: u64,
-    /// Leading dimension of `C`.
-    pub ldc: u64,
-    /// Elements from one batch's `A` to the next.
-    pub stride_a: u64,
-    /// Elements from one batch's `B` to the next.
-    pub stride_b: u64,
-    /// Elements from one batch's `C` to the next.
-    pub stride_c: u64,
-    /// Scale of the product.
-    pub alpha: f32,
-    /// Scale of `C`'s old value (0: `C` is not read).
-    pub beta: f32,
-    /// [`GemmParams::TRANS_A`], [`GemmParams::TRANS_B`], [`GemmParams::TF32`].
-    pub flags: u32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of a GEMM launch, mirrored by `kernels/gemm.cuh`. Sizes, leading dimensions
+    /// and batch strides are in elements.
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct GemmParams {
+        /// Rows of `op(A)` and of `C`.
+        pub m: u64,
+        /// Columns of `op(B)` and of `C`.
+        pub n: u64,
+        /// Columns of `op(A)`, rows of `op(B)`.
+        pub k: u64,
+        /// Matrices in the batch.
+        pub batch: u64,
+        /// Leading dimension of `A` as stored (row-major).
+        pub lda: u64,
+        /// Leading dimension of `B` as stored.
+        pub ldb: u64,
+        /// Leading dimension of `C`.
+        pub ldc: u64,
+        /// Elements from one batch's `A` to the next.
+        pub stride_a: u64,
+        /// Elements from one batch's `B` to the next.
+        pub stride_b: u64,
+        /// Elements from one batch's `C` to the next.
+        pub stride_c: u64,
+        /// Scale of the product.
+        pub alpha: f32,
+        /// Scale of `C`'s old value (0: `C` is not read).
+        pub beta: f32,
+        /// [`GemmParams::TRANS_A`], [`GemmParams::TRANS_B`], [`GemmParams::TF32`].
+        pub flags: u32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
 impl GemmParams {
@@ -187,56 +189,60 @@ impl Gemm {
         ]
     }
 
-    /// The launch parameters: leading dimensions and strides resolved (packed by default: the
-    /// row length, at least 1; a matrix's rows × its leading dimension).
-    pub fn params(&self) -> GemmParams {
-        let shapes = self.stored();
-        let ld = self
-            .ld
-            .unwrap_or_else(|| shapes.map(|[_, cols]| cols.max(1)));
-        let strides = self
-            .strides
-            .unwrap_or_else(|| [0, 1, 2].map(|i| shapes[i][0].saturating_mul(ld[i])));
-        let flags = (self.trans_a as u32 * GemmParams::TRANS_A)
-            | (self.trans_b as u32 * GemmParams::TRANS_B)
-            | (self.tf32 as u32 * GemmParams::TF32);
-        let u = |x: usize| x as u64;
-        GemmParams {
-            m: u(self.m),
-            n: u(self.n),
-            k: u(self.k),
-            batch: u(self.batch),
-            lda: u(ld[0]),
-            ldb: u(ld[1]),
-            ldc: u(ld[2]),
-            stride_a: u(strides[0]),
-            stride_b: u(strides[1]),
-            stride_c: u(strides[2]),
-            alpha: self.alpha,
-            beta: self.beta,
-            flags,
-            pad: 0,
+    abi! {
+        /// The launch parameters: leading dimensions and strides resolved (packed by default: the
+        /// row length, at least 1; a matrix's rows × its leading dimension).
+        fn params(&self) -> GemmParams {
+            let shapes = self.stored();
+            let ld = self
+                .ld
+                .unwrap_or_else(|| shapes.map(|[_, cols]| cols.max(1)));
+            let strides = self
+                .strides
+                .unwrap_or_else(|| [0, 1, 2].map(|i| shapes[i][0].saturating_mul(ld[i])));
+            let flags = (self.trans_a as u32 * GemmParams::TRANS_A)
+                | (self.trans_b as u32 * GemmParams::TRANS_B)
+                | (self.tf32 as u32 * GemmParams::TF32);
+            let u = |x: usize| x as u64;
+            GemmParams {
+                m: u(self.m),
+                n: u(self.n),
+                k: u(self.k),
+                batch: u(self.batch),
+                lda: u(ld[0]),
+                ldb: u(ld[1]),
+                ldc: u(ld[2]),
+                stride_a: u(strides[0]),
+                stride_b: u(strides[1]),
+                stride_c: u(strides[2]),
+                alpha: self.alpha,
+                beta: self.beta,
+                flags,
+                pad: 0,
+            }
         }
     }
 }
 
-/// The GEMM: `a` and `b` read, `c` read and written, one element type (f32, f16 or bf16).
-pub static GEMM: KernelDesc = KernelDesc {
-    name: "gemm",
-    operands: &[
-        OperandSpec::read("a", FLOATS),
-        OperandSpec::read("b", FLOATS),
-        OperandSpec::read_write("c", FLOATS),
-    ],
-    params: param_layout!(
-        GemmParams,
-        "gemm.cuh",
-        [m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, flags, pad]
-    ),
-    check: Some(check),
-    twin: cpu::twin,
-    cuda: CudaSide::Library(cublas::call),
-};
+abi! {
+    /// The GEMM: `a` and `b` read, `c` read and written, one element type (f32, f16 or bf16).
+    static GEMM: KernelDesc = KernelDesc {
+        name: "gemm",
+        operands: &[
+            OperandSpec::read("a", FLOATS),
+            OperandSpec::read("b", FLOATS),
+            OperandSpec::read_write("c", FLOATS),
+        ],
+        params: param_layout!(
+            GemmParams,
+            "gemm.cuh",
+            [m, n, k, batch, lda, ldb, ldc, stride_a, stride_b, stride_c, alpha, beta, flags, pad]
+        ),
+        check: Some(check),
+        twin: cpu::twin,
+        cuda: CudaSide::Library(cublas::call),
+    };
+}
 
 const FLOATS: &[DType] = &DType::FLOATS;
 

@@ -49,16 +49,18 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The parameters of `kernels/interaction.cu` (`interaction.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct InteractionParams {
-    /// Samples.
-    pub batch: u64,
-    /// Sparse features: each sample stacks `features + 1` rows.
-    pub features: u64,
-    /// Values per row.
-    pub dim: u64,
+abi! {
+    /// The parameters of `kernels/interaction.cu` (`interaction.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct InteractionParams {
+        /// Samples.
+        pub batch: u64,
+        /// Sparse features: each sample stacks `features + 1` rows.
+        pub features: u64,
+        /// Values per row.
+        pub dim: u64,
+    }
 }
 
 /// The most rows (`features + 1`) an interaction takes.
@@ -91,12 +93,14 @@ impl InteractionShape {
     pub const fn out_width(&self) -> usize {
         self.dim + self.pairs()
     }
-    /// The kernel parameters.
-    pub const fn params(&self) -> InteractionParams {
-        InteractionParams {
-            batch: self.batch as u64,
-            features: self.features as u64,
-            dim: self.dim as u64,
+    abi! {
+        /// The kernel parameters.
+        fn params(&self) -> InteractionParams {
+            InteractionParams {
+                batch: self.batch as u64,
+                features: self.features as u64,
+                dim: self.dim as u64,
+            }
         }
     }
 
@@ -154,43 +158,47 @@ impl InteractionShape {
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// Dot interaction forward: `dense` `[B, D]` and `emb` `[B, F, D]` read, `out`
-/// `[B, D + (F+1)F/2]` written; one element type.
-pub static INTERACTION_FORWARD: KernelDesc = KernelDesc {
-    name: "interaction_forward",
-    operands: &[
-        OperandSpec::read("dense", FLOATS),
-        OperandSpec::read("emb", FLOATS),
-        OperandSpec::write("out", FLOATS),
-    ],
-    params: param_layout!(InteractionParams, "interaction.cuh", [batch, features, dim]),
-    check: Some(check),
-    twin: twin::forward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "interaction.cu",
-        plan: |info| plan(info, false),
-    },
-};
+abi! {
+    /// Dot interaction forward: `dense` `[B, D]` and `emb` `[B, F, D]` read, `out`
+    /// `[B, D + (F+1)F/2]` written; one element type.
+    static INTERACTION_FORWARD: KernelDesc = KernelDesc {
+        name: "interaction_forward",
+        operands: &[
+            OperandSpec::read("dense", FLOATS),
+            OperandSpec::read("emb", FLOATS),
+            OperandSpec::write("out", FLOATS),
+        ],
+        params: param_layout!(InteractionParams, "interaction.cuh", [batch, features, dim]),
+        check: Some(check),
+        twin: twin::forward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "interaction.cu",
+            plan: |info| plan(info, false),
+        },
+    };
+}
 
-/// Dot interaction backward: `dense`, `emb` and `dout` read, `d_dense` and `d_emb` written; one
-/// element type.
-pub static INTERACTION_BACKWARD: KernelDesc = KernelDesc {
-    name: "interaction_backward",
-    operands: &[
-        OperandSpec::read("dense", FLOATS),
-        OperandSpec::read("emb", FLOATS),
-        OperandSpec::read("dout", FLOATS),
-        OperandSpec::write("d_dense", FLOATS),
-        OperandSpec::write("d_emb", FLOATS),
-    ],
-    params: param_layout!(InteractionParams, "interaction.cuh", [batch, features, dim]),
-    check: Some(check),
-    twin: twin::backward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "interaction.cu",
-        plan: |info| plan(info, true),
-    },
-};
+abi! {
+    /// Dot interaction backward: `dense`, `emb` and `dout` read, `d_dense` and `d_emb` written; one
+    /// element type.
+    static INTERACTION_BACKWARD: KernelDesc = KernelDesc {
+        name: "interaction_backward",
+        operands: &[
+            OperandSpec::read("dense", FLOATS),
+            OperandSpec::read("emb", FLOATS),
+            OperandSpec::read("dout", FLOATS),
+            OperandSpec::write("d_dense", FLOATS),
+            OperandSpec::write("d_emb", FLOATS),
+        ],
+        params: param_layout!(InteractionParams, "interaction.cuh", [batch, features, dim]),
+        check: Some(check),
+        twin: twin::backward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "interaction.cu",
+            plan: |info| plan(info, true),
+        },
+    };
+}
 
 /// The shape check, on what a launch or a twin run knows: each operand's element type and
 /// length. Every operand must be of one type and hold exactly its shape.

@@ -57,37 +57,41 @@ use crate::ops::rows::{column_chunks, elements, expect, scratch};
 mod twin;
 use twin::{backward_twin, forward_twin};
 
-/// The parameters of the forward kernel (`LayerNormParams` in `kernels/layernorm.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct LayerNormParams {
-    /// Rows, N.
-    pub rows: u64,
-    /// Columns, C (at least 1).
-    pub cols: u64,
-    /// Added to the variance (finite, ≥ 0).
-    pub eps: f32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of the forward kernel (`LayerNormParams` in `kernels/layernorm.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct LayerNormParams {
+        /// Rows, N.
+        pub rows: u64,
+        /// Columns, C (at least 1).
+        pub cols: u64,
+        /// Added to the variance (finite, ≥ 0).
+        pub eps: f32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
-/// The parameters of the backward kernels (`LayerNormBackwardParams` in
-/// `kernels/layernorm.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct LayerNormBackwardParams {
-    /// Rows, N.
-    pub rows: u64,
-    /// Columns, C (at least 1).
-    pub cols: u64,
-    /// Rows per chunk of the dγ/dβ column sums: `column_chunks(rows).0`.
-    pub chunk_rows: u64,
-    /// Chunks: `column_chunks(rows).1`.
-    pub chunks: u64,
-    /// 1: `dx +=` the gradient; 0: `dx =` the gradient.
-    pub accumulate: u32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of the backward kernels (`LayerNormBackwardParams` in
+    /// `kernels/layernorm.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct LayerNormBackwardParams {
+        /// Rows, N.
+        pub rows: u64,
+        /// Columns, C (at least 1).
+        pub cols: u64,
+        /// Rows per chunk of the dγ/dβ column sums: `column_chunks(rows).0`.
+        pub chunk_rows: u64,
+        /// Chunks: `column_chunks(rows).1`.
+        pub chunks: u64,
+        /// 1: `dx +=` the gradient; 0: `dx =` the gradient.
+        pub accumulate: u32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
 impl LayerNormBackwardParams {
@@ -110,57 +114,61 @@ const F32: &[DType] = &[DType::F32];
 /// Warps (rows at a time) per block of the kernels (`LN_WARPS`).
 const WARPS: usize = 8;
 
-/// LayerNorm forward: `x`, optional `r`, `γ`, `β` read; optional `h` (present exactly when `r`
-/// is), `y`, `mean`, `rstd` written. All but `mean` and `rstd` (f32) of one storage type.
-pub static LAYERNORM_FORWARD: KernelDesc = KernelDesc {
-    name: "layernorm_forward",
-    operands: &[
-        OperandSpec::read("x", FLOATS),
-        OperandSpec::read("r", FLOATS).optional(),
-        OperandSpec::read("gamma", FLOATS),
-        OperandSpec::read("beta", FLOATS),
-        OperandSpec::write("h", FLOATS).optional(),
-        OperandSpec::write("y", FLOATS),
-        OperandSpec::write("mean", F32),
-        OperandSpec::write("rstd", F32),
-    ],
-    params: param_layout!(LayerNormParams, "layernorm.cuh", [rows, cols, eps, pad]),
-    check: Some(check_forward),
-    twin: forward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "layernorm.cu",
-        plan: plan_forward,
-    },
-};
+abi! {
+    /// LayerNorm forward: `x`, optional `r`, `γ`, `β` read; optional `h` (present exactly when `r`
+    /// is), `y`, `mean`, `rstd` written. All but `mean` and `rstd` (f32) of one storage type.
+    static LAYERNORM_FORWARD: KernelDesc = KernelDesc {
+        name: "layernorm_forward",
+        operands: &[
+            OperandSpec::read("x", FLOATS),
+            OperandSpec::read("r", FLOATS).optional(),
+            OperandSpec::read("gamma", FLOATS),
+            OperandSpec::read("beta", FLOATS),
+            OperandSpec::write("h", FLOATS).optional(),
+            OperandSpec::write("y", FLOATS),
+            OperandSpec::write("mean", F32),
+            OperandSpec::write("rstd", F32),
+        ],
+        params: param_layout!(LayerNormParams, "layernorm.cuh", [rows, cols, eps, pad]),
+        check: Some(check_forward),
+        twin: forward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "layernorm.cu",
+            plan: plan_forward,
+        },
+    };
+}
 
-/// LayerNorm backward: `dy`, `h`, `mean`, `rstd`, `γ` read; `dx` written or added to; `dγ`,
-/// `dβ` (one model float type, f32 recommended) added to; `scratch` (f32,
-/// [`layernorm_backward_scratch_bytes`]) written.
-pub static LAYERNORM_BACKWARD: KernelDesc = KernelDesc {
-    name: "layernorm_backward",
-    operands: &[
-        OperandSpec::read("dy", FLOATS),
-        OperandSpec::read("h", FLOATS),
-        OperandSpec::read("mean", F32),
-        OperandSpec::read("rstd", F32),
-        OperandSpec::read("gamma", FLOATS),
-        OperandSpec::read_write("dx", FLOATS),
-        OperandSpec::read_write("dgamma", FLOATS),
-        OperandSpec::read_write("dbeta", FLOATS),
-        OperandSpec::write("scratch", F32),
-    ],
-    params: param_layout!(
-        LayerNormBackwardParams,
-        "layernorm.cuh",
-        [rows, cols, chunk_rows, chunks, accumulate, pad]
-    ),
-    check: Some(check_backward),
-    twin: backward_twin,
-    cuda: CudaSide::Nvrtc {
-        source: "layernorm.cu",
-        plan: plan_backward,
-    },
-};
+abi! {
+    /// LayerNorm backward: `dy`, `h`, `mean`, `rstd`, `γ` read; `dx` written or added to; `dγ`,
+    /// `dβ` (one model float type, f32 recommended) added to; `scratch` (f32,
+    /// [`layernorm_backward_scratch_bytes`]) written.
+    static LAYERNORM_BACKWARD: KernelDesc = KernelDesc {
+        name: "layernorm_backward",
+        operands: &[
+            OperandSpec::read("dy", FLOATS),
+            OperandSpec::read("h", FLOATS),
+            OperandSpec::read("mean", F32),
+            OperandSpec::read("rstd", F32),
+            OperandSpec::read("gamma", FLOATS),
+            OperandSpec::read_write("dx", FLOATS),
+            OperandSpec::read_write("dgamma", FLOATS),
+            OperandSpec::read_write("dbeta", FLOATS),
+            OperandSpec::write("scratch", F32),
+        ],
+        params: param_layout!(
+            LayerNormBackwardParams,
+            "layernorm.cuh",
+            [rows, cols, chunk_rows, chunks, accumulate, pad]
+        ),
+        check: Some(check_backward),
+        twin: backward_twin,
+        cuda: CudaSide::Nvrtc {
+            source: "layernorm.cu",
+            plan: plan_backward,
+        },
+    };
+}
 
 /// Bytes of the scratch operand of [`layernorm_backward`] over `[rows, cols]`: two f32 column
 /// sums (dγ, dβ) per chunk of rows (at most 256 chunks, so at most `2 KiB · cols`).

@@ -12,24 +12,26 @@ use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{elements, expect, Operands};
 use crate::ops::{lanes, math};
 
-/// The parameters of the cross-entropy steps (`VocabCeParams` in `vocab_parallel.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct VocabCeParams {
-    /// Rows, `N`.
-    pub n: u64,
-    /// The local vocabulary columns of each row, `V_r` (the first `V_r` elements).
-    pub rows: u64,
-    /// Elements per row of the logits (`≥ V_r`; the rest is padding).
-    pub stride: u64,
-    /// The token of local column 0.
-    pub start: u64,
-    /// The whole vocabulary, `V` (targets lie in `0..V`).
-    pub vocab: u64,
-    /// Rows whose target equals it count for nothing.
-    pub ignore_index: i32,
-    /// The gradient's factor (read by the gradient step only).
-    pub grad_scale: f32,
+abi! {
+    /// The parameters of the cross-entropy steps (`VocabCeParams` in `vocab_parallel.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct VocabCeParams {
+        /// Rows, `N`.
+        pub n: u64,
+        /// The local vocabulary columns of each row, `V_r` (the first `V_r` elements).
+        pub rows: u64,
+        /// Elements per row of the logits (`≥ V_r`; the rest is padding).
+        pub stride: u64,
+        /// The token of local column 0.
+        pub start: u64,
+        /// The whole vocabulary, `V` (targets lie in `0..V`).
+        pub vocab: u64,
+        /// Rows whose target equals it count for nothing.
+        pub ignore_index: i32,
+        /// The gradient's factor (read by the gradient step only).
+        pub grad_scale: f32,
+    }
 }
 
 /// Threads per block (one block per row) of the cross-entropy kernels; the reduction order
@@ -86,63 +88,69 @@ const LAYOUT: crate::device::ParamLayout = param_layout!(
     [n, rows, stride, start, vocab, ignore_index, grad_scale]
 );
 
-/// Step 1: each row's maximum over the local columns. Logits read, `row_max` (f32) written.
-pub static VOCAB_CE_MAX: KernelDesc = KernelDesc {
-    name: "vocab_ce_max",
-    operands: &[
-        OperandSpec::read("logits", FLOATS),
-        OperandSpec::write("row_max", F32),
-    ],
-    params: LAYOUT,
-    check: Some(check),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => max_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "vocab_parallel.cu",
-        plan: |info| plan(info, "vocab_ce_max"),
-    },
-};
+abi! {
+    /// Step 1: each row's maximum over the local columns. Logits read, `row_max` (f32) written.
+    static VOCAB_CE_MAX: KernelDesc = KernelDesc {
+        name: "vocab_ce_max",
+        operands: &[
+            OperandSpec::read("logits", FLOATS),
+            OperandSpec::write("row_max", F32),
+        ],
+        params: LAYOUT,
+        check: Some(check),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => max_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "vocab_parallel.cu",
+            plan: |info| plan(info, "vocab_ce_max"),
+        },
+    };
+}
 
-/// Step 2: `Σ exp(x − m)` over the local columns and the owned target's `x_t − m`. Logits,
-/// targets and the all-reduced maxima read; `sum_exp` and `target_logit` (f32) written.
-pub static VOCAB_CE_SUMS: KernelDesc = KernelDesc {
-    name: "vocab_ce_sums",
-    operands: &[
-        OperandSpec::read("logits", FLOATS),
-        OperandSpec::read("targets", I32),
-        OperandSpec::read("global_max", F32),
-        OperandSpec::write("sum_exp", F32),
-        OperandSpec::write("target_logit", F32),
-    ],
-    params: LAYOUT,
-    check: Some(check),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => sums_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "vocab_parallel.cu",
-        plan: |info| plan(info, "vocab_ce_sums"),
-    },
-};
+abi! {
+    /// Step 2: `Σ exp(x − m)` over the local columns and the owned target's `x_t − m`. Logits,
+    /// targets and the all-reduced maxima read; `sum_exp` and `target_logit` (f32) written.
+    static VOCAB_CE_SUMS: KernelDesc = KernelDesc {
+        name: "vocab_ce_sums",
+        operands: &[
+            OperandSpec::read("logits", FLOATS),
+            OperandSpec::read("targets", I32),
+            OperandSpec::read("global_max", F32),
+            OperandSpec::write("sum_exp", F32),
+            OperandSpec::write("target_logit", F32),
+        ],
+        params: LAYOUT,
+        check: Some(check),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => sums_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "vocab_parallel.cu",
+            plan: |info| plan(info, "vocab_ce_sums"),
+        },
+    };
+}
 
-/// Step 3: the gradient written over the logits (read and written) and, when both are
-/// given, the losses `ln S − pred` (`global_target` read, `losses` written). Targets and the
-/// all-reduced maxima and sums read.
-pub static VOCAB_CE_GRAD: KernelDesc = KernelDesc {
-    name: "vocab_ce_grad",
-    operands: &[
-        OperandSpec::read_write("logits", FLOATS),
-        OperandSpec::read("targets", I32),
-        OperandSpec::read("global_max", F32),
-        OperandSpec::read("global_sum", F32),
-        OperandSpec::read("global_target", F32).optional(),
-        OperandSpec::write("losses", F32).optional(),
-    ],
-    params: LAYOUT,
-    check: Some(check),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => grad_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "vocab_parallel.cu",
-        plan: |info| plan(info, "vocab_ce_grad"),
-    },
-};
+abi! {
+    /// Step 3: the gradient written over the logits (read and written) and, when both are
+    /// given, the losses `ln S − pred` (`global_target` read, `losses` written). Targets and the
+    /// all-reduced maxima and sums read.
+    static VOCAB_CE_GRAD: KernelDesc = KernelDesc {
+        name: "vocab_ce_grad",
+        operands: &[
+            OperandSpec::read_write("logits", FLOATS),
+            OperandSpec::read("targets", I32),
+            OperandSpec::read("global_max", F32),
+            OperandSpec::read("global_sum", F32),
+            OperandSpec::read("global_target", F32).optional(),
+            OperandSpec::write("losses", F32).optional(),
+        ],
+        params: LAYOUT,
+        check: Some(check),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => grad_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "vocab_parallel.cu",
+            plan: |info| plan(info, "vocab_ce_grad"),
+        },
+    };
+}
 
 /// The shape check of the three steps: the shard, `stride ≥ V_r`, logits `[N, stride]`, the
 /// targets `[N]` i32 and every statistic `[N]` f32; `global_target` and `losses` together.

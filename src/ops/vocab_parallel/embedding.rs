@@ -15,86 +15,94 @@ use crate::ops::encoder::split_plan;
 use crate::ops::float::{simd, with_float, Float};
 use crate::ops::rows::{elements, expect, Operands};
 
-/// The parameters of `vocab_embedding_forward` (`vocab_parallel.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct VocabEmbeddingParams {
-    /// Positions (tokens), `N`.
-    pub n: u64,
-    /// Channels `C ≥ 1`.
-    pub c: u64,
-    /// Rows of the local table, `V_r`.
-    pub rows: u64,
-    /// The first token the local table holds.
-    pub start: u64,
-    /// The whole vocabulary, `V`.
-    pub vocab: u64,
+abi! {
+    /// The parameters of `vocab_embedding_forward` (`vocab_parallel.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct VocabEmbeddingParams {
+        /// Positions (tokens), `N`.
+        pub n: u64,
+        /// Channels `C ≥ 1`.
+        pub c: u64,
+        /// Rows of the local table, `V_r`.
+        pub rows: u64,
+        /// The first token the local table holds.
+        pub start: u64,
+        /// The whole vocabulary, `V`.
+        pub vocab: u64,
+    }
 }
 
-/// The parameters of `vocab_embedding_backward` (`vocab_parallel.cuh`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct VocabEmbeddingBackwardParams {
-    /// Positions, `N` (rows of `dout`).
-    pub n: u64,
-    /// Channels `C ≥ 1`.
-    pub c: u64,
-    /// Rows of the local table's gradient, `V_r`.
-    pub rows: u64,
-    /// Distinct local rows of the plan, `U`.
-    pub distinct: u64,
-    /// Positions the plan holds (those whose token the shard owns), `M ≤ N`.
-    pub owned: u64,
-    /// 1: `dtable += sums`; 0: `dtable = sums`, rows the plan does not name zeroed.
-    pub accumulate: u32,
-    /// Zero.
-    pub pad: u32,
+abi! {
+    /// The parameters of `vocab_embedding_backward` (`vocab_parallel.cuh`).
+    #[repr(C)]
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+    struct VocabEmbeddingBackwardParams {
+        /// Positions, `N` (rows of `dout`).
+        pub n: u64,
+        /// Channels `C ≥ 1`.
+        pub c: u64,
+        /// Rows of the local table's gradient, `V_r`.
+        pub rows: u64,
+        /// Distinct local rows of the plan, `U`.
+        pub distinct: u64,
+        /// Positions the plan holds (those whose token the shard owns), `M ≤ N`.
+        pub owned: u64,
+        /// 1: `dtable += sums`; 0: `dtable = sums`, rows the plan does not name zeroed.
+        pub accumulate: u32,
+        /// Zero.
+        pub pad: u32,
+    }
 }
 
 const FLOATS: &[DType] = &DType::FLOATS;
 
-/// Masked lookup: tokens and the local table read, `out` written.
-pub static VOCAB_EMBEDDING_FORWARD: KernelDesc = KernelDesc {
-    name: "vocab_embedding_forward",
-    operands: &[
-        OperandSpec::read("tokens", &[DType::I32]),
-        OperandSpec::read("table", FLOATS),
-        OperandSpec::write("out", FLOATS),
-    ],
-    params: param_layout!(
-        VocabEmbeddingParams,
-        "vocab_parallel.cuh",
-        [n, c, rows, start, vocab]
-    ),
-    check: Some(check_forward),
-    twin: |a| with_float!(a.dtype(1).unwrap_or(DType::F32), T => forward_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "vocab_parallel.cu",
-        plan: plan_forward,
-    },
-};
+abi! {
+    /// Masked lookup: tokens and the local table read, `out` written.
+    static VOCAB_EMBEDDING_FORWARD: KernelDesc = KernelDesc {
+        name: "vocab_embedding_forward",
+        operands: &[
+            OperandSpec::read("tokens", &[DType::I32]),
+            OperandSpec::read("table", FLOATS),
+            OperandSpec::write("out", FLOATS),
+        ],
+        params: param_layout!(
+            VocabEmbeddingParams,
+            "vocab_parallel.cuh",
+            [n, c, rows, start, vocab]
+        ),
+        check: Some(check_forward),
+        twin: |a| with_float!(a.dtype(1).unwrap_or(DType::F32), T => forward_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "vocab_parallel.cu",
+            plan: plan_forward,
+        },
+    };
+}
 
-/// The lookup's backward: `dout` and the plan (u32 words, [`VocabPlan::to_words`]) read, the
-/// local table's gradient written or accumulated into.
-pub static VOCAB_EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
-    name: "vocab_embedding_backward",
-    operands: &[
-        OperandSpec::read("dout", FLOATS),
-        OperandSpec::read("plan", &[DType::U32]),
-        OperandSpec::read_write("dtable", FLOATS),
-    ],
-    params: param_layout!(
-        VocabEmbeddingBackwardParams,
-        "vocab_parallel.cuh",
-        [n, c, rows, distinct, owned, accumulate, pad]
-    ),
-    check: Some(check_backward),
-    twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a)),
-    cuda: CudaSide::Nvrtc {
-        source: "vocab_parallel.cu",
-        plan: plan_backward_grids,
-    },
-};
+abi! {
+    /// The lookup's backward: `dout` and the plan (u32 words, [`VocabPlan::to_words`]) read, the
+    /// local table's gradient written or accumulated into.
+    static VOCAB_EMBEDDING_BACKWARD: KernelDesc = KernelDesc {
+        name: "vocab_embedding_backward",
+        operands: &[
+            OperandSpec::read("dout", FLOATS),
+            OperandSpec::read("plan", &[DType::U32]),
+            OperandSpec::read_write("dtable", FLOATS),
+        ],
+        params: param_layout!(
+            VocabEmbeddingBackwardParams,
+            "vocab_parallel.cuh",
+            [n, c, rows, distinct, owned, accumulate, pad]
+        ),
+        check: Some(check_backward),
+        twin: |a| with_float!(a.dtype(0).unwrap_or(DType::F32), T => backward_typed::<T>(a)),
+        cuda: CudaSide::Nvrtc {
+            source: "vocab_parallel.cu",
+            plan: plan_backward_grids,
+        },
+    };
+}
 
 fn channels_rule(info: &LaunchInfo<'_>, c: u64) -> Result<()> {
     if c == 0 {

@@ -79,16 +79,21 @@
 //! # Ok(()) }
 //! ```
 
-mod cross_entropy;
-mod embedding;
+pub(crate) mod cross_entropy;
+pub(crate) mod embedding;
 
 pub use cross_entropy::{
-    vocab_ce_grad, vocab_ce_max, vocab_ce_sums, VocabCeGrad, VocabCeParams, VocabCeSums,
-    VocabCrossEntropy, VOCAB_CE_GRAD, VOCAB_CE_MAX, VOCAB_CE_SUMS, VOCAB_CE_THREADS,
+    vocab_ce_grad, vocab_ce_max, vocab_ce_sums, VocabCeGrad, VocabCeSums, VocabCrossEntropy,
+    VOCAB_CE_THREADS,
 };
-pub use embedding::{
-    vocab_embedding_backward, vocab_embedding_forward, VocabEmbeddingBackwardParams,
-    VocabEmbeddingParams, VocabPlan, VOCAB_EMBEDDING_BACKWARD, VOCAB_EMBEDDING_FORWARD,
+pub use embedding::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan};
+#[cfg(feature = "kernel-abi")]
+pub use {
+    cross_entropy::{VocabCeParams, VOCAB_CE_GRAD, VOCAB_CE_MAX, VOCAB_CE_SUMS},
+    embedding::{
+        VocabEmbeddingBackwardParams, VocabEmbeddingParams, VOCAB_EMBEDDING_BACKWARD,
+        VOCAB_EMBEDDING_FORWARD,
+    },
 };
 
 use crate::device::LaunchInfo;

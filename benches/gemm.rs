@@ -353,7 +353,7 @@ mod gpu {
                 return;
             }
         };
-        if !ops::gemm::cublas_available() {
+        if !ops::cublas_available() {
             println!("gemm gpu: skipped: cuBLAS cannot be loaded");
             return;
         }

@@ -86,7 +86,7 @@ fn main() -> Result<()> {
         let got = p.wait()?;
         let src = host[c].as_ref().expect("returned above");
         let mut want = vec![0u8; chunk_elems * 2];
-        tidemem::ops::cast::cast_bytes(src, DType::F32, &mut want, DType::F16)?;
+        tidemem::ops::cast_bytes(src, DType::F32, &mut want, DType::F16)?;
         assert_eq!(&got[..], &want[..], "chunk {c} differs from the CPU twin");
         checked += 1;
     }

@@ -84,9 +84,11 @@ fn run() -> tidemem::Result<()> {
     // flags that make no sense are refused before any work
     toy.validate()?;
     if a.steps == 0 {
-        return Err(tidemem::Error::InvalidArgument(
-            "--steps 0 trains nothing".into(),
-        ));
+        return Err(tidemem::Error::TooFew {
+            what: "training steps (--steps 0 trains nothing)".into(),
+            got: 0,
+            need: 1,
+        });
     }
     let policies: Vec<Policy> = a
         .policies
@@ -99,9 +101,11 @@ fn run() -> tidemem::Result<()> {
     let capacity = match &a.device_mem {
         Some(s) => match parse_bytes(s)? {
             0 => {
-                return Err(tidemem::Error::InvalidArgument(format!(
-                    "--device-mem {s} is no memory"
-                )))
+                return Err(tidemem::Error::TooFew {
+                    what: format!("bytes of device memory (--device-mem {s})"),
+                    got: 0,
+                    need: 1,
+                })
             }
             b => b as u64,
         },
@@ -249,9 +253,9 @@ fn run() -> tidemem::Result<()> {
             fmt_bytes(Usage::total(&first.usage.host))
         );
         if !same {
-            return Err(tidemem::Error::InvalidArgument(
-                "policies disagree on the parameters".into(),
-            ));
+            return Err(tidemem::Error::Internal {
+                what: "the policies disagree on the parameters".into(),
+            });
         }
     }
     if svg_done {

@@ -85,17 +85,18 @@ fn main() {
 
 /// Refuses flags that make no sense before any work starts.
 fn check(args: &Args, toy: &ToyMlp, mem: usize, launched: bool) -> tidemem::Result<()> {
-    let bad = |what: String| Err(tidemem::Error::InvalidArgument(what));
+    let too_few = |what: String, got: usize| Err(tidemem::Error::TooFew { what, got, need: 1 });
     toy.validate()?;
     if args.steps == 0 {
-        return bad("--steps 0 trains nothing".into());
+        return too_few("training steps (--steps 0 trains nothing)".into(), 0);
     }
     if mem == 0 {
-        return bad(format!("--device-mem {} is no memory", args.device_mem));
+        let what = format!("bytes of device memory (--device-mem {})", args.device_mem);
+        return too_few(what, mem);
     }
     if !launched {
         if args.ranks == 0 {
-            return bad("--ranks 0: a job needs at least one rank".into());
+            return too_few("ranks (--ranks 0: a job needs at least one)".into(), 0);
         }
         if args.ranks > MAX_LOCAL_RANKS {
             return Err(tidemem::Error::TooLarge {
@@ -163,11 +164,11 @@ fn run() -> tidemem::Result<()> {
             }
         }
         let first = adam.steps();
-        let last_step = first.checked_add(steps).ok_or_else(|| {
-            tidemem::Error::InvalidArgument(format!(
-                "--steps {steps} from step {first} overflows the step counter"
-            ))
-        })?;
+        let last_step = first
+            .checked_add(steps)
+            .ok_or_else(|| tidemem::Error::Overflow {
+                what: format!("the step counter, at --steps {steps} from step {first}"),
+            })?;
         let mut losses = Vec::new();
         let mut before = CommStats::default();
         for s in first..last_step {

@@ -857,7 +857,10 @@ mod tests {
         });
         assert!(matches!(short, Err(Error::Checkpoint { .. })), "{short:?}");
         let failing = write(&p, &meta, &entries, |_| {
-            Err(Error::InvalidArgument("x".into()))
+            Err(Error::Io {
+                during: "writing a test checkpoint",
+                source: std::io::Error::other("x"),
+            })
         });
         assert!(failing.is_err());
         let twice = [

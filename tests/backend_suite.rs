@@ -302,14 +302,13 @@ fn cast_matches_the_cpu_twin_for_every_pair() {
             tidemem::ops::cast(&dev, &s, &src, DType::F32, &narrow, t).unwrap();
             let got = dev.download(&s, &narrow).unwrap();
             let mut want = vec![0u8; n * 2];
-            tidemem::ops::cast::cast_bytes(bytemuck::cast_slice(&x), DType::F32, &mut want, t)
-                .unwrap();
+            tidemem::ops::cast_bytes(bytemuck::cast_slice(&x), DType::F32, &mut want, t).unwrap();
             assert_eq!(got, want, "{} f32->{t}", dev.id());
             // and back up, and across
             let wide = dev.alloc(n * 4).unwrap();
             tidemem::ops::cast(&dev, &s, &narrow, t, &wide, DType::F32).unwrap();
             let mut want_wide = vec![0u8; n * 4];
-            tidemem::ops::cast::cast_bytes(&want, t, &mut want_wide, DType::F32).unwrap();
+            tidemem::ops::cast_bytes(&want, t, &mut want_wide, DType::F32).unwrap();
             assert_eq!(dev.download(&s, &wide).unwrap(), want_wide);
             let other = if t == DType::F16 {
                 DType::BF16
@@ -319,7 +318,7 @@ fn cast_matches_the_cpu_twin_for_every_pair() {
             let across = dev.alloc(n * 2).unwrap();
             tidemem::ops::cast(&dev, &s, &narrow, t, &across, other).unwrap();
             let mut want_across = vec![0u8; n * 2];
-            tidemem::ops::cast::cast_bytes(&want, t, &mut want_across, other).unwrap();
+            tidemem::ops::cast_bytes(&want, t, &mut want_across, other).unwrap();
             assert_eq!(dev.download(&s, &across).unwrap(), want_across);
         }
     }
@@ -347,7 +346,7 @@ fn transfer_stats_count_bytes() {
 #[test]
 fn the_counters_count_each_operation_and_only_the_waits_that_block() {
     use tidemem::device::DeviceStats;
-    use tidemem::ops::{self, gemm::Gemm};
+    use tidemem::ops::{self, Gemm};
     for dev in devices("the_counters_count_each_operation_and_only_the_waits_that_block") {
         let s = dev.new_stream().unwrap();
         let before = dev.stats();
@@ -363,16 +362,16 @@ fn the_counters_count_each_operation_and_only_the_waits_that_block() {
         let e = dev.new_event().unwrap();
         dev.record(&s, &e).unwrap();
         dev.sync_event(&e).unwrap(); // nothing new on the stream: returns at once
-        if ops::gemm::cublas_available() || dev.kind() == BackendKind::Sim {
+        if ops::cublas_available() || dev.kind() == BackendKind::Sim {
             let g = Gemm::new(4, 4, 4);
             let v = |i: usize| a.view(i * 64, 64).unwrap();
-            ops::gemm::gemm(&dev, &s, &g, v(0), v(1), v(2), DType::F32).unwrap();
+            ops::gemm(&dev, &s, &g, v(0), v(1), v(2), DType::F32).unwrap();
         }
         dev.record(&s, &e).unwrap();
         dev.sync_event(&e).unwrap(); // the GEMM: blocks
         let back = dev.download(&s, &a).unwrap(); // a new copy: blocks
         assert_eq!(back.len(), 1024);
-        let gemm = u64::from(ops::gemm::cublas_available() || dev.kind() == BackendKind::Sim);
+        let gemm = u64::from(ops::cublas_available() || dev.kind() == BackendKind::Sim);
         let got = dev.stats().since(&before);
         let want = DeviceStats {
             h2d_bytes: 1024,

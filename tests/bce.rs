@@ -16,7 +16,7 @@ mod ops_util;
 
 use ops_util::*;
 use tidemem::device::{DeviceBuffer, Operand};
-use tidemem::ops::bce::{bce_with_logits, BceOutputs, BceParams, BCE_WITH_LOGITS};
+use tidemem::ops::{abi::BceParams, abi::BCE_WITH_LOGITS, bce_with_logits, BceOutputs};
 use tidemem::DType;
 
 fn loss64(x: f64, y: f64) -> f64 {

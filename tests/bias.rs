@@ -14,8 +14,8 @@ mod common;
 mod ops_util;
 
 use ops_util::*;
-use tidemem::ops::bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 use tidemem::ops::rows::column_chunks;
+use tidemem::ops::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
 use tidemem::DType;
 
 const SHAPES: [(usize, usize); 7] = [

@@ -425,6 +425,16 @@ fn checkpoints_run_between_iterations() {
         m.load_checkpoint(&p).map(drop),
     ] {
         let e = r.unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::WrongStage {
+                    stage: "forward",
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         assert!(e.to_string().contains("between iterations"), "{e}");
     }
     m.release(&[w], Stage::Forward).unwrap();
@@ -444,6 +454,7 @@ fn checkpoints_run_between_iterations() {
     twins.register("x", &[4], Init::Zeros).unwrap();
     twins.register("x", &[4], Init::Zeros).unwrap();
     let e = twins.save_checkpoint(&p, &BTreeMap::new()).unwrap_err();
+    assert!(matches!(e, Error::Conflict { .. }), "{e:?}");
     assert!(e.to_string().contains("named 'x'"), "{e}");
 }
 
@@ -470,6 +481,10 @@ fn gradients_are_never_saved_as_parameters() {
     backward(&mut m, 3.0);
     m.skip_step().unwrap();
     let e = m.save_checkpoint(&p, &BTreeMap::new()).unwrap_err();
+    assert!(
+        matches!(&e, Error::Conflict { what, .. } if what == "save_checkpoint"),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("may hold gradients"), "{e}");
     m.load_checkpoint(&p).unwrap();
     assert_eq!(m.read(w).unwrap(), vec![0.5; 8]);

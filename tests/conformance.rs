@@ -33,7 +33,7 @@ use tidemem::device::{Device, DeviceBuffer, KernelDesc, Operand};
 use tidemem::ops::embedding::device::{
     EmbBackwardParams, EmbBagParams, EmbRowsParams, EmbStepParams,
 };
-use tidemem::ops::{self, adam::AdamParams};
+use tidemem::ops::{self, abi::AdamParams};
 use tidemem::optim::AdamConfig;
 use tidemem::DType;
 

@@ -9,7 +9,7 @@ mod common;
 mod ops_util;
 
 use ops_util::*;
-use tidemem::ops::copy_rows::{copy_rows, CopyRows, RowIndex};
+use tidemem::ops::{copy_rows, CopyRows, RowIndex};
 
 /// `dst` after the copy, on the host.
 #[allow(clippy::too_many_arguments)]

@@ -257,14 +257,14 @@ fn a_target_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
         let mut logits = xbytes.clone();
         let mut losses = vec![0x33u8; 12];
         let targets: Vec<u8> = bytemuck::cast_slice(&[1i32, 5, IGNORE]).to_vec();
-        let p = tidemem::ops::cross_entropy::CrossEntropyParams {
+        let p = tidemem::ops::abi::CrossEntropyParams {
             n: n as u64,
             v: v as u64,
             vp: vp as u64,
             ignore_index: IGNORE,
             grad_scale: 1.0,
         };
-        let desc = &tidemem::ops::cross_entropy::CROSS_ENTROPY_FORWARD_BACKWARD;
+        let desc = &tidemem::ops::abi::CROSS_ENTROPY_FORWARD_BACKWARD;
         let ops = vec![
             HostOperand::Write(&mut logits, DType::F32),
             HostOperand::Read(&targets, DType::I32),
@@ -348,7 +348,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         let r = cross_entropy_forward_backward(&dev, &s, &xb, &tb, inside, &ce, f32s);
         invalid(r, &["overlaps"]);
         // Targets of the wrong type (a direct launch: the wrappers fix it).
-        let p = tidemem::ops::cross_entropy::CrossEntropyParams {
+        let p = tidemem::ops::abi::CrossEntropyParams {
             n: n as u64,
             v: v as u64,
             vp: vp as u64,
@@ -360,7 +360,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
             Some(Operand::new(&tb, DType::U32)),
             Some(Operand::new(&lb, f32s)),
         ];
-        let desc = &tidemem::ops::cross_entropy::CROSS_ENTROPY_FORWARD_BACKWARD;
+        let desc = &tidemem::ops::abi::CROSS_ENTROPY_FORWARD_BACKWARD;
         let r = dev.launch(&s, desc, &ops, bytemuck::bytes_of(&p));
         assert!(matches!(r, Err(Error::Launch { .. })), "{r:?}");
         // Host-side target checks.

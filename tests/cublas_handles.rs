@@ -41,11 +41,11 @@ fn handles_live_exactly_as_long_as_their_streams() {
     let Some(dev) = common::cuda("cublas_handles") else {
         return;
     };
-    if !ops::gemm::cublas_available() {
+    if !ops::cublas_available() {
         common::cuda_half_missing("cublas_handles", "cuBLAS cannot be loaded");
         return;
     }
-    let live = ops::gemm::cublas_live_handles;
+    let live = ops::cublas_live_handles;
     let mut r = SplitMix64::new(11);
     assert_eq!(live(), 0);
 

@@ -13,7 +13,7 @@ mod common;
 mod ops_util;
 
 use ops_util::*;
-use tidemem::ops::elementwise::{add, add_in_place, fill, scale, Axpby};
+use tidemem::ops::{add, add_in_place, fill, scale, Axpby};
 use tidemem::DType;
 
 const SIZES: [usize; 6] = [0, 1, 7, 511, 513, 70_001];

@@ -466,7 +466,7 @@ fn bag_checkpoints_resume_training_bitwise() {
         let mid = dir.path().join("mid.safetensors");
         a.save(&mid).unwrap();
         assert!(
-            matches!(a.load(&mid), Err(Error::InvalidArgument(_))),
+            matches!(a.load(&mid), Err(Error::OutOfOrder { call: "load", .. })),
             "no load mid-step"
         );
         a.backward(&grad_of(&out)).unwrap();
@@ -528,17 +528,37 @@ fn bad_input_is_refused_and_changes_nothing() {
         (vec![1, 2], vec![0, 2], Some(vec![1.0])), // weights length
         (vec![5, 6, 7, 8, 9], vec![0, 5], None),   // more distinct rows than slots
     ];
-    for (idx, off, w) in &bad {
-        let e = bag.forward(idx, off, w.as_deref()).unwrap_err();
-        assert!(
+    // what each bad case is refused with, in the order of `bad`
+    let refused: [fn(&Error) -> bool; 7] = [
+        |e| matches!(e, Error::IdOutOfRange { .. }),
+        |e| {
             matches!(
                 e,
-                Error::InvalidArgument(_)
-                    | Error::CacheTooSmall { .. }
-                    | Error::IdOutOfRange { .. }
-            ),
-            "{e}"
-        );
+                Error::BadOffsets {
+                    table: None,
+                    at: 2,
+                    ..
+                }
+            )
+        },
+        |e| matches!(e, Error::BadOffsets { at: 1, why, .. } if why.contains("last")),
+        |e| matches!(e, Error::BadOffsets { at: 0, why, .. } if why.contains("first")),
+        |e| matches!(e, Error::BadOffsets { at: 0, why, .. } if why.contains("none")),
+        |e| {
+            matches!(
+                e,
+                Error::Length {
+                    got: 1,
+                    expected: 2,
+                    ..
+                }
+            )
+        },
+        |e| matches!(e, Error::CacheTooSmall { .. }),
+    ];
+    for ((idx, off, w), refused) in bad.iter().zip(refused) {
+        let e = bag.forward(idx, off, w.as_deref()).unwrap_err();
+        assert!(refused(&e), "{idx:?} {off:?}: {e}");
         assert_eq!(bag.cache().stats(), stats);
         assert_eq!(bag.cache().moved(), moved);
         // every row (cached ones from the device) as before the refusal
@@ -552,7 +572,15 @@ fn bad_input_is_refused_and_changes_nothing() {
     bag.forward(&[1, 2], &[0, 1, 2], None).unwrap();
     assert!(bag.backward(&[0.0; 3]).is_err());
     assert!(bag.step().is_err(), "step before backward");
-    assert!(bincount(3, [&[0u32, 3][..]]).is_err());
+    assert!(matches!(
+        bincount(3, [&[0u32, 3][..]]),
+        Err(Error::IdOutOfRange {
+            id: 3,
+            position: 1,
+            rows: 3,
+            ..
+        })
+    ));
 }
 
 #[test]
@@ -956,7 +984,10 @@ fn sharded_outputs_equal_single_rank() {
             adagrad,
             table_init,
         );
-        assert!(matches!(e, Err(Error::InvalidArgument(_))));
+        assert!(
+            matches!(&e, Err(Error::Conflict { what, .. }) if what == "row-wise Adagrad"),
+            "{e:?}"
+        );
     }
 
     /// `grad_of` applied to a rank's slice gives the slice of `grad_of` of the full output
@@ -1064,11 +1095,15 @@ fn sharded_device_exchange_equals_the_host_one() {
                                         let short = gb.view(0, gb.len() - 4).unwrap();
                                         assert!(matches!(
                                             e.backward_device(short),
-                                            Err(Error::InvalidArgument(_))
+                                            Err(Error::Length { got, expected, .. })
+                                                if got + 4 == expected
                                         ));
                                         assert!(matches!(
                                             e.backward(&grad_of(&out)),
-                                            Err(Error::InvalidArgument(_))
+                                            Err(Error::OutOfOrder {
+                                                call: "backward",
+                                                ..
+                                            })
                                         ));
                                         e.backward_device(gb.view(0, gb.len()).unwrap()).unwrap();
                                     } else {

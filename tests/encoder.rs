@@ -16,7 +16,7 @@ mod ops_util;
 
 use ops_util::*;
 use tidemem::device::{HostOperand, Operand, TwinArgs};
-use tidemem::ops::encoder::{EncoderBackwardParams, ENCODER_BACKWARD, ENCODER_FORWARD};
+use tidemem::ops::{abi::EncoderBackwardParams, abi::ENCODER_BACKWARD, abi::ENCODER_FORWARD};
 use tidemem::ops::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
 use tidemem::{DType, Error};
 
@@ -231,7 +231,7 @@ fn a_token_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     let tok_b: Vec<u8> = bytemuck::cast_slice(&tok).to_vec();
     let w = enc(&[1.0; 6], DType::F32);
     let mut out = vec![0x5au8; 24];
-    let p = tidemem::ops::encoder::EncoderParams {
+    let p = tidemem::ops::abi::EncoderParams {
         n: 3,
         t: 3,
         c: 2,
@@ -435,7 +435,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
             &["overlaps"],
         );
         // Mixed float types (a direct launch).
-        let p = tidemem::ops::encoder::EncoderParams {
+        let p = tidemem::ops::abi::EncoderParams {
             n: 6,
             t: 3,
             c: 4,

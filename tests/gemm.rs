@@ -23,8 +23,8 @@ mod ops_util;
 use half::{bf16, f16};
 use ops_util::{dec, encf, round_f32, stored, Rng, SplitMix64, U};
 use tidemem::device::{Device, Operand};
-use tidemem::ops::gemm::{GemmElem, GemmParams, GEMM};
 use tidemem::ops::{self, Gemm};
+use tidemem::ops::{abi::GemmParams, abi::GEMM, GemmElem};
 use tidemem::{DType, Error};
 
 /// One test case: the description and the operands' elements as f32 (before encoding).
@@ -304,7 +304,7 @@ fn cuda_runs_cublas_or_says_it_is_missing() {
     };
     let mut r = SplitMix64::new(4);
     let case = Case::new(Gemm::new(3, 4, 5).beta(1.0), &mut r);
-    if !ops::gemm::cublas_available() {
+    if !ops::cublas_available() {
         // A typed error, and C untouched.
         let s = dev.new_stream().unwrap();
         let enc = |v: &[f32]| encf(v, DType::F32);

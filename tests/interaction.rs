@@ -16,7 +16,7 @@ mod ops_util;
 use half::{bf16, f16};
 use ops_util::*;
 use tidemem::device::DeviceBuffer;
-use tidemem::ops::interaction::{interaction_backward, interaction_forward, InteractionShape};
+use tidemem::ops::{interaction_backward, interaction_forward, InteractionShape};
 use tidemem::DType;
 
 fn shape(batch: usize, features: usize, dim: usize) -> InteractionShape {
@@ -269,7 +269,7 @@ fn bad_input_is_refused_and_writes_nothing() {
         refused_run(&dev, &st, "mixed types", &[&out], || {
             dev.launch(
                 &st,
-                &tidemem::ops::interaction::INTERACTION_FORWARD,
+                &tidemem::ops::abi::INTERACTION_FORWARD,
                 &ops,
                 bytemuck::bytes_of(&p),
             )

@@ -19,7 +19,7 @@ mod ops_util;
 
 use ops_util::*;
 use tidemem::device::{Device, DeviceBuffer, Stream};
-use tidemem::ops::layernorm::{
+use tidemem::ops::{
     layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward, LayerNormBackward,
     LayerNormForward, Residual,
 };
@@ -558,7 +558,7 @@ fn bad_forward_operands_are_refused_and_nothing_is_written() {
         // An f16 y among f32 operands: a wrong type is refused before anything runs.
         let r = dev.launch(
             &s,
-            &tidemem::ops::layernorm::LAYERNORM_FORWARD,
+            &tidemem::ops::abi::LAYERNORM_FORWARD,
             &[
                 Some(tidemem::device::Operand::new(&k.x, DType::F32)),
                 None,
@@ -569,7 +569,7 @@ fn bad_forward_operands_are_refused_and_nothing_is_written() {
                 Some(tidemem::device::Operand::new(&k.m, DType::F32)),
                 Some(tidemem::device::Operand::new(&k.s, DType::F32)),
             ],
-            bytemuck::bytes_of(&tidemem::ops::layernorm::LayerNormParams {
+            bytemuck::bytes_of(&tidemem::ops::abi::LayerNormParams {
                 rows: 2,
                 cols: 4,
                 eps: 1e-5,
@@ -581,7 +581,7 @@ fn bad_forward_operands_are_refused_and_nothing_is_written() {
         // A residual without its sum.
         let r = dev.launch(
             &s,
-            &tidemem::ops::layernorm::LAYERNORM_FORWARD,
+            &tidemem::ops::abi::LAYERNORM_FORWARD,
             &[
                 Some(tidemem::device::Operand::new(&k.x, DType::F32)),
                 Some(tidemem::device::Operand::new(&k.r, DType::F32)),
@@ -592,7 +592,7 @@ fn bad_forward_operands_are_refused_and_nothing_is_written() {
                 Some(tidemem::device::Operand::new(&k.m, DType::F32)),
                 Some(tidemem::device::Operand::new(&k.s, DType::F32)),
             ],
-            bytemuck::bytes_of(&tidemem::ops::layernorm::LayerNormParams {
+            bytemuck::bytes_of(&tidemem::ops::abi::LayerNormParams {
                 rows: 2,
                 cols: 4,
                 eps: 1e-5,

@@ -260,7 +260,7 @@ fn misuse_is_a_typed_error() {
     let b = m.register("b", &[4], Init::Zeros).unwrap();
     assert!(matches!(
         m.register("empty", &[0, 3], Init::Zeros),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Empty { .. })
     ));
     // backward before forward: FREE has no backward edge
     match m.fetch(&[a], Stage::Backward) {
@@ -290,7 +290,7 @@ fn misuse_is_a_typed_error() {
     ));
     assert!(matches!(
         m.fetch(&[a, a], Stage::Forward),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Conflict { what, .. }) if what == format!("tensor {a}")
     ));
     m.release(&[a, b], Stage::Forward).unwrap();
     assert!(matches!(
@@ -306,7 +306,10 @@ fn misuse_is_a_typed_error() {
         })
     ));
     assert!(
-        m.register("late", &[2], Init::Zeros).is_err(),
+        matches!(
+            m.register("late", &[2], Init::Zeros),
+            Err(Error::Conflict { what, .. }) if what == "registering 'late'"
+        ),
         "registration is closed"
     );
     m.fetch(&[a], Stage::Forward).unwrap(); // second forward use: shared
@@ -317,7 +320,7 @@ fn misuse_is_a_typed_error() {
     // first of two backward uses: no gradient yet
     assert!(matches!(
         m.write_grad(a, &[1.0; 32]),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Conflict { what, .. }) if what.contains("at backward use 1 of 2")
     ));
     m.release(&[a], Stage::Backward).unwrap();
     assert_eq!(m.state(a, ChunkKind::Param).unwrap(), TensorState::Hold);

@@ -211,7 +211,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         );
         // Mixed element types (only through a direct launch: the wrappers take one type).
         let half = up(&dev, &s, &vec![0u8; n * 2]);
-        let p = tidemem::ops::softmax::SoftmaxParams {
+        let p = tidemem::ops::abi::SoftmaxParams {
             bh: bh as u64,
             rows: t as u64,
             cols: t as u64,
@@ -225,7 +225,7 @@ fn bad_input_is_a_typed_error_and_nothing_is_written() {
         ];
         let r = dev.launch(
             &s,
-            &tidemem::ops::softmax::SOFTMAX_FORWARD,
+            &tidemem::ops::abi::SOFTMAX_FORWARD,
             &ops,
             bytemuck::bytes_of(&p),
         );

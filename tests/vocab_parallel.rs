@@ -26,8 +26,17 @@ mod ops_util;
 
 use ops_util::*;
 use tidemem::device::{Device, DeviceBuffer, Stream};
-use tidemem::ops::vocab_parallel::*;
+use tidemem::ops::abi::{
+    VocabCeParams, VocabEmbeddingBackwardParams, VocabEmbeddingParams, VOCAB_CE_GRAD,
+    VOCAB_CE_SUMS, VOCAB_EMBEDDING_BACKWARD, VOCAB_EMBEDDING_FORWARD,
+};
 use tidemem::ops::{cross_entropy_forward_backward, CrossEntropy};
+use tidemem::ops::{
+    vocab_parallel::vocab_ce_grad, vocab_parallel::vocab_ce_max, vocab_parallel::vocab_ce_sums,
+    vocab_parallel::vocab_embedding_backward, vocab_parallel::vocab_embedding_forward,
+    vocab_parallel::VocabCeGrad, vocab_parallel::VocabCeSums, vocab_parallel::VocabCrossEntropy,
+    vocab_parallel::VocabPlan, vocab_parallel::VocabShard,
+};
 use tidemem::DType;
 
 const IGNORE: i32 = -100;

@@ -5,7 +5,7 @@ use tidemem::DType;
 use crate::entry::{pod, token_ids, Arg, Entry};
 
 pub fn gelu_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::gelu::{GeluParams, GELU_BACKWARD, GELU_FORWARD};
+    use tidemem::ops::{abi::GeluParams, abi::GELU_BACKWARD, abi::GELU_FORWARD};
     let n = rows * cols;
     let p = pod(&GeluParams { n: n as u64 });
     let f32 = DType::F32;
@@ -33,7 +33,7 @@ pub fn gelu_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 /// fill (at least one). Bytes: the lower triangle read (once per input), the whole matrix
 /// written.
 pub fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::softmax::{SoftmaxParams, SOFTMAX_BACKWARD, SOFTMAX_FORWARD};
+    use tidemem::ops::{abi::SoftmaxParams, abi::SOFTMAX_BACKWARD, abi::SOFTMAX_FORWARD};
     let t = 1024usize;
     let bh = (rows * cols / (t * t)).max(1);
     let n = bh * t * t;
@@ -69,7 +69,7 @@ pub fn softmax_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 /// rows at offset 768 against 1024 columns), as many matrices as `rows × cols` elements fill.
 /// Bytes: the live elements read (once per input), the whole block written.
 pub fn softmax_block_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::softmax::{SoftmaxParams, SOFTMAX_BACKWARD, SOFTMAX_FORWARD};
+    use tidemem::ops::{abi::SoftmaxParams, abi::SOFTMAX_BACKWARD, abi::SOFTMAX_FORWARD};
     let (r, t, offset) = (256usize, 1024usize, 768usize);
     let bh = (rows * cols / (r * t)).max(1);
     let n = bh * r * t;
@@ -105,8 +105,8 @@ pub fn softmax_block_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 /// small one (`rows` rows of V = `cols`). Bytes: the logits read (and written over, fused),
 /// targets and losses.
 pub fn cross_entropy_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::cross_entropy::{
-        CrossEntropyParams, CROSS_ENTROPY_FORWARD, CROSS_ENTROPY_FORWARD_BACKWARD,
+    use tidemem::ops::{
+        abi::CrossEntropyParams, abi::CROSS_ENTROPY_FORWARD, abi::CROSS_ENTROPY_FORWARD_BACKWARD,
     };
     let cases = [
         (64usize, 50_257usize, 50_304usize, DType::BF16, true),
@@ -158,10 +158,10 @@ pub fn cross_entropy_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 /// written; backward, dout and the plan read, the touched dwte rows and dwpe's T rows read
 /// and written; the plan (host code), tokens read and plan words written.
 pub fn encoder_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::encoder::{
-        EncoderBackwardParams, EncoderParams, ENCODER_BACKWARD, ENCODER_FORWARD,
-    };
     use tidemem::ops::EncoderPlan;
+    use tidemem::ops::{
+        abi::EncoderBackwardParams, abi::EncoderParams, abi::ENCODER_BACKWARD, abi::ENCODER_FORWARD,
+    };
     let (vocab, c) = (50_257usize, cols);
     let t = rows.min(1024);
     let n = rows / t * t;

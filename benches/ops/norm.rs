@@ -11,9 +11,9 @@ pub fn norm_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 }
 
 fn layernorm_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::layernorm::{
-        layernorm_backward_scratch_bytes, LayerNormBackwardParams, LayerNormParams,
-        LAYERNORM_BACKWARD, LAYERNORM_FORWARD,
+    use tidemem::ops::{
+        abi::LayerNormBackwardParams, abi::LayerNormParams, abi::LAYERNORM_BACKWARD,
+        abi::LAYERNORM_FORWARD, layernorm_backward_scratch_bytes,
     };
     let n = rows * cols;
     let fp = pod(&LayerNormParams {
@@ -77,8 +77,9 @@ fn layernorm_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 }
 
 fn bias_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::bias::{
-        bias_grad_scratch_bytes, BiasGradParams, BiasParams, BIAS_GRAD, BIAS_ROWS,
+    use tidemem::ops::{
+        abi::BiasGradParams, abi::BiasParams, abi::BIAS_GRAD, abi::BIAS_ROWS,
+        bias_grad_scratch_bytes,
     };
     let n = rows * cols;
     let f32 = DType::F32;
@@ -111,8 +112,8 @@ fn bias_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 }
 
 fn elementwise_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::elementwise::{AddParams, ScaleParams, ADD, ADD_IN_PLACE, SCALE};
-    use tidemem::ops::relu::{ReluParams, RELU_BACKWARD, RELU_FORWARD};
+    use tidemem::ops::{abi::AddParams, abi::ScaleParams, abi::ADD, abi::ADD_IN_PLACE, abi::SCALE};
+    use tidemem::ops::{abi::ReluParams, abi::RELU_BACKWARD, abi::RELU_FORWARD};
     let n = rows * cols;
     let ap = pod(&AddParams {
         n: n as u64,

@@ -9,7 +9,7 @@ use crate::entry::{pod, Arg, Entry};
 /// row once (forward), and reads those and the output gradient and writes both input gradients
 /// once (backward). At ~5 multiply-adds per byte it is bound by arithmetic, not memory.
 pub fn interaction_entries(v: &mut Vec<Entry>) {
-    use tidemem::ops::interaction::{InteractionShape, INTERACTION_BACKWARD, INTERACTION_FORWARD};
+    use tidemem::ops::{abi::INTERACTION_BACKWARD, abi::INTERACTION_FORWARD, InteractionShape};
     let f32 = DType::F32;
     for dim in [64, 128] {
         let s = InteractionShape {
@@ -53,7 +53,7 @@ pub fn interaction_entries(v: &mut Vec<Entry>) {
 /// Sigmoid + binary cross-entropy on 2^20 logits with every output (loss, gradient,
 /// probabilities): 4 bytes read and 4 written per element and operand.
 pub fn bce_entries(v: &mut Vec<Entry>) {
-    use tidemem::ops::bce::{BceParams, BCE_WITH_LOGITS};
+    use tidemem::ops::{abi::BceParams, abi::BCE_WITH_LOGITS};
     let n = 1 << 20;
     let p = BceParams {
         n: n as u64,
@@ -82,7 +82,7 @@ pub fn bce_entries(v: &mut Vec<Entry>) {
 /// 128]` output (a destination index, the table-wise case): each row read and written once,
 /// the index read once.
 pub fn copy_rows_entries(v: &mut Vec<Entry>) {
-    use tidemem::ops::copy_rows::{CopyRowsParams, COPY_ROWS};
+    use tidemem::ops::{abi::CopyRowsParams, abi::COPY_ROWS};
     let (samples, tables, mine, width) = (2048usize, 26usize, 13usize, 128usize);
     let n = samples * mine;
     let dst_index: Vec<u32> = (0..samples)

@@ -2,7 +2,7 @@
 //! logits padded to 25 152): the masked embedding and its backward, the three cross-entropy
 //! steps.
 
-use tidemem::ops::vocab_parallel::{VocabPlan, VocabShard};
+use tidemem::ops::{vocab_parallel::VocabPlan, vocab_parallel::VocabShard};
 use tidemem::DType;
 
 use crate::entry::{floats_as, pod, token_ids, Arg, Entry};
@@ -14,9 +14,9 @@ const VOCAB: usize = 50_257;
 /// read, the touched rows read and written (accumulating) or the whole local gradient written
 /// (writing).
 pub fn vocab_parallel_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
-    use tidemem::ops::vocab_parallel::{
-        VocabEmbeddingBackwardParams, VocabEmbeddingParams, VOCAB_EMBEDDING_BACKWARD,
-        VOCAB_EMBEDDING_FORWARD,
+    use tidemem::ops::{
+        abi::VocabEmbeddingBackwardParams, abi::VocabEmbeddingParams,
+        abi::VOCAB_EMBEDDING_BACKWARD, abi::VOCAB_EMBEDDING_FORWARD,
     };
     let (n, c) = (rows, cols);
     let shard = VocabShard::of_rank(VOCAB, 0, 2).expect("a valid shard");
@@ -78,7 +78,9 @@ pub fn vocab_parallel_entries(rows: usize, cols: usize, v: &mut Vec<Entry>) {
 /// The three cross-entropy steps on 128 rows of the shard's logits. Bytes: the logits read
 /// (and, by the gradient, written over, padding included) and the `[N]` operands.
 fn ce_entries(v: &mut Vec<Entry>, shard: &VocabShard) {
-    use tidemem::ops::vocab_parallel::{VocabCeParams, VOCAB_CE_GRAD, VOCAB_CE_MAX, VOCAB_CE_SUMS};
+    use tidemem::ops::{
+        abi::VocabCeParams, abi::VOCAB_CE_GRAD, abi::VOCAB_CE_MAX, abi::VOCAB_CE_SUMS,
+    };
     let (n, vr, vp) = (128usize, shard.rows, shard.rows.next_multiple_of(64));
     let p = pod(&VocabCeParams {
         n: n as u64,

@@ -30,9 +30,10 @@ impl ChunkManager {
             .collect::<Result<_>>()?;
         let mut seen = HashSet::new();
         if let Some(n) = names.iter().find(|n| !seen.insert(n.as_str())) {
-            return Err(Error::InvalidArgument(format!(
-                "two tensors are named '{n}': a checkpoint names tensors, so names must differ"
-            )));
+            return Err(Error::Conflict {
+                what: format!("a checkpoint of two tensors named '{n}'"),
+                with: "one name for both (a checkpoint names tensors, so names must differ)".into(),
+            });
         }
         Ok(names)
     }

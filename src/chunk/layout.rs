@@ -36,7 +36,11 @@ impl Layout {
     /// An empty layout with chunks of `chunk_elems` elements.
     pub fn new(chunk_elems: usize) -> Result<Self> {
         if chunk_elems == 0 {
-            return Err(Error::InvalidArgument("chunk size must be positive".into()));
+            return Err(Error::TooFew {
+                what: "elements of a chunk".into(),
+                got: chunk_elems,
+                need: 1,
+            });
         }
         Ok(Layout {
             chunk_elems,
@@ -49,9 +53,11 @@ impl Layout {
     /// gets a group of its own and leaves the open chunk open for the tensors after it.
     pub fn push(&mut self, numel: usize) -> Result<Slot> {
         if numel == 0 {
-            return Err(Error::InvalidArgument(
-                "a tensor must have at least one element".into(),
-            ));
+            return Err(Error::TooFew {
+                what: "elements of a tensor to pack".into(),
+                got: numel,
+                need: 1,
+            });
         }
         let tensor = self.slots.len() as u32;
         let group = if numel > self.chunk_elems {
@@ -165,24 +171,45 @@ pub struct SizeChoice {
 /// ```
 pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> {
     if s.start == 0 || s.interval == 0 || s.multiple_of == 0 {
-        return Err(Error::InvalidArgument(
-            "chunk-size search needs a positive start, interval and multiple".into(),
-        ));
+        let what = if s.start == 0 {
+            "start of a chunk-size search"
+        } else if s.interval == 0 {
+            "interval of a chunk-size search"
+        } else {
+            "multiple of a chunk-size search"
+        };
+        return Err(Error::TooFew {
+            what: what.into(),
+            got: 0,
+            need: 1,
+        });
     }
     if numels.is_empty() {
-        return Err(Error::InvalidArgument(
-            "chunk-size search over no tensors".into(),
-        ));
+        return Err(Error::Empty {
+            what: "the tensors of a chunk-size search".into(),
+        });
     }
     let end = s.start.checked_add(s.range);
     if end.is_none_or(|e| e.checked_next_multiple_of(s.multiple_of).is_none())
         || s.range / s.interval > 1_000_000
     {
-        return Err(Error::InvalidArgument(format!(
-            "chunk-size search from {} over {} by {} (multiples of {}): too large or too many \
-             sizes to try",
-            s.start, s.range, s.interval, s.multiple_of
-        )));
+        return Err(if s.range / s.interval > 1_000_000 {
+            Error::TooLarge {
+                what: format!(
+                    "sizes to try in a chunk-size search over {} by {}",
+                    s.range, s.interval
+                ),
+                requested: (s.range / s.interval) as u128,
+                limit: 1_000_000,
+            }
+        } else {
+            Error::Overflow {
+                what: format!(
+                    "the end of a chunk-size search from {} over {} (multiples of {})",
+                    s.start, s.range, s.multiple_of
+                ),
+            }
+        });
     }
     let n = numels.len() as f64;
     let mean = numels.iter().map(|&x| x as f64).sum::<f64>() / n;
@@ -218,7 +245,10 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
             None => break,
         };
     }
-    best.ok_or_else(|| Error::InvalidArgument("empty chunk-size range".into()))
+    // the loop tries `start` at least
+    best.ok_or_else(|| Error::Internal {
+        what: "a chunk-size search tried no size".into(),
+    })
 }
 
 #[cfg(test)]

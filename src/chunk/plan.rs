@@ -24,9 +24,11 @@ impl ChunkPlan {
     /// elements and parameters of `param_bytes` bytes.
     pub fn new(numels: &[usize], chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
         if !(1..=8).contains(&param_bytes) {
-            return Err(Error::InvalidArgument(format!(
-                "parameters of {param_bytes} bytes: 1 to 8 bytes per element"
-            )));
+            return Err(Error::BadValue {
+                what: "bytes per parameter element".into(),
+                value: param_bytes as f64,
+                want: "1 to 8",
+            });
         }
         let layout = Layout::pack(chunk_elems, numels)?;
         let chunks = plan_chunks(&layout, param_bytes);

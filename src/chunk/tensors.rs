@@ -63,21 +63,32 @@ pub(crate) fn numel_of(name: &str, shape: &[usize]) -> Result<usize> {
     // every list's bytes (4 per element at most) must be addressable
     match shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) {
         Some(n) if n > 0 && n <= isize::MAX as usize / 4 => Ok(n),
-        _ => Err(Error::InvalidArgument(format!(
-            "tensor '{name}' has shape {shape:?} with no elements or too many"
-        ))),
+        Some(0) => Err(Error::Empty {
+            what: format!("tensor '{name}' of shape {shape:?}"),
+        }),
+        Some(n) => Err(Error::TooLarge {
+            what: format!("elements of tensor '{name}' of shape {shape:?} (4 bytes each)"),
+            requested: n as u128,
+            limit: (isize::MAX as usize / 4) as u64,
+        }),
+        None => Err(Error::Overflow {
+            what: format!("the elements of tensor '{name}' of shape {shape:?}"),
+        }),
     }
 }
 
 pub(crate) fn check_distinct(ids: &[TensorId]) -> Result<()> {
     if ids.is_empty() {
-        return Err(Error::InvalidArgument("an access names no tensor".into()));
+        return Err(Error::Empty {
+            what: "the tensors of an access".into(),
+        });
     }
     for (i, a) in ids.iter().enumerate() {
         if ids[i + 1..].contains(a) {
-            return Err(Error::InvalidArgument(format!(
-                "tensor {a} listed twice in one access"
-            )));
+            return Err(Error::Conflict {
+                what: format!("tensor {a}"),
+                with: "itself: it is listed twice in one access".into(),
+            });
         }
     }
     Ok(())
@@ -100,15 +111,18 @@ pub(crate) fn add_forward_uses<T>(
             .ok_or(Error::UnknownTensor { id: id.0 })?;
         let (name, n) = uses(t);
         if *n == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "forward uses of '{name}' declared before the forward pass fetched it"
-            )));
+            return Err(Error::Conflict {
+                what: format!("declaring forward uses of '{name}'"),
+                with: "a forward pass that has not fetched it (fetch it first)".into(),
+            });
         }
         let added = ids.iter().filter(|&&x| x == id).count() as u64 * u64::from(times);
         if u64::from(*n) + added > u64::from(u32::MAX) {
-            return Err(Error::InvalidArgument(format!(
-                "too many forward uses of '{name}'"
-            )));
+            return Err(Error::TooLarge {
+                what: format!("forward uses of '{name}'"),
+                requested: u128::from(*n) + u128::from(added),
+                limit: u64::from(u32::MAX),
+            });
         }
         want.push(id);
     }
@@ -143,10 +157,13 @@ pub(crate) fn check_unused<T>(
             .ok_or(Error::UnknownTensor { id: id.0 })?;
         let (name, fwd, bwd) = uses(t);
         if fwd > 0 || bwd > 0 {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}' is used by this iteration ({fwd} forward, {bwd} backward uses): a \
-                 fetch ahead is for tensors whose backward comes in a later iteration"
-            )));
+            return Err(Error::Conflict {
+                what: format!("a fetch ahead of '{name}'"),
+                with: format!(
+                    "its uses in this iteration ({fwd} forward, {bwd} backward): a fetch ahead \
+                     is for tensors whose backward comes in a later iteration"
+                ),
+            });
         }
     }
     Ok(())
@@ -185,19 +202,24 @@ pub(crate) fn check_copy<T>(
     for (k, &(a, b)) in pairs.iter().enumerate() {
         let ((na, sa), (nb, sb)) = (get(a)?, get(b)?);
         if a == b || sa != sb {
-            return Err(Error::InvalidArgument(format!(
-                "copy_state from '{na}' {sa:?} to '{nb}' {sb:?}: two tensors of one shape"
-            )));
+            return Err(Error::Conflict {
+                what: format!("copy_state from '{na}' {sa:?}"),
+                with: format!(
+                    "'{nb}' {sb:?}: a pair copies between two distinct tensors of one shape"
+                ),
+            });
         }
         let clash = pairs
             .iter()
             .enumerate()
             .any(|(j, &(x, y))| (j != k && y == b) || x == b);
         if clash {
-            return Err(Error::InvalidArgument(format!(
-                "copy_state writes '{nb}' twice, or reads it too: the pairs' tensors to write \
-                 are written once and read by none"
-            )));
+            return Err(Error::Conflict {
+                what: format!("copy_state writing '{nb}'"),
+                with: "another pair that writes or reads it (the pairs' tensors to write are \
+                       written once and read by none)"
+                    .into(),
+            });
         }
     }
     Ok(())

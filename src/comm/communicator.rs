@@ -79,7 +79,7 @@ impl Communicator {
     }
 
     /// The NCCL rank `env.rank` of `env.world_size` on `device` (a CUDA device), meeting the
-    /// others through [`rendezvous::exchange_id`] within `timeout`. The same timeout bounds
+    /// others through [`exchange_id`](super::exchange_id) within `timeout`. The same timeout bounds
     /// NCCL's initialization and every [`Communicator::wait`].
     pub fn nccl(device: Device, env: &LaunchEnv, timeout: Duration) -> Result<Communicator> {
         let id = if env.rank == 0 {

@@ -16,7 +16,7 @@
 //! - **NCCL** ([`Communicator::nccl`]): one rank per GPU, in one process per GPU or one thread
 //!   per GPU. Calls are enqueued on the caller's stream and return at once, as in NCCL; the
 //!   buffers follow the device layer's stream-ordering rules. Ranks meet through
-//!   [`rendezvous`]: rank 0 creates the NCCL unique id and serves it over TCP on
+//!   [`exchange_id`] ([`LaunchEnv`]): rank 0 creates the NCCL unique id and serves it over TCP on
 //!   `MASTER_ADDR:MASTER_PORT`. NCCL failures become [`Error::Nccl`] with NCCL's code and message.
 //!
 //! Buffers are device views of bytes; the element type is given with each call
@@ -58,7 +58,7 @@ mod elem;
 mod local;
 mod nccl;
 mod reduce;
-pub mod rendezvous;
+pub(crate) mod rendezvous;
 mod stats;
 
 use std::time::Duration;
@@ -68,7 +68,7 @@ use crate::error::{Error, Result};
 
 pub use communicator::Communicator;
 pub use elem::{Elem, HostElem, ReduceOp};
-pub use rendezvous::LaunchEnv;
+pub use rendezvous::{exchange_id, LaunchEnv};
 pub use stats::{CommStats, Tally};
 
 /// The instant `timeout` from now; a timeout too long to add (say `Duration::MAX`) is a

@@ -13,7 +13,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use tidemem::comm::rendezvous::{exchange_id, LaunchEnv};
+//! use tidemem::comm::{exchange_id, LaunchEnv};
 //! # fn main() -> tidemem::Result<()> {
 //! let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
 //! let env = move |rank| LaunchEnv {

@@ -74,7 +74,7 @@ pub enum Op<'a> {
         /// Byte value.
         value: u8,
     },
-    /// A kernel of an op (see [`launch`](super::launch)): operands already validated against the descriptor.
+    /// A kernel of an op (see [`KernelDesc`](super::KernelDesc)): operands already validated against the descriptor.
     Launch {
         /// The op.
         desc: &'static KernelDesc,

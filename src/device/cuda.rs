@@ -1,12 +1,3 @@
-//! The CUDA backend, through cudarc with the driver loaded at run time.
-//!
-//! Creating it never panics on a machine without CUDA: it checks that the driver library loads
-//! (`is_culib_present`) and that a device exists before touching the driver, and returns
-//! [`Error::BackendUnavailable`] otherwise. Device buffers are cudarc slices (whose stream-ordered
-//! free waits for work still using them); pinned host memory is allocated without the
-//! write-combined flag, because the CPU optimizer reads it. A stream ([`CudaRawStream`]) owns
-//! the state the libraries ops call keep on it (a cuBLAS handle), and frees it with the stream.
-
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -76,7 +67,16 @@ impl Drop for CudaMem {
     }
 }
 
-/// A CUDA GPU. See the [module docs](self).
+/// The CUDA backend, through cudarc with the driver loaded at run time.
+///
+/// Creating it never panics on a machine without CUDA: it checks that the driver library loads
+/// (`is_culib_present`) and that a device exists before touching the driver, and returns
+/// [`Error::BackendUnavailable`] otherwise. Device buffers are cudarc slices (whose stream-ordered
+/// free waits for work still using them); pinned host memory is allocated without the
+/// write-combined flag, because the CPU optimizer reads it. A stream (`CudaRawStream`) owns
+/// the state the libraries ops call keep on it (a cuBLAS handle), and frees it with the stream.
+///
+/// A CUDA GPU. See [`CudaBackend`].
 pub struct CudaBackend {
     id: DeviceId,
     ctx: Arc<CudaContext>,

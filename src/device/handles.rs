@@ -243,7 +243,7 @@ impl Stream {
     pub fn index(&self) -> usize {
         self.slot
     }
-    /// The backend's handle (on CUDA a [`CudaRawStream`](super::cuda::CudaRawStream)).
+    /// The backend's handle (on CUDA a `CudaRawStream`).
     pub fn raw(&self) -> &RawStream {
         &self.raw
     }

@@ -1,9 +1,3 @@
-//! Host memory tiers: page-aligned ordinary memory, pinned (page-locked) memory from the CUDA
-//! driver, and a file-backed tier through `memmap2` for data larger than host memory.
-//!
-//! All three are one type, [`HostBuffer`], so a chunk can sit on any tier and be copied to a
-//! device from any of them. Its bytes are always initialised (zero-filled on allocation).
-
 use std::alloc::Layout;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
@@ -50,6 +44,12 @@ enum Owner {
     },
 }
 
+/// Host memory tiers: page-aligned ordinary memory, pinned (page-locked) memory from the CUDA
+/// driver, and a file-backed tier through `memmap2` for data larger than host memory.
+///
+/// All three are one type, [`HostBuffer`], so a chunk can sit on any tier and be copied to a
+/// device from any of them. Its bytes are always initialised (zero-filled on allocation).
+///
 /// A contiguous, initialised block of host memory on one of the [`HostKind`] tiers.
 ///
 /// It dereferences to `[u8]`; [`HostBuffer::typed`] and [`HostBuffer::typed_mut`] give views of

@@ -1,20 +1,3 @@
-//! One launch path for every kernel.
-//!
-//! An op describes itself once, in a [`KernelDesc`]: its operand signature (name, how it is
-//! accessed, which element types it takes), its scalar parameters as one `#[repr(C)]` struct
-//! mirrored in a `.cuh` header under `kernels/`, an optional shape check, the CPU twin the
-//! simulated device runs, and the CUDA side — an NVRTC entry point with its grid, or a library
-//! call on the native stream. [`Device::launch`](super::Device::launch) validates every launch
-//! the same way (one device, operands in bounds and aligned to their element type, a written
-//! operand overlapping no other operand, the parameter block's size, the op's own shape check)
-//! and orders every access like a copy. Each backend has one arm for it.
-//!
-//! On CUDA an NVRTC entry takes the operands' device addresses in signature order (an absent
-//! optional operand is a null pointer), then the parameter struct by value.
-//!
-//! Adding an op is one file in `src/ops/` (the descriptor, a typed safe wrapper, the twin) and
-//! one `.cu` (+ its `.cuh`) in `kernels/`; nothing here changes.
-
 use std::any::Any;
 use std::ffi::c_void;
 use std::fmt;
@@ -206,6 +189,23 @@ impl fmt::Debug for CudaSide {
     }
 }
 
+/// One launch path for every kernel.
+///
+/// An op describes itself once, in a [`KernelDesc`]: its operand signature (name, how it is
+/// accessed, which element types it takes), its scalar parameters as one `#[repr(C)]` struct
+/// mirrored in a `.cuh` header under `kernels/`, an optional shape check, the CPU twin the
+/// simulated device runs, and the CUDA side — an NVRTC entry point with its grid, or a library
+/// call on the native stream. [`Device::launch`](super::Device::launch) validates every launch
+/// the same way (one device, operands in bounds and aligned to their element type, a written
+/// operand overlapping no other operand, the parameter block's size, the op's own shape check)
+/// and orders every access like a copy. Each backend has one arm for it.
+///
+/// On CUDA an NVRTC entry takes the operands' device addresses in signature order (an absent
+/// optional operand is a null pointer), then the parameter struct by value.
+///
+/// Adding an op is one file in `src/ops/` (the descriptor, a typed safe wrapper, the twin) and
+/// one `.cu` (+ its `.cuh`) in `kernels/`; nothing here changes.
+///
 /// An op's descriptor: everything the device layer needs to validate, order and run it.
 #[derive(Debug)]
 pub struct KernelDesc {
@@ -471,7 +471,7 @@ macro_rules! param_layout {
 pub(crate) use param_layout;
 
 impl Device {
-    /// Launches an op's kernel on `stream` (see [the module](self)): `operands` follow the descriptor's
+    /// Launches an op's kernel on `stream` (see [`KernelDesc`]): `operands` follow the descriptor's
     /// signature (`None` for an optional operand left out) and `params` are the bytes of its
     /// parameter struct. Every launch is validated here the same way — one device, each operand
     /// of an accepted element type, aligned to it and whole elements long, no written operand

@@ -27,16 +27,16 @@
 
 mod backend;
 mod copy;
-pub mod cuda;
+pub(crate) mod cuda;
 mod cuda_stream;
 mod handles;
-pub mod host;
-pub mod launch;
+pub(crate) mod host;
+pub(crate) mod launch;
 mod library;
 pub mod order;
 mod phases;
-pub mod pool;
-pub mod sim;
+pub(crate) mod pool;
+pub(crate) mod sim;
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,12 +53,12 @@ pub use cuda::{
 pub use handles::{DeviceBuffer, DeviceView, Event, Input, Operand, Pending, Stream};
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
 pub use launch::{
-    CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo, LibraryCall, Mode, OperandInfo,
-    OperandSpec, ParamLayout, TwinArgs,
+    grid_stride, grid_stride_blocks, CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo,
+    LibraryCall, Mode, OperandInfo, OperandSpec, ParamLayout, TwinArgs,
 };
 pub use phases::{HostPhase, HostSpan, Phase, PhaseTimes};
-pub use pool::{CachingAllocator, PoolBlock, PoolStats, Reclaim};
-pub use sim::{LinkModel, SimBackend, SimConfig};
+pub use pool::{round_size, CachingAllocator, PoolBlock, PoolStats, Reclaim};
+pub use sim::{LinkModel, SimBackend, SimConfig, SIM_ALIGN};
 
 pub use crate::device_id::{BackendKind, DeviceId};
 use crate::error::{Error, Result};

@@ -1,15 +1,3 @@
-//! A caching allocator for non-model data (activations, workspaces).
-//!
-//! Freed blocks go back to a per-size cache instead of the device, so the steady state of a
-//! training loop allocates nothing from the backend. It reports the bytes in use and the bytes
-//! reserved from the device, each with a peak that [`CachingAllocator::reset_peak`] restarts: the
-//! tide tracer reads the peak of every period between two moments.
-//!
-//! Sizes are rounded up to 512 bytes (below 1 MiB) or to 128 KiB (above), and a cached block is
-//! reused for a request when it is at most 25% larger, which bounds the waste per block. When the
-//! device is full the cache is emptied and the allocation retried once before
-//! [`Error::OutOfMemory`] is returned.
-
 use std::collections::BTreeMap;
 use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -104,6 +92,18 @@ impl std::fmt::Debug for Shared {
     }
 }
 
+/// A caching allocator for non-model data (activations, workspaces).
+///
+/// Freed blocks go back to a per-size cache instead of the device, so the steady state of a
+/// training loop allocates nothing from the backend. It reports the bytes in use and the bytes
+/// reserved from the device, each with a peak that [`CachingAllocator::reset_peak`] restarts: the
+/// tide tracer reads the peak of every period between two moments.
+///
+/// Sizes are rounded up to 512 bytes (below 1 MiB) or to 128 KiB (above), and a cached block is
+/// reused for a request when it is at most 25% larger, which bounds the waste per block. When the
+/// device is full the cache is emptied and the allocation retried once before
+/// [`Error::OutOfMemory`] is returned.
+///
 /// The caching allocator. Cheap to clone; clones share one cache.
 ///
 /// ```

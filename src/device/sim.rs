@@ -1,12 +1,3 @@
-//! The simulated accelerator: a device with a hard capacity whose memory is taken from the host,
-//! and whose streams are copy-engine threads that execute operations asynchronously, in order.
-//!
-//! Events complete when the work before them does, exactly as on a GPU; an optional
-//! [`LinkModel`] stretches each transfer to the time a PCIe link would take, so a timeline of
-//! prefetches and evictions looks like one on real hardware. Together with the stream-ordering
-//! checks of [`Device`](super::Device), every bug that would corrupt data on a GPU (reading a
-//! buffer before the copy into it finished, racing two streams on one buffer) is an error here.
-
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -492,7 +483,16 @@ fn run_twin(desc: &'static KernelDesc, operands: &[SimOperand], params: &[u8]) -
     (desc.twin)(&mut args)
 }
 
-/// The simulated accelerator. See the [module docs](self).
+/// The simulated accelerator: a device with a hard capacity whose memory is taken from the host,
+/// and whose streams are copy-engine threads that execute operations asynchronously, in order.
+///
+/// Events complete when the work before them does, exactly as on a GPU; an optional
+/// [`LinkModel`] stretches each transfer to the time a PCIe link would take, so a timeline of
+/// prefetches and evictions looks like one on real hardware. Together with the stream-ordering
+/// checks of [`Device`](super::Device), every bug that would corrupt data on a GPU (reading a
+/// buffer before the copy into it finished, racing two streams on one buffer) is an error here.
+///
+/// The simulated accelerator. See [`SimBackend`].
 #[derive(Debug)]
 pub struct SimBackend {
     shared: Arc<Shared>,

@@ -83,34 +83,41 @@ impl EmbeddingOptimizer {
 /// `indices.len()`, one weight per index, weights only with sum mode.
 fn check_batch(indices: &[u32], offsets: &[u32], weights: Option<&[f32]>) -> Result<usize> {
     if offsets.is_empty() {
-        return Err(Error::InvalidArgument(
-            "offsets need bags + 1 entries (the total length last), got none".into(),
-        ));
+        return Err(Error::BadOffsets {
+            table: None,
+            at: 0,
+            why: "there are none; they need bags + 1 entries, the number of indices last",
+        });
     }
     if offsets[0] != 0 || *offsets.last().expect("non-empty") as usize != indices.len() {
-        return Err(Error::InvalidArgument(format!(
-            "offsets must run from 0 to the number of indices ({}), got {} .. {}",
-            indices.len(),
-            offsets[0],
-            offsets.last().expect("non-empty")
-        )));
+        return Err(if offsets[0] != 0 {
+            Error::BadOffsets {
+                table: None,
+                at: 0,
+                why: "the first must be 0",
+            }
+        } else {
+            Error::BadOffsets {
+                table: None,
+                at: offsets.len() - 1,
+                why: "the last must be the number of indices",
+            }
+        });
     }
     if let Some(i) = offsets.windows(2).position(|w| w[1] < w[0]) {
-        return Err(Error::InvalidArgument(format!(
-            "offsets must not decrease: offsets[{}] = {} > offsets[{}] = {}",
-            i,
-            offsets[i],
-            i + 1,
-            offsets[i + 1]
-        )));
+        return Err(Error::BadOffsets {
+            table: None,
+            at: i + 1,
+            why: "they must not decrease",
+        });
     }
     if let Some(w) = weights {
         if w.len() != indices.len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} per-sample weights for {} indices",
-                w.len(),
-                indices.len()
-            )));
+            return Err(Error::Length {
+                what: "per-sample weights for the indices".into(),
+                got: w.len(),
+                expected: indices.len(),
+            });
         }
     }
     Ok(offsets.len() - 1)
@@ -140,10 +147,24 @@ impl EmbeddingBag {
         optimizer: EmbeddingOptimizer,
     ) -> Result<Self> {
         if dim == 0 || weights.is_empty() || !weights.len().is_multiple_of(dim) {
-            return Err(Error::InvalidArgument(format!(
-                "{} weights are not a table of rows of {dim} floats",
-                weights.len()
-            )));
+            return Err(if dim == 0 {
+                Error::TooFew {
+                    what: "dim of an embedding bag".into(),
+                    got: dim,
+                    need: 1,
+                }
+            } else if weights.is_empty() {
+                Error::Empty {
+                    what: "the weights of an embedding bag".into(),
+                }
+            } else {
+                Error::NotMultiple {
+                    what: "weights",
+                    value: weights.len(),
+                    of: "the embedding dim",
+                    divisor: dim,
+                }
+            });
         }
         let rows = weights.len() / dim;
         let stride = dim + optimizer.state_len(dim);
@@ -210,11 +231,11 @@ impl EmbeddingBag {
             needs: "a forward",
         })?;
         if grad_out.len() != bags * self.dim {
-            return Err(Error::InvalidArgument(format!(
-                "{} output gradients for {bags} bags of {}",
-                grad_out.len(),
-                self.dim
-            )));
+            return Err(Error::Length {
+                what: format!("output gradients for {bags} bags of {}", self.dim),
+                got: grad_out.len(),
+                expected: bags * self.dim,
+            });
         }
         self.grads = vec![0f32; plan.rows.len() * self.dim];
         bag_backward(
@@ -313,7 +334,9 @@ impl Scratch {
     fn view(&self, bytes: usize) -> Result<crate::device::DeviceView<'_>> {
         self.buf
             .as_ref()
-            .ok_or_else(|| Error::InvalidArgument("scratch buffer not reserved".into()))?
+            .ok_or_else(|| Error::Internal {
+                what: "a scratch buffer used before it was reserved".into(),
+            })?
             .view(0, bytes)
     }
 }
@@ -471,12 +494,12 @@ impl CachedEmbeddingBag {
         let steps = meta
             .get(STEPS_KEY)
             .and_then(|v| v.parse::<u64>().ok())
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "checkpoint {}: no '{STEPS_KEY}' (saved by EmbeddingCache::save rather than \
-                     the bag? load it through cache_mut())",
-                    path.display()
-                ))
+            .ok_or_else(|| Error::Checkpoint {
+                path: path.to_path_buf(),
+                what: format!(
+                    "no '{STEPS_KEY}' (saved by EmbeddingCache::save rather than the bag? \
+                         load it through cache_mut())"
+                ),
             })?;
         Ok(BagCheckpoint {
             weights,
@@ -501,11 +524,12 @@ impl CachedEmbeddingBag {
         self.cache.settle()
     }
 
-    fn between_steps(&self, what: &str) -> Result<()> {
+    fn between_steps(&self, what: &'static str) -> Result<()> {
         match self.saved {
-            Some(_) => Err(Error::InvalidArgument(format!(
-                "{what} runs between steps, not between a forward and its step"
-            ))),
+            Some(_) => Err(Error::OutOfOrder {
+                call: what,
+                needs: "the step of the last forward (it runs between steps)",
+            }),
             None => Ok(()),
         }
     }
@@ -624,10 +648,11 @@ impl CachedEmbeddingBag {
         let dim = self.cache.dim();
         let bags = self.pending_bags()?;
         if grad_out.len() != bags * dim {
-            return Err(Error::InvalidArgument(format!(
-                "{} output gradients for {bags} bags of {dim}",
-                grad_out.len(),
-            )));
+            return Err(Error::Length {
+                what: format!("output gradients for {bags} bags of {dim}"),
+                got: grad_out.len(),
+                expected: bags * dim,
+            });
         }
         let dev = self.cache.device().clone();
         self.grad_out
@@ -643,10 +668,11 @@ impl CachedEmbeddingBag {
         let dim = self.cache.dim();
         let bags = self.pending_bags()?;
         if grad_out.len() != bags * dim * 4 {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes of output gradient for {bags} bags of {dim} f32",
-                grad_out.len(),
-            )));
+            return Err(Error::Length {
+                what: format!("bytes of output gradient for {bags} bags of {dim} f32"),
+                got: grad_out.len(),
+                expected: bags * dim * 4,
+            });
         }
         self.backward_from_scratch(Some(grad_out))
     }
@@ -716,9 +742,11 @@ impl CachedEmbeddingBag {
             }
         }
         if ids.len() != saved.plan.rows.len() {
-            return Err(Error::InvalidArgument(
-                "the indices are not those of the last forward".into(),
-            ));
+            return Err(Error::Length {
+                what: "distinct ids of the indices, against those of the last forward".into(),
+                got: ids.len(),
+                expected: saved.plan.rows.len(),
+            });
         }
         let bytes = self.cache.device().download(
             self.cache.stream(),

@@ -167,10 +167,9 @@ impl Staging {
 
 /// A staging buffer a failed copy kept (it is leaked rather than freed under the copy).
 fn take(buf: &mut Option<HostBuffer>) -> Result<HostBuffer> {
-    buf.take().ok_or_else(|| {
-        Error::InvalidArgument(
-            "a staging buffer was lost to an earlier device failure: the cache is unusable".into(),
-        )
+    buf.take().ok_or_else(|| Error::Poisoned {
+        what: "embedding cache",
+        reason: "a staging buffer was lost to an earlier device failure".into(),
     })
 }
 
@@ -208,11 +207,16 @@ impl std::fmt::Debug for EmbeddingCache {
 pub fn bincount<'a>(rows: usize, batches: impl IntoIterator<Item = &'a [u32]>) -> Result<Vec<u64>> {
     crate::limits::host_bytes(|| format!("bytes of the counts of {rows} rows"), &[rows, 8])?;
     let mut counts = vec![0u64; rows];
+    let mut position = 0;
     for ids in batches {
         for &id in ids {
-            *counts.get_mut(id as usize).ok_or_else(|| {
-                Error::InvalidArgument(format!("id {id} is out of range for {rows} rows"))
+            *counts.get_mut(id as usize).ok_or(Error::IdOutOfRange {
+                table: None,
+                id: u64::from(id),
+                position,
+                rows,
             })? += 1;
+            position += 1;
         }
     }
     Ok(counts)
@@ -238,23 +242,27 @@ impl EmbeddingCache {
             staging_rows,
         } = config;
         if dim == 0 || staging_rows == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "an embedding cache needs dim ≥ 1 and staging rows ≥ 1, got dim {dim} and \
-                 {staging_rows} staging rows"
-            )));
+            let (what, got) = if dim == 0 {
+                ("dim of an embedding cache", dim)
+            } else {
+                ("staging rows of an embedding cache", staging_rows)
+            };
+            return Err(Error::TooFew {
+                what: what.into(),
+                got,
+                need: 1,
+            });
         }
         let index = CacheIndex::new(rows, capacity, policy)?;
         let row_bytes = dim
             .checked_add(state)
             .and_then(|s| s.checked_mul(4))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("rows of {dim} + {state} floats overflow"))
+            .ok_or_else(|| Error::Overflow {
+                what: format!("bytes of a row of {dim} + {state} floats"),
             })?;
         let stride = dim + state;
-        let table_bytes = rows.checked_mul(row_bytes).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "a table of {rows} rows of {row_bytes} bytes overflows"
-            ))
+        let table_bytes = rows.checked_mul(row_bytes).ok_or_else(|| Error::Overflow {
+            what: format!("a table of {rows} rows of {row_bytes} bytes"),
         })?;
         // the file tier may hold more than the machine's memory; the others may not
         let in_memory = || {
@@ -306,13 +314,19 @@ impl EmbeddingCache {
 
     /// A cache over `weights` (`rows × dim`, row-major by id).
     pub fn from_weights(device: Device, config: CacheConfig, weights: &[f32]) -> Result<Self> {
-        if Some(weights.len()) != config.rows.checked_mul(config.dim) {
-            return Err(Error::InvalidArgument(format!(
-                "{} weights for a table of {} × {}",
-                weights.len(),
-                config.rows,
-                config.dim
-            )));
+        let expected = config.rows.checked_mul(config.dim);
+        if Some(weights.len()) != expected {
+            let table = format!("a table of {} × {}", config.rows, config.dim);
+            return Err(match expected {
+                None => Error::Overflow {
+                    what: format!("the weights of {table}"),
+                },
+                Some(expected) => Error::Length {
+                    what: format!("weights for {table}"),
+                    got: weights.len(),
+                    expected,
+                },
+            });
         }
         let dim = config.dim;
         Self::new(device, config, |id, row| {
@@ -398,9 +412,10 @@ impl EmbeddingCache {
     /// Fails once a transfer has failed after the index changed.
     fn usable(&self) -> Result<()> {
         match &self.broken {
-            Some(why) => Err(Error::InvalidArgument(format!(
-                "the embedding cache is unusable: {why}"
-            ))),
+            Some(why) => Err(Error::Poisoned {
+                what: "embedding cache",
+                reason: why.clone(),
+            }),
             None => Ok(()),
         }
     }
@@ -439,12 +454,13 @@ impl EmbeddingCache {
         Ok(())
     }
 
-    fn check_settled(&self, what: &str) -> Result<()> {
+    fn check_settled(&self, what: &'static str) -> Result<()> {
         self.usable()?;
         if self.in_flight() {
-            return Err(Error::InvalidArgument(format!(
-                "{what} needs the transfers of the last prefetch settled: call settle() first"
-            )));
+            return Err(Error::OutOfOrder {
+                call: what,
+                needs: "the transfers of the last prefetch settled (settle())",
+            });
         }
         Ok(())
     }
@@ -453,11 +469,11 @@ impl EmbeddingCache {
     /// host row 0, moving the table's rows to match. Writes back and empties the cache first.
     pub fn reorder(&mut self, counts: &[u64]) -> Result<()> {
         if counts.len() != self.rows {
-            return Err(Error::InvalidArgument(format!(
-                "frequency reorder needs a count per row: {} counts for {} rows",
-                counts.len(),
-                self.rows
-            )));
+            return Err(Error::Length {
+                what: "frequency counts for a reorder (one per row)".into(),
+                got: counts.len(),
+                expected: self.rows,
+            });
         }
         self.flush()?;
         self.index.clear()?;
@@ -499,9 +515,11 @@ impl EmbeddingCache {
     /// [`EmbeddingCache::reorder`], the most frequent ids).
     pub fn warm_up(&mut self, ratio: f64) -> Result<usize> {
         if !(0.0..=1.0).contains(&ratio) {
-            return Err(Error::InvalidArgument(format!(
-                "the warm-up ratio is in [0, 1], got {ratio}"
-            )));
+            return Err(Error::BadValue {
+                what: "the warm-up ratio".into(),
+                value: ratio,
+                want: "in [0, 1]",
+            });
         }
         self.settle()?;
         let n = (ratio * self.capacity() as f64).ceil() as usize;

@@ -96,15 +96,28 @@ impl CacheIndex {
     /// when they would not fit in the machine's memory.
     pub fn new(rows: usize, capacity: usize, policy: CachePolicy) -> Result<Self> {
         if rows == 0 || capacity == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "an embedding cache needs rows and slots, got {rows} rows and {capacity} slots"
-            )));
+            let (what, got) = if rows == 0 {
+                ("rows of an embedding cache", rows)
+            } else {
+                ("slots of an embedding cache", capacity)
+            };
+            return Err(Error::TooFew {
+                what: what.into(),
+                got,
+                need: 1,
+            });
         }
         if rows >= NONE as usize || capacity >= NONE as usize {
-            return Err(Error::InvalidArgument(format!(
-                "an embedding cache indexes fewer than {NONE} rows and slots, got {rows} rows and \
-                 {capacity} slots"
-            )));
+            let (what, requested) = if rows >= NONE as usize {
+                ("rows of an embedding cache (u32 indices)", rows)
+            } else {
+                ("slots of an embedding cache (u32 indices)", capacity)
+            };
+            return Err(Error::TooLarge {
+                what: what.into(),
+                requested: requested as u128,
+                limit: u64::from(NONE) - 1,
+            });
         }
         let capacity = capacity.min(rows);
         // two u32 maps a row; per slot its row, key, use bit, count, dirty flag and free entry
@@ -205,17 +218,17 @@ impl CacheIndex {
     /// Only an empty cache can be reordered.
     pub fn reorder(&mut self, counts: &[u64]) -> Result<&[u32]> {
         if counts.len() != self.rows() {
-            return Err(Error::InvalidArgument(format!(
-                "frequency reorder needs a count per row: {} counts for {} rows",
-                counts.len(),
-                self.rows()
-            )));
+            return Err(Error::Length {
+                what: "frequency counts for a reorder (one per row)".into(),
+                got: counts.len(),
+                expected: self.rows(),
+            });
         }
         if self.cached() != 0 {
-            return Err(Error::InvalidArgument(format!(
-                "reorder needs an empty cache ({} rows cached): flush and clear first",
-                self.cached()
-            )));
+            return Err(Error::OutOfOrder {
+                call: "reorder",
+                needs: "an empty cache (flush and clear it)",
+            });
         }
         self.prefetched.clear();
         let mut order: Vec<u32> = (0..self.rows() as u32).collect();
@@ -333,16 +346,16 @@ impl CacheIndex {
     /// `keep` that holds no row, or a union (with `keep`) larger than the cache.
     pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
         if matches!(self.policy, CachePolicy::Optimal(_)) {
-            return Err(Error::InvalidArgument(
-                "prefetch is not available with the offline optimal policy, whose keys follow \
-                 its trace batch by batch"
+            return Err(Error::Conflict {
+                what: "prefetch".into(),
+                with: "the offline optimal policy, whose keys follow its trace batch by batch"
                     .into(),
-            ));
+            });
         }
         if let Some(&s) = keep.iter().find(|&&s| self.row_in_slot(s).is_none()) {
-            return Err(Error::InvalidArgument(format!(
-                "slot {s} holds no row and cannot be kept"
-            )));
+            return Err(Error::Empty {
+                what: format!("slot {s}, to keep,"),
+            });
         }
         let total = batches.iter().map(|b| b.len()).sum();
         let (mut rows, mut slots) = (Vec::with_capacity(total), Vec::with_capacity(total));
@@ -567,9 +580,9 @@ impl CacheIndex {
     pub fn mark_dirty(&mut self, slots: &[u32]) -> Result<()> {
         for &s in slots {
             if self.row_in_slot(s).is_none() {
-                return Err(Error::InvalidArgument(format!(
-                    "slot {s} is not occupied and cannot be marked dirty"
-                )));
+                return Err(Error::Empty {
+                    what: format!("slot {s}, to mark dirty,"),
+                });
             }
         }
         for &s in slots {
@@ -600,9 +613,10 @@ impl CacheIndex {
     /// Empties the cache. Dirty rows must have been written back ([`CacheIndex::take_dirty`]).
     pub fn clear(&mut self) -> Result<()> {
         if let Some(s) = self.dirty.iter().position(|&d| d) {
-            return Err(Error::InvalidArgument(format!(
-                "slot {s} is dirty: write the cache back before clearing it"
-            )));
+            return Err(Error::Conflict {
+                what: "clearing the cache".into(),
+                with: format!("dirty slot {s} (write the cache back first)"),
+            });
         }
         for s in 0..self.capacity() {
             let r = self.slot_to_row[s];

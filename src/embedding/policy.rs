@@ -62,11 +62,11 @@ impl OptimalTrace {
             uniq.push(rows);
         }
         if uniq.len() >= u32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "an optimal trace holds at most {} batches, got {}",
-                u32::MAX - 1,
-                uniq.len()
-            )));
+            return Err(Error::TooLarge {
+                what: "batches of an optimal trace".into(),
+                requested: uniq.len() as u128,
+                limit: u64::from(u32::MAX - 1),
+            });
         }
         let mut next: HashMap<u32, u32> = HashMap::new();
         let mut out = vec![(Vec::new(), Vec::new()); uniq.len()];
@@ -100,26 +100,27 @@ impl OptimalTrace {
 
     /// The next use after the current batch of `row`, which the current batch must use.
     pub(crate) fn next_use(&self, row: u32) -> Result<u32> {
-        let (rows, nexts) = self.batches.get(self.cursor).ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "the optimal policy's trace has {} batches and all were prepared",
-                self.batches.len()
-            ))
-        })?;
+        let (rows, nexts) =
+            self.batches
+                .get(self.cursor)
+                .ok_or_else(|| Error::IndexOutOfRange {
+                    what: "the optimal policy's trace batch".into(),
+                    index: self.cursor,
+                    len: self.batches.len(),
+                })?;
         match rows.binary_search(&row) {
             Ok(i) => Ok(nexts[i]),
-            Err(_) => Err(Error::InvalidArgument(format!(
-                "batch {} uses host row {row}, which the optimal policy's trace does not have \
-                 in that batch",
-                self.cursor
-            ))),
+            Err(_) => Err(Error::Conflict {
+                what: format!("host row {row} in batch {}", self.cursor),
+                with: "the optimal policy's trace, which does not have it in that batch".into(),
+            }),
         }
     }
 
     /// Checks that the current batch exists before anything changes.
     pub(crate) fn check_current(&self) -> Result<()> {
         self.next_use(u32::MAX).map(|_| ()).or_else(|e| match e {
-            Error::InvalidArgument(m) if m.contains("does not have") => Ok(()),
+            Error::Conflict { .. } => Ok(()),
             e => Err(e),
         })
     }

@@ -132,23 +132,33 @@ impl ShardedEmbedding {
         let world = comm.world();
         let rank = comm.rank();
         if rows.is_empty() || rows.contains(&0) {
-            return Err(Error::InvalidArgument(format!(
-                "sharded tables need at least one table of at least one row, got {rows:?}"
-            )));
+            return Err(match rows.iter().position(|&r| r == 0) {
+                None => Error::Empty {
+                    what: "the tables of a sharded embedding".into(),
+                },
+                Some(t) => Error::TooFew {
+                    what: format!("rows of table {t} of a sharded embedding"),
+                    got: 0,
+                    need: 1,
+                },
+            });
         }
         if sharding == Sharding::ColumnWise
             && matches!(optimizer, EmbeddingOptimizer::RowwiseAdagrad { .. })
         {
-            return Err(Error::InvalidArgument(
-                "row-wise Adagrad keeps one accumulator over a row's full width, which a \
-                 column-wise shard does not see: shard table-wise, or use SGD or Adam"
+            return Err(Error::Conflict {
+                what: "row-wise Adagrad".into(),
+                with: "column-wise sharding (its one accumulator spans a row's full width, which \
+                       a column-wise shard does not see: shard table-wise, or use SGD or Adam)"
                     .into(),
-            ));
+            });
         }
         if sharding == Sharding::ColumnWise && dim < world {
-            return Err(Error::InvalidArgument(format!(
-                "column-wise sharding of {dim} columns over {world} ranks leaves a rank none"
-            )));
+            return Err(Error::TooFew {
+                what: format!("columns for column-wise sharding over {world} ranks (one a rank)"),
+                got: dim,
+                need: world,
+            });
         }
         let owner = table_owners(rows, world);
         let cols: Vec<(usize, usize)> = (0..world).map(|r| batch_slice(dim, world, r)).collect();
@@ -286,11 +296,13 @@ impl ShardedEmbedding {
             .iter()
             .find(|(k, v)| meta.get(*k) != Some(*v))
         {
-            Some((k, v)) => Err(Error::InvalidArgument(format!(
-                "checkpoint {} has {k} = {:?}, this rank has {v:?}",
-                path.display(),
-                meta.get(k).map_or("nothing", String::as_str)
-            ))),
+            Some((k, v)) => Err(Error::Checkpoint {
+                path: path.to_path_buf(),
+                what: format!(
+                    "it has {k} = {:?}, this rank has {v:?}",
+                    meta.get(k).map_or("nothing", String::as_str)
+                ),
+            }),
             None => Ok(()),
         };
         let mine = match self.local.as_mut() {
@@ -316,10 +328,14 @@ impl ShardedEmbedding {
         self.comm.all_reduce_host(&mut lo, ReduceOp::Min)?;
         self.comm.all_reduce_host(&mut hi, ReduceOp::Max)?;
         if lo[0].is_finite() && lo != hi {
-            return Err(Error::InvalidArgument(format!(
-                "the ranks' checkpoints were saved at different steps ({} to {}): no rank loads",
-                lo[0], hi[0]
-            )));
+            return Err(Error::Checkpoint {
+                path: path.to_path_buf(),
+                what: format!(
+                    "the ranks' checkpoints were saved at different steps ({} to {}): no rank \
+                     loads",
+                    lo[0], hi[0]
+                ),
+            });
         }
         let done = match (self.local.as_mut(), mine) {
             (Some(l), Some(c)) => l.bag_mut().apply_checkpoint(c),
@@ -364,21 +380,24 @@ impl ShardedEmbedding {
         let world = self.comm.world();
         let me = self.comm.rank();
         if self.last == device::Last::Device {
-            return Err(Error::InvalidArgument(
-                "backward follows forward (forward_device's layout differs: use backward_device)"
-                    .into(),
-            ));
+            return Err(Error::OutOfOrder {
+                call: "backward",
+                needs: "a host forward (forward_device's layout differs: use backward_device)",
+            });
         }
         let (s0, s1) = batch_slice(self.bags, world, me);
         let want = self.owner.len() * (s1 - s0) * self.dim;
         if grad.len() != want {
-            return Err(Error::InvalidArgument(format!(
-                "{} gradients for {} tables × {} samples × {}",
-                grad.len(),
-                self.owner.len(),
-                s1 - s0,
-                self.dim
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "gradients for {} tables × {} samples × {}",
+                    self.owner.len(),
+                    s1 - s0,
+                    self.dim
+                ),
+                got: grad.len(),
+                expected: want,
+            });
         }
         // Split this rank's gradient by the rank that computed each part.
         let sends: Vec<Vec<f32>> = (0..world).map(|p| self.split(grad, p)).collect();

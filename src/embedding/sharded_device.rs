@@ -152,9 +152,10 @@ impl ShardedEmbedding {
     pub fn output(&self) -> Result<DeviceView<'_>> {
         match (&self.device.out, self.last) {
             (Some(b), Last::Device) => b.view(0, self.device.out_len),
-            _ => Err(Error::InvalidArgument(
-                "no device output: run forward_device first".into(),
-            )),
+            _ => Err(Error::OutOfOrder {
+                call: "output",
+                needs: "forward_device",
+            }),
         }
     }
 
@@ -171,24 +172,28 @@ impl ShardedEmbedding {
     /// back on the device to the ranks holding the rows, whose collections compute their
     /// sparse gradients from the same values as after [`ShardedEmbedding::backward`]. Returns
     /// the distinct rows of this rank's collection (0 without one). A gradient of the wrong
-    /// size, or no device forward before, is an [`Error::InvalidArgument`] (before anything is
-    /// sent). Every rank must call it.
+    /// size ([`Error::Length`]), or no device forward before ([`Error::OutOfOrder`]), fails before
+    /// anything is sent. Every rank must call it.
     pub fn backward_device(&mut self, grad: DeviceView<'_>) -> Result<usize> {
         if self.last != Last::Device {
-            return Err(Error::InvalidArgument(
-                "backward_device follows forward_device (the host forward's layout differs)".into(),
-            ));
+            return Err(Error::OutOfOrder {
+                call: "backward_device",
+                needs: "forward_device (the host forward's layout differs)",
+            });
         }
         let (a, b) = batch_slice(self.bags, self.comm.world(), self.comm.rank());
         let want = self.owner.len() * (b - a) * self.dim * 4;
         if grad.len() != want {
-            return Err(Error::InvalidArgument(format!(
-                "{} bytes of gradient for {} tables × {} samples × {} f32",
-                grad.len(),
-                self.owner.len(),
-                b - a,
-                self.dim
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "bytes of gradient for {} tables × {} samples × {} f32",
+                    self.owner.len(),
+                    b - a,
+                    self.dim
+                ),
+                got: grad.len(),
+                expected: want,
+            });
         }
         self.exchange_backward(grad)?;
         let dev = self.comm.device().clone();
@@ -212,17 +217,21 @@ impl ShardedEmbedding {
     pub(super) fn check_global_batch(&self, batch: &[TableBatch<'_>]) -> Result<usize> {
         let tables = self.owner.len();
         if batch.len() != tables {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} tables for {tables} tables",
-                batch.len()
-            )));
+            return Err(Error::Length {
+                what: "tables of a batch for the sharded tables".into(),
+                got: batch.len(),
+                expected: tables,
+            });
         }
         let bags = batch[0].offsets.len().saturating_sub(1);
         if let Some(t) = batch.iter().position(|b| b.offsets.len() != bags + 1) {
-            return Err(Error::InvalidArgument(format!(
-                "table {t} has {} bags, table 0 has {bags}: every table needs one bag per sample",
-                batch[t].offsets.len().saturating_sub(1)
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "bags of table {t}, as many as table 0 has (one bag per sample in every table)"
+                ),
+                got: batch[t].offsets.len().saturating_sub(1),
+                expected: bags,
+            });
         }
         Ok(bags)
     }

@@ -48,9 +48,16 @@ impl CachedEmbeddingCollection {
         mut init: impl FnMut(usize, u32, &mut [f32]),
     ) -> Result<Self> {
         if rows.is_empty() || rows.contains(&0) {
-            return Err(Error::InvalidArgument(format!(
-                "a collection needs tables of at least one row, got {rows:?}"
-            )));
+            return Err(match rows.iter().position(|&r| r == 0) {
+                None => Error::Empty {
+                    what: "the tables of a collection".into(),
+                },
+                Some(t) => Error::TooFew {
+                    what: format!("rows of table {t} of a collection"),
+                    got: 0,
+                    need: 1,
+                },
+            });
         }
         let mut offsets = vec![0u64];
         for &r in rows {
@@ -117,18 +124,34 @@ impl CachedEmbeddingCollection {
             || b.offsets.last().map(|&o| o as usize) != Some(b.indices.len())
             || b.offsets.windows(2).any(|w| w[1] < w[0])
         {
-            return Err(Error::InvalidArgument(format!(
-                "table {t}: offsets must rise from 0 to the number of indices ({})",
-                b.indices.len()
-            )));
+            let (at, why) = if b.offsets.is_empty() {
+                (
+                    0,
+                    "there are none; they need bags + 1 entries, the number of indices last",
+                )
+            } else if b.offsets[0] != 0 {
+                (0, "the first must be 0")
+            } else if let Some(i) = b.offsets.windows(2).position(|w| w[1] < w[0]) {
+                (i + 1, "they must not decrease")
+            } else {
+                (
+                    b.offsets.len() - 1,
+                    "the last must be the number of indices",
+                )
+            };
+            return Err(Error::BadOffsets {
+                table: Some(t),
+                at,
+                why,
+            });
         }
         if let Some(w) = b.weights {
             if w.len() != b.indices.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "table {t}: {} weights for {} indices",
-                    w.len(),
-                    b.indices.len()
-                )));
+                return Err(Error::Length {
+                    what: format!("table {t}: per-sample weights for the indices"),
+                    got: w.len(),
+                    expected: b.indices.len(),
+                });
             }
         }
         Ok(())
@@ -137,11 +160,11 @@ impl CachedEmbeddingCollection {
     /// Checks a batch of every table.
     pub(crate) fn check_batch(&self, batch: &[TableBatch<'_>]) -> Result<()> {
         if batch.len() != self.tables() {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} tables for a collection of {}",
-                batch.len(),
-                self.tables()
-            )));
+            return Err(Error::Length {
+                what: "tables of a batch for the collection".into(),
+                got: batch.len(),
+                expected: self.tables(),
+            });
         }
         batch
             .iter()
@@ -207,7 +230,7 @@ impl CachedEmbeddingCollection {
     /// Each row belongs to one table and meets its bags in sample order in both layouts, so
     /// the backward sums a row's contributions in the same order as after [`Self::forward`]:
     /// the same gradient, bit for bit. Bad input (as for [`Self::forward`], or tables of
-    /// different numbers of bags) fails with [`Error::InvalidArgument`] and changes nothing.
+    /// different numbers of bags, [`Error::Length`]) fails and changes nothing.
     pub fn forward_device_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<usize> {
         let (samples, (ids, offs, weights)) = self.interleaved(batch)?;
         self.bag.forward_device(&ids, &offs, weights.as_deref())?;
@@ -240,11 +263,14 @@ impl CachedEmbeddingCollection {
         self.check_batch(batch)?;
         let samples = batch[0].offsets.len() - 1;
         if let Some(t) = batch.iter().position(|b| b.offsets.len() - 1 != samples) {
-            return Err(Error::InvalidArgument(format!(
-                "table {t} has {} bags, table 0 has {samples}: a sample-major forward needs \
-                 one bag per sample in every table",
-                batch[t].offsets.len() - 1
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "bags of table {t}, as many as table 0 has (a sample-major forward needs one \
+                     bag per sample in every table)"
+                ),
+                got: batch[t].offsets.len() - 1,
+                expected: samples,
+            });
         }
         let tables = self.tables();
         let bags = (0..samples).flat_map(|s| (0..tables).map(move |t| (t, s)));

@@ -1,22 +1,3 @@
-//! `acc += x` elementwise into an fp32 accumulator, `x` of f32, f16 or bf16 (widened exactly):
-//! what a parameter used several times (tied weights) sums its gradient shares with, and what
-//! gradient accumulation over micro-batches needs. One rounded f32 add per element, so CUDA
-//! (`kernels/accumulate.cu`) and the CPU twin agree bit for bit.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let acc = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
-//! let x = dev.upload(&s, bytemuck::cast_slice(&[half::f16::from_f32(0.5); 2]))?;
-//! tidemem::ops::accumulate(&dev, &s, &x, DType::F16, &acc)?;
-//! let sum: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &acc)?);
-//! assert_eq!(sum, [1.5, 2.5]);
-//! # Ok(()) }
-//! ```
-
 use half::{bf16, f16};
 
 use crate::device::launch::{grid_stride, param_layout, Grid};
@@ -89,6 +70,25 @@ fn twin(a: &mut TwinArgs<'_>) -> Result<()> {
     }
 }
 
+/// `acc += x` elementwise into an fp32 accumulator, `x` of f32, f16 or bf16 (widened exactly):
+/// what a parameter used several times (tied weights) sums its gradient shares with, and what
+/// gradient accumulation over micro-batches needs. One rounded f32 add per element, so CUDA
+/// (`kernels/accumulate.cu`) and the CPU twin agree bit for bit.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let acc = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
+/// let x = dev.upload(&s, bytemuck::cast_slice(&[half::f16::from_f32(0.5); 2]))?;
+/// tidemem::ops::accumulate(&dev, &s, &x, DType::F16, &acc)?;
+/// let sum: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &acc)?);
+/// assert_eq!(sum, [1.5, 2.5]);
+/// # Ok(()) }
+/// ```
+///
 /// `acc += x` elementwise on `stream`: `x` holds elements of `dtype` (a model float), `acc` as
 /// many f32; the two do not overlap.
 pub fn accumulate<'a, 'b>(

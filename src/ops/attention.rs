@@ -1,6 +1,6 @@
 //! Causal multi-head self-attention on the device, composed of the ops below it: the layouts
 //! of [`heads`](crate::ops::heads), two strided batched [`gemm`](fn@crate::ops::gemm)s around the
-//! causal [`softmax`](crate::ops::softmax), as llm.c runs it without cuDNN:
+//! causal [`softmax_forward`], as llm.c runs it without cuDNN:
 //!
 //! ```text
 //! forward:  qkv [B,T,3C] ─qkv_split→ q,k,v [B,H,T,D]

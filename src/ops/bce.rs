@@ -1,38 +1,3 @@
-//! Sigmoid and binary cross-entropy on logits, fused forward and backward
-//! ([`bce_with_logits`]): per element, from a logit `x` (f32, f16 or bf16) and a label `y` (f32,
-//! 0/1 or soft), the loss (f32)
-//! `max(x, 0) − x·y + ln(1 + e^{−|x|})` — the numerically stable form, finite for every finite
-//! `x` — and optionally the gradient `dlogits = (σ(x) − y)·scale` (the logits' type; `scale` is
-//! the loss's weight, `1/N` for a mean over N) and the probability `σ(x)` (f32, for AUC and
-//! accuracy). The gradient goes to an output of its own, never over the logits: the logits stay
-//! readable (metrics, a second loss), and at one logit a sample the saving would be small.
-//!
-//! With `u = e^{−|x|}` and `v = 1 + u` (rounded), `ln(1 + u)` is computed as
-//! `ln(v) + (u − (v − 1))·(1/v)`, which puts back what rounding `1 + u` lost and so keeps its
-//! relative accuracy for small `u`; `σ(x)` is `1/v` for `x ≥ 0` and `u·(1/v)` below (one
-//! division for both). Only [`math::exp`] and [`math::ln`], the division and
-//! single rounded operations: the CUDA kernel (`kernels/bce.cu`) and the CPU twin agree bit for
-//! bit. Labels are taken as given (no check that they lie in [0, 1]).
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::bce::{bce_with_logits, BceOutputs};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let logits = dev.upload(&s, bytemuck::cast_slice(&[0.0f32, 2.0]))?;
-//! let labels = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 0.0]))?;
-//! let (loss, dlogits) = (dev.alloc(8)?, dev.alloc(8)?);
-//! let out = BceOutputs { loss: (&loss).into(), dlogits: Some((&dlogits).into()), probs: None };
-//! bce_with_logits(&dev, &s, &logits, &labels, DType::F32, 0.5, out)?;
-//! let loss: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &loss)?);
-//! let grad: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dlogits)?);
-//! assert!((loss[0] - std::f32::consts::LN_2).abs() < 1e-6);
-//! assert!((grad[0] + 0.25).abs() < 1e-6); // (σ(0) − 1)·0.5
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -230,7 +195,42 @@ pub struct BceOutputs<'a> {
     pub probs: Option<DeviceView<'a>>,
 }
 
-/// Sigmoid + binary cross-entropy on `stream` (see [the module](self)): for `n` logits of
+/// Sigmoid and binary cross-entropy on logits, fused forward and backward
+/// ([`bce_with_logits`]): per element, from a logit `x` (f32, f16 or bf16) and a label `y` (f32,
+/// 0/1 or soft), the loss (f32)
+/// `max(x, 0) − x·y + ln(1 + e^{−|x|})` — the numerically stable form, finite for every finite
+/// `x` — and optionally the gradient `dlogits = (σ(x) − y)·scale` (the logits' type; `scale` is
+/// the loss's weight, `1/N` for a mean over N) and the probability `σ(x)` (f32, for AUC and
+/// accuracy). The gradient goes to an output of its own, never over the logits: the logits stay
+/// readable (metrics, a second loss), and at one logit a sample the saving would be small.
+///
+/// With `u = e^{−|x|}` and `v = 1 + u` (rounded), `ln(1 + u)` is computed as
+/// `ln(v) + (u − (v − 1))·(1/v)`, which puts back what rounding `1 + u` lost and so keeps its
+/// relative accuracy for small `u`; `σ(x)` is `1/v` for `x ≥ 0` and `u·(1/v)` below (one
+/// division for both). Only [`math::exp`] and [`math::ln`], the division and
+/// single rounded operations: the CUDA kernel (`kernels/bce.cu`) and the CPU twin agree bit for
+/// bit. Labels are taken as given (no check that they lie in [0, 1]).
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{bce_with_logits, BceOutputs};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let logits = dev.upload(&s, bytemuck::cast_slice(&[0.0f32, 2.0]))?;
+/// let labels = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 0.0]))?;
+/// let (loss, dlogits) = (dev.alloc(8)?, dev.alloc(8)?);
+/// let out = BceOutputs { loss: (&loss).into(), dlogits: Some((&dlogits).into()), probs: None };
+/// bce_with_logits(&dev, &s, &logits, &labels, DType::F32, 0.5, out)?;
+/// let loss: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &loss)?);
+/// let grad: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dlogits)?);
+/// assert!((loss[0] - std::f32::consts::LN_2).abs() < 1e-6);
+/// assert!((grad[0] + 0.25).abs() < 1e-6); // (σ(0) − 1)·0.5
+/// # Ok(()) }
+/// ```
+///
+/// Sigmoid + binary cross-entropy on `stream` (see [`bce_with_logits`]): for `n` logits of
 /// `dtype` and `n` f32 labels, writes the loss, and the gradient scaled by `scale` and the
 /// probabilities where `out` asks for them. No output may overlap another operand; a wrong
 /// length or type, or a `scale` that is not finite, is an error, and nothing is written.

@@ -1,47 +1,3 @@
-//! The bias of a linear layer `Y[N, C] = X·Wᵀ + b`, on f32, f16 or bf16 storage with f32 math.
-//!
-//! Forward: [`bias_rows`] writes `b` into every row of the output (`y[r, c] = b[c]`, the stored
-//! value copied), and the GEMM then runs with β = 1 so it adds `X·Wᵀ` to it — the bias add costs
-//! one write of `Y` and no extra read. [`add_bias_rows`] adds instead (`y += b`, in f32, rounded
-//! once).
-//!
-//! Backward: [`bias_grad`] sums the output gradient over its rows, `db[c] (+)= Σ_r dy[r, c]`,
-//! in f32 and in a fixed order: the rows are cut into fixed chunks
-//! ([`column_chunks`]), each chunk's column sums are written to
-//! a scratch operand of [`bias_grad_scratch_bytes`], then the chunks are added in order and the
-//! total is written to (or added to) `db` with one rounding. `db` is f32 (what a mixed-precision
-//! trainer's fp32 gradient holds) or any model float; no atomics, so the result is the same
-//! bits every run. CUDA runs `kernels/bias.cu`; the CPU twin adds in the same order, bit for
-//! bit.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::bias::{bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let b = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
-//! let y = dev.alloc(3 * 2 * 4)?;
-//! bias_rows(&dev, &s, &b, &y, 3, 2, DType::F32)?;
-//! let got: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! assert_eq!(got, [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]);
-//!
-//! let db = dev.alloc(8)?;
-//! let scratch = dev.alloc(bias_grad_scratch_bytes(3, 2))?;
-//! let ops = BiasGrad {
-//!     dy: (&y).into(),
-//!     db: (&db).into(),
-//!     db_dtype: DType::F32,
-//!     accumulate: false,
-//!     scratch: (&scratch).into(),
-//! };
-//! bias_grad(&dev, &s, ops, 3, 2, DType::F32)?;
-//! let db: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &db)?);
-//! assert_eq!(db, [3.0, 6.0]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{grid_stride, grid_stride_blocks, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -334,6 +290,50 @@ fn launch_rows<'a, 'b>(
     dev.launch(stream, &BIAS_ROWS, &ops, bytemuck::bytes_of(&p))
 }
 
+/// The bias of a linear layer `Y[N, C] = X·Wᵀ + b`, on f32, f16 or bf16 storage with f32 math.
+///
+/// Forward: [`bias_rows`] writes `b` into every row of the output (`y[r, c] = b[c]`, the stored
+/// value copied), and the GEMM then runs with β = 1 so it adds `X·Wᵀ` to it — the bias add costs
+/// one write of `Y` and no extra read. [`add_bias_rows`] adds instead (`y += b`, in f32, rounded
+/// once).
+///
+/// Backward: [`bias_grad`] sums the output gradient over its rows, `db[c] (+)= Σ_r dy[r, c]`,
+/// in f32 and in a fixed order: the rows are cut into fixed chunks
+/// ([`column_chunks`]), each chunk's column sums are written to
+/// a scratch operand of [`bias_grad_scratch_bytes`], then the chunks are added in order and the
+/// total is written to (or added to) `db` with one rounding. `db` is f32 (what a mixed-precision
+/// trainer's fp32 gradient holds) or any model float; no atomics, so the result is the same
+/// bits every run. CUDA runs `kernels/bias.cu`; the CPU twin adds in the same order, bit for
+/// bit.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let b = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
+/// let y = dev.alloc(3 * 2 * 4)?;
+/// bias_rows(&dev, &s, &b, &y, 3, 2, DType::F32)?;
+/// let got: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// assert_eq!(got, [1.0, 2.0, 1.0, 2.0, 1.0, 2.0]);
+///
+/// let db = dev.alloc(8)?;
+/// let scratch = dev.alloc(bias_grad_scratch_bytes(3, 2))?;
+/// let ops = BiasGrad {
+///     dy: (&y).into(),
+///     db: (&db).into(),
+///     db_dtype: DType::F32,
+///     accumulate: false,
+///     scratch: (&scratch).into(),
+/// };
+/// bias_grad(&dev, &s, ops, 3, 2, DType::F32)?;
+/// let db: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &db)?);
+/// assert_eq!(db, [3.0, 6.0]);
+/// # Ok(()) }
+/// ```
+///
 /// `y[r, c] = b[c]` for every row of `y` `[rows, cols]` on `stream`: the bias of a linear
 /// forward written before its GEMM runs with β = 1. `b` holds `cols` and `y` `rows · cols`
 /// elements of `dtype`; they do not overlap.
@@ -386,7 +386,7 @@ pub struct BiasGrad<'a> {
 }
 
 /// `db (+)= Σ_rows dy` over `dy` `[rows, cols]` of `dtype` on `stream` (see
-/// [the module](self)); no written operand may overlap another operand.
+/// [`bias_rows`]); no written operand may overlap another operand.
 pub fn bias_grad(
     dev: &Device,
     stream: &Stream,

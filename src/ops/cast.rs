@@ -1,21 +1,3 @@
-//! Element-type conversion between fp32, fp16 and bf16 (round-to-nearest-even): the op
-//! ([`cast`], on a device) and its CPU twin ([`cast_bytes`]); CUDA runs `kernels/cast.cu`.
-//! fp16↔bf16 goes through fp32, which is exact on the way up, so both sides round once.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let src = dev.upload(&s, bytemuck::cast_slice(&[1.5f32, -2.0]))?;
-//! let dst = dev.alloc(4)?;
-//! tidemem::ops::cast(&dev, &s, &src, DType::F32, &dst, DType::BF16)?;
-//! let h = dev.download(&s, &dst)?;
-//! assert_eq!(half::bf16::from_le_bytes([h[0], h[1]]).to_f32(), 1.5);
-//! # Ok(()) }
-//! ```
-
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -99,6 +81,24 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
     cast_bytes(src, from, dst, to)
 }
 
+/// Element-type conversion between fp32, fp16 and bf16 (round-to-nearest-even): the op
+/// ([`cast`], on a device) and its CPU twin ([`cast_bytes`]); CUDA runs `kernels/cast.cu`.
+/// fp16↔bf16 goes through fp32, which is exact on the way up, so both sides round once.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let src = dev.upload(&s, bytemuck::cast_slice(&[1.5f32, -2.0]))?;
+/// let dst = dev.alloc(4)?;
+/// tidemem::ops::cast(&dev, &s, &src, DType::F32, &dst, DType::BF16)?;
+/// let h = dev.download(&s, &dst)?;
+/// assert_eq!(half::bf16::from_le_bytes([h[0], h[1]]).to_f32(), 1.5);
+/// # Ok(()) }
+/// ```
+///
 /// Converts the elements of `src` (type `from`) into `dst` (type `to`) on `stream`, with
 /// round-to-nearest-even; the same type is a plain device copy. Both ranges hold the same
 /// number of elements and must not overlap.

@@ -1,32 +1,3 @@
-//! Strided, indexed row copy ([`copy_rows`]): for `i < n`, row `dst_index[i]` of `dst` ← row
-//! `src_index[i]` of `src`, `width` f32 of rows `src_stride` and `dst_stride` elements apart
-//! (an index left out is the identity, row `i`). It packs and unpacks blocks of rows and
-//! columns on the device without a host round trip: the sharded embedding's all-to-all puts
-//! each peer's block into the columns or rows of its output with it. The values are moved as
-//! 32-bit words, so CUDA (`kernels/copy_rows.cu`) and the CPU twin agree bit for bit (NaN
-//! payloads and −0 included).
-//!
-//! The indices live on the device as a [`RowIndex`], whose largest value and distinctness are
-//! known from its upload: an index out of either side's rows, repeated destination indices,
-//! a width past a stride or a view too small are typed errors before anything is enqueued.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::copy_rows::{copy_rows, CopyRows, RowIndex};
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // src: 3 rows of 2; dst: 3 rows of 4, rows 2, 0 get src rows 0, 1 in their columns 1..3
-//! let src = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]))?;
-//! let dst = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 12]))?;
-//! let to = RowIndex::upload(&dev, &s, &[2, 0])?;
-//! let plan = CopyRows { n: 2, width: 2, src_stride: 2, dst_stride: 4, src_index: None, dst_index: Some(&to) };
-//! copy_rows(&dev, &s, &src, dst.view(4, 44)?, &plan)?;
-//! let got: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dst)?);
-//! assert_eq!(got, [0.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{grid_stride_blocks, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceBuffer, DeviceView, Input, KernelDesc, LaunchInfo, Operand,
@@ -245,7 +216,7 @@ impl RowIndex {
     }
 }
 
-/// A row copy's shape (see [the module](self)): `n` rows of `width` f32, source rows
+/// A row copy's shape (see [`copy_rows`]): `n` rows of `width` f32, source rows
 /// `src_stride` elements apart and destination rows `dst_stride` apart, with optional index
 /// arrays (`None`: row `i`).
 #[derive(Clone, Copy, Debug)]
@@ -264,7 +235,36 @@ pub struct CopyRows<'i> {
     pub dst_index: Option<&'i RowIndex>,
 }
 
-/// Copies rows on `stream` as `plan` says (see [the module](self)); `src` and `dst` hold f32
+/// Strided, indexed row copy ([`copy_rows`]): for `i < n`, row `dst_index[i]` of `dst` ← row
+/// `src_index[i]` of `src`, `width` f32 of rows `src_stride` and `dst_stride` elements apart
+/// (an index left out is the identity, row `i`). It packs and unpacks blocks of rows and
+/// columns on the device without a host round trip: the sharded embedding's all-to-all puts
+/// each peer's block into the columns or rows of its output with it. The values are moved as
+/// 32-bit words, so CUDA (`kernels/copy_rows.cu`) and the CPU twin agree bit for bit (NaN
+/// payloads and −0 included).
+///
+/// The indices live on the device as a [`RowIndex`], whose largest value and distinctness are
+/// known from its upload: an index out of either side's rows, repeated destination indices,
+/// a width past a stride or a view too small are typed errors before anything is enqueued.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{copy_rows, CopyRows, RowIndex};
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // src: 3 rows of 2; dst: 3 rows of 4, rows 2, 0 get src rows 0, 1 in their columns 1..3
+/// let src = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]))?;
+/// let dst = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 12]))?;
+/// let to = RowIndex::upload(&dev, &s, &[2, 0])?;
+/// let plan = CopyRows { n: 2, width: 2, src_stride: 2, dst_stride: 4, src_index: None, dst_index: Some(&to) };
+/// copy_rows(&dev, &s, &src, dst.view(4, 44)?, &plan)?;
+/// let got: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dst)?);
+/// assert_eq!(got, [0.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 0.0]);
+/// # Ok(()) }
+/// ```
+///
+/// Copies rows on `stream` as `plan` says (see [`copy_rows`]); `src` and `dst` hold f32
 /// and do not overlap, and the rows `dst` holds (from the view's start, `dst_stride` apart)
 /// that no copy names are kept. A width past a stride ([`Error::TooFew`]), an index array of
 /// other than `n` entries ([`Error::Length`]), an index at or past the rows its view holds

@@ -1,45 +1,3 @@
-//! Fused softmax cross-entropy over the vocabulary, as llm.c's classifier: logits `[N, Vp]`
-//! (rows of `Vp ≥ V` elements, of which the first `V` are the vocabulary and the rest padding,
-//! as GPT-2's 50 257 tokens padded to 50 304), targets `[N]` (i32). Per row `n` with target `t`:
-//! `loss[n] = ln Σ_j exp(x_j − m) − (x_t − m)` (`m` the row's maximum, `j < V`), and in the same
-//! pass ([`cross_entropy_forward_backward`]) the logits' gradient written **over the logits**:
-//! `(softmax(x)_j − [j = t])·grad_scale` for `j < V`, 0 in the padding. A row whose target is
-//! the ignore index has loss 0 and gradient 0. [`cross_entropy_forward`] writes only the losses
-//! and leaves the logits untouched (evaluation).
-//!
-//! The maximum, the sum, the loss and the gradient's arithmetic are f32 whatever the storage
-//! (f32, f16 or bf16); one `ln` per row. CUDA (`kernels/cross_entropy.cu`) runs one block of
-//! [`CROSS_ENTROPY_THREADS`] threads per row (thread `k` takes the columns `k, k + 256, …`;
-//! warps reduce by the xor butterfly, the block adds the warps' totals in order); the CPU twin
-//! keeps that order and uses [`math::exp`]/[`math::ln`], so the two agree bit for bit.
-//!
-//! **Targets out of range.** A target outside `0..V` that is not the ignore index is a typed
-//! error of the simulated device (reported at the next synchronisation, with no byte written).
-//! CUDA cannot report it: such a row gets the loss NaN and, in the fused op, the gradient NaN
-//! over its `V` columns (0 in the padding), so a loss or gradient check (`grad_stats`, a loss
-//! scaler) sees it; nothing is read or written outside the operands. Targets on the host can
-//! be checked before upload with [`check_targets`].
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::CrossEntropy;
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // Two rows of V = 2 logits padded to 3; the second row is ignored.
-//! let logits = dev.upload(&s, bytemuck::cast_slice(&[0.0f32, 0.0, 7.0, 1.0, 2.0, 3.0]))?;
-//! let targets = dev.upload(&s, bytemuck::cast_slice(&[1i32, -100]))?;
-//! let losses = dev.alloc(8)?;
-//! let ce = CrossEntropy { vocab: 2, padded_vocab: 3, ignore_index: -100, grad_scale: 1.0 };
-//! tidemem::ops::cross_entropy_forward_backward(&dev, &s, &logits, &targets, &losses, &ce, DType::F32)?;
-//! let loss: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &losses)?);
-//! let grad: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &logits)?);
-//! assert!((loss[0] - std::f32::consts::LN_2).abs() < 1e-6 && loss[1] == 0.0);
-//! assert_eq!(grad, [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -324,9 +282,51 @@ fn params(desc: &KernelDesc, targets: &Input<'_>, ce: &CrossEntropy) -> Result<C
     })
 }
 
+/// Fused softmax cross-entropy over the vocabulary, as llm.c's classifier: logits `[N, Vp]`
+/// (rows of `Vp ≥ V` elements, of which the first `V` are the vocabulary and the rest padding,
+/// as GPT-2's 50 257 tokens padded to 50 304), targets `[N]` (i32). Per row `n` with target `t`:
+/// `loss[n] = ln Σ_j exp(x_j − m) − (x_t − m)` (`m` the row's maximum, `j < V`), and in the same
+/// pass ([`cross_entropy_forward_backward`]) the logits' gradient written **over the logits**:
+/// `(softmax(x)_j − [j = t])·grad_scale` for `j < V`, 0 in the padding. A row whose target is
+/// the ignore index has loss 0 and gradient 0. [`cross_entropy_forward`] writes only the losses
+/// and leaves the logits untouched (evaluation).
+///
+/// The maximum, the sum, the loss and the gradient's arithmetic are f32 whatever the storage
+/// (f32, f16 or bf16); one `ln` per row. CUDA (`kernels/cross_entropy.cu`) runs one block of
+/// [`CROSS_ENTROPY_THREADS`] threads per row (thread `k` takes the columns `k, k + 256, …`;
+/// warps reduce by the xor butterfly, the block adds the warps' totals in order); the CPU twin
+/// keeps that order and uses [`math::exp`]/[`math::ln`], so the two agree bit for bit.
+///
+/// **Targets out of range.** A target outside `0..V` that is not the ignore index is a typed
+/// error of the simulated device (reported at the next synchronisation, with no byte written).
+/// CUDA cannot report it: such a row gets the loss NaN and, in the fused op, the gradient NaN
+/// over its `V` columns (0 in the padding), so a loss or gradient check (`grad_stats`, a loss
+/// scaler) sees it; nothing is read or written outside the operands. Targets on the host can
+/// be checked before upload with [`check_targets`].
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::CrossEntropy;
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // Two rows of V = 2 logits padded to 3; the second row is ignored.
+/// let logits = dev.upload(&s, bytemuck::cast_slice(&[0.0f32, 0.0, 7.0, 1.0, 2.0, 3.0]))?;
+/// let targets = dev.upload(&s, bytemuck::cast_slice(&[1i32, -100]))?;
+/// let losses = dev.alloc(8)?;
+/// let ce = CrossEntropy { vocab: 2, padded_vocab: 3, ignore_index: -100, grad_scale: 1.0 };
+/// tidemem::ops::cross_entropy_forward_backward(&dev, &s, &logits, &targets, &losses, &ce, DType::F32)?;
+/// let loss: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &losses)?);
+/// let grad: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &logits)?);
+/// assert!((loss[0] - std::f32::consts::LN_2).abs() < 1e-6 && loss[1] == 0.0);
+/// assert_eq!(grad, [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]);
+/// # Ok(()) }
+/// ```
+///
 /// Cross-entropy losses on `stream`: `losses[n]` (f32) of the logits' row `n` (`[N, Vp]`
 /// `dtype` elements, read only) against `targets[n]` (i32, `N` of them); the logits are left
-/// as they are. See [the module](self) for the formula, ignored rows and targets out of range.
+/// as they are. See [`cross_entropy_forward`] for the formula, ignored rows and targets out of range.
 pub fn cross_entropy_forward<'a, 'b, 'c>(
     dev: &Device,
     stream: &Stream,
@@ -349,7 +349,7 @@ pub fn cross_entropy_forward<'a, 'b, 'c>(
 /// Cross-entropy losses and, in the same pass, the logits' gradient written over the logits
 /// (`[N, Vp]` `dtype` elements): `(softmax − onehot(target))·grad_scale` on the `V` columns, 0
 /// on the padding and on ignored rows. `losses` (f32) and `targets` (i32) hold `N` elements and
-/// overlap nothing else. See [the module](self).
+/// overlap nothing else. See [`cross_entropy_forward`].
 pub fn cross_entropy_forward_backward<'a, 'b, 'c>(
     dev: &Device,
     stream: &Stream,

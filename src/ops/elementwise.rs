@@ -1,32 +1,3 @@
-//! Elementwise ops on f32, f16 or bf16 storage with f32 math: [`add`] (`z = α·a + β·b`),
-//! [`add_in_place`] (`z = α·z + β·b`, its own descriptor since a written operand may overlap no
-//! other), [`scale`] (`x = α·x` in place) and [`fill`] (every element = a value, f64 included).
-//! Each product is rounded, then the sum, then the result to storage — the same single
-//! roundings in the CPU twin and in CUDA (`kernels/elementwise.cu`), so the two agree bit for
-//! bit.
-//!
-//! The global norm of gradients that live outside chunks needs no op here:
-//! [`grad_stats`](crate::ops::grad_stats()) sums the squares of any f32/f16/bf16 buffer (in f64)
-//! and flags infinite or NaN elements.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::elementwise::{add, fill, scale, Axpby};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let a = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
-//! let b = dev.alloc(8)?;
-//! fill(&dev, &s, &b, 0.5, DType::F32)?;
-//! let z = dev.alloc(8)?;
-//! add(&dev, &s, Axpby { alpha: 2.0, beta: -1.0 }, &a, &b, &z, DType::F32)?;
-//! scale(&dev, &s, 10.0, &z, DType::F32)?;
-//! let z: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &z)?);
-//! assert_eq!(z, [15.0, 35.0]);
-//! # Ok(()) }
-//! ```
-
 use half::{bf16, f16};
 
 use crate::device::launch::{grid_stride, param_layout, Grid};
@@ -79,6 +50,35 @@ abi! {
     }
 }
 
+/// Elementwise ops on f32, f16 or bf16 storage with f32 math: [`add`] (`z = α·a + β·b`),
+/// [`add_in_place`] (`z = α·z + β·b`, its own descriptor since a written operand may overlap no
+/// other), [`scale`] (`x = α·x` in place) and [`fill`] (every element = a value, f64 included).
+/// Each product is rounded, then the sum, then the result to storage — the same single
+/// roundings in the CPU twin and in CUDA (`kernels/elementwise.cu`), so the two agree bit for
+/// bit.
+///
+/// The global norm of gradients that live outside chunks needs no op here:
+/// [`grad_stats`](crate::ops::grad_stats()) sums the squares of any f32/f16/bf16 buffer (in f64)
+/// and flags infinite or NaN elements.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{add, fill, scale, Axpby};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let a = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
+/// let b = dev.alloc(8)?;
+/// fill(&dev, &s, &b, 0.5, DType::F32)?;
+/// let z = dev.alloc(8)?;
+/// add(&dev, &s, Axpby { alpha: 2.0, beta: -1.0 }, &a, &b, &z, DType::F32)?;
+/// scale(&dev, &s, 10.0, &z, DType::F32)?;
+/// let z: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &z)?);
+/// assert_eq!(z, [15.0, 35.0]);
+/// # Ok(()) }
+/// ```
+///
 /// The two scales of [`add`] and [`add_in_place`].
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Axpby {

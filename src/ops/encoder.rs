@@ -1,55 +1,3 @@
-//! The GPT encoder: token plus position embedding. Forward ([`encoder_forward`]):
-//! `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]` for tokens `[B, T]` (i32), `wte [V, C]`,
-//! `wpe [maxT, C]`. Backward ([`encoder_backward`]): `dwte[v, :] += Σ dout[b, t, :]` over the
-//! positions whose token is `v`, and `dwpe[t, :] += Σ_b dout[b, t, :]`, accumulated into the
-//! gradients already there.
-//!
-//! Storage f32, f16 or bf16, math in f32. The backward is **deterministic**: no atomics. The
-//! token ids come from the data loader on the host, so the host sorts the positions by token
-//! before upload — an [`EncoderPlan`], built by the embedding bags' plan
-//! ([`plan_backward`], each position a bag of one): the
-//! distinct tokens in first-occurrence order, and for each the positions that hold it, in
-//! order. CUDA (`kernels/encoder.cu`) gives each distinct token one block, whose threads sum its
-//! positions' rows column by column in plan order and add the sum to `dwte` once; `dwpe` is
-//! summed over the batch in order, one thread per element. The CPU twins keep the same order, so
-//! both agree bit for bit.
-//!
-//! **Ids out of range.** A token outside `0..V` is a typed error of [`EncoderPlan::new`] and of
-//! the simulated device (reported at the next synchronisation, nothing written). CUDA cannot
-//! report it: the forward writes NaN over that position's row; a plan naming a row or position
-//! out of range (not one [`EncoderPlan::new`] built) has those entries skipped. Nothing outside
-//! the operands is ever read or written.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::{EncoderPlan, EncoderShape};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // B = 1, T = 2, C = 1, V = 3, maxT = 2.
-//! let shape = EncoderShape { batch: 1, seq: 2, channels: 1, vocab: 3, max_seq: 2 };
-//! let tokens = [2i32, 2];
-//! let tok = dev.upload(&s, bytemuck::cast_slice(&tokens))?;
-//! let wte = dev.upload(&s, bytemuck::cast_slice(&[10.0f32, 20.0, 30.0]))?;
-//! let wpe = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
-//! let out = dev.alloc(8)?;
-//! tidemem::ops::encoder_forward(&dev, &s, &tok, &wte, &wpe, &out, &shape, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &out)?);
-//! assert_eq!(y, [31.0, 32.0]);
-//!
-//! // Backward: the plan is built on the host from the same tokens.
-//! let plan = EncoderPlan::new(&tokens, 3)?;
-//! let plan_dev = dev.upload(&s, bytemuck::cast_slice(&plan.to_words()))?;
-//! let dout = dev.upload(&s, bytemuck::cast_slice(&[0.5f32, 0.25]))?;
-//! let dwte = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 3]))?;
-//! let dwpe = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 2]))?;
-//! tidemem::ops::encoder_backward(&dev, &s, &dout, &plan, &plan_dev, &dwte, &dwpe, &shape, DType::F32)?;
-//! let g: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dwte)?);
-//! assert_eq!(g, [0.0, 0.0, 0.75]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -467,9 +415,61 @@ fn checked_shape(desc: &KernelDesc, s: &EncoderShape) -> Result<(u64, u64)> {
     }
 }
 
+/// The GPT encoder: token plus position embedding. Forward ([`encoder_forward`]):
+/// `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]` for tokens `[B, T]` (i32), `wte [V, C]`,
+/// `wpe [maxT, C]`. Backward ([`encoder_backward`]): `dwte[v, :] += Σ dout[b, t, :]` over the
+/// positions whose token is `v`, and `dwpe[t, :] += Σ_b dout[b, t, :]`, accumulated into the
+/// gradients already there.
+///
+/// Storage f32, f16 or bf16, math in f32. The backward is **deterministic**: no atomics. The
+/// token ids come from the data loader on the host, so the host sorts the positions by token
+/// before upload — an [`EncoderPlan`], built by the embedding bags' plan
+/// ([`plan_backward`], each position a bag of one): the
+/// distinct tokens in first-occurrence order, and for each the positions that hold it, in
+/// order. CUDA (`kernels/encoder.cu`) gives each distinct token one block, whose threads sum its
+/// positions' rows column by column in plan order and add the sum to `dwte` once; `dwpe` is
+/// summed over the batch in order, one thread per element. The CPU twins keep the same order, so
+/// both agree bit for bit.
+///
+/// **Ids out of range.** A token outside `0..V` is a typed error of [`EncoderPlan::new`] and of
+/// the simulated device (reported at the next synchronisation, nothing written). CUDA cannot
+/// report it: the forward writes NaN over that position's row; a plan naming a row or position
+/// out of range (not one [`EncoderPlan::new`] built) has those entries skipped. Nothing outside
+/// the operands is ever read or written.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{EncoderPlan, EncoderShape};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // B = 1, T = 2, C = 1, V = 3, maxT = 2.
+/// let shape = EncoderShape { batch: 1, seq: 2, channels: 1, vocab: 3, max_seq: 2 };
+/// let tokens = [2i32, 2];
+/// let tok = dev.upload(&s, bytemuck::cast_slice(&tokens))?;
+/// let wte = dev.upload(&s, bytemuck::cast_slice(&[10.0f32, 20.0, 30.0]))?;
+/// let wpe = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
+/// let out = dev.alloc(8)?;
+/// tidemem::ops::encoder_forward(&dev, &s, &tok, &wte, &wpe, &out, &shape, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &out)?);
+/// assert_eq!(y, [31.0, 32.0]);
+///
+/// // Backward: the plan is built on the host from the same tokens.
+/// let plan = EncoderPlan::new(&tokens, 3)?;
+/// let plan_dev = dev.upload(&s, bytemuck::cast_slice(&plan.to_words()))?;
+/// let dout = dev.upload(&s, bytemuck::cast_slice(&[0.5f32, 0.25]))?;
+/// let dwte = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 3]))?;
+/// let dwpe = dev.upload(&s, bytemuck::cast_slice(&[0.0f32; 2]))?;
+/// tidemem::ops::encoder_backward(&dev, &s, &dout, &plan, &plan_dev, &dwte, &dwpe, &shape, DType::F32)?;
+/// let g: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &dwte)?);
+/// assert_eq!(g, [0.0, 0.0, 0.75]);
+/// # Ok(()) }
+/// ```
+///
 /// Encoder forward on `stream`: `out[b, t, :] = wte[tokens[b, t], :] + wpe[t, :]` with
 /// `tokens` `[B, T]` i32, `wte` `[V, C]`, `wpe` `[maxT, C]` and `out` `[B, T, C]`, the three
-/// of `dtype`. See [the module](self) for tokens out of range.
+/// of `dtype`. See [`encoder_forward`] for tokens out of range.
 #[allow(clippy::too_many_arguments)]
 pub fn encoder_forward<'a, 'b, 'c, 'd>(
     dev: &Device,

@@ -1,24 +1,3 @@
-//! GELU with the tanh approximation, as GPT-2 uses it:
-//! `y = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`, forward ([`gelu_forward`]) and backward
-//! ([`gelu_backward`]), on f32, f16 or bf16 storage with f32 math. CUDA runs `kernels/gelu.cu`;
-//! the CPU twin computes in the same order with the same single roundings, and both take tanh
-//! from [`math::tanh`] (`tm_tanh` in `kernels/math.cuh`), not from a libm, so the two agree bit
-//! for bit on every backend.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let x = dev.upload(&s, bytemuck::cast_slice(&[-1.0f32, 0.0, 2.0]))?;
-//! let y = dev.alloc(12)?;
-//! tidemem::ops::gelu_forward(&dev, &s, &x, &y, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! assert!((y[2] - 1.9546).abs() < 1e-4 && y[1] == 0.0);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::param_layout;
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -152,6 +131,27 @@ fn params(x: &Input<'_>, dtype: DType) -> GeluParams {
     }
 }
 
+/// GELU with the tanh approximation, as GPT-2 uses it:
+/// `y = x/2 · (1 + tanh(√(2/π)·(x + 0.044715·x³)))`, forward ([`gelu_forward`]) and backward
+/// ([`gelu_backward`]), on f32, f16 or bf16 storage with f32 math. CUDA runs `kernels/gelu.cu`;
+/// the CPU twin computes in the same order with the same single roundings, and both take tanh
+/// from [`math::tanh`] (`tm_tanh` in `kernels/math.cuh`), not from a libm, so the two agree bit
+/// for bit on every backend.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let x = dev.upload(&s, bytemuck::cast_slice(&[-1.0f32, 0.0, 2.0]))?;
+/// let y = dev.alloc(12)?;
+/// tidemem::ops::gelu_forward(&dev, &s, &x, &y, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// assert!((y[2] - 1.9546).abs() < 1e-4 && y[1] == 0.0);
+/// # Ok(()) }
+/// ```
+///
 /// `y = GELU(x)` elementwise on `stream`; `x` and `y` hold the same number of `dtype` elements
 /// and do not overlap.
 pub fn gelu_forward<'a, 'b>(

@@ -1,13 +1,3 @@
-//! Gradient statistics: the sum of squares (accumulated in f64) and whether an element is
-//! infinite or NaN, for gradient clipping and dynamic loss scaling. The op ([`grad_stats`], on a
-//! device) writes them as two f64; its CPU twin and the host path share [`grad_stats_of`]. CUDA
-//! runs `kernels/grad_stats.cu`.
-//!
-//! It takes any f32, f16 or bf16 buffer, so it is also the global norm of gradients that live
-//! outside chunks (say, parameters kept out of the chunk store): add the `sum_sq` of each buffer
-//! ([`GradStats::merge`], in a fixed order) and take the square root; a buffer with an infinite
-//! or NaN element sets `nonfinite`.
-
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::Serialize;
@@ -114,6 +104,16 @@ fn twin(args: &mut TwinArgs<'_>) -> Result<()> {
     Ok(())
 }
 
+/// Gradient statistics: the sum of squares (accumulated in f64) and whether an element is
+/// infinite or NaN, for gradient clipping and dynamic loss scaling. The op ([`grad_stats`], on a
+/// device) writes them as two f64; its CPU twin and the host path share [`grad_stats_of`]. CUDA
+/// runs `kernels/grad_stats.cu`.
+///
+/// It takes any f32, f16 or bf16 buffer, so it is also the global norm of gradients that live
+/// outside chunks (say, parameters kept out of the chunk store): add the `sum_sq` of each buffer
+/// ([`GradStats::merge`], in a fixed order) and take the square root; a buffer with an infinite
+/// or NaN element sets `nonfinite`.
+///
 /// Gradient statistics of `src` (elements of `dtype`) on `stream`: the sum of squares and
 /// whether an element is infinite or NaN, written as two f64 at the start of `out`, which must
 /// hold [`GRAD_STATS_BYTES`] bytes (the rest is scratch; a longer range is used in its first

@@ -4,64 +4,73 @@
 //! [`registry`] lists every descriptor, for the conformance tests that run each twin against
 //! CUDA.
 
-pub mod accumulate;
-pub mod adam;
+pub(crate) mod accumulate;
+pub(crate) mod adam;
 pub mod attention;
-pub mod bce;
-pub mod bias;
-pub mod cast;
-pub mod copy_rows;
-pub mod cross_entropy;
-pub mod elementwise;
+pub(crate) mod bce;
+pub(crate) mod bias;
+pub(crate) mod cast;
+pub(crate) mod copy_rows;
+pub(crate) mod cross_entropy;
+pub(crate) mod elementwise;
 pub mod embedding;
-pub mod encoder;
+pub(crate) mod encoder;
 pub mod float;
-pub mod gelu;
-pub mod gemm;
-pub mod grad_stats;
+pub(crate) mod gelu;
+pub(crate) mod gemm;
+pub(crate) mod grad_stats;
 pub mod heads;
-pub mod interaction;
+pub(crate) mod interaction;
 mod lanes;
-pub mod layernorm;
+pub(crate) mod layernorm;
 pub mod linear;
 pub mod math;
-pub mod relu;
+pub(crate) mod relu;
 pub mod rows;
-pub mod softmax;
+pub(crate) mod softmax;
 pub mod vocab_parallel;
 
 pub use accumulate::accumulate;
-pub use adam::{adam, AdamOperands};
-pub use bce::{bce_with_logits, BceOutputs};
+pub use adam::{adam, AdamOperands, AdamScalars, CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+pub use bce::{bce, bce_grad, bce_with_logits, BceOutputs};
 pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
-pub use cast::cast;
+pub use cast::{cast, cast_bytes, check_supported};
 pub use copy_rows::{copy_rows, CopyRows, RowIndex};
 pub use cross_entropy::{
     check_targets, cross_entropy_forward, cross_entropy_forward_backward, CrossEntropy,
+    CROSS_ENTROPY_THREADS, MAX_VOCAB,
 };
-pub use elementwise::{add, add_in_place, fill, scale, Axpby};
+pub use elementwise::{add, add_in_place, fill, fill_bits, scale, Axpby};
 pub use encoder::{encoder_backward, encoder_forward, EncoderPlan, EncoderShape};
-pub use gelu::{gelu_backward, gelu_forward};
-pub use gemm::{gemm, gemm_host, Gemm};
-pub use grad_stats::{grad_stats, read_grad_stats, GradStats, GRAD_STATS_BYTES};
-pub use interaction::{interaction_backward, interaction_forward, InteractionShape};
+pub use gelu::{gelu, gelu_backward, gelu_forward, gelu_grad};
+pub use gemm::{cublas_available, cublas_live_handles, gemm, gemm_host, Gemm, GemmElem};
+pub use grad_stats::{
+    grad_stats, grad_stats_host, grad_stats_of, read_grad_stats, GradStats, GRAD_STATS_BYTES,
+    GRAD_STATS_PARTIALS, GRAD_STATS_THREADS,
+};
+pub use interaction::{
+    interaction_backward, interaction_forward, InteractionShape, MAX_INTERACTION_DIM,
+    MAX_INTERACTION_ROWS,
+};
 pub use layernorm::{
     layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward, LayerNormBackward,
-    LayerNormForward,
+    LayerNormForward, Residual,
 };
 pub use relu::{relu_backward, relu_forward};
 pub use softmax::{
     softmax_backward, softmax_block_backward, softmax_block_forward, softmax_forward, SoftmaxBlock,
+    SOFTMAX_THREADS,
 };
-pub use vocab_parallel::{
+pub(crate) use vocab_parallel::{
     vocab_ce_grad, vocab_ce_max, vocab_ce_sums, vocab_embedding_backward, vocab_embedding_forward,
     VocabCeGrad, VocabCeSums, VocabCrossEntropy, VocabPlan, VocabShard,
 };
 
 use crate::device::KernelDesc;
 
-/// The kernel ABI (with the `kernel-abi` feature): each op's descriptor and its parameter
-/// block, as the kernels in `kernels/*.cu` read them. Not part of the library's API.
+/// The kernel ABI (with the `kernel-abi` feature): the descriptor and parameter block of each op
+/// whose module is private, as the kernels in `kernels/*.cu` read them (those of the public
+/// `embedding` and `heads` modules are named there). Not part of the library's API.
 #[cfg(feature = "kernel-abi")]
 pub mod abi {
     pub use super::accumulate::{AccumulateParams, ACCUMULATE};
@@ -76,17 +85,12 @@ pub mod abi {
     pub use super::elementwise::{
         AddParams, FillParams, ScaleParams, ADD, ADD_IN_PLACE, FILL, SCALE,
     };
-    pub use super::embedding::device::{
-        EmbBackwardParams, EmbBagParams, EmbRowsParams, EmbStepParams, EMBEDDING_BACKWARD,
-        EMBEDDING_BAG, EMBEDDING_STEP, GATHER_ROWS, SCATTER_ROWS,
-    };
     pub use super::encoder::{
         EncoderBackwardParams, EncoderParams, ENCODER_BACKWARD, ENCODER_FORWARD,
     };
     pub use super::gelu::{GeluParams, GELU_BACKWARD, GELU_FORWARD};
     pub use super::gemm::{GemmParams, GEMM};
     pub use super::grad_stats::{GradStatsParams, GRAD_STATS};
-    pub use super::heads::{HeadsParams, HEADS_MERGE, HEADS_SPLIT, QKV_MERGE, QKV_SPLIT};
     pub use super::interaction::{InteractionParams, INTERACTION_BACKWARD, INTERACTION_FORWARD};
     pub use super::layernorm::{
         LayerNormBackwardParams, LayerNormParams, LAYERNORM_BACKWARD, LAYERNORM_FORWARD,

@@ -1,23 +1,3 @@
-//! ReLU, forward ([`relu_forward`]: `y = x` where `x > 0`, else 0) and backward
-//! ([`relu_backward`]: `dx = dy` where `x > 0`, else 0), on f32, f16 or bf16 storage. Values are
-//! kept or replaced by +0, never rounded, so CUDA (`kernels/relu.cu`) and the CPU twin agree
-//! bit for bit; NaN and −0 give +0. The backward may be given the forward's output for `x`:
-//! it is positive exactly where the input is.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let x = dev.upload(&s, bytemuck::cast_slice(&[-1.0f32, 0.0, 2.0]))?;
-//! let y = dev.alloc(12)?;
-//! tidemem::ops::relu_forward(&dev, &s, &x, &y, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! assert_eq!(y, [0.0, 0.0, 2.0]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::param_layout;
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -128,7 +108,27 @@ fn params(x: &Input<'_>, dtype: DType) -> ReluParams {
     }
 }
 
-/// `y = max(x, 0)` elementwise on `stream` (see [the module](self)); `x` and `y` hold the same
+/// ReLU, forward ([`relu_forward`]: `y = x` where `x > 0`, else 0) and backward
+/// ([`relu_backward`]: `dx = dy` where `x > 0`, else 0), on f32, f16 or bf16 storage. Values are
+/// kept or replaced by +0, never rounded, so CUDA (`kernels/relu.cu`) and the CPU twin agree
+/// bit for bit; NaN and −0 give +0. The backward may be given the forward's output for `x`:
+/// it is positive exactly where the input is.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let x = dev.upload(&s, bytemuck::cast_slice(&[-1.0f32, 0.0, 2.0]))?;
+/// let y = dev.alloc(12)?;
+/// tidemem::ops::relu_forward(&dev, &s, &x, &y, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// assert_eq!(y, [0.0, 0.0, 2.0]);
+/// # Ok(()) }
+/// ```
+///
+/// `y = max(x, 0)` elementwise on `stream` (see [`relu_forward`]); `x` and `y` hold the same
 /// number of `dtype` elements and do not overlap.
 pub fn relu_forward<'a, 'b>(
     dev: &Device,

@@ -1,48 +1,3 @@
-//! Causal softmax, the middle of attention, on a block of score rows: `x` of shape
-//! `[BH, rows, cols]` (batch·heads matrices of `rows × cols`, row-major) whose row `i` is the
-//! global query position `o + i` (`o` the block's offset), seeing the key columns `j ≤ o + i`,
-//! and a scale `s` (`1/√head_dim`). Row `i` has `n_i = min(o + i + 1, cols)` live elements.
-//! Forward ([`softmax_block_forward`]):
-//! `y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k<n_i} exp(s·x[i, k] − m_i)` for `j < n_i` with
-//! `m_i = max_{k<n_i} s·x[i, k]`, and exactly 0 for `j ≥ n_i`; backward
-//! ([`softmax_block_backward`]) `dx[i, j] = s·y[i, j]·(dy[i, j] − Σ_{k<n_i} dy[i, k]·y[i, k])`
-//! for `j < n_i`, exactly 0 past them. Past the live elements `x`, `y` and `dy` are never read.
-//!
-//! The square `[BH, T, T]` of ordinary self-attention is `rows = cols = T`, offset 0
-//! ([`softmax_forward`], [`softmax_backward`]): `n_i = i + 1`, 0 above the diagonal. Ring
-//! self-attention over `N` ranks holds on rank `r` the rows `r·T/N …` of that square: the block
-//! `rows = T/N`, `cols = T`, offset `r·T/N` ([`SoftmaxBlock`]), whose rows are the square's bit
-//! for bit.
-//!
-//! Storage f32, f16 or bf16; the maximum, the sums and every product in f32. CUDA
-//! (`kernels/softmax.cu`) runs one warp per row: lane `l` takes the row's live elements
-//! `l, l + 32, …`, and the warp reduces by the xor butterfly; the CPU twin keeps that order
-//! (`ops::lanes`) and uses [`math::exp`], so the two agree bit for bit.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::SoftmaxBlock;
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // One 2 × 2 matrix of scores; the scale 1.
-//! let x = dev.upload(&s, bytemuck::cast_slice(&[5.0f32, 9.0, 1.0, 1.0]))?;
-//! let y = dev.alloc(16)?;
-//! tidemem::ops::softmax_forward(&dev, &s, &x, &y, 1, 2, 1.0, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! assert_eq!(y, [1.0, 0.0, 0.5, 0.5]);
-//!
-//! // Row 1 of that square alone: a block of one row at offset 1 over 2 columns.
-//! let x1 = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 1.0]))?;
-//! let y1 = dev.alloc(8)?;
-//! let block = SoftmaxBlock { bh: 1, rows: 1, cols: 2, offset: 1, scale: 1.0 };
-//! tidemem::ops::softmax_block_forward(&dev, &s, &x1, &y1, &block, DType::F32)?;
-//! let y1: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y1)?);
-//! assert_eq!(y1, [0.5, 0.5]);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -361,7 +316,7 @@ impl SoftmaxBlock {
 /// Causal softmax forward on `stream` over a block of rows: `x` and `y` hold the block's
 /// `bh · rows · cols` `dtype` elements and do not overlap; `y[i, j]` is the softmax over the
 /// live `j < min(offset + i + 1, cols)` of `scale·x[i, j]` (statistics in f32), exactly 0 past
-/// them. See [the module](self).
+/// them. See [`softmax_forward`].
 ///
 /// Errors: [`Error::Operands`] on sizes that overflow, rows without columns, a non-finite
 /// scale, or operands that do not hold the block (nothing is written).
@@ -404,10 +359,55 @@ pub fn softmax_block_backward<'a, 'b, 'c>(
     dev.launch(stream, &SOFTMAX_BACKWARD, &ops, bytemuck::bytes_of(&p))
 }
 
+/// Causal softmax, the middle of attention, on a block of score rows: `x` of shape
+/// `[BH, rows, cols]` (batch·heads matrices of `rows × cols`, row-major) whose row `i` is the
+/// global query position `o + i` (`o` the block's offset), seeing the key columns `j ≤ o + i`,
+/// and a scale `s` (`1/√head_dim`). Row `i` has `n_i = min(o + i + 1, cols)` live elements.
+/// Forward ([`softmax_block_forward`]):
+/// `y[i, j] = exp(s·x[i, j] − m_i) / Σ_{k<n_i} exp(s·x[i, k] − m_i)` for `j < n_i` with
+/// `m_i = max_{k<n_i} s·x[i, k]`, and exactly 0 for `j ≥ n_i`; backward
+/// ([`softmax_block_backward`]) `dx[i, j] = s·y[i, j]·(dy[i, j] − Σ_{k<n_i} dy[i, k]·y[i, k])`
+/// for `j < n_i`, exactly 0 past them. Past the live elements `x`, `y` and `dy` are never read.
+///
+/// The square `[BH, T, T]` of ordinary self-attention is `rows = cols = T`, offset 0
+/// ([`softmax_forward`], [`softmax_backward`]): `n_i = i + 1`, 0 above the diagonal. Ring
+/// self-attention over `N` ranks holds on rank `r` the rows `r·T/N …` of that square: the block
+/// `rows = T/N`, `cols = T`, offset `r·T/N` ([`SoftmaxBlock`]), whose rows are the square's bit
+/// for bit.
+///
+/// Storage f32, f16 or bf16; the maximum, the sums and every product in f32. CUDA
+/// (`kernels/softmax.cu`) runs one warp per row: lane `l` takes the row's live elements
+/// `l, l + 32, …`, and the warp reduces by the xor butterfly; the CPU twin keeps that order
+/// (`ops::lanes`) and uses [`math::exp`], so the two agree bit for bit.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::SoftmaxBlock;
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // One 2 × 2 matrix of scores; the scale 1.
+/// let x = dev.upload(&s, bytemuck::cast_slice(&[5.0f32, 9.0, 1.0, 1.0]))?;
+/// let y = dev.alloc(16)?;
+/// tidemem::ops::softmax_forward(&dev, &s, &x, &y, 1, 2, 1.0, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// assert_eq!(y, [1.0, 0.0, 0.5, 0.5]);
+///
+/// // Row 1 of that square alone: a block of one row at offset 1 over 2 columns.
+/// let x1 = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 1.0]))?;
+/// let y1 = dev.alloc(8)?;
+/// let block = SoftmaxBlock { bh: 1, rows: 1, cols: 2, offset: 1, scale: 1.0 };
+/// tidemem::ops::softmax_block_forward(&dev, &s, &x1, &y1, &block, DType::F32)?;
+/// let y1: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y1)?);
+/// assert_eq!(y1, [0.5, 0.5]);
+/// # Ok(()) }
+/// ```
+///
 /// Causal softmax forward on `stream`: `x` and `y` hold `bh` matrices of `t × t` `dtype`
 /// elements and do not overlap; `y[i, j]` is the softmax over `j ≤ i` of `scale·x[i, j]`
 /// (statistics in f32), 0 for `j > i`. The block [`SoftmaxBlock::square`] of
-/// [`softmax_block_forward`]. See [the module](self).
+/// [`softmax_block_forward`]. See [`softmax_forward`].
 #[allow(clippy::too_many_arguments)]
 pub fn softmax_forward<'a, 'b>(
     dev: &Device,

@@ -3,8 +3,8 @@
 use half::{bf16, f16};
 
 use super::adam::{reference_step, AdamConfig};
-use crate::ops::adam::cpu::*;
 use crate::ops::grad_stats::grad_stats_host as grad_stats;
+use crate::ops::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 
 fn lcg(seed: &mut u64) -> f32 {
     *seed = seed

@@ -83,11 +83,13 @@ impl<K: PassKind> Guard<'_, K> {
     pub fn param(&self, i: usize) -> Result<ReadView<'_>> {
         let i = self.index(i)?;
         if self.overwritten.borrow()[i] {
-            return Err(Error::InvalidArgument(format!(
-                "the gradient of tensor {} was written over its parameter in this guard: read \
-                 param({i}) before writing grad({i})",
-                self.ids[i]
-            )));
+            return Err(Error::Conflict {
+                what: format!("reading the parameter of tensor {}", self.ids[i]),
+                with: format!(
+                    "its gradient, written over it in this guard: read param({i}) before writing \
+                     grad({i})"
+                ),
+            });
         }
         Ok(ReadView::new(
             self.views[i].view(),
@@ -107,10 +109,11 @@ impl<K: PassKind> Guard<'_, K> {
         if i < self.ids.len() {
             Ok(i)
         } else {
-            Err(Error::InvalidArgument(format!(
-                "tensor {i} of a guard holding {}",
-                self.ids.len()
-            )))
+            Err(Error::IndexOutOfRange {
+                what: "guard tensor".into(),
+                index: i,
+                len: self.ids.len(),
+            })
         }
     }
 
@@ -120,9 +123,10 @@ impl<K: PassKind> Guard<'_, K> {
         self.views.clear();
         match self.host.try_store() {
             Some(mut store) => store.release(&self.ids, self.host.release_stage()),
-            None => Err(Error::InvalidArgument(
-                "a guard dropped while its store was in use could not release".into(),
-            )),
+            None => Err(Error::Conflict {
+                what: "the release of a dropped guard".into(),
+                with: "its store, in use when the guard was dropped".into(),
+            }),
         }
     }
 }
@@ -146,10 +150,12 @@ impl Guard<'_, Backward> {
         let i = self.index(i)?;
         let id = self.ids[i];
         if self.host.sums().iter().any(|s| s.id == id) {
-            return Err(Error::InvalidArgument(format!(
-                "the gradient of tensor {id} was accumulated over earlier uses: write its last \
-                 share with accumulate_grad too"
-            )));
+            return Err(Error::Conflict {
+                what: format!("grad() of tensor {id}"),
+                with: "a gradient accumulated over earlier uses: write its last share with \
+                       accumulate_grad too"
+                    .into(),
+            });
         }
         self.host.store().mark_grad(id, TOKEN)?;
         self.overwritten.borrow_mut()[i] = true;

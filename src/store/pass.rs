@@ -203,11 +203,14 @@ impl<'s, K: PassKind> Pass<'s, K> {
             Stage::Forward => store.end_forward(),
             _ => {
                 if let Some(s) = self.state.sums.borrow().first() {
-                    return Err(Error::InvalidArgument(format!(
-                        "the gradient of tensor {} was accumulated over {} backward uses, but \
-                         the pass finished before its last use",
-                        s.id, s.uses
-                    )));
+                    return Err(Error::Conflict {
+                        what: "finishing the backward pass".into(),
+                        with: format!(
+                            "the gradient of tensor {}, accumulated over {} backward uses but not \
+                             its last",
+                            s.id, s.uses
+                        ),
+                    });
                 }
                 store.end_backward()
             }
@@ -229,7 +232,7 @@ impl Pass<'_, Forward> {
     /// after its first backward), so that each tensor's gradient is written at its last
     /// backward use. Unlike a fetch and release per use, it records no moment and moves no
     /// chunk (and gathers nothing on a ZeRO rank). Only for tensors this forward pass has
-    /// fetched already ([`Error::InvalidArgument`](crate::Error::InvalidArgument) otherwise);
+    /// fetched already ([`Error::Conflict`](crate::Error::Conflict) otherwise);
     /// not in a recompute pass ([`Error::WrongStage`](crate::Error::WrongStage)).
     pub fn declare_uses(&self, ids: &[TensorId], times: u32) -> Result<()> {
         self.take_deferred()?;
@@ -289,7 +292,7 @@ impl Pass<'_, Backward> {
     /// and count no use, so they touch no gradient and the tensors stay as they were for the
     /// step that ends this iteration (which leaves tensors with no gradient untouched). Only for
     /// tensors this iteration has not used otherwise
-    /// ([`Error::InvalidArgument`](crate::Error::InvalidArgument)). On a ZeRO rank the fetch
+    /// ([`Error::Conflict`](crate::Error::Conflict)). On a ZeRO rank the fetch
     /// gathers the tensors' communication groups (every rank of the group makes the same
     /// fetches) and reduces nothing for them.
     ///

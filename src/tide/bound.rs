@@ -78,7 +78,11 @@ pub fn lower_bound(trace: &Trace, chunks: &[ChunkDesc], cfg: &SchedulerConfig) -
             for a in &moment.accesses {
                 let i = a.chunk as usize;
                 if i >= chunks.len() {
-                    return Err(Error::InvalidArgument(format!("trace names chunk {i}")));
+                    return Err(Error::IndexOutOfRange {
+                        what: "trace chunk".into(),
+                        index: i,
+                        len: chunks.len(),
+                    });
                 }
                 match a.target {
                     Target::Host => {

@@ -61,17 +61,29 @@ impl Policy {
                 .or_else(|| s.strip_prefix("static-"))
             {
                 Some(f) => {
-                    let device_fraction: f64 = f.parse().map_err(|_| {
-                        Error::InvalidArgument(format!("bad static fraction '{f}'"))
+                    let device_fraction: f64 = f.parse().map_err(|_| Error::Parse {
+                        what: "static fraction",
+                        input: f.to_string(),
+                        expected: "a number in [0, 1]".into(),
                     })?;
                     if !(0.0..=1.0).contains(&device_fraction) {
-                        return Err(Error::InvalidArgument(format!(
-                            "static fraction {device_fraction} outside [0, 1]"
-                        )));
+                        return Err(Error::BadValue {
+                            what: "the static fraction".into(),
+                            value: device_fraction,
+                            want: "in [0, 1]",
+                        });
                     }
                     Policy::Static { device_fraction }
                 }
-                None => return Err(Error::InvalidArgument(format!("unknown policy '{s}'"))),
+                None => {
+                    return Err(Error::Parse {
+                        what: "policy",
+                        input: s,
+                        expected: "tide, patrickstar (ps), lru, static (all-host, zero-offload) \
+                                   or static:F with F in [0, 1]"
+                            .into(),
+                    })
+                }
             },
         })
     }
@@ -250,16 +262,18 @@ impl Scheduler {
     /// A scheduler for `chunks` under `policy`.
     pub fn new(policy: Policy, cfg: SchedulerConfig, chunks: Vec<ChunkDesc>) -> Result<Self> {
         if !(cfg.overall_fraction > 0.0 && cfg.overall_fraction <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "overall fraction {} outside (0, 1]",
-                cfg.overall_fraction
-            )));
+            return Err(Error::BadValue {
+                what: "the overall fraction".into(),
+                value: cfg.overall_fraction,
+                want: "in (0, 1]",
+            });
         }
         if !(cfg.warmup_chunk_fraction > 0.0 && cfg.warmup_chunk_fraction <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "warm-up chunk fraction {} outside (0, 1]",
-                cfg.warmup_chunk_fraction
-            )));
+            return Err(Error::BadValue {
+                what: "the warm-up chunk fraction".into(),
+                value: cfg.warmup_chunk_fraction,
+                want: "in (0, 1]",
+            });
         }
         let n = chunks.len();
         let mut resident = vec![false; n];
@@ -392,10 +406,11 @@ impl Scheduler {
     fn check(&self, chunk: ChunkNo) -> Result<usize> {
         let i = chunk as usize;
         if i >= self.chunks.len() {
-            return Err(Error::InvalidArgument(format!(
-                "chunk {chunk} out of range ({} chunks)",
-                self.chunks.len()
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: "chunk".into(),
+                index: i,
+                len: self.chunks.len(),
+            });
         }
         Ok(i)
     }
@@ -520,10 +535,10 @@ impl Scheduler {
             self.check(a.chunk)?;
             match acc.iter_mut().find(|b| b.chunk == a.chunk) {
                 Some(b) if b.target != a.target => {
-                    return Err(Error::InvalidArgument(format!(
-                        "chunk {} needed on the device and on the host at the same moment",
-                        a.chunk
-                    )))
+                    return Err(Error::Conflict {
+                        what: format!("chunk {} needed on the device", a.chunk),
+                        with: "the same chunk needed on the host at the same moment".into(),
+                    })
                 }
                 Some(b) => b.write |= a.write,
                 None => acc.push(*a),
@@ -532,11 +547,13 @@ impl Scheduler {
         for a in &acc {
             let s = &self.st[a.chunk as usize];
             if s.in_use > 0 && s.on_device != (a.target == Target::Device) {
-                return Err(Error::InvalidArgument(format!(
-                    "chunk {} is in use on the {} and cannot move",
-                    a.chunk,
-                    if s.on_device { "device" } else { "host" }
-                )));
+                return Err(Error::Conflict {
+                    what: format!("moving chunk {}", a.chunk),
+                    with: format!(
+                        "its use on the {}",
+                        if s.on_device { "device" } else { "host" }
+                    ),
+                });
             }
         }
         let m = self.moment.unwrap_or(0);
@@ -665,10 +682,11 @@ impl Scheduler {
             let i = self.check(c)?;
             let times = chunks.iter().filter(|&&d| d == c).count();
             if (self.st[i].in_use as usize) < times {
-                return Err(Error::InvalidArgument(format!(
-                    "chunk {c} released {times} times but in use {} times",
-                    self.st[i].in_use
-                )));
+                return Err(Error::TooFew {
+                    what: format!("uses of chunk {c}, released {times} times"),
+                    got: self.st[i].in_use as usize,
+                    need: times,
+                });
             }
         }
         let mut moves = Vec::new();
@@ -767,9 +785,10 @@ impl Scheduler {
             return Ok(moves);
         }
         if s.on_device && s.in_use > 0 {
-            return Err(Error::InvalidArgument(format!(
-                "chunk {chunk} is in use on the device"
-            )));
+            return Err(Error::Conflict {
+                what: format!("syncing chunk {chunk} to the host"),
+                with: "its use on the device".into(),
+            });
         }
         if s.on_device {
             // a chunk lives in one place under move semantics

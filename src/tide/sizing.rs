@@ -55,18 +55,18 @@ impl Sizing {
     /// The sizing of `trace` over `chunks`; every chunk the trace names must exist.
     pub fn new(trace: Trace, chunks: Vec<ChunkDesc>) -> Result<Sizing> {
         if trace.is_empty() {
-            return Err(Error::InvalidArgument(
-                "sizing needs a complete iteration: the trace has no moment".into(),
-            ));
+            return Err(Error::Empty {
+                what: "the trace (sizing needs a complete iteration)".into(),
+            });
         }
         for m in &trace.moments {
             for a in &m.accesses {
                 if a.chunk as usize >= chunks.len() {
-                    return Err(Error::InvalidArgument(format!(
-                        "the trace names chunk {} of {}",
-                        a.chunk,
-                        chunks.len()
-                    )));
+                    return Err(Error::IndexOutOfRange {
+                        what: "trace chunk".into(),
+                        index: a.chunk as usize,
+                        len: chunks.len(),
+                    });
                 }
             }
         }
@@ -158,9 +158,11 @@ impl Sizing {
     /// ([`Sizing::smallest_device`] with [`Sizing::config_for`]).
     pub fn device_for(&self, policy: Policy, share: f64) -> Result<u64> {
         if !(0.0..=1.0).contains(&share) {
-            return Err(Error::InvalidArgument(format!(
-                "a device share of the chunks must lie in [0, 1], not {share}"
-            )));
+            return Err(Error::BadValue {
+                what: "the device share of the chunks".into(),
+                value: share,
+                want: "in [0, 1]",
+            });
         }
         let asked = self.non_model_peak() + (share * self.device_chunk_bytes() as f64) as u64;
         let least = self.smallest_device(policy, |c| self.config_for(c))?;

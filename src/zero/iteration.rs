@@ -284,11 +284,13 @@ impl ZeroManager {
         }
         match self.tensors[id.index()].local {
             Some(l) => self.local.read(l),
-            None => Err(Error::InvalidArgument(format!(
-                "tensor '{}' is neither gathered nor owned by rank {}",
-                self.tensors[id.index()].name,
-                self.comm.rank()
-            ))),
+            None => Err(Error::Conflict {
+                what: format!("reading tensor '{}'", self.tensors[id.index()].name),
+                with: format!(
+                    "rank {}, which neither gathers nor owns it",
+                    self.comm.rank()
+                ),
+            }),
         }
     }
 
@@ -296,10 +298,10 @@ impl ZeroManager {
     pub fn master(&mut self, id: TensorId) -> Result<Vec<f32>> {
         match self.tensors.get(id.index()).and_then(|t| t.local) {
             Some(l) => self.local.master(l),
-            None => Err(Error::InvalidArgument(format!(
-                "rank {} does not own tensor {id}",
-                self.comm.rank()
-            ))),
+            None => Err(Error::Conflict {
+                what: format!("reading the master of tensor {id}"),
+                with: format!("rank {}, which does not own it", self.comm.rank()),
+            }),
         }
     }
 
@@ -308,10 +310,13 @@ impl ZeroManager {
     pub fn write_grad(&mut self, id: TensorId, grad: &[f32]) -> Result<()> {
         if !self.grad_use(id)? {
             let t = &self.tensors[id.index()];
-            return Err(Error::InvalidArgument(format!(
-                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
-                t.name, t.bwd_uses, t.fwd_uses
-            )));
+            return Err(Error::Conflict {
+                what: format!(
+                    "a gradient write of shared tensor '{}' at backward use {} of {}",
+                    t.name, t.bwd_uses, t.fwd_uses
+                ),
+                with: "a backward use before the last; write it at the last".into(),
+            });
         }
         let t = &self.tensors[id.index()];
         if grad.len() != t.slot.numel {
@@ -382,10 +387,10 @@ impl ZeroManager {
             .iter()
             .find(|t| t.state == TensorState::Compute)
         {
-            return Err(Error::InvalidArgument(format!(
-                "tensor '{}' is still fetched at the end of backward",
-                t.name
-            )));
+            return Err(Error::Conflict {
+                what: "the end of backward".into(),
+                with: format!("tensor '{}', still fetched (release it first)", t.name),
+            });
         }
         for j in 0..self.gathers.len() {
             match &self.gathers[j] {
@@ -420,10 +425,13 @@ impl ZeroManager {
             });
         }
         if t.state != TensorState::Compute {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of '{}' written outside a backward fetch (state {})",
-                t.name, t.state
-            )));
+            return Err(Error::Conflict {
+                what: format!("a gradient write of '{}'", t.name),
+                with: format!(
+                    "a tensor not fetched for backward (state {}): write it inside a backward fetch",
+                    t.state
+                ),
+            });
         }
         Ok(t.bwd_uses >= t.fwd_uses)
     }
@@ -433,10 +441,13 @@ impl ZeroManager {
     pub(crate) fn mark_grad(&mut self, id: TensorId) -> Result<()> {
         if !self.grad_use(id)? {
             let t = &self.tensors[id.index()];
-            return Err(Error::InvalidArgument(format!(
-                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
-                t.name, t.bwd_uses, t.fwd_uses
-            )));
+            return Err(Error::Conflict {
+                what: format!(
+                    "a gradient write of shared tensor '{}' at backward use {} of {}",
+                    t.name, t.bwd_uses, t.fwd_uses
+                ),
+                with: "a backward use before the last; write it at the last".into(),
+            });
         }
         self.tensors[id.index()].grad = true;
         Ok(())

@@ -224,11 +224,12 @@ impl ZeroManager {
     /// before the first fetch, to the same value on every rank.
     pub fn set_prefetch(&mut self, depth: usize) -> Result<()> {
         if self.closed {
-            return Err(Error::InvalidArgument(
-                "set_prefetch must come before registration closes (the first fetch, or a \
-                 checkpoint save or load)"
+            return Err(Error::Conflict {
+                what: "set_prefetch".into(),
+                with: "a closed registration (it closes at the first fetch, or a checkpoint \
+                       save or load): set it before"
                     .into(),
-            ));
+            });
         }
         self.prefetch.depth = depth;
         Ok(())
@@ -281,10 +282,10 @@ impl ZeroManager {
     fn idle(&self, what: &str) -> Result<()> {
         match self.stage {
             None => Ok(()),
-            Some(s) => Err(Error::InvalidArgument(format!(
-                "{what} runs between iterations, not during the {} stage",
-                s.name()
-            ))),
+            Some(s) => Err(Error::WrongStage {
+                call: format!("{what} (it runs between iterations)"),
+                stage: s.name(),
+            }),
         }
     }
 }

@@ -29,9 +29,10 @@ impl ZeroManager {
     /// Registers a parameter on every rank (same calls, same order everywhere).
     pub fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
         if self.closed {
-            return Err(Error::InvalidArgument(format!(
-                "cannot register '{name}': registration closed at the first fetch"
-            )));
+            return Err(Error::Conflict {
+                what: format!("registering '{name}'"),
+                with: "a closed registration (it closed at the first fetch)".into(),
+            });
         }
         let numel = numel_of(name, shape)?;
         let slot = self.layout.push(numel)?;
@@ -58,9 +59,10 @@ impl ZeroManager {
     /// stays on every rank, with no message. Before the first fetch.
     pub fn align_to_ranks(&mut self) -> Result<()> {
         if self.closed {
-            return Err(Error::InvalidArgument(
-                "align_to_ranks: registration closed at the first fetch".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "align_to_ranks".into(),
+                with: "a closed registration (it closed at the first fetch)".into(),
+            });
         }
         self.layout.pad_groups(self.comm.world());
         Ok(())
@@ -70,14 +72,17 @@ impl ZeroManager {
     /// [`crate::chunk::ChunkManager::set_norm_share`]); before the first fetch.
     pub fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
         if self.closed {
-            return Err(Error::InvalidArgument(
-                "norm shares are set before the first fetch".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "setting a norm share".into(),
+                with: "a closed registration (it closed at the first fetch)".into(),
+            });
         }
         if !(share > 0.0 && share <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "a norm share of {share} (it is in (0, 1])"
-            )));
+            return Err(Error::BadValue {
+                what: "a norm share".into(),
+                value: share,
+                want: "in (0, 1]",
+            });
         }
         self.tensors
             .get_mut(id.index())
@@ -110,9 +115,14 @@ impl ZeroManager {
         let (n, r) = (self.world(), self.comm.rank());
         let groups = self.layout.groups();
         if groups < n {
-            return Err(Error::InvalidArgument(format!(
-                "the model packs into {groups} chunk groups, fewer than the {n} ranks: use smaller chunks"
-            )));
+            return Err(Error::TooFew {
+                what: format!(
+                    "chunk groups the model packs into, one for each of {n} ranks (use smaller \
+                     chunks)"
+                ),
+                got: groups,
+                need: n,
+            });
         }
         if self.prefetch.depth > 0 && self.prefetch.reserve.is_empty() {
             // Room for `depth` gather buffers during warm-up, one block each so that each can
@@ -134,10 +144,12 @@ impl ZeroManager {
                 let id = self.local.register(&zt.name, &zt.shape, zt.init.clone())?;
                 let (_, _, slot) = self.local.tensor_info(id)?;
                 if slot.offset != zt.slot.offset {
-                    return Err(Error::InvalidArgument(format!(
-                        "tensor '{}' packs at offset {} locally but {} globally",
-                        zt.name, slot.offset, zt.slot.offset
-                    )));
+                    return Err(Error::Internal {
+                        what: format!(
+                            "tensor '{}' packs at offset {} locally but {} globally",
+                            zt.name, slot.offset, zt.slot.offset
+                        ),
+                    });
                 }
                 self.local.set_norm_share(id, zt.norm_share)?;
                 self.tensors[t as usize].local = Some(id);
@@ -212,8 +224,8 @@ impl ZeroManager {
         let (n, es) = (self.world(), self.es());
         let j = t.slot.group as usize / n;
         let q = t.slot.group as usize % n;
-        let g = self.gathers[j].as_ref().ok_or_else(|| {
-            Error::InvalidArgument(format!("tensor '{}' is not gathered on this rank", t.name))
+        let g = self.gathers[j].as_ref().ok_or_else(|| Error::Internal {
+            what: format!("tensor '{}' is not gathered on this rank", t.name),
         })?;
         let slot = self.slot_elems(j) * es;
         g.buf.view(q * slot + t.slot.offset * es, t.slot.numel * es)

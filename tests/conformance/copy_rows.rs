@@ -1,7 +1,7 @@
 //! Cases of the row copy.
 
 use super::*;
-use tidemem::ops::copy_rows::CopyRowsParams;
+use tidemem::ops::abi::CopyRowsParams;
 
 /// A shuffled `0..m` cut to `n` entries (distinct), some past `rows` when `m > rows`.
 fn perm(r: &mut Rng, m: usize, n: usize) -> Vec<u32> {

@@ -13,7 +13,7 @@ pub(super) fn cast_cases(r: &mut Rng) -> Vec<Case> {
                         Some((from, r.floats(n, 300.0, from))),
                         Some((to, r.garbage(n * to.size()))),
                     ],
-                    params: bytemuck::bytes_of(&ops::cast::CastParams { n: n as u64 }).to_vec(),
+                    params: bytemuck::bytes_of(&ops::abi::CastParams { n: n as u64 }).to_vec(),
                     agree: Agree::Exact,
                 });
             }
@@ -66,8 +66,7 @@ pub(super) fn grad_stats_cases(r: &mut Rng) -> Vec<Case> {
                     Some((d, r.floats(n, 8.0, d))),
                     Some((DType::F64, r.garbage(ops::GRAD_STATS_BYTES))),
                 ],
-                params: bytemuck::bytes_of(&ops::grad_stats::GradStatsParams { n: n as u64 })
-                    .to_vec(),
+                params: bytemuck::bytes_of(&ops::abi::GradStatsParams { n: n as u64 }).to_vec(),
                 // The sum runs in another order on the GPU: compare the two f64 as floats.
                 agree: Agree::Close {
                     abs: 1e-12,
@@ -89,8 +88,7 @@ pub(super) fn accumulate_cases(r: &mut Rng) -> Vec<Case> {
                     Some((d, r.floats(n, 3.0, d))),
                     Some((DType::F32, r.floats(n, 100.0, DType::F32))),
                 ],
-                params: bytemuck::bytes_of(&ops::accumulate::AccumulateParams { n: n as u64 })
-                    .to_vec(),
+                params: bytemuck::bytes_of(&ops::abi::AccumulateParams { n: n as u64 }).to_vec(),
                 agree: Agree::Exact,
             });
         }

@@ -14,7 +14,7 @@ pub(super) fn gelu_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
             v.push(Case {
                 label: format!("{d} n={n}"),
                 operands,
-                params: bytemuck::bytes_of(&ops::gelu::GeluParams { n: n as u64 }).to_vec(),
+                params: bytemuck::bytes_of(&ops::abi::GeluParams { n: n as u64 }).to_vec(),
                 // tanh is math.cuh's, not the libm's: the same bits everywhere.
                 agree: Agree::Exact,
             });
@@ -107,7 +107,7 @@ pub(super) fn softmax_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
                 operands.push(Some((d, causal_block(r, block, 12.0, d))));
             }
             operands.push(Some((d, r.garbage(bh * rows * cols * d.size()))));
-            let p = ops::softmax::SoftmaxParams {
+            let p = ops::abi::SoftmaxParams {
                 bh: bh as u64,
                 rows: rows as u64,
                 cols: cols as u64,
@@ -152,7 +152,7 @@ pub(super) fn cross_entropy_cases(r: &mut Rng) -> Vec<Case> {
                     }
                 })
                 .collect();
-            let p = ops::cross_entropy::CrossEntropyParams {
+            let p = ops::abi::CrossEntropyParams {
                 n: n as u64,
                 v: vocab as u64,
                 vp: vp as u64,
@@ -195,7 +195,7 @@ pub(super) fn encoder_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
             let label = format!("{d} B {b} T {t} C {c} V {vocab} maxT {max_t}");
             if backward {
                 let plan = ops::EncoderPlan::new(&tokens, vocab).unwrap();
-                let p = ops::encoder::EncoderBackwardParams {
+                let p = ops::abi::EncoderBackwardParams {
                     n: n as u64,
                     t: t as u64,
                     c: c as u64,
@@ -215,7 +215,7 @@ pub(super) fn encoder_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
                     agree: Agree::Exact,
                 });
             } else {
-                let p = ops::encoder::EncoderParams {
+                let p = ops::abi::EncoderParams {
                     n: n as u64,
                     t: t as u64,
                     c: c as u64,
@@ -249,7 +249,7 @@ pub(super) fn encoder_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
 /// that close: at most one ulp apart, rel = 2⁻¹⁰ (f16) or 2⁻⁷ (bf16), and f16 subnormals' ulp
 /// 2⁻²⁴ on abs.
 pub(super) fn gemm_cases(r: &mut Rng) -> Vec<Case> {
-    use ops::gemm::Gemm;
+    use ops::Gemm;
     let sizes = [
         (0, 3, 4),
         (3, 0, 2),
@@ -298,8 +298,8 @@ pub(super) fn gemm_cases(r: &mut Rng) -> Vec<Case> {
             let tf32 = d == DType::F32 && i % 5 == 0;
             let g = g.tf32(tf32);
             let p = g.params();
-            let ta = p.flags & ops::gemm::GemmParams::TRANS_A != 0;
-            let tb = p.flags & ops::gemm::GemmParams::TRANS_B != 0;
+            let ta = p.flags & ops::abi::GemmParams::TRANS_A != 0;
+            let tb = p.flags & ops::abi::GemmParams::TRANS_B != 0;
             let ext = |rows: u64, cols: u64, ld: u64, stride: u64| -> usize {
                 if rows == 0 || cols == 0 || p.batch == 0 {
                     1

@@ -13,7 +13,7 @@ pub(super) const LN_SHAPES: [(usize, usize); 7] = [
 ];
 
 pub(super) fn layernorm_forward_cases(r: &mut Rng) -> Vec<Case> {
-    use ops::layernorm::LayerNormParams;
+    use ops::abi::LayerNormParams;
     let mut v = vec![];
     for d in FLOATS {
         for (n, c) in LN_SHAPES {
@@ -47,7 +47,7 @@ pub(super) fn layernorm_forward_cases(r: &mut Rng) -> Vec<Case> {
 }
 
 pub(super) fn layernorm_backward_cases(r: &mut Rng) -> Vec<Case> {
-    use ops::layernorm::{layernorm_backward_scratch_bytes, LayerNormBackwardParams};
+    use ops::{abi::LayerNormBackwardParams, layernorm_backward_scratch_bytes};
     let mut v = vec![];
     for d in FLOATS {
         for g in [DType::F32, d] {
@@ -106,7 +106,7 @@ pub(super) fn relu_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
             v.push(Case {
                 label: format!("{d} n={n}"),
                 operands,
-                params: bytemuck::bytes_of(&ops::relu::ReluParams { n: n as u64 }).to_vec(),
+                params: bytemuck::bytes_of(&ops::abi::ReluParams { n: n as u64 }).to_vec(),
                 agree: Agree::Exact,
             });
         }
@@ -127,7 +127,7 @@ pub(super) fn bias_rows_cases(r: &mut Rng) -> Vec<Case> {
                 v.push(Case {
                     label: format!("{d} [{n}, {c}] accumulate {acc}"),
                     operands: vec![Some((d, r.floats(c, 2.0, d))), Some((d, y))],
-                    params: bytemuck::bytes_of(&ops::bias::BiasParams {
+                    params: bytemuck::bytes_of(&ops::abi::BiasParams {
                         rows: n as u64,
                         cols: c as u64,
                         accumulate: acc,
@@ -143,7 +143,7 @@ pub(super) fn bias_rows_cases(r: &mut Rng) -> Vec<Case> {
 }
 
 pub(super) fn bias_grad_cases(r: &mut Rng) -> Vec<Case> {
-    use ops::bias::{bias_grad_scratch_bytes, BiasGradParams};
+    use ops::{abi::BiasGradParams, bias_grad_scratch_bytes};
     let mut v = vec![];
     for d in FLOATS {
         for g in [DType::F32, d] {
@@ -167,7 +167,7 @@ pub(super) fn bias_grad_cases(r: &mut Rng) -> Vec<Case> {
 }
 
 pub(super) fn add_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
-    use ops::elementwise::AddParams;
+    use ops::abi::AddParams;
     let mut v = vec![];
     for d in FLOATS {
         for n in SIZES {
@@ -209,7 +209,7 @@ pub(super) fn scale_cases(r: &mut Rng) -> Vec<Case> {
             v.push(Case {
                 label: format!("{d} n={n} alpha {alpha}"),
                 operands: vec![Some((d, r.floats(n, 4.0, d)))],
-                params: bytemuck::bytes_of(&ops::elementwise::ScaleParams {
+                params: bytemuck::bytes_of(&ops::abi::ScaleParams {
                     n: n as u64,
                     alpha,
                     pad: 0,
@@ -230,9 +230,9 @@ pub(super) fn fill_cases(r: &mut Rng) -> Vec<Case> {
             v.push(Case {
                 label: format!("{d} n={n} value {value}"),
                 operands: vec![Some((d, r.garbage(n * d.size())))],
-                params: bytemuck::bytes_of(&ops::elementwise::FillParams {
+                params: bytemuck::bytes_of(&ops::abi::FillParams {
                     n: n as u64,
-                    bits: ops::elementwise::fill_bits(value, d).unwrap(),
+                    bits: ops::fill_bits(value, d).unwrap(),
                 })
                 .to_vec(),
                 agree: Agree::Exact,

@@ -3,7 +3,7 @@
 use super::*;
 
 pub(super) fn interaction_cases(r: &mut Rng, backward: bool) -> Vec<Case> {
-    use ops::interaction::InteractionShape;
+    use ops::InteractionShape;
     let mut v = vec![];
     // Empty, no features, dim 0, odd, Criteo-like, and samples too large for shared memory.
     let shapes = [
@@ -58,7 +58,7 @@ pub(super) fn bce_cases(r: &mut Rng) -> Vec<Case> {
                         _ => r.unit().abs(),
                     })
                     .collect();
-                let p = ops::bce::BceParams {
+                let p = ops::abi::BceParams {
                     n: n as u64,
                     scale: 1.0 / n.max(1) as f32,
                     pad: 0,

@@ -2,8 +2,9 @@
 //! cross-entropy steps. Every one bitwise: the twins keep the kernels' order.
 
 use super::*;
-use tidemem::ops::vocab_parallel::{
-    VocabCeParams, VocabEmbeddingBackwardParams, VocabEmbeddingParams, VocabPlan, VocabShard,
+use tidemem::ops::{
+    abi::VocabCeParams, abi::VocabEmbeddingBackwardParams, abi::VocabEmbeddingParams,
+    vocab_parallel::VocabPlan, vocab_parallel::VocabShard,
 };
 
 /// Embedding shapes (N, C, V, start, V_r).

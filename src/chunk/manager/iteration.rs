@@ -110,7 +110,9 @@ impl ChunkManager {
             let buf = self.payload[c]
                 .device
                 .clone()
-                .ok_or_else(|| Error::InvalidArgument("fetched chunk has no device copy".into()))?;
+                .ok_or_else(|| Error::Internal {
+                    what: format!("fetched chunk {c} has no device copy"),
+                })?;
             views.push(TensorView::new(
                 id,
                 self.cfg.param_dtype,
@@ -159,7 +161,7 @@ impl ChunkManager {
     /// reads, and counts no use on either side, so it touches no gradient; the release takes
     /// the tensors back to HOLD. Only for tensors this iteration has not used (their slots hold
     /// parameters, and no backward of this iteration will write them); others are
-    /// [`Error::InvalidArgument`].
+    /// [`Error::Conflict`].
     pub(crate) fn fetch_ahead(&mut self, ids: &[TensorId]) -> Result<Vec<TensorView>> {
         self.usable()?;
         if self.stage != Some(Stage::Backward) {
@@ -354,10 +356,13 @@ impl ChunkManager {
     fn grad_slot(&self, id: TensorId, len: usize) -> Result<(Arc<DeviceBuffer>, usize)> {
         if !self.grad_use(id)? {
             let t = &self.tensors[id.index()];
-            return Err(Error::InvalidArgument(format!(
-                "gradient of shared tensor '{}' written at backward use {} of {}; write it at the last",
-                t.name, t.bwd_uses, t.fwd_uses
-            )));
+            return Err(Error::Conflict {
+                what: format!(
+                    "a gradient write of shared tensor '{}' at backward use {} of {}",
+                    t.name, t.bwd_uses, t.fwd_uses
+                ),
+                with: "a backward use before the last; write it at the last".into(),
+            });
         }
         let t = &self.tensors[id.index()];
         if len != t.slot.numel {
@@ -370,7 +375,9 @@ impl ChunkManager {
         let buf = self.payload[c]
             .device
             .clone()
-            .ok_or_else(|| Error::InvalidArgument("fetched chunk has no device copy".into()))?;
+            .ok_or_else(|| Error::Internal {
+                what: format!("fetched chunk {c} has no device copy"),
+            })?;
         Ok((buf, t.slot.offset * self.cfg.param_dtype.size()))
     }
 
@@ -611,10 +618,13 @@ impl ChunkManager {
             });
         }
         if t.state[0] != TensorState::Compute {
-            return Err(Error::InvalidArgument(format!(
-                "gradient of '{}' written outside a backward fetch (state {})",
-                t.name, t.state[0]
-            )));
+            return Err(Error::Conflict {
+                what: format!("a gradient write of '{}'", t.name),
+                with: format!(
+                    "a tensor not fetched for backward (state {}): write it inside a backward fetch",
+                    t.state[0]
+                ),
+            });
         }
         Ok(t.bwd_uses >= t.fwd_uses)
     }

@@ -195,10 +195,11 @@ impl ChunkManager {
     /// A manager on `device`.
     pub fn new(device: Device, mut cfg: ManagerConfig) -> Result<Self> {
         if !matches!(cfg.param_dtype, DType::F16 | DType::BF16 | DType::F32) {
-            return Err(Error::InvalidArgument(format!(
-                "unsupported parameter dtype {}",
-                cfg.param_dtype.name()
-            )));
+            return Err(Error::WrongDType {
+                what: "the parameter type of a chunk manager".into(),
+                dtype: cfg.param_dtype,
+                expected: "F16, BF16 or F32",
+            });
         }
         if cfg.scheduler.capacity == 0 {
             cfg.scheduler.capacity = device.mem_info()?.total as u64;
@@ -335,7 +336,9 @@ impl ChunkManager {
             return Ok(());
         }
         if self.tensors.is_empty() {
-            return Err(Error::InvalidArgument("no tensor registered".into()));
+            return Err(Error::Empty {
+                what: "the chunk manager (no tensor registered)".into(),
+            });
         }
         let chunks = plan_chunks(&self.layout, self.cfg.param_dtype.size() as u64);
         self.file_tier = spill_to_file(&chunks, self.cfg.host_budget);

@@ -75,9 +75,9 @@ impl ChunkManager {
             // loaded again while written back: after that copy, on the device
             HostSlot::InFlight(p) => self.device.copy_h2d_after(&self.copy, p, &buf)?,
             HostSlot::None | HostSlot::Lent => {
-                return Err(Error::InvalidArgument(format!(
-                    "chunk {c} has no host copy"
-                )))
+                return Err(Error::Internal {
+                    what: format!("chunk {c} is loaded but has no host copy"),
+                })
             }
         };
         let ev = self.device.new_event()?;
@@ -102,9 +102,12 @@ impl ChunkManager {
         c: usize,
         dest: Option<HostBuffer>,
     ) -> Result<(usize, HostSlot)> {
-        let buf = self.payload[c].device.clone().ok_or_else(|| {
-            Error::InvalidArgument(format!("write-back of chunk {c} without a device copy"))
-        })?;
+        let buf = self.payload[c]
+            .device
+            .clone()
+            .ok_or_else(|| Error::Internal {
+                what: format!("write-back of chunk {c} without a device copy"),
+            })?;
         let old = std::mem::take(&mut self.payload[c].host);
         let (h, old) = match (dest, old) {
             (Some(d), old) => (d, old),
@@ -208,9 +211,9 @@ impl ChunkManager {
         }
         match &mut self.payload[c].host {
             HostSlot::Ready(b) => Ok(b),
-            _ => Err(Error::InvalidArgument(format!(
-                "chunk {c} has no host copy"
-            ))),
+            _ => Err(Error::Internal {
+                what: format!("chunk {c} has no host copy"),
+            }),
         }
     }
 
@@ -273,21 +276,25 @@ impl ChunkManager {
     pub(crate) fn check_idle(&self, what: &str, params_only: bool) -> Result<()> {
         self.usable()?;
         if let Some(s) = self.stage {
-            return Err(Error::InvalidArgument(format!(
-                "{what} runs between iterations (before the first fetch or after end_step), not \
-                 during the {} stage",
-                s.name()
-            )));
+            return Err(Error::WrongStage {
+                call: format!(
+                    "{what} (it runs between iterations: before the first fetch or after end_step)"
+                ),
+                stage: s.name(),
+            });
         }
         let dirty: Vec<usize> = (0..self.grads_in.len())
             .filter(|&g| self.grads_in[g])
             .collect();
         if params_only && !dirty.is_empty() {
-            return Err(Error::InvalidArgument(format!(
-                "{what}: the parameter chunks of groups {dirty:?} may hold gradients (a step \
-                 skipped or ended without an optimizer pass restoring the parameters, as \
-                 HybridAdam does)"
-            )));
+            return Err(Error::Conflict {
+                what: what.to_string(),
+                with: format!(
+                    "the parameter chunks of groups {dirty:?}, which may hold gradients (a step \
+                     skipped or ended without an optimizer pass restoring the parameters, as \
+                     HybridAdam does)"
+                ),
+            });
         }
         Ok(())
     }

@@ -373,9 +373,15 @@ impl ChunkManager {
             if let Some(ev) = self.payload[c].ready.take() {
                 self.device.wait_event(&self.compute, &ev)?;
             }
-            bufs[k.index()] = Some(self.payload[c].device.clone().ok_or_else(|| {
-                Error::InvalidArgument(format!("chunk {c} was fetched but has no device copy"))
-            })?);
+            bufs[k.index()] =
+                Some(
+                    self.payload[c]
+                        .device
+                        .clone()
+                        .ok_or_else(|| Error::Internal {
+                            what: format!("chunk {c} was fetched but has no device copy"),
+                        })?,
+                );
         }
         let [p, ma, mo, va] = &bufs;
         f(GroupVisit {
@@ -436,8 +442,8 @@ impl ChunkManager {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
         if matches!(self.payload[c].host, HostSlot::Lent) {
             // an early step holds the gradients, and leaves them as they are
-            return self.lent_grads(g)?.ok_or_else(|| {
-                Error::InvalidArgument(format!("group {g}'s gradients are lent and lost"))
+            return self.lent_grads(g)?.ok_or_else(|| Error::Internal {
+                what: format!("group {g}'s gradients are lent and lost"),
             });
         }
         Ok(self.host_ready(c)?)
@@ -453,7 +459,9 @@ impl ChunkManager {
         self.payload[c]
             .device
             .clone()
-            .ok_or_else(|| Error::InvalidArgument(format!("chunk {c} has no device copy")))
+            .ok_or_else(|| Error::Internal {
+                what: format!("chunk {c} has no device copy"),
+            })
     }
 
     /// Device scratch memory for the optimizer's own work (the gradient statistics), from the

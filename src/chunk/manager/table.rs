@@ -29,9 +29,10 @@ impl ChunkManager {
     /// first fetch.
     pub fn register(&mut self, name: &str, shape: &[usize], init: Init) -> Result<TensorId> {
         if self.sched.is_some() {
-            return Err(Error::InvalidArgument(format!(
-                "cannot register '{name}': registration closed at the first fetch"
-            )));
+            return Err(Error::Conflict {
+                what: format!("registering '{name}'"),
+                with: "a closed registration (it closed at the first fetch)".into(),
+            });
         }
         let numel = numel_of(name, shape)?;
         let slot = self.layout.push(numel)?;
@@ -54,9 +55,10 @@ impl ChunkManager {
     /// module boundary).
     pub fn seal_chunk(&mut self) -> Result<()> {
         if self.sched.is_some() {
-            return Err(Error::InvalidArgument(
-                "cannot seal a chunk: registration closed at the first fetch".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "sealing a chunk".into(),
+                with: "a closed registration (it closed at the first fetch)".into(),
+            });
         }
         self.layout.seal();
         Ok(())
@@ -150,10 +152,10 @@ impl ChunkManager {
             .iter()
             .find(|t| t.state[0] == TensorState::Compute)
         {
-            Some(t) => Err(Error::InvalidArgument(format!(
-                "tensor '{}' is still fetched at the end of {end_of}",
-                t.name
-            ))),
+            Some(t) => Err(Error::Conflict {
+                what: format!("the end of {end_of}"),
+                with: format!("tensor '{}', still fetched (release it first)", t.name),
+            }),
             None => Ok(()),
         }
     }
@@ -166,9 +168,11 @@ impl ChunkManager {
     /// norm clipping needs). 1 by default.
     pub fn set_norm_share(&mut self, id: TensorId, share: f64) -> Result<()> {
         if !(share > 0.0 && share <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "a norm share of {share} (it is in (0, 1])"
-            )));
+            return Err(Error::BadValue {
+                what: "a norm share".into(),
+                value: share,
+                want: "in (0, 1]",
+            });
         }
         self.meta(id)?;
         self.tensors[id.index()].norm_share = share;

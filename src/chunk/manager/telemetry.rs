@@ -235,9 +235,10 @@ impl ChunkManager {
         let s = self.sched.as_ref();
         match (s, s.and_then(|s| s.trace())) {
             (Some(s), Some(t)) => Sizing::new(t.clone(), s.chunks().to_vec()),
-            _ => Err(Error::InvalidArgument(
-                "sizing needs a complete warm-up iteration (ended by end_step)".into(),
-            )),
+            _ => Err(Error::OutOfOrder {
+                call: "sizing",
+                needs: "a complete warm-up iteration (ended by end_step)",
+            }),
         }
     }
 

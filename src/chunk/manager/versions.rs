@@ -15,7 +15,7 @@ impl ChunkManager {
     /// The optimizer lists copy between iterations and between the end of the backward pass and
     /// the step (the masters and moments a step is about to update); the parameter list only
     /// between iterations, and only while neither tensor's chunk may hold a gradient. Fails with
-    /// [`Error::WrongStage`] at other times, and with [`Error::InvalidArgument`] for a pair of
+    /// [`Error::WrongStage`] at other times, and with [`Error::Conflict`] for a pair of
     /// different shapes, a tensor paired with itself, a tensor written twice or both read and
     /// written, or a parameter chunk that may hold a gradient; nothing is copied then. A host
     /// copy that fails midway leaves the manager unusable (as a failed checkpoint load does).
@@ -91,10 +91,10 @@ impl ChunkManager {
         for &id in ids {
             let t = self.meta(id)?;
             if self.grads_in.get(t.slot.group as usize) == Some(&true) {
-                return Err(Error::InvalidArgument(format!(
-                    "copy_state of '{}': its parameter chunk may hold gradients",
-                    t.name
-                )));
+                return Err(Error::Conflict {
+                    what: format!("copy_state of '{}'", t.name),
+                    with: "its parameter chunk, which may hold gradients".into(),
+                });
             }
         }
         Ok(())

@@ -1,9 +1,4 @@
-//! The Adam step as a device op: its parameter block, descriptors, the typed wrapper [`adam`],
-//! and the CPU kernel ([`cpu`]) that is both the host path of `HybridAdam` and the simulated
-//! device's twin, so a step gives the same bits wherever it runs there. CUDA runs
-//! `kernels/adam.cu`, which performs the same operations in the same order.
-
-pub mod cpu;
+mod cpu;
 
 pub use cpu::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 pub(crate) use cpu::{RawKind, RawStep};
@@ -228,6 +223,11 @@ pub struct AdamOperands<'a> {
     pub copy: Option<(DeviceView<'a>, DType)>,
 }
 
+/// The Adam step as a device op: its parameter block, descriptors, the typed wrapper [`adam`],
+/// and the CPU kernel ([`CpuAdam`]) that is both the host path of `HybridAdam` and the simulated
+/// device's twin, so a step gives the same bits wherever it runs there. CUDA runs
+/// `kernels/adam.cu`, which performs the same operations in the same order.
+///
 /// One Adam step on `stream` over the operands (see `tidemem::optim::adam` for the
 /// arithmetic). The simulated device runs the CPU kernel, [`CpuAdam`], so both placements of a
 /// step give the same bits there.

@@ -1,38 +1,3 @@
-//! General matrix multiply: `C[b] = alpha·op(A[b])·op(B[b]) + beta·C[b]` for each `b` of a
-//! strided batch, on row-major f32, f16 or bf16 matrices with f32 accumulation.
-//!
-//! A [`Gemm`] describes the shapes: `op(A)` is `m × k`, `op(B)` is `k × n`, `C` is `m × n`;
-//! `op(X)` is `X` or its transpose. Matrices are row-major with a leading dimension (elements
-//! from one row to the next, at least the row length; packed by default), and batch `b` of an
-//! operand starts `b · stride` elements into its view (a stride of 0 broadcasts one matrix to
-//! every batch, as a weight shared by a batch of inputs). `beta == 0` means `C` is not read (a
-//! NaN there does not propagate), and `alpha == 0` or `k == 0` means `A` and `B` are not read
-//! (`C = beta·C`), as in BLAS. TF32 is used only when asked ([`Gemm::tf32`], f32 only).
-//!
-//! [`gemm()`] launches it on a device: CUDA calls cuBLAS (`cublasGemmStridedBatchedEx` with
-//! `CUBLAS_COMPUTE_32F`, on the stream; see `cublas.rs`), the simulated device runs the CPU
-//! twin (the `gemm` crate, wrapped once in `cpu.rs`). [`gemm_host`] runs the twin on host
-//! slices. Every operand's extent is checked against its view before anything runs: a bad
-//! shape is an [`Error::Operands`](crate::Error::Operands) naming the operand, its shape and the elements it
-//! needs, and nothing is written.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::Gemm;
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // x: 2×3, w: 2×3 (a weight stored out × in), y = x·wᵀ: 2×2
-//! let x = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]))?;
-//! let w = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 0.0, 0.0, 0.0, 1.0, 1.0]))?;
-//! let y = dev.alloc(16)?;
-//! tidemem::ops::gemm(&dev, &s, &Gemm::new(2, 2, 3).trans_b(true), &x, &w, &y, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! assert_eq!(y, [1.0, 5.0, 4.0, 11.0]);
-//! # Ok(()) }
-//! ```
-
 mod cpu;
 mod cublas;
 
@@ -96,7 +61,7 @@ impl GemmParams {
     }
 }
 
-/// The shape and scalars of a GEMM: see [the module](self). Built with [`Gemm::new`] and the
+/// The shape and scalars of a GEMM: see [`gemm()`]. Built with [`Gemm::new`] and the
 /// builder methods; defaults are no transposes, `alpha = 1`, `beta = 0`, packed leading
 /// dimensions, one batch, no TF32.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -402,7 +367,42 @@ fn check(info: &LaunchInfo<'_>) -> Result<()> {
     )
 }
 
-/// `C[b] = alpha·op(A[b])·op(B[b]) + beta·C[b]` on `stream` (see [the module](self)): `a`, `b`
+/// General matrix multiply: `C[b] = alpha·op(A[b])·op(B[b]) + beta·C[b]` for each `b` of a
+/// strided batch, on row-major f32, f16 or bf16 matrices with f32 accumulation.
+///
+/// A [`Gemm`] describes the shapes: `op(A)` is `m × k`, `op(B)` is `k × n`, `C` is `m × n`;
+/// `op(X)` is `X` or its transpose. Matrices are row-major with a leading dimension (elements
+/// from one row to the next, at least the row length; packed by default), and batch `b` of an
+/// operand starts `b · stride` elements into its view (a stride of 0 broadcasts one matrix to
+/// every batch, as a weight shared by a batch of inputs). `beta == 0` means `C` is not read (a
+/// NaN there does not propagate), and `alpha == 0` or `k == 0` means `A` and `B` are not read
+/// (`C = beta·C`), as in BLAS. TF32 is used only when asked ([`Gemm::tf32`], f32 only).
+///
+/// [`gemm()`] launches it on a device: CUDA calls cuBLAS (`cublasGemmStridedBatchedEx` with
+/// `CUBLAS_COMPUTE_32F`, on the stream; see `cublas.rs`), the simulated device runs the CPU
+/// twin (the `gemm` crate, wrapped once in `cpu.rs`). [`gemm_host`] runs the twin on host
+/// slices. Every operand's extent is checked against its view before anything runs: a bad
+/// shape is an [`Error::Operands`](crate::Error::Operands) naming the operand, its shape and the elements it
+/// needs, and nothing is written.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::Gemm;
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // x: 2×3, w: 2×3 (a weight stored out × in), y = x·wᵀ: 2×2
+/// let x = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0]))?;
+/// let w = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 0.0, 0.0, 0.0, 1.0, 1.0]))?;
+/// let y = dev.alloc(16)?;
+/// tidemem::ops::gemm(&dev, &s, &Gemm::new(2, 2, 3).trans_b(true), &x, &w, &y, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// assert_eq!(y, [1.0, 5.0, 4.0, 11.0]);
+/// # Ok(()) }
+/// ```
+///
+/// `C[b] = alpha·op(A[b])·op(B[b]) + beta·C[b]` on `stream` (see [`gemm()`]): `a`, `b`
 /// and `c` hold `dtype` elements (f32, f16 or bf16), laid out as `g` says; `c` overlaps neither
 /// input. Shapes are checked before anything is enqueued.
 pub fn gemm<'a, 'b, 'c>(

@@ -1,45 +1,3 @@
-//! DLRM's dot interaction, forward ([`interaction_forward`]) and backward
-//! ([`interaction_backward`]), on f32, f16 or bf16 storage with f32 math.
-//!
-//! Per sample: the dense vector `x` (`dense[s]`, the bottom MLP's output, `dim` values) and the
-//! `features` pooled embeddings (`emb[s]`, each `dim` values) stack into `T`, `n = features + 1`
-//! rows with `x` first; `Z = T·Tᵀ`; the output row is `x` followed by the strict lower triangle
-//! of `Z` in row-major order, `Z[1][0], Z[2][0], Z[2][1], Z[3][0], …` (`Z[i][j]` at position
-//! `dim + i(i−1)/2 + j`): the order of facebookresearch/dlrm's `interact_features` with
-//! `arch_interaction_op = "dot"` and `arch_interaction_itself = False`, so a layer trained there
-//! reads the same columns. [`InteractionShape::out_width`] is `dim + n(n−1)/2` (367 for Criteo's
-//! 26 features at `dim` 16).
-//!
-//! Backward: with `dZ` the strict lower triangle of `dout` and `G = dZ + dZᵀ` (zero diagonal),
-//! `dT = G·T`; `d_dense = dout[..dim] + dT[0]` and `d_emb[f] = dT[1 + f]`.
-//!
-//! Numerics: every `Z[i][j]` is one chain of fused multiply-adds in f32 over `d = 0, 1, …` from
-//! 0, every `dT[k][c]` one chain over `m = 0, 1, …, n−1` (the diagonal included, as a
-//! multiplication by `G[k][k] = 0`) from `dout[c]` for `k = 0` and from 0 otherwise. The CUDA
-//! kernels (`kernels/interaction.cu`, one block per sample) and the CPU twin run exactly these
-//! chains (an fma is correctly rounded on both), so they agree bit for bit. As in a batched
-//! matrix product's backward (PyTorch's `bmm`), an infinite or NaN value in row `k` of `T`
-//! makes `dT[k]` NaN through that zero.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::interaction::{interaction_forward, InteractionShape};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! // One sample, two features, dim 2: T = [[1, 2], [3, 4], [5, 6]].
-//! let shape = InteractionShape { batch: 1, features: 2, dim: 2 };
-//! let dense = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
-//! let emb = dev.upload(&s, bytemuck::cast_slice(&[3.0f32, 4.0, 5.0, 6.0]))?;
-//! let out = dev.alloc(shape.out_width() * 4)?;
-//! interaction_forward(&dev, &s, &dense, &emb, &out, shape, DType::F32)?;
-//! let out: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &out)?);
-//! // x, then Z[1][0], Z[2][0], Z[2][1].
-//! assert_eq!(out, [1.0, 2.0, 11.0, 17.0, 39.0]);
-//! # Ok(()) }
-//! ```
-
 mod twin;
 
 use crate::device::launch::{param_layout, Grid};
@@ -286,7 +244,49 @@ fn shape_error(desc: &KernelDesc, shape: InteractionShape) -> Error {
     ))
 }
 
-/// DLRM's dot interaction on `stream` (see [the module](self)): `out[s] = dense[s]` followed by
+/// DLRM's dot interaction, forward ([`interaction_forward`]) and backward
+/// ([`interaction_backward`]), on f32, f16 or bf16 storage with f32 math.
+///
+/// Per sample: the dense vector `x` (`dense[s]`, the bottom MLP's output, `dim` values) and the
+/// `features` pooled embeddings (`emb[s]`, each `dim` values) stack into `T`, `n = features + 1`
+/// rows with `x` first; `Z = T·Tᵀ`; the output row is `x` followed by the strict lower triangle
+/// of `Z` in row-major order, `Z[1][0], Z[2][0], Z[2][1], Z[3][0], …` (`Z[i][j]` at position
+/// `dim + i(i−1)/2 + j`): the order of facebookresearch/dlrm's `interact_features` with
+/// `arch_interaction_op = "dot"` and `arch_interaction_itself = False`, so a layer trained there
+/// reads the same columns. [`InteractionShape::out_width`] is `dim + n(n−1)/2` (367 for Criteo's
+/// 26 features at `dim` 16).
+///
+/// Backward: with `dZ` the strict lower triangle of `dout` and `G = dZ + dZᵀ` (zero diagonal),
+/// `dT = G·T`; `d_dense = dout[..dim] + dT[0]` and `d_emb[f] = dT[1 + f]`.
+///
+/// Numerics: every `Z[i][j]` is one chain of fused multiply-adds in f32 over `d = 0, 1, …` from
+/// 0, every `dT[k][c]` one chain over `m = 0, 1, …, n−1` (the diagonal included, as a
+/// multiplication by `G[k][k] = 0`) from `dout[c]` for `k = 0` and from 0 otherwise. The CUDA
+/// kernels (`kernels/interaction.cu`, one block per sample) and the CPU twin run exactly these
+/// chains (an fma is correctly rounded on both), so they agree bit for bit. As in a batched
+/// matrix product's backward (PyTorch's `bmm`), an infinite or NaN value in row `k` of `T`
+/// makes `dT[k]` NaN through that zero.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{interaction_forward, InteractionShape};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// // One sample, two features, dim 2: T = [[1, 2], [3, 4], [5, 6]].
+/// let shape = InteractionShape { batch: 1, features: 2, dim: 2 };
+/// let dense = dev.upload(&s, bytemuck::cast_slice(&[1.0f32, 2.0]))?;
+/// let emb = dev.upload(&s, bytemuck::cast_slice(&[3.0f32, 4.0, 5.0, 6.0]))?;
+/// let out = dev.alloc(shape.out_width() * 4)?;
+/// interaction_forward(&dev, &s, &dense, &emb, &out, shape, DType::F32)?;
+/// let out: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &out)?);
+/// // x, then Z[1][0], Z[2][0], Z[2][1].
+/// assert_eq!(out, [1.0, 2.0, 11.0, 17.0, 39.0]);
+/// # Ok(()) }
+/// ```
+///
+/// DLRM's dot interaction on `stream` (see [`interaction_forward`]): `out[s] = dense[s]` followed by
 /// the strict lower triangle of `T·Tᵀ`, `T` stacking `dense[s]` and `emb[s]`. `dense` is
 /// `[batch, dim]`, `emb` `[batch, features, dim]`, `out` `[batch, shape.out_width()]`, all of
 /// `dtype` (f32, f16 or bf16; f32 math). A wrong length, type or an overlap of `out` with an

@@ -1,51 +1,3 @@
-//! LayerNorm over the rows of an `[N, C]` activation, fused with the residual add as GPT-2
-//! (llm.c) runs it, forward ([`layernorm_forward`]) and backward ([`layernorm_backward`]), on
-//! f32, f16 or bf16 storage with f32 math.
-//!
-//! Forward: with a residual `r`, `h = x + r` is rounded to the storage type, written to `h`
-//! (the residual stream) and normalised; without one `h` is `x`. Per row, in two passes,
-//! `mean = Σh / C`, `rstd = 1 / √(Σ(h − mean)² / C + eps)` (f32, written for the backward),
-//! and `y = ((h − mean)·rstd)·γ + β`.
-//!
-//! Backward, per row, with `n = (h − mean)·rstd` and `w = γ·dy`:
-//! `dx (+)= ((w − Σw/C) − n·Σ(w·n)/C)·rstd` — added to `dx` (how the residual stream sums its
-//! gradient) or written over it — and `dγ += Σ_rows n·dy`, `dβ += Σ_rows dy`, summed in f32 in
-//! a fixed order: fixed chunks of rows ([`column_chunks`])
-//! write their column sums to a scratch operand of [`layernorm_backward_scratch_bytes`], then
-//! the chunks are added in order, and once, with one rounding, to `dγ` and `dβ` (f32, or any
-//! model float). No atomics: the result is the same bits every run.
-//!
-//! CUDA runs `kernels/layernorm.cu` (a warp per row); the CPU twin adds in the kernel's order
-//! (32 lane partial sums, the warp's butterfly) with the same single roundings, so the two agree
-//! bit for bit.
-//!
-//! ```
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::layernorm::{layernorm_forward, LayerNormForward};
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let s = dev.new_stream()?;
-//! let up = |v: &[f32]| dev.upload(&s, bytemuck::cast_slice(v));
-//! let (x, gamma, beta) = (up(&[1.0, 2.0, 3.0, 4.0])?, up(&[1.0; 2])?, up(&[0.0; 2])?);
-//! let (y, mean, rstd) = (dev.alloc(16)?, dev.alloc(8)?, dev.alloc(8)?);
-//! let ops = LayerNormForward {
-//!     x: (&x).into(),
-//!     residual: None,
-//!     gamma: (&gamma).into(),
-//!     beta: (&beta).into(),
-//!     y: (&y).into(),
-//!     mean: (&mean).into(),
-//!     rstd: (&rstd).into(),
-//! };
-//! layernorm_forward(&dev, &s, ops, 2, 2, 1e-5, DType::F32)?;
-//! let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
-//! let mean: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &mean)?);
-//! assert_eq!(mean, [1.5, 3.5]);
-//! assert!((y[0] + 1.0).abs() < 1e-4 && (y[3] - 1.0).abs() < 1e-4);
-//! # Ok(()) }
-//! ```
-
 use crate::device::launch::{grid_stride_blocks, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
@@ -319,7 +271,55 @@ pub struct Residual<'a> {
     pub h: DeviceView<'a>,
 }
 
-/// LayerNorm forward over `[rows, cols]` on `stream` (see [the module](self)): storage of
+/// LayerNorm over the rows of an `[N, C]` activation, fused with the residual add as GPT-2
+/// (llm.c) runs it, forward ([`layernorm_forward`]) and backward ([`layernorm_backward`]), on
+/// f32, f16 or bf16 storage with f32 math.
+///
+/// Forward: with a residual `r`, `h = x + r` is rounded to the storage type, written to `h`
+/// (the residual stream) and normalised; without one `h` is `x`. Per row, in two passes,
+/// `mean = Σh / C`, `rstd = 1 / √(Σ(h − mean)² / C + eps)` (f32, written for the backward),
+/// and `y = ((h − mean)·rstd)·γ + β`.
+///
+/// Backward, per row, with `n = (h − mean)·rstd` and `w = γ·dy`:
+/// `dx (+)= ((w − Σw/C) − n·Σ(w·n)/C)·rstd` — added to `dx` (how the residual stream sums its
+/// gradient) or written over it — and `dγ += Σ_rows n·dy`, `dβ += Σ_rows dy`, summed in f32 in
+/// a fixed order: fixed chunks of rows ([`column_chunks`])
+/// write their column sums to a scratch operand of [`layernorm_backward_scratch_bytes`], then
+/// the chunks are added in order, and once, with one rounding, to `dγ` and `dβ` (f32, or any
+/// model float). No atomics: the result is the same bits every run.
+///
+/// CUDA runs `kernels/layernorm.cu` (a warp per row); the CPU twin adds in the kernel's order
+/// (32 lane partial sums, the warp's butterfly) with the same single roundings, so the two agree
+/// bit for bit.
+///
+/// ```
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::ops::{layernorm_forward, LayerNormForward};
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let s = dev.new_stream()?;
+/// let up = |v: &[f32]| dev.upload(&s, bytemuck::cast_slice(v));
+/// let (x, gamma, beta) = (up(&[1.0, 2.0, 3.0, 4.0])?, up(&[1.0; 2])?, up(&[0.0; 2])?);
+/// let (y, mean, rstd) = (dev.alloc(16)?, dev.alloc(8)?, dev.alloc(8)?);
+/// let ops = LayerNormForward {
+///     x: (&x).into(),
+///     residual: None,
+///     gamma: (&gamma).into(),
+///     beta: (&beta).into(),
+///     y: (&y).into(),
+///     mean: (&mean).into(),
+///     rstd: (&rstd).into(),
+/// };
+/// layernorm_forward(&dev, &s, ops, 2, 2, 1e-5, DType::F32)?;
+/// let y: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &y)?);
+/// let mean: Vec<f32> = bytemuck::pod_collect_to_vec(&dev.download(&s, &mean)?);
+/// assert_eq!(mean, [1.5, 3.5]);
+/// assert!((y[0] + 1.0).abs() < 1e-4 && (y[3] - 1.0).abs() < 1e-4);
+/// # Ok(()) }
+/// ```
+///
+/// LayerNorm forward over `[rows, cols]` on `stream` (see [`layernorm_forward`]): storage of
 /// `dtype` (a model float) for every operand but `mean` and `rstd` (f32); no written operand may
 /// overlap another operand. A wrong shape or type is an error naming the operand and the
 /// expected shape, before anything runs.
@@ -386,7 +386,7 @@ pub struct LayerNormBackward<'a> {
     pub scratch: DeviceView<'a>,
 }
 
-/// LayerNorm backward over `[rows, cols]` on `stream` (see [the module](self)): storage of
+/// LayerNorm backward over `[rows, cols]` on `stream` (see [`layernorm_forward`]): storage of
 /// `dtype` for `dy`, `h`, `γ` and `dx`; no written operand may overlap another operand.
 pub fn layernorm_backward(
     dev: &Device,

@@ -36,7 +36,7 @@ abi! {
 
 /// Threads per block (one block per row) of the cross-entropy kernels; the reduction order
 /// depends on it, so it is fixed (`VP_CE_THREADS` in `vocab_parallel.cuh`), as
-/// [`CROSS_ENTROPY_THREADS`](crate::ops::cross_entropy::CROSS_ENTROPY_THREADS).
+/// [`CROSS_ENTROPY_THREADS`](crate::ops::CROSS_ENTROPY_THREADS).
 pub const VOCAB_CE_THREADS: u32 = 256;
 const LANES: usize = VOCAB_CE_THREADS as usize;
 

@@ -26,7 +26,7 @@
 //! 0`), and loss 0 and gradient 0 in step 3 (whatever `S` and `m` are). Statistics and losses
 //! are f32; storage f32, f16 or bf16 with f32 math. The kernels (`kernels/vocab_parallel.cu`)
 //! reduce a row with one block of [`VOCAB_CE_THREADS`] threads, in the order of
-//! [`cross_entropy`](crate::ops::cross_entropy) (on one rank, `P = 1`, the three steps give the
+//! [`cross_entropy_forward`](crate::ops::cross_entropy_forward) (on one rank, `P = 1`, the three steps give the
 //! fused op's bits), with `math.cuh`'s exp and ln; the CPU twins mirror them bit for bit.
 //!
 //! **Ids out of range.** A token or target outside `0..V` (a target that is not the ignore
@@ -37,7 +37,7 @@
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::vocab_parallel::*;
+//! use tidemem::ops::*;
 //! use tidemem::DType;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
@@ -87,14 +87,6 @@ pub use cross_entropy::{
     VOCAB_CE_THREADS,
 };
 pub use embedding::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan};
-#[cfg(feature = "kernel-abi")]
-pub use {
-    cross_entropy::{VocabCeParams, VOCAB_CE_GRAD, VOCAB_CE_MAX, VOCAB_CE_SUMS},
-    embedding::{
-        VocabEmbeddingBackwardParams, VocabEmbeddingParams, VOCAB_EMBEDDING_BACKWARD,
-        VOCAB_EMBEDDING_FORWARD,
-    },
-};
 
 use crate::device::LaunchInfo;
 use crate::error::{Error, Result};

@@ -550,8 +550,8 @@ impl ChunkManager {
         let Some(grads) = grads else {
             // the gradients' copy failed, so the host copy of the chunk is lost
             self.payload[cs[0]].host = HostSlot::None;
-            let e = result.err().unwrap_or_else(|| {
-                Error::InvalidArgument(format!("group {g}'s gradients never reached the host"))
+            let e = result.err().unwrap_or_else(|| Error::Internal {
+                what: format!("group {g}'s gradients never reached the host, with no error"),
             });
             self.broken = Some(format!("a gradient copy to the host failed: {e}"));
             return Err(e);

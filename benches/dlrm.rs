@@ -45,8 +45,9 @@ use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use mean::Mean;
 use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::device::{DeviceBuffer, DeviceView, Stream};
-use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::{bincount, CachedEmbeddingCollection};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::ops::embedding::{plan_backward, BagMode};
 use tidemem::prelude::*;
 use tidemem::rng::{Rng, SplitMix64};
@@ -383,7 +384,8 @@ impl Plain {
             dim,
             rows.view(0, self.rows * 4).expect("view"),
             grads.view(0, self.rows * dim * 4).expect("view"),
-            &tidemem::ops::embedding::RowOptimizer::Sgd { lr },
+            &tidemem::ops::embedding::EmbeddingOptimizer::Sgd { lr },
+            1,
         )
         .expect("row step");
     }

@@ -32,9 +32,10 @@ use mean::Mean;
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::{
-    bincount, replay, CacheConfig, CacheIndex, CachePolicy, CachedEmbeddingBag, EmbeddingOptimizer,
-    OptimalTrace, ReplayConfig,
+    bincount, replay, CacheConfig, CacheIndex, CachePolicy, CachedEmbeddingBag, OptimalTrace,
+    ReplayConfig,
 };
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::ops::embedding::{plan_backward, BagMode};
 
 const BATCH: usize = 2048;

@@ -19,8 +19,8 @@ use std::time::Instant;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use tidemem::device::{Device, DeviceBuffer, HostBuffer, SimConfig, Stream};
-use tidemem::embedding::{bincount, CacheConfig, CachedEmbeddingBag, EmbeddingOptimizer};
-use tidemem::ops::embedding::{plan_backward, BagMode, RowOptimizer};
+use tidemem::embedding::{bincount, CacheConfig, CachedEmbeddingBag};
+use tidemem::ops::embedding::{plan_backward, BagMode, EmbeddingOptimizer};
 
 #[path = "common/kaggle.rs"]
 mod kaggle;
@@ -176,7 +176,8 @@ impl Resident {
             DIM,
             view(rows, p.rows.len()),
             g.view(0, p.rows.len() * DIM * 4).expect("view"),
-            &RowOptimizer::Sgd { lr: LR },
+            &EmbeddingOptimizer::Sgd { lr: LR },
+            1,
         )
         .expect("step");
         *grads = Some(g);

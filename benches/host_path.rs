@@ -34,10 +34,11 @@ use mean::Mean;
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::data::Ahead;
 use tidemem::device::DeviceStats;
-use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::{bincount, CachedEmbeddingCollection};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan, RunOptions};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
 

@@ -10,9 +10,10 @@ use tidemem::data::criteo::{
 };
 use tidemem::data::text::{Split, TokenData};
 use tidemem::data::Ahead;
-use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::CachedEmbeddingCollection;
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::prelude::*;
 
 fn gen() -> Synthetic {

@@ -17,10 +17,11 @@
 //! it would take minutes.
 
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
-use tidemem::embedding::{bincount, CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::{bincount, CachedEmbeddingCollection};
 use tidemem::metrics::auc;
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::prelude::*;
 use tidemem::rng::{Rng, SplitMix64};
 

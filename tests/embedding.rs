@@ -7,9 +7,10 @@ use proptest::prelude::*;
 use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::embedding::{
     bincount, CacheConfig, CachePolicy, CachedEmbeddingBag, CachedEmbeddingCollection,
-    EmbeddingBag, EmbeddingCache, EmbeddingOptimizer, HostTier, OptimalTrace,
+    EmbeddingBag, EmbeddingCache, HostTier, OptimalTrace,
 };
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::Error;
 
 const ROWS: usize = 400;

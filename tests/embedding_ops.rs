@@ -8,7 +8,7 @@ use ops_util::{up, Rng, SplitMix64};
 use tidemem::device::Device;
 use tidemem::ops::embedding::{
     bag_backward, bag_forward, gather_rows, plan_backward, row_step, scatter_rows, BagMode,
-    RowOptimizer,
+    EmbeddingOptimizer,
 };
 use tidemem::Error;
 
@@ -53,15 +53,13 @@ fn kernels_equal_cpu_twins_bitwise() {
             (BagMode::Sum, true),
         ] {
             for opt in [
-                RowOptimizer::Sgd { lr: 0.3 },
-                RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 },
-                RowOptimizer::Adam {
+                EmbeddingOptimizer::Sgd { lr: 0.3 },
+                EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 },
+                EmbeddingOptimizer::Adam {
                     lr: 0.01,
                     beta1: 0.9,
                     beta2: 0.99,
                     eps: 1e-8,
-                    bias1: 0.19,
-                    bias2: 0.0199,
                 },
             ] {
                 let stride = dim + opt.state_len(dim) + 1;
@@ -146,7 +144,7 @@ fn kernels_equal_cpu_twins_bitwise() {
                 );
                 // Step on the distinct rows (out-of-range ones skipped).
                 let mut t2 = table.clone();
-                row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
+                row_step(&mut t2, stride, dim, &p.rows, &g, &opt, 2).unwrap();
                 let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
                 tidemem::ops::embedding::device::embedding_step(
                     &dev,
@@ -157,6 +155,7 @@ fn kernels_equal_cpu_twins_bitwise() {
                     rb.view(0, rb.len()).unwrap(),
                     gb.view(0, gb.len()).unwrap(),
                     &opt,
+                    2,
                 )
                 .unwrap();
                 assert_eq!(
@@ -211,7 +210,7 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
     for (bags, rows, dim) in [(70_000usize, 300_000usize, 2usize), (300, 500, 131)] {
         for dev in common::devices("grid_stride_covers_large_batches_and_wide_rows") {
             let s = dev.new_stream().unwrap();
-            let opt = RowOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 };
+            let opt = EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-6 };
             let stride = dim + opt.state_len(dim);
             let mut rng = SplitMix64::new(7);
             let table = random_table(&mut rng, rows, stride, dim);
@@ -279,7 +278,7 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
             .unwrap();
             assert_eq!(bits(&g), bits(&down(&dev, &s, &gb)), "{}", dev.name());
             let mut t2 = table.clone();
-            row_step(&mut t2, stride, dim, &p.rows, &g, &opt).unwrap();
+            row_step(&mut t2, stride, dim, &p.rows, &g, &opt, 2).unwrap();
             let rb = up(&dev, &s, bytemuck::cast_slice(&p.rows));
             tidemem::ops::embedding::device::embedding_step(
                 &dev,
@@ -290,6 +289,7 @@ fn grid_stride_covers_large_batches_and_wide_rows() {
                 v(&rb),
                 v(&gb),
                 &opt,
+                2,
             )
             .unwrap();
             assert_eq!(bits(&t2), bits(&down(&dev, &s, &tb)), "{}", dev.name());
@@ -543,7 +543,8 @@ fn device_checks_embedding_arguments() {
             4,
             v(&i),
             out.view(0, 16).unwrap(),
-            &RowOptimizer::Sgd { lr: 1.0 },
+            &EmbeddingOptimizer::Sgd { lr: 1.0 },
+            1,
         ),
         tidemem::ops::embedding::device::embedding_step(
             &dev,
@@ -553,7 +554,8 @@ fn device_checks_embedding_arguments() {
             4,
             v(&i),
             dev.alloc(48).unwrap().view(0, 48).unwrap(),
-            &RowOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 },
+            &EmbeddingOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 },
+            1,
         ),
     ];
     for (k, r) in bad.into_iter().enumerate() {

@@ -10,10 +10,11 @@ mod common;
 
 use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
 use tidemem::device::{DeviceStats, PhaseTimes};
-use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::CachedEmbeddingCollection;
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::optim::DevicePlacement;
 use tidemem::prelude::*;
 

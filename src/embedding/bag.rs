@@ -14,70 +14,8 @@ use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, HostBuffer, HostPhase, Pending, Stream};
 use crate::error::{Error, Result};
 use crate::ops::embedding::{
-    bag_backward, bag_forward, plan_backward, row_step, BagMode, RowOptimizer, SparseGradPlan,
+    bag_backward, bag_forward, plan_backward, row_step, BagMode, EmbeddingOptimizer, SparseGradPlan,
 };
-
-/// An optimizer of embedding rows; state per row is [`EmbeddingOptimizer::state_len`] floats.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum EmbeddingOptimizer {
-    /// `w -= lr · g`.
-    Sgd {
-        /// Learning rate.
-        lr: f32,
-    },
-    /// Row-wise Adagrad: one accumulator per row of the mean squared gradient.
-    RowwiseAdagrad {
-        /// Learning rate.
-        lr: f32,
-        /// Added to the root of the accumulator.
-        eps: f32,
-    },
-    /// Adam with per-element moments, updated only for rows in the batch (sparse, "lazy"
-    /// Adam); bias correction uses the global step count.
-    Adam {
-        /// Learning rate.
-        lr: f32,
-        /// First-moment decay.
-        beta1: f32,
-        /// Second-moment decay.
-        beta2: f32,
-        /// Added to the root of the second moment.
-        eps: f32,
-    },
-}
-
-impl EmbeddingOptimizer {
-    /// Floats of optimizer state per row for embeddings of `dim` floats.
-    pub fn state_len(&self, dim: usize) -> usize {
-        self.at_step(1).state_len(dim)
-    }
-
-    /// The scalars of step `t` (1-based).
-    pub fn at_step(&self, t: u64) -> RowOptimizer {
-        match *self {
-            EmbeddingOptimizer::Sgd { lr } => RowOptimizer::Sgd { lr },
-            EmbeddingOptimizer::RowwiseAdagrad { lr, eps } => {
-                RowOptimizer::RowwiseAdagrad { lr, eps }
-            }
-            EmbeddingOptimizer::Adam {
-                lr,
-                beta1,
-                beta2,
-                eps,
-            } => {
-                let t = t.min(i32::MAX as u64) as i32;
-                RowOptimizer::Adam {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                    bias1: (1.0 - (beta1 as f64).powi(t)) as f32,
-                    bias2: (1.0 - (beta2 as f64).powi(t)) as f32,
-                }
-            }
-        }
-    }
-}
 
 /// Checks a batch's shape before anything changes: offsets non-decreasing from 0 to
 /// `indices.len()`, one weight per index, weights only with sum mode.
@@ -262,14 +200,14 @@ impl EmbeddingBag {
             });
         }
         self.step += 1;
-        let opt = self.optimizer.at_step(self.step);
         row_step(
             &mut self.table,
             self.stride,
             self.dim,
             &plan.rows,
             &self.grads,
-            &opt,
+            &self.optimizer,
+            self.step,
         )?;
         self.grads.clear();
         Ok(())
@@ -775,7 +713,6 @@ impl CachedEmbeddingBag {
             "the rows of a step are distinct"
         );
         self.step += 1;
-        let opt = self.optimizer.at_step(self.step);
         let dim = self.cache.dim();
         let u = saved.plan.rows.len();
         let dev = self.cache.device().clone();
@@ -788,7 +725,8 @@ impl CachedEmbeddingBag {
             dim,
             self.unique.view(u * 4)?,
             self.grads.view(u * dim * 4)?,
-            &opt,
+            &self.optimizer,
+            self.step,
         )?;
         self.cache.mark_dirty(&saved.plan.rows)
     }

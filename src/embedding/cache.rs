@@ -34,7 +34,7 @@ pub struct CacheConfig {
     /// Floats per embedding.
     pub dim: usize,
     /// Floats of optimizer state per row, stored after the embedding
-    /// ([`crate::ops::embedding::RowOptimizer::state_len`]).
+    /// ([`crate::ops::embedding::EmbeddingOptimizer::state_len`]).
     pub state: usize,
     /// Rows cached on the device.
     pub capacity: usize,

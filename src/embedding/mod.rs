@@ -27,7 +27,7 @@ mod replay;
 mod sharded;
 mod tables;
 
-pub use bag::{CachedEmbeddingBag, EmbeddingBag, EmbeddingOptimizer};
+pub use bag::{CachedEmbeddingBag, EmbeddingBag};
 pub use cache::{bincount, CacheConfig, CacheMoves, EmbeddingCache, HostTier};
 pub use index::{CacheIndex, IndexStats, Plan, NONE};
 pub use policy::{CachePolicy, OptimalTrace};

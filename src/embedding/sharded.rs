@@ -17,12 +17,12 @@ mod device;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use super::bag::EmbeddingOptimizer;
 use super::cache::CacheConfig;
 use super::tables::{CachedEmbeddingCollection, TableBatch};
 use crate::comm::{Communicator, Elem, ReduceOp};
 use crate::error::{Error, Result};
 use crate::ops::embedding::BagMode;
+use crate::ops::embedding::EmbeddingOptimizer;
 
 /// How [`ShardedEmbedding`] splits tables over ranks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -5,9 +5,10 @@
 //! slots, as in a DLRM with 26 Criteo tables. Their placement over ranks is
 //! [`ShardedEmbedding`](super::ShardedEmbedding).
 
-use super::bag::{CachedEmbeddingBag, EmbeddingOptimizer};
+use super::bag::CachedEmbeddingBag;
 use super::cache::CacheConfig;
 use super::index::Plan;
+use crate::ops::embedding::EmbeddingOptimizer;
 
 use crate::device::{Device, DeviceView, Stream};
 use crate::error::{Error, Result};

@@ -9,7 +9,9 @@ use crate::device::{
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::{bag_backward_clamped, bag_forward_clamped, BagMode, RowOptimizer};
+use super::{
+    bag_backward_clamped, bag_forward_clamped, step_rows, BagMode, EmbeddingOptimizer, RowStep,
+};
 
 const F32: &[DType] = &[DType::F32];
 const U32: &[DType] = &[DType::U32];
@@ -262,7 +264,7 @@ abi! {
             let opt = row_optimizer(&p);
             let (rows, grads) = (a.read_as(1)?, a.read_as(2)?);
             let table = a.take_as(0)?;
-            super::row_step(table, p.stride as usize, p.dim as usize, rows, grads, &opt)
+            step_rows(table, p.stride as usize, p.dim as usize, rows, grads, &opt)
         },
         cuda: nvrtc(|info| {
             let p: EmbStepParams = info.params()?;
@@ -330,14 +332,14 @@ abi! {
     };
 }
 
-fn row_optimizer(p: &EmbStepParams) -> RowOptimizer {
+fn row_optimizer(p: &EmbStepParams) -> RowStep {
     match p.kind {
-        0 => RowOptimizer::Sgd { lr: p.lr },
-        1 => RowOptimizer::RowwiseAdagrad {
+        0 => RowStep::Sgd { lr: p.lr },
+        1 => RowStep::RowwiseAdagrad {
             lr: p.lr,
             eps: p.eps,
         },
-        _ => RowOptimizer::Adam {
+        _ => RowStep::Adam {
             lr: p.lr,
             beta1: p.beta1,
             beta2: p.beta2,
@@ -507,7 +509,8 @@ pub fn embedding_backward(
 
 /// One optimizer step on the rows `rows` (u32, distinct: on a GPU a repeated row races) of
 /// `table` with gradients `grads` (`rows × dim` f32), on `stream`. Each row's state is stored
-/// after its embedding, so `stride ≥ dim + opt.state_len(dim)`. See [`super::row_step`].
+/// after its embedding, so `stride ≥ dim + opt.state_len(dim)`; `step` (1-based) gives Adam's
+/// bias correction. See [`super::row_step`].
 #[allow(clippy::too_many_arguments)]
 pub fn embedding_step(
     dev: &Device,
@@ -517,8 +520,10 @@ pub fn embedding_step(
     dim: usize,
     rows: DeviceView<'_>,
     grads: DeviceView<'_>,
-    opt: &RowOptimizer,
+    opt: &EmbeddingOptimizer,
+    step: u64,
 ) -> Result<()> {
+    let opt = &opt.at_step(step);
     check_shape(stride, dim)?;
     if stride < dim + opt.state_len(dim) {
         return Err(Error::TooFew {
@@ -548,9 +553,9 @@ pub fn embedding_step(
         });
     }
     let (kind, lr, eps, beta1, beta2, bias1, bias2) = match *opt {
-        RowOptimizer::Sgd { lr } => (0, lr, 0.0, 0.0, 0.0, 1.0, 1.0),
-        RowOptimizer::RowwiseAdagrad { lr, eps } => (1, lr, eps, 0.0, 0.0, 1.0, 1.0),
-        RowOptimizer::Adam {
+        RowStep::Sgd { lr } => (0, lr, 0.0, 0.0, 0.0, 1.0, 1.0),
+        RowStep::RowwiseAdagrad { lr, eps } => (1, lr, eps, 0.0, 0.0, 1.0, 1.0),
+        RowStep::Adam {
             lr,
             beta1,
             beta2,

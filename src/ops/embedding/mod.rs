@@ -44,9 +44,73 @@ pub enum BagMode {
     Mean,
 }
 
-/// The scalars of one optimizer step on embedding rows.
+/// An optimizer of embedding rows; state per row is [`EmbeddingOptimizer::state_len`] floats,
+/// stored after the row's weights.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub enum RowOptimizer {
+pub enum EmbeddingOptimizer {
+    /// `w = w - lr·g`.
+    Sgd {
+        /// Learning rate.
+        lr: f32,
+    },
+    /// Row-wise Adagrad: `s = s + Σg²/dim; w = w - lr·g / (√s + eps)`, one accumulator `s`
+    /// per row at float `dim`.
+    RowwiseAdagrad {
+        /// Learning rate.
+        lr: f32,
+        /// Added to `√s`.
+        eps: f32,
+    },
+    /// Adam with per-element moments, updated only for rows in the batch (sparse, "lazy"
+    /// Adam): `m = β1·m + (1-β1)·g; v = β2·v + (1-β2)·g²; w = w - lr·(m/bias1) /
+    /// (√(v/bias2) + eps)` with `bias = 1 - β^t` of the global step `t`; `m` at floats
+    /// `dim..2·dim`, `v` at `2·dim..3·dim`.
+    Adam {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the corrected second moment.
+        eps: f32,
+    },
+}
+
+impl EmbeddingOptimizer {
+    /// Floats of state per row for embeddings of `dim` floats: 0, 1 or `2·dim`.
+    pub fn state_len(&self, dim: usize) -> usize {
+        self.at_step(1).state_len(dim)
+    }
+
+    /// The scalars of step `t` (1-based).
+    pub(crate) fn at_step(&self, t: u64) -> RowStep {
+        match *self {
+            EmbeddingOptimizer::Sgd { lr } => RowStep::Sgd { lr },
+            EmbeddingOptimizer::RowwiseAdagrad { lr, eps } => RowStep::RowwiseAdagrad { lr, eps },
+            EmbeddingOptimizer::Adam {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                let t = t.clamp(1, i32::MAX as u64) as i32;
+                RowStep::Adam {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    bias1: (1.0 - (beta1 as f64).powi(t)) as f32,
+                    bias2: (1.0 - (beta2 as f64).powi(t)) as f32,
+                }
+            }
+        }
+    }
+}
+
+/// The scalars of one optimizer step on embedding rows ([`EmbeddingOptimizer::at_step`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum RowStep {
     /// `w = w - lr·g`.
     Sgd {
         /// Learning rate.
@@ -77,13 +141,13 @@ pub enum RowOptimizer {
     },
 }
 
-impl RowOptimizer {
+impl RowStep {
     /// Floats of state per row: 0, 1 or `2·dim`.
     pub fn state_len(&self, dim: usize) -> usize {
         match self {
-            RowOptimizer::Sgd { .. } => 0,
-            RowOptimizer::RowwiseAdagrad { .. } => 1,
-            RowOptimizer::Adam { .. } => 2 * dim,
+            RowStep::Sgd { .. } => 0,
+            RowStep::RowwiseAdagrad { .. } => 1,
+            RowStep::Adam { .. } => 2 * dim,
         }
     }
 }
@@ -338,16 +402,30 @@ pub(crate) fn bag_backward_clamped(
     Ok(())
 }
 
-/// Applies `opt` to row `rows[u]` with gradient `grads[u]` for every `u`. Rows must be
-/// distinct: here a repeated row is updated twice in order, but on a GPU the two updates race
-/// (the callers pass the distinct rows of a [`SparseGradPlan`]).
+/// Step `step` (1-based: Adam's bias correction) of `opt` on row `rows[u]` with gradient
+/// `grads[u]` for every `u`. Rows must be distinct: here a repeated row is updated twice in
+/// order, but on a GPU the two updates race (the callers pass the distinct rows of a
+/// [`SparseGradPlan`]).
 pub fn row_step(
     table: &mut [f32],
     stride: usize,
     dim: usize,
     rows: &[u32],
     grads: &[f32],
-    opt: &RowOptimizer,
+    opt: &EmbeddingOptimizer,
+    step: u64,
+) -> Result<()> {
+    step_rows(table, stride, dim, rows, grads, &opt.at_step(step))
+}
+
+/// [`row_step`] with the step's scalars resolved.
+pub(crate) fn step_rows(
+    table: &mut [f32],
+    stride: usize,
+    dim: usize,
+    rows: &[u32],
+    grads: &[f32],
+    opt: &RowStep,
 ) -> Result<()> {
     if dim == 0 {
         return Err(Error::Empty {
@@ -384,14 +462,14 @@ pub fn row_step(
     Ok(())
 }
 
-fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowOptimizer) {
+fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowStep) {
     match *opt {
-        RowOptimizer::Sgd { lr } => {
+        RowStep::Sgd { lr } => {
             for (w, &g) in row[..dim].iter_mut().zip(g) {
                 *w -= lr * g;
             }
         }
-        RowOptimizer::RowwiseAdagrad { lr, eps } => {
+        RowStep::RowwiseAdagrad { lr, eps } => {
             let mut sq = 0f32;
             for &x in g {
                 sq += x * x;
@@ -403,7 +481,7 @@ fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowOptimizer) {
                 *w -= lr * g / denom;
             }
         }
-        RowOptimizer::Adam {
+        RowStep::Adam {
             lr,
             beta1,
             beta2,
@@ -558,30 +636,29 @@ mod tests {
             2,
             &[1, 9],
             &[1.0, -2.0, 5.0, 5.0],
-            &RowOptimizer::Sgd { lr: 0.5 },
+            &EmbeddingOptimizer::Sgd { lr: 0.5 },
+            1,
         )
         .unwrap();
         assert_eq!(&t[3..5], &[2.5, 5.0]);
         // Adagrad: s = 0 + (9 + 16)/2 = 12.5; w -= 1 * g / (√12.5 + 0).
         let mut t = [1.0, 1.0, 0.0];
-        let opt = RowOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 };
-        row_step(&mut t, 3, 2, &[0], &[3.0, 4.0], &opt).unwrap();
+        let opt = EmbeddingOptimizer::RowwiseAdagrad { lr: 1.0, eps: 0.0 };
+        row_step(&mut t, 3, 2, &[0], &[3.0, 4.0], &opt, 1).unwrap();
         assert_eq!(t[2], 12.5);
         assert_eq!(t[0], 1.0 - 3.0 / 12.5f32.sqrt());
         // Adam, first step: m = 0.1 g, v = 0.001 g², corrected m = g, v = g²: w -= lr·sign(g).
         let mut t = [1.0, 0.0, 0.0];
-        let opt = RowOptimizer::Adam {
+        let opt = EmbeddingOptimizer::Adam {
             lr: 0.1,
             beta1: 0.9,
             beta2: 0.999,
             eps: 0.0,
-            bias1: 0.1,
-            bias2: 0.001,
         };
-        row_step(&mut t, 3, 1, &[0], &[2.0], &opt).unwrap();
+        row_step(&mut t, 3, 1, &[0], &[2.0], &opt, 1).unwrap();
         assert!((t[0] - 0.9).abs() < 1e-6, "{}", t[0]);
         assert!((t[1] - 0.2).abs() < 1e-7 && (t[2] - 0.004).abs() < 1e-7);
-        assert!(row_step(&mut t, 2, 1, &[0], &[2.0], &opt).is_err());
+        assert!(row_step(&mut t, 2, 1, &[0], &[2.0], &opt, 2).is_err());
     }
 
     #[test]

@@ -32,7 +32,8 @@ use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
 use stream::BYTES_PER_ELEM;
-use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam};
+use tidemem::ops::{AdamScalars, CpuAdam};
+use tidemem::optim::AdamConfig;
 
 fn env_list(name: &str) -> Option<Vec<usize>> {
     std::env::var(name).ok().map(|v| {

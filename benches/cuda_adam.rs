@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use tidemem::device::{Device, DeviceBuffer, DeviceView, Stream};
 use tidemem::ops::AdamOperands;
-use tidemem::optim::{AdamConfig, AdamScalars};
+use tidemem::ops::AdamScalars;
+use tidemem::optim::AdamConfig;
 use tidemem::DType;
 
 /// Bytes of traffic per element of an Adam step.

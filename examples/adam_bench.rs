@@ -47,7 +47,8 @@ use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use clap::Parser;
 use serde::Serialize;
 use stream::BYTES_PER_ELEM;
-use tidemem::optim::{AdamConfig, AdamScalars, CpuAdam, Isa};
+use tidemem::ops::{AdamScalars, CpuAdam, Isa};
+use tidemem::optim::AdamConfig;
 
 #[derive(Parser, Debug)]
 #[command(about = "CPU Adam throughput against a 4-read/3-write memory ceiling")]

@@ -15,10 +15,11 @@ use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{
     cuda_device_count, cuda_driver_present, Device, DeviceBuffer, SimConfig, Stream,
 };
-use tidemem::ops::{read_grad_stats, AdamOperands, GRAD_STATS_BYTES};
-use tidemem::optim::{
-    grad_stats, AdamConfig, AdamScalars, CpuAdam, Grad, GradInPlace, GradStats, ParamCopy,
+use tidemem::ops::{
+    grad_stats_host as grad_stats, AdamScalars, CpuAdam, Grad, GradInPlace, GradStats, ParamCopy,
 };
+use tidemem::ops::{read_grad_stats, AdamOperands, GRAD_STATS_BYTES};
+use tidemem::optim::AdamConfig;
 use tidemem::DType;
 
 const STEPS: u64 = 20;

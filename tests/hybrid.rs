@@ -9,9 +9,10 @@ use half::f16;
 use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
+use tidemem::ops::{CpuAdam, Grad, ParamCopy};
 use tidemem::optim::{
-    AdamConfig, CpuAdam, DevicePlacement, Grad, HybridAdam, HybridConfig, LossScaler, ParamCopy,
-    ScaleUpdate, ScalerConfig, StepOutcome, StepReport,
+    AdamConfig, DevicePlacement, HybridAdam, HybridConfig, LossScaler, ScaleUpdate, ScalerConfig,
+    StepOutcome, StepReport,
 };
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;

@@ -6,7 +6,7 @@ use std::hint::black_box;
 use super::stream::stream_4r3w;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use tidemem::optim::{AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
+use tidemem::ops::{AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
 
 /// Bytes per element of fp16-gradient Adam without a copy (p, m, v read and written; g read).
 pub const ADAM_F16_BYTES: usize = 26;

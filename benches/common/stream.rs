@@ -22,7 +22,7 @@
 //! `tests/stream.rs` (its tests) include it by path.
 //!
 //! ```text
-//! use tidemem::optim::Isa;
+//! use tidemem::ops::Isa;
 //! # fn main() -> tidemem::Result<()> {
 //! let (mut a, b) = (vec![1.0f32; 1000], vec![0.5f32; 1000]);
 //! let (mut c, mut d) = (vec![2.0f32; 1000], vec![3.0f32; 1000]);
@@ -32,7 +32,7 @@
 //! # Ok(()) }
 //! ```
 
-use tidemem::optim::Isa;
+use tidemem::ops::Isa;
 use tidemem::{Error, Result};
 
 /// Bytes one element moves, in this kernel and in an fp32 Adam step without a copy: four 4-byte

@@ -1,21 +1,3 @@
-//! Adam and AdamW: the settings, the per-step scalars every kernel receives, and an f64
-//! reference implementation the kernels are tested against.
-//!
-//! One element of a step, in the order every kernel (CPU paths and `kernels/adam.cu`) computes
-//! it, in f32:
-//!
-//! ```text
-//! g  = grad · grad_scale                     (loss-scale and clipping folded into grad_scale)
-//! g  = g + l2 · p                            (Adam's L2 weight decay; l2 = 0 for AdamW)
-//! m  = β1 · m + (1 − β1) · g
-//! v  = β2 · v + (1 − β2) · g²
-//! d  = √v · (1/√(1 − β2ᵗ)) + ε
-//! p  = p − ((lr · wd) · p + (lr / (1 − β1ᵗ)) · (m / d))
-//!                                            (lr · wd: AdamW's decoupled decay; 0 for Adam)
-//! ```
-//!
-//! Without bias correction both correction terms are 1.
-
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -30,6 +12,24 @@ pub enum WeightDecay {
     Decoupled,
 }
 
+/// Adam and AdamW: the settings, the per-step scalars every kernel receives, and an f64
+/// reference implementation the kernels are tested against.
+///
+/// One element of a step, in the order every kernel (CPU paths and `kernels/adam.cu`) computes
+/// it, in f32:
+///
+/// ```text
+/// g  = grad · grad_scale                     (loss-scale and clipping folded into grad_scale)
+/// g  = g + l2 · p                            (Adam's L2 weight decay; l2 = 0 for AdamW)
+/// m  = β1 · m + (1 − β1) · g
+/// v  = β2 · v + (1 − β2) · g²
+/// d  = √v · (1/√(1 − β2ᵗ)) + ε
+/// p  = p − ((lr · wd) · p + (lr / (1 − β1ᵗ)) · (m / d))
+///                                            (lr · wd: AdamW's decoupled decay; 0 for Adam)
+/// ```
+///
+/// Without bias correction both correction terms are 1.
+///
 /// Settings of Adam / AdamW.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct AdamConfig {

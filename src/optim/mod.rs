@@ -1,18 +1,19 @@
-//! The optimizer: Adam/AdamW settings and scalars ([`adam`]), the SIMD CPU kernel
-//! (`ops::adam`), dynamic loss scaling ([`scaler`]), and [`HybridAdam`], which steps every chunk
-//! group of a [`crate::chunk::ChunkManager`] on the device where its gradients are.
+//! The optimizer: Adam/AdamW settings ([`AdamConfig`]; the step's scalars are
+//! [`crate::ops::AdamScalars`], the SIMD CPU kernel [`crate::ops::CpuAdam`]), dynamic loss
+//! scaling ([`LossScaler`]), and [`HybridAdam`], which steps every chunk group of a
+//! [`crate::chunk::ChunkManager`] on the device where its gradients are.
 
-pub mod adam;
+pub(crate) mod adam;
 mod chunk_stats;
 #[cfg(test)]
 mod cpu_adam_tests;
-pub mod hybrid;
+pub(crate) mod hybrid;
 #[cfg(test)]
 mod overlap_tests;
-pub mod scaler;
+pub(crate) mod scaler;
 
-pub use crate::ops::adam::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
-pub use crate::ops::grad_stats::{grad_stats_host as grad_stats, GradStats};
-pub use adam::{AdamConfig, AdamScalars, WeightDecay};
+pub(crate) use crate::ops::{grad_stats_host as grad_stats, GradStats};
+pub(crate) use crate::ops::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
+pub use adam::{reference_step, AdamConfig, WeightDecay};
 pub use hybrid::{DevicePlacement, HybridAdam, HybridConfig, StepOutcome, StepReport};
 pub use scaler::{LossScaler, ScaleUpdate, ScalerConfig};

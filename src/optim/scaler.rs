@@ -1,26 +1,3 @@
-//! Dynamic loss scaling for fp16 training.
-//!
-//! The trainer multiplies its loss by [`LossScaler::scale`], so small gradients survive fp16;
-//! the optimizer divides them back out. After each step the scaler is told whether a gradient
-//! overflowed (an infinite or NaN element):
-//!
-//! * **Overflow.** The step is skipped. If the hysteresis allows more overflows, the scale is
-//!   kept and the allowance shrinks by one. Otherwise the scale is multiplied by `backoff`
-//!   (never below `min_scale`). The run of clean steps restarts either way.
-//! * **Clean step.** After `growth_interval` clean steps in a row, the scale is multiplied by
-//!   `growth` (never above `max_scale`) and the hysteresis allowance is restored.
-//!
-//! ```
-//! use tidemem::optim::scaler::{LossScaler, ScalerConfig, ScaleUpdate};
-//! let mut s = LossScaler::new(ScalerConfig { growth_interval: 2, hysteresis: 1, ..ScalerConfig::default() }).unwrap();
-//! assert_eq!(s.scale(), 65536.0);
-//! assert_eq!(s.update(true), ScaleUpdate::BackedOff);
-//! assert_eq!(s.scale(), 32768.0);
-//! s.update(false);
-//! assert_eq!(s.update(false), ScaleUpdate::Grew);
-//! assert_eq!(s.scale(), 65536.0);
-//! ```
-
 use serde::Serialize;
 
 use crate::error::{Error, Result};
@@ -87,6 +64,29 @@ pub enum ScaleUpdate {
     BackedOff,
 }
 
+/// Dynamic loss scaling for fp16 training.
+///
+/// The trainer multiplies its loss by [`LossScaler::scale`], so small gradients survive fp16;
+/// the optimizer divides them back out. After each step the scaler is told whether a gradient
+/// overflowed (an infinite or NaN element):
+///
+/// * **Overflow.** The step is skipped. If the hysteresis allows more overflows, the scale is
+///   kept and the allowance shrinks by one. Otherwise the scale is multiplied by `backoff`
+///   (never below `min_scale`). The run of clean steps restarts either way.
+/// * **Clean step.** After `growth_interval` clean steps in a row, the scale is multiplied by
+///   `growth` (never above `max_scale`) and the hysteresis allowance is restored.
+///
+/// ```
+/// use tidemem::optim::scaler::{LossScaler, ScalerConfig, ScaleUpdate};
+/// let mut s = LossScaler::new(ScalerConfig { growth_interval: 2, hysteresis: 1, ..ScalerConfig::default() }).unwrap();
+/// assert_eq!(s.scale(), 65536.0);
+/// assert_eq!(s.update(true), ScaleUpdate::BackedOff);
+/// assert_eq!(s.scale(), 32768.0);
+/// s.update(false);
+/// assert_eq!(s.update(false), ScaleUpdate::Grew);
+/// assert_eq!(s.scale(), 65536.0);
+/// ```
+///
 /// The dynamic loss-scale state machine.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct LossScaler {

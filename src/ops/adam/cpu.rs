@@ -12,7 +12,8 @@
 //! threads; the split never changes a result.
 //!
 //! ```
-//! use tidemem::optim::{AdamConfig, CpuAdam, Grad, ParamCopy};
+//! use tidemem::optim::AdamConfig;
+//! use tidemem::ops::{CpuAdam, Grad, ParamCopy};
 //! # fn main() -> tidemem::Result<()> {
 //! let adam = CpuAdam::new();
 //! let s = AdamConfig::adamw(1e-3, 0.01).scalars(1, 1.0 / 1024.0)?;

@@ -1,49 +1,3 @@
-//! [`HybridAdam`]: mixed-precision Adam over the chunks of a [`ChunkManager`], each chunk group
-//! stepped where it is cheapest.
-//!
-//! After backward, every parameter chunk holds its gradients (fp16/bf16, under the loss scale).
-//! One step:
-//!
-//! 1. **Statistics.** The squared norm and any infinite or NaN element of every gradient, computed
-//!    where each parameter chunk already is ([`ChunkManager::grad_stats`]).
-//! 2. **Overflow.** An infinite or NaN gradient skips the step: the parameters the gradients
-//!    overwrote are restored from the fp32 masters, the loss scaler backs off, and the iteration
-//!    ends with [`ChunkManager::skip_step`].
-//! 3. **Step.** Gradients are unscaled and clipped by the global norm through one factor folded
-//!    into the kernel. The first `K` chunk groups step on the device (their fp32 master,
-//!    momentum and variance chunks are brought there; on the simulated device this runs the same
-//!    CPU kernel, so placement never changes a bit); the rest step on the host with the SIMD
-//!    CPU Adam, which reads the fp16 gradient and writes the fp16 parameter in the same pass.
-//!
-//! During warm-up every group steps on the host. Afterwards `K` follows the device margin, as
-//! in PatrickStar, and the scheduler's trace is told where the optimizer runs
-//! ([`ChunkManager::plan_optimizer`]): with `capacity` the
-//! scheduler's share of the device, `margin = capacity − peak non-model − fp16 footprint`, and
-//! `K = ⌊margin · fraction / (12 · chunk_elems)⌋` (12 bytes per element of fp32 master,
-//! momentum and variance).
-//!
-//! **Gradient accumulation** over `N` micro-batches: after each of the first `N − 1` backward
-//! passes, [`HybridAdam::step`] folds the unscaled gradients into fp32 accumulators (host
-//! memory, 4 bytes per parameter element) and restores the parameters; after the `N`-th it steps
-//! with the mean gradient. With accumulation every group steps on the host, where the
-//! accumulators are.
-//!
-//! **Overlap.** A host group's step does not wait for the end of backward: after each step the
-//! optimizer arms the manager with the next step's scalars as they will be if nothing overflows
-//! and nothing is clipped, and each host group steps on a worker thread once its gradients are
-//! final and copied down, while the device goes on with backward (SuperOffload's speculation,
-//! on copies: the originals are kept until the step is decided). After backward the step's
-//! real scalars decide: if they are the armed ones, every early step is kept and the group's
-//! turn in the pass costs nothing; after an overflow, a clip, a changed loss scale or
-//! learning rate, each host group is stepped again from its untouched originals. Either way
-//! the bits are those of the serial step. Its cost is host memory: a second copy of every host
-//! group's master, momentum and variance (12 bytes an element) and parameter chunk. The
-//! counts are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
-//! last folds its gradients into the accumulators during backward instead (exact, whatever
-//! the step does), and the last steps after backward.
-//!
-//! The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
-
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -194,6 +148,52 @@ pub struct StepReport {
     pub scale_update: Option<ScaleUpdate>,
 }
 
+/// [`HybridAdam`]: mixed-precision Adam over the chunks of a [`ChunkManager`], each chunk group
+/// stepped where it is cheapest.
+///
+/// After backward, every parameter chunk holds its gradients (fp16/bf16, under the loss scale).
+/// One step:
+///
+/// 1. **Statistics.** The squared norm and any infinite or NaN element of every gradient, computed
+///    where each parameter chunk already is ([`ChunkManager::grad_stats`]).
+/// 2. **Overflow.** An infinite or NaN gradient skips the step: the parameters the gradients
+///    overwrote are restored from the fp32 masters, the loss scaler backs off, and the iteration
+///    ends with [`ChunkManager::skip_step`].
+/// 3. **Step.** Gradients are unscaled and clipped by the global norm through one factor folded
+///    into the kernel. The first `K` chunk groups step on the device (their fp32 master,
+///    momentum and variance chunks are brought there; on the simulated device this runs the same
+///    CPU kernel, so placement never changes a bit); the rest step on the host with the SIMD
+///    CPU Adam, which reads the fp16 gradient and writes the fp16 parameter in the same pass.
+///
+/// During warm-up every group steps on the host. Afterwards `K` follows the device margin, as
+/// in PatrickStar, and the scheduler's trace is told where the optimizer runs
+/// ([`ChunkManager::plan_optimizer`]): with `capacity` the
+/// scheduler's share of the device, `margin = capacity − peak non-model − fp16 footprint`, and
+/// `K = ⌊margin · fraction / (12 · chunk_elems)⌋` (12 bytes per element of fp32 master,
+/// momentum and variance).
+///
+/// **Gradient accumulation** over `N` micro-batches: after each of the first `N − 1` backward
+/// passes, [`HybridAdam::step`] folds the unscaled gradients into fp32 accumulators (host
+/// memory, 4 bytes per parameter element) and restores the parameters; after the `N`-th it steps
+/// with the mean gradient. With accumulation every group steps on the host, where the
+/// accumulators are.
+///
+/// **Overlap.** A host group's step does not wait for the end of backward: after each step the
+/// optimizer arms the manager with the next step's scalars as they will be if nothing overflows
+/// and nothing is clipped, and each host group steps on a worker thread once its gradients are
+/// final and copied down, while the device goes on with backward (SuperOffload's speculation,
+/// on copies: the originals are kept until the step is decided). After backward the step's
+/// real scalars decide: if they are the armed ones, every early step is kept and the group's
+/// turn in the pass costs nothing; after an overflow, a clip, a changed loss scale or
+/// learning rate, each host group is stepped again from its untouched originals. Either way
+/// the bits are those of the serial step. Its cost is host memory: a second copy of every host
+/// group's master, momentum and variance (12 bytes an element) and parameter chunk. The
+/// counts are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
+/// last folds its gradients into the accumulators during backward instead (exact, whatever
+/// the step does), and the last steps after backward.
+///
+/// The trainer multiplies its loss by [`HybridAdam::loss_scale`] before backward.
+///
 /// Mixed-precision Adam over a [`ChunkManager`] (see the module docs).
 ///
 /// ```

@@ -22,8 +22,9 @@ use std::time::{Duration, Instant};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
-use tidemem::chunk::{optimizer_accesses, ChunkKind, ChunkManager, ChunkPlan, ManagerConfig};
+use tidemem::chunk::{optimizer_accesses, ChunkManager, ChunkPlan, ManagerConfig};
 use tidemem::device::{Device, SimConfig};
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::{
     Access, ChunkDesc, ChunkNo, MoveStats, Policy, Scheduler, SchedulerConfig, Target, Tracer,

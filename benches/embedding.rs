@@ -29,7 +29,6 @@ mod kaggle;
 #[path = "common/mean.rs"]
 mod mean;
 use mean::Mean;
-use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::embedding::{
     bincount, replay, CacheConfig, CacheIndex, CachePolicy, CachedEmbeddingBag, OptimalTrace,
@@ -37,6 +36,7 @@ use tidemem::embedding::{
 };
 use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::ops::embedding::{plan_backward, BagMode};
+use tidemem::rng::{Rng, SplitMix64};
 
 const BATCH: usize = 2048;
 const BATCHES: u64 = 40;

@@ -73,7 +73,7 @@ pub mod data;
 #[cfg(feature = "demo")]
 pub mod demo;
 pub mod device;
-pub mod device_id;
+pub(crate) mod device_id;
 pub mod dtype;
 pub mod embedding;
 pub mod error;

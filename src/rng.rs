@@ -13,7 +13,7 @@
 //! and bytes.
 //!
 //! ```
-//! use tidemem::data::rng::{Rng, SplitMix64};
+//! use tidemem::rng::{Rng, SplitMix64};
 //! let mut a = SplitMix64::new(7);
 //! let mut b = SplitMix64::new(7);
 //! assert_eq!(a.next_u64(), b.next_u64()); // deterministic
@@ -38,7 +38,7 @@ pub fn mix64(mut z: u64) -> u64 {
 /// elements before it.
 ///
 /// ```
-/// use tidemem::data::rng::{splitmix64, Rng, SplitMix64};
+/// use tidemem::rng::{splitmix64, Rng, SplitMix64};
 /// assert_eq!(splitmix64(42), SplitMix64::new(42).next_u64());
 /// ```
 pub fn splitmix64(x: u64) -> u64 {

@@ -7,10 +7,12 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, Usage};
+use tidemem::chunk::{ChunkManager, ManagerConfig, Usage};
+
 use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::CachingAllocator;
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::{DType, Error};

@@ -5,9 +5,9 @@
 
 mod common;
 
-use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, Stream};
 use tidemem::ops::{self, Gemm};
+use tidemem::rng::{Rng, SplitMix64};
 use tidemem::DType;
 
 const M: usize = 8;

@@ -11,7 +11,6 @@ mod common;
 
 use common::pattern;
 use half::{bf16, f16};
-use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{
     cuda_device_count, cuda_driver_present, Device, DeviceBuffer, SimConfig, Stream,
 };
@@ -20,6 +19,7 @@ use tidemem::ops::{
 };
 use tidemem::ops::{read_grad_stats, AdamOperands, GRAD_STATS_BYTES};
 use tidemem::optim::AdamConfig;
+use tidemem::rng::{Rng, SplitMix64};
 use tidemem::DType;
 
 const STEPS: u64 = 20;

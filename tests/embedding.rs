@@ -4,13 +4,13 @@
 mod common;
 
 use proptest::prelude::*;
-use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::embedding::{
     bincount, CacheConfig, CachePolicy, CachedEmbeddingBag, CachedEmbeddingCollection,
     EmbeddingBag, EmbeddingCache, HostTier, OptimalTrace,
 };
 use tidemem::ops::embedding::BagMode;
 use tidemem::ops::embedding::EmbeddingOptimizer;
+use tidemem::rng::{Rng, SplitMix64};
 use tidemem::Error;
 
 const ROWS: usize = 400;

@@ -6,7 +6,7 @@
 mod common;
 
 use half::f16;
-use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::chunk::{ChunkManager, ManagerConfig};
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
 use tidemem::ops::{CpuAdam, Grad, ParamCopy};
@@ -14,6 +14,7 @@ use tidemem::optim::{
     AdamConfig, DevicePlacement, HybridAdam, HybridConfig, LossScaler, ScaleUpdate, ScalerConfig,
     StepOutcome, StepReport,
 };
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::Policy;
 use tidemem::DType;
@@ -258,7 +259,7 @@ fn iterate(m: &mut ChunkManager, ids: &[TensorId], grads: &[Vec<f32>]) {
 fn grads(seed: u64, n: usize, scale: f32) -> Vec<f32> {
     (0..n)
         .map(|i| {
-            let h = tidemem::data::rng::splitmix64(seed * 1_000_003 + i as u64);
+            let h = tidemem::rng::splitmix64(seed * 1_000_003 + i as u64);
             // exactly representable in fp16 once scaled by a power of two
             f16::from_f32(((h >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale).to_f32()
         })
@@ -584,7 +585,7 @@ fn accumulation_steps_with_the_mean_gradient() {
     let grid = |seed: u64| -> Vec<f32> {
         (0..n)
             .map(|i| {
-                let h = tidemem::data::rng::splitmix64(seed * 7919 + i as u64);
+                let h = tidemem::rng::splitmix64(seed * 7919 + i as u64);
                 ((h % 513) as f32 - 256.0) / 64.0
             })
             .collect()

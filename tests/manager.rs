@@ -3,11 +3,13 @@
 
 mod common;
 
-use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig, TensorView, Usage};
+use tidemem::chunk::{ChunkManager, ManagerConfig, TensorView, Usage};
+
 use tidemem::demo::ToyIds;
 use tidemem::device::{Device, SimConfig};
 use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig};
 use tidemem::simulate::{simulate, SimOptions};
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{Init, Stage, TensorState};
 use tidemem::tide::{Policy, Scheduler};
 use tidemem::DType;

@@ -6,8 +6,9 @@
 
 #![allow(clippy::needless_range_loop)] // index loops mirror the shadow model element by element
 use proptest::prelude::*;
-use tidemem::chunk::{decode, encode, ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::chunk::{decode, encode, ChunkManager, ManagerConfig};
 use tidemem::device::{Device, SimConfig};
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{next_state, Init, Stage, TensorId, TensorState, TrainEvent};
 use tidemem::tide::Policy;
 use tidemem::DType;

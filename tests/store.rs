@@ -160,7 +160,7 @@ fn an_error_path_leaves_nothing_fetched() {
     ));
     bwd.finish().unwrap(); // nothing left in COMPUTE
     assert_eq!(
-        m.state(w, tidemem::chunk::ChunkKind::Param).unwrap(),
+        m.state(w, tidemem::tensor::ChunkKind::Param).unwrap(),
         TensorState::HoldAfterBwd
     );
 }

@@ -3,13 +3,15 @@
 
 mod common;
 
-use tidemem::chunk::{ChunkKind, ChunkManager, ManagerConfig};
+use tidemem::chunk::{ChunkManager, ManagerConfig};
+
 use tidemem::comm::{Communicator, ReduceOp};
 use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::CachingAllocator;
 use tidemem::optim::{
     AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, StepOutcome, StepReport,
 };
+use tidemem::tensor::ChunkKind;
 use tidemem::tensor::{Init, Stage, TensorId};
 use tidemem::tide::{MoveStats, Policy};
 use tidemem::zero::ZeroManager;

@@ -3,7 +3,7 @@
 
 mod layout;
 
-pub use crate::tensor::ChunkKind;
+pub(crate) use crate::tensor::ChunkKind;
 pub use layout::{search_chunk_size, Layout, SizeChoice, SizeSearch, Slot};
 
 mod plan;

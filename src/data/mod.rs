@@ -19,7 +19,7 @@ mod ahead;
 pub mod criteo;
 mod permutation;
 pub mod regression;
-pub use crate::rng;
+pub(crate) use crate::rng;
 pub mod text;
 mod zipf;
 

@@ -211,7 +211,6 @@ impl fmt::Debug for Device {
             .finish()
     }
 }
-pub use crate::units::fmt_bytes;
 
 impl Device {
     /// Wraps a backend.

@@ -1,7 +1,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-pub use crate::ops::adam::AdamScalars;
+pub(crate) use crate::ops::AdamScalars;
 
 /// How weight decay enters the step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]

@@ -4,8 +4,8 @@
 
 pub mod summa;
 
-use tidemem::data::rng::{Rng, SplitMix64};
 use tidemem::device::{Device, LinkModel, SimConfig};
+use tidemem::rng::{Rng, SplitMix64};
 
 /// A deterministic byte pattern.
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {

@@ -139,7 +139,7 @@ fn check_grid(s: GridSpec) {
         ];
         let absent: &[&str] = match s.tensor {
             TensorMode::None | TensorMode::OneD { .. } => {
-                assert!(matches!(grid.q(), Err(Error::InvalidArgument(_))));
+                assert!(matches!(grid.q(), Err(Error::Conflict { .. })));
                 &["row", "dep", "input", "plane"]
             }
             TensorMode::TwoD { q } => {
@@ -193,8 +193,9 @@ fn check_grid(s: GridSpec) {
                 _ => grid.plane(),
             };
             match r {
-                Err(Error::InvalidArgument(m)) => {
-                    assert!(m.contains(&s.tensor.to_string()), "{m}")
+                Err(Error::Conflict { what, with }) => {
+                    assert!(what.contains(name), "{what}");
+                    assert!(with.contains(&s.tensor.to_string()), "{with}")
                 }
                 other => panic!("{s}: {name} gave {other:?}"),
             }
@@ -238,8 +239,9 @@ fn data_and_pipeline_factors() {
     check_grid(spec(2, 2, "none"));
 }
 
-/// Every rank gets `InvalidArgument` at once (no collective runs: far inside the timeout).
-fn fails_everywhere(world: usize, s: GridSpec, needle: &str) {
+/// Every rank gets the error `kind` accepts at once (no collective runs: far inside the
+/// timeout), its message with `needle`.
+fn fails_everywhere(world: usize, s: GridSpec, needle: &str, kind: fn(&Error) -> bool) {
     let t0 = Instant::now();
     let res = on_ranks(world, Duration::from_secs(3), |c| ProcessGrid::new(&c, s));
     assert!(
@@ -249,7 +251,7 @@ fn fails_everywhere(world: usize, s: GridSpec, needle: &str) {
     );
     for r in res {
         match r {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains(needle), "{m}"),
+            Err(e) if kind(&e) => assert!(e.to_string().contains(needle), "{e}"),
             other => panic!("{s} on {world} ranks: {other:?}"),
         }
     }
@@ -257,29 +259,91 @@ fn fails_everywhere(world: usize, s: GridSpec, needle: &str) {
 
 #[test]
 fn bad_grids_fail_on_every_rank() {
+    let too_few = |e: &Error| {
+        matches!(
+            e,
+            Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            }
+        )
+    };
     fails_everywhere(
         6,
         spec(1, 1, "2d:2"),
-        "2d:2 needs q² = 4 ranks per tensor group × data 1 × pipeline 1 = 4, \
-         the communicator has 6",
+        "2d:2 needs q² = 4 ranks per tensor group × data 1 × pipeline 1 = 4: 6 given, \
+         4 expected",
+        |e| {
+            matches!(
+                e,
+                Error::Length {
+                    got: 6,
+                    expected: 4,
+                    ..
+                }
+            )
+        },
     );
-    fails_everywhere(4, spec(1, 1, "3d:2"), "q³ = 8");
+    fails_everywhere(4, spec(1, 1, "3d:2"), "q³ = 8", |e| {
+        matches!(
+            e,
+            Error::Length {
+                got: 4,
+                expected: 8,
+                ..
+            }
+        )
+    });
     fails_everywhere(
         6,
         spec(1, 1, "2.5d:2x2"),
-        "2.5d:2x2 needs q²·d = 8 ranks per tensor group × data 1 × pipeline 1 = 8, \
-         the communicator has 6",
+        "2.5d:2x2 needs q²·d = 8 ranks per tensor group × data 1 × pipeline 1 = 8: 6 given, \
+         8 expected",
+        |e| {
+            matches!(
+                e,
+                Error::Length {
+                    got: 6,
+                    expected: 8,
+                    ..
+                }
+            )
+        },
     );
-    fails_everywhere(6, spec(2, 1, "1d:2"), "data 2 × pipeline 1 = 4");
-    fails_everywhere(4, spec(0, 1, "1d:4"), "at least 1");
-    fails_everywhere(4, spec(1, 0, "1d:4"), "at least 1");
-    fails_everywhere(4, spec4(1, 1, 0, "1d:4"), "sequence 0");
-    fails_everywhere(6, spec4(1, 1, 2, "1d:2"), "pipeline 1 × sequence 2 = 4");
+    fails_everywhere(6, spec(2, 1, "1d:2"), "data 2 × pipeline 1 = 4", |e| {
+        matches!(
+            e,
+            Error::Length {
+                got: 6,
+                expected: 4,
+                ..
+            }
+        )
+    });
+    fails_everywhere(4, spec(0, 1, "1d:4"), "at least 1", too_few);
+    fails_everywhere(4, spec(1, 0, "1d:4"), "at least 1", too_few);
+    fails_everywhere(4, spec4(1, 1, 0, "1d:4"), "sequence 0", too_few);
+    fails_everywhere(
+        6,
+        spec4(1, 1, 2, "1d:2"),
+        "pipeline 1 × sequence 2 = 4",
+        |e| {
+            matches!(
+                e,
+                Error::Length {
+                    got: 6,
+                    expected: 4,
+                    ..
+                }
+            )
+        },
+    );
     let zero_q = GridSpec {
         tensor: TensorMode::TwoD { q: 0 },
         ..spec(1, 1, "none")
     };
-    fails_everywhere(4, zero_q, "at least 1");
+    fails_everywhere(4, zero_q, "at least 1", too_few);
 }
 
 #[test]
@@ -289,7 +353,7 @@ fn ranks_with_different_specs_all_fail() {
         ProcessGrid::new(&c, spec(1, 1, mode))
     });
     for r in res {
-        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        assert!(matches!(r, Err(Error::Conflict { .. })), "{r:?}");
     }
 }
 
@@ -333,7 +397,11 @@ fn modes_parse_and_print() {
     ];
     for s in bad {
         match s.parse::<TensorMode>() {
-            Err(Error::InvalidArgument(m)) => assert!(m.contains(&format!("{s:?}")), "{m}"),
+            Err(Error::Parse {
+                what: "tensor mode",
+                input,
+                ..
+            }) => assert_eq!(input, s),
             other => panic!("{s:?} parsed as {other:?}"),
         }
     }

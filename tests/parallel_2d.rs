@@ -447,7 +447,8 @@ fn shapes_that_do_not_split_are_refused_on_every_rank() {
     // a layer on a grid of another mode
     for e in errors(4, reg(TensorMode::OneD { size: 4 }, IN, OUT, true)) {
         assert!(
-            e.contains("Linear2p5D 'fc' runs on a 2.5D grid") && e.contains("1d:4"),
+            e.contains("Linear2p5D 'fc' cannot be used with a grid of tensor mode 1d:4")
+                && e.contains("it runs on a 2.5D grid"),
             "{e}"
         );
     }
@@ -464,7 +465,8 @@ fn shapes_that_do_not_split_are_refused_on_every_rank() {
         )
     }) {
         assert!(
-            e.contains("Linear2D 'fc' runs on a 2D grid") && e.contains("2.5d:2x1"),
+            e.contains("Linear2D 'fc' cannot be used with a grid of tensor mode 2.5d:2x1")
+                && e.contains("it runs on a 2D grid"),
             "{e}"
         );
     }

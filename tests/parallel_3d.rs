@@ -477,7 +477,7 @@ fn a_grid_that_is_not_3d_is_refused_on_every_rank() {
         });
         refused_everywhere(
             errs,
-            &format!("needs a 3D grid (tensor mode 3d:Q); this grid's tensor mode is {spec}"),
+            &format!("cannot be used with a grid of tensor mode {spec} (it needs a 3D grid"),
         );
     }
 }

@@ -553,7 +553,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
     let errs = on_ranks("3d:2", |g| register_block(g, 6, 2));
     refused_everywhere(errs, "h.0: channels = 6 does not split into 4 (q²)");
     let errs = on_ranks("3d:2", |g| register_block(g, 16, 6));
-    refused_everywhere(errs, "16 channels over 6 heads");
+    refused_everywhere(errs, "h.0: channels = 16 does not split into 6 (heads)");
     // 2 sequences of 6 tokens: 12 rows split, but not into whole sequences; a tile too wide
     let errs = on_ranks("3d:2", |g| -> Result<()> {
         let mut m = manager(g.tensor().device().clone(), DType::F32);
@@ -579,13 +579,15 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
             .forward(&fwd, g, &x, [B, 2 * T], None)
             .expect_err("rows");
         assert!(
-            e.to_string().contains("rows · q² = batch · sequence"),
+            matches!(e, Error::Length { .. })
+                && e.to_string()
+                    .contains("rows · q² (q = 2) of a 3D block tile"),
             "{e}"
         );
         assert_eq!(delta(g, &before), PassCost::default());
         Err(e)
     });
-    refused_everywhere(errs, "rows · q² = batch · sequence");
+    refused_everywhere(errs, "rows · q² (q = 2) of a 3D block tile");
 }
 
 #[test]
@@ -594,7 +596,7 @@ fn a_grid_that_is_not_3d_is_refused_on_every_rank() {
         let errs = on_ranks(spec, |g| register_block(g, C, NH));
         refused_everywhere(
             errs,
-            &format!("needs a 3D grid (tensor mode 3d:Q); this grid's tensor mode is {spec}"),
+            &format!("cannot be used with a grid of tensor mode {spec} (it needs a 3D grid"),
         );
     }
 }

@@ -510,7 +510,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
     };
     refused_everywhere(
         reg(15, C),
-        "'wte': the vocabulary of 15 tokens does not split over q = 2",
+        "wte: vocabulary = 15 does not split into 2 (q ranks of a 3D cube",
     );
     refused_everywhere(reg(V, 6), "wte: channels = 6 does not split into 4 (q²)");
     let errs = on_ranks("3d:2", WORLD, |g| {
@@ -547,15 +547,21 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let mut bad = [1i32; R];
         bad[R - 1] = V as i32;
         let e = emb.forward(&fwd, g, &bad).expect_err("token 16");
-        let msg = e.to_string();
         assert!(
-            msg.contains("id 16 at position 7 is outside 0..16"),
-            "{msg}"
+            matches!(
+                e,
+                Error::TokenOutOfRange {
+                    token: 16,
+                    position: 7,
+                    vocab: 16
+                }
+            ),
+            "{e:?}"
         );
         assert_eq!(delta(g, &before), PassCost::default());
         Err(e)
     });
-    refused_everywhere(errs, "id 16");
+    refused_everywhere(errs, "token 16 at position 7 is outside 0..16");
 }
 
 #[test]
@@ -563,7 +569,7 @@ fn a_grid_that_is_not_3d_is_refused_on_every_rank() {
     let w = master(61, -0.5, 0.5);
     let lay = Layout3D::RowsJColsK;
     for (spec, world) in [("2d:2", 4), ("2.5d:2x2", 8)] {
-        let want = format!("needs a 3D grid (tensor mode 3d:Q); this grid's tensor mode is {spec}");
+        let want = format!("cannot be used with a grid of tensor mode {spec} (it needs a 3D grid");
         let errs = on_ranks(spec, world, |g| {
             let mut m = manager(g.tensor().device().clone(), DType::F32);
             VocabEmbedding3D::register(&mut m, g, "wte", V, C, lay, &w)

@@ -749,7 +749,15 @@ fn pipeline_split_ends_need_a_vocabulary_that_splits() {
         let init = |n: &str, _: &[usize]| Ok(default_init(&cfg, n, 3));
         let r = Gpt::register_on(&mut m, &Plan::on(grid), &cfg, init);
         assert!(
-            matches!(r, Err(tidemem::error::Error::InvalidArgument(_))),
+            matches!(
+                r,
+                Err(tidemem::error::Error::NotSplit {
+                    what: "vocabulary",
+                    value: 63,
+                    parts: 2,
+                    ..
+                })
+            ),
             "stage {stage}: {r:?}"
         );
         assert_eq!(m.num_tensors(), 0, "stage {stage}: nothing registered");

@@ -178,11 +178,29 @@ fn positions_that_do_not_split_are_refused_on_every_rank() {
     let comms = Communicator::local(devs).unwrap();
     for c in &comms {
         let e = RingAttention::new(c, B, T, NH, D).unwrap_err();
-        assert!(e.to_string().contains("16 positions"), "{e}");
+        assert!(
+            matches!(
+                e,
+                tidemem::Error::NotSplit {
+                    what: "positions",
+                    value: 16,
+                    parts: 3,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         assert_eq!(c.stats(), CommStats::default());
     }
     let c = &Communicator::local(vec![common::sim(1 << 20)]).unwrap()[0];
-    assert!(RingAttention::new(c, 0, T, NH, D).is_err());
+    assert!(matches!(
+        RingAttention::new(c, 0, T, NH, D),
+        Err(tidemem::Error::TooFew {
+            got: 0,
+            need: 1,
+            ..
+        })
+    ));
 }
 
 /// A ring rank that never posts its block: every other rank gets an error within the

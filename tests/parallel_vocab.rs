@@ -8,7 +8,7 @@ mod nn_ref;
 
 use tidemem::comm::Communicator;
 use tidemem::nn::Act;
-use tidemem::ops::VocabShard;
+use tidemem::ops::vocab_parallel::VocabShard;
 use tidemem::parallel::{Classifier1D, Shard, VocabEmbedding1D, VocabHead1D};
 use tidemem::prelude::*;
 

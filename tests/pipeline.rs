@@ -39,7 +39,7 @@ fn adam(accumulation_steps: u32) -> HybridAdam {
 fn data(step: usize, m: usize) -> Vec<f32> {
     (0..ROWS * DIMS[0])
         .map(|i| {
-            let h = tidemem::data::rng::splitmix64((step * 1000 + m * 97 + i) as u64);
+            let h = tidemem::rng::splitmix64((step * 1000 + m * 97 + i) as u64);
             ((h % 2001) as f32 - 1000.0) / 1000.0
         })
         .collect()
@@ -628,12 +628,31 @@ fn two_bw_misuse_is_an_error() {
         let every = PipelineStage::new(grid.pipeline(), Schedule::TwoBW { every: 3 }, 2).map(drop);
         [by_run, mismatched, same, flush, every]
     });
-    for (k, r) in outs[0].iter().enumerate() {
-        assert!(
-            matches!(r, Err(Error::InvalidArgument(_))),
-            "case {k}: {r:?}"
-        );
-    }
+    let [by_run, mismatched, same, flush, every] = &outs[0];
+    assert!(
+        matches!(by_run, Err(Error::Conflict { what, .. }) if what == "PipelineStage::run"),
+        "{by_run:?}"
+    );
+    assert!(
+        matches!(mismatched, Err(Error::Length { got, expected, .. }) if got < expected),
+        "{mismatched:?}"
+    );
+    assert!(matches!(same, Err(Error::Conflict { .. })), "{same:?}");
+    assert!(
+        matches!(flush, Err(Error::Conflict { what, with }) if what == "run_two_bw" && with.contains("1F1B")),
+        "{flush:?}"
+    );
+    assert!(
+        matches!(
+            every,
+            Err(Error::Length {
+                got: 3,
+                expected: 2,
+                ..
+            })
+        ),
+        "{every:?}"
+    );
 }
 
 /// Each parameter's master bits on the ZeRO rank that owns it, `None` on the others.

@@ -46,9 +46,11 @@ impl ShardedCrossEntropy {
         logits.expect("logits", Some(n), self.classes.rows, d)?;
         check_targets(targets, self.classes.vocab, self.ignore_index)?;
         if !grad_scale.is_finite() {
-            return Err(Error::InvalidArgument(format!(
-                "a sharded cross-entropy with gradient scale {grad_scale}"
-            )));
+            return Err(Error::BadValue {
+                what: "the gradient scale of a sharded cross-entropy".into(),
+                value: f64::from(grad_scale),
+                want: "finite",
+            });
         }
         let ce = VocabCrossEntropy::new(self.classes, self.ignore_index, grad_scale);
         let tgt = pass.upload(bytemuck::cast_slice(targets))?;
@@ -119,17 +121,20 @@ impl ShardedCrossEntropy {
             .first
             .checked_add(n)
             .and_then(|end| rows.targets.get(rows.first..end))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "logits of {n} rows from row {} of a batch of {}",
-                    rows.first,
-                    rows.targets.len()
-                ))
+            .ok_or_else(|| Error::TooFew {
+                what: format!(
+                    "targets in the batch for logits of {n} rows from row {}",
+                    rows.first
+                ),
+                got: rows.targets.len(),
+                need: rows.first.saturating_add(n),
             })?;
         if !(loss_scale > 0.0 && loss_scale.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "a sharded cross-entropy with loss scale {loss_scale}"
-            )));
+            return Err(Error::BadValue {
+                what: "the loss scale of a sharded cross-entropy".into(),
+                value: f64::from(loss_scale),
+                want: "finite and above 0",
+            });
         }
         let counted = rows
             .targets

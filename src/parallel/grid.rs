@@ -110,15 +110,15 @@ impl fmt::Display for TensorMode {
 }
 
 /// Reads `none`, `1d:N`, `2d:Q`, `2.5d:QxD` or `3d:Q` (sizes at least 1); anything else is
-/// [`Error::InvalidArgument`] quoting the input.
+/// [`Error::Parse`] quoting the input.
 impl FromStr for TensorMode {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<TensorMode> {
-        let bad = |why: &str| {
-            Error::InvalidArgument(format!(
-                "tensor mode {s:?}: {why} (expected none, 1d:N, 2d:Q, 2.5d:QxD or 3d:Q)"
-            ))
+        let bad = |why: &str| Error::Parse {
+            what: "tensor mode",
+            input: s.to_string(),
+            expected: format!("none, 1d:N, 2d:Q, 2.5d:QxD or 3d:Q ({why})"),
         };
         let num = |t: &str| -> Result<usize> {
             match t.parse::<usize>() {
@@ -180,35 +180,45 @@ impl GridSpec {
     /// rank knows both, so every rank decides the same way without communicating.
     fn check(&self, world: usize) -> Result<()> {
         if self.data == 0 || self.pipeline == 0 || self.sequence == 0 || self.tensor.has_zero() {
-            return Err(Error::InvalidArgument(format!(
-                "grid sizes must be at least 1: data {} × pipeline {} × sequence {} × {}",
-                self.data, self.pipeline, self.sequence, self.tensor
-            )));
+            return Err(Error::TooFew {
+                what: format!(
+                    "the smallest grid size of data {} × pipeline {} × sequence {} × {}",
+                    self.data, self.pipeline, self.sequence, self.tensor
+                ),
+                got: 0,
+                need: 1,
+            });
         }
-        let need = self
-            .checked_world()
-            .ok_or_else(|| Error::InvalidArgument(format!("grid {self} overflows usize ranks")))?;
+        let need = self.checked_world().ok_or_else(|| Error::Overflow {
+            what: format!("the ranks (usize) of grid {self}"),
+        })?;
         if need != world {
             let seq = if self.sequence == 1 {
                 String::new()
             } else {
                 format!(" × sequence {}", self.sequence)
             };
-            return Err(Error::InvalidArgument(format!(
-                "{} needs {} = {} rank{} per tensor group × data {} × pipeline {}{seq} = {need}, \
-                 the communicator has {world}",
-                self.tensor,
-                self.tensor.size_formula(),
-                self.tensor.size(),
-                if self.tensor.size() == 1 { "" } else { "s" },
-                self.data,
-                self.pipeline,
-            )));
+            return Err(Error::Length {
+                what: format!(
+                    "ranks of the communicator: {} needs {} = {} rank{} per tensor group × data \
+                     {} × pipeline {}{seq} = {need}",
+                    self.tensor,
+                    self.tensor.size_formula(),
+                    self.tensor.size(),
+                    if self.tensor.size() == 1 { "" } else { "s" },
+                    self.data,
+                    self.pipeline,
+                ),
+                got: world,
+                expected: need,
+            });
         }
         if u32::try_from(world).map_or(true, |w| w == u32::MAX) {
-            return Err(Error::InvalidArgument(format!(
-                "grid {self}: {world} ranks exceed the split colors (u32)"
-            )));
+            return Err(Error::TooLarge {
+                what: format!("ranks of grid {self} (the split colors are u32)"),
+                requested: world as u128,
+                limit: u64::from(u32::MAX) - 1,
+            });
         }
         Ok(())
     }
@@ -253,7 +263,7 @@ struct Scheme {
 /// sequence rank `sp`, tensor rank `t`, `P` pipeline stages, `S` sequence ranks and
 /// `T = tensor.size()` ranks per tensor group. Each group's ranks are
 /// ordered as each accessor states. Groups the grid's scheme does not have (say
-/// [`row`](Self::row) on a 1D grid) and their coordinates are [`Error::InvalidArgument`]
+/// [`row`](Self::row) on a 1D grid) and their coordinates are [`Error::Conflict`]
 /// naming the scheme, so a layer's constructor can `?` them.
 ///
 /// ```
@@ -317,17 +327,25 @@ impl fmt::Debug for ProcessGrid {
 /// this rank at `key`.
 fn group(comm: &Communicator, color: usize, key: usize, size: usize) -> Result<Communicator> {
     let u = |v: usize| {
-        u32::try_from(v).map_err(|_| Error::InvalidArgument(format!("split color {v} > u32")))
+        u32::try_from(v).map_err(|_| Error::TooLarge {
+            what: "a split color or key of a grid group".into(),
+            requested: v as u128,
+            limit: u64::from(u32::MAX),
+        })
     };
     let g = comm
         .split(Some(u(color)?), u(key)?)?
-        .ok_or_else(|| Error::InvalidArgument("split left a member without a group".into()))?;
+        .ok_or_else(|| Error::Internal {
+            what: "a grid's split left a member without a group".into(),
+        })?;
     if g.world() != size || g.rank() != key {
-        return Err(Error::InvalidArgument(format!(
-            "grid group of color {color}: rank {} of {}, expected rank {key} of {size}",
-            g.rank(),
-            g.world()
-        )));
+        return Err(Error::Internal {
+            what: format!(
+                "grid group of color {color}: rank {} of {}, expected rank {key} of {size}",
+                g.rank(),
+                g.world()
+            ),
+        });
     }
     Ok(g)
 }
@@ -336,7 +354,7 @@ impl ProcessGrid {
     /// This rank's grid over `comm`; every rank of `comm` must call it with the same `spec`.
     ///
     /// A spec with a zero size, or whose [`GridSpec::world`] is not `comm.world()`, is
-    /// [`Error::InvalidArgument`] on every rank before any communication (every rank knows
+    /// an error on every rank before any communication (every rank knows
     /// both). Then the ranks check that they passed the same spec (one small all-reduce: an
     /// error on every rank if not) and build every group with [`Communicator::split`], each
     /// rank splitting the same number of times in the same order: data, pipeline, sequence,
@@ -489,13 +507,16 @@ impl ProcessGrid {
 
     /// `v`, or the error saying `what` belongs to other `schemes`.
     fn need<T>(&self, v: Option<T>, what: &str, schemes: &str) -> Result<T> {
-        v.ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "{what} belongs to the {schemes} scheme{}; this grid's tensor mode is {} ({})",
-                if schemes.contains(' ') { "s" } else { "" },
+        v.ok_or_else(|| Error::Conflict {
+            what: format!(
+                "a grid's {what} (it belongs to the {schemes} scheme{})",
+                if schemes.contains(' ') { "s" } else { "" }
+            ),
+            with: format!(
+                "this grid's tensor mode {} ({})",
                 self.spec.tensor,
                 self.spec.tensor.scheme()
-            ))
+            ),
         })
     }
 
@@ -603,9 +624,10 @@ fn agree_on_spec(comm: &Communicator, spec: &GridSpec) -> Result<()> {
     }
     comm.all_reduce_host(&mut both, ReduceOp::Max)?;
     if (0..N).any(|n| both[n] != -both[n + N]) {
-        return Err(Error::InvalidArgument(format!(
-            "ranks passed different grid specs (this rank: {spec})"
-        )));
+        return Err(Error::Conflict {
+            what: format!("this rank's grid spec {spec}"),
+            with: "the other ranks' (every rank must pass the same spec)".into(),
+        });
     }
     Ok(())
 }
@@ -632,26 +654,51 @@ mod tests {
         };
         assert_eq!(spec.world(), 8);
         assert!(spec.check(8).is_ok());
-        let e = spec.check(6).unwrap_err().to_string();
+        let e = spec.check(6).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Length {
+                    got: 6,
+                    expected: 8,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        let e = e.to_string();
         assert!(
             e.contains(
-                "2.5d:2x2 needs q²·d = 8 ranks per tensor group × data 1 × pipeline 1 = 8, \
-                 the communicator has 6"
+                "2.5d:2x2 needs q²·d = 8 ranks per tensor group × data 1 × pipeline 1 = 8: 6 \
+                 given, 8 expected"
             ),
             "{e}"
         );
         let zero = GridSpec { data: 0, ..spec };
-        assert!(matches!(zero.check(0), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            zero.check(0),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
+        ));
         let huge = GridSpec {
             data: usize::MAX,
             pipeline: 2,
             sequence: 1,
             tensor: TensorMode::None,
         };
-        assert!(huge
-            .check(usize::MAX)
-            .unwrap_err()
-            .to_string()
-            .contains("overflows"));
+        let e = huge.check(usize::MAX).unwrap_err();
+        assert!(matches!(e, Error::Overflow { .. }), "{e:?}");
+        assert!(e.to_string().contains("overflows"));
+        let big = GridSpec {
+            data: u32::MAX as usize,
+            ..huge
+        };
+        assert!(matches!(
+            GridSpec { pipeline: 1, ..big }.check(u32::MAX as usize),
+            Err(Error::TooLarge { .. })
+        ));
     }
 }

@@ -50,10 +50,11 @@ impl Shard {
     /// divide.
     fn split(&self, layer: &str, what: &'static str, n: usize) -> Result<usize> {
         if self.size == 0 || self.rank >= self.size {
-            return Err(Error::InvalidArgument(format!(
-                "rank {} of a tensor-parallel group of {}",
-                self.rank, self.size
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: "tensor-parallel rank".into(),
+                index: self.rank,
+                len: self.size,
+            });
         }
         super::split(layer, what, n, self.size, "tensor-parallel ranks")
     }
@@ -100,9 +101,13 @@ impl ColumnLinear {
         shard: Shard,
     ) -> Result<ColumnLinear> {
         if parts == 0 || !outputs.is_multiple_of(parts) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {outputs} outputs in {parts} parts"
-            )));
+            return Err(Error::NotSplit {
+                layer: name.to_string(),
+                what: "outputs",
+                value: outputs,
+                parts,
+                by: "fused blocks",
+            });
         }
         let block = outputs / parts;
         let local = shard.split(name, "an output block", block)?;
@@ -384,9 +389,13 @@ impl Layout for OneD {
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
         self.shard.split(name, "heads", heads)?;
         if channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {channels} channels over {heads} heads"
-            )));
+            return Err(Error::NotSplit {
+                layer: name.to_string(),
+                what: "channels",
+                value: channels,
+                parts: heads,
+                by: "heads",
+            });
         }
         Ok(())
     }
@@ -516,7 +525,9 @@ impl Layout for OneD {
             }
             Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
         };
-        dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
+        dx.ok_or_else(|| Error::Internal {
+            what: "a linear's backward asked for dx gave none".into(),
+        })
     }
 }
 

@@ -27,7 +27,7 @@
 //!
 //! With `N = 1` it is the serial [`Attention`](crate::ops::attention::Attention) (the same
 //! products in the same order; no messages). `T` must divide by `N`: anything else is an
-//! [`Error::InvalidArgument`] at construction, on every rank.
+//! [`Error::NotSplit`] at construction, on every rank.
 
 use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, Tally};
@@ -79,11 +79,24 @@ impl RingAttention {
         head_dim: usize,
     ) -> Result<RingAttention> {
         let n = group.world();
-        if batch == 0 || heads == 0 || head_dim == 0 || seq == 0 || !seq.is_multiple_of(n) {
-            return Err(Error::InvalidArgument(format!(
-                "ring attention: {batch} sequences of {seq} positions, {heads} heads of \
-                 {head_dim}, over {n} ranks (the positions must split evenly)"
-            )));
+        if batch == 0 || heads == 0 || head_dim == 0 || seq == 0 {
+            return Err(Error::TooFew {
+                what: format!(
+                    "the smallest size of ring attention's {batch} sequences of {seq} positions, \
+                     {heads} heads of {head_dim}"
+                ),
+                got: 0,
+                need: 1,
+            });
+        }
+        if !seq.is_multiple_of(n) {
+            return Err(Error::NotSplit {
+                layer: "ring attention".into(),
+                what: "positions",
+                value: seq,
+                parts: n,
+                by: "sequence-parallel ranks",
+            });
         }
         let a = RingAttention {
             batch,
@@ -102,7 +115,9 @@ impl RingAttention {
     }
 
     fn overflow(&self) -> Error {
-        Error::InvalidArgument(format!("ring attention: shape {self:?} overflows"))
+        Error::Overflow {
+            what: format!("ring attention: the shape {self:?}"),
+        }
     }
 
     /// Positions a rank holds, `L = T/N`.
@@ -137,13 +152,11 @@ impl RingAttention {
 
     fn check(&self, group: &Communicator, what: &str, a: &Act, cols: usize) -> Result<()> {
         if group.world() != self.ranks || group.rank() != self.rank {
-            return Err(Error::InvalidArgument(format!(
-                "ring attention for rank {} of {} run on rank {} of {}",
-                self.rank,
-                self.ranks,
-                group.rank(),
-                group.world()
-            )));
+            return Err(Error::WrongPlace {
+                what: "ring attention",
+                registered: format!("for rank {} of {}", self.rank, self.ranks),
+                run: format!("on rank {} of {}", group.rank(), group.world()),
+            });
         }
         a.expect(what, Some(self.rows()), cols, a.dtype())
     }

@@ -273,12 +273,13 @@ impl Linear3D {
         for (n, shape) in shapes.iter().enumerate().take(g.len()) {
             let p = g.param(n)?;
             if p.shape() != shape.as_slice() || p.dtype() != d {
-                return Err(Error::InvalidArgument(format!(
-                    "parameter {} is {:?} {}; the 3D layer expects {shape:?} {d}",
-                    g.ids()[n],
-                    p.shape(),
-                    p.dtype()
-                )));
+                return Err(Error::ParamShape {
+                    tensor: g.ids()[n].0,
+                    shape: p.shape().to_vec(),
+                    dtype: p.dtype(),
+                    expected: shape.clone(),
+                    expected_dtype: d,
+                });
             }
         }
         Ok(())
@@ -353,9 +354,13 @@ impl Linear3D {
         saved.w.expect("saved.w", Some(iq), oq, d)?;
         let rows = saved.x.rows();
         if !rows.is_multiple_of(q) {
-            return Err(Error::InvalidArgument(format!(
-                "saved.x has {rows} rows, not q = {q} tiles"
-            )));
+            return Err(Error::NotSplit {
+                layer: "a 3D linear's backward".into(),
+                what: "saved.x rows",
+                value: rows,
+                parts: q,
+                by: "q tiles",
+            });
         }
         dy.expect("dy", Some(rows / q), oq, d)?;
         let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());

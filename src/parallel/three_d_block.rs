@@ -129,8 +129,8 @@ pub struct Cube {
 }
 
 impl Cube {
-    /// The layout of `grid`'s rank with tiles in `layout`; [`Error::InvalidArgument`] on a
-    /// grid that is not 3D.
+    /// The layout of `grid`'s rank with tiles in `layout`; [`Error::Conflict`] on a grid that
+    /// is not 3D.
     pub fn of(grid: &ProcessGrid, layout: Layout3D) -> Result<Cube> {
         Ok(Cube {
             place: Place3D::of(grid)?,
@@ -171,9 +171,13 @@ impl Layout for Cube {
         split(name, "channels", channels, q * q, "q²")?;
         split(name, "heads", heads, q, "q")?;
         if !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {channels} channels over {heads} heads (C a multiple of H)"
-            )));
+            return Err(Error::NotSplit {
+                layer: name.to_string(),
+                what: "channels",
+                value: channels,
+                parts: heads,
+                by: "heads",
+            });
         }
         Ok(())
     }
@@ -187,11 +191,28 @@ impl Layout for Cube {
     ) -> Result<Attention> {
         let q = self.place.q;
         let whole = batch.checked_mul(seq);
-        if batch == 0 || seq == 0 || whole != rows.checked_mul(q * q) {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D block tile of {rows} rows of a batch of {batch} × sequence {seq} \
-                 (rows · q² = batch · sequence, q = {q})"
-            )));
+        let tiled = rows.checked_mul(q * q);
+        if batch == 0 || seq == 0 || whole != tiled {
+            if batch == 0 || seq == 0 {
+                return Err(Error::TooFew {
+                    what: format!("the smaller of a 3D block's batch {batch} and sequence {seq}"),
+                    got: 0,
+                    need: 1,
+                });
+            }
+            let Some(whole) = whole else {
+                return Err(Error::Overflow {
+                    what: format!("a 3D block's batch {batch} × sequence {seq}"),
+                });
+            };
+            return Err(Error::Length {
+                what: format!(
+                    "rows · q² (q = {q}) of a 3D block tile of {rows} rows, for a batch of \
+                     {batch} × sequence {seq}"
+                ),
+                got: tiled.unwrap_or(usize::MAX),
+                expected: whole,
+            });
         }
         // a tile holds whole sequences
         let local = split("a 3D block tile", "sequences", batch, q * q, "q²")?;
@@ -284,7 +305,9 @@ impl Layout for Cube {
     ) -> Result<Act> {
         linear
             .backward_with(pass, grid, saved, dy, true, uses)?
-            .ok_or_else(|| Error::InvalidArgument("a 3D linear asked for dx gave none".into()))
+            .ok_or_else(|| Error::Internal {
+                what: "a 3D linear asked for dx gave none".into(),
+            })
     }
 }
 

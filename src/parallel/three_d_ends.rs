@@ -51,8 +51,8 @@
 //! [`Linear3D::backward_with`](super::Linear3D::backward_with) and [`WeightUse::Shared`](crate::nn::WeightUse::Shared).
 //!
 //! Every layer checks on the host, on every rank and before any collective, that the grid is
-//! 3D and that the dimensions split (a typed [`Error::InvalidArgument`](crate::Error) naming
-//! the dimension), and gives its collectives by group ([`Cost`](super::Cost)).
+//! 3D and that the dimensions split (a typed [`Error::NotSplit`] naming the dimension), and
+//! gives its collectives by group ([`Cost`](super::Cost)).
 //!
 //! ```
 //! use tidemem::chunk::{ChunkManager, ManagerConfig};
@@ -118,13 +118,14 @@ fn here(grid: &ProcessGrid, registered: Place3D) -> Result<Place3D> {
     Ok(place)
 }
 
-/// The first id of `ids` outside `0..n`, as the error naming `what`.
-fn check_ids(what: &str, ids: &[i32], n: usize) -> Result<()> {
+/// The first id of `ids` outside `0..n`, as [`Error::TokenOutOfRange`].
+fn check_ids(ids: &[i32], n: usize) -> Result<()> {
     match ids.iter().position(|&t| t < 0 || t as usize >= n) {
         None => Ok(()),
-        Some(p) => Err(Error::InvalidArgument(format!(
-            "{what}: id {} at position {p} is outside 0..{n}",
-            ids[p]
-        ))),
+        Some(p) => Err(Error::TokenOutOfRange {
+            token: ids[p].into(),
+            position: p,
+            vocab: n,
+        }),
     }
 }

@@ -42,7 +42,7 @@
 //! [`Linear2D::collectives`] gives the calls and bytes per group; they are exact.
 //!
 //! Shapes that do not split (`inputs` or `outputs` by `q`, a bias's `outputs` by `q²`, `rows`
-//! by the row blocks) are [`Error::InvalidArgument`] naming the dimension, at registration, in
+//! by the row blocks) are [`Error::NotSplit`] naming the dimension, at registration, in
 //! the batch helpers and in [`Linear2D::collectives`], before any collective. A layer runs only
 //! on a grid of its mode, at the place it was registered for. The row blocks of the ranks of
 //! one ROW must have the same number of rows ([`split_batch_2d`] gives them that).
@@ -301,12 +301,13 @@ impl Linear2D {
         for (i, shape) in want.iter().enumerate().take(g.len()) {
             let p = g.param(i)?;
             if p.shape() != *shape || p.dtype() != d {
-                return Err(Error::InvalidArgument(format!(
-                    "parameter {} is {:?} {}; the 2D layer expects {shape:?} {d}",
-                    g.ids()[i],
-                    p.shape(),
-                    p.dtype()
-                )));
+                return Err(Error::ParamShape {
+                    tensor: g.ids()[i].0,
+                    shape: p.shape().to_vec(),
+                    dtype: p.dtype(),
+                    expected: shape.to_vec(),
+                    expected_dtype: d,
+                });
             }
         }
         Ok(())
@@ -480,8 +481,11 @@ fn wrong_mode(layer: &str, name: &str, needs: &str, grid: &ProcessGrid) -> Error
     } else {
         format!(" '{name}'")
     };
-    Error::InvalidArgument(format!(
-        "{layer}{name} runs on {needs} grid; this grid's tensor mode is {}",
-        grid.spec().tensor
-    ))
+    Error::Conflict {
+        what: format!("{layer}{name}"),
+        with: format!(
+            "a grid of tensor mode {} (it runs on {needs} grid)",
+            grid.spec().tensor
+        ),
+    }
 }

@@ -22,7 +22,7 @@
 //!
 //! [`LayerNorm2D::collectives`] and the block's `collectives` give the calls and bytes per
 //! group (ROW, COL, DEP) of one forward and backward; they are exact. Shapes that do not
-//! split are [`Error::InvalidArgument`] naming the dimension, at registration and before any
+//! split are [`Error::NotSplit`] naming the dimension, at registration and before any
 //! collective in the forward.
 //!
 //! ```
@@ -167,7 +167,7 @@ impl SummaLinear {
             SummaLinear::TwoD(l) => l.backward(pass, grid, x, dy, true),
             SummaLinear::TwoHalfD(l) => l.backward(pass, grid, x, dy, true),
         }?;
-        dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
+        dx.ok_or_else(no_dx)
     }
 
     /// The backward of a linear whose weight is used more than once per iteration (a tied
@@ -184,7 +184,14 @@ impl SummaLinear {
             SummaLinear::TwoD(l) => l.backward_shared(pass, grid, x, dy, true),
             SummaLinear::TwoHalfD(l) => l.backward_shared(pass, grid, x, dy, true),
         }?;
-        dx.ok_or_else(|| Error::InvalidArgument("a linear's backward gave no dx".into()))
+        dx.ok_or_else(no_dx)
+    }
+}
+
+/// A linear's backward asked for `dx` that gave none: a bug.
+fn no_dx() -> Error {
+    Error::Internal {
+        what: "a 2D linear's backward asked for dx gave none".into(),
     }
 }
 
@@ -202,8 +209,8 @@ pub struct Summa {
 }
 
 impl Summa {
-    /// The layout of `grid`'s rank; [`Error::InvalidArgument`] on a grid that is neither 2D
-    /// nor 2.5D.
+    /// The layout of `grid`'s rank; [`Error::Conflict`] on a grid that is neither 2D nor
+    /// 2.5D.
     pub fn of(grid: &ProcessGrid) -> Result<Summa> {
         Ok(Summa {
             place: Place2D::of(grid)?,
@@ -256,11 +263,22 @@ impl Layout for Summa {
         heads: usize,
         head_dim: usize,
     ) -> Result<Attention> {
-        if seq == 0 || rows == 0 || !rows.is_multiple_of(seq) {
-            return Err(Error::InvalidArgument(format!(
-                "2D block: a row block of {rows} rows is not whole sequences of {seq} tokens \
-                 (rows/(row blocks) must be a multiple of the sequence length)"
-            )));
+        if seq == 0 || rows == 0 {
+            return Err(Error::TooFew {
+                what: format!(
+                    "the smaller of a 2D block's row-block rows {rows} and sequence length {seq}"
+                ),
+                got: 0,
+                need: 1,
+            });
+        }
+        if !rows.is_multiple_of(seq) {
+            return Err(Error::NotMultiple {
+                what: "the rows of a 2D block's row block (whole sequences)",
+                value: rows,
+                of: "the sequence length",
+                divisor: seq,
+            });
         }
         Ok(Attention::new(Heads::new(rows / seq, seq, heads, head_dim)))
     }

@@ -46,9 +46,9 @@
 //!
 //! Each layer's `collectives` gives the calls and bytes per group (ROW, COL, DEP and the
 //! tensor group's `send_recv` and loss), forward and backward; they are exact. Shapes that do
-//! not split are [`Error::InvalidArgument`] naming the dimension, at registration and before
-//! any collective, on every rank; so are a grid of another mode and a layer run at a place it
-//! was not registered for.
+//! not split are [`Error::NotSplit`] naming the dimension, at registration and before any
+//! collective, on every rank; a grid of another mode is [`Error::Conflict`], and a layer run at
+//! a place it was not registered for [`Error::WrongPlace`].
 //!
 //! ```
 //! use tidemem::comm::Communicator;
@@ -129,9 +129,10 @@ fn place_of(layer: &str, name: &str, grid: &ProcessGrid) -> Result<(TensorMode, 
     let mode = grid.spec().tensor;
     match mode {
         TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. } => Ok((mode, Place2D::of(grid)?)),
-        other => Err(Error::InvalidArgument(format!(
-            "{layer} '{name}' runs on a 2D or 2.5D grid; this grid's tensor mode is {other}"
-        ))),
+        other => Err(Error::Conflict {
+            what: format!("{layer} '{name}'"),
+            with: format!("a grid of tensor mode {other} (it runs on a 2D or 2.5D grid)"),
+        }),
     }
 }
 
@@ -188,14 +189,16 @@ fn tensor_rank(mode: TensorMode, q: usize, [row, col, dep]: [usize; 3]) -> usize
 }
 
 /// Checks on the host that every id of the whole batch names a row of a table of `rows`, so
-/// that every rank refuses a bad one (not only those whose tile holds it).
-fn check_ids(layer: &str, ids: &[i32], rows: usize) -> Result<()> {
+/// that every rank refuses a bad one (not only those whose tile holds it):
+/// [`Error::TokenOutOfRange`] otherwise.
+fn check_ids(ids: &[i32], rows: usize) -> Result<()> {
     match ids.iter().position(|&t| t < 0 || t as usize >= rows) {
         None => Ok(()),
-        Some(n) => Err(Error::InvalidArgument(format!(
-            "{layer}: id {} at position {n} is outside the table's {rows} rows",
-            ids[n]
-        ))),
+        Some(n) => Err(Error::TokenOutOfRange {
+            token: ids[n].into(),
+            position: n,
+            vocab: rows,
+        }),
     }
 }
 
@@ -302,7 +305,7 @@ impl Embedding2D {
         let gr = groups("Embedding2D", self.mode, self.place, grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
-        check_ids("Embedding2D", ids, self.rows)?;
+        check_ids(ids, self.rows)?;
         let rb = p.row + p.q * p.dep;
         let mine = &ids[rb * nl..(rb + 1) * nl];
         let shard = self.shard()?;
@@ -350,9 +353,9 @@ impl Embedding2D {
         let cl = self.channels / self.place.q;
         dout.expect("dout", Some(saved.plan.positions()), cl, d)?;
         if saved.plan.shard() != &self.shard()? {
-            return Err(Error::InvalidArgument(
-                "Embedding2D: a saved lookup of another table".into(),
-            ));
+            return Err(Error::SavedMismatch {
+                layer: "Embedding2D".into(),
+            });
         }
         let g = pass.fetch(&[self.weight])?;
         check_param(&g, [self.rows / self.place.q, cl], d)?;

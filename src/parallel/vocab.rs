@@ -63,10 +63,22 @@ impl VocabEmbedding1D {
         wpe: &Init,
         shard: Shard,
     ) -> Result<VocabEmbedding1D> {
-        if channels == 0 || max_seq == 0 || max_seq > i32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "an embedding of {channels} channels and {max_seq} positions"
-            )));
+        if channels == 0 || max_seq == 0 {
+            return Err(Error::TooFew {
+                what: format!(
+                    "the smaller of a vocab-parallel embedding's {channels} channels and \
+                     {max_seq} positions"
+                ),
+                got: 0,
+                need: 1,
+            });
+        }
+        if max_seq > i32::MAX as usize {
+            return Err(Error::TooLarge {
+                what: "positions of a vocab-parallel embedding (position ids are i32)".into(),
+                requested: max_seq as u128,
+                limit: i32::MAX as u64,
+            });
         }
         let (te, vs) = register_rows(store, vocab, channels, wte, shard)?;
         let pe = store.register("wpe.weight", &[max_seq, channels], wpe.clone())?;
@@ -106,22 +118,37 @@ impl VocabEmbedding1D {
         first: usize,
     ) -> Result<(Act, VocabEmbedding1DSaved)> {
         let last = first.checked_add(seq);
-        if batch.checked_mul(seq) != Some(tokens.len())
-            || tokens.is_empty()
-            || last.is_none_or(|l| l > self.max_seq)
-        {
-            return Err(Error::InvalidArgument(format!(
-                "{} tokens for a batch of {batch} × {seq} from position {first} (at most {} \
-                 positions)",
-                tokens.len(),
-                self.max_seq
-            )));
+        match batch.checked_mul(seq) {
+            None => {
+                return Err(Error::Overflow {
+                    what: format!("the tokens of a batch of {batch} × {seq}"),
+                })
+            }
+            Some(n) if n != tokens.len() => {
+                return Err(Error::Length {
+                    what: format!("tokens for a batch of {batch} × {seq}"),
+                    got: tokens.len(),
+                    expected: n,
+                })
+            }
+            Some(_) => {}
         }
-        if Shard::of(group) != self.shard {
-            return Err(Error::InvalidArgument(
-                "the embedding runs on another group than it was registered for".into(),
-            ));
+        if tokens.is_empty() {
+            return Err(Error::Empty {
+                what: format!("a batch of {batch} × {seq} tokens"),
+            });
         }
+        if last.is_none_or(|l| l > self.max_seq) {
+            return Err(Error::TooLarge {
+                what: format!(
+                    "the end of {seq} positions from position {first} of a vocab-parallel \
+                     embedding"
+                ),
+                requested: last.map_or(u128::MAX, |l| l as u128),
+                limit: self.max_seq as u64,
+            });
+        }
+        check_shard("a vocab-parallel embedding", self.shard, group)?;
         let plan = VocabPlan::new(tokens, &self.vocab)?;
         let pos: Vec<i32> = (0..tokens.len())
             .map(|n| (first + n % seq) as i32)
@@ -237,7 +264,11 @@ fn register_rows(
 ) -> Result<(TensorId, VocabShard)> {
     let vs = VocabShard::of_rank(vocab, shard.rank, shard.size)?;
     if channels == 0 {
-        return Err(Error::InvalidArgument("an embedding of 0 channels".into()));
+        return Err(Error::TooFew {
+            what: "channels of a vocab-parallel embedding".into(),
+            got: 0,
+            need: 1,
+        });
     }
     let (first, master) = (vs.start * channels, wte.clone());
     let rows = Init::Fn(std::sync::Arc::new(move |i| master.value(first + i)));
@@ -295,13 +326,14 @@ impl VocabHead1D {
         let n = targets.len();
         h.expect("h", Some(n), self.proj.inputs, pass.param_dtype())?;
         check_targets(targets, self.vocab.vocab, self.ignore_index)?;
-        if !(scale > 0.0 && scale.is_finite()) || Shard::of(group) != self.shard {
-            return Err(Error::InvalidArgument(format!(
-                "a vocab-parallel head run with loss scale {scale} on rank {} of {}",
-                group.rank(),
-                group.world()
-            )));
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(Error::BadValue {
+                what: "the loss scale of a vocab-parallel head".into(),
+                value: f64::from(scale),
+                want: "finite and above 0",
+            });
         }
+        check_shard("a vocab-parallel head", self.shard, group)?;
         let ce = ShardedCrossEntropy {
             classes: self.vocab,
             ignore_index: self.ignore_index,
@@ -333,7 +365,9 @@ impl VocabHead1D {
         let dh = self
             .proj
             .backward(pass, &saved.h, &saved.dlogits, true)?
-            .ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))?;
+            .ok_or_else(|| Error::Internal {
+                what: "the vocab-parallel head's linear asked for dh gave none".into(),
+            })?;
         group.all_reduce(
             pass.stream(),
             dh.view(),
@@ -404,13 +438,14 @@ impl Classifier1D {
         let n = targets.len();
         x.expect("x", Some(n), self.proj.linear.inputs, pass.param_dtype())?;
         check_targets(targets, self.proj.outputs, self.ignore_index)?;
-        if !(loss_scale > 0.0 && loss_scale.is_finite()) || Shard::of(group) != self.proj.shard {
-            return Err(Error::InvalidArgument(format!(
-                "a 1D classifier run with loss scale {loss_scale} on rank {} of {}",
-                group.rank(),
-                group.world()
-            )));
+        if !(loss_scale > 0.0 && loss_scale.is_finite()) {
+            return Err(Error::BadValue {
+                what: "the loss scale of a 1D classifier".into(),
+                value: f64::from(loss_scale),
+                want: "finite and above 0",
+            });
         }
+        check_shard("a 1D classifier", self.proj.shard, group)?;
         let ce = ShardedCrossEntropy {
             classes: self.classes()?,
             ignore_index: self.ignore_index,
@@ -447,6 +482,21 @@ impl Classifier1D {
     ) -> Result<Act> {
         self.proj
             .backward(pass, group, &saved.x, &saved.dlogits, true)?
-            .ok_or_else(|| Error::InvalidArgument("the classifier's backward gave no dX".into()))
+            .ok_or_else(|| Error::Internal {
+                what: "the 1D classifier's linear asked for dX gave none".into(),
+            })
     }
+}
+
+/// [`Error::WrongPlace`] when `group` is not the place of `shard`, where `what` was registered.
+fn check_shard(what: &'static str, shard: Shard, group: &Communicator) -> Result<()> {
+    let here = Shard::of(group);
+    if here != shard {
+        return Err(Error::WrongPlace {
+            what,
+            registered: format!("for rank {} of {}", shard.rank, shard.size),
+            run: format!("on rank {} of {}", here.rank, here.size),
+        });
+    }
+    Ok(())
 }

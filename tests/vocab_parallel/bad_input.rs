@@ -11,7 +11,11 @@ fn a_token_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     let sh = VocabShard::new(6, 2, 3).unwrap();
     assert!(matches!(
         VocabPlan::new(&[0, 6], &sh),
-        Err(Error::InvalidArgument(_))
+        Err(Error::TokenOutOfRange {
+            token: 6,
+            position: 1,
+            vocab: 6
+        })
     ));
     let tok = [3i32, 6, 0, 4];
     for dev in common::devices("vocab embedding bad token") {
@@ -46,7 +50,7 @@ fn a_token_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     let mut args = TwinArgs::new(desc, ops, bytemuck::bytes_of(&p)).unwrap();
     assert!(matches!(
         (desc.twin)(&mut args),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Operands { op, .. }) if op == desc.name
     ));
     assert_eq!(out, vec![0x5a; 16]);
 }
@@ -83,7 +87,7 @@ fn a_malformed_plan_is_refused_by_the_twin_before_it_writes() {
         let mut args = TwinArgs::new(desc, ops, bytemuck::bytes_of(&p)).unwrap();
         let r = (desc.twin)(&mut args);
         assert!(
-            matches!(r, Err(Error::InvalidArgument(_))),
+            matches!(r, Err(Error::Operands { op, .. }) if op == desc.name),
             "{plan:?}: {r:?}"
         );
         assert_eq!(dtable, vec![7u8; 12], "{plan:?}");
@@ -289,7 +293,7 @@ fn a_target_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     let mut args = TwinArgs::new(&VOCAB_CE_SUMS, ops, bytemuck::bytes_of(&p)).unwrap();
     assert!(matches!(
         (VOCAB_CE_SUMS.twin)(&mut args),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Operands { op, .. }) if op == VOCAB_CE_SUMS.name
     ));
     assert_eq!((sum, pred), (vec![0x33; 16], vec![0x44; 16]));
     let (mut logits, mut loss) = (x.clone(), vec![0x55u8; 16]);
@@ -304,7 +308,7 @@ fn a_target_out_of_range_is_an_error_on_the_simulator_and_nan_on_cuda() {
     let mut args = TwinArgs::new(&VOCAB_CE_GRAD, ops, bytemuck::bytes_of(&p)).unwrap();
     assert!(matches!(
         (VOCAB_CE_GRAD.twin)(&mut args),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Operands { op, .. }) if op == VOCAB_CE_GRAD.name
     ));
     assert_eq!((logits, loss), (x, vec![0x55; 16]));
 }

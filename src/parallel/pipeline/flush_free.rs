@@ -64,18 +64,30 @@ impl PipelineStage<'_> {
         M: StageModel,
     {
         let Schedule::TwoBW { every } = self.schedule else {
-            return Err(Error::InvalidArgument(format!(
-                "run_two_bw runs PipeDream-2BW, not {}",
-                self.schedule.name()
-            )));
+            return Err(Error::Conflict {
+                what: "run_two_bw".into(),
+                with: format!(
+                    "the {} schedule (it runs PipeDream-2BW only)",
+                    self.schedule.name()
+                ),
+            });
         };
         let pairs = version_pairs(versions)?;
-        let total = batches
-            .checked_mul(every)
-            .filter(|&n| n > 0)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!("{batches} batches of {every} micro-batches"))
-            })?;
+        let total = match batches.checked_mul(every) {
+            None => {
+                return Err(Error::Overflow {
+                    what: format!("the micro-batches of {batches} batches of {every}"),
+                })
+            }
+            Some(0) => {
+                return Err(Error::TooFew {
+                    what: format!("micro-batches in {batches} batches of {every}"),
+                    got: 0,
+                    need: 1,
+                })
+            }
+            Some(n) => n,
+        };
         let ops = two_bw(self.stages, self.stage, total, every)?;
         store.copy_state(&pairs, &ChunkKind::ALL)?;
         let swapped: Vec<(TensorId, TensorId)> = pairs.iter().map(|&(a, b)| (b, a)).collect();
@@ -95,7 +107,12 @@ impl PipelineStage<'_> {
                 .iter()
                 .position(|v| v.op == PipeOp::Backward(b * every + every - 1))
                 .map(|k| at + k + 1)
-                .ok_or_else(|| Error::InvalidArgument(format!("no end of batch {b}")))?;
+                .ok_or_else(|| Error::Internal {
+                    what: format!(
+                        "stage {}: the 2BW op list has no end of batch {b}",
+                        self.stage
+                    ),
+                })?;
             run.report = StageReport {
                 in_flight_bound: bound,
                 ..StageReport::default()
@@ -148,11 +165,13 @@ impl PipelineStage<'_> {
             .unwrap_or(ops.len());
         let (early, late) = ops.split_at(first_b);
         if early.iter().any(|&o| batch(o) != b) {
-            return Err(Error::InvalidArgument(format!(
-                "stage {}: a forward of batch {} before batch {b}'s first backward",
-                self.stage,
-                b + 1
-            )));
+            return Err(Error::BadSchedule {
+                stage: self.stage,
+                reason: format!(
+                    "a forward of batch {} before batch {b}'s first backward",
+                    b + 1
+                ),
+            });
         }
         run.report.late_forwards = late
             .iter()
@@ -166,8 +185,11 @@ impl PipelineStage<'_> {
         // version) or in its recompute passes
         let declared = every - early.len();
         if declared > 0 {
-            let times = u32::try_from(declared)
-                .map_err(|_| Error::InvalidArgument(format!("{declared} forwards in one step")))?;
+            let times = u32::try_from(declared).map_err(|_| Error::TooLarge {
+                what: "forwards in one step whose uses are declared".into(),
+                requested: declared as u128,
+                limit: u64::from(u32::MAX),
+            })?;
             fwd.declare_uses(&now.params(), times)?;
         }
         for id in now.finish_params() {
@@ -225,13 +247,21 @@ fn version_pairs<M: StageModel>(versions: [&M; 2]) -> Result<Vec<(TensorId, Tens
     };
     let (a, b) = (list(versions[0]), list(versions[1]));
     let overlap = a.iter().any(|x| b.contains(x));
-    if a.len() != b.len() || overlap {
-        return Err(Error::InvalidArgument(format!(
-            "PipeDream-2BW's two versions list {} and {} parameters: the same parameters, \
-             registered twice",
-            a.len(),
-            b.len()
-        )));
+    if a.len() != b.len() {
+        return Err(Error::Length {
+            what: "parameters of PipeDream-2BW's second version (the first's, registered again)"
+                .into(),
+            got: b.len(),
+            expected: a.len(),
+        });
+    }
+    if overlap {
+        return Err(Error::Conflict {
+            what: "PipeDream-2BW's second version".into(),
+            with: "its first (they share a parameter: the two list the same parameters, \
+                   registered twice)"
+                .into(),
+        });
     }
     Ok(a.into_iter().zip(b).collect())
 }

@@ -20,7 +20,7 @@
 //!
 //! [`simulate`] runs every stage's op list against those dependencies with a forward and a
 //! backward time per stage, and reports the makespan, each stage's idle time and the bubble
-//! fraction; an order that cannot proceed is [`PipelineError::Deadlock`]. [`partition`] cuts `L`
+//! fraction; an order that cannot proceed is [`Error::Deadlock`](crate::Error::Deadlock). [`partition`] cuts `L`
 //! layers into stages balanced by parameter count.
 //!
 //! # The runtime ([`PipelineStage`])
@@ -44,7 +44,7 @@
 //! ```
 //! use tidemem::parallel::pipeline::{simulate_schedule, Schedule};
 //!
-//! # fn main() -> Result<(), tidemem::parallel::pipeline::PipelineError> {
+//! # fn main() -> tidemem::Result<()> {
 //! // 4 stages, 8 micro-batches, a backward twice a forward
 //! let r = simulate_schedule(Schedule::OneFOneB, 4, 8, 1.0, 2.0)?;
 //! assert_eq!(r.makespan, (8.0 + 3.0) * 3.0);
@@ -65,120 +65,33 @@ pub use schedule::{max_in_flight, two_bw, PipeOp, Schedule, VersionedOp};
 pub use simulate::{simulate, simulate_schedule, OpTiming, ScheduleReport, StageCost};
 pub use two_bw::{TwoBwSgd, WeightDelay};
 
-/// What is wrong with a pipeline's shape, schedule, op lists, costs or partition.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[non_exhaustive]
-pub enum PipelineError {
-    /// A pipeline of no stage.
-    #[error("a pipeline needs at least one stage")]
-    NoStages,
-    /// A step of no micro-batch.
-    #[error("a pipeline step needs at least one micro-batch")]
-    NoMicroBatches,
-    /// A stage index past the last stage.
-    #[error("stage {stage} of a pipeline of {stages} stages")]
-    StageOutOfRange {
-        /// The index asked for.
-        stage: usize,
-        /// Stages in the pipeline.
-        stages: usize,
-    },
-    /// PipeDream-2BW's versions come too often: every `every` micro-batches with `stages`
-    /// stages (it needs `every ≥ stages`).
-    #[error(
-        "PipeDream-2BW makes a weight version every {every} micro-batches; with {stages} \
-         stages it needs at least {stages}"
-    )]
-    UpdateTooFrequent {
-        /// Micro-batches per weight version.
-        every: usize,
-        /// Stages in the pipeline.
-        stages: usize,
-    },
-    /// An op list that is not a schedule of `micro` micro-batches (a missing, repeated or
-    /// out-of-range op).
-    #[error("the op list of stage {stage} is not a schedule: {reason}")]
-    BadOpList {
-        /// The stage.
-        stage: usize,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The op lists cannot all run: each stuck stage's next op waits for an op that waits,
-    /// directly or not, for it.
-    #[error("the schedule deadlocks after {done} of {total} ops; stuck: {stuck:?}")]
-    Deadlock {
-        /// Ops that ran.
-        done: usize,
-        /// Ops in all.
-        total: usize,
-        /// `(stage, its next op)` of every unfinished stage.
-        stuck: Vec<(usize, PipeOp)>,
-    },
-    /// A cost that is negative or not finite, or a cost list of the wrong length.
-    #[error("bad stage costs: {0}")]
-    BadCost(String),
-    /// Fewer layers than stages (a stage would be empty).
-    #[error("{layers} layers cannot fill {stages} stages")]
-    TooFewLayers {
-        /// Layers.
-        layers: usize,
-        /// Stages.
-        stages: usize,
-    },
-    /// A given partition whose sizes do not add up to the layers.
-    #[error("stage sizes {sizes:?} add up to {sum}, not the {layers} layers")]
-    SizesMismatch {
-        /// The sizes given.
-        sizes: Vec<usize>,
-        /// Their sum.
-        sum: usize,
-        /// The layers.
-        layers: usize,
-    },
-    /// A given partition with an empty stage.
-    #[error("stage {stage} of the partition is empty")]
-    EmptyStage {
-        /// The empty stage.
-        stage: usize,
-    },
-    /// A parameter total past `u64::MAX`.
-    #[error("the parameter counts overflow")]
-    Overflow,
-    /// The serial 2BW reference needs whole batches of `every` micro-batches.
-    #[error("{micro} micro-batches are not whole batches of {every}")]
-    PartialBatch {
-        /// Micro-batches.
-        micro: usize,
-        /// Micro-batches per weight version.
-        every: usize,
-    },
-    /// A gradient of another length than the weights.
-    #[error("a gradient of {got} elements for {want} weights")]
-    GradLength {
-        /// The gradient's length.
-        got: usize,
-        /// The weights' length.
-        want: usize,
-    },
-}
-
-impl From<PipelineError> for crate::Error {
-    fn from(e: PipelineError) -> Self {
-        crate::Error::InvalidArgument(e.to_string())
-    }
-}
-
 /// Checks `stages ≥ 1`, `micro ≥ 1` and `stage < stages`.
-fn check_shape(stages: usize, stage: usize, micro: usize) -> Result<(), PipelineError> {
+fn check_shape(stages: usize, stage: usize, micro: usize) -> crate::Result<()> {
     if stages == 0 {
-        return Err(PipelineError::NoStages);
+        return Err(no_stages("stages of a pipeline"));
     }
     if micro == 0 {
-        return Err(PipelineError::NoMicroBatches);
+        return Err(crate::Error::TooFew {
+            what: "micro-batches of a pipeline step".into(),
+            got: 0,
+            need: 1,
+        });
     }
     if stage >= stages {
-        return Err(PipelineError::StageOutOfRange { stage, stages });
+        return Err(crate::Error::IndexOutOfRange {
+            what: "pipeline stage".into(),
+            index: stage,
+            len: stages,
+        });
     }
     Ok(())
+}
+
+/// A pipeline of no stage: [`Error::TooFew`](crate::Error::TooFew) of `what`, 0 of at least 1.
+fn no_stages(what: &str) -> crate::Error {
+    crate::Error::TooFew {
+        what: what.into(),
+        got: 0,
+        need: 1,
+    }
 }

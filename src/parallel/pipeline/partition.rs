@@ -2,7 +2,8 @@
 
 use std::ops::Range;
 
-use super::PipelineError;
+use super::no_stages;
+use crate::{Error, Result};
 
 /// Contiguous stages of a model's layers and the parameters each holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -31,8 +32,8 @@ impl Partition {
 /// the best cuts, each stage takes as many layers as it can, first stage first. Exact (dynamic
 /// programming, `O(P·L²)`).
 ///
-/// Fails with [`PipelineError::NoStages`], [`PipelineError::TooFewLayers`] when
-/// `layers.len() < stages`, and [`PipelineError::Overflow`].
+/// Fails with [`Error::TooFew`] for no stage and when `layers.len() < stages`, and
+/// [`Error::Overflow`] when the parameter counts do not add up in a `u64`.
 ///
 /// ```
 /// use tidemem::parallel::pipeline::partition;
@@ -46,22 +47,29 @@ pub fn partition(
     first_extra: u64,
     last_extra: u64,
     stages: usize,
-) -> Result<Partition, PipelineError> {
+) -> Result<Partition> {
     let l = layers.len();
     if stages == 0 {
-        return Err(PipelineError::NoStages);
+        return Err(no_stages("stages of a pipeline"));
     }
     if l < stages {
-        return Err(PipelineError::TooFewLayers { layers: l, stages });
+        return Err(Error::TooFew {
+            what: format!("layers to fill {stages} pipeline stages"),
+            got: l,
+            need: stages,
+        });
     }
+    let overflow = || Error::Overflow {
+        what: "the parameter total of the layers with the extras".into(),
+    };
     let mut prefix = vec![0u64; l + 1];
     for (i, &x) in layers.iter().enumerate() {
-        prefix[i + 1] = prefix[i].checked_add(x).ok_or(PipelineError::Overflow)?;
+        prefix[i + 1] = prefix[i].checked_add(x).ok_or_else(overflow)?;
     }
     prefix[l]
         .checked_add(first_extra)
         .and_then(|x| x.checked_add(last_extra))
-        .ok_or(PipelineError::Overflow)?;
+        .ok_or_else(overflow)?;
     // the parameters of stage k of `stages` holding layers i..j
     let cost = |k: usize, i: usize, j: usize| {
         let mut c = prefix[j] - prefix[i];
@@ -98,7 +106,7 @@ pub fn partition(
             .rev()
             .find(|&e| best[k + 1][e] != inf && cost(k, j, e).max(best[k + 1][e]) <= target)
             // the optimum is reachable; counts too large to add are the only way to miss it
-            .ok_or(PipelineError::Overflow)?;
+            .ok_or_else(overflow)?;
         ranges.push(j..e);
         params.push(cost(k, j, e));
         j = e;
@@ -113,30 +121,34 @@ pub fn partition(
 /// `layers`; returns it as a [`Partition`] with each stage's parameters (`counts` per layer,
 /// the extras on the first and last stage).
 ///
-/// Fails with [`PipelineError::NoStages`], [`PipelineError::SizesMismatch`],
-/// [`PipelineError::EmptyStage`] and [`PipelineError::Overflow`].
+/// Fails with [`Error::TooFew`] for no stage, [`Error::Length`] when the sizes do not add up
+/// to the layers, [`Error::Empty`] for a stage of no layer and [`Error::Overflow`].
 pub fn check_partition(
     sizes: &[usize],
     counts: &[u64],
     first_extra: u64,
     last_extra: u64,
-) -> Result<Partition, PipelineError> {
+) -> Result<Partition> {
     if sizes.is_empty() {
-        return Err(PipelineError::NoStages);
+        return Err(no_stages("stages in the partition's sizes"));
     }
     let sum = sizes
         .iter()
         .try_fold(0usize, |a, &b| a.checked_add(b))
-        .ok_or(PipelineError::Overflow)?;
+        .ok_or_else(|| Error::Overflow {
+            what: format!("the layers of the stage sizes {sizes:?}"),
+        })?;
     if sum != counts.len() {
-        return Err(PipelineError::SizesMismatch {
-            sizes: sizes.to_vec(),
-            sum,
-            layers: counts.len(),
+        return Err(Error::Length {
+            what: format!("layers in the stage sizes {sizes:?}"),
+            got: sum,
+            expected: counts.len(),
         });
     }
     if let Some(stage) = sizes.iter().position(|&s| s == 0) {
-        return Err(PipelineError::EmptyStage { stage });
+        return Err(Error::Empty {
+            what: format!("stage {stage} of the partition"),
+        });
     }
     let (mut stages, mut params, mut at) = (Vec::new(), Vec::new(), 0);
     let last = sizes.len() - 1;
@@ -150,7 +162,9 @@ pub fn check_partition(
         if k == last {
             c = c.and_then(|c| c.checked_add(last_extra));
         }
-        params.push(c.ok_or(PipelineError::Overflow)?);
+        params.push(c.ok_or_else(|| Error::Overflow {
+            what: format!("the parameter count of stage {k} with its extras"),
+        })?);
         stages.push(at..at + n);
         at += n;
     }
@@ -179,34 +193,50 @@ mod tests {
 
     #[test]
     fn errors() {
-        assert_eq!(partition(&[1, 2], 0, 0, 0), Err(PipelineError::NoStages));
-        assert_eq!(
-            partition(&[1, 2], 0, 0, 3),
-            Err(PipelineError::TooFewLayers {
-                layers: 2,
-                stages: 3
-            })
-        );
-        assert_eq!(
-            partition(&[u64::MAX, 1], 0, 0, 1),
-            Err(PipelineError::Overflow)
-        );
         assert!(matches!(
-            check_partition(&[1, 1], &[1, 1, 1], 0, 0),
-            Err(PipelineError::SizesMismatch {
-                sum: 2,
-                layers: 3,
+            partition(&[1, 2], 0, 0, 0),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
                 ..
             })
         ));
-        assert_eq!(
+        assert!(matches!(
+            partition(&[1, 2], 0, 0, 3),
+            Err(Error::TooFew {
+                got: 2,
+                need: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
+            partition(&[u64::MAX, 1], 0, 0, 1),
+            Err(Error::Overflow { .. })
+        ));
+        assert!(matches!(
+            check_partition(&[1, 1], &[1, 1, 1], 0, 0),
+            Err(Error::Length {
+                got: 2,
+                expected: 3,
+                ..
+            })
+        ));
+        assert!(matches!(
             check_partition(&[2, 0, 1], &[1, 1, 1], 0, 0),
-            Err(PipelineError::EmptyStage { stage: 1 })
-        );
-        assert_eq!(
+            Err(Error::Empty { ref what }) if what == "stage 1 of the partition"
+        ));
+        assert!(matches!(
             check_partition(&[], &[], 0, 0),
-            Err(PipelineError::NoStages)
-        );
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            check_partition(&[1], &[u64::MAX], 1, 0),
+            Err(Error::Overflow { .. })
+        ));
         let p = check_partition(&[1, 2], &[5, 1, 1], 3, 4).unwrap();
         assert_eq!(p.params, [8, 6]);
         assert_eq!(p.stages, [0..1, 1..3]);

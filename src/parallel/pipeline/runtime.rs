@@ -173,15 +173,18 @@ pub(super) struct Run<S> {
 impl<'c> PipelineStage<'c> {
     /// Stage `group.rank()` of `group.world()` under `schedule` for `micro` micro-batches a
     /// step. [`Schedule::TwoBW`] runs with [`PipelineStage::run_two_bw`], a version a step
-    /// (`every == micro`); the schedule's shape errors and another `every` are
-    /// [`Error::InvalidArgument`].
+    /// (`every == micro`): another `every` is [`Error::Length`]; the schedule's shape errors
+    /// are [`Schedule::ops`]'.
     pub fn new(group: &'c Communicator, schedule: Schedule, micro: usize) -> Result<Self> {
         if let Schedule::TwoBW { every } = schedule {
             if every != micro {
-                return Err(Error::InvalidArgument(format!(
-                    "PipeDream-2BW makes a weight version every {every} micro-batches: a \
-                     version is an optimizer step here, of {micro} micro-batches"
-                )));
+                return Err(Error::Length {
+                    what: "micro-batches per PipeDream-2BW weight version (a version is an \
+                           optimizer step here, of the step's micro-batches)"
+                        .into(),
+                    got: every,
+                    expected: micro,
+                });
             }
         }
         let (stage, stages) = (group.rank(), group.world());
@@ -225,9 +228,12 @@ impl<'c> PipelineStage<'c> {
         M: StageModel,
     {
         if let Schedule::TwoBW { .. } = self.schedule {
-            return Err(Error::InvalidArgument(
-                "PipeDream-2BW runs its micro-batches across optimizer steps: run_two_bw".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "PipelineStage::run".into(),
+                with: "PipeDream-2BW (it runs its micro-batches across optimizer steps: use \
+                       run_two_bw)"
+                    .into(),
+            });
         }
         let mut run = Run::<M::Saved> {
             saved: HashMap::new(),
@@ -264,17 +270,25 @@ impl<'c> PipelineStage<'c> {
         let alive = run.saved.len();
         run.report.peak_in_flight = run.report.peak_in_flight.max(alive);
         if alive > run.report.in_flight_bound {
-            return Err(Error::InvalidArgument(format!(
-                "stage {}: {alive} micro-batches in flight, past the schedule's {}",
-                self.stage, run.report.in_flight_bound
-            )));
+            return Err(Error::Internal {
+                what: format!(
+                    "stage {}: {alive} micro-batches in flight, past the schedule's {}",
+                    self.stage, run.report.in_flight_bound
+                ),
+            });
         }
         if self.stage + 1 == self.stages {
             if out.numel() != 1 {
-                return Err(Error::InvalidArgument(format!(
-                    "the last stage's forward returns the loss (one element), not {:?}",
-                    out.shape()
-                )));
+                let [rows, cols] = out.shape();
+                return Err(Error::ActivationShape {
+                    what: "the last stage's forward output (the loss, one element)".into(),
+                    rows,
+                    cols,
+                    dtype: out.dtype(),
+                    expected_rows: Some(1),
+                    expected_cols: 1,
+                    expected_dtype: out.dtype(),
+                });
             }
             run.report.losses.push(out.to_f32(pass.stream())?[0]);
         } else {
@@ -291,8 +305,9 @@ impl<'c> PipelineStage<'c> {
         m: usize,
         run: &mut Run<M::Saved>,
     ) -> Result<()> {
-        let (saved, shape) = run.saved.remove(&m).ok_or_else(|| {
-            Error::InvalidArgument(format!("stage {}: B{m} before F{m}", self.stage))
+        let (saved, shape) = run.saved.remove(&m).ok_or_else(|| Error::BadSchedule {
+            stage: self.stage,
+            reason: format!("B{m} before F{m}"),
         })?;
         let recv =
             (self.stage + 1 < self.stages).then(|| (self.stage + 1, shape, pass.param_dtype()));
@@ -300,11 +315,12 @@ impl<'c> PipelineStage<'c> {
         let din = model.backward(pass, m, saved, dout.as_ref())?;
         drop(dout);
         if self.stage > 0 {
-            let din = din.ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "stage {}: the backward of micro-batch {m} returned no input gradient",
+            let din = din.ok_or_else(|| Error::Empty {
+                what: format!(
+                    "stage {}: the input gradient the backward of micro-batch {m} returned (a \
+                     stage after the first must return one)",
                     self.stage
-                ))
+                ),
             })?;
             run.pending = Some((din, self.stage - 1));
         }
@@ -352,11 +368,14 @@ impl<'c> PipelineStage<'c> {
         match send {
             Some((act, to)) => {
                 if act.dtype() != dtype {
-                    return Err(Error::InvalidArgument(format!(
-                        "stage {}: a {} activation to send with a {dtype} one to receive",
-                        self.stage,
-                        act.dtype()
-                    )));
+                    return Err(Error::WrongDType {
+                        what: format!(
+                            "stage {}: the activation to send with a {dtype} one to receive",
+                            self.stage
+                        ),
+                        dtype: act.dtype(),
+                        expected: dtype.name(),
+                    });
                 }
                 g.send_recv(stream, act.view(), to, buf.view(), from, dtype)?;
                 run.report.send_recvs += 1;

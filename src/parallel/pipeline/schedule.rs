@@ -2,7 +2,8 @@
 
 use std::fmt;
 
-use super::{check_shape, PipelineError};
+use super::check_shape;
+use crate::{Error, Result};
 
 /// One op of a stage: the forward or the backward of a micro-batch.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,9 +66,9 @@ impl Schedule {
 
     /// The op order of stage `stage` of `stages` for `micro` micro-batches.
     ///
-    /// Fails with [`PipelineError::NoStages`], [`PipelineError::NoMicroBatches`],
-    /// [`PipelineError::StageOutOfRange`], and for 2BW with
-    /// [`PipelineError::UpdateTooFrequent`] when `every < stages`.
+    /// Fails with [`Error::TooFew`] for no stage or no micro-batch,
+    /// [`Error::IndexOutOfRange`] for a stage past the last, and for 2BW with
+    /// [`Error::TooFew`] when `every < stages`.
     ///
     /// ```
     /// use tidemem::parallel::pipeline::{PipeOp::*, Schedule};
@@ -79,12 +80,7 @@ impl Schedule {
     ///     [Forward(0), Forward(1), Forward(2), Backward(0), Forward(3), Backward(1), Backward(2), Backward(3)]
     /// );
     /// ```
-    pub fn ops(
-        self,
-        stages: usize,
-        stage: usize,
-        micro: usize,
-    ) -> Result<Vec<PipeOp>, PipelineError> {
+    pub fn ops(self, stages: usize, stage: usize, micro: usize) -> Result<Vec<PipeOp>> {
         check_shape(stages, stage, micro)?;
         match self {
             Schedule::GPipe => Ok((0..micro)
@@ -102,12 +98,7 @@ impl Schedule {
     /// The most micro-batches whose activations stage `stage` holds at once under this
     /// schedule: `min(P − s, M)` for 1F1B and 2BW, `M` for GPipe (the same checks as
     /// [`Schedule::ops`]).
-    pub fn in_flight_bound(
-        self,
-        stages: usize,
-        stage: usize,
-        micro: usize,
-    ) -> Result<usize, PipelineError> {
+    pub fn in_flight_bound(self, stages: usize, stage: usize, micro: usize) -> Result<usize> {
         check_shape(stages, stage, micro)?;
         match self {
             Schedule::GPipe => Ok(micro),
@@ -120,9 +111,13 @@ impl Schedule {
     }
 }
 
-fn check_every(stages: usize, every: usize) -> Result<(), PipelineError> {
+fn check_every(stages: usize, every: usize) -> Result<()> {
     if every < stages {
-        return Err(PipelineError::UpdateTooFrequent { every, stages });
+        return Err(Error::TooFew {
+            what: format!("micro-batches per PipeDream-2BW weight version with {stages} stages"),
+            got: every,
+            need: stages,
+        });
     }
     Ok(())
 }
@@ -172,12 +167,7 @@ pub struct VersionedOp {
 /// then finished the backwards of batch `b − 2` but not of batch `b − 1`. So
 /// `g_b = ∇f(W(b − 1))` and `W(t+1) = W(t) − ν·∇f(W(t−1))`; a stage stashes at most two
 /// versions. The same checks as [`Schedule::ops`].
-pub fn two_bw(
-    stages: usize,
-    stage: usize,
-    micro: usize,
-    every: usize,
-) -> Result<Vec<VersionedOp>, PipelineError> {
+pub fn two_bw(stages: usize, stage: usize, micro: usize, every: usize) -> Result<Vec<VersionedOp>> {
     let ops = Schedule::TwoBW { every }.ops(stages, stage, micro)?;
     Ok(ops
         .into_iter()
@@ -216,23 +206,34 @@ mod tests {
 
     #[test]
     fn typed_errors() {
-        use PipelineError::*;
-        assert_eq!(Schedule::OneFOneB.ops(0, 0, 1), Err(NoStages));
-        assert_eq!(Schedule::GPipe.ops(2, 0, 0), Err(NoMicroBatches));
-        assert_eq!(
+        assert!(matches!(
+            Schedule::OneFOneB.ops(0, 0, 1),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            Schedule::GPipe.ops(2, 0, 0),
+            Err(Error::TooFew { ref what, got: 0, need: 1 }) if what.contains("micro-batches")
+        ));
+        assert!(matches!(
             Schedule::OneFOneB.ops(2, 2, 1),
-            Err(StageOutOfRange {
-                stage: 2,
-                stages: 2
+            Err(Error::IndexOutOfRange {
+                index: 2,
+                len: 2,
+                ..
             })
-        );
-        assert_eq!(
+        ));
+        assert!(matches!(
             two_bw(4, 0, 8, 3),
-            Err(UpdateTooFrequent {
-                every: 3,
-                stages: 4
+            Err(Error::TooFew {
+                got: 3,
+                need: 4,
+                ..
             })
-        );
+        ));
         assert!(Schedule::TwoBW { every: 4 }.ops(4, 3, 8).is_ok());
     }
 

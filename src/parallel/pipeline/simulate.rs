@@ -1,7 +1,8 @@
 //! A pipeline simulator: every stage's op list run against the pipeline's dependencies.
 
+use super::no_stages;
 use super::schedule::{PipeOp, Schedule};
-use super::PipelineError;
+use crate::{Error, Result};
 
 /// The time one op of a stage takes.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -43,24 +44,35 @@ pub struct ScheduleReport {
 /// on `s + 1` and after `F(m)` on `s`. Communication takes no time.
 ///
 /// Every stage's list must hold `F(m)` and `B(m)` exactly once for each `m` of the same
-/// `0..M` ([`PipelineError::BadOpList`] otherwise); `costs` gives one [`StageCost`] per stage,
-/// finite and non-negative ([`PipelineError::BadCost`]). Lists whose ops wait on each other in
-/// a cycle are [`PipelineError::Deadlock`].
-pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<ScheduleReport, PipelineError> {
+/// `0..M` ([`Error::BadSchedule`] otherwise); `costs` gives one [`StageCost`] per stage
+/// ([`Error::Length`] otherwise), finite and non-negative ([`Error::BadValue`]). No op list at
+/// all is [`Error::TooFew`]. Lists whose ops wait on each other in a cycle are
+/// [`Error::Deadlock`].
+pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<ScheduleReport> {
     let p = ops.len();
     if p == 0 {
-        return Err(PipelineError::NoStages);
+        return Err(no_stages("stages (op lists) to simulate"));
     }
     if costs.len() != p {
-        return Err(PipelineError::BadCost(format!(
-            "{} costs for {p} stages",
-            costs.len()
-        )));
+        return Err(Error::Length {
+            what: "stage costs for the op lists of the stages".into(),
+            got: costs.len(),
+            expected: p,
+        });
     }
     for (s, c) in costs.iter().enumerate() {
         let ok = |x: f64| x.is_finite() && x >= 0.0;
         if !ok(c.forward) || !ok(c.backward) {
-            return Err(PipelineError::BadCost(format!("stage {s}: {c:?}")));
+            let (which, value) = if ok(c.forward) {
+                ("backward", c.backward)
+            } else {
+                ("forward", c.forward)
+            };
+            return Err(Error::BadValue {
+                what: format!("the {which} cost of stage {s}"),
+                value,
+                want: "finite and non-negative",
+            });
         }
     }
     let micro = ops[0].len() / 2;
@@ -112,9 +124,9 @@ pub fn simulate(ops: &[Vec<PipeOp>], costs: &[StageCost]) -> Result<ScheduleRepo
         }
         if !progress {
             let stuck = (0..p)
-                .filter_map(|s| ops[s].get(next[s]).map(|&op| (s, op)))
+                .filter_map(|s| ops[s].get(next[s]).map(|op| (s, op.to_string())))
                 .collect();
-            return Err(PipelineError::Deadlock { done, total, stuck });
+            return Err(Error::Deadlock { done, total, stuck });
         }
     }
     let makespan = free.iter().copied().fold(0.0, f64::max);
@@ -144,13 +156,13 @@ pub fn simulate_schedule(
     micro: usize,
     t_f: f64,
     t_b: f64,
-) -> Result<ScheduleReport, PipelineError> {
+) -> Result<ScheduleReport> {
     if stages == 0 {
-        return Err(PipelineError::NoStages);
+        return Err(no_stages("stages of a pipeline"));
     }
     let ops = (0..stages)
         .map(|s| schedule.ops(stages, s, micro))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>>>()?;
     let cost = StageCost {
         forward: t_f,
         backward: t_b,
@@ -158,8 +170,8 @@ pub fn simulate_schedule(
     simulate(&ops, &vec![cost; stages])
 }
 
-fn check_list(stage: usize, list: &[PipeOp], micro: usize) -> Result<(), PipelineError> {
-    let bad = |reason: String| PipelineError::BadOpList { stage, reason };
+fn check_list(stage: usize, list: &[PipeOp], micro: usize) -> Result<()> {
+    let bad = |reason: String| Error::BadSchedule { stage, reason };
     if list.len() != 2 * micro {
         return Err(bad(format!(
             "{} ops, stage 0 has {} ({micro} micro-batches)",
@@ -237,12 +249,9 @@ mod tests {
             backward: 2.0,
         };
         match simulate(&ops, &[c, c]) {
-            Err(PipelineError::Deadlock { done, total, stuck }) => {
+            Err(Error::Deadlock { done, total, stuck }) => {
                 assert_eq!((done, total), (1, 8));
-                assert_eq!(
-                    stuck,
-                    vec![(0, PipeOp::Backward(0)), (1, PipeOp::Forward(1))]
-                );
+                assert_eq!(stuck, vec![(0, "B0".to_string()), (1, "F1".to_string())]);
             }
             r => panic!("{r:?}"),
         }
@@ -250,13 +259,17 @@ mod tests {
         let ops = vec![vec![PipeOp::Backward(0), PipeOp::Forward(0)]];
         assert!(matches!(
             simulate(&ops, &[c]),
-            Err(PipelineError::Deadlock { .. })
+            Err(Error::Deadlock {
+                done: 0,
+                total: 2,
+                ..
+            })
         ));
         // not a schedule
         let ops = vec![vec![PipeOp::Forward(0), PipeOp::Forward(0)]];
         assert!(matches!(
             simulate(&ops, &[c]),
-            Err(PipelineError::BadOpList { stage: 0, .. })
+            Err(Error::BadSchedule { stage: 0, .. })
         ));
         let bad = StageCost {
             forward: -1.0,
@@ -264,7 +277,24 @@ mod tests {
         };
         assert!(matches!(
             simulate(&[vec![]], &[bad]),
-            Err(PipelineError::BadCost(_))
+            Err(Error::BadValue { ref what, value, .. })
+                if what == "the forward cost of stage 0" && value == -1.0
+        ));
+        assert!(matches!(
+            simulate(&[vec![]], &[c, c]),
+            Err(Error::Length {
+                got: 2,
+                expected: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            simulate(&[], &[]),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
         ));
     }
 

@@ -2,7 +2,7 @@
 //! trainer must match.
 
 use super::schedule::{two_bw, PipeOp};
-use super::PipelineError;
+use crate::{Error, Result};
 
 /// Which weights a batch's gradient is computed on.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -47,19 +47,21 @@ impl TwoBwSgd {
     /// weights `w` being `grad(w, j)`; returns every version `W(0) … W(micro / every)`.
     ///
     /// Fails with [`TwoBwSgd::stages`]' and [`TwoBwSgd::every`]'s schedule errors
-    /// ([`two_bw`]), [`PipelineError::PartialBatch`] when `micro` is not a multiple of
-    /// `every`, and [`PipelineError::GradLength`] for a gradient of another length.
+    /// ([`two_bw`]), [`Error::NotMultiple`] when `micro` is not a multiple of `every`, and
+    /// [`Error::Length`] for a gradient of another length.
     pub fn run(
         &self,
         w0: &[f64],
         micro: usize,
         mut grad: impl FnMut(&[f64], usize) -> Vec<f64>,
-    ) -> Result<Vec<Vec<f64>>, PipelineError> {
+    ) -> Result<Vec<Vec<f64>>> {
         let ops = two_bw(self.stages, 0, micro, self.every)?;
         if !micro.is_multiple_of(self.every) {
-            return Err(PipelineError::PartialBatch {
-                micro,
-                every: self.every,
+            return Err(Error::NotMultiple {
+                what: "micro-batches",
+                value: micro,
+                of: "micro-batches per weight version",
+                divisor: self.every,
             });
         }
         let mut versions = vec![w0.to_vec()];
@@ -74,9 +76,10 @@ impl TwoBwSgd {
             };
             let g = grad(&versions[on], j);
             if g.len() != w0.len() {
-                return Err(PipelineError::GradLength {
+                return Err(Error::Length {
+                    what: format!("gradient elements of micro-batch {j} for the weights"),
                     got: g.len(),
-                    want: w0.len(),
+                    expected: w0.len(),
                 });
             }
             for (a, x) in acc.iter_mut().zip(&g) {
@@ -177,21 +180,30 @@ mod tests {
             stages: 3,
             delay: WeightDelay::TwoBW,
         };
-        assert_eq!(
+        assert!(matches!(
             sgd.run(&[0.0], 4, |w, _| w.to_vec()),
-            Err(PipelineError::UpdateTooFrequent {
-                every: 2,
-                stages: 3
+            Err(Error::TooFew {
+                got: 2,
+                need: 3,
+                ..
             })
-        );
+        ));
         let sgd = TwoBwSgd { stages: 2, ..sgd };
-        assert_eq!(
+        assert!(matches!(
             sgd.run(&[0.0], 3, |w, _| w.to_vec()),
-            Err(PipelineError::PartialBatch { micro: 3, every: 2 })
-        );
-        assert_eq!(
+            Err(Error::NotMultiple {
+                value: 3,
+                divisor: 2,
+                ..
+            })
+        ));
+        assert!(matches!(
             sgd.run(&[0.0], 4, |_, _| vec![1.0, 2.0]),
-            Err(PipelineError::GradLength { got: 2, want: 1 })
-        );
+            Err(Error::Length {
+                got: 2,
+                expected: 1,
+                ..
+            })
+        ));
     }
 }

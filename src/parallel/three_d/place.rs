@@ -49,20 +49,24 @@ pub struct Tile {
 
 impl Tile {
     /// The tile's elements, row-major, of the row-major `full` of `full_cols` columns (a data
-    /// loader's share of a batch). [`Error::InvalidArgument`] if the tile does not fit.
+    /// loader's share of a batch). [`Error::TooFew`] (columns, or elements) if the tile does
+    /// not fit.
     pub fn extract<T: Copy>(&self, full: &[T], full_cols: usize) -> Result<Vec<T>> {
-        let fits = self
-            .col0
-            .checked_add(self.cols)
-            .is_some_and(|c| c <= full_cols)
-            && (self.row0.checked_add(self.rows))
-                .and_then(|r| r.checked_mul(full_cols))
-                .is_some_and(|n| n <= full.len());
-        if !fits {
-            return Err(Error::InvalidArgument(format!(
-                "{self:?} of a matrix of {} elements in rows of {full_cols}",
-                full.len()
-            )));
+        let col_end = self.col0.checked_add(self.cols);
+        if !col_end.is_some_and(|c| c <= full_cols) {
+            return Err(Error::TooFew {
+                what: format!("columns of the matrix for {self:?}"),
+                got: full_cols,
+                need: col_end.unwrap_or(usize::MAX),
+            });
+        }
+        let elems = (self.row0.checked_add(self.rows)).and_then(|r| r.checked_mul(full_cols));
+        if !elems.is_some_and(|n| n <= full.len()) {
+            return Err(Error::TooFew {
+                what: format!("elements of the matrix (rows of {full_cols}) for {self:?}"),
+                got: full.len(),
+                need: elems.unwrap_or(usize::MAX),
+            });
         }
         Ok((self.row0..self.row0 + self.rows)
             .flat_map(|r| &full[r * full_cols + self.col0..r * full_cols + self.col0 + self.cols])
@@ -85,8 +89,8 @@ pub struct Place3D {
 }
 
 impl Place3D {
-    /// This rank's place on `grid`; [`Error::InvalidArgument`] naming the grid's tensor mode if
-    /// it is not 3D.
+    /// This rank's place on `grid`; [`Error::Conflict`] naming the grid's tensor mode if it is
+    /// not 3D.
     pub fn of(grid: &ProcessGrid) -> Result<Place3D> {
         match grid.spec().tensor {
             TensorMode::ThreeD { q } => Ok(Place3D {
@@ -95,10 +99,12 @@ impl Place3D {
                 j: grid.j()?,
                 k: grid.k()?,
             }),
-            other => Err(Error::InvalidArgument(format!(
-                "a 3D layer needs a 3D grid (tensor mode 3d:Q); this grid's tensor mode is \
-                 {other}"
-            ))),
+            other => Err(Error::Conflict {
+                what: "a 3D layer".into(),
+                with: format!(
+                    "a grid of tensor mode {other} (it needs a 3D grid, tensor mode 3d:Q)"
+                ),
+            }),
         }
     }
 
@@ -110,8 +116,8 @@ impl Place3D {
         }
     }
 
-    /// This rank's tile of a `[rows, cols]` activation in `layout`; [`Error::InvalidArgument`]
-    /// naming the dimension when the rows do not split by `q²` or the columns by `q`.
+    /// This rank's tile of a `[rows, cols]` activation in `layout`; [`Error::NotSplit`] naming
+    /// the dimension when the rows do not split by `q²` or the columns by `q`.
     pub fn tile(&self, layout: Layout3D, rows: usize, cols: usize) -> Result<Tile> {
         let q = self.q;
         let rows_l = split("a 3D tile", "rows", rows, q * q, "q²")?;

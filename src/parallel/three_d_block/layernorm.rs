@@ -169,13 +169,13 @@ impl LayerNorm3D {
         for n in 0..2 {
             let p = g.param(n)?;
             if p.shape() != [self.cq()] || p.dtype() != d {
-                return Err(Error::InvalidArgument(format!(
-                    "parameter {} is {:?} {}; the 3D layer norm expects [{}] {d}",
-                    g.ids()[n],
-                    p.shape(),
-                    p.dtype(),
-                    self.cq()
-                )));
+                return Err(Error::ParamShape {
+                    tensor: g.ids()[n].0,
+                    shape: p.shape().to_vec(),
+                    dtype: p.dtype(),
+                    expected: vec![self.cq()],
+                    expected_dtype: d,
+                });
             }
         }
         Ok(())
@@ -282,10 +282,10 @@ impl LayerNorm3D {
         if let Some(dx) = dx_into {
             dx.expect("dx", Some(n), cq, d)?;
             if dx.same_memory(dy) || dx.same_memory(&saved.h) {
-                return Err(Error::InvalidArgument(
-                    "3D layer norm backward: `dx` is the memory of `dy` or of the saved input"
-                        .into(),
-                ));
+                return Err(Error::Operands {
+                    op: "3D layer norm backward",
+                    reason: "`dx` is the memory of `dy` or of the saved input".into(),
+                });
             }
         }
         let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());

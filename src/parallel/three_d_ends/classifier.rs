@@ -77,10 +77,13 @@ impl Classifier3D {
         let want = [emb.channels / (q * q), emb.vocab / q];
         let shape = store.tensor_shape(emb.weight)?;
         if shape != want {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D head tied to tensor {} of {shape:?}; the embedding's shard is {want:?}",
-                emb.weight
-            )));
+            return Err(Error::ParamShape {
+                tensor: emb.weight.0,
+                shape: shape.to_vec(),
+                dtype: store.param_dtype(),
+                expected: want.to_vec(),
+                expected_dtype: store.param_dtype(),
+            });
         }
         Ok(Classifier3D {
             linear,
@@ -120,9 +123,11 @@ impl Classifier3D {
         h.expect("h", Some(tile.rows), iq, pass.param_dtype())?;
         check_targets(targets, classes, self.ignore_index)?;
         if !(loss_scale > 0.0 && loss_scale.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "a 3D classifier run with loss scale {loss_scale}"
-            )));
+            return Err(Error::BadValue {
+                what: "the loss scale of a 3D classifier".into(),
+                value: f64::from(loss_scale),
+                want: "finite and above 0",
+            });
         }
         let (ga, _, _) = groups(grid, self.layout())?;
         let ce = ShardedCrossEntropy {
@@ -156,7 +161,9 @@ impl Classifier3D {
     ) -> Result<Act> {
         let l = &self.linear;
         l.backward_with(pass, grid, &saved.linear, &saved.dlogits, true, self.uses)?
-            .ok_or_else(|| Error::InvalidArgument("the 3D classifier gave no dh".into()))
+            .ok_or_else(|| Error::Internal {
+                what: "the 3D classifier's linear asked for dh gave none".into(),
+            })
     }
 
     /// The collectives of one forward and backward on input tiles of `rows` rows

@@ -21,12 +21,13 @@ use crate::tensor::{Init, TensorId};
 fn check_shape<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Result<()> {
     let p = g.param(0)?;
     if p.shape() != shape.as_slice() || p.dtype() != d {
-        return Err(Error::InvalidArgument(format!(
-            "parameter {} is {:?} {}; the 3D embedding expects {shape:?} {d}",
-            g.ids()[0],
-            p.shape(),
-            p.dtype()
-        )));
+        return Err(Error::ParamShape {
+            tensor: g.ids()[0].0,
+            shape: p.shape().to_vec(),
+            dtype: p.dtype(),
+            expected: shape.to_vec(),
+            expected_dtype: d,
+        });
     }
     Ok(())
 }
@@ -90,9 +91,11 @@ impl Embedding3D {
         let rq = split(name, "table rows", rows, q, "q")?;
         let cq = split(name, "channels", channels, q, "q")?;
         if rows > i32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': {rows} table rows do not fit i32 ids"
-            )));
+            return Err(Error::TooLarge {
+                what: format!("'{name}': table rows (ids are i32)"),
+                requested: rows as u128,
+                limit: i32::MAX as u64,
+            });
         }
         let (i, (_, c)) = (place.i, place.axes(layout));
         let init = shard_init(table, move |e| {
@@ -126,7 +129,7 @@ impl Embedding3D {
     /// This rank's output tile for a batch of `ids.len()` rows, after the host checks.
     fn tile(&self, grid: &ProcessGrid, ids: &[i32]) -> Result<Tile> {
         let place = here(grid, self.place)?;
-        check_ids("a 3D embedding's ids", ids, self.rows)?;
+        check_ids(ids, self.rows)?;
         place.tile(self.layout, ids.len(), self.channels)
     }
 
@@ -262,10 +265,14 @@ impl VocabEmbedding3D {
         let place = Place3D::of(grid)?;
         let q = place.q;
         if vocab == 0 || !vocab.is_multiple_of(q) {
-            return Err(Error::InvalidArgument(format!(
-                "'{name}': the vocabulary of {vocab} tokens does not split over q = {q} ranks \
-                 of a 3D cube (pad it to a multiple of q, as GPT-2's 50257 to 50304)"
-            )));
+            return Err(Error::NotSplit {
+                layer: name.to_string(),
+                what: "vocabulary",
+                value: vocab,
+                parts: q,
+                by: "q ranks of a 3D cube; pad the vocabulary to a multiple of q, as GPT-2's \
+                     50257 to 50304",
+            });
         }
         split(name, "channels", channels, q * q, "q²")?;
         let (a, _) = place.axes(layout);
@@ -322,7 +329,7 @@ impl VocabEmbedding3D {
         tokens: &[i32],
     ) -> Result<(Act, VocabEmbedding3DSaved)> {
         let place = here(grid, self.place)?;
-        check_ids("a 3D vocab embedding's tokens", tokens, self.vocab)?;
+        check_ids(tokens, self.vocab)?;
         let tile = place.tile(self.layout, tokens.len(), self.channels)?;
         let (ga, gw, _) = groups(grid, self.layout)?;
         let (q, cq, vq) = self.dims();

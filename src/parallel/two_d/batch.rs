@@ -26,7 +26,7 @@ pub struct BatchBlock {
 }
 
 impl BatchBlock {
-    /// This rank's block; [`Error::InvalidArgument`] on a grid that is neither 2D nor 2.5D.
+    /// This rank's block; [`Error::Conflict`] on a grid that is neither 2D nor 2.5D.
     pub fn of(grid: &ProcessGrid) -> Result<BatchBlock> {
         BatchBlock::of_tensor_rank(grid.spec().tensor, grid.tensor_rank())
     }
@@ -48,22 +48,24 @@ impl BatchBlock {
                 col_blocks: q,
             },
             other => {
-                return Err(Error::InvalidArgument(format!(
-                    "batch blocks belong to the 2D and 2.5D schemes; the tensor mode is {other}"
-                )))
+                return Err(Error::Conflict {
+                    what: "batch blocks (of the 2D and 2.5D schemes)".into(),
+                    with: format!("tensor mode {other}"),
+                })
             }
         };
         if t >= mode.size() {
-            return Err(Error::InvalidArgument(format!(
-                "tensor rank {t} of a {mode} group of {}",
-                mode.size()
-            )));
+            return Err(Error::IndexOutOfRange {
+                what: format!("tensor rank of a {mode} group"),
+                index: t,
+                len: mode.size(),
+            });
         }
         Ok(block)
     }
 
-    /// The block's shape `[rows/row_blocks, cols/col_blocks]`; [`Error::InvalidArgument`]
-    /// naming `rows` or `cols` when it does not split.
+    /// The block's shape `[rows/row_blocks, cols/col_blocks]`; [`Error::NotSplit`] naming
+    /// `rows` or `cols` when it does not split.
     pub fn shape(&self, rows: usize, cols: usize) -> Result<[usize; 2]> {
         Ok([
             split("batch", "rows", rows, self.row_blocks, "row blocks")?,
@@ -84,11 +86,18 @@ pub fn split_batch_2d(
 ) -> Result<Vec<f32>> {
     let b = BatchBlock::of(grid)?;
     let [r, c] = b.shape(rows, cols)?;
-    if Some(full.len()) != rows.checked_mul(cols) {
-        return Err(Error::InvalidArgument(format!(
-            "{} values for a batch of [{rows}, {cols}]",
-            full.len()
-        )));
+    let want = rows.checked_mul(cols);
+    if Some(full.len()) != want {
+        return Err(match want {
+            None => Error::Overflow {
+                what: format!("the values of a batch of [{rows}, {cols}]"),
+            },
+            Some(expected) => Error::Length {
+                what: format!("values for a batch of [{rows}, {cols}]"),
+                got: full.len(),
+                expected,
+            },
+        });
     }
     Ok((0..r)
         .flat_map(|k| {

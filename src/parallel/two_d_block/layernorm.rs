@@ -33,15 +33,16 @@ pub struct Place2D {
 }
 
 impl Place2D {
-    /// This rank's place; [`Error::InvalidArgument`] on a grid that is neither 2D nor 2.5D.
+    /// This rank's place; [`Error::Conflict`] on a grid that is neither 2D nor 2.5D.
     pub fn of(grid: &ProcessGrid) -> Result<Place2D> {
         let (q, depth, dep) = match grid.spec().tensor {
             TensorMode::TwoD { q } => (q, 1, 0),
             TensorMode::TwoHalfD { q, depth } => (q, depth, grid.dep_index()?),
             other => {
-                return Err(Error::InvalidArgument(format!(
-                    "a 2D / 2.5D layer on a grid of tensor mode {other}"
-                )))
+                return Err(Error::Conflict {
+                    what: "a 2D / 2.5D layer".into(),
+                    with: format!("a grid of tensor mode {other}"),
+                })
             }
         };
         Ok(Place2D {
@@ -250,13 +251,13 @@ impl LayerNorm2D {
         let (q, s) = (self.place.q, pass.stream());
         let p = g.param(i)?;
         if p.shape() != [self.local() / q] || p.dtype() != d {
-            return Err(Error::InvalidArgument(format!(
-                "parameter {} is {:?} {}; the 2D layer norm expects [{}] {d}",
-                g.ids()[i],
-                p.shape(),
-                p.dtype(),
-                self.local() / q
-            )));
+            return Err(Error::ParamShape {
+                tensor: g.ids()[i].0,
+                shape: p.shape().to_vec(),
+                dtype: p.dtype(),
+                expected: vec![self.local() / q],
+                expected_dtype: d,
+            });
         }
         let blk = Act::alloc(pass.pool(), 1, self.local(), d)?;
         let piece = blk.len_bytes() / q;
@@ -362,9 +363,10 @@ impl LayerNorm2D {
         if let Some(dx) = dx_into {
             dx.expect("dx", Some(rows), cl, d)?;
             if dx.same_memory(dy) || dx.same_memory(&saved.h) {
-                return Err(Error::InvalidArgument(
-                    "layer norm backward: `dx` is the memory of `dy` or of the saved input".into(),
-                ));
+                return Err(Error::Operands {
+                    op: "2D layer norm backward",
+                    reason: "`dx` is the memory of `dy` or of the saved input".into(),
+                });
             }
         }
         let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());

@@ -55,10 +55,10 @@ impl Classifier2D {
     ) -> Result<Classifier2D> {
         let mode = grid.spec().tensor;
         if !matches!(mode, TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. }) {
-            return Err(Error::InvalidArgument(format!(
-                "Classifier2D '{name}' runs on a 2D or 2.5D grid; this grid's tensor mode is \
-                 {mode}"
-            )));
+            return Err(Error::Conflict {
+                what: format!("Classifier2D '{name}'"),
+                with: format!("a grid of tensor mode {mode} (it runs on a 2D or 2.5D grid)"),
+            });
         }
         let q = grid.q()?;
         split(name, "classes", classes, q, "q")?;
@@ -85,10 +85,13 @@ impl Classifier2D {
         let want = [emb.vocab / p.q, emb.channels / p.q];
         let have = store.tensor_shape(emb.weight)?;
         if have != want {
-            return Err(Error::InvalidArgument(format!(
-                "a tied head over tensor {} of shape {have:?}; the embedding's block is {want:?}",
-                emb.weight
-            )));
+            return Err(Error::ParamShape {
+                tensor: emb.weight.0,
+                shape: have.to_vec(),
+                dtype: store.param_dtype(),
+                expected: want.to_vec(),
+                expected_dtype: store.param_dtype(),
+            });
         }
         let slice = Linear2D {
             weight: emb.weight,
@@ -166,16 +169,27 @@ impl Classifier2D {
         check_targets(targets, self.classes, self.ignore_index)?;
         let blocks = p.q * p.depth;
         let rows = h.rows();
-        if rows.checked_mul(blocks) != Some(targets.len()) {
-            return Err(Error::InvalidArgument(format!(
-                "Classifier2D: a tile of {rows} rows over {blocks} row blocks for {} targets",
-                targets.len()
-            )));
+        let want = rows.checked_mul(blocks);
+        if want != Some(targets.len()) {
+            return Err(match want {
+                None => Error::Overflow {
+                    what: format!("Classifier2D: the rows of {blocks} row blocks of {rows}"),
+                },
+                Some(expected) => Error::Length {
+                    what: format!(
+                        "targets for Classifier2D's tile of {rows} rows over {blocks} row blocks"
+                    ),
+                    got: targets.len(),
+                    expected,
+                },
+            });
         }
         if !(loss_scale > 0.0 && loss_scale.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "Classifier2D: loss scale {loss_scale}"
-            )));
+            return Err(Error::BadValue {
+                what: "the loss scale of Classifier2D".into(),
+                value: f64::from(loss_scale),
+                want: "finite and above 0",
+            });
         }
         let ce = ShardedCrossEntropy {
             classes: self.shard()?,

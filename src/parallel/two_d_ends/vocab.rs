@@ -110,7 +110,7 @@ impl VocabEmbedding2D {
         let gr = self.groups(grid)?;
         let p = self.place;
         let nl = split("batch", "ids", ids.len(), p.q * p.depth, "row blocks")?;
-        check_ids("VocabEmbedding2D", ids, self.vocab)?;
+        check_ids(ids, self.vocab)?;
         let nd = nl * p.q;
         let layer = &ids[p.dep * nd..(p.dep + 1) * nd];
         let shard = self.shard()?;
@@ -165,9 +165,9 @@ impl VocabEmbedding2D {
         let nd = saved.plan.positions();
         dout.expect("dout", Some(nd / self.place.q), cl, d)?;
         if saved.plan.shard() != &self.shard()? || !nd.is_multiple_of(self.place.q) {
-            return Err(Error::InvalidArgument(
-                "VocabEmbedding2D: a saved lookup of another block".into(),
-            ));
+            return Err(Error::SavedMismatch {
+                layer: "VocabEmbedding2D".into(),
+            });
         }
         let theirs = Act::alloc(pool, dout.rows(), cl, d)?;
         let peer = self.peer();

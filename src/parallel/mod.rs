@@ -1,13 +1,13 @@
 //! Tensor parallelism on the memory layer: a process grid over a [`Communicator`]
 //! ([`ProcessGrid`]: data × pipeline × tensor groups, the tensor mode 1D, 2D, 2.5D or 3D) and
 //! layers whose weight shards are tensors of the rank's store, fetched, placed and stepped like
-//! any other: [`one_d`] (Megatron's column- and row-parallel linears, the embedding split along
-//! the channels and the GPT-2 block; [`vocab`]: the vocabulary split, for the embedding and the
-//! tied head with the cross-entropy), [`two_d`] (the SUMMA linear on a q×q grid and its 2.5D
-//! form with the batch split over depth; [`two_d_block`]: their LayerNorm and the GPT-2 block;
-//! [`two_d_ends`]: their embeddings, the vocab-parallel one tied to the head, and the
-//! classifier with the cross-entropy), [`three_d`] (the linear on a q³ cube),
-//! [`three_d_block`] (its LayerNorm and the GPT-2 block on the cube) and [`three_d_ends`]
+//! any other: [`one_d`](crate::parallel::OneD) (Megatron's column- and row-parallel linears, the embedding split along
+//! the channels and the GPT-2 block; [`vocab`](crate::parallel::VocabEmbedding1D): the vocabulary split, for the embedding and the
+//! tied head with the cross-entropy), [`two_d`](crate::parallel::Linear2D) (the SUMMA linear on a q×q grid and its 2.5D
+//! form with the batch split over depth; [`two_d_block`](crate::parallel::Summa): their LayerNorm and the GPT-2 block;
+//! [`two_d_ends`](crate::parallel::Embedding2D): their embeddings, the vocab-parallel one tied to the head, and the
+//! classifier with the cross-entropy), [`three_d`](crate::parallel::Linear3D) (the linear on a q³ cube),
+//! [`three_d_block`](crate::parallel::Cube) (its LayerNorm and the GPT-2 block on the cube) and [`three_d_ends`](crate::parallel::Embedding3D)
 //! (the embeddings, the vocab-parallel tied LM head and the classifiers on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
@@ -15,15 +15,15 @@
 mod cost;
 mod cross_entropy;
 mod grid;
-pub mod one_d;
-pub mod sequence;
-pub mod three_d;
-pub mod three_d_block;
-pub mod three_d_ends;
-pub mod two_d;
-pub mod two_d_block;
-pub mod two_d_ends;
-pub mod vocab;
+pub(crate) mod one_d;
+pub(crate) mod sequence;
+pub(crate) mod three_d;
+pub(crate) mod three_d_block;
+pub(crate) mod three_d_ends;
+pub(crate) mod two_d;
+pub(crate) mod two_d_block;
+pub(crate) mod two_d_ends;
+pub(crate) mod vocab;
 
 pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
@@ -49,7 +49,6 @@ pub use vocab::{
     VocabHead1DSaved,
 };
 pub mod pipeline;
-pub use pipeline::{PipeOp, PipelineStage, Schedule, StageModel};
 
 /// `n / parts`, or [`Error::NotSplit`](crate::Error::NotSplit) naming `layer`'s dimension
 /// `what` (`n`) and the parts it must split into (`parts`, counted `by`).

@@ -1,23 +1,3 @@
-//! 1D (Megatron) tensor parallelism over a group of `P` ranks: column- and row-parallel
-//! linears and the transformer block built from them.
-//!
-//! Each rank registers only its shard of every weight, under the serial layer's name, in its
-//! own store, and computes with the [`nn`](crate::nn) layers on it; the layers here add the
-//! collectives, on the pass's stream:
-//!
-//! - [`ColumnLinear`]: `W_r` holds output rows `r·out/P ..` (with `parts > 1`, that slice of
-//!   each of `parts` stacked outputs, e.g. attention's q, k, v), the bias the same rows; `X` is
-//!   replicated and `Y_r = X·W_rᵀ + b_r` needs no collective. Backward: `dX = Σ_r dY_r·W_r`,
-//!   one all-reduce.
-//! - [`RowLinear`]: `W_r` holds input columns `r·in/P ..`; `Y = Σ_r X_r·W_rᵀ + b`, one
-//!   all-reduce. The bias lives on the group's first rank only and is added there before the
-//!   reduction, so its gradient (`Σ dY`) is computed once. Backward needs no collective.
-//! - [`OneD`]: the layout of GPT-2's [`Block`] with `c_attn` and `c_fc` column-parallel,
-//!   `c_proj`s row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of
-//!   `rows × C` in forward and two in backward.
-//!
-//! Shapes that do not divide by `P` are refused at registration.
-
 use serde::Serialize;
 
 use super::{Cost, PassCost};
@@ -71,7 +51,7 @@ fn all_reduce(group: &Communicator, stream: &crate::device::Stream, a: &Act) -> 
     group.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum)
 }
 
-/// A column-parallel linear layer (see [the module](self)).
+/// A column-parallel linear layer (see [`OneD`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ColumnLinear {
     /// This rank's shard: `[out/P, in]` and bias `[out/P]`.
@@ -147,7 +127,7 @@ impl ColumnLinear {
     }
 }
 
-/// A row-parallel linear layer (see [the module](self)).
+/// A row-parallel linear layer (see [`OneD`]).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RowLinear {
     /// This rank's shard: `[out, in/P]`; the bias `[out]` on the group's first rank only.
@@ -320,6 +300,26 @@ impl Embedding1D {
     }
 }
 
+/// 1D (Megatron) tensor parallelism over a group of `P` ranks: column- and row-parallel
+/// linears and the transformer block built from them.
+///
+/// Each rank registers only its shard of every weight, under the serial layer's name, in its
+/// own store, and computes with the [`nn`](crate::nn) layers on it; the layers here add the
+/// collectives, on the pass's stream:
+///
+/// - [`ColumnLinear`]: `W_r` holds output rows `r·out/P ..` (with `parts > 1`, that slice of
+///   each of `parts` stacked outputs, e.g. attention's q, k, v), the bias the same rows; `X` is
+///   replicated and `Y_r = X·W_rᵀ + b_r` needs no collective. Backward: `dX = Σ_r dY_r·W_r`,
+///   one all-reduce.
+/// - [`RowLinear`]: `W_r` holds input columns `r·in/P ..`; `Y = Σ_r X_r·W_rᵀ + b`, one
+///   all-reduce. The bias lives on the group's first rank only and is added there before the
+///   reduction, so its gradient (`Σ dY`) is computed once. Backward needs no collective.
+/// - [`OneD`]: the layout of GPT-2's [`Block`] with `c_attn` and `c_fc` column-parallel,
+///   `c_proj`s row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of
+///   `rows × C` in forward and two in backward.
+///
+/// Shapes that do not divide by `P` are refused at registration.
+///
 /// Megatron's 1D layout as a [`Layout`]: the transformer [`Block`] split over a group of `P`
 /// ranks, column linears ([`Pair::Column`], `c_attn` and `c_fc`) as [`ColumnLinear`]s, row
 /// linears (the `c_proj`s) as [`RowLinear`]s, `H/P` heads a rank, LayerNorms replicated (each

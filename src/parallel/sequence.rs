@@ -1,34 +1,3 @@
-//! Sequence parallelism (arXiv 2105.13120): the tokens of every sequence split over a group of
-//! `N` ranks, and causal self-attention computed exactly across them by passing key and value
-//! blocks around a ring ([`RingAttention`]).
-//!
-//! # Layout
-//!
-//! Rank `r` holds positions `r·T/N ..` (`L = T/N` of them) of each of the `B` sequences: its
-//! activations are `[B·L, C]`, rows ordered (sequence, position), as the serial model's rows
-//! restricted to those positions. Its queries, keys and values are `[B·H, L, D]` (`C = H·D`)
-//! and its scores are the full rows `[B·H, L, T]`: query `i` (global position `r·L + i`)
-//! against every key, of which only keys `≤ r·L + i` count (the causal mask across blocks,
-//! [`crate::ops::softmax_block_forward`] with offset `r·L`).
-//!
-//! # Passes (every message a [`Communicator::send_recv`] to `r + 1` from `r − 1`)
-//!
-//! - Forward, **RingQK**: for `s` in `0..N`, the rank holds the keys of block `src = r − s`;
-//!   `S[:, :, src] = Q·K_srcᵀ` where `src ≤ r` (blocks after `r` are masked whole, so never
-//!   computed), then passes the keys on (`N − 1` messages). `P = softmax(S/√D)` over the live
-//!   part of each row. **RingAV**: the values go round the same way and `Y = Σ_src
-//!   P[:, :, src]·V_src` (`N − 1` messages).
-//! - Backward: the values go round again, each with a travelling accumulator of its block's
-//!   gradient: `dP[:, :, src] = dY·V_srcᵀ` and `dV_src += P[:, :, src]ᵀ·dY`; after the last
-//!   rank one more message brings each accumulator home (`N` messages). Then `dS` by the
-//!   softmax backward, and the keys go round with theirs: `dQ += dS[:, :, src]·K_src`,
-//!   `dK_src += dS[:, :, src]ᵀ·Q` (`N` messages). Every gradient is exact: no `1/N`, the
-//!   scale `1/√D` with `D` the head width.
-//!
-//! With `N = 1` it is the serial [`Attention`](crate::ops::attention::Attention) (the same
-//! products in the same order; no messages). `T` must divide by `N`: anything else is an
-//! [`Error::NotSplit`] at construction, on every rank.
-
 use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, Tally};
 use crate::device::{DeviceView, Input};
@@ -39,8 +8,39 @@ use crate::ops::heads::{heads_merge, heads_split, qkv_merge, qkv_split, Heads};
 use crate::ops::{gemm, softmax_block_backward, softmax_block_forward, Gemm, SoftmaxBlock};
 use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
 
+/// Sequence parallelism (arXiv 2105.13120): the tokens of every sequence split over a group of
+/// `N` ranks, and causal self-attention computed exactly across them by passing key and value
+/// blocks around a ring ([`RingAttention`]).
+///
+/// # Layout
+///
+/// Rank `r` holds positions `r·T/N ..` (`L = T/N` of them) of each of the `B` sequences: its
+/// activations are `[B·L, C]`, rows ordered (sequence, position), as the serial model's rows
+/// restricted to those positions. Its queries, keys and values are `[B·H, L, D]` (`C = H·D`)
+/// and its scores are the full rows `[B·H, L, T]`: query `i` (global position `r·L + i`)
+/// against every key, of which only keys `≤ r·L + i` count (the causal mask across blocks,
+/// [`crate::ops::softmax_block_forward`] with offset `r·L`).
+///
+/// # Passes (every message a [`Communicator::send_recv`] to `r + 1` from `r − 1`)
+///
+/// - Forward, **RingQK**: for `s` in `0..N`, the rank holds the keys of block `src = r − s`;
+///   `S[:, :, src] = Q·K_srcᵀ` where `src ≤ r` (blocks after `r` are masked whole, so never
+///   computed), then passes the keys on (`N − 1` messages). `P = softmax(S/√D)` over the live
+///   part of each row. **RingAV**: the values go round the same way and `Y = Σ_src
+///   P[:, :, src]·V_src` (`N − 1` messages).
+/// - Backward: the values go round again, each with a travelling accumulator of its block's
+///   gradient: `dP[:, :, src] = dY·V_srcᵀ` and `dV_src += P[:, :, src]ᵀ·dY`; after the last
+///   rank one more message brings each accumulator home (`N` messages). Then `dS` by the
+///   softmax backward, and the keys go round with theirs: `dQ += dS[:, :, src]·K_src`,
+///   `dK_src += dS[:, :, src]ᵀ·Q` (`N` messages). Every gradient is exact: no `1/N`, the
+///   scale `1/√D` with `D` the head width.
+///
+/// With `N = 1` it is the serial [`Attention`](crate::ops::attention::Attention) (the same
+/// products in the same order; no messages). `T` must divide by `N`: anything else is an
+/// [`Error::NotSplit`] at construction, on every rank.
+///
 /// Causal self-attention over a sequence split across a ring of ranks (see
-/// [the module](self)).
+/// [`RingAttention`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RingAttention {
     /// Sequences `B`.

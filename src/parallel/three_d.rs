@@ -1,81 +1,3 @@
-//! 3D tensor parallelism (arXiv 2105.14450) over a cube of `q³` ranks, `t = i + q·j + q²·k`
-//! ([`ProcessGrid`] with [`TensorMode::ThreeD`](super::TensorMode::ThreeD)): a linear layer whose input, weight and
-//! output are each split over the cube, with all-gathers and reduce-scatters in the grid's
-//! `input()` (varies `j`), `weight()` (varies `i`) and `output()` (varies `k`) groups.
-//!
-//! # Layouts
-//!
-//! An activation `[R, C]` (rows are samples) is split in one of two [`Layout3D`]s. Call `a`
-//! and `c` a rank's coordinates on the layout's two axes (`j` and `k` for
-//! [`Layout3D::RowsJColsK`], `k` and `j` for [`Layout3D::RowsKColsJ`]): the rank holds rows
-//! `(i·q + a)·R/q² ..` (`R/q²` of them) and columns `c·C/q ..` (`C/q`), its [`Tile`].
-//!
-//! The master weight is the crate's linear weight `M` `[outputs, inputs]` (as
-//! [`nn::Linear`](crate::nn::Linear) stores it: `Y = X·Mᵀ + b`, so the same initialisers give
-//! a serial layer the same function); write `W = Mᵀ` `[inputs, outputs]`, `I` inputs and `O`
-//! outputs. A [`Linear3D`] whose input is in layout `L` (axes `a`, `c`) registers on each rank:
-//!
-//! - `{name}.weight` `[I/q², O/q]`, stored in `W`'s orientation (`[in, out]`, transposed from
-//!   the master, so that gathering it is a concatenation): element `(r, s)` is
-//!   `M[a·O/q + s, c·I/q + i·I/q² + r]`. The `q³` shards are disjoint.
-//! - `{name}.bias` `[O/q]`: `b[a·O/q ..]`, held alike by the `q²` ranks of each `a` (each
-//!   counts `1/q²` of its gradient's squared norm, [`ParamStore::set_norm_share`]).
-//!
-//! Its output is in layout `L.swapped()`: rows `(i·q + c)·R/q²`, columns `a·O/q`; so the next
-//! layer, registered with the swapped layout, takes it as it is (the roles of the `input()` and
-//! `output()` groups swap from layer to layer).
-//!
-//! # Passes
-//!
-//! With `A` the group along `a` (ranked by `a`), `G` the group along `c`, `Wg` the weight
-//! group (ranked by `i`) and `n = R/q²`:
-//!
-//! - forward: `X̃ = all-gather_A(X)` `[q·n, I/q]` (rows block `i`, columns block `c`);
-//!   `W̃ = all-gather_Wg(W)` `[I/q, O/q]` (`W`'s block `(c, a)`);
-//!   `Y = reduce-scatter_G(X̃·W̃) + b` `[n, O/q]`. `X̃` and `W̃` are kept for the backward
-//!   ([`Linear3DSaved`]).
-//! - backward: `dỸ = all-gather_G(dY)`; `dX = reduce-scatter_A(dỸ·W̃ᵀ)` (when asked);
-//!   `dW = reduce-scatter_Wg(X̃ᵀ·dỸ)` straight into the weight's gradient slot;
-//!   `db = all-reduce_Wg(Σ_rows dỸ)` (`dỸ` holds every row of row block `i`, so the weight
-//!   group completes the sum over all rows: the value an all-reduce over the output × weight
-//!   plane of `Σ_rows dY` would give, over `q` ranks instead of `q²`).
-//!
-//! Every buffer comes from the pass's pool, every collective runs on the pass's stream, and
-//! [`Linear3D::collectives`] gives the calls and bytes of each pass. Shapes that do not split
-//! (inputs by `q²`, outputs by `q`, rows by `q²`, columns by `q`) are refused before any
-//! collective, naming the dimension; so is a grid that is not 3D.
-//!
-//! ```
-//! use tidemem::chunk::{ChunkManager, ManagerConfig};
-//! use tidemem::comm::Communicator;
-//! use tidemem::device::{Device, SimConfig};
-//! use tidemem::nn::Act;
-//! use tidemem::parallel::{GridSpec, Layout3D, Linear3D, ProcessGrid, TensorMode};
-//! use tidemem::store::ParamStore;
-//! use tidemem::tensor::Init;
-//! use tidemem::tide::Policy;
-//! use tidemem::DType;
-//! # fn main() -> tidemem::Result<()> {
-//! // a cube of one rank: the layer is the serial one
-//! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-//! let comm = Communicator::local(vec![dev.clone()])?.remove(0);
-//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::ThreeD { q: 1 } };
-//! let grid = ProcessGrid::new(&comm, spec)?;
-//! let mut cfg = ManagerConfig::new(1024, Policy::Tide);
-//! cfg.param_dtype = DType::F32;
-//! let mut m = ChunkManager::new(dev, cfg)?;
-//! // master [outputs 2, inputs 2] = [[1, 2], [3, 4]], bias [10, 20]
-//! let w = Init::Fn(std::sync::Arc::new(|e| [1.0f32, 2.0, 3.0, 4.0][e]));
-//! let b = Init::Fn(std::sync::Arc::new(|e| [10.0f32, 20.0][e]));
-//! let layer =
-//!     Linear3D::register(&mut m, &grid, "fc", 2, 2, Layout3D::RowsJColsK, &w, Some(&b))?;
-//! let pass = m.forward()?;
-//! let x = Act::upload(pass.pool(), pass.stream(), 1, 2, DType::F32, &[1.0, 1.0])?;
-//! let (y, _saved) = layer.forward(&pass, &grid, &x)?;
-//! assert_eq!(y.to_f32(pass.stream())?, [13.0, 27.0]);
-//! # Ok(()) }
-//! ```
-
 use std::sync::Arc;
 
 mod place;
@@ -131,7 +53,85 @@ pub struct Linear3DSaved {
     pub w: Act,
 }
 
-/// A 3D tensor-parallel linear layer `Y = X·Mᵀ + b` (see [the module](self)).
+/// 3D tensor parallelism (arXiv 2105.14450) over a cube of `q³` ranks, `t = i + q·j + q²·k`
+/// ([`ProcessGrid`] with [`TensorMode::ThreeD`](super::TensorMode::ThreeD)): a linear layer whose input, weight and
+/// output are each split over the cube, with all-gathers and reduce-scatters in the grid's
+/// `input()` (varies `j`), `weight()` (varies `i`) and `output()` (varies `k`) groups.
+///
+/// # Layouts
+///
+/// An activation `[R, C]` (rows are samples) is split in one of two [`Layout3D`]s. Call `a`
+/// and `c` a rank's coordinates on the layout's two axes (`j` and `k` for
+/// [`Layout3D::RowsJColsK`], `k` and `j` for [`Layout3D::RowsKColsJ`]): the rank holds rows
+/// `(i·q + a)·R/q² ..` (`R/q²` of them) and columns `c·C/q ..` (`C/q`), its [`Tile`].
+///
+/// The master weight is the crate's linear weight `M` `[outputs, inputs]` (as
+/// [`nn::Linear`](crate::nn::Linear) stores it: `Y = X·Mᵀ + b`, so the same initialisers give
+/// a serial layer the same function); write `W = Mᵀ` `[inputs, outputs]`, `I` inputs and `O`
+/// outputs. A [`Linear3D`] whose input is in layout `L` (axes `a`, `c`) registers on each rank:
+///
+/// - `{name}.weight` `[I/q², O/q]`, stored in `W`'s orientation (`[in, out]`, transposed from
+///   the master, so that gathering it is a concatenation): element `(r, s)` is
+///   `M[a·O/q + s, c·I/q + i·I/q² + r]`. The `q³` shards are disjoint.
+/// - `{name}.bias` `[O/q]`: `b[a·O/q ..]`, held alike by the `q²` ranks of each `a` (each
+///   counts `1/q²` of its gradient's squared norm, [`ParamStore::set_norm_share`]).
+///
+/// Its output is in layout `L.swapped()`: rows `(i·q + c)·R/q²`, columns `a·O/q`; so the next
+/// layer, registered with the swapped layout, takes it as it is (the roles of the `input()` and
+/// `output()` groups swap from layer to layer).
+///
+/// # Passes
+///
+/// With `A` the group along `a` (ranked by `a`), `G` the group along `c`, `Wg` the weight
+/// group (ranked by `i`) and `n = R/q²`:
+///
+/// - forward: `X̃ = all-gather_A(X)` `[q·n, I/q]` (rows block `i`, columns block `c`);
+///   `W̃ = all-gather_Wg(W)` `[I/q, O/q]` (`W`'s block `(c, a)`);
+///   `Y = reduce-scatter_G(X̃·W̃) + b` `[n, O/q]`. `X̃` and `W̃` are kept for the backward
+///   ([`Linear3DSaved`]).
+/// - backward: `dỸ = all-gather_G(dY)`; `dX = reduce-scatter_A(dỸ·W̃ᵀ)` (when asked);
+///   `dW = reduce-scatter_Wg(X̃ᵀ·dỸ)` straight into the weight's gradient slot;
+///   `db = all-reduce_Wg(Σ_rows dỸ)` (`dỸ` holds every row of row block `i`, so the weight
+///   group completes the sum over all rows: the value an all-reduce over the output × weight
+///   plane of `Σ_rows dY` would give, over `q` ranks instead of `q²`).
+///
+/// Every buffer comes from the pass's pool, every collective runs on the pass's stream, and
+/// [`Linear3D::collectives`] gives the calls and bytes of each pass. Shapes that do not split
+/// (inputs by `q²`, outputs by `q`, rows by `q²`, columns by `q`) are refused before any
+/// collective, naming the dimension; so is a grid that is not 3D.
+///
+/// ```
+/// use tidemem::chunk::{ChunkManager, ManagerConfig};
+/// use tidemem::comm::Communicator;
+/// use tidemem::device::{Device, SimConfig};
+/// use tidemem::nn::Act;
+/// use tidemem::parallel::{GridSpec, Layout3D, Linear3D, ProcessGrid, TensorMode};
+/// use tidemem::store::ParamStore;
+/// use tidemem::tensor::Init;
+/// use tidemem::tide::Policy;
+/// use tidemem::DType;
+/// # fn main() -> tidemem::Result<()> {
+/// // a cube of one rank: the layer is the serial one
+/// let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+/// let comm = Communicator::local(vec![dev.clone()])?.remove(0);
+/// let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::ThreeD { q: 1 } };
+/// let grid = ProcessGrid::new(&comm, spec)?;
+/// let mut cfg = ManagerConfig::new(1024, Policy::Tide);
+/// cfg.param_dtype = DType::F32;
+/// let mut m = ChunkManager::new(dev, cfg)?;
+/// // master [outputs 2, inputs 2] = [[1, 2], [3, 4]], bias [10, 20]
+/// let w = Init::Fn(std::sync::Arc::new(|e| [1.0f32, 2.0, 3.0, 4.0][e]));
+/// let b = Init::Fn(std::sync::Arc::new(|e| [10.0f32, 20.0][e]));
+/// let layer =
+///     Linear3D::register(&mut m, &grid, "fc", 2, 2, Layout3D::RowsJColsK, &w, Some(&b))?;
+/// let pass = m.forward()?;
+/// let x = Act::upload(pass.pool(), pass.stream(), 1, 2, DType::F32, &[1.0, 1.0])?;
+/// let (y, _saved) = layer.forward(&pass, &grid, &x)?;
+/// assert_eq!(y.to_f32(pass.stream())?, [13.0, 27.0]);
+/// # Ok(()) }
+/// ```
+///
+/// A 3D tensor-parallel linear layer `Y = X·Mᵀ + b` (see [`Linear3D`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Linear3D {
     /// This rank's weight shard `[I/q², O/q]` (stored `[in, out]`).
@@ -169,7 +169,7 @@ impl Linear3D {
     /// Registers this rank's shards of a layer of `inputs` → `outputs` taking its input in
     /// `layout`: `{name}.weight` from the master `[outputs, inputs]` whose values `weight`
     /// gives element by element (row-major) and, with `bias`, `{name}.bias` from the master
-    /// `[outputs]` (layouts in [the module](self)). Fails before registering anything if the
+    /// `[outputs]` (layouts in [`Linear3D`]). Fails before registering anything if the
     /// grid is not 3D, the inputs do not split by `q²` or the outputs by `q`.
     #[allow(clippy::too_many_arguments)]
     pub fn register(

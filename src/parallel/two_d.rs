@@ -1,93 +1,3 @@
-//! 2D (SUMMA / Optimus) and 2.5D (Tesseract) tensor parallelism: linear layers whose weight is
-//! cut into `q × q` blocks over a grid of ranks, the batch cut with it.
-//!
-//! # Layouts
-//!
-//! The layer computes `Y = X·W + b` with `W` the `[inputs, outputs]` matrix of the papers. The
-//! crate stores a linear weight as [`nn::Linear`](crate::nn::Linear) does, `[outputs, inputs]`,
-//! so the **master** of `{name}.weight` is the serial layer's tensor `M = Wᵀ` (`M[o, i]` at
-//! `o·inputs + i`) and every shard is stored transposed too. On a `q × q` grid
-//! (`t = row·q + col`; in 2.5D, each depth layer `dep` of `t = col + q·row + q²·dep`), the rank
-//! at `(i, j)` = `(row, col)`:
-//!
-//! - registers `{name}.weight` `[outputs/q, inputs/q]` = `M[j·outputs/q .., i·inputs/q ..]`,
-//!   the transpose of SUMMA's block `W_ij` (element `(a, b)` of the shard is master element
-//!   `(j·outputs/q + a)·inputs + i·inputs/q + b`), with an [`Init::Fn`] over the master's
-//!   [`Init`];
-//! - registers `{name}.bias` `[outputs/q²]` = piece `j·q + i` of the `[outputs]` bias (bias
-//!   block `j` cut over the `q` ranks of column `j`): elements `j·outputs/q + i·outputs/q² ..`;
-//! - takes `X_ij` `[rows/q, inputs/q]`, row block `i` and column block `j` of the full input,
-//!   and returns `Y_ij` `[rows/q, outputs/q]`, row block `i` and column block `j` of `Y`
-//!   ([`split_batch_2d`] and [`gather_batch_2d`] move between the two).
-//!
-//! In 2.5D the weight and bias blocks are the same in every depth layer (replicated over
-//! `dep`), and the batch is cut `d·q` ways: the rank at `(row, col, dep)` takes row block
-//! `row + q·dep` of `d·q` (Tesseract's depth split, each depth layer a different part of the
-//! batch). With `d = 1` the 2.5D layer is the 2D layer, bit for bit.
-//!
-//! # Algorithm (every collective on the pass's stream)
-//!
-//! - Forward: the bias block `b_j` is all-gathered in COL and written in every row of `Y_ij`;
-//!   then for `t` in `0..q`: `X_it` is broadcast in ROW from `(i, t)`, `W_tj` in COL from
-//!   `(t, j)`, and `Y_ij += X_it·W_tj` (GEMM with β = 1).
-//! - Backward, `dX = dY·Wᵀ` first (it reads the weight, whose memory the gradient then
-//!   overwrites): for `t`, `W_tj` broadcast in COL from `(t, j)`, `dY_ij·W_tjᵀ` reduced in ROW to
-//!   `(i, t)`. Then `dW = Xᵀ·dY`: for `t`, `X_it` broadcast in ROW from `(i, t)`, `X_itᵀ·dY_ij`
-//!   reduced in COL to `(t, j)`, straight into the gradient slot. `db`: the column sums of `dY_ij`
-//!   (f32) reduce-scattered in COL, so rank `i` of column `j` gets its piece. In 2.5D the weight
-//!   and bias gradients are then all-reduced over DEP (skipped for `d = 1`). For a weight used
-//!   twice per iteration (the head tied to the embedding), [`Linear2D::backward_shared`] reduces
-//!   `dW` into a buffer instead and adds it as a share (after DEP's all-reduce).
-//!
-//! [`Linear2D::collectives`] gives the calls and bytes per group; they are exact.
-//!
-//! Shapes that do not split (`inputs` or `outputs` by `q`, a bias's `outputs` by `q²`, `rows`
-//! by the row blocks) are [`Error::NotSplit`] naming the dimension, at registration, in
-//! the batch helpers and in [`Linear2D::collectives`], before any collective. A layer runs only
-//! on a grid of its mode, at the place it was registered for. The row blocks of the ranks of
-//! one ROW must have the same number of rows ([`split_batch_2d`] gives them that).
-//!
-//! ```
-//! use tidemem::comm::Communicator;
-//! use tidemem::nn::Act;
-//! use tidemem::parallel::{split_batch_2d, GridSpec, Linear2D, ProcessGrid, TensorMode};
-//! use tidemem::prelude::*;
-//! # fn main() -> tidemem::Result<()> {
-//! let devices = (0..4)
-//!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
-//!     .collect::<tidemem::Result<Vec<_>>>()?;
-//! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
-//! let (rows, inputs, outputs) = (4, 6, 8);
-//! let x: Vec<f32> = (0..rows * inputs).map(|v| v as f32 / 10.0).collect();
-//! std::thread::scope(|s| {
-//!     let ranks: Vec<_> = comms
-//!         .iter()
-//!         .map(|c| {
-//!             let x = &x;
-//!             s.spawn(move || -> tidemem::Result<()> {
-//!                 let grid = ProcessGrid::new(c, spec)?;
-//!                 let cfg = ManagerConfig::new(1 << 10, Policy::Tide);
-//!                 let mut m = ChunkManager::new(c.device().clone(), cfg)?;
-//!                 let w = Init::Uniform { seed: 1, lo: -0.5, hi: 0.5 };
-//!                 let lin = Linear2D::register(&mut m, &grid, "fc", inputs, outputs, &w, None)?;
-//!                 let pass = m.forward()?;
-//!                 // this rank's X_ij: row block i, column block j, [rows/q, inputs/q]
-//!                 let xb = split_batch_2d(&grid, x, rows, inputs)?;
-//!                 let d = pass.param_dtype(); // the manager's default, f16
-//!                 let xa = Act::upload(pass.pool(), pass.stream(), 2, 3, d, &xb)?;
-//!                 let y = lin.forward(&pass, &grid, &xa)?;
-//!                 assert_eq!(y.shape(), [2, 4]); // Y_ij: [rows/q, outputs/q]
-//!                 drop((y, xa));
-//!                 pass.finish()
-//!             })
-//!         })
-//!         .collect();
-//!     ranks.into_iter().try_for_each(|h| h.join().expect("rank panicked"))
-//! })?;
-//! # Ok(()) }
-//! ```
-
 mod batch;
 mod cost;
 mod linear2p5;
@@ -107,7 +17,97 @@ use crate::ops::{self, BiasGrad, Gemm};
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
-/// A linear layer over a `q × q` grid (see [the module](self) for the layouts).
+/// 2D (SUMMA / Optimus) and 2.5D (Tesseract) tensor parallelism: linear layers whose weight is
+/// cut into `q × q` blocks over a grid of ranks, the batch cut with it.
+///
+/// # Layouts
+///
+/// The layer computes `Y = X·W + b` with `W` the `[inputs, outputs]` matrix of the papers. The
+/// crate stores a linear weight as [`nn::Linear`](crate::nn::Linear) does, `[outputs, inputs]`,
+/// so the **master** of `{name}.weight` is the serial layer's tensor `M = Wᵀ` (`M[o, i]` at
+/// `o·inputs + i`) and every shard is stored transposed too. On a `q × q` grid
+/// (`t = row·q + col`; in 2.5D, each depth layer `dep` of `t = col + q·row + q²·dep`), the rank
+/// at `(i, j)` = `(row, col)`:
+///
+/// - registers `{name}.weight` `[outputs/q, inputs/q]` = `M[j·outputs/q .., i·inputs/q ..]`,
+///   the transpose of SUMMA's block `W_ij` (element `(a, b)` of the shard is master element
+///   `(j·outputs/q + a)·inputs + i·inputs/q + b`), with an [`Init::Fn`] over the master's
+///   [`Init`];
+/// - registers `{name}.bias` `[outputs/q²]` = piece `j·q + i` of the `[outputs]` bias (bias
+///   block `j` cut over the `q` ranks of column `j`): elements `j·outputs/q + i·outputs/q² ..`;
+/// - takes `X_ij` `[rows/q, inputs/q]`, row block `i` and column block `j` of the full input,
+///   and returns `Y_ij` `[rows/q, outputs/q]`, row block `i` and column block `j` of `Y`
+///   ([`split_batch_2d`] and [`gather_batch_2d`] move between the two).
+///
+/// In 2.5D the weight and bias blocks are the same in every depth layer (replicated over
+/// `dep`), and the batch is cut `d·q` ways: the rank at `(row, col, dep)` takes row block
+/// `row + q·dep` of `d·q` (Tesseract's depth split, each depth layer a different part of the
+/// batch). With `d = 1` the 2.5D layer is the 2D layer, bit for bit.
+///
+/// # Algorithm (every collective on the pass's stream)
+///
+/// - Forward: the bias block `b_j` is all-gathered in COL and written in every row of `Y_ij`;
+///   then for `t` in `0..q`: `X_it` is broadcast in ROW from `(i, t)`, `W_tj` in COL from
+///   `(t, j)`, and `Y_ij += X_it·W_tj` (GEMM with β = 1).
+/// - Backward, `dX = dY·Wᵀ` first (it reads the weight, whose memory the gradient then
+///   overwrites): for `t`, `W_tj` broadcast in COL from `(t, j)`, `dY_ij·W_tjᵀ` reduced in ROW to
+///   `(i, t)`. Then `dW = Xᵀ·dY`: for `t`, `X_it` broadcast in ROW from `(i, t)`, `X_itᵀ·dY_ij`
+///   reduced in COL to `(t, j)`, straight into the gradient slot. `db`: the column sums of `dY_ij`
+///   (f32) reduce-scattered in COL, so rank `i` of column `j` gets its piece. In 2.5D the weight
+///   and bias gradients are then all-reduced over DEP (skipped for `d = 1`). For a weight used
+///   twice per iteration (the head tied to the embedding), [`Linear2D::backward_shared`] reduces
+///   `dW` into a buffer instead and adds it as a share (after DEP's all-reduce).
+///
+/// [`Linear2D::collectives`] gives the calls and bytes per group; they are exact.
+///
+/// Shapes that do not split (`inputs` or `outputs` by `q`, a bias's `outputs` by `q²`, `rows`
+/// by the row blocks) are [`Error::NotSplit`] naming the dimension, at registration, in
+/// the batch helpers and in [`Linear2D::collectives`], before any collective. A layer runs only
+/// on a grid of its mode, at the place it was registered for. The row blocks of the ranks of
+/// one ROW must have the same number of rows ([`split_batch_2d`] gives them that).
+///
+/// ```
+/// use tidemem::comm::Communicator;
+/// use tidemem::nn::Act;
+/// use tidemem::parallel::{split_batch_2d, GridSpec, Linear2D, ProcessGrid, TensorMode};
+/// use tidemem::prelude::*;
+/// # fn main() -> tidemem::Result<()> {
+/// let devices = (0..4)
+///     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
+///     .collect::<tidemem::Result<Vec<_>>>()?;
+/// let comms = Communicator::local(devices)?;
+/// let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
+/// let (rows, inputs, outputs) = (4, 6, 8);
+/// let x: Vec<f32> = (0..rows * inputs).map(|v| v as f32 / 10.0).collect();
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms
+///         .iter()
+///         .map(|c| {
+///             let x = &x;
+///             s.spawn(move || -> tidemem::Result<()> {
+///                 let grid = ProcessGrid::new(c, spec)?;
+///                 let cfg = ManagerConfig::new(1 << 10, Policy::Tide);
+///                 let mut m = ChunkManager::new(c.device().clone(), cfg)?;
+///                 let w = Init::Uniform { seed: 1, lo: -0.5, hi: 0.5 };
+///                 let lin = Linear2D::register(&mut m, &grid, "fc", inputs, outputs, &w, None)?;
+///                 let pass = m.forward()?;
+///                 // this rank's X_ij: row block i, column block j, [rows/q, inputs/q]
+///                 let xb = split_batch_2d(&grid, x, rows, inputs)?;
+///                 let d = pass.param_dtype(); // the manager's default, f16
+///                 let xa = Act::upload(pass.pool(), pass.stream(), 2, 3, d, &xb)?;
+///                 let y = lin.forward(&pass, &grid, &xa)?;
+///                 assert_eq!(y.shape(), [2, 4]); // Y_ij: [rows/q, outputs/q]
+///                 drop((y, xa));
+///                 pass.finish()
+///             })
+///         })
+///         .collect();
+///     ranks.into_iter().try_for_each(|h| h.join().expect("rank panicked"))
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// A linear layer over a `q × q` grid (see [`Linear2D`] for the layouts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Linear2D {
     /// This rank's block `[outputs/q, inputs/q]` (the transpose of SUMMA's `W_ij`).
@@ -223,7 +223,7 @@ impl Linear2D {
     }
 
     /// `Y_ij = (X·W + b)_ij` from this rank's `X_ij` `[rows/q, inputs/q]` (see
-    /// [the module](self)); `Y_ij` `[rows/q, outputs/q]` comes from the pass's pool. `q`
+    /// [`Linear2D`]); `Y_ij` `[rows/q, outputs/q]` comes from the pass's pool. `q`
     /// broadcasts in ROW and in COL, and one all-gather in COL with a bias.
     pub fn forward(&self, pass: &ForwardPass<'_>, grid: &ProcessGrid, x: &Act) -> Result<Act> {
         self.forward_in(pass, &self.groups_2d(grid)?, x)

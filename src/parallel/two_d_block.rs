@@ -1,74 +1,3 @@
-//! The 2D (SUMMA / Optimus) and 2.5D (Tesseract) layout of GPT-2's pre-LayerNorm
-//! [`Block`](crate::nn::Block): [`LayerNorm2D`], [`SummaLinear`] for the four linears, and
-//! [`Summa`], the [`Layout`] that runs the block on them.
-//!
-//! # Layouts
-//!
-//! Activations are the linears' (see [`two_d`](crate::parallel::two_d)): the rank at `(i, j)`
-//! (depth `dep` in 2.5D) holds `X_ij` `[rows_l, C/q]`, row block `i` (2.5D: `i + q·dep` of
-//! `d·q`) and column block `j` of the full `[rows, C]`. The block asks each row block to be
-//! whole sequences (`rows_l` a multiple of the sequence length) and the heads `H` to split
-//! over `q`: the rank's column block of the queries, keys and values is then heads
-//! `j·H/q .. (j+1)·H/q`, and attention runs locally over those heads and sequences
-//! ([`ops::attention`](crate::ops::attention)), with no collective.
-//!
-//! `c_attn`'s serial output is `[q | k | v]` (each `C` wide). So that column block `j` of its
-//! output is `[q_j | k_j | v_j]` (the layout the attention op reads), the 2D layer registered
-//! as `{name}.attn.c_attn` is the serial one with its **output features permuted**
-//! ([`by_rank_block`]): output `o' = j·3C/q + s·C/q + a` (`s` = 0 for q, 1 for k, 2 for v;
-//! `a < C/q`) is serial output `s·C + j·C/q + a`. Its weight and bias shards are
-//! [`Linear2D`]'s blocks of that permuted master; every other parameter is the plain 2D layout
-//! of its serial tensor, under GPT-2's names.
-//!
-//! [`LayerNorm2D::collectives`] and the block's `collectives` give the calls and bytes per
-//! group (ROW, COL, DEP) of one forward and backward; they are exact. Shapes that do not
-//! split are [`Error::NotSplit`] naming the dimension, at registration and before any
-//! collective in the forward.
-//!
-//! ```
-//! use tidemem::comm::Communicator;
-//! use tidemem::nn::{Act, Block};
-//! use tidemem::parallel::{split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode};
-//! use tidemem::prelude::*;
-//! # fn main() -> tidemem::Result<()> {
-//! let devices = (0..4)
-//!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 24)))
-//!     .collect::<tidemem::Result<Vec<_>>>()?;
-//! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
-//! // 4 sequences of 3 tokens, 8 channels, 2 heads
-//! let (rows, seq, c) = (12, 3, 8);
-//! let x: Vec<f32> = (0..rows * c).map(|v| (v % 7) as f32 / 10.0).collect();
-//! let init = |_: &str| Init::Uniform { seed: 1, lo: 0.1, hi: 0.5 };
-//! std::thread::scope(|s| {
-//!     let ranks: Vec<_> = comms
-//!         .iter()
-//!         .map(|comm| {
-//!             let (x, init) = (&x, &init);
-//!             s.spawn(move || -> tidemem::Result<()> {
-//!                 let grid = ProcessGrid::new(comm, spec)?;
-//!                 let mut m = ChunkManager::new(
-//!                     comm.device().clone(),
-//!                     ManagerConfig::new(1 << 12, Policy::Tide),
-//!                 )?;
-//!                 let layout = Summa::of(&grid)?;
-//!                 let block = Block::register(&mut m, layout, "h.0", [c, 2], 1e-5, init)?;
-//!                 let fwd = m.forward()?;
-//!                 let xb = split_batch_2d(&grid, x, rows, c)?; // X_ij: [6, 4]
-//!                 let d = fwd.param_dtype();
-//!                 let xa = Act::upload(fwd.pool(), fwd.stream(), 6, 4, d, &xb)?;
-//!                 let (out, saved) = block.forward(&fwd, &grid, &xa, [4, seq], None)?;
-//!                 assert_eq!(out.shape(), [6, 4]);
-//!                 drop((out, saved, xa));
-//!                 fwd.finish()
-//!             })
-//!         })
-//!         .collect();
-//!     ranks.into_iter().try_for_each(|h| h.join().expect("rank panicked"))
-//! })?;
-//! # Ok(()) }
-//! ```
-
 mod cost;
 mod layernorm;
 
@@ -195,7 +124,78 @@ fn no_dx() -> Error {
     }
 }
 
-/// The 2D (SUMMA) and 2.5D (Tesseract) layout as a [`Layout`] (see [the module](self)): the
+/// The 2D (SUMMA / Optimus) and 2.5D (Tesseract) layout of GPT-2's pre-LayerNorm
+/// [`Block`](crate::nn::Block): [`LayerNorm2D`], [`SummaLinear`] for the four linears, and
+/// [`Summa`], the [`Layout`] that runs the block on them.
+///
+/// # Layouts
+///
+/// Activations are the linears' (see [`two_d`](crate::parallel::Linear2D)): the rank at `(i, j)`
+/// (depth `dep` in 2.5D) holds `X_ij` `[rows_l, C/q]`, row block `i` (2.5D: `i + q·dep` of
+/// `d·q`) and column block `j` of the full `[rows, C]`. The block asks each row block to be
+/// whole sequences (`rows_l` a multiple of the sequence length) and the heads `H` to split
+/// over `q`: the rank's column block of the queries, keys and values is then heads
+/// `j·H/q .. (j+1)·H/q`, and attention runs locally over those heads and sequences
+/// ([`ops::attention`](crate::ops::attention)), with no collective.
+///
+/// `c_attn`'s serial output is `[q | k | v]` (each `C` wide). So that column block `j` of its
+/// output is `[q_j | k_j | v_j]` (the layout the attention op reads), the 2D layer registered
+/// as `{name}.attn.c_attn` is the serial one with its **output features permuted**
+/// ([`by_rank_block`]): output `o' = j·3C/q + s·C/q + a` (`s` = 0 for q, 1 for k, 2 for v;
+/// `a < C/q`) is serial output `s·C + j·C/q + a`. Its weight and bias shards are
+/// [`Linear2D`]'s blocks of that permuted master; every other parameter is the plain 2D layout
+/// of its serial tensor, under GPT-2's names.
+///
+/// [`LayerNorm2D::collectives`] and the block's `collectives` give the calls and bytes per
+/// group (ROW, COL, DEP) of one forward and backward; they are exact. Shapes that do not
+/// split are [`Error::NotSplit`] naming the dimension, at registration and before any
+/// collective in the forward.
+///
+/// ```
+/// use tidemem::comm::Communicator;
+/// use tidemem::nn::{Act, Block};
+/// use tidemem::parallel::{split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode};
+/// use tidemem::prelude::*;
+/// # fn main() -> tidemem::Result<()> {
+/// let devices = (0..4)
+///     .map(|_| Device::sim(SimConfig::with_capacity(1 << 24)))
+///     .collect::<tidemem::Result<Vec<_>>>()?;
+/// let comms = Communicator::local(devices)?;
+/// let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
+/// // 4 sequences of 3 tokens, 8 channels, 2 heads
+/// let (rows, seq, c) = (12, 3, 8);
+/// let x: Vec<f32> = (0..rows * c).map(|v| (v % 7) as f32 / 10.0).collect();
+/// let init = |_: &str| Init::Uniform { seed: 1, lo: 0.1, hi: 0.5 };
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms
+///         .iter()
+///         .map(|comm| {
+///             let (x, init) = (&x, &init);
+///             s.spawn(move || -> tidemem::Result<()> {
+///                 let grid = ProcessGrid::new(comm, spec)?;
+///                 let mut m = ChunkManager::new(
+///                     comm.device().clone(),
+///                     ManagerConfig::new(1 << 12, Policy::Tide),
+///                 )?;
+///                 let layout = Summa::of(&grid)?;
+///                 let block = Block::register(&mut m, layout, "h.0", [c, 2], 1e-5, init)?;
+///                 let fwd = m.forward()?;
+///                 let xb = split_batch_2d(&grid, x, rows, c)?; // X_ij: [6, 4]
+///                 let d = fwd.param_dtype();
+///                 let xa = Act::upload(fwd.pool(), fwd.stream(), 6, 4, d, &xb)?;
+///                 let (out, saved) = block.forward(&fwd, &grid, &xa, [4, seq], None)?;
+///                 assert_eq!(out.shape(), [6, 4]);
+///                 drop((out, saved, xa));
+///                 fwd.finish()
+///             })
+///         })
+///         .collect();
+///     ranks.into_iter().try_for_each(|h| h.join().expect("rank panicked"))
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// The 2D (SUMMA) and 2.5D (Tesseract) layout as a [`Layout`] (see [`Summa`]): the
 /// rank's tiles `[rows_l, C/q]`, its linears [`SummaLinear`]s, its LayerNorms
 /// [`LayerNorm2D`]s, `H/q` heads a rank attending locally over its row block's whole
 /// sequences. On a 2.5D grid every parameter counts `1/d` of its gradients' squared norm (the

@@ -1,110 +1,3 @@
-//! The ends of a model on the 2D (SUMMA / Optimus) and 2.5D (Tesseract) layouts: the
-//! embeddings that make the first activation blocks from token ids and the classifier (or LM
-//! head) that turns the last ones into a loss. Every layer runs on both schemes (a 2.5D grid
-//! of one depth layer gives the 2D results bit for bit).
-//!
-//! # Layouts
-//!
-//! Activations are the linears' (see [`two_d`](crate::parallel::two_d)): the rank at
-//! `(i, j)` = `(row, col)` (depth `dep` in 2.5D) holds the tile `[N/(d·q), C/q]`, row block
-//! `i + q·dep` of `d·q` (`d = 1` in 2D) and column block `j` of the full `[N, C]`
-//! ([`BatchBlock`]). The ids and the targets are the whole batch's `N`, the same on every rank.
-//!
-//! - [`Embedding2D`] (positions, or a vocabulary not split as such): a table `[rows, C]`; the
-//!   rank registers `{name}.weight` `[rows/q, C/q]` = `table[i·rows/q .., j·C/q ..]`,
-//!   replicated over depth (norm share `1/d`).
-//! - [`VocabEmbedding2D`] (tied to the head): `wte` `[V, C]`; the rank registers
-//!   `{name}.weight` `[V/q, C/q]` = `wte[j·V/q .., i·C/q ..]` (vocabulary block `j`, channel
-//!   block `i`), replicated over depth — exactly [`Linear2D`]'s shard of the master
-//!   `[outputs = V, inputs = C]`, so the tied head is the 2D linear on the same tensor. `V` and
-//!   `C` must divide by `q`; a vocabulary that does not is padded by the user (GPT-2's 50257
-//!   tokens to 50304, the extra rows never named by an id nor a target).
-//! - [`Classifier2D`]: a [`SummaLinear`] `C → classes` (classes split by `q`, and by `q²` with
-//!   a bias), or the head tied to a [`VocabEmbedding2D`]: the logits tile is row block
-//!   `i + q·dep`, class block `j`.
-//!
-//! # Algorithms (every collective on the pass's stream)
-//!
-//! - [`Embedding2D`]: forward all-gathers the table's column block `j` in COL
-//!   (`[rows, C/q]`) and looks up the tile's ids; backward scatters the tile gradient into a
-//!   `[rows, C/q]` buffer, reduce-scatters it in COL (rank `i` keeps row piece `i`),
-//!   all-reduces it over DEP (`d > 1`) and writes the gradient slot.
-//! - [`VocabEmbedding2D`]: forward is the masked lookup of the depth layer's `N/d` ids in
-//!   vocabulary block `j` (`[N/d, C/q]`, channel block `i`, a partial sum over the vocabulary
-//!   blocks), reduce-scattered in ROW: rank `(i, j)` then holds row block `j` of the depth layer
-//!   in channel block `i`, the tile of rank `(j, i)`, and swaps it with that rank (one
-//!   `send_recv` over the tensor group; the diagonal copies). Backward mirrors it: the tile
-//!   gradient swapped with `(j, i)`, all-gathered in ROW, scattered into `[V/q, C/q]`,
-//!   all-reduced over DEP (`d > 1`) and added as a share
-//!   ([`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)): the tied head adds the
-//!   other.
-//! - [`Classifier2D`]: the linear's forward, then [`ShardedCrossEntropy`] over ROW (the ranks
-//!   that hold the other class blocks of the same rows); the loss is the mean over the whole
-//!   batch's counted rows: the ranks of column 0 add their tiles' sums in one f64 all-reduce
-//!   over the tensor group. Backward is the linear's (a share of the weight gradient when
-//!   tied).
-//!
-//! Each layer's `collectives` gives the calls and bytes per group (ROW, COL, DEP and the
-//! tensor group's `send_recv` and loss), forward and backward; they are exact. Shapes that do
-//! not split are [`Error::NotSplit`] naming the dimension, at registration and before any
-//! collective, on every rank; a grid of another mode is [`Error::Conflict`], and a layer run at
-//! a place it was not registered for [`Error::WrongPlace`].
-//!
-//! ```
-//! use tidemem::comm::Communicator;
-//! use tidemem::parallel::{Classifier2D, GridSpec, ProcessGrid, TensorMode, VocabEmbedding2D};
-//! use tidemem::prelude::*;
-//! # fn main() -> tidemem::Result<()> {
-//! let devices = (0..4)
-//!     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
-//!     .collect::<tidemem::Result<Vec<_>>>()?;
-//! let comms = Communicator::local(devices)?;
-//! let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
-//! let (vocab, c) = (16, 8);
-//! let ids: Vec<i32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
-//! let targets: Vec<i32> = vec![1, 4, 1, 5, 9, 2, 6, -100];
-//! std::thread::scope(|s| {
-//!     let ranks: Vec<_> = comms
-//!         .iter()
-//!         .map(|comm| {
-//!             let (ids, targets) = (&ids, &targets);
-//!             s.spawn(move || -> tidemem::Result<f32> {
-//!                 let grid = ProcessGrid::new(comm, spec)?;
-//!                 let cfg = ManagerConfig::new(1 << 10, Policy::Tide);
-//!                 let mut m = ChunkManager::new(comm.device().clone(), cfg)?;
-//!                 let init = Init::Uniform { seed: 1, lo: -0.5, hi: 0.5 };
-//!                 let wte = VocabEmbedding2D::register(&mut m, &grid, "wte", vocab, c, &init)?;
-//!                 let head = Classifier2D::tied(&m, &wte, -100)?;
-//!                 let fwd = m.forward()?;
-//!                 let (x, emb) = wte.forward(&fwd, &grid, ids)?;
-//!                 assert_eq!(x.shape(), [4, 4]); // this rank's tile [N/q, C/q]
-//!                 let (loss, saved) = head.forward(&fwd, &grid, &x, targets, 1.0)?;
-//!                 drop(x);
-//!                 fwd.finish()?;
-//!                 let bwd = m.backward()?;
-//!                 let dx = head.backward(&bwd, &grid, &saved)?;
-//!                 wte.backward(&bwd, &grid, &emb, &dx)?;
-//!                 drop((dx, saved));
-//!                 bwd.finish()?;
-//!                 Ok(loss)
-//!             })
-//!         })
-//!         .collect();
-//!     let losses = ranks
-//!         .into_iter()
-//!         .map(|h| h.join().expect("rank panicked"))
-//!         .collect::<tidemem::Result<Vec<f32>>>()?;
-//!     assert!(losses.iter().all(|&l| l == losses[0])); // the same mean on every rank
-//!     Ok::<(), tidemem::Error>(())
-//! })?;
-//! # Ok(()) }
-//! ```
-//!
-//! [`Linear2D`]: crate::parallel::Linear2D
-//! [`SummaLinear`]: crate::parallel::SummaLinear
-//! [`ShardedCrossEntropy`]: crate::parallel::ShardedCrossEntropy
-//! [`BatchBlock`]: crate::parallel::BatchBlock
-
 mod classifier;
 mod cost;
 mod vocab;
@@ -217,8 +110,115 @@ fn check_param<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Re
     Ok(())
 }
 
+/// The ends of a model on the 2D (SUMMA / Optimus) and 2.5D (Tesseract) layouts: the
+/// embeddings that make the first activation blocks from token ids and the classifier (or LM
+/// head) that turns the last ones into a loss. Every layer runs on both schemes (a 2.5D grid
+/// of one depth layer gives the 2D results bit for bit).
+///
+/// # Layouts
+///
+/// Activations are the linears' (see [`two_d`](crate::parallel::Linear2D)): the rank at
+/// `(i, j)` = `(row, col)` (depth `dep` in 2.5D) holds the tile `[N/(d·q), C/q]`, row block
+/// `i + q·dep` of `d·q` (`d = 1` in 2D) and column block `j` of the full `[N, C]`
+/// ([`BatchBlock`]). The ids and the targets are the whole batch's `N`, the same on every rank.
+///
+/// - [`Embedding2D`] (positions, or a vocabulary not split as such): a table `[rows, C]`; the
+///   rank registers `{name}.weight` `[rows/q, C/q]` = `table[i·rows/q .., j·C/q ..]`,
+///   replicated over depth (norm share `1/d`).
+/// - [`VocabEmbedding2D`] (tied to the head): `wte` `[V, C]`; the rank registers
+///   `{name}.weight` `[V/q, C/q]` = `wte[j·V/q .., i·C/q ..]` (vocabulary block `j`, channel
+///   block `i`), replicated over depth — exactly [`Linear2D`]'s shard of the master
+///   `[outputs = V, inputs = C]`, so the tied head is the 2D linear on the same tensor. `V` and
+///   `C` must divide by `q`; a vocabulary that does not is padded by the user (GPT-2's 50257
+///   tokens to 50304, the extra rows never named by an id nor a target).
+/// - [`Classifier2D`]: a [`SummaLinear`] `C → classes` (classes split by `q`, and by `q²` with
+///   a bias), or the head tied to a [`VocabEmbedding2D`]: the logits tile is row block
+///   `i + q·dep`, class block `j`.
+///
+/// # Algorithms (every collective on the pass's stream)
+///
+/// - [`Embedding2D`]: forward all-gathers the table's column block `j` in COL
+///   (`[rows, C/q]`) and looks up the tile's ids; backward scatters the tile gradient into a
+///   `[rows, C/q]` buffer, reduce-scatters it in COL (rank `i` keeps row piece `i`),
+///   all-reduces it over DEP (`d > 1`) and writes the gradient slot.
+/// - [`VocabEmbedding2D`]: forward is the masked lookup of the depth layer's `N/d` ids in
+///   vocabulary block `j` (`[N/d, C/q]`, channel block `i`, a partial sum over the vocabulary
+///   blocks), reduce-scattered in ROW: rank `(i, j)` then holds row block `j` of the depth layer
+///   in channel block `i`, the tile of rank `(j, i)`, and swaps it with that rank (one
+///   `send_recv` over the tensor group; the diagonal copies). Backward mirrors it: the tile
+///   gradient swapped with `(j, i)`, all-gathered in ROW, scattered into `[V/q, C/q]`,
+///   all-reduced over DEP (`d > 1`) and added as a share
+///   ([`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)): the tied head adds the
+///   other.
+/// - [`Classifier2D`]: the linear's forward, then [`ShardedCrossEntropy`] over ROW (the ranks
+///   that hold the other class blocks of the same rows); the loss is the mean over the whole
+///   batch's counted rows: the ranks of column 0 add their tiles' sums in one f64 all-reduce
+///   over the tensor group. Backward is the linear's (a share of the weight gradient when
+///   tied).
+///
+/// Each layer's `collectives` gives the calls and bytes per group (ROW, COL, DEP and the
+/// tensor group's `send_recv` and loss), forward and backward; they are exact. Shapes that do
+/// not split are [`Error::NotSplit`] naming the dimension, at registration and before any
+/// collective, on every rank; a grid of another mode is [`Error::Conflict`], and a layer run at
+/// a place it was not registered for [`Error::WrongPlace`].
+///
+/// ```
+/// use tidemem::comm::Communicator;
+/// use tidemem::parallel::{Classifier2D, GridSpec, ProcessGrid, TensorMode, VocabEmbedding2D};
+/// use tidemem::prelude::*;
+/// # fn main() -> tidemem::Result<()> {
+/// let devices = (0..4)
+///     .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
+///     .collect::<tidemem::Result<Vec<_>>>()?;
+/// let comms = Communicator::local(devices)?;
+/// let spec = GridSpec { data: 1, pipeline: 1, sequence: 1, tensor: TensorMode::TwoD { q: 2 } };
+/// let (vocab, c) = (16, 8);
+/// let ids: Vec<i32> = vec![3, 1, 4, 1, 5, 9, 2, 6];
+/// let targets: Vec<i32> = vec![1, 4, 1, 5, 9, 2, 6, -100];
+/// std::thread::scope(|s| {
+///     let ranks: Vec<_> = comms
+///         .iter()
+///         .map(|comm| {
+///             let (ids, targets) = (&ids, &targets);
+///             s.spawn(move || -> tidemem::Result<f32> {
+///                 let grid = ProcessGrid::new(comm, spec)?;
+///                 let cfg = ManagerConfig::new(1 << 10, Policy::Tide);
+///                 let mut m = ChunkManager::new(comm.device().clone(), cfg)?;
+///                 let init = Init::Uniform { seed: 1, lo: -0.5, hi: 0.5 };
+///                 let wte = VocabEmbedding2D::register(&mut m, &grid, "wte", vocab, c, &init)?;
+///                 let head = Classifier2D::tied(&m, &wte, -100)?;
+///                 let fwd = m.forward()?;
+///                 let (x, emb) = wte.forward(&fwd, &grid, ids)?;
+///                 assert_eq!(x.shape(), [4, 4]); // this rank's tile [N/q, C/q]
+///                 let (loss, saved) = head.forward(&fwd, &grid, &x, targets, 1.0)?;
+///                 drop(x);
+///                 fwd.finish()?;
+///                 let bwd = m.backward()?;
+///                 let dx = head.backward(&bwd, &grid, &saved)?;
+///                 wte.backward(&bwd, &grid, &emb, &dx)?;
+///                 drop((dx, saved));
+///                 bwd.finish()?;
+///                 Ok(loss)
+///             })
+///         })
+///         .collect();
+///     let losses = ranks
+///         .into_iter()
+///         .map(|h| h.join().expect("rank panicked"))
+///         .collect::<tidemem::Result<Vec<f32>>>()?;
+///     assert!(losses.iter().all(|&l| l == losses[0])); // the same mean on every rank
+///     Ok::<(), tidemem::Error>(())
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// [`Linear2D`]: crate::parallel::Linear2D
+/// [`SummaLinear`]: crate::parallel::SummaLinear
+/// [`ShardedCrossEntropy`]: crate::parallel::ShardedCrossEntropy
+/// [`BatchBlock`]: crate::parallel::BatchBlock
+///
 /// An embedding table `[rows, C]` on the 2D / 2.5D layout, looked up into the rank's tile
-/// (see [the module](self)): positions, or a vocabulary whose rows are split as a plain table.
+/// (see [`Embedding2D`]): positions, or a vocabulary whose rows are split as a plain table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Embedding2D {
     /// This rank's piece `[rows/q, C/q]` = `table[row·rows/q .., col·C/q ..]`.

@@ -1,14 +1,3 @@
-//! The vocabulary split over a 1D group (Megatron's): the token embedding and the LM head tied
-//! to it, each rank holding the rows `VocabShard::of_rank` gives it of `wte`.
-//!
-//! - [`VocabEmbedding1D`]: a masked lookup of the rank's rows
-//!   ([`crate::ops::vocab_embedding_forward`]), summed over the group
-//!   by one all-reduce, plus the replicated position embedding. Backward writes the rank's rows'
-//!   gradient; no collective.
-//! - [`VocabHead1D`]: `logits_r = h·wte_rᵀ` (`[N, V_r]`), then the cross-entropy over the whole
-//!   vocabulary ([`ShardedCrossEntropy`]: three steps around all-reduces of `N` f32 each).
-//!   Backward: `dh = Σ_r dlogits_r·wte_r`, one all-reduce of `N × C`.
-
 use super::one_d::Shard;
 use super::{BatchRows, ShardedCrossEntropy};
 use crate::comm::{Communicator, ReduceOp};
@@ -23,8 +12,19 @@ use crate::ops::{
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
+/// The vocabulary split over a 1D group (Megatron's): the token embedding and the LM head tied
+/// to it, each rank holding the rows `VocabShard::of_rank` gives it of `wte`.
+///
+/// - [`VocabEmbedding1D`]: a masked lookup of the rank's rows
+///   ([`crate::ops::vocab_embedding_forward`]), summed over the group
+///   by one all-reduce, plus the replicated position embedding. Backward writes the rank's rows'
+///   gradient; no collective.
+/// - [`VocabHead1D`]: `logits_r = h·wte_rᵀ` (`[N, V_r]`), then the cross-entropy over the whole
+///   vocabulary ([`ShardedCrossEntropy`]: three steps around all-reduces of `N` f32 each).
+///   Backward: `dh = Σ_r dlogits_r·wte_r`, one all-reduce of `N × C`.
+///
 /// The token embedding with the vocabulary split over a 1D group, and the position embedding
-/// replicated (see [the module](self)).
+/// replicated (see [`VocabEmbedding1D`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VocabEmbedding1D {
     /// This rank's rows of `wte` (`[V_r, C]`, `wte.weight`).
@@ -234,7 +234,7 @@ impl VocabEmbedding1D {
 }
 
 /// The LM head tied to a [`VocabEmbedding1D`]'s `wte` rows, fused with the cross-entropy over
-/// the whole vocabulary (see [the module](self)).
+/// the whole vocabulary (see [`VocabEmbedding1D`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VocabHead1D {
     /// The projection over this rank's `wte` rows (a shared weight: two uses).

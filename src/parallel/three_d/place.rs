@@ -10,7 +10,7 @@ use crate::ops::heads::{heads_merge, heads_split, Heads};
 use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::{Pass, PassKind};
 
-/// How an activation is split over the cube (see [the module](super)).
+/// How an activation is split over the cube (see [`Linear3D`](crate::parallel::Linear3D)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum Layout3D {
     /// Rows by `(i, j)` (row block `i·q + j` of `q²`), columns by `k` (block `k` of `q`): a

@@ -49,7 +49,7 @@ fn tally(calls: u64, bytes: usize) -> Tally {
 }
 
 /// LayerNorm over the `C` columns of an activation split in a [`Layout3D`] (see
-/// [the module](super)).
+/// [`Cube`](crate::parallel::Cube)).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerNorm3D {
     /// This rank's block of γ, `[C/q]`: columns `c·C/q ..` (`c` the rank's column coordinate).
@@ -184,7 +184,7 @@ impl LayerNorm3D {
     /// Normalises this rank's tile `x` `[n, C/q]` (in [`LayerNorm3D::layout`]), or
     /// `h = x + residual` (a tile of the same shape): returns the output tile `[n, C/q]` and
     /// what the backward needs. The rows' `q` column blocks are all-gathered over the column
-    /// group, the full rows normalised ([`ops::layernorm`](crate::ops::layernorm)) with γ and
+    /// group, the full rows normalised ([`ops::layernorm`](crate::ops::layernorm_forward)) with γ and
     /// β all-gathered there too, and the rank's block kept. A wrong grid, shape or type is an
     /// error before any collective.
     pub fn forward(

@@ -1,4 +1,4 @@
-//! [`Classifier3D`] (see [the module](super)).
+//! [`Classifier3D`] (see [`Embedding3D`](crate::parallel::Embedding3D)).
 
 use super::{here, VocabEmbedding3D};
 use crate::comm::Tally;
@@ -14,7 +14,7 @@ use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
 
 /// A classifier on the cube: [`Linear3D`] logits and the softmax cross-entropy over classes
-/// split along the layout's row axis, the mean over the whole batch (see [the module](super)).
+/// split along the layout's row axis, the mean over the whole batch (see [`Embedding3D`](crate::parallel::Embedding3D)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Classifier3D {
     /// The projection `inputs → classes`, its input in the classifier's layout.

@@ -11,7 +11,7 @@ use crate::tensor::{Init, TensorId};
 
 /// A linear layer over a `q × q × d` grid: [`Linear2D`]'s algorithm in each depth layer, the
 /// batch cut `d·q` ways, weight and bias gradients all-reduced over depth (see
-/// [the module](super)).
+/// [`Linear2D`](crate::parallel::Linear2D)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Linear2p5D {
     /// The layer of this rank's depth layer: its blocks, `q`, row and column.

@@ -90,7 +90,7 @@ pub(super) struct Groups<'g> {
 /// # Layout
 ///
 /// The rank at `(i, j)` (and depth `dep`) takes `X_ij` `[rows_l, cols/q]` as the linears do
-/// (see [`two_d`](crate::parallel::two_d)) and returns `Y_ij` of the same shape. γ and β are
+/// (see [`two_d`](crate::parallel::Linear2D)) and returns `Y_ij` of the same shape. γ and β are
 /// laid out as a 2D linear's bias: the rank registers `{name}.weight` and `{name}.bias`
 /// `[cols/q²]`, piece `j·q + i` of the `[cols]` master (elements `j·cols/q + i·cols/q² ..`),
 /// replicated over depth.
@@ -100,7 +100,7 @@ pub(super) struct Groups<'g> {
 /// - Forward: γ and β all-gathered in COL (column block `j`), then in ROW (whole); `h_ij`
 ///   (`x_ij`, or `x_ij + r_ij`) all-gathered in ROW and permuted
 ///   ([`heads_merge`] with `q` "heads") into whole rows `[rows_l, cols]`; the fused op
-///   ([`ops::layernorm`](crate::ops::layernorm)) normalises them; column block `j` of the
+///   ([`ops::layernorm`](crate::ops::layernorm_forward)) normalises them; column block `j` of the
 ///   result is kept. Saved: `h_ij` (not the whole rows) and the f32 row statistics.
 /// - Backward: γ gathered again, `h_ij` and `dY_ij` all-gathered in ROW, the op's backward on
 ///   whole rows; `dX` keeps column block `j`; dγ and dβ (f32 sums over the row block) keep

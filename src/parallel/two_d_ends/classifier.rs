@@ -16,7 +16,7 @@ use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
 
 /// A linear `C → classes` on the 2D / 2.5D layout fused with the mean softmax cross-entropy
-/// over the whole batch (see [the module](super)); untied ([`Classifier2D::register`]) or the
+/// over the whole batch (see [`Embedding2D`](crate::parallel::Embedding2D)); untied ([`Classifier2D::register`]) or the
 /// LM head tied to a [`VocabEmbedding2D`] ([`Classifier2D::tied`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Classifier2D {

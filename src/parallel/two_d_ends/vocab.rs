@@ -15,7 +15,7 @@ use crate::tensor::{Init, TensorId};
 
 /// The token embedding `wte` `[V, C]` with the vocabulary split over the grid's columns and
 /// the channels over its rows, tied to a [`Classifier2D`](super::Classifier2D) head (see
-/// [the module](super)).
+/// [`Embedding2D`](crate::parallel::Embedding2D)).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct VocabEmbedding2D {
     /// This rank's block `[V/q, C/q]` = `wte[col·V/q .., row·C/q ..]` ([`Linear2D`]'s shard

@@ -77,7 +77,7 @@ pub enum ScaleUpdate {
 ///   `growth` (never above `max_scale`) and the hysteresis allowance is restored.
 ///
 /// ```
-/// use tidemem::optim::scaler::{LossScaler, ScalerConfig, ScaleUpdate};
+/// use tidemem::optim::{LossScaler, ScalerConfig, ScaleUpdate};
 /// let mut s = LossScaler::new(ScalerConfig { growth_interval: 2, hysteresis: 1, ..ScalerConfig::default() }).unwrap();
 /// assert_eq!(s.scale(), 65536.0);
 /// assert_eq!(s.update(true), ScaleUpdate::BackedOff);

@@ -37,7 +37,7 @@
 //!
 //! ```
 //! use tidemem::device::{Device, SimConfig};
-//! use tidemem::ops::*;
+//! use tidemem::ops::vocab_parallel::*;
 //! use tidemem::DType;
 //! # fn main() -> tidemem::Result<()> {
 //! let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::prelude::*;
-use tidemem::simulate::{simulate, timeline, Rates, Schedule, SimOptions};
+use tidemem::simulate::{simulate, timeline, Rates, SimOptions, StepSchedule};
 
 /// The validation's toy.
 const TOY: ToyMlp = ToyMlp {
@@ -158,7 +158,7 @@ fn measure(
     rates: &Rates,
     capacity: u64,
     host: Option<u64>,
-    schedule: Schedule,
+    schedule: StepSchedule,
     dir: &std::path::Path,
 ) -> Measured {
     let link = LinkModel {
@@ -169,7 +169,7 @@ fn measure(
     };
     let dev = Device::sim(SimConfig::with_capacity(capacity as usize).link(link)).expect("dev");
     let (mut m, ids) = manager(toy, dev, host, dir);
-    let mut opt = adam(schedule == Schedule::Overlapped);
+    let mut opt = adam(schedule == StepSchedule::Overlapped);
     let dev = m.device().clone();
     let step = mean_step(|s| {
         toy.forward_backward(&mut m, &ids, s, 1.0, (0, 1))
@@ -262,7 +262,7 @@ fn validate(dir: &std::path::Path) {
     let ms = |x: f64| x * 1e3;
     let mut worst: f64 = 0.0;
     for (name, capacity, host) in configs(&TOY) {
-        for schedule in [Schedule::Serial, Schedule::Overlapped] {
+        for schedule in [StepSchedule::Serial, StepSchedule::Overlapped] {
             let r = measure(&TOY, &rates, capacity, host, schedule, dir);
             let t = &r.predicted;
             let ratio = t.step / r.step;
@@ -294,8 +294,8 @@ fn overlap(dir: &std::path::Path) {
     let rates = measured_rates(&toy, dir);
     print_rates(&toy, &rates);
     for (name, capacity, host) in configs(&toy) {
-        let serial = measure(&toy, &rates, capacity, host, Schedule::Serial, dir);
-        let over = measure(&toy, &rates, capacity, host, Schedule::Overlapped, dir);
+        let serial = measure(&toy, &rates, capacity, host, StepSchedule::Serial, dir);
+        let over = measure(&toy, &rates, capacity, host, StepSchedule::Overlapped, dir);
         let o = over.overlap;
         assert!(o.kept > 0 && o.redone == 0, "{name}: {o:?}");
         let (slowest, busy) = over.predicted.slowest();

@@ -27,7 +27,9 @@ use clap::Parser;
 use serde_json::{json, Value};
 use tidemem::models::gpt::GptConfig;
 use tidemem::optim::DevicePlacement;
-use tidemem::simulate::{simulate, timeline, Rates, Schedule, SimOptions, ADAM_BYTES_PER_ELEMENT};
+use tidemem::simulate::{
+    simulate, timeline, Rates, SimOptions, StepSchedule, ADAM_BYTES_PER_ELEMENT,
+};
 use tidemem::tide::Policy;
 use tidemem::units::fmt_bytes;
 use tidemem::units::parse_bytes;
@@ -184,7 +186,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 }
                 if step_time.is_null() {
                     let mut times = Vec::new();
-                    for s in [Schedule::Serial, Schedule::Overlapped] {
+                    for s in [StepSchedule::Serial, StepSchedule::Overlapped] {
                         let t = timeline(&spec, *p, &opts, &rates, s)?;
                         let (slowest, _) = t.slowest();
                         times.push(json!({

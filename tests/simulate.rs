@@ -101,12 +101,12 @@ fn largest_model_grows_with_host_memory() {
 /// the step without changing any resource's work.
 #[test]
 fn the_timeline_charges_the_models_work() {
-    use tidemem::simulate::{timeline, Rates, Schedule};
+    use tidemem::simulate::{timeline, Rates, StepSchedule};
     let (spec, opts) = options_for(0.25);
     let rates = Rates::profile("h100-pcie5").unwrap();
     let sim = simulate(&spec, Policy::Tide, &opts).unwrap();
-    let serial = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Serial).unwrap();
-    let over = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Overlapped).unwrap();
+    let serial = timeline(&spec, Policy::Tide, &opts, &rates, StepSchedule::Serial).unwrap();
+    let over = timeline(&spec, Policy::Tide, &opts, &rates, StepSchedule::Overlapped).unwrap();
     let flops: u64 = spec.ops.iter().map(|o| o.flops + o.bwd_flops).sum();
     let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b.max(1e-12);
     assert!(
@@ -153,7 +153,7 @@ fn the_timeline_charges_the_models_work() {
 /// The step-time model on a small GPT (`simulate::timeline`).
 mod timeline {
     use tidemem::models::gpt::GptConfig;
-    use tidemem::simulate::{timeline, ModelSpec, Rates, Schedule, SimOptions, StepTime};
+    use tidemem::simulate::{timeline, ModelSpec, Rates, SimOptions, StepSchedule, StepTime};
     use tidemem::tide::Policy;
 
     fn small() -> ModelSpec {
@@ -181,7 +181,7 @@ mod timeline {
         }
     }
 
-    fn run(opts: &SimOptions, r: &Rates, s: Schedule) -> StepTime {
+    fn run(opts: &SimOptions, r: &Rates, s: StepSchedule) -> StepTime {
         timeline(&small(), Policy::Tide, opts, r, s).unwrap()
     }
 
@@ -210,8 +210,8 @@ mod timeline {
                     host_adam,
                     ..rates()
                 };
-                let serial = run(&opts, &r, Schedule::Serial);
-                let over = run(&opts, &r, Schedule::Overlapped);
+                let serial = run(&opts, &r, StepSchedule::Serial);
+                let over = run(&opts, &r, StepSchedule::Overlapped);
                 for t in [&serial, &over] {
                     let sum = t.compute + t.h2d + t.d2h + t.host_adam + t.file;
                     assert!(t.over_slowest() >= 1.0 - 1e-9, "{t:?}");
@@ -237,13 +237,13 @@ mod timeline {
     fn overlap_hides_the_host_step_under_backward() {
         let opts = SimOptions::new(1 << 40, 1 << 40);
         // a host optimizer about as slow as backward
-        let probe = run(&opts, &rates(), Schedule::Serial);
+        let probe = run(&opts, &rates(), StepSchedule::Serial);
         let r = Rates {
             host_adam: rates().host_adam * probe.host_adam / (0.6 * probe.compute),
             ..rates()
         };
-        let serial = run(&opts, &r, Schedule::Serial);
-        let over = run(&opts, &r, Schedule::Overlapped);
+        let serial = run(&opts, &r, StepSchedule::Serial);
+        let over = run(&opts, &r, StepSchedule::Overlapped);
         assert!(
             serial.step >= serial.compute + 0.9 * serial.host_adam,
             "{serial:?}"
@@ -262,7 +262,7 @@ mod timeline {
         let all = run(
             &SimOptions::new(1 << 40, 1 << 40),
             &rates(),
-            Schedule::Serial,
+            StepSchedule::Serial,
         );
         assert_eq!(all.file, 0.0);
         let spec = small();
@@ -273,7 +273,7 @@ mod timeline {
         let spill = run(
             &SimOptions::new(1 << 40, model / 2),
             &rates(),
-            Schedule::Serial,
+            StepSchedule::Serial,
         );
         assert!(spill.file > 0.0 && spill.step > all.step, "{spill:?}");
     }
@@ -286,7 +286,7 @@ mod timeline {
                 h2d: bad,
                 ..rates()
             };
-            assert!(timeline(&small(), Policy::Tide, &opts, &r, Schedule::Serial).is_err());
+            assert!(timeline(&small(), Policy::Tide, &opts, &r, StepSchedule::Serial).is_err());
         }
         assert!(Rates::profile("h100-pcie5").unwrap().validate().is_ok());
         assert!(Rates::profile("nope").is_none());
@@ -334,17 +334,17 @@ mod zero {
     /// sum, and one rank has no collective.
     #[test]
     fn the_timeline_charges_the_collectives() {
-        use tidemem::simulate::{timeline, Rates, Schedule};
+        use tidemem::simulate::{timeline, Rates, StepSchedule};
         let spec = GptConfig::preset("gpt2")
             .unwrap()
             .spec(8, 1024, true)
             .unwrap();
         let rates = Rates::profile("h100-pcie5").unwrap();
         let mut opts = SimOptions::new(80 << 30, 1 << 40);
-        let one = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Overlapped).unwrap();
+        let one = timeline(&spec, Policy::Tide, &opts, &rates, StepSchedule::Overlapped).unwrap();
         assert_eq!(one.collective, 0.0);
         opts.ranks = 4;
-        let four = timeline(&spec, Policy::Tide, &opts, &rates, Schedule::Overlapped).unwrap();
+        let four = timeline(&spec, Policy::Tide, &opts, &rates, StepSchedule::Overlapped).unwrap();
         // each rank's shard of every parameter chunk, 3 shards each way, three times a step
         let report = simulate(&spec, Policy::Tide, &opts).unwrap();
         let want = 3.0 * 3.0 * report.param_chunk_bytes as f64 / rates.bus;

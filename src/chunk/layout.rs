@@ -17,7 +17,7 @@ pub struct Slot {
 
 /// The packing of tensors into chunk groups.
 #[derive(Clone, Debug, Default, Serialize)]
-pub struct Layout {
+pub struct ChunkLayout {
     /// Element capacity of an ordinary chunk.
     pub chunk_elems: usize,
     /// Element capacity of every group (a tensor larger than `chunk_elems` gets a group of its own,
@@ -32,7 +32,7 @@ pub struct Layout {
     open: Option<u32>,
 }
 
-impl Layout {
+impl ChunkLayout {
     /// An empty layout with chunks of `chunk_elems` elements.
     pub fn new(chunk_elems: usize) -> Result<Self> {
         if chunk_elems == 0 {
@@ -42,7 +42,7 @@ impl Layout {
                 need: 1,
             });
         }
-        Ok(Layout {
+        Ok(ChunkLayout {
             chunk_elems,
             ..Default::default()
         })
@@ -123,7 +123,7 @@ impl Layout {
 
     /// Packs `numels` in order with chunks of `chunk_elems`.
     pub fn pack(chunk_elems: usize, numels: &[usize]) -> Result<Self> {
-        let mut l = Layout::new(chunk_elems)?;
+        let mut l = ChunkLayout::new(chunk_elems)?;
         for &n in numels {
             l.push(n)?;
         }
@@ -230,7 +230,7 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
         let size_r = size.div_ceil(s.multiple_of) * s.multiple_of;
         // Tensors larger than the size get their own chunks: count only the rest.
         let fits: Vec<usize> = kept.iter().copied().filter(|&x| x <= size_r).collect();
-        let l = Layout::pack(size_r, &fits)?;
+        let l = ChunkLayout::pack(size_r, &fits)?;
         let cap = l.capacity_elems().max(1);
         let c = SizeChoice {
             chunk_elems: size_r,
@@ -258,7 +258,7 @@ mod tests {
     #[test]
     fn padding_starts_the_next_tensor_on_a_multiple_and_repacks_alike() {
         let sizes = [3, 5, 12, 2, 4];
-        let mut l = Layout::new(8).unwrap();
+        let mut l = ChunkLayout::new(8).unwrap();
         for &n in &sizes {
             l.push(n).unwrap();
         }
@@ -275,7 +275,7 @@ mod tests {
             assert_eq!((s.group, s.offset), (o.group + pad as u32, o.offset));
         }
         // already a multiple: only the open chunk closes
-        let mut m = Layout::pack(8, &[3]).unwrap();
+        let mut m = ChunkLayout::pack(8, &[3]).unwrap();
         m.pad_groups(1);
         assert_eq!(m.groups(), 1);
         assert_eq!(m.push(2).unwrap().group, 1);
@@ -283,7 +283,7 @@ mod tests {
 
     #[test]
     fn packing_never_spans_and_oversized_gets_own_group() {
-        let l = Layout::pack(10, &[4, 4, 4, 25, 2, 10]).unwrap();
+        let l = ChunkLayout::pack(10, &[4, 4, 4, 25, 2, 10]).unwrap();
         // [4,4] [4,2] [25] [10]
         assert_eq!(l.group_elems, vec![10, 10, 25, 10]);
         assert_eq!(
@@ -314,8 +314,8 @@ mod tests {
         for s in &l.slots {
             assert!(s.offset + s.numel <= l.group_elems[s.group as usize]);
         }
-        assert!(Layout::pack(0, &[1]).is_err());
-        assert!(Layout::pack(4, &[0]).is_err());
+        assert!(ChunkLayout::pack(0, &[1]).is_err());
+        assert!(ChunkLayout::pack(4, &[0]).is_err());
     }
 
     #[test]

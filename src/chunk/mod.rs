@@ -4,7 +4,7 @@
 mod layout;
 
 pub(crate) use crate::tensor::ChunkKind;
-pub use layout::{search_chunk_size, Layout, SizeChoice, SizeSearch, Slot};
+pub use layout::{search_chunk_size, ChunkLayout, SizeChoice, SizeSearch, Slot};
 
 mod plan;
 

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use super::layout::Layout;
+use super::layout::ChunkLayout;
 use crate::error::{Error, Result};
 use crate::tensor::ChunkKind;
 use crate::tide::{Access, ChunkDesc, ChunkNo, Target};
@@ -12,7 +12,7 @@ use crate::tide::{Access, ChunkDesc, ChunkNo, Target};
 #[derive(Clone, Debug, Serialize)]
 pub struct ChunkPlan {
     /// The packing.
-    pub layout: Layout,
+    pub layout: ChunkLayout,
     /// Schedulable chunks, `group * 4 + kind`.
     pub chunks: Vec<ChunkDesc>,
     /// Bytes of one parameter element (2 for fp16/bf16, 4 for fp32).
@@ -30,7 +30,7 @@ impl ChunkPlan {
                 want: "1 to 8",
             });
         }
-        let layout = Layout::pack(chunk_elems, numels)?;
+        let layout = ChunkLayout::pack(chunk_elems, numels)?;
         let chunks = plan_chunks(&layout, param_bytes);
         Ok(ChunkPlan {
             layout,
@@ -66,7 +66,7 @@ impl ChunkPlan {
 
 /// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
 /// chunks (numbered `group * 4 + kind`).
-pub fn plan_chunks(layout: &Layout, param_bytes: u64) -> Vec<ChunkDesc> {
+pub fn plan_chunks(layout: &ChunkLayout, param_bytes: u64) -> Vec<ChunkDesc> {
     let mut chunks = Vec::with_capacity(layout.groups() * 4);
     for (g, &elems) in layout.group_elems.iter().enumerate() {
         for kind in ChunkKind::ALL {

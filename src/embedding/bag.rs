@@ -9,7 +9,7 @@
 //! device.
 
 use super::cache::{CacheConfig, EmbeddingCache};
-use super::index::Plan;
+use super::index::CachePlan;
 use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, HostBuffer, HostPhase, Pending, Stream};
 use crate::error::{Error, Result};
@@ -500,7 +500,7 @@ impl CachedEmbeddingBag {
     /// May be called between a forward and its step: that batch's rows stay cached. The union
     /// (with a batch in flight) must fit in the cache. Returns the union's plan (see
     /// [`EmbeddingCache::prefetch`]).
-    pub fn prefetch(&mut self, batches: &[&[u32]]) -> Result<Plan> {
+    pub fn prefetch(&mut self, batches: &[&[u32]]) -> Result<CachePlan> {
         let keep = self.saved.as_ref().map_or(&[][..], |s| &s.plan.rows[..]);
         let _span = self.cache.device().host_span(HostPhase::Embedding);
         self.cache.prefetch(batches, keep)

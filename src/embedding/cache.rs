@@ -1,5 +1,5 @@
 //! The storage of the embedding cache: the full table in host memory, `capacity` rows on the
-//! device, and the moves a [`Plan`] orders between them through bounded staging buffers.
+//! device, and the moves a [`CachePlan`] orders between them through bounded staging buffers.
 //!
 //! A row is `stride = dim + state` f32: the embedding, then its optimizer state, so a row's
 //! state travels with it on eviction and admission. The host table is in host-row order (after
@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use super::index::{CacheIndex, IndexStats, Plan};
+use super::index::{CacheIndex, CachePlan, IndexStats};
 use super::policy::CachePolicy;
 use crate::checkpoint::Written;
 use crate::device::{Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream};
@@ -533,7 +533,7 @@ impl EmbeddingCache {
     /// row in [`EmbeddingCache::device_table`]. Evicted dirty rows are written back before
     /// their slots are reused. On a bad id or a batch with more distinct rows than slots it
     /// fails and changes nothing.
-    pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
+    pub fn prepare(&mut self, ids: &[u32]) -> Result<CachePlan> {
         let plan = self.prepare_deferred(ids, false)?;
         self.enqueue_admitted()?;
         Ok(plan)
@@ -544,7 +544,7 @@ impl EmbeddingCache {
     /// `staging_rows` write-backs and admissions stay in flight on the copy streams (as a
     /// prefetch's do), so a batch whose moves fit the staging buffers makes the host wait for
     /// nothing: the next call that needs them settles them.
-    pub(crate) fn prepare_deferred(&mut self, ids: &[u32], in_flight: bool) -> Result<Plan> {
+    pub(crate) fn prepare_deferred(&mut self, ids: &[u32], in_flight: bool) -> Result<CachePlan> {
         self.usable()?;
         let plan = self.index.prepare(ids)?;
         if !plan.write_back.is_empty() || !plan.admit.is_empty() {
@@ -589,7 +589,7 @@ impl EmbeddingCache {
     /// assert_eq!(cache.moved(), before);
     /// # Ok::<(), tidemem::Error>(())
     /// ```
-    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
+    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<CachePlan> {
         self.settle()?;
         let plan = self.index.prefetch(batches, keep)?;
         let r = self.run_moves(&plan.write_back, &plan.admit, true);

@@ -21,7 +21,7 @@ const PREFETCHED_BATCHES: usize = 4;
 
 /// What preparing one batch decided. Moves must run in order: write back, then admit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Plan {
+pub struct CachePlan {
     /// The cache slot of every id of the batch, in the batch's order.
     pub slots: Vec<u32>,
     /// Evicted dirty rows to copy device → host before their slots are reused: `(slot, host row)`.
@@ -256,7 +256,7 @@ impl CacheIndex {
 
     /// Decides one batch: maps ids to slots, evicting and admitting as needed. Fails, changing
     /// nothing, on an id out of range or a batch with more distinct rows than slots.
-    pub fn prepare(&mut self, ids: &[u32]) -> Result<Plan> {
+    pub fn prepare(&mut self, ids: &[u32]) -> Result<CachePlan> {
         // a batch the last prefetch looked up: its rows are known (the ids were checked then)
         let known = self
             .prefetched
@@ -344,7 +344,7 @@ impl CacheIndex {
     /// [`IndexStats::prefetched`]. Not available with [`CachePolicy::Optimal`], whose keys follow
     /// its trace batch by batch. Fails, changing nothing, on an id out of range, a slot in
     /// `keep` that holds no row, or a union (with `keep`) larger than the cache.
-    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<Plan> {
+    pub fn prefetch(&mut self, batches: &[&[u32]], keep: &[u32]) -> Result<CachePlan> {
         if matches!(self.policy, CachePolicy::Optimal(_)) {
             return Err(Error::Conflict {
                 what: "prefetch".into(),
@@ -388,7 +388,7 @@ impl CacheIndex {
         cached: Vec<u32>,
         keep: &[u32],
         prefetch: bool,
-    ) -> Result<Plan> {
+    ) -> Result<CachePlan> {
         if let CachePolicy::Optimal(t) = &self.policy {
             t.check_current()?;
         }
@@ -402,7 +402,7 @@ impl CacheIndex {
             used[w] |= 1 << b;
             1 - was as usize
         };
-        let mut plan = Plan::default();
+        let mut plan = CachePlan::default();
         let mut missed: Vec<u32> = Vec::new();
         let mut hit_unique = 0usize;
         for (&row, &slot) in rows.iter().zip(&cached) {
@@ -527,7 +527,7 @@ impl CacheIndex {
         Ok(plan)
     }
 
-    fn update_keys(&mut self, rows: &[u32], plan: &Plan) -> Result<()> {
+    fn update_keys(&mut self, rows: &[u32], plan: &CachePlan) -> Result<()> {
         match &mut self.policy {
             CachePolicy::Frequency => {
                 for &(slot, row) in &plan.admit {

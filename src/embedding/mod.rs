@@ -29,7 +29,7 @@ mod tables;
 
 pub use bag::{CachedEmbeddingBag, EmbeddingBag};
 pub use cache::{bincount, CacheConfig, CacheMoves, EmbeddingCache, HostTier};
-pub use index::{CacheIndex, IndexStats, Plan, NONE};
+pub use index::{CacheIndex, CachePlan, IndexStats, NONE};
 pub use policy::{CachePolicy, OptimalTrace};
 pub use replay::{replay, ReplayConfig, ReplayStats};
 pub use sharded::{batch_slice, table_owners, ShardedEmbedding, Sharding};

@@ -7,7 +7,7 @@
 
 use super::bag::CachedEmbeddingBag;
 use super::cache::CacheConfig;
-use super::index::Plan;
+use super::index::CachePlan;
 use crate::ops::embedding::EmbeddingOptimizer;
 
 use crate::device::{Device, DeviceView, Stream};
@@ -247,7 +247,7 @@ impl CachedEmbeddingCollection {
     /// batch as that
     /// forward does; fails, changing nothing, on bad input or when the two batches' rows do
     /// not fit in the cache together ([`Error::CacheTooSmall`]).
-    pub fn prefetch_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<Plan> {
+    pub fn prefetch_interleaved(&mut self, batch: &[TableBatch<'_>]) -> Result<CachePlan> {
         let (_, (ids, _, _)) = self.interleaved(batch)?;
         let plan = self.bag.prefetch(&[&ids])?;
         // the step's one read (after this) sees the moves done: the next forward waits for none

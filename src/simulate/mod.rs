@@ -26,11 +26,12 @@ use serde::Serialize;
 mod timeline;
 mod zero;
 
-pub use timeline::{timeline, Rates, Schedule, StepTime, ADAM_BYTES_PER_ELEMENT};
+pub use timeline::{timeline, Rates, StepSchedule, StepTime, ADAM_BYTES_PER_ELEMENT};
 pub use zero::shard;
 
 use crate::chunk::{
-    optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkPlan, Layout, SizeSearch,
+    optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkLayout, ChunkPlan,
+    SizeSearch,
 };
 use crate::error::{Error, Result};
 use crate::optim::DevicePlacement;
@@ -185,7 +186,7 @@ impl ModelSpec {
 /// optimizer moment per chunk group (all four chunks on the host, written).
 pub(crate) fn iteration_accesses(
     spec: &ModelSpec,
-    layout: &Layout,
+    layout: &ChunkLayout,
 ) -> Vec<(Stage, Vec<Access>, u64)> {
     let group_of = |t: usize| layout.slots[t].group;
     let uses = spec.uses();

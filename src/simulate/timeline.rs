@@ -13,10 +13,10 @@
 //! * an op's **compute** after the loads of the chunks it reads, for its FLOPs at
 //!   [`Rates::compute`]; a device optimizer group for its elements at [`Rates::device_adam`];
 //! * a **host optimizer group** after its gradients are down, for its elements at
-//!   [`Rates::host_adam`]: under [`Schedule::Serial`] only once the whole backward has run (the
+//!   [`Rates::host_adam`]: under [`StepSchedule::Serial`] only once the whole backward has run (the
 //!   global norm and the overflow flag decide the step), and the training thread, which steps
 //!   it once the next group's moves are issued, issues nothing more until it is done; under
-//!   [`Schedule::Overlapped`] on worker threads
+//!   [`StepSchedule::Overlapped`] on worker threads
 //!   as soon as its own gradients are final (its optimizer moment moved to just after the
 //!   group's last backward use, as a speculative step validated after backward would run;
 //!   redone steps are not charged).
@@ -26,14 +26,14 @@
 //!
 //! ```
 //! use tidemem::models::gpt::GptConfig;
-//! use tidemem::simulate::{timeline, Rates, Schedule, SimOptions};
+//! use tidemem::simulate::{timeline, Rates, StepSchedule, SimOptions};
 //! use tidemem::tide::Policy;
 //! # fn main() -> tidemem::Result<()> {
 //! let model = GptConfig::preset("gpt2").unwrap().spec(8, 1024, true)?;
 //! let rates = Rates::profile("h100-pcie5").unwrap();
 //! let opts = SimOptions::new(4 << 30, 64 << 30);
-//! let serial = timeline(&model, Policy::Tide, &opts, &rates, Schedule::Serial)?;
-//! let overlapped = timeline(&model, Policy::Tide, &opts, &rates, Schedule::Overlapped)?;
+//! let serial = timeline(&model, Policy::Tide, &opts, &rates, StepSchedule::Serial)?;
+//! let overlapped = timeline(&model, Policy::Tide, &opts, &rates, StepSchedule::Overlapped)?;
 //! assert!(overlapped.step <= serial.step);
 //! assert!(serial.over_slowest() >= 1.0);
 //! # Ok(()) }
@@ -127,7 +127,7 @@ impl Rates {
 
 /// When the host steps its chunk groups.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-pub enum Schedule {
+pub enum StepSchedule {
     /// After the whole backward (ZeRO-Offload's and PatrickStar's order).
     Serial,
     /// Each group as soon as its gradients are final, while backward goes on.
@@ -138,7 +138,7 @@ pub enum Schedule {
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct StepTime {
     /// The schedule.
-    pub schedule: Schedule,
+    pub schedule: StepSchedule,
     /// The step.
     pub step: f64,
     /// Device compute (ops and device optimizer groups).
@@ -187,7 +187,7 @@ pub fn timeline(
     policy: Policy,
     opts: &SimOptions,
     rates: &Rates,
-    schedule: Schedule,
+    schedule: StepSchedule,
 ) -> Result<StepTime> {
     rates.validate()?;
     let (_, rec) = run(spec, policy, opts)?;
@@ -225,9 +225,9 @@ pub fn timeline(
 /// The order the manager runs the moments in, each with whether it was moved: as recorded, or
 /// with each host group's optimizer moment moved to just after the backward moment that writes
 /// its parameter chunk's last gradient.
-fn moment_order(rec: &Recorded, schedule: Schedule) -> Vec<(usize, bool)> {
+fn moment_order(rec: &Recorded, schedule: StepSchedule) -> Vec<(usize, bool)> {
     let n = rec.moments.len();
-    if schedule == Schedule::Serial {
+    if schedule == StepSchedule::Serial {
         return (0..n).map(|i| (i, false)).collect();
     }
     let is_param = |c: u32| rec.chunks[c as usize].kind == ChunkKind::Param;
@@ -292,7 +292,7 @@ struct Busy {
 struct Timeline<'a> {
     rec: &'a Recorded,
     rates: &'a Rates,
-    schedule: Schedule,
+    schedule: StepSchedule,
     /// When each resource is next free.
     compute: f64,
     h2d: f64,
@@ -328,7 +328,7 @@ struct Timeline<'a> {
 }
 
 impl<'a> Timeline<'a> {
-    fn new(rec: &'a Recorded, rates: &'a Rates, schedule: Schedule, keeps_host: bool) -> Self {
+    fn new(rec: &'a Recorded, rates: &'a Rates, schedule: StepSchedule, keeps_host: bool) -> Self {
         let n = rec.chunks.len();
         Timeline {
             rec,
@@ -389,7 +389,7 @@ impl<'a> Timeline<'a> {
                     // the optimizer pass starts once the gradient statistics are read: after
                     // backward, and after every host group stepped during it
                     self.issue = self.issue.max(self.backward_end);
-                    if self.schedule == Schedule::Overlapped {
+                    if self.schedule == StepSchedule::Overlapped {
                         self.issue = self.issue.max(self.host);
                     }
                 }
@@ -536,14 +536,14 @@ impl<'a> Timeline<'a> {
             }
             start = start.max(at);
         }
-        if self.schedule == Schedule::Serial {
+        if self.schedule == StepSchedule::Serial {
             start = start.max(self.backward_end);
         }
         let dt = elems / self.rates.host_adam;
         let previous = self.host;
         self.host = start + dt;
         self.busy.host_adam += dt;
-        if self.schedule == Schedule::Serial {
+        if self.schedule == StepSchedule::Serial {
             // the host thread steps each group itself, once the next group's moves are issued:
             // those wait for the step before this one
             self.issue = previous;

@@ -96,7 +96,7 @@
 
 use std::sync::Arc;
 
-use crate::chunk::{ChunkManager, Layout, ManagerConfig};
+use crate::chunk::{ChunkLayout, ChunkManager, ManagerConfig};
 use crate::comm::Communicator;
 use crate::device::{CachingAllocator, Stream};
 use crate::dtype::DType;
@@ -171,7 +171,7 @@ pub struct ZeroManager {
     pool: CachingAllocator,
     stream: Arc<Stream>,
     comm_stream: Stream,
-    layout: Layout,
+    layout: ChunkLayout,
     tensors: Vec<ZTensor>,
     closed: bool,
     gathers: Vec<Option<Gather>>,
@@ -197,7 +197,7 @@ impl ZeroManager {
     /// [`ZeroManager::pool`]).
     pub fn new(comm: Communicator, cfg: ManagerConfig) -> Result<Self> {
         let device = comm.device().clone();
-        let layout = Layout::new(cfg.chunk_elems)?;
+        let layout = ChunkLayout::new(cfg.chunk_elems)?;
         let mut local = ChunkManager::new(device.clone(), cfg)?;
         let comm_stream = device.new_stream()?;
         let pool = CachingAllocator::new(device);
@@ -262,7 +262,7 @@ impl ZeroManager {
     }
 
     /// The global chunk layout (the same on every rank).
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &ChunkLayout {
         &self.layout
     }
 

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::chunk::layout::Layout;
+use crate::chunk::layout::ChunkLayout;
 use crate::chunk::plan::{plan_chunks, ChunkPlan};
 use crate::device::{
     CachingAllocator, Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream,
@@ -147,7 +147,7 @@ pub struct ChunkManager {
     compute: Arc<Stream>,
     cfg: ManagerConfig,
     tensors: Vec<TensorMeta>,
-    layout: Layout,
+    layout: ChunkLayout,
     sched: Option<Scheduler>,
     payload: Vec<Payload>,
     file_tier: Vec<bool>,
@@ -204,7 +204,7 @@ impl ChunkManager {
         if cfg.scheduler.capacity == 0 {
             cfg.scheduler.capacity = device.mem_info()?.total as u64;
         }
-        let layout = Layout::new(cfg.chunk_elems)?;
+        let layout = ChunkLayout::new(cfg.chunk_elems)?;
         let copy = Arc::new(device.new_stream()?);
         let down = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
@@ -306,7 +306,7 @@ impl ChunkManager {
     }
 
     /// The chunk layout (grows while parameters are registered).
-    pub fn layout(&self) -> &Layout {
+    pub fn layout(&self) -> &ChunkLayout {
         &self.layout
     }
 

@@ -34,12 +34,22 @@ pub trait BinaryLabel: Copy {
     /// `Some(true)` for the positive class, `Some(false)` for the negative one, `None` for a
     /// value that is neither.
     fn positive(self) -> Option<bool>;
+
+    /// The label as a number, for the [`Error::BadValue`] that names a label that is not
+    /// binary (NaN where the type has no such number).
+    fn as_f64(self) -> f64 {
+        f64::NAN
+    }
 }
 
 impl BinaryLabel for f32 {
     /// 1.0 is positive, 0.0 (or -0.0) negative.
     fn positive(self) -> Option<bool> {
         f64::from(self).positive()
+    }
+
+    fn as_f64(self) -> f64 {
+        f64::from(self)
     }
 }
 
@@ -54,6 +64,10 @@ impl BinaryLabel for f64 {
             None
         }
     }
+
+    fn as_f64(self) -> f64 {
+        self
+    }
 }
 
 impl BinaryLabel for u8 {
@@ -65,32 +79,46 @@ impl BinaryLabel for u8 {
             _ => None,
         }
     }
+
+    fn as_f64(self) -> f64 {
+        f64::from(self)
+    }
 }
 
 impl BinaryLabel for bool {
     fn positive(self) -> Option<bool> {
         Some(self)
     }
+
+    fn as_f64(self) -> f64 {
+        f64::from(u8::from(self))
+    }
 }
 
 /// Checks the lengths, the values and the labels; returns the labels as `bool`s.
 fn check<L: BinaryLabel>(what: &str, values: &[f32], labels: &[L]) -> Result<Vec<bool>> {
     if values.len() != labels.len() {
-        return Err(Error::InvalidArgument(format!(
-            "{what}: {} values but {} labels",
-            values.len(),
-            labels.len()
-        )));
+        return Err(Error::Length {
+            what: format!("{what}: labels for {} values", values.len()),
+            got: labels.len(),
+            expected: values.len(),
+        });
     }
     if let Some(i) = values.iter().position(|x| x.is_nan()) {
-        return Err(Error::InvalidArgument(format!("{what}: value {i} is NaN")));
+        return Err(Error::BadValue {
+            what: format!("{what}: value {i}"),
+            value: f64::NAN,
+            want: "a number (not NaN)",
+        });
     }
     labels
         .iter()
         .enumerate()
         .map(|(i, &y)| {
-            y.positive().ok_or_else(|| {
-                Error::InvalidArgument(format!("{what}: label {i} is not binary (0 or 1)"))
+            y.positive().ok_or_else(|| Error::BadValue {
+                what: format!("{what}: label {i}"),
+                value: y.as_f64(),
+                want: "binary (0 or 1)",
             })
         })
         .collect()
@@ -112,7 +140,8 @@ fn check<L: BinaryLabel>(what: &str, values: &[f32], labels: &[L]) -> Result<Vec
 /// defined there.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] if the lengths differ, a score is NaN, or a label is not binary.
+/// [`Error::Length`] if the lengths differ, [`Error::BadValue`] if a score is NaN or a label
+/// is not binary.
 pub fn auc<L: BinaryLabel>(scores: &[f32], labels: &[L]) -> Result<Option<f64>> {
     let positive = check("auc", scores, labels)?;
     let n_pos = positive.iter().filter(|&&p| p).count() as u128;
@@ -155,18 +184,21 @@ pub fn auc<L: BinaryLabel>(scores: &[f32], labels: &[L]) -> Result<Option<f64>> 
 /// ```
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] if the input is empty, the lengths differ, a probability is NaN
-/// or outside `[0, 1]`, or a label is not binary.
+/// [`Error::Length`] if the lengths differ, [`Error::Empty`] if the input is empty,
+/// [`Error::BadValue`] if a probability is NaN or outside `[0, 1]` or a label is not binary.
 pub fn log_loss<L: BinaryLabel>(probs: &[f32], labels: &[L]) -> Result<f64> {
     let positive = check("log_loss", probs, labels)?;
     if probs.is_empty() {
-        return Err(Error::InvalidArgument("log_loss of an empty input".into()));
+        return Err(Error::Empty {
+            what: "the input of log_loss".into(),
+        });
     }
     if let Some(i) = probs.iter().position(|p| !(0.0..=1.0).contains(p)) {
-        return Err(Error::InvalidArgument(format!(
-            "log_loss: probability {i} is {}, outside [0, 1]",
-            probs[i]
-        )));
+        return Err(Error::BadValue {
+            what: format!("log_loss: probability {i}"),
+            value: f64::from(probs[i]),
+            want: "in [0, 1]",
+        });
     }
     let sum: f64 = probs
         .iter()

@@ -12,8 +12,8 @@ use tidemem::data::criteo::{
     Dataset, IdMap, Synthetic, SyntheticConfig, TsvConfig, TsvReader, TsvRow, Vocabulary,
     DENSE_FEATURES,
 };
-use tidemem::data::rng::{Rng, Xoshiro256};
 use tidemem::metrics::{auc, log_loss};
+use tidemem::rng::{Rng, Xoshiro256};
 use tidemem::Error;
 
 const CARD: u64 = 1000;
@@ -226,7 +226,7 @@ fn vocabulary_ids_follow_frequency_then_first_appearance() {
     };
     assert!(matches!(
         TsvReader::new(Cursor::new(Vec::new()), wrong),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Conflict { .. })
     ));
 }
 
@@ -353,7 +353,14 @@ fn empty_input_gives_no_batch_and_bad_configs_are_refused() {
     assert!(r.next_batch(16).unwrap().is_none());
     assert!(r.next_batch(16).unwrap().is_none());
     assert_eq!(r.report().lines, 0);
-    assert!(matches!(r.next_batch(0), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        r.next_batch(0),
+        Err(Error::TooFew {
+            got: 0,
+            need: 1,
+            ..
+        })
+    ));
     // A huge batch size does not reserve memory for samples that never come.
     let text = text_of(&known_rows(3, 9));
     let (b, _) = read_all(&text, hashed(), usize::MAX);
@@ -462,10 +469,20 @@ fn auc_of_orderings_ties_and_bad_input() {
     assert_eq!(auc::<u8>(&[], &[]).unwrap(), None);
     assert_eq!(auc(&[0.1, 0.2], &[0u8, 0]).unwrap(), None);
 
-    let bad = |r: tidemem::Result<Option<f64>>| matches!(r, Err(Error::InvalidArgument(_)));
-    assert!(bad(auc(&[0.1, 0.2], &[0u8])));
+    assert!(matches!(
+        auc(&[0.1, 0.2], &[0u8]),
+        Err(Error::Length {
+            got: 1,
+            expected: 2,
+            ..
+        })
+    ));
+    let bad = |r: tidemem::Result<Option<f64>>| matches!(r, Err(Error::BadValue { .. }));
     assert!(bad(auc(&[0.1, f32::NAN], &[0u8, 1])));
-    assert!(bad(auc(&[0.1, 0.2], &[0u8, 2])));
+    assert!(matches!(
+        auc(&[0.1, 0.2], &[0u8, 2]),
+        Err(Error::BadValue { value, .. }) if value == 2.0
+    ));
     assert!(bad(auc(&[0.1, 0.2], &[0.0f32, 0.5])));
     assert!(bad(auc(&[0.1, 0.2], &[0.0f32, f32::NAN])));
 }
@@ -479,10 +496,20 @@ fn log_loss_clamps_and_checks() {
     let l = log_loss(&[0.25, 0.75], &[0.0f32, 0.0]).unwrap();
     let want = -((0.75f64).ln() + (0.25f64).ln()) / 2.0;
     assert!((l - want).abs() < 1e-12);
-    let bad = |r: tidemem::Result<f64>| matches!(r, Err(Error::InvalidArgument(_)));
-    assert!(bad(log_loss::<u8>(&[], &[])));
-    assert!(bad(log_loss(&[0.5], &[0u8, 1])));
+    assert!(matches!(log_loss::<u8>(&[], &[]), Err(Error::Empty { .. })));
+    assert!(matches!(
+        log_loss(&[0.5], &[0u8, 1]),
+        Err(Error::Length {
+            got: 2,
+            expected: 1,
+            ..
+        })
+    ));
+    let bad = |r: tidemem::Result<f64>| matches!(r, Err(Error::BadValue { .. }));
     assert!(bad(log_loss(&[f32::NAN], &[0u8])));
-    assert!(bad(log_loss(&[1.5], &[0u8])));
+    assert!(matches!(
+        log_loss(&[1.5], &[0u8]),
+        Err(Error::BadValue { value, .. }) if value == 1.5
+    ));
     assert!(bad(log_loss(&[0.5], &[3u8])));
 }

@@ -11,13 +11,14 @@
 mod common;
 
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
-use tidemem::data::rng::{Rng, SplitMix64};
-use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+use tidemem::embedding::CachedEmbeddingCollection;
 use tidemem::metrics::auc;
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::optim::{ScalerConfig, StepOutcome};
 use tidemem::prelude::*;
+use tidemem::rng::{Rng, SplitMix64};
 
 /// Tolerance of the f32 model against the f64 reference, as `rel_err` measures it (the largest
 /// difference over the tensor's largest magnitude).
@@ -393,14 +394,33 @@ fn bad_inputs_are_refused_before_anything_runs() {
     let model = Dlrm::register(&mut m, &cfg, 0).unwrap();
     let emb = vec![0.0; cfg.tables * 2 * cfg.dim];
     let dense = vec![0.0; 2 * cfg.dense_features];
-    for (e, d, l, b) in [
-        (&emb[1..], &dense[..], &[0.0f32, 1.0][..], 2),
-        (&emb[..], &dense[1..], &[0.0, 1.0][..], 2),
-        (&emb[..], &dense[..], &[0.0][..], 2),
-        (&emb[..], &dense[..], &[][..], 0),
+    let n_emb = emb.len();
+    for (e, d, l, b, want) in [
+        (
+            &emb[1..],
+            &dense[..],
+            &[0.0f32, 1.0][..],
+            2,
+            Some((n_emb - 1, n_emb)),
+        ),
+        (
+            &emb[..],
+            &dense[1..],
+            &[0.0, 1.0][..],
+            2,
+            Some((dense.len() - 1, dense.len())),
+        ),
+        (&emb[..], &dense[..], &[0.0][..], 2, Some((1, 2))),
+        (&emb[..], &dense[..], &[][..], 0, None),
     ] {
         let r = model.forward_backward(&mut m, e, d, l, b);
-        assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+        let typed = match want {
+            Some((g, x)) => {
+                matches!(r, Err(Error::Length { got, expected, .. }) if (got, expected) == (g, x))
+            }
+            None => matches!(r, Err(Error::Empty { .. })),
+        };
+        assert!(typed, "{r:?}");
         assert_eq!(m.stage(), None);
     }
     let bad = DlrmConfig {
@@ -839,7 +859,17 @@ fn the_sample_major_forward_needs_one_bag_per_sample_in_every_table() {
     };
     let uneven = batch(&[3, 4, 5], &[0, 1, 2, 3]);
     let r = emb.forward_device_interleaved(&uneven);
-    assert!(matches!(r, Err(Error::InvalidArgument(_))), "{r:?}");
+    assert!(
+        matches!(
+            r,
+            Err(Error::Length {
+                got: 3,
+                expected: 2,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
     let out_of_range = batch(&[3, 40], &[0, 1, 2]);
     let r = emb.forward_device_interleaved(&out_of_range);
     assert!(

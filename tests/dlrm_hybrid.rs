@@ -11,13 +11,12 @@ mod common;
 use std::time::Duration;
 
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
-use tidemem::data::rng::{Rng, SplitMix64};
-use tidemem::embedding::{
-    batch_slice, CachedEmbeddingCollection, EmbeddingOptimizer, ShardedEmbedding, Sharding,
-};
+use tidemem::embedding::{batch_slice, CachedEmbeddingCollection, ShardedEmbedding, Sharding};
 use tidemem::models::dlrm::{self, bag_offsets, table_batches, Dlrm, DlrmConfig};
 use tidemem::ops::embedding::BagMode;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::prelude::*;
+use tidemem::rng::{Rng, SplitMix64};
 
 /// Samples per batch: 37 = 18 + 19 over 2 ranks, 9 + 9 + 9 + 10 over 4.
 const BSZ: usize = 37;
@@ -488,8 +487,9 @@ fn two_ranks<R: Send>(f: impl Fn(Communicator) -> R + Sync) -> Vec<R> {
 }
 
 /// A rank given another batch (another size, or other contents), a batch that does not fit the
-/// model, ids out of range, fewer samples than ranks: an `InvalidArgument` on every rank, well
-/// within the communicator's timeout, with nothing stepped; the ranks then train on.
+/// model, ids out of range, fewer samples than ranks: an error on every rank (the typed one on
+/// a rank that found it, "another rank refused" on the others), well within the
+/// communicator's timeout, with nothing stepped; the ranks then train on.
 #[test]
 fn inconsistent_or_bad_calls_fail_on_every_rank() {
     let gen = generator();
@@ -553,14 +553,35 @@ fn inconsistent_or_bad_calls_fail_on_every_rank() {
         assert!(st.loss.is_finite());
         seen
     });
+    let id = u64::from(out_of_range.ids[5][2]);
+    let typed = |what: &str, r: usize, e: &Error| match (what, r) {
+        ("size" | "contents", _) => matches!(e, Error::Conflict { .. }),
+        ("id range", _) => matches!(
+            e,
+            Error::IdOutOfRange { table: Some(5), id: i, position: 2, .. } if *i == id
+        ),
+        ("dense on one rank", 0) => matches!(e, Error::Length { .. }),
+        ("dense on one rank", _) => {
+            matches!(e, Error::InvalidArgument(m) if m.contains("another rank"))
+        }
+        ("fewer samples than ranks", _) => matches!(
+            e,
+            Error::TooFew {
+                got: 1,
+                need: 2,
+                ..
+            }
+        ),
+        _ => false,
+    };
     for (r, seen) in results.iter().enumerate() {
         for (what, step, pred) in seen {
             assert!(
-                matches!(step, Err(Error::InvalidArgument(_))),
+                matches!(step, Err(e) if typed(what, r, e)),
                 "rank {r} {what}: {step:?}"
             );
             assert!(
-                matches!(pred, Err(Error::InvalidArgument(_))),
+                matches!(pred, Err(e) if typed(what, r, e)),
                 "rank {r} {what}: {pred:?}"
             );
         }

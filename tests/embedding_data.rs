@@ -98,7 +98,10 @@ fn the_hidden_model_is_learnable() {
 fn configuration_errors_are_typed() {
     assert!(matches!(
         "criteo-2tb".parse::<Dataset>(),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Parse {
+            what: "dataset",
+            ..
+        })
     ));
     let bad = [
         SyntheticConfig::new(Dataset::Avazu).with_zipf(-1.0),
@@ -116,7 +119,7 @@ fn configuration_errors_are_typed() {
         assert!(
             matches!(
                 Synthetic::new(config.clone()),
-                Err(Error::InvalidArgument(_))
+                Err(Error::BadValue { .. } | Error::TooFew { .. })
             ),
             "{config:?}"
         );

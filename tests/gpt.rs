@@ -7,7 +7,7 @@ mod common;
 mod nn_ref;
 
 use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, Plan, RunOptions};
-use tidemem::optim::adam::reference_step;
+use tidemem::optim::reference_step;
 use tidemem::prelude::*;
 
 use nn_ref::*;
@@ -261,7 +261,9 @@ fn bad_batches_are_refused_before_anything_runs() {
         let r = gpt.forward_backward(&mut m, &Plan::default(), &batch, opts);
         let typed = matches!(
             r,
-            Err(Error::InvalidArgument(_) | Error::BatchShape { .. } | Error::SeqTooLong { .. })
+            Err(Error::TokenOutOfRange { .. }
+                | Error::BatchShape { .. }
+                | Error::SeqTooLong { .. })
         );
         assert!(typed, "{r:?}");
         assert_eq!(m.stage(), None, "nothing ran");

@@ -356,7 +356,7 @@ fn a_linear_used_twice_must_be_shared() {
     let dy = Act::upload(bwd.pool(), bwd.stream(), N, C, d, &data(N * C, 31, 1.0, d)).unwrap();
     let err = l.backward(&bwd, &y1, &dy, true).unwrap_err();
     assert!(
-        matches!(&err, Error::InvalidArgument(m) if m.contains("write it at the last")),
+        matches!(&err, Error::Conflict { with, .. } if with.contains("write it at the last")),
         "{err}"
     );
 }
@@ -439,7 +439,7 @@ fn bad_input_is_a_typed_error() {
     let bad = |r: Result<Act>| {
         let typed = matches!(
             r,
-            Err(Error::ActivationShape { .. } | Error::InvalidArgument(_))
+            Err(Error::ActivationShape { .. } | Error::Operands { .. })
         );
         assert!(typed, "{r:?}");
     };

@@ -243,11 +243,11 @@ fn block_registers_gpt2_names() {
     };
     assert!(matches!(
         attn.forward(&fwd, &x, B, T + 1),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Length { got: N, expected, .. }) if expected == B * (T + 1)
     ));
     assert!(matches!(
         blk.forward(&fwd, (), &x, [3, T], None),
-        Err(Error::InvalidArgument(_))
+        Err(Error::Length { got: N, expected, .. }) if expected == 3 * T
     ));
     let (_, saved) = blk.forward(&fwd, (), &x, [B, T], None).unwrap();
     assert_eq!(saved.h1().shape(), [N, C]);

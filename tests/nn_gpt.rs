@@ -141,14 +141,31 @@ fn bad_input_is_refused() {
     let bad_tok = [0, 1, 2, V as i32];
     assert!(matches!(
         gpt.emb.forward(&fwd, &bad_tok, 1, 4),
-        Err(Error::InvalidArgument(_))
+        Err(Error::TokenOutOfRange {
+            token,
+            position: 3,
+            vocab: V
+        }) if token == V as i64
     ));
     assert!(gpt.emb.forward(&fwd, &[0, 1, 2, -1], 1, 4).is_err());
     assert!(
-        gpt.emb.forward(&fwd, &[0; 7], 1, 7).is_err(),
+        matches!(
+            gpt.emb.forward(&fwd, &[0; 7], 1, 7),
+            Err(Error::SeqTooLong { seq: 7, max: MAX_T })
+        ),
         "seq > max_seq"
     );
-    assert!(gpt.emb.forward(&fwd, &[0; 3], 1, 4).is_err(), "length");
+    assert!(
+        matches!(
+            gpt.emb.forward(&fwd, &[0; 3], 1, 4),
+            Err(Error::Length {
+                got: 3,
+                expected: 4,
+                ..
+            })
+        ),
+        "length"
+    );
     let (x, _) = gpt.emb.forward(&fwd, &[0, 1, 2, 3], 1, 4).unwrap();
     assert!(gpt.head.forward(&fwd, &x, &[0, 1, 2, V as i32]).is_err());
     assert!(gpt.head.forward(&fwd, &x, &[0, 1, 2]).is_err());

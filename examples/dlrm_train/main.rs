@@ -64,9 +64,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 use tidemem::data::criteo::{Batch, Dataset, Synthetic, SyntheticConfig};
 use tidemem::device::HostPhase;
-use tidemem::embedding::{CachePolicy, EmbeddingOptimizer};
+use tidemem::embedding::CachePolicy;
 use tidemem::metrics::{auc, log_loss};
 use tidemem::models::dlrm::DlrmConfig;
+use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::prelude::*;
 
 use data::Source;

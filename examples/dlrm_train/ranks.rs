@@ -197,7 +197,7 @@ struct Setup {
     seed: u64,
     lr: f32,
     warmup: f64,
-    emb_opt: tidemem::embedding::EmbeddingOptimizer,
+    emb_opt: tidemem::ops::embedding::EmbeddingOptimizer,
     policy: tidemem::embedding::CachePolicy,
     ratio: (bool, f64),
 }

@@ -75,7 +75,7 @@ impl<T: Send + 'static> Ahead<T> {
     /// (each worker holds up to `ceil(depth / workers)`).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a `depth` or `workers` of 0; [`Error::ThreadSpawn`] when a
+    /// [`Error::TooFew`] for a `depth` or `workers` of 0; [`Error::ThreadSpawn`] when a
     /// worker cannot start (those started are stopped first).
     pub fn indexed<F>(range: Range<u64>, depth: usize, workers: usize, make: F) -> Result<Self>
     where
@@ -117,7 +117,7 @@ impl<T: Send + 'static> Ahead<T> {
     /// one worker thread, at most `depth` waiting.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for a `depth` of 0; [`Error::ThreadSpawn`] when the worker
+    /// [`Error::TooFew`] for a `depth` of 0; [`Error::ThreadSpawn`] when the worker
     /// cannot start.
     pub fn sequential<F>(depth: usize, mut next: F) -> Result<Self>
     where
@@ -223,13 +223,14 @@ impl<T: Send + 'static> Ahead<T> {
     /// range are built here too.
     ///
     /// # Errors
-    /// The builder's error; [`Error::InvalidArgument`] on a sequential stream; as
+    /// The builder's error; [`Error::Conflict`] on a sequential stream; as
     /// [`Ahead::recv`] for an item from the queue.
     pub fn at(&mut self, index: u64) -> Result<T> {
         let Some((make, range)) = self.indexed.clone() else {
-            return Err(Error::InvalidArgument(
-                "items by index from a sequential data stream".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "items by index (Ahead::at)".into(),
+                with: "a sequential data stream".into(),
+            });
         };
         if !range.contains(&index) || index < range.start + self.next || self.done {
             return make(index);
@@ -290,10 +291,14 @@ impl<T> Drop for Ahead<T> {
 }
 
 fn check(depth: usize, workers: usize) -> Result<()> {
-    if depth == 0 || workers == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "a data queue of depth {depth} over {workers} workers: both must be at least 1"
-        )));
+    for (what, n) in [("depth", depth), ("workers", workers)] {
+        if n == 0 {
+            return Err(Error::TooFew {
+                what: format!("{what} of a data queue (depth {depth} over {workers} workers)"),
+                got: 0,
+                need: 1,
+            });
+        }
     }
     Ok(())
 }
@@ -377,7 +382,10 @@ mod tests {
     fn an_error_arrives_at_its_place_and_ends_the_stream() {
         let mut a = Ahead::indexed(0..50, 4, 3, |i| {
             if i == 17 {
-                Err(Error::InvalidArgument(format!("bad item {i}")))
+                Err(Error::Io {
+                    during: "building an item",
+                    source: std::io::Error::other(format!("bad item {i}")),
+                })
             } else {
                 Ok(i)
             }
@@ -393,7 +401,10 @@ mod tests {
         let mut s = Ahead::sequential(2, move || {
             k += 1;
             if k == 3 {
-                Err(Error::InvalidArgument("line 3".into()))
+                Err(Error::Io {
+                    during: "reading a line",
+                    source: std::io::Error::other("line 3"),
+                })
             } else {
                 Ok(Some(k))
             }
@@ -451,12 +462,19 @@ mod tests {
         assert_eq!(a.at(500).unwrap(), 1000, "past the range");
         assert_eq!(a.at(17).unwrap(), 34);
         let mut s = Ahead::sequential(2, || Ok(Some(1))).unwrap();
-        assert!(s.at(0).is_err());
+        assert!(matches!(s.at(0), Err(Error::Conflict { .. })));
     }
 
     #[test]
     fn zero_depth_or_workers_is_refused() {
-        assert!(Ahead::indexed(0..4, 0, 1, Ok).is_err());
+        assert!(matches!(
+            Ahead::indexed(0..4, 0, 1, Ok),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
+        ));
         assert!(Ahead::indexed(0..4, 1, 0, Ok).is_err());
         assert!(Ahead::sequential(0, || Ok(Some(1))).is_err());
     }

@@ -54,15 +54,14 @@ impl Tokenizer {
     /// A Hugging Face tokenizer loaded from a `tokenizer.json` file (the format of GPT-2's
     /// byte-level BPE, and of the `tokenizers` library's other models).
     ///
-    /// Errors with [`Error::InvalidArgument`], naming the path, when the file cannot be read or
-    /// is not a tokenizer description.
+    /// Errors with [`Error::FileIo`] when the file cannot be read, and with
+    /// [`Error::InvalidArgument`], naming the path, when it is not a tokenizer description.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Tokenizer> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
-            Error::InvalidArgument(format!(
-                "cannot read tokenizer file {}: {e}",
-                path.display()
-            ))
+        let bytes = std::fs::read(path).map_err(|source| Error::FileIo {
+            during: "reading tokenizer file",
+            path: path.to_path_buf(),
+            source,
         })?;
         let hf = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
             Error::InvalidArgument(format!(
@@ -107,15 +106,16 @@ impl Tokenizer {
     /// The text of `ids`. For bytes, sequences that are not valid UTF-8 (a window cut inside a
     /// multi-byte character, a model's sample) decode lossily, with U+FFFD in their place.
     ///
-    /// Errors with [`Error::InvalidArgument`], naming the position, on an id not below
+    /// Errors with [`Error::TokenOutOfRange`], naming the position, on an id not below
     /// [`vocab_size`](Self::vocab_size).
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         let vocab = self.vocab_size();
         if let Some(pos) = ids.iter().position(|&id| id as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "token id {} at position {pos} is not below the vocabulary size {vocab}",
-                ids[pos]
-            )));
+            return Err(Error::TokenOutOfRange {
+                token: i64::from(ids[pos]),
+                position: pos,
+                vocab,
+            });
         }
         match &self.kind {
             Kind::Bytes => {
@@ -232,37 +232,54 @@ impl TokenData {
     /// The stream `tokens` over a vocabulary of `vocab` ids, its last `val_fraction` (rounded
     /// to a whole token) held out for validation.
     ///
-    /// Errors with [`Error::InvalidArgument`] when `tokens` is empty, `vocab` is 0 or above
-    /// 2^31 (ids are handed out as `i32`), `val_fraction` is not in `[0, 1)`, the training part
-    /// would be empty, or a token is not below `vocab` (the error names the first such
+    /// Errors with [`Error::Empty`] when `tokens` is empty or the training part would be,
+    /// [`Error::TooFew`] or [`Error::TooLarge`] when `vocab` is 0 or above 2^31 (ids are
+    /// handed out as `i32`), [`Error::BadValue`] when `val_fraction` is not in `[0, 1)`, and
+    /// [`Error::TokenOutOfRange`] when a token is not below `vocab` (naming the first such
     /// position).
     pub fn new(tokens: Vec<u32>, vocab: usize, val_fraction: f64) -> Result<TokenData> {
         if tokens.is_empty() {
-            return Err(Error::InvalidArgument("the token stream is empty".into()));
+            return Err(Error::Empty {
+                what: "the token stream".into(),
+            });
         }
-        if vocab == 0 || vocab > 1 << 31 {
-            return Err(Error::InvalidArgument(format!(
-                "vocabulary size {vocab} is not in 1..=2^31"
-            )));
+        if vocab == 0 {
+            return Err(Error::TooFew {
+                what: "vocabulary size".into(),
+                got: 0,
+                need: 1,
+            });
+        }
+        if vocab > 1 << 31 {
+            return Err(Error::TooLarge {
+                what: "vocabulary size (ids are handed out as i32)".into(),
+                requested: vocab as u128,
+                limit: 1 << 31,
+            });
         }
         if !(0.0..1.0).contains(&val_fraction) {
-            return Err(Error::InvalidArgument(format!(
-                "val_fraction {val_fraction} is not in [0, 1)"
-            )));
+            return Err(Error::BadValue {
+                what: "val_fraction".into(),
+                value: val_fraction,
+                want: "in [0, 1)",
+            });
         }
         if let Some(pos) = tokens.iter().position(|&t| t as usize >= vocab) {
-            return Err(Error::InvalidArgument(format!(
-                "token {} at position {pos} is not below the vocabulary size {vocab}",
-                tokens[pos]
-            )));
+            return Err(Error::TokenOutOfRange {
+                token: i64::from(tokens[pos]),
+                position: pos,
+                vocab,
+            });
         }
         let n_val = (tokens.len() as f64 * val_fraction).round() as usize;
         let n_train = tokens.len() - n_val.min(tokens.len());
         if n_train == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "val_fraction {val_fraction} of {} tokens leaves no training tokens",
-                tokens.len()
-            )));
+            return Err(Error::Empty {
+                what: format!(
+                    "the training part left by val_fraction {val_fraction} of {} tokens",
+                    tokens.len()
+                ),
+            });
         }
         let mut train = tokens;
         let val = train.split_off(n_train);
@@ -277,24 +294,27 @@ impl TokenData {
 
     /// The UTF-8 text file at `path` encoded by `tok`.
     ///
-    /// Errors with [`Error::InvalidArgument`], naming the path, when the file cannot be read or
-    /// is not UTF-8 (naming the byte offset of the first invalid sequence too); otherwise as
-    /// [`TokenData::from_text`].
+    /// Errors with [`Error::FileIo`] when the file cannot be read, [`Error::Parse`] naming the
+    /// path and the byte offset of the first invalid sequence when it is not UTF-8; otherwise
+    /// as [`TokenData::from_text`].
     pub fn from_file(
         path: impl AsRef<Path>,
         tok: &Tokenizer,
         val_fraction: f64,
     ) -> Result<TokenData> {
         let path = path.as_ref();
-        let bytes = std::fs::read(path).map_err(|e| {
-            Error::InvalidArgument(format!("cannot read text file {}: {e}", path.display()))
+        let bytes = std::fs::read(path).map_err(|source| Error::FileIo {
+            during: "reading text file",
+            path: path.to_path_buf(),
+            source,
         })?;
-        let text = std::str::from_utf8(&bytes).map_err(|e| {
-            Error::InvalidArgument(format!(
-                "{} is not UTF-8: invalid byte sequence at offset {}",
-                path.display(),
+        let text = std::str::from_utf8(&bytes).map_err(|e| Error::Parse {
+            what: "text file",
+            input: path.display().to_string(),
+            expected: format!(
+                "UTF-8 (an invalid byte sequence at offset {})",
                 e.valid_up_to()
-            ))
+            ),
         })?;
         TokenData::from_text(text, tok, val_fraction)
     }
@@ -340,8 +360,8 @@ impl TokenData {
     /// The same `(split, index, batch, seq)` gives the same batch on every call and every run;
     /// a window never crosses from the training part into the held-out one.
     ///
-    /// Errors with [`Error::InvalidArgument`] when `batch` or `seq` is 0 or the split has fewer
-    /// than `seq + 1` tokens, and with [`Error::TooLarge`] when the batch's bytes (two
+    /// Errors with [`Error::TooFew`] when `batch` or `seq` is 0 or the split has fewer than
+    /// `seq + 1` tokens, and with [`Error::TooLarge`] when the batch's bytes (two
     /// `batch · seq` arrays of `i32`) overflow or exceed what the machine holds
     /// ([`crate::limits::host_limit`]), before anything is allocated.
     pub fn batch(
@@ -351,18 +371,22 @@ impl TokenData {
         batch: usize,
         seq: usize,
     ) -> Result<(Vec<i32>, Vec<i32>)> {
-        if batch == 0 || seq == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "a batch needs at least one row of one token, got batch {batch}, seq {seq}"
-            )));
+        for (what, n) in [("rows of a batch", batch), ("tokens a row of a batch", seq)] {
+            if n == 0 {
+                return Err(Error::TooFew {
+                    what: format!("{what} (batch {batch}, seq {seq})"),
+                    got: 0,
+                    need: 1,
+                });
+            }
         }
         let part = self.split(split);
         if part.len() <= seq {
-            return Err(Error::InvalidArgument(format!(
-                "the {split:?} split has {} tokens, fewer than seq + 1 = {} for one window",
-                part.len(),
-                seq.saturating_add(1)
-            )));
+            return Err(Error::TooFew {
+                what: format!("tokens of the {split:?} split for one window of seq + 1"),
+                got: part.len(),
+                need: seq.saturating_add(1),
+            });
         }
         let total = batch_tokens(batch, seq)?;
         // Windows start at 0..=len - seq - 1: `starts` choices.

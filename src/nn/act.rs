@@ -35,18 +35,20 @@ impl fmt::Debug for Act {
 
 impl Act {
     /// An activation of `[rows, cols]` of `dtype` from `pool`, its contents unspecified.
-    /// Fails with [`Error::InvalidArgument`] for an empty shape or one whose bytes overflow,
-    /// and with the pool's error when it has no room.
+    /// Fails with [`Error::Empty`] for an empty shape, [`Error::Overflow`] for one whose bytes
+    /// overflow, and with the pool's error when it has no room.
     pub fn alloc(pool: &CachingAllocator, rows: usize, cols: usize, dtype: DType) -> Result<Act> {
         let bytes = rows
             .checked_mul(cols)
             .and_then(|n| n.checked_mul(dtype.size()))
-            .filter(|&b| b > 0)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "an activation of [{rows}, {cols}] {dtype}: empty or too large"
-                ))
+            .ok_or_else(|| Error::Overflow {
+                what: format!("the bytes of an activation of [{rows}, {cols}] {dtype}"),
             })?;
+        if bytes == 0 {
+            return Err(Error::Empty {
+                what: format!("an activation of [{rows}, {cols}] {dtype}"),
+            });
+        }
         Ok(Act {
             block: Arc::new(pool.alloc(bytes)?),
             device: pool.device().clone(),
@@ -66,11 +68,17 @@ impl Act {
         dtype: DType,
         values: &[f32],
     ) -> Result<Act> {
-        if Some(values.len()) != rows.checked_mul(cols) {
-            return Err(Error::InvalidArgument(format!(
-                "{} values for an activation of [{rows}, {cols}]",
-                values.len()
-            )));
+        let Some(n) = rows.checked_mul(cols) else {
+            return Err(Error::Overflow {
+                what: format!("the elements of an activation of [{rows}, {cols}]"),
+            });
+        };
+        if values.len() != n {
+            return Err(Error::Length {
+                what: format!("values for an activation of [{rows}, {cols}]"),
+                got: values.len(),
+                expected: n,
+            });
         }
         let act = Act::alloc(pool, rows, cols, dtype)?;
         let bytes = encode_f32(values, dtype);

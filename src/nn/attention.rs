@@ -77,9 +77,10 @@ pub fn attend_backward(
     match (&saved.0, core) {
         (CoreKept::Local(h), None) => heads_backward(pass, op, h, dmerged),
         (CoreKept::Other(h), Some(c)) => c.backward(pass, h, dmerged),
-        _ => Err(Error::InvalidArgument(
-            "an attention's backward run with another core than its forward".into(),
-        )),
+        // run with another core than its forward
+        _ => Err(Error::SavedMismatch {
+            layer: "an attention (its backward run with another core than its forward)".into(),
+        }),
     }
 }
 
@@ -109,11 +110,11 @@ impl HeadsCoreSaved {
         HeadsCoreSaved(Box::new(value))
     }
 
-    /// The value kept, if it is a `T`; [`Error::InvalidArgument`] otherwise (a saved state
+    /// The value kept, if it is a `T`; [`Error::SavedMismatch`] otherwise (a saved state
     /// handed to another kind of core).
     pub fn get<T: std::any::Any>(&self) -> Result<&T> {
-        self.0.downcast_ref().ok_or_else(|| {
-            Error::InvalidArgument("an attention core's saved state of another kind".into())
+        self.0.downcast_ref().ok_or_else(|| Error::SavedMismatch {
+            layer: "an attention core (its saved state is of another kind)".into(),
         })
     }
 }
@@ -152,12 +153,7 @@ impl CausalSelfAttention {
         heads: usize,
         init: Option<Init>,
     ) -> Result<CausalSelfAttention> {
-        if heads == 0 || channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "attention '{name}': {channels} channels over {heads} heads (C a positive \
-                 multiple of H)"
-            )));
-        }
+        super::check_heads(&format!("attention '{name}'"), channels, heads)?;
         let c_attn = Linear::register(
             store,
             &format!("{name}.c_attn"),
@@ -200,24 +196,28 @@ impl CausalSelfAttention {
         v
     }
 
-    /// The op for `rows = batch × seq` rows, or [`Error::InvalidArgument`].
+    /// The op for `rows = batch × seq` rows; [`Error::Empty`], [`Error::Length`] or
+    /// [`Error::Overflow`] for rows that are not, and [`Error::TooFew`],
+    /// [`Error::NotMultiple`] or [`Error::Length`] for a layer whose projections and heads do
+    /// not fit together.
     pub(super) fn op(&self, rows: usize, batch: usize, seq: usize) -> Result<Attention> {
         let c = self.inner();
-        if batch == 0 || seq == 0 || batch.checked_mul(seq) != Some(rows) {
-            return Err(Error::InvalidArgument(format!(
-                "attention over {rows} rows as batch {batch} × sequence {seq}"
-            )));
+        super::check_rows(rows, batch, seq)?;
+        // the heads split c_attn's outputs into q, k, v of `c` channels, merged into c_proj
+        super::check_heads("an attention (c_attn's outputs / 3)", c, self.heads)?;
+        if self.c_attn.outputs != 3 * c {
+            return Err(Error::Length {
+                what: "attention: c_attn's outputs (q, k and v side by side)".into(),
+                got: self.c_attn.outputs,
+                expected: 3 * c,
+            });
         }
-        if self.heads == 0
-            || c == 0
-            || !c.is_multiple_of(self.heads)
-            || self.c_attn.outputs != 3 * c
-            || self.c_proj.inputs != c
-        {
-            return Err(Error::InvalidArgument(format!(
-                "attention of {} heads, a c_attn of {} outputs and a c_proj of {} inputs",
-                self.heads, self.c_attn.outputs, self.c_proj.inputs
-            )));
+        if self.c_proj.inputs != c {
+            return Err(Error::Length {
+                what: "attention: c_proj's inputs for the merged heads".into(),
+                got: self.c_proj.inputs,
+                expected: c,
+            });
         }
         Ok(Attention::new(Heads::new(
             batch,
@@ -230,7 +230,8 @@ impl CausalSelfAttention {
     /// `y = c_proj(attention(c_attn(x)))` for `x` `[B·T, C]` (rows batch-major: row `b·T + t`
     /// is token `t` of sequence `b`). Returns `y` `[B·T, C]` and what the backward needs;
     /// the scratch returns to the pool. Shapes and types are checked before anything runs
-    /// ([`Error::InvalidArgument`]).
+    /// ([`Error::ActivationShape`], and [`Error::Length`] or [`Error::Empty`] for rows that
+    /// are not `batch × seq`).
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,

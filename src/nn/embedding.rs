@@ -61,10 +61,25 @@ impl Embedding {
         channels: usize,
         init: Option<Init>,
     ) -> Result<Embedding> {
-        if vocab == 0 || max_seq == 0 || channels == 0 || vocab > i32::MAX as usize {
-            return Err(Error::InvalidArgument(format!(
-                "an embedding of {vocab} tokens, {max_seq} positions and {channels} channels"
-            )));
+        for (what, n) in [
+            ("tokens", vocab),
+            ("positions", max_seq),
+            ("channels", channels),
+        ] {
+            if n == 0 {
+                return Err(Error::TooFew {
+                    what: format!("{what} of an embedding"),
+                    got: 0,
+                    need: 1,
+                });
+            }
+        }
+        if vocab > i32::MAX as usize {
+            return Err(Error::TooLarge {
+                what: "tokens of an embedding (token ids are i32)".into(),
+                requested: vocab as u128,
+                limit: i32::MAX as u64,
+            });
         }
         let init_for = |name: &str| {
             init.clone().unwrap_or(Init::Uniform {
@@ -102,8 +117,8 @@ impl Embedding {
 
     /// The embedding of `tokens` `[batch, seq]` (host i32, batch-major): returns `out`
     /// `[batch·seq, C]` of the store's parameter dtype and what the backward needs. A token
-    /// outside `0..V`, `seq > max_seq` or `tokens.len() ≠ batch·seq` is
-    /// [`Error::InvalidArgument`] before anything runs.
+    /// outside `0..V` ([`Error::TokenOutOfRange`]), `seq > max_seq` ([`Error::SeqTooLong`]) or
+    /// `tokens.len() ≠ batch·seq` ([`Error::Length`]) is refused before anything runs.
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,
@@ -125,15 +140,29 @@ impl Embedding {
         seq: usize,
         first: usize,
     ) -> Result<(Act, EmbeddingSaved)> {
-        let rows = batch.checked_mul(seq).filter(|&r| r > 0);
-        let last = first.checked_add(seq);
-        if rows != Some(tokens.len()) || last.is_none_or(|l| l > self.max_seq) {
-            return Err(Error::InvalidArgument(format!(
-                "{} tokens for a batch of {batch} × {seq} from position {first} (at most {} \
-                 positions)",
-                tokens.len(),
-                self.max_seq
-            )));
+        let Some(rows) = batch.checked_mul(seq) else {
+            return Err(Error::Overflow {
+                what: format!("the tokens of a batch of {batch} × {seq}"),
+            });
+        };
+        if rows == 0 {
+            return Err(Error::Empty {
+                what: format!("an embedding's batch of {batch} × {seq} tokens"),
+            });
+        }
+        if rows != tokens.len() {
+            return Err(Error::Length {
+                what: format!("tokens for a batch of {batch} × {seq}"),
+                got: tokens.len(),
+                expected: rows,
+            });
+        }
+        if first.checked_add(seq).is_none_or(|l| l > self.max_seq) {
+            // positions `first .. first + seq`
+            return Err(Error::SeqTooLong {
+                seq: first.saturating_add(seq),
+                max: self.max_seq,
+            });
         }
         // checks every token against the vocabulary
         let plan = EncoderPlan::new(tokens, self.vocab)?;
@@ -205,9 +234,9 @@ impl Embedding {
         let sh = &saved.shape;
         dout.expect("dout", Some(sh.batch * sh.seq), self.channels, d)?;
         if *sh != self.shape_at(sh.batch, sh.seq, saved.first) {
-            return Err(Error::InvalidArgument(
-                "the saved state comes from another embedding".into(),
-            ));
+            return Err(Error::SavedMismatch {
+                layer: "an embedding".into(),
+            });
         }
         let g = pass.fetch(&self.params())?;
         check_param(&g, 0, &[self.vocab, self.channels], d)?;

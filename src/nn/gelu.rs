@@ -14,7 +14,7 @@ pub fn gelu<K: PassKind>(pass: &Pass<'_, K>, x: &Act) -> Result<Act> {
 }
 
 /// `dx = dy · GELU'(x)` for the forward's input `x` and the output's gradient `dy` (same shape
-/// and type, else [`Error::InvalidArgument`](crate::Error::InvalidArgument)).
+/// and type, else [`Error::ActivationShape`](crate::Error::ActivationShape)).
 pub fn gelu_backward(pass: &BackwardPass<'_>, x: &Act, dy: &Act) -> Result<Act> {
     dy.expect("dy", Some(x.rows()), x.cols(), x.dtype())?;
     let dx = Act::alloc(pass.pool(), x.rows(), x.cols(), x.dtype())?;

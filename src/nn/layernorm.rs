@@ -16,7 +16,7 @@ use crate::tensor::{Init, TensorId};
 /// LayerNorm over `cols` features (PyTorch's `nn.LayerNorm(cols)`): per row,
 /// `y = (h − mean)·rstd·γ + β` with `rstd = 1/√(var + eps)` (biased variance), where `h` is the
 /// input, or `x + r` when a residual is given (the residual stream; see
-/// [`ops::layernorm`](crate::ops::layernorm)). γ and β are `[cols]` parameters; activations are of
+/// [`ops::layernorm`](crate::ops::layernorm_forward)). γ and β are `[cols]` parameters; activations are of
 /// the store's parameter dtype, the statistics f32.
 ///
 /// Backward writes dγ and dβ through [`Guard::accumulate_grad`](crate::store::Guard::accumulate_grad)
@@ -77,9 +77,11 @@ impl LayerNorm {
         beta: Init,
     ) -> Result<LayerNorm> {
         if cols == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "layer norm '{name}' over 0 columns"
-            )));
+            return Err(Error::TooFew {
+                what: format!("columns of layer norm '{name}'"),
+                got: 0,
+                need: 1,
+            });
         }
         super::check_eps(name, eps)?;
         let gamma = store.register(&format!("{name}.weight"), &[cols], gamma)?;
@@ -99,7 +101,7 @@ impl LayerNorm {
 
     /// Normalises `x` `[N, cols]`, or `h = x + residual` when given (same shape): returns `y`
     /// and what the backward needs. Shapes and types are checked before anything runs
-    /// ([`Error::InvalidArgument`]).
+    /// ([`Error::ActivationShape`]).
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,
@@ -164,9 +166,10 @@ impl LayerNorm {
         if let Some(dx) = dx_into {
             dx.expect("dx", Some(rows), self.cols, d)?;
             if dx.same_memory(dy) || dx.same_memory(&saved.h) {
-                return Err(Error::InvalidArgument(
-                    "layer norm backward: `dx` is the memory of `dy` or of the saved input".into(),
-                ));
+                return Err(Error::Operands {
+                    op: "layer norm backward",
+                    reason: "`dx` is the memory of `dy` or of the saved input".into(),
+                });
             }
         }
         let g = pass.fetch(&[self.gamma, self.beta])?;

@@ -6,7 +6,7 @@ use std::fmt::Debug;
 use super::act::Act;
 use super::layernorm::{LayerNorm, LayerNormSaved};
 use super::linear::{Linear, WeightUse};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -164,13 +164,7 @@ impl Layout for Serial {
     }
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
-        if heads == 0 || channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::InvalidArgument(format!(
-                "attention '{name}': {channels} channels over {heads} heads (C a positive \
-                 multiple of H)"
-            )));
-        }
-        Ok(())
+        super::check_heads(&format!("attention '{name}'"), channels, heads)
     }
 
     fn attention(
@@ -180,11 +174,7 @@ impl Layout for Serial {
         heads: usize,
         head_dim: usize,
     ) -> Result<Attention> {
-        if batch == 0 || seq == 0 || batch.checked_mul(seq) != Some(rows) {
-            return Err(Error::InvalidArgument(format!(
-                "attention over {rows} rows as batch {batch} × sequence {seq}"
-            )));
-        }
+        super::check_rows(rows, batch, seq)?;
         Ok(Attention::new(Heads::new(batch, seq, heads, head_dim)))
     }
 

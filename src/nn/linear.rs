@@ -68,10 +68,14 @@ impl Linear {
         weight: Init,
         bias: Option<Init>,
     ) -> Result<Linear> {
-        if inputs == 0 || outputs == 0 {
-            return Err(Error::InvalidArgument(format!(
-                "linear layer '{name}' of {inputs} inputs and {outputs} outputs"
-            )));
+        for (what, n) in [("inputs", inputs), ("outputs", outputs)] {
+            if n == 0 {
+                return Err(Error::TooFew {
+                    what: format!("{what} of linear layer '{name}'"),
+                    got: 0,
+                    need: 1,
+                });
+            }
         }
         let w = store.register(&format!("{name}.weight"), &[outputs, inputs], weight)?;
         let b = match bias {
@@ -98,18 +102,27 @@ impl Linear {
         let (outputs, inputs) = match *store.tensor_shape(weight)? {
             [o, i] => (o, i),
             ref s => {
-                return Err(Error::InvalidArgument(format!(
-                    "a linear weight is [outputs, inputs]; tensor {weight} is {s:?}"
-                )))
+                return Err(Error::Length {
+                    what: format!(
+                        "dimensions of tensor {weight} {s:?} as a linear weight ([outputs, inputs])"
+                    ),
+                    got: s.len(),
+                    expected: 2,
+                })
             }
         };
         if let Some(b) = bias {
             let s = store.tensor_shape(b)?;
             if s != [outputs] {
-                return Err(Error::InvalidArgument(format!(
-                    "the bias of a [{outputs}, {inputs}] weight is [{outputs}]; tensor {b} is \
-                     {s:?}"
-                )));
+                // the bias of a [outputs, inputs] weight is [outputs]
+                let d = store.param_dtype();
+                return Err(Error::ParamShape {
+                    tensor: b.0,
+                    shape: s.to_vec(),
+                    dtype: d,
+                    expected: vec![outputs],
+                    expected_dtype: d,
+                });
             }
         }
         Ok(Linear {
@@ -165,7 +178,7 @@ impl Linear {
     }
 
     /// `y = x·Wᵀ + b` for `x` `[N, inputs]` of the store's parameter dtype; `y` comes from the
-    /// pass's pool. A wrong shape or type is [`Error::InvalidArgument`], before anything runs.
+    /// pass's pool. A wrong shape or type is [`Error::ActivationShape`], before anything runs.
     pub fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<Act> {
         let d = pass.param_dtype();
         x.expect("x", None, self.inputs, d)?;
@@ -218,13 +231,15 @@ impl Linear {
         need_dx: bool,
     ) -> Result<(Option<Act>, PoolBlock)> {
         if self.bias.is_some() {
-            return Err(Error::InvalidArgument(
-                "a linear layer's weight share is returned only without a bias".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "returning a linear layer's weight share (backward_returning)".into(),
+                with: "a bias: the share is returned only without one".into(),
+            });
         }
         let (dx, share) = self.backward_to(pass, x, dy, need_dx, true)?;
-        let share = share
-            .ok_or_else(|| Error::InvalidArgument("the weight's share was not kept".into()))?;
+        let share = share.ok_or_else(|| Error::Internal {
+            what: "the weight's share asked for was not kept".into(),
+        })?;
         Ok((dx, share))
     }
 

@@ -152,7 +152,9 @@ impl LmHead {
     /// The backward of [`LmHead::forward`]: returns `dh` `[N, C]` and adds `wte`'s share.
     pub fn backward(&self, pass: &BackwardPass<'_>, saved: &LmHeadSaved) -> Result<Act> {
         let dh = self.proj.backward(pass, &saved.h, &saved.dlogits, true)?;
-        dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))
+        dh.ok_or_else(|| Error::Internal {
+            what: "the head's backward asked for dh gave none".into(),
+        })
     }
 
     /// [`LmHead::backward`] with `wte`'s share returned (`[V, C]`, the parameter dtype)
@@ -165,8 +167,9 @@ impl LmHead {
         let (dh, share) = self
             .proj
             .backward_returning(pass, &saved.h, &saved.dlogits, true)?;
-        let dh =
-            dh.ok_or_else(|| Error::InvalidArgument("the head's backward gave no dh".into()))?;
+        let dh = dh.ok_or_else(|| Error::Internal {
+            what: "the head's backward asked for dh gave none".into(),
+        })?;
         Ok((dh, share))
     }
 }

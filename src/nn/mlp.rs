@@ -44,8 +44,8 @@ impl Mlp {
         channels: usize,
         init: Option<Init>,
     ) -> Result<Mlp> {
-        let hidden = channels.checked_mul(4).ok_or_else(|| {
-            Error::InvalidArgument(format!("mlp '{name}' of {channels} channels overflows"))
+        let hidden = channels.checked_mul(4).ok_or_else(|| Error::Overflow {
+            what: format!("the hidden width (4 × {channels} channels) of mlp '{name}'"),
         })?;
         let c_fc = Linear::register(
             store,
@@ -74,13 +74,15 @@ impl Mlp {
     }
 
     /// `y = c_proj(GELU(c_fc(x)))` for `x` `[N, C]`; returns `y` and what the backward needs.
-    /// Shapes and types are checked before anything runs ([`Error::InvalidArgument`]).
+    /// Shapes and types are checked before anything runs ([`Error::Length`],
+    /// [`Error::ActivationShape`]).
     pub fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, MlpSaved)> {
         if self.c_proj.inputs != self.c_fc.outputs {
-            return Err(Error::InvalidArgument(format!(
-                "mlp: c_fc gives {} features, c_proj takes {}",
-                self.c_fc.outputs, self.c_proj.inputs
-            )));
+            return Err(Error::Length {
+                what: "mlp: the inputs c_proj takes for the features c_fc gives".into(),
+                got: self.c_proj.inputs,
+                expected: self.c_fc.outputs,
+            });
         }
         let pre = self.c_fc.forward(pass, x)?;
         let act = gelu(pass, &pre)?;

@@ -125,9 +125,55 @@ pub(crate) fn check_scale(what: &str, scale: f32) -> Result<()> {
     })
 }
 
+/// Checks the split of `whose` `channels` into `heads`: both positive
+/// ([`Error::TooFew`]), the channels a multiple of the heads ([`Error::NotMultiple`]).
+fn check_heads(whose: &str, channels: usize, heads: usize) -> Result<()> {
+    for (what, n) in [("channels", channels), ("heads", heads)] {
+        if n == 0 {
+            return Err(Error::TooFew {
+                what: format!("{what} of {whose}"),
+                got: 0,
+                need: 1,
+            });
+        }
+    }
+    if !channels.is_multiple_of(heads) {
+        return Err(Error::NotMultiple {
+            what: "channels",
+            value: channels,
+            of: "attention heads",
+            divisor: heads,
+        });
+    }
+    Ok(())
+}
+
+/// Checks that an attention's `rows` are `batch × seq`, neither zero: [`Error::Empty`],
+/// [`Error::Overflow`] or [`Error::Length`] otherwise.
+fn check_rows(rows: usize, batch: usize, seq: usize) -> Result<()> {
+    if batch == 0 || seq == 0 {
+        return Err(Error::Empty {
+            what: format!("an attention over batch {batch} × sequence {seq}"),
+        });
+    }
+    match batch.checked_mul(seq) {
+        None => Err(Error::Overflow {
+            what: format!("the rows of an attention over batch {batch} × sequence {seq}"),
+        }),
+        Some(n) if n != rows => Err(Error::Length {
+            what: format!("rows of an attention over batch {batch} × sequence {seq}"),
+            got: rows,
+            expected: n,
+        }),
+        Some(_) => Ok(()),
+    }
+}
+
 /// The input gradient of a [`Linear::backward`] that was asked for one.
 fn asked_dx(dx: Option<Act>) -> Result<Act> {
-    dx.ok_or_else(|| Error::InvalidArgument("a linear backward asked for dx gave none".into()))
+    dx.ok_or_else(|| Error::Internal {
+        what: "a linear backward asked for dx gave none".into(),
+    })
 }
 
 /// A seed from a layer's name (64-bit FNV-1a): the same name, the same initial weights.

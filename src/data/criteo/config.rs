@@ -77,10 +77,11 @@ impl FromStr for Dataset {
             .find(|d| d.name().eq_ignore_ascii_case(s.trim()))
             .ok_or_else(|| {
                 let names: Vec<&str> = Dataset::ALL.iter().map(|d| d.name()).collect();
-                Error::InvalidArgument(format!(
-                    "unknown dataset '{s}': expected one of {}",
-                    names.join(", ")
-                ))
+                Error::Parse {
+                    what: "dataset",
+                    input: s.to_string(),
+                    expected: format!("one of {}", names.join(", ")),
+                }
             })
     }
 }

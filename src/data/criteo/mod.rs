@@ -165,32 +165,38 @@ impl Synthetic {
     /// Builds a generator.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `zipf` is negative or not finite, `scale` is not in
-    /// `(0, 1]`, or the drift has `batches_per_day == 0` or a negative or non-finite `shift`.
+    /// [`Error::BadValue`] if `zipf` is negative or not finite, `scale` is not in `(0, 1]`, or
+    /// the drift's `shift` is negative or not finite; [`Error::TooFew`] if the drift has
+    /// `batches_per_day == 0`.
     pub fn new(config: SyntheticConfig) -> Result<Self> {
         if !config.zipf.is_finite() || config.zipf < 0.0 {
-            return Err(Error::InvalidArgument(format!(
-                "zipf exponent must be finite and >= 0, got {}",
-                config.zipf
-            )));
+            return Err(Error::BadValue {
+                what: "zipf exponent".into(),
+                value: config.zipf,
+                want: "finite and >= 0",
+            });
         }
         if !(config.scale > 0.0 && config.scale <= 1.0) {
-            return Err(Error::InvalidArgument(format!(
-                "scale must be in (0, 1], got {}",
-                config.scale
-            )));
+            return Err(Error::BadValue {
+                what: "scale".into(),
+                value: config.scale,
+                want: "in (0, 1]",
+            });
         }
         if let Some(drift) = config.drift {
             if drift.batches_per_day == 0 {
-                return Err(Error::InvalidArgument(
-                    "drift.batches_per_day must be at least 1".into(),
-                ));
+                return Err(Error::TooFew {
+                    what: "drift.batches_per_day".into(),
+                    got: 0,
+                    need: 1,
+                });
             }
             if !drift.shift.is_finite() || drift.shift < 0.0 {
-                return Err(Error::InvalidArgument(format!(
-                    "drift.shift must be finite and >= 0, got {}",
-                    drift.shift
-                )));
+                return Err(Error::BadValue {
+                    what: "drift.shift".into(),
+                    value: drift.shift,
+                    want: "finite and >= 0",
+                });
             }
         }
 
@@ -291,9 +297,11 @@ impl Synthetic {
         let offsets = self.table_offsets();
         let rows = *offsets.last().expect("at least the leading 0");
         if rows > u32::MAX as u64 {
-            return Err(Error::InvalidArgument(format!(
-                "{rows} rows over all tables do not fit 32-bit ids"
-            )));
+            return Err(Error::TooLarge {
+                what: "rows over all tables, as 32-bit ids".into(),
+                requested: u128::from(rows),
+                limit: u64::from(u32::MAX),
+            });
         }
         let mut ids = Vec::with_capacity(batch.size * batch.ids.len());
         for (col, &o) in batch.ids.iter().zip(&offsets) {

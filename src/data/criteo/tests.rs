@@ -6,10 +6,11 @@ fn gen(config: SyntheticConfig) -> Synthetic {
     Synthetic::new(config).expect("valid config")
 }
 
+/// The setting a refused config names: a value out of range or a count below 1.
 fn invalid(config: SyntheticConfig) -> String {
     match Synthetic::new(config) {
-        Err(Error::InvalidArgument(msg)) => msg,
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        Err(Error::BadValue { what, .. } | Error::TooFew { what, .. }) => what,
+        other => panic!("expected BadValue or TooFew, got {other:?}"),
     }
 }
 
@@ -62,12 +63,17 @@ fn dataset_names_round_trip() {
     }
     assert_eq!(Dataset::Criteo1Tb.name(), "criteo-1tb");
     match "criteo".parse::<Dataset>() {
-        Err(Error::InvalidArgument(msg)) => {
+        Err(Error::Parse {
+            what: "dataset",
+            input,
+            expected,
+        }) => {
+            assert_eq!(input, "criteo");
             for d in Dataset::ALL {
-                assert!(msg.contains(d.name()), "{msg}");
+                assert!(expected.contains(d.name()), "{expected}");
             }
         }
-        other => panic!("expected InvalidArgument, got {other:?}"),
+        other => panic!("expected Parse, got {other:?}"),
     }
 }
 

@@ -299,14 +299,15 @@ fn parse_hex(field: &[u8]) -> Option<Option<u32>> {
 /// ```
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] if a label is neither 0 nor 1 (checked before anything is
-/// written), [`Error::Io`] if the writer fails.
+/// [`Error::BadValue`] if a label is neither 0 nor 1 (checked before anything is written),
+/// [`Error::Io`] if the writer fails.
 pub fn write_tsv<W: Write>(mut writer: W, rows: &[TsvRow]) -> Result<()> {
     if let Some(i) = rows.iter().position(|r| r.label > 1) {
-        return Err(Error::InvalidArgument(format!(
-            "row {i} has label {}, expected 0 or 1",
-            rows[i].label
-        )));
+        return Err(Error::BadValue {
+            what: format!("the label of row {i}"),
+            value: f64::from(rows[i].label),
+            want: "0 or 1",
+        });
     }
     let io = |source| Error::Io {
         during: "writing a Criteo TSV line",
@@ -325,22 +326,42 @@ pub fn write_tsv<W: Write>(mut writer: W, rows: &[TsvRow]) -> Result<()> {
 /// `ln(1 + count)` values), id `i` becomes the categorical value `i`, label 1.0 becomes 1.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] if the batch does not have [`CATEGORICAL_FEATURES`] tables or
-/// its vectors do not match its size.
+/// [`Error::Length`] if the batch does not have [`CATEGORICAL_FEATURES`] tables or its vectors
+/// do not match its size.
 pub fn rows_from_batch(batch: &Batch) -> Result<Vec<TsvRow>> {
-    if batch.ids.len() != CATEGORICAL_FEATURES
-        || batch.dense.len() != batch.size * DENSE_FEATURES
-        || batch.labels.len() != batch.size
-        || batch.ids.iter().any(|c| c.len() != batch.size)
-    {
-        return Err(Error::InvalidArgument(format!(
-            "a batch of {} samples with {} tables, {} dense values and {} labels does not make \
-             Criteo rows ({CATEGORICAL_FEATURES} tables)",
-            batch.size,
-            batch.ids.len(),
-            batch.dense.len(),
-            batch.labels.len()
-        )));
+    let size = batch.size;
+    let length = |what: String, got: usize, expected: usize| {
+        if got == expected {
+            Ok(())
+        } else {
+            Err(Error::Length {
+                what,
+                got,
+                expected,
+            })
+        }
+    };
+    length(
+        "tables of a batch as Criteo rows".into(),
+        batch.ids.len(),
+        CATEGORICAL_FEATURES,
+    )?;
+    length(
+        format!("dense values of a batch of {size} samples ({DENSE_FEATURES} a sample)"),
+        batch.dense.len(),
+        size * DENSE_FEATURES,
+    )?;
+    length(
+        format!("labels of a batch of {size} samples"),
+        batch.labels.len(),
+        size,
+    )?;
+    for (t, c) in batch.ids.iter().enumerate() {
+        length(
+            format!("ids of table {t} of a batch of {size} samples"),
+            c.len(),
+            size,
+        )?;
     }
     Ok((0..batch.size)
         .map(|i| {
@@ -416,18 +437,21 @@ impl<R: BufRead> TsvReader<R> {
     /// A reader over `reader`; nothing is read yet.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `config` does not have [`CATEGORICAL_FEATURES`]
-    /// cardinalities, one is 0 or above `2^32`, or (with a vocabulary) one is below 2 or differs
-    /// from what the vocabulary was built with.
+    /// [`Error::Length`] if `config` does not have [`CATEGORICAL_FEATURES`] cardinalities,
+    /// [`Error::TooFew`] or [`Error::TooLarge`] if one is 0 or above `2^32`, and
+    /// [`Error::Conflict`] if (with a vocabulary) they differ from what the vocabulary was built
+    /// with.
     pub fn new(reader: R, config: TsvConfig) -> Result<Self> {
         validate_cardinalities(&config.cardinalities)?;
         if let IdMap::Vocabulary(v) = &config.ids {
             if v.cardinalities() != config.cardinalities.as_slice() {
-                return Err(Error::InvalidArgument(format!(
-                    "the vocabulary was built for cardinalities {:?}, the config has {:?}",
-                    v.cardinalities(),
-                    config.cardinalities
-                )));
+                return Err(Error::Conflict {
+                    what: format!(
+                        "a vocabulary built for cardinalities {:?}",
+                        v.cardinalities()
+                    ),
+                    with: format!("a config of cardinalities {:?}", config.cardinalities),
+                });
             }
         }
         Ok(Self {
@@ -457,13 +481,15 @@ impl<R: BufRead> TsvReader<R> {
     /// counting malformed lines; `None` once no good line is left.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if `n` is 0; [`Error::Io`] if the underlying reader fails
+    /// [`Error::TooFew`] if `n` is 0; [`Error::Io`] if the underlying reader fails
     /// (the samples of the batch in progress are then lost; the lines before it were returned).
     pub fn next_batch(&mut self, n: usize) -> Result<Option<Batch>> {
         if n == 0 {
-            return Err(Error::InvalidArgument(
-                "a batch needs at least 1 sample".into(),
-            ));
+            return Err(Error::TooFew {
+                what: "samples of a batch".into(),
+                got: 0,
+                need: 1,
+            });
         }
         // Reserve for the batch, but not for an absurd `n` the input may never fill.
         let cap = n.min(1 << 16);
@@ -508,19 +534,31 @@ impl<R: BufRead> TsvReader<R> {
 /// [`CATEGORICAL_FEATURES`] cardinalities, each in `1..=2^32`.
 fn validate_cardinalities(cardinalities: &[u64]) -> Result<()> {
     if cardinalities.len() != CATEGORICAL_FEATURES {
-        return Err(Error::InvalidArgument(format!(
-            "{} cardinalities given, a Criteo line has {CATEGORICAL_FEATURES} tables",
-            cardinalities.len()
-        )));
+        return Err(Error::Length {
+            what: "cardinalities (one a table of a Criteo line)".into(),
+            got: cardinalities.len(),
+            expected: CATEGORICAL_FEATURES,
+        });
     }
     if let Some((t, &n)) = cardinalities
         .iter()
         .enumerate()
         .find(|(_, &n)| n == 0 || n > 1 << 32)
     {
-        return Err(Error::InvalidArgument(format!(
-            "table {t} has cardinality {n}, expected 1 to 2^32"
-        )));
+        let what = format!("the cardinality of table {t}");
+        return Err(if n == 0 {
+            Error::TooFew {
+                what,
+                got: 0,
+                need: 1,
+            }
+        } else {
+            Error::TooLarge {
+                what,
+                requested: u128::from(n),
+                limit: 1 << 32,
+            }
+        });
     }
     Ok(())
 }

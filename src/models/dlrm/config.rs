@@ -99,43 +99,81 @@ impl DlrmConfig {
     }
 
     /// Checks the shape: every width and count positive, the bottom MLP ending in `dim`, the
-    /// top MLP in one logit, and the interaction within its limits. [`Error::InvalidArgument`]
-    /// naming what is wrong otherwise.
+    /// top MLP in one logit, and the interaction within its limits. Otherwise
+    /// [`Error::TooFew`] (a zero count or width), [`Error::TooLarge`] (past the interaction's
+    /// limits), [`Error::Empty`] (an MLP of no layer) or [`Error::Length`] (an MLP that ends
+    /// in another width), naming what is wrong.
     pub fn check(&self) -> Result<()> {
-        let bad = |what: String| Err(Error::InvalidArgument(format!("DLRM config: {what}")));
-        if self.dense_features == 0 || self.tables == 0 || self.dim == 0 {
-            return bad(format!(
-                "{} dense features, {} tables, dim {}: each must be positive",
-                self.dense_features, self.tables, self.dim
-            ));
-        }
-        if self.tables >= MAX_INTERACTION_ROWS || self.dim > MAX_INTERACTION_DIM {
-            return bad(format!(
-                "{} tables of dim {}: the interaction takes at most {} tables and dim {}",
-                self.tables,
-                self.dim,
-                MAX_INTERACTION_ROWS - 1,
-                MAX_INTERACTION_DIM
-            ));
-        }
-        for (name, widths) in [("bottom", &self.bottom), ("top", &self.top)] {
-            if widths.is_empty() || widths.contains(&0) {
-                return bad(format!(
-                    "the {name} MLP's widths {widths:?} must be non-empty and positive"
-                ));
+        for (what, n) in [
+            ("DLRM dense features", self.dense_features),
+            ("DLRM tables", self.tables),
+            ("DLRM embedding dim", self.dim),
+        ] {
+            if n == 0 {
+                return Err(Error::TooFew {
+                    what: what.into(),
+                    got: 0,
+                    need: 1,
+                });
             }
         }
-        if self.bottom.last() != Some(&self.dim) {
-            return bad(format!(
-                "the bottom MLP {:?} must end in dim = {}",
-                self.bottom, self.dim
-            ));
+        // the interaction takes at most MAX_INTERACTION_ROWS - 1 tables and dim
+        // MAX_INTERACTION_DIM
+        if self.tables >= MAX_INTERACTION_ROWS {
+            return Err(Error::TooLarge {
+                what: format!("DLRM tables (of dim {}) for the interaction", self.dim),
+                requested: self.tables as u128,
+                limit: (MAX_INTERACTION_ROWS - 1) as u64,
+            });
         }
-        if self.top.last() != Some(&1) {
-            return bad(format!(
-                "the top MLP {:?} must end in 1 (the logit)",
-                self.top
-            ));
+        if self.dim > MAX_INTERACTION_DIM {
+            return Err(Error::TooLarge {
+                what: format!(
+                    "DLRM embedding dim (of {} tables) for the interaction",
+                    self.tables
+                ),
+                requested: self.dim as u128,
+                limit: MAX_INTERACTION_DIM as u64,
+            });
+        }
+        for (name, widths) in [("bottom", &self.bottom), ("top", &self.top)] {
+            if widths.is_empty() {
+                return Err(Error::Empty {
+                    what: format!("the DLRM {name} MLP's widths"),
+                });
+            }
+            if let Some(i) = widths.iter().position(|&w| w == 0) {
+                return Err(Error::TooFew {
+                    what: format!("the width of layer {i} of the DLRM {name} MLP {widths:?}"),
+                    got: 0,
+                    need: 1,
+                });
+            }
+        }
+        // non-empty: checked above
+        let (bottom, top) = (
+            self.bottom[self.bottom.len() - 1],
+            self.top[self.top.len() - 1],
+        );
+        if bottom != self.dim {
+            return Err(Error::Length {
+                what: format!(
+                    "outputs of the DLRM bottom MLP {:?} (it ends in the embedding dim)",
+                    self.bottom
+                ),
+                got: bottom,
+                expected: self.dim,
+            });
+        }
+        if top != 1 {
+            return Err(Error::Length {
+                what: format!(
+                    "outputs of the DLRM top MLP {:?} (it ends in the logit)",
+                    self.top
+                ),
+                got: top,
+                expected: 1,
+            });
         }
         Ok(())
     }
@@ -210,8 +248,57 @@ mod tests {
                 ..DlrmConfig::tiny()
             },
         ];
-        for c in bad {
-            assert!(matches!(c.check(), Err(Error::InvalidArgument(_))), "{c:?}");
+        let typed: [fn(&Error) -> bool; 6] = [
+            |e| {
+                matches!(
+                    e,
+                    Error::Length {
+                        got: 5,
+                        expected: 4,
+                        ..
+                    }
+                )
+            },
+            |e| {
+                matches!(
+                    e,
+                    Error::Length {
+                        got: 2,
+                        expected: 1,
+                        ..
+                    }
+                )
+            },
+            |e| matches!(e, Error::Empty { .. }),
+            |e| {
+                matches!(
+                    e,
+                    Error::TooFew {
+                        got: 0,
+                        need: 1,
+                        ..
+                    }
+                )
+            },
+            |e| {
+                matches!(
+                    e,
+                    Error::TooFew {
+                        got: 0,
+                        need: 1,
+                        ..
+                    }
+                )
+            },
+            |e| {
+                matches!(e, Error::TooLarge { requested, limit, .. }
+                    if *requested == MAX_INTERACTION_ROWS as u128
+                        && *limit == (MAX_INTERACTION_ROWS - 1) as u64)
+            },
+        ];
+        for (c, ok) in bad.iter().zip(typed) {
+            let r = c.check();
+            assert!(matches!(&r, Err(e) if ok(e)), "{c:?}: {r:?}");
         }
     }
 }

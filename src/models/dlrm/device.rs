@@ -90,9 +90,12 @@ impl Dlrm {
     fn device_emb_len(emb: &impl DeviceEmbeddings) -> Result<usize> {
         let len = emb.vectors()?.len();
         if !len.is_multiple_of(4) {
-            return Err(Error::InvalidArgument(format!(
-                "{len} bytes of embedding vectors are not whole f32 values"
-            )));
+            // the bytes of the embedding vectors are whole f32 values
+            return Err(Error::Misaligned {
+                what: "bytes of embedding vectors (whole f32 values)",
+                value: len,
+                align: 4,
+            });
         }
         Ok(len / 4)
     }
@@ -220,10 +223,11 @@ impl Dlrm {
         self.check(len, dense, Some(labels), batch)?;
         super::model::check_scales(grad_scale, emb_div)?;
         if grad.len() != len * 4 {
-            return Err(Error::InvalidArgument(format!(
-                "a gradient of {} bytes for {len} f32 embedding values",
-                grad.len()
-            )));
+            return Err(Error::Length {
+                what: format!("bytes of gradient for {len} f32 embedding values"),
+                got: grad.len(),
+                expected: len * 4,
+            });
         }
         let fwd = store.forward()?;
         let vectors = self.cast_emb(&fwd, emb, batch)?;

@@ -25,7 +25,8 @@
 //! ```
 //! use tidemem::comm::Communicator;
 //! use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
-//! use tidemem::embedding::{EmbeddingOptimizer, ShardedEmbedding, Sharding};
+//! use tidemem::embedding::{ShardedEmbedding, Sharding};
+//! use tidemem::ops::embedding::EmbeddingOptimizer;
 //! use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 //! use tidemem::ops::embedding::BagMode;
 //! use tidemem::prelude::*;
@@ -98,8 +99,10 @@ enum EmbGrad {
 /// rank's [`train_step`](super::train_step) counts them; 0 when the step was skipped).
 ///
 /// Bad input (a batch that does not fit the model or the tables, out-of-range ids, fewer
-/// samples than ranks, ranks given different batches) is an [`Error::InvalidArgument`] on
-/// every rank before anything changes. A failure of one rank later in the step is an error on
+/// samples than ranks, ranks given different batches) is an error on every rank before
+/// anything changes: the typed error ([`Error::Length`], [`Error::IdOutOfRange`],
+/// [`Error::TooFew`], [`Error::Conflict`]) on a rank that found it, an
+/// [`Error::InvalidArgument`] saying another rank refused the batch on the others. A failure of one rank later in the step is an error on
 /// every rank; with a store other than a `ZeroManager`, ranks whose stores disagree on skipping
 /// the step get an error too, after their stores stepped.
 ///
@@ -118,9 +121,11 @@ pub(super) fn hybrid_step<S: ParamStore + ?Sized>(
 ) -> Result<DlrmStep> {
     let local = check_batch(model, emb, batch).and_then(|()| {
         if adam.config().accumulation_steps != 1 {
-            return Err(Error::InvalidArgument(
-                "a DLRM step takes an optimizer that does not accumulate micro-batches".into(),
-            ));
+            // a DLRM step takes an optimizer that does not accumulate micro-batches
+            return Err(Error::MicroBatches {
+                got: 1,
+                accumulates: adam.config().accumulation_steps as usize,
+            });
         }
         Ok(())
     });
@@ -197,11 +202,13 @@ pub(super) fn hybrid_step<S: ParamStore + ?Sized>(
     let mut lo = [u8::from(skipped)];
     emb.comm().all_reduce_host(&mut lo, ReduceOp::Min)?;
     if lo[0] != flags[1] {
-        return Err(Error::InvalidArgument(
-            "the ranks' MLP optimizers disagree on skipping the step: use a store that \
-             reduces the overflow check over the ranks (a ZeroManager)"
+        return Err(Error::Conflict {
+            what: "a store whose optimizer skips a step on its own rank's overflow check".into(),
+            with: "a DLRM step over several ranks: the ranks' MLP optimizers disagree on \
+                   skipping the step; use a store that reduces the overflow check over the \
+                   ranks (a ZeroManager)"
                 .into(),
-        ));
+        });
     }
     let rows = if skipped {
         0
@@ -288,52 +295,65 @@ fn hybrid_predict<S: ParamStore + ?Sized>(
 fn check_batch(model: &Dlrm, emb: &ShardedEmbedding, batch: &Batch) -> Result<()> {
     let c = model.config();
     let world = emb.comm().world();
-    let bad = |m: String| Err(Error::InvalidArgument(m));
-    if emb.rows().len() != c.tables || emb.dim() != c.dim {
-        return bad(format!(
-            "sharded tables of {} tables × {} columns for a model of {} × {}",
-            emb.rows().len(),
-            emb.dim(),
-            c.tables,
-            c.dim
-        ));
-    }
-    if batch.ids.len() != c.tables {
-        return bad(format!(
-            "a batch of {} tables for a model of {}",
-            batch.ids.len(),
-            c.tables
-        ));
-    }
-    if batch.size < world {
-        return bad(format!(
-            "a batch of {} samples over {world} ranks leaves a rank none",
-            batch.size
-        ));
-    }
-    if batch.dense.len() != batch.size.saturating_mul(c.dense_features)
-        || batch.labels.len() != batch.size
-    {
-        return bad(format!(
-            "a batch of {} samples with {} dense values and {} labels ({} dense features)",
-            batch.size,
-            batch.dense.len(),
-            batch.labels.len(),
-            c.dense_features
-        ));
-    }
-    for (t, (ids, &rows)) in batch.ids.iter().zip(emb.rows()).enumerate() {
-        if ids.len() != batch.size {
-            return bad(format!(
-                "table {t}: {} ids for a batch of {} samples",
-                ids.len(),
-                batch.size
-            ));
+    let length = |what: String, got: usize, expected: usize| {
+        if got == expected {
+            Ok(())
+        } else {
+            Err(Error::Length {
+                what,
+                got,
+                expected,
+            })
         }
-        if let Some((i, id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= rows) {
-            return bad(format!(
-                "table {t}: id {id} of sample {i} is out of range for {rows} rows"
-            ));
+    };
+    length(
+        "tables of the sharded tables for the DLRM".into(),
+        emb.rows().len(),
+        c.tables,
+    )?;
+    length(
+        "columns of the sharded tables for the DLRM's dim".into(),
+        emb.dim(),
+        c.dim,
+    )?;
+    length(
+        "tables of a batch for the DLRM".into(),
+        batch.ids.len(),
+        c.tables,
+    )?;
+    if batch.size < world {
+        return Err(Error::TooFew {
+            what: format!("samples of a batch over {world} ranks (a rank needs one)"),
+            got: batch.size,
+            need: world,
+        });
+    }
+    length(
+        format!(
+            "dense values of a batch of {} samples ({} dense features)",
+            batch.size, c.dense_features
+        ),
+        batch.dense.len(),
+        batch.size.saturating_mul(c.dense_features),
+    )?;
+    length(
+        format!("labels of a batch of {} samples", batch.size),
+        batch.labels.len(),
+        batch.size,
+    )?;
+    for (t, (ids, &rows)) in batch.ids.iter().zip(emb.rows()).enumerate() {
+        length(
+            format!("table {t}: ids for a batch of {} samples", batch.size),
+            ids.len(),
+            batch.size,
+        )?;
+        if let Some((i, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= rows) {
+            return Err(Error::IdOutOfRange {
+                table: Some(t),
+                id: u64::from(id),
+                position: i,
+                rows,
+            });
         }
     }
     Ok(())
@@ -356,18 +376,16 @@ fn agree_on_batch(emb: &ShardedEmbedding, batch: &Batch, local: Result<()>) -> R
         ));
     }
     if v[1] != -v[2] {
-        return Err(Error::InvalidArgument(format!(
-            "the ranks were given batches of {} to {} samples: every rank needs the same \
-             global batch",
-            -v[2], v[1]
-        )));
+        return Err(Error::Conflict {
+            what: format!("batches of {} to {} samples on the ranks", -v[2], v[1]),
+            with: "one DLRM step: every rank needs the same global batch".into(),
+        });
     }
     if v[3] != -v[4] {
-        return Err(Error::InvalidArgument(
-            "the ranks were given different batches of the same size: every rank needs the \
-             same global batch"
-                .into(),
-        ));
+        return Err(Error::Conflict {
+            what: "different batches of the same size on the ranks".into(),
+            with: "one DLRM step: every rank needs the same global batch".into(),
+        });
     }
     Ok(())
 }

@@ -13,7 +13,7 @@
 //!    host-vector entry [`Dlrm::forward_backward`] takes them table-major, `[tables, B, d]`
 //!    as [`CachedEmbeddingCollection::forward`](crate::embedding::CachedEmbeddingCollection::forward)
 //!    returns them, and uploads them sample-major);
-//! 3. the dot interaction ([`ops::interaction`](crate::ops::interaction)): the dense vector,
+//! 3. the dot interaction ([`ops::interaction`](crate::ops::interaction_forward)): the dense vector,
 //!    then the strict lower triangle of `T·Tᵀ` over the `F = tables + 1` stacked vectors;
 //! 4. the top MLP (ReLU between layers), its logit through the fused sigmoid + BCE
 //!    ([`ops::bce`](crate::ops::bce)), the loss the mean over the batch;

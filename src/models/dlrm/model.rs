@@ -140,18 +140,24 @@ impl Dlrm {
         batch: usize,
     ) -> Result<()> {
         let c = &self.config;
-        let want = |what: &str, got: usize, shape: [usize; 3]| {
-            let n = shape.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
-            if n == Some(got) {
-                Ok(())
-            } else {
-                Err(Error::InvalidArgument(format!(
-                    "DLRM batch of {batch}: {got} {what} values; expected {shape:?}"
-                )))
-            }
+        let want = |what: &str, got: usize, shape: [usize; 3]| match shape
+            .iter()
+            .try_fold(1usize, |a, &b| a.checked_mul(b))
+        {
+            Some(n) if n == got => Ok(()),
+            Some(n) => Err(Error::Length {
+                what: format!("{what} values of a DLRM batch of {batch} ({shape:?})"),
+                got,
+                expected: n,
+            }),
+            None => Err(Error::Overflow {
+                what: format!("the {what} values of a DLRM batch of {batch} ({shape:?})"),
+            }),
         };
         if batch == 0 {
-            return Err(Error::InvalidArgument("a DLRM batch of 0 samples".into()));
+            return Err(Error::Empty {
+                what: "the DLRM batch".into(),
+            });
         }
         want("embedding", emb_len, [c.tables, batch, c.dim])?;
         want("dense", dense.len(), [batch, c.dense_features, 1])?;
@@ -335,7 +341,9 @@ impl Dlrm {
         let batch = saved.dense.rows();
         let (d, pool) = (bwd.param_dtype(), bwd.pool());
         let d_inter = mlp_backward(bwd, &self.top, &saved.top_in, saved.dlogits, true, false)?
-            .ok_or_else(|| Error::InvalidArgument("the top MLP gave no input gradient".into()))?;
+            .ok_or_else(|| Error::Internal {
+                what: "the top MLP asked for its input gradient gave none".into(),
+            })?;
         let shape = c.interaction(batch);
         let d_dense = Act::alloc(pool, batch, c.dim, d)?;
         let d_emb = Act::alloc(pool, batch * c.tables, c.dim, d)?;

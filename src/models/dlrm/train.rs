@@ -26,8 +26,11 @@ pub struct DlrmStep {
 
 /// The bags' offsets of a batch with one id per sample and table: `0, 1, …, samples`.
 pub fn bag_offsets(samples: usize) -> Result<Vec<u32>> {
-    let n = u32::try_from(samples)
-        .map_err(|_| Error::InvalidArgument(format!("{samples} samples: too many bags")))?;
+    let n = u32::try_from(samples).map_err(|_| Error::TooLarge {
+        what: "bags of a batch (u32 offsets, one bag a sample)".into(),
+        requested: samples as u128,
+        limit: u64::from(u32::MAX),
+    })?;
     Ok((0..=n).collect())
 }
 
@@ -35,11 +38,11 @@ pub fn bag_offsets(samples: usize) -> Result<Vec<u32>> {
 /// one row), over `offsets` from [`bag_offsets`]`(batch.size)`.
 pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<TableBatch<'a>>> {
     if offsets.len() != batch.size + 1 {
-        return Err(Error::InvalidArgument(format!(
-            "{} offsets for a batch of {} samples",
-            offsets.len(),
-            batch.size
-        )));
+        return Err(Error::Length {
+            what: format!("offsets for a batch of {} samples", batch.size),
+            got: offsets.len(),
+            expected: batch.size + 1,
+        });
     }
     batch
         .ids
@@ -47,11 +50,11 @@ pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<Tab
         .enumerate()
         .map(|(t, ids)| {
             if ids.len() != batch.size {
-                return Err(Error::InvalidArgument(format!(
-                    "table {t}: {} ids for a batch of {} samples",
-                    ids.len(),
-                    batch.size
-                )));
+                return Err(Error::Length {
+                    what: format!("table {t}: ids for a batch of {} samples", batch.size),
+                    got: ids.len(),
+                    expected: batch.size,
+                });
             }
             Ok(TableBatch {
                 indices: ids,
@@ -145,12 +148,15 @@ pub fn train_step<'t, S: ParamStore + ?Sized>(
             };
             hybrid_step(model, store, adam, emb, batch, path)
         }
-        (Tables::Cached(_), _) => Err(Error::InvalidArgument(
-            "cached tables step on the device (host_vectors is for sharded tables)".into(),
-        )),
-        (Tables::Sharded(_), _) => Err(Error::InvalidArgument(
-            "sharded tables prepare no next batch (next is for cached tables)".into(),
-        )),
+        (Tables::Cached(_), _) => Err(Error::Conflict {
+            what: "cached tables".into(),
+            with: "host_vectors (it is for sharded tables; cached tables step on the device)"
+                .into(),
+        }),
+        (Tables::Sharded(_), _) => Err(Error::Conflict {
+            what: "sharded tables".into(),
+            with: "a next batch (next is for cached tables; sharded tables prepare none)".into(),
+        }),
     }
 }
 
@@ -167,7 +173,8 @@ pub fn train_step<'t, S: ParamStore + ?Sized>(
 ///
 /// ```
 /// use tidemem::data::criteo::{Dataset, Synthetic, SyntheticConfig};
-/// use tidemem::embedding::{CachedEmbeddingCollection, EmbeddingOptimizer};
+/// use tidemem::embedding::CachedEmbeddingCollection;
+/// use tidemem::ops::embedding::EmbeddingOptimizer;
 /// use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
 /// use tidemem::ops::embedding::BagMode;
 /// use tidemem::prelude::*;
@@ -205,19 +212,27 @@ fn cached_step<S: ParamStore + ?Sized>(
 ) -> Result<DlrmStep> {
     let c = model.config();
     for b in std::iter::once(batch).chain(next) {
-        if b.ids.len() != c.tables || emb.tables() != c.tables {
-            return Err(Error::InvalidArgument(format!(
-                "a batch of {} tables and a collection of {} for a model of {}",
-                b.ids.len(),
-                emb.tables(),
-                c.tables
-            )));
+        if b.ids.len() != c.tables {
+            return Err(Error::Length {
+                what: "tables of a batch for the DLRM".into(),
+                got: b.ids.len(),
+                expected: c.tables,
+            });
+        }
+        if emb.tables() != c.tables {
+            return Err(Error::Length {
+                what: "tables of the embedding collection for the DLRM".into(),
+                got: emb.tables(),
+                expected: c.tables,
+            });
         }
     }
     if adam.config().accumulation_steps != 1 {
-        return Err(Error::InvalidArgument(
-            "a DLRM step takes an optimizer that does not accumulate micro-batches".into(),
-        ));
+        // a DLRM step takes an optimizer that does not accumulate micro-batches
+        return Err(Error::MicroBatches {
+            got: 1,
+            accumulates: adam.config().accumulation_steps as usize,
+        });
     }
     let offsets = bag_offsets(batch.size)?;
     let tables = table_batches(batch, &offsets)?;

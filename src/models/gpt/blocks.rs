@@ -97,14 +97,19 @@ macro_rules! each {
 
 impl<'a> On<'a> {
     fn tensor(&self) -> Result<&'a Communicator> {
-        self.tensor.ok_or_else(|| {
-            Error::InvalidArgument("1D blocks run without their tensor-parallel group".into())
+        self.tensor.ok_or_else(|| Error::WrongPlace {
+            what: "a GPT's 1D blocks",
+            registered: "on a 1D tensor-parallel group".into(),
+            run: "without it".into(),
         })
     }
 
     fn grid(&self) -> Result<&'a ProcessGrid> {
-        self.grid
-            .ok_or_else(|| Error::InvalidArgument("grid blocks run without their grid".into()))
+        self.grid.ok_or_else(|| Error::WrongPlace {
+            what: "a GPT's grid blocks",
+            registered: "on a 2D, 2.5D or 3D grid".into(),
+            run: "without it".into(),
+        })
     }
 }
 
@@ -336,8 +341,9 @@ impl<L: KeptOf> From<Vec<BlockKept<L>>> for Kept {
 
 impl Kept {
     fn into_vec<L: KeptOf>(self) -> Result<Vec<BlockKept<L>>> {
-        L::unwrap(self).ok_or_else(|| {
-            Error::InvalidArgument("the blocks' saved state is of another layout".into())
+        // the blocks' saved state is of another layout
+        L::unwrap(self).ok_or_else(|| Error::SavedMismatch {
+            layer: "the GPT blocks".into(),
         })
     }
 }
@@ -366,8 +372,11 @@ fn forward<L: Layout>(
     Ok((x, kept))
 }
 
+/// Fewer saved states than blocks: the state of other blocks.
 fn gone() -> Error {
-    Error::InvalidArgument("a block's saved state is gone".into())
+    Error::SavedMismatch {
+        layer: "a GPT block (its saved state is gone)".into(),
+    }
 }
 
 fn backward<L: Layout>(
@@ -404,9 +413,9 @@ fn backward_saved<L: Layout>(
 ) -> Result<Act> {
     for block in blocks.iter().rev() {
         let BlockKept::Saved(saved) = kept.pop().ok_or_else(gone)? else {
-            return Err(Error::InvalidArgument(
-                "a checkpointed block's backward without its recompute".into(),
-            ));
+            return Err(Error::Internal {
+                what: "a checkpointed block's backward without its recompute".into(),
+            });
         };
         dx = block.backward(bwd, g, &saved, &dx, shape.core)?;
     }

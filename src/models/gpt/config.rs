@@ -75,14 +75,20 @@ impl GptConfig {
     /// Checks the shape: no zero dimension, heads dividing the channels, a vocabulary that
     /// token ids (`i32`) can name, and element counts that fit in memory arithmetic.
     pub fn validate(&self) -> Result<()> {
-        let bad = |why: &str| Err(Error::InvalidArgument(format!("GPT shape {self:?}: {why}")));
-        if self.layers == 0
-            || self.channels == 0
-            || self.heads == 0
-            || self.vocab == 0
-            || self.max_seq == 0
-        {
-            return bad("a dimension is zero");
+        for (what, n) in [
+            ("GPT layers", self.layers),
+            ("GPT channels", self.channels),
+            ("GPT attention heads", self.heads),
+            ("GPT vocabulary tokens", self.vocab),
+            ("GPT positions (max_seq)", self.max_seq),
+        ] {
+            if n == 0 {
+                return Err(Error::TooFew {
+                    what: what.into(),
+                    got: 0,
+                    need: 1,
+                });
+            }
         }
         if !self.channels.is_multiple_of(self.heads) {
             return Err(Error::NotMultiple {
@@ -93,17 +99,32 @@ impl GptConfig {
             });
         }
         if self.vocab > i32::MAX as usize {
-            return bad("token ids are i32");
+            return Err(Error::TooLarge {
+                what: "GPT vocabulary tokens (token ids are i32)".into(),
+                requested: self.vocab as u128,
+                limit: i32::MAX as u64,
+            });
         }
         if !(self.eps > 0.0 && self.eps.is_finite()) {
-            return bad("LayerNorm's eps must be positive and finite");
+            return Err(Error::BadValue {
+                what: "GPT LayerNorm's eps".into(),
+                value: f64::from(self.eps),
+                want: "positive and finite",
+            });
         }
         let c = self.channels as u128;
         let total = (self.vocab as u128 + self.max_seq as u128) * c
             + self.layers as u128 * (12 * c * c + 13 * c)
             + 2 * c;
         if total >= 1 << 40 {
-            return bad("more than 2^40 parameters");
+            return Err(Error::TooLarge {
+                what: format!(
+                    "parameters of GPT shape L{} C{} H{} V{} T{}",
+                    self.layers, self.channels, self.heads, self.vocab, self.max_seq
+                ),
+                requested: total,
+                limit: (1 << 40) - 1,
+            });
         }
         Ok(())
     }
@@ -185,11 +206,38 @@ mod tests {
     fn bad_shapes_are_refused() {
         let mut c = GptConfig::preset("gpt2-tiny").unwrap();
         c.heads = 3;
-        assert!(c.validate().is_err());
+        assert!(matches!(
+            c.validate(),
+            Err(Error::NotMultiple {
+                value: 128,
+                divisor: 3,
+                ..
+            })
+        ));
         c.heads = 0;
-        assert!(c.validate().is_err());
+        assert!(matches!(
+            c.validate(),
+            Err(Error::TooFew {
+                got: 0,
+                need: 1,
+                ..
+            })
+        ));
         let mut c = GptConfig::preset("gpt2-tiny").unwrap();
         c.eps = f32::NAN;
-        assert!(c.validate().is_err());
+        assert!(matches!(c.validate(), Err(Error::BadValue { .. })));
+        let mut c = GptConfig::preset("gpt2-tiny").unwrap();
+        c.vocab = i32::MAX as usize + 1;
+        assert!(matches!(
+            c.validate(),
+            Err(Error::TooLarge { limit, .. }) if limit == i32::MAX as u64
+        ));
+        let mut c = GptConfig::preset("gpt2-tiny").unwrap();
+        c.channels = 1 << 20;
+        c.heads = 1;
+        assert!(matches!(
+            c.validate(),
+            Err(Error::TooLarge { limit, .. }) if limit == (1 << 40) - 1
+        ));
     }
 }

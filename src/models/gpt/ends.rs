@@ -74,14 +74,20 @@ pub(super) struct At<'a> {
 /// to `keep` (a pipeline's end stages sum their shares over the step apart from the slot).
 pub(super) type Keep<'a> = Option<&'a dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>>;
 
+/// The ends' saved state of another layout, or run elsewhere.
 fn mismatch() -> Error {
-    Error::InvalidArgument("the ends' saved state of another layout, or run elsewhere".into())
+    Error::SavedMismatch {
+        layer: "the GPT ends".into(),
+    }
 }
 
 impl At<'_> {
     fn over(&self) -> Result<Over<'_>> {
-        self.over
-            .ok_or_else(|| Error::InvalidArgument("split ends run without their group".into()))
+        self.over.ok_or_else(|| Error::WrongPlace {
+            what: "a GPT's split ends",
+            registered: "split over the tensor group".into(),
+            run: "without it".into(),
+        })
     }
 
     /// This rank's tile of a whole activation (itself when the blocks' are whole).
@@ -159,9 +165,11 @@ impl Ends {
                 let (x, s) = e.forward(fwd, at.over()?, tokens, [batch, seq, first])?;
                 Ok((x, EmbKept::Split(s)))
             }
-            None => Err(Error::InvalidArgument(
-                "an embedding on a stage that holds none".into(),
-            )),
+            None => Err(Error::WrongPlace {
+                what: "a GPT's embedding",
+                registered: "on the first pipeline stage".into(),
+                run: "on a stage that holds none".into(),
+            }),
         }
     }
 
@@ -187,9 +195,11 @@ impl Ends {
                 let (loss, k) = h.forward(fwd, at.over()?, &x, targets, scale)?;
                 Ok((Loss::ready(loss), HeadKept::Split(k)))
             }
-            None => Err(Error::InvalidArgument(
-                "a head on a stage that holds none".into(),
-            )),
+            None => Err(Error::WrongPlace {
+                what: "a GPT's head",
+                registered: "on the last pipeline stage".into(),
+                run: "on a stage that holds none".into(),
+            }),
         }
     }
 

@@ -21,11 +21,17 @@ impl Gpt {
         temperature: f32,
         seed: u64,
     ) -> Result<Vec<i32>> {
-        if prompt.is_empty() || !(temperature >= 0.0 && temperature.is_finite()) {
-            return Err(Error::InvalidArgument(format!(
-                "generation from {} prompt tokens at temperature {temperature}",
-                prompt.len()
-            )));
+        if prompt.is_empty() {
+            return Err(Error::Empty {
+                what: "the prompt of a generation".into(),
+            });
+        }
+        if !(temperature >= 0.0 && temperature.is_finite()) {
+            return Err(Error::BadValue {
+                what: "the sampling temperature".into(),
+                value: f64::from(temperature),
+                want: "finite and at least 0",
+            });
         }
         let (v, max) = (self.config.vocab, self.config.max_seq);
         let mut rng = SplitMix64::new(seed);

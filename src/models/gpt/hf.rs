@@ -479,7 +479,7 @@ pub fn read_hf(
 /// is the same bytes.
 ///
 /// # Errors
-/// [`Error::InvalidArgument`] for a shape that does not validate;
+/// The errors of [`GptConfig::validate`] for a shape that does not validate;
 /// [`Error::Checkpoint`] for values of the wrong length (naming the parameter);
 /// [`Error::NonFinite`] for a NaN or an infinity, naming the tensor (before anything replaces
 /// an earlier file); [`Error::NotAFile`] when `path` is a directory, a device or a fifo; any

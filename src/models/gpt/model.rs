@@ -166,8 +166,9 @@ impl Gpt {
         weights: &super::HfWeights,
     ) -> Result<Gpt> {
         Gpt::register_on(store, plan, weights.config(), |name, _| {
-            weights.init(name).ok_or_else(|| {
-                Error::InvalidArgument(format!("the imported weights have no '{name}'"))
+            // read_hf holds every parameter of its config
+            weights.init(name).ok_or_else(|| Error::Internal {
+                what: format!("the imported weights have no '{name}'"),
             })
         })
     }
@@ -281,14 +282,16 @@ impl Gpt {
         path: impl AsRef<std::path::Path>,
     ) -> Result<()> {
         if !self.whole() {
-            return Err(Error::InvalidArgument(
-                "a rank of a split model holds a part of it: export the whole model".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "exporting a Hugging Face file".into(),
+                with: "a rank of a split model: it holds a part of it; export the whole model"
+                    .into(),
+            });
         }
         super::write_hf(path, &self.config, |name| {
-            let id = self
-                .param(name)
-                .ok_or_else(|| Error::InvalidArgument(format!("the model has no '{name}'")))?;
+            let id = self.param(name).ok_or_else(|| Error::Internal {
+                what: format!("the whole model has no '{name}'"),
+            })?;
             m.master(id)
         })
     }
@@ -344,7 +347,11 @@ fn register_whole(
         )?),
         false => None,
     };
-    let held = || wte.ok_or_else(|| Error::InvalidArgument("an end stage without wte".into()));
+    let held = || {
+        wte.ok_or_else(|| Error::Internal {
+            what: "an end stage without wte".into(),
+        })
+    };
     let embedding = match first {
         true => Some(Embed::Whole(Embedding {
             wte: held()?,

@@ -149,13 +149,36 @@ impl<'a> Plan<'a> {
             None if stages == 1 => std::iter::once(0..cfg.layers).collect(),
             None => Plan::balanced(cfg, stages)?,
         };
-        match all.get(stage) {
-            Some(r) if all.len() == stages && !r.is_empty() && r.end <= cfg.layers => Ok(r.clone()),
-            _ => Err(Error::InvalidArgument(format!(
-                "stage {stage} of {stages} with the partition {all:?} of {} blocks",
-                cfg.layers
-            ))),
+        if all.len() != stages {
+            return Err(Error::Length {
+                what: format!(
+                    "block ranges of the partition {all:?} of {} blocks over the pipeline stages",
+                    cfg.layers
+                ),
+                got: all.len(),
+                expected: stages,
+            });
         }
+        let Some(r) = all.get(stage) else {
+            return Err(Error::IndexOutOfRange {
+                what: format!("pipeline stage (of the partition {all:?})"),
+                index: stage,
+                len: all.len(),
+            });
+        };
+        if r.is_empty() {
+            return Err(Error::Empty {
+                what: format!("the blocks {r:?} of stage {stage} of {stages} (partition {all:?})"),
+            });
+        }
+        if r.end > cfg.layers {
+            return Err(Error::IndexOutOfRange {
+                what: format!("block (the last of stage {stage}'s {r:?} in the partition {all:?})"),
+                index: r.end - 1,
+                len: cfg.layers,
+            });
+        }
+        Ok(r.clone())
     }
 
     /// The communicators of the blocks.

@@ -70,12 +70,11 @@ impl Gpt {
             .checked_mul(group.world())
             .filter(|&t| t <= cfg.max_seq);
         let Some(seq) = total else {
-            return Err(Error::InvalidArgument(format!(
-                "{} positions a rank over a ring of {} ranks: more than the model's {}",
-                b.seq,
-                group.world(),
-                cfg.max_seq
-            )));
+            // `b.seq` positions a rank over the ring's ranks
+            return Err(Error::SeqTooLong {
+                seq: b.seq.saturating_mul(group.world()),
+                max: cfg.max_seq,
+            });
         };
         let attn = RingAttention::new(group, seqs, seq, heads, cfg.channels / cfg.heads)?;
         Ok(Some(RingCore { attn, group }))
@@ -127,9 +126,14 @@ impl Gpt {
         opts.check()?;
         self.check_plan(plan)?;
         if self.stages > 1 {
-            return Err(Error::InvalidArgument(
-                "a pipeline stage runs its micro-batches through train_step".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "forward_backward".into(),
+                with: format!(
+                    "a pipeline stage (stage {} of {}): it runs its micro-batches through \
+                     train_step",
+                    self.stage, self.stages
+                ),
+            });
         }
         let run = Run {
             plan,
@@ -155,9 +159,13 @@ impl Gpt {
         b.check(&self.config)?;
         self.check_plan(plan)?;
         if self.stages > 1 {
-            return Err(Error::InvalidArgument(
-                "the loss of a pipeline stage: evaluate the whole model".into(),
-            ));
+            return Err(Error::Conflict {
+                what: "the loss".into(),
+                with: format!(
+                    "a pipeline stage (stage {} of {}): evaluate the whole model",
+                    self.stage, self.stages
+                ),
+            });
         }
         let run = Run {
             plan,
@@ -198,8 +206,10 @@ impl Gpt {
             seq,
         };
         b.check(&self.config)?;
-        let split =
-            || Error::InvalidArgument("logits of a split model: a rank holds a part".into());
+        let split = || Error::Conflict {
+            what: "the logits".into(),
+            with: "a split model: a rank holds a part".into(),
+        };
         let (Some(Embed::Whole(embedding)), Some(Head::Whole { ln_f, head }), true) =
             (&self.ends.embedding, &self.ends.head, self.whole())
         else {

@@ -59,10 +59,18 @@ impl GptConfig {
             && fits(&[v.saturating_add(s), h, 16])
             && fits(&[h, h, 16, l]))
         {
-            return Err(Error::InvalidArgument(format!(
-                "a step of {batch} × {seq} tokens of GPT shape {self:?}: a zero dimension, or too \
-                 large to count its bytes"
-            )));
+            // the shape's own dimensions are positive (validated): a zero is the step's
+            if batch == 0 || seq == 0 {
+                return Err(Error::Empty {
+                    what: format!("a simulated step of {batch} × {seq} tokens"),
+                });
+            }
+            return Err(Error::Overflow {
+                what: format!(
+                    "the byte counts (kept below 2^56) of a step of {batch} × {seq} tokens of \
+                     GPT shape {self:?}"
+                ),
+            });
         }
         Ok(c)
     }

@@ -101,14 +101,39 @@ pub(super) enum SplitHeadKept {
 /// The blocks' 3D layout.
 pub(super) const CUBE: Layout3D = Layout3D::RowsJColsK;
 
+/// The split ends run over another group than the one they were registered on.
+fn elsewhere(registered: &str, over: Over<'_>) -> Error {
+    Error::WrongPlace {
+        what: "a GPT's split ends",
+        registered: registered.into(),
+        run: match over {
+            Over::OneD(_) => "over a 1D group".into(),
+            Over::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
+        },
+    }
+}
+
+/// The split ends' backward with another's state (or run on another group).
 fn mismatch() -> Error {
-    Error::InvalidArgument("the split ends run on another group, or with another's state".into())
+    Error::SavedMismatch {
+        layer: "the GPT's split ends (or run on another group)".into(),
+    }
+}
+
+/// A head tied to an embedding of another layout: the model registers both at one place.
+fn tied_elsewhere() -> Error {
+    Error::Internal {
+        what: "a split head tied to an embedding split another way".into(),
+    }
 }
 
 fn not_split(mode: TensorMode) -> Error {
-    Error::InvalidArgument(format!(
-        "the ends split over a 1D group, a 2D, 2.5D or 3D grid; this one is {mode}"
-    ))
+    Error::Conflict {
+        what: "split ends (EndsLayout::Split)".into(),
+        with: format!(
+            "a grid of tensor mode {mode}: the ends split over a 1D group, a 2D, 2.5D or 3D grid"
+        ),
+    }
 }
 
 /// Fails, before anything is registered, when `cfg`'s ends do not split at `place`: the
@@ -117,23 +142,57 @@ fn not_split(mode: TensorMode) -> Error {
 /// ranks on a 1D group.
 pub(super) fn check_splits(cfg: &GptConfig, place: Place<'_>) -> Result<()> {
     let (v, t, c) = (cfg.vocab, cfg.max_seq, cfg.channels);
-    let (ranks, fits) = match place {
-        Place::OneD(s) => (s.size, s.size > 0 && v >= s.size),
+    const HINT: &str = "the ends split over the tensor group (pad the vocabulary, GPT-2's 50257 \
+                        to 50304, or keep the ends whole: EndsLayout::Whole)";
+    match place {
+        Place::OneD(s) => {
+            if s.size == 0 {
+                return Err(Error::Empty {
+                    what: "the 1D group the ends split over".into(),
+                });
+            }
+            if v < s.size {
+                return Err(Error::TooFew {
+                    what: format!(
+                        "vocabulary tokens of ends split over a 1D group of {} ranks (pad the \
+                         vocabulary, or keep the ends whole: EndsLayout::Whole)",
+                        s.size
+                    ),
+                    got: v,
+                    need: s.size,
+                });
+            }
+        }
         Place::Grid(g) => {
             let q = g.q()?;
-            let fits = q > 0 && [v, t].iter().all(|n| n.is_multiple_of(q));
-            (q, fits && c.is_multiple_of(q * q))
+            if q == 0 {
+                return Err(Error::Empty {
+                    what: "the grid the ends split over (q = 0)".into(),
+                });
+            }
+            for (what, n) in [("vocabulary", v), ("positions", t)] {
+                if !n.is_multiple_of(q) {
+                    return Err(Error::NotSplit {
+                        layer: HINT.into(),
+                        what,
+                        value: n,
+                        parts: q,
+                        by: "q",
+                    });
+                }
+            }
+            if !c.is_multiple_of(q * q) {
+                return Err(Error::NotSplit {
+                    layer: HINT.into(),
+                    what: "channels",
+                    value: c,
+                    parts: q * q,
+                    by: "q²",
+                });
+            }
         }
-    };
-    if fits {
-        return Ok(());
     }
-    Err(Error::InvalidArgument(format!(
-        "the ends split over the tensor group need a vocabulary ({v}) and positions ({t}) that \
-         split over q = {ranks} and channels ({c}) over q² (on a 1D group, a vocabulary of at \
-         least {ranks} tokens): pad the vocabulary (GPT-2's 50257 to 50304) or keep the ends \
-         whole (EndsLayout::Whole)"
-    )))
+    Ok(())
 }
 
 /// The share of the squared gradient norm of a rank's `wte` shard: `1/d` on a 2.5D grid of
@@ -189,6 +248,15 @@ impl SplitEmbedding {
                 m => return Err(not_split(m)),
             },
         })
+    }
+
+    /// Where the embedding was registered, in words.
+    fn registered(&self) -> &'static str {
+        match self {
+            SplitEmbedding::OneD(_) => "over a 1D group",
+            SplitEmbedding::Summa { .. } => "on a 2D or 2.5D grid",
+            SplitEmbedding::Cube { .. } => "on a 3D grid",
+        }
     }
 
     /// This rank's shard of `wte`.
@@ -253,7 +321,7 @@ impl SplitEmbedding {
                 sum(&x, &p)?;
                 Ok((x, SplitEmbKept::Cube(st, sp)))
             }
-            _ => Err(mismatch()),
+            _ => Err(elsewhere(self.registered(), over)),
         }
     }
 
@@ -303,7 +371,7 @@ impl SplitHead {
                 let head = match tied {
                     None => VocabHead1D::register(store, v, c, &te, IGNORE_INDEX, shard)?,
                     Some(SplitEmbedding::OneD(e)) => VocabHead1D::tied(&*store, e, IGNORE_INDEX)?,
-                    Some(_) => return Err(mismatch()),
+                    Some(_) => return Err(tied_elsewhere()),
                 };
                 let ln_f = whole_ln_f(store, cfg, &g, &b, shard)?;
                 SplitHead::OneD { ln_f, head }
@@ -317,7 +385,7 @@ impl SplitHead {
                             own = VocabEmbedding2D::register(store, grid, "wte", v, c, &te)?;
                             &own
                         }
-                        Some(_) => return Err(mismatch()),
+                        Some(_) => return Err(tied_elsewhere()),
                     };
                     let ln_f = LayerNorm2D::register(store, grid, "ln_f", c, eps, &g, &b)?;
                     // γ and β are the same in every depth layer
@@ -337,7 +405,7 @@ impl SplitHead {
                             own = VocabEmbedding3D::register(store, grid, "wte", v, c, CUBE, &te)?;
                             &own
                         }
-                        Some(_) => return Err(mismatch()),
+                        Some(_) => return Err(tied_elsewhere()),
                     };
                     let ln_f = LayerNorm3D::register(store, grid, "ln_f", c, eps, CUBE, &g, &b)?;
                     let head = Classifier3D::tied(&*store, wte, IGNORE_INDEX)?;
@@ -346,6 +414,15 @@ impl SplitHead {
                 m => return Err(not_split(m)),
             },
         })
+    }
+
+    /// Where the head was registered, in words.
+    fn registered(&self) -> &'static str {
+        match self {
+            SplitHead::OneD { .. } => "over a 1D group",
+            SplitHead::Summa { .. } => "on a 2D or 2.5D grid",
+            SplitHead::Cube { .. } => "on a 3D grid",
+        }
     }
 
     /// This rank's shard of `wte` (the head's weight).
@@ -393,7 +470,7 @@ impl SplitHead {
                 let (loss, hs) = head.forward(fwd, grid, &h, targets, loss_scale)?;
                 Ok((loss, SplitHeadKept::Cube(ln, hs)))
             }
-            _ => Err(mismatch()),
+            _ => Err(elsewhere(self.registered(), over)),
         }
     }
 

@@ -114,15 +114,18 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
         };
         let expected_last = k + 1 == micro.len();
         if (r.outcome == StepOutcome::Accumulated) == expected_last {
-            return Err(Error::InvalidArgument(format!(
-                "micro-batch {k} of {}: the optimizer reported {:?}",
-                micro.len(),
-                r.outcome
-            )));
+            // the optimizer stepped (or not) off its count of micro-batches: it was
+            // mid-accumulation when the step began, stepped elsewhere
+            return Err(Error::OutOfOrder {
+                call: "train_step",
+                needs: "the optimizer's accumulation of micro-batches begun elsewhere to end",
+            });
         }
         last = Some(r);
     }
-    let report = last.ok_or_else(|| Error::InvalidArgument("no micro-batch".into()))?;
+    let report = last.ok_or_else(|| Error::Empty {
+        what: "a training step's micro-batches".into(),
+    })?;
     let mut sum = 0.0f64;
     for l in losses {
         sum += f64::from(l.read()?);

@@ -49,14 +49,19 @@ impl Vocabulary {
     /// vocabulary and the report of the pass (malformed lines are skipped and reported).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if there are not [`CATEGORICAL_FEATURES`] cardinalities or one
-    /// is outside `2..=2^32`; [`Error::Io`] if the reader fails.
+    /// [`Error::Length`] if there are not [`CATEGORICAL_FEATURES`] cardinalities,
+    /// [`Error::TooFew`] or [`Error::TooLarge`] if one is outside `2..=2^32`; [`Error::Io`] if
+    /// the reader fails.
     pub fn build<R: BufRead>(mut reader: R, cardinalities: &[u64]) -> Result<(Self, TsvReport)> {
         validate_cardinalities(cardinalities)?;
         if let Some((t, &n)) = cardinalities.iter().enumerate().find(|(_, &n)| n < 2) {
-            return Err(Error::InvalidArgument(format!(
-                "table {t} has cardinality {n}; a vocabulary needs at least 2 (missing and OOV)"
-            )));
+            return Err(Error::TooFew {
+                what: format!(
+                    "the cardinality of table {t} (a vocabulary needs the missing and OOV ids)"
+                ),
+                got: n as usize,
+                need: 2,
+            });
         }
         // value -> (count, first appearance)
         let mut counts: Vec<HashMap<u32, (u64, u64)>> = vec![HashMap::new(); CATEGORICAL_FEATURES];

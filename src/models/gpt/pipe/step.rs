@@ -94,9 +94,14 @@ impl StageModel for StageStep<'_> {
     }
 
     fn input_shape(&self, micro: usize) -> Result<[usize; 2]> {
-        let b = self.micro.get(micro).ok_or_else(|| {
-            Error::InvalidArgument(format!("micro-batch {micro} of {}", self.micro.len()))
-        })?;
+        let b = self
+            .micro
+            .get(micro)
+            .ok_or_else(|| Error::IndexOutOfRange {
+                what: "micro-batch".into(),
+                index: micro,
+                len: self.micro.len(),
+            })?;
         self.gpt.tile_shape(self.plan, b)
     }
 
@@ -116,9 +121,13 @@ impl StageModel for StageStep<'_> {
             }
             (None, Some(x)) => (x.clone(), None),
             (None, None) => {
-                return Err(Error::InvalidArgument(
-                    "a stage after the first ran without an input".into(),
-                ))
+                return Err(Error::Internal {
+                    what: format!(
+                        "stage {}: micro-batch {micro}'s forward ran without an input (a stage \
+                         after the first)",
+                        g.stage
+                    ),
+                })
             }
         };
         let on = self.plan.blocks_on();
@@ -161,10 +170,12 @@ impl StageModel for StageStep<'_> {
             (Some(kept), _) => g.ends.head_backward(pass, at, kept, tie)?,
             (None, Some(d)) => d.clone(),
             (None, None) => {
-                return Err(Error::InvalidArgument(format!(
-                    "stage {}: micro-batch {micro}'s backward without its output's gradient",
-                    g.stage
-                )))
+                return Err(Error::Internal {
+                    what: format!(
+                        "stage {}: micro-batch {micro}'s backward without its output's gradient",
+                        g.stage
+                    ),
+                })
             }
         };
         let b = &self.micro[micro];
@@ -191,7 +202,9 @@ impl StageModel for StageStep<'_> {
         let (true, Some(wte)) = (self.gpt.ties(), self.gpt.ends.wte()) else {
             return Ok(());
         };
-        let none = || Error::InvalidArgument("no share of wte's gradient in this step".into());
+        let none = || Error::Internal {
+            what: "no share of wte's gradient in this step".into(),
+        };
         if self.gpt.ends.split() {
             // the layers added this stage's shares of the shard's gradient to the store's
             // f32 sum: take it, add the other end's, write the total at this last use
@@ -216,8 +229,8 @@ impl StageStep<'_> {
     fn both_ends(&self, pass: &BackwardPass<'_>, acc: &PoolBlock, n: usize) -> Result<PoolBlock> {
         let (dev, s) = (pass.device(), pass.stream());
         let other = pass.pool().alloc(n * 4)?;
-        let pipe = self.plan.pipeline().ok_or_else(|| {
-            Error::InvalidArgument("the two copies of wte without a pipeline".into())
+        let pipe = self.plan.pipeline().ok_or_else(|| Error::Internal {
+            what: "the two copies of wte without a pipeline".into(),
         })?;
         let peer = if self.gpt.stage == 0 {
             pipe.world() - 1

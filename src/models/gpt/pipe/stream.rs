@@ -42,20 +42,46 @@ pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
     let gpt = versions[0];
     let pipeline = check_step(gpt, plan, adam, every)?;
     if versions[1].stage != gpt.stage || versions[1].layers != gpt.layers {
-        return Err(Error::InvalidArgument(
-            "PipeDream-2BW's two versions are one stage registered twice".into(),
-        ));
+        // the two versions are one stage registered twice
+        return Err(Error::WrongPlace {
+            what: "PipeDream-2BW's second version",
+            registered: format!(
+                "as stage {} (blocks {:?})",
+                versions[1].stage, versions[1].layers
+            ),
+            run: format!(
+                "with a first version of stage {} (blocks {:?})",
+                gpt.stage, gpt.layers
+            ),
+        });
     }
-    if adam.config().delayed_params
-        || batches.iter().any(|b| b.len() != every)
-        || every < gpt.stages
-    {
-        return Err(Error::InvalidArgument(format!(
-            "a PipeDream-2BW stream needs steps of the same number of micro-batches, at least \
-             the {} stages, and an optimizer that does not delay its parameters (the two \
-             versions do)",
-            gpt.stages
-        )));
+    if adam.config().delayed_params {
+        return Err(Error::Conflict {
+            what: "a PipeDream-2BW stream".into(),
+            with: "an optimizer that delays its parameters (HybridConfig::delayed_params): \
+                   the two versions do"
+                .into(),
+        });
+    }
+    if let Some((k, b)) = batches.iter().enumerate().find(|(_, b)| b.len() != every) {
+        return Err(Error::Length {
+            what: format!(
+                "micro-batches of step {k} of a PipeDream-2BW stream (every step needs the \
+                 first's number)"
+            ),
+            got: b.len(),
+            expected: every,
+        });
+    }
+    if every < gpt.stages {
+        return Err(Error::TooFew {
+            what: format!(
+                "micro-batches a step of a PipeDream-2BW stream over {} stages",
+                gpt.stages
+            ),
+            got: every,
+            need: gpt.stages,
+        });
     }
     let micro: Vec<GptBatch<'_>> = batches.iter().flatten().copied().collect();
     for b in &micro {

@@ -34,14 +34,33 @@ pub(in crate::models::gpt) fn pipeline_step<S: ParamStore + ?Sized>(
     // 1F1B order
     let order = match plan.schedule {
         Schedule::TwoBW { every } => {
-            if !adam.config().delayed_params || every != micro.len() || every < gpt.stages {
-                return Err(Error::InvalidArgument(format!(
-                    "PipeDream-2BW with a new version every {every} micro-batches: a step holds \
-                     them ({} here), at least the {} stages, and the optimizer keeps the \
-                     parameters one version behind (HybridConfig::delayed_params)",
-                    micro.len(),
-                    gpt.stages
-                )));
+            if !adam.config().delayed_params {
+                return Err(Error::Conflict {
+                    what: format!("PipeDream-2BW (a new version every {every} micro-batches)"),
+                    with: "an optimizer that does not keep the parameters one version behind \
+                           (HybridConfig::delayed_params off)"
+                        .into(),
+                });
+            }
+            if every != micro.len() {
+                return Err(Error::Length {
+                    what: format!(
+                        "micro-batches of a PipeDream-2BW step (a step holds a version's, \
+                         {every})"
+                    ),
+                    got: micro.len(),
+                    expected: every,
+                });
+            }
+            if every < gpt.stages {
+                return Err(Error::TooFew {
+                    what: format!(
+                        "micro-batches of a PipeDream-2BW version over {} stages",
+                        gpt.stages
+                    ),
+                    got: every,
+                    need: gpt.stages,
+                });
             }
             Schedule::OneFOneB
         }
@@ -69,20 +88,32 @@ pub(super) fn check_step<'a>(
     adam: &HybridAdam,
     n: usize,
 ) -> Result<&'a Communicator> {
-    let pipeline = plan.pipeline().ok_or_else(|| {
-        Error::InvalidArgument("a pipeline step on a grid of one pipeline stage".into())
+    let pipeline = plan.pipeline().ok_or_else(|| Error::WrongPlace {
+        what: "a GPT pipeline stage",
+        registered: format!("as stage {} of {}", gpt.stage, gpt.stages),
+        run: "on a grid of one pipeline stage (a pipeline step needs the pipeline group)".into(),
     })?;
     if plan.checkpoint {
-        return Err(Error::InvalidArgument(
-            "a pipeline stage keeps its blocks' activations (no checkpointing)".into(),
-        ));
+        return Err(Error::Conflict {
+            what: "checkpointing (Plan::checkpoint)".into(),
+            with: "a pipeline step: a stage keeps its blocks' activations".into(),
+        });
     }
-    if adam.config().accumulation_steps != 1 || n == 0 {
-        return Err(Error::InvalidArgument(format!(
-            "a pipeline step of {n} micro-batches for an optimizer that accumulates {}: the \
-             micro-batches are the pipeline's",
-            adam.config().accumulation_steps
-        )));
+    if adam.config().accumulation_steps != 1 {
+        return Err(Error::Conflict {
+            what: format!(
+                "an optimizer that accumulates {} micro-batches",
+                adam.config().accumulation_steps
+            ),
+            with: format!(
+                "a pipeline step (of {n} micro-batches): the micro-batches are the pipeline's"
+            ),
+        });
+    }
+    if n == 0 {
+        return Err(Error::Empty {
+            what: "a pipeline step's micro-batches".into(),
+        });
     }
     if pipeline.world() != gpt.stages || pipeline.rank() != gpt.stage {
         return Err(Error::WrongPlace {
@@ -131,9 +162,10 @@ pub(super) fn step_reduced<S: ParamStore + ?Sized>(
     };
     let r = store.step_reducing(adam, &mut { reduce })?;
     if r.outcome == StepOutcome::Accumulated {
-        return Err(Error::InvalidArgument(
-            "the optimizer accumulated a pipeline step".into(),
-        ));
+        return Err(Error::Internal {
+            what: "the optimizer accumulated a pipeline step (it was checked to accumulate 1)"
+                .into(),
+        });
     }
     Ok(r)
 }

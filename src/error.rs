@@ -579,6 +579,16 @@ pub enum Error {
         stuck: Vec<(usize, String)>,
     },
 
+    /// A thread the crate ran a caller's work on panicked (an in-process rank's closure, a host
+    /// optimizer thread); the panic was caught and the other threads were stopped.
+    #[error("{what} panicked{}", if message.is_empty() { String::new() } else { format!(": {message}") })]
+    Panicked {
+        /// The thread.
+        what: String,
+        /// The panic's message, when it was a string.
+        message: String,
+    },
+
     /// A broken invariant inside the crate: a bug in `tidemem`, not in the call.
     #[error("internal error (a bug in tidemem): {what}")]
     Internal {

@@ -181,9 +181,10 @@ fn run_local<R: Send>(
                             .map(|m| m.to_string())
                             .or_else(|| p.downcast_ref::<String>().cloned())
                             .unwrap_or_default();
-                        Err(Error::InvalidArgument(format!(
-                            "rank {rank} panicked: {msg}"
-                        )))
+                        Err(Error::Panicked {
+                            what: format!("rank {rank}"),
+                            message: msg,
+                        })
                     });
                 // a rank told by an agreement that another failed is not the first failure
                 if let Err(e) = &r {
@@ -211,8 +212,12 @@ fn run_local<R: Send>(
         let mut results: Vec<Result<R>> = handles
             .into_iter()
             .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(Error::InvalidArgument("a rank panicked".into())))
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::Panicked {
+                        what: "a rank".into(),
+                        message: String::new(),
+                    })
+                })
             })
             .collect();
         // `first` names a rank only once its result is an error of its own; without one, any
@@ -301,7 +306,7 @@ mod tests {
             },
         );
         assert!(
-            matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("rank 0 falls over")),
+            matches!(&r, Err(Error::Panicked { message, .. }) if message.contains("rank 0 falls over")),
             "{r:?}"
         );
     }

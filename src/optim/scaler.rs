@@ -111,9 +111,12 @@ impl LossScaler {
             && cfg.growth_interval >= 1
             && cfg.hysteresis >= 1;
         if !ok {
-            return Err(Error::InvalidArgument(format!(
-                "inconsistent loss-scaler settings: {cfg:?}"
-            )));
+            return Err(Error::Conflict {
+                what: format!("loss-scaler settings {cfg:?}"),
+                with: "each other: 0 < min ≤ init ≤ max (finite), growth ≥ 1, 0 < backoff ≤ 1, \
+                       growth interval and hysteresis ≥ 1"
+                    .into(),
+            });
         }
         Ok(LossScaler {
             cfg,
@@ -158,11 +161,14 @@ impl LossScaler {
             });
         }
         if clean >= self.cfg.growth_interval || allowance == 0 || allowance > self.cfg.hysteresis {
-            return Err(Error::InvalidArgument(format!(
-                "a loss scaler with growth interval {} and hysteresis {} cannot be at {clean} \
-                 clean steps with allowance {allowance}",
-                self.cfg.growth_interval, self.cfg.hysteresis
-            )));
+            return Err(Error::Conflict {
+                what: format!("{clean} clean steps with an allowance of {allowance}"),
+                with: format!(
+                    "a loss scaler of growth interval {} and hysteresis {} (clean < interval, \
+                     1 ≤ allowance ≤ hysteresis)",
+                    self.cfg.growth_interval, self.cfg.hysteresis
+                ),
+            });
         }
         self.scale = scale;
         self.clean = clean;

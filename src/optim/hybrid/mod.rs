@@ -357,11 +357,13 @@ impl HybridAdam {
     /// [`HybridAdam::restore_metadata`] applies: the step count and the scaler's state.
     fn parse_metadata(&self, meta: &BTreeMap<String, String>) -> Result<Counters> {
         fn get<T: std::str::FromStr>(meta: &BTreeMap<String, String>, key: &str) -> Result<T> {
-            meta.get(key).and_then(|v| v.parse().ok()).ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "the checkpoint's metadata has no valid '{key}' (not saved by HybridAdam?)"
-                ))
-            })
+            meta.get(key)
+                .and_then(|v| v.parse().ok())
+                .ok_or_else(|| Error::Parse {
+                    what: "a checkpoint's optimizer metadata",
+                    input: format!("{key} = {:?}", meta.get(key)),
+                    expected: "a value HybridAdam saved (was it saved by HybridAdam?)".into(),
+                })
         }
         let steps: u64 = get(meta, META_STEPS)?;
         let scaler = match (&self.scaler, meta.contains_key(META_SCALE)) {

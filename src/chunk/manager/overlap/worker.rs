@@ -181,7 +181,10 @@ fn step_group(
         let mut result = first.map_or(Ok(()), |part| step_part(part, g));
         for h in handles {
             let r = h.join().unwrap_or_else(|_| {
-                Err(Error::InvalidArgument("a host-step thread panicked".into()))
+                Err(Error::Panicked {
+                    what: "a host-step thread".into(),
+                    message: String::new(),
+                })
             });
             result = result.and(r);
         }

@@ -1,12 +1,12 @@
-//! Element types: of model data (the floating-point types) and of every typed device operand
-//! and collective buffer (the integer types too). One enum serves the device layer, the kernels
-//! and the collectives.
-
 use std::fmt;
 
 use half::{bf16, f16};
 use serde::Serialize;
 
+/// Element types: of model data (the floating-point types) and of every typed device operand
+/// and collective buffer (the integer types too). One enum serves the device layer, the kernels
+/// and the collectives.
+///
 /// Element type of a tensor, a kernel operand or a collective's buffer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub enum DType {

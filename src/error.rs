@@ -1,8 +1,3 @@
-//! Typed errors for every fallible operation of the crate.
-//!
-//! The public API never panics on bad input: it returns one of these variants, each of which
-//! names the numbers a user needs to understand what went wrong.
-
 use std::path::PathBuf;
 
 use crate::device_id::{BackendKind, DeviceId};
@@ -11,6 +6,11 @@ use crate::dtype::DType;
 /// Result alias used throughout the crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Typed errors for every fallible operation of the crate.
+///
+/// The public API never panics on bad input: it returns one of these variants, each of which
+/// names the numbers a user needs to understand what went wrong.
+///
 /// Everything that can go wrong in `tidemem`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

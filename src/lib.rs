@@ -74,9 +74,9 @@ pub mod data;
 pub mod demo;
 pub mod device;
 pub(crate) mod device_id;
-pub mod dtype;
+pub(crate) mod dtype;
 pub mod embedding;
-pub mod error;
+pub(crate) mod error;
 pub mod kernels;
 pub mod limits;
 pub mod metrics;
@@ -95,5 +95,5 @@ pub mod tide;
 pub mod units;
 pub mod zero;
 
-pub use dtype::DType;
+pub use dtype::{decode_f32, encode_f32, DType};
 pub use error::{Error, Result};

@@ -85,7 +85,7 @@ impl Rng {
 }
 
 fn encode(v: &[f32], d: DType) -> Vec<u8> {
-    tidemem::dtype::encode_f32(v, d)
+    tidemem::encode_f32(v, d)
 }
 
 fn u32s(v: &[u32]) -> Vec<u8> {

@@ -4,7 +4,7 @@
 use std::io::Cursor;
 
 use proptest::prelude::*;
-use tidemem::data::criteo::tsv::{
+use tidemem::data::criteo::{
     dense_transform, hash_id, rows_from_batch, write_tsv, Malformed, CATEGORICAL_FEATURES,
     MAX_REPORTED_LINES,
 };

@@ -28,7 +28,7 @@ fn case(r: &mut SplitMix64) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
 /// Runs one GEMM on `s` and checks it.
 fn check(dev: &Device, s: &Stream, r: &mut SplitMix64, what: &str) {
     let (a, b, want) = case(r);
-    let enc = |v: &[f32]| tidemem::dtype::encode_f32(v, DType::F32);
+    let enc = |v: &[f32]| tidemem::encode_f32(v, DType::F32);
     let da = dev.upload(s, &enc(&a)).unwrap();
     let db = dev.upload(s, &enc(&b)).unwrap();
     let dc = dev.upload(s, &enc(&[f32::NAN; M * N])).unwrap();

@@ -4,7 +4,7 @@
 
 mod common;
 
-use tidemem::data::criteo::tsv::{rows_from_batch, write_tsv};
+use tidemem::data::criteo::{rows_from_batch, write_tsv};
 use tidemem::data::criteo::{
     Batch, Dataset, IdMap, Synthetic, SyntheticConfig, TsvConfig, TsvReader,
 };

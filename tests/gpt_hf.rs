@@ -8,9 +8,9 @@ use std::path::Path;
 use half::f16;
 use safetensors::tensor::TensorView;
 use safetensors::Dtype;
-use tidemem::error::Error;
 use tidemem::models::gpt::{read_hf, write_hf, GptConfig, HfWeights};
 use tidemem::rng::{Rng, Xoshiro256};
+use tidemem::Error;
 
 fn tiny() -> GptConfig {
     GptConfig {

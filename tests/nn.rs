@@ -6,10 +6,10 @@
 
 mod common;
 
-use tidemem::dtype::{decode_f32, encode_f32};
 use tidemem::nn::{gelu, gelu_backward, Act, LayerNorm, Linear, WeightUse};
 use tidemem::prelude::*;
 use tidemem::rng::{Rng, SplitMix64};
+use tidemem::{decode_f32, encode_f32};
 
 /// Rows (samples), features, hidden features.
 const N: usize = 6;

@@ -7,9 +7,9 @@
 mod common;
 mod nn_ref;
 
-use tidemem::dtype::{decode_f32, encode_f32};
 use tidemem::nn::{Act, Block, CausalSelfAttention, Serial};
 use tidemem::prelude::*;
+use tidemem::{decode_f32, encode_f32};
 
 use nn_ref::*;
 use tidemem::rng::{Rng, SplitMix64};

@@ -751,7 +751,7 @@ fn pipeline_split_ends_need_a_vocabulary_that_splits() {
         assert!(
             matches!(
                 r,
-                Err(tidemem::error::Error::NotSplit {
+                Err(tidemem::Error::NotSplit {
                     what: "vocabulary",
                     value: 63,
                     parts: 2,

@@ -113,7 +113,7 @@ pub fn floats(n: usize, seed: u32) -> Vec<u8> {
 /// `floats(n, seed)` stored as `d`.
 pub fn floats_as(n: usize, seed: u32, d: DType) -> Vec<u8> {
     let v: Vec<f32> = bytemuck::pod_collect_to_vec(&floats(n, seed));
-    tidemem::dtype::encode_f32(&v, d)
+    tidemem::encode_f32(&v, d)
 }
 
 /// Token ids in `0..v` (a multiplicative hash of the position).

@@ -23,7 +23,7 @@
 //! assert_eq!((x.len(), y.len()), (4 * 32, 4 * 32));
 //! assert_eq!(x[1..32], y[..31]); // targets are the inputs shifted by one
 //! assert_eq!(data.batch(Split::Train, 0, 4, 32)?, (x, y)); // the same step, the same batch
-//! # Ok::<(), tidemem::error::Error>(())
+//! # Ok::<(), tidemem::Error>(())
 //! ```
 
 use std::fmt;
@@ -425,7 +425,7 @@ impl TokenData {
     /// assert_eq!(micro[1], data.batch(Split::Train, 9, 2, 16)?);
     /// let too_many = data.batches(Split::Train, 0..u64::MAX, 2, 16);
     /// assert!(matches!(too_many, Err(tidemem::Error::TooLarge { .. })));
-    /// # Ok::<(), tidemem::error::Error>(())
+    /// # Ok::<(), tidemem::Error>(())
     /// ```
     pub fn batches(
         &self,

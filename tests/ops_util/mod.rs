@@ -4,7 +4,7 @@
 #![allow(dead_code)]
 
 use tidemem::device::{Device, DeviceBuffer, Stream};
-use tidemem::dtype::{decode_f32, encode_f32};
+use tidemem::{decode_f32, encode_f32};
 use tidemem::{DType, Error};
 
 // Not every suite draws random data.

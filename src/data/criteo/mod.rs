@@ -1,6 +1,6 @@
 //! Deterministic synthetic Criteo-like click data: no download needed.
 //!
-//! The [`tsv`] module reads (and writes) the Criteo TSV format into the same [`Batch`]es, so a
+//! [`TsvReader`] reads (and writes) the Criteo TSV format into the same [`Batch`]es, so a
 //! trainer takes synthetic or real click logs alike.
 //!
 //! [`Synthetic`] generates batches of samples shaped like the Criteo Kaggle, Criteo 1TB and Avazu
@@ -93,10 +93,14 @@
 mod config;
 #[cfg(test)]
 mod tests;
-pub mod tsv;
+pub(crate) mod tsv;
 
 pub use config::{Batch, Dataset, Drift, SyntheticConfig, DENSE_FEATURES};
-pub use tsv::{IdMap, TsvConfig, TsvReader, TsvReport, TsvRow, Vocabulary};
+pub use tsv::{
+    dense_transform, hash_id, rows_from_batch, write_tsv, IdMap, Malformed, MalformedLine,
+    TsvConfig, TsvReader, TsvReport, TsvRow, Vocabulary, CATEGORICAL_FEATURES, COLUMNS,
+    MAX_REPORTED_LINES,
+};
 
 use super::permutation::Permutation;
 use super::rng::{derive_seed, mix64, unit_f64, Rng, Xoshiro256};

@@ -1,55 +1,3 @@
-//! A streaming reader (and a writer) of the Criteo click-log TSV format.
-//!
-//! Each line is one sample: a label (`0` or `1`), [`DENSE_FEATURES`] integer dense columns and
-//! [`CATEGORICAL_FEATURES`] categorical columns written as hexadecimal strings (8 digits in the
-//! published files; 1 to 8 are accepted), 40 columns separated by tabs. Any dense or categorical
-//! column may be empty (a missing value); the label may not. A trailing `\r` is ignored.
-//!
-//! [`TsvReader`] turns the lines into the crate's [`Batch`]es, the same type the synthetic
-//! generator makes, so a trainer takes either:
-//!
-//! - dense value `x` becomes `ln(1 + max(x, 0))` (negative values are clipped to 0, a missing
-//!   value counts as 0), as the reference DLRM does; the logarithm is taken in `f64` and rounded
-//!   once to `f32`;
-//! - a categorical value becomes an id below its table's cardinality through an [`IdMap`]:
-//!   [`IdMap::Hash`] ([`hash_id`]: a fixed 64-bit hash modulo the cardinality, missing → 0) or
-//!   [`IdMap::Vocabulary`] (a [`Vocabulary`] built from a first pass over the data: ids by
-//!   frequency, with reserved ids for missing and unseen values).
-//!
-//! A malformed line (a wrong number of columns, a label other than `0`/`1`, a dense value that
-//! is not an integer, a categorical value that is not hexadecimal) is skipped and counted in the
-//! reader's [`TsvReport`], with its 1-based line number (the first [`MAX_REPORTED_LINES`]).
-//! Reading never panics and never stops on a bad line; only an I/O error of the underlying
-//! reader ends it with an error.
-//!
-//! [`write_tsv`] writes [`TsvRow`]s in the same format, and [`rows_from_batch`] turns a
-//! synthetic batch into rows, so tests and examples make their own files: nothing to download.
-//!
-//! ```
-//! use std::io::Cursor;
-//! use tidemem::data::criteo::tsv::{hash_id, IdMap, TsvConfig, TsvReader};
-//!
-//! # fn main() -> tidemem::Result<()> {
-//! let mut line = vec!["1".to_string(), "3".into(), "-1".into(), String::new()];
-//! line.extend(std::iter::repeat_n("0".to_string(), 10)); // the other dense columns
-//! line.push("68fd1e64".into());
-//! line.extend(std::iter::repeat_n(String::new(), 25)); // missing categorical values
-//! let text = format!("{}\nnot a criteo line\n", line.join("\t"));
-//!
-//! let config = TsvConfig { ids: IdMap::Hash, cardinalities: vec![1000; 26] };
-//! let mut reader = TsvReader::new(Cursor::new(text), config)?;
-//! let batch = reader.next_batch(128)?.expect("one good line");
-//! assert_eq!(batch.size, 1);
-//! assert_eq!(batch.labels, [1.0]);
-//! assert_eq!(batch.dense[..3], [(4f64).ln() as f32, 0.0, 0.0]);
-//! assert_eq!(batch.ids[0][0], hash_id(0x68fd_1e64, 1000));
-//! assert_eq!(batch.ids[1][0], 0); // missing
-//! assert!(reader.next_batch(128)?.is_none());
-//! assert_eq!(reader.report().malformed, 1);
-//! assert_eq!(reader.report().malformed_lines[0].line, 2);
-//! # Ok(()) }
-//! ```
-
 mod vocab;
 
 use std::fmt;
@@ -76,7 +24,7 @@ pub const MAX_REPORTED_LINES: usize = 100;
 /// is 0.
 ///
 /// ```
-/// use tidemem::data::criteo::tsv::hash_id;
+/// use tidemem::data::criteo::hash_id;
 /// assert!(hash_id(0x05db_9164, 1460) < 1460);
 /// assert_eq!(hash_id(7, 1), 0);
 /// ```
@@ -91,7 +39,7 @@ pub fn hash_id(value: u32, cardinality: u64) -> u32 {
 /// value (`None`) counts as 0.
 ///
 /// ```
-/// use tidemem::data::criteo::tsv::dense_transform;
+/// use tidemem::data::criteo::dense_transform;
 /// assert_eq!(dense_transform(Some(0)), 0.0);
 /// assert_eq!(dense_transform(Some(-5)), 0.0);
 /// assert_eq!(dense_transform(None), 0.0);
@@ -205,7 +153,7 @@ impl TsvRow {
     /// Parses one line (without its `\n`; a trailing `\r` is ignored).
     ///
     /// ```
-    /// use tidemem::data::criteo::tsv::{Malformed, TsvRow};
+    /// use tidemem::data::criteo::{Malformed, TsvRow};
     /// assert_eq!(TsvRow::parse(b"1\t2"), Err(Malformed::ColumnCount { found: 2 }));
     /// ```
     ///
@@ -289,7 +237,7 @@ fn parse_hex(field: &[u8]) -> Option<Option<u32>> {
 /// Writes `rows` in the Criteo format, one line each, `\n`-terminated.
 ///
 /// ```
-/// use tidemem::data::criteo::tsv::{write_tsv, TsvRow};
+/// use tidemem::data::criteo::{write_tsv, TsvRow};
 /// # fn main() -> tidemem::Result<()> {
 /// let row = TsvRow { label: 1, dense: [Some(-1); 13], categorical: [Some(0xab); 26] };
 /// let mut out = Vec::new();
@@ -396,7 +344,59 @@ fn read_line<R: BufRead>(reader: &mut R, line: &mut Vec<u8>) -> Result<bool> {
     Ok(n > 0)
 }
 
-/// A streaming reader of Criteo TSV lines into [`Batch`]es (see the [module docs](self)).
+/// A streaming reader (and a writer) of the Criteo click-log TSV format.
+///
+/// Each line is one sample: a label (`0` or `1`), [`DENSE_FEATURES`] integer dense columns and
+/// [`CATEGORICAL_FEATURES`] categorical columns written as hexadecimal strings (8 digits in the
+/// published files; 1 to 8 are accepted), 40 columns separated by tabs. Any dense or categorical
+/// column may be empty (a missing value); the label may not. A trailing `\r` is ignored.
+///
+/// [`TsvReader`] turns the lines into the crate's [`Batch`]es, the same type the synthetic
+/// generator makes, so a trainer takes either:
+///
+/// - dense value `x` becomes `ln(1 + max(x, 0))` (negative values are clipped to 0, a missing
+///   value counts as 0), as the reference DLRM does; the logarithm is taken in `f64` and rounded
+///   once to `f32`;
+/// - a categorical value becomes an id below its table's cardinality through an [`IdMap`]:
+///   [`IdMap::Hash`] ([`hash_id`]: a fixed 64-bit hash modulo the cardinality, missing → 0) or
+///   [`IdMap::Vocabulary`] (a [`Vocabulary`] built from a first pass over the data: ids by
+///   frequency, with reserved ids for missing and unseen values).
+///
+/// A malformed line (a wrong number of columns, a label other than `0`/`1`, a dense value that
+/// is not an integer, a categorical value that is not hexadecimal) is skipped and counted in the
+/// reader's [`TsvReport`], with its 1-based line number (the first [`MAX_REPORTED_LINES`]).
+/// Reading never panics and never stops on a bad line; only an I/O error of the underlying
+/// reader ends it with an error.
+///
+/// [`write_tsv`] writes [`TsvRow`]s in the same format, and [`rows_from_batch`] turns a
+/// synthetic batch into rows, so tests and examples make their own files: nothing to download.
+///
+/// ```
+/// use std::io::Cursor;
+/// use tidemem::data::criteo::{hash_id, IdMap, TsvConfig, TsvReader};
+///
+/// # fn main() -> tidemem::Result<()> {
+/// let mut line = vec!["1".to_string(), "3".into(), "-1".into(), String::new()];
+/// line.extend(std::iter::repeat_n("0".to_string(), 10)); // the other dense columns
+/// line.push("68fd1e64".into());
+/// line.extend(std::iter::repeat_n(String::new(), 25)); // missing categorical values
+/// let text = format!("{}\nnot a criteo line\n", line.join("\t"));
+///
+/// let config = TsvConfig { ids: IdMap::Hash, cardinalities: vec![1000; 26] };
+/// let mut reader = TsvReader::new(Cursor::new(text), config)?;
+/// let batch = reader.next_batch(128)?.expect("one good line");
+/// assert_eq!(batch.size, 1);
+/// assert_eq!(batch.labels, [1.0]);
+/// assert_eq!(batch.dense[..3], [(4f64).ln() as f32, 0.0, 0.0]);
+/// assert_eq!(batch.ids[0][0], hash_id(0x68fd_1e64, 1000));
+/// assert_eq!(batch.ids[1][0], 0); // missing
+/// assert!(reader.next_batch(128)?.is_none());
+/// assert_eq!(reader.report().malformed, 1);
+/// assert_eq!(reader.report().malformed_lines[0].line, 2);
+/// # Ok(()) }
+/// ```
+///
+/// A streaming reader of Criteo TSV lines into [`Batch`]es (see the [`TsvReader`]).
 ///
 /// Reads one line at a time from any [`BufRead`]: a file of any size streams through a
 /// [`BufReader`](std::io::BufReader).
@@ -404,7 +404,7 @@ fn read_line<R: BufRead>(reader: &mut R, line: &mut Vec<u8>) -> Result<bool> {
 /// ```
 /// use std::fs::File;
 /// use std::io::BufReader;
-/// use tidemem::data::criteo::tsv::{write_tsv, IdMap, TsvConfig, TsvReader, TsvRow};
+/// use tidemem::data::criteo::{write_tsv, IdMap, TsvConfig, TsvReader, TsvRow};
 ///
 /// # fn main() -> tidemem::Result<()> {
 /// let rows: Vec<TsvRow> = (0..10u8)

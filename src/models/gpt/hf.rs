@@ -13,7 +13,7 @@
 //! ```
 //! use tidemem::models::gpt::{read_hf, write_hf, GptConfig};
 //!
-//! # fn main() -> tidemem::error::Result<()> {
+//! # fn main() -> tidemem::Result<()> {
 //! let cfg = GptConfig { layers: 1, channels: 8, heads: 2, vocab: 10, max_seq: 4, eps: 1e-5 };
 //! let dir = tempfile::tempdir().unwrap();
 //! let path = dir.path().join("model.safetensors");

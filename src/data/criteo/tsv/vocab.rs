@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 ///
 /// ```
 /// use std::io::Cursor;
-/// use tidemem::data::criteo::tsv::{TsvRow, Vocabulary};
+/// use tidemem::data::criteo::{TsvRow, Vocabulary};
 ///
 /// # fn main() -> tidemem::Result<()> {
 /// let row = |v| TsvRow { label: 0, dense: [None; 13], categorical: [Some(v); 26] };

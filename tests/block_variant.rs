@@ -2,11 +2,14 @@
 //! `out = x + proj(ReLU(fc(ln(x))))`, exists only in this test. The same code runs serially
 //! and on a 2×2 SUMMA grid: the serial run and every rank's parameter-gradient shards match an
 //! f64 reference (within 1e-5 of the tensor's scale), and the grid's output and input gradient,
-//! gathered from the ranks' tiles, match the serial run's. Nothing in the crate knows of the variant: the layout brings
-//! the splits, the shards and the collectives.
+//! gathered from the ranks' tiles, match the serial run's. Two of them as two pipeline stages
+//! give the gradients of the two run in one store, bit for bit. Nothing in the crate knows of
+//! the variant: the layout brings the splits, the shards and the collectives, the pipeline the
+//! stages' order and the activations between them.
 
 use tidemem::comm::Communicator;
 use tidemem::nn::{Act, Layout, Pair, Serial, WeightUse};
+use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel};
 use tidemem::parallel::{
     gather_batch_2d, split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode,
 };
@@ -40,7 +43,7 @@ fn master(name: &str) -> Init {
         .bytes()
         .fold(7u64, |h, b| h.wrapping_mul(131) ^ u64::from(b));
     let (lo, hi) = match name {
-        "ln.weight" => (0.5, 1.5),
+        n if n.ends_with("ln.weight") => (0.5, 1.5),
         n if n.ends_with("bias") => (-0.2, 0.2),
         _ => (-0.4, 0.4),
     };
@@ -48,15 +51,22 @@ fn master(name: &str) -> Init {
 }
 
 impl<L: Layout> ReluBlock<L> {
-    fn register(m: &mut ChunkManager, layout: L) -> tidemem::Result<ReluBlock<L>> {
-        let two = |p: &str| [master(&format!("{p}.weight")), master(&format!("{p}.bias"))];
+    /// The block's parameters, named `{prefix}ln`, `{prefix}fc` and `{prefix}proj`.
+    fn register(m: &mut ChunkManager, layout: L, prefix: &str) -> tidemem::Result<ReluBlock<L>> {
+        let name = |p: &str| format!("{prefix}{p}");
+        let two = |p: &str| {
+            [
+                master(&format!("{}.weight", name(p))),
+                master(&format!("{}.bias", name(p))),
+            ]
+        };
         let [g, b] = two("ln");
-        let ln = layout.register_norm(m, "ln", C, EPS, [&g, &b])?;
+        let ln = layout.register_norm(m, &name("ln"), C, EPS, [&g, &b])?;
         let [w, b] = two("fc");
-        let fc =
-            layout.register_linear(m, "fc", [C, HIDDEN], Pair::Column { parts: 1 }, [&w, &b])?;
+        let column = Pair::Column { parts: 1 };
+        let fc = layout.register_linear(m, &name("fc"), [C, HIDDEN], column, [&w, &b])?;
         let [w, b] = two("proj");
-        let proj = layout.register_linear(m, "proj", [HIDDEN, C], Pair::Row, [&w, &b])?;
+        let proj = layout.register_linear(m, &name("proj"), [HIDDEN, C], Pair::Row, [&w, &b])?;
         Ok(ReluBlock {
             layout,
             ln,
@@ -271,7 +281,7 @@ fn reference(x: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<Vec<f64>>) {
 fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
     let (x, dout) = (data(ROWS * C, 1), data(ROWS * C, 2));
     let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
-    let serial = ReluBlock::register(&mut m, Serial).unwrap();
+    let serial = ReluBlock::register(&mut m, Serial, "").unwrap();
     let (y, dx, grads) = run(&mut m, &serial, (), [&x, &dout], [ROWS, C]).unwrap();
     let (want_y, want_dx, want_g) = reference(&f64s(&x), &f64s(&dout));
     close("serial out", &y, &want_y);
@@ -301,7 +311,7 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
                 s.spawn(move || -> tidemem::Result<Rank> {
                     let grid = ProcessGrid::new(comm, spec)?;
                     let mut m = manager(comm.device().clone());
-                    let blk = ReluBlock::register(&mut m, Summa::of(&grid)?)?;
+                    let blk = ReluBlock::register(&mut m, Summa::of(&grid)?, "")?;
                     let xt = split_batch_2d(&grid, x, ROWS, C)?;
                     let dt = split_batch_2d(&grid, dout, ROWS, C)?;
                     let tile = [ROWS / 2, C / 2];
@@ -344,6 +354,143 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
                 g,
                 &shard(w, shapes[k], *place),
             );
+        }
+    }
+}
+
+/// One pipeline stage of two, each a [`ReluBlock`]: the first reads `x`, the last returns the
+/// loss `½·Σ out²` (whose gradient is `out`).
+struct Stage {
+    blk: ReluBlock<Serial>,
+    first: bool,
+    last: bool,
+    x: Vec<f32>,
+}
+
+impl StageModel for Stage {
+    type Saved = (Saved<Serial>, Option<Vec<f32>>);
+
+    fn params(&self) -> Vec<TensorId> {
+        self.blk.params()
+    }
+
+    fn input_shape(&self, _micro: usize) -> tidemem::Result<[usize; 2]> {
+        Ok([ROWS, C])
+    }
+
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        _micro: usize,
+        input: Option<&Act>,
+    ) -> tidemem::Result<(Act, Self::Saved)> {
+        let x = match input {
+            Some(a) => a.clone(),
+            None => Act::upload(pass.pool(), pass.stream(), ROWS, C, DType::F32, &self.x)?,
+        };
+        let (y, saved) = self.blk.forward(pass, (), &x)?;
+        if !self.last {
+            return Ok((y, (saved, None)));
+        }
+        let y = y.to_f32(pass.stream())?;
+        let loss = 0.5 * y.iter().map(|v| v * v).sum::<f32>();
+        let one = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
+        Ok((one, (saved, Some(y))))
+    }
+
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        _micro: usize,
+        (saved, y): Self::Saved,
+        dout: Option<&Act>,
+    ) -> tidemem::Result<Option<Act>> {
+        let dy = match (y, dout) {
+            (Some(y), _) => Act::upload(pass.pool(), pass.stream(), ROWS, C, DType::F32, &y)?,
+            (None, Some(d)) => d.clone(),
+            (None, None) => unreachable!("a stage before the last is given its output's gradient"),
+        };
+        let dx = self.blk.backward(pass, (), &saved, &dy)?;
+        Ok((!self.first).then_some(dx))
+    }
+}
+
+/// Every parameter's gradient after `run`, by tensor.
+fn grads_of(m: &mut ChunkManager, blk: &ReluBlock<Serial>) -> Vec<Vec<f32>> {
+    blk.params()
+        .into_iter()
+        .map(|id| m.read(id).unwrap())
+        .collect()
+}
+
+#[test]
+fn the_variant_runs_as_two_pipeline_stages() {
+    let x = data(ROWS * C, 3);
+    let names = ["b0.", "b1."];
+    // both blocks in one store
+    let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
+    let blocks = names.map(|p| ReluBlock::register(&mut m, Serial, p).unwrap());
+    let stages = [0, 1].map(|s| Stage {
+        blk: blocks[s],
+        first: s == 0,
+        last: s == 1,
+        x: x.clone(),
+    });
+    let fwd = m.forward().unwrap();
+    let (h, s0) = stages[0].forward(&fwd, 0, None).unwrap();
+    let (_, s1) = stages[1].forward(&fwd, 0, Some(&h)).unwrap();
+    drop(h);
+    fwd.finish().unwrap();
+    let bwd = m.backward().unwrap();
+    let dh = stages[1].backward(&bwd, 0, s1, None).unwrap().unwrap();
+    stages[0].backward(&bwd, 0, s0, Some(&dh)).unwrap();
+    drop(dh);
+    bwd.finish().unwrap();
+    let want = blocks.map(|b| grads_of(&mut m, &b));
+
+    // each block a stage of its own on a rank of its own
+    let devices = (0..2)
+        .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
+        .collect::<tidemem::Result<Vec<_>>>()
+        .unwrap();
+    let comms = Communicator::local(devices).unwrap();
+    let spec = GridSpec {
+        data: 1,
+        pipeline: 2,
+        sequence: 1,
+        tensor: TensorMode::None,
+    };
+    let got: Vec<(usize, Vec<Vec<f32>>)> = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                let x = &x;
+                s.spawn(move || -> tidemem::Result<(usize, Vec<Vec<f32>>)> {
+                    let grid = ProcessGrid::new(comm, spec)?;
+                    let st = grid.pipeline_rank();
+                    let mut m = manager(comm.device().clone());
+                    let blk = ReluBlock::register(&mut m, Serial, names[st])?;
+                    let stage = Stage {
+                        blk,
+                        first: st == 0,
+                        last: st == 1,
+                        x: x.clone(),
+                    };
+                    PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 1)?
+                        .run(&mut m, &stage)?;
+                    Ok((st, grads_of(&mut m, &blk)))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank panicked").unwrap())
+            .collect()
+    });
+    for (st, grads) in got {
+        for (k, (g, w)) in grads.iter().zip(&want[st]).enumerate() {
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(g), bits(w), "stage {st}, gradient {k}");
         }
     }
 }

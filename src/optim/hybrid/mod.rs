@@ -279,7 +279,7 @@ impl HybridAdam {
             if !(0.0..=1.0).contains(&fraction) {
                 return Err(Error::BadValue {
                     what: "the device placement's fraction".into(),
-                    value: fraction.into(),
+                    value: fraction,
                     want: "in [0, 1]",
                 });
             }

@@ -53,7 +53,7 @@ impl Tile {
     /// not fit.
     pub fn extract<T: Copy>(&self, full: &[T], full_cols: usize) -> Result<Vec<T>> {
         let col_end = self.col0.checked_add(self.cols);
-        if !col_end.is_some_and(|c| c <= full_cols) {
+        if col_end.is_none_or(|c| c > full_cols) {
             return Err(Error::TooFew {
                 what: format!("columns of the matrix for {self:?}"),
                 got: full_cols,
@@ -61,7 +61,7 @@ impl Tile {
             });
         }
         let elems = (self.row0.checked_add(self.rows)).and_then(|r| r.checked_mul(full_cols));
-        if !elems.is_some_and(|n| n <= full.len()) {
+        if elems.is_none_or(|n| n > full.len()) {
             return Err(Error::TooFew {
                 what: format!("elements of the matrix (rows of {full_cols}) for {self:?}"),
                 got: full.len(),

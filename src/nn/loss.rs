@@ -22,6 +22,12 @@ enum Inner {
         /// Rows counted in the mean.
         counted: usize,
     },
+    SumOfSquares {
+        /// Gradient statistics ([`crate::ops::grad_stats`]) of the differences.
+        stats: Pending<HostBuffer>,
+        /// Elements in the mean.
+        count: usize,
+    },
 }
 
 impl Loss {
@@ -36,6 +42,12 @@ impl Loss {
         Loss(Inner::Copying { losses, counted })
     }
 
+    /// The mean of squares `sum_sq / count` from gradient statistics being copied to the host
+    /// (a mean squared error).
+    pub(crate) fn sum_of_squares(stats: Pending<HostBuffer>, count: usize) -> Loss {
+        Loss(Inner::SumOfSquares { stats, count })
+    }
+
     /// The mean loss, waiting for its copy if the host has not seen it finish.
     pub fn read(self) -> Result<f32> {
         match self.0 {
@@ -47,6 +59,10 @@ impl Loss {
                     .map(|&l| f64::from(l))
                     .sum();
                 Ok((sum / counted.max(1) as f64) as f32)
+            }
+            Inner::SumOfSquares { stats, count } => {
+                let s = crate::ops::read_grad_stats(&stats.wait()?)?;
+                Ok((s.sum_sq / count.max(1) as f64) as f32)
             }
         }
     }

@@ -65,7 +65,10 @@ mod layout;
 mod linear;
 mod lm_head;
 mod loss;
+mod losses;
 mod mlp;
+mod relu;
+mod sequential;
 
 pub use act::Act;
 pub use attention::{
@@ -80,7 +83,10 @@ pub use layout::{Layout, Pair, Serial};
 pub use linear::{Linear, WeightUse};
 pub use lm_head::{LmHead, LmHeadSaved};
 pub use loss::Loss;
+pub use losses::{BceWithLogitsLoss, CrossEntropyLoss, MseLoss};
 pub use mlp::{Mlp, MlpSaved};
+pub use relu::{relu, relu_backward, Gelu, GeluSaved, Relu, ReluSaved};
+pub use sequential::{Layer, Sequential, SequentialSaved};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

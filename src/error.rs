@@ -192,10 +192,17 @@ pub enum Error {
     },
 
     /// The chunks needed at a moment cannot fit in the device budget, whatever is evicted.
+    ///
+    /// The budget is what the scheduler plans with: `overall_fraction × capacity` less the
+    /// non-model bytes the moment needs, and during the warm-up iteration (no trace yet, the
+    /// non-model peak unknown) `warmup_chunk_fraction × overall_fraction × capacity`
+    /// ([`SchedulerConfig`](crate::tide::SchedulerConfig), 0.5 × 0.9 by default; a
+    /// [`Sizing`](crate::tide::Sizing)'s `config_for` gives a device its measured numbers).
     #[error(
         "chunk budget exceeded at moment {moment}: {requested} bytes of chunks needed, budget {budget} \
          bytes (device {capacity} bytes, non-model peak {non_model_peak} bytes); {unevictable} bytes are \
-         held by chunks in use"
+         held by chunks in use{}",
+        fetch_of(tensors, chunks)
     )]
     BudgetExceeded {
         /// Moment of the iteration.
@@ -210,6 +217,10 @@ pub enum Error {
         non_model_peak: u64,
         /// Bytes on the device that cannot be evicted (chunks in COMPUTE or pinned).
         unevictable: u64,
+        /// The chunks the refused moment needs on the device.
+        chunks: Vec<u32>,
+        /// The tensors the refused fetch named (empty for an optimizer visit or a replay).
+        tensors: Vec<String>,
     },
 
     /// Ranks of a communicator issued different collectives at the same point of their sequence
@@ -787,6 +798,15 @@ fn amount(requested: &u128) -> String {
     match *requested {
         u128::MAX => "more than 2^128 (an overflow)".into(),
         r => r.to_string(),
+    }
+}
+
+/// The end of a [`Error::BudgetExceeded`] message: the fetch that was refused.
+fn fetch_of(tensors: &[String], chunks: &[u32]) -> String {
+    match (tensors.is_empty(), chunks.is_empty()) {
+        (true, true) => String::new(),
+        (true, false) => format!("; the moment needs chunks {chunks:?}"),
+        (false, _) => format!("; the fetch of {tensors:?} needs chunks {chunks:?}"),
     }
 }
 

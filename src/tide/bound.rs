@@ -70,6 +70,13 @@ pub fn lower_bound(trace: &Trace, chunks: &[ChunkDesc], cfg: &SchedulerConfig) -
                         capacity: cfg.capacity,
                         non_model_peak: trace.reserve_at(m),
                         unevictable: used,
+                        chunks: moment
+                            .accesses
+                            .iter()
+                            .filter(|a| a.target == Target::Device)
+                            .map(|a| a.chunk)
+                            .collect(),
+                        tensors: Vec::new(),
                     });
                 };
                 resident[j] = false;

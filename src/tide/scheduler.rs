@@ -598,6 +598,8 @@ impl Scheduler {
                 capacity: self.cfg.capacity,
                 non_model_peak: self.trace.as_ref().map_or(0, |t| t.reserve_at(m)),
                 unevictable,
+                chunks: device_chunks(&acc),
+                tensors: Vec::new(),
             });
         }
         let mut moves = Vec::new();
@@ -831,4 +833,15 @@ pub fn spill_to_file(chunks: &[ChunkDesc], host_budget: Option<u64>) -> Vec<bool
         excess = excess.saturating_sub(chunks[i].bytes);
     }
     file
+}
+
+/// The distinct chunks `acc` needs on the device, in order.
+fn device_chunks(acc: &[Access]) -> Vec<u32> {
+    let mut v: Vec<u32> = Vec::new();
+    for a in acc.iter().filter(|a| a.target == Target::Device) {
+        if !v.contains(&a.chunk) {
+            v.push(a.chunk);
+        }
+    }
+    v
 }

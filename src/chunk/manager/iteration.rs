@@ -81,7 +81,31 @@ impl ChunkManager {
             self.mark(Phase::Forward);
         }
         self.tick(stage, &acc);
-        let moves = self.fetch_moment(&uses)?;
+        let moves = self.fetch_moment(&uses).map_err(|e| match e {
+            Error::BudgetExceeded {
+                moment,
+                requested,
+                budget,
+                capacity,
+                non_model_peak,
+                unevictable,
+                chunks,
+                ..
+            } => Error::BudgetExceeded {
+                moment,
+                requested,
+                budget,
+                capacity,
+                non_model_peak,
+                unevictable,
+                chunks,
+                tensors: ids
+                    .iter()
+                    .map(|id| self.tensors[id.index()].name.clone())
+                    .collect(),
+            },
+            e => e,
+        })?;
         self.execute(&moves)?;
         self.stage = Some(stage);
         for &id in ids {

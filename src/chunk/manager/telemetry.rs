@@ -232,6 +232,63 @@ impl ChunkManager {
     /// # Ok(()) }
     /// ```
     pub fn sizing(&self) -> Result<Sizing> {
+        self.sizing_now()
+    }
+
+    /// What a model needs of a device, measured: registers it on `dev` (a device with room for
+    /// all of it, e.g. a simulated one of 1 TiB, whose memory is touched only as used) with
+    /// `build`, runs one whole `iteration` (forward, backward and the optimizer's step, ended
+    /// by it) with every chunk welcome on the device, and returns the [`Sizing`] of the
+    /// recorded iteration: the non-model peak, the largest single moment, the smallest device
+    /// that trains ([`Sizing::smallest_device`]) and a device for a share of the chunks
+    /// ([`Sizing::device_for`]). `cfg` is the configuration the model will train with (its
+    /// chunk size and dtypes; the scheduler's capacity and fractions are the probe's).
+    ///
+    /// ```
+    /// use tidemem::nn::{Act, Linear};
+    /// use tidemem::prelude::*;
+    ///
+    /// # fn main() -> tidemem::Result<()> {
+    /// let roomy = Device::sim(SimConfig::with_capacity(1 << 40))?;
+    /// let mut cfg = ManagerConfig::new(1 << 12, Policy::Tide);
+    /// cfg.param_dtype = DType::F32;
+    /// let sizing = ChunkManager::probe(
+    ///     roomy,
+    ///     cfg,
+    ///     |m| Linear::register(m, "fc", 64, 64, true, None),
+    ///     |m, fc| {
+    ///         let fwd = m.forward()?;
+    ///         let x = Act::upload(fwd.pool(), fwd.stream(), 8, 64, DType::F32, &[0.5; 512])?;
+    ///         let y = fc.forward(&fwd, &x)?;
+    ///         fwd.finish()?;
+    ///         let bwd = m.backward()?;
+    ///         fc.backward(&bwd, &x, &y, false)?;
+    ///         bwd.finish()?;
+    ///         m.skip_step()
+    ///     },
+    /// )?;
+    /// assert!(sizing.model_data_bytes() >= 4 * 65 * 64); // the f32 parameters at least
+    /// let least = sizing.smallest_device(Policy::Tide, |c| sizing.config_for(c))?;
+    /// assert!(least >= sizing.largest_moment());
+    /// # Ok(()) }
+    /// ```
+    pub fn probe<M>(
+        dev: crate::device::Device,
+        mut cfg: super::ManagerConfig,
+        build: impl FnOnce(&mut ChunkManager) -> Result<M>,
+        iteration: impl FnOnce(&mut ChunkManager, &M) -> Result<()>,
+    ) -> Result<Sizing> {
+        cfg.scheduler.capacity = dev.mem_info()?.total as u64;
+        cfg.scheduler.overall_fraction = 1.0;
+        cfg.scheduler.warmup_chunk_fraction = 1.0;
+        let mut m = ChunkManager::new(dev.clone(), cfg)?;
+        m.set_non_model_allocator(crate::device::CachingAllocator::new(dev));
+        let model = build(&mut m)?;
+        iteration(&mut m, &model)?;
+        m.sizing()
+    }
+
+    fn sizing_now(&self) -> Result<Sizing> {
         let s = self.sched.as_ref();
         match (s, s.and_then(|s| s.trace())) {
             (Some(s), Some(t)) => Sizing::new(t.clone(), s.chunks().to_vec()),

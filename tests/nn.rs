@@ -222,7 +222,7 @@ fn run_stack(m: &mut ChunkManager, s: &Stack, c: &Case) -> Result<[Vec<f32>; 3]>
     let (x, r) = (up(&c.x, C)?, up(&c.r, C)?);
     let (yln, saved) = s.ln.forward(&fwd, &x, Some(&r))?;
     let z = s.fc.forward(&fwd, &yln)?;
-    let a = gelu(&fwd, &z)?;
+    let (a, z_saved) = gelu(&fwd, &z)?;
     let y = s.proj.forward(&fwd, &a)?;
     let (y_host, h_host) = (y.to_f32(fwd.stream())?, saved.h().to_f32(fwd.stream())?);
     fwd.finish()?;
@@ -230,7 +230,7 @@ fn run_stack(m: &mut ChunkManager, s: &Stack, c: &Case) -> Result<[Vec<f32>; 3]>
     let up = |v: &[f32], cols| Act::upload(bwd.pool(), bwd.stream(), N, cols, d, v);
     let (dy, dres) = (up(&c.dy, C)?, up(&c.dres, C)?);
     let da = s.proj.backward(&bwd, &a, &dy, true)?.expect("dx asked for");
-    let dz = gelu_backward(&bwd, &z, &da)?;
+    let dz = gelu_backward(&bwd, &z_saved, &da)?;
     let dyln = s.fc.backward(&bwd, &yln, &dz, true)?.expect("dx asked for");
     let dx = s.ln.backward(&bwd, &saved, &dyln, Some(&dres))?;
     assert!(

@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use tidemem::comm::Communicator;
-use tidemem::nn::{gelu, gelu_backward, Linear};
+use tidemem::nn::{gelu, gelu_backward, GeluSaved, Linear};
 use tidemem::optim::DevicePlacement;
 use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel, StageReport};
 use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
@@ -63,8 +63,8 @@ struct Toy {
 }
 
 struct Saved {
-    /// Each layer's input and what went into its linear (after the GELU).
-    xs: Vec<(Act, Act)>,
+    /// Each layer's GELU (all but the first) and what went into its linear (after the GELU).
+    xs: Vec<(Option<GeluSaved>, Act)>,
     /// The last layer's output on the host (the last stage).
     y: Option<Vec<f32>>,
 }
@@ -147,9 +147,12 @@ impl StageModel for Toy {
         };
         let mut xs = Vec::new();
         for &(i, l) in &self.layers {
-            let h = if i > 0 { gelu(pass, &x)? } else { x.clone() };
+            let (h, g) = match i {
+                0 => (x.clone(), None),
+                _ => gelu(pass, &x).map(|(h, g)| (h, Some(g)))?,
+            };
             let y = l.forward(pass, &h)?;
-            xs.push((x, h));
+            xs.push((g, h));
             x = y;
         }
         if !self.last() {
@@ -188,7 +191,10 @@ impl StageModel for Toy {
             let dh = l.backward(pass, h, &dy, i > 0 || !first)?;
             match (i, dh) {
                 (0, _) => return Ok(None),
-                (_, Some(dh)) => dy = gelu_backward(pass, x, &dh)?,
+                (_, Some(dh)) => {
+                    let g = x.as_ref().expect("a GELU before every layer but the first");
+                    dy = gelu_backward(pass, g, &dh)?
+                }
                 (_, None) => unreachable!("asked for dx"),
             }
         }

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use super::act::Act;
 use super::attention::{attend, attend_backward, Attended, HeadsCore};
-use super::gelu::{gelu, gelu_backward};
+use super::gelu::{gelu, gelu_backward, GeluSaved};
 use super::layout::{Layout, Pair, Serial};
 use super::linear::WeightUse;
 use crate::error::Result;
@@ -89,7 +89,7 @@ pub struct BlockSaved<L: Layout = Serial> {
     attn_proj: L::LinearSaved,
     ln_2: L::NormSaved,
     c_fc: L::LinearSaved,
-    pre: Act,
+    pre: GeluSaved,
     mlp_proj: L::LinearSaved,
     op: Attention,
 }
@@ -231,7 +231,7 @@ impl<L: Layout> Block<L> {
         drop(a);
         let (pre, c_fc) = l.linear_forward(g, pass, &self.c_fc, &y2)?;
         drop(y2);
-        let act = gelu(pass, &pre)?;
+        let (act, pre) = gelu(pass, &pre)?;
         let (m, mlp_proj) = l.linear_forward(g, pass, &self.mlp_proj, &act)?;
         drop(act);
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), d)?;

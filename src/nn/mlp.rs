@@ -2,7 +2,7 @@
 
 use super::act::Act;
 use super::asked_dx;
-use super::gelu::{gelu, gelu_backward};
+use super::gelu::{gelu, gelu_backward, GeluSaved};
 use super::linear::Linear;
 use crate::error::{Error, Result};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
@@ -23,7 +23,7 @@ pub struct Mlp {
 #[derive(Debug)]
 pub struct MlpSaved {
     x: Act,
-    pre: Act,
+    pre: GeluSaved,
     act: Act,
 }
 
@@ -85,7 +85,7 @@ impl Mlp {
             });
         }
         let pre = self.c_fc.forward(pass, x)?;
-        let act = gelu(pass, &pre)?;
+        let (act, pre) = gelu(pass, &pre)?;
         let y = self.c_proj.forward(pass, &act)?;
         let saved = MlpSaved {
             x: x.clone(),

@@ -36,7 +36,7 @@
 //! let x = Act::upload(fwd.pool(), fwd.stream(), 2, 4, DType::F32, &[1., 2., 3., 4., 0., 1., 0., 1.])?;
 //! let (h, ln_saved) = ln.forward(&fwd, &x, None)?;
 //! let z = fc.forward(&fwd, &h)?;
-//! let a = gelu(&fwd, &z)?;
+//! let (a, z_saved) = gelu(&fwd, &z)?;
 //! let y = proj.forward(&fwd, &a)?;
 //! assert_eq!(y.shape(), [2, 4]);
 //! fwd.finish()?;
@@ -44,7 +44,7 @@
 //! let bwd = m.backward()?;
 //! let dy = Act::upload(bwd.pool(), bwd.stream(), 2, 4, DType::F32, &[1.0; 8])?;
 //! let da = proj.backward(&bwd, &a, &dy, true)?.expect("asked for dx");
-//! let dz = gelu_backward(&bwd, &z, &da)?;
+//! let dz = gelu_backward(&bwd, &z_saved, &da)?;
 //! let dh = fc.backward(&bwd, &h, &dz, true)?.expect("asked for dx");
 //! let dx = ln.backward(&bwd, &ln_saved, &dh, None)?;
 //! assert_eq!(dx.shape(), [2, 4]);
@@ -77,7 +77,7 @@ pub use attention::{
 };
 pub use block::{by_rank_block, Block, BlockSaved};
 pub use embedding::{Embedding, EmbeddingSaved};
-pub use gelu::{gelu, gelu_backward};
+pub use gelu::{gelu, gelu_backward, GeluSaved};
 pub use layernorm::{LayerNorm, LayerNormSaved};
 pub use layout::{Layout, Pair, Serial};
 pub use linear::{Linear, WeightUse};
@@ -85,7 +85,7 @@ pub use lm_head::{LmHead, LmHeadSaved};
 pub use loss::Loss;
 pub use losses::{BceWithLogitsLoss, CrossEntropyLoss, MseLoss};
 pub use mlp::{Mlp, MlpSaved};
-pub use relu::{relu, relu_backward, Gelu, GeluSaved, Relu, ReluSaved};
+pub use relu::{relu, relu_backward, Gelu, Relu, ReluSaved};
 pub use sequential::{Layer, Sequential, SequentialSaved};
 
 use crate::dtype::DType;

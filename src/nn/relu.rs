@@ -2,6 +2,7 @@
 //! [`Sequential`](super::Sequential) runs.
 
 use super::act::Act;
+use super::gelu::GeluSaved;
 use super::sequential::Layer;
 use crate::error::Result;
 use crate::store::{BackwardPass, ForwardPass};
@@ -60,10 +61,6 @@ impl Layer for Relu {
     }
 }
 
-/// What the [`Gelu`] layer keeps for its backward: its input.
-#[derive(Clone, Debug)]
-pub struct GeluSaved(Act);
-
 /// GELU (tanh approximation, [`gelu`](super::gelu)) as a layer of a
 /// [`Sequential`](super::Sequential).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -73,7 +70,7 @@ impl Layer for Gelu {
     type Saved = GeluSaved;
 
     fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, GeluSaved)> {
-        Ok((super::gelu(pass, x)?, GeluSaved(x.clone())))
+        super::gelu(pass, x)
     }
 
     fn backward(
@@ -83,6 +80,6 @@ impl Layer for Gelu {
         dy: &Act,
         _need_dx: bool,
     ) -> Result<Option<Act>> {
-        super::gelu_backward(pass, &saved.0, dy).map(Some)
+        super::gelu_backward(pass, &saved, dy).map(Some)
     }
 }

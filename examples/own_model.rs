@@ -16,6 +16,7 @@ use std::process::ExitCode;
 
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
+use tidemem::chunk::{search_layer_chunk_size, SizeSearch};
 use tidemem::nn::{CrossEntropyLoss, Gelu, Linear, Loss, Sequential};
 use tidemem::optim::ScalerConfig;
 use tidemem::prelude::*;
@@ -64,11 +65,23 @@ fn step(
     Ok(loss)
 }
 
-/// fp16 parameters with f32 masters, each layer's weight and bias in one chunk.
-fn config(hidden: usize) -> ManagerConfig {
-    let mut cfg = ManagerConfig::new(hidden * hidden.max(INPUTS) + hidden, Policy::Tide);
+/// fp16 parameters with f32 masters, in chunks that keep each layer's weight and bias together.
+fn config(hidden: usize) -> Result<ManagerConfig> {
+    let dims = [(INPUTS, hidden), (hidden, hidden), (hidden, CLASSES)];
+    let layers: Vec<Vec<usize>> = dims.iter().map(|&(i, o)| vec![i * o, o]).collect();
+    let largest = hidden * hidden.max(INPUTS);
+    let s = SizeSearch {
+        start: largest,
+        range: largest / 4,
+        interval: hidden,
+        multiple_of: 1,
+    };
+    let mut cfg = ManagerConfig::new(
+        search_layer_chunk_size(&layers, s)?.chunk_elems,
+        Policy::Tide,
+    );
     cfg.param_dtype = DType::F16;
-    cfg
+    Ok(cfg)
 }
 
 fn optimizer(lr: f32) -> Result<HybridAdam> {
@@ -147,7 +160,7 @@ fn run(a: &Args) -> Result<()> {
     let (x0, y0) = batch(0, a.batch);
     let sizing = ChunkManager::probe(
         roomy,
-        config(a.hidden),
+        config(a.hidden)?,
         |m| register(m, a.hidden),
         |m, model| step(m, model, &mut optimizer(a.lr)?, (&x0, &y0)).map(drop),
     )?;
@@ -165,7 +178,7 @@ fn run(a: &Args) -> Result<()> {
     }
 
     let dev = Device::sim(SimConfig::with_capacity(capacity as usize))?;
-    let mut cfg = config(a.hidden);
+    let mut cfg = config(a.hidden)?;
     cfg.scheduler = sizing.config_for(capacity);
     let mut m = ChunkManager::new(dev, cfg)?;
     let model = register(&mut m, a.hidden)?;

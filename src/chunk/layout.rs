@@ -251,9 +251,93 @@ pub fn search_chunk_size(numels: &[usize], s: SizeSearch) -> Result<SizeChoice> 
     })
 }
 
+/// Result of [`search_layer_chunk_size`].
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct LayerSizeChoice {
+    /// Chosen chunk size in elements.
+    pub chunk_elems: usize,
+    /// Layers whose tensors land in more than one chunk with that size (a fetch of such a layer
+    /// needs two chunks at once), not counting layers larger than a chunk.
+    pub split_layers: usize,
+    /// Padding elements with that size over every tensor.
+    pub waste_elems: usize,
+}
+
+/// Chooses the chunk size over `start ..= start + range` (in steps of `interval`, rounded up
+/// to multiples of `multiple_of`) that keeps each layer's tensors (`layers[l]`: the elements of
+/// layer `l`'s tensors, in registration order) in one chunk where it can: the fewest layers
+/// split across chunks, then the least padding, then the smallest size. A layer fetched whole
+/// then needs one chunk, not two: the device it trains on can be smaller.
+///
+/// ```
+/// use tidemem::chunk::{search_layer_chunk_size, SizeSearch};
+/// // a weight that fills a chunk of 1024 pushes its bias into the next: 1040 keeps them together
+/// let layers = vec![vec![1024, 16], vec![1024, 16]];
+/// let s = SizeSearch { start: 1024, range: 64, interval: 16, multiple_of: 1 };
+/// let c = search_layer_chunk_size(&layers, s).unwrap();
+/// assert_eq!((c.chunk_elems, c.split_layers), (1040, 0));
+/// ```
+pub fn search_layer_chunk_size(layers: &[Vec<usize>], s: SizeSearch) -> Result<LayerSizeChoice> {
+    let numels: Vec<usize> = layers.iter().flatten().copied().collect();
+    // the same checks of the search and the tensors
+    search_chunk_size(&numels, s)?;
+    let mut best: Option<LayerSizeChoice> = None;
+    let mut size = s.start;
+    while size <= s.start + s.range {
+        let size_r = size.div_ceil(s.multiple_of) * s.multiple_of;
+        let l = ChunkLayout::pack(size_r, &numels)?;
+        let mut split = 0;
+        let mut t = 0;
+        for layer in layers {
+            let groups = &l.slots[t..t + layer.len()];
+            t += layer.len();
+            let whole: usize = layer.iter().sum();
+            if whole <= size_r && groups.iter().any(|g| g.group != groups[0].group) {
+                split += 1;
+            }
+        }
+        let c = LayerSizeChoice {
+            chunk_elems: size_r,
+            split_layers: split,
+            waste_elems: l.waste_elems(),
+        };
+        let key = |c: &LayerSizeChoice| (c.split_layers, c.waste_elems);
+        if best.is_none_or(|b| key(&c) < key(&b)) {
+            best = Some(c);
+        }
+        size = match size.checked_add(s.interval) {
+            Some(next) => next,
+            None => break,
+        };
+    }
+    best.ok_or_else(|| Error::Internal {
+        what: "a chunk-size search tried no size".into(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_layer_search_keeps_layers_whole_then_wastes_least() {
+        let s = |start, range| SizeSearch {
+            start,
+            range,
+            interval: 8,
+            multiple_of: 1,
+        };
+        // three layers of 100 + 4: 104 holds one whole, 208 two; 100 splits every layer
+        let layers = vec![vec![100, 4]; 3];
+        let c = search_layer_chunk_size(&layers, s(100, 0)).unwrap();
+        assert_eq!((c.chunk_elems, c.split_layers), (100, 0)); // larger than a chunk: not counted
+        let c = search_layer_chunk_size(&layers, s(96, 16)).unwrap();
+        assert_eq!((c.chunk_elems, c.split_layers), (104, 0));
+        // two layers a chunk: none split
+        let c = search_layer_chunk_size(&layers, s(200, 16)).unwrap();
+        assert_eq!(c.split_layers, 0, "{c:?}");
+        assert!(search_layer_chunk_size(&[], s(8, 0)).is_err());
+    }
 
     #[test]
     fn padding_starts_the_next_tensor_on_a_multiple_and_repacks_alike() {

@@ -4,7 +4,10 @@
 mod layout;
 
 pub(crate) use crate::tensor::ChunkKind;
-pub use layout::{search_chunk_size, ChunkLayout, SizeChoice, SizeSearch, Slot};
+pub use layout::{
+    search_chunk_size, search_layer_chunk_size, ChunkLayout, LayerSizeChoice, SizeChoice,
+    SizeSearch, Slot,
+};
 
 mod plan;
 

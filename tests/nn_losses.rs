@@ -240,3 +240,85 @@ fn a_sequential_is_the_layers_composed_by_hand() {
         assert!(a.iter().any(|&v| v != 0.0), "gradient {k} is all zeros");
     }
 }
+
+/// A `Sequential` of Linear → ReLU → Linear under a mean squared error: every parameter's
+/// gradient against an f64 forward and backward from the same initial weights.
+#[test]
+fn a_sequential_matches_its_f64_reference() {
+    let (rows, [i, h, o]) = (4, [3, 5, 2]);
+    let (x, t) = (values(rows * i, 11), values(rows * o, 12));
+    let mut m = manager();
+    let opt = adam();
+    let fc1 = Linear::register(&mut m, "fc1", i, h, true, None).unwrap();
+    let fc2 = Linear::register(&mut m, "fc2", h, o, true, None).unwrap();
+    let read = |m: &mut ChunkManager, id| -> Vec<f64> {
+        m.read(id).unwrap().into_iter().map(f64::from).collect()
+    };
+    let (w1, b1) = (read(&mut m, fc1.weight), read(&mut m, fc1.bias.unwrap()));
+    let (w2, b2) = (read(&mut m, fc2.weight), read(&mut m, fc2.bias.unwrap()));
+    let model = Sequential::new().push(fc1).push(Relu).push(fc2);
+    let fwd = m.forward().unwrap();
+    let xa = Act::upload(fwd.pool(), fwd.stream(), rows, i, DType::F32, &x).unwrap();
+    let (y, saved) = model.forward(&fwd, &xa).unwrap();
+    let (loss, dy) = MseLoss.forward(&fwd, &opt, &y, &t).unwrap();
+    fwd.finish().unwrap();
+    let bwd = m.backward().unwrap();
+    model.backward(&bwd, saved, &dy, false).unwrap();
+    bwd.finish().unwrap();
+
+    // the f64 reference: z = x·W1ᵀ + b1, a = relu(z), y = a·W2ᵀ + b2, L = mean((y − t)²)
+    let lin = |inp: &[f64], w: &[f64], b: &[f64], k: usize, n: usize| -> Vec<f64> {
+        (0..rows * n)
+            .map(|rc| {
+                let (r, c) = (rc / n, rc % n);
+                b[c] + (0..k).map(|j| inp[r * k + j] * w[c * k + j]).sum::<f64>()
+            })
+            .collect()
+    };
+    let xf: Vec<f64> = x.iter().map(|&v| v.into()).collect();
+    let z = lin(&xf, &w1, &b1, i, h);
+    let a: Vec<f64> = z.iter().map(|&v| v.max(0.0)).collect();
+    let yf = lin(&a, &w2, &b2, h, o);
+    let n = rows * o;
+    let dyf: Vec<f64> = yf
+        .iter()
+        .zip(&t)
+        .map(|(&y, &t)| 2.0 * (y - f64::from(t)) * factor(n))
+        .collect();
+    let want_loss = yf
+        .iter()
+        .zip(&t)
+        .map(|(&y, &t)| (y - f64::from(t)).powi(2))
+        .sum::<f64>()
+        / n as f64;
+    // dW = dyᵀ·inp, db = Σ_rows dy, d(inp) = dy·W
+    let grads = |d: &[f64], inp: &[f64], w: &[f64], k: usize, n: usize| {
+        let dw: Vec<f64> = (0..n * k)
+            .map(|ck| {
+                (0..rows)
+                    .map(|r| d[r * n + ck / k] * inp[r * k + ck % k])
+                    .sum()
+            })
+            .collect();
+        let db: Vec<f64> = (0..n)
+            .map(|c| (0..rows).map(|r| d[r * n + c]).sum())
+            .collect();
+        let dinp: Vec<f64> = (0..rows * k)
+            .map(|rj| (0..n).map(|c| d[rj / k * n + c] * w[c * k + rj % k]).sum())
+            .collect();
+        (dw, db, dinp)
+    };
+    let (dw2, db2, da) = grads(&dyf, &a, &w2, h, o);
+    let dz: Vec<f64> = da
+        .iter()
+        .zip(&z)
+        .map(|(&d, &z)| if z > 0.0 { d } else { 0.0 })
+        .collect();
+    let (dw1, db1, _) = grads(&dz, &xf, &w1, i, h);
+    close("loss", &[loss.read().unwrap()], &[want_loss]);
+    let got = |m: &mut ChunkManager, id| m.read(id).unwrap();
+    close("fc1.weight", &got(&mut m, fc1.weight), &dw1);
+    close("fc1.bias", &got(&mut m, fc1.bias.unwrap()), &db1);
+    close("fc2.weight", &got(&mut m, fc2.weight), &dw2);
+    close("fc2.bias", &got(&mut m, fc2.bias.unwrap()), &db2);
+}

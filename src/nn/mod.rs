@@ -86,7 +86,7 @@ pub use loss::Loss;
 pub use losses::{BceWithLogitsLoss, CrossEntropyLoss, MseLoss};
 pub use mlp::{Mlp, MlpSaved};
 pub use relu::{relu, relu_backward, Gelu, Relu, ReluSaved};
-pub use sequential::{Layer, Sequential, SequentialSaved};
+pub use sequential::{Layer, LinearInput, Sequential, SequentialSaved};
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};

@@ -40,21 +40,33 @@ pub trait Layer: Send + Sync {
     }
 }
 
-impl Layer for Linear {
-    type Saved = Act;
+/// What a [`Linear`] run as a [`Layer`] keeps for its backward: its input, in a type of its
+/// own (an activation's saved state cannot take its place).
+#[derive(Clone, Debug)]
+pub struct LinearInput(Act);
 
-    fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, Act)> {
-        Ok((Linear::forward(self, pass, x)?, x.clone()))
+impl LinearInput {
+    /// The layer's input.
+    pub fn input(&self) -> &Act {
+        &self.0
+    }
+}
+
+impl Layer for Linear {
+    type Saved = LinearInput;
+
+    fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, LinearInput)> {
+        Ok((Linear::forward(self, pass, x)?, LinearInput(x.clone())))
     }
 
     fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        x: Act,
+        saved: LinearInput,
         dy: &Act,
         need_dx: bool,
     ) -> Result<Option<Act>> {
-        Linear::backward(self, pass, &x, dy, need_dx)
+        Linear::backward(self, pass, &saved.0, dy, need_dx)
     }
 
     fn params(&self) -> Vec<TensorId> {

@@ -264,7 +264,8 @@ impl ChunkManager {
     ///         let bwd = m.backward()?;
     ///         fc.backward(&bwd, &x, &y, false)?;
     ///         bwd.finish()?;
-    ///         m.skip_step()
+    ///         m.step(&mut HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3)))?)?;
+    ///         Ok(())
     ///     },
     /// )?;
     /// assert!(sizing.model_data_bytes() >= 4 * 65 * 64); // the f32 parameters at least

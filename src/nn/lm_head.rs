@@ -3,8 +3,9 @@
 use super::act::Act;
 use super::linear::{Linear, WeightUse};
 use super::loss::Loss;
+use super::losses::fused_cross_entropy;
 use crate::error::{Error, Result};
-use crate::ops::{check_targets, cross_entropy_forward_backward, CrossEntropy};
+use crate::ops::check_targets;
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::TensorId;
 
@@ -127,26 +128,14 @@ impl LmHead {
         check_targets(targets, v, self.ignore_index)?;
         let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
         let logits = self.proj.forward(pass, h)?;
-        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
-        let n = targets.len();
-        let tgt = pass.upload(bytemuck::cast_slice(targets))?;
-        let losses = pool.alloc(n * 4)?;
-        let ce = CrossEntropy {
-            vocab: v,
-            padded_vocab: v,
-            ignore_index: self.ignore_index,
-            grad_scale: scale / counted.max(1) as f32,
-        };
-        let lv = losses.view(0, n * 4)?;
-        cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
-        let host = dev.alloc_host(n * 4)?;
-        let copy = dev.copy_d2h(s, lv, host)?;
+        let grad_scale = scale / counted.max(1) as f32;
+        let loss = fused_cross_entropy(pass, &logits, targets, self.ignore_index, grad_scale)?;
         let saved = LmHeadSaved {
             h: h.clone(),
             dlogits: logits,
             counted,
         };
-        Ok((Loss::copying(copy, counted), saved))
+        Ok((loss, saved))
     }
 
     /// The backward of [`LmHead::forward`]: returns `dh` `[N, C]` and adds `wte`'s share.

@@ -106,23 +106,40 @@ impl CrossEntropyLoss {
         logits.expect("logits", Some(targets.len()), self.classes, logits.dtype())?;
         check_targets(targets, self.classes, self.ignore_index)?;
         let counted = targets.iter().filter(|&&t| t != self.ignore_index).count();
-        let n = targets.len();
-        let (dev, s, pool) = (pass.device(), pass.stream(), pass.pool());
-        let tgt = pass.upload(bytemuck::cast_slice(targets))?;
-        let losses = pool.alloc(n * 4)?;
-        let ce = CrossEntropy {
-            vocab: self.classes,
-            padded_vocab: self.classes,
-            ignore_index: self.ignore_index,
-            grad_scale: grad_scale(opt, counted),
-        };
-        let lv = losses.view(0, n * 4)?;
-        let d = logits.dtype();
-        cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
-        let host = dev.alloc_host(n * 4)?;
-        let copy = dev.copy_d2h(s, lv, host)?;
-        Ok((Loss::copying(copy, counted), logits))
+        let scale = grad_scale(opt, counted);
+        let loss = fused_cross_entropy(pass, &logits, targets, self.ignore_index, scale)?;
+        Ok((loss, logits))
     }
+}
+
+/// The mean cross-entropy of `logits` `[N, V]` for `targets` (each in `0..V` or
+/// `ignore_index`, checked by the caller before any work), on its way to the host, and the
+/// logits' gradient times `grad_scale` written over them (the fused op).
+pub(crate) fn fused_cross_entropy(
+    pass: &ForwardPass<'_>,
+    logits: &Act,
+    targets: &[i32],
+    ignore_index: i32,
+    grad_scale: f32,
+) -> Result<Loss> {
+    let v = logits.cols();
+    let counted = targets.iter().filter(|&&t| t != ignore_index).count();
+    let n = targets.len();
+    let (dev, s) = (pass.device(), pass.stream());
+    let tgt = pass.upload(bytemuck::cast_slice(targets))?;
+    let losses = pass.pool().alloc(n * 4)?;
+    let ce = CrossEntropy {
+        vocab: v,
+        padded_vocab: v,
+        ignore_index,
+        grad_scale,
+    };
+    let lv = losses.view(0, n * 4)?;
+    let d = logits.dtype();
+    cross_entropy_forward_backward(dev, s, logits.view(), tgt.view(0, n * 4)?, lv, &ce, d)?;
+    let host = dev.alloc_host(n * 4)?;
+    let copy = dev.copy_d2h(s, lv, host)?;
+    Ok(Loss::copying(copy, counted))
 }
 
 /// Mean squared error over every element: `loss = mean((y − t)²)`, gradient

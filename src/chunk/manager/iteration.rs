@@ -81,30 +81,14 @@ impl ChunkManager {
             self.mark(Phase::Forward);
         }
         self.tick(stage, &acc);
-        let moves = self.fetch_moment(&uses).map_err(|e| match e {
-            Error::BudgetExceeded {
-                moment,
-                requested,
-                budget,
-                capacity,
-                non_model_peak,
-                unevictable,
-                chunks,
-                ..
-            } => Error::BudgetExceeded {
-                moment,
-                requested,
-                budget,
-                capacity,
-                non_model_peak,
-                unevictable,
-                chunks,
-                tensors: ids
+        let moves = self.fetch_moment(&uses).map_err(|mut e| {
+            if let Error::BudgetExceeded { tensors, .. } = &mut e {
+                *tensors = ids
                     .iter()
                     .map(|id| self.tensors[id.index()].name.clone())
-                    .collect(),
-            },
-            e => e,
+                    .collect();
+            }
+            e
         })?;
         self.execute(&moves)?;
         self.stage = Some(stage);

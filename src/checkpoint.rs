@@ -78,6 +78,35 @@ pub(crate) fn bad(path: &Path, what: impl std::fmt::Display) -> Error {
 /// The metadata key prefix of the tensors' checksums: `crc32/<tensor>`.
 const CRC_KEY: &str = "crc32/";
 
+/// The metadata key of the header's own checksum (no tensor may be named `__header__`).
+const HEADER_CRC_KEY: &str = "crc32/__header__";
+
+/// The environment variable that lets a crate checkpoint without checksums load (unverified).
+pub(crate) const LEGACY_ENV: &str = "TIDEMEM_LEGACY_LOAD";
+
+/// The checksum of a header whose header checksum reads as zeros: the CRC-32 of `header`
+/// (the JSON text) with the 8 hex digits at `at` taken as `0`s.
+fn header_crc(header: &[u8], at: usize) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&header[..at]);
+    h.update(b"00000000");
+    h.update(&header[at + 8..]);
+    h.finalize()
+}
+
+/// Where the 8 hex digits of the header checksum start in `header`, if it has exactly one.
+fn header_crc_at(header: &[u8]) -> Option<usize> {
+    let pattern = format!("\"{HEADER_CRC_KEY}\":\"");
+    let pattern = pattern.as_bytes();
+    let mut found = header
+        .windows(pattern.len())
+        .enumerate()
+        .filter(|(_, w)| *w == pattern)
+        .map(|(i, _)| i + pattern.len());
+    let at = found.next()?;
+    (found.next().is_none() && at + 8 <= header.len()).then_some(at)
+}
+
 /// Ends the process at the named point of a save protocol when the environment variable
 /// `TIDEMEM_FAILPOINT` names it: the state a kill there leaves is the state a crash leaves, and
 /// tests check that a checkpoint survives it. Not part of the API.
@@ -186,6 +215,12 @@ impl Float {
             }),
         }
     }
+}
+
+/// The first element of `bytes` (little-endian values of `dtype`) that is NaN or infinite;
+/// `None` for a type that is not a float.
+pub(crate) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<usize> {
+    Float::of(dtype).and_then(|f| f.first_non_finite(bytes))
 }
 
 /// Follows the tensor data as it streams by: every entry's CRC-32, and the first non-finite
@@ -513,6 +548,8 @@ fn header(
     for (e, crc) in entries.iter().zip(crcs) {
         meta.insert(format!("{CRC_KEY}{}", e.name), format!("{crc:08x}"));
     }
+    // zeros now, the checksum of the whole header (these zeros included) once it is text
+    meta.insert(HEADER_CRC_KEY.into(), "00000000".into());
     let mut header = serde_json::Map::new();
     if !meta.is_empty() {
         header.insert("__metadata__".into(), serde_json::json!(meta));
@@ -528,6 +565,10 @@ fn header(
     while !header.len().is_multiple_of(8) {
         header.push(b' ');
     }
+    let at = header_crc_at(&header)
+        .ok_or_else(|| bad(path, "the header's checksum key is not in its text once"))?;
+    let crc = format!("{:08x}", header_crc(&header, at));
+    header[at..at + 8].copy_from_slice(crc.as_bytes());
     Ok(header)
 }
 
@@ -551,6 +592,9 @@ pub(crate) fn write_unpersisted(
     let mut names = std::collections::HashSet::new();
     let mut at = 0usize;
     for e in entries {
+        if e.name == "__header__" {
+            return Err(bad(path, "a tensor may not be named '__header__'"));
+        }
         if !names.insert(e.name.as_str()) || e.name == "__metadata__" {
             return Err(bad(path, format!("two tensors are named '{}'", e.name)));
         }
@@ -627,13 +671,33 @@ pub(crate) fn write_unpersisted(
 pub(crate) struct Reader {
     path: PathBuf,
     map: memmap2::Mmap,
+    /// Whether the file must carry checksums (a file of this crate's), unless
+    /// [`LEGACY_ENV`] asks otherwise.
+    strict: bool,
     /// Set once every checksum matched.
     verified: OnceLock<()>,
 }
 
+/// Whether the user asked for checkpoints without checksums to load ([`LEGACY_ENV`]`=1`).
+pub(crate) fn legacy_allowed() -> bool {
+    std::env::var_os(LEGACY_ENV).is_some_and(|v| v == "1")
+}
+
 impl Reader {
-    /// Opens and maps `path`, a regular file (a directory is refused as such).
+    /// Opens and maps `path`, a checkpoint of this crate: a regular file (a directory is
+    /// refused as such) whose header matches its checksum, which it must have (unless
+    /// [`LEGACY_ENV`]`=1`).
     pub(crate) fn open(path: &Path) -> Result<Reader> {
+        Self::open_with(path, true)
+    }
+
+    /// Opens and maps `path`, a file that may come from elsewhere (a Hugging Face model):
+    /// checksums, when it has them, are verified; none are required.
+    pub(crate) fn open_foreign(path: &Path) -> Result<Reader> {
+        Self::open_with(path, false)
+    }
+
+    fn open_with(path: &Path, strict: bool) -> Result<Reader> {
         let meta = std::fs::metadata(path).map_err(io_at("opening", path))?;
         if !meta.is_file() {
             return Err(Error::NotAFile {
@@ -646,11 +710,40 @@ impl Reader {
         // process truncates the checkpoint while it is being read (a save never does: it
         // renames a new file over the old one).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_at("mapping", path))?;
-        Ok(Reader {
+        let r = Reader {
             path: path.to_path_buf(),
             map,
+            strict,
             verified: OnceLock::new(),
-        })
+        };
+        r.verify_header()?;
+        Ok(r)
+    }
+
+    /// Checks the header against its checksum, if it has one; a strict reader's file must.
+    fn verify_header(&self) -> Result<()> {
+        // the format's own checks first, so that a file that is not safetensors says so
+        SafeTensors::read_metadata(&self.map).map_err(|e| self.explain(e))?;
+        let n = u64::from_le_bytes(self.map[..8].try_into().expect("8 bytes")) as usize;
+        let header = &self.map[8..8 + n];
+        let Some(at) = header_crc_at(header) else {
+            if self.strict && !legacy_allowed() {
+                return Err(Error::Unverified {
+                    path: self.path.clone(),
+                    what: "no header checksum",
+                });
+            }
+            return Ok(());
+        };
+        let want = std::str::from_utf8(&header[at..at + 8])
+            .ok()
+            .and_then(|h| u32::from_str_radix(h, 16).ok());
+        if want != Some(header_crc(header, at)) {
+            return Err(Error::HeaderChecksumMismatch {
+                path: self.path.clone(),
+            });
+        }
+        Ok(())
     }
 
     /// The tensors, after the format's checks (header, offsets, sizes) and, the first time,
@@ -686,6 +779,9 @@ impl Reader {
     fn verify(&self, st: &SafeTensors<'_>) -> Result<()> {
         let mut sums = BTreeMap::new();
         for (k, v) in self.raw_metadata()? {
+            if k == HEADER_CRC_KEY {
+                continue;
+            }
             if let Some(name) = k.strip_prefix(CRC_KEY) {
                 let crc = u32::from_str_radix(&v, 16).map_err(|_| {
                     self.bad(format!(
@@ -696,6 +792,12 @@ impl Reader {
             }
         }
         if sums.is_empty() {
+            if self.strict && !legacy_allowed() && !st.names().is_empty() {
+                return Err(Error::Unverified {
+                    path: self.path.clone(),
+                    what: "no tensor checksums",
+                });
+            }
             return Ok(());
         }
         let mut names = st.names();
@@ -718,6 +820,11 @@ impl Reader {
             )));
         }
         Ok(())
+    }
+
+    /// The file's path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
     }
 
     /// An error about this file.

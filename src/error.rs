@@ -737,6 +737,34 @@ pub enum Error {
         tensor: String,
     },
 
+    /// A checkpoint's header (its tensors' names, dtypes, shapes and offsets, and its
+    /// metadata: step counts, loss scale, ranks) does not match the checksum written with it:
+    /// the file was edited or damaged since. Nothing was loaded.
+    #[error(
+        "checkpoint {}: its header (tensor names, dtypes, shapes, metadata) does not match its \
+         checksum (the file was edited or damaged since it was written); nothing was loaded",
+        path.display()
+    )]
+    HeaderChecksumMismatch {
+        /// The file.
+        path: PathBuf,
+    },
+
+    /// A checkpoint of this crate without checksums (written before they were added, or with
+    /// them removed): nothing in it can be verified, so it is refused unless the environment
+    /// variable `TIDEMEM_LEGACY_LOAD=1` asks for an unverified load.
+    #[error(
+        "checkpoint {}: it has {what}, so it cannot be verified (written by an older version, \
+         or edited); set TIDEMEM_LEGACY_LOAD=1 to load it unverified",
+        path.display()
+    )]
+    Unverified {
+        /// The file.
+        path: PathBuf,
+        /// What it lacks: `no header checksum`, `no tensor checksums`.
+        what: &'static str,
+    },
+
     /// NaN or infinity in a tensor read from a model file, or about to be written to a
     /// checkpoint (then nothing was written, and an earlier file at the path stays).
     #[error(

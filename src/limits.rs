@@ -19,9 +19,10 @@ use std::sync::OnceLock;
 
 use crate::error::{Error, Result};
 
-/// Memory of this machine in bytes: `MemTotal` of `/proc/meminfo`, or the process's cgroup
-/// (v2) limit `/sys/fs/cgroup/memory.max` where that is smaller; read once. `None` where
-/// neither can be read (a system without `/proc`).
+/// Memory this process may use, in bytes: the smallest of `MemTotal` of `/proc/meminfo`, the
+/// process's cgroup (v2) limit `/sys/fs/cgroup/memory.max` and its address-space limit
+/// (`RLIMIT_AS`, `ulimit -v`: "Max address space" of `/proc/self/limits`); read once. `None`
+/// where none can be read (a system without `/proc`).
 pub fn host_memory() -> Option<u64> {
     static MEMORY: OnceLock<Option<u64>> = OnceLock::new();
     *MEMORY.get_or_init(|| {
@@ -31,11 +32,22 @@ pub fn host_memory() -> Option<u64> {
         let cgroup = std::fs::read_to_string("/sys/fs/cgroup/memory.max")
             .ok()
             .and_then(|s| s.trim().parse::<u64>().ok());
-        match (total, cgroup) {
-            (Some(t), Some(c)) => Some(t.min(c)),
-            (t, c) => t.or(c),
-        }
+        let address_space = std::fs::read_to_string("/proc/self/limits")
+            .ok()
+            .and_then(|s| address_space_limit(&s));
+        [total, cgroup, address_space].into_iter().flatten().min()
     })
+}
+
+/// The soft "Max address space" limit of a `/proc/self/limits` text, in bytes (`None` when
+/// unlimited or absent).
+fn address_space_limit(limits: &str) -> Option<u64> {
+    let line = limits.lines().find(|l| l.starts_with("Max address space"))?;
+    line["Max address space".len()..]
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
 /// `MemTotal` of a `/proc/meminfo` text, in bytes.
@@ -78,6 +90,20 @@ pub fn host_bytes(what: impl FnOnce() -> String, factors: &[usize]) -> Result<us
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_address_space_limit_is_read_from_proc_limits() {
+        let head = "Limit                     Soft Limit           Hard Limit           Units\n";
+        let limited = format!(
+            "{head}Max stack size            8388608              unlimited            bytes\n\
+             Max address space         1073741824           unlimited            bytes\n"
+        );
+        assert_eq!(address_space_limit(&limited), Some(1 << 30));
+        let unlimited =
+            format!("{head}Max address space         unlimited            unlimited            bytes\n");
+        assert_eq!(address_space_limit(&unlimited), None);
+        assert_eq!(address_space_limit(head), None);
+    }
 
     #[test]
     fn meminfo_is_read_in_bytes() {

@@ -49,6 +49,14 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
                 .into(),
         ));
     }
+    if a.load_hf.is_some() && a.resume.is_some() {
+        return Err(bad(
+            "--load-hf with --resume: the checkpoint restores every weight the import would \
+             give; pass one"
+                .into(),
+        ));
+    }
+    limits::host_bytes(|| format!("--sample {}: the tokens drawn", a.sample), &[a.sample, 8])?;
     if a.tokenizer.is_some() && a.data.is_none() {
         return Err(bad(
             "--tokenizer needs --data: the generated corpus is bytes, not the tokenizer's ids"
@@ -124,13 +132,98 @@ pub fn data(a: &Args, cfg: &GptConfig, data: &TokenData, tok: &Tokenizer) -> Res
     Ok(())
 }
 
-/// A path as the file system will resolve it: its directory made absolute (when it exists)
-/// with the file name kept.
-fn resolved(p: &Path) -> PathBuf {
-    match (parent(p).canonicalize(), p.file_name()) {
-        (Ok(d), Some(n)) => d.join(n),
-        _ => p.to_path_buf(),
+/// The file a path names once every symbolic link is followed: its final path (which need
+/// not exist: an output's) and, when it exists, its type and identity (device, inode), so
+/// that two names of one file (links, hard links) are known as one.
+struct Resolved {
+    path: PathBuf,
+    file: Option<(std::fs::FileType, (u64, u64))>,
+}
+
+/// Follows `p`'s links as the kernel would (40 at most: more is a loop) to what it names; an
+/// error names `flag` and the path when a link loops or a directory on the way is missing.
+fn resolve(flag: &str, p: &Path) -> Result<Resolved> {
+    use std::os::unix::fs::MetadataExt;
+    let mut at = p.to_path_buf();
+    for _ in 0..40 {
+        match std::fs::symlink_metadata(&at) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let dir = parent(&at).canonicalize().map_err(|e| {
+                    bad(format!(
+                        "{flag} {}: its directory {}: {e}",
+                        p.display(),
+                        parent(&at).display()
+                    ))
+                })?;
+                let name = at
+                    .file_name()
+                    .ok_or_else(|| bad(format!("{flag} {}: names no file", p.display())))?;
+                return Ok(Resolved {
+                    path: dir.join(name),
+                    file: None,
+                });
+            }
+            Err(e) => return Err(bad(format!("{flag} {}: {e}", p.display()))),
+            Ok(m) if m.file_type().is_symlink() => {
+                let link = std::fs::read_link(&at)
+                    .map_err(|e| bad(format!("{flag} {}: {e}", p.display())))?;
+                at = parent(&at).join(link);
+            }
+            Ok(m) => {
+                let path = at
+                    .canonicalize()
+                    .map_err(|e| bad(format!("{flag} {}: {e}", p.display())))?;
+                return Ok(Resolved {
+                    path,
+                    file: Some((m.file_type(), (m.dev(), m.ino()))),
+                });
+            }
+        }
     }
+    Err(bad(format!(
+        "{flag} {}: a loop of symbolic links",
+        p.display()
+    )))
+}
+
+/// What a file type is, in words, for one that is not a regular file.
+fn kind(t: std::fs::FileType) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    match () {
+        _ if t.is_dir() => "a directory",
+        _ if t.is_fifo() => "a fifo (reading it would wait for a writer)",
+        _ if t.is_char_device() || t.is_block_device() => "a device",
+        _ if t.is_socket() => "a socket",
+        _ => "not a regular file",
+    }
+}
+
+/// An input: a regular file that exists (a fifo or a device is refused: reading one may never
+/// end).
+fn input(flag: &str, p: &Path) -> Result<Resolved> {
+    let r = resolve(flag, p)?;
+    match r.file {
+        None => Err(bad(format!("{flag} {}: no such file", p.display()))),
+        Some((t, _)) if !t.is_file() => Err(bad(format!("{flag} {}: {}", p.display(), kind(t)))),
+        Some(_) => Ok(r),
+    }
+}
+
+/// An output file: new, or a regular file to be replaced, in a directory that takes a new
+/// file (a save writes beside its target and renames).
+fn output(flag: &str, p: &Path) -> Result<Resolved> {
+    let r = resolve(flag, p)?;
+    if let Some((t, _)) = r.file {
+        if !t.is_file() {
+            return Err(bad(format!(
+                "{flag} {}: {}; an output must be a regular file or a new name",
+                p.display(),
+                kind(t)
+            )));
+        }
+    }
+    writable_dir(flag, parent(&r.path), false)?;
+    Ok(r)
 }
 
 /// `dir` exists (or is made) and takes a new file.
@@ -155,9 +248,20 @@ fn parent(p: &Path) -> &Path {
     }
 }
 
-/// Every input and output path: inputs exist and are of the right kind, outputs can be
-/// written and do not clash.
-pub fn paths(a: &Args, sharded: bool) -> Result<()> {
+/// The file of rank `r` in a checkpoint directory of several ranks.
+pub fn rank_file(dir: &Path, r: usize) -> PathBuf {
+    dir.join(format!("rank{r}.safetensors"))
+}
+
+/// Every input and output path, before any work: inputs are regular files that exist (a fifo
+/// would hang the run), outputs are regular files or new names in directories that take a
+/// file, and no output is another input or output under another name (a symbolic or hard link
+/// included), so that nothing a user gives is overwritten. `--save` may be `--resume`: a
+/// checkpoint saved over the one it resumed, atomically. `ranks` is the world size: with
+/// `sharded`, a checkpoint is a directory of one file a rank.
+pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
+    // (flag, file, whether the run writes it)
+    let mut files: Vec<(&str, Resolved, bool)> = Vec::new();
     if let Some(r) = &a.resume {
         let meta =
             std::fs::metadata(r).map_err(|e| bad(format!("--resume {}: {e}", r.display())))?;
@@ -177,20 +281,45 @@ pub fn paths(a: &Args, sharded: bool) -> Result<()> {
                 })
                 .unwrap_or(0);
             return Err(bad(format!(
-                "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with \
-                 --ranks {ranks} (one rank resumes from a file)",
+                "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with the \
+                 --ranks and layout that saved it (one rank resumes from a file)",
                 r.display()
             )));
         }
+        if sharded {
+            for k in 0..ranks {
+                // a rank's current file, or only its previous generation after a killed save
+                let f = rank_file(r, k);
+                let prev = PathBuf::from(format!("{}.prev", f.display()));
+                match input("--resume", &f) {
+                    Ok(f) => files.push(("--resume", f, false)),
+                    Err(_) if prev.exists() => files.push(("--resume", input("--resume", &prev)?, false)),
+                    Err(e) => return Err(e),
+                }
+            }
+        } else {
+            files.push(("--resume", input("--resume", r)?, false));
+        }
     }
     if let Some(p) = &a.load_hf {
-        if !p.is_file() {
-            return Err(bad(format!("--load-hf {}: not a file", p.display())));
+        files.push(("--load-hf", input("--load-hf", p)?, false));
+        let config = parent(p).join("config.json");
+        if config.exists() || config.is_symlink() {
+            files.push(("--load-hf's config.json", input("--load-hf", &config)?, false));
         }
+    }
+    if let Some(p) = &a.data {
+        files.push(("--data", input("--data", p)?, false));
+    }
+    if let Some(p) = &a.tokenizer {
+        files.push(("--tokenizer", input("--tokenizer", p)?, false));
     }
     if let Some(s) = &a.save {
         if sharded {
             writable_dir("--save", s, true)?;
+            for k in 0..ranks {
+                files.push(("--save", output("--save", &rank_file(s, k))?, true));
+            }
         } else {
             if s.is_dir() {
                 return Err(bad(format!(
@@ -198,50 +327,60 @@ pub fn paths(a: &Args, sharded: bool) -> Result<()> {
                     s.display()
                 )));
             }
-            writable_dir("--save", parent(s), false)?;
+            files.push(("--save", output("--save", s)?, true));
         }
     }
     if let Some(s) = &a.save_hf {
-        if s.is_dir() {
-            return Err(bad(format!("--save-hf {}: a directory", s.display())));
-        }
-        writable_dir("--save-hf", parent(s), false)?;
+        files.push(("--save-hf", output("--save-hf", s)?, true));
     }
     if let Some(t) = &a.trace {
         writable_dir("--trace", t, true)?;
-    }
-    // no output may overwrite another, nor the trace's files
-    let mut outs: Vec<(&str, PathBuf)> = Vec::new();
-    if let Some(s) = &a.save {
-        outs.push(("--save", resolved(s)));
-    }
-    if let Some(s) = &a.save_hf {
-        outs.push(("--save-hf", resolved(s)));
-    }
-    if let Some(t) = &a.trace {
-        let t = resolved(t);
-        outs.push(("--trace", t.join("gpt_train.json")));
-        outs.push(("--trace", t.join("tide.svg")));
-    }
-    if let (Some(h), Some(d)) = (&a.load_hf, &a.save) {
-        if resolved(h) == resolved(d) {
-            return Err(bad(format!(
-                "--save {} is the --load-hf file: a checkpoint of this crate would replace it",
-                d.display()
-            )));
+        for name in ["gpt_train.json", "tide.svg"] {
+            files.push(("--trace", output("--trace", &t.join(name))?, true));
         }
     }
-    for (i, (f, p)) in outs.iter().enumerate() {
-        for (g, q) in &outs[i + 1..] {
-            if p == q {
+    for (i, (f, p, w)) in files.iter().enumerate() {
+        for (g, q, v) in &files[i + 1..] {
+            let same = p.path == q.path
+                || matches!((p.file, q.file), (Some((_, x)), Some((_, y))) if x == y);
+            // a checkpoint saved over the one it resumed is replaced atomically, by design
+            let resave = (*f, *g) == ("--resume", "--save");
+            if same && (*w || *v) && !resave {
                 return Err(bad(format!(
-                    "{f} and {g} both write {}: one would overwrite the other",
-                    p.display()
+                    "{f} and {g} are one file, {}: the run would overwrite it",
+                    p.path.display()
                 )));
             }
         }
     }
     Ok(())
+}
+
+/// The `config.json` beside an imported checkpoint, if there is one (checked a regular file
+/// by [`paths`]).
+fn hf_config(file: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
+    let config = parent(file).join("config.json");
+    if !config.exists() {
+        return Ok(None);
+    }
+    let text = std::fs::read_to_string(&config)
+        .map_err(|e| bad(format!("{}: {e}", config.display())))?;
+    let json = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", config.display())))?;
+    Ok(Some((config, json)))
+}
+
+/// A positive count of a `config.json` field, or why it is not one.
+fn count(config: &Path, json: &serde_json::Value, keys: &[&str]) -> Result<Option<usize>> {
+    let Some((key, v)) = keys.iter().find_map(|k| json.get(*k).map(|v| (*k, v))) else {
+        return Ok(None);
+    };
+    match v.as_u64() {
+        Some(n) if n > 0 => Ok(Some(n as usize)),
+        _ => Err(bad(format!(
+            "{}: {key} is {v}, not a positive whole number",
+            config.display()
+        ))),
+    }
 }
 
 /// The heads of an imported checkpoint: `--heads`, or `n_head` of the `config.json` beside
@@ -250,19 +389,53 @@ pub fn hf_heads(a: &Args, file: &Path) -> Result<usize> {
     if let Some(h) = a.heads {
         return Ok(h);
     }
-    let config = parent(file).join("config.json");
-    let text = std::fs::read_to_string(&config).map_err(|_| {
-        bad(format!(
+    let Some((config, json)) = hf_config(file)? else {
+        return Err(bad(format!(
             "--load-hf {}: no config.json beside it to read the heads from; give --heads",
             file.display()
-        ))
-    })?;
-    let json: serde_json::Value =
-        serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", config.display())))?;
-    json.get("n_head")
-        .or_else(|| json.get("num_attention_heads"))
-        .and_then(serde_json::Value::as_u64)
-        .filter(|&h| h > 0)
-        .map(|h| h as usize)
+        )));
+    };
+    count(&config, &json, &["n_head", "num_attention_heads"])?
         .ok_or_else(|| bad(format!("{}: no n_head; give --heads", config.display())))
+}
+
+/// An imported model's shape against what the command line and its `config.json` say: a
+/// shape flag or a `config.json` field that contradicts the file is refused, naming both
+/// values (the file's tensors decide the shape; nothing is silently ignored).
+pub fn hf_agrees(a: &Args, file: &Path, cfg: &GptConfig) -> Result<()> {
+    let flags = [
+        ("--layers", a.layers, cfg.layers),
+        ("--channels", a.channels, cfg.channels),
+        ("--heads", a.heads, cfg.heads),
+        ("--vocab", a.vocab, cfg.vocab),
+        ("--max-seq", a.max_seq, cfg.max_seq),
+    ];
+    for (flag, given, has) in flags {
+        if let Some(g) = given.filter(|&g| g != has) {
+            return Err(bad(format!(
+                "{flag} {g}: the --load-hf model {} has {has}",
+                file.display()
+            )));
+        }
+    }
+    if let Some((config, json)) = hf_config(file)? {
+        let fields: [(&[&str], usize); 5] = [
+            (&["n_layer", "num_hidden_layers"], cfg.layers),
+            (&["n_embd", "hidden_size"], cfg.channels),
+            (&["n_head", "num_attention_heads"], cfg.heads),
+            (&["vocab_size"], cfg.vocab),
+            (&["n_positions", "max_position_embeddings"], cfg.max_seq),
+        ];
+        for (keys, has) in fields {
+            if let Some(n) = count(&config, &json, keys)?.filter(|&n| n != has) {
+                return Err(bad(format!(
+                    "{}: {} is {n}, but the tensors of {} give {has}",
+                    config.display(),
+                    keys[0],
+                    file.display()
+                )));
+            }
+        }
+    }
+    Ok(())
 }

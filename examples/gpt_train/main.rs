@@ -228,6 +228,7 @@ fn parse_policy(s: &str) -> Result<Policy> {
 fn model_config(a: &Args) -> Result<(GptConfig, Option<tidemem::models::gpt::HfWeights>)> {
     if let Some(p) = &a.load_hf {
         let w = read_hf(p, Some(checks::hf_heads(a, p)?), None)?;
+        checks::hf_agrees(a, p, w.config())?;
         return Ok((w.config().clone(), Some(w)));
     }
     let mut c = GptConfig::preset(&a.model).ok_or_else(|| {
@@ -355,7 +356,13 @@ fn run() -> Result<()> {
     let sharded = a.ranks > 1 || launched || a.tp != "none";
     // everything that can be checked before any work is
     checks::flags(&a, launched)?;
-    checks::paths(&a, sharded)?;
+    let world = match std::env::var("WORLD_SIZE") {
+        Ok(w) => w
+            .parse()
+            .map_err(|_| bad(format!("WORLD_SIZE={w}: a number of ranks")))?,
+        Err(_) => a.ranks,
+    };
+    checks::paths(&a, sharded, world)?;
     if a.backend == "timing" {
         eprintln!(
             "gpt_train: --backend timing: nothing runs on the device; the losses are \
@@ -509,6 +516,13 @@ fn run() -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    // the saves first: what follows (validation, sampling, the trace) cannot lose the run
+    if let Some(p) = &a.save {
+        opt.save_checkpoint(&mut m, p)?;
+    }
+    if let Some(p) = &a.save_hf {
+        gpt.save_hf(&mut m, p)?;
+    }
     let profile = match a.profile {
         true => Some(
             dev.stop_profile()?
@@ -529,12 +543,6 @@ fn run() -> Result<()> {
             Some((tok.decode(&ids(&prompt))?, tok.decode(&ids(&out))?))
         }
     };
-    if let Some(p) = &a.save {
-        opt.save_checkpoint(&mut m, p)?;
-    }
-    if let Some(p) = &a.save_hf {
-        gpt.save_hf(&mut m, p)?;
-    }
     if let Some(dir) = &a.trace {
         std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
         m.synchronize()?;
@@ -823,7 +831,7 @@ fn rank(a: &Args, p: &Setup, c: Communicator) -> Result<Option<RankReport>> {
     let (dp, dps) = (grid.data_rank() as u64, spec.data as u64);
     let r = c.rank();
     // a checkpoint of several ranks is a directory of one file a rank
-    let file = |dir: &PathBuf| dir.join(format!("rank{r}.safetensors"));
+    let file = |dir: &PathBuf| checks::rank_file(dir, r);
     let run = Run {
         a,
         p,
@@ -841,19 +849,11 @@ fn rank(a: &Args, p: &Setup, c: Communicator) -> Result<Option<RankReport>> {
         // ZeRO over the ranks that hold the same parameters: data × sequence
         let replicas = grid.split_replicas(&c)?;
         let mut z = ZeroManager::new(replicas, manager_config(p))?;
-        run.go(
-            &mut z,
-            |z, o| z.load_checkpoint(o, file(a.resume.as_ref().expect("resuming"))),
-            |z, o| z.save_checkpoint(o, file(a.save.as_ref().expect("saving"))),
-        )?
+        run.go(&mut z, &c, &file)?
     } else {
         let mut m = ChunkManager::new(c.device().clone(), manager_config(p))?;
         m.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
-        run.go(
-            &mut m,
-            |m, o| o.load_checkpoint(m, file(a.resume.as_ref().expect("resuming"))),
-            |m, o| o.save_checkpoint(m, file(a.save.as_ref().expect("saving"))),
-        )?
+        run.go(&mut m, &c, &file)?
     };
     // every rank of a tensor group has the same loss: the mean over all ranks is the mean
     // over the data-parallel batches
@@ -921,12 +921,14 @@ impl Run<'_> {
         micro
     }
 
-    /// Trains `--steps` steps on `store`: the losses, tokens and seconds.
+    /// Trains `--steps` steps on `store`: the losses, tokens and seconds. `--resume` and
+    /// `--save` load and save the checkpoint every rank of `world` saves together, this rank's
+    /// file at `file(dir)`.
     fn go<S: ParamStore>(
         &self,
         store: &mut S,
-        load: impl Fn(&mut S, &mut HybridAdam) -> Result<()>,
-        save: impl Fn(&mut S, &HybridAdam) -> Result<()>,
+        world: &Communicator,
+        file: &dyn Fn(&PathBuf) -> PathBuf,
     ) -> Result<(Vec<f32>, usize, f64, Option<DeviceStats>)> {
         let (a, p) = (self.a, self.p);
         let ends = match a.tp_ends.as_str() {
@@ -958,8 +960,8 @@ impl Run<'_> {
         };
         let delayed = pipelined && !self.stream && a.schedule == "2bw";
         let mut opt = adam(a, p.dtype, delayed)?;
-        if a.resume.is_some() {
-            load(store, &mut opt)?;
+        if let Some(dir) = &a.resume {
+            store.load_rank(world, &mut opt, &file(dir))?;
         }
         let (mut losses, t0, mut tokens) = (Vec::new(), Instant::now(), 0);
         let m = match pipelined {
@@ -994,7 +996,7 @@ impl Run<'_> {
         }
         if let Some(dir) = &a.save {
             std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
-            save(store, &opt)?;
+            store.save_rank(world, &opt, &file(dir))?;
         }
         Ok((losses, tokens, t0.elapsed().as_secs_f64(), step))
     }

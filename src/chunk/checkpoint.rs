@@ -8,8 +8,11 @@ use safetensors::tensor::TensorView as StView;
 
 use super::manager::ChunkManager;
 use super::{decode, encode, ChunkKind, ChunkPlan};
-use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
+use crate::checkpoint::{first_non_finite, from_st_dtype, io, st_dtype, Entry, Reader, Written};
 use crate::error::{Error, Result};
+
+/// The metadata key prefix of a model's description ([`ChunkManager::describe_model`]).
+const MODEL_KEY: &str = "model.";
 
 /// The metadata key naming the format, and its value.
 const FORMAT: (&str, &str) = ("format", "tidemem-chunks");
@@ -17,6 +20,32 @@ const FORMAT: (&str, &str) = ("format", "tidemem-chunks");
 /// The name of `tensor`'s entry in list `kind`.
 fn entry_name(kind: ChunkKind, tensor: &str) -> String {
     format!("{}/{tensor}", kind.name())
+}
+
+/// A list's values are state a run could have reached: finite (a save refuses anything else,
+/// so a NaN here was written by something else), and no variance negative.
+fn check_values(file: &Reader, kind: ChunkKind, key: &str, v: &StView<'_>) -> Result<()> {
+    if let Some(index) = first_non_finite(v.dtype(), v.data()) {
+        return Err(Error::NonFinite {
+            path: file.path().to_path_buf(),
+            tensor: key.to_string(),
+            index: index as u64,
+            saving: false,
+        });
+    }
+    if kind == ChunkKind::Variance {
+        let negative = v
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .position(|x| x < 0.0);
+        if let Some(i) = negative {
+            return Err(file.bad(format!(
+                "'{key}' element {i} is negative: a second moment is a mean of squares"
+            )));
+        }
+    }
+    Ok(())
 }
 
 impl ChunkManager {
@@ -36,6 +65,70 @@ impl ChunkManager {
             });
         }
         Ok(names)
+    }
+
+    /// Records what the model is beyond its tensors' names and shapes (`heads = 12`: two
+    /// models can have the same tensors and differ): saved with every checkpoint as metadata
+    /// `model.<key>`, and checked by every load, which refuses a checkpoint whose value
+    /// differs, naming both, or that lacks the key (one saved before models were described
+    /// loads with `TIDEMEM_LEGACY_LOAD=1`). Describing a key twice with another value is
+    /// refused ([`Error::Conflict`]).
+    ///
+    /// ```
+    /// use std::collections::BTreeMap;
+    /// use tidemem::prelude::*;
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let path = dir.path().join("model.safetensors");
+    /// let new = |heads: &str| -> tidemem::Result<ChunkManager> {
+    ///     let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    ///     let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))?;
+    ///     m.register("w", &[4, 4], Init::Zeros)?;
+    ///     m.describe_model("heads", heads)?;
+    ///     Ok(m)
+    /// };
+    /// new("4")?.save_checkpoint(&path, &BTreeMap::new())?;
+    /// assert!(new("4")?.load_checkpoint(&path).is_ok());
+    /// let e = new("8")?.load_checkpoint(&path).unwrap_err();
+    /// assert!(e.to_string().contains("model.heads"), "{e}");
+    /// # Ok(()) }
+    /// ```
+    pub fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
+        let key = format!("{MODEL_KEY}{key}");
+        match self.model.get(&key) {
+            Some(v) if v != value => Err(Error::Conflict {
+                what: format!("{key} = {value}"),
+                with: format!("{key} = {v}, described before"),
+            }),
+            _ => {
+                self.model.insert(key, value.to_string());
+                Ok(())
+            }
+        }
+    }
+
+    /// The file's model description against this manager's: every key this manager
+    /// describes, with the same value.
+    fn check_model(&self, file: &Reader, meta: &BTreeMap<String, String>) -> Result<()> {
+        for (key, want) in &self.model {
+            match meta.get(key) {
+                Some(got) if got == want => {}
+                Some(got) => {
+                    return Err(file.bad(format!(
+                        "it holds another model: its {key} is {got}, this run's is {want}"
+                    )))
+                }
+                None if crate::checkpoint::legacy_allowed() => {}
+                None => {
+                    return Err(file.bad(format!(
+                        "it does not record {key} (this run's is {want}), so it may hold another \
+                         model with the same tensors; set TIDEMEM_LEGACY_LOAD=1 to load it \
+                         unchecked"
+                    )))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks, changing nothing, that the checkpoint at `path` fits this manager as
@@ -61,6 +154,7 @@ impl ChunkManager {
                 FORMAT.0, FORMAT.1
             )));
         }
+        self.check_model(file, meta)?;
         let names = self.checkpoint_names()?;
         let mut views: Vec<[StView<'a>; 4]> = Vec::with_capacity(names.len());
         let mut known = HashSet::new();
@@ -84,6 +178,7 @@ impl ChunkManager {
                         self.list_dtype(kind).name()
                     )));
                 }
+                check_values(file, kind, &key, &v)?;
                 known.insert(key);
                 four.push(v);
             }
@@ -195,6 +290,7 @@ impl ChunkManager {
             );
         }
         let mut meta = metadata.clone();
+        meta.extend(self.model.iter().map(|(k, v)| (k.clone(), v.clone())));
         meta.insert(FORMAT.0.into(), FORMAT.1.into());
         meta.insert("param_dtype".into(), self.param_dtype().name().into());
         crate::checkpoint::write_unpersisted(path, &meta, &entries, |out| {

@@ -160,6 +160,19 @@ impl LossScaler {
                 want: "inside the configured range",
             });
         }
+        // a scaler whose every factor is a power of two only ever holds powers of two
+        let pow2 = |x: f32| x.is_normal() && x > 0.0 && x.to_bits() & 0x007f_ffff == 0;
+        let c = &self.cfg;
+        let factors = [c.init_scale, c.growth, c.backoff, c.min_scale, c.max_scale];
+        if factors.into_iter().all(pow2) && !pow2(scale) {
+            return Err(Error::BadValue {
+                what: "a restored loss scale (every factor of this scaler is a power of two, \
+                       so is every scale it reaches)"
+                    .into(),
+                value: scale.into(),
+                want: "a power of two",
+            });
+        }
         if clean >= self.cfg.growth_interval || allowance == 0 || allowance > self.cfg.hysteresis {
             return Err(Error::Conflict {
                 what: format!("{clean} clean steps with an allowance of {allowance}"),

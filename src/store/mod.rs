@@ -112,15 +112,17 @@ pub use host::{Backward, Forward, PassKind};
 pub use pass::{BackwardPass, ForwardPass, Pass};
 pub use view::{GradView, ReadView};
 
+use std::path::Path;
 use std::sync::Arc;
 
 use crate::chunk::{ChunkManager, TensorView};
+use crate::comm::Communicator;
 use crate::device::{CachingAllocator, Device, Stream};
 use crate::dtype::DType;
 use crate::error::Result;
 use crate::optim::{GradStats, HybridAdam, StepReport};
 use crate::tensor::{ChunkKind, Init, Stage, TensorId};
-use crate::zero::ZeroManager;
+use crate::zero::{Holds, RankFiles, ZeroManager};
 
 /// What a layer or trainer needs from the store that holds the parameters, so that one trainer
 /// runs on a [`ChunkManager`] or a data-parallel [`ZeroManager`] alike (generic over
@@ -225,6 +227,59 @@ pub trait ParamStore: Send + sealed::Core {
     /// of a PipeDream-2BW version, so each tensor's two versions lie on one rank and their
     /// state copies stay local. Before the first fetch.
     fn align_to_ranks(&mut self) -> Result<()>;
+
+    /// Records what the model is beyond its tensors (`heads = 12`), saved with every
+    /// checkpoint and checked by every load ([`ChunkManager::describe_model`]).
+    fn describe_model(&mut self, key: &str, value: &str) -> Result<()>;
+
+    /// Saves this rank's file of a checkpoint that every rank of `world` saves at once, one
+    /// file a rank at the path each names (`dir/rank<r>.safetensors`, say): a [`ZeroManager`]'s
+    /// shard, or a [`ChunkManager`]'s whole model data (the part of the model a tensor-,
+    /// sequence- or pipeline-parallel rank holds), with `adam`'s counters, the rank and size of
+    /// `world` and the save's identity. `world` holds every rank whose file belongs to the
+    /// save (a ZeRO rank's data-parallel group and the model-parallel groups beside it): the
+    /// ranks agree at every step, so that a failure on one fails the save on all, and a
+    /// process killed at any point leaves files [`ParamStore::load_rank`] loads, the earlier
+    /// save or the new one, never a mix (see the [`zero` docs](crate::zero#checkpoints)).
+    /// Every rank of `world` must call it, between iterations.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use tidemem::comm::launch;
+    /// use tidemem::prelude::*;
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let sim = |_| Device::sim(SimConfig::with_capacity(1 << 20));
+    /// let saved = |c: tidemem::comm::Communicator| -> tidemem::Result<Vec<f32>> {
+    ///     let mut m = ChunkManager::new(c.device().clone(), ManagerConfig::new(64, Policy::Tide))?;
+    ///     let w = m.register("w", &[8], Init::Constant(c.rank() as f32))?;
+    ///     let adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3)))?;
+    ///     let file = dir.path().join(format!("rank{}.safetensors", c.rank()));
+    ///     m.save_rank(&c, &adam, &file)?;
+    ///     // a fresh rank loads its own file of the save every rank holds
+    ///     let mut n = ChunkManager::new(c.device().clone(), ManagerConfig::new(64, Policy::Tide))?;
+    ///     let v = n.register("w", &[8], Init::Zeros)?;
+    ///     let mut adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3)))?;
+    ///     n.load_rank(&c, &mut adam, &file)?;
+    ///     n.master(v)
+    /// };
+    /// let masters = launch(2, sim, Duration::from_secs(60), saved)?;
+    /// assert_eq!(masters, [vec![0.0; 8], vec![1.0; 8]]);
+    /// # Ok(()) }
+    /// ```
+    fn save_rank(&mut self, world: &Communicator, adam: &HybridAdam, path: &Path) -> Result<()>;
+
+    /// Loads this rank's file of the newest save every rank of `world` holds, written by
+    /// [`ParamStore::save_rank`] on the same rank of a world of the same size, layout and
+    /// model. The ranks agree on the save, each checks its file (its rank and world, the
+    /// optimizer's metadata, the tensors, the checksums), the ranks agree that every file fits
+    /// and holds the same step, and only then does any rank load. Otherwise every rank fails
+    /// and none changes: a rank whose files hold another save (files of two runs, or of two
+    /// saves, put together) fails with [`Error::SaveMismatch`](crate::Error::SaveMismatch),
+    /// the others with [`Error::RankFailed`](crate::Error::RankFailed). Every rank of `world`
+    /// must call it, between iterations.
+    fn load_rank(&mut self, world: &Communicator, adam: &mut HybridAdam, path: &Path)
+        -> Result<()>;
 }
 
 /// What the passes need from a store beyond its public interface.
@@ -398,6 +453,31 @@ impl ParamStore for ChunkManager {
     fn align_to_ranks(&mut self) -> Result<()> {
         self.seal_chunk()
     }
+    fn save_rank(&mut self, world: &Communicator, adam: &HybridAdam, path: &Path) -> Result<()> {
+        RankFiles {
+            comm: world,
+            holds: Holds::Manager,
+        }
+        .save(path, Ok(()), self, adam)
+    }
+    fn load_rank(
+        &mut self,
+        world: &Communicator,
+        adam: &mut HybridAdam,
+        path: &Path,
+    ) -> Result<()> {
+        RankFiles {
+            comm: world,
+            holds: Holds::Manager,
+        }
+        .load(path, Ok(()), self, adam)?;
+        // the next step is armed by the step after it
+        self.arm_overlap(None);
+        Ok(())
+    }
+    fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
+        ChunkManager::describe_model(self, key, value)
+    }
 }
 
 impl sealed::Core for ZeroManager {
@@ -505,6 +585,20 @@ impl ParamStore for ZeroManager {
     }
     fn align_to_ranks(&mut self) -> Result<()> {
         ZeroManager::align_to_ranks(self)
+    }
+    fn save_rank(&mut self, world: &Communicator, adam: &HybridAdam, path: &Path) -> Result<()> {
+        self.save_over(Some(world), adam, path)
+    }
+    fn load_rank(
+        &mut self,
+        world: &Communicator,
+        adam: &mut HybridAdam,
+        path: &Path,
+    ) -> Result<()> {
+        self.load_over(Some(world), adam, path)
+    }
+    fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
+        ZeroManager::describe_model(self, key, value)
     }
 }
 

@@ -107,6 +107,7 @@ use crate::tensor::Stage;
 // `checkpoint`, the tensor table in `table`, gathers and prefetch in `gather`, fetches, releases and gradient
 // writes in `iteration`, the reduce-scatter and optimizer step in `step`, statistics in `stats`.
 mod checkpoint;
+mod rank_files;
 mod gather;
 mod iteration;
 mod stats;
@@ -117,6 +118,7 @@ mod versions;
 use gather::{Gather, Prefetch};
 pub use stats::ZeroStats;
 use table::ZTensor;
+pub(crate) use rank_files::{Holds, RankFiles};
 
 /// A data-parallel rank's view of a model sharded over chunks. See the [module docs](self).
 ///

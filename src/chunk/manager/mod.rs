@@ -176,6 +176,9 @@ pub struct ChunkManager {
     /// Groups whose parameter chunk may hold gradients: fetched in backward, and not rewritten
     /// by an optimizer pass since. A checkpoint would save gradients as parameters.
     grads_in: Vec<bool>,
+    /// What the model is, as `model.<key>` metadata every checkpoint carries and every load
+    /// checks ([`ChunkManager::describe_model`]).
+    pub(in crate::chunk) model: std::collections::BTreeMap<String, String>,
 }
 
 impl std::fmt::Debug for ChunkManager {
@@ -245,6 +248,7 @@ impl ChunkManager {
             last_samples: Vec::new(),
             broken: None,
             grads_in: Vec::new(),
+            model: Default::default(),
         };
         // a non-model pool of its own, as a ZeroManager has (a trainer may set another)
         m.set_non_model_allocator(pool);

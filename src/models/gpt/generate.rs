@@ -36,6 +36,12 @@ impl Gpt {
         let (v, max) = (self.config.vocab, self.config.max_seq);
         let mut rng = SplitMix64::new(seed);
         let mut seq = prompt.to_vec();
+        // the prompt and the tokens drawn, as ids (before any work: a count no host holds is
+        // an error, not an abort)
+        crate::limits::host_bytes(
+            || format!("a generation of {n} tokens after a prompt of {}", prompt.len()),
+            &[n.saturating_add(prompt.len()), 8],
+        )?;
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
             let ctx = &seq[seq.len().saturating_sub(max)..];

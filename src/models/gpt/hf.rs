@@ -397,7 +397,7 @@ pub fn read_hf(
     expect: Option<&GptConfig>,
 ) -> Result<HfWeights> {
     let path = path.as_ref();
-    let file = Reader::open(path)?;
+    let file = Reader::open_foreign(path)?;
     let st = file.tensors()?;
     let named = strip_prefix(path, &st)?;
     let cfg = infer_config(path, &named, heads, expect)?;

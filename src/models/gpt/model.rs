@@ -190,6 +190,18 @@ impl Gpt {
         mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
     ) -> Result<Gpt> {
         cfg.validate()?;
+        // what the tensors' shapes do not tell (the heads), and the rest of the shape, so
+        // that a checkpoint of another model with the same tensors is refused
+        for (key, value) in [
+            ("gpt.layers", cfg.layers.to_string()),
+            ("gpt.channels", cfg.channels.to_string()),
+            ("gpt.heads", cfg.heads.to_string()),
+            ("gpt.vocab", cfg.vocab.to_string()),
+            ("gpt.max_seq", cfg.max_seq.to_string()),
+            ("gpt.eps", format!("{:?}", cfg.eps)),
+        ] {
+            store.describe_model(key, &value)?;
+        }
         let inits = cfg
             .param_shapes()
             .iter()

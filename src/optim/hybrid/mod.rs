@@ -390,11 +390,14 @@ impl HybridAdam {
             // checked now, so that restoring cannot fail after the chunks were loaded
             sc.clone().restore(scale, clean, allowance)?;
         }
-        if steps == u64::MAX {
+        // Adam's bias correction raises β to the step count as an i32
+        if steps >= i32::MAX as u64 {
             return Err(Error::TooLarge {
-                what: "the checkpoint's adam.steps".into(),
+                what: "the checkpoint's adam.steps (the step counts Adam's bias correction \
+                       takes)"
+                    .into(),
                 requested: steps.into(),
-                limit: u64::MAX - 1,
+                limit: i32::MAX as u64 - 1,
             });
         }
         Ok(Counters { steps, scaler })

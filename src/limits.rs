@@ -42,7 +42,9 @@ pub fn host_memory() -> Option<u64> {
 /// The soft "Max address space" limit of a `/proc/self/limits` text, in bytes (`None` when
 /// unlimited or absent).
 fn address_space_limit(limits: &str) -> Option<u64> {
-    let line = limits.lines().find(|l| l.starts_with("Max address space"))?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max address space"))?;
     line["Max address space".len()..]
         .split_whitespace()
         .next()?
@@ -99,8 +101,9 @@ mod tests {
              Max address space         1073741824           unlimited            bytes\n"
         );
         assert_eq!(address_space_limit(&limited), Some(1 << 30));
-        let unlimited =
-            format!("{head}Max address space         unlimited            unlimited            bytes\n");
+        let unlimited = format!(
+            "{head}Max address space         unlimited            unlimited            bytes\n"
+        );
         assert_eq!(address_space_limit(&unlimited), None);
         assert_eq!(address_space_limit(head), None);
     }

@@ -472,7 +472,7 @@ fn rewritten(src: &Path, dst: &Path, edit: impl Fn(&str, &mut Vec<u8>)) {
 }
 
 /// A flipped bit or a zeroed region of a tensor's data is refused, naming the file and the
-/// tensor, before anything changes; a file without checksums (of before them) still loads.
+/// tensor, before anything changes; so is a file without checksums.
 #[test]
 fn a_damaged_checkpoint_is_refused_naming_the_tensor() {
     let dir = tempfile::tempdir().unwrap();
@@ -505,13 +505,21 @@ fn a_damaged_checkpoint_is_refused_naming_the_tensor() {
         assert!(e.to_string().contains(&p.display().to_string()), "{e}");
         assert_eq!(masters(&mut fresh), before, "{what}: nothing changed");
     }
+    // without its checksums (an older file, or one whose checksums were deleted): nothing in
+    // it can be verified, so it is refused unless the user asks for a legacy load (the CLI
+    // test `a_checkpoint_without_checksums_loads_only_when_asked` asks)
     let legacy = dir.path().join("legacy.safetensors");
     rewritten(&good, &legacy, |_, _| {});
     let (mut fresh, _, _) = common::toy_setup(Policy::Tide, 1 << 20, None);
-    let mut opt2 = adam();
-    opt2.load_checkpoint(&mut fresh, &legacy).unwrap();
-    assert_eq!(masters(&mut fresh), saved);
-    assert_eq!(opt2.steps(), 2);
+    let before = masters(&mut fresh);
+    let e = adam().load_checkpoint(&mut fresh, &legacy).unwrap_err();
+    assert!(
+        matches!(&e, Error::Unverified { path, .. } if path == &legacy),
+        "{e}"
+    );
+    assert!(e.to_string().contains("TIDEMEM_LEGACY_LOAD=1"), "{e}");
+    assert_eq!(masters(&mut fresh), before, "legacy: nothing changed");
+    assert_ne!(before, saved);
 }
 
 /// One rank's damaged file of a ZeRO set: no rank loads.

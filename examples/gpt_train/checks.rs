@@ -56,7 +56,10 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
                 .into(),
         ));
     }
-    limits::host_bytes(|| format!("--sample {}: the tokens drawn", a.sample), &[a.sample, 8])?;
+    limits::host_bytes(
+        || format!("--sample {}: the tokens drawn", a.sample),
+        &[a.sample, 8],
+    )?;
     if a.tokenizer.is_some() && a.data.is_none() {
         return Err(bad(
             "--tokenizer needs --data: the generated corpus is bytes, not the tokenizer's ids"
@@ -281,8 +284,8 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
                 })
                 .unwrap_or(0);
             return Err(bad(format!(
-                "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with the \
-                 --ranks and layout that saved it (one rank resumes from a file)",
+                "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with \
+                 --ranks {ranks} and the layout that saved it (one rank resumes from a file)",
                 r.display()
             )));
         }
@@ -293,7 +296,9 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
                 let prev = PathBuf::from(format!("{}.prev", f.display()));
                 match input("--resume", &f) {
                     Ok(f) => files.push(("--resume", f, false)),
-                    Err(_) if prev.exists() => files.push(("--resume", input("--resume", &prev)?, false)),
+                    Err(_) if prev.exists() => {
+                        files.push(("--resume", input("--resume", &prev)?, false))
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -305,7 +310,11 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
         files.push(("--load-hf", input("--load-hf", p)?, false));
         let config = parent(p).join("config.json");
         if config.exists() || config.is_symlink() {
-            files.push(("--load-hf's config.json", input("--load-hf", &config)?, false));
+            files.push((
+                "--load-hf's config.json",
+                input("--load-hf", &config)?,
+                false,
+            ));
         }
     }
     if let Some(p) = &a.data {
@@ -346,10 +355,16 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
             // a checkpoint saved over the one it resumed is replaced atomically, by design
             let resave = (*f, *g) == ("--resume", "--save");
             if same && (*w || *v) && !resave {
-                return Err(bad(format!(
-                    "{f} and {g} are one file, {}: the run would overwrite it",
-                    p.path.display()
-                )));
+                return Err(bad(match (*w, *v) {
+                    (true, true) => format!(
+                        "{f} and {g} both write {}: one would overwrite the other",
+                        p.path.display()
+                    ),
+                    _ => format!(
+                        "{f} and {g} are one file, {}: the run would overwrite its input",
+                        p.path.display()
+                    ),
+                }));
             }
         }
     }
@@ -363,9 +378,10 @@ fn hf_config(file: &Path) -> Result<Option<(PathBuf, serde_json::Value)>> {
     if !config.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&config)
-        .map_err(|e| bad(format!("{}: {e}", config.display())))?;
-    let json = serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", config.display())))?;
+    let text =
+        std::fs::read_to_string(&config).map_err(|e| bad(format!("{}: {e}", config.display())))?;
+    let json =
+        serde_json::from_str(&text).map_err(|e| bad(format!("{}: {e}", config.display())))?;
     Ok(Some((config, json)))
 }
 

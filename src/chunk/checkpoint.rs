@@ -4,11 +4,10 @@
 use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
-use safetensors::tensor::TensorView as StView;
-
 use super::manager::ChunkManager;
 use super::{decode, encode, ChunkKind, ChunkPlan};
-use crate::checkpoint::{first_non_finite, from_st_dtype, io, st_dtype, Entry, Reader, Written};
+use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The metadata key prefix of a model's description ([`ChunkManager::describe_model`]).
@@ -22,30 +21,9 @@ fn entry_name(kind: ChunkKind, tensor: &str) -> String {
     format!("{}/{tensor}", kind.name())
 }
 
-/// A list's values are state a run could have reached: finite (a save refuses anything else,
-/// so a NaN here was written by something else), and no variance negative.
-fn check_values(file: &Reader, kind: ChunkKind, key: &str, v: &StView<'_>) -> Result<()> {
-    if let Some(index) = first_non_finite(v.dtype(), v.data()) {
-        return Err(Error::NonFinite {
-            path: file.path().to_path_buf(),
-            tensor: key.to_string(),
-            index: index as u64,
-            saving: false,
-        });
-    }
-    if kind == ChunkKind::Variance {
-        let negative = v
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .position(|x| x < 0.0);
-        if let Some(i) = negative {
-            return Err(file.bad(format!(
-                "'{key}' element {i} is negative: a second moment is a mean of squares"
-            )));
-        }
-    }
-    Ok(())
+/// Whether a checkpoint entry must hold no negative value: the variances.
+fn non_negative(entry: &str) -> bool {
+    entry.starts_with("variance/")
 }
 
 impl ChunkManager {
@@ -132,22 +110,23 @@ impl ChunkManager {
     }
 
     /// Checks, changing nothing, that the checkpoint at `path` fits this manager as
-    /// [`ChunkManager::load_checkpoint`] would, and returns its metadata.
+    /// [`ChunkManager::load_checkpoint`] would (its data verified), and returns its metadata.
     pub(crate) fn check_checkpoint(&self, file: &Reader) -> Result<BTreeMap<String, String>> {
         self.check_idle("load_checkpoint", false)?;
         let meta = file.metadata()?;
-        self.checked_views(file, &meta, &file.tensors()?)?;
+        self.checked_entries(file, &meta)?;
         Ok(meta)
     }
 
-    /// The four entries of every tensor, in tensor order, after checking that the file is a
-    /// chunk checkpoint of exactly this manager's tensors (names, shapes, dtypes).
-    fn checked_views<'a>(
+    /// The four entries of every tensor, in tensor order (each with the element type it is
+    /// stored in), after checking that the file is a chunk checkpoint of exactly this
+    /// manager's tensors (names, shapes, dtypes) and of its model, and verifying its data
+    /// (checksums; finite values; no negative variance).
+    fn checked_entries(
         &self,
         file: &Reader,
         meta: &BTreeMap<String, String>,
-        st: &'a safetensors::SafeTensors<'a>,
-    ) -> Result<Vec<[StView<'a>; 4]>> {
+    ) -> Result<Vec<[(String, DType); 4]>> {
         if meta.get(FORMAT.0).map(String::as_str) != Some(FORMAT.1) {
             return Err(file.bad(format!(
                 "not a chunk checkpoint (its metadata lacks {}={})",
@@ -156,52 +135,46 @@ impl ChunkManager {
         }
         self.check_model(file, meta)?;
         let names = self.checkpoint_names()?;
-        let mut views: Vec<[StView<'a>; 4]> = Vec::with_capacity(names.len());
+        let mut entries: Vec<[(String, DType); 4]> = Vec::with_capacity(names.len());
         let mut known = HashSet::new();
         for (t, name) in names.iter().enumerate() {
             let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t as u32))?;
             let mut four = Vec::with_capacity(4);
             for kind in ChunkKind::ALL {
                 let key = entry_name(kind, name);
-                let v = st
-                    .tensor(&key)
-                    .map_err(|_| file.bad(format!("it has no tensor '{key}'")))?;
-                let dtype_ok = match kind {
-                    ChunkKind::Param => from_st_dtype(v.dtype()).is_some(),
-                    _ => v.dtype() == safetensors::Dtype::F32,
+                let v = file
+                    .info(&key)
+                    .ok_or_else(|| file.bad(format!("it has no tensor '{key}'")))?;
+                let dtype = match kind {
+                    ChunkKind::Param => from_st_dtype(v.dtype()),
+                    _ => (v.dtype() == safetensors::Dtype::F32).then_some(DType::F32),
                 };
-                if !dtype_ok || v.shape() != shape {
+                let Some(dtype) = dtype.filter(|_| v.shape() == shape) else {
                     return Err(file.bad(format!(
                         "'{key}' is {:?} {:?}, expected {} {shape:?}",
                         v.dtype(),
                         v.shape(),
                         self.list_dtype(kind).name()
                     )));
-                }
-                check_values(file, kind, &key, &v)?;
-                known.insert(key);
-                four.push(v);
+                };
+                known.insert(key.clone());
+                four.push((key, dtype));
             }
-            views.push(
+            entries.push(
                 four.try_into()
                     .unwrap_or_else(|_| unreachable!("four lists")),
             );
         }
-        let mut extra: Vec<String> = st
-            .names()
-            .into_iter()
-            .filter(|n| !known.contains(*n))
-            .cloned()
-            .collect();
+        let mut extra: Vec<&str> = file.names().filter(|n| !known.contains(*n)).collect();
         if !extra.is_empty() {
-            extra.sort();
             extra.truncate(5);
             return Err(file.bad(format!(
                 "it holds tensors this model does not have: {}",
                 extra.join(", ")
             )));
         }
-        Ok(views)
+        file.verify_with(non_negative)?;
+        Ok(entries)
     }
 
     /// Writes every tensor's parameter, fp32 master and Adam moments to `path` in the
@@ -337,30 +310,42 @@ impl ChunkManager {
     ) -> Result<BTreeMap<String, String>> {
         self.check_idle("load_checkpoint", false)?;
         let meta = file.metadata()?;
-        let st = file.tensors()?;
-        let views = self.checked_views(file, &meta, &st)?;
+        let entries = self.checked_entries(file, &meta)?;
         check(&meta)?;
         let layout = self.layout().clone();
         let pdt = self.param_dtype();
+        // every entry was verified: a read that fails now is of a file changed since (one
+        // truncated meanwhile), and leaves the chunks read so far loaded
+        let mut failed = None;
         for g in 0..layout.groups() {
             for kind in ChunkKind::ALL {
                 let es = self.list_dtype(kind).size();
                 let c = ChunkPlan::chunk_no(g as u32, kind) as usize;
-                let views = &views;
+                let entries = &entries;
                 let group = &layout.group_tensors[g];
+                let failed = &mut failed;
                 self.write_chunk_host(c, |h| {
                     for &t in group {
                         let slot = layout.slots[t as usize];
                         let dst = &mut h[slot.offset * es..(slot.offset + slot.numel) * es];
-                        let v = &views[t as usize][kind.index()];
-                        match from_st_dtype(v.dtype()) {
-                            Some(d) if kind == ChunkKind::Param && d != pdt => {
-                                dst.copy_from_slice(&encode(&decode(v.data(), d), pdt));
-                            }
-                            _ => dst.copy_from_slice(v.data()),
+                        let (key, stored) = &entries[t as usize][kind.index()];
+                        let read = if *stored != pdt && kind == ChunkKind::Param {
+                            file.read(key).map(|b| {
+                                dst.copy_from_slice(&encode(&decode(&b, *stored), pdt));
+                            })
+                        } else {
+                            file.read_into(key, dst)
+                        };
+                        if let Err(e) = read {
+                            *failed = Some(e);
+                            return;
                         }
                     }
                 })?;
+                if let Some(e) = failed.take() {
+                    self.poison(format!("a checkpoint load failed midway: {e}"));
+                    return Err(e);
+                }
             }
         }
         self.hold_loaded();

@@ -58,9 +58,10 @@ pub(crate) type Loaded = (Vec<f32>, Vec<f32>, BTreeMap<String, String>);
 /// optimizer state per row: the weights and the state in id order, and the file's metadata.
 pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result<Loaded> {
     let file = Reader::open(path)?;
-    let st = file.tensors()?;
     let read = |name: &str, cols: usize| -> Result<Vec<f32>> {
-        let t = st.tensor(name).map_err(|e| file.explain(e))?;
+        let t = file
+            .info(name)
+            .ok_or_else(|| file.bad(format!("it has no tensor '{name}'")))?;
         if t.dtype() != Dtype::F32 || t.shape() != [rows, cols] {
             return Err(bad(
                 path,
@@ -71,7 +72,8 @@ pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result
                 ),
             ));
         }
-        Ok(t.data()
+        Ok(file
+            .read(name)?
             .chunks_exact(4)
             .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes")))
             .collect())
@@ -80,7 +82,7 @@ pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result
     let s = if state > 0 {
         read("state", state)?
     } else {
-        if st.names().iter().any(|n| *n == "state") {
+        if file.info("state").is_some() {
             return Err(bad(path, "it holds optimizer state but the table has none"));
         }
         Vec::new()

@@ -6,7 +6,7 @@ use std::path::Path;
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// The process id every event of a [`ChromeTrace`] carries.
 const PID: u32 = 1;
@@ -209,12 +209,15 @@ impl ChromeTrace {
         serde_json::to_string(&file).expect("trace events always serialize to JSON")
     }
 
-    /// Writes [`ChromeTrace::to_json`] to `path`, replacing the file if it exists.
+    /// Writes [`ChromeTrace::to_json`] to `path`, replacing the file if it exists: atomically
+    /// (a file beside it renamed over it once complete and synced), so a full disk leaves no
+    /// truncated trace, and an error names the path.
     pub fn write(&self, path: impl AsRef<Path>) -> Result<()> {
-        std::fs::write(path, self.to_json()).map_err(|source| Error::Io {
-            during: "writing a Chrome trace",
-            source,
-        })
+        crate::checkpoint::write_file(
+            path.as_ref(),
+            self.to_json().as_bytes(),
+            "writing a Chrome trace",
+        )
     }
 }
 
@@ -335,7 +338,13 @@ mod tests {
         t.write(&path).unwrap();
         let v: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(v["traceEvents"][0]["ph"], "X");
-        let err = t.write(dir.path().join("missing").join("trace.json"));
-        assert!(matches!(err, Err(Error::Io { .. })), "{err:?}");
+        let missing = dir.path().join("missing").join("trace.json");
+        let err = t.write(&missing);
+        assert!(
+            matches!(&err, Err(crate::Error::FileIo { path, .. }) if path == &missing),
+            "{err:?}"
+        );
+        // written whole or not at all: nothing but the trace is left beside it
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
     }
 }

@@ -9,7 +9,7 @@ use super::canvas::{
     nice_step, step_outline, svg_head, xml_escape, Scale, PLOT_B, PLOT_L, PLOT_R, PLOT_T, SVG_H,
     SVG_W,
 };
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::units::ByteUnit;
 
 /// Device memory at one moment of an iteration, in bytes.
@@ -318,17 +318,16 @@ fn legend(out: &mut String, has_budget: bool, capacity: u64) {
     let _ = writeln!(out, "</g>");
 }
 
-/// Writes [`tide_svg`] to `path`, replacing the file if it exists.
+/// Writes [`tide_svg`] to `path`, replacing the file if it exists, atomically (see
+/// [`ChromeTrace::write`](super::ChromeTrace::write)).
 pub fn write_tide_svg(
     path: impl AsRef<Path>,
     title: &str,
     points: &[TidePoint],
     capacity: u64,
 ) -> Result<()> {
-    std::fs::write(path, tide_svg(title, points, capacity)).map_err(|source| Error::Io {
-        during: "writing a tide plot",
-        source,
-    })
+    let svg = tide_svg(title, points, capacity);
+    crate::checkpoint::write_file(path.as_ref(), svg.as_bytes(), "writing a tide plot")
 }
 
 #[cfg(test)]
@@ -590,7 +589,8 @@ mod tests {
             std::fs::read_to_string(&path).unwrap(),
             tide_svg("t", &sample(), 1 << 30)
         );
-        let err = write_tide_svg(dir.path().join("no").join("t.svg"), "t", &[], 0);
-        assert!(matches!(err, Err(Error::Io { .. })));
+        let missing = dir.path().join("no").join("t.svg");
+        let err = write_tide_svg(&missing, "t", &[], 0);
+        assert!(matches!(&err, Err(crate::Error::FileIo { path, .. }) if path == &missing));
     }
 }

@@ -45,9 +45,7 @@ impl ZeroManager {
         adam: &HybridAdam,
         path: &Path,
     ) -> Result<()> {
-        let ready = self
-            .idle("save_checkpoint")
-            .and_then(|()| self.close());
+        let ready = self.idle("save_checkpoint").and_then(|()| self.close());
         RankFiles {
             comm: world.unwrap_or(&self.comm),
             holds: Holds::Shard,

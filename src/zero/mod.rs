@@ -63,7 +63,16 @@
 //!
 //! # Checkpoints
 //!
-//! Every save has an identity all its files carry (metadata `zero.save`): a number rank 0
+//! A checkpoint of several ranks is one file a rank, each carrying its rank and the world
+//! size (metadata `zero.rank`, `zero.world` for a ZeRO shard; `ranks.rank`, `ranks.world` for
+//! the whole manager of a tensor-, sequence- or pipeline-parallel rank, saved by
+//! [`ParamStore::save_rank`](crate::store::ParamStore::save_rank)). The ranks that agree on a
+//! save are the communicator's: a ZeRO group's own ([`ZeroManager::save_checkpoint`]), or every
+//! rank of a model-parallel run (`save_rank`'s `world`), so that no tensor-parallel group ends
+//! at another save than its neighbours. The protocol below is the same for both.
+//!
+//! Every save has an identity all its files carry (metadata `zero.save`, `ranks.save`): a
+//! number rank 0
 //! draws (the time in microseconds, and above every save the ranks' files hold) and every rank
 //! receives through an all-reduce. A rank's file at `path` is the current generation; while a
 //! save is under way, the save every rank holds is kept beside it as the previous generation,
@@ -107,18 +116,18 @@ use crate::tensor::Stage;
 // `checkpoint`, the tensor table in `table`, gathers and prefetch in `gather`, fetches, releases and gradient
 // writes in `iteration`, the reduce-scatter and optimizer step in `step`, statistics in `stats`.
 mod checkpoint;
-mod rank_files;
 mod gather;
 mod iteration;
+mod rank_files;
 mod stats;
 mod step;
 mod table;
 mod versions;
 
 use gather::{Gather, Prefetch};
+pub(crate) use rank_files::{Holds, RankFiles};
 pub use stats::ZeroStats;
 use table::ZTensor;
-pub(crate) use rank_files::{Holds, RankFiles};
 
 /// A data-parallel rank's view of a model sharded over chunks. See the [module docs](self).
 ///

@@ -334,6 +334,14 @@ impl ChunkManager {
         }
     }
 
+    /// Makes the manager unusable (every later call fails with [`Error::Poisoned`]) for
+    /// `why`: its chunks no longer hold one consistent state.
+    pub(in crate::chunk) fn poison(&mut self, why: String) {
+        if self.broken.is_none() {
+            self.broken = Some(why);
+        }
+    }
+
     /// Hands `f` chunk `c`'s host copy to overwrite, after which it is the chunk's only copy:
     /// a chunk without a payload gets one, and a device copy is dropped (written back first if
     /// dirty, as any eviction). Closes registration. No moment passes.

@@ -39,7 +39,12 @@ impl Gpt {
         // the prompt and the tokens drawn, as ids (before any work: a count no host holds is
         // an error, not an abort)
         crate::limits::host_bytes(
-            || format!("a generation of {n} tokens after a prompt of {}", prompt.len()),
+            || {
+                format!(
+                    "a generation of {n} tokens after a prompt of {}",
+                    prompt.len()
+                )
+            },
             &[n.saturating_add(prompt.len()), 8],
         )?;
         let mut out = Vec::with_capacity(n);

@@ -41,11 +41,10 @@ use std::fmt;
 use std::path::Path;
 use std::sync::Arc;
 
-use safetensors::tensor::TensorView;
 use safetensors::Dtype;
 
 use super::GptConfig;
-use crate::checkpoint::{bad, from_st_dtype, io, write_unpersisted, Entry, Reader};
+use crate::checkpoint::{bad, from_st_dtype, io, write_unpersisted, Entry, Info, Reader};
 use crate::dtype::decode_f32;
 use crate::error::{Error, Result};
 use crate::tensor::Init;
@@ -164,7 +163,7 @@ fn block(name: &str) -> Option<(usize, &str)> {
 /// file gives it.
 struct Named<'a> {
     prefix: &'static str,
-    tensors: BTreeMap<String, (String, TensorView<'a>)>,
+    tensors: BTreeMap<String, (String, &'a Info)>,
 }
 
 impl Named<'_> {
@@ -177,9 +176,9 @@ impl Named<'_> {
     }
 
     /// Tensor `name` (a crate name) or an error naming it as the file would.
-    fn get(&self, path: &Path, name: &str, why: &str) -> Result<&TensorView<'_>> {
+    fn get(&self, path: &Path, name: &str, why: &str) -> Result<&Info> {
         match self.tensors.get(name) {
-            Some((_, view)) => Ok(view),
+            Some((_, info)) => Ok(info),
             None => Err(bad(
                 path,
                 format!("tensor '{}' is missing{why}", self.file_name(name)),
@@ -190,9 +189,8 @@ impl Named<'_> {
 
 /// Sorts the file's tensors under the crate's names: all prefixed with `transformer.` or none
 /// (the tied `lm_head.weight` is never prefixed).
-fn strip_prefix<'a>(path: &Path, st: &'a safetensors::SafeTensors<'a>) -> Result<Named<'a>> {
-    let mut names: Vec<&str> = st.names().into_iter().map(String::as_str).collect();
-    names.sort_unstable();
+fn strip_prefix<'a>(path: &Path, file: &'a Reader) -> Result<Named<'a>> {
+    let names: Vec<&str> = file.names().collect();
     let body = names.iter().copied().filter(|&n| n != HEAD);
     let prefixed = body.clone().find(|n| n.starts_with(PREFIX));
     let plain = body.clone().find(|n| !n.starts_with(PREFIX));
@@ -205,7 +203,9 @@ fn strip_prefix<'a>(path: &Path, st: &'a safetensors::SafeTensors<'a>) -> Result
     let prefix = if prefixed.is_some() { PREFIX } else { "" };
     let mut tensors = BTreeMap::new();
     for name in names {
-        let view = st.tensor(name).map_err(|e| bad(path, e))?;
+        let view = file
+            .info(name)
+            .ok_or_else(|| bad(path, format!("it has no tensor '{name}'")))?;
         let key = name.strip_prefix(prefix).unwrap_or(name);
         if let Some((other, _)) = tensors.insert(key.to_string(), (name.to_string(), view)) {
             return Err(bad(
@@ -218,7 +218,8 @@ fn strip_prefix<'a>(path: &Path, st: &'a safetensors::SafeTensors<'a>) -> Result
 }
 
 /// Checks a tensor's shape and widens its values to f32 (exactly: F32, F16, BF16 only).
-fn widen(path: &Path, name: &str, view: &TensorView<'_>, want: &[usize]) -> Result<Vec<f32>> {
+fn widen(file: &Reader, name: &str, view: &Info, want: &[usize]) -> Result<Vec<f32>> {
+    let path = file.path();
     if view.shape() != want {
         let note = if is_conv1d(name) {
             " (Conv1D weights are stored [inputs, outputs])"
@@ -242,7 +243,7 @@ fn widen(path: &Path, name: &str, view: &TensorView<'_>, want: &[usize]) -> Resu
             ),
         )
     })?;
-    Ok(decode_f32(view.data(), dtype))
+    Ok(decode_f32(&file.read(name)?, dtype))
 }
 
 /// The model's shape: vocabulary and channels from `wte`, positions from `wpe`, blocks from the
@@ -398,8 +399,8 @@ pub fn read_hf(
 ) -> Result<HfWeights> {
     let path = path.as_ref();
     let file = Reader::open_foreign(path)?;
-    let st = file.tensors()?;
-    let named = strip_prefix(path, &st)?;
+    file.verify()?;
+    let named = strip_prefix(path, &file)?;
     let cfg = infer_config(path, &named, heads, expect)?;
     let shapes = cfg.param_shapes();
     let index: HashMap<String, usize> = shapes
@@ -426,7 +427,7 @@ pub fn read_hf(
         let view = named.get(path, &name, "")?;
         let want = file_shape(&name, &shape);
         let file_name = named.file_name(&name);
-        let values = widen(path, &file_name, view, &want)?;
+        let values = widen(&file, &file_name, view, &want)?;
         if let Some(i) = values.iter().position(|x| !x.is_finite()) {
             return Err(Error::NonFinite {
                 path: path.to_path_buf(),
@@ -444,7 +445,7 @@ pub fn read_hf(
     }
     if let Some((head_name, view)) = named.tensors.get(HEAD) {
         let wte = &params[index["wte.weight"]].1;
-        let head = widen(path, head_name, view, &[cfg.vocab, cfg.channels])?;
+        let head = widen(&file, head_name, view, &[cfg.vocab, cfg.channels])?;
         if !head
             .iter()
             .zip(wte.iter())

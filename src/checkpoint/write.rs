@@ -1,227 +1,16 @@
-//! The safetensors file format every checkpoint is written in: a streaming writer and a
-//! validating reader, knowing nothing of what the tensors are. The chunk manager's checkpoints
-//! (`ChunkManager::save_checkpoint`, in `chunk`), the ZeRO ranks' (`ZeroManager`, in `zero`),
-//! the embedding tables' (`EmbeddingCache::save`, in `embedding`) and the Hugging Face export
-//! (`write_hf`) are built on it.
-//!
-//! # Writing
-//!
-//! The writer streams tensor bytes (a model or a table may be larger than RAM), so it writes the
-//! format's header itself, into a file beside the target that replaces it only once complete
-//! and synced: a save that fails midway, or a process killed midway, leaves an earlier
-//! checkpoint as it was. On the way:
-//!
-//! - **The target.** An existing target must be a regular file: a directory, a device, a fifo
-//!   or a socket is refused ([`Error::NotAFile`]), never replaced. A symbolic link is followed
-//!   to its final target, which is replaced atomically (the temporary file is made in the final
-//!   target's directory), so the link stays a link.
-//! - **The temporary file** is `<name>.<pid>.<n>.partial` beside the final target, created like
-//!   any other file (mode 0666 less the umask). A save first removes the temporary files of
-//!   earlier saves to the same target whose writing process is dead (`/proc/<pid>` is gone;
-//!   where there is no `/proc`, none is removed), so a killed save leaves no garbage for long.
-//! - **Checksums.** The CRC-32 of every tensor's bytes is computed as they stream by and kept
-//!   in the header's metadata under `crc32/<tensor>` (eight hex digits). The header is written
-//!   first with zeros there and rewritten in place, at the same length, once the data is done.
-//!   Metadata keys starting with `crc32/` are reserved.
-//! - **Finite values.** Every element of an F32, F16, BF16 or F64 tensor is checked as it
-//!   streams by (an element split across two writes included): a NaN or an infinity fails the
-//!   save with [`Error::NonFinite`], naming the tensor and the element, before anything
-//!   replaces the target. A checkpoint never replaces a good one with diverged state.
-//! - **Errors name the caller's path**, never the temporary file's ([`Error::FileIo`]).
-//!
-//! # Reading
-//!
-//! The reader maps the file and validates it with the `safetensors` crate; the format's errors
-//! become sentences saying what is wrong with which file ([`Error::Checkpoint`]). A path that
-//! is not a regular file (a directory: the checkpoint of several ranks?) is refused as such.
-//! [`Reader::tensors`] verifies every tensor's checksum (once per open file) before returning
-//! any data, so a flipped bit or a zeroed region is refused ([`Error::ChecksumMismatch`])
-//! before a load changes anything. A file with no checksums at all (written before they were
-//! added, or by another program: a Hugging Face file) is read unverified; one with some
-//! checksums must have one for every tensor.
+//! The streaming writer: a file written beside its target, checked as it streams by
+//! (checksums, finite values), and put in place by a rename once complete and synced.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
 
-use safetensors::tensor::{Metadata, SafeTensorError};
-use safetensors::{Dtype, SafeTensors};
-
-use crate::dtype::DType;
+use super::{
+    bad, header_crc, header_crc_at, io_at, kind_of, Entry, Float, CRC_KEY, HEADER_CRC_KEY,
+};
 use crate::error::{Error, Result};
-
-pub(crate) fn io(during: &'static str) -> impl FnOnce(std::io::Error) -> Error {
-    move |source| Error::Io { during, source }
-}
-
-/// An I/O error on the file the caller named `path`.
-pub(crate) fn io_at(during: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> Error {
-    let path = path.to_path_buf();
-    move |source| Error::FileIo {
-        during,
-        path,
-        source,
-    }
-}
-
-/// An error about the checkpoint at `path`.
-pub(crate) fn bad(path: &Path, what: impl std::fmt::Display) -> Error {
-    Error::Checkpoint {
-        path: path.to_path_buf(),
-        what: what.to_string(),
-    }
-}
-
-/// The metadata key prefix of the tensors' checksums: `crc32/<tensor>`.
-const CRC_KEY: &str = "crc32/";
-
-/// The metadata key of the header's own checksum (no tensor may be named `__header__`).
-const HEADER_CRC_KEY: &str = "crc32/__header__";
-
-/// The environment variable that lets a crate checkpoint without checksums load (unverified).
-pub(crate) const LEGACY_ENV: &str = "TIDEMEM_LEGACY_LOAD";
-
-/// The checksum of a header whose header checksum reads as zeros: the CRC-32 of `header`
-/// (the JSON text) with the 8 hex digits at `at` taken as `0`s.
-fn header_crc(header: &[u8], at: usize) -> u32 {
-    let mut h = crc32fast::Hasher::new();
-    h.update(&header[..at]);
-    h.update(b"00000000");
-    h.update(&header[at + 8..]);
-    h.finalize()
-}
-
-/// Where the 8 hex digits of the header checksum start in `header`, if it has exactly one.
-fn header_crc_at(header: &[u8]) -> Option<usize> {
-    let pattern = format!("\"{HEADER_CRC_KEY}\":\"");
-    let pattern = pattern.as_bytes();
-    let mut found = header
-        .windows(pattern.len())
-        .enumerate()
-        .filter(|(_, w)| *w == pattern)
-        .map(|(i, _)| i + pattern.len());
-    let at = found.next()?;
-    (found.next().is_none() && at + 8 <= header.len()).then_some(at)
-}
-
-/// Ends the process at the named point of a save protocol when the environment variable
-/// `TIDEMEM_FAILPOINT` names it: the state a kill there leaves is the state a crash leaves, and
-/// tests check that a checkpoint survives it. Not part of the API.
-pub(crate) fn failpoint(point: &str) {
-    if std::env::var_os("TIDEMEM_FAILPOINT").is_some_and(|v| v == point) {
-        std::process::exit(86);
-    }
-}
-
-/// The safetensors element type of a [`DType`].
-pub(crate) fn st_dtype(d: DType) -> Dtype {
-    match d {
-        DType::F32 => Dtype::F32,
-        DType::F16 => Dtype::F16,
-        DType::BF16 => Dtype::BF16,
-        DType::F64 => Dtype::F64,
-        DType::U8 => Dtype::U8,
-        DType::I32 => Dtype::I32,
-        DType::U32 => Dtype::U32,
-        DType::I64 => Dtype::I64,
-        DType::U64 => Dtype::U64,
-    }
-}
-
-/// The [`DType`] of a safetensors float type.
-pub(crate) fn from_st_dtype(d: Dtype) -> Option<DType> {
-    match d {
-        Dtype::F32 => Some(DType::F32),
-        Dtype::F16 => Some(DType::F16),
-        Dtype::BF16 => Some(DType::BF16),
-        _ => None,
-    }
-}
-
-/// One tensor of a file to write.
-pub(crate) struct Entry {
-    pub name: String,
-    pub dtype: Dtype,
-    pub shape: Vec<usize>,
-}
-
-impl Entry {
-    /// Its size in bytes, `None` past `usize`.
-    fn bytes(&self) -> Option<usize> {
-        self.shape
-            .iter()
-            .try_fold(self.dtype.size(), |n, &d| n.checked_mul(d))
-    }
-}
-
-/// A float element type whose values the writer checks for NaN and infinity.
-#[derive(Clone, Copy, Debug)]
-enum Float {
-    F16,
-    BF16,
-    F32,
-    F64,
-}
-
-impl Float {
-    fn of(d: Dtype) -> Option<Float> {
-        match d {
-            Dtype::F16 => Some(Float::F16),
-            Dtype::BF16 => Some(Float::BF16),
-            Dtype::F32 => Some(Float::F32),
-            Dtype::F64 => Some(Float::F64),
-            _ => None,
-        }
-    }
-
-    fn size(self) -> usize {
-        match self {
-            Float::F16 | Float::BF16 => 2,
-            Float::F32 => 4,
-            Float::F64 => 8,
-        }
-    }
-
-    /// The first element of `bytes` (little-endian, whole elements) that is NaN or infinite:
-    /// its exponent bits are all ones.
-    fn first_non_finite(self, bytes: &[u8]) -> Option<usize> {
-        fn find<const N: usize>(bytes: &[u8], bad: impl Fn([u8; N]) -> bool) -> Option<usize> {
-            const BLOCK: usize = 1024;
-            let elem = |b: &[u8]| {
-                let mut e = [0u8; N];
-                e.copy_from_slice(b);
-                bad(e)
-            };
-            // a branch-free pass a block at a time (it vectorises); the position only in a
-            // block that holds a bad value
-            for (k, block) in bytes.chunks(N * BLOCK).enumerate() {
-                if block.chunks_exact(N).fold(false, |any, b| any | elem(b)) {
-                    return block.chunks_exact(N).position(elem).map(|i| k * BLOCK + i);
-                }
-            }
-            None
-        }
-        match self {
-            Float::F16 => find(bytes, |b| u16::from_le_bytes(b) & 0x7c00 == 0x7c00),
-            Float::BF16 => find(bytes, |b| u16::from_le_bytes(b) & 0x7f80 == 0x7f80),
-            Float::F32 => find(bytes, |b| {
-                u32::from_le_bytes(b) & 0x7f80_0000 == 0x7f80_0000
-            }),
-            Float::F64 => find(bytes, |b| {
-                u64::from_le_bytes(b) & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
-            }),
-        }
-    }
-}
-
-/// The first element of `bytes` (little-endian values of `dtype`) that is NaN or infinite;
-/// `None` for a type that is not a float.
-pub(crate) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Option<usize> {
-    Float::of(dtype).and_then(|f| f.first_non_finite(bytes))
-}
 
 /// Follows the tensor data as it streams by: every entry's CRC-32, and the first non-finite
 /// value of a float entry.
@@ -354,30 +143,6 @@ impl Write for Sink<'_> {
     fn flush(&mut self) -> std::io::Result<()> {
         self.out.flush()
     }
-}
-
-/// What a file that is not a regular file is, for [`Error::NotAFile`].
-fn kind_of(t: std::fs::FileType) -> &'static str {
-    if t.is_dir() {
-        return "directory";
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_char_device() {
-            return "character device";
-        }
-        if t.is_block_device() {
-            return "block device";
-        }
-        if t.is_fifo() {
-            return "fifo";
-        }
-        if t.is_socket() {
-            return "socket";
-        }
-    }
-    "special file"
 }
 
 /// The file a save to `path` replaces: `path` itself, or the final target of the symbolic
@@ -535,6 +300,25 @@ impl Written {
     }
 }
 
+/// Writes `bytes` to `path` as a save does: into a file beside the final target, synced, then
+/// renamed over it, so that a full disk or a kill leaves the earlier file (or none) and never
+/// a truncated one; errors name `path` ([`Error::FileIo`]) and what was being written.
+pub(crate) fn write_file(path: &Path, bytes: &[u8], during: &'static str) -> Result<()> {
+    let target = save_target(path)?;
+    if target.file_name().is_none() {
+        return Err(bad(path, "the path names no file"));
+    }
+    remove_stale_partials(&target);
+    let mut tmp = Partial::create(&target).map_err(io_at("creating a file beside", path))?;
+    (&tmp.file)
+        .write_all(bytes)
+        .and_then(|()| tmp.file.sync_all())
+        .map_err(io_at(during, path))?;
+    std::fs::rename(&tmp.path, &target).map_err(io_at(during, path))?;
+    tmp.renamed = true;
+    sync_dir_of(&target, path)
+}
+
 /// The header of a file of `entries` (their data offsets in order) with `metadata` and the
 /// entries' checksums, padded with spaces so that the data starts 8-byte aligned.
 fn header(
@@ -667,244 +451,11 @@ pub(crate) fn write_unpersisted(
     })
 }
 
-/// A checkpoint file mapped for reading.
-pub(crate) struct Reader {
-    path: PathBuf,
-    map: memmap2::Mmap,
-    /// Whether the file must carry checksums (a file of this crate's), unless
-    /// [`LEGACY_ENV`] asks otherwise.
-    strict: bool,
-    /// Set once every checksum matched.
-    verified: OnceLock<()>,
-}
-
-/// Whether the user asked for checkpoints without checksums to load ([`LEGACY_ENV`]`=1`).
-pub(crate) fn legacy_allowed() -> bool {
-    std::env::var_os(LEGACY_ENV).is_some_and(|v| v == "1")
-}
-
-impl Reader {
-    /// Opens and maps `path`, a checkpoint of this crate: a regular file (a directory is
-    /// refused as such) whose header matches its checksum, which it must have (unless
-    /// [`LEGACY_ENV`]`=1`).
-    pub(crate) fn open(path: &Path) -> Result<Reader> {
-        Self::open_with(path, true)
-    }
-
-    /// Opens and maps `path`, a file that may come from elsewhere (a Hugging Face model):
-    /// checksums, when it has them, are verified; none are required.
-    pub(crate) fn open_foreign(path: &Path) -> Result<Reader> {
-        Self::open_with(path, false)
-    }
-
-    fn open_with(path: &Path, strict: bool) -> Result<Reader> {
-        let meta = std::fs::metadata(path).map_err(io_at("opening", path))?;
-        if !meta.is_file() {
-            return Err(Error::NotAFile {
-                path: path.to_path_buf(),
-                kind: kind_of(meta.file_type()),
-            });
-        }
-        let file = File::open(path).map_err(io_at("opening", path))?;
-        // SAFETY: the map is read-only; like every reader of a file, this assumes no other
-        // process truncates the checkpoint while it is being read (a save never does: it
-        // renames a new file over the old one).
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_at("mapping", path))?;
-        let r = Reader {
-            path: path.to_path_buf(),
-            map,
-            strict,
-            verified: OnceLock::new(),
-        };
-        r.verify_header()?;
-        Ok(r)
-    }
-
-    /// Checks the header against its checksum, if it has one; a strict reader's file must.
-    fn verify_header(&self) -> Result<()> {
-        // the format's own checks first, so that a file that is not safetensors says so
-        SafeTensors::read_metadata(&self.map).map_err(|e| self.explain(e))?;
-        let n = u64::from_le_bytes(self.map[..8].try_into().expect("8 bytes")) as usize;
-        let header = &self.map[8..8 + n];
-        let Some(at) = header_crc_at(header) else {
-            if self.strict && !legacy_allowed() {
-                return Err(Error::Unverified {
-                    path: self.path.clone(),
-                    what: "no header checksum",
-                });
-            }
-            return Ok(());
-        };
-        let want = std::str::from_utf8(&header[at..at + 8])
-            .ok()
-            .and_then(|h| u32::from_str_radix(h, 16).ok());
-        if want != Some(header_crc(header, at)) {
-            return Err(Error::HeaderChecksumMismatch {
-                path: self.path.clone(),
-            });
-        }
-        Ok(())
-    }
-
-    /// The tensors, after the format's checks (header, offsets, sizes) and, the first time,
-    /// every tensor's checksum when the file has them.
-    pub(crate) fn tensors(&self) -> Result<SafeTensors<'_>> {
-        let st = SafeTensors::deserialize(&self.map).map_err(|e| self.explain(e))?;
-        if self.verified.get().is_none() {
-            self.verify(&st)?;
-            let _ = self.verified.set(());
-        }
-        Ok(st)
-    }
-
-    /// The header's metadata: keys and values, the checksums included.
-    fn raw_metadata(&self) -> Result<BTreeMap<String, String>> {
-        let (_, meta): (usize, Metadata) =
-            SafeTensors::read_metadata(&self.map).map_err(|e| self.explain(e))?;
-        Ok(meta
-            .metadata()
-            .as_ref()
-            .map(|m| m.iter().map(|(k, v)| (k.clone(), v.clone())).collect())
-            .unwrap_or_default())
-    }
-
-    /// The file's metadata (empty when it has none), without the checksums.
-    pub(crate) fn metadata(&self) -> Result<BTreeMap<String, String>> {
-        let mut meta = self.raw_metadata()?;
-        meta.retain(|k, _| !k.starts_with(CRC_KEY));
-        Ok(meta)
-    }
-
-    /// Checks every tensor's data against its checksum, if the file has checksums.
-    fn verify(&self, st: &SafeTensors<'_>) -> Result<()> {
-        let mut sums = BTreeMap::new();
-        for (k, v) in self.raw_metadata()? {
-            if k == HEADER_CRC_KEY {
-                continue;
-            }
-            if let Some(name) = k.strip_prefix(CRC_KEY) {
-                let crc = u32::from_str_radix(&v, 16).map_err(|_| {
-                    self.bad(format!(
-                        "the checksum of tensor '{name}' is '{v}', not 8 hex digits"
-                    ))
-                })?;
-                sums.insert(name.to_string(), crc);
-            }
-        }
-        if sums.is_empty() {
-            if self.strict && !legacy_allowed() && !st.names().is_empty() {
-                return Err(Error::Unverified {
-                    path: self.path.clone(),
-                    what: "no tensor checksums",
-                });
-            }
-            return Ok(());
-        }
-        let mut names = st.names();
-        names.sort();
-        for name in names {
-            let Some(&want) = sums.get(name.as_str()) else {
-                return Err(self.bad(format!("it has checksums, but none for tensor '{name}'")));
-            };
-            let view = st.tensor(name).map_err(|e| self.explain(e))?;
-            if crc32fast::hash(view.data()) != want {
-                return Err(Error::ChecksumMismatch {
-                    path: self.path.clone(),
-                    tensor: name.clone(),
-                });
-            }
-        }
-        if let Some(name) = sums.keys().find(|n| st.tensor(n).is_err()) {
-            return Err(self.bad(format!(
-                "it has a checksum for tensor '{name}', which it does not hold"
-            )));
-        }
-        Ok(())
-    }
-
-    /// The file's path.
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
-    }
-
-    /// An error about this file.
-    pub(crate) fn bad(&self, what: impl std::fmt::Display) -> Error {
-        bad(&self.path, what)
-    }
-
-    /// A `safetensors` error about this file, in words.
-    pub(crate) fn explain(&self, e: SafeTensorError) -> Error {
-        self.bad(describe(e, &self.map))
-    }
-}
-
-/// What a `safetensors` error says about `file`, in words.
-fn describe(e: SafeTensorError, file: &[u8]) -> String {
-    let len = file.len();
-    let header_len = file
-        .get(..8)
-        .and_then(|b| <[u8; 8]>::try_from(b).ok())
-        .map_or(0, u64::from_le_bytes);
-    let after = len.saturating_sub(8);
-    match e {
-        SafeTensorError::HeaderTooSmall => format!(
-            "not a safetensors file (truncated header): it has {len} bytes, fewer than the 8 \
-             that give the header's length"
-        ),
-        SafeTensorError::HeaderTooLarge => format!(
-            "not a safetensors file: its first 8 bytes give a header of {header_len} bytes, \
-             more than a safetensors header may have"
-        ),
-        SafeTensorError::InvalidHeaderLength => format!(
-            "truncated, or not a safetensors file: the header says {header_len} bytes but the \
-             file has {after} after the length"
-        ),
-        SafeTensorError::InvalidHeader => {
-            "not a safetensors file: its header is not UTF-8 text".into()
-        }
-        SafeTensorError::InvalidHeaderStart | SafeTensorError::InvalidHeaderDeserialization => {
-            "not a safetensors file: its header is not a JSON table of tensors".into()
-        }
-        SafeTensorError::MetadataIncompleteBuffer => {
-            let declared = file
-                .get(8..)
-                .and_then(|rest| rest.get(..usize::try_from(header_len).ok()?))
-                .and_then(|h| serde_json::from_slice::<serde_json::Value>(h).ok())
-                .and_then(|v| {
-                    v.as_object()?
-                        .values()
-                        .filter_map(|t| t.get("data_offsets")?.get(1)?.as_u64())
-                        .max()
-                })
-                .unwrap_or(0);
-            let held = after.saturating_sub(header_len as usize);
-            format!(
-                "truncated or padded: the header describes {declared} bytes of tensor data, \
-                 the file holds {held}"
-            )
-        }
-        SafeTensorError::InvalidOffset(name) => format!(
-            "the header gives tensor '{name}' data offsets that do not follow the tensor \
-             before it"
-        ),
-        SafeTensorError::TensorInvalidInfo => {
-            "the header gives a tensor data offsets that do not fit its shape and type".into()
-        }
-        SafeTensorError::ValidationOverflow => {
-            "the header gives a tensor a shape too large to address".into()
-        }
-        SafeTensorError::TensorNotFound(name) => format!("it has no tensor '{name}'"),
-        SafeTensorError::InvalidTensorView(dtype, shape, n) => {
-            format!("a {dtype:?} tensor of shape {shape:?} cannot be {n} bytes")
-        }
-        SafeTensorError::IoError(e) => format!("read error: {e}"),
-        SafeTensorError::JsonError(e) => format!("its header is not valid JSON: {e}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checkpoint::{io, Reader};
+    use safetensors::Dtype;
 
     fn write(
         path: &Path,
@@ -950,12 +501,11 @@ mod tests {
         assert!(!other.exists(), "dropped, not persisted");
         let r = Reader::open(&p).unwrap();
         assert_eq!(r.metadata().unwrap(), meta);
-        let st = r.tensors().unwrap();
         assert_eq!(
-            st.tensor("a").unwrap().data(),
+            r.read("a").unwrap(),
             bytemuck::cast_slice::<f32, u8>(&[1.0, 2.0])
         );
-        assert_eq!(st.tensor("b").unwrap().shape(), [1, 3]);
+        assert_eq!(r.info("b").unwrap().shape(), [1, 3]);
         let before = std::fs::read(&p).unwrap();
         // too few bytes, a failing writer, a repeated name: the earlier file stays
         let short = write(&p, &meta, &entries, |out| {
@@ -994,7 +544,7 @@ mod tests {
             "no partial file"
         );
         std::fs::write(&p, b"not a checkpoint").unwrap();
-        assert!(Reader::open(&p).unwrap().tensors().is_err());
+        assert!(Reader::open(&p).is_err());
     }
 
     /// A NaN whose bytes arrive in two writes is found, at its element, in every float type.
@@ -1062,7 +612,7 @@ mod tests {
         let whole = std::fs::read(&p).unwrap();
         let message = |bytes: &[u8]| {
             std::fs::write(&p, bytes).unwrap();
-            let e = Reader::open(&p).and_then(|r| r.tensors().map(|_| ()));
+            let e = Reader::open(&p).and_then(|r| r.verify());
             match e {
                 Err(Error::Checkpoint { what, .. }) => what,
                 other => panic!("{other:?}"),

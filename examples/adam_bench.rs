@@ -146,11 +146,32 @@ fn measure(
     ])
 }
 
-fn main() -> tidemem::Result<()> {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("adam_bench: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> tidemem::Result<()> {
     let args = Args::parse();
     let mut base = CpuAdam::new();
     if let Some(name) = &args.isa {
         base = base.with_isa(Isa::parse(name)?)?;
+    }
+    if args.threads.contains(&0) || args.reps == Some(0) || args.sizes.contains(&0) {
+        return Err(tidemem::Error::BadValue {
+            what: format!(
+                "--threads {:?} --reps {:?} --sizes {:?}",
+                args.threads, args.reps, args.sizes
+            ),
+            value: 0.0,
+            want: "at least 1 each: 0 threads, repetitions or elements measure nothing",
+        });
+    }
+    for &n in &args.sizes {
+        // the buffers of one size: four f32 lists and an f16 copy
+        tidemem::limits::host_bytes(|| format!("--sizes {n}: the buffers"), &[n, 18])?;
     }
     let s = AdamConfig::adamw(1e-3, 0.01).scalars(1, 1.0)?;
     let mut results = Vec::new();

@@ -11,23 +11,61 @@
 
 use std::time::Instant;
 
+use clap::Parser;
 use tidemem::device::{CachingAllocator, Device, FileStore, LinkModel, SimConfig};
 use tidemem::units::fmt_bytes;
 use tidemem::{DType, Result};
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
+/// A tour of the device layer: chunks streamed through two device slots, the copy of one
+/// overlapping the cast of the other, checked against the CPU; the non-model pool's peaks;
+/// a round trip through the file tier.
+#[derive(Parser)]
+struct Args {
+    /// Chunks of fp32 master parameters to stream (at least 2)
+    #[arg(long, default_value_t = 12)]
+    chunks: usize,
+    /// MiB of fp32 a chunk (at least 1)
+    #[arg(long, default_value_t = 16)]
+    chunk_mib: usize,
+    /// Give the simulated device a PCIe 5.0-like link model
+    #[arg(long)]
+    pcie: bool,
+    /// The file tier's directory (default: a new temporary directory, removed at the end)
+    #[arg(long)]
+    file_dir: Option<std::path::PathBuf>,
 }
 
-fn main() -> Result<()> {
-    let chunks = arg("--chunks", 12);
-    let chunk_elems = arg("--chunk-mib", 16) << 18; // MiB of fp32
-    let dev = if std::env::args().any(|a| a == "--pcie") {
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("device_tour: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<()> {
+    let args = Args::parse();
+    if args.chunks < 2 {
+        return Err(tidemem::Error::TooFew {
+            what: "--chunks: chunks streamed through two device slots".into(),
+            got: args.chunks,
+            need: 2,
+        });
+    }
+    if args.chunk_mib == 0 {
+        return Err(tidemem::Error::TooFew {
+            what: "--chunk-mib: MiB of fp32 a chunk".into(),
+            got: 0,
+            need: 1,
+        });
+    }
+    let chunks = args.chunks;
+    // MiB of fp32, within what the host holds
+    let chunk_elems = args.chunk_mib << 18;
+    tidemem::limits::host_bytes(
+        || format!("--chunks {chunks} --chunk-mib {}", args.chunk_mib),
+        &[chunks, chunk_elems, 4],
+    )?;
+    let dev = if args.pcie {
         Device::sim(SimConfig::with_capacity(1 << 30).link(LinkModel::pcie5()))?
     } else {
         Device::default_device()?
@@ -124,7 +162,13 @@ fn main() -> Result<()> {
     }
 
     // The file-backed tier: spill a chunk to an unlinked mapped file and bring it back.
-    let dir = std::env::temp_dir().join("tidemem-device-tour");
+    let scratch = tempfile::tempdir().map_err(|source| tidemem::Error::Io {
+        during: "making a temporary directory",
+        source,
+    })?;
+    let dir = args
+        .file_dir
+        .unwrap_or_else(|| scratch.path().to_path_buf());
     let store = FileStore::new(&dir)?;
     let mut spilled = store.alloc(chunk_elems * 4)?;
     let back = dev.copy_d2h(&copy, &slots[0], spilled)?;

@@ -134,9 +134,9 @@ fn check(args: &Args, tables: usize) -> Result<usize, Box<dyn std::error::Error>
     if !(0.0..=1.0).contains(&args.warmup) {
         return Err(format!("--warmup takes a fraction in [0, 1], got {}", args.warmup).into());
     }
-    if !(args.drift_shift.is_finite() && args.drift_shift >= 0.0) {
+    if !(args.drift_shift.is_finite() && (0.0..=1.0).contains(&args.drift_shift)) {
         return Err(format!(
-            "--drift-shift takes a finite fraction >= 0, got {}",
+            "--drift-shift takes a fraction in [0, 1] of the ids a day moves, got {}",
             args.drift_shift
         )
         .into());

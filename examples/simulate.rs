@@ -326,6 +326,12 @@ fn check(a: &Args, device_mem: u64) -> tidemem::Result<()> {
     if a.chunk_elems == Some(0) {
         return bad("--chunk-elems 0 holds nothing".into());
     }
+    if let Some(n) = a.chunk_elems {
+        // a chunk whose bytes cannot be addressed (every size from it would wrap)
+        if let Err(e) = tidemem::chunk::ChunkLayout::new(n) {
+            return bad(format!("--chunk-elems {n}: {e}"));
+        }
+    }
     if a.ranks == 0 {
         return bad("--ranks 0: at least one rank".into());
     }

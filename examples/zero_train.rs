@@ -105,6 +105,22 @@ fn check(args: &Args, toy: &ToyMlp, mem: usize, launched: bool) -> tidemem::Resu
                 limit: MAX_LOCAL_RANKS as u64,
             });
         }
+        // every in-process rank gathers communication groups of N chunk slots (the one in use
+        // and those prefetched), so the ranks' gather buffers grow as N² in this one process
+        let n = args.ranks;
+        tidemem::limits::host_bytes(
+            || {
+                format!(
+                    "--ranks {n} --width {} --prefetch {}: the gather buffers of {n} in-process \
+                     ranks ({n} × {} groups of {n} chunks of {} fp32 elements)",
+                    args.width,
+                    args.prefetch,
+                    args.prefetch + 2,
+                    toy.chunk_elems()
+                )
+            },
+            &[n, n, args.prefetch.saturating_add(2), toy.chunk_elems(), 4],
+        )?;
         if !args.batch.is_multiple_of(args.ranks) {
             return Err(tidemem::Error::NotMultiple {
                 what: "--batch",

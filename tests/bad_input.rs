@@ -592,3 +592,59 @@ fn embedding_tables_past_host_memory_or_disk_are_refused() {
         "{r:?}"
     );
 }
+
+/// Inputs that would block or grow without bound, and flags past their range, are refused
+/// with a message naming them: a fifo or `/dev/zero` as the Criteo TSV, a file whose every
+/// line is bad (the first bad line and why), `--drift-shift` past 1, 0 threads or a size no
+/// host holds for `adam_bench`, one chunk or an unknown flag for `device_tour`.
+#[test]
+fn inputs_that_block_or_grow_and_flags_out_of_range_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    let bad = dir.path().join("bad.tsv");
+    std::fs::write(&bad, "x\ty\n1\t2\n").unwrap();
+    let tsv = |p: &std::path::Path| p.to_str().unwrap().to_string();
+    for (path, want) in [
+        (tsv(&fifo), vec!["fifo", "not a regular file"]),
+        (
+            "/dev/zero".to_string(),
+            vec!["/dev/zero", "not a regular file"],
+        ),
+        (tsv(&bad), vec!["none of the 2 lines", "line 1: 2 columns"]),
+    ] {
+        let args = ["--dataset", "criteo-tsv", path.as_str(), "--steps", "1"];
+        refused("dlrm_train", &args, &want);
+    }
+    refused(
+        "embedding_cache",
+        &["--drift-shift", "5"],
+        &["--drift-shift"],
+    );
+    refused("adam_bench", &["--threads", "0"], &["at least 1"]);
+    refused("adam_bench", &["--reps", "0"], &["at least 1"]);
+    refused(
+        "adam_bench",
+        &["--sizes", "18446744073709551615"],
+        &["--sizes 18446744073709551615"],
+    );
+    refused("device_tour", &["--chunks", "1"], &["--chunks"]);
+    refused(
+        "zero_train",
+        &["--ranks", "1024", "--layers", "1024", "--batch", "1024"],
+        &["the gather buffers of 1024 in-process ranks"],
+    );
+    refused(
+        "simulate",
+        &["--chunk-elems", "18446744073709551615"],
+        &["--chunk-elems 18446744073709551615", "addressable"],
+    );
+    if let Some((code, err)) = run_example("device_tour", &["--bogus"], Duration::from_secs(60)) {
+        assert_eq!(code, 2, "{err}");
+        assert!(err.contains("unexpected argument '--bogus'"), "{err}");
+    }
+}

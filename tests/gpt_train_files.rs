@@ -267,3 +267,13 @@ fn the_save_comes_before_anything_that_can_fail_after_training() {
     );
     assert!(!d.join("s.st").exists());
 }
+
+/// A run whose loss becomes NaN ends with an error naming the step, on one rank and on many.
+#[test]
+fn a_diverging_run_fails_at_its_step() {
+    let dir = tempfile::tempdir().unwrap();
+    for ranks in [&[][..], &["--ranks", "2", "--tp", "1d:2"]] {
+        let args = [&["--lr", "1e30", "--steps", "5"][..], ranks].concat();
+        refused(dir.path(), &args, "the loss of step 2 of this run = NaN");
+    }
+}

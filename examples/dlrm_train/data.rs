@@ -28,8 +28,24 @@ pub enum Source {
 }
 
 fn open(path: &Path) -> Result<BufReader<File>> {
-    let f =
-        File::open(path).map_err(|e| Error::InvalidArgument(format!("{}: {e}", path.display())))?;
+    let io = |source| Error::FileIo {
+        during: "opening",
+        path: path.to_path_buf(),
+        source,
+    };
+    // a fifo or a device would be read forever, or block for a writer
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(Error::NotAFile {
+            path: path.to_path_buf(),
+            kind: if meta.is_dir() {
+                "directory"
+            } else {
+                "fifo, device or socket"
+            },
+        });
+    }
+    let f = File::open(path).map_err(io)?;
     Ok(BufReader::with_capacity(1 << 20, f))
 }
 
@@ -155,9 +171,16 @@ impl Source {
                     }
                 }
                 if out.is_empty() {
-                    return Err(Error::InvalidArgument(
-                        "no held-out sample: the file has no good line".into(),
-                    ));
+                    let r = other.as_ref().map_or(reader.report(), |o| o.report());
+                    let first = r
+                        .malformed_lines
+                        .first()
+                        .map_or(String::new(), |m| format!(" (line {}: {})", m.line, m.kind));
+                    return Err(Error::InvalidArgument(format!(
+                        "no held-out sample: none of the {} lines read is a good sample, {} \
+                         malformed{first}",
+                        r.lines, r.malformed
+                    )));
                 }
                 Ok(out)
             }

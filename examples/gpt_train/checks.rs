@@ -283,6 +283,13 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
                         .count()
                 })
                 .unwrap_or(0);
+            if ranks == 0 {
+                return Err(bad(format!(
+                    "--resume {}: a directory holding no rank<r>.safetensors: not a checkpoint \
+                     (one rank resumes from a file)",
+                    r.display()
+                )));
+            }
             return Err(bad(format!(
                 "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with \
                  --ranks {ranks} and the layout that saved it (one rank resumes from a file)",

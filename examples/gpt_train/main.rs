@@ -195,6 +195,19 @@ fn main() {
     }
 }
 
+/// A loss that is not finite ends the run with an error naming the step of this run (1 the
+/// first), instead of training on NaN to the end.
+fn diverged(loss: f32, step: u64) -> Result<()> {
+    if loss.is_finite() {
+        return Ok(());
+    }
+    Err(Error::BadValue {
+        what: format!("the loss of step {step} of this run"),
+        value: loss.into(),
+        want: "finite (the run diverged: a lower --lr?)",
+    })
+}
+
 fn bad(what: String) -> Error {
     Error::InvalidArgument(what)
 }
@@ -500,6 +513,7 @@ fn run() -> Result<()> {
         let moved = m.stats().since(&before);
         let secs = t0.elapsed().as_secs_f64();
         let rate = r.tokens as f64 / secs;
+        diverged(r.loss, i + 1)?;
         losses.push(r.loss);
         tps.push(rate);
         h2d.push(moved.h2d_bytes);
@@ -752,7 +766,14 @@ fn train_zero(a: &Args, p: &Setup) -> Result<()> {
     let launched = std::env::var_os("WORLD_SIZE").is_some();
     let device_for = |r: usize| {
         if launched {
-            Device::cuda(r)
+            Device::cuda(r).map_err(|e| {
+                bad(format!(
+                    "WORLD_SIZE is set: a launched rank runs on CUDA device LOCAL_RANK ({r}), \
+                     which is not usable here ({e}); without a launcher, --ranks N runs \
+                     in-process ranks on --backend {}",
+                    a.backend
+                ))
+            })
         } else {
             device(a, p.capacity)
         }
@@ -975,7 +996,8 @@ impl Run<'_> {
                 .collect::<Result<Vec<_>>>()?;
             let batches: Vec<Vec<GptBatch<'_>>> = all.iter().map(|b| self.views(b)).collect();
             let out = train_two_bw_stream([&gpt, second], store, &plan, &mut opt, &batches)?;
-            for s in out {
+            for (k, s) in out.into_iter().enumerate() {
+                diverged(s.loss, k as u64 + 1)?;
                 losses.push(s.loss);
                 tokens += s.tokens;
             }
@@ -991,6 +1013,7 @@ impl Run<'_> {
             let before = store.device().stats();
             let s = train_step(&gpt, store, &plan, &mut opt, &micro)?;
             step = Some(store.device().stats().since(&before));
+            diverged(s.loss, losses.len() as u64 + 1)?;
             losses.push(s.loss);
             tokens += s.tokens;
         }

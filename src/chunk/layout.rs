@@ -42,6 +42,16 @@ impl ChunkLayout {
                 need: 1,
             });
         }
+        // a chunk's fp32 lists are addressed in bytes: past what an allocation can address,
+        // every size computed from it would wrap
+        let limit = isize::MAX as u64 / 4;
+        if chunk_elems as u64 > limit {
+            return Err(Error::TooLarge {
+                what: "elements of a chunk (its fp32 lists must be addressable in bytes)".into(),
+                requested: chunk_elems as u128,
+                limit,
+            });
+        }
         Ok(ChunkLayout {
             chunk_elems,
             ..Default::default()

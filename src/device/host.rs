@@ -264,13 +264,21 @@ pub struct FileStore {
 }
 
 impl FileStore {
-    /// A store whose files live in `dir` (created if missing).
+    /// A store whose files live in `dir` (created if missing). A directory that cannot be made
+    /// or takes no file (read-only, `/proc`) is refused now, naming it ([`Error::FileIo`]),
+    /// not at the first spill.
     pub fn new(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
-        std::fs::create_dir_all(&dir).map_err(|source| Error::Io {
-            during: "creating the file-store directory",
-            source,
-        })?;
+        let at = |during| {
+            let path = dir.clone();
+            move |source| Error::FileIo {
+                during,
+                path,
+                source,
+            }
+        };
+        std::fs::create_dir_all(&dir).map_err(at("creating the file tier's directory"))?;
+        tempfile::tempfile_in(&dir).map_err(at("creating a file in the file tier's directory"))?;
         Ok(FileStore {
             dir,
             used: Arc::new(AtomicUsize::new(0)),
@@ -306,14 +314,21 @@ impl FileStore {
         if len == 0 {
             return Ok(HostBuffer::empty());
         }
-        let io = |during| move |source| Error::Io { during, source };
-        let file = tempfile::tempfile_in(&self.dir).map_err(io("creating a file-tier file"))?;
+        let io = |during| {
+            let path = self.dir.clone();
+            move |source| Error::FileIo {
+                during,
+                path,
+                source,
+            }
+        };
+        let file = tempfile::tempfile_in(&self.dir).map_err(io("creating a file-tier file in"))?;
         self.reserve(&file, len)?;
         // SAFETY: the file is unlinked and private to this mapping, so no other process or
         // handle can truncate or modify it while it is mapped; its blocks are reserved, so no
         // page of the mapping faults for want of disk space.
-        let mut map =
-            unsafe { memmap2::MmapMut::map_mut(&file) }.map_err(io("mapping a file-tier file"))?;
+        let mut map = unsafe { memmap2::MmapMut::map_mut(&file) }
+            .map_err(io("mapping a file-tier file in"))?;
         let ptr = NonNull::new(map.as_mut_ptr()).ok_or_else(|| Error::HostAlloc {
             requested: len,
             tier: "mapped",

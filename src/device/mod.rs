@@ -58,6 +58,7 @@ pub use launch::{
 };
 pub use phases::{HostPhase, HostSpan, Phase, PhaseTimes};
 pub use pool::{round_size, CachingAllocator, PoolBlock, PoolStats, Reclaim};
+pub(crate) use sim::sim_threads;
 pub use sim::{LinkModel, SimBackend, SimConfig, SIM_ALIGN};
 
 pub use crate::device_id::{BackendKind, DeviceId};

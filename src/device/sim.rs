@@ -500,12 +500,36 @@ pub struct SimBackend {
     timing_only: bool,
 }
 
+/// The threads `TIDEMEM_SIM_THREADS` gives the simulated device's CPU kernels (`None` when
+/// unset: every core); a value that is not a count of at least 1 is an error, reported when a
+/// simulated device is made.
+pub(crate) fn sim_threads() -> Result<Option<usize>> {
+    parse_sim_threads(std::env::var("TIDEMEM_SIM_THREADS").ok())
+}
+
+/// [`sim_threads`] of the variable's value.
+fn parse_sim_threads(value: Option<String>) -> Result<Option<usize>> {
+    match value {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(Error::Parse {
+                what: "TIDEMEM_SIM_THREADS",
+                input: v,
+                expected: "a thread count of at least 1".into(),
+            }),
+        },
+    }
+}
+
 impl SimBackend {
-    /// A simulated device with the given configuration.
+    /// A simulated device with the given configuration; refused when `TIDEMEM_SIM_THREADS` is
+    /// set to something other than a thread count.
     pub fn new(config: SimConfig) -> Result<Self> {
         if let Some(link) = &config.link {
             link.validate()?;
         }
+        sim_threads()?;
         Ok(SimBackend {
             shared: Arc::new(Shared {
                 id: DeviceId::new(BackendKind::Sim, config.ordinal),
@@ -829,6 +853,16 @@ impl Backend for SimBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sim_threads_are_a_count_or_an_error() {
+        assert_eq!(parse_sim_threads(None).unwrap(), None);
+        assert_eq!(parse_sim_threads(Some(" 3 ".into())).unwrap(), Some(3));
+        for bad in ["0", "garbage", "-1", ""] {
+            let e = parse_sim_threads(Some(bad.into())).unwrap_err();
+            assert!(e.to_string().contains("TIDEMEM_SIM_THREADS"), "{bad}: {e}");
+        }
+    }
     use crate::device::{Device, HostBuffer};
 
     /// A timing-only device checks, orders and counts work but runs none of it: memory stays

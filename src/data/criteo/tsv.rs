@@ -1,7 +1,7 @@
 mod vocab;
 
 use std::fmt;
-use std::io::{BufRead, Write};
+use std::io::{BufRead, Read, Write};
 
 pub use vocab::Vocabulary;
 
@@ -330,14 +330,32 @@ pub fn rows_from_batch(batch: &Batch) -> Result<Vec<TsvRow>> {
         .collect())
 }
 
+/// The longest line a reader takes (a Criteo line is a few hundred bytes): past it the input
+/// is not a TSV of samples (`/dev/zero`, a binary file), and reading on would grow without
+/// bound.
+pub const MAX_LINE_BYTES: usize = 1 << 20;
+
 /// Reads the lines of `reader` one by one into `line` (cleared first, `\n` stripped); `false` at
-/// the end of the input.
+/// the end of the input. A line longer than [`MAX_LINE_BYTES`] is [`Error::TooLarge`].
 fn read_line<R: BufRead>(reader: &mut R, line: &mut Vec<u8>) -> Result<bool> {
     line.clear();
-    let n = reader.read_until(b'\n', line).map_err(|source| Error::Io {
-        during: "reading a Criteo TSV line",
-        source,
-    })?;
+    let n = reader
+        .by_ref()
+        .take(MAX_LINE_BYTES as u64 + 1)
+        .read_until(b'\n', line)
+        .map_err(|source| Error::Io {
+            during: "reading a Criteo TSV line",
+            source,
+        })?;
+    if line.len() > MAX_LINE_BYTES && line.last() != Some(&b'\n') {
+        return Err(Error::TooLarge {
+            what: "a Criteo TSV line (no end of line within the limit: is the input a text \
+                   file of samples?)"
+                .into(),
+            requested: line.len() as u128,
+            limit: MAX_LINE_BYTES as u64,
+        });
+    }
     if line.last() == Some(&b'\n') {
         line.pop();
     }
@@ -561,4 +579,26 @@ fn validate_cardinalities(cardinalities: &[u64]) -> Result<()> {
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_endless_line_is_refused_not_read_forever() {
+        let mut line = Vec::new();
+        let mut zeros = std::io::BufReader::new(std::io::repeat(0));
+        let e = read_line(&mut zeros, &mut line).unwrap_err();
+        assert!(
+            matches!(e, Error::TooLarge { limit, .. } if limit == MAX_LINE_BYTES as u64),
+            "{e}"
+        );
+        let mut short = std::io::Cursor::new(b"a\tb\nc".to_vec());
+        assert!(read_line(&mut short, &mut line).unwrap());
+        assert_eq!(line, b"a\tb");
+        assert!(read_line(&mut short, &mut line).unwrap());
+        assert_eq!(line, b"c");
+        assert!(!read_line(&mut short, &mut line).unwrap());
+    }
 }

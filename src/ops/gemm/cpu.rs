@@ -67,10 +67,10 @@ fn fits(rows: usize, cols: usize, rs: usize, cs: usize, len: usize) -> bool {
 fn parallelism(m: usize, n: usize, k: usize) -> Parallelism {
     static THREADS: OnceLock<usize> = OnceLock::new();
     let threads = *THREADS.get_or_init(|| {
-        std::env::var("TIDEMEM_SIM_THREADS")
+        // (a bad value is refused when a simulated device is made)
+        crate::device::sim_threads()
             .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
+            .flatten()
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
     });
     if threads <= 1 || (m as u128) * (n as u128) * (k as u128) < SERIAL_BELOW {

@@ -155,6 +155,16 @@ fn run(a: &Args) -> Result<()> {
             need: 1,
         });
     }
+    // a batch's inputs and the activations of its widest layer (f32), before any work
+    tidemem::limits::host_bytes(
+        || {
+            format!(
+                "--batch {} --hidden {}: a batch's activations",
+                a.batch, a.hidden
+            )
+        },
+        &[a.batch, INPUTS.max(a.hidden), 4 * 4],
+    )?;
     // what the model needs of a device: one step on a roomy one
     let roomy = Device::sim(SimConfig::with_capacity(1 << 40))?;
     let (x0, y0) = batch(0, a.batch);

@@ -277,3 +277,29 @@ fn a_diverging_run_fails_at_its_step() {
         refused(dir.path(), &args, "the loss of step 2 of this run = NaN");
     }
 }
+
+/// A save past the file-size limit (`ulimit -f`) is an error naming the file, not SIGXFSZ,
+/// and leaves no temporary file.
+#[test]
+fn a_save_past_the_file_size_limit_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = binary();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 100 && exec '{}' --layers 2 --channels 32 --heads 2 --seq 16 --steps 1 \
+             --sample 0 --save big.st",
+            bin.display()
+        ))
+        .current_dir(dir.path())
+        .env("TIDEMEM_BACKEND", "sim")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("big.st") && err.contains("File too large"),
+        "{err}"
+    );
+    assert_eq!(contents(dir.path()), [], "nothing left behind");
+}

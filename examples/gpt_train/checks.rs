@@ -8,6 +8,7 @@ use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::limits;
 use tidemem::models::gpt::GptConfig;
 use tidemem::prelude::*;
+use tidemem::units::fmt_bytes;
 
 use super::{bad, Args};
 
@@ -96,6 +97,59 @@ pub fn sizes(a: &Args, cfg: &GptConfig) -> Result<()> {
         || format!("{}: a step's tokens", flags()),
         &[a.batch, a.seq, micro, a.ranks, 8],
     )?;
+    Ok(())
+}
+
+/// The host memory the run needs at least, against what this process may use
+/// ([`limits::host_limit`]: the machine, its cgroup, `ulimit -v`): the model data held on the
+/// host (parameters, fp32 masters and moments: `dtype` + 12 bytes an element, at most
+/// `--host-mem`; the rest spills to the file tier), the overlapped step's copy of the host
+/// groups' optimizer state (12 bytes an element), and the simulated devices' memory
+/// (`device` bytes each, host memory too). A run past it is refused before any work, naming
+/// every part, where it would otherwise end in an allocation failure midway.
+pub fn host(
+    a: &Args,
+    cfg: &GptConfig,
+    dtype: DType,
+    host_mem: Option<u64>,
+    device: u64,
+) -> Result<()> {
+    let elems: u64 = cfg
+        .param_shapes()
+        .iter()
+        .map(|(_, s)| s.iter().product::<usize>() as u64)
+        .sum();
+    let model = elems.saturating_mul(dtype.size() as u64 + 12);
+    let held = model.min(host_mem.unwrap_or(u64::MAX));
+    let shadow = if a.no_overlap {
+        0
+    } else {
+        held / (dtype.size() as u64 + 12) * 12
+    };
+    let sim = a.backend != "cuda" && std::env::var_os("WORLD_SIZE").is_none();
+    let devices = if sim {
+        device.saturating_mul(a.ranks as u64)
+    } else {
+        0
+    };
+    let need = held.saturating_add(shadow).saturating_add(devices);
+    let limit = limits::host_limit();
+    if need > limit {
+        return Err(Error::TooLarge {
+            what: format!(
+                "host memory of a {} run: model data {} on the host{}, the overlapped step's \
+                 copy of its optimizer state {} (--no-overlap: none), simulated devices {} \
+                 (pass --host-mem to spill model data to the file tier)",
+                a.model,
+                fmt_bytes(held),
+                if held < model { " (--host-mem)" } else { "" },
+                fmt_bytes(shadow),
+                fmt_bytes(devices)
+            ),
+            requested: need.into(),
+            limit,
+        });
+    }
     Ok(())
 }
 

@@ -421,6 +421,7 @@ fn run() -> Result<()> {
         hf,
         data: std::sync::Arc::new(data),
     };
+    checks::host(&a, &plan.cfg, plan.dtype, plan.host, 0)?;
     plan.capacity = match &a.device_mem {
         Some(s) => parse_bytes(s)? as u64,
         None => {
@@ -445,6 +446,7 @@ fn run() -> Result<()> {
             }
         }
     };
+    checks::host(&a, &plan.cfg, plan.dtype, plan.host, plan.capacity)?;
     if sharded {
         if a.save_hf.is_some() || a.trace.is_some() {
             return Err(bad(

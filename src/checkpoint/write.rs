@@ -300,10 +300,32 @@ impl Written {
     }
 }
 
+/// Makes a write past the process's file-size limit (`ulimit -f`) fail with `EFBIG`, an
+/// error the writer reports and cleans up after, instead of killing the process with
+/// `SIGXFSZ` and leaving its temporary file behind. Once per process; a program that handles
+/// `SIGXFSZ` itself keeps its handler.
+fn file_size_limit_is_an_error() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: `sigaction` with a null new action only reads the current disposition into
+        // `old`, a zeroed `sigaction` this call owns; `signal` then sets SIG_IGN only where the
+        // disposition is the default (terminate), so no handler of the program is replaced.
+        unsafe {
+            let mut old: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(libc::SIGXFSZ, std::ptr::null(), &mut old) == 0
+                && old.sa_sigaction == libc::SIG_DFL
+            {
+                libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+            }
+        }
+    });
+}
+
 /// Writes `bytes` to `path` as a save does: into a file beside the final target, synced, then
 /// renamed over it, so that a full disk or a kill leaves the earlier file (or none) and never
 /// a truncated one; errors name `path` ([`Error::FileIo`]) and what was being written.
 pub(crate) fn write_file(path: &Path, bytes: &[u8], during: &'static str) -> Result<()> {
+    file_size_limit_is_an_error();
     let target = save_target(path)?;
     if target.file_name().is_none() {
         return Err(bad(path, "the path names no file"));
@@ -390,6 +412,7 @@ pub(crate) fn write_unpersisted(
         at = end;
     }
     let placeholder = header(path, metadata, entries, &offsets, &vec![0; entries.len()])?;
+    file_size_limit_is_an_error();
     let target = save_target(path)?;
     if target.file_name().is_none() {
         return Err(bad(path, "the path names no file"));

@@ -182,6 +182,8 @@ fn a_loss_scaler_cannot_be_restored_to_a_state_it_never_has() {
     for (scale, clean, allowance) in [
         (f32::NAN, 0, 1),
         (1e30, 0, 1),
+        // in range, but no power of two: a scaler of factors 2 and ½ never holds it
+        (1124.0, 0, 1),
         (1.0, 4, 1),
         (1.0, 0, 0),
         (1.0, 0, 3),

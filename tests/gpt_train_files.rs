@@ -303,3 +303,23 @@ fn a_save_past_the_file_size_limit_is_an_error() {
     );
     assert_eq!(contents(dir.path()), [], "nothing left behind");
 }
+
+/// Several ranks: a ZeRO checkpoint resumed with another model is refused as one rank's is,
+/// and a tensor-parallel checkpoint resumed as ZeRO says what it is.
+#[test]
+fn ranks_refuse_another_model_and_another_layout() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    ok(d, &["--ranks", "2", "--save", "zero"]);
+    refused(
+        d,
+        &["--ranks", "2", "--resume", "zero", "--heads", "4"],
+        "model.gpt.heads is 2, this run's is 4",
+    );
+    ok(d, &["--ranks", "2", "--tp", "1d:2", "--save", "tp"]);
+    refused(
+        d,
+        &["--ranks", "2", "--resume", "tp"],
+        "a model-parallel rank's file",
+    );
+}

@@ -106,3 +106,24 @@ fn reads_before_the_step_see_the_gradients_and_a_thrown_away_upload_is_undone() 
     assert!((0..GROUPS).all(|i| !m.device_param_differs(i)));
     assert_eq!(m.overlap_stats().redone, GROUPS as u64);
 }
+
+/// A checkpoint's step count past what Adam's bias correction counts is refused (it raises β
+/// to the count as an i32), the largest it counts accepted.
+#[test]
+fn a_step_count_past_the_bias_correction_is_refused() {
+    let adam = HybridAdam::new(HybridConfig::new(AdamConfig::adam(1e-3))).unwrap();
+    let meta = |steps: u64| {
+        std::collections::BTreeMap::from([("adam.steps".to_string(), steps.to_string())])
+    };
+    assert_eq!(
+        adam.checkpoint_steps(&meta(i32::MAX as u64 - 1)).unwrap(),
+        i32::MAX as u64 - 1
+    );
+    for steps in [i32::MAX as u64, u64::MAX - 1, u64::MAX] {
+        let e = adam.checkpoint_steps(&meta(steps)).unwrap_err();
+        assert!(
+            matches!(e, crate::Error::TooLarge { requested, .. } if requested == u128::from(steps)),
+            "{steps}: {e}"
+        );
+    }
+}

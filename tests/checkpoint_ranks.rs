@@ -8,6 +8,8 @@
 //! step after it: a resumed run trains, bit for bit, as the uninterrupted run did (the batch
 //! of a step is indexed by the optimizer's step count), so the loss names the step loaded.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -60,21 +62,7 @@ const LAYOUTS: &[(&str, &[&str], usize, &str)] = &[
 ];
 
 fn binary() -> PathBuf {
-    // target/<profile>/deps/checkpoint_ranks-HASH → target/<profile>/examples/gpt_train
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .join("examples")
-        .join("gpt_train");
-    assert!(
-        p.is_file(),
-        "{} is not built: these tests run it (`cargo test` builds it; a filtered run needs \
-         `cargo build --example gpt_train` first)",
-        p.display()
-    );
-    p
+    common::example_binary("gpt_train")
 }
 
 /// `gpt_train` with `layout`, the small model and `args`, ended at `failpoint` if given.

@@ -7,6 +7,8 @@
 //! Runs the `gpt_train` example that `cargo test` builds (`target/<profile>/examples/`); a
 //! filtered run must build it first (`cargo build --example gpt_train`).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
@@ -23,20 +25,7 @@ const SMALL: &[(&str, &str)] = &[
 ];
 
 fn binary() -> PathBuf {
-    let exe = std::env::current_exe().expect("the test binary's path");
-    let p = exe
-        .parent()
-        .and_then(Path::parent)
-        .expect("target/<profile>")
-        .join("examples")
-        .join("gpt_train");
-    assert!(
-        p.is_file(),
-        "{} is not built (`cargo test` builds it; a filtered run needs `cargo build --example \
-         gpt_train` first)",
-        p.display()
-    );
-    p
+    common::example_binary("gpt_train")
 }
 
 /// `gpt_train` in `dir` with the small model, `args` and the environment `env`.

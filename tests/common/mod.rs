@@ -243,3 +243,24 @@ pub fn assert_same_arithmetic(dev: &Device, got: &[u32], want: &[u32], tol: f64,
         dev.name()
     );
 }
+
+/// The example `name` that `cargo test` builds beside this test binary
+/// (`target/<profile>/examples/<name>`); the test fails, saying so, when it is not built (a
+/// filtered `cargo test --test X` builds no examples: `cargo build --example <name>` first).
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    // target/<profile>/deps/<test>-HASH → target/<profile>/examples/<name>
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let p = exe
+        .parent()
+        .and_then(std::path::Path::parent)
+        .expect("target/<profile>")
+        .join("examples")
+        .join(name);
+    assert!(
+        p.is_file(),
+        "{} is not built: this test runs it (`cargo test` builds it; a filtered run needs \
+         `cargo build --example {name}` first)",
+        p.display()
+    );
+    p
+}

@@ -148,9 +148,10 @@ fn step_held(layout: &[&str], dir: &Path, reference: &[u32], what: &str) -> usiz
 }
 
 /// A process killed at any point of the save (after its file is written, after it kept the
-/// earlier save, after its rename, after every rank renamed) leaves a set that loads the
-/// earlier save or the new one, never a mix, on every layout: the earlier one until a rank
-/// renamed its new file in, the new one once the ranks agreed that all did.
+/// earlier save, after its rename, after every rank renamed, after the clean-up: every point on
+/// the pipeline, one of each outcome on the other layouts) leaves a set that loads the earlier
+/// save or the new one, never a mix: the earlier one until a rank renamed its new file in, the
+/// new one once the ranks agreed that all did.
 #[test]
 fn a_save_of_every_layout_killed_at_any_point_leaves_a_loadable_set() {
     std::thread::scope(|scope| {
@@ -172,16 +173,23 @@ fn killed_at_every_point(name: &str, layout: &[&str], world: usize, holds: &str)
         "{name}"
     );
     let last = world - 1;
-    let points = [
-        ("written", 0),
-        ("kept", 0),
-        ("renamed", 0),
-        ("renamed", last),
-        ("agreed", 0),
-        ("agreed", last),
-        ("cleaned", 0),
-    ];
-    for (stage, rank) in points {
+    // every point on the first layout; on the others one point of each outcome (the earlier
+    // save, either, the new one): the protocol is one, its every point on ZeRO in
+    // `checkpoint_safety`
+    let points: &[(&str, usize)] = if name == LAYOUTS[0].0 {
+        &[
+            ("written", 0),
+            ("kept", 0),
+            ("renamed", 0),
+            ("renamed", 1),
+            ("agreed", 0),
+            ("agreed", 1),
+            ("cleaned", 0),
+        ]
+    } else {
+        &[("written", last), ("renamed", 0), ("agreed", last)]
+    };
+    for &(stage, rank) in points {
         let point = format!("{holds}.save.{stage}.rank{rank}");
         let dir = copy_set(base.path());
         let d = s(dir.path());
@@ -265,10 +273,10 @@ fn mixes_are_refused(name: &str, layout: &[&str], world: usize) {
 /// takes; the test asserts that kills landed.
 #[test]
 fn pipeline_and_tensor_saves_killed_at_random_moments_load() {
-    for &(name, layout, _, _) in &LAYOUTS[..3] {
+    for &(name, layout, _, _) in [&LAYOUTS[0], &LAYOUTS[2]] {
         let scratch = tempfile::tempdir().unwrap();
-        let rounds = 12;
-        let reference = losses(layout, &["--steps", "40", "--save", s(scratch.path())]);
+        let rounds = 6;
+        let reference = losses(layout, &["--steps", "16", "--save", s(scratch.path())]);
         let dir = tempfile::tempdir().unwrap();
         let d = s(dir.path());
         losses(layout, &["--steps", "1", "--save", d]);

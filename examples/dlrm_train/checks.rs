@@ -173,8 +173,21 @@ pub fn host_bytes(a: &Args, cfg: &DlrmConfig, rows: u128) -> Result<u128> {
 }
 
 /// Host bytes available to the run and where the figure comes from: `MemAvailable` (else
-/// `MemTotal`) of `/proc/meminfo`, or else the most one allocation may hold.
+/// `MemTotal`) of `/proc/meminfo`, or the process's limit (its cgroup's, `ulimit -v`) where
+/// that is smaller, or else the most one allocation may hold.
 pub fn host_bytes_available() -> (u128, &'static str) {
+    let (have, from) = meminfo_available();
+    let limit = u128::from(tidemem::limits::host_limit());
+    if limit < have {
+        return (
+            limit,
+            "the process's memory limit: ulimit -v, its cgroup or the machine",
+        );
+    }
+    (have, from)
+}
+
+fn meminfo_available() -> (u128, &'static str) {
     let info = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
     for key in ["MemAvailable:", "MemTotal:"] {
         let kib = info

@@ -312,3 +312,27 @@ fn ranks_refuse_another_model_and_another_layout() {
         "a model-parallel rank's file",
     );
 }
+
+/// Under an address-space limit (`ulimit -v`), a model past it is refused before any work,
+/// naming what it needs, instead of aborting on an allocation failure midway.
+#[test]
+fn a_model_past_the_address_space_limit_is_refused_before_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let bin = binary();
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -v 2000000 && exec '{}' --model gpt2-xl --steps 1 --sample 0",
+            bin.display()
+        ))
+        .current_dir(dir.path())
+        .env("TIDEMEM_BACKEND", "sim")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("host memory of a gpt2-xl run") && err.contains("limit of 2048000000"),
+        "{err}"
+    );
+}

@@ -10,7 +10,7 @@ use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-/// The metadata key prefix of a model's description ([`ChunkManager::describe_model`]).
+/// The metadata key prefix of a model's description ([`ParamStore::describe_model`](crate::store::ParamStore::describe_model)).
 const MODEL_KEY: &str = "model.";
 
 /// The metadata key naming the format, and its value.
@@ -45,33 +45,9 @@ impl ChunkManager {
         Ok(names)
     }
 
-    /// Records what the model is beyond its tensors' names and shapes (`heads = 12`: two
-    /// models can have the same tensors and differ): saved with every checkpoint as metadata
-    /// `model.<key>`, and checked by every load, which refuses a checkpoint whose value
-    /// differs, naming both, or that lacks the key (one saved before models were described
-    /// loads with `TIDEMEM_LEGACY_LOAD=1`). Describing a key twice with another value is
-    /// refused ([`Error::Conflict`]).
-    ///
-    /// ```
-    /// use std::collections::BTreeMap;
-    /// use tidemem::prelude::*;
-    /// # fn main() -> tidemem::Result<()> {
-    /// let dir = tempfile::tempdir().unwrap();
-    /// let path = dir.path().join("model.safetensors");
-    /// let new = |heads: &str| -> tidemem::Result<ChunkManager> {
-    ///     let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
-    ///     let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))?;
-    ///     m.register("w", &[4, 4], Init::Zeros)?;
-    ///     m.describe_model("heads", heads)?;
-    ///     Ok(m)
-    /// };
-    /// new("4")?.save_checkpoint(&path, &BTreeMap::new())?;
-    /// assert!(new("4")?.load_checkpoint(&path).is_ok());
-    /// let e = new("8")?.load_checkpoint(&path).unwrap_err();
-    /// assert!(e.to_string().contains("model.heads"), "{e}");
-    /// # Ok(()) }
-    /// ```
-    pub fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
+    /// Records `key = value` of the model's description, saved as `model.<key>` and checked
+    /// by every load (the public path: [`ParamStore::describe_model`](crate::store::ParamStore::describe_model)).
+    pub(crate) fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
         let key = format!("{MODEL_KEY}{key}");
         match self.model.get(&key) {
             Some(v) if v != value => Err(Error::Conflict {

@@ -228,8 +228,32 @@ pub trait ParamStore: Send + sealed::Core {
     /// state copies stay local. Before the first fetch.
     fn align_to_ranks(&mut self) -> Result<()>;
 
-    /// Records what the model is beyond its tensors (`heads = 12`), saved with every
-    /// checkpoint and checked by every load ([`ChunkManager::describe_model`]).
+    /// Records what the model is beyond its tensors' names and shapes (`heads = 12`: two
+    /// models can have the same tensors and differ): saved with every checkpoint as metadata
+    /// `model.<key>`, and checked by every load, which refuses a checkpoint whose value
+    /// differs, naming both, or that lacks the key (one saved before models were described
+    /// loads with `TIDEMEM_LEGACY_LOAD=1`). Describing a key twice with another value is
+    /// refused ([`Error::Conflict`](crate::Error::Conflict)).
+    ///
+    /// ```
+    /// use std::collections::BTreeMap;
+    /// use tidemem::prelude::*;
+    /// # fn main() -> tidemem::Result<()> {
+    /// let dir = tempfile::tempdir().unwrap();
+    /// let path = dir.path().join("model.safetensors");
+    /// let new = |heads: &str| -> tidemem::Result<ChunkManager> {
+    ///     let dev = Device::sim(SimConfig::with_capacity(1 << 20))?;
+    ///     let mut m = ChunkManager::new(dev, ManagerConfig::new(1024, Policy::Tide))?;
+    ///     m.register("w", &[4, 4], Init::Zeros)?;
+    ///     m.describe_model("heads", heads)?;
+    ///     Ok(m)
+    /// };
+    /// new("4")?.save_checkpoint(&path, &BTreeMap::new())?;
+    /// assert!(new("4")?.load_checkpoint(&path).is_ok());
+    /// let e = new("8")?.load_checkpoint(&path).unwrap_err();
+    /// assert!(e.to_string().contains("model.heads"), "{e}");
+    /// # Ok(()) }
+    /// ```
     fn describe_model(&mut self, key: &str, value: &str) -> Result<()>;
 
     /// Saves this rank's file of a checkpoint that every rank of `world` saves at once, one

@@ -12,9 +12,9 @@ use crate::error::Result;
 use crate::optim::HybridAdam;
 
 impl ZeroManager {
-    /// Records what the model is, saved with every shard and checked by every load (see
-    /// [`ChunkManager::describe_model`](crate::chunk::ChunkManager::describe_model)).
-    pub fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
+    /// Records what the model is, saved with every shard and checked by every load (the public
+    /// path: [`ParamStore::describe_model`](crate::store::ParamStore::describe_model)).
+    pub(crate) fn describe_model(&mut self, key: &str, value: &str) -> Result<()> {
         self.local.describe_model(key, value)
     }
 

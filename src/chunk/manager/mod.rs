@@ -177,7 +177,7 @@ pub struct ChunkManager {
     /// by an optimizer pass since. A checkpoint would save gradients as parameters.
     grads_in: Vec<bool>,
     /// What the model is, as `model.<key>` metadata every checkpoint carries and every load
-    /// checks ([`ChunkManager::describe_model`]).
+    /// checks ([`ParamStore::describe_model`](crate::store::ParamStore::describe_model)).
     pub(in crate::chunk) model: std::collections::BTreeMap<String, String>,
 }
 

@@ -267,25 +267,34 @@ fn a_diverging_run_fails_at_its_step() {
     }
 }
 
+/// `gpt_train args` in `dir` under `ulimit <limit>` (a shell sets it, then becomes the
+/// trainer): its exit code and what it said.
+fn under_ulimit(dir: &Path, limit: &str, args: &str) -> (Option<i32>, String) {
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit {limit} && exec '{}' {args}",
+            binary().display()
+        ))
+        .current_dir(dir)
+        .env("TIDEMEM_BACKEND", "sim")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.code(), err)
+}
+
 /// A save past the file-size limit (`ulimit -f`) is an error naming the file, not SIGXFSZ,
 /// and leaves no temporary file.
 #[test]
 fn a_save_past_the_file_size_limit_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
-    let bin = binary();
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "ulimit -f 100 && exec '{}' --layers 2 --channels 32 --heads 2 --seq 16 --steps 1 \
-             --sample 0 --save big.st",
-            bin.display()
-        ))
-        .current_dir(dir.path())
-        .env("TIDEMEM_BACKEND", "sim")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let (code, err) = under_ulimit(
+        dir.path(),
+        "-f 100",
+        "--layers 2 --channels 32 --heads 2 --seq 16 --steps 1 --sample 0 --save big.st",
+    );
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("big.st") && err.contains("File too large"),
         "{err}"
@@ -318,19 +327,12 @@ fn ranks_refuse_another_model_and_another_layout() {
 #[test]
 fn a_model_past_the_address_space_limit_is_refused_before_work() {
     let dir = tempfile::tempdir().unwrap();
-    let bin = binary();
-    let out = Command::new("sh")
-        .arg("-c")
-        .arg(format!(
-            "ulimit -v 2000000 && exec '{}' --model gpt2-xl --steps 1 --sample 0",
-            bin.display()
-        ))
-        .current_dir(dir.path())
-        .env("TIDEMEM_BACKEND", "sim")
-        .output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let (code, err) = under_ulimit(
+        dir.path(),
+        "-v 2000000",
+        "--model gpt2-xl --steps 1 --sample 0",
+    );
+    assert_eq!(code, Some(1), "{err}");
     assert!(
         err.contains("host memory of a gpt2-xl run") && err.contains("limit of 2048000000"),
         "{err}"

@@ -310,6 +310,56 @@ pub fn rank_file(dir: &Path, r: usize) -> PathBuf {
     dir.join(format!("rank{r}.safetensors"))
 }
 
+/// The files `--resume r` reads: `r`, or with `sharded` each rank's file of the directory `r`
+/// (its previous generation where a killed save left only that).
+fn resume_files(r: &Path, sharded: bool, ranks: usize) -> Result<Vec<Resolved>> {
+    let mut out = Vec::new();
+    let meta = std::fs::metadata(r).map_err(|e| bad(format!("--resume {}: {e}", r.display())))?;
+    if sharded && !meta.is_dir() {
+        return Err(bad(format!(
+            "--resume {}: with several ranks a checkpoint is a directory of one file a rank",
+            r.display()
+        )));
+    }
+    if !sharded && meta.is_dir() {
+        let ranks = std::fs::read_dir(r)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .filter(|e| e.file_name().to_string_lossy().starts_with("rank"))
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
+                    .count()
+            })
+            .unwrap_or(0);
+        if ranks == 0 {
+            return Err(bad(format!(
+                "--resume {}: a directory holding no rank<r>.safetensors: not a checkpoint \
+                 (one rank resumes from a file)",
+                r.display()
+            )));
+        }
+        return Err(bad(format!(
+            "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with \
+             --ranks {ranks} and the layout that saved it (one rank resumes from a file)",
+            r.display()
+        )));
+    }
+    if sharded {
+        for k in 0..ranks {
+            // a rank's current file, or only its previous generation after a killed save
+            let f = rank_file(r, k);
+            let prev = PathBuf::from(format!("{}.prev", f.display()));
+            match input("--resume", &f) {
+                Ok(f) => out.push(f),
+                Err(_) if prev.exists() => out.push(input("--resume", &prev)?),
+                Err(e) => return Err(e),
+            }
+        }
+    } else {
+        out.push(input("--resume", r)?);
+    }
+    Ok(out)
+}
+
 /// Every input and output path, before any work: inputs are regular files that exist (a fifo
 /// would hang the run), outputs are regular files or new names in directories that take a
 /// file, and no output is another input or output under another name (a symbolic or hard link
@@ -320,51 +370,8 @@ pub fn paths(a: &Args, sharded: bool, ranks: usize) -> Result<()> {
     // (flag, file, whether the run writes it)
     let mut files: Vec<(&str, Resolved, bool)> = Vec::new();
     if let Some(r) = &a.resume {
-        let meta =
-            std::fs::metadata(r).map_err(|e| bad(format!("--resume {}: {e}", r.display())))?;
-        if sharded && !meta.is_dir() {
-            return Err(bad(format!(
-                "--resume {}: with several ranks a checkpoint is a directory of one file a rank",
-                r.display()
-            )));
-        }
-        if !sharded && meta.is_dir() {
-            let ranks = std::fs::read_dir(r)
-                .map(|d| {
-                    d.filter_map(|e| e.ok())
-                        .filter(|e| e.file_name().to_string_lossy().starts_with("rank"))
-                        .filter(|e| e.file_name().to_string_lossy().ends_with(".safetensors"))
-                        .count()
-                })
-                .unwrap_or(0);
-            if ranks == 0 {
-                return Err(bad(format!(
-                    "--resume {}: a directory holding no rank<r>.safetensors: not a checkpoint \
-                     (one rank resumes from a file)",
-                    r.display()
-                )));
-            }
-            return Err(bad(format!(
-                "--resume {}: a directory, the checkpoint of {ranks} ranks: resume it with \
-                 --ranks {ranks} and the layout that saved it (one rank resumes from a file)",
-                r.display()
-            )));
-        }
-        if sharded {
-            for k in 0..ranks {
-                // a rank's current file, or only its previous generation after a killed save
-                let f = rank_file(r, k);
-                let prev = PathBuf::from(format!("{}.prev", f.display()));
-                match input("--resume", &f) {
-                    Ok(f) => files.push(("--resume", f, false)),
-                    Err(_) if prev.exists() => {
-                        files.push(("--resume", input("--resume", &prev)?, false))
-                    }
-                    Err(e) => return Err(e),
-                }
-            }
-        } else {
-            files.push(("--resume", input("--resume", r)?, false));
+        for f in resume_files(r, sharded, ranks)? {
+            files.push(("--resume", f, false));
         }
     }
     if let Some(p) = &a.load_hf {

@@ -300,6 +300,18 @@ impl Written {
     }
 }
 
+/// The file a save to `path` replaces and a new temporary file beside it, the temporary files
+/// of earlier writers that died removed first.
+fn beside(path: &Path) -> Result<(PathBuf, Partial)> {
+    let target = save_target(path)?;
+    if target.file_name().is_none() {
+        return Err(bad(path, "the path names no file"));
+    }
+    remove_stale_partials(&target);
+    let tmp = Partial::create(&target).map_err(io_at("creating a file beside", path))?;
+    Ok((target, tmp))
+}
+
 /// Makes a write past the process's file-size limit (`ulimit -f`) fail with `EFBIG`, an
 /// error the writer reports and cleans up after, instead of killing the process with
 /// `SIGXFSZ` and leaving its temporary file behind. Once per process; a program that handles
@@ -326,12 +338,7 @@ fn file_size_limit_is_an_error() {
 /// a truncated one; errors name `path` ([`Error::FileIo`]) and what was being written.
 pub(crate) fn write_file(path: &Path, bytes: &[u8], during: &'static str) -> Result<()> {
     file_size_limit_is_an_error();
-    let target = save_target(path)?;
-    if target.file_name().is_none() {
-        return Err(bad(path, "the path names no file"));
-    }
-    remove_stale_partials(&target);
-    let mut tmp = Partial::create(&target).map_err(io_at("creating a file beside", path))?;
+    let (target, mut tmp) = beside(path)?;
     (&tmp.file)
         .write_all(bytes)
         .and_then(|()| tmp.file.sync_all())
@@ -413,12 +420,7 @@ pub(crate) fn write_unpersisted(
     }
     let placeholder = header(path, metadata, entries, &offsets, &vec![0; entries.len()])?;
     file_size_limit_is_an_error();
-    let target = save_target(path)?;
-    if target.file_name().is_none() {
-        return Err(bad(path, "the path names no file"));
-    }
-    remove_stale_partials(&target);
-    let tmp = Partial::create(&target).map_err(io_at("creating a file beside", path))?;
+    let (target, tmp) = beside(path)?;
     let ends = entries
         .iter()
         .zip(&offsets)

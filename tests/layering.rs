@@ -6,7 +6,9 @@
 //! and character literals are not code and are skipped. A module may import from its own layer
 //! or a lower one ([`LAYERS`]); an import from a higher layer fails the test, naming the file,
 //! the import and both layers. So does any cycle between top-level modules, whatever their
-//! layers, and a top-level module missing from the table.
+//! layers, any cycle between the files of one module (siblings: `models/gpt/model.rs` using
+//! `super::plan` while `plan.rs` uses `super::model`), and a top-level module missing from the
+//! table.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -194,6 +196,31 @@ fn the_checker_finds_a_cycle_within_one_layer() {
 }
 
 #[test]
+fn the_checker_finds_a_cycle_between_the_files_of_a_module() {
+    let files = [
+        (
+            "src/zero/mod.rs",
+            "mod a;\nmod b;\nmod c;\npub use c::Thing;",
+        ),
+        ("src/zero/a.rs", "use super::b::B;\nuse super::Thing;"),
+        ("src/zero/b.rs", "use crate::zero::{a::A, c::C};"),
+        (
+            "src/zero/c.rs",
+            "use super::super::tensor::X;\nmod tests { use super::super::a::A; }",
+        ),
+    ];
+    let p = check(&sources(&files));
+    assert_eq!(p.len(), 1, "{p:#?}");
+    assert!(p[0].contains("module zero {a, b}"), "{}", p[0]);
+    assert!(p[0].contains("a -> b at src/zero/a.rs:1"), "{}", p[0]);
+    assert!(p[0].contains("b -> a at src/zero/b.rs:1"), "{}", p[0]);
+    // c is reached from both (through the re-export from a) and reaches neither: no cycle
+    let mut files = files;
+    files[2] = ("src/zero/b.rs", "use super::c::C;");
+    assert!(check(&sources(&files)).is_empty());
+}
+
+#[test]
 fn the_checker_wants_every_module_in_the_table() {
     let p = check(&[
         ("src/lib.rs".into(), "pub mod gizmo;".into()),
@@ -305,7 +332,146 @@ fn analyse(sources: &[(String, String)]) -> (Vec<String>, Edges) {
             via.join("; ")
         ));
     }
+    problems.extend(sibling_cycles(sources));
     (problems, edges)
+}
+
+/// Cycles between the files of one module: for every module with children, the imports
+/// among its children (`super::b` from `a`, `crate::m::b` from `m::a`, through the module's
+/// own `pub use b::Name` re-exports), and the cycles among them, as messages.
+fn sibling_cycles(sources: &[(String, String)]) -> Vec<String> {
+    let files: Vec<(Vec<String>, String, String)> = sources
+        .iter()
+        .filter_map(|(f, t)| Some((module_path(f)?, f.clone(), strip(t))))
+        .collect();
+    let known: BTreeSet<Vec<String>> = files.iter().map(|f| f.0.clone()).collect();
+    // a module's `use child::Name` re-exports: (module, Name) -> child
+    let mut reexports: BTreeMap<(Vec<String>, String), String> = BTreeMap::new();
+    for (path, _, text) in &files {
+        let t = tokens(text);
+        for k in 0..t.len() {
+            let child = t.get(k + 1).map(|x| x.1.clone()).unwrap_or_default();
+            let mut sub = path.clone();
+            sub.push(child.clone());
+            if t[k].1 != "use" || !known.contains(&sub) || t.get(k + 2).is_none_or(|x| x.1 != "::")
+            {
+                continue;
+            }
+            let mut j = k + 3;
+            while j < t.len() && t[j].1 != ";" {
+                if is_ident(&t[j].1) && t.get(j + 1).is_none_or(|n| n.1 != "::") {
+                    reexports.insert((path.clone(), t[j].1.clone()), child.clone());
+                }
+                j += 1;
+            }
+        }
+    }
+    // (parent, from, to) -> file:line of the imports
+    let mut edges: BTreeMap<(Vec<String>, String), Edges> = BTreeMap::new();
+    for (path, file, text) in &files {
+        for (line, target) in absolute_paths(path, text) {
+            let common = path.iter().zip(&target).take_while(|(a, b)| a == b).count();
+            if common == 0 || common >= path.len() || common >= target.len() {
+                continue;
+            }
+            let parent = path[..common].to_vec();
+            let mut child = parent.clone();
+            child.push(target[common].clone());
+            let to = if known.contains(&child) {
+                target[common].clone()
+            } else if let Some(c) = reexports.get(&(parent.clone(), target[common].clone())) {
+                c.clone()
+            } else {
+                continue;
+            };
+            if to == path[common] {
+                continue;
+            }
+            let at = format!("{file}:{line}");
+            let e = edges.entry((parent, String::new())).or_default();
+            let e = e.entry((path[common].clone(), to)).or_default();
+            if !e.contains(&at) {
+                e.push(at);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    for ((parent, _), e) in &edges {
+        for cycle in cycles(e) {
+            let via: Vec<String> = e
+                .iter()
+                .filter(|((a, b), _)| cycle.contains(a) && cycle.contains(b))
+                .map(|((a, b), at)| format!("{a} -> {b} at {}", at.join(", ")))
+                .collect();
+            out.push(format!(
+                "cycle between the files of module {} {{{}}}: {}",
+                parent.join("::"),
+                cycle.join(", "),
+                via.join("; ")
+            ));
+        }
+    }
+    out
+}
+
+/// Every `crate::` and `super::` path of a file (module `path`, text stripped of comments and
+/// literals) as the absolute path it names, with its line: `super::{a::X, b}` in `m::c` gives
+/// `[m, a, X]` and `[m, b]`.
+fn absolute_paths(path: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
+    let t = tokens(text);
+    let mut out = Vec::new();
+    let mut inline: Vec<(String, usize)> = Vec::new();
+    let mut depth = 0usize;
+    for k in 0..t.len() {
+        let tok = t[k].1.as_str();
+        match tok {
+            "{" => depth += 1,
+            "}" => {
+                depth = depth.saturating_sub(1);
+                if inline.last().is_some_and(|m| m.1 > depth) {
+                    inline.pop();
+                }
+            }
+            "mod" if t.get(k + 2).is_some_and(|x| x.1 == "{") => {
+                inline.push((t[k + 1].1.clone(), depth + 1));
+            }
+            _ => {}
+        }
+        let prev_is_path = k > 0 && t[k - 1].1 == "::";
+        let starts = (tok == "crate" || tok == "$crate" || tok == "super") && !prev_is_path;
+        // unit tests beside the code may use their siblings
+        let in_tests = inline.iter().any(|m| m.0 == "tests");
+        if !starts || in_tests || t.get(k + 1).is_none_or(|x| x.1 != "::") {
+            continue;
+        }
+        let mut here: Vec<String> = Vec::new();
+        let mut j = k;
+        if tok == "super" {
+            here = path.to_vec();
+            here.extend(inline.iter().map(|m| m.0.clone()));
+            while t.get(j).is_some_and(|x| x.1 == "super")
+                && t.get(j + 1).is_some_and(|x| x.1 == "::")
+            {
+                here.pop();
+                j += 2;
+            }
+        } else {
+            j = k + 2;
+        }
+        // the named segments, then a group's first segments
+        while t.get(j).is_some_and(|x| is_ident(&x.1)) && t.get(j + 1).is_some_and(|x| x.1 == "::")
+        {
+            here.push(t[j].1.clone());
+            j += 2;
+        }
+        let (firsts, _) = first_segments(&t, j);
+        for f in firsts {
+            let mut p = here.clone();
+            p.push(f);
+            out.push((t[k].0, p));
+        }
+    }
+    out
 }
 
 /// The top-level modules `lib.rs` declares, and its `pub use module::Name` re-exports.

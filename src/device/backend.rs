@@ -3,7 +3,7 @@
 use std::any::Any;
 use std::fmt;
 
-use super::launch::{KernelDesc, OperandInfo};
+use super::kernel::{KernelDesc, OperandInfo};
 use super::{DeviceId, HostBuffer};
 use crate::dtype::DType;
 use crate::error::Result;

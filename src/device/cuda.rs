@@ -10,7 +10,7 @@ use cudarc::driver::{
 use parking_lot::Mutex;
 
 pub use super::cuda_stream::CudaRawStream;
-use super::launch::{CudaSide, Grid, KernelDesc, LaunchInfo, LibraryCall};
+use super::kernel::{CudaSide, Grid, KernelDesc, LaunchInfo, LibraryCall};
 use super::{
     operand_infos, Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent,
     RawOperand, RawStream,

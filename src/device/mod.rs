@@ -31,7 +31,8 @@ pub(crate) mod cuda;
 mod cuda_stream;
 mod handles;
 pub(crate) mod host;
-pub(crate) mod launch;
+pub(crate) mod kernel;
+mod launch;
 mod library;
 pub mod order;
 mod phases;
@@ -52,7 +53,7 @@ pub use cuda::{
 };
 pub use handles::{DeviceBuffer, DeviceView, Event, Input, Operand, Pending, Stream};
 pub use host::{FileStore, HostBuffer, HostKind, HOST_ALIGN};
-pub use launch::{
+pub use kernel::{
     grid_stride, grid_stride_blocks, CudaSide, Grid, HostOperand, KernelDesc, LaunchInfo,
     LibraryCall, Mode, OperandInfo, OperandSpec, ParamLayout, TwinArgs,
 };

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crossbeam::channel::{unbounded, Receiver, Sender, TryRecvError};
 use parking_lot::{Condvar, Mutex};
 
-use super::launch::{HostOperand, KernelDesc, TwinArgs};
+use super::kernel::{HostOperand, KernelDesc, TwinArgs};
 use super::{
     Backend, BackendKind, DeviceId, HostBuffer, MemInfo, Op, RawBuffer, RawEvent, RawStream,
 };

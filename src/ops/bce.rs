@@ -1,4 +1,4 @@
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::kernel::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

@@ -2,7 +2,7 @@ use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use serde::Serialize;
 
-use crate::device::launch::{param_layout, Grid};
+use crate::device::kernel::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

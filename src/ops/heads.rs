@@ -23,7 +23,7 @@
 //! # Ok(()) }
 //! ```
 
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::kernel::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

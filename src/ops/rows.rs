@@ -10,7 +10,7 @@
 //! partial sums in chunk order. The order of every addition is fixed by the shape alone, so
 //! the result is the same bits from run to run and on the CPU twin as on CUDA.
 
-use crate::device::launch::{grid_stride, Grid};
+use crate::device::kernel::{grid_stride, Grid};
 use crate::device::{DeviceView, KernelDesc, LaunchInfo, OperandInfo, TwinArgs};
 use crate::dtype::DType;
 use crate::error::{Error, Result};

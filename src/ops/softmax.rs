@@ -1,4 +1,4 @@
-use crate::device::launch::{param_layout, Grid};
+use crate::device::kernel::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

@@ -53,7 +53,7 @@
 //! # Ok(()) }
 //! ```
 
-use super::train::{bag_offsets, table_batches};
+use super::bags::{bag_offsets, table_batches};
 use super::{Dlrm, DlrmStep};
 use crate::comm::ReduceOp;
 use crate::data::criteo::Batch;

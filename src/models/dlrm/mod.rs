@@ -55,14 +55,16 @@
 //! # Ok(()) }
 //! ```
 
+mod bags;
 mod config;
 mod device;
 mod hybrid;
 mod model;
 mod train;
 
+pub use bags::{bag_offsets, table_batches};
 pub use config::DlrmConfig;
 pub use device::DeviceEmbeddings;
 pub use hybrid::{predict_hybrid, predict_hybrid_host};
-pub use model::{default_init, Dlrm};
-pub use train::{bag_offsets, predict, table_batches, train_step, DlrmStep, StepPlan, Tables};
+pub use model::{default_init, Dlrm, DlrmStep};
+pub use train::{predict, train_step, StepPlan, Tables};

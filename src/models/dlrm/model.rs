@@ -8,8 +8,23 @@ use crate::nn::{Act, Linear};
 use crate::ops::bce::{bce_with_logits, BceOutputs};
 use crate::ops::interaction::{interaction_backward, interaction_forward};
 use crate::ops::{relu_backward, relu_forward};
+use crate::optim::StepReport;
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::Init;
+
+/// What [`train_step`](super::train_step) did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DlrmStep {
+    /// The mean BCE over the batch, before the step.
+    pub loss: f32,
+    /// The click probabilities, before the step.
+    pub probs: Vec<f32>,
+    /// The MLP optimizer's report.
+    pub report: StepReport,
+    /// Distinct embedding rows the batch touched and the row optimizer updated (0 when the MLP
+    /// optimizer skipped the step on an overflow: the rows are then left as they were too).
+    pub rows: usize,
+}
 
 /// A DLRM's MLPs registered in a [`ParamStore`] (see [the module](super)): the bottom MLP
 /// `bottom.{i}` and the top MLP `top.{i}`, each a [`Linear`] with a bias. The embedding tables

@@ -1,69 +1,15 @@
 //! One training step of a DLRM: the cached embedding's forward, the MLPs' forward and backward,
 //! the embedding's backward and row optimizer, the store's optimizer step.
 
+use super::bags::{bag_offsets, table_batches};
 use super::device::order_after;
 use super::hybrid::{hybrid_step, Path};
-use super::Dlrm;
+use super::{Dlrm, DlrmStep};
 use crate::data::criteo::Batch;
-use crate::embedding::{CachedEmbeddingCollection, ShardedEmbedding, TableBatch};
+use crate::embedding::{CachedEmbeddingCollection, ShardedEmbedding};
 use crate::error::{Error, Result};
-use crate::optim::{HybridAdam, StepOutcome, StepReport};
+use crate::optim::{HybridAdam, StepOutcome};
 use crate::store::ParamStore;
-
-/// What [`train_step`] did.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DlrmStep {
-    /// The mean BCE over the batch, before the step.
-    pub loss: f32,
-    /// The click probabilities, before the step.
-    pub probs: Vec<f32>,
-    /// The MLP optimizer's report.
-    pub report: StepReport,
-    /// Distinct embedding rows the batch touched and the row optimizer updated (0 when the MLP
-    /// optimizer skipped the step on an overflow: the rows are then left as they were too).
-    pub rows: usize,
-}
-
-/// The bags' offsets of a batch with one id per sample and table: `0, 1, …, samples`.
-pub fn bag_offsets(samples: usize) -> Result<Vec<u32>> {
-    let n = u32::try_from(samples).map_err(|_| Error::TooLarge {
-        what: "bags of a batch (u32 offsets, one bag a sample)".into(),
-        requested: samples as u128,
-        limit: u64::from(u32::MAX),
-    })?;
-    Ok((0..=n).collect())
-}
-
-/// The collection's input of a Criteo [`Batch`] (one id per sample and table, so each bag is
-/// one row), over `offsets` from [`bag_offsets`]`(batch.size)`.
-pub fn table_batches<'a>(batch: &'a Batch, offsets: &'a [u32]) -> Result<Vec<TableBatch<'a>>> {
-    if offsets.len() != batch.size + 1 {
-        return Err(Error::Length {
-            what: format!("offsets for a batch of {} samples", batch.size),
-            got: offsets.len(),
-            expected: batch.size + 1,
-        });
-    }
-    batch
-        .ids
-        .iter()
-        .enumerate()
-        .map(|(t, ids)| {
-            if ids.len() != batch.size {
-                return Err(Error::Length {
-                    what: format!("table {t}: ids for a batch of {} samples", batch.size),
-                    got: ids.len(),
-                    expected: batch.size,
-                });
-            }
-            Ok(TableBatch {
-                indices: ids,
-                offsets,
-                weights: None,
-            })
-        })
-        .collect()
-}
 
 /// The embedding tables a DLRM step trains: cached on this rank's device (rows moved in and
 /// out of a cache under a policy), or sharded over the ranks table-wise.

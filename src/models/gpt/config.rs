@@ -4,6 +4,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// Targets equal to it count for nothing (PyTorch's default).
+pub const IGNORE_INDEX: i32 = -100;
+
 /// The shape of a GPT-2-style decoder: `layers` pre-LayerNorm blocks of `channels` channels and
 /// `heads` heads, a vocabulary of `vocab` tokens and `max_seq` positions.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

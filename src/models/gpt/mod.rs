@@ -19,10 +19,10 @@ mod spec;
 mod split_ends;
 mod train;
 
-pub use config::GptConfig;
+pub use config::{GptConfig, IGNORE_INDEX};
 pub use ends::{Ends, EndsLayout};
 pub use hf::{read_hf, write_hf, HfWeights};
-pub use model::{default_init, Gpt, GptBatch, RunOptions, IGNORE_INDEX};
+pub use model::{default_init, Gpt, GptBatch, RunOptions, TrainStep};
 pub use pipe::train_two_bw_stream;
 pub use plan::Plan;
-pub use train::{train_step, TrainStep};
+pub use train::train_step;

@@ -10,17 +10,31 @@ use super::blocks::{Blocks, TensorSplit};
 use super::ends::{Embed, Ends, Head};
 use super::plan::Plan;
 use super::split_ends::{check_splits, wte_norm_share, SplitEmbedding, SplitHead};
-use super::GptConfig;
+use super::{GptConfig, IGNORE_INDEX};
 use crate::error::{Error, Result};
 use crate::nn::{Embedding, LayerNorm, LmHead, WeightUse};
+use crate::optim::StepReport;
+use crate::parallel::pipeline::StageReport;
 use crate::store::ParamStore;
 use crate::tensor::{Init, TensorId};
 
 /// GPT-2's σ = 0.02, as the bound of a uniform of that deviation.
 const INIT_BOUND: f32 = 0.034_641_016;
 
-/// Targets equal to it count for nothing (PyTorch's default).
-pub const IGNORE_INDEX: i32 = -100;
+/// What [`train_step`](super::train_step) did.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TrainStep {
+    /// The mean loss over the micro-batches (in a pipeline, the last stage's, on every stage).
+    pub loss: f32,
+    /// The optimizer's report of the last micro-batch (the step proper).
+    pub report: StepReport,
+    /// Tokens seen (targets counted or not).
+    pub tokens: usize,
+    /// In a pipeline, what the stage's schedule did (micro-batches in flight, messages,
+    /// seconds waiting).
+    #[serde(skip)]
+    pub stage: Option<StageReport>,
+}
 
 /// A GPT-2 model whose parameters live in a store: the token and position embedding, `L`
 /// pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the LM head tied to

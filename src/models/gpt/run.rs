@@ -3,8 +3,9 @@
 
 use super::blocks::{Keep, Kept, Shape};
 use super::ends::{At, EmbKept, Embed, Head, HeadKept};
-use super::model::{Gpt, GptBatch, RunOptions, IGNORE_INDEX};
+use super::model::{Gpt, GptBatch, RunOptions};
 use super::plan::Plan;
+use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
 use crate::nn::{HeadsCore, Loss};
 use crate::parallel::{BatchBlock, Layout3D, Place3D};

@@ -6,7 +6,7 @@
 //! whole on every rank, so `wpe` and `ln_f` are whole too; on a 2D, 2.5D or 3D grid they are
 //! tiles.
 
-use super::model::IGNORE_INDEX;
+use super::config::IGNORE_INDEX;
 use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};

@@ -1,29 +1,11 @@
 //! One optimizer step of a GPT over any store: micro-batches, loss scaling, the step.
 
-use serde::Serialize;
-
-use super::{Gpt, GptBatch, Plan, RunOptions};
+use super::{Gpt, GptBatch, Plan, RunOptions, TrainStep};
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
-use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
-use crate::parallel::pipeline::StageReport;
+use crate::optim::{GradStats, HybridAdam, StepOutcome};
 use crate::store::ParamStore;
-
-/// What [`train_step`] did.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct TrainStep {
-    /// The mean loss over the micro-batches (in a pipeline, the last stage's, on every stage).
-    pub loss: f32,
-    /// The optimizer's report of the last micro-batch (the step proper).
-    pub report: StepReport,
-    /// Tokens seen (targets counted or not).
-    pub tokens: usize,
-    /// In a pipeline, what the stage's schedule did (micro-batches in flight, messages,
-    /// seconds waiting).
-    #[serde(skip)]
-    pub stage: Option<StageReport>,
-}
 
 /// One optimizer step of `gpt` (this rank's part, registered with the same `plan`) over the
 /// micro-batches `micro`, the same on every rank of the tensor group and of the pipeline.

@@ -5,7 +5,7 @@ pub(crate) use cpu::{RawKind, RawStep};
 
 use serde::Serialize;
 
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::kernel::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
 };

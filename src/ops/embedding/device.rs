@@ -2,7 +2,7 @@
 //! row gathers and scatters. Descriptors, typed wrappers and twins (the functions of the parent
 //! module); CUDA runs `kernels/embedding.cu`, whose results are bitwise the twins'.
 
-use crate::device::launch::{param_layout, Grid};
+use crate::device::kernel::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
 };

@@ -3,7 +3,7 @@ mod cublas;
 
 use half::{bf16, f16};
 
-use crate::device::launch::param_layout;
+use crate::device::kernel::param_layout;
 use crate::device::{
     CudaSide, Device, DeviceView, HostOperand, Input, KernelDesc, LaunchInfo, Operand, OperandSpec,
     Stream, TwinArgs,

@@ -1,6 +1,6 @@
 mod twin;
 
-use crate::device::launch::{param_layout, Grid};
+use crate::device::kernel::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
 };

@@ -1,7 +1,7 @@
 //! The three device steps of the vocab-parallel cross-entropy (see [the module](super)).
 
 use super::{bad_id, check_shard, VocabShard};
-use crate::device::launch::{param_layout, Grid};
+use crate::device::kernel::{param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

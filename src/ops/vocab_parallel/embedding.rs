@@ -2,7 +2,7 @@
 //! [the module](super)).
 
 use super::{bad_id, check_shard, VocabShard};
-use crate::device::launch::{grid_stride, param_layout, Grid};
+use crate::device::kernel::{grid_stride, param_layout, Grid};
 use crate::device::{
     CudaSide, Device, DeviceView, Input, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream,
     TwinArgs,

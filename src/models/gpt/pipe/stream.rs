@@ -5,7 +5,7 @@ use std::cell::{Cell, RefCell};
 use super::step::StageStep;
 use super::train::{check_step, finish_step, ring_of, step_reduced};
 use crate::error::{Error, Result};
-use crate::models::gpt::train::TrainStep;
+use crate::models::gpt::TrainStep;
 use crate::models::gpt::{Gpt, GptBatch, Plan};
 use crate::optim::HybridAdam;
 use crate::parallel::pipeline::{PipelineStage, Schedule};

@@ -7,7 +7,7 @@ use std::cell::{Cell, RefCell};
 use super::step::StageStep;
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
-use crate::models::gpt::train::TrainStep;
+use crate::models::gpt::TrainStep;
 use crate::models::gpt::{Gpt, GptBatch, Plan};
 use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
 use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};

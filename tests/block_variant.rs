@@ -22,7 +22,7 @@ const HIDDEN: usize = 16;
 const EPS: f32 = 1e-5;
 
 /// The variant: a LayerNorm, then a column and a row linear around a ReLU, and the residual.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct ReluBlock<L: Layout> {
     layout: L,
     ln: L::Norm,
@@ -82,15 +82,10 @@ impl<L: Layout> ReluBlock<L> {
         v
     }
 
-    fn forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        g: L::Groups<'_>,
-        x: &Act,
-    ) -> tidemem::Result<(Act, Saved<L>)> {
+    fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> tidemem::Result<(Act, Saved<L>)> {
         let l = &self.layout;
-        let (y, ln) = l.norm_forward(g, pass, &self.ln, x, None)?;
-        let (pre, fc) = l.linear_forward(g, pass, &self.fc, &y)?;
+        let (y, ln) = l.norm_forward(pass, &self.ln, x, None)?;
+        let (pre, fc) = l.linear_forward(pass, &self.fc, &y)?;
         let act = Act::alloc(pass.pool(), pre.rows(), pre.cols(), pre.dtype())?;
         tidemem::ops::relu_forward(
             pass.device(),
@@ -99,7 +94,7 @@ impl<L: Layout> ReluBlock<L> {
             act.view(),
             pre.dtype(),
         )?;
-        let (m, proj) = l.linear_forward(g, pass, &self.proj, &act)?;
+        let (m, proj) = l.linear_forward(pass, &self.proj, &act)?;
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), x.dtype())?;
         let one = tidemem::ops::Axpby {
             alpha: 1.0,
@@ -113,7 +108,6 @@ impl<L: Layout> ReluBlock<L> {
     fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        g: L::Groups<'_>,
         saved: &Saved<L>,
         dout: &Act,
     ) -> tidemem::Result<Act> {
@@ -121,12 +115,12 @@ impl<L: Layout> ReluBlock<L> {
         let (dev, s) = (pass.device(), pass.stream());
         let dres = Act::alloc(pass.pool(), dout.rows(), dout.cols(), dout.dtype())?;
         dev.copy_d2d(s, dout.input(), dres.view())?;
-        let dact = l.linear_backward(g, pass, &self.proj, &saved.proj, dout, once)?;
+        let dact = l.linear_backward(pass, &self.proj, &saved.proj, dout, once)?;
         let dpre = Act::alloc(pass.pool(), dact.rows(), dact.cols(), dact.dtype())?;
         let (pre, d) = (&saved.pre, dact.dtype());
         tidemem::ops::relu_backward(dev, s, pre.input(), dact.input(), dpre.view(), d)?;
-        let dy = l.linear_backward(g, pass, &self.fc, &saved.fc, &dpre, once)?;
-        l.norm_backward(g, pass, &self.ln, &saved.ln, &dy, &dres)?;
+        let dy = l.linear_backward(pass, &self.fc, &saved.fc, &dpre, once)?;
+        l.norm_backward(pass, &self.ln, &saved.ln, &dy, &dres)?;
         Ok(dres)
     }
 }
@@ -149,19 +143,18 @@ type Out = (Vec<f32>, Vec<f32>, Vec<Vec<f32>>);
 fn run<L: Layout>(
     m: &mut ChunkManager,
     blk: &ReluBlock<L>,
-    g: L::Groups<'_>,
     [x, dout]: [&[f32]; 2],
     [rows, cols]: [usize; 2],
 ) -> tidemem::Result<Out> {
     let fwd = m.forward()?;
     let xa = Act::upload(fwd.pool(), fwd.stream(), rows, cols, DType::F32, x)?;
-    let (y, saved) = blk.forward(&fwd, g, &xa)?;
+    let (y, saved) = blk.forward(&fwd, &xa)?;
     let y = y.to_f32(fwd.stream())?;
     drop(xa);
     fwd.finish()?;
     let bwd = m.backward()?;
     let da = Act::upload(bwd.pool(), bwd.stream(), rows, cols, DType::F32, dout)?;
-    let dx = blk.backward(&bwd, g, &saved, &da)?.to_f32(bwd.stream())?;
+    let dx = blk.backward(&bwd, &saved, &da)?.to_f32(bwd.stream())?;
     drop((saved, da));
     bwd.finish()?;
     let grads = blk
@@ -282,7 +275,7 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
     let (x, dout) = (data(ROWS * C, 1), data(ROWS * C, 2));
     let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
     let serial = ReluBlock::register(&mut m, Serial, "").unwrap();
-    let (y, dx, grads) = run(&mut m, &serial, (), [&x, &dout], [ROWS, C]).unwrap();
+    let (y, dx, grads) = run(&mut m, &serial, [&x, &dout], [ROWS, C]).unwrap();
     let (want_y, want_dx, want_g) = reference(&f64s(&x), &f64s(&dout));
     close("serial out", &y, &want_y);
     close("serial dx", &dx, &want_dx);
@@ -315,7 +308,7 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
                     let xt = split_batch_2d(&grid, x, ROWS, C)?;
                     let dt = split_batch_2d(&grid, dout, ROWS, C)?;
                     let tile = [ROWS / 2, C / 2];
-                    let (y, dx, grads) = run(&mut m, &blk, &grid, [&xt, &dt], tile)?;
+                    let (y, dx, grads) = run(&mut m, &blk, [&xt, &dt], tile)?;
                     // the whole output and input gradient, gathered from the tiles
                     m.skip_step()?;
                     let fwd = m.forward()?;
@@ -388,7 +381,7 @@ impl StageModel for Stage {
             Some(a) => a.clone(),
             None => Act::upload(pass.pool(), pass.stream(), ROWS, C, DType::F32, &self.x)?,
         };
-        let (y, saved) = self.blk.forward(pass, (), &x)?;
+        let (y, saved) = self.blk.forward(pass, &x)?;
         if !self.last {
             return Ok((y, (saved, None)));
         }
@@ -410,7 +403,7 @@ impl StageModel for Stage {
             (None, Some(d)) => d.clone(),
             (None, None) => unreachable!("a stage before the last is given its output's gradient"),
         };
-        let dx = self.blk.backward(pass, (), &saved, &dy)?;
+        let dx = self.blk.backward(pass, &saved, &dy)?;
         Ok((!self.first).then_some(dx))
     }
 }
@@ -431,7 +424,7 @@ fn the_variant_runs_as_two_pipeline_stages() {
     let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
     let blocks = names.map(|p| ReluBlock::register(&mut m, Serial, p).unwrap());
     let stages = [0, 1].map(|s| Stage {
-        blk: blocks[s],
+        blk: blocks[s].clone(),
         first: s == 0,
         last: s == 1,
         x: x.clone(),
@@ -478,7 +471,7 @@ fn the_variant_runs_as_two_pipeline_stages() {
                     };
                     PipelineStage::new(grid.pipeline(), Schedule::OneFOneB, 1)?
                         .run(&mut m, &stage)?;
-                    Ok((st, grads_of(&mut m, &blk)))
+                    Ok((st, grads_of(&mut m, &stage.blk)))
                 })
             })
             .collect();

@@ -177,10 +177,10 @@ fn block_matches_an_f64_reference() {
             let got = run(
                 &mut m,
                 &|f, x| {
-                    let (y, s) = blk.forward(f, (), x, [B, T], None)?;
+                    let (y, s) = blk.forward(f, x, [B, T], None)?;
                     Ok((y, Box::new(s) as _))
                 },
-                &|b, s, dy| blk.backward(b, (), s.downcast_ref().unwrap(), dy, None),
+                &|b, s, dy| blk.backward(b, s.downcast_ref().unwrap(), dy, None),
                 &x,
                 &dy,
             )
@@ -246,10 +246,10 @@ fn block_registers_gpt2_names() {
         Err(Error::Length { got: N, expected, .. }) if expected == B * (T + 1)
     ));
     assert!(matches!(
-        blk.forward(&fwd, (), &x, [3, T], None),
+        blk.forward(&fwd, &x, [3, T], None),
         Err(Error::Length { got: N, expected, .. }) if expected == 3 * T
     ));
-    let (_, saved) = blk.forward(&fwd, (), &x, [B, T], None).unwrap();
+    let (_, saved) = blk.forward(&fwd, &x, [B, T], None).unwrap();
     assert_eq!(saved.h1().shape(), [N, C]);
     fwd.finish().unwrap();
 
@@ -264,11 +264,11 @@ fn block_registers_gpt2_names() {
         up(N, C + 1, DType::F32),
         up(N, C, DType::F16),
     ] {
-        let err = blk.backward(&bwd, (), &saved, &bad, None).unwrap_err();
+        let err = blk.backward(&bwd, &saved, &bad, None).unwrap_err();
         assert!(matches!(err, Error::ActivationShape { .. }), "{err}");
     }
     let dx = blk
-        .backward(&bwd, (), &saved, &up(N, C, DType::F32), None)
+        .backward(&bwd, &saved, &up(N, C, DType::F32), None)
         .unwrap();
     assert_eq!(dx.shape(), [N, C]);
     bwd.finish().unwrap();

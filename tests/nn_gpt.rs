@@ -87,14 +87,14 @@ impl Gpt {
     fn step(&self, m: &mut ChunkManager, tokens: &[i32], targets: &[i32]) -> Result<f32> {
         let fwd = m.forward()?;
         let (x, emb_saved) = self.emb.forward(&fwd, tokens, B, T)?;
-        let (out, blk_saved) = self.blk.forward(&fwd, (), &x, [B, T], None)?;
+        let (out, blk_saved) = self.blk.forward(&fwd, &x, [B, T], None)?;
         let (hf, ln_saved) = self.ln_f.forward(&fwd, &out, None)?;
         let (loss, head_saved) = self.head.forward(&fwd, &hf, targets)?;
         fwd.finish()?;
         let bwd = m.backward()?;
         let dhf = self.head.backward(&bwd, &head_saved)?;
         let dout = self.ln_f.backward(&bwd, &ln_saved, &dhf, None)?;
-        let dx = self.blk.backward(&bwd, (), &blk_saved, &dout, None)?;
+        let dx = self.blk.backward(&bwd, &blk_saved, &dout, None)?;
         self.emb.backward(&bwd, &emb_saved, &dx)?;
         bwd.finish()?;
         Ok(loss)

@@ -6,8 +6,10 @@
 mod common;
 mod nn_ref;
 
+use std::sync::Arc;
 use tidemem::comm::Communicator;
 use tidemem::nn::Block;
+
 use tidemem::parallel::{OneD, Shard};
 use tidemem::prelude::*;
 
@@ -119,8 +121,8 @@ struct RankOut {
 
 fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
     let mut m = manager(c.device().clone(), DType::F32);
-    let shard = Shard::of(&c);
-    let blk = Block::register(&mut m, OneD { shard }, "h.0", [C, NH], EPS, &master).unwrap();
+    let c = Arc::new(c);
+    let blk = Block::register(&mut m, OneD::of(&c), "h.0", [C, NH], EPS, &master).unwrap();
     let ids: Vec<(String, TensorId)> = params()
         .iter()
         .filter_map(|(n, _)| {
@@ -133,13 +135,13 @@ fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
     let s0 = c.stats();
     let fwd = m.forward().unwrap();
     let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, x).unwrap();
-    let (y, saved) = blk.forward(&fwd, &c, &xa, [B, T], None).unwrap();
+    let (y, saved) = blk.forward(&fwd, &xa, [B, T], None).unwrap();
     let y = y.to_f32(fwd.stream()).unwrap();
     fwd.finish().unwrap();
     let s1 = c.stats();
     let bwd = m.backward().unwrap();
     let da = Act::upload(bwd.pool(), bwd.stream(), N, C, DType::F32, dout).unwrap();
-    let dx = blk.backward(&bwd, &c, &saved, &da, None).unwrap();
+    let dx = blk.backward(&bwd, &saved, &da, None).unwrap();
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da, xa));
     bwd.finish().unwrap();
@@ -224,7 +226,7 @@ fn shapes_that_do_not_split_are_refused_at_registration() {
     // 4 heads over 3 ranks
     let errs = on_ranks(3, |c| {
         let mut m = manager(c.device().clone(), DType::F32);
-        Block::register(&mut m, OneD::of(&c), "h.0", [C, NH], EPS, &master).err()
+        Block::register(&mut m, OneD::of(&Arc::new(c)), "h.0", [C, NH], EPS, &master).err()
     });
     for e in errs {
         let e = e.expect("refused").to_string();

@@ -450,7 +450,7 @@ fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> B
     let xa = Act::upload(fwd.pool(), fwd.stream(), N, C, DType::F32, x).unwrap();
     let xt = split_3d(&fwd, grid, layout, &xa).unwrap();
     let before = snapshot(grid);
-    let (y, saved) = blk.forward(&fwd, grid, &xt, [B, T], None).unwrap();
+    let (y, saved) = blk.forward(&fwd, &xt, [B, T], None).unwrap();
     measured.forward = delta(grid, &before);
     let y = y.to_f32(fwd.stream()).unwrap();
     drop((xa, xt));
@@ -462,7 +462,7 @@ fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> B
         C / Q,
     );
     let before = snapshot(grid);
-    let dx = blk.backward(&bwd, grid, &saved, &d, None).unwrap();
+    let dx = blk.backward(&bwd, &saved, &d, None).unwrap();
     measured.backward = delta(grid, &before);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((d, saved));
@@ -563,7 +563,7 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         let fwd = m.forward()?;
         let x = Act::upload(fwd.pool(), fwd.stream(), NT, C / Q, DType::F32, &[0.5; 24])?;
         let e = blk
-            .forward(&fwd, g, &x, [2, 6], None)
+            .forward(&fwd, &x, [2, 6], None)
             .expect_err("2 sequences");
         assert!(
             e.to_string()
@@ -572,12 +572,10 @@ fn shapes_that_do_not_split_fail_on_every_rank_before_any_collective() {
         );
         let wide = Act::upload(fwd.pool(), fwd.stream(), NT, C, DType::F32, &[0.5; 48])?;
         let e = blk
-            .forward(&fwd, g, &wide, [B, T], None)
+            .forward(&fwd, &wide, [B, T], None)
             .expect_err("16 columns");
         assert!(e.to_string().contains("expected [N, 8] f32"), "{e}");
-        let e = blk
-            .forward(&fwd, g, &x, [B, 2 * T], None)
-            .expect_err("rows");
+        let e = blk.forward(&fwd, &x, [B, 2 * T], None).expect_err("rows");
         assert!(
             matches!(e, Error::Length { .. })
                 && e.to_string()

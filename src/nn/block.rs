@@ -42,20 +42,20 @@ use crate::tensor::{Init, TensorId};
 ///
 /// let fwd = m.forward()?;
 /// let x = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
-/// let (out, saved) = block.forward(&fwd, (), &x, [2, 3], None)?;
+/// let (out, saved) = block.forward(&fwd, &x, [2, 3], None)?;
 /// assert_eq!(out.shape(), [6, 8]);
 /// fwd.finish()?;
 ///
 /// let bwd = m.backward()?;
 /// let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
-/// let dx = block.backward(&bwd, (), &saved, &dout, None)?;
+/// let dx = block.backward(&bwd, &saved, &dout, None)?;
 /// assert_eq!(dx.shape(), [6, 8]);
 /// bwd.finish()?;
 /// // the output bias's gradient: Σ_rows dout
 /// assert_eq!(m.read(block.mlp_proj.bias.unwrap())?, vec![6.0; 8]);
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Block<L: Layout = Serial> {
     /// How the layers are split (the rank's place).
     pub layout: L,
@@ -202,37 +202,35 @@ impl<L: Layout> Block<L> {
     /// The block on this rank's part `x` of a batch of `[batch, seq]` sequences (rows
     /// batch-major; serially `[batch·seq, C]`), with the attention between the projections
     /// computed by `core` (over this rank's heads; e.g. a sequence ring's) or locally with
-    /// `None`: this rank's part of the output and what the backward needs. The groups, the
-    /// input's shape and type and the rows' split into sequences are checked before anything
-    /// runs.
+    /// `None`: this rank's part of the output and what the backward needs, on the layout's
+    /// groups. The input's shape and type and the rows' split into sequences are checked
+    /// before anything runs.
     pub fn forward(
         &self,
         pass: &ForwardPass<'_>,
-        groups: L::Groups<'_>,
         x: &Act,
         batch_seq: [usize; 2],
         core: Option<&dyn HeadsCore>,
     ) -> Result<(Act, BlockSaved<L>)> {
-        let (l, g) = (&self.layout, groups);
-        l.check(g)?;
+        let l = &self.layout;
         let d = pass.param_dtype();
         x.expect("x", None, l.cols(self.channels), d)?;
         let head_dim = self.channels / self.heads;
         let op = l.attention(x.rows(), batch_seq, l.heads(self.heads), head_dim)?;
-        let (y1, ln_1) = l.norm_forward(g, pass, &self.ln_1, x, None)?;
-        let (qkv, c_attn) = l.linear_forward(g, pass, &self.c_attn, &y1)?;
+        let (y1, ln_1) = l.norm_forward(pass, &self.ln_1, x, None)?;
+        let (qkv, c_attn) = l.linear_forward(pass, &self.c_attn, &y1)?;
         drop(y1);
         let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
-        let (a, attn_proj) = l.linear_forward(g, pass, &self.attn_proj, &merged)?;
+        let (a, attn_proj) = l.linear_forward(pass, &self.attn_proj, &merged)?;
         drop(merged);
         // h1 = x + a, and its normalisation, in one op
-        let (y2, ln_2) = l.norm_forward(g, pass, &self.ln_2, &a, Some(x))?;
+        let (y2, ln_2) = l.norm_forward(pass, &self.ln_2, &a, Some(x))?;
         drop(a);
-        let (pre, c_fc) = l.linear_forward(g, pass, &self.c_fc, &y2)?;
+        let (pre, c_fc) = l.linear_forward(pass, &self.c_fc, &y2)?;
         drop(y2);
         let (act, pre) = gelu(pass, &pre)?;
-        let (m, mlp_proj) = l.linear_forward(g, pass, &self.mlp_proj, &act)?;
+        let (m, mlp_proj) = l.linear_forward(pass, &self.mlp_proj, &act)?;
         drop(act);
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), d)?;
         let one = Axpby {
@@ -269,13 +267,11 @@ impl<L: Layout> Block<L> {
     pub fn backward(
         &self,
         pass: &BackwardPass<'_>,
-        groups: L::Groups<'_>,
         saved: &BlockSaved<L>,
         dout: &Act,
         core: Option<&dyn HeadsCore>,
     ) -> Result<Act> {
-        let (l, g, uses) = (&self.layout, groups, self.uses);
-        l.check(g)?;
+        let (l, uses) = (&self.layout, self.uses);
         let h1 = saved.h1();
         let (rows, cols, d) = (h1.rows(), h1.cols(), pass.param_dtype());
         dout.expect("dout", Some(rows), cols, d)?;
@@ -283,19 +279,19 @@ impl<L: Layout> Block<L> {
         let dres = Act::alloc(pass.pool(), rows, cols, d)?;
         pass.device()
             .copy_d2d(pass.stream(), dout.input(), dres.view())?;
-        let dact = l.linear_backward(g, pass, &self.mlp_proj, &saved.mlp_proj, dout, uses)?;
+        let dact = l.linear_backward(pass, &self.mlp_proj, &saved.mlp_proj, dout, uses)?;
         let dpre = gelu_backward(pass, &saved.pre, &dact)?;
         drop(dact);
-        let dy2 = l.linear_backward(g, pass, &self.c_fc, &saved.c_fc, &dpre, uses)?;
+        let dy2 = l.linear_backward(pass, &self.c_fc, &saved.c_fc, &dpre, uses)?;
         drop(dpre);
-        l.norm_backward(g, pass, &self.ln_2, &saved.ln_2, &dy2, &dres)?;
+        l.norm_backward(pass, &self.ln_2, &saved.ln_2, &dy2, &dres)?;
         drop(dy2);
-        let dmerged = l.linear_backward(g, pass, &self.attn_proj, &saved.attn_proj, &dres, uses)?;
+        let dmerged = l.linear_backward(pass, &self.attn_proj, &saved.attn_proj, &dres, uses)?;
         let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
-        let dy1 = l.linear_backward(g, pass, &self.c_attn, &saved.c_attn, &dqkv, uses)?;
+        let dy1 = l.linear_backward(pass, &self.c_attn, &saved.c_attn, &dqkv, uses)?;
         drop(dqkv);
-        l.norm_backward(g, pass, &self.ln_1, &saved.ln_1, &dy1, &dres)?;
+        l.norm_backward(pass, &self.ln_1, &saved.ln_1, &dy1, &dres)?;
         Ok(dres)
     }
 }

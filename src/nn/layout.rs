@@ -35,12 +35,10 @@ pub enum Pair {
 /// ([`OneD`](crate::parallel::OneD)), the 2D/2.5D grid ([`Summa`](crate::parallel::Summa))
 /// and the 3D cube ([`Cube`](crate::parallel::Cube)).
 ///
-/// A layout value holds the rank's place (which shard it registers); the communicators a run
-/// needs are passed in as [`Layout::Groups`], and each run checks that they are those of the
-/// place it was registered at.
-pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
-    /// The communicators a run needs: `()` for [`Serial`], the group or grid otherwise.
-    type Groups<'g>: Copy;
+/// A layout value is the rank's place (which shard it registers) and the communicators its
+/// layers run on, shared with the grid they come from: a layer written over a layout takes
+/// activations only, and runs on the groups it was registered for. [`Serial`] holds nothing.
+pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
     /// This rank's part of a linear layer.
     type Linear: Copy + Debug + PartialEq + Send + Sync;
     /// What a linear's forward keeps for its backward.
@@ -50,8 +48,6 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
     /// What a LayerNorm's forward keeps for its backward.
     type NormSaved: Debug + Send + Sync;
 
-    /// Checks that `groups` are those of the place this layout registers for.
-    fn check(&self, groups: Self::Groups<'_>) -> Result<()>;
     /// Columns of this rank's part of an activation of `features` features.
     fn cols(&self, features: usize) -> usize;
     /// Heads this rank's attention computes of `heads`.
@@ -100,7 +96,6 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
     /// backward needs.
     fn norm_forward(
         &self,
-        groups: Self::Groups<'_>,
         pass: &ForwardPass<'_>,
         norm: &Self::Norm,
         x: &Act,
@@ -112,7 +107,6 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
     /// parameters' gradients written.
     fn norm_backward(
         &self,
-        groups: Self::Groups<'_>,
         pass: &BackwardPass<'_>,
         norm: &Self::Norm,
         saved: &Self::NormSaved,
@@ -122,7 +116,6 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
     /// A linear on this rank's part `x`: its output and what the backward needs.
     fn linear_forward(
         &self,
-        groups: Self::Groups<'_>,
         pass: &ForwardPass<'_>,
         linear: &Self::Linear,
         x: &Act,
@@ -131,7 +124,6 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
     /// input's gradient returned.
     fn linear_backward(
         &self,
-        groups: Self::Groups<'_>,
         pass: &BackwardPass<'_>,
         linear: &Self::Linear,
         saved: &Self::LinearSaved,
@@ -145,15 +137,10 @@ pub trait Layout: Copy + Debug + PartialEq + Send + Sync + 'static {
 pub struct Serial;
 
 impl Layout for Serial {
-    type Groups<'g> = ();
     type Linear = Linear;
     type LinearSaved = Act;
     type Norm = LayerNorm;
     type NormSaved = LayerNormSaved;
-
-    fn check(&self, (): ()) -> Result<()> {
-        Ok(())
-    }
 
     fn cols(&self, features: usize) -> usize {
         features
@@ -217,7 +204,6 @@ impl Layout for Serial {
 
     fn norm_forward(
         &self,
-        (): (),
         pass: &ForwardPass<'_>,
         norm: &LayerNorm,
         x: &Act,
@@ -232,7 +218,6 @@ impl Layout for Serial {
 
     fn norm_backward(
         &self,
-        (): (),
         pass: &BackwardPass<'_>,
         norm: &LayerNorm,
         saved: &LayerNormSaved,
@@ -244,7 +229,6 @@ impl Layout for Serial {
 
     fn linear_forward(
         &self,
-        (): (),
         pass: &ForwardPass<'_>,
         linear: &Linear,
         x: &Act,
@@ -254,7 +238,6 @@ impl Layout for Serial {
 
     fn linear_backward(
         &self,
-        (): (),
         pass: &BackwardPass<'_>,
         linear: &Linear,
         x: &Act,

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 
 use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
@@ -297,7 +298,16 @@ struct Scheme {
 /// }
 /// # Ok(()) }
 /// ```
+///
+/// A grid is a shared handle: cloning it is cheap and the clones run on the same groups (the
+/// layouts of [`parallel`](crate::parallel) hold one).
+#[derive(Clone)]
 pub struct ProcessGrid {
+    inner: Arc<Groups>,
+}
+
+/// A grid's place and groups.
+struct Groups {
     spec: GridSpec,
     data_rank: usize,
     pipeline_rank: usize,
@@ -307,18 +317,18 @@ pub struct ProcessGrid {
     pipeline: Communicator,
     sequence: Communicator,
     replicas: Communicator,
-    tensor: Communicator,
+    tensor: Arc<Communicator>,
     scheme: Scheme,
 }
 
 impl fmt::Debug for ProcessGrid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ProcessGrid")
-            .field("spec", &self.spec)
-            .field("data_rank", &self.data_rank)
-            .field("pipeline_rank", &self.pipeline_rank)
-            .field("sequence_rank", &self.sequence_rank)
-            .field("tensor_rank", &self.tensor_rank)
+            .field("spec", &self.inner.spec)
+            .field("data_rank", &self.inner.data_rank)
+            .field("pipeline_rank", &self.inner.pipeline_rank)
+            .field("sequence_rank", &self.inner.sequence_rank)
+            .field("tensor_rank", &self.inner.tensor_rank)
             .finish()
     }
 }
@@ -375,18 +385,21 @@ impl ProcessGrid {
         let replicas = group(comm, pp * t_size + t, dp * s_size + sp, d_size * s_size)?;
         let tensor = group(comm, (dp * p_size + pp) * s_size + sp, t, t_size)?;
         let scheme = Self::scheme_groups(&tensor, spec.tensor, t)?;
+        let tensor = Arc::new(tensor);
         Ok(ProcessGrid {
-            spec,
-            data_rank: dp,
-            pipeline_rank: pp,
-            sequence_rank: sp,
-            tensor_rank: t,
-            data,
-            pipeline,
-            sequence,
-            replicas,
-            tensor,
-            scheme,
+            inner: Arc::new(Groups {
+                spec,
+                data_rank: dp,
+                pipeline_rank: pp,
+                sequence_rank: sp,
+                tensor_rank: t,
+                data,
+                pipeline,
+                sequence,
+                replicas,
+                tensor,
+                scheme,
+            }),
         })
     }
 
@@ -437,34 +450,34 @@ impl ProcessGrid {
 
     /// The spec the grid was built from.
     pub fn spec(&self) -> GridSpec {
-        self.spec
+        self.inner.spec
     }
 
     /// This rank's index in its data-parallel group (`dp`).
     pub fn data_rank(&self) -> usize {
-        self.data_rank
+        self.inner.data_rank
     }
 
     /// This rank's index in its pipeline group (`pp`, its stage).
     pub fn pipeline_rank(&self) -> usize {
-        self.pipeline_rank
+        self.inner.pipeline_rank
     }
 
     /// This rank's index in its tensor group (`t`).
     pub fn tensor_rank(&self) -> usize {
-        self.tensor_rank
+        self.inner.tensor_rank
     }
 
     /// This rank's index in its sequence group (`sp`: it holds block `sp` of every
     /// sequence's positions).
     pub fn sequence_rank(&self) -> usize {
-        self.sequence_rank
+        self.inner.sequence_rank
     }
 
     /// The ranks with this rank's data, pipeline and tensor ranks, ranked by sequence rank
     /// `sp` (`spec.sequence` ranks): the ring of sequence parallelism.
     pub fn sequence(&self) -> &Communicator {
-        &self.sequence
+        &self.inner.sequence
     }
 
     /// A communicator of its own over [`ProcessGrid::replicas`]' members, in its order, split
@@ -472,10 +485,10 @@ impl ProcessGrid {
     /// for a store that takes its group by value, as a
     /// [`ZeroManager`](crate::zero::ZeroManager) does.
     pub fn split_replicas(&self, comm: &Communicator) -> Result<Communicator> {
-        let (t, s) = (self.spec.tensor.size(), self.spec.sequence);
-        let color = self.pipeline_rank * t + self.tensor_rank;
-        let key = self.data_rank * s + self.sequence_rank;
-        group(comm, color, key, self.spec.data * s)
+        let (t, s) = (self.inner.spec.tensor.size(), self.inner.spec.sequence);
+        let color = self.inner.pipeline_rank * t + self.inner.tensor_rank;
+        let key = self.inner.data_rank * s + self.inner.sequence_rank;
+        group(comm, color, key, self.inner.spec.data * s)
     }
 
     /// The ranks that hold the same parameter shards as this one (this rank's pipeline and
@@ -483,26 +496,26 @@ impl ProcessGrid {
     /// other samples or other positions, so their gradients are summed over this group (the
     /// group a [`ZeroManager`](crate::zero::ZeroManager) spans).
     pub fn replicas(&self) -> &Communicator {
-        &self.replicas
+        &self.inner.replicas
     }
 
     /// The ranks with this rank's pipeline, sequence and tensor ranks, ranked by data rank
     /// `dp` (`spec.data` ranks).
     pub fn data(&self) -> &Communicator {
-        &self.data
+        &self.inner.data
     }
 
     /// The ranks with this rank's data, sequence and tensor ranks, ranked by stage `pp`
     /// (`spec.pipeline` ranks).
     pub fn pipeline(&self) -> &Communicator {
-        &self.pipeline
+        &self.inner.pipeline
     }
 
     /// The ranks with this rank's data, pipeline and sequence ranks, ranked by tensor rank `t`
     /// (`tensor.size()` consecutive global ranks; one rank for [`TensorMode::None`]). The
     /// 1D scheme's group.
-    pub fn tensor(&self) -> &Communicator {
-        &self.tensor
+    pub fn tensor(&self) -> &Arc<Communicator> {
+        &self.inner.tensor
     }
 
     /// `v`, or the error saying `what` belongs to other `schemes`.
@@ -514,99 +527,99 @@ impl ProcessGrid {
             ),
             with: format!(
                 "this grid's tensor mode {} ({})",
-                self.spec.tensor,
-                self.spec.tensor.scheme()
+                self.inner.spec.tensor,
+                self.inner.spec.tensor.scheme()
             ),
         })
     }
 
     /// Side `q` of the 2D grid, of each 2.5D layer, or of the 3D cube.
     pub fn q(&self) -> Result<usize> {
-        self.need(self.scheme.q, "q", "2D, 2.5D and 3D")
+        self.need(self.inner.scheme.q, "q", "2D, 2.5D and 3D")
     }
 
     /// 2D and 2.5D: this rank's row (`t = row·q + col`, plus `q²·dep` in 2.5D).
     pub fn row_index(&self) -> Result<usize> {
-        self.need(self.scheme.row_index, "row_index", "2D and 2.5D")
+        self.need(self.inner.scheme.row_index, "row_index", "2D and 2.5D")
     }
 
     /// 2D and 2.5D: this rank's column.
     pub fn col_index(&self) -> Result<usize> {
-        self.need(self.scheme.col_index, "col_index", "2D and 2.5D")
+        self.need(self.inner.scheme.col_index, "col_index", "2D and 2.5D")
     }
 
     /// 2D and 2.5D: the `q` ranks of this rank's row (and depth layer), ranked by column:
     /// tensor ranks `row·q + c` (`+ q²·dep`) for `c` in `0..q`.
     pub fn row(&self) -> Result<&Communicator> {
-        self.need(self.scheme.row.as_ref(), "row", "2D and 2.5D")
+        self.need(self.inner.scheme.row.as_ref(), "row", "2D and 2.5D")
     }
 
     /// 2D and 2.5D: the `q` ranks of this rank's column (and depth layer), ranked by row:
     /// tensor ranks `r·q + col` (`+ q²·dep`) for `r` in `0..q`.
     pub fn col(&self) -> Result<&Communicator> {
-        self.need(self.scheme.col.as_ref(), "col", "2D and 2.5D")
+        self.need(self.inner.scheme.col.as_ref(), "col", "2D and 2.5D")
     }
 
     /// 2.5D: this rank's depth layer (`t = col + q·row + q²·dep`).
     pub fn dep_index(&self) -> Result<usize> {
-        self.need(self.scheme.dep_index, "dep_index", "2.5D")
+        self.need(self.inner.scheme.dep_index, "dep_index", "2.5D")
     }
 
     /// 2.5D: the number of depth layers `d`.
     pub fn depth(&self) -> Result<usize> {
-        self.need(self.scheme.depth, "depth", "2.5D")
+        self.need(self.inner.scheme.depth, "depth", "2.5D")
     }
 
     /// 2.5D: the `d` ranks at this rank's row and column, ranked by depth: tensor ranks
     /// `col + q·row + q²·k` for `k` in `0..d`.
     pub fn dep(&self) -> Result<&Communicator> {
-        self.need(self.scheme.dep.as_ref(), "dep", "2.5D")
+        self.need(self.inner.scheme.dep.as_ref(), "dep", "2.5D")
     }
 
     /// 2.5D: the `q·d` ranks of this rank's column over all depth layers, ranked by
     /// `row + q·dep` (which is each rank's block of the batch): tensor ranks
     /// `col + q·r + q²·k` at local rank `r + q·k`.
     pub fn xz(&self) -> Result<&Communicator> {
-        self.need(self.scheme.xz.as_ref(), "xz", "2.5D")
+        self.need(self.inner.scheme.xz.as_ref(), "xz", "2.5D")
     }
 
     /// 3D: this rank's `i` (`t = i + q·j + q²·k`).
     pub fn i(&self) -> Result<usize> {
-        self.need(self.scheme.ijk.map(|c| c[0]), "i", "3D")
+        self.need(self.inner.scheme.ijk.map(|c| c[0]), "i", "3D")
     }
 
     /// 3D: this rank's `j`.
     pub fn j(&self) -> Result<usize> {
-        self.need(self.scheme.ijk.map(|c| c[1]), "j", "3D")
+        self.need(self.inner.scheme.ijk.map(|c| c[1]), "j", "3D")
     }
 
     /// 3D: this rank's `k`.
     pub fn k(&self) -> Result<usize> {
-        self.need(self.scheme.ijk.map(|c| c[2]), "k", "3D")
+        self.need(self.inner.scheme.ijk.map(|c| c[2]), "k", "3D")
     }
 
     /// 3D: the `q` ranks with this rank's `i` and `k`, ranked by `j`: tensor ranks
     /// `i + q·j' + q²·k` for `j'` in `0..q`.
     pub fn input(&self) -> Result<&Communicator> {
-        self.need(self.scheme.input.as_ref(), "input", "3D")
+        self.need(self.inner.scheme.input.as_ref(), "input", "3D")
     }
 
     /// 3D: the `q` ranks with this rank's `j` and `k`, ranked by `i`: tensor ranks
     /// `i' + q·j + q²·k` for `i'` in `0..q`.
     pub fn weight(&self) -> Result<&Communicator> {
-        self.need(self.scheme.weight.as_ref(), "weight", "3D")
+        self.need(self.inner.scheme.weight.as_ref(), "weight", "3D")
     }
 
     /// 3D: the `q` ranks with this rank's `i` and `j`, ranked by `k`: tensor ranks
     /// `i + q·j + q²·k'` for `k'` in `0..q`.
     pub fn output(&self) -> Result<&Communicator> {
-        self.need(self.scheme.output.as_ref(), "output", "3D")
+        self.need(self.inner.scheme.output.as_ref(), "output", "3D")
     }
 
     /// 3D: the output × weight plane, the `q²` ranks with this rank's `j`, ranked by
     /// `i + q·k`: tensor ranks `i' + q·j + q²·k'` at local rank `i' + q·k'`.
     pub fn plane(&self) -> Result<&Communicator> {
-        self.need(self.scheme.plane.as_ref(), "plane", "3D")
+        self.need(self.inner.scheme.plane.as_ref(), "plane", "3D")
     }
 }
 

@@ -1,3 +1,5 @@
+use std::sync::Arc;
+
 use serde::Serialize;
 
 use super::{Cost, PassCost};
@@ -326,17 +328,25 @@ impl Embedding1D {
 /// counting `1/P` of its gradients' squared norm): two all-reduces of `rows × C` forward and
 /// two backward ([`Block::collectives`](Block#method.collectives-1)). Activations are whole
 /// on every rank.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct OneD {
     /// The rank's place.
     pub shard: Shard,
+    group: Arc<Communicator>,
+}
+
+impl PartialEq for OneD {
+    fn eq(&self, other: &OneD) -> bool {
+        self.shard == other.shard && Arc::ptr_eq(&self.group, &other.group)
+    }
 }
 
 impl OneD {
-    /// The layout of `group`'s rank.
-    pub fn of(group: &Communicator) -> OneD {
+    /// The layout of `group`'s rank, running on `group`.
+    pub fn of(group: &Arc<Communicator>) -> OneD {
         OneD {
             shard: Shard::of(group),
+            group: Arc::clone(group),
         }
     }
 }
@@ -361,22 +371,10 @@ impl Linear1D {
 }
 
 impl Layout for OneD {
-    type Groups<'g> = &'g Communicator;
     type Linear = Linear1D;
     type LinearSaved = Act;
     type Norm = LayerNorm;
     type NormSaved = LayerNormSaved;
-
-    fn check(&self, group: &Communicator) -> Result<()> {
-        if Shard::of(group) != self.shard {
-            return Err(Error::WrongPlace {
-                what: "a 1D block",
-                registered: format!("as rank {} of {}", self.shard.rank, self.shard.size),
-                run: format!("on rank {} of {}", group.rank(), group.world()),
-            });
-        }
-        Ok(())
-    }
 
     fn cols(&self, features: usize) -> usize {
         features
@@ -467,13 +465,12 @@ impl Layout for OneD {
 
     fn norm_forward(
         &self,
-        _: &Communicator,
         pass: &ForwardPass<'_>,
         norm: &LayerNorm,
         x: &Act,
         residual: Option<&Act>,
     ) -> Result<(Act, LayerNormSaved)> {
-        Serial.norm_forward((), pass, norm, x, residual)
+        Serial.norm_forward(pass, norm, x, residual)
     }
 
     fn norm_input(saved: &LayerNormSaved) -> &Act {
@@ -482,33 +479,30 @@ impl Layout for OneD {
 
     fn norm_backward(
         &self,
-        _: &Communicator,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm,
         saved: &LayerNormSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {
-        Serial.norm_backward((), pass, norm, saved, dy, dx_into)
+        Serial.norm_backward(pass, norm, saved, dy, dx_into)
     }
 
     fn linear_forward(
         &self,
-        group: &Communicator,
         pass: &ForwardPass<'_>,
         linear: &Linear1D,
         x: &Act,
     ) -> Result<(Act, Act)> {
         let y = match linear {
             Linear1D::Column(l) => l.forward(pass, x)?,
-            Linear1D::Row(l) => l.forward(pass, group, x)?,
+            Linear1D::Row(l) => l.forward(pass, &self.group, x)?,
         };
         Ok((y, x.clone()))
     }
 
     fn linear_backward(
         &self,
-        group: &Communicator,
         pass: &BackwardPass<'_>,
         linear: &Linear1D,
         x: &Act,
@@ -521,7 +515,7 @@ impl Layout for OneD {
                     linear: l.linear.with_uses(uses),
                     ..*l
                 };
-                l.backward(pass, group, x, dy, true)?
+                l.backward(pass, &self.group, x, dy, true)?
             }
             Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
         };

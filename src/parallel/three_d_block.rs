@@ -103,12 +103,12 @@ use crate::tensor::{Init, TensorId};
 /// assert_eq!(block.params().len(), 12);
 /// let fwd = m.forward()?;
 /// let x = Act::upload(fwd.pool(), fwd.stream(), 6, 8, DType::F32, &[0.5; 48])?;
-/// let (out, saved) = block.forward(&fwd, &grid, &x, [2, 3], None)?;
+/// let (out, saved) = block.forward(&fwd, &x, [2, 3], None)?;
 /// assert_eq!(out.shape(), [6, 8]);
 /// fwd.finish()?;
 /// let bwd = m.backward()?;
 /// let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
-/// let dx = block.backward(&bwd, &grid, &saved, &dout, None)?;
+/// let dx = block.backward(&bwd, &saved, &dout, None)?;
 /// assert_eq!(dx.shape(), [6, 8]);
 /// bwd.finish()?;
 /// // the output bias's gradient: Σ_rows dout
@@ -120,12 +120,19 @@ use crate::tensor::{Init, TensorId};
 /// [`Cube::layout`], its linears [`Linear3D`]s (a row linear takes the column linear's output
 /// layout, and gives back the block's), its LayerNorms [`LayerNorm3D`]s, `H/q` heads a rank
 /// attending locally over its tile's `batch/q²` whole sequences.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Cube {
     /// The rank's place.
     pub place: Place3D,
     /// The layout of the block's input and output tiles.
     pub layout: Layout3D,
+    grid: ProcessGrid,
+}
+
+impl PartialEq for Cube {
+    fn eq(&self, other: &Cube) -> bool {
+        (self.place, self.layout) == (other.place, other.layout)
+    }
 }
 
 impl Cube {
@@ -135,28 +142,16 @@ impl Cube {
         Ok(Cube {
             place: Place3D::of(grid)?,
             layout,
+            grid: grid.clone(),
         })
     }
 }
 
 impl Layout for Cube {
-    type Groups<'g> = &'g ProcessGrid;
     type Linear = Linear3D;
     type LinearSaved = Linear3DSaved;
     type Norm = LayerNorm3D;
     type NormSaved = LayerNorm3DSaved;
-
-    fn check(&self, grid: &ProcessGrid) -> Result<()> {
-        let here = Place3D::of(grid)?;
-        if here != self.place {
-            return Err(Error::WrongPlace {
-                what: "a 3D block",
-                registered: format!("at {:?}", self.place),
-                run: format!("at {here:?}"),
-            });
-        }
-        Ok(())
-    }
 
     fn cols(&self, features: usize) -> usize {
         features / self.place.q
@@ -258,13 +253,12 @@ impl Layout for Cube {
 
     fn norm_forward(
         &self,
-        grid: &ProcessGrid,
         pass: &ForwardPass<'_>,
         norm: &LayerNorm3D,
         x: &Act,
         residual: Option<&Act>,
     ) -> Result<(Act, LayerNorm3DSaved)> {
-        norm.forward(pass, grid, x, residual)
+        norm.forward(pass, &self.grid, x, residual)
     }
 
     fn norm_input(saved: &LayerNorm3DSaved) -> &Act {
@@ -273,30 +267,27 @@ impl Layout for Cube {
 
     fn norm_backward(
         &self,
-        grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm3D,
         saved: &LayerNorm3DSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {
-        norm.backward(pass, grid, saved, dy, Some(dx_into))
+        norm.backward(pass, &self.grid, saved, dy, Some(dx_into))
             .map(drop)
     }
 
     fn linear_forward(
         &self,
-        grid: &ProcessGrid,
         pass: &ForwardPass<'_>,
         linear: &Linear3D,
         x: &Act,
     ) -> Result<(Act, Linear3DSaved)> {
-        linear.forward(pass, grid, x)
+        linear.forward(pass, &self.grid, x)
     }
 
     fn linear_backward(
         &self,
-        grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         linear: &Linear3D,
         saved: &Linear3DSaved,
@@ -304,7 +295,7 @@ impl Layout for Cube {
         uses: WeightUse,
     ) -> Result<Act> {
         linear
-            .backward_with(pass, grid, saved, dy, true, uses)?
+            .backward_with(pass, &self.grid, saved, dy, true, uses)?
             .ok_or_else(|| Error::Internal {
                 what: "a 3D linear asked for dx gave none".into(),
             })

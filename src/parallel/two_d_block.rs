@@ -45,7 +45,7 @@ impl SummaLinear {
     /// Registers layer `name` at `summa`'s place, as [`SummaLinear::register`].
     fn register_at(
         store: &mut impl ParamStore,
-        summa: Summa,
+        summa: &Summa,
         name: &str,
         io: [usize; 2],
         weight: &Init,
@@ -183,7 +183,7 @@ fn no_dx() -> Error {
 ///                 let xb = split_batch_2d(&grid, x, rows, c)?; // X_ij: [6, 4]
 ///                 let d = fwd.param_dtype();
 ///                 let xa = Act::upload(fwd.pool(), fwd.stream(), 6, 4, d, &xb)?;
-///                 let (out, saved) = block.forward(&fwd, &grid, &xa, [4, seq], None)?;
+///                 let (out, saved) = block.forward(&fwd, &xa, [4, seq], None)?;
 ///                 assert_eq!(out.shape(), [6, 4]);
 ///                 drop((out, saved, xa));
 ///                 fwd.finish()
@@ -200,12 +200,19 @@ fn no_dx() -> Error {
 /// [`LayerNorm2D`]s, `H/q` heads a rank attending locally over its row block's whole
 /// sequences. On a 2.5D grid every parameter counts `1/d` of its gradients' squared norm (the
 /// depth layers hold the same shards).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug)]
 pub struct Summa {
     /// The rank's place.
     pub place: Place2D,
     /// Whether the grid is 2.5D ([`Linear2p5D`]s, the batch split over depth).
     pub depth_split: bool,
+    grid: ProcessGrid,
+}
+
+impl PartialEq for Summa {
+    fn eq(&self, other: &Summa) -> bool {
+        (self.place, self.depth_split) == (other.place, other.depth_split)
+    }
 }
 
 impl Summa {
@@ -215,6 +222,7 @@ impl Summa {
         Ok(Summa {
             place: Place2D::of(grid)?,
             depth_split: matches!(grid.spec().tensor, TensorMode::TwoHalfD { .. }),
+            grid: grid.clone(),
         })
     }
 
@@ -230,15 +238,10 @@ impl Summa {
 }
 
 impl Layout for Summa {
-    type Groups<'g> = &'g ProcessGrid;
     type Linear = SummaLinear;
     type LinearSaved = Act;
     type Norm = LayerNorm2D;
     type NormSaved = LayerNorm2DSaved;
-
-    fn check(&self, grid: &ProcessGrid) -> Result<()> {
-        self.place.groups(grid).map(drop)
-    }
 
     fn cols(&self, features: usize) -> usize {
         features / self.place.q
@@ -311,7 +314,7 @@ impl Layout for Summa {
         let (q, out) = (self.place.q, io[1]);
         let w = by_rank_block(w, io, parts, q);
         let b = by_rank_block(b, [1, out], parts, q);
-        let l = SummaLinear::register_at(store, *self, name, io, &w, Some(&b))?;
+        let l = SummaLinear::register_at(store, self, name, io, &w, Some(&b))?;
         self.share_depth(store, &l.params())?;
         Ok(l)
     }
@@ -326,13 +329,12 @@ impl Layout for Summa {
 
     fn norm_forward(
         &self,
-        grid: &ProcessGrid,
         pass: &ForwardPass<'_>,
         norm: &LayerNorm2D,
         x: &Act,
         residual: Option<&Act>,
     ) -> Result<(Act, LayerNorm2DSaved)> {
-        norm.forward(pass, grid, x, residual)
+        norm.forward(pass, &self.grid, x, residual)
     }
 
     fn norm_input(saved: &LayerNorm2DSaved) -> &Act {
@@ -341,30 +343,27 @@ impl Layout for Summa {
 
     fn norm_backward(
         &self,
-        grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         norm: &LayerNorm2D,
         saved: &LayerNorm2DSaved,
         dy: &Act,
         dx_into: &Act,
     ) -> Result<()> {
-        norm.backward(pass, grid, saved, dy, Some(dx_into))
+        norm.backward(pass, &self.grid, saved, dy, Some(dx_into))
             .map(drop)
     }
 
     fn linear_forward(
         &self,
-        grid: &ProcessGrid,
         pass: &ForwardPass<'_>,
         linear: &SummaLinear,
         x: &Act,
     ) -> Result<(Act, Act)> {
-        Ok((linear.forward(pass, grid, x)?, x.clone()))
+        Ok((linear.forward(pass, &self.grid, x)?, x.clone()))
     }
 
     fn linear_backward(
         &self,
-        grid: &ProcessGrid,
         pass: &BackwardPass<'_>,
         linear: &SummaLinear,
         x: &Act,
@@ -372,8 +371,8 @@ impl Layout for Summa {
         uses: WeightUse,
     ) -> Result<Act> {
         match uses {
-            WeightUse::Once => linear.backward(pass, grid, x, dy),
-            WeightUse::Shared => linear.backward_shared(pass, grid, x, dy),
+            WeightUse::Once => linear.backward(pass, &self.grid, x, dy),
+            WeightUse::Shared => linear.backward_shared(pass, &self.grid, x, dy),
         }
     }
 }

@@ -8,7 +8,9 @@ use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::nn::{Act, Block, BlockSaved, HeadsCore, Layout, Serial};
-use crate::parallel::{Cube, Layout3D, OneD, ProcessGrid, Shard, Summa, TensorMode};
+use std::sync::Arc;
+
+use crate::parallel::{Cube, Layout3D, OneD, ProcessGrid, Summa, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
@@ -17,8 +19,8 @@ use crate::tensor::{Init, TensorId};
 pub(super) enum TensorSplit<'a> {
     /// Not split.
     None,
-    /// Megatron's 1D split at this place.
-    OneD(Shard),
+    /// Megatron's 1D split over this group.
+    OneD(&'a Arc<Communicator>),
     /// The grid's scheme (1D, 2D, 2.5D or 3D).
     Grid(&'a ProcessGrid),
 }
@@ -30,13 +32,6 @@ pub(super) enum Blocks {
     OneD(Vec<Block<OneD>>),
     Summa(Vec<Block<Summa>>),
     Cube(Vec<Block<Cube>>),
-}
-
-/// The communicators a run of blocks needs: the 1D group, or the grid.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct On<'a> {
-    pub(super) tensor: Option<&'a Communicator>,
-    pub(super) grid: Option<&'a ProcessGrid>,
 }
 
 /// What a run of blocks keeps for its backward, per block: its saved state, or only its input
@@ -71,46 +66,16 @@ pub(super) struct Shape<'a> {
     pub(super) core: Option<&'a dyn HeadsCore>,
 }
 
-/// Applies `$body` to the blocks of whichever layout, with `$g` the layout's groups from `$on`.
+/// Applies `$body` to the blocks of whichever layout.
 macro_rules! each {
-    ($blocks:expr, $on:expr, |$v:ident, $g:ident| $body:expr) => {
+    ($blocks:expr, |$v:ident| $body:expr) => {
         match $blocks {
-            Blocks::Serial($v) => {
-                let $g = ();
-                $body
-            }
-            Blocks::OneD($v) => {
-                let $g = $on.tensor()?;
-                $body
-            }
-            Blocks::Summa($v) => {
-                let $g = $on.grid()?;
-                $body
-            }
-            Blocks::Cube($v) => {
-                let $g = $on.grid()?;
-                $body
-            }
+            Blocks::Serial($v) => $body,
+            Blocks::OneD($v) => $body,
+            Blocks::Summa($v) => $body,
+            Blocks::Cube($v) => $body,
         }
     };
-}
-
-impl<'a> On<'a> {
-    fn tensor(&self) -> Result<&'a Communicator> {
-        self.tensor.ok_or_else(|| Error::WrongPlace {
-            what: "a GPT's 1D blocks",
-            registered: "on a 1D tensor-parallel group".into(),
-            run: "without it".into(),
-        })
-    }
-
-    fn grid(&self) -> Result<&'a ProcessGrid> {
-        self.grid.ok_or_else(|| Error::WrongPlace {
-            what: "a GPT's grid blocks",
-            registered: "on a 2D, 2.5D or 3D grid".into(),
-            run: "without it".into(),
-        })
-    }
 }
 
 impl Blocks {
@@ -132,13 +97,22 @@ impl Blocks {
         ) -> Result<Vec<Block<L>>> {
             let shape = [cfg.channels, cfg.heads];
             layers
-                .map(|i| Block::register(store, layout, &format!("h.{i}"), shape, cfg.eps, init))
+                .map(|i| {
+                    Block::register(
+                        store,
+                        layout.clone(),
+                        &format!("h.{i}"),
+                        shape,
+                        cfg.eps,
+                        init,
+                    )
+                })
                 .collect()
         }
         Ok(match split {
             TensorSplit::None => Blocks::Serial(all(store, cfg, layers, Serial, init)?),
-            TensorSplit::OneD(shard) => {
-                Blocks::OneD(all(store, cfg, layers, OneD { shard }, init)?)
+            TensorSplit::OneD(group) => {
+                Blocks::OneD(all(store, cfg, layers, OneD::of(group), init)?)
             }
             TensorSplit::Grid(grid) => match grid.spec().tensor {
                 TensorMode::None => Blocks::Serial(all(store, cfg, layers, Serial, init)?),
@@ -176,17 +150,17 @@ impl Blocks {
     pub(super) fn check(&self, split: TensorSplit<'_>) -> Result<()> {
         let ok = match (self, split) {
             (Blocks::Serial(_), TensorSplit::None) => Ok(()),
-            (Blocks::OneD(v), TensorSplit::OneD(shard)) => match v.first() {
-                Some(b) if b.layout.shard != shard => Err(()),
+            (Blocks::OneD(v), TensorSplit::OneD(group)) => match v.first() {
+                Some(b) if b.layout != OneD::of(group) => Err(()),
                 _ => Ok(()),
             },
             (Blocks::Summa(v), TensorSplit::Grid(g)) => match v.first() {
-                Some(b) => return b.layout.check(g),
-                None => Ok(()),
+                Some(b) if b.layout != Summa::of(g)? => Err(()),
+                _ => Ok(()),
             },
             (Blocks::Cube(v), TensorSplit::Grid(g)) => match v.first() {
-                Some(b) => return b.layout.check(g),
-                None => Ok(()),
+                Some(b) if b.layout != Cube::of(g, Layout3D::RowsJColsK)? => Err(()),
+                _ => Ok(()),
             },
             _ => Err(()),
         };
@@ -195,7 +169,9 @@ impl Blocks {
             registered: self.describe(),
             run: match split {
                 TensorSplit::None => "whole".to_string(),
-                TensorSplit::OneD(s) => format!("as rank {} of a 1D group of {}", s.rank, s.size),
+                TensorSplit::OneD(c) => {
+                    format!("as rank {} of a 1D group of {}", c.rank(), c.world())
+                }
                 TensorSplit::Grid(g) => format!("on a grid of tensor mode {}", g.spec().tensor),
             },
         })
@@ -260,13 +236,12 @@ impl Blocks {
     pub(super) fn forward(
         &self,
         fwd: &ForwardPass<'_>,
-        on: On<'_>,
         x: Act,
         shape: Shape<'_>,
         keep: Keep,
     ) -> Result<(Act, Kept)> {
-        Ok(each!(self, on, |v, g| {
-            let (y, k) = forward(v, fwd, g, x, shape, keep)?;
+        Ok(each!(self, |v| {
+            let (y, k) = forward(v, fwd, x, shape, keep)?;
             (y, Kept::from(k))
         }))
     }
@@ -275,34 +250,24 @@ impl Blocks {
     pub(super) fn backward(
         &self,
         bwd: &mut BackwardPass<'_>,
-        on: On<'_>,
         kept: Kept,
         dx: Act,
         shape: Shape<'_>,
     ) -> Result<Act> {
-        each!(self, on, |v, g| backward(
-            v,
-            bwd,
-            g,
-            kept.into_vec()?,
-            dx,
-            shape
-        ))
+        each!(self, |v| backward(v, bwd, kept.into_vec()?, dx, shape))
     }
 
     /// [`Blocks::backward`] of a forward that kept every block's saved state.
     pub(super) fn backward_saved(
         &self,
         bwd: &BackwardPass<'_>,
-        on: On<'_>,
         kept: Kept,
         dx: Act,
         shape: Shape<'_>,
     ) -> Result<Act> {
-        each!(self, on, |v, g| backward_saved(
+        each!(self, |v| backward_saved(
             v,
             bwd,
-            g,
             kept.into_vec()?,
             dx,
             shape
@@ -351,14 +316,13 @@ impl Kept {
 fn forward<L: Layout>(
     blocks: &[Block<L>],
     fwd: &ForwardPass<'_>,
-    g: L::Groups<'_>,
     mut x: Act,
     shape: Shape<'_>,
     keep: Keep,
 ) -> Result<(Act, Vec<BlockKept<L>>)> {
     let mut kept = Vec::with_capacity(blocks.len());
     for block in blocks {
-        let (out, saved) = block.forward(fwd, g, &x, shape.batch_seq, shape.core)?;
+        let (out, saved) = block.forward(fwd, &x, shape.batch_seq, shape.core)?;
         match keep {
             Keep::Saved => kept.push(BlockKept::Saved(Box::new(saved))),
             Keep::Inputs => {
@@ -382,7 +346,6 @@ fn gone() -> Error {
 fn backward<L: Layout>(
     blocks: &[Block<L>],
     bwd: &mut BackwardPass<'_>,
-    g: L::Groups<'_>,
     mut kept: Vec<BlockKept<L>>,
     mut dx: Act,
     shape: Shape<'_>,
@@ -392,13 +355,13 @@ fn backward<L: Layout>(
             BlockKept::Saved(s) => *s,
             BlockKept::Input(x) => {
                 let re = bwd.recompute()?;
-                let (out, s) = block.forward(&re, g, &x, shape.batch_seq, shape.core)?;
+                let (out, s) = block.forward(&re, &x, shape.batch_seq, shape.core)?;
                 drop(out);
                 re.finish()?;
                 s
             }
         };
-        dx = block.backward(bwd, g, &saved, &dx, shape.core)?;
+        dx = block.backward(bwd, &saved, &dx, shape.core)?;
     }
     Ok(dx)
 }
@@ -406,7 +369,6 @@ fn backward<L: Layout>(
 fn backward_saved<L: Layout>(
     blocks: &[Block<L>],
     bwd: &BackwardPass<'_>,
-    g: L::Groups<'_>,
     mut kept: Vec<BlockKept<L>>,
     mut dx: Act,
     shape: Shape<'_>,
@@ -417,7 +379,7 @@ fn backward_saved<L: Layout>(
                 what: "a checkpointed block's backward without its recompute".into(),
             });
         };
-        dx = block.backward(bwd, g, &saved, &dx, shape.core)?;
+        dx = block.backward(bwd, &saved, &dx, shape.core)?;
     }
     Ok(dx)
 }

@@ -5,7 +5,7 @@
 
 use std::ops::Range;
 
-use super::blocks::{On, TensorSplit};
+use super::blocks::TensorSplit;
 use super::ends::EndsLayout;
 use super::split_ends::{Over, Place};
 use super::GptConfig;
@@ -71,7 +71,7 @@ impl<'a> Plan<'a> {
     /// How the blocks are split.
     pub(super) fn split(&self) -> TensorSplit<'a> {
         match (self.grid, self.mode()) {
-            (Some(g), TensorMode::OneD { .. }) => TensorSplit::OneD(Shard::of(g.tensor())),
+            (Some(g), TensorMode::OneD { .. }) => TensorSplit::OneD(g.tensor()),
             (Some(g), TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. })
             | (Some(g), TensorMode::ThreeD { .. }) => TensorSplit::Grid(g),
             _ => TensorSplit::None,
@@ -82,7 +82,7 @@ impl<'a> Plan<'a> {
     pub(super) fn ends_place(&self) -> Option<Place<'a>> {
         match (self.ends, self.split()) {
             (EndsLayout::Whole, _) | (_, TensorSplit::None) => None,
-            (EndsLayout::Split, TensorSplit::OneD(s)) => Some(Place::OneD(s)),
+            (EndsLayout::Split, TensorSplit::OneD(c)) => Some(Place::OneD(Shard::of(c))),
             (EndsLayout::Split, TensorSplit::Grid(g)) => Some(Place::Grid(g)),
         }
     }
@@ -113,7 +113,7 @@ impl<'a> Plan<'a> {
     pub(super) fn tensor(&self) -> Option<&'a Communicator> {
         self.grid
             .filter(|g| g.spec().tensor.size() > 1)
-            .map(|g| g.tensor())
+            .map(|g| &**g.tensor())
     }
 
     /// The sequence ring, with more than one rank.
@@ -179,13 +179,5 @@ impl<'a> Plan<'a> {
             });
         }
         Ok(r.clone())
-    }
-
-    /// The communicators of the blocks.
-    pub(super) fn blocks_on(&self) -> On<'a> {
-        On {
-            tensor: self.grid.map(|g| g.tensor()),
-            grid: self.grid,
-        }
     }
 }

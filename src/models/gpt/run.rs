@@ -178,9 +178,7 @@ impl Gpt {
         let (x, _) = self
             .ends
             .embed(&fwd, at, b.tokens, [b.batch, b.seq, first])?;
-        let (x, _) = self
-            .blocks
-            .forward(&fwd, plan.blocks_on(), x, run.shape(b), Keep::Nothing)?;
+        let (x, _) = self.blocks.forward(&fwd, x, run.shape(b), Keep::Nothing)?;
         let (loss, _) = self.ends.head_forward(&fwd, at, x, b.targets, 1.0)?;
         fwd.finish()?;
         store.backward()?.finish()?;
@@ -223,9 +221,7 @@ impl Gpt {
         };
         let fwd = store.forward()?;
         let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
-        let (x, _) =
-            self.blocks
-                .forward(&fwd, plan.blocks_on(), x, run.shape(&b), Keep::Nothing)?;
+        let (x, _) = self.blocks.forward(&fwd, x, run.shape(&b), Keep::Nothing)?;
         let (h, _) = ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let logits = head.proj.forward(&fwd, &h)?;
@@ -252,8 +248,8 @@ impl Gpt {
         b: &GptBatch<'_>,
         opts: RunOptions,
     ) -> Result<(Loss, Saved)> {
-        let (plan, at) = (run.plan, self.at(run.plan));
-        let first = plan.sequence_rank() * b.seq;
+        let at = self.at(run.plan);
+        let first = run.plan.sequence_rank() * b.seq;
         let (x, emb) = self
             .ends
             .embed(fwd, at, b.tokens, [b.batch, b.seq, first])?;
@@ -261,9 +257,7 @@ impl Gpt {
             true => Keep::Inputs,
             false => Keep::Saved,
         };
-        let (x, blocks) = self
-            .blocks
-            .forward(fwd, plan.blocks_on(), x, run.shape(b), keep)?;
+        let (x, blocks) = self.blocks.forward(fwd, x, run.shape(b), keep)?;
         let (loss, head) = self
             .ends
             .head_forward(fwd, at, x, b.targets, opts.loss_scale)?;
@@ -277,12 +271,10 @@ impl Gpt {
         b: &GptBatch<'_>,
         saved: Saved,
     ) -> Result<()> {
-        let (plan, at) = (run.plan, self.at(run.plan));
+        let at = self.at(run.plan);
         let Saved { emb, blocks, head } = saved;
         let dx = self.ends.head_backward(bwd, at, head, None)?;
-        let dx = self
-            .blocks
-            .backward(bwd, plan.blocks_on(), blocks, dx, run.shape(b))?;
+        let dx = self.blocks.backward(bwd, blocks, dx, run.shape(b))?;
         self.ends.embed_backward(bwd, at, emb, dx, None)
     }
 }

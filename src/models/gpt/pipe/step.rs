@@ -130,8 +130,7 @@ impl StageModel for StageStep<'_> {
                 })
             }
         };
-        let on = self.plan.blocks_on();
-        let (x, blocks) = g.blocks.forward(pass, on, x, self.shape(b), Keep::Saved)?;
+        let (x, blocks) = g.blocks.forward(pass, x, self.shape(b), Keep::Saved)?;
         if g.ends.head.is_none() {
             let saved = StageSaved {
                 emb,
@@ -179,9 +178,7 @@ impl StageModel for StageStep<'_> {
             }
         };
         let b = &self.micro[micro];
-        let dx = g
-            .blocks
-            .backward_saved(pass, self.plan.blocks_on(), blocks, dx, self.shape(b))?;
+        let dx = g.blocks.backward_saved(pass, blocks, dx, self.shape(b))?;
         match emb {
             Some(kept) => {
                 g.ends.embed_backward(pass, at, kept, dx, tie)?;

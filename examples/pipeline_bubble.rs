@@ -79,7 +79,7 @@ fn measure(a: &Args, schedule: Schedule, m: usize) -> tidemem::Result<f64> {
                         schedule,
                         ..Plan::on(&grid)
                     };
-                    let gpt = Gpt::register_on(&mut store, &plan, cfg, |n, _| {
+                    let gpt: Gpt = Gpt::register_on(&mut store, &plan, cfg, |n, _| {
                         Ok(default_init(cfg, n, 1))
                     })?;
                     // PipeDream-2BW streams its steps on a second registration of the stage

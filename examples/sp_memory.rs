@@ -101,9 +101,6 @@ fn probe(a: &Args, scheme: Scheme, batch: usize, seq: usize) -> tidemem::Result<
                     };
                     let grid = ProcessGrid::new(&c, spec)?;
                     let plan = Plan::on(&grid);
-                    let gpt = Gpt::register_on(&mut m, &plan, cfg, |name, _| {
-                        Ok(default_init(cfg, name, 1))
-                    })?;
                     let local = seq / sequence;
                     let tokens: Vec<i32> = (0..batch * local).map(|i| (i % 8000) as i32).collect();
                     let b = GptBatch {
@@ -116,7 +113,12 @@ fn probe(a: &Args, scheme: Scheme, batch: usize, seq: usize) -> tidemem::Result<
                         checkpoint: false,
                         loss_scale: 1.0,
                     };
-                    gpt.forward_backward(&mut m, &plan, &b, opts)?;
+                    tidemem::with_placement!(tensor, |P| {
+                        let gpt: Gpt<P> = Gpt::register_on(&mut m, &plan, cfg, |name, _| {
+                            Ok(default_init(cfg, name, 1))
+                        })?;
+                        gpt.forward_backward(&mut m, &plan, &b, opts)?
+                    });
                     m.skip_step()?;
                     Ok(m.non_model_peak())
                 })

@@ -425,7 +425,7 @@ fn hugging_face_export_import_round_trip() {
     gpt.save_hf(&mut m, &a).unwrap();
     let w = read_hf(&a, Some(config().heads), Some(&config())).unwrap();
     let mut m2 = ChunkManager::new(common::sim(256 << 20), cfg).unwrap();
-    let gpt2 = Gpt::register_hf(&mut m2, &Plan::default(), &w).unwrap();
+    let gpt2: Gpt = Gpt::register_hf(&mut m2, &Plan::default(), &w).unwrap();
     for ((n, id), (_, id2)) in gpt.named_params().iter().zip(gpt2.named_params()) {
         assert_eq!(
             bits(&m.master(*id).unwrap()),

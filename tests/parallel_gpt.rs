@@ -11,7 +11,7 @@ use tidemem::models::gpt::{
     default_init, train_step, train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig, Plan,
 };
 use tidemem::parallel::pipeline::Schedule;
-use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
+use tidemem::parallel::{GridSpec, OneD, Placement, ProcessGrid, Summa, TensorMode};
 use tidemem::prelude::*;
 
 const B: usize = 4;
@@ -70,7 +70,7 @@ type Trained = (Vec<u32>, Vec<f64>, u64, u64, u64);
 
 /// This rank's part of the model with [`Gpt::register`]'s masters for seed 3, as `plan`
 /// places it.
-fn seeded(store: &mut impl ParamStore, plan: &Plan<'_>) -> tidemem::Result<Gpt> {
+fn seeded<P: Placement>(store: &mut impl ParamStore, plan: &Plan<'_>) -> tidemem::Result<Gpt<P>> {
     let cfg = config();
     Gpt::register_on(store, plan, &cfg, |n, _| Ok(default_init(&cfg, n, 3)))
 }
@@ -86,7 +86,7 @@ fn tensor_grid(c: &Communicator, tensor: TensorMode) -> ProcessGrid {
     ProcessGrid::new(c, spec).unwrap()
 }
 
-fn train(m: &mut ChunkManager, gpt: &Gpt, plan: &Plan<'_>, ckpt: bool) -> Trained {
+fn train<P: Placement>(m: &mut ChunkManager, gpt: &Gpt<P>, plan: &Plan<'_>, ckpt: bool) -> Trained {
     let plan = Plan {
         checkpoint: ckpt,
         ..plan.clone()
@@ -130,14 +130,14 @@ fn gpt_1d_trains_like_the_serial_gpt() {
                         let grid = tensor_grid(&c, TensorMode::OneD { size: world });
                         let plan = Plan::on(&grid);
                         let mut m = manager(c.device().clone(), 256 << 20);
-                        let gpt = seeded(&mut m, &plan).unwrap();
+                        let gpt: Gpt<OneD> = seeded(&mut m, &plan).unwrap();
                         let (resident, norms, peak, chunks, res_h2d) =
                             train(&mut m, &gpt, &plan, true);
                         // room for the non-model peak and a fifth of the shards' chunks (at
                         // least the three chunks one op may use)
                         let room = (chunks / 5).max(3 * CHUNK as u64 * 4);
                         let mut small = manager(c.device().clone(), peak + room);
-                        let gpt = seeded(&mut small, &plan).unwrap();
+                        let gpt: Gpt<OneD> = seeded(&mut small, &plan).unwrap();
                         let (streamed, _, _, _, h2d) = train(&mut small, &gpt, &plan, true);
                         assert!(
                             h2d > res_h2d,
@@ -195,7 +195,7 @@ fn a_split_model_needs_its_group() {
     on_grid(spec, |c, grid| {
         let plan = Plan::on(grid);
         let mut m = manager(c.device().clone(), 64 << 20);
-        let gpt = seeded(&mut m, &plan).unwrap();
+        let gpt: Gpt<OneD> = seeded(&mut m, &plan).unwrap();
         let (t, g) = batch(0);
         let b = GptBatch {
             tokens: &t,
@@ -218,7 +218,7 @@ fn a_split_model_needs_its_group() {
         bad.channels = 33;
         let mut m = manager(c.device().clone(), 64 << 20);
         let init = |n: &str, _: &[usize]| Ok(default_init(&bad, n, 3));
-        assert!(Gpt::register_on(&mut m, &plan, &bad, init).is_err());
+        assert!(Gpt::<OneD>::register_on(&mut m, &plan, &bad, init).is_err());
     });
 }
 
@@ -327,7 +327,7 @@ fn gpt_1d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     let runs = on_grid(spec, |c, grid| {
         let mut z = zero_store(c, grid);
         let plan = Plan::on(grid);
-        let gpt = seeded(&mut z, &plan).unwrap();
+        let gpt: Gpt<OneD> = seeded(&mut z, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for k in 0..STEPS {
@@ -371,59 +371,61 @@ fn gpt_on_2d_25d_3d_grids_trains_like_the_serial_gpt() {
             tensor: mode,
         };
         let runs = on_grid(spec, |c, grid| {
-            // all resident, then on a device of the non-model peak and a fifth of the shards'
-            // chunks (at least three): the same bits, chunks moving
-            let run = |capacity: u64, checkpoint: bool, ends: EndsLayout| {
-                let mut m = manager(c.device().clone(), capacity);
-                let plan = Plan {
-                    ends,
-                    checkpoint,
-                    ..Plan::on(grid)
-                };
-                let gpt = seeded(&mut m, &plan).unwrap();
-                let mut opt = adam();
-                let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
-                for k in 0..STEPS {
-                    let (t, g) = batch(k);
-                    let b = GptBatch {
-                        tokens: &t,
-                        targets: &g,
-                        batch: B,
-                        seq: T,
+            tidemem::with_placement!(mode, |P| {
+                // all resident, then on a device of the non-model peak and a fifth of the shards'
+                // chunks (at least three): the same bits, chunks moving
+                let run = |capacity: u64, checkpoint: bool, ends: EndsLayout| {
+                    let mut m = manager(c.device().clone(), capacity);
+                    let plan = Plan {
+                        ends,
+                        checkpoint,
+                        ..Plan::on(grid)
                     };
-                    let r = train_step(&gpt, &mut m, &plan, &mut opt, &[b]).unwrap();
-                    losses.push(r.loss);
-                    norms.push(r.report.grad_norm);
-                    if k >= 2 {
-                        h2d += m.last_iteration().h2d_bytes;
+                    let gpt: Gpt<P> = seeded(&mut m, &plan).unwrap();
+                    let mut opt = adam();
+                    let (mut losses, mut norms, mut h2d) = (Vec::new(), Vec::new(), 0);
+                    for k in 0..STEPS {
+                        let (t, g) = batch(k);
+                        let b = GptBatch {
+                            tokens: &t,
+                            targets: &g,
+                            batch: B,
+                            seq: T,
+                        };
+                        let r = train_step(&gpt, &mut m, &plan, &mut opt, &[b]).unwrap();
+                        losses.push(r.loss);
+                        norms.push(r.report.grad_norm);
+                        if k >= 2 {
+                            h2d += m.last_iteration().h2d_bytes;
+                        }
                     }
-                }
-                let room = (m.param_footprint() / 5).max(3 * CHUNK as u64 * 4);
-                (losses, norms, h2d, m.non_model_peak() + room)
-            };
-            // checkpointing and streaming: neither changes a bit
-            let split = EndsLayout::Split;
-            let (losses, norms, _, whole) = run(256 << 20, false, split);
-            let (checkpointed, _, resident_h2d, small) = run(256 << 20, true, split);
-            assert!(small < whole, "{mode}: checkpointing holds less");
-            let (streamed, _, h2d, _) = run(small, true, split);
-            let (whole_ends, whole_norms, _, _) = run(256 << 20, false, EndsLayout::Whole);
-            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(
-                bits(&losses),
-                bits(&checkpointed),
-                "{mode}: checkpointing changed bits"
-            );
-            assert_eq!(
-                bits(&losses),
-                bits(&streamed),
-                "{mode}: placement changed bits"
-            );
-            assert!(
-                h2d > resident_h2d,
-                "{mode}: shards were evicted and reloaded"
-            );
-            (losses, norms, whole_ends, whole_norms)
+                    let room = (m.param_footprint() / 5).max(3 * CHUNK as u64 * 4);
+                    (losses, norms, h2d, m.non_model_peak() + room)
+                };
+                // checkpointing and streaming: neither changes a bit
+                let split = EndsLayout::Split;
+                let (losses, norms, _, whole) = run(256 << 20, false, split);
+                let (checkpointed, _, resident_h2d, small) = run(256 << 20, true, split);
+                assert!(small < whole, "{mode}: checkpointing holds less");
+                let (streamed, _, h2d, _) = run(small, true, split);
+                let (whole_ends, whole_norms, _, _) = run(256 << 20, false, EndsLayout::Whole);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&losses),
+                    bits(&checkpointed),
+                    "{mode}: checkpointing changed bits"
+                );
+                assert_eq!(
+                    bits(&losses),
+                    bits(&streamed),
+                    "{mode}: placement changed bits"
+                );
+                assert!(
+                    h2d > resident_h2d,
+                    "{mode}: shards were evicted and reloaded"
+                );
+                (losses, norms, whole_ends, whole_norms)
+            })
         });
         let (split, whole): (Vec<_>, Vec<_>) = runs
             .into_iter()
@@ -448,7 +450,7 @@ fn gpt_2d_with_zero_on_8_ranks_trains_like_the_serial_gpt() {
     let runs = on_grid(spec, |c, grid| {
         let mut z = zero_store(c, grid);
         let plan = Plan::on(grid);
-        let gpt = seeded(&mut z, &plan).unwrap();
+        let gpt: Gpt<Summa> = seeded(&mut z, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut norms) = (Vec::new(), Vec::new());
         for k in 0..STEPS {
@@ -484,7 +486,7 @@ fn gpt_2d_accumulating_two_micro_batches_trains_like_the_serial_gpt() {
             checkpoint: true,
             ..Plan::on(grid)
         };
-        let gpt = seeded(&mut m, &plan).unwrap();
+        let gpt: Gpt<Summa> = seeded(&mut m, &plan).unwrap();
         let mut opt = HybridAdam::new(HybridConfig {
             max_grad_norm: Some(0.05),
             placement: tidemem::optim::DevicePlacement::HostOnly,
@@ -531,35 +533,37 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let mut z = zero_store(c, grid);
-            let gpt = seeded(&mut z, &Plan::on(grid)).unwrap();
-            let mut opt = adam();
-            let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
-            let (mut losses, mut norms) = (Vec::new(), Vec::new());
-            for k in 0..STEPS {
-                let (t, g) = rows_of(k, grid.data_rank(), rows);
-                // this rank's positions of each sequence
-                let block = |v: &[i32]| -> Vec<i32> {
-                    (0..rows)
-                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
-                        .collect()
-                };
-                let (t, g) = (block(&t), block(&g));
-                let b = GptBatch {
-                    tokens: &t,
-                    targets: &g,
-                    batch: rows,
-                    seq: l,
-                };
-                let plan = Plan {
-                    checkpoint: k % 2 == 0,
-                    ..Plan::on(grid)
-                };
-                let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
-                losses.push(mean_loss(c, s.loss));
-                norms.push(s.report.grad_norm);
-            }
-            (losses, norms)
+            tidemem::with_placement!(tensor, |P| {
+                let mut z = zero_store(c, grid);
+                let gpt: Gpt<P> = seeded(&mut z, &Plan::on(grid)).unwrap();
+                let mut opt = adam();
+                let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
+                let (mut losses, mut norms) = (Vec::new(), Vec::new());
+                for k in 0..STEPS {
+                    let (t, g) = rows_of(k, grid.data_rank(), rows);
+                    // this rank's positions of each sequence
+                    let block = |v: &[i32]| -> Vec<i32> {
+                        (0..rows)
+                            .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                            .collect()
+                    };
+                    let (t, g) = (block(&t), block(&g));
+                    let b = GptBatch {
+                        tokens: &t,
+                        targets: &g,
+                        batch: rows,
+                        seq: l,
+                    };
+                    let plan = Plan {
+                        checkpoint: k % 2 == 0,
+                        ..Plan::on(grid)
+                    };
+                    let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
+                    losses.push(mean_loss(c, s.loss));
+                    norms.push(s.report.grad_norm);
+                }
+                (losses, norms)
+            })
         });
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
     }
@@ -569,7 +573,7 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
 /// blocks' split, the ends as `ends` says), `m` micro-batches a step: every rank's losses and
 /// gradient norms, and the elements of its copy of `wte`. Without data or sequence
 /// replicas, checks that the first and the last stage's copies of wte hold the same bits.
-fn train_stages(
+fn train_stages<P: Placement>(
     c: &Communicator,
     grid: &ProcessGrid,
     schedule: Schedule,
@@ -584,7 +588,7 @@ fn train_stages(
         schedule,
         ..Plan::on(grid)
     };
-    let gpt = seeded(&mut z, &plan).unwrap();
+    let gpt: Gpt<P> = seeded(&mut z, &plan).unwrap();
     let mut opt = adam();
     let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
     let per = rows / m;
@@ -656,7 +660,9 @@ fn gpt_in_pipeline_stages_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let (run, wte) = train_stages(c, grid, schedule, m, EndsLayout::Whole);
+            let (run, wte) = tidemem::with_placement!(tensor, |P| {
+                train_stages::<P>(c, grid, schedule, m, EndsLayout::Whole)
+            });
             let cfg = config();
             assert_eq!(
                 wte,
@@ -708,7 +714,9 @@ fn gpt_pipeline_stages_with_split_ends_train_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let (run, wte) = train_stages(c, grid, schedule, m, EndsLayout::Split);
+            let (run, wte) = tidemem::with_placement!(tensor, |P| {
+                train_stages::<P>(c, grid, schedule, m, EndsLayout::Split)
+            });
             let cfg = config();
             let whole = cfg.vocab * cfg.channels;
             // a 2.5D grid's depth layers each hold the q × q shards
@@ -747,7 +755,7 @@ fn pipeline_split_ends_need_a_vocabulary_that_splits() {
         let mut m = manager(c.device().clone(), 256 << 20);
         let stage = grid.pipeline_rank();
         let init = |n: &str, _: &[usize]| Ok(default_init(&cfg, n, 3));
-        let r = Gpt::register_on(&mut m, &Plan::on(grid), &cfg, init);
+        let r = Gpt::<Summa>::register_on(&mut m, &Plan::on(grid), &cfg, init);
         assert!(
             matches!(
                 r,
@@ -765,7 +773,7 @@ fn pipeline_split_ends_need_a_vocabulary_that_splits() {
             ends: EndsLayout::Whole,
             ..Plan::on(grid)
         };
-        Gpt::register_on(&mut m, &whole, &cfg, init).unwrap();
+        Gpt::<Summa>::register_on(&mut m, &whole, &cfg, init).unwrap();
     });
 }
 
@@ -788,34 +796,36 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            let mut z = zero_store(c, grid);
-            let gpt = seeded(&mut z, &Plan::on(grid)).unwrap();
-            let mut opt = adam();
-            let (l, r) = (T / 2, grid.sequence_rank());
-            let (mut losses, mut norms) = (Vec::new(), Vec::new());
-            for k in 0..STEPS {
-                let (t, g) = batch(k);
-                let block = |v: &[i32]| -> Vec<i32> {
-                    (0..B)
-                        .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
-                        .collect()
-                };
-                let (t, g) = (block(&t), block(&g));
-                let b = GptBatch {
-                    tokens: &t,
-                    targets: &g,
-                    batch: B,
-                    seq: l,
-                };
-                let plan = Plan {
-                    checkpoint: k % 2 == 1,
-                    ..Plan::on(grid)
-                };
-                let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
-                losses.push(mean_loss(c, s.loss));
-                norms.push(s.report.grad_norm);
-            }
-            (losses, norms)
+            tidemem::with_placement!(tensor, |P| {
+                let mut z = zero_store(c, grid);
+                let gpt: Gpt<P> = seeded(&mut z, &Plan::on(grid)).unwrap();
+                let mut opt = adam();
+                let (l, r) = (T / 2, grid.sequence_rank());
+                let (mut losses, mut norms) = (Vec::new(), Vec::new());
+                for k in 0..STEPS {
+                    let (t, g) = batch(k);
+                    let block = |v: &[i32]| -> Vec<i32> {
+                        (0..B)
+                            .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                            .collect()
+                    };
+                    let (t, g) = (block(&t), block(&g));
+                    let b = GptBatch {
+                        tokens: &t,
+                        targets: &g,
+                        batch: B,
+                        seq: l,
+                    };
+                    let plan = Plan {
+                        checkpoint: k % 2 == 1,
+                        ..Plan::on(grid)
+                    };
+                    let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
+                    losses.push(mean_loss(c, s.loss));
+                    norms.push(s.report.grad_norm);
+                }
+                (losses, norms)
+            })
         });
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
     }
@@ -884,7 +894,7 @@ fn gpt_pipedream_2bw_equals_the_serial_2bw_rule() {
             schedule: Schedule::TwoBW { every: 2 },
             ..Plan::on(grid)
         };
-        let gpt = seeded(&mut z, &plan).unwrap();
+        let gpt: Gpt = seeded(&mut z, &plan).unwrap();
         let mut opt = two_bw();
         let mut got = Vec::new();
         for k in 0..STEPS {
@@ -984,7 +994,7 @@ fn gpt_2bw_stream_streams_from_a_small_device_with_the_same_bits() {
     let data: Vec<_> = (0..STEPS).map(batch).collect();
     small_device_keeps_the_bits(|m, grid| {
         let plan = Plan::on(grid);
-        let (a, b) = (seeded(m, &plan).unwrap(), seeded(m, &plan).unwrap());
+        let (a, b): (Gpt, Gpt) = (seeded(m, &plan).unwrap(), seeded(m, &plan).unwrap());
         let batches: Vec<Vec<GptBatch>> = data.iter().map(|(t, g)| quarters(t, g)).collect();
         let mut opt = adam();
         let out = train_two_bw_stream([&a, &b], m, &plan, &mut opt, &batches).unwrap();
@@ -1040,7 +1050,7 @@ fn two_bw_runs<'d, S: ParamStore>(
         schedule: Schedule::TwoBW { every: 2 },
         ..Plan::on(grid)
     };
-    let register = |m: &mut S| seeded(m, &plan).unwrap();
+    let register = |m: &mut S| -> Gpt { seeded(m, &plan).unwrap() };
     let key = |s: &tidemem::models::gpt::TrainStep| (s.loss.to_bits(), s.report.grad_norm);
     // per step: a flush after every step, the parameters one version behind
     let mut m = store();
@@ -1074,7 +1084,7 @@ fn two_bw_runs<'d, S: ParamStore>(
 fn pipeline_stages_stream_from_a_small_device_with_the_same_bits() {
     small_device_keeps_the_bits(|m, grid| {
         let plan = Plan::on(grid);
-        let gpt = seeded(m, &plan).unwrap();
+        let gpt: Gpt = seeded(m, &plan).unwrap();
         let mut opt = adam();
         let (mut losses, mut h2d) = (Vec::new(), 0);
         for k in 0..STEPS {

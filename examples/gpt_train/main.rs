@@ -38,7 +38,7 @@ use tidemem::models::gpt::{
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::pipeline::Schedule;
-use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
+use tidemem::parallel::{GridSpec, Placement, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
 use tidemem::tide::Sizing;
@@ -301,7 +301,12 @@ fn device(a: &Args, capacity: u64) -> Result<Device> {
 
 /// Registers this rank's part of the model as `plan` places it: the imported weights, or
 /// GPT-2's initialisation from `seed`.
-fn register(store: &mut impl ParamStore, plan: &Plan<'_>, p: &Setup, seed: u64) -> Result<Gpt> {
+fn register<P: Placement>(
+    store: &mut impl ParamStore,
+    plan: &Plan<'_>,
+    p: &Setup,
+    seed: u64,
+) -> Result<Gpt<P>> {
     match &p.hf {
         Some(w) => Gpt::register_hf(store, plan, w),
         None => Gpt::register_on(store, plan, &p.cfg, |n, _| {
@@ -342,7 +347,7 @@ fn probe(a: &Args, p: &Setup) -> Result<Sizing> {
     let dev = device(a, 1 << 40)?;
     let mut m = ChunkManager::new(dev.clone(), cfg)?;
     m.set_non_model_allocator(CachingAllocator::new(dev));
-    let gpt = register(&mut m, &Plan::default(), p, a.seed)?;
+    let gpt: Gpt = register(&mut m, &Plan::default(), p, a.seed)?;
     let (t, g) = p.data.batch(Split::Train, 0, a.batch, a.seq)?;
     let b = GptBatch {
         tokens: &t,
@@ -868,16 +873,19 @@ fn rank(a: &Args, p: &Setup, c: Communicator) -> Result<Option<RankReport>> {
         dp,
         dps,
     };
-    let (losses, tokens, secs, step) = if spec.data * sp > 1 {
-        // ZeRO over the ranks that hold the same parameters: data × sequence
-        let replicas = grid.split_replicas(&c)?;
-        let mut z = ZeroManager::new(replicas, manager_config(p))?;
-        run.go(&mut z, &c, &file)?
-    } else {
-        let mut m = ChunkManager::new(c.device().clone(), manager_config(p))?;
-        m.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
-        run.go(&mut m, &c, &file)?
-    };
+    // the one place the tensor mode becomes the model's placement type
+    let (losses, tokens, secs, step) = tidemem::with_placement!(tensor, |P| {
+        if spec.data * sp > 1 {
+            // ZeRO over the ranks that hold the same parameters: data × sequence
+            let replicas = grid.split_replicas(&c)?;
+            let mut z = ZeroManager::new(replicas, manager_config(p))?;
+            run.go::<P, _>(&mut z, &c, &file)?
+        } else {
+            let mut m = ChunkManager::new(c.device().clone(), manager_config(p))?;
+            m.set_non_model_allocator(CachingAllocator::new(c.device().clone()));
+            run.go::<P, _>(&mut m, &c, &file)?
+        }
+    });
     // every rank of a tensor group has the same loss: the mean over all ranks is the mean
     // over the data-parallel batches
     let n = world as f64;
@@ -947,7 +955,7 @@ impl Run<'_> {
     /// Trains `--steps` steps on `store`: the losses, tokens and seconds. `--resume` and
     /// `--save` load and save the checkpoint every rank of `world` saves together, this rank's
     /// file at `file(dir)`.
-    fn go<S: ParamStore>(
+    fn go<P: Placement, S: ParamStore>(
         &self,
         store: &mut S,
         world: &Communicator,
@@ -973,11 +981,11 @@ impl Run<'_> {
         if self.stream {
             store.align_to_ranks()?;
         }
-        let gpt = register(store, &plan, p, a.seed)?;
+        let gpt: Gpt<P> = register(store, &plan, p, a.seed)?;
         let second = match self.stream {
             true => {
                 store.align_to_ranks()?;
-                Some(register(store, &plan, p, a.seed)?)
+                Some(register::<P>(store, &plan, p, a.seed)?)
             }
             false => None,
         };

@@ -9,7 +9,7 @@ use super::linear::{Linear, WeightUse};
 use crate::error::Result;
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
 
 /// Where a linear stands in a pair of linears (Megatron's names): a column linear opens the
@@ -47,6 +47,19 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
     type Norm: Copy + Debug + PartialEq + Send + Sync;
     /// What a LayerNorm's forward keeps for its backward.
     type NormSaved: Debug + Send + Sync;
+    /// Whether the layout holds whole tensors ([`Serial`]): its model's ends are then whole
+    /// too, and its split ends ([`Layout::Embedding`], [`Layout::Head`]) have no value.
+    const WHOLE: bool = false;
+    /// This rank's part of a model's first layer: a token embedding `wte` split by
+    /// vocabulary, with a position embedding `wpe`, giving the blocks' layout.
+    type Embedding: Clone + Debug + PartialEq + Send + Sync;
+    /// What the embedding's forward keeps for its backward.
+    type EmbeddingSaved: Send + Sync;
+    /// This rank's part of a model's last layer: the final LayerNorm and the head tied to a
+    /// `wte` part, with its cross-entropy over the split vocabulary.
+    type Head: Clone + Debug + PartialEq + Send + Sync;
+    /// What the head's forward keeps for its backward.
+    type HeadSaved: Send + Sync;
 
     /// Columns of this rank's part of an activation of `features` features.
     fn cols(&self, features: usize) -> usize;
@@ -65,6 +78,89 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
         heads: usize,
         head_dim: usize,
     ) -> Result<Attention>;
+
+    /// Checks that ends of `[vocab, positions, channels]` split on this layout, naming what
+    /// does not divide what.
+    fn check_ends(&self, dims: [usize; 3]) -> Result<()>;
+    /// The share of the squared gradient norm of this rank's part of `wte`.
+    fn wte_share(&self) -> f64 {
+        1.0
+    }
+    /// Registers this rank's part of `wte.weight` and `wpe.weight` (`[vocab, positions,
+    /// channels]`), in that order, from the masters `init`; `wpe`'s gradient written as `uses`
+    /// says. Replicated parts count their share of the gradient norm.
+    fn register_embedding<S: ParamStore>(
+        &self,
+        store: &mut S,
+        dims: [usize; 3],
+        init: [&Init; 2],
+        uses: WeightUse,
+    ) -> Result<Self::Embedding>;
+    /// Registers this rank's part of `ln_f` (of `eps`) and a head over `[vocab, channels]`
+    /// tied to `tied`'s `wte` part, or, without one, to a `wte.weight` part of its own
+    /// registered first; from the masters `init` (`wte`, γ, β). Targets equal to `ignore`
+    /// count for nothing.
+    fn register_head<S: ParamStore>(
+        &self,
+        store: &mut S,
+        dims: [usize; 2],
+        eps: f32,
+        init: [&Init; 3],
+        ignore: i32,
+        tied: Option<&Self::Embedding>,
+    ) -> Result<Self::Head>;
+    /// The embedding's parameters in fetch order, this rank's `wte` part first.
+    fn embedding_params(e: &Self::Embedding) -> Vec<TensorId>;
+    /// The head's parameters: `ln_f`'s γ and β, then its `wte` part.
+    fn head_params(h: &Self::Head) -> [TensorId; 3];
+    /// The embedding of `tokens` (`[batch·seq]`, the same on every rank) at positions
+    /// `first ..` of their sequences, in the blocks' layout.
+    fn embed(
+        &self,
+        pass: &ForwardPass<'_>,
+        e: &Self::Embedding,
+        tokens: &[i32],
+        batch_seq_first: [usize; 3],
+    ) -> Result<(Act, Self::EmbeddingSaved)>;
+    /// The embedding's gradients (`wte`'s added to the store's sum) from the output's `dx`.
+    fn embed_backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        e: &Self::Embedding,
+        saved: Self::EmbeddingSaved,
+        dx: &Act,
+    ) -> Result<()>;
+    /// `ln_f` and the head on the last block's output `x`: the mean loss over the whole batch
+    /// (`targets`, the same on every rank), the gradient kept scaled by `scale`.
+    fn head_forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        h: &Self::Head,
+        x: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, Self::HeadSaved)>;
+    /// The gradient of the last block's output; the head's share of `wte`'s gradient added
+    /// to the store's sum.
+    fn head_backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        h: &Self::Head,
+        saved: Self::HeadSaved,
+    ) -> Result<Act>;
+    /// This rank's part of a whole `[rows, cols]` activation (itself where the layout's
+    /// activations are whole), without a collective.
+    fn to_tile<K: PassKind>(&self, _pass: &Pass<'_, K>, full: Act) -> Result<Act> {
+        Ok(full)
+    }
+    /// The whole activation from every rank's part (itself where they are whole).
+    fn to_full<K: PassKind>(&self, _pass: &Pass<'_, K>, part: Act) -> Result<Act> {
+        Ok(part)
+    }
+    /// The shape of this rank's part of a whole `[rows, cols]` activation.
+    fn tile_shape(&self, rows_cols: [usize; 2]) -> Result<[usize; 2]> {
+        Ok(rows_cols)
+    }
 
     /// Registers this rank's part of a LayerNorm over `features` features, `{name}.weight`
     /// and `{name}.bias` with the values of the masters `init` (γ, β); replicated parts count
@@ -136,11 +232,27 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Serial;
 
+/// The split ends of a layout that has none ([`Serial`]: its ends are whole): no value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unsplit {}
+
+/// Split ends asked of a layout whose ends are whole.
+fn unsplit() -> crate::error::Error {
+    crate::error::Error::Internal {
+        what: "split ends on a layout whose ends are whole".into(),
+    }
+}
+
 impl Layout for Serial {
     type Linear = Linear;
     type LinearSaved = Act;
     type Norm = LayerNorm;
     type NormSaved = LayerNormSaved;
+    const WHOLE: bool = true;
+    type Embedding = Unsplit;
+    type EmbeddingSaved = Unsplit;
+    type Head = Unsplit;
+    type HeadSaved = Unsplit;
 
     fn cols(&self, features: usize) -> usize {
         features
@@ -148,6 +260,69 @@ impl Layout for Serial {
 
     fn heads(&self, heads: usize) -> usize {
         heads
+    }
+
+    fn check_ends(&self, _: [usize; 3]) -> Result<()> {
+        Err(unsplit())
+    }
+
+    fn register_embedding<S: ParamStore>(
+        &self,
+        _: &mut S,
+        _: [usize; 3],
+        _: [&Init; 2],
+        _: WeightUse,
+    ) -> Result<Unsplit> {
+        Err(unsplit())
+    }
+
+    fn register_head<S: ParamStore>(
+        &self,
+        _: &mut S,
+        _: [usize; 2],
+        _: f32,
+        _: [&Init; 3],
+        _: i32,
+        _: Option<&Unsplit>,
+    ) -> Result<Unsplit> {
+        Err(unsplit())
+    }
+
+    fn embedding_params(e: &Unsplit) -> Vec<TensorId> {
+        match *e {}
+    }
+
+    fn head_params(h: &Unsplit) -> [TensorId; 3] {
+        match *h {}
+    }
+
+    fn embed(
+        &self,
+        _: &ForwardPass<'_>,
+        e: &Unsplit,
+        _: &[i32],
+        _: [usize; 3],
+    ) -> Result<(Act, Unsplit)> {
+        match *e {}
+    }
+
+    fn embed_backward(&self, _: &BackwardPass<'_>, e: &Unsplit, _: Unsplit, _: &Act) -> Result<()> {
+        match *e {}
+    }
+
+    fn head_forward(
+        &self,
+        _: &ForwardPass<'_>,
+        h: &Unsplit,
+        _: &Act,
+        _: &[i32],
+        _: f32,
+    ) -> Result<(f32, Unsplit)> {
+        match *h {}
+    }
+
+    fn head_backward(&self, _: &BackwardPass<'_>, h: &Unsplit, _: Unsplit) -> Result<Act> {
+        match *h {}
     }
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {

@@ -14,8 +14,10 @@
 
 mod cost;
 mod cross_entropy;
+pub(crate) mod ends;
 mod grid;
 pub(crate) mod one_d;
+mod placement;
 pub(crate) mod sequence;
 pub(crate) mod three_d;
 pub(crate) mod three_d_block;
@@ -27,11 +29,13 @@ pub(crate) mod vocab;
 
 pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
+pub use ends::{NormHead, TokenPosition};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
-pub use one_d::{ColumnLinear, Embedding1D, Embedding1DSaved, Linear1D, OneD, RowLinear, Shard};
+pub use one_d::{ColumnLinear, Embedding1D, Embedding1DSaved, RowLinear, Shard};
+pub use placement::{Cube, Linear1D, OneD, Placement, Summa};
 pub use sequence::{RingAttention, RingAttentionSaved, RingCore};
 pub use three_d::{gather_3d, split_3d, Layout3D, Linear3D, Linear3DSaved, Place3D, Tile};
-pub use three_d_block::{Cube, LayerNorm3D, LayerNorm3DSaved};
+pub use three_d_block::{LayerNorm3D, LayerNorm3DSaved};
 pub use three_d_ends::{
     Classifier3D, Classifier3DSaved, Embedding3D, Embedding3DSaved, VocabEmbedding3D,
     VocabEmbedding3DSaved,
@@ -39,7 +43,7 @@ pub use three_d_ends::{
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
 };
-pub use two_d_block::{LayerNorm2D, LayerNorm2DSaved, Place2D, Summa, SummaLinear};
+pub use two_d_block::{LayerNorm2D, LayerNorm2DSaved, Place2D, SummaLinear};
 pub use two_d_ends::{
     Classifier2D, Classifier2DSaved, Embedding2D, Embedding2DSaved, VocabEmbedding2D,
     VocabEmbedding2DSaved,

@@ -1,14 +1,11 @@
-use std::sync::Arc;
-
 use serde::Serialize;
 
 use super::{Cost, PassCost};
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, LayerNorm, LayerNormSaved, Layout, Linear, Pair, Serial, WeightUse};
-use crate::ops::attention::Attention;
+use crate::nn::{Act, Linear};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
-use crate::tensor::{Init, TensorId};
+use crate::tensor::Init;
 
 /// A rank's place in its tensor-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -30,7 +27,7 @@ impl Shard {
 
     /// `n / P`, or [`Error::NotSplit`] naming `layer`'s dimension `what` when `n` does not
     /// divide.
-    fn split(&self, layer: &str, what: &'static str, n: usize) -> Result<usize> {
+    pub(crate) fn split(&self, layer: &str, what: &'static str, n: usize) -> Result<usize> {
         if self.size == 0 || self.rank >= self.size {
             return Err(Error::IndexOutOfRange {
                 what: "tensor-parallel rank".into(),
@@ -53,7 +50,7 @@ fn all_reduce(group: &Communicator, stream: &crate::device::Stream, a: &Act) -> 
     group.all_reduce(stream, a.view(), a.view(), a.dtype(), ReduceOp::Sum)
 }
 
-/// A column-parallel linear layer (see [`OneD`]).
+/// A column-parallel linear layer (see [`OneD`](crate::parallel::OneD)).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct ColumnLinear {
     /// This rank's shard: `[out/P, in]` and bias `[out/P]`.
@@ -129,7 +126,7 @@ impl ColumnLinear {
     }
 }
 
-/// A row-parallel linear layer (see [`OneD`]).
+/// A row-parallel linear layer (see [`OneD`](crate::parallel::OneD)).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RowLinear {
     /// This rank's shard: `[out, in/P]`; the bias `[out]` on the group's first rank only.
@@ -302,229 +299,6 @@ impl Embedding1D {
     }
 }
 
-/// 1D (Megatron) tensor parallelism over a group of `P` ranks: column- and row-parallel
-/// linears and the transformer block built from them.
-///
-/// Each rank registers only its shard of every weight, under the serial layer's name, in its
-/// own store, and computes with the [`nn`](crate::nn) layers on it; the layers here add the
-/// collectives, on the pass's stream:
-///
-/// - [`ColumnLinear`]: `W_r` holds output rows `r·out/P ..` (with `parts > 1`, that slice of
-///   each of `parts` stacked outputs, e.g. attention's q, k, v), the bias the same rows; `X` is
-///   replicated and `Y_r = X·W_rᵀ + b_r` needs no collective. Backward: `dX = Σ_r dY_r·W_r`,
-///   one all-reduce.
-/// - [`RowLinear`]: `W_r` holds input columns `r·in/P ..`; `Y = Σ_r X_r·W_rᵀ + b`, one
-///   all-reduce. The bias lives on the group's first rank only and is added there before the
-///   reduction, so its gradient (`Σ dY`) is computed once. Backward needs no collective.
-/// - [`OneD`]: the layout of GPT-2's [`Block`] with `c_attn` and `c_fc` column-parallel,
-///   `c_proj`s row-parallel, `H/P` heads a rank, LayerNorms replicated: two all-reduces of
-///   `rows × C` in forward and two in backward.
-///
-/// Shapes that do not divide by `P` are refused at registration.
-///
-/// Megatron's 1D layout as a [`Layout`]: the transformer [`Block`] split over a group of `P`
-/// ranks, column linears ([`Pair::Column`], `c_attn` and `c_fc`) as [`ColumnLinear`]s, row
-/// linears (the `c_proj`s) as [`RowLinear`]s, `H/P` heads a rank, LayerNorms replicated (each
-/// counting `1/P` of its gradients' squared norm): two all-reduces of `rows × C` forward and
-/// two backward ([`Block::collectives`](Block#method.collectives-1)). Activations are whole
-/// on every rank.
-#[derive(Clone, Debug)]
-pub struct OneD {
-    /// The rank's place.
-    pub shard: Shard,
-    group: Arc<Communicator>,
-}
-
-impl PartialEq for OneD {
-    fn eq(&self, other: &OneD) -> bool {
-        self.shard == other.shard && Arc::ptr_eq(&self.group, &other.group)
-    }
-}
-
-impl OneD {
-    /// The layout of `group`'s rank, running on `group`.
-    pub fn of(group: &Arc<Communicator>) -> OneD {
-        OneD {
-            shard: Shard::of(group),
-            group: Arc::clone(group),
-        }
-    }
-}
-
-/// A linear of a [`OneD`] layout: this rank's shard and which side of its pair it is.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Linear1D {
-    /// Output features split ([`Pair::Column`]).
-    Column(ColumnLinear),
-    /// Input features split ([`Pair::Row`]).
-    Row(RowLinear),
-}
-
-impl Linear1D {
-    /// The shard as a serial layer.
-    pub fn linear(&self) -> &Linear {
-        match self {
-            Linear1D::Column(l) => &l.linear,
-            Linear1D::Row(l) => &l.linear,
-        }
-    }
-}
-
-impl Layout for OneD {
-    type Linear = Linear1D;
-    type LinearSaved = Act;
-    type Norm = LayerNorm;
-    type NormSaved = LayerNormSaved;
-
-    fn cols(&self, features: usize) -> usize {
-        features
-    }
-
-    fn heads(&self, heads: usize) -> usize {
-        heads / self.shard.size.max(1)
-    }
-
-    fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
-        self.shard.split(name, "heads", heads)?;
-        if channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::NotSplit {
-                layer: name.to_string(),
-                what: "channels",
-                value: channels,
-                parts: heads,
-                by: "heads",
-            });
-        }
-        Ok(())
-    }
-
-    fn attention(
-        &self,
-        rows: usize,
-        batch_seq: [usize; 2],
-        heads: usize,
-        head_dim: usize,
-    ) -> Result<Attention> {
-        Serial.attention(rows, batch_seq, heads, head_dim)
-    }
-
-    fn register_norm<S: ParamStore>(
-        &self,
-        store: &mut S,
-        name: &str,
-        features: usize,
-        eps: f32,
-        init: [&Init; 2],
-    ) -> Result<LayerNorm> {
-        let ln = Serial.register_norm(store, name, features, eps, init)?;
-        for id in [ln.gamma, ln.beta] {
-            store.set_norm_share(id, 1.0 / self.shard.size as f64)?;
-        }
-        Ok(ln)
-    }
-
-    fn register_linear<S: ParamStore>(
-        &self,
-        store: &mut S,
-        name: &str,
-        [inputs, outputs]: [usize; 2],
-        pair: Pair,
-        [w, b]: [&Init; 2],
-    ) -> Result<Linear1D> {
-        let shard = self.shard;
-        Ok(match pair {
-            Pair::Column { parts } => Linear1D::Column(ColumnLinear::register(
-                store,
-                name,
-                inputs,
-                outputs,
-                parts,
-                w,
-                Some(b),
-                shard,
-            )?),
-            Pair::Row => Linear1D::Row(RowLinear::register(
-                store,
-                name,
-                inputs,
-                outputs,
-                w,
-                Some(b),
-                shard,
-            )?),
-        })
-    }
-
-    fn norm_params(norm: &LayerNorm) -> Vec<TensorId> {
-        Serial::norm_params(norm)
-    }
-
-    fn linear_params(linear: &Linear1D) -> Vec<TensorId> {
-        linear.linear().params()
-    }
-
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &LayerNorm,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNormSaved)> {
-        Serial.norm_forward(pass, norm, x, residual)
-    }
-
-    fn norm_input(saved: &LayerNormSaved) -> &Act {
-        Serial::norm_input(saved)
-    }
-
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &LayerNorm,
-        saved: &LayerNormSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()> {
-        Serial.norm_backward(pass, norm, saved, dy, dx_into)
-    }
-
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &Linear1D,
-        x: &Act,
-    ) -> Result<(Act, Act)> {
-        let y = match linear {
-            Linear1D::Column(l) => l.forward(pass, x)?,
-            Linear1D::Row(l) => l.forward(pass, &self.group, x)?,
-        };
-        Ok((y, x.clone()))
-    }
-
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &Linear1D,
-        x: &Act,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act> {
-        let dx = match linear {
-            Linear1D::Column(l) => {
-                let l = ColumnLinear {
-                    linear: l.linear.with_uses(uses),
-                    ..*l
-                };
-                l.backward(pass, &self.group, x, dy, true)?
-            }
-            Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
-        };
-        dx.ok_or_else(|| Error::Internal {
-            what: "a linear's backward asked for dx gave none".into(),
-        })
-    }
-}
-
 /// The cost of `[calls, bytes]` all-reduces over the tensor group forward and backward.
 pub(super) fn all_reduces([fc, fb]: [u64; 2], [bc, bb]: [u64; 2]) -> Cost {
     let on_group = |calls, bytes| PassCost {
@@ -537,13 +311,5 @@ pub(super) fn all_reduces([fc, fb]: [u64; 2], [bc, bb]: [u64; 2]) -> Cost {
     Cost {
         forward: on_group(fc, fb),
         backward: on_group(bc, bb),
-    }
-}
-
-impl Block<OneD> {
-    /// The collectives of one forward and backward over `rows` rows of parameters of `dtype`.
-    pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Cost {
-        let bytes = (rows * self.channels * dtype.size()) as u64;
-        all_reduces([2, 2 * bytes], [2, 2 * bytes])
     }
 }

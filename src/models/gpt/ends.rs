@@ -1,113 +1,193 @@
 //! The two ends of a GPT: the token and position embedding (on the first stage) and `ln_f`
 //! with the LM head tied to `wte` (on the last), whole on every rank or split over the tensor
-//! group like the blocks ([`EndsLayout`]).
+//! group as the layout splits them ([`Layout::Embedding`], [`Layout::Head`]).
 
-use super::split_ends::{Over, SplitEmbKept, SplitEmbedding, SplitHead, SplitHeadKept, CUBE};
+use super::{GptConfig, IGNORE_INDEX};
 use crate::device::PoolBlock;
 use crate::error::{Error, Result};
 use crate::nn::{
-    Act, Embedding, EmbeddingSaved, LayerNorm, LayerNormSaved, LmHead, LmHeadSaved, Loss,
+    Act, Embedding, EmbeddingSaved, LayerNorm, LayerNormSaved, Layout, LmHead, LmHeadSaved, Loss,
+    WeightUse,
 };
-use crate::parallel::{gather_3d, gather_batch_2d, split_3d, split_batch_2d_act};
-use crate::parallel::{ProcessGrid, TensorMode};
-use crate::store::{BackwardPass, ForwardPass, Pass, PassKind};
-use crate::tensor::TensorId;
+use crate::store::{BackwardPass, ForwardPass, ParamStore};
+use crate::tensor::{Init, TensorId};
 
-/// How a model split over a tensor-parallel group holds its ends.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub enum EndsLayout {
-    /// Split over the tensor group: on a 1D group `wte`'s rows (the tied head's cross-entropy
-    /// over the whole vocabulary), `wpe` and `ln_f` whole; on a 2D, 2.5D or 3D grid `wte` by
-    /// vocabulary and channels, `wpe` and `ln_f` in the blocks' layout. On a grid the
-    /// vocabulary and the positions must split by `q` and the channels by `q²` (pad the
-    /// vocabulary, as GPT-2's 50257 to 50304).
-    #[default]
-    Split,
-    /// Whole on every rank: on a grid the embedding's output cut into the rank's tile, the
-    /// last block's tiles gathered for `ln_f` and the head. Any vocabulary.
-    Whole,
+/// The ends a model (or a pipeline stage) holds, on its layout.
+#[derive(Clone, Debug, PartialEq)]
+pub(super) struct Ends<L: Layout> {
+    pub(super) layout: L,
+    pub(super) embedding: Option<Embed<L>>,
+    pub(super) head: Option<Head<L>>,
 }
 
-/// The ends a model (or a pipeline stage) holds.
+/// The embedding: `wte` and `wpe`, whole or split by the layout.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Ends {
-    pub(super) embedding: Option<Embed>,
-    pub(super) head: Option<Head>,
-}
-
-/// The embedding: `wte` and `wpe`.
-#[derive(Clone, Debug, PartialEq)]
-pub(super) enum Embed {
+pub(super) enum Embed<L: Layout> {
     Whole(Embedding),
-    Split(SplitEmbedding),
+    Split(L::Embedding),
 }
 
-/// `ln_f` and the head over a copy of `wte`.
+/// `ln_f` and the head over a copy of `wte`, whole or split by the layout.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) enum Head {
+pub(super) enum Head<L: Layout> {
     Whole { ln_f: LayerNorm, head: LmHead },
-    Split(SplitHead),
+    Split(L::Head),
 }
 
 /// What the embedding keeps for its backward.
-#[allow(clippy::large_enum_variant)]
-pub(super) enum EmbKept {
+#[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
+pub(super) enum EmbKept<L: Layout> {
     Whole(EmbeddingSaved),
-    Split(SplitEmbKept),
+    Split(L::EmbeddingSaved),
 }
 
 /// What `ln_f` and the head keep for their backward.
-pub(super) enum HeadKept {
+#[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
+pub(super) enum HeadKept<L: Layout> {
     Whole(LayerNormSaved, LmHeadSaved),
-    Split(SplitHeadKept),
-}
-
-/// Where the ends run: the group split ends run over, and the grid whose tiles whole ends cut
-/// their activations into (none when the blocks' activations are whole).
-#[derive(Clone, Copy)]
-pub(super) struct At<'a> {
-    pub(super) over: Option<Over<'a>>,
-    pub(super) tiles: Option<&'a ProcessGrid>,
+    Split(L::HeadSaved),
 }
 
 /// What happens to a tied `wte`'s gradient share: added to the store as it comes, or handed
 /// to `keep` (a pipeline's end stages sum their shares over the step apart from the slot).
 pub(super) type Keep<'a> = Option<&'a dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>>;
 
-/// The ends' saved state of another layout, or run elsewhere.
+/// The ends' saved state of another kind (whole or split).
 fn mismatch() -> Error {
     Error::SavedMismatch {
         layer: "the GPT ends".into(),
     }
 }
 
-impl At<'_> {
-    fn over(&self) -> Result<Over<'_>> {
-        self.over.ok_or_else(|| Error::WrongPlace {
-            what: "a GPT's split ends",
-            registered: "split over the tensor group".into(),
-            run: "without it".into(),
-        })
-    }
-
-    /// This rank's tile of a whole activation (itself when the blocks' are whole).
-    fn to_tile<K: PassKind>(self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {
-        match self.tiles {
-            None => Ok(full),
-            Some(grid) => split(pass, grid, &full),
-        }
-    }
-
-    /// The whole activation from every rank's tile (itself when the blocks' are whole).
-    fn to_full<K: PassKind>(self, pass: &Pass<'_, K>, tile: Act) -> Result<Act> {
-        match self.tiles {
-            None => Ok(tile),
-            Some(grid) => gather(pass, grid, &tile),
-        }
+/// A stage without the end it is asked to run.
+fn absent(what: &'static str, registered: &str) -> Error {
+    Error::WrongPlace {
+        what,
+        registered: registered.into(),
+        run: "on a stage that holds none".into(),
     }
 }
 
-impl Ends {
+/// The masters' values and the registration of the ends, as [`Gpt::register_on`] runs it.
+pub(super) struct EndsInit<'a> {
+    pub(super) cfg: &'a GptConfig,
+    pub(super) master: &'a dyn Fn(&str) -> Init,
+    /// How often `wpe` is used a step.
+    pub(super) uses: WeightUse,
+    /// The norm share of a parameter every rank of the tensor group holds.
+    pub(super) replicated: f64,
+    /// `wte`'s copies (2 in a pipeline).
+    pub(super) copies: f64,
+}
+
+impl EndsInit<'_> {
+    /// Registers whole ends' `wte` (on an end stage: before the blocks), named in `params`.
+    pub(super) fn whole_wte(
+        &self,
+        store: &mut impl ParamStore,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> Result<TensorId> {
+        let id = self.named(
+            store,
+            params,
+            "wte.weight",
+            &[self.cfg.vocab, self.cfg.channels],
+        )?;
+        store.set_norm_share(id, self.replicated / self.copies)?;
+        Ok(id)
+    }
+
+    /// Registers the embedding (`wpe` beside the whole `wte`, or both split), each named in
+    /// `params`.
+    pub(super) fn embedding<L: Layout>(
+        &self,
+        store: &mut impl ParamStore,
+        layout: &L,
+        wte: Option<TensorId>,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> Result<Embed<L>> {
+        let (cfg, m) = (self.cfg, self.master);
+        let names = ["wte.weight", "wpe.weight"];
+        let Some(wte) = wte else {
+            let dims = [cfg.vocab, cfg.max_seq, cfg.channels];
+            let inits = names.map(m);
+            let e = layout.register_embedding(store, dims, [&inits[0], &inits[1]], self.uses)?;
+            let ids = L::embedding_params(&e);
+            store.set_norm_share(ids[0], layout.wte_share() / self.copies)?;
+            params.extend(names.into_iter().map(String::from).zip(ids));
+            return Ok(Embed::Split(e));
+        };
+        let wpe = self.named(store, params, "wpe.weight", &[cfg.max_seq, cfg.channels])?;
+        store.set_norm_share(wpe, self.replicated)?;
+        Ok(Embed::Whole(Embedding {
+            wte,
+            wpe,
+            vocab: cfg.vocab,
+            max_seq: cfg.max_seq,
+            channels: cfg.channels,
+        }))
+    }
+
+    /// Registers `ln_f` and the head: whole, tied to the whole `wte`; split, tied to
+    /// `embedding`'s `wte` part or to a part of its own registered first. Each named in
+    /// `params`.
+    pub(super) fn head<L: Layout>(
+        &self,
+        store: &mut impl ParamStore,
+        layout: &L,
+        (embedding, wte): (Option<&Embed<L>>, Option<TensorId>),
+        params: &mut Vec<(String, TensorId)>,
+    ) -> Result<Head<L>> {
+        let (cfg, m) = (self.cfg, self.master);
+        let (c, v) = (cfg.channels, cfg.vocab);
+        let Some(wte) = wte else {
+            let tied = match embedding {
+                Some(Embed::Split(e)) => Some(e),
+                None => None,
+                Some(Embed::Whole(_)) => return Err(mismatch()),
+            };
+            let [te, g, b] = ["wte.weight", "ln_f.weight", "ln_f.bias"].map(m);
+            let h =
+                layout.register_head(store, [v, c], cfg.eps, [&te, &g, &b], IGNORE_INDEX, tied)?;
+            let [gamma, beta, wte] = L::head_params(&h);
+            if tied.is_none() {
+                store.set_norm_share(wte, layout.wte_share() / self.copies)?;
+                params.push(("wte.weight".into(), wte));
+            }
+            params.push(("ln_f.weight".into(), gamma));
+            params.push(("ln_f.bias".into(), beta));
+            return Ok(Head::Split(h));
+        };
+        let gamma = self.named(store, params, "ln_f.weight", &[c])?;
+        let beta = self.named(store, params, "ln_f.bias", &[c])?;
+        for id in [gamma, beta] {
+            store.set_norm_share(id, self.replicated)?;
+        }
+        let ln_f = LayerNorm {
+            gamma,
+            beta,
+            cols: c,
+            eps: cfg.eps,
+        };
+        let head = LmHead::tied(&*store, wte, IGNORE_INDEX)?;
+        Ok(Head::Whole { ln_f, head })
+    }
+
+    /// Registers `name` of `shape` whole with its master, named in `params`.
+    fn named(
+        &self,
+        store: &mut impl ParamStore,
+        params: &mut Vec<(String, TensorId)>,
+        name: &str,
+        shape: &[usize],
+    ) -> Result<TensorId> {
+        let id = store.register(name, shape, (self.master)(name))?;
+        params.push((name.to_string(), id));
+        Ok(id)
+    }
+}
+
+impl<L: Layout> Ends<L> {
     /// Whether the ends are split over the tensor group.
     pub(super) fn split(&self) -> bool {
         matches!(self.embedding, Some(Embed::Split(_))) || matches!(self.head, Some(Head::Split(_)))
@@ -118,33 +198,21 @@ impl Ends {
     pub(super) fn params(&self) -> (Vec<TensorId>, Vec<TensorId>) {
         let first = match &self.embedding {
             Some(Embed::Whole(e)) => vec![e.wte, e.wpe],
-            Some(Embed::Split(e)) => e.params(),
+            Some(Embed::Split(e)) => L::embedding_params(e),
             None => Vec::new(),
         };
         let last = match &self.head {
             Some(Head::Whole { ln_f, head }) => vec![ln_f.gamma, ln_f.beta, head.proj.weight],
-            Some(Head::Split(h)) => {
-                let mut v = h.ln_f().to_vec();
-                v.push(h.wte());
-                v
-            }
+            Some(Head::Split(h)) => L::head_params(h).to_vec(),
             None => Vec::new(),
         };
         (first, last)
     }
 
-    /// This end's copy of `wte` (its shard, split): the embedding's, else the head's.
+    /// This end's copy of `wte` (its part, split): the embedding's, else the head's.
     pub(super) fn wte(&self) -> Option<TensorId> {
-        let first = self.embedding.as_ref().map(|e| match e {
-            Embed::Whole(e) => e.wte,
-            Embed::Split(e) => e.wte(),
-        });
-        first.or_else(|| {
-            self.head.as_ref().map(|h| match h {
-                Head::Whole { head, .. } => head.proj.weight,
-                Head::Split(h) => h.wte(),
-            })
-        })
+        let (first, last) = self.params();
+        first.first().or(last.last()).copied()
     }
 
     /// The embedding of `tokens` at positions `first .. first + seq` of their sequences, in
@@ -152,24 +220,19 @@ impl Ends {
     pub(super) fn embed(
         &self,
         fwd: &ForwardPass<'_>,
-        at: At<'_>,
         tokens: &[i32],
         [batch, seq, first]: [usize; 3],
-    ) -> Result<(Act, EmbKept)> {
+    ) -> Result<(Act, EmbKept<L>)> {
         match &self.embedding {
             Some(Embed::Whole(e)) => {
                 let (x, s) = e.forward_at(fwd, tokens, batch, seq, first)?;
-                Ok((at.to_tile(fwd, x)?, EmbKept::Whole(s)))
+                Ok((self.layout.to_tile(fwd, x)?, EmbKept::Whole(s)))
             }
             Some(Embed::Split(e)) => {
-                let (x, s) = e.forward(fwd, at.over()?, tokens, [batch, seq, first])?;
+                let (x, s) = self.layout.embed(fwd, e, tokens, [batch, seq, first])?;
                 Ok((x, EmbKept::Split(s)))
             }
-            None => Err(Error::WrongPlace {
-                what: "a GPT's embedding",
-                registered: "on the first pipeline stage".into(),
-                run: "on a stage that holds none".into(),
-            }),
+            None => Err(absent("a GPT's embedding", "on the first pipeline stage")),
         }
     }
 
@@ -178,38 +241,32 @@ impl Ends {
     pub(super) fn head_forward(
         &self,
         fwd: &ForwardPass<'_>,
-        at: At<'_>,
         x: Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(Loss, HeadKept)> {
+    ) -> Result<(Loss, HeadKept<L>)> {
         match &self.head {
             Some(Head::Whole { ln_f, head }) => {
-                let full = at.to_full(fwd, x)?;
+                let full = self.layout.to_full(fwd, x)?;
                 let (h, ln) = ln_f.forward(fwd, &full, None)?;
                 drop(full);
                 let (loss, hs) = head.forward_deferred(fwd, &h, targets, scale)?;
                 Ok((loss, HeadKept::Whole(ln, hs)))
             }
             Some(Head::Split(h)) => {
-                let (loss, k) = h.forward(fwd, at.over()?, &x, targets, scale)?;
+                let (loss, k) = self.layout.head_forward(fwd, h, &x, targets, scale)?;
                 Ok((Loss::ready(loss), HeadKept::Split(k)))
             }
-            None => Err(Error::WrongPlace {
-                what: "a GPT's head",
-                registered: "on the last pipeline stage".into(),
-                run: "on a stage that holds none".into(),
-            }),
+            None => Err(absent("a GPT's head", "on the last pipeline stage")),
         }
     }
 
     /// The gradient of the last block's output, from what the head kept; `wte`'s share as
-    /// `keep` says.
+    /// `keep` says (a split head adds it to the store's sum).
     pub(super) fn head_backward(
         &self,
         bwd: &BackwardPass<'_>,
-        at: At<'_>,
-        kept: HeadKept,
+        kept: HeadKept<L>,
         keep: Keep<'_>,
     ) -> Result<Act> {
         match (&self.head, kept) {
@@ -225,50 +282,34 @@ impl Ends {
                 drop(hs);
                 let dfull = ln_f.backward(bwd, &ln, &dh, None)?;
                 drop((dh, ln));
-                at.to_tile(bwd, dfull)
+                self.layout.to_tile(bwd, dfull)
             }
-            // the split head adds its share of wte's gradient to the store's sum
-            (Some(Head::Split(h)), HeadKept::Split(k)) => h.backward(bwd, at.over()?, k),
+            (Some(Head::Split(h)), HeadKept::Split(k)) => self.layout.head_backward(bwd, h, k),
             _ => Err(mismatch()),
         }
     }
 
     /// The embeddings' gradients from the first block's input gradient `dx`; `wte`'s share
-    /// as `keep` says.
+    /// as `keep` says (a split embedding adds it to the store's sum).
     pub(super) fn embed_backward(
         &self,
         bwd: &BackwardPass<'_>,
-        at: At<'_>,
-        kept: EmbKept,
+        kept: EmbKept<L>,
         dx: Act,
         keep: Keep<'_>,
     ) -> Result<()> {
         match (&self.embedding, kept) {
             (Some(Embed::Whole(e)), EmbKept::Whole(s)) => {
-                let dfull = at.to_full(bwd, dx)?;
+                let dfull = self.layout.to_full(bwd, dx)?;
                 match keep {
                     Some(keep) => keep(bwd, &e.backward_returning(bwd, &s, &dfull)?),
                     None => e.backward(bwd, &s, &dfull),
                 }
             }
-            (Some(Embed::Split(e)), EmbKept::Split(k)) => e.backward(bwd, at.over()?, k, &dx),
+            (Some(Embed::Split(e)), EmbKept::Split(k)) => {
+                self.layout.embed_backward(bwd, e, k, &dx)
+            }
             _ => Err(mismatch()),
         }
-    }
-}
-
-/// This rank's tile of a whole `[N, C]` activation (no collective).
-fn split<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, full: &Act) -> Result<Act> {
-    match grid.spec().tensor {
-        TensorMode::ThreeD { .. } => split_3d(pass, grid, CUBE, full),
-        _ => split_batch_2d_act(pass.pool(), pass.stream(), grid, full),
-    }
-}
-
-/// The whole `[N, C]` activation from every rank's tile.
-fn gather<K: PassKind>(pass: &Pass<'_, K>, grid: &ProcessGrid, tile: &Act) -> Result<Act> {
-    match grid.spec().tensor {
-        TensorMode::ThreeD { .. } => gather_3d(pass, grid, CUBE, tile),
-        _ => gather_batch_2d(pass.pool(), pass.stream(), grid, tile),
     }
 }

@@ -16,13 +16,11 @@ mod pipe;
 mod plan;
 mod run;
 mod spec;
-mod split_ends;
 mod train;
 
 pub use config::{GptConfig, IGNORE_INDEX};
-pub use ends::{Ends, EndsLayout};
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, RunOptions, TrainStep};
 pub use pipe::train_two_bw_stream;
-pub use plan::Plan;
+pub use plan::{EndsLayout, Plan};
 pub use train::train_step;

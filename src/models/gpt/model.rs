@@ -6,15 +6,14 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use super::blocks::{Blocks, TensorSplit};
-use super::ends::{Embed, Ends, Head};
+use super::ends::{Ends, EndsInit};
 use super::plan::Plan;
-use super::split_ends::{check_splits, wte_norm_share, SplitEmbedding, SplitHead};
-use super::{GptConfig, IGNORE_INDEX};
+use super::{EndsLayout, GptConfig, IGNORE_INDEX};
 use crate::error::{Error, Result};
-use crate::nn::{Embedding, LayerNorm, LmHead, WeightUse};
+use crate::nn::{Block, Layout, Serial, WeightUse};
 use crate::optim::StepReport;
 use crate::parallel::pipeline::StageReport;
+use crate::parallel::Placement;
 use crate::store::ParamStore;
 use crate::tensor::{Init, TensorId};
 
@@ -37,12 +36,12 @@ pub struct TrainStep {
 }
 
 /// A GPT-2 model whose parameters live in a store: the token and position embedding, `L`
-/// pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the LM head tied to
-/// `wte` (one parameter with two uses: the store sums their gradient shares) — or a rank's
-/// part of it, as a [`Plan`] places it: the blocks split over a tensor-parallel group on any
-/// layout, the ends ([`Ends`]) split too or whole, and in a pipeline, the stage's range of
-/// blocks with the ends it holds (the first stage the embedding, the last `ln_f` and the head
-/// over its own copy of `wte`).
+/// pre-LayerNorm [`Block`]s, the final LayerNorm and the LM head tied to `wte` (one parameter
+/// with two uses: the store sums their gradient shares) — or a rank's part of it on its
+/// placement `P` ([`Serial`], or a tensor-parallel [`Placement`]) as a [`Plan`] places it:
+/// the blocks split over the tensor group, the ends split too or whole ([`EndsLayout`]), and
+/// in a pipeline, the stage's range of blocks with the ends it holds (the first stage the
+/// embedding, the last `ln_f` and the head over its own copy of `wte`).
 ///
 /// # Example
 ///
@@ -71,7 +70,7 @@ pub struct TrainStep {
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Debug, PartialEq)]
-pub struct Gpt {
+pub struct Gpt<P: Layout = Serial> {
     /// The whole model's shape.
     pub config: GptConfig,
     /// This rank's pipeline stage.
@@ -80,8 +79,8 @@ pub struct Gpt {
     pub stages: usize,
     /// The blocks this rank holds (their indices in the model).
     pub layers: Range<usize>,
-    pub(super) blocks: Blocks,
-    pub(super) ends: Ends,
+    pub(super) blocks: Vec<Block<P>>,
+    pub(super) ends: Ends<P>,
     pub(super) params: Vec<(String, TensorId)>,
 }
 
@@ -171,14 +170,16 @@ impl Gpt {
     ) -> Result<Gpt> {
         Gpt::register_on(store, &Plan::default(), cfg, init)
     }
+}
 
+impl<P: Placement> Gpt<P> {
     /// Registers the model with the values of an imported Hugging Face checkpoint
     /// ([`read_hf`](super::read_hf)), placed as `plan` says.
     pub fn register_hf(
         store: &mut impl ParamStore,
         plan: &Plan<'_>,
         weights: &super::HfWeights,
-    ) -> Result<Gpt> {
+    ) -> Result<Gpt<P>> {
         Gpt::register_on(store, plan, weights.config(), |name, _| {
             // read_hf holds every parameter of its config
             weights.init(name).ok_or_else(|| Error::Internal {
@@ -202,8 +203,9 @@ impl Gpt {
         plan: &Plan<'_>,
         cfg: &GptConfig,
         mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
-    ) -> Result<Gpt> {
+    ) -> Result<Gpt<P>> {
         cfg.validate()?;
+        let layout = P::of_grid(plan.grid)?;
         // what the tensors' shapes do not tell (the heads), and the rest of the shape, so
         // that a checkpoint of another model with the same tensors is refused
         for (key, value) in [
@@ -224,81 +226,64 @@ impl Gpt {
         let master = |n: &str| inits.get(n).cloned().unwrap_or(Init::Zeros);
         let (stage, stages) = plan.stage();
         let layers = plan.layers(cfg)?;
-        if let Some(p) = plan.ends_place() {
-            check_splits(cfg, p)?;
+        let split = !P::WHOLE && plan.ends == EndsLayout::Split;
+        if split {
+            layout.check_ends([cfg.vocab, cfg.max_seq, cfg.channels])?;
         }
         let (first, last) = (stage == 0, stage + 1 == stages);
         let uses = match stages {
             1 => WeightUse::Once,
             _ => WeightUse::Shared,
         };
-        let copies = if stages > 1 { 2.0 } else { 1.0 };
+        let ends = EndsInit {
+            cfg,
+            master: &master,
+            uses,
+            replicated: 1.0 / plan.tensor_size() as f64,
+            copies: if stages > 1 { 2.0 } else { 1.0 },
+        };
         let mut params = Vec::new();
-        let (ends, blocks) = match plan.ends_place() {
-            None => {
-                let replicated = 1.0 / plan.tensor_size() as f64;
-                let parts = Parts {
-                    master: &master,
-                    split: plan.split(),
-                    replicated,
-                };
-                register_whole(
-                    store,
-                    cfg,
-                    &parts,
-                    (first, last),
-                    layers.clone(),
-                    copies,
-                    &mut params,
-                )?
-            }
-            Some(p) => {
-                let e = first
-                    .then(|| SplitEmbedding::register(store, cfg, &master, p, uses))
-                    .transpose()?;
-                let b = Blocks::register(store, cfg, layers.clone(), plan.split(), &master)?;
-                let h = last
-                    .then(|| SplitHead::register(store, cfg, &master, p, e.as_ref()))
-                    .transpose()?;
-                // each copy of wte's shard counts its share
-                let wte = e.as_ref().map(SplitEmbedding::wte);
-                for id in wte.into_iter().chain(h.as_ref().map(SplitHead::wte)) {
-                    store.set_norm_share(id, wte_norm_share(p) / copies)?;
-                }
-                if let Some(e) = &e {
-                    let names = ["wte.weight", "wpe.weight"].into_iter().map(String::from);
-                    params.extend(names.zip(e.params()));
-                }
-                params.extend(b.named_params(layers.start));
-                if let Some(h) = &h {
-                    if e.is_none() {
-                        params.push(("wte.weight".into(), h.wte()));
-                    }
-                    let names = ["ln_f.weight", "ln_f.bias"].into_iter().map(String::from);
-                    params.extend(names.zip(h.ln_f()));
-                }
-                let ends = Ends {
-                    embedding: e.map(Embed::Split),
-                    head: h.map(Head::Split),
-                };
-                (ends, b)
-            }
+        // whole ends' wte on an end stage comes first, a split head's own after the blocks
+        let wte = match !split && (first || last) {
+            true => Some(ends.whole_wte(store, &mut params)?),
+            false => None,
         };
-        let blocks = match uses {
-            WeightUse::Once => blocks,
-            WeightUse::Shared => blocks.shared(),
-        };
+        let embedding = first
+            .then(|| ends.embedding(store, &layout, wte, &mut params))
+            .transpose()?;
+        let shape = [cfg.channels, cfg.heads];
+        let blocks = layers
+            .clone()
+            .map(|i| {
+                let name = format!("h.{i}");
+                let b = Block::register(store, layout.clone(), &name, shape, cfg.eps, &master)?;
+                params.extend(b.named_params(&name));
+                Ok(match uses {
+                    WeightUse::Once => b,
+                    WeightUse::Shared => b.shared(),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let head = last
+            .then(|| ends.head(store, &layout, (embedding.as_ref(), wte), &mut params))
+            .transpose()?;
         Ok(Gpt {
             config: cfg.clone(),
             stage,
             stages,
             layers,
             blocks,
-            ends,
+            ends: Ends {
+                layout,
+                embedding,
+                head,
+            },
             params,
         })
     }
+}
 
+impl<P: Layout> Gpt<P> {
     /// Writes the model's fp32 master weights as a Hugging Face GPT-2 `safetensors` file
     /// ([`write_hf`](super::write_hf)), between iterations. The model must be whole on this
     /// rank.
@@ -324,7 +309,7 @@ impl Gpt {
 
     /// Whether this rank holds the whole model (no pipeline, no tensor split).
     pub(super) fn whole(&self) -> bool {
-        self.stages == 1 && matches!(self.blocks, Blocks::Serial(_)) && !self.ends.split()
+        self.stages == 1 && P::WHOLE
     }
 
     /// Every parameter's name and id on this rank, in registration order (a shard under its
@@ -337,87 +322,6 @@ impl Gpt {
     pub fn param(&self, name: &str) -> Option<TensorId> {
         self.params.iter().find(|(n, _)| n == name).map(|p| p.1)
     }
-}
-
-/// How the blocks and whole ends of [`register_whole`] are registered.
-struct Parts<'a> {
-    master: &'a dyn Fn(&str) -> Init,
-    split: TensorSplit<'a>,
-    /// The norm share of a parameter every rank of the tensor group holds.
-    replicated: f64,
-}
-
-/// The stage's blocks and whole ends, in registration order: `wte` on an end stage (its norm
-/// share `replicated / copies`), `wpe` on the first, the blocks, `ln_f` on the last
-/// (replicated, like the blocks' LayerNorms), the head tied to the stage's `wte`.
-fn register_whole(
-    store: &mut impl ParamStore,
-    cfg: &GptConfig,
-    parts: &Parts<'_>,
-    (first, last): (bool, bool),
-    layers: Range<usize>,
-    copies: f64,
-    params: &mut Vec<(String, TensorId)>,
-) -> Result<(Ends, Blocks)> {
-    let (c, master, replicated) = (cfg.channels, parts.master, parts.replicated);
-    let mut reg = |store: &mut _, name: &str, shape: &[usize], share: f64| {
-        named(store, params, (name, shape, master(name)), share)
-    };
-    // `wte` on the first stage and on the last (one tensor when they are the same)
-    let wte = match first || last {
-        true => Some(reg(
-            store,
-            "wte.weight",
-            &[cfg.vocab, c],
-            replicated / copies,
-        )?),
-        false => None,
-    };
-    let held = || {
-        wte.ok_or_else(|| Error::Internal {
-            what: "an end stage without wte".into(),
-        })
-    };
-    let embedding = match first {
-        true => Some(Embed::Whole(Embedding {
-            wte: held()?,
-            wpe: reg(store, "wpe.weight", &[cfg.max_seq, c], replicated)?,
-            vocab: cfg.vocab,
-            max_seq: cfg.max_seq,
-            channels: c,
-        })),
-        false => None,
-    };
-    let blocks = Blocks::register(store, cfg, layers.clone(), parts.split, master)?;
-    let mut head = None;
-    if last {
-        let ln_f = LayerNorm {
-            gamma: reg(store, "ln_f.weight", &[c], replicated)?,
-            beta: reg(store, "ln_f.bias", &[c], replicated)?,
-            cols: c,
-            eps: cfg.eps,
-        };
-        let head_ = LmHead::tied(&*store, held()?, IGNORE_INDEX)?;
-        head = Some(Head::Whole { ln_f, head: head_ });
-    }
-    // the blocks' names between the ends'
-    let at = params.len() - usize::from(last) * 2;
-    let named = blocks.named_params(layers.start);
-    params.splice(at..at, named);
-    Ok((Ends { embedding, head }, blocks))
-}
-
-/// Registers `name` of `shape` with `init`, its norm share `share`, and names it in `params`.
-fn named<S: ParamStore>(
-    store: &mut S,
-    params: &mut Vec<(String, TensorId)>,
-    (name, shape, init): (&str, &[usize], Init),
-    share: f64,
-) -> Result<TensorId> {
-    let id = store.register(name, shape, init)?;
-    store.set_norm_share(id, share)?;
-    params.push((name.to_string(), id));
-    Ok(id)
 }
 
 /// GPT-2's initialisation of parameter `name` (see [`Gpt::register`]).

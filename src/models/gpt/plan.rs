@@ -5,14 +5,29 @@
 
 use std::ops::Range;
 
-use super::blocks::TensorSplit;
-use super::ends::EndsLayout;
-use super::split_ends::{Over, Place};
 use super::GptConfig;
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
 use crate::parallel::pipeline::{partition, Schedule};
-use crate::parallel::{ProcessGrid, Shard, TensorMode};
+use crate::parallel::{ProcessGrid, TensorMode};
+
+/// How a model split over a tensor-parallel group holds its ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum EndsLayout {
+    /// Split over the tensor group as the layout splits them ([`Layout::Embedding`],
+    /// [`Layout::Head`](crate::nn::Layout::Head)): on a 1D group `wte`'s rows (the tied
+    /// head's cross-entropy over the whole vocabulary), `wpe` and `ln_f` whole; on a 2D, 2.5D
+    /// or 3D grid `wte` by vocabulary and channels, `wpe` and `ln_f` in the blocks' layout.
+    /// On a grid the vocabulary and the positions must split by `q` and the channels by `q²`
+    /// (pad the vocabulary, as GPT-2's 50257 to 50304).
+    ///
+    /// [`Layout::Embedding`]: crate::nn::Layout::Embedding
+    #[default]
+    Split,
+    /// Whole on every rank: on a grid the embedding's output cut into the rank's tile, the
+    /// last block's tiles gathered for `ln_f` and the head. Any vocabulary.
+    Whole,
+}
 
 /// How one rank runs a GPT: every combination of data, pipeline, tensor (1D, 2D, 2.5D, 3D)
 /// and sequence parallelism is a grid ([`ProcessGrid`]), whose groups the model and the
@@ -66,42 +81,6 @@ impl<'a> Plan<'a> {
     /// The tensor mode (none without a grid).
     fn mode(&self) -> TensorMode {
         self.grid.map_or(TensorMode::None, |g| g.spec().tensor)
-    }
-
-    /// How the blocks are split.
-    pub(super) fn split(&self) -> TensorSplit<'a> {
-        match (self.grid, self.mode()) {
-            (Some(g), TensorMode::OneD { .. }) => TensorSplit::OneD(g.tensor()),
-            (Some(g), TensorMode::TwoD { .. } | TensorMode::TwoHalfD { .. })
-            | (Some(g), TensorMode::ThreeD { .. }) => TensorSplit::Grid(g),
-            _ => TensorSplit::None,
-        }
-    }
-
-    /// Where split ends are registered, if the ends are split.
-    pub(super) fn ends_place(&self) -> Option<Place<'a>> {
-        match (self.ends, self.split()) {
-            (EndsLayout::Whole, _) | (_, TensorSplit::None) => None,
-            (EndsLayout::Split, TensorSplit::OneD(c)) => Some(Place::OneD(Shard::of(c))),
-            (EndsLayout::Split, TensorSplit::Grid(g)) => Some(Place::Grid(g)),
-        }
-    }
-
-    /// The group split ends run over.
-    pub(super) fn over(&self) -> Option<Over<'a>> {
-        match self.split() {
-            TensorSplit::None => None,
-            TensorSplit::OneD(_) => self.grid.map(|g| Over::OneD(g.tensor())),
-            TensorSplit::Grid(g) => Some(Over::Grid(g)),
-        }
-    }
-
-    /// The grid whose tiles the blocks' activations are (none when they are whole).
-    pub(super) fn tiles(&self) -> Option<&'a ProcessGrid> {
-        match self.split() {
-            TensorSplit::Grid(g) => Some(g),
-            _ => None,
-        }
     }
 
     /// Ranks in the tensor group.

@@ -1,22 +1,21 @@
 //! One iteration of a GPT outside a pipeline: the forward and backward of a micro-batch (with
 //! or without activation checkpointing), the evaluation loss and the logits.
 
-use super::blocks::{Keep, Kept, Shape};
-use super::ends::{At, EmbKept, Embed, Head, HeadKept};
+use super::blocks::{self, BlockKept, Keep, Shape};
+use super::ends::{EmbKept, Embed, Head, HeadKept};
 use super::model::{Gpt, GptBatch, RunOptions};
 use super::plan::Plan;
 use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
-use crate::nn::{HeadsCore, Loss};
-use crate::parallel::{BatchBlock, Layout3D, Place3D};
-use crate::parallel::{RingAttention, RingCore};
+use crate::nn::{HeadsCore, Layout, Loss};
+use crate::parallel::{Placement, RingAttention, RingCore};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 
 /// What the forward keeps for the backward.
-struct Saved {
-    emb: EmbKept,
-    blocks: Kept,
-    head: HeadKept,
+struct Saved<P: Layout> {
+    emb: EmbKept<P>,
+    blocks: Vec<BlockKept<P>>,
+    head: HeadKept<P>,
 }
 
 /// The groups one iteration runs over, with the sequence ring's attention for its batch.
@@ -25,34 +24,23 @@ struct Run<'p, 'a> {
     ring: Option<RingCore<'a>>,
 }
 
-impl Gpt {
+impl<P: Placement> Gpt<P> {
     /// The sequences and heads a rank's attention runs over, for micro-batch `b`: its tile's
-    /// sequences on a grid, the whole batch's otherwise.
-    pub(super) fn attention_shape(&self, plan: &Plan<'_>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
-        let cfg = &self.config;
-        Ok(match plan.tiles() {
-            None => [b.batch, self.blocks.local_heads(cfg.heads)],
-            Some(g) => {
-                let [rows, _] = self.tile_shape(plan, b)?;
-                [rows / b.seq.max(1), cfg.heads / g.q()?]
-            }
-        })
+    /// sequences, and its heads.
+    fn attention_shape(&self, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        let [rows, _] = self.tile_shape(b)?;
+        Ok([
+            rows / b.seq.max(1),
+            self.ends.layout.heads(self.config.heads),
+        ])
     }
 
     /// The shape of micro-batch `b`'s activation between the blocks on this rank: the whole
-    /// `[batch·seq, C]`, or the rank's tile on a grid.
-    pub(super) fn tile_shape(&self, plan: &Plan<'_>, b: &GptBatch<'_>) -> Result<[usize; 2]> {
-        let (rows, c) = (b.batch * b.seq, self.config.channels);
-        let Some(grid) = plan.tiles() else {
-            return Ok([rows, c]);
-        };
-        Ok(match &self.blocks {
-            super::blocks::Blocks::Cube(_) => {
-                let t = Place3D::of(grid)?.tile(Layout3D::RowsJColsK, rows, c)?;
-                [t.rows, t.cols]
-            }
-            _ => BatchBlock::of(grid)?.shape(rows, c)?,
-        })
+    /// `[batch·seq, C]`, or the rank's tile.
+    pub(super) fn tile_shape(&self, b: &GptBatch<'_>) -> Result<[usize; 2]> {
+        self.ends
+            .layout
+            .tile_shape([b.batch * b.seq, self.config.channels])
     }
 
     /// The sequence ring's attention for micro-batch `b`, when the plan splits the positions.
@@ -65,7 +53,7 @@ impl Gpt {
             return Ok(None);
         };
         let cfg = &self.config;
-        let [seqs, heads] = self.attention_shape(plan, b)?;
+        let [seqs, heads] = self.attention_shape(b)?;
         let total = b
             .seq
             .checked_mul(group.world())
@@ -81,18 +69,22 @@ impl Gpt {
         Ok(Some(RingCore { attn, group }))
     }
 
-    /// Checks that the model was registered for `plan`'s place: its stage and its blocks'
-    /// split.
+    /// Checks that the model was registered for `plan`'s place: its stage and its tensor
+    /// place.
     pub(super) fn check_plan(&self, plan: &Plan<'_>) -> Result<()> {
         let (stage, stages) = plan.stage();
-        if (stage, stages) != (self.stage, self.stages) {
+        let placed = P::of_grid(plan.grid)?;
+        if (stage, stages) != (self.stage, self.stages) || placed != self.ends.layout {
             return Err(Error::WrongPlace {
                 what: "a GPT",
-                registered: format!("as stage {} of {}", self.stage, self.stages),
-                run: format!("as stage {stage} of {stages}"),
+                registered: format!(
+                    "as stage {} of {} at {:?}",
+                    self.stage, self.stages, self.ends.layout
+                ),
+                run: format!("as stage {stage} of {stages} at {placed:?}"),
             });
         }
-        self.blocks.check(plan.split())
+        Ok(())
     }
 
     /// One iteration's forward and backward on `b` (the same batch on every rank of the
@@ -173,13 +165,10 @@ impl Gpt {
             ring: self.ring(plan, b)?,
         };
         let fwd = store.forward()?;
-        let at = self.at(plan);
         let first = plan.sequence_rank() * b.seq;
-        let (x, _) = self
-            .ends
-            .embed(&fwd, at, b.tokens, [b.batch, b.seq, first])?;
-        let (x, _) = self.blocks.forward(&fwd, x, run.shape(b), Keep::Nothing)?;
-        let (loss, _) = self.ends.head_forward(&fwd, at, x, b.targets, 1.0)?;
+        let (x, _) = self.ends.embed(&fwd, b.tokens, [b.batch, b.seq, first])?;
+        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(b), Keep::Nothing)?;
+        let (loss, _) = self.ends.head_forward(&fwd, x, b.targets, 1.0)?;
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
@@ -221,7 +210,7 @@ impl Gpt {
         };
         let fwd = store.forward()?;
         let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
-        let (x, _) = self.blocks.forward(&fwd, x, run.shape(&b), Keep::Nothing)?;
+        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(&b), Keep::Nothing)?;
         let (h, _) = ln_f.forward(&fwd, &x, None)?;
         drop(x);
         let logits = head.proj.forward(&fwd, &h)?;
@@ -233,34 +222,21 @@ impl Gpt {
         Ok(out)
     }
 
-    /// Where the ends run on `plan`.
-    pub(super) fn at<'a>(&self, plan: &Plan<'a>) -> At<'a> {
-        At {
-            over: plan.over(),
-            tiles: plan.tiles(),
-        }
-    }
-
     fn forward(
         &self,
         fwd: &ForwardPass<'_>,
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
         opts: RunOptions,
-    ) -> Result<(Loss, Saved)> {
-        let at = self.at(run.plan);
+    ) -> Result<(Loss, Saved<P>)> {
         let first = run.plan.sequence_rank() * b.seq;
-        let (x, emb) = self
-            .ends
-            .embed(fwd, at, b.tokens, [b.batch, b.seq, first])?;
+        let (x, emb) = self.ends.embed(fwd, b.tokens, [b.batch, b.seq, first])?;
         let keep = match opts.checkpoint {
             true => Keep::Inputs,
             false => Keep::Saved,
         };
-        let (x, blocks) = self.blocks.forward(fwd, x, run.shape(b), keep)?;
-        let (loss, head) = self
-            .ends
-            .head_forward(fwd, at, x, b.targets, opts.loss_scale)?;
+        let (x, blocks) = blocks::forward(&self.blocks, fwd, x, run.shape(b), keep)?;
+        let (loss, head) = self.ends.head_forward(fwd, x, b.targets, opts.loss_scale)?;
         Ok((loss, Saved { emb, blocks, head }))
     }
 
@@ -269,13 +245,12 @@ impl Gpt {
         bwd: &mut BackwardPass<'_>,
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
-        saved: Saved,
+        saved: Saved<P>,
     ) -> Result<()> {
-        let at = self.at(run.plan);
         let Saved { emb, blocks, head } = saved;
-        let dx = self.ends.head_backward(bwd, at, head, None)?;
-        let dx = self.blocks.backward(bwd, blocks, dx, run.shape(b))?;
-        self.ends.embed_backward(bwd, at, emb, dx, None)
+        let dx = self.ends.head_backward(bwd, head, None)?;
+        let dx = blocks::backward(&self.blocks, bwd, blocks, dx, run.shape(b))?;
+        self.ends.embed_backward(bwd, emb, dx, None)
     }
 }
 

@@ -5,6 +5,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
 use crate::optim::{GradStats, HybridAdam, StepOutcome};
+use crate::parallel::Placement;
 use crate::store::ParamStore;
 
 /// One optimizer step of `gpt` (this rank's part, registered with the same `plan`) over the
@@ -34,8 +35,8 @@ use crate::store::ParamStore;
 /// over [`replicas`](crate::parallel::ProcessGrid::replicas)).
 ///
 /// Fails before anything runs if the micro-batches do not match the optimizer or the plan.
-pub fn train_step<S: ParamStore + ?Sized>(
-    gpt: &Gpt,
+pub fn train_step<P: Placement, S: ParamStore + ?Sized>(
+    gpt: &Gpt<P>,
     store: &mut S,
     plan: &Plan<'_>,
     adam: &mut HybridAdam,

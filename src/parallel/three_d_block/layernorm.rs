@@ -107,7 +107,7 @@ impl LayerNorm3D {
     }
 
     /// [`LayerNorm3D::register`] at `place`.
-    pub(super) fn register_at(
+    pub(crate) fn register_at(
         store: &mut impl ParamStore,
         place: Place3D,
         name: &str,

@@ -1,11 +1,10 @@
 //! The collectives of [`LayerNorm2D`] and of the block on the [`Summa`] layout, from the
 //! formulas.
 
-use super::{split, LayerNorm2D, Summa, SummaLinear};
+use super::{split, LayerNorm2D, SummaLinear};
 use crate::comm::Tally;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::nn::Block;
 use crate::parallel::{Cost, PassCost};
 
 /// `calls` calls of `bytes` bytes each.
@@ -51,19 +50,5 @@ impl SummaLinear {
             SummaLinear::TwoD(l) => l.collectives(rows, dtype, true),
             SummaLinear::TwoHalfD(l) => l.collectives(rows, dtype, true),
         }
-    }
-}
-
-impl Block<Summa> {
-    /// The collectives of one forward and one backward of the block over a full batch of
-    /// `rows` rows of `dtype`: the sum of its two LayerNorms' and four linears' (the attention
-    /// itself is local). Fails when `rows` does not split into the row blocks.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Result<Cost> {
-        let mut sum = self.ln_1.collectives(rows, dtype)?;
-        sum += self.ln_2.collectives(rows, dtype)?;
-        for l in [self.c_attn, self.attn_proj, self.c_fc, self.mlp_proj] {
-            sum += l.collectives(rows, dtype)?;
-        }
-        Ok(sum)
     }
 }

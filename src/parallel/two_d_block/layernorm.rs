@@ -207,7 +207,7 @@ impl LayerNorm2D {
         LayerNorm2D::register_at(store, place, name, cols, eps, [gamma, beta])
     }
 
-    pub(super) fn register_at(
+    pub(crate) fn register_at(
         store: &mut impl ParamStore,
         place: Place2D,
         name: &str,

@@ -17,8 +17,9 @@ mod train;
 pub use self::stream::train_two_bw_stream;
 pub(super) use self::train::pipeline_step;
 use super::Gpt;
+use crate::nn::Layout;
 
-impl Gpt {
+impl<P: Layout> Gpt<P> {
     /// Whether this stage holds one of `wte`'s two copies.
     fn ties(&self) -> bool {
         self.stages > 1 && (self.ends.embedding.is_some() || self.ends.head.is_some())

@@ -6,26 +6,26 @@ use std::cell::{Cell, RefCell};
 use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::models::gpt::blocks::{Keep, Kept, Shape};
+use crate::models::gpt::blocks::{self, BlockKept, Keep, Shape};
 use crate::models::gpt::ends::{EmbKept, HeadKept};
 use crate::models::gpt::{Gpt, GptBatch, Plan};
-use crate::nn::{Act, HeadsCore};
+use crate::nn::{Act, Block, HeadsCore};
 use crate::ops::{add, add_in_place, cast, Axpby};
 use crate::parallel::pipeline::StageModel;
-use crate::parallel::RingCore;
+use crate::parallel::{Placement, RingCore};
 use crate::store::{BackwardPass, ForwardPass};
 use crate::tensor::TensorId;
 
 /// What one micro-batch's forward keeps on a stage.
-pub(super) struct StageSaved {
-    emb: Option<EmbKept>,
-    blocks: Kept,
-    head: Option<HeadKept>,
+pub(super) struct StageSaved<P: Placement> {
+    emb: Option<EmbKept<P>>,
+    blocks: Vec<BlockKept<P>>,
+    head: Option<HeadKept<P>>,
 }
 
 /// One step of a stage: its micro-batches and groups.
-pub(super) struct StageStep<'a> {
-    pub(super) gpt: &'a Gpt,
+pub(super) struct StageStep<'a, P: Placement> {
+    pub(super) gpt: &'a Gpt<P>,
     pub(super) micro: &'a [GptBatch<'a>],
     pub(super) plan: &'a Plan<'a>,
     pub(super) ring: Option<RingCore<'a>>,
@@ -41,7 +41,7 @@ const ONE: Axpby = Axpby {
     beta: 1.0,
 };
 
-impl StageStep<'_> {
+impl<P: Placement> StageStep<'_, P> {
     fn first_position(&self, b: &GptBatch<'_>) -> usize {
         self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
     }
@@ -83,12 +83,12 @@ impl StageStep<'_> {
     }
 }
 
-impl StageModel for StageStep<'_> {
-    type Saved = StageSaved;
+impl<P: Placement> StageModel for StageStep<'_, P> {
+    type Saved = StageSaved<P>;
 
     fn params(&self) -> Vec<TensorId> {
         let (mut v, last) = self.gpt.ends.params();
-        v.extend(self.gpt.blocks.params());
+        v.extend(self.gpt.blocks.iter().flat_map(Block::params));
         v.extend(last);
         v
     }
@@ -102,7 +102,7 @@ impl StageModel for StageStep<'_> {
                 index: micro,
                 len: self.micro.len(),
             })?;
-        self.gpt.tile_shape(self.plan, b)
+        self.gpt.tile_shape(b)
     }
 
     fn forward(
@@ -110,13 +110,13 @@ impl StageModel for StageStep<'_> {
         pass: &ForwardPass<'_>,
         micro: usize,
         input: Option<&Act>,
-    ) -> Result<(Act, StageSaved)> {
-        let (g, at) = (self.gpt, self.gpt.at(self.plan));
+    ) -> Result<(Act, StageSaved<P>)> {
+        let g = self.gpt;
         let b = &self.micro[micro];
         let (x, emb) = match (&g.ends.embedding, input) {
             (Some(_), _) => {
                 let first = self.first_position(b);
-                let (x, s) = g.ends.embed(pass, at, b.tokens, [b.batch, b.seq, first])?;
+                let (x, s) = g.ends.embed(pass, b.tokens, [b.batch, b.seq, first])?;
                 (x, Some(s))
             }
             (None, Some(x)) => (x.clone(), None),
@@ -130,7 +130,7 @@ impl StageModel for StageStep<'_> {
                 })
             }
         };
-        let (x, blocks) = g.blocks.forward(pass, x, self.shape(b), Keep::Saved)?;
+        let (x, blocks) = blocks::forward(&g.blocks, pass, x, self.shape(b), Keep::Saved)?;
         if g.ends.head.is_none() {
             let saved = StageSaved {
                 emb,
@@ -139,9 +139,7 @@ impl StageModel for StageStep<'_> {
             };
             return Ok((x, saved));
         }
-        let (loss, head) = g
-            .ends
-            .head_forward(pass, at, x, b.targets, self.scale.get())?;
+        let (loss, head) = g.ends.head_forward(pass, x, b.targets, self.scale.get())?;
         let loss = loss.read()?;
         let out = Act::upload(pass.pool(), pass.stream(), 1, 1, DType::F32, &[loss])?;
         let saved = StageSaved {
@@ -156,17 +154,17 @@ impl StageModel for StageStep<'_> {
         &self,
         pass: &BackwardPass<'_>,
         micro: usize,
-        saved: StageSaved,
+        saved: StageSaved<P>,
         dout: Option<&Act>,
     ) -> Result<Option<Act>> {
-        let (g, at) = (self.gpt, self.gpt.at(self.plan));
+        let g = self.gpt;
         let StageSaved { emb, blocks, head } = saved;
         let keep = |p: &BackwardPass<'_>, share: &PoolBlock| self.keep(p, share);
         let tie = g
             .ties()
             .then_some(&keep as &dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>);
         let dx = match (head, dout) {
-            (Some(kept), _) => g.ends.head_backward(pass, at, kept, tie)?,
+            (Some(kept), _) => g.ends.head_backward(pass, kept, tie)?,
             (None, Some(d)) => d.clone(),
             (None, None) => {
                 return Err(Error::Internal {
@@ -178,10 +176,10 @@ impl StageModel for StageStep<'_> {
             }
         };
         let b = &self.micro[micro];
-        let dx = g.blocks.backward_saved(pass, blocks, dx, self.shape(b))?;
+        let dx = blocks::backward_saved(&g.blocks, pass, blocks, dx, self.shape(b))?;
         match emb {
             Some(kept) => {
-                g.ends.embed_backward(pass, at, kept, dx, tie)?;
+                g.ends.embed_backward(pass, kept, dx, tie)?;
                 Ok(None)
             }
             None => Ok(Some(dx)),
@@ -219,7 +217,7 @@ impl StageModel for StageStep<'_> {
     }
 }
 
-impl StageStep<'_> {
+impl<P: Placement> StageStep<'_, P> {
     /// The sum of this end's f32 sum of `wte`'s shares (`n` elements) and the other end's
     /// (swapped over the pipeline group with the same tensor rank of the other end stage), the
     /// first stage's first on both so that the two copies stay bit for bit the same.

@@ -9,6 +9,7 @@ use crate::models::gpt::TrainStep;
 use crate::models::gpt::{Gpt, GptBatch, Plan};
 use crate::optim::HybridAdam;
 use crate::parallel::pipeline::{PipelineStage, Schedule};
+use crate::parallel::Placement;
 use crate::store::ParamStore;
 
 /// PipeDream-2BW over `batches` (each one optimizer step's micro-batches, `every ≥ P` of
@@ -31,8 +32,8 @@ use crate::store::ParamStore;
 /// its ops).
 ///
 /// [`train_step`]: crate::models::gpt::train_step
-pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
-    versions: [&Gpt; 2],
+pub fn train_two_bw_stream<P: Placement, S: ParamStore + ?Sized>(
+    versions: [&Gpt<P>; 2],
     store: &mut S,
     plan: &Plan<'_>,
     adam: &mut HybridAdam,
@@ -88,7 +89,7 @@ pub fn train_two_bw_stream<S: ParamStore + ?Sized>(
         b.check(&gpt.config)?;
     }
     let scale = adam.loss_scale() / every as f32;
-    let steps = versions.map(|v| -> Result<StageStep<'_>> {
+    let steps = versions.map(|v| -> Result<StageStep<'_, P>> {
         Ok(StageStep {
             gpt: v,
             micro: &micro,

@@ -36,7 +36,7 @@ use tidemem::data::Ahead;
 use tidemem::device::DeviceStats;
 use tidemem::embedding::{bincount, CachedEmbeddingCollection};
 use tidemem::models::dlrm::{self, Dlrm, DlrmConfig};
-use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan, RunOptions};
+use tidemem::models::gpt::{train_step, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::ops::embedding::BagMode;
 use tidemem::ops::embedding::EmbeddingOptimizer;
 use tidemem::optim::DevicePlacement;
@@ -86,7 +86,7 @@ impl GptRun {
             .map(|i| ((i * 2654435761) % cfg.vocab as u64) as i32)
             .collect();
         GptRun {
-            ckpt: RunOptions::for_config(&cfg).checkpoint,
+            ckpt: cfg.layers >= 12,
             m,
             gpt,
             adam,

@@ -17,7 +17,7 @@
 use clap::Parser;
 use serde_json::json;
 use tidemem::comm::Communicator;
-use tidemem::models::gpt::{default_init, Gpt, GptBatch, GptConfig, Plan, RunOptions};
+use tidemem::models::gpt::{default_init, Gpt, GptBatch, GptConfig, Plan};
 use tidemem::parallel::{GridSpec, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 
@@ -109,15 +109,11 @@ fn probe(a: &Args, scheme: Scheme, batch: usize, seq: usize) -> tidemem::Result<
                         batch,
                         seq: local,
                     };
-                    let opts = RunOptions {
-                        checkpoint: false,
-                        loss_scale: 1.0,
-                    };
                     tidemem::with_placement!(tensor, |P| {
                         let gpt: Gpt<P> = Gpt::register_on(&mut m, &plan, cfg, |name, _| {
                             Ok(default_init(cfg, name, 1))
                         })?;
-                        gpt.forward_backward(&mut m, &plan, &b, opts)?
+                        gpt.forward_backward(&mut m, &plan, &b, 1.0)?
                     });
                     m.skip_step()?;
                     Ok(m.non_model_peak())

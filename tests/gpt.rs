@@ -6,7 +6,7 @@
 mod common;
 mod nn_ref;
 
-use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, Plan, RunOptions};
+use tidemem::models::gpt::{Gpt, GptBatch, GptConfig, Plan};
 use tidemem::optim::reference_step;
 use tidemem::prelude::*;
 
@@ -127,13 +127,11 @@ fn loss_and_every_gradient_match_an_f64_reference() {
                 assert_eq!(ids.len(), 4 + 12 * L);
                 let p = read_all(&mut m, &ids);
                 let (want_loss, want) = gpt_ref(&p, &tokens, &targets);
-                let opts = RunOptions {
+                let plan = Plan {
                     checkpoint,
-                    loss_scale: 1.0,
+                    ..Plan::default()
                 };
-                let loss = gpt
-                    .forward_backward(&mut m, &Plan::default(), &batch, opts)
-                    .unwrap();
+                let loss = gpt.forward_backward(&mut m, &plan, &batch, 1.0).unwrap();
                 let name = format!("{} {d} checkpoint={checkpoint}", dev.name());
                 let mut worst = close(&format!("{name}: loss"), &[loss], &[want_loss], tol);
                 for ((n, id), w) in gpt.named_params().iter().zip(&want) {
@@ -188,13 +186,11 @@ fn ten_adamw_steps_match_the_reference_losses() {
                 batch: B,
                 seq: T,
             };
-            let opts = RunOptions {
+            let plan = Plan {
                 checkpoint: step % 2 == 0,
-                loss_scale: 1.0,
+                ..Plan::default()
             };
-            let loss = gpt
-                .forward_backward(&mut m, &Plan::default(), &batch, opts)
-                .unwrap();
+            let loss = gpt.forward_backward(&mut m, &plan, &batch, 1.0).unwrap();
             m.step(&mut adam).unwrap();
             let (want, grads) = gpt_ref(&p, &tokens, &targets);
             for k in 0..p.len() {
@@ -229,10 +225,6 @@ fn bad_batches_are_refused_before_anything_runs() {
     let mut m = manager(common::sim(64 << 20), DType::F32);
     let gpt = Gpt::register_with(&mut m, &config(), init).unwrap();
     let (tokens, targets) = data(3);
-    let opts = RunOptions {
-        checkpoint: false,
-        loss_scale: 1.0,
-    };
     let mut bad = tokens.clone();
     bad[3] = V as i32;
     let cases: [(&[i32], &[i32], usize, usize); 4] = [
@@ -258,7 +250,7 @@ fn bad_batches_are_refused_before_anything_runs() {
             batch: b,
             seq: t,
         };
-        let r = gpt.forward_backward(&mut m, &Plan::default(), &batch, opts);
+        let r = gpt.forward_backward(&mut m, &Plan::default(), &batch, 1.0);
         let typed = matches!(
             r,
             Err(Error::TokenOutOfRange { .. }
@@ -269,10 +261,7 @@ fn bad_batches_are_refused_before_anything_runs() {
         assert_eq!(m.stage(), None, "nothing ran");
         assert!(state(&mut m) == before, "a refused batch changes nothing");
     }
-    let nan = RunOptions {
-        checkpoint: false,
-        loss_scale: f32::NAN,
-    };
+    let nan = f32::NAN;
     let batch = GptBatch {
         tokens: &tokens,
         targets: &targets,

@@ -203,13 +203,9 @@ fn a_split_model_needs_its_group() {
             batch: B,
             seq: T,
         };
-        let opts = tidemem::models::gpt::RunOptions {
-            checkpoint: false,
-            loss_scale: 1.0,
-        };
         let alone = Plan::default();
         assert!(
-            gpt.forward_backward(&mut m, &alone, &b, opts).is_err(),
+            gpt.forward_backward(&mut m, &alone, &b, 1.0).is_err(),
             "no group"
         );
         assert_eq!(m.stage(), None, "nothing ran");

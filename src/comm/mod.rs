@@ -73,6 +73,26 @@ pub use stats::{CommStats, Tally};
 
 /// The instant `timeout` from now; a timeout too long to add (say `Duration::MAX`) is a
 /// century, which no wait reaches.
+/// Gradient statistics over `groups`, one after another (the squares summed, a non-finite
+/// value on any rank on every rank): every rank of them clips by the global norm and skips
+/// an overflow together. The one reduction every trainer runs (data, tensor and pipeline
+/// groups alike).
+pub(crate) fn reduce_grad_stats<'a>(
+    groups: impl IntoIterator<Item = &'a Communicator>,
+    st: crate::ops::GradStats,
+) -> Result<crate::ops::GradStats> {
+    let mut sq = [st.sum_sq];
+    let mut flag = [u8::from(st.nonfinite)];
+    for g in groups {
+        g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
+        g.all_reduce_host(&mut flag, ReduceOp::Max)?;
+    }
+    Ok(crate::ops::GradStats {
+        sum_sq: sq[0],
+        nonfinite: flag[0] != 0,
+    })
+}
+
 pub(crate) fn deadline_after(timeout: Duration) -> std::time::Instant {
     let now = std::time::Instant::now();
     now.checked_add(timeout)

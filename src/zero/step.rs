@@ -2,7 +2,7 @@
 //! group's gradients, and the optimizer step on this rank's chunks.
 
 use super::{stage_name, ZeroManager};
-use crate::comm::{Elem, ReduceOp};
+use crate::comm::{reduce_grad_stats, Elem, ReduceOp};
 use crate::error::{Error, Result};
 use crate::optim::{GradStats, HybridAdam, StepReport};
 use crate::tensor::{next_state, Stage, TensorId, TrainEvent};
@@ -86,14 +86,7 @@ impl ZeroManager {
         }
         let comm = &self.comm;
         let report = adam.step_reducing(&mut self.local, &mut |st: GradStats| {
-            let mut sq = [st.sum_sq];
-            comm.all_reduce_host(&mut sq, ReduceOp::Sum)?;
-            let mut flag = [u8::from(st.nonfinite)];
-            comm.all_reduce_host(&mut flag, ReduceOp::Max)?;
-            reduce(GradStats {
-                sum_sq: sq[0],
-                nonfinite: flag[0] != 0,
-            })
+            reduce(reduce_grad_stats([comm], st)?)
         })?;
         // the iteration is over whatever follows (the rank's manager ended it)
         for id in 0..self.tensors.len() {

@@ -20,7 +20,7 @@ mod train;
 
 pub use config::{GptConfig, IGNORE_INDEX};
 pub use hf::{read_hf, write_hf, HfWeights};
-pub use model::{default_init, Gpt, GptBatch, RunOptions, TrainStep};
+pub use model::{default_init, Gpt, GptBatch, TrainStep};
 pub use pipe::train_two_bw_stream;
 pub use plan::{EndsLayout, Plan};
 pub use train::train_step;

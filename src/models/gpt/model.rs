@@ -48,7 +48,7 @@ pub struct TrainStep {
 /// Two iterations of `gpt2-tiny` shrunk to 2 blocks, each block checkpointed:
 ///
 /// ```
-/// use tidemem::models::gpt::{Gpt, GptConfig, GptBatch, RunOptions};
+/// use tidemem::models::gpt::{Gpt, GptConfig, GptBatch, Plan};
 /// use tidemem::prelude::*;
 ///
 /// # fn main() -> tidemem::Result<()> {
@@ -61,13 +61,32 @@ pub struct TrainStep {
 /// let tokens: Vec<i32> = (0..32).map(|i| i % 7).collect();
 /// let targets: Vec<i32> = (1..33).map(|i| i % 7).collect();
 /// let batch = GptBatch { tokens: &tokens, targets: &targets, batch: 2, seq: 16 };
-/// let opts = RunOptions { checkpoint: true, loss_scale: 1.0 };
-/// let first = gpt.forward_backward(&mut m, &Default::default(), &batch, opts)?;
+/// let plan = Plan { checkpoint: true, ..Plan::default() };
+/// let first = gpt.forward_backward(&mut m, &plan, &batch, 1.0)?;
 /// m.step(&mut adam)?;
-/// let second = gpt.forward_backward(&mut m, &Default::default(), &batch, opts)?;
+/// let second = gpt.forward_backward(&mut m, &plan, &batch, 1.0)?;
 /// m.step(&mut adam)?;
 /// assert!(second < first);
 /// # Ok(()) }
+/// ```
+///
+/// A model is registered for one placement and runs on it: its blocks and ends hold that
+/// layout's groups, and a model of one placement is not one of another. This does not compile:
+///
+/// ```compile_fail
+/// use tidemem::models::gpt::{train_step, Gpt, GptBatch, Plan};
+/// use tidemem::parallel::{Cube, OneD};
+/// use tidemem::prelude::*;
+///
+/// fn step(gpt: &Gpt<Cube>, m: &mut ChunkManager, plan: &Plan<'_>, adam: &mut HybridAdam,
+///         b: GptBatch<'_>) -> tidemem::Result<()> {
+///     train_step(gpt, m, plan, adam, &[b]).map(drop)
+/// }
+///
+/// fn run(gpt: &Gpt<OneD>, m: &mut ChunkManager, plan: &Plan<'_>, adam: &mut HybridAdam,
+///        b: GptBatch<'_>) -> tidemem::Result<()> {
+///     step(gpt, m, plan, adam, b) // a 1D model where a 3D one runs: a type error
+/// }
 /// ```
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gpt<P: Layout = Serial> {
@@ -98,18 +117,6 @@ pub struct GptBatch<'a> {
     pub seq: usize,
 }
 
-/// How [`Gpt::forward_backward`] runs.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
-pub struct RunOptions {
-    /// Keep only each block's input through the forward pass and recompute the block in the
-    /// backward pass (activation checkpointing): the activations held shrink from `L` blocks'
-    /// to one block's plus `L` inputs, for one more forward of each block. The parameters
-    /// come out bitwise the same either way.
-    pub checkpoint: bool,
-    /// The loss gradient's scale (the optimizer's loss scale; 1 without one).
-    pub loss_scale: f32,
-}
-
 impl GptBatch<'_> {
     /// Checks the batch against a model of shape `cfg`: `batch × seq` tokens and as many
     /// targets, at most `maxT` positions, targets in the vocabulary or ignored.
@@ -130,21 +137,6 @@ impl GptBatch<'_> {
             });
         }
         crate::ops::check_targets(self.targets, cfg.vocab, IGNORE_INDEX)
-    }
-}
-
-impl RunOptions {
-    /// Checks the options before a pass: the loss scale must be positive and finite.
-    pub fn check(&self) -> Result<()> {
-        crate::nn::check_scale("the loss scale", self.loss_scale)
-    }
-
-    /// Checkpointing on for models of 12 or more blocks (GPT-2 124M and up), loss scale 1.
-    pub fn for_config(cfg: &GptConfig) -> RunOptions {
-        RunOptions {
-            checkpoint: cfg.layers >= 12,
-            loss_scale: 1.0,
-        }
     }
 }
 

@@ -3,7 +3,7 @@
 
 use super::blocks::{self, BlockKept, Keep, Shape};
 use super::ends::{EmbKept, Embed, Head, HeadKept};
-use super::model::{Gpt, GptBatch, RunOptions};
+use super::model::{Gpt, GptBatch};
 use super::plan::Plan;
 use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
@@ -89,8 +89,8 @@ impl<P: Placement> Gpt<P> {
 
     /// One iteration's forward and backward on `b` (the same batch on every rank of the
     /// plan's tensor group; with a sequence ring, this rank's positions of every sequence):
-    /// every parameter's gradient (of the mean loss times `opts.loss_scale`) written into its
-    /// slot, the loss (unscaled) returned. With `opts.checkpoint` each block keeps only its
+    /// every parameter's gradient (of the mean loss times `loss_scale`, the optimizer's) written
+    /// into its slot, the loss (unscaled) returned. With [`Plan::checkpoint`] each block keeps only its
     /// input and is recomputed in the backward pass, the same bits with fewer activations held.
     /// The store is then in its optimizer stage: run [`ParamStore::step`] (or
     /// [`train_step`](super::train_step), which reduces the gradient statistics over the
@@ -101,9 +101,9 @@ impl<P: Placement> Gpt<P> {
         store: &mut S,
         plan: &Plan<'_>,
         b: &GptBatch<'_>,
-        opts: RunOptions,
+        loss_scale: f32,
     ) -> Result<f32> {
-        self.forward_backward_loss(store, plan, b, opts)?.read()
+        self.forward_backward_loss(store, plan, b, loss_scale)?.read()
     }
 
     /// [`Gpt::forward_backward`] with the loss left on its way to the host ([`Loss`]), so a
@@ -113,10 +113,10 @@ impl<P: Placement> Gpt<P> {
         store: &mut S,
         plan: &Plan<'_>,
         b: &GptBatch<'_>,
-        opts: RunOptions,
+        loss_scale: f32,
     ) -> Result<Loss> {
         b.check(&self.config)?;
-        opts.check()?;
+        crate::nn::check_scale("the loss scale", loss_scale)?;
         self.check_plan(plan)?;
         if self.stages > 1 {
             return Err(Error::Conflict {
@@ -133,7 +133,7 @@ impl<P: Placement> Gpt<P> {
             ring: self.ring(plan, b)?,
         };
         let fwd = store.forward()?;
-        let (loss, saved) = self.forward(&fwd, &run, b, opts)?;
+        let (loss, saved) = self.forward(&fwd, &run, b, loss_scale)?;
         fwd.finish()?;
         let mut bwd = store.backward()?;
         self.backward(&mut bwd, &run, b, saved)?;
@@ -227,16 +227,16 @@ impl<P: Placement> Gpt<P> {
         fwd: &ForwardPass<'_>,
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
-        opts: RunOptions,
+        loss_scale: f32,
     ) -> Result<(Loss, Saved<P>)> {
         let first = run.plan.sequence_rank() * b.seq;
         let (x, emb) = self.ends.embed(fwd, b.tokens, [b.batch, b.seq, first])?;
-        let keep = match opts.checkpoint {
+        let keep = match run.plan.checkpoint {
             true => Keep::Inputs,
             false => Keep::Saved,
         };
         let (x, blocks) = blocks::forward(&self.blocks, fwd, x, run.shape(b), keep)?;
-        let (loss, head) = self.ends.head_forward(fwd, x, b.targets, opts.loss_scale)?;
+        let (loss, head) = self.ends.head_forward(fwd, x, b.targets, loss_scale)?;
         Ok((loss, Saved { emb, blocks, head }))
     }
 

@@ -1,10 +1,10 @@
 //! One optimizer step of a GPT over any store: micro-batches, loss scaling, the step.
 
-use super::{Gpt, GptBatch, Plan, RunOptions, TrainStep};
-use crate::comm::{Communicator, ReduceOp};
+use super::{Gpt, GptBatch, Plan, TrainStep};
+use crate::comm::{reduce_grad_stats, Communicator};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
-use crate::optim::{GradStats, HybridAdam, StepOutcome};
+use crate::optim::{HybridAdam, StepOutcome};
 use crate::parallel::Placement;
 use crate::store::ParamStore;
 
@@ -48,11 +48,7 @@ pub fn train_step<P: Placement, S: ParamStore + ?Sized>(
         return Ok(step);
     }
     micro_steps(store, plan.tensor(), adam, micro, |store, b, loss_scale| {
-        let opts = RunOptions {
-            checkpoint: plan.checkpoint,
-            loss_scale,
-        };
-        gpt.forward_backward_loss(store, plan, b, opts)
+        gpt.forward_backward_loss(store, plan, b, loss_scale)
     })
 }
 
@@ -83,16 +79,7 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
         losses.push(fb(store, b, adam.loss_scale())?);
         tokens += b.tokens.len();
         let r = match tp {
-            Some(g) => store.step_reducing(adam, &mut |st: GradStats| {
-                let mut sq = [st.sum_sq];
-                g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
-                let mut flag = [u8::from(st.nonfinite)];
-                g.all_reduce_host(&mut flag, ReduceOp::Max)?;
-                Ok(GradStats {
-                    sum_sq: sq[0],
-                    nonfinite: flag[0] != 0,
-                })
-            })?,
+            Some(g) => store.step_reducing(adam, &mut |st| reduce_grad_stats([g], st))?,
             None => store.step(adam)?,
         };
         let expected_last = k + 1 == micro.len();

@@ -5,11 +5,11 @@
 use std::cell::{Cell, RefCell};
 
 use super::step::StageStep;
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{reduce_grad_stats, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::gpt::TrainStep;
 use crate::models::gpt::{Gpt, GptBatch, Plan};
-use crate::optim::{GradStats, HybridAdam, StepOutcome, StepReport};
+use crate::optim::{HybridAdam, StepOutcome, StepReport};
 use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
 use crate::parallel::Placement;
 use crate::store::ParamStore;
@@ -149,19 +149,10 @@ pub(super) fn step_reduced<S: ParamStore + ?Sized>(
     adam: &mut HybridAdam,
     plan: &Plan<'_>,
 ) -> Result<StepReport> {
-    let reduce = |st: GradStats| -> Result<GradStats> {
-        let mut sq = [st.sum_sq];
-        let mut flag = [u8::from(st.nonfinite)];
-        for g in [plan.pipeline(), plan.tensor()].into_iter().flatten() {
-            g.all_reduce_host(&mut sq, ReduceOp::Sum)?;
-            g.all_reduce_host(&mut flag, ReduceOp::Max)?;
-        }
-        Ok(GradStats {
-            sum_sq: sq[0],
-            nonfinite: flag[0] != 0,
-        })
-    };
-    let r = store.step_reducing(adam, &mut { reduce })?;
+    let groups = [plan.pipeline(), plan.tensor()];
+    let r = store.step_reducing(adam, &mut |st| {
+        reduce_grad_stats(groups.into_iter().flatten(), st)
+    })?;
     if r.outcome == StepOutcome::Accumulated {
         return Err(Error::Internal {
             what: "the optimizer accumulated a pipeline step (it was checked to accumulate 1)"

@@ -152,7 +152,7 @@ impl ToyMlp {
 
     /// Bytes of what one block keeps from forward to backward in parameters of `dtype`: its
     /// pre-activation and output (`2 × batch × width` values, in one pool buffer).
-    pub fn activation_bytes(&self, dtype: DType) -> usize {
+    pub(crate) fn activation_bytes(&self, dtype: DType) -> usize {
         2 * self.batch * self.width * dtype.size()
     }
 

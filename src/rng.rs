@@ -52,12 +52,12 @@ pub fn derive_seed(seed: u64, domain: u64, index: u64) -> u64 {
 }
 
 /// A uniform value in `[0, 1)` from the top 53 bits of `x`.
-pub fn unit_f64(x: u64) -> f64 {
+pub(crate) fn unit_f64(x: u64) -> f64 {
     (x >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
 }
 
 /// A uniform value in `[0, 1)` from the top 24 bits of `x`.
-pub fn unit_f32(x: u64) -> f32 {
+pub(crate) fn unit_f32(x: u64) -> f32 {
     (x >> 40) as f32 / (1u64 << 24) as f32
 }
 

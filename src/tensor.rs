@@ -63,7 +63,7 @@ impl TensorState {
 
     /// Priority used to derive a chunk's state from its tensors: the chunk takes the state of
     /// highest priority among its tensors (COMPUTE > HOLD > HOLD_AFTER_FWD > HOLD_AFTER_BWD > FREE).
-    pub fn priority(self) -> u8 {
+    pub(crate) fn priority(self) -> u8 {
         match self {
             TensorState::Compute => 4,
             TensorState::Hold => 3,
@@ -220,7 +220,7 @@ impl ChunkKind {
 
     /// Order in which chunks leave host memory for the file tier when host memory is short:
     /// optimizer state first, parameters last.
-    pub fn spill_rank(self) -> u8 {
+    pub(crate) fn spill_rank(self) -> u8 {
         match self {
             ChunkKind::Variance => 0,
             ChunkKind::Momentum => 1,

@@ -102,14 +102,14 @@ impl ChunkLayout {
     }
 
     /// Closes the open chunk: the next tensor starts a new group.
-    pub fn seal(&mut self) {
+    pub(crate) fn seal(&mut self) {
         self.open = None;
     }
 
     /// Closes the open chunk and adds empty groups (of an ordinary chunk's capacity, holding no
     /// tensor) until the number of groups is a multiple of `multiple`: the next tensor starts a
     /// group whose index is a multiple of it.
-    pub fn pad_groups(&mut self, multiple: usize) {
+    pub(crate) fn pad_groups(&mut self, multiple: usize) {
         self.seal();
         while multiple > 0 && !self.groups().is_multiple_of(multiple) {
             self.new_group(self.chunk_elems);
@@ -122,7 +122,7 @@ impl ChunkLayout {
     }
 
     /// Total element capacity over all groups.
-    pub fn capacity_elems(&self) -> usize {
+    pub(crate) fn capacity_elems(&self) -> usize {
         self.group_elems.iter().sum()
     }
 
@@ -132,7 +132,7 @@ impl ChunkLayout {
     }
 
     /// Packs `numels` in order with chunks of `chunk_elems`.
-    pub fn pack(chunk_elems: usize, numels: &[usize]) -> Result<Self> {
+    pub(crate) fn pack(chunk_elems: usize, numels: &[usize]) -> Result<Self> {
         let mut l = ChunkLayout::new(chunk_elems)?;
         for &n in numels {
             l.push(n)?;

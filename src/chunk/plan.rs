@@ -45,12 +45,12 @@ impl ChunkPlan {
     }
 
     /// The group of schedulable chunk `chunk`.
-    pub fn group_of(chunk: ChunkNo) -> u32 {
+    pub(crate) fn group_of(chunk: ChunkNo) -> u32 {
         chunk / 4
     }
 
     /// Bytes of all chunks of one kind.
-    pub fn kind_bytes(&self, kind: ChunkKind) -> u64 {
+    pub(crate) fn kind_bytes(&self, kind: ChunkKind) -> u64 {
         self.chunks
             .iter()
             .filter(|c| c.kind == kind)
@@ -59,7 +59,7 @@ impl ChunkPlan {
     }
 
     /// Bytes of all chunks (model data with padding).
-    pub fn total_bytes(&self) -> u64 {
+    pub(crate) fn total_bytes(&self) -> u64 {
         self.chunks.iter().map(|c| c.bytes).sum()
     }
 }

@@ -223,7 +223,7 @@ pub(crate) fn library_path() -> Result<&'static str> {
 }
 
 /// The loaded NCCL's version: `(major, minor, patch)`.
-pub(crate) fn version() -> Result<(u32, u32, u32)> {
+pub fn version() -> Result<(u32, u32, u32)> {
     let l = lib()?;
     let mut code: c_int = 0;
     // SAFETY: a valid out-pointer.

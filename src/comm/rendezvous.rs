@@ -54,13 +54,13 @@ pub struct LaunchEnv {
 
 impl LaunchEnv {
     /// Reads the process environment; `Ok(None)` when `WORLD_SIZE` is not set (not launched).
-    pub fn from_env() -> Result<Option<LaunchEnv>> {
+    pub(crate) fn from_env() -> Result<Option<LaunchEnv>> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
     /// Reads the variables through `get`; `Ok(None)` when `WORLD_SIZE` is absent. Malformed or
     /// inconsistent values are errors naming the variable.
-    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+    pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         let Some(world) = get("WORLD_SIZE") else {
             return Ok(None);
         };

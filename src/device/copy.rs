@@ -144,7 +144,7 @@ impl Device {
     /// Copies `dst.len()` bytes of `src` starting at `src_offset` into `dst` asynchronously on
     /// `stream`, for staging buffers filled only in part. The host buffer comes back from
     /// [`Pending::wait`] once the copy is done.
-    pub fn copy_h2d_part<'a>(
+    pub(crate) fn copy_h2d_part<'a>(
         &self,
         stream: &Stream,
         src: HostBuffer,
@@ -169,7 +169,7 @@ impl Device {
     /// copy is done, without the host waiting: `stream` waits for it on the device. For a chunk
     /// loaded again while its write-back to that buffer is still under way. The buffer comes
     /// back from the returned [`Pending`].
-    pub fn copy_h2d_after<'a>(
+    pub(crate) fn copy_h2d_after<'a>(
         &self,
         stream: &Stream,
         src: Pending<HostBuffer>,
@@ -337,7 +337,7 @@ impl Device {
 
     /// Copies all of `src` into `dst[dst_offset..dst_offset + src.len()]` asynchronously on
     /// `stream`. The host buffer comes back from [`Pending::wait`]; it cannot be read before.
-    pub fn copy_d2h_part<'a>(
+    pub(crate) fn copy_d2h_part<'a>(
         &self,
         stream: &Stream,
         src: impl Into<Input<'a>>,

@@ -159,7 +159,7 @@ impl CudaBackend {
 
     /// Loads (compiling on first use, then cached per device) the module of kernel source
     /// `name` and returns function `func` from it.
-    pub fn function(&self, name: &'static str, func: &str) -> Result<CudaFunction> {
+    pub(crate) fn function(&self, name: &'static str, func: &str) -> Result<CudaFunction> {
         let module = {
             let mut modules = self.modules.lock();
             match modules.get(name) {

@@ -94,7 +94,7 @@ impl<'a> DeviceView<'a> {
     }
     /// Whether the two views share at least one byte (same buffer, intersecting ranges; an
     /// empty view overlaps nothing).
-    pub fn overlaps(&self, other: &DeviceView<'_>) -> bool {
+    pub(crate) fn overlaps(&self, other: &DeviceView<'_>) -> bool {
         std::ptr::eq(self.buf, other.buf)
             && self.len > 0
             && other.len > 0
@@ -102,7 +102,7 @@ impl<'a> DeviceView<'a> {
             && other.offset < self.offset + self.len
     }
     /// The sub-view of `len` bytes at `offset` within this view.
-    pub fn slice(&self, offset: usize, len: usize) -> Result<DeviceView<'a>> {
+    pub(crate) fn slice(&self, offset: usize, len: usize) -> Result<DeviceView<'a>> {
         if offset.checked_add(len).is_none_or(|end| end > self.len) {
             return Err(Error::OutOfBounds {
                 offset,
@@ -161,7 +161,7 @@ impl<'a> Input<'a> {
     }
     /// The bytes `offset .. offset + len` of this range, still read-only; an error if they
     /// do not lie inside it.
-    pub fn slice(&self, offset: usize, len: usize) -> Result<Input<'a>> {
+    pub(crate) fn slice(&self, offset: usize, len: usize) -> Result<Input<'a>> {
         Ok(Input {
             view: self.view.slice(offset, len)?,
         })

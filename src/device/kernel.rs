@@ -237,7 +237,7 @@ impl KernelDesc {
 
     /// An error of a launch that does not match this op's signature (operand count, element
     /// types, parameter block): an [`Error::Launch`].
-    pub fn signature_error(&self, reason: impl Into<String>) -> Error {
+    pub(crate) fn signature_error(&self, reason: impl Into<String>) -> Error {
         Error::Launch {
             kernel: self.name,
             reason: reason.into(),
@@ -276,7 +276,7 @@ impl LaunchInfo<'_> {
         self.operands.get(i).copied().flatten().map(|o| o.dtype)
     }
     /// Whether operand `i` is present.
-    pub fn present(&self, i: usize) -> bool {
+    pub(crate) fn present(&self, i: usize) -> bool {
         self.operands.get(i).is_some_and(|o| o.is_some())
     }
     /// The parameter struct (its size was checked against the descriptor).
@@ -393,7 +393,7 @@ impl<'a> TwinArgs<'a> {
     }
 
     /// The op.
-    pub fn desc(&self) -> &'static KernelDesc {
+    pub(crate) fn desc(&self) -> &'static KernelDesc {
         self.desc
     }
     /// The parameter struct.
@@ -405,7 +405,7 @@ impl<'a> TwinArgs<'a> {
         self.dtypes.get(i).copied().flatten()
     }
     /// Whether operand `i` is present.
-    pub fn present(&self, i: usize) -> bool {
+    pub(crate) fn present(&self, i: usize) -> bool {
         self.dtype(i).is_some()
     }
     /// The bytes of read operand `i`.
@@ -416,7 +416,7 @@ impl<'a> TwinArgs<'a> {
         }
     }
     /// Read operand `i` as elements of `T`.
-    pub fn read_as<T: bytemuck::Pod>(&self, i: usize) -> Result<&'a [T]> {
+    pub(crate) fn read_as<T: bytemuck::Pod>(&self, i: usize) -> Result<&'a [T]> {
         let b = self.read(i)?;
         if b.is_empty() {
             return Ok(&[]);
@@ -431,7 +431,7 @@ impl<'a> TwinArgs<'a> {
         }
     }
     /// Written operand `i` as elements of `T`.
-    pub fn take_as<T: bytemuck::Pod>(&mut self, i: usize) -> Result<&'a mut [T]> {
+    pub(crate) fn take_as<T: bytemuck::Pod>(&mut self, i: usize) -> Result<&'a mut [T]> {
         let b = self.take(i)?;
         if b.is_empty() {
             return Ok(&mut []);

@@ -74,7 +74,7 @@ pub(crate) struct Clocks {
 
 impl Clocks {
     /// Registers a new stream and returns its slot.
-    pub fn add_stream(&mut self) -> usize {
+    pub(crate) fn add_stream(&mut self) -> usize {
         self.seq.push(0);
         self.work.push(0);
         self.known.push(Vec::new());
@@ -108,7 +108,7 @@ impl Clocks {
 
     /// Checks that every access is ordered, then stamps a new operation on `stream` and records
     /// the accesses. On a conflict nothing is recorded.
-    pub fn stamp(
+    pub(crate) fn stamp(
         &mut self,
         stream: usize,
         accesses: &mut [(&mut AccessRecord, u64, Access)],
@@ -146,7 +146,7 @@ impl Clocks {
     }
 
     /// Stamps an operation that touches no buffer (an event record, a wait).
-    pub fn stamp_plain(&mut self, stream: usize) -> Stamp {
+    pub(crate) fn stamp_plain(&mut self, stream: usize) -> Stamp {
         self.seq[stream] += 1;
         Stamp {
             stream,
@@ -158,7 +158,7 @@ impl Clocks {
     /// that touch a buffer (only those are ever checked for order, so records and waits, which
     /// touch none, are left out: a wait for an idle stream the host has seen finish does not
     /// block).
-    pub fn snapshot(&self, stream: usize) -> Clock {
+    pub(crate) fn snapshot(&self, stream: usize) -> Clock {
         let mut c = self.known[stream].clone();
         if c.len() <= stream {
             c.resize(stream + 1, 0);
@@ -174,7 +174,7 @@ impl Clocks {
 
     /// Whether the host has already observed everything in `clock` complete (a wait for it
     /// would not block).
-    pub fn observed(&self, clock: &Clock) -> bool {
+    pub(crate) fn observed(&self, clock: &Clock) -> bool {
         clock
             .iter()
             .enumerate()
@@ -182,13 +182,13 @@ impl Clocks {
     }
 
     /// The host has observed everything in `clock` complete.
-    pub fn observe(&mut self, clock: &Clock) {
+    pub(crate) fn observe(&mut self, clock: &Clock) {
         join(&mut self.host, clock);
     }
 
     /// The host has observed every stream idle.
     #[cfg(test)]
-    pub fn observe_all(&mut self) {
+    pub(crate) fn observe_all(&mut self) {
         for s in 0..self.seq.len() {
             let c = self.snapshot(s);
             join(&mut self.host, &c);

@@ -177,7 +177,7 @@ impl CachingAllocator {
 
     /// Sets what runs when the device is full before the allocation is retried once (the
     /// chunk manager waits for its streams, which may still hold evicted chunks).
-    pub fn set_reclaim(&self, reclaim: Option<Reclaim>) {
+    pub(crate) fn set_reclaim(&self, reclaim: Option<Reclaim>) {
         *self.shared.reclaim.lock() = reclaim;
     }
 
@@ -267,7 +267,7 @@ impl CachingAllocator {
     /// the tide tracer reads at every moment. Takes no lock. An allocation on another thread
     /// at the same instant may keep its bytes in the restarted peak (an overstatement, never
     /// an understatement).
-    pub fn take_peak(&self) -> (usize, usize) {
+    pub(crate) fn take_peak(&self) -> (usize, usize) {
         let b = &self.shared.bytes;
         Bytes::take_peak(&b.reserved, &b.peak_reserved);
         let peak = Bytes::take_peak(&b.allocated, &b.peak_allocated);
@@ -301,7 +301,7 @@ impl CachingAllocator {
     }
 
     /// Returns every cached block to the device; returns the bytes released.
-    pub fn empty_cache(&self) -> usize {
+    pub(crate) fn empty_cache(&self) -> usize {
         self.release(usize::MAX)
     }
 }

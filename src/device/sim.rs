@@ -544,7 +544,7 @@ impl SimBackend {
 
     /// Bytes currently allocated: the buffers the user holds (a dropped buffer's bytes return at
     /// once, in stream order, even while queued work still reads it).
-    pub fn used(&self) -> usize {
+    pub(crate) fn used(&self) -> usize {
         self.shared.used.load(Ordering::Acquire)
     }
 }

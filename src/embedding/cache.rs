@@ -62,7 +62,7 @@ impl CacheConfig {
     }
 
     /// Sets the floats of optimizer state per row.
-    pub fn state(mut self, state: usize) -> Self {
+    pub(crate) fn state(mut self, state: usize) -> Self {
         self.state = state;
         self
     }

@@ -173,7 +173,7 @@ impl CacheIndex {
     }
 
     /// Bytes of host memory the maps take (with the rows kept of prefetched batches).
-    pub fn map_bytes(&self) -> usize {
+    pub(crate) fn map_bytes(&self) -> usize {
         let memo: usize = self
             .prefetched
             .iter()
@@ -188,7 +188,7 @@ impl CacheIndex {
     }
 
     /// The host row of every id: `perm[id] = row`.
-    pub fn permutation(&self) -> &[u32] {
+    pub(crate) fn permutation(&self) -> &[u32] {
         &self.id_to_row
     }
 
@@ -240,7 +240,7 @@ impl CacheIndex {
     }
 
     /// Checks every id and maps it to its host row.
-    pub fn rows_of(&self, ids: &[u32]) -> Result<Vec<u32>> {
+    pub(crate) fn rows_of(&self, ids: &[u32]) -> Result<Vec<u32>> {
         ids.iter()
             .enumerate()
             .map(|(i, &id)| {
@@ -577,7 +577,7 @@ impl CacheIndex {
     }
 
     /// Marks slots as changed on the device (their rows must be written back before eviction).
-    pub fn mark_dirty(&mut self, slots: &[u32]) -> Result<()> {
+    pub(crate) fn mark_dirty(&mut self, slots: &[u32]) -> Result<()> {
         for &s in slots {
             if self.row_in_slot(s).is_none() {
                 return Err(Error::Empty {
@@ -611,7 +611,7 @@ impl CacheIndex {
     }
 
     /// Empties the cache. Dirty rows must have been written back ([`CacheIndex::take_dirty`]).
-    pub fn clear(&mut self) -> Result<()> {
+    pub(crate) fn clear(&mut self) -> Result<()> {
         if let Some(s) = self.dirty.iter().position(|&d| d) {
             return Err(Error::Conflict {
                 what: "clearing the cache".into(),

@@ -125,7 +125,7 @@ impl Act {
     }
 
     /// Elements.
-    pub fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.rows * self.cols
     }
 

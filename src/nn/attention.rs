@@ -185,7 +185,7 @@ impl CausalSelfAttention {
     /// Channels of the heads this layer computes (`c_attn`'s outputs / 3): `C`, or the share
     /// of a tensor-parallel rank, whose `c_attn` gives its heads' `q`, `k`, `v` and whose
     /// `c_proj` takes their merged output.
-    pub fn inner(&self) -> usize {
+    pub(crate) fn inner(&self) -> usize {
         self.c_attn.outputs / 3
     }
 
@@ -244,7 +244,7 @@ impl CausalSelfAttention {
 
     /// [`CausalSelfAttention::forward`] with the attention between the projections computed
     /// by `core` (or locally, with `None`).
-    pub fn forward_core(
+    pub(crate) fn forward_core(
         &self,
         pass: &ForwardPass<'_>,
         x: &Act,
@@ -281,7 +281,7 @@ impl CausalSelfAttention {
     }
 
     /// [`CausalSelfAttention::backward`] of a forward computed by `core` (the same core).
-    pub fn backward_core(
+    pub(crate) fn backward_core(
         &self,
         pass: &BackwardPass<'_>,
         saved: &CausalSelfAttentionSaved,

@@ -147,7 +147,7 @@ impl Linear {
 
     /// The same layer with its gradients written as `uses` says: [`WeightUse::Shared`] for a
     /// layer applied more than once per iteration.
-    pub fn with_uses(self, uses: WeightUse) -> Linear {
+    pub(crate) fn with_uses(self, uses: WeightUse) -> Linear {
         Linear { uses, ..self }
     }
 

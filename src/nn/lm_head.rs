@@ -115,7 +115,7 @@ impl LmHead {
 
     /// [`LmHead::forward_scaled`] with the loss left on its way to the host ([`Loss`]): the
     /// host does not wait for it here.
-    pub fn forward_deferred(
+    pub(crate) fn forward_deferred(
         &self,
         pass: &ForwardPass<'_>,
         h: &Act,

@@ -32,13 +32,13 @@ enum Inner {
 
 impl Loss {
     /// A loss already on the host.
-    pub fn ready(loss: f32) -> Loss {
+    pub(crate) fn ready(loss: f32) -> Loss {
         Loss(Inner::Ready(loss))
     }
 
     /// The mean of per-row `losses` (f32) being copied to the host, over `counted` rows (at
     /// least 1 is used).
-    pub fn copying(losses: Pending<HostBuffer>, counted: usize) -> Loss {
+    pub(crate) fn copying(losses: Pending<HostBuffer>, counted: usize) -> Loss {
         Loss(Inner::Copying { losses, counted })
     }
 

@@ -201,12 +201,12 @@ impl RowIndex {
     }
 
     /// The largest index (`None` when empty).
-    pub fn max(&self) -> Option<u32> {
+    pub(crate) fn max(&self) -> Option<u32> {
         self.max
     }
 
     /// Whether no index repeats.
-    pub fn is_distinct(&self) -> bool {
+    pub(crate) fn is_distinct(&self) -> bool {
         self.distinct
     }
 

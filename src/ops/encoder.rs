@@ -367,7 +367,7 @@ impl EncoderPlan {
     }
 
     /// Positions planned (`B·T`).
-    pub fn positions(&self) -> usize {
+    pub(crate) fn positions(&self) -> usize {
         self.entries.len()
     }
 

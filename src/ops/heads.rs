@@ -60,7 +60,7 @@ impl HeadsParams {
     }
 
     /// Elements of one `[B, H, T, D]` tensor, or `None` on overflow.
-    pub fn elems(&self) -> Option<usize> {
+    pub(crate) fn elems(&self) -> Option<usize> {
         let n = self
             .batch
             .checked_mul(self.seq)?

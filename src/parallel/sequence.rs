@@ -121,7 +121,7 @@ impl RingAttention {
     }
 
     /// Positions a rank holds, `L = T/N`.
-    pub fn local_seq(&self) -> usize {
+    pub(crate) fn local_seq(&self) -> usize {
         self.seq / self.ranks
     }
 

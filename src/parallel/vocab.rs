@@ -108,7 +108,7 @@ impl VocabEmbedding1D {
 
     /// [`VocabEmbedding1D::forward`] of tokens at positions `first .. first + seq` of their
     /// sequences (a sequence-parallel rank's block).
-    pub fn forward_at(
+    pub(crate) fn forward_at(
         &self,
         pass: &ForwardPass<'_>,
         group: &Communicator,
@@ -418,7 +418,7 @@ impl Classifier1D {
     }
 
     /// The classes this rank holds.
-    pub fn classes(&self) -> Result<VocabShard> {
+    pub(crate) fn classes(&self) -> Result<VocabShard> {
         let s = self.proj.shard;
         let rows = self.proj.outputs / s.size;
         VocabShard::new(self.proj.outputs, s.rank * rows, rows)

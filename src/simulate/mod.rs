@@ -310,7 +310,7 @@ pub struct SimReport {
 }
 
 /// Chunk size used for `spec` under `opts`.
-pub fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
+pub(crate) fn chunk_size_for(spec: &ModelSpec, opts: &SimOptions) -> Result<usize> {
     match opts.chunk_elems {
         Some(c) => Ok(c),
         None => {

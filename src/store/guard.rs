@@ -244,7 +244,7 @@ impl Guard<'_, Backward> {
     /// at earlier uses (a pool block of its elements as f32), leaving none: for a weight whose
     /// shares are combined with another process's copy (tied across pipeline stages) before
     /// its last share is written. `None` when no share was added.
-    pub fn take_shares(&self, i: usize) -> Result<Option<PoolBlock>> {
+    pub(crate) fn take_shares(&self, i: usize) -> Result<Option<PoolBlock>> {
         let i = self.index(i)?;
         let id = self.ids[i];
         let mut sums = self.host.sums();

@@ -182,7 +182,7 @@ impl<'g> GradView<'g> {
     }
 
     /// Elements.
-    pub fn numel(&self) -> usize {
+    pub(crate) fn numel(&self) -> usize {
         self.view.len() / self.dtype.size()
     }
 

@@ -101,7 +101,7 @@ impl Policy {
     }
 
     /// Whether a chunk keeps its host copy while on the device.
-    pub fn keeps_host_copy(&self) -> bool {
+    pub(crate) fn keeps_host_copy(&self) -> bool {
         matches!(self, Policy::Tide | Policy::Lru)
     }
 }
@@ -233,7 +233,7 @@ pub struct ChunkStatus {
 
 impl ChunkStatus {
     /// The device copy is newer than the host copy.
-    pub fn dirty(&self) -> bool {
+    pub(crate) fn dirty(&self) -> bool {
         self.on_device && !self.host_valid
     }
 }
@@ -321,7 +321,7 @@ impl Scheduler {
     }
 
     /// Status of one chunk.
-    pub fn status(&self, chunk: ChunkNo) -> Option<ChunkStatus> {
+    pub(crate) fn status(&self, chunk: ChunkNo) -> Option<ChunkStatus> {
         self.st.get(chunk as usize).copied()
     }
 
@@ -369,7 +369,7 @@ impl Scheduler {
 
     /// Drops the installed trace: warm-up's budgets and victims again, until the next trace is
     /// installed (an iteration unlike the ones to come was recorded).
-    pub fn forget_trace(&mut self) {
+    pub(crate) fn forget_trace(&mut self) {
         self.trace = None;
         self.index = UseIndex::default();
     }
@@ -387,7 +387,7 @@ impl Scheduler {
     }
 
     /// Device bytes chunks may use at moment `m`.
-    pub fn budget_at(&self, m: usize) -> u64 {
+    pub(crate) fn budget_at(&self, m: usize) -> u64 {
         let overall = self.cfg.overall();
         match &self.trace {
             Some(t) => overall
@@ -670,7 +670,7 @@ impl Scheduler {
     /// Counts an upload the manager made outside a move: the new host copy of a chunk that
     /// stays on the device went into its device copy (a host group's parameters stepped
     /// during backward), as a load would have.
-    pub fn count_upload(&mut self, chunk: ChunkNo) -> Result<()> {
+    pub(crate) fn count_upload(&mut self, chunk: ChunkNo) -> Result<()> {
         let i = self.check(chunk)?;
         self.stats.h2d_bytes += self.bytes(i);
         self.stats.loads += 1;
@@ -768,7 +768,7 @@ impl Scheduler {
 
     /// Gives a chunk that never had a payload its host copy (initial values), outside any
     /// moment: for a checkpoint load that overwrites it.
-    pub fn materialize_on_host(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
+    pub(crate) fn materialize_on_host(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
         let i = self.check(chunk)?;
         let mut moves = Vec::new();
         if !self.st[i].materialized {
@@ -779,7 +779,7 @@ impl Scheduler {
 
     /// Makes the host copy of a chunk current (writing back a dirty device copy) without moving
     /// it; with `drop_device` the device copy is freed too. Refused for a chunk in use on the device.
-    pub fn sync_host(&mut self, chunk: ChunkNo, drop_device: bool) -> Result<Vec<Move>> {
+    pub(crate) fn sync_host(&mut self, chunk: ChunkNo, drop_device: bool) -> Result<Vec<Move>> {
         let i = self.check(chunk)?;
         let mut moves = Vec::new();
         let s = self.st[i];

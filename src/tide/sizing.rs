@@ -111,7 +111,7 @@ impl Sizing {
     }
 
     /// Chunk bytes moment `m` needs on the device at once.
-    pub fn moment_chunks(&self, m: usize) -> u64 {
+    pub(crate) fn moment_chunks(&self, m: usize) -> u64 {
         let mut named: Vec<ChunkNo> = self.trace.moments[m]
             .accesses
             .iter()

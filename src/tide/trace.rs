@@ -51,7 +51,7 @@ pub const NEVER: u64 = u64::MAX;
 impl Trace {
     /// Sets where every optimizer access runs: `place(chunk)` for each access of an optimizer
     /// moment (device-side Adam for some chunk groups, host for the rest).
-    pub fn place_optimizer(&mut self, mut place: impl FnMut(ChunkNo) -> Target) {
+    pub(crate) fn place_optimizer(&mut self, mut place: impl FnMut(ChunkNo) -> Target) {
         for moment in self
             .moments
             .iter_mut()
@@ -74,14 +74,14 @@ impl Trace {
     }
 
     /// Largest non-model peak of the iteration.
-    pub fn peak_non_model(&self) -> u64 {
+    pub(crate) fn peak_non_model(&self) -> u64 {
         self.moments.iter().map(|m| m.non_model).max().unwrap_or(0)
     }
 
     /// Non-model bytes the chunks must leave room for at moment `m`: the larger of this moment's
     /// and the next one's (the next moment of the last is the first of the next iteration), so
     /// evicting down to the budget at `m` already makes room for `m + 1`.
-    pub fn reserve_at(&self, m: usize) -> u64 {
+    pub(crate) fn reserve_at(&self, m: usize) -> u64 {
         let n = self.len();
         if n == 0 {
             return 0;
@@ -124,7 +124,7 @@ impl UseIndex {
     /// Moments from `now` (exclusive, counted in moments since the start of the current iteration)
     /// to the next device use of `chunk`, treating the iteration as repeating; [`NEVER`] if the
     /// chunk is never used on the device.
-    pub fn distance(&self, chunk: ChunkNo, now: u64) -> u64 {
+    pub(crate) fn distance(&self, chunk: ChunkNo, now: u64) -> u64 {
         let Some(u) = self.uses.get(chunk as usize) else {
             return NEVER;
         };

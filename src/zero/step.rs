@@ -73,7 +73,7 @@ impl ZeroManager {
 
     /// [`ZeroManager::step`] with the statistics, once all-reduced over the data-parallel
     /// group, passed through `reduce` too (e.g. over a tensor-parallel group).
-    pub fn step_reducing(
+    pub(crate) fn step_reducing(
         &mut self,
         adam: &mut HybridAdam,
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,

@@ -342,7 +342,7 @@ impl ChunkManager {
 
     /// Like [`ChunkManager::write_grad`], from device memory already in the parameter dtype
     /// (`src` holds the tensor's elements; the copy runs on [`ChunkManager::compute_stream`]).
-    pub fn write_grad_device(&mut self, id: TensorId, src: DeviceView<'_>) -> Result<()> {
+    pub(crate) fn write_grad_device(&mut self, id: TensorId, src: DeviceView<'_>) -> Result<()> {
         self.usable()?;
         let es = self.cfg.param_dtype.size();
         if !src.len().is_multiple_of(es) {

@@ -53,7 +53,7 @@ impl ChunkManager {
 
     /// Closes the open chunk: the next registered tensor starts a new chunk group (e.g. at a
     /// module boundary).
-    pub fn seal_chunk(&mut self) -> Result<()> {
+    pub(crate) fn seal_chunk(&mut self) -> Result<()> {
         if self.sched.is_some() {
             return Err(Error::Conflict {
                 what: "sealing a chunk".into(),

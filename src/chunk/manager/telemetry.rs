@@ -186,7 +186,7 @@ impl ChunkManager {
     }
 
     /// Iterations completed (`end_step` or `skip_step` calls).
-    pub fn iterations_done(&self) -> u64 {
+    pub(crate) fn iterations_done(&self) -> u64 {
         self.iterations
     }
 
@@ -313,7 +313,7 @@ impl ChunkManager {
     }
 
     /// Device memory at every moment of the last complete iteration.
-    pub fn tide_samples(&self) -> &[TideSample] {
+    pub(crate) fn tide_samples(&self) -> &[TideSample] {
         &self.last_samples
     }
 

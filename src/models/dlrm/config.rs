@@ -103,7 +103,7 @@ impl DlrmConfig {
     /// [`Error::TooFew`] (a zero count or width), [`Error::TooLarge`] (past the interaction's
     /// limits), [`Error::Empty`] (an MLP of no layer) or [`Error::Length`] (an MLP that ends
     /// in another width), naming what is wrong.
-    pub fn check(&self) -> Result<()> {
+    pub(crate) fn check(&self) -> Result<()> {
         for (what, n) in [
             ("DLRM dense features", self.dense_features),
             ("DLRM tables", self.tables),

@@ -88,7 +88,7 @@ impl Dlrm {
 
     /// Registers the MLPs with `init(name, inputs, outputs)` for every parameter
     /// (`bottom.{i}.weight`, `bottom.{i}.bias`, `top.{i}.weight`, `top.{i}.bias`).
-    pub fn register_with(
+    pub(crate) fn register_with(
         store: &mut impl ParamStore,
         config: &DlrmConfig,
         mut init: impl FnMut(&str, usize, usize) -> Init,

@@ -120,7 +120,7 @@ pub struct GptBatch<'a> {
 impl GptBatch<'_> {
     /// Checks the batch against a model of shape `cfg`: `batch × seq` tokens and as many
     /// targets, at most `maxT` positions, targets in the vocabulary or ignored.
-    pub fn check(&self, cfg: &GptConfig) -> Result<()> {
+    pub(crate) fn check(&self, cfg: &GptConfig) -> Result<()> {
         let n = self.batch.checked_mul(self.seq).filter(|&n| n > 0);
         if n != Some(self.tokens.len()) || self.targets.len() != self.tokens.len() {
             return Err(Error::BatchShape {

@@ -103,7 +103,8 @@ impl<P: Placement> Gpt<P> {
         b: &GptBatch<'_>,
         loss_scale: f32,
     ) -> Result<f32> {
-        self.forward_backward_loss(store, plan, b, loss_scale)?.read()
+        self.forward_backward_loss(store, plan, b, loss_scale)?
+            .read()
     }
 
     /// [`Gpt::forward_backward`] with the loss left on its way to the host ([`Loss`]), so a

@@ -47,7 +47,7 @@ impl Isa {
     pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Scalar];
 
     /// The fastest path this CPU supports.
-    pub fn detect() -> Isa {
+    pub(crate) fn detect() -> Isa {
         Isa::ALL
             .into_iter()
             .find(|i| i.is_supported())

@@ -121,7 +121,7 @@ const EMBEDDING_THREADS: u32 = 128;
 /// Threads per block over rows of `width` columns: whole warps, at most
 /// `EMBEDDING_THREADS` (128). The result bits do not depend on it (each column is summed by one
 /// thread in a fixed order).
-pub fn embedding_threads(width: usize) -> u32 {
+pub(crate) fn embedding_threads(width: usize) -> u32 {
     (width.div_ceil(32) * 32).clamp(32, EMBEDDING_THREADS as usize) as u32
 }
 

@@ -324,7 +324,7 @@ impl VocabPlan {
     }
 
     /// Positions of the batch (`N`).
-    pub fn positions(&self) -> usize {
+    pub(crate) fn positions(&self) -> usize {
         self.positions
     }
 
@@ -355,7 +355,7 @@ impl VocabPlan {
     }
 
     /// Words of the device copy: `2·U + 1 + M`.
-    pub fn words(&self) -> usize {
+    pub(crate) fn words(&self) -> usize {
         self.rows.len() + self.row_ptr.len() + self.entries.len()
     }
 

@@ -33,7 +33,7 @@ impl DevicePlacement {
     /// [`DevicePlacement::Auto`], the groups in order while their fp32 master, momentum and
     /// variance (12 bytes per element) fit in `fraction` of the margin
     /// `capacity · overall_fraction − reserve − non_model_peak − param_footprint`.
-    pub fn groups(
+    pub(crate) fn groups(
         &self,
         sc: &SchedulerConfig,
         non_model_peak: u64,
@@ -485,7 +485,7 @@ impl HybridAdam {
     /// through `reduce` before they decide anything: data-parallel ranks that each hold a shard
     /// all-reduce them (sum of squares summed, the overflow flag by MAX), so every rank skips
     /// together and clips by the global norm. `ZeroManager::step` (in `zero`) does this.
-    pub fn step_reducing(
+    pub(crate) fn step_reducing(
         &mut self,
         m: &mut ChunkManager,
         reduce: &mut dyn FnMut(GradStats) -> Result<GradStats>,

@@ -23,7 +23,7 @@ impl PipeOp {
     }
 
     /// Whether it is a forward.
-    pub fn is_forward(self) -> bool {
+    pub(crate) fn is_forward(self) -> bool {
         matches!(self, PipeOp::Forward(_))
     }
 }

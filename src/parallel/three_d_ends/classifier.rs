@@ -93,7 +93,7 @@ impl Classifier3D {
     }
 
     /// The classes `C` of the whole classifier.
-    pub fn classes(&self) -> usize {
+    pub(crate) fn classes(&self) -> usize {
         self.linear.outputs
     }
 

@@ -33,7 +33,7 @@ impl BatchBlock {
 
     /// The block of tensor rank `t` of a tensor group of `mode` (2D: `t = row·q + col`; 2.5D:
     /// `t = col + q·row + q²·dep`).
-    pub fn of_tensor_rank(mode: TensorMode, t: usize) -> Result<BatchBlock> {
+    pub(crate) fn of_tensor_rank(mode: TensorMode, t: usize) -> Result<BatchBlock> {
         let block = match mode {
             TensorMode::TwoD { q } => BatchBlock {
                 row: t / q.max(1),

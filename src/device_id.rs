@@ -29,9 +29,9 @@ pub struct DeviceId {
     /// Backend kind.
     pub kind: BackendKind,
     /// Device ordinal within its kind.
-    pub ordinal: usize,
+    pub(crate) ordinal: usize,
     /// Process-unique instance number.
-    pub uid: u64,
+    pub(crate) uid: u64,
 }
 
 impl DeviceId {

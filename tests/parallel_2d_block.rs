@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use tidemem::comm::Communicator;
 use tidemem::nn::Block;
+use tidemem::parallel::GridNorm;
 use tidemem::parallel::{Cost, GridSpec, LayerNorm2D, PassCost, ProcessGrid, Summa, TensorMode};
 use tidemem::prelude::*;
 

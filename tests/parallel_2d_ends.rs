@@ -18,6 +18,7 @@ use tidemem::parallel::{
     Classifier2D, Cost, Embedding2D, GridSpec, PassCost, ProcessGrid, SummaLinear, TensorMode,
     VocabEmbedding2D,
 };
+use tidemem::parallel::{GridClassifier, GridLookup};
 use tidemem::prelude::*;
 
 use common::summa::{linear_formula, q_depth, tally};

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use tidemem::comm::{CommStats, Communicator, Tally};
 use tidemem::nn::Block;
+use tidemem::parallel::GridNorm;
 use tidemem::parallel::{
     split_3d, Cost, Cube, GridSpec, LayerNorm3D, Layout3D, PassCost, ProcessGrid,
 };

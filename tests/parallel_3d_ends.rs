@@ -17,6 +17,7 @@ use tidemem::comm::{CommStats, Communicator, Tally};
 use tidemem::parallel::{
     Classifier3D, Cost, Embedding3D, GridSpec, Layout3D, PassCost, ProcessGrid, VocabEmbedding3D,
 };
+use tidemem::parallel::{GridClassifier, GridLookup};
 use tidemem::prelude::*;
 
 use nn_ref::{close, f64s, linear, linear_bwd, manager};

@@ -24,9 +24,9 @@ pub struct ChunkLayout {
     /// exactly its size).
     pub group_elems: Vec<usize>,
     /// Elements used in every group.
-    pub group_used: Vec<usize>,
+    pub(crate) group_used: Vec<usize>,
     /// Tensors of every group, in packing order.
-    pub group_tensors: Vec<Vec<u32>>,
+    pub(crate) group_tensors: Vec<Vec<u32>>,
     /// Slot of every tensor, indexed by tensor number.
     pub slots: Vec<Slot>,
     open: Option<u32>,
@@ -162,7 +162,7 @@ pub struct SizeChoice {
     /// Padding elements with that size (over the tensors that count, see [`search_chunk_size`]).
     pub waste_elems: usize,
     /// `waste_elems` / capacity.
-    pub waste_fraction: f64,
+    pub(crate) waste_fraction: f64,
 }
 
 /// Chooses the chunk size with the least padding waste over `start ..= start + range` in steps of

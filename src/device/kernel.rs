@@ -38,7 +38,7 @@ pub struct OperandSpec {
     /// The element types it accepts.
     pub dtypes: &'static [DType],
     /// Whether a launch may leave it out (a null pointer on CUDA, absent for the twin).
-    pub optional: bool,
+    pub(crate) optional: bool,
 }
 
 impl OperandSpec {
@@ -100,7 +100,7 @@ pub struct Grid {
     /// Threads per block per dimension.
     pub block: [u32; 3],
     /// Dynamic shared memory in bytes.
-    pub shared_bytes: u32,
+    pub(crate) shared_bytes: u32,
 }
 
 impl Grid {

@@ -81,13 +81,13 @@ pub struct PhaseTimes {
     /// Device: the optimizer.
     pub optimizer: f64,
     /// Device: between steps.
-    pub between: f64,
+    pub(crate) between: f64,
     /// Host: waiting for data.
     pub data: f64,
     /// Host: the optimizer's host groups.
     pub host_optimizer: f64,
     /// Host: chunk moves.
-    pub chunk_moves: f64,
+    pub(crate) chunk_moves: f64,
     /// Host: blocking waits.
     pub host_waits: f64,
     /// Host: the cached embedding's preparation.

@@ -32,7 +32,7 @@ pub struct PoolStats {
     /// Bytes held from the device: live blocks plus the cache.
     pub reserved: usize,
     /// Highest `reserved` since creation or the last reset.
-    pub peak_reserved: usize,
+    pub(crate) peak_reserved: usize,
     /// Allocations served from the cache.
     pub cache_hits: u64,
     /// Allocations that went to the device.

@@ -95,7 +95,7 @@ pub struct SimConfig {
     /// [`Error::OutOfMemory`].
     pub capacity: usize,
     /// Ordinal reported in the device id.
-    pub ordinal: usize,
+    pub(crate) ordinal: usize,
     /// Optional transfer-time model; `None` copies as fast as the host can.
     pub link: Option<LinkModel>,
     /// Timing only: kernels, copies and fills are checked and ordered as usual but not run, so
@@ -104,7 +104,7 @@ pub struct SimConfig {
     /// meaningless**: device memory keeps whatever it held, downloads bring back what the host
     /// buffer held. [`Device::name`](super::Device::name) says so, and
     /// [`Device::timing_only`](super::Device::timing_only) tells a program.
-    pub timing_only: bool,
+    pub(crate) timing_only: bool,
 }
 
 impl SimConfig {

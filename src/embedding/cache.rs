@@ -43,7 +43,7 @@ pub struct CacheConfig {
     /// Where the full table lives.
     pub host: HostTier,
     /// Rows per host↔device transfer: the staging buffers hold this many rows.
-    pub staging_rows: usize,
+    pub(crate) staging_rows: usize,
 }
 
 impl CacheConfig {

@@ -35,7 +35,7 @@ pub struct CachePlan {
     /// Id occurrences whose row was not.
     pub misses: usize,
     /// Distinct rows the batch uses.
-    pub unique: usize,
+    pub(crate) unique: usize,
 }
 
 /// Counters over the life of a [`CacheIndex`].
@@ -52,7 +52,7 @@ pub struct IndexStats {
     /// Rows evicted.
     pub evicted: u64,
     /// Dirty rows written back (device → host), by eviction or flush.
-    pub written_back: u64,
+    pub(crate) written_back: u64,
     /// Rows admitted by [`CacheIndex::prefetch`] (also counted in `admitted`).
     pub prefetched: u64,
 }

@@ -37,9 +37,9 @@ pub struct ReplayStats {
     /// Bytes copied device → host per batch.
     pub d2h_bytes_per_batch: f64,
     /// Rows preloaded by the warm-up.
-    pub warmup_rows: usize,
+    pub(crate) warmup_rows: usize,
     /// Time spent deciding (preparing ids), all batches.
-    pub prepare_time: Duration,
+    pub(crate) prepare_time: Duration,
     /// Ids prepared per second.
     pub ids_per_second: f64,
     /// Distinct rows per batch, on average.

@@ -42,7 +42,7 @@ pub struct HeadsParams {
     /// Heads `H`.
     pub heads: u64,
     /// Channels per head `D` (the model's channels are `C = H·D`).
-    pub head_dim: u64,
+    pub(crate) head_dim: u64,
 }
 
 /// The shape `[B, T, H, D]` of one attention layer's activations.

@@ -98,7 +98,7 @@ pub struct BatchRows<'g> {
     /// The ranks of which the row blocks tile the batch once, and whether this rank is the
     /// one of its row group that counts its rows' losses there; `None` when every rank holds
     /// every row (the loss is then the row group's).
-    pub owners: Option<(&'g Communicator, bool)>,
+    pub(crate) owners: Option<(&'g Communicator, bool)>,
 }
 
 impl ShardedCrossEntropy {

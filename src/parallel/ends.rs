@@ -3,10 +3,82 @@
 //! each layout bringing its own parts; the checks of what splits, and the position
 //! embedding's ids.
 
+use super::ProcessGrid;
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{add_in_place, Axpby};
-use crate::store::ForwardPass;
+use crate::store::{BackwardPass, ForwardPass};
+
+/// A table split over a 2D, 2.5D or 3D grid (a token or a position embedding): ids in (the
+/// same on every rank), this rank's tile of their rows out. The 2D and 3D tables are one kind
+/// of layer: the layouts' ends run any of them with the grid passed in.
+pub trait GridLookup {
+    /// What the forward keeps for the backward.
+    type Saved: Send + Sync;
+    /// This rank's tile of the rows of `ids`, and what the backward needs.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        ids: &[i32],
+    ) -> Result<(Act, Self::Saved)>;
+    /// The table's gradient from the tile's gradient `dout`.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Self::Saved,
+        dout: &Act,
+    ) -> Result<()>;
+}
+
+/// A LayerNorm over activations split on a 2D, 2.5D or 3D grid.
+pub trait GridNorm {
+    /// What the forward keeps for the backward.
+    type Saved: Send + Sync;
+    /// The LayerNorm of this rank's tile `x` (of `x + residual` with one), and what the
+    /// backward needs.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, Self::Saved)>;
+    /// The input's gradient (added into `dx_into` when given) from the output's `dy`; γ's and
+    /// β's gradients written.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Self::Saved,
+        dy: &Act,
+        dx_into: Option<&Act>,
+    ) -> Result<Act>;
+}
+
+/// A classifier with its cross-entropy over classes split on a 2D, 2.5D or 3D grid.
+pub trait GridClassifier {
+    /// What the forward keeps for the backward.
+    type Saved: Send + Sync;
+    /// The mean loss of this rank's tile `h` over the whole batch's counted `targets` (the
+    /// same on every rank), the gradient kept scaled by `loss_scale`.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        h: &Act,
+        targets: &[i32],
+        loss_scale: f32,
+    ) -> Result<(f32, Self::Saved)>;
+    /// The input's gradient; the weights' gradients written.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &Self::Saved,
+    ) -> Result<Act>;
+}
 
 /// A model's first layer on a layout: the token embedding `wte` and the position embedding
 /// `wpe`, each this rank's part.
@@ -106,4 +178,66 @@ pub(crate) fn token_plus_position<A, B>(
         x.dtype(),
     )?;
     Ok((x, (st, sp)))
+}
+
+impl<T: GridLookup, P: GridLookup> TokenPosition<T, P> {
+    /// The token embedding of `tokens` plus the position embedding of their positions
+    /// (`first ..` of sequences of `seq`), on `grid`.
+    #[allow(clippy::type_complexity)] // the two tables' saved states
+    pub(crate) fn forward_on(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        tokens: &[i32],
+        seq_first: [usize; 2],
+    ) -> Result<(Act, (T::Saved, P::Saved))> {
+        token_plus_position(
+            pass,
+            tokens,
+            seq_first,
+            |ids| self.wte.forward(pass, grid, ids),
+            |ids| self.wpe.forward(pass, grid, ids),
+        )
+    }
+
+    /// Both tables' gradients from the output's `dx`.
+    pub(crate) fn backward_on(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        (st, sp): (T::Saved, P::Saved),
+        dx: &Act,
+    ) -> Result<()> {
+        self.wpe.backward(pass, grid, &sp, dx)?;
+        self.wte.backward(pass, grid, &st, dx)
+    }
+}
+
+impl<N: GridNorm, C: GridClassifier> NormHead<N, C> {
+    /// `ln_f` and the head on `x`: the mean loss, the gradient kept scaled by `scale`.
+    #[allow(clippy::type_complexity)] // the two layers' saved states
+    pub(crate) fn forward_on(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, (N::Saved, C::Saved))> {
+        let (y, ln) = self.ln_f.forward(pass, grid, x, None)?;
+        let (loss, hs) = self.head.forward(pass, grid, &y, targets, scale)?;
+        Ok((loss, (ln, hs)))
+    }
+
+    /// The gradient of `x`; the head's and `ln_f`'s gradients written.
+    pub(crate) fn backward_on(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        (ln, hs): (N::Saved, C::Saved),
+    ) -> Result<Act> {
+        let dy = self.head.backward(pass, grid, &hs)?;
+        drop(hs);
+        self.ln_f.backward(pass, grid, &ln, &dy, None)
+    }
 }

@@ -29,7 +29,7 @@ pub(crate) mod vocab;
 
 pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
-pub use ends::{NormHead, TokenPosition};
+pub use ends::{GridClassifier, GridLookup, GridNorm, NormHead, TokenPosition};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
 pub use one_d::{ColumnLinear, Embedding1D, Embedding1DSaved, RowLinear, Shard};
 pub use placement::{Cube, Linear1D, OneD, Placement, Summa};

@@ -50,7 +50,7 @@ pub struct RingAttention {
     /// Heads `H`.
     pub heads: usize,
     /// Head width `D`.
-    pub head_dim: usize,
+    pub(crate) head_dim: usize,
     /// Ranks in the ring `N`.
     pub ranks: usize,
     /// This rank `r`.

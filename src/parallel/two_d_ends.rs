@@ -13,6 +13,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::nn::{Act, WeightUse};
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
+use crate::parallel::GridLookup;
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -165,6 +166,7 @@ fn check_param<K: PassKind>(g: &Guard<'_, K>, shape: [usize; 2], d: DType) -> Re
 /// ```
 /// use tidemem::comm::Communicator;
 /// use tidemem::parallel::{Classifier2D, GridSpec, ProcessGrid, TensorMode, VocabEmbedding2D};
+/// use tidemem::parallel::{GridClassifier, GridLookup};
 /// use tidemem::prelude::*;
 /// # fn main() -> tidemem::Result<()> {
 /// let devices = (0..4)
@@ -293,10 +295,31 @@ impl Embedding2D {
         VocabShard::new(self.rows, 0, self.rows)
     }
 
+    /// The collectives of one forward and one backward over a batch of `n` ids, elements of
+    /// `dtype` (the store's parameter dtype): forward COL one all-gather of `rows·C/q·e`
+    /// bytes; backward COL one reduce-scatter of `rows·C/q·e` and, for `d > 1`, DEP one
+    /// all-reduce of `rows/q·C/q·e`. Fails when `n` does not split into the row blocks.
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
+        let p = self.place;
+        split("batch", "ids", n, p.q * p.depth, "row blocks")?;
+        let (e, cl) = (dtype.size(), self.channels / p.q);
+        let mut c = Cost::default();
+        c.forward.col.all_gather = cost::tally(1, self.rows * cl * e);
+        c.backward.col.reduce_scatter = cost::tally(1, self.rows * cl * e);
+        if p.depth > 1 {
+            c.backward.dep.all_reduce = cost::tally(1, self.rows / p.q * cl * e);
+        }
+        Ok(c)
+    }
+}
+
+impl GridLookup for Embedding2D {
+    type Saved = Embedding2DSaved;
+
     /// This rank's tile `[N/(d·q), C/q]` of the lookup of `ids` (the whole batch's `N` ids,
     /// the same on every rank): one all-gather in COL. The ids, their count and the grid are
     /// checked before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -336,7 +359,7 @@ impl Embedding2D {
     /// Writes this rank's piece of the table's gradient from the tile's `dout`
     /// `[N/(d·q), C/q]` (into its slot, or as a share: [`Embedding2D::uses`]): one
     /// reduce-scatter in COL, one all-reduce over DEP for `d > 1`.
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -380,22 +403,5 @@ impl Embedding2D {
             g.accumulate_grad(0, slot, d)?;
         }
         Ok(())
-    }
-
-    /// The collectives of one forward and one backward over a batch of `n` ids, elements of
-    /// `dtype` (the store's parameter dtype): forward COL one all-gather of `rows·C/q·e`
-    /// bytes; backward COL one reduce-scatter of `rows·C/q·e` and, for `d > 1`, DEP one
-    /// all-reduce of `rows/q·C/q·e`. Fails when `n` does not split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
-        let p = self.place;
-        split("batch", "ids", n, p.q * p.depth, "row blocks")?;
-        let (e, cl) = (dtype.size(), self.channels / p.q);
-        let mut c = Cost::default();
-        c.forward.col.all_gather = cost::tally(1, self.rows * cl * e);
-        c.backward.col.reduce_scatter = cost::tally(1, self.rows * cl * e);
-        if p.depth > 1 {
-            c.backward.dep.all_reduce = cost::tally(1, self.rows / p.q * cl * e);
-        }
-        Ok(c)
     }
 }

@@ -51,7 +51,7 @@ pub struct OpSpec {
     /// Non-model device bytes (activations, workspace) at its forward moment.
     pub fwd_non_model: u64,
     /// Non-model device bytes at its backward moment.
-    pub bwd_non_model: u64,
+    pub(crate) bwd_non_model: u64,
     /// Device FLOPs of its forward (0 where unknown): what [`timeline`] charges the device.
     pub flops: u64,
     /// Device FLOPs of its backward moment (twice the forward's for a matrix product, plus a

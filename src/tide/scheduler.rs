@@ -218,11 +218,11 @@ pub struct ChunkStatus {
     /// Has a payload somewhere (not RELEASED).
     pub materialized: bool,
     /// A device copy exists (and is current: stale device copies are dropped at once).
-    pub on_device: bool,
+    pub(crate) on_device: bool,
     /// Host memory is allocated for the chunk.
-    pub host_alloc: bool,
+    pub(crate) host_alloc: bool,
     /// The host copy is current.
-    pub host_valid: bool,
+    pub(crate) host_valid: bool,
     /// Accesses in progress (tensors in COMPUTE): the chunk may not move.
     pub in_use: u32,
     /// Pinned by the caller (e.g. during a collective): may not move.

@@ -59,7 +59,7 @@ pub struct GroupVisit<'a> {
     pub tensors: Vec<(TensorId, usize, usize, bool)>,
     /// Element ranges of the chunk that hold gradients: runs of consecutive tensors with a
     /// gradient (padding between them included; padding is zero in every list).
-    pub ranges: Vec<Range<usize>>,
+    pub(crate) ranges: Vec<Range<usize>>,
     /// Parameter dtype.
     pub param_dtype: DType,
     /// The chunks, where they are.

@@ -94,9 +94,9 @@ impl std::fmt::Display for LogKind {
 #[derive(Clone, Debug, Serialize)]
 pub struct LogEntry {
     /// Microseconds since the manager was created.
-    pub t_us: f64,
+    pub(crate) t_us: f64,
     /// Duration in microseconds (0 for instants).
-    pub dur_us: f64,
+    pub(crate) dur_us: f64,
     /// What happened.
     pub what: LogKind,
     /// Chunk number, or the moment index for `moment`.
@@ -104,7 +104,7 @@ pub struct LogEntry {
     /// Bytes involved.
     pub bytes: u64,
     /// Chunk bytes on the device after it, and the budget at the moment.
-    pub device_chunks: u64,
+    pub(crate) device_chunks: u64,
     /// Budget at the moment.
     pub budget: u64,
 }
@@ -186,7 +186,7 @@ impl ChunkManager {
     }
 
     /// Iterations completed (`end_step` or `skip_step` calls).
-    pub(crate) fn iterations_done(&self) -> u64 {
+    pub fn iterations_done(&self) -> u64 {
         self.iterations
     }
 

@@ -24,20 +24,20 @@ pub struct AdamScalars {
     /// β1.
     pub beta1: f32,
     /// 1 − β1.
-    pub one_minus_beta1: f32,
+    pub(crate) one_minus_beta1: f32,
     /// β2.
     pub beta2: f32,
     /// 1 − β2.
-    pub one_minus_beta2: f32,
+    pub(crate) one_minus_beta2: f32,
     /// 1 / √(1 − β2ᵗ).
-    pub inv_sqrt_bc2: f32,
+    pub(crate) inv_sqrt_bc2: f32,
     /// ε.
     pub eps: f32,
     /// lr · wd for AdamW, 0 for Adam (subtracted as `p − decoupled · p`: a factor `1 − lr · wd`
     /// rounded to f32 would bias every step).
     pub decoupled: f32,
     /// lr / (1 − β1ᵗ).
-    pub step_size: f32,
+    pub(crate) step_size: f32,
 }
 
 abi! {

@@ -36,7 +36,7 @@ pub(crate) struct MatRef<'a> {
     pub rows: usize,
     pub cols: usize,
     pub rs: usize,
-    pub cs: usize,
+    pub(crate) cs: usize,
 }
 
 /// The matrix a product writes, laid out as [`MatRef`].
@@ -46,7 +46,7 @@ pub(crate) struct MatMut<'a> {
     pub rows: usize,
     pub cols: usize,
     pub rs: usize,
-    pub cs: usize,
+    pub(crate) cs: usize,
 }
 
 /// One past the largest index of a `rows × cols` matrix with strides `rs`, `cs` (0 when

@@ -36,7 +36,7 @@ abi! {
         /// Columns, C (at least 1).
         pub cols: u64,
         /// Rows per chunk of the dγ/dβ column sums: `column_chunks(rows).0`.
-        pub chunk_rows: u64,
+        pub(crate) chunk_rows: u64,
         /// Chunks: `column_chunks(rows).1`.
         pub chunks: u64,
         /// 1: `dx +=` the gradient; 0: `dx =` the gradient.

@@ -92,11 +92,11 @@ pub struct StageReport {
     /// iteration, so no message waits across an optimizer step.
     pub messages: StageMessages,
     /// Plain sends (a send with no receive after it to pair with).
-    pub sends: usize,
+    pub(crate) sends: usize,
     /// Plain receives.
-    pub recvs: usize,
+    pub(crate) recvs: usize,
     /// Grouped send-receives (a send paired with the receive that follows it).
-    pub send_recvs: usize,
+    pub(crate) send_recvs: usize,
     /// Seconds of the run spent in messages, the stage's own enqueued work done first: waiting
     /// for a neighbour and moving activations (the stage's share of the bubble, plus the
     /// transfers).

@@ -154,7 +154,7 @@ pub struct VersionedOp {
     /// The op.
     pub op: PipeOp,
     /// The weight version: 0 the initial weights, `v` the weights after `v` updates.
-    pub version: usize,
+    pub(crate) version: usize,
 }
 
 /// PipeDream-2BW's op order of stage `stage` of `stages` over `micro` micro-batches, a new

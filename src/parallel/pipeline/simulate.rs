@@ -30,7 +30,7 @@ pub struct ScheduleReport {
     /// From the first op's start (0) to the last op's end.
     pub makespan: f64,
     /// Each stage's time without an op within the makespan.
-    pub idle: Vec<f64>,
+    pub(crate) idle: Vec<f64>,
     /// Each stage's time running ops.
     pub busy: Vec<f64>,
     /// The idle share of all stages' time: `Σ idle / (P · makespan)` (0 for an empty run).

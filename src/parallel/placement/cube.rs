@@ -5,8 +5,9 @@ use crate::error::{Error, Result};
 use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::parallel::ends::{check_grid_ends, token_plus_position};
+use crate::parallel::ends::check_grid_ends;
 use crate::parallel::split;
+use crate::parallel::GridNorm;
 use crate::parallel::{gather_3d, split_3d, Classifier3D, Classifier3DSaved, Cost};
 use crate::parallel::{Embedding3D, Embedding3DSaved, LayerNorm3D, LayerNorm3DSaved, Layout3D};
 use crate::parallel::{Linear3D, Linear3DSaved, NormHead, Place3D, ProcessGrid, TokenPosition};
@@ -278,25 +279,17 @@ impl Layout for Cube {
         tokens: &[i32],
         [_, seq, first]: [usize; 3],
     ) -> Result<(Act, Self::EmbeddingSaved)> {
-        let grid = &self.grid;
-        token_plus_position(
-            pass,
-            tokens,
-            [seq, first],
-            |ids| e.wte.forward(pass, grid, ids),
-            |ids| e.wpe.forward(pass, grid, ids),
-        )
+        e.forward_on(pass, &self.grid, tokens, [seq, first])
     }
 
     fn embed_backward(
         &self,
         pass: &BackwardPass<'_>,
         e: &Self::Embedding,
-        (st, sp): Self::EmbeddingSaved,
+        saved: Self::EmbeddingSaved,
         dx: &Act,
     ) -> Result<()> {
-        e.wpe.backward(pass, &self.grid, &sp, dx)?;
-        e.wte.backward(pass, &self.grid, &st, dx)
+        e.backward_on(pass, &self.grid, saved, dx)
     }
 
     fn head_forward(
@@ -307,20 +300,16 @@ impl Layout for Cube {
         targets: &[i32],
         scale: f32,
     ) -> Result<(f32, Self::HeadSaved)> {
-        let (y, ln) = h.ln_f.forward(pass, &self.grid, x, None)?;
-        let (loss, hs) = h.head.forward(pass, &self.grid, &y, targets, scale)?;
-        Ok((loss, (ln, hs)))
+        h.forward_on(pass, &self.grid, x, targets, scale)
     }
 
     fn head_backward(
         &self,
         pass: &BackwardPass<'_>,
         h: &Self::Head,
-        (ln, hs): Self::HeadSaved,
+        saved: Self::HeadSaved,
     ) -> Result<Act> {
-        let dy = h.head.backward(pass, &self.grid, &hs)?;
-        drop(hs);
-        h.ln_f.backward(pass, &self.grid, &ln, &dy, None)
+        h.backward_on(pass, &self.grid, saved)
     }
 
     fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {

@@ -6,8 +6,9 @@ use crate::error::{Error, Result};
 use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::parallel::ends::{check_grid_ends, token_plus_position};
+use crate::parallel::ends::check_grid_ends;
 use crate::parallel::two_d::split;
+use crate::parallel::GridNorm;
 use crate::parallel::VocabEmbedding2DSaved;
 use crate::parallel::{gather_batch_2d, split_batch_2d_act, BatchBlock, Classifier2D};
 use crate::parallel::{Classifier2DSaved, Cost, Embedding2D, Embedding2DSaved, LayerNorm2D};
@@ -97,7 +98,7 @@ pub struct Summa {
     /// The rank's place.
     pub place: Place2D,
     /// Whether the grid is 2.5D ([`Linear2p5D`]s, the batch split over depth).
-    pub depth_split: bool,
+    pub(crate) depth_split: bool,
     grid: ProcessGrid,
 }
 
@@ -245,25 +246,17 @@ impl Layout for Summa {
         tokens: &[i32],
         [_, seq, first]: [usize; 3],
     ) -> Result<(Act, Self::EmbeddingSaved)> {
-        let grid = &self.grid;
-        token_plus_position(
-            pass,
-            tokens,
-            [seq, first],
-            |ids| e.wte.forward(pass, grid, ids),
-            |ids| e.wpe.forward(pass, grid, ids),
-        )
+        e.forward_on(pass, &self.grid, tokens, [seq, first])
     }
 
     fn embed_backward(
         &self,
         pass: &BackwardPass<'_>,
         e: &Self::Embedding,
-        (st, sp): Self::EmbeddingSaved,
+        saved: Self::EmbeddingSaved,
         dx: &Act,
     ) -> Result<()> {
-        e.wpe.backward(pass, &self.grid, &sp, dx)?;
-        e.wte.backward(pass, &self.grid, &st, dx)
+        e.backward_on(pass, &self.grid, saved, dx)
     }
 
     fn head_forward(
@@ -274,20 +267,16 @@ impl Layout for Summa {
         targets: &[i32],
         scale: f32,
     ) -> Result<(f32, Self::HeadSaved)> {
-        let (y, ln) = h.ln_f.forward(pass, &self.grid, x, None)?;
-        let (loss, hs) = h.head.forward(pass, &self.grid, &y, targets, scale)?;
-        Ok((loss, (ln, hs)))
+        h.forward_on(pass, &self.grid, x, targets, scale)
     }
 
     fn head_backward(
         &self,
         pass: &BackwardPass<'_>,
         h: &Self::Head,
-        (ln, hs): Self::HeadSaved,
+        saved: Self::HeadSaved,
     ) -> Result<Act> {
-        let dy = h.head.backward(pass, &self.grid, &hs)?;
-        drop(hs);
-        h.ln_f.backward(pass, &self.grid, &ln, &dy, None)
+        h.backward_on(pass, &self.grid, saved)
     }
 
     fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {

@@ -38,11 +38,11 @@ impl Layout3D {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Tile {
     /// First row.
-    pub row0: usize,
+    pub(crate) row0: usize,
     /// Rows.
     pub rows: usize,
     /// First column.
-    pub col0: usize,
+    pub(crate) col0: usize,
     /// Columns.
     pub cols: usize,
 }

@@ -14,6 +14,7 @@ use crate::ops::{add, add_in_place, Axpby};
 use crate::parallel::grid::ProcessGrid;
 use crate::parallel::three_d::{by_group, Layout3D, Place3D};
 use crate::parallel::Cost;
+use crate::parallel::GridNorm;
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -181,13 +182,38 @@ impl LayerNorm3D {
         Ok(())
     }
 
+    /// The collectives of one forward and backward on tiles of `rows` rows (`n`) in `dtype`:
+    /// forward, three all-gathers on the layout's column group (`n × C`, then γ and β, `C`
+    /// each); backward, an all-gather of `n × C` there and an all-reduce of `2·C/q` f32 on the
+    /// weight group and on the row group.
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
+        let (c, es) = (self.cols, dtype.size());
+        let fc = CommStats {
+            all_gather: tally(3, (rows * c + 2 * c) * es),
+            ..CommStats::default()
+        };
+        let [mut ba, mut bw, mut bc] = [CommStats::default(); 3];
+        let reduce = tally(1, 2 * self.cq() * 4);
+        bc.all_gather = tally(1, rows * c * es);
+        bw.all_reduce = reduce;
+        ba.all_reduce = reduce;
+        Cost {
+            forward: by_group(self.layout, CommStats::default(), CommStats::default(), fc),
+            backward: by_group(self.layout, ba, bw, bc),
+        }
+    }
+}
+
+impl GridNorm for LayerNorm3D {
+    type Saved = LayerNorm3DSaved;
+
     /// Normalises this rank's tile `x` `[n, C/q]` (in [`LayerNorm3D::layout`]), or
     /// `h = x + residual` (a tile of the same shape): returns the output tile `[n, C/q]` and
     /// what the backward needs. The rows' `q` column blocks are all-gathered over the column
     /// group, the full rows normalised ([`ops::layernorm`](crate::ops::layernorm_forward)) with γ and
     /// β all-gathered there too, and the rank's block kept. A wrong grid, shape or type is an
     /// error before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -263,7 +289,7 @@ impl LayerNorm3D {
     /// rows' `dγ`, `dβ` (f32) are summed over the other rows by all-reduces over the weight
     /// group and the row group. A wrong grid, shape or type is an error before any
     /// collective; `dx_into` may not be `dy` or the saved input.
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -347,26 +373,5 @@ impl LayerNorm3D {
         g.accumulate_grad(0, mine.view(0, cq4)?, DType::F32)?;
         g.accumulate_grad(1, mine.view(cq4, cq4)?, DType::F32)?;
         Ok(dx)
-    }
-
-    /// The collectives of one forward and backward on tiles of `rows` rows (`n`) in `dtype`:
-    /// forward, three all-gathers on the layout's column group (`n × C`, then γ and β, `C`
-    /// each); backward, an all-gather of `n × C` there and an all-reduce of `2·C/q` f32 on the
-    /// weight group and on the row group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
-        let (c, es) = (self.cols, dtype.size());
-        let fc = CommStats {
-            all_gather: tally(3, (rows * c + 2 * c) * es),
-            ..CommStats::default()
-        };
-        let [mut ba, mut bw, mut bc] = [CommStats::default(); 3];
-        let reduce = tally(1, 2 * self.cq() * 4);
-        bc.all_gather = tally(1, rows * c * es);
-        bw.all_reduce = reduce;
-        ba.all_reduce = reduce;
-        Cost {
-            forward: by_group(self.layout, CommStats::default(), CommStats::default(), fc),
-            backward: by_group(self.layout, ba, bw, bc),
-        }
     }
 }

@@ -9,6 +9,7 @@ use crate::ops::{check_targets, VocabShard};
 use crate::parallel::grid::ProcessGrid;
 use crate::parallel::three_d::{groups, split, Layout3D, Linear3D, Linear3DSaved, Place3D};
 use crate::parallel::Cost;
+use crate::parallel::GridClassifier;
 use crate::parallel::{BatchRows, ShardedCrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::Init;
@@ -102,13 +103,42 @@ impl Classifier3D {
         self.linear.layout
     }
 
+    /// The collectives of one forward and backward on input tiles of `rows` rows
+    /// (`n = R/q²`) in `dtype`: [`Linear3D::collectives`] (with the input gradient), plus in
+    /// forward the cross-entropy's two all-reduces on the layout's row group (`n` f32 and
+    /// `2n` f32) and the loss's all-reduce of one f64 on the tensor group.
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
+        let lin = self.linear.collectives(rows, dtype, true);
+        let mut forward = lin.forward;
+        let ce = match self.layout() {
+            Layout3D::RowsJColsK => &mut forward.input,
+            Layout3D::RowsKColsJ => &mut forward.output,
+        };
+        ce.all_reduce = Tally {
+            calls: 2,
+            bytes: (3 * rows * DType::F32.size()) as u64,
+        };
+        forward.tensor.all_reduce = Tally {
+            calls: 1,
+            bytes: DType::F64.size() as u64,
+        };
+        Cost {
+            forward,
+            backward: lin.backward,
+        }
+    }
+}
+
+impl GridClassifier for Classifier3D {
+    type Saved = Classifier3DSaved;
+
     /// The mean cross-entropy over the rows of the whole batch whose target is not the ignore
     /// index, of this rank's input tile `h` `[R/q², inputs/q]` (in [`Classifier3D::layout`])
     /// against `targets` (the whole batch's `R` class ids, row by row, the same on every
     /// rank): the same loss on every rank of the cube. The logits' gradient, kept for the
     /// backward, is scaled by `loss_scale` over the rows counted. Targets, shapes, the scale
     /// and the grid are checked on the host before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -153,7 +183,7 @@ impl Classifier3D {
     /// The backward of [`Classifier3D::forward`]: this rank's input-gradient tile
     /// `[R/q², inputs/q]` (in [`Classifier3D::layout`]); writes the weight's (and bias's)
     /// gradient shard, or adds it as a share when tied.
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -164,30 +194,5 @@ impl Classifier3D {
             .ok_or_else(|| Error::Internal {
                 what: "the 3D classifier's linear asked for dh gave none".into(),
             })
-    }
-
-    /// The collectives of one forward and backward on input tiles of `rows` rows
-    /// (`n = R/q²`) in `dtype`: [`Linear3D::collectives`] (with the input gradient), plus in
-    /// forward the cross-entropy's two all-reduces on the layout's row group (`n` f32 and
-    /// `2n` f32) and the loss's all-reduce of one f64 on the tensor group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
-        let lin = self.linear.collectives(rows, dtype, true);
-        let mut forward = lin.forward;
-        let ce = match self.layout() {
-            Layout3D::RowsJColsK => &mut forward.input,
-            Layout3D::RowsKColsJ => &mut forward.output,
-        };
-        ce.all_reduce = Tally {
-            calls: 2,
-            bytes: (3 * rows * DType::F32.size()) as u64,
-        };
-        forward.tensor.all_reduce = Tally {
-            calls: 1,
-            bytes: DType::F64.size() as u64,
-        };
-        Cost {
-            forward,
-            backward: lin.backward,
-        }
     }
 }

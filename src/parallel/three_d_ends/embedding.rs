@@ -14,6 +14,7 @@ use crate::parallel::three_d::{
     groups, shard_init, split, tally, Layout3D, Linear3D, Place3D, Tile,
 };
 use crate::parallel::Cost;
+use crate::parallel::GridLookup;
 use crate::store::{BackwardPass, ForwardPass, Guard, ParamStore, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -104,7 +105,7 @@ fn plan<K: PassKind>(
 /// use tidemem::comm::Communicator;
 /// use tidemem::device::{Device, SimConfig};
 /// use tidemem::parallel::{Classifier3D, GridSpec, Layout3D, ProcessGrid, TensorMode};
-/// use tidemem::parallel::VocabEmbedding3D;
+/// use tidemem::parallel::{GridClassifier, GridLookup, VocabEmbedding3D};
 /// use tidemem::store::ParamStore;
 /// use tidemem::tensor::Init;
 /// use tidemem::tide::Policy;
@@ -230,11 +231,34 @@ impl Embedding3D {
         place.tile(self.layout, ids.len(), self.channels)
     }
 
+    /// The collectives of one forward and backward in `dtype` (they do not depend on the
+    /// batch): forward, an all-gather of `rows × C/q` on the weight group; backward, a
+    /// reduce-scatter of `rows × C/q` on the weight group and an all-reduce of
+    /// `rows/q × C/q` on the layout's row group.
+    pub fn collectives(&self, dtype: DType) -> Cost {
+        let q = self.place.q;
+        let cq = self.channels / q;
+        let none = CommStats::default();
+        let mut fw = none;
+        fw.all_gather = tally(self.rows * cq, dtype);
+        let (mut ba, mut bw) = (none, none);
+        bw.reduce_scatter = tally(self.rows * cq, dtype);
+        ba.all_reduce = tally(self.rows / q * cq, dtype);
+        Cost {
+            forward: by_group(self.layout, none, fw, none),
+            backward: by_group(self.layout, ba, bw, none),
+        }
+    }
+}
+
+impl GridLookup for Embedding3D {
+    type Saved = Embedding3DSaved;
+
     /// The embedding of `ids` (the whole batch's `R` ids, row by row, the same on every rank):
     /// this rank's tile `[R/q², C/q]` in [`Embedding3D::layout`], after one all-gather over the
     /// weight group. The ids (in `0..rows`, `R` a multiple of `q²`) and the grid are checked
     /// on the host before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -263,7 +287,7 @@ impl Embedding3D {
     /// `[R/q², C/q]`: the table's gradient from the tile's rows, a reduce-scatter over the
     /// weight group and an all-reduce over the layout's row group, written into the weight's
     /// slot (or added as a share: [`Embedding3D::uses`]).
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -297,25 +321,6 @@ impl Embedding3D {
             g.accumulate_grad(0, slot, d)?;
         }
         Ok(())
-    }
-
-    /// The collectives of one forward and backward in `dtype` (they do not depend on the
-    /// batch): forward, an all-gather of `rows × C/q` on the weight group; backward, a
-    /// reduce-scatter of `rows × C/q` on the weight group and an all-reduce of
-    /// `rows/q × C/q` on the layout's row group.
-    pub fn collectives(&self, dtype: DType) -> Cost {
-        let q = self.place.q;
-        let cq = self.channels / q;
-        let none = CommStats::default();
-        let mut fw = none;
-        fw.all_gather = tally(self.rows * cq, dtype);
-        let (mut ba, mut bw) = (none, none);
-        bw.reduce_scatter = tally(self.rows * cq, dtype);
-        ba.all_reduce = tally(self.rows / q * cq, dtype);
-        Cost {
-            forward: by_group(self.layout, none, fw, none),
-            backward: by_group(self.layout, ba, bw, none),
-        }
     }
 }
 
@@ -414,12 +419,35 @@ impl VocabEmbedding3D {
         (q, self.channels / q, self.vocab / q)
     }
 
+    /// The collectives of one forward and backward on tiles of `rows` rows (`n = R/q²`) in
+    /// `dtype`: forward, an all-gather of `C/q × V/q` on the weight group and a reduce-scatter
+    /// of `q·n × C/q` on the layout's row group; backward, an all-gather of `q·n × C/q` on the
+    /// row group and a reduce-scatter of `C/q × V/q` on the weight group.
+    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
+        let (q, cq, vq) = self.dims();
+        let none = CommStats::default();
+        let (mut fa, mut fw) = (none, none);
+        fw.all_gather = tally(cq * vq, dtype);
+        fa.reduce_scatter = tally(q * rows * cq, dtype);
+        let (mut ba, mut bw) = (none, none);
+        ba.all_gather = tally(q * rows * cq, dtype);
+        bw.reduce_scatter = tally(cq * vq, dtype);
+        Cost {
+            forward: by_group(self.layout, fa, fw, none),
+            backward: by_group(self.layout, ba, bw, none),
+        }
+    }
+}
+
+impl GridLookup for VocabEmbedding3D {
+    type Saved = VocabEmbedding3DSaved;
+
     /// The embedding of `tokens` (the whole batch's `R` ids, row by row, the same on every
     /// rank): this rank's tile `[R/q², C/q]` in [`VocabEmbedding3D::layout`], after an
     /// all-gather over the weight group and a reduce-scatter over the layout's row group. The
     /// tokens (in `0..V`, `R` a multiple of `q²`) and the grid are checked on the host before
     /// any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -456,7 +484,7 @@ impl VocabEmbedding3D {
     /// `dout` `[R/q², C/q]`: adds this rank's share of its shard's gradient through
     /// [`Guard::accumulate_grad`] (the tied head adds the other), after an all-gather over the
     /// layout's row group and a reduce-scatter over the weight group.
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -483,24 +511,5 @@ impl VocabEmbedding3D {
         heads_split(dev, s, t, dtable.input(), dwt.view(), d)?;
         gw.reduce_scatter(s, dwt.view(), share.view(), d, ReduceOp::Sum)?;
         g.accumulate_grad(0, share.view(), d)
-    }
-
-    /// The collectives of one forward and backward on tiles of `rows` rows (`n = R/q²`) in
-    /// `dtype`: forward, an all-gather of `C/q × V/q` on the weight group and a reduce-scatter
-    /// of `q·n × C/q` on the layout's row group; backward, an all-gather of `q·n × C/q` on the
-    /// row group and a reduce-scatter of `C/q × V/q` on the weight group.
-    pub fn collectives(&self, rows: usize, dtype: DType) -> Cost {
-        let (q, cq, vq) = self.dims();
-        let none = CommStats::default();
-        let (mut fa, mut fw) = (none, none);
-        fw.all_gather = tally(cq * vq, dtype);
-        fa.reduce_scatter = tally(q * rows * cq, dtype);
-        let (mut ba, mut bw) = (none, none);
-        ba.all_gather = tally(q * rows * cq, dtype);
-        bw.reduce_scatter = tally(cq * vq, dtype);
-        Cost {
-            forward: by_group(self.layout, fa, fw, none),
-            backward: by_group(self.layout, ba, bw, none),
-        }
     }
 }

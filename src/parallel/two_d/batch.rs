@@ -18,11 +18,11 @@ pub struct BatchBlock {
     /// The row block.
     pub row: usize,
     /// Row blocks in all.
-    pub row_blocks: usize,
+    pub(crate) row_blocks: usize,
     /// The column block.
     pub col: usize,
     /// Column blocks in all.
-    pub col_blocks: usize,
+    pub(crate) col_blocks: usize,
 }
 
 impl BatchBlock {

@@ -11,6 +11,7 @@ use crate::ops::{
     add, add_in_place, layernorm_backward, layernorm_backward_scratch_bytes, layernorm_forward,
     Axpby, LayerNormBackward, LayerNormForward,
 };
+use crate::parallel::GridNorm;
 use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
@@ -269,20 +270,6 @@ impl LayerNorm2D {
         Ok(full)
     }
 
-    /// Normalises this rank's block `x` `[rows_l, cols/q]`, or `h = x + residual` (same shape)
-    /// when given: returns `Y_ij` and what the backward needs. Shapes, types and the grid
-    /// place are checked before any collective.
-    pub fn forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        grid: &ProcessGrid,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNorm2DSaved)> {
-        let gr = self.place.groups(grid)?;
-        self.forward_in(pass, &gr, x, residual)
-    }
-
     pub(super) fn forward_in(
         &self,
         pass: &ForwardPass<'_>,
@@ -330,21 +317,6 @@ impl LayerNorm2D {
         drop((hf, gamma, beta));
         let y = take_block(pass, &yf, q, self.place.col)?;
         Ok((y, LayerNorm2DSaved { h, stats }))
-    }
-
-    /// The backward of [`LayerNorm2D::forward`] from `dY_ij`: returns `dX_ij` — added to
-    /// `dx_into` (the residual stream's gradient, returned shared) when given — and adds this
-    /// rank's dγ and dβ pieces into their slots. Shapes are checked before any collective.
-    pub fn backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        saved: &LayerNorm2DSaved,
-        dy: &Act,
-        dx_into: Option<&Act>,
-    ) -> Result<Act> {
-        let gr = self.place.groups(grid)?;
-        self.backward_in(pass, &gr, saved, dy, dx_into)
     }
 
     pub(super) fn backward_in(
@@ -422,5 +394,38 @@ impl LayerNorm2D {
             g.accumulate_grad(i, piece.view(), DType::F32)?;
         }
         Ok(dx)
+    }
+}
+
+impl GridNorm for LayerNorm2D {
+    type Saved = LayerNorm2DSaved;
+
+    /// Normalises this rank's block `x` `[rows_l, cols/q]`, or `h = x + residual` (same shape)
+    /// when given: returns `Y_ij` and what the backward needs. Shapes, types and the grid
+    /// place are checked before any collective.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        grid: &ProcessGrid,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, LayerNorm2DSaved)> {
+        let gr = self.place.groups(grid)?;
+        self.forward_in(pass, &gr, x, residual)
+    }
+
+    /// The backward of [`LayerNorm2D::forward`] from `dY_ij`: returns `dX_ij` — added to
+    /// `dx_into` (the residual stream's gradient, returned shared) when given — and adds this
+    /// rank's dγ and dβ pieces into their slots. Shapes are checked before any collective.
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        grid: &ProcessGrid,
+        saved: &LayerNorm2DSaved,
+        dy: &Act,
+        dx_into: Option<&Act>,
+    ) -> Result<Act> {
+        let gr = self.place.groups(grid)?;
+        self.backward_in(pass, &gr, saved, dy, dx_into)
     }
 }

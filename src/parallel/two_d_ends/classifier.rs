@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{check_targets, VocabShard};
 use crate::parallel::Cost;
+use crate::parallel::GridClassifier;
 use crate::parallel::{
     BatchRows, Linear2D, Linear2p5D, Place2D, ProcessGrid, ShardedCrossEntropy, SummaLinear,
     TensorMode,
@@ -149,12 +150,31 @@ impl Classifier2D {
         VocabShard::new(self.classes, l.col * cl, cl)
     }
 
+    /// The collectives of one forward and one backward over a batch of `n` rows, elements of
+    /// `dtype` (the store's parameter dtype), with `r = n/(d·q)` the tile's rows: the
+    /// linear's ([`SummaLinear::collectives`], with `dX`), plus forward ROW two all-reduces of
+    /// `r·4` and `2r·4` bytes (the cross-entropy's row max, then its sums and target logits)
+    /// and the tensor group one all-reduce of 8 bytes (the loss, f64). Fails when `n` does not
+    /// split into the row blocks.
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
+        let (_, p) = self.at();
+        let r = split("batch", "rows", n, p.q * p.depth, "row blocks")?;
+        let mut c = self.linear.collectives(n, dtype)?;
+        c.forward.row.all_reduce = c.forward.row.all_reduce + tally(1, r * 4) + tally(1, 2 * r * 4);
+        c.forward.tensor.all_reduce = tally(1, 8);
+        Ok(c)
+    }
+}
+
+impl GridClassifier for Classifier2D {
+    type Saved = Classifier2DSaved;
+
     /// The mean cross-entropy over the whole batch's rows whose target is not the ignore
     /// index, from this rank's tile `h` `[N/(d·q), C/q]` and `targets` (the whole batch's `N`
     /// class ids, the same on every rank); every rank gets the same loss. The logits'
     /// gradient, kept for the backward, is scaled by `loss_scale` over the counted rows.
     /// Targets, shapes, the scale and the grid are checked before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -212,7 +232,7 @@ impl Classifier2D {
 
     /// `dh`, this rank's tile `[N/(d·q), C/q]`; writes the weight's (and bias's) gradient, or
     /// adds the weight's share when tied: the linear's backward.
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -224,20 +244,5 @@ impl Classifier2D {
         } else {
             self.linear.backward(pass, grid, x, dy)
         }
-    }
-
-    /// The collectives of one forward and one backward over a batch of `n` rows, elements of
-    /// `dtype` (the store's parameter dtype), with `r = n/(d·q)` the tile's rows: the
-    /// linear's ([`SummaLinear::collectives`], with `dX`), plus forward ROW two all-reduces of
-    /// `r·4` and `2r·4` bytes (the cross-entropy's row max, then its sums and target logits)
-    /// and the tensor group one all-reduce of 8 bytes (the loss, f64). Fails when `n` does not
-    /// split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
-        let (_, p) = self.at();
-        let r = split("batch", "rows", n, p.q * p.depth, "row blocks")?;
-        let mut c = self.linear.collectives(n, dtype)?;
-        c.forward.row.all_reduce = c.forward.row.all_reduce + tally(1, r * 4) + tally(1, 2 * r * 4);
-        c.forward.tensor.all_reduce = tally(1, 8);
-        Ok(c)
     }
 }

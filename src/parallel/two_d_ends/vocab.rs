@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{vocab_embedding_backward, vocab_embedding_forward, VocabPlan, VocabShard};
 use crate::parallel::Cost;
+use crate::parallel::GridLookup;
 use crate::parallel::{Place2D, ProcessGrid, TensorMode};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -97,11 +98,39 @@ impl VocabEmbedding2D {
         groups("VocabEmbedding2D", self.mode, self.place, grid)
     }
 
+    /// The collectives of one forward and one backward over a batch of `n` tokens, elements
+    /// of `dtype` (the store's parameter dtype), with `r = n/(d·q)` the tile's rows and `e`
+    /// bytes an element: forward ROW one reduce-scatter of `q·r·C/q·e` bytes, tensor group one
+    /// send and one receive of `r·C/q·e`; backward the same send and receive, ROW one
+    /// all-gather of `q·r·C/q·e`, and for `d > 1` DEP one all-reduce of `V/q·C/q·e`. Fails
+    /// when `n` does not split into the row blocks.
+    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
+        let p = self.place;
+        let r = split("batch", "ids", n, p.q * p.depth, "row blocks")?;
+        let ([vl, cl], e) = (self.local(), dtype.size());
+        let tile = r * cl * e;
+        let mut c = Cost::default();
+        c.forward.row.reduce_scatter = tally(1, p.q * tile);
+        for g in [&mut c.forward, &mut c.backward] {
+            g.tensor.send = tally(1, tile);
+            g.tensor.recv = tally(1, tile);
+        }
+        c.backward.row.all_gather = tally(1, p.q * tile);
+        if p.depth > 1 {
+            c.backward.dep.all_reduce = tally(1, vl * cl * e);
+        }
+        Ok(c)
+    }
+}
+
+impl GridLookup for VocabEmbedding2D {
+    type Saved = VocabEmbedding2DSaved;
+
     /// This rank's tile `[N/(d·q), C/q]` of the embedding of `ids` (the whole batch's `N`
     /// tokens, the same on every rank): the masked lookup of the depth layer's `N/d` ids, one
     /// reduce-scatter in ROW, one `send_recv` with rank `(col, row)`. The ids, their count and
     /// the grid are checked before any collective.
-    pub fn forward(
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         grid: &ProcessGrid,
@@ -147,7 +176,7 @@ impl VocabEmbedding2D {
     /// over DEP for `d > 1`.
     ///
     /// [`Guard::accumulate_grad`]: crate::store::Guard::accumulate_grad
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         grid: &ProcessGrid,
@@ -186,29 +215,5 @@ impl VocabEmbedding2D {
             dep.all_reduce(s, dw.view(), dw.view(), d, ReduceOp::Sum)?;
         }
         g.accumulate_grad(0, dw.view(), d)
-    }
-
-    /// The collectives of one forward and one backward over a batch of `n` tokens, elements
-    /// of `dtype` (the store's parameter dtype), with `r = n/(d·q)` the tile's rows and `e`
-    /// bytes an element: forward ROW one reduce-scatter of `q·r·C/q·e` bytes, tensor group one
-    /// send and one receive of `r·C/q·e`; backward the same send and receive, ROW one
-    /// all-gather of `q·r·C/q·e`, and for `d > 1` DEP one all-reduce of `V/q·C/q·e`. Fails
-    /// when `n` does not split into the row blocks.
-    pub fn collectives(&self, n: usize, dtype: DType) -> Result<Cost> {
-        let p = self.place;
-        let r = split("batch", "ids", n, p.q * p.depth, "row blocks")?;
-        let ([vl, cl], e) = (self.local(), dtype.size());
-        let tile = r * cl * e;
-        let mut c = Cost::default();
-        c.forward.row.reduce_scatter = tally(1, p.q * tile);
-        for g in [&mut c.forward, &mut c.backward] {
-            g.tensor.send = tally(1, tile);
-            g.tensor.recv = tally(1, tile);
-        }
-        c.backward.row.all_gather = tally(1, p.q * tile);
-        if p.depth > 1 {
-            c.backward.dep.all_reduce = tally(1, vl * cl * e);
-        }
-        Ok(c)
     }
 }

@@ -52,14 +52,10 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
     const WHOLE: bool = false;
     /// This rank's part of a model's first layer: a token embedding `wte` split by
     /// vocabulary, with a position embedding `wpe`, giving the blocks' layout.
-    type Embedding: Clone + Debug + PartialEq + Send + Sync;
-    /// What the embedding's forward keeps for its backward.
-    type EmbeddingSaved: Send + Sync;
+    type Embedding: EmbeddingOn<Self>;
     /// This rank's part of a model's last layer: the final LayerNorm and the head tied to a
     /// `wte` part, with its cross-entropy over the split vocabulary.
-    type Head: Clone + Debug + PartialEq + Send + Sync;
-    /// What the head's forward keeps for its backward.
-    type HeadSaved: Send + Sync;
+    type Head: HeadOn<Self>;
 
     /// Columns of this rank's part of an activation of `features` features.
     fn cols(&self, features: usize) -> usize;
@@ -109,45 +105,6 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
         ignore: i32,
         tied: Option<&Self::Embedding>,
     ) -> Result<Self::Head>;
-    /// The embedding's parameters in fetch order, this rank's `wte` part first.
-    fn embedding_params(e: &Self::Embedding) -> Vec<TensorId>;
-    /// The head's parameters: `ln_f`'s γ and β, then its `wte` part.
-    fn head_params(h: &Self::Head) -> [TensorId; 3];
-    /// The embedding of `tokens` (`[batch·seq]`, the same on every rank) at positions
-    /// `first ..` of their sequences, in the blocks' layout.
-    fn embed(
-        &self,
-        pass: &ForwardPass<'_>,
-        e: &Self::Embedding,
-        tokens: &[i32],
-        batch_seq_first: [usize; 3],
-    ) -> Result<(Act, Self::EmbeddingSaved)>;
-    /// The embedding's gradients (`wte`'s added to the store's sum) from the output's `dx`.
-    fn embed_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        e: &Self::Embedding,
-        saved: Self::EmbeddingSaved,
-        dx: &Act,
-    ) -> Result<()>;
-    /// `ln_f` and the head on the last block's output `x`: the mean loss over the whole batch
-    /// (`targets`, the same on every rank), the gradient kept scaled by `scale`.
-    fn head_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        h: &Self::Head,
-        x: &Act,
-        targets: &[i32],
-        scale: f32,
-    ) -> Result<(f32, Self::HeadSaved)>;
-    /// The gradient of the last block's output; the head's share of `wte`'s gradient added
-    /// to the store's sum.
-    fn head_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        h: &Self::Head,
-        saved: Self::HeadSaved,
-    ) -> Result<Act>;
     /// This rank's part of a whole `[rows, cols]` activation (itself where the layout's
     /// activations are whole), without a collective.
     fn to_tile<K: PassKind>(&self, _pass: &Pass<'_, K>, full: Act) -> Result<Act> {
@@ -236,6 +193,100 @@ pub struct Serial;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unsplit {}
 
+/// A model's first layer on layout `L` (its token and position embedding, this rank's part):
+/// how it runs there. A layout's ends are layers of their own, written once for every layout
+/// that runs them alike (the 2D and 3D grids share theirs).
+pub trait EmbeddingOn<L: ?Sized>: Clone + Debug + PartialEq + Send + Sync {
+    /// What the forward keeps for the backward.
+    type Saved: Send + Sync;
+    /// The parameters in fetch order, this rank's `wte` part first.
+    fn params(&self) -> Vec<TensorId>;
+    /// The embedding of `tokens` (`[batch·seq]`, the same on every rank) at positions
+    /// `first ..` of their sequences, in the blocks' layout.
+    fn forward(
+        &self,
+        layout: &L,
+        pass: &ForwardPass<'_>,
+        tokens: &[i32],
+        batch_seq_first: [usize; 3],
+    ) -> Result<(Act, Self::Saved)>;
+    /// The gradients (`wte`'s added to the store's sum) from the output's `dx`.
+    fn backward(
+        &self,
+        layout: &L,
+        pass: &BackwardPass<'_>,
+        saved: Self::Saved,
+        dx: &Act,
+    ) -> Result<()>;
+}
+
+/// A model's last layer on layout `L` (the final LayerNorm and the head tied to a `wte` part,
+/// with its cross-entropy; this rank's part): how it runs there.
+pub trait HeadOn<L: ?Sized>: Clone + Debug + PartialEq + Send + Sync {
+    /// What the forward keeps for the backward.
+    type Saved: Send + Sync;
+    /// `ln_f`'s γ and β, then the `wte` part.
+    fn params(&self) -> [TensorId; 3];
+    /// `ln_f` and the head on the last block's output `x`: the mean loss over the whole batch
+    /// (`targets`, the same on every rank), the gradient kept scaled by `scale`.
+    fn forward(
+        &self,
+        layout: &L,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, Self::Saved)>;
+    /// The gradient of the last block's output; the head's share of `wte`'s gradient added
+    /// to the store's sum.
+    fn backward(&self, layout: &L, pass: &BackwardPass<'_>, saved: Self::Saved) -> Result<Act>;
+}
+
+impl<L: ?Sized> EmbeddingOn<L> for Unsplit {
+    type Saved = Unsplit;
+
+    fn params(&self) -> Vec<TensorId> {
+        match *self {}
+    }
+
+    fn forward(
+        &self,
+        _: &L,
+        _: &ForwardPass<'_>,
+        _: &[i32],
+        _: [usize; 3],
+    ) -> Result<(Act, Unsplit)> {
+        match *self {}
+    }
+
+    fn backward(&self, _: &L, _: &BackwardPass<'_>, _: Unsplit, _: &Act) -> Result<()> {
+        match *self {}
+    }
+}
+
+impl<L: ?Sized> HeadOn<L> for Unsplit {
+    type Saved = Unsplit;
+
+    fn params(&self) -> [TensorId; 3] {
+        match *self {}
+    }
+
+    fn forward(
+        &self,
+        _: &L,
+        _: &ForwardPass<'_>,
+        _: &Act,
+        _: &[i32],
+        _: f32,
+    ) -> Result<(f32, Unsplit)> {
+        match *self {}
+    }
+
+    fn backward(&self, _: &L, _: &BackwardPass<'_>, _: Unsplit) -> Result<Act> {
+        match *self {}
+    }
+}
+
 /// Split ends asked of a layout whose ends are whole.
 fn unsplit() -> crate::error::Error {
     crate::error::Error::Internal {
@@ -250,9 +301,7 @@ impl Layout for Serial {
     type NormSaved = LayerNormSaved;
     const WHOLE: bool = true;
     type Embedding = Unsplit;
-    type EmbeddingSaved = Unsplit;
     type Head = Unsplit;
-    type HeadSaved = Unsplit;
 
     fn cols(&self, features: usize) -> usize {
         features
@@ -286,43 +335,6 @@ impl Layout for Serial {
         _: Option<&Unsplit>,
     ) -> Result<Unsplit> {
         Err(unsplit())
-    }
-
-    fn embedding_params(e: &Unsplit) -> Vec<TensorId> {
-        match *e {}
-    }
-
-    fn head_params(h: &Unsplit) -> [TensorId; 3] {
-        match *h {}
-    }
-
-    fn embed(
-        &self,
-        _: &ForwardPass<'_>,
-        e: &Unsplit,
-        _: &[i32],
-        _: [usize; 3],
-    ) -> Result<(Act, Unsplit)> {
-        match *e {}
-    }
-
-    fn embed_backward(&self, _: &BackwardPass<'_>, e: &Unsplit, _: Unsplit, _: &Act) -> Result<()> {
-        match *e {}
-    }
-
-    fn head_forward(
-        &self,
-        _: &ForwardPass<'_>,
-        h: &Unsplit,
-        _: &Act,
-        _: &[i32],
-        _: f32,
-    ) -> Result<(f32, Unsplit)> {
-        match *h {}
-    }
-
-    fn head_backward(&self, _: &BackwardPass<'_>, h: &Unsplit, _: Unsplit) -> Result<Act> {
-        match *h {}
     }
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {

@@ -7,7 +7,11 @@ use super::ProcessGrid;
 use crate::error::{Error, Result};
 use crate::nn::Act;
 use crate::ops::{add_in_place, Axpby};
+use std::fmt::Debug;
+
+use crate::nn::{EmbeddingOn, HeadOn};
 use crate::store::{BackwardPass, ForwardPass};
+use crate::tensor::TensorId;
 
 /// A table split over a 2D, 2.5D or 3D grid (a token or a position embedding): ids in (the
 /// same on every rank), this rank's tile of their rows out. The 2D and 3D tables are one kind
@@ -15,6 +19,8 @@ use crate::store::{BackwardPass, ForwardPass};
 pub trait GridLookup {
     /// What the forward keeps for the backward.
     type Saved: Send + Sync;
+    /// The parameters, in fetch order.
+    fn params(&self) -> Vec<TensorId>;
     /// This rank's tile of the rows of `ids`, and what the backward needs.
     fn forward(
         &self,
@@ -36,6 +42,8 @@ pub trait GridLookup {
 pub trait GridNorm {
     /// What the forward keeps for the backward.
     type Saved: Send + Sync;
+    /// The parameters, in fetch order.
+    fn params(&self) -> Vec<TensorId>;
     /// The LayerNorm of this rank's tile `x` (of `x + residual` with one), and what the
     /// backward needs.
     fn forward(
@@ -61,6 +69,8 @@ pub trait GridNorm {
 pub trait GridClassifier {
     /// What the forward keeps for the backward.
     type Saved: Send + Sync;
+    /// The parameters, in fetch order.
+    fn params(&self) -> Vec<TensorId>;
     /// The mean loss of this rank's tile `h` over the whole batch's counted `targets` (the
     /// same on every rank), the gradient kept scaled by `loss_scale`.
     fn forward(
@@ -180,64 +190,84 @@ pub(crate) fn token_plus_position<A, B>(
     Ok((x, (st, sp)))
 }
 
-impl<T: GridLookup, P: GridLookup> TokenPosition<T, P> {
-    /// The token embedding of `tokens` plus the position embedding of their positions
-    /// (`first ..` of sequences of `seq`), on `grid`.
-    #[allow(clippy::type_complexity)] // the two tables' saved states
-    pub(crate) fn forward_on(
+/// A layout on a grid (2D, 2.5D or 3D): the grid its ends run on.
+pub trait OnGrid {
+    /// The rank's grid.
+    fn grid(&self) -> &ProcessGrid;
+}
+
+impl<L: OnGrid, T, P> EmbeddingOn<L> for TokenPosition<T, P>
+where
+    T: GridLookup + Clone + Debug + PartialEq + Send + Sync,
+    P: GridLookup + Clone + Debug + PartialEq + Send + Sync,
+{
+    type Saved = (T::Saved, P::Saved);
+
+    fn params(&self) -> Vec<TensorId> {
+        let mut v = self.wte.params();
+        v.extend(self.wpe.params());
+        v
+    }
+
+    fn forward(
         &self,
+        layout: &L,
         pass: &ForwardPass<'_>,
-        grid: &ProcessGrid,
         tokens: &[i32],
-        seq_first: [usize; 2],
-    ) -> Result<(Act, (T::Saved, P::Saved))> {
+        [_, seq, first]: [usize; 3],
+    ) -> Result<(Act, Self::Saved)> {
+        let grid = layout.grid();
         token_plus_position(
             pass,
             tokens,
-            seq_first,
+            [seq, first],
             |ids| self.wte.forward(pass, grid, ids),
             |ids| self.wpe.forward(pass, grid, ids),
         )
     }
 
-    /// Both tables' gradients from the output's `dx`.
-    pub(crate) fn backward_on(
+    fn backward(
         &self,
+        layout: &L,
         pass: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        (st, sp): (T::Saved, P::Saved),
+        (st, sp): Self::Saved,
         dx: &Act,
     ) -> Result<()> {
-        self.wpe.backward(pass, grid, &sp, dx)?;
-        self.wte.backward(pass, grid, &st, dx)
+        self.wpe.backward(pass, layout.grid(), &sp, dx)?;
+        self.wte.backward(pass, layout.grid(), &st, dx)
     }
 }
 
-impl<N: GridNorm, C: GridClassifier> NormHead<N, C> {
-    /// `ln_f` and the head on `x`: the mean loss, the gradient kept scaled by `scale`.
-    #[allow(clippy::type_complexity)] // the two layers' saved states
-    pub(crate) fn forward_on(
+impl<L: OnGrid, N, C> HeadOn<L> for NormHead<N, C>
+where
+    N: GridNorm + Clone + Debug + PartialEq + Send + Sync,
+    C: GridClassifier + Clone + Debug + PartialEq + Send + Sync,
+{
+    type Saved = (N::Saved, C::Saved);
+
+    fn params(&self) -> [TensorId; 3] {
+        let ln = self.ln_f.params();
+        let w = self.head.params();
+        [ln[0], ln[1], w[0]]
+    }
+
+    fn forward(
         &self,
+        layout: &L,
         pass: &ForwardPass<'_>,
-        grid: &ProcessGrid,
         x: &Act,
         targets: &[i32],
         scale: f32,
-    ) -> Result<(f32, (N::Saved, C::Saved))> {
+    ) -> Result<(f32, Self::Saved)> {
+        let grid = layout.grid();
         let (y, ln) = self.ln_f.forward(pass, grid, x, None)?;
         let (loss, hs) = self.head.forward(pass, grid, &y, targets, scale)?;
         Ok((loss, (ln, hs)))
     }
 
-    /// The gradient of `x`; the head's and `ln_f`'s gradients written.
-    pub(crate) fn backward_on(
-        &self,
-        pass: &BackwardPass<'_>,
-        grid: &ProcessGrid,
-        (ln, hs): (N::Saved, C::Saved),
-    ) -> Result<Act> {
-        let dy = self.head.backward(pass, grid, &hs)?;
+    fn backward(&self, layout: &L, pass: &BackwardPass<'_>, (ln, hs): Self::Saved) -> Result<Act> {
+        let dy = self.head.backward(pass, layout.grid(), &hs)?;
         drop(hs);
-        self.ln_f.backward(pass, grid, &ln, &dy, None)
+        self.ln_f.backward(pass, layout.grid(), &ln, &dy, None)
     }
 }

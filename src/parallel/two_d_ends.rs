@@ -316,6 +316,10 @@ impl Embedding2D {
 impl GridLookup for Embedding2D {
     type Saved = Embedding2DSaved;
 
+    fn params(&self) -> Vec<TensorId> {
+        vec![self.weight]
+    }
+
     /// This rank's tile `[N/(d·q), C/q]` of the lookup of `ids` (the whole batch's `N` ids,
     /// the same on every rank): one all-gather in COL. The ids, their count and the grid are
     /// checked before any collective.

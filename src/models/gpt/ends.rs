@@ -6,8 +6,8 @@ use super::{GptConfig, IGNORE_INDEX};
 use crate::device::PoolBlock;
 use crate::error::{Error, Result};
 use crate::nn::{
-    Act, Embedding, EmbeddingSaved, LayerNorm, LayerNormSaved, Layout, LmHead, LmHeadSaved, Loss,
-    WeightUse,
+    Act, Embedding, EmbeddingOn, EmbeddingSaved, HeadOn, LayerNorm, LayerNormSaved, Layout, LmHead,
+    LmHeadSaved, Loss, WeightUse,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
@@ -38,14 +38,14 @@ pub(super) enum Head<L: Layout> {
 #[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
 pub(super) enum EmbKept<L: Layout> {
     Whole(EmbeddingSaved),
-    Split(L::EmbeddingSaved),
+    Split(<L::Embedding as EmbeddingOn<L>>::Saved),
 }
 
 /// What `ln_f` and the head keep for their backward.
 #[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
 pub(super) enum HeadKept<L: Layout> {
     Whole(LayerNormSaved, LmHeadSaved),
-    Split(L::HeadSaved),
+    Split(<L::Head as HeadOn<L>>::Saved),
 }
 
 /// What happens to a tied `wte`'s gradient share: added to the store as it comes, or handed
@@ -112,7 +112,7 @@ impl EndsInit<'_> {
             let dims = [cfg.vocab, cfg.max_seq, cfg.channels];
             let inits = names.map(m);
             let e = layout.register_embedding(store, dims, [&inits[0], &inits[1]], self.uses)?;
-            let ids = L::embedding_params(&e);
+            let ids = e.params();
             store.set_norm_share(ids[0], layout.wte_share() / self.copies)?;
             params.extend(names.into_iter().map(String::from).zip(ids));
             return Ok(Embed::Split(e));
@@ -149,7 +149,7 @@ impl EndsInit<'_> {
             let [te, g, b] = ["wte.weight", "ln_f.weight", "ln_f.bias"].map(m);
             let h =
                 layout.register_head(store, [v, c], cfg.eps, [&te, &g, &b], IGNORE_INDEX, tied)?;
-            let [gamma, beta, wte] = L::head_params(&h);
+            let [gamma, beta, wte] = h.params();
             if tied.is_none() {
                 store.set_norm_share(wte, layout.wte_share() / self.copies)?;
                 params.push(("wte.weight".into(), wte));
@@ -198,12 +198,12 @@ impl<L: Layout> Ends<L> {
     pub(super) fn params(&self) -> (Vec<TensorId>, Vec<TensorId>) {
         let first = match &self.embedding {
             Some(Embed::Whole(e)) => vec![e.wte, e.wpe],
-            Some(Embed::Split(e)) => L::embedding_params(e),
+            Some(Embed::Split(e)) => e.params(),
             None => Vec::new(),
         };
         let last = match &self.head {
             Some(Head::Whole { ln_f, head }) => vec![ln_f.gamma, ln_f.beta, head.proj.weight],
-            Some(Head::Split(h)) => L::head_params(h).to_vec(),
+            Some(Head::Split(h)) => h.params().to_vec(),
             None => Vec::new(),
         };
         (first, last)
@@ -229,7 +229,7 @@ impl<L: Layout> Ends<L> {
                 Ok((self.layout.to_tile(fwd, x)?, EmbKept::Whole(s)))
             }
             Some(Embed::Split(e)) => {
-                let (x, s) = self.layout.embed(fwd, e, tokens, [batch, seq, first])?;
+                let (x, s) = e.forward(&self.layout, fwd, tokens, [batch, seq, first])?;
                 Ok((x, EmbKept::Split(s)))
             }
             None => Err(absent("a GPT's embedding", "on the first pipeline stage")),
@@ -254,7 +254,7 @@ impl<L: Layout> Ends<L> {
                 Ok((loss, HeadKept::Whole(ln, hs)))
             }
             Some(Head::Split(h)) => {
-                let (loss, k) = self.layout.head_forward(fwd, h, &x, targets, scale)?;
+                let (loss, k) = h.forward(&self.layout, fwd, &x, targets, scale)?;
                 Ok((Loss::ready(loss), HeadKept::Split(k)))
             }
             None => Err(absent("a GPT's head", "on the last pipeline stage")),
@@ -284,7 +284,7 @@ impl<L: Layout> Ends<L> {
                 drop((dh, ln));
                 self.layout.to_tile(bwd, dfull)
             }
-            (Some(Head::Split(h)), HeadKept::Split(k)) => self.layout.head_backward(bwd, h, k),
+            (Some(Head::Split(h)), HeadKept::Split(k)) => h.backward(&self.layout, bwd, k),
             _ => Err(mismatch()),
         }
     }
@@ -306,9 +306,7 @@ impl<L: Layout> Ends<L> {
                     None => e.backward(bwd, &s, &dfull),
                 }
             }
-            (Some(Embed::Split(e)), EmbKept::Split(k)) => {
-                self.layout.embed_backward(bwd, e, k, &dx)
-            }
+            (Some(Embed::Split(e)), EmbKept::Split(k)) => e.backward(&self.layout, bwd, k, &dx),
             _ => Err(mismatch()),
         }
     }

@@ -5,13 +5,13 @@ use crate::error::{Error, Result};
 use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::parallel::ends::check_grid_ends;
+use crate::parallel::ends::{check_grid_ends, OnGrid};
 use crate::parallel::split;
 use crate::parallel::GridNorm;
-use crate::parallel::{gather_3d, split_3d, Classifier3D, Classifier3DSaved, Cost};
-use crate::parallel::{Embedding3D, Embedding3DSaved, LayerNorm3D, LayerNorm3DSaved, Layout3D};
+use crate::parallel::VocabEmbedding3D;
+use crate::parallel::{gather_3d, split_3d, Classifier3D, Cost};
+use crate::parallel::{Embedding3D, LayerNorm3D, LayerNorm3DSaved, Layout3D};
 use crate::parallel::{Linear3D, Linear3DSaved, NormHead, Place3D, ProcessGrid, TokenPosition};
-use crate::parallel::{VocabEmbedding3D, VocabEmbedding3DSaved};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
 
@@ -147,15 +147,19 @@ impl Cube {
     }
 }
 
+impl OnGrid for Cube {
+    fn grid(&self) -> &ProcessGrid {
+        &self.grid
+    }
+}
+
 impl Layout for Cube {
     type Linear = Linear3D;
     type LinearSaved = Linear3DSaved;
     type Norm = LayerNorm3D;
     type NormSaved = LayerNorm3DSaved;
     type Embedding = TokenPosition<VocabEmbedding3D, Embedding3D>;
-    type EmbeddingSaved = (VocabEmbedding3DSaved, Embedding3DSaved);
     type Head = NormHead<LayerNorm3D, Classifier3D>;
-    type HeadSaved = (LayerNorm3DSaved, Classifier3DSaved);
 
     fn cols(&self, features: usize) -> usize {
         features / self.place.q
@@ -260,56 +264,6 @@ impl Layout for Cube {
         let ln_f = self.register_norm(store, "ln_f", c, eps, [g, b])?;
         let head = Classifier3D::tied(&*store, wte, ignore)?;
         Ok(NormHead { ln_f, head })
-    }
-
-    fn embedding_params(e: &Self::Embedding) -> Vec<TensorId> {
-        let mut v = e.wte.params();
-        v.extend(e.wpe.params());
-        v
-    }
-
-    fn head_params(h: &Self::Head) -> [TensorId; 3] {
-        [h.ln_f.gamma, h.ln_f.beta, h.head.linear.weight]
-    }
-
-    fn embed(
-        &self,
-        pass: &ForwardPass<'_>,
-        e: &Self::Embedding,
-        tokens: &[i32],
-        [_, seq, first]: [usize; 3],
-    ) -> Result<(Act, Self::EmbeddingSaved)> {
-        e.forward_on(pass, &self.grid, tokens, [seq, first])
-    }
-
-    fn embed_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        e: &Self::Embedding,
-        saved: Self::EmbeddingSaved,
-        dx: &Act,
-    ) -> Result<()> {
-        e.backward_on(pass, &self.grid, saved, dx)
-    }
-
-    fn head_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        h: &Self::Head,
-        x: &Act,
-        targets: &[i32],
-        scale: f32,
-    ) -> Result<(f32, Self::HeadSaved)> {
-        h.forward_on(pass, &self.grid, x, targets, scale)
-    }
-
-    fn head_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        h: &Self::Head,
-        saved: Self::HeadSaved,
-    ) -> Result<Act> {
-        h.backward_on(pass, &self.grid, saved)
     }
 
     fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {

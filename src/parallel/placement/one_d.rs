@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, LayerNorm, LayerNormSaved, Layout, Linear, Pair, Serial, WeightUse};
+use crate::nn::{Act, Block, EmbeddingOn, HeadOn, LayerNorm, LayerNormSaved, Layout, Linear, Pair};
+use crate::nn::{Serial, WeightUse};
 use crate::ops::attention::Attention;
 use crate::parallel::ends::check_rows_ends;
 use crate::parallel::one_d::all_reduces;
@@ -89,9 +90,7 @@ impl Layout for OneD {
     type Norm = LayerNorm;
     type NormSaved = LayerNormSaved;
     type Embedding = VocabEmbedding1D;
-    type EmbeddingSaved = VocabEmbedding1DSaved;
     type Head = NormHead<LayerNorm, VocabHead1D>;
-    type HeadSaved = (LayerNormSaved, VocabHead1DSaved);
 
     fn cols(&self, features: usize) -> usize {
         features
@@ -158,58 +157,6 @@ impl Layout for OneD {
         // ln_f whole on every rank
         let ln_f = self.register_norm(store, "ln_f", c, eps, [g, b])?;
         Ok(NormHead { ln_f, head })
-    }
-
-    fn embedding_params(e: &VocabEmbedding1D) -> Vec<TensorId> {
-        vec![e.wte, e.wpe]
-    }
-
-    fn head_params(h: &Self::Head) -> [TensorId; 3] {
-        [h.ln_f.gamma, h.ln_f.beta, h.head.proj.weight]
-    }
-
-    fn embed(
-        &self,
-        pass: &ForwardPass<'_>,
-        e: &VocabEmbedding1D,
-        tokens: &[i32],
-        [batch, seq, first]: [usize; 3],
-    ) -> Result<(Act, VocabEmbedding1DSaved)> {
-        e.forward_at(pass, &self.group, tokens, batch, seq, first)
-    }
-
-    fn embed_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        e: &VocabEmbedding1D,
-        saved: VocabEmbedding1DSaved,
-        dx: &Act,
-    ) -> Result<()> {
-        e.backward(pass, &saved, dx)
-    }
-
-    fn head_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        h: &Self::Head,
-        x: &Act,
-        targets: &[i32],
-        scale: f32,
-    ) -> Result<(f32, Self::HeadSaved)> {
-        let (y, ln) = h.ln_f.forward(pass, x, None)?;
-        let (loss, hs) = h.head.forward(pass, &self.group, &y, targets, scale)?;
-        Ok((loss, (ln, hs)))
-    }
-
-    fn head_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        h: &Self::Head,
-        (ln, hs): Self::HeadSaved,
-    ) -> Result<Act> {
-        let dy = h.head.backward(pass, &self.group, &hs)?;
-        drop(hs);
-        h.ln_f.backward(pass, &ln, &dy, None)
     }
 
     fn register_norm<S: ParamStore>(
@@ -334,5 +281,65 @@ impl Block<OneD> {
     pub fn collectives(&self, rows: usize, dtype: crate::DType) -> Cost {
         let bytes = (rows * self.channels * dtype.size()) as u64;
         all_reduces([2, 2 * bytes], [2, 2 * bytes])
+    }
+}
+
+impl EmbeddingOn<OneD> for VocabEmbedding1D {
+    type Saved = VocabEmbedding1DSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        vec![self.wte, self.wpe]
+    }
+
+    fn forward(
+        &self,
+        layout: &OneD,
+        pass: &ForwardPass<'_>,
+        tokens: &[i32],
+        [batch, seq, first]: [usize; 3],
+    ) -> Result<(Act, VocabEmbedding1DSaved)> {
+        self.forward_at(pass, &layout.group, tokens, batch, seq, first)
+    }
+
+    fn backward(
+        &self,
+        _: &OneD,
+        pass: &BackwardPass<'_>,
+        saved: VocabEmbedding1DSaved,
+        dx: &Act,
+    ) -> Result<()> {
+        VocabEmbedding1D::backward(self, pass, &saved, dx)
+    }
+}
+
+impl HeadOn<OneD> for NormHead<LayerNorm, VocabHead1D> {
+    type Saved = (LayerNormSaved, VocabHead1DSaved);
+
+    fn params(&self) -> [TensorId; 3] {
+        [self.ln_f.gamma, self.ln_f.beta, self.head.proj.weight]
+    }
+
+    fn forward(
+        &self,
+        layout: &OneD,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> Result<(f32, Self::Saved)> {
+        let (y, ln) = self.ln_f.forward(pass, x, None)?;
+        let (loss, hs) = self.head.forward(pass, &layout.group, &y, targets, scale)?;
+        Ok((loss, (ln, hs)))
+    }
+
+    fn backward(
+        &self,
+        layout: &OneD,
+        pass: &BackwardPass<'_>,
+        (ln, hs): Self::Saved,
+    ) -> Result<Act> {
+        let dy = self.head.backward(pass, &layout.group, &hs)?;
+        drop(hs);
+        self.ln_f.backward(pass, &ln, &dy, None)
     }
 }

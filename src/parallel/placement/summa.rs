@@ -6,12 +6,11 @@ use crate::error::{Error, Result};
 use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
-use crate::parallel::ends::check_grid_ends;
+use crate::parallel::ends::{check_grid_ends, OnGrid};
 use crate::parallel::two_d::split;
 use crate::parallel::GridNorm;
-use crate::parallel::VocabEmbedding2DSaved;
 use crate::parallel::{gather_batch_2d, split_batch_2d_act, BatchBlock, Classifier2D};
-use crate::parallel::{Classifier2DSaved, Cost, Embedding2D, Embedding2DSaved, LayerNorm2D};
+use crate::parallel::{Cost, Embedding2D, LayerNorm2D};
 use crate::parallel::{LayerNorm2DSaved, Linear2D, Linear2p5D, NormHead, Place2D, ProcessGrid};
 use crate::parallel::{SummaLinear, TensorMode, TokenPosition, VocabEmbedding2D};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
@@ -130,15 +129,19 @@ impl Summa {
     }
 }
 
+impl OnGrid for Summa {
+    fn grid(&self) -> &ProcessGrid {
+        &self.grid
+    }
+}
+
 impl Layout for Summa {
     type Linear = SummaLinear;
     type LinearSaved = Act;
     type Norm = LayerNorm2D;
     type NormSaved = LayerNorm2DSaved;
     type Embedding = TokenPosition<VocabEmbedding2D, Embedding2D>;
-    type EmbeddingSaved = (VocabEmbedding2DSaved, Embedding2DSaved);
     type Head = NormHead<LayerNorm2D, Classifier2D>;
-    type HeadSaved = (LayerNorm2DSaved, Classifier2DSaved);
 
     fn cols(&self, features: usize) -> usize {
         features / self.place.q
@@ -229,54 +232,6 @@ impl Layout for Summa {
         let ln_f = self.register_norm(store, "ln_f", c, eps, [g, b])?;
         let head = Classifier2D::tied(&*store, wte, ignore)?;
         Ok(NormHead { ln_f, head })
-    }
-
-    fn embedding_params(e: &Self::Embedding) -> Vec<TensorId> {
-        vec![e.wte.weight, e.wpe.weight]
-    }
-
-    fn head_params(h: &Self::Head) -> [TensorId; 3] {
-        [h.ln_f.gamma, h.ln_f.beta, h.head.linear.slice().weight]
-    }
-
-    fn embed(
-        &self,
-        pass: &ForwardPass<'_>,
-        e: &Self::Embedding,
-        tokens: &[i32],
-        [_, seq, first]: [usize; 3],
-    ) -> Result<(Act, Self::EmbeddingSaved)> {
-        e.forward_on(pass, &self.grid, tokens, [seq, first])
-    }
-
-    fn embed_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        e: &Self::Embedding,
-        saved: Self::EmbeddingSaved,
-        dx: &Act,
-    ) -> Result<()> {
-        e.backward_on(pass, &self.grid, saved, dx)
-    }
-
-    fn head_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        h: &Self::Head,
-        x: &Act,
-        targets: &[i32],
-        scale: f32,
-    ) -> Result<(f32, Self::HeadSaved)> {
-        h.forward_on(pass, &self.grid, x, targets, scale)
-    }
-
-    fn head_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        h: &Self::Head,
-        saved: Self::HeadSaved,
-    ) -> Result<Act> {
-        h.backward_on(pass, &self.grid, saved)
     }
 
     fn to_tile<K: PassKind>(&self, pass: &Pass<'_, K>, full: Act) -> Result<Act> {

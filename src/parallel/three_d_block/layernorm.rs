@@ -207,6 +207,10 @@ impl LayerNorm3D {
 impl GridNorm for LayerNorm3D {
     type Saved = LayerNorm3DSaved;
 
+    fn params(&self) -> Vec<TensorId> {
+        Self::params(self)
+    }
+
     /// Normalises this rank's tile `x` `[n, C/q]` (in [`LayerNorm3D::layout`]), or
     /// `h = x + residual` (a tile of the same shape): returns the output tile `[n, C/q]` and
     /// what the backward needs. The rows' `q` column blocks are all-gathered over the column

@@ -12,7 +12,7 @@ use crate::parallel::Cost;
 use crate::parallel::GridClassifier;
 use crate::parallel::{BatchRows, ShardedCrossEntropy};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
-use crate::tensor::Init;
+use crate::tensor::{Init, TensorId};
 
 /// A classifier on the cube: [`Linear3D`] logits and the softmax cross-entropy over classes
 /// split along the layout's row axis, the mean over the whole batch (see [`Embedding3D`](crate::parallel::Embedding3D)).
@@ -131,6 +131,10 @@ impl Classifier3D {
 
 impl GridClassifier for Classifier3D {
     type Saved = Classifier3DSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        self.linear.params()
+    }
 
     /// The mean cross-entropy over the rows of the whole batch whose target is not the ignore
     /// index, of this rank's input tile `h` `[R/q², inputs/q]` (in [`Classifier3D::layout`])

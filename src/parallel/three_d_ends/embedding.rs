@@ -254,6 +254,10 @@ impl Embedding3D {
 impl GridLookup for Embedding3D {
     type Saved = Embedding3DSaved;
 
+    fn params(&self) -> Vec<TensorId> {
+        Self::params(self)
+    }
+
     /// The embedding of `ids` (the whole batch's `R` ids, row by row, the same on every rank):
     /// this rank's tile `[R/q², C/q]` in [`Embedding3D::layout`], after one all-gather over the
     /// weight group. The ids (in `0..rows`, `R` a multiple of `q²`) and the grid are checked
@@ -441,6 +445,10 @@ impl VocabEmbedding3D {
 
 impl GridLookup for VocabEmbedding3D {
     type Saved = VocabEmbedding3DSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        Self::params(self)
+    }
 
     /// The embedding of `tokens` (the whole batch's `R` ids, row by row, the same on every
     /// rank): this rank's tile `[R/q², C/q]` in [`VocabEmbedding3D::layout`], after an

@@ -400,6 +400,10 @@ impl LayerNorm2D {
 impl GridNorm for LayerNorm2D {
     type Saved = LayerNorm2DSaved;
 
+    fn params(&self) -> Vec<TensorId> {
+        Self::params(self)
+    }
+
     /// Normalises this rank's block `x` `[rows_l, cols/q]`, or `h = x + residual` (same shape)
     /// when given: returns `Y_ij` and what the backward needs. Shapes, types and the grid
     /// place are checked before any collective.

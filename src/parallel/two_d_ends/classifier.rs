@@ -14,7 +14,7 @@ use crate::parallel::{
     TensorMode,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
-use crate::tensor::Init;
+use crate::tensor::{Init, TensorId};
 
 /// A linear `C → classes` on the 2D / 2.5D layout fused with the mean softmax cross-entropy
 /// over the whole batch (see [`Embedding2D`](crate::parallel::Embedding2D)); untied ([`Classifier2D::register`]) or the
@@ -168,6 +168,10 @@ impl Classifier2D {
 
 impl GridClassifier for Classifier2D {
     type Saved = Classifier2DSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        self.linear.params()
+    }
 
     /// The mean cross-entropy over the whole batch's rows whose target is not the ignore
     /// index, from this rank's tile `h` `[N/(d·q), C/q]` and `targets` (the whole batch's `N`

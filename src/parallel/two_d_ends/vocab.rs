@@ -126,6 +126,10 @@ impl VocabEmbedding2D {
 impl GridLookup for VocabEmbedding2D {
     type Saved = VocabEmbedding2DSaved;
 
+    fn params(&self) -> Vec<TensorId> {
+        vec![self.weight]
+    }
+
     /// This rank's tile `[N/(d·q), C/q]` of the embedding of `ids` (the whole batch's `N`
     /// tokens, the same on every rank): the masked lookup of the depth layer's `N/d` ids, one
     /// reduce-scatter in ROW, one `send_recv` with rank `(col, row)`. The ids, their count and

@@ -8,7 +8,7 @@
 //! stages' order and the activations between them.
 
 use tidemem::comm::Communicator;
-use tidemem::nn::{Act, Layout, Pair, Serial, WeightUse};
+use tidemem::nn::{Act, Layout, LinearOn, NormOn, Pair, Serial, WeightUse};
 use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel};
 use tidemem::parallel::{
     gather_batch_2d, split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode,
@@ -31,10 +31,10 @@ struct ReluBlock<L: Layout> {
 }
 
 struct Saved<L: Layout> {
-    ln: L::NormSaved,
-    fc: L::LinearSaved,
+    ln: <L::Norm as NormOn<L>>::Saved,
+    fc: <L::Linear as LinearOn<L>>::Saved,
     pre: Act,
-    proj: L::LinearSaved,
+    proj: <L::Linear as LinearOn<L>>::Saved,
 }
 
 /// Each parameter's master, from its name.
@@ -76,16 +76,16 @@ impl<L: Layout> ReluBlock<L> {
     }
 
     fn params(&self) -> Vec<TensorId> {
-        let mut v = L::norm_params(&self.ln);
-        v.extend(L::linear_params(&self.fc));
-        v.extend(L::linear_params(&self.proj));
+        let mut v = self.ln.params();
+        v.extend(self.fc.params());
+        v.extend(self.proj.params());
         v
     }
 
     fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> tidemem::Result<(Act, Saved<L>)> {
         let l = &self.layout;
-        let (y, ln) = l.norm_forward(pass, &self.ln, x, None)?;
-        let (pre, fc) = l.linear_forward(pass, &self.fc, &y)?;
+        let (y, ln) = self.ln.forward_on(l, pass, x, None)?;
+        let (pre, fc) = self.fc.forward_on(l, pass, &y)?;
         let act = Act::alloc(pass.pool(), pre.rows(), pre.cols(), pre.dtype())?;
         tidemem::ops::relu_forward(
             pass.device(),
@@ -94,7 +94,7 @@ impl<L: Layout> ReluBlock<L> {
             act.view(),
             pre.dtype(),
         )?;
-        let (m, proj) = l.linear_forward(pass, &self.proj, &act)?;
+        let (m, proj) = self.proj.forward_on(l, pass, &act)?;
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), x.dtype())?;
         let one = tidemem::ops::Axpby {
             alpha: 1.0,
@@ -115,12 +115,12 @@ impl<L: Layout> ReluBlock<L> {
         let (dev, s) = (pass.device(), pass.stream());
         let dres = Act::alloc(pass.pool(), dout.rows(), dout.cols(), dout.dtype())?;
         dev.copy_d2d(s, dout.input(), dres.view())?;
-        let dact = l.linear_backward(pass, &self.proj, &saved.proj, dout, once)?;
+        let dact = self.proj.backward_on(l, pass, &saved.proj, dout, once)?;
         let dpre = Act::alloc(pass.pool(), dact.rows(), dact.cols(), dact.dtype())?;
         let (pre, d) = (&saved.pre, dact.dtype());
         tidemem::ops::relu_backward(dev, s, pre.input(), dact.input(), dpre.view(), d)?;
-        let dy = l.linear_backward(pass, &self.fc, &saved.fc, &dpre, once)?;
-        l.norm_backward(pass, &self.ln, &saved.ln, &dy, &dres)?;
+        let dy = self.fc.backward_on(l, pass, &saved.fc, &dpre, once)?;
+        self.ln.backward_on(l, pass, &saved.ln, &dy, &dres)?;
         Ok(dres)
     }
 }

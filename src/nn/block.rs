@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::act::Act;
 use super::attention::{attend, attend_backward, Attended, HeadsCore};
 use super::gelu::{gelu, gelu_backward, GeluSaved};
-use super::layout::{Layout, Pair, Serial};
+use super::layout::{Layout, LinearOn, NormOn, Pair, Serial};
 use super::linear::WeightUse;
 use crate::error::Result;
 use crate::ops::attention::Attention;
@@ -83,21 +83,21 @@ pub struct Block<L: Layout = Serial> {
 /// What [`Block::forward`] keeps for the backward.
 #[derive(Debug)]
 pub struct BlockSaved<L: Layout = Serial> {
-    ln_1: L::NormSaved,
-    c_attn: L::LinearSaved,
+    ln_1: <L::Norm as NormOn<L>>::Saved,
+    c_attn: <L::Linear as LinearOn<L>>::Saved,
     heads: Attended,
-    attn_proj: L::LinearSaved,
-    ln_2: L::NormSaved,
-    c_fc: L::LinearSaved,
+    attn_proj: <L::Linear as LinearOn<L>>::Saved,
+    ln_2: <L::Norm as NormOn<L>>::Saved,
+    c_fc: <L::Linear as LinearOn<L>>::Saved,
     pre: GeluSaved,
-    mlp_proj: L::LinearSaved,
+    mlp_proj: <L::Linear as LinearOn<L>>::Saved,
     op: Attention,
 }
 
 impl<L: Layout> BlockSaved<L> {
     /// This rank's part of `h1 = x + attn(ln_1(x))`, the residual stream between the halves.
     pub fn h1(&self) -> &Act {
-        L::norm_input(&self.ln_2)
+        L::Norm::input(&self.ln_2)
     }
 }
 
@@ -165,12 +165,12 @@ impl<L: Layout> Block<L> {
     /// The parameters in registration order: `ln_1` (γ, β), `c_attn`, `attn.c_proj`, `ln_2`,
     /// `c_fc`, `mlp.c_proj` (weight, bias each, where this rank holds them).
     pub fn params(&self) -> Vec<TensorId> {
-        let mut v = L::norm_params(&self.ln_1);
-        v.extend(L::linear_params(&self.c_attn));
-        v.extend(L::linear_params(&self.attn_proj));
-        v.extend(L::norm_params(&self.ln_2));
-        v.extend(L::linear_params(&self.c_fc));
-        v.extend(L::linear_params(&self.mlp_proj));
+        let mut v = self.ln_1.params();
+        v.extend(self.c_attn.params());
+        v.extend(self.attn_proj.params());
+        v.extend(self.ln_2.params());
+        v.extend(self.c_fc.params());
+        v.extend(self.mlp_proj.params());
         v
     }
 
@@ -178,12 +178,12 @@ impl<L: Layout> Block<L> {
     /// registration order, where this rank holds them.
     pub fn named_params(&self, name: &str) -> Vec<(String, TensorId)> {
         let layers = [
-            ("ln_1", L::norm_params(&self.ln_1)),
-            ("attn.c_attn", L::linear_params(&self.c_attn)),
-            ("attn.c_proj", L::linear_params(&self.attn_proj)),
-            ("ln_2", L::norm_params(&self.ln_2)),
-            ("mlp.c_fc", L::linear_params(&self.c_fc)),
-            ("mlp.c_proj", L::linear_params(&self.mlp_proj)),
+            ("ln_1", self.ln_1.params()),
+            ("attn.c_attn", self.c_attn.params()),
+            ("attn.c_proj", self.attn_proj.params()),
+            ("ln_2", self.ln_2.params()),
+            ("mlp.c_fc", self.c_fc.params()),
+            ("mlp.c_proj", self.mlp_proj.params()),
         ];
         let mut v = Vec::with_capacity(12);
         for (layer, ids) in layers {
@@ -217,27 +217,27 @@ impl<L: Layout> Block<L> {
         x.expect("x", None, l.cols(self.channels), d)?;
         let head_dim = self.channels / self.heads;
         let op = l.attention(x.rows(), batch_seq, l.heads(self.heads), head_dim)?;
-        let (y1, ln_1) = l.norm_forward(pass, &self.ln_1, x, None)?;
-        let (qkv, c_attn) = l.linear_forward(pass, &self.c_attn, &y1)?;
+        let (y1, ln_1) = self.ln_1.forward_on(l, pass, x, None)?;
+        let (qkv, c_attn) = self.c_attn.forward_on(l, pass, &y1)?;
         drop(y1);
         let (merged, heads) = attend(pass, &op, core, &qkv)?;
         drop(qkv);
-        let (a, attn_proj) = l.linear_forward(pass, &self.attn_proj, &merged)?;
+        let (a, attn_proj) = self.attn_proj.forward_on(l, pass, &merged)?;
         drop(merged);
         // h1 = x + a, and its normalisation, in one op
-        let (y2, ln_2) = l.norm_forward(pass, &self.ln_2, &a, Some(x))?;
+        let (y2, ln_2) = self.ln_2.forward_on(l, pass, &a, Some(x))?;
         drop(a);
-        let (pre, c_fc) = l.linear_forward(pass, &self.c_fc, &y2)?;
+        let (pre, c_fc) = self.c_fc.forward_on(l, pass, &y2)?;
         drop(y2);
         let (act, pre) = gelu(pass, &pre)?;
-        let (m, mlp_proj) = l.linear_forward(pass, &self.mlp_proj, &act)?;
+        let (m, mlp_proj) = self.mlp_proj.forward_on(l, pass, &act)?;
         drop(act);
         let out = Act::alloc(pass.pool(), x.rows(), x.cols(), d)?;
         let one = Axpby {
             alpha: 1.0,
             beta: 1.0,
         };
-        let h1 = L::norm_input(&ln_2);
+        let h1 = L::Norm::input(&ln_2);
         add(
             pass.device(),
             pass.stream(),
@@ -279,19 +279,25 @@ impl<L: Layout> Block<L> {
         let dres = Act::alloc(pass.pool(), rows, cols, d)?;
         pass.device()
             .copy_d2d(pass.stream(), dout.input(), dres.view())?;
-        let dact = l.linear_backward(pass, &self.mlp_proj, &saved.mlp_proj, dout, uses)?;
+        let dact = self
+            .mlp_proj
+            .backward_on(l, pass, &saved.mlp_proj, dout, uses)?;
         let dpre = gelu_backward(pass, &saved.pre, &dact)?;
         drop(dact);
-        let dy2 = l.linear_backward(pass, &self.c_fc, &saved.c_fc, &dpre, uses)?;
+        let dy2 = self.c_fc.backward_on(l, pass, &saved.c_fc, &dpre, uses)?;
         drop(dpre);
-        l.norm_backward(pass, &self.ln_2, &saved.ln_2, &dy2, &dres)?;
+        self.ln_2.backward_on(l, pass, &saved.ln_2, &dy2, &dres)?;
         drop(dy2);
-        let dmerged = l.linear_backward(pass, &self.attn_proj, &saved.attn_proj, &dres, uses)?;
+        let dmerged = self
+            .attn_proj
+            .backward_on(l, pass, &saved.attn_proj, &dres, uses)?;
         let dqkv = attend_backward(pass, &saved.op, core, &saved.heads, &dmerged)?;
         drop(dmerged);
-        let dy1 = l.linear_backward(pass, &self.c_attn, &saved.c_attn, &dqkv, uses)?;
+        let dy1 = self
+            .c_attn
+            .backward_on(l, pass, &saved.c_attn, &dqkv, uses)?;
         drop(dqkv);
-        l.norm_backward(pass, &self.ln_1, &saved.ln_1, &dy1, &dres)?;
+        self.ln_1.backward_on(l, pass, &saved.ln_1, &dy1, &dres)?;
         Ok(dres)
     }
 }

@@ -40,13 +40,9 @@ pub enum Pair {
 /// activations only, and runs on the groups it was registered for. [`Serial`] holds nothing.
 pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
     /// This rank's part of a linear layer.
-    type Linear: Copy + Debug + PartialEq + Send + Sync;
-    /// What a linear's forward keeps for its backward.
-    type LinearSaved: Debug + Send + Sync;
+    type Linear: LinearOn<Self> + Copy;
     /// This rank's part of a LayerNorm.
-    type Norm: Copy + Debug + PartialEq + Send + Sync;
-    /// What a LayerNorm's forward keeps for its backward.
-    type NormSaved: Debug + Send + Sync;
+    type Norm: NormOn<Self> + Copy;
     /// Whether the layout holds whole tensors ([`Serial`]): its model's ends are then whole
     /// too, and its split ends ([`Layout::Embedding`], [`Layout::Head`]) have no value.
     const WHOLE: bool = false;
@@ -140,49 +136,6 @@ pub trait Layout: Clone + Debug + PartialEq + Send + Sync + 'static {
         pair: Pair,
         init: [&Init; 2],
     ) -> Result<Self::Linear>;
-    /// A LayerNorm's parameters, in registration order.
-    fn norm_params(norm: &Self::Norm) -> Vec<TensorId>;
-    /// A linear's parameters, in registration order.
-    fn linear_params(linear: &Self::Linear) -> Vec<TensorId>;
-
-    /// The LayerNorm of this rank's part `x`, or of `x + residual`: its output and what the
-    /// backward needs.
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &Self::Norm,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, Self::NormSaved)>;
-    /// The normalised input a LayerNorm's forward kept: `x + residual` with a residual.
-    fn norm_input(saved: &Self::NormSaved) -> &Act;
-    /// The backward of a LayerNorm from `dy`: its input's gradient added into `dx_into`, its
-    /// parameters' gradients written.
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &Self::Norm,
-        saved: &Self::NormSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()>;
-    /// A linear on this rank's part `x`: its output and what the backward needs.
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &Self::Linear,
-        x: &Act,
-    ) -> Result<(Act, Self::LinearSaved)>;
-    /// The backward of a linear from `dy`: its weights' gradients written as `uses` says, its
-    /// input's gradient returned.
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &Self::Linear,
-        saved: &Self::LinearSaved,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act>;
 }
 
 /// The layers on whole tensors, on one rank: [`LayerNorm`] and [`Linear`].
@@ -192,6 +145,115 @@ pub struct Serial;
 /// The split ends of a layout that has none ([`Serial`]: its ends are whole): no value.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unsplit {}
+
+/// A linear layer's part on layout `L`: how it runs there, the groups its layout holds.
+pub trait LinearOn<L: ?Sized>: Debug + PartialEq + Send + Sync {
+    /// What the forward keeps for the backward.
+    type Saved: Debug + Send + Sync;
+    /// The parameters, in registration order.
+    fn params(&self) -> Vec<TensorId>;
+    /// The linear on this rank's part `x`: its output and what the backward needs.
+    fn forward_on(&self, layout: &L, pass: &ForwardPass<'_>, x: &Act)
+        -> Result<(Act, Self::Saved)>;
+    /// The backward from `dy`: the weights' gradients written as `uses` says, the input's
+    /// gradient returned.
+    fn backward_on(
+        &self,
+        layout: &L,
+        pass: &BackwardPass<'_>,
+        saved: &Self::Saved,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act>;
+}
+
+/// A LayerNorm's part on layout `L`: how it runs there.
+pub trait NormOn<L: ?Sized>: Debug + PartialEq + Send + Sync {
+    /// What the forward keeps for the backward.
+    type Saved: Debug + Send + Sync;
+    /// γ and β's parts, in registration order.
+    fn params(&self) -> Vec<TensorId>;
+    /// The LayerNorm of this rank's part `x`, or of `x + residual`: its output and what the
+    /// backward needs.
+    fn forward_on(
+        &self,
+        layout: &L,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, Self::Saved)>;
+    /// The normalised input the forward kept: `x + residual` with a residual.
+    fn input(saved: &Self::Saved) -> &Act;
+    /// The backward from `dy`: the input's gradient added into `dx_into`, γ's and β's
+    /// gradients written.
+    fn backward_on(
+        &self,
+        layout: &L,
+        pass: &BackwardPass<'_>,
+        saved: &Self::Saved,
+        dy: &Act,
+        dx_into: &Act,
+    ) -> Result<()>;
+}
+
+impl LinearOn<Serial> for Linear {
+    type Saved = Act;
+
+    fn params(&self) -> Vec<TensorId> {
+        Linear::params(self)
+    }
+
+    fn forward_on(&self, _: &Serial, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, Act)> {
+        Ok((self.forward(pass, x)?, x.clone()))
+    }
+
+    fn backward_on(
+        &self,
+        _: &Serial,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        let dx = self.with_uses(uses).backward(pass, x, dy, true)?;
+        super::asked_dx(dx)
+    }
+}
+
+/// A whole LayerNorm runs alike on every layout that holds it whole (serial, and replicated
+/// on a 1D group).
+impl<L: ?Sized> NormOn<L> for LayerNorm {
+    type Saved = LayerNormSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        vec![self.gamma, self.beta]
+    }
+
+    fn forward_on(
+        &self,
+        _: &L,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, LayerNormSaved)> {
+        self.forward(pass, x, residual)
+    }
+
+    fn input(saved: &LayerNormSaved) -> &Act {
+        saved.h()
+    }
+
+    fn backward_on(
+        &self,
+        _: &L,
+        pass: &BackwardPass<'_>,
+        saved: &LayerNormSaved,
+        dy: &Act,
+        dx_into: &Act,
+    ) -> Result<()> {
+        self.backward(pass, saved, dy, Some(dx_into)).map(drop)
+    }
+}
 
 /// A model's first layer on layout `L` (its token and position embedding, this rank's part):
 /// how it runs there. A layout's ends are layers of their own, written once for every layout
@@ -296,9 +358,7 @@ fn unsplit() -> crate::error::Error {
 
 impl Layout for Serial {
     type Linear = Linear;
-    type LinearSaved = Act;
     type Norm = LayerNorm;
-    type NormSaved = LayerNormSaved;
     const WHOLE: bool = true;
     type Embedding = Unsplit;
     type Head = Unsplit;
@@ -379,59 +439,5 @@ impl Layout for Serial {
             weight.clone(),
             Some(bias.clone()),
         )
-    }
-
-    fn norm_params(norm: &LayerNorm) -> Vec<TensorId> {
-        vec![norm.gamma, norm.beta]
-    }
-
-    fn linear_params(linear: &Linear) -> Vec<TensorId> {
-        linear.params()
-    }
-
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &LayerNorm,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNormSaved)> {
-        norm.forward(pass, x, residual)
-    }
-
-    fn norm_input(saved: &LayerNormSaved) -> &Act {
-        saved.h()
-    }
-
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &LayerNorm,
-        saved: &LayerNormSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()> {
-        norm.backward(pass, saved, dy, Some(dx_into)).map(drop)
-    }
-
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &Linear,
-        x: &Act,
-    ) -> Result<(Act, Act)> {
-        Ok((linear.forward(pass, x)?, x.clone()))
-    }
-
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &Linear,
-        x: &Act,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act> {
-        let dx = linear.with_uses(uses).backward(pass, x, dy, true)?;
-        super::asked_dx(dx)
     }
 }

@@ -79,7 +79,7 @@ pub use block::{by_rank_block, Block, BlockSaved};
 pub use embedding::{Embedding, EmbeddingSaved};
 pub use gelu::{gelu, gelu_backward, GeluSaved};
 pub use layernorm::{LayerNorm, LayerNormSaved};
-pub use layout::{EmbeddingOn, HeadOn, Layout, Pair, Serial, Unsplit};
+pub use layout::{EmbeddingOn, HeadOn, Layout, LinearOn, NormOn, Pair, Serial, Unsplit};
 pub use linear::{Linear, WeightUse};
 pub use lm_head::{LmHead, LmHeadSaved};
 pub use loss::Loss;

@@ -9,7 +9,7 @@ use crate::nn::Act;
 use crate::ops::{add_in_place, Axpby};
 use std::fmt::Debug;
 
-use crate::nn::{EmbeddingOn, HeadOn};
+use crate::nn::{EmbeddingOn, HeadOn, NormOn};
 use crate::store::{BackwardPass, ForwardPass};
 use crate::tensor::TensorId;
 
@@ -53,6 +53,8 @@ pub trait GridNorm {
         x: &Act,
         residual: Option<&Act>,
     ) -> Result<(Act, Self::Saved)>;
+    /// The normalised input the forward kept (`x + residual` with a residual).
+    fn input(saved: &Self::Saved) -> &Act;
     /// The input's gradient (added into `dx_into` when given) from the output's `dy`; γ's and
     /// β's gradients written.
     fn backward(
@@ -188,6 +190,44 @@ pub(crate) fn token_plus_position<A, B>(
         x.dtype(),
     )?;
     Ok((x, (st, sp)))
+}
+
+/// A grid's LayerNorm runs on every layout on that grid.
+impl<L: OnGrid, N> NormOn<L> for N
+where
+    N: GridNorm + Debug + PartialEq + Send + Sync,
+    N::Saved: Debug,
+{
+    type Saved = N::Saved;
+
+    fn params(&self) -> Vec<TensorId> {
+        GridNorm::params(self)
+    }
+
+    fn forward_on(
+        &self,
+        layout: &L,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        residual: Option<&Act>,
+    ) -> Result<(Act, N::Saved)> {
+        GridNorm::forward(self, pass, layout.grid(), x, residual)
+    }
+
+    fn input(saved: &N::Saved) -> &Act {
+        <N as GridNorm>::input(saved)
+    }
+
+    fn backward_on(
+        &self,
+        layout: &L,
+        pass: &BackwardPass<'_>,
+        saved: &N::Saved,
+        dy: &Act,
+        dx_into: &Act,
+    ) -> Result<()> {
+        GridNorm::backward(self, pass, layout.grid(), saved, dy, Some(dx_into)).map(drop)
+    }
 }
 
 /// A layout on a grid (2D, 2.5D or 3D): the grid its ends run on.

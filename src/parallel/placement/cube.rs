@@ -2,15 +2,14 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
+use crate::nn::{by_rank_block, Act, Block, Layout, LinearOn, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::parallel::ends::{check_grid_ends, OnGrid};
 use crate::parallel::split;
-use crate::parallel::GridNorm;
 use crate::parallel::VocabEmbedding3D;
 use crate::parallel::{gather_3d, split_3d, Classifier3D, Cost};
-use crate::parallel::{Embedding3D, LayerNorm3D, LayerNorm3DSaved, Layout3D};
+use crate::parallel::{Embedding3D, LayerNorm3D, Layout3D};
 use crate::parallel::{Linear3D, Linear3DSaved, NormHead, Place3D, ProcessGrid, TokenPosition};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
@@ -155,9 +154,7 @@ impl OnGrid for Cube {
 
 impl Layout for Cube {
     type Linear = Linear3D;
-    type LinearSaved = Linear3DSaved;
     type Norm = LayerNorm3D;
-    type NormSaved = LayerNorm3DSaved;
     type Embedding = TokenPosition<VocabEmbedding3D, Embedding3D>;
     type Head = NormHead<LayerNorm3D, Classifier3D>;
 
@@ -307,64 +304,6 @@ impl Layout for Cube {
         let b = by_rank_block(b, [1, io[1]], parts, q);
         Linear3D::register_at(store, self.place, name, io, layout, [&w], Some(&b))
     }
-
-    fn norm_params(norm: &LayerNorm3D) -> Vec<TensorId> {
-        norm.params()
-    }
-
-    fn linear_params(linear: &Linear3D) -> Vec<TensorId> {
-        linear.params()
-    }
-
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &LayerNorm3D,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNorm3DSaved)> {
-        norm.forward(pass, &self.grid, x, residual)
-    }
-
-    fn norm_input(saved: &LayerNorm3DSaved) -> &Act {
-        saved.h()
-    }
-
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &LayerNorm3D,
-        saved: &LayerNorm3DSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()> {
-        norm.backward(pass, &self.grid, saved, dy, Some(dx_into))
-            .map(drop)
-    }
-
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &Linear3D,
-        x: &Act,
-    ) -> Result<(Act, Linear3DSaved)> {
-        linear.forward(pass, &self.grid, x)
-    }
-
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &Linear3D,
-        saved: &Linear3DSaved,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act> {
-        linear
-            .backward_with(pass, &self.grid, saved, dy, true, uses)?
-            .ok_or_else(|| Error::Internal {
-                what: "a 3D linear asked for dx gave none".into(),
-            })
-    }
 }
 
 impl Block<Cube> {
@@ -383,5 +322,36 @@ impl Block<Cube> {
         ]
         .into_iter()
         .sum()
+    }
+}
+
+impl LinearOn<Cube> for Linear3D {
+    type Saved = Linear3DSaved;
+
+    fn params(&self) -> Vec<TensorId> {
+        Linear3D::params(self)
+    }
+
+    fn forward_on(
+        &self,
+        layout: &Cube,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+    ) -> Result<(Act, Linear3DSaved)> {
+        self.forward(pass, &layout.grid, x)
+    }
+
+    fn backward_on(
+        &self,
+        layout: &Cube,
+        pass: &BackwardPass<'_>,
+        saved: &Linear3DSaved,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        self.backward_with(pass, &layout.grid, saved, dy, true, uses)?
+            .ok_or_else(|| Error::Internal {
+                what: "a 3D linear asked for dx gave none".into(),
+            })
     }
 }

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use crate::comm::Communicator;
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, EmbeddingOn, HeadOn, LayerNorm, LayerNormSaved, Layout, Linear, Pair};
+use crate::nn::{Act, Block, EmbeddingOn, HeadOn, LayerNorm, LayerNormSaved, Layout, Linear};
+use crate::nn::{LinearOn, Pair};
 use crate::nn::{Serial, WeightUse};
 use crate::ops::attention::Attention;
 use crate::parallel::ends::check_rows_ends;
@@ -86,9 +87,7 @@ impl Linear1D {
 
 impl Layout for OneD {
     type Linear = Linear1D;
-    type LinearSaved = Act;
     type Norm = LayerNorm;
-    type NormSaved = LayerNormSaved;
     type Embedding = VocabEmbedding1D;
     type Head = NormHead<LayerNorm, VocabHead1D>;
 
@@ -205,75 +204,6 @@ impl Layout for OneD {
             )?),
         })
     }
-
-    fn norm_params(norm: &LayerNorm) -> Vec<TensorId> {
-        Serial::norm_params(norm)
-    }
-
-    fn linear_params(linear: &Linear1D) -> Vec<TensorId> {
-        linear.linear().params()
-    }
-
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &LayerNorm,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNormSaved)> {
-        Serial.norm_forward(pass, norm, x, residual)
-    }
-
-    fn norm_input(saved: &LayerNormSaved) -> &Act {
-        Serial::norm_input(saved)
-    }
-
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &LayerNorm,
-        saved: &LayerNormSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()> {
-        Serial.norm_backward(pass, norm, saved, dy, dx_into)
-    }
-
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &Linear1D,
-        x: &Act,
-    ) -> Result<(Act, Act)> {
-        let y = match linear {
-            Linear1D::Column(l) => l.forward(pass, x)?,
-            Linear1D::Row(l) => l.forward(pass, &self.group, x)?,
-        };
-        Ok((y, x.clone()))
-    }
-
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &Linear1D,
-        x: &Act,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act> {
-        let dx = match linear {
-            Linear1D::Column(l) => {
-                let l = ColumnLinear {
-                    linear: l.linear.with_uses(uses),
-                    ..*l
-                };
-                l.backward(pass, &self.group, x, dy, true)?
-            }
-            Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
-        };
-        dx.ok_or_else(|| Error::Internal {
-            what: "a linear's backward asked for dx gave none".into(),
-        })
-    }
 }
 
 impl Block<OneD> {
@@ -341,5 +271,44 @@ impl HeadOn<OneD> for NormHead<LayerNorm, VocabHead1D> {
         let dy = self.head.backward(pass, &layout.group, &hs)?;
         drop(hs);
         self.ln_f.backward(pass, &ln, &dy, None)
+    }
+}
+
+impl LinearOn<OneD> for Linear1D {
+    type Saved = Act;
+
+    fn params(&self) -> Vec<TensorId> {
+        self.linear().params()
+    }
+
+    fn forward_on(&self, layout: &OneD, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, Act)> {
+        let y = match self {
+            Linear1D::Column(l) => l.forward(pass, x)?,
+            Linear1D::Row(l) => l.forward(pass, &layout.group, x)?,
+        };
+        Ok((y, x.clone()))
+    }
+
+    fn backward_on(
+        &self,
+        layout: &OneD,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        let dx = match self {
+            Linear1D::Column(l) => {
+                let l = ColumnLinear {
+                    linear: l.linear.with_uses(uses),
+                    ..*l
+                };
+                l.backward(pass, &layout.group, x, dy, true)?
+            }
+            Linear1D::Row(l) => l.linear.with_uses(uses).backward(pass, x, dy, true)?,
+        };
+        dx.ok_or_else(|| Error::Internal {
+            what: "a linear's backward asked for dx gave none".into(),
+        })
     }
 }

@@ -3,15 +3,14 @@
 
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::nn::{by_rank_block, Act, Block, Layout, Pair, WeightUse};
+use crate::nn::{by_rank_block, Act, Block, Layout, LinearOn, Pair, WeightUse};
 use crate::ops::attention::Attention;
 use crate::ops::heads::Heads;
 use crate::parallel::ends::{check_grid_ends, OnGrid};
 use crate::parallel::two_d::split;
-use crate::parallel::GridNorm;
 use crate::parallel::{gather_batch_2d, split_batch_2d_act, BatchBlock, Classifier2D};
 use crate::parallel::{Cost, Embedding2D, LayerNorm2D};
-use crate::parallel::{LayerNorm2DSaved, Linear2D, Linear2p5D, NormHead, Place2D, ProcessGrid};
+use crate::parallel::{Linear2D, Linear2p5D, NormHead, Place2D, ProcessGrid};
 use crate::parallel::{SummaLinear, TensorMode, TokenPosition, VocabEmbedding2D};
 use crate::store::{BackwardPass, ForwardPass, ParamStore, Pass, PassKind};
 use crate::tensor::{Init, TensorId};
@@ -137,9 +136,7 @@ impl OnGrid for Summa {
 
 impl Layout for Summa {
     type Linear = SummaLinear;
-    type LinearSaved = Act;
     type Norm = LayerNorm2D;
-    type NormSaved = LayerNorm2DSaved;
     type Embedding = TokenPosition<VocabEmbedding2D, Embedding2D>;
     type Head = NormHead<LayerNorm2D, Classifier2D>;
 
@@ -278,63 +275,6 @@ impl Layout for Summa {
         self.share_depth(store, &l.params())?;
         Ok(l)
     }
-
-    fn norm_params(norm: &LayerNorm2D) -> Vec<TensorId> {
-        norm.params()
-    }
-
-    fn linear_params(linear: &SummaLinear) -> Vec<TensorId> {
-        linear.params()
-    }
-
-    fn norm_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        norm: &LayerNorm2D,
-        x: &Act,
-        residual: Option<&Act>,
-    ) -> Result<(Act, LayerNorm2DSaved)> {
-        norm.forward(pass, &self.grid, x, residual)
-    }
-
-    fn norm_input(saved: &LayerNorm2DSaved) -> &Act {
-        saved.h()
-    }
-
-    fn norm_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        norm: &LayerNorm2D,
-        saved: &LayerNorm2DSaved,
-        dy: &Act,
-        dx_into: &Act,
-    ) -> Result<()> {
-        norm.backward(pass, &self.grid, saved, dy, Some(dx_into))
-            .map(drop)
-    }
-
-    fn linear_forward(
-        &self,
-        pass: &ForwardPass<'_>,
-        linear: &SummaLinear,
-        x: &Act,
-    ) -> Result<(Act, Act)> {
-        Ok((linear.forward(pass, &self.grid, x)?, x.clone()))
-    }
-
-    fn linear_backward(
-        &self,
-        pass: &BackwardPass<'_>,
-        linear: &SummaLinear,
-        x: &Act,
-        dy: &Act,
-        uses: WeightUse,
-    ) -> Result<Act> {
-        match uses {
-            WeightUse::Once => linear.backward(pass, &self.grid, x, dy),
-            WeightUse::Shared => linear.backward_shared(pass, &self.grid, x, dy),
-        }
-    }
 }
 
 /// Registers layer `name` at `summa`'s place, as [`SummaLinear::register`].
@@ -369,5 +309,31 @@ impl Block<Summa> {
             sum += l.collectives(rows, dtype)?;
         }
         Ok(sum)
+    }
+}
+
+impl LinearOn<Summa> for SummaLinear {
+    type Saved = Act;
+
+    fn params(&self) -> Vec<TensorId> {
+        SummaLinear::params(self)
+    }
+
+    fn forward_on(&self, layout: &Summa, pass: &ForwardPass<'_>, x: &Act) -> Result<(Act, Act)> {
+        Ok((self.forward(pass, &layout.grid, x)?, x.clone()))
+    }
+
+    fn backward_on(
+        &self,
+        layout: &Summa,
+        pass: &BackwardPass<'_>,
+        x: &Act,
+        dy: &Act,
+        uses: WeightUse,
+    ) -> Result<Act> {
+        match uses {
+            WeightUse::Once => self.backward(pass, &layout.grid, x, dy),
+            WeightUse::Shared => self.backward_shared(pass, &layout.grid, x, dy),
+        }
     }
 }

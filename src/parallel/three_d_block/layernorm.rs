@@ -207,6 +207,10 @@ impl LayerNorm3D {
 impl GridNorm for LayerNorm3D {
     type Saved = LayerNorm3DSaved;
 
+    fn input(saved: &LayerNorm3DSaved) -> &Act {
+        saved.h()
+    }
+
     fn params(&self) -> Vec<TensorId> {
         Self::params(self)
     }

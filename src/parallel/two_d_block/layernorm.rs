@@ -400,6 +400,10 @@ impl LayerNorm2D {
 impl GridNorm for LayerNorm2D {
     type Saved = LayerNorm2DSaved;
 
+    fn input(saved: &LayerNorm2DSaved) -> &Act {
+        saved.h()
+    }
+
     fn params(&self) -> Vec<TensorId> {
         Self::params(self)
     }

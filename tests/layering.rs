@@ -369,7 +369,12 @@ fn sibling_cycles(sources: &[(String, String)]) -> Vec<String> {
     // (parent, from, to) -> file:line of the imports
     let mut edges: BTreeMap<(Vec<String>, String), Edges> = BTreeMap::new();
     for (path, file, text) in &files {
-        for (line, target) in absolute_paths(path, text) {
+        for SrcPath {
+            line,
+            segments: target,
+            ..
+        } in absolute_paths(path, text, true)
+        {
             let common = path.iter().zip(&target).take_while(|(a, b)| a == b).count();
             if common == 0 || common >= path.len() || common >= target.len() {
                 continue;
@@ -415,9 +420,10 @@ fn sibling_cycles(sources: &[(String, String)]) -> Vec<String> {
 }
 
 /// Every `crate::` and `super::` path of a file (module `path`, text stripped of comments and
-/// literals) as the absolute path it names, with its line: `super::{a::X, b}` in `m::c` gives
-/// `[m, a, X]` and `[m, b]`.
-fn absolute_paths(path: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
+/// literals) as the absolute path it names, with its line and how it starts (`crate::`,
+/// `super::super::`): `super::{a::X, b}` in `m::c` gives `[m, a, X]` and `[m, b]`. Paths in
+/// unit-test modules are left out when `skip_tests` says so.
+fn absolute_paths(path: &[String], text: &str, skip_tests: bool) -> Vec<SrcPath> {
     let t = tokens(text);
     let mut out = Vec::new();
     let mut inline: Vec<(String, usize)> = Vec::new();
@@ -439,12 +445,11 @@ fn absolute_paths(path: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
         }
         let prev_is_path = k > 0 && t[k - 1].1 == "::";
         let starts = (tok == "crate" || tok == "$crate" || tok == "super") && !prev_is_path;
-        // unit tests beside the code may use their siblings
-        let in_tests = inline.iter().any(|m| m.0 == "tests");
+        let in_tests = skip_tests && inline.iter().any(|m| m.0 == "tests");
         if !starts || in_tests || t.get(k + 1).is_none_or(|x| x.1 != "::") {
             continue;
         }
-        let mut here: Vec<String> = Vec::new();
+        let (mut here, mut start) = (Vec::new(), String::new());
         let mut j = k;
         if tok == "super" {
             here = path.to_vec();
@@ -453,12 +458,15 @@ fn absolute_paths(path: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
                 && t.get(j + 1).is_some_and(|x| x.1 == "::")
             {
                 here.pop();
+                start.push_str("super::");
                 j += 2;
             }
         } else {
+            start.push_str("crate::");
             j = k + 2;
         }
         // the named segments, then a group's first segments
+        let climbed = here.len();
         while t.get(j).is_some_and(|x| is_ident(&x.1)) && t.get(j + 1).is_some_and(|x| x.1 == "::")
         {
             here.push(t[j].1.clone());
@@ -468,10 +476,26 @@ fn absolute_paths(path: &[String], text: &str) -> Vec<(usize, Vec<String>)> {
         for f in firsts {
             let mut p = here.clone();
             p.push(f);
-            out.push((t[k].0, p));
+            out.push(SrcPath {
+                line: t[k].0,
+                start: start.clone(),
+                climbed,
+                segments: p,
+            });
         }
     }
     out
+}
+
+/// One path of a file, as [`absolute_paths`] reads it.
+struct SrcPath {
+    line: usize,
+    /// How the text starts: `crate::` or `super::` as often as it climbs.
+    start: String,
+    /// Segments of `segments` the path climbed to (0 from the crate root).
+    climbed: usize,
+    /// The absolute path.
+    segments: Vec<String>,
 }
 
 /// The top-level modules `lib.rs` declares, and its `pub use module::Name` re-exports.
@@ -518,72 +542,24 @@ fn imports_of(
     text: &str,
     reexports: &BTreeMap<String, String>,
 ) -> Vec<Import> {
-    let t = tokens(text);
     let mut out = Vec::new();
-    // inline modules: (name, brace depth inside them)
-    let mut inline: Vec<(String, usize)> = Vec::new();
-    let mut depth = 0usize;
-    let mut k = 0;
-    while k < t.len() {
-        let tok = t[k].1.as_str();
-        match tok {
-            "{" => depth += 1,
-            "}" => {
-                depth = depth.saturating_sub(1);
-                if inline.last().is_some_and(|m| m.1 > depth) {
-                    inline.pop();
-                }
-            }
-            "mod" if t.get(k + 2).is_some_and(|x| x.1 == "{") => {
-                inline.push((t[k + 1].1.clone(), depth + 1));
-            }
-            _ => {}
-        }
-        let prev_is_path = k > 0 && t[k - 1].1 == "::";
-        let starts = (tok == "crate" || tok == "$crate" || tok == "super") && !prev_is_path;
-        if !starts || t.get(k + 1).is_none_or(|x| x.1 != "::") {
-            k += 1;
+    for p in absolute_paths(path, text, false) {
+        // still inside its own top-level module
+        if p.climbed > 0 {
             continue;
         }
-        // where the path starts: the crate root, or some ancestor of this module
-        let mut here: Vec<String> = path.to_vec();
-        here.extend(inline.iter().map(|m| m.0.clone()));
-        let mut j = k;
-        let mut text_path = String::new();
-        if tok == "super" {
-            while t.get(j).is_some_and(|x| x.1 == "super")
-                && t.get(j + 1).is_some_and(|x| x.1 == "::")
-            {
-                here.pop();
-                text_path.push_str("super::");
-                j += 2;
-            }
-            if !here.is_empty() {
-                k = j;
-                continue; // still inside its own top-level module
-            }
-        } else {
-            text_path.push_str(&t[k].1.replace('$', ""));
-            text_path.push_str("::");
-            j = k + 2;
+        let name = &p.segments[0];
+        let to = reexports.get(name).cloned().unwrap_or(name.clone());
+        if to == path[0] || name == "self" || name == "crate" {
+            continue;
         }
-        // the first segment names the top-level module (a group names several)
-        let (firsts, after) = first_segments(&t, j);
-        j = after;
-        for name in firsts {
-            let to = reexports.get(&name).cloned().unwrap_or(name.clone());
-            if to == path[0] || name == "self" || name == "crate" {
-                continue;
-            }
-            out.push(Import {
-                file: file.to_string(),
-                line: t[k].0,
-                from: path[0].clone(),
-                to,
-                text: format!("{text_path}{name}"),
-            });
-        }
-        k = j.max(k + 1);
+        out.push(Import {
+            file: file.to_string(),
+            line: p.line,
+            from: path[0].clone(),
+            to,
+            text: format!("{}{name}", p.start),
+        });
     }
     out
 }

@@ -129,3 +129,73 @@ macro_rules! with_placement {
         }
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::Communicator;
+    use crate::device::{Device, SimConfig};
+    use crate::parallel::GridSpec;
+
+    /// A one-rank grid of tensor mode `tensor`.
+    fn grid(tensor: TensorMode) -> ProcessGrid {
+        let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
+        let comm = Communicator::local(vec![dev]).unwrap().remove(0);
+        let spec = GridSpec {
+            data: 1,
+            pipeline: 1,
+            sequence: 1,
+            tensor,
+        };
+        ProcessGrid::new(&comm, spec).unwrap()
+    }
+
+    /// Each placement is built from its own tensor modes only; another mode is a typed error
+    /// naming it.
+    #[test]
+    fn a_placement_is_built_from_its_own_tensor_mode_only() {
+        let modes = [
+            TensorMode::None,
+            TensorMode::OneD { size: 1 },
+            TensorMode::TwoD { q: 1 },
+            TensorMode::TwoHalfD { q: 1, depth: 1 },
+            TensorMode::ThreeD { q: 1 },
+        ];
+        for (k, mode) in modes.into_iter().enumerate() {
+            let g = grid(mode);
+            let ok = [
+                Serial::of_grid(Some(&g)).is_ok(),
+                OneD::of_grid(Some(&g)).is_ok(),
+                Summa::of_grid(Some(&g)).is_ok(),
+                Cube::of_grid(Some(&g)).is_ok(),
+            ];
+            let want = match k {
+                0 => [true, false, false, false],
+                1 => [false, true, false, false],
+                2 | 3 => [false, false, true, false],
+                _ => [false, false, false, true],
+            };
+            assert_eq!(ok, want, "{mode}");
+            if k > 0 {
+                let e = Serial::of_grid(Some(&g)).unwrap_err();
+                assert!(matches!(e, Error::WrongPlace { .. }), "{e}");
+                assert!(e.to_string().contains(&mode.to_string()), "{e}");
+            }
+        }
+        assert!(Serial::of_grid(None).is_ok());
+        assert!(OneD::of_grid(None).is_err() && Cube::of_grid(None).is_err());
+    }
+
+    /// `with_placement!` names the placement of every tensor mode.
+    #[test]
+    fn with_placement_maps_each_mode_to_its_type() {
+        let name = |mode: TensorMode| {
+            with_placement!(mode, |P| std::any::type_name::<P>().rsplit("::").next())
+        };
+        assert_eq!(name(TensorMode::None), Some("Serial"));
+        assert_eq!(name(TensorMode::OneD { size: 2 }), Some("OneD"));
+        assert_eq!(name(TensorMode::TwoD { q: 2 }), Some("Summa"));
+        assert_eq!(name(TensorMode::TwoHalfD { q: 2, depth: 2 }), Some("Summa"));
+        assert_eq!(name(TensorMode::ThreeD { q: 2 }), Some("Cube"));
+    }
+}

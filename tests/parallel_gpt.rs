@@ -529,40 +529,50 @@ fn gpt_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            tidemem::with_placement!(tensor, |P| {
-                let mut z = zero_store(c, grid);
-                let gpt: Gpt<P> = seeded(&mut z, &Plan::on(grid)).unwrap();
-                let mut opt = adam();
-                let (rows, l, r) = (B / data, T / sequence, grid.sequence_rank());
-                let (mut losses, mut norms) = (Vec::new(), Vec::new());
-                for k in 0..STEPS {
-                    let (t, g) = rows_of(k, grid.data_rank(), rows);
-                    // this rank's positions of each sequence
-                    let block = |v: &[i32]| -> Vec<i32> {
-                        (0..rows)
-                            .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
-                            .collect()
-                    };
-                    let (t, g) = (block(&t), block(&g));
-                    let b = GptBatch {
-                        tokens: &t,
-                        targets: &g,
-                        batch: rows,
-                        seq: l,
-                    };
-                    let plan = Plan {
-                        checkpoint: k % 2 == 0,
-                        ..Plan::on(grid)
-                    };
-                    let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
-                    losses.push(mean_loss(c, s.loss));
-                    norms.push(s.report.grad_norm);
-                }
-                (losses, norms)
-            })
+            tidemem::with_placement!(tensor, |P| ring_steps::<P>(c, grid, 0))
         });
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
     }
+}
+
+/// `STEPS` steps of a rank of `grid` (a sequence ring), ZeRO over the data × sequence replicas:
+/// each rank trains on its data rank's rows and its place's positions of each, checkpointing
+/// the steps `k` with `k % 2 == parity`; the mean losses over the ranks and the norms.
+fn ring_steps<P: Placement>(
+    c: &Communicator,
+    grid: &ProcessGrid,
+    parity: u64,
+) -> (Vec<f32>, Vec<f64>) {
+    let spec = grid.spec();
+    let mut z = zero_store(c, grid);
+    let gpt: Gpt<P> = seeded(&mut z, &Plan::on(grid)).unwrap();
+    let mut opt = adam();
+    let (rows, l, r) = (B / spec.data, T / spec.sequence, grid.sequence_rank());
+    let (mut losses, mut norms) = (Vec::new(), Vec::new());
+    for k in 0..STEPS {
+        let (t, g) = rows_of(k, grid.data_rank(), rows);
+        // this rank's positions of each sequence
+        let block = |v: &[i32]| -> Vec<i32> {
+            (0..rows)
+                .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
+                .collect()
+        };
+        let (t, g) = (block(&t), block(&g));
+        let b = GptBatch {
+            tokens: &t,
+            targets: &g,
+            batch: rows,
+            seq: l,
+        };
+        let plan = Plan {
+            checkpoint: k % 2 == parity,
+            ..Plan::on(grid)
+        };
+        let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
+        losses.push(mean_loss(c, s.loss));
+        norms.push(s.report.grad_norm);
+    }
+    (losses, norms)
 }
 
 /// `STEPS` steps of GPT-2's two blocks over the two stages of `grid` (its tensor mode the
@@ -792,36 +802,7 @@ fn gpt_grid_with_the_sequence_split_trains_like_the_serial_gpt() {
             tensor,
         };
         let runs = on_grid(spec, |c, grid| {
-            tidemem::with_placement!(tensor, |P| {
-                let mut z = zero_store(c, grid);
-                let gpt: Gpt<P> = seeded(&mut z, &Plan::on(grid)).unwrap();
-                let mut opt = adam();
-                let (l, r) = (T / 2, grid.sequence_rank());
-                let (mut losses, mut norms) = (Vec::new(), Vec::new());
-                for k in 0..STEPS {
-                    let (t, g) = batch(k);
-                    let block = |v: &[i32]| -> Vec<i32> {
-                        (0..B)
-                            .flat_map(|i| v[i * T + r * l..i * T + (r + 1) * l].to_vec())
-                            .collect()
-                    };
-                    let (t, g) = (block(&t), block(&g));
-                    let b = GptBatch {
-                        tokens: &t,
-                        targets: &g,
-                        batch: B,
-                        seq: l,
-                    };
-                    let plan = Plan {
-                        checkpoint: k % 2 == 1,
-                        ..Plan::on(grid)
-                    };
-                    let s = train_step(&gpt, &mut z, &plan, &mut opt, &[b]).unwrap();
-                    losses.push(mean_loss(c, s.loss));
-                    norms.push(s.report.grad_norm);
-                }
-                (losses, norms)
-            })
+            tidemem::with_placement!(tensor, |P| ring_steps::<P>(c, grid, 1))
         });
         like_serial(&format!("GPT over {spec}"), &serial, &runs);
     }

@@ -34,7 +34,7 @@ use tidemem::data::Ahead;
 use tidemem::device::{DeviceStats, HostPhase};
 use tidemem::models::gpt::{
     default_init, read_hf, train_step, train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig,
-    Plan,
+    Plan, TrainStep,
 };
 use tidemem::optim::{DevicePlacement, ScalerConfig};
 use tidemem::parallel::pipeline::Schedule;
@@ -503,39 +503,40 @@ fn run() -> Result<()> {
     };
     // the profile covers the steady steps (all of them, in a run of two or fewer)
     let profile_from = if a.steps > 2 { 2 } else { 0 };
-    for i in 0..a.steps {
-        if a.profile && i == profile_from {
-            dev.start_profile();
-        }
-        let span = dev.host_span(HostPhase::Data);
-        let batches = ahead.at(opt.steps())?;
-        drop(span);
-        let micro = views(&batches, &a);
-        let t0 = Instant::now();
-        let before = m.stats();
-        let dev_before = m.device().stats();
-        let r = train_step(&gpt, &mut m, &run, &mut opt, &micro)?;
-        device_step = m.device().stats().since(&dev_before);
-        adam_groups = (r.report.device_groups, m.groups() - r.report.device_groups);
-        let moved = m.stats().since(&before);
-        let secs = t0.elapsed().as_secs_f64();
-        let rate = r.tokens as f64 / secs;
-        diverged(r.loss, i + 1)?;
-        losses.push(r.loss);
-        tps.push(rate);
-        h2d.push(moved.h2d_bytes);
-        d2h.push(moved.d2h_bytes);
-        let mfu = peak.map(|p| rate * plan.cfg.flops_per_token(a.seq) / p);
-        bar.set_message(format!(
-            "loss {:.4} | {:.0} tok/s | MFU {} | h2d {} d2h {}",
-            r.loss,
-            rate,
-            mfu_text(mfu, 2),
-            fmt_bytes(moved.h2d_bytes),
-            fmt_bytes(moved.d2h_bytes)
-        ));
-        bar.inc(1);
-    }
+    train_loop(
+        (&gpt, &run),
+        &mut m,
+        &mut opt,
+        &mut ahead,
+        (a.steps, a.batch, a.seq),
+        |m, i| {
+            if a.profile && i == profile_from {
+                dev.start_profile();
+            }
+            (m.stats(), m.device().stats())
+        },
+        |m, (before, dev_before), r, secs| {
+            device_step = m.device().stats().since(&dev_before);
+            adam_groups = (r.report.device_groups, m.groups() - r.report.device_groups);
+            let moved = m.stats().since(&before);
+            let rate = r.tokens as f64 / secs;
+            losses.push(r.loss);
+            tps.push(rate);
+            h2d.push(moved.h2d_bytes);
+            d2h.push(moved.d2h_bytes);
+            let mfu = peak.map(|p| rate * plan.cfg.flops_per_token(a.seq) / p);
+            bar.set_message(format!(
+                "loss {:.4} | {:.0} tok/s | MFU {} | h2d {} d2h {}",
+                r.loss,
+                rate,
+                mfu_text(mfu, 2),
+                fmt_bytes(moved.h2d_bytes),
+                fmt_bytes(moved.d2h_bytes)
+            ));
+            bar.inc(1);
+            Ok(())
+        },
+    )?;
     bar.finish_and_clear();
     // the saves first: what follows (validation, sampling, the trace) cannot lose the run
     if let Some(p) = &a.save {
@@ -637,6 +638,46 @@ fn run() -> Result<()> {
         if let Some((prompt, text)) = sample {
             println!("sample (prompt in brackets):\n[{prompt}]{text}");
         }
+    }
+    Ok(())
+}
+
+/// A step's micro-batches, as owned (tokens, targets) pairs.
+type Batches = Vec<(Vec<i32>, Vec<i32>)>;
+
+/// The one training loop, of one rank and of every rank of many: `steps` optimizer steps of
+/// `gpt` on `store`, each step's micro-batches (`[batch, seq]` each) built ahead on a worker
+/// thread (`at` the optimizer's steps, so a skipped step trains its batches again). `before`
+/// runs first in each step (given its index) and its value goes to `after` with the step's
+/// report and seconds; a loss that is not finite stops the run.
+fn train_loop<P: Placement, S: ParamStore, M>(
+    (gpt, plan): (&Gpt<P>, &Plan<'_>),
+    store: &mut S,
+    opt: &mut HybridAdam,
+    ahead: &mut Ahead<Batches>,
+    (steps, batch, seq): (u64, usize, usize),
+    mut before: impl FnMut(&mut S, u64) -> M,
+    mut after: impl FnMut(&mut S, M, &TrainStep, f64) -> Result<()>,
+) -> Result<()> {
+    for i in 0..steps {
+        let measured = before(store, i);
+        let span = store.device().host_span(HostPhase::Data);
+        let batches = ahead.at(opt.steps())?;
+        drop(span);
+        let micro: Vec<GptBatch<'_>> = batches
+            .iter()
+            .map(|(tokens, targets)| GptBatch {
+                tokens,
+                targets,
+                batch,
+                seq,
+            })
+            .collect();
+        let t0 = Instant::now();
+        let r = train_step(gpt, store, plan, opt, &micro)?;
+        let secs = t0.elapsed().as_secs_f64();
+        diverged(r.loss, i + 1)?;
+        after(store, measured, &r, secs)?;
     }
     Ok(())
 }
@@ -1017,16 +1058,21 @@ impl Run<'_> {
         // each step's micro-batches, built on a worker thread ahead of the step (`at` by the
         // optimizer's steps, so a skipped step trains its batches again)
         let mut ahead = Ahead::indexed(opt.steps()..u64::MAX, 2, 1, self.batches(m))?;
-        for _ in 0..a.steps {
-            let batches = ahead.at(opt.steps())?;
-            let micro = self.views(&batches);
-            let before = store.device().stats();
-            let s = train_step(&gpt, store, &plan, &mut opt, &micro)?;
-            step = Some(store.device().stats().since(&before));
-            diverged(s.loss, losses.len() as u64 + 1)?;
-            losses.push(s.loss);
-            tokens += s.tokens;
-        }
+        let l = a.seq / self.sp.map_or(1, Communicator::world);
+        train_loop(
+            (&gpt, &plan),
+            store,
+            &mut opt,
+            &mut ahead,
+            (a.steps, a.batch, l),
+            |store, _| store.device().stats(),
+            |store, before, s, _| {
+                step = Some(store.device().stats().since(&before));
+                losses.push(s.loss);
+                tokens += s.tokens;
+                Ok(())
+            },
+        )?;
         if let Some(dir) = &a.save {
             std::fs::create_dir_all(dir).map_err(|e| bad(format!("{}: {e}", dir.display())))?;
             store.save_rank(world, &opt, &file(dir))?;

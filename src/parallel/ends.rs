@@ -162,36 +162,6 @@ pub(crate) fn check_rows_ends(size: usize, vocab: usize) -> Result<()> {
     Ok(())
 }
 
-/// The token embedding of `tokens` plus the position embedding of their positions (`first
-/// ..` of sequences of `seq`), from `wte` and `wpe` run on the ids: the token embedding's
-/// output, with both saved states.
-pub(crate) fn token_plus_position<A, B>(
-    pass: &ForwardPass<'_>,
-    tokens: &[i32],
-    [seq, first]: [usize; 2],
-    wte: impl FnOnce(&[i32]) -> Result<(Act, A)>,
-    wpe: impl FnOnce(&[i32]) -> Result<(Act, B)>,
-) -> Result<(Act, (A, B))> {
-    let positions: Vec<i32> = (0..tokens.len())
-        .map(|n| (first + n % seq.max(1)) as i32)
-        .collect();
-    let (x, st) = wte(tokens)?;
-    let (p, sp) = wpe(&positions)?;
-    let one = Axpby {
-        alpha: 1.0,
-        beta: 1.0,
-    };
-    add_in_place(
-        pass.device(),
-        pass.stream(),
-        one,
-        x.view(),
-        p.input(),
-        x.dtype(),
-    )?;
-    Ok((x, (st, sp)))
-}
-
 /// A grid's LayerNorm runs on every layout on that grid.
 impl<L: OnGrid, N> NormOn<L> for N
 where
@@ -256,14 +226,26 @@ where
         tokens: &[i32],
         [_, seq, first]: [usize; 3],
     ) -> Result<(Act, Self::Saved)> {
+        // the token rows plus the rows of their positions, `first ..` of each sequence
         let grid = layout.grid();
-        token_plus_position(
-            pass,
-            tokens,
-            [seq, first],
-            |ids| self.wte.forward(pass, grid, ids),
-            |ids| self.wpe.forward(pass, grid, ids),
-        )
+        let positions: Vec<i32> = (0..tokens.len())
+            .map(|n| (first + n % seq.max(1)) as i32)
+            .collect();
+        let (x, st) = self.wte.forward(pass, grid, tokens)?;
+        let (p, sp) = self.wpe.forward(pass, grid, &positions)?;
+        let one = Axpby {
+            alpha: 1.0,
+            beta: 1.0,
+        };
+        add_in_place(
+            pass.device(),
+            pass.stream(),
+            one,
+            x.view(),
+            p.input(),
+            x.dtype(),
+        )?;
+        Ok((x, (st, sp)))
     }
 
     fn backward(

@@ -170,16 +170,7 @@ impl Layout for Cube {
         let q = self.place.q;
         split(name, "channels", channels, q * q, "q²")?;
         split(name, "heads", heads, q, "q")?;
-        if !channels.is_multiple_of(heads) {
-            return Err(Error::NotSplit {
-                layer: name.to_string(),
-                what: "channels",
-                value: channels,
-                parts: heads,
-                by: "heads",
-            });
-        }
-        Ok(())
+        split(name, "channels", channels, heads, "heads").map(drop)
     }
 
     fn attention(

@@ -10,6 +10,7 @@ use crate::nn::{Serial, WeightUse};
 use crate::ops::attention::Attention;
 use crate::parallel::ends::check_rows_ends;
 use crate::parallel::one_d::all_reduces;
+use crate::parallel::split;
 use crate::parallel::{ColumnLinear, Cost, RowLinear, Shard};
 use crate::parallel::{
     NormHead, VocabEmbedding1D, VocabEmbedding1DSaved, VocabHead1D, VocabHead1DSaved,
@@ -101,16 +102,7 @@ impl Layout for OneD {
 
     fn check_split(&self, name: &str, channels: usize, heads: usize) -> Result<()> {
         self.shard.split(name, "heads", heads)?;
-        if channels == 0 || !channels.is_multiple_of(heads) {
-            return Err(Error::NotSplit {
-                layer: name.to_string(),
-                what: "channels",
-                value: channels,
-                parts: heads,
-                by: "heads",
-            });
-        }
-        Ok(())
+        split(name, "channels", channels, heads, "heads").map(drop)
     }
 
     fn attention(

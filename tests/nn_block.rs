@@ -7,7 +7,7 @@
 mod common;
 mod nn_ref;
 
-use tidemem::nn::{Act, Block, CausalSelfAttention, Serial};
+use tidemem::nn::{Act, Block, BlockOn, CausalSelfAttention, Serial};
 use tidemem::prelude::*;
 use tidemem::{decode_f32, encode_f32};
 

@@ -7,7 +7,7 @@
 mod common;
 mod nn_ref;
 
-use tidemem::nn::{Block, Embedding, LayerNorm, LmHead};
+use tidemem::nn::{Block, BlockOn, Embedding, LayerNorm, LmHead};
 use tidemem::prelude::*;
 
 use nn_ref::*;

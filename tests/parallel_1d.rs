@@ -8,7 +8,7 @@ mod nn_ref;
 
 use std::sync::Arc;
 use tidemem::comm::Communicator;
-use tidemem::nn::Block;
+use tidemem::nn::{Block, BlockOn};
 
 use tidemem::parallel::{OneD, Shard};
 use tidemem::prelude::*;

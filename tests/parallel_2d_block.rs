@@ -11,7 +11,7 @@ mod nn_ref;
 use std::time::Duration;
 
 use tidemem::comm::Communicator;
-use tidemem::nn::Block;
+use tidemem::nn::{Block, BlockOn};
 use tidemem::parallel::GridNorm;
 use tidemem::parallel::{Cost, GridSpec, LayerNorm2D, PassCost, ProcessGrid, Summa, TensorMode};
 use tidemem::prelude::*;

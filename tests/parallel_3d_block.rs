@@ -10,7 +10,7 @@ mod nn_ref;
 use std::time::Duration;
 
 use tidemem::comm::{CommStats, Communicator, Tally};
-use tidemem::nn::Block;
+use tidemem::nn::{Block, BlockOn};
 use tidemem::parallel::GridNorm;
 use tidemem::parallel::{
     split_3d, Cost, Cube, GridSpec, LayerNorm3D, Layout3D, PassCost, ProcessGrid,

@@ -154,26 +154,6 @@ impl<L: Layout> Block<L> {
         })
     }
 
-    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]).
-    pub fn shared(self) -> Block<L> {
-        Block {
-            uses: WeightUse::Shared,
-            ..self
-        }
-    }
-
-    /// The parameters in registration order: `ln_1` (γ, β), `c_attn`, `attn.c_proj`, `ln_2`,
-    /// `c_fc`, `mlp.c_proj` (weight, bias each, where this rank holds them).
-    pub fn params(&self) -> Vec<TensorId> {
-        let mut v = self.ln_1.params();
-        v.extend(self.c_attn.params());
-        v.extend(self.attn_proj.params());
-        v.extend(self.ln_2.params());
-        v.extend(self.c_fc.params());
-        v.extend(self.mlp_proj.params());
-        v
-    }
-
     /// The parameters with their names under `name` (`{name}.ln_1.weight`, …), in
     /// registration order, where this rank holds them.
     pub fn named_params(&self, name: &str) -> Vec<(String, TensorId)> {
@@ -198,14 +178,69 @@ impl<L: Layout> Block<L> {
     pub fn local_heads(&self) -> usize {
         self.layout.heads(self.heads)
     }
+}
+
+/// A transformer block on layout `L`, whatever its family: what a model's stack of blocks
+/// runs. GPT-2's [`Block`] is one; a model family brings its own, and every placement and
+/// schedule runs it.
+pub trait BlockOn<L: Layout>: Clone + std::fmt::Debug + PartialEq + Send + Sync {
+    /// What the forward keeps for the backward.
+    type Saved: Send;
 
     /// The block on this rank's part `x` of a batch of `[batch, seq]` sequences (rows
-    /// batch-major; serially `[batch·seq, C]`), with the attention between the projections
+    /// batch-major; serially `[batch·seq, C]`), with the attention (where the block has one)
     /// computed by `core` (over this rank's heads; e.g. a sequence ring's) or locally with
     /// `None`: this rank's part of the output and what the backward needs, on the layout's
-    /// groups. The input's shape and type and the rows' split into sequences are checked
-    /// before anything runs.
-    pub fn forward(
+    /// groups. The input's shape and type are checked before anything runs.
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        batch_seq: [usize; 2],
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<(Act, Self::Saved)>;
+
+    /// The backward of [`BlockOn::forward`] (with the same `core`) from this rank's part of
+    /// the output's gradient `dout`: writes every parameter's gradient and returns the
+    /// input's (a new activation; `dout` is not changed).
+    fn backward(
+        &self,
+        pass: &BackwardPass<'_>,
+        saved: &Self::Saved,
+        dout: &Act,
+        core: Option<&dyn HeadsCore>,
+    ) -> Result<Act>;
+
+    /// The parameters in registration order, where this rank holds them.
+    fn params(&self) -> Vec<TensorId>;
+
+    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]): a
+    /// block run more than once an iteration, as a pipeline stage runs it once per
+    /// micro-batch.
+    fn shared(self) -> Self;
+}
+
+impl<L: Layout> BlockOn<L> for Block<L> {
+    type Saved = BlockSaved<L>;
+
+    fn shared(self) -> Block<L> {
+        Block {
+            uses: WeightUse::Shared,
+            ..self
+        }
+    }
+
+    fn params(&self) -> Vec<TensorId> {
+        let mut v = self.ln_1.params();
+        v.extend(self.c_attn.params());
+        v.extend(self.attn_proj.params());
+        v.extend(self.ln_2.params());
+        v.extend(self.c_fc.params());
+        v.extend(self.mlp_proj.params());
+        v
+    }
+
+    fn forward(
         &self,
         pass: &ForwardPass<'_>,
         x: &Act,
@@ -261,10 +296,7 @@ impl<L: Layout> Block<L> {
         Ok((out, saved))
     }
 
-    /// The backward of [`Block::forward`] (with the same `core`) from this rank's part of the
-    /// output's gradient `dout`: writes every parameter's gradient and returns the input's
-    /// (a new activation; `dout` is not changed).
-    pub fn backward(
+    fn backward(
         &self,
         pass: &BackwardPass<'_>,
         saved: &BlockSaved<L>,

@@ -75,7 +75,7 @@ pub use attention::{
     attend, attend_backward, heads_backward, heads_forward, Attended, CausalSelfAttention,
     CausalSelfAttentionSaved, HeadsCore, HeadsCoreSaved, HeadsSaved,
 };
-pub use block::{by_rank_block, Block, BlockSaved};
+pub use block::{by_rank_block, Block, BlockOn, BlockSaved};
 pub use embedding::{Embedding, EmbeddingSaved};
 pub use gelu::{gelu, gelu_backward, GeluSaved};
 pub use layernorm::{LayerNorm, LayerNormSaved};

@@ -3,13 +3,13 @@
 //! (recomputing a checkpointed block first).
 
 use crate::error::{Error, Result};
-use crate::nn::{Act, Block, BlockSaved, HeadsCore, Layout};
+use crate::nn::{Act, BlockOn, HeadsCore, Layout};
 use crate::store::{BackwardPass, ForwardPass};
 
 /// What a forward keeps of a block for its backward: its saved state, or only its input when
 /// checkpointing.
-pub(super) enum BlockKept<L: Layout> {
-    Saved(Box<BlockSaved<L>>),
+pub(super) enum BlockKept<S> {
+    Saved(Box<S>),
     Input(Act),
 }
 
@@ -32,13 +32,13 @@ pub(super) struct Shape<'a> {
 }
 
 /// The blocks from `x`, keeping what `keep` says.
-pub(super) fn forward<L: Layout>(
-    blocks: &[Block<L>],
+pub(super) fn forward<L: Layout, B: BlockOn<L>>(
+    blocks: &[B],
     fwd: &ForwardPass<'_>,
     mut x: Act,
     shape: Shape<'_>,
     keep: Keep,
-) -> Result<(Act, Vec<BlockKept<L>>)> {
+) -> Result<(Act, Vec<BlockKept<B::Saved>>)> {
     let mut kept = Vec::with_capacity(blocks.len());
     for block in blocks {
         let (out, saved) = block.forward(fwd, &x, shape.batch_seq, shape.core)?;
@@ -63,10 +63,10 @@ fn gone() -> Error {
 }
 
 /// The backward of [`forward`] from `dx`, recomputing checkpointed blocks.
-pub(super) fn backward<L: Layout>(
-    blocks: &[Block<L>],
+pub(super) fn backward<L: Layout, B: BlockOn<L>>(
+    blocks: &[B],
     bwd: &mut BackwardPass<'_>,
-    mut kept: Vec<BlockKept<L>>,
+    mut kept: Vec<BlockKept<B::Saved>>,
     mut dx: Act,
     shape: Shape<'_>,
 ) -> Result<Act> {
@@ -87,10 +87,10 @@ pub(super) fn backward<L: Layout>(
 }
 
 /// [`backward`] of a forward that kept every block's saved state.
-pub(super) fn backward_saved<L: Layout>(
-    blocks: &[Block<L>],
+pub(super) fn backward_saved<L: Layout, B: BlockOn<L>>(
+    blocks: &[B],
     bwd: &BackwardPass<'_>,
-    mut kept: Vec<BlockKept<L>>,
+    mut kept: Vec<BlockKept<B::Saved>>,
     mut dx: Act,
     shape: Shape<'_>,
 ) -> Result<Act> {

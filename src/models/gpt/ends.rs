@@ -1,56 +1,60 @@
-//! The two ends of a GPT: the token and position embedding (on the first stage) and `ln_f`
-//! with the LM head tied to `wte` (on the last), whole on every rank or split over the tensor
-//! group as the layout splits them ([`Layout::Embedding`], [`Layout::Head`]).
+//! GPT-2's variant ([`Gpt2`]): its block ([`Block`]) and its two ends, the token and
+//! position embedding (on the first stage) and `ln_f` with the LM head tied to `wte` (on the
+//! last), whole on every rank or split over the tensor group as the layout splits them
+//! ([`Layout::Embedding`], [`Layout::Head`]).
 
+use super::variant::{EndsAt, ModelEnds, Tie, Variant};
 use super::{GptConfig, IGNORE_INDEX};
-use crate::device::PoolBlock;
 use crate::error::{Error, Result};
 use crate::nn::{
-    Act, Embedding, EmbeddingOn, EmbeddingSaved, HeadOn, LayerNorm, LayerNormSaved, Layout, LmHead,
-    LmHeadSaved, Loss, WeightUse,
+    Act, Block, Embedding, EmbeddingOn, EmbeddingSaved, HeadOn, LayerNorm, LayerNormSaved, Layout,
+    LmHead, LmHeadSaved, Loss,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 use crate::tensor::{Init, TensorId};
 
-/// The ends a model (or a pipeline stage) holds, on its layout.
+/// GPT-2: pre-LayerNorm blocks ([`Block`]) between the token and position embedding and
+/// `ln_f` with the LM head tied to `wte`. The default variant of [`Gpt`](super::Gpt).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Gpt2;
+
+/// GPT-2's ends a model (or a pipeline stage) holds, on its layout.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) struct Ends<L: Layout> {
-    pub(super) layout: L,
-    pub(super) embedding: Option<Embed<L>>,
-    pub(super) head: Option<Head<L>>,
+pub struct Ends<L: Layout> {
+    layout: L,
+    /// Whole ends' `wte` on an end stage (registered before the blocks).
+    wte: Option<TensorId>,
+    embedding: Option<Embed<L>>,
+    head: Option<Head<L>>,
 }
 
 /// The embedding: `wte` and `wpe`, whole or split by the layout.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) enum Embed<L: Layout> {
+enum Embed<L: Layout> {
     Whole(Embedding),
     Split(L::Embedding),
 }
 
 /// `ln_f` and the head over a copy of `wte`, whole or split by the layout.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) enum Head<L: Layout> {
+enum Head<L: Layout> {
     Whole { ln_f: LayerNorm, head: LmHead },
     Split(L::Head),
 }
 
 /// What the embedding keeps for its backward.
 #[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
-pub(super) enum EmbKept<L: Layout> {
+pub enum EmbKept<L: Layout> {
     Whole(EmbeddingSaved),
     Split(<L::Embedding as EmbeddingOn<L>>::Saved),
 }
 
 /// What `ln_f` and the head keep for their backward.
 #[allow(clippy::large_enum_variant)] // one a micro-batch, not worth a box
-pub(super) enum HeadKept<L: Layout> {
+pub enum HeadKept<L: Layout> {
     Whole(LayerNormSaved, LmHeadSaved),
     Split(<L::Head as HeadOn<L>>::Saved),
 }
-
-/// What happens to a tied `wte`'s gradient share: added to the store as it comes, or handed
-/// to `keep` (a pipeline's end stages sum their shares over the step apart from the slot).
-pub(super) type Keep<'a> = Option<&'a dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>>;
 
 /// The ends' saved state of another kind (whole or split).
 fn mismatch() -> Error {
@@ -68,100 +72,124 @@ fn absent(what: &'static str, registered: &str) -> Error {
     }
 }
 
-/// The masters' values and the registration of the ends, as [`Gpt::register_on`] runs it.
-pub(super) struct EndsInit<'a> {
-    pub(super) cfg: &'a GptConfig,
-    pub(super) master: &'a dyn Fn(&str) -> Init,
-    /// How often `wpe` is used a step.
-    pub(super) uses: WeightUse,
-    /// The norm share of a parameter every rank of the tensor group holds.
-    pub(super) replicated: f64,
-    /// `wte`'s copies (2 in a pipeline).
-    pub(super) copies: f64,
-}
+impl Variant for Gpt2 {
+    type Block<L: Layout> = Block<L>;
+    type Ends<L: Layout> = Ends<L>;
 
-impl EndsInit<'_> {
-    /// Registers whole ends' `wte` (on an end stage: before the blocks), named in `params`.
-    pub(super) fn whole_wte(
-        &self,
-        store: &mut impl ParamStore,
-        params: &mut Vec<(String, TensorId)>,
-    ) -> Result<TensorId> {
-        let id = self.named(
-            store,
-            params,
-            "wte.weight",
-            &[self.cfg.vocab, self.cfg.channels],
-        )?;
-        store.set_norm_share(id, self.replicated / self.copies)?;
-        Ok(id)
+    fn param_shapes(&self, cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+        cfg.param_shapes()
     }
 
-    /// Registers the embedding (`wpe` beside the whole `wte`, or both split), each named in
-    /// `params`.
-    pub(super) fn embedding<L: Layout>(
+    fn register_block<L: Layout, S: ParamStore>(
         &self,
-        store: &mut impl ParamStore,
-        layout: &L,
-        wte: Option<TensorId>,
+        store: &mut S,
+        layout: L,
+        name: &str,
+        cfg: &GptConfig,
+        init: &dyn Fn(&str) -> Init,
         params: &mut Vec<(String, TensorId)>,
-    ) -> Result<Embed<L>> {
-        let (cfg, m) = (self.cfg, self.master);
+    ) -> Result<Block<L>> {
+        let shape = [cfg.channels, cfg.heads];
+        let b = Block::register(store, layout, name, shape, cfg.eps, init)?;
+        params.extend(b.named_params(name));
+        Ok(b)
+    }
+
+    /// Whole ends' `wte` on an end stage, then the embedding on the first (`wpe` beside the
+    /// whole `wte`, or both split).
+    fn register_first<L: Layout, S: ParamStore>(
+        &self,
+        store: &mut S,
+        at: &EndsAt<'_>,
+        layout: L,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> Result<Ends<L>> {
+        let (cfg, m) = (at.cfg, at.master);
+        let [first, last] = at.ends;
+        let wte = match !at.split && (first || last) {
+            true => {
+                let id = named(store, at, params, "wte.weight", &[cfg.vocab, cfg.channels])?;
+                store.set_norm_share(id, at.replicated / at.copies)?;
+                Some(id)
+            }
+            false => None,
+        };
+        let mut ends = Ends {
+            layout,
+            wte,
+            embedding: None,
+            head: None,
+        };
+        if !first {
+            return Ok(ends);
+        }
         let names = ["wte.weight", "wpe.weight"];
         let Some(wte) = wte else {
             let dims = [cfg.vocab, cfg.max_seq, cfg.channels];
             let inits = names.map(m);
-            let e = layout.register_embedding(store, dims, [&inits[0], &inits[1]], self.uses)?;
+            let layout = &ends.layout;
+            let e = layout.register_embedding(store, dims, [&inits[0], &inits[1]], at.uses)?;
             let ids = e.params();
-            store.set_norm_share(ids[0], layout.wte_share() / self.copies)?;
+            store.set_norm_share(ids[0], layout.wte_share() / at.copies)?;
             params.extend(names.into_iter().map(String::from).zip(ids));
-            return Ok(Embed::Split(e));
+            ends.embedding = Some(Embed::Split(e));
+            return Ok(ends);
         };
-        let wpe = self.named(store, params, "wpe.weight", &[cfg.max_seq, cfg.channels])?;
-        store.set_norm_share(wpe, self.replicated)?;
-        Ok(Embed::Whole(Embedding {
+        let wpe = named(
+            store,
+            at,
+            params,
+            "wpe.weight",
+            &[cfg.max_seq, cfg.channels],
+        )?;
+        store.set_norm_share(wpe, at.replicated)?;
+        ends.embedding = Some(Embed::Whole(Embedding {
             wte,
             wpe,
             vocab: cfg.vocab,
             max_seq: cfg.max_seq,
             channels: cfg.channels,
-        }))
+        }));
+        Ok(ends)
     }
 
-    /// Registers `ln_f` and the head: whole, tied to the whole `wte`; split, tied to
-    /// `embedding`'s `wte` part or to a part of its own registered first. Each named in
-    /// `params`.
-    pub(super) fn head<L: Layout>(
+    /// `ln_f` and the head on the last stage: whole, tied to the whole `wte`; split, tied to
+    /// the embedding's `wte` part or to a part of its own registered first.
+    fn register_last<L: Layout, S: ParamStore>(
         &self,
-        store: &mut impl ParamStore,
-        layout: &L,
-        (embedding, wte): (Option<&Embed<L>>, Option<TensorId>),
+        ends: &mut Ends<L>,
+        store: &mut S,
+        at: &EndsAt<'_>,
         params: &mut Vec<(String, TensorId)>,
-    ) -> Result<Head<L>> {
-        let (cfg, m) = (self.cfg, self.master);
+    ) -> Result<()> {
+        if !at.ends[1] {
+            return Ok(());
+        }
+        let (cfg, m) = (at.cfg, at.master);
         let (c, v) = (cfg.channels, cfg.vocab);
-        let Some(wte) = wte else {
-            let tied = match embedding {
+        let Some(wte) = ends.wte else {
+            let tied = match &ends.embedding {
                 Some(Embed::Split(e)) => Some(e),
                 None => None,
                 Some(Embed::Whole(_)) => return Err(mismatch()),
             };
             let [te, g, b] = ["wte.weight", "ln_f.weight", "ln_f.bias"].map(m);
-            let h =
-                layout.register_head(store, [v, c], cfg.eps, [&te, &g, &b], IGNORE_INDEX, tied)?;
+            let l = &ends.layout;
+            let h = l.register_head(store, [v, c], cfg.eps, [&te, &g, &b], IGNORE_INDEX, tied)?;
             let [gamma, beta, wte] = h.params();
             if tied.is_none() {
-                store.set_norm_share(wte, layout.wte_share() / self.copies)?;
+                store.set_norm_share(wte, l.wte_share() / at.copies)?;
                 params.push(("wte.weight".into(), wte));
             }
             params.push(("ln_f.weight".into(), gamma));
             params.push(("ln_f.bias".into(), beta));
-            return Ok(Head::Split(h));
+            ends.head = Some(Head::Split(h));
+            return Ok(());
         };
-        let gamma = self.named(store, params, "ln_f.weight", &[c])?;
-        let beta = self.named(store, params, "ln_f.bias", &[c])?;
+        let gamma = named(store, at, params, "ln_f.weight", &[c])?;
+        let beta = named(store, at, params, "ln_f.bias", &[c])?;
         for id in [gamma, beta] {
-            store.set_norm_share(id, self.replicated)?;
+            store.set_norm_share(id, at.replicated)?;
         }
         let ln_f = LayerNorm {
             gamma,
@@ -170,32 +198,46 @@ impl EndsInit<'_> {
             eps: cfg.eps,
         };
         let head = LmHead::tied(&*store, wte, IGNORE_INDEX)?;
-        Ok(Head::Whole { ln_f, head })
-    }
-
-    /// Registers `name` of `shape` whole with its master, named in `params`.
-    fn named(
-        &self,
-        store: &mut impl ParamStore,
-        params: &mut Vec<(String, TensorId)>,
-        name: &str,
-        shape: &[usize],
-    ) -> Result<TensorId> {
-        let id = store.register(name, shape, (self.master)(name))?;
-        params.push((name.to_string(), id));
-        Ok(id)
+        ends.head = Some(Head::Whole { ln_f, head });
+        Ok(())
     }
 }
 
-impl<L: Layout> Ends<L> {
-    /// Whether the ends are split over the tensor group.
-    pub(super) fn split(&self) -> bool {
+/// Registers `name` of `shape` whole with its master, named in `params`.
+fn named<S: ParamStore>(
+    store: &mut S,
+    at: &EndsAt<'_>,
+    params: &mut Vec<(String, TensorId)>,
+    name: &str,
+    shape: &[usize],
+) -> Result<TensorId> {
+    let id = store.register(name, shape, (at.master)(name))?;
+    params.push((name.to_string(), id));
+    Ok(id)
+}
+
+impl<L: Layout> ModelEnds<L> for Ends<L> {
+    type EmbedSaved = EmbKept<L>;
+    type HeadSaved = HeadKept<L>;
+
+    fn layout(&self) -> &L {
+        &self.layout
+    }
+
+    fn has_embedding(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    fn has_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    fn split(&self) -> bool {
         matches!(self.embedding, Some(Embed::Split(_))) || matches!(self.head, Some(Head::Split(_)))
     }
 
-    /// The embedding's parameters and the head's (`ln_f`'s, then its `wte`), in the order
-    /// the forward fetches them.
-    pub(super) fn params(&self) -> (Vec<TensorId>, Vec<TensorId>) {
+    /// The embedding's parameters and the head's (`ln_f`'s, then its `wte`).
+    fn params(&self) -> (Vec<TensorId>, Vec<TensorId>) {
         let first = match &self.embedding {
             Some(Embed::Whole(e)) => vec![e.wte, e.wpe],
             Some(Embed::Split(e)) => e.params(),
@@ -210,14 +252,12 @@ impl<L: Layout> Ends<L> {
     }
 
     /// This end's copy of `wte` (its part, split): the embedding's, else the head's.
-    pub(super) fn wte(&self) -> Option<TensorId> {
+    fn tied(&self) -> Option<TensorId> {
         let (first, last) = self.params();
         first.first().or(last.last()).copied()
     }
 
-    /// The embedding of `tokens` at positions `first .. first + seq` of their sequences, in
-    /// the blocks' layout.
-    pub(super) fn embed(
+    fn embed(
         &self,
         fwd: &ForwardPass<'_>,
         tokens: &[i32],
@@ -236,9 +276,27 @@ impl<L: Layout> Ends<L> {
         }
     }
 
-    /// `ln_f` and the head on the last block's output: the mean loss over the batch, the
-    /// loss gradient kept scaled by `scale`.
-    pub(super) fn head_forward(
+    fn embed_backward(
+        &self,
+        bwd: &BackwardPass<'_>,
+        kept: EmbKept<L>,
+        dx: Act,
+        tie: Tie<'_>,
+    ) -> Result<()> {
+        match (&self.embedding, kept) {
+            (Some(Embed::Whole(e)), EmbKept::Whole(s)) => {
+                let dfull = self.layout.to_full(bwd, dx)?;
+                match tie {
+                    Some(tie) => tie(bwd, &e.backward_returning(bwd, &s, &dfull)?),
+                    None => e.backward(bwd, &s, &dfull),
+                }
+            }
+            (Some(Embed::Split(e)), EmbKept::Split(k)) => e.backward(&self.layout, bwd, k, &dx),
+            _ => Err(mismatch()),
+        }
+    }
+
+    fn head_forward(
         &self,
         fwd: &ForwardPass<'_>,
         x: Act,
@@ -261,20 +319,18 @@ impl<L: Layout> Ends<L> {
         }
     }
 
-    /// The gradient of the last block's output, from what the head kept; `wte`'s share as
-    /// `keep` says (a split head adds it to the store's sum).
-    pub(super) fn head_backward(
+    fn head_backward(
         &self,
         bwd: &BackwardPass<'_>,
         kept: HeadKept<L>,
-        keep: Keep<'_>,
+        tie: Tie<'_>,
     ) -> Result<Act> {
         match (&self.head, kept) {
             (Some(Head::Whole { ln_f, head }), HeadKept::Whole(ln, hs)) => {
-                let dh = match keep {
-                    Some(keep) => {
+                let dh = match tie {
+                    Some(tie) => {
                         let (dh, share) = head.backward_returning(bwd, &hs)?;
-                        keep(bwd, &share)?;
+                        tie(bwd, &share)?;
                         dh
                     }
                     None => head.backward(bwd, &hs)?,
@@ -289,25 +345,15 @@ impl<L: Layout> Ends<L> {
         }
     }
 
-    /// The embeddings' gradients from the first block's input gradient `dx`; `wte`'s share
-    /// as `keep` says (a split embedding adds it to the store's sum).
-    pub(super) fn embed_backward(
-        &self,
-        bwd: &BackwardPass<'_>,
-        kept: EmbKept<L>,
-        dx: Act,
-        keep: Keep<'_>,
-    ) -> Result<()> {
-        match (&self.embedding, kept) {
-            (Some(Embed::Whole(e)), EmbKept::Whole(s)) => {
-                let dfull = self.layout.to_full(bwd, dx)?;
-                match keep {
-                    Some(keep) => keep(bwd, &e.backward_returning(bwd, &s, &dfull)?),
-                    None => e.backward(bwd, &s, &dfull),
-                }
-            }
-            (Some(Embed::Split(e)), EmbKept::Split(k)) => e.backward(&self.layout, bwd, k, &dx),
-            _ => Err(mismatch()),
-        }
+    fn logits(&self, fwd: &ForwardPass<'_>, x: Act) -> Result<Act> {
+        let Some(Head::Whole { ln_f, head }) = &self.head else {
+            return Err(Error::Conflict {
+                what: "the logits".into(),
+                with: "a split model: a rank holds a part".into(),
+            });
+        };
+        let (h, _) = ln_f.forward(fwd, &x, None)?;
+        drop(x);
+        head.proj.forward(fwd, &h)
     }
 }

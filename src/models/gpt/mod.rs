@@ -17,10 +17,13 @@ mod plan;
 mod run;
 mod spec;
 mod train;
+mod variant;
 
 pub use config::{GptConfig, IGNORE_INDEX};
+pub use ends::Gpt2;
 pub use hf::{read_hf, write_hf, HfWeights};
 pub use model::{default_init, Gpt, GptBatch, TrainStep};
 pub use pipe::train_two_bw_stream;
 pub use plan::{EndsLayout, Plan};
 pub use train::train_step;
+pub use variant::{EndsAt, ModelEnds, Tie, Variant};

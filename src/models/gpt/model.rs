@@ -6,11 +6,11 @@ use std::ops::Range;
 
 use serde::Serialize;
 
-use super::ends::{Ends, EndsInit};
 use super::plan::Plan;
-use super::{EndsLayout, GptConfig, IGNORE_INDEX};
+use super::variant::{EndsAt, Variant};
+use super::{EndsLayout, Gpt2, GptConfig, IGNORE_INDEX};
 use crate::error::{Error, Result};
-use crate::nn::{Block, Layout, Serial, WeightUse};
+use crate::nn::{BlockOn, Layout, Serial, WeightUse};
 use crate::optim::StepReport;
 use crate::parallel::pipeline::StageReport;
 use crate::parallel::Placement;
@@ -89,7 +89,9 @@ pub struct TrainStep {
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq)]
-pub struct Gpt<P: Layout = Serial> {
+pub struct Gpt<P: Layout = Serial, V: Variant = Gpt2> {
+    /// The family: its block and its ends.
+    pub variant: V,
     /// The whole model's shape.
     pub config: GptConfig,
     /// This rank's pipeline stage.
@@ -98,8 +100,8 @@ pub struct Gpt<P: Layout = Serial> {
     pub stages: usize,
     /// The blocks this rank holds (their indices in the model).
     pub layers: Range<usize>,
-    pub(super) blocks: Vec<Block<P>>,
-    pub(super) ends: Ends<P>,
+    pub(super) blocks: Vec<V::Block<P>>,
+    pub(super) ends: V::Ends<P>,
     pub(super) params: Vec<(String, TensorId)>,
 }
 
@@ -180,22 +182,37 @@ impl<P: Placement> Gpt<P> {
         })
     }
 
-    /// Registers this rank's part of the model as `plan` places it, each parameter (shard)
-    /// with the values of its whole master `init(name, shape)` (called for every parameter
-    /// first: an error registers nothing), so that the split model computes what the whole
-    /// one does. The blocks are split over the grid's tensor group (1D, 2D, 2.5D or 3D), the
-    /// ends split with them or whole ([`Plan::ends`]); a pipeline stage holds its range of
-    /// blocks, the first stage the embedding and the last `ln_f` and the head over its own
-    /// copy of `wte`, and its layers write gradient shares (a stage runs each once per
-    /// micro-batch). Replicated parameters count their share of the squared gradient norm
-    /// (`1/T` over the tensor group, `1/2` for `wte`'s two copies, `1/d` for a 2.5D grid's
-    /// depth replicas). Fails, before registering anything, on shapes that do not split.
+    /// Registers this rank's part of GPT-2 as `plan` places it
+    /// ([`Gpt::register_variant`] with [`Gpt2`]).
     pub fn register_on(
         store: &mut impl ParamStore,
         plan: &Plan<'_>,
         cfg: &GptConfig,
-        mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
+        init: impl FnMut(&str, &[usize]) -> Result<Init>,
     ) -> Result<Gpt<P>> {
+        Gpt::register_variant(store, plan, Gpt2, cfg, init)
+    }
+}
+
+impl<P: Placement, V: Variant> Gpt<P, V> {
+    /// Registers this rank's part of the model of family `variant` as `plan` places it,
+    /// each parameter (shard) with the values of its whole master `init(name, shape)`
+    /// (called for every parameter of [`Variant::param_shapes`] first: an error registers
+    /// nothing), so that the split model computes what the whole one does. The blocks are
+    /// split over the grid's tensor group (1D, 2D, 2.5D or 3D), the ends split with them or
+    /// whole ([`Plan::ends`]); a pipeline stage holds its range of blocks, the first stage
+    /// the embedding and the last the head (with its own copy of a tied weight), and its
+    /// layers write gradient shares (a stage runs each once per micro-batch). Replicated
+    /// parameters count their share of the squared gradient norm (`1/T` over the tensor
+    /// group, `1/2` for a tied weight's two copies, `1/d` for a 2.5D grid's depth replicas).
+    /// Fails, before registering anything, on shapes that do not split.
+    pub fn register_variant(
+        store: &mut impl ParamStore,
+        plan: &Plan<'_>,
+        variant: V,
+        cfg: &GptConfig,
+        mut init: impl FnMut(&str, &[usize]) -> Result<Init>,
+    ) -> Result<Gpt<P, V>> {
         cfg.validate()?;
         let layout = P::of_grid(plan.grid)?;
         // what the tensors' shapes do not tell (the heads), and the rest of the shape, so
@@ -210,8 +227,8 @@ impl<P: Placement> Gpt<P> {
         ] {
             store.describe_model(key, &value)?;
         }
-        let inits = cfg
-            .param_shapes()
+        let inits = variant
+            .param_shapes(cfg)
             .iter()
             .map(|(n, s)| Ok((n.clone(), init(n, s)?)))
             .collect::<Result<BTreeMap<_, _>>>()?;
@@ -222,54 +239,48 @@ impl<P: Placement> Gpt<P> {
         if split {
             layout.check_ends([cfg.vocab, cfg.max_seq, cfg.channels])?;
         }
-        let (first, last) = (stage == 0, stage + 1 == stages);
         let uses = match stages {
             1 => WeightUse::Once,
             _ => WeightUse::Shared,
         };
-        let ends = EndsInit {
+        let at = EndsAt {
             cfg,
             master: &master,
             uses,
             replicated: 1.0 / plan.tensor_size() as f64,
             copies: if stages > 1 { 2.0 } else { 1.0 },
+            ends: [stage == 0, stage + 1 == stages],
+            split,
         };
         let mut params = Vec::new();
-        // whole ends' wte on an end stage comes first, a split head's own after the blocks
-        let wte = match !split && (first || last) {
-            true => Some(ends.whole_wte(store, &mut params)?),
-            false => None,
-        };
-        let embedding = first
-            .then(|| ends.embedding(store, &layout, wte, &mut params))
-            .transpose()?;
-        let shape = [cfg.channels, cfg.heads];
+        let mut ends = variant.register_first(store, &at, layout.clone(), &mut params)?;
         let blocks = layers
             .clone()
             .map(|i| {
                 let name = format!("h.{i}");
-                let b = Block::register(store, layout.clone(), &name, shape, cfg.eps, &master)?;
-                params.extend(b.named_params(&name));
+                let b = variant.register_block(
+                    store,
+                    layout.clone(),
+                    &name,
+                    cfg,
+                    &master,
+                    &mut params,
+                )?;
                 Ok(match uses {
                     WeightUse::Once => b,
                     WeightUse::Shared => b.shared(),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let head = last
-            .then(|| ends.head(store, &layout, (embedding.as_ref(), wte), &mut params))
-            .transpose()?;
+        variant.register_last(&mut ends, store, &at, &mut params)?;
         Ok(Gpt {
+            variant,
             config: cfg.clone(),
             stage,
             stages,
             layers,
             blocks,
-            ends: Ends {
-                layout,
-                embedding,
-                head,
-            },
+            ends,
             params,
         })
     }
@@ -298,7 +309,9 @@ impl<P: Layout> Gpt<P> {
             m.master(id)
         })
     }
+}
 
+impl<P: Layout, V: Variant> Gpt<P, V> {
     /// Whether this rank holds the whole model (no pipeline, no tensor split).
     pub(super) fn whole(&self) -> bool {
         self.stages == 1 && P::WHOLE

@@ -2,20 +2,20 @@
 //! or without activation checkpointing), the evaluation loss and the logits.
 
 use super::blocks::{self, BlockKept, Keep, Shape};
-use super::ends::{EmbKept, Embed, Head, HeadKept};
 use super::model::{Gpt, GptBatch};
 use super::plan::Plan;
+use super::variant::{ModelEnds, Variant};
 use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
-use crate::nn::{HeadsCore, Layout, Loss};
+use crate::nn::{BlockOn, HeadsCore, Loss};
 use crate::parallel::{Placement, RingAttention, RingCore};
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
 
 /// What the forward keeps for the backward.
-struct Saved<P: Layout> {
-    emb: EmbKept<P>,
-    blocks: Vec<BlockKept<P>>,
-    head: HeadKept<P>,
+struct Saved<P: Placement, V: Variant> {
+    emb: <V::Ends<P> as ModelEnds<P>>::EmbedSaved,
+    blocks: Vec<BlockKept<<V::Block<P> as BlockOn<P>>::Saved>>,
+    head: <V::Ends<P> as ModelEnds<P>>::HeadSaved,
 }
 
 /// The groups one iteration runs over, with the sequence ring's attention for its batch.
@@ -24,14 +24,14 @@ struct Run<'p, 'a> {
     ring: Option<RingCore<'a>>,
 }
 
-impl<P: Placement> Gpt<P> {
+impl<P: Placement, V: Variant> Gpt<P, V> {
     /// The sequences and heads a rank's attention runs over, for micro-batch `b`: its tile's
     /// sequences, and its heads.
     fn attention_shape(&self, b: &GptBatch<'_>) -> Result<[usize; 2]> {
         let [rows, _] = self.tile_shape(b)?;
         Ok([
             rows / b.seq.max(1),
-            self.ends.layout.heads(self.config.heads),
+            self.ends.layout().heads(self.config.heads),
         ])
     }
 
@@ -39,7 +39,7 @@ impl<P: Placement> Gpt<P> {
     /// `[batch·seq, C]`, or the rank's tile.
     pub(super) fn tile_shape(&self, b: &GptBatch<'_>) -> Result<[usize; 2]> {
         self.ends
-            .layout
+            .layout()
             .tile_shape([b.batch * b.seq, self.config.channels])
     }
 
@@ -74,12 +74,14 @@ impl<P: Placement> Gpt<P> {
     pub(super) fn check_plan(&self, plan: &Plan<'_>) -> Result<()> {
         let (stage, stages) = plan.stage();
         let placed = P::of_grid(plan.grid)?;
-        if (stage, stages) != (self.stage, self.stages) || placed != self.ends.layout {
+        if (stage, stages) != (self.stage, self.stages) || placed != *self.ends.layout() {
             return Err(Error::WrongPlace {
                 what: "a GPT",
                 registered: format!(
                     "as stage {} of {} at {:?}",
-                    self.stage, self.stages, self.ends.layout
+                    self.stage,
+                    self.stages,
+                    self.ends.layout()
                 ),
                 run: format!("as stage {stage} of {stages} at {placed:?}"),
             });
@@ -195,28 +197,23 @@ impl<P: Placement> Gpt<P> {
             seq,
         };
         b.check(&self.config)?;
-        let split = || Error::Conflict {
-            what: "the logits".into(),
-            with: "a split model: a rank holds a part".into(),
-        };
-        let (Some(Embed::Whole(embedding)), Some(Head::Whole { ln_f, head }), true) =
-            (&self.ends.embedding, &self.ends.head, self.whole())
-        else {
-            return Err(split());
-        };
+        if !self.whole() {
+            return Err(Error::Conflict {
+                what: "the logits".into(),
+                with: "a split model: a rank holds a part".into(),
+            });
+        }
         let plan = Plan::default();
         let run = Run {
             plan: &plan,
             ring: None,
         };
         let fwd = store.forward()?;
-        let (x, _) = embedding.forward(&fwd, tokens, batch, seq)?;
+        let (x, _) = self.ends.embed(&fwd, tokens, [batch, seq, 0])?;
         let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(&b), Keep::Nothing)?;
-        let (h, _) = ln_f.forward(&fwd, &x, None)?;
-        drop(x);
-        let logits = head.proj.forward(&fwd, &h)?;
+        let logits = self.ends.logits(&fwd, x)?;
         let out = logits.to_f32(fwd.stream())?;
-        drop((h, logits));
+        drop(logits);
         fwd.finish()?;
         store.backward()?.finish()?;
         store.skip_step()?;
@@ -229,7 +226,7 @@ impl<P: Placement> Gpt<P> {
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
         loss_scale: f32,
-    ) -> Result<(Loss, Saved<P>)> {
+    ) -> Result<(Loss, Saved<P, V>)> {
         let first = run.plan.sequence_rank() * b.seq;
         let (x, emb) = self.ends.embed(fwd, b.tokens, [b.batch, b.seq, first])?;
         let keep = match run.plan.checkpoint {
@@ -246,7 +243,7 @@ impl<P: Placement> Gpt<P> {
         bwd: &mut BackwardPass<'_>,
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
-        saved: Saved<P>,
+        saved: Saved<P, V>,
     ) -> Result<()> {
         let Saved { emb, blocks, head } = saved;
         let dx = self.ends.head_backward(bwd, head, None)?;

@@ -1,6 +1,6 @@
 //! One optimizer step of a GPT over any store: micro-batches, loss scaling, the step.
 
-use super::{Gpt, GptBatch, Plan, TrainStep};
+use super::{Gpt, GptBatch, Plan, TrainStep, Variant};
 use crate::comm::{reduce_grad_stats, Communicator};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
@@ -35,8 +35,8 @@ use crate::store::ParamStore;
 /// over [`replicas`](crate::parallel::ProcessGrid::replicas)).
 ///
 /// Fails before anything runs if the micro-batches do not match the optimizer or the plan.
-pub fn train_step<P: Placement, S: ParamStore + ?Sized>(
-    gpt: &Gpt<P>,
+pub fn train_step<P: Placement, V: Variant, S: ParamStore + ?Sized>(
+    gpt: &Gpt<P, V>,
     store: &mut S,
     plan: &Plan<'_>,
     adam: &mut HybridAdam,

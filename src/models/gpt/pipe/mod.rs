@@ -16,12 +16,13 @@ mod train;
 
 pub use self::stream::train_two_bw_stream;
 pub(super) use self::train::pipeline_step;
-use super::Gpt;
+use super::{Gpt, ModelEnds, Variant};
 use crate::nn::Layout;
+use crate::tensor::TensorId;
 
-impl<P: Layout> Gpt<P> {
-    /// Whether this stage holds one of `wte`'s two copies.
-    fn ties(&self) -> bool {
-        self.stages > 1 && (self.ends.embedding.is_some() || self.ends.head.is_some())
+impl<P: Layout, V: Variant> Gpt<P, V> {
+    /// This stage's copy of a weight both ends use (GPT-2's `wte`), in a pipeline.
+    fn tie(&self) -> Option<TensorId> {
+        (self.stages > 1).then(|| self.ends.tied()).flatten()
     }
 }

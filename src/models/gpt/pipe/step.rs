@@ -7,9 +7,8 @@ use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::models::gpt::blocks::{self, BlockKept, Keep, Shape};
-use crate::models::gpt::ends::{EmbKept, HeadKept};
-use crate::models::gpt::{Gpt, GptBatch, Plan};
-use crate::nn::{Act, Block, HeadsCore};
+use crate::models::gpt::{Gpt, GptBatch, ModelEnds, Plan, Variant};
+use crate::nn::{Act, BlockOn, HeadsCore};
 use crate::ops::{add, add_in_place, cast, Axpby};
 use crate::parallel::pipeline::StageModel;
 use crate::parallel::{Placement, RingCore};
@@ -17,15 +16,15 @@ use crate::store::{BackwardPass, ForwardPass};
 use crate::tensor::TensorId;
 
 /// What one micro-batch's forward keeps on a stage.
-pub(super) struct StageSaved<P: Placement> {
-    emb: Option<EmbKept<P>>,
-    blocks: Vec<BlockKept<P>>,
-    head: Option<HeadKept<P>>,
+pub(super) struct StageSaved<P: Placement, V: Variant> {
+    emb: Option<<V::Ends<P> as ModelEnds<P>>::EmbedSaved>,
+    blocks: Vec<BlockKept<<V::Block<P> as BlockOn<P>>::Saved>>,
+    head: Option<<V::Ends<P> as ModelEnds<P>>::HeadSaved>,
 }
 
 /// One step of a stage: its micro-batches and groups.
-pub(super) struct StageStep<'a, P: Placement> {
-    pub(super) gpt: &'a Gpt<P>,
+pub(super) struct StageStep<'a, P: Placement, V: Variant> {
+    pub(super) gpt: &'a Gpt<P, V>,
     pub(super) micro: &'a [GptBatch<'a>],
     pub(super) plan: &'a Plan<'a>,
     pub(super) ring: Option<RingCore<'a>>,
@@ -41,7 +40,7 @@ const ONE: Axpby = Axpby {
     beta: 1.0,
 };
 
-impl<P: Placement> StageStep<'_, P> {
+impl<P: Placement, V: Variant> StageStep<'_, P, V> {
     fn first_position(&self, b: &GptBatch<'_>) -> usize {
         self.ring.as_ref().map_or(0, |r| r.attn.rank * b.seq)
     }
@@ -83,12 +82,12 @@ impl<P: Placement> StageStep<'_, P> {
     }
 }
 
-impl<P: Placement> StageModel for StageStep<'_, P> {
-    type Saved = StageSaved<P>;
+impl<P: Placement, V: Variant> StageModel for StageStep<'_, P, V> {
+    type Saved = StageSaved<P, V>;
 
     fn params(&self) -> Vec<TensorId> {
         let (mut v, last) = self.gpt.ends.params();
-        v.extend(self.gpt.blocks.iter().flat_map(Block::params));
+        v.extend(self.gpt.blocks.iter().flat_map(BlockOn::params));
         v.extend(last);
         v
     }
@@ -110,17 +109,17 @@ impl<P: Placement> StageModel for StageStep<'_, P> {
         pass: &ForwardPass<'_>,
         micro: usize,
         input: Option<&Act>,
-    ) -> Result<(Act, StageSaved<P>)> {
+    ) -> Result<(Act, StageSaved<P, V>)> {
         let g = self.gpt;
         let b = &self.micro[micro];
-        let (x, emb) = match (&g.ends.embedding, input) {
-            (Some(_), _) => {
+        let (x, emb) = match (g.ends.has_embedding(), input) {
+            (true, _) => {
                 let first = self.first_position(b);
                 let (x, s) = g.ends.embed(pass, b.tokens, [b.batch, b.seq, first])?;
                 (x, Some(s))
             }
-            (None, Some(x)) => (x.clone(), None),
-            (None, None) => {
+            (false, Some(x)) => (x.clone(), None),
+            (false, None) => {
                 return Err(Error::Internal {
                     what: format!(
                         "stage {}: micro-batch {micro}'s forward ran without an input (a stage \
@@ -131,7 +130,7 @@ impl<P: Placement> StageModel for StageStep<'_, P> {
             }
         };
         let (x, blocks) = blocks::forward(&g.blocks, pass, x, self.shape(b), Keep::Saved)?;
-        if g.ends.head.is_none() {
+        if !g.ends.has_head() {
             let saved = StageSaved {
                 emb,
                 blocks,
@@ -154,15 +153,15 @@ impl<P: Placement> StageModel for StageStep<'_, P> {
         &self,
         pass: &BackwardPass<'_>,
         micro: usize,
-        saved: StageSaved<P>,
+        saved: StageSaved<P, V>,
         dout: Option<&Act>,
     ) -> Result<Option<Act>> {
         let g = self.gpt;
         let StageSaved { emb, blocks, head } = saved;
         let keep = |p: &BackwardPass<'_>, share: &PoolBlock| self.keep(p, share);
         let tie = g
-            .ties()
-            .then_some(&keep as &dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>);
+            .tie()
+            .map(|_| &keep as &dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>);
         let dx = match (head, dout) {
             (Some(kept), _) => g.ends.head_backward(pass, kept, tie)?,
             (None, Some(d)) => d.clone(),
@@ -187,14 +186,11 @@ impl<P: Placement> StageModel for StageStep<'_, P> {
     }
 
     fn finish_params(&self) -> Vec<TensorId> {
-        match (self.gpt.ties(), self.gpt.ends.wte()) {
-            (true, Some(w)) => vec![w],
-            _ => Vec::new(),
-        }
+        self.gpt.tie().into_iter().collect()
     }
 
     fn finish_backward(&self, pass: &BackwardPass<'_>) -> Result<()> {
-        let (true, Some(wte)) = (self.gpt.ties(), self.gpt.ends.wte()) else {
+        let Some(wte) = self.gpt.tie() else {
             return Ok(());
         };
         let none = || Error::Internal {
@@ -217,7 +213,7 @@ impl<P: Placement> StageModel for StageStep<'_, P> {
     }
 }
 
-impl<P: Placement> StageStep<'_, P> {
+impl<P: Placement, V: Variant> StageStep<'_, P, V> {
     /// The sum of this end's f32 sum of `wte`'s shares (`n` elements) and the other end's
     /// (swapped over the pipeline group with the same tensor rank of the other end stage), the
     /// first stage's first on both so that the two copies stay bit for bit the same.

@@ -6,7 +6,7 @@ use super::step::StageStep;
 use super::train::{check_step, finish_step, ring_of, step_reduced};
 use crate::error::{Error, Result};
 use crate::models::gpt::TrainStep;
-use crate::models::gpt::{Gpt, GptBatch, Plan};
+use crate::models::gpt::{Gpt, GptBatch, Plan, Variant};
 use crate::optim::HybridAdam;
 use crate::parallel::pipeline::{PipelineStage, Schedule};
 use crate::parallel::Placement;
@@ -32,8 +32,8 @@ use crate::store::ParamStore;
 /// its ops).
 ///
 /// [`train_step`]: crate::models::gpt::train_step
-pub fn train_two_bw_stream<P: Placement, S: ParamStore + ?Sized>(
-    versions: [&Gpt<P>; 2],
+pub fn train_two_bw_stream<P: Placement, V: Variant, S: ParamStore + ?Sized>(
+    versions: [&Gpt<P, V>; 2],
     store: &mut S,
     plan: &Plan<'_>,
     adam: &mut HybridAdam,
@@ -89,7 +89,7 @@ pub fn train_two_bw_stream<P: Placement, S: ParamStore + ?Sized>(
         b.check(&gpt.config)?;
     }
     let scale = adam.loss_scale() / every as f32;
-    let steps = versions.map(|v| -> Result<StageStep<'_, P>> {
+    let steps = versions.map(|v| -> Result<StageStep<'_, P, V>> {
         Ok(StageStep {
             gpt: v,
             micro: &micro,

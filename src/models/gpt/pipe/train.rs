@@ -8,7 +8,7 @@ use super::step::StageStep;
 use crate::comm::{reduce_grad_stats, Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::gpt::TrainStep;
-use crate::models::gpt::{Gpt, GptBatch, Plan};
+use crate::models::gpt::{Gpt, GptBatch, Plan, Variant};
 use crate::optim::{HybridAdam, StepOutcome, StepReport};
 use crate::parallel::pipeline::{PipelineStage, Schedule, StageReport};
 use crate::parallel::Placement;
@@ -19,8 +19,8 @@ use crate::store::ParamStore;
 /// stage's ops in the plan's schedule within one store iteration, then the store's step with
 /// the gradient statistics all-reduced over the pipeline and tensor groups. Returns the mean
 /// of the micro-batches' losses on every stage, and the stage's report.
-pub(in crate::models::gpt) fn pipeline_step<P: Placement, S: ParamStore + ?Sized>(
-    gpt: &Gpt<P>,
+pub(in crate::models::gpt) fn pipeline_step<P: Placement, V: Variant, S: ParamStore + ?Sized>(
+    gpt: &Gpt<P, V>,
     store: &mut S,
     plan: &Plan<'_>,
     adam: &mut HybridAdam,
@@ -83,8 +83,8 @@ pub(in crate::models::gpt) fn pipeline_step<P: Placement, S: ParamStore + ?Sized
 
 /// Checks that the optimizer steps at every call, that the stage runs as its pipeline
 /// group's rank and that no block is checkpointed; returns the pipeline.
-pub(super) fn check_step<'a, P: Placement>(
-    gpt: &Gpt<P>,
+pub(super) fn check_step<'a, P: Placement, V: Variant>(
+    gpt: &Gpt<P, V>,
     plan: &Plan<'a>,
     adam: &HybridAdam,
     n: usize,
@@ -131,8 +131,8 @@ pub(super) fn check_step<'a, P: Placement>(
 }
 
 /// The ring attention of a stage whose positions are split over a sequence group.
-pub(super) fn ring_of<'a, P: Placement>(
-    gpt: &Gpt<P>,
+pub(super) fn ring_of<'a, P: Placement, V: Variant>(
+    gpt: &Gpt<P, V>,
     plan: &Plan<'a>,
     micro: &[GptBatch<'_>],
 ) -> Result<Option<crate::parallel::RingCore<'a>>> {

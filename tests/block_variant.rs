@@ -8,13 +8,20 @@
 //! stages' order and the activations between them.
 
 use tidemem::comm::Communicator;
-use tidemem::nn::{Act, Layout, LinearOn, NormOn, Pair, Serial, WeightUse};
+use tidemem::models::gpt::{
+    train_step, EndsAt, EndsLayout, Gpt, GptBatch, GptConfig, ModelEnds, Plan, Tie, Variant,
+    IGNORE_INDEX,
+};
+use tidemem::nn::{
+    Act, BlockOn, Embedding, EmbeddingSaved, HeadsCore, Layout, Linear, LinearOn, LmHead,
+    LmHeadSaved, Loss, NormOn, Pair, Serial, WeightUse,
+};
 use tidemem::parallel::pipeline::{PipelineStage, Schedule, StageModel};
 use tidemem::parallel::{
-    gather_batch_2d, split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode,
+    gather_batch_2d, split_batch_2d, GridSpec, Placement, ProcessGrid, Summa, TensorMode,
 };
 use tidemem::prelude::*;
-use tidemem::store::{BackwardPass, ForwardPass};
+use tidemem::store::{BackwardPass, ForwardPass, ParamStore};
 
 const ROWS: usize = 12;
 const C: usize = 8;
@@ -22,12 +29,13 @@ const HIDDEN: usize = 16;
 const EPS: f32 = 1e-5;
 
 /// The variant: a LayerNorm, then a column and a row linear around a ReLU, and the residual.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 struct ReluBlock<L: Layout> {
     layout: L,
     ln: L::Norm,
     fc: L::Linear,
     proj: L::Linear,
+    uses: WeightUse,
 }
 
 struct Saved<L: Layout> {
@@ -51,13 +59,19 @@ fn master(name: &str) -> Init {
 }
 
 impl<L: Layout> ReluBlock<L> {
-    /// The block's parameters, named `{prefix}ln`, `{prefix}fc` and `{prefix}proj`.
-    fn register(m: &mut ChunkManager, layout: L, prefix: &str) -> tidemem::Result<ReluBlock<L>> {
+    /// The block's parameters, named `{prefix}ln`, `{prefix}fc` and `{prefix}proj`, each
+    /// with the values of its whole master `init(name)`.
+    fn register<S: ParamStore>(
+        m: &mut S,
+        layout: L,
+        prefix: &str,
+        init: &dyn Fn(&str) -> Init,
+    ) -> tidemem::Result<ReluBlock<L>> {
         let name = |p: &str| format!("{prefix}{p}");
         let two = |p: &str| {
             [
-                master(&format!("{}.weight", name(p))),
-                master(&format!("{}.bias", name(p))),
+                init(&format!("{}.weight", name(p))),
+                init(&format!("{}.bias", name(p))),
             ]
         };
         let [g, b] = two("ln");
@@ -72,7 +86,19 @@ impl<L: Layout> ReluBlock<L> {
             ln,
             fc,
             proj,
+            uses: WeightUse::Once,
         })
+    }
+}
+
+impl<L: Layout> BlockOn<L> for ReluBlock<L> {
+    type Saved = Saved<L>;
+
+    fn shared(self) -> ReluBlock<L> {
+        ReluBlock {
+            uses: WeightUse::Shared,
+            ..self
+        }
     }
 
     fn params(&self) -> Vec<TensorId> {
@@ -82,7 +108,13 @@ impl<L: Layout> ReluBlock<L> {
         v
     }
 
-    fn forward(&self, pass: &ForwardPass<'_>, x: &Act) -> tidemem::Result<(Act, Saved<L>)> {
+    fn forward(
+        &self,
+        pass: &ForwardPass<'_>,
+        x: &Act,
+        _batch_seq: [usize; 2],
+        _core: Option<&dyn HeadsCore>,
+    ) -> tidemem::Result<(Act, Saved<L>)> {
         let l = &self.layout;
         let (y, ln) = self.ln.forward_on(l, pass, x, None)?;
         let (pre, fc) = self.fc.forward_on(l, pass, &y)?;
@@ -110,8 +142,9 @@ impl<L: Layout> ReluBlock<L> {
         pass: &BackwardPass<'_>,
         saved: &Saved<L>,
         dout: &Act,
+        _core: Option<&dyn HeadsCore>,
     ) -> tidemem::Result<Act> {
-        let (l, once) = (&self.layout, WeightUse::Once);
+        let (l, once) = (&self.layout, self.uses);
         let (dev, s) = (pass.device(), pass.stream());
         let dres = Act::alloc(pass.pool(), dout.rows(), dout.cols(), dout.dtype())?;
         dev.copy_d2d(s, dout.input(), dres.view())?;
@@ -148,13 +181,15 @@ fn run<L: Layout>(
 ) -> tidemem::Result<Out> {
     let fwd = m.forward()?;
     let xa = Act::upload(fwd.pool(), fwd.stream(), rows, cols, DType::F32, x)?;
-    let (y, saved) = blk.forward(&fwd, &xa)?;
+    let (y, saved) = blk.forward(&fwd, &xa, [rows, 1], None)?;
     let y = y.to_f32(fwd.stream())?;
     drop(xa);
     fwd.finish()?;
     let bwd = m.backward()?;
     let da = Act::upload(bwd.pool(), bwd.stream(), rows, cols, DType::F32, dout)?;
-    let dx = blk.backward(&bwd, &saved, &da)?.to_f32(bwd.stream())?;
+    let dx = blk
+        .backward(&bwd, &saved, &da, None)?
+        .to_f32(bwd.stream())?;
     drop((saved, da));
     bwd.finish()?;
     let grads = blk
@@ -274,7 +309,7 @@ fn reference(x: &[f64], dout: &[f64]) -> (Vec<f64>, Vec<f64>, Vec<Vec<f64>>) {
 fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
     let (x, dout) = (data(ROWS * C, 1), data(ROWS * C, 2));
     let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
-    let serial = ReluBlock::register(&mut m, Serial, "").unwrap();
+    let serial = ReluBlock::register(&mut m, Serial, "", &master).unwrap();
     let (y, dx, grads) = run(&mut m, &serial, [&x, &dout], [ROWS, C]).unwrap();
     let (want_y, want_dx, want_g) = reference(&f64s(&x), &f64s(&dout));
     close("serial out", &y, &want_y);
@@ -304,7 +339,7 @@ fn a_variant_written_once_runs_serial_and_on_a_2d_grid() {
                 s.spawn(move || -> tidemem::Result<Rank> {
                     let grid = ProcessGrid::new(comm, spec)?;
                     let mut m = manager(comm.device().clone());
-                    let blk = ReluBlock::register(&mut m, Summa::of(&grid)?, "")?;
+                    let blk = ReluBlock::register(&mut m, Summa::of(&grid)?, "", &master)?;
                     let xt = split_batch_2d(&grid, x, ROWS, C)?;
                     let dt = split_batch_2d(&grid, dout, ROWS, C)?;
                     let tile = [ROWS / 2, C / 2];
@@ -381,7 +416,7 @@ impl StageModel for Stage {
             Some(a) => a.clone(),
             None => Act::upload(pass.pool(), pass.stream(), ROWS, C, DType::F32, &self.x)?,
         };
-        let (y, saved) = self.blk.forward(pass, &x)?;
+        let (y, saved) = self.blk.forward(pass, &x, [ROWS, 1], None)?;
         if !self.last {
             return Ok((y, (saved, None)));
         }
@@ -403,7 +438,7 @@ impl StageModel for Stage {
             (None, Some(d)) => d.clone(),
             (None, None) => unreachable!("a stage before the last is given its output's gradient"),
         };
-        let dx = self.blk.backward(pass, &saved, &dy)?;
+        let dx = self.blk.backward(pass, &saved, &dy, None)?;
         Ok((!self.first).then_some(dx))
     }
 }
@@ -422,7 +457,7 @@ fn the_variant_runs_as_two_pipeline_stages() {
     let names = ["b0.", "b1."];
     // both blocks in one store
     let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
-    let blocks = names.map(|p| ReluBlock::register(&mut m, Serial, p).unwrap());
+    let blocks = names.map(|p| ReluBlock::register(&mut m, Serial, p, &master).unwrap());
     let stages = [0, 1].map(|s| Stage {
         blk: blocks[s].clone(),
         first: s == 0,
@@ -462,7 +497,7 @@ fn the_variant_runs_as_two_pipeline_stages() {
                     let grid = ProcessGrid::new(comm, spec)?;
                     let st = grid.pipeline_rank();
                     let mut m = manager(comm.device().clone());
-                    let blk = ReluBlock::register(&mut m, Serial, names[st])?;
+                    let blk = ReluBlock::register(&mut m, Serial, names[st], &master)?;
                     let stage = Stage {
                         blk,
                         first: st == 0,
@@ -484,6 +519,349 @@ fn the_variant_runs_as_two_pipeline_stages() {
         for (k, (g, w)) in grads.iter().zip(&want[st]).enumerate() {
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(g), bits(w), "stage {st}, gradient {k}");
+        }
+    }
+}
+
+/// A family of the variant's blocks: GPT-2's token and position embedding, then
+/// [`ReluBlock`]s, then a head of its own (no final norm, a weight not tied to `wte`), the
+/// ends whole on every rank. Nothing in the crate knows of it either.
+#[derive(Clone, Debug, PartialEq)]
+struct ReluNet;
+
+/// [`ReluNet`]'s ends, or the one a pipeline stage holds.
+#[derive(Clone, Debug, PartialEq)]
+struct NetEnds<L: Layout> {
+    layout: L,
+    embedding: Option<Embedding>,
+    head: Option<LmHead>,
+}
+
+/// The block's parameters under its name, in registration order.
+const BLOCK_PARAMS: [&str; 6] = [
+    "ln.weight",
+    "ln.bias",
+    "fc.weight",
+    "fc.bias",
+    "proj.weight",
+    "proj.bias",
+];
+
+/// Registers `name` whole on every rank (its norm share `1/T`), named in `params`.
+fn whole<S: ParamStore>(
+    store: &mut S,
+    at: &EndsAt<'_>,
+    params: &mut Vec<(String, TensorId)>,
+    name: &str,
+    shape: &[usize],
+) -> tidemem::Result<TensorId> {
+    let id = store.register(name, shape, (at.master)(name))?;
+    store.set_norm_share(id, at.replicated)?;
+    params.push((name.into(), id));
+    Ok(id)
+}
+
+impl Variant for ReluNet {
+    type Block<L: Layout> = ReluBlock<L>;
+    type Ends<L: Layout> = NetEnds<L>;
+
+    fn param_shapes(&self, cfg: &GptConfig) -> Vec<(String, Vec<usize>)> {
+        let (c, v) = (cfg.channels, cfg.vocab);
+        let mut p = vec![
+            ("wte.weight".to_string(), vec![v, c]),
+            ("wpe.weight".to_string(), vec![cfg.max_seq, c]),
+        ];
+        let shapes = [
+            vec![c],
+            vec![c],
+            vec![HIDDEN, c],
+            vec![HIDDEN],
+            vec![c, HIDDEN],
+            vec![c],
+        ];
+        for i in 0..cfg.layers {
+            for (n, s) in BLOCK_PARAMS.iter().zip(&shapes) {
+                p.push((format!("h.{i}.{n}"), s.clone()));
+            }
+        }
+        p.push(("lm_head.weight".to_string(), vec![v, c]));
+        p
+    }
+
+    fn register_block<L: Layout, S: ParamStore>(
+        &self,
+        store: &mut S,
+        layout: L,
+        name: &str,
+        _cfg: &GptConfig,
+        init: &dyn Fn(&str) -> Init,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> tidemem::Result<ReluBlock<L>> {
+        let b = ReluBlock::register(store, layout, &format!("{name}."), init)?;
+        let names = BLOCK_PARAMS.iter().map(|n| format!("{name}.{n}"));
+        params.extend(names.zip(b.params()));
+        Ok(b)
+    }
+
+    fn register_first<L: Layout, S: ParamStore>(
+        &self,
+        store: &mut S,
+        at: &EndsAt<'_>,
+        layout: L,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> tidemem::Result<NetEnds<L>> {
+        let cfg = at.cfg;
+        let embedding = match at.ends[0] {
+            true => Some(Embedding {
+                wte: whole(store, at, params, "wte.weight", &[cfg.vocab, cfg.channels])?,
+                wpe: whole(
+                    store,
+                    at,
+                    params,
+                    "wpe.weight",
+                    &[cfg.max_seq, cfg.channels],
+                )?,
+                vocab: cfg.vocab,
+                max_seq: cfg.max_seq,
+                channels: cfg.channels,
+            }),
+            false => None,
+        };
+        Ok(NetEnds {
+            layout,
+            embedding,
+            head: None,
+        })
+    }
+
+    fn register_last<L: Layout, S: ParamStore>(
+        &self,
+        ends: &mut NetEnds<L>,
+        store: &mut S,
+        at: &EndsAt<'_>,
+        params: &mut Vec<(String, TensorId)>,
+    ) -> tidemem::Result<()> {
+        if at.ends[1] {
+            let shape = [at.cfg.vocab, at.cfg.channels];
+            let w = whole(store, at, params, "lm_head.weight", &shape)?;
+            let proj = Linear::from_ids(&*store, w, None, at.uses)?;
+            ends.head = Some(LmHead {
+                proj,
+                ignore_index: IGNORE_INDEX,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A stage without the end it is asked to run.
+fn absent() -> tidemem::Error {
+    tidemem::Error::Empty {
+        what: "this stage's end".into(),
+    }
+}
+
+impl<L: Layout> ModelEnds<L> for NetEnds<L> {
+    type EmbedSaved = EmbeddingSaved;
+    type HeadSaved = LmHeadSaved;
+
+    fn layout(&self) -> &L {
+        &self.layout
+    }
+
+    fn has_embedding(&self) -> bool {
+        self.embedding.is_some()
+    }
+
+    fn has_head(&self) -> bool {
+        self.head.is_some()
+    }
+
+    fn split(&self) -> bool {
+        false
+    }
+
+    fn params(&self) -> (Vec<TensorId>, Vec<TensorId>) {
+        let first = self.embedding.iter().flat_map(Embedding::params).collect();
+        let last = self.head.iter().map(|h| h.proj.weight).collect();
+        (first, last)
+    }
+
+    fn tied(&self) -> Option<TensorId> {
+        None
+    }
+
+    fn embed(
+        &self,
+        fwd: &ForwardPass<'_>,
+        tokens: &[i32],
+        [batch, seq, first]: [usize; 3],
+    ) -> tidemem::Result<(Act, EmbeddingSaved)> {
+        let e = self.embedding.as_ref().ok_or_else(absent)?;
+        let (x, saved) = e.forward_at(fwd, tokens, batch, seq, first)?;
+        Ok((self.layout.to_tile(fwd, x)?, saved))
+    }
+
+    fn embed_backward(
+        &self,
+        bwd: &BackwardPass<'_>,
+        saved: EmbeddingSaved,
+        dx: Act,
+        _tie: Tie<'_>,
+    ) -> tidemem::Result<()> {
+        let e = self.embedding.as_ref().ok_or_else(absent)?;
+        e.backward(bwd, &saved, &self.layout.to_full(bwd, dx)?)
+    }
+
+    fn head_forward(
+        &self,
+        fwd: &ForwardPass<'_>,
+        x: Act,
+        targets: &[i32],
+        scale: f32,
+    ) -> tidemem::Result<(Loss, LmHeadSaved)> {
+        let h = self.head.as_ref().ok_or_else(absent)?;
+        h.forward_scaled(fwd, &self.layout.to_full(fwd, x)?, targets, scale)
+    }
+
+    fn head_backward(
+        &self,
+        bwd: &BackwardPass<'_>,
+        saved: LmHeadSaved,
+        _tie: Tie<'_>,
+    ) -> tidemem::Result<Act> {
+        let h = self.head.as_ref().ok_or_else(absent)?;
+        let dh = h.backward(bwd, &saved)?;
+        drop(saved);
+        self.layout.to_tile(bwd, dh)
+    }
+
+    fn logits(&self, fwd: &ForwardPass<'_>, x: Act) -> tidemem::Result<Act> {
+        let h = self.head.as_ref().ok_or_else(absent)?;
+        h.proj.forward(fwd, &self.layout.to_full(fwd, x)?)
+    }
+}
+
+const NET: GptConfig = GptConfig {
+    layers: 2,
+    channels: C,
+    heads: 2,
+    vocab: 16,
+    max_seq: 4,
+    eps: EPS,
+};
+/// Sequences a step.
+const SEQS: usize = 4;
+const STEPS: u64 = 3;
+
+/// Step `k`'s tokens and targets, `SEQS` sequences of `NET.max_seq`.
+fn tokens(k: u64) -> (Vec<i32>, Vec<i32>) {
+    let (v, t) = (NET.vocab as u64, NET.max_seq);
+    let tok = |r: usize, p: usize| ((k * 5 + r as u64 * 3 + p as u64 * 7) % v) as i32;
+    let all = |shift: usize| {
+        (0..SEQS)
+            .flat_map(|r| (0..t).map(move |p| tok(r, p + shift)))
+            .collect()
+    };
+    (all(0), all(1))
+}
+
+/// `STEPS` steps of the family on `plan`, `micro` micro-batches a step: the losses and the
+/// gradient norms (clipped at every step, so the norm must be the global one).
+fn train_net<P: Placement>(m: &mut ChunkManager, plan: &Plan<'_>, micro: usize) -> Vec<[f64; 2]> {
+    let net: Gpt<P, ReluNet> =
+        Gpt::register_variant(m, plan, ReluNet, &NET, |n, _| Ok(master(n))).unwrap();
+    let mut adam = HybridAdam::new(HybridConfig {
+        max_grad_norm: Some(0.05),
+        placement: tidemem::optim::DevicePlacement::HostOnly,
+        ..HybridConfig::new(AdamConfig::adamw(3e-3, 0.01))
+    })
+    .unwrap();
+    let per = SEQS / micro * NET.max_seq;
+    (0..STEPS)
+        .map(|k| {
+            let (t, g) = tokens(k);
+            let batches: Vec<GptBatch> = (0..micro)
+                .map(|j| GptBatch {
+                    tokens: &t[j * per..(j + 1) * per],
+                    targets: &g[j * per..(j + 1) * per],
+                    batch: SEQS / micro,
+                    seq: NET.max_seq,
+                })
+                .collect();
+            let r = train_step(&net, m, plan, &mut adam, &batches).unwrap();
+            assert!(r.report.clip_coef < 1.0, "step {k} clips");
+            [f64::from(r.loss), r.report.grad_norm]
+        })
+        .collect()
+}
+
+/// Every rank of a grid of `spec` (one thread each) trained as [`train_net`].
+fn train_on_grid<P: Placement>(spec: GridSpec, micro: usize) -> Vec<Vec<[f64; 2]>> {
+    let devices = (0..spec.world())
+        .map(|_| Device::sim(SimConfig::with_capacity(1 << 22)))
+        .collect::<tidemem::Result<Vec<_>>>()
+        .unwrap();
+    let comms = Communicator::local(devices).unwrap();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let grid = ProcessGrid::new(comm, spec).unwrap();
+                    let mut m = manager(comm.device().clone());
+                    let plan = Plan {
+                        ends: EndsLayout::Whole,
+                        ..Plan::on(&grid)
+                    };
+                    train_net::<P>(&mut m, &plan, micro)
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("rank panicked"))
+            .collect()
+    })
+}
+
+/// The family swaps the block and the ends, and runs through the crate's one model and
+/// training step: serially, on a 2×2 SUMMA grid, and as two pipeline stages (1F1B, two
+/// micro-batches a step, no weight tied across the stages); the losses and gradient norms of
+/// every rank within 1e-5 relative of the serial run's.
+#[test]
+fn a_family_of_the_variant_trains_serial_on_a_grid_and_in_a_pipeline() {
+    let mut m = manager(Device::sim(SimConfig::with_capacity(1 << 22)).unwrap());
+    let serial = train_net::<Serial>(&mut m, &Plan::default(), 1);
+    assert!(serial[2][0] < serial[0][0], "the loss falls: {serial:?}");
+    let grid = GridSpec {
+        data: 1,
+        pipeline: 1,
+        sequence: 1,
+        tensor: TensorMode::TwoD { q: 2 },
+    };
+    let pipe = GridSpec {
+        pipeline: 2,
+        tensor: TensorMode::None,
+        ..grid
+    };
+    let runs = [
+        ("2×2 grid", train_on_grid::<Summa>(grid, 1)),
+        ("two stages", train_on_grid::<Serial>(pipe, 2)),
+    ];
+    for (what, ranks) in runs {
+        for (r, steps) in ranks.iter().enumerate() {
+            for (k, (got, want)) in steps.iter().zip(&serial).enumerate() {
+                for (i, name) in ["loss", "gradient norm"].iter().enumerate() {
+                    let e = (got[i] - want[i]).abs() / want[i];
+                    assert!(
+                        e < 1e-5,
+                        "{what}, rank {r}, step {k}: {name} {} vs {}",
+                        got[i],
+                        want[i]
+                    );
+                }
+            }
         }
     }
 }

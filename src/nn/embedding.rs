@@ -132,7 +132,7 @@ impl Embedding {
     /// [`Embedding::forward`] of tokens at positions `first .. first + seq` of their
     /// sequences (a sequence-parallel rank's block): row `b·seq + t` gets `wpe[first + t]`.
     /// `first + seq` must not pass `max_seq`.
-    pub(crate) fn forward_at(
+    pub fn forward_at(
         &self,
         pass: &ForwardPass<'_>,
         tokens: &[i32],

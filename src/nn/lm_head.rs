@@ -96,26 +96,15 @@ impl LmHead {
         h: &Act,
         targets: &[i32],
     ) -> Result<(f32, LmHeadSaved)> {
-        self.forward_scaled(pass, h, targets, 1.0)
-    }
-
-    /// [`LmHead::forward`] with the gradient kept for the backward scaled by `scale` (a loss
-    /// scale for f16 training, or `1 / micro-batches`); the loss returned is not scaled. The
-    /// scale must be positive and finite.
-    pub fn forward_scaled(
-        &self,
-        pass: &ForwardPass<'_>,
-        h: &Act,
-        targets: &[i32],
-        scale: f32,
-    ) -> Result<(f32, LmHeadSaved)> {
-        let (loss, saved) = self.forward_deferred(pass, h, targets, scale)?;
+        let (loss, saved) = self.forward_scaled(pass, h, targets, 1.0)?;
         Ok((loss.read()?, saved))
     }
 
-    /// [`LmHead::forward_scaled`] with the loss left on its way to the host ([`Loss`]): the
-    /// host does not wait for it here.
-    pub(crate) fn forward_deferred(
+    /// [`LmHead::forward`] with the gradient kept for the backward scaled by `scale` (a loss
+    /// scale for f16 training, or `1 / micro-batches`), and the loss (not scaled) left on its
+    /// way to the host ([`Loss`]): the host does not wait for it here. The scale must be
+    /// positive and finite.
+    pub fn forward_scaled(
         &self,
         pass: &ForwardPass<'_>,
         h: &Act,

@@ -308,7 +308,7 @@ impl<L: Layout> ModelEnds<L> for Ends<L> {
                 let full = self.layout.to_full(fwd, x)?;
                 let (h, ln) = ln_f.forward(fwd, &full, None)?;
                 drop(full);
-                let (loss, hs) = head.forward_deferred(fwd, &h, targets, scale)?;
+                let (loss, hs) = head.forward_scaled(fwd, &h, targets, scale)?;
                 Ok((loss, HeadKept::Whole(ln, hs)))
             }
             Some(Head::Split(h)) => {

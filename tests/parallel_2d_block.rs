@@ -157,8 +157,8 @@ fn id_of(m: &ChunkManager, name: &str) -> TensorId {
 /// each rank holds `rl = N/(q·d)` rows and `C/q` columns. Forward, ROW all-gathers the row
 /// block `h` (`rl·C`) and `γ`, `β` (`C` each); COL all-gathers this column's `γ`, `β`
 /// blocks (`C/q` each). Backward, ROW all-gathers `h` and `dY` (`rl·C` each) and `γ` (`C`);
-/// COL all-gathers `γ`'s block and reduce-scatters `dγ`, `dβ` (`C/q` f32); with depth,
-/// DEP all-reduces the two (`C/q²` f32).
+/// COL all-gathers `γ`'s block and reduce-scatters `dγ`, `dβ` packed in one call (`C/q` f32
+/// each); with depth, DEP all-reduces the two pieces in one call (`C/q²` f32 each).
 fn layer_norm_formula(mode: TensorMode) -> Cost {
     let (q, d) = q_depth(mode);
     let (rl, e) = (N / (q * d), 4);
@@ -167,9 +167,9 @@ fn layer_norm_formula(mode: TensorMode) -> Cost {
     c.forward.col.all_gather = tally(2, 2 * (C / q) * e);
     c.backward.row.all_gather = tally(3, (2 * rl * C + C) * e);
     c.backward.col.all_gather = tally(1, (C / q) * e);
-    c.backward.col.reduce_scatter = tally(2, 2 * (C / q) * 4);
+    c.backward.col.reduce_scatter = tally(1, 2 * (C / q) * 4);
     if d > 1 {
-        c.backward.dep.all_reduce = tally(2, 2 * (C / (q * q)) * 4);
+        c.backward.dep.all_reduce = tally(1, 2 * (C / (q * q)) * 4);
     }
     c
 }

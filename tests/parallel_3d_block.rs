@@ -202,8 +202,8 @@ struct LnOut {
 }
 
 /// The LayerNorm's collectives from the formulas, on tiles of `NT` rows, f32: forward, three
-/// all-gathers (`n×C`, γ, β) on the column group; backward one (`n×C`) there and an
-/// all-reduce of `2·C/q` f32 on the weight group and on the row group.
+/// all-gathers (`n×C`, γ, β) on the column group; backward three there (`n×C` for `h` and for
+/// `dY`, γ) and an all-reduce of `2·C/q` f32 on the weight group and on the row group.
 fn ln_formula(rows_j: bool) -> Cost {
     let t = |calls, elems: usize| Tally {
         calls,
@@ -211,7 +211,7 @@ fn ln_formula(rows_j: bool) -> Cost {
     };
     let [mut fc, mut ba, mut bw, mut bc] = [CommStats::default(); 4];
     fc.all_gather = t(3, NT * C + 2 * C);
-    bc.all_gather = t(1, NT * C);
+    bc.all_gather = t(3, 2 * NT * C + C);
     bw.all_reduce = t(1, 2 * C / Q);
     ba.all_reduce = t(1, 2 * C / Q);
     let z = CommStats::default();

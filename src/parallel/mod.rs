@@ -7,7 +7,7 @@
 //! form with the batch split over depth; [`two_d_block`](crate::parallel::Summa): their LayerNorm and the GPT-2 block;
 //! [`two_d_ends`](crate::parallel::Embedding2D): their embeddings, the vocab-parallel one tied to the head, and the
 //! classifier with the cross-entropy), [`three_d`](crate::parallel::Linear3D) (the linear on a q³ cube),
-//! [`three_d_block`](crate::parallel::Cube) (its LayerNorm and the GPT-2 block on the cube) and [`three_d_ends`](crate::parallel::Embedding3D)
+//! [`Cube`](crate::parallel::Cube) (the GPT-2 block on the cube), [`three_d_ends`](crate::parallel::Embedding3D)
 //! (the embeddings, the vocab-parallel tied LM head and the classifiers on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator
@@ -16,11 +16,11 @@ mod cost;
 mod cross_entropy;
 pub(crate) mod ends;
 mod grid;
+mod grid_norm;
 pub(crate) mod one_d;
 mod placement;
 pub(crate) mod sequence;
 pub(crate) mod three_d;
-pub(crate) mod three_d_block;
 pub(crate) mod three_d_ends;
 pub(crate) mod two_d;
 pub(crate) mod two_d_block;
@@ -31,11 +31,11 @@ pub use cost::{Cost, PassCost};
 pub use cross_entropy::{BatchRows, ShardedCrossEntropy};
 pub use ends::{GridClassifier, GridLookup, GridNorm, NormHead, TokenPosition};
 pub use grid::{GridSpec, ProcessGrid, TensorMode};
+pub use grid_norm::{GridNormSaved, LayerNorm2D, LayerNorm3D};
 pub use one_d::{ColumnLinear, Embedding1D, Embedding1DSaved, RowLinear, Shard};
 pub use placement::{Cube, Linear1D, OneD, Placement, Summa};
 pub use sequence::{RingAttention, RingAttentionSaved, RingCore};
 pub use three_d::{gather_3d, split_3d, Layout3D, Linear3D, Linear3DSaved, Place3D, Tile};
-pub use three_d_block::{LayerNorm3D, LayerNorm3DSaved};
 pub use three_d_ends::{
     Classifier3D, Classifier3DSaved, Embedding3D, Embedding3DSaved, VocabEmbedding3D,
     VocabEmbedding3DSaved,
@@ -43,7 +43,7 @@ pub use three_d_ends::{
 pub use two_d::{
     gather_batch_2d, split_batch_2d, split_batch_2d_act, BatchBlock, Linear2D, Linear2p5D,
 };
-pub use two_d_block::{LayerNorm2D, LayerNorm2DSaved, Place2D, SummaLinear};
+pub use two_d_block::{Place2D, SummaLinear};
 pub use two_d_ends::{
     Classifier2D, Classifier2DSaved, Embedding2D, Embedding2DSaved, VocabEmbedding2D,
     VocabEmbedding2DSaved,

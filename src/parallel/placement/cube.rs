@@ -26,8 +26,9 @@ use crate::tensor::{Init, TensorId};
 /// [`Layout3D::RowsKColsJ`]). [`LayerNorm3D`] all-gathers the tile's `q` column blocks there
 /// (then a `heads_merge` permute) into its full rows, runs the serial
 /// [`ops::layernorm`](crate::ops::layernorm_forward) on them with γ and β whole, and keeps its block.
-/// Backward all-gathers the output gradient likewise, runs the full rows' backward, keeps its
-/// block of `dx` and reduces its blocks of `dγ`, `dβ`.
+/// Backward all-gathers the saved tile and the output gradient likewise (and γ again), runs
+/// the full rows' backward, keeps its block of `dx` and reduces its blocks of `dγ`, `dβ` (the
+/// [grid LayerNorm](crate::parallel::LayerNorm2D)'s one algorithm, with the 3D groups).
 ///
 /// - γ and β: `{name}.weight` and `{name}.bias` `[C/q]`, the block `c·C/q ..` of the rank's
 ///   column coordinate `c`, held alike by the `q²` ranks of that column block (norm share
@@ -275,7 +276,7 @@ impl Layout for Cube {
         eps: f32,
         init: [&Init; 2],
     ) -> Result<LayerNorm3D> {
-        LayerNorm3D::register_at(store, self.place, name, [features], eps, self.layout, init)
+        LayerNorm3D::register_at(store, self.place, name, features, eps, self.layout, init)
     }
 
     fn register_linear<S: ParamStore>(

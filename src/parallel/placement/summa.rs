@@ -252,7 +252,7 @@ impl Layout for Summa {
         init: [&Init; 2],
     ) -> Result<LayerNorm2D> {
         let ln = LayerNorm2D::register_at(store, self.place, name, features, eps, init)?;
-        self.share_depth(store, &ln.params())?;
+        self.share_depth(store, &[ln.gamma, ln.beta])?;
         Ok(ln)
     }
 

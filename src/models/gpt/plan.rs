@@ -6,10 +6,12 @@
 use std::ops::Range;
 
 use super::GptConfig;
-use crate::comm::Communicator;
+use crate::comm::{reduce_grad_stats, Communicator};
 use crate::error::{Error, Result};
 use crate::parallel::pipeline::{partition, Schedule};
+use crate::optim::{HybridAdam, StepReport};
 use crate::parallel::{ProcessGrid, TensorMode};
+use crate::store::ParamStore;
 
 /// How a model split over a tensor-parallel group holds its ends.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -114,6 +116,27 @@ impl<'a> Plan<'a> {
     }
 
     /// The pipeline, with more than one stage.
+    /// The store's step with the gradient statistics all-reduced over the groups that split
+    /// the model (the pipeline and the tensor group, where the grid has them), so that every
+    /// rank clips by the global norm (replicated parameters counted once) and skips an
+    /// overflow together: the one reduction of every training step.
+    pub(super) fn step<S: ParamStore + ?Sized>(
+        &self,
+        store: &mut S,
+        adam: &mut HybridAdam,
+    ) -> Result<StepReport> {
+        let groups: Vec<&Communicator> = [self.pipeline(), self.tensor()]
+            .into_iter()
+            .flatten()
+            .collect();
+        if groups.is_empty() {
+            return store.step(adam);
+        }
+        store.step_reducing(adam, &mut |st| {
+            reduce_grad_stats(groups.iter().copied(), st)
+        })
+    }
+
     pub(super) fn pipeline(&self) -> Option<&'a Communicator> {
         self.grid
             .filter(|g| g.spec().pipeline > 1)

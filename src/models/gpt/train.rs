@@ -1,7 +1,6 @@
 //! One optimizer step of a GPT over any store: micro-batches, loss scaling, the step.
 
 use super::{Gpt, GptBatch, Plan, TrainStep, Variant};
-use crate::comm::{reduce_grad_stats, Communicator};
 use crate::error::{Error, Result};
 use crate::nn::Loss;
 use crate::optim::{HybridAdam, StepOutcome};
@@ -47,20 +46,19 @@ pub fn train_step<P: Placement, V: Variant, S: ParamStore + ?Sized>(
         step.stage = Some(report);
         return Ok(step);
     }
-    micro_steps(store, plan.tensor(), adam, micro, |store, b, loss_scale| {
+    micro_steps(store, plan, adam, micro, |store, b, loss_scale| {
         gpt.forward_backward_loss(store, plan, b, loss_scale)
     })
 }
 
 /// The micro-batch loop every GPT trainer shares: `fb` runs one micro-batch's forward and
 /// backward with the loss scale given and returns its loss; the store's step follows each,
-/// with the gradient statistics all-reduced over `tp` when given (every rank clips by the
-/// global norm, the replicated parameters counted once, and skips an overflow together). The
+/// with the gradient statistics all-reduced over the plan's groups ([`Plan::step`]). The
 /// losses are read after the last step, whose read of the gradient statistics has seen them
 /// arrive: the step's one blocking wait.
 pub(super) fn micro_steps<S: ParamStore + ?Sized>(
     store: &mut S,
-    tp: Option<&Communicator>,
+    plan: &Plan<'_>,
     adam: &mut HybridAdam,
     micro: &[GptBatch<'_>],
     mut fb: impl FnMut(&mut S, &GptBatch<'_>, f32) -> Result<Loss>,
@@ -78,10 +76,7 @@ pub(super) fn micro_steps<S: ParamStore + ?Sized>(
     for (k, b) in micro.iter().enumerate() {
         losses.push(fb(store, b, adam.loss_scale())?);
         tokens += b.tokens.len();
-        let r = match tp {
-            Some(g) => store.step_reducing(adam, &mut |st| reduce_grad_stats([g], st))?,
-            None => store.step(adam)?,
-        };
+        let r = plan.step(store, adam)?;
         let expected_last = k + 1 == micro.len();
         if (r.outcome == StepOutcome::Accumulated) == expected_last {
             // the optimizer stepped (or not) off its count of micro-batches: it was

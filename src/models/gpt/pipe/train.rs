@@ -5,7 +5,7 @@
 use std::cell::{Cell, RefCell};
 
 use super::step::StageStep;
-use crate::comm::{reduce_grad_stats, Communicator, ReduceOp};
+use crate::comm::{Communicator, ReduceOp};
 use crate::error::{Error, Result};
 use crate::models::gpt::TrainStep;
 use crate::models::gpt::{Gpt, GptBatch, Plan, Variant};
@@ -142,17 +142,13 @@ pub(super) fn ring_of<'a, P: Placement, V: Variant>(
     }
 }
 
-/// The store's step with the gradient statistics all-reduced over the pipeline and tensor
-/// groups (every stage clips by the global norm and skips an overflow together).
+/// The store's step ([`Plan::step`]), which at the end of a pipeline step must step.
 pub(super) fn step_reduced<S: ParamStore + ?Sized>(
     store: &mut S,
     adam: &mut HybridAdam,
     plan: &Plan<'_>,
 ) -> Result<StepReport> {
-    let groups = [plan.pipeline(), plan.tensor()];
-    let r = store.step_reducing(adam, &mut |st| {
-        reduce_grad_stats(groups.into_iter().flatten(), st)
-    })?;
+    let r = plan.step(store, adam)?;
     if r.outcome == StepOutcome::Accumulated {
         return Err(Error::Internal {
             what: "the optimizer accumulated a pipeline step (it was checked to accumulate 1)"

@@ -9,7 +9,7 @@
 
 use tidemem::comm::Communicator;
 use tidemem::models::gpt::{
-    train_step, EndsAt, EndsLayout, Gpt, GptBatch, GptConfig, ModelEnds, Plan, Tie, Variant,
+    train_step, EndsLayout, Gpt, GptBatch, GptConfig, ModelEnds, Plan, RegisterAt, Tie, Variant,
     IGNORE_INDEX,
 };
 use tidemem::nn::{
@@ -89,17 +89,18 @@ impl<L: Layout> ReluBlock<L> {
             uses: WeightUse::Once,
         })
     }
-}
 
-impl<L: Layout> BlockOn<L> for ReluBlock<L> {
-    type Saved = Saved<L>;
-
+    /// The same block with its linears writing gradient shares.
     fn shared(self) -> ReluBlock<L> {
         ReluBlock {
             uses: WeightUse::Shared,
             ..self
         }
     }
+}
+
+impl<L: Layout> BlockOn<L> for ReluBlock<L> {
+    type Saved = Saved<L>;
 
     fn params(&self) -> Vec<TensorId> {
         let mut v = self.ln.params();
@@ -139,7 +140,7 @@ impl<L: Layout> BlockOn<L> for ReluBlock<L> {
 
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         saved: &Saved<L>,
         dout: &Act,
         _core: Option<&dyn HeadsCore>,
@@ -185,10 +186,10 @@ fn run<L: Layout>(
     let y = y.to_f32(fwd.stream())?;
     drop(xa);
     fwd.finish()?;
-    let bwd = m.backward()?;
+    let mut bwd = m.backward()?;
     let da = Act::upload(bwd.pool(), bwd.stream(), rows, cols, DType::F32, dout)?;
     let dx = blk
-        .backward(&bwd, &saved, &da, None)?
+        .backward(&mut bwd, &saved, &da, None)?
         .to_f32(bwd.stream())?;
     drop((saved, da));
     bwd.finish()?;
@@ -428,7 +429,7 @@ impl StageModel for Stage {
 
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         _micro: usize,
         (saved, y): Self::Saved,
         dout: Option<&Act>,
@@ -469,9 +470,9 @@ fn the_variant_runs_as_two_pipeline_stages() {
     let (_, s1) = stages[1].forward(&fwd, 0, Some(&h)).unwrap();
     drop(h);
     fwd.finish().unwrap();
-    let bwd = m.backward().unwrap();
-    let dh = stages[1].backward(&bwd, 0, s1, None).unwrap().unwrap();
-    stages[0].backward(&bwd, 0, s0, Some(&dh)).unwrap();
+    let mut bwd = m.backward().unwrap();
+    let dh = stages[1].backward(&mut bwd, 0, s1, None).unwrap().unwrap();
+    stages[0].backward(&mut bwd, 0, s0, Some(&dh)).unwrap();
     drop(dh);
     bwd.finish().unwrap();
     let want = blocks.map(|b| grads_of(&mut m, &b));
@@ -550,7 +551,7 @@ const BLOCK_PARAMS: [&str; 6] = [
 /// Registers `name` whole on every rank (its norm share `1/T`), named in `params`.
 fn whole<S: ParamStore>(
     store: &mut S,
-    at: &EndsAt<'_>,
+    at: &RegisterAt<'_>,
     params: &mut Vec<(String, TensorId)>,
     name: &str,
     shape: &[usize],
@@ -593,20 +594,22 @@ impl Variant for ReluNet {
         store: &mut S,
         layout: L,
         name: &str,
-        _cfg: &GptConfig,
-        init: &dyn Fn(&str) -> Init,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> tidemem::Result<ReluBlock<L>> {
-        let b = ReluBlock::register(store, layout, &format!("{name}."), init)?;
+        let b = ReluBlock::register(store, layout, &format!("{name}."), at.master)?;
         let names = BLOCK_PARAMS.iter().map(|n| format!("{name}.{n}"));
         params.extend(names.zip(b.params()));
-        Ok(b)
+        Ok(match at.uses {
+            WeightUse::Once => b,
+            WeightUse::Shared => b.shared(),
+        })
     }
 
     fn register_first<L: Layout, S: ParamStore>(
         &self,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         layout: L,
         params: &mut Vec<(String, TensorId)>,
     ) -> tidemem::Result<NetEnds<L>> {
@@ -638,7 +641,7 @@ impl Variant for ReluNet {
         &self,
         ends: &mut NetEnds<L>,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> tidemem::Result<()> {
         if at.ends[1] {

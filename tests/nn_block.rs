@@ -50,7 +50,7 @@ type Expect = (Vec<f64>, Vec<f64>, Vec<Vec<f64>>);
 
 /// One forward and backward of a layer on `x` and `dy`: `(y, dx)` as f32.
 type Layer<'a> = &'a dyn Fn(&ForwardPass<'_>, &Act) -> Result<(Act, Box<dyn std::any::Any>)>;
-type LayerBack<'a> = &'a dyn Fn(&BackwardPass<'_>, &dyn std::any::Any, &Act) -> Result<Act>;
+type LayerBack<'a> = &'a dyn Fn(&mut BackwardPass<'_>, &dyn std::any::Any, &Act) -> Result<Act>;
 
 fn run(
     m: &mut ChunkManager,
@@ -65,9 +65,9 @@ fn run(
     let (y, saved) = fwd_fn(&fwd, &xa)?;
     let y = y.to_f32(fwd.stream())?;
     fwd.finish()?;
-    let bwd = m.backward()?;
+    let mut bwd = m.backward()?;
     let dya = Act::upload(bwd.pool(), bwd.stream(), N, C, d, dy)?;
-    let dx = bwd_fn(&bwd, saved.as_ref(), &dya)?;
+    let dx = bwd_fn(&mut bwd, saved.as_ref(), &dya)?;
     assert!(!dx.same_memory(&dya), "dy is left as it was");
     let dx = dx.to_f32(bwd.stream())?;
     assert_eq!(dya.to_f32(bwd.stream())?, dy, "dy is left as it was");
@@ -254,22 +254,23 @@ fn block_registers_gpt2_names() {
     fwd.finish().unwrap();
 
     // a gradient of the wrong shape or type is refused; the pass goes on
-    let bwd = m.backward().unwrap();
-    let up = |rows, cols, d| {
+    let mut bwd = m.backward().unwrap();
+    let up = |bwd: &BackwardPass<'_>, rows, cols, d| {
         let v = data(rows * cols, 6, 1.0, d);
         Act::upload(bwd.pool(), bwd.stream(), rows, cols, d, &v).unwrap()
     };
-    for bad in [
-        up(N - 1, C, DType::F32),
-        up(N, C + 1, DType::F32),
-        up(N, C, DType::F16),
-    ] {
-        let err = blk.backward(&bwd, &saved, &bad, None).unwrap_err();
+    let bad_shapes = [
+        (N - 1, C, DType::F32),
+        (N, C + 1, DType::F32),
+        (N, C, DType::F16),
+    ];
+    for (rows, cols, d) in bad_shapes {
+        let bad = up(&bwd, rows, cols, d);
+        let err = blk.backward(&mut bwd, &saved, &bad, None).unwrap_err();
         assert!(matches!(err, Error::ActivationShape { .. }), "{err}");
     }
-    let dx = blk
-        .backward(&bwd, &saved, &up(N, C, DType::F32), None)
-        .unwrap();
+    let good = up(&bwd, N, C, DType::F32);
+    let dx = blk.backward(&mut bwd, &saved, &good, None).unwrap();
     assert_eq!(dx.shape(), [N, C]);
     bwd.finish().unwrap();
 }

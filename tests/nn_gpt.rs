@@ -91,10 +91,10 @@ impl Gpt {
         let (hf, ln_saved) = self.ln_f.forward(&fwd, &out, None)?;
         let (loss, head_saved) = self.head.forward(&fwd, &hf, targets)?;
         fwd.finish()?;
-        let bwd = m.backward()?;
+        let mut bwd = m.backward()?;
         let dhf = self.head.backward(&bwd, &head_saved)?;
         let dout = self.ln_f.backward(&bwd, &ln_saved, &dhf, None)?;
-        let dx = self.blk.backward(&bwd, &blk_saved, &dout, None)?;
+        let dx = self.blk.backward(&mut bwd, &blk_saved, &dout, None)?;
         self.emb.backward(&bwd, &emb_saved, &dx)?;
         bwd.finish()?;
         Ok(loss)

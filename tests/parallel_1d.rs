@@ -139,9 +139,9 @@ fn run_rank(c: Communicator, x: &[f32], dout: &[f32]) -> RankOut {
     let y = y.to_f32(fwd.stream()).unwrap();
     fwd.finish().unwrap();
     let s1 = c.stats();
-    let bwd = m.backward().unwrap();
+    let mut bwd = m.backward().unwrap();
     let da = Act::upload(bwd.pool(), bwd.stream(), N, C, DType::F32, dout).unwrap();
-    let dx = blk.backward(&bwd, &saved, &da, None).unwrap();
+    let dx = blk.backward(&mut bwd, &saved, &da, None).unwrap();
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da, xa));
     bwd.finish().unwrap();

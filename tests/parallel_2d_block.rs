@@ -329,11 +329,11 @@ fn block_rank(c: &Communicator, mode: TensorMode, x: &[f32], dout: &[f32]) -> Ra
     let y = y.to_f32(fwd.stream()).unwrap();
     drop(xa);
     fwd.finish().unwrap();
-    let bwd = m.backward().unwrap();
+    let mut bwd = m.backward().unwrap();
     let db = block(dout, C, [rb, nrb], [col, 2]);
     let da = Act::upload(bwd.pool(), bwd.stream(), rl, cl, DType::F32, &db).unwrap();
     let s2 = group_stats(&grid);
-    let dx = blk.backward(&bwd, &saved, &da, None).unwrap();
+    let dx = blk.backward(&mut bwd, &saved, &da, None).unwrap();
     let s3 = group_stats(&grid);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((saved, da));

@@ -456,14 +456,14 @@ fn run_block(grid: &ProcessGrid, layout: Layout3D, x: &[f32], dout: &[f64]) -> B
     let y = y.to_f32(fwd.stream()).unwrap();
     drop((xa, xt));
     fwd.finish().unwrap();
-    let bwd = m.backward().unwrap();
+    let mut bwd = m.backward().unwrap();
     let d = up(
         &bwd,
         &tile_of(dout, N, C, grid.tensor_rank(), rows_j),
         C / Q,
     );
     let before = snapshot(grid);
-    let dx = blk.backward(&bwd, &saved, &d, None).unwrap();
+    let dx = blk.backward(&mut bwd, &saved, &d, None).unwrap();
     measured.backward = delta(grid, &before);
     let dx = dx.to_f32(bwd.stream()).unwrap();
     drop((d, saved));

@@ -166,7 +166,7 @@ impl StageModel for Toy {
 
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         _micro: usize,
         saved: Saved,
         dout: Option<&Act>,
@@ -227,8 +227,8 @@ fn reference(micro: usize, steps: usize) -> Vec<Params> {
             let fwd = store.forward().unwrap();
             let (_, saved) = toy.forward(&fwd, m, None).unwrap();
             fwd.finish().unwrap();
-            let bwd = store.backward().unwrap();
-            toy.backward(&bwd, m, saved, None).unwrap();
+            let mut bwd = store.backward().unwrap();
+            toy.backward(&mut bwd, m, saved, None).unwrap();
             bwd.finish().unwrap();
             store.step(&mut opt).unwrap();
         }

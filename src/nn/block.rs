@@ -174,6 +174,16 @@ impl<L: Layout> Block<L> {
         v
     }
 
+    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]): a
+    /// block run more than once an iteration, as a pipeline stage runs it once per
+    /// micro-batch.
+    pub fn shared(self) -> Block<L> {
+        Block {
+            uses: WeightUse::Shared,
+            ..self
+        }
+    }
+
     /// Heads this rank's attention computes.
     pub fn local_heads(&self) -> usize {
         self.layout.heads(self.heads)
@@ -205,7 +215,7 @@ pub trait BlockOn<L: Layout>: Clone + std::fmt::Debug + PartialEq + Send + Sync 
     /// input's (a new activation; `dout` is not changed).
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         saved: &Self::Saved,
         dout: &Act,
         core: Option<&dyn HeadsCore>,
@@ -213,22 +223,10 @@ pub trait BlockOn<L: Layout>: Clone + std::fmt::Debug + PartialEq + Send + Sync 
 
     /// The parameters in registration order, where this rank holds them.
     fn params(&self) -> Vec<TensorId>;
-
-    /// The same block with its linears writing gradient shares ([`WeightUse::Shared`]): a
-    /// block run more than once an iteration, as a pipeline stage runs it once per
-    /// micro-batch.
-    fn shared(self) -> Self;
 }
 
 impl<L: Layout> BlockOn<L> for Block<L> {
     type Saved = BlockSaved<L>;
-
-    fn shared(self) -> Block<L> {
-        Block {
-            uses: WeightUse::Shared,
-            ..self
-        }
-    }
 
     fn params(&self) -> Vec<TensorId> {
         let mut v = self.ln_1.params();
@@ -298,7 +296,7 @@ impl<L: Layout> BlockOn<L> for Block<L> {
 
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         saved: &BlockSaved<L>,
         dout: &Act,
         core: Option<&dyn HeadsCore>,

@@ -58,6 +58,7 @@
 mod act;
 mod attention;
 mod block;
+mod checkpoint;
 mod embedding;
 mod gelu;
 mod layernorm;
@@ -76,6 +77,7 @@ pub use attention::{
     CausalSelfAttentionSaved, HeadsCore, HeadsCoreSaved, HeadsSaved,
 };
 pub use block::{by_rank_block, Block, BlockOn, BlockSaved};
+pub use checkpoint::{CheckpointSaved, Checkpointed};
 pub use embedding::{Embedding, EmbeddingSaved};
 pub use gelu::{gelu, gelu_backward, GeluSaved};
 pub use layernorm::{LayerNorm, LayerNormSaved};

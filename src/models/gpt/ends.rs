@@ -3,15 +3,15 @@
 //! last), whole on every rank or split over the tensor group as the layout splits them
 //! ([`Layout::Embedding`], [`Layout::Head`]).
 
-use super::variant::{EndsAt, ModelEnds, Tie, Variant};
+use super::variant::{ModelEnds, RegisterAt, Tie, Variant};
 use super::{GptConfig, IGNORE_INDEX};
 use crate::error::{Error, Result};
 use crate::nn::{
     Act, Block, Embedding, EmbeddingOn, EmbeddingSaved, HeadOn, LayerNorm, LayerNormSaved, Layout,
-    LmHead, LmHeadSaved, Loss,
+    LmHead, LmHeadSaved, Loss, WeightUse,
 };
 use crate::store::{BackwardPass, ForwardPass, ParamStore};
-use crate::tensor::{Init, TensorId};
+use crate::tensor::TensorId;
 
 /// GPT-2: pre-LayerNorm blocks ([`Block`]) between the token and position embedding and
 /// `ln_f` with the LM head tied to `wte`. The default variant of [`Gpt`](super::Gpt).
@@ -85,14 +85,16 @@ impl Variant for Gpt2 {
         store: &mut S,
         layout: L,
         name: &str,
-        cfg: &GptConfig,
-        init: &dyn Fn(&str) -> Init,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<Block<L>> {
-        let shape = [cfg.channels, cfg.heads];
-        let b = Block::register(store, layout, name, shape, cfg.eps, init)?;
+        let (cfg, shape) = (at.cfg, [at.cfg.channels, at.cfg.heads]);
+        let b = Block::register(store, layout, name, shape, cfg.eps, at.master)?;
         params.extend(b.named_params(name));
-        Ok(b)
+        Ok(match at.uses {
+            WeightUse::Once => b,
+            WeightUse::Shared => b.shared(),
+        })
     }
 
     /// Whole ends' `wte` on an end stage, then the embedding on the first (`wpe` beside the
@@ -100,7 +102,7 @@ impl Variant for Gpt2 {
     fn register_first<L: Layout, S: ParamStore>(
         &self,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         layout: L,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<Ends<L>> {
@@ -159,7 +161,7 @@ impl Variant for Gpt2 {
         &self,
         ends: &mut Ends<L>,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<()> {
         if !at.ends[1] {
@@ -206,7 +208,7 @@ impl Variant for Gpt2 {
 /// Registers `name` of `shape` whole with its master, named in `params`.
 fn named<S: ParamStore>(
     store: &mut S,
-    at: &EndsAt<'_>,
+    at: &RegisterAt<'_>,
     params: &mut Vec<(String, TensorId)>,
     name: &str,
     shape: &[usize],

@@ -26,4 +26,4 @@ pub use model::{default_init, Gpt, GptBatch, TrainStep};
 pub use pipe::train_two_bw_stream;
 pub use plan::{EndsLayout, Plan};
 pub use train::train_step;
-pub use variant::{EndsAt, ModelEnds, Tie, Variant};
+pub use variant::{ModelEnds, RegisterAt, Tie, Variant};

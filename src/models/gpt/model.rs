@@ -7,10 +7,10 @@ use std::ops::Range;
 use serde::Serialize;
 
 use super::plan::Plan;
-use super::variant::{EndsAt, Variant};
+use super::variant::{RegisterAt, Variant};
 use super::{EndsLayout, Gpt2, GptConfig, IGNORE_INDEX};
 use crate::error::{Error, Result};
-use crate::nn::{BlockOn, Layout, Serial, WeightUse};
+use crate::nn::{Layout, Serial, WeightUse};
 use crate::optim::StepReport;
 use crate::parallel::pipeline::StageReport;
 use crate::parallel::Placement;
@@ -243,7 +243,7 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
             1 => WeightUse::Once,
             _ => WeightUse::Shared,
         };
-        let at = EndsAt {
+        let at = RegisterAt {
             cfg,
             master: &master,
             uses,
@@ -258,18 +258,7 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
             .clone()
             .map(|i| {
                 let name = format!("h.{i}");
-                let b = variant.register_block(
-                    store,
-                    layout.clone(),
-                    &name,
-                    cfg,
-                    &master,
-                    &mut params,
-                )?;
-                Ok(match uses {
-                    WeightUse::Once => b,
-                    WeightUse::Shared => b.shared(),
-                })
+                variant.register_block(store, layout.clone(), &name, &at, &mut params)
             })
             .collect::<Result<Vec<_>>>()?;
         variant.register_last(&mut ends, store, &at, &mut params)?;

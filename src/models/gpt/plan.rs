@@ -8,8 +8,8 @@ use std::ops::Range;
 use super::GptConfig;
 use crate::comm::{reduce_grad_stats, Communicator};
 use crate::error::{Error, Result};
-use crate::parallel::pipeline::{partition, Schedule};
 use crate::optim::{HybridAdam, StepReport};
+use crate::parallel::pipeline::{partition, Schedule};
 use crate::parallel::{ProcessGrid, TensorMode};
 use crate::store::ParamStore;
 

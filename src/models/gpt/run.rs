@@ -1,22 +1,15 @@
 //! One iteration of a GPT outside a pipeline: the forward and backward of a micro-batch (with
 //! or without activation checkpointing), the evaluation loss and the logits.
 
-use super::blocks::{self, BlockKept, Keep, Shape};
+use super::blocks::{self, Shape};
 use super::model::{Gpt, GptBatch};
 use super::plan::Plan;
 use super::variant::{ModelEnds, Variant};
 use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
-use crate::nn::{BlockOn, HeadsCore, Loss};
+use crate::nn::{BlockOn, Checkpointed, HeadsCore, Loss};
 use crate::parallel::{Placement, RingAttention, RingCore};
-use crate::store::{BackwardPass, ForwardPass, ParamStore};
-
-/// What the forward keeps for the backward.
-struct Saved<P: Placement, V: Variant> {
-    emb: <V::Ends<P> as ModelEnds<P>>::EmbedSaved,
-    blocks: Vec<BlockKept<<V::Block<P> as BlockOn<P>>::Saved>>,
-    head: <V::Ends<P> as ModelEnds<P>>::HeadSaved,
-}
+use crate::store::ParamStore;
 
 /// The groups one iteration runs over, with the sequence ring's attention for its batch.
 struct Run<'p, 'a> {
@@ -135,13 +128,13 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
             plan,
             ring: self.ring(plan, b)?,
         };
-        let fwd = store.forward()?;
-        let (loss, saved) = self.forward(&fwd, &run, b, loss_scale)?;
-        fwd.finish()?;
-        let mut bwd = store.backward()?;
-        self.backward(&mut bwd, &run, b, saved)?;
-        bwd.finish()?;
-        Ok(loss)
+        match plan.checkpoint {
+            true => {
+                let blocks: Vec<_> = self.blocks.iter().map(Checkpointed).collect();
+                self.iteration(store, &run, b, loss_scale, &blocks)
+            }
+            false => self.iteration(store, &run, b, loss_scale, &self.blocks),
+        }
     }
 
     /// The mean loss on `b` without gradients: a forward pass, an empty backward pass, and
@@ -170,7 +163,7 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
         let fwd = store.forward()?;
         let first = plan.sequence_rank() * b.seq;
         let (x, _) = self.ends.embed(&fwd, b.tokens, [b.batch, b.seq, first])?;
-        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(b), Keep::Nothing)?;
+        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(b), false)?;
         let (loss, _) = self.ends.head_forward(&fwd, x, b.targets, 1.0)?;
         fwd.finish()?;
         store.backward()?.finish()?;
@@ -210,7 +203,7 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
         };
         let fwd = store.forward()?;
         let (x, _) = self.ends.embed(&fwd, tokens, [batch, seq, 0])?;
-        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(&b), Keep::Nothing)?;
+        let (x, _) = blocks::forward(&self.blocks, &fwd, x, run.shape(&b), false)?;
         let logits = self.ends.logits(&fwd, x)?;
         let out = logits.to_f32(fwd.stream())?;
         drop(logits);
@@ -220,35 +213,28 @@ impl<P: Placement, V: Variant> Gpt<P, V> {
         Ok(out)
     }
 
-    fn forward(
+    /// One iteration's forward and backward on `b` through `blocks` (the model's, or them
+    /// checkpointed): the loss.
+    fn iteration<S: ParamStore + ?Sized, B: BlockOn<P>>(
         &self,
-        fwd: &ForwardPass<'_>,
+        store: &mut S,
         run: &Run<'_, '_>,
         b: &GptBatch<'_>,
         loss_scale: f32,
-    ) -> Result<(Loss, Saved<P, V>)> {
+        blocks: &[B],
+    ) -> Result<Loss> {
+        let fwd = store.forward()?;
         let first = run.plan.sequence_rank() * b.seq;
-        let (x, emb) = self.ends.embed(fwd, b.tokens, [b.batch, b.seq, first])?;
-        let keep = match run.plan.checkpoint {
-            true => Keep::Inputs,
-            false => Keep::Saved,
-        };
-        let (x, blocks) = blocks::forward(&self.blocks, fwd, x, run.shape(b), keep)?;
-        let (loss, head) = self.ends.head_forward(fwd, x, b.targets, loss_scale)?;
-        Ok((loss, Saved { emb, blocks, head }))
-    }
-
-    fn backward(
-        &self,
-        bwd: &mut BackwardPass<'_>,
-        run: &Run<'_, '_>,
-        b: &GptBatch<'_>,
-        saved: Saved<P, V>,
-    ) -> Result<()> {
-        let Saved { emb, blocks, head } = saved;
-        let dx = self.ends.head_backward(bwd, head, None)?;
-        let dx = blocks::backward(&self.blocks, bwd, blocks, dx, run.shape(b))?;
-        self.ends.embed_backward(bwd, emb, dx, None)
+        let (x, emb) = self.ends.embed(&fwd, b.tokens, [b.batch, b.seq, first])?;
+        let (x, kept) = blocks::forward(blocks, &fwd, x, run.shape(b), true)?;
+        let (loss, head) = self.ends.head_forward(&fwd, x, b.targets, loss_scale)?;
+        fwd.finish()?;
+        let mut bwd = store.backward()?;
+        let dx = self.ends.head_backward(&bwd, head, None)?;
+        let dx = blocks::backward(blocks, &mut bwd, kept, dx, run.shape(b))?;
+        self.ends.embed_backward(&bwd, emb, dx, None)?;
+        bwd.finish()?;
+        Ok(loss)
     }
 }
 

@@ -16,15 +16,16 @@ use crate::tensor::{Init, TensorId};
 /// step apart from the slot, and swap them at its end).
 pub type Tie<'a> = Option<&'a dyn Fn(&BackwardPass<'_>, &PoolBlock) -> Result<()>>;
 
-/// Where a rank's ends are registered and how their parameters count in the gradient norm,
-/// as [`Gpt::register_on`](super::Gpt::register_on) hands it to the variant.
-pub struct EndsAt<'a> {
+/// Where a rank's part of a model is registered and how its parameters count in the
+/// gradient norm, as [`Gpt::register_variant`](super::Gpt::register_variant) hands it to the
+/// variant.
+pub struct RegisterAt<'a> {
     /// The whole model's shape.
     pub cfg: &'a GptConfig,
     /// Each parameter's whole master, by name.
     pub master: &'a dyn Fn(&str) -> Init,
-    /// How often the ends' weights are used an iteration ([`WeightUse::Shared`] in a
-    /// pipeline: a stage runs them once per micro-batch).
+    /// How often the weights are used an iteration ([`WeightUse::Shared`] in a pipeline: a
+    /// stage runs its layers once per micro-batch).
     pub uses: WeightUse,
     /// The norm share of a parameter every rank of the tensor group holds (`1/T`).
     pub replicated: f64,
@@ -56,16 +57,15 @@ pub trait Variant: Clone + Debug + PartialEq + Send + Sync + 'static {
     fn param_shapes(&self, cfg: &GptConfig) -> Vec<(String, Vec<usize>)>;
 
     /// Registers this rank's part of block `name` on `layout`, each parameter with the values
-    /// of its whole master `init(param name)`, each named (`{name}.…`) in `params` in
-    /// registration order. Fails before registering anything on a shape that does not
-    /// split.
+    /// of its whole master (`at.master(param name)`) and its linears writing their gradients
+    /// as `at.uses` says, each named (`{name}.…`) in `params` in registration order. Fails
+    /// before registering anything on a shape that does not split.
     fn register_block<L: Layout, S: ParamStore>(
         &self,
         store: &mut S,
         layout: L,
         name: &str,
-        cfg: &GptConfig,
-        init: &dyn Fn(&str) -> Init,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<Self::Block<L>>;
 
@@ -74,7 +74,7 @@ pub trait Variant: Clone + Debug + PartialEq + Send + Sync + 'static {
     fn register_first<L: Layout, S: ParamStore>(
         &self,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         layout: L,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<Self::Ends<L>>;
@@ -85,7 +85,7 @@ pub trait Variant: Clone + Debug + PartialEq + Send + Sync + 'static {
         &self,
         ends: &mut Self::Ends<L>,
         store: &mut S,
-        at: &EndsAt<'_>,
+        at: &RegisterAt<'_>,
         params: &mut Vec<(String, TensorId)>,
     ) -> Result<()>;
 }

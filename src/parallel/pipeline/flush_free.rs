@@ -224,7 +224,7 @@ impl PipelineStage<'_> {
                         held = run.pending.take();
                     }
                 }
-                PipeOp::Backward(j) => self.backward_op(&bwd, now, j, run)?,
+                PipeOp::Backward(j) => self.backward_op(&mut bwd, now, j, run)?,
             }
         }
         self.exchange(bwd.stream(), bwd.pool(), run, None)?;

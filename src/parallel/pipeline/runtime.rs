@@ -48,7 +48,7 @@ pub trait StageModel {
     /// the input's gradient (required on every stage but the first, ignored there).
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         micro: usize,
         saved: Self::Saved,
         dout: Option<&Act>,
@@ -300,7 +300,7 @@ impl<'c> PipelineStage<'c> {
 
     pub(super) fn backward_op<M: StageModel>(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         model: &M,
         m: usize,
         run: &mut Run<M::Saved>,

@@ -6,7 +6,7 @@ use std::cell::{Cell, RefCell};
 use crate::device::PoolBlock;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::models::gpt::blocks::{self, BlockKept, Keep, Shape};
+use crate::models::gpt::blocks::{self, Shape};
 use crate::models::gpt::{Gpt, GptBatch, ModelEnds, Plan, Variant};
 use crate::nn::{Act, BlockOn, HeadsCore};
 use crate::ops::{add, add_in_place, cast, Axpby};
@@ -18,7 +18,7 @@ use crate::tensor::TensorId;
 /// What one micro-batch's forward keeps on a stage.
 pub(super) struct StageSaved<P: Placement, V: Variant> {
     emb: Option<<V::Ends<P> as ModelEnds<P>>::EmbedSaved>,
-    blocks: Vec<BlockKept<<V::Block<P> as BlockOn<P>>::Saved>>,
+    blocks: Vec<<V::Block<P> as BlockOn<P>>::Saved>,
     head: Option<<V::Ends<P> as ModelEnds<P>>::HeadSaved>,
 }
 
@@ -129,7 +129,7 @@ impl<P: Placement, V: Variant> StageModel for StageStep<'_, P, V> {
                 })
             }
         };
-        let (x, blocks) = blocks::forward(&g.blocks, pass, x, self.shape(b), Keep::Saved)?;
+        let (x, blocks) = blocks::forward(&g.blocks, pass, x, self.shape(b), true)?;
         if !g.ends.has_head() {
             let saved = StageSaved {
                 emb,
@@ -151,7 +151,7 @@ impl<P: Placement, V: Variant> StageModel for StageStep<'_, P, V> {
 
     fn backward(
         &self,
-        pass: &BackwardPass<'_>,
+        pass: &mut BackwardPass<'_>,
         micro: usize,
         saved: StageSaved<P, V>,
         dout: Option<&Act>,
@@ -175,7 +175,7 @@ impl<P: Placement, V: Variant> StageModel for StageStep<'_, P, V> {
             }
         };
         let b = &self.micro[micro];
-        let dx = blocks::backward_saved(&g.blocks, pass, blocks, dx, self.shape(b))?;
+        let dx = blocks::backward(&g.blocks, pass, blocks, dx, self.shape(b))?;
         match emb {
             Some(kept) => {
                 g.ends.embed_backward(pass, kept, dx, tie)?;

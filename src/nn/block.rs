@@ -28,7 +28,7 @@ use crate::tensor::{Init, TensorId};
 /// One serial block of 8 channels and 2 heads over 2 sequences of 3 tokens:
 ///
 /// ```
-/// use tidemem::nn::{Act, Block, Serial};
+/// use tidemem::nn::{Act, Block, BlockOn, Serial};
 /// use tidemem::prelude::*;
 ///
 /// # fn main() -> tidemem::Result<()> {
@@ -46,9 +46,9 @@ use crate::tensor::{Init, TensorId};
 /// assert_eq!(out.shape(), [6, 8]);
 /// fwd.finish()?;
 ///
-/// let bwd = m.backward()?;
+/// let mut bwd = m.backward()?;
 /// let dout = Act::upload(bwd.pool(), bwd.stream(), 6, 8, DType::F32, &[1.0; 48])?;
-/// let dx = block.backward(&bwd, &saved, &dout, None)?;
+/// let dx = block.backward(&mut bwd, &saved, &dout, None)?;
 /// assert_eq!(dx.shape(), [6, 8]);
 /// bwd.finish()?;
 /// // the output bias's gradient: Σ_rows dout

@@ -3,24 +3,6 @@
 //! block kept, and γ's and β's gradients reduced to the rank's pieces. What differs between
 //! the 2D / 2.5D layout ([`LayerNorm2D`]) and the 3D one ([`LayerNorm3D`]) is only which
 //! ranks hold what: the groups ([`NormGroups`]) each passes in.
-//!
-//! # Algorithm (exact; every collective on the pass's stream)
-//!
-//! - Forward: γ and β gathered whole (`[C]`) over the layout's parameter groups; `h` (`x`, or
-//!   `x + r` with GPT-2's fused residual) all-gathered over the row group (the ranks holding
-//!   the other column blocks of the same rows) and permuted into whole rows; the fused op
-//!   ([`ops::layernorm`](crate::ops::layernorm_forward)) normalises them; this rank's column
-//!   block of the result is kept. Saved: `h` (the tile, not the whole rows) and the f32 row
-//!   statistics.
-//! - Backward: γ gathered again, `h` and `dY` all-gathered over the row group, the op's
-//!   backward on whole rows; `dX` keeps this rank's column block; dγ and dβ (f32 sums over
-//!   the tile's rows) keep the same block, packed, reduce-scattered to the rank's pieces where
-//!   the layout splits γ further (2D) and all-reduced over the groups holding the same
-//!   pieces for other rows, then added into the gradient slots.
-//!
-//! Each row is normalised once per rank of its row group, in exchange for running the
-//! existing, tested row op unchanged; Optimus's form (Σx and Σx² all-reduced, `2r` elements)
-//! would move less.
 
 use crate::comm::{CommStats, Communicator, ReduceOp, Tally};
 use crate::device::PoolBlock;
@@ -322,8 +304,8 @@ fn tally(calls: usize, bytes: usize) -> Tally {
 }
 
 /// LayerNorm over `cols` features on the 2D / 2.5D layout, with the residual add fused
-/// (`h = x + r`, GPT-2's `ln_2`) when asked: the [grid algorithm](self) with the ROW group
-/// gathering a tile's rows.
+/// (`h = x + r`, GPT-2's `ln_2`) when asked, with the ROW group gathering a tile's rows: the
+/// grid LayerNorm's one algorithm, which [`LayerNorm3D`] runs on its own groups.
 ///
 /// The rank at `(i, j)` (and depth `dep`) takes `X_ij` `[rows_l, cols/q]` as the linears do
 /// (see [`two_d`](crate::parallel::Linear2D)) and returns `Y_ij` of the same shape. γ and β are
@@ -331,6 +313,24 @@ fn tally(calls: usize, bytes: usize) -> Tally {
 /// `[cols/q²]`, piece `j·q + i` of the `[cols]` master (elements `j·cols/q + i·cols/q² ..`),
 /// replicated over depth; they gather over COL then ROW, and their gradients are
 /// reduce-scattered over COL and all-reduced over DEP for `d > 1`.
+///
+/// # Algorithm (exact; every collective on the pass's stream)
+///
+/// - Forward: γ and β gathered whole (`[C]`) over the layout's parameter groups; `h` (`x`, or
+///   `x + r` with GPT-2's fused residual) all-gathered over the row group (the ranks holding
+///   the other column blocks of the same rows) and permuted into whole rows; the fused op
+///   ([`ops::layernorm`](crate::ops::layernorm_forward)) normalises them; this rank's column
+///   block of the result is kept. Saved: `h` (the tile, not the whole rows) and the f32 row
+///   statistics.
+/// - Backward: γ gathered again, `h` and `dY` all-gathered over the row group, the op's
+///   backward on whole rows; `dX` keeps this rank's column block; dγ and dβ (f32 sums over
+///   the tile's rows) keep the same block, packed, reduce-scattered to the rank's pieces where
+///   the layout splits γ further (2D) and all-reduced over the groups holding the same
+///   pieces for other rows, then added into the gradient slots.
+///
+/// Each row is normalised once per rank of its row group, in exchange for running the
+/// existing, tested row op unchanged; Optimus's form (Σx and Σx² all-reduced, `2r` elements)
+/// would move less.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct LayerNorm2D {
     /// This rank's piece of γ, `[cols/q²]`.
@@ -432,7 +432,7 @@ impl LayerNorm2D {
 }
 
 /// LayerNorm over the `C` columns of an activation split in a [`Layout3D`] (see
-/// [`Cube`](crate::parallel::Cube)): the [grid algorithm](self) with the layout's column
+/// [`Cube`](crate::parallel::Cube)): the grid algorithm of [`LayerNorm2D`] with the layout's column
 /// group gathering a tile's rows and γ's and β's blocks, their gradients all-reduced over the
 /// weight group and the row group.
 #[derive(Clone, Copy, Debug, PartialEq)]

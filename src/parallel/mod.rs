@@ -4,10 +4,11 @@
 //! any other: [`one_d`](crate::parallel::OneD) (Megatron's column- and row-parallel linears, the embedding split along
 //! the channels and the GPT-2 block; [`vocab`](crate::parallel::VocabEmbedding1D): the vocabulary split, for the embedding and the
 //! tied head with the cross-entropy), [`two_d`](crate::parallel::Linear2D) (the SUMMA linear on a q×q grid and its 2.5D
-//! form with the batch split over depth; [`two_d_block`](crate::parallel::Summa): their LayerNorm and the GPT-2 block;
+//! form with the batch split over depth; [`Summa`]: the GPT-2 block on it, with the grid
+//! LayerNorm that 2D and 3D share, [`LayerNorm2D`] and [`LayerNorm3D`];
 //! [`two_d_ends`](crate::parallel::Embedding2D): their embeddings, the vocab-parallel one tied to the head, and the
 //! classifier with the cross-entropy), [`three_d`](crate::parallel::Linear3D) (the linear on a q³ cube),
-//! [`Cube`](crate::parallel::Cube) (the GPT-2 block on the cube), [`three_d_ends`](crate::parallel::Embedding3D)
+//! [`Cube`] (the GPT-2 block on the cube), [`three_d_ends`](crate::parallel::Embedding3D)
 //! (the embeddings, the vocab-parallel tied LM head and the classifiers on the cube).
 //!
 //! [`Communicator`]: crate::comm::Communicator

@@ -415,7 +415,7 @@ impl RingAttention {
 }
 
 /// A [`RingAttention`] on its ring, as a block's attention core
-/// ([`Block::forward`](crate::nn::Block::forward)).
+/// ([`BlockOn::forward`](crate::nn::BlockOn::forward)).
 #[derive(Clone, Copy, Debug)]
 pub struct RingCore<'a> {
     /// The attention.

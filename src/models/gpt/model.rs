@@ -36,7 +36,7 @@ pub struct TrainStep {
 }
 
 /// A GPT-2 model whose parameters live in a store: the token and position embedding, `L`
-/// pre-LayerNorm [`Block`]s, the final LayerNorm and the LM head tied to `wte` (one parameter
+/// pre-LayerNorm [`Block`](crate::nn::Block)s, the final LayerNorm and the LM head tied to `wte` (one parameter
 /// with two uses: the store sums their gradient shares) — or a rank's part of it on its
 /// placement `P` ([`Serial`], or a tensor-parallel [`Placement`]) as a [`Plan`] places it:
 /// the blocks split over the tensor group, the ends split too or whole ([`EndsLayout`]), and

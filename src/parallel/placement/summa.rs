@@ -44,7 +44,7 @@ use crate::tensor::{Init, TensorId};
 ///
 /// ```
 /// use tidemem::comm::Communicator;
-/// use tidemem::nn::{Act, Block};
+/// use tidemem::nn::{Act, Block, BlockOn};
 /// use tidemem::parallel::{split_batch_2d, GridSpec, ProcessGrid, Summa, TensorMode};
 /// use tidemem::prelude::*;
 /// # fn main() -> tidemem::Result<()> {

@@ -409,15 +409,7 @@ fn a_gpt_whose_heads_do_not_divide_its_width_is_refused() {
 /// bad_input` alone does not). Fails the test when the example runs past `timeout`.
 fn run_example(name: &str, args: &[&str], timeout: Duration) -> Option<(i32, String)> {
     use std::io::Read;
-    let exe = std::env::current_exe().ok()?;
-    let path = exe.parent()?.parent()?.join("examples").join(name);
-    if !path.is_file() {
-        println!(
-            "skipped: {} is not built (cargo test builds the examples)",
-            path.display()
-        );
-        return None;
-    }
+    let path = common::example_or_skip("bad_input", name)?;
     let mut child = std::process::Command::new(&path)
         .args(args)
         .env_remove("WORLD_SIZE")

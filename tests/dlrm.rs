@@ -709,7 +709,7 @@ fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
 /// scale that is a power of two (unscaled on the device) and one that is not (unscaled on the
 /// host): in f32 the losses, probabilities, MLP parameters and embedding rows with their
 /// optimizer state are the same bits. In f16 they are too (the casts round as the host's
-/// conversion does); the tolerance only bounds what a backend might legitimately change.
+/// conversion does).
 #[test]
 fn device_path_equals_host_path() {
     let cfg = DlrmConfig::tiny();
@@ -739,7 +739,7 @@ fn device_path_equals_host_path() {
         .max()
         .unwrap();
     for dev in common::devices("dlrm::device_vs_host") {
-        for (dtype, tol) in [(DType::F32, 0.0), (DType::F16, 1e-3)] {
+        for dtype in [DType::F32, DType::F16] {
             for scaler in [ScalerConfig::fixed(1024.0), ScalerConfig::fixed(1000.0)] {
                 let run = |device_path: bool| {
                     let mut m = manager_of(dev.clone(), dtype);
@@ -799,27 +799,21 @@ fn device_path_equals_host_path() {
                 let (dev_run, host_run) = (run(true), run(false));
                 let what = format!("{} {dtype} scale {}", dev.name(), scaler.init_scale);
                 assert!(dev_run.5 > 0, "{what}: the cache evicted nothing");
-                let diffs = [
-                    ("losses", rel_diff(&dev_run.0, &host_run.0)),
-                    ("probs", rel_diff(&dev_run.1, &host_run.1)),
-                    ("params", rel_diff(&dev_run.2, &host_run.2)),
-                    ("rows", rel_diff(&dev_run.3, &host_run.3)),
-                    ("state", rel_diff(&dev_run.4, &host_run.4)),
-                ];
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let bitwise = [
-                    bits(&dev_run.0) == bits(&host_run.0),
-                    bits(&dev_run.1) == bits(&host_run.1),
-                    bits(&dev_run.2) == bits(&host_run.2),
-                    bits(&dev_run.3) == bits(&host_run.3),
-                    bits(&dev_run.4) == bits(&host_run.4),
+                let pairs = [
+                    ("losses", &dev_run.0, &host_run.0),
+                    ("probs", &dev_run.1, &host_run.1),
+                    ("params", &dev_run.2, &host_run.2),
+                    ("rows", &dev_run.3, &host_run.3),
+                    ("state", &dev_run.4, &host_run.4),
                 ];
-                eprintln!("device vs host path on {what}: {diffs:?}, bitwise {bitwise:?}");
-                if tol == 0.0 {
-                    assert!(bitwise.iter().all(|&b| b), "{what}: {diffs:?}");
-                }
-                for (name, d) in diffs {
-                    assert!(d <= tol, "{what} {name}: {d:e}");
+                for (name, d, h) in pairs {
+                    let diff = rel_diff(d, h);
+                    assert_eq!(
+                        bits(d),
+                        bits(h),
+                        "{what} {name}: the same bits ({diff:e} apart)"
+                    );
                 }
             }
         }

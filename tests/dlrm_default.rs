@@ -10,6 +10,8 @@
 //! The others take a second or two: a refused flag exits with status 2 and a message naming
 //! it before any work, and `--steps` beyond a TSV file's batches is a warning.
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 
@@ -18,19 +20,7 @@ use serde_json::Value;
 /// The example's binary beside this test's (`target/<profile>/deps/..` →
 /// `target/<profile>/examples/dlrm_train`), if built.
 fn example() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let name = format!("dlrm_train{}", std::env::consts::EXE_SUFFIX);
-    let path = exe.parent()?.parent()?.join("examples").join(name);
-    if path.is_file() {
-        Some(path)
-    } else {
-        println!(
-            "skipped: {} is not built (cargo build --example dlrm_train, with --release for a \
-             release test run)",
-            path.display()
-        );
-        None
-    }
+    common::example_or_skip("dlrm_default", "dlrm_train")
 }
 
 fn run(bin: &PathBuf, args: &[&str]) -> Output {

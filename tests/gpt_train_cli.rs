@@ -4,22 +4,18 @@
 //! (`target/<profile>/examples/gpt_train`); skips with a note when it is absent (a filtered
 //! `cargo test --test gpt_train_cli` builds no examples).
 
+mod common;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 fn binary() -> Option<PathBuf> {
-    // target/<profile>/deps/gpt_train_cli-HASH → target/<profile>/examples/gpt_train
-    let exe = std::env::current_exe().ok()?;
-    let p = exe.parent()?.parent()?.join("examples").join("gpt_train");
-    p.is_file().then_some(p)
+    common::example_or_skip("gpt_train_cli", "gpt_train")
 }
 
 fn run(args: &[&str], dir: &std::path::Path) -> Option<Output> {
-    let Some(bin) = binary() else {
-        eprintln!("skipped: the gpt_train example is not built (run `cargo test`)");
-        return None;
-    };
+    let bin = binary()?;
     Some(
         Command::new(bin)
             .args(args)

@@ -3,17 +3,12 @@
 //! (not its `Debug` form) with exit code 1. Runs the example binary that `cargo test` builds
 //! (`target/<profile>/examples/own_model`); skips with a note when it is absent.
 
-use std::path::PathBuf;
+mod common;
+
 use std::process::{Command, Output};
 
 fn run(args: &[&str]) -> Option<Output> {
-    // target/<profile>/deps/own_model_cli-HASH → target/<profile>/examples/own_model
-    let exe = std::env::current_exe().ok()?;
-    let bin: PathBuf = exe.parent()?.parent()?.join("examples").join("own_model");
-    if !bin.is_file() {
-        eprintln!("skipped: the own_model example is not built (run `cargo test`)");
-        return None;
-    }
+    let bin = common::example_or_skip("own_model_cli", "own_model")?;
     Some(
         Command::new(bin)
             .args(args)

@@ -4,6 +4,8 @@
 //! has no `offsetof`, checks the sizes. CUDA lays out a by-value kernel parameter as the host
 //! compiler does (it must, for launches from host code), so the offsets agree on both.
 
+mod common;
+
 use std::fmt::Write as _;
 
 use tidemem::kernels::{self, CompileTarget, KernelSource};
@@ -94,13 +96,8 @@ fn sizes_match_the_cuda_headers_under_nvrtc() {
 
 #[test]
 fn layouts_match_the_headers_under_the_host_compiler() {
-    let Some(cxx) = ["c++", "g++", "clang++"].into_iter().find(|c| {
-        std::process::Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    }) else {
-        eprintln!("skipping: no host C++ compiler");
+    let test = "layouts_match_the_headers_under_the_host_compiler";
+    let Some(cxx) = common::cxx_or_skip(test, &["c++", "g++", "clang++"]) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -125,13 +122,8 @@ fn layouts_match_the_headers_under_the_host_compiler() {
 #[test]
 fn the_probe_fails_on_a_wrong_offset() {
     // The check can fail: a layout with a wrong offset is refused by the host compiler.
-    let Some(cxx) = ["c++", "g++"].into_iter().find(|c| {
-        std::process::Command::new(c)
-            .arg("--version")
-            .output()
-            .is_ok_and(|o| o.status.success())
-    }) else {
-        eprintln!("skipping: no host C++ compiler");
+    let test = "the_probe_fails_on_a_wrong_offset";
+    let Some(cxx) = common::cxx_or_skip(test, &["c++", "g++"]) else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();

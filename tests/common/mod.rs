@@ -244,18 +244,23 @@ pub fn assert_same_arithmetic(dev: &Device, got: &[u32], want: &[u32], tol: f64,
     );
 }
 
-/// The example `name` that `cargo test` builds beside this test binary
-/// (`target/<profile>/examples/<name>`); the test fails, saying so, when it is not built (a
-/// filtered `cargo test --test X` builds no examples: `cargo build --example <name>` first).
-pub fn example_binary(name: &str) -> std::path::PathBuf {
-    // target/<profile>/deps/<test>-HASH → target/<profile>/examples/<name>
+/// Where the example `name` is built beside this test binary:
+/// `target/<profile>/deps/<test>-HASH` → `target/<profile>/examples/<name>`.
+fn example_path(name: &str) -> std::path::PathBuf {
     let exe = std::env::current_exe().expect("the test binary's path");
-    let p = exe
-        .parent()
+    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    exe.parent()
         .and_then(std::path::Path::parent)
         .expect("target/<profile>")
         .join("examples")
-        .join(name);
+        .join(file)
+}
+
+/// The example `name` that `cargo test` builds beside this test binary; the test fails,
+/// saying so, when it is not built (a filtered `cargo test --test X` builds no examples:
+/// `cargo build --example <name>` first).
+pub fn example_binary(name: &str) -> std::path::PathBuf {
+    let p = example_path(name);
     assert!(
         p.is_file(),
         "{} is not built: this test runs it (`cargo test` builds it; a filtered run needs \
@@ -263,4 +268,51 @@ pub fn example_binary(name: &str) -> std::path::PathBuf {
         p.display()
     );
     p
+}
+
+/// Whether the environment variable `var` is `1`: a prerequisite a test would skip without is
+/// required (CI sets them, so that a skipped test cannot pass for a run).
+fn required(var: &str) -> bool {
+    std::env::var(var).as_deref() == Ok("1")
+}
+
+/// The example `name` built beside this test binary (`target/<profile>/examples/<name>`), or
+/// `None` after printing that `test` is skipped; `TIDEMEM_REQUIRE_EXAMPLES=1` makes a missing
+/// example a failure (a filtered `cargo test --test X` builds no examples:
+/// `cargo build --example <name>` first).
+pub fn example_or_skip(test: &str, name: &str) -> Option<std::path::PathBuf> {
+    let p = example_path(name);
+    if p.is_file() {
+        return Some(p);
+    }
+    assert!(
+        !required("TIDEMEM_REQUIRE_EXAMPLES"),
+        "{test}: TIDEMEM_REQUIRE_EXAMPLES=1 but {} is not built (`cargo build --example {name}`, \
+         with --release for a release run)",
+        p.display()
+    );
+    eprintln!(
+        "{test}: skipped: {} is not built (run `cargo test`)",
+        p.display()
+    );
+    None
+}
+
+/// The first of `compilers` that runs (`--version`), or `None` after printing that `test` is
+/// skipped; `TIDEMEM_REQUIRE_CXX=1` makes a missing host C++ compiler a failure.
+pub fn cxx_or_skip(test: &str, compilers: &[&'static str]) -> Option<&'static str> {
+    let found = compilers.iter().copied().find(|c| {
+        std::process::Command::new(c)
+            .arg("--version")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    });
+    if found.is_none() {
+        assert!(
+            !required("TIDEMEM_REQUIRE_CXX"),
+            "{test}: TIDEMEM_REQUIRE_CXX=1 but none of {compilers:?} runs"
+        );
+        eprintln!("{test}: skipped: no host C++ compiler ({compilers:?})");
+    }
+    found
 }

@@ -1,6 +1,7 @@
 //! Data-parallel training with ZeRO over chunks: one trainer, launched as N in-process ranks
 //! (simulated devices, the default) or as one NCCL rank per process when a launcher sets
-//! `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (CUDA device
+//! `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (or under Slurm's
+//! `srun`, its own variables: see `tidemem::comm::LaunchEnv`) (CUDA device
 //! `LOCAL_RANK`).
 //!
 //! ```sh
@@ -40,7 +41,7 @@ use tidemem::zero::ZeroManager;
 #[derive(Parser, Debug)]
 #[command(about = "Train the toy MLP with ZeRO over chunks on N data-parallel ranks")]
 struct Args {
-    /// In-process ranks, 1 to 1024 (ignored when WORLD_SIZE is set).
+    /// In-process ranks, 1 to 1024 (ignored under a launcher).
     #[arg(long, default_value_t = 2)]
     ranks: usize,
     /// Blocks of the MLP (one chunk each).
@@ -143,7 +144,7 @@ fn run() -> tidemem::Result<()> {
         tied: false,
         lr: 1e-2,
     };
-    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let launched = tidemem::comm::LaunchEnv::from_env()?.is_some();
     check(&args, &toy, mem, launched)?;
     let device_for = |r: usize| {
         if launched {

@@ -126,7 +126,7 @@ pub fn host(
     } else {
         held / (dtype.size() as u64 + 12) * 12
     };
-    let sim = a.backend != "cuda" && std::env::var_os("WORLD_SIZE").is_none();
+    let sim = a.backend != "cuda" && !launched()?;
     let devices = if sim {
         device.saturating_mul(a.ranks as u64)
     } else {
@@ -522,4 +522,10 @@ pub fn hf_agrees(a: &Args, file: &Path, cfg: &GptConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether a launcher started this process as one rank of a job (`torchrun`'s variables, or
+/// an `srun` task's).
+pub fn launched() -> Result<bool> {
+    Ok(tidemem::comm::LaunchEnv::from_env()?.is_some())
 }

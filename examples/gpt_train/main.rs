@@ -370,16 +370,12 @@ fn probe(a: &Args, p: &Setup) -> Result<Sizing> {
 
 fn run() -> Result<()> {
     let a = Args::parse();
-    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let env = tidemem::comm::LaunchEnv::from_env()?;
+    let launched = env.is_some();
     let sharded = a.ranks > 1 || launched || a.tp != "none";
     // everything that can be checked before any work is
     checks::flags(&a, launched)?;
-    let world = match std::env::var("WORLD_SIZE") {
-        Ok(w) => w
-            .parse()
-            .map_err(|_| bad(format!("WORLD_SIZE={w}: a number of ranks")))?,
-        Err(_) => a.ranks,
-    };
+    let world = env.map_or(a.ranks, |e| e.world_size);
     checks::paths(&a, sharded, world)?;
     if a.backend == "timing" {
         eprintln!(
@@ -808,15 +804,16 @@ fn summary(
 
 /// ZeRO over `--ranks` in-process ranks (each a simulated device of the same capacity, or
 /// CUDA device 0 with `--backend cuda`), or one NCCL rank per process when a launcher sets
-/// `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (CUDA device
-/// `LOCAL_RANK`); each rank trains on `--batch` rows of its own. Rank 0 reports.
+/// `WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` (or `srun` its own:
+/// [`LaunchEnv`](tidemem::comm::LaunchEnv)) (CUDA device `LOCAL_RANK`); each rank trains on
+/// `--batch` rows of its own. Rank 0 reports.
 fn train_zero(a: &Args, p: &Setup) -> Result<()> {
-    let launched = std::env::var_os("WORLD_SIZE").is_some();
+    let launched = checks::launched()?;
     let device_for = |r: usize| {
         if launched {
             Device::cuda(r).map_err(|e| {
                 bad(format!(
-                    "WORLD_SIZE is set: a launched rank runs on CUDA device LOCAL_RANK ({r}), \
+                    "a launched rank runs on CUDA device LOCAL_RANK ({r}), \
                      which is not usable here ({e}); without a launcher, --ranks N runs \
                      in-process ranks on --backend {}",
                     a.backend

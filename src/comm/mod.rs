@@ -111,7 +111,8 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 pub const MAX_LOCAL_RANKS: usize = 1024;
 
 /// Runs a trainer written once on every rank of a job, however it was started:
-/// - with `WORLD_SIZE` set by a launcher (see [`LaunchEnv`]), this process is one NCCL rank on
+/// - started by a launcher (`torchrun`'s `WORLD_SIZE`, or an `srun` task: see [`LaunchEnv`]),
+///   this process is one NCCL rank on
 ///   `device_for(LOCAL_RANK)`, meeting the others within `timeout`; the result holds its value;
 /// - otherwise `default_world` in-process ranks run on threads, rank `r` on `device_for(r)`; the
 ///   result holds every rank's value in rank order.
@@ -128,7 +129,7 @@ pub const MAX_LOCAL_RANKS: usize = 1024;
 /// use tidemem::comm::{launch, ReduceOp};
 /// use tidemem::device::{Device, SimConfig};
 /// # fn main() -> tidemem::Result<()> {
-/// # if std::env::var_os("WORLD_SIZE").is_some() { return Ok(()); }
+/// # if tidemem::comm::LaunchEnv::from_env()?.is_some() { return Ok(()); }
 /// let out = launch(
 ///     3,
 ///     |_| Device::sim(SimConfig::with_capacity(1 << 20)),

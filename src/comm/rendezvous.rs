@@ -1,7 +1,13 @@
 //! How ranks started by a launcher find each other.
 //!
 //! A launcher (`torchrun`, `mpirun` with a wrapper, a job script) sets `RANK`, `WORLD_SIZE`,
-//! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in every process. Rank 0 listens on
+//! `LOCAL_RANK`, `MASTER_ADDR` and `MASTER_PORT` in every process. Without `WORLD_SIZE`, a
+//! task that Slurm's `srun` started (`SLURM_STEP_ID` set) takes its place from Slurm's own:
+//! `SLURM_PROCID` the rank, `SLURM_STEP_NUM_TASKS` (else `SLURM_NTASKS`) the world size,
+//! `SLURM_LOCALID` the local rank (0 for a task that sees one GPU, `CUDA_VISIBLE_DEVICES` of
+//! one entry, as `srun --gpus-per-task 1` binds it), and the first host of the step's nodes
+//! (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST`, in Slurm's `node[01-04,07]` form) rank
+//! 0's address; `MASTER_ADDR` and the ports below still win where set. Rank 0 listens on
 //! `MASTER_PORT` (on every interface, so a `MASTER_ADDR` that names the node resolves to a
 //! reachable address even where the node's own name maps to loopback) and serves the group's
 //! 128-byte NCCL unique id to each other rank: a client sends the magic `TIDEMEM1`, its rank and
@@ -53,14 +59,26 @@ pub struct LaunchEnv {
 }
 
 impl LaunchEnv {
-    /// Reads the process environment; `Ok(None)` when `WORLD_SIZE` is not set (not launched).
-    pub(crate) fn from_env() -> Result<Option<LaunchEnv>> {
+    /// This process's place in a launched job, from the environment (`torchrun`'s variables,
+    /// else Slurm's under `srun`: see the [module](self)); `Ok(None)` when no launcher
+    /// started it. Malformed or inconsistent values are [`Error::Rendezvous`] naming the
+    /// variable.
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
         Self::from_vars(|k| std::env::var(k).ok())
     }
 
-    /// Reads the variables through `get`; `Ok(None)` when `WORLD_SIZE` is absent. Malformed or
-    /// inconsistent values are errors naming the variable.
+    /// Reads the variables through `get`; `Ok(None)` when neither `WORLD_SIZE` nor an `srun`
+    /// task's Slurm variables are present. Malformed or inconsistent values are errors naming
+    /// the variable.
     pub(crate) fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        if get("WORLD_SIZE").is_none() && get("SLURM_STEP_ID").is_some() {
+            return Self::from_slurm(&get);
+        }
+        Self::from_torchrun(&get)
+    }
+
+    /// The place from `torchrun`'s variables; `Ok(None)` without `WORLD_SIZE`.
+    fn from_torchrun(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         let Some(world) = get("WORLD_SIZE") else {
             return Ok(None);
         };
@@ -104,6 +122,62 @@ impl LaunchEnv {
             master_addr: get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
             master_port,
         }))
+    }
+
+    /// An `srun` task's place from Slurm's variables, as `torchrun`'s would give it: the
+    /// rank, world size and local rank read under torchrun's names, `MASTER_ADDR` the first
+    /// host of the step's nodes unless set.
+    fn from_slurm(get: &dyn Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        let need = |k: &str| {
+            get(k).ok_or_else(|| Error::Rendezvous(format!("SLURM_STEP_ID is set but {k} is not")))
+        };
+        let world = match get("SLURM_STEP_NUM_TASKS") {
+            Some(n) => n,
+            None => need("SLURM_NTASKS")?,
+        };
+        let rank = need("SLURM_PROCID")?;
+        // a task bound to one GPU (`--gpus-per-task 1`) sees it as device 0
+        let one_gpu =
+            get("CUDA_VISIBLE_DEVICES").is_some_and(|v| !v.trim().is_empty() && !v.contains(','));
+        let local = match one_gpu {
+            true => Some("0".to_string()),
+            false => get("SLURM_LOCALID"),
+        };
+        let addr = match get("MASTER_ADDR") {
+            Some(a) => a,
+            None => {
+                let (k, list) = [
+                    "SLURM_STEP_NODELIST",
+                    "SLURM_JOB_NODELIST",
+                    "SLURM_NODELIST",
+                ]
+                .into_iter()
+                .find_map(|k| get(k).map(|v| (k, v)))
+                .ok_or_else(|| {
+                    Error::Rendezvous(
+                        "SLURM_STEP_ID is set but no node list (SLURM_STEP_NODELIST, \
+                             SLURM_JOB_NODELIST) names rank 0's host, and MASTER_ADDR is not set"
+                            .into(),
+                    )
+                })?;
+                first_host(&list)
+                    .ok_or_else(|| Error::Rendezvous(format!("{k}={list:?} names no host")))?
+            }
+        };
+        let renamed = |k: &str| match k {
+            "WORLD_SIZE" => Some(world.clone()),
+            "RANK" => Some(rank.clone()),
+            "LOCAL_RANK" => local.clone(),
+            "MASTER_ADDR" => Some(addr.clone()),
+            other => get(other),
+        };
+        Self::from_torchrun(&renamed).map_err(|e| match e {
+            Error::Rendezvous(m) => Error::Rendezvous(format!(
+                "{m} (from Slurm: WORLD_SIZE is SLURM_STEP_NUM_TASKS or SLURM_NTASKS, RANK \
+                 SLURM_PROCID, LOCAL_RANK SLURM_LOCALID)"
+            )),
+            e => e,
+        })
     }
 
     /// Every address `MASTER_ADDR:port` resolves to now.
@@ -252,6 +326,30 @@ fn serve(env: &LaunchEnv, id: [u8; 128], deadline: Instant) -> Result<()> {
     Ok(())
 }
 
+/// The first host of a Slurm host list: `node[01-04,07],gpu3` → `node01` (the first entry,
+/// each bracket replaced by its first value, zero padding kept); `None` for an empty or
+/// malformed list.
+fn first_host(list: &str) -> Option<String> {
+    let mut host = String::new();
+    let mut rest = list.trim();
+    loop {
+        let stop = rest.find([',', '[']).unwrap_or(rest.len());
+        host.push_str(&rest[..stop]);
+        rest = &rest[stop..];
+        if !rest.starts_with('[') {
+            break;
+        }
+        let close = rest.find(']')?;
+        let first = rest[1..close].split([',', '-']).next()?.trim();
+        if first.is_empty() || !first.bytes().all(|b| b.is_ascii_digit()) {
+            return None;
+        }
+        host.push_str(first);
+        rest = &rest[close + 1..];
+    }
+    (!host.is_empty()).then_some(host)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -291,6 +389,77 @@ mod tests {
                 matches!(LaunchEnv::from_vars(vars(&bad)), Err(Error::Rendezvous(_))),
                 "{bad:?}"
             );
+        }
+    }
+
+    #[test]
+    fn an_srun_task_takes_its_place_from_slurm() {
+        let task = [
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "16"),
+            ("SLURM_STEP_NUM_TASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_STEP_NODELIST", "gpu[007-010,12],login1"),
+            ("SLURM_JOB_NODELIST", "other1"),
+        ];
+        let e = LaunchEnv::from_vars(vars(&task)).unwrap().unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank), (5, 8, 1));
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("gpu007", 29500));
+        let mut bound = task.to_vec();
+        bound.push(("CUDA_VISIBLE_DEVICES", "3"));
+        let e = LaunchEnv::from_vars(vars(&bound)).unwrap().unwrap();
+        assert_eq!(
+            e.local_rank, 0,
+            "a task bound to one GPU sees it as device 0"
+        );
+        // torchrun's variables win; MASTER_ADDR and the port are read as ever
+        let mut both = task.to_vec();
+        both.extend([("MASTER_ADDR", "head"), ("MASTER_PORT", "29411")]);
+        let e = LaunchEnv::from_vars(vars(&both)).unwrap().unwrap();
+        assert_eq!((e.master_addr.as_str(), e.master_port), ("head", 29411));
+        both.extend([("WORLD_SIZE", "2"), ("RANK", "1")]);
+        let e = LaunchEnv::from_vars(vars(&both)).unwrap().unwrap();
+        assert_eq!((e.rank, e.world_size), (1, 2));
+        // a batch script's shell (no step) is not a rank
+        let batch = [("SLURM_PROCID", "0"), ("SLURM_NTASKS", "8")];
+        assert_eq!(LaunchEnv::from_vars(vars(&batch)).unwrap(), None);
+        for bad in [
+            vec![("SLURM_STEP_ID", "0"), ("SLURM_NTASKS", "2")],
+            vec![
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_PROCID", "2"),
+                ("SLURM_NTASKS", "2"),
+            ],
+            vec![
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+            ],
+            vec![
+                ("SLURM_STEP_ID", "0"),
+                ("SLURM_PROCID", "0"),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_JOB_NODELIST", "n[x-y]"),
+            ],
+        ] {
+            let e = LaunchEnv::from_vars(vars(&bad));
+            assert!(matches!(e, Err(Error::Rendezvous(_))), "{bad:?}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn slurm_host_lists_give_their_first_host() {
+        for (list, first) in [
+            ("node1", Some("node1")),
+            ("node[01-04,07],gpu3", Some("node01")),
+            ("a[3,1]-ib[2-4]", Some("a3-ib2")),
+            ("x1,x2", Some("x1")),
+            ("", None),
+            ("n[", None),
+            ("n[]", None),
+        ] {
+            assert_eq!(first_host(list).as_deref(), first, "{list}");
         }
     }
 

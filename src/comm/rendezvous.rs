@@ -43,7 +43,14 @@ use crate::error::{Error, Result};
 
 const MAGIC: &[u8; 8] = b"TIDEMEM1";
 
-/// A rank's place in a launched job, from the launcher's environment.
+/// A rank's place in a launched job, from the launcher's environment: `torchrun`'s variables
+/// (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`), or, without
+/// `WORLD_SIZE`, those of a task Slurm's `srun` started (`SLURM_STEP_ID` set): `SLURM_PROCID`
+/// the rank, `SLURM_STEP_NUM_TASKS` (else `SLURM_NTASKS`) the world size, `SLURM_LOCALID` the
+/// local rank (0 for a task that sees one GPU, `CUDA_VISIBLE_DEVICES` of one entry, as
+/// `srun --gpus-per-task 1` binds it), and the first host of the step's nodes
+/// (`SLURM_STEP_NODELIST`, else `SLURM_JOB_NODELIST`, in Slurm's `node[01-04,07]` form) rank
+/// 0's address; `MASTER_ADDR` and the ports still win where set.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct LaunchEnv {
     /// Global rank (`RANK`).
@@ -60,7 +67,7 @@ pub struct LaunchEnv {
 
 impl LaunchEnv {
     /// This process's place in a launched job, from the environment (`torchrun`'s variables,
-    /// else Slurm's under `srun`: see the [module](self)); `Ok(None)` when no launcher
+    /// else Slurm's under `srun`: see [`LaunchEnv`]); `Ok(None)` when no launcher
     /// started it. Malformed or inconsistent values are [`Error::Rendezvous`] naming the
     /// variable.
     pub fn from_env() -> Result<Option<LaunchEnv>> {

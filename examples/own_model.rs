@@ -220,12 +220,19 @@ fn run(a: &Args) -> Result<()> {
     bar.finish();
     let (up, down) = moved.last().copied().unwrap_or_default();
     let (first, last) = (losses[0], losses[losses.len() - 1]);
+    // chunks the device gave up: written back (not early, for the host's Adam) or dropped
+    let s = m.stats();
+    let evictions = s.write_backs - s.early_write_backs + s.clean_drops;
     if a.json {
         let j = serde_json::json!({
             "steps": a.steps,
             "model_data_bytes": sizing.model_data_bytes(),
+            // what the model needs resident: the activations' peak and every chunk
+            "resident_bytes": sizing.non_model_peak() + sizing.device_chunk_bytes(),
             "smallest_device_bytes": smallest,
             "device_bytes": capacity,
+            "evictions": evictions,
+            "losses": losses,
             "first_loss": first,
             "last_loss": last,
             "h2d_bytes_per_step": up,

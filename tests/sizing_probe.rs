@@ -1,5 +1,8 @@
-//! `ChunkManager::probe` sizes a model of one's own: the smallest device it reports trains,
-//! and one 5% smaller fails with `BudgetExceeded` naming the fetch that no longer fits.
+//! `ChunkManager::probe` sizes a model of one's own: the smallest device it reports trains
+//! (below what the model needs resident, so it evicts, with a roomy device's results bit for
+//! bit), and one 5% smaller fails with `BudgetExceeded` naming the fetch that no longer fits.
+
+mod common;
 
 use tidemem::nn::{Act, CrossEntropyLoss, Gelu, Linear, Sequential};
 use tidemem::optim::ScalerConfig;
@@ -49,15 +52,19 @@ fn step(m: &mut ChunkManager, model: &Sequential, opt: &mut HybridAdam, k: usize
     loss.read()
 }
 
-/// Three steps on a device of `capacity` bytes configured from `sizing`.
-fn train(sizing: &Sizing, capacity: u64) -> Result<Vec<f32>> {
+/// Three steps on a device of `capacity` bytes configured from `sizing`: the losses' bits and
+/// the chunk moves.
+fn train(sizing: &Sizing, capacity: u64) -> Result<(Vec<u32>, tidemem::tide::MoveStats)> {
     let dev = Device::sim(SimConfig::with_capacity(capacity as usize))?;
     let mut cfg = config();
     cfg.scheduler = sizing.config_for(capacity);
     let mut m = ChunkManager::new(dev, cfg)?;
     let model = register(&mut m)?;
     let mut opt = adam()?;
-    (0..3).map(|k| step(&mut m, &model, &mut opt, k)).collect()
+    let losses = (0..3)
+        .map(|k| step(&mut m, &model, &mut opt, k).map(f32::to_bits))
+        .collect::<Result<_>>()?;
+    Ok((losses, m.stats()))
 }
 
 #[test]
@@ -70,11 +77,28 @@ fn the_smallest_device_trains_and_one_five_percent_smaller_names_the_fetch() {
     let smallest = sizing
         .smallest_device(Policy::Tide, |c| sizing.config_for(c))
         .unwrap();
-    // the device holds less than the model's data: chunks move
-    assert!(smallest < sizing.model_data_bytes(), "{smallest} bytes");
+    // less than the model needs resident (its activations' peak and every parameter chunk):
+    // the device must evict, and trains to a roomy device's bits
+    let resident = sizing.non_model_peak() + sizing.device_chunk_bytes();
+    assert!(smallest < resident, "{smallest} bytes, {resident} resident");
     assert!(smallest >= sizing.largest_moment());
-    let losses = train(&sizing, smallest).unwrap();
-    assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}");
+    let (losses, moved) = train(&sizing, smallest).unwrap();
+    let (roomy_losses, roomy_moved) = train(&sizing, 4 * resident).unwrap();
+    assert!(
+        losses.iter().all(|&l| f32::from_bits(l).is_finite()),
+        "{losses:?}"
+    );
+    assert_eq!(
+        losses, roomy_losses,
+        "the smallest device's losses are a roomy one's"
+    );
+    // (the parameters go up after every host step on either device: an eviction here costs a
+    // write-back or a drop, not a second upload)
+    let (e, r) = (common::evictions(&moved), common::evictions(&roomy_moved));
+    assert!(
+        e > r,
+        "the smallest device evicts: {e} chunks, a roomy one {r}"
+    );
 
     let smaller = smallest * 95 / 100;
     match train(&sizing, smaller) {

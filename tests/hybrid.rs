@@ -221,8 +221,25 @@ fn single(n: usize, groups: usize) -> (ChunkManager, Vec<TensorId>) {
 /// [`single`] with parameters of `dtype`.
 fn single_of(n: usize, groups: usize, dtype: DType) -> (ChunkManager, Vec<TensorId>) {
     let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-    let mut cfg = ManagerConfig::new(n, Policy::Tide);
+    single_on(dev, Policy::Tide, None, n, groups, dtype)
+}
+
+/// [`single_of`] on `dev` under `policy`, planning for `capacity` bytes of it when given.
+fn single_on(
+    dev: Device,
+    policy: Policy,
+    capacity: Option<u64>,
+    n: usize,
+    groups: usize,
+    dtype: DType,
+) -> (ChunkManager, Vec<TensorId>) {
+    let mut cfg = ManagerConfig::new(n, policy);
     cfg.param_dtype = dtype;
+    if let Some(c) = capacity {
+        cfg.scheduler.capacity = c;
+        cfg.scheduler.overall_fraction = 1.0;
+        cfg.scheduler.warmup_chunk_fraction = 1.0;
+    }
     let mut m = ChunkManager::new(dev, cfg).unwrap();
     let ids = (0..groups)
         .map(|g| {
@@ -326,14 +343,26 @@ fn steps_equal_the_cpu_kernel_on_flat_arrays_with_clipping_folded_in() {
     }
 }
 
-/// Host groups stepped during backward keep the serial step's bits through clean steps (kept),
-/// a clip, an overflow and a grown loss scale (redone), for every placement; fp16, bf16 and
-/// f32 parameters.
-#[test]
-fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
-    let (n, groups) = (5000, 5);
-    // (step, what happens): large gradients clip at step 4, an overflow at step 6 in a host
-    // group, the scale grows every 3 clean steps
+/// One step's outcome, clip coefficient, loss scale and every tensor's master and parameter
+/// bits.
+type Trail = Vec<(StepOutcome, f32, f32, Vec<u32>)>;
+
+/// `steps` (at least 7) steps of `m`'s groups (one tensor each) through a clean start, a clip
+/// (step 4), an overflow in a host group (step 6) and the scale's growths (every 3 clean
+/// steps), overlapped with backward or not: the trail, what the overlap did, and the chunk
+/// moves.
+fn clip_and_overflow_run(
+    (mut m, ids): (ChunkManager, Vec<TensorId>),
+    placement: DevicePlacement,
+    overlap: bool,
+    steps: u64,
+) -> (
+    Trail,
+    tidemem::chunk::OverlapStats,
+    tidemem::tide::MoveStats,
+) {
+    let groups = ids.len();
+    let n = m.tensor_info(ids[0]).unwrap().1[0];
     let grads_at = |step: u64| -> Vec<Vec<f32>> {
         let scale = if step == 4 { 4096.0 } else { 4.0 };
         let mut g: Vec<Vec<f32>> = (0..groups as u64)
@@ -344,72 +373,166 @@ fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
         }
         g
     };
+    let mut opt = HybridAdam::new(HybridConfig {
+        placement,
+        overlap,
+        loss_scale: Some(ScalerConfig {
+            init_scale: 64.0,
+            growth_interval: 3,
+            hysteresis: 1,
+            ..ScalerConfig::default()
+        }),
+        max_grad_norm: Some(8.0),
+        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+    })
+    .unwrap();
+    let mut trail = Vec::new();
+    for step in 1..=steps {
+        let scale = opt.loss_scale();
+        let g: Vec<Vec<f32>> = grads_at(step)
+            .into_iter()
+            .map(|v| v.into_iter().map(|x| x * scale / 64.0).collect())
+            .collect();
+        iterate(&mut m, &ids, &g);
+        let r = opt.step(&mut m).unwrap();
+        let bits: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| {
+                let mut v = m.master(id).unwrap();
+                v.extend(m.read(id).unwrap());
+                v
+            })
+            .map(f32::to_bits)
+            .collect();
+        trail.push((r.outcome, r.clip_coef, r.loss_scale, bits));
+    }
+    (trail, m.overlap_stats(), m.stats())
+}
+
+/// The serial and the overlapped trail agree step for step, the serial one clipped and
+/// skipped an overflow, and the overlap kept what it could: every step after the first starts
+/// every host group early (step 1 is warm-up); the clip, the overflow and the scale's growths
+/// are redone, the rest kept.
+fn assert_overlap_exact(
+    serial: &Trail,
+    overlapped: &Trail,
+    o: &tidemem::chunk::OverlapStats,
+    host: u64,
+    what: &str,
+) {
+    for (step, (a, b)) in serial.iter().zip(overlapped).enumerate() {
+        assert!(a == b, "{what}: step {} differs", step + 1);
+    }
+    let outcomes: Vec<_> = serial.iter().map(|t| (t.0, t.1 < 1.0)).collect();
+    assert!(
+        outcomes.contains(&(StepOutcome::Skipped, false)),
+        "{what}: {outcomes:?}"
+    );
+    assert!(
+        outcomes.contains(&(StepOutcome::Stepped, true)),
+        "{what}: {outcomes:?}"
+    );
+    let steps = serial.len() as u64;
+    assert_eq!(o.started, (steps - 1) * host, "{what}: {o:?}");
+    assert!(o.kept >= (steps - 6) * host, "{what}: {o:?}");
+    assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
+}
+
+/// Host groups stepped during backward keep the serial step's bits through clean steps (kept),
+/// a clip, an overflow and a grown loss scale (redone), for every placement; fp16, bf16 and
+/// f32 parameters.
+#[test]
+fn overlapped_steps_equal_serial_ones_through_clips_and_overflows() {
+    let (n, groups) = (5000, 5);
     for dtype in [DType::F16, DType::BF16, DType::F32] {
         for placement in [DevicePlacement::HostOnly, DevicePlacement::Groups(2)] {
-            let run = |overlap: bool| {
-                let (mut m, ids) = single_of(n, groups, dtype);
-                let mut opt = HybridAdam::new(HybridConfig {
-                    placement,
-                    overlap,
-                    loss_scale: Some(ScalerConfig {
-                        init_scale: 64.0,
-                        growth_interval: 3,
-                        hysteresis: 1,
-                        ..ScalerConfig::default()
-                    }),
-                    max_grad_norm: Some(8.0),
-                    ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
-                })
-                .unwrap();
-                let mut trail = Vec::new();
-                for step in 1..=10 {
-                    let scale = opt.loss_scale();
-                    let g: Vec<Vec<f32>> = grads_at(step)
-                        .into_iter()
-                        .map(|v| v.into_iter().map(|x| x * scale / 64.0).collect())
-                        .collect();
-                    iterate(&mut m, &ids, &g);
-                    let r = opt.step(&mut m).unwrap();
-                    let bits: Vec<u32> = ids
-                        .iter()
-                        .flat_map(|&id| {
-                            let mut v = m.master(id).unwrap();
-                            v.extend(m.read(id).unwrap());
-                            v
-                        })
-                        .map(f32::to_bits)
-                        .collect();
-                    trail.push((r.outcome, r.clip_coef, r.loss_scale, bits));
-                }
-                (trail, m.overlap_stats())
+            let run = |overlap| {
+                clip_and_overflow_run(single_of(n, groups, dtype), placement, overlap, 10)
             };
-            let (serial, none) = run(false);
-            let (overlapped, o) = run(true);
+            let (serial, none, _) = run(false);
+            let (overlapped, o, _) = run(true);
             let what = format!("{dtype:?} {placement:?}");
             assert_eq!(none, Default::default(), "{what}");
-            for (step, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
-                assert!(a == b, "{what}: step {} differs", step + 1);
-            }
-            let outcomes: Vec<_> = serial.iter().map(|t| (t.0, t.1 < 1.0)).collect();
-            assert!(
-                outcomes.contains(&(StepOutcome::Skipped, false)),
-                "{outcomes:?}"
-            );
-            assert!(
-                outcomes.contains(&(StepOutcome::Stepped, true)),
-                "{outcomes:?}"
-            );
             let host = groups
                 - if placement == DevicePlacement::HostOnly {
                     0
                 } else {
                     2
                 };
-            // steps 2..=10 start every host group early (step 1 is warm-up); the clip, the
-            // overflow and the scale's growths are redone
-            assert_eq!(o.started, 9 * host as u64, "{what}: {o:?}");
-            assert!(o.kept >= 4 * host as u64, "{what}: {o:?}");
-            assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
+            assert_overlap_exact(&serial, &overlapped, &o, host as u64, &what);
+        }
+    }
+}
+
+/// The same under every policy, on the simulated device and on CUDA, on a roomy device and on
+/// a small one (two of the five chunks, or a device group's optimizer state beside one chunk:
+/// it evicts, more chunk evictions and more bytes up than the roomy device): overlap off and
+/// on give the same bits through the clip, the overflow and the scale's growths, and the
+/// device's bits are the simulated device's.
+#[test]
+fn overlap_keeps_the_bits_under_every_policy_and_device() {
+    let (n, groups) = (1000, 5);
+    let chunk = (n * 2) as u64;
+    let mut reference: Option<Trail> = None;
+    // a roomy device's moves, by policy and placement (the simulated device runs first; the
+    // schedule is the device's whatever backend runs it)
+    let mut roomy_of = std::collections::HashMap::new();
+    for dev in common::devices("hybrid::overlap_keeps_the_bits_under_every_policy_and_device") {
+        // on CUDA (minutes on the emulator for all of it): every policy on the small device
+        // with Adam on the host, and the device's Adam beside the host's under the tide
+        let sim = dev.kind() == tidemem::device::BackendKind::Sim;
+        for policy in Policy::all() {
+            let placements = match sim || policy == Policy::Tide {
+                true => vec![DevicePlacement::HostOnly, DevicePlacement::Groups(2)],
+                false => vec![DevicePlacement::HostOnly],
+            };
+            for placement in placements {
+                let run = |capacity, overlap| {
+                    let m = single_on(dev.clone(), policy, capacity, n, groups, DType::F16);
+                    clip_and_overflow_run(m, placement, overlap, 7)
+                };
+                let key = (policy.name(), placement == DevicePlacement::HostOnly);
+                let roomy = *roomy_of.entry(key).or_insert_with(|| run(None, false).2);
+                let sizes: &[bool] = if sim { &[false, true] } else { &[true] };
+                for &small in sizes {
+                    // two parameter chunks, or one device group's state (its fp16 chunk and
+                    // the fp32 master and moments) beside one chunk
+                    let least = match placement {
+                        DevicePlacement::HostOnly => 2 * chunk,
+                        _ => 8 * chunk,
+                    };
+                    let capacity = small.then_some(least + 4096);
+                    let what = format!(
+                        "{}, {}, {placement:?}, {}",
+                        dev.name(),
+                        policy.name(),
+                        if small { "small" } else { "roomy" }
+                    );
+                    let (serial, _, moved) = run(capacity, false);
+                    let (overlapped, o, moved_o) = run(capacity, true);
+                    let host = groups
+                        - if placement == DevicePlacement::HostOnly {
+                            0
+                        } else {
+                            2
+                        };
+                    assert_overlap_exact(&serial, &overlapped, &o, host as u64, &what);
+                    if small
+                        && policy
+                            != (Policy::Static {
+                                device_fraction: 0.0,
+                            })
+                    {
+                        common::assert_evicts(&moved, &roomy, &format!("{what}, serial"));
+                        common::assert_evicts(&moved_o, &roomy, &format!("{what}, overlapped"));
+                    }
+                    // one placement's bits are every policy's, device's and size's
+                    if placement == DevicePlacement::HostOnly {
+                        let r = reference.get_or_insert_with(|| serial.clone());
+                        assert!(*r == serial, "{what}: the bits of the first run");
+                    }
+                }
+            }
         }
     }
 }

@@ -235,20 +235,28 @@ fn zero_training_in_fp16_matches_single_process_training() {
     }
 }
 
-/// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip)
-/// give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy and on a small
-/// device, and with micro-batches folded during backward.
+/// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip
+/// or an overflow) give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy
+/// and on a small device (which evicts), and with micro-batches folded during backward; the
+/// loss scale starts high enough that the first steps overflow and are skipped on every rank.
 #[test]
 fn overlapped_host_steps_change_no_bit_on_any_rank() {
-    let steps = 6;
-    // norms fall from 0.43 to 0.34 over the steps: the first four clip (steps 2 to 4
-    // started early and redone), the last two do not (kept)
+    let steps = 8;
+    // the first steps overflow (skipped, the scale halved); then norms fall over the steps:
+    // the early ones clip (started early and redone), the last do not (kept)
     let opt = |overlap| HybridConfig {
         overlap,
         max_grad_norm: Some(0.39),
+        loss_scale: Some(tidemem::optim::ScalerConfig {
+            init_scale: 1024.0 * 1024.0,
+            growth_interval: 4,
+            hysteresis: 1,
+            ..Default::default()
+        }),
         ..*adam().config()
     };
     let (mut kept, mut redone) = (0, 0);
+    let mut roomy = Vec::new();
     for (toy, world, capacity, accumulate) in [
         (&DEEP, 1, 1 << 20, 1),
         (&DEEP, 2, 1 << 20, 1),
@@ -267,19 +275,31 @@ fn overlapped_host_steps_change_no_bit_on_any_rank() {
         for (r, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
             let what = format!("rank {r} of {world} on {capacity} B");
             assert!(a.owned == b.owned, "{what}: masters differ");
-            let norms = |x: &RankResult| {
+            let trail = |x: &RankResult| {
                 x.reports
                     .iter()
-                    .map(|r| r.grad_norm.to_bits())
+                    .map(|r| (r.outcome, r.grad_norm.to_bits(), r.loss_scale.to_bits()))
                     .collect::<Vec<_>>()
             };
-            assert_eq!(norms(a), norms(b), "{what}");
+            assert_eq!(trail(a), trail(b), "{what}");
+            assert!(
+                a.reports.iter().any(|r| r.outcome == StepOutcome::Skipped),
+                "{what}: an overflow is skipped"
+            );
             assert_eq!(a.zero.local().overlap_stats().started, 0, "{what}");
             let o = b.zero.local().overlap_stats();
             assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
             started += o.started;
             kept += o.kept;
             redone += o.redone;
+            // the small device's ranks evict against the same ranks on a roomy one
+            let moved = [a, b].map(|x| x.zero.local().stats());
+            if world == 2 && accumulate == 1 && capacity == 1 << 20 {
+                roomy.push(moved[0]);
+            } else if capacity == 36_000 {
+                common::assert_evicts(&moved[0], &roomy[r], &format!("{what}, serial"));
+                common::assert_evicts(&moved[1], &roomy[r], &format!("{what}, overlapped"));
+            }
         }
         assert!(started > 0, "{world} ranks on {capacity} B");
     }

@@ -12,7 +12,9 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::mpsc;
 use std::time::Duration;
+use std::time::Instant;
 
 use tidemem::chunk::{ChunkManager, ManagerConfig};
 use tidemem::comm::{launch, Communicator};
@@ -161,6 +163,8 @@ fn copy_set(from: &Path) -> tempfile::TempDir {
 }
 
 const CHILD_DIR: &str = "TIDEMEM_TEST_SAVE_DIR";
+/// What the child prints after each of its saves (with the save's index).
+const SAVED: &str = "save_child: saved";
 const CHILD_STEPS: &str = "TIDEMEM_TEST_SAVE_STEPS";
 /// The exit status of a process the crate's failpoint ended.
 const FAILPOINT_EXIT: i32 = 86;
@@ -177,9 +181,12 @@ fn save_child() {
         let r = c.rank();
         let (mut z, ids, mut adam) = rank(c, &TOY)?;
         z.load_checkpoint(&mut adam, shard(&dir, r))?;
-        for _ in 0..steps {
+        for k in 0..steps {
             step(&mut z, &ids, &mut adam, &TOY)?;
             z.save_checkpoint(&adam, shard(&dir, r))?;
+            if r == 0 {
+                eprintln!("{SAVED} {k}");
+            }
         }
         Ok(())
     })
@@ -193,6 +200,7 @@ fn child(dir: &Path, steps: u64, failpoint: Option<&str>) -> Command {
         .env(CHILD_DIR, dir)
         .env(CHILD_STEPS, steps.to_string())
         .env_remove("TIDEMEM_FAILPOINT")
+        .env_remove("TIDEMEM_FAILPOINT_HOLD")
         .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -214,14 +222,44 @@ fn killed_at(dir: &Path, point: &str) {
     );
 }
 
-/// The points of the save protocol, on each rank: after its file is written, after it kept
-/// the earlier save as the previous generation, after its rename, after the ranks agreed that
-/// every rename happened, after its previous generation is removed.
+/// Runs the child until its failpoint `point` ends it, one of its ranks held at `hold` (so
+/// that the other gets there first); fails after a minute.
+fn killed_at_holding(dir: &Path, point: &str, hold: &str) {
+    let mut ch = child(dir, 1, Some(point))
+        .env("TIDEMEM_FAILPOINT_HOLD", hold)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(st) = ch.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = ch.kill();
+            panic!("{point} holding {hold}: the child did not stop within a minute");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(
+        status.code(),
+        Some(FAILPOINT_EXIT),
+        "{point} holding {hold}"
+    );
+}
+
+/// The points of the save protocol, on each rank: half way through writing its temporary
+/// file, after its file is written, after it kept the earlier save as the previous
+/// generation, after its rename, after the ranks agreed that every rename happened, after its
+/// previous generation is removed.
 fn points() -> Vec<(String, &'static str)> {
     let stages = ["written", "kept", "renamed", "agreed", "cleaned"];
-    (0..2)
+    let mut v: Vec<(String, &'static str)> = (0..2)
         .flat_map(|r| stages.map(|s| (format!("zero.save.{s}.rank{r}"), s)))
-        .collect()
+        .collect();
+    // in the middle of a rank's temporary file: half its tensors on disk
+    v.insert(0, ("checkpoint.write.half".into(), "written"));
+    v
 }
 
 fn names_in(dir: &Path) -> Vec<String> {
@@ -319,32 +357,89 @@ fn a_set_left_by_two_killed_saves_loads_the_save_every_rank_holds() {
     }
 }
 
+/// The child, spawned, and when each of its saves ended (its output read on a thread, so that
+/// it never blocks on a full pipe).
+fn saves_of(mut ch: std::process::Child) -> (std::process::Child, mpsc::Receiver<Instant>) {
+    use std::io::BufRead;
+    let err = ch.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(err).lines().map_while(|l| l.ok()) {
+            if line.starts_with(SAVED) {
+                let _ = tx.send(Instant::now());
+            }
+        }
+    });
+    (ch, rx)
+}
+
 /// SIGKILL at random moments of processes that train and save in a loop, each resuming what
-/// the kill before left: moments drawn over the time an uninterrupted process takes.
+/// the kill before left: each kill a random time (under the shortest step and save an
+/// uninterrupted process took) after a random one of its saves with two or more to follow,
+/// timed from the child's own saves (not its start-up), so that every kill interrupts.
 fn killed_at_random_moments(base: &Path, reference: &[Vec<Held>]) {
     let dir = copy_set(base);
-    let start = std::time::Instant::now();
-    let out = child(dir.path(), RANDOM_STEPS, None).output().unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let span = start.elapsed().as_micros() as u64;
+    let (ch, saves) = saves_of(child(dir.path(), RANDOM_STEPS, None).spawn().unwrap());
+    let out = ch.wait_with_output().unwrap();
+    assert!(out.status.success(), "the uninterrupted child failed");
+    let times: Vec<Instant> = saves.iter().collect();
+    assert_eq!(times.len() as u64, RANDOM_STEPS, "a line a save");
+    let shortest = times
+        .windows(2)
+        .map(|w| (w[1] - w[0]).as_micros() as u64)
+        .min()
+        .unwrap();
     let mut now = load_and_check(dir.path(), reference, "uninterrupted");
     assert_eq!(now, 1 + RANDOM_STEPS);
     let mut rng = SplitMix64::new(0x5eed);
     let mut interrupted = 0;
     for round in 0..RANDOM_ROUNDS {
-        let mut ch = child(dir.path(), RANDOM_STEPS, None).spawn().unwrap();
-        std::thread::sleep(Duration::from_micros(rng.next_u64() % span));
-        let _ = ch.kill(); // it may have finished
+        let (mut ch, saves) = saves_of(child(dir.path(), RANDOM_STEPS, None).spawn().unwrap());
+        let after = rng.next_u64() % (RANDOM_STEPS - 2);
+        for _ in 0..=after {
+            saves.recv().expect("the child saves");
+        }
+        std::thread::sleep(Duration::from_micros(rng.next_u64() % shortest.max(1)));
+        let _ = ch.kill();
         interrupted += u32::from(!ch.wait().unwrap().success());
         let step = load_and_check(dir.path(), reference, &format!("round {round}"));
         assert!(step >= now, "round {round}: back from {now} to {step}");
         now = step;
     }
     eprintln!("{interrupted} of {RANDOM_ROUNDS} processes killed at random, at step {now}");
+    assert_eq!(
+        u64::from(interrupted),
+        RANDOM_ROUNDS,
+        "every kill interrupts a save loop"
+    );
+}
+
+/// A two-rank save killed with rank 0's new file renamed in and rank 1's not yet (rank 1
+/// held before its rename, in a real process): the set loads the earlier save, the one every
+/// rank holds, and the next save completes from it and leaves the two current files.
+#[test]
+fn the_rename_gap_between_two_ranks_loads_the_earlier_save() {
+    let reference = reference(3);
+    let base = base_set();
+    for (first, second) in [(0, 1), (1, 0)] {
+        let dir = copy_set(base.path());
+        let point = format!("zero.save.renamed.rank{first}");
+        let hold = format!("zero.save.kept.rank{second}");
+        killed_at_holding(dir.path(), &point, &hold);
+        let what = format!("rank {first} renamed, rank {second} not");
+        // the renamed rank holds the new save and the earlier one as its previous generation
+        let prev = dir.path().join(format!("rank{first}.safetensors.prev"));
+        assert!(prev.exists(), "{what}: {:?}", names_in(dir.path()));
+        assert_eq!(load_and_check(dir.path(), &reference, &what), 1);
+        let out = child(dir.path(), 1, None).output().unwrap();
+        assert!(out.status.success(), "{what}: the next save");
+        assert_eq!(load_and_check(dir.path(), &reference, &what), 2);
+        assert_eq!(
+            names_in(dir.path()),
+            ["rank0.safetensors", "rank1.safetensors"],
+            "{what}"
+        );
+    }
 }
 
 /// Rounds of [`killed_at_random_moments`], and the steps each process trains and saves.

@@ -123,11 +123,25 @@ fn header_crc_at(header: &[u8]) -> Option<usize> {
 
 /// Ends the process at the named point of a save protocol when the environment variable
 /// `TIDEMEM_FAILPOINT` names it: the state a kill there leaves is the state a crash leaves, and
-/// tests check that a checkpoint survives it. Not part of the API.
+/// tests check that a checkpoint survives it. A thread that reaches the point
+/// `TIDEMEM_FAILPOINT_HOLD` names waits there until the process ends (at the other point), so
+/// that a test orders two ranks' steps as a slow rank would. Not part of the API.
 pub(crate) fn failpoint(point: &str) {
-    if std::env::var_os("TIDEMEM_FAILPOINT").is_some_and(|v| v == point) {
+    if failpoint_armed(point) {
         std::process::exit(86);
     }
+    if std::env::var_os("TIDEMEM_FAILPOINT_HOLD").is_some_and(|v| v == point)
+        && std::env::var_os("TIDEMEM_FAILPOINT").is_some()
+    {
+        loop {
+            std::thread::sleep(std::time::Duration::from_secs(1));
+        }
+    }
+}
+
+/// Whether `TIDEMEM_FAILPOINT` names `point` (a caller makes the state it leaves first).
+pub(crate) fn failpoint_armed(point: &str) -> bool {
+    std::env::var_os("TIDEMEM_FAILPOINT").is_some_and(|v| v == point)
 }
 
 /// The safetensors element type of a [`DType`].

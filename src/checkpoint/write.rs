@@ -121,6 +121,8 @@ struct Sink<'a> {
     out: BufWriter<&'a File>,
     scan: Scan,
     written: usize,
+    /// The tensors' bytes the file declares.
+    total: usize,
     /// The file's own error, kept to report with the caller's path.
     failed: Option<std::io::Error>,
 }
@@ -136,7 +138,16 @@ impl Write for Sink<'_> {
             self.failed.get_or_insert(e);
             return Err(kind.into());
         }
+        let before = self.written;
         self.written += buf.len();
+        if before * 2 < self.total && self.written * 2 >= self.total {
+            // half the tensors on disk, the rest not: what a crash in the middle leaves
+            let half = "checkpoint.write.half";
+            if super::failpoint_armed(half) {
+                let _ = self.out.flush();
+                super::failpoint(half);
+            }
+        }
         Ok(buf.len())
     }
 
@@ -435,6 +446,7 @@ pub(crate) fn write_unpersisted(
             out,
             scan: Scan::new(ends),
             written: 0,
+            total: at,
             failed: None,
         };
         let streamed = data(&mut sink);

@@ -3,7 +3,7 @@
 
 mod common;
 
-use tidemem::chunk::{ChunkManager, ManagerConfig};
+use tidemem::chunk::{ChunkManager, ManagerConfig, OverlapStats};
 
 use tidemem::comm::{Communicator, ReduceOp};
 use tidemem::demo::{ToyIds, ToyMlp};
@@ -133,7 +133,15 @@ fn on_ranks<R: Send>(
     capacity: usize,
     f: impl Fn(Communicator) -> R + Sync,
 ) -> Vec<R> {
-    let devs = (0..world).map(|_| common::sim(capacity)).collect();
+    on_devices((0..world).map(|_| common::sim(capacity)).collect(), f)
+}
+
+/// Runs `f` on an in-process rank a device of `devs`, each on a thread of its own; the results
+/// in rank order.
+fn on_devices<R: Send>(
+    devs: Vec<tidemem::device::Device>,
+    f: impl Fn(Communicator) -> R + Sync,
+) -> Vec<R> {
     let comms = Communicator::local(devs).unwrap();
     std::thread::scope(|s| {
         let hs: Vec<_> = comms
@@ -235,6 +243,28 @@ fn zero_training_in_fp16_matches_single_process_training() {
     }
 }
 
+/// The optimizer of the overlap tests: the first steps overflow (skipped, the scale halved);
+/// then norms fall over the steps: the early ones clip (started early and redone), the last
+/// do not (kept).
+fn overlap_config(overlap: bool) -> HybridConfig {
+    overlap_scaled(overlap, 1024.0 * 1024.0)
+}
+
+/// [`overlap_config`] with the loss scale starting at `init_scale`.
+fn overlap_scaled(overlap: bool, init_scale: f32) -> HybridConfig {
+    HybridConfig {
+        overlap,
+        max_grad_norm: Some(0.39),
+        loss_scale: Some(tidemem::optim::ScalerConfig {
+            init_scale,
+            growth_interval: 4,
+            hysteresis: 1,
+            ..Default::default()
+        }),
+        ..*adam().config()
+    }
+}
+
 /// Each rank's host groups stepped during backward (kept on clean steps, redone after a clip
 /// or an overflow) give the bits of the step after backward, on 1, 2 and 4 ranks, on a roomy
 /// and on a small device (which evicts), and with micro-batches folded during backward; the
@@ -242,19 +272,7 @@ fn zero_training_in_fp16_matches_single_process_training() {
 #[test]
 fn overlapped_host_steps_change_no_bit_on_any_rank() {
     let steps = 8;
-    // the first steps overflow (skipped, the scale halved); then norms fall over the steps:
-    // the early ones clip (started early and redone), the last do not (kept)
-    let opt = |overlap| HybridConfig {
-        overlap,
-        max_grad_norm: Some(0.39),
-        loss_scale: Some(tidemem::optim::ScalerConfig {
-            init_scale: 1024.0 * 1024.0,
-            growth_interval: 4,
-            hysteresis: 1,
-            ..Default::default()
-        }),
-        ..*adam().config()
-    };
+    let opt = overlap_config;
     let (mut kept, mut redone) = (0, 0);
     let mut roomy = Vec::new();
     for (toy, world, capacity, accumulate) in [
@@ -319,6 +337,70 @@ fn a_small_device_changes_nothing() {
             &b.zero.local().stats(),
             &a.zero.local().stats(),
             &format!("rank {r} on {capacity} B"),
+        );
+    }
+}
+
+/// The overlapped host steps on 2 ranks sharing the GPU, each planning for a small device (its
+/// shard moves), through the overflows and clips of [`overlap_config`]: every rank's masters
+/// and steps are the serial steps' bit for bit.
+#[test]
+fn overlapped_host_steps_on_cuda_change_no_bit() {
+    let Some(gpu) = common::cuda("overlapped_host_steps_on_cuda_change_no_bit") else {
+        return;
+    };
+    type Trail = (
+        Vec<(u32, Vec<u32>)>,
+        Vec<(StepOutcome, u64, u32)>,
+        OverlapStats,
+    );
+    let run = |overlap: bool| -> Vec<Trail> {
+        on_devices(vec![gpu.clone(), gpu.clone()], |c| {
+            let (r, n) = (c.rank(), c.world());
+            let mut cfg = config(&DEEP, DType::F16);
+            cfg.scheduler.capacity = 36_000;
+            let mut z = ZeroManager::new(c, cfg).unwrap();
+            let ids = DEEP.register(&mut z).unwrap();
+            // one overflow (the scale halved once), then clips and clean steps
+            let mut opt = HybridAdam::new(overlap_scaled(overlap, 65536.0 * 4.0)).unwrap();
+            let mut steps = Vec::new();
+            for step in 0..5 {
+                DEEP.forward_backward(&mut z, &ids, step, opt.loss_scale(), (r, n))
+                    .unwrap();
+                let rep = z.step(&mut opt).unwrap();
+                steps.push((
+                    rep.outcome,
+                    rep.grad_norm.to_bits(),
+                    rep.loss_scale.to_bits(),
+                ));
+            }
+            let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+                .map(TensorId)
+                .filter(|&id| z.owns(id))
+                .collect();
+            let owned = mine
+                .into_iter()
+                .map(|id| {
+                    let m = z.master(id).unwrap();
+                    (id.0, m.iter().map(|x| x.to_bits()).collect())
+                })
+                .collect();
+            (owned, steps, z.local().overlap_stats())
+        })
+    };
+    let (serial, overlapped) = (run(false), run(true));
+    for (r, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
+        assert!(a.0 == b.0, "rank {r}: masters differ");
+        assert_eq!(a.1, b.1, "rank {r}: steps differ");
+        assert!(
+            a.1.iter().any(|s| s.0 == StepOutcome::Skipped),
+            "rank {r}: an overflow"
+        );
+        assert_eq!(a.2.started, 0);
+        assert!(
+            b.2.started > 0 && b.2.kept + b.2.redone == b.2.started,
+            "rank {r}: {:?}",
+            b.2
         );
     }
 }

@@ -347,6 +347,18 @@ fn steps_equal_the_cpu_kernel_on_flat_arrays_with_clipping_folded_in() {
 /// bits.
 type Trail = Vec<(StepOutcome, f32, f32, Vec<u32>)>;
 
+/// Every tensor's master and parameter values, as bits.
+fn state_bits(m: &mut ChunkManager, ids: &[TensorId]) -> Vec<u32> {
+    ids.iter()
+        .flat_map(|&id| {
+            let mut v = m.master(id).unwrap();
+            v.extend(m.read(id).unwrap());
+            v
+        })
+        .map(f32::to_bits)
+        .collect()
+}
+
 /// `steps` (at least 7) steps of `m`'s groups (one tensor each) through a clean start, a clip
 /// (step 4), an overflow in a host group (step 6) and the scale's growths (every 3 clean
 /// steps), overlapped with backward or not: the trail, what the overlap did, and the chunk
@@ -395,16 +407,12 @@ fn clip_and_overflow_run(
             .collect();
         iterate(&mut m, &ids, &g);
         let r = opt.step(&mut m).unwrap();
-        let bits: Vec<u32> = ids
-            .iter()
-            .flat_map(|&id| {
-                let mut v = m.master(id).unwrap();
-                v.extend(m.read(id).unwrap());
-                v
-            })
-            .map(f32::to_bits)
-            .collect();
-        trail.push((r.outcome, r.clip_coef, r.loss_scale, bits));
+        trail.push((
+            r.outcome,
+            r.clip_coef,
+            r.loss_scale,
+            state_bits(&mut m, &ids),
+        ));
     }
     (trail, m.overlap_stats(), m.stats())
 }
@@ -570,16 +578,7 @@ fn folds_during_backward_equal_serial_ones() {
                 }
                 iterate(&mut m, &ids, &g);
                 let r = opt.step(&mut m).unwrap();
-                let bits: Vec<u32> = ids
-                    .iter()
-                    .flat_map(|&id| {
-                        let mut v = m.master(id).unwrap();
-                        v.extend(m.read(id).unwrap());
-                        v
-                    })
-                    .map(f32::to_bits)
-                    .collect();
-                trail.push((r.outcome, r.grad_norm.to_bits(), bits));
+                trail.push((r.outcome, r.grad_norm.to_bits(), state_bits(&mut m, &ids)));
             }
             (trail, m.overlap_stats())
         };

@@ -341,6 +341,20 @@ fn a_small_device_changes_nothing() {
     }
 }
 
+/// The masters this rank owns, by tensor number, as bits.
+fn owned_bits(z: &mut ZeroManager) -> Vec<(String, Vec<u32>)> {
+    let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
+        .map(TensorId)
+        .filter(|&id| z.owns(id))
+        .collect();
+    mine.into_iter()
+        .map(|id| {
+            let m = z.master(id).unwrap();
+            (id.0.to_string(), m.iter().map(|x| x.to_bits()).collect())
+        })
+        .collect()
+}
+
 /// The overlapped host steps on 2 ranks sharing the GPU, each planning for a small device (its
 /// shard moves), through the overflows and clips of [`overlap_config`]: every rank's masters
 /// and steps are the serial steps' bit for bit.
@@ -374,18 +388,7 @@ fn overlapped_host_steps_on_cuda_change_no_bit() {
                     rep.loss_scale.to_bits(),
                 ));
             }
-            let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
-                .map(TensorId)
-                .filter(|&id| z.owns(id))
-                .collect();
-            let owned = mine
-                .into_iter()
-                .map(|id| {
-                    let m = z.master(id).unwrap();
-                    (id.0, m.iter().map(|x| x.to_bits()).collect())
-                })
-                .collect();
-            (owned, steps, z.local().overlap_stats())
+            (owned_bits(&mut z), steps, z.local().overlap_stats())
         })
     };
     let (serial, overlapped) = (run(false), run(true));
@@ -437,17 +440,7 @@ fn zero_on_cuda_equals_the_sim_devices() {
                                 .unwrap();
                             on_device = on_device.max(z.step(&mut opt).unwrap().device_groups);
                         }
-                        let mine: Vec<TensorId> = (0..z.layout().slots.len() as u32)
-                            .map(TensorId)
-                            .filter(|&id| z.owns(id))
-                            .collect();
-                        let masters = mine
-                            .into_iter()
-                            .map(|id| {
-                                let m = z.master(id).unwrap();
-                                (id.0.to_string(), m.iter().map(|x| x.to_bits()).collect())
-                            })
-                            .collect();
+                        let masters = owned_bits(&mut z);
                         (masters, on_device, z.local().stats())
                     })
                 })

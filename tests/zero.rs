@@ -364,7 +364,7 @@ fn overlapped_host_steps_on_cuda_change_no_bit() {
         return;
     };
     type Trail = (
-        Vec<(u32, Vec<u32>)>,
+        Vec<(String, Vec<u32>)>,
         Vec<(StepOutcome, u64, u32)>,
         OverlapStats,
     );

@@ -143,16 +143,20 @@ pub unsafe extern "C" fn cublasCreate_v2(handle: *mut *mut c_void) -> Status {
 
 #[no_mangle]
 pub extern "C" fn cublasDestroy_v2(handle: *mut c_void) -> Status {
-    with_blas(|st| {
+    let r = with_blas(|_| {
         if handles().remove(&(handle as usize)).is_none() {
             return BLAS_NOT_INITIALIZED;
         }
-        // cublasDestroy synchronises the device.
-        match st.synchronize() {
-            SUCCESS => BLAS_SUCCESS,
-            _ => BLAS_EXECUTION_FAILED,
-        }
-    })
+        BLAS_SUCCESS
+    });
+    if r != BLAS_SUCCESS {
+        return r;
+    }
+    // cublasDestroy synchronises the device.
+    match with_waiting(false, State::synchronize) {
+        SUCCESS => BLAS_SUCCESS,
+        _ => BLAS_EXECUTION_FAILED,
+    }
 }
 
 #[no_mangle]

@@ -3,8 +3,9 @@
 //!
 //! Built as `libtidemem_cuda_emu.so`, copied as `libcuda.so` into a directory of its own and found
 //! before the NVIDIA driver there (`LD_LIBRARY_PATH`), it answers the
-//! driver calls cudarc makes: one device of compute capability 9.0 whose memory is host memory,
-//! non-blocking streams, events, stream-ordered allocation, pinned host memory, copies, memsets,
+//! driver calls cudarc makes: devices of compute capability 9.0 whose memory is host memory
+//! (`TIDEMEM_EMU_DEVICES` of them, by default 4, sharing one context and the process's memory,
+//! so that each process of a launched job picks its own by `LOCAL_RANK`), non-blocking streams, events, stream-ordered allocation, pinned host memory, copies, memsets,
 //! and kernel launches. Modules are the cubins or PTX that NVRTC builds from `kernels/*.cu`; a
 //! function is looked up by name in the module's image and run from the same source compiled
 //! for the host (`build.rs`; the emulator's own test kernels, `tests/kernels/*.cu`, are built
@@ -116,8 +117,10 @@ use std::sync::{Mutex, MutexGuard};
 
 mod cublas;
 mod launch;
+mod nccl;
 pub use cublas::*;
 pub use launch::*;
+pub use nccl::*;
 use launch::{run_launch, SHARED_PER_BLOCK, SHARED_PER_BLOCK_OPTIN, SHARED_PER_SM};
 
 type CUresult = c_int;
@@ -219,6 +222,14 @@ enum Op {
     /// memory only in `ranges` (address, bytes), each checked inside one live allocation.
     Host {
         work: Box<dyn FnOnce() + Send>,
+        ranges: Vec<(usize, usize)>,
+    },
+    /// Host code that may have to wait for something outside the process (a peer's part of a
+    /// collective, `src/nccl.rs`): `poll` does what it can and answers whether it is done. A
+    /// stream whose first op is not done stops there ([`PENDING`]) and is polled again later,
+    /// without the driver's lock held meanwhile. Memory as for `Host`.
+    External {
+        poll: Box<dyn FnMut() -> bool + Send>,
         ranges: Vec<(usize, usize)>,
     },
 }
@@ -330,6 +341,60 @@ fn with_ctx<F: FnOnce(&mut State) -> CUresult>(f: F) -> CUresult {
         SUCCESS => f(st),
         e => e,
     })
+}
+
+/// What running a stream answers when it stopped at an op waiting for something outside the
+/// process ([`Op::External`]); never returned to a caller of the driver.
+const PENDING: CUresult = -1;
+
+/// How long a synchronisation waits for stream work that waits outside the process (a
+/// collective whose peers never come) before it faults: `TIDEMEM_EMU_WAIT_S` seconds, by
+/// default 600.
+fn wait_limit() -> std::time::Duration {
+    let s = std::env::var("TIDEMEM_EMU_WAIT_S")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(600);
+    std::time::Duration::from_secs(s)
+}
+
+/// [`with`] (or [`with_ctx`]) for a call that waits for stream work: while `f` answers
+/// [`PENDING`], it is called again, the lock released in between so that other threads go on;
+/// a fault once [`wait_limit`] has passed.
+fn with_waiting(ctx: bool, mut f: impl FnMut(&mut State) -> CUresult) -> CUresult {
+    let start = std::time::Instant::now();
+    let mut nap = std::time::Duration::from_micros(20);
+    loop {
+        let r = if ctx {
+            with_ctx(&mut f)
+        } else {
+            with(&mut f)
+        };
+        if r != PENDING {
+            return r;
+        }
+        let waited = start.elapsed();
+        if waited > wait_limit() {
+            return with(|st| {
+                st.fault(format!(
+                    "a synchronisation waited {} s for stream work that waits outside the \
+                     process (a collective whose peers never came)",
+                    waited.as_secs()
+                ))
+            });
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(std::time::Duration::from_millis(1));
+    }
+}
+
+/// A query's answer for a stream that ran as far as it could.
+fn not_ready_if_pending(r: CUresult) -> CUresult {
+    if r == PENDING {
+        NOT_READY
+    } else {
+        r
+    }
 }
 
 fn layout(size: usize) -> Option<std::alloc::Layout> {
@@ -465,7 +530,7 @@ impl State {
             }
             Op::Memset { dst, len, .. } => self.alloc_of(*dst, *len).into_iter().collect(),
             Op::Free { ptr } => vec![*ptr],
-            Op::Host { ranges, .. } => {
+            Op::Host { ranges, .. } | Op::External { ranges, .. } => {
                 let mut v: Vec<usize> = ranges
                     .iter()
                     .filter_map(|&(p, len)| self.alloc_of(p, len))
@@ -479,7 +544,8 @@ impl State {
         self.enqueue_using(stream, op, &uses)
     }
 
-    /// Runs the ops of `stream` up to and including `seq`.
+    /// Runs the ops of `stream` up to and including `seq`; [`PENDING`] when an op on the way
+    /// waits for something outside the process.
     fn run_until(&mut self, stream: usize, seq: u64) -> CUresult {
         loop {
             if self.fault.is_some() {
@@ -491,6 +557,23 @@ impl State {
             if s.done >= seq {
                 return SUCCESS;
             }
+            // An op that may not be done yet stays first in its stream until it is.
+            match s.queue.front_mut() {
+                Some((_, Op::External { poll, .. })) => {
+                    if !poll() {
+                        return PENDING;
+                    }
+                }
+                Some((_, Op::Wait { stream: other, seq })) => {
+                    let (other, seq) = (*other, *seq);
+                    let r = self.run_until(other, seq);
+                    if r != SUCCESS {
+                        return r;
+                    }
+                }
+                _ => {}
+            }
+            let s = self.streams.get_mut(&stream).expect("present");
             let Some((n, op)) = s.queue.pop_front() else {
                 s.done = s.last;
                 return SUCCESS;
@@ -513,6 +596,9 @@ impl State {
     /// Runs every stream; the host has seen all of it complete.
     fn synchronize(&mut self) -> CUresult {
         let r = self.run_everything();
+        if r != SUCCESS {
+            return r;
+        }
         let all: Vec<usize> = self.streams.keys().copied().collect();
         for s in all {
             self.observe_stream(s);
@@ -520,15 +606,23 @@ impl State {
         r
     }
 
+    /// Runs every stream as far as it goes: [`PENDING`] when one stopped at an op waiting for
+    /// something outside the process (the others ran on).
     fn run_everything(&mut self) -> CUresult {
         let ids: Vec<usize> = self.streams.keys().copied().collect();
+        let mut pending = false;
         for s in ids {
-            let r = self.run_all(s);
-            if r != SUCCESS {
-                return r;
+            match self.run_all(s) {
+                SUCCESS => {}
+                PENDING => pending = true,
+                r => return r,
             }
         }
-        SUCCESS
+        if pending {
+            PENDING
+        } else {
+            SUCCESS
+        }
     }
 
     fn run(&mut self, op: Op) -> CUresult {
@@ -564,6 +658,8 @@ impl State {
                 work();
                 SUCCESS
             }
+            // polled to done before it was taken off its stream (`run_until`)
+            Op::External { .. } => SUCCESS,
             Op::Free { ptr } => {
                 let Some(al) = self.allocs.remove(&ptr) else {
                     return self.fault(format!("free of {ptr:#x}, not an allocation"));
@@ -586,9 +682,10 @@ impl State {
         }
         let rounded = size.checked_next_multiple_of(ALIGN).ok_or(OUT_OF_MEMORY)?;
         if self.used.saturating_add(rounded) > self.capacity {
-            // Pending frees give their memory back when they run.
+            // Pending frees give their memory back when they run (those behind work that
+            // waits outside the process do not).
             let r = self.run_everything();
-            if r != SUCCESS {
+            if r != SUCCESS && r != PENDING {
                 return Err(r);
             }
             if self.used.saturating_add(rounded) > self.capacity {
@@ -686,9 +783,18 @@ unsafe fn put<T>(p: *mut T, v: T) -> CUresult {
     SUCCESS
 }
 
-/// `f` for device 0, the only one; `CUDA_ERROR_INVALID_DEVICE` for any other.
+/// How many devices the driver shows: `TIDEMEM_EMU_DEVICES`, by default 4 (at least 1).
+fn device_count() -> c_int {
+    std::env::var("TIDEMEM_EMU_DEVICES")
+        .ok()
+        .and_then(|v| v.parse::<c_int>().ok())
+        .unwrap_or(4)
+        .max(1)
+}
+
+/// `f` for a device the driver shows; `CUDA_ERROR_INVALID_DEVICE` for any other.
 fn on_device(dev: c_int, f: impl FnOnce() -> CUresult) -> CUresult {
-    if dev != 0 {
+    if !(0..device_count()).contains(&dev) {
         return INVALID_DEVICE;
     }
     f()
@@ -709,12 +815,12 @@ pub unsafe extern "C" fn cuDriverGetVersion(v: *mut c_int) -> CUresult {
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGetCount(n: *mut c_int) -> CUresult {
-    with(|_| put(n, 1))
+    with(|_| put(n, device_count()))
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn cuDeviceGet(d: *mut c_int, ordinal: c_int) -> CUresult {
-    with(|_| on_device(ordinal, || put(d, 0)))
+    with(|_| on_device(ordinal, || put(d, ordinal)))
 }
 
 #[no_mangle]
@@ -797,7 +903,7 @@ fn need_ctx() -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuCtxSynchronize() -> CUresult {
-    with_ctx(|st| st.synchronize())
+    with_waiting(true, |st| st.synchronize())
 }
 
 #[no_mangle]
@@ -858,10 +964,12 @@ pub extern "C" fn cuStreamDestroy_v2(s: *mut c_void) -> CUresult {
 
 #[no_mangle]
 pub extern "C" fn cuStreamSynchronize(s: *mut c_void) -> CUresult {
-    with(|st| match st.stream_id(s) {
+    with_waiting(false, |st| match st.stream_id(s) {
         Some(id) => {
             let r = st.run_all(id);
-            st.observe_stream(id);
+            if r == SUCCESS {
+                st.observe_stream(id);
+            }
             r
         }
         None => INVALID_HANDLE,
@@ -883,7 +991,7 @@ pub extern "C" fn cuStreamQuery(s: *mut c_void) -> CUresult {
             }
             let r = st.run_all(id);
             if r != SUCCESS {
-                return r;
+                return not_ready_if_pending(r);
             }
         }
         st.observe_stream(id);
@@ -958,7 +1066,7 @@ pub extern "C" fn cuStreamWaitEvent(s: *mut c_void, e: *mut c_void, _flags: c_ui
 
 #[no_mangle]
 pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
-    with(|st| {
+    with_waiting(false, |st| {
         let Some(ev) = st.events.get(&(e as usize)).cloned() else {
             return INVALID_HANDLE;
         };
@@ -966,7 +1074,9 @@ pub extern "C" fn cuEventSynchronize(e: *mut c_void) -> CUresult {
             Some((s, seq)) => st.run_until(s, seq),
             None => SUCCESS,
         };
-        st.observe(&ev.clock);
+        if r == SUCCESS {
+            st.observe(&ev.clock);
+        }
         r
     })
 }
@@ -1006,7 +1116,7 @@ pub extern "C" fn cuEventQuery(e: *mut c_void) -> CUresult {
             }
             let r = st.run_until(s, seq);
             if r != SUCCESS {
-                return r;
+                return not_ready_if_pending(r);
             }
         }
         st.observe(&ev.clock);
@@ -1044,7 +1154,7 @@ pub unsafe extern "C" fn cuMemAllocAsync(p: *mut u64, size: usize, s: *mut c_voi
 
 #[no_mangle]
 pub extern "C" fn cuMemFree_v2(p: u64) -> CUresult {
-    with_ctx(|st| st.free_now(p as usize))
+    with_waiting(true, |st| st.free_now(p as usize))
 }
 
 #[no_mangle]
@@ -1170,7 +1280,8 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
     len: usize,
     s: *mut c_void,
 ) -> CUresult {
-    with_ctx(|st| {
+    let mut pageable = false;
+    let r = with_ctx(|st| {
         let Some(id) = st.stream_id(s) else {
             return INVALID_HANDLE;
         };
@@ -1186,16 +1297,14 @@ pub unsafe extern "C" fn cuMemcpyDtoHAsync_v2(
             src: Src::Addr(src as usize),
             len,
         };
-        let pinned = st.is_pinned(dst as usize, len);
-        let r = st.enqueue(id, op);
-        if r != SUCCESS || pinned {
-            return r;
-        }
-        // To pageable memory the copy is synchronous.
-        let r = st.run_all(id);
-        st.observe_stream(id);
-        r
-    })
+        pageable = !st.is_pinned(dst as usize, len);
+        st.enqueue(id, op)
+    });
+    if r != SUCCESS || !pageable {
+        return r;
+    }
+    // To pageable memory the copy is synchronous.
+    cuStreamSynchronize(s)
 }
 
 #[no_mangle]
@@ -1259,7 +1368,7 @@ pub unsafe extern "C" fn cuMemcpyHtoD_v2(dst: u64, src: *const c_void, len: usiz
 
 #[no_mangle]
 pub unsafe extern "C" fn cuMemcpyDtoH_v2(dst: *mut c_void, src: u64, len: usize) -> CUresult {
-    let r = with(|st| st.run_everything());
+    let r = with_waiting(false, |st| st.run_everything());
     if r != SUCCESS {
         return r;
     }

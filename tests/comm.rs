@@ -1,5 +1,6 @@
 //! The conformance suite every communicator backend passes: the in-process backend at world
-//! sizes 1–8, NCCL at world size 1 on CUDA device 0 when one is present (skipped otherwise).
+//! sizes 1–8, NCCL at world size 1 on CUDA device 0 and across 2 and 4 processes when NCCL can
+//! run (a GPU, or the emulator with its NCCL stand-in; skipped otherwise).
 //! Values are small integers, so every reduction order gives the same bits.
 
 mod common;
@@ -110,10 +111,15 @@ fn check_avg(got: &[f64], sums: &[i64], world: usize, elem: Elem) {
     }
 }
 
-/// The whole suite on one group of communicators.
+/// The whole suite on one group of communicators, a thread per rank.
 fn conformance(comms: &[Communicator]) {
-    let world = comms.len();
-    on_ranks(comms, |c| {
+    on_ranks(comms, conformance_rank);
+}
+
+/// One rank's part of the suite.
+fn conformance_rank(c: &Communicator) {
+    let world = c.world();
+    {
         let (d, s, r) = (c.device(), stream(c), c.rank());
         for elem in ELEMS {
             for n in COUNTS {
@@ -297,7 +303,7 @@ fn conformance(comms: &[Communicator]) {
         }
         let st = c.stats();
         assert!(st.all_gather.calls > 0 && st.reduce_scatter.calls > 0 && st.barrier.calls == 1);
-    });
+    }
 }
 
 #[test]
@@ -322,6 +328,27 @@ fn nccl_backend_conforms_at_world_size_one() {
     let c = Communicator::nccl_with_id(dev, &id, 0, 1, DEFAULT_TIMEOUT).unwrap();
     assert_eq!(c.backend_name(), "nccl");
     conformance(&[c]);
+}
+
+/// NCCL across processes (the emulator's stand-in in CI): this test relaunched as 2 and then 4
+/// processes with a launcher's variables, each one rank on the CUDA device of its `LOCAL_RANK`,
+/// meeting through the rendezvous, each running its part of the suite.
+#[test]
+fn nccl_conforms_across_processes_at_world_sizes_two_and_four() {
+    const TEST: &str = "nccl_conforms_across_processes_at_world_sizes_two_and_four";
+    if let Some(env) = tidemem::comm::LaunchEnv::from_env().unwrap() {
+        // a launched rank
+        let dev = Device::cuda(env.local_rank).unwrap();
+        let c = Communicator::nccl(dev, &env, DEFAULT_TIMEOUT).unwrap();
+        assert_eq!((c.rank(), c.world()), (env.rank, env.world_size));
+        conformance_rank(&c);
+        return;
+    }
+    for world in [2, 4] {
+        if common::nccl_ranks(TEST, world) {
+            common::launch_self(TEST, world, Duration::from_secs(300));
+        }
+    }
 }
 
 /// `wait` returns once the stream's collectives are done, and `check` finds no error on a

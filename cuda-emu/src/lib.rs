@@ -120,8 +120,8 @@ mod launch;
 mod nccl;
 pub use cublas::*;
 pub use launch::*;
-pub use nccl::*;
 use launch::{run_launch, SHARED_PER_BLOCK, SHARED_PER_BLOCK_OPTIN, SHARED_PER_SM};
+pub use nccl::*;
 
 type CUresult = c_int;
 const SUCCESS: CUresult = 0;
@@ -227,9 +227,12 @@ enum Op {
     /// Host code that may have to wait for something outside the process (a peer's part of a
     /// collective, `src/nccl.rs`): `poll` does what it can and answers whether it is done. A
     /// stream whose first op is not done stops there ([`PENDING`]) and is polled again later,
-    /// without the driver's lock held meanwhile. Memory as for `Host`.
+    /// without the driver's lock held meanwhile. `after` (a stream and op) runs first, as a GPU
+    /// runs it without being waited for: the communicator's previous collective, which the
+    /// peers' part of this one may need. Memory as for `Host`.
     External {
         poll: Box<dyn FnMut() -> bool + Send>,
+        after: Option<(usize, u64)>,
         ranges: Vec<(usize, usize)>,
     },
 }
@@ -365,11 +368,7 @@ fn with_waiting(ctx: bool, mut f: impl FnMut(&mut State) -> CUresult) -> CUresul
     let start = std::time::Instant::now();
     let mut nap = std::time::Duration::from_micros(20);
     loop {
-        let r = if ctx {
-            with_ctx(&mut f)
-        } else {
-            with(&mut f)
-        };
+        let r = if ctx { with_ctx(&mut f) } else { with(&mut f) };
         if r != PENDING {
             return r;
         }
@@ -559,8 +558,25 @@ impl State {
             }
             // An op that may not be done yet stays first in its stream until it is.
             match s.queue.front_mut() {
+                Some((_, Op::External { after, .. })) if after.is_some() => {
+                    let (other, seq) = after.take().expect("some");
+                    let r = self.run_until(other, seq);
+                    if r != SUCCESS {
+                        // still to run first when the stream is polled again
+                        if let Some((_, Op::External { after, .. })) = self
+                            .streams
+                            .get_mut(&stream)
+                            .and_then(|s| s.queue.front_mut())
+                        {
+                            *after = Some((other, seq));
+                        }
+                        return r;
+                    }
+                    continue;
+                }
                 Some((_, Op::External { poll, .. })) => {
-                    if !poll() {
+                    let done = poll();
+                    if !done {
                         return PENDING;
                     }
                 }

@@ -222,7 +222,8 @@ fn reduce(dt: Dt, op: Red, parts: &[&[u8]]) -> Vec<u8> {
             }
         }
         if op == Red::Avg {
-            acc.iter_mut().for_each(|a| *a = wrap(dt, *a) / world as i128);
+            acc.iter_mut()
+                .for_each(|a| *a = wrap(dt, *a) / world as i128);
         }
         acc.iter()
             .flat_map(|&a| {
@@ -241,6 +242,8 @@ struct Shared {
     /// Collectives enqueued, and run to their end, in the communicator's order.
     issued: AtomicU64,
     completed: AtomicU64,
+    /// The stream and op of the latest collective enqueued.
+    last: Mutex<Option<(usize, u64)>>,
     /// Sends enqueued to each peer, receives enqueued from each.
     sent: Mutex<HashMap<usize, u64>>,
     received: Mutex<HashMap<usize, u64>>,
@@ -277,10 +280,29 @@ impl Shared {
         gone
     }
 
+    /// For a part `{prefix}.r{rank}` still missing: records (as [`Shared::peer_aborted`]) a peer
+    /// that aborted, or that left the communicator without the part, which will not come;
+    /// whether either happened.
+    fn peer_lost(&self, prefix: &str) -> bool {
+        if self.peer_aborted() {
+            return true;
+        }
+        let left = (0..self.world).any(|r| self.file(&format!("gone.r{r}")).exists());
+        // a peer writes its parts before it leaves: seen gone, its parts are seen too
+        if left && !self.all_present(prefix) {
+            self.fail(
+                NCCL_REMOTE_ERROR,
+                "a peer left the communicator before its part of a collective",
+            );
+            return true;
+        }
+        false
+    }
+
     fn fail(&self, code: NcclResult, why: &str) {
-        let _ = self
-            .error
-            .compare_exchange(NCCL_SUCCESS, code, Ordering::AcqRel, Ordering::Acquire);
+        let _ =
+            self.error
+                .compare_exchange(NCCL_SUCCESS, code, Ordering::AcqRel, Ordering::Acquire);
         set_last_error(why);
     }
 
@@ -394,6 +416,7 @@ unsafe fn init(out: *mut Comm, world: c_int, id: ncclUniqueId, rank: c_int) -> N
         world: world as usize,
         issued: AtomicU64::new(0),
         completed: AtomicU64::new(0),
+        last: Mutex::new(None),
         sent: Mutex::new(HashMap::new()),
         received: Mutex::new(HashMap::new()),
         splits: AtomicU64::new(0),
@@ -610,11 +633,14 @@ pub unsafe extern "C" fn ncclCommSplit(
         .expect("a member of its own color");
     let name = parent.dir.file_name().unwrap_or_default().to_string_lossy();
     let child = Shared {
-        dir: parent.dir.with_file_name(format!("{name}-{prefix}c{color}")),
+        dir: parent
+            .dir
+            .with_file_name(format!("{name}-{prefix}c{color}")),
         rank,
         world: members.len(),
         issued: AtomicU64::new(0),
         completed: AtomicU64::new(0),
+        last: Mutex::new(None),
         sent: Mutex::new(HashMap::new()),
         received: Mutex::new(HashMap::new()),
         splits: AtomicU64::new(0),
@@ -691,9 +717,10 @@ impl Collective {
                 let _ = fs::remove_file(c.file(&format!("c{}.r{}", self.seq - 2, c.rank)));
             }
         }
-        if !c.all_present(&format!("c{}", self.seq)) {
-            c.peer_aborted();
-            return false;
+        let prefix = format!("c{}", self.seq);
+        if !c.all_present(&prefix) {
+            // a lost peer fails the communicator: this collective ends without computing
+            return c.peer_lost(&prefix);
         }
         if let Err(e) = self.compute() {
             c.fail(NCCL_SYSTEM_ERROR, &e.to_string());
@@ -716,7 +743,9 @@ impl Collective {
             }
             Kind::Reduce if c.rank != self.root => return Ok(()),
             Kind::AllReduce | Kind::Reduce | Kind::ReduceScatter => {
-                let parts = (0..c.world).map(read).collect::<std::io::Result<Vec<_>>>()?;
+                let parts = (0..c.world)
+                    .map(read)
+                    .collect::<std::io::Result<Vec<_>>>()?;
                 let at = if self.kind == Kind::ReduceScatter {
                     c.rank * self.recv_len
                 } else {
@@ -747,10 +776,11 @@ impl Collective {
 }
 
 /// Enqueues `poll` on `stream` using the device ranges `ranges` (each inside one live
-/// allocation).
+/// allocation); a collective (`ordered`) after the communicator's previous one.
 fn enqueue_external(
     stream: *mut c_void,
     ranges: Vec<(usize, usize)>,
+    ordered: Option<&Shared>,
     poll: Box<dyn FnMut() -> bool + Send>,
 ) -> NcclResult {
     let r = with(|st| {
@@ -766,7 +796,31 @@ fn enqueue_external(
                 return INVALID_VALUE;
             }
         }
-        st.enqueue(id, Op::External { poll, ranges })
+        let Some(c) = ordered else {
+            let after = None;
+            return st.enqueue(
+                id,
+                Op::External {
+                    poll,
+                    after,
+                    ranges,
+                },
+            );
+        };
+        let mut last = c.last.lock().unwrap_or_else(|p| p.into_inner());
+        let after = last.filter(|&(s, _)| s != id);
+        let r = st.enqueue(
+            id,
+            Op::External {
+                poll,
+                after,
+                ranges,
+            },
+        );
+        if r == SUCCESS {
+            *last = Some((id, st.streams[&id].last));
+        }
+        r
     });
     match r {
         SUCCESS => NCCL_SUCCESS,
@@ -836,7 +890,7 @@ unsafe fn collective(
         published: false,
     };
     let ranges = vec![(send as usize, send_len), (recv as usize, recv_len)];
-    enqueue_external(stream, ranges, Box::new(move || op.poll()))
+    enqueue_external(stream, ranges, Some(c), Box::new(move || op.poll()))
 }
 
 #[no_mangle]
@@ -941,7 +995,7 @@ pub unsafe extern "C" fn ncclSend(
         }
         true
     };
-    enqueue_external(s, vec![(at, len)], Box::new(poll))
+    enqueue_external(s, vec![(at, len)], None, Box::new(poll))
 }
 
 #[no_mangle]
@@ -963,8 +1017,7 @@ pub unsafe extern "C" fn ncclRecv(
     let name = format!("p{peer}.{}.{}", c.rank, next_message(&c.received, peer));
     let c = Arc::clone(c);
     let poll = move || {
-        if c.aborted.load(Ordering::Acquire) || c.error.load(Ordering::Acquire) != NCCL_SUCCESS
-        {
+        if c.aborted.load(Ordering::Acquire) || c.error.load(Ordering::Acquire) != NCCL_SUCCESS {
             return true;
         }
         let path = c.file(&name);
@@ -984,7 +1037,7 @@ pub unsafe extern "C" fn ncclRecv(
         unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), at as *mut u8, len) };
         true
     };
-    enqueue_external(s, vec![(at, len)], Box::new(poll))
+    enqueue_external(s, vec![(at, len)], None, Box::new(poll))
 }
 
 #[cfg(test)]

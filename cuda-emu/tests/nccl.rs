@@ -13,9 +13,7 @@ const F32: i32 = 7;
 const SUM: i32 = 0;
 
 fn unique_id() -> ncclUniqueId {
-    let mut id = ncclUniqueId {
-        internal: [0; 128],
-    };
+    let mut id = ncclUniqueId { internal: [0; 128] };
     unsafe { assert_eq!(ncclGetUniqueId(&mut id), 0) };
     id
 }
@@ -23,10 +21,7 @@ fn unique_id() -> ncclUniqueId {
 /// Runs `f(rank)` for every rank of `world` on threads of their own, each with the context
 /// current and a blocking communicator of one id, destroyed afterwards unless `f` ended it
 /// (and set it null).
-fn on_ranks<R: Send>(
-    world: usize,
-    f: impl Fn(usize, &mut ncclComm_t, &Ctx) -> R + Sync,
-) -> Vec<R> {
+fn on_ranks<R: Send>(world: usize, f: impl Fn(usize, &mut ncclComm_t, &Ctx) -> R + Sync) -> Vec<R> {
     let id = unique_id();
     std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
@@ -154,7 +149,10 @@ fn a_peer_that_aborts_is_a_remote_error_and_a_missing_one_leaves_the_stream_not_
             // rank 0 never comes to this collective
             let x = upload(&[1.0f32; 4], ctx.stream);
             unsafe {
-                assert_eq!(ncclAllReduce(x as _, x as _, n, F32, SUM, *c, ctx.stream), 0);
+                assert_eq!(
+                    ncclAllReduce(x as _, x as _, n, F32, SUM, *c, ctx.stream),
+                    0
+                );
             }
             for _ in 0..3 {
                 assert_eq!(cuStreamQuery(ctx.stream), 600, "CUDA_ERROR_NOT_READY");

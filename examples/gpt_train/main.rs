@@ -430,7 +430,7 @@ fn run() -> Result<()> {
             let peak = sizing.non_model_peak();
             plan.warmup = Some(peak);
             let chunks = sizing.device_chunk_bytes();
-            if a.ranks > 1 {
+            if world > 1 {
                 // a ZeRO rank also holds gather buffers of whole communication groups, and a
                 // pipeline stage the activations of the micro-batches in flight (all of a
                 // GPipe step's, at most one a stage under 1F1B and 2BW)

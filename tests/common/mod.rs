@@ -54,19 +54,138 @@ pub fn cuda_half_missing(test: &str, why: &str) {
 }
 
 /// Whether `dev` is the CPU stand-in for the CUDA driver (`cuda-emu`), which runs tidemem's
-/// kernels but not NCCL's.
+/// kernels, and NCCL only as its own stand-in.
 pub fn is_emulated(dev: &Device) -> bool {
     dev.name().contains("CUDA emulator")
 }
 
-/// CUDA device 0 for a test of NCCL, or `None` after printing why it is skipped.
+/// Whether the NCCL library loaded is the emulator's stand-in (`cuda-emu`'s `libcuda.so` under
+/// NCCL's name, `.ci/run`): the one library that answers both `ncclGetVersion` and `cuInit`.
+pub fn nccl_is_stand_in() -> bool {
+    let Ok(path) = tidemem::comm::nccl_library() else {
+        return false;
+    };
+    // SAFETY: the library is loaded already (opening it again runs no initializer); only the
+    // presence of a symbol is read.
+    unsafe { libloading::Library::new(path) }
+        .is_ok_and(|l| unsafe { l.get::<unsafe extern "C" fn()>(b"cuInit\0") }.is_ok())
+}
+
+/// CUDA device 0 for a test of NCCL, or `None` after printing why it is skipped: on the CPU
+/// emulator NCCL runs only as the emulator's stand-in, and with `TIDEMEM_REQUIRE_NCCL=1` a
+/// real NCCL there (which needs a GPU) is a failure, as is a library that does not load.
 pub fn nccl_device(test: &str) -> Option<Device> {
     let dev = cuda(test)?;
-    if is_emulated(&dev) {
-        eprintln!("{test}: skipping NCCL: the CUDA device is the CPU emulator (NCCL needs a GPU)");
+    let reachable = match tidemem::comm::nccl_library() {
+        Err(e) => Err(e.to_string()),
+        Ok(_) if is_emulated(&dev) && !nccl_is_stand_in() => Err(
+            "the CUDA device is the CPU emulator and the NCCL library is not its stand-in \
+             (TIDEMEM_NCCL_LIB=<emulator dir>/libnccl.so.2)"
+                .to_string(),
+        ),
+        Ok(_) => Ok(()),
+    };
+    if let Err(why) = reachable {
+        assert!(
+            !required("TIDEMEM_REQUIRE_NCCL"),
+            "{test}: TIDEMEM_REQUIRE_NCCL=1 but {why}"
+        );
+        eprintln!("{test}: skipping NCCL: {why}");
         return None;
     }
     Some(dev)
+}
+
+/// Whether NCCL can run `world` launched ranks here, one CUDA device each (see
+/// [`nccl_device`]); fewer devices than ranks (one GPU) is a skip, said, whatever is required.
+pub fn nccl_ranks(test: &str, world: usize) -> bool {
+    if nccl_device(test).is_none() {
+        return false;
+    }
+    let n = tidemem::device::cuda_device_count();
+    if n < world {
+        eprintln!("{test}: skipping {world} launched ranks: {n} CUDA device(s)");
+        return false;
+    }
+    true
+}
+
+/// Runs this test binary's `test` as `world` processes, one rank each with the variables a
+/// launcher sets (`WORLD_SIZE`, `RANK`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT` of a free
+/// port), and fails unless every one passes within `limit`; `env` is added to each.
+pub fn launch_self(test: &str, world: usize, limit: std::time::Duration) {
+    let exe = std::env::current_exe().expect("the test binary");
+    launch_ranks(test, world, limit, |_| {
+        let mut c = std::process::Command::new(&exe);
+        c.args(["--exact", test, "--nocapture", "--test-threads", "1"]);
+        c
+    });
+}
+
+/// Runs `command(rank)` as `world` processes with a launcher's variables (see [`launch_self`])
+/// and returns each one's standard output; fails unless every one exits 0 within `limit`.
+pub fn launch_ranks(
+    what: &str,
+    world: usize,
+    limit: std::time::Duration,
+    command: impl Fn(usize) -> std::process::Command,
+) -> Vec<String> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    // output to files: a pipe nobody reads while waiting would stop a talkative rank
+    let dir = std::env::temp_dir().join(format!("tidemem-ranks-{}-{port}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("a directory for the ranks' output");
+    let file = |r: usize, k: &str| dir.join(format!("rank{r}.{k}"));
+    let mut children: Vec<Option<std::process::Child>> = (0..world)
+        .map(|r| {
+            let out = std::fs::File::create(file(r, "out")).expect("an output file");
+            let err = std::fs::File::create(file(r, "err")).expect("an output file");
+            Some(
+                command(r)
+                    .env("WORLD_SIZE", world.to_string())
+                    .env("RANK", r.to_string())
+                    .env("LOCAL_RANK", r.to_string())
+                    .env("MASTER_ADDR", "127.0.0.1")
+                    .env("MASTER_PORT", port.to_string())
+                    .stdout(out)
+                    .stderr(err)
+                    .spawn()
+                    .expect("a rank's process starts"),
+            )
+        })
+        .collect();
+    let start = std::time::Instant::now();
+    let mut status = vec![None; world];
+    while status.iter().any(Option::is_none) {
+        for (r, slot) in children.iter_mut().enumerate() {
+            if let Some(st) = slot.as_mut().and_then(|c| c.try_wait().expect("a status")) {
+                status[r] = Some(st);
+                *slot = None;
+            }
+        }
+        if start.elapsed() > limit {
+            for c in children.iter_mut().flatten() {
+                let _ = c.kill();
+            }
+            let left = status.iter().filter(|s| s.is_none()).count();
+            panic!("{what}: {left} of {world} ranks still ran after {limit:?}");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let read = |r: usize, k: &str| std::fs::read_to_string(file(r, k)).unwrap_or_default();
+    let outs = (0..world).map(|r| read(r, "out")).collect();
+    for (r, st) in status.into_iter().enumerate() {
+        let st = st.expect("every rank finished");
+        assert!(
+            st.success(),
+            "{what}: rank {r} of {world} failed ({st}):\n{}",
+            read(r, "err")
+        );
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    outs
 }
 
 /// A fresh NCCL unique id for a test of NCCL, or `None` after printing why it is skipped: only

@@ -225,7 +225,7 @@ enum Op {
         ranges: Vec<(usize, usize)>,
     },
     /// Host code that may have to wait for something outside the process (a peer's part of a
-    /// collective, `src/nccl.rs`): `poll` does what it can and answers whether it is done. A
+    /// collective, `src/nccl/`): `poll` does what it can and answers whether it is done. A
     /// stream whose first op is not done stops there ([`PENDING`]) and is polled again later,
     /// without the driver's lock held meanwhile. `after` (a stream and op) runs first, as a GPU
     /// runs it without being waited for: the communicator's previous collective, which the

@@ -97,13 +97,20 @@ pub fn nccl_device(test: &str) -> Option<Device> {
 }
 
 /// Whether NCCL can run `world` launched ranks here, one CUDA device each (see
-/// [`nccl_device`]); fewer devices than ranks (one GPU) is a skip, said, whatever is required.
+/// [`nccl_device`]): fewer GPUs than ranks is a skip, said, whatever is required; on the
+/// emulator (whose device count is `TIDEMEM_EMU_DEVICES`) it fails under
+/// `TIDEMEM_REQUIRE_NCCL=1`.
 pub fn nccl_ranks(test: &str, world: usize) -> bool {
-    if nccl_device(test).is_none() {
+    let Some(dev) = nccl_device(test) else {
         return false;
-    }
+    };
     let n = tidemem::device::cuda_device_count();
     if n < world {
+        assert!(
+            !(is_emulated(&dev) && required("TIDEMEM_REQUIRE_NCCL")),
+            "{test}: TIDEMEM_REQUIRE_NCCL=1 but the emulator shows {n} device(s) for {world} \
+             ranks (TIDEMEM_EMU_DEVICES)"
+        );
         eprintln!("{test}: skipping {world} launched ranks: {n} CUDA device(s)");
         return false;
     }

@@ -163,6 +163,11 @@ impl Shared {
         set_last_error(why);
     }
 
+    /// Whether the communicator was aborted here or failed: its work ends without computing.
+    fn ended(&self) -> bool {
+        self.aborted.load(Ordering::Acquire) || self.error.load(Ordering::Acquire) != NCCL_SUCCESS
+    }
+
     fn joined(&self) -> bool {
         if !self.joined.load(Ordering::Acquire) && self.all_present("joined") {
             self.joined.store(true, Ordering::Release);

@@ -44,7 +44,7 @@ impl Collective {
     /// Does what can be done now; whether the collective is done.
     fn poll(&mut self) -> bool {
         let c = Arc::clone(&self.c);
-        if c.aborted.load(Ordering::Acquire) || c.error.load(Ordering::Acquire) != NCCL_SUCCESS {
+        if c.ended() {
             return true; // an aborted or failed communicator's work ends without computing
         }
         // the communicator's collectives run in the order they were enqueued
@@ -208,7 +208,7 @@ unsafe fn collective(
     if root < 0 || root as usize >= c.world {
         return NCCL_INVALID_ARGUMENT;
     }
-    if !c.joined.load(Ordering::Acquire) && !c.joined() {
+    if !c.joined() {
         set_last_error("a collective before every rank joined");
         return NCCL_INVALID_USAGE;
     }
@@ -380,7 +380,7 @@ pub unsafe extern "C" fn ncclRecv(
         return NCCL_INVALID_ARGUMENT;
     };
     let poll = move || {
-        if c.aborted.load(Ordering::Acquire) || c.error.load(Ordering::Acquire) != NCCL_SUCCESS {
+        if c.ended() {
             return true;
         }
         let path = c.file(&name);

@@ -26,9 +26,9 @@
 use clap::Parser;
 use serde_json::{json, Value};
 use tidemem::models::gpt::GptConfig;
-use tidemem::optim::DevicePlacement;
+use tidemem::optim::{DevicePlacement, ShadowBudget};
 use tidemem::simulate::{
-    simulate, timeline, Rates, SimOptions, StepSchedule, ADAM_BYTES_PER_ELEMENT,
+    simulate, timeline, Rates, SimOptions, SimOverlap, StepSchedule, ADAM_BYTES_PER_ELEMENT,
 };
 use tidemem::tide::Policy;
 use tidemem::units::fmt_bytes;
@@ -90,6 +90,15 @@ struct Args {
     /// Skip the largest-model search.
     #[arg(long)]
     no_largest: bool,
+    /// The overlapped step's host memory counted beside the model data: shadowed (a loss
+    /// scaler or a clip: copies of the host groups' optimizer state within --overlap-budget),
+    /// in-place (nothing can invalidate a step), or serial (none).
+    #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "serial"])]
+    overlap: String,
+    /// Host bytes for the shadows: auto (half of what the host holds beside the model data)
+    /// or a size.
+    #[arg(long, default_value = "auto")]
+    overlap_budget: String,
     /// Rates of the step-time prediction: a named profile (h100-pcie5).
     #[arg(long, default_value = "h100-pcie5")]
     rates: String,
@@ -157,6 +166,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     opts.scheduler.overall_fraction = a.overall_fraction;
     opts.scheduler.max_prefetch = a.max_prefetch;
     opts.ranks = a.ranks;
+    opts.overlap = match a.overlap.as_str() {
+        "serial" => SimOverlap::Serial,
+        "in-place" => SimOverlap::InPlace,
+        _ => SimOverlap::Shadowed(match a.overlap_budget.as_str() {
+            "auto" => ShadowBudget::Auto,
+            b => ShadowBudget::Bytes(parse_bytes(b)? as u64),
+        }),
+    };
     if let Some(fraction) = a.device_adam {
         opts.optimizer = DevicePlacement::Auto { fraction };
     }
@@ -181,6 +198,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         "min_budget": r.min_budget,
                         "moments": r.moments,
                         "device_adam_groups": r.device_adam_groups,
+                        "overlap": a.overlap,
+                        "overlap_host_bytes": r.overlap_host_bytes,
                         "bound": { "h2d_bytes": r.bound.h2d_bytes, "d2h_bytes": r.bound.d2h_bytes },
                     }));
                 }
@@ -231,6 +250,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 "layers": lc.layers,
                 "params": lc.spec(batch, seq, true)?.params(),
                 "model_data_bytes": r.model_data_bytes,
+                "overlap_host_bytes": r.overlap_host_bytes,
             }),
             None => Value::Null,
         }
@@ -374,6 +394,11 @@ fn print_table(v: &Value) {
         b("peak_non_model"),
         b("min_budget")
     );
+    println!(
+        "the {} step holds {} of host memory beside the model data",
+        v["overlap"].as_str().unwrap_or("?"),
+        b("overlap_host_bytes")
+    );
     if let Some(k) = v["device_adam_groups"].as_u64().filter(|&k| k > 0) {
         println!("Adam steps {k} chunk groups on the device after warm-up");
     }
@@ -444,10 +469,12 @@ fn print_table(v: &Value) {
         Value::Null if v["largest_searched"].as_bool() == Some(false) => {}
         Value::Null => println!("largest model: none fits"),
         l => println!(
-            "largest model of this width under tide: {} layers, {:.2}B params, model data {}",
+            "largest model of this width under tide: {} layers, {:.2}B params, model data {} \
+             and {} for the overlapped step",
             l["layers"],
             l["params"].as_u64().unwrap_or(0) as f64 / 1e9,
-            fmt_bytes(l["model_data_bytes"].as_u64().unwrap_or(0))
+            fmt_bytes(l["model_data_bytes"].as_u64().unwrap_or(0)),
+            fmt_bytes(l["overlap_host_bytes"].as_u64().unwrap_or(0))
         ),
     }
 }

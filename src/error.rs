@@ -432,6 +432,26 @@ pub enum Error {
         accumulates: usize,
     },
 
+    /// A gradient of an optimizer step is infinite or NaN and nothing may skip the step (no
+    /// loss scaler): the run stops. Restore from the last checkpoint (it is intact) and
+    /// change what diverged (a lower learning rate, a clip, loss scaling).
+    #[error(
+        "a gradient of optimizer step {step} is infinite or NaN, and without a loss scaler \
+         the step is not skipped: {}",
+        if *in_place {
+            "host groups had stepped in place during backward, so the optimizer state holds \
+             the bad step; restore from the last checkpoint"
+        } else {
+            "the optimizer state is as before the step; restore from the last checkpoint"
+        }
+    )]
+    NonFiniteGradients {
+        /// The optimizer step (1 for the first).
+        step: u64,
+        /// Whether host groups had already stepped in place (the state holds the bad step).
+        in_place: bool,
+    },
+
     /// An activation is not of the shape or type a layer takes.
     #[error(
         "`{what}` is [{rows}, {cols}] {dtype}; expected [{}, {expected_cols}] {expected_dtype}",

@@ -52,6 +52,7 @@ fn numbers_that_make_no_sense_are_refused() {
     refused(&["--pp", "2"], "give --ranks");
     refused(&["--sp", "2"], "give --ranks");
     refused(&["--batch", "0"], "each at least 1");
+    refused(&["--overlap-budget", "lots"], "--overlap-budget lots");
 }
 
 #[test]
@@ -176,6 +177,29 @@ fn adam_placement_changes_no_bit() {
     for r in [&device, &auto, &sized] {
         assert_eq!(r["losses"], host["losses"], "the same losses");
     }
+    // the overlap's host memory: with a clip (the default) a copy of the host groups'
+    // optimizer state; in bf16 without a clip nothing can invalidate a step, so none
+    let bytes = |r: &serde_json::Value| r["overlap"]["host_bytes"].as_u64().unwrap();
+    let bf16 = ["--dtype", "bf16", "--adam", "host"];
+    let clipped = report(&[&roomy[..], &bf16].concat()).unwrap();
+    let in_place = report(&[&roomy[..], &bf16, &["--clip", "0"]].concat()).unwrap();
+    let budget0 = report(&[&roomy[..], &bf16, &["--overlap-budget", "0"]].concat()).unwrap();
+    assert!(bytes(&host) > 0 && bytes(&clipped) > 0, "{host}");
+    assert!(
+        3 * bytes(&in_place) <= bytes(&clipped),
+        "in place {} against {} with shadows",
+        bytes(&in_place),
+        bytes(&clipped)
+    );
+    let o = &in_place["overlap"];
+    assert!(
+        o["started"].as_u64() > Some(0) && o["started"] == o["kept"],
+        "{o}"
+    );
+    assert_eq!(
+        budget0["overlap"]["started"], 0,
+        "no room for a shadow: no early step"
+    );
 }
 
 /// An imported checkpoint trains on every plan: a small model exported with `--save-hf`, then

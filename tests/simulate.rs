@@ -1,7 +1,8 @@
 //! The simulator on GPT-2 1.5B: the tide policy against the offline lower bound and the baselines.
 
 use tidemem::models::gpt::GptConfig;
-use tidemem::simulate::{simulate, SimOptions};
+use tidemem::optim::ShadowBudget;
+use tidemem::simulate::{simulate, SimOptions, SimOverlap};
 use tidemem::tide::Policy;
 
 /// Options whose device leaves, at the tightest moment of the iteration, a chunk budget of
@@ -62,6 +63,49 @@ fn gpt2_1_5b_at_a_quarter_of_the_parameter_chunks() {
     for r in [&tide, &ps, &lru, &all_host] {
         assert!(r.device_peak <= opts.device_mem, "{}", r.policy);
     }
+}
+
+/// The largest model counts the overlapped step's host memory: none serially, two
+/// parameter-sized buffers a host group in place, and shadows of the optimizer state (12
+/// bytes an element more) within their budget.
+#[test]
+fn the_largest_model_counts_the_overlaps_host_memory() {
+    let base = GptConfig::preset("gpt2-1.5b").unwrap();
+    let host = 64u64 << 30;
+    let at = |overlap: SimOverlap| {
+        let mut o = SimOptions::new(8 << 30, host);
+        o.overlap = overlap;
+        base.largest_fitting([8, 1024], true, Policy::Tide, &o, 0)
+            .unwrap()
+            .unwrap()
+    };
+    let (serial, rs) = at(SimOverlap::Serial);
+    let (in_place, ri) = at(SimOverlap::InPlace);
+    let (shadowed, rw) = at(SimOverlap::Shadowed(ShadowBudget::Bytes(u64::MAX)));
+    let (auto, ra) = at(SimOverlap::Shadowed(ShadowBudget::Auto));
+    assert_eq!(rs.overlap_host_bytes, 0);
+    for r in [&rs, &ri, &rw, &ra] {
+        assert!(r.model_data_bytes + r.overlap_host_bytes <= host, "{r:?}");
+    }
+    // 14 bytes an element of model data; 4 more in place, 16 more with every shadow
+    assert!(serial.layers >= in_place.layers && in_place.layers > shadowed.layers);
+    assert!(
+        shadowed.layers * 19 < serial.layers * 10,
+        "{} layers with every shadow, {} serial",
+        shadowed.layers,
+        serial.layers
+    );
+    // the automatic budget is half of what the model data leaves
+    assert!(
+        ra.overlap_host_bytes <= (host - ra.model_data_bytes) / 2,
+        "{ra:?}"
+    );
+    assert!(
+        auto.layers > shadowed.layers,
+        "{} ≤ {}",
+        auto.layers,
+        shadowed.layers
+    );
 }
 
 #[test]

@@ -21,6 +21,14 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
             a.clip
         )));
     }
+    if a.overlap_budget != "auto" {
+        tidemem::units::parse_bytes(&a.overlap_budget).map_err(|e| {
+            bad(format!(
+                "--overlap-budget {}: auto or a size such as 8GiB ({e})",
+                a.overlap_budget
+            ))
+        })?;
+    }
     if !a.lr.is_finite() || a.lr <= 0.0 {
         return Err(bad(format!("--lr {}: a finite rate > 0", a.lr)));
     }

@@ -36,7 +36,7 @@ use tidemem::models::gpt::{
     default_init, read_hf, train_step, train_two_bw_stream, EndsLayout, Gpt, GptBatch, GptConfig,
     Plan, TrainStep,
 };
-use tidemem::optim::{DevicePlacement, ScalerConfig};
+use tidemem::optim::{DevicePlacement, ScalerConfig, ShadowBudget};
 use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, Placement, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
@@ -106,9 +106,15 @@ struct Args {
     #[arg(long, default_value = "auto", value_parser = ["auto", "host", "device"])]
     adam: String,
     /// Step the host's chunk groups after backward instead of during it (the same bits; the
-    /// overlapped step keeps a second copy of their optimizer state in host memory).
+    /// overlapped step holds two parameter-sized buffers a host group, and with a loss scaler
+    /// or a clip a second copy of their optimizer state, within --overlap-budget).
     #[arg(long)]
     no_overlap: bool,
+    /// Host bytes for the overlapped step's copies of the optimizer state (with a loss scaler
+    /// or a clip): `auto` (half of what the host holds beside the model data) or a size such
+    /// as 8GiB; the host groups beyond it step after backward.
+    #[arg(long, default_value = "auto")]
+    overlap_budget: String,
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
@@ -334,6 +340,10 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
         },
         delayed_params: delayed,
         overlap: !a.no_overlap,
+        overlap_budget: match a.overlap_budget.as_str() {
+            "auto" => ShadowBudget::Auto,
+            s => ShadowBudget::Bytes(parse_bytes(s)? as u64),
+        },
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
 }

@@ -19,8 +19,8 @@ mod tensors;
 
 pub(crate) use manager::{grad_ranges, HostBlock, OverlapPlan};
 pub use manager::{
-    ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
-    OverlapStats, TideSample, Usage,
+    overlap_group_bytes, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind,
+    ManagerConfig, OverlapStats, TideSample, Usage,
 };
 pub(crate) use tensors::{
     add_forward_uses, check_copy, check_distinct, check_unused, numel_of, ViewBuf,

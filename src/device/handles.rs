@@ -284,6 +284,11 @@ impl<T> fmt::Debug for Pending<T> {
 }
 
 impl<T> Pending<T> {
+    /// The value the copy hands back, without waiting (for its size, not its contents).
+    pub(crate) fn value(&self) -> Option<&T> {
+        self.value.as_ref()
+    }
+
     /// Whether the copy has completed (then [`Pending::wait`] does not block).
     pub fn is_ready(&self) -> Result<bool> {
         let done = self.device.inner.backend.query_event(&self.event)?;

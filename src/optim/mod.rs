@@ -15,5 +15,7 @@ pub(crate) mod scaler;
 pub(crate) use crate::ops::{grad_stats_host as grad_stats, GradStats};
 pub(crate) use crate::ops::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 pub use adam::{reference_step, AdamConfig, WeightDecay};
-pub use hybrid::{DevicePlacement, HybridAdam, HybridConfig, StepOutcome, StepReport};
+pub use hybrid::{
+    DevicePlacement, HybridAdam, HybridConfig, ShadowBudget, StepOutcome, StepReport,
+};
 pub use scaler::{LossScaler, ScaleUpdate, ScalerConfig};

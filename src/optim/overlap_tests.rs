@@ -1,12 +1,17 @@
 //! Host groups stepped during backward, seen from outside the step: reads of a host group's
-//! parameter slot between backward and the step give its gradients, and a step thrown away
-//! leaves the device copy of a chunk its parameters went up into as it was.
+//! parameter slot between backward and the step give its gradients, a step thrown away
+//! leaves the device copy of a chunk its parameters went up into as it was, a step nothing
+//! can invalidate runs in place with no shadow, shadows come out of their budget, and a
+//! non-finite gradient without a loss scaler stops the run.
 
-use crate::chunk::{ChunkKind, ChunkManager, GroupChunks, ManagerConfig};
+use crate::chunk::{overlap_group_bytes, ChunkKind, ChunkManager, GroupChunks, ManagerConfig};
 use crate::device::{Device, SimConfig};
-use crate::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig, StepOutcome};
+use crate::optim::{
+    AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, ShadowBudget, StepOutcome,
+};
 use crate::tensor::{Init, Stage, TensorId};
 use crate::tide::{Policy, Target};
+use crate::Error;
 
 const N: usize = 4096;
 const GROUPS: usize = 4;
@@ -39,11 +44,11 @@ fn backward(m: &mut ChunkManager, ids: &[TensorId], grads: &[Vec<f32>]) {
     m.end_backward().unwrap();
 }
 
-#[test]
-fn reads_before_the_step_see_the_gradients_and_a_thrown_away_upload_is_undone() {
+/// A manager of `GROUPS` groups of one tensor each, on a small simulated device.
+fn manager() -> (ChunkManager, Vec<TensorId>) {
     let dev = Device::sim(SimConfig::with_capacity(1 << 20)).unwrap();
-    let mut m = ChunkManager::new(dev.clone(), ManagerConfig::new(N, Policy::Tide)).unwrap();
-    let ids: Vec<TensorId> = (0..GROUPS)
+    let mut m = ChunkManager::new(dev, ManagerConfig::new(N, Policy::Tide)).unwrap();
+    let ids = (0..GROUPS)
         .map(|g| {
             let init = Init::Uniform {
                 seed: g as u64,
@@ -53,8 +58,142 @@ fn reads_before_the_step_see_the_gradients_and_a_thrown_away_upload_is_undone() 
             m.register(&format!("w{g}"), &[N], init).unwrap()
         })
         .collect();
+    (m, ids)
+}
+
+/// Every host setting of `cfg`'s optimizer over `steps` steps; the masters and the step
+/// results.
+fn train(cfg: HybridConfig, steps: u64) -> (ChunkManager, Vec<Vec<u32>>, HybridAdam) {
+    let (mut m, ids) = manager();
     let mut adam = HybridAdam::new(HybridConfig {
         placement: DevicePlacement::HostOnly,
+        ..cfg
+    })
+    .unwrap();
+    for step in 0..steps {
+        backward(&mut m, &ids, &grads(step));
+        assert_eq!(adam.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+    }
+    let bits = ids
+        .iter()
+        .map(|&id| m.master(id).unwrap().iter().map(|x| x.to_bits()).collect())
+        .collect();
+    (m, bits, adam)
+}
+
+fn cfg(overlap: bool) -> HybridConfig {
+    HybridConfig {
+        overlap,
+        ..HybridConfig::new(AdamConfig::adam(1e-3))
+    }
+}
+
+#[test]
+fn a_step_nothing_can_invalidate_runs_in_place_with_no_shadow() {
+    let (_, serial, _) = train(cfg(false), 4);
+    let (m, overlapped, _) = train(cfg(true), 4);
+    assert_eq!(overlapped, serial, "the serial step's bits");
+    let st = m.overlap_stats();
+    assert_eq!((st.started, st.kept, st.redone), (12, 12, 0), "{st:?}");
+    // two parameter-sized buffers a group at most, no copy of the optimizer state
+    let most = GROUPS as u64 * overlap_group_bytes(N, 2, false);
+    assert!(
+        st.host_bytes > 0 && st.host_bytes <= most,
+        "{st:?}, most {most}"
+    );
+    // with a clip the step can be invalidated: shadows
+    let clipped = HybridConfig {
+        max_grad_norm: Some(1e9),
+        ..cfg(true)
+    };
+    let (m, bits, _) = train(clipped, 4);
+    let (_, serial, _) = train(
+        HybridConfig {
+            overlap: false,
+            ..clipped
+        },
+        4,
+    );
+    assert_eq!(bits, serial);
+    let st = m.overlap_stats();
+    assert!(st.host_bytes >= GROUPS as u64 * 12 * N as u64, "{st:?}");
+}
+
+#[test]
+fn shadows_come_out_of_their_budget_and_the_rest_steps_after_backward() {
+    let scaled = HybridConfig {
+        loss_scale: Some(ScalerConfig::default()),
+        ..cfg(true)
+    };
+    let (_, serial, _) = train(
+        HybridConfig {
+            overlap: false,
+            ..scaled
+        },
+        4,
+    );
+    let one = overlap_group_bytes(N, 2, true);
+    for (budget, early) in [(0, 0), (one, 1), (2 * one + one / 2, 2), (u64::MAX, GROUPS)] {
+        let c = HybridConfig {
+            overlap_budget: ShadowBudget::Bytes(budget),
+            ..scaled
+        };
+        let (m, bits, _) = train(c, 4);
+        assert_eq!(bits, serial, "budget {budget}");
+        let st = m.overlap_stats();
+        // the last groups in order: the first whose gradients are final
+        assert_eq!(st.kept, 3 * early as u64, "budget {budget}: {st:?}");
+        assert!(st.host_bytes <= budget, "budget {budget}: {st:?}");
+    }
+    assert_eq!(ShadowBudget::Auto.bytes(Some(100), 60), 20);
+    assert_eq!(ShadowBudget::Auto.bytes(None, 60), u64::MAX);
+    assert_eq!(ShadowBudget::Auto.bytes(Some(50), 60), 0);
+}
+
+#[test]
+fn a_non_finite_gradient_without_a_loss_scaler_stops_the_run_naming_the_step() {
+    for overlap in [false, true] {
+        let (mut m, _, mut adam) = train(cfg(overlap), 3);
+        let ids: Vec<TensorId> = (0..GROUPS as u32).map(TensorId).collect();
+        let before: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+        let path = std::env::temp_dir().join(format!(
+            "tidemem-nonfinite-{}-{overlap}.ckpt",
+            std::process::id()
+        ));
+        adam.save_checkpoint(&mut m, &path).unwrap();
+        let mut g = grads(3);
+        g[GROUPS - 1][5] = f32::NAN;
+        backward(&mut m, &ids, &g);
+        let e = adam.step(&mut m).unwrap_err();
+        // overlapped, the last group stepped in place during backward
+        assert!(
+            matches!(e, Error::NonFiniteGradients { step: 4, in_place } if in_place == overlap),
+            "{e}"
+        );
+        if !overlap {
+            let now: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+            assert_eq!(now, before, "the serial step touched nothing");
+        }
+        // the run stops; the checkpoint brings it back
+        backward(&mut m, &ids, &grads(4));
+        assert!(matches!(adam.step(&mut m), Err(Error::Poisoned { .. })));
+        m.skip_step().unwrap();
+        adam.load_checkpoint(&mut m, &path).unwrap();
+        let now: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+        assert_eq!(now, before);
+        backward(&mut m, &ids, &grads(3));
+        assert_eq!(adam.step(&mut m).unwrap().outcome, StepOutcome::Stepped);
+        std::fs::remove_file(&path).ok();
+    }
+}
+
+#[test]
+fn reads_before_the_step_see_the_gradients_and_a_thrown_away_upload_is_undone() {
+    let (mut m, ids) = manager();
+    // a clip: a step that can be thrown away, so early steps run on shadows
+    let mut adam = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        max_grad_norm: Some(1e9),
         ..HybridConfig::new(AdamConfig::adam(1e-3))
     })
     .unwrap();

@@ -30,11 +30,11 @@ pub use timeline::{timeline, Rates, StepSchedule, StepTime, ADAM_BYTES_PER_ELEME
 pub use zero::shard;
 
 use crate::chunk::{
-    optimizer_accesses, push_access, search_chunk_size, ChunkKind, ChunkLayout, ChunkPlan,
-    SizeSearch,
+    optimizer_accesses, overlap_group_bytes, push_access, search_chunk_size, ChunkKind,
+    ChunkLayout, ChunkPlan, SizeSearch,
 };
 use crate::error::{Error, Result};
-use crate::optim::DevicePlacement;
+use crate::optim::{DevicePlacement, ShadowBudget};
 use crate::tensor::Stage;
 use crate::tide::{
     lower_bound, spill_to_file, Access, Bound, ChunkNo, MoveStats, Policy, Scheduler,
@@ -258,6 +258,48 @@ pub struct SimOptions {
     /// simulation is of one rank ([`shard`]), `device_mem` is each device's, `host_mem` the
     /// host's, shared by the ranks.
     pub ranks: usize,
+    /// The host memory of the overlapped step, as [`crate::optim::HybridAdam`] holds it.
+    pub overlap: SimOverlap,
+}
+
+/// Which overlapped step's host memory a simulation counts ([`SimReport::overlap_host_bytes`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum SimOverlap {
+    /// The serial step: none.
+    Serial,
+    /// Nothing can invalidate a step (no loss scaler, no clip): two parameter-sized buffers a
+    /// host group.
+    InPlace,
+    /// A loss scaler or a clip: shadows of the host groups' optimizer state within the budget.
+    Shadowed(ShadowBudget),
+}
+
+impl SimOverlap {
+    /// Host bytes the overlapped step holds for the host groups `first_host..` of
+    /// `group_elems` elements, `param_bytes` bytes each, beside `model_data` bytes on a host
+    /// of `host` bytes.
+    pub fn host_bytes(
+        &self,
+        group_elems: &[usize],
+        first_host: usize,
+        param_bytes: usize,
+        host: u64,
+        model_data: u64,
+    ) -> u64 {
+        let (first, shadowed) = match *self {
+            SimOverlap::Serial => return 0,
+            SimOverlap::InPlace => (first_host, false),
+            SimOverlap::Shadowed(b) => {
+                let budget = b.bytes(Some(host), model_data);
+                let first = ShadowBudget::first_early(budget, first_host, group_elems, param_bytes);
+                (first, true)
+            }
+        };
+        group_elems[first.min(group_elems.len())..]
+            .iter()
+            .map(|&e| overlap_group_bytes(e, param_bytes, shadowed))
+            .sum()
+    }
 }
 
 impl SimOptions {
@@ -272,6 +314,7 @@ impl SimOptions {
             iterations: 2,
             optimizer: DevicePlacement::HostOnly,
             ranks: 1,
+            overlap: SimOverlap::Shadowed(ShadowBudget::Auto),
         }
     }
 }
@@ -307,6 +350,9 @@ pub struct SimReport {
     pub moments: usize,
     /// Chunk groups Adam steps on the device after warm-up.
     pub device_adam_groups: usize,
+    /// Host bytes the overlapped step holds beside the model data ([`SimOptions::overlap`]):
+    /// on the file tier where chunks spill there.
+    pub overlap_host_bytes: u64,
 }
 
 /// Chunk size used for `spec` under `opts`.
@@ -490,6 +536,13 @@ pub(crate) fn run(
         device_peak: sched.device_peak(),
         moments: trace.len(),
         device_adam_groups,
+        overlap_host_bytes: opts.overlap.host_bytes(
+            &plan.layout.group_elems,
+            device_adam_groups,
+            opts.param_bytes as usize,
+            host_mem,
+            plan.total_bytes(),
+        ),
     };
     let recorded = Recorded {
         ranks,
@@ -501,8 +554,9 @@ pub(crate) fn run(
     Ok((report, recorded))
 }
 
-/// The most layers of a model `spec_of(layers)` gives whose model data fits in host memory
-/// (plus `file_mem` on the file tier) and whose every moment fits on the device under
+/// The most layers of a model `spec_of(layers)` gives whose model data and the overlapped
+/// step's host memory ([`SimOptions::overlap`]) fit in host memory (plus `file_mem` on the
+/// file tier) and whose every moment fits on the device under
 /// `policy` (ZeRO ranks as `opts` says: one rank's share against its share of the host), by a
 /// doubling then a bisection over the layer count; with its report, or `None` if not even one
 /// layer fits.
@@ -527,6 +581,12 @@ pub fn largest_fitting(
         }
         o.host_mem = opts.host_mem;
         match simulate(&spec, policy, &o) {
+            Ok(r)
+                if r.model_data_bytes + r.overlap_host_bytes
+                    > (opts.host_mem + file_mem) / ranks =>
+            {
+                Ok(None)
+            }
             Ok(r) => Ok(Some(r)),
             Err(Error::BudgetExceeded { .. }) => Ok(None),
             Err(e) => Err(e),

@@ -7,7 +7,9 @@ use serde::Serialize;
 use super::adam::AdamConfig;
 use super::scaler::{LossScaler, ScaleUpdate, ScalerConfig};
 use super::{grad_stats, CpuAdam, Grad, GradStats, Isa};
-use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, HostBlock, OverlapPlan};
+use crate::chunk::{
+    grad_ranges, overlap_group_bytes, ChunkKind, ChunkManager, GroupChunks, HostBlock, OverlapPlan,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId};
 use crate::tide::{SchedulerConfig, Target};
@@ -66,6 +68,54 @@ impl DevicePlacement {
     }
 }
 
+/// Host bytes the overlapped step may hold for the shadows of the groups it steps early where
+/// a step can be invalidated (a loss scaler or a clip): the shadows of the last host groups
+/// in order (the first whose gradients are final in backward) while they fit; the rest step
+/// after backward. Where nothing can invalidate a step, the groups step in place and no budget
+/// applies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub enum ShadowBudget {
+    /// Half of what the host holds beside the model data:
+    /// `(host memory − model data) / 2`, with host memory as
+    /// [`limits::host_memory`](crate::limits::host_memory) reads it (no limit where it
+    /// cannot be read).
+    Auto,
+    /// At most this many bytes (0: every host group steps after backward).
+    Bytes(u64),
+}
+
+impl ShadowBudget {
+    /// The budget in bytes beside `model_data` bytes of model data on a host of `host`
+    /// bytes (`None`: unknown).
+    pub fn bytes(&self, host: Option<u64>, model_data: u64) -> u64 {
+        match *self {
+            ShadowBudget::Bytes(n) => n,
+            ShadowBudget::Auto => host.map_or(u64::MAX, |h| h.saturating_sub(model_data) / 2),
+        }
+    }
+
+    /// The first of the host groups `first_host..` (of `group_elems` elements of
+    /// `param_bytes` bytes each) stepped early under this budget: from the last group down
+    /// while their overlap bytes ([`overlap_group_bytes`], shadowed) fit in `budget` bytes.
+    pub fn first_early(
+        budget: u64,
+        first_host: usize,
+        group_elems: &[usize],
+        param_bytes: usize,
+    ) -> usize {
+        let mut used = 0u64;
+        let mut first = group_elems.len();
+        while first > first_host {
+            used += overlap_group_bytes(group_elems[first - 1], param_bytes, true);
+            if used > budget {
+                break;
+            }
+            first -= 1;
+        }
+        first
+    }
+}
+
 /// Settings of a [`HybridAdam`].
 #[derive(Clone, Copy, Debug, PartialEq, Serialize)]
 pub struct HybridConfig {
@@ -77,7 +127,9 @@ pub struct HybridConfig {
     pub isa: Option<Isa>,
     /// Which groups step on the device.
     pub placement: DevicePlacement,
-    /// Dynamic loss scaling (`None`: a scale of 1; overflowing steps are still skipped).
+    /// Dynamic loss scaling, which skips a step whose gradients overflow (`None`: a scale of
+    /// 1, and an infinite or NaN gradient stops the run with
+    /// [`Error::NonFiniteGradients`]).
     pub loss_scale: Option<ScalerConfig>,
     /// Clip gradients to this global L2 norm.
     pub max_grad_norm: Option<f32>,
@@ -93,10 +145,14 @@ pub struct HybridConfig {
     pub delayed_params: bool,
     /// Step host groups during backward, as soon as each group's gradients are final, on a
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
-    /// memory for a second copy of the host groups' optimizer state (on the file tier when
-    /// chunks spill there). With accumulation, the micro-batches but the last fold during
-    /// backward instead. Not with delayed parameters.
+    /// memory ([`overlap_group_bytes`] a group): two parameter-sized buffers, and where a
+    /// step can be invalidated (a loss scaler, a clip) a second copy of the group's optimizer
+    /// state, within `overlap_budget` (on the file tier when chunks spill there). With
+    /// accumulation, the micro-batches but the last fold during backward instead. Not with
+    /// delayed parameters.
     pub overlap: bool,
+    /// The host bytes of the overlap's shadows.
+    pub overlap_budget: ShadowBudget,
 }
 
 impl HybridConfig {
@@ -113,6 +169,7 @@ impl HybridConfig {
             accumulation_steps: 1,
             delayed_params: false,
             overlap: true,
+            overlap_budget: ShadowBudget::Auto,
         }
     }
 }
@@ -505,6 +562,8 @@ impl HybridAdam {
         let r = self.step_inner(m, reduce);
         if r.is_err() {
             self.broken = true;
+            // no step runs early (in place, perhaps) for an optimizer that refuses to step
+            m.arm_overlap(None);
         }
         r
     }
@@ -526,14 +585,21 @@ impl HybridAdam {
         }
         let st = reduce(m.grad_stats()?)?;
         if st.nonfinite {
-            m.overlap_verdict(None)?;
+            let in_place = m.overlap_verdict(None)?;
             restore(m, place)?;
+            if self.scaler.is_none() {
+                m.skip_step()?;
+                return Err(Error::NonFiniteGradients {
+                    step: self.steps + 1,
+                    in_place,
+                });
+            }
             return self.skip(m, scale, k, st);
         }
         let norm = st.sum_sq.sqrt() / scale as f64;
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
-        m.overlap_verdict(Some(&overlap_key(&s, k)))?;
+        m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place())))?;
         let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
         let dev = m.device().clone();
         m.visit_groups(&ChunkKind::ALL, place, |v| {
@@ -566,14 +632,38 @@ impl HybridAdam {
             .adam
             .scalars(self.steps + 1, 1.0 / self.loss_scale())?;
         let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
+        let in_place = self.in_place();
         m.arm_overlap(Some(OverlapPlan {
-            first_host: k,
+            first_host: if in_place {
+                k
+            } else {
+                self.first_shadowed(m, k)
+            },
+            in_place,
             threads: self.cpu.threads(),
-            key: overlap_key(&s, k),
+            key: overlap_key(&s, k, in_place),
             step: Arc::new(move |b: HostBlock<'_>| step_block(&cpu, &s, dt, b)),
             fold: false,
         }));
         Ok(())
+    }
+
+    /// Whether nothing can invalidate a step (no loss scaler, no clip), so that host groups
+    /// step in place during backward.
+    fn in_place(&self) -> bool {
+        self.scaler.is_none() && self.cfg.max_grad_norm.is_none()
+    }
+
+    /// The first of the host groups `k..` of `m` whose shadows fit the overlap's budget.
+    fn first_shadowed(&self, m: &ChunkManager, k: usize) -> usize {
+        let elems = &m.layout().group_elems;
+        let es = m.param_dtype().size();
+        let model_data: u64 = elems.iter().map(|&e| (e * (es + 12)) as u64).sum();
+        let budget = self
+            .cfg
+            .overlap_budget
+            .bytes(crate::limits::host_memory(), model_data);
+        ShadowBudget::first_early(budget, k, elems, es)
     }
 
     /// Arms `m` to fold the next (not last) micro-batch's gradients into the accumulators
@@ -591,6 +681,7 @@ impl HybridAdam {
         let dt = m.param_dtype();
         m.arm_overlap(Some(OverlapPlan {
             first_host: 0,
+            in_place: false,
             threads: self.cpu.threads(),
             key: fold_key(self.micro, inv, &acc),
             step: Arc::new(move |b: HostBlock<'_>| fold_block(&acc, inv, dt, b)),
@@ -670,6 +761,7 @@ impl HybridAdam {
         // or before a checkpoint was loaded, is not this fold)
         let fold = self.micro + 1 < n;
         let key = fold.then(|| fold_key(self.micro, 1.0 / scale, &self.acc));
+        // (a fold is armed for micro-batches but the last: the last is never abandoned in place)
         m.overlap_verdict(key.as_deref())?;
         self.touched.resize(m.num_tensors(), false);
         let inv = 1.0 / scale;
@@ -746,6 +838,13 @@ impl HybridAdam {
         let st = reduce(local)?;
         if st.nonfinite {
             self.clear_accumulators();
+            if self.scaler.is_none() {
+                m.skip_step()?;
+                return Err(Error::NonFiniteGradients {
+                    step: self.steps + 1,
+                    in_place: false,
+                });
+            }
             return self.skip(m, scale, 0, st);
         }
         let norm = st.sum_sq.sqrt() / n as f64;

@@ -15,10 +15,15 @@ use crate::tide::Target;
 #[cfg(doc)]
 use super::HybridConfig;
 
-/// What identifies a step for overlap: its scalars and how many groups step on the device.
-pub(super) fn overlap_key(s: &AdamScalars, device_groups: usize) -> Vec<u8> {
+/// What identifies a step for overlap: its scalars, and for a step with shadows how many
+/// groups step on the device (an in-place step is kept whatever the device takes: a group
+/// stepped early is skipped by the device's pass).
+pub(super) fn overlap_key(s: &AdamScalars, device_groups: usize, in_place: bool) -> Vec<u8> {
     let mut key = bytemuck::bytes_of(s).to_vec();
-    key.extend_from_slice(&(device_groups as u64).to_le_bytes());
+    match in_place {
+        true => key.extend_from_slice(b"in place"),
+        false => key.extend_from_slice(&(device_groups as u64).to_le_bytes()),
+    }
     key
 }
 

@@ -21,9 +21,16 @@
 //! group steps serially. Either way the bits are those of the serial step, and the link
 //! carries the gradients once.
 //!
-//! Cost: host memory for a second copy of every host group's master, momentum and variance
-//! (12 bytes an element) and of its parameter chunk; a redone step costs the early one's CPU
-//! time again (the counts are [`OverlapStats`]).
+//! **In place.** Where nothing can invalidate the step (no loss scaler, no clip: a
+//! non-finite gradient then stops the run rather than skipping the step), the optimizer arms
+//! the plan [`in_place`](OverlapPlan::in_place): the worker steps the group's own master,
+//! momentum and variance, with no shadow, and the step is kept whatever the verdict's timing.
+//!
+//! Cost ([`overlap_group_bytes`], reported by [`OverlapStats::host_bytes`]): host memory for
+//! two parameter-sized buffers a host group stepped early (the gradients' copy and the new
+//! parameters), and with shadows a second copy of its master, momentum and variance (12 bytes
+//! an element); a redone step costs the early one's CPU time again (the counts are
+//! [`OverlapStats`]).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -63,8 +70,11 @@ pub(crate) type BlockStep = Arc<dyn Fn(HostBlock<'_>) -> Result<()> + Send + Syn
 
 /// What an optimizer arms the manager with (see the module docs).
 pub(crate) struct OverlapPlan {
-    /// Groups from this one on step on the host.
+    /// Groups from this one on step early (the host groups, or the last of them whose
+    /// shadows fit a budget).
     pub(crate) first_host: usize,
+    /// Steps the group's own state, with no shadow: nothing may invalidate the step.
+    pub(crate) in_place: bool,
     /// Threads a group's step may use.
     pub(crate) threads: usize,
     /// Identifies the step: an early step is kept only under the same key.
@@ -99,6 +109,17 @@ pub struct OverlapStats {
     /// scale or learning rate, a gradient written after the step started, or a use of the
     /// group's chunks before the step was decided.
     pub redone: u64,
+    /// Host bytes the overlap holds between iterations: the shadows and the parameter-sized
+    /// buffers of the groups stepped early (on the file tier where chunks spill there).
+    pub host_bytes: u64,
+}
+
+/// Host bytes the overlap holds for a host group of `elems` elements of `param_bytes` bytes
+/// each stepped early: two parameter-sized buffers (the gradients' copy and the new
+/// parameters), and with `shadowed` a copy of its fp32 master, momentum and variance.
+pub fn overlap_group_bytes(elems: usize, param_bytes: usize, shadowed: bool) -> u64 {
+    let state = if shadowed { 12 } else { 0 };
+    (elems * (2 * param_bytes + state)) as u64
 }
 
 enum Early {
@@ -110,6 +131,8 @@ enum Early {
 struct Job0 {
     state: Early,
     version: u64,
+    /// Stepped the group's own state (no shadow): it cannot be thrown away.
+    in_place: bool,
     /// Recorded on the write-back stream after the gradients' copy: an upload into the chunk
     /// waits for it.
     read: Event,
@@ -123,6 +146,10 @@ pub(super) struct Overlap {
     keep: Option<bool>,
     /// The last decision.
     kept_last: bool,
+    /// The step is abandoned (a non-finite gradient without a loss scaler): early steps taken
+    /// in place are put back as they are, and counted in `abandoned_in_place`.
+    abandon: bool,
+    abandoned_in_place: bool,
     jobs: Vec<Option<Job0>>,
     /// Backward releases per group this iteration.
     version: Vec<u64>,
@@ -173,21 +200,35 @@ impl ChunkManager {
         o.plan = plan;
     }
 
-    /// Counts of host groups stepped during backward.
+    /// Counts of host groups stepped during backward, and the host bytes the overlap holds.
     pub fn overlap_stats(&self) -> OverlapStats {
-        self.overlap.stats
+        let o = &self.overlap;
+        let shadows = o.spare_shadow.iter().flatten().flatten().map(|b| b.len());
+        let params = o.spare_param.iter().flatten().map(|s| match s {
+            HostSlot::Ready(b) => b.len(),
+            HostSlot::InFlight(p) => p.value().map_or(0, |b| b.len()),
+            _ => 0,
+        });
+        OverlapStats {
+            host_bytes: (shadows.sum::<usize>() + params.sum::<usize>()) as u64,
+            ..o.stats
+        }
     }
 
     /// The optimizer's decision after backward: early steps are kept if `key` is the armed
-    /// one; with `None` (or another key) they are thrown away now.
-    pub(crate) fn overlap_verdict(&mut self, key: Option<&[u8]>) -> Result<()> {
+    /// one; with another key they are thrown away now, and an early step taken in place (which
+    /// cannot be) leaves the manager unusable. With `None` the step is abandoned: early steps
+    /// are thrown away, those taken in place put back as they are. Returns whether any had
+    /// stepped in place and was abandoned.
+    pub(crate) fn overlap_verdict(&mut self, key: Option<&[u8]>) -> Result<bool> {
         let keep = matches!((&self.overlap.plan, key), (Some(p), Some(k)) if p.key == k);
         self.overlap.keep = Some(keep);
         self.overlap.kept_last = keep;
+        self.overlap.abandon = key.is_none();
         if !keep {
             self.cancel_overlap()?;
         }
-        Ok(())
+        Ok(std::mem::take(&mut self.overlap.abandoned_in_place))
     }
 
     /// Whether a pass over `lists` may take the early steps the optimizer decided to keep:
@@ -229,6 +270,7 @@ impl ChunkManager {
             Arc::clone(&plan.step),
             plan.fold,
         );
+        let in_place = plan.in_place && !fold;
         let lent = plan.lists().len() - 1;
         if g < first_host || self.warm || self.overlap.jobs[g].is_some() {
             return Ok(());
@@ -280,9 +322,10 @@ impl ChunkManager {
         let read = self.device.new_event()?;
         self.device.record(&self.down, &read)?;
         let out = self.take_spare_param(g, pc)?;
+        // (a fold reads the master, an in-place step updates it: neither has copies)
         let shadow = match self.overlap.spare_shadow[g].take() {
-            Some(s) if s.len() == lent && !fold => s,
-            _ if fold => Vec::new(),
+            _ if fold || in_place => Vec::new(),
+            Some(s) if s.len() == lent => s,
             _ => state
                 .iter()
                 .map(|&c| self.alloc_shadow(c))
@@ -337,6 +380,7 @@ impl ChunkManager {
         self.overlap.jobs[g] = Some(Job0 {
             state: Early::Running(rx),
             version: self.overlap.version[g],
+            in_place,
             read,
         });
         self.overlap.stats.started += 1;
@@ -501,12 +545,18 @@ impl ChunkManager {
             Some(Job0 {
                 state: Early::Finished(fin),
                 version,
+                in_place,
                 ..
             }) => {
-                self.overlap.keep == Some(true)
-                    && fin.result.is_ok()
+                let valid = fin.result.is_ok()
                     && fin.grads.is_some()
-                    && *version == self.overlap.version[g]
+                    && *version == self.overlap.version[g];
+                // a step taken in place is kept unless the step is abandoned
+                let decided = match *in_place {
+                    true => self.overlap.keep != Some(false),
+                    false => self.overlap.keep == Some(true),
+                };
+                valid && decided
             }
             Some(_) => unreachable!("joined above"),
         };
@@ -516,12 +566,29 @@ impl ChunkManager {
         }
         let Some(Job0 {
             state: Early::Finished(fin),
+            in_place,
             ..
         }) = self.overlap.jobs[g].take()
         else {
             unreachable!("joined above")
         };
+        let stepped = fin.grads.is_some();
         self.put_back(g, *fin, keep)?;
+        if in_place && stepped && !keep {
+            if !self.overlap.abandon {
+                // its state holds a step the serial pass would take again
+                let why = format!(
+                    "group {g}'s host step ran in place during backward and was not kept (a \
+                     gradient written after it, or another step's scalars)"
+                );
+                self.broken = Some(why.clone());
+                return Err(Error::Poisoned {
+                    what: "chunk manager",
+                    reason: why,
+                });
+            }
+            self.overlap.abandoned_in_place = true;
+        }
         Ok(keep)
     }
 
@@ -611,6 +678,8 @@ impl ChunkManager {
             }
         }
         self.overlap.keep = None;
+        self.overlap.abandon = false;
+        self.overlap.abandoned_in_place = false;
         self.overlap.done.iter_mut().for_each(|d| *d = false);
         // a kept step's parameters on the device are the chunk's own now
         self.overlap.uploaded.iter_mut().for_each(|u| *u = false);

@@ -36,9 +36,10 @@ impl ChunkManager {
     /// is decided to keep them, or, undecided, when the last decision kept (a step that clips
     /// or overflows every time would otherwise send its parameters up for nothing).
     pub(super) fn uploads_ahead(&self) -> bool {
+        let in_place = self.overlap.plan.as_ref().is_some_and(|p| p.in_place);
         match self.overlap.keep {
             Some(keep) => keep,
-            None => self.overlap.kept_last,
+            None => self.overlap.kept_last || in_place,
         }
     }
 
@@ -56,6 +57,7 @@ impl ChunkManager {
             state: Early::Finished(fin),
             version: v,
             read,
+            ..
         }) = self.overlap.jobs[g].as_mut()
         else {
             return Ok(());

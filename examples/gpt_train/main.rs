@@ -640,6 +640,7 @@ fn run() -> Result<()> {
             model_data,
             &h2d,
             &d2h,
+            m.overlap_stats(),
         );
         if let Some((prompt, text)) = sample {
             println!("sample (prompt in brackets):\n[{prompt}]{text}");
@@ -775,6 +776,7 @@ fn summary(
     model_data: u64,
     h2d: &[u64],
     d2h: &[u64],
+    overlap: tidemem::chunk::OverlapStats,
 ) {
     println!(
         "{} ({} parameters, {} blocks × {} channels, {}), {} steps of {} × {} tokens × {} micro-batches",
@@ -799,6 +801,14 @@ fn summary(
         println!(
             "(the largest moment and the activations need more than the model data: the \
              device holds all of it, nothing is offloaded)"
+        );
+    }
+    if overlap.started > 0 {
+        println!(
+            "host groups stepped during backward: {} of {} kept, holding {} of host memory",
+            overlap.kept,
+            overlap.started,
+            fmt_bytes(overlap.host_bytes)
         );
     }
     if let (Some(f), Some(l)) = (losses.first(), losses.last()) {

@@ -29,6 +29,20 @@ impl ChunkManager {
                 ranges.push(r);
                 partial.push(share - 1.0);
             }
+            if let Some(stats) = self.early_grad_stats(g)? {
+                // taken by the group's step in place, before it overwrote them
+                if stats.len() != ranges.len() {
+                    return Err(Error::Internal {
+                        what: format!(
+                            "group {g}'s step in place took the statistics of {} ranges, not {}",
+                            stats.len(),
+                            ranges.len()
+                        ),
+                    });
+                }
+                parts.extend(stats.into_iter().map(Some));
+                continue;
+            }
             for r in ranges {
                 if self.param_on_device(g) {
                     on_device.push((g, r));

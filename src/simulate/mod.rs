@@ -275,19 +275,19 @@ pub enum SimOverlap {
 }
 
 impl SimOverlap {
-    /// Host bytes the overlapped step holds for the host groups `first_host..` of
-    /// `group_elems` elements, `param_bytes` bytes each, beside `model_data` bytes on a host
-    /// of `host` bytes.
-    pub fn host_bytes(
+    /// The first of the host groups `first_host..` (of `group_elems` elements, `param_bytes`
+    /// bytes each) that steps during backward, and the host bytes the overlapped step holds,
+    /// beside `model_data` bytes on a host of `host` bytes.
+    pub fn early_groups(
         &self,
         group_elems: &[usize],
         first_host: usize,
         param_bytes: usize,
         host: u64,
         model_data: u64,
-    ) -> u64 {
+    ) -> (usize, u64) {
         let (first, shadowed) = match *self {
-            SimOverlap::Serial => return 0,
+            SimOverlap::Serial => return (group_elems.len(), 0),
             SimOverlap::InPlace => (first_host, false),
             SimOverlap::Shadowed(b) => {
                 let budget = b.bytes(Some(host), model_data);
@@ -295,10 +295,12 @@ impl SimOverlap {
                 (first, true)
             }
         };
-        group_elems[first.min(group_elems.len())..]
+        let first = first.min(group_elems.len());
+        let bytes = group_elems[first..]
             .iter()
             .map(|&e| overlap_group_bytes(e, param_bytes, shadowed))
-            .sum()
+            .sum();
+        (first, bytes)
     }
 }
 
@@ -425,6 +427,8 @@ pub(crate) struct Recorded {
     pub(crate) file: Vec<bool>,
     pub(crate) group_elems: Vec<usize>,
     pub(crate) moments: Vec<MomentMoves>,
+    /// The first group stepped during backward by an overlapped step ([`SimOptions::overlap`]).
+    pub(crate) first_early: usize,
 }
 
 /// Runs warm-up and steady iterations of `spec` under `policy`.
@@ -521,6 +525,13 @@ pub(crate) fn run(
         .map(|m| sched.budget_at(m))
         .min()
         .unwrap_or(0);
+    let (first_early, overlap_host_bytes) = opts.overlap.early_groups(
+        &plan.layout.group_elems,
+        device_adam_groups,
+        opts.param_bytes as usize,
+        host_mem,
+        plan.total_bytes(),
+    );
     let report = SimReport {
         policy: policy.name(),
         warmup,
@@ -536,13 +547,7 @@ pub(crate) fn run(
         device_peak: sched.device_peak(),
         moments: trace.len(),
         device_adam_groups,
-        overlap_host_bytes: opts.overlap.host_bytes(
-            &plan.layout.group_elems,
-            device_adam_groups,
-            opts.param_bytes as usize,
-            host_mem,
-            plan.total_bytes(),
-        ),
+        overlap_host_bytes,
     };
     let recorded = Recorded {
         ranks,
@@ -550,6 +555,7 @@ pub(crate) fn run(
         file,
         group_elems: plan.layout.group_elems.clone(),
         moments,
+        first_early,
     };
     Ok((report, recorded))
 }

@@ -19,7 +19,8 @@
 //!   [`StepSchedule::Overlapped`] on worker threads
 //!   as soon as its own gradients are final (its optimizer moment moved to just after the
 //!   group's last backward use, as a speculative step validated after backward would run;
-//!   redone steps are not charged).
+//!   redone steps are not charged), for the groups [`SimOptions::overlap`] steps early (with
+//!   shadows, those within the budget; the rest step after backward).
 //!
 //! The step is the third iteration's span; [`StepTime`] gives it with each resource's busy time
 //! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
@@ -248,7 +249,9 @@ fn moment_order(rec: &Recorded, schedule: StepSchedule) -> Vec<(usize, bool)> {
                 .iter()
                 .find(|a| is_param(a.chunk))
                 .map(|a| a.chunk as usize);
-            if let Some(w) = param.and_then(|c| last_write[c]) {
+            // (the groups the overlap's budget leaves out step after backward)
+            let early = param.is_some_and(|c| rec.chunks[c].group as usize >= rec.first_early);
+            if let Some(w) = param.filter(|_| early).and_then(|c| last_write[c]) {
                 after[w].push(i);
                 moved[i] = true;
             }

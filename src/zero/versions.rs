@@ -26,6 +26,7 @@ impl ZeroManager {
         let checked = self.check_pairs(pairs, params);
         self.comm.agree(checked.is_ok())?;
         let local = checked?;
+        self.local.note_state_copies(kinds);
         // the pairs this rank owns both tensors of, in one copy of its manager
         let mine: Vec<(TensorId, TensorId)> =
             local.iter().filter_map(|&(la, lb)| la.zip(lb)).collect();

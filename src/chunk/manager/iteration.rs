@@ -411,6 +411,18 @@ impl ChunkManager {
         let es = self.cfg.param_dtype.size();
         let (off, len) = (slot.offset * es, slot.numel * es);
         let dt = self.cfg.param_dtype;
+        if self.grads_taken(slot.group as usize) {
+            return Err(Error::Conflict {
+                what: format!(
+                    "reading the gradient of '{}'",
+                    self.tensors[id.index()].name
+                ),
+                with: "its group's step during backward, which took it in place (nothing could \
+                       invalidate the step: no loss scaler, no clip); read it after the step \
+                       for the parameter, or run the step serially to read gradients"
+                    .into(),
+            });
+        }
         if self.device_param_differs(slot.group as usize) {
             // a host group stepped during backward: the host copy (or the step's) is current
             if let Some(h) = self.lent_grads(slot.group as usize)? {

@@ -44,6 +44,7 @@ impl ChunkManager {
         self.close()?;
         let params = kinds.contains(&ChunkKind::Param);
         self.check_copy(pairs, params)?;
+        self.note_state_copies(kinds);
         for &kind in ChunkKind::ALL.iter().filter(|k| kinds.contains(k)) {
             for &(a, b) in pairs {
                 let bytes = self.tensor_bytes(a, kind)?;

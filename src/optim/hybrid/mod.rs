@@ -144,12 +144,12 @@ pub struct HybridConfig {
     /// the lag.
     pub delayed_params: bool,
     /// Step host groups during backward, as soon as each group's gradients are final, on a
-    /// worker thread (see "Overlap" in the module docs). Bitwise the serial step; costs host
-    /// memory ([`overlap_group_bytes`] a group): two parameter-sized buffers, and where a
-    /// step can be invalidated (a loss scaler, a clip) a second copy of the group's optimizer
-    /// state, within `overlap_budget` (on the file tier when chunks spill there). With
-    /// accumulation, the micro-batches but the last fold during backward instead. Not with
-    /// delayed parameters.
+    /// worker thread (see "Overlap" in the module docs). Bitwise the serial step. Where nothing
+    /// can invalidate a step (no loss scaler, no clip) the groups step in place, at no memory
+    /// cost; otherwise on shadows, a second copy of the group's optimizer state and two
+    /// parameter-sized buffers ([`overlap_group_bytes`] a group) within `overlap_budget` (on
+    /// the file tier when chunks spill there). With accumulation, the micro-batches but the
+    /// last fold during backward instead. Not with delayed parameters.
     pub overlap: bool,
     /// The host bytes of the overlap's shadows.
     pub overlap_budget: ShadowBudget,
@@ -238,14 +238,17 @@ pub struct StepReport {
 /// **Overlap.** A host group's step does not wait for the end of backward: after each step the
 /// optimizer arms the manager with the next step's scalars as they will be if nothing overflows
 /// and nothing is clipped, and each host group steps on a worker thread once its gradients are
-/// final and copied down, while the device goes on with backward (SuperOffload's speculation,
-/// on copies: the originals are kept until the step is decided). After backward the step's
-/// real scalars decide: if they are the armed ones, every early step is kept and the group's
-/// turn in the pass costs nothing; after an overflow, a clip, a changed loss scale or
-/// learning rate, each host group is stepped again from its untouched originals. Either way
-/// the bits are those of the serial step. Its cost is host memory: a second copy of every host
-/// group's master, momentum and variance (12 bytes an element) and parameter chunk. The
-/// counts are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
+/// final and copied down, while the device goes on with backward. Where nothing can
+/// invalidate the step (no loss scaler, no clip; a non-finite gradient then stops the run with
+/// [`Error::NonFiniteGradients`]) each group steps in place, as it would after backward, at no
+/// memory cost. Otherwise the step is SuperOffload's speculation, on copies: the originals are
+/// kept until the step is decided. After backward the step's real scalars decide: if they are
+/// the armed ones, every early step is kept and the group's turn in the pass costs nothing;
+/// after an overflow, a clip, a changed loss scale or learning rate, each host group is stepped
+/// again from its untouched originals. Either way the bits are those of the serial step. The
+/// copies cost host memory: 12 bytes an element of master, momentum and variance and two
+/// parameter-sized buffers a group, within [`HybridConfig::overlap_budget`]. The counts and
+/// bytes are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
 /// last folds its gradients into the accumulators during backward instead (exact, whatever
 /// the step does), and the last steps after backward.
 ///
@@ -599,7 +602,7 @@ impl HybridAdam {
         let norm = st.sum_sq.sqrt() / scale as f64;
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
-        m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place())))?;
+        m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place(m))))?;
         let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
         let dev = m.device().clone();
         m.visit_groups(&ChunkKind::ALL, place, |v| {
@@ -632,7 +635,7 @@ impl HybridAdam {
             .adam
             .scalars(self.steps + 1, 1.0 / self.loss_scale())?;
         let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
-        let in_place = self.in_place();
+        let in_place = self.in_place(m);
         m.arm_overlap(Some(OverlapPlan {
             first_host: if in_place {
                 k
@@ -648,10 +651,11 @@ impl HybridAdam {
         Ok(())
     }
 
-    /// Whether nothing can invalidate a step (no loss scaler, no clip), so that host groups
-    /// step in place during backward.
-    fn in_place(&self) -> bool {
-        self.scaler.is_none() && self.cfg.max_grad_norm.is_none()
+    /// Whether nothing can invalidate a step (no loss scaler, no clip, no copy of optimizer
+    /// state between backward and the step), so that host groups step in place during
+    /// backward.
+    fn in_place(&self, m: &ChunkManager) -> bool {
+        self.scaler.is_none() && self.cfg.max_grad_norm.is_none() && m.in_place_allowed()
     }
 
     /// The first of the host groups `k..` of `m` whose shadows fit the overlap's budget.

@@ -37,12 +37,43 @@ pub(super) fn step_block(
 ) -> Result<()> {
     let HostBlock {
         grad,
+        in_place,
         param,
         master,
         momentum,
         variance,
         ..
     } = b;
+    if in_place {
+        // the gradients in the parameter buffer, as a host group's serial step has them
+        return match dt {
+            DType::F32 => {
+                let g: &[f32] = typed_mut(param)?;
+                cpu.step(s, master, momentum, variance, Grad::F32(g), ParamCopy::None)?;
+                param.copy_from_slice(bytemuck::cast_slice(master));
+                Ok(())
+            }
+            DType::F16 => cpu.step_in_place(
+                s,
+                master,
+                momentum,
+                variance,
+                GradInPlace::F16(typed_mut(param)?),
+            ),
+            DType::BF16 => cpu.step_in_place(
+                s,
+                master,
+                momentum,
+                variance,
+                GradInPlace::Bf16(typed_mut(param)?),
+            ),
+            other => Err(Error::WrongDType {
+                what: "parameters stepped by HybridAdam".into(),
+                dtype: other,
+                expected: "a model float (F32, F16 or BF16)",
+            }),
+        };
+    }
     // (a step is handed the gradient ranges only)
     let Some(grad) = grad else {
         return Ok(());

@@ -23,14 +23,16 @@
 //!
 //! **In place.** Where nothing can invalidate the step (no loss scaler, no clip: a
 //! non-finite gradient then stops the run rather than skipping the step), the optimizer arms
-//! the plan [`in_place`](OverlapPlan::in_place): the worker steps the group's own master,
-//! momentum and variance, with no shadow, and the step is kept whatever the verdict's timing.
+//! the plan [`in_place`](OverlapPlan::in_place): the gradients come down into the chunk's own
+//! host copy (where no upload still reads it), the worker takes their statistics for the
+//! optimizer ([`ChunkManager::early_grad_stats`]) and then steps the group's own master,
+//! momentum and variance, writing the new parameters over the gradients; the step is kept
+//! whatever the verdict's timing.
 //!
-//! Cost ([`overlap_group_bytes`], reported by [`OverlapStats::host_bytes`]): host memory for
-//! two parameter-sized buffers a host group stepped early (the gradients' copy and the new
-//! parameters), and with shadows a second copy of its master, momentum and variance (12 bytes
-//! an element); a redone step costs the early one's CPU time again (the counts are
-//! [`OverlapStats`]).
+//! Cost ([`overlap_group_bytes`], reported by [`OverlapStats::host_bytes`]): in place, none;
+//! with shadows, a second copy of a host group's master, momentum and variance (12 bytes an
+//! element) and two parameter-sized buffers (the gradients' copy and the new parameters); a
+//! redone step costs the early one's CPU time again (the counts are [`OverlapStats`]).
 
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -42,6 +44,7 @@ use super::{grad_ranges, ChunkManager, HostSlot, LogKind, LISTS};
 use crate::chunk::plan::ChunkPlan;
 use crate::device::{Event, HostBuffer, HostPhase};
 use crate::error::{Error, Result};
+use crate::ops::grad_stats::GradStats;
 use crate::tensor::{ChunkKind, TensorState};
 
 mod upload;
@@ -51,14 +54,16 @@ use worker::{run_job, Finished, Grads, Job};
 
 /// One block of a host group, handed to an armed step: where it is (the group, and the
 /// offset of its first element in the group's chunks), the gradients in the parameter dtype
-/// (`None` between gradient ranges, which only a fold is handed), the buffer for the new
-/// parameters (holding the chunk's bytes as they came down), and the fp32 state: for a step,
-/// copies of the master, momentum and variance to update in place; for a fold, the master,
-/// to read (momentum and variance empty).
+/// (`None` between gradient ranges, which only a fold is handed, and in place), the buffer for
+/// the new parameters (holding the chunk's bytes as they came down: in place, the gradients),
+/// and the fp32 state: for a step, the master, momentum and variance to update (copies, or in
+/// place the group's own); for a fold, the master, to read (momentum and variance empty).
 pub(crate) struct HostBlock<'a> {
     pub(crate) group: usize,
     pub(crate) offset: usize,
     pub(crate) grad: Option<&'a [u8]>,
+    /// `param` holds the gradients (`grad` is `None`): the step overwrites them.
+    pub(crate) in_place: bool,
     pub(crate) param: &'a mut [u8],
     pub(crate) master: &'a mut [f32],
     pub(crate) momentum: &'a mut [f32],
@@ -115,11 +120,14 @@ pub struct OverlapStats {
 }
 
 /// Host bytes the overlap holds for a host group of `elems` elements of `param_bytes` bytes
-/// each stepped early: two parameter-sized buffers (the gradients' copy and the new
-/// parameters), and with `shadowed` a copy of its fp32 master, momentum and variance.
+/// each stepped early: with `shadowed`, a copy of its fp32 master, momentum and variance and
+/// two parameter-sized buffers (the gradients' copy and the new parameters); in place, none
+/// (the gradients come down into the chunk's own host copy and the step overwrites them).
 pub fn overlap_group_bytes(elems: usize, param_bytes: usize, shadowed: bool) -> u64 {
-    let state = if shadowed { 12 } else { 0 };
-    (elems * (2 * param_bytes + state)) as u64
+    match shadowed {
+        true => (elems * (12 + 2 * param_bytes)) as u64,
+        false => 0,
+    }
 }
 
 enum Early {
@@ -150,6 +158,12 @@ pub(super) struct Overlap {
     /// in place are put back as they are, and counted in `abandoned_in_place`.
     abandon: bool,
     abandoned_in_place: bool,
+    /// The gradient statistics of the groups whose early step took their gradients in place
+    /// this iteration.
+    early_stats: Vec<Option<Vec<GradStats>>>,
+    /// Optimizer state is copied between tensors ([`ChunkManager::copy_state`]: a pipeline's
+    /// weight versions, between backward and the step): no step runs in place.
+    state_copies: bool,
     jobs: Vec<Option<Job0>>,
     /// Backward releases per group this iteration.
     version: Vec<u64>,
@@ -196,8 +210,24 @@ impl ChunkManager {
         o.uploaded.resize(n, false);
         o.stale.resize(n, false);
         o.spare_shadow.resize_with(n, || None);
+        o.early_stats.resize_with(n, || None);
         o.spare_param.resize_with(n, Vec::new);
         o.plan = plan;
+    }
+
+    /// Notes a copy of optimizer state between tensors (`kinds` beyond the parameters): from
+    /// now on, host groups step during backward on shadows only, since a copy between backward
+    /// and the step would change the state a step in place has already taken.
+    pub(crate) fn note_state_copies(&mut self, kinds: &[ChunkKind]) {
+        if kinds.iter().any(|&k| k != ChunkKind::Param) {
+            self.overlap.state_copies = true;
+        }
+    }
+
+    /// Whether host groups may step in place during backward (see
+    /// [`ChunkManager::note_state_copies`]).
+    pub(crate) fn in_place_allowed(&self) -> bool {
+        !self.overlap.state_copies
     }
 
     /// Counts of host groups stepped during backward, and the host bytes the overlap holds.
@@ -291,15 +321,24 @@ impl ChunkManager {
         let pc = cs[0];
         let moves = self.sched().write_back_now(pc as u32)?;
         if !moves.is_empty() {
-            // into a buffer of its own: the host copy's may still be read by an upload
+            // into a buffer of its own where an upload may still read the host copy's (in
+            // place, the host copy's own where none does: the step leaves its parameters there)
             let t0 = self.now_us();
-            let dest = self.take_spare_param(g, pc)?;
+            let dest = match in_place && self.host_copy_free(pc)? {
+                true => None,
+                false => Some(self.take_spare_param(g, pc)?),
+            };
             let span = self.device.host_span(HostPhase::ChunkMoves);
-            let r = self.write_back_to(pc, Some(dest));
+            let r = self.write_back_to(pc, dest);
             drop(span);
             match r {
                 Ok((bytes, old)) => {
-                    self.put_spare_param(g, old);
+                    match (in_place, old) {
+                        // in place, nothing is kept beside the chunk's own copy
+                        (true, HostSlot::InFlight(p)) => self.retiring.push(p),
+                        (true, _) => {}
+                        (false, old) => self.put_spare_param(g, old),
+                    }
                     self.note(LogKind::WriteBack, pc as u64, bytes as u64, t0);
                 }
                 Err(e) => {
@@ -321,7 +360,10 @@ impl ChunkManager {
         // first: nothing is lent yet)
         let read = self.device.new_event()?;
         self.device.record(&self.down, &read)?;
-        let out = self.take_spare_param(g, pc)?;
+        let out = match in_place {
+            true => None,
+            false => Some(self.take_spare_param(g, pc)?),
+        };
         // (a fold reads the master, an in-place step updates it: neither has copies)
         let shadow = match self.overlap.spare_shadow[g].take() {
             _ if fold || in_place => Vec::new(),
@@ -336,7 +378,9 @@ impl ChunkManager {
             HostSlot::InFlight(p) => Grads::Copy(p),
             other => {
                 self.payload[pc].host = other;
-                self.put_spare_param(g, HostSlot::Ready(out));
+                if let Some(out) = out {
+                    self.put_spare_param(g, HostSlot::Ready(out));
+                }
                 self.overlap.spare_shadow[g] = Some(shadow);
                 return Ok(());
             }
@@ -350,11 +394,20 @@ impl ChunkManager {
                 },
             )
             .collect();
+        // the statistics the optimizer reads of the group, taken before the step (off the
+        // training thread, and in place before the gradients are gone)
+        let mut stat_ranges = Vec::new();
+        if !fold {
+            stat_ranges.extend(ranges.iter().cloned());
+            stat_ranges.extend(self.partial_shares(g, true).into_iter().map(|(r, _)| r));
+        }
         let (done, rx) = bounded(1);
         let job = Job {
             group: g,
             grads,
             out,
+            stat_ranges,
+            dtype: self.cfg.param_dtype,
             orig,
             shadow,
             ranges,
@@ -396,6 +449,15 @@ impl ChunkManager {
             Some(f) => f.alloc(self.chunk_bytes(c)),
             None => self.alloc_host(c),
         }
+    }
+
+    /// Whether chunk `c`'s host copy may take a write-back now: no upload still reads it.
+    fn host_copy_free(&self, c: usize) -> Result<bool> {
+        Ok(match &self.payload[c].host {
+            HostSlot::Ready(_) | HostSlot::None => true,
+            HostSlot::InFlight(p) => p.is_ready()?,
+            HostSlot::Lent => false,
+        })
     }
 
     /// Hands `job` to the worker thread, started on first use; gives the job back if there is
@@ -522,8 +584,35 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// The gradient statistics of group `g`'s ranges (its gradient ranges, then its partial
+    /// shares) if its early step took them (the worker does, before it steps), waiting for the
+    /// step.
+    pub(crate) fn early_grad_stats(&mut self, g: usize) -> Result<Option<Vec<GradStats>>> {
+        self.join_early(g)?;
+        Ok(match self.overlap.jobs.get(g).and_then(Option::as_ref) {
+            Some(Job0 {
+                state: Early::Finished(fin),
+                ..
+            }) if fin.copied && !fin.stats.is_empty() => Some(fin.stats.clone()),
+            _ => self.overlap.early_stats.get(g).cloned().flatten(),
+        })
+    }
+
+    /// Whether group `g`'s gradients are taken by an early step in place (running, finished
+    /// or kept this iteration): the parameter chunk's host copy holds, or will, the new
+    /// parameters.
+    pub(crate) fn grads_taken(&self, g: usize) -> bool {
+        let running = self
+            .overlap
+            .jobs
+            .get(g)
+            .and_then(Option::as_ref)
+            .is_some_and(|j| j.in_place);
+        running || self.overlap.early_stats.get(g).is_some_and(Option::is_some)
+    }
+
     /// Group `g`'s gradients while its early step holds them (they stay untouched), waiting
-    /// for the step to finish; `None` if no step holds them.
+    /// for the step to finish; `None` if no step holds them, or one in place took them.
     pub(super) fn lent_grads(&mut self, g: usize) -> Result<Option<&[u8]>> {
         self.join_early(g)?;
         Ok(match self.overlap.jobs.get(g).and_then(Option::as_ref) {
@@ -548,9 +637,7 @@ impl ChunkManager {
                 in_place,
                 ..
             }) => {
-                let valid = fin.result.is_ok()
-                    && fin.grads.is_some()
-                    && *version == self.overlap.version[g];
+                let valid = fin.result.is_ok() && fin.copied && *version == self.overlap.version[g];
                 // a step taken in place is kept unless the step is abandoned
                 let decided = match *in_place {
                     true => self.overlap.keep != Some(false),
@@ -572,7 +659,10 @@ impl ChunkManager {
         else {
             unreachable!("joined above")
         };
-        let stepped = fin.grads.is_some();
+        let stepped = fin.copied;
+        if in_place && stepped {
+            self.overlap.early_stats[g] = Some(fin.stats.clone());
+        }
         self.put_back(g, *fin, keep)?;
         if in_place && stepped && !keep {
             if !self.overlap.abandon {
@@ -597,10 +687,12 @@ impl ChunkManager {
         let cs: [usize; 4] = LISTS.map(|k| ChunkPlan::chunk_no(g as u32, k) as usize);
         let Finished {
             grads,
+            copied,
             out,
             orig,
             shadow,
             result,
+            ..
         } = fin;
         // (a fold's master comes back as it was, and it has no copies)
         let (state, spare) = if keep && !shadow.is_empty() {
@@ -614,7 +706,7 @@ impl ChunkManager {
         if !spare.is_empty() {
             self.overlap.spare_shadow[g] = Some(spare);
         }
-        let Some(grads) = grads else {
+        if !copied {
             // the gradients' copy failed, so the host copy of the chunk is lost
             self.payload[cs[0]].host = HostSlot::None;
             let e = result.err().unwrap_or_else(|| Error::Internal {
@@ -622,19 +714,22 @@ impl ChunkManager {
             });
             self.broken = Some(format!("a gradient copy to the host failed: {e}"));
             return Err(e);
+        }
+        let (host, spare) = match (keep, grads) {
+            (true, grads) => (out, grads.map(HostSlot::Ready)),
+            (false, Some(grads)) => (HostSlot::Ready(grads), Some(out)),
+            // an abandoned step taken in place: its parameters, restored from the masters
+            (false, None) => (out, None),
         };
-        if keep {
-            self.payload[cs[0]].host = out;
-            self.put_spare_param(g, HostSlot::Ready(grads));
-        } else {
-            self.put_spare_param(g, out);
-            if self.overlap.uploaded[g] {
-                // the device copy holds the thrown-away parameters: the group's serial step
-                // evicts it, or it is refreshed before anything reads it there
-                self.overlap.uploaded[g] = false;
-                self.overlap.stale[g] = true;
-            }
-            self.payload[cs[0]].host = HostSlot::Ready(grads);
+        self.payload[cs[0]].host = host;
+        if let Some(spare) = spare {
+            self.put_spare_param(g, spare);
+        }
+        if !keep && self.overlap.uploaded[g] {
+            // the device copy holds the thrown-away parameters: the group's serial step evicts
+            // it, or it is refreshed before anything reads it there
+            self.overlap.uploaded[g] = false;
+            self.overlap.stale[g] = true;
         }
         if keep {
             self.overlap.done[g] = true;
@@ -680,6 +775,7 @@ impl ChunkManager {
         self.overlap.keep = None;
         self.overlap.abandon = false;
         self.overlap.abandoned_in_place = false;
+        self.overlap.early_stats.iter_mut().for_each(|s| *s = None);
         self.overlap.done.iter_mut().for_each(|d| *d = false);
         // a kept step's parameters on the device are the chunk's own now
         self.overlap.uploaded.iter_mut().for_each(|u| *u = false);

@@ -67,7 +67,7 @@ impl ChunkManager {
         };
         // under move semantics the optimizer's host access evicts the chunk anyway
         let stays = self.cfg.policy.keeps_host_copy();
-        if !stays || !idle || *v != version || fin.result.is_err() || fin.grads.is_none() {
+        if !stays || !idle || *v != version || fin.result.is_err() || !fin.copied {
             return Ok(());
         }
         let HostSlot::Ready(out) = std::mem::take(&mut fin.out) else {

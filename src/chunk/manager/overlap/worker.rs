@@ -9,7 +9,9 @@ use super::BlockStep;
 use super::HostBlock;
 use crate::chunk::manager::HostSlot;
 use crate::device::{HostBuffer, Pending};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::grad_stats::{grad_stats_of, GradStats};
 
 /// Elements a worker copies to the shadows and steps at a time (192 KiB of fp32 state).
 const BLOCK: usize = 16 << 10;
@@ -26,7 +28,13 @@ pub(super) enum Grads {
 pub(super) struct Job {
     pub(super) group: usize,
     pub(super) grads: Grads,
-    pub(super) out: HostBuffer,
+    /// The buffer for the new parameters; `None` in place: they overwrite the gradients,
+    /// whose statistics are taken first.
+    pub(super) out: Option<HostBuffer>,
+    /// The ranges whose gradient statistics a step takes before it steps, in the order the
+    /// optimizer's statistics read them (none for a fold).
+    pub(super) stat_ranges: Vec<Range<usize>>,
+    pub(super) dtype: DType,
     /// The lent chunks: master, momentum and variance for a step; the master for a fold.
     pub(super) orig: Vec<HostBuffer>,
     /// Their copies the step updates (none for a fold, which reads the master only).
@@ -42,8 +50,12 @@ pub(super) struct Job {
 
 /// A job's buffers back from the worker.
 pub(super) struct Finished {
-    /// The gradients, untouched (`None` if their copy failed).
+    /// The gradients, untouched (`None` if their copy failed, or in place).
     pub(super) grads: Option<HostBuffer>,
+    /// Whether the gradients reached the host.
+    pub(super) copied: bool,
+    /// The statistics of `stat_ranges`.
+    pub(super) stats: Vec<GradStats>,
     /// The new parameters (in flight while an upload reads them).
     pub(super) out: HostSlot,
     pub(super) orig: Vec<HostBuffer>,
@@ -56,7 +68,9 @@ pub(super) fn run_job(job: Job) -> Finished {
     let Job {
         group,
         grads,
-        mut out,
+        out,
+        stat_ranges,
+        dtype,
         mut orig,
         mut shadow,
         ranges,
@@ -70,27 +84,75 @@ pub(super) fn run_job(job: Job) -> Finished {
         Grads::Copy(p) => p.wait_quiet(),
         Grads::Host(h) => Ok(h),
     };
-    let (grads, result) = match grads {
-        Err(e) => (None, Err(e)),
-        Ok(grads) => {
-            let g = Group {
-                group,
-                ranges: &ranges,
-                es: elem_bytes,
-                every_block,
-                step: &step,
-            };
-            let r = step_group(&g, &grads, &mut out, &mut orig, &mut shadow, threads);
-            (Some(grads), r)
+    let mut grads = match grads {
+        Ok(grads) => grads,
+        Err(e) => {
+            return Finished {
+                grads: None,
+                copied: false,
+                stats: Vec::new(),
+                out: out.map_or(HostSlot::None, HostSlot::Ready),
+                orig,
+                shadow,
+                result: Err(e),
+            }
+        }
+    };
+    // the statistics the optimizer reads of the group, before the step (a fold takes none)
+    let stats = stat_ranges
+        .iter()
+        .map(|r| grad_stats_of(&grads[r.start * elem_bytes..r.end * elem_bytes], dtype))
+        .collect::<Result<Vec<_>>>();
+    let stats = match stats {
+        Ok(stats) => stats,
+        Err(e) => {
+            return Finished {
+                grads: Some(grads),
+                copied: true,
+                stats: Vec::new(),
+                out: out.map_or(HostSlot::None, HostSlot::Ready),
+                orig,
+                shadow,
+                result: Err(e),
+            }
+        }
+    };
+    let g = Group {
+        group,
+        ranges: &ranges,
+        es: elem_bytes,
+        every_block,
+        step: &step,
+    };
+    let (grads, out, result) = match out {
+        Some(mut out) => {
+            let io = Io::Beside(&grads, &mut out);
+            let result = step_group(&g, io, &mut orig, &mut shadow, threads);
+            (Some(grads), out, result)
+        }
+        None => {
+            let result = step_group(&g, Io::InPlace(&mut grads), &mut orig, &mut shadow, threads);
+            (None, grads, result)
         }
     };
     Finished {
         grads,
+        copied: true,
+        stats,
         out: HostSlot::Ready(out),
         orig,
         shadow,
         result,
     }
+}
+
+/// Where a step reads the gradients and writes the new parameters.
+enum Io<'a> {
+    /// From the gradients into a buffer of their own (the gradients' bytes copied there
+    /// first, so the ranges without gradients hold parameters).
+    Beside(&'a [u8], &'a mut [u8]),
+    /// Over the gradients.
+    InPlace(&'a mut [u8]),
 }
 
 /// What every part of a group's step shares.
@@ -114,7 +176,8 @@ fn f32s_mut(b: &mut [u8]) -> Result<&mut [f32]> {
 /// One thread's share of a group: the elements `lo..` of every operand.
 struct Part<'a> {
     lo: usize,
-    grad: &'a [u8],
+    /// The gradients, or `None` where `out` holds them (in place).
+    grad: Option<&'a [u8]>,
     out: &'a mut [u8],
     /// The lent chunks' elements (read, and for a fold handed to the step).
     orig: Vec<&'a mut [f32]>,
@@ -137,14 +200,17 @@ fn split_heads<'a>(v: &mut Vec<&'a mut [f32]>, len: usize) -> Vec<&'a mut [f32]>
 /// ranges hold parameters) and steps the gradient ranges, split over threads.
 fn step_group(
     g: &Group<'_>,
-    grads: &[u8],
-    out: &mut [u8],
+    io: Io<'_>,
     orig: &mut [HostBuffer],
     shadow: &mut [HostBuffer],
     threads: usize,
 ) -> Result<()> {
     let es = g.es;
-    let n = grads.len() / es;
+    let (grads, out) = match io {
+        Io::Beside(grads, out) => (Some(grads), out),
+        Io::InPlace(out) => (None, out),
+    };
+    let n = out.len() / es;
     let mut orig: Vec<&mut [f32]> = orig
         .iter_mut()
         .map(|b| f32s_mut(b))
@@ -165,7 +231,7 @@ fn step_group(
         rest = r;
         split.push(Part {
             lo,
-            grad: &grads[lo * es..(lo + len) * es],
+            grad: grads.map(|g| &g[lo * es..(lo + len) * es]),
             out: o,
             orig: split_heads(&mut orig, len),
             shadow: split_heads(&mut shadow, len),
@@ -201,14 +267,16 @@ fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
         mut shadow,
     } = part;
     let es = g.es;
-    let n = grad.len() / es;
+    let n = out.len() / es;
     let mut b = 0;
     while b < n {
         let e = (b + BLOCK).min(n);
         for (s, o) in shadow.iter_mut().zip(orig.iter()) {
             s[b..e].copy_from_slice(&o[b..e]);
         }
-        out[b * es..e * es].copy_from_slice(&grad[b * es..e * es]);
+        if let Some(grad) = grad {
+            out[b * es..e * es].copy_from_slice(&grad[b * es..e * es]);
+        }
         // the block cut at the gradient ranges (in this part's coordinates): the pieces with
         // gradients, and for a fold the ones between them too
         let mut at = b;
@@ -239,7 +307,8 @@ fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
             (g.step)(HostBlock {
                 group: g.group,
                 offset: lo + x,
-                grad: has.then(|| &grad[x * es..y * es]),
+                grad: grad.filter(|_| has).map(|d| &d[x * es..y * es]),
+                in_place: has && grad.is_none(),
                 param: &mut out[x * es..y * es],
                 master: master.unwrap_or_default(),
                 momentum: momentum.unwrap_or_default(),

@@ -145,7 +145,7 @@ fn largest_model_grows_with_host_memory() {
 /// the step without changing any resource's work.
 #[test]
 fn the_timeline_charges_the_models_work() {
-    use tidemem::simulate::{timeline, Rates, StepSchedule};
+    use tidemem::simulate::{timeline, Rates, StepSchedule, ADAM_BYTES_PER_ELEMENT};
     let (spec, opts) = options_for(0.25);
     let rates = Rates::profile("h100-pcie5").unwrap();
     let sim = simulate(&spec, Policy::Tide, &opts).unwrap();
@@ -157,8 +157,9 @@ fn the_timeline_charges_the_models_work() {
         close(serial.compute, flops as f64 / rates.compute),
         "{serial:?}"
     );
-    // every parameter once (chunk padding included, so at least the parameters)
-    let elems = serial.host_adam * rates.host_adam;
+    // every parameter once (chunk padding included, so at least the parameters), and the
+    // gradient statistics' pass over each 2-byte gradient at the step's bytes rate
+    let elems = serial.host_adam * rates.host_adam / (1.0 + 2.0 / ADAM_BYTES_PER_ELEMENT);
     assert!(
         elems >= spec.params() as f64 && elems < 1.01 * spec.params() as f64,
         "{elems}"

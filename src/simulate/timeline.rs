@@ -76,7 +76,7 @@ pub const ADAM_BYTES_PER_ELEMENT: f64 = 28.0;
 
 impl Rates {
     /// The named profiles [`Rates::profile`] knows.
-    pub const PROFILES: [&'static str; 1] = ["h100-pcie5"];
+    pub const PROFILES: [&'static str; 2] = ["h100-pcie5", "h100-server"];
 
     /// A named profile:
     ///
@@ -87,8 +87,17 @@ impl Rates {
     ///   H100 host's was not measured), the file tier at 3 GB/s (assumed: one PCIe 4 NVMe
     ///   drive, not measured) and the collectives' bus at 360 GB/s (assumed: NVLink 4 between
     ///   H100 SXM5s, as NCCL reports for all-gather; not measured).
+    /// * `h100-server`: `h100-pcie5` with a server's host: the CPU Adam at 307 GB/s, half the
+    ///   614 GB/s peak of the two sockets of 8 DDR5-4800 channels each of a DGX H100 (two Xeon
+    ///   Platinum 8480C, 112 cores), assumed and not measured: this crate's Adam moved 44.1 GB/s
+    ///   on 2 cores, and a bandwidth-bound step on a server reaches about half of peak.
     pub fn profile(name: &str) -> Option<Rates> {
         match name {
+            "h100-server" => Some(Rates {
+                name: name.into(),
+                host_adam: 307e9 / ADAM_BYTES_PER_ELEMENT,
+                ..Rates::profile("h100-pcie5")?
+            }),
             "h100-pcie5" => Some(Rates {
                 name: name.into(),
                 compute: 575e12,
@@ -542,7 +551,10 @@ impl<'a> Timeline<'a> {
         if self.schedule == StepSchedule::Serial {
             start = start.max(self.backward_end);
         }
-        let dt = elems / self.rates.host_adam;
+        // the step, and before it the gradient statistics' pass over the gradients (read once,
+        // at the step's bytes rate)
+        let stats = self.bytes(param.chunk) / ADAM_BYTES_PER_ELEMENT;
+        let dt = (elems + stats) / self.rates.host_adam;
         let previous = self.host;
         self.host = start + dt;
         self.busy.host_adam += dt;

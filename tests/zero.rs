@@ -244,8 +244,8 @@ fn zero_training_in_fp16_matches_single_process_training() {
 }
 
 /// The optimizer of the overlap tests: the first steps overflow (skipped, the scale halved);
-/// then norms fall over the steps: the early ones clip (started early and redone), the last
-/// do not (kept).
+/// then norms fall over the steps: the early ones clip (a step after a clipped one is not
+/// speculated), the last do not (kept).
 fn overlap_config(overlap: bool) -> HybridConfig {
     overlap_scaled(overlap, 1024.0 * 1024.0)
 }
@@ -290,6 +290,11 @@ fn overlapped_host_steps_change_no_bit_on_any_rank() {
         let serial = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(false));
         let overlapped = zero_with(toy, DType::F16, world, capacity, steps, 0, opt(true));
         let mut started = 0;
+        // a step is speculated unless the last one stepped was clipped
+        let speculable = serial[0]
+            .reports
+            .windows(2)
+            .any(|w| w[0].outcome == StepOutcome::Stepped && w[0].clip_coef == 1.0);
         for (r, (a, b)) in serial.iter().zip(&overlapped).enumerate() {
             let what = format!("rank {r} of {world} on {capacity} B");
             assert!(a.owned == b.owned, "{what}: masters differ");
@@ -319,7 +324,7 @@ fn overlapped_host_steps_change_no_bit_on_any_rank() {
                 common::assert_evicts(&moved[1], &roomy[r], &format!("{what}, overlapped"));
             }
         }
-        assert!(started > 0, "{world} ranks on {capacity} B");
+        assert!(started > 0 || !speculable, "{world} ranks on {capacity} B");
     }
     assert!(kept > 0 && redone > 0, "kept {kept}, redone {redone}");
 }

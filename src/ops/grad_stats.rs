@@ -169,12 +169,18 @@ pub fn read_grad_stats(bytes: &[u8]) -> Result<GradStats> {
     })
 }
 
-/// Elements summed per block: squares are accumulated in f64 within a block of this many
-/// consecutive elements, in order, then block sums in order, so the result does not depend on
-/// the instruction set or on the alignment of the bytes.
-const BLOCK: usize = 256;
+/// Elements widened to f32 at a time (a divisor of the kernel's thread count).
+const DECODE: usize = 256;
+/// The CUDA kernel's threads: [`GRAD_STATS_PARTIALS`] blocks of [`GRAD_STATS_THREADS`].
+const LANES: usize = GRAD_STATS_PARTIALS * GRAD_STATS_THREADS as usize;
 
-/// The statistics of `bytes`, little-endian elements of `dtype` (a model float).
+/// The statistics of `bytes`, little-endian elements of `dtype` (a model float), summed in the
+/// CUDA kernel's order, so that the host and the device give the same bits: lane `j` of
+/// [`GRAD_STATS_PARTIALS`] × [`GRAD_STATS_THREADS`] accumulates the squares of elements `j`,
+/// `j + lanes`, … in order (in f64, each product and each sum rounded once), each block's
+/// lanes are summed by a halving tree (`s[t] += s[t + stride]`, the stride from half the block
+/// down to 1), and the blocks' sums by the same tree. Lanes past the slice hold 0, which adds
+/// nothing, so a short slice costs about its length rounded up to a block.
 pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
     if !dtype.is_model_float() {
         return Err(Error::WrongDType {
@@ -191,24 +197,53 @@ pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
             divisor: dtype.size(),
         });
     }
-    let mut sum = 0.0f64;
+    let n = bytes.len() / dtype.size();
+    let mut lanes = vec![0.0f64; n.min(LANES)];
     let mut nonfinite = false;
-    let mut buf = [0.0f32; BLOCK];
-    for block in bytes.chunks(BLOCK * dtype.size()) {
+    let mut buf = [0.0f32; DECODE];
+    let mut at = 0;
+    for block in bytes.chunks(DECODE * dtype.size()) {
         let len = block.len() / dtype.size();
         decode_block(block, dtype, &mut buf[..len]);
-        let mut acc = 0.0f64;
-        for &x in &buf[..len] {
-            let x = x as f64;
-            acc += x * x;
+        // (a block of DECODE elements never wraps around the lanes)
+        let lo = at % LANES;
+        for (acc, &x) in lanes[lo..lo + len].iter_mut().zip(&buf[..len]) {
+            nonfinite |= !x.is_finite();
+            let d = x as f64;
+            *acc += d * d;
         }
-        nonfinite |= !acc.is_finite();
-        sum += acc;
+        at += len;
+    }
+    let per = GRAD_STATS_THREADS as usize;
+    let mut blocks = [0.0f64; GRAD_STATS_PARTIALS];
+    let used = lanes.len().div_ceil(per);
+    for (sum, part) in blocks.iter_mut().zip(lanes.chunks_mut(per)) {
+        *sum = halving_sum(part, per);
     }
     Ok(GradStats {
-        sum_sq: sum,
+        sum_sq: halving_sum(&mut blocks[..used], GRAD_STATS_PARTIALS),
         nonfinite,
     })
+}
+
+/// The kernel's tree over `size` values (a power of two) of which `s` is the start and the
+/// rest are 0: `v[t] += v[t + stride]` for `t < stride`, the stride halving from `size / 2` to
+/// 1, the sum left in `v[0]`. Adding a 0 changes no sum of squares (never −0), so only the
+/// entries of `s` are touched.
+fn halving_sum(s: &mut [f64], size: usize) -> f64 {
+    let mut m = s.len();
+    let mut stride = size / 2;
+    while stride > 0 {
+        if m > stride {
+            let (lo, hi) = s.split_at_mut(stride);
+            for (a, &b) in lo.iter_mut().zip(&hi[..m - stride]) {
+                *a += b;
+            }
+            m = stride;
+        }
+        stride /= 2;
+    }
+    s.first().copied().unwrap_or(0.0)
 }
 
 /// Widens one block to f32: through a typed slice when the bytes are aligned (the vector
@@ -256,6 +291,72 @@ pub fn grad_stats_host(grad: Grad<'_>) -> GradStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The kernel's order written out the long way: every lane (zeros included), every
+    /// block's full tree, the blocks' tree.
+    fn kernel_order(x: &[f32]) -> f64 {
+        let mut lanes = vec![0.0f64; LANES];
+        for (i, &v) in x.iter().enumerate() {
+            let d = v as f64;
+            lanes[i % LANES] += d * d;
+        }
+        let per = GRAD_STATS_THREADS as usize;
+        let mut blocks: Vec<f64> = lanes
+            .chunks_mut(per)
+            .map(|b| {
+                let mut stride = per / 2;
+                while stride > 0 {
+                    for t in 0..stride {
+                        b[t] += b[t + stride];
+                    }
+                    stride /= 2;
+                }
+                b[0]
+            })
+            .collect();
+        let mut stride = GRAD_STATS_PARTIALS / 2;
+        while stride > 0 {
+            for t in 0..stride {
+                blocks[t] += blocks[t + stride];
+            }
+            stride /= 2;
+        }
+        blocks[0]
+    }
+
+    /// The host sums in the kernel's order, not in element order: on values whose sum depends
+    /// on the order, it gives the long way's bits, and element order gives others.
+    #[test]
+    fn the_sum_is_the_kernels_order() {
+        let mut differs = 0;
+        for n in [
+            0usize,
+            1,
+            3,
+            1000,
+            1024,
+            5000,
+            LANES - 1,
+            LANES + 17,
+            3 * LANES + 5,
+        ] {
+            // magnitudes over many decades, so that rounding depends on the order
+            let x: Vec<f32> = (0..n)
+                .map(|i| {
+                    let h = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                    (h % 1000) as f32 * 10f32.powi((h % 13) as i32 - 6)
+                })
+                .collect();
+            let got = grad_stats_of(bytemuck::cast_slice(&x), DType::F32).unwrap();
+            assert_eq!(got.sum_sq.to_bits(), kernel_order(&x).to_bits(), "n = {n}");
+            let in_order: f64 = x.iter().fold(0.0, |a, &v| a + (v as f64) * (v as f64));
+            differs += usize::from(in_order.to_bits() != got.sum_sq.to_bits());
+        }
+        assert!(
+            differs > 0,
+            "no input tells the kernel's order from element order"
+        );
+    }
 
     #[test]
     fn aligned_and_unaligned_bytes_agree() {

@@ -10,8 +10,9 @@ use crate::ops::grad_stats::{grad_stats_of, read_grad_stats, GradStats, GRAD_STA
 impl ChunkManager {
     /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
     /// iteration, computed where each parameter chunk is, without moving it: on the device with
-    /// [`crate::ops::grad_stats()`], on the host with the same CPU code as its twin. Ranges are combined in group order, so the result does not depend on placement
-    /// where both sides run the same code (the simulated device).
+    /// [`crate::ops::grad_stats()`], on the host with its twin, which sums in the kernel's
+    /// order (the host groups stepped during backward: by the worker, before it steps). Ranges
+    /// are combined in group order, so the result does not depend on placement.
     pub fn grad_stats(&mut self) -> Result<GradStats> {
         self.usable()?;
         // host groups stepped during backward finish first (their new parameters may go up

@@ -291,6 +291,8 @@ pub struct HybridAdam {
     touched: Vec<bool>,
     planned: Option<usize>,
     broken: bool,
+    /// The last step was clipped: the next one likely is too, so it is not speculated.
+    clipped_last: bool,
 }
 
 /// The counters of a [`HybridAdam`] a checkpoint holds: the step count and the loss scaler's
@@ -361,6 +363,7 @@ impl HybridAdam {
             touched: Vec::new(),
             planned: None,
             broken: false,
+            clipped_last: false,
         })
     }
 
@@ -621,11 +624,14 @@ impl HybridAdam {
             return self.arm_fold(m);
         }
         let k = self.device_groups(m);
+        // a step the last one's clip predicts will clip again is not speculated: its early
+        // steps would be thrown away, their CPU work done twice
         let applies = self.cfg.overlap
             && n == 1
             && !self.cfg.delayed_params
             && m.is_steady()
-            && k < m.groups();
+            && k < m.groups()
+            && !self.clipped_last;
         if !applies {
             m.arm_overlap(None);
             return Ok(());
@@ -711,6 +717,7 @@ impl HybridAdam {
     ) -> Result<StepReport> {
         self.steps += 1;
         let scale_update = self.scaler.as_mut().map(|s| s.update(false));
+        self.clipped_last = clip < 1.0;
         m.end_step()?;
         self.arm(m)?;
         Ok(StepReport {

@@ -245,7 +245,8 @@ pub struct StepReport {
 /// kept until the step is decided. After backward the step's real scalars decide: if they are
 /// the armed ones, every early step is kept and the group's turn in the pass costs nothing;
 /// after an overflow, a clip, a changed loss scale or learning rate, each host group is stepped
-/// again from its untouched originals. Either way the bits are those of the serial step. The
+/// again from its untouched originals (and the step after a clipped one is not speculated).
+/// Either way the bits are those of the serial step. The
 /// copies cost host memory: 12 bytes an element of master, momentum and variance and two
 /// parameter-sized buffers a group, within [`HybridConfig::overlap_budget`]. The counts and
 /// bytes are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 use tidemem::demo::{ToyIds, ToyMlp};
 use tidemem::device::{Device, LinkModel, SimConfig};
 use tidemem::prelude::*;
-use tidemem::simulate::{simulate, timeline, Rates, SimOptions, StepSchedule};
+use tidemem::simulate::{simulate, timeline, Rates, SimOptions, SimOverlap, StepSchedule};
 
 /// The validation's toy.
 const TOY: ToyMlp = ToyMlp {
@@ -189,6 +189,8 @@ fn measure(
     opts.chunk_elems = Some(toy.chunk_elems());
     opts.scheduler = *m.scheduler().expect("steady").config();
     opts.param_bytes = 2;
+    // the measured optimizer has no loss scaler and no clip: its host groups step in place
+    opts.overlap = SimOverlap::InPlace;
     let spec = toy.spec_for(DType::F16);
     let predicted = timeline(&spec, Policy::Tide, &opts, rates, schedule).expect("timeline");
     Measured {

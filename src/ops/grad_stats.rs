@@ -300,28 +300,19 @@ mod tests {
             let d = v as f64;
             lanes[i % LANES] += d * d;
         }
-        let per = GRAD_STATS_THREADS as usize;
-        let mut blocks: Vec<f64> = lanes
-            .chunks_mut(per)
-            .map(|b| {
-                let mut stride = per / 2;
-                while stride > 0 {
-                    for t in 0..stride {
-                        b[t] += b[t + stride];
-                    }
-                    stride /= 2;
+        let tree = |v: &mut [f64]| {
+            let mut stride = v.len() / 2;
+            while stride > 0 {
+                for t in 0..stride {
+                    v[t] += v[t + stride];
                 }
-                b[0]
-            })
-            .collect();
-        let mut stride = GRAD_STATS_PARTIALS / 2;
-        while stride > 0 {
-            for t in 0..stride {
-                blocks[t] += blocks[t + stride];
+                stride /= 2;
             }
-            stride /= 2;
-        }
-        blocks[0]
+            v[0]
+        };
+        let per = GRAD_STATS_THREADS as usize;
+        let mut blocks: Vec<f64> = lanes.chunks_mut(per).map(tree).collect();
+        tree(&mut blocks)
     }
 
     /// The host sums in the kernel's order, not in element order: on values whose sum depends

@@ -44,64 +44,56 @@ pub(super) fn step_block(
         variance,
         ..
     } = b;
-    if in_place {
-        // the gradients in the parameter buffer, as a host group's serial step has them
-        return match dt {
-            DType::F32 => {
-                let g: &[f32] = typed_mut(param)?;
-                cpu.step(s, master, momentum, variance, Grad::F32(g), ParamCopy::None)?;
-                param.copy_from_slice(bytemuck::cast_slice(master));
-                Ok(())
-            }
-            DType::F16 => cpu.step_in_place(
-                s,
-                master,
-                momentum,
-                variance,
-                GradInPlace::F16(typed_mut(param)?),
-            ),
-            DType::BF16 => cpu.step_in_place(
-                s,
-                master,
-                momentum,
-                variance,
-                GradInPlace::Bf16(typed_mut(param)?),
-            ),
-            other => Err(Error::WrongDType {
-                what: "parameters stepped by HybridAdam".into(),
-                dtype: other,
-                expected: "a model float (F32, F16 or BF16)",
-            }),
-        };
-    }
-    // (a step is handed the gradient ranges only)
-    let Some(grad) = grad else {
+    // (a step is handed the gradient ranges only: in place, the gradients are in `param`)
+    if grad.is_none() && !in_place {
         return Ok(());
-    };
-    match dt {
-        DType::F32 => {
-            let g: &[f32] = typed(grad)?;
-            cpu.step(s, master, momentum, variance, Grad::F32(g), ParamCopy::None)?;
-            param.copy_from_slice(bytemuck::cast_slice(master));
+    }
+    host_step(cpu, s, dt, grad, param, [master, momentum, variance])
+}
+
+/// One host step of the fp32 `state` (master, momentum, variance) with the gradients in
+/// `grad`, or with `None` in `param` (a parameter chunk holding its gradients), writing the new
+/// parameters to `param` in the parameter dtype `dt`.
+fn host_step(
+    cpu: &CpuAdam,
+    s: &AdamScalars,
+    dt: DType,
+    grad: Option<&[u8]>,
+    param: &mut [u8],
+    state: [&mut [f32]; 3],
+) -> Result<()> {
+    let [p, mo, va] = state;
+    match (grad, dt) {
+        (grad, DType::F32) => {
+            let g: &[f32] = match grad {
+                Some(g) => typed(g)?,
+                None => typed_mut(param)?,
+            };
+            cpu.step(s, p, mo, va, Grad::F32(g), ParamCopy::None)?;
+            param.copy_from_slice(bytemuck::cast_slice(p));
             Ok(())
         }
-        DType::F16 => cpu.step(
+        (Some(g), DType::F16) => cpu.step(
             s,
-            master,
-            momentum,
-            variance,
-            Grad::F16(typed(grad)?),
+            p,
+            mo,
+            va,
+            Grad::F16(typed(g)?),
             ParamCopy::F16(typed_mut(param)?),
         ),
-        DType::BF16 => cpu.step(
+        (Some(g), DType::BF16) => cpu.step(
             s,
-            master,
-            momentum,
-            variance,
-            Grad::Bf16(typed(grad)?),
+            p,
+            mo,
+            va,
+            Grad::Bf16(typed(g)?),
             ParamCopy::Bf16(typed_mut(param)?),
         ),
-        other => Err(Error::WrongDType {
+        (None, DType::F16) => cpu.step_in_place(s, p, mo, va, GradInPlace::F16(typed_mut(param)?)),
+        (None, DType::BF16) => {
+            cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(param)?))
+        }
+        (_, other) => Err(Error::WrongDType {
             what: "parameters stepped by HybridAdam".into(),
             dtype: other,
             expected: "a model float (F32, F16 or BF16)",
@@ -266,16 +258,7 @@ pub(super) fn adam_group(
                         Grad::F32(&a[r.clone()]),
                         ParamCopy::Bf16(typed_mut(bytes)?),
                     )?,
-                    (None, DType::F32) => {
-                        cpu.step(s, p, mo, va, Grad::F32(typed_mut(bytes)?), ParamCopy::None)?;
-                        bytes.copy_from_slice(bytemuck::cast_slice(p));
-                    }
-                    (None, DType::F16) => {
-                        cpu.step_in_place(s, p, mo, va, GradInPlace::F16(typed_mut(bytes)?))?
-                    }
-                    (None, DType::BF16) => {
-                        cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(bytes)?))?
-                    }
+                    (None, dt) => host_step(cpu, s, dt, None, bytes, [p, mo, va])?,
                     (_, other) => {
                         return Err(Error::WrongDType {
                             what: "parameters stepped by HybridAdam".into(),

@@ -177,25 +177,27 @@ fn adam_placement_changes_no_bit() {
     for r in [&device, &auto, &sized] {
         assert_eq!(r["losses"], host["losses"], "the same losses");
     }
-    // the overlap's host memory: with a clip (the default) a copy of the host groups'
-    // optimizer state; in bf16 without a clip nothing can invalidate a step, so none
+    // the overlap's host memory: with a loss scaler (f16) a copy of the host groups'
+    // optimizer state; in bf16 without a clip nothing can invalidate a step, so none; a clip
+    // that binds (the default's, on this model) is not speculated after its first step
     let bytes = |r: &serde_json::Value| r["overlap"]["host_bytes"].as_u64().unwrap();
-    let bf16 = ["--dtype", "bf16", "--adam", "host"];
-    let clipped = report(&[&roomy[..], &bf16].concat()).unwrap();
-    let in_place = report(&[&roomy[..], &bf16, &["--clip", "0"]].concat()).unwrap();
-    let budget0 = report(&[&roomy[..], &bf16, &["--overlap-budget", "0"]].concat()).unwrap();
-    assert!(bytes(&host) > 0 && bytes(&clipped) > 0, "{host}");
+    let no_clip = [&roomy[..], &["--adam", "host", "--clip", "0"]].concat();
+    let scaled = report(&no_clip).unwrap();
+    let in_place = report(&[&no_clip[..], &["--dtype", "bf16"]].concat()).unwrap();
+    let budget0 = report(&[&no_clip[..], &["--overlap-budget", "0"]].concat()).unwrap();
     assert!(
-        bytes(&in_place) == 0 && bytes(&clipped) > 0,
+        bytes(&in_place) == 0 && bytes(&scaled) > 0,
         "in place {} against {} with shadows",
         bytes(&in_place),
-        bytes(&clipped)
+        bytes(&scaled)
     );
-    let o = &in_place["overlap"];
-    assert!(
-        o["started"].as_u64() > Some(0) && o["started"] == o["kept"],
-        "{o}"
-    );
+    for o in [&scaled["overlap"], &in_place["overlap"]] {
+        assert!(
+            o["started"].as_u64() > Some(0) && o["started"] == o["kept"],
+            "{o}"
+        );
+    }
+    assert_eq!(host["overlap"]["redone"], 0, "{}", host["overlap"]);
     assert_eq!(
         budget0["overlap"]["started"], 0,
         "no room for a shadow: no early step"

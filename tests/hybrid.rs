@@ -815,6 +815,9 @@ fn optimizer_types_are_send_and_sync() {
     both::<CpuAdam>();
     both::<LossScaler>();
     both::<HybridConfig>();
+    both::<tidemem::optim::ShadowBudget>();
+    both::<tidemem::chunk::OverlapStats>();
+    both::<tidemem::simulate::SimOverlap>();
 }
 
 #[test]

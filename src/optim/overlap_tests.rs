@@ -116,9 +116,10 @@ fn a_step_nothing_can_invalidate_runs_in_place_with_no_shadow() {
     assert!(st.host_bytes >= GROUPS as u64 * 12 * N as u64, "{st:?}");
 }
 
-/// In place, the gradients of a host group are gone once its step ran: reading one before the
-/// optimizer's step is refused, naming the tensor, and the step's statistics are the ones the
-/// worker took before overwriting them (the same norm as the serial step).
+/// In place, the gradients of a host group are gone once its step ran and its master is the
+/// step's: reading either before the optimizer's step is refused, naming the tensor, and the
+/// step's statistics are the ones the worker took before overwriting them (the same norm as
+/// the serial step).
 #[test]
 fn a_gradient_taken_in_place_is_not_read_and_its_norm_is_the_serial_ones() {
     let mut norms = Vec::new();
@@ -127,12 +128,20 @@ fn a_gradient_taken_in_place_is_not_read_and_its_norm_is_the_serial_ones() {
         let ids: Vec<TensorId> = (0..GROUPS as u32).map(TensorId).collect();
         backward(&mut m, &ids, &grads(3));
         let read = m.read(ids[GROUPS - 1]);
+        let master = m.master(ids[GROUPS - 1]);
         match overlap {
-            true => assert!(
-                matches!(&read, Err(Error::Conflict { what, .. }) if what.contains("'w3'")),
-                "{read:?}"
-            ),
-            false => assert_eq!(read.unwrap(), grads(3)[GROUPS - 1]),
+            true => {
+                for r in [read.map(drop), master.map(drop)] {
+                    assert!(
+                        matches!(&r, Err(Error::Conflict { what, .. }) if what.contains("'w3'")),
+                        "{r:?}"
+                    );
+                }
+            }
+            false => {
+                assert_eq!(read.unwrap(), grads(3)[GROUPS - 1]);
+                assert!(master.is_ok());
+            }
         }
         norms.push(adam.step(&mut m).unwrap().grad_norm.to_bits());
         // after the step, the parameter

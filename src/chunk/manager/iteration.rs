@@ -509,6 +509,16 @@ impl ChunkManager {
             t.init.fill(&mut v);
             return Ok(v);
         }
+        if self.grads_taken(slot.group as usize) {
+            // stepped in place: the master is the step's before the step is taken
+            return Err(Error::Conflict {
+                what: format!("reading the master of '{}'", t.name),
+                with: "its group's step during backward, which updated it in place (nothing \
+                       could invalidate the step: no loss scaler, no clip); read it after the \
+                       step"
+                    .into(),
+            });
+        }
         let moves = self.sched().sync_host(c as ChunkNo, false)?;
         self.execute(&moves)?;
         let h = self.host_ready(c)?;

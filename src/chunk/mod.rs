@@ -17,10 +17,10 @@ mod checkpoint;
 mod manager;
 mod tensors;
 
-pub(crate) use manager::{grad_ranges, HostBlock, OverlapPlan};
+pub(crate) use manager::{grad_ranges, overlap_group_bytes, HostBlock, OverlapPlan};
 pub use manager::{
-    overlap_group_bytes, ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind,
-    ManagerConfig, OverlapStats, TideSample, Usage,
+    ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
+    OverlapStats, TideSample, Usage,
 };
 pub(crate) use tensors::{
     add_forward_uses, check_copy, check_distinct, check_unused, numel_of, ViewBuf,

@@ -278,7 +278,7 @@ impl SimOverlap {
     /// The first of the host groups `first_host..` (of `group_elems` elements, `param_bytes`
     /// bytes each) that steps during backward, and the host bytes the overlapped step holds,
     /// beside `model_data` bytes on a host of `host` bytes.
-    pub fn early_groups(
+    pub(crate) fn early_groups(
         &self,
         group_elems: &[usize],
         first_host: usize,

@@ -31,7 +31,8 @@ mod versions;
 
 pub(crate) use optimizer::grad_ranges;
 pub use optimizer::{GroupChunks, GroupSlices, GroupVisit};
-pub use overlap::{overlap_group_bytes, OverlapStats};
+pub(crate) use overlap::overlap_group_bytes;
+pub use overlap::OverlapStats;
 pub(crate) use overlap::{HostBlock, OverlapPlan};
 use table::TensorMeta;
 pub use telemetry::{LogEntry, LogKind, TideSample, Usage};

@@ -87,7 +87,7 @@ pub enum ShadowBudget {
 impl ShadowBudget {
     /// The budget in bytes beside `model_data` bytes of model data on a host of `host`
     /// bytes (`None`: unknown).
-    pub fn bytes(&self, host: Option<u64>, model_data: u64) -> u64 {
+    pub(crate) fn bytes(&self, host: Option<u64>, model_data: u64) -> u64 {
         match *self {
             ShadowBudget::Bytes(n) => n,
             ShadowBudget::Auto => host.map_or(u64::MAX, |h| h.saturating_sub(model_data) / 2),
@@ -97,7 +97,7 @@ impl ShadowBudget {
     /// The first of the host groups `first_host..` (of `group_elems` elements of
     /// `param_bytes` bytes each) stepped early under this budget: from the last group down
     /// while their overlap bytes ([`overlap_group_bytes`], shadowed) fit in `budget` bytes.
-    pub fn first_early(
+    pub(crate) fn first_early(
         budget: u64,
         first_host: usize,
         group_elems: &[usize],
@@ -147,7 +147,7 @@ pub struct HybridConfig {
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step. Where nothing
     /// can invalidate a step (no loss scaler, no clip) the groups step in place, at no memory
     /// cost; otherwise on shadows, a second copy of the group's optimizer state and two
-    /// parameter-sized buffers ([`overlap_group_bytes`] a group) within `overlap_budget` (on
+    /// parameter-sized buffers a group (12 + 2 × parameter bytes an element) within `overlap_budget` (on
     /// the file tier when chunks spill there). With accumulation, the micro-batches but the
     /// last fold during backward instead. Not with delayed parameters.
     pub overlap: bool,

@@ -124,7 +124,7 @@ pub struct OverlapStats {
 /// each stepped early: with `shadowed`, a copy of its fp32 master, momentum and variance and
 /// two parameter-sized buffers (the gradients' copy and the new parameters); in place, none
 /// (the gradients come down into the chunk's own host copy and the step overwrites them).
-pub fn overlap_group_bytes(elems: usize, param_bytes: usize, shadowed: bool) -> u64 {
+pub(crate) fn overlap_group_bytes(elems: usize, param_bytes: usize, shadowed: bool) -> u64 {
     match shadowed {
         true => (elems * (12 + 2 * param_bytes)) as u64,
         false => 0,

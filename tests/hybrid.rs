@@ -461,6 +461,13 @@ fn assert_overlap_exact(
     );
     assert!(o.kept >= (steps - 6) * host, "{what}: {o:?}");
     assert_eq!(o.kept + o.redone, o.started, "{what}: {o:?}");
+    // a host group not kept from backward steps on the worker after it (the first step is
+    // warm-up; a skipped step steps nothing)
+    let stepped = serial[1..]
+        .iter()
+        .filter(|t| t.0 == StepOutcome::Stepped)
+        .count() as u64;
+    assert_eq!(o.kept + o.deferred, stepped * host, "{what}: {o:?}");
 }
 
 /// Host groups stepped during backward keep the serial step's bits through clean steps (kept),

@@ -811,6 +811,12 @@ fn summary(
             fmt_bytes(overlap.host_bytes)
         );
     }
+    if overlap.deferred > 0 {
+        println!(
+            "host groups stepped after backward, beside the next forward: {}",
+            overlap.deferred
+        );
+    }
     if let (Some(f), Some(l)) = (losses.first(), losses.last()) {
         println!("loss {f:.4} → {l:.4}, validation loss {val:.4}");
     }

@@ -174,6 +174,12 @@ fn shadows_come_out_of_their_budget_and_the_rest_steps_after_backward() {
         let st = m.overlap_stats();
         // the last groups in order: the first whose gradients are final
         assert_eq!(st.kept, 3 * early as u64, "budget {budget}: {st:?}");
+        // the others on the worker after backward
+        assert_eq!(
+            st.deferred,
+            3 * (GROUPS - early) as u64,
+            "budget {budget}: {st:?}"
+        );
         assert!(st.host_bytes <= budget, "budget {budget}: {st:?}");
     }
     assert_eq!(ShadowBudget::Auto.bytes(Some(100), 60), 20);

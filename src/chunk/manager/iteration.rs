@@ -411,6 +411,7 @@ impl ChunkManager {
         let es = self.cfg.param_dtype.size();
         let (off, len) = (slot.offset * es, slot.numel * es);
         let dt = self.cfg.param_dtype;
+        self.settle_deferred(slot.group as usize)?;
         if self.grads_taken(slot.group as usize) {
             return Err(Error::Conflict {
                 what: format!(
@@ -509,10 +510,12 @@ impl ChunkManager {
             t.init.fill(&mut v);
             return Ok(v);
         }
+        let name = t.name.clone();
+        self.settle_deferred(slot.group as usize)?;
         if self.grads_taken(slot.group as usize) {
             // stepped in place: the master is the step's before the step is taken
             return Err(Error::Conflict {
-                what: format!("reading the master of '{}'", t.name),
+                what: format!("reading the master of '{name}'"),
                 with: "its group's step during backward, which updated it in place (nothing \
                        could invalidate the step: no loss scaler, no clip); read it after the \
                        step"

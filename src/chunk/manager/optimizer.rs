@@ -192,6 +192,7 @@ impl ChunkManager {
         lists.sort_by_key(|k| k.index());
         lists.dedup();
         let opt: Vec<ChunkKind> = lists[1..].to_vec();
+        let deferred = self.take_deferred(&lists);
         if !self.overlap_keeps(&lists) {
             // early steps are kept only by the optimizer step that decided so
             self.cancel_overlap()?;
@@ -240,6 +241,18 @@ impl ChunkManager {
             let result = match (early, target) {
                 (Err(e), _) => Err(e),
                 (Ok(true), _) => Ok(()),
+                // stepped on the worker, overlapped with the next forward
+                (Ok(false), Target::Host)
+                    if deferred.is_some()
+                        && waiting.is_none()
+                        && ranges.iter().any(|r| !r.is_empty()) =>
+                {
+                    match self.lend_deferred(g, deferred.as_ref().expect("checked"), &ranges) {
+                        Ok(true) => Ok(()),
+                        Ok(false) => self.visit_host(g, &lists, tensors, ranges, &mut f),
+                        Err(e) => Err(e),
+                    }
+                }
                 (Ok(false), Target::Host) => {
                     let previous = waiting.replace(HostVisit { g, tensors, ranges });
                     match previous {
@@ -440,6 +453,7 @@ impl ChunkManager {
     /// copy in flight).
     pub(crate) fn param_host(&mut self, g: usize) -> Result<&[u8]> {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        self.settle_deferred(g)?;
         if matches!(self.payload[c].host, HostSlot::Lent) {
             // an early step holds the gradients, and leaves them as they are
             return self.lent_grads(g)?.ok_or_else(|| Error::Internal {

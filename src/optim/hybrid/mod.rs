@@ -411,6 +411,13 @@ impl HybridAdam {
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
         m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place(m))))?;
+        if self.cfg.overlap && !self.cfg.delayed_params && m.is_steady() {
+            // host groups not stepped during backward step on the worker, in the next
+            // forward's order, each waited for by that forward's first use of the group
+            let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
+            let step = Arc::new(move |b: HostBlock<'_>| step_block(&cpu, &s, dt, b));
+            m.defer_host_steps(step, self.cpu.threads());
+        }
         let (cpu, delayed) = (self.cpu, self.cfg.delayed_params);
         let dev = m.device().clone();
         m.visit_groups(&ChunkKind::ALL, place, |v| {

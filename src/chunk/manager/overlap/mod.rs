@@ -47,6 +47,7 @@ use crate::error::Result;
 use crate::ops::grad_stats::GradStats;
 use crate::tensor::{ChunkKind, TensorState};
 
+mod deferred;
 mod settle;
 mod upload;
 mod worker;
@@ -118,6 +119,9 @@ pub struct OverlapStats {
     /// Host bytes the overlap holds between iterations: the shadows and the parameter-sized
     /// buffers of the groups stepped early (on the file tier where chunks spill there).
     pub host_bytes: u64,
+    /// Host steps taken after backward on the worker, overlapped with the next forward (see
+    /// the module docs): groups that did not step during backward.
+    pub deferred: u64,
 }
 
 /// Host bytes the overlap holds for a host group of `elems` elements of `param_bytes` bytes
@@ -142,6 +146,9 @@ struct Job0 {
     version: u64,
     /// Stepped the group's own state (no shadow): it cannot be thrown away.
     in_place: bool,
+    /// A step after backward with the step's real scalars, which outlives the iteration
+    /// ([`ChunkManager::defer_host_steps`]).
+    deferred: bool,
     /// Recorded on the write-back stream after the gradients' copy: an upload into the chunk
     /// waits for it.
     read: Event,
@@ -166,6 +173,8 @@ pub(super) struct Overlap {
     /// weight versions, between backward and the step): no step runs in place.
     state_copies: bool,
     jobs: Vec<Option<Job0>>,
+    /// The step the optimizer's pass hands to the worker for groups it would step itself.
+    deferred: Option<deferred::DeferredPlan>,
     /// Backward releases per group this iteration.
     version: Vec<u64>,
     /// Groups whose early step was kept this iteration.
@@ -303,7 +312,12 @@ impl ChunkManager {
         );
         let in_place = plan.in_place && !fold;
         let lent = plan.lists().len() - 1;
-        if g < first_host || self.warm || self.overlap.jobs[g].is_some() {
+        if g < first_host || self.warm {
+            return Ok(());
+        }
+        // the last step's, if nothing needed the group since
+        self.settle_deferred(g)?;
+        if self.overlap.jobs[g].is_some() {
             return Ok(());
         }
         let final_grads = self.layout.group_tensors[g]
@@ -435,6 +449,7 @@ impl ChunkManager {
             state: Early::Running(rx),
             version: self.overlap.version[g],
             in_place,
+            deferred: false,
             read,
         });
         self.overlap.stats.started += 1;

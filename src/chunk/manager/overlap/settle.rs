@@ -104,7 +104,7 @@ impl ChunkManager {
             .jobs
             .get(g)
             .and_then(Option::as_ref)
-            .is_some_and(|j| j.in_place);
+            .is_some_and(|j| j.in_place && !j.deferred);
         running || self.overlap.early_stats.get(g).is_some_and(Option::is_some)
     }
 
@@ -132,11 +132,15 @@ impl ChunkManager {
                 state: Early::Finished(fin),
                 version,
                 in_place,
+                deferred,
                 ..
             }) => {
-                let valid = fin.result.is_ok() && fin.copied && *version == self.overlap.version[g];
+                // a deferred step was decided before it started
+                let current = *deferred || *version == self.overlap.version[g];
+                let valid = fin.result.is_ok() && fin.copied && current;
                 // a step taken in place is kept unless the step is abandoned
                 let decided = match *in_place {
+                    _ if *deferred => true,
                     true => self.overlap.keep != Some(false),
                     false => self.overlap.keep == Some(true),
                 };
@@ -144,7 +148,8 @@ impl ChunkManager {
             }
             Some(_) => unreachable!("joined above"),
         };
-        if keep && !self.overlap.uploaded[g] {
+        let deferred = self.deferred_step(g);
+        if keep && !deferred && !self.overlap.uploaded[g] {
             // the new parameters up now, so that the chunk may stay on the device
             self.upload_early(g)?;
         }
@@ -157,10 +162,10 @@ impl ChunkManager {
             unreachable!("joined above")
         };
         let stepped = fin.copied;
-        if in_place && stepped {
+        if in_place && stepped && !deferred {
             self.overlap.early_stats[g] = Some(fin.stats.clone());
         }
-        self.put_back(g, *fin, keep)?;
+        self.put_back(g, *fin, keep, deferred)?;
         if in_place && stepped && !keep {
             if !self.overlap.abandon {
                 // its state holds a step the serial pass would take again
@@ -180,7 +185,8 @@ impl ChunkManager {
     }
 
     /// Puts a finished step's buffers in place: its results if `keep`, else the originals.
-    fn put_back(&mut self, g: usize, fin: Finished, keep: bool) -> Result<()> {
+    /// A `deferred` step is the group's step of an iteration already ended.
+    fn put_back(&mut self, g: usize, fin: Finished, keep: bool, deferred: bool) -> Result<()> {
         let cs: [usize; 4] = LISTS.map(|k| ChunkPlan::chunk_no(g as u32, k) as usize);
         let Finished {
             grads,
@@ -228,7 +234,10 @@ impl ChunkManager {
             self.overlap.uploaded[g] = false;
             self.overlap.stale[g] = true;
         }
-        if keep {
+        if keep && deferred {
+            self.overlap.stats.deferred += 1;
+            Ok(())
+        } else if keep {
             self.overlap.done[g] = true;
             self.overlap.stats.kept += 1;
             Ok(())
@@ -248,11 +257,15 @@ impl ChunkManager {
         }
     }
 
-    /// Throws away every early step not yet settled (the originals go back).
+    /// Throws away every early step not yet settled (the originals go back); deferred steps
+    /// go on.
     pub(in crate::chunk::manager) fn cancel_overlap(&mut self) -> Result<()> {
         let keep = self.overlap.keep.replace(false);
         let mut result = Ok(());
         for g in 0..self.overlap.jobs.len() {
+            if self.deferred_step(g) {
+                continue;
+            }
             if let Err(e) = self.settle_early(g) {
                 result = Err(e);
             }
@@ -270,6 +283,7 @@ impl ChunkManager {
             }
         }
         self.overlap.keep = None;
+        self.overlap.deferred = None;
         self.overlap.abandon = false;
         self.overlap.abandoned_in_place = false;
         self.overlap.early_stats.iter_mut().for_each(|s| *s = None);

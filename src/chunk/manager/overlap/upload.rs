@@ -57,9 +57,11 @@ impl ChunkManager {
             state: Early::Finished(fin),
             version: v,
             read,
+            deferred: false,
             ..
         }) = self.overlap.jobs[g].as_mut()
         else {
+            // (a deferred step's parameters go up with the next forward's load)
             return Ok(());
         };
         let Some(buf) = self.payload[pc as usize].device.clone() else {

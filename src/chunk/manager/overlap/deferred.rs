@@ -1,0 +1,137 @@
+//! Host groups stepped after backward on the worker, overlapped with the next forward.
+//!
+//! Where a host group did not step during backward (the step was not speculated, or its
+//! speculation was thrown away: a clip that binds, an overflow, a group beyond the shadows'
+//! budget), the optimizer's pass hands its step to the worker with the step's real scalars
+//! instead of taking it on the training thread ([`ChunkManager::defer_host_steps`]). The step
+//! runs in place (its scalars are final, so nothing can invalidate it: no shadow), in the
+//! pass's group order, which is the next forward's first-use order. The group's chunks stay
+//! lent past the end of the step; whatever needs one of them first (the next forward's load of
+//! the parameter chunk, a read, a checkpoint) waits for that group's step only, so the next
+//! forward starts after the first group's step, not after all of them.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use crossbeam::channel::bounded;
+
+use super::worker::{Grads, Job};
+use super::{BlockStep, Early, Job0};
+use crate::chunk::manager::{ChunkManager, HostSlot, LISTS};
+use crate::chunk::plan::ChunkPlan;
+use crate::error::Result;
+use crate::tensor::ChunkKind;
+
+/// The step the optimizer's next pass hands to the worker for each host group.
+pub(in crate::chunk::manager) struct DeferredPlan {
+    step: BlockStep,
+    threads: usize,
+}
+
+impl ChunkManager {
+    /// Has the next optimizer pass over every chunk list hand each host group it would step
+    /// on the training thread to the worker instead, with `step` on up to `threads` threads
+    /// (see the module docs). For this pass only.
+    pub(crate) fn defer_host_steps(&mut self, step: BlockStep, threads: usize) {
+        self.overlap.deferred = Some(DeferredPlan { step, threads });
+    }
+
+    /// The step the pass starting now defers, if the optimizer asked for one: a pass over
+    /// every chunk list only.
+    pub(in crate::chunk::manager) fn take_deferred(
+        &mut self,
+        lists: &[ChunkKind],
+    ) -> Option<DeferredPlan> {
+        let plan = self.overlap.deferred.take();
+        plan.filter(|_| lists == ChunkKind::ALL)
+    }
+
+    /// Lends host group `g`'s chunks to the worker for its deferred step by `plan` over its
+    /// gradient `ranges` (its chunks brought to the host by the pass's moves). Returns whether
+    /// it was lent; if not (no worker thread, a chunk without a host copy), nothing changed
+    /// and the pass steps the group itself.
+    pub(in crate::chunk::manager) fn lend_deferred(
+        &mut self,
+        g: usize,
+        plan: &DeferredPlan,
+        ranges: &[Range<usize>],
+    ) -> Result<bool> {
+        let (step, threads) = (Arc::clone(&plan.step), plan.threads);
+        self.settle_deferred(g)?;
+        let cs: [usize; 4] = LISTS.map(|k| ChunkPlan::chunk_no(g as u32, k) as usize);
+        // the state's copies in flight done first (fallible things before anything is lent)
+        for &c in &cs[1..] {
+            self.host_ready(c)?;
+        }
+        let read = self.device.new_event()?;
+        let (done, rx) = bounded(1);
+        let pc = cs[0];
+        let grads = match std::mem::replace(&mut self.payload[pc].host, HostSlot::Lent) {
+            HostSlot::Ready(b) => Grads::Host(b),
+            HostSlot::InFlight(p) => Grads::Copy(p),
+            other => {
+                self.payload[pc].host = other;
+                return Ok(false);
+            }
+        };
+        let orig = cs[1..]
+            .iter()
+            .map(
+                |&c| match std::mem::replace(&mut self.payload[c].host, HostSlot::Lent) {
+                    HostSlot::Ready(b) => b,
+                    _ => unreachable!("host_ready leaves the slot ready"),
+                },
+            )
+            .collect();
+        let job = Job {
+            group: g,
+            grads,
+            out: None,
+            stat_ranges: Vec::new(),
+            dtype: self.cfg.param_dtype,
+            orig,
+            shadow: Vec::new(),
+            ranges: ranges.to_vec(),
+            elem_bytes: self.cfg.param_dtype.size(),
+            threads,
+            step,
+            every_block: false,
+            done,
+        };
+        if let Err(job) = self.send(Box::new(job)) {
+            for (&c, b) in cs[1..].iter().zip(job.orig) {
+                self.payload[c].host = HostSlot::Ready(b);
+            }
+            self.payload[pc].host = match job.grads {
+                Grads::Host(b) => HostSlot::Ready(b),
+                Grads::Copy(p) => HostSlot::InFlight(p),
+            };
+            return Ok(false);
+        }
+        self.overlap.jobs[g] = Some(Job0 {
+            state: Early::Running(rx),
+            version: 0,
+            in_place: true,
+            deferred: true,
+            read,
+        });
+        Ok(true)
+    }
+
+    /// Ends group `g`'s deferred step if one holds its chunks, waiting for it.
+    pub(crate) fn settle_deferred(&mut self, g: usize) -> Result<()> {
+        if self.deferred_step(g) {
+            self.settle_early(g)?;
+        }
+        Ok(())
+    }
+
+    /// Whether a deferred step holds group `g`'s chunks.
+    pub(super) fn deferred_step(&self, g: usize) -> bool {
+        self.overlap
+            .jobs
+            .get(g)
+            .and_then(Option::as_ref)
+            .is_some_and(|j| j.deferred)
+    }
+}

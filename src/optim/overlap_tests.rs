@@ -1,8 +1,9 @@
 //! Host groups stepped during backward, seen from outside the step: reads of a host group's
 //! parameter slot between backward and the step give its gradients, a step thrown away
 //! leaves the device copy of a chunk its parameters went up into as it was, a step nothing
-//! can invalidate runs in place with no shadow, shadows come out of their budget, and a
-//! non-finite gradient without a loss scaler stops the run.
+//! can invalidate runs in place with no shadow, shadows come out of their budget, a
+//! non-finite gradient without a loss scaler stops the run, and a host group not stepped during
+//! backward steps after it, beside the next forward, which waits for that group only.
 
 use crate::chunk::{overlap_group_bytes, ChunkKind, ChunkManager, GroupChunks, ManagerConfig};
 use crate::device::{Device, SimConfig};
@@ -302,4 +303,84 @@ fn a_step_count_past_the_bias_correction_is_refused() {
             "{steps}: {e}"
         );
     }
+}
+
+#[test]
+fn a_binding_clip_steps_the_host_groups_after_backward_with_the_serial_bits() {
+    let clipped = HybridConfig {
+        max_grad_norm: Some(1e-6),
+        ..cfg(true)
+    };
+    let (_, serial, _) = train(
+        HybridConfig {
+            overlap: false,
+            ..clipped
+        },
+        5,
+    );
+    let (m, bits, _) = train(clipped, 5);
+    assert_eq!(bits, serial);
+    let st = m.overlap_stats();
+    // every step follows a clip (warm-up's too) and is not speculated: every host group of
+    // steps 1 to 4 steps on the worker after backward, in place, holding no shadow
+    assert_eq!((st.started, st.redone), (0, 0), "{st:?}");
+    assert_eq!(st.deferred, 4 * GROUPS as u64, "{st:?}");
+    assert_eq!(st.host_bytes, 0, "{st:?}");
+}
+
+#[test]
+fn the_next_forward_waits_for_a_groups_own_deferred_step_only() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let (mut m, ids) = manager();
+    let mut adam = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        ..cfg(false)
+    })
+    .unwrap();
+    // warm-up
+    backward(&mut m, &ids, &grads(0));
+    adam.step(&mut m).unwrap();
+    backward(&mut m, &ids, &grads(1));
+    // the steps of groups 1.. wait for the gate (at most 10 s); group 0's does not
+    let (open, gate) = crossbeam::channel::unbounded::<()>();
+    let gate = parking_lot::Mutex::new(gate);
+    let late = Arc::new(AtomicUsize::new(0));
+    let done = Arc::clone(&late);
+    m.defer_host_steps(
+        Arc::new(move |b: crate::chunk::HostBlock<'_>| {
+            if b.group > 0 {
+                let _ = gate.lock().recv_timeout(Duration::from_secs(10));
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+            Ok(())
+        }),
+        1,
+    );
+    m.visit_groups(
+        &ChunkKind::ALL,
+        |_| Target::Host,
+        |_| panic!("every host group is deferred"),
+    )
+    .unwrap();
+    m.end_step().unwrap();
+    // the next forward's first group goes ahead while the others still step
+    m.fetch(&[ids[0]], Stage::Forward).unwrap();
+    m.release(&[ids[0]], Stage::Forward).unwrap();
+    assert_eq!(
+        late.load(Ordering::SeqCst),
+        0,
+        "group 0 waited for a later group"
+    );
+    for _ in 1..GROUPS {
+        open.send(()).unwrap();
+    }
+    for &id in &ids[1..] {
+        m.fetch(&[id], Stage::Forward).unwrap();
+        m.release(&[id], Stage::Forward).unwrap();
+    }
+    assert_eq!(late.load(Ordering::SeqCst), GROUPS - 1);
+    assert_eq!(m.overlap_stats().deferred, GROUPS as u64);
 }

@@ -45,6 +45,7 @@ impl ChunkManager {
     /// [`ChunkManager::fetch`], or with `ahead` a backward-stage fetch that counts no use.
     fn fetch_as(&mut self, ids: &[TensorId], stage: Stage, ahead: bool) -> Result<Vec<TensorView>> {
         self.usable()?;
+        self.poll_deferred()?;
         let t0 = self.now_us();
         let ev = match stage {
             Stage::Forward => TrainEvent::BeforeFwdOp,
@@ -108,6 +109,7 @@ impl ChunkManager {
         // Compute waits for the loads of its chunks.
         let mut views = Vec::with_capacity(ids.len());
         for a in &acc {
+            self.issue_load(a.chunk as usize)?;
             if let Some(ev) = self.payload[a.chunk as usize].ready.take() {
                 self.device.wait_event(&self.compute, &ev)?;
             }
@@ -259,6 +261,7 @@ impl ChunkManager {
     /// (as many backward uses as forward uses) takes it to HOLD_AFTER_BWD.
     pub fn release(&mut self, ids: &[TensorId], stage: Stage) -> Result<()> {
         self.usable()?;
+        self.poll_deferred()?;
         check_distinct(ids)?;
         let mut events = Vec::with_capacity(ids.len());
         for &id in ids {
@@ -430,6 +433,7 @@ impl ChunkManager {
                 return Ok(decode(&h[off..off + len], dt));
             }
         } else if let Some(buf) = self.payload[c].device.clone() {
+            self.issue_load(c)?;
             if let Some(ev) = self.payload[c].ready.take() {
                 self.device.wait_event(&self.compute, &ev)?;
             }
@@ -465,6 +469,7 @@ impl ChunkManager {
             && !self.device_param_differs(slot.group as usize)
         {
             if let Some(buf) = self.payload[c].device.clone() {
+                self.issue_load(c)?;
                 if let Some(ev) = self.payload[c].ready.take() {
                     self.device.wait_event(&self.compute, &ev)?;
                 }

@@ -27,9 +27,16 @@ impl ChunkManager {
         self.retiring.retain(|p| !p.is_ready().unwrap_or(false));
         for mv in moves {
             let t0 = self.now_us();
-            // a host copy lent to a host group's early step comes back before a move uses it
-            if !matches!(mv, Move::Drop { .. }) {
-                self.reclaim_lent(super::optimizer::move_chunk(mv) as usize)?;
+            // a host copy lent to a host group's early step comes back before a move uses it;
+            // a load waits for a deferred step (on the device, not here)
+            let c = super::optimizer::move_chunk(mv) as usize;
+            match mv {
+                Move::Drop { .. } => {}
+                Move::Load { .. } if self.load_waits(c) => {}
+                _ => {
+                    self.issue_load(c)?;
+                    self.reclaim_lent(c)?;
+                }
             }
             match *mv {
                 Move::Materialize { chunk } => {
@@ -67,8 +74,12 @@ impl ChunkManager {
     }
 
     /// Loads chunk `c` to a new device copy on the copy stream; returns its bytes.
-    fn load(&mut self, c: usize) -> Result<usize> {
+    pub(super) fn load(&mut self, c: usize) -> Result<usize> {
         let bytes = self.chunk_bytes(c);
+        if self.load_waits(c) {
+            self.load_after_step(c);
+            return Ok(bytes);
+        }
         let buf = self.load_buffer(bytes)?;
         let pending = match std::mem::take(&mut self.payload[c].host) {
             HostSlot::Ready(h) => self.device.copy_h2d(&self.copy, h, &buf)?,
@@ -102,6 +113,7 @@ impl ChunkManager {
         c: usize,
         dest: Option<HostBuffer>,
     ) -> Result<(usize, HostSlot)> {
+        self.issue_load(c)?;
         let buf = self.payload[c]
             .device
             .clone()
@@ -129,6 +141,7 @@ impl ChunkManager {
 
     /// Drops chunk `c`'s device copy, which no view may still hold.
     fn drop_device(&mut self, c: usize) -> Result<()> {
+        self.forget_load(c);
         if let Some(buf) = self.payload[c].device.take() {
             let buf = Arc::try_unwrap(buf).map_err(|_| Error::ViewAlive {
                 what: format!("chunk {c}"),
@@ -153,10 +166,12 @@ impl ChunkManager {
     /// A device buffer for a chunk load: a spare of `bytes` when there is one (the copy stream
     /// ordered after the compute work of the chunk it held), else a new one.
     fn load_buffer(&mut self, bytes: usize) -> Result<DeviceBuffer> {
+        // the oldest spare of the size: its copy's waits are the likeliest done (a spare
+        // evicted after a write-back queued behind others waits for all of them)
         let spare = {
             let mut spares = self.spares.lock();
             let at = spares.iter().position(|s| s.buf.len() == bytes);
-            at.map(|i| spares.swap_remove(i))
+            at.map(|i| spares.remove(i))
         };
         match spare {
             Some(s) => {
@@ -252,9 +267,13 @@ impl ChunkManager {
         }
     }
 
-    /// Waits for every copy in flight.
+    /// Waits for every copy in flight, and for the host steps of the last optimizer step
+    /// still running beside the next forward.
     pub fn synchronize(&mut self) -> Result<()> {
         self.usable()?;
+        for g in 0..self.layout.groups() {
+            self.settle_deferred(g)?;
+        }
         self.device.sync_stream(&self.copy)?;
         self.device.sync_stream(&self.down)?;
         self.device.sync_stream(&self.compute)?;

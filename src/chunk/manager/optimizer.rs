@@ -383,6 +383,7 @@ impl ChunkManager {
         let mut bufs: [Option<Arc<DeviceBuffer>>; 4] = Default::default();
         for &k in lists {
             let c = ChunkPlan::chunk_no(g as u32, k) as usize;
+            self.issue_load(c)?;
             if let Some(ev) = self.payload[c].ready.take() {
                 self.device.wait_event(&self.compute, &ev)?;
             }
@@ -467,6 +468,7 @@ impl ChunkManager {
     /// [`ChunkManager::compute_stream`] after this call runs after its load.
     pub(crate) fn param_device(&mut self, g: usize) -> Result<Arc<DeviceBuffer>> {
         let c = ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize;
+        self.issue_load(c)?;
         if let Some(ev) = self.payload[c].ready.take() {
             self.device.wait_event(&self.compute, &ev)?;
         }

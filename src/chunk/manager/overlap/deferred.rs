@@ -118,12 +118,76 @@ impl ChunkManager {
         Ok(true)
     }
 
-    /// Ends group `g`'s deferred step if one holds its chunks, waiting for it.
+    /// Ends group `g`'s deferred step if one holds its chunks, waiting for it, and issues its
+    /// parameter chunk's load if one waits for it.
     pub(crate) fn settle_deferred(&mut self, g: usize) -> Result<()> {
         if self.deferred_step(g) {
             self.settle_early(g)?;
         }
+        self.issue_load(ChunkPlan::chunk_no(g as u32, ChunkKind::Param) as usize)
+    }
+
+    /// Settles every deferred step that has finished, without a wait, and issues the loads
+    /// that waited for them: called at each fetch and release, so that the link carries a
+    /// group's parameters as soon as its step is done.
+    pub(in crate::chunk::manager) fn poll_deferred(&mut self) -> Result<()> {
+        if self.overlap.waiting_loads.is_empty() {
+            return Ok(());
+        }
+        for g in 0..self.overlap.jobs.len() {
+            let finished = match &self.overlap.jobs[g] {
+                Some(Job0 {
+                    state: Early::Running(rx),
+                    deferred: true,
+                    ..
+                }) => !rx.is_empty(),
+                Some(Job0 { deferred: true, .. }) => true,
+                _ => false,
+            };
+            if finished {
+                self.settle_deferred(g)?;
+            }
+        }
         Ok(())
+    }
+
+    /// Whether a load of chunk `c` waits for a deferred step still running: the load is
+    /// noted ([`ChunkManager::load_after_step`]) and made once the step is done, device copy
+    /// and all (a device buffer taken now would hold the copy stream to its waits).
+    pub(in crate::chunk::manager) fn load_waits(&self, c: usize) -> bool {
+        c.is_multiple_of(4)
+            && matches!(
+                self.overlap.jobs.get(c / 4).and_then(Option::as_ref),
+                Some(Job0 {
+                    state: Early::Running(_),
+                    deferred: true,
+                    ..
+                })
+            )
+    }
+
+    /// A load of chunk `c` whose host copy a deferred step holds: made when the step is done
+    /// (a poll, or the first use that needs the device copy).
+    pub(in crate::chunk::manager) fn load_after_step(&mut self, c: usize) {
+        self.overlap.waiting_loads.push(c);
+    }
+
+    /// Makes chunk `c`'s load if it waits for its group's deferred step, waiting for the step;
+    /// anything that reads or moves the device copy calls this first.
+    pub(in crate::chunk::manager) fn issue_load(&mut self, c: usize) -> Result<()> {
+        let Some(i) = self.overlap.waiting_loads.iter().position(|&w| w == c) else {
+            return Ok(());
+        };
+        self.overlap.waiting_loads.swap_remove(i);
+        if self.deferred_step(c / 4) {
+            self.settle_early(c / 4)?;
+        }
+        self.load(c).map(|_| ())
+    }
+
+    /// Chunk `c`'s device copy is dropped before its load was issued.
+    pub(in crate::chunk::manager) fn forget_load(&mut self, c: usize) {
+        self.overlap.waiting_loads.retain(|&w| w != c);
     }
 
     /// Whether a deferred step holds group `g`'s chunks.

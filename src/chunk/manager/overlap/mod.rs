@@ -175,6 +175,9 @@ pub(super) struct Overlap {
     jobs: Vec<Option<Job0>>,
     /// The step the optimizer's pass hands to the worker for groups it would step itself.
     deferred: Option<deferred::DeferredPlan>,
+    /// Chunks whose load waits for their group's deferred step: the device copy is theirs,
+    /// the copy not yet issued.
+    waiting_loads: Vec<usize>,
     /// Backward releases per group this iteration.
     version: Vec<u64>,
     /// Groups whose early step was kept this iteration.
@@ -484,6 +487,7 @@ impl ChunkManager {
             let spawned = std::thread::Builder::new()
                 .name("tidemem-host-step".into())
                 .spawn(move || {
+                    lower_priority();
                     for job in jobs {
                         let done = job.done.clone();
                         let _ = done.send(run_job(*job));
@@ -530,5 +534,18 @@ impl ChunkManager {
             HostSlot::Ready(_) if self.overlap.spare_param[g].len() >= 3 => {}
             s => self.overlap.spare_param[g].push(s),
         }
+    }
+}
+
+/// Lowers the calling thread's scheduling priority (Linux: nice 10; elsewhere nothing): the
+/// host-step thread yields a core to the training thread, whose few microseconds between
+/// waits issue the device's next work, whenever both want it.
+fn lower_priority() {
+    #[cfg(target_os = "linux")]
+    // SAFETY: gettid has no preconditions; setpriority on this thread's id changes only its
+    // niceness (raising it needs no privilege), and a failure is ignored.
+    unsafe {
+        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
+        libc::setpriority(libc::PRIO_PROCESS, tid, 10);
     }
 }

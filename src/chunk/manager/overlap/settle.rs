@@ -18,15 +18,18 @@ impl ChunkManager {
     fn join_early(&mut self, g: usize) -> Result<()> {
         let _span = self.device.host_span(HostPhase::Optimizer);
         loop {
+            // a deferred step is waited for alone (the others are polled as they finish)
+            let only = self.deferred_step(g);
             let running: Vec<usize> = (0..self.overlap.jobs.len())
                 .filter(|&i| {
-                    matches!(
-                        self.overlap.jobs[i],
-                        Some(Job0 {
-                            state: Early::Running(_),
-                            ..
-                        })
-                    )
+                    (!only || i == g)
+                        && matches!(
+                            self.overlap.jobs[i],
+                            Some(Job0 {
+                                state: Early::Running(_),
+                                ..
+                            })
+                        )
                 })
                 .collect();
             if !running.contains(&g) {

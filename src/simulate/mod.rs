@@ -267,11 +267,16 @@ pub struct SimOptions {
 pub enum SimOverlap {
     /// The serial step: none.
     Serial,
-    /// Nothing can invalidate a step (no loss scaler, no clip): two parameter-sized buffers a
-    /// host group.
+    /// Nothing can invalidate a step (no loss scaler, no clip): every host group steps during
+    /// backward, in place: none.
     InPlace,
-    /// A loss scaler or a clip: shadows of the host groups' optimizer state within the budget.
+    /// A loss scaler or a clip: shadows of the host groups' optimizer state within the budget
+    /// for the groups that step during backward; the rest step after it.
     Shadowed(ShadowBudget),
+    /// A clip that binds every step: a step after a clipped one is not speculated, so no host
+    /// group steps during backward; each steps after it, with the real coefficient, beside the
+    /// next forward: none.
+    Clipped,
 }
 
 impl SimOverlap {
@@ -287,7 +292,7 @@ impl SimOverlap {
         model_data: u64,
     ) -> (usize, u64) {
         let (first, shadowed) = match *self {
-            SimOverlap::Serial => return (group_elems.len(), 0),
+            SimOverlap::Serial | SimOverlap::Clipped => return (group_elems.len(), 0),
             SimOverlap::InPlace => (first_host, false),
             SimOverlap::Shadowed(b) => {
                 let budget = b.bytes(Some(host), model_data);

@@ -20,7 +20,10 @@
 //!   as soon as its own gradients are final (its optimizer moment moved to just after the
 //!   group's last backward use, as a speculative step validated after backward would run;
 //!   redone steps are not charged), for the groups [`SimOptions::overlap`] steps early (with
-//!   shadows, those within the budget; the rest step after backward).
+//!   shadows, those within the budget; none under a clip that binds,
+//!   [`SimOverlap::Clipped`](super::SimOverlap::Clipped)); the others step after backward and
+//!   the gradient statistics, on the worker beside the next forward, whose load of a group's
+//!   parameters waits for that group's step only.
 //!
 //! The step is the third iteration's span; [`StepTime`] gives it with each resource's busy time
 //! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
@@ -388,8 +391,12 @@ impl<'a> Timeline<'a> {
         let rec = self.rec;
         let m = &rec.moments[i];
         if !moved {
-            if self.last == Some(Stage::Optimizer) && m.stage == Stage::Forward {
-                // the last host group steps before the next iteration is issued
+            if self.last == Some(Stage::Optimizer)
+                && m.stage == Stage::Forward
+                && self.schedule == StepSchedule::Serial
+            {
+                // the last host group steps before the next iteration is issued (overlapped,
+                // the next forward's loads wait for their own groups' steps)
                 self.issue = self.issue.max(self.host);
             }
             self.last = Some(m.stage);
@@ -548,8 +555,9 @@ impl<'a> Timeline<'a> {
             }
             start = start.max(at);
         }
-        if self.schedule == StepSchedule::Serial {
-            start = start.max(self.backward_end);
+        if self.schedule == StepSchedule::Serial || !moved {
+            // after the gradient statistics of the whole backward
+            start = start.max(self.backward_end).max(self.issue);
         }
         // the step, and before it the gradient statistics' pass over the gradients (read once,
         // at the step's bytes rate)

@@ -90,10 +90,11 @@ struct Args {
     /// Skip the largest-model search.
     #[arg(long)]
     no_largest: bool,
-    /// The overlapped step's host memory counted beside the model data: shadowed (a loss
-    /// scaler or a clip: copies of the host groups' optimizer state within --overlap-budget),
-    /// in-place (nothing can invalidate a step), or serial (none).
-    #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "serial"])]
+    /// The overlapped step: shadowed (a loss scaler or a clip: copies of the host groups'
+    /// optimizer state within --overlap-budget), in-place (nothing can invalidate a step),
+    /// clipped (a clip that binds every step: the host groups step after backward, beside the
+    /// next forward), or serial.
+    #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "clipped", "serial"])]
     overlap: String,
     /// Host bytes for the shadows: auto (half of what the host holds beside the model data)
     /// or a size.
@@ -169,6 +170,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     opts.overlap = match a.overlap.as_str() {
         "serial" => SimOverlap::Serial,
         "in-place" => SimOverlap::InPlace,
+        "clipped" => SimOverlap::Clipped,
         _ => SimOverlap::Shadowed(match a.overlap_budget.as_str() {
             "auto" => ShadowBudget::Auto,
             b => ShadowBudget::Bytes(parse_bytes(b)? as u64),

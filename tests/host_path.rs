@@ -26,6 +26,9 @@ enum HostSteps {
     Serial,
     /// During backward, with a clip that never binds: every early step is kept.
     Overlapped,
+    /// Overlapped, with the clip of `Serial` (binding at every step): after backward, on the
+    /// host-step thread beside the next forward.
+    Clipped,
 }
 
 /// The device's counts over step `steps` of a `gpt2-tiny` run (f32, 4 × 32 tokens) on a device
@@ -61,7 +64,7 @@ fn gpt_step_on(
     let gpt = Gpt::register(&mut m, &cfg, 1).unwrap();
     let mut adam = HybridAdam::new(HybridConfig {
         placement,
-        overlap: host == HostSteps::Overlapped,
+        overlap: host != HostSteps::Serial,
         max_grad_norm: Some(if host == HostSteps::Overlapped {
             1e6
         } else {
@@ -157,6 +160,14 @@ fn an_offloaded_step_waits_only_for_what_the_host_reads() {
             s.d2h_bytes
         );
         assert_eq!(counts(&o), PINNED_GPT_OVERLAPPED, "{}", dev.name());
+
+        // a clip that binds: the training thread waits for the statistics only (the host-step
+        // thread for each group's gradients), for no stream, and the gradients go down once
+        let c = run(HostSteps::Clipped);
+        eprintln!("{}, clipped: {:?}", dev.name(), counts(&c));
+        assert_eq!(c.pending_waits, 1, "clipped: the statistics only");
+        assert_eq!((c.stream_syncs, c.event_syncs), (0, 0));
+        assert_eq!(c.d2h_bytes, s.d2h_bytes, "the gradients go down once");
     }
 }
 

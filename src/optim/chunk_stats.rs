@@ -15,9 +15,10 @@ impl ChunkManager {
     /// are combined in group order, so the result does not depend on placement.
     pub fn grad_stats(&mut self) -> Result<GradStats> {
         self.usable()?;
-        // host groups stepped during backward finish first (their new parameters may go up
-        // into the device copies meanwhile, which then no longer hold gradients)
-        self.join_early_steps()?;
+        // host groups stepped during backward send their statistics ahead of their steps;
+        // folds, which take none, finish first (their parameters may go up into the device
+        // copies meanwhile, which then no longer hold gradients)
+        self.join_stateless_steps()?;
         let mut on_device: Vec<(usize, Range<usize>)> = Vec::new();
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let dt = self.param_dtype();

@@ -384,3 +384,61 @@ fn the_next_forward_waits_for_a_groups_own_deferred_step_only() {
     assert_eq!(late.load(Ordering::SeqCst), GROUPS - 1);
     assert_eq!(m.overlap_stats().deferred, GROUPS as u64);
 }
+
+#[test]
+fn the_statistics_and_the_pass_wait_for_no_early_step_still_running() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let (mut m, ids) = manager();
+    let mut adam = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        ..cfg(false)
+    })
+    .unwrap();
+    backward(&mut m, &ids, &grads(0));
+    adam.step(&mut m).unwrap();
+    let before: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
+    // in place, every group early; group 0's step (the last to start) waits for the gate
+    let (open, gate) = crossbeam::channel::unbounded::<()>();
+    let gate = parking_lot::Mutex::new(gate);
+    let late = Arc::new(AtomicUsize::new(0));
+    let done = Arc::clone(&late);
+    m.arm_overlap(Some(crate::chunk::OverlapPlan {
+        first_host: 0,
+        in_place: true,
+        threads: 1,
+        key: b"step".to_vec(),
+        step: Arc::new(move |b: crate::chunk::HostBlock<'_>| {
+            if b.group == 0 {
+                let _ = gate.lock().recv_timeout(Duration::from_secs(10));
+                done.fetch_add(1, Ordering::SeqCst);
+            }
+            b.master.iter_mut().for_each(|x| *x += 1.0);
+            Ok(())
+        }),
+        fold: false,
+    }));
+    backward(&mut m, &ids, &grads(1));
+    // the statistics come ahead of the steps, the pass counts the running step as kept
+    let st = m.grad_stats().unwrap();
+    assert!(st.sum_sq > 0.0 && !st.nonfinite);
+    m.overlap_verdict(Some(b"step")).unwrap();
+    m.visit_groups(
+        &ChunkKind::ALL,
+        |_| Target::Host,
+        |_| panic!("every host group stepped early"),
+    )
+    .unwrap();
+    m.end_step().unwrap();
+    assert_eq!(late.load(Ordering::SeqCst), 0, "a wait for group 0's step");
+    assert_eq!(m.overlap_stats().kept, GROUPS as u64);
+    open.send(()).unwrap();
+    // a read waits for the step, which ran once
+    for (i, &id) in ids.iter().enumerate() {
+        let want: Vec<f32> = before[i].iter().map(|x| x + 1.0).collect();
+        assert_eq!(m.master(id).unwrap(), want, "group {i}");
+    }
+    assert_eq!(late.load(Ordering::SeqCst), 1);
+}

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use crossbeam::channel::bounded;
 
 use super::worker::{Grads, Job};
-use super::{BlockStep, Early, Job0};
+use super::{BlockStep, Early, EarlyStats, Job0};
 use crate::chunk::manager::{ChunkManager, HostSlot, LISTS};
 use crate::chunk::plan::ChunkPlan;
 use crate::error::Result;
@@ -96,6 +96,7 @@ impl ChunkManager {
             threads,
             step,
             every_block: false,
+            stats_to: None,
             done,
         };
         if let Err(job) = self.send(Box::new(job)) {
@@ -113,6 +114,8 @@ impl ChunkManager {
             version: 0,
             in_place: true,
             deferred: true,
+            counted: false,
+            stats: EarlyStats::None,
             read,
         });
         Ok(true)
@@ -172,8 +175,37 @@ impl ChunkManager {
         self.overlap.waiting_loads.push(c);
     }
 
-    /// Makes chunk `c`'s load if it waits for its group's deferred step, waiting for the step;
-    /// anything that reads or moves the device copy calls this first.
+    /// Where group `g`'s parameter chunk has a device copy nobody uses (under a policy that
+    /// keeps host copies), notes that the new parameters of its step, still running, go up into
+    /// it once the step is done, and counts the upload now: the pass then treats the copy as
+    /// current, as it does a finished step's uploaded parameters.
+    pub(super) fn upload_after_step(&mut self, g: usize) {
+        let pc = ChunkPlan::chunk_no(g as u32, ChunkKind::Param);
+        let idle = self
+            .sched
+            .as_ref()
+            .and_then(|s| s.status(pc))
+            .is_some_and(|s| s.on_device && !s.dirty() && s.in_use == 0);
+        let has_copy = self.payload[pc as usize].device.is_some();
+        if !(idle && has_copy && self.cfg.policy.keeps_host_copy()) {
+            return;
+        }
+        // the upload, whenever it is issued, after the gradients' copy down (itself after the
+        // chunk's last backward use): nothing on the device reads the gradients afterwards
+        let ordered = match self.overlap.jobs[g].as_ref() {
+            Some(j) => self.device.wait_event(&self.copy, &j.read).is_ok(),
+            None => false,
+        };
+        if !ordered || self.sched().count_upload(pc).is_err() {
+            return;
+        }
+        self.overlap.uploaded[g] = true;
+        self.overlap.waiting_loads.push(pc as usize);
+    }
+
+    /// Makes chunk `c`'s load (or its upload into the device copy it has) if it waits for its
+    /// group's deferred step, waiting for the step; anything that reads or moves the device
+    /// copy calls this first.
     pub(in crate::chunk::manager) fn issue_load(&mut self, c: usize) -> Result<()> {
         let Some(i) = self.overlap.waiting_loads.iter().position(|&w| w == c) else {
             return Ok(());
@@ -182,7 +214,23 @@ impl ChunkManager {
         if self.deferred_step(c / 4) {
             self.settle_early(c / 4)?;
         }
-        self.load(c).map(|_| ())
+        let Some(buf) = self.payload[c].device.clone() else {
+            return self.load(c).map(|_| ());
+        };
+        // an upload into the copy the chunk keeps (counted when it was decided)
+        self.host_ready(c)?;
+        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
+            unreachable!("host_ready leaves the slot ready")
+        };
+        if let Some(r) = self.payload[c].ready.take() {
+            self.device.wait_event(&self.copy, &r)?;
+        }
+        let p = self.device.copy_h2d(&self.copy, h, &*buf)?;
+        self.payload[c].host = HostSlot::InFlight(p);
+        let ready = self.device.new_event()?;
+        self.device.record(&self.copy, &ready)?;
+        self.payload[c].ready = Some(ready);
+        Ok(())
     }
 
     /// Chunk `c`'s device copy is dropped before its load was issued.

@@ -146,12 +146,25 @@ struct Job0 {
     version: u64,
     /// Stepped the group's own state (no shadow): it cannot be thrown away.
     in_place: bool,
-    /// A step after backward with the step's real scalars, which outlives the iteration
-    /// ([`ChunkManager::defer_host_steps`]).
+    /// Decided, and may outlive the iteration: a step after backward with the step's real
+    /// scalars ([`ChunkManager::defer_host_steps`]), or an early step the optimizer's pass
+    /// kept while it still ran.
     deferred: bool,
+    /// Counted as kept by the optimizer's pass (an early step that outlives the iteration).
+    counted: bool,
+    /// The statistics the step takes of the group's gradients before it steps.
+    stats: EarlyStats,
     /// Recorded on the write-back stream after the gradients' copy: an upload into the chunk
     /// waits for it.
     read: Event,
+}
+
+/// The gradient statistics of an early step: on their way from the worker, or here.
+enum EarlyStats {
+    /// None are taken (a fold, a deferred step), or they did not come.
+    None,
+    Coming(Receiver<Vec<GradStats>>),
+    Here(Vec<GradStats>),
 }
 
 /// The manager's overlap state.
@@ -420,6 +433,13 @@ impl ChunkManager {
             stat_ranges.extend(self.partial_shares(g, true).into_iter().map(|(r, _)| r));
         }
         let (done, rx) = bounded(1);
+        let (stats_to, stats) = match fold {
+            true => (None, EarlyStats::None),
+            false => {
+                let (to, from) = bounded(1);
+                (Some(to), EarlyStats::Coming(from))
+            }
+        };
         let job = Job {
             group: g,
             grads,
@@ -433,6 +453,7 @@ impl ChunkManager {
             threads,
             step,
             every_block: fold,
+            stats_to,
             done,
         };
         if let Err(job) = self.send(Box::new(job)) {
@@ -453,6 +474,8 @@ impl ChunkManager {
             version: self.overlap.version[g],
             in_place,
             deferred: false,
+            counted: false,
+            stats,
             read,
         });
         self.overlap.stats.started += 1;

@@ -3,7 +3,7 @@
 //! the gradients go back), at the optimizer's pass, the end of the iteration or whenever
 //! something needs a lent chunk first.
 
-use super::{Early, Job0};
+use super::{Early, EarlyStats, Job0};
 use crate::chunk::manager::{ChunkManager, HostSlot, LISTS};
 use crate::chunk::plan::ChunkPlan;
 use crate::device::HostPhase;
@@ -11,6 +11,16 @@ use crate::error::{Error, Result};
 use crate::ops::grad_stats::GradStats;
 
 use super::worker::Finished;
+
+/// How a kept step counts in [`OverlapStats`](super::OverlapStats).
+enum Count {
+    /// An early step, done: the group's turn in the optimizer's pass is skipped.
+    Kept,
+    /// A step after backward.
+    Deferred,
+    /// An early step the optimizer's pass kept (and counted) while it still ran.
+    Counted,
+}
 
 impl ChunkManager {
     /// Waits for group `g`'s early step to finish, if one is running; steps that finish
@@ -77,6 +87,7 @@ impl ChunkManager {
     }
 
     /// Waits for every early step still running.
+    #[cfg(test)]
     pub(crate) fn join_early_steps(&mut self) -> Result<()> {
         for g in 0..self.overlap.jobs.len() {
             self.join_early(g)?;
@@ -84,10 +95,37 @@ impl ChunkManager {
         Ok(())
     }
 
+    /// Waits for every early step still running that sends no statistics ahead of its step
+    /// (a fold): the gradient statistics read the others' as they come.
+    pub(crate) fn join_stateless_steps(&mut self) -> Result<()> {
+        for g in 0..self.overlap.jobs.len() {
+            let stated = self.overlap.jobs[g]
+                .as_ref()
+                .is_some_and(|j| j.deferred || !matches!(j.stats, EarlyStats::None));
+            if !stated {
+                self.join_early(g)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The gradient statistics of group `g`'s ranges (its gradient ranges, then its partial
-    /// shares) if its early step took them (the worker does, before it steps), waiting for the
-    /// step.
+    /// shares) if its early step took them (the worker does, before it steps), waiting for
+    /// them, not for the step.
     pub(crate) fn early_grad_stats(&mut self, g: usize) -> Result<Option<Vec<GradStats>>> {
+        if let Some(j) = self.overlap.jobs.get_mut(g).and_then(Option::as_mut) {
+            if let EarlyStats::Coming(rx) = &j.stats {
+                let _span = self.device.host_span(HostPhase::Optimizer);
+                j.stats = match rx.recv() {
+                    Ok(st) => EarlyStats::Here(st),
+                    // none taken (the gradients' copy failed): the step's end says why
+                    Err(_) => EarlyStats::None,
+                };
+            }
+            if let EarlyStats::Here(st) = &j.stats {
+                return Ok(Some(st.clone()));
+            }
+        }
         self.join_early(g)?;
         Ok(match self.overlap.jobs.get(g).and_then(Option::as_ref) {
             Some(Job0 {
@@ -152,6 +190,16 @@ impl ChunkManager {
             Some(_) => unreachable!("joined above"),
         };
         let deferred = self.deferred_step(g);
+        let counted = self.overlap.jobs[g].as_ref().is_some_and(|j| j.counted);
+        if counted && !keep {
+            // an early step the optimizer's pass counted as done failed after it
+            let why = format!("group {g}'s host step, kept while it ran, failed");
+            self.broken = Some(why.clone());
+            return Err(Error::Poisoned {
+                what: "chunk manager",
+                reason: why,
+            });
+        }
         if keep && !deferred && !self.overlap.uploaded[g] {
             // the new parameters up now, so that the chunk may stay on the device
             self.upload_early(g)?;
@@ -168,7 +216,12 @@ impl ChunkManager {
         if in_place && stepped && !deferred {
             self.overlap.early_stats[g] = Some(fin.stats.clone());
         }
-        self.put_back(g, *fin, keep, deferred)?;
+        let count = match (counted, deferred) {
+            (true, _) => Count::Counted,
+            (false, true) => Count::Deferred,
+            (false, false) => Count::Kept,
+        };
+        self.put_back(g, *fin, keep, count)?;
         if in_place && stepped && !keep {
             if !self.overlap.abandon {
                 // its state holds a step the serial pass would take again
@@ -187,9 +240,9 @@ impl ChunkManager {
         Ok(keep)
     }
 
-    /// Puts a finished step's buffers in place: its results if `keep`, else the originals.
-    /// A `deferred` step is the group's step of an iteration already ended.
-    fn put_back(&mut self, g: usize, fin: Finished, keep: bool, deferred: bool) -> Result<()> {
+    /// Puts a finished step's buffers in place: its results if `keep`, else the originals;
+    /// a kept step counted as `count` says.
+    fn put_back(&mut self, g: usize, fin: Finished, keep: bool, count: Count) -> Result<()> {
         let cs: [usize; 4] = LISTS.map(|k| ChunkPlan::chunk_no(g as u32, k) as usize);
         let Finished {
             grads,
@@ -237,12 +290,15 @@ impl ChunkManager {
             self.overlap.uploaded[g] = false;
             self.overlap.stale[g] = true;
         }
-        if keep && deferred {
-            self.overlap.stats.deferred += 1;
-            Ok(())
-        } else if keep {
-            self.overlap.done[g] = true;
-            self.overlap.stats.kept += 1;
+        if keep {
+            match count {
+                Count::Kept => {
+                    self.overlap.done[g] = true;
+                    self.overlap.stats.kept += 1;
+                }
+                Count::Deferred => self.overlap.stats.deferred += 1,
+                Count::Counted => {}
+            }
             Ok(())
         } else {
             self.overlap.stats.redone += 1;
@@ -253,11 +309,39 @@ impl ChunkManager {
     /// [`ChunkManager::settle_early`] once the optimizer has decided to keep early steps;
     /// before, nothing.
     pub(in crate::chunk::manager) fn settle_kept(&mut self, g: usize) -> Result<bool> {
-        if self.overlap.keep == Some(true) {
-            self.settle_early(g)
-        } else {
-            Ok(false)
+        if self.overlap.keep != Some(true) {
+            return Ok(false);
         }
+        if self.outlive(g) {
+            return Ok(true);
+        }
+        self.settle_early(g)
+    }
+
+    /// Keeps group `g`'s early step if it still runs and nothing touched the group since it
+    /// started: counted as kept and done now, it goes on past the end of the iteration as a
+    /// deferred step does (what needs its chunks waits for it). Returns whether it did.
+    fn outlive(&mut self, g: usize) -> bool {
+        let version = self.overlap.version[g];
+        // (a fold's results are the accumulators the optimizer's pass swaps in)
+        if self.overlap.plan.as_ref().is_none_or(|p| p.fold) {
+            return false;
+        }
+        let Some(j) = self.overlap.jobs.get_mut(g).and_then(Option::as_mut) else {
+            return false;
+        };
+        let running = matches!(j.state, Early::Running(ref rx) if rx.is_empty());
+        if !running || j.deferred || j.version != version {
+            return false;
+        }
+        j.deferred = true;
+        j.counted = true;
+        self.overlap.done[g] = true;
+        self.overlap.stats.kept += 1;
+        // its parameters go up into the chunk's device copy once the step is done, as a
+        // finished step's do at the pass (the same moves, whenever the step ends)
+        self.upload_after_step(g);
+        true
     }
 
     /// Throws away every early step not yet settled (the originals go back); deferred steps

@@ -45,6 +45,8 @@ pub(super) struct Job {
     pub(super) step: BlockStep,
     /// Every block is handed over, `grad` `None` outside the gradients (a fold).
     pub(super) every_block: bool,
+    /// Where the statistics go as soon as they are taken, ahead of the step.
+    pub(super) stats_to: Option<Sender<Vec<GradStats>>>,
     pub(super) done: Sender<Finished>,
 }
 
@@ -78,6 +80,7 @@ pub(super) fn run_job(job: Job) -> Finished {
         threads,
         step,
         every_block,
+        stats_to,
         done: _,
     } = job;
     let grads = match grads {
@@ -104,7 +107,12 @@ pub(super) fn run_job(job: Job) -> Finished {
         .map(|r| grad_stats_of(&grads[r.start * elem_bytes..r.end * elem_bytes], dtype))
         .collect::<Result<Vec<_>>>();
     let stats = match stats {
-        Ok(stats) => stats,
+        Ok(stats) => {
+            if let Some(to) = stats_to {
+                let _ = to.send(stats.clone());
+            }
+            stats
+        }
         Err(e) => {
             return Finished {
                 grads: Some(grads),

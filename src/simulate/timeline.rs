@@ -23,7 +23,9 @@
 //!   shadows, those within the budget; none under a clip that binds,
 //!   [`SimOverlap::Clipped`](super::SimOverlap::Clipped)); the others step after backward and
 //!   the gradient statistics, on the worker beside the next forward, whose load of a group's
-//!   parameters waits for that group's step only.
+//!   parameters waits for that group's step only. The statistics of a group stepped during
+//!   backward are taken ahead of its step: the optimizer pass waits for the last of them, not
+//!   for the steps.
 //!
 //! The step is the third iteration's span; [`StepTime`] gives it with each resource's busy time
 //! and the step divided by the busiest resource (1 for a step as long as its slowest resource).
@@ -336,6 +338,8 @@ struct Timeline<'a> {
     uploaded: Vec<bool>,
     /// Serial: when the host thread, which steps its groups itself, issues the next work.
     issue: f64,
+    /// When the statistics of the last host group stepped during backward are taken.
+    stats_at: f64,
     /// The stage of the moment before.
     last: Option<Stage>,
     in_backward: bool,
@@ -364,6 +368,7 @@ impl<'a> Timeline<'a> {
             keeps_host,
             uploaded: vec![false; n],
             issue: 0.0,
+            stats_at: 0.0,
             last: None,
             in_backward: false,
             busy: Busy::default(),
@@ -406,10 +411,12 @@ impl<'a> Timeline<'a> {
                     self.in_backward = false;
                     self.backward_end = self.compute;
                     // the optimizer pass starts once the gradient statistics are read: after
-                    // backward, and after every host group stepped during it
+                    // backward, and after the statistics of every host group stepped during it
+                    // (each taken ahead of its step, which goes on beside the pass and the next
+                    // forward)
                     self.issue = self.issue.max(self.backward_end);
                     if self.schedule == StepSchedule::Overlapped {
-                        self.issue = self.issue.max(self.host);
+                        self.issue = self.issue.max(self.stats_at);
                     }
                 }
                 (Stage::Forward, true) => self.in_backward = false,
@@ -563,6 +570,9 @@ impl<'a> Timeline<'a> {
         // at the step's bytes rate)
         let stats = self.bytes(param.chunk) / ADAM_BYTES_PER_ELEMENT;
         let dt = (elems + stats) / self.rates.host_adam;
+        if moved {
+            self.stats_at = start + stats / self.rates.host_adam;
+        }
         let previous = self.host;
         self.host = start + dt;
         self.busy.host_adam += dt;

@@ -29,6 +29,11 @@
 //! momentum and variance, writing the new parameters over the gradients; the step is kept
 //! whatever the verdict's timing.
 //!
+//! **The statistics ahead of the step.** The worker sends a group's gradient statistics as
+//! soon as it has taken them, before it steps: the optimizer's verdict waits for the last
+//! group's statistics, not for the steps. A kept step the optimizer's pass finds still running
+//! is counted as done and outlives the iteration, as a deferred step (`deferred`) does.
+//!
 //! Cost ([`overlap_group_bytes`], reported by [`OverlapStats::host_bytes`]): in place, none;
 //! with shadows, a second copy of a host group's master, momentum and variance (12 bytes an
 //! element) and two parameter-sized buffers (the gradients' copy and the new parameters); a

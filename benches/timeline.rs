@@ -316,24 +316,11 @@ fn overlap(dir: &std::path::Path) {
     let rates = measured_rates(&toy, dir);
     print_rates(&toy, &rates);
     for (name, capacity, host) in configs(&toy) {
-        let serial = measure(
-            &toy,
-            &rates,
-            capacity,
-            host,
-            StepSchedule::Serial,
-            false,
-            dir,
-        );
-        let over = measure(
-            &toy,
-            &rates,
-            capacity,
-            host,
-            StepSchedule::Overlapped,
-            false,
-            dir,
-        );
+        let both = |clip| {
+            let run = |schedule| measure(&toy, &rates, capacity, host, schedule, clip, dir);
+            (run(StepSchedule::Serial), run(StepSchedule::Overlapped))
+        };
+        let (serial, over) = both(false);
         let o = over.overlap;
         assert!(o.kept > 0 && o.redone == 0, "{name}: {o:?}");
         let (slowest, busy) = over.predicted.slowest();
@@ -348,24 +335,7 @@ fn overlap(dir: &std::path::Path) {
         );
         // a clip that binds every step: the host groups step after backward, beside the next
         // forward
-        let serial = measure(
-            &toy,
-            &rates,
-            capacity,
-            host,
-            StepSchedule::Serial,
-            true,
-            dir,
-        );
-        let over = measure(
-            &toy,
-            &rates,
-            capacity,
-            host,
-            StepSchedule::Overlapped,
-            true,
-            dir,
-        );
+        let (serial, over) = both(true);
         let o = over.overlap;
         assert!(o.deferred > 0 && o.kept == 0, "{name}, clipped: {o:?}");
         println!(

@@ -328,37 +328,56 @@ fn a_binding_clip_steps_the_host_groups_after_backward_with_the_serial_bits() {
     assert_eq!(st.host_bytes, 0, "{st:?}");
 }
 
-#[test]
-fn the_next_forward_waits_for_a_groups_own_deferred_step_only() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use std::time::Duration;
-
+/// A manager of [`manager`]'s after its warm-up step (serial, in place).
+fn warmed_up() -> (ChunkManager, Vec<TensorId>) {
     let (mut m, ids) = manager();
     let mut adam = HybridAdam::new(HybridConfig {
         placement: DevicePlacement::HostOnly,
         ..cfg(false)
     })
     .unwrap();
-    // warm-up
     backward(&mut m, &ids, &grads(0));
     adam.step(&mut m).unwrap();
-    backward(&mut m, &ids, &grads(1));
-    // the steps of groups 1.. wait for the gate (at most 10 s); group 0's does not
+    (m, ids)
+}
+
+/// A step of one block that waits, for the groups `held` picks, until the gate opens (at most
+/// 10 s) and counts them then; the gate's key, and the count.
+#[allow(clippy::type_complexity)]
+fn gated(
+    held: fn(usize) -> bool,
+    step: fn(crate::chunk::HostBlock<'_>),
+) -> (
+    std::sync::Arc<dyn Fn(crate::chunk::HostBlock<'_>) -> crate::Result<()> + Send + Sync>,
+    crossbeam::channel::Sender<()>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
     let (open, gate) = crossbeam::channel::unbounded::<()>();
     let gate = parking_lot::Mutex::new(gate);
     let late = Arc::new(AtomicUsize::new(0));
     let done = Arc::clone(&late);
-    m.defer_host_steps(
-        Arc::new(move |b: crate::chunk::HostBlock<'_>| {
-            if b.group > 0 {
-                let _ = gate.lock().recv_timeout(Duration::from_secs(10));
-                done.fetch_add(1, Ordering::SeqCst);
-            }
-            Ok(())
-        }),
-        1,
-    );
+    let f = move |b: crate::chunk::HostBlock<'_>| {
+        if held(b.group) {
+            let _ = gate.lock().recv_timeout(std::time::Duration::from_secs(10));
+            done.fetch_add(1, Ordering::SeqCst);
+        }
+        step(b);
+        Ok(())
+    };
+    (Arc::new(f), open, late)
+}
+
+#[test]
+fn the_next_forward_waits_for_a_groups_own_deferred_step_only() {
+    use std::sync::atomic::Ordering;
+
+    let (mut m, ids) = warmed_up();
+    backward(&mut m, &ids, &grads(1));
+    // the steps of groups 1.. wait for the gate; group 0's does not
+    let (step, open, late) = gated(|g| g > 0, |_| {});
+    m.defer_host_steps(step, 1);
     m.visit_groups(
         &ChunkKind::ALL,
         |_| Target::Host,
@@ -387,37 +406,18 @@ fn the_next_forward_waits_for_a_groups_own_deferred_step_only() {
 
 #[test]
 fn the_statistics_and_the_pass_wait_for_no_early_step_still_running() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use std::time::Duration;
+    use std::sync::atomic::Ordering;
 
-    let (mut m, ids) = manager();
-    let mut adam = HybridAdam::new(HybridConfig {
-        placement: DevicePlacement::HostOnly,
-        ..cfg(false)
-    })
-    .unwrap();
-    backward(&mut m, &ids, &grads(0));
-    adam.step(&mut m).unwrap();
+    let (mut m, ids) = warmed_up();
     let before: Vec<Vec<f32>> = ids.iter().map(|&id| m.master(id).unwrap()).collect();
     // in place, every group early; group 0's step (the last to start) waits for the gate
-    let (open, gate) = crossbeam::channel::unbounded::<()>();
-    let gate = parking_lot::Mutex::new(gate);
-    let late = Arc::new(AtomicUsize::new(0));
-    let done = Arc::clone(&late);
+    let (step, open, late) = gated(|g| g == 0, |b| b.master.iter_mut().for_each(|x| *x += 1.0));
     m.arm_overlap(Some(crate::chunk::OverlapPlan {
         first_host: 0,
         in_place: true,
         threads: 1,
         key: b"step".to_vec(),
-        step: Arc::new(move |b: crate::chunk::HostBlock<'_>| {
-            if b.group == 0 {
-                let _ = gate.lock().recv_timeout(Duration::from_secs(10));
-                done.fetch_add(1, Ordering::SeqCst);
-            }
-            b.master.iter_mut().for_each(|x| *x += 1.0);
-            Ok(())
-        }),
+        step,
         fold: false,
     }));
     backward(&mut m, &ids, &grads(1));

@@ -74,15 +74,7 @@ impl ChunkManager {
                 return Ok(false);
             }
         };
-        let orig = cs[1..]
-            .iter()
-            .map(
-                |&c| match std::mem::replace(&mut self.payload[c].host, HostSlot::Lent) {
-                    HostSlot::Ready(b) => b,
-                    _ => unreachable!("host_ready leaves the slot ready"),
-                },
-            )
-            .collect();
+        let orig = self.lend_ready(&cs[1..]);
         let job = Job {
             group: g,
             grads,

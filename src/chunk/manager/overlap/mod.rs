@@ -421,15 +421,7 @@ impl ChunkManager {
                 return Ok(());
             }
         };
-        let orig: Vec<HostBuffer> = state
-            .iter()
-            .map(
-                |&c| match std::mem::replace(&mut self.payload[c].host, HostSlot::Lent) {
-                    HostSlot::Ready(b) => b,
-                    _ => unreachable!("checked above"),
-                },
-            )
-            .collect();
+        let orig = self.lend_ready(state);
         // the statistics the optimizer reads of the group, taken before the step (off the
         // training thread, and in place before the gradients are gone)
         let mut stat_ranges = Vec::new();
@@ -485,6 +477,20 @@ impl ChunkManager {
         });
         self.overlap.stats.started += 1;
         Ok(())
+    }
+
+    /// The host copies of `chunks`, each ready (checked by the caller), lent: their slots say
+    /// so until the step gives them back.
+    fn lend_ready(&mut self, chunks: &[usize]) -> Vec<HostBuffer> {
+        chunks
+            .iter()
+            .map(
+                |&c| match std::mem::replace(&mut self.payload[c].host, HostSlot::Lent) {
+                    HostSlot::Ready(b) => b,
+                    _ => unreachable!("a lent chunk's host copy is ready"),
+                },
+            )
+            .collect()
     }
 
     /// A buffer for a copy of chunk `c`'s host copy: with chunks spilled to the file tier, on

@@ -105,9 +105,10 @@ struct Args {
     /// host, or device (every group). The same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "host", "device"])]
     adam: String,
-    /// Step the host's chunk groups after backward instead of during it (the same bits; the
-    /// overlapped step holds two parameter-sized buffers a host group, and with a loss scaler
-    /// or a clip a second copy of their optimizer state, within --overlap-budget).
+    /// Step the host's chunk groups on the training thread after backward, instead of during
+    /// backward or beside the next forward on a thread of their own (the same bits; with a loss
+    /// scaler or a clip the overlapped step holds a second copy of the optimizer state of the
+    /// groups it steps during backward, within --overlap-budget).
     #[arg(long)]
     no_overlap: bool,
     /// Host bytes for the overlapped step's copies of the optimizer state (with a loss scaler

@@ -96,6 +96,10 @@ struct Args {
     /// next forward), or serial.
     #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "clipped", "serial"])]
     overlap: String,
+    /// Host groups that step after backward, beside the next forward, rather than during it
+    /// (the first in order): a count, or `best`, the count whose step is the shortest.
+    #[arg(long, default_value = "0")]
+    overlap_tail: String,
     /// Host bytes for the shadows: auto (half of what the host holds beside the model data)
     /// or a size.
     #[arg(long, default_value = "auto")]
@@ -181,6 +185,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     let rates = rates(&a)?;
+    opts.overlap_tail = match a.overlap_tail.as_str() {
+        "best" => best_tail(&spec, policies.first().copied(), &opts, &rates),
+        n => n.parse().map_err(|_| {
+            tidemem::Error::InvalidArgument(format!(
+                "--overlap-tail {n}: a count of host groups, or best"
+            ))
+        })?,
+    };
     let mut rows = Vec::new();
     let mut failures = Vec::new();
     let mut common: Option<Value> = None;
@@ -201,6 +213,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         "moments": r.moments,
                         "device_adam_groups": r.device_adam_groups,
                         "overlap": a.overlap,
+                        "overlap_tail": opts.overlap_tail,
                         "overlap_host_bytes": r.overlap_host_bytes,
                         "bound": { "h2d_bytes": r.bound.h2d_bytes, "d2h_bytes": r.bound.d2h_bytes },
                     }));
@@ -479,4 +492,33 @@ fn print_table(v: &Value) {
             fmt_bytes(l["overlap_host_bytes"].as_u64().unwrap_or(0))
         ),
     }
+}
+
+/// The count of host groups stepped after backward (the first in order) whose overlapped step
+/// on the timeline is the shortest, under `policy` (0 where none runs): every count up to the
+/// groups, in steps of a 32nd of them.
+fn best_tail(
+    spec: &tidemem::simulate::ModelSpec,
+    policy: Option<Policy>,
+    opts: &SimOptions,
+    rates: &Rates,
+) -> usize {
+    let Some(p) = policy else { return 0 };
+    let Ok(r) = simulate(spec, p, opts) else {
+        return 0;
+    };
+    let step = (r.groups / 32).max(1);
+    let mut best = (f64::INFINITY, 0);
+    for tail in (0..=r.groups).step_by(step) {
+        let o = SimOptions {
+            overlap_tail: tail,
+            ..opts.clone()
+        };
+        if let Ok(t) = timeline(spec, p, &o, rates, StepSchedule::Overlapped) {
+            if t.step < best.0 {
+                best = (t.step, tail);
+            }
+        }
+    }
+    best.1
 }

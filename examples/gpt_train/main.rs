@@ -116,6 +116,10 @@ struct Args {
     /// as 8GiB; the host groups beyond it step after backward.
     #[arg(long, default_value = "auto")]
     overlap_budget: String,
+    /// Host groups that step after backward, beside the next forward, rather than during it
+    /// (the first in order; `examples/simulate --overlap-tail best` finds the count).
+    #[arg(long, default_value_t = 0)]
+    overlap_tail: usize,
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
@@ -345,6 +349,7 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
             "auto" => ShadowBudget::Auto,
             s => ShadowBudget::Bytes(parse_bytes(s)? as u64),
         },
+        overlap_tail: a.overlap_tail,
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
 }

@@ -442,3 +442,22 @@ fn the_statistics_and_the_pass_wait_for_no_early_step_still_running() {
     }
     assert_eq!(late.load(Ordering::SeqCst), 1);
 }
+
+#[test]
+fn the_first_host_groups_of_the_tail_step_after_backward() {
+    let (_, serial, _) = train(cfg(false), 4);
+    for tail in [1, 3, GROUPS + 2] {
+        let (m, bits, _) = train(
+            HybridConfig {
+                overlap_tail: tail,
+                ..cfg(true)
+            },
+            4,
+        );
+        assert_eq!(bits, serial, "tail {tail}");
+        let st = m.overlap_stats();
+        let late = tail.min(GROUPS) as u64;
+        assert_eq!(st.kept, 3 * (GROUPS as u64 - late), "tail {tail}: {st:?}");
+        assert_eq!(st.deferred, 3 * late, "tail {tail}: {st:?}");
+    }
+}

@@ -260,6 +260,9 @@ pub struct SimOptions {
     pub ranks: usize,
     /// The host memory of the overlapped step, as [`crate::optim::HybridAdam`] holds it.
     pub overlap: SimOverlap,
+    /// Host groups that step after backward rather than during it, the first in order
+    /// ([`HybridConfig::overlap_tail`](crate::optim::HybridConfig::overlap_tail)).
+    pub overlap_tail: usize,
 }
 
 /// Which overlapped step's host memory a simulation counts ([`SimReport::overlap_host_bytes`]).
@@ -322,6 +325,7 @@ impl SimOptions {
             optimizer: DevicePlacement::HostOnly,
             ranks: 1,
             overlap: SimOverlap::Shadowed(ShadowBudget::Auto),
+            overlap_tail: 0,
         }
     }
 }
@@ -532,7 +536,7 @@ pub(crate) fn run(
         .unwrap_or(0);
     let (first_early, overlap_host_bytes) = opts.overlap.early_groups(
         &plan.layout.group_elems,
-        device_adam_groups,
+        device_adam_groups + opts.overlap_tail,
         opts.param_bytes as usize,
         host_mem,
         plan.total_bytes(),

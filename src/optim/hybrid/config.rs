@@ -153,6 +153,13 @@ pub struct HybridConfig {
     pub overlap: bool,
     /// The host bytes of the overlap's shadows.
     pub overlap_budget: ShadowBudget,
+    /// Host groups that step after backward, beside the next forward, rather than during it:
+    /// the first `overlap_tail` host groups in order (the first layers: the last whose
+    /// gradients are final, the first the next forward needs). Where the host's Adam is the
+    /// slowest resource, stepping them first after backward lets the next forward start while
+    /// the rest step; `examples/simulate --overlap-tail best` finds the count whose step is
+    /// the shortest. 0 by default.
+    pub overlap_tail: usize,
 }
 
 impl HybridConfig {
@@ -170,6 +177,7 @@ impl HybridConfig {
             delayed_params: false,
             overlap: true,
             overlap_budget: ShadowBudget::Auto,
+            overlap_tail: 0,
         }
     }
 }

@@ -454,11 +454,12 @@ impl HybridAdam {
             .scalars(self.steps + 1, 1.0 / self.loss_scale())?;
         let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
         let in_place = self.in_place(m);
+        let tail = k.saturating_add(self.cfg.overlap_tail).min(m.groups());
         m.arm_overlap(Some(OverlapPlan {
             first_host: if in_place {
-                k
+                tail
             } else {
-                self.first_shadowed(m, k)
+                self.first_shadowed(m, k).max(tail)
             },
             in_place,
             threads: self.cpu.threads(),

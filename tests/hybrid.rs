@@ -569,6 +569,50 @@ fn overlap_keeps_the_bits_under_every_policy_and_device() {
     }
 }
 
+/// With a clip that binds every step the host groups step after backward, beside the next
+/// forward: a checkpoint saved and loaded while those steps may still run holds the stepped
+/// state, and the steps from it repeat the uninterrupted run's bits.
+#[test]
+fn a_checkpoint_between_steps_after_backward_keeps_the_bits() {
+    let (n, groups) = (2000, 3);
+    let (mut m, ids) = single(n, groups);
+    let mut opt = HybridAdam::new(HybridConfig {
+        placement: DevicePlacement::HostOnly,
+        max_grad_norm: Some(1e-3),
+        ..HybridConfig::new(AdamConfig::adam(1e-2))
+    })
+    .unwrap();
+    let step = |m: &mut ChunkManager, opt: &mut HybridAdam, i: u64| {
+        let g: Vec<Vec<f32>> = (0..groups as u64)
+            .map(|k| grads(i * 7 + k, n, 0.5))
+            .collect();
+        iterate(m, &ids, &g);
+        assert!(opt.step(m).unwrap().clip_coef < 1.0);
+    };
+    for i in 0..4 {
+        step(&mut m, &mut opt, i);
+    }
+    let path = std::env::temp_dir().join(format!(
+        "tidemem-deferred-load-{}.safetensors",
+        std::process::id()
+    ));
+    opt.save_checkpoint(&mut m, &path).unwrap();
+    for i in 4..6 {
+        step(&mut m, &mut opt, i);
+    }
+    let once = state_bits(&mut m, &ids);
+    opt.load_checkpoint(&mut m, &path).unwrap();
+    for i in 4..6 {
+        step(&mut m, &mut opt, i);
+    }
+    assert!(
+        state_bits(&mut m, &ids) == once,
+        "the same two steps from the save"
+    );
+    assert!(m.overlap_stats().deferred > 0, "{:?}", m.overlap_stats());
+    std::fs::remove_file(&path).ok();
+}
+
 /// With gradient accumulation, each micro-batch but the last folds its gradients into the
 /// accumulators during backward (the last steps after it): the same bits as folding after
 /// backward, through an overflow, with fp16 and bf16 parameters, on every group placement.

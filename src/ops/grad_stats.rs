@@ -182,6 +182,15 @@ const LANES: usize = GRAD_STATS_PARTIALS * GRAD_STATS_THREADS as usize;
 /// down to 1), and the blocks' sums by the same tree. Lanes past the slice hold 0, which adds
 /// nothing, so a short slice costs about its length rounded up to a block.
 pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
+    grad_stats_split(bytes, dtype, 1)
+}
+
+/// Fewest lanes worth a thread of their own.
+const MIN_LANES_PER_THREAD: usize = 1 << 15;
+
+/// [`grad_stats_of`] on up to `threads` threads, each summing a range of the lanes over every
+/// row of elements (each lane's sum in the same order): the same bits.
+pub(crate) fn grad_stats_split(bytes: &[u8], dtype: DType, threads: usize) -> Result<GradStats> {
     if !dtype.is_model_float() {
         return Err(Error::WrongDType {
             what: "a gradient whose statistics are taken".into(),
@@ -199,15 +208,23 @@ pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
     }
     let n = bytes.len() / dtype.size();
     let mut lanes = vec![0.0f64; n.min(LANES)];
-    #[cfg(target_arch = "x86_64")]
-    let nonfinite = if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
-        // SAFETY: the CPU has AVX2 and F16C (checked above); the body is safe code.
-        unsafe { accumulate_avx2(bytes, dtype, &mut lanes) }
-    } else {
-        accumulate(bytes, dtype, &mut lanes)
-    };
-    #[cfg(not(target_arch = "x86_64"))]
-    let nonfinite = accumulate(bytes, dtype, &mut lanes);
+    let parts = threads.min(lanes.len() / MIN_LANES_PER_THREAD).max(1);
+    let per = lanes.len().div_ceil(parts).div_ceil(DECODE) * DECODE;
+    let nonfinite = std::thread::scope(|scope| {
+        let mut chunks = lanes.chunks_mut(per.max(1)).enumerate();
+        let first = chunks.next();
+        let others: Vec<_> = chunks
+            .map(|(i, acc)| scope.spawn(move || accumulate_lanes(bytes, dtype, acc, i * per)))
+            .collect();
+        let mut bad = first.is_some_and(|(_, acc)| accumulate_lanes(bytes, dtype, acc, 0));
+        for h in others {
+            bad |= h.join().map_err(|_| Error::Panicked {
+                what: "a gradient statistics thread".into(),
+                message: String::new(),
+            })?;
+        }
+        Ok::<bool, Error>(bad)
+    })?;
     let per = GRAD_STATS_THREADS as usize;
     let mut blocks = [0.0f64; GRAD_STATS_PARTIALS];
     let used = lanes.len().div_ceil(per);
@@ -220,27 +237,44 @@ pub fn grad_stats_of(bytes: &[u8], dtype: DType) -> Result<GradStats> {
     })
 }
 
-/// Adds the squares of `bytes`' elements to their lanes (element `i` to lane `i % LANES`, in
-/// the elements' order) in f64, each product and each sum rounded once; returns whether any is
-/// not finite. Every path runs this body, so a wider vector gives the same bits.
+/// [`accumulate`] for the lanes `lo..lo + lanes.len()`, in the AVX2 build where the CPU has it.
+fn accumulate_lanes(bytes: &[u8], dtype: DType, lanes: &mut [f64], lo: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+        // SAFETY: the CPU has AVX2 and F16C (checked above); the body is safe code.
+        return unsafe { accumulate_avx2(bytes, dtype, lanes, lo) };
+    }
+    accumulate(bytes, dtype, lanes, lo)
+}
+
+/// Adds the squares of `bytes`' elements of lanes `lo..lo + lanes.len()` to those lanes
+/// (element `i` to lane `i % LANES`, row after row: in the elements' order) in f64, each
+/// product and each sum rounded once; returns whether any is not finite. Every path runs this
+/// body, so a wider vector gives the same bits.
 #[inline(always)]
-fn accumulate(bytes: &[u8], dtype: DType, lanes: &mut [f64]) -> bool {
+fn accumulate(bytes: &[u8], dtype: DType, lanes: &mut [f64], lo: usize) -> bool {
+    let es = dtype.size();
+    let n = bytes.len() / es;
     let mut nonfinite = false;
     let mut buf = [0.0f32; DECODE];
-    let mut at = 0;
-    for block in bytes.chunks(DECODE * dtype.size()) {
-        let len = block.len() / dtype.size();
-        decode_block(block, dtype, &mut buf[..len]);
-        // (a block of DECODE elements never wraps around the lanes)
-        let lo = at % LANES;
-        let mut bad = false;
-        for (acc, &x) in lanes[lo..lo + len].iter_mut().zip(&buf[..len]) {
-            bad |= !x.is_finite();
-            let d = x as f64;
-            *acc += d * d;
+    let mut row = lo;
+    while row < n {
+        let end = (row + lanes.len()).min(n);
+        let mut at = row;
+        while at < end {
+            let len = DECODE.min(end - at);
+            decode_block(&bytes[at * es..(at + len) * es], dtype, &mut buf[..len]);
+            let mut bad = false;
+            let off = at - row;
+            for (acc, &x) in lanes[off..off + len].iter_mut().zip(&buf[..len]) {
+                bad |= !x.is_finite();
+                let d = x as f64;
+                *acc += d * d;
+            }
+            nonfinite |= bad;
+            at += len;
         }
-        nonfinite |= bad;
-        at += len;
+        row += LANES;
     }
     nonfinite
 }
@@ -251,8 +285,8 @@ fn accumulate(bytes: &[u8], dtype: DType, lanes: &mut [f64]) -> bool {
 /// The CPU must have AVX2 and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,f16c")]
-unsafe fn accumulate_avx2(bytes: &[u8], dtype: DType, lanes: &mut [f64]) -> bool {
-    accumulate(bytes, dtype, lanes)
+unsafe fn accumulate_avx2(bytes: &[u8], dtype: DType, lanes: &mut [f64], lo: usize) -> bool {
+    accumulate(bytes, dtype, lanes, lo)
 }
 
 /// The kernel's tree over `size` values (a power of two) of which `s` is the start and the
@@ -391,12 +425,33 @@ mod tests {
                 .map(|i| ((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 57) as u8 & 0x3f)
                 .collect();
             let (mut a, mut b) = (vec![0.0; LANES], vec![0.0; LANES]);
-            let fa = accumulate(&bytes, dtype, &mut a);
+            let fa = accumulate(&bytes, dtype, &mut a, 0);
             // SAFETY: the CPU has AVX2 and F16C (checked above).
-            let fb = unsafe { accumulate_avx2(&bytes, dtype, &mut b) };
+            let fb = unsafe { accumulate_avx2(&bytes, dtype, &mut b, 0) };
             assert_eq!(fa, fb, "{dtype:?}");
             let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert!(bits(&a) == bits(&b), "{dtype:?}");
+        }
+    }
+
+    /// Split over threads by lanes, the statistics keep their bits.
+    #[test]
+    fn threads_give_the_same_bits() {
+        let n = 3 * LANES + 777;
+        let x: Vec<f32> = (0..n)
+            .map(|i| {
+                let h = (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                (h % 1000) as f32 * 10f32.powi((h % 13) as i32 - 6)
+            })
+            .collect();
+        let one = grad_stats_of(bytemuck::cast_slice(&x), DType::F32).unwrap();
+        for threads in [2, 3, 8] {
+            let got = grad_stats_split(bytemuck::cast_slice(&x), DType::F32, threads).unwrap();
+            assert_eq!(
+                got.sum_sq.to_bits(),
+                one.sum_sq.to_bits(),
+                "{threads} threads"
+            );
         }
     }
 

@@ -5,7 +5,9 @@ use std::ops::Range;
 
 use crate::chunk::ChunkManager;
 use crate::error::{Error, Result};
-use crate::ops::grad_stats::{grad_stats_of, read_grad_stats, GradStats, GRAD_STATS_BYTES};
+use crate::ops::grad_stats::{
+    grad_stats_of, grad_stats_split, read_grad_stats, GradStats, GRAD_STATS_BYTES,
+};
 
 impl ChunkManager {
     /// Statistics (sum of squares, any infinite or NaN element) of every gradient written this
@@ -23,6 +25,7 @@ impl ChunkManager {
         let mut parts: Vec<Option<GradStats>> = Vec::new();
         let dt = self.param_dtype();
         let es = dt.size();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         // tensors counted in part: their full statistics again, scaled by (share - 1)
         let mut partial: Vec<f64> = Vec::new();
         for g in 0..self.groups() {
@@ -51,7 +54,8 @@ impl ChunkManager {
                     parts.push(None);
                 } else {
                     let h = self.param_host(g)?;
-                    parts.push(Some(grad_stats_of(&h[r.start * es..r.end * es], dt)?));
+                    let part = &h[r.start * es..r.end * es];
+                    parts.push(Some(grad_stats_split(part, dt, threads)?));
                 }
             }
         }

@@ -11,7 +11,7 @@ use crate::chunk::manager::HostSlot;
 use crate::device::{HostBuffer, Pending};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::grad_stats::{grad_stats_of, GradStats};
+use crate::ops::grad_stats::{grad_stats_split, GradStats};
 
 /// Elements a worker copies to the shadows and steps at a time (192 KiB of fp32 state).
 const BLOCK: usize = 16 << 10;
@@ -104,7 +104,13 @@ pub(super) fn run_job(job: Job) -> Finished {
     // the statistics the optimizer reads of the group, before the step (a fold takes none)
     let stats = stat_ranges
         .iter()
-        .map(|r| grad_stats_of(&grads[r.start * elem_bytes..r.end * elem_bytes], dtype))
+        .map(|r| {
+            grad_stats_split(
+                &grads[r.start * elem_bytes..r.end * elem_bytes],
+                dtype,
+                threads,
+            )
+        })
         .collect::<Result<Vec<_>>>();
     let stats = match stats {
         Ok(stats) => {

@@ -173,13 +173,7 @@ impl ChunkManager {
     /// current, as it does a finished step's uploaded parameters.
     pub(super) fn upload_after_step(&mut self, g: usize) {
         let pc = ChunkPlan::chunk_no(g as u32, ChunkKind::Param);
-        let idle = self
-            .sched
-            .as_ref()
-            .and_then(|s| s.status(pc))
-            .is_some_and(|s| s.on_device && !s.dirty() && s.in_use == 0);
-        let has_copy = self.payload[pc as usize].device.is_some();
-        if !(idle && has_copy && self.cfg.policy.keeps_host_copy()) {
+        if !self.param_copy_idle(pc) {
             return;
         }
         // the upload, whenever it is issued, after the gradients' copy down (itself after the
@@ -209,20 +203,12 @@ impl ChunkManager {
         let Some(buf) = self.payload[c].device.clone() else {
             return self.load(c).map(|_| ());
         };
-        // an upload into the copy the chunk keeps (counted when it was decided)
-        self.host_ready(c)?;
-        let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
-            unreachable!("host_ready leaves the slot ready")
-        };
+        // an upload into the copy the chunk keeps (counted when it was decided), after
+        // whatever its last load was
         if let Some(r) = self.payload[c].ready.take() {
             self.device.wait_event(&self.copy, &r)?;
         }
-        let p = self.device.copy_h2d(&self.copy, h, &*buf)?;
-        self.payload[c].host = HostSlot::InFlight(p);
-        let ready = self.device.new_event()?;
-        self.device.record(&self.copy, &ready)?;
-        self.payload[c].ready = Some(ready);
-        Ok(())
+        self.upload_host_copy(c, &buf)
     }
 
     /// Chunk `c`'s device copy is dropped before its load was issued.

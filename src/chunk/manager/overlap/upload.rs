@@ -5,6 +5,7 @@
 use super::{Early, Job0};
 use crate::chunk::manager::{ChunkManager, HostSlot};
 use crate::chunk::plan::ChunkPlan;
+use crate::device::DeviceBuffer;
 use crate::error::Result;
 
 impl ChunkManager {
@@ -47,11 +48,7 @@ impl ChunkManager {
     /// device copy, where there is one nobody uses and the step is still valid.
     pub(super) fn upload_early(&mut self, g: usize) -> Result<()> {
         let pc = ChunkPlan::chunk_no(g as u32, crate::tensor::ChunkKind::Param);
-        let idle = self
-            .sched
-            .as_ref()
-            .and_then(|s| s.status(pc))
-            .is_some_and(|s| s.on_device && !s.dirty() && s.in_use == 0);
+        let idle = self.param_copy_idle(pc);
         let version = self.overlap.version[g];
         let Some(Job0 {
             state: Early::Finished(fin),
@@ -67,9 +64,8 @@ impl ChunkManager {
         let Some(buf) = self.payload[pc as usize].device.clone() else {
             return Ok(());
         };
-        // under move semantics the optimizer's host access evicts the chunk anyway
-        let stays = self.cfg.policy.keeps_host_copy();
-        if !stays || !idle || *v != version || fin.result.is_err() || !fin.copied {
+        // (under move semantics the optimizer's host access evicts the chunk anyway)
+        if !idle || *v != version || fin.result.is_err() || !fin.copied {
             return Ok(());
         }
         let HostSlot::Ready(out) = std::mem::take(&mut fin.out) else {
@@ -115,16 +111,34 @@ impl ChunkManager {
         let Some(buf) = self.payload[c].device.clone() else {
             return Ok(());
         };
+        self.upload_host_copy(c, &buf)?;
+        self.sched().count_upload(c as u32)
+    }
+
+    /// Copies chunk `c`'s host copy up into its device copy `buf` on the upload stream; work
+    /// that reads the device copy waits for it (the chunk's ready event).
+    pub(super) fn upload_host_copy(&mut self, c: usize, buf: &DeviceBuffer) -> Result<()> {
         self.host_ready(c)?;
         let HostSlot::Ready(h) = std::mem::take(&mut self.payload[c].host) else {
             unreachable!("host_ready leaves the slot ready")
         };
-        let p = self.device.copy_h2d(&self.copy, h, &*buf)?;
+        let p = self.device.copy_h2d(&self.copy, h, buf)?;
         self.payload[c].host = HostSlot::InFlight(p);
         let ready = self.device.new_event()?;
         self.device.record(&self.copy, &ready)?;
         self.payload[c].ready = Some(ready);
-        self.sched().count_upload(c as u32)
+        Ok(())
+    }
+
+    /// Whether parameter chunk `pc` has a device copy nobody uses, under a policy that keeps
+    /// host copies: one a host step's new parameters may go up into and stay.
+    pub(super) fn param_copy_idle(&self, pc: u32) -> bool {
+        let idle = self
+            .sched
+            .as_ref()
+            .and_then(|s| s.status(pc))
+            .is_some_and(|s| s.on_device && !s.dirty() && s.in_use == 0);
+        idle && self.payload[pc as usize].device.is_some() && self.cfg.policy.keeps_host_copy()
     }
 
     /// The device copy of chunk `c` is gone.

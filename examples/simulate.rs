@@ -28,7 +28,7 @@ use serde_json::{json, Value};
 use tidemem::models::gpt::GptConfig;
 use tidemem::optim::{DevicePlacement, ShadowBudget};
 use tidemem::simulate::{
-    simulate, timeline, Rates, SimOptions, SimOverlap, StepSchedule, ADAM_BYTES_PER_ELEMENT,
+    plan, simulate, timeline, Rates, SimOptions, SimOverlap, StepSchedule, ADAM_BYTES_PER_ELEMENT,
 };
 use tidemem::tide::Policy;
 use tidemem::units::fmt_bytes;
@@ -97,7 +97,9 @@ struct Args {
     #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "clipped", "serial"])]
     overlap: String,
     /// Host groups that step after backward, beside the next forward, rather than during it
-    /// (the first in order): a count, or `best`, the count whose step is the shortest.
+    /// (the first in order): a count, or `best`: the counts of these and of device groups (up
+    /// to what --device-adam places) whose overlapped step is the shortest
+    /// (`tidemem::simulate::plan`).
     #[arg(long, default_value = "0")]
     overlap_tail: String,
     /// Host bytes for the shadows: auto (half of what the host holds beside the model data)
@@ -186,7 +188,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
 
     let rates = rates(&a)?;
     opts.overlap_tail = match a.overlap_tail.as_str() {
-        "best" => best_tail(&spec, policies.first().copied(), &opts, &rates),
+        // a policy that cannot run is reported with the others below
+        "best" => match plan(&spec, policies[0], &opts, &rates, StepSchedule::Overlapped) {
+            Ok(p) => {
+                opts.optimizer = DevicePlacement::Groups(p.device_groups);
+                p.overlap_tail
+            }
+            Err(_) => 0,
+        },
         n => n.parse().map_err(|_| {
             tidemem::Error::InvalidArgument(format!(
                 "--overlap-tail {n}: a count of host groups, or best"
@@ -492,33 +501,4 @@ fn print_table(v: &Value) {
             fmt_bytes(l["overlap_host_bytes"].as_u64().unwrap_or(0))
         ),
     }
-}
-
-/// The count of host groups stepped after backward (the first in order) whose overlapped step
-/// on the timeline is the shortest, under `policy` (0 where none runs): every count up to the
-/// groups, in steps of a 32nd of them.
-fn best_tail(
-    spec: &tidemem::simulate::ModelSpec,
-    policy: Option<Policy>,
-    opts: &SimOptions,
-    rates: &Rates,
-) -> usize {
-    let Some(p) = policy else { return 0 };
-    let Ok(r) = simulate(spec, p, opts) else {
-        return 0;
-    };
-    let step = (r.groups / 32).max(1);
-    let mut best = (f64::INFINITY, 0);
-    for tail in (0..=r.groups).step_by(step) {
-        let o = SimOptions {
-            overlap_tail: tail,
-            ..opts.clone()
-        };
-        if let Ok(t) = timeline(spec, p, &o, rates, StepSchedule::Overlapped) {
-            if t.step < best.0 {
-                best = (t.step, tail);
-            }
-        }
-    }
-    best.1
 }

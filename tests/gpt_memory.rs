@@ -365,7 +365,7 @@ fn the_simulator_predicts_the_managers_moves() {
             let (mut m, gpt) = manager(common::sim(256 << 20), policy, capacity);
             train(&mut m, &gpt, &mut adam(1), 0, 4, ckpt);
             let got = m.last_iteration();
-            let mut spec = gpt.spec(ckpt);
+            let mut spec = gpt.spec(B, T, ckpt);
             let trace = m.trace().unwrap();
             let tide: Vec<u64> = trace
                 .moments

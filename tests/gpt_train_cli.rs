@@ -53,6 +53,10 @@ fn numbers_that_make_no_sense_are_refused() {
     refused(&["--sp", "2"], "give --ranks");
     refused(&["--batch", "0"], "each at least 1");
     refused(&["--overlap-budget", "lots"], "--overlap-budget lots");
+    refused(
+        &["--rates", "fast"],
+        "--rates fast: memory or one of h100-pcie5",
+    );
 }
 
 #[test]
@@ -130,6 +134,54 @@ fn a_run_of_no_steps_on_ranks_saves_and_ends_cleanly() {
     }
 }
 
+/// `--adam auto` places by the time model: with a server's host (its overlapped step hides
+/// under backward) one group fewer on the device than PatrickStar's rule and one host group
+/// stepped after backward, as the plan in the report says, with the rule's losses.
+#[test]
+fn adam_auto_places_the_groups_by_the_time_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = |rates: &str| -> Option<serde_json::Value> {
+        let args = [
+            "--layers",
+            "3",
+            "--channels",
+            "64",
+            "--heads",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "2",
+            "--device-mem",
+            "8MiB",
+            "--json",
+            "--rates",
+            rates,
+        ];
+        let out = run(&args, dir.path())?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {err}");
+        Some(serde_json::from_slice(&out.stdout).expect("one JSON report"))
+    };
+    let Some(timed) = report("h100-server") else {
+        return;
+    };
+    let rule = report("memory").unwrap();
+    let plan = &timed["adam_plan"];
+    let n = |v: &serde_json::Value| v.as_u64().unwrap();
+    assert!(rule["adam_plan"].is_null(), "{}", rule["adam_plan"]);
+    assert_eq!(plan["memory_groups"], rule["adam_device_groups"], "{plan}");
+    assert_eq!(
+        n(&plan["device_groups"]) + 1,
+        n(&plan["memory_groups"]),
+        "{plan}"
+    );
+    assert_eq!(plan["device_groups"], timed["adam_device_groups"]);
+    assert_eq!(plan["overlap_tail"], 1, "{plan}");
+    assert!(plan["predicted_step_s"].as_f64() < plan["memory_rule_step_s"].as_f64());
+    assert_eq!(timed["losses"], rule["losses"], "the same bits");
+}
+
 /// `--adam` steps the chunk groups where it says and changes no bit: the same losses on the
 /// host, on the device, and by PatrickStar's rule, which puts every group on a roomy device and
 /// none on the default device (sized below the model data).
@@ -169,8 +221,9 @@ fn adam_placement_changes_no_bit() {
     let (_, n) = groups(&host);
     assert!(n > 0 && groups(&host) == (0, n), "{host}");
     let device = report(&[&roomy[..], &["--adam", "device"]].concat()).unwrap();
-    let auto = report(&roomy).unwrap();
-    let sized = report(&[]).unwrap();
+    let rule = ["--rates", "memory"];
+    let auto = report(&[&roomy[..], &rule].concat()).unwrap();
+    let sized = report(&rule).unwrap();
     assert_eq!(groups(&device), (n, 0));
     assert_eq!(groups(&auto), (n, 0), "the margin holds every group");
     assert_eq!(groups(&sized), (0, n), "no margin on the sized device");

@@ -29,6 +29,13 @@ pub fn flags(a: &Args, launched: bool) -> Result<()> {
             ))
         })?;
     }
+    if a.rates != "memory" && tidemem::simulate::Rates::profile(&a.rates).is_none() {
+        return Err(bad(format!(
+            "--rates {}: memory or one of {}",
+            a.rates,
+            tidemem::simulate::Rates::PROFILES.join(", ")
+        )));
+    }
     if !a.lr.is_finite() || a.lr <= 0.0 {
         return Err(bad(format!("--lr {}: a finite rate > 0", a.lr)));
     }

@@ -41,6 +41,7 @@ use tidemem::parallel::pipeline::Schedule;
 use tidemem::parallel::{GridSpec, Placement, ProcessGrid, TensorMode};
 use tidemem::prelude::*;
 use tidemem::profile::{fma_isa, fma_peak, write_tide_svg};
+use tidemem::simulate::{plan, Rates, SimOptions, SimOverlap, StepPlan, StepSchedule};
 use tidemem::tide::Sizing;
 use tidemem::units::{fmt_bytes, parse_bytes};
 
@@ -100,9 +101,10 @@ struct Args {
     /// Clip gradients to this global norm (0: no clipping).
     #[arg(long, default_value_t = 1.0)]
     clip: f32,
-    /// Where Adam steps the chunk groups: auto (on the device while their fp32 state fits 0.8
-    /// of the room the model and activations leave, PatrickStar's rule; the rest on the host),
-    /// host, or device (every group). The same bits either way.
+    /// Where Adam steps the chunk groups: auto (at most the groups whose fp32 state fits 0.8 of
+    /// the room the model and activations leave, PatrickStar's rule, on the device, as many as
+    /// the time model at --rates finds the shortest step with; the rest on the host), host, or
+    /// device (every group). The same bits either way.
     #[arg(long, default_value = "auto", value_parser = ["auto", "host", "device"])]
     adam: String,
     /// Step the host's chunk groups on the training thread after backward, instead of during
@@ -117,9 +119,15 @@ struct Args {
     #[arg(long, default_value = "auto")]
     overlap_budget: String,
     /// Host groups that step after backward, beside the next forward, rather than during it
-    /// (the first in order; `examples/simulate --overlap-tail best` finds the count).
-    #[arg(long, default_value_t = 0)]
-    overlap_tail: usize,
+    /// (the first in order; with --adam auto, the time model's count when absent, else 0).
+    #[arg(long)]
+    overlap_tail: Option<usize>,
+    /// Rates the time model of --adam auto decides with: a profile of
+    /// `tidemem::simulate::Rates` (h100-pcie5, h100-server), or `memory` (PatrickStar's rule
+    /// alone, no tail). The time model replays the activations of a probe step (one more step
+    /// where --device-mem is given).
+    #[arg(long, default_value = "h100-pcie5")]
+    rates: String,
     /// Activation checkpointing per block: on, off, auto (on from 12 blocks).
     #[arg(long, default_value = "auto")]
     checkpoint: String,
@@ -285,6 +293,49 @@ struct Setup {
     host: Option<u64>,
     /// The probed non-model peak: warm-up keeps chunks within what it leaves.
     warmup: Option<u64>,
+    /// Where `--adam auto` steps the groups, by the time model (one rank).
+    step_plan: Option<StepPlan>,
+    /// The probed non-model bytes of each forward and backward moment.
+    tide: Option<Vec<u64>>,
+}
+
+/// The device groups and the tail of `--adam auto` by the time model at `--rates`, for one
+/// rank (`None`: another placement, the rule alone, or a model the simulator cannot replay).
+fn step_plan(a: &Args, p: &Setup, gpt: &Gpt) -> Result<Option<StepPlan>> {
+    if a.adam != "auto" || a.rates == "memory" {
+        return Ok(None);
+    }
+    // checked with the flags
+    let Some(rates) = Rates::profile(&a.rates) else {
+        return Ok(None);
+    };
+    // the model moment by moment as it fetches, its activations as a probe measures them
+    let mut spec = gpt.spec(a.batch, a.seq, p.checkpoint);
+    match &p.tide {
+        Some(tide) => spec.set_tide(tide)?,
+        None => spec.set_tide(&tide(&probe(a, p)?))?,
+    }
+    let mut opts = SimOptions::new(p.capacity, p.host.unwrap_or(u64::MAX / 4));
+    opts.chunk_elems = Some(p.chunk_elems);
+    opts.param_bytes = p.dtype.size() as u64;
+    opts.scheduler = manager_config(p).scheduler;
+    opts.optimizer = DevicePlacement::Auto { fraction: 0.8 };
+    let scaled = p.dtype == DType::F16;
+    opts.overlap = match (a.no_overlap, scaled || a.clip > 0.0) {
+        (true, _) => SimOverlap::Serial,
+        (false, false) => SimOverlap::InPlace,
+        (false, true) => SimOverlap::Shadowed(match a.overlap_budget.as_str() {
+            "auto" => ShadowBudget::Auto,
+            s => ShadowBudget::Bytes(parse_bytes(s)? as u64),
+        }),
+    };
+    opts.overlap_tail = a.overlap_tail.unwrap_or(0);
+    let schedule = match a.no_overlap {
+        true => StepSchedule::Serial,
+        false => StepSchedule::Overlapped,
+    };
+    // the trainer runs on what the simulator cannot replay: the memory rule decides there
+    Ok(plan(&spec, p.policy, &opts, &rates, schedule).ok())
 }
 
 fn manager_config(p: &Setup) -> ManagerConfig {
@@ -328,7 +379,8 @@ fn register<P: Placement>(
 
 /// The optimizer; `delayed` keeps the parameters one version behind the masters (PipeDream-2BW
 /// a step at a time).
-fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
+fn adam(a: &Args, p: &Setup, delayed: bool) -> Result<HybridAdam> {
+    let dtype = p.dtype;
     HybridAdam::new(HybridConfig {
         // a small model's f16 gradients overflow at the usual 2^16: start lower
         loss_scale: (dtype == DType::F16).then(|| ScalerConfig {
@@ -341,7 +393,10 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
         placement: match a.adam.as_str() {
             "host" => DevicePlacement::HostOnly,
             "device" => DevicePlacement::Groups(usize::MAX),
-            _ => DevicePlacement::Auto { fraction: 0.8 },
+            _ => match &p.step_plan {
+                Some(s) => DevicePlacement::Groups(s.device_groups),
+                None => DevicePlacement::Auto { fraction: 0.8 },
+            },
         },
         delayed_params: delayed,
         overlap: !a.no_overlap,
@@ -349,9 +404,18 @@ fn adam(a: &Args, dtype: DType, delayed: bool) -> Result<HybridAdam> {
             "auto" => ShadowBudget::Auto,
             s => ShadowBudget::Bytes(parse_bytes(s)? as u64),
         },
-        overlap_tail: a.overlap_tail,
+        overlap_tail: (a.overlap_tail)
+            .or(p.step_plan.as_ref().map(|s| s.overlap_tail))
+            .unwrap_or(0),
         ..HybridConfig::new(AdamConfig::adamw(a.lr, a.weight_decay))
     })
+}
+
+/// The non-model bytes of each forward and backward moment of a probed iteration.
+fn tide(sizing: &Sizing) -> Vec<u64> {
+    let moments = sizing.trace().moments.iter();
+    let passes = moments.filter(|x| x.stage != Stage::Optimizer);
+    passes.map(|x| x.non_model).collect()
 }
 
 /// What the model needs of a device ([`Sizing`]: the non-model peak, the largest single moment,
@@ -380,7 +444,7 @@ fn probe(a: &Args, p: &Setup) -> Result<Sizing> {
         checkpoint: p.checkpoint,
         ..Plan::default()
     };
-    train_step(&gpt, &mut m, &run, &mut adam(&one, p.dtype, false)?, &[b])?;
+    train_step(&gpt, &mut m, &run, &mut adam(&one, p, false)?, &[b])?;
     m.sizing()
 }
 
@@ -428,6 +492,8 @@ fn run() -> Result<()> {
         chunk_elems: largest.unwrap_or(1).div_ceil(1024) * 1024,
         capacity: 0,
         warmup: None,
+        step_plan: None,
+        tide: None,
         host: a
             .host_mem
             .as_deref()
@@ -445,6 +511,7 @@ fn run() -> Result<()> {
             let sizing = probe(&a, &plan)?;
             let peak = sizing.non_model_peak();
             plan.warmup = Some(peak);
+            plan.tide = Some(tide(&sizing));
             let chunks = sizing.device_chunk_bytes();
             if world > 1 {
                 // a ZeRO rank also holds gather buffers of whole communication groups, and a
@@ -480,7 +547,8 @@ fn run() -> Result<()> {
         checkpoint: plan.checkpoint,
         ..Plan::default()
     };
-    let mut opt = adam(&a, plan.dtype, false)?;
+    plan.step_plan = step_plan(&a, &plan, &gpt)?;
+    let mut opt = adam(&a, &plan, false)?;
     if let Some(p) = &a.resume {
         opt.load_checkpoint(&mut m, p)?;
     }
@@ -627,6 +695,14 @@ fn run() -> Result<()> {
         "device_stats": device_json(&device_step),
         "adam_device_groups": adam_groups.0,
         "adam_host_groups": adam_groups.1,
+        "adam_plan": plan.step_plan.as_ref().map(|s| json!({
+            "rates": a.rates,
+            "device_groups": s.device_groups,
+            "overlap_tail": s.overlap_tail,
+            "memory_groups": s.memory_groups,
+            "predicted_step_s": s.step.step,
+            "memory_rule_step_s": s.memory_step,
+        })),
         "overlap": m.overlap_stats(),
         "profile": profile,
     });
@@ -1060,7 +1136,7 @@ impl Run<'_> {
             false => None,
         };
         let delayed = pipelined && !self.stream && a.schedule == "2bw";
-        let mut opt = adam(a, p.dtype, delayed)?;
+        let mut opt = adam(a, p, delayed)?;
         if let Some(dir) = &a.resume {
             store.load_rank(world, &mut opt, &file(dir))?;
         }

@@ -23,9 +23,11 @@
 
 use serde::Serialize;
 
+mod plan;
 mod timeline;
 mod zero;
 
+pub use plan::{plan, StepPlan};
 pub use timeline::{timeline, Rates, StepSchedule, StepTime, ADAM_BYTES_PER_ELEMENT};
 pub use zero::shard;
 

@@ -236,35 +236,46 @@ impl Gpt {
     /// [`Gpt::forward_backward`] fetches: forward `embed`, per block its six layers, `ln_f`, the
     /// head (`wte` again); backward the head, `ln_f`, per block in reverse (with `checkpoint`,
     /// first its six forward fetches again, as recomputations) its layers reversed, and
-    /// `embed`. The non-model bytes are zero: set them with
+    /// `embed`. The FLOPs are those of a step of `batch` sequences of `seq` tokens: the
+    /// matrix products' (2 a multiply-add, the backward twice the forward) and attention's
+    /// two `seq × seq` products. The non-model bytes are zero: set them with
     /// [`ModelSpec::set_tide`] (e.g. from the warm-up trace of a manager, whose
     /// moments are these).
-    pub fn spec(&self, checkpoint: bool) -> ModelSpec {
+    pub fn spec(&self, batch: usize, seq: usize, checkpoint: bool) -> ModelSpec {
         let tensors: Vec<(String, usize)> = self
             .config
             .param_shapes()
             .into_iter()
             .map(|(n, s)| (n, s.iter().product()))
             .collect();
-        // FLOPs depend on the batch, which this spec does not fix
-        let op = |name: String, tensors: Vec<usize>| OpSpec {
+        let tokens = (batch * seq) as u64;
+        let op = |name: String, tensors: Vec<usize>, flops: u64| OpSpec {
             name,
             tensors,
             fwd_non_model: 0,
             bwd_non_model: 0,
-            flops: 0,
-            bwd_flops: 0,
+            flops,
+            bwd_flops: 2 * flops,
         };
-        let mut ops = vec![op("embed".into(), vec![0, 1])];
+        // a matrix product by the weight `t`
+        let matmul = |t: usize| 2 * tokens * tensors[t].1 as u64;
+        // softmax(q·kᵀ)·v over every head: two products of seq × seq × channels a sequence
+        let attention = 4 * (batch * seq * seq * self.config.channels) as u64;
+        let mut ops = vec![op("embed".into(), vec![0, 1], 0)];
         for l in 0..self.config.layers {
             for (k, name) in BLOCK_OPS.iter().enumerate() {
                 let t = 2 + 12 * l + 2 * k;
-                ops.push(op(format!("h.{l}.{name}"), vec![t, t + 1]));
+                let flops = match *name {
+                    "ln_1" | "ln_2" => 0,
+                    "attn.c_attn" => matmul(t) + attention,
+                    _ => matmul(t),
+                };
+                ops.push(op(format!("h.{l}.{name}"), vec![t, t + 1], flops));
             }
         }
         let lf = 2 + 12 * self.config.layers;
-        ops.push(op("ln_f".into(), vec![lf, lf + 1]));
-        ops.push(op("lm_head".into(), vec![0]));
+        ops.push(op("ln_f".into(), vec![lf, lf + 1], 0));
+        ops.push(op("lm_head".into(), vec![0], matmul(0)));
         let step = |op: usize, recompute: bool| BackwardOp {
             op,
             recompute,

@@ -145,7 +145,7 @@ fn largest_model_grows_with_host_memory() {
 /// the step without changing any resource's work.
 #[test]
 fn the_timeline_charges_the_models_work() {
-    use tidemem::simulate::{timeline, Rates, StepSchedule, ADAM_BYTES_PER_ELEMENT};
+    use tidemem::simulate::{timeline, Rates, StepSchedule};
     let (spec, opts) = options_for(0.25);
     let rates = Rates::profile("h100-pcie5").unwrap();
     let sim = simulate(&spec, Policy::Tide, &opts).unwrap();
@@ -158,8 +158,9 @@ fn the_timeline_charges_the_models_work() {
         "{serial:?}"
     );
     // every parameter once (chunk padding included, so at least the parameters), and the
-    // gradient statistics' pass over each 2-byte gradient at the step's bytes rate
-    let elems = serial.host_adam * rates.host_adam / (1.0 + 2.0 / ADAM_BYTES_PER_ELEMENT);
+    // gradient statistics' pass over each gradient before its step
+    let per_elem = 1.0 / rates.host_adam + 1.0 / rates.host_stats;
+    let elems = serial.host_adam / per_elem;
     assert!(
         elems >= spec.params() as f64 && elems < 1.01 * spec.params() as f64,
         "{elems}"
@@ -220,6 +221,7 @@ mod timeline {
             h2d: 10e9,
             d2h: 10e9,
             host_adam: 1e9,
+            host_stats: 1e10,
             device_adam: 1e11,
             file: 1e9,
             bus: 100e9,
@@ -253,6 +255,7 @@ mod timeline {
             for host_adam in [1e8, 1e9, 1e11] {
                 let r = Rates {
                     host_adam,
+                    host_stats: 10.0 * host_adam,
                     ..rates()
                 };
                 let serial = run(&opts, &r, StepSchedule::Serial);
@@ -283,8 +286,10 @@ mod timeline {
         let opts = SimOptions::new(1 << 40, 1 << 40);
         // a host optimizer about as slow as backward
         let probe = run(&opts, &rates(), StepSchedule::Serial);
+        let scale = probe.host_adam / (0.6 * probe.compute);
         let r = Rates {
-            host_adam: rates().host_adam * probe.host_adam / (0.6 * probe.compute),
+            host_adam: rates().host_adam * scale,
+            host_stats: rates().host_stats * scale,
             ..rates()
         };
         let serial = run(&opts, &r, StepSchedule::Serial);

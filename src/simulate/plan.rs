@@ -148,6 +148,7 @@ mod tests {
     fn a_slow_host_keeps_every_group_the_memory_rule_places_on_the_device() {
         let rates = Rates {
             host_adam: 1e6,
+            host_stats: 1e7,
             ..Rates::profile("h100-pcie5").unwrap()
         };
         let (spec, o) = (gpt(), opts(8 << 30));

@@ -13,7 +13,7 @@
 //! * an op's **compute** after the loads of the chunks it reads, for its FLOPs at
 //!   [`Rates::compute`]; a device optimizer group for its elements at [`Rates::device_adam`];
 //! * a **host optimizer group** after its gradients are down, for its elements at
-//!   [`Rates::host_adam`]: under [`StepSchedule::Serial`] only once the whole backward has run (the
+//!   [`Rates::host_stats`] (the gradient statistics' pass) then [`Rates::host_adam`]: under [`StepSchedule::Serial`] only once the whole backward has run (the
 //!   global norm and the overflow flag decide the step), and the training thread, which steps
 //!   it once the next group's moves are issued, issues nothing more until it is done; under
 //!   [`StepSchedule::Overlapped`] on worker threads
@@ -66,6 +66,9 @@ pub struct Rates {
     pub d2h: f64,
     /// The host optimizer's elements/s (CPU Adam).
     pub host_adam: f64,
+    /// The host's gradient statistics' elements/s (the sum of squares and the finiteness of a
+    /// host group's gradients, in the device kernel's order, before its step).
+    pub host_stats: f64,
     /// The device optimizer's elements/s.
     pub device_adam: f64,
     /// The file tier's bytes/s, each way.
@@ -89,18 +92,23 @@ impl Rates {
     ///   (pinned, 256 MiB), cuBLAS bf16 at 575 TFLOP/s (the low end of 575–868 at GPT-2
     ///   shapes), CUDA Adam at 2.9 TB/s ([`ADAM_BYTES_PER_ELEMENT`] an element) — with the
     ///   host's CPU Adam at 44.1 GB/s (measured on this crate's 2-core CI machine kind; the
-    ///   H100 host's was not measured), the file tier at 3 GB/s (assumed: one PCIe 4 NVMe
-    ///   drive, not measured) and the collectives' bus at 360 GB/s (assumed: NVLink 4 between
-    ///   H100 SXM5s, as NCCL reports for all-gather; not measured).
+    ///   H100 host's was not measured) and its gradient statistics at 2.87 G f16 elements/s
+    ///   (measured on the same machine kind, 2 threads: about half a CPU Adam element's time,
+    ///   as they sum in f64 in the kernel's order), the file tier at 3 GB/s (assumed: one
+    ///   PCIe 4 NVMe drive, not measured) and the collectives' bus at 360 GB/s (assumed:
+    ///   NVLink 4 between H100 SXM5s, as NCCL reports for all-gather; not measured).
     /// * `h100-server`: `h100-pcie5` with a server's host: the CPU Adam at 307 GB/s, half the
     ///   614 GB/s peak of the two sockets of 8 DDR5-4800 channels each of a DGX H100 (two Xeon
     ///   Platinum 8480C, 112 cores), assumed and not measured: this crate's Adam moved 44.1 GB/s
-    ///   on 2 cores, and a bandwidth-bound step on a server reaches about half of peak.
+    ///   on 2 cores, and a bandwidth-bound step on a server reaches about half of peak; the
+    ///   gradient statistics at the same 307 GB/s over 2-byte gradients (at 1.4 G elements/s a
+    ///   core measured here, 112 cores would exceed it).
     pub fn profile(name: &str) -> Option<Rates> {
         match name {
             "h100-server" => Some(Rates {
                 name: name.into(),
                 host_adam: 307e9 / ADAM_BYTES_PER_ELEMENT,
+                host_stats: 307e9 / 2.0,
                 ..Rates::profile("h100-pcie5")?
             }),
             "h100-pcie5" => Some(Rates {
@@ -109,6 +117,7 @@ impl Rates {
                 h2d: 54.9e9,
                 d2h: 54.9e9,
                 host_adam: 44.1e9 / ADAM_BYTES_PER_ELEMENT,
+                host_stats: 2.87e9,
                 device_adam: 2.9e12 / ADAM_BYTES_PER_ELEMENT,
                 file: 3e9,
                 bus: 360e9,
@@ -124,6 +133,7 @@ impl Rates {
             ("h2d", self.h2d),
             ("d2h", self.d2h),
             ("host_adam", self.host_adam),
+            ("host_stats", self.host_stats),
             ("device_adam", self.device_adam),
             ("file", self.file),
             ("bus", self.bus),
@@ -162,7 +172,7 @@ pub struct StepTime {
     pub h2d: f64,
     /// The device → host link.
     pub d2h: f64,
-    /// The host optimizer.
+    /// The host optimizer (its gradient statistics included).
     pub host_adam: f64,
     /// The file tier.
     pub file: f64,
@@ -212,6 +222,7 @@ pub fn timeline(
     let n = rec.ranks as f64;
     let rates = Rates {
         host_adam: rates.host_adam / n,
+        host_stats: rates.host_stats / n,
         file: rates.file / n,
         ..rates.clone()
     };
@@ -566,12 +577,11 @@ impl<'a> Timeline<'a> {
             // after the gradient statistics of the whole backward
             start = start.max(self.backward_end).max(self.issue);
         }
-        // the step, and before it the gradient statistics' pass over the gradients (read once,
-        // at the step's bytes rate)
-        let stats = self.bytes(param.chunk) / ADAM_BYTES_PER_ELEMENT;
-        let dt = (elems + stats) / self.rates.host_adam;
+        // the step, and before it the gradient statistics' pass over the group's gradients
+        let stats = elems / self.rates.host_stats;
+        let dt = stats + elems / self.rates.host_adam;
         if moved {
-            self.stats_at = start + stats / self.rates.host_adam;
+            self.stats_at = start + stats;
         }
         let previous = self.host;
         self.host = start + dt;

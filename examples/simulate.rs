@@ -93,8 +93,9 @@ struct Args {
     /// The overlapped step: shadowed (a loss scaler or a clip: copies of the host groups'
     /// optimizer state within --overlap-budget), in-place (nothing can invalidate a step),
     /// clipped (a clip that binds every step: the host groups step after backward, beside the
-    /// next forward), or serial.
-    #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "clipped", "serial"])]
+    /// next forward), redone (a step whose early steps are thrown away: shadowed's, every host
+    /// group stepped again after backward), or serial.
+    #[arg(long, default_value = "shadowed", value_parser = ["shadowed", "in-place", "clipped", "redone", "serial"])]
     overlap: String,
     /// Host groups that step after backward, beside the next forward, rather than during it
     /// (the first in order): a count, or `best`: the counts of these and of device groups (up
@@ -177,10 +178,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "serial" => SimOverlap::Serial,
         "in-place" => SimOverlap::InPlace,
         "clipped" => SimOverlap::Clipped,
-        _ => SimOverlap::Shadowed(match a.overlap_budget.as_str() {
-            "auto" => ShadowBudget::Auto,
-            b => ShadowBudget::Bytes(parse_bytes(b)? as u64),
-        }),
+        o => {
+            let budget = match a.overlap_budget.as_str() {
+                "auto" => ShadowBudget::Auto,
+                b => ShadowBudget::Bytes(parse_bytes(b)? as u64),
+            };
+            match o {
+                "redone" => SimOverlap::Redone(budget),
+                _ => SimOverlap::Shadowed(budget),
+            }
+        }
     };
     if let Some(fraction) = a.device_adam {
         opts.optimizer = DevicePlacement::Auto { fraction };

@@ -306,6 +306,44 @@ mod timeline {
         assert!(over.over_slowest() < serial.over_slowest());
     }
 
+    /// A redone step (its early steps thrown away) is charged the host's work of the early
+    /// groups twice: the clipped step's schedule after backward plus the thrown-away steps
+    /// during it, in the shadowed step's memory.
+    #[test]
+    fn a_redone_step_charges_the_early_groups_twice() {
+        use tidemem::optim::ShadowBudget;
+        use tidemem::simulate::{simulate, SimOverlap};
+        let at = |overlap: SimOverlap| {
+            let mut o = SimOptions::new(1 << 40, 1 << 40);
+            o.overlap = overlap;
+            o
+        };
+        let budget = ShadowBudget::Bytes(u64::MAX);
+        let (kept, redone) = (
+            at(SimOverlap::Shadowed(budget)),
+            at(SimOverlap::Redone(budget)),
+        );
+        let clipped = at(SimOverlap::Clipped);
+        // a host twice as slow as the compute
+        let slow = Rates {
+            host_adam: 5e8,
+            host_stats: 5e9,
+            ..rates()
+        };
+        let over = |o: &SimOptions| run(o, &slow, StepSchedule::Overlapped);
+        let (k, r, c) = (over(&kept), over(&redone), over(&clipped));
+        // every host group steps early with every shadow: the host's work twice
+        let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * b;
+        assert!(close(r.host_adam, 2.0 * k.host_adam), "{r:?} {k:?}");
+        assert!(close(c.host_adam, k.host_adam));
+        // host-bound: the step takes the host's doubled work, longer than the clipped step
+        let more = r.step >= r.host_adam * (1.0 - 1e-9) && r.step > c.step;
+        assert!(more && c.step >= k.step, "{r:?} {c:?} {k:?}");
+        let bytes = |o: &SimOptions| simulate(&small(), Policy::Tide, o).unwrap();
+        let bytes = |o| bytes(o).overlap_host_bytes;
+        assert!(bytes(&redone) > 0 && bytes(&redone) == bytes(&kept));
+    }
+
     /// Model data beyond host memory goes through the file tier, which the timeline charges.
     #[test]
     fn the_file_tier_is_charged() {

@@ -278,6 +278,13 @@ pub enum SimOverlap {
     /// A loss scaler or a clip: shadows of the host groups' optimizer state within the budget
     /// for the groups that step during backward; the rest step after it.
     Shadowed(ShadowBudget),
+    /// A step whose early steps are thrown away (an overflow, or a clip that binds after a
+    /// step where it did not): the groups within the budget step during backward with shadows
+    /// as under [`SimOverlap::Shadowed`], and the optimizer's pass steps every host group again,
+    /// after backward, beside the next forward. The host memory is
+    /// [`SimOverlap::Shadowed`]'s; the time is such a step's, the host's work of the early
+    /// groups done twice.
+    Redone(ShadowBudget),
     /// A clip that binds every step: a step after a clipped one is not speculated, so no host
     /// group steps during backward; each steps after it, with the real coefficient, beside the
     /// next forward: none.
@@ -299,7 +306,7 @@ impl SimOverlap {
         let (first, shadowed) = match *self {
             SimOverlap::Serial | SimOverlap::Clipped => return (group_elems.len(), 0),
             SimOverlap::InPlace => (first_host, false),
-            SimOverlap::Shadowed(b) => {
+            SimOverlap::Shadowed(b) | SimOverlap::Redone(b) => {
                 let budget = b.bytes(Some(host), model_data);
                 let first = ShadowBudget::first_early(budget, first_host, group_elems, param_bytes);
                 (first, true)

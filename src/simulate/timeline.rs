@@ -19,7 +19,8 @@
 //!   [`StepSchedule::Overlapped`] on worker threads
 //!   as soon as its own gradients are final (its optimizer moment moved to just after the
 //!   group's last backward use, as a speculative step validated after backward would run;
-//!   redone steps are not charged), for the groups [`SimOptions::overlap`] steps early (with
+//!   under [`SimOverlap::Redone`](super::SimOverlap::Redone) that step is thrown away and the
+//!   group steps again after backward), for the groups [`SimOptions::overlap`] steps early (with
 //!   shadows, those within the budget; none under a clip that binds,
 //!   [`SimOverlap::Clipped`](super::SimOverlap::Clipped)); the others step after backward and
 //!   the gradient statistics, on the worker beside the next forward, whose load of a group's
@@ -47,11 +48,11 @@
 
 use serde::Serialize;
 
-use super::{moment_flops, run, ModelSpec, MomentMoves, Recorded, SimOptions};
+use super::{moment_flops, run, ModelSpec, MomentMoves, Recorded, SimOptions, SimOverlap};
 use crate::chunk::ChunkKind;
 use crate::error::{Error, Result};
 use crate::tensor::Stage;
-use crate::tide::{Move, Policy, Target};
+use crate::tide::{Access, Move, Policy, Target};
 
 /// The rates of the resources a step uses.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -217,7 +218,8 @@ pub fn timeline(
     rates.validate()?;
     let (_, rec) = run(spec, policy, opts)?;
     let flops = moment_flops(spec);
-    let order = moment_order(&rec, schedule);
+    let redone = matches!(opts.overlap, SimOverlap::Redone(_));
+    let order = moment_order(&rec, schedule, redone);
     // ranks share the host's CPU optimizer and file tier; each has its own device and link
     let n = rec.ranks as f64;
     let rates = Rates {
@@ -230,8 +232,12 @@ pub fn timeline(
     let mut ends = [0.0; 3];
     for end in &mut ends {
         t.busy = Busy::default();
-        for &(m, moved) in &order {
-            t.moment(m, flops.get(m).copied().unwrap_or(0), moved)?;
+        for &(m, turn) in &order {
+            if turn == Turn::ThrownAway {
+                t.thrown_away(&rec.moments[m]);
+                continue;
+            }
+            t.moment(m, flops.get(m).copied().unwrap_or(0), turn == Turn::Early)?;
         }
         *end = t.end();
     }
@@ -248,13 +254,26 @@ pub fn timeline(
     })
 }
 
-/// The order the manager runs the moments in, each with whether it was moved: as recorded, or
-/// with each host group's optimizer moment moved to just after the backward moment that writes
-/// its parameter chunk's last gradient.
-fn moment_order(rec: &Recorded, schedule: StepSchedule) -> Vec<(usize, bool)> {
+/// When a moment runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Turn {
+    /// Where it was recorded.
+    Recorded,
+    /// A host group's step, moved to just after its last gradient.
+    Early,
+    /// A host group's step during backward that the optimizer's pass throws away (the
+    /// recorded one steps it again).
+    ThrownAway,
+}
+
+/// The order the manager runs the moments in, each with its [`Turn`]: as recorded, or with
+/// each host group's optimizer moment moved to just after the backward moment that writes its
+/// parameter chunk's last gradient; where the early steps are `redone`, each also runs where
+/// it was recorded, its early turn thrown away.
+fn moment_order(rec: &Recorded, schedule: StepSchedule, redone: bool) -> Vec<(usize, Turn)> {
     let n = rec.moments.len();
     if schedule == StepSchedule::Serial {
-        return (0..n).map(|i| (i, false)).collect();
+        return (0..n).map(|i| (i, Turn::Recorded)).collect();
     }
     let is_param = |c: u32| rec.chunks[c as usize].kind == ChunkKind::Param;
     let host_step = |m: &MomentMoves| {
@@ -278,16 +297,20 @@ fn moment_order(rec: &Recorded, schedule: StepSchedule) -> Vec<(usize, bool)> {
             let early = param.is_some_and(|c| rec.chunks[c].group as usize >= rec.first_early);
             if let Some(w) = param.filter(|_| early).and_then(|c| last_write[c]) {
                 after[w].push(i);
-                moved[i] = true;
+                moved[i] = !redone;
             }
         }
     }
+    let early = match redone {
+        true => Turn::ThrownAway,
+        false => Turn::Early,
+    };
     for i in 0..n {
         if moved[i] {
             continue;
         }
-        order.push((i, false));
-        order.extend(after[i].iter().map(|&j| (j, true)));
+        order.push((i, Turn::Recorded));
+        order.extend(after[i].iter().map(|&j| (j, early)));
     }
     order
 }
@@ -538,6 +561,25 @@ impl<'a> Timeline<'a> {
     /// A ring's time for a collective over chunk `c`'s shards: `ranks − 1` shards each way.
     fn collective_time(&self, c: u32) -> f64 {
         (self.rec.ranks - 1) as f64 * self.bytes(c) / self.rates.bus
+    }
+
+    /// A host group's early step that the optimizer's pass throws away: its statistics and
+    /// its step on the host once its gradients are down, with no other effect (its shadows are
+    /// dropped and the originals it never touched step again at the pass).
+    fn thrown_away(&mut self, m: &MomentMoves) {
+        let kind = |a: &&Access| self.rec.chunks[a.chunk as usize].kind;
+        let Some(param) = m.accesses.iter().find(|a| kind(a) == ChunkKind::Param) else {
+            return;
+        };
+        let group = self.rec.chunks[param.chunk as usize].group as usize;
+        let elems = self.rec.group_elems.get(group).copied().unwrap_or(0) as f64;
+        let start = m.accesses.iter().map(|a| self.host_ok[a.chunk as usize]);
+        let start = start.fold(self.host, f64::max);
+        let stats = elems / self.rates.host_stats;
+        let dt = stats + elems / self.rates.host_adam;
+        self.stats_at = start + stats;
+        self.host = start + dt;
+        self.busy.host_adam += dt;
     }
 
     fn optimizer(&mut self, m: &MomentMoves, inputs: f64, moved: bool) -> Result<()> {

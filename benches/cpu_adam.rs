@@ -27,7 +27,7 @@ mod stream;
 
 use std::time::{Duration, Instant};
 
-use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
+use adam_kernels::{median, Bufs, Kernel, ADAM8_BYTES, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use criterion::{
     criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
 };
@@ -83,6 +83,8 @@ struct Row {
     cast: f64,
     /// Median over repetitions of (Adam fp16 + cast).
     separate: f64,
+    /// The fused step on 8-bit moments.
+    fused8: f64,
 }
 
 fn measure(n: usize, reps: usize, adam: &CpuAdam, s: &AdamScalars, bufs: &mut Bufs) -> Row {
@@ -102,11 +104,28 @@ fn measure(n: usize, reps: usize, adam: &CpuAdam, s: &AdamScalars, bufs: &mut Bu
         adam16: median(at(Kernel::AdamF16)),
         cast: median(at(Kernel::Cast)),
         separate: median(&sums),
+        fused8: median(at(Kernel::Fused8)),
     }
 }
 
 fn print_summary(isa: &str, rows: &[Row]) {
     let gbs = |n: usize, b: usize, t: f64| (n * b) as f64 / t / 1e9;
+    println!(
+        "\ncpu_adam ({isa}): speedup = fused step on fp32 moments / on 8-bit moments ({BYTES_PER_ELEM} against {ADAM8_BYTES} B/elem; target >= 1.5)"
+    );
+    for r in rows {
+        println!(
+            "  {:>10} elems  {} thr  fp32 moments {:7.2} ms  8-bit {:7.2} ms ({:6.2} GB/s, fraction of the ceiling {:.3})  speedup {:.2}  ({:.1} ms per 100M elements)",
+            r.n,
+            r.threads,
+            r.fused * 1e3,
+            r.fused8 * 1e3,
+            gbs(r.n, ADAM8_BYTES, r.fused8),
+            gbs(r.n, ADAM8_BYTES, r.fused8) / gbs(r.n, BYTES_PER_ELEM, r.stream),
+            r.fused / r.fused8,
+            r.fused8 * 1e3 * 1e8 / r.n as f64
+        );
+    }
     println!(
         "\ncpu_adam ({isa}): fraction = Adam GB/s / 4R3W stream GB/s, {BYTES_PER_ELEM} B/elem (target >= 0.9)"
     );

@@ -27,6 +27,8 @@
 //!       threads (6 B/elem)
 //!     - `adam_then_cast_f16`: `adam_f16` followed by `cast_f16`, the unfused equivalent of
 //!       `adam_fused_f16` (32 B/elem; time = median of the per-repetition sums)
+//!     - `adam8_fused_f16`: `adam_fused_f16` on 8-bit block-wise moments (`step8_in_place`;
+//!       16 B/elem and the block scales)
 //!   - `bytes_per_elem`: bytes the kernel moves per element, as counted above
 //!   - `seconds`: median time of one pass
 //!   - `gbps`: `size · bytes_per_elem / seconds / 1e9`
@@ -35,6 +37,8 @@
 //!   - `speedup_vs_separate` (only on `adam_fused_f16`): `adam_then_cast_f16` seconds /
 //!     `adam_fused_f16` seconds (32/28 ≈ 1.14 from the bytes alone; higher where `cast_f16`
 //!     runs below the ceiling)
+//!   - `speedup_vs_fp32_moments` (only on `adam8_fused_f16`): `adam_fused_f16` seconds /
+//!     `adam8_fused_f16` seconds (target ≥ 1.5; 28/16 = 1.75 from the bytes alone)
 
 #[path = "../benches/common/adam_kernels.rs"]
 mod adam_kernels;
@@ -43,7 +47,7 @@ mod stream;
 
 use std::time::Instant;
 
-use adam_kernels::{median, Bufs, Kernel, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
+use adam_kernels::{median, Bufs, Kernel, ADAM8_BYTES, ADAM_F16_BYTES, CAST_BYTES, KERNELS};
 use clap::Parser;
 use serde::Serialize;
 use stream::BYTES_PER_ELEM;
@@ -83,6 +87,8 @@ struct Record {
     fraction: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     speedup_vs_separate: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    speedup_vs_fp32_moments: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -132,7 +138,9 @@ fn measure(
         ceiling_gbps: ceiling,
         fraction: gbps(bytes_per_elem, seconds) / ceiling,
         speedup_vs_separate: None,
+        speedup_vs_fp32_moments: None,
     };
+    let fused8 = median(at(Kernel::Fused8));
     Ok(vec![
         record("stream_4r3w", BYTES_PER_ELEM, median(at(Kernel::Stream))),
         record("adam_f32", BYTES_PER_ELEM, median(at(Kernel::AdamF32))),
@@ -143,6 +151,10 @@ fn measure(
         record("adam_f16", ADAM_F16_BYTES, median(at(Kernel::AdamF16))),
         record("cast_f16", CAST_BYTES, median(at(Kernel::Cast))),
         record("adam_then_cast_f16", ADAM_F16_BYTES + CAST_BYTES, separate),
+        Record {
+            speedup_vs_fp32_moments: Some(fused / fused8),
+            ..record("adam8_fused_f16", ADAM8_BYTES, fused8)
+        },
     ])
 }
 
@@ -211,9 +223,11 @@ fn print_rows(rows: &[Record]) {
         r0.size, r0.threads, r0.reps, r0.ceiling_gbps
     );
     for r in rows {
-        let extra = r
-            .speedup_vs_separate
-            .map_or(String::new(), |x| format!("  separate/fused {x:.3}"));
+        let extra = match (r.speedup_vs_separate, r.speedup_vs_fp32_moments) {
+            (Some(x), _) => format!("  separate/fused {x:.3}"),
+            (_, Some(x)) => format!("  fp32 moments/8-bit {x:.3}"),
+            _ => String::new(),
+        };
         println!(
             "  {:<20} {:>2} B/elem {:9.2} ms {:7.2} GB/s  fraction {:.3}{extra}",
             r.kernel,

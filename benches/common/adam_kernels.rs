@@ -6,12 +6,18 @@ use std::hint::black_box;
 use super::stream::stream_4r3w;
 use half::f16;
 use half::slice::HalfFloatSliceExt;
-use tidemem::ops::{AdamScalars, CpuAdam, Grad, GradInPlace, ParamCopy};
+use tidemem::ops::{
+    AdamScalars, CpuAdam, Grad, GradInPlace, Moments8, ParamCopy, Quant8Map, QUANT8_BLOCK,
+};
 
 /// Bytes per element of fp16-gradient Adam without a copy (p, m, v read and written; g read).
 pub const ADAM_F16_BYTES: usize = 26;
 /// Bytes per element of the cast pass (fp32 read, fp16 written).
 pub const CAST_BYTES: usize = 6;
+/// Bytes per element of the fused step on 8-bit moments: the fp32 master read and written, the
+/// two codes read and written, the fp16 gradient read and the fp16 parameter written (and 16
+/// bytes of scales a 256 elements, not counted).
+pub const ADAM8_BYTES: usize = 16;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kernel {
@@ -25,14 +31,17 @@ pub enum Kernel {
     AdamF16,
     /// fp32 parameters → fp16 (into the gradient buffer, as the fused step does).
     Cast,
+    /// [`Kernel::Fused`] on 8-bit block-wise moments.
+    Fused8,
 }
 
-pub const KERNELS: [Kernel; 5] = [
+pub const KERNELS: [Kernel; 6] = [
     Kernel::Stream,
     Kernel::AdamF32,
     Kernel::Fused,
     Kernel::AdamF16,
     Kernel::Cast,
+    Kernel::Fused8,
 ];
 
 /// One set of operands, shared by every kernel.
@@ -42,6 +51,11 @@ pub struct Bufs {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub g16: Vec<f16>,
+    /// The 8-bit moments: codes, then block scales.
+    pub m8: Vec<u8>,
+    pub v8: Vec<u8>,
+    pub ms: Vec<f32>,
+    pub vs: Vec<f32>,
 }
 
 impl Bufs {
@@ -53,6 +67,10 @@ impl Bufs {
             m: vec![1e-4; n],
             v: vec![1e-6; n],
             g16: vec![f16::from_f32(1e-3); n],
+            m8: vec![Quant8Map::Signed.code(0.5); n],
+            v8: vec![Quant8Map::Unsigned.code(0.5); n],
+            ms: vec![1e-4; n.div_ceil(QUANT8_BLOCK)],
+            vs: vec![1e-6; n.div_ceil(QUANT8_BLOCK)],
         }
     }
 
@@ -91,6 +109,15 @@ impl Bufs {
                 ParamCopy::None,
             )?,
             Kernel::Cast => cast(adam.threads(), &b.p, &mut b.g16),
+            Kernel::Fused8 => {
+                let moments = Moments8 {
+                    momentum: &mut b.m8,
+                    variance: &mut b.v8,
+                    momentum_scales: &mut b.ms,
+                    variance_scales: &mut b.vs,
+                };
+                adam.step8_in_place(s, &mut b.p, moments, GradInPlace::F16(&mut b.g16))?
+            }
         }
         black_box(&b.p);
         Ok(())

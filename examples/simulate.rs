@@ -25,6 +25,7 @@
 
 use clap::Parser;
 use serde_json::{json, Value};
+use tidemem::chunk::MomentStorage;
 use tidemem::models::gpt::GptConfig;
 use tidemem::optim::{DevicePlacement, ShadowBudget};
 use tidemem::simulate::{
@@ -122,6 +123,10 @@ struct Args {
     /// Override: the file tier's GB/s.
     #[arg(long)]
     file_gbs: Option<f64>,
+    /// Adam's moments: fp32 (4 bytes an element each) or 8bit (block-wise, 1.016 bytes an
+    /// element each; a layout the simulator counts ahead of the chunk manager).
+    #[arg(long, default_value = "fp32", value_parser = ["fp32", "8bit"])]
+    moments: String,
     /// Data-parallel ZeRO ranks, one device of --device-mem each, sharing one host of
     /// --host-mem: the figures are one rank's.
     #[arg(long, default_value_t = 1)]
@@ -174,6 +179,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     opts.scheduler.overall_fraction = a.overall_fraction;
     opts.scheduler.max_prefetch = a.max_prefetch;
     opts.ranks = a.ranks;
+    opts.moments = match a.moments.as_str() {
+        "8bit" => MomentStorage::Int8,
+        _ => MomentStorage::F32,
+    };
     opts.overlap = match a.overlap.as_str() {
         "serial" => SimOverlap::Serial,
         "in-place" => SimOverlap::InPlace,
@@ -294,6 +303,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "device_mem": device_mem,
         "host_mem": host_mem,
         "ranks": a.ranks,
+        "moments": a.moments,
         "policies": rows,
         "largest": largest,
         "largest_searched": searched,

@@ -108,6 +108,40 @@ fn the_largest_model_counts_the_overlaps_host_memory() {
     );
 }
 
+/// 8-bit moments (`MomentStorage::Int8`): 8.03 bytes of model data a parameter against 14,
+/// and a largest model at least 1.5 times the fp32 moments' on the same host.
+#[test]
+fn eight_bit_moments_grow_the_largest_model() {
+    use tidemem::chunk::MomentStorage;
+    let base = GptConfig::preset("gpt2-1.5b").unwrap();
+    let at = |moments: MomentStorage| {
+        // a device roomy enough that the host binds
+        let mut o = SimOptions::new(80 << 30, 64 << 30);
+        o.moments = moments;
+        base.largest_fitting([8, 1024], true, Policy::Tide, &o, 0)
+            .unwrap()
+            .unwrap()
+    };
+    let ((f32c, f32r), (q8c, q8r)) = (at(MomentStorage::F32), at(MomentStorage::Int8));
+    let per = |r: &tidemem::simulate::SimReport, c: &GptConfig| {
+        r.model_data_bytes as f64 / c.params() as f64
+    };
+    // 14 and 8.03 bytes a parameter, the chunks' padding on both
+    let (f, q) = (per(&f32r, &f32c), per(&q8r, &q8c));
+    assert!(
+        (14.0..14.5).contains(&f) && (0.56..0.58).contains(&(q / f)),
+        "{f} {q}"
+    );
+    assert!(
+        q8c.params() as f64 >= 1.5 * f32c.params() as f64,
+        "{} against {}",
+        q8c.params(),
+        f32c.params()
+    );
+    assert_eq!(MomentStorage::Int8.bytes(1000), 1000 + 4 * 4);
+    assert_eq!(MomentStorage::F32.bytes(1000), 4000);
+}
+
 #[test]
 fn largest_model_grows_with_host_memory() {
     let base = GptConfig::preset("gpt2-1.5b").unwrap();

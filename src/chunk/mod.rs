@@ -11,7 +11,7 @@ pub use layout::{
 
 mod plan;
 
-pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan};
+pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan, MomentStorage};
 
 mod checkpoint;
 mod manager;

@@ -5,8 +5,31 @@ use serde::Serialize;
 
 use super::layout::ChunkLayout;
 use crate::error::{Error, Result};
+use crate::ops::QUANT8_BLOCK;
 use crate::tensor::ChunkKind;
 use crate::tide::{Access, ChunkDesc, ChunkNo, Target};
+
+/// How Adam's momentum and variance chunks hold their values.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub enum MomentStorage {
+    /// fp32: 4 bytes an element.
+    #[default]
+    F32,
+    /// 8-bit block-wise ([`crate::ops::Quant8Map`]): a byte an element and an f32 scale a
+    /// [`QUANT8_BLOCK`] elements, 1.016 bytes an element. The simulator and the sizing count
+    /// it; the chunk manager holds fp32 moments today.
+    Int8,
+}
+
+impl MomentStorage {
+    /// Bytes of one moment of `elems` elements.
+    pub fn bytes(self, elems: usize) -> u64 {
+        match self {
+            MomentStorage::F32 => 4 * elems as u64,
+            MomentStorage::Int8 => (elems + 4 * elems.div_ceil(QUANT8_BLOCK)) as u64,
+        }
+    }
+}
 
 /// How the chunks of a model are laid out.
 #[derive(Clone, Debug, Serialize)]
@@ -17,12 +40,24 @@ pub struct ChunkPlan {
     pub chunks: Vec<ChunkDesc>,
     /// Bytes of one parameter element (2 for fp16/bf16, 4 for fp32).
     pub param_bytes: u64,
+    /// How the moments are held.
+    pub moments: MomentStorage,
 }
 
 impl ChunkPlan {
     /// Packs tensors of `numels` elements (in registration order) with chunks of `chunk_elems`
     /// elements and parameters of `param_bytes` bytes.
     pub fn new(numels: &[usize], chunk_elems: usize, param_bytes: u64) -> Result<ChunkPlan> {
+        ChunkPlan::with_moments(numels, chunk_elems, param_bytes, MomentStorage::F32)
+    }
+
+    /// [`ChunkPlan::new`] with the moments held as `moments` says.
+    pub fn with_moments(
+        numels: &[usize],
+        chunk_elems: usize,
+        param_bytes: u64,
+        moments: MomentStorage,
+    ) -> Result<ChunkPlan> {
         if !(1..=8).contains(&param_bytes) {
             return Err(Error::BadValue {
                 what: "bytes per parameter element".into(),
@@ -31,11 +66,12 @@ impl ChunkPlan {
             });
         }
         let layout = ChunkLayout::pack(chunk_elems, numels)?;
-        let chunks = plan_chunks(&layout, param_bytes);
+        let chunks = plan_chunks(&layout, param_bytes, moments);
         Ok(ChunkPlan {
             layout,
             chunks,
             param_bytes,
+            moments,
         })
     }
 
@@ -65,18 +101,22 @@ impl ChunkPlan {
 }
 
 /// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
-/// chunks (numbered `group * 4 + kind`).
-pub fn plan_chunks(layout: &ChunkLayout, param_bytes: u64) -> Vec<ChunkDesc> {
+/// chunks (numbered `group * 4 + kind`), the moments held as `moments` says.
+pub fn plan_chunks(
+    layout: &ChunkLayout,
+    param_bytes: u64,
+    moments: MomentStorage,
+) -> Vec<ChunkDesc> {
     let mut chunks = Vec::with_capacity(layout.groups() * 4);
     for (g, &elems) in layout.group_elems.iter().enumerate() {
         for kind in ChunkKind::ALL {
-            let per = if kind == ChunkKind::Param {
-                param_bytes
-            } else {
-                4
+            let bytes = match kind {
+                ChunkKind::Param => elems as u64 * param_bytes,
+                ChunkKind::Master => 4 * elems as u64,
+                ChunkKind::Momentum | ChunkKind::Variance => moments.bytes(elems),
             };
             chunks.push(ChunkDesc {
-                bytes: elems as u64 * per,
+                bytes,
                 kind,
                 group: g as u32,
             });

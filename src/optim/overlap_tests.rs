@@ -5,7 +5,9 @@
 //! non-finite gradient without a loss scaler stops the run, and a host group not stepped during
 //! backward steps after it, beside the next forward, which waits for that group only.
 
-use crate::chunk::{overlap_group_bytes, ChunkKind, ChunkManager, GroupChunks, ManagerConfig};
+use crate::chunk::{
+    overlap_group_bytes, ChunkKind, ChunkManager, GroupChunks, ManagerConfig, MomentStorage,
+};
 use crate::device::{Device, SimConfig};
 use crate::optim::{
     AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, ShadowBudget, StepOutcome,
@@ -97,7 +99,7 @@ fn a_step_nothing_can_invalidate_runs_in_place_with_no_shadow() {
     let st = m.overlap_stats();
     assert_eq!((st.started, st.kept, st.redone), (12, 12, 0), "{st:?}");
     // no copy of the optimizer state, no buffer beside the chunks' own
-    assert_eq!(overlap_group_bytes(N, 2, false), 0);
+    assert_eq!(overlap_group_bytes(N, 2, MomentStorage::F32, false), 0);
     assert_eq!(st.host_bytes, 0, "{st:?}");
     // with a clip the step can be invalidated: shadows
     let clipped = HybridConfig {
@@ -164,7 +166,7 @@ fn shadows_come_out_of_their_budget_and_the_rest_steps_after_backward() {
         },
         4,
     );
-    let one = overlap_group_bytes(N, 2, true);
+    let one = overlap_group_bytes(N, 2, MomentStorage::F32, true);
     for (budget, early) in [(0, 0), (one, 1), (2 * one + one / 2, 2), (u64::MAX, GROUPS)] {
         let c = HybridConfig {
             overlap_budget: ShadowBudget::Bytes(budget),

@@ -33,7 +33,7 @@ pub use zero::shard;
 
 use crate::chunk::{
     optimizer_accesses, overlap_group_bytes, push_access, search_chunk_size, ChunkKind,
-    ChunkLayout, ChunkPlan, SizeSearch,
+    ChunkLayout, ChunkPlan, MomentStorage, SizeSearch,
 };
 use crate::error::{Error, Result};
 use crate::optim::{DevicePlacement, ShadowBudget};
@@ -265,6 +265,9 @@ pub struct SimOptions {
     /// Host groups that step after backward rather than during it, the first in order
     /// ([`HybridConfig::overlap_tail`](crate::optim::HybridConfig::overlap_tail)).
     pub overlap_tail: usize,
+    /// How the momentum and variance chunks hold their values (fp32 by default; 8-bit
+    /// block-wise moments are a layout the simulator counts ahead of the chunk manager).
+    pub moments: MomentStorage,
 }
 
 /// Which overlapped step's host memory a simulation counts ([`SimReport::overlap_host_bytes`]).
@@ -293,11 +296,12 @@ pub enum SimOverlap {
 
 impl SimOverlap {
     /// The first of the host groups `first_host..` (of `group_elems` elements, `param_bytes`
-    /// bytes each) that steps during backward, and the host bytes the overlapped step holds,
-    /// beside `model_data` bytes on a host of `host` bytes.
+    /// bytes each, the moments held as `moments` says) that steps during backward, and the host
+    /// bytes the overlapped step holds, beside `model_data` bytes on a host of `host` bytes.
     pub(crate) fn early_groups(
         &self,
         group_elems: &[usize],
+        moments: MomentStorage,
         first_host: usize,
         param_bytes: usize,
         host: u64,
@@ -308,14 +312,20 @@ impl SimOverlap {
             SimOverlap::InPlace => (first_host, false),
             SimOverlap::Shadowed(b) | SimOverlap::Redone(b) => {
                 let budget = b.bytes(Some(host), model_data);
-                let first = ShadowBudget::first_early(budget, first_host, group_elems, param_bytes);
+                let first = ShadowBudget::first_early(
+                    budget,
+                    first_host,
+                    group_elems,
+                    param_bytes,
+                    moments,
+                );
                 (first, true)
             }
         };
         let first = first.min(group_elems.len());
         let bytes = group_elems[first..]
             .iter()
-            .map(|&e| overlap_group_bytes(e, param_bytes, shadowed))
+            .map(|&e| overlap_group_bytes(e, param_bytes, moments, shadowed))
             .sum();
         (first, bytes)
     }
@@ -335,6 +345,7 @@ impl SimOptions {
             ranks: 1,
             overlap: SimOverlap::Shadowed(ShadowBudget::Auto),
             overlap_tail: 0,
+            moments: MomentStorage::F32,
         }
     }
 }
@@ -471,7 +482,8 @@ pub(crate) fn run(
     };
     let host_mem = opts.host_mem / ranks as u64;
     let chunk_elems = chunk_size_for(spec, opts)?;
-    let plan = ChunkPlan::new(&spec.numels(), chunk_elems, opts.param_bytes)?;
+    let plan =
+        ChunkPlan::with_moments(&spec.numels(), chunk_elems, opts.param_bytes, opts.moments)?;
     let mut cfg = opts.scheduler;
     cfg.capacity = opts.device_mem;
     let file = spill_to_file(&plan.chunks, Some(host_mem));
@@ -545,6 +557,7 @@ pub(crate) fn run(
         .unwrap_or(0);
     let (first_early, overlap_host_bytes) = opts.overlap.early_groups(
         &plan.layout.group_elems,
+        opts.moments,
         device_adam_groups + opts.overlap_tail,
         opts.param_bytes as usize,
         host_mem,
@@ -599,7 +612,7 @@ pub fn largest_fitting(
         let local = shard(&spec, ranks as usize, o.param_bytes)?;
         let chunk_elems = chunk_size_for(&local, &o)?;
         o.chunk_elems = Some(chunk_elems);
-        let plan = ChunkPlan::new(&local.numels(), chunk_elems, o.param_bytes)?;
+        let plan = ChunkPlan::with_moments(&local.numels(), chunk_elems, o.param_bytes, o.moments)?;
         if plan.total_bytes() > (opts.host_mem + file_mem) / ranks {
             return Ok(None);
         }

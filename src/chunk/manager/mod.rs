@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::chunk::layout::ChunkLayout;
-use crate::chunk::plan::{plan_chunks, ChunkPlan};
+use crate::chunk::plan::{plan_chunks, ChunkPlan, MomentStorage};
 use crate::device::{
     CachingAllocator, Device, DeviceBuffer, Event, FileStore, HostBuffer, Pending, Stream,
 };
@@ -345,7 +345,8 @@ impl ChunkManager {
                 what: "the chunk manager (no tensor registered)".into(),
             });
         }
-        let chunks = plan_chunks(&self.layout, self.cfg.param_dtype.size() as u64);
+        let bytes = self.cfg.param_dtype.size() as u64;
+        let chunks = plan_chunks(&self.layout, bytes, MomentStorage::F32);
         self.file_tier = spill_to_file(&chunks, self.cfg.host_budget);
         if self.file_tier.iter().any(|&f| f) {
             let dir = self.cfg.file_dir.clone().unwrap_or_else(std::env::temp_dir);

@@ -3,7 +3,7 @@
 
 use serde::Serialize;
 
-use crate::chunk::overlap_group_bytes;
+use crate::chunk::{overlap_group_bytes, MomentStorage};
 use crate::optim::adam::AdamConfig;
 use crate::optim::scaler::{ScaleUpdate, ScalerConfig};
 use crate::optim::Isa;
@@ -95,18 +95,20 @@ impl ShadowBudget {
     }
 
     /// The first of the host groups `first_host..` (of `group_elems` elements of
-    /// `param_bytes` bytes each) stepped early under this budget: from the last group down
-    /// while their overlap bytes ([`overlap_group_bytes`], shadowed) fit in `budget` bytes.
+    /// `param_bytes` bytes each, the moments held as `moments` says) stepped early under this
+    /// budget: from the last group down while their overlap bytes ([`overlap_group_bytes`],
+    /// shadowed) fit in `budget` bytes.
     pub(crate) fn first_early(
         budget: u64,
         first_host: usize,
         group_elems: &[usize],
         param_bytes: usize,
+        moments: MomentStorage,
     ) -> usize {
         let mut used = 0u64;
         let mut first = group_elems.len();
         while first > first_host {
-            used += overlap_group_bytes(group_elems[first - 1], param_bytes, true);
+            used += overlap_group_bytes(group_elems[first - 1], param_bytes, moments, true);
             if used > budget {
                 break;
             }

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use super::scaler::LossScaler;
 use super::{grad_stats, CpuAdam, Grad, GradStats};
-use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, HostBlock, OverlapPlan};
+use crate::chunk::{
+    grad_ranges, ChunkKind, ChunkManager, GroupChunks, HostBlock, MomentStorage, OverlapPlan,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId};
 use crate::tide::Target;
@@ -486,7 +488,7 @@ impl HybridAdam {
             .cfg
             .overlap_budget
             .bytes(crate::limits::host_memory(), model_data);
-        ShadowBudget::first_early(budget, k, elems, es)
+        ShadowBudget::first_early(budget, k, elems, es, MomentStorage::F32)
     }
 
     /// Arms `m` to fold the next (not last) micro-batch's gradients into the accumulators

@@ -46,7 +46,7 @@ use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use serde::Serialize;
 
 use super::{grad_ranges, ChunkManager, HostSlot, LogKind, LISTS};
-use crate::chunk::plan::ChunkPlan;
+use crate::chunk::plan::{ChunkPlan, MomentStorage};
 use crate::device::{Event, HostBuffer, HostPhase};
 use crate::error::Result;
 use crate::ops::grad_stats::GradStats;
@@ -130,12 +130,18 @@ pub struct OverlapStats {
 }
 
 /// Host bytes the overlap holds for a host group of `elems` elements of `param_bytes` bytes
-/// each stepped early: with `shadowed`, a copy of its fp32 master, momentum and variance and
-/// two parameter-sized buffers (the gradients' copy and the new parameters); in place, none
-/// (the gradients come down into the chunk's own host copy and the step overwrites them).
-pub(crate) fn overlap_group_bytes(elems: usize, param_bytes: usize, shadowed: bool) -> u64 {
+/// each stepped early: with `shadowed`, a copy of its fp32 master, its momentum and variance
+/// (held as `moments` says) and two parameter-sized buffers (the gradients' copy and the new
+/// parameters); in place, none (the gradients come down into the chunk's own host copy and the
+/// step overwrites them).
+pub(crate) fn overlap_group_bytes(
+    elems: usize,
+    param_bytes: usize,
+    moments: MomentStorage,
+    shadowed: bool,
+) -> u64 {
     match shadowed {
-        true => (elems * (12 + 2 * param_bytes)) as u64,
+        true => (elems * (4 + 2 * param_bytes)) as u64 + 2 * moments.bytes(elems),
         false => 0,
     }
 }

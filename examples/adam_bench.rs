@@ -182,8 +182,9 @@ fn run() -> tidemem::Result<()> {
         });
     }
     for &n in &args.sizes {
-        // the buffers of one size: four f32 lists and an f16 copy
-        tidemem::limits::host_bytes(|| format!("--sizes {n}: the buffers"), &[n, 18])?;
+        // the buffers of one size: four f32 lists and an f16 copy, and the 8-bit step's own
+        // f32 parameters, f16 gradients and two code lists
+        tidemem::limits::host_bytes(|| format!("--sizes {n}: the buffers"), &[n, 26])?;
     }
     let s = AdamConfig::adamw(1e-3, 0.01).scalars(1, 1.0)?;
     let mut results = Vec::new();

@@ -51,7 +51,10 @@ pub struct Bufs {
     pub m: Vec<f32>,
     pub v: Vec<f32>,
     pub g16: Vec<f16>,
-    /// The 8-bit moments: codes, then block scales.
+    /// The 8-bit step's own parameters and fp16 gradients (its codes depend on the values,
+    /// which the other kernels would drift), then its moments: codes and block scales.
+    pub p8: Vec<f32>,
+    pub g8: Vec<f16>,
     pub m8: Vec<u8>,
     pub v8: Vec<u8>,
     pub ms: Vec<f32>,
@@ -67,6 +70,8 @@ impl Bufs {
             m: vec![1e-4; n],
             v: vec![1e-6; n],
             g16: vec![f16::from_f32(1e-3); n],
+            p8: vec![1.0; n],
+            g8: vec![f16::from_f32(1e-3); n],
             m8: vec![Quant8Map::Signed.code(0.5); n],
             v8: vec![Quant8Map::Unsigned.code(0.5); n],
             ms: vec![1e-4; n.div_ceil(QUANT8_BLOCK)],
@@ -116,7 +121,7 @@ impl Bufs {
                     momentum_scales: &mut b.ms,
                     variance_scales: &mut b.vs,
                 };
-                adam.step8_in_place(s, &mut b.p, moments, GradInPlace::F16(&mut b.g16))?
+                adam.step8_in_place(s, &mut b.p8, moments, GradInPlace::F16(&mut b.g8))?
             }
         }
         black_box(&b.p);

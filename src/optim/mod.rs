@@ -6,6 +6,8 @@
 pub(crate) mod adam;
 mod chunk_stats;
 #[cfg(test)]
+mod cpu_adam8_tests;
+#[cfg(test)]
 mod cpu_adam_tests;
 pub(crate) mod hybrid;
 #[cfg(test)]

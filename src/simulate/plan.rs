@@ -119,73 +119,11 @@ fn counts(n: usize) -> Vec<usize> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::models::gpt::GptConfig;
-    use crate::optim::ShadowBudget;
-    use crate::simulate::SimOverlap;
-
-    fn gpt() -> ModelSpec {
-        let mut c = GptConfig::preset("gpt2").unwrap();
-        c.layers = 6;
-        c.spec(4, 512, true).unwrap()
-    }
-
-    fn opts(device: u64) -> SimOptions {
-        let mut o = SimOptions::new(device, 64 << 30);
-        o.chunk_elems = Some(4 << 20);
-        o.optimizer = DevicePlacement::Auto { fraction: 0.8 };
-        o.overlap = SimOverlap::Shadowed(ShadowBudget::Auto);
-        o
-    }
 
     #[test]
     fn counts_cover_both_ends() {
         assert_eq!(counts(3), vec![0, 1, 2, 3]);
         let c = counts(1000);
         assert_eq!((c[0], *c.last().unwrap(), c.len()), (0, 1000, TRIES + 1));
-    }
-
-    #[test]
-    fn a_slow_host_keeps_every_group_the_memory_rule_places_on_the_device() {
-        let rates = Rates {
-            host_adam: 1e6,
-            host_stats: 1e7,
-            ..Rates::profile("h100-pcie5").unwrap()
-        };
-        let (spec, o) = (gpt(), opts(8 << 30));
-        let p = plan(&spec, Policy::Tide, &o, &rates, StepSchedule::Overlapped).unwrap();
-        assert!(p.memory_groups > 0);
-        assert_eq!(p.device_groups, p.memory_groups);
-    }
-
-    #[test]
-    fn a_fast_host_steps_groups_the_memory_rule_places_on_the_device_beside_backward() {
-        // on a server's host the overlapped host step hides under backward, while a device
-        // group's step runs on the device after it
-        let rates = Rates::profile("h100-server").unwrap();
-        let mut c = GptConfig::preset("gpt2-1.5b").unwrap();
-        c.layers = 12;
-        let spec = c.spec(8, 1024, true).unwrap();
-        let mut o = SimOptions::new(16 << 30, 256 << 30);
-        o.optimizer = DevicePlacement::Auto { fraction: 0.8 };
-        let p = plan(&spec, Policy::Tide, &o, &rates, StepSchedule::Overlapped).unwrap();
-        assert!(p.device_groups < p.memory_groups, "{p:?}");
-        assert!(p.step.step < p.memory_step, "{p:?}");
-    }
-
-    #[test]
-    fn a_host_bound_overlapped_step_moves_groups_after_backward_only_where_shorter() {
-        let rates = Rates::profile("h100-pcie5").unwrap();
-        let mut o = opts(8 << 30);
-        o.optimizer = DevicePlacement::HostOnly;
-        let spec = gpt();
-        let p = plan(&spec, Policy::Tide, &o, &rates, StepSchedule::Overlapped).unwrap();
-        assert_eq!((p.memory_groups, p.device_groups), (0, 0));
-        let o = SimOptions {
-            overlap_tail: p.overlap_tail,
-            ..o
-        };
-        let t = timeline(&spec, Policy::Tide, &o, &rates, StepSchedule::Overlapped).unwrap();
-        assert_eq!(t.step, p.step.step);
-        assert!(p.overlap_tail == 0 || p.step.step < p.memory_step);
     }
 }

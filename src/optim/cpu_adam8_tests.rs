@@ -78,7 +78,8 @@ fn grads(n: usize, t: f32) -> Vec<f32> {
 
 #[test]
 fn every_path_and_split_gives_the_same_bits() {
-    let n = 5 * QUANT8_BLOCK * 64 + 77;
+    // three slices of at least 2^16 elements (the least a thread takes) and a short last block
+    let n = 3 * (1 << 16) + 77;
     let s = AdamConfig::adamw(1e-3, 0.01).scalars(4, 0.5).unwrap();
     let g32 = grads(n, 4.0);
     let g16: Vec<f16> = g32.iter().map(|&x| f16::from_f32(x)).collect();
@@ -116,12 +117,12 @@ fn every_path_and_split_gives_the_same_bits() {
     for kind in 0..4 {
         let want = run(Isa::Scalar, 1, kind);
         for isa in Isa::ALL.into_iter().filter(|i| i.is_supported()) {
-            for threads in [1, 2, 3] {
-                assert!(
-                    run(isa, threads, kind) == want,
-                    "{isa:?}, {threads} threads, kind {kind}"
-                );
-            }
+            assert!(run(isa, 1, kind) == want, "{isa:?}, kind {kind}");
+        }
+        let fastest = CpuAdam::new().isa();
+        for threads in [2, 3] {
+            let got = run(fastest, threads, kind);
+            assert!(got == want, "{fastest:?}, {threads} threads, kind {kind}");
         }
         if kind == 1 {
             let (bits, copy) = &want;

@@ -52,7 +52,7 @@ impl ChunkPlan {
     }
 
     /// [`ChunkPlan::new`] with the moments held as `moments` says.
-    pub fn with_moments(
+    pub(crate) fn with_moments(
         numels: &[usize],
         chunk_elems: usize,
         param_bytes: u64,

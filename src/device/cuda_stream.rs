@@ -26,7 +26,7 @@ impl CudaRawStream {
     }
 
     /// The cudarc stream.
-    pub fn cuda_stream(&self) -> &Arc<CudaStream> {
+    pub(crate) fn cuda_stream(&self) -> &Arc<CudaStream> {
         &self.stream
     }
 }

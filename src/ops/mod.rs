@@ -32,8 +32,8 @@ pub mod vocab_parallel;
 
 pub use accumulate::accumulate;
 pub use adam::{
-    adam, dequantize8, quantize8, AdamOperands, AdamScalars, CpuAdam, Grad, GradInPlace, Isa,
-    Moments8, ParamCopy, Quant8Map, QUANT8_BLOCK,
+    adam, AdamOperands, AdamScalars, CpuAdam, Grad, GradInPlace, Isa, Moments8, ParamCopy,
+    Quant8Map, QUANT8_BLOCK,
 };
 pub use bce::{bce, bce_grad, bce_with_logits, BceOutputs};
 pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};

@@ -186,7 +186,7 @@ impl ChunkManager {
     }
 
     /// Iterations completed (`end_step` or `skip_step` calls).
-    pub fn iterations_done(&self) -> u64 {
+    pub(crate) fn iterations_done(&self) -> u64 {
         self.iterations
     }
 

@@ -5,7 +5,7 @@ mod quant8;
 pub use cpu::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 pub(crate) use cpu::{RawKind, RawStep};
 pub use cpu8::Moments8;
-pub use quant8::{dequantize8, quantize8, Quant8Map, QUANT8_BLOCK};
+pub use quant8::{Quant8Map, QUANT8_BLOCK};
 
 use serde::Serialize;
 

@@ -162,7 +162,7 @@ impl Quant8Map {
 
     /// The value code `code` stands for, in [−1, 1].
     #[inline(always)]
-    pub fn value(self, code: u8) -> f32 {
+    pub(crate) fn value(self, code: u8) -> f32 {
         self.entries()[code as usize]
     }
 
@@ -245,7 +245,8 @@ pub(crate) fn dequantize_block(map: Quant8Map, codes: &[u8], scale: f32, out: &m
 
 /// Quantizes `values` into `codes` (one a value) and `scales` (one a [`QUANT8_BLOCK`] values,
 /// the last block possibly shorter).
-pub fn quantize8(
+#[cfg(test)]
+fn quantize8(
     map: Quant8Map,
     values: &[f32],
     codes: &mut [u8],
@@ -262,12 +263,8 @@ pub fn quantize8(
 }
 
 /// The values of `codes` and `scales` (as [`quantize8`] wrote them) into `out`.
-pub fn dequantize8(
-    map: Quant8Map,
-    codes: &[u8],
-    scales: &[f32],
-    out: &mut [f32],
-) -> crate::Result<()> {
+#[cfg(test)]
+fn dequantize8(map: Quant8Map, codes: &[u8], scales: &[f32], out: &mut [f32]) -> crate::Result<()> {
     check_quant8(out.len(), codes.len(), scales.len())?;
     let blocks = codes.chunks(QUANT8_BLOCK).zip(out.chunks_mut(QUANT8_BLOCK));
     for ((q, o), &s) in blocks.zip(scales) {

@@ -38,6 +38,7 @@ macro_rules! kernel_file {
 pub const SOURCES: &[KernelSource] = &[
     kernel_file!("cast.cu"),
     kernel_file!("adam.cu"),
+    kernel_file!("adam8.cu"),
     kernel_file!("grad_stats.cu"),
     kernel_file!("embedding.cu"),
     kernel_file!("gelu.cu"),
@@ -63,6 +64,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("common.cuh"),
     kernel_file!("cast.cuh"),
     kernel_file!("adam.cuh"),
+    kernel_file!("quant8.cuh"),
     kernel_file!("grad_stats.cuh"),
     kernel_file!("embedding.cuh"),
     kernel_file!("gelu.cuh"),

@@ -102,6 +102,8 @@ fn cases(name: &str, r: &mut Rng) -> Option<Vec<Case>> {
         "accumulate" => accumulate_cases(r),
         "adam" => adam_cases(r, false),
         "adam_in_place" => adam_cases(r, true),
+        "adam8" => adam8_cases(r, false),
+        "adam8_in_place" => adam8_cases(r, true),
         "grad_stats" => grad_stats_cases(r),
         "embedding_bag" => bag_cases(r),
         "embedding_backward" => backward_cases(r),

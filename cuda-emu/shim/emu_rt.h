@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 using std::isfinite;
 
@@ -18,6 +19,8 @@ using std::isfinite;
 #define __device__
 #define __host__
 #define __forceinline__ inline
+// Constant memory: a file-scope table, read-only by use.
+#define __constant__
 // Shared memory: statics in their own section, which the runtime fills with 0xff bytes before
 // every block (a GPU's shared memory starts as garbage, not zeros). GCC ignores the section of
 // a static in a function template: those keep a static's zeros and the last block's values.
@@ -66,6 +69,16 @@ inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float __fsqrt_rn(float a) { return std::sqrt(a); }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline unsigned __float_as_uint(float x) {
+    unsigned u;
+    std::memcpy(&u, &x, sizeof u);
+    return u;
+}
+inline float __uint_as_float(unsigned u) {
+    float x;
+    std::memcpy(&x, &u, sizeof x);
+    return x;
+}
 inline double __dadd_rn(double a, double b) { return a + b; }
 inline double __dmul_rn(double a, double b) { return a * b; }
 

@@ -32,8 +32,8 @@ pub mod vocab_parallel;
 
 pub use accumulate::accumulate;
 pub use adam::{
-    adam, AdamOperands, AdamScalars, CpuAdam, Grad, GradInPlace, Isa, Moments8, ParamCopy,
-    Quant8Map, QUANT8_BLOCK,
+    adam, adam8, Adam8Operands, AdamOperands, AdamScalars, CpuAdam, Grad, GradInPlace, Isa,
+    Moments8, ParamCopy, Quant8Map, QUANT8_BLOCK,
 };
 pub use bce::{bce, bce_grad, bce_with_logits, BceOutputs};
 pub use bias::{add_bias_rows, bias_grad, bias_grad_scratch_bytes, bias_rows, BiasGrad};
@@ -77,7 +77,7 @@ use crate::device::KernelDesc;
 #[cfg(feature = "kernel-abi")]
 pub mod abi {
     pub use super::accumulate::{AccumulateParams, ACCUMULATE};
-    pub use super::adam::{AdamParams, ADAM, ADAM_IN_PLACE};
+    pub use super::adam::{AdamParams, ADAM, ADAM8, ADAM8_IN_PLACE, ADAM_IN_PLACE};
     pub use super::bce::{BceParams, BCE_WITH_LOGITS};
     pub use super::bias::{BiasGradParams, BiasParams, BIAS_GRAD, BIAS_ROWS};
     pub use super::cast::{CastParams, CAST};
@@ -116,6 +116,8 @@ pub fn registry() -> &'static [&'static KernelDesc] {
         &accumulate::ACCUMULATE,
         &adam::ADAM,
         &adam::ADAM_IN_PLACE,
+        &adam::ADAM8,
+        &adam::ADAM8_IN_PLACE,
         &grad_stats::GRAD_STATS,
         &embedding::device::EMBEDDING_BAG,
         &embedding::device::EMBEDDING_BACKWARD,

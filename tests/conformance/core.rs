@@ -56,6 +56,48 @@ pub(super) fn adam_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
     v
 }
 
+/// The 8-bit step: random codes under random positive scales stand for any moments; the
+/// twin and the kernel agree on every code, scale and parameter bit.
+pub(super) fn adam8_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
+    let s = AdamConfig::adamw(1e-2, 0.01).scalars(3, 0.5).unwrap();
+    let mut v = vec![];
+    let grads: &[DType] = if in_place { &FLOATS[1..] } else { &FLOATS };
+    for &g in grads {
+        let copies: Vec<Option<DType>> = if in_place {
+            vec![None]
+        } else {
+            vec![None, Some(DType::F16), Some(DType::BF16)]
+        };
+        for c in copies {
+            for n in SIZES {
+                let blocks = n.div_ceil(ops::QUANT8_BLOCK);
+                let scales = |r: &mut Rng, k: f32| -> Vec<u8> {
+                    let x: Vec<f32> = (0..blocks).map(|_| r.unit().abs() * k).collect();
+                    encode(&x, DType::F32)
+                };
+                let mut operands = vec![
+                    Some((DType::F32, r.floats(n, 2.0, DType::F32))),
+                    Some((DType::U8, r.garbage(n))),
+                    Some((DType::U8, r.garbage(n))),
+                    Some((DType::F32, scales(r, 0.1))),
+                    Some((DType::F32, scales(r, 0.01))),
+                    Some((g, r.floats(n, 4.0, g))),
+                ];
+                if !in_place {
+                    operands.push(c.map(|c| (c, r.garbage(n * c.size()))));
+                }
+                v.push(Case {
+                    label: format!("8-bit grad {g} copy {c:?} n={n}"),
+                    operands,
+                    params: bytemuck::bytes_of(&AdamParams::new(n, &s)).to_vec(),
+                    agree: Agree::Exact,
+                });
+            }
+        }
+    }
+    v
+}
+
 pub(super) fn grad_stats_cases(r: &mut Rng) -> Vec<Case> {
     let mut v = vec![];
     for d in FLOATS {

@@ -185,7 +185,8 @@ impl ChunkManager {
             )
     }
 
-    /// Iterations completed (`end_step` or `skip_step` calls).
+    /// Iterations completed (`end_step` or `skip_step` calls; the demo model's step count).
+    #[cfg(feature = "demo")]
     pub(crate) fn iterations_done(&self) -> u64 {
         self.iterations
     }

@@ -1,10 +1,16 @@
 mod cpu;
 mod cpu8;
+mod device8;
 mod quant8;
 
 pub use cpu::{CpuAdam, Grad, GradInPlace, Isa, ParamCopy};
 pub(crate) use cpu::{RawKind, RawStep};
 pub use cpu8::Moments8;
+pub use device8::{adam8, Adam8Operands};
+#[cfg(feature = "kernel-abi")]
+pub use device8::{ADAM8, ADAM8_IN_PLACE};
+#[cfg(not(feature = "kernel-abi"))]
+pub(crate) use device8::{ADAM8, ADAM8_IN_PLACE};
 pub use quant8::{Quant8Map, QUANT8_BLOCK};
 
 use serde::Serialize;

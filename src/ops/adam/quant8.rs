@@ -304,6 +304,90 @@ mod tests {
         best as u8
     }
 
+    /// `x` as a C hexadecimal float literal (exact).
+    fn hex(x: f32) -> String {
+        if x == 0.0 {
+            return "0.0f".into();
+        }
+        let b = x.to_bits();
+        let sign = if b >> 31 == 1 { "-" } else { "" };
+        let exp = ((b >> 23) & 0xff) as i32 - 127;
+        assert!(exp > -127, "{x} is subnormal");
+        format!("{sign}0x1.{:06x}p{exp}f", (b & 0x7f_ffff) << 1)
+    }
+
+    fn list<T: Copy>(xs: &[T], f: impl Fn(T) -> String) -> String {
+        xs.iter().map(|&x| f(x)).collect::<Vec<_>>().join(", ")
+    }
+
+    /// `kernels/quant8.cuh`: the maps' constants as the CUDA kernels read them.
+    fn cuda_header() -> String {
+        let mut h = String::from(
+            "// The 8-bit dynamic maps of src/ops/adam/quant8.rs, for kernels/adam8.cu. Generated:\n\
+             // the test `the_cuda_header_holds_the_rust_maps` renders this file from the Rust\n\
+             // constants and fails on any difference (TIDEMEM_BLESS=1 rewrites it).\n\
+             #pragma once\n\n\
+             #define QUANT8_BLOCK 256\n\
+             #define QUANT8_DECADES 7\n\n\
+             // One map's constants per decade (see quant8.rs for their meaning).\n\
+             struct Quant8Consts {\n    unsigned count[QUANT8_DECADES];\n    \
+             unsigned base[QUANT8_DECADES];\n    unsigned top;\n    \
+             float c1[QUANT8_DECADES];\n    float c0[QUANT8_DECADES];\n    \
+             float up[QUANT8_DECADES];\n    float per[QUANT8_DECADES];\n    \
+             float low[QUANT8_DECADES];\n    float high;\n};\n\n",
+        );
+        h += &format!(
+            "__constant__ float QUANT8_EDGES[QUANT8_DECADES] = {{{}}};\n\n",
+            list(&EDGES, hex)
+        );
+        for (name, c) in [("SIGNED", &SIGNED), ("UNSIGNED", &UNSIGNED)] {
+            h += &format!(
+                "__constant__ Quant8Consts QUANT8_{name} = {{\n    {{{}}},\n    {{{}}},\n    {},\n",
+                list(&c.count, |x| format!("{x}u")),
+                list(&c.base, |x| format!("{x}u")),
+                format_args!("{}u", c.top)
+            );
+            for xs in [&c.c1, &c.c0, &c.up, &c.per, &c.low] {
+                h += &format!("    {{{}}},\n", list(xs, hex));
+            }
+            h += &format!("    {}}};\n\n", hex(c.high));
+        }
+        for (name, map) in [
+            ("SIGNED", Quant8Map::Signed),
+            ("UNSIGNED", Quant8Map::Unsigned),
+        ] {
+            h += &format!("__constant__ float QUANT8_{name}_TABLE[256] = {{\n");
+            for row in map.table().chunks(4) {
+                h += &format!("    {},\n", list(row, hex));
+            }
+            h += "};\n";
+            if name == "SIGNED" {
+                h += "\n";
+            }
+        }
+        h
+    }
+
+    #[test]
+    fn the_cuda_header_holds_the_rust_maps() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/kernels/quant8.cuh");
+        let want = cuda_header();
+        if std::env::var("TIDEMEM_BLESS").as_deref() == Ok("1") {
+            std::fs::write(path, &want).unwrap();
+        }
+        let have = crate::kernels::HEADERS
+            .iter()
+            .find(|h| h.name == "quant8.cuh")
+            .expect("quant8.cuh is embedded")
+            .code;
+        assert!(
+            have == want,
+            "kernels/quant8.cuh differs from the Rust maps: rerun with TIDEMEM_BLESS=1"
+        );
+        assert_eq!(hex(0.99296875), "0x1.fc6666p-1f");
+        assert_eq!(hex(-1.5), "-0x1.800000p0f");
+    }
+
     #[test]
     fn the_maps_are_pinned() {
         let s = Quant8Map::Signed.table();

@@ -134,9 +134,12 @@ pub fn host(
         .iter()
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum();
-    let model = elems.saturating_mul(dtype.size() as u64 + 12);
+    // 8-bit moments: a byte an element and a scale a 256, and no overlap's shadows
+    let int8 = a.moments == "8bit";
+    let state = if int8 { 4.0 + 2.0 * 1.016 } else { 12.0 };
+    let model = (elems as f64 * (dtype.size() as f64 + state)) as u64;
     let held = model.min(host_mem.unwrap_or(u64::MAX));
-    let shadow = if a.no_overlap {
+    let shadow = if a.no_overlap || int8 {
         0
     } else {
         held / (dtype.size() as u64 + 12) * 12

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
+use tidemem::chunk::MomentStorage;
 use tidemem::comm::{launch, Communicator, ReduceOp};
 use tidemem::data::text::{Split, TokenData, Tokenizer};
 use tidemem::data::Ahead;
@@ -113,6 +114,11 @@ struct Args {
     /// groups it steps during backward, within --overlap-budget).
     #[arg(long)]
     no_overlap: bool,
+    /// How Adam's moments are held: f32, or 8bit (block-wise, a byte an element and a scale a
+    /// 256: model data of 8.04 bytes a parameter with fp16 parameters instead of 14; the host
+    /// groups step after backward, not during it).
+    #[arg(long, default_value = "f32", value_parser = ["f32", "8bit"])]
+    moments: String,
     /// Host bytes for the overlapped step's copies of the optimizer state (with a loss scaler
     /// or a clip): `auto` (half of what the host holds beside the model data) or a size such
     /// as 8GiB; the host groups beyond it step after backward.
@@ -286,6 +292,7 @@ struct Setup {
     /// Shared with the threads that build batches ahead of the step.
     data: std::sync::Arc<TokenData>,
     dtype: DType,
+    moments: MomentStorage,
     policy: Policy,
     checkpoint: bool,
     chunk_elems: usize,
@@ -320,8 +327,11 @@ fn step_plan(a: &Args, p: &Setup, gpt: &Gpt) -> Result<Option<StepPlan>> {
     opts.param_bytes = p.dtype.size() as u64;
     opts.scheduler = manager_config(p).scheduler;
     opts.optimizer = DevicePlacement::Auto { fraction: 0.8 };
+    opts.moments = p.moments;
     let scaled = p.dtype == DType::F16;
-    opts.overlap = match (a.no_overlap, scaled || a.clip > 0.0) {
+    // (8-bit moments step after backward)
+    let serial = a.no_overlap || p.moments == MomentStorage::Int8;
+    opts.overlap = match (serial, scaled || a.clip > 0.0) {
         (true, _) => SimOverlap::Serial,
         (false, false) => SimOverlap::InPlace,
         (false, true) => SimOverlap::Shadowed(match a.overlap_budget.as_str() {
@@ -338,12 +348,21 @@ fn step_plan(a: &Args, p: &Setup, gpt: &Gpt) -> Result<Option<StepPlan>> {
     Ok(plan(&spec, p.policy, &opts, &rates, schedule).ok())
 }
 
+/// The storage `--moments` names (checked by clap).
+fn moments(a: &Args) -> MomentStorage {
+    match a.moments.as_str() {
+        "8bit" => MomentStorage::Int8,
+        _ => MomentStorage::F32,
+    }
+}
+
 fn manager_config(p: &Setup) -> ManagerConfig {
     let mut cfg = ManagerConfig::new(p.chunk_elems, p.policy);
     cfg.param_dtype = p.dtype;
     cfg.scheduler.capacity = p.capacity;
     cfg.scheduler.overall_fraction = 1.0;
     cfg.host_budget = p.host;
+    cfg.moments = p.moments;
     if let Some(peak) = p.warmup {
         cfg.scheduler.warmup_chunk_fraction =
             p.capacity.saturating_sub(peak) as f64 / p.capacity as f64;
@@ -487,6 +506,7 @@ fn run() -> Result<()> {
         .max();
     let mut plan = Setup {
         dtype: parse_dtype(&a.dtype)?,
+        moments: moments(&a),
         policy: parse_policy(&a.policy)?,
         checkpoint,
         chunk_elems: largest.unwrap_or(1).div_ceil(1024) * 1024,
@@ -563,8 +583,12 @@ fn run() -> Result<()> {
         _ => None,
     };
     // parameters and, per element, the fp32 master, momentum and variance
-    let elems = m.param_footprint() / plan.dtype.size() as u64;
-    let model_data = elems * (plan.dtype.size() as u64 + 12);
+    let model_data: u64 = m
+        .layout()
+        .group_elems
+        .iter()
+        .map(|&e| (e * (plan.dtype.size() + 4)) as u64 + 2 * plan.moments.bytes(e))
+        .sum();
     let bar = progress(&a);
     let (mut losses, mut tps, mut h2d, mut d2h) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let start = opt.steps();
@@ -674,6 +698,7 @@ fn run() -> Result<()> {
         "config": plan.cfg,
         "params": plan.cfg.params(),
         "dtype": a.dtype,
+        "moments": a.moments,
         "policy": plan.policy.name(),
         "checkpoint": plan.checkpoint,
         "first_step": start,

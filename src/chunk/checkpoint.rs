@@ -5,10 +5,13 @@ use std::collections::{BTreeMap, HashSet};
 use std::path::Path;
 
 use super::manager::ChunkManager;
+use super::moments;
 use super::{decode, encode, ChunkKind, ChunkPlan};
 use crate::checkpoint::{from_st_dtype, io, st_dtype, Entry, Reader, Written};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::adam::{dequantize8, quantize8};
+use crate::ops::QUANT8_BLOCK;
 
 /// The metadata key prefix of a model's description ([`ParamStore::describe_model`](crate::store::ParamStore::describe_model)).
 const MODEL_KEY: &str = "model.";
@@ -21,9 +24,24 @@ fn entry_name(kind: ChunkKind, tensor: &str) -> String {
     format!("{}/{tensor}", kind.name())
 }
 
-/// Whether a checkpoint entry must hold no negative value: the variances.
+/// The name of the block scales of `tensor`'s 8-bit entry in list `kind`.
+fn scales_name(kind: ChunkKind, tensor: &str) -> String {
+    format!("{}_scales/{tensor}", kind.name())
+}
+
+/// Whether a checkpoint entry must hold no negative value: the variances and the scales.
 fn non_negative(entry: &str) -> bool {
-    entry.starts_with("variance/")
+    ["variance/", "momentum_scales/", "variance_scales/"]
+        .iter()
+        .any(|p| entry.starts_with(p))
+}
+
+/// How a checkpoint holds one list of a tensor: its entry, the element type stored, and for
+/// 8-bit moments (stored as `U8` codes) the entry of their block scales.
+pub(crate) struct Stored {
+    key: String,
+    dtype: DType,
+    scales: Option<String>,
 }
 
 impl ChunkManager {
@@ -102,7 +120,7 @@ impl ChunkManager {
         &self,
         file: &Reader,
         meta: &BTreeMap<String, String>,
-    ) -> Result<Vec<[(String, DType); 4]>> {
+    ) -> Result<Vec<[Stored; 4]>> {
         if meta.get(FORMAT.0).map(String::as_str) != Some(FORMAT.1) {
             return Err(file.bad(format!(
                 "not a chunk checkpoint (its metadata lacks {}={})",
@@ -111,7 +129,7 @@ impl ChunkManager {
         }
         self.check_model(file, meta)?;
         let names = self.checkpoint_names()?;
-        let mut entries: Vec<[(String, DType); 4]> = Vec::with_capacity(names.len());
+        let mut entries: Vec<[Stored; 4]> = Vec::with_capacity(names.len());
         let mut known = HashSet::new();
         for (t, name) in names.iter().enumerate() {
             let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t as u32))?;
@@ -121,9 +139,12 @@ impl ChunkManager {
                 let v = file
                     .info(&key)
                     .ok_or_else(|| file.bad(format!("it has no tensor '{key}'")))?;
-                let dtype = match kind {
-                    ChunkKind::Param => from_st_dtype(v.dtype()),
-                    _ => (v.dtype() == safetensors::Dtype::F32).then_some(DType::F32),
+                let moment = matches!(kind, ChunkKind::Momentum | ChunkKind::Variance);
+                let dtype = match (kind, v.dtype()) {
+                    (ChunkKind::Param, d) => from_st_dtype(d),
+                    (_, safetensors::Dtype::F32) => Some(DType::F32),
+                    (_, safetensors::Dtype::U8) if moment => Some(DType::U8),
+                    _ => None,
                 };
                 let Some(dtype) = dtype.filter(|_| v.shape() == shape) else {
                     return Err(file.bad(format!(
@@ -133,8 +154,28 @@ impl ChunkManager {
                         self.list_dtype(kind).name()
                     )));
                 };
+                let scales = match dtype {
+                    DType::U8 => {
+                        let sk = scales_name(kind, name);
+                        let blocks = shape.iter().product::<usize>().div_ceil(QUANT8_BLOCK);
+                        match file.info(&sk) {
+                            Some(i)
+                                if i.dtype() == safetensors::Dtype::F32
+                                    && i.shape() == [blocks] => {}
+                            _ => {
+                                return Err(file.bad(format!(
+                                    "'{key}' holds 8-bit codes, but '{sk}' is not their \
+                                     {blocks} f32 block scales"
+                                )))
+                            }
+                        }
+                        known.insert(sk.clone());
+                        Some(sk)
+                    }
+                    _ => None,
+                };
                 known.insert(key.clone());
-                four.push((key, dtype));
+                four.push(Stored { key, dtype, scales });
             }
             entries.push(
                 four.try_into()
@@ -157,7 +198,10 @@ impl ChunkManager {
     /// safetensors format, with `metadata` added to the file's.
     ///
     /// A tensor `w` is stored as `param/w` (in the parameter dtype), `master/w`, `momentum/w`
-    /// and `variance/w` (f32), each of the tensor's shape; the metadata also holds
+    /// and `variance/w` (f32), each of the tensor's shape (8-bit moments as their `U8` codes,
+    /// with their blocks' f32 scales in `momentum_scales/w` and `variance_scales/w`: a
+    /// resumed run has the same bits; a load converts between the storages, 8-bit codes
+    /// dequantized into a run of f32 moments and f32 moments quantized into an 8-bit one); the metadata also holds
     /// `format = tidemem-chunks`, `param_dtype` and a CRC-32 of every entry (`crc32/<entry>`,
     /// verified on load). The file is written chunk by chunk (a model on the file tier is never
     /// read into RAM whole) beside `path` and replaces an earlier one only once complete and
@@ -220,12 +264,26 @@ impl ChunkManager {
         for g in 0..layout.groups() {
             let ts = &layout.group_tensors[g];
             for kind in ChunkKind::ALL {
+                let int8 = self.moment_map(kind).is_some();
                 for &t in ts {
                     let (_, shape, _) = self.tensor_info(crate::tensor::TensorId(t))?;
                     entries.push(Entry {
                         name: entry_name(kind, &names[t as usize]),
-                        dtype: st_dtype(self.list_dtype(kind)),
+                        dtype: st_dtype(if int8 {
+                            DType::U8
+                        } else {
+                            self.list_dtype(kind)
+                        }),
                         shape: shape.to_vec(),
+                    });
+                }
+                // 8-bit moments: the codes, then their scales
+                for &t in ts.iter().filter(|_| int8) {
+                    let numel = layout.slots[t as usize].numel;
+                    entries.push(Entry {
+                        name: scales_name(kind, &names[t as usize]),
+                        dtype: st_dtype(DType::F32),
+                        shape: vec![numel.div_ceil(QUANT8_BLOCK)],
                     });
                 }
             }
@@ -247,10 +305,23 @@ impl ChunkManager {
                 for kind in ChunkKind::ALL {
                     let es = self.list_dtype(kind).size();
                     let c = ChunkPlan::chunk_no(g as u32, kind) as usize;
+                    let int8 = self.moment_map(kind).is_some();
+                    let elems = layout.group_elems[g];
                     self.read_chunk_host(c, |bytes| {
-                        for &(off, n) in spans {
-                            out.write_all(&bytes[off * es..(off + n) * es])
-                                .map_err(io("writing a checkpoint"))?;
+                        let mut write = |r: std::ops::Range<usize>| {
+                            out.write_all(&bytes[r]).map_err(io("writing a checkpoint"))
+                        };
+                        if !int8 {
+                            for &(off, n) in spans {
+                                write(off * es..(off + n) * es)?;
+                            }
+                            return Ok(());
+                        }
+                        for pass in [0, 1] {
+                            for &(off, n) in spans {
+                                let (codes, scales) = moments::tensor_bytes8(elems, off, n)?;
+                                write(if pass == 0 { codes } else { scales })?;
+                            }
                         }
                         Ok(())
                     })?;
@@ -300,17 +371,22 @@ impl ChunkManager {
                 let entries = &entries;
                 let group = &layout.group_tensors[g];
                 let failed = &mut failed;
+                let (map, elems) = (self.moment_map(kind), layout.group_elems[g]);
                 self.write_chunk_host(c, |h| {
                     for &t in group {
                         let slot = layout.slots[t as usize];
-                        let dst = &mut h[slot.offset * es..(slot.offset + slot.numel) * es];
-                        let (key, stored) = &entries[t as usize][kind.index()];
-                        let read = if *stored != pdt && kind == ChunkKind::Param {
-                            file.read(key).map(|b| {
-                                dst.copy_from_slice(&encode(&decode(&b, *stored), pdt));
-                            })
-                        } else {
-                            file.read_into(key, dst)
+                        let stored = &entries[t as usize][kind.index()];
+                        let read = match map {
+                            Some(map) => moments::tensor_bytes8(elems, slot.offset, slot.numel)
+                                .and_then(|(codes, scales)| {
+                                    let (h, rest) = h.split_at_mut(scales.start);
+                                    let scales = &mut rest[..scales.len()];
+                                    load8(file, stored, map, &mut h[codes], scales)
+                                }),
+                            None => {
+                                let dst = &mut h[slot.offset * es..(slot.offset + slot.numel) * es];
+                                load_values(file, stored, kind, pdt, dst)
+                            }
                         };
                         if let Err(e) = read {
                             *failed = Some(e);
@@ -327,5 +403,61 @@ impl ChunkManager {
         self.hold_loaded();
         self.params_restored();
         Ok(meta)
+    }
+}
+
+/// Reads a tensor's list held a value an element (`dst`, in `pdt` for the parameters, else
+/// f32) from how the checkpoint stores it: converted from another float type (parameters),
+/// dequantized from 8-bit codes (moments).
+fn load_values(
+    file: &Reader,
+    stored: &Stored,
+    kind: ChunkKind,
+    pdt: DType,
+    dst: &mut [u8],
+) -> Result<()> {
+    match (&stored.scales, stored.dtype) {
+        (Some(scales), _) => {
+            let map =
+                moments::map_of(crate::chunk::MomentStorage::Int8, kind).ok_or_else(|| {
+                    Error::Internal {
+                        what: format!("8-bit codes of {} in a checkpoint", kind.name()),
+                    }
+                })?;
+            let codes = file.read(&stored.key)?;
+            let scales: Vec<f32> = bytemuck::pod_collect_to_vec(&file.read(scales)?);
+            let mut v = vec![0f32; codes.len()];
+            dequantize8(map, &codes, &scales, &mut v)?;
+            dst.copy_from_slice(bytemuck::cast_slice(&v));
+            Ok(())
+        }
+        (None, d) if d != pdt && kind == ChunkKind::Param => file.read(&stored.key).map(|b| {
+            dst.copy_from_slice(&encode(&decode(&b, d), pdt));
+        }),
+        (None, _) => file.read_into(&stored.key, dst),
+    }
+}
+
+/// Reads a tensor's 8-bit moment into its `codes` and the bytes of its blocks' `scales`: as
+/// stored, or quantized from f32 values.
+fn load8(
+    file: &Reader,
+    stored: &Stored,
+    map: crate::ops::Quant8Map,
+    codes: &mut [u8],
+    scales: &mut [u8],
+) -> Result<()> {
+    match &stored.scales {
+        Some(s) => {
+            file.read_into(&stored.key, codes)?;
+            file.read_into(s, scales)
+        }
+        None => {
+            let v: Vec<f32> = bytemuck::pod_collect_to_vec(&file.read(&stored.key)?);
+            let mut s = vec![0f32; scales.len() / 4];
+            quantize8(map, &v, codes, &mut s)?;
+            scales.copy_from_slice(bytemuck::cast_slice(&s));
+            Ok(())
+        }
     }
 }

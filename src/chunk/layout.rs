@@ -30,6 +30,9 @@ pub struct ChunkLayout {
     /// Slot of every tensor, indexed by tensor number.
     pub slots: Vec<Slot>,
     open: Option<u32>,
+    /// Every tensor starts at a multiple of this many elements of its chunk (0 or 1: packed).
+    #[serde(skip)]
+    align: usize,
 }
 
 impl ChunkLayout {
@@ -58,6 +61,17 @@ impl ChunkLayout {
         })
     }
 
+    /// Starts every tensor pushed from here at a multiple of `elems` elements of its chunk
+    /// (the 8-bit moments' block, so that no block holds two tensors' ends).
+    pub(crate) fn align_tensors(&mut self, elems: usize) {
+        self.align = elems;
+    }
+
+    /// Where the next tensor of group `g` would start.
+    fn next_offset(&self, g: usize) -> usize {
+        self.group_used[g].next_multiple_of(self.align.max(1))
+    }
+
     /// Packs the next tensor (registration order) and returns its slot. Tensors never span
     /// chunks: one that does not fit in the open chunk opens a new one; one larger than a chunk
     /// gets a group of its own and leaves the open chunk open for the tensors after it.
@@ -74,7 +88,7 @@ impl ChunkLayout {
             self.new_group(numel)
         } else {
             match self.open {
-                Some(g) if self.group_used[g as usize] + numel <= self.chunk_elems => g,
+                Some(g) if self.next_offset(g as usize) + numel <= self.chunk_elems => g,
                 _ => {
                     let g = self.new_group(self.chunk_elems);
                     self.open = Some(g);
@@ -85,10 +99,10 @@ impl ChunkLayout {
         let g = group as usize;
         let slot = Slot {
             group,
-            offset: self.group_used[g],
+            offset: self.next_offset(g),
             numel,
         };
-        self.group_used[g] += numel;
+        self.group_used[g] = slot.offset + numel;
         self.group_tensors[g].push(tensor);
         self.slots.push(slot);
         Ok(slot)

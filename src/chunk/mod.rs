@@ -15,12 +15,15 @@ pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan, MomentSt
 
 mod checkpoint;
 mod manager;
+mod moments;
+
+pub(crate) use moments::scales_at;
 mod tensors;
 
 pub(crate) use manager::{grad_ranges, overlap_group_bytes, HostBlock, OverlapPlan};
 pub use manager::{
-    ChunkManager, GroupChunks, GroupSlices, GroupVisit, LogEntry, LogKind, ManagerConfig,
-    OverlapStats, TideSample, Usage,
+    ChunkManager, DeviceMoments, GroupChunks, GroupSlices, GroupVisit, HostMoments, LogEntry,
+    LogKind, ManagerConfig, OverlapStats, TideSample, Usage,
 };
 pub(crate) use tensors::{
     add_forward_uses, check_copy, check_distinct, check_unused, numel_of, ViewBuf,

@@ -16,8 +16,8 @@ pub enum MomentStorage {
     #[default]
     F32,
     /// 8-bit block-wise ([`crate::ops::Quant8Map`]): a byte an element and an f32 scale a
-    /// [`QUANT8_BLOCK`] elements, 1.016 bytes an element. The simulator and the sizing count
-    /// it; the chunk manager holds fp32 moments today.
+    /// [`QUANT8_BLOCK`] elements, 1.016 bytes an element; tensors start on a block's first
+    /// element, so every block is stepped whole.
     Int8,
 }
 
@@ -26,7 +26,9 @@ impl MomentStorage {
     pub fn bytes(self, elems: usize) -> u64 {
         match self {
             MomentStorage::F32 => 4 * elems as u64,
-            MomentStorage::Int8 => (elems + 4 * elems.div_ceil(QUANT8_BLOCK)) as u64,
+            MomentStorage::Int8 => {
+                (elems.next_multiple_of(4) + 4 * elems.div_ceil(QUANT8_BLOCK)) as u64
+            }
         }
     }
 }

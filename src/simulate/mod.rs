@@ -532,6 +532,7 @@ pub(crate) fn run(
                 trace.peak_non_model(),
                 plan.kind_bytes(ChunkKind::Param),
                 &plan.layout.group_elems,
+                opts.moments,
             );
             let place = |c: ChunkNo| match (ChunkPlan::group_of(c) as usize) < k {
                 true => Target::Device,

@@ -18,6 +18,7 @@ use crate::device::{
 };
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::QUANT8_BLOCK;
 use crate::tensor::{ChunkKind, Stage};
 use crate::tide::{spill_to_file, MoveStats, Policy, Scheduler, SchedulerConfig, Tracer};
 
@@ -30,7 +31,7 @@ mod telemetry;
 mod versions;
 
 pub(crate) use optimizer::grad_ranges;
-pub use optimizer::{GroupChunks, GroupSlices, GroupVisit};
+pub use optimizer::{DeviceMoments, GroupChunks, GroupSlices, GroupVisit, HostMoments};
 pub(crate) use overlap::overlap_group_bytes;
 pub use overlap::OverlapStats;
 pub(crate) use overlap::{HostBlock, OverlapPlan};
@@ -52,6 +53,9 @@ pub struct ManagerConfig {
     pub host_budget: Option<u64>,
     /// Directory of the file tier (default: the system temporary directory).
     pub file_dir: Option<PathBuf>,
+    /// How Adam's momentum and variance chunks hold their values (default f32; see
+    /// [`MomentStorage`]).
+    pub moments: MomentStorage,
 }
 
 impl ManagerConfig {
@@ -64,6 +68,7 @@ impl ManagerConfig {
             scheduler: SchedulerConfig::new(0),
             host_budget: None,
             file_dir: None,
+            moments: MomentStorage::F32,
         }
     }
 }
@@ -208,7 +213,10 @@ impl ChunkManager {
         if cfg.scheduler.capacity == 0 {
             cfg.scheduler.capacity = device.mem_info()?.total as u64;
         }
-        let layout = ChunkLayout::new(cfg.chunk_elems)?;
+        let mut layout = ChunkLayout::new(cfg.chunk_elems)?;
+        if cfg.moments == MomentStorage::Int8 {
+            layout.align_tensors(QUANT8_BLOCK);
+        }
         let copy = Arc::new(device.new_stream()?);
         let down = Arc::new(device.new_stream()?);
         let compute = Arc::new(device.new_stream()?);
@@ -332,7 +340,16 @@ impl ChunkManager {
     /// Bytes of schedulable chunk `c`.
     fn chunk_bytes(&self, c: usize) -> usize {
         let (g, k) = (c / 4, LISTS[c % 4]);
-        self.layout.group_elems[g] * self.elem_bytes(k)
+        let elems = self.layout.group_elems[g];
+        match k {
+            ChunkKind::Momentum | ChunkKind::Variance => self.cfg.moments.bytes(elems) as usize,
+            _ => elems * self.elem_bytes(k),
+        }
+    }
+
+    /// The 8-bit map of list `kind`'s chunks, or `None` where they hold a value an element.
+    pub(in crate::chunk) fn moment_map(&self, kind: ChunkKind) -> Option<crate::ops::Quant8Map> {
+        super::moments::map_of(self.cfg.moments, kind)
     }
 
     /// Closes registration: builds the scheduler and the tiers.
@@ -346,7 +363,7 @@ impl ChunkManager {
             });
         }
         let bytes = self.cfg.param_dtype.size() as u64;
-        let chunks = plan_chunks(&self.layout, bytes, MomentStorage::F32);
+        let chunks = plan_chunks(&self.layout, bytes, self.cfg.moments);
         self.file_tier = spill_to_file(&chunks, self.cfg.host_budget);
         if self.file_tier.iter().any(|&f| f) {
             let dir = self.cfg.file_dir.clone().unwrap_or_else(std::env::temp_dir);

@@ -254,6 +254,9 @@ impl ChunkManager {
     fn fill_initial(&self, c: usize, h: &mut [u8]) {
         h.fill(0);
         let (g, k) = (c / 4, LISTS[c % 4]);
+        if let Some(map) = self.moment_map(k) {
+            crate::chunk::moments::fill_zeros8(map, h, self.layout.group_elems[g]);
+        }
         if matches!(k, ChunkKind::Momentum | ChunkKind::Variance) {
             return;
         }

@@ -5,11 +5,13 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::{ChunkManager, HostSlot, LogKind, LISTS};
-use crate::chunk::plan::ChunkPlan;
+use crate::chunk::moments::split8;
+use crate::chunk::plan::{ChunkPlan, MomentStorage};
 use crate::chunk::tensors::{decode, encode};
 use crate::device::{Device, DeviceBuffer, HostBuffer, Stream};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::ops::Moments8;
 use crate::tensor::{ChunkKind, Stage, TensorId, TrainEvent};
 use crate::tide::{Access, ChunkNo, Move, Target};
 
@@ -67,7 +69,7 @@ pub struct GroupVisit<'a> {
 }
 
 /// The chunks of a visited group, on the host or on the device; the lists not asked for are
-/// `None`.
+/// `None` (the moments are there when both the momentum and the variance are asked for).
 pub enum GroupChunks<'a> {
     /// Host memory.
     Host {
@@ -75,10 +77,8 @@ pub enum GroupChunks<'a> {
         param: &'a mut [u8],
         /// fp32 masters.
         master: Option<&'a mut [f32]>,
-        /// Momentum.
-        momentum: Option<&'a mut [f32]>,
-        /// Variance.
-        variance: Option<&'a mut [f32]>,
+        /// Adam's momentum and variance.
+        moments: Option<HostMoments<'a>>,
     },
     /// Device memory: enqueue work on `stream`.
     Device {
@@ -90,10 +90,44 @@ pub enum GroupChunks<'a> {
         param: &'a DeviceBuffer,
         /// fp32 masters.
         master: Option<&'a DeviceBuffer>,
+        /// Adam's momentum and variance.
+        moments: Option<DeviceMoments<'a>>,
+    },
+}
+
+/// Adam's two moment chunks of a group on the host, as
+/// [`ManagerConfig::moments`](super::ManagerConfig::moments) holds them.
+pub enum HostMoments<'a> {
+    /// fp32, a value an element.
+    F32 {
         /// Momentum.
-        momentum: Option<&'a DeviceBuffer>,
+        momentum: &'a mut [f32],
         /// Variance.
-        variance: Option<&'a DeviceBuffer>,
+        variance: &'a mut [f32],
+    },
+    /// 8-bit codes and block scales.
+    Int8(Moments8<'a>),
+}
+
+/// Adam's two moment chunks of a group on the device.
+#[derive(Clone, Copy)]
+pub enum DeviceMoments<'a> {
+    /// fp32, a value an element.
+    F32 {
+        /// Momentum.
+        momentum: &'a DeviceBuffer,
+        /// Variance.
+        variance: &'a DeviceBuffer,
+    },
+    /// 8-bit: each chunk holds its `elems` codes, then from byte
+    /// `elems.next_multiple_of(4)` its block scales.
+    Int8 {
+        /// Momentum.
+        momentum: &'a DeviceBuffer,
+        /// Variance.
+        variance: &'a DeviceBuffer,
+        /// Elements of the group.
+        elems: usize,
     },
 }
 
@@ -140,8 +174,15 @@ impl ChunkManager {
     /// to host memory (dirty device copies written back, stale ones dropped) and handed to `f`,
     /// which updates masters and optimizer state and must leave the new parameter values in the
     /// parameter chunk. One moment per group.
+    /// Refused ([`Error::Conflict`]) with 8-bit moments, which `HybridAdam` steps.
     pub fn step_host(&mut self, mut f: impl FnMut(GroupSlices<'_>) -> Result<()>) -> Result<()> {
         self.usable()?;
+        if self.cfg.moments != MomentStorage::F32 {
+            return Err(Error::Conflict {
+                what: "ChunkManager::step_host (an optimizer of f32 moments)".into(),
+                with: "8-bit moments (MomentStorage::Int8; HybridAdam steps them)".into(),
+            });
+        }
         self.visit_groups(
             &ChunkKind::ALL,
             |_| Target::Host,
@@ -149,8 +190,7 @@ impl ChunkManager {
                 GroupChunks::Host {
                     param,
                     master: Some(master),
-                    momentum: Some(momentum),
-                    variance: Some(variance),
+                    moments: Some(HostMoments::F32 { momentum, variance }),
                 } => f(GroupSlices {
                     group: v.group,
                     tensors: v.tensors,
@@ -347,8 +387,32 @@ impl ChunkManager {
                         }),
                 }
             }
-            match (f32s(ma), f32s(mo), f32s(va)) {
-                (Ok(master), Ok(momentum), Ok(variance)) => f(GroupVisit {
+            let elems = self.layout.group_elems[g];
+            let moments = match (self.cfg.moments, mo.as_mut(), va.as_mut()) {
+                (MomentStorage::F32, Some(_), Some(_)) => match (f32s(mo), f32s(va)) {
+                    (Ok(Some(momentum)), Ok(Some(variance))) => {
+                        Ok(Some(HostMoments::F32 { momentum, variance }))
+                    }
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                    _ => unreachable!("both moments are present"),
+                },
+                (MomentStorage::Int8, Some(m), Some(v)) => {
+                    match (split8(m, elems), split8(v, elems)) {
+                        (Ok((momentum, momentum_scales)), Ok((variance, variance_scales))) => {
+                            Ok(Some(HostMoments::Int8(Moments8 {
+                                momentum,
+                                variance,
+                                momentum_scales,
+                                variance_scales,
+                            })))
+                        }
+                        (Err(e), _) | (_, Err(e)) => Err(e),
+                    }
+                }
+                _ => Ok(None),
+            };
+            match (f32s(ma), moments) {
+                (Ok(master), Ok(moments)) => f(GroupVisit {
                     group: g,
                     tensors,
                     ranges,
@@ -356,11 +420,10 @@ impl ChunkManager {
                     chunks: GroupChunks::Host {
                         param: p.as_mut().expect("the parameter chunk is always visited"),
                         master,
-                        momentum,
-                        variance,
+                        moments,
                     },
                 }),
-                (Err(e), _, _) | (_, Err(e), _) | (_, _, Err(e)) => Err(e),
+                (Err(e), _) | (_, Err(e)) => Err(e),
             }
         };
         for (i, b) in bufs.into_iter().enumerate() {
@@ -408,8 +471,19 @@ impl ChunkManager {
                 stream: &self.compute,
                 param: p.as_deref().expect("the parameter chunk is always visited"),
                 master: ma.as_deref(),
-                momentum: mo.as_deref(),
-                variance: va.as_deref(),
+                moments: match (self.cfg.moments, mo.as_deref(), va.as_deref()) {
+                    (MomentStorage::F32, Some(momentum), Some(variance)) => {
+                        Some(DeviceMoments::F32 { momentum, variance })
+                    }
+                    (MomentStorage::Int8, Some(momentum), Some(variance)) => {
+                        Some(DeviceMoments::Int8 {
+                            momentum,
+                            variance,
+                            elems: self.layout.group_elems[g],
+                        })
+                    }
+                    _ => None,
+                },
             },
         })
     }

@@ -2,7 +2,10 @@
 //! two weight versions are two sets of tensors in one manager, and the optimizer state is one
 //! chain that the set stepped next takes over from the other.
 
+use std::ops::Range;
+
 use super::ChunkManager;
+use crate::chunk::moments;
 use crate::chunk::plan::ChunkPlan;
 use crate::error::{Error, Result};
 use crate::tensor::{ChunkKind, TensorId, TensorState};
@@ -102,36 +105,57 @@ impl ChunkManager {
     }
 
     /// Tensor `id`'s bytes in list `kind`, from its chunk's host copy (initial values if the
-    /// chunk has no payload yet).
+    /// chunk has no payload yet). 8-bit moments are the tensor's codes, then its blocks'
+    /// scales.
     pub(crate) fn tensor_bytes(&mut self, id: TensorId, kind: ChunkKind) -> Result<Vec<u8>> {
-        let es = self.list_dtype(kind).size();
+        let spans = self.tensor_spans(id, kind)?;
         let slot = self.meta(id)?.slot;
-        let mut bytes = Vec::with_capacity(slot.numel * es);
+        let mut bytes = Vec::new();
         self.read_chunk_host(ChunkPlan::chunk_no(slot.group, kind) as usize, |h| {
-            bytes.extend_from_slice(&h[slot.offset * es..(slot.offset + slot.numel) * es]);
+            for r in &spans {
+                bytes.extend_from_slice(&h[r.clone()]);
+            }
             Ok(())
         })?;
         Ok(bytes)
     }
 
-    /// Overwrites tensor `id`'s bytes in list `kind` through its chunk's host copy; the tensor
-    /// holds a payload in that list from here.
+    /// The byte ranges of tensor `id`'s chunk in list `kind` that hold its values.
+    fn tensor_spans(&self, id: TensorId, kind: ChunkKind) -> Result<Vec<Range<usize>>> {
+        let slot = self.meta(id)?.slot;
+        if self.moment_map(kind).is_some() {
+            let elems = self.layout.group_elems[slot.group as usize];
+            let (codes, scales) = moments::tensor_bytes8(elems, slot.offset, slot.numel)?;
+            return Ok(vec![codes, scales]);
+        }
+        let es = self.list_dtype(kind).size();
+        let values = slot.offset * es..(slot.offset + slot.numel) * es;
+        Ok(std::iter::once(values).collect())
+    }
+
+    /// Overwrites tensor `id`'s bytes in list `kind` (as [`ChunkManager::tensor_bytes`] reads
+    /// them) through its chunk's host copy; the tensor holds a payload in that list from here.
     pub(crate) fn set_tensor_bytes(
         &mut self,
         id: TensorId,
         kind: ChunkKind,
         bytes: &[u8],
     ) -> Result<()> {
-        let es = self.list_dtype(kind).size();
+        let spans = self.tensor_spans(id, kind)?;
         let slot = self.meta(id)?.slot;
-        if bytes.len() != slot.numel * es {
+        let want: usize = spans.iter().map(|r| r.len()).sum();
+        if bytes.len() != want {
             return Err(Error::SizeMismatch {
                 src: bytes.len(),
-                dst: slot.numel * es,
+                dst: want,
             });
         }
         self.write_chunk_host(ChunkPlan::chunk_no(slot.group, kind) as usize, |h| {
-            h[slot.offset * es..slot.offset * es + bytes.len()].copy_from_slice(bytes);
+            let mut at = 0;
+            for r in spans {
+                h[r.clone()].copy_from_slice(&bytes[at..at + r.len()]);
+                at += r.len();
+            }
         })?;
         let s = &mut self.tensors[id.index()].state[kind.index()];
         if *s == TensorState::Free {

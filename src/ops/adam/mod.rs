@@ -11,6 +11,7 @@ pub use device8::{adam8, Adam8Operands};
 pub use device8::{ADAM8, ADAM8_IN_PLACE};
 #[cfg(not(feature = "kernel-abi"))]
 pub(crate) use device8::{ADAM8, ADAM8_IN_PLACE};
+pub(crate) use quant8::{dequantize8, quantize8};
 pub use quant8::{Quant8Map, QUANT8_BLOCK};
 
 use serde::Serialize;

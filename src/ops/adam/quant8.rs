@@ -245,8 +245,7 @@ pub(crate) fn dequantize_block(map: Quant8Map, codes: &[u8], scale: f32, out: &m
 
 /// Quantizes `values` into `codes` (one a value) and `scales` (one a [`QUANT8_BLOCK`] values,
 /// the last block possibly shorter).
-#[cfg(test)]
-fn quantize8(
+pub(crate) fn quantize8(
     map: Quant8Map,
     values: &[f32],
     codes: &mut [u8],
@@ -263,8 +262,12 @@ fn quantize8(
 }
 
 /// The values of `codes` and `scales` (as [`quantize8`] wrote them) into `out`.
-#[cfg(test)]
-fn dequantize8(map: Quant8Map, codes: &[u8], scales: &[f32], out: &mut [f32]) -> crate::Result<()> {
+pub(crate) fn dequantize8(
+    map: Quant8Map,
+    codes: &[u8],
+    scales: &[f32],
+    out: &mut [f32],
+) -> crate::Result<()> {
     check_quant8(out.len(), codes.len(), scales.len())?;
     let blocks = codes.chunks(QUANT8_BLOCK).zip(out.chunks_mut(QUANT8_BLOCK));
     for ((q, o), &s) in blocks.zip(scales) {

@@ -41,6 +41,7 @@ impl DevicePlacement {
         non_model_peak: u64,
         param_footprint: u64,
         group_elems: &[usize],
+        moments: MomentStorage,
     ) -> usize {
         match *self {
             DevicePlacement::HostOnly => 0,
@@ -55,7 +56,8 @@ impl DevicePlacement {
                 let mut room = (margin as f64 * fraction) as u64;
                 let mut k = 0;
                 for &elems in group_elems {
-                    let need = 12 * elems as u64;
+                    // the fp32 master and the two moments
+                    let need = 4 * elems as u64 + 2 * moments.bytes(elems);
                     if need > room {
                         break;
                     }

@@ -333,6 +333,7 @@ impl HybridAdam {
             m.non_model_peak(),
             m.param_footprint(),
             &m.layout().group_elems,
+            m.config().moments,
         )
     }
 
@@ -413,7 +414,7 @@ impl HybridAdam {
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
         m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place(m))))?;
-        if self.cfg.overlap && !self.cfg.delayed_params && m.is_steady() {
+        if self.cfg.overlap && !self.cfg.delayed_params && m.is_steady() && f32_moments(m) {
             // host groups not stepped during backward step on the worker, in the next
             // forward's order, each waited for by that forward's first use of the group
             let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
@@ -445,7 +446,8 @@ impl HybridAdam {
             && !self.cfg.delayed_params
             && m.is_steady()
             && k < m.groups()
-            && !self.clipped_last;
+            && !self.clipped_last
+            && f32_moments(m);
         if !applies {
             m.arm_overlap(None);
             return Ok(());
@@ -483,12 +485,16 @@ impl HybridAdam {
     fn first_shadowed(&self, m: &ChunkManager, k: usize) -> usize {
         let elems = &m.layout().group_elems;
         let es = m.param_dtype().size();
-        let model_data: u64 = elems.iter().map(|&e| (e * (es + 12)) as u64).sum();
+        let moments = m.config().moments;
+        let model_data: u64 = elems
+            .iter()
+            .map(|&e| (e * (es + 4)) as u64 + 2 * moments.bytes(e))
+            .sum();
         let budget = self
             .cfg
             .overlap_budget
             .bytes(crate::limits::host_memory(), model_data);
-        ShadowBudget::first_early(budget, k, elems, es, MomentStorage::F32)
+        ShadowBudget::first_early(budget, k, elems, es, moments)
     }
 
     /// Arms `m` to fold the next (not last) micro-batch's gradients into the accumulators
@@ -713,3 +719,9 @@ use steps::{
     adam_group, fold_block, fold_key, from_f32, host_span, overlap_key, restore, step_block,
     to_f32, Accumulators,
 };
+
+/// Whether `m` holds fp32 moments: host groups on 8-bit moments step in the optimizer's pass
+/// (the overlap's worker steps fp32 state).
+fn f32_moments(m: &ChunkManager) -> bool {
+    m.config().moments == MomentStorage::F32
+}

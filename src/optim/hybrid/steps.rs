@@ -2,12 +2,17 @@
 //! device, one block of a host group during backward, the restore after an overflow, and the
 //! host-side conversions they share.
 
-use crate::chunk::{ChunkKind, ChunkManager, GroupChunks, GroupVisit, HostBlock};
+use std::ops::Range;
+
+use crate::chunk::{
+    scales_at, ChunkKind, ChunkManager, DeviceMoments, GroupChunks, GroupVisit, HostBlock,
+    HostMoments,
+};
 use crate::device::{Device, HostPhase, HostSpan};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::cast::cast_bytes;
-use crate::ops::{self, AdamOperands};
+use crate::ops::{self, Adam8Operands, AdamOperands, Moments8, QUANT8_BLOCK};
 use crate::optim::adam::AdamScalars;
 use crate::optim::{CpuAdam, Grad, GradInPlace, ParamCopy};
 use crate::tide::Target;
@@ -48,11 +53,73 @@ pub(super) fn step_block(
     if grad.is_none() && !in_place {
         return Ok(());
     }
-    host_step(cpu, s, dt, grad, param, [master, momentum, variance])
+    host_step(
+        cpu,
+        s,
+        dt,
+        grad,
+        param,
+        master,
+        Moms::F32(momentum, variance),
+    )
 }
 
-/// One host step of the fp32 `state` (master, momentum, variance) with the gradients in
-/// `grad`, or with `None` in `param` (a parameter chunk holding its gradients), writing the new
+/// Adam's moments of a range of elements on the host.
+enum Moms<'a> {
+    F32(&'a mut [f32], &'a mut [f32]),
+    Int8(Moments8<'a>),
+}
+
+impl Moms<'_> {
+    fn step(
+        self,
+        cpu: &CpuAdam,
+        s: &AdamScalars,
+        p: &mut [f32],
+        g: Grad<'_>,
+        c: ParamCopy<'_>,
+    ) -> Result<()> {
+        match self {
+            Moms::F32(m, v) => cpu.step(s, p, m, v, g, c),
+            Moms::Int8(m) => cpu.step8(s, p, m, g, c),
+        }
+    }
+
+    fn step_in_place(
+        self,
+        cpu: &CpuAdam,
+        s: &AdamScalars,
+        p: &mut [f32],
+        g: GradInPlace<'_>,
+    ) -> Result<()> {
+        match self {
+            Moms::F32(m, v) => cpu.step_in_place(s, p, m, v, g),
+            Moms::Int8(m) => cpu.step8_in_place(s, p, m, g),
+        }
+    }
+}
+
+/// The elements an 8-bit step of gradient range `r` of a group of `n` elements covers: whole
+/// blocks (tensors start on a block, so the elements past `r` up to the block's end, or the
+/// group's, are padding), and the blocks' indices.
+fn blocks_of(r: &Range<usize>, n: usize) -> Result<(Range<usize>, Range<usize>)> {
+    if !r.start.is_multiple_of(QUANT8_BLOCK) {
+        return Err(Error::Internal {
+            what: format!(
+                "a gradient range of an 8-bit group starts at element {}, not on a block",
+                r.start
+            ),
+        });
+    }
+    let end = r.end.next_multiple_of(QUANT8_BLOCK).min(n);
+    Ok((
+        r.start..end,
+        r.start / QUANT8_BLOCK..end.div_ceil(QUANT8_BLOCK),
+    ))
+}
+
+/// One host step of the fp32 master `p` and the moments `m` with the gradients in `grad`, or
+/// with `None` in `param` (a parameter chunk holding its gradients), writing the new
 /// parameters to `param` in the parameter dtype `dt`.
 fn host_step(
     cpu: &CpuAdam,
@@ -60,39 +127,35 @@ fn host_step(
     dt: DType,
     grad: Option<&[u8]>,
     param: &mut [u8],
-    state: [&mut [f32]; 3],
+    p: &mut [f32],
+    m: Moms<'_>,
 ) -> Result<()> {
-    let [p, mo, va] = state;
     match (grad, dt) {
         (grad, DType::F32) => {
             let g: &[f32] = match grad {
                 Some(g) => typed(g)?,
                 None => typed_mut(param)?,
             };
-            cpu.step(s, p, mo, va, Grad::F32(g), ParamCopy::None)?;
+            m.step(cpu, s, p, Grad::F32(g), ParamCopy::None)?;
             param.copy_from_slice(bytemuck::cast_slice(p));
             Ok(())
         }
-        (Some(g), DType::F16) => cpu.step(
+        (Some(g), DType::F16) => m.step(
+            cpu,
             s,
             p,
-            mo,
-            va,
             Grad::F16(typed(g)?),
             ParamCopy::F16(typed_mut(param)?),
         ),
-        (Some(g), DType::BF16) => cpu.step(
+        (Some(g), DType::BF16) => m.step(
+            cpu,
             s,
             p,
-            mo,
-            va,
             Grad::Bf16(typed(g)?),
             ParamCopy::Bf16(typed_mut(param)?),
         ),
-        (None, DType::F16) => cpu.step_in_place(s, p, mo, va, GradInPlace::F16(typed_mut(param)?)),
-        (None, DType::BF16) => {
-            cpu.step_in_place(s, p, mo, va, GradInPlace::Bf16(typed_mut(param)?))
-        }
+        (None, DType::F16) => m.step_in_place(cpu, s, p, GradInPlace::F16(typed_mut(param)?)),
+        (None, DType::BF16) => m.step_in_place(cpu, s, p, GradInPlace::Bf16(typed_mut(param)?)),
         (_, other) => Err(Error::WrongDType {
             what: "parameters stepped by HybridAdam".into(),
             dtype: other,
@@ -230,35 +293,48 @@ pub(super) fn adam_group(
         GroupChunks::Host {
             param,
             master: Some(p),
-            momentum: Some(mo),
-            variance: Some(va),
+            moments: Some(mut moments),
         } => {
+            let n = p.len();
             for r in &v.ranges {
-                let (p, mo, va) = (&mut p[r.clone()], &mut mo[r.clone()], &mut va[r.clone()]);
+                let (r, b) = match &moments {
+                    HostMoments::F32 { .. } => (r.clone(), 0..0),
+                    HostMoments::Int8(_) => blocks_of(r, n)?,
+                };
+                let m = match &mut moments {
+                    HostMoments::F32 { momentum, variance } => {
+                        Moms::F32(&mut momentum[r.clone()], &mut variance[r.clone()])
+                    }
+                    HostMoments::Int8(m) => Moms::Int8(Moments8 {
+                        momentum: &mut m.momentum[r.clone()],
+                        variance: &mut m.variance[r.clone()],
+                        momentum_scales: &mut m.momentum_scales[b.clone()],
+                        variance_scales: &mut m.variance_scales[b],
+                    }),
+                };
+                let p = &mut p[r.clone()];
                 let bytes = &mut param[r.start * es..r.end * es];
                 let before = delayed.then(|| p.to_vec());
                 match (acc, dt) {
                     (Some(a), DType::F32) => {
-                        cpu.step(s, p, mo, va, Grad::F32(&a[r.clone()]), ParamCopy::None)?;
+                        m.step(cpu, s, p, Grad::F32(&a[r.clone()]), ParamCopy::None)?;
                         bytes.copy_from_slice(bytemuck::cast_slice(p));
                     }
-                    (Some(a), DType::F16) => cpu.step(
+                    (Some(a), DType::F16) => m.step(
+                        cpu,
                         s,
                         p,
-                        mo,
-                        va,
                         Grad::F32(&a[r.clone()]),
                         ParamCopy::F16(typed_mut(bytes)?),
                     )?,
-                    (Some(a), DType::BF16) => cpu.step(
+                    (Some(a), DType::BF16) => m.step(
+                        cpu,
                         s,
                         p,
-                        mo,
-                        va,
                         Grad::F32(&a[r.clone()]),
                         ParamCopy::Bf16(typed_mut(bytes)?),
                     )?,
-                    (None, dt) => host_step(cpu, s, dt, None, bytes, [p, mo, va])?,
+                    (None, dt) => host_step(cpu, s, dt, None, bytes, p, m)?,
                     (_, other) => {
                         return Err(Error::WrongDType {
                             what: "parameters stepped by HybridAdam".into(),
@@ -278,16 +354,20 @@ pub(super) fn adam_group(
             stream,
             param,
             master: Some(p),
-            momentum: Some(mo),
-            variance: Some(va),
+            moments: Some(moments),
         } => {
             if acc.is_some() {
                 return Err(Error::Internal {
                     what: "accumulated gradients of a device group (they live on the host)".into(),
                 });
             }
+            let n = p.len() / 4;
             for r in &v.ranges {
-                let f = |b| f32_span(b, r);
+                let r = match moments {
+                    DeviceMoments::F32 { .. } => r.clone(),
+                    DeviceMoments::Int8 { .. } => blocks_of(r, n)?.0,
+                };
+                let f = |b| f32_span(b, &r);
                 let grad = param.view(r.start * es, r.len() * es)?;
                 let before = if delayed {
                     let b = device.alloc(r.len() * 4)?;
@@ -296,19 +376,45 @@ pub(super) fn adam_group(
                 } else {
                     None
                 };
-                ops::adam(
-                    device,
-                    stream,
-                    s,
-                    AdamOperands {
-                        params: f(p)?,
-                        momentum: f(mo)?,
-                        variance: f(va)?,
-                        grad,
-                        grad_dtype: dt,
-                        copy: (dt != DType::F32).then_some((grad, dt)),
-                    },
-                )?;
+                let copy = (dt != DType::F32).then_some((grad, dt));
+                match moments {
+                    DeviceMoments::F32 { momentum, variance } => ops::adam(
+                        device,
+                        stream,
+                        s,
+                        AdamOperands {
+                            params: f(p)?,
+                            momentum: f(momentum)?,
+                            variance: f(variance)?,
+                            grad,
+                            grad_dtype: dt,
+                            copy,
+                        },
+                    )?,
+                    DeviceMoments::Int8 {
+                        momentum,
+                        variance,
+                        elems,
+                    } => {
+                        let (_, b) = blocks_of(&r, n)?;
+                        let at = scales_at(elems) + 4 * b.start;
+                        ops::adam8(
+                            device,
+                            stream,
+                            s,
+                            Adam8Operands {
+                                params: f(p)?,
+                                momentum: momentum.view(r.start, r.len())?,
+                                variance: variance.view(r.start, r.len())?,
+                                momentum_scales: momentum.view(at, 4 * b.len())?,
+                                variance_scales: variance.view(at, 4 * b.len())?,
+                                grad,
+                                grad_dtype: dt,
+                                copy,
+                            },
+                        )?
+                    }
+                }
                 if dt == DType::F32 {
                     device.copy_d2d(stream, f(p)?, grad)?;
                 }

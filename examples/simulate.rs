@@ -124,7 +124,7 @@ struct Args {
     #[arg(long)]
     file_gbs: Option<f64>,
     /// Adam's moments: fp32 (4 bytes an element each) or 8bit (block-wise, 1.016 bytes an
-    /// element each; a layout the simulator counts ahead of the chunk manager).
+    /// element each, as `ManagerConfig::moments` holds them).
     #[arg(long, default_value = "fp32", value_parser = ["fp32", "8bit"])]
     moments: String,
     /// Data-parallel ZeRO ranks, one device of --device-mem each, sharing one host of

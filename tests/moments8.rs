@@ -169,6 +169,104 @@ fn every_placement_policy_and_tier_gives_the_same_bits() {
     );
 }
 
+/// Host groups on 8-bit moments step during backward (on shadows of their codes and scales
+/// with a loss scaler and a clip, in place without) and after it, with the serial bits.
+#[test]
+fn overlapped_eight_bit_steps_equal_serial_ones() {
+    let int8 = MomentStorage::Int8;
+    let in_place = |overlap| HybridConfig {
+        placement: DevicePlacement::Groups(2),
+        overlap,
+        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
+    };
+    let scaled = |overlap| HybridConfig {
+        overlap,
+        ..*hybrid(DevicePlacement::Groups(2)).config()
+    };
+    for (what, cfg) in [
+        ("in place", &in_place as &dyn Fn(bool) -> HybridConfig),
+        ("shadowed", &scaled),
+    ] {
+        let run = |overlap| {
+            let (mut m, ids) = toy(common::sim(small()), Policy::Tide, small(), None, int8);
+            let mut opt = HybridAdam::new(cfg(overlap)).unwrap();
+            let r = train(&mut m, &ids, &mut opt, 0..8);
+            (r, m.overlap_stats())
+        };
+        let (serial, none) = run(false);
+        let (overlapped, o) = run(true);
+        assert_eq!(none.started, 0);
+        assert!(o.started > 0 && o.kept > 0, "{what}: {o:?}");
+        if what == "in place" {
+            assert_eq!(o.host_bytes, 0, "{what}: no shadow");
+        } else {
+            assert!(o.host_bytes > 0, "{what}: shadows {o:?}");
+        }
+        assert!(overlapped.1 == serial.1, "{what}: fp16 parameters differ");
+        assert!(overlapped.2 == serial.2, "{what}: fp32 masters differ");
+    }
+}
+
+/// A group long enough that its early step splits over threads (on block edges), and
+/// tensors that end inside a block: the serial bits.
+#[test]
+fn an_eight_bit_step_split_over_threads_keeps_the_bits() {
+    let run = |overlap: bool| {
+        let mut cfg = ManagerConfig::new(1 << 18, Policy::Tide);
+        cfg.moments = MomentStorage::Int8;
+        let mut m = ChunkManager::new(common::sim(64 << 20), cfg).unwrap();
+        // 100,001 + 150,000 elements in one chunk: the second starts at 100,096
+        let sizes = [100_001usize, 150_000, 70_000];
+        let ids: Vec<TensorId> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let init = Init::Uniform {
+                    seed: i as u64,
+                    lo: -1.0,
+                    hi: 1.0,
+                };
+                m.register(&format!("w{i}"), &[n], init).unwrap()
+            })
+            .collect();
+        assert_eq!(m.layout().slots[1].offset, 100_096);
+        let mut opt = HybridAdam::new(HybridConfig {
+            placement: DevicePlacement::HostOnly,
+            threads: 2,
+            overlap,
+            ..HybridConfig::new(AdamConfig::adamw(1e-3, 0.01))
+        })
+        .unwrap();
+        for step in 0..4u64 {
+            for &id in &ids {
+                m.fetch(&[id], Stage::Forward).unwrap();
+                m.release(&[id], Stage::Forward).unwrap();
+            }
+            m.end_forward().unwrap();
+            for (i, &id) in ids.iter().enumerate().rev() {
+                let g: Vec<f32> = (0..sizes[i])
+                    .map(|k| ((k as f32 * 0.013 + step as f32 + i as f32).sin()) * 1e-2)
+                    .collect();
+                m.fetch(&[id], Stage::Backward).unwrap();
+                m.write_grad(id, &g).unwrap();
+                m.release(&[id], Stage::Backward).unwrap();
+            }
+            m.end_backward().unwrap();
+            opt.step(&mut m).unwrap();
+        }
+        let bits: Vec<u32> = ids
+            .iter()
+            .flat_map(|&id| m.master(id).unwrap())
+            .map(f32::to_bits)
+            .collect();
+        (bits, m.overlap_stats())
+    };
+    let (serial, _) = run(false);
+    let (overlapped, o) = run(true);
+    assert!(o.kept > 0, "{o:?}");
+    assert!(overlapped == serial, "an early step split over threads");
+}
+
 #[test]
 fn cuda_steps_eight_bit_moments_as_the_sim_device_does() {
     let Some(gpu) = common::cuda("cuda_steps_eight_bit_moments_as_the_sim_device_does") else {

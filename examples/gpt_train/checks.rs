@@ -134,15 +134,20 @@ pub fn host(
         .iter()
         .map(|(_, s)| s.iter().product::<usize>() as u64)
         .sum();
-    // 8-bit moments: a byte an element and a scale a 256, and no overlap's shadows
-    let int8 = a.moments == "8bit";
-    let state = if int8 { 4.0 + 2.0 * 1.016 } else { 12.0 };
-    let model = (elems as f64 * (dtype.size() as f64 + state)) as u64;
+    // the master and the moments (8-bit: a byte an element and a scale a 256), and the
+    // overlap's shadow of them
+    let state = if a.moments == "8bit" {
+        4.0 + 2.0 * 1.016
+    } else {
+        12.0
+    };
+    let per = dtype.size() as f64 + state;
+    let model = (elems as f64 * per) as u64;
     let held = model.min(host_mem.unwrap_or(u64::MAX));
-    let shadow = if a.no_overlap || int8 {
+    let shadow = if a.no_overlap {
         0
     } else {
-        held / (dtype.size() as u64 + 12) * 12
+        (held as f64 / per * state) as u64
     };
     let sim = a.backend != "cuda" && !launched()?;
     let devices = if sim {

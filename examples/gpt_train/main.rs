@@ -115,8 +115,7 @@ struct Args {
     #[arg(long)]
     no_overlap: bool,
     /// How Adam's moments are held: f32, or 8bit (block-wise, a byte an element and a scale a
-    /// 256: model data of 8.04 bytes a parameter with fp16 parameters instead of 14; the host
-    /// groups step after backward, not during it).
+    /// 256: model data of 8.04 bytes a parameter with fp16 parameters instead of 14).
     #[arg(long, default_value = "f32", value_parser = ["f32", "8bit"])]
     moments: String,
     /// Host bytes for the overlapped step's copies of the optimizer state (with a loss scaler
@@ -329,9 +328,7 @@ fn step_plan(a: &Args, p: &Setup, gpt: &Gpt) -> Result<Option<StepPlan>> {
     opts.optimizer = DevicePlacement::Auto { fraction: 0.8 };
     opts.moments = p.moments;
     let scaled = p.dtype == DType::F16;
-    // (8-bit moments step after backward)
-    let serial = a.no_overlap || p.moments == MomentStorage::Int8;
-    opts.overlap = match (serial, scaled || a.clip > 0.0) {
+    opts.overlap = match (a.no_overlap, scaled || a.clip > 0.0) {
         (true, _) => SimOverlap::Serial,
         (false, false) => SimOverlap::InPlace,
         (false, true) => SimOverlap::Shadowed(match a.overlap_budget.as_str() {

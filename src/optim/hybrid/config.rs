@@ -33,7 +33,7 @@ impl DevicePlacement {
     /// under scheduler settings `sc`, with `non_model_peak` bytes of non-model data at the
     /// tightest moment and `param_footprint` bytes of parameter chunks: for
     /// [`DevicePlacement::Auto`], the groups in order while their fp32 master, momentum and
-    /// variance (12 bytes per element) fit in `fraction` of the margin
+    /// variance (12 bytes per element, 6.03 with 8-bit moments) fit in `fraction` of the margin
     /// `capacity · overall_fraction − reserve − non_model_peak − param_footprint`.
     pub(crate) fn groups(
         &self,
@@ -151,7 +151,7 @@ pub struct HybridConfig {
     /// worker thread (see "Overlap" in the module docs). Bitwise the serial step. Where nothing
     /// can invalidate a step (no loss scaler, no clip) the groups step in place, at no memory
     /// cost; otherwise on shadows, a second copy of the group's optimizer state and two
-    /// parameter-sized buffers a group (12 + 2 × parameter bytes an element) within `overlap_budget` (on
+    /// parameter-sized buffers a group (12 + 2 × parameter bytes an element; 6.03 + 2 × with 8-bit moments) within `overlap_budget` (on
     /// the file tier when chunks spill there). With accumulation, the micro-batches but the
     /// last fold during backward instead. Not with delayed parameters.
     pub overlap: bool,

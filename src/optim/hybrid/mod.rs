@@ -4,9 +4,7 @@ use std::sync::Arc;
 
 use super::scaler::LossScaler;
 use super::{grad_stats, CpuAdam, Grad, GradStats};
-use crate::chunk::{
-    grad_ranges, ChunkKind, ChunkManager, GroupChunks, HostBlock, MomentStorage, OverlapPlan,
-};
+use crate::chunk::{grad_ranges, ChunkKind, ChunkManager, GroupChunks, HostBlock, OverlapPlan};
 use crate::error::{Error, Result};
 use crate::tensor::{Stage, TensorId};
 use crate::tide::Target;
@@ -33,7 +31,8 @@ use crate::tide::Target;
 /// ([`ChunkManager::plan_optimizer`]): with `capacity` the
 /// scheduler's share of the device, `margin = capacity − peak non-model − fp16 footprint`, and
 /// `K = ⌊margin · fraction / (12 · chunk_elems)⌋` (12 bytes per element of fp32 master,
-/// momentum and variance).
+/// momentum and variance; 6.03 with 8-bit moments, `ManagerConfig::moments`, which the host
+/// groups step with `CpuAdam::step8` and the device groups with `ops::adam8`).
 ///
 /// **Gradient accumulation** over `N` micro-batches: after each of the first `N − 1` backward
 /// passes, [`HybridAdam::step`] folds the unscaled gradients into fp32 accumulators (host
@@ -53,7 +52,8 @@ use crate::tide::Target;
 /// after an overflow, a clip, a changed loss scale or learning rate, each host group is stepped
 /// again from its untouched originals (and the step after a clipped one is not speculated).
 /// Either way the bits are those of the serial step. The
-/// copies cost host memory: 12 bytes an element of master, momentum and variance and two
+/// copies cost host memory: 12 bytes an element of master, momentum and variance (6.03 with
+/// 8-bit moments: the copies hold the codes and scales) and two
 /// parameter-sized buffers a group, within [`HybridConfig::overlap_budget`]. The counts and
 /// bytes are [`ChunkManager::overlap_stats`]. With accumulation, each micro-batch but the
 /// last folds its gradients into the accumulators during backward instead (exact, whatever
@@ -414,7 +414,7 @@ impl HybridAdam {
         let clip = self.clip_coef(norm);
         let s = self.cfg.adam.scalars(self.steps + 1, clip / scale)?;
         m.overlap_verdict(Some(&overlap_key(&s, k, self.in_place(m))))?;
-        if self.cfg.overlap && !self.cfg.delayed_params && m.is_steady() && f32_moments(m) {
+        if self.cfg.overlap && !self.cfg.delayed_params && m.is_steady() {
             // host groups not stepped during backward step on the worker, in the next
             // forward's order, each waited for by that forward's first use of the group
             let (cpu, dt) = (self.cpu.with_threads(1), m.param_dtype());
@@ -446,8 +446,7 @@ impl HybridAdam {
             && !self.cfg.delayed_params
             && m.is_steady()
             && k < m.groups()
-            && !self.clipped_last
-            && f32_moments(m);
+            && !self.clipped_last;
         if !applies {
             m.arm_overlap(None);
             return Ok(());
@@ -719,9 +718,3 @@ use steps::{
     adam_group, fold_block, fold_key, from_f32, host_span, overlap_key, restore, step_block,
     to_f32, Accumulators,
 };
-
-/// Whether `m` holds fp32 moments: host groups on 8-bit moments step in the optimizer's pass
-/// (the overlap's worker steps fp32 state).
-fn f32_moments(m: &ChunkManager) -> bool {
-    m.config().moments == MomentStorage::F32
-}

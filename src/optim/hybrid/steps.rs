@@ -45,23 +45,18 @@ pub(super) fn step_block(
         in_place,
         param,
         master,
-        momentum,
-        variance,
+        moments,
         ..
     } = b;
     // (a step is handed the gradient ranges only: in place, the gradients are in `param`)
     if grad.is_none() && !in_place {
         return Ok(());
     }
-    host_step(
-        cpu,
-        s,
-        dt,
-        grad,
-        param,
-        master,
-        Moms::F32(momentum, variance),
-    )
+    let moments = match moments {
+        HostMoments::F32 { momentum, variance } => Moms::F32(momentum, variance),
+        HostMoments::Int8(m) => Moms::Int8(m),
+    };
+    host_step(cpu, s, dt, grad, param, master, moments)
 }
 
 /// Adam's moments of a range of elements on the host.

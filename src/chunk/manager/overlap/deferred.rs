@@ -85,6 +85,7 @@ impl ChunkManager {
             shadow: Vec::new(),
             ranges: ranges.to_vec(),
             elem_bytes: self.cfg.param_dtype.size(),
+            moments: self.cfg.moments,
             threads,
             step,
             every_block: false,

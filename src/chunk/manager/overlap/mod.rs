@@ -36,7 +36,7 @@
 //!
 //! Cost ([`overlap_group_bytes`], reported by [`OverlapStats::host_bytes`]): in place, none;
 //! with shadows, a second copy of a host group's master, momentum and variance (12 bytes an
-//! element) and two parameter-sized buffers (the gradients' copy and the new parameters); a
+//! element, 6.03 with 8-bit moments) and two parameter-sized buffers (the gradients' copy and the new parameters); a
 //! redone step costs the early one's CPU time again (the counts are [`OverlapStats`]).
 
 use std::sync::Arc;
@@ -45,7 +45,7 @@ use std::thread::JoinHandle;
 use crossbeam::channel::{bounded, unbounded, Receiver, Sender};
 use serde::Serialize;
 
-use super::{grad_ranges, ChunkManager, HostSlot, LogKind, LISTS};
+use super::{grad_ranges, ChunkManager, HostMoments, HostSlot, LogKind, LISTS};
 use crate::chunk::plan::{ChunkPlan, MomentStorage};
 use crate::device::{Event, HostBuffer, HostPhase};
 use crate::error::Result;
@@ -73,8 +73,8 @@ pub(crate) struct HostBlock<'a> {
     pub(crate) in_place: bool,
     pub(crate) param: &'a mut [u8],
     pub(crate) master: &'a mut [f32],
-    pub(crate) momentum: &'a mut [f32],
-    pub(crate) variance: &'a mut [f32],
+    /// The moments as the manager holds them (empty f32 slices for a fold).
+    pub(crate) moments: HostMoments<'a>,
 }
 
 /// The step of one [`HostBlock`], called from worker threads.
@@ -453,6 +453,7 @@ impl ChunkManager {
             shadow,
             ranges,
             elem_bytes: self.cfg.param_dtype.size(),
+            moments: self.cfg.moments,
             threads,
             step,
             every_block: fold,

@@ -7,11 +7,14 @@ use crossbeam::channel::Sender;
 
 use super::BlockStep;
 use super::HostBlock;
-use crate::chunk::manager::HostSlot;
+use crate::chunk::manager::{HostMoments, HostSlot};
+use crate::chunk::moments::split8;
+use crate::chunk::plan::MomentStorage;
 use crate::device::{HostBuffer, Pending};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::grad_stats::{grad_stats_split, GradStats};
+use crate::ops::{Moments8, QUANT8_BLOCK};
 
 /// Elements a worker copies to the shadows and steps at a time (192 KiB of fp32 state).
 const BLOCK: usize = 16 << 10;
@@ -41,6 +44,8 @@ pub(super) struct Job {
     pub(super) shadow: Vec<HostBuffer>,
     pub(super) ranges: Vec<Range<usize>>,
     pub(super) elem_bytes: usize,
+    /// How the lent momentum and variance hold their values.
+    pub(super) moments: MomentStorage,
     pub(super) threads: usize,
     pub(super) step: BlockStep,
     /// Every block is handed over, `grad` `None` outside the gradients (a fold).
@@ -77,6 +82,7 @@ pub(super) fn run_job(job: Job) -> Finished {
         mut shadow,
         ranges,
         elem_bytes,
+        moments,
         threads,
         step,
         every_block,
@@ -135,6 +141,7 @@ pub(super) fn run_job(job: Job) -> Finished {
         group,
         ranges: &ranges,
         es: elem_bytes,
+        moments,
         every_block,
         step: &step,
     };
@@ -174,6 +181,7 @@ struct Group<'a> {
     group: usize,
     ranges: &'a [Range<usize>],
     es: usize,
+    moments: MomentStorage,
     every_block: bool,
     step: &'a BlockStep,
 }
@@ -187,6 +195,65 @@ fn f32s_mut(b: &mut [u8]) -> Result<&mut [f32]> {
     })
 }
 
+/// One lent list's elements: f32 values, or 8-bit codes and the scales of their blocks (the
+/// first element on a block).
+enum List<'a> {
+    F32(&'a mut [f32]),
+    Int8(&'a mut [u8], &'a mut [f32]),
+}
+
+impl<'a> List<'a> {
+    /// List `i` of a group's lent chunks (master, momentum, variance) of `n` elements.
+    fn of(b: &'a mut [u8], i: usize, moments: MomentStorage, n: usize) -> Result<Self> {
+        match (i, moments) {
+            (1 | 2, MomentStorage::Int8) => {
+                let (codes, scales) = split8(b, n)?;
+                Ok(List::Int8(codes, scales))
+            }
+            _ => Ok(List::F32(f32s_mut(b)?)),
+        }
+    }
+
+    /// The first `len` elements (a block multiple for 8 bits) and the rest.
+    fn split_at(self, len: usize) -> (Self, Self) {
+        match self {
+            List::F32(v) => {
+                let (a, b) = v.split_at_mut(len);
+                (List::F32(a), List::F32(b))
+            }
+            List::Int8(c, s) => {
+                let blocks = len.div_ceil(QUANT8_BLOCK).min(s.len());
+                let (ca, cb) = c.split_at_mut(len);
+                let (sa, sb) = s.split_at_mut(blocks);
+                (List::Int8(ca, sa), List::Int8(cb, sb))
+            }
+        }
+    }
+
+    /// Elements `x..y` (`x` on a block for 8 bits) and their blocks' scales.
+    fn range(&mut self, x: usize, y: usize) -> List<'_> {
+        match self {
+            List::F32(v) => List::F32(&mut v[x..y]),
+            List::Int8(c, s) => List::Int8(
+                &mut c[x..y],
+                &mut s[x / QUANT8_BLOCK..y.div_ceil(QUANT8_BLOCK)],
+            ),
+        }
+    }
+
+    /// Copies elements `x..y` of `from` (the same kind of list) into this one.
+    fn copy_range(&mut self, from: &mut List<'_>, x: usize, y: usize) {
+        match (self.range(x, y), from.range(x, y)) {
+            (List::F32(a), List::F32(b)) => a.copy_from_slice(b),
+            (List::Int8(ca, sa), List::Int8(cb, sb)) => {
+                ca.copy_from_slice(cb);
+                sa.copy_from_slice(sb);
+            }
+            _ => unreachable!("a shadow is of its chunk's kind"),
+        }
+    }
+}
+
 /// One thread's share of a group: the elements `lo..` of every operand.
 struct Part<'a> {
     lo: usize,
@@ -194,16 +261,16 @@ struct Part<'a> {
     grad: Option<&'a [u8]>,
     out: &'a mut [u8],
     /// The lent chunks' elements (read, and for a fold handed to the step).
-    orig: Vec<&'a mut [f32]>,
+    orig: Vec<List<'a>>,
     /// Their copies (a step's).
-    shadow: Vec<&'a mut [f32]>,
+    shadow: Vec<List<'a>>,
 }
 
-/// Splits each slice at `len`, keeping the tail in place and returning the head.
-fn split_heads<'a>(v: &mut Vec<&'a mut [f32]>, len: usize) -> Vec<&'a mut [f32]> {
+/// Splits each list at `len`, keeping the tail in place and returning the head.
+fn split_heads<'a>(v: &mut Vec<List<'a>>, len: usize) -> Vec<List<'a>> {
     let mut heads = Vec::with_capacity(v.len());
     for x in v.iter_mut() {
-        let (a, b) = std::mem::take(x).split_at_mut(len);
+        let (a, b) = std::mem::replace(x, List::F32(&mut [])).split_at(len);
         heads.push(a);
         *x = b;
     }
@@ -225,17 +292,19 @@ fn step_group(
         Io::InPlace(out) => (None, out),
     };
     let n = out.len() / es;
-    let mut orig: Vec<&mut [f32]> = orig
+    let mut orig: Vec<List<'_>> = orig
         .iter_mut()
-        .map(|b| f32s_mut(b))
+        .enumerate()
+        .map(|(i, b)| List::of(b, i, g.moments, n))
         .collect::<Result<_>>()?;
-    let mut shadow: Vec<&mut [f32]> = shadow
+    let mut shadow: Vec<List<'_>> = shadow
         .iter_mut()
-        .map(|b| f32s_mut(b))
+        .enumerate()
+        .map(|(i, b)| List::of(b, i, g.moments, n))
         .collect::<Result<_>>()?;
     let parts = threads.min(n / MIN_PER_THREAD).max(1);
-    // split on 64-element boundaries, as the CPU kernel does
-    let per = n.div_ceil(parts).div_ceil(64) * 64;
+    // split on 64-element boundaries, as the CPU kernel does (on the 8-bit blocks, 256)
+    let per = n.div_ceil(parts).div_ceil(QUANT8_BLOCK) * QUANT8_BLOCK;
     let mut split = Vec::with_capacity(parts);
     let mut rest = out;
     let mut lo = 0;
@@ -285,8 +354,8 @@ fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
     let mut b = 0;
     while b < n {
         let e = (b + BLOCK).min(n);
-        for (s, o) in shadow.iter_mut().zip(orig.iter()) {
-            s[b..e].copy_from_slice(&o[b..e]);
+        for (s, o) in shadow.iter_mut().zip(orig.iter_mut()) {
+            s.copy_range(o, b, e);
         }
         if let Some(grad) = grad {
             out[b * es..e * es].copy_from_slice(&grad[b * es..e * es]);
@@ -304,6 +373,12 @@ fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
             if g.every_block && at < x {
                 pieces.push((at, x, false));
             }
+            // an 8-bit step covers its last block whole (past the range, padding), as the
+            // serial step does
+            let y = match g.moments {
+                MomentStorage::Int8 if !g.every_block => y.next_multiple_of(QUANT8_BLOCK).min(e),
+                _ => y,
+            };
             pieces.push((x, y, true));
             at = y;
         }
@@ -316,17 +391,36 @@ fn step_part(part: Part<'_>, g: &Group<'_>) -> Result<()> {
             } else {
                 &mut shadow
             };
-            let mut s = state.iter_mut().map(|v| &mut v[x..y]);
+            let mut s = state.iter_mut().map(|v| v.range(x, y));
             let (master, momentum, variance) = (s.next(), s.next(), s.next());
+            let master = match master {
+                Some(List::F32(m)) => m,
+                None => &mut [],
+                Some(List::Int8(..)) => unreachable!("masters are f32"),
+            };
+            let moments = match (momentum, variance) {
+                (Some(List::F32(momentum)), Some(List::F32(variance))) => {
+                    HostMoments::F32 { momentum, variance }
+                }
+                (Some(List::Int8(m, ms)), Some(List::Int8(v, vs))) => HostMoments::Int8(Moments8 {
+                    momentum: m,
+                    variance: v,
+                    momentum_scales: ms,
+                    variance_scales: vs,
+                }),
+                _ => HostMoments::F32 {
+                    momentum: &mut [],
+                    variance: &mut [],
+                },
+            };
             (g.step)(HostBlock {
                 group: g.group,
                 offset: lo + x,
                 grad: grad.filter(|_| has).map(|d| &d[x * es..y * es]),
                 in_place: has && grad.is_none(),
                 param: &mut out[x * es..y * es],
-                master: master.unwrap_or_default(),
-                momentum: momentum.unwrap_or_default(),
-                variance: variance.unwrap_or_default(),
+                master,
+                moments,
             })?;
         }
         b = e;

@@ -16,7 +16,7 @@
 #include "common.cuh"
 
 #include "adam.cuh"
-#include "quant8.cuh"
+#include "quant8_code.cuh"
 
 struct Adam8NoCopy {};
 __device__ __forceinline__ void adam8_store(Adam8NoCopy*, unsigned long long, float) {}
@@ -25,32 +25,6 @@ __device__ __forceinline__ void adam8_store(__half* c, unsigned long long i, flo
 }
 __device__ __forceinline__ void adam8_store(__nv_bfloat16* c, unsigned long long i, float x) {
     c[i] = __float2bfloat16_rn(x);
-}
-
-// The magnitude code of `a` in [0, 1] (quant8.rs: `magnitude_code`).
-__device__ __forceinline__ unsigned quant8_magnitude(const Quant8Consts& c, float a) {
-    int d = 0;
-    for (int k = 1; k < QUANT8_DECADES; ++k) {
-        if (a >= QUANT8_EDGES[k]) d = k;
-    }
-    float t = __fmul_rn(__fsub_rn(__fmul_rn(a, c.up[d]), 0.1f), c.per[d]);
-    t = fminf(fmaxf(t, 0.0f), (float)(c.count[d] - 1));
-    const unsigned j = (unsigned)(int)t;
-    unsigned mag = c.base[d] + j;
-    if (j == 0 && !(a >= c.low[d])) mag -= 1;
-    if (mag == c.top - 1 && a > c.high) mag = c.top;
-    return mag;
-}
-
-__device__ __forceinline__ unsigned char quant8_signed(float x) {
-    const unsigned mag = quant8_magnitude(QUANT8_SIGNED, fabsf(x));
-    if (x < 0.0f) return (unsigned char)(127u - (mag < 127u ? mag : 127u));
-    return (unsigned char)(127u + mag);
-}
-
-__device__ __forceinline__ unsigned char quant8_unsigned(float x) {
-    if (!(x > 0.0f)) return 0;
-    return (unsigned char)quant8_magnitude(QUANT8_UNSIGNED, x);
 }
 
 __device__ __forceinline__ unsigned adam8_max(unsigned a, unsigned b) { return a > b ? a : b; }

@@ -65,6 +65,7 @@ pub const HEADERS: &[KernelSource] = &[
     kernel_file!("cast.cuh"),
     kernel_file!("adam.cuh"),
     kernel_file!("quant8.cuh"),
+    kernel_file!("quant8_code.cuh"),
     kernel_file!("grad_stats.cuh"),
     kernel_file!("embedding.cuh"),
     kernel_file!("gelu.cuh"),

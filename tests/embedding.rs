@@ -72,10 +72,16 @@ fn grad_of(out: &[f32]) -> Vec<f32> {
         .collect()
 }
 
-const OPTIMIZERS: [EmbeddingOptimizer; 3] = [
+const OPTIMIZERS: [EmbeddingOptimizer; 4] = [
     EmbeddingOptimizer::Sgd { lr: 0.5 },
     EmbeddingOptimizer::RowwiseAdagrad { lr: 0.3, eps: 1e-8 },
     EmbeddingOptimizer::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    },
+    EmbeddingOptimizer::Adam8 {
         lr: 0.01,
         beta1: 0.9,
         beta2: 0.999,
@@ -622,7 +628,7 @@ proptest! {
         seed in 0u64..100_000,
         capacity in 8usize..64,
         policy in 0usize..3,
-        opt in 0usize..3,
+        opt in 0usize..4,
         mean in any::<bool>(),
         weighted in any::<bool>(),
         steps in 4usize..14,
@@ -632,6 +638,7 @@ proptest! {
             EmbeddingOptimizer::Sgd { lr: 0.25 },
             EmbeddingOptimizer::RowwiseAdagrad { lr: 0.1, eps: 1e-8 },
             EmbeddingOptimizer::Adam { lr: 0.05, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
+            EmbeddingOptimizer::Adam8 { lr: 0.05, beta1: 0.9, beta2: 0.999, eps: 1e-8 },
         ][opt];
         let mode = if mean { BagMode::Mean } else { BagMode::Sum };
         let w = weights();

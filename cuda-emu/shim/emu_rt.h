@@ -20,7 +20,7 @@ using std::isfinite;
 #define __host__
 #define __forceinline__ inline
 // Constant memory: a file-scope table, read-only by use.
-#define __constant__
+#define __constant__ static
 // Shared memory: statics in their own section, which the runtime fills with 0xff bytes before
 // every block (a GPU's shared memory starts as garbage, not zeros). GCC ignores the section of
 // a static in a function template: those keep a static's zeros and the last block's values.

@@ -19,7 +19,7 @@
 //! ```
 //!
 //! The MLPs train with Adam in the memory layer (`--lr`); the embedding rows with the cache's
-//! row optimizer (`--emb-opt sgd|adagrad|adam`, `--emb-lr`). Ids are counted over the first
+//! row optimizer (`--emb-opt sgd|adagrad|adam|adam8`, `--emb-lr`). Ids are counted over the first
 //! `--count-batches` batches, the tables reordered by frequency and the hottest
 //! `--warmup × capacity` rows preloaded. The capacity is raised to twice the largest batch's
 //! distinct rows when the ratio gives fewer (reported as `capacity`).
@@ -144,7 +144,8 @@ pub struct Args {
     /// Share of the cache preloaded with the hottest rows.
     #[arg(long, default_value_t = defaults::WARMUP)]
     warmup: f64,
-    /// The embedding rows' optimizer: sgd, adagrad (row-wise) or adam.
+    /// The embedding rows' optimizer: sgd, adagrad (row-wise), adam, or adam8 (Adam on 8-bit
+    /// moments: ⌈dim/2⌉ + 2 floats of state a row, not 2·dim).
     #[arg(long, default_value = defaults::EMB_OPT)]
     emb_opt: String,
     /// The embedding rows' learning rate.
@@ -234,7 +235,13 @@ impl Args {
                 beta2: 0.999,
                 eps: 1e-8,
             },
-            o => return Err(bad(format!("--emb-opt {o}: sgd, adagrad or adam"))),
+            "adam8" => EmbeddingOptimizer::Adam8 {
+                lr: self.emb_lr,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            o => return Err(bad(format!("--emb-opt {o}: sgd, adagrad, adam or adam8"))),
         })
     }
 

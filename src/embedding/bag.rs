@@ -342,7 +342,8 @@ impl CachedEmbeddingBag {
         init: impl FnMut(u32, &mut [f32]),
     ) -> Result<Self> {
         let state = optimizer.state_len(config.dim);
-        let cache = EmbeddingCache::new(device, config.state(state), init)?;
+        let config = config.state(state).state_bits(optimizer.packed_state());
+        let cache = EmbeddingCache::new(device, config, init)?;
         Ok(Self {
             cache,
             mode,

@@ -44,6 +44,8 @@ pub struct CacheConfig {
     pub host: HostTier,
     /// Rows per host↔device transfer: the staging buffers hold this many rows.
     pub(crate) staging_rows: usize,
+    /// The state holds bits, not floats (8-bit moments): checkpoints store it as `U32`.
+    pub(crate) state_bits: bool,
 }
 
 impl CacheConfig {
@@ -58,12 +60,19 @@ impl CacheConfig {
             policy: CachePolicy::Frequency,
             host: HostTier::Paged,
             staging_rows: 4096,
+            state_bits: false,
         }
     }
 
     /// Sets the floats of optimizer state per row.
     pub(crate) fn state(mut self, state: usize) -> Self {
         self.state = state;
+        self
+    }
+
+    /// Marks the state as bits ([`CacheConfig::state_bits`]).
+    pub(crate) fn state_bits(mut self, bits: bool) -> Self {
+        self.state_bits = bits;
         self
     }
 
@@ -130,6 +139,8 @@ pub struct EmbeddingCache {
     /// Why the cache is unusable: a transfer failed after the index had changed, so the index
     /// may name rows the device or host copy does not hold.
     broken: Option<String>,
+    /// The rows' state holds bits (8-bit moments): checkpoints store it as `U32`.
+    state_bits: bool,
 }
 
 /// Staging for one direction of transfers: `staging_rows` rows and their slot numbers, in
@@ -240,6 +251,7 @@ impl EmbeddingCache {
             policy,
             host,
             staging_rows,
+            state_bits,
         } = config;
         if dim == 0 || staging_rows == 0 {
             let (what, got) = if dim == 0 {
@@ -309,6 +321,7 @@ impl EmbeddingCache {
             admit_in_flight: None,
             moved: CacheMoves::default(),
             broken: None,
+            state_bits,
         })
     }
 
@@ -830,7 +843,8 @@ impl EmbeddingCache {
     }
 
     /// Saves the table in id order as safetensors (`weight`: `rows × dim`; `state`:
-    /// `rows × state` when the rows carry optimizer state), after a flush.
+    /// `rows × state` when the rows carry optimizer state: f32, or `U32` bits where it holds
+    /// 8-bit moments), after a flush.
     pub fn save(&mut self, path: impl AsRef<Path>) -> Result<()> {
         self.save_with(path.as_ref(), &BTreeMap::new())?.persist()
     }
@@ -851,6 +865,7 @@ impl EmbeddingCache {
             self.dim,
             self.stride,
             metadata,
+            self.state_bits,
         )
     }
 

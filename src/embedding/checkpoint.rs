@@ -13,7 +13,8 @@ use crate::checkpoint::{bad, io, Entry, Reader, Written};
 use crate::error::Result;
 
 /// Writes `weight` (`rows × dim`) and, when `stride > dim`, `state` (`rows × (stride - dim)`)
-/// in id order: id `i` is host row `perm[i]` of `host` (rows of `stride` floats).
+/// in id order: id `i` is host row `perm[i]` of `host` (rows of `stride` floats). With
+/// `state_bits` the state is stored as `U32` words (8-bit moments' codes: bits, not floats).
 pub(crate) fn save(
     path: &Path,
     host: &[f32],
@@ -21,6 +22,7 @@ pub(crate) fn save(
     dim: usize,
     stride: usize,
     extra: &BTreeMap<String, String>,
+    state_bits: bool,
 ) -> Result<Written> {
     let rows = perm.len();
     let state = stride - dim;
@@ -35,7 +37,7 @@ pub(crate) fn save(
     if state > 0 {
         entries.push(Entry {
             name: "state".into(),
-            dtype: Dtype::F32,
+            dtype: if state_bits { Dtype::U32 } else { Dtype::F32 },
             shape: vec![rows, state],
         });
     }
@@ -55,14 +57,16 @@ pub(crate) fn save(
 pub(crate) type Loaded = (Vec<f32>, Vec<f32>, BTreeMap<String, String>);
 
 /// Reads a checkpoint written by [`save`] for a table of `rows × dim` with `state` floats of
-/// optimizer state per row: the weights and the state in id order, and the file's metadata.
+/// optimizer state per row (as `F32` or as `U32` bits): the weights and the state in id order,
+/// and the file's metadata.
 pub(crate) fn load(path: &Path, rows: usize, dim: usize, state: usize) -> Result<Loaded> {
     let file = Reader::open(path)?;
     let read = |name: &str, cols: usize| -> Result<Vec<f32>> {
         let t = file
             .info(name)
             .ok_or_else(|| file.bad(format!("it has no tensor '{name}'")))?;
-        if t.dtype() != Dtype::F32 || t.shape() != [rows, cols] {
+        let bits = name == "state" && t.dtype() == Dtype::U32;
+        if (t.dtype() != Dtype::F32 && !bits) || t.shape() != [rows, cols] {
             return Err(bad(
                 path,
                 format!(
@@ -102,7 +106,7 @@ mod tests {
         let host = [10.0, 11.0, 12.0, 20.0, 21.0, 22.0, 30.0, 31.0, 32.0];
         let perm = [2, 0, 1];
         let extra = BTreeMap::from([("k".to_string(), "v".to_string())]);
-        save(&p, &host, &perm, 2, 3, &extra)
+        save(&p, &host, &perm, 2, 3, &extra, false)
             .unwrap()
             .persist()
             .unwrap();

@@ -143,13 +143,17 @@ impl ShardedEmbedding {
                 },
             });
         }
-        if sharding == Sharding::ColumnWise
-            && matches!(optimizer, EmbeddingOptimizer::RowwiseAdagrad { .. })
-        {
+        let row_wide = match optimizer {
+            EmbeddingOptimizer::RowwiseAdagrad { .. } => Some("row-wise Adagrad"),
+            EmbeddingOptimizer::Adam8 { .. } => Some("Adam on 8-bit moments"),
+            _ => None,
+        };
+        if let (Sharding::ColumnWise, Some(what)) = (sharding, row_wide) {
             return Err(Error::Conflict {
-                what: "row-wise Adagrad".into(),
-                with: "column-wise sharding (its one accumulator spans a row's full width, which \
-                       a column-wise shard does not see: shard table-wise, or use SGD or Adam)"
+                what: what.into(),
+                with: "column-wise sharding (its accumulator or its moments' scales span a \
+                       row's full width, which a column-wise shard does not see: shard \
+                       table-wise, or use SGD or Adam)"
                     .into(),
             });
         }

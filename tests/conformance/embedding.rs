@@ -75,9 +75,16 @@ pub(super) fn backward_cases(r: &mut Rng) -> Vec<Case> {
 
 pub(super) fn step_cases(r: &mut Rng) -> Vec<Case> {
     let mut v = vec![];
-    for kind in 0..3 {
-        for (rows, dim, n) in [(4usize, 1usize, 0usize), (10, 3, 4), (50, 33, 20)] {
-            let stride = dim + [0, 1, 2 * dim][kind as usize];
+    // kind 3: Adam on 8-bit moments (random codes and scales); a row wider than a block of
+    // threads too
+    for kind in 0..4 {
+        for (rows, dim, n) in [
+            (4usize, 1usize, 0usize),
+            (10, 3, 4),
+            (50, 33, 20),
+            (8, 300, 5),
+        ] {
+            let stride = dim + [0, 1, 2 * dim, (2 * dim).div_ceil(4) + 2][kind as usize];
             let mut ids: Vec<u32> = (0..rows as u32).collect();
             for i in (1..ids.len()).rev() {
                 ids.swap(i, r.below(i as u64 + 1) as usize);

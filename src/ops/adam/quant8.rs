@@ -18,7 +18,9 @@
 //! decade's count, `c1 = 0.9·p/k` and `c0 = p·(0.1 + 0.45/k)`, each rounded to f32 from f64.
 //! [`Quant8Map::table`] is the map; every path looks a code up in it.
 //!
-//! Quantizing picks the **nearest entry**. The magnitude is scaled by `1/absmax` (one f32
+//! Quantizing picks the **nearest entry**, except that a positive value never takes the
+//! unsigned map's 0 (below the smallest entry it takes that entry): a variance rounded to 0
+//! would divide its element's step by ε alone, a step up to `lr·m/ε` where Adam takes `lr`. The magnitude is scaled by `1/absmax` (one f32
 //! division a block, then one multiply a value). Its decade comes from comparisons with the
 //! powers of ten. Its sub-interval within the decade is
 //! `trunc((a·10^(6−i) − 0.1)·(k/0.9))`, clamped to the decade. Two more comparisons cover the
@@ -187,7 +189,8 @@ impl Quant8Map {
         match self {
             Quant8Map::Signed if x < 0.0 => (127 - mag.min(127)) as u8,
             Quant8Map::Signed => (127 + mag) as u8,
-            Quant8Map::Unsigned if x > 0.0 => mag as u8,
+            // a positive variance never rounds to 0: the step would divide by ε alone
+            Quant8Map::Unsigned if x > 0.0 => mag.max(1) as u8,
             Quant8Map::Unsigned => 0,
         }
     }
@@ -452,6 +455,11 @@ mod tests {
                     x
                 };
                 let (got, want) = (map.code(x), nearest(map, x));
+                if map == Quant8Map::Unsigned && x > 0.0 && want == 0 {
+                    // a positive variance takes the smallest entry, never 0
+                    assert_eq!(got, 1, "{x:e}");
+                    continue;
+                }
                 let (dg, dw) = ((t[got as usize] - x).abs(), (t[want as usize] - x).abs());
                 // the nearest, up to the rounding of a sub-interval's edge (a few f32 steps)
                 assert!(

@@ -67,7 +67,7 @@ abi! {
         pub dim: u64,
         /// Rows stepped.
         pub n: u64,
-        /// 0 SGD, 1 row-wise Adagrad, 2 Adam.
+        /// 0 SGD, 1 row-wise Adagrad, 2 Adam, 3 Adam on 8-bit moments.
         pub kind: i32,
         /// Learning rate.
         pub lr: f32,
@@ -252,8 +252,8 @@ abi! {
         check: Some(|info| {
             let p: EmbStepParams = info.params()?;
             let ok = p.dim >= 1
-                && p.stride >= p.dim
-                && (0..=2).contains(&p.kind)
+                && (0..=3).contains(&p.kind)
+                && p.stride >= p.dim + row_optimizer(&p).state_len(p.dim as usize) as u64
                 && info.len(0) as u64 == p.table_rows * p.stride
                 && info.len(1) as u64 == p.n
                 && info.len(2) as u64 == p.n * p.dim;
@@ -339,7 +339,15 @@ fn row_optimizer(p: &EmbStepParams) -> RowStep {
             lr: p.lr,
             eps: p.eps,
         },
-        _ => RowStep::Adam {
+        2 => RowStep::Adam {
+            lr: p.lr,
+            beta1: p.beta1,
+            beta2: p.beta2,
+            eps: p.eps,
+            bias1: p.bias1,
+            bias2: p.bias2,
+        },
+        _ => RowStep::Adam8 {
             lr: p.lr,
             beta1: p.beta1,
             beta2: p.beta2,
@@ -563,6 +571,14 @@ pub fn embedding_step(
             bias1,
             bias2,
         } => (2, lr, eps, beta1, beta2, bias1, bias2),
+        RowStep::Adam8 {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            bias1,
+            bias2,
+        } => (3, lr, eps, beta1, beta2, bias1, bias2),
     };
     let p = EmbStepParams {
         table_rows: (table.len() / 4 / stride) as u64,

@@ -14,6 +14,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::error::{Error, Result};
+use crate::ops::Quant8Map;
 
 /// A multiplicative hash for `u32` keys (ids are not adversarial here: they were checked
 /// against the table and come from the trainer).
@@ -75,10 +76,28 @@ pub enum EmbeddingOptimizer {
         /// Added to the root of the corrected second moment.
         eps: f32,
     },
+    /// [`EmbeddingOptimizer::Adam`] with 8-bit moments: each moment a byte an element in the
+    /// dynamic maps of [`Quant8Map`](crate::ops::Quant8Map) (signed for `m`, unsigned for
+    /// `v`), each scaled by the row's largest magnitude (a row is one block, however wide it
+    /// is: no scale spans two rows, which move alone). The codes of `m` then `v` fill floats
+    /// `dim..dim + ⌈2·dim / 4⌉` (little-endian bytes), the two scales follow: `⌈dim / 2⌉ + 2`
+    /// floats of state, not `2·dim` (66 against 256 at `dim` 128). The step's arithmetic is
+    /// Adam's on the dequantized moments.
+    Adam8 {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the corrected second moment.
+        eps: f32,
+    },
 }
 
 impl EmbeddingOptimizer {
-    /// Floats of state per row for embeddings of `dim` floats: 0, 1 or `2·dim`.
+    /// Floats of state per row for embeddings of `dim` floats: 0, 1, `2·dim` or, 8-bit,
+    /// `⌈2·dim / 4⌉ + 2`.
     pub fn state_len(&self, dim: usize) -> usize {
         self.at_step(1).state_len(dim)
     }
@@ -94,18 +113,48 @@ impl EmbeddingOptimizer {
                 beta2,
                 eps,
             } => {
-                let t = t.clamp(1, i32::MAX as u64) as i32;
+                let (bias1, bias2) = biases(beta1, beta2, t);
                 RowStep::Adam {
                     lr,
                     beta1,
                     beta2,
                     eps,
-                    bias1: (1.0 - (beta1 as f64).powi(t)) as f32,
-                    bias2: (1.0 - (beta2 as f64).powi(t)) as f32,
+                    bias1,
+                    bias2,
+                }
+            }
+            EmbeddingOptimizer::Adam8 {
+                lr,
+                beta1,
+                beta2,
+                eps,
+            } => {
+                let (bias1, bias2) = biases(beta1, beta2, t);
+                RowStep::Adam8 {
+                    lr,
+                    beta1,
+                    beta2,
+                    eps,
+                    bias1,
+                    bias2,
                 }
             }
         }
     }
+
+    /// Whether a row's state holds 8-bit codes (bits, not floats).
+    pub(crate) fn packed_state(&self) -> bool {
+        matches!(self, EmbeddingOptimizer::Adam8 { .. })
+    }
+}
+
+/// Adam's bias corrections `1 − βᵗ` of step `t`.
+fn biases(beta1: f32, beta2: f32, t: u64) -> (f32, f32) {
+    let t = t.clamp(1, i32::MAX as u64) as i32;
+    (
+        (1.0 - (beta1 as f64).powi(t)) as f32,
+        (1.0 - (beta2 as f64).powi(t)) as f32,
+    )
 }
 
 /// The scalars of one optimizer step on embedding rows ([`EmbeddingOptimizer::at_step`]).
@@ -139,15 +188,31 @@ pub(crate) enum RowStep {
         /// `1 - β2^t`.
         bias2: f32,
     },
+    /// [`RowStep::Adam`] on 8-bit moments ([`EmbeddingOptimizer::Adam8`]).
+    Adam8 {
+        /// Learning rate.
+        lr: f32,
+        /// First-moment decay.
+        beta1: f32,
+        /// Second-moment decay.
+        beta2: f32,
+        /// Added to the root of the corrected second moment.
+        eps: f32,
+        /// `1 - β1^t`.
+        bias1: f32,
+        /// `1 - β2^t`.
+        bias2: f32,
+    },
 }
 
 impl RowStep {
-    /// Floats of state per row: 0, 1 or `2·dim`.
+    /// Floats of state per row: 0, 1, `2·dim` or `⌈2·dim / 4⌉ + 2`.
     pub fn state_len(&self, dim: usize) -> usize {
         match self {
             RowStep::Sgd { .. } => 0,
             RowStep::RowwiseAdagrad { .. } => 1,
             RowStep::Adam { .. } => 2 * dim,
+            RowStep::Adam8 { .. } => (2 * dim).div_ceil(4) + 2,
         }
     }
 }
@@ -500,6 +565,50 @@ fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowStep) {
                 w[k] -= lr * mhat / (vhat.sqrt() + eps);
             }
         }
+        RowStep::Adam8 {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            bias1,
+            bias2,
+        } => {
+            let (w, state) = row.split_at_mut(dim);
+            let (codes, scales) = state.split_at_mut((2 * dim).div_ceil(4));
+            let codes: &mut [u8] = bytemuck::cast_slice_mut(codes);
+            let (mc, vc) = codes.split_at_mut(dim);
+            let (ms, vs) = (scales[0], scales[1]);
+            let (sm, um) = (Quant8Map::Signed, Quant8Map::Unsigned);
+            // the moments of element k after the step, from the codes before it
+            let moments = |mc: &[u8], vc: &[u8], k: usize| {
+                let (m, v) = (sm.value(mc[k]) * ms, um.value(vc[k]) * vs);
+                let gk = g[k];
+                (
+                    beta1 * m + (1.0 - beta1) * gk,
+                    beta2 * v + (1.0 - beta2) * (gk * gk),
+                )
+            };
+            // the step and the new largest magnitudes, then the codes under them
+            let (mut bm, mut bv) = (0u32, 0u32);
+            for (k, w) in w.iter_mut().enumerate() {
+                let (m, v) = moments(mc, vc, k);
+                let mhat = m / bias1;
+                let vhat = v / bias2;
+                *w -= lr * mhat / (vhat.sqrt() + eps);
+                bm = bm.max(m.to_bits() & 0x7fff_ffff);
+                bv = bv.max(v.to_bits() & 0x7fff_ffff);
+            }
+            let (am, av) = (f32::from_bits(bm), f32::from_bits(bv));
+            let im = if am > 0.0 { 1.0 / am } else { 0.0 };
+            let iv = if av > 0.0 { 1.0 / av } else { 0.0 };
+            for k in 0..dim {
+                let (m, v) = moments(mc, vc, k);
+                mc[k] = Quant8Map::Signed.code(m * im);
+                vc[k] = Quant8Map::Unsigned.code(v * iv);
+            }
+            scales[0] = am;
+            scales[1] = av;
+        }
     }
 }
 
@@ -589,6 +698,81 @@ mod tests {
         )
         .is_err());
         assert!(bag_forward(&T, 1, 2, &[0], &[0, 1], None, BagMode::Sum, &mut out[..2]).is_err());
+    }
+
+    #[test]
+    fn adam_rows_on_eight_bit_moments_follow_adam() {
+        let dim = 40;
+        let (a8, a32) = (
+            EmbeddingOptimizer::Adam8 {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+            EmbeddingOptimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+            },
+        );
+        assert_eq!(a8.state_len(dim), 22);
+        assert_eq!(a8.state_len(128), 66);
+        let (s8, s32) = (dim + a8.state_len(dim), dim + a32.state_len(dim));
+        let init: Vec<f32> = (0..dim).map(|k| (k as f32 * 0.3).sin()).collect();
+        let (mut r8, mut r32) = (vec![0f32; s8], vec![0f32; s32]);
+        r8[..dim].copy_from_slice(&init);
+        r32[..dim].copy_from_slice(&init);
+        for t in 1..=30u64 {
+            let g: Vec<f32> = (0..dim)
+                .map(|k| ((k as f32 * 0.7 + t as f32).cos()) * 10f32.powi(-((k % 3) as i32)))
+                .collect();
+            row_step(&mut r8, s8, dim, &[0], &g, &a8, t).unwrap();
+            row_step(&mut r32, s32, dim, &[0], &g, &a32, t).unwrap();
+            if t == 1 {
+                // from zero moments the step is Adam's, bit for bit (the codes come after it)
+                assert_eq!(r8[..dim], r32[..dim]);
+            }
+        }
+        // the moments: their codes under the row's scales, each near Adam's own
+        let codes: &[u8] = bytemuck::cast_slice(&r8[dim..dim + 20]);
+        let (ms, vs) = (r8[dim + 20], r8[dim + 21]);
+        for k in 0..dim {
+            let m = Quant8Map::Signed.value(codes[k]) * ms;
+            let v = Quant8Map::Unsigned.value(codes[dim + k]) * vs;
+            let (m32, v32) = (r32[dim + k], r32[2 * dim + k]);
+            assert!(
+                (m - m32).abs() <= 0.05 * m32.abs() + 0.01 * ms,
+                "m[{k}] {m} {m32}"
+            );
+            assert!(
+                (v - v32).abs() <= 0.05 * v32 + 0.01 * vs,
+                "v[{k}] {v} {v32}"
+            );
+        }
+        // and the weights moved as Adam's did (a value at the bottom of its decade is held to
+        // within a quarter of itself, the variance's error halved by the root)
+        for k in 0..dim {
+            let (d8, d32) = (r8[k] - init[k], r32[k] - init[k]);
+            assert!(
+                (d8 - d32).abs() <= 0.2 * d32.abs() + 1e-3,
+                "w[{k}] {d8} {d32}"
+            );
+        }
+        // an element whose gradients are 10⁻⁵ of the row's largest (its variance below the
+        // map's smallest entry) moves no faster than under Adam: its variance is never 0
+        let mut r = vec![0f32; s8];
+        let g: Vec<f32> = (0..dim).map(|k| if k == 0 { 1.0 } else { 1e-5 }).collect();
+        for t in 1..=5 {
+            row_step(&mut r, s8, dim, &[0], &g, &a8, t).unwrap();
+        }
+        // (Adam moves both by about lr a step; a variance of 0 would move it by lr·m/ε, 1)
+        assert!(r[1].abs() <= r[0].abs(), "{} {}", r[1], r[0]);
+        // a truncating quantizer or a dropped scale would fail these: the scale is the row's
+        // largest moment, and its code stands for 1
+        let mmax = (0..dim).map(|k| r32[dim + k].abs()).fold(0f32, f32::max);
+        assert!((ms - mmax).abs() <= 0.05 * mmax, "{ms} {mmax}");
     }
 
     #[test]

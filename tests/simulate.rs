@@ -257,6 +257,8 @@ mod timeline {
             host_adam: 1e9,
             host_stats: 1e10,
             device_adam: 1e11,
+            host_adam8: 0.5e9,
+            device_adam8: 1.5e11,
             file: 1e9,
             bus: 100e9,
         }
@@ -264,6 +266,33 @@ mod timeline {
 
     fn run(opts: &SimOptions, r: &Rates, s: StepSchedule) -> StepTime {
         timeline(&small(), Policy::Tide, opts, r, s).unwrap()
+    }
+
+    /// 8-bit moments step at their own rates: the host's optimizer time is its elements at
+    /// `host_adam8` (plus the statistics), not at `host_adam`.
+    #[test]
+    fn eight_bit_moments_step_at_their_own_rates() {
+        use tidemem::chunk::MomentStorage;
+        let mut opts = SimOptions::new(1 << 40, 1 << 40);
+        opts.optimizer = tidemem::optim::DevicePlacement::HostOnly;
+        let r = Rates {
+            host_stats: 1e15,
+            ..rates()
+        };
+        let f32s = run(&opts, &r, StepSchedule::Serial);
+        opts.moments = MomentStorage::Int8;
+        let int8 = run(&opts, &r, StepSchedule::Serial);
+        let ratio = int8.host_adam / f32s.host_adam;
+        assert!(
+            (ratio - r.host_adam / r.host_adam8).abs() < 1e-3,
+            "{ratio}: {} against {}",
+            int8.host_adam,
+            f32s.host_adam
+        );
+        assert!(
+            int8.step > f32s.step,
+            "the host's optimizer is the slowest here"
+        );
     }
 
     /// Every configuration: the step is at least its busiest resource, and at most the sum of

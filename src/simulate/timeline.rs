@@ -49,7 +49,7 @@
 use serde::Serialize;
 
 use super::{moment_flops, run, ModelSpec, MomentMoves, Recorded, SimOptions, SimOverlap};
-use crate::chunk::ChunkKind;
+use crate::chunk::{ChunkKind, MomentStorage};
 use crate::error::{Error, Result};
 use crate::tensor::Stage;
 use crate::tide::{Access, Move, Policy, Target};
@@ -72,6 +72,11 @@ pub struct Rates {
     pub host_stats: f64,
     /// The device optimizer's elements/s.
     pub device_adam: f64,
+    /// The host optimizer's elements/s on 8-bit moments ([`SimOptions::moments`]
+    /// (super::SimOptions::moments); `CpuAdam::step8`).
+    pub host_adam8: f64,
+    /// The device optimizer's elements/s on 8-bit moments (`ops::adam8`).
+    pub device_adam8: f64,
     /// The file tier's bytes/s, each way.
     pub file: f64,
     /// Collective bus bytes/s between ranks (NCCL's bus bandwidth), for ZeRO
@@ -82,6 +87,10 @@ pub struct Rates {
 /// Bytes a mixed-precision Adam step reads and writes an element: the 16-bit gradient and
 /// parameter, the fp32 master, momentum and variance each read and written.
 pub const ADAM_BYTES_PER_ELEMENT: f64 = 28.0;
+
+/// Bytes the step on 8-bit moments reads and writes an element: the 16-bit gradient and
+/// parameter, the fp32 master, the two codes (and their scales, 0.03).
+pub const ADAM8_BYTES_PER_ELEMENT: f64 = 16.0;
 
 impl Rates {
     /// The named profiles [`Rates::profile`] knows.
@@ -104,12 +113,20 @@ impl Rates {
     ///   on 2 cores, and a bandwidth-bound step on a server reaches about half of peak; the
     ///   gradient statistics at the same 307 GB/s over 2-byte gradients (at 1.4 G elements/s a
     ///   core measured here, 112 cores would exceed it).
+    ///
+    /// On 8-bit moments the host's step is bound by its arithmetic, not its bytes: `h100-pcie5`
+    /// takes the 0.59 G elements/s measured on the 2-core machine kind (100M elements in 169 ms,
+    /// 2 threads); `h100-server` the lower of 112 cores at the 0.33 G elements/s a core measured
+    /// here and 307 GB/s over the step's 16 bytes an element (19.2 G elements/s, assumed). The
+    /// device's 8-bit step is taken as bound by its 16 bytes an element at the f32 kernel's
+    /// 2.9 TB/s (assumed, not measured on a GPU).
     pub fn profile(name: &str) -> Option<Rates> {
         match name {
             "h100-server" => Some(Rates {
                 name: name.into(),
                 host_adam: 307e9 / ADAM_BYTES_PER_ELEMENT,
                 host_stats: 307e9 / 2.0,
+                host_adam8: (112.0 * 0.331e9f64).min(307e9 / ADAM8_BYTES_PER_ELEMENT),
                 ..Rates::profile("h100-pcie5")?
             }),
             "h100-pcie5" => Some(Rates {
@@ -120,6 +137,8 @@ impl Rates {
                 host_adam: 44.1e9 / ADAM_BYTES_PER_ELEMENT,
                 host_stats: 2.87e9,
                 device_adam: 2.9e12 / ADAM_BYTES_PER_ELEMENT,
+                host_adam8: 0.592e9,
+                device_adam8: 2.9e12 / ADAM8_BYTES_PER_ELEMENT,
                 file: 3e9,
                 bus: 360e9,
             }),
@@ -136,6 +155,8 @@ impl Rates {
             ("host_adam", self.host_adam),
             ("host_stats", self.host_stats),
             ("device_adam", self.device_adam),
+            ("host_adam8", self.host_adam8),
+            ("device_adam8", self.device_adam8),
             ("file", self.file),
             ("bus", self.bus),
         ] {
@@ -220,14 +241,7 @@ pub fn timeline(
     let flops = moment_flops(spec);
     let redone = matches!(opts.overlap, SimOverlap::Redone(_));
     let order = moment_order(&rec, schedule, redone);
-    // ranks share the host's CPU optimizer and file tier; each has its own device and link
-    let n = rec.ranks as f64;
-    let rates = Rates {
-        host_adam: rates.host_adam / n,
-        host_stats: rates.host_stats / n,
-        file: rates.file / n,
-        ..rates.clone()
-    };
+    let rates = rates_over(rec.ranks as f64, rates, opts.moments);
     let mut t = Timeline::new(&rec, &rates, schedule, policy.keeps_host_copy());
     let mut ends = [0.0; 3];
     for end in &mut ends {
@@ -252,6 +266,23 @@ pub fn timeline(
         file: b.file,
         collective: b.collective,
     })
+}
+
+/// The rates a rank's timeline runs at: the optimizers' on the moments as `moments` holds
+/// them, and the host's CPU optimizer and file tier shared by `ranks` ranks (each has its own
+/// device and link).
+fn rates_over(ranks: f64, rates: &Rates, moments: MomentStorage) -> Rates {
+    let (host_adam, device_adam) = match moments {
+        MomentStorage::F32 => (rates.host_adam, rates.device_adam),
+        MomentStorage::Int8 => (rates.host_adam8, rates.device_adam8),
+    };
+    Rates {
+        host_adam: host_adam / ranks,
+        device_adam,
+        host_stats: rates.host_stats / ranks,
+        file: rates.file / ranks,
+        ..rates.clone()
+    }
 }
 
 /// When a moment runs.

@@ -72,8 +72,8 @@ pub struct Rates {
     pub host_stats: f64,
     /// The device optimizer's elements/s.
     pub device_adam: f64,
-    /// The host optimizer's elements/s on 8-bit moments ([`SimOptions::moments`]
-    /// (super::SimOptions::moments); `CpuAdam::step8`).
+    /// The host optimizer's elements/s on 8-bit moments (`SimOptions::moments`,
+    /// `CpuAdam::step8`).
     pub host_adam8: f64,
     /// The device optimizer's elements/s on 8-bit moments (`ops::adam8`).
     pub device_adam8: f64,

@@ -77,7 +77,7 @@ pub enum EmbeddingOptimizer {
         eps: f32,
     },
     /// [`EmbeddingOptimizer::Adam`] with 8-bit moments: each moment a byte an element in the
-    /// dynamic maps of [`Quant8Map`](crate::ops::Quant8Map) (signed for `m`, unsigned for
+    /// dynamic maps of [`Quant8Map`] (signed for `m`, unsigned for
     /// `v`), each scaled by the row's largest magnitude (a row is one block, however wide it
     /// is: no scale spans two rows, which move alone). The codes of `m` then `v` fill floats
     /// `dim..dim + ⌈2·dim / 4⌉` (little-endian bytes), the two scales follow: `⌈dim / 2⌉ + 2`

@@ -13,9 +13,7 @@ use tidemem::chunk::{ChunkManager, ManagerConfig, MomentStorage};
 use tidemem::demo::ToyIds;
 use tidemem::device::{CachingAllocator, Device};
 use tidemem::ops::{CpuAdam, Grad, Moments8, ParamCopy, Quant8Map, QUANT8_BLOCK};
-use tidemem::optim::{
-    AdamConfig, DevicePlacement, HybridAdam, HybridConfig, ScalerConfig, StepOutcome,
-};
+use tidemem::optim::{AdamConfig, DevicePlacement, HybridAdam, HybridConfig, StepOutcome};
 use tidemem::tensor::{ChunkKind, Init, Stage, TensorId};
 use tidemem::tide::Policy;
 use tidemem::DType;
@@ -44,18 +42,9 @@ fn toy(
     (m, ids)
 }
 
+/// AdamW with a loss scaler and a clip (the suites' optimizer).
 fn hybrid(placement: DevicePlacement) -> HybridAdam {
-    HybridAdam::new(HybridConfig {
-        placement,
-        loss_scale: Some(ScalerConfig {
-            init_scale: 1024.0,
-            growth_interval: 3,
-            ..ScalerConfig::default()
-        }),
-        max_grad_norm: Some(0.3),
-        ..HybridConfig::new(AdamConfig::adamw(1e-2, 0.01))
-    })
-    .unwrap()
+    common::hybrid_adam(true, placement)
 }
 
 /// Trains steps `from..to`; returns the losses, then every tensor's fp16 parameter bits and

@@ -6,7 +6,7 @@
 use super::cpu::{Grad, GradInPlace, ParamCopy};
 use super::cpu8::Moments8;
 use super::quant8::{check_quant8, QUANT8_BLOCK};
-use super::{AdamParams, AdamScalars, CpuAdam, LAYOUT};
+use super::{copy_place, AdamParams, AdamScalars, CpuAdam, LAYOUT};
 use crate::device::kernel::Grid;
 use crate::device::{
     CudaSide, Device, DeviceView, KernelDesc, LaunchInfo, Operand, OperandSpec, Stream, TwinArgs,
@@ -191,29 +191,8 @@ pub fn adam8(dev: &Device, stream: &Stream, s: &AdamScalars, ops: Adam8Operands<
     ];
     let grad = Operand::new(ops.grad, ops.grad_dtype);
     let [a, b, c, d, e] = state;
-    match ops.copy {
-        Some((_, DType::F32)) => Err(Error::WrongDType {
-            what: "the parameter copy of an 8-bit Adam step".into(),
-            dtype: DType::F32,
-            expected: "F16 or BF16",
-        }),
-        Some((c2, dt))
-            if std::ptr::eq(c2.buffer(), ops.grad.buffer())
-                && c2.offset() == ops.grad.offset()
-                && c2.len() == ops.grad.len() =>
-        {
-            if dt != ops.grad_dtype {
-                return Err(Error::WrongDType {
-                    what: "an 8-bit Adam copy in place of the gradient".into(),
-                    dtype: dt,
-                    expected: "the gradient's type",
-                });
-            }
-            dev.launch(stream, &ADAM8_IN_PLACE, &[a, b, c, d, e, Some(grad)], bytes)
-        }
-        copy => {
-            let copy = copy.map(|(v, d)| Operand::new(v, d));
-            dev.launch(stream, &ADAM8, &[a, b, c, d, e, Some(grad), copy], bytes)
-        }
+    match copy_place("an 8-bit Adam step", ops.copy, &ops.grad, ops.grad_dtype)? {
+        None => dev.launch(stream, &ADAM8_IN_PLACE, &[a, b, c, d, e, Some(grad)], bytes),
+        Some(copy) => dev.launch(stream, &ADAM8, &[a, b, c, d, e, Some(grad), copy], bytes),
     }
 }

@@ -252,31 +252,41 @@ pub fn adam(dev: &Device, stream: &Stream, s: &AdamScalars, ops: AdamOperands<'_
     ];
     let grad = Operand::new(ops.grad, ops.grad_dtype);
     let bytes = bytemuck::bytes_of(&params);
-    match ops.copy {
+    let [a, b, c] = state;
+    match copy_place("an Adam step", ops.copy, &ops.grad, ops.grad_dtype)? {
+        None => dev.launch(stream, &ADAM_IN_PLACE, &[a, b, c, Some(grad)], bytes),
+        Some(copy) => dev.launch(stream, &ADAM, &[a, b, c, Some(grad), copy], bytes),
+    }
+}
+
+/// Where a step's F16/BF16 `copy` of the new parameters goes: `None` over the gradient (the
+/// in-place op: the same range, the same type), else beside it (`Some(None)`: no copy).
+pub(crate) fn copy_place<'a>(
+    step: &str,
+    copy: Option<(DeviceView<'a>, DType)>,
+    grad: &DeviceView<'_>,
+    grad_dtype: DType,
+) -> Result<Option<Option<Operand<'a>>>> {
+    match copy {
         Some((_, DType::F32)) => Err(Error::WrongDType {
-            what: "the parameter copy of an Adam step".into(),
+            what: format!("the parameter copy of {step}"),
             dtype: DType::F32,
             expected: "F16 or BF16",
         }),
         Some((c, dt))
-            if std::ptr::eq(c.buffer(), ops.grad.buffer())
-                && c.offset() == ops.grad.offset()
-                && c.len() == ops.grad.len() =>
+            if std::ptr::eq(c.buffer(), grad.buffer())
+                && c.offset() == grad.offset()
+                && c.len() == grad.len() =>
         {
-            if dt != ops.grad_dtype {
+            if dt != grad_dtype {
                 return Err(Error::WrongDType {
-                    what: "an Adam copy in place of the gradient".into(),
+                    what: format!("a copy in place of the gradient of {step}"),
                     dtype: dt,
                     expected: "the gradient's type",
                 });
             }
-            let [a, b, c] = state;
-            dev.launch(stream, &ADAM_IN_PLACE, &[a, b, c, Some(grad)], bytes)
+            Ok(None)
         }
-        copy => {
-            let [a, b, c] = state;
-            let copy = copy.map(|(v, d)| Operand::new(v, d));
-            dev.launch(stream, &ADAM, &[a, b, c, Some(grad), copy], bytes)
-        }
+        copy => Ok(Some(copy.map(|(v, d)| Operand::new(v, d)))),
     }
 }

@@ -11,7 +11,8 @@ pub use layout::{
 
 mod plan;
 
-pub use plan::{optimizer_accesses, plan_chunks, push_access, ChunkPlan, MomentStorage};
+pub use plan::{optimizer_accesses, ChunkPlan, MomentStorage};
+pub(crate) use plan::push_access;
 
 mod checkpoint;
 mod manager;

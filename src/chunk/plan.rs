@@ -104,7 +104,7 @@ impl ChunkPlan {
 
 /// The schedulable chunks of a layout: for every group, its param, master, momentum and variance
 /// chunks (numbered `group * 4 + kind`), the moments held as `moments` says.
-pub fn plan_chunks(
+pub(crate) fn plan_chunks(
     layout: &ChunkLayout,
     param_bytes: u64,
     moments: MomentStorage,
@@ -141,7 +141,7 @@ pub fn optimizer_accesses(group: u32) -> Vec<Access> {
 }
 
 /// Adds an access, merging with one to the same chunk.
-pub fn push_access(acc: &mut Vec<Access>, chunk: ChunkNo, target: Target, write: bool) {
+pub(crate) fn push_access(acc: &mut Vec<Access>, chunk: ChunkNo, target: Target, write: bool) {
     match acc.iter_mut().find(|a| a.chunk == chunk) {
         Some(a) => a.write |= write,
         None => acc.push(Access {

@@ -209,7 +209,8 @@ impl CacheIndex {
     }
 
     /// Whether `slot` holds a row changed since it was admitted.
-    pub fn is_dirty(&self, slot: u32) -> bool {
+    #[cfg(test)]
+    fn is_dirty(&self, slot: u32) -> bool {
         self.dirty.get(slot as usize).copied().unwrap_or(false)
     }
 

@@ -185,7 +185,7 @@ pub struct MoveStats {
     /// Write-backs.
     pub write_backs: u64,
     /// Of the write-backs, those made ahead of an eviction
-    /// ([`Scheduler::write_back_now`]): the chunk stays on the device, and its eviction later
+    /// (the overlapped step's, as a host group's gradients come down): the chunk stays on the device, and its eviction later
     /// is a clean drop.
     pub early_write_backs: u64,
     /// Device copies dropped without a transfer (clean).
@@ -657,7 +657,7 @@ impl Scheduler {
     /// gradients of a group a host optimizer steps during backward): the host copy becomes
     /// current, so evicting the chunk later moves no byte. No move for a chunk that is not on
     /// the device, clean, or in use.
-    pub fn write_back_now(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
+    pub(crate) fn write_back_now(&mut self, chunk: ChunkNo) -> Result<Vec<Move>> {
         let i = self.check(chunk)?;
         let mut moves = Vec::new();
         if self.st[i].dirty() && self.st[i].in_use == 0 {

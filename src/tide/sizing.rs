@@ -133,7 +133,8 @@ impl Sizing {
 
     /// The most device bytes any one moment needs: its chunks plus the non-model bytes it must
     /// leave room for (its own and the next moment's, as the steady budget reserves them).
-    pub fn largest_moment_total(&self) -> u64 {
+    #[cfg(test)]
+    fn largest_moment_total(&self) -> u64 {
         (0..self.trace.len())
             .map(|m| self.moment_chunks(m) + self.trace.reserve_at(m))
             .max()

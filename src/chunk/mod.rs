@@ -11,8 +11,8 @@ pub use layout::{
 
 mod plan;
 
-pub use plan::{optimizer_accesses, ChunkPlan, MomentStorage};
 pub(crate) use plan::push_access;
+pub use plan::{optimizer_accesses, ChunkPlan, MomentStorage};
 
 mod checkpoint;
 mod manager;

@@ -22,7 +22,10 @@ pub(super) fn cast_cases(r: &mut Rng) -> Vec<Case> {
     v
 }
 
-pub(super) fn adam_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
+/// Adam's cases; with `eight_bit`, the 8-bit step's: random codes under random positive
+/// scales stand for any moments, and the twin and the kernel agree on every code, scale and
+/// parameter bit.
+pub(super) fn adam_cases(r: &mut Rng, in_place: bool, eight_bit: bool) -> Vec<Case> {
     let s = AdamConfig::adamw(1e-2, 0.01).scalars(3, 0.5).unwrap();
     let mut v = vec![];
     let grads: &[DType] = if in_place { &FLOATS[1..] } else { &FLOATS };
@@ -34,60 +37,33 @@ pub(super) fn adam_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
         };
         for c in copies {
             for n in SIZES {
-                let var: Vec<f32> = (0..n).map(|_| r.unit().abs() * 0.1).collect();
-                let mut operands = vec![
-                    Some((DType::F32, r.floats(n, 2.0, DType::F32))),
-                    Some((DType::F32, r.floats(n, 0.1, DType::F32))),
-                    Some((DType::F32, encode(&var, DType::F32))),
-                    Some((g, r.floats(n, 4.0, g))),
-                ];
+                let mut operands = vec![Some((DType::F32, r.floats(n, 2.0, DType::F32)))];
+                if eight_bit {
+                    let blocks = n.div_ceil(ops::QUANT8_BLOCK);
+                    let scales = |r: &mut Rng, k: f32| -> Vec<u8> {
+                        let x: Vec<f32> = (0..blocks).map(|_| r.unit().abs() * k).collect();
+                        encode(&x, DType::F32)
+                    };
+                    operands.extend([
+                        Some((DType::U8, r.garbage(n))),
+                        Some((DType::U8, r.garbage(n))),
+                        Some((DType::F32, scales(r, 0.1))),
+                        Some((DType::F32, scales(r, 0.01))),
+                    ]);
+                } else {
+                    let var: Vec<f32> = (0..n).map(|_| r.unit().abs() * 0.1).collect();
+                    operands.extend([
+                        Some((DType::F32, r.floats(n, 0.1, DType::F32))),
+                        Some((DType::F32, encode(&var, DType::F32))),
+                    ]);
+                }
+                operands.push(Some((g, r.floats(n, 4.0, g))));
                 if !in_place {
                     operands.push(c.map(|c| (c, r.garbage(n * c.size()))));
                 }
+                let bits = if eight_bit { "8-bit " } else { "" };
                 v.push(Case {
-                    label: format!("grad {g} copy {c:?} n={n}"),
-                    operands,
-                    params: bytemuck::bytes_of(&AdamParams::new(n, &s)).to_vec(),
-                    agree: Agree::Exact,
-                });
-            }
-        }
-    }
-    v
-}
-
-/// The 8-bit step: random codes under random positive scales stand for any moments; the
-/// twin and the kernel agree on every code, scale and parameter bit.
-pub(super) fn adam8_cases(r: &mut Rng, in_place: bool) -> Vec<Case> {
-    let s = AdamConfig::adamw(1e-2, 0.01).scalars(3, 0.5).unwrap();
-    let mut v = vec![];
-    let grads: &[DType] = if in_place { &FLOATS[1..] } else { &FLOATS };
-    for &g in grads {
-        let copies: Vec<Option<DType>> = if in_place {
-            vec![None]
-        } else {
-            vec![None, Some(DType::F16), Some(DType::BF16)]
-        };
-        for c in copies {
-            for n in SIZES {
-                let blocks = n.div_ceil(ops::QUANT8_BLOCK);
-                let scales = |r: &mut Rng, k: f32| -> Vec<u8> {
-                    let x: Vec<f32> = (0..blocks).map(|_| r.unit().abs() * k).collect();
-                    encode(&x, DType::F32)
-                };
-                let mut operands = vec![
-                    Some((DType::F32, r.floats(n, 2.0, DType::F32))),
-                    Some((DType::U8, r.garbage(n))),
-                    Some((DType::U8, r.garbage(n))),
-                    Some((DType::F32, scales(r, 0.1))),
-                    Some((DType::F32, scales(r, 0.01))),
-                    Some((g, r.floats(n, 4.0, g))),
-                ];
-                if !in_place {
-                    operands.push(c.map(|c| (c, r.garbage(n * c.size()))));
-                }
-                v.push(Case {
-                    label: format!("8-bit grad {g} copy {c:?} n={n}"),
+                    label: format!("{bits}grad {g} copy {c:?} n={n}"),
                     operands,
                     params: bytemuck::bytes_of(&AdamParams::new(n, &s)).to_vec(),
                     agree: Agree::Exact,

@@ -339,21 +339,14 @@ fn row_optimizer(p: &EmbStepParams) -> RowStep {
             lr: p.lr,
             eps: p.eps,
         },
-        2 => RowStep::Adam {
+        kind => RowStep::Adam {
             lr: p.lr,
             beta1: p.beta1,
             beta2: p.beta2,
             eps: p.eps,
             bias1: p.bias1,
             bias2: p.bias2,
-        },
-        _ => RowStep::Adam8 {
-            lr: p.lr,
-            beta1: p.beta1,
-            beta2: p.beta2,
-            eps: p.eps,
-            bias1: p.bias1,
-            bias2: p.bias2,
+            packed: kind == 3,
         },
     }
 }
@@ -570,15 +563,8 @@ pub fn embedding_step(
             eps,
             bias1,
             bias2,
-        } => (2, lr, eps, beta1, beta2, bias1, bias2),
-        RowStep::Adam8 {
-            lr,
-            beta1,
-            beta2,
-            eps,
-            bias1,
-            bias2,
-        } => (3, lr, eps, beta1, beta2, bias1, bias2),
+            packed,
+        } => (2 + i32::from(packed), lr, eps, beta1, beta2, bias1, bias2),
     };
     let p = EmbStepParams {
         table_rows: (table.len() / 4 / stride) as u64,

@@ -112,31 +112,22 @@ impl EmbeddingOptimizer {
                 beta1,
                 beta2,
                 eps,
-            } => {
-                let (bias1, bias2) = biases(beta1, beta2, t);
-                RowStep::Adam {
-                    lr,
-                    beta1,
-                    beta2,
-                    eps,
-                    bias1,
-                    bias2,
-                }
             }
-            EmbeddingOptimizer::Adam8 {
+            | EmbeddingOptimizer::Adam8 {
                 lr,
                 beta1,
                 beta2,
                 eps,
             } => {
-                let (bias1, bias2) = biases(beta1, beta2, t);
-                RowStep::Adam8 {
+                let t = t.clamp(1, i32::MAX as u64) as i32;
+                RowStep::Adam {
                     lr,
                     beta1,
                     beta2,
                     eps,
-                    bias1,
-                    bias2,
+                    bias1: (1.0 - (beta1 as f64).powi(t)) as f32,
+                    bias2: (1.0 - (beta2 as f64).powi(t)) as f32,
+                    packed: self.packed_state(),
                 }
             }
         }
@@ -146,15 +137,6 @@ impl EmbeddingOptimizer {
     pub(crate) fn packed_state(&self) -> bool {
         matches!(self, EmbeddingOptimizer::Adam8 { .. })
     }
-}
-
-/// Adam's bias corrections `1 − βᵗ` of step `t`.
-fn biases(beta1: f32, beta2: f32, t: u64) -> (f32, f32) {
-    let t = t.clamp(1, i32::MAX as u64) as i32;
-    (
-        (1.0 - (beta1 as f64).powi(t)) as f32,
-        (1.0 - (beta2 as f64).powi(t)) as f32,
-    )
 }
 
 /// The scalars of one optimizer step on embedding rows ([`EmbeddingOptimizer::at_step`]).
@@ -187,21 +169,8 @@ pub(crate) enum RowStep {
         bias1: f32,
         /// `1 - β2^t`.
         bias2: f32,
-    },
-    /// [`RowStep::Adam`] on 8-bit moments ([`EmbeddingOptimizer::Adam8`]).
-    Adam8 {
-        /// Learning rate.
-        lr: f32,
-        /// First-moment decay.
-        beta1: f32,
-        /// Second-moment decay.
-        beta2: f32,
-        /// Added to the root of the corrected second moment.
-        eps: f32,
-        /// `1 - β1^t`.
-        bias1: f32,
-        /// `1 - β2^t`.
-        bias2: f32,
+        /// The moments in 8 bits ([`EmbeddingOptimizer::Adam8`]).
+        packed: bool,
     },
 }
 
@@ -211,8 +180,8 @@ impl RowStep {
         match self {
             RowStep::Sgd { .. } => 0,
             RowStep::RowwiseAdagrad { .. } => 1,
-            RowStep::Adam { .. } => 2 * dim,
-            RowStep::Adam8 { .. } => (2 * dim).div_ceil(4) + 2,
+            RowStep::Adam { packed: false, .. } => 2 * dim,
+            RowStep::Adam { packed: true, .. } => (2 * dim).div_ceil(4) + 2,
         }
     }
 }
@@ -553,6 +522,7 @@ fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowStep) {
             eps,
             bias1,
             bias2,
+            packed: false,
         } => {
             let (w, state) = row.split_at_mut(dim);
             let (m, v) = state.split_at_mut(dim);
@@ -565,13 +535,14 @@ fn step_one(row: &mut [f32], dim: usize, g: &[f32], opt: &RowStep) {
                 w[k] -= lr * mhat / (vhat.sqrt() + eps);
             }
         }
-        RowStep::Adam8 {
+        RowStep::Adam {
             lr,
             beta1,
             beta2,
             eps,
             bias1,
             bias2,
+            packed: true,
         } => {
             let (w, state) = row.split_at_mut(dim);
             let (codes, scales) = state.split_at_mut((2 * dim).div_ceil(4));

@@ -358,9 +358,9 @@ pub(super) fn adam_group(
             }
             let n = p.len() / 4;
             for r in &v.ranges {
-                let r = match moments {
-                    DeviceMoments::F32 { .. } => r.clone(),
-                    DeviceMoments::Int8 { .. } => blocks_of(r, n)?.0,
+                let (r, blocks) = match moments {
+                    DeviceMoments::F32 { .. } => (r.clone(), 0..0),
+                    DeviceMoments::Int8 { .. } => blocks_of(r, n)?,
                 };
                 let f = |b| f32_span(b, &r);
                 let grad = param.view(r.start * es, r.len() * es)?;
@@ -391,7 +391,7 @@ pub(super) fn adam_group(
                         variance,
                         elems,
                     } => {
-                        let (_, b) = blocks_of(&r, n)?;
+                        let b = &blocks;
                         let at = scales_at(elems) + 4 * b.start;
                         ops::adam8(
                             device,
